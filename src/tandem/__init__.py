@@ -1,0 +1,1 @@
+"""Tandem: Kubernetes-native LLM serving."""

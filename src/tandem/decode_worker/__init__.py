@@ -1,0 +1,1 @@
+"""Decode-role worker process (arrives with issue [2/5])."""

@@ -1,0 +1,1 @@
+"""Paged-KV paged attention backends (interface + registry)."""

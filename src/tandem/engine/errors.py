@@ -1,0 +1,15 @@
+"""Engine error types. The HTTP layer maps `InvalidRequestError` to 400."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; raised from `__post_init__` of config dataclasses."""
+
+
+class InvalidRequestError(ValueError):
+    """A client-supplied value is invalid. `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,1 @@
+"""kopf operator for InferenceService resources (arrives with issue [5/5])."""

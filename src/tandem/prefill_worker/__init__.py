@@ -1,0 +1,1 @@
+"""Prefill-role worker process (arrives with issue [2/5])."""

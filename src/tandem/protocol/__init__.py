@@ -1,0 +1,1 @@
+"""Torch-free contracts shared by every component: block hashing, tokenizer, chat template."""
