@@ -13,3 +13,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; the HTTP layer maps it to 429."""

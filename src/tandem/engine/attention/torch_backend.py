@@ -1,0 +1,138 @@
+"""Paged attention in plain torch, fast on CPU: one batched gather per layer, then SDPA.
+
+Cache layout per layer: K and V each `[num_blocks, KVH, block_size, D]`, so a block is one
+contiguous page (what kvtransfer ships). Viewed as rows `[num_blocks * KVH * block_size, D]`,
+the row of (block b, kv head h, offset o) is `(b * KVH + h) * block_size + o`; every gather
+and scatter index is built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.attention.base import AttentionBackend, BatchLayout, register_backend
+
+
+@dataclass
+class PrefillSeq:
+    token_start: int  # offset of this sequence's first new token in the flattened batch
+    query_len: int
+    seq_len: int
+    rows: torch.Tensor | None  # [KVH * seq_len] gather rows; None = no cached prefix
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, True = attend; None = causal
+
+
+@dataclass
+class TorchAttentionMetadata:
+    write_rows: torch.Tensor  # [T * KVH] destination rows of the new tokens' K/V
+    num_decodes: int
+    decode_rows: torch.Tensor | None  # [B_d * KVH * L] gather rows, L = longest decode context
+    decode_len: int
+    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] bool
+    prefills: list[PrefillSeq]
+
+
+def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+@register_backend("torch")
+class TorchAttentionBackend(AttentionBackend):
+    """Reference CPU/GPU backend built only from torch ops (no per-token Python loops)."""
+
+    def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        shape = (num_blocks, s.num_kv_heads, self.block_size, s.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _rows(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """[B, max_blocks] block ids -> [B, KVH, length] cache rows for positions 0..length-1."""
+        bs, kvh = self.block_size, self.spec.num_kv_heads
+        pos = torch.arange(length)
+        blocks = block_table[:, pos // bs]  # [B, L]
+        head = torch.arange(kvh) * bs
+        return blocks[:, None, :] * (kvh * bs) + head[None, :, None] + (pos % bs)[None, None, :]
+
+    def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        w = self.spec.sliding_window
+        return k_pos > q_pos - w if w else torch.ones((), dtype=torch.bool)
+
+    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        bs, kvh = self.block_size, self.spec.num_kv_heads
+        slots = layout.slot_mapping
+        write_rows = ((slots // bs) * (kvh * bs))[:, None] + (torch.arange(kvh) * bs)[None, :]
+        write_rows = (write_rows + (slots % bs)[:, None]).reshape(-1).to(self.device)
+
+        nd = layout.num_decodes
+        decode_rows = decode_mask = None
+        decode_len = 0
+        if nd:
+            lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int64)
+            decode_len = int(lens.max())
+            width = -(-decode_len // bs)
+            table = _padded([t[:width] for t in layout.block_tables[:nd]], width)
+            decode_rows = self._rows(table, decode_len).reshape(-1).to(self.device)
+            k_pos = torch.arange(decode_len)[None, :]
+            q_pos = (lens - 1)[:, None]
+            mask = (k_pos <= q_pos) & self._window_ok(q_pos, k_pos)
+            decode_mask = mask[:, None, None, :].to(self.device)
+
+        prefills: list[PrefillSeq] = []
+        start = nd
+        for i in range(nd, len(layout.query_lens)):
+            qlen, slen = layout.query_lens[i], layout.seq_lens[i]
+            rows = mask = None
+            window_bites = self.spec.sliding_window is not None and slen > self.spec.sliding_window
+            if slen > qlen or window_bites:
+                if slen > qlen:
+                    table = torch.tensor(layout.block_tables[i][: -(-slen // bs)],
+                                         dtype=torch.int64)[None, :]
+                    rows = self._rows(table, slen).reshape(-1).to(self.device)
+                q_pos = torch.arange(slen - qlen, slen)[:, None]
+                k_pos = torch.arange(slen)[None, :]
+                mask = ((k_pos <= q_pos) & self._window_ok(q_pos, k_pos)).to(self.device)
+            prefills.append(PrefillSeq(start, qlen, slen, rows, mask))
+            start += qlen
+        return TorchAttentionMetadata(write_rows, nd, decode_rows, decode_len, decode_mask,
+                                      prefills)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        s = self.spec
+        kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        k_rows = kv_cache[0].view(-1, d)
+        v_rows = kv_cache[1].view(-1, d)
+        k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
+        v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
+        out = torch.empty_like(q)
+
+        nd = meta.num_decodes
+        if nd:
+            shape = (nd, kvh, meta.decode_len, d)
+            kd = k_rows.index_select(0, meta.decode_rows).view(shape)
+            vd = v_rows.index_select(0, meta.decode_rows).view(shape)
+            qd = q[:nd].view(nd, kvh, g, d)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                scale=s.scale)
+            out[:nd] = od.reshape(nd, s.num_heads, d)
+
+        for p in meta.prefills:
+            sl = slice(p.token_start, p.token_start + p.query_len)
+            qp = q[sl].transpose(0, 1)[None]  # [1, H, Tq, D]
+            if p.rows is None:
+                kp = k[sl].transpose(0, 1)[None]  # [1, KVH, Tq, D]
+                vp = v[sl].transpose(0, 1)[None]
+            else:
+                kp = k_rows.index_select(0, p.rows).view(1, kvh, p.seq_len, d)
+                vp = v_rows.index_select(0, p.rows).view(1, kvh, p.seq_len, d)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=s.scale,
+                enable_gqa=True,
+            )
+            out[sl] = op[0].transpose(0, 1)
+        return out

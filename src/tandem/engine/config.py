@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.engine.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """User-facing engine arguments (names follow vLLM's engine args).
+
+    Values discovered at runtime (number of KV blocks, context window) live in
+    `tandem.engine.llm_engine.EngineState`, never written back here.
+    """
+
+    model: str | None = None  # .gguf file or HF directory; None = bundled SmolLM2-135M
+    dtype: str = "float32"  # weights, activations and KV cache
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: float | int = 0.25  # bytes (int) or a fraction of system RAM (float)
+    num_kv_blocks: int | None = None  # explicit block count; overrides kv_cache_memory
+    max_num_seqs: int = 128  # concurrent running requests
+    max_num_batched_tokens: int = 1024  # token budget per step (decode + prefill chunks)
+    max_model_len: int | None = None  # context window; None = the model's
+    enable_prefix_caching: bool = True
+    enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
+    attention_backend: str = "torch"
+    max_waiting: int = 4096  # bound on queued requests; add_request raises beyond it
+    num_threads: int | None = None  # torch intra-op threads; None = torch default
+    seed: int = 0  # seeds the generator of unseeded random sampling
+    served_model_name: str | None = None  # model id used in hashes and the API
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size must be in [1, 1024], got {self.block_size}")
+        mem = self.kv_cache_memory
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)):
+            raise ConfigError("kv_cache_memory must be bytes (int) or a fraction (float)")
+        if isinstance(mem, float) and not 0.0 < mem <= 0.95:
+            raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 0.95], got {mem}")
+        if isinstance(mem, int) and mem <= 0:
+            raise ConfigError(f"kv_cache_memory in bytes must be positive, got {mem}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_waiting < 1:
+            raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")

@@ -1,0 +1,148 @@
+"""The pool of KV blocks: reference counts, an O(1) LRU free queue and the prefix-hash map.
+
+Plain Python values only (no torch): block ids index the per-layer KV tensors elsewhere.
+A block with ``ref_cnt == 0`` sits in the free queue; if it still carries a hash it can be
+revived by a prefix hit (`touch`) until `get_new_blocks` evicts it from the queue's head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from tandem.protocol.block_hash import BlockHash
+from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class KVBlock:
+    """Metadata of one KV block."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class BlockPool:
+    """Owns all blocks, the free queue (LRU order: head is evicted first) and cached hashes."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 enable_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._events: list[KVEvent] = []
+
+    # -- queries -------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live requests, in [0, 1]."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash currently hittable (a snapshot for routers that (re)connect)."""
+        return list(self._cached)
+
+    # -- mutations -----------------------------------------------------------------------
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks from the head of the free queue, evicting their hashes.
+
+        Raises ValueError when fewer than `n` are free: callers check `num_free_blocks` first.
+        """
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
+        out: list[KVBlock] = []
+        evicted: list[BlockHash] = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                evicted.append(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        if evicted and self.enable_events:
+            self._events.append(BlockRemoved(tuple(evicted)))
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on (cached) blocks, reviving free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the queue tail in the given order.
+
+        Callers pass a request's blocks tail-first so its tail is evicted before its prefix.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash],
+                          parent_hash: BlockHash, token_ids: Sequence[int],
+                          block_size: int) -> None:
+        """Register full blocks under their hashes (`blocks[i]` holds tokens of `hashes[i]`).
+
+        A hash already present keeps its existing block; the duplicate stays uncached.
+        """
+        if not self.enable_caching:
+            return
+        stored: list[BlockHash] = []
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            if block.block_hash is not None or block_hash in self._cached:
+                continue
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+            stored.append(block_hash)
+        if stored and self.enable_events:
+            if len(stored) == len(hashes):
+                self._events.append(BlockStored(tuple(stored), parent_hash, tuple(token_ids),
+                                                block_size))
+            else:  # partial: emit per block so each event carries its own parent and tokens
+                prev = parent_hash
+                for i, h in enumerate(hashes):
+                    if h in stored:
+                        toks = tuple(token_ids[i * block_size:(i + 1) * block_size])
+                        self._events.append(BlockStored((h,), prev, toks, block_size))
+                    prev = h
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed when no block is in use."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events

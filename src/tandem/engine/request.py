@@ -1,0 +1,96 @@
+"""A request's mutable state inside the engine (one per sample when n > 1)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block, root_hash
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    """Tokens, progress and KV bookkeeping of one sequence.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (advanced by the
+    scheduler after each step); `all_token_ids` = prompt + generated tokens.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None, bounded by the context window
+    eos_token_ids: tuple[int, ...] = ()
+    hash_keys: HashKeys = field(default_factory=HashKeys)
+    priority: int = 0  # lower is served first; ties by arrival
+    arrival_time: float = field(default_factory=time.monotonic)
+    parent_id: str | None = None  # the user's request id when n > 1
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: str | int | None = None
+    arrival_seq: int = 0  # set by the scheduler: FCFS tie-breaker
+    first_token_time: float | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    _root: BlockHash | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extend `block_hashes` to cover every full block of `all_token_ids`."""
+        if self._root is None:
+            self._root = root_hash(self.hash_keys)
+        tokens = self.all_token_ids
+        while (len(self.block_hashes) + 1) * block_size <= len(tokens):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else self._root
+            self.block_hashes.append(
+                hash_block(parent, tokens[i * block_size : (i + 1) * block_size])
+            )
+        return self.block_hashes
+
+    def parent_hash(self, block_index: int) -> BlockHash:
+        """Hash before block `block_index` (the root for block 0)."""
+        if self._root is None:
+            self._root = root_hash(self.hash_keys)
+        return self.block_hashes[block_index - 1] if block_index else self._root

@@ -1,0 +1,93 @@
+"""Prefix-cache block hashing shared by the engine and the router (torch-free).
+
+Every full KV block is named by a SHA-256 digest chained from its parent block, so two
+requests share a block only if they share every token before it *and* the same extra keys.
+
+Byte layout (all integers little-endian):
+
+* root (the "parent" of block 0)::
+
+      sha256(b"tandem-kv-root-v1" || field(model_id) || field(adapter_id) || field(cache_salt))
+
+  where ``field(s) = u32(len(utf8(s))) || utf8(s)`` and an absent value is the empty string.
+* block ``i``::
+
+      sha256(b"tandem-kv-block-v1" || parent(32 bytes) || u32(n) || u32(token_0) .. u32(token_n-1))
+
+The extra keys therefore reach every block through the chain: a per-tenant ``cache_salt``
+or another LoRA adapter yields a disjoint hash space, and SHA-256 keeps collisions from
+being constructible (predictable hashes let one request poison another's cache).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BlockHash = bytes  # 32-byte SHA-256 digest
+_ROOT_TAG = b"tandem-kv-root-v1"
+_BLOCK_TAG = b"tandem-kv-block-v1"
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class HashKeys:
+    """Keys that partition the prefix cache besides the tokens themselves."""
+
+    model_id: str = ""
+    adapter_id: str = ""  # LoRA adapter name; "" = base model
+    cache_salt: str = ""  # per-tenant salt from the request; "" = shared cache
+
+
+def _field(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return _U32.pack(len(raw)) + raw
+
+
+def root_hash(keys: HashKeys) -> BlockHash:
+    """The parent hash of a request's first block."""
+    h = hashlib.sha256(_ROOT_TAG)
+    h.update(_field(keys.model_id))
+    h.update(_field(keys.adapter_id))
+    h.update(_field(keys.cache_salt))
+    return h.digest()
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    arr = array("I", token_ids)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Hash one block of token ids given its parent's hash (see module docstring)."""
+    h = hashlib.sha256(_BLOCK_TAG)
+    h.update(parent)
+    h.update(_U32.pack(len(token_ids)))
+    h.update(_token_bytes(token_ids))
+    return h.digest()
+
+
+def hash_block_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    keys: HashKeys = HashKeys(),
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of `token_ids`; a trailing partial block is not hashed.
+
+    `parent` continues an existing chain (the hash of the block before `token_ids[0]`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = root_hash(keys) if parent is None else parent
+    out: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash_block(prev, token_ids[start : start + block_size])
+        out.append(prev)
+    return out

@@ -1,0 +1,32 @@
+"""KV-cache events a worker publishes so routers can mirror which blocks it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.protocol.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Full blocks became reusable from the prefix cache, in chain order."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash  # hash before block_hashes[0] (a root hash for a first block)
+    token_ids: tuple[int, ...]  # len == block_size * len(block_hashes)
+    block_size: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks were evicted and can no longer be hit."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
