@@ -228,6 +228,15 @@ def test_unwritable_cache_still_loads(tiny_gguf: Path, tmp_path: Path,
     assert Tokenizer.from_gguf(tiny_gguf).encode("hello")
 
 
+def test_load_dispatch(tiny_gguf: Path, tmp_path: Path) -> None:
+    ids = Tokenizer.load(tiny_gguf).encode("hello the")
+    assert Tokenizer.load(tmp_path).encode("hello the") == ids  # directory with one .gguf
+    Tokenizer.load(tiny_gguf).save_hf(tmp_path / "hf")
+    assert Tokenizer.load(tmp_path / "hf").encode("hello the") == ids
+    with pytest.raises(ValueError, match="not a GGUF"):
+        Tokenizer.load(tmp_path / "hf" / "tokenizer.json")
+
+
 def test_use_cache_false_writes_nothing(tiny_gguf: Path, cache_dir: Path) -> None:
     Tokenizer.from_gguf(tiny_gguf, use_cache=False)
     assert not cache_dir.exists()

@@ -73,35 +73,33 @@ def read_gguf_metadata(path: PathLike, prefix: str = "tokenizer.") -> dict[str, 
             raise ValueError(f"{path}: unsupported GGUF version {version}")
         pos = 24
 
-        def scalar(fmt: str) -> Any:
+        def take(fmt: str) -> tuple[Any, ...]:
             nonlocal pos
             out = struct.unpack_from(end + fmt, buf, pos)
             pos += struct.calcsize(end + fmt)
-            return out[0] if len(out) == 1 else list(out)
+            return out
 
         def value(vtype: int, keep: bool) -> Any:
             nonlocal pos
             if vtype == 8:
-                n = scalar("Q")
+                (n,) = take("Q")
                 pos += n
                 return buf[pos - n:pos].decode("utf-8", errors="replace")
             if vtype != 9:
-                return scalar(_SCALARS[vtype])
-            etype, count = scalar("I"), scalar("Q")
-            if etype not in _SCALARS:
-                items = [value(etype, keep) for _ in range(count)]
-            elif keep:
-                items = scalar(f"{count}{_SCALARS[etype]}") if count > 1 else \
-                    [scalar(_SCALARS[etype]) for _ in range(count)]
-            else:
+                return take(_SCALARS[vtype])[0]
+            etype, count = take("IQ")
+            if etype in _SCALARS and not keep:  # skip a numeric array without unpacking it
                 pos += struct.calcsize(end + _SCALARS[etype]) * count
+                return count
+            items = list(take(f"{count}{_SCALARS[etype]}")) if etype in _SCALARS else \
+                [value(etype, keep) for _ in range(count)]
             return items if keep else count
 
         meta: dict[str, Any] = {}
         try:
             for _ in range(n_kv):
                 key = value(8, True)
-                meta[key] = value(scalar("I"), key.startswith(prefix))
+                meta[key] = value(take("I")[0], key.startswith(prefix))
         except (struct.error, KeyError) as exc:
             raise ValueError(f"{path}: truncated or corrupt GGUF metadata ({exc})") from None
         return meta
@@ -221,8 +219,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: PathLike) -> Tokenizer:
-        """From a `.gguf` file or a Hugging Face tokenizer directory."""
-        return cls.from_dir(path) if Path(path).is_dir() else cls.from_gguf(path)
+        """From a `.gguf` file, an HF tokenizer directory, or a directory holding one .gguf."""
+        root = Path(path)
+        ggufs = [] if (root / "tokenizer.json").is_file() else sorted(root.glob("*.gguf"))
+        if root.is_dir() and len(ggufs) == 1:
+            return cls.from_gguf(ggufs[0])
+        return cls.from_dir(root) if root.is_dir() else cls.from_gguf(root)
 
     @classmethod
     def from_gguf(cls, path: PathLike, *, use_cache: bool = True) -> Tokenizer:

