@@ -95,10 +95,8 @@ def _drop_gguf_quantizer(model) -> None:
         if hasattr(model.config, attr):
             delattr(model.config, attr)
     if hasattr(model, "is_quantized"):
-        try:
+        with contextlib.suppress(AttributeError):  # a read-only property on some versions
             model.is_quantized = False
-        except AttributeError:  # a read-only property on some versions
-            pass
 
 
 def export(out: Path = DEFAULT_OUT, force: bool = False) -> Path:

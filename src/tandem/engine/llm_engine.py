@@ -58,6 +58,7 @@ class EngineStats:
     num_preemptions: int  # cumulative
     prompt_tokens: int  # prompt tokens of requests that produced a token (cumulative)
     generation_tokens: int  # tokens sampled (cumulative)
+    kv_unused_slots: int  # slots held by running requests beyond their computed tokens
 
 
 def _total_memory() -> int:
@@ -254,7 +255,8 @@ class LLMEngine:
             kv_cache_usage=self.kv.usage(), num_free_blocks=self.kv.pool.num_free_blocks(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens)
+            generation_tokens=self._generation_tokens,
+            kv_unused_slots=self.kv.unused_slots(self.scheduler.running))
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()

@@ -69,26 +69,34 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
         tokens: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []  # decodes as ints, then prefill chunks as tensors
+        slots: list[int] = []
+        chunk_pos: list[torch.Tensor] = []
+        chunk_slots: list[torch.Tensor] = []
         query_lens, seq_lens, tables = [], [], []
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
         plp: list[tuple[Request, int, int, int]] = []  # (request, start, flat index, count)
-        num_decodes = 0
-        for s in sched.scheduled:
+        # decodes first (the scheduler's order), sorted by context length so the attention
+        # backend can group similar lengths and pad little
+        scheduled = sched.scheduled
+        nd = sum(1 for s in scheduled if s.num_new_tokens == 1)
+        scheduled = sorted(scheduled[:nd], key=lambda s: s.start) + scheduled[nd:]
+        for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = self.kv.block_ids(req.request_id)
             offset = len(tokens)
             tokens.extend(req.all_token_ids[start : start + n])
-            pos = torch.arange(start, start + n)
-            positions.append(pos)
-            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = torch.arange(start, start + n)
+                chunk_pos.append(pos)
+                chunk_slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
-            if n == 1:
-                num_decodes += 1
             if s.samples:
                 sample_idx.append(offset + n - 1)
                 sample_reqs.append(req)
@@ -99,11 +107,13 @@ class ModelRunner:
                     plp.append((req, start, offset, count))
 
         flat_plp = [offset + j for _, _, offset, count in plp for j in range(count)]
-        layout = BatchLayout(query_lens, seq_lens, tables, torch.cat(slots), num_decodes, bs)
+        slot_t = torch.cat([torch.tensor(slots, dtype=torch.int64), *chunk_slots])
+        pos_t = torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_pos])
+        layout = BatchLayout(query_lens, seq_lens, tables, slot_t, nd, bs)
         meta = self.backend.build_metadata(layout)
         logits = self.model(
             torch.tensor(tokens, dtype=torch.int64, device=self.device),
-            torch.cat(positions).to(self.device), self.kv_caches, meta,
+            pos_t.to(self.device), self.kv_caches, meta,
             torch.tensor(sample_idx + flat_plp, dtype=torch.int64, device=self.device),
         )
         out = RunnerOutput()

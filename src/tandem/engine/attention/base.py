@@ -25,7 +25,7 @@ class BatchLayout:
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
     block_tables: list[list[int]]  # block ids per sequence, covering seq_lens
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
-    num_decodes: int  # the first num_decodes sequences have query_len == 1
+    num_decodes: int  # the first num_decodes sequences have query_len 1, sorted by seq_len
     block_size: int
 
     @property

@@ -26,13 +26,35 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes `lo:hi` of the batch, padded to the group's longest context `length`."""
+
+    lo: int
+    hi: int
+    length: int
+    rows: torch.Tensor  # [(hi - lo) * KVH * length] gather rows
+    mask: torch.Tensor  # [hi - lo, 1, 1, length] bool, True = attend
+
+
+@dataclass
 class TorchAttentionMetadata:
     write_rows: torch.Tensor  # [T * KVH] destination rows of the new tokens' K/V
     num_decodes: int
-    decode_rows: torch.Tensor | None  # [B_d * KVH * L] gather rows, L = longest decode context
-    decode_len: int
-    decode_mask: torch.Tensor | None  # [B_d, 1, 1, L] bool
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
+
+
+def group_by_length(lens: list[int], slack: float = 1.25, min_len: int = 64) -> list[
+        tuple[int, int]]:
+    """Split `lens` (ascending) into contiguous [lo, hi) runs whose longest member is at most
+    `slack` times (or `min_len` tokens above) the shortest, bounding the padding per group."""
+    groups: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(lens) + 1):
+        if i == len(lens) or lens[i] > max(lens[lo] * slack, lens[lo] + min_len):
+            groups.append((lo, i))
+            lo = i
+    return groups
 
 
 def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
@@ -68,18 +90,20 @@ class TorchAttentionBackend(AttentionBackend):
         write_rows = (write_rows + (slots % bs)[:, None]).reshape(-1).to(self.device)
 
         nd = layout.num_decodes
-        decode_rows = decode_mask = None
-        decode_len = 0
-        if nd:
-            lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int64)
-            decode_len = int(lens.max())
-            width = -(-decode_len // bs)
-            table = _padded([t[:width] for t in layout.block_tables[:nd]], width)
-            decode_rows = self._rows(table, decode_len).reshape(-1).to(self.device)
-            k_pos = torch.arange(decode_len)[None, :]
+        groups: list[DecodeGroup] = []
+        lens_all = layout.seq_lens[:nd]
+        if lens_all != sorted(lens_all):
+            raise ValueError("decodes must be sorted by context length")
+        for lo, hi in group_by_length(lens_all):
+            lens = torch.tensor(lens_all[lo:hi], dtype=torch.int64)
+            length = int(lens[-1])
+            width = -(-length // bs)
+            table = _padded([t[:width] for t in layout.block_tables[lo:hi]], width)
+            rows = self._rows(table, length).reshape(-1).to(self.device)
+            k_pos = torch.arange(length)[None, :]
             q_pos = (lens - 1)[:, None]
             mask = (k_pos <= q_pos) & self._window_ok(q_pos, k_pos)
-            decode_mask = mask[:, None, None, :].to(self.device)
+            groups.append(DecodeGroup(lo, hi, length, rows, mask[:, None, None, :].to(self.device)))
 
         prefills: list[PrefillSeq] = []
         start = nd
@@ -97,8 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = ((k_pos <= q_pos) & self._window_ok(q_pos, k_pos)).to(self.device)
             prefills.append(PrefillSeq(start, qlen, slen, rows, mask))
             start += qlen
-        return TorchAttentionMetadata(write_rows, nd, decode_rows, decode_len, decode_mask,
-                                      prefills)
+        return TorchAttentionMetadata(write_rows, nd, groups, prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -111,15 +134,14 @@ class TorchAttentionBackend(AttentionBackend):
         v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
         out = torch.empty_like(q)
 
-        nd = meta.num_decodes
-        if nd:
-            shape = (nd, kvh, meta.decode_len, d)
-            kd = k_rows.index_select(0, meta.decode_rows).view(shape)
-            vd = v_rows.index_select(0, meta.decode_rows).view(shape)
-            qd = q[:nd].view(nd, kvh, g, d)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                                scale=s.scale)
-            out[:nd] = od.reshape(nd, s.num_heads, d)
+        for grp in meta.decode_groups:
+            b = grp.hi - grp.lo
+            shape = (b, kvh, grp.length, d)
+            kd = k_rows.index_select(0, grp.rows).view(shape)
+            vd = v_rows.index_select(0, grp.rows).view(shape)
+            qd = q[grp.lo : grp.hi].view(b, kvh, g, d)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=s.scale)
+            out[grp.lo : grp.hi] = od.reshape(b, s.num_heads, d)
 
         for p in meta.prefills:
             sl = slice(p.token_start, p.token_start + p.query_len)

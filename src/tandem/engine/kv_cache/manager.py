@@ -104,3 +104,8 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def unused_slots(self, requests: list[Request]) -> int:
+        """KV slots allocated to `requests` but not (yet) holding a computed token."""
+        return sum(len(self._blocks.get(r.request_id, ())) * self.block_size
+                   - r.num_computed_tokens for r in requests)

@@ -1,0 +1,293 @@
+"""Offline throughput: Tandem vs Hugging Face ``generate`` vs vLLM, in one invocation.
+
+    .venv/bin/python bench/offline_throughput.py [--quick] [--engines tandem,hf,vllm]
+        [--workloads mixed,shared-prefix] [--out bench/results/offline_throughput-DATE.json]
+
+Every engine gets the same seeded token-id prompts (``bench/workload.py``), greedy decoding,
+``ignore_eos`` and exactly ``max_tokens`` new tokens per request, all submitted at once.  Wall
+time runs from submission to the last completion (model load excluded).  Each engine runs in
+its own subprocess (``bench/runners/*_runner.py``; vLLM from ``.venv-vllm``, made by
+``bench/setup_vllm.sh``) that prints one JSON result line.  On the shared-prefix workload
+Tandem runs twice, with prefix caching on and off.
+
+Prints a table, throughput ratios and a greedy-agreement check (first 4 requests' token ids
+against HF's), and writes the raw results with machine details to one JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from workload import WORKLOADS, make_workload, save_workload, workload_params  # noqa: E402
+
+RUNNERS = BENCH_DIR / "runners"
+CACHE = BENCH_DIR / ".cache"
+HF_EXPORT = CACHE / "smollm2-hf"
+VLLM_VENV = REPO / ".venv-vllm"
+ENGINES = ("tandem", "hf", "vllm")
+
+
+def project_python() -> str:
+    venv_py = REPO / ".venv" / "bin" / "python"
+    return str(venv_py) if venv_py.exists() else sys.executable
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    import torch
+
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def vllm_python() -> Path | None:
+    py = VLLM_VENV / "bin" / "python"
+    return py if py.exists() else None
+
+
+def ensure_hf_export() -> None:
+    if (HF_EXPORT / "config.json").exists():
+        return
+    print(f"exporting the bundled GGUF to {HF_EXPORT} (for vLLM) ...", flush=True)
+    subprocess.run([project_python(), str(BENCH_DIR / "export_hf.py"), "--out", str(HF_EXPORT)],
+                   check=True)
+
+
+def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if engine == "tandem":
+        src = str(REPO / "src")
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [project_python(), str(RUNNERS / "tandem_runner.py"), str(wl_path)]
+        if not prefix_caching:
+            cmd.append("--no-prefix-caching")
+    elif engine == "hf":
+        cmd = [project_python(), str(RUNNERS / "hf_runner.py"), str(wl_path)]
+    elif engine == "vllm":
+        cmd = [str(vllm_python()), str(RUNNERS / "vllm_runner.py"), str(wl_path),
+               "--model", str(HF_EXPORT)]
+        env.pop("PYTHONPATH", None)  # keep the project's packages out of vLLM's venv
+    else:
+        raise ValueError(engine)
+    return cmd, env
+
+
+def parse_result(stdout: str) -> dict | None:
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and "engine" in obj:
+                return obj
+    return None
+
+
+def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: float,
+               prefix_caching: bool = True) -> dict:
+    cmd, env = runner_cmd(engine, wl_path, prefix_caching)
+    log_path = CACHE / "logs" / f"{wl_name}-{label}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"  running {label} ... (log: {log_path.relative_to(REPO)})", flush=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as errf:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True,
+                                  timeout=timeout, cwd=str(REPO))
+            rc, stdout = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as exc:
+            rc = None
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    elapsed = time.perf_counter() - t0
+    result = parse_result(stdout) if rc == 0 else None
+    if result is None:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        why = "timed out" if rc is None else f"exit code {rc}"
+        print(f"  {label} FAILED ({why}); last log lines:\n    " + "\n    ".join(tail), flush=True)
+        return {"engine": label, "error": why, "process_s": round(elapsed, 1),
+                "log_tail": tail}
+    result["engine"] = label
+    result["process_s"] = round(elapsed, 1)
+    print(f"  {label}: {result['wall_s']:.1f}s wall, {result['output_tokens_per_s']:.1f} out tok/s"
+          f" (load {result['load_s']:.0f}s, threads {result.get('threads')}, "
+          f"process {elapsed:.0f}s)", flush=True)
+    return result
+
+
+def agreement(ref: list[list[int]], other: list[list[int]]) -> dict:
+    """Greedy agreement of the first requests: exact matches and matching-prefix fraction."""
+    n = min(len(ref), len(other))
+    exact, fracs = 0, []
+    for a, b in zip(ref[:n], other[:n], strict=True):
+        common = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            common += 1
+        exact += a == b
+        fracs.append(common / max(len(a), 1))
+    return {"requests": n, "exact": exact,
+            "prefix_match_fraction": round(sum(fracs) / n, 4) if n else None,
+            "per_request_prefix_fraction": [round(f, 4) for f in fracs]}
+
+
+def ratio(a: dict | None, b: dict | None, key: str = "output_tokens_per_s") -> float | None:
+    if not a or not b or a.get(key) is None or not b.get(key):
+        return None
+    return round(a[key] / b[key], 3)
+
+
+def print_table(wl_name: str, results: list[dict]) -> None:
+    head = (f"{'engine':<24}{'wall s':>9}{'out tok':>9}{'out tok/s':>11}{'req/s':>8}"
+            f"{'total tok/s':>13}{'threads':>9}{'load s':>8}")
+    print(f"\n== {wl_name} ==\n{head}\n{'-' * len(head)}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['engine']:<24}  FAILED: {r['error']}")
+            continue
+        thr = r.get("threads")
+        print(f"{r['engine']:<24}{r['wall_s']:>9.1f}{r['output_tokens']:>9}"
+              f"{r['output_tokens_per_s']:>11.1f}{r['requests_per_s']:>8.3f}"
+              f"{r['total_tokens_per_s']:>13.1f}{thr if thr is not None else '-':>9}"
+              f"{r['load_s']:>8.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="24 requests, prompts 32-256, outputs 16-64 tokens")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="per-runner seconds")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="raw JSON (default bench/results/offline_throughput-<date>.json)")
+    args = ap.parse_args(argv)
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for e in engines:
+        if e not in ENGINES:
+            ap.error(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    for w in workloads:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
+    notes = []
+    if "vllm" in engines and vllm_python() is None:
+        note = f"vLLM skipped: {VLLM_VENV.relative_to(REPO)} is missing (run bench/setup_vllm.sh)"
+        print(note)
+        notes.append(note)
+        engines.remove("vllm")
+    if "vllm" in engines:
+        ensure_hf_export()
+
+    now = dt.datetime.now().astimezone()
+    out_path = args.out or (BENCH_DIR / "results" / f"offline_throughput-{now:%Y-%m-%d}.json")
+    machine = machine_info()
+    print(f"machine: {machine['cpu_model']}, {machine['cores']} cores, "
+          f"{machine['mem_gib']} GiB, torch {machine['torch_version']} "
+          f"({machine['torch_threads']} threads), load avg {machine['loadavg_at_start']}")
+    report: dict = {"benchmark": "offline_throughput", "date": now.isoformat(timespec="seconds"),
+                    "quick": args.quick, "seed": args.seed, "engines": engines,
+                    "machine": machine, "notes": notes, "workloads": {}}
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    for wl_name in workloads:
+        params = workload_params(wl_name, quick=args.quick, seed=args.seed)
+        requests = make_workload(**params)
+        wl_path = CACHE / f"workload-{wl_name}{'-quick' if args.quick else ''}.json"
+        save_workload(wl_path, wl_name, params, requests)
+        prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+        out_tokens = sum(r.max_tokens for r in requests)
+        print(f"\nworkload {wl_name}: {len(requests)} requests, {prompt_tokens} prompt tokens, "
+              f"{out_tokens} output tokens, params {params}", flush=True)
+
+        runs: list[tuple[str, str, bool]] = []
+        for e in engines:
+            if e == "tandem" and params.get("shared_prefix_tokens"):
+                runs += [("tandem", "tandem", True),
+                         ("tandem-no-prefix-cache", "tandem", False)]
+            else:
+                runs.append((e, e, True))
+        results = [run_engine(label, eng, wl_name, wl_path, args.timeout, pc)
+                   for label, eng, pc in runs]
+        by = {r["engine"]: r for r in results if "error" not in r}
+
+        print_table(wl_name, results)
+        ratios = {
+            "tandem/vllm": ratio(by.get("tandem"), by.get("vllm")),
+            "tandem/hf": ratio(by.get("tandem"), by.get("hf")),
+            "vllm/hf": ratio(by.get("vllm"), by.get("hf")),
+        }
+        if "tandem-no-prefix-cache" in by or "tandem" in by and params.get("shared_prefix_tokens"):
+            ratios["tandem prefix-cache on/off"] = ratio(by.get("tandem"),
+                                                         by.get("tandem-no-prefix-cache"))
+        print("ratios (output tokens/s): " + ", ".join(
+            f"{k} = {v:.2f}x" if v is not None else f"{k} = n/a" for k, v in ratios.items()))
+
+        ref_name = "hf" if "hf" in by else ("vllm" if "vllm" in by else None)
+        agree = {}
+        if ref_name:
+            ref = by[ref_name]["check_token_ids"]
+            for name, r in by.items():
+                if name != ref_name:
+                    agree[name] = agreement(ref, r["check_token_ids"])
+            if agree:
+                print(f"greedy agreement with {ref_name} (first {len(ref)} requests): " + "; ".join(
+                    f"{n}: {a['exact']}/{a['requests']} identical, "
+                    f"{a['prefix_match_fraction']:.0%} of tokens before first divergence"
+                    for n, a in agree.items()))
+        report["workloads"][wl_name] = {
+            "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
+            "num_requests": len(requests), "prompt_tokens": prompt_tokens,
+            "output_tokens": out_tokens, "results": results, "ratios": ratios,
+            "agreement_reference": ref_name, "agreement": agree,
+        }
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
