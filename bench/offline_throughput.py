@@ -17,10 +17,12 @@ against HF's), and writes the raw results with machine details to one JSON file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -122,6 +124,17 @@ def parse_result(stdout: str) -> dict | None:
     return None
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: float,
                prefix_caching: bool = True) -> dict:
     cmd, env = runner_cmd(engine, wl_path, prefix_caching)
@@ -130,13 +143,19 @@ def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: fl
     print(f"  running {label} ... (log: {log_path.relative_to(REPO)})", flush=True)
     t0 = time.perf_counter()
     with open(log_path, "w") as errf:
+        # Own session, so a timeout or Ctrl-C also ends the runner's children (vLLM's engine
+        # core and worker processes).
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True,
+                                cwd=str(REPO), start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=errf, text=True,
-                                  timeout=timeout, cwd=str(REPO))
-            rc, stdout = proc.returncode, proc.stdout
-        except subprocess.TimeoutExpired as exc:
-            rc = None
-            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            stdout, _ = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            stdout, rc = "", None
+        except BaseException:
+            _kill_group(proc)
+            raise
     elapsed = time.perf_counter() - t0
     result = parse_result(stdout) if rc == 0 else None
     if result is None:
@@ -258,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "tandem/hf": ratio(by.get("tandem"), by.get("hf")),
             "vllm/hf": ratio(by.get("vllm"), by.get("hf")),
         }
-        if "tandem-no-prefix-cache" in by or "tandem" in by and params.get("shared_prefix_tokens"):
+        if any(label == "tandem-no-prefix-cache" for label, _, _ in runs):
             ratios["tandem prefix-cache on/off"] = ratio(by.get("tandem"),
                                                          by.get("tandem-no-prefix-cache"))
         print("ratios (output tokens/s): " + ", ".join(

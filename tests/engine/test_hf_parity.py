@@ -60,3 +60,17 @@ def test_greedy_matches_transformers_in_one_mixed_batch(real_llm, prompts_and_re
     outs = real_llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == refs
     assert [o.prompt_token_ids for o in outs] == prompts
+
+
+def test_chunking_prefix_cache_and_preemption_keep_real_model_outputs(prompts_and_refs):
+    """Chunks of 7 tokens, a warm prefix cache and a KV pool too small for the batch."""
+    from tandem import LLM
+
+    prompts, refs = prompts_and_refs
+    # the longest request needs 5 blocks of 16; 6 blocks cannot hold two chat requests at once
+    llm = LLM(dtype="float32", block_size=16, num_kv_blocks=6, max_num_batched_tokens=7)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.stats().prefix_cache_hits > 0  # the chat prompts share a system prompt
