@@ -39,6 +39,8 @@ CACHE = BENCH_DIR / ".cache"
 HF_EXPORT = CACHE / "smollm2-hf"
 VLLM_VENV = REPO / ".venv-vllm"
 ENGINES = ("tandem", "hf", "vllm")
+# Warn when other processes took more than this share of the CPUs during a timed run.
+BUSY_WARN_SHARE = 0.05
 
 
 def project_python() -> str:
@@ -169,6 +171,11 @@ def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: fl
     print(f"  {label}: {result['wall_s']:.1f}s wall, {result['output_tokens_per_s']:.1f} out tok/s"
           f" (load {result['load_s']:.0f}s, threads {result.get('threads')}, "
           f"process {elapsed:.0f}s)", flush=True)
+    share = result.get("other_cpu_share")
+    if share is not None and share > BUSY_WARN_SHARE:
+        print(f"  WARNING: other processes used {share:.0%} of the machine's CPU during the "
+              f"{label} run ({result['other_cpu_s']:.0f} CPU s); its numbers are unreliable",
+              flush=True)
     return result
 
 
@@ -195,9 +202,13 @@ def ratio(a: dict | None, b: dict | None, key: str = "output_tokens_per_s") -> f
     return round(a[key] / b[key], 3)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def print_table(wl_name: str, results: list[dict]) -> None:
     head = (f"{'engine':<24}{'wall s':>9}{'out tok':>9}{'out tok/s':>11}{'req/s':>8}"
-            f"{'total tok/s':>13}{'threads':>9}{'load s':>8}")
+            f"{'total tok/s':>13}{'threads':>9}{'load s':>8}{'other cpu':>11}")
     print(f"\n== {wl_name} ==\n{head}\n{'-' * len(head)}")
     for r in results:
         if "error" in r:
@@ -207,7 +218,9 @@ def print_table(wl_name: str, results: list[dict]) -> None:
         print(f"{r['engine']:<24}{r['wall_s']:>9.1f}{r['output_tokens']:>9}"
               f"{r['output_tokens_per_s']:>11.1f}{r['requests_per_s']:>8.3f}"
               f"{r['total_tokens_per_s']:>13.1f}{thr if thr is not None else '-':>9}"
-              f"{r['load_s']:>8.0f}")
+              f"{r['load_s']:>8.0f}{_pct(r.get('other_cpu_share')):>11}")
+    print("(other cpu: share of the machine's CPU that other processes used during the timed "
+          "run; above a few % the numbers are skewed)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,13 +43,76 @@ def loadavg() -> list[float] | None:
         return None
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all CPUs spent busy since boot (/proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    guest = sum(fields[8:10]) if len(fields) > 9 else 0  # already counted in user/nice
+    return (sum(fields) - idle - guest) / _CLK_TCK
+
+
+def tree_cpu_s(root: int | None = None) -> float | None:
+    """CPU seconds used so far by this process and its live descendants (e.g. vLLM's
+    engine-core and worker processes), from /proc/<pid>/stat."""
+    root = os.getpid() if root is None else root
+    try:
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            rest = raw[raw.rindex(")") + 2:].split()
+            stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _CLK_TCK)
+    except (OSError, ValueError):
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return total
+
+
 class Timer:
+    """Wall time of a block, plus how much CPU *other* processes on the machine used
+    meanwhile (``other_cpu_s``): the benchmark machine may be shared, and foreign load
+    makes the numbers meaningless."""
+
     def __enter__(self) -> Timer:
+        self.busy0, self.own0 = machine_busy_s(), tree_cpu_s()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.elapsed = time.perf_counter() - self.t0
+        busy1, own1 = machine_busy_s(), tree_cpu_s()
+        self.own_cpu_s = self.other_cpu_s = None
+        if None not in (self.busy0, busy1, self.own0, own1):
+            self.own_cpu_s = round(own1 - self.own0, 2)
+            self.other_cpu_s = round(max(0.0, (busy1 - self.busy0) - self.own_cpu_s), 2)
+
+    def contention(self) -> dict:
+        """Fields for the result: own/other CPU seconds and the share of the machine's CPU
+        capacity other processes took during the block."""
+        cap = self.elapsed * (os.cpu_count() or 1)
+        share = round(self.other_cpu_s / cap, 3) if self.other_cpu_s is not None and cap else None
+        return {"own_cpu_s": self.own_cpu_s, "other_cpu_s": self.other_cpu_s,
+                "other_cpu_share": share}
 
 
 def make_result(
@@ -62,6 +125,7 @@ def make_result(
     *,
     useful_output_tokens: int | None = None,
     loadavg_before: list[float] | None = None,
+    timer: Timer | None = None,
     **extra: object,
 ) -> dict:
     """Build the runner's result dict.
@@ -93,6 +157,7 @@ def make_result(
         "python": platform.python_version(),
         "loadavg_before": loadavg_before,
         "loadavg_after": loadavg(),
+        **(timer.contention() if timer is not None else {}),
         "check_token_ids": [list(map(int, ids)) for ids in output_token_ids[:NUM_CHECK]],
         **extra,
     }

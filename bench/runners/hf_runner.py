@@ -91,6 +91,7 @@ def main(argv: list[str]) -> int:
         "hf", requests, token_ids, gen.elapsed, load.elapsed,
         threads=torch.get_num_threads(),
         loadavg_before=before,
+        timer=gen,
         engine_version=transformers.__version__,
         torch_version=torch.__version__,
         config={"batch_size": args.batch_size, "padding": "left", "dtype": "float32",

@@ -97,6 +97,7 @@ def main(argv: list[str]) -> int:
         name, requests, token_ids, gen.elapsed, load.elapsed,
         threads=torch.get_num_threads(),
         loadavg_before=before,
+        timer=gen,
         engine_version=getattr(tandem, "__version__", None),
         torch_version=torch.__version__,
         config=config,

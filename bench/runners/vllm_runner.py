@@ -123,6 +123,7 @@ def main(argv: list[str]) -> int:
         # vLLM's worker process sets its torch/OMP thread count from its CPU binding.
         threads=bound_threads(os.environ["VLLM_CPU_OMP_THREADS_BIND"]),
         loadavg_before=before,
+        timer=gen,
         engine_version=vllm.__version__,
         torch_version=torch.__version__,
         config={

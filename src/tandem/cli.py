@@ -22,7 +22,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=0.25,
+    p.add_argument("--kv-cache-memory", type=float, default=0.1,
                    help="bytes (> 1) or a fraction of RAM (<= 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
 

@@ -20,7 +20,7 @@ class EngineConfig:
     model: str | None = None  # .gguf file or HF directory; None = bundled SmolLM2-135M
     dtype: str = "float32"  # weights, activations and KV cache
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: float | int = 0.25  # bytes (int) or a fraction of system RAM (float)
+    kv_cache_memory: float | int = 0.1  # bytes (int) or a fraction of system RAM (float)
     num_kv_blocks: int | None = None  # explicit block count; overrides kv_cache_memory
     max_num_seqs: int = 128  # concurrent running requests
     max_num_batched_tokens: int = 1024  # token budget per step (decode + prefill chunks)
@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
     attention_backend: str = "torch"
+    cpu_linear: str = "onednn"  # "onednn": weights pre-packed once; "torch": F.linear (MKL)
     max_waiting: int = 4096  # bound on queued requests; add_request raises beyond it
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # seeds the generator of unseeded random sampling
@@ -55,6 +56,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cpu_linear not in ("onednn", "torch"):
+            raise ConfigError(f"cpu_linear must be 'onednn' or 'torch', got {self.cpu_linear!r}")
         if self.max_waiting < 1:
             raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -17,6 +17,7 @@ from tandem.engine.attention.base import AttentionSpec, get_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
+from tandem.engine.model.cpu_linear import onednn_available, pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import bundled_model_path, load_model
 from tandem.engine.model_runner import ModelRunner
@@ -88,6 +89,8 @@ class LLMEngine:
         del loaded
         self.model.to(device=self.device, dtype=dtype).eval()
         self.model.rope.to(torch.float32)
+        if config.cpu_linear == "onednn" and onednn_available(dtype, self.device):
+            pack_linears(self.model)
 
         per_block = backend.bytes_per_block() * arch.num_layers
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block, max_len)
