@@ -1,4 +1,4 @@
-"""The torch paged-attention backend against a naive dense reference."""
+"""The paged-attention backends (pure torch, native CPU kernel) against a dense reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tandem.engine.attention.base import AttentionSpec, BatchLayout, get_backend
+from tandem.engine.attention.base import AttentionSpec, BatchLayout, get_backend, resolve_backend
 from tandem.engine.attention.torch_backend import group_by_length
 from tandem.engine.errors import ConfigError
 
@@ -23,8 +23,18 @@ def test_group_by_length_bounds_padding():
 
 
 def test_unknown_backend_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="available: torch"):
+    with pytest.raises(ConfigError, match="available: auto, cpu, torch"):
         get_backend("nope")
+
+
+def test_auto_picks_the_native_kernel_on_cpu_float32_only():
+    spec = AttentionSpec(6, 2, 16, 0.25)
+    cpu = torch.device("cpu")
+    # CI machines have a C compiler, so the native kernel must build there
+    assert resolve_backend("auto", spec, torch.float32, cpu).name == "cpu"
+    assert resolve_backend("auto", spec, torch.bfloat16, cpu).name == "torch"
+    with pytest.raises(ConfigError, match="float32"):
+        get_backend("cpu")(spec, 16, torch.bfloat16, cpu)
 
 
 def _reference(q, k_all, v_all, q_pos, window):
@@ -41,13 +51,14 @@ def _reference(q, k_all, v_all, q_pos, window):
     return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 9])
-def test_mixed_batch_matches_dense_reference(window):
+def test_mixed_batch_matches_dense_reference(window, backend_name):
     torch.manual_seed(0)
     rng = random.Random(0)
     bs, kvh, h, d, nblocks = 4, 2, 6, 16, 64
     spec = AttentionSpec(h, kvh, d, d ** -0.5, window)
-    backend = get_backend("torch")(spec, bs, torch.float32, torch.device("cpu"))
+    backend = get_backend(backend_name)(spec, bs, torch.float32, torch.device("cpu"))
     cache = backend.allocate_kv_cache(nblocks)
     free = list(range(nblocks))
     rng.shuffle(free)
@@ -75,7 +86,10 @@ def test_mixed_batch_matches_dense_reference(window):
     layout = BatchLayout([n for _, n, *_ in seqs], [c + n for c, n, *_ in seqs],
                          [t for _, _, t, *_ in seqs], torch.tensor(slots), 3, bs)
     meta = backend.build_metadata(layout)
-    out = backend.forward(torch.cat(q), torch.cat(k), torch.cat(v), cache, meta)
+    # q as the model hands it over: a strided view into a wider [T, H + KVH, D] tensor
+    q_all = torch.cat(q)
+    qk = torch.cat([q_all, torch.randn(q_all.shape[0], kvh, d)], dim=1)
+    out = backend.forward(qk[:, :h], torch.cat(k), torch.cat(v), cache, meta)
     start = 0
     for (cached, new, _, k_all, v_all), qi in zip(seqs, q, strict=True):
         ref = _reference(qi, k_all, v_all, torch.arange(cached, cached + new), window)

@@ -27,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context window; None = the model's
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto": native CPU kernel if it builds, else "torch"
     cpu_linear: str = "onednn"  # "onednn": weights pre-packed once; "torch": F.linear (MKL)
     max_waiting: int = 4096  # bound on queued requests; add_request raises beyond it
     num_threads: int | None = None  # torch intra-op threads; None = torch default

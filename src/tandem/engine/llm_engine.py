@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.attention.base import AttentionSpec, get_backend
+from tandem.engine.attention.base import AttentionSpec, resolve_backend
 from tandem.engine.config import EngineConfig
+from tandem.engine.cpu_tuning import tune_malloc
 from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.model.cpu_linear import onednn_available, pack_linears
@@ -74,6 +75,8 @@ class LLMEngine:
         path = Path(config.model) if config.model else bundled_model_path()
         dtype = getattr(torch, config.dtype)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            tune_malloc()
         t0 = time.perf_counter()
         loaded = load_model(path, dtype=torch.float32)
         arch = loaded.config
@@ -82,8 +85,8 @@ class LLMEngine:
                       arch.max_position_embeddings)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                              arch.head_dim ** -0.5, arch.sliding_window)
-        backend = get_backend(config.attention_backend)(spec, config.block_size, dtype,
-                                                        self.device)
+        backend = resolve_backend(config.attention_backend, spec, dtype, self.device)(
+            spec, config.block_size, dtype, self.device)
         self.model = LlamaForCausalLM(arch, backend, max_positions=max_len)
         self.model.load_weights(loaded.weights)
         del loaded
@@ -112,8 +115,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens (%.0f MiB), "
-                    "max_model_len %d", time.perf_counter() - t0, name, num_blocks,
-                    config.block_size, num_blocks * per_block / 2**20, max_len)
+                    "max_model_len %d, attention %s", time.perf_counter() - t0, name, num_blocks,
+                    config.block_size, num_blocks * per_block / 2**20, max_len, backend.name)
 
     def _blocks_from_budget(self, per_block: int, max_len: int) -> int:
         mem = self.config.kv_cache_memory

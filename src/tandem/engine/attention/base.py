@@ -87,10 +87,21 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
 
 def get_backend(name: str) -> type[AttentionBackend]:
     # import built-in backends so they register themselves
-    from tandem.engine.attention import torch_backend  # noqa: F401
+    from tandem.engine.attention import cpu_backend, torch_backend  # noqa: F401
 
     if name not in _REGISTRY:
         raise ConfigError(
-            f"unknown attention backend {name!r}; available: {', '.join(sorted(_REGISTRY))}"
+            f"unknown attention backend {name!r}; available: auto, "
+            f"{', '.join(sorted(_REGISTRY))}"
         )
     return _REGISTRY[name]
+
+
+def resolve_backend(name: str, spec: AttentionSpec, dtype: torch.dtype,
+                    device: torch.device) -> type[AttentionBackend]:
+    """`name`'s class; "auto" picks the native CPU kernel where it builds, else torch."""
+    if name == "auto":
+        from tandem.engine.attention.cpu_backend import native_available
+
+        name = "cpu" if native_available(spec, dtype, device) else "torch"
+    return get_backend(name)

@@ -83,13 +83,14 @@ class TorchAttentionBackend(AttentionBackend):
         w = self.spec.sliding_window
         return k_pos > q_pos - w if w else torch.ones((), dtype=torch.bool)
 
-    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+    def _write_rows(self, layout: BatchLayout) -> torch.Tensor:
         bs, kvh = self.block_size, self.spec.num_kv_heads
         slots = layout.slot_mapping
         write_rows = ((slots // bs) * (kvh * bs))[:, None] + (torch.arange(kvh) * bs)[None, :]
-        write_rows = (write_rows + (slots % bs)[:, None]).reshape(-1).to(self.device)
+        return (write_rows + (slots % bs)[:, None]).reshape(-1).to(self.device)
 
-        nd = layout.num_decodes
+    def _decode_groups(self, layout: BatchLayout) -> list[DecodeGroup]:
+        bs, nd = self.block_size, layout.num_decodes
         groups: list[DecodeGroup] = []
         lens_all = layout.seq_lens[:nd]
         if lens_all != sorted(lens_all):
@@ -104,7 +105,10 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = (lens - 1)[:, None]
             mask = (k_pos <= q_pos) & self._window_ok(q_pos, k_pos)
             groups.append(DecodeGroup(lo, hi, length, rows, mask[:, None, None, :].to(self.device)))
+        return groups
 
+    def _prefill_seqs(self, layout: BatchLayout) -> list[PrefillSeq]:
+        bs, nd = self.block_size, layout.num_decodes
         prefills: list[PrefillSeq] = []
         start = nd
         for i in range(nd, len(layout.query_lens)):
@@ -121,28 +125,47 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = ((k_pos <= q_pos) & self._window_ok(q_pos, k_pos)).to(self.device)
             prefills.append(PrefillSeq(start, qlen, slen, rows, mask))
             start += qlen
-        return TorchAttentionMetadata(write_rows, nd, groups, prefills)
+        return prefills
+
+    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(self._write_rows(layout), layout.num_decodes,
+                                      self._decode_groups(layout), self._prefill_seqs(layout))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata) -> torch.Tensor:
-        s = self.spec
-        kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        d = self.spec.head_dim
         k_rows = kv_cache[0].view(-1, d)
         v_rows = kv_cache[1].view(-1, d)
         k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
         v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            self._decode(q, kv_cache, meta, out)
+        self._prefill(q, k, v, k_rows, v_rows, meta, out)
+        return out
 
+    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """Attention of the first `meta.num_decodes` rows of q into `out`."""
+        s = self.spec
+        kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        k_rows = kv_cache[0].view(-1, d)
+        v_rows = kv_cache[1].view(-1, d)
         for grp in meta.decode_groups:
             b = grp.hi - grp.lo
             shape = (b, kvh, grp.length, d)
             kd = k_rows.index_select(0, grp.rows).view(shape)
             vd = v_rows.index_select(0, grp.rows).view(shape)
-            qd = q[grp.lo : grp.hi].view(b, kvh, g, d)
+            qd = q[grp.lo : grp.hi].reshape(b, kvh, g, d)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=s.scale)
             out[grp.lo : grp.hi] = od.reshape(b, s.num_heads, d)
 
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
+                 out: torch.Tensor) -> None:
+        s = self.spec
+        kvh, d = s.num_kv_heads, s.head_dim
         for p in meta.prefills:
             sl = slice(p.token_start, p.token_start + p.query_len)
             qp = q[sl].transpose(0, 1)[None]  # [1, H, Tq, D]
@@ -157,4 +180,3 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[sl] = op[0].transpose(0, 1)
-        return out
