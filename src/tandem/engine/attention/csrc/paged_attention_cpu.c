@@ -28,6 +28,23 @@ extern float expf(float);
 
 #define MAX_GROUP 64
 
+/* Row t's address in a cache (K or V), and a prefetch of the same row one block ahead:
+ * a block's rows for one KV head are one 4 KiB run, and hardware prefetchers stop at
+ * page boundaries, so without this every block starts with a cache-miss stall. */
+static inline __attribute__((always_inline)) const float *row_and_prefetch(
+    const float *cache, const int32_t *table, int64_t t, int64_t len, int64_t kvh,
+    int64_t block_size, int64_t page, int64_t D)
+{
+    const int64_t in_block = (kvh * block_size + t % block_size) * D;
+    if (t + block_size < len) {
+        const char *next = (const char *)(cache + (int64_t)table[t / block_size + 1] * page
+                                          + in_block);
+        for (int64_t c = 0; c < D * (int64_t)sizeof(float); c += 64)
+            __builtin_prefetch(next + c);
+    }
+    return cache + (int64_t)table[t / block_size] * page + in_block;
+}
+
 int tandem_paged_attention_abi(void) { return 2; }
 
 /* One (sequence, KV head) item; D is a compile-time constant in the specialised copies. */
@@ -42,8 +59,8 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
 
     for (int64_t t = first; t < len; t++) {
-        const float *restrict kr = k_cache + (int64_t)table[t / block_size] * page
-                                   + (kvh * block_size + t % block_size) * D;
+        const float *restrict kr =
+            row_and_prefetch(k_cache, table, t, len, kvh, block_size, page, D);
         for (int64_t g = 0; g < G; g++) {
             const float *restrict qg = qh + g * D;
             float acc = 0.0f;
@@ -70,8 +87,8 @@ static inline __attribute__((always_inline)) void attend(
         memset(oh + g * D, 0, (size_t)D * sizeof(float));
     }
     for (int64_t t = first; t < len; t++) {
-        const float *restrict vr = v_cache + (int64_t)table[t / block_size] * page
-                                   + (kvh * block_size + t % block_size) * D;
+        const float *restrict vr =
+            row_and_prefetch(v_cache, table, t, len, kvh, block_size, page, D);
         for (int64_t g = 0; g < G; g++) {
             const float p = scores[g * n + (t - first)];
             float *restrict og = oh + g * D;
