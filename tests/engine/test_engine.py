@@ -46,10 +46,13 @@ def _run(path: str, prompts, max_tokens=12, **engine_args):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_matches_transformers_greedy(tiny):
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "pure-torch"])
+def test_matches_transformers_greedy(tiny, native):
     family, path, model = tiny
     prompts = _prompts(6)
-    ours, _ = _run(path, prompts, max_tokens=40)  # mistral: 60+40 tokens cross its window of 24
+    # mistral: 60+40 tokens cross its window of 24
+    ours, llm = _run(path, prompts, max_tokens=40, native_kernels=native)
+    assert llm.engine.model.layers[0].self_attn.backend.name == ("cpu" if native else "torch")
     assert ours == [_hf_greedy(model, p, 40) for p in prompts]
 
 

@@ -29,6 +29,9 @@ class EngineConfig:
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
     attention_backend: str = "auto"  # "auto": native CPU kernel if it builds, else "torch"
     cpu_linear: str = "onednn"  # "onednn": weights pre-packed once; "torch": F.linear (MKL)
+    # compiled CPU kernels (engine/csrc: paged decode attention, fused norm/RoPE/SwiGLU) where
+    # they apply; False = pure torch everywhere
+    native_kernels: bool = True
     max_waiting: int = 4096  # bound on queued requests; add_request raises beyond it
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # seeds the generator of unseeded random sampling

@@ -21,6 +21,7 @@ from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.model.cpu_linear import onednn_available, pack_linears
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import bundled_model_path, load_model
+from tandem.engine.model.ops import Ops
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
@@ -85,9 +86,13 @@ class LLMEngine:
                       arch.max_position_embeddings)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                              arch.head_dim ** -0.5, arch.sliding_window)
-        backend = resolve_backend(config.attention_backend, spec, dtype, self.device)(
+        attn_name = config.attention_backend
+        if attn_name == "auto" and not config.native_kernels:
+            attn_name = "torch"
+        backend = resolve_backend(attn_name, spec, dtype, self.device)(
             spec, config.block_size, dtype, self.device)
-        self.model = LlamaForCausalLM(arch, backend, max_positions=max_len)
+        self.model = LlamaForCausalLM(arch, backend, max_positions=max_len,
+                                      ops=Ops(native=config.native_kernels))
         self.model.load_weights(loaded.weights)
         del loaded
         self.model.to(device=self.device, dtype=dtype).eval()

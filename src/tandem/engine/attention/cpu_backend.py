@@ -2,9 +2,9 @@
 
 The torch backend gathers every decode's context into a dense copy per layer and then runs
 SDPA over it: the KV bytes cross memory three times. Here one C kernel
-(`csrc/paged_attention_cpu.c`, built by `cpu_kernels`) walks each sequence's block table and
-reads every K/V row once. Writes and prefill chunks stay on the torch path (prefill is
-matmul-bound, where SDPA is already good). float32 only.
+(`engine/csrc/paged_attention_cpu.c`, built by `tandem.engine.native`) walks each
+sequence's block table and reads every K/V row once. Writes and prefill chunks stay on the
+torch path (prefill is matmul-bound, where SDPA is already good). float32 only.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.attention.base import AttentionSpec, BatchLayout, register_backend
-from tandem.engine.attention.cpu_kernels import load_paged_attention
 from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from tandem.engine.errors import ConfigError
+from tandem.engine.native import load_native
 
 MAX_GROUP = 64  # query heads per KV head the kernel supports
 
@@ -31,7 +31,7 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
     """Whether the `cpu` backend can run this model here (else use `torch`)."""
     return (device.type == "cpu" and dtype == torch.float32
             and 1 <= spec.num_heads // spec.num_kv_heads <= MAX_GROUP
-            and load_paged_attention() is not None)
+            and load_native() is not None)
 
 
 @register_backend("cpu")
@@ -42,7 +42,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not native_available(spec, dtype, device):
             raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
                               "compiler, and at most 64 query heads per KV head")
-        self._kernel = load_paged_attention().tandem_paged_attention_decode_f32
+        self._kernel = load_native().tandem_paged_attention_decode_f32
 
     def build_metadata(self, layout: BatchLayout) -> CpuAttentionMetadata:
         nd = layout.num_decodes

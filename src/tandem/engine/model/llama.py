@@ -16,10 +16,12 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.ops import Ops
 
 
 class RMSNorm(nn.Module):
-    """HF-exact RMSNorm: normalise in float32, scale in the model dtype."""
+    """HF-exact RMSNorm: normalise in float32, scale in the model dtype. The decoder calls
+    the fused `Ops.add_rms_norm` with this weight; `forward` is the plain reference."""
 
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -58,7 +60,7 @@ def _inv_freq(cfg: ModelArchConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed cos/sin table `[max_pos, D]`."""
+    """Rotate-half RoPE tables `cos`, `sin`: `[max_pos, D]` float32, both halves equal."""
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
@@ -68,25 +70,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
-                                                                            torch.Tensor]:
-        """cos and sin `[T, 1, D]` for `positions` (computed once per step, used per layer)."""
-        return (self.cos[positions].to(dtype)[:, None, :],
-                self.sin[positions].to(dtype)[:, None, :])
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x `[T, heads, D]` with tables `[T, 1, D]`."""
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -96,13 +82,15 @@ class Attention(nn.Module):
                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # rotate q and k heads together: [T, H + KVH, D]
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        # rotate q and k heads together, in place: [T, H + KVH, D]
+        qk = self.ops.rope_(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim),
+                            *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta)
@@ -110,40 +98,54 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, ops: Ops) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    """Pre-norm block with the residual stream kept apart (vLLM style) so that each
+    "residual add + RMSNorm" pair is one fused op."""
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, ops: Ops) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ops)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: previous block's output (None for the first), residual: the stream before it.
+        Returns (this block's MLP output, the stream before it); their sum is the HF hidden
+        state after this layer."""
+        h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        attn = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.ops.add_rms_norm(attn, residual,
+                                            self.post_attention_layernorm.weight, self.eps)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], kv_caches, meta, logits_indices [N]) -> [N, V]`."""
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, ops: Ops | None = None) -> None:
         super().__init__()
         self.config = cfg
+        self.ops = ops or Ops()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.ops)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
@@ -151,12 +153,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rope.tables(positions, x.dtype)
+        residual = self.embed_tokens(input_ids)
+        x = None
+        rope = (positions, self.rope.cos, self.rope.sin)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, cache, meta)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x)
+            x, residual = layer(x, residual, rope, cache, meta)
+        h, _ = self.ops.add_rms_norm(x[logits_indices], residual[logits_indices],
+                                     self.norm.weight, self.config.rms_norm_eps)
+        return self.lm_head(h)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

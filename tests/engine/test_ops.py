@@ -1,0 +1,58 @@
+"""Native fused element-wise kernels against their torch reference (HF math)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.model.ops import Ops
+from tandem.engine.native import load_native
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert load_native() is not None, "the native kernels must build on CPU machines with cc"
+    return Ops(native=True), Ops(native=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])  # 700 rows crosses the parallel threshold
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm(ops, rows, with_x):
+    native, ref = ops
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96) if with_x else None
+    res = torch.randn(rows, 96) * 3
+    w = torch.randn(96)
+    want, want_res = ref.add_rms_norm(x, res.clone(), w, 1e-5)
+    res_native = res.clone()
+    got, got_res = native.add_rms_norm(x, res_native, w, 1e-5)
+    assert got_res.data_ptr() == res_native.data_ptr()  # updated in place
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_silu_mul(ops, rows):
+    native, ref = ops
+    torch.manual_seed(0)
+    gu = torch.randn(rows, 2 * 80) * 4
+    torch.testing.assert_close(native.silu_mul(gu), ref.silu_mul(gu), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 400])
+def test_rope_in_place_on_a_strided_view(ops, rows):
+    native, ref = ops
+    torch.manual_seed(1)
+    heads, d, max_pos = 5, 32, 4096
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(max_pos).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    pos = torch.randint(0, max_pos, (rows,))
+    # like the model: q and k heads are the first columns of a wider qkv row
+    qkv = torch.randn(rows, (heads + 2) * d)
+    view_native = qkv.clone()[:, : heads * d].view(rows, heads, d)
+    view_ref = qkv.clone()[:, : heads * d].view(rows, heads, d)
+    native.rope_(view_native, pos, cos, sin)
+    ref.rope_(view_ref, pos, cos, sin)
+    torch.testing.assert_close(view_native, view_ref, rtol=1e-6, atol=1e-6)
