@@ -1,7 +1,9 @@
 """`tandem` command line: thin wiring only.
 
-* `tandem serve`   - the embedded default: until the HTTP workers land ([2/5]) it loads the
-  bundled model and answers prompts from the command line or stdin.
+* `tandem serve`    - the embedded default: a local deployment on the bundled model as
+  separate processes (today one worker; the router joins with issue [3/5]). Prints the URL
+  and a curl example; Ctrl-C stops every process it started.
+* `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem generate` - one-shot offline generation.
 * `tandem bench offline` - runs `bench/offline_throughput.py` from a source checkout.
 """
@@ -10,38 +12,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import runpy
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=".gguf file or HF directory (default: bundled)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=0.1,
-                   help="bytes (> 1) or a fraction of RAM (<= 1)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def _build_llm(args: argparse.Namespace):
-    from tandem import LLM
-
-    mem = args.kv_cache_memory
-    return LLM(args.model, dtype=args.dtype, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_model_len=args.max_model_len,
-               kv_cache_memory=int(mem) if mem > 1 else float(mem),
-               enable_prefix_caching=not args.no_prefix_caching)
+from tandem.serving.worker import add_engine_args, add_server_args, engine_config
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tandem import SamplingParams
+    from tandem import LLM, SamplingParams
 
-    llm = _build_llm(args)
+    llm = LLM(**{k: v for k, v in engine_config(args).__dict__.items()})
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)
@@ -54,30 +40,106 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if `tandem serve` itself dies (Linux), so no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+    """Start the local deployment as child processes and supervise them until Ctrl-C."""
+    url = f"http://{args.host}:{args.port}"
+    cmd = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "worker",
+           "--host", args.host, "--port", str(args.port), *passthrough]
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        print(f"starting a worker on {url} (the first start prepares the model) ...",
+              flush=True)
+        if not _wait_ready(url, proc, timeout=600):
+            if not stopping:
+                print("the worker did not become ready", file=sys.stderr)
+            return 1
+        print(f"\nTandem is serving the bundled model at {url}\n\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
+              "\"max_tokens\": 32}'\n\n"
+              "Press Ctrl-C to stop.", flush=True)
+        while not stopping and proc.poll() is None:
+            time.sleep(0.2)
+        return 0 if stopping else (proc.returncode or 1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, helptext in [("serve", "run the embedded default deployment"),
-                           ("generate", "generate completions offline")]:
-        p = sub.add_parser(name, help=helptext)
-        _engine_args(p)
-        p.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
-        p.add_argument("--max-tokens", type=int, default=64)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--seed", type=int, default=None)
-        p.add_argument("--chat", action="store_true", help="apply the chat template")
+
+    serve = sub.add_parser("serve", help="run the embedded default deployment")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+
+    worker = sub.add_parser("worker", help="run one worker process")
+    add_engine_args(worker)
+    add_server_args(worker)
+
+    gen = sub.add_parser("generate", help="generate completions offline")
+    add_engine_args(gen)
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+
     bench = sub.add_parser("bench", help="benchmarks (from a source checkout)")
     bench.add_argument("kind", choices=["offline"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
-        if not args.prompt:
-            args.prompt = ["What is a paged KV cache, in two sentences?"]
-            args.chat = True
-        return _generate(args)
+        return _serve(args, extra)  # unknown options go to the worker (engine args)
+    if args.command == "worker":
+        from tandem.serving.worker import run
+
+        return run(args)
     if args.command == "generate":
         return _generate(args)
     script = Path.cwd() / "bench" / "offline_throughput.py"

@@ -1,35 +1,68 @@
-"""asyncio front of the engine: a background thread steps the engine, coroutines stream.
+"""asyncio front of the engine: one thread owns and steps the engine, coroutines stream.
 
-`generate()` yields a `RequestOutput` per step that changed the request; cancelling the
-consumer (for example a disconnected HTTP client) aborts the request and frees its blocks.
+Only the engine thread touches the `LLMEngine`. Coroutines hand it commands (add, abort)
+through a thread-safe inbox that it drains between steps, so an HTTP event loop never
+waits for a running step. `generate()` yields a `RequestOutput` per step that changed the
+request; closing or cancelling the consumer (a disconnected HTTP client) aborts the request
+and frees its blocks at the next step boundary. `snapshot` holds the engine's stats as of
+the last step, for metrics and load reports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.kv_events_hub import KVEventHub, Subscription
+from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine:
-    """Thread-safe wrapper: all engine calls happen under one lock on the stepping thread."""
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    done: concurrent.futures.Future  # result: prompt token ids; or the validation error
 
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self.snapshot: EngineStats = engine.stats()
+        # KV events (when the engine records them) are drained every step and fanned out
+        self.kv_hub = KVEventHub() if engine.config.enable_kv_events else None
+        self.dead: BaseException | None = None  # set if the loop itself ever crashes
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -40,49 +73,123 @@ class AsyncLLMEngine:
     def from_args(cls, model: str | None = None, **engine_args: Any) -> AsyncLLMEngine:
         return cls.from_config(EngineConfig(model=model, **engine_args))
 
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded for /ready, then re-raised
+            self.dead = exc
+            logger.exception("engine loop crashed")
+            raise
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                if cmd.done.cancelled():
+                    continue
+                try:
+                    ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                                  priority=cmd.priority,
+                                                  cache_salt=cmd.cache_salt)
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    cmd.done.set_exception(exc)
+                    continue
+                self._streams[cmd.request_id] = (cmd.loop, cmd.outputs)
+                cmd.done.set_result(ids)
+            elif isinstance(cmd, _Abort):
+                self._streams.pop(cmd.request_id, None)
+                self.engine.abort_request(cmd.request_id)
+            else:
+                try:
+                    cmd.done.set_result(cmd.fn(self.engine))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    cmd.done.set_exception(exc)
+
     def _loop(self) -> None:
         while not self._stopped:
-            with self._lock:
-                busy = self.engine.has_unfinished_requests()
-                outputs = self.engine.step() if busy else []
+            self._drain_inbox()
+            busy = self.engine.has_unfinished_requests()
+            outputs = self.engine.step() if busy else []
+            self.snapshot = self.engine.stats()
+            if self.kv_hub is not None:
+                self.kv_hub.publish(self.engine.take_kv_events())
             for out in outputs:
-                entry = self._queues.get(out.request_id)
+                entry = self._streams.get(out.request_id)
                 if entry is not None:
-                    loop, queue = entry
-                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                    loop, q = entry
+                    loop.call_soon_threadsafe(q.put_nowait, out)
                     if out.finished:
-                        self._queues.pop(out.request_id, None)
+                        self._streams.pop(out.request_id, None)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
 
+    def _send(self, cmd: _Add | _Abort | _Call) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    # -- coroutine side ------------------------------------------------------------------------
+    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                  priority: int = 0, cache_salt: str | None = None) -> tuple[list[int],
+                                                                            asyncio.Queue]:
+        """Queue a request; returns (prompt token ids, its output queue).
+
+        Raises what `LLMEngine.add_request` raises (`InvalidRequestError`, `QueueFullError`).
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Add(request_id, prompt, params, priority, cache_salt, loop, outputs, done))
+        try:
+            ids = await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            if not done.cancel():  # already added: take it back out
+                self.abort(request_id)
+            raise
+        return ids, outputs
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str, *, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Errors from validation raise before the first yield."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority,
+        """Stream outputs of one request. Validation errors raise before the first yield."""
+        _, outputs = await self.add(prompt, params, request_id, priority=priority,
                                     cache_salt=cache_salt)
-            self._queues[request_id] = (loop, queue)
-        self._wake.set()
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                out = await outputs.get()
                 finished = out.finished
                 yield out
         finally:
             if not finished:
                 self.abort(request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def subscribe_kv_events(self) -> tuple[int, Subscription]:
+        """A KV-event subscription whose snapshot is consistent with its event sequence."""
+        if self.kv_hub is None:
+            raise RuntimeError("the engine was started without enable_kv_events")
+        hub, loop = self.kv_hub, asyncio.get_running_loop()
+        return await self.call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop))
+
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self._queues.pop(request_id, None)
-            self.engine.abort_request(request_id)
+        """Abort at the next step boundary (safe from any thread)."""
+        self._send(_Abort(request_id))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=30)

@@ -62,6 +62,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of requests that produced a token (cumulative)
     generation_tokens: int  # tokens sampled (cumulative)
     kv_unused_slots: int  # slots held by running requests beyond their computed tokens
+    in_flight_tokens: int  # prompt + generated tokens of running and waiting requests
 
 
 def _total_memory() -> int:
@@ -267,7 +268,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
-            kv_unused_slots=self.kv.unused_slots(self.scheduler.running))
+            kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
+            in_flight_tokens=self.scheduler.num_unfinished_tokens())
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()

@@ -134,12 +134,16 @@ class OutputProcessor:
                 finish_reason=req.status.value if done else None,
                 stop_reason=req.stop_reason, logprobs=s.logprobs,
                 cumulative_logprob=s.cumulative_logprob))
+        first = parent.samples[0].request
+        queued = (None if first.first_scheduled_time is None
+                  else first.first_scheduled_time - first.arrival_time)
         out = RequestOutput(
             request_id=request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=finished,
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=max(parent.samples[0].request.num_cached_tokens, 0),
-            error=parent.error, delta_text=delta_text, delta_token_ids=parent.new_token_ids)
+            error=parent.error, queue_time=queued, delta_text=delta_text,
+            delta_token_ids=parent.new_token_ids)
         parent.new_token_ids = []
         if finished:
             del self._parents[request_id]

@@ -49,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     arrival_seq: int = 0  # set by the scheduler: FCFS tie-breaker
+    first_scheduled_time: float | None = None  # monotonic; end of its first wait
     first_token_time: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     _root: BlockHash | None = field(default=None, repr=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache.manager import KVCacheManager
@@ -67,6 +68,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def num_unfinished_tokens(self) -> int:
+        """Prompt + generated tokens of every running and waiting request."""
+        return (sum(r.num_tokens for r in self.running)
+                + sum(entry[2].num_tokens for entry in self._waiting))
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
@@ -144,6 +150,8 @@ class Scheduler:
                 heapq.heappop(self._waiting)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -1,1 +1,5 @@
-"""Prefill-role worker process (arrives with issue [2/5])."""
+"""Prefill-role worker: the shared worker server (`tandem.serving`) with `--role prefill`.
+
+`python -m tandem.prefill_worker [worker args]` is `tandem worker --role prefill ...`. What
+differs by role (KV hand-off to decode workers) arrives with issue [4/5].
+"""

@@ -1,0 +1,234 @@
+"""OpenAI-compatible request and response schemas (pydantic; torch-free, the router uses them).
+
+Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `cache_salt`,
+`priority`). Every client-controlled size is bounded here, before anything is tokenized.
+Unknown fields are ignored, as the OpenAI server and vLLM do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_PROMPT_CHARS = 4_000_000
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_BATCH_PROMPTS = 256
+MAX_MESSAGES = 4096
+MAX_STOP = 16
+MAX_STOP_TOKEN_IDS = 256
+
+PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = Field(default=None, max_length=512)
+    max_tokens: int | None = None
+    temperature: float | None = None  # OpenAI's default is 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[Annotated[str, Field(max_length=512)]],
+                          Field(max_length=MAX_STOP)] | None = Field(default=None)
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
+    priority: int = 0
+    user: str | None = Field(default=None, max_length=256)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: PromptText | TokenIds | Annotated[list[PromptText], Field(
+        max_length=MAX_BATCH_PROMPTS)] | Annotated[list[TokenIds], Field(
+            max_length=MAX_BATCH_PROMPTS)]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class ChatMessage(_Model):
+    role: Annotated[str, Field(max_length=64)]
+    content: PromptText | Annotated[list[TextPart], Field(max_length=1024)] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Model):
+    model: str | None = Field(default=None, max_length=512)
+    prompt: PromptText | None = None
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = Field(default=None, max_length=512)
+    tokens: TokenIds
+
+
+# -- responses ---------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    max_model_len: int | None = None
+    root: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(exclude_none=False)

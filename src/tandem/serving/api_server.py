@@ -1,0 +1,326 @@
+"""The worker's OpenAI-compatible HTTP API (FastAPI on uvicorn).
+
+`build_app(settings, load_engine)` returns the app. The engine loads in a thread at start-up:
+`/health` answers at once, `/ready` and the API say 503 until it is up. Routes:
+`/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
+`/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
+alive, not draining), `/metrics` (Prometheus). Every log line carries the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.llm_engine import EngineStats
+from tandem.engine.outputs import RequestOutput
+from tandem.protocol.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    new_id,
+    now,
+)
+from tandem.serving import errors
+from tandem.serving.convert import completion_prompts
+from tandem.serving.errors import APIError, from_engine_error
+from tandem.serving.grpc_server import WorkerService, start_grpc_server
+from tandem.serving.metrics import ServerMetrics
+from tandem.serving.middleware import BodyLimit, InFlight
+from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    role: str = "both"  # "both" | "prefill" | "decode"
+    max_body_bytes: int = 8 << 20  # larger bodies get 413
+    max_n: int = 16  # cap on `n`
+    request_timeout_s: float = 600.0  # a request running longer is aborted (504)
+    retry_after_s: int = 1  # Retry-After on 429
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int | None = None  # the gRPC Worker service; None = off
+    worker_id: str = ""  # reported in gRPC replies; defaults to host:port
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work`; if the client goes away first, cancel it (its requests get aborted).
+    Returns (completed, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False, None
+        return True, task.result()
+    finally:
+        watcher.cancel()
+
+
+class _EngineHolder:
+    def __init__(self) -> None:
+        self.engine: AsyncLLMEngine | None = None
+        self.error: BaseException | None = None
+
+    def get(self) -> AsyncLLMEngine:
+        if self.engine is None:
+            msg = "the model failed to load" if self.error else "the model is loading"
+            raise APIError(503, f"{msg}; retry later", headers={"Retry-After": "5"})
+        return self.engine
+
+    def snapshot(self) -> EngineStats | None:
+        return None if self.engine is None else self.engine.snapshot
+
+
+def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine]) -> FastAPI:
+    """`load_engine` runs in a thread at start-up; its engine is shut down at exit."""
+    holder = _EngineHolder()
+    metrics = ServerMetrics(settings.served_model_name, holder.snapshot)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(asyncio.to_thread(load_engine))
+
+        def loaded(t: asyncio.Future) -> None:
+            if t.cancelled():
+                return
+            if t.exception() is not None:
+                holder.error = t.exception()
+                logger.error("engine failed to load: %r", holder.error)
+                return
+            holder.engine = t.result()
+            state = holder.engine.engine.state
+            metrics.attach(state.block_size, state.num_kv_blocks)
+            logger.info("engine ready: serving %s", settings.served_model_name)
+
+        task.add_done_callback(loaded)
+        grpc_server = None
+        if settings.grpc_port is not None:
+            service = WorkerService(lambda: holder.engine, settings.worker_id,
+                                    settings.served_model_name, settings.role)
+            grpc_server = await start_grpc_server(service, settings.grpc_host,
+                                                  settings.grpc_port)
+        try:
+            yield
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=1.0)
+            task.cancel()
+            if holder.engine is not None:
+                holder.engine.shutdown()
+
+    app = FastAPI(title="Tandem worker", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.state.in_flight = [0]
+    app.state.draining = False
+    app.state.holder = holder
+    app.state.metrics = metrics
+    app.add_middleware(InFlight, counter=app.state.in_flight)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    created = now()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.served_model_name:
+            raise APIError(404, f"model {name!r} is not served here; this worker serves "
+                                f"{settings.served_model_name!r}", "model")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        engine = holder.engine
+        status = ("draining" if app.state.draining else "failed" if holder.error
+                  else "loading" if engine is None else "dead" if not engine.alive else "ready")
+        return JSONResponse({"status": status, "role": settings.role},
+                            status_code=200 if status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        state = holder.get().engine.state
+        card = ModelCard(id=settings.served_model_name, created=created,
+                         max_model_len=state.max_model_len, root=state.model_path)
+        return ModelList(data=[card]).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        check_model(req.model)
+        engine = holder.get().engine
+        tok = engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages],
+                    add_generation_prompt=req.add_generation_prompt)
+            except ValueError as exc:
+                raise from_engine_error(exc) from exc
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        check_model(req.model)
+        engine = holder.get().engine
+        vocab = engine.state.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    async def serve(request: Request, engine: AsyncLLMEngine, responder: Responder,
+                    prompts: list[str | list[int]]) -> Any:
+        if app.state.draining:
+            raise APIError(503, "the worker is draining; retry on another replica")
+        if not engine.alive:
+            raise APIError(503, "the engine is not running")
+        rid = responder.request_id
+        arrival = time.monotonic()
+        queues: list[asyncio.Queue] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                _, q = await engine.add(prompt, responder.params, f"{rid}-{i}",
+                                        priority=responder.priority,
+                                        cache_salt=responder.cache_salt)
+                queues.append(q)
+        except Exception as exc:
+            for i in range(len(queues)):
+                engine.abort(f"{rid}-{i}")
+            raise from_engine_error(exc, settings.retry_after_s) from exc
+        logger.info("[%s] admitted %d prompt(s), stream=%s", rid, len(prompts), responder.stream)
+        stream = _merge(engine, rid, queues, metrics, arrival)
+        if responder.stream:
+            return StreamingResponse(_with_timeout(responder.sse(stream), settings, rid),
+                                     media_type="text/event-stream")
+
+        async def collect() -> dict:
+            async with asyncio.timeout(settings.request_timeout_s):
+                return await responder.collect(stream)
+
+        try:
+            completed, body = await _cancel_on_disconnect(request, collect())
+        except TimeoutError as exc:
+            raise APIError(504, f"request timed out after {settings.request_timeout_s}s") \
+                from exc
+        if not completed:
+            logger.info("[%s] client disconnected; aborted", rid)
+            return JSONResponse({}, status_code=499)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        check_model(req.model)
+        engine = holder.get()
+        try:
+            responder = CompletionResponder(req, engine.engine.tokenizer, settings,
+                                            new_id("cmpl"))
+            prompts = completion_prompts(req)
+        except ValueError as exc:
+            raise from_engine_error(exc) from exc
+        return await serve(request, engine, responder, prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        check_model(req.model)
+        engine = holder.get()
+        tok = engine.engine.tokenizer
+        try:
+            responder = ChatResponder(req, tok, settings, new_id("chatcmpl"))
+            text = tok.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
+            raise from_engine_error(exc) from exc
+        return await serve(request, engine, responder,
+                           [tok.encode(text, add_special_tokens=False)])
+
+    return app
+
+
+async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
+                 metrics: ServerMetrics,
+                 arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt index, output) from every sub-request until all finish; abort what is
+    left if the consumer stops early (disconnect, timeout)."""
+    pending = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
+    first_token: float | None = None
+    last_token: float | None = None
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+            for i in [i for i, f in pending.items() if f in done]:
+                out: RequestOutput = pending.pop(i).result()
+                t = time.monotonic()
+                if any(c.token_ids for c in out.outputs):
+                    if first_token is None:
+                        first_token = t
+                        metrics.ttft.observe(t - arrival)
+                        if out.queue_time is not None:
+                            metrics.queue.observe(out.queue_time)
+                    elif last_token is not None:
+                        metrics.itl.observe(t - last_token)
+                    last_token = t
+                if out.finished:
+                    for c in out.outputs:
+                        metrics.finished(c.finish_reason or "abort")
+                else:
+                    pending[i] = asyncio.ensure_future(queues[i].get())
+                yield i, out
+        metrics.e2e.observe(time.monotonic() - arrival)
+    finally:
+        for i, f in pending.items():
+            f.cancel()
+            engine.abort(f"{rid}-{i}")
+
+
+async def _with_timeout(chunks: AsyncIterator[str], settings: ServerSettings,
+                        rid: str) -> AsyncIterator[str]:
+    deadline = time.monotonic() + settings.request_timeout_s
+    it = chunks.__aiter__()
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    chunk = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                logger.warning("[%s] stream timed out", rid)
+                yield sse_error(504, "request timed out")
+                yield "data: [DONE]\n\n"
+                return
+            yield chunk
+    finally:
+        await it.aclose()

@@ -1,0 +1,121 @@
+"""OpenAI requests -> engine `SamplingParams`, engine outputs -> OpenAI response pieces.
+
+Pure functions over plain values (no server, no engine thread), unit-testable alone.
+"""
+
+from __future__ import annotations
+
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.protocol.openai_api import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    CompletionLogprobs,
+    CompletionRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from tandem.protocol.tokenizer import Tokenizer
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) -> SamplingParams:
+    """Map the request's sampling fields; raises `InvalidRequestError` naming the field."""
+    if not 1 <= req.n <= max_n:
+        raise InvalidRequestError(f"n must be in [1, {max_n}], got {req.n}", "n")
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true", "top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                                      "top_logprobs")
+        logprobs = top if req.logprobs else None
+    else:
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
+        logprobs = req.logprobs
+        if req.echo:
+            raise InvalidRequestError("echo is not supported", "echo")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as engine prompts (strings or token-id lists); never empty."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[str | list[int]] = [p]
+    elif p and isinstance(p[0], int):
+        prompts = [list(p)]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    for item in prompts:
+        if not item:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+    return prompts
+
+
+def usage(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details={"cached_tokens": cached})
+
+
+def _token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, out: CompletionOutput, start: int, end: int,
+                        text_offset: int, k: int) -> CompletionLogprobs:
+    """Legacy completions logprobs for generated positions [start, end)."""
+    lp = CompletionLogprobs()
+    offset = text_offset
+    for pos in range(start, end):
+        tid = out.token_ids[pos]
+        entry = out.logprobs[pos] if out.logprobs else {}
+        text = _token_text(tok, tid)
+        lp.tokens.append(text)
+        lp.token_logprobs.append(entry.get(tid))
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
+        lp.top_logprobs.append({_token_text(tok, t): v for t, v in top} if k else None)
+        lp.text_offset.append(offset)
+        offset += len(text)
+    return lp
+
+
+def chat_logprobs(tok: Tokenizer, out: CompletionOutput, start: int, end: int,
+                  k: int) -> ChatLogprobs:
+    """Chat logprobs (`content` list) for generated positions [start, end)."""
+    content = []
+    for pos in range(start, end):
+        tid = out.token_ids[pos]
+        entry = out.logprobs[pos] if out.logprobs else {}
+        text = _token_text(tok, tid)
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        content.append(TokenLogprob(
+            token=text, logprob=entry.get(tid, float("-inf")), bytes=list(text.encode()),
+            top_logprobs=[TopLogprob(token=(t := _token_text(tok, i)), logprob=v,
+                                     bytes=list(t.encode())) for i, v in top]))
+    return ChatLogprobs(content=content)

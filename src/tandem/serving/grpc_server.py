@@ -1,0 +1,101 @@
+"""The worker's gRPC control service (`tandem.v1.Worker`, see `protocol/worker.proto`).
+
+`SubscribeKVEvents` streams a snapshot of every block hash the worker holds, then live
+KV events with sequence numbers; `GetLoad` reports queue depth, free blocks and in-flight
+tokens. Runs on grpc.aio in the same event loop as the HTTP server. Messages are protobuf
+only: nothing received is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+logger = logging.getLogger(__name__)
+MAX_EVENTS_PER_MESSAGE = 1024
+
+
+def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
+    if isinstance(event, BlockStored):
+        return worker_pb2.KVEvent(seq=seq, stored=worker_pb2.BlockStored(
+            block_hashes=list(event.block_hashes), parent_hash=event.parent_hash,
+            token_ids=list(event.token_ids), block_size=event.block_size))
+    if isinstance(event, BlockRemoved):
+        return worker_pb2.KVEvent(seq=seq, removed=worker_pb2.BlockRemoved(
+            block_hashes=list(event.block_hashes)))
+    if isinstance(event, AllBlocksCleared):
+        return worker_pb2.KVEvent(seq=seq, cleared=worker_pb2.AllBlocksCleared())
+    raise TypeError(f"unknown KV event {event!r}")
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], worker_id: str,
+                 model: str, role: str) -> None:
+        self.get_engine = get_engine
+        self.worker_id = worker_id
+        self.model = model
+        self.role = role
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLMEngine:
+        engine = self.get_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
+        return engine
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+        engine = await self._engine(context)
+        s, state = engine.snapshot, engine.engine.state
+        return worker_pb2.Load(
+            worker_id=self.worker_id, model=self.model, role=self.role,
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=state.num_kv_blocks,
+            block_size=state.block_size, in_flight_tokens=s.in_flight_tokens,
+            kv_cache_usage=s.kv_cache_usage)
+
+    async def SubscribeKVEvents(  # noqa: N802 - gRPC name
+            self, request: worker_pb2.SubscribeKVEventsRequest,
+            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KVEventBatch]:
+        engine = await self._engine(context)
+        hub = engine.kv_hub
+        if hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are disabled")
+        sid, sub = await engine.subscribe_kv_events()
+        block_size = engine.engine.state.block_size
+        logger.info("KV subscriber %d joined at seq %d (%d blocks)", sid, sub.snapshot_seq,
+                    len(sub.snapshot))
+        try:
+            yield worker_pb2.KVEventBatch(
+                worker_id=self.worker_id, model=self.model, block_size=block_size,
+                snapshot=worker_pb2.Snapshot(seq=sub.snapshot_seq,
+                                             block_hashes=sub.snapshot))
+            while True:
+                batch = await hub.next_batch(sub)
+                if batch is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "subscriber fell too far behind; resubscribe")
+                for i in range(0, len(batch), MAX_EVENTS_PER_MESSAGE):
+                    yield worker_pb2.KVEventBatch(
+                        worker_id=self.worker_id, model=self.model, block_size=block_size,
+                        events=[event_to_proto(seq, e)
+                                for seq, e in batch[i : i + MAX_EVENTS_PER_MESSAGE]])
+        finally:
+            hub.unsubscribe(sid)
+            logger.info("KV subscriber %d left", sid)
+
+
+async def start_grpc_server(service: WorkerService, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC port {host}:{port}")
+    await server.start()
+    logger.info("gRPC Worker service on %s:%d", host, bound)
+    return server

@@ -1,0 +1,94 @@
+"""Prometheus metrics under vLLM's names (`vllm:*`, label `model_name`) plus `tandem_*`.
+
+Gauges and engine counters are read from the engine's last-step snapshot at scrape time;
+latency histograms are observed by the HTTP layer as requests progress. Buckets follow
+vLLM's so existing dashboards and KEDA triggers work unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tandem.engine.llm_engine import EngineStats
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.snapshot = snapshot
+        self.block_size = 0
+        self.num_blocks = 0
+
+    def collect(self) -> Iterator:
+        s = self.snapshot()
+        if s is None:  # still loading: no engine series yet
+            return
+        lbl = ["model_name"]
+        v = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=lbl)
+            g.add_metric(v, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=lbl)
+            c.add_metric(v, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.",
+                    s.kv_cache_usage)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Preemptions (by recompute).", s.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield gauge("tandem_kv_free_blocks", "Free (or evictable) KV blocks.", s.num_free_blocks)
+        yield gauge("tandem_kv_total_blocks", "KV blocks in the pool.", self.num_blocks)
+        yield gauge("tandem_kv_block_size", "Tokens per KV block.", self.block_size)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._engine = _EngineCollector(model_name, snapshot)
+        self.registry.register(self._engine)
+        lbl = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", lbl,
+                              buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", lbl,
+                             buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             lbl, buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time spent waiting.", lbl,
+                               buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.http_errors = Counter("tandem_http_errors", "Error responses by status.",
+                                   ["model_name", "status"], registry=reg)
+
+    def attach(self, block_size: int, num_blocks: int) -> None:
+        """Record the loaded engine's KV geometry."""
+        self._engine.block_size = block_size
+        self._engine.num_blocks = num_blocks
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()

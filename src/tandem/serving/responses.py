@@ -1,0 +1,196 @@
+"""Turns a stream of engine outputs into OpenAI responses: one JSON body, or SSE chunks.
+
+Choice `index` = prompt index * n + sample index (OpenAI's order for batched prompts).
+Streaming sends each choice's new text since the last chunk, its finish reason once, an
+optional usage chunk (`stream_options.include_usage`) and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.protocol.openai_api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    now,
+)
+from tandem.protocol.tokenizer import Tokenizer
+from tandem.serving import convert
+from tandem.serving.errors import APIError, error_body
+
+Stream = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def sse_error(status: int, message: str) -> str:
+    return _sse(error_body(status, message))
+
+
+class Responder(ABC):
+    def __init__(self, req: CompletionRequest | ChatCompletionRequest, tok: Tokenizer,
+                 settings: Any, request_id: str) -> None:
+        self.req = req
+        self.tok = tok
+        self.params = convert.sampling_params(req, settings.max_n)
+        self.n = req.n
+        self.stream = req.stream
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.request_id = request_id
+        self.model = settings.served_model_name
+        self.created = now()
+
+    async def collect(self, stream: Stream) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in stream:
+                if out.finished:
+                    finals[i] = out
+        finally:
+            await stream.aclose()  # aborts unfinished sub-requests at once (disconnect)
+        ordered = [finals[i] for i in sorted(finals)]
+        for out in ordered:
+            if out.error:
+                raise APIError(500, out.error, type_="server_error")
+        return self.body(ordered)
+
+    async def sse(self, stream: Stream) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._sse(stream):
+                yield chunk
+        finally:
+            await stream.aclose()  # aborts unfinished sub-requests at once (disconnect)
+
+    async def _sse(self, stream: Stream) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tok: dict[int, int] = {}
+        finished: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        started: set[int] = set()
+        async for i, out in stream:
+            if out.error:
+                yield sse_error(500, out.error)
+                break
+            for c in out.outputs:
+                idx = i * self.n + c.index
+                if idx not in started:
+                    started.add(idx)
+                    first = self.first_chunk(idx)
+                    if first is not None:
+                        yield _sse(first)
+                t0, t1 = sent_tok.get(idx, 0), len(c.token_ids)
+                text = c.text[sent_text.get(idx, 0):]
+                done = c.finish_reason is not None and idx not in finished
+                if not text and not done and t1 == t0:
+                    continue
+                sent_text[idx] = len(c.text)
+                sent_tok[idx] = t1
+                if done:
+                    finished.add(idx)
+                yield _sse(self.chunk(idx, c, text, t0, t1, done))
+            if out.finished:
+                finals[i] = out
+        else:
+            if self.include_usage:
+                ordered = [finals[i] for i in sorted(finals)]
+                yield _sse(self.usage_chunk(ordered))
+        yield "data: [DONE]\n\n"
+
+    def first_chunk(self, idx: int) -> dict[str, Any] | None:
+        return None
+
+    @abstractmethod
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
+              done: bool) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
+
+
+class CompletionResponder(Responder):
+    req: CompletionRequest
+
+    def _logprobs(self, c: CompletionOutput, t0: int, t1: int, offset: int):
+        if self.params.logprobs is None:
+            return None
+        return convert.completion_logprobs(self.tok, c, t0, t1, offset, self.params.logprobs)
+
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [
+            CompletionChoice(index=i * self.n + c.index, text=c.text,
+                             logprobs=self._logprobs(c, 0, len(c.token_ids), 0),
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, out in enumerate(outs) for c in out.outputs
+        ]
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=choices, usage=convert.usage(outs)).model_dump()
+
+    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
+              done: bool) -> dict[str, Any]:
+        choice = CompletionChoice(index=idx, text=text,
+                                  logprobs=self._logprobs(c, t0, t1, len(c.text) - len(text)),
+                                  finish_reason=c.finish_reason if done else None,
+                                  stop_reason=c.stop_reason if done else None)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[choice]).model_dump(exclude={"usage"})
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[], usage=convert.usage(outs)).model_dump()
+
+
+class ChatResponder(Responder):
+    req: ChatCompletionRequest
+
+    def _logprobs(self, c: CompletionOutput, t0: int, t1: int):
+        if self.params.logprobs is None:
+            return None
+        return convert.chat_logprobs(self.tok, c, t0, t1, self.params.logprobs)
+
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [
+            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                       logprobs=self._logprobs(c, 0, len(c.token_ids)),
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for out in outs for c in out.outputs
+        ]
+        return ChatCompletionResponse(id=self.request_id, created=self.created,
+                                      model=self.model, choices=choices,
+                                      usage=convert.usage(outs)).model_dump()
+
+    def first_chunk(self, idx: int) -> dict[str, Any]:
+        choice = ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[choice]).model_dump(exclude={"usage"})
+
+    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
+              done: bool) -> dict[str, Any]:
+        choice = ChatChunkChoice(index=idx, delta=DeltaMessage(content=text or None),
+                                 logprobs=self._logprobs(c, t0, t1),
+                                 finish_reason=c.finish_reason if done else None,
+                                 stop_reason=c.stop_reason if done else None)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[choice]).model_dump(exclude={"usage"})
+
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                   choices=[], usage=convert.usage(outs)).model_dump()

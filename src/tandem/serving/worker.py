@@ -1,0 +1,130 @@
+"""`tandem worker`: one engine behind the OpenAI HTTP API, under uvicorn.
+
+SIGTERM drains: readiness fails and new requests get 503 at once, running requests may
+finish for up to `--drain-timeout` seconds, then the process exits 0. SIGINT (Ctrl-C) does
+the same with no grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from typing import Any
+
+from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=".gguf file or HF directory (default: bundled)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=0.1,
+                   help="bytes (> 1) or a fraction of RAM (<= 1)")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=4096,
+                   help="bound on queued requests; beyond it requests get 429")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    mem = args.kv_cache_memory
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        kv_cache_memory=int(mem) if mem > 1 else float(mem), num_kv_blocks=args.num_kv_blocks,
+        max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="serve the gRPC Worker service (KV events, load) on this port")
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    p.add_argument("--max-n", type=int, default=16)
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM")
+
+
+def default_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return "SmolLM2-135M-Instruct"
+    from pathlib import Path
+
+    return Path(args.model).stem
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.engine.async_engine import AsyncLLMEngine
+    from tandem.serving.api_server import ServerSettings, build_app
+
+    config = engine_config(args)
+    name = default_model_name(args)
+    settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
+                              max_body_bytes=args.max_body_bytes,
+                              request_timeout_s=args.request_timeout,
+                              grpc_host=args.host, grpc_port=args.grpc_port,
+                              worker_id=f"{args.host}:{args.port}")
+    config = EngineConfig(**{**config.__dict__, "served_model_name": name,
+                             "enable_kv_events": args.grpc_port is not None})
+    app = build_app(settings, lambda: AsyncLLMEngine.from_config(config))
+    server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                            log_level="warning", access_log=False,
+                                            timeout_graceful_shutdown=5),
+                             app, args.drain_timeout)
+    logger.info("worker (%s) serving %s on http://%s:%d", args.role, name, args.host, args.port)
+    server.run()
+    return 0
+
+
+class _DrainingServer:
+    """uvicorn.Server whose SIGTERM first drains (503 + readiness down), then exits."""
+
+    def __init__(self, config: Any, app: Any, drain_timeout: float) -> None:
+        import uvicorn
+
+        outer = self
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:  # noqa: D102
+                if sig == signal.SIGTERM and not app.state.draining:
+                    app.state.draining = True
+                    logger.info("SIGTERM: draining (%d in flight)", app.state.in_flight[0])
+                    asyncio.get_event_loop().call_soon_threadsafe(outer._start_drain)
+                    return
+                super().handle_exit(sig, frame)
+
+        self.server = Server(config)
+        self.app = app
+        self.drain_timeout = drain_timeout
+
+    def _start_drain(self) -> None:
+        asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.app.state.in_flight[0] > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        logger.info("drained (%d still in flight); exiting", self.app.state.in_flight[0])
+        self.server.should_exit = True
+
+    def run(self) -> None:
+        self.server.run()

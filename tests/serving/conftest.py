@@ -1,0 +1,72 @@
+"""Real worker processes on real ports, driven by real HTTP clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_worker(tmp_path, *args: str, wait_ready: bool = True) -> WorkerProcess:
+    port = free_port()
+    log_path = str(tmp_path / f"worker-{port}.log")
+    cmd = [sys.executable, "-m", "tandem.cli", "worker", "--port", str(port),
+           "--kv-cache-memory", str(256 << 20), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    worker = WorkerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    if wait_ready:
+        wait_for(worker, "/ready", 200, timeout=180)
+    return worker
+
+
+def wait_for(worker: WorkerProcess, path: str, status: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if worker.proc.poll() is not None:
+            raise RuntimeError(f"worker exited early:\n{worker.log()}")
+        try:
+            if httpx.get(worker.url + path, timeout=2).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} never returned {status}:\n{worker.log()}")
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory) -> Iterator[WorkerProcess]:
+    w = start_worker(tmp_path_factory.mktemp("worker"), "--max-n", "4")
+    yield w
+    assert w.stop() == 0, w.log()

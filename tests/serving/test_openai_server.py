@@ -1,0 +1,228 @@
+"""The official `openai` client, unchanged, against a real worker process on a real port."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tandem import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _greedy(real_llm, prompt, n=24):
+    out = real_llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0))[0]
+    return out.outputs[0]
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completions_match_the_offline_engine_exactly(client, real_llm):
+    for prompt in PROMPTS:
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                         temperature=0)
+        ref = _greedy(real_llm, prompt)
+        choice = resp.choices[0]
+        assert choice.text == ref.text
+        assert choice.finish_reason == ref.finish_reason
+        assert resp.usage.completion_tokens == len(ref.token_ids)
+        assert resp.usage.prompt_tokens == len(real_llm.get_tokenizer().encode(prompt))
+
+
+def test_batched_prompts_come_back_in_order(client, real_llm):
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [_greedy(real_llm, p, 12).text for p in PROMPTS]
+
+
+def test_chat_matches_llm_chat(client, real_llm):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                          temperature=0)
+    ref = real_llm.chat(messages, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0]
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == ref.text
+    assert resp.object == "chat.completion"
+
+
+def test_streaming_is_incremental_and_equals_the_whole(client, real_llm):
+    ref = _greedy(real_llm, PROMPTS[2], 48)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=48,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    pieces, stamps, usage, finish = [], [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.text:
+                pieces.append(c.text)
+                stamps.append(time.monotonic())
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == ref.text
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == 48
+    # tokens arrived over time, not in one burst at the end
+    assert len(pieces) >= 10
+    assert stamps[-1] - stamps[0] > 0.1
+
+
+def test_chat_streaming_sends_role_then_content(client, real_llm):
+    messages = [{"role": "user", "content": "Say hello."}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ref = real_llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert text == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_are_cut(client, real_llm):
+    ref = _greedy(real_llm, PROMPTS[1], 24).text
+    stop = ref[5:8]  # a string the greedy continuation is known to contain
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24,
+                                     temperature=0, stop=[stop])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == ref[: ref.index(stop)]
+
+
+def test_seed_reproducible_and_n_samples(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=1.0, seed=1234)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+    others = {client.completions.create(**{**kw, "seed": s}).choices[0].text for s in range(4)}
+    assert len(others) > 1
+    resp = client.completions.create(**{**kw, "n": 3}, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert resp.usage.completion_tokens == 3 * 16
+    assert len({c.text for c in resp.choices}) > 1  # samples differ from each other
+
+
+def test_logprobs(client):
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
+                                     temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == resp.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and chosen <= 0.0
+        assert max(top.values()) == pytest.approx(chosen)  # greedy picks the top token
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 5}, "n"),  # the worker caps n at 4
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"max_tokens": 9000}, "max_tokens"),  # prompt + max_tokens beyond the 8192 window
+    ({"max_tokens": "many"}, "max_tokens"),
+])
+def test_bad_parameters_get_400_with_the_field(client, body, param):
+    kw = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **body}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**kw)
+    assert err.value.status_code == 400
+    error = err.value.body
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    assert err.value.body["param"] == "model"
+
+
+def test_oversized_body_is_413(worker):
+    big = "x" * (9 << 20)  # above the 8 MiB default limit
+    r = httpx.post(worker.url + "/v1/completions", json={"prompt": big}, timeout=60)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413
+
+
+def test_malformed_json_is_400_not_500(worker):
+    r = httpx.post(worker.url + "/v1/completions", content=b"{not json",
+                   headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400
+    assert "error" in r.json()
+
+
+def test_tokenize_detokenize_round_trip(worker, real_llm):
+    text = "Paged attention, continuous batching."
+    r = httpx.post(worker.url + "/tokenize", json={"prompt": text}, timeout=10).json()
+    assert r["tokens"] == real_llm.get_tokenizer().encode(text)
+    back = httpx.post(worker.url + "/detokenize", json={"tokens": r["tokens"]}, timeout=10)
+    assert back.json()["prompt"].endswith(text)
+
+
+def _metric(worker, name: str) -> float:
+    for line in httpx.get(worker.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_metrics_use_vllm_names(client, worker):
+    before = _metric(worker, "vllm:generation_tokens_total")
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert _metric(worker, "vllm:generation_tokens_total") == before + 5
+    text = httpx.get(worker.url + "/metrics", timeout=10).text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket", "vllm:request_success_total"):
+        assert f'{name}{{' in text, name
+    assert f'model_name="{MODEL}"' in text
+
+
+def test_disconnected_stream_frees_its_blocks_within_a_second(worker):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", worker.url + "/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk in: the request is running; now hang up
+    assert _metric(worker, "vllm:num_requests_running") <= 1
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if (_metric(worker, "vllm:num_requests_running") == 0
+                and _metric(worker, "vllm:kv_cache_usage_perc") == 0.0):
+            break
+        time.sleep(0.05)
+    assert _metric(worker, "vllm:num_requests_running") == 0
+    assert _metric(worker, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_openapi_schema_is_published(worker):
+    schema = httpx.get(worker.url + "/openapi.json", timeout=10).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                 "/detokenize", "/health", "/ready", "/metrics"):
+        assert path in schema["paths"], path
