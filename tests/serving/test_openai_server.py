@@ -86,6 +86,7 @@ def test_chat_streaming_sends_role_then_content(client, real_llm):
                                             temperature=0, stream=True)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])  # role only once
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     ref = real_llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0]
     assert text == ref.outputs[0].text

@@ -179,8 +179,15 @@ class ChatResponder(Responder):
 
     def first_chunk(self, idx: int) -> dict[str, Any]:
         choice = ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+        return self._chunk_dict(choice)
+
+    def _chunk_dict(self, choice: ChatChunkChoice) -> dict[str, Any]:
+        """A chunk as OpenAI sends it: no usage key, and only the delta fields that are set."""
+        body = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice]).model_dump(exclude={"usage"})
+        delta = body["choices"][0]["delta"]
+        body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}
+        return body
 
     def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
               done: bool) -> dict[str, Any]:
@@ -188,8 +195,7 @@ class ChatResponder(Responder):
                                  logprobs=self._logprobs(c, t0, t1),
                                  finish_reason=c.finish_reason if done else None,
                                  stop_reason=c.stop_reason if done else None)
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[choice]).model_dump(exclude={"usage"})
+        return self._chunk_dict(choice)
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
