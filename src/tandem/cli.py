@@ -27,7 +27,7 @@ from tandem.serving.worker import add_engine_args, add_server_args, engine_confi
 def _generate(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
 
-    llm = LLM(**{k: v for k, v in engine_config(args).__dict__.items()})
+    llm = LLM(**vars(engine_config(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             seed=args.seed)

@@ -37,6 +37,7 @@ def test_chat_max_completion_tokens_wins_and_logprobs_map():
     (CompletionRequest(prompt="x", n=9), "n"),
     (CompletionRequest(prompt="x", echo=True), "echo"),
     (CompletionRequest(prompt="x", temperature=-1), "temperature"),
+    (CompletionRequest(prompt="x", seed=2**64), "seed"),  # would overflow torch's generator
     (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_logprobs=2),
      "top_logprobs"),
     (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True,

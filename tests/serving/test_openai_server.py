@@ -141,6 +141,7 @@ def test_logprobs(client):
     ({"prompt": ""}, "prompt"),
     ({"max_tokens": 9000}, "max_tokens"),  # prompt + max_tokens beyond the 8192 window
     ({"max_tokens": "many"}, "max_tokens"),
+    ({"seed": 2**64}, "seed"),
 ])
 def test_bad_parameters_get_400_with_the_field(client, body, param):
     kw = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **body}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from tandem.engine.errors import ConfigError
 
@@ -36,6 +37,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # seeds the generator of unseeded random sampling
     served_model_name: str | None = None  # model id used in hashes and the API
+
+    @property
+    def model_name(self) -> str:
+        """The served model id (API `model` field, metrics label, block-hash key)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            from tandem.protocol.bundled import BUNDLED_NAME
+
+            return BUNDLED_NAME
+        return Path(self.model).stem
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

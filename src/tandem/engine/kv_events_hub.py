@@ -27,7 +27,6 @@ class Subscription:
     snapshot_seq: int = 0
     snapshot: list[BlockHash] = field(default_factory=list)
     backlog: int = 0  # events handed over but not yet taken (guarded by the hub's lock)
-    closed: bool = False
 
 
 class KVEventHub:
@@ -37,10 +36,6 @@ class KVEventHub:
         self._subs: dict[int, Subscription] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
-
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._subs)
 
     def subscribe(self, held: list[BlockHash], loop: asyncio.AbstractEventLoop) -> tuple[
             int, Subscription]:
@@ -65,7 +60,6 @@ class KVEventHub:
                 overflow = sub.backlog > self.max_backlog
             if overflow:
                 self._subs.pop(sid, None)
-                sub.closed = True
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, None)
             else:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, numbered)

@@ -87,13 +87,11 @@ class LLMEngine:
                       arch.max_position_embeddings)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                              arch.head_dim ** -0.5, arch.sliding_window)
-        attn_name = config.attention_backend
-        if attn_name == "auto" and not config.native_kernels:
-            attn_name = "torch"
-        backend = resolve_backend(attn_name, spec, dtype, self.device)(
+        backend = resolve_backend(config.attention_backend, spec, dtype, self.device,
+                                  native=config.native_kernels)(
             spec, config.block_size, dtype, self.device)
         self.model = LlamaForCausalLM(arch, backend, max_positions=max_len,
-                                      ops=Ops(native=config.native_kernels))
+                                      ops=Ops(config.native_kernels, self.device, dtype))
         self.model.load_weights(loaded.weights)
         del loaded
         self.model.to(device=self.device, dtype=dtype).eval()
@@ -103,8 +101,7 @@ class LLMEngine:
 
         per_block = backend.bytes_per_block() * arch.num_layers
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block, max_len)
-        name = config.served_model_name or (
-            "SmolLM2-135M-Instruct" if config.model is None else path.stem)
+        name = config.model_name
         self.state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
                                  per_block, arch.vocab_size)
         self.eos_token_ids = tuple(dict.fromkeys(

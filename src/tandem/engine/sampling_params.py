@@ -8,6 +8,7 @@ from tandem.engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_SEED = 2**63  # torch generators take 64-bit seeds; a larger one must not reach a step
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 512
 
@@ -67,8 +68,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise bad(name, f"must be in [-2, 2], got {value}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < MAX_SEED):
+            raise bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -97,7 +99,7 @@ class SamplingParams:
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Params for the `index`-th of n samples: n=1 and a derived seed when seeded."""
-        seed = None if self.seed is None else (self.seed + index) % (2**63)
+        seed = None if self.seed is None else (self.seed + index) % MAX_SEED
         return SamplingParams(**{**self._fields(), "n": 1, "seed": seed})
 
     def _fields(self) -> dict:

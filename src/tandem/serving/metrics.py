@@ -82,8 +82,6 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=reg)
-        self.http_errors = Counter("tandem_http_errors", "Error responses by status.",
-                                   ["model_name", "status"], registry=reg)
 
     def attach(self, block_size: int, num_blocks: int) -> None:
         """Record the loaded engine's KV geometry."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -60,16 +61,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM")
 
 
-def default_model_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model is None:
-        return "SmolLM2-135M-Instruct"
-    from pathlib import Path
-
-    return Path(args.model).stem
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from tandem.serving.api_server import ServerSettings, build_app
 
     config = engine_config(args)
-    name = default_model_name(args)
+    name = config.model_name
     settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
                               grpc_host=args.host, grpc_port=args.grpc_port,
                               worker_id=f"{args.host}:{args.port}")
-    config = EngineConfig(**{**config.__dict__, "served_model_name": name,
-                             "enable_kv_events": args.grpc_port is not None})
+    config = dataclasses.replace(config, served_model_name=name,
+                                 enable_kv_events=args.grpc_port is not None)
     app = build_app(settings, lambda: AsyncLLMEngine.from_config(config))
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level="warning", access_log=False,

@@ -98,10 +98,11 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 
 def resolve_backend(name: str, spec: AttentionSpec, dtype: torch.dtype,
-                    device: torch.device) -> type[AttentionBackend]:
-    """`name`'s class; "auto" picks the native CPU kernel where it builds, else torch."""
+                    device: torch.device, native: bool = True) -> type[AttentionBackend]:
+    """`name`'s class; "auto" picks the native CPU kernel where it builds (and `native`
+    kernels are allowed), else torch."""
     if name == "auto":
         from tandem.engine.attention.cpu_backend import native_available
 
-        name = "cpu" if native_available(spec, dtype, device) else "torch"
+        name = "cpu" if native and native_available(spec, dtype, device) else "torch"
     return get_backend(name)

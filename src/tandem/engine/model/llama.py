@@ -16,7 +16,7 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.model.ops import Ops
+from tandem.engine.model.ops import Ops, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -29,10 +29,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _inv_freq(cfg: ModelArchConfig) -> torch.Tensor:

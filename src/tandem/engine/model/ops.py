@@ -2,7 +2,7 @@
 
 Each op has one torch reference implementation (HF's math) and, for contiguous float32 CPU
 tensors, a native kernel from `tandem.engine.csrc/elementwise_cpu.c` doing the same in one
-pass. `Ops(native=False)` forces the torch path (tests compare the two).
+pass, chosen once per model. `Ops(native=False)` forces the torch path (tests compare them).
 """
 
 from __future__ import annotations
@@ -17,13 +17,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class Ops:
-    def __init__(self, native: bool = True) -> None:
-        self.lib = load_native() if native else None
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF-exact RMSNorm: normalise in float32, scale in x's dtype."""
+    r = x.float()
+    r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * r.to(x.dtype)
 
-    def _native_ok(self, *ts: torch.Tensor) -> bool:
-        return self.lib is not None and all(
-            t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+class Ops:
+    """`native=True` uses the kernels when the model runs in float32 on the CPU (decided
+    once here, not per call); callers still need contiguous tensors for the native path."""
+
+    def __init__(self, native: bool = True, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        self.lib = load_native() if native and on_cpu and dtype == torch.float32 else None
 
     def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,8 +39,8 @@ class Ops:
 
         x, residual: [T, H]. `residual` is updated in place when it is contiguous.
         """
-        if self._native_ok(residual, weight) and residual.is_contiguous() and (
-                x is None or (x.is_contiguous() and x.dtype == torch.float32)):
+        if self.lib is not None and residual.is_contiguous() and (
+                x is None or x.is_contiguous()):
             out = torch.empty_like(residual)
             t, h = residual.shape
             self.lib.tandem_add_rms_norm_f32(out.data_ptr(), residual.data_ptr(), _ptr(x),
@@ -41,14 +49,12 @@ class Ops:
             return out, residual
         if x is not None:
             residual = residual + x
-        r = residual.float()
-        r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * r.to(residual.dtype), residual
+        return rms_norm(residual, weight, eps), residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         t, two_i = gate_up.shape
-        if self._native_ok(gate_up) and gate_up.is_contiguous():
+        if self.lib is not None and gate_up.is_contiguous():
             out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
             self.lib.tandem_silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), t, two_i // 2,
                                          torch.get_num_threads())
@@ -61,8 +67,8 @@ class Ops:
         """Rotate-half RoPE in place on x [T, heads, D] (rows may be strided; heads and D
         contiguous) with tables cos/sin [max_pos, D] at `positions` [T] int64. Returns x."""
         t, heads, d = x.shape
-        if (self._native_ok(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == d
-                and cos.is_contiguous() and sin.is_contiguous()
+        if (self.lib is not None and x.stride(2) == 1 and x.stride(1) == d
+                and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
                 and positions.dtype == torch.int64 and positions.is_contiguous()):
             self.lib.tandem_rope_f32(x.data_ptr(), positions.data_ptr(), cos.data_ptr(),
                                      sin.data_ptr(), t, heads, d, x.stride(0),
