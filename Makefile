@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench bench-quick clean
+.PHONY: serve test lint bench bench-quick bench-serve clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) bench/offline_throughput.py --quick
+
+bench-serve: $(STAMP)
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV)

@@ -80,13 +80,18 @@ def make_workload(
     prompt_len: tuple[int, int] = (32, 768),
     output_len: tuple[int, int] = (16, 256),
     special_ids: Sequence[int] | None = None,
+    num_prefix_groups: int = 1,
 ) -> list[BenchRequest]:
     """Deterministic list of requests.
 
     ``prompt_len`` and ``output_len`` are inclusive uniform ranges.  With
-    ``shared_prefix_tokens > 0`` the same random prefix of that many tokens is prepended to
-    every prompt (``prompt_len`` then counts only the per-request suffix).
+    ``shared_prefix_tokens > 0`` a random prefix of that many tokens is prepended to every
+    prompt (``prompt_len`` then counts only the per-request suffix): one prefix shared by all,
+    or with ``num_prefix_groups = G > 1``, G different prefixes ("system prompts"), each
+    request drawing its group uniformly.
     """
+    if num_prefix_groups < 1:
+        raise ValueError("num_prefix_groups must be >= 1")
     if num_requests < 0:
         raise ValueError("num_requests must be >= 0")
     if not 1 <= prompt_len[0] <= prompt_len[1]:
@@ -95,13 +100,16 @@ def make_workload(
         raise ValueError(f"bad output_len range {output_len}")
     vocab = normal_token_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
-    prefix = rng.choice(vocab, size=shared_prefix_tokens).tolist() if shared_prefix_tokens else []
+    prefixes = [rng.choice(vocab, size=shared_prefix_tokens).tolist() if shared_prefix_tokens
+                else [] for _ in range(num_prefix_groups)]
     requests = []
     for _ in range(num_requests):
+        group = int(rng.integers(num_prefix_groups)) if num_prefix_groups > 1 else 0
         plen = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
         olen = int(rng.integers(output_len[0], output_len[1] + 1))
         suffix = rng.choice(vocab, size=plen).tolist()
-        requests.append(BenchRequest(prompt_token_ids=prefix + suffix, max_tokens=olen))
+        requests.append(BenchRequest(prompt_token_ids=prefixes[group] + suffix,
+                                     max_tokens=olen))
     return requests
 
 

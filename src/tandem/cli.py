@@ -5,7 +5,8 @@
   and a curl example; Ctrl-C stops every process it started.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem generate` - one-shot offline generation.
-* `tandem bench offline` - runs `bench/offline_throughput.py` from a source checkout.
+* `tandem bench offline|serve` - runs `bench/offline_throughput.py` or `bench/serve.py`
+  (e.g. `tandem bench serve --url tandem=http://host:8000`) from a source checkout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import urllib.request
 from pathlib import Path
 
 from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+
+BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
 
     bench = sub.add_parser("bench", help="benchmarks (from a source checkout)")
-    bench.add_argument("kind", choices=["offline"])
+    bench.add_argument("kind", choices=sorted(BENCH_SCRIPTS))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
 
     args, extra = parser.parse_known_args(argv)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "generate":
         return _generate(args)
-    script = Path.cwd() / "bench" / "offline_throughput.py"
+    script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]
     if not script.exists():
         parser.error(f"{script} not found: run from a Tandem source checkout")
     sys.argv = [str(script), *args.rest]

@@ -56,3 +56,22 @@ def test_rope_in_place_on_a_strided_view(ops, rows):
     native.rope_(view_native, pos, cos, sin)
     ref.rope_(view_ref, pos, cos, sin)
     torch.testing.assert_close(view_native, view_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 7, 16])
+@pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (13, 37), (260, 200)])  # + tails
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_torch(rows, out_f, in_f, bias):
+    from tandem.engine.model.cpu_linear import PackedLinear
+
+    torch.manual_seed(rows * 1000 + out_f)
+    lin = torch.nn.Linear(in_f, out_f, bias=bias)
+    x = torch.randn(rows, in_f)
+    want = torch.nn.functional.linear(x, lin.weight, lin.bias).detach()
+    fast = PackedLinear(lin, native=load_native())
+    assert fast.skinny_max_rows >= 16  # these calls take the native path
+    torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-5)
+    # above the threshold the oneDNN path answers the same
+    big = torch.randn(fast.skinny_max_rows + 5, in_f)
+    torch.testing.assert_close(fast(big), torch.nn.functional.linear(big, lin.weight, lin.bias)
+                               .detach(), rtol=1e-5, atol=1e-5)

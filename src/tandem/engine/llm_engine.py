@@ -90,14 +90,14 @@ class LLMEngine:
         backend = resolve_backend(config.attention_backend, spec, dtype, self.device,
                                   native=config.native_kernels)(
             spec, config.block_size, dtype, self.device)
-        self.model = LlamaForCausalLM(arch, backend, max_positions=max_len,
-                                      ops=Ops(config.native_kernels, self.device, dtype))
+        ops = Ops(config.native_kernels, self.device, dtype)
+        self.model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
         self.model.load_weights(loaded.weights)
         del loaded
         self.model.to(device=self.device, dtype=dtype).eval()
         self.model.rope.to(torch.float32)
         if config.cpu_linear == "onednn" and onednn_available(dtype, self.device):
-            pack_linears(self.model)
+            pack_linears(self.model, native=ops.lib)
 
         per_block = backend.bytes_per_block() * arch.num_layers
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block, max_len)

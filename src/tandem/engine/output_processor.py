@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tandem.engine.outputs import CompletionOutput, RequestOutput
@@ -142,7 +143,8 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=finished,
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=max(parent.samples[0].request.num_cached_tokens, 0),
-            error=parent.error, queue_time=queued, delta_text=delta_text,
+            error=parent.error, queue_time=queued,
+            engine_time=time.monotonic() - first.arrival_time, delta_text=delta_text,
             delta_token_ids=parent.new_token_ids)
         parent.new_token_ids = []
         if finished:

@@ -34,5 +34,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when finish_reason == "error"
     queue_time: float | None = None  # seconds from arrival to first scheduling (sample 0)
+    engine_time: float = 0.0  # seconds from the engine taking the request to this output
     delta_text: str = ""  # text produced by the latest step (single-sample requests)
     delta_token_ids: list[int] = field(default_factory=list)

@@ -220,7 +220,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 engine.abort(f"{rid}-{i}")
             raise from_engine_error(exc, settings.retry_after_s) from exc
         logger.info("[%s] admitted %d prompt(s), stream=%s", rid, len(prompts), responder.stream)
-        stream = _merge(engine, rid, queues, metrics, arrival)
+        timing = _Timing()
+        stream = _merge(engine, rid, queues, metrics, arrival, timing)
         if responder.stream:
             return StreamingResponse(_with_timeout(responder.sse(stream), settings, rid),
                                      media_type="text/event-stream")
@@ -237,7 +238,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         if not completed:
             logger.info("[%s] client disconnected; aborted", rid)
             return JSONResponse({}, status_code=499)
-        return body
+        total_ms = (time.monotonic() - arrival) * 1e3
+        return JSONResponse(body, headers={
+            "server-timing": f"engine;dur={timing.engine_s * 1e3:.3f}, total;dur={total_ms:.3f}"})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
@@ -269,9 +272,17 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     return app
 
 
+@dataclass
+class _Timing:
+    """For the `Server-Timing` header: the longest engine time (from the engine taking a
+    sub-request to its last output) over a request's prompts, in seconds."""
+
+    engine_s: float = 0.0
+
+
 async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
-                 metrics: ServerMetrics,
-                 arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 metrics: ServerMetrics, arrival: float,
+                 timing: _Timing) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (prompt index, output) from every sub-request until all finish; abort what is
     left if the consumer stops early (disconnect, timeout)."""
     pending = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
@@ -292,6 +303,7 @@ async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
                     elif last_token is not None:
                         metrics.itl.observe(t - last_token)
                     last_token = t
+                timing.engine_s = max(timing.engine_s, out.engine_time)
                 if out.finished:
                     for c in out.outputs:
                         metrics.finished(c.finish_reason or "abort")

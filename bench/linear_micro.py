@@ -1,0 +1,89 @@
+"""Microbenchmark: one forward's worth of SmolLM2-135M linear layers at small row counts.
+
+    .venv/bin/python bench/linear_micro.py [--rows 1,2,4,8,16,32,64] [--reps 5]
+
+Times, per row count M, all 121 linears of one forward (30 x qkv/o/gate_up/down + the LM
+head; random float32 weights, 540 MB, so they stream from DRAM like the real model's) with:
+oneDNN pre-packed weights (`PackedLinear`'s large-M path), `F.linear` on plain weights
+(MKL), and the native skinny kernel (`tandem_linear_skinny_f32`). Prints ms per forward,
+the skinny kernel's effective weight bandwidth, and oneDNN/skinny ratios; JSON goes to
+`bench/results/linear_micro-<date>.json`. Used to pick `SKINNY_MAX_ROWS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine.native import load_native
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,64")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    lib = load_native()
+    if lib is None:
+        print("native kernels unavailable", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k) for n, k in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    nbytes = sum(w.numel() * 4 for w in weights)
+    threads = torch.get_num_threads()
+
+    def onednn(xs: dict) -> None:
+        for p, w in zip(packed, weights, strict=True):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    def plain(xs: dict) -> None:
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    def skinny(xs: dict) -> None:
+        for w in weights:
+            n, k = w.shape
+            x = xs[k]
+            y = torch.empty(x.shape[0], n)
+            lib.tandem_linear_skinny_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(),
+                                         x.shape[0], n, k, threads)
+
+    rows = []
+    print(f"{'M':>4} {'onednn ms':>10} {'F.linear ms':>12} {'skinny ms':>10} {'GB/s':>6} "
+          f"{'onednn/skinny':>14}")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        res = {}
+        for name, fn in (("onednn", onednn), ("plain", plain), ("skinny", skinny)):
+            fn(xs)  # warm-up
+            times = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                fn(xs)
+                times.append(time.perf_counter() - t)
+            res[name] = statistics.median(times)
+        rows.append({"rows": m, **{f"{k}_ms": v * 1e3 for k, v in res.items()},
+                     "skinny_gb_s": nbytes / res["skinny"] / 1e9})
+        print(f"{m:>4} {res['onednn'] * 1e3:10.1f} {res['plain'] * 1e3:12.1f} "
+              f"{res['skinny'] * 1e3:10.1f} {nbytes / res['skinny'] / 1e9:6.1f} "
+              f"{res['onednn'] / res['skinny']:14.2f}")
+    out = Path(__file__).resolve().parent / "results" / \
+        f"linear_micro-{dt.date.today().isoformat()}.json"
+    out.write_text(json.dumps({"date": dt.date.today().isoformat(), "threads": threads,
+                               "weight_bytes": nbytes, "results": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

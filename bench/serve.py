@@ -1,0 +1,192 @@
+"""Online serving benchmark: Tandem's worker vs `vllm serve`, side by side in one invocation.
+
+    .venv/bin/python bench/serve.py [--quick] [--servers tandem,vllm]
+        [--datasets mixed,shared-system] [--rates 0.5,1,2] [--url NAME=URL ...]
+
+Each server runs alone on the machine (one after another; `bench/servers.py` starts and
+stops them), or `--url NAME=URL` benchmarks endpoints that are already running. Against each
+server and for each dataset and request rate, `bench/loadgen.py` sends a fresh seeded set of
+token-id prompts at Poisson arrival times, streamed, greedy, `ignore_eos`, and records TTFT,
+inter-token latency, TPOT and end-to-end latency (p50/p90/p99), output tokens/s and goodput
+under an SLO. Every server sees the same prompts at the same offsets.
+
+Server overhead: sequential 1-token completions of a cached prompt; per request the client's
+wall time minus the engine time the server reports in its `Server-Timing` header (Tandem's
+worker sends it; for other servers only the client latency is reported).
+
+Writes raw JSON and a PNG chart (latency and throughput against request rate) to
+`bench/results/serve-<date>.json|png` and prints a table with Tandem/vLLM ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(1, str(BENCH_DIR / "runners"))
+
+from _common import Timer  # noqa: E402
+
+import loadgen  # noqa: E402
+import servers  # noqa: E402
+from workload import make_workload  # noqa: E402
+
+# name -> (full, --quick) keyword arguments of workload.make_workload
+DATASETS: dict[str, tuple[dict, dict]] = {
+    "mixed": (dict(num_requests=40, prompt_len=(16, 512), output_len=(16, 128)),
+              dict(num_requests=10, prompt_len=(16, 192), output_len=(8, 32))),
+    # 4 groups of users, each group sharing its own 512-token system prompt
+    "shared-system": (dict(num_requests=40, shared_prefix_tokens=512, num_prefix_groups=4,
+                           prompt_len=(16, 128), output_len=(16, 128)),
+                      dict(num_requests=10, shared_prefix_tokens=256, num_prefix_groups=2,
+                           prompt_len=(16, 64), output_len=(8, 32))),
+}
+RATES = ([0.5, 1.0, 2.0], [1.0, 4.0])  # requests / s: (full, --quick)
+ONE_TOKEN_PROMPT_LEN = 64
+ONE_TOKEN_REPEATS = 30
+
+
+def dataset(name: str, quick: bool, seed: int) -> list:
+    return make_workload(seed=seed, **DATASETS[name][1 if quick else 0])
+
+
+def one_token_prompt(seed: int) -> list[int]:
+    return make_workload(1, seed=seed, prompt_len=(ONE_TOKEN_PROMPT_LEN,) * 2,
+                         output_len=(1, 1))[0].prompt_token_ids
+
+
+def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
+    """Every dataset x rate against one running server."""
+    model = asyncio.run(loadgen.served_model(url))
+    warm = dataset("mixed", True, seed=10_000)[:2]  # excluded: first-call work (compiles)
+    asyncio.run(loadgen.run_rate(url, model, warm, math.inf, seed=0))
+    lat = loadgen.one_token_latency(url, model, one_token_prompt(args.seed), ONE_TOKEN_REPEATS)
+    out: dict = {"model": model, "one_token": asdict(lat), "runs": {}}
+    slo = loadgen.SLO(args.slo_ttft, args.slo_tpot)
+    for ds in args.datasets:
+        runs = []
+        for i, rate in enumerate(args.rates):
+            reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1))
+            with Timer() as timer:
+                results = asyncio.run(loadgen.run_rate(url, model, reqs, rate,
+                                                       seed=args.seed + i))
+            summary = loadgen.summarize(rate, results, slo).to_json()
+            summary.update(timer.contention())
+            runs.append(summary)
+            print(f"[{name}] {ds} rate={rate}: {summary['completed']}/{len(reqs)} ok, "
+                  f"ttft p50 {summary['ttft']['p50']:.3f}s, "
+                  f"{summary['output_throughput']:.1f} tok/s", file=sys.stderr, flush=True)
+        out["runs"][ds] = runs
+    return out
+
+
+def ratios(res: dict) -> dict:
+    """Per dataset and rate: vLLM TTFT p50 / Tandem's (>1: Tandem faster) and Tandem output
+    tokens/s / vLLM's (>1: Tandem more)."""
+    t, v = res.get("tandem"), res.get("vllm")
+    if not t or not v:
+        return {}
+    out: dict = {}
+    for ds, truns in t["runs"].items():
+        out[ds] = [{"rate": a["rate"],
+                    "ttft_p50_vllm_over_tandem": b["ttft"]["p50"] / a["ttft"]["p50"],
+                    "throughput_tandem_over_vllm":
+                        a["output_throughput"] / b["output_throughput"]}
+                   for a, b in zip(truns, v["runs"][ds], strict=True)]
+    return out
+
+
+def print_table(res: dict, rat: dict) -> None:
+    hdr = (f"{'dataset':14} {'rate':>5} {'server':7} {'ok':>5} {'ttft p50':>9} {'p90':>7} "
+           f"{'p99':>7} {'itl p50':>8} {'tpot p50':>8} {'e2e p50':>8} {'tok/s':>7} "
+           f"{'goodput':>7}")
+    print(hdr)
+    for ds in next(iter(res.values()))["runs"]:
+        for i, rate in enumerate(r["rate"] for r in next(iter(res.values()))["runs"][ds]):
+            for name, sr in res.items():
+                s = sr["runs"][ds][i]
+                print(f"{ds:14} {rate!s:>5} {name:7} {s['completed']:>2}/{s['num_requests']:<2} "
+                      f"{s['ttft']['p50']:9.3f} {s['ttft']['p90']:7.3f} {s['ttft']['p99']:7.3f} "
+                      f"{s['itl']['p50']:8.3f} {s['tpot']['p50']:8.3f} {s['e2e']['p50']:8.2f} "
+                      f"{s['output_throughput']:7.1f} {s['goodput']:7.2f}")
+            if ds in rat:
+                r = rat[ds][i]
+                print(f"{'':14} {'':5} ratio   TTFT p50 vLLM/Tandem "
+                      f"{r['ttft_p50_vllm_over_tandem']:.2f}x, throughput Tandem/vLLM "
+                      f"{r['throughput_tandem_over_vllm']:.2f}x")
+    for name, sr in res.items():
+        one = sr["one_token"]
+        line = (f"1-token completion of a cached prompt, {name}: client p50 "
+                f"{one['client']['p50'] * 1e3:.1f} ms")
+        if one["overhead"]:
+            line += (f", engine p50 {one['engine']['p50'] * 1e3:.1f} ms, server overhead p50 "
+                     f"{one['overhead']['p50'] * 1e3:.2f} ms")
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--servers", default="tandem,vllm")
+    ap.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                    help="benchmark a running endpoint instead of starting servers")
+    ap.add_argument("--datasets", default=",".join(DATASETS))
+    ap.add_argument("--rates", default=None, help="requests/s, comma-separated; inf = burst")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.25, help="goodput SLO, seconds")
+    ap.add_argument("--tandem-args", default="", help="extra `tandem worker` arguments")
+    ap.add_argument("--out", default=None, help="JSON path (the PNG goes next to it)")
+    args = ap.parse_args(argv)
+    args.datasets = [d for d in args.datasets.split(",") if d]
+    unknown = set(args.datasets) - set(DATASETS)
+    if unknown:
+        ap.error(f"unknown datasets {sorted(unknown)}; choose from {list(DATASETS)}")
+    args.rates = ([float(r) for r in args.rates.split(",")] if args.rates
+                  else RATES[1 if args.quick else 0])
+
+    from offline_throughput import machine_info
+
+    results: dict = {}
+    if args.url:
+        for item in args.url:
+            name, _, url = item.partition("=")
+            results[name] = bench_server(name, url.rstrip("/"), args)
+    else:
+        for name in args.servers.split(","):
+            if name == "vllm" and not servers.vllm_available():
+                print("[vllm] skipped: run bench/setup_vllm.sh first", file=sys.stderr)
+                continue
+            spec = (servers.tandem_spec(args.tandem_args.split()) if name == "tandem"
+                    else servers.vllm_spec())
+            with servers.launched(spec) as url:
+                results[name] = bench_server(name, url, args)
+    report: dict = {"benchmark": "serve", "date": dt.date.today().isoformat(),
+                    "machine": machine_info(), "quick": args.quick, "seed": args.seed,
+                    "rates": args.rates, "slo": {"ttft_s": args.slo_ttft,
+                                                 "tpot_s": args.slo_tpot},
+                    "datasets": {d: DATASETS[d][1 if args.quick else 0] for d in args.datasets},
+                    "servers": results, "ratios": ratios(results)}
+    print_table(results, report["ratios"])
+    suffix = "-quick" if args.quick else ""
+    out = Path(args.out or BENCH_DIR / "results" / f"serve{suffix}-{report['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    from serve_chart import plot
+
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0 if all(s["completed"] == s["num_requests"] for r in results.values()
+                    for runs in r["runs"].values() for s in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
