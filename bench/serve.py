@@ -80,6 +80,10 @@ def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
                                                        seed=args.seed + i))
             summary = loadgen.summarize(rate, results, slo).to_json()
             summary.update(timer.contention())
+            # raw per-request rows: [prompt tokens, max tokens, sent at, ttft, e2e, ok]
+            summary["requests"] = [[r.prompt_tokens, r.max_tokens, round(r.sent_at, 4),
+                                    r.ttft and round(r.ttft, 4), r.e2e and round(r.e2e, 4),
+                                    r.ok] for r in results]
             runs.append(summary)
             print(f"[{name}] {ds} rate={rate}: {summary['completed']}/{len(reqs)} ok, "
                   f"ttft p50 {summary['ttft']['p50']:.3f}s, "

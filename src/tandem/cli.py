@@ -1,9 +1,10 @@
 """`tandem` command line: thin wiring only.
 
 * `tandem serve`    - the embedded default: a local deployment on the bundled model as
-  separate processes (today one worker; the router joins with issue [3/5]). Prints the URL
-  and a curl example; Ctrl-C stops every process it started.
+  separate processes (the router in front of `--workers N` workers). Prints the URL and a
+  curl example; Ctrl-C stops every process it started.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
+* `tandem router`   - the KV-cache-aware router in front of workers.
 * `tandem generate` - one-shot offline generation.
 * `tandem bench offline|serve` - runs `bench/offline_throughput.py` or `bench/serve.py`
   (e.g. `tandem bench serve --url tandem=http://host:8000`) from a source checkout.
@@ -22,6 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tandem.router.main import add_router_args
 from tandem.serving.worker import add_engine_args, add_server_args, engine_config
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
@@ -68,12 +70,38 @@ def _die_with_parent() -> None:
         pass
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group (workers drain), then SIGKILL what outlives the grace."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 40
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
-    """Start the local deployment as child processes and supervise them until Ctrl-C."""
+    """Start the local deployment - `--workers N` aggregated workers on free ports behind
+    the router on `--port` - as child processes, and supervise them until Ctrl-C."""
     url = f"http://{args.host}:{args.port}"
-    cmd = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "worker",
-           "--host", args.host, "--port", str(args.port), *passthrough]
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
+    worker_urls, procs = [], []
     stopping = False
 
     def stop(*_: object) -> None:
@@ -83,28 +111,38 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        print(f"starting a worker on {url} (the first start prepares the model) ...",
-              flush=True)
-        if not _wait_ready(url, proc, timeout=600):
+        for _ in range(args.workers):
+            port = _free_port(args.host)
+            worker_urls.append(f"http://{args.host}:{port}")
+            procs.append(_spawn([*base, "worker", "--host", args.host, "--port", str(port),
+                                 "--grpc-port", str(_free_port(args.host)), *passthrough]))
+        procs.append(_spawn([*base, "router", "--host", args.host, "--port", str(args.port),
+                             "--workers", ",".join(worker_urls)]))
+        print(f"starting {args.workers} worker(s) behind a router on {url} "
+              "(the first start prepares the model) ...", flush=True)
+        for wurl, proc in zip(worker_urls, procs, strict=False):
+            if not _wait_ready(wurl, proc, timeout=600):
+                if not stopping:
+                    print(f"the worker at {wurl} did not become ready", file=sys.stderr)
+                return 1
+        if not _wait_ready(url, procs[-1], timeout=60):
             if not stopping:
-                print("the worker did not become ready", file=sys.stderr)
+                print("the router did not become ready", file=sys.stderr)
             return 1
         print(f"\nTandem is serving the bundled model at {url}\n\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
               "\"max_tokens\": 32}'\n\n"
               "Press Ctrl-C to stop.", flush=True)
-        while not stopping and proc.poll() is None:
+        while not stopping and all(p.poll() is None for p in procs):
             time.sleep(0.2)
-        return 0 if stopping else (proc.returncode or 1)
+        if not stopping:
+            dead = next(p for p in procs if p.poll() is not None)
+            print(f"a child process exited ({dead.returncode}); stopping", file=sys.stderr)
+            return dead.returncode or 1
+        return 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop_all(procs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="run the embedded default deployment")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="the router's port")
+    serve.add_argument("--workers", type=int, default=1, help="aggregated workers")
+
+    router = sub.add_parser("router", help="run the KV-cache-aware router")
+    add_router_args(router)
 
     worker = sub.add_parser("worker", help="run one worker process")
     add_engine_args(worker)
@@ -143,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.serving.worker import run
 
         return run(args)
+    if args.command == "router":
+        from tandem.router.main import run as run_router
+
+        return run_router(args)
     if args.command == "generate":
         return _generate(args)
     script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]

@@ -80,6 +80,53 @@ def test_full_queue_gets_429_with_retry_after(tmp_path):
         assert w.stop() == 0, w.log()
 
 
+def _wait_idle(url: str, within: float) -> None:
+    """No running request and no KV block in use within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if (_gauge(url, "vllm:num_requests_running") == 0
+                and _gauge(url, "vllm:kv_cache_usage_perc") == 0.0):
+            return
+        time.sleep(0.05)
+    assert _gauge(url, "vllm:num_requests_running") == 0
+    assert _gauge(url, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
+    w = start_worker(tmp_path, "--request-timeout", "1.5")
+    try:
+        t = time.monotonic()
+        r = httpx.post(w.url + "/v1/completions", json={**LONG, "max_tokens": 3000},
+                       timeout=60)
+        assert r.status_code == 504, r.text
+        assert 1.5 <= time.monotonic() - t < 10
+        error = r.json()["error"]
+        assert error["type"] == "timeout_error" and "1.5" in error["message"]
+        _wait_idle(w.url, within=1.0)
+        events = []
+        with httpx.stream("POST", w.url + "/v1/completions", timeout=60,
+                          json={**LONG, "max_tokens": 3000, "stream": True}) as resp:
+            assert resp.status_code == 200  # headers went out before the deadline
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert '"error"' in events[-2] and "timed out" in events[-2]
+        assert len(events) > 3  # tokens streamed before the deadline
+        _wait_idle(w.url, within=1.0)
+    finally:
+        assert w.stop() == 0, w.log()
+
+
+def test_non_streaming_client_that_hangs_up_frees_its_blocks(tmp_path):
+    w = start_worker(tmp_path)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(w.url + "/v1/completions", json={**LONG, "max_tokens": 3000},
+                       timeout=httpx.Timeout(10, read=1.0))
+        _wait_idle(w.url, within=1.0)
+    finally:
+        assert w.stop() == 0, w.log()
+
+
 def test_sigterm_drains_running_requests_then_exits_zero(tmp_path):
     w = start_worker(tmp_path, "--drain-timeout", "60")
     results: list = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,12 +34,11 @@ from tandem.protocol.openai_api import (
     new_id,
     now,
 )
-from tandem.serving import errors
+from tandem.protocol.web import BodyLimit, InFlight, cancel_on_disconnect, install_error_handlers
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
 from tandem.serving.metrics import ServerMetrics
-from tandem.serving.middleware import BodyLimit, InFlight
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
 
 logger = logging.getLogger(__name__)
@@ -56,29 +55,6 @@ class ServerSettings:
     grpc_host: str = "127.0.0.1"
     grpc_port: int | None = None  # the gRPC Worker service; None = off
     worker_id: str = ""  # reported in gRPC replies; defaults to host:port
-
-
-async def _until_disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run `work`; if the client goes away first, cancel it (its requests get aborted).
-    Returns (completed, result)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return False, None
-        return True, task.result()
-    finally:
-        watcher.cancel()
 
 
 class _EngineHolder:
@@ -134,7 +110,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 holder.engine.shutdown()
 
     app = FastAPI(title="Tandem worker", version="0.1.0", lifespan=lifespan)
-    errors.install(app)
+    install_error_handlers(app)
     app.state.in_flight = [0]
     app.state.draining = False
     app.state.holder = holder
@@ -157,8 +133,12 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         engine = holder.engine
         status = ("draining" if app.state.draining else "failed" if holder.error
                   else "loading" if engine is None else "dead" if not engine.alive else "ready")
-        return JSONResponse({"status": status, "role": settings.role},
-                            status_code=200 if status == "ready" else 503)
+        body = {"status": status, "role": settings.role, "model": settings.served_model_name,
+                "grpc_port": settings.grpc_port}
+        if engine is not None:  # what a router needs to hash prompts as this worker does
+            body.update(block_size=engine.engine.state.block_size,
+                        max_model_len=engine.engine.state.max_model_len)
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -231,7 +211,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 return await responder.collect(stream)
 
         try:
-            completed, body = await _cancel_on_disconnect(request, collect())
+            completed, body = await cancel_on_disconnect(request, collect())
         except TimeoutError as exc:
             raise APIError(504, f"request timed out after {settings.request_timeout_s}s") \
                 from exc

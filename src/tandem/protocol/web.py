@@ -1,0 +1,164 @@
+"""Torch-free HTTP plumbing shared by the worker server and the router.
+
+* OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right
+  status; anything a client can send maps to a 4xx, a 500 means a bug.
+* ASGI middleware: a request-body size limit (413) and an in-flight request count.
+* `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable", 504: "timeout_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        self.type = type_ or _TYPES.get(status, "server_error")
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               type_: str | None = None) -> dict:
+    detail = ErrorDetail(message=message, type=type_ or _TYPES.get(status, "server_error"),
+                         param=param, code=status)
+    return ErrorResponse(error=detail).model_dump()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.type),
+                        status_code=err.status, headers=err.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI JSON; an unhandled exception is a logged 500."""
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        return error_response(APIError(400, f"{param}: {msg}" if param else msg, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail),
+                                       headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                       type_="server_error"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 with an OpenAI error body for request bodies above `limit` bytes, whether the
+    size is declared (Content-Length) or only seen while streaming in."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
+        response = JSONResponse(error_body(413, f"request body exceeds {self.limit} bytes"),
+                                status_code=413)
+        await response(scope, receive, send)
+
+
+class InFlight:
+    """Counts `/v1/*` requests being served (a stream counts until its last byte)."""
+
+    def __init__(self, app: Any, counter: list[int]) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        self.counter[0] += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter[0] -= 1
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work`; if the client goes away first, cancel it (its requests get aborted).
+    Returns (completed, result)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False, None
+        return True, task.result()
+    finally:
+        watcher.cancel()

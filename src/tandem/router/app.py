@@ -1,0 +1,199 @@
+"""The router's HTTP front door (FastAPI): OpenAI routes in, the chosen worker behind.
+
+Per request: authenticate (tenant) -> bound and parse the body -> tokenize and hash the
+prompt as the worker will -> pick a worker (`core.Router`) -> forward (`proxy.forward`,
+retries before the first byte). `/v1/models` lists what the ready workers serve; `/health`
+is the process, `/ready` means at least one worker is routable; `/metrics` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from tandem.protocol.web import APIError, BodyLimit, cancel_on_disconnect, install_error_handlers
+from tandem.router import prompt as prompts
+from tandem.router.auth import ApiKeys, tenant_cache_salt
+from tandem.router.core import Router
+from tandem.router.metrics import RouterMetrics
+from tandem.router.monitor import MonitorSettings, WorkerMonitor
+from tandem.router.proxy import Attempt, ProxySettings, forward
+from tandem.router.workers import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterServerSettings:
+    worker_urls: list[str] = field(default_factory=list)
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: int = 131072  # longer prompts get 400 before any worker sees them
+    max_tokens_cap: int | None = None  # bound on max_tokens / max_completion_tokens
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    monitor: MonitorSettings = field(default_factory=MonitorSettings)
+
+
+def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
+    metrics = RouterMetrics()
+    monitors: dict[str, WorkerMonitor] = {}
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(settings.proxy.read_timeout_s,
+                                connect=settings.proxy.connect_timeout_s)
+        state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)
+        for url in settings.worker_urls:
+            add_worker(url)
+        yield
+        await asyncio.gather(*(m.stop() for m in monitors.values()))
+        await http.aclose()
+
+    def add_worker(url: str) -> None:
+        w = Worker(id=url.rstrip("/"))
+        router.add_worker(w)
+        monitors[w.id] = m = WorkerMonitor(w, router.index, state["http"], settings.monitor)
+        m.start()
+
+    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    app.state.router = router
+    app.state.monitors = monitors
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        now = time.monotonic()
+        n = sum(1 for w in router.workers.values() if w.routable(now))
+        return JSONResponse({"status": "ready" if n else "no_workers", "ready_workers": n},
+                            status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        now = time.monotonic()
+        for w in router.workers.values():
+            metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
+            metrics.worker_indexed_blocks.labels(w.id).set(router.index.num_blocks(w.id))
+            metrics.worker_events_connected.labels(w.id).set(1 if w.events_connected else 0)
+        return PlainTextResponse(generate_latest(metrics.registry),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        settings.api_keys.tenant(request.headers.get("authorization"))
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "owned_by": "tandem"}
+            for m in router.models()]}
+
+    async def handle(kind: str, path: str, request: Request) -> Response:
+        rid = request.headers.get("x-request-id") or f"rt-{uuid.uuid4().hex[:16]}"
+        try:
+            tenant = settings.api_keys.tenant(request.headers.get("authorization"))
+        except APIError:
+            metrics.rejected.labels("401").inc()
+            raise
+        t0 = time.perf_counter()
+        body = await request.body()
+        try:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("the body must be a JSON object")
+            salt = tenant_cache_salt(tenant, data.get("cache_salt"))
+            if salt is not None:
+                data["cache_salt"] = salt
+            check_bounds(data)
+            model = data.get("model") or default_model()
+            parsed = prompts.parse(kind, data, router.tokenizer_for(model))
+        except (ValueError, ValidationError) as exc:
+            metrics.rejected.labels("400").inc()
+            raise APIError(400, _first_error(exc)) from exc
+        if parsed.token_ids is not None and len(parsed.token_ids) > settings.max_prompt_tokens:
+            metrics.rejected.labels("400").inc()
+            raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "
+                                f"{settings.max_prompt_tokens}", "prompt")
+        if model not in router.models(ready_only=False):
+            metrics.rejected.labels("404").inc()
+            raise APIError(404, f"model {model!r} is not served here", "model")
+        data["model"] = model
+        payload = json.dumps(data).encode()
+        first = True
+
+        def pick(tried: set[str]):  # noqa: ANN202 - Decision | None
+            nonlocal first
+            decision, ctx = router.route(parsed, model, time.monotonic(), exclude=tried)
+            if first:
+                metrics.routing_seconds.observe(time.perf_counter() - t0)
+                first = False
+            if decision is not None:
+                metrics.decisions.labels(router.settings.policy, decision.reason).inc()
+                metrics.prompt_tokens.inc(ctx.prompt_tokens)
+                metrics.matched_tokens.inc(decision.matched_tokens)
+                logger.info("[%s] -> %s (%s, %d cached tokens)", rid, decision.worker.id,
+                            decision.reason, decision.matched_tokens)
+            return decision
+
+        attempts = 0
+
+        def on_attempt(a: Attempt) -> None:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                metrics.retries.labels(str(a.status or "connect")).inc()
+            metrics.requests.labels(a.decision.worker.id, str(a.status or "error")).inc()
+
+        work = forward(state["http"], path, payload, rid, pick, parsed.stream,
+                       settings.proxy, on_attempt)
+        if parsed.stream:
+            return await work
+        completed, response = await cancel_on_disconnect(request, work)
+        return response if completed else Response(status_code=499)
+
+    def default_model() -> str:
+        served = router.models()
+        if len(served) == 1:
+            return served[0]
+        raise ValueError("the request must name a model (this router serves several)")
+
+    def check_bounds(data: dict) -> None:
+        cap = settings.max_tokens_cap
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = data.get(key)
+            if cap is not None and isinstance(v, int) and v > cap:
+                raise ValueError(f"{key}: at most {cap}")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle("completions", "/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle("chat", "/v1/chat/completions", request)
+
+    return app
+
+
+def _first_error(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        return f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid")
+    return str(exc)

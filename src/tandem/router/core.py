@@ -1,0 +1,109 @@
+"""The routing decision: candidates -> filters -> prefix matches -> policy -> one worker.
+
+Pure state and logic on plain values (no sockets): the HTTP layer parses requests and
+proxies, the monitor keeps `workers` and the index current. `route()` is synchronous and
+cheap: one tokenization happens before it (in `prompt.parse`), then one hash chain per
+block size in use and one index walk.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from tandem.protocol.tokenizer import Tokenizer
+from tandem.router import prompt as prompts
+from tandem.router.index import ApproximateIndex, PrefixIndex
+from tandem.router.policy import Decision, make_policy
+from tandem.router.scorers import FILTERS, RoutingContext
+from tandem.router.workers import Worker
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class RouterSettings:
+    policy: str = "cache-aware"
+    weights: Mapping[str, float] | None = None  # cache-aware scorer weights
+    saturation_queue: int = 8  # a prefix hit stops counting at this queue depth
+    saturation_kv: float = 0.9  # ... or at this KV-cache use
+    speculative_ttl_s: float = 2.0  # routed blocks count as present this long
+    approx_capacity: int = 100_000  # blocks remembered per worker in approximate mode
+    filters: tuple[str, ...] = ("model", "role", "health")
+    seed: int | None = None
+
+
+class Router:
+    def __init__(self, settings: RouterSettings,
+                 tokenizer_for: Callable[[str], Tokenizer | None]) -> None:
+        self.settings = settings
+        self.tokenizer_for = tokenizer_for
+        self.workers: dict[str, Worker] = {}
+        self.index = PrefixIndex(settings.speculative_ttl_s)
+        self.approx = ApproximateIndex(settings.approx_capacity)
+        rng = random.Random(settings.seed)
+        kwargs: dict = {"rng": rng}
+        if settings.policy == "cache-aware":
+            kwargs.update(weights=settings.weights, saturation_queue=settings.saturation_queue,
+                          saturation_kv=settings.saturation_kv)
+        self.policy = make_policy(settings.policy, **kwargs)
+        self.filters = [FILTERS[name]() for name in settings.filters]
+
+    # -- membership ------------------------------------------------------------------------
+    def add_worker(self, worker: Worker) -> None:
+        self.workers[worker.id] = worker
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self.index.drop(worker_id)
+        self.approx.drop(worker_id)
+
+    def models(self, ready_only: bool = True) -> list[str]:
+        """Models served by ready workers (or by any worker ever seen, `ready_only=False`:
+        a known model with no ready worker is a 503, an unknown one a 404)."""
+        return sorted({w.model for w in self.workers.values()
+                       if w.model and (w.ready or not ready_only)})
+
+    # -- routing ---------------------------------------------------------------------------
+    def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
+                candidates: Iterable[Worker]) -> RoutingContext:
+        """Hash the prompt once per block size in use and look up every candidate."""
+        ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
+                             now=now)
+        by_size: dict[int, list[Worker]] = {}
+        for w in candidates:
+            by_size.setdefault(w.block_size or DEFAULT_BLOCK_SIZE, []).append(w)
+        for size, group in by_size.items():
+            hashes = prompts.block_hashes(parsed, model, size)
+            ctx.hashes[size] = hashes
+            precise = [w.id for w in group if w.events_connected]
+            guessed = [w.id for w in group if not w.events_connected]
+            unit = size if parsed.token_ids is not None else prompts.TEXT_CHUNK_CHARS
+            for wid, n in self.index.match(hashes, now, precise).items():
+                ctx.matched_tokens[wid] = n * unit
+            for wid, n in self.approx.match(hashes, guessed).items():
+                ctx.matched_tokens[wid] = n * unit
+        return ctx
+
+    def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
+              exclude: Iterable[str] = (), role: str = "decode"
+              ) -> tuple[Decision | None, RoutingContext]:
+        """Pick a worker (None if no candidate passes the filters) and record the routed
+        blocks as speculatively present on it."""
+        skip = set(exclude)
+        probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now)
+        candidates = [w for w in self.workers.values()
+                      if w.id not in skip and all(f.keep(probe, w) for f in self.filters)]
+        ctx = self.context(parsed, model, now, candidates)
+        ctx.role = role
+        if not candidates:
+            return None, ctx
+        decision = self.policy.pick(ctx, candidates)
+        w = decision.worker
+        hashes = ctx.hashes.get(w.block_size or DEFAULT_BLOCK_SIZE, [])
+        if w.events_connected:
+            self.index.add_speculative(w.id, hashes, now)
+        else:
+            self.approx.routed(w.id, hashes)
+        return decision, ctx

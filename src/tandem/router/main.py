@@ -1,0 +1,111 @@
+"""`tandem router`: arguments, the optional YAML config, tokenizers, uvicorn.
+
+    tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
+        [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
+        [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE]
+
+`router.yaml` may set any of: `workers` (list), `policy`, `weights` (scorer -> weight),
+`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `retries`, `max_prompt_tokens`,
+`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path); flags win over the file.
+
+Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
+tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
+models without a configured tokenizer are routed on text hashes (approximate mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", default="", help="comma-separated worker base URLs")
+    p.add_argument("--discovery", default="static", choices=["static"])
+    p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--config", default=None, help="router.yaml")
+    p.add_argument("--tokenizer", action="append", default=[],
+                   help="PATH for every model, or MODEL=PATH (repeatable)")
+    p.add_argument("--api-keys", default=None, help="file of 'KEY TENANT' lines")
+    p.add_argument("--retries", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
+
+
+def _load_yaml(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a mapping")
+    return data
+
+
+def tokenizer_resolver(specs: list[str], from_file: dict[str, str]):  # noqa: ANN201
+    """model name -> Tokenizer | None, loaded once per path."""
+    from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
+    from tandem.protocol.tokenizer import Tokenizer
+
+    per_model: dict[str, str] = dict(from_file)
+    default: str | None = None
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if sep:
+            per_model[name] = path
+        else:
+            default = spec
+    bundled = find_bundled_gguf()
+    if bundled is not None:
+        per_model.setdefault(BUNDLED_NAME, str(bundled))
+
+    @functools.lru_cache(maxsize=64)
+    def load(path: str) -> Tokenizer:
+        return Tokenizer.load(path)
+
+    def resolve(model: str) -> Tokenizer | None:
+        path = per_model.get(model, default)
+        return load(path) if path else None
+
+    return resolve
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tandem.router.app import RouterServerSettings, build_app
+    from tandem.router.auth import ApiKeys
+    from tandem.router.core import Router, RouterSettings
+    from tandem.router.proxy import ProxySettings
+
+    cfg = _load_yaml(args.config)
+    workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
+               if u]
+    settings = RouterSettings(
+        policy=args.policy or cfg.get("policy", "cache-aware"), weights=cfg.get("weights"),
+        saturation_queue=int(cfg.get("saturation_queue", 8)),
+        saturation_kv=float(cfg.get("saturation_kv", 0.9)),
+        speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed)
+    router = Router(settings, tokenizer_resolver(args.tokenizer, cfg.get("tokenizers", {})))
+    server = RouterServerSettings(
+        worker_urls=workers,
+        max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
+        max_prompt_tokens=int(cfg.get("max_prompt_tokens", 131072)),
+        max_tokens_cap=cfg.get("max_tokens_cap"),
+        api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({}),
+        proxy=ProxySettings(retries=args.retries if args.retries is not None
+                            else int(cfg.get("retries", 2))))
+    app = build_app(router, server)
+    logger.info("router (%s) on http://%s:%d over %d worker(s)", settings.policy, args.host,
+                args.port, len(workers))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0

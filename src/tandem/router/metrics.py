@@ -1,0 +1,41 @@
+"""The router's Prometheus metrics (`tandem_router_*`), on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("tandem_router_decisions_total",
+                                 "Routing decisions by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        self.prompt_tokens = Counter("tandem_router_prompt_tokens_total",
+                                     "Prompt tokens of routed requests", registry=r)
+        self.matched_tokens = Counter("tandem_router_prefix_matched_tokens_total",
+                                      "Prompt tokens already cached on the chosen worker",
+                                      registry=r)
+        self.routing_seconds = Histogram("tandem_router_routing_seconds",
+                                         "Parse + tokenize + hash + pick, per request",
+                                         buckets=ROUTING_BUCKETS, registry=r)
+        self.retries = Counter("tandem_router_retries_total",
+                               "Attempts beyond the first, by cause", ["cause"], registry=r)
+        self.rejected = Counter("tandem_router_rejected_total",
+                                "Requests answered by the router itself, by status",
+                                ["status"], registry=r)
+        self.requests = Counter("tandem_router_requests_total",
+                                "Requests forwarded, by worker and status",
+                                ["worker", "status"], registry=r)
+        self.worker_ready = Gauge("tandem_router_worker_ready",
+                                  "1 if the worker passes readiness and its breaker is closed",
+                                  ["worker"], registry=r)
+        self.worker_indexed_blocks = Gauge("tandem_router_worker_indexed_blocks",
+                                           "Blocks the index holds for the worker",
+                                           ["worker"], registry=r)
+        self.worker_events_connected = Gauge("tandem_router_worker_kv_events_connected",
+                                             "1 while the worker's KV event stream is live",
+                                             ["worker"], registry=r)

@@ -1,0 +1,162 @@
+"""Keeps the router's view of each worker current: readiness, KV events, load.
+
+Per worker, three loops on the router's event loop:
+
+* readiness: `GET /ready` every `probe_interval_s` (Tandem workers answer with their model,
+  role, block size and gRPC port); servers without `/ready` (stock vLLM) are probed with
+  `/health` + `/v1/models` and routed in approximate mode. A failed probe marks the worker
+  unready at once; it rejoins on the next good probe.
+* KV events (Tandem workers with a gRPC port): `SubscribeKVEvents` - the snapshot resets the
+  worker's entries in the index, live events update them; a sequence gap or a broken stream
+  drops its entries and resubscribes after a jittered backoff.
+* load: gRPC `GetLoad` every `load_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.router.index import PrefixIndex
+from tandem.router.workers import Worker, WorkerLoad
+
+logger = logging.getLogger(__name__)
+MAX_GRPC_MESSAGE = 64 << 20
+
+
+@dataclass
+class MonitorSettings:
+    probe_interval_s: float = 1.0
+    load_interval_s: float = 0.2
+    probe_timeout_s: float = 2.0
+    backoff_max_s: float = 5.0
+
+
+class WorkerMonitor:
+    def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
+                 settings: MonitorSettings) -> None:
+        self.worker = worker
+        self.index = index
+        self.http = http
+        self.settings = settings
+        self._tasks: list[asyncio.Task] = []
+        self._channel: grpc.aio.Channel | None = None
+        self.connected = asyncio.Event()  # set while the KV stream is live
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._probe_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._channel is not None:
+            await self._channel.close()
+        self.index.drop(self.worker.id)
+
+    # -- readiness -------------------------------------------------------------------------
+    async def probe(self) -> None:
+        w = self.worker
+        try:
+            r = await self.http.get(f"{w.id}/ready", timeout=self.settings.probe_timeout_s)
+            if r.status_code == 404:  # not a Tandem worker: approximate mode
+                h = await self.http.get(f"{w.id}/health", timeout=self.settings.probe_timeout_s)
+                m = await self.http.get(f"{w.id}/v1/models",
+                                        timeout=self.settings.probe_timeout_s)
+                w.ready = h.status_code == 200 and m.status_code == 200
+                if w.ready:
+                    w.model = m.json()["data"][0]["id"]
+                return
+            info = r.json()
+            w.ready = r.status_code == 200
+            if w.ready:
+                w.model = info.get("model") or w.model
+                w.role = info.get("role") or w.role
+                w.block_size = info.get("block_size") or w.block_size
+                port = info.get("grpc_port")
+                if port and w.grpc_target is None:
+                    w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"
+                    self._start_grpc_loops()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            if w.ready:
+                logger.warning("worker %s failed its probe: %s", w.id, exc)
+            w.ready = False
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await self.probe()
+            await asyncio.sleep(self.settings.probe_interval_s)
+
+    # -- gRPC: KV events and load ----------------------------------------------------------
+    def _start_grpc_loops(self) -> None:
+        opts = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
+        self._channel = grpc.aio.insecure_channel(self.worker.grpc_target, options=opts)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._tasks += [asyncio.create_task(self._events_loop(stub)),
+                        asyncio.create_task(self._load_loop(stub))]
+
+    async def _events_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        w, delay = self.worker, 0.1
+        while True:
+            try:
+                await self._consume(stub)
+            except grpc.aio.AioRpcError as exc:
+                logger.info("KV event stream of %s ended: %s", w.id, exc.code())
+            except _SequenceGap as exc:
+                logger.warning("KV event stream of %s: %s; resubscribing", w.id, exc)
+            w.events_connected = False
+            self.connected.clear()
+            self.index.drop(w.id)
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.settings.backoff_max_s)
+
+    async def _consume(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        w = self.worker
+        seq: int | None = None
+        async for batch in stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest()):
+            if batch.HasField("snapshot"):
+                self.index.reset(w.id, batch.snapshot.block_hashes)
+                seq = batch.snapshot.seq
+                w.block_size = batch.block_size or w.block_size
+                w.events_connected = True
+                self.connected.set()
+            for ev in batch.events:
+                if seq is None or ev.seq != seq + 1:
+                    raise _SequenceGap(f"expected seq {None if seq is None else seq + 1}, "
+                                       f"got {ev.seq}")
+                seq = ev.seq
+                kind = ev.WhichOneof("event")
+                if kind == "stored":
+                    self.index.stored(w.id, ev.stored.block_hashes)
+                elif kind == "removed":
+                    self.index.removed(w.id, ev.removed.block_hashes)
+                elif kind == "cleared":
+                    self.index.cleared(w.id)
+
+    async def _load_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        while True:
+            try:
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(),
+                                          timeout=self.settings.probe_timeout_s)
+                self.worker.load = WorkerLoad(
+                    num_running=load.num_running, num_waiting=load.num_waiting,
+                    num_free_blocks=load.num_free_blocks,
+                    num_total_blocks=load.num_total_blocks,
+                    kv_cache_usage=load.kv_cache_usage, in_flight_tokens=load.in_flight_tokens)
+            except grpc.aio.AioRpcError:
+                pass  # the probe loop owns readiness
+            await asyncio.sleep(self.settings.load_interval_s)
+
+
+class _SequenceGap(Exception):
+    pass

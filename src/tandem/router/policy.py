@@ -1,0 +1,139 @@
+"""Routing policies: pick one worker among the filtered candidates (interface + registry).
+
+* `cache-aware` — weighted sum of scorers (prefix hit, queue depth, KV use, in-flight
+  tokens). Saturation guard ("sticky until saturated"): a worker whose queue depth reaches
+  `saturation_queue` or whose KV use reaches `saturation_kv` gets no prefix credit, so a hot
+  prefix spills onto other replicas instead of piling up. With no hit anywhere (a cold
+  request) only the load scorers speak, so cold traffic spreads by load.
+* `least-loaded` — lowest queue depth, then fewest in-flight tokens.
+* `round-robin`, `random` — baselines.
+
+Ties break at random (seeded by the caller's `random.Random`), so equal replicas share load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tandem.router.scorers import SCORERS, RoutingContext
+from tandem.router.workers import Worker
+
+DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5}
+
+
+@dataclass
+class Decision:
+    worker: Worker
+    reason: str  # prefix_hit | load | saturated | round_robin | random
+    matched_tokens: int  # of the prompt, already cached on the winner
+    scores: dict[str, float] = field(default_factory=dict)  # the winner's, for debugging
+
+
+class Policy(ABC):
+    name: str
+
+    @abstractmethod
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        """`candidates` is non-empty and already filtered."""
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def _argmax(values: Sequence[float], rng: random.Random) -> int:
+    best = max(values)
+    return rng.choice([i for i, v in enumerate(values) if v >= best - 1e-12])
+
+
+@register_policy
+class CacheAwarePolicy(Policy):
+    name = "cache-aware"
+
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 saturation_queue: int = 8, saturation_kv: float = 0.9,
+                 rng: random.Random | None = None) -> None:
+        weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        unknown = set(weights) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
+        self.scorers = [(SCORERS[n](), w) for n, w in weights.items() if w > 0]
+        self.saturation_queue = saturation_queue
+        self.saturation_kv = saturation_kv
+        self.rng = rng or random.Random()
+
+    def saturated(self, w: Worker) -> bool:
+        return (w.queue_depth >= self.saturation_queue
+                or w.load.kv_cache_usage >= self.saturation_kv)
+
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        per_scorer = {s.name: s.score(ctx, candidates) for s, _ in self.scorers}
+        if "prefix" in per_scorer:
+            per_scorer["prefix"] = [0.0 if self.saturated(w) else v
+                                    for w, v in zip(candidates, per_scorer["prefix"],
+                                                    strict=True)]
+        totals = [sum(wt * per_scorer[s.name][i] for s, wt in self.scorers)
+                  for i in range(len(candidates))]
+        i = _argmax(totals, self.rng)
+        winner = candidates[i]
+        matched = ctx.matched_tokens.get(winner.id, 0)
+        if matched and per_scorer.get("prefix", [0.0] * len(candidates))[i] > 0:
+            reason = "prefix_hit"
+        elif any(ctx.matched_tokens.get(w.id) for w in candidates):
+            reason = "saturated" if any(self.saturated(w) for w in candidates
+                                        if ctx.matched_tokens.get(w.id)) else "load"
+        else:
+            reason = "load"
+        return Decision(winner, reason, matched, {k: v[i] for k, v in per_scorer.items()})
+
+
+@register_policy
+class LeastLoadedPolicy(Policy):
+    name = "least-loaded"
+
+    def __init__(self, rng: random.Random | None = None, **_: object) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        keys = [-(w.queue_depth * 1e9 + w.load.in_flight_tokens) for w in candidates]
+        w = candidates[_argmax(keys, self.rng)]
+        return Decision(w, "load", ctx.matched_tokens.get(w.id, 0))
+
+
+@register_policy
+class RoundRobinPolicy(Policy):
+    name = "round-robin"
+
+    def __init__(self, **_: object) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        ordered = sorted(candidates, key=lambda w: w.id)
+        w = ordered[next(self._counter) % len(ordered)]
+        return Decision(w, "round_robin", ctx.matched_tokens.get(w.id, 0))
+
+
+@register_policy
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None, **_: object) -> None:
+        self.rng = rng or random.Random()
+
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        w = self.rng.choice(list(candidates))
+        return Decision(w, "random", ctx.matched_tokens.get(w.id, 0))
+
+
+def make_policy(name: str, **kwargs: object) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[name](**kwargs)

@@ -1,0 +1,77 @@
+"""Request body -> the prompt's token ids and block-hash chain, exactly as a worker sees them.
+
+Uses only the torch-free shared modules: `protocol.tokenizer` (same tokenizer files, same
+`encode` / chat-template calls as the worker) and `protocol.block_hash` (same chain, same
+model id and `cache_salt` keys). For a model the router has no tokenizer for, `text_hashes`
+chains fixed-size chunks of the prompt's text instead (approximate mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain
+from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from tandem.protocol.tokenizer import Tokenizer
+
+TEXT_CHUNK_CHARS = 256  # approximate mode: one pseudo-block per this many characters
+
+
+@dataclass
+class ParsedPrompt:
+    """What routing needs from one request body."""
+
+    model: str
+    token_ids: list[int] | None  # None when no tokenizer is known for the model
+    text: str  # the rendered prompt text (approximate mode); "" for token-id prompts
+    cache_salt: str
+    stream: bool
+
+
+def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> ParsedPrompt:
+    """`kind` is "completions" or "chat". Raises pydantic.ValidationError / ValueError on a
+    malformed body (the caller answers 400), as the worker would."""
+    if kind == "chat":
+        req = ChatCompletionRequest.model_validate(body)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if tokenizer is not None:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            text, ids = json.dumps(messages, sort_keys=True), None
+    else:
+        req = CompletionRequest.model_validate(body)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch goes to one worker; route on its first prompt
+        if isinstance(prompt, list):
+            text, ids = "", [int(t) for t in prompt]
+        else:
+            text = prompt or ""
+            ids = tokenizer.encode(text) if tokenizer is not None else None
+    return ParsedPrompt(model=req.model or "", token_ids=ids, text=text,
+                        cache_salt=req.cache_salt or "", stream=bool(req.stream))
+
+
+def block_hashes(prompt: ParsedPrompt, model: str, block_size: int) -> list[BlockHash]:
+    """The worker's hash chain over the prompt's full blocks."""
+    if prompt.token_ids is None:
+        return text_hashes(prompt.text, model, prompt.cache_salt)
+    keys = HashKeys(model_id=model, cache_salt=prompt.cache_salt)
+    return hash_block_chain(prompt.token_ids, block_size, keys)
+
+
+def text_hashes(text: str, model: str, cache_salt: str = "") -> list[BlockHash]:
+    """Approximate mode: a SHA-256 chain over full TEXT_CHUNK_CHARS-character chunks."""
+    parent = hashlib.sha256(f"tandem-text-v1\0{model}\0{cache_salt}".encode()).digest()
+    out = []
+    for i in range(len(text) // TEXT_CHUNK_CHARS):
+        chunk = text[i * TEXT_CHUNK_CHARS:(i + 1) * TEXT_CHUNK_CHARS].encode()
+        parent = hashlib.sha256(parent + chunk).digest()
+        out.append(parent)
+    return out

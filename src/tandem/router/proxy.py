@@ -1,0 +1,141 @@
+"""Forward one OpenAI request to a worker, retrying elsewhere only before the first byte.
+
+* Retries (connect error, timeout before headers, 429, 503) go to the next-best worker,
+  never one already tried, up to `retries` extra attempts with jittered exponential
+  backoff. Once the worker's status line is in, the response is committed to it.
+* Streams (SSE) pass through chunk by chunk, unbuffered. If the worker dies mid-stream the
+  client gets an SSE error event and `data: [DONE]`, not a hang. Non-streamed bodies are
+  read whole first, so a worker failure becomes a clean 502.
+* A client disconnect closes the upstream response, which aborts the request on the worker.
+* Connect errors and 5xx feed the worker's circuit breaker; a 503 (loading or draining)
+  also marks it unready until its next good readiness probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from tandem.protocol.web import APIError, error_body
+from tandem.router.policy import Decision
+from tandem.router.workers import Worker
+
+logger = logging.getLogger(__name__)
+RETRY_STATUSES = (429, 503)
+PASS_HEADERS = ("content-type", "retry-after", "server-timing")
+
+
+@dataclass
+class ProxySettings:
+    retries: int = 2  # extra attempts on other workers, before the first byte only
+    backoff_s: float = 0.02  # base of the jittered exponential backoff
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+
+
+@dataclass
+class Attempt:
+    decision: Decision
+    status: int | None = None
+    error: str | None = None
+
+
+async def forward(http: httpx.AsyncClient, path: str, body: bytes, rid: str,
+                  pick: Callable[[set[str]], Decision | None], stream: bool,
+                  settings: ProxySettings, on_attempt: Callable[[Attempt], None],
+                  ) -> Response:
+    """Send `body` to `path` on the worker `pick(tried)` chooses; see the module doc."""
+    tried: set[str] = set()
+    last: Attempt | None = None
+    for n in range(settings.retries + 1):
+        decision = pick(tried)
+        if decision is None:
+            break
+        w = decision.worker
+        tried.add(w.id)
+        attempt = Attempt(decision)
+        w.breaker.on_attempt()
+        w.local_in_flight += 1
+        released = False
+
+        def release(w: Worker = w) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                w.local_in_flight -= 1
+
+        try:
+            req = http.build_request("POST", w.id + path, content=body, headers={
+                "content-type": "application/json", "x-request-id": rid})
+            resp = await http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            release()
+            w.breaker.on_failure(time.monotonic())
+            attempt.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("[%s] %s failed before the first byte: %s", rid, w.id, attempt.error)
+        else:
+            attempt.status = resp.status_code
+            if resp.status_code in RETRY_STATUSES and n < settings.retries:
+                await resp.aclose()
+                release()
+                if resp.status_code == 503:
+                    w.ready = False
+                    w.breaker.on_failure(time.monotonic())
+                logger.info("[%s] %s answered %d; retrying elsewhere", rid, w.id,
+                            resp.status_code)
+            else:
+                if resp.status_code >= 500:
+                    w.breaker.on_failure(time.monotonic())
+                else:
+                    w.breaker.on_success()
+                on_attempt(attempt)
+                headers = {k: v for k, v in resp.headers.items() if k in PASS_HEADERS}
+                headers["x-tandem-worker"] = w.id
+                if stream and resp.status_code == 200:
+                    return StreamingResponse(_relay(resp, rid, w, release),
+                                             status_code=200, headers=headers)
+                try:
+                    content = await resp.aread()
+                except httpx.HTTPError as exc:
+                    w.breaker.on_failure(time.monotonic())
+                    raise APIError(502, f"worker failed mid-response: {type(exc).__name__}",
+                                   type_="server_error") from exc
+                finally:
+                    await resp.aclose()
+                    release()
+                return Response(content, status_code=resp.status_code, headers=headers)
+        on_attempt(attempt)
+        last = attempt
+        if n < settings.retries:
+            await asyncio.sleep(settings.backoff_s * (2 ** n) * (0.5 + random.random()))
+    if last is None:
+        raise APIError(503, "no ready worker serves this model; retry later",
+                       headers={"Retry-After": "1"})
+    if last.status in RETRY_STATUSES:
+        raise APIError(last.status, f"every worker tried was busy (last: HTTP {last.status})",
+                       headers={"Retry-After": "1"})
+    raise APIError(502, f"no worker could be reached ({last.error})", type_="server_error")
+
+
+async def _relay(resp: httpx.Response, rid: str, w: Worker,
+                 release: Callable[[], None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        w.breaker.on_failure(time.monotonic())
+        logger.warning("[%s] %s failed mid-stream: %s", rid, w.id, exc)
+        payload = error_body(502, f"the worker failed mid-stream ({type(exc).__name__})")
+        # blank lines first: end any event the failure cut short, then a well-formed one
+        yield f"\n\ndata: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await resp.aclose()
+        release()

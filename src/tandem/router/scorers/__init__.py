@@ -1,0 +1,15 @@
+"""Routing scorers and filters; importing this package registers every built-in one."""
+
+from tandem.router.scorers import filters, inflight, kv_usage, prefix, queue  # noqa: F401
+from tandem.router.scorers.base import (
+    FILTERS,
+    SCORERS,
+    Filter,
+    RoutingContext,
+    Scorer,
+    register_filter,
+    register_scorer,
+)
+
+__all__ = ["FILTERS", "SCORERS", "Filter", "RoutingContext", "Scorer", "register_filter",
+           "register_scorer"]

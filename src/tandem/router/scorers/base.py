@@ -1,0 +1,67 @@
+"""Routing scorers and filters: the plugin interface and its registry.
+
+A scorer rates each candidate worker for one request with a value in [0, 1] (1 = best);
+the cache-aware policy combines them with configured weights. A filter removes candidates
+outright. Both see the same `RoutingContext`, computed once per request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tandem.protocol.block_hash import BlockHash
+from tandem.router.workers import Worker
+
+
+@dataclass
+class RoutingContext:
+    """One request's routing inputs (plain values)."""
+
+    model: str
+    prompt_tokens: int
+    # block size -> the prompt's full-block hash chain for workers with that block size
+    hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+    role: str = "decode"  # the role that must serve it: "decode" (aggregated or P/D decode)
+    matched_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached prefix
+    now: float = 0.0
+
+
+class Scorer(ABC):
+    name: str
+
+    @abstractmethod
+    def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
+        """One value in [0, 1] per worker, in order."""
+
+
+class Filter(ABC):
+    name: str
+
+    @abstractmethod
+    def keep(self, ctx: RoutingContext, worker: Worker) -> bool: ...
+
+
+SCORERS: dict[str, Callable[[], Scorer]] = {}
+FILTERS: dict[str, Callable[[], Filter]] = {}
+
+
+def register_scorer(cls: type[Scorer]) -> type[Scorer]:
+    SCORERS[cls.name] = cls
+    return cls
+
+
+def register_filter(cls: type[Filter]) -> type[Filter]:
+    FILTERS[cls.name] = cls
+    return cls
+
+
+def inverse_minmax(values: Sequence[float]) -> list[float]:
+    """Lower is better -> [0, 1]: the lowest gets 1, the highest 0; all equal -> all 1."""
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    if hi <= lo:
+        return [1.0] * len(values)
+    return [(hi - v) / (hi - lo) for v in values]

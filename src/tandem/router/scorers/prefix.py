@@ -1,0 +1,19 @@
+"""Prefix-hit scorer: the share of the prompt a worker already holds in its KV cache
+(leading full blocks only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.workers import Worker
+
+
+@register_scorer
+class PrefixScorer(Scorer):
+    name = "prefix"
+
+    def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
+        if ctx.prompt_tokens <= 0:
+            return [0.0] * len(workers)
+        return [min(ctx.matched_tokens.get(w.id, 0) / ctx.prompt_tokens, 1.0) for w in workers]

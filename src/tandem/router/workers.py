@@ -1,0 +1,87 @@
+"""What the router knows about each worker: identity, health, load, circuit breaker.
+
+Plain state, mutated only on the router's event loop. `Worker.id` is the worker's base URL.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerLoad:
+    """The worker's own view (gRPC `GetLoad`), refreshed every poll interval."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0  # [0, 1]
+    in_flight_tokens: int = 0
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"  # normal
+    OPEN = "open"  # failing: not routed to until `reopen_at`
+    HALF_OPEN = "half_open"  # one trial request decides
+
+
+@dataclass
+class CircuitBreaker:
+    """Opens after `threshold` consecutive failures; after `cooldown_s` lets one trial
+    request through (half-open); a success closes it, a failure re-opens it."""
+
+    threshold: int = 3
+    cooldown_s: float = 5.0
+    state: BreakerState = BreakerState.CLOSED
+    failures: int = 0
+    reopen_at: float = 0.0
+    trial_in_flight: bool = False
+
+    def allows(self, now: float) -> bool:
+        if self.state is BreakerState.OPEN and now >= self.reopen_at:
+            self.state = BreakerState.HALF_OPEN
+            self.trial_in_flight = False
+        if self.state is BreakerState.HALF_OPEN:
+            return not self.trial_in_flight
+        return self.state is BreakerState.CLOSED
+
+    def on_attempt(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self.trial_in_flight = True
+
+    def on_success(self) -> None:
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self.trial_in_flight = False
+
+    def on_failure(self, now: float) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.state is BreakerState.HALF_OPEN or self.failures >= self.threshold:
+            self.state = BreakerState.OPEN
+            self.reopen_at = now + self.cooldown_s
+
+
+@dataclass
+class Worker:
+    id: str  # base URL, e.g. http://10.0.0.7:8000
+    model: str = ""  # served model name ("" until known)
+    role: str = "both"  # both | prefill | decode
+    grpc_target: str | None = None  # host:port of its gRPC Worker service, if any
+    block_size: int | None = None  # from its KV event stream
+    ready: bool = False  # last readiness probe answered 200
+    events_connected: bool = False  # its KV event stream is live (precise routing)
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    local_in_flight: int = 0  # requests this router has open on it
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests on the worker: its reported running + waiting, or this router's own
+        open requests if higher (they are counted at once, the poll lags)."""
+        return max(self.load.num_running + self.load.num_waiting, self.local_in_flight)
+
+    def routable(self, now: float) -> bool:
+        return self.ready and self.breaker.allows(now)

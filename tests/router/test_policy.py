@@ -1,0 +1,114 @@
+"""Scorers, filters and policies, table-driven over plain Worker values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.router.policy import POLICIES, CacheAwarePolicy, make_policy
+from tandem.router.scorers import FILTERS, SCORERS, RoutingContext
+from tandem.router.workers import BreakerState, CircuitBreaker, Worker, WorkerLoad
+
+
+def worker(wid: str, running: int = 0, waiting: int = 0, kv: float = 0.0, tokens: int = 0,
+           role: str = "both", model: str = "m", ready: bool = True) -> Worker:
+    return Worker(id=wid, model=model, role=role, ready=ready,
+                  load=WorkerLoad(num_running=running, num_waiting=waiting,
+                                  kv_cache_usage=kv, in_flight_tokens=tokens))
+
+
+def ctx(matched: dict[str, int] | None = None, prompt_tokens: int = 100) -> RoutingContext:
+    return RoutingContext(model="m", prompt_tokens=prompt_tokens, matched_tokens=matched or {})
+
+
+@pytest.mark.parametrize(("name", "workers", "matched", "want"), [
+    ("prefix", [worker("a"), worker("b")], {"a": 64}, [0.64, 0.0]),
+    ("prefix", [worker("a")], {"a": 500}, [1.0]),  # clamped
+    ("queue", [worker("a", 2, 1), worker("b", 0, 0), worker("c", 6, 0)], {}, [0.5, 1.0, 0.0]),
+    ("queue", [worker("a", 1), worker("b", 1)], {}, [1.0, 1.0]),  # all equal: all best
+    ("kv_usage", [worker("a", kv=0.25), worker("b", kv=1.0)], {}, [0.75, 0.0]),
+    ("inflight_tokens", [worker("a", tokens=100), worker("b", tokens=300)], {}, [1.0, 0.0]),
+])
+def test_scorers(name, workers, matched, want):
+    assert SCORERS[name]().score(ctx(matched), workers) == pytest.approx(want)
+
+
+def test_local_in_flight_counts_before_the_poll_catches_up():
+    w = worker("a", running=1)
+    w.local_in_flight = 4
+    assert w.queue_depth == 4
+
+
+@pytest.mark.parametrize(("name", "w", "role", "keep"), [
+    ("model", worker("a", model="x"), "decode", False),
+    ("model", worker("a"), "decode", True),
+    ("role", worker("a", role="prefill"), "decode", False),
+    ("role", worker("a", role="decode"), "decode", True),
+    ("role", worker("a", role="both"), "decode", True),
+    ("role", worker("a", role="prefill"), "prefill", True),
+    ("health", worker("a", ready=False), "decode", False),
+    ("health", worker("a"), "decode", True),
+])
+def test_filters(name, w, role, keep):
+    c = ctx()
+    c.role = role
+    assert FILTERS[name]().keep(c, w) is keep
+
+
+def test_cache_aware_prefers_the_prefix_holder():
+    pol = CacheAwarePolicy(rng=random.Random(0))
+    ws = [worker("a", running=1), worker("b"), worker("c")]
+    d = pol.pick(ctx({"a": 96}), ws)
+    assert d.worker.id == "a" and d.reason == "prefix_hit" and d.matched_tokens == 96
+
+
+def test_saturation_guard_spills_a_hot_prefix():
+    pol = CacheAwarePolicy(saturation_queue=4, rng=random.Random(0))
+    ws = [worker("a", running=3, waiting=2), worker("b"), worker("c", running=1)]
+    d = pol.pick(ctx({"a": 96}), ws)
+    assert d.worker.id == "b" and d.reason == "saturated"
+    hot_kv = [worker("a", kv=0.95), worker("b", kv=0.1)]
+    assert pol.pick(ctx({"a": 96}), hot_kv).worker.id == "b"
+
+
+def test_cold_requests_spread_by_load():
+    pol = CacheAwarePolicy(rng=random.Random(1))
+    ws = [worker("a", running=5), worker("b", running=0), worker("c", running=2)]
+    d = pol.pick(ctx({}), ws)
+    assert d.worker.id == "b" and d.reason == "load"
+    # equal replicas: ties broken at random, so all of them get traffic
+    equal = [worker("a"), worker("b"), worker("c")]
+    assert {pol.pick(ctx({}), equal).worker.id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_unknown_scorer_weight_is_rejected():
+    with pytest.raises(ValueError, match="unknown scorers"):
+        CacheAwarePolicy(weights={"prefix": 1.0, "vibes": 2.0})
+
+
+def test_baseline_policies():
+    ws = [worker("b"), worker("a", running=3), worker("c", running=1)]
+    rr = make_policy("round-robin")
+    assert [rr.pick(ctx(), ws).worker.id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert make_policy("least-loaded", rng=random.Random(0)).pick(ctx(), ws).worker.id == "b"
+    rnd = make_policy("random", rng=random.Random(0))
+    assert {rnd.pick(ctx(), ws).worker.id for _ in range(50)} == {"a", "b", "c"}
+    assert set(POLICIES) == {"cache-aware", "round-robin", "random", "least-loaded"}
+
+
+def test_circuit_breaker_opens_half_opens_and_closes():
+    b = CircuitBreaker(threshold=2, cooldown_s=5.0)
+    b.on_failure(now=0.0)
+    assert b.allows(0.1)
+    b.on_failure(now=1.0)
+    assert b.state is BreakerState.OPEN and not b.allows(2.0)
+    assert b.allows(6.5) and b.state is BreakerState.HALF_OPEN  # one trial
+    b.on_attempt()
+    assert not b.allows(6.6)  # only one trial at a time
+    b.on_failure(now=7.0)
+    assert b.state is BreakerState.OPEN and not b.allows(8.0)
+    assert b.allows(12.5)
+    b.on_attempt()
+    b.on_success()
+    assert b.state is BreakerState.CLOSED and b.allows(12.6)

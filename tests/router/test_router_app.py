@@ -1,0 +1,166 @@
+"""The router app in-process against stub OpenAI servers (no KV events: approximate mode),
+and its auth, over real sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from tandem.router.app import RouterServerSettings, build_app
+from tandem.router.auth import ApiKeys, tenant_cache_salt
+from tandem.router.core import Router, RouterSettings
+from tandem.router.monitor import MonitorSettings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """An ASGI app on a real port, in a thread."""
+
+    def __init__(self, app) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def stub_openai(name: str, seen: list) -> FastAPI:
+    """What a stock vLLM server looks like to the router: /health, /v1/models, completions;
+    no /ready and no KV events."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict) -> dict:
+        seen.append((name, body))
+        return {"id": "x", "object": "text_completion", "model": body["model"],
+                "choices": [{"index": 0, "text": name, "finish_reason": "length"}]}
+
+    return app
+
+
+def router_app(workers: list[str], keys: dict[str, str] | None = None) -> Served:
+    router = Router(RouterSettings(seed=0), lambda model: None)  # no tokenizer: text hashes
+    settings = RouterServerSettings(worker_urls=workers, api_keys=ApiKeys(keys or {}),
+                                    monitor=MonitorSettings(probe_interval_s=0.1))
+    return Served(build_app(router, settings))
+
+
+@pytest.fixture()
+def stubs():
+    seen: list = []
+    servers = [Served(stub_openai(f"stub{i}", seen)) for i in range(3)]
+    yield servers, seen
+    for s in servers:
+        s.stop()
+
+
+def _wait_ready(url: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/ready", timeout=5).json().get("ready_workers", 0) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_approximate_mode_keeps_a_prompt_on_one_stock_server(stubs):
+    servers, seen = stubs
+    router = router_app([s.url for s in servers])
+    try:
+        _wait_ready(router.url, 3)
+        long_a = "Shared system prompt A. " * 60
+        long_b = "Another long prefix B! " * 60
+        answers_a = {httpx.post(router.url + "/v1/completions", timeout=10, json={
+            "model": "stub-model", "prompt": long_a + f"question {i}"}).json()["choices"][0][
+            "text"] for i in range(6)}
+        answers_b = {httpx.post(router.url + "/v1/completions", timeout=10, json={
+            "model": "stub-model", "prompt": long_b + f"question {i}"}).json()["choices"][0][
+            "text"] for i in range(6)}
+        assert len(answers_a) == 1 and len(answers_b) == 1
+        assert len(seen) == 12
+    finally:
+        router.stop()
+
+
+def test_a_dead_backend_is_retried_elsewhere_before_the_first_byte(stubs):
+    servers, seen = stubs
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    router = router_app([dead, servers[0].url])
+    try:
+        _wait_ready(router.url, 1)
+        # the dead one never passes readiness, so it is not even tried
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/completions", timeout=10,
+                           json={"model": "stub-model", "prompt": f"p{i}"})
+            assert r.status_code == 200 and r.headers["x-tandem-worker"] == servers[0].url
+        servers[0].stop()  # now the only ready one dies: a clean 502/503, no hang
+        r = httpx.post(router.url + "/v1/completions", timeout=10,
+                       json={"model": "stub-model", "prompt": "after"})
+        assert r.status_code in (502, 503) and r.json()["error"]["message"]
+    finally:
+        router.stop()
+
+
+def test_api_keys_and_tenant_salts(stubs):
+    servers, seen = stubs
+    router = router_app([servers[0].url], keys={"sk-alpha": "alpha", "sk-beta": "beta"})
+    try:
+        _wait_ready(router.url, 1)
+        body = {"model": "stub-model", "prompt": "hi", "cache_salt": "mine"}
+        assert httpx.post(router.url + "/v1/completions", json=body).status_code == 401
+        r = httpx.post(router.url + "/v1/completions", json=body,
+                       headers={"Authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(router.url + "/v1/models").status_code == 401
+        assert httpx.get(router.url + "/health").status_code == 200  # probes need no key
+        assert httpx.get(router.url + "/metrics").status_code == 200
+        r = httpx.post(router.url + "/v1/completions", json=body,
+                       headers={"Authorization": "Bearer sk-beta"})
+        assert r.status_code == 200
+        assert seen[-1][1]["cache_salt"] == "tenant=beta;mine"  # the worker sees the salt
+    finally:
+        router.stop()
+
+
+def test_tenant_salt_cannot_be_forged():
+    assert tenant_cache_salt(None, "x") == "x"
+    assert tenant_cache_salt("a", None) == "tenant=a"
+    # a client of tenant a cannot reach tenant b's namespace with its own salt
+    assert tenant_cache_salt("a", "tenant=b") != tenant_cache_salt("b", None)
+    assert not tenant_cache_salt("a", "x;tenant=b").startswith("tenant=b")
+
+
+def test_bad_keys_file_is_rejected(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("sk-1 alpha\n# comment\n\nsk-2 beta  # trailing\n")
+    keys = ApiKeys.from_file(f)
+    assert keys.tenant("Bearer sk-2") == "beta"
+    f.write_text("sk-1 al;pha\n")
+    with pytest.raises(ValueError, match="TENANT"):
+        ApiKeys.from_file(f)

@@ -1,0 +1,170 @@
+"""Real workers (with gRPC KV events) behind a real router process, over real sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
+from tandem.protocol.tokenizer import Tokenizer
+from tandem.router import prompt as prompts
+from tests.serving.conftest import free_port, start_worker
+
+pytestmark = pytest.mark.slow
+SYSTEMS = [
+    "You are a meticulous assistant for a shipping company. " * 12,
+    "You are a cheerful tutor who explains mathematics with small steps. " * 12,
+    "You are a terse code reviewer. Answer in one sentence, no greetings. " * 12,
+]
+
+
+def _metric(url: str, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and label in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class RouterProcess:
+    def __init__(self, tmp_path, workers: list[str], *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / f"router-{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cli", "router", "--port", str(self.port),
+                 "--workers", ",".join(workers), "--seed", "0", *args],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_events(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if _metric(self.url, "tandem_router_worker_kv_events_connected") >= n:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.log()
+            time.sleep(0.2)
+        raise TimeoutError(self.log())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    workers = []
+    try:
+        for _ in range(3):
+            workers.append(start_worker(tmp, "--grpc-port", str(free_port()),
+                                        "--num-kv-blocks", "160", wait_ready=False))
+        for w in workers:
+            from tests.serving.conftest import wait_for
+
+            wait_for(w, "/ready", 200, timeout=240)
+        router = RouterProcess(tmp, [w.url for w in workers])
+        router.wait_events(3)
+        yield router, workers
+        router.stop()
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.stop()
+
+
+def _chat(router_url: str, system: str, user: str, **extra) -> httpx.Response:
+    return httpx.post(router_url + "/v1/chat/completions", timeout=120, json={
+        "model": BUNDLED_NAME, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        **extra})
+
+
+def test_each_prefix_group_sticks_to_the_replica_that_holds_it(cluster):
+    router, workers = cluster
+    hits_before = sum(_metric(w.url, "vllm:prefix_cache_hits_total") for w in workers)
+    placement: dict[int, set[str]] = {}
+    for round_ in range(4):
+        for g, system in enumerate(SYSTEMS):
+            r = _chat(router.url, system, f"Question {round_} for group {g}?")
+            assert r.status_code == 200, r.text
+            placement.setdefault(g, set()).add(r.headers["x-tandem-worker"])
+    assert all(len(v) == 1 for v in placement.values()), placement
+    assert len(set().union(*placement.values())) >= 2  # cold groups spread by load
+    hits = sum(_metric(w.url, "vllm:prefix_cache_hits_total") for w in workers) - hits_before
+    assert hits >= 3 * 3 * 100  # 3 groups x 3 warm rounds x >100 shared prompt tokens
+    assert _metric(router.url, "tandem_router_decisions_total", 'reason="prefix_hit"') >= 9
+
+
+def test_router_hashes_equal_the_workers_block_hashes(cluster):
+    router, workers = cluster
+    body = {"model": BUNDLED_NAME, "messages": [
+        {"role": "system", "content": "Hash agreement check. " * 20},
+        {"role": "user", "content": "Ünïcödé and emoji 🚀 too"}], "cache_salt": "tenant-x"}
+    r = httpx.post(router.url + "/v1/chat/completions", timeout=120,
+                   json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    worker = next(w for w in workers if w.url == r.headers["x-tandem-worker"])
+    ready = httpx.get(worker.url + "/ready", timeout=5).json()
+    parsed = prompts.parse("chat", body, Tokenizer.load(find_bundled_gguf()))
+    want = prompts.block_hashes(parsed, BUNDLED_NAME, ready["block_size"])
+    assert len(want) >= 5
+    with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as ch:
+        stream = worker_pb2_grpc.WorkerStub(ch).SubscribeKVEvents(
+            worker_pb2.SubscribeKVEventsRequest())
+        held = set(next(stream).snapshot.block_hashes)
+        stream.cancel()
+    assert set(want) <= held
+    unsalted = prompts.block_hashes(prompts.parse("chat", {**body, "cache_salt": None},
+                                                  Tokenizer.load(find_bundled_gguf())),
+                                    BUNDLED_NAME, ready["block_size"])
+    assert not set(unsalted) & set(want)  # the salt gives a disjoint hash space
+
+
+def test_unknown_model_and_bad_body_are_answered_by_the_router(cluster):
+    router, _ = cluster
+    r = httpx.post(router.url + "/v1/completions", timeout=10,
+                   json={"model": "gpt-17", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(router.url + "/v1/completions", timeout=10, content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    models = httpx.get(router.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [BUNDLED_NAME]
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_cleanly_and_traffic_moves(cluster):
+    router, workers = cluster
+    body = {"model": BUNDLED_NAME, "prompt": "Count slowly:", "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    events: list[str] = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        victim = next(w for w in workers if w.url == r.headers["x-tandem-worker"])
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    victim.proc.send_signal(signal.SIGKILL)
+    assert time.monotonic() - t0 < 30  # no hang
+    assert events[-1] == "[DONE]" and '"error"' in events[-2]
+    victim.proc.wait(timeout=10)
+    # every group still gets answered, by the survivors only
+    for g, system in enumerate(SYSTEMS):
+        r = _chat(router.url, system, f"After the crash, group {g}")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tandem-worker"] != victim.url
