@@ -1,13 +1,13 @@
-"""Microbenchmark: one forward's worth of SmolLM2-135M linear layers at small row counts.
+"""Microbenchmark: one forward's worth of SmolLM2-135M linear layers, by row count.
 
-    .venv/bin/python bench/linear_micro.py [--rows 1,2,4,8,16,32,64] [--reps 5]
+    .venv/bin/python bench/linear_micro.py [--rows 1,4,16,24,48,96,192,384,1024] [--reps 5]
 
 Times, per row count M, all 121 linears of one forward (30 x qkv/o/gate_up/down + the LM
 head; random float32 weights, 540 MB, so they stream from DRAM like the real model's) with:
-oneDNN pre-packed weights (`PackedLinear`'s large-M path), `F.linear` on plain weights
-(MKL), and the native skinny kernel (`tandem_linear_skinny_f32`). Prints ms per forward,
-the skinny kernel's effective weight bandwidth, and oneDNN/skinny ratios; JSON goes to
-`bench/results/linear_micro-<date>.json`. Used to pick `SKINNY_MAX_ROWS`.
+oneDNN pre-packed weights (the fallback path), `F.linear` on plain weights (MKL), and the
+native packed-panel kernel (`tandem_linear_packed_f32`, the default). Prints ms per
+forward, the native kernel's GFLOPS, and oneDNN/native ratios; JSON goes to
+`bench/results/linear_micro-<date>.json`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.model.cpu_linear import pack_panels
 from tandem.engine.native import load_native
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -29,17 +30,18 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,2,4,8,12,16,24,32,64")
+    ap.add_argument("--rows", default="1,4,16,24,48,96,192,384,1024")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     lib = load_native()
-    if lib is None:
+    if lib is None or not lib.tandem_linear_simd():
         print("native kernels unavailable", file=sys.stderr)
         return 1
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    nbytes = sum(w.numel() * 4 for w in weights)
+    panels = [pack_panels(w) for w in weights]
+    flops_per_row = sum(2 * w.numel() for w in weights)
     threads = torch.get_num_threads()
 
     def onednn(xs: dict) -> None:
@@ -50,21 +52,21 @@ def main() -> int:
         for w in weights:
             torch.nn.functional.linear(xs[w.shape[1]], w)
 
-    def skinny(xs: dict) -> None:
-        for w in weights:
+    def native(xs: dict) -> None:
+        for w, wp in zip(weights, panels, strict=True):
             n, k = w.shape
             x = xs[k]
             y = torch.empty(x.shape[0], n)
-            lib.tandem_linear_skinny_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(),
+            lib.tandem_linear_packed_f32(x.data_ptr(), wp.data_ptr(), None, y.data_ptr(),
                                          x.shape[0], n, k, threads)
 
     rows = []
-    print(f"{'M':>4} {'onednn ms':>10} {'F.linear ms':>12} {'skinny ms':>10} {'GB/s':>6} "
-          f"{'onednn/skinny':>14}")
+    print(f"{'M':>5} {'onednn ms':>10} {'F.linear ms':>12} {'native ms':>10} {'GFLOPS':>7} "
+          f"{'onednn/native':>14}")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         res = {}
-        for name, fn in (("onednn", onednn), ("plain", plain), ("skinny", skinny)):
+        for name, fn in (("onednn", onednn), ("plain", plain), ("native", native)):
             fn(xs)  # warm-up
             times = []
             for _ in range(args.reps):
@@ -72,15 +74,15 @@ def main() -> int:
                 fn(xs)
                 times.append(time.perf_counter() - t)
             res[name] = statistics.median(times)
+        gflops = flops_per_row * m / res["native"] / 1e9
         rows.append({"rows": m, **{f"{k}_ms": v * 1e3 for k, v in res.items()},
-                     "skinny_gb_s": nbytes / res["skinny"] / 1e9})
-        print(f"{m:>4} {res['onednn'] * 1e3:10.1f} {res['plain'] * 1e3:12.1f} "
-              f"{res['skinny'] * 1e3:10.1f} {nbytes / res['skinny'] / 1e9:6.1f} "
-              f"{res['onednn'] / res['skinny']:14.2f}")
+                     "native_gflops": gflops})
+        print(f"{m:>5} {res['onednn'] * 1e3:10.1f} {res['plain'] * 1e3:12.1f} "
+              f"{res['native'] * 1e3:10.1f} {gflops:7.1f} {res['onednn'] / res['native']:14.2f}")
     out = Path(__file__).resolve().parent / "results" / \
         f"linear_micro-{dt.date.today().isoformat()}.json"
     out.write_text(json.dumps({"date": dt.date.today().isoformat(), "threads": threads,
-                               "weight_bytes": nbytes, "results": rows}, indent=1))
+                               "flops_per_row": flops_per_row, "results": rows}, indent=1))
     print(f"wrote {out}")
     return 0
 

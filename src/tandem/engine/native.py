@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_cpu.c", "elementwise_cpu.c", "linear_cpu.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
-ABI_VERSION = 3
+ABI_VERSION = 4
 DISABLE_ENV = "TANDEM_DISABLE_NATIVE_KERNELS"
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -36,7 +36,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_add_rms_norm_f32": (None, [_P] * 4 + [_I64, _I64, _F32, _I64]),
     "tandem_silu_mul_f32": (None, [_P, _P, _I64, _I64, _I64]),
     "tandem_rope_f32": (None, [_P] * 4 + [_I64] * 5),
-    "tandem_linear_skinny_f32": (None, [_P] * 4 + [_I64] * 4),
+    "tandem_linear_packed_f32": (None, [_P] * 4 + [_I64] * 4),
+    "tandem_linear_simd": (_I64, []),
 }
 
 

@@ -1,15 +1,15 @@
-"""CPU fast path for linear layers: oneDNN pre-packed weights, plus a native skinny kernel.
+"""CPU fast path for float32 linear layers: weights packed once at load time.
 
-* `torch.nn.functional.linear` on CPU repacks the weight on every call; packing once into
-  oneDNN's blocked layout at load time makes decode matmuls 1.3-2.8x faster here.
-* With few rows (decode at light load, short prefills) a linear is bound by streaming its
-  weight, and oneDNN runs it well below memory bandwidth. For `rows <= skinny_max_rows` the
-  native kernel `tandem_linear_skinny_f32` (engine/csrc/linear_cpu.c) reads the plain
-  weight once instead: 1.5-1.9x faster than oneDNN at 1..16 rows on this machine
-  (`bench/linear_micro.py`). The price is a second copy of each weight (plain + packed).
+* Native (AVX2 + FMA, `engine/csrc/linear_cpu.c`): W is repacked into 16-column panels
+  `[ceil(N/16), K, 16]` and multiplied by a register-tiled kernel that reads each weight
+  byte once per block of activation rows. One layout for every batch size; on this machine
+  1.4-2x faster than oneDNN at 1-48 rows (decode) and about equal at 96-1024 (prefill),
+  measured with `bench/linear_micro.py`.
+* Otherwise (no compiler, no AVX2): oneDNN's blocked layout (`torch.nn.functional.linear`
+  would repack the weight on every call).
 
-Results differ from MKL's only in float rounding order. Applied after weight loading,
-gpt-fast style: the model file stays plain.
+Either way the model file stays plain (gpt-fast style: applied after weight loading), and
+the results differ from MKL's only in float rounding order.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
-PACK_BATCH_HINT = 64  # rows oneDNN tunes the packed layout for (decode batches are near it)
-SKINNY_MAX_ROWS = 16  # crossover measured with bench/linear_micro.py (oneDNN wins by ~32)
+PANEL = 16  # output columns per packed panel (linear_cpu.c's NR)
+ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packed layout for
 
 
 def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -31,48 +31,54 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/16), K, 16], zero-padded past N, contiguous."""
+    n, k = weight.shape
+    padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
 class PackedLinear(nn.Module):
-    """`y = x @ W.T + b`, x: [T, in] -> [T, out], float32 on the CPU.
+    """`y = x @ W.T + b`, x: [T, in] -> [T, out], float32 on the CPU, W pre-packed."""
 
-    W lives in oneDNN's packed layout; with `native` (the loaded kernel library) the plain
-    W is kept too and serves calls of at most `skinny_max_rows` rows.
-    """
-
-    def __init__(self, linear: nn.Linear, native: ctypes.CDLL | None = None,
-                 skinny_max_rows: int = SKINNY_MAX_ROWS) -> None:
+    def __init__(self, linear: nn.Linear, native: ctypes.CDLL | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach().contiguous()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
-            weight, PACK_BATCH_HINT), persistent=False)
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
-        self._skinny = native.tandem_linear_skinny_f32 if native is not None else None
-        self.skinny_max_rows = skinny_max_rows if native is not None else 0
-        self.register_buffer("weight", weight if native is not None else None,
-                             persistent=False)
+        self._kernel = None
+        if native is not None and native.tandem_linear_simd():
+            self._kernel = native.tandem_linear_packed_f32
+            self.register_buffer("packed", pack_panels(weight), persistent=False)
+        else:
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+                weight, ONEDNN_BATCH_HINT), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if self._kernel is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
+                                                      "")
         rows = x.shape[0]
-        if rows <= self.skinny_max_rows:
-            y = torch.empty(rows, self.out_features, dtype=x.dtype)
-            self._skinny(x.data_ptr(), self.weight.data_ptr(),
+        y = torch.empty(rows, self.out_features, dtype=x.dtype)
+        if rows:
+            self._kernel(x.data_ptr(), self.packed.data_ptr(),
                          None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                          rows, self.out_features, self.in_features, torch.get_num_threads())
-            return y
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return y
 
 
 def pack_linears(model: nn.Module, native: ctypes.CDLL | None = None) -> int:
     """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many."""
     count = 0
+    kind = "native panels" if native is not None and native.tandem_linear_simd() else "oneDNN"
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child, native))
                 count += 1
-    logger.info("packed %d linear layers into oneDNN layout%s", count,
-                " (+ plain copies for the skinny kernel)" if native is not None else "")
+    logger.info("packed %d linear layers (%s)", count, kind)
     return count
