@@ -17,6 +17,7 @@ serve: $(STAMP)
 	$(VENV)/bin/tandem serve
 
 test: $(STAMP)
+	bash scripts/ensure_redis.sh
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 

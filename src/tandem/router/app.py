@@ -30,6 +30,7 @@ from tandem.router.core import Router
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.proxy import Attempt, ProxySettings, forward
+from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class RouterServerSettings:
     max_prompt_tokens: int = 131072  # longer prompts get 400 before any worker sees them
     max_tokens_cap: int | None = None  # bound on max_tokens / max_completion_tokens
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
+    rate_limiter: RateLimiter | None = None
     proxy: ProxySettings = field(default_factory=ProxySettings)
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
 
@@ -62,6 +64,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         yield
         await asyncio.gather(*(m.stop() for m in monitors.values()))
         await http.aclose()
+        if settings.rate_limiter is not None:
+            await settings.rate_limiter.close()
 
     def add_worker(url: str) -> None:
         w = Worker(id=url.rstrip("/"))
@@ -133,6 +137,20 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         if model not in router.models(ready_only=False):
             metrics.rejected.labels("404").inc()
             raise APIError(404, f"model {model!r} is not served here", "model")
+        limiter = settings.rate_limiter
+        if limiter is not None:
+            prompt_tokens = (len(parsed.token_ids) if parsed.token_ids is not None
+                             else len(parsed.text) // 4)
+            out_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or 16
+            verdict = await limiter.acquire(tenant or "anonymous",
+                                            prompt_tokens + int(out_tokens))
+            if not verdict.allowed:
+                metrics.rejected.labels("429").inc()
+                if verdict.reason == "too_large":
+                    raise APIError(429, "the request alone exceeds this tenant's tokens per "
+                                        "minute", "max_tokens")
+                raise APIError(429, f"rate limit exceeded ({verdict.reason}); retry later",
+                               headers={"Retry-After": retry_after_header(verdict)})
         data["model"] = model
         payload = json.dumps(data).encode()
         first = True

@@ -6,7 +6,9 @@
 
 `router.yaml` may set any of: `workers` (list), `policy`, `weights` (scorer -> weight),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `retries`, `max_prompt_tokens`,
-`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path); flags win over the file.
+`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `redis` (URL) and
+`rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
+{...}}}`; flags win over the file.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
@@ -36,6 +38,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="PATH for every model, or MODEL=PATH (repeatable)")
     p.add_argument("--api-keys", default=None, help="file of 'KEY TENANT' lines")
     p.add_argument("--retries", type=int, default=None)
+    p.add_argument("--redis", default=None,
+                   help="redis://host:port/db shared by router replicas for rate limits")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
 
 
@@ -78,13 +82,13 @@ def tokenizer_resolver(specs: list[str], from_file: dict[str, str]):  # noqa: AN
     return resolve
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
+    """The router app from parsed arguments and the optional YAML config."""
     from tandem.router.app import RouterServerSettings, build_app
     from tandem.router.auth import ApiKeys
     from tandem.router.core import Router, RouterSettings
     from tandem.router.proxy import ProxySettings
+    from tandem.router.ratelimit import Limits, RateLimiter
 
     cfg = _load_yaml(args.config)
     workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
@@ -95,17 +99,30 @@ def run(args: argparse.Namespace) -> int:
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed)
     router = Router(settings, tokenizer_resolver(args.tokenizer, cfg.get("tokenizers", {})))
+    rl = cfg.get("rate_limits") or {}
+    limiter = None
+    if rl:
+        tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
+        limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
+                              redis_url=args.redis or cfg.get("redis"))
     server = RouterServerSettings(
         worker_urls=workers,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
         max_prompt_tokens=int(cfg.get("max_prompt_tokens", 131072)),
         max_tokens_cap=cfg.get("max_tokens_cap"),
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({}),
+        rate_limiter=limiter,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
                             else int(cfg.get("retries", 2))))
-    app = build_app(router, server)
-    logger.info("router (%s) on http://%s:%d over %d worker(s)", settings.policy, args.host,
-                args.port, len(workers))
+    return build_app(router, server), router, server
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app, router, server = build(args)
+    logger.info("router (%s) on http://%s:%d over %d worker(s)", router.settings.policy,
+                args.host, args.port, len(server.worker_urls))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)
     return 0

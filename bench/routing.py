@@ -1,0 +1,149 @@
+"""Routing benchmark: the same shared-prefix workload through the router with each policy.
+
+    .venv/bin/python bench/routing.py [--quick] [--workers 4] [--policies ...] [--rate 2]
+
+Starts N real Tandem workers (gRPC KV events on, each with a KV budget that holds only a few
+groups' prefixes), then for each policy a fresh `tandem router` in front of them, and sends a
+seeded shared-prefix workload (G groups x a long system prompt, user turns, Poisson
+arrivals) through it with `bench/loadgen.py`. Each policy gets its own fresh prompt set, so
+no policy inherits another's warm cache. Reports TTFT p50/p90, output tokens/s and the
+cluster prefix-cache hit rate (from the workers' `vllm:prefix_cache_*` counters), the
+TTFT p90 ratio of each policy to cache-aware, and writes `bench/results/routing-<date>.json`.
+`vllm-router` (the Rust router of the vLLM project, `cache_aware` policy) runs in front of
+the same workers when its command is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import loadgen  # noqa: E402
+import servers  # noqa: E402
+from workload import make_workload  # noqa: E402
+
+POLICIES = ("round-robin", "random", "least-loaded", "cache-aware")
+
+
+def cluster_counters(urls: list[str]) -> tuple[float, float]:
+    """Sum of (prefix_cache_hits, prefix_cache_queries) over the workers, in tokens."""
+    hits = queries = 0.0
+    for url in urls:
+        for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def wait_routable(url: str, workers: int, events: bool, timeout_s: float = 60) -> None:
+    """Until the router lists a model and (Tandem's) every worker's KV stream is live."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if httpx.get(url + "/v1/models", timeout=5).json()["data"]:
+                if not events:
+                    return
+                text = httpx.get(url + "/metrics", timeout=5).text
+                live = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("tandem_router_worker_kv_events_connected{"))
+                if live >= workers:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} never saw all {workers} workers")
+
+
+def run_policy(name: str, spec: servers.ServerSpec, worker_urls: list[str], reqs: list,
+               rate: float, seed: int) -> dict:
+    with servers.launched(spec) as url:
+        wait_routable(url, len(worker_urls), events=name != "vllm-router")
+        model = asyncio.run(loadgen.served_model(url))
+        h0, q0 = cluster_counters(worker_urls)
+        results = asyncio.run(loadgen.run_rate(url, model, reqs, rate, seed=seed))
+        h1, q1 = cluster_counters(worker_urls)
+    s = loadgen.summarize(rate, results, loadgen.SLO()).to_json()
+    s["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+    s["policy"] = name
+    print(f"[{name}] ttft p50 {s['ttft']['p50']:.3f}s p90 {s['ttft']['p90']:.3f}s, "
+          f"{s['output_throughput']:.1f} tok/s, prefix hits {s['prefix_hit_rate']:.1%}",
+          file=sys.stderr, flush=True)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--rate", type=float, default=None, help="requests/s into the router")
+    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    groups, prefix = (4, 256) if args.quick else (8, 512)
+    n_req = 24 if args.quick else 64
+    rate = args.rate or (2.0 if args.quick else 1.5)
+    kv_blocks = args.kv_blocks or (prefix // 16) * 3 + 48  # ~3 groups' prefixes + headroom
+    policies = [p for p in args.policies.split(",") if p]
+
+    worker_specs = [servers.ServerSpec(f"routing-worker{i}", [
+        *servers.tandem_spec().argv, "--grpc-port", str(servers.free_port()),
+        "--num-kv-blocks", str(kv_blocks)], env=servers.tandem_spec().env)
+        for i in range(args.workers)]
+    report: dict = {"benchmark": "routing", "date": dt.date.today().isoformat(),
+                    "workers": args.workers, "kv_blocks_per_worker": kv_blocks,
+                    "groups": groups, "system_prompt_tokens": prefix, "requests": n_req,
+                    "rate": rate, "runs": []}
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(servers.launched(s)) for s in worker_specs]
+        for i, policy in enumerate(policies):
+            reqs = make_workload(n_req, seed=args.seed + 100 * (i + 1),
+                                 shared_prefix_tokens=prefix, num_prefix_groups=groups,
+                                 prompt_len=(16, 64), output_len=(16, 32))
+            spec = servers.ServerSpec(f"router-{policy}", [
+                sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "router",
+                "--port", "{port}", "--workers", ",".join(urls), "--policy", policy,
+                "--seed", str(args.seed)], env=servers.tandem_spec().env)
+            report["runs"].append(run_policy(policy, spec, urls, reqs, rate, args.seed))
+        if shutil.which("vllm-router"):
+            reqs = make_workload(n_req, seed=args.seed + 999, shared_prefix_tokens=prefix,
+                                 num_prefix_groups=groups, prompt_len=(16, 64),
+                                 output_len=(16, 32))
+            spec = servers.ServerSpec("vllm-router", [
+                "vllm-router", "--port", "{port}", "--worker-urls", *urls,
+                "--policy", "cache_aware"])
+            report["runs"].append(run_policy("vllm-router", spec, urls, reqs, rate, args.seed))
+        else:
+            report["vllm_router"] = "not installed (pip install vllm-router); not compared"
+    by = {r["policy"]: r for r in report["runs"]}
+    if "cache-aware" in by:
+        base = by["cache-aware"]["ttft"]["p90"]
+        report["ttft_p90_over_cache_aware"] = {p: r["ttft"]["p90"] / base
+                                               for p, r in by.items()}
+    print(f"{'policy':14} {'ttft p50':>9} {'ttft p90':>9} {'tok/s':>7} {'prefix hits':>12} "
+          f"{'p90 / cache-aware':>18}")
+    for p, r in by.items():
+        ratio = report.get("ttft_p90_over_cache_aware", {}).get(p, float("nan"))
+        print(f"{p:14} {r['ttft']['p50']:9.3f} {r['ttft']['p90']:9.3f} "
+              f"{r['output_throughput']:7.1f} {r['prefix_hit_rate']:12.1%} {ratio:18.2f}")
+    suffix = "-quick" if args.quick else ""
+    out = BENCH_DIR / "results" / f"routing{suffix}-{report['date']}.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`tandem router` arguments + router.yaml -> the router's settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tandem.protocol.bundled import BUNDLED_NAME
+from tandem.router.main import add_router_args, build
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_yaml_config_and_flags(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000, http://b:8000]\npolicy: least-loaded\n"
+                   "saturation_queue: 3\nretries: 5\nmax_tokens_cap: 256\n"
+                   "weights: {prefix: 3.0, queue: 1.0}\n")
+    _, router, server = build(_args("--config", str(cfg)))
+    assert server.worker_urls == ["http://a:8000", "http://b:8000"]
+    assert router.settings.policy == "least-loaded" and router.settings.saturation_queue == 3
+    assert server.proxy.retries == 5 and server.max_tokens_cap == 256
+    # flags win over the file
+    _, router, server = build(_args("--config", str(cfg), "--policy", "cache-aware",
+                                    "--workers", "http://c:1", "--retries", "0"))
+    assert router.settings.policy == "cache-aware" and server.worker_urls == ["http://c:1"]
+    assert server.proxy.retries == 0
+    assert [s.name for s, _ in router.policy.scorers] == ["prefix", "queue"]
+
+
+def test_unknown_scorer_in_config_fails_at_start(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("weights: {prefix: 1.0, astrology: 1.0}\n")
+    with pytest.raises(ValueError, match="unknown scorers"):
+        build(_args("--config", str(cfg)))
+
+
+def test_tokenizers_by_model(tmp_path):
+    _, router, _ = build(_args())
+    assert router.tokenizer_for(BUNDLED_NAME) is not None  # the bundled model, by default
+    assert router.tokenizer_for("some-other-model") is None  # approximate mode
