@@ -65,6 +65,26 @@ def wait_for(worker: WorkerProcess, path: str, status: int, timeout: float) -> N
     raise TimeoutError(f"{path} never returned {status}:\n{worker.log()}")
 
 
+def metric(url: str, name: str) -> float:
+    """A labelled sample's value from the worker's /metrics."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def wait_idle(url: str, within: float) -> None:
+    """No running request and no KV block in use within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if (metric(url, "vllm:num_requests_running") == 0
+                and metric(url, "vllm:kv_cache_usage_perc") == 0.0):
+            return
+        time.sleep(0.05)
+    assert metric(url, "vllm:num_requests_running") == 0
+    assert metric(url, "vllm:kv_cache_usage_perc") == 0.0
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> Iterator[WorkerProcess]:
     w = start_worker(tmp_path_factory.mktemp("worker"), "--max-n", "4")

@@ -10,6 +10,8 @@ import pytest
 
 from tandem import SamplingParams
 
+from .conftest import metric, wait_idle
+
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
@@ -181,18 +183,11 @@ def test_tokenize_detokenize_round_trip(worker, real_llm):
     assert back.json()["prompt"].endswith(text)
 
 
-def _metric(worker, name: str) -> float:
-    for line in httpx.get(worker.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
-
-
 def test_metrics_use_vllm_names(client, worker):
-    before = _metric(worker, "vllm:generation_tokens_total")
+    before = metric(worker.url, "vllm:generation_tokens_total")
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
-    assert _metric(worker, "vllm:generation_tokens_total") == before + 5
+    assert metric(worker.url, "vllm:generation_tokens_total") == before + 5
     text = httpx.get(worker.url + "/metrics", timeout=10).text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
@@ -212,15 +207,8 @@ def test_disconnected_stream_frees_its_blocks_within_a_second(worker):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk in: the request is running; now hang up
-    assert _metric(worker, "vllm:num_requests_running") <= 1
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if (_metric(worker, "vllm:num_requests_running") == 0
-                and _metric(worker, "vllm:kv_cache_usage_perc") == 0.0):
-            break
-        time.sleep(0.05)
-    assert _metric(worker, "vllm:num_requests_running") == 0
-    assert _metric(worker, "vllm:kv_cache_usage_perc") == 0.0
+    assert metric(worker.url, "vllm:num_requests_running") <= 1
+    wait_idle(worker.url, within=1.0)
 
 
 def test_openapi_schema_is_published(worker):

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import start_worker, wait_for
+from .conftest import metric, start_worker, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 400, "temperature": 0,
@@ -28,16 +28,9 @@ def _post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
     return t
 
 
-def _gauge(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return -1.0
-
-
 def _wait_gauge(url: str, name: str, n: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while _gauge(url, name) < n:
+    while metric(url, name) < n:
         assert time.monotonic() < deadline, f"{name} never reached {n}"
         time.sleep(0.05)
 
@@ -80,18 +73,6 @@ def test_full_queue_gets_429_with_retry_after(tmp_path):
         assert w.stop() == 0, w.log()
 
 
-def _wait_idle(url: str, within: float) -> None:
-    """No running request and no KV block in use within `within` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if (_gauge(url, "vllm:num_requests_running") == 0
-                and _gauge(url, "vllm:kv_cache_usage_perc") == 0.0):
-            return
-        time.sleep(0.05)
-    assert _gauge(url, "vllm:num_requests_running") == 0
-    assert _gauge(url, "vllm:kv_cache_usage_perc") == 0.0
-
-
 def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
     w = start_worker(tmp_path, "--request-timeout", "1.5")
     try:
@@ -102,7 +83,7 @@ def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
         assert 1.5 <= time.monotonic() - t < 10
         error = r.json()["error"]
         assert error["type"] == "timeout_error" and "1.5" in error["message"]
-        _wait_idle(w.url, within=1.0)
+        wait_idle(w.url, within=1.0)
         events = []
         with httpx.stream("POST", w.url + "/v1/completions", timeout=60,
                           json={**LONG, "max_tokens": 3000, "stream": True}) as resp:
@@ -111,7 +92,7 @@ def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
         assert events[-1] == "[DONE]"
         assert '"error"' in events[-2] and "timed out" in events[-2]
         assert len(events) > 3  # tokens streamed before the deadline
-        _wait_idle(w.url, within=1.0)
+        wait_idle(w.url, within=1.0)
     finally:
         assert w.stop() == 0, w.log()
 
@@ -122,7 +103,7 @@ def test_non_streaming_client_that_hangs_up_frees_its_blocks(tmp_path):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(w.url + "/v1/completions", json={**LONG, "max_tokens": 3000},
                        timeout=httpx.Timeout(10, read=1.0))
-        _wait_idle(w.url, within=1.0)
+        wait_idle(w.url, within=1.0)
     finally:
         assert w.stop() == 0, w.log()
 
