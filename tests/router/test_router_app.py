@@ -104,6 +104,12 @@ def test_approximate_mode_keeps_a_prompt_on_one_stock_server(stubs):
             "text"] for i in range(6)}
         assert len(answers_a) == 1 and len(answers_b) == 1
         assert len(seen) == 12
+        # a body above 32 KiB is parsed off the event loop; it routes the same way
+        huge = "A very long shared document. " * 1500
+        answers = {httpx.post(router.url + "/v1/completions", timeout=10, json={
+            "model": "stub-model", "prompt": huge + f"q{i}"}).json()["choices"][0]["text"]
+            for i in range(3)}
+        assert len(answers) == 1 and len(seen) == 15
     finally:
         router.stop()
 

@@ -34,6 +34,7 @@ from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.workers import Worker
 
 logger = logging.getLogger(__name__)
+THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the event loop
 
 
 @dataclass
@@ -61,11 +62,19 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)
         for url in settings.worker_urls:
             add_worker(url)
+        janitor = asyncio.create_task(expire_speculative())
         yield
+        janitor.cancel()
         await asyncio.gather(*(m.stop() for m in monitors.values()))
         await http.aclose()
         if settings.rate_limiter is not None:
             await settings.rate_limiter.close()
+
+    async def expire_speculative() -> None:
+        """Free speculative index entries once their TTL is over (matching skips them)."""
+        while True:
+            await asyncio.sleep(max(router.settings.speculative_ttl_s, 0.5))
+            router.index.expire(time.monotonic())
 
     def add_worker(url: str) -> None:
         w = Worker(id=url.rstrip("/"))
@@ -126,7 +135,11 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                 data["cache_salt"] = salt
             check_bounds(data)
             model = data.get("model") or default_model()
-            parsed = prompts.parse(kind, data, router.tokenizer_for(model))
+            tokenizer = router.tokenizer_for(model)
+            if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
+                parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
+            else:
+                parsed = prompts.parse(kind, data, tokenizer)
         except (ValueError, ValidationError) as exc:
             metrics.rejected.labels("400").inc()
             raise APIError(400, _first_error(exc)) from exc
