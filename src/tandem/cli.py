@@ -110,6 +110,11 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    if args.workers > 1 and "--num-threads" not in passthrough:
+        # workers on one host share its cores: split them instead of oversubscribing
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        passthrough = [*passthrough, "--num-threads", str(max(1, cores // args.workers))]
     try:
         for _ in range(args.workers):
             port = _free_port(args.host)
