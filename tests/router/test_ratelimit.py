@@ -15,8 +15,9 @@ from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
 from tandem.router.ratelimit import Limits, LocalBuckets, RateLimiter
+from tests.serving.conftest import free_port
 
-from .test_router_app import Served, _free_port, _wait_ready, stub_openai
+from .test_router_app import Served, _wait_ready, stub_openai
 
 
 def test_request_bucket_bursts_then_refills():
@@ -50,7 +51,7 @@ def test_bad_limits_are_rejected():
 def redis_url(tmp_path_factory):
     exe = shutil.which("redis-server")
     assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path_factory.mktemp("redis"))],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -90,7 +91,7 @@ def test_two_replicas_share_one_budget_through_redis(redis_url):
 
 def test_redis_down_falls_back_to_per_replica_buckets():
     async def run() -> None:
-        dead = f"redis://127.0.0.1:{_free_port()}/0"
+        dead = f"redis://127.0.0.1:{free_port()}/0"
         r = RateLimiter(Limits(requests_per_s=1, burst_requests=2), redis_url=dead,
                         timeout_s=0.05)
         t = time.monotonic()

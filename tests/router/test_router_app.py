@@ -3,7 +3,6 @@ and its auth, over real sockets."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -16,19 +15,14 @@ from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.serving.conftest import free_port
 
 
 class Served:
     """An ASGI app on a real port, in a thread."""
 
     def __init__(self, app) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning"))
@@ -116,7 +110,7 @@ def test_approximate_mode_keeps_a_prompt_on_one_stock_server(stubs):
 
 def test_a_dead_backend_is_retried_elsewhere_before_the_first_byte(stubs):
     servers, seen = stubs
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     router = router_app([dead, servers[0].url])
     try:
         _wait_ready(router.url, 1)
@@ -145,6 +139,9 @@ def test_api_keys_and_tenant_salts(stubs):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(router.url + "/v1/models").status_code == 401
         assert httpx.get(router.url + "/health").status_code == 200  # probes need no key
+        deep = httpx.post(router.url + "/v1/completions", content=b"[" * 200_000,
+                          headers={"Authorization": "Bearer sk-beta"})
+        assert deep.status_code == 400 and "deeply" in deep.json()["error"]["message"]
         assert httpx.get(router.url + "/metrics").status_code == 200
         r = httpx.post(router.url + "/v1/completions", json=body,
                        headers={"Authorization": "Bearer sk-beta"})

@@ -29,7 +29,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
     attention_backend: str = "auto"  # "auto": native CPU kernel if it builds, else "torch"
-    cpu_linear: str = "onednn"  # "onednn": weights pre-packed once; "torch": F.linear (MKL)
+    # "onednn": CPU float32 linear weights packed once at load (native 16-column panels on
+    # AVX2, else oneDNN's layout); "torch": plain F.linear (MKL)
+    cpu_linear: str = "onednn"
     # compiled CPU kernels (engine/csrc: paged decode attention, fused norm/RoPE/SwiGLU) where
     # they apply; False = pure torch everywhere
     native_kernels: bool = True

@@ -18,7 +18,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import tune_malloc
 from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
-from tandem.engine.model.cpu_linear import onednn_available, pack_linears
+from tandem.engine.model.cpu_linear import pack_linears, packing_available
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import bundled_model_path, load_model
 from tandem.engine.model.ops import Ops
@@ -96,7 +96,7 @@ class LLMEngine:
         del loaded
         self.model.to(device=self.device, dtype=dtype).eval()
         self.model.rope.to(torch.float32)
-        if config.cpu_linear == "onednn" and onednn_available(dtype, self.device):
+        if config.cpu_linear == "onednn" and packing_available(dtype, self.device, ops.lib):
             pack_linears(self.model, native=ops.lib)
 
         per_block = backend.bytes_per_block() * arch.num_layers

@@ -140,7 +140,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                 parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
             else:
                 parsed = prompts.parse(kind, data, tokenizer)
-        except (ValueError, ValidationError) as exc:
+        except (ValueError, ValidationError, RecursionError) as exc:
             metrics.rejected.labels("400").inc()
             raise APIError(400, _first_error(exc)) from exc
         if parsed.token_ids is not None and len(parsed.token_ids) > settings.max_prompt_tokens:
@@ -223,6 +223,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
 
 
 def _first_error(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "the JSON body is nested too deeply"
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err.get("loc", ()))

@@ -31,6 +31,18 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def _native_simd(native: ctypes.CDLL | None) -> bool:
+    return native is not None and bool(native.tandem_linear_simd())
+
+
+def packing_available(dtype: torch.dtype, device: torch.device,
+                      native: ctypes.CDLL | None) -> bool:
+    """Whether `pack_linears` applies: float32 on the CPU with the native kernel (AVX2) or
+    oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and (
+        _native_simd(native) or onednn_available(dtype, device))
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/16), K, 16], zero-padded past N, contiguous."""
     n, k = weight.shape
@@ -50,7 +62,7 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self._kernel = None
-        if native is not None and native.tandem_linear_simd():
+        if _native_simd(native):
             self._kernel = native.tandem_linear_packed_f32
             self.register_buffer("packed", pack_panels(weight), persistent=False)
         else:
@@ -74,7 +86,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, native: ctypes.CDLL | None = None) -> int:
     """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many."""
     count = 0
-    kind = "native panels" if native is not None and native.tandem_linear_simd() else "oneDNN"
+    kind = "native panels" if _native_simd(native) else "oneDNN"
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
