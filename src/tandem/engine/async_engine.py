@@ -117,16 +117,29 @@ class AsyncLLMEngine:
             self.snapshot = self.engine.stats()
             if self.kv_hub is not None:
                 self.kv_hub.publish(self.engine.take_kv_events())
-            for out in outputs:
-                entry = self._streams.get(out.request_id)
-                if entry is not None:
-                    loop, q = entry
-                    loop.call_soon_threadsafe(q.put_nowait, out)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
+            if outputs:
+                self._deliver(outputs)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand one step's outputs to their event loops: one thread-safe wakeup per loop per
+        step (not per request), so streaming many requests costs the HTTP loop one callback."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            loop, q = entry
+            batches.setdefault(loop, []).append((q, out))
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop is closed: its requests have no reader left
+                logger.debug("dropped %d outputs for a closed event loop", len(batch))
 
     def _send(self, cmd: _Add | _Abort | _Call) -> None:
         self._inbox.put(cmd)
@@ -193,3 +206,8 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in batch:
+        q.put_nowait(out)

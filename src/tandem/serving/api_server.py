@@ -265,36 +265,63 @@ async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
                  timing: _Timing) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (prompt index, output) from every sub-request until all finish; abort what is
     left if the consumer stops early (disconnect, timeout)."""
-    pending = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
-    first_token: float | None = None
-    last_token: float | None = None
+    tokens = _TokenClock(metrics, arrival)
+    unfinished = set(range(len(queues)))
     try:
-        while pending:
-            done, _ = await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
-            for i in [i for i, f in pending.items() if f in done]:
-                out: RequestOutput = pending.pop(i).result()
-                t = time.monotonic()
-                if any(c.token_ids for c in out.outputs):
-                    if first_token is None:
-                        first_token = t
-                        metrics.ttft.observe(t - arrival)
-                        if out.queue_time is not None:
-                            metrics.queue.observe(out.queue_time)
-                    elif last_token is not None:
-                        metrics.itl.observe(t - last_token)
-                    last_token = t
-                timing.engine_s = max(timing.engine_s, out.engine_time)
-                if out.finished:
-                    for c in out.outputs:
-                        metrics.finished(c.finish_reason or "abort")
-                else:
-                    pending[i] = asyncio.ensure_future(queues[i].get())
-                yield i, out
+        if len(queues) == 1:  # the common case: no futures, one await per engine step
+            while unfinished:
+                out: RequestOutput = await queues[0].get()
+                if tokens.record(out, timing):
+                    unfinished.clear()
+                yield 0, out
+        else:
+            pending = {i: asyncio.ensure_future(q.get()) for i, q in enumerate(queues)}
+            try:
+                while pending:
+                    done, _ = await asyncio.wait(pending.values(),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    for i in [i for i, f in pending.items() if f in done]:
+                        out = pending.pop(i).result()
+                        if tokens.record(out, timing):
+                            unfinished.discard(i)
+                        else:
+                            pending[i] = asyncio.ensure_future(queues[i].get())
+                        yield i, out
+            finally:
+                for f in pending.values():
+                    f.cancel()
         metrics.e2e.observe(time.monotonic() - arrival)
     finally:
-        for i, f in pending.items():
-            f.cancel()
+        for i in unfinished:
             engine.abort(f"{rid}-{i}")
+
+
+@dataclass
+class _TokenClock:
+    """TTFT / queue-time / inter-token-latency observations of one HTTP request."""
+
+    metrics: ServerMetrics
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def record(self, out: RequestOutput, timing: _Timing) -> bool:
+        """Observe one output; True when it is its sub-request's last."""
+        t = time.monotonic()
+        if any(c.token_ids for c in out.outputs):
+            if self.first_token is None:
+                self.first_token = t
+                self.metrics.ttft.observe(t - self.arrival)
+                if out.queue_time is not None:
+                    self.metrics.queue.observe(out.queue_time)
+            elif self.last_token is not None:
+                self.metrics.itl.observe(t - self.last_token)
+            self.last_token = t
+        timing.engine_s = max(timing.engine_s, out.engine_time)
+        if out.finished:
+            for c in out.outputs:
+                self.metrics.finished(c.finish_reason or "abort")
+        return out.finished
 
 
 async def _with_timeout(chunks: AsyncIterator[str], settings: ServerSettings,
