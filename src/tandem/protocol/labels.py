@@ -1,0 +1,16 @@
+"""Kubernetes label keys shared by the operator (which sets them) and the router's
+Kubernetes discovery (which selects on them). Torch-free."""
+
+from __future__ import annotations
+
+GROUP = "tandem.dev"
+# the InferenceService a pod / Service / EndpointSlice belongs to (value: its name)
+SERVICE_LABEL = f"{GROUP}/inference-service"
+# the worker pool's role: "prefill", "decode" or "both"
+ROLE_LABEL = f"{GROUP}/role"
+# what the object is: "worker", "router" (app.kubernetes.io/component is the common key)
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+WORKER_COMPONENT = "worker"
+ROUTER_COMPONENT = "router"
+ROLES = ("both", "prefill", "decode")
