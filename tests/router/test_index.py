@@ -65,3 +65,55 @@ def test_approximate_index_is_a_bounded_lru():
     assert approx.match(B, ["w1"]) == {"w1": 2}
     approx.drop("w1")
     assert approx.match(B, ["w1"]) == {}
+
+
+def _reference_match(held: dict[str, set[bytes]], hashes, workers=None) -> dict[str, int]:
+    out = {}
+    for w, blocks in held.items():
+        if workers is not None and w not in workers:
+            continue
+        n = 0
+        while n < len(hashes) and hashes[n] in blocks:
+            n += 1
+        if n:
+            out[w] = n
+    return out
+
+
+def test_random_event_streams_match_a_naive_reference():
+    """Bit slots are reused after drops; results must equal a set-per-worker reference."""
+    import random
+
+    rng = random.Random(7)
+    chains = [hash_block_chain([rng.randrange(1000) for _ in range(8 * 16)], 16)
+              for _ in range(6)]
+    universe = sorted({h for c in chains for h in c})
+    idx, held = PrefixIndex(), {}
+    names = [f"w{i}" for i in range(12)]
+    for _ in range(3000):
+        w, op = rng.choice(names), rng.random()
+        if op < 0.45:
+            hs = rng.sample(universe, rng.randrange(1, 6)) if rng.random() < 0.5 else \
+                rng.choice(chains)[:rng.randrange(1, 9)]
+            idx.stored(w, hs)
+            held.setdefault(w, set()).update(hs)
+        elif op < 0.8:
+            hs = rng.sample(universe, rng.randrange(1, 6))
+            idx.removed(w, hs)
+            if w in held:
+                held[w].difference_update(hs)
+        elif op < 0.88:
+            idx.cleared(w)
+            if w in held:
+                held[w].clear()
+        elif op < 0.95:
+            idx.drop(w)
+            held.pop(w, None)
+        else:
+            snap = rng.sample(universe, rng.randrange(0, 20))
+            idx.reset(w, snap)
+            held[w] = set(snap)
+        chain = rng.choice(chains)
+        subset = set(rng.sample(names, 5)) if rng.random() < 0.3 else None
+        assert idx.match(chain, 0.0, subset) == _reference_match(held, chain, subset)
+    assert idx.num_blocks() == len(set().union(*held.values()) if held else set())
