@@ -4,8 +4,6 @@ real redis-server, and the fallback when Redis is gone."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 
 import httpx
@@ -45,30 +43,6 @@ def test_bad_limits_are_rejected():
         Limits.from_dict({"requests_per_minute": 5})
     with pytest.raises(ValueError, match=">= 0"):
         Limits.from_dict({"requests_per_s": -1})
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    exe = shutil.which("redis-server")
-    assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
 
 
 def test_two_replicas_share_one_budget_through_redis(redis_url):

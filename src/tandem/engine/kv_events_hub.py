@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from tandem.protocol.block_hash import BlockHash
@@ -32,6 +33,7 @@ class Subscription:
 class KVEventHub:
     def __init__(self, max_backlog: int = MAX_BACKLOG) -> None:
         self.seq = 0
+        self.instance_id = uuid.uuid4().hex  # this event sequence's name (see worker.proto)
         self.max_backlog = max_backlog
         self._subs: dict[int, Subscription] = {}
         self._ids = itertools.count()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protocol/worker.proto\x12\ttandem.v1\"\x1a\n\x18SubscribeKVEventsRequest\"_\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa5\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"-\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"\x8f\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12%\n\x08snapshot\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Snapshot\x12\"\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x12.tandem.v1.KVEvent\"\x10\n\x0eGetLoadRequest\"\xd9\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10in_flight_tokens\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x32\x94\x01\n\x06Worker\x12S\n\x11SubscribeKVEvents\x12#.tandem.v1.SubscribeKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protocol/worker.proto\x12\ttandem.v1\"\x1a\n\x18SubscribeKVEventsRequest\"_\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa5\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"B\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x8f\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12%\n\x08snapshot\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Snapshot\x12\"\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x12.tandem.v1.KVEvent\"\x10\n\x0eGetLoadRequest\"\xd9\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10in_flight_tokens\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x32\x94\x01\n\x06Worker\x12S\n\x11SubscribeKVEvents\x12#.tandem.v1.SubscribeKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENT']._serialized_start=227
   _globals['_KVEVENT']._serialized_end=392
   _globals['_SNAPSHOT']._serialized_start=394
-  _globals['_SNAPSHOT']._serialized_end=439
-  _globals['_KVEVENTBATCH']._serialized_start=442
-  _globals['_KVEVENTBATCH']._serialized_end=585
-  _globals['_GETLOADREQUEST']._serialized_start=587
-  _globals['_GETLOADREQUEST']._serialized_end=603
-  _globals['_LOAD']._serialized_start=606
-  _globals['_LOAD']._serialized_end=823
-  _globals['_WORKER']._serialized_start=826
-  _globals['_WORKER']._serialized_end=974
+  _globals['_SNAPSHOT']._serialized_end=460
+  _globals['_KVEVENTBATCH']._serialized_start=463
+  _globals['_KVEVENTBATCH']._serialized_end=606
+  _globals['_GETLOADREQUEST']._serialized_start=608
+  _globals['_GETLOADREQUEST']._serialized_end=624
+  _globals['_LOAD']._serialized_start=627
+  _globals['_LOAD']._serialized_end=844
+  _globals['_WORKER']._serialized_start=847
+  _globals['_WORKER']._serialized_end=995
 # @@protoc_insertion_point(module_scope)

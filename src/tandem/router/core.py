@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
 from tandem.router.index import ApproximateIndex, PrefixIndex
@@ -66,28 +67,50 @@ class Router:
                        if w.model and (w.ready or not ready_only)})
 
     # -- routing ---------------------------------------------------------------------------
-    def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
-                candidates: Iterable[Worker]) -> RoutingContext:
-        """Hash the prompt once per block size in use and look up every candidate."""
-        ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
-                             now=now)
+    def block_sizes(self, candidates: Iterable[Worker]) -> dict[int, list[Worker]]:
         by_size: dict[int, list[Worker]] = {}
         for w in candidates:
             by_size.setdefault(w.block_size or DEFAULT_BLOCK_SIZE, []).append(w)
-        for size, group in by_size.items():
-            hashes = prompts.block_hashes(parsed, model, size)
-            ctx.hashes[size] = hashes
+        return by_size
+
+    def hashes(self, parsed: prompts.ParsedPrompt, model: str) -> dict[int, list[BlockHash]]:
+        """The prompt's hash chain for each block size among this model's workers."""
+        sizes = {w.block_size or DEFAULT_BLOCK_SIZE for w in self.workers.values()
+                 if w.model == model or not w.model}
+        return {size: prompts.block_hashes(parsed, model, size) for size in sorted(sizes)}
+
+    def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
+                candidates: Iterable[Worker],
+                hashes: Mapping[int, list[BlockHash]] | None = None,
+                external: Mapping[int, Mapping[str, int]] | None = None) -> RoutingContext:
+        """Hash the prompt once per block size in use (unless `hashes` has them) and look up
+        every candidate; `external` adds per-size matches from a shared index store."""
+        ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
+                             now=now)
+        for size, group in self.block_sizes(candidates).items():
+            chain = hashes.get(size) if hashes else None
+            if chain is None:
+                chain = prompts.block_hashes(parsed, model, size)
+            ctx.hashes[size] = chain
             precise = [w.id for w in group if w.events_connected]
             guessed = [w.id for w in group if not w.events_connected]
             unit = size if parsed.token_ids is not None else prompts.TEXT_CHUNK_CHARS
-            for wid, n in self.index.match(hashes, now, precise).items():
+            matched = self.index.match(chain, now, precise)
+            if external and size in external:  # the shared store knows every worker
+                keep = {w.id for w in group}
+                for wid, n in external[size].items():
+                    if wid in keep and n > matched.get(wid, 0):
+                        matched[wid] = n
+            for wid, n in matched.items():
                 ctx.matched_tokens[wid] = n * unit
-            for wid, n in self.approx.match(hashes, guessed).items():
-                ctx.matched_tokens[wid] = n * unit
+            for wid, n in self.approx.match(chain, guessed).items():
+                ctx.matched_tokens[wid] = max(n * unit, ctx.matched_tokens.get(wid, 0))
         return ctx
 
     def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
-              exclude: Iterable[str] = (), role: str = "decode"
+              exclude: Iterable[str] = (), role: str = "decode",
+              hashes: Mapping[int, list[BlockHash]] | None = None,
+              external: Mapping[int, Mapping[str, int]] | None = None
               ) -> tuple[Decision | None, RoutingContext]:
         """Pick a worker (None if no candidate passes the filters) and record the routed
         blocks as speculatively present on it."""
@@ -95,7 +118,7 @@ class Router:
         probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now)
         candidates = [w for w in self.workers.values()
                       if w.id not in skip and all(f.keep(probe, w) for f in self.filters)]
-        ctx = self.context(parsed, model, now, candidates)
+        ctx = self.context(parsed, model, now, candidates, hashes, external)
         ctx.role = role
         if not candidates:
             return None, ctx

@@ -182,6 +182,10 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return sorted(self._blocks)
 
+    def keys(self, worker: str) -> set[int]:
+        """A copy of the block keys confirmed for `worker`."""
+        return set(self._blocks.get(worker, ()))
+
 
 class ApproximateIndex:
     """For workers that publish no KV events (stock vLLM): per worker, an LRU of the block

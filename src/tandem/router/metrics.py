@@ -39,3 +39,7 @@ class RouterMetrics:
         self.worker_events_connected = Gauge("tandem_router_worker_kv_events_connected",
                                              "1 while the worker's KV event stream is live",
                                              ["worker"], registry=r)
+        self.index_store_lookups = Counter("tandem_router_index_store_lookups_total",
+                                           "Shared index store lookups: ok, or fallback to "
+                                           "the in-memory index (Redis down or slow)",
+                                           ["result"], registry=r)

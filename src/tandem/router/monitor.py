@@ -26,6 +26,7 @@ import httpx
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.router.index import PrefixIndex
+from tandem.router.index_store import KVWrite, RedisIndexStore
 from tandem.router.workers import Worker, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,12 @@ class MonitorSettings:
 
 class WorkerMonitor:
     def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
-                 settings: MonitorSettings) -> None:
+                 settings: MonitorSettings, store: RedisIndexStore | None = None) -> None:
         self.worker = worker
         self.index = index
+        self.store = store  # shared index store the events are mirrored to, if any
+        self.instance_id = ""  # the worker's event sequence, from its snapshot
+        self.seq = -1  # last event applied to `index`
         self.http = http
         self.settings = settings
         self._tasks: list[asyncio.Task] = []
@@ -122,26 +126,43 @@ class WorkerMonitor:
 
     async def _consume(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         w = self.worker
-        seq: int | None = None
+        self.seq = -1
         async for batch in stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest()):
             if batch.HasField("snapshot"):
-                self.index.reset(w.id, batch.snapshot.block_hashes)
-                seq = batch.snapshot.seq
+                snap = batch.snapshot
+                self.index.reset(w.id, snap.block_hashes)
+                self.instance_id, self.seq = snap.instance_id, snap.seq
                 w.block_size = batch.block_size or w.block_size
                 w.events_connected = True
                 self.connected.set()
+                if self.store is not None:
+                    self.store.publish(KVWrite(w.id, self.instance_id, self.seq,
+                                               snapshot=list(snap.block_hashes)))
+            applied: list[tuple[int, str, list[bytes]]] = []
             for ev in batch.events:
-                if seq is None or ev.seq != seq + 1:
-                    raise _SequenceGap(f"expected seq {None if seq is None else seq + 1}, "
-                                       f"got {ev.seq}")
-                seq = ev.seq
+                if self.seq < 0 or ev.seq != self.seq + 1:
+                    raise _SequenceGap(f"expected seq {self.seq + 1 if self.seq >= 0 else None}"
+                                       f", got {ev.seq}")
+                self.seq = ev.seq
                 kind = ev.WhichOneof("event")
                 if kind == "stored":
                     self.index.stored(w.id, ev.stored.block_hashes)
+                    applied.append((ev.seq, kind, list(ev.stored.block_hashes)))
                 elif kind == "removed":
                     self.index.removed(w.id, ev.removed.block_hashes)
+                    applied.append((ev.seq, kind, list(ev.removed.block_hashes)))
                 elif kind == "cleared":
                     self.index.cleared(w.id)
+                    applied.append((ev.seq, kind, []))
+            if applied and self.store is not None:
+                self.store.publish(KVWrite(w.id, self.instance_id, self.seq, events=applied))
+
+    def index_view(self) -> tuple[str, int, set[int]] | None:
+        """(instance id, seq, block keys) of the worker as the in-memory index holds it now;
+        None while its event stream is down."""
+        if not self.worker.events_connected or self.seq < 0:
+            return None
+        return self.instance_id, self.seq, self.index.keys(self.worker.id)
 
     async def _load_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         while True:

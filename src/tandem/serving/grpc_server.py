@@ -74,7 +74,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             yield worker_pb2.KVEventBatch(
                 worker_id=self.worker_id, model=self.model, block_size=block_size,
                 snapshot=worker_pb2.Snapshot(seq=sub.snapshot_seq,
-                                             block_hashes=sub.snapshot))
+                                             block_hashes=sub.snapshot,
+                                             instance_id=hub.instance_id))
             while True:
                 batch = await hub.next_batch(sub)
                 if batch is None:
