@@ -10,7 +10,8 @@ no policy inherits another's warm cache. Reports TTFT p50/p90, output tokens/s a
 cluster prefix-cache hit rate (from the workers' `vllm:prefix_cache_*` counters), the
 TTFT p90 ratio of each policy to cache-aware, and writes `bench/results/routing-<date>.json`.
 `vllm-router` (the Rust router of the vLLM project, `cache_aware` policy) runs in front of
-the same workers when its command is installed.
+the same workers when it is installed (`bash bench/setup_vllm.sh` puts it in
+`.venv-vllm-router`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import shutil
 import sys
 import time
@@ -66,6 +68,12 @@ def wait_routable(url: str, workers: int, events: bool, timeout_s: float = 60) -
     raise TimeoutError(f"{url} never saw all {workers} workers")
 
 
+def vllm_router_exe() -> str | None:
+    """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
+    venv = BENCH_DIR.parent / ".venv-vllm-router" / "bin" / "vllm-router"
+    return str(venv) if venv.exists() else shutil.which("vllm-router")
+
+
 def run_policy(name: str, spec: servers.ServerSpec, worker_urls: list[str], reqs: list,
                rate: float, seed: int) -> dict:
     with servers.launched(spec) as url:
@@ -97,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.rate or (2.0 if args.quick else 1.5)
     kv_blocks = args.kv_blocks or (prefix // 16) * 3 + 48  # ~3 groups' prefixes + headroom
     policies = [p for p in args.policies.split(",") if p]
+    # the workers share this host's cores, as `tandem serve --workers N` splits them
+    threads = max(1, len(os.sched_getaffinity(0)) // args.workers)
 
     worker_specs = [servers.ServerSpec(f"routing-worker{i}", [
         *servers.tandem_spec().argv, "--grpc-port", str(servers.free_port()),
-        "--num-kv-blocks", str(kv_blocks)], env=servers.tandem_spec().env)
+        "--num-kv-blocks", str(kv_blocks), "--num-threads", str(threads)],
+        env=servers.tandem_spec().env)
         for i in range(args.workers)]
     report: dict = {"benchmark": "routing", "date": dt.date.today().isoformat(),
                     "workers": args.workers, "kv_blocks_per_worker": kv_blocks,
@@ -117,16 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                 "--port", "{port}", "--workers", ",".join(urls), "--policy", policy,
                 "--seed", str(args.seed)], env=servers.tandem_spec().env)
             report["runs"].append(run_policy(policy, spec, urls, reqs, rate, args.seed))
-        if shutil.which("vllm-router"):
+        router_exe = vllm_router_exe()
+        if router_exe:
             reqs = make_workload(n_req, seed=args.seed + 999, shared_prefix_tokens=prefix,
                                  num_prefix_groups=groups, prompt_len=(16, 64),
                                  output_len=(16, 32))
             spec = servers.ServerSpec("vllm-router", [
-                "vllm-router", "--port", "{port}", "--worker-urls", *urls,
+                router_exe, "--port", "{port}", "--worker-urls", *urls,
                 "--policy", "cache_aware"])
             report["runs"].append(run_policy("vllm-router", spec, urls, reqs, rate, args.seed))
         else:
-            report["vllm_router"] = "not installed (pip install vllm-router); not compared"
+            report["vllm_router"] = "not installed (bash bench/setup_vllm.sh); not compared"
     by = {r["policy"]: r for r in report["runs"]}
     if "cache-aware" in by:
         base = by["cache-aware"]["ttft"]["p90"]

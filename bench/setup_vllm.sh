@@ -15,6 +15,8 @@
 #      text model, and built against other torch releases)
 #   5. libtcmalloc-minimal4 via apt when possible (vLLM's CPU guide preloads it; optional)
 #   6. export the bundled SmolLM2 GGUF to a HF directory with the project venv (vLLM needs it)
+#   7. vllm-router==0.1.17 (the vLLM project's Rust router, for bench/routing.py) in its own
+#      small venv, .venv-vllm-router (no torch)
 # Env overrides: VLLM_VENV (venv path), PYTHON (interpreter for the venv).
 set -euo pipefail
 
@@ -88,5 +90,14 @@ fi
 PROJECT_PY="$REPO/.venv/bin/python"
 [[ -x "$PROJECT_PY" ]] || PROJECT_PY=python3
 "$PROJECT_PY" "$REPO/bench/export_hf.py"
+
+ROUTER_VENV="${VLLM_ROUTER_VENV:-$REPO/.venv-vllm-router}"
+if [[ -x "$ROUTER_VENV/bin/vllm-router" ]]; then
+  log "$ROUTER_VENV already has vllm-router"
+else
+  "$PYTHON" -m venv "$ROUTER_VENV"
+  "$ROUTER_VENV/bin/pip" install --disable-pip-version-check -q "vllm-router==0.1.17" ||
+    log "could not install vllm-router; bench/routing.py runs without it"
+fi
 
 log "ok: $("$VENV/bin/python" -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>/dev/null | tail -1)"
