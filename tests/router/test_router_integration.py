@@ -146,6 +146,40 @@ def test_unknown_model_and_bad_body_are_answered_by_the_router(cluster):
     assert [m["id"] for m in models["data"]] == [BUNDLED_NAME]
 
 
+def test_two_router_replicas_agree_on_routing(cluster, redis_url, tmp_path):
+    """Active-active: a second replica (this one also mirroring the index into Redis) hears
+    the same KV events, so a group's requests land on one worker whichever replica takes
+    them; a third replica started afterwards agrees from its first request."""
+    router_a, workers = cluster
+    router_b = RouterProcess(tmp_path, [w.url for w in workers], "--index", redis_url)
+    router_c = None
+    try:
+        router_b.wait_events(3)
+        systems = [f"Replica agreement group {g}: you answer about topic {g}. " * 14
+                   for g in range(3)]
+        placement: dict[int, set[str]] = {}
+        for round_ in range(4):
+            for g, system in enumerate(systems):
+                via = (router_a, router_b)[(round_ + g) % 2]
+                r = _chat(via.url, system, f"Round {round_}?")
+                assert r.status_code == 200, r.text
+                placement.setdefault(g, set()).add(r.headers["x-tandem-worker"])
+                time.sleep(0.1)  # the worker's BlockStored reaches both replicas
+        assert all(len(v) == 1 for v in placement.values()), placement
+        router_c = RouterProcess(tmp_path, [w.url for w in workers], "--index", redis_url)
+        router_c.wait_events(3)
+        for g, system in enumerate(systems):
+            r = _chat(router_c.url, system, "A new replica's first question")
+            assert r.status_code == 200, r.text
+            assert {r.headers["x-tandem-worker"]} == placement[g]
+        assert _metric(router_c.url, "tandem_router_index_store_lookups_total",
+                       'result="ok"') >= 3
+    finally:
+        router_b.stop()
+        if router_c is not None:
+            router_c.stop()
+
+
 def test_a_worker_killed_mid_stream_ends_the_stream_cleanly_and_traffic_moves(cluster):
     router, workers = cluster
     body = {"model": BUNDLED_NAME, "prompt": "Count slowly:", "max_tokens": 2000,

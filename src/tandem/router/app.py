@@ -26,7 +26,9 @@ from pydantic import ValidationError
 from tandem.protocol.web import APIError, BodyLimit, cancel_on_disconnect, install_error_handlers
 from tandem.router import prompt as prompts
 from tandem.router.auth import ApiKeys, tenant_cache_salt
-from tandem.router.core import Router
+from tandem.router.core import DEFAULT_BLOCK_SIZE, Router
+from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
+from tandem.router.index_store import RedisIndexStore
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.proxy import Attempt, ProxySettings, forward
@@ -40,11 +42,13 @@ THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the even
 @dataclass
 class RouterServerSettings:
     worker_urls: list[str] = field(default_factory=list)
+    discovery: Discovery | None = None  # where workers come from; None: `worker_urls`
     max_body_bytes: int = 8 << 20
     max_prompt_tokens: int = 131072  # longer prompts get 400 before any worker sees them
     max_tokens_cap: int | None = None  # bound on max_tokens / max_completion_tokens
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
     rate_limiter: RateLimiter | None = None
+    index_store: RedisIndexStore | None = None  # shared prefix index (`--index redis://`)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
 
@@ -60,15 +64,26 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,
                                 connect=settings.proxy.connect_timeout_s)
         state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)
-        for url in settings.worker_urls:
-            add_worker(url)
+        discovery = settings.discovery or StaticDiscovery(settings.worker_urls)
+        watcher = asyncio.create_task(discovery.run(on_discovery))
+        await asyncio.sleep(0)  # it starts: a discovery that cannot work fails start-up here
+        if watcher.done():
+            watcher.result()
         janitor = asyncio.create_task(expire_speculative())
+        if settings.index_store is not None:
+            settings.index_store.start(
+                lambda wid: monitors[wid].index_view() if wid in monitors else None)
         yield
         janitor.cancel()
+        for task in (watcher, *syncing):
+            task.cancel()
+        await asyncio.gather(watcher, *syncing, return_exceptions=True)
         await asyncio.gather(*(m.stop() for m in monitors.values()))
         await http.aclose()
         if settings.rate_limiter is not None:
             await settings.rate_limiter.close()
+        if settings.index_store is not None:
+            await settings.index_store.close()
 
     async def expire_speculative() -> None:
         """Free speculative index entries once their TTL is over (matching skips them)."""
@@ -76,11 +91,53 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
             await asyncio.sleep(max(router.settings.speculative_ttl_s, 0.5))
             router.index.expire(time.monotonic())
 
-    def add_worker(url: str) -> None:
-        w = Worker(id=url.rstrip("/"))
+    def add_worker(url: str, role: str = "both", monitored: bool = True) -> None:
+        w = Worker(id=url.rstrip("/"), role=role)
         router.add_worker(w)
-        monitors[w.id] = m = WorkerMonitor(w, router.index, state["http"], settings.monitor)
-        m.start()
+        if monitored:
+            monitors[w.id] = m = WorkerMonitor(w, router.index, state["http"],
+                                                settings.monitor, settings.index_store)
+            m.start()
+
+    async def remove_worker(worker_id: str) -> None:
+        """Out of routing at once, then its monitor stops (its index entries go with both)."""
+        router.remove_worker(worker_id)
+        m = monitors.pop(worker_id, None)
+        if m is not None:
+            await m.stop()
+
+    membership = asyncio.Lock()  # discovery's sets apply one at a time, in order
+    syncing: set[asyncio.Task] = set()
+
+    def on_discovery(endpoints: dict[str, WorkerEndpoint]) -> None:
+        """Discovery's complete set: a worker reported not ready leaves routing at once, the
+        rest is reconciled in order by `sync_workers`."""
+        for ep in endpoints.values():
+            w = router.workers.get(ep.url.rstrip("/"))
+            if w is not None and not ep.ready:
+                w.ready = False
+        task = asyncio.create_task(sync_workers(endpoints))
+        syncing.add(task)
+        task.add_done_callback(syncing.discard)
+
+    async def sync_workers(endpoints: dict[str, WorkerEndpoint]) -> None:
+        """Add new workers (role from discovery, probed only once ready), remove vanished
+        ones. While discovery says not ready a worker is kept but not probed (its probe must
+        not bring it back); ready again, it rejoins as a fresh worker."""
+        want = {ep.url.rstrip("/"): ep for ep in endpoints.values()}
+        async with membership:
+            for wid in [wid for wid in router.workers if wid not in want]:
+                await remove_worker(wid)
+            for wid, ep in want.items():
+                w = router.workers.get(wid)
+                if w is not None and ep.ready and wid not in monitors:
+                    await remove_worker(wid)
+                    w = None
+                if w is None:
+                    add_worker(wid, ep.role, monitored=ep.ready)
+                elif not ep.ready and wid in monitors:
+                    await monitors.pop(wid).stop()
+                    w.ready = False  # a probe may have answered meanwhile
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = router
@@ -166,11 +223,13 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                                headers={"Retry-After": retry_after_header(verdict)})
         data["model"] = model
         payload = json.dumps(data).encode()
+        hashes, external = await shared_matches(parsed, model)
         first = True
 
         def pick(tried: set[str]):  # noqa: ANN202 - Decision | None
             nonlocal first
-            decision, ctx = router.route(parsed, model, time.monotonic(), exclude=tried)
+            decision, ctx = router.route(parsed, model, time.monotonic(), exclude=tried,
+                                         hashes=hashes, external=external)
             if first:
                 metrics.routing_seconds.observe(time.perf_counter() - t0)
                 first = False
@@ -197,6 +256,24 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
             return await work
         completed, response = await cancel_on_disconnect(request, work)
         return response if completed else Response(status_code=499)
+
+    async def shared_matches(parsed: prompts.ParsedPrompt, model: str):  # noqa: ANN202
+        """(hash chains per block size, matches from the shared index store) or (None, None)
+        without a store; a store that has no answer in time leaves matching to memory."""
+        store = settings.index_store
+        if store is None or parsed.token_ids is None:
+            return None, None
+        hashes = router.hashes(parsed, model)
+        external: dict[int, dict[str, int]] = {}
+        for size, chain in hashes.items():
+            ids = [w.id for w in router.workers.values()  # with or without our own stream
+                   if w.model == model and (w.block_size or DEFAULT_BLOCK_SIZE) == size]
+            got = await store.match(chain, ids)
+            metrics.index_store_lookups.labels("ok" if got is not None else "fallback").inc()
+            if got is None:
+                return hashes, None
+            external[size] = got
+        return hashes, external
 
     def default_model() -> str:
         served = router.models()

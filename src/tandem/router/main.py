@@ -3,11 +3,21 @@
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
         [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
         [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE]
+    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
+        [--label-selector SELECTOR] [--worker-port-name http] ...
 
-`router.yaml` may set any of: `workers` (list), `policy`, `weights` (scorer -> weight),
+Workers come from `--workers` (`--discovery static`, the default) or, with `--discovery
+kubernetes`, from the EndpointSlices of the worker Services in `--namespace` (default: the
+pod's own) matching `--label-selector` (default `app.kubernetes.io/component=worker`, plus
+`tandem.dev/inference-service=NAME` with `--inference-service`): each address on the port
+named `--worker-port-name` is a worker, with the role of its slice's `tandem.dev/role` label.
+Workers join, leave and turn unready as the slices change.
+
+`router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
+`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `retries`, `max_prompt_tokens`,
-`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `redis` (URL) and
-`rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
+`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `redis` (URL), `index` (URL)
+and `rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
 {...}}}`; flags win over the file.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
@@ -23,6 +33,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from tandem.router.discovery import (
+    DISCOVERY,
+    Discovery,
+    DiscoveryConfig,
+    make_discovery,
+    pod_namespace,
+    worker_selector,
+)
+
 logger = logging.getLogger(__name__)
 POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
 
@@ -31,7 +50,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", default="", help="comma-separated worker base URLs")
-    p.add_argument("--discovery", default="static", choices=["static"])
+    p.add_argument("--discovery", default=None, choices=sorted(DISCOVERY),
+                   help="where workers come from: static (--workers; the default) or "
+                        "kubernetes (worker EndpointSlices)")
+    p.add_argument("--namespace", default=None,
+                   help="kubernetes: the workers' namespace (default: this pod's)")
+    p.add_argument("--label-selector", default=None,
+                   help=f"kubernetes: which EndpointSlices (default: {worker_selector()}, "
+                        "plus the --inference-service label)")
+    p.add_argument("--inference-service", default=None,
+                   help="kubernetes: only the workers of this InferenceService")
+    p.add_argument("--worker-port-name", default=None,
+                   help="kubernetes: the name of the workers' HTTP port (default: http)")
     p.add_argument("--policy", default=None, choices=POLICIES)
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
@@ -40,6 +70,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, default=None)
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits")
+    p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
+                   help="keep the prefix index in Redis too, shared by router replicas "
+                        "(a new replica is warm at once; Redis down = in-memory index)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
 
 
@@ -82,6 +115,20 @@ def tokenizer_resolver(specs: list[str], from_file: dict[str, str]):  # noqa: AN
     return resolve
 
 
+def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
+                   workers: list[str]) -> Discovery:
+    """The worker discovery that the flags (first) and router.yaml ask for."""
+    kind = args.discovery or cfg.get("discovery", "static")
+    if kind != "static" and workers:
+        raise SystemExit(f"worker URLs are for --discovery static, not {kind}")
+    return make_discovery(kind, DiscoveryConfig(
+        urls=tuple(workers),
+        namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
+        label_selector=args.label_selector or cfg.get("label_selector"),
+        inference_service=args.inference_service or cfg.get("inference_service"),
+        port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+
+
 def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
     """The router app from parsed arguments and the optional YAML config."""
     from tandem.router.app import RouterServerSettings, build_app
@@ -93,6 +140,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
     cfg = _load_yaml(args.config)
     workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
                if u]
+    discovery = discovery_from(args, cfg, workers)
     settings = RouterSettings(
         policy=args.policy or cfg.get("policy", "cache-aware"), weights=cfg.get("weights"),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
@@ -105,13 +153,21 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
         limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
                               redis_url=args.redis or cfg.get("redis"))
+    index_url = args.index or cfg.get("index")
+    store = None
+    if index_url:
+        from tandem.router.index_store import RedisIndexStore
+
+        store = RedisIndexStore(index_url)
     server = RouterServerSettings(
         worker_urls=workers,
+        discovery=discovery,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
         max_prompt_tokens=int(cfg.get("max_prompt_tokens", 131072)),
         max_tokens_cap=cfg.get("max_tokens_cap"),
         api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({}),
         rate_limiter=limiter,
+        index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
                             else int(cfg.get("retries", 2))))
     return build_app(router, server), router, server
@@ -121,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     app, router, server = build(args)
-    logger.info("router (%s) on http://%s:%d over %d worker(s)", router.settings.policy,
-                args.host, args.port, len(server.worker_urls))
+    logger.info("router (%s) on http://%s:%d, workers by %s discovery",
+                router.settings.policy, args.host, args.port, server.discovery.name)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)
     return 0
