@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench bench-quick bench-serve clean
+.PHONY: serve test lint bench bench-quick bench-serve bench-router clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench-quick: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(PY) bench/serve.py
+
+bench-router: $(STAMP)
+	$(PY) bench/router_overhead.py
 
 clean:
 	rm -rf $(VENV)
