@@ -31,7 +31,7 @@ from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
-from tandem.router.proxy import Attempt, ProxySettings, forward
+from tandem.router.proxy import Attempt, ProxySettings, forward, upstream_session
 from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.workers import Worker
 
@@ -63,7 +63,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,
                                 connect=settings.proxy.connect_timeout_s)
-        state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)
+        state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
+        state["upstream"] = upstream_session(settings.proxy)  # forwarding
         discovery = settings.discovery or StaticDiscovery(settings.worker_urls)
         watcher = asyncio.create_task(discovery.run(on_discovery))
         await asyncio.sleep(0)  # it starts: a discovery that cannot work fails start-up here
@@ -80,6 +81,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         await asyncio.gather(watcher, *syncing, return_exceptions=True)
         await asyncio.gather(*(m.stop() for m in monitors.values()))
         await http.aclose()
+        await state["upstream"].close()
         if settings.rate_limiter is not None:
             await settings.rate_limiter.close()
         if settings.index_store is not None:
@@ -250,7 +252,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                 metrics.retries.labels(str(a.status or "connect")).inc()
             metrics.requests.labels(a.decision.worker.id, str(a.status or "error")).inc()
 
-        work = forward(state["http"], path, payload, rid, pick, parsed.stream,
+        work = forward(state["upstream"], path, payload, rid, pick, parsed.stream,
                        settings.proxy, on_attempt)
         if parsed.stream:
             return await work
