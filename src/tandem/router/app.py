@@ -65,6 +65,9 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                                 connect=settings.proxy.connect_timeout_s)
         state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
         state["upstream"] = upstream_session(settings.proxy)  # forwarding
+        preload = getattr(router.tokenizer_for, "preload", None)
+        if preload is not None:  # ~0.4 s per tokenizer: at start-up, not on a request
+            await asyncio.to_thread(preload)
         discovery = settings.discovery or StaticDiscovery(settings.worker_urls)
         watcher = asyncio.create_task(discovery.run(on_discovery))
         await asyncio.sleep(0)  # it starts: a discovery that cannot work fails start-up here

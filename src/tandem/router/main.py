@@ -112,6 +112,12 @@ def tokenizer_resolver(specs: list[str], from_file: dict[str, str]):  # noqa: AN
         path = per_model.get(model, default)
         return load(path) if path else None
 
+    def preload() -> None:
+        """Load every configured tokenizer now, not on some request's critical path."""
+        for path in {*per_model.values(), *([default] if default else [])}:
+            load(path)
+
+    resolve.preload = preload  # type: ignore[attr-defined]
     return resolve
 
 

@@ -31,6 +31,7 @@ from tandem.router.workers import Worker, WorkerLoad
 
 logger = logging.getLogger(__name__)
 MAX_GRPC_MESSAGE = 64 << 20
+SNAPSHOT_SLICE = 20_000  # blocks indexed per event-loop turn (~60 ms here) from a snapshot
 
 
 @dataclass
@@ -130,7 +131,12 @@ class WorkerMonitor:
         async for batch in stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest()):
             if batch.HasField("snapshot"):
                 snap = batch.snapshot
-                self.index.reset(w.id, snap.block_hashes)
+                self.index.cleared(w.id)
+                hashes = snap.block_hashes
+                for i in range(0, len(hashes), SNAPSHOT_SLICE):  # other requests run between
+                    self.index.stored(w.id, hashes[i:i + SNAPSHOT_SLICE])
+                    if len(hashes) > SNAPSHOT_SLICE:
+                        await asyncio.sleep(0)
                 self.instance_id, self.seq = snap.instance_id, snap.seq
                 w.block_size = batch.block_size or w.block_size
                 w.events_connected = True

@@ -1,0 +1,244 @@
+"""Simulated router scale: routing decision time with many workers and a large prefix index.
+
+    .venv/bin/python bench/router_sim.py [--workers 1000] [--blocks 10000000] [--decisions 300]
+
+In one process, no sockets: a `tandem.router.core.Router` (default settings: cache-aware
+policy, model/role/health filters) with N simulated workers - ready, KV event stream
+connected, block size 16, the bundled model's name, random but plausible load (running and
+waiting requests, KV use 0.2-0.95, in-flight tokens). The prefix index is filled through its
+public event API (`PrefixIndex.stored`, as the KV event streams would) with `--blocks`
+distinct block hashes: prefix chains of 64-256 random 32-byte hashes, each chain held by 1-3
+random workers. Reports the build time (hash generation and index inserts apart), the
+process RSS after the build, one full garbage-collector pass over it, and the collector
+passes (per generation: count, longest) that ran on their own during the probes.
+
+Probes: for each hit depth H in 0, 32, 256, 2048 blocks, a token-id prompt whose first H
+blocks (real `tandem.protocol.block_hash` chains, the router's own hashing) are held by 3
+workers (all H blocks, H/2, H/4), followed by 32 fresh blocks (512 tokens) that differ per
+decision. Per decision: `Router.route(parsed, model, now)` timed alone (it hashes the prompt,
+filters the workers, walks the index, scores and picks); for the breakdown, the same
+prompt's hash chain and `PrefixIndex.match` over every worker are timed apart, before it.
+`now` advances by more than the speculative TTL between decisions, so each decision sees
+the confirmed index plus no live speculative entries of earlier ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from tandem.protocol.block_hash import HashKeys, hash_block_chain
+from tandem.protocol.bundled import BUNDLED_NAME
+from tandem.router import prompt as prompts
+from tandem.router.core import Router, RouterSettings
+from tandem.router.workers import Worker, WorkerLoad
+
+BLOCK_SIZE = 16
+HIT_DEPTHS = (0, 32, 256, 2048)
+FRESH_BLOCKS = 32
+VOCAB = 49152
+perf = time.perf_counter
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def rss_mib() -> dict[str, float]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max/mean of `values` (nearest rank), NaN when empty."""
+    if not values:
+        return {k: float("nan") for k in ("p50", "p90", "p99", "max", "mean")}
+    s = sorted(values)
+    n = len(s)
+
+    def at(q: float) -> float:
+        return s[min(n - 1, max(0, round(q * n + 0.5) - 1))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": s[-1],
+            "mean": sum(s) / n}
+
+
+def make_workers(n: int, rng: random.Random) -> list[Worker]:
+    workers = []
+    for i in range(n):
+        total = rng.choice((4096, 8192, 16384))
+        usage = rng.uniform(0.2, 0.95)
+        running = rng.randint(0, 16)
+        workers.append(Worker(
+            id=f"http://10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000", model=BUNDLED_NAME,
+            role="both", grpc_target=f"10.0.0.{i % 256}:50051", block_size=BLOCK_SIZE,
+            ready=True, events_connected=True,
+            load=WorkerLoad(num_running=running,
+                            num_waiting=rng.choice((0, 0, 0, 0, 1, 2, 4, 8)),
+                            num_free_blocks=int(total * (1 - usage)), num_total_blocks=total,
+                            kv_cache_usage=usage,
+                            in_flight_tokens=running * rng.randint(200, 4000))))
+    return workers
+
+
+def fill_index(router: Router, ids: list[str], n_blocks: int, rng: random.Random) -> dict:
+    """`n_blocks` distinct random block hashes in chains of 64-256, each on 1-3 workers."""
+    index = router.index
+    gen_s = insert_s = 0.0
+    done = chains = placements = 0
+    next_report = perf() + 10
+    while done < n_blocks:
+        length = min(rng.randint(64, 256), n_blocks - done)
+        t = perf()
+        raw = rng.randbytes(32 * length)
+        chain = [raw[i:i + 32] for i in range(0, len(raw), 32)]
+        holders = rng.sample(ids, rng.randint(1, min(3, len(ids))))
+        t1 = perf()
+        for wid in holders:
+            index.stored(wid, chain)
+        t2 = perf()
+        gen_s += t1 - t
+        insert_s += t2 - t1
+        done += length
+        chains += 1
+        placements += length * len(holders)
+        if t2 > next_report:
+            log(f"  ... {done:,} / {n_blocks:,} blocks ({insert_s:.0f}s in inserts, "
+                f"RSS {rss_mib()['VmRSS']:,.0f} MiB)")
+            next_report = t2 + 10
+    return {"chains": chains, "block_placements": placements, "hash_gen_s": gen_s,
+            "insert_s": insert_s}
+
+
+def probe(router: Router, depth: int, decisions: int, rng: random.Random,
+          holders: list[str], all_ids: list[str], now0: float) -> dict:
+    model, keys = BUNDLED_NAME, HashKeys(model_id=BUNDLED_NAME)
+    prefix = [rng.randrange(VOCAB) for _ in range(depth * BLOCK_SIZE)]
+    chain = hash_block_chain(prefix, BLOCK_SIZE, keys)
+    for wid, share in zip(holders, (1, 2, 4), strict=True):
+        if depth // share:
+            router.index.stored(wid, chain[:depth // share])
+    step = router.settings.speculative_ttl_s + 1.0
+    route_s, hash_s, match_s, matched, reasons = [], [], [], [], Counter()
+    for d in range(decisions):
+        ids = prefix + [rng.randrange(VOCAB) for _ in range(FRESH_BLOCKS * BLOCK_SIZE)]
+        parsed = prompts.parse("completions", {"model": model, "prompt": ids}, None)
+        now = now0 + d * step
+        t0 = perf()
+        hashes = prompts.block_hashes(parsed, model, BLOCK_SIZE)
+        t1 = perf()
+        hits = router.index.match(hashes, now, all_ids)
+        t2 = perf()
+        decision, ctx = router.route(parsed, model, now)
+        t3 = perf()
+        hash_s.append(t1 - t0)
+        match_s.append(t2 - t1)
+        route_s.append(t3 - t2)
+        best = max(hits.values(), default=0)
+        if best != depth:
+            raise AssertionError(f"probe {depth}: the index matched {best} leading blocks")
+        reasons[decision.reason] += 1
+        matched.append(decision.matched_tokens)
+    return {"hit_blocks": depth, "prompt_blocks": depth + FRESH_BLOCKS,
+            "prompt_tokens": (depth + FRESH_BLOCKS) * BLOCK_SIZE, "decisions": decisions,
+            "route_s": pct(route_s), "hash_s": pct(hash_s), "match_s": pct(match_s),
+            "winner_matched_tokens_mean": sum(matched) / len(matched),
+            "reasons": dict(reasons)}
+
+
+class GcPauses:
+    """Collector passes (count, total and longest pause per generation) while active."""
+
+    def __init__(self) -> None:
+        self.stats: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._t = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = perf()
+        else:
+            self.stats[info["generation"]].append(perf() - self._t)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"count": len(v), "total_s": sum(v), "max_s": max(v, default=0.0)}
+                for g, v in self.stats.items()}
+
+
+def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    rss0 = rss_mib()
+    router = Router(RouterSettings(seed=seed), lambda model: None)
+    workers = make_workers(n_workers, rng)
+    for w in workers:
+        router.add_worker(w)
+    ids = [w.id for w in workers]
+    log(f"sim: {n_workers} workers, filling the index with {n_blocks:,} blocks ...")
+    t = perf()
+    with GcPauses() as build_gc:
+        build = fill_index(router, ids, n_blocks, rng)
+    build["total_s"] = perf() - t
+    build["gc"] = build_gc.summary()
+    build["indexed_blocks"] = router.index.num_blocks()
+    rss1 = rss_mib()
+    t = perf()
+    gc.collect()
+    gc_full_s = perf() - t
+    log(f"sim: built in {build['total_s']:.1f}s ({build['insert_s']:.1f}s inserts), "
+        f"{build['indexed_blocks']:,} blocks, RSS {rss1['VmRSS']:,.0f} MiB "
+        f"(+{rss1['VmRSS'] - rss0['VmRSS']:,.0f}), full gc {gc_full_s * 1e3:.0f} ms")
+    probes = []
+    now0 = time.monotonic()
+    policy = router.policy
+    # probe prefixes sit on workers that are not saturated, so their prefix hits count
+    unsaturated = [w.id for w in workers
+                   if not (hasattr(policy, "saturated") and policy.saturated(w))]
+    pauses = GcPauses()
+    for i, depth in enumerate(HIT_DEPTHS):
+        holders = rng.sample(unsaturated if len(unsaturated) >= 3 else ids, 3)
+        with pauses:
+            res = probe(router, depth, decisions, rng, holders, ids, now0 + i * 1e6)
+        probes.append(res)
+        r = res["route_s"]
+        log(f"sim: {depth:5d} hit blocks: route p50 {r['p50'] * 1e3:.3f} ms, "
+            f"p99 {r['p99'] * 1e3:.3f} ms (hash p50 {res['hash_s']['p50'] * 1e3:.3f}, "
+            f"match p50 {res['match_s']['p50'] * 1e3:.3f})")
+    return {"workers": n_workers, "blocks_requested": n_blocks, "seed": seed,
+            "build": build, "rss_mib_before": rss0, "rss_mib_after_build": rss1,
+            "rss_growth_mib": round(rss1["VmRSS"] - rss0["VmRSS"], 1),
+            "gc_full_collect_s": gc_full_s, "gc_during_probes": pauses.summary(),
+            "probes": probes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=1000)
+    ap.add_argument("--blocks", type=int, default=10_000_000)
+    ap.add_argument("--decisions", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON line")
+    args = ap.parse_args(argv)
+    res = run(args.workers, args.blocks, args.decisions, args.seed)
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
