@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--rate", type=float, default=None, help="requests/s into the router")
     ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--requests", type=int, default=None, help="requests per policy")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     groups, prefix = (4, 256) if args.quick else (8, 512)
-    n_req = 24 if args.quick else 64
+    n_req = args.requests or (24 if args.quick else 64)
     rate = args.rate or (2.0 if args.quick else 1.5)
     kv_blocks = args.kv_blocks or (prefix // 16) * 3 + 48  # ~3 groups' prefixes + headroom
     policies = [p for p in args.policies.split(",") if p]

@@ -12,10 +12,11 @@ from tandem.router.workers import BreakerState, CircuitBreaker, Worker, WorkerLo
 
 
 def worker(wid: str, running: int = 0, waiting: int = 0, kv: float = 0.0, tokens: int = 0,
-           role: str = "both", model: str = "m", ready: bool = True) -> Worker:
-    return Worker(id=wid, model=model, role=role, ready=ready,
+           role: str = "both", model: str = "m", ready: bool = True, blocks: int = 0) -> Worker:
+    return Worker(id=wid, model=model, role=role, ready=ready, block_size=16,
                   load=WorkerLoad(num_running=running, num_waiting=waiting,
-                                  kv_cache_usage=kv, in_flight_tokens=tokens))
+                                  kv_cache_usage=kv, in_flight_tokens=tokens,
+                                  num_total_blocks=blocks))
 
 
 def ctx(matched: dict[str, int] | None = None, prompt_tokens: int = 100) -> RoutingContext:
@@ -25,10 +26,13 @@ def ctx(matched: dict[str, int] | None = None, prompt_tokens: int = 100) -> Rout
 @pytest.mark.parametrize(("name", "workers", "matched", "want"), [
     ("prefix", [worker("a"), worker("b")], {"a": 64}, [0.64, 0.0]),
     ("prefix", [worker("a")], {"a": 500}, [1.0]),  # clamped
-    ("queue", [worker("a", 2, 1), worker("b", 0, 0), worker("c", 6, 0)], {}, [0.5, 1.0, 0.0]),
-    ("queue", [worker("a", 1), worker("b", 1)], {}, [1.0, 1.0]),  # all equal: all best
+    # depth / 8 (the default saturation depth), clamped
+    ("queue", [worker("a", 2, 2), worker("b", 0, 0), worker("c", 12, 0)], {}, [0.5, 1.0, 0.0]),
     ("kv_usage", [worker("a", kv=0.25), worker("b", kv=1.0)], {}, [0.75, 0.0]),
-    ("inflight_tokens", [worker("a", tokens=100), worker("b", tokens=300)], {}, [1.0, 0.0]),
+    # share of KV capacity (blocks x block size); unknown capacity scores 1
+    ("inflight_tokens", [worker("a", tokens=160, blocks=100), worker("b", tokens=2400,
+                                                                      blocks=100),
+                         worker("c", tokens=500)], {}, [0.9, 0.0, 1.0]),
 ])
 def test_scorers(name, workers, matched, want):
     assert SCORERS[name]().score(ctx(matched), workers) == pytest.approx(want)
@@ -61,6 +65,14 @@ def test_cache_aware_prefers_the_prefix_holder():
     ws = [worker("a", running=1), worker("b"), worker("c")]
     d = pol.pick(ctx({"a": 96}), ws)
     assert d.worker.id == "a" and d.reason == "prefix_hit" and d.matched_tokens == 96
+
+
+def test_a_big_hit_on_a_slightly_busier_replica_still_wins():
+    """Load only outvotes a prefix hit when the difference in load is real."""
+    pol = CacheAwarePolicy(rng=random.Random(0))
+    ws = [worker("a", running=3, kv=0.6, tokens=900, blocks=100), worker("b", running=2),
+          worker("c", running=2)]
+    assert pol.pick(ctx({"a": 90}), ws).worker.id == "a"
 
 
 def test_saturation_guard_spills_a_hot_prefix():

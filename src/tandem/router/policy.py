@@ -1,7 +1,8 @@
 """Routing policies: pick one worker among the filtered candidates (interface + registry).
 
 * `cache-aware` — weighted sum of scorers (prefix hit, queue depth, KV use, in-flight
-  tokens). Saturation guard ("sticky until saturated"): a worker whose queue depth reaches
+  tokens), each on an absolute [0, 1] scale. Saturation guard ("sticky until
+  saturated"): a worker whose queue depth reaches
   `saturation_queue` or whose KV use reaches `saturation_kv` gets no prefix credit, so a hot
   prefix spills onto other replicas instead of piling up. With no hit anywhere (a cold
   request) only the load scorers speak, so cold traffic spreads by load.
@@ -65,7 +66,8 @@ class CacheAwarePolicy(Policy):
         unknown = set(weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
-        self.scorers = [(SCORERS[n](), w) for n, w in weights.items() if w > 0]
+        self.scorers = [(SCORERS[n](scale=saturation_queue) if n == "queue" else SCORERS[n](), w)
+                        for n, w in weights.items() if w > 0]
         self.saturation_queue = saturation_queue
         self.saturation_kv = saturation_kv
         self.rng = rng or random.Random()

@@ -1,12 +1,15 @@
-"""In-flight-token scorer: fewer prompt + generated tokens of running requests is better
-(min-max over candidates)."""
+"""In-flight-token scorer: fewer prompt + generated tokens of running requests is better,
+as a share of the worker's KV capacity (`1 - tokens / (blocks x block size)`, clamped).
+A worker that has not reported its capacity yet scores 1 (absolute scale: see queue.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.router.scorers.base import RoutingContext, Scorer, inverse_minmax, register_scorer
+from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
 from tandem.router.workers import Worker
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 @register_scorer
@@ -14,4 +17,8 @@ class InFlightTokensScorer(Scorer):
     name = "inflight_tokens"
 
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
-        return inverse_minmax([w.load.in_flight_tokens for w in workers])
+        out = []
+        for w in workers:
+            capacity = w.load.num_total_blocks * (w.block_size or DEFAULT_BLOCK_SIZE)
+            out.append(max(0.0, 1.0 - w.load.in_flight_tokens / capacity) if capacity else 1.0)
+        return out
