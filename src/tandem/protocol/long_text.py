@@ -25,18 +25,19 @@ import threading
 from collections import OrderedDict
 
 from tokenizers import Tokenizer as _Backend
+from tokenizers import models
 
 _PRE_OK = frozenset({"ByteLevel", "Split", "Digits", "Sequence"})
 
 
 def chunkable(backend: _Backend) -> bool:
-    """True when cutting at letter-space-letter positions cannot change the tokens."""
-    spec = json.loads(backend.to_str())
-    if spec.get("normalizer") is not None or spec.get("model", {}).get("type") != "BPE":
+    """True when cutting at letter-space-letter positions cannot change the tokens (reads
+    the backend's parts directly: ~0.2 ms, where serializing the whole tokenizer took 140)."""
+    if backend.normalizer is not None or not isinstance(backend.model, models.BPE):
         return False
-    pre = spec.get("pre_tokenizer")
-    if pre is None:
+    if backend.pre_tokenizer is None:
         return False
+    pre = json.loads(backend.pre_tokenizer.__getstate__())
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     if not steps or any(s.get("type") not in _PRE_OK - {"Sequence"} for s in steps):
         return False
@@ -44,7 +45,7 @@ def chunkable(backend: _Backend) -> bool:
         return False
     if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
         return False
-    return not any(" " in t.get("content", "") for t in spec.get("added_tokens", []))
+    return not any(" " in t.content for t in backend.get_added_tokens_decoder().values())
 
 
 def cut_points(text: str, chunk_chars: int) -> list[int]:
