@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from tandem.protocol.web import APIError, BodyLimit, cancel_on_disconnect, install_error_handlers
 from tandem.router import prompt as prompts
 from tandem.router.auth import ApiKeys, tenant_cache_salt
-from tandem.router.core import DEFAULT_BLOCK_SIZE, Router
+from tandem.router.core import Router
 from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.metrics import RouterMetrics
@@ -272,7 +272,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
         external: dict[int, dict[str, int]] = {}
         for size, chain in hashes.items():
             ids = [w.id for w in router.workers.values()  # with or without our own stream
-                   if w.model == model and (w.block_size or DEFAULT_BLOCK_SIZE) == size]
+                   if w.model == model and w.kv_block_size == size]
             got = await store.match(chain, ids)
             metrics.index_store_lookups.labels("ok" if got is not None else "fallback").inc()
             if got is None:

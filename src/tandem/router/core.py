@@ -20,8 +20,6 @@ from tandem.router.policy import Decision, make_policy
 from tandem.router.scorers import FILTERS, RoutingContext
 from tandem.router.workers import Worker
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 @dataclass
 class RouterSettings:
@@ -70,12 +68,12 @@ class Router:
     def block_sizes(self, candidates: Iterable[Worker]) -> dict[int, list[Worker]]:
         by_size: dict[int, list[Worker]] = {}
         for w in candidates:
-            by_size.setdefault(w.block_size or DEFAULT_BLOCK_SIZE, []).append(w)
+            by_size.setdefault(w.kv_block_size, []).append(w)
         return by_size
 
     def hashes(self, parsed: prompts.ParsedPrompt, model: str) -> dict[int, list[BlockHash]]:
         """The prompt's hash chain for each block size among this model's workers."""
-        sizes = {w.block_size or DEFAULT_BLOCK_SIZE for w in self.workers.values()
+        sizes = {w.kv_block_size for w in self.workers.values()
                  if w.model == model or not w.model}
         return {size: prompts.block_hashes(parsed, model, size) for size in sorted(sizes)}
 
@@ -124,7 +122,7 @@ class Router:
             return None, ctx
         decision = self.policy.pick(ctx, candidates)
         w = decision.worker
-        hashes = ctx.hashes.get(w.block_size or DEFAULT_BLOCK_SIZE, [])
+        hashes = ctx.hashes.get(w.kv_block_size, [])
         if w.events_connected:
             self.index.add_speculative(w.id, hashes, now)
         else:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+DEFAULT_BLOCK_SIZE = 16  # assumed until a worker reports its own (readiness or KV stream)
+
 
 @dataclass
 class WorkerLoad:
@@ -76,6 +78,11 @@ class Worker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     local_in_flight: int = 0  # requests this router has open on it
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block: the worker's own, else DEFAULT_BLOCK_SIZE."""
+        return self.block_size or DEFAULT_BLOCK_SIZE
 
     @property
     def queue_depth(self) -> int:

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
 from tandem.router.workers import Worker
 
-DEFAULT_BLOCK_SIZE = 16
-
 
 @register_scorer
 class InFlightTokensScorer(Scorer):
@@ -19,6 +17,6 @@ class InFlightTokensScorer(Scorer):
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         out = []
         for w in workers:
-            capacity = w.load.num_total_blocks * (w.block_size or DEFAULT_BLOCK_SIZE)
+            capacity = w.load.num_total_blocks * w.kv_block_size
             out.append(max(0.0, 1.0 - w.load.in_flight_tokens / capacity) if capacity else 1.0)
         return out
