@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tandem.router.scorers import SCORERS, RoutingContext
+from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
 from tandem.router.workers import Worker
 
 DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5}
@@ -66,15 +66,13 @@ class CacheAwarePolicy(Policy):
         unknown = set(weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
-        self.scorers = [(SCORERS[n](scale=saturation_queue) if n == "queue" else SCORERS[n](), w)
-                        for n, w in weights.items() if w > 0]
-        self.saturation_queue = saturation_queue
-        self.saturation_kv = saturation_kv
+        self.limits = LoadLimits(saturation_queue, saturation_kv)
+        self.scorers = [(SCORERS[n](self.limits), w) for n, w in weights.items() if w > 0]
         self.rng = rng or random.Random()
 
     def saturated(self, w: Worker) -> bool:
-        return (w.queue_depth >= self.saturation_queue
-                or w.load.kv_cache_usage >= self.saturation_kv)
+        return (w.queue_depth >= self.limits.saturation_queue
+                or w.load.kv_cache_usage >= self.limits.saturation_kv)
 
     def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
         per_scorer = {s.name: s.score(ctx, candidates) for s, _ in self.scorers}

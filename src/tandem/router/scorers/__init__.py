@@ -5,11 +5,12 @@ from tandem.router.scorers.base import (
     FILTERS,
     SCORERS,
     Filter,
+    LoadLimits,
     RoutingContext,
     Scorer,
     register_filter,
     register_scorer,
 )
 
-__all__ = ["FILTERS", "SCORERS", "Filter", "RoutingContext", "Scorer", "register_filter",
-           "register_scorer"]
+__all__ = ["FILTERS", "SCORERS", "Filter", "LoadLimits", "RoutingContext", "Scorer",
+           "register_filter", "register_scorer"]

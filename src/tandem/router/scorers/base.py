@@ -28,8 +28,21 @@ class RoutingContext:
     now: float = 0.0
 
 
+@dataclass(frozen=True)
+class LoadLimits:
+    """Where a worker counts as saturated; also the scale of the absolute load scorers."""
+
+    saturation_queue: int = 8  # running + waiting requests
+    saturation_kv: float = 0.9  # KV-cache use in [0, 1]
+
+
 class Scorer(ABC):
+    """Every scorer is built with the policy's `LoadLimits` (most ignore them)."""
+
     name: str
+
+    def __init__(self, limits: LoadLimits = LoadLimits()) -> None:  # noqa: B008 - frozen
+        self.limits = limits
 
     @abstractmethod
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:

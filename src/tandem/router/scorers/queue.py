@@ -1,7 +1,7 @@
 """Queue-depth scorer: fewer running + waiting requests is better, on an absolute scale.
 
-`1 - depth / scale`, clamped to [0, 1], where `scale` is the depth at which a worker counts
-as saturated. Absolute, not min-max over the candidates: min-max turns a one-request
+`1 - depth / limits.saturation_queue`, clamped to [0, 1]: 0 at the depth where a worker
+counts as saturated. Absolute, not min-max over the candidates: min-max turns a one-request
 difference into the whole [0, 1] range, which let load outvote a large prefix hit on a
 replica that was only marginally busier.
 """
@@ -18,8 +18,6 @@ from tandem.router.workers import Worker
 class QueueScorer(Scorer):
     name = "queue"
 
-    def __init__(self, scale: float = 8.0) -> None:
-        self.scale = max(scale, 1.0)
-
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
-        return [max(0.0, 1.0 - w.queue_depth / self.scale) for w in workers]
+        scale = max(self.limits.saturation_queue, 1)
+        return [max(0.0, 1.0 - w.queue_depth / scale) for w in workers]
