@@ -14,7 +14,8 @@ import pytest
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
 from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.core import Router, RouterSettings
-from tandem.router.index_store import KVWrite, RedisIndexStore
+from tandem.router.index import block_key
+from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
 from tandem.router.monitor import MonitorSettings
 from tests.serving.conftest import free_port
 
@@ -28,8 +29,8 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-def _events(start: int, *evs: tuple[str, list[bytes]]) -> list[tuple[int, str, list[bytes]]]:
-    return [(start + i, kind, hs) for i, (kind, hs) in enumerate(evs)]
+def _events(start: int, *evs: tuple[str, list[bytes]]) -> list[IndexEvent]:
+    return [IndexEvent(start + i, kind, hs) for i, (kind, hs) in enumerate(evs)]
 
 
 def test_replicas_writing_one_stream_at_different_times_converge(redis_url):
@@ -93,7 +94,7 @@ def test_writer_repairs_lost_writes_from_the_in_memory_view(redis_url):
 
     async def run() -> None:
         s = RedisIndexStore(redis_url, prefix="t-repair:")
-        view = {"w1": ("inst", 42, {int.from_bytes(h[:8], "little") for h in B[:4]})}
+        view = {"w1": IndexView("inst", 42, {block_key(h) for h in B[:4]})}
         s.start(view.get)
         try:
             s.publish(KVWrite("w1", "inst", 42, events=_events(40, ("stored", A))))  # a gap

@@ -113,20 +113,37 @@ return out
 """
 
 
+@dataclass(frozen=True)
+class IndexEvent:
+    """One applied KV event of a worker's stream."""
+
+    seq: int
+    kind: str  # "stored" | "removed" | "cleared"
+    hashes: Sequence[BlockHash] = ()
+
+
 @dataclass
 class KVWrite:
-    """One batch of a worker's event stream, as `(seq, kind, hashes)` events after `seq`, or
-    a snapshot (`snapshot` set) valid at `seq`."""
+    """One batch of a worker's event stream (`events`, the last with seq `seq`), or a
+    snapshot (`snapshot` set) valid at `seq`."""
 
     worker: str
     instance_id: str
     seq: int  # the seq after this write
     snapshot: Sequence[BlockHash] | None = None
-    events: list[tuple[int, str, Sequence[BlockHash]]] = field(default_factory=list)
+    events: list[IndexEvent] = field(default_factory=list)
 
 
-# worker -> (instance_id, seq, block keys) as the in-memory index knows it now; None if unknown
-SnapshotSource = Callable[[str], tuple[str, int, set[int]] | None]
+@dataclass(frozen=True)
+class IndexView:
+    """A worker as the in-memory index holds it now: its event sequence and block keys."""
+
+    instance_id: str
+    seq: int
+    keys: set[int]
+
+
+SnapshotSource = Callable[[str], IndexView | None]  # worker -> view; None if unknown
 
 
 class RedisIndexStore:
@@ -201,23 +218,23 @@ class RedisIndexStore:
             args = [*head, "snapshot", write.seq, *(_hex(h) for h in write.snapshot)]
         else:
             args = [*head, "events", write.seq]
-            for seq, kind, hashes in write.events:
-                args.append(f"@{seq}")
-                if kind == "cleared":
+            for ev in write.events:
+                args.append(f"@{ev.seq}")
+                if ev.kind == "cleared":
                     args.append("!")
                 else:
-                    args.append("+" if kind == "stored" else "-")
-                    args.extend(_hex(h) for h in hashes)
+                    args.append("+" if ev.kind == "stored" else "-")
+                    args.extend(_hex(h) for h in ev.hashes)
         return int(await self._apply(args=args))
 
     async def _rewrite(self, worker: str) -> None:
         """Replace the worker's Redis entries with the in-memory index's current view."""
-        current = self.snapshot_source(worker) if self.snapshot_source else None
-        if current is None:
+        view = self.snapshot_source(worker) if self.snapshot_source else None
+        if view is None:
             self._dirty.discard(worker)
             return
-        instance, seq, keys = current
-        args = [self.prefix, worker, instance, "snapshot", seq, *(f"{k:016x}" for k in keys)]
+        args = [self.prefix, worker, view.instance_id, "snapshot", view.seq,
+                *(_key_hex(k) for k in view.keys)]
         await self._apply(args=args)
         self._dirty.discard(worker)
         self.stats["rewrites"] += 1
@@ -255,8 +272,13 @@ class RedisIndexStore:
         await self._redis.aclose()
 
 
+def _key_hex(key: int) -> str:
+    """A block key as stored in Redis: 16 hex digits."""
+    return f"{key:016x}"
+
+
 def _hex(h: BlockHash) -> str:
-    return f"{block_key(h):016x}"
+    return _key_hex(block_key(h))
 
 
 def _str(v: bytes | str) -> str:

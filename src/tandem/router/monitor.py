@@ -26,7 +26,7 @@ import httpx
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.router.index import PrefixIndex
-from tandem.router.index_store import KVWrite, RedisIndexStore
+from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
 from tandem.router.workers import Worker, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -144,31 +144,32 @@ class WorkerMonitor:
                 if self.store is not None:
                     self.store.publish(KVWrite(w.id, self.instance_id, self.seq,
                                                snapshot=list(snap.block_hashes)))
-            applied: list[tuple[int, str, list[bytes]]] = []
+            mirror = self.store is not None
+            applied: list[IndexEvent] = []
             for ev in batch.events:
                 if self.seq < 0 or ev.seq != self.seq + 1:
                     raise _SequenceGap(f"expected seq {self.seq + 1 if self.seq >= 0 else None}"
                                        f", got {ev.seq}")
                 self.seq = ev.seq
                 kind = ev.WhichOneof("event")
+                hashes = (ev.stored.block_hashes if kind == "stored"
+                          else ev.removed.block_hashes if kind == "removed" else ())
                 if kind == "stored":
-                    self.index.stored(w.id, ev.stored.block_hashes)
-                    applied.append((ev.seq, kind, list(ev.stored.block_hashes)))
+                    self.index.stored(w.id, hashes)
                 elif kind == "removed":
-                    self.index.removed(w.id, ev.removed.block_hashes)
-                    applied.append((ev.seq, kind, list(ev.removed.block_hashes)))
+                    self.index.removed(w.id, hashes)
                 elif kind == "cleared":
                     self.index.cleared(w.id)
-                    applied.append((ev.seq, kind, []))
-            if applied and self.store is not None:
+                if mirror:  # copies only when a shared store wants them
+                    applied.append(IndexEvent(ev.seq, kind, list(hashes)))
+            if applied:
                 self.store.publish(KVWrite(w.id, self.instance_id, self.seq, events=applied))
 
-    def index_view(self) -> tuple[str, int, set[int]] | None:
-        """(instance id, seq, block keys) of the worker as the in-memory index holds it now;
-        None while its event stream is down."""
+    def index_view(self) -> IndexView | None:
+        """The worker as the in-memory index holds it now; None while its stream is down."""
         if not self.worker.events_connected or self.seq < 0:
             return None
-        return self.instance_id, self.seq, self.index.keys(self.worker.id)
+        return IndexView(self.instance_id, self.seq, self.index.keys(self.worker.id))
 
     async def _load_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         while True:
