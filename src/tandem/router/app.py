@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -49,6 +49,7 @@ class RouterServerSettings:
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
     rate_limiter: RateLimiter | None = None
     index_store: RedisIndexStore | None = None  # shared prefix index (`--index redis://`)
+    preload_tokenizers: Callable[[], None] | None = None  # run once at start-up
     proxy: ProxySettings = field(default_factory=ProxySettings)
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
 
@@ -65,9 +66,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                                 connect=settings.proxy.connect_timeout_s)
         state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
         state["upstream"] = upstream_session(settings.proxy)  # forwarding
-        preload = getattr(router.tokenizer_for, "preload", None)
-        if preload is not None:  # ~0.4 s per tokenizer: at start-up, not on a request
-            await asyncio.to_thread(preload)
+        if settings.preload_tokenizers is not None:  # ~0.4 s each: now, not on a request
+            await asyncio.to_thread(settings.preload_tokenizers)
         discovery = settings.discovery or StaticDiscovery(settings.worker_urls)
         watcher = asyncio.create_task(discovery.run(on_discovery))
         await asyncio.sleep(0)  # it starts: a discovery that cannot work fails start-up here

@@ -28,10 +28,9 @@ models without a configured tokenizer are routed on text hashes (approximate mod
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.router.discovery import (
     DISCOVERY,
@@ -41,6 +40,9 @@ from tandem.router.discovery import (
     pod_namespace,
     worker_selector,
 )
+
+if TYPE_CHECKING:
+    from tandem.protocol.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
@@ -87,38 +89,41 @@ def _load_yaml(path: str | None) -> dict[str, Any]:
     return data
 
 
-def tokenizer_resolver(specs: list[str], from_file: dict[str, str]):  # noqa: ANN201
-    """model name -> Tokenizer | None, loaded once per path."""
-    from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
-    from tandem.protocol.tokenizer import Tokenizer
+class TokenizerResolver:
+    """model name -> Tokenizer | None (`__call__`), each file loaded once."""
 
-    per_model: dict[str, str] = dict(from_file)
-    default: str | None = None
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if sep:
-            per_model[name] = path
-        else:
-            default = spec
-    bundled = find_bundled_gguf()
-    if bundled is not None:
-        per_model.setdefault(BUNDLED_NAME, str(bundled))
+    def __init__(self, specs: list[str], from_file: dict[str, str]) -> None:
+        from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
 
-    @functools.lru_cache(maxsize=64)
-    def load(path: str) -> Tokenizer:
-        return Tokenizer.load(path)
+        self.per_model: dict[str, str] = dict(from_file)
+        self.default: str | None = None
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if sep:
+                self.per_model[name] = path
+            else:
+                self.default = spec
+        bundled = find_bundled_gguf()
+        if bundled is not None:
+            self.per_model.setdefault(BUNDLED_NAME, str(bundled))
+        self._loaded: dict[str, Tokenizer] = {}
 
-    def resolve(model: str) -> Tokenizer | None:
-        path = per_model.get(model, default)
-        return load(path) if path else None
+    def _load(self, path: str) -> Tokenizer:
+        tok = self._loaded.get(path)
+        if tok is None:
+            from tandem.protocol.tokenizer import Tokenizer
 
-    def preload() -> None:
+            tok = self._loaded[path] = Tokenizer.load(path)
+        return tok
+
+    def __call__(self, model: str) -> Tokenizer | None:
+        path = self.per_model.get(model, self.default)
+        return self._load(path) if path else None
+
+    def preload(self) -> None:
         """Load every configured tokenizer now, not on some request's critical path."""
-        for path in {*per_model.values(), *([default] if default else [])}:
-            load(path)
-
-    resolve.preload = preload  # type: ignore[attr-defined]
-    return resolve
+        for path in {*self.per_model.values(), *([self.default] if self.default else [])}:
+            self._load(path)
 
 
 def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
@@ -152,7 +157,8 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed)
-    router = Router(settings, tokenizer_resolver(args.tokenizer, cfg.get("tokenizers", {})))
+    tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
+    router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}
     limiter = None
     if rl:
@@ -166,6 +172,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
 
         store = RedisIndexStore(index_url)
     server = RouterServerSettings(
+        preload_tokenizers=tokenizers.preload,
         worker_urls=workers,
         discovery=discovery,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
