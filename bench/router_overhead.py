@@ -30,7 +30,6 @@ import http.client
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ LOG_DIR = BENCH_DIR / ".cache" / "logs"
 sys.path.insert(0, str(BENCH_DIR))
 
 from router_sim import pct  # noqa: E402
-from servers import free_port  # noqa: E402
+from servers import free_port, stop_group  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "long_added_p50_ms": 20.0}
@@ -99,13 +98,7 @@ def spawned(name: str, argv: list[str]) -> Iterator[subprocess.Popen]:
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, timeout_s=15)
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, str]:

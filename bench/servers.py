@@ -109,13 +109,7 @@ def launched(spec: ServerSpec) -> Iterator[str]:
               file=sys.stderr, flush=True)
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc, timeout_s=60)
         # vLLM's engine-core child may outlive its parent by a moment; wait for the group.
         for _ in range(100):
             try:
@@ -123,3 +117,15 @@ def launched(spec: ServerSpec) -> Iterator[str]:
             except ProcessLookupError:
                 break
             time.sleep(0.1)
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM the process group `proc` leads (started with `start_new_session=True`);
+    SIGKILL it if `proc` has not exited after `timeout_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -119,9 +119,7 @@ async def forward(http: aiohttp.ClientSession, path: str, body: bytes, rid: str,
                     raise APIError(502, f"worker failed mid-response: {type(exc).__name__}",
                                    type_="server_error") from exc
                 finally:
-                    # a complete body returns the connection to the pool; anything else
-                    # (error, client gone) closes it, which aborts the worker's request
-                    resp.release() if done else resp.close()
+                    _finish(resp, done)
                     release()
                 return Response(content, status_code=resp.status, headers=headers)
         on_attempt(attempt)
@@ -151,5 +149,14 @@ async def _relay(resp: aiohttp.ClientResponse, rid: str, w: Worker,
         # blank lines first: end any event the failure cut short, then a well-formed one
         yield f"\n\ndata: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode()
     finally:
-        resp.release() if done else resp.close()  # closing aborts the worker's request
+        _finish(resp, done)
         release()
+
+
+def _finish(resp: aiohttp.ClientResponse, complete: bool) -> None:
+    """A fully read response returns its connection to the pool; anything else (an error,
+    the client gone) closes it, which aborts the request on the worker."""
+    if complete:
+        resp.release()
+    else:
+        resp.close()
