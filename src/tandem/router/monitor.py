@@ -131,12 +131,11 @@ class WorkerMonitor:
         async for batch in stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest()):
             if batch.HasField("snapshot"):
                 snap = batch.snapshot
-                self.index.cleared(w.id)
                 hashes = snap.block_hashes
-                for i in range(0, len(hashes), SNAPSHOT_SLICE):  # other requests run between
+                self.index.reset(w.id, hashes[:SNAPSHOT_SLICE])
+                for i in range(SNAPSHOT_SLICE, len(hashes), SNAPSHOT_SLICE):
+                    await asyncio.sleep(0)  # other requests route between slices
                     self.index.stored(w.id, hashes[i:i + SNAPSHOT_SLICE])
-                    if len(hashes) > SNAPSHOT_SLICE:
-                        await asyncio.sleep(0)
                 self.instance_id, self.seq = snap.instance_id, snap.seq
                 w.block_size = batch.block_size or w.block_size
                 w.events_connected = True
