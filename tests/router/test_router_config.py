@@ -44,3 +44,12 @@ def test_tokenizers_by_model(tmp_path):
     _, router, _ = build(_args())
     assert router.tokenizer_for(BUNDLED_NAME) is not None  # the bundled model, by default
     assert router.tokenizer_for("some-other-model") is None  # approximate mode
+
+
+def test_malformed_redis_urls_stop_start_up_with_the_flag_named(tmp_path):
+    with pytest.raises(SystemExit, match="--index: Redis URL must specify"):
+        build(_args("--workers", "http://a:8000", "--index", "foo://bar"))
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("rate_limits: {default: {requests_per_s: 1}}\n")
+    with pytest.raises(SystemExit, match="--redis: Redis URL must specify"):
+        build(_args("--workers", "http://a:8000", "--config", str(cfg), "--redis", "x://y"))

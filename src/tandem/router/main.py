@@ -162,15 +162,24 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
     rl = cfg.get("rate_limits") or {}
     limiter = None
     if rl:
-        tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
-        limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
-                              redis_url=args.redis or cfg.get("redis"))
+        try:
+            tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
+            limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
+                                  redis_url=args.redis or cfg.get("redis"))
+        except ValueError as exc:  # bad limits or a malformed Redis URL
+            raise SystemExit(f"rate_limits / --redis: {exc}") from exc
+    elif args.redis or cfg.get("redis"):
+        logger.warning("--redis is for shared rate limits, and router.yaml sets none; unused "
+                       "(the shared prefix index takes --index)")
     index_url = args.index or cfg.get("index")
     store = None
     if index_url:
         from tandem.router.index_store import RedisIndexStore
 
-        store = RedisIndexStore(index_url)
+        try:
+            store = RedisIndexStore(index_url)
+        except ValueError as exc:  # a malformed URL; an unreachable Redis only falls back
+            raise SystemExit(f"--index: {exc}") from exc
     server = RouterServerSettings(
         preload_tokenizers=tokenizers.preload,
         worker_urls=workers,
