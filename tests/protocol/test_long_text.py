@@ -8,7 +8,7 @@ import pytest
 
 from tandem.protocol.bundled import find_bundled_gguf
 from tandem.protocol.long_text import ChunkedEncoder, chunkable, cut_points
-from tandem.protocol.tokenizer import LONG_TEXT_CHARS, Tokenizer
+from tandem.protocol.tokenizer import Tokenizer
 
 PIECES = ["the", "The", "cat", "naïve", "Ünïcödé", "日本語", "emoji🚀", "don't", "it's", "x",
           "42", "3.14159", "1,000", "-", "--", "...", "!", "?", "(", ")", "'", '"', "/", "\\",
@@ -55,7 +55,7 @@ def test_cuts_are_spaces_between_letters_and_shared_prefixes_cut_alike():
 def test_long_prompts_use_chunks_and_the_cache(tok):
     rng = random.Random(3)
     doc = _random_text(rng, 6000)
-    assert len(doc) > LONG_TEXT_CHARS
+    assert len(doc) > 3 * tok._chunked.chunk_chars
     for q in ("First question?", "Second, different question?"):
         text = doc + " " + q
         assert tok.encode(text, add_special_tokens=False) == \
@@ -76,3 +76,68 @@ def test_tokenizers_that_might_merge_across_spaces_are_not_chunked():
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.normalizer = normalizers.Lowercase()
     assert not chunkable(bpe)
+
+
+def _byte_level_bpe():
+    """A tiny byte-level BPE (every byte a token, a few merges) with overlapping added tokens,
+    normalized and not."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("<", "a")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Backend(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken("<a>", normalized=False),
+                            AddedToken("<ab>", normalized=False),
+                            AddedToken("b>c", normalized=True)])
+    bpe.add_tokens([AddedToken("the<", normalized=True), AddedToken("[x]", normalized=False)])
+    return bpe
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_added_token_split_matches_the_library(seed):
+    """Overlapping added tokens, normalized or not: the two-pass leftmost-longest split
+    gives exactly the library's tokens."""
+    bpe = _byte_level_bpe()
+    assert chunkable(bpe)
+    rng = random.Random(seed)
+    bits = ["<a>", "<ab>", "b>c", "the<", "[x]", "<", "a", "b", ">", "c", "the", " the", " ", "x",
+            "[", "]", "1", "22", "\n"]
+    enc = ChunkedEncoder(bpe, chunk_chars=rng.choice([2, 5, 4096]))
+    for _ in range(30):
+        text = "".join(rng.choice(bits) for _ in range(rng.randrange(1, 40)))
+        assert enc.encode(text) == bpe.encode(text, add_special_tokens=False).ids, text
+        assert enc.encode(text) == bpe.encode(text, add_special_tokens=False).ids, text
+
+
+def test_chat_prompts_reuse_the_cached_messages(tok):
+    system = "You are a careful assistant. " * 20
+    for user in ("What is 2 + 2?", "Name a river in France.", "Spell 'naïve' backwards."):
+        text = tok.apply_chat_template([{"role": "system", "content": system},
+                                        {"role": "user", "content": user}],
+                                       add_generation_prompt=True)
+        before = tok._chunked.hits
+        got = tok.encode(text, add_special_tokens=False)
+        assert got == tok.backend.encode(text, add_special_tokens=False).ids
+        hits = tok._chunked.hits - before
+    assert hits >= 2  # the system message and the template's fixed pieces came from the cache
+
+
+def test_tokens_that_strip_spaces_turn_the_split_off():
+    from tokenizers import AddedToken
+
+    from tandem.protocol.long_text import added_token_splitter
+
+    bpe = _byte_level_bpe()
+    assert added_token_splitter(bpe) is not None
+    bpe.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    assert added_token_splitter(bpe) is None
+    text = "a <mask> the<a>b"
+    assert ChunkedEncoder(bpe).encode(text) == bpe.encode(text, add_special_tokens=False).ids

@@ -290,7 +290,7 @@ def test_router_without_a_kubeconfig_fails_at_start(tmp_path, monkeypatch):
     app, _, _ = build(_args("--discovery", "kubernetes", "--namespace", NS))
 
     async def start() -> None:
-        async with app.router.lifespan_context(app):
+        async with app.app.router.lifespan_context(app.app):
             pass
 
     with pytest.raises(Exception, match="(?i)config"):

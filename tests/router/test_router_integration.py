@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -178,6 +180,30 @@ def test_two_router_replicas_agree_on_routing(cluster, redis_url, tmp_path):
         router_b.stop()
         if router_c is not None:
             router_c.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_aborts_the_request_on_the_worker(cluster, stream):
+    """Through the router, a client gone mid-request frees the worker's blocks within a
+    second, streamed or not."""
+    from tests.serving.conftest import metric, wait_idle
+
+    router, workers = cluster
+    body = json.dumps({"model": BUNDLED_NAME, "prompt": "Count slowly:", "max_tokens": 2000,
+                       "ignore_eos": True, "temperature": 0, "stream": stream}).encode()
+    sock = socket.create_connection(("127.0.0.1", router.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 60
+    while sum(metric(w.url, "vllm:num_requests_running") for w in workers) < 1:
+        assert time.monotonic() < deadline, router.log()
+        time.sleep(0.05)
+    if stream:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+    for w in workers:
+        wait_idle(w.url, within=1.0)
 
 
 def test_a_worker_killed_mid_stream_ends_the_stream_cleanly_and_traffic_moves(cluster):

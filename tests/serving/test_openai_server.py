@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import httpx
@@ -208,6 +210,22 @@ def test_disconnected_stream_frees_its_blocks_within_a_second(worker):
             if line.startswith("data: {"):
                 break  # one chunk in: the request is running; now hang up
     assert metric(worker.url, "vllm:num_requests_running") <= 1
+    wait_idle(worker.url, within=1.0)
+
+
+def test_disconnected_plain_request_frees_its_blocks_within_a_second(worker):
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2000,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    host, port = worker.url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                 + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 60
+    while metric(worker.url, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    sock.close()  # hang up before any byte of the answer
     wait_idle(worker.url, within=1.0)
 
 

@@ -13,6 +13,16 @@ prompts sharing a long prefix share their leading chunks, and a bounded LRU of c
 ids makes a repeated long prefix (RAG documents, long system prompts, growing multi-turn
 chats) almost free. Uncached chunks go to `encode_batch`, which runs them on all cores.
 
+Added tokens (`<|im_start|>`, `<|im_end|>`, ...) cut every text too: `tokenizers` extracts
+them before normalizing and pre-tokenizing, and runs the pipeline on each stretch between
+them separately, so the stretches can be encoded (and cached) one by one. The split repeats
+its two passes exactly: tokens with `normalized=False` first, then the normalized ones, each
+leftmost-longest. A chat prompt thus becomes its template's fixed pieces plus one stretch
+per message, and a system prompt or an earlier turn is tokenized once, not per request
+(measured on the bundled model: a ~100-token two-message chat prompt went from ~340 us to
+~130 us with the system message cached). Added tokens that strip neighbouring spaces or
+match only as single words move the boundaries; such tokenizers are not split.
+
 Only tokenizers whose normalizer is empty and whose pre-tokenizer is byte-level (regex
 split and/or digits, then ByteLevel) qualify, and none of their added tokens may contain a
 space; `chunkable` checks this once per tokenizer.
@@ -21,6 +31,7 @@ space; `chunkable` checks this once per tokenizer.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -64,39 +75,105 @@ def cut_points(text: str, chunk_chars: int) -> list[int]:
     return cuts
 
 
+def added_token_splitter(backend: _Backend) -> AddedTokenSplitter | None:
+    """The backend's added-token split, or None when it cannot be reproduced exactly (a token
+    with lstrip / rstrip / single_word, or `encode_special_tokens` set)."""
+    if getattr(backend, "encode_special_tokens", False):
+        return None
+    added = backend.get_added_tokens_decoder()
+    if any(t.lstrip or t.rstrip or t.single_word for t in added.values()):
+        return None
+    ids = {t.content: i for i, t in sorted(added.items())}
+    passes = [[t.content for t in added.values() if not t.normalized],
+              [t.content for t in added.values() if t.normalized]]
+    return AddedTokenSplitter(ids, [p for p in passes if p])
+
+
+class AddedTokenSplitter:
+    """Text -> stretches of plain text and added-token ids, as `tokenizers` cuts it."""
+
+    def __init__(self, ids: dict[str, int], passes: list[list[str]]) -> None:
+        self.ids = ids
+        # longest first: at one position the first alternative that matches is the longest
+        self.patterns = [re.compile("|".join(re.escape(t) for t in sorted(p, key=len,
+                                                                           reverse=True)))
+                         for p in passes]
+
+    def split(self, text: str) -> list[str | int]:
+        parts: list[str | int] = [text]
+        for pattern in self.patterns:
+            out: list[str | int] = []
+            for part in parts:
+                if isinstance(part, int):
+                    out.append(part)
+                    continue
+                start = 0
+                for m in pattern.finditer(part):
+                    if m.start() > start:
+                        out.append(part[start:m.start()])
+                    out.append(self.ids[m.group()])
+                    start = m.end()
+                if start < len(part):
+                    out.append(part[start:])
+            parts = out
+        return parts
+
+
 class ChunkedEncoder:
-    """`encode(text)` without special tokens, through cached parallel chunks."""
+    """`encode(text)` without special tokens: split at added tokens, stretches longer than
+    `chunk_chars` cut at safe spaces, every piece looked up in a bounded LRU (keyed by its
+    text) and the rest encoded together."""
 
     def __init__(self, backend: _Backend, chunk_chars: int = 4096,
                  cache_chars: int = 8 << 20) -> None:
         self.backend = backend
         self.chunk_chars = chunk_chars
-        self.cache_chars = cache_chars  # bound on the cached chunks' total length
+        self.cache_chars = cache_chars  # bound on the cached pieces' total length
+        self.splitter = added_token_splitter(backend)
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # the router tokenizes long bodies in worker threads
         self.hits = self.misses = 0
 
+    def pieces(self, text: str) -> list[str | int]:
+        """Plain-text pieces and added-token ids, in order."""
+        parts = self.splitter.split(text) if self.splitter is not None else [text]
+        out: list[str | int] = []
+        for part in parts:
+            if isinstance(part, str) and len(part) > self.chunk_chars:
+                bounds = [0, *cut_points(part, self.chunk_chars), len(part)]
+                out.extend(part[a:b] for a, b in zip(bounds, bounds[1:], strict=False))
+            else:
+                out.append(part)
+        return out
+
     def encode(self, text: str) -> list[int]:
-        bounds = [0, *cut_points(text, self.chunk_chars), len(text)]
-        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        pieces = self.pieces(text)
         found: dict[int, list[int]] = {}
+        todo: list[int] = []
         with self._lock:
             for i, piece in enumerate(pieces):
+                if isinstance(piece, int):
+                    found[i] = [piece]
+                    continue
                 ids = self._cache.get(piece)
-                if ids is not None:
+                if ids is None:
+                    todo.append(i)
+                else:
                     self._cache.move_to_end(piece)
                     found[i] = ids
-            self.hits += len(found)
-            self.misses += len(pieces) - len(found)
-        todo = [i for i in range(len(pieces)) if i not in found]
-        if todo:
+                    self.hits += 1
+            self.misses += len(todo)
+        if len(todo) == 1:  # one call without the batch machinery
+            encoded = [self.backend.encode(pieces[todo[0]], add_special_tokens=False)]
+        elif todo:  # in parallel inside `tokenizers`
             encoded = self.backend.encode_batch([pieces[i] for i in todo],
                                                 add_special_tokens=False)
+        if todo:
             with self._lock:
                 for i, enc in zip(todo, encoded, strict=True):
                     found[i] = enc.ids
-                    self._remember(pieces[i], enc.ids)
+                    self._remember(pieces[i], enc.ids)  # type: ignore[arg-type]
         out: list[int] = []
         for i in range(len(pieces)):
             out.extend(found[i])

@@ -26,7 +26,6 @@ from tandem.protocol.long_text import ChunkedEncoder, chunkable
 
 log = logging.getLogger(__name__)
 
-LONG_TEXT_CHARS = 16384  # encode() goes through long_text.ChunkedEncoder above this
 CACHE_FORMAT = 1  # bump whenever the conversion below changes its output
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 PathLike = str | os.PathLike[str]
@@ -212,7 +211,7 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
         self.add_eos = add_eos and eos_token_id is not None
         self._chat_template = chat_template
-        # long texts go through parallel cached chunks when that provably changes nothing
+        # texts go through cached pieces when that provably changes nothing
         # (protocol.long_text); with the backend's own post-processor only without specials
         self._chunked = ChunkedEncoder(backend) if chunkable(backend) else None
         self._own_specials = set_post_processor
@@ -295,10 +294,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids. BOS/EOS are added only when the model asks for them and the flag is set;
-        special-token text such as `<|im_start|>` always encodes to its single id. Texts over
-        LONG_TEXT_CHARS are encoded in cached parallel chunks where that is exact."""
-        if self._chunked is not None and len(text) > LONG_TEXT_CHARS and (
-                self._own_specials or not add_special_tokens):
+        special-token text such as `<|im_start|>` always encodes to its single id. Where that
+        is exact (`protocol.long_text`), the text is split at added tokens and long stretches
+        at safe spaces, and the pieces come from a cache or are encoded in parallel."""
+        if self._chunked is not None and (self._own_specials or not add_special_tokens):
             ids = self._chunked.encode(text)
             if add_special_tokens and self.add_bos:
                 ids.insert(0, self.bos_token_id)

@@ -3,6 +3,7 @@
 * OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right
   status; anything a client can send maps to a 4xx, a 500 means a bug.
 * ASGI middleware: a request-body size limit (413) and an in-flight request count.
+* `FastPaths`: hot POST routes served straight from ASGI, in front of the FastAPI app.
 * `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
 """
 
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
@@ -124,6 +125,65 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class FastPaths:
+    """An ASGI front for the hot routes: a POST to a path in `routes` goes straight to its
+    handler, skipping FastAPI's middleware stack, routing and dependency solving (measured on
+    the router: ~0.3 ms of CPU a request). Everything else, lifespan included, goes to `app`,
+    where the same handlers stay registered, so /openapi.json still documents them.
+
+    The contract is an endpoint's: the handler gets a Starlette `Request` and returns a
+    `Response` or raises `APIError`; any other exception is a logged 500 in OpenAI JSON.
+    Bodies over `max_body_bytes` (declared or streamed) are a 413. `state` is the app's."""
+
+    def __init__(self, app: FastAPI, routes: Mapping[str, Handler], max_body_bytes: int) -> None:
+        self.app = app
+        self.routes = dict(routes)
+        self.limit = max_body_bytes
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        handler = (self.routes.get(scope["path"])
+                   if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if handler is None:
+            return await self.app(scope, receive, send)
+        for key, value in scope["headers"]:
+            if key == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await error_response(APIError(413, self._too_large))(scope, receive,
+                                                                             send)
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            response = await handler(Request(scope, limited_receive))
+        except _TooLarge:
+            response = error_response(APIError(413, self._too_large))
+        except APIError as exc:
+            response = error_response(exc)
+        except Exception as exc:
+            logger.exception("unhandled error on %s", scope["path"])
+            response = error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                               type_="server_error"))
+        await response(scope, receive, send)
+
+    @property
+    def _too_large(self) -> str:
+        return f"request body exceeds {self.limit} bytes"
+
+
 class InFlight:
     """Counts `/v1/*` requests being served (a stream counts until its last byte)."""
 
@@ -149,16 +209,25 @@ async def _until_disconnected(request: Request) -> None:
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run `work`; if the client goes away first, cancel it (its requests get aborted).
-    Returns (completed, result)."""
-    task = asyncio.ensure_future(work)
+    """Run `work` in the calling task; if the client goes away first, cancel it (its
+    requests get aborted). Returns (completed, result). One watcher task per call."""
+    task = asyncio.current_task()
+    assert task is not None
     watcher = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done:
+    state = {"active": True, "gone": False}
+
+    def on_gone(w: asyncio.Future) -> None:
+        if state["active"] and not w.cancelled() and w.exception() is None:
+            state["gone"] = True
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+
+    watcher.add_done_callback(on_gone)
+    try:
+        return True, await work
+    except asyncio.CancelledError:
+        if state["gone"] and task.uncancel() == 0:  # our cancel, not someone else's
             return False, None
-        return True, task.result()
+        raise
     finally:
+        state["active"] = False
         watcher.cancel()

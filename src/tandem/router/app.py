@@ -9,8 +9,10 @@ is the process, `/ready` means at least one worker is routable; `/metrics` is Pr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +25,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from tandem.protocol.web import APIError, BodyLimit, cancel_on_disconnect, install_error_handlers
+from tandem.protocol.web import (
+    APIError,
+    BodyLimit,
+    FastPaths,
+    cancel_on_disconnect,
+    install_error_handlers,
+)
 from tandem.router import prompt as prompts
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router
@@ -54,7 +62,8 @@ class RouterServerSettings:
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
 
 
-def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
+def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
+    """The ASGI app: the two OpenAI POST routes on `FastPaths`, the rest on FastAPI."""
     metrics = RouterMetrics()
     monitors: dict[str, WorkerMonitor] = {}
     state: dict = {}
@@ -180,7 +189,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
             for m in router.models()]}
 
     async def handle(kind: str, path: str, request: Request) -> Response:
-        rid = request.headers.get("x-request-id") or f"rt-{uuid.uuid4().hex[:16]}"
+        rid = request_id(request.headers.get("x-request-id"))
         try:
             tenant = settings.api_keys.tenant(request.headers.get("authorization"))
         except APIError:
@@ -193,6 +202,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
             if not isinstance(data, dict):
                 raise ValueError("the body must be a JSON object")
             salt = tenant_cache_salt(tenant, data.get("cache_salt"))
+            changed = salt is not None or not data.get("model")
             if salt is not None:
                 data["cache_salt"] = salt
             check_bounds(data)
@@ -227,7 +237,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
                 raise APIError(429, f"rate limit exceeded ({verdict.reason}); retry later",
                                headers={"Retry-After": retry_after_header(verdict)})
         data["model"] = model
-        payload = json.dumps(data).encode()
+        payload = json.dumps(data).encode() if changed else body  # as sent, when unchanged
         hashes, external = await shared_matches(parsed, model)
         first = True
 
@@ -301,7 +311,21 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await handle("chat", "/v1/chat/completions", request)
 
-    return app
+    return FastPaths(app, {"/v1/completions": completions, "/v1/chat/completions": chat},
+                     settings.max_body_bytes)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_ID_PREFIX = f"rt-{uuid.uuid4().hex[:8]}-"  # per process, so replicas' ids do not collide
+_ID_COUNTER = itertools.count(1)
+
+
+def request_id(supplied: str | None) -> str:
+    """The client's X-Request-Id when it is short and plain (it goes into logs and the
+    worker request's headers), else a fresh one."""
+    if supplied and _REQUEST_ID.fullmatch(supplied):
+        return supplied
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 def _first_error(exc: Exception) -> str:
