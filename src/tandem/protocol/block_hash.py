@@ -21,6 +21,7 @@ being constructible (predictable hashes let one request poison another's cache).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import sys
@@ -48,6 +49,7 @@ def _field(value: str) -> bytes:
     return _U32.pack(len(raw)) + raw
 
 
+@functools.lru_cache(maxsize=4096)  # few distinct (model, adapter, salt) keys; hot per request
 def root_hash(keys: HashKeys) -> BlockHash:
     """The parent hash of a request's first block."""
     h = hashlib.sha256(_ROOT_TAG)
