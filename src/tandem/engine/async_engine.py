@@ -35,6 +35,7 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    keep_blocks: bool
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     done: concurrent.futures.Future  # result: prompt token ids; or the validation error
@@ -94,7 +95,8 @@ class AsyncLLMEngine:
                 try:
                     ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                                   priority=cmd.priority,
-                                                  cache_salt=cmd.cache_salt)
+                                                  cache_salt=cmd.cache_salt,
+                                                  keep_blocks=cmd.keep_blocks)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     cmd.done.set_exception(exc)
                     continue
@@ -147,8 +149,8 @@ class AsyncLLMEngine:
 
     # -- coroutine side ------------------------------------------------------------------------
     async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                  priority: int = 0, cache_salt: str | None = None) -> tuple[list[int],
-                                                                            asyncio.Queue]:
+                  priority: int = 0, cache_salt: str | None = None,
+                  keep_blocks: bool = False) -> tuple[list[int], asyncio.Queue]:
         """Queue a request; returns (prompt token ids, its output queue).
 
         Raises what `LLMEngine.add_request` raises (`InvalidRequestError`, `QueueFullError`).
@@ -156,7 +158,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Add(request_id, prompt, params, priority, cache_salt, loop, outputs, done))
+        self._send(_Add(request_id, prompt, params, priority, cache_salt, keep_blocks, loop,
+                        outputs, done))
         try:
             ids = await asyncio.wrap_future(done)
         except asyncio.CancelledError:

@@ -130,8 +130,10 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None) -> list[int]:
-        """Validate and queue a request; returns its prompt token ids.
+                    cache_salt: str | None = None, keep_blocks: bool = False) -> list[int]:
+        """Validate and queue a request; returns its prompt token ids. `keep_blocks`: when it
+        finishes normally its KV blocks stay pinned until `kv.release_kept(request_id)` (the
+        source of a KV transfer).
 
         Raises `InvalidRequestError` (bad input) or `QueueFullError` (back-pressure).
         """
@@ -169,7 +171,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"duplicate request id {child_id!r}", "request_id")
             children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
                                     keys, priority=priority, parent_id=request_id,
-                                    sample_index=i))
+                                    sample_index=i, keep_kv=keep_blocks))
         self.outputs.add(request_id, prompt if isinstance(prompt, str) else None, children)
         for child in children:
             self.scheduler.add_request(child)

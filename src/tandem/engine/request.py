@@ -51,6 +51,7 @@ class Request:
     arrival_seq: int = 0  # set by the scheduler: FCFS tie-breaker
     first_scheduled_time: float | None = None  # monotonic; end of its first wait
     first_token_time: float | None = None
+    keep_kv: bool = False  # on a normal finish its blocks stay pinned (KV transfer source)
     block_hashes: list[BlockHash] = field(default_factory=list)
     _root: BlockHash | None = field(default=None, repr=False)
 

@@ -99,7 +99,9 @@ class Scheduler:
         else:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)
-        self.kv.free(req)
+        keep = req.keep_kv and status in (RequestStatus.FINISHED_STOPPED,
+                                          RequestStatus.FINISHED_LENGTH)
+        self.kv.free(req, keep=keep)
 
     # -- scheduling --------------------------------------------------------------------------
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

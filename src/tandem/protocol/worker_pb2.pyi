@@ -95,3 +95,103 @@ class Load(_message.Message):
     in_flight_tokens: int
     kv_cache_usage: float
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class TorchChannel(_message.Message):
+    __slots__ = ("store_host", "store_port", "group_id", "tag")
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    store_host: str
+    store_port: int
+    group_id: str
+    tag: int
+    def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    block_size: int
+    first_block: int
+    num_blocks: int
+    backend: str
+    torch: TorchChannel
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class PageHeader(_message.Message):
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str
+    first_block: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layer_bytes: int
+    lease_id: str
+    first_token: int
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ...) -> None: ...
+
+class PageData(_message.Message):
+    __slots__ = ("layer", "offset", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    offset: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PageTrailer(_message.Message):
+    __slots__ = ("crc32",)
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    crc32: int
+    def __init__(self, crc32: _Optional[int] = ...) -> None: ...
+
+class PageChunk(_message.Message):
+    __slots__ = ("header", "data", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: PageHeader
+    data: PageData
+    trailer: PageTrailer
+    def __init__(self, header: _Optional[_Union[PageHeader, _Mapping]] = ..., data: _Optional[_Union[PageData, _Mapping]] = ..., trailer: _Optional[_Union[PageTrailer, _Mapping]] = ...) -> None: ...
+
+class ReleasePagesRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleasePagesResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

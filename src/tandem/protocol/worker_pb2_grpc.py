@@ -142,3 +142,131 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVTransferStub:
+    """KV-page transfer between workers (prefill -> decode). The decode worker calls Prefill on
+    the prefill worker and reads the pages from the reply stream (backend "grpc") or over a
+    torch.distributed pair group (backend "torch": header and trailer still come here).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_stream(
+                '/tandem.v1.KVTransfer/Prefill',
+                request_serializer=tandem_dot_protocol_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_protocol_dot_worker__pb2.PageChunk.FromString,
+                _registered_method=True)
+        self.ReleasePages = channel.unary_unary(
+                '/tandem.v1.KVTransfer/ReleasePages',
+                request_serializer=tandem_dot_protocol_dot_worker__pb2.ReleasePagesRequest.SerializeToString,
+                response_deserializer=tandem_dot_protocol_dot_worker__pb2.ReleasePagesResponse.FromString,
+                _registered_method=True)
+
+
+class KVTransferServicer:
+    """KV-page transfer between workers (prefill -> decode). The decode worker calls Prefill on
+    the prefill worker and reads the pages from the reply stream (backend "grpc") or over a
+    torch.distributed pair group (backend "torch": header and trailer still come here).
+    """
+
+    def Prefill(self, request, context):
+        """Compute the prompt's KV (its prefix cache is used), pin the requested blocks under a
+        lease and stream them: one PageHeader, then the pages (PageData, backend "grpc"), then
+        a PageTrailer with the checksum. Bad requests end with INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePages(self, request, context):
+        """The receiver has written the pages: unpin them now rather than at lease expiry.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=tandem_dot_protocol_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=tandem_dot_protocol_dot_worker__pb2.PageChunk.SerializeToString,
+            ),
+            'ReleasePages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePages,
+                    request_deserializer=tandem_dot_protocol_dot_worker__pb2.ReleasePagesRequest.FromString,
+                    response_serializer=tandem_dot_protocol_dot_worker__pb2.ReleasePagesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.KVTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.KVTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVTransfer:
+    """KV-page transfer between workers (prefill -> decode). The decode worker calls Prefill on
+    the prefill worker and reads the pages from the reply stream (backend "grpc") or over a
+    torch.distributed pair group (backend "torch": header and trailer still come here).
+    """
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/Prefill',
+            tandem_dot_protocol_dot_worker__pb2.PrefillRequest.SerializeToString,
+            tandem_dot_protocol_dot_worker__pb2.PageChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.KVTransfer/ReleasePages',
+            tandem_dot_protocol_dot_worker__pb2.ReleasePagesRequest.SerializeToString,
+            tandem_dot_protocol_dot_worker__pb2.ReleasePagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.llm_engine import EngineStats
 from tandem.engine.outputs import RequestOutput
+from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
+from tandem.kvtransfer.pages import KVTransferError
+from tandem.kvtransfer.service import KVTransferService
+from tandem.kvtransfer.tls import TLSFiles
 from tandem.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,12 +59,16 @@ class ServerSettings:
     grpc_host: str = "127.0.0.1"
     grpc_port: int | None = None  # the gRPC Worker service; None = off
     worker_id: str = ""  # reported in gRPC replies; defaults to host:port
+    # decode side of P/D: how requests naming a prefill worker (x-tandem-prefill) fetch pages
+    kv_transfer: RemotePrefillSettings = field(default_factory=RemotePrefillSettings)
+    tls: TLSFiles | None = None  # mutual TLS on the gRPC links (server and client side)
 
 
 class _EngineHolder:
     def __init__(self) -> None:
         self.engine: AsyncLLMEngine | None = None
         self.error: BaseException | None = None
+        self.remote: RemotePrefill | None = None  # decode side of P/D, once loaded
 
     def get(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -91,20 +99,29 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             holder.engine = t.result()
             state = holder.engine.engine.state
             metrics.attach(state.block_size, state.num_kv_blocks)
+            holder.remote = RemotePrefill(
+                holder.engine, settings.served_model_name, settings.kv_transfer,
+                settings.tls.channel_credentials() if settings.tls else None)
             logger.info("engine ready: serving %s", settings.served_model_name)
 
         task.add_done_callback(loaded)
-        grpc_server = None
+        grpc_server = kv_service = None
         if settings.grpc_port is not None:
             service = WorkerService(lambda: holder.engine, settings.worker_id,
                                     settings.served_model_name, settings.role)
-            grpc_server = await start_grpc_server(service, settings.grpc_host,
-                                                  settings.grpc_port)
+            kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
+                                           settings.role)
+            grpc_server = await start_grpc_server(
+                service, settings.grpc_host, settings.grpc_port, kv_service,
+                settings.tls.server_credentials() if settings.tls else None)
         try:
             yield
         finally:
             if grpc_server is not None:
                 await grpc_server.stop(grace=1.0)
+                await kv_service.close()  # type: ignore[union-attr]
+            if holder.remote is not None:
+                await holder.remote.close()
             task.cancel()
             if holder.engine is not None:
                 holder.engine.shutdown()
@@ -188,6 +205,61 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise APIError(503, "the engine is not running")
         rid = responder.request_id
         arrival = time.monotonic()
+        imported = await remote_prefill(request, engine, rid, prompts,
+                                        responder.cache_salt or "")
+        try:
+            return await admit_and_run(request, engine, responder, prompts, rid, arrival,
+                                       imported)
+        except BaseException:
+            unpin(imported)
+            raise
+
+    def unpin(imported: list[Imported]) -> None:
+        """Drop the import pins once the request's own references hold the blocks (or it
+        is over): scheduled on the engine thread, not awaited."""
+        if imported and holder.remote is not None:
+            for imp in imported:
+                asyncio.ensure_future(holder.remote.unpin(imp))
+            imported.clear()
+
+    async def remote_prefill(request: Request, engine: AsyncLLMEngine, rid: str,
+                             prompts: list[str | list[int]], salt: str) -> list[Imported]:
+        """P/D decode side: with an `x-tandem-prefill: host:port` header, import each prompt's
+        missing KV pages from that prefill worker first (see kvtransfer.client)."""
+        target = request.headers.get("x-tandem-prefill")
+        remote = holder.remote
+        if not target or remote is None:
+            return []
+        if not _valid_target(target):
+            raise APIError(400, "x-tandem-prefill must be host:port", "x-tandem-prefill")
+        backend = settings.kv_transfer.backend
+        imported: list[Imported] = []
+        for i, prompt in enumerate(prompts):
+            ids = prompt if isinstance(prompt, list) else engine.engine.tokenizer.encode(prompt)
+            t0 = time.monotonic()
+            try:
+                imp = await remote.fetch(target, f"{rid}-{i}", ids, salt)
+            except KVTransferError as exc:
+                metrics.kv_fetches.labels(settings.served_model_name, exc.reason, backend).inc()
+                if settings.kv_transfer.policy == "fail":
+                    unpin(imported)
+                    raise APIError(502, f"remote prefill failed: {exc}",
+                                   type_="server_error") from exc
+                logger.warning("[%s] remote prefill from %s failed (%s); computing locally",
+                               rid, target, exc)
+                continue
+            metrics.kv_fetches.labels(settings.served_model_name, "ok", backend).inc()
+            metrics.kv_fetch_seconds.observe(time.monotonic() - t0)
+            if imp is not None:
+                metrics.kv_fetched_bytes.inc(imp.bytes)
+                imported.append(imp)
+                logger.info("[%s] imported %d blocks from %s in %.1f ms", rid,
+                            imp.num_transferred, target, (time.monotonic() - t0) * 1e3)
+        return imported
+
+    async def admit_and_run(request: Request, engine: AsyncLLMEngine, responder: Responder,
+                            prompts: list[str | list[int]], rid: str, arrival: float,
+                            imported: list[Imported]) -> Any:
         queues: list[asyncio.Queue] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -201,7 +273,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise from_engine_error(exc, settings.retry_after_s) from exc
         logger.info("[%s] admitted %d prompt(s), stream=%s", rid, len(prompts), responder.stream)
         timing = _Timing()
-        stream = _merge(engine, rid, queues, metrics, arrival, timing)
+        stream = _merge(engine, rid, queues, metrics, arrival, timing,
+                        on_end=lambda: unpin(imported))
         if responder.stream:
             return StreamingResponse(_with_timeout(responder.sse(stream), settings, rid),
                                      media_type="text/event-stream")
@@ -215,6 +288,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         except TimeoutError as exc:
             raise APIError(504, f"request timed out after {settings.request_timeout_s}s") \
                 from exc
+        finally:
+            unpin(imported)
         if not completed:
             logger.info("[%s] client disconnected; aborted", rid)
             return JSONResponse({}, status_code=499)
@@ -252,6 +327,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     return app
 
 
+def _valid_target(target: str) -> bool:
+    host, _, port = target.rpartition(":")
+    return 0 < len(host) <= 253 and port.isdigit() and 0 < int(port) < 65536
+
+
 @dataclass
 class _Timing:
     """For the `Server-Timing` header: the longest engine time (from the engine taking a
@@ -261,16 +341,22 @@ class _Timing:
 
 
 async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
-                 metrics: ServerMetrics, arrival: float,
-                 timing: _Timing) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 metrics: ServerMetrics, arrival: float, timing: _Timing,
+                 on_end: Callable[[], None] = lambda: None
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (prompt index, output) from every sub-request until all finish; abort what is
-    left if the consumer stops early (disconnect, timeout)."""
+    left if the consumer stops early (disconnect, timeout). `on_end` runs at the first
+    output (the requests hold their own block references by then) or at the end."""
     tokens = _TokenClock(metrics, arrival)
     unfinished = set(range(len(queues)))
+    ended = False
     try:
         if len(queues) == 1:  # the common case: no futures, one await per engine step
             while unfinished:
                 out: RequestOutput = await queues[0].get()
+                if not ended:
+                    ended = True
+                    on_end()
                 if tokens.record(out, timing):
                     unfinished.clear()
                 yield 0, out
@@ -292,6 +378,7 @@ async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
                     f.cancel()
         metrics.e2e.observe(time.monotonic() - arrival)
     finally:
+        on_end()
         for i in unfinished:
             engine.abort(f"{rid}-{i}")
 

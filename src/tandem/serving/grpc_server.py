@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.kvtransfer.service import KVTransferService
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -91,10 +92,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             logger.info("KV subscriber %d left", sid)
 
 
-async def start_grpc_server(service: WorkerService, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 1 << 20)])
+async def start_grpc_server(service: WorkerService, host: str, port: int,
+                            kv_transfer: KVTransferService | None = None,
+                            credentials: grpc.ServerCredentials | None = None
+                            ) -> grpc.aio.Server:
+    """The Worker service (and KVTransfer when given) on host:port; TLS with `credentials`."""
+    # a Prefill request carries a whole prompt's token ids (4 bytes each at most)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if kv_transfer is not None:
+        worker_pb2_grpc.add_KVTransferServicer_to_server(kv_transfer, server)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, credentials) if credentials is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

@@ -82,6 +82,17 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=reg)
+        self.kv_fetches = Counter("tandem_kvtransfer_fetches",
+                                  "Remote prefills asked for by this (decode) worker, by result "
+                                  "(ok, or the failure's reason) and backend",
+                                  ["model_name", "result", "backend"], registry=reg)
+        self.kv_fetched_bytes = Counter("tandem_kvtransfer_received_bytes",
+                                        "KV page bytes received from prefill workers", lbl,
+                                        registry=reg).labels(model_name)
+        self.kv_fetch_seconds = Histogram("tandem_kvtransfer_fetch_seconds",
+                                          "Remote prefill + transfer + import, per prompt", lbl,
+                                          buckets=LATENCY_BUCKETS, registry=reg
+                                          ).labels(model_name)
 
     def attach(self, block_size: int, num_blocks: int) -> None:
         """Record the loaded engine's KV geometry."""

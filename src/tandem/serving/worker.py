@@ -69,21 +69,43 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
+    p.add_argument("--kv-transfer-backend", default="grpc", choices=["grpc", "torch"],
+                   help="decode side of P/D: how pages come from prefill workers")
+    p.add_argument("--kv-transfer-policy", default="recompute", choices=["recompute", "fail"],
+                   help="when a remote prefill fails: compute locally, or fail the request")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="seconds for a whole remote prefill (compute, transfer, import)")
+    p.add_argument("--kv-lease", type=float, default=30.0,
+                   help="seconds a prefill worker keeps sent pages pinned unless released")
+    p.add_argument("--grpc-tls-dir", default=None,
+                   help="mutual TLS on gRPC: a directory with tls.crt, tls.key, ca.crt "
+                        "(a mounted Kubernetes TLS Secret)")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tandem.engine.async_engine import AsyncLLMEngine
+    from tandem.kvtransfer.client import RemotePrefillSettings
+    from tandem.kvtransfer.tls import TLSFiles
     from tandem.serving.api_server import ServerSettings, build_app
 
     config = engine_config(args, serving=True)
     name = config.model_name
+    tls = TLSFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
+    if tls is not None:
+        try:
+            tls.server_credentials()
+        except ValueError as exc:
+            raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
+    kv = RemotePrefillSettings(backend=args.kv_transfer_backend,
+                               policy=args.kv_transfer_policy,
+                               timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease)
     settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
                               grpc_host=args.host, grpc_port=args.grpc_port,
-                              worker_id=f"{args.host}:{args.port}")
+                              worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls)
     config = dataclasses.replace(config, served_model_name=name,
                                  enable_kv_events=args.grpc_port is not None)
     app = build_app(settings, lambda: AsyncLLMEngine.from_config(config))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tandem.engine.request import Request
+from tandem.protocol.block_hash import BlockHash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,6 +25,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
+        self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which served from it
 
@@ -92,12 +94,55 @@ class KVCacheManager:
         )
         self._num_cached[req.request_id] = end
 
-    def free(self, req: Request) -> None:
-        """Release every block of `req` (tail first, so the tail is evicted first)."""
+    def free(self, req: Request, keep: bool = False) -> None:
+        """Release every block of `req` (tail first, so the tail is evicted first); with
+        `keep` they stay referenced under the request id until `release_kept`."""
         blocks = self._blocks.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
+        if blocks and keep:
+            self._kept[req.request_id] = blocks
+        elif blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def kept_blocks(self, request_id: str) -> list[KVBlock] | None:
+        """The pinned blocks of a finished `keep_kv` request, in position order."""
+        return self._kept.get(request_id)
+
+    def release_kept(self, request_id: str) -> bool:
+        blocks = self._kept.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+        return blocks is not None
+
+    def import_blocks(self, hashes: list[BlockHash]) -> tuple[list[KVBlock], list[int]]:
+        """Pin blocks for a chain of full blocks arriving from another worker: hashes this
+        cache already holds are reused, the rest get fresh blocks. Returns (pinned blocks in
+        chain order, indexes into `hashes` whose pages must be written). Stops at the first
+        block the pool cannot supply. The caller writes the pages, then `commit_import`."""
+        pinned: list[KVBlock] = []
+        fresh: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self.pool.get_cached_block(h)
+            if block is not None:
+                self.pool.touch([block])
+            elif self.pool.num_free_blocks() > 0:
+                block = self.pool.get_new_blocks(1)[0]
+                fresh.append(i)
+            else:
+                break
+            pinned.append(block)
+        return pinned, fresh
+
+    def commit_import(self, pinned: list[KVBlock], hashes: list[BlockHash],
+                      parent_hash: BlockHash, token_ids: list[int]) -> None:
+        """Register imported blocks (pages written) in the prefix cache; events go out."""
+        n = len(pinned)
+        self.pool.cache_full_blocks(pinned, hashes[:n], parent_hash,
+                                    token_ids[: n * self.block_size], self.block_size)
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        """Drop `import_blocks` pins (tail first)."""
+        self.pool.free_blocks(reversed(blocks))
 
     def usage(self) -> float:
         return self.pool.usage()

@@ -1,0 +1,75 @@
+"""The transfer backend interface and its registry.
+
+A transfer always starts with the decode worker's `KVTransfer.Prefill` call to the prefill
+worker and that call's reply stream carries the `PageHeader` first and a `PageTrailer` (the
+crc32) last; the backend decides how the page bytes travel in between:
+
+* `grpc` (`grpc_backend.py`): `PageData` chunks on the same stream; works between any hosts.
+* `torch` (`torch_backend.py`): torch.distributed point-to-point send/recv of one tensor per
+  layer in a pair process group (NCCL between GPUs, gloo on CPU).
+
+Sender side (prefill worker): `send(job)` yields the stream messages after the header.
+Receiver side (decode worker): `prepare(request)` fills the request's backend fields before
+the call, `receive(...)` returns the validated per-layer tensors (or raises
+`KVTransferError`); nothing it returns has touched the receiver's cache yet.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kvtransfer.pages import PageLayout
+from tandem.protocol import worker_pb2
+
+
+@dataclass
+class SendJob:
+    """What a sender streams: `num_blocks` pinned blocks of every layer."""
+
+    request: worker_pb2.PrefillRequest
+    layout: PageLayout
+    block_ids: list[int]  # the sender's own ids of the blocks to send, chain order
+    gather: Callable[[int], torch.Tensor]  # layer -> [2, n, kvh, bs, dim] (may block: a copy)
+    deadline: float  # loop time at which the lease ends: stop sending
+
+
+class TransferBackend(ABC):
+    name: str
+
+    async def prepare(self, request: worker_pb2.PrefillRequest) -> None:
+        """Receiver: fill the backend's fields of `request` before calling Prefill."""
+        return None
+
+    @abstractmethod
+    def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
+        """Sender: the reply stream's messages after the header, ending with the trailer."""
+
+    @abstractmethod
+    async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk]
+                      ) -> list[torch.Tensor]:
+        """Receiver: every layer's `[2, num_blocks, kvh, bs, dim]` pages, checksum verified;
+        `stream` is the reply stream after the header."""
+
+    async def close(self) -> None:
+        """Release connections and process groups."""
+        return None
+
+
+BACKENDS: dict[str, Callable[[], TransferBackend]] = {}
+
+
+def register_backend(cls: type[TransferBackend]) -> type[TransferBackend]:
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def make_backend(name: str) -> TransferBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; choose from "
+                         f"{sorted(BACKENDS)}")
+    return BACKENDS[name]()

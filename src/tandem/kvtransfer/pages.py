@@ -1,0 +1,132 @@
+"""The KV page format shared by every transfer backend, and its validation.
+
+A transfer moves `n` full blocks of every layer. Per layer the payload is one tensor
+`[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V), contiguous, in
+the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * head_dim *
+itemsize`. Layers go in order 0..num_layers-1; the checksum is zlib.crc32 over all layers'
+bytes in that order. The block ids are each side's own; only hashes cross the wire.
+
+`PageLayout` is what both ends must agree on (model, shapes, dtype); `check_header` checks
+a received header against the receiver's layout and the hashes it asked for, before any
+byte touches its cache.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from tandem.protocol import worker_pb2
+from tandem.protocol.block_hash import BlockHash
+
+MAX_DATA_CHUNK = 4 << 20  # bytes per PageData message (gRPC's default limit is 4 MiB)
+SEND_CHUNK = 1 << 20  # what senders use
+
+
+class KVTransferError(Exception):
+    """A transfer failed or was refused; `reason` is a short machine-readable cause."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The KV cache geometry both ends of a transfer must share."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def block_layer_bytes(self) -> int:
+        """K + V bytes of one block in one layer."""
+        return (2 * self.num_kv_heads * self.block_size * self.head_dim
+                * torch.empty((), dtype=self.dtype).element_size())
+
+    def layer_shape(self, n: int) -> tuple[int, ...]:
+        return (2, n, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @classmethod
+    def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> PageLayout:
+        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, dim]`."""
+        k = kv_caches[0][0]
+        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], k.shape[3], k.dtype)
+
+
+def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
+                 block_ids: list[int]) -> torch.Tensor:
+    """`[2, n, kvh, bs, dim]` copy of `block_ids` in `layer` (the blocks must be pinned)."""
+    k, v = kv_caches[layer]
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
+    return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+
+
+def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
+                  block_ids: list[int], pages: torch.Tensor) -> None:
+    """Write `[2, n, kvh, bs, dim]` `pages` into `block_ids` of `layer`."""
+    k, v = kv_caches[layer]
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
+    k.index_copy_(0, idx, pages[0].to(k.device))
+    v.index_copy_(0, idx, pages[1].to(v.device))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def tensor_from_bytes(data: bytes | bytearray, layout: PageLayout, n: int) -> torch.Tensor:
+    """Inverse of `tensor_bytes` for one layer of `n` blocks (a copy the caller owns)."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return t.view(layout.dtype).view(layout.layer_shape(n))
+
+
+def crc32_update(crc: int, data: bytes | memoryview) -> int:
+    return zlib.crc32(data, crc)
+
+
+def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], lease_id: str,
+               first_token: int) -> worker_pb2.PageHeader:
+    return worker_pb2.PageHeader(
+        model_id=layout.model_id, num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, block_size=layout.block_size,
+        head_dim=layout.head_dim, dtype=layout.dtype_name, first_block=first_block,
+        block_hashes=hashes, layer_bytes=len(hashes) * layout.block_layer_bytes,
+        lease_id=lease_id, first_token=first_token)
+
+
+def check_header(header: worker_pb2.PageHeader, layout: PageLayout, first_block: int,
+                 expected: list[BlockHash]) -> int:
+    """Validate a received header against the receiver's `layout` and the chain it asked for
+    (`expected`: hashes of blocks first_block..). Returns the number of blocks offered (a
+    prefix of `expected`; the sender may hold fewer). Raises KVTransferError("invalid")."""
+    def bad(msg: str) -> KVTransferError:
+        return KVTransferError("invalid", f"page header rejected: {msg}")
+
+    mine = (layout.model_id, layout.num_layers, layout.num_kv_heads, layout.block_size,
+            layout.head_dim, layout.dtype_name)
+    theirs = (header.model_id, header.num_layers, header.num_kv_heads, header.block_size,
+              header.head_dim, header.dtype)
+    if theirs != mine:
+        raise bad(f"geometry {theirs} does not match this worker's {mine}")
+    if header.first_block != first_block:
+        raise bad(f"first block {header.first_block}, asked for {first_block}")
+    n = len(header.block_hashes)
+    if n > len(expected) or list(header.block_hashes) != expected[:n]:
+        raise bad("block hashes differ from this worker's hash chain of the prompt")
+    if header.layer_bytes != n * layout.block_layer_bytes:
+        raise bad(f"layer size {header.layer_bytes} bytes, expected "
+                  f"{n * layout.block_layer_bytes}")
+    return n

@@ -1,0 +1,214 @@
+"""Prefill side: the `tandem.v1.KVTransfer` gRPC service and its page leases.
+
+`Prefill`: validate the request (INVALID_ARGUMENT otherwise), run the prompt for one greedy
+token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
+blocks are not recomputed), pin the finished request's blocks under a lease, send the header
+and the requested blocks' pages through the chosen backend. The pages stay pinned until
+`ReleasePages`, the lease's expiry, or a failed or cancelled stream, so a decode worker that
+dies cannot hold prefill memory for longer than the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.sampling_params import SamplingParams
+from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
+from tandem.kvtransfer.pages import KVTransferError, PageLayout, gather_layer, header_for
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.block_hash import HashKeys, hash_block_chain
+
+logger = logging.getLogger(__name__)
+MAX_LEASE_S = 600.0
+DEFAULT_LEASE_S = 30.0
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    request_id: str  # the engine request whose kept blocks are pinned
+    expires: float  # time.monotonic()
+
+
+class LeaseTable:
+    """Pinned page sets by lease id; `release` unpins on the engine thread at most once."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.leases: dict[str, Lease] = {}
+
+    def add(self, request_id: str, lease_s: float) -> Lease:
+        lease = Lease(uuid.uuid4().hex, request_id, time.monotonic() + lease_s)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    async def release(self, lease_id: str, why: str) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        rid = lease.request_id
+        await self.engine.call(lambda e: e.kv.release_kept(rid))
+        logger.info("[%s] pages unpinned (%s)", rid, why)
+        return True
+
+    async def expire(self, now: float) -> int:
+        gone = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        for lid in gone:
+            await self.release(lid, "lease expired")
+        return len(gone)
+
+
+class KVTransferService(worker_pb2_grpc.KVTransferServicer):
+    """Serves Prefill on workers whose role is `prefill` or `both`."""
+
+    def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], model_id: str,
+                 role: str) -> None:
+        self.get_engine = get_engine
+        self.model_id = model_id
+        self.role = role
+        self.backends: dict[str, TransferBackend] = {}
+        self._leases: LeaseTable | None = None
+        self._ids = itertools.count()
+        self._sweeper: asyncio.Task | None = None
+
+    def leases(self, engine: AsyncLLMEngine) -> LeaseTable:
+        if self._leases is None:
+            self._leases = LeaseTable(engine)
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        return self._leases
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            try:
+                await self._leases.expire(time.monotonic())  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - the sweeper must outlive one bad release
+                logger.exception("lease sweep failed")
+
+    def backend(self, name: str) -> TransferBackend:
+        if name not in self.backends:
+            self.backends[name] = make_backend(name)
+        return self.backends[name]
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for b in self.backends.values():
+            await b.close()
+
+    def _check(self, req: worker_pb2.PrefillRequest, engine: AsyncLLMEngine) -> str | None:
+        """Why `req` cannot be served, or None."""
+        state = engine.engine.state
+        n = len(req.token_ids)
+        if req.model_id != self.model_id:
+            return f"model {req.model_id!r} is not served here ({self.model_id!r})"
+        if req.block_size != state.block_size:
+            return f"block size {req.block_size} differs from this worker's {state.block_size}"
+        if req.backend not in BACKENDS:
+            return f"unknown backend {req.backend!r}; known: {sorted(BACKENDS)}"
+        if not 0 < n < state.max_model_len:
+            return f"the prompt must have 1..{state.max_model_len - 1} tokens, got {n}"
+        if any(t >= state.vocab_size for t in req.token_ids):
+            return f"token ids must be below {state.vocab_size}"
+        if req.num_blocks < 1 or req.first_block + req.num_blocks > n // state.block_size:
+            return (f"blocks [{req.first_block}, {req.first_block + req.num_blocks}) are not "
+                    f"full blocks of a {n}-token prompt")
+        if not 0 <= req.lease_s <= MAX_LEASE_S:
+            return f"lease_s must be in [0, {MAX_LEASE_S:g}]"
+        if len(req.request_id) > 256 or len(req.cache_salt) > 4096:
+            return "request_id or cache_salt too long"
+        return None
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802 - gRPC name
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PageChunk]:
+        engine = self.get_engine()
+        if engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
+        if self.role == "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker's role is decode; it does not prefill")
+        problem = self._check(request, engine)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
+        tokens = list(request.token_ids)
+        first_token = await self._run_prompt(engine, rid, tokens, request.cache_salt, context)
+        leases = self.leases(engine)
+        lease_s = request.lease_s or DEFAULT_LEASE_S
+        lease = leases.add(rid, lease_s)
+        sent = False
+        try:
+            kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
+            first, num = request.first_block, request.num_blocks
+            if kept is None or len(kept) < first + num:
+                await context.abort(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
+            state = engine.engine.state
+            keys = HashKeys(self.model_id, "", request.cache_salt)
+            hashes = hash_block_chain(tokens[: (first + num) * state.block_size],
+                                      state.block_size, keys)[first:]
+            caches = engine.engine.runner.kv_caches
+            layout = PageLayout.of(self.model_id, caches)
+            block_ids = [b.block_id for b in kept[first:first + num]]
+            yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
+                                                         first_token))
+            loop = asyncio.get_running_loop()
+            job = SendJob(request, layout, block_ids,
+                          lambda layer: gather_layer(caches, layer, block_ids),
+                          loop.time() + lease_s)
+            async for chunk in self.backend(request.backend).send(job):
+                yield chunk
+            sent = True
+            logger.info("[%s] sent %d blocks x %d layers (%s), lease %.0f s", rid, num,
+                        layout.num_layers, request.backend, lease_s)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED
+                                if exc.reason == "expired" else grpc.StatusCode.INTERNAL,
+                                str(exc))
+        finally:
+            if not sent:  # failed or cancelled: nobody will acknowledge these pages
+                await leases.release(lease.lease_id, "stream not completed")
+
+    async def _run_prompt(self, engine: AsyncLLMEngine, rid: str, tokens: list[int],
+                          cache_salt: str, context: grpc.aio.ServicerContext) -> int:
+        """Prefill `tokens` (one greedy token) keeping the blocks; the token."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            _, outputs = await engine.add(tokens, params, rid, cache_salt=cache_salt or None,
+                                          keep_blocks=True)
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            while True:
+                out = await outputs.get()
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            engine.abort(rid)
+            raise
+        comp = out.outputs[0]
+        if comp.finish_reason not in ("length", "stop") or not comp.token_ids:
+            await engine.call(lambda e: e.kv.release_kept(rid))
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"prefill failed: {out.error or comp.finish_reason}")
+        return comp.token_ids[0]
+
+    async def ReleasePages(self, request: worker_pb2.ReleasePagesRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext
+                           ) -> worker_pb2.ReleasePagesResponse:
+        if self._leases is None:
+            return worker_pb2.ReleasePagesResponse(released=False)
+        released = await self._leases.release(request.lease_id, "acknowledged")
+        return worker_pb2.ReleasePagesResponse(released=released)

@@ -1,0 +1,116 @@
+"""Prefill/decode disaggregation between real worker processes over real gRPC: greedy tokens
+through prefill -> transfer -> decode equal a single aggregated worker's, only missing
+blocks travel, and the failure policies hold."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tandem.protocol.bundled import BUNDLED_NAME
+from tests.serving.conftest import free_port, metric, start_worker, wait_for
+
+pytestmark = pytest.mark.slow
+BS = 16
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+BLOCK_BYTES = LAYERS * 2 * KV_HEADS * BS * HEAD_DIM * 4  # every layer's K + V, float32
+
+
+def fetched_bytes(url: str) -> float:
+    return metric(url, "tandem_kvtransfer_received_bytes_total")
+
+
+def fetches(url: str, result: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tandem_kvtransfer_fetches_total{") and f'result="{result}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    grpc_port = free_port()
+    common = ("--num-threads", "1", "--num-kv-blocks", "256")
+    prefill = start_worker(tmp, "--role", "prefill", "--grpc-port", str(grpc_port), *common,
+                           wait_ready=False)
+    decode = start_worker(tmp, "--role", "decode", "--grpc-port", str(free_port()), *common,
+                          wait_ready=False)
+    single = start_worker(tmp, "--role", "both", *common, wait_ready=False)
+    try:
+        for w in (prefill, decode, single):
+            wait_for(w, "/ready", 200, timeout=240)
+        yield prefill, decode, single, f"127.0.0.1:{grpc_port}"
+    finally:
+        for w in (prefill, decode, single):
+            w.stop()
+
+
+def complete(url: str, prompt, prefill: str | None = None, **extra) -> dict:
+    headers = {"x-tandem-prefill": prefill} if prefill else {}
+    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, json={
+        "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def test_disaggregated_tokens_equal_a_single_worker(pd):
+    prefill, decode, single, target = pd
+    doc = ids(1, 300)
+    cases = [
+        ("one block and a token", ids(2, BS + 1), {}),
+        ("short, nothing to send", ids(3, 9), {}),
+        ("exact block multiple", ids(4, 8 * BS), {}),
+        ("long", ids(5, 700), {}),
+        ("document, cold", doc + ids(6, 40), {}),
+        ("same document, decode holds its blocks", doc + ids(7, 57), {}),
+        ("salted: no sharing with the unsalted blocks", doc + ids(6, 40), {"cache_salt": "t1"}),
+        ("text prompt", "The quick brown fox jumps over the lazy dog. " * 12, {}),
+    ]
+    for name, prompt, extra in cases:
+        want = complete(single.url, prompt, **extra)["choices"][0]["text"]
+        got = complete(decode.url, prompt, prefill=target, **extra)["choices"][0]["text"]
+        assert got == want, name
+    assert fetches(decode.url, "ok") >= len(cases) - 1
+    assert fetched_bytes(decode.url) > 0
+
+
+def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
+    prefill, decode, _, target = pd
+    head = ids(10, 20 * BS)
+    before = fetched_bytes(decode.url)
+    complete(decode.url, head + ids(11, 5), prefill=target)
+    first = fetched_bytes(decode.url) - before
+    assert first == 20 * BLOCK_BYTES  # (20*16 + 5 - 1) // 16 full blocks, none held before
+    # the decode worker now holds the 20 head blocks: only the 10 new ones come over
+    before = fetched_bytes(decode.url)
+    prefill_hits = metric(prefill.url, "vllm:prefix_cache_hits_total")
+    complete(decode.url, head + ids(12, 10 * BS + 3), prefill=target)
+    assert fetched_bytes(decode.url) - before == 10 * BLOCK_BYTES
+    # and the prefill worker served the head from its own prefix cache
+    assert metric(prefill.url, "vllm:prefix_cache_hits_total") - prefill_hits >= 20 * BS
+
+
+def test_an_unreachable_prefill_worker_is_recomputed_locally(pd):
+    _, decode, single, _ = pd
+    prompt = ids(20, 5 * BS + 2)
+    failed = fetches(decode.url, "unavailable") + fetches(decode.url, "rpc")
+    got = complete(decode.url, prompt, prefill=f"127.0.0.1:{free_port()}")
+    assert got["choices"][0]["text"] == complete(single.url, prompt)["choices"][0]["text"]
+    assert fetches(decode.url, "unavailable") + fetches(decode.url, "rpc") == failed + 1
+
+
+def test_a_malformed_prefill_target_is_a_400(pd):
+    _, decode, _, _ = pd
+    r = httpx.post(decode.url + "/v1/completions", headers={"x-tandem-prefill": "no-port"},
+                   json={"model": BUNDLED_NAME, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-tandem-prefill"
