@@ -1,8 +1,9 @@
 """`tandem` command line: thin wiring only.
 
 * `tandem serve`    - the embedded default: a local deployment on the bundled model as
-  separate processes (the router in front of `--workers N` workers). Prints the URL and a
-  curl example; Ctrl-C stops every process it started.
+  separate processes (the router in front of `--workers N` workers, or of `--prefill N`
+  prefill and `--decode M` decode workers for P/D). Prints the URL and a curl example;
+  Ctrl-C stops every process it started.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem router`   - the KV-cache-aware router in front of workers.
 * `tandem generate` - one-shot offline generation.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import runpy
@@ -21,6 +23,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.router.main import add_router_args
@@ -45,16 +50,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, workers: int = 0) -> bool:
+    """`url`/ready answers 200 (and, for the router, reports `workers` routable ones)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and (
+                        not workers or json.load(resp).get("ready_workers", 0) >= workers):
                     return True
-        except OSError:
+        except (OSError, ValueError):
             pass
         time.sleep(0.3)
     return False
@@ -96,12 +103,65 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
-    """Start the local deployment - `--workers N` aggregated workers on free ports behind
-    the router on `--port` - as child processes, and supervise them until Ctrl-C."""
-    url = f"http://{args.host}:{args.port}"
+@dataclass
+class _Deployment:
+    """What `tandem serve` starts: (role, base URL, command) per worker, then the router."""
+
+    workers: list[tuple[str, str, list[str]]]
+    router: list[str]
+
+    def describe(self) -> str:
+        counts = Counter(role for role, _, _ in self.workers)
+        if set(counts) == {"both"}:
+            return f"{counts['both']} worker(s)"
+        names = {"both": "aggregated", "prefill": "prefill", "decode": "decode"}
+        return " + ".join(f"{counts[r]} {names[r]}" for r in names if counts[r]) + " workers"
+
+
+def _roles(args: argparse.Namespace) -> list[str]:
+    """One role per worker: `--workers` aggregated ones (default 1 without P/D), then
+    `--prefill` prefill and `--decode` decode workers (both or neither)."""
+    if min(args.workers or 0, args.prefill, args.decode) < 0:
+        raise SystemExit("tandem serve: worker counts must be >= 0")
+    if (args.prefill > 0) != (args.decode > 0):
+        raise SystemExit("tandem serve: --prefill and --decode go together (P/D needs both)")
+    both = args.workers if args.workers is not None else (0 if args.prefill else 1)
+    roles = ["both"] * both + ["prefill"] * args.prefill + ["decode"] * args.decode
+    if not roles:
+        raise SystemExit("tandem serve: no workers to start")
+    return roles
+
+
+def _plan(args: argparse.Namespace, passthrough: list[str],
+          free_port: Callable[[str], int] = _free_port) -> _Deployment:
+    """The worker and router command lines, each worker on free HTTP and gRPC ports."""
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
-    worker_urls, procs = [], []
+    roles = _roles(args)
+    if len(roles) > 1 and "--num-threads" not in passthrough:
+        # workers on one host share its cores: split them instead of oversubscribing
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        passthrough = [*passthrough, "--num-threads", str(max(1, cores // len(roles)))]
+    workers = []
+    for role in roles:
+        port = free_port(args.host)
+        workers.append((role, f"http://{args.host}:{port}", [
+            *base, "worker", "--host", args.host, "--port", str(port),
+            "--grpc-port", str(free_port(args.host)), "--role", role, *passthrough]))
+    router = [*base, "router", "--host", args.host, "--port", str(args.port),
+              "--workers", ",".join(url for _, url, _ in workers)]
+    if args.pd_threshold is not None:
+        router += ["--pd-threshold", str(args.pd_threshold)]
+    return _Deployment(workers, router)
+
+
+def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+    """Start the local deployment (`_plan`: workers on free ports behind the router on
+    `--port`) as child processes, and supervise them until Ctrl-C."""
+    url = f"http://{args.host}:{args.port}"
+    deployment = _plan(args, passthrough)
+    worker_urls = [wurl for _, wurl, _ in deployment.workers]
+    procs: list[subprocess.Popen] = []
     stopping = False
 
     def stop(*_: object) -> None:
@@ -110,31 +170,23 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    if args.workers > 1 and "--num-threads" not in passthrough:
-        # workers on one host share its cores: split them instead of oversubscribing
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        passthrough = [*passthrough, "--num-threads", str(max(1, cores // args.workers))]
     try:
-        for _ in range(args.workers):
-            port = _free_port(args.host)
-            worker_urls.append(f"http://{args.host}:{port}")
-            procs.append(_spawn([*base, "worker", "--host", args.host, "--port", str(port),
-                                 "--grpc-port", str(_free_port(args.host)), *passthrough]))
-        procs.append(_spawn([*base, "router", "--host", args.host, "--port", str(args.port),
-                             "--workers", ",".join(worker_urls)]))
-        print(f"starting {args.workers} worker(s) behind a router on {url} "
+        for _, _, cmd in deployment.workers:
+            procs.append(_spawn(cmd))
+        procs.append(_spawn(deployment.router))
+        print(f"starting {deployment.describe()} behind a router on {url} "
               "(the first start prepares the model) ...", flush=True)
         for wurl, proc in zip(worker_urls, procs, strict=False):
             if not _wait_ready(wurl, proc, timeout=600):
                 if not stopping:
                     print(f"the worker at {wurl} did not become ready", file=sys.stderr)
                 return 1
-        if not _wait_ready(url, procs[-1], timeout=60):
+        if not _wait_ready(url, procs[-1], timeout=60, workers=len(worker_urls)):
             if not stopping:
                 print("the router did not become ready", file=sys.stderr)
             return 1
-        print(f"\nTandem is serving the bundled model at {url}\n\n"
+        roles = ", ".join(f"{wurl} ({role})" for role, wurl, _ in deployment.workers)
+        print(f"\nTandem is serving the bundled model at {url}\nworkers: {roles}\n\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
               "\"max_tokens\": 32}'\n\n"
@@ -158,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the embedded default deployment")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="the router's port")
-    serve.add_argument("--workers", type=int, default=1, help="aggregated workers")
+    serve.add_argument("--workers", type=int, default=None,
+                       help="aggregated workers (default 1, or 0 with --prefill/--decode)")
+    serve.add_argument("--prefill", type=int, default=0, metavar="N",
+                       help="P/D: prefill workers (with --decode)")
+    serve.add_argument("--decode", type=int, default=0, metavar="M",
+                       help="P/D: decode workers (with --prefill)")
+    serve.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
+                       help="the router's P/D threshold in uncached prompt tokens (default 16)")
 
     router = sub.add_parser("router", help="run the KV-cache-aware router")
     add_router_args(router)

@@ -30,6 +30,7 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.kv_cache.block_pool import KVBlock
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.base import TransferBackend, make_backend
+from tandem.kvtransfer.grpc_backend import decode_chunk
 from tandem.kvtransfer.pages import KVTransferError, PageLayout, check_header, scatter_layer
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain, root_hash
@@ -75,7 +76,7 @@ class RemotePrefill:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
 
-    def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
+    def _channel(self, target: str) -> grpc.aio.Channel:
         ch = self._channels.get(target)
         if ch is None:
             if self.credentials is not None:
@@ -83,7 +84,10 @@ class RemotePrefill:
             else:
                 ch = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
             self._channels[target] = ch
-        return worker_pb2_grpc.KVTransferStub(ch)
+        return ch
+
+    def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
+        return worker_pb2_grpc.KVTransferStub(self._channel(target))
 
     def plan(self, token_ids: list[int], cache_salt: str) -> tuple[list[BlockHash], int, int]:
         """(the prompt's usable block hashes, first missing block, blocks to fetch). Reads
@@ -112,7 +116,7 @@ class RemotePrefill:
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 await self._backend.prepare(req)
-                call = self._stub(target).Prefill(req)
+                call = prefill_method(self._channel(target))(req)
                 try:
                     pages, header, n = await self._receive(req, call, chain[first:], first)
                 finally:
@@ -144,7 +148,7 @@ class RemotePrefill:
             msg = await it.__anext__()
         except StopAsyncIteration as exc:
             raise KVTransferError("incomplete", "the prefill stream ended at once") from exc
-        if msg.WhichOneof("kind") != "header":
+        if not isinstance(msg, worker_pb2.PageChunk) or msg.WhichOneof("kind") != "header":
             raise KVTransferError("invalid", "the prefill stream did not start with a header")
         header = msg.header
         n = check_header(header, self.layout, first, expected)
@@ -170,6 +174,13 @@ class RemotePrefill:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
+    """`KVTransfer.Prefill` whose data replies decode without copying their payload."""
+    return channel.unary_stream("/tandem.v1.KVTransfer/Prefill",
+                                request_serializer=worker_pb2.PrefillRequest.SerializeToString,
+                                response_deserializer=decode_chunk)
 
 
 def _import(engine: LLMEngine, hashes: list[BlockHash], parent: BlockHash,

@@ -70,7 +70,10 @@ def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
     """`[2, n, kvh, bs, dim]` copy of `block_ids` in `layer` (the blocks must be pinned)."""
     k, v = kv_caches[layer]
     idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-    return torch.stack((k.index_select(0, idx), v.index_select(0, idx)))
+    out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
+    torch.index_select(k, 0, idx, out=out[0])
+    torch.index_select(v, 0, idx, out=out[1])
+    return out
 
 
 def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,

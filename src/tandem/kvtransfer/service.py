@@ -24,6 +24,7 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
+from tandem.kvtransfer.grpc_backend import serialize_chunk
 from tandem.kvtransfer.pages import KVTransferError, PageLayout, gather_layer, header_for
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
@@ -212,3 +213,19 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             return worker_pb2.ReleasePagesResponse(released=False)
         released = await self._leases.release(request.lease_id, "acknowledged")
         return worker_pb2.ReleasePagesResponse(released=released)
+
+
+def add_kv_transfer_service(server: grpc.aio.Server, service: KVTransferService) -> None:
+    """Register `service` like the generated `add_KVTransferServicer_to_server`, except that
+    Prefill's replies may be pre-encoded `PageChunk` bytes (`grpc_backend.encode_data`)."""
+    handlers = {
+        "Prefill": grpc.unary_stream_rpc_method_handler(
+            service.Prefill, request_deserializer=worker_pb2.PrefillRequest.FromString,
+            response_serializer=serialize_chunk),
+        "ReleasePages": grpc.unary_unary_rpc_method_handler(
+            service.ReleasePages,
+            request_deserializer=worker_pb2.ReleasePagesRequest.FromString,
+            response_serializer=worker_pb2.ReleasePagesResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", handlers),))

@@ -1,8 +1,9 @@
 """The router's HTTP front door (FastAPI): OpenAI routes in, the chosen worker behind.
 
 Per request: authenticate (tenant) -> bound and parse the body -> tokenize and hash the
-prompt as the worker will -> pick a worker (`core.Router`) -> forward (`proxy.forward`,
-retries before the first byte). `/v1/models` lists what the ready workers serve; `/health`
+prompt as the worker will -> pick a worker (`core.Router`), and a prefill worker when the
+prompt's uncached part is long (`pd.plan`) -> forward (`proxy.forward`, retries before the
+first byte). `/v1/models` lists what the ready workers serve; `/health`
 is the process, `/ready` means at least one worker is routable; `/metrics` is Prometheus.
 """
 
@@ -39,6 +40,7 @@ from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
+from tandem.router.pd import plan
 from tandem.router.proxy import Attempt, ProxySettings, forward, upstream_session
 from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.workers import Worker
@@ -240,21 +242,25 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         payload = json.dumps(data).encode() if changed else body  # as sent, when unchanged
         hashes, external = await shared_matches(parsed, model)
         first = True
+        prefill = None  # a retry may keep the first attempt's prefill worker
 
-        def pick(tried: set[str]):  # noqa: ANN202 - Decision | None
-            nonlocal first
-            decision, ctx = router.route(parsed, model, time.monotonic(), exclude=tried,
-                                         hashes=hashes, external=external)
+        def pick(tried: set[str]):  # noqa: ANN202 - pd.Route | None
+            nonlocal first, prefill
+            route, ctx = plan(router, parsed, model, time.monotonic(), exclude=tried,
+                              keep_prefill=prefill, hashes=hashes, external=external)
             if first:
                 metrics.routing_seconds.observe(time.perf_counter() - t0)
                 first = False
-            if decision is not None:
+            if route is not None:
+                decision = route.decision
+                prefill = route.prefill or prefill
                 metrics.decisions.labels(router.settings.policy, decision.reason).inc()
                 metrics.prompt_tokens.inc(ctx.prompt_tokens)
                 metrics.matched_tokens.inc(decision.matched_tokens)
-                logger.info("[%s] -> %s (%s, %d cached tokens)", rid, decision.worker.id,
-                            decision.reason, decision.matched_tokens)
-            return decision
+                logger.info("[%s] -> %s (%s, %d cached tokens)%s", rid, decision.worker.id,
+                            decision.reason, decision.matched_tokens,
+                            f", prefill on {route.prefill.worker.id}" if route.prefill else "")
+            return route
 
         attempts = 0
 
@@ -264,6 +270,11 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             if attempts > 1:
                 metrics.retries.labels(str(a.status or "connect")).inc()
             metrics.requests.labels(a.decision.worker.id, str(a.status or "error")).inc()
+            if a.final and a.route.prefill is not None:
+                metrics.disaggregated.labels(a.route.worker.kv_transfer_backend
+                                             or "unknown").inc()
+            elif a.final:
+                metrics.aggregated.inc()
 
         work = forward(state["upstream"], path, payload, rid, pick, parsed.stream,
                        settings.proxy, on_attempt)

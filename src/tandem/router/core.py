@@ -30,6 +30,7 @@ class RouterSettings:
     speculative_ttl_s: float = 2.0  # routed blocks count as present this long
     approx_capacity: int = 100_000  # blocks remembered per worker in approximate mode
     filters: tuple[str, ...] = ("model", "role", "health")
+    pd_threshold: int = 16  # uncached prompt tokens from which prefill goes to a prefill worker
     seed: int | None = None
 
 

@@ -2,7 +2,7 @@
 
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
         [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
-        [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE]
+        [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N]
     tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
         [--label-selector SELECTOR] [--worker-port-name http] ...
 
@@ -13,12 +13,16 @@ pod's own) matching `--label-selector` (default `app.kubernetes.io/component=wor
 named `--worker-port-name` is a worker, with the role of its slice's `tandem.dev/role` label.
 Workers join, leave and turn unready as the slices change.
 
+Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (role
+`prefill`) for a model, a request whose decode worker lacks at least `--pd-threshold` prompt
+tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
+
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
 `inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
-`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `retries`, `max_prompt_tokens`,
-`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `redis` (URL), `index` (URL)
-and `rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
-{...}}}`; flags win over the file.
+`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `pd_threshold`, `retries`,
+`max_prompt_tokens`, `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path),
+`redis` (URL), `index` (URL) and `rate_limits: {default: {requests_per_s, burst_requests,
+tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
@@ -70,6 +74,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="PATH for every model, or MODEL=PATH (repeatable)")
     p.add_argument("--api-keys", default=None, help="file of 'KEY TENANT' lines")
     p.add_argument("--retries", type=int, default=None)
+    p.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
+                   help="prefill on a prefill worker when the decode worker lacks at least "
+                        "this many prompt tokens (default 16; only with prefill workers)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits")
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
@@ -140,6 +147,13 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
         port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
 
 
+def pd_threshold(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
+    value = args.pd_threshold if args.pd_threshold is not None else cfg.get("pd_threshold", 16)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SystemExit(f"pd_threshold: a token count >= 0, not {value!r}")
+    return value
+
+
 def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
     """The router app from parsed arguments and the optional YAML config."""
     from tandem.router.app import RouterServerSettings, build_app
@@ -156,7 +170,8 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         policy=args.policy or cfg.get("policy", "cache-aware"), weights=cfg.get("weights"),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
-        speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed)
+        speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed,
+        pd_threshold=pd_threshold(args, cfg))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}

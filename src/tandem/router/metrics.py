@@ -30,6 +30,13 @@ class RouterMetrics:
         self.requests = Counter("tandem_router_requests_total",
                                 "Requests forwarded, by worker and status",
                                 ["worker", "status"], registry=r)
+        self.disaggregated = Counter("tandem_router_disaggregated_requests_total",
+                                     "Requests answered with their prefill on a prefill "
+                                     "worker (P/D), by the decode worker's KV transfer "
+                                     "backend", ["backend"], registry=r)
+        self.aggregated = Counter("tandem_router_aggregated_requests_total",
+                                  "Requests answered with prefill and decode on one worker",
+                                  registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
                                   ["worker"], registry=r)

@@ -88,6 +88,7 @@ class WorkerMonitor:
                 w.model = info.get("model") or w.model
                 w.role = info.get("role") or w.role
                 w.block_size = info.get("block_size") or w.block_size
+                w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
                 port = info.get("grpc_port")
                 if port and w.grpc_target is None:
                     w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"

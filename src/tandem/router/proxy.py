@@ -2,7 +2,9 @@
 
 * Retries (connect error, timeout before headers, 429, 503) go to the next-best worker,
   never one already tried, up to `retries` extra attempts with jittered exponential
-  backoff. Once the worker's status line is in, the response is committed to it.
+  backoff. Once the worker's status line is in, the response is committed to it. Under P/D
+  the attempt goes to the decode worker with the prefill worker in its headers
+  (`pd.Route`); a retry picks a new decode worker and may keep the prefill worker.
 * Streams (SSE) pass through chunk by chunk, unbuffered. If the worker dies mid-stream the
   client gets an SSE error event and `data: [DONE]`, not a hang. Non-streamed bodies are
   read whole first, so a worker failure becomes a clean 502.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.protocol.web import APIError, error_body
+from tandem.router.pd import Route
 from tandem.router.policy import Decision
 from tandem.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamSettings
 from tandem.router.workers import Worker
@@ -46,9 +49,14 @@ class ProxySettings:
 
 @dataclass
 class Attempt:
-    decision: Decision
+    route: Route
     status: int | None = None
     error: str | None = None
+    final: bool = False  # the attempt whose response the client gets
+
+    @property
+    def decision(self) -> Decision:
+        return self.route.decision
 
 
 def upstream_session(settings: ProxySettings) -> UpstreamPool:
@@ -58,19 +66,19 @@ def upstream_session(settings: ProxySettings) -> UpstreamPool:
 
 
 async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
-                  pick: Callable[[set[str]], Decision | None], stream: bool,
+                  pick: Callable[[set[str]], Route | None], stream: bool,
                   settings: ProxySettings, on_attempt: Callable[[Attempt], None],
                   ) -> Response:
     """Send `body` to `path` on the worker `pick(tried)` chooses; see the module doc."""
     tried: set[str] = set()
     last: Attempt | None = None
     for n in range(settings.retries + 1):
-        decision = pick(tried)
-        if decision is None:
+        route = pick(tried)
+        if route is None:
             break
-        w = decision.worker
+        w = route.worker
         tried.add(w.id)
-        attempt = Attempt(decision)
+        attempt = Attempt(route)
         w.breaker.on_attempt()
         w.local_in_flight += 1
         released = False
@@ -83,7 +91,7 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
 
         try:
             resp = await http.post(w.id, path, body, {
-                "Content-Type": "application/json", "X-Request-Id": rid})
+                "Content-Type": "application/json", "X-Request-Id": rid, **route.headers()})
         except UpstreamError as exc:
             release()
             w.breaker.on_failure(time.monotonic())
@@ -103,6 +111,7 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                     w.breaker.on_failure(time.monotonic())
                 else:
                     w.breaker.on_success()
+                attempt.final = True
                 on_attempt(attempt)
                 headers = {k: v for k, v in resp.headers if k in PASS_HEADERS}
                 headers["x-tandem-worker"] = w.id

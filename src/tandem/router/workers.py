@@ -72,6 +72,7 @@ class Worker:
     model: str = ""  # served model name ("" until known)
     role: str = "both"  # both | prefill | decode
     grpc_target: str | None = None  # host:port of its gRPC Worker service, if any
+    kv_transfer_backend: str | None = None  # how it fetches P/D pages (from /ready), if known
     block_size: int | None = None  # from its KV event stream
     ready: bool = False  # last readiness probe answered 200
     events_connected: bool = False  # its KV event stream is live (precise routing)

@@ -151,7 +151,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         status = ("draining" if app.state.draining else "failed" if holder.error
                   else "loading" if engine is None else "dead" if not engine.alive else "ready")
         body = {"status": status, "role": settings.role, "model": settings.served_model_name,
-                "grpc_port": settings.grpc_port}
+                "grpc_port": settings.grpc_port,
+                "kv_transfer_backend": settings.kv_transfer.backend}
         if engine is not None:  # what a router needs to hash prompts as this worker does
             body.update(block_size=engine.engine.state.block_size,
                         max_model_len=engine.engine.state.max_model_len)

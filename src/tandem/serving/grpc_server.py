@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
-from tandem.kvtransfer.service import KVTransferService
+from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -101,7 +101,7 @@ async def start_grpc_server(service: WorkerService, host: str, port: int,
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     if kv_transfer is not None:
-        worker_pb2_grpc.add_KVTransferServicer_to_server(kv_transfer, server)
+        add_kv_transfer_service(server, kv_transfer)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))

@@ -1,0 +1,319 @@
+"""KV transfer benchmark: page throughput per backend, and what disaggregation adds to TTFT.
+
+    .venv/bin/python bench/kvtransfer.py [--quick] [--backends grpc,torch] [--no-ttft]
+
+1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
+   the bundled model's geometry (30 layers x K/V x 3 heads x 16 tokens x 64 dims, float32:
+   720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend:
+   gather, chunking, crc32, protobuf); this process receives with the real receiver code
+   (validation, crc32, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and the ratio to a
+   plain in-memory copy of the same bytes (`torch.Tensor.clone`) measured in the same run.
+2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
+   (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
+   overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
+   time). Interleaved, medians over `--ttft-trials`.
+
+Writes `bench/results/kvtransfer[-quick]-<date>.json` and prints a table with the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(BENCH_DIR))
+
+LAYERS, KV_HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64  # SmolLM2-135M
+MODEL = "bench-model"
+TARGETS = {"grpc_large_gbps": 1.0, "ttft_overhead_share": 0.20}
+
+
+def log(*a: object) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# -- sender process ----------------------------------------------------------------------------
+def serve_pages(port: int, max_blocks: int) -> None:
+    """A KVTransfer server that sends blocks 0..n-1 of random caches (no model)."""
+    import grpc
+    import torch
+
+    import tandem.kvtransfer  # noqa: F401 - registers the backends
+    from tandem.engine.cpu_tuning import tune_malloc
+    from tandem.kvtransfer.base import SendJob, make_backend
+    from tandem.kvtransfer.pages import PageLayout, gather_layer, header_for
+    from tandem.kvtransfer.service import add_kv_transfer_service
+    from tandem.protocol import worker_pb2
+
+    tune_malloc()  # as in a worker: big buffers from the heap, not fresh mmaps
+    torch.manual_seed(0)
+    caches = [(torch.randn(max_blocks, KV_HEADS, BLOCK, HEAD_DIM),
+               torch.randn(max_blocks, KV_HEADS, BLOCK, HEAD_DIM)) for _ in range(LAYERS)]
+    layout = PageLayout.of(MODEL, caches)
+    backends: dict = {}
+
+    class Pages:
+        async def Prefill(self, request, context):  # noqa: N802
+            n = request.num_blocks
+            ids = list(range(n))
+            hashes = [i.to_bytes(32, "little") for i in range(n)]
+            yield worker_pb2.PageChunk(header=header_for(layout, 0, hashes, "bench", 0))
+            backend = backends.setdefault(request.backend, make_backend(request.backend))
+            loop = asyncio.get_running_loop()
+            job = SendJob(request, layout, ids, lambda layer: gather_layer(caches, layer, ids),
+                          loop.time() + 600)
+            async for chunk in backend.send(job):
+                yield chunk
+
+        async def ReleasePages(self, request, context):  # noqa: N802
+            return worker_pb2.ReleasePagesResponse(released=True)
+
+    raw_payload = os.urandom(1 << 20)
+
+    async def raw_stream(request: bytes, context):  # noqa: ANN001
+        """The ceiling: `int(request)` MiB of pre-built 1 MiB messages, no processing."""
+        for _ in range(int(request or b"1")):
+            yield raw_payload
+
+    def ident(x: bytes) -> bytes:
+        return x
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
+        add_kv_transfer_service(server, Pages())  # type: ignore[arg-type]
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {
+            "Stream": grpc.unary_stream_rpc_method_handler(
+                raw_stream, request_deserializer=ident, response_serializer=ident)}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("READY", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+# -- throughput --------------------------------------------------------------------------------
+async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
+    from tandem.kvtransfer.pages import check_header
+    from tandem.protocol import worker_pb2
+
+    req = worker_pb2.PrefillRequest(request_id="bench", model_id=MODEL, num_blocks=n,
+                                    block_size=BLOCK, backend=backend.name)
+    t0 = time.perf_counter()
+    await backend.prepare(req)
+    call = stub(req)
+    it = call.__aiter__()
+    header = (await it.__anext__()).header
+    expected = [i.to_bytes(32, "little") for i in range(n)]
+    got = check_header(header, layout, 0, expected)
+    pages = await backend.receive(req, layout, got, it)
+    dt_s = time.perf_counter() - t0
+    return dt_s, sum(p.numel() * p.element_size() for p in pages)
+
+
+def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        src.clone()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def throughput(backends: list[str], sizes: list[int], reps: int
+               ) -> tuple[list[dict], list[dict]]:
+    import grpc
+
+    import tandem.kvtransfer  # noqa: F401
+    from servers import free_port, stop_group
+    from tandem.engine.cpu_tuning import tune_malloc
+    from tandem.kvtransfer.base import BACKENDS, make_backend
+    from tandem.kvtransfer.client import prefill_method
+    from tandem.kvtransfer.pages import PageLayout
+
+    tune_malloc()  # as in a worker
+    ceiling: list[dict] = []
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-pages", str(port),
+                             "--max-blocks", str(max(sizes))], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    rows = []
+    try:
+        if proc.stdout.readline().strip() != "READY":  # type: ignore[union-attr]
+            raise RuntimeError("the page server did not start")
+        import torch
+
+        layout = PageLayout(MODEL, LAYERS, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+
+        async def run() -> None:
+            ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.max_receive_message_length", 8 << 20)])
+            stub = prefill_method(ch)
+            raw = ch.unary_stream("/bench.Raw/Stream", request_serializer=lambda x: x,
+                                  response_deserializer=lambda x: x)
+            for _ in range(2):
+                t0, got = time.perf_counter(), 0
+                async for m in raw(str(max(sizes) * 720 // 1024 or 1).encode()):
+                    got += len(m)
+                ceiling.append({"bytes": got, "seconds": time.perf_counter() - t0,
+                                "gbps": got / (time.perf_counter() - t0) / 1e9})
+            log(f"[throughput] raw gRPC stream ceiling (1 MiB messages, no processing): "
+                f"{max(c['gbps'] for c in ceiling):.2f} GB/s")
+            for name in backends:
+                if name not in BACKENDS:
+                    log(f"[throughput] backend {name} is not available; skipped")
+                    continue
+                backend = make_backend(name)
+                await receive_once(stub, backend, layout, 1)  # connections, process group
+                for n in sizes:
+                    times = []
+                    for _ in range(reps):
+                        dt_s, nbytes = await receive_once(stub, backend, layout, n)
+                        times.append(dt_s)
+                    best = min(times)
+                    base = memcpy_gbps(nbytes)
+                    row = {"backend": name, "blocks": n, "bytes": nbytes,
+                           "seconds_best": best, "seconds_all": times,
+                           "gbps": nbytes / best / 1e9, "memcpy_gbps": base,
+                           "share_of_memcpy": nbytes / best / 1e9 / base}
+                    rows.append(row)
+                    log(f"[throughput] {name:5s} {n:5d} blocks {nbytes / 2**20:9.1f} MiB: "
+                        f"{row['gbps']:.2f} GB/s ({row['share_of_memcpy']:.1%} of memcpy "
+                        f"{base:.1f} GB/s)")
+                await backend.close()
+            await ch.close()
+
+        asyncio.run(run())
+    finally:
+        stop_group(proc, timeout_s=10)
+    return rows, ceiling
+
+
+# -- TTFT overhead -----------------------------------------------------------------------------
+def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
+    import contextlib
+
+    import httpx
+
+    from servers import ServerSpec, free_port, launched, tandem_spec
+    from tandem.protocol.bundled import BUNDLED_NAME
+
+    def worker(name: str, extra: list[str]) -> ServerSpec:
+        spec = tandem_spec(["--num-threads", "1", "--num-kv-blocks", "1024", *extra])
+        return ServerSpec(f"kvtransfer-{name}", spec.argv, spec.env)
+
+    grpc_port = free_port()
+    rng = random.Random(0)
+    rows: dict[str, list[float]] = {"aggregated": [], "disaggregated": []}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(launched(worker("prefill", ["--role", "prefill", "--grpc-port",
+                                                        str(grpc_port)])))
+        decode_url = stack.enter_context(launched(worker(
+            "decode", ["--role", "decode", "--grpc-port", str(free_port())])))
+        single_url = stack.enter_context(launched(worker("single", ["--role", "both"])))
+        def ttft(url: str, prompt: list[int], headers: dict) -> float:
+            body = {"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 2,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                              timeout=300) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        return time.perf_counter() - t0
+            raise RuntimeError("no token")
+
+        for i in range(trials + 1):  # the first pair warms up
+            order = ("aggregated", "disaggregated") if i % 2 else ("disaggregated",
+                                                                   "aggregated")
+            for mode in order:
+                prompt = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
+                if mode == "aggregated":
+                    t = ttft(single_url, prompt, {})
+                else:
+                    t = ttft(decode_url, prompt, {"x-tandem-prefill": f"127.0.0.1:{grpc_port}"})
+                if i:
+                    rows[mode].append(t)
+                log(f"[ttft] trial {i} {mode}: {t * 1e3:.0f} ms")
+        fetch = {}  # the decode worker's own view: remote prefill + transfer + import
+        for line in httpx.get(decode_url + "/metrics", timeout=10).text.splitlines():
+            for key in ("sum", "count"):
+                if line.startswith(f"tandem_kvtransfer_fetch_seconds_{key}"):
+                    fetch[key] = float(line.rsplit(" ", 1)[1])
+    agg, dis = (statistics.median(rows[k]) for k in ("aggregated", "disaggregated"))
+    return {"prompt_tokens": prompt_tokens, "trials": trials, "ttft_s": rows,
+            "decode_fetch_seconds_mean": fetch.get("sum", 0) / max(fetch.get("count", 0), 1),
+            "aggregated_median_s": agg, "disaggregated_median_s": dis,
+            "overhead_s": dis - agg, "overhead_share": (dis - agg) / agg}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--backends", default="grpc,torch")
+    ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--ttft-trials", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--serve-pages", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--max-blocks", type=int, default=4096, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_pages is not None:
+        serve_pages(args.serve_pages, args.max_blocks)
+        return 0
+    sizes = [1, 16, 256] if args.quick else [1, 16, 256, 4096]
+    report: dict = {"benchmark": "kvtransfer", "date": dt.date.today().isoformat(),
+                    "quick": args.quick, "targets": TARGETS,
+                    "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                                "platform": platform.platform()},
+                    "geometry": {"layers": LAYERS, "kv_heads": KV_HEADS, "block_size": BLOCK,
+                                 "head_dim": HEAD_DIM, "dtype": "float32",
+                                 "bytes_per_block": LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 4}}
+    report["throughput"], report["grpc_ceiling"] = throughput(args.backends.split(","), sizes,
+                                                              2 if args.quick else 3)
+    if not args.no_ttft:
+        report["ttft"] = ttft_overhead(1024, args.ttft_trials or (3 if args.quick else 7))
+    out = Path(args.out) if args.out else BENCH_DIR / "results" / (
+        f"kvtransfer{'-quick' if args.quick else ''}-{report['date']}.json")
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\n{'backend':8s} {'blocks':>6s} {'MiB':>9s} {'GB/s':>7s} {'memcpy':>7s} {'share':>7s}")
+    for r in report["throughput"]:
+        print(f"{r['backend']:8s} {r['blocks']:6d} {r['bytes'] / 2**20:9.1f} {r['gbps']:7.2f} "
+              f"{r['memcpy_gbps']:7.2f} {r['share_of_memcpy']:7.1%}")
+    if report["grpc_ceiling"]:
+        print(f"raw gRPC ceiling (this machine, same run): "
+              f"{max(c['gbps'] for c in report['grpc_ceiling']):.2f} GB/s")
+    large = [r["gbps"] for r in report["throughput"] if r["backend"] == "grpc"
+             and r["blocks"] >= 256]
+    if large:
+        ok = max(large) >= TARGETS["grpc_large_gbps"]
+        print(f"grpc large transfers: {max(large):.2f} GB/s (target >= 1.0): "
+              f"{'met' if ok else 'MISSED'}")
+    if "ttft" in report:
+        t = report["ttft"]
+        ok = t["overhead_share"] <= TARGETS["ttft_overhead_share"]
+        print(f"TTFT 1k tokens: aggregated {t['aggregated_median_s'] * 1e3:.0f} ms, P/D "
+              f"{t['disaggregated_median_s'] * 1e3:.0f} ms: overhead "
+              f"{t['overhead_share']:.1%} of prefill (target <= 20%): "
+              f"{'met' if ok else 'MISSED'}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Prefill/decode disaggregation: whether a request's prefill runs on a prefill worker.
+
+The decode worker is picked first (`Router.route`, role "decode": decode or both workers, by
+prefix hit and load). The prompt tokens it lacks are estimated from its match; when they
+reach `RouterSettings.pd_threshold` and a routable prefill worker (role "prefill", gRPC port
+known) serves the model, one is picked the same cache-aware way (its own prefix hits and
+load; the prompt's blocks are then recorded as speculatively present on it) and the request
+goes to the decode worker with `x-tandem-prefill: <its gRPC host:port>`: the decode worker
+fetches the missing KV pages from there, then decodes. Otherwise it is served aggregated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from tandem.protocol.block_hash import BlockHash
+from tandem.router import prompt as prompts
+from tandem.router.core import Router
+from tandem.router.policy import Decision
+from tandem.router.scorers import RoutingContext
+from tandem.router.workers import Worker
+
+PREFILL_HEADER = "x-tandem-prefill"
+CHARS_PER_TOKEN = 4  # approximate mode (no tokenizer): uncached characters -> tokens
+
+
+@dataclass
+class Route:
+    """Where one attempt goes."""
+
+    decision: Decision  # the worker the request is sent to (decode, or aggregated)
+    prefill: Decision | None = None  # set: disaggregated, the prefill runs there
+    uncached_tokens: int = 0  # prompt tokens the decode worker is estimated to lack
+
+    @property
+    def worker(self) -> Worker:
+        return self.decision.worker
+
+    def headers(self) -> dict[str, str]:
+        """Extra request headers for the decode worker."""
+        if self.prefill is None or self.prefill.worker.grpc_target is None:
+            return {}
+        return {PREFILL_HEADER: self.prefill.worker.grpc_target}
+
+
+def uncached_tokens(ctx: RoutingContext, decision: Decision, text_mode: bool) -> int:
+    """Prompt tokens not cached on the decision's worker (estimated from text length in
+    approximate mode, where lengths and matches are in characters)."""
+    missing = max(ctx.prompt_tokens - decision.matched_tokens, 0)
+    return missing // CHARS_PER_TOKEN if text_mode else missing
+
+
+def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
+         exclude: Iterable[str] = (), keep_prefill: Decision | None = None,
+         hashes: Mapping[int, list[BlockHash]] | None = None,
+         external: Mapping[int, Mapping[str, int]] | None = None,
+         ) -> tuple[Route | None, RoutingContext]:
+    """The decode worker (None if none passes the filters), and a prefill worker when the
+    decode worker lacks at least `pd_threshold` prompt tokens. `keep_prefill` (an earlier
+    attempt's prefill pick) is reused while it is still routable."""
+    decision, ctx = router.route(parsed, model, now, exclude=exclude, role="decode",
+                                 hashes=hashes, external=external)
+    if decision is None:
+        return None, ctx
+    route = Route(decision, uncached_tokens=uncached_tokens(ctx, decision,
+                                                            parsed.token_ids is None))
+    if route.uncached_tokens >= router.settings.pd_threshold:
+        if keep_prefill is not None and _usable(router, keep_prefill.worker, now):
+            route.prefill = keep_prefill
+        else:
+            route.prefill = pick_prefill(router, parsed, model, now, ctx, external)
+    return route, ctx
+
+
+def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
+                 ctx: RoutingContext, external: Mapping[int, Mapping[str, int]] | None = None
+                 ) -> Decision | None:
+    """The best routable prefill worker with a known gRPC address, or None. Reuses the
+    hash chains in `ctx`; records the prompt's blocks as speculative on the winner."""
+    if not any(w.role == "prefill" for w in router.workers.values()):
+        return None  # the common aggregated deployment: no second pass
+    no_grpc = [w.id for w in router.workers.values() if w.grpc_target is None]
+    decision, _ = router.route(parsed, model, now, exclude=no_grpc, role="prefill",
+                               hashes=ctx.hashes, external=external)
+    return decision
+
+
+def _usable(router: Router, w: Worker, now: float) -> bool:
+    return (router.workers.get(w.id) is w and w.grpc_target is not None
+            and w.routable(now))

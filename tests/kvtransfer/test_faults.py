@@ -1,0 +1,469 @@
+"""P/D failure handling between real worker processes: a prefill worker that dies or stalls
+mid-transfer, a decode worker that never acknowledges (leases), corrupted or mismatched
+pages, and invalid Prefill requests. The decode worker always answers within a bounded time:
+the right greedy tokens under `recompute`, an OpenAI error (502) under `fail`; a prefill
+worker never holds pages past their lease; rejected pages never reach the decode cache."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from tandem.kvtransfer.pages import MAX_DATA_CHUNK
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.bundled import BUNDLED_NAME
+from tests.kvtransfer.fake_prefill import CHANNEL_OPTIONS, FakePrefillServer
+from tests.serving.conftest import free_port, metric, start_worker, wait_for, wait_idle
+
+pytestmark = pytest.mark.slow
+BS = 16
+VOCAB = 49152
+LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
+BLOCK_BYTES = LAYERS * 2 * KV_HEADS * BS * HEAD_DIM * 4  # every layer's K + V, float32
+TIMEOUT = 4.0  # the decode workers' --kv-transfer-timeout
+BOUND = TIMEOUT + 40  # "never a hang": the longest any answer below may take
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fetches(url: str, result: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tandem_kvtransfer_fetches_total{") and f'result="{result}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def fetched_bytes(url: str) -> float:
+    return metric(url, "tandem_kvtransfer_received_bytes_total")
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def post(url: str, prompt, prefill: str | None = None) -> tuple[httpx.Response, float]:
+    headers = {"x-tandem-prefill": prefill} if prefill else {}
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", timeout=BOUND + 30, headers=headers, json={
+        "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True})
+    return r, time.monotonic() - t0
+
+
+def text(url: str, prompt, prefill: str | None = None) -> str:
+    r, _ = post(url, prompt, prefill)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def assert_502(r: httpx.Response) -> None:
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == 502
+    assert err["message"].startswith("remote prefill failed")
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True)
+    t.start()
+    return t, box
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    common = ("--num-threads", "1", "--num-kv-blocks", "256")
+    decode_args = ("--role", "decode", "--kv-transfer-timeout", str(TIMEOUT), *common)
+    ports = {"prefill": free_port(), "victim": free_port()}
+    workers = {
+        name: start_worker(tmp, "--role", "prefill", "--grpc-port", str(port), *common,
+                           wait_ready=False) for name, port in ports.items()}
+    workers["decode"] = start_worker(tmp, *decode_args, wait_ready=False)
+    workers["decode_fail"] = start_worker(tmp, *decode_args, "--kv-transfer-policy", "fail",
+                                          wait_ready=False)
+    workers["single"] = start_worker(tmp, "--role", "both", *common, wait_ready=False)
+    fake = None
+    try:
+        for w in workers.values():
+            wait_for(w, "/ready", 200, timeout=240)
+        fake = FakePrefillServer(free_port(), upstream=f"127.0.0.1:{ports['prefill']}")
+        yield Cluster(workers, {n: f"127.0.0.1:{p}" for n, p in ports.items()}, fake)
+    finally:
+        if fake is not None:
+            fake.stop()
+        for w in workers.values():
+            w.stop()
+
+
+class Cluster:
+    def __init__(self, workers, targets, fake) -> None:
+        self.prefill, self.victim = workers["prefill"], workers["victim"]
+        self.decode, self.decode_fail = workers["decode"], workers["decode_fail"]
+        self.single = workers["single"]
+        self.target, self.victim_target = targets["prefill"], targets["victim"]
+        self.fake: FakePrefillServer = fake
+
+    def stub(self) -> worker_pb2_grpc.KVTransferStub:
+        ch = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        return worker_pb2_grpc.KVTransferStub(ch)
+
+
+# -- a prefill worker that stalls or dies ---------------------------------------------------
+
+async def never_answers(request, context, relay):
+    await asyncio.Event().wait()
+    yield worker_pb2.PageChunk()  # pragma: no cover
+
+
+async def header_then_silence(request, context, relay):
+    chunks = await relay(request)
+    yield chunks[0]
+    await asyncio.Event().wait()
+
+
+async def slow_drip(request, context, relay):
+    """Valid-looking progress forever: one byte at a time, a message every 0.2 s."""
+    chunks = await relay(request)
+    yield chunks[0]
+    for off in range(1 << 30):
+        await asyncio.sleep(0.2)
+        yield worker_pb2.PageChunk(data=worker_pb2.PageData(layer=0, offset=off, data=b"\0"))
+
+
+@pytest.mark.parametrize("stall", [never_answers, header_then_silence, slow_drip])
+def test_a_stalled_prefill_worker_times_out(cluster, stall):
+    """recompute: the right tokens, fail: a 502; either just after --kv-transfer-timeout."""
+    c = cluster
+    c.fake.behaviour = stall
+    seed = 100 + [never_answers, header_then_silence, slow_drip].index(stall)
+    p_recompute, p_fail = ids(seed, 6 * BS + 3), ids(seed + 50, 6 * BS + 3)
+    want = text(c.single.url, p_recompute)
+    timeouts = fetches(c.decode.url, "timeout"), fetches(c.decode_fail.url, "timeout")
+    t1, got = in_thread(post, c.decode.url, p_recompute, c.fake.target)
+    t2, failed = in_thread(post, c.decode_fail.url, p_fail, c.fake.target)
+    time.sleep(1.0)  # both are stuck in their fetch: the worker itself still answers
+    assert httpx.get(c.decode.url + "/health", timeout=2).status_code == 200
+    t1.join(BOUND + 30)
+    t2.join(BOUND + 30)
+    (r, took), (r_fail, took_fail) = got[0], failed[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    assert_502(r_fail)
+    assert "took over" in r_fail.json()["error"]["message"]
+    for t in (took, took_fail):
+        assert TIMEOUT - 0.5 <= t < BOUND
+    assert fetches(c.decode.url, "timeout") == timeouts[0] + 1
+    assert fetches(c.decode_fail.url, "timeout") == timeouts[1] + 1
+    wait_idle(c.decode.url, 10)
+
+
+def test_a_prefill_worker_killed_while_prefilling(cluster):
+    """SIGKILL of the real prefill worker mid-prefill: the decode worker notices the dead
+    connection at once (not at the timeout) and computes the prompt itself."""
+    c = cluster
+    prompt = ids(200, 500)  # ~2 s of prefill on the victim's one thread
+    want = text(c.single.url, prompt)
+    before = {r: fetches(c.decode.url, r) for r in ("ok", "timeout", "unavailable", "rpc")}
+    t, got = in_thread(post, c.decode.url, prompt, c.victim_target)
+    deadline = time.monotonic() + 30
+    while metric(c.victim.url, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the victim never started the prefill"
+        time.sleep(0.01)
+    c.victim.stop(signal.SIGKILL)
+    t.join(BOUND + 30)
+    r, took = got[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    assert took < BOUND
+    after = {r: fetches(c.decode.url, r) for r in before}
+    assert after["ok"] == before["ok"] and after["timeout"] == before["timeout"]
+    assert after["unavailable"] + after["rpc"] == before["unavailable"] + before["rpc"] + 1
+    wait_idle(c.decode.url, 10)
+
+
+def test_a_prefill_process_killed_mid_stream(cluster):
+    """A prefill server SIGKILLed after the header and some pages: recompute answers the
+    right tokens, fail a 502, both without waiting for the timeout."""
+    c = cluster
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.kvtransfer.fake_prefill", str(port), c.target],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x.strip()) for x in proc.stdout],
+                     daemon=True).start()
+
+    def expect(line: str) -> None:
+        while (got := lines.get(timeout=60)) != line:
+            assert "Error" not in got, got
+
+    try:
+        expect("serving")
+        target = f"127.0.0.1:{port}"
+        p_recompute, p_fail = ids(300, 6 * BS + 3), ids(301, 6 * BS + 3)
+        want = text(c.single.url, p_recompute)
+        timeouts = fetches(c.decode.url, "timeout"), fetches(c.decode_fail.url, "timeout")
+        t1, got = in_thread(post, c.decode.url, p_recompute, target)
+        t2, failed = in_thread(post, c.decode_fail.url, p_fail, target)
+        expect("stalled")
+        expect("stalled")
+        proc.send_signal(signal.SIGKILL)
+        t1.join(BOUND + 30)
+        t2.join(BOUND + 30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    (r, took), (r_fail, took_fail) = got[0], failed[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    assert_502(r_fail)
+    assert took < BOUND and took_fail < BOUND
+    assert fetches(c.decode.url, "timeout") == timeouts[0]
+    assert fetches(c.decode_fail.url, "timeout") == timeouts[1]
+    wait_idle(c.decode.url, 10)
+    wait_idle(c.prefill.url, 10)  # the relay released its lease on the real prefill worker
+
+
+# -- corrupted or mismatched pages ----------------------------------------------------------
+
+def _flip(b: bytes, at: int = 0) -> bytes:
+    return b[:at] + bytes([b[at] ^ 0x40]) + b[at + 1:]
+
+
+def _set(chunks, i, **fields):
+    kind = chunks[i].WhichOneof("kind")
+    for k, v in fields.items():
+        setattr(getattr(chunks[i], kind), k, v)
+    return chunks
+
+
+def _hashes(chunks, hashes):
+    h = chunks[0].header
+    del h.block_hashes[:]
+    h.block_hashes.extend(hashes)
+    return chunks
+
+
+# name -> (how the real prefill worker's reply is damaged, the fetch result it must cause)
+CORRUPTIONS = {
+    "wrong block hash": (lambda ch: _hashes(ch, [*ch[0].header.block_hashes[:-1],
+                                                 _flip(ch[0].header.block_hashes[-1])]),
+                         "invalid"),
+    "more blocks than asked": (lambda ch: _set(_hashes(ch, [*ch[0].header.block_hashes,
+                                                            b"\1" * 16]), 0,
+                                               layer_bytes=ch[0].header.layer_bytes
+                                               + BLOCK_BYTES // LAYERS), "invalid"),
+    "no blocks offered": (lambda ch: _set(_hashes(ch, []), 0, layer_bytes=0), "invalid"),
+    "other model": (lambda ch: _set(ch, 0, model_id="other-model"), "invalid"),
+    "wrong head count": (lambda ch: _set(ch, 0, num_kv_heads=KV_HEADS + 1), "invalid"),
+    "wrong layer count": (lambda ch: _set(ch, 0, num_layers=LAYERS - 1), "invalid"),
+    "wrong dtype": (lambda ch: _set(ch, 0, dtype="bfloat16"), "invalid"),
+    "wrong block size": (lambda ch: _set(ch, 0, block_size=2 * BS), "invalid"),
+    "wrong first block": (lambda ch: _set(ch, 0, first_block=1), "invalid"),
+    "wrong layer size": (lambda ch: _set(ch, 0, layer_bytes=ch[0].header.layer_bytes + 4),
+                         "invalid"),
+    "bad crc32": (lambda ch: _set(ch, -1, crc32=ch[-1].trailer.crc32 ^ 1), "invalid"),
+    "flipped page byte": (lambda ch: _set(ch, 7, data=_flip(ch[7].data.data, 1000)),
+                          "invalid"),
+    "truncated chunk": (lambda ch: _set(ch, 3, data=ch[3].data.data[:-1]), "invalid"),
+    "oversized chunk": (lambda ch: _set(ch, 1, data=b"\0" * (MAX_DATA_CHUNK + 1)), "invalid"),
+    "missing layer": (lambda ch: ch[:5] + ch[6:], "invalid"),
+    "duplicated chunk": (lambda ch: ch[:3] + ch[2:], "invalid"),
+    "data after the last layer": (lambda ch: ch[:-1] + [ch[1], ch[-1]], "invalid"),
+    "no header": (lambda ch: ch[1:], "invalid"),
+    "a second header": (lambda ch: ch[:1] + ch, "invalid"),
+    "trailer first": (lambda ch: ch[:1] + ch[-1:], "invalid"),
+    "cut before the trailer": (lambda ch: ch[:-1], "incomplete"),
+    "cut mid-layer": (lambda ch: ch[:4], "incomplete"),
+    "empty stream": (lambda ch: [], "incomplete"),
+}
+
+
+def proxy(damage):
+    async def behaviour(request, context, relay):
+        chunks = await relay(request)
+        assert len(chunks) == LAYERS + 2  # header, one data chunk per layer, trailer
+        for chunk in damage([worker_pb2.PageChunk.FromString(c.SerializeToString())
+                             for c in chunks]):
+            yield chunk
+    return behaviour
+
+
+def test_the_relay_itself_is_faithful(cluster):
+    """Control: the undamaged relay of the real prefill worker's pages is accepted."""
+    c = cluster
+    c.fake.behaviour = proxy(lambda ch: ch)
+    prompt = ids(400, 3 * BS + 5)
+    ok, got_bytes = fetches(c.decode.url, "ok"), fetched_bytes(c.decode.url)
+    assert text(c.decode.url, prompt, c.fake.target) == text(c.single.url, prompt)
+    assert fetches(c.decode.url, "ok") == ok + 1
+    assert fetched_bytes(c.decode.url) == got_bytes + 3 * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_damaged_pages_are_rejected_and_recomputed(cluster, name):
+    c = cluster
+    damage, result = CORRUPTIONS[name]
+    c.fake.behaviour = proxy(damage)
+    prompt = ids(500 + list(CORRUPTIONS).index(name), 3 * BS + 5)  # a prompt nobody holds
+    want = text(c.single.url, prompt)
+    count, got_bytes = fetches(c.decode.url, result), fetched_bytes(c.decode.url)
+    calls = c.fake.servicer.calls
+    assert text(c.decode.url, prompt, c.fake.target) == want
+    assert c.fake.servicer.calls == calls + 1
+    assert fetches(c.decode.url, result) == count + 1
+    assert fetched_bytes(c.decode.url) == got_bytes  # nothing was imported
+    wait_idle(c.decode.url, 10)  # and nothing stays pinned
+    # what the decode worker cached for this prompt is its own computation
+    assert text(c.decode.url, prompt) == want
+
+
+def test_damaged_pages_under_the_fail_policy_are_a_502(cluster):
+    c = cluster
+    c.fake.behaviour = proxy(CORRUPTIONS["bad crc32"][0])
+    prompt = ids(600, 3 * BS + 5)
+    invalid = fetches(c.decode_fail.url, "invalid")
+    r, took = post(c.decode_fail.url, prompt, c.fake.target)
+    assert_502(r)
+    assert "checksum" in r.json()["error"]["message"] and took < BOUND
+    assert fetches(c.decode_fail.url, "invalid") == invalid + 1
+    wait_idle(c.decode_fail.url, 10)
+    # the worker still serves, and computes the prompt itself without the header
+    assert text(c.decode_fail.url, prompt) == text(c.single.url, prompt)
+
+
+# -- leases: a decode worker that never acknowledges ------------------------------------------
+
+def prefill_request(prompt: list[int], lease_s: float = 30.0, **fields
+                    ) -> worker_pb2.PrefillRequest:
+    fields = {"request_id": "test", "model_id": BUNDLED_NAME, "token_ids": prompt,
+              "block_size": BS, "first_block": 0, "num_blocks": len(prompt) // BS,
+              "backend": "grpc", "lease_s": lease_s, **fields}
+    return worker_pb2.PrefillRequest(**fields)
+
+
+def usage(url: str) -> float:
+    return metric(url, "vllm:kv_cache_usage_perc")
+
+
+def wait_usage_zero(url: str, within: float) -> float:
+    """Seconds until the worker's KV usage is 0 (fails after `within`)."""
+    t0 = time.monotonic()
+    while usage(url) > 0:
+        assert time.monotonic() - t0 < within, f"KV usage still {usage(url)}"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_unacknowledged_pages_are_freed_when_the_lease_expires(cluster):
+    c = cluster
+    wait_idle(c.prefill.url, 10)
+    stub = c.stub()
+    chunks = list(stub.Prefill(prefill_request(ids(700, 8 * BS), lease_s=1.0), timeout=60))
+    assert chunks[0].WhichOneof("kind") == "header" and chunks[-1].WhichOneof("kind") == "trailer"
+    t0 = time.monotonic()
+    assert usage(c.prefill.url) > 0  # the sent blocks are pinned for the decode worker
+    freed_after = wait_usage_zero(c.prefill.url, 1.0 + 3.0)
+    assert time.monotonic() - t0 + 0.25 >= 0.5 or freed_after > 0  # not freed before the lease
+    # the (dead) decode worker's late acknowledgement finds nothing
+    lease = chunks[0].header.lease_id
+    assert not stub.ReleasePages(worker_pb2.ReleasePagesRequest(lease_id=lease),
+                                 timeout=10).released
+
+
+def test_an_acknowledgement_frees_the_pages_at_once(cluster):
+    c = cluster
+    wait_idle(c.prefill.url, 10)
+    stub = c.stub()
+    chunks = list(stub.Prefill(prefill_request(ids(710, 8 * BS), lease_s=600), timeout=60))
+    assert usage(c.prefill.url) > 0
+    release = worker_pb2.ReleasePagesRequest(lease_id=chunks[0].header.lease_id)
+    assert stub.ReleasePages(release, timeout=10).released
+    assert usage(c.prefill.url) == 0
+    assert not stub.ReleasePages(release, timeout=10).released  # at most once
+
+
+def test_a_stream_cancelled_midway_frees_the_pages_at_once(cluster):
+    c = cluster
+    wait_idle(c.prefill.url, 10)
+    # 40 blocks x 30 layers: 29 MB, far more than gRPC buffers, so the stream is still open
+    call = c.stub().Prefill(prefill_request(ids(720, 40 * BS), lease_s=600), timeout=60)
+    assert next(call).WhichOneof("kind") == "header"
+    assert next(call).WhichOneof("kind") == "data"
+    assert usage(c.prefill.url) > 0
+    call.cancel()
+    assert wait_usage_zero(c.prefill.url, 3.0) < 3.0  # not the 600 s lease
+
+
+def test_a_stream_cancelled_during_the_prefill_frees_the_pages(cluster):
+    """The decode worker gives up (timeout, death) while the prefill is still computing:
+    the finished prompt's blocks must not stay pinned with no lease to expire."""
+    c = cluster
+    wait_idle(c.prefill.url, 10)
+    call = c.stub().Prefill(prefill_request(ids(730, 500), lease_s=600), timeout=60)
+    deadline = time.monotonic() + 30
+    while metric(c.prefill.url, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    call.cancel()
+    wait_usage_zero(c.prefill.url, 30.0)
+    # the worker still prefills
+    chunks = list(c.stub().Prefill(prefill_request(ids(731, 2 * BS), lease_s=1.0), timeout=60))
+    assert chunks[-1].WhichOneof("kind") == "trailer"
+
+
+# -- invalid requests ---------------------------------------------------------------------------
+
+BASE = ids(800, 4 * BS + 3)
+INVALID = {
+    "wrong model": {"model_id": "other-model"},
+    "empty model": {"model_id": ""},
+    "wrong block size": {"block_size": 2 * BS},
+    "zero block size": {"block_size": 0},
+    "no blocks": {"num_blocks": 0},
+    "past the prompt's full blocks": {"num_blocks": 5},
+    "first block out of range": {"first_block": 4, "num_blocks": 1},
+    "huge first block": {"first_block": 2**32 - 1},
+    "token id = vocab size": {"token_ids": [*BASE[:-1], VOCAB]},
+    "token id 2^32-1": {"token_ids": [2**32 - 1, *BASE[1:]]},
+    "empty prompt": {"token_ids": []},
+    "prompt over the context window": {"token_ids": ids(801, 8192), "num_blocks": 1},
+    "unknown backend": {"backend": "carrier-pigeon"},
+    "no backend": {"backend": ""},
+    "lease too long": {"lease_s": 601.0},
+    "negative lease": {"lease_s": -1.0},
+    "NaN lease": {"lease_s": math.nan},
+    "infinite lease": {"lease_s": math.inf},
+    "request id too long": {"request_id": "r" * 300},
+    "cache salt too long": {"cache_salt": "s" * 5000},
+}
+
+
+def test_invalid_prefill_requests_are_invalid_argument(cluster):
+    c = cluster
+    stub = c.stub()
+    for name, fields in INVALID.items():
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Prefill(prefill_request(BASE, **fields), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value)
+    # nothing was computed or pinned, and the worker keeps serving
+    assert usage(c.prefill.url) == 0
+    assert httpx.get(c.prefill.url + "/health", timeout=5).status_code == 200
+    chunks = list(stub.Prefill(prefill_request(BASE, lease_s=5), timeout=60))
+    assert chunks[0].header.block_hashes and chunks[-1].WhichOneof("kind") == "trailer"
+    assert stub.ReleasePages(worker_pb2.ReleasePagesRequest(
+        lease_id=chunks[0].header.lease_id), timeout=10).released

@@ -1,0 +1,97 @@
+"""P/D through the router app, in-process, against stub workers that answer `/ready` like
+Tandem workers (roles, gRPC port, KV transfer backend): the header, the metrics, retries."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request, Response
+
+from tests.router.test_router_app import Served, router_app
+from tests.serving.conftest import free_port
+
+LONG = "The quick brown fox jumps over the lazy dog. " * 20  # ~225 tokens by text length
+
+
+def stub_worker(name: str, role: str, seen: list, status: int = 200) -> tuple[FastAPI, str]:
+    """A stub worker and its gRPC target (nothing listens there: no KV events, no load)."""
+    app = FastAPI()
+    grpc_port = free_port()
+
+    @app.get("/ready")
+    async def ready() -> dict:
+        return {"status": "ready", "role": role, "model": "stub-model", "grpc_port": grpc_port,
+                "kv_transfer_backend": "grpc", "block_size": 16}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict, request: Request) -> Response:
+        seen.append((name, request.headers.get("x-tandem-prefill")))
+        if status != 200:
+            return Response(status_code=status)
+        return Response(f'{{"choices": [{{"index": 0, "text": "{name}"}}]}}',
+                        media_type="application/json")
+
+    return app, f"127.0.0.1:{grpc_port}"
+
+
+def counter(url: str, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture()
+def cluster():
+    seen: list = []
+    apps = {"busy": stub_worker("busy", "decode", seen, status=503),
+            "decode": stub_worker("decode", "decode", seen),
+            "p1": stub_worker("p1", "prefill", seen), "p2": stub_worker("p2", "prefill", seen)}
+    servers = {name: Served(app) for name, (app, _) in apps.items()}
+    router = router_app([s.url for s in servers.values()])
+    deadline = time.monotonic() + 10
+    while httpx.get(router.url + "/ready", timeout=5).json().get("ready_workers", 0) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield router, seen, {name: target for name, (_, target) in apps.items()}
+    router.stop()
+    for s in servers.values():
+        s.stop()
+
+
+def post(router: Served, prompt: str) -> httpx.Response:
+    return httpx.post(router.url + "/v1/completions", timeout=10,
+                      json={"model": "stub-model", "prompt": prompt, "max_tokens": 1})
+
+
+def test_long_prompts_go_disaggregated_and_retries_keep_the_prefill_worker(cluster):
+    router, seen, targets = cluster
+    prefill_targets = {targets["p1"], targets["p2"]}
+    retried = 0
+    for n in range(1, 41):  # until "busy" (503) has been tried first a few times
+        seen.clear()
+        r = post(router, f"{n} {LONG}")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decode"
+        headers = [h for _, h in seen]
+        assert headers[0] in prefill_targets
+        assert all(h == headers[0] for h in headers), seen  # a retry keeps the prefill pick
+        retried += len(seen) > 1
+        if retried >= 2:
+            break
+    assert retried >= 2
+    assert counter(router.url, "tandem_router_disaggregated_requests_total",
+                   'backend="grpc"') == n
+    assert counter(router.url, "tandem_router_aggregated_requests_total") == 0
+
+
+def test_short_prompts_stay_aggregated(cluster):
+    router, seen, _ = cluster
+    for i in range(3):
+        seen.clear()
+        assert post(router, f"hi {i}").status_code == 200
+        assert all(h is None for _, h in seen)
+    assert counter(router.url, "tandem_router_aggregated_requests_total") == 3
+    assert counter(router.url, "tandem_router_disaggregated_requests_total") == 0
