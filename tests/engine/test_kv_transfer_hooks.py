@@ -1,0 +1,84 @@
+"""The KV manager's transfer hooks on plain values: kept blocks of finished `keep_kv`
+requests, and importing a chain of blocks that arrives from another worker."""
+
+from __future__ import annotations
+
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.request import RequestStatus
+from tandem.engine.scheduler import Scheduler
+from tandem.protocol.block_hash import HashKeys, hash_block_chain, root_hash
+from tandem.protocol.kv_events import BlockStored
+
+from .utils import make_request
+
+BS = 4
+
+
+def _run_to_end(sched: Scheduler, req) -> None:
+    while not req.is_finished:
+        out = sched.schedule()
+        sched.update_after_step(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.append_output_token(9)
+                if s.request.num_output_tokens >= s.request.max_tokens:
+                    sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+
+
+def test_a_keep_kv_request_keeps_its_blocks_until_released():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    req = make_request(list(range(10)), max_tokens=1)
+    req.keep_kv = True
+    sched.add_request(req)
+    _run_to_end(sched, req)
+    kept = kv.kept_blocks(req.request_id)
+    assert kept is not None and len(kept) == 3 and all(b.ref_cnt == 1 for b in kept)
+    assert kv.pool.num_free_blocks() == 13
+    assert kv.release_kept(req.request_id) and not kv.release_kept(req.request_id)
+    assert kv.pool.num_free_blocks() == 16 and all(b.ref_cnt == 0 for b in kept)
+
+
+def test_aborted_or_preempted_keep_kv_requests_keep_nothing():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    req = make_request(list(range(10)), max_tokens=5)
+    req.keep_kv = True
+    sched.add_request(req)
+    sched.update_after_step(sched.schedule())
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert kv.kept_blocks(req.request_id) is None
+    assert kv.pool.num_free_blocks() == 16
+
+
+def test_imported_blocks_are_pinned_registered_and_hit_by_the_next_request():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_events=True)
+    prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
+    keys = HashKeys()
+    chain = hash_block_chain(prompt, BS, keys)
+    pinned, fresh = kv.import_blocks(chain)
+    assert len(pinned) == 3 and fresh == [0, 1, 2]
+    kv.commit_import(pinned, chain, root_hash(keys), prompt[:3 * BS])
+    events = kv.pool.take_events()
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [tuple(chain)]
+    assert kv.pool.num_free_blocks() == 5  # pinned: not evictable
+    req = make_request(prompt, max_tokens=2)
+    hit, tokens = kv.get_computed_blocks(req)
+    assert hit == pinned and tokens == 3 * BS
+    # a second import of the same chain reuses the cached blocks: nothing to write
+    again, fresh2 = kv.import_blocks(chain)
+    assert again == pinned and fresh2 == [] and all(b.ref_cnt == 2 for b in pinned)
+    kv.unpin(again)
+    kv.unpin(pinned)
+    assert kv.pool.num_free_blocks() == 8
+    assert kv.pool.get_cached_block(chain[0]) is pinned[0]  # still cached after unpinning
+
+
+def test_an_import_stops_where_the_pool_runs_out():
+    kv = KVCacheManager(num_blocks=2, block_size=BS)
+    chain = hash_block_chain(list(range(20)), BS, HashKeys())  # 5 blocks
+    pinned, fresh = kv.import_blocks(chain)
+    assert len(pinned) == 2 and fresh == [0, 1] and kv.pool.num_free_blocks() == 0
+    kv.commit_import(pinned, chain, root_hash(HashKeys()), list(range(8)))
+    assert kv.pool.get_cached_block(chain[1]) is pinned[1]
+    assert kv.pool.get_cached_block(chain[2]) is None
