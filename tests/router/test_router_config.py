@@ -53,3 +53,13 @@ def test_malformed_redis_urls_stop_start_up_with_the_flag_named(tmp_path):
     cfg.write_text("rate_limits: {default: {requests_per_s: 1}}\n")
     with pytest.raises(SystemExit, match="--redis: Redis URL must specify"):
         build(_args("--workers", "http://a:8000", "--config", str(cfg), "--redis", "x://y"))
+
+
+def test_pd_threshold_from_yaml_and_flag(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\npd_threshold: 128\n")
+    assert build(_args("--workers", "http://a:1"))[1].settings.pd_threshold == 16
+    assert build(_args("--config", str(cfg)))[1].settings.pd_threshold == 128
+    assert build(_args("--config", str(cfg), "--pd-threshold", "0"))[1].settings.pd_threshold == 0
+    with pytest.raises(SystemExit):
+        build(_args("--workers", "http://a:1", "--pd-threshold", "-1"))

@@ -3,9 +3,9 @@
 Per worker, three loops on the router's event loop:
 
 * readiness: `GET /ready` every `probe_interval_s` (Tandem workers answer with their model,
-  role, block size and gRPC port); servers without `/ready` (stock vLLM) are probed with
-  `/health` + `/v1/models` and routed in approximate mode. A failed probe marks the worker
-  unready at once; it rejoins on the next good probe.
+  role, block size, gRPC port and KV transfer backend); servers without `/ready` (stock
+  vLLM) are probed with `/health` + `/v1/models` and routed in approximate mode. A failed
+  probe marks the worker unready at once; it rejoins on the next good probe.
 * KV events (Tandem workers with a gRPC port): `SubscribeKVEvents` - the snapshot resets the
   worker's entries in the index, live events update them; a sequence gap or a broken stream
   drops its entries and resubscribes after a jittered backoff.

@@ -1,0 +1,102 @@
+"""`tandem serve`: which processes it starts (`_plan`), and P/D end to end."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tandem.cli import _plan
+from tests.serving.conftest import free_port
+
+
+def _args(workers: int | None = None, prefill: int = 0, decode: int = 0,
+          pd_threshold: int | None = None) -> argparse.Namespace:
+    return argparse.Namespace(host="127.0.0.1", port=8000, log_level="INFO", workers=workers,
+                              prefill=prefill, decode=decode, pd_threshold=pd_threshold)
+
+
+def _ports():
+    counter = itertools.count(9000)
+    return lambda host: next(counter)
+
+
+def _opt(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_default_is_one_aggregated_worker():
+    d = _plan(_args(), [], _ports())
+    assert [role for role, _, _ in d.workers] == ["both"]
+    assert _opt(d.workers[0][2], "--num-threads") is None  # one worker: all cores
+    assert _opt(d.router, "--workers") == "http://127.0.0.1:9000"
+    assert "--pd-threshold" not in d.router and d.describe() == "1 worker(s)"
+
+
+def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
+    d = _plan(_args(prefill=2, decode=1, pd_threshold=64), ["--num-kv-blocks", "256"],
+              _ports())
+    assert [role for role, _, _ in d.workers] == ["prefill", "prefill", "decode"]
+    for (role, url, cmd), port in zip(d.workers, (9000, 9002, 9004), strict=True):
+        assert cmd[cmd.index("worker") - 2:cmd.index("worker")] == ["--log-level", "INFO"]
+        assert url == f"http://127.0.0.1:{port}" and _opt(cmd, "--port") == str(port)
+        assert _opt(cmd, "--grpc-port") == str(port + 1) and _opt(cmd, "--role") == role
+        assert _opt(cmd, "--num-kv-blocks") == "256"
+        cores = len(os.sched_getaffinity(0))
+        assert _opt(cmd, "--num-threads") == str(max(1, cores // 3))  # the cores, split
+    assert _opt(d.router, "--workers").split(",") == [url for _, url, _ in d.workers]
+    assert _opt(d.router, "--pd-threshold") == "64"
+    assert d.describe() == "2 prefill + 1 decode workers"
+
+
+def test_aggregated_workers_may_join_a_pd_deployment():
+    d = _plan(_args(workers=1, prefill=1, decode=1), ["--num-threads", "3"], _ports())
+    assert [role for role, _, _ in d.workers] == ["both", "prefill", "decode"]
+    assert all(cmd.count("--num-threads") == 1 for _, _, cmd in d.workers)  # the user's
+    assert d.describe() == "1 aggregated + 1 prefill + 1 decode workers"
+
+
+@pytest.mark.parametrize("kwargs", [{"prefill": 1}, {"decode": 2}, {"workers": 0},
+                                    {"workers": -1}, {"prefill": -1, "decode": 1}])
+def test_bad_worker_counts_are_refused(kwargs):
+    with pytest.raises(SystemExit):
+        _plan(_args(**kwargs), [], _ports())
+
+
+@pytest.mark.slow
+def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--prefill", "1",
+         "--decode", "1", "--pd-threshold", "32", "--num-kv-blocks", "256"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Press Ctrl-C" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        assert "1 prefill + 1 decode workers" in text
+        assert "(prefill)" in text and "(decode)" in text
+        for content in ("Hi", "Tell me about rivers. " * 20):  # short, then long
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert "tandem_router_aggregated_requests_total 1.0" in metrics, metrics
+        assert 'tandem_router_disaggregated_requests_total{backend="grpc"} 1.0' in metrics
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
