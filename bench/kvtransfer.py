@@ -113,13 +113,16 @@ async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
     req = worker_pb2.PrefillRequest(request_id="bench", model_id=MODEL, num_blocks=n,
                                     block_size=BLOCK, backend=backend.name)
     t0 = time.perf_counter()
-    await backend.prepare(req)
-    call = stub(req)
-    it = call.__aiter__()
-    header = (await it.__anext__()).header
-    expected = [i.to_bytes(32, "little") for i in range(n)]
-    got = check_header(header, layout, 0, expected)
-    pages = await backend.receive(req, layout, got, it)
+    await backend.prepare(req, "bench")
+    try:
+        call = stub(req)
+        it = call.__aiter__()
+        header = (await it.__anext__()).header
+        expected = [i.to_bytes(32, "little") for i in range(n)]
+        got = check_header(header, layout, 0, expected)
+        pages = await backend.receive(req, layout, got, it)
+    finally:
+        await backend.release(req)
     dt_s = time.perf_counter() - t0
     return dt_s, sum(p.numel() * p.element_size() for p in pages)
 

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation between real worker processes over real gRPC: greedy tokens
-through prefill -> transfer -> decode equal a single aggregated worker's, only missing
-blocks travel, and the failure policies hold."""
+through prefill -> transfer -> decode equal a single aggregated worker's (with the `grpc` and
+the `torch` transfer backends), only missing blocks travel, and the failure policies hold."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ def fetched_bytes(url: str) -> float:
     return metric(url, "tandem_kvtransfer_received_bytes_total")
 
 
-def fetches(url: str, result: str) -> float:
+def fetches(url: str, result: str, backend: str = "") -> float:
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("tandem_kvtransfer_fetches_total{") and f'result="{result}"' in line:
+        if (line.startswith("tandem_kvtransfer_fetches_total{") and f'result="{result}"' in line
+                and (not backend or f'backend="{backend}"' in line)):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -40,12 +41,16 @@ def pd(tmp_path_factory):
     decode = start_worker(tmp, "--role", "decode", "--grpc-port", str(free_port()), *common,
                           wait_ready=False)
     single = start_worker(tmp, "--role", "both", *common, wait_ready=False)
+    torch_decode = start_worker(tmp, "--role", "decode", "--kv-transfer-backend", "torch",
+                                "--kv-transfer-host", "127.0.0.1", *common, wait_ready=False)
+    workers = (prefill, decode, single, torch_decode)
     try:
-        for w in (prefill, decode, single):
+        for w in workers:
             wait_for(w, "/ready", 200, timeout=240)
-        yield prefill, decode, single, f"127.0.0.1:{grpc_port}"
+        yield prefill, {"grpc": decode, "torch": torch_decode}, single, \
+            f"127.0.0.1:{grpc_port}"
     finally:
-        for w in (prefill, decode, single):
+        for w in workers:
             w.stop()
 
 
@@ -63,8 +68,10 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def test_disaggregated_tokens_equal_a_single_worker(pd):
-    prefill, decode, single, target = pd
+@pytest.mark.parametrize("backend", ["grpc", "torch"])
+def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
+    prefill, decoders, single, target = pd
+    decode = decoders[backend]
     doc = ids(1, 300)
     cases = [
         ("one block and a token", ids(2, BS + 1), {}),
@@ -82,10 +89,12 @@ def test_disaggregated_tokens_equal_a_single_worker(pd):
         assert got == want, name
     assert fetches(decode.url, "ok") >= len(cases) - 1
     assert fetched_bytes(decode.url) > 0
+    assert fetches(decode.url, "ok", backend) >= len(cases) - 1  # through `backend`
 
 
 def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
-    prefill, decode, _, target = pd
+    prefill, decoders, _, target = pd
+    decode = decoders["grpc"]
     head = ids(10, 20 * BS)
     before = fetched_bytes(decode.url)
     complete(decode.url, head + ids(11, 5), prefill=target)
@@ -101,7 +110,8 @@ def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
 
 
 def test_an_unreachable_prefill_worker_is_recomputed_locally(pd):
-    _, decode, single, _ = pd
+    _, decoders, single, _ = pd
+    decode = decoders["grpc"]
     prompt = ids(20, 5 * BS + 2)
     failed = fetches(decode.url, "unavailable") + fetches(decode.url, "rpc")
     got = complete(decode.url, prompt, prefill=f"127.0.0.1:{free_port()}")
@@ -110,7 +120,7 @@ def test_an_unreachable_prefill_worker_is_recomputed_locally(pd):
 
 
 def test_a_malformed_prefill_target_is_a_400(pd):
-    _, decode, _, _ = pd
+    decode = pd[1]["grpc"]
     r = httpx.post(decode.url + "/v1/completions", headers={"x-tandem-prefill": "no-port"},
                    json={"model": BUNDLED_NAME, "prompt": "hi", "max_tokens": 1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-tandem-prefill"

@@ -5,7 +5,7 @@
 (decode side: `RemotePrefill`). Importing the package registers the built-in backends.
 """
 
-from tandem.kvtransfer import grpc_backend  # noqa: F401 - registers "grpc"
+from tandem.kvtransfer import grpc_backend, torch_backend  # noqa: F401 - register themselves
 from tandem.kvtransfer.base import BACKENDS, TransferBackend, make_backend, register_backend
 from tandem.kvtransfer.pages import KVTransferError, PageLayout
 

@@ -9,9 +9,11 @@ crc32) last; the backend decides how the page bytes travel in between:
   layer in a pair process group (NCCL between GPUs, gloo on CPU).
 
 Sender side (prefill worker): `send(job)` yields the stream messages after the header.
-Receiver side (decode worker): `prepare(request)` fills the request's backend fields before
-the call, `receive(...)` returns the validated per-layer tensors (or raises
-`KVTransferError`); nothing it returns has touched the receiver's cache yet.
+Receiver side (decode worker): `configure(...)` once, then per transfer `prepare(request,
+peer)` fills the request's backend fields before the call, `receive(...)` returns the
+validated per-layer tensors (or raises `KVTransferError`; nothing it returns has touched the
+receiver's cache yet), and `release(request)` always ends the transfer, whether or not
+`receive` ran or succeeded.
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ class SendJob:
 class TransferBackend(ABC):
     name: str
 
-    async def prepare(self, request: worker_pb2.PrefillRequest) -> None:
-        """Receiver: fill the backend's fields of `request` before calling Prefill."""
+    def configure(self, *, device: torch.device, advertise_host: str) -> None:
+        """Receiver: where its KV cache lives and the address its peers reach it at."""
+        return None
+
+    async def prepare(self, request: worker_pb2.PrefillRequest, peer: str) -> None:
+        """Receiver: fill the backend's fields of `request` before calling Prefill on `peer`
+        (the prefill worker's host:port)."""
         return None
 
     @abstractmethod
@@ -54,6 +61,11 @@ class TransferBackend(ABC):
                       ) -> list[torch.Tensor]:
         """Receiver: every layer's `[2, num_blocks, kvh, bs, dim]` pages, checksum verified;
         `stream` is the reply stream after the header."""
+
+    async def release(self, request: worker_pb2.PrefillRequest) -> None:
+        """Receiver: the transfer `prepare` set up is over (received, failed or never
+        started); free or recycle what it reserved. Must not block: it runs on cancellation."""
+        return None
 
     async def close(self) -> None:
         """Release connections and process groups."""

@@ -48,6 +48,7 @@ class RemotePrefillSettings:
     policy: str = "recompute"  # on failure: "recompute" locally or "fail" the request
     timeout_s: float = 30.0  # the whole fetch: prefill compute + transfer + import
     lease_s: float = 30.0
+    advertise_host: str = "127.0.0.1"  # torch backend: where prefill workers reach this one
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -75,6 +76,8 @@ class RemotePrefill:
         self.layout = PageLayout.of(model_id, engine.engine.runner.kv_caches)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
+        self._backend.configure(device=engine.engine.runner.kv_caches[0][0].device,
+                                advertise_host=self.settings.advertise_host)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         ch = self._channels.get(target)
@@ -115,12 +118,16 @@ class RemotePrefill:
             num_blocks=num, backend=self.settings.backend, lease_s=self.settings.lease_s)
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                await self._backend.prepare(req)
-                call = prefill_method(self._channel(target))(req)
+                await self._backend.prepare(req, target)
                 try:
-                    pages, header, n = await self._receive(req, call, chain[first:], first)
+                    call = prefill_method(self._channel(target))(req)
+                    try:
+                        pages, header, n = await self._receive(req, call, chain[first:],
+                                                               first)
+                    finally:
+                        call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:
-                    call.cancel()  # a no-op once complete; frees the stream otherwise
+                    await self._backend.release(req)
                 parent = chain[first - 1] if first else root_hash(
                     HashKeys(self.model_id, "", cache_salt))
                 hashes = chain[first:first + n]

@@ -71,15 +71,38 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests may take to finish after SIGTERM")
     p.add_argument("--kv-transfer-backend", default="grpc", choices=["grpc", "torch"],
                    help="decode side of P/D: how pages come from prefill workers")
+    p.add_argument("--kv-transfer-host", default="127.0.0.1",
+                   help="torch backend: the address prefill workers reach this decode "
+                        "worker's torch.distributed store at")
     p.add_argument("--kv-transfer-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a remote prefill fails: compute locally, or fail the request")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                    help="seconds for a whole remote prefill (compute, transfer, import)")
     p.add_argument("--kv-lease", type=float, default=30.0,
                    help="seconds a prefill worker keeps sent pages pinned unless released")
+    p.add_argument("--model-sha256", default=None, metavar="HEX",
+                   help="refuse to serve unless the model's SHA-256 is HEX (a .gguf: the "
+                        "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
     p.add_argument("--grpc-tls-dir", default=None,
                    help="mutual TLS on gRPC: a directory with tls.crt, tls.key, ca.crt "
                         "(a mounted Kubernetes TLS Secret)")
+
+
+def check_model_digest(model: str | None, expected: str) -> None:
+    """Before anything loads: the model (`--model`, else the bundled GGUF) must hash to
+    `expected`, or the process exits with both digests in the message."""
+    from tandem.protocol.bundled import find_bundled_gguf
+    from tandem.serving.digest import DigestMismatchError, verify_model
+
+    path = model or find_bundled_gguf()
+    if path is None:
+        raise SystemExit("--model-sha256: no --model and the bundled model is not installed")
+    started = time.monotonic()
+    try:
+        digest = verify_model(path, expected)
+    except (DigestMismatchError, OSError) as exc:
+        raise SystemExit(f"--model-sha256: {exc}") from exc
+    logger.info("model digest verified: sha256 %s (%.1fs)", digest, time.monotonic() - started)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     from tandem.kvtransfer.tls import TLSFiles
     from tandem.serving.api_server import ServerSettings, build_app
 
+    if args.model_sha256:
+        check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
     name = config.model_name
     tls = TLSFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
@@ -100,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
     kv = RemotePrefillSettings(backend=args.kv_transfer_backend,
                                policy=args.kv_transfer_policy,
-                               timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease)
+                               timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease,
+                               advertise_host=args.kv_transfer_host)
     settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
