@@ -18,6 +18,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	bash scripts/ensure_redis.sh
+	bash scripts/fetch_helm.sh  # helm for tests/chart/, into .tools/bin (ignored)
 	$(VENV)/bin/ruff check src tests bench
 	$(PY) -m pytest -q
 

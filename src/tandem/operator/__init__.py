@@ -1,1 +1,2 @@
-"""kopf operator for InferenceService resources (arrives with issue [5/5])."""
+"""The InferenceService operator: `spec` (the CR's spec as dataclasses) and `render` (pure
+spec -> manifests). Imports neither torch nor `tandem.engine` (a test enforces it)."""

@@ -1,0 +1,48 @@
+"""Pure render functions: a parsed InferenceService spec -> the manifests (plain dicts) of
+its children, each owned by the InferenceService. No I/O, no Kubernetes client."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env
+from tandem.operator.render.monitoring import hpa, service_monitor
+from tandem.operator.render.router import render_router, router_endpoint, router_name
+from tandem.operator.render.workers import (
+    Pool,
+    pool_config_hash,
+    pool_name,
+    pool_selector,
+    pools,
+    render_workers,
+)
+from tandem.operator.spec import InferenceServiceSpec, check_name
+
+__all__ = ["DEFAULT_IMAGE", "Owner", "Pool", "image_from_env", "pool_config_hash", "pool_name",
+           "pool_selector", "pools", "render_all", "router_endpoint", "router_name"]
+
+
+def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = None,
+               image_pull_policy: str | None = None,
+               replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every child manifest, in an order that can be applied front to back (RBAC and config
+    before the pods that use them). `image` is the operator's default (spec.image wins; see
+    `image_from_env`); `replicas` (pool name -> count) overrides the spec's, as an
+    autoscaler decides."""
+    check_name(owner.name)
+    img = spec.image or image or DEFAULT_IMAGE
+    out = render_router(spec, owner, img) + render_workers(spec, owner, img, replicas)
+    if image_pull_policy:
+        for doc in out:
+            if doc["kind"] == "Deployment":
+                pod = doc["spec"]["template"]["spec"]
+                for c in pod["containers"] + pod.get("initContainers", []):
+                    c["imagePullPolicy"] = image_pull_policy
+    for pool in pools(spec):
+        auto = pool.spec.autoscaling
+        if auto is not None and auto.mode == "hpa":
+            out.append(hpa(owner, pool, auto))
+    if spec.service_monitor:
+        out.append(service_monitor(spec, owner))
+    return out

@@ -1,0 +1,42 @@
+"""Optional extras: a ServiceMonitor (Prometheus Operator) for the router and worker Services,
+and per pool with `autoscaling.mode: hpa` a HorizontalPodAutoscaler on the pool's signal,
+read per pod through a custom-metrics adapter (names in `tandem.operator.spec.SIGNALS`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.operator.render.common import HTTP_PORT_NAME, Owner, metadata
+from tandem.operator.render.workers import Pool, pool_name
+from tandem.operator.spec import AutoscalingSpec, InferenceServiceSpec, signal_for
+from tandem.protocol.labels import SERVICE_LABEL, WORKER_COMPONENT
+
+
+def service_monitor(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
+    """Scrapes `/metrics` on the `http` port of every Service of this InferenceService."""
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": metadata(owner, owner.name, "metrics"),
+            "spec": {"selector": {"matchLabels": {SERVICE_LABEL: owner.name}},
+                     "namespaceSelector": {"matchNames": [owner.namespace]},
+                     "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics",
+                                    "interval": spec.scrape_interval}]}}
+
+
+def quantity(value: float) -> str:
+    """A Kubernetes quantity: whole numbers as they are, else in thousandths ("800m")."""
+    return str(int(value)) if value == int(value) else f"{round(value * 1000)}m"
+
+
+def hpa(owner: Owner, pool: Pool, auto: AutoscalingSpec) -> dict[str, Any]:
+    name = pool_name(owner, pool)
+    metric = signal_for(auto.signal, pool.role).hpa_metric
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": metadata(owner, name, WORKER_COMPONENT, pool.role),
+            "spec": {
+                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                "minReplicas": auto.min_replicas, "maxReplicas": auto.max_replicas,
+                "metrics": [{"type": "Pods", "pods": {
+                    "metric": {"name": metric},
+                    "target": {"type": "AverageValue", "averageValue": quantity(auto.target)}}}],
+                "behavior": {"scaleDown": {
+                    "stabilizationWindowSeconds": auto.scale_down_stabilization_seconds}}}}

@@ -1,0 +1,201 @@
+"""Worker pools: a Deployment, a headless Service (whose EndpointSlices the routers watch)
+and a PodDisruptionBudget per pool.
+
+Disaggregated (`prefill.replicas > 0`): pools `prefill` (role prefill) and `decode` (role
+decode). Aggregated: one pool `worker` (role both) built from `spec.decode`. Pods drain on
+SIGTERM (`tandem worker --drain-timeout`): the preStop sleep lets the routers drop the
+endpoint first, and the grace period covers sleep + drain + shutdown.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.render.common import (
+    CONFIG_HASH,
+    GRPC_PORT,
+    GRPC_PORT_NAME,
+    HTTP_PORT,
+    HTTP_PORT_NAME,
+    PRE_STOP_SECONDS,
+    Owner,
+    base_env,
+    config_hash,
+    container_security_context,
+    http_probe,
+    labels,
+    metadata,
+    pdb,
+    pod_security_context,
+    pre_stop,
+    scrape_annotations,
+    scratch_volumes,
+)
+from tandem.operator.render.model import worker_model
+from tandem.operator.spec import InferenceServiceSpec, PoolSpec
+from tandem.protocol.labels import WORKER_COMPONENT
+
+TLS_DIR = "/etc/tandem/tls"
+SHUTDOWN_SLACK_SECONDS = 15  # after the drain: uvicorn's graceful stop, engine shutdown
+STARTUP_SECONDS = 1800  # digest check + (download) before /health answers; then liveness
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str  # "prefill" | "decode" | "worker"
+    role: str  # "prefill" | "decode" | "both"
+    spec: PoolSpec
+
+
+def pools(spec: InferenceServiceSpec) -> list[Pool]:
+    if spec.disaggregated:
+        return [Pool("prefill", "prefill", spec.prefill), Pool("decode", "decode", spec.decode)]
+    return [Pool("worker", "both", spec.decode)]
+
+
+def pool_name(owner: Owner, pool: Pool) -> str:
+    return f"{owner.name}-{pool.name}"
+
+
+def pool_selector(owner: Owner, pool: Pool) -> str:
+    """The pool's label selector as a string (the scale subresource's `status.selector`)."""
+    return ",".join(f"{k}={v}" for k, v in labels(owner, WORKER_COMPONENT, pool.role).items())
+
+
+def _threads(pool: PoolSpec) -> int | None:
+    """numThreads, else the CPU limit rounded up (torch would take every host core)."""
+    if pool.engine.num_threads is not None:
+        return pool.engine.num_threads
+    cpu = str((pool.resources.get("limits") or {}).get("cpu", ""))
+    if not cpu:
+        return None
+    cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    return max(1, math.ceil(cores))
+
+
+def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) -> list[str]:
+    """`tandem worker` arguments for one pool (after the `tandem` command)."""
+    e, kv, m = pool.spec.engine, spec.kv_transfer, spec.model
+    args = ["worker", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--grpc-port", str(GRPC_PORT), "--role", pool.role,
+            "--served-model-name", m.served_name]
+    optional: list[tuple[str, Any]] = [
+        ("--model", model_path), ("--model-sha256", m.sha256), ("--dtype", m.dtype),
+        ("--block-size", e.block_size), ("--max-num-seqs", e.max_num_seqs),
+        ("--max-num-batched-tokens", e.max_num_batched_tokens),
+        ("--max-model-len", e.max_model_len), ("--kv-cache-memory", e.kv_cache_memory),
+        ("--num-kv-blocks", e.num_kv_blocks), ("--max-waiting", e.max_waiting),
+        ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds)]
+    if pool.role == "decode":  # the side that pulls pages from prefill workers
+        optional += [("--kv-transfer-backend", kv.backend), ("--kv-transfer-policy", kv.policy),
+                     ("--kv-transfer-timeout", f"{kv.timeout_seconds:g}")]
+        if kv.backend == "torch":
+            optional.append(("--kv-transfer-host", "$(POD_IP)"))
+    if kv.tls_secret:
+        optional.append(("--grpc-tls-dir", TLS_DIR))
+    for flag, value in optional:
+        if value is not None:
+            args += [flag, str(value)]
+    if not e.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    return args
+
+
+def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
+    """Model + engine args (+ the KV transfer settings a decode pool runs with): what rolls
+    the pool when it changes; replicas are not in it."""
+    kv = spec.kv_transfer if pool.role == "decode" else None
+    return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret)
+
+
+def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
+                      replicas: int | None) -> dict[str, Any]:
+    """The pool's Deployment; `replicas` None leaves the count to an HPA."""
+    volumes, mounts = scratch_volumes()
+    model = worker_model(spec.model, image, mounts)
+    volumes += model.volumes
+    mounts = mounts + model.mounts
+    if spec.kv_transfer.tls_secret:
+        volumes.append({"name": "grpc-tls", "secret": {
+            "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
+        mounts.append({"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True})
+    if pool.spec.gpus or spec.kv_transfer.backend == "torch":  # NCCL / gloo shared memory
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "worker", "image": image, "command": ["tandem"],
+        "args": worker_args(spec, pool, model.path),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": GRPC_PORT_NAME, "containerPort": GRPC_PORT, "protocol": "TCP"}],
+        "env": base_env(),
+        "readinessProbe": http_probe("/ready", period=5, failures=2),
+        "livenessProbe": http_probe("/health", period=10, failures=3, timeout=5),
+        "startupProbe": http_probe("/health", period=10, failures=STARTUP_SECONDS // 10),
+        "lifecycle": pre_stop(), "securityContext": container_security_context(),
+        "volumeMounts": mounts, "terminationMessagePolicy": "FallbackToLogsOnError"}
+    if pool.spec.resources:
+        container["resources"] = copy.deepcopy(pool.spec.resources)
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False, "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": (PRE_STOP_SECONDS + pool.spec.engine.drain_timeout_seconds
+                                          + SHUTDOWN_SLACK_SECONDS),
+        "containers": [container], "volumes": volumes}
+    if model.init_containers:
+        pod["initContainers"] = model.init_containers
+    if pool.spec.node_selector:
+        pod["nodeSelector"] = dict(pool.spec.node_selector)
+    if pool.spec.tolerations:
+        pod["tolerations"] = copy.deepcopy(list(pool.spec.tolerations))
+    name = pool_name(owner, pool)
+    meta = metadata(owner, name, WORKER_COMPONENT, pool.role)
+    deploy_spec: dict[str, Any] = {
+        "selector": {"matchLabels": labels(owner, WORKER_COMPONENT, pool.role)},
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "revisionHistoryLimit": 3,
+        "template": {"metadata": {
+            "labels": dict(meta["labels"]),
+            "annotations": {CONFIG_HASH: pool_config_hash(spec, pool), **scrape_annotations(),
+                            "kubectl.kubernetes.io/default-container": "worker"}},
+            "spec": pod}}
+    if replicas is not None:
+        deploy_spec = {"replicas": replicas, **deploy_spec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": deploy_spec}
+
+
+def worker_service(owner: Owner, pool: Pool) -> dict[str, Any]:
+    """Headless: routers reach pods by IP; its labels reach the EndpointSlices they watch."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role),
+            "spec": {"clusterIP": "None",
+                     "selector": labels(owner, WORKER_COMPONENT, pool.role),
+                     "ports": [{"name": HTTP_PORT_NAME, "port": HTTP_PORT,
+                                "targetPort": HTTP_PORT_NAME, "protocol": "TCP"},
+                               {"name": GRPC_PORT_NAME, "port": GRPC_PORT,
+                                "targetPort": GRPC_PORT_NAME, "protocol": "TCP"}]}}
+
+
+def desired_replicas(pool: Pool, override: Mapping[str, int] | None) -> int | None:
+    """The count to render: None under an HPA; an autoscaler's choice (`override`, by pool
+    name) or the spec's, kept within the autoscaling bounds."""
+    auto = pool.spec.autoscaling
+    if auto is not None and auto.mode == "hpa":
+        return None
+    n = (override or {}).get(pool.name, pool.spec.replicas)
+    return n if auto is None else min(max(n, auto.min_replicas), auto.max_replicas)
+
+
+def render_workers(spec: InferenceServiceSpec, owner: Owner, image: str,
+                   replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for pool in pools(spec):
+        out.append(worker_deployment(spec, owner, pool, image, desired_replicas(pool, replicas)))
+        out.append(worker_service(owner, pool))
+        out.append(pdb(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role))
+    return out

@@ -1,0 +1,288 @@
+"""An InferenceService's spec as typed, frozen dataclasses (`parse_spec`).
+
+Defaults are those of `crds/inferenceservice.yaml` (a test holds the two together), so a spec
+that skipped the API server's defaulting parses the same. Checks the schema cannot express
+raise `SpecError`; the CEL rules of the CRD are repeated here, for clusters or callers that
+never ran them. Field names follow the CRD (camelCase) in messages.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.operator.fields import (
+    GPU,
+    get,
+    get_enum,
+    get_int,
+    get_num,
+    get_obj,
+    kv_memory,
+    resources,
+)
+from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
+
+__all__ = ["SpecError", "ModelSource", "InferenceServiceSpec", "parse_spec", "check_name",
+           "SIGNALS", "MAX_NAME"]
+
+MAX_NAME = 52  # the longest child Service name, NAME-prefill, stays a 63-character label
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Signal:
+    """An autoscaling signal: the worker's Prometheus metric and the HPA adapter's name."""
+
+    worker_metric: str  # as on the worker's /metrics; a `_total` counter when `rate`
+    hpa_metric: str  # the per-pod metric a metrics adapter must expose for `mode: hpa`
+    rate: bool = False  # per second, from a counter
+
+
+# tokens/s counts prompt tokens on a prefill pool (see `signal_for`)
+SIGNALS = {
+    "waitingRequests": Signal("vllm:num_requests_waiting", "vllm_num_requests_waiting"),
+    "kvUtilization": Signal("vllm:kv_cache_usage_perc", "vllm_kv_cache_usage_perc"),
+    "tokensPerSecond": Signal("vllm:generation_tokens_total",
+                              "vllm_generation_tokens_per_second", rate=True),
+}
+_PROMPT_TOKENS = Signal("vllm:prompt_tokens_total", "vllm_prompt_tokens_per_second", rate=True)
+
+
+def signal_for(signal: str, role: str) -> Signal:
+    return _PROMPT_TOKENS if signal == "tokensPerSecond" and role == "prefill" else SIGNALS[signal]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    source: ModelSource
+    sha256: str | None = None
+    name: str | None = None  # served name; default `source.default_name`
+    dtype: str | None = None  # None: the worker's default
+
+    @property
+    def served_name(self) -> str:
+        return self.name or self.source.default_name
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """`tandem worker` engine flags; None leaves the worker's default."""
+
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: str | None = None  # `--kv-cache-memory`: a fraction or bytes
+    num_kv_blocks: int | None = None
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    drain_timeout_seconds: int = 30
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    max_replicas: int
+    target: float
+    mode: str = "operator"  # "operator" (the operator's timer) | "hpa"
+    min_replicas: int = 1
+    signal: str = "waitingRequests"
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    replicas: int
+    resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    engine: EngineArgs = EngineArgs()
+    autoscaling: AutoscalingSpec | None = None
+
+    @property
+    def gpus(self) -> int:
+        return int((self.resources.get("limits") or {}).get(GPU, 0))
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    requests_per_second: float = 0.0  # 0 = unlimited
+    burst_requests: float = 0.0
+    tokens_per_minute: float = 0.0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    policy: str = "cache-aware"
+    weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
+    pd_threshold: int = 16
+    api_keys_secret: str | None = None
+    api_keys_key: str = "api-keys"
+    rate_limit: RateLimit | None = None
+    tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+    redis_url: str | None = None
+    shared_index: bool = False
+    service_type: str = "ClusterIP"
+    resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    backend: str = "grpc"
+    policy: str = "recompute"
+    timeout_seconds: float = 30.0
+    tls_secret: str | None = None
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec
+    router: RouterSpec
+    prefill: PoolSpec
+    decode: PoolSpec  # the aggregated pool (role both) when prefill.replicas is 0
+    kv_transfer: KVTransferSpec = KVTransferSpec()
+    service_monitor: bool = False
+    scrape_interval: str = "30s"
+    image: str | None = None  # None: the operator's default image
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill.replicas > 0
+
+
+def check_name(name: str) -> None:
+    """An InferenceService name whose children's names all stay valid."""
+    if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
+        raise SpecError(f"name {name!r}: a DNS label of at most {MAX_NAME} characters "
+                        "(children are named NAME-prefill, NAME-decode, NAME-router)")
+
+
+def _engine(d: dict, where: str) -> EngineArgs:
+    w = f"{where}.engine"
+    return EngineArgs(
+        block_size=get_int(d, "blockSize", 16, w, 1, 256),
+        max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
+        max_num_batched_tokens=get_int(d, "maxNumBatchedTokens", None, w, 1),
+        max_model_len=get_int(d, "maxModelLen", None, w, 1),
+        kv_cache_memory=kv_memory(get(d, "kvCacheMemory", str, None, w)),
+        num_kv_blocks=get_int(d, "numKvBlocks", None, w, 1),
+        max_waiting=get_int(d, "maxWaiting", 4096, w, 1),
+        enable_prefix_caching=get(d, "enablePrefixCaching", bool, True, w),
+        num_threads=get_int(d, "numThreads", None, w, 1, 1024),
+        drain_timeout_seconds=get_int(d, "drainTimeoutSeconds", 30, w, 0, 3600))
+
+
+def _autoscaling(d: dict[str, Any] | None, where: str) -> AutoscalingSpec | None:
+    if d is None:
+        return None
+    w = f"{where}.autoscaling"
+    for key in ("maxReplicas", "target"):
+        if key not in d:
+            raise SpecError(f"{w}.{key} is required")
+    a = AutoscalingSpec(
+        max_replicas=get_int(d, "maxReplicas", None, w, 1, 1000),
+        target=get_num(d, "target", None, w) or 0.0,
+        mode=get_enum(d, "mode", "operator", w, ("operator", "hpa")),
+        min_replicas=get_int(d, "minReplicas", 1, w, 1, 1000),
+        signal=get_enum(d, "signal", "waitingRequests", w, tuple(SIGNALS)),
+        scale_down_stabilization_seconds=get_int(d, "scaleDownStabilizationSeconds", 300, w,
+                                              0, 3600))
+    if a.min_replicas > a.max_replicas:
+        raise SpecError(f"{w}: minReplicas {a.min_replicas} exceeds maxReplicas "
+                        f"{a.max_replicas}")
+    if a.target <= 0 or (a.signal == "kvUtilization" and a.target > 1):
+        raise SpecError(f"{w}.target {a.target}: must be > 0 (a fraction in (0, 1] for "
+                        "kvUtilization)")
+    return a
+
+
+def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
+    tolerations = get(d, "tolerations", list, [], where)
+    return PoolSpec(
+        replicas=get_int(d, "replicas", replicas, where, 0, 1000),
+        resources=resources(get_obj(d, "resources", where), f"{where}.resources"),
+        node_selector=dict(get_obj(d, "nodeSelector", where)),
+        tolerations=tuple(dict(t) for t in tolerations),
+        engine=_engine(get_obj(d, "engine", where), where),
+        autoscaling=_autoscaling(get(d, "autoscaling", dict, None, where), where))
+
+
+def _rate(d: dict, where: str) -> RateLimit:
+    return RateLimit(get_num(d, "requestsPerSecond", 0.0, where) or 0.0,
+                     get_num(d, "burstRequests", 0.0, where) or 0.0,
+                     get_num(d, "tokensPerMinute", 0.0, where) or 0.0)
+
+
+_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5}
+
+
+def _router(d: dict) -> RouterSpec:
+    w = "router"
+    weights = get(d, "weights", dict, None, w)
+    rl = get_obj(d, "rateLimits", w)
+    keys = get_obj(d, "apiKeysSecret", w)
+    r = RouterSpec(
+        replicas=get_int(d, "replicas", 1, w, 1, 100),
+        policy=get_enum(d, "policy", "cache-aware", w,
+                     ("cache-aware", "least-loaded", "round-robin", "random")),
+        weights=None if weights is None else {
+            k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
+        pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
+        api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
+        api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
+        rate_limit=_rate(rl["default"], "router.rateLimits.default") if "default" in rl
+        else None,
+        tenant_rate_limits={t: _rate(v, f"router.rateLimits.tenants.{t}")
+                            for t, v in get_obj(rl, "tenants", "router.rateLimits").items()},
+        redis_url=get(d, "redisUrl", str, None, w),
+        shared_index=get(d, "sharedIndex", bool, False, w),
+        service_type=get_enum(d, "serviceType", "ClusterIP", w,
+                           ("ClusterIP", "NodePort", "LoadBalancer")),
+        resources=resources(get_obj(d, "resources", w), "router.resources"))
+    if weights is not None and set(weights) - set(_WEIGHTS):
+        raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
+    if r.shared_index and not r.redis_url:
+        raise SpecError("router.sharedIndex needs router.redisUrl")
+    if keys and not r.api_keys_secret:
+        raise SpecError("router.apiKeysSecret.name is required")
+    return r
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """The typed spec, defaults applied; `SpecError` names the first problem found."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise SpecError("spec.model is required")
+    m = spec["model"]
+    uri = get(m, "uri", str, None, "model")
+    if not uri:
+        raise SpecError("model.uri is required")
+    sha = get(m, "sha256", str, None, "model")
+    if sha is not None and not re.fullmatch(r"[a-f0-9]{64}", sha):
+        raise SpecError(f"model.sha256 {sha!r}: 64 lowercase hex digits")
+    model = ModelSpec(uri, parse_model_uri(uri), sha, get(m, "name", str, None, "model"),
+                      get(m, "dtype", str, None, "model"))
+    if model.dtype not in (None, "float32", "bfloat16", "float16"):
+        raise SpecError(f"model.dtype {model.dtype!r}: float32, bfloat16 or float16")
+    kv, mon = get_obj(spec, "kvTransfer", "spec"), get_obj(spec, "monitoring", "spec")
+    out = InferenceServiceSpec(
+        model=model, router=_router(get_obj(spec, "router", "spec")),
+        prefill=_pool(get_obj(spec, "prefill", "spec"), "prefill", 0),
+        decode=_pool(get_obj(spec, "decode", "spec"), "decode", 1),
+        kv_transfer=KVTransferSpec(
+            backend=get_enum(kv, "backend", "grpc", "kvTransfer", ("grpc", "torch")),
+            policy=get_enum(kv, "policy", "recompute", "kvTransfer", ("recompute", "fail")),
+            timeout_seconds=get_num(kv, "timeoutSeconds", 30.0, "kvTransfer") or 30.0,
+            tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer")),
+        service_monitor=get(mon, "serviceMonitor", bool, False, "monitoring"),
+        scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
+        image=get(spec, "image", str, None, "spec"))
+    if out.disaggregated and out.prefill.engine.block_size != out.decode.engine.block_size:
+        raise SpecError("prefill.engine.blockSize and decode.engine.blockSize differ; KV pages "
+                        "move between the pools, so they must match")
+    if out.prefill.autoscaling is not None and not out.disaggregated:
+        raise SpecError("prefill.autoscaling needs prefill.replicas >= 1 (0 = aggregated)")
+    return out

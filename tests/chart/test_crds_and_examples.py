@@ -1,0 +1,144 @@
+"""The chart's CRDs are the repository's (`crds/`), byte for byte, and the example
+InferenceServices shipped in `charts/tandem/examples/` are valid against that CRD as the API
+server would judge them: its openAPIV3Schema (OpenAPI 3.0 validation after structural
+defaulting) and its CEL rules (`x-kubernetes-validations`, evaluated with cel-python)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.chart.conftest import CHART, ROOT
+
+SOURCE_CRDS = ROOT / "crds"
+CHART_CRDS = CHART / "crds"
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    source = sorted(p.name for p in SOURCE_CRDS.glob("*.yaml"))
+    copied = sorted(p.name for p in CHART_CRDS.glob("*.yaml"))
+    assert source, f"no CRD in {SOURCE_CRDS}"
+    assert copied == source, f"charts/tandem/crds/ holds {copied}, crds/ holds {source}"
+    for name in source:
+        assert (CHART_CRDS / name).read_bytes() == (SOURCE_CRDS / name).read_bytes(), (
+            f"charts/tandem/crds/{name} differs from crds/{name}: "
+            f"cp crds/{name} charts/tandem/crds/")
+
+
+def crd_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((SOURCE_CRDS / "inferenceservice.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
+    return crd, version
+
+
+def with_defaults(node: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting, top-down, as the API server applies it."""
+    if isinstance(value, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = with_defaults(sub, value[key])
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in value:
+                value[key] = with_defaults(extra, value[key])
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [with_defaults(node["items"], v) for v in value]
+    return value
+
+
+def cel_failures(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Messages of the CEL rules that `value` breaks, the whole tree down."""
+    import celpy
+
+    out = []
+    env = celpy.Environment()
+    for rule in node.get("x-kubernetes-validations") or []:
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(value)})):
+            out.append(f"{path or '<root>'}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, dict):
+        props = node.get("properties") or {}
+        extra = node.get("additionalProperties")
+        for key, sub_value in value.items():
+            sub = props.get(key, extra if isinstance(extra, dict) else None)
+            if sub is not None:
+                out += cel_failures(sub, sub_value, f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for i, item in enumerate(value):
+            out += cel_failures(node["items"], item, f"{path}[{i}]")
+    return out
+
+
+def check(resource: dict[str, Any]) -> list[str]:
+    from openapi_schema_validator import OAS30Validator
+
+    crd, version = crd_schema()
+    schema = version["schema"]["openAPIV3Schema"]
+    assert resource["apiVersion"] == f"{crd['spec']['group']}/{version['name']}"
+    assert resource["kind"] == crd["spec"]["names"]["kind"]
+    obj = with_defaults(schema, copy.deepcopy(resource))
+    errors = [f"{'.'.join(map(str, e.path))}: {e.message}"
+              for e in OAS30Validator(schema).iter_errors(obj)]
+    return errors + cel_failures(schema, obj)
+
+
+def unknown_fields(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the structural schema does not declare (the API server would prune them)."""
+    if node.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, dict):
+        if isinstance(value, list) and isinstance(node.get("items"), dict):
+            return [u for i, v in enumerate(value)
+                    for u in unknown_fields(node["items"], v, f"{path}[{i}]")]
+        return []
+    props = node.get("properties")
+    extra = node.get("additionalProperties")
+    out = []
+    for key, sub_value in value.items():
+        if props is not None and key in props:
+            out += unknown_fields(props[key], sub_value, f"{path}.{key}")
+        elif isinstance(extra, dict):
+            out += unknown_fields(extra, sub_value, f"{path}.{key}")
+        elif props is not None and path != ".metadata":
+            out.append(f"{path}.{key}")
+    return out
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid_inference_services(example: Path) -> None:
+    docs = [d for d in yaml.safe_load_all(example.read_text()) if d]
+    assert docs
+    _, version = crd_schema()
+    schema = version["schema"]["openAPIV3Schema"]
+    for doc in docs:
+        assert check(doc) == [], example.name
+        assert unknown_fields(schema, doc) == [], f"{example.name}: fields the CRD prunes"
+        assert "namespace" not in doc["metadata"]  # applied to the user's namespace
+
+
+def test_examples_cover_aggregated_and_disaggregated() -> None:
+    specs = {p.stem: yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES}
+    assert specs["aggregated"].get("prefill", {}).get("replicas", 0) == 0
+    assert specs["disaggregated"]["prefill"]["replicas"] >= 1
+    assert specs["disaggregated"]["decode"]["replicas"] >= 1
+
+
+def test_the_checker_rejects_what_the_api_server_would() -> None:
+    """The harness above is not vacuous: a schema error and a CEL error are both caught."""
+    good = yaml.safe_load((CHART / "examples" / "disaggregated.yaml").read_text())
+    bad = copy.deepcopy(good)
+    bad["spec"]["router"]["policy"] = "fastest"
+    assert any("policy" in e for e in check(bad))
+    bad = copy.deepcopy(good)
+    bad["spec"]["decode"]["engine"]["blockSize"] = 32  # prefill's is 16
+    assert any("blockSize" in e for e in check(bad))
+    bad = copy.deepcopy(good)
+    bad["spec"]["decode"]["engine"]["blokSize"] = 16
+    _, version = crd_schema()
+    assert unknown_fields(version["schema"]["openAPIV3Schema"], bad) == [
+        ".spec.decode.engine.blokSize"]

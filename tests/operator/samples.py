@@ -1,0 +1,99 @@
+"""InferenceService specs the operator tests share, and the CRD as a dict."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
+SHA = "0123456789abcdef" * 4
+
+SPECS: dict[str, dict[str, Any]] = {
+    # the smallest spec: the bundled model, one aggregated worker
+    "aggregated": {"model": {"uri": "SmolLM2-135M-Instruct"}},
+    "disaggregated": {
+        "model": {"uri": "pvc://models/llama/llama-3-8b.Q8_0.gguf", "sha256": SHA,
+                  "name": "llama-3-8b"},
+        "router": {"replicas": 2, "policy": "cache-aware", "weights": {"prefix": 3.0},
+                   "pdThreshold": 64, "apiKeysSecret": {"name": "tandem-keys"},
+                   "rateLimits": {"default": {"requestsPerSecond": 10, "burstRequests": 20},
+                                  "tenants": {"gold": {"tokensPerMinute": 100000}}},
+                   "redisUrl": "redis://redis:6379/0", "sharedIndex": True,
+                   "serviceType": "LoadBalancer"},
+        "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192}},
+        "decode": {"replicas": 3, "engine": {"maxNumSeqs": 256, "kvCacheMemory": "0.5"}},
+    },
+    "autoscaling": {
+        "model": {"uri": "pvc://models", "sha256": SHA},
+        "prefill": {"replicas": 1, "autoscaling": {
+            "mode": "hpa", "minReplicas": 1, "maxReplicas": 4, "signal": "tokensPerSecond",
+            "target": 2000}},
+        "decode": {"replicas": 2, "autoscaling": {
+            "minReplicas": 2, "maxReplicas": 10, "signal": "waitingRequests", "target": 4,
+            "scaleDownStabilizationSeconds": 600}},
+    },
+    "tls": {
+        "model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main"},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1, "autoscaling": {
+            "mode": "hpa", "maxReplicas": 3, "signal": "kvUtilization", "target": 0.8}},
+        "kvTransfer": {"backend": "torch", "tlsSecret": "tandem-kv-tls", "policy": "fail",
+                       "timeoutSeconds": 12.5},
+    },
+    "gpu": {
+        "image": "registry.example/tandem:dev",
+        "model": {"uri": "file:///opt/models/qwen2-7b", "dtype": "bfloat16", "sha256": SHA},
+        "prefill": {"replicas": 2, "resources": {
+            "requests": {"cpu": "4", "memory": "32Gi"},
+            "limits": {"cpu": "8", "memory": "48Gi", "nvidia.com/gpu": 1}},
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}]},
+        "decode": {"replicas": 4, "resources": {"limits": {"nvidia.com/gpu": 1,
+                                                           "cpu": "3500m"}},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                    "effect": "NoSchedule"}],
+                   "engine": {"blockSize": 16, "maxModelLen": 32768, "kvCacheMemory": "60Gi",
+                              "numKvBlocks": 100000, "maxWaiting": 1024,
+                              "enablePrefixCaching": False, "drainTimeoutSeconds": 120}},
+        "monitoring": {"serviceMonitor": True, "interval": "15s"},
+    },
+}
+
+
+def spec(name: str) -> dict[str, Any]:
+    return copy.deepcopy(SPECS[name])
+
+
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def schema() -> dict[str, Any]:
+    return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def resource(spec_: dict[str, Any], name: str = "demo") -> dict[str, Any]:
+    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ml"}, "spec": spec_}
+
+
+def apply_defaults(node: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting as the API server does it: top-down, a defaulted `{}` gets its
+    own properties' defaults in turn."""
+    if isinstance(value, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(sub, value[key])
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in value:
+                value[key] = apply_defaults(extra, value[key])
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [apply_defaults(node["items"], v) for v in value]
+    return value

@@ -1,0 +1,267 @@
+"""Rendered content: probes, drain timing and hardening of every pod, the model and TLS
+mounts, GPU resources, the router's config and RBAC, flags that the real `tandem worker` /
+`tandem router` parsers accept, the config hash (replicas vs model/engine changes), and
+autoscaling (operator mode clamps, HPA mode leaves replicas to the HPA)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import yaml
+
+from tandem.operator.render import render_all
+from tandem.operator.render.common import CONFIG_HASH
+from tandem.operator.spec import parse_spec
+from tandem.protocol.labels import SERVICE_LABEL
+from tests.operator.manifests import OWNER, arg, by_kind, container, one, render
+from tests.operator.samples import SHA, SPECS, spec
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_pods_probes_drain_and_hardening(name):
+    raw = parse_spec(spec(name))
+    for d in by_kind(render(name), "Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        c = container(d)
+        assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
+        for cc in [c, *pod.get("initContainers", [])]:
+            sc = cc["securityContext"]
+            assert sc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                          "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+            mounted = {m["mountPath"] for m in cc["volumeMounts"]}
+            assert {"/tmp", "/cache"} <= mounted  # writable scratch on a read-only root
+        annotations = d["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == "8000"
+        assert len(annotations[CONFIG_HASH]) == 16
+        if d["metadata"]["name"] == "demo-router":
+            assert pod["serviceAccountName"] == "demo-router"
+            continue
+        assert pod["automountServiceAccountToken"] is False  # workers never call the API
+        drain = int(arg(c["args"], "--drain-timeout"))
+        pool = raw.decode if "decode" in d["metadata"]["name"] or not raw.disaggregated \
+            else raw.prefill
+        assert drain == pool.engine.drain_timeout_seconds
+        assert pod["terminationGracePeriodSeconds"] >= (
+            drain + c["lifecycle"]["preStop"]["sleep"]["seconds"] + 5)
+        assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"  # digest mismatch
+
+
+def test_model_volume_is_read_only_and_digest_is_passed():
+    docs = render("disaggregated")
+    for name in ("demo-prefill", "demo-decode"):
+        d = one(docs, "Deployment", name)
+        pod = d["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        (mount,) = [m for m in container(d)["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+        args = container(d)["args"]
+        assert arg(args, "--model") == "/models/llama/llama-3-8b.Q8_0.gguf"
+        assert arg(args, "--model-sha256") == SHA
+        assert arg(args, "--served-model-name") == "llama-3-8b"
+    router_cfg = yaml.safe_load(one(docs, "ConfigMap", "demo-router-config")["data"][
+        "router.yaml"])  # the router reads the worker's tokenizer from the same claim
+    assert router_cfg["tokenizers"] == {"llama-3-8b": "/models/llama/llama-3-8b.Q8_0.gguf"}
+
+
+def test_hf_model_is_fetched_by_an_init_container_then_mounted_read_only():
+    d = one(render("tls"), "Deployment", "demo-decode")
+    pod = d["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][-4:] == ["HuggingFaceTB/SmolLM2-135M-Instruct", "main", "",
+                                    "/models"]
+    assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(d)[
+        "volumeMounts"]
+    assert arg(container(d)["args"], "--served-model-name") == "SmolLM2-135M-Instruct"
+
+
+def test_tls_secret_is_mounted_for_grpc_tls_dir_and_torch_backend_advertises_pod_ip():
+    docs = render("tls")
+    for name in ("demo-prefill", "demo-decode"):
+        d = one(docs, "Deployment", name)
+        c = container(d)
+        tls_dir = arg(c["args"], "--grpc-tls-dir")
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "grpc-tls"]
+        assert mount == {"name": "grpc-tls", "mountPath": tls_dir, "readOnly": True}
+        (vol,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "grpc-tls"]
+        assert vol["secret"]["secretName"] == "tandem-kv-tls"
+    decode = container(one(docs, "Deployment", "demo-decode"))["args"]
+    assert arg(decode, "--kv-transfer-backend") == "torch"
+    assert arg(decode, "--kv-transfer-policy") == "fail"
+    assert arg(decode, "--kv-transfer-timeout") == "12.5"
+    assert arg(decode, "--kv-transfer-host") == "$(POD_IP)"
+    prefill = container(one(docs, "Deployment", "demo-prefill"))["args"]
+    assert "--kv-transfer-backend" not in prefill
+    no_tls = container(one(render("disaggregated"), "Deployment", "demo-decode"))
+    assert "--grpc-tls-dir" not in no_tls["args"]
+
+
+def test_gpu_resources_node_selector_and_tolerations_pass_through():
+    docs = render("gpu")
+    prefill = one(docs, "Deployment", "demo-prefill")
+    c = container(prefill)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1  # requests equal limits
+    assert c["image"] == "registry.example/tandem:dev"
+    pod = prefill["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert arg(c["args"], "--num-threads") == "8"  # the CPU limit, not every host core
+    decode = container(one(docs, "Deployment", "demo-decode"))["args"]
+    assert arg(decode, "--num-threads") == "4"  # 3500m rounded up
+    assert arg(decode, "--kv-cache-memory") == str(60 << 30)
+    assert arg(decode, "--dtype") == "bfloat16"
+    assert arg(decode, "--model") == "/opt/models/qwen2-7b"
+    assert "--no-prefix-caching" in decode
+    assert not any(v["name"] == "model" for v in pod["volumes"])  # file:// is in the image
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+
+
+def test_router_deployment_config_and_least_privilege_rbac():
+    docs = render("disaggregated")
+    d = one(docs, "Deployment", "demo-router")
+    args = container(d)["args"]
+    assert args[:1] == ["router"]
+    assert arg(args, "--discovery") == "kubernetes"
+    assert arg(args, "--inference-service") == "demo"
+    assert arg(args, "--worker-port-name") == "http"
+    assert arg(args, "--api-keys") == "/etc/tandem/auth/api-keys"
+    assert d["spec"]["replicas"] == 2
+    assert one(docs, "Service", "demo-router")["spec"]["type"] == "LoadBalancer"
+    cfg = yaml.safe_load(one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
+    assert cfg["pd_threshold"] == 64
+    assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
+                              "inflight_tokens": 0.5}
+    assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
+                                             "tokens_per_min": 0.0}
+    assert cfg["index"] == cfg["redis"] == "redis://redis:6379/0"
+    role = one(docs, "Role", "demo-router")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["list", "watch"]}]
+    binding = one(docs, "RoleBinding", "demo-router")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router",
+                                    "namespace": "ml"}]
+    assert not by_kind(docs, "ClusterRole")
+
+
+def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
+    """The real `tandem router` parser and config loader take what the operator renders."""
+    from tandem.router.main import add_router_args, build
+
+    docs = render("disaggregated")
+    (tmp_path / "router.yaml").write_text(
+        one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
+    (tmp_path / "keys").write_text("sk-test alice\n")
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = container(one(docs, "Deployment", "demo-router"))["args"][1:]
+    args = [str(tmp_path / "router.yaml") if a.endswith("router.yaml") else
+            str(tmp_path / "keys") if a.endswith("/api-keys") else
+            "ml" if a == "$(POD_NAMESPACE)" else a for a in args]
+    parsed = p.parse_args(args)
+    _, router, server = build(parsed)
+    assert router.settings.pd_threshold == 64
+    assert server.discovery.name == "kubernetes"
+    assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
+    assert server.rate_limiter is not None
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_worker_flags_are_accepted_by_tandem_worker(name):
+    from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(p)
+    add_server_args(p)
+    for d in by_kind(render(name), "Deployment"):
+        args = container(d)["args"]
+        if args[0] != "worker":
+            continue
+        parsed = p.parse_args(args[1:])
+        engine_config(parsed, serving=True)  # the engine's own validation
+
+
+def test_replicas_change_keeps_the_pod_template_while_model_or_engine_change_rolls_it():
+    def templates(raw: dict) -> dict[str, dict]:
+        return {d["metadata"]["name"]: d["spec"]["template"] for d in
+                by_kind(render(raw), "Deployment")}
+
+    base = spec("disaggregated")
+    scaled = spec("disaggregated")
+    scaled["decode"]["replicas"] = 7
+    scaled["prefill"]["replicas"] = 5
+    scaled["router"]["replicas"] = 3
+    assert templates(scaled) == templates(base)  # a replicas change patches only the count
+    new_model = spec("disaggregated")
+    new_model["model"]["sha256"] = "f" * 64
+    engine = spec("disaggregated")
+    engine["decode"]["engine"]["maxNumSeqs"] = 64
+    for changed, rolled in ((new_model, {"demo-prefill", "demo-decode"}),
+                            (engine, {"demo-decode"})):
+        before, after = templates(base), templates(changed)
+        differ = {n for n in before
+                  if before[n]["metadata"]["annotations"][CONFIG_HASH]
+                  != after[n]["metadata"]["annotations"][CONFIG_HASH]}
+        assert differ == rolled
+    router = spec("disaggregated")
+    router["router"]["pdThreshold"] = 8  # router.yaml changes: the routers roll
+    assert (templates(router)["demo-router"]["metadata"]["annotations"][CONFIG_HASH]
+            != templates(base)["demo-router"]["metadata"]["annotations"][CONFIG_HASH])
+
+
+def test_autoscaling_operator_mode_clamps_and_hpa_mode_leaves_replicas_to_the_hpa():
+    docs = render("autoscaling")
+    decode = one(docs, "Deployment", "demo-decode")
+    assert decode["spec"]["replicas"] == 2
+    assert "replicas" not in one(docs, "Deployment", "demo-prefill")["spec"]
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["metadata"]["name"] == "demo-prefill"
+    assert hpa["spec"]["minReplicas"] == 1 and hpa["spec"]["maxReplicas"] == 4
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["metric"]["name"] == "vllm_prompt_tokens_per_second"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "2000"}
+    # an autoscaler's decision (by pool name) is rendered, within min/max
+    scaled = render("autoscaling", replicas={"decode": 50})
+    assert one(scaled, "Deployment", "demo-decode")["spec"]["replicas"] == 10
+    scaled = render("autoscaling", replicas={"decode": 5})
+    assert one(scaled, "Deployment", "demo-decode")["spec"]["replicas"] == 5
+    kv = render("tls")
+    (hpa,) = by_kind(kv, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "800m"
+
+
+def test_rendering_is_pure_and_outputs_share_no_objects():
+    parsed = parse_spec(spec("gpu"))
+    a = render_all(parsed, OWNER)
+    b = render_all(parsed, OWNER)
+    assert a == b
+    container(by_kind(a, "Deployment")[1])["resources"]["limits"]["cpu"] = "1"
+    by_kind(a, "Deployment")[1]["metadata"]["labels"]["x"] = "y"
+    assert render_all(parsed, OWNER) == b  # mutating one rendering leaks nowhere
+    assert "x" not in by_kind(a, "Deployment")[1]["spec"]["template"]["metadata"]["labels"]
+
+
+def test_image_and_pull_policy_from_the_operators_environment():
+    from tandem.operator.render import DEFAULT_IMAGE, image_from_env
+
+    assert image_from_env({}) == (DEFAULT_IMAGE, None)
+    image, policy = image_from_env({"TANDEM_IMAGE": "reg/tandem:1", "TANDEM_IMAGE_PULL_POLICY":
+                                    "Always"})
+    docs = render_all(parse_spec(spec("tls")), OWNER, image=image, image_pull_policy=policy)
+    pods = [d["spec"]["template"]["spec"] for d in by_kind(docs, "Deployment")]
+    containers = [c for p in pods for c in p["containers"] + p.get("initContainers", [])]
+    assert len(containers) == 5  # router, prefill (+ fetch), decode (+ fetch)
+    assert {(c["image"], c["imagePullPolicy"]) for c in containers} == {("reg/tandem:1", "Always")}
+    gpu = render("gpu")  # spec.image wins over the operator's default
+    assert {container(d)["image"] for d in by_kind(gpu, "Deployment")} == {
+        "registry.example/tandem:dev"}
