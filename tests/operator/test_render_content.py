@@ -85,7 +85,7 @@ def test_hf_model_is_fetched_by_an_init_container_then_mounted_read_only():
 
 def test_tls_secret_is_mounted_for_grpc_tls_dir_and_torch_backend_advertises_pod_ip():
     docs = render("tls")
-    for name in ("demo-prefill", "demo-decode"):
+    for name in ("demo-prefill", "demo-decode", "demo-router"):  # the router: KV events
         d = one(docs, "Deployment", name)
         c = container(d)
         tls_dir = arg(c["args"], "--grpc-tls-dir")
@@ -100,8 +100,9 @@ def test_tls_secret_is_mounted_for_grpc_tls_dir_and_torch_backend_advertises_pod
     assert arg(decode, "--kv-transfer-host") == "$(POD_IP)"
     prefill = container(one(docs, "Deployment", "demo-prefill"))["args"]
     assert "--kv-transfer-backend" not in prefill
-    no_tls = container(one(render("disaggregated"), "Deployment", "demo-decode"))
-    assert "--grpc-tls-dir" not in no_tls["args"]
+    for name in ("demo-decode", "demo-router"):
+        no_tls = container(one(render("disaggregated"), "Deployment", name))
+        assert "--grpc-tls-dir" not in no_tls["args"]
 
 
 def test_gpu_resources_node_selector_and_tolerations_pass_through():

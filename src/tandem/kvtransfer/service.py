@@ -185,19 +185,24 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         """Prefill `tokens` (one greedy token) keeping the blocks; the token."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         try:
-            _, outputs = await engine.add(tokens, params, rid, cache_salt=cache_salt or None,
-                                          keep_blocks=True)
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
+            try:
+                _, outputs = await engine.add(tokens, params, rid,
+                                              cache_salt=cache_salt or None, keep_blocks=True)
+            except QueueFullError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             while True:
                 out = await outputs.get()
                 if out.finished:
                     break
         except asyncio.CancelledError:
+            # The caller left (its timeout, its death) while the prompt ran. The request may
+            # finish, keeping its blocks, before the abort reaches the engine, and no lease
+            # exists yet to expire them: release after the abort (the engine thread takes
+            # commands in order), a no-op when the abort came first.
             engine.abort(rid)
+            asyncio.ensure_future(engine.call(lambda e: e.kv.release_kept(rid)))
             raise
         comp = out.outputs[0]
         if comp.finish_reason not in ("length", "stop") or not comp.token_ids:

@@ -82,6 +82,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
                    help="keep the prefix index in Redis too, shared by router replicas "
                         "(a new replica is warm at once; Redis down = in-memory index)")
+    p.add_argument("--grpc-tls-dir", default=None,
+                   help="mutual TLS to the workers' gRPC: a directory with tls.crt, tls.key, "
+                        "ca.crt (a mounted Kubernetes TLS Secret)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
 
 
@@ -159,6 +162,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
     from tandem.router.app import RouterServerSettings, build_app
     from tandem.router.auth import ApiKeys
     from tandem.router.core import Router, RouterSettings
+    from tandem.router.monitor import MonitorSettings
     from tandem.router.proxy import ProxySettings
     from tandem.router.ratelimit import Limits, RateLimiter
 
@@ -206,8 +210,20 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         rate_limiter=limiter,
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
-                            else int(cfg.get("retries", 2))))
+                            else int(cfg.get("retries", 2))),
+        monitor=MonitorSettings(grpc_credentials=_grpc_credentials(args.grpc_tls_dir)))
     return build_app(router, server), router, server
+
+
+def _grpc_credentials(directory: str | None):  # noqa: ANN202 - grpc.ChannelCredentials | None
+    if not directory:
+        return None
+    from tandem.protocol.tls import TLSFiles
+
+    try:
+        return TLSFiles.from_dir(directory).channel_credentials()
+    except ValueError as exc:
+        raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ class MonitorSettings:
     load_interval_s: float = 0.2
     probe_timeout_s: float = 2.0
     backoff_max_s: float = 5.0
+    grpc_credentials: grpc.ChannelCredentials | None = None  # mutual TLS to workers' gRPC
 
 
 class WorkerMonitor:
@@ -106,7 +107,10 @@ class WorkerMonitor:
     # -- gRPC: KV events and load ----------------------------------------------------------
     def _start_grpc_loops(self) -> None:
         opts = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
-        self._channel = grpc.aio.insecure_channel(self.worker.grpc_target, options=opts)
+        creds = self.settings.grpc_credentials
+        self._channel = (grpc.aio.secure_channel(self.worker.grpc_target, creds, options=opts)
+                         if creds is not None else
+                         grpc.aio.insecure_channel(self.worker.grpc_target, options=opts))
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._tasks += [asyncio.create_task(self._events_loop(stub)),
                         asyncio.create_task(self._load_loop(stub))]

@@ -27,7 +27,6 @@ from tandem.engine.outputs import RequestOutput
 from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
 from tandem.kvtransfer.pages import KVTransferError
 from tandem.kvtransfer.service import KVTransferService
-from tandem.kvtransfer.tls import TLSFiles
 from tandem.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +37,7 @@ from tandem.protocol.openai_api import (
     new_id,
     now,
 )
+from tandem.protocol.tls import TLSFiles
 from tandem.protocol.web import BodyLimit, InFlight, cancel_on_disconnect, install_error_handlers
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error

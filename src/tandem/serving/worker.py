@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.engine.async_engine import AsyncLLMEngine
     from tandem.kvtransfer.client import RemotePrefillSettings
-    from tandem.kvtransfer.tls import TLSFiles
+    from tandem.protocol.tls import TLSFiles
     from tandem.serving.api_server import ServerSettings, build_app
 
     if args.model_sha256:

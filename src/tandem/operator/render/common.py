@@ -28,6 +28,7 @@ GRPC_PORT = 50051  # worker gRPC: KV events, load, KV transfer
 HTTP_PORT_NAME = "http"
 GRPC_PORT_NAME = "grpc"
 RUN_AS = 10001  # the image's unprivileged user and group
+TLS_DIR = "/etc/tandem/tls"  # the kvTransfer TLS Secret, in workers and routers
 CACHE_DIR = "/cache"  # emptyDir: tokenizer and kernel caches (TANDEM_CACHE_DIR), HF_HOME
 CONFIG_HASH = f"{GROUP}/config-hash"  # pod-template annotation: changes roll the pods
 PRE_STOP_SECONDS = 5  # endpoints leave the routers' view before the pod stops admitting

@@ -14,6 +14,7 @@ from tandem.operator.render.common import (
     HTTP_PORT,
     HTTP_PORT_NAME,
     PRE_STOP_SECONDS,
+    TLS_DIR,
     Owner,
     base_env,
     config_hash,
@@ -80,6 +81,8 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
             "--config", f"{CONFIG_DIR}/router.yaml"]
     if spec.router.api_keys_secret:
         args += ["--api-keys", f"{AUTH_DIR}/api-keys"]
+    if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
+        args += ["--grpc-tls-dir", TLS_DIR]
     return args
 
 
@@ -112,6 +115,10 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[
             "secretName": spec.router.api_keys_secret, "defaultMode": 0o440,
             "items": [{"key": spec.router.api_keys_key, "path": "api-keys"}]}})
         mounts.append({"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True})
+    if spec.kv_transfer.tls_secret:
+        volumes.append({"name": "grpc-tls", "secret": {
+            "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
+        mounts.append({"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": "router", "image": image, "command": ["tandem"],
         "args": router_args(spec, owner),
@@ -125,7 +132,8 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[
         container["resources"] = copy.deepcopy(spec.router.resources)
     meta = metadata(owner, name, ROUTER_COMPONENT)
     # a new router.yaml or key Secret rolls the routers (both are read at start)
-    digest = config_hash(text, spec.router.api_keys_secret, spec.router.api_keys_key)
+    digest = config_hash(text, spec.router.api_keys_secret, spec.router.api_keys_key,
+                         spec.kv_transfer.tls_secret)
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {

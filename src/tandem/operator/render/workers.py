@@ -22,6 +22,7 @@ from tandem.operator.render.common import (
     HTTP_PORT,
     HTTP_PORT_NAME,
     PRE_STOP_SECONDS,
+    TLS_DIR,
     Owner,
     base_env,
     config_hash,
@@ -39,7 +40,6 @@ from tandem.operator.render.model import worker_model
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol.labels import WORKER_COMPONENT
 
-TLS_DIR = "/etc/tandem/tls"
 SHUTDOWN_SLACK_SECONDS = 15  # after the drain: uvicorn's graceful stop, engine shutdown
 STARTUP_SECONDS = 1800  # digest check + (download) before /health answers; then liveness
 

@@ -1,4 +1,5 @@
-"""Mutual TLS for the workers' gRPC links (KV events, load, KV transfer).
+"""Mutual TLS for the gRPC links (router -> worker: KV events, load; decode -> prefill: KV
+transfer). Torch-free: the router uses it too.
 
 KV pages are user data, so a deployment can require both ends of every gRPC link to show a
 certificate signed by its CA. The files are PEM; in Kubernetes they come from a Secret
