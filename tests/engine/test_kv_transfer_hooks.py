@@ -82,3 +82,38 @@ def test_an_import_stops_where_the_pool_runs_out():
     kv.commit_import(pinned, chain, root_hash(HashKeys()), list(range(8)))
     assert kv.pool.get_cached_block(chain[1]) is pinned[1]
     assert kv.pool.get_cached_block(chain[2]) is None
+
+
+def test_a_cancelled_caller_cannot_kill_the_engine_thread():
+    """An `AsyncLLMEngine.call` whose caller gave up before the engine thread got to it
+    still runs (it may hold resources), and settling its cancelled future does not raise
+    in the engine thread (it used to: InvalidStateError killed the loop)."""
+    import concurrent.futures
+    import threading
+
+    from tandem.engine.async_engine import AsyncLLMEngine, _Call
+
+    class FakeEngine:
+        config = type("C", (), {"enable_kv_events": False})()
+
+        def stats(self):
+            return None
+
+        def has_unfinished_requests(self):
+            return False
+
+        def step(self):
+            return []
+
+    engine = AsyncLLMEngine(FakeEngine())  # type: ignore[arg-type]
+    try:
+        ran = threading.Event()
+        call_done: concurrent.futures.Future = concurrent.futures.Future()
+        call_done.cancel()
+        engine._send(_Call(lambda e: ran.set(), call_done))
+        assert ran.wait(5)
+        ok: concurrent.futures.Future = concurrent.futures.Future()
+        engine._send(_Call(lambda e: "alive", ok))
+        assert ok.result(timeout=5) == "alive" and engine.alive
+    finally:
+        engine.shutdown()

@@ -1,13 +1,14 @@
 """A stand-in prefill worker for failure tests: a real `tandem.v1.KVTransfer` gRPC server
-whose Prefill does what a test tells it (stall, relay a real prefill worker's pages with
-bytes flipped, ...).
+whose Prefill does what a test tells it (stall, serve damaged pages, ...). Its replies may
+be raw bytes (sent as they are: messages that do not parse).
 
-In-process: `FakePrefillServer()` runs a grpc.aio server on its own event loop in a daemon
-thread; set `.behaviour` to an async generator function `(request, context, relay) -> chunks`.
+In-process: `FakePrefillServer(port)` runs a grpc.aio server on its own event loop in a
+daemon thread; set `.behaviour` to an async generator function `(request, context) ->
+chunks`.
 
-As a process (`python -m tests.kvtransfer.fake_prefill PORT UPSTREAM`): relays the header and
-the first data chunk of the real prefill worker at UPSTREAM, prints "stalled" and waits, so a
-test can SIGKILL a prefill server in the middle of a page stream.
+As a process (`python -m tests.kvtransfer.fake_prefill PORT`): answers every Prefill with a
+header that passes the receiver's checks and one chunk of page data, prints "stalled" and
+waits, so a test can SIGKILL a prefill server in the middle of a page stream.
 """
 
 from __future__ import annotations
@@ -15,45 +16,45 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+import torch
 
+from tandem.kvtransfer.pages import PageLayout, header_for
+from tandem.kvtransfer.service import add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.block_hash import HashKeys, hash_block_chain
+from tandem.protocol.bundled import BUNDLED_NAME
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 << 20),
                    ("grpc.max_send_message_length", 16 << 20)]
-Relay = Callable[[worker_pb2.PrefillRequest], Awaitable[list[worker_pb2.PageChunk]]]
-Behaviour = Callable[[worker_pb2.PrefillRequest, grpc.aio.ServicerContext, Relay],
-                     AsyncIterator[worker_pb2.PageChunk]]
+# the bundled model's KV geometry on a CPU worker
+LAYOUT = PageLayout(BUNDLED_NAME, num_layers=30, num_kv_heads=3, block_size=16, head_dim=64,
+                    dtype=torch.float32)
+Behaviour = Callable[[worker_pb2.PrefillRequest, grpc.aio.ServicerContext],
+                     AsyncIterator[worker_pb2.PageChunk | bytes]]
+
+
+def header(request: worker_pb2.PrefillRequest) -> worker_pb2.PageChunk:
+    """The header a real prefill worker would send for `request` (the receiver accepts it)."""
+    first, num, bs = request.first_block, request.num_blocks, LAYOUT.block_size
+    hashes = hash_block_chain(list(request.token_ids[: (first + num) * bs]), bs,
+                              HashKeys(request.model_id, "", request.cache_salt))[first:]
+    return worker_pb2.PageChunk(header=header_for(LAYOUT, first, hashes, "fake-lease", 0))
 
 
 class FakePrefill(worker_pb2_grpc.KVTransferServicer):
-    def __init__(self, upstream: str | None = None) -> None:
-        self.upstream = upstream
+    def __init__(self) -> None:
         self.behaviour: Behaviour | None = None
         self.calls = 0
-        self._stub: worker_pb2_grpc.KVTransferStub | None = None
-
-    def stub(self) -> worker_pb2_grpc.KVTransferStub:
-        if self._stub is None:
-            assert self.upstream, "no upstream prefill worker to relay"
-            ch = grpc.aio.insecure_channel(self.upstream, options=CHANNEL_OPTIONS)
-            self._stub = worker_pb2_grpc.KVTransferStub(ch)
-        return self._stub
-
-    async def relay(self, request: worker_pb2.PrefillRequest) -> list[worker_pb2.PageChunk]:
-        """The real prefill worker's whole reply (its lease released at once)."""
-        chunks = [c async for c in self.stub().Prefill(request, timeout=60)]
-        await self.stub().ReleasePages(
-            worker_pb2.ReleasePagesRequest(lease_id=chunks[0].header.lease_id), timeout=10)
-        return chunks
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802 - gRPC name
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PageChunk]:
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.PageChunk | bytes]:
         self.calls += 1
         assert self.behaviour is not None, "the test set no behaviour"
-        async for chunk in self.behaviour(request, context, self.relay):
+        async for chunk in self.behaviour(request, context):
             yield chunk
 
     async def ReleasePages(self, request: worker_pb2.ReleasePagesRequest,  # noqa: N802
@@ -64,7 +65,7 @@ class FakePrefill(worker_pb2_grpc.KVTransferServicer):
 
 async def _serve(servicer: FakePrefill, port: int) -> grpc.aio.Server:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+    add_kv_transfer_service(server, servicer)  # a behaviour may yield raw bytes too
     if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
         raise OSError(f"cannot bind 127.0.0.1:{port}")
     await server.start()
@@ -74,8 +75,8 @@ async def _serve(servicer: FakePrefill, port: int) -> grpc.aio.Server:
 class FakePrefillServer:
     """`FakePrefill` served on 127.0.0.1:`port` from a background event loop."""
 
-    def __init__(self, port: int, upstream: str | None = None) -> None:
-        self.servicer = FakePrefill(upstream)
+    def __init__(self, port: int) -> None:
+        self.servicer = FakePrefill()
         self.target = f"127.0.0.1:{port}"
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -91,29 +92,32 @@ class FakePrefillServer:
     def behaviour(self, fn: Behaviour | None) -> None:
         self.servicer.behaviour = fn
 
+    @property
+    def calls(self) -> int:
+        return self.servicer.calls
+
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
 
 
-async def relay_header_then_stall(request: worker_pb2.PrefillRequest,
-                                  context: grpc.aio.ServicerContext, relay: Relay
-                                  ) -> AsyncIterator[worker_pb2.PageChunk]:
-    chunks = await relay(request)
-    yield chunks[0]
-    yield chunks[1]
+async def header_data_then_stall(request: worker_pb2.PrefillRequest,
+                                 context: grpc.aio.ServicerContext
+                                 ) -> AsyncIterator[worker_pb2.PageChunk]:
+    yield header(request)
+    yield worker_pb2.PageChunk(data=worker_pb2.PageData(layer=0, offset=0, data=bytes(4096)))
     print("stalled", flush=True)
     await asyncio.Event().wait()
 
 
-async def _main(port: int, upstream: str) -> None:
-    servicer = FakePrefill(upstream)
-    servicer.behaviour = relay_header_then_stall
+async def _main(port: int) -> None:
+    servicer = FakePrefill()
+    servicer.behaviour = header_data_then_stall
     server = await _serve(servicer, port)
     print("serving", flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]), sys.argv[2]))
+    asyncio.run(_main(int(sys.argv[1])))

@@ -98,18 +98,22 @@ class AsyncLLMEngine:
                                                   cache_salt=cmd.cache_salt,
                                                   keep_blocks=cmd.keep_blocks)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    cmd.done.set_exception(exc)
+                    _settle(cmd.done, error=exc)
                     continue
                 self._streams[cmd.request_id] = (cmd.loop, cmd.outputs)
-                cmd.done.set_result(ids)
+                if not _settle(cmd.done, ids):  # the caller left meanwhile: take it back
+                    self._streams.pop(cmd.request_id, None)
+                    self.engine.abort_request(cmd.request_id)
             elif isinstance(cmd, _Abort):
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
-            else:
+            else:  # a call runs even if its caller stopped waiting (it may hold resources)
                 try:
-                    cmd.done.set_result(cmd.fn(self.engine))
+                    result = cmd.fn(self.engine)
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    cmd.done.set_exception(exc)
+                    _settle(cmd.done, error=exc)
+                else:
+                    _settle(cmd.done, result)
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -209,6 +213,20 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+
+def _settle(done: concurrent.futures.Future, result: Any = None,
+            error: BaseException | None = None) -> bool:
+    """Complete a caller's future; False if the caller cancelled it (never raises: a
+    cancelled caller must not kill the engine thread)."""
+    try:
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        return False
+    return True
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -133,8 +133,7 @@ class RemotePrefill:
                 hashes = chain[first:first + n]
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
-                blocks = await self.engine.call(
-                    lambda e: _import(e, hashes, parent, tokens, pages))
+                blocks = await self._import(hashes, parent, tokens, pages)
         except TimeoutError as exc:
             raise KVTransferError("timeout", f"remote prefill from {target} took over "
                                              f"{self.settings.timeout_s:g} s") from exc
@@ -146,6 +145,26 @@ class RemotePrefill:
         asyncio.ensure_future(self._ack(target, header.lease_id))
         return Imported(blocks, n, header.first_token, n * self.layout.num_layers
                         * self.layout.block_layer_bytes)
+
+    async def _import(self, hashes: list[BlockHash], parent: BlockHash, tokens: list[int],
+                      pages: list[torch.Tensor]) -> list[KVBlock]:
+        """Pin, write and register the pages on the engine thread. A queued engine call runs
+        whether or not its caller still waits, and its future must not be cancelled (the
+        engine thread dies on setting a cancelled future's result): so the call is shielded
+        from the fetch's timeout and, when that fires first, the blocks the import pinned are
+        unpinned as soon as it is done."""
+        task = asyncio.ensure_future(
+            self.engine.call(lambda e: _import(e, hashes, parent, tokens, pages)))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._drop_import)
+            raise
+
+    def _drop_import(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            blocks = task.result()
+            asyncio.ensure_future(self.engine.call(lambda e: e.kv.unpin(blocks)))
 
     async def _receive(self, req: worker_pb2.PrefillRequest, call: grpc.aio.UnaryStreamCall,
                        expected: list[BlockHash], first: int
@@ -174,7 +193,7 @@ class RemotePrefill:
 
     async def unpin(self, imported: Imported) -> None:
         blocks = imported.blocks
-        await self.engine.call(lambda e: e.kv.unpin(blocks))
+        await asyncio.shield(self.engine.call(lambda e: e.kv.unpin(blocks)))
 
     async def close(self) -> None:
         await self._backend.close()

@@ -157,9 +157,11 @@ class GrpcBackend(TransferBackend):
         async for chunk in stream:
             if isinstance(chunk, RawPageData):
                 kind, d = "data", chunk
-            else:
+            elif isinstance(chunk, worker_pb2.PageChunk):
                 kind = chunk.WhichOneof("kind")
                 d = chunk.data
+            else:  # grpc hands on a message its deserializer failed on as None
+                raise KVTransferError("invalid", "an undecodable message among the pages")
             if kind == "trailer":
                 if layer < layout.num_layers and size:
                     raise KVTransferError("invalid", f"trailer after {layer} of "

@@ -233,8 +233,18 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             return []
         if not _valid_target(target):
             raise APIError(400, "x-tandem-prefill must be host:port", "x-tandem-prefill")
-        backend = settings.kv_transfer.backend
         imported: list[Imported] = []
+        try:
+            await fetch_all(remote, target, engine, rid, prompts, salt, imported)
+        except BaseException:  # cancelled (client gone) or failed: drop what was pinned
+            unpin(imported)
+            raise
+        return imported
+
+    async def fetch_all(remote: RemotePrefill, target: str, engine: AsyncLLMEngine, rid: str,
+                        prompts: list[str | list[int]], salt: str,
+                        imported: list[Imported]) -> None:
+        backend = settings.kv_transfer.backend
         for i, prompt in enumerate(prompts):
             ids = prompt if isinstance(prompt, list) else engine.engine.tokenizer.encode(prompt)
             t0 = time.monotonic()
@@ -243,7 +253,6 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             except KVTransferError as exc:
                 metrics.kv_fetches.labels(settings.served_model_name, exc.reason, backend).inc()
                 if settings.kv_transfer.policy == "fail":
-                    unpin(imported)
                     raise APIError(502, f"remote prefill failed: {exc}",
                                    type_="server_error") from exc
                 logger.warning("[%s] remote prefill from %s failed (%s); computing locally",
@@ -256,7 +265,6 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 imported.append(imp)
                 logger.info("[%s] imported %d blocks from %s in %.1f ms", rid,
                             imp.num_transferred, target, (time.monotonic() - t0) * 1e3)
-        return imported
 
     async def admit_and_run(request: Request, engine: AsyncLLMEngine, responder: Responder,
                             prompts: list[str | list[int]], rid: str, arrival: float,

@@ -1,0 +1,526 @@
+"""Fuzzing the KV-transfer boundary.
+
+Receiver side, in-process: whatever bytes arrive (decoded as grpc does with the decode side's
+`decode_chunk`, which must read what protobuf reads), `check_header`, `GrpcBackend.receive`
+and the decode side's `_receive` either accept pages that are exactly what was asked for,
+placed where the messages say and matching the checksum, or raise `KVTransferError`; nothing
+else. Sender side, against a real prefill worker: random `PrefillRequest`s end with OK or
+INVALID_ARGUMENT (DEADLINE_EXCEEDED for a lease shorter than the prefill), and the worker
+stays healthy and holds nothing afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import zlib
+
+import grpc
+import httpx
+import pytest
+import torch
+from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, assume, event, example, given, settings
+from hypothesis import strategies as st
+
+from tandem.kvtransfer.client import RemotePrefill
+from tandem.kvtransfer.grpc_backend import GrpcBackend, RawPageData, decode_chunk, encode_data
+from tandem.kvtransfer.pages import KVTransferError, PageLayout, check_header, header_for
+from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.bundled import BUNDLED_NAME
+from tests.serving.conftest import free_port, start_worker, wait_idle
+
+LAYOUT = PageLayout("fuzz-model", num_layers=2, num_kv_heads=1, block_size=2, head_dim=2,
+                    dtype=torch.float32)
+BLOCK = LAYOUT.block_layer_bytes  # 32 bytes of K + V per block and layer
+U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+OFFSETS = st.sampled_from([0, 16, 32, 64, 96]) | st.integers(0, 130) | U64
+HASHES = st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=4, unique=True)
+PageChunk, PageData, PageTrailer = worker_pb2.PageChunk, worker_pb2.PageData, worker_pb2.PageTrailer
+
+
+# -- strategies ---------------------------------------------------------------------------------
+
+def random_headers() -> st.SearchStrategy:
+    return st.builds(
+        worker_pb2.PageHeader,
+        model_id=st.sampled_from(["fuzz-model", "", "other"]) | st.text(max_size=8),
+        num_layers=st.integers(0, 3) | U32,
+        num_kv_heads=st.integers(0, 2) | U32,
+        block_size=st.integers(0, 3) | U32,
+        head_dim=st.integers(0, 3) | U32,
+        dtype=st.sampled_from(["float32", "float16", "", "torch.float32"]) | st.text(max_size=8),
+        first_block=st.integers(0, 3) | U32,
+        block_hashes=st.lists(st.binary(max_size=40), max_size=5),
+        layer_bytes=st.integers(0, 200) | U64,
+        lease_id=st.text(max_size=8), first_token=U32)
+
+
+def random_chunks() -> st.SearchStrategy:
+    data = st.builds(PageData, layer=st.integers(0, 3) | U32,
+                     offset=OFFSETS, data=st.binary(max_size=100))
+    return st.one_of(
+        st.builds(lambda h: PageChunk(header=h), random_headers()),
+        st.builds(lambda d: PageChunk(data=d), data),
+        st.builds(lambda c: PageChunk(trailer=PageTrailer(crc32=c)), U32),
+        st.just(PageChunk()))  # no kind at all
+
+
+@st.composite
+def valid_pages(draw, num_blocks: int) -> tuple[list[bytes], list[worker_pb2.PageChunk]]:
+    """Every layer's bytes and a correct stream of them, cut into random chunks."""
+    size = num_blocks * BLOCK
+    layers, chunks, crc = [], [], 0
+    for layer in range(LAYOUT.num_layers):
+        data = draw(st.binary(min_size=size, max_size=size))
+        cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=4))))
+        bounds = [0, *cuts, size]
+        chunks += [PageChunk(data=PageData(layer=layer, offset=a, data=data[a:b]))
+                   for a, b in itertools.pairwise(bounds)]
+        layers.append(data)
+        crc = zlib.crc32(data, crc)
+    return layers, [*chunks, PageChunk(trailer=PageTrailer(crc32=crc))]
+
+
+def copy(c: worker_pb2.PageChunk | bytes) -> worker_pb2.PageChunk | bytes:
+    return c if isinstance(c, bytes) else PageChunk.FromString(c.SerializeToString())
+
+
+def wire_bytes(c: worker_pb2.PageChunk | bytes) -> bytes:
+    return c if isinstance(c, bytes) else c.SerializeToString()
+
+
+@st.composite
+def edited_bytes(draw, raw: bytes) -> bytes:
+    """`raw` with a bit flipped, cut short or grown: a message that may no longer parse."""
+    how = draw(st.sampled_from(["flip", "cut", "grow"]))
+    if how == "flip" and raw:
+        at = draw(st.integers(0, len(raw) - 1))
+        return raw[:at] + bytes([raw[at] ^ (1 << draw(st.integers(0, 7)))]) + raw[at + 1:]
+    if how == "cut":
+        return raw[: draw(st.integers(0, len(raw)))]
+    return raw + draw(st.binary(min_size=1, max_size=8))
+
+
+@st.composite
+def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChunk | bytes]:
+    """`chunks` after up to 4 random edits: drop, duplicate, swap, truncate or grow a chunk's
+    data, flip a byte, change an offset, a layer or the checksum, insert a random message,
+    damage a message's wire bytes, hand-encode a data message as the sender does, cut the
+    stream. Items are messages or the raw bytes to send instead."""
+    out = [copy(c) for c in chunks]
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["drop", "dup", "swap", "truncate", "grow", "flip", "offset",
+                                   "layer", "crc", "insert", "bytes", "encode", "cut"]))
+        if not out and op != "insert":
+            continue
+        i = draw(st.integers(0, max(len(out) - 1, 0)))
+        c = out[i] if out else None
+        kind = c.WhichOneof("kind") if isinstance(c, PageChunk) else None
+        if op == "drop":
+            del out[i]
+        elif op == "dup":
+            out.insert(i, copy(c))
+        elif op == "swap":
+            j = draw(st.integers(0, len(out) - 1))
+            out[i], out[j] = out[j], out[i]
+        elif op == "truncate" and kind == "data":
+            c.data.data = c.data.data[: draw(st.integers(0, len(c.data.data)))]
+        elif op == "grow" and kind == "data":
+            c.data.data += draw(st.binary(min_size=1, max_size=64))
+        elif op == "flip" and kind == "data" and c.data.data:
+            at = draw(st.integers(0, len(c.data.data) - 1))
+            d = c.data.data
+            c.data.data = d[:at] + bytes([d[at] ^ (1 << draw(st.integers(0, 7)))]) + d[at + 1:]
+        elif op == "offset" and kind == "data":
+            c.data.offset = draw(OFFSETS)
+        elif op == "layer" and kind == "data":
+            c.data.layer = draw(st.integers(0, 3) | U32)
+        elif op == "crc" and kind == "trailer":
+            c.trailer.crc32 = draw(U32)
+        elif op == "insert":
+            out.insert(i, draw(random_chunks() | st.binary(max_size=40)))
+        elif op == "bytes":
+            out[i] = draw(edited_bytes(wire_bytes(c)))
+        elif op == "encode" and kind == "data":
+            out[i] = encode_data(c.data.layer, c.data.offset, c.data.data)
+        elif op == "cut":
+            out = out[:i]
+    if draw(st.booleans()):  # a sender whose checksum matches what it sent, however wrong
+        crc = 0
+        for c in out:
+            kind = c.WhichOneof("kind") if isinstance(c, PageChunk) else None
+            if kind == "data":
+                crc = zlib.crc32(c.data.data, crc)
+            elif kind == "trailer":
+                c.trailer.crc32 = crc
+                break
+    return out
+
+
+def grpc_deserialize(raw: bytes):
+    """What a grpc.aio stream yields for `raw` with the decode side's deserializer: the
+    decoded message, or None when the deserializer raised (grpc logs it and goes on)."""
+    try:
+        return decode_chunk(raw)
+    except Exception:  # noqa: BLE001 - exactly what grpc does
+        return None
+
+
+def on_the_wire(items) -> list:
+    """The stream a receiver reads when a sender sends `items` (messages or raw bytes)."""
+    return [grpc_deserialize(wire_bytes(c)) for c in items]
+
+
+async def _aiter(chunks):
+    for c in chunks:
+        yield c
+
+
+def receive(num_blocks: int, items) -> list[torch.Tensor]:
+    request = worker_pb2.PrefillRequest(backend="grpc")
+    return asyncio.run(GrpcBackend().receive(request, LAYOUT, num_blocks,
+                                             _aiter(on_the_wire(items))))
+
+
+def check_accepted(pages: list[torch.Tensor], num_blocks: int, items) -> bytes:
+    """What a receiver may return: every layer at the asked-for size, made of the data
+    messages before the first trailer, each at the place it names, covering every byte once,
+    and matching that trailer's checksum."""
+    assert len(pages) == LAYOUT.num_layers
+    for p in pages:
+        assert p.dtype == LAYOUT.dtype and tuple(p.shape) == LAYOUT.layer_shape(num_blocks)
+    raw = b"".join(p.contiguous().numpy().tobytes() for p in pages)
+    size = num_blocks * BLOCK
+    placed = [bytearray(size) for _ in range(LAYOUT.num_layers)]
+    covered = [0] * LAYOUT.num_layers
+    for m in on_the_wire(items):
+        if isinstance(m, PageChunk) and m.WhichOneof("kind") == "trailer":
+            assert zlib.crc32(raw) == m.trailer.crc32
+            break
+        assert isinstance(m, RawPageData) or (isinstance(m, PageChunk)
+                                              and m.WhichOneof("kind") == "data")
+        d = m if isinstance(m, RawPageData) else m.data
+        assert d.layer < LAYOUT.num_layers and d.offset + len(d.data) <= size
+        placed[d.layer][d.offset:d.offset + len(d.data)] = d.data
+        covered[d.layer] += len(d.data)
+    else:
+        raise AssertionError("accepted without a trailer")
+    assert covered == [size] * LAYOUT.num_layers and b"".join(placed) == raw
+    return raw
+
+
+# -- receiver side -------------------------------------------------------------------------------
+
+@st.composite
+def wire_messages(draw) -> bytes:
+    """Bytes a peer may send: a real message (protobuf- or hand-encoded), maybe damaged, or
+    arbitrary bytes."""
+    c = draw(random_chunks())
+    raw = c.SerializeToString()
+    if c.WhichOneof("kind") == "data" and draw(st.booleans()):
+        raw = encode_data(c.data.layer, c.data.offset, c.data.data)
+    pick = draw(st.integers(0, 2))
+    return raw if pick == 0 else draw(edited_bytes(raw)) if pick == 1 else draw(
+        st.binary(max_size=40))
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=wire_messages())
+def test_decode_chunk_agrees_with_protobuf(raw):
+    """The decode side's hand-written parser reads what protobuf reads (only stricter about
+    out-of-range integers, which the receiver refuses anyway) and fails where it fails."""
+    try:
+        want = PageChunk.FromString(raw)
+    except DecodeError:
+        want = None
+    try:
+        got = decode_chunk(raw)
+    except DecodeError:
+        got = None
+    if want is None:
+        assert got is None
+    elif isinstance(got, RawPageData):
+        assert want.WhichOneof("kind") == "data"
+        assert (got.layer % 2**32, got.offset % 2**64) == (want.data.layer, want.data.offset)
+        assert bytes(got.data) == want.data.data
+    else:
+        assert got == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(layer=U32, offset=U64, payload=st.binary(max_size=300))
+def test_encode_data_is_the_protobuf_encoding(layer, offset, payload):
+    raw = encode_data(layer, offset, payload)
+    want = PageChunk(data=PageData(layer=layer, offset=offset, data=payload))
+    assert PageChunk.FromString(raw) == want
+    got = decode_chunk(raw)
+    assert isinstance(got, RawPageData)
+    assert (got.layer, got.offset, bytes(got.data)) == (layer, offset, payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_check_header_accepts_a_prefix_of_the_chain_or_raises(data):
+    expected = data.draw(HASHES)
+    first = data.draw(st.integers(0, 3))
+    if data.draw(st.booleans()):  # a real header, maybe with one field changed
+        offered = expected[: data.draw(st.integers(0, len(expected)))]
+        header = header_for(LAYOUT, first, offered, "lease", 0)
+        field = data.draw(st.sampled_from(["", "model_id", "num_layers", "num_kv_heads",
+                                           "block_size", "head_dim", "dtype", "first_block",
+                                           "block_hashes", "layer_bytes"]))
+        if field == "block_hashes":
+            del header.block_hashes[:]
+            header.block_hashes.extend(data.draw(st.lists(st.binary(max_size=40), max_size=6)))
+        elif field:
+            other = worker_pb2.PageHeader.FromString(
+                data.draw(random_headers()).SerializeToString())
+            setattr(header, field, getattr(other, field))
+    else:
+        header = data.draw(random_headers())
+    try:
+        n = check_header(header, LAYOUT, first, expected)
+    except KVTransferError as exc:
+        assert exc.reason == "invalid"
+        return
+    assert 0 <= n <= len(expected) and list(header.block_hashes) == expected[:n]
+    assert header.first_block == first and header.layer_bytes == n * BLOCK
+    assert (header.model_id, header.num_layers, header.num_kv_heads, header.block_size,
+            header.head_dim, header.dtype) == ("fuzz-model", 2, 1, 2, 2, "float32")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_receive_returns_checked_pages_or_raises(data):
+    num_blocks = data.draw(st.integers(1, 3))
+    layers, chunks = data.draw(valid_pages(num_blocks))
+    stream = data.draw(damaged(chunks))
+    asked = num_blocks if data.draw(st.integers(0, 9)) else data.draw(st.integers(0, 4))
+    try:
+        pages = receive(asked, stream)
+    except KVTransferError as exc:
+        assert exc.reason in ("invalid", "incomplete")
+        assert stream != chunks or asked != num_blocks  # an intact stream is never refused
+        return
+    if not asked:
+        assert pages == []
+        return
+    raw = check_accepted(pages, asked, stream)
+    if stream == chunks and asked == num_blocks:
+        assert raw == b"".join(layers)
+
+
+def _data(layer: int, offset: int, payload: bytes) -> worker_pb2.PageChunk:
+    return PageChunk(data=PageData(layer=layer, offset=offset, data=payload))
+
+
+def _trailer(*payloads: bytes) -> worker_pb2.PageChunk:
+    crc = 0
+    for p in payloads:
+        crc = zlib.crc32(p, crc)
+    return PageChunk(trailer=PageTrailer(crc32=crc))
+
+
+A, B, C = b"a" * BLOCK, b"b" * BLOCK, b"c" * BLOCK  # one block of layer 0, of layer 1, extra
+EDGE_STREAMS = {  # one block asked for; every checksum matches the data sent before it
+    "a trailer first": [_trailer()],
+    "a trailer after one layer": [_data(0, 0, A), _trailer(A)],
+    "a trailer mid-layer": [_data(0, 0, A[:8]), _trailer(A[:8])],
+    "data after the last layer": [_data(0, 0, A), _data(1, 0, B), _data(2, 0, C),
+                                  _trailer(A, B, C)],
+    "a layer sent twice": [_data(0, 0, A), _data(0, 0, A), _data(1, 0, B), _trailer(A, A, B)],
+    "layers swapped": [_data(1, 0, B), _data(0, 0, A), _trailer(B, A)],
+    "a gap in a layer": [_data(0, 0, A[:8]), _data(0, 16, A[16:]), _data(1, 0, B),
+                         _trailer(A[:8], A[16:], B)],
+    "overlapping pieces": [_data(0, 0, A[:16]), _data(0, 8, A[8:]), _data(1, 0, B),
+                           _trailer(A[:16], A[8:], B)],
+    "a piece past the layer's end": [_data(0, 0, A + C[:1]), _data(1, 0, B),
+                                     _trailer(A + C[:1], B)],
+    "an empty piece": [_data(0, 0, b""), _data(0, 0, A), _data(1, 0, B), _trailer(A, B)],
+    "layer 2**32 (protobuf would read 0)": [encode_data(2**32, 0, A), _data(1, 0, B),
+                                            _trailer(A, B)],
+    "an undecodable message": [_data(0, 0, A), b"\x12\x05\x08", _data(1, 0, B), _trailer(A, B)],
+    "a message of no kind": [_data(0, 0, A), PageChunk(), _data(1, 0, B), _trailer(A, B)],
+    "a header among the pages": [_data(0, 0, A), PageChunk(header=worker_pb2.PageHeader()),
+                                 _data(1, 0, B), _trailer(A, B)],
+    "no trailer": [_data(0, 0, A), _data(1, 0, B)],
+    "nothing": [],
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_STREAMS))
+def test_malformed_streams_are_refused(name):
+    with pytest.raises(KVTransferError) as info:
+        receive(1, EDGE_STREAMS[name])
+    assert info.value.reason in ("invalid", "incomplete")
+
+
+def test_a_well_formed_stream_is_accepted():
+    for stream in ([_data(0, 0, A), _data(1, 0, B), _trailer(A, B)],
+                   [_data(0, 0, A[:5]), encode_data(0, 5, A[5:]), _data(1, 0, B), _trailer(A, B)]):
+        pages = receive(1, stream)
+        assert check_accepted(pages, 1, stream) == A + B
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=st.lists(random_chunks() | st.binary(max_size=40), max_size=8),
+       num_blocks=st.integers(0, 3))
+def test_receive_of_random_messages_raises_only_kv_transfer_errors(chunks, num_blocks):
+    try:
+        pages = receive(num_blocks, chunks)
+    except KVTransferError:
+        return
+    if num_blocks:
+        check_accepted(pages, num_blocks, chunks)
+
+
+class _Call:
+    """What `RemotePrefill._receive` reads: a Prefill call's reply stream."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks = chunks
+
+    def __aiter__(self):
+        return _aiter(self.chunks)
+
+
+def _receiver() -> RemotePrefill:
+    remote = RemotePrefill.__new__(RemotePrefill)  # no engine: `_receive` needs only these
+    remote.layout = LAYOUT
+    remote._backend = GrpcBackend()
+    return remote
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_decode_side_stream_reader_raises_only_kv_transfer_errors(data):
+    expected = data.draw(HASHES)
+    first = data.draw(st.integers(0, 2))
+    offered = expected[: data.draw(st.integers(0, len(expected)))]
+    _, pages = data.draw(valid_pages(max(len(offered), 1)))
+    header = PageChunk(header=header_for(LAYOUT, first, offered, "lease", 7))
+    intact = [header, *pages]
+    stream = data.draw(damaged(intact))
+    req = worker_pb2.PrefillRequest(backend="grpc")
+    try:
+        got, got_header, n = asyncio.run(_receiver()._receive(req, _Call(on_the_wire(stream)),
+                                                              expected, first))
+    except KVTransferError as exc:
+        assert exc.reason in ("invalid", "incomplete")
+        assert stream != intact or not offered
+        return
+    assert 1 <= n <= len(expected) and list(got_header.block_hashes) == expected[:n]
+    check_accepted(got, n, stream[1:])
+
+
+# -- sender side: a real prefill worker -----------------------------------------------------------
+
+VOCAB, BS, MAX_LEN, KV_TOKENS = 49152, 16, 8192, 256 * 16
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory):
+    port = free_port()
+    w = start_worker(tmp_path_factory.mktemp("fuzz"), "--role", "prefill", "--grpc-port",
+                     str(port), "--num-threads", "1", "--num-kv-blocks", "256")
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}",
+                               options=[("grpc.max_receive_message_length", 8 << 20)])
+    try:
+        yield w, worker_pb2_grpc.KVTransferStub(ch)
+    finally:
+        ch.close()
+        assert w.stop() == 0, w.log()
+
+
+ANY_FIELD = {  # a random value for each PrefillRequest field, in or out of range
+    "request_id": st.text(max_size=300),
+    "model_id": st.text(max_size=30),
+    "token_ids": st.lists(U32, max_size=40) | st.lists(st.integers(0, VOCAB - 1), max_size=90),
+    "cache_salt": st.text(max_size=20),
+    "block_size": st.sampled_from([0, 1, 8, 32]) | U32,
+    "first_block": st.integers(0, 8) | U32,
+    "num_blocks": st.integers(0, 8) | U32,
+    "backend": st.sampled_from(["", "GRPC", "nope", "grpc "]) | st.text(max_size=10),
+    "torch": st.builds(worker_pb2.TorchChannel, store_host=st.text(max_size=20),
+                       store_port=U32, group_id=st.text(max_size=20), tag=U64),
+    "lease_s": st.floats(width=32),
+}
+
+
+@st.composite
+def prefill_requests(draw) -> worker_pb2.PrefillRequest:
+    """A valid request (a short prompt, some of its full blocks) with up to 3 fields
+    replaced by random values. The server decides validity up front (INVALID_ARGUMENT);
+    a valid one with a lease too short to outlive the prefill ends DEADLINE_EXCEEDED."""
+    prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=BS, max_size=5 * BS))
+    full = len(prompt) // BS
+    first = draw(st.integers(0, full - 1))
+    fields = {"request_id": draw(st.text(max_size=20)), "model_id": BUNDLED_NAME,
+              "token_ids": prompt, "cache_salt": draw(st.just("") | st.text(max_size=8)),
+              "block_size": BS, "first_block": first,
+              "num_blocks": draw(st.integers(1, full - first)), "backend": "grpc",
+              "lease_s": draw(st.just(0.0) | st.floats(0, 2) | st.floats(5, 600))}
+    for name in draw(st.sets(st.sampled_from(sorted(ANY_FIELD)), max_size=3)):
+        fields[name] = draw(ANY_FIELD[name])
+    return worker_pb2.PrefillRequest(**fields)
+
+
+def is_valid(req: worker_pb2.PrefillRequest) -> bool:
+    """The protocol's rules for a request a prefill worker must serve (this worker: 256
+    blocks of 16 tokens, the bundled model)."""
+    n = len(req.token_ids)
+    return (req.model_id == BUNDLED_NAME and req.block_size == BS and req.backend == "grpc"
+            and 0 < n < MAX_LEN and -(-(n + 1) // BS) * BS <= KV_TOKENS
+            and all(t < VOCAB for t in req.token_ids)
+            and req.num_blocks >= 1 and req.first_block + req.num_blocks <= n // BS
+            and 0 <= req.lease_s <= 600 and len(req.request_id) <= 256
+            and len(req.cache_salt) <= 4096)
+
+
+@pytest.mark.slow
+@settings(max_examples=50, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@example(req=worker_pb2.PrefillRequest(model_id=BUNDLED_NAME, token_ids=list(range(100, 140)),
+                                       block_size=BS, first_block=1, num_blocks=1,
+                                       backend="grpc", lease_s=1.0))
+@example(req=worker_pb2.PrefillRequest(model_id=BUNDLED_NAME, token_ids=list(range(100, 140)),
+                                       block_size=BS, num_blocks=2, backend="grpc",
+                                       lease_s=math.nan))
+@given(req=prefill_requests())
+def test_random_prefill_requests_end_with_a_status(prefill, req):
+    worker, stub = prefill
+    assume(req.backend != "torch")  # a real pair group: another test's business
+    req = worker_pb2.PrefillRequest.FromString(req.SerializeToString())  # float32 lease
+    event("valid" if is_valid(req) else "invalid")
+    short_lease = 0 < req.lease_s < 5  # may end before the pages are sent or acknowledged
+    try:
+        chunks = list(stub.Prefill(req, timeout=60))
+    except grpc.RpcError as exc:
+        if is_valid(req):
+            assert short_lease and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (
+                exc.code(), exc.details())
+        else:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+    else:
+        assert is_valid(req)
+        header = chunks[0].header
+        assert chunks[0].WhichOneof("kind") == "header"
+        assert chunks[-1].WhichOneof("kind") == "trailer"
+        assert (header.first_block, len(header.block_hashes)) == (req.first_block,
+                                                                  req.num_blocks)
+        released = stub.ReleasePages(worker_pb2.ReleasePagesRequest(lease_id=header.lease_id),
+                                     timeout=10).released
+        assert released or short_lease
+    assert httpx.get(worker.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_fuzzed_prefill_worker_holds_nothing_and_still_serves(prefill):
+    worker, stub = prefill
+    wait_idle(worker.url, 10)  # every lease above was released
+    req = worker_pb2.PrefillRequest(model_id=BUNDLED_NAME, token_ids=list(range(200, 300)),
+                                    block_size=BS, num_blocks=6, backend="grpc", lease_s=5)
+    chunks = list(stub.Prefill(req, timeout=60))
+    assert len(chunks[0].header.block_hashes) == 6
+    assert chunks[-1].WhichOneof("kind") == "trailer"
