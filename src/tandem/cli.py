@@ -7,6 +7,8 @@
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem router`   - the KV-cache-aware router in front of workers.
 * `tandem generate` - one-shot offline generation.
+* `tandem operator` - the Kubernetes operator (kopf) for InferenceServices; imports neither
+  torch nor the engine (`tandem.operator.cli`).
 * `tandem bench offline|serve` - runs `bench/offline_throughput.py` or `bench/serve.py`
   (e.g. `tandem bench serve --url tandem=http://host:8000`) from a source checkout.
 """
@@ -28,14 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.router.main import add_router_args
-from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+from tandem.operator.cli import add_operator_args
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
+    from tandem.serving.worker import engine_config
 
     llm = LLM(**vars(engine_config(args)))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -202,7 +204,24 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         _stop_all(procs)
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (before parsing: `operator` skips the engine's
+    imports, which the other subcommands' arguments need)."""
+    args = iter(argv)
+    for a in args:
+        if a == "--log-level":
+            next(args, None)
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    engine = _command(argv) != "operator"
+    if engine:
+        from tandem.router.main import add_router_args
+        from tandem.serving.worker import add_engine_args, add_server_args
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -220,14 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="the router's P/D threshold in uncached prompt tokens (default 16)")
 
     router = sub.add_parser("router", help="run the KV-cache-aware router")
-    add_router_args(router)
-
     worker = sub.add_parser("worker", help="run one worker process")
-    add_engine_args(worker)
-    add_server_args(worker)
-
     gen = sub.add_parser("generate", help="generate completions offline")
-    add_engine_args(gen)
+    if engine:
+        add_router_args(router)
+        add_engine_args(worker)
+        add_server_args(worker)
+        add_engine_args(gen)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -237,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks (from a source checkout)")
     bench.add_argument("kind", choices=sorted(BENCH_SCRIPTS))
     bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    op = sub.add_parser("operator", help="run the Kubernetes operator for InferenceServices")
+    add_operator_args(op)
 
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
@@ -255,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_router(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "operator":
+        from tandem.operator.cli import run as run_operator
+
+        return run_operator(args)
     script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]
     if not script.exists():
         parser.error(f"{script} not found: run from a Tandem source checkout")

@@ -1,0 +1,141 @@
+"""The kopf handlers of `tandem operator`, thin: the work is in `reconcile`, `status` and
+`autoscale`. `registry(config)` registers them (timer intervals come from the config).
+
+* login / startup: one set of credentials (in-cluster, else $KUBECONFIG) for kopf and for
+  the `kubernetes` client that applies the children.
+* create / resume / update of an InferenceService: parse (`SpecError` → `PermanentError` and
+  an `InvalidSpec` condition), apply the children, delete those no longer rendered, write
+  status; an API failure → `TemporaryError` with exponential backoff (`ApplyFailed`).
+* status timer: replicas and conditions from the Deployments; re-applies a missing one.
+* autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`).
+
+Deletion needs no handler: every child carries a controller owner reference, so the garbage
+collector removes them with the InferenceService (kopf's finalizer, there for the timers, is
+lifted once they stop).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client import ApiClient
+
+from tandem.operator import kube, reconcile
+from tandem.operator.metrics import HttpMetricsSource
+from tandem.operator.render import pool_name, pools, router_name
+from tandem.operator.render.common import API_VERSION
+from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
+from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
+
+GROUP, VERSION = API_VERSION.split("/")
+RESOURCE = (GROUP, VERSION, kube.PLURAL)
+log = logging.getLogger(__name__)
+
+
+def login(**_: Any) -> kopf.ConnectionInfo:
+    return kopf.ConnectionInfo(**kube.connection(kube.load_config()))
+
+
+def startup(memo: kopf.Memo, **_: Any) -> None:
+    memo.kube = kube.Kube(ApiClient(kube.load_config()))
+    memo.metrics = memo.config.metrics or HttpMetricsSource(memo.kube.api_client)
+
+
+def _spec(body: kopf.Body) -> InferenceServiceSpec:
+    check_name(body["metadata"]["name"])
+    return parse_spec(dict(body.get("spec") or {}))
+
+
+def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    owner, now = reconcile.owner_of(body), now_iso()
+    generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
+    try:
+        spec = _spec(body)
+    except SpecError as exc:
+        patch.status.update(merge_patch(status, failed(status, generation, "InvalidSpec",
+                                                       str(exc), now)))
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    try:
+        removed = reconcile.apply(memo.kube, spec, owner, memo.config,
+                                  reconcile.deployments(memo.kube, owner))
+        live = reconcile.deployments(memo.kube, owner)
+    except kube.KubeError as exc:
+        reason = kube.describe(exc)
+        patch.status.update(merge_patch(status, failed(status, generation, "ApplyFailed",
+                                                       reason, now)))
+        delay = min(memo.config.backoff_s * 2**retry, 300.0)
+        raise kopf.TemporaryError(f"apply failed: {reason}", delay=delay) from exc
+    new = observed(spec, owner, status, live, generation, now)
+    patch.status.update(merge_patch(status, new | {"observedGeneration": generation}))
+    if removed:
+        kopf.event(body, type="Normal", reason="Removed",
+                   message=f"no longer rendered: {', '.join(removed)}")
+
+
+def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    """Status from the Deployments; a Deployment deleted by hand is applied again."""
+    owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
+    status = dict(body.get("status") or {})
+    if status.get("observedGeneration") != generation:
+        return  # the change handler has not finished with this generation (or failed)
+    try:
+        spec = _spec(body)
+        live = reconcile.deployments(memo.kube, owner)
+        names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
+        if missing := [n for n in names if n not in live]:
+            log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
+            reconcile.apply(memo.kube, spec, owner, memo.config, live)
+            live = reconcile.deployments(memo.kube, owner)
+    except SpecError:
+        return
+    except kube.KubeError as exc:
+        log.warning("%s/%s: status not refreshed: %s", owner.namespace, owner.name,
+                    kube.describe(exc))
+        return
+    patch.status.update(merge_patch(status, observed(spec, owner, status, live, generation,
+                                                     now_iso())))
+
+
+def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
+    if (body.get("status") or {}).get("observedGeneration") != generation:
+        return
+    try:
+        spec = _spec(body)
+    except SpecError:
+        return
+    scaled_pools = reconcile.operator_scaled(spec)
+    if not scaled_pools:
+        return
+    states = memo.setdefault("autoscaler", {})
+    try:
+        live = reconcile.deployments(memo.kube, owner)
+        for pool in scaled_pools:
+            state = states.setdefault(pool.name, reconcile.PoolState())
+            done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
+                                        live.get(pool_name(owner, pool)), state)
+            if done is not None:
+                patch.status[STATUS_KEY[pool.name]] = {"desiredReplicas": done.desired,
+                                                       "lastScaleTime": now_iso()}
+                kopf.event(body, type="Normal", reason="Scaled", message=(
+                    f"{pool_name(owner, pool)}: {done.current} -> {done.desired} replicas "
+                    f"({pool.spec.autoscaling.signal} {done.value:.3g} per replica, target "
+                    f"{pool.spec.autoscaling.target:g})"))
+    except kube.KubeError as exc:
+        log.warning("%s/%s: autoscaler tick failed: %s", owner.namespace, owner.name,
+                    kube.describe(exc))
+
+
+def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
+    """A registry with every handler; run it with `memo=kopf.Memo(config=config)`."""
+    reg = kopf.OperatorRegistry()
+    kopf.on.login(registry=reg)(login)
+    kopf.on.startup(registry=reg)(startup)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(*RESOURCE, registry=reg, id="apply")(apply)
+    kopf.timer(*RESOURCE, registry=reg, interval=config.status_interval_s)(refresh)
+    kopf.timer(*RESOURCE, registry=reg, interval=config.autoscale_interval_s)(autoscale)
+    return reg

@@ -1,0 +1,130 @@
+"""What the kopf handlers do, without kopf: apply an InferenceService's rendered children and
+delete the ones it no longer renders, read their Deployments for status, and run one
+autoscaler tick for a pool. API errors propagate (`kube.KubeError`); handlers decide."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.operator import autoscale
+from tandem.operator.kube import KINDS, Kube
+from tandem.operator.metrics import MetricsSource, counters, per_replica
+from tandem.operator.render import (
+    DEFAULT_IMAGE,
+    Owner,
+    Pool,
+    pool_name,
+    pools,
+    render_all,
+)
+from tandem.operator.spec import InferenceServiceSpec, signal_for
+
+logger = logging.getLogger(__name__)
+AUTOSCALER = "tandem-autoscaler"  # the field manager of the replicas the autoscaler sets
+
+
+@dataclass
+class OperatorConfig:
+    """What `tandem operator` passes its handlers (through kopf's memo)."""
+
+    image: str = DEFAULT_IMAGE  # the children's default image (TANDEM_IMAGE)
+    image_pull_policy: str | None = None  # TANDEM_IMAGE_PULL_POLICY
+    status_interval_s: float = 10.0
+    autoscale_interval_s: float = 15.0
+    backoff_s: float = 5.0  # the first retry after an API failure; doubles up to 300 s
+    metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
+
+
+@dataclass
+class PoolState:
+    """The autoscaler's memory of one pool (lost on restart: then the window starts anew)."""
+
+    history: autoscale.History = ()
+    previous: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+def owner_of(body: Mapping[str, Any]) -> Owner:
+    meta = body["metadata"]
+    return Owner(meta["name"], meta["namespace"], meta["uid"])
+
+
+def operator_scaled(spec: InferenceServiceSpec) -> list[Pool]:
+    return [p for p in pools(spec)
+            if p.spec.autoscaling is not None and p.spec.autoscaling.mode == "operator"]
+
+
+def deployments(kube: Kube, owner: Owner) -> dict[str, dict[str, Any]]:
+    """The InferenceService's Deployments by name."""
+    return {d["metadata"]["name"]: d
+            for d in kube.list_owned("Deployment", owner.namespace, owner.name, owner.uid)}
+
+
+def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
+          live: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Apply every child (server-side apply), then delete owned children the spec no longer
+    renders (e.g. the prefill pool when prefill.replicas drops to 0). A pool the autoscaler
+    drives keeps its live replica count (`live`: the Deployments as they are). Returns the
+    removed children as `Kind/name`."""
+    keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
+            if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
+    docs = render_all(spec, owner, image=config.image,
+                      image_pull_policy=config.image_pull_policy, replicas=keep)
+    for doc in docs:
+        kube.apply(doc)
+    wanted = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    removed = []
+    for kind in KINDS:
+        for obj in kube.list_owned(kind, owner.namespace, owner.name, owner.uid):
+            name = obj["metadata"]["name"]
+            if (kind, name) not in wanted:
+                kube.delete(kind, owner.namespace, name)
+                removed.append(f"{kind}/{name}")
+    if removed:
+        logger.info("%s/%s: removed %s", owner.namespace, owner.name, ", ".join(removed))
+    return removed
+
+
+@dataclass(frozen=True)
+class Scaled:
+    pool: Pool
+    current: int
+    desired: int
+    value: float
+
+
+def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
+               dep: Mapping[str, Any] | None, state: PoolState,
+               now: float | None = None) -> Scaled | None:
+    """One autoscaler tick for one pool: read the signal, decide, and patch the Deployment's
+    replicas (nothing else) when the decision differs from what runs. None: no change."""
+    auto = pool.spec.autoscaling
+    if auto is None or dep is None:
+        return None
+    now = time.time() if now is None else now
+    signal = signal_for(auto.signal, pool.role)
+    name = pool_name(owner, pool)
+    current = int(dep["spec"].get("replicas", 1))
+    samples = source.scrape(owner.namespace, name)
+    value = per_replica(signal, samples, current, now, state.previous)
+    state.previous = counters(signal, samples, now)
+    if not state.history:  # after a (re)start, the window begins at what runs
+        state.history = ((now, current),)
+    if value is None:
+        return None
+    window = auto.scale_down_stabilization_seconds
+    desired = autoscale.desired_replicas(current, auto.min_replicas, auto.max_replicas, value,
+                                         auto.target, state.history, window, now)
+    rec = autoscale.recommend(current, value, auto.target, auto.min_replicas,
+                              auto.max_replicas)
+    state.history = autoscale.remember(state.history, now, rec, window)
+    if desired == current:
+        return None
+    kube.patch("Deployment", owner.namespace, name, {"spec": {"replicas": desired}},
+               manager=AUTOSCALER)
+    logger.info("%s: %d -> %d replicas (%s %.3g per replica, target %g)", name, current,
+                desired, auto.signal, value, auto.target)
+    return Scaled(pool, current, desired, value)

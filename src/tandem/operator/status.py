@@ -1,0 +1,127 @@
+"""The InferenceService's status as pure functions: per pool replicas from the children's
+Deployments, the Ready / Progressing / Degraded conditions with reasons, and the minimal
+merge patch from the status there is to the status there should be."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from tandem.operator.render import (
+    Owner,
+    pool_name,
+    pool_selector,
+    pools,
+    router_endpoint,
+    router_name,
+)
+from tandem.operator.spec import InferenceServiceSpec
+
+STATUS_KEY = {"prefill": "prefill", "decode": "decode", "worker": "decode"}  # pool -> status
+CONDITIONS = ("Ready", "Progressing", "Degraded")
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rollout(dep: Mapping[str, Any] | None) -> tuple[int, int, bool]:
+    """(wanted, ready, rolled out) of a Deployment; a missing one wants 1 and has none."""
+    if dep is None:
+        return 1, 0, False
+    spec, st = dep.get("spec") or {}, dep.get("status") or {}
+    wanted = spec.get("replicas", 1)
+    ready = st.get("readyReplicas") or 0
+    current = (st.get("observedGeneration") or 0) >= dep["metadata"].get("generation", 0)
+    done = (current and (st.get("updatedReplicas") or 0) >= wanted and ready >= wanted
+            and (st.get("replicas") or 0) <= wanted)
+    return wanted, ready, done
+
+
+def condition(current: list[dict[str, Any]], type_: str, status: bool, reason: str,
+              message: str, generation: int, now: str) -> dict[str, Any]:
+    """One condition; its lastTransitionTime moves only when its status does."""
+    value = "True" if status else "False"
+    old = next((c for c in current if c.get("type") == type_), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == value and old.get(
+        "lastTransitionTime") else now
+    return {"type": type_, "status": value, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def conditions(current: list[dict[str, Any]], generation: int, now: str, *, ready: bool,
+               progressing: bool, degraded: bool, reason: str, message: str) -> list[dict]:
+    """All three: `reason`/`message` explain the one that is not as it should be."""
+    ok = ("AllReplicasReady", "RolloutComplete", "AsExpected")
+    return [condition(current, "Ready", ready, ok[0] if ready else reason,
+                      "" if ready else message, generation, now),
+            condition(current, "Progressing", progressing, reason if progressing else ok[1],
+                      message if progressing else "", generation, now),
+            condition(current, "Degraded", degraded, reason if degraded else ok[2],
+                      message if degraded else "", generation, now)]
+
+
+def failed(current: Mapping[str, Any], generation: int, reason: str, message: str,
+           now: str) -> dict[str, Any]:
+    """Status for a spec that cannot be deployed (`InvalidSpec`) or an apply that failed."""
+    retrying = reason != "InvalidSpec"
+    conds = conditions(current.get("conditions") or [], generation, now, ready=False,
+                       progressing=retrying, degraded=True, reason=reason, message=message)
+    out: dict[str, Any] = {"conditions": conds}
+    if not retrying:  # nothing will happen for this generation until the spec changes
+        out["observedGeneration"] = generation
+    return out
+
+
+def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any],
+             deployments: Mapping[str, Mapping[str, Any]], generation: int,
+             now: str) -> dict[str, Any]:
+    """Status from the children's Deployments (name -> object as read)."""
+    out: dict[str, Any] = {"endpoint": router_endpoint(owner), "modelDigest": spec.model.sha256,
+                           "prefill": {"replicas": 0, "readyReplicas": 0, "selector": None,
+                                       "desiredReplicas": None, "lastScaleTime": None}}
+    waiting = []
+    for pool in pools(spec):
+        name = pool_name(owner, pool)
+        dep = deployments.get(name)
+        wanted, ready, done = rollout(dep)
+        st = (dep or {}).get("status") or {}
+        old = current.get(STATUS_KEY[pool.name]) or {}
+        entry = {"replicas": st.get("replicas") or 0, "readyReplicas": ready,
+                 "selector": pool_selector(owner, pool)}
+        if pool.spec.autoscaling is None or pool.spec.autoscaling.mode != "operator":
+            entry |= {"desiredReplicas": None, "lastScaleTime": None}
+        else:  # the autoscaler's own fields stay as it wrote them
+            entry |= {k: old[k] for k in ("desiredReplicas", "lastScaleTime") if k in old}
+        out[STATUS_KEY[pool.name]] = entry
+        if not done:
+            waiting.append(f"{name}: {ready}/{wanted} ready")
+    wanted, ready, done = rollout(deployments.get(router_name(owner)))
+    out["routerReadyReplicas"] = ready
+    if not done:
+        waiting.append(f"{router_name(owner)}: {ready}/{wanted} ready")
+    out["conditions"] = conditions(
+        current.get("conditions") or [], generation, now, ready=not waiting,
+        progressing=bool(waiting), degraded=False, reason="ReplicasNotReady",
+        message="; ".join(waiting))
+    return out
+
+
+def merge_patch(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns `current` into `wanted` for the keys of `wanted` (None
+    deletes); empty when nothing differs. Lists and scalars are replaced whole."""
+    out: dict[str, Any] = {}
+    for key, value in wanted.items():
+        have = current.get(key)
+        if isinstance(value, Mapping) and isinstance(have, Mapping):
+            sub = merge_patch(have, value)
+            if sub:
+                out[key] = sub
+        elif value is None:
+            if key in current:
+                out[key] = None
+        elif value != have:
+            out[key] = ({k: v for k, v in value.items() if v is not None}
+                        if isinstance(value, Mapping) else value)
+    return out

@@ -1,0 +1,49 @@
+"""`tandem operator`'s arguments, the configuration it builds from the chart's environment,
+and the kopf settings it runs with (the run itself: `test_operator_kmock`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from tandem.operator.cli import add_operator_args, config_from, settings
+from tandem.operator.render import DEFAULT_IMAGE
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_operator_args(p)
+    return p.parse_args(argv)
+
+
+def test_the_charts_arguments():
+    args = parse("--standalone", "--namespace=team-a", "--namespace=team-b",
+                 "--liveness=http://0.0.0.0:8080/healthz")
+    assert args.standalone and not args.all_namespaces
+    assert args.namespace == ["team-a", "team-b"]
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    assert parse("--standalone", "--all-namespaces").all_namespaces
+
+
+def test_all_namespaces_and_a_namespace_exclude_each_other():
+    with pytest.raises(SystemExit):
+        parse("--all-namespaces", "--namespace=a")
+
+
+def test_config_takes_the_childrens_image_from_the_environment():
+    args = parse("-A", "--status-interval", "5", "--autoscale-interval", "30")
+    cfg = config_from(args, {"TANDEM_IMAGE": "registry.example/tandem:1.2",
+                             "TANDEM_IMAGE_PULL_POLICY": "Always"})
+    assert (cfg.image, cfg.image_pull_policy) == ("registry.example/tandem:1.2", "Always")
+    assert (cfg.status_interval_s, cfg.autoscale_interval_s) == (5.0, 30.0)
+    assert cfg.metrics is None  # scrape the pods over HTTP
+    cfg = config_from(args, {})
+    assert (cfg.image, cfg.image_pull_policy) == (DEFAULT_IMAGE, None)
+
+
+def test_kopf_settings():
+    s = settings()
+    assert s.persistence.finalizer == "tandem.dev/operator"
+    assert s.posting.level == logging.WARNING

@@ -1,0 +1,419 @@
+"""The operator running for real: kopf with `tandem.operator.main`'s handlers (as `tandem
+operator --all-namespaces` runs them) against kmock's Kubernetes API emulator on a local
+port, extended in `kube_emulator` (versions, generations, status, server-side apply, the
+garbage collector's cascade). The test writes InferenceServices as `kubectl` would, plays the
+Deployment controller where readiness matters (it writes Deployment status), and feeds the
+autoscaler through a fake metrics source.
+
+What each test proves is in its docstring; together: create → children with the rendered
+content and owner references → Ready; replicas → only the Deployment's replicas change;
+model → the pools' pod templates change (a rollout); P/D → aggregated removes the prefill
+pool; delete → kopf lifts its finalizer and the (emulated) GC removes the children; a bad
+spec → an InvalidSpec condition; API failures → ApplyFailed, retried; the autoscaler raises
+and lowers replicas without flapping.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.error import URLError
+from urllib.request import urlopen
+
+import pytest
+from kubernetes.client import ApiClient, AppsV1Api, Configuration, CustomObjectsApi
+
+from tandem.operator.reconcile import OperatorConfig
+from tandem.operator.render import Owner, render_all
+from tandem.operator.render.common import CONFIG_HASH
+from tandem.operator.spec import parse_spec
+from tests.operator.harness import FakeMetrics, OperatorThread, condition, wait_for
+from tests.operator.kube_emulator import SERVER_META, FakeCluster
+from tests.operator.samples import SHA
+
+NS = "ml"
+TANDEM = Path(sys.executable).with_name("tandem")
+IMAGE = "registry.example/tandem:test"
+RW = {"list", "watch", "get", "create", "patch", "delete"}
+RESOURCES: dict[str, dict[str, Any]] = {
+    "tandem.dev/v1alpha1/inferenceservices": dict(
+        kind="InferenceService", namespaced=True, verbs=RW, subresources={"status", "scale"}),
+    "apps/v1/deployments": dict(kind="Deployment", namespaced=True, verbs=RW,
+                                subresources={"status"}),
+    "v1/services": dict(kind="Service", namespaced=True, verbs=RW),
+    "v1/configmaps": dict(kind="ConfigMap", namespaced=True, verbs=RW),
+    "v1/serviceaccounts": dict(kind="ServiceAccount", namespaced=True, verbs=RW),
+    "v1/events": dict(kind="Event", namespaced=True, verbs=RW),
+    "v1/namespaces": dict(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"}),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", namespaced=True,
+                                           verbs=RW),
+    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", namespaced=True, verbs=RW),
+    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", namespaced=True,
+                                                      verbs=RW),
+    "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", namespaced=True,
+                                               verbs={"list", "watch"}),
+    "autoscaling/v2/horizontalpodautoscalers": dict(kind="HorizontalPodAutoscaler",
+                                                    namespaced=True, verbs=RW),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}),
+}
+PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
+           "ConfigMap": "v1/configmaps", "ServiceAccount": "v1/serviceaccounts",
+           "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
+           "Role": "rbac.authorization.k8s.io/v1/roles",
+           "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings"}
+ISVC = "tandem.dev/v1alpha1/inferenceservices"
+
+
+class Env:
+    def __init__(self, cluster: FakeCluster, metrics: FakeMetrics) -> None:
+        self.cluster, self.metrics = cluster, metrics
+        client = ApiClient(Configuration(host=cluster.url))
+        self.api, self.apps = CustomObjectsApi(client), AppsV1Api(client)
+        self.created: list[str] = []
+
+    def clean(self) -> None:
+        """Delete what the test created (fewer timers ticking for the next tests)."""
+        for name in self.created:
+            if self.isvc(name) is not None:
+                self.delete(name)
+        self.created.clear()
+
+    # kubectl
+    def create(self, name: str, spec: dict[str, Any]) -> None:
+        self.created.append(name)
+        self.api.create_namespaced_custom_object(
+            "tandem.dev", "v1alpha1", NS, "inferenceservices",
+            {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+             "metadata": {"name": name, "namespace": NS}, "spec": spec})
+
+    def patch(self, name: str, spec: dict[str, Any]) -> None:
+        self.api.patch_namespaced_custom_object("tandem.dev", "v1alpha1", NS,
+                                                "inferenceservices", name, {"spec": spec})
+
+    def delete(self, name: str) -> None:
+        self.api.delete_namespaced_custom_object("tandem.dev", "v1alpha1", NS,
+                                                 "inferenceservices", name)
+
+    # reading the emulator's store
+    def history(self, kind: str, name: str) -> list[dict[str, Any] | None]:
+        return self.cluster.history(PLURALS.get(kind, kind), NS, name)
+
+    def get(self, kind: str, name: str) -> dict[str, Any] | None:
+        h = self.history(kind, name)
+        return h[-1] if h else None
+
+    def isvc(self, name: str) -> dict[str, Any] | None:
+        return self.get(ISVC, name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return (self.isvc(name) or {}).get("status") or {}
+
+    # the Deployment controller, as far as readiness goes
+    def roll_out(self, *names: str) -> None:
+        for name in names:
+            dep = self.get("Deployment", name)
+            n = dep["spec"]["replicas"]
+            self.apps.patch_namespaced_deployment_status(name, NS, {"status": {
+                "observedGeneration": dep["metadata"]["generation"], "replicas": n,
+                "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}})
+
+
+@pytest.fixture(scope="module")
+def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    cluster = FakeCluster(RESOURCES, tmp_path_factory.mktemp("kube"))
+    metrics = FakeMetrics()
+    config = OperatorConfig(image=IMAGE, image_pull_policy="IfNotPresent",
+                            status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
+                            metrics=metrics)
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)  # read by the operator's login
+    try:
+        with OperatorThread(config):
+            yield Env(cluster, metrics)
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
+        cluster.stop()
+
+
+@pytest.fixture()
+def env(kube_env: Env) -> Iterator[Env]:
+    yield kube_env
+    kube_env.clean()
+
+
+def server_side(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` without what the API server adds."""
+    out = {k: v for k, v in copy.deepcopy(obj).items() if k != "status"}
+    for key in SERVER_META:
+        out["metadata"].pop(key, None)
+    return out
+
+
+def expected(env: Env, name: str, spec: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
+    uid = env.isvc(name)["metadata"]["uid"]
+    return render_all(parse_spec(spec), Owner(name, NS, uid), image=IMAGE,
+                      image_pull_policy="IfNotPresent", **kw)
+
+
+def template_hash(dep: dict[str, Any]) -> str:
+    return dep["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH]
+
+
+PD = {"model": {"uri": "pvc://models/llama/llama-3-8b.Q8_0.gguf", "sha256": SHA},
+      "prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+
+
+def children(name: str, disaggregated: bool = True) -> dict[str, list[str]]:
+    pools = ["prefill", "decode"] if disaggregated else ["worker"]
+    return {"Deployment": [f"{name}-{p}" for p in pools] + [f"{name}-router"],
+            "Service": [f"{name}-{p}" for p in pools] + [f"{name}-router"],
+            "PodDisruptionBudget": [f"{name}-{p}" for p in pools] + [f"{name}-router"],
+            "ConfigMap": [f"{name}-router-config"], "ServiceAccount": [f"{name}-router"],
+            "Role": [f"{name}-router"], "RoleBinding": [f"{name}-router"]}
+
+
+def test_create_applies_the_rendered_children_and_becomes_ready(env: Env) -> None:
+    """Every child appears with exactly the rendered content (the operator's image and pull
+    policy, the owner reference with the InferenceService's uid); status reports the
+    endpoint, digest, selectors and, once the Deployments are rolled out, Ready."""
+    env.create("alpha", PD)
+    want = {(d["kind"], d["metadata"]["name"]): d for d in
+            wait_for(lambda: env.isvc("alpha")["metadata"]["uid"] and expected(env, "alpha", PD))}
+    assert sorted(want) == sorted((k, n) for k, names in children("alpha").items()
+                                  for n in names)
+    for (kind, name), doc in want.items():
+        got = wait_for(lambda kind=kind, name=name: env.get(kind, name), what=f"{kind} {name}")
+        assert server_side(got) == doc, f"{kind}/{name} differs from the render"
+        (ref,) = got["metadata"]["ownerReferences"]
+        assert ref["uid"] == env.isvc("alpha")["metadata"]["uid"] and ref["controller"]
+    st = wait_for(lambda: env.status("alpha").get("observedGeneration") == 1
+                  and env.status("alpha"))
+    assert st["endpoint"] == "http://alpha-router.ml.svc:8000"
+    assert st["modelDigest"] == SHA
+    assert st["decode"]["selector"] == ("tandem.dev/inference-service=alpha,"
+                                        "app.kubernetes.io/component=worker,tandem.dev/role=decode")
+    assert condition(env.isvc("alpha"), "Ready")["status"] == "False"
+    assert "alpha-decode: 0/2 ready" in condition(env.isvc("alpha"), "Ready")["message"]
+    env.roll_out("alpha-prefill", "alpha-decode", "alpha-router")
+    wait_for(lambda: condition(env.isvc("alpha"), "Ready")["status"] == "True", what="Ready")
+    st = env.status("alpha")
+    assert (st["prefill"]["readyReplicas"], st["decode"]["readyReplicas"],
+            st["routerReadyReplicas"]) == (1, 2, 1)
+    assert condition(env.isvc("alpha"), "Progressing")["status"] == "False"
+    assert condition(env.isvc("alpha"), "Degraded")["reason"] == "AsExpected"
+
+
+def test_replicas_change_patches_only_the_deployments_replicas(env: Env) -> None:
+    """decode.replicas 2 → 4: the decode Deployment's new version differs in spec.replicas
+    only (same pod template: no rollout); no other child gets a new version."""
+    env.create("beta", PD)
+    wait_for(lambda: env.status("beta").get("observedGeneration") == 1)
+    before = {(k, n): len(env.history(k, n)) for k, names in children("beta").items()
+              for n in names}
+    old = env.get("Deployment", "beta-decode")
+    env.patch("beta", {"decode": {"replicas": 4}})
+    new = wait_for(lambda: env.get("Deployment", "beta-decode")["spec"]["replicas"] == 4
+                   and env.get("Deployment", "beta-decode"))
+    assert server_side(new)["spec"] == {**server_side(old)["spec"], "replicas": 4}
+    assert server_side(new)["metadata"] == server_side(old)["metadata"]
+    assert template_hash(new) == template_hash(old)
+    wait_for(lambda: env.status("beta").get("observedGeneration") == 2)
+    after = {key: len(env.history(*key)) for key in before}
+    assert {k for k in before if after[k] != before[k]} == {("Deployment", "beta-decode")}
+
+
+def test_model_change_rolls_both_pools(env: Env) -> None:
+    """A new model digest changes each pool's pod template (config hash, --model-sha256):
+    Kubernetes rolls the pods; status follows the new generation."""
+    env.create("gamma", PD)
+    wait_for(lambda: env.status("gamma").get("observedGeneration") == 1)
+    old = {p: env.get("Deployment", f"gamma-{p}") for p in ("prefill", "decode")}
+    digest = "f" * 64
+    env.patch("gamma", {"model": {"sha256": digest}})
+    for pool, dep in old.items():
+        new = wait_for(lambda pool=pool: digest in str(
+            env.get("Deployment", f"gamma-{pool}")["spec"]["template"])
+            and env.get("Deployment", f"gamma-{pool}"))
+        assert template_hash(new) != template_hash(dep)
+        assert new["metadata"]["generation"] == dep["metadata"]["generation"] + 1
+    assert wait_for(lambda: env.status("gamma").get("modelDigest") == digest)
+    assert condition(env.isvc("gamma"), "Progressing")["status"] == "True"
+
+
+def test_switch_to_aggregated_removes_the_prefill_pool(env: Env) -> None:
+    """prefill.replicas → 0: one aggregated `worker` pool replaces prefill + decode; the
+    children no longer rendered are deleted (label + controller reference) and an Event
+    says which."""
+    env.create("delta", PD)
+    wait_for(lambda: env.get("Deployment", "delta-prefill"))
+    env.patch("delta", {"prefill": {"replicas": 0}})
+    wait_for(lambda: env.get("Deployment", "delta-worker"), what="the aggregated pool")
+    for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+        for pool in ("prefill", "decode"):
+            wait_for(lambda kind=kind, pool=pool: env.get(kind, f"delta-{pool}") is None,
+                     what=f"{kind} delta-{pool} removed")
+    for kind, names in children("delta", disaggregated=False).items():
+        for name in names:
+            assert env.get(kind, name) is not None, f"{kind}/{name}"
+    st = wait_for(lambda: env.status("delta").get("observedGeneration") == 2
+                  and env.status("delta"))
+    assert st["prefill"] == {"replicas": 0, "readyReplicas": 0}
+    assert st["decode"]["selector"].endswith("tandem.dev/role=both")
+    wait_for(lambda: [e for e in env.cluster.objects("v1/events") if e.get("reason") ==
+                      "Removed" and "Deployment/delta-prefill" in e["message"]],
+             what="a Removed event")
+
+
+def test_delete_lifts_the_finalizer_and_the_children_follow(env: Env) -> None:
+    """kopf's finalizer (its timers need one) is removed on deletion, so the InferenceService
+    goes; its children go with it through their owner references (here kmock's emulated
+    garbage collector; the operator has no delete handler)."""
+    env.create("eps", PD)
+    wait_for(lambda: env.get("Deployment", "eps-router"))
+    assert env.isvc("eps")["metadata"]["finalizers"] == ["tandem.dev/operator"]
+    env.delete("eps")
+    wait_for(lambda: env.isvc("eps") is None, what="the InferenceService gone")
+    for kind, names in children("eps").items():
+        for name in names:
+            assert env.get(kind, name) is None, f"{kind}/{name} survived"
+
+
+def test_a_deployment_deleted_by_hand_comes_back(env: Env) -> None:
+    """The status timer notices a missing Deployment and applies the children again."""
+    env.create("iota", {"model": {"uri": "SmolLM2-135M-Instruct"}})
+    first = wait_for(lambda: env.get("Deployment", "iota-worker"))
+    env.apps.delete_namespaced_deployment("iota-worker", NS)
+    back = wait_for(lambda: (d := env.get("Deployment", "iota-worker"))
+                    and d["metadata"]["uid"] != first["metadata"]["uid"] and d,
+                    what="the Deployment re-applied")
+    assert server_side(back) == server_side(first)
+
+
+def test_a_spec_the_schema_cannot_catch_is_reported_and_recovers(env: Env) -> None:
+    """kvCacheMemory "1.5" matches the CRD's pattern, but is neither a fraction in (0, 1] nor
+    whole bytes: PermanentError, conditions Ready=False / Degraded=True (InvalidSpec) with
+    the reason, nothing deployed; fixing the spec deploys it."""
+    bad = {"model": {"uri": "SmolLM2-135M-Instruct"},
+           "decode": {"engine": {"kvCacheMemory": "1.5"}}}
+    env.create("zeta", bad)
+    ready = wait_for(lambda: condition(env.isvc("zeta"), "Ready"), what="a Ready condition")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "kvCacheMemory" in ready["message"]
+    degraded = condition(env.isvc("zeta"), "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InvalidSpec")
+    assert env.status("zeta")["observedGeneration"] == 1
+    assert env.get("Deployment", "zeta-worker") is None
+    env.patch("zeta", {"decode": {"engine": {"kvCacheMemory": "0.5"}}})
+    wait_for(lambda: env.get("Deployment", "zeta-worker"), what="the fixed spec deployed")
+    wait_for(lambda: condition(env.isvc("zeta"), "Degraded")["status"] == "False")
+
+
+def test_api_failures_are_retried_with_a_condition(env: Env) -> None:
+    """While Deployments cannot be written: TemporaryError, Degraded=True (ApplyFailed, the
+    API's answer); once they can, the retry deploys everything."""
+    env.cluster.set_faults(deployments=503)
+    try:
+        env.create("eta", PD)
+        degraded = wait_for(lambda: condition(env.isvc("eta"), "Degraded"))
+        assert (degraded["status"], degraded["reason"]) == ("True", "ApplyFailed")
+        assert "503" in degraded["message"]
+    finally:
+        env.cluster.set_faults()
+    wait_for(lambda: env.get("Deployment", "eta-decode"), what="the retry")
+    wait_for(lambda: condition(env.isvc("eta"), "Degraded")["status"] == "False")
+
+
+def test_autoscaler_scales_up_at_once_and_down_after_the_window(env: Env) -> None:
+    """waitingRequests, target 4 per replica, window 2 s: 12 waiting on one replica → 3 at
+    once (Deployment, status.desiredReplicas, an Event); noise around the target changes
+    nothing; a model change keeps the autoscaler's count; no load → back to 1, not before
+    the window has passed. Replica history: 1, 3, 1 (no flapping)."""
+    spec = {"model": {"uri": "SmolLM2-135M-Instruct"},
+            "decode": {"replicas": 1, "autoscaling": {
+                "minReplicas": 1, "maxReplicas": 5, "signal": "waitingRequests", "target": 4,
+                "scaleDownStabilizationSeconds": 2}}}
+    metric = "vllm:num_requests_waiting"
+    env.create("theta", spec)
+    wait_for(lambda: env.status("theta").get("observedGeneration") == 1)
+    env.metrics.set("theta-worker", a={metric: 12.0})
+    wait_for(lambda: env.get("Deployment", "theta-worker")["spec"]["replicas"] == 3)
+    st = wait_for(lambda: env.status("theta")["decode"].get("desiredReplicas") == 3
+                  and env.status("theta"))
+    assert st["decode"]["lastScaleTime"]
+    env.patch("theta", {"model": {"sha256": SHA}})  # a rollout keeps the scaled count
+    wait_for(lambda: env.status("theta").get("observedGeneration") == 2)
+    assert env.get("Deployment", "theta-worker")["spec"]["replicas"] == 3
+    for value in (4.3, 3.7, 4.2, 3.8, 4.1):  # within the 10 % band: no change
+        env.metrics.set("theta-worker", a={metric: value}, b={metric: value},
+                        c={metric: value})
+        n = len(env.metrics.calls)
+        wait_for(lambda n=n: len(env.metrics.calls) > n + 1)
+    assert env.get("Deployment", "theta-worker")["spec"]["replicas"] == 3
+    quiet = time.monotonic()
+    env.metrics.set("theta-worker", a={metric: 0.0}, b={metric: 0.0}, c={metric: 0.0})
+    wait_for(lambda: env.get("Deployment", "theta-worker")["spec"]["replicas"] == 1,
+             timeout=10)
+    assert time.monotonic() - quiet >= 1.5, "scaled down inside the stabilization window"
+    counts = [v["spec"]["replicas"] for v in env.history("Deployment", "theta-worker") if v]
+    assert [n for i, n in enumerate(counts) if i == 0 or n != counts[i - 1]] == [1, 3, 1]
+    scaled = wait_for(lambda: [e["message"] for e in env.cluster.objects("v1/events")
+                               if e.get("reason") == "Scaled" and "theta" in e["message"]])
+    assert scaled[0] == ("theta-worker: 1 -> 3 replicas (waitingRequests 12 per replica, "
+                         "target 4)"), scaled
+
+
+def test_the_tandem_operator_process(tmp_path) -> None:
+    """`tandem operator` as the chart runs it (--standalone --all-namespaces --liveness, the
+    children's image from TANDEM_IMAGE / TANDEM_IMAGE_PULL_POLICY) against its own emulator:
+    it deploys, answers its liveness probe, and exits 0 on SIGTERM."""
+    cluster = FakeCluster(RESOURCES, tmp_path)
+    port = free_port()
+    envvars = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+               "TANDEM_IMAGE": "registry.example/tandem:proc",
+               "TANDEM_IMAGE_PULL_POLICY": "Always"}
+    proc = subprocess.Popen(
+        [str(TANDEM), "operator", "--standalone", "--all-namespaces",
+         f"--liveness=http://127.0.0.1:{port}/healthz"], env=envvars,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        api = CustomObjectsApi(ApiClient(Configuration(host=cluster.url)))
+        api.create_namespaced_custom_object(
+            "tandem.dev", "v1alpha1", "team", "inferenceservices",
+            {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+             "metadata": {"name": "proc", "namespace": "team"},
+             "spec": {"model": {"uri": "SmolLM2-135M-Instruct"}}})
+        dep = wait_for(lambda: (cluster.history("apps/v1/deployments", "team", "proc-worker")
+                                or [None])[-1], timeout=30, what="the worker Deployment")
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        assert (container["image"], container["imagePullPolicy"]) == (
+            "registry.example/tandem:proc", "Always")
+        health = wait_for(lambda: urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2),
+                          what="liveness", errors=(URLError, OSError))
+        assert health.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        cluster.stop()
+    assert proc.returncode == 0, out[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
