@@ -28,7 +28,6 @@ import torch
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.kv_cache.block_pool import KVBlock
-from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
 from tandem.kvtransfer.pages import KVTransferError, PageLayout, check_header, scatter_layer
@@ -148,18 +147,30 @@ class RemotePrefill:
 
     async def _import(self, hashes: list[BlockHash], parent: BlockHash, tokens: list[int],
                       pages: list[torch.Tensor]) -> list[KVBlock]:
-        """Pin, write and register the pages on the engine thread. A queued engine call runs
-        whether or not its caller still waits, and its future must not be cancelled (the
-        engine thread dies on setting a cancelled future's result): so the call is shielded
-        from the fetch's timeout and, when that fires first, the blocks the import pinned are
-        unpinned as soon as it is done."""
-        task = asyncio.ensure_future(
-            self.engine.call(lambda e: _import(e, hashes, parent, tokens, pages)))
+        """Pin fresh blocks (engine thread), write the pages into them (a worker thread: the
+        engine keeps stepping; nothing references unregistered blocks), register them
+        (engine thread). Shielded from the fetch's timeout: queued engine calls run anyway,
+        so when the timeout fires first the pinned blocks are unpinned once it is done."""
+        task = asyncio.ensure_future(self._import_steps(hashes, parent, tokens, pages))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._drop_import)
             raise
+
+    async def _import_steps(self, hashes: list[BlockHash], parent: BlockHash,
+                            tokens: list[int], pages: list[torch.Tensor]) -> list[KVBlock]:
+        pinned, fresh = await self.engine.call(lambda e: e.kv.import_blocks(hashes))
+        try:
+            if fresh:
+                caches = self.engine.engine.runner.kv_caches
+                await asyncio.to_thread(_write_pages, caches, pinned, fresh, pages)
+            await self.engine.call(lambda e: e.kv.commit_import(pinned, hashes, parent,
+                                                                tokens))
+        except BaseException:
+            await self.engine.call(lambda e: e.kv.unpin(pinned))
+            raise
+        return pinned
 
     def _drop_import(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is None:
@@ -209,19 +220,15 @@ def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallab
                                 response_deserializer=decode_chunk)
 
 
-def _import(engine: LLMEngine, hashes: list[BlockHash], parent: BlockHash,
-            tokens: list[int], pages: list[torch.Tensor]) -> list[KVBlock]:
-    """Engine thread: pin, write the pages of blocks not already cached, register."""
-    kv = engine.kv
-    pinned, fresh = kv.import_blocks(hashes)
-    if fresh:
-        ids = [pinned[i].block_id for i in fresh]
-        sel = torch.tensor(fresh, dtype=torch.int64)
-        caches = engine.runner.kv_caches
-        for layer, layer_pages in enumerate(pages):
-            scatter_layer(caches, layer, ids, layer_pages.index_select(1, sel))
-    kv.commit_import(pinned, hashes, parent, tokens)
-    return pinned
+def _write_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], pinned: list[KVBlock],
+                 fresh: list[int], pages: list[torch.Tensor]) -> None:
+    """Write the received pages of the `fresh` chain positions into their pinned blocks."""
+    ids = [pinned[i].block_id for i in fresh]
+    n = pages[0].shape[1] if pages else 0
+    sel = None if fresh == list(range(n)) else torch.tensor(fresh, dtype=torch.int64)
+    for layer, layer_pages in enumerate(pages):
+        scatter_layer(caches, layer, ids,
+                      layer_pages if sel is None else layer_pages.index_select(1, sel))
 
 
 def _details(exc: grpc.RpcError) -> str:
