@@ -33,6 +33,7 @@ class W:
     grpc: bool = True
     ready: bool = True
     model: str = MODEL
+    pd_capable: bool = True  # reports a KV-transfer backend in /ready (a Tandem worker)
 
 
 def build(workers: list[W], prompt: prompts.ParsedPrompt, threshold: int = 16) -> Router:
@@ -41,7 +42,8 @@ def build(workers: list[W], prompt: prompts.ParsedPrompt, threshold: int = 16) -
     for spec in workers:
         w = Worker(id=f"http://{spec.name}:8000", model=spec.model, role=spec.role,
                    grpc_target=f"{spec.name}:9000" if spec.grpc else None, block_size=BS,
-                   ready=spec.ready, events_connected=True)
+                   ready=spec.ready, events_connected=True,
+                   kv_transfer_backend="grpc" if spec.pd_capable else None)
         w.load.num_waiting = spec.queue
         router.add_worker(w)
         router.index.stored(w.id, chain[:spec.held])
@@ -160,3 +162,13 @@ def test_approximate_mode_estimates_tokens_from_text(chars, threshold, disaggreg
         w.events_connected = False
     route, _ = plan(router, prompt, MODEL, now=1.0)
     assert (route.prefill is not None) is disaggregated
+
+
+def test_a_decode_worker_that_cannot_fetch_pages_serves_aggregated():
+    """A stock server (no KV-transfer backend in its /ready) would ignore the prefill header
+    and prefill itself: the router does not pretend to disaggregate for it."""
+    prompt = parsed(320)
+    router = build([W("d", role="decode", pd_capable=False), W("p1")], prompt)
+    route, _ = plan(router, prompt, MODEL, now=1.0)
+    assert route is not None and route.worker.id == "http://d:8000"
+    assert route.prefill is None and route.headers() == {}

@@ -2,8 +2,9 @@
 
 The decode worker is picked first (`Router.route`, role "decode": decode or both workers, by
 prefix hit and load). The prompt tokens it lacks are estimated from its match; when they
-reach `RouterSettings.pd_threshold` and a routable prefill worker (role "prefill", gRPC port
-known) serves the model, one is picked the same cache-aware way (its own prefix hits and
+reach `RouterSettings.pd_threshold`, the decode worker can fetch KV pages (its /ready reports
+a KV-transfer backend) and a routable prefill worker (role "prefill", gRPC port known) serves
+the model, one is picked the same cache-aware way (its own prefix hits and
 load; the prompt's blocks are then recorded as speculatively present on it) and the request
 goes to the decode worker with `x-tandem-prefill: <its gRPC host:port>`: the decode worker
 fetches the missing KV pages from there, then decodes. Otherwise it is served aggregated.
@@ -65,7 +66,10 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
         return None, ctx
     route = Route(decision, uncached_tokens=uncached_tokens(ctx, decision,
                                                             parsed.token_ids is None))
-    if route.uncached_tokens >= router.settings.pd_threshold:
+    # only a Tandem decode worker (its /ready names its KV-transfer backend) can fetch pages;
+    # a stock server would ignore the header and prefill itself anyway
+    capable = decision.worker.kv_transfer_backend is not None
+    if capable and route.uncached_tokens >= router.settings.pd_threshold:
         if keep_prefill is not None and _usable(router, keep_prefill.worker, now):
             route.prefill = keep_prefill
         else:
