@@ -25,7 +25,6 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.llm_engine import EngineStats
 from tandem.engine.outputs import RequestOutput
 from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
-from tandem.kvtransfer.pages import KVTransferError
 from tandem.kvtransfer.service import KVTransferService
 from tandem.protocol.openai_api import (
     ChatCompletionRequest,
@@ -43,6 +42,7 @@ from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
 from tandem.serving.metrics import ServerMetrics
+from tandem.serving.pd import PrefillImports
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     """`load_engine` runs in a thread at start-up; its engine is shut down at exit."""
     holder = _EngineHolder()
     metrics = ServerMetrics(settings.served_model_name, holder.snapshot)
+    pd = PrefillImports(lambda: holder.remote, settings.kv_transfer, metrics,
+                        settings.served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -206,65 +208,14 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise APIError(503, "the engine is not running")
         rid = responder.request_id
         arrival = time.monotonic()
-        imported = await remote_prefill(request, engine, rid, prompts,
-                                        responder.cache_salt or "")
+        imported = await pd.fetch(request.headers, engine, rid, prompts,
+                                  responder.cache_salt or "")
         try:
             return await admit_and_run(request, engine, responder, prompts, rid, arrival,
                                        imported)
         except BaseException:
-            unpin(imported)
+            pd.unpin(imported)
             raise
-
-    def unpin(imported: list[Imported]) -> None:
-        """Drop the import pins once the request's own references hold the blocks (or it
-        is over): scheduled on the engine thread, not awaited."""
-        if imported and holder.remote is not None:
-            for imp in imported:
-                asyncio.ensure_future(holder.remote.unpin(imp))
-            imported.clear()
-
-    async def remote_prefill(request: Request, engine: AsyncLLMEngine, rid: str,
-                             prompts: list[str | list[int]], salt: str) -> list[Imported]:
-        """P/D decode side: with an `x-tandem-prefill: host:port` header, import each prompt's
-        missing KV pages from that prefill worker first (see kvtransfer.client)."""
-        target = request.headers.get("x-tandem-prefill")
-        remote = holder.remote
-        if not target or remote is None:
-            return []
-        if not _valid_target(target):
-            raise APIError(400, "x-tandem-prefill must be host:port", "x-tandem-prefill")
-        imported: list[Imported] = []
-        try:
-            await fetch_all(remote, target, engine, rid, prompts, salt, imported)
-        except BaseException:  # cancelled (client gone) or failed: drop what was pinned
-            unpin(imported)
-            raise
-        return imported
-
-    async def fetch_all(remote: RemotePrefill, target: str, engine: AsyncLLMEngine, rid: str,
-                        prompts: list[str | list[int]], salt: str,
-                        imported: list[Imported]) -> None:
-        backend = settings.kv_transfer.backend
-        for i, prompt in enumerate(prompts):
-            ids = prompt if isinstance(prompt, list) else engine.engine.tokenizer.encode(prompt)
-            t0 = time.monotonic()
-            try:
-                imp = await remote.fetch(target, f"{rid}-{i}", ids, salt)
-            except KVTransferError as exc:
-                metrics.kv_fetches.labels(settings.served_model_name, exc.reason, backend).inc()
-                if settings.kv_transfer.policy == "fail":
-                    raise APIError(502, f"remote prefill failed: {exc}",
-                                   type_="server_error") from exc
-                logger.warning("[%s] remote prefill from %s failed (%s); computing locally",
-                               rid, target, exc)
-                continue
-            metrics.kv_fetches.labels(settings.served_model_name, "ok", backend).inc()
-            metrics.kv_fetch_seconds.observe(time.monotonic() - t0)
-            if imp is not None:
-                metrics.kv_fetched_bytes.inc(imp.bytes)
-                imported.append(imp)
-                logger.info("[%s] imported %d blocks from %s in %.1f ms", rid,
-                            imp.num_transferred, target, (time.monotonic() - t0) * 1e3)
 
     async def admit_and_run(request: Request, engine: AsyncLLMEngine, responder: Responder,
                             prompts: list[str | list[int]], rid: str, arrival: float,
@@ -283,7 +234,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         logger.info("[%s] admitted %d prompt(s), stream=%s", rid, len(prompts), responder.stream)
         timing = _Timing()
         stream = _merge(engine, rid, queues, metrics, arrival, timing,
-                        on_end=lambda: unpin(imported))
+                        on_end=lambda: pd.unpin(imported))
         if responder.stream:
             return StreamingResponse(_with_timeout(responder.sse(stream), settings, rid),
                                      media_type="text/event-stream")
@@ -298,7 +249,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise APIError(504, f"request timed out after {settings.request_timeout_s}s") \
                 from exc
         finally:
-            unpin(imported)
+            pd.unpin(imported)
         if not completed:
             logger.info("[%s] client disconnected; aborted", rid)
             return JSONResponse({}, status_code=499)
@@ -334,11 +285,6 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                            [tok.encode(text, add_special_tokens=False)])
 
     return app
-
-
-def _valid_target(target: str) -> bool:
-    host, _, port = target.rpartition(":")
-    return 0 < len(host) <= 253 and port.isdigit() and 0 < int(port) < 65536
 
 
 @dataclass
