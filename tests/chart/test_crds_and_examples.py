@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from tests.chart.conftest import CHART, ROOT
+from tests.operator.samples import apply_defaults
 
 SOURCE_CRDS = ROOT / "crds"
 CHART_CRDS = CHART / "crds"
@@ -34,23 +35,6 @@ def crd_schema() -> dict[str, Any]:
     crd = yaml.safe_load((SOURCE_CRDS / "inferenceservice.yaml").read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]
     return crd, version
-
-
-def with_defaults(node: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting, top-down, as the API server applies it."""
-    if isinstance(value, dict):
-        for key, sub in (node.get("properties") or {}).items():
-            if key not in value and "default" in sub:
-                value[key] = copy.deepcopy(sub["default"])
-            if key in value:
-                value[key] = with_defaults(sub, value[key])
-        extra = node.get("additionalProperties")
-        if isinstance(extra, dict):
-            for key in value:
-                value[key] = with_defaults(extra, value[key])
-    elif isinstance(value, list) and isinstance(node.get("items"), dict):
-        return [with_defaults(node["items"], v) for v in value]
-    return value
 
 
 def cel_failures(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
@@ -83,7 +67,7 @@ def check(resource: dict[str, Any]) -> list[str]:
     schema = version["schema"]["openAPIV3Schema"]
     assert resource["apiVersion"] == f"{crd['spec']['group']}/{version['name']}"
     assert resource["kind"] == crd["spec"]["names"]["kind"]
-    obj = with_defaults(schema, copy.deepcopy(resource))
+    obj = apply_defaults(schema, copy.deepcopy(resource))
     errors = [f"{'.'.join(map(str, e.path))}: {e.message}"
               for e in OAS30Validator(schema).iter_errors(obj)]
     return errors + cel_failures(schema, obj)

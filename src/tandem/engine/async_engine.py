@@ -189,7 +189,9 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        """Run `fn(engine)` on the engine thread between steps and return its result. Once
+        sent, `fn` runs even if the caller is cancelled while waiting (a release or unpin
+        is never lost); its result is then dropped."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Call(fn, done))
         return await asyncio.wrap_future(done)

@@ -204,7 +204,7 @@ class RemotePrefill:
 
     async def unpin(self, imported: Imported) -> None:
         blocks = imported.blocks
-        await asyncio.shield(self.engine.call(lambda e: e.kv.unpin(blocks)))
+        await self.engine.call(lambda e: e.kv.unpin(blocks))
 
     async def close(self) -> None:
         await self._backend.close()

@@ -58,8 +58,8 @@ class LeaseTable:
         if lease is None:
             return False
         rid = lease.request_id
-        # shielded: a cancelled engine call's future stops the engine thread when it runs
-        await asyncio.shield(self.engine.call(lambda e: e.kv.release_kept(rid)))
+        # an engine call runs even if this coroutine is cancelled while it waits
+        await self.engine.call(lambda e: e.kv.release_kept(rid))
         logger.info("[%s] pages unpinned (%s)", rid, why)
         return True
 
@@ -151,7 +151,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         lease = leases.add(rid, lease_s)
         sent = False
         try:
-            kept = await asyncio.shield(engine.call(lambda e: e.kv.kept_blocks(rid)))
+            kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
             first, num = request.first_block, request.num_blocks
             if kept is None or len(kept) < first + num:
                 await context.abort(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
@@ -207,7 +207,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             raise
         comp = out.outputs[0]
         if comp.finish_reason not in ("length", "stop") or not comp.token_ids:
-            await asyncio.shield(engine.call(lambda e: e.kv.release_kept(rid)))
+            await engine.call(lambda e: e.kv.release_kept(rid))
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"prefill failed: {out.error or comp.finish_reason}")
         return comp.token_ids[0]

@@ -8,6 +8,7 @@ mounted as files (`tls.crt`, `tls.key`, `ca.crt`, the layout cert-manager writes
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,3 +44,23 @@ class TLSFiles:
         cert, key, ca = self._read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                             certificate_chain=cert)
+
+
+def add_tls_arg(p: argparse.ArgumentParser) -> None:
+    """`--grpc-tls-dir`, shared by `tandem worker` and `tandem router`."""
+    p.add_argument("--grpc-tls-dir", default=None,
+                   help="mutual TLS on the gRPC links: a directory with tls.crt, tls.key, "
+                        "ca.crt (a mounted Kubernetes TLS Secret)")
+
+
+def tls_from_args(directory: str | None) -> TLSFiles | None:
+    """The `--grpc-tls-dir` files, read once now so a bad directory stops start-up with
+    the flag named (SystemExit), not at the first connection."""
+    if not directory:
+        return None
+    tls = TLSFiles.from_dir(directory)
+    try:
+        tls.server_credentials()
+    except ValueError as exc:
+        raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
+    return tls

@@ -82,6 +82,34 @@ class _TooLarge(Exception):
     pass
 
 
+def declared_too_large(scope: dict, limit: int) -> bool:
+    """The request's Content-Length is above `limit` bytes."""
+    for key, value in scope.get("headers") or ():
+        if key == b"content-length":
+            return value.isdigit() and int(value) > limit
+    return False
+
+
+def limited_receive(receive: Any, limit: int) -> Any:
+    """`receive` that raises `_TooLarge` once the streamed body passes `limit` bytes."""
+    seen = 0
+
+    async def wrapped() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge
+        return message
+
+    return wrapped
+
+
+def too_large(limit: int) -> JSONResponse:
+    return error_response(APIError(413, f"request body exceeds {limit} bytes"))
+
+
 class BodyLimit:
     """413 with an OpenAI error body for request bodies above `limit` bytes, whether the
     size is declared (Content-Length) or only seen while streaming in."""
@@ -93,20 +121,9 @@ class BodyLimit:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(scope, receive, send)
-        seen = 0
+        if declared_too_large(scope, self.limit):
+            return await too_large(self.limit)(scope, receive, send)
         started = False
-
-        async def limited_receive() -> dict:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
 
         async def tracking_send(message: dict) -> None:
             nonlocal started
@@ -114,15 +131,10 @@ class BodyLimit:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive(receive, self.limit), tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(scope, receive, send)
-
-    async def _reject(self, scope: dict, receive: Any, send: Any) -> None:
-        response = JSONResponse(error_body(413, f"request body exceeds {self.limit} bytes"),
-                                status_code=413)
-        await response(scope, receive, send)
+                await too_large(self.limit)(scope, receive, send)
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -152,25 +164,12 @@ class FastPaths:
                    if scope["type"] == "http" and scope["method"] == "POST" else None)
         if handler is None:
             return await self.app(scope, receive, send)
-        for key, value in scope["headers"]:
-            if key == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await error_response(APIError(413, self._too_large))(scope, receive,
-                                                                             send)
-        seen = 0
-
-        async def limited_receive() -> dict:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
+        if declared_too_large(scope, self.limit):
+            return await too_large(self.limit)(scope, receive, send)
         try:
-            response = await handler(Request(scope, limited_receive))
+            response = await handler(Request(scope, limited_receive(receive, self.limit)))
         except _TooLarge:
-            response = error_response(APIError(413, self._too_large))
+            response = too_large(self.limit)
         except APIError as exc:
             response = error_response(exc)
         except Exception as exc:
@@ -178,10 +177,6 @@ class FastPaths:
             response = error_response(APIError(500, f"internal error: {type(exc).__name__}",
                                                type_="server_error"))
         await response(scope, receive, send)
-
-    @property
-    def _too_large(self) -> str:
-        return f"request body exceeds {self.limit} bytes"
 
 
 class InFlight:

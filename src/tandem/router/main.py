@@ -36,6 +36,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.protocol.tls import add_tls_arg, tls_from_args
 from tandem.router.discovery import (
     DISCOVERY,
     Discovery,
@@ -82,9 +83,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
                    help="keep the prefix index in Redis too, shared by router replicas "
                         "(a new replica is warm at once; Redis down = in-memory index)")
-    p.add_argument("--grpc-tls-dir", default=None,
-                   help="mutual TLS to the workers' gRPC: a directory with tls.crt, tls.key, "
-                        "ca.crt (a mounted Kubernetes TLS Secret)")
+    add_tls_arg(p)  # the workers' gRPC: KV events and load
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
 
 
@@ -199,6 +198,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
             store = RedisIndexStore(index_url)
         except ValueError as exc:  # a malformed URL; an unreachable Redis only falls back
             raise SystemExit(f"--index: {exc}") from exc
+    tls = tls_from_args(args.grpc_tls_dir)
     server = RouterServerSettings(
         preload_tokenizers=tokenizers.preload,
         worker_urls=workers,
@@ -211,19 +211,9 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
                             else int(cfg.get("retries", 2))),
-        monitor=MonitorSettings(grpc_credentials=_grpc_credentials(args.grpc_tls_dir)))
+        monitor=MonitorSettings(grpc_credentials=tls.channel_credentials() if tls else None))
     return build_app(router, server), router, server
 
-
-def _grpc_credentials(directory: str | None):  # noqa: ANN202 - grpc.ChannelCredentials | None
-    if not directory:
-        return None
-    from tandem.protocol.tls import TLSFiles
-
-    try:
-        return TLSFiles.from_dir(directory).channel_credentials()
-    except ValueError as exc:
-        raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from tandem.engine.config import EngineConfig
+from tandem.protocol.tls import add_tls_arg
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-sha256", default=None, metavar="HEX",
                    help="refuse to serve unless the model's SHA-256 is HEX (a .gguf: the "
                         "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
-    p.add_argument("--grpc-tls-dir", default=None,
-                   help="mutual TLS on gRPC: a directory with tls.crt, tls.key, ca.crt "
-                        "(a mounted Kubernetes TLS Secret)")
+    add_tls_arg(p)
 
 
 def check_model_digest(model: str | None, expected: str) -> None:
@@ -110,19 +109,14 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.engine.async_engine import AsyncLLMEngine
     from tandem.kvtransfer.client import RemotePrefillSettings
-    from tandem.protocol.tls import TLSFiles
+    from tandem.protocol.tls import tls_from_args
     from tandem.serving.api_server import ServerSettings, build_app
 
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
     name = config.model_name
-    tls = TLSFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
-    if tls is not None:
-        try:
-            tls.server_credentials()
-        except ValueError as exc:
-            raise SystemExit(f"--grpc-tls-dir: {exc}") from exc
+    tls = tls_from_args(args.grpc_tls_dir)
     kv = RemotePrefillSettings(backend=args.kv_transfer_backend,
                                policy=args.kv_transfer_policy,
                                timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease,
