@@ -1,7 +1,7 @@
 """Online serving benchmark: Tandem's worker vs `vllm serve`, side by side in one invocation.
 
     .venv/bin/python bench/serve.py [--quick] [--servers tandem,vllm]
-        [--datasets mixed,shared-system] [--rates 0.5,1,2] [--url NAME=URL ...]
+        [--datasets mixed,shared-system] [--rates 0.5,1,2] [--requests N] [--url NAME=URL ...]
 
 Each server runs alone on the machine (one after another; `bench/servers.py` starts and
 stops them), or `--url NAME=URL` benchmarks endpoints that are already running. Against each
@@ -54,8 +54,11 @@ ONE_TOKEN_PROMPT_LEN = 64
 ONE_TOKEN_REPEATS = 30
 
 
-def dataset(name: str, quick: bool, seed: int) -> list:
-    return make_workload(seed=seed, **DATASETS[name][1 if quick else 0])
+def dataset(name: str, quick: bool, seed: int, num_requests: int | None = None) -> list:
+    kw = dict(DATASETS[name][1 if quick else 0])
+    if num_requests:
+        kw["num_requests"] = num_requests
+    return make_workload(seed=seed, **kw)
 
 
 def one_token_prompt(seed: int) -> list[int]:
@@ -74,7 +77,8 @@ def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
     for ds in args.datasets:
         runs = []
         for i, rate in enumerate(args.rates):
-            reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1))
+            reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1),
+                           num_requests=args.requests)
             with Timer() as timer:
                 results = asyncio.run(loadgen.run_rate(url, model, reqs, rate,
                                                        seed=args.seed + i))
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--datasets", default=",".join(DATASETS))
     ap.add_argument("--rates", default=None, help="requests/s, comma-separated; inf = burst")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per rate (default: the dataset's, 40; 10 with --quick); "
+                         "more requests dilute the cold start and the step-alignment luck")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.25, help="goodput SLO, seconds")
     ap.add_argument("--tandem-args", default="", help="extra `tandem worker` arguments")
@@ -177,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": machine_info(), "quick": args.quick, "seed": args.seed,
                     "rates": args.rates, "slo": {"ttft_s": args.slo_ttft,
                                                  "tpot_s": args.slo_tpot},
-                    "datasets": {d: DATASETS[d][1 if args.quick else 0] for d in args.datasets},
+                    "datasets": {d: {**DATASETS[d][1 if args.quick else 0],
+                                     **({"num_requests": args.requests} if args.requests
+                                        else {})} for d in args.datasets},
                     "servers": results, "ratios": ratios(results)}
     print_table(results, report["ratios"])
     suffix = "-quick" if args.quick else ""
