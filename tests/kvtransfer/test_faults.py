@@ -273,7 +273,7 @@ CORRUPTIONS = {
                                                + BLOCK_BYTES // LAYERS), "invalid"),
     "other model": (lambda ch: _set(ch, 0, model_id="other-model"), "invalid"),
     "wrong head count": (lambda ch: _set(ch, 0, num_kv_heads=KV_HEADS + 1), "invalid"),
-    "bad crc32": (lambda ch: _set(ch, -1, crc32=ch[-1].trailer.crc32 ^ 1), "invalid"),
+    "bad checksum": (lambda ch: _set(ch, -1, xxh3_64=ch[-1].trailer.xxh3_64 ^ 1), "invalid"),
     "flipped page byte": (lambda ch: _set(ch, 7, data=_flip(ch[7].data.data, 1000)),
                           "invalid"),
     "truncated chunk": (lambda ch: _set(ch, 3, data=ch[3].data.data[:-1]), "invalid"),
@@ -378,7 +378,7 @@ def test_an_import_that_outlasts_the_timeout_leaves_nothing_pinned(cluster):
 def test_damaged_pages_under_the_fail_policy_are_a_502(cluster):
     c = cluster
     prompt = ids(600, 3 * BS + 5)
-    c.fake.behaviour = serve(real_pages(c, prompt), CORRUPTIONS["bad crc32"][0])
+    c.fake.behaviour = serve(real_pages(c, prompt), CORRUPTIONS["bad checksum"][0])
     invalid = fetches(c.decode_fail.url, "invalid")
     r, took = post(c.decode_fail.url, prompt, c.fake.target)
     assert_502(r)

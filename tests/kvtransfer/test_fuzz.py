@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import zlib
 
 import grpc
 import httpx
 import pytest
 import torch
+import xxhash
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
@@ -62,7 +62,7 @@ def random_chunks() -> st.SearchStrategy:
     return st.one_of(
         st.builds(lambda h: PageChunk(header=h), random_headers()),
         st.builds(lambda d: PageChunk(data=d), data),
-        st.builds(lambda c: PageChunk(trailer=PageTrailer(crc32=c)), U32),
+        st.builds(lambda c: PageChunk(trailer=PageTrailer(xxh3_64=c)), U64),
         st.just(PageChunk()))  # no kind at all
 
 
@@ -70,7 +70,7 @@ def random_chunks() -> st.SearchStrategy:
 def valid_pages(draw, num_blocks: int) -> tuple[list[bytes], list[worker_pb2.PageChunk]]:
     """Every layer's bytes and a correct stream of them, cut into random chunks."""
     size = num_blocks * BLOCK
-    layers, chunks, crc = [], [], 0
+    layers, chunks, h = [], [], xxhash.xxh3_64()
     for layer in range(LAYOUT.num_layers):
         data = draw(st.binary(min_size=size, max_size=size))
         cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=4))))
@@ -78,8 +78,8 @@ def valid_pages(draw, num_blocks: int) -> tuple[list[bytes], list[worker_pb2.Pag
         chunks += [PageChunk(data=PageData(layer=layer, offset=a, data=data[a:b]))
                    for a, b in itertools.pairwise(bounds)]
         layers.append(data)
-        crc = zlib.crc32(data, crc)
-    return layers, [*chunks, PageChunk(trailer=PageTrailer(crc32=crc))]
+        h.update(data)
+    return layers, [*chunks, PageChunk(trailer=PageTrailer(xxh3_64=h.intdigest()))]
 
 
 def copy(c: worker_pb2.PageChunk | bytes) -> worker_pb2.PageChunk | bytes:
@@ -111,7 +111,7 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
     out = [copy(c) for c in chunks]
     for _ in range(draw(st.integers(0, 4))):
         op = draw(st.sampled_from(["drop", "dup", "swap", "truncate", "grow", "flip", "offset",
-                                   "layer", "crc", "insert", "bytes", "encode", "cut"]))
+                                   "layer", "checksum", "insert", "bytes", "encode", "cut"]))
         if not out and op != "insert":
             continue
         i = draw(st.integers(0, max(len(out) - 1, 0)))
@@ -136,8 +136,8 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
             c.data.offset = draw(OFFSETS)
         elif op == "layer" and kind == "data":
             c.data.layer = draw(st.integers(0, 3) | U32)
-        elif op == "crc" and kind == "trailer":
-            c.trailer.crc32 = draw(U32)
+        elif op == "checksum" and kind == "trailer":
+            c.trailer.xxh3_64 = draw(U64)
         elif op == "insert":
             out.insert(i, draw(random_chunks() | st.binary(max_size=40)))
         elif op == "bytes":
@@ -147,13 +147,13 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
         elif op == "cut":
             out = out[:i]
     if draw(st.booleans()):  # a sender whose checksum matches what it sent, however wrong
-        crc = 0
+        h = xxhash.xxh3_64()
         for c in out:
             kind = c.WhichOneof("kind") if isinstance(c, PageChunk) else None
             if kind == "data":
-                crc = zlib.crc32(c.data.data, crc)
+                h.update(c.data.data)
             elif kind == "trailer":
-                c.trailer.crc32 = crc
+                c.trailer.xxh3_64 = h.intdigest()
                 break
     return out
 
@@ -196,7 +196,7 @@ def check_accepted(pages: list[torch.Tensor], num_blocks: int, items) -> bytes:
     covered = [0] * LAYOUT.num_layers
     for m in on_the_wire(items):
         if isinstance(m, PageChunk) and m.WhichOneof("kind") == "trailer":
-            assert zlib.crc32(raw) == m.trailer.crc32
+            assert xxhash.xxh3_64_intdigest(raw) == m.trailer.xxh3_64
             break
         assert isinstance(m, RawPageData) or (isinstance(m, PageChunk)
                                               and m.WhichOneof("kind") == "data")
@@ -316,10 +316,10 @@ def _data(layer: int, offset: int, payload: bytes) -> worker_pb2.PageChunk:
 
 
 def _trailer(*payloads: bytes) -> worker_pb2.PageChunk:
-    crc = 0
+    h = xxhash.xxh3_64()
     for p in payloads:
-        crc = zlib.crc32(p, crc)
-    return PageChunk(trailer=PageTrailer(crc32=crc))
+        h.update(p)
+    return PageChunk(trailer=PageTrailer(xxh3_64=h.intdigest()))
 
 
 A, B, C = b"a" * BLOCK, b"b" * BLOCK, b"c" * BLOCK  # one block of layer 0, of layer 1, extra

@@ -134,15 +134,15 @@ def test_concurrent_transfers_with_one_peer_use_separate_groups():
     run(body)
 
 
-def bad_crc(chunk):
+def bad_checksum(chunk):
     if chunk.WhichOneof("kind") == "trailer":
         return worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
-            crc32=chunk.trailer.crc32 ^ 1))
+            xxh3_64=chunk.trailer.xxh3_64 ^ 1))
     return chunk
 
 
 @pytest.mark.parametrize("edit,reason", [
-    (bad_crc, "invalid"),
+    (bad_checksum, "invalid"),
     (lambda c: None, "incomplete"),  # no trailer: the stream just ends
     (lambda c: worker_pb2.PageChunk(data=worker_pb2.PageData(layer=0, offset=0, data=b"x")),
      "invalid"),

@@ -2,7 +2,7 @@
 
 A transfer always starts with the decode worker's `KVTransfer.Prefill` call to the prefill
 worker and that call's reply stream carries the `PageHeader` first and a `PageTrailer` (the
-crc32) last; the backend decides how the page bytes travel in between:
+XXH3-64 checksum) last; the backend decides how the page bytes travel in between:
 
 * `grpc` (`grpc_backend.py`): `PageData` chunks on the same stream; works between any hosts.
 * `torch` (`torch_backend.py`): torch.distributed point-to-point send/recv of one tensor per

@@ -2,7 +2,7 @@
 
 The receiver accepts only what it asked for: layers in order, each chunk at the next
 offset, at most `MAX_DATA_CHUNK` bytes, exactly `layer_bytes` per layer, then a trailer whose
-crc32 matches. Anything else raises `KVTransferError("invalid")`; a stream that ends early
+XXH3-64 matches. Anything else raises `KVTransferError("invalid")`; a stream that ends early
 raises `KVTransferError("incomplete")`.
 
 Data messages are the `PageChunk{data: PageData}` wire format, but encoded and decoded here
@@ -25,8 +25,9 @@ from tandem.kvtransfer.pages import (
     MAX_DATA_CHUNK,
     SEND_CHUNK,
     KVTransferError,
+    PageChecksum,
     PageLayout,
-    crc32_update,
+    layer_buffer,
     tensor_bytes,
 )
 from tandem.protocol import worker_pb2
@@ -109,27 +110,24 @@ class GrpcBackend(TransferBackend):
     name = "grpc"
 
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk | bytes]:
-        """Layer by layer; the next layer is gathered, checksummed and encoded in a thread
-        while this one's messages go out."""
+        """Layer by layer; the next layer is gathered, hashed and encoded in a thread while
+        this one's messages go out."""
         loop = asyncio.get_running_loop()
-        crc = 0
         layers = job.layout.num_layers
 
-        def prepare(layer: int, crc: int) -> tuple[list[bytes], int]:
+        def prepare(layer: int, checksum: PageChecksum) -> list[bytes]:
             data = tensor_bytes(job.gather(layer).cpu())
-            out = []
-            for off in range(0, len(data), SEND_CHUNK):
-                piece = data[off:off + SEND_CHUNK]
-                crc = crc32_update(crc, piece)
-                out.append(encode_data(layer, off, piece))
-            return out, crc
+            checksum.update(data)  # the whole layer at once: one GIL round trip
+            return [encode_data(layer, off, data[off:off + SEND_CHUNK])
+                    for off in range(0, len(data), SEND_CHUNK)]
 
-        nxt = asyncio.ensure_future(asyncio.to_thread(prepare, 0, 0))
+        checksum = PageChecksum()
+        nxt = asyncio.ensure_future(asyncio.to_thread(prepare, 0, checksum))
         try:
             for layer in range(layers):
-                messages, crc = await nxt
+                messages = await nxt
                 if layer + 1 < layers:
-                    nxt = asyncio.ensure_future(asyncio.to_thread(prepare, layer + 1, crc))
+                    nxt = asyncio.ensure_future(asyncio.to_thread(prepare, layer + 1, checksum))
                 for message in messages:
                     if loop.time() > job.deadline:
                         raise KVTransferError("expired", "the lease ended before the pages "
@@ -137,22 +135,27 @@ class GrpcBackend(TransferBackend):
                     yield message
         finally:
             nxt.cancel()
-        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(crc32=crc))
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(xxh3_64=checksum.digest()))
 
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
                       num_blocks: int,
                       stream: AsyncIterator[worker_pb2.PageChunk | RawPageData]
                       ) -> list[torch.Tensor]:
         size = num_blocks * layout.block_layer_bytes
-        buffers = [bytearray(size) for _ in range(layout.num_layers)] if size else []
+        tensors, views = [], []
+        for _ in range(layout.num_layers if size else 0):
+            t, v = layer_buffer(size)
+            tensors.append(t)
+            views.append(v)
         layer, filled = 0, 0
-        # the checksum of each completed layer runs in a thread (zlib releases the GIL),
-        # chained in layer order, while the next layer arrives
-        crc: asyncio.Future = asyncio.get_running_loop().create_future()
-        crc.set_result(0)
+        # each completed layer is hashed in a thread (xxhash releases the GIL), chained in
+        # layer order, while the next layer arrives
+        checksum = PageChecksum()
+        hashed: asyncio.Future = asyncio.get_running_loop().create_future()
+        hashed.set_result(checksum)
 
-        async def chain(prev: asyncio.Future, buf: bytearray) -> int:
-            return await asyncio.to_thread(crc32_update, await prev, buf)
+        async def chain(prev: asyncio.Future, buf: memoryview) -> PageChecksum:
+            return await asyncio.to_thread((await prev).update, buf)
 
         async for chunk in stream:
             if isinstance(chunk, RawPageData):
@@ -166,14 +169,13 @@ class GrpcBackend(TransferBackend):
                 if layer < layout.num_layers and size:
                     raise KVTransferError("invalid", f"trailer after {layer} of "
                                                      f"{layout.num_layers} layers")
-                if chunk.trailer.crc32 != await crc:
+                if chunk.trailer.xxh3_64 != (await hashed).digest():
                     raise KVTransferError("invalid", "page checksum mismatch")
                 shape = layout.layer_shape(num_blocks)
-                return [torch.frombuffer(b, dtype=torch.uint8).view(layout.dtype).view(shape)
-                        for b in buffers]
+                return [t.view(layout.dtype).view(shape) for t in tensors]
             if kind != "data":
                 raise KVTransferError("invalid", f"unexpected {kind} message among the pages")
-            if layer >= len(buffers):
+            if layer >= len(views):
                 raise KVTransferError("invalid", "page data after the last layer")
             if d.layer != layer or d.offset != filled:
                 raise KVTransferError("invalid", f"page data out of order (layer {d.layer} "
@@ -183,10 +185,10 @@ class GrpcBackend(TransferBackend):
             if n == 0 or n > MAX_DATA_CHUNK or filled + n > size:
                 raise KVTransferError("invalid", f"page chunk of {n} bytes at {filled} does "
                                                  f"not fit a {size}-byte layer")
-            buffers[layer][filled:filled + n] = d.data
+            views[layer][filled:filled + n] = d.data
             filled += n
             if filled == size:
-                crc = asyncio.ensure_future(chain(crc, buffers[layer]))
+                hashed = asyncio.ensure_future(chain(hashed, views[layer]))
                 layer, filled = layer + 1, 0
-        crc.cancel()
+        hashed.cancel()
         raise KVTransferError("incomplete", "the page stream ended before its trailer")

@@ -3,8 +3,9 @@
 A transfer moves `n` full blocks of every layer. Per layer the payload is one tensor
 `[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V), contiguous, in
 the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * head_dim *
-itemsize`. Layers go in order 0..num_layers-1; the checksum is zlib.crc32 over all layers'
-bytes in that order. The block ids are each side's own; only hashes cross the wire.
+itemsize`. Layers go in order 0..num_layers-1; the checksum is XXH3-64 (seed 0) over all
+layers' bytes in that order (`PageChecksum`). The block ids are each side's own; only
+hashes cross the wire.
 
 `PageLayout` is what both ends must agree on (model, shapes, dtype); `check_header` checks
 a received header against the receiver's layout and the hashes it asked for, before any
@@ -13,10 +14,10 @@ byte touches its cache.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import BlockHash
@@ -90,14 +91,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def tensor_from_bytes(data: bytes | bytearray, layout: PageLayout, n: int) -> torch.Tensor:
-    """Inverse of `tensor_bytes` for one layer of `n` blocks (a copy the caller owns)."""
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return t.view(layout.dtype).view(layout.layer_shape(n))
+class PageChecksum:
+    """XXH3-64 over a transfer's bytes, fed in order (any split gives the same digest).
+
+    Chosen over zlib.crc32 for speed: ~24 GB/s against ~3 on this project's CPUs, with the
+    GIL released while it hashes. Feed whole layers, not small pieces: each call may wait
+    for the GIL on the way back.
+    """
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: bytes | bytearray | memoryview) -> PageChecksum:
+        self._h.update(data)
+        return self
+
+    def digest(self) -> int:
+        """The unsigned 64-bit value the trailer carries."""
+        return self._h.intdigest()
 
 
-def crc32_update(crc: int, data: bytes | memoryview) -> int:
-    return zlib.crc32(data, crc)
+def layer_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
+    """An uninitialised byte tensor (no zero-fill pass) and a writable view of it."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    return t, memoryview(t.numpy()).cast("B")
 
 
 def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], lease_id: str,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.kvtransfer.base import SendJob, TransferBackend, register_backend
-from tandem.kvtransfer.pages import KVTransferError, PageLayout, crc32_update, tensor_bytes
+from tandem.kvtransfer.pages import KVTransferError, PageChecksum, PageLayout, tensor_bytes
 from tandem.protocol import worker_pb2
 
 SENDER, RECEIVER = 0, 1
@@ -193,7 +193,7 @@ class TorchBackend(TransferBackend):
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
                       num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk]
                       ) -> list[torch.Tensor]:
-        """Recv every layer into CPU tensors, then the trailer; verify the crc32. Fails as
+        """Recv every layer into CPU tensors, then the trailer; verify the checksum. Fails as
         soon as the stream fails or ends early."""
         pair = self._leased.get(request.torch.group_id)
         if pair is None or pair.tag != request.torch.tag or pair.store is None:
@@ -206,7 +206,7 @@ class TorchBackend(TransferBackend):
             if not recv.done():  # the stream spoke first: only an early trailer is fine
                 _expect_trailer(msg.result())
             try:
-                buffers, crc = await recv
+                buffers, checksum = await recv
             except Exception as exc:
                 raise _failure(exc, "recv") from exc
             trailer = _expect_trailer(await msg)
@@ -216,25 +216,25 @@ class TorchBackend(TransferBackend):
                     fut.cancel()
                 elif not fut.cancelled():
                     fut.exception()  # retrieved: raised above or superseded
-        if trailer.crc32 != crc:
+        if trailer.xxh3_64 != checksum.digest():
             raise KVTransferError("invalid", "page checksum mismatch")
         pair.clean, pair.last_used = True, time.monotonic()
         shape = layout.layer_shape(num_blocks)
         return [b.view(layout.dtype).view(shape) for b in buffers]
 
     def _recv_all(self, pair: _Pair, layers: int, nbytes: int
-                  ) -> tuple[list[torch.Tensor], int]:
-        """Blocking: join if new, then every layer's bytes (CPU) in order, and their crc32."""
+                  ) -> tuple[list[torch.Tensor], PageChecksum]:
+        """Blocking: join if new, then every layer's bytes (CPU) in order, and their hash."""
         if pair.pg is None:
             pair.join(RECEIVER, self.timeout_s)
-        out, crc = [], 0
+        out, checksum = [], PageChecksum()
         for _ in range(layers):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
             pair.wait(pair.post("recv", buf, SENDER, pair.tag), self.timeout_s)
             buf = buf.cpu()
-            crc = crc32_update(crc, tensor_bytes(buf))
+            checksum.update(tensor_bytes(buf))
             out.append(buf)
-        return out, crc
+        return out, checksum
 
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
         pair = self._leased.pop(request.torch.group_id, None)
@@ -253,14 +253,14 @@ class TorchBackend(TransferBackend):
         pair = await self._sender_pair(ch)
         try:
             async with pair.lock:
-                crc = await self._run(self._send_all, pair, job, ch.tag, deadline)
+                digest = await self._run(self._send_all, pair, job, ch.tag, deadline)
                 pair.last_used = time.monotonic()
         except BaseException as exc:
             self._discard(pair)
             if isinstance(exc, Exception):
                 raise _failure(exc, "send") from exc
             raise
-        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(crc32=crc))
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(xxh3_64=digest))
 
     async def _sender_pair(self, ch: worker_pb2.TorchChannel) -> _Pair:
         if ch.group_id in self._closed:
@@ -287,8 +287,8 @@ class TorchBackend(TransferBackend):
         return pair
 
     def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float) -> int:
-        """Blocking: gather and send every layer in order; the crc32 of all their bytes."""
-        crc = 0
+        """Blocking: gather and send every layer in order; the XXH3-64 of all their bytes."""
+        checksum = PageChecksum()
         for layer in range(job.layout.num_layers):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -300,7 +300,7 @@ class TorchBackend(TransferBackend):
                 pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
             flat = pages.view(-1).view(torch.uint8)
             work = pair.post("send", flat, RECEIVER, tag)
-            crc = crc32_update(crc, tensor_bytes(flat.cpu()))  # while the bytes travel
+            checksum.update(tensor_bytes(flat.cpu()))  # while the bytes travel
             try:
                 pair.wait(work, min(self.timeout_s, left))
             except Exception as exc:
@@ -308,7 +308,7 @@ class TorchBackend(TransferBackend):
                     raise KVTransferError("expired", "the lease ended before the pages "
                                                      "were sent") from exc
                 raise
-        return crc
+        return checksum.digest()
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -169,10 +169,10 @@ class PageData(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PageTrailer(_message.Message):
-    __slots__ = ("crc32",)
-    CRC32_FIELD_NUMBER: _ClassVar[int]
-    crc32: int
-    def __init__(self, crc32: _Optional[int] = ...) -> None: ...
+    __slots__ = ("xxh3_64",)
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
+    xxh3_64: int
+    def __init__(self, xxh3_64: _Optional[int] = ...) -> None: ...
 
 class PageChunk(_message.Message):
     __slots__ = ("header", "data", "trailer")
