@@ -5,9 +5,10 @@
 1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
    the bundled model's geometry (30 layers x K/V x 3 heads x 16 tokens x 64 dims, float32:
    720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend:
-   gather, chunking, crc32, protobuf); this process receives with the real receiver code
-   (validation, crc32, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and the ratio to a
-   plain in-memory copy of the same bytes (`torch.Tensor.clone`) measured in the same run.
+   page views or gather, chunking, XXH3-64, protobuf); this process receives with the real
+   receiver code (validation, XXH3-64, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and
+   the ratio to a plain in-memory copy of the same bytes (`torch.Tensor.clone`) measured in
+   the same run.
 2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
    (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
    overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
@@ -54,7 +55,7 @@ def serve_pages(port: int, max_blocks: int) -> None:
     import tandem.kvtransfer  # noqa: F401 - registers the backends
     from tandem.engine.cpu_tuning import tune_malloc
     from tandem.kvtransfer.base import SendJob, make_backend
-    from tandem.kvtransfer.pages import PageLayout, gather_layer, header_for
+    from tandem.kvtransfer.pages import PageLayout, gather_layer, header_for, layer_page_views
     from tandem.kvtransfer.service import add_kv_transfer_service
     from tandem.protocol import worker_pb2
 
@@ -74,7 +75,7 @@ def serve_pages(port: int, max_blocks: int) -> None:
             backend = backends.setdefault(request.backend, make_backend(request.backend))
             loop = asyncio.get_running_loop()
             job = SendJob(request, layout, ids, lambda layer: gather_layer(caches, layer, ids),
-                          loop.time() + 600)
+                          loop.time() + 600, lambda layer: layer_page_views(caches, layer, ids))
             async for chunk in backend.send(job):
                 yield chunk
 

@@ -24,8 +24,22 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from tandem.kvtransfer.client import RemotePrefill
-from tandem.kvtransfer.grpc_backend import GrpcBackend, RawPageData, decode_chunk, encode_data
-from tandem.kvtransfer.pages import KVTransferError, PageLayout, check_header, header_for
+from tandem.kvtransfer.grpc_backend import (
+    GrpcBackend,
+    RawPageData,
+    decode_chunk,
+    encode_data,
+    encode_pages,
+)
+from tandem.kvtransfer.pages import (
+    KVTransferError,
+    PageChecksum,
+    PageLayout,
+    check_header,
+    gather_layer,
+    header_for,
+    layer_page_views,
+)
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
 from tests.serving.conftest import free_port, start_worker, wait_idle
@@ -257,6 +271,30 @@ def test_encode_data_is_the_protobuf_encoding(layer, offset, payload):
     got = decode_chunk(raw)
     assert isinstance(got, RawPageData)
     assert (got.layer, got.offset, bytes(got.data)) == (layer, offset, payload)
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_cache_blocks=st.integers(1, 9), data=st.data())
+def test_pages_sent_from_cache_views_equal_the_gathered_layer(num_cache_blocks, data):
+    """The sender's no-gather path: messages built from per-block views of a host cache
+    carry exactly `gather_layer`'s bytes, whole pages per message, and the same checksum."""
+    shape = (num_cache_blocks, 3, 4, 2)  # [blocks, kv_heads, block_size, head_dim]
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
+    ids = data.draw(st.lists(st.integers(0, num_cache_blocks - 1), min_size=1, max_size=12))
+    chunk = data.draw(st.integers(1, 400))  # bytes; a 96-byte page exceeds the small ones
+    for layer in range(2):
+        want = gather_layer(caches, layer, ids).contiguous().view(torch.uint8).numpy().tobytes()
+        checksum = PageChecksum()
+        messages = encode_pages(layer, layer_page_views(caches, layer, ids), chunk, checksum)
+        offset, got = 0, b""
+        for raw in messages:
+            m = PageChunk.FromString(raw).data
+            assert (m.layer, m.offset) == (layer, offset)
+            assert len(m.data) % 96 == 0 and (len(m.data) <= max(chunk, 96))
+            offset += len(m.data)
+            got += m.data
+        assert got == want
+        assert checksum.digest() == xxhash.xxh3_64_intdigest(want)
 
 
 @settings(max_examples=300, deadline=None)

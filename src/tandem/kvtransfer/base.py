@@ -37,6 +37,9 @@ class SendJob:
     block_ids: list[int]  # the sender's own ids of the blocks to send, chain order
     gather: Callable[[int], torch.Tensor]  # layer -> [2, n, kvh, bs, dim] (may block: a copy)
     deadline: float  # loop time at which the lease ends: stop sending
+    # layer -> the same bytes as 2n per-block page views (K of each block, then V), read in
+    # place from a host-memory cache; None where the cache is not in host memory
+    views: Callable[[int], list[memoryview]] | None = None
 
 
 class TransferBackend(ABC):

@@ -65,11 +65,35 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
         shift += 7
 
 
+def _data_prefix(layer: int, offset: int, size: int) -> bytes:
+    """The bytes of a `PageChunk{data: PageData}` message before its `size`-byte payload."""
+    inner = b"\x08" + _varint(layer) + b"\x10" + _varint(offset) + b"\x1a" + _varint(size)
+    return b"\x12" + _varint(len(inner) + size) + inner
+
+
 def encode_data(layer: int, offset: int, payload: memoryview | bytes) -> bytes:
     """`PageChunk(data=PageData(layer, offset, payload)).SerializeToString()`, one copy."""
-    inner = b"\x08" + _varint(layer) + b"\x10" + _varint(offset) + b"\x1a" + _varint(
-        len(payload))
-    return b"".join((b"\x12", _varint(len(inner) + len(payload)), inner, payload))
+    return _data_prefix(layer, offset, len(payload)) + payload
+
+
+def encode_pages(layer: int, pages: list[memoryview], chunk: int,
+                 checksum: PageChecksum) -> list[bytes]:
+    """Data messages of one layer from its equal-size page views (wire order), whole pages
+    per message up to `chunk` bytes (a page larger than `chunk` goes alone); each payload
+    is copied once, from the views into the message, and fed to `checksum` in order."""
+    out: list[bytes] = []
+    page = len(pages[0]) if pages else 0
+    per = max(1, chunk // page) if page else 1
+    offset = 0
+    for i in range(0, len(pages), per):
+        group = pages[i:i + per]
+        size = page * len(group)
+        prefix = _data_prefix(layer, offset, size)
+        message = b"".join((prefix, *group))
+        checksum.update(memoryview(message)[len(prefix):])
+        out.append(message)
+        offset += size
+    return out
 
 
 def decode_chunk(raw: bytes) -> worker_pb2.PageChunk | RawPageData:
@@ -116,6 +140,9 @@ class GrpcBackend(TransferBackend):
         layers = job.layout.num_layers
 
         def prepare(layer: int, checksum: PageChecksum) -> list[bytes]:
+            views = job.views(layer) if job.views is not None else None
+            if views is not None:  # host cache: straight from the blocks, one copy
+                return encode_pages(layer, views, SEND_CHUNK, checksum)
             data = tensor_bytes(job.gather(layer).cpu())
             checksum.update(data)  # the whole layer at once: one GIL round trip
             return [encode_data(layer, off, data[off:off + SEND_CHUNK])

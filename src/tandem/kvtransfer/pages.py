@@ -77,6 +77,22 @@ def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
     return out
 
 
+def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
+                     block_ids: list[int]) -> list[memoryview] | None:
+    """`gather_layer`'s bytes without the copy: K pages of `block_ids`, then V pages, as
+    views into a host-memory cache (None for a device cache). Valid while the blocks stay
+    pinned."""
+    k, v = kv_caches[layer]
+    if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    page = k[0].numel() * k.element_size()
+    out = []
+    for t in (k, v):
+        raw = tensor_bytes(t)
+        out += [raw[b * page:(b + 1) * page] for b in block_ids]
+    return out
+
+
 def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
                   block_ids: list[int], pages: torch.Tensor) -> None:
     """Write `[2, n, kvh, bs, dim]` `pages` into `block_ids` of `layer`."""

@@ -25,7 +25,13 @@ from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import serialize_chunk
-from tandem.kvtransfer.pages import KVTransferError, PageLayout, gather_layer, header_for
+from tandem.kvtransfer.pages import (
+    KVTransferError,
+    PageLayout,
+    gather_layer,
+    header_for,
+    layer_page_views,
+)
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
 
@@ -167,7 +173,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             loop = asyncio.get_running_loop()
             job = SendJob(request, layout, block_ids,
                           lambda layer: gather_layer(caches, layer, block_ids),
-                          loop.time() + lease_s)
+                          loop.time() + lease_s,
+                          lambda layer: layer_page_views(caches, layer, block_ids))
             async for chunk in self.backend(request.backend).send(job):
                 yield chunk
             sent = True
