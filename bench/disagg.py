@@ -1,6 +1,7 @@
 """Disaggregated vs aggregated serving on the same two cores, in one run.
 
     .venv/bin/python bench/disagg.py [--quick] [--rate R] [--pd-threshold T]
+        [--pd-max-prefill-queue N]
 
 Both setups get one CPU core per worker (`taskset`, one engine thread each), standing in for
 two machines, and a `tandem router` in front:
@@ -79,7 +80,7 @@ def router(name: str, urls: list[str], extra: list[str]) -> ServerSpec:
 
 
 def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], rate: float, seed: int,
-              pd_threshold: int) -> dict:
+              pd_threshold: int, pd_max_prefill_queue: int = 0) -> dict:
     from tandem.protocol.bundled import BUNDLED_NAME
 
     cores = sorted(os.sched_getaffinity(0))
@@ -93,7 +94,8 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], rate: float, seed
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
                                                         free_port()))),
                     stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
-            extra = ["--pd-threshold", str(pd_threshold)]
+            extra = ["--pd-threshold", str(pd_threshold),
+                     "--pd-max-prefill-queue", str(pd_max_prefill_queue)]
         url = stack.enter_context(launched(router(name, urls, extra)))
         results = asyncio.run(run_rate(url, BUNDLED_NAME, [r for _, r in reqs], rate, seed))
     out: dict = {"setup": name, "by_class": {}}
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rate", type=float, default=None, help="requests/s (default 0.8)")
     ap.add_argument("--pd-threshold", type=int, default=256)
+    ap.add_argument("--pd-max-prefill-queue", type=int, default=0,
+                    help="the router's conditional-disaggregation bound (default 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = workload(n_short, n_long, args.seed)
     report: dict = {"benchmark": "disagg", "date": dt.date.today().isoformat(),
                     "quick": args.quick, "rate": rate, "pd_threshold": args.pd_threshold,
+                    "pd_max_prefill_queue": args.pd_max_prefill_queue,
                     "short": {"prompt_tokens": SHORT[0], "max_tokens": SHORT[1],
                               "requests": n_short},
                     "long": {"prompt_tokens": LONG[0], "max_tokens": LONG[1],
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "platform": platform.platform()},
                     "runs": []}
     for name in ("aggregated", "disaggregated"):
-        report["runs"].append(run_setup(name, reqs, rate, args.seed, args.pd_threshold))
+        report["runs"].append(run_setup(name, reqs, rate, args.seed, args.pd_threshold,
+                                        args.pd_max_prefill_queue))
     agg, dis = (r["by_class"]["short"]["itl"]["p99"] for r in report["runs"])
     report["short_itl_p99_ratio"] = dis / agg if agg else None
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (

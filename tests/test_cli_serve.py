@@ -18,9 +18,11 @@ from tests.serving.conftest import free_port
 
 
 def _args(workers: int | None = None, prefill: int = 0, decode: int = 0,
-          pd_threshold: int | None = None) -> argparse.Namespace:
+          pd_threshold: int | None = None,
+          pd_max_prefill_queue: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(host="127.0.0.1", port=8000, log_level="INFO", workers=workers,
-                              prefill=prefill, decode=decode, pd_threshold=pd_threshold)
+                              prefill=prefill, decode=decode, pd_threshold=pd_threshold,
+                              pd_max_prefill_queue=pd_max_prefill_queue)
 
 
 def _ports():
@@ -41,8 +43,8 @@ def test_default_is_one_aggregated_worker():
 
 
 def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
-    d = _plan(_args(prefill=2, decode=1, pd_threshold=64), ["--num-kv-blocks", "256"],
-              _ports())
+    d = _plan(_args(prefill=2, decode=1, pd_threshold=64, pd_max_prefill_queue=3),
+              ["--num-kv-blocks", "256"], _ports())
     assert [role for role, _, _ in d.workers] == ["prefill", "prefill", "decode"]
     for (role, url, cmd), port in zip(d.workers, (9000, 9002, 9004), strict=True):
         assert cmd[cmd.index("worker") - 2:cmd.index("worker")] == ["--log-level", "INFO"]
@@ -53,6 +55,7 @@ def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
         assert _opt(cmd, "--num-threads") == str(max(1, cores // 3))  # the cores, split
     assert _opt(d.router, "--workers").split(",") == [url for _, url, _ in d.workers]
     assert _opt(d.router, "--pd-threshold") == "64"
+    assert _opt(d.router, "--pd-max-prefill-queue") == "3"
     assert d.describe() == "2 prefill + 1 decode workers"
 
 
@@ -93,7 +96,8 @@ def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
                 "messages": [{"role": "user", "content": content}], "max_tokens": 4})
             assert r.status_code == 200, r.text
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        assert "tandem_router_aggregated_requests_total 1.0" in metrics, metrics
+        assert ('tandem_router_aggregated_requests_total{reason="below_threshold"} 1.0'
+                in metrics), metrics
         assert 'tandem_router_disaggregated_requests_total{backend="grpc"} 1.0' in metrics
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0

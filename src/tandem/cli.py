@@ -154,6 +154,8 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
               "--workers", ",".join(url for _, url, _ in workers)]
     if args.pd_threshold is not None:
         router += ["--pd-threshold", str(args.pd_threshold)]
+    if args.pd_max_prefill_queue is not None:
+        router += ["--pd-max-prefill-queue", str(args.pd_max_prefill_queue)]
     return _Deployment(workers, router)
 
 
@@ -237,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="P/D: decode workers (with --prefill)")
     serve.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
                        help="the router's P/D threshold in uncached prompt tokens (default 16)")
+    serve.add_argument("--pd-max-prefill-queue", type=int, default=None, metavar="REQUESTS",
+                       help="the router serves aggregated when every prefill worker already "
+                            "has this many requests (default: no bound)")
 
     router = sub.add_parser("router", help="run the KV-cache-aware router")
     worker = sub.add_parser("worker", help="run one worker process")

@@ -117,3 +117,48 @@ def test_a_cancelled_caller_cannot_kill_the_engine_thread():
         assert ok.result(timeout=5) == "alive" and engine.alive
     finally:
         engine.shutdown()
+
+
+def test_requests_taken_in_count_in_the_load_before_the_next_step_ends():
+    """`snapshot` (what GetLoad and /metrics report) includes requests the engine thread has
+    taken in even while the step that follows is still running: a long prefill step must
+    not hide a growing queue from routers (conditional disaggregation reads it)."""
+    import threading
+
+    from tandem.engine.async_engine import AsyncLLMEngine, _Call
+
+    release = threading.Event()
+    stepping = threading.Event()
+
+    class FakeEngine:
+        config = type("C", (), {"enable_kv_events": False})()
+        queued = 0
+
+        def stats(self):
+            return self.queued
+
+        def has_unfinished_requests(self):
+            return self.queued > 0
+
+        def step(self):
+            stepping.set()
+            assert release.wait(10)  # a long step
+            return []
+
+    fake = FakeEngine()
+    engine = AsyncLLMEngine(fake)  # type: ignore[arg-type]
+    try:
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def take(e: FakeEngine) -> None:
+            e.queued += 3
+
+        engine._send(_Call(take, done))
+        done.result(timeout=5)
+        assert stepping.wait(5)  # the step that follows is running and blocked
+        assert engine.snapshot == 3
+    finally:
+        release.set()
+        engine.shutdown()

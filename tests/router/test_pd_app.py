@@ -9,6 +9,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
+from tandem.router.core import Router, RouterSettings
 from tests.router.test_router_app import Served, router_app
 from tests.serving.conftest import free_port
 
@@ -45,13 +46,15 @@ def counter(url: str, name: str, label: str = "") -> float:
 
 
 @pytest.fixture()
-def cluster():
+def cluster(request):
     seen: list = []
     apps = {"busy": stub_worker("busy", "decode", seen, status=503),
             "decode": stub_worker("decode", "decode", seen),
             "p1": stub_worker("p1", "prefill", seen), "p2": stub_worker("p2", "prefill", seen)}
     servers = {name: Served(app) for name, (app, _) in apps.items()}
-    router = router_app([s.url for s in servers.values()])
+    core = Router(RouterSettings(seed=0, **getattr(request, "param", {})), lambda model: None)
+    router = router_app([s.url for s in servers.values()], router=core)
+    router.core = core
     deadline = time.monotonic() + 10
     while httpx.get(router.url + "/ready", timeout=5).json().get("ready_workers", 0) < 4:
         assert time.monotonic() < deadline
@@ -95,3 +98,20 @@ def test_short_prompts_stay_aggregated(cluster):
         assert all(h is None for _, h in seen)
     assert counter(router.url, "tandem_router_aggregated_requests_total") == 3
     assert counter(router.url, "tandem_router_disaggregated_requests_total") == 0
+
+
+@pytest.mark.parametrize("cluster", [{"pd_max_prefill_queue": 2}], indirect=True)
+def test_a_saturated_prefill_pool_is_passed_over_then_served_aggregated(cluster):
+    router, seen, _ = cluster
+    workers = [w for w in router.core.workers.values() if w.role == "prefill"]
+    assert len(workers) == 2  # their gRPC ports are closed: no GetLoad overwrites these
+    workers[0].load.num_waiting = 5  # at the bound: passed over
+    seen.clear()
+    assert post(router, f"a {LONG}").status_code == 200
+    assert {h for _, h in seen} == {workers[1].grpc_target}
+    workers[1].load.num_running = 2  # now every prefill worker is at the bound
+    seen.clear()
+    assert post(router, f"b {LONG}").status_code == 200
+    assert all(h is None for _, h in seen)
+    assert counter(router.url, "tandem_router_aggregated_requests_total",
+                   'reason="prefill_busy"') == 1

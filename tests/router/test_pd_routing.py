@@ -36,8 +36,10 @@ class W:
     pd_capable: bool = True  # reports a KV-transfer backend in /ready (a Tandem worker)
 
 
-def build(workers: list[W], prompt: prompts.ParsedPrompt, threshold: int = 16) -> Router:
-    router = Router(RouterSettings(seed=0, pd_threshold=threshold), lambda model: None)
+def build(workers: list[W], prompt: prompts.ParsedPrompt, threshold: int = 16,
+          bound: int = 0) -> Router:
+    router = Router(RouterSettings(seed=0, pd_threshold=threshold,
+                                   pd_max_prefill_queue=bound), lambda model: None)
     chain = prompts.block_hashes(prompt, MODEL, BS)
     for spec in workers:
         w = Worker(id=f"http://{spec.name}:8000", model=spec.model, role=spec.role,
@@ -57,38 +59,53 @@ class Case:
     workers: list[W] = field(default_factory=list)  # beside the decode worker "d"
     decode_held: int = 0  # leading prompt blocks the decode worker holds
     prefill: str | None = None  # the expected prefill worker; None: aggregated
+    reason: str = ""  # when aggregated: the expected Route.reason
+    bound: int = 0  # RouterSettings.pd_max_prefill_queue
+    decode_capable: bool = True  # the decode worker reports a KV-transfer backend
 
 
 CASES = [
-    Case("no prefill workers: aggregated", 320),
-    Case("uncached below the threshold: aggregated", 15, [W("p1")]),
+    Case("no prefill workers: aggregated", 320, reason="no_prefill_worker"),
+    Case("uncached below the threshold: aggregated", 15, [W("p1")], reason="below_threshold"),
     Case("uncached at the threshold: disaggregated", 16, [W("p1")], prefill="p1"),
     Case("long, a prefill worker holds the prefix: it wins", 320,
          [W("p1"), W("p2", held=12, queue=1)], prefill="p2"),
     Case("long, no prefix anywhere: the least loaded", 320,
          [W("p1", queue=3), W("p2", queue=0), W("p3", queue=2)], prefill="p2"),
     Case("the decode worker holds all but a few tokens: aggregated", 330, [W("p1")],
-         decode_held=20),
+         decode_held=20, reason="below_threshold"),
     Case("the decode worker lacks exactly one block: disaggregated", 320, [W("p1")],
          decode_held=19, prefill="p1"),
     Case("a prefill worker with no known gRPC address is skipped", 320,
-         [W("p1", grpc=False)]),
+         [W("p1", grpc=False)], reason="no_prefill_worker"),
     Case("an unready prefill worker is skipped", 320, [W("p1", ready=False), W("p2")],
          prefill="p2"),
-    Case("a prefill worker for another model is skipped", 320, [W("p1", model="other")]),
-    Case("a both worker is no prefill candidate", 320, [W("b1", role="both", queue=9)]),
+    Case("a prefill worker for another model is skipped", 320, [W("p1", model="other")],
+         reason="no_prefill_worker"),
+    Case("a both worker is no prefill candidate", 320, [W("b1", role="both", queue=9)],
+         reason="no_prefill_worker"),
+    Case("a decode worker that cannot fetch pages: aggregated", 320, [W("p1")],
+         decode_capable=False, reason="decode_not_capable"),
+    Case("no queue bound: a busy prefill worker still takes the prefill", 320,
+         [W("p1", queue=50)], prefill="p1"),
+    Case("queue bound: a prefill worker at the bound is passed over, prefix or not", 320,
+         [W("p1", held=12, queue=2), W("p2", queue=1)], bound=2, prefill="p2"),
+    Case("queue bound: every prefill worker at it: aggregated", 320,
+         [W("p1", queue=2), W("p2", queue=7)], bound=2, reason="prefill_busy"),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_pd_decision(case: Case):
     prompt = parsed(case.prompt_tokens)
-    router = build([W("d", role="decode", held=case.decode_held), *case.workers], prompt)
+    decode = W("d", role="decode", held=case.decode_held, pd_capable=case.decode_capable)
+    router = build([decode, *case.workers], prompt, bound=case.bound)
     route, ctx = plan(router, prompt, MODEL, now=1.0)
     assert route is not None and route.worker.id == "http://d:8000"
     assert route.uncached_tokens == case.prompt_tokens - case.decode_held * BS
     if case.prefill is None:
         assert route.prefill is None and route.headers() == {}
+        assert route.reason == case.reason
     else:
         assert route.prefill is not None
         assert route.prefill.worker.id == f"http://{case.prefill}:8000"

@@ -60,8 +60,9 @@ def stub_openai(name: str, seen: list) -> FastAPI:
     return app
 
 
-def router_app(workers: list[str], keys: dict[str, str] | None = None) -> Served:
-    router = Router(RouterSettings(seed=0), lambda model: None)  # no tokenizer: text hashes
+def router_app(workers: list[str], keys: dict[str, str] | None = None,
+               router: Router | None = None) -> Served:
+    router = router or Router(RouterSettings(seed=0), lambda model: None)  # text hashes
     settings = RouterServerSettings(worker_urls=workers, api_keys=ApiKeys(keys or {}),
                                     monitor=MonitorSettings(probe_interval_s=0.1))
     return Served(build_app(router, settings))

@@ -55,6 +55,17 @@ def test_malformed_redis_urls_stop_start_up_with_the_flag_named(tmp_path):
         build(_args("--workers", "http://a:8000", "--config", str(cfg), "--redis", "x://y"))
 
 
+def test_pd_max_prefill_queue_from_yaml_and_flag(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\npd_max_prefill_queue: 4\n")
+    assert build(_args("--workers", "http://a:1"))[1].settings.pd_max_prefill_queue == 0
+    assert build(_args("--config", str(cfg)))[1].settings.pd_max_prefill_queue == 4
+    flag = build(_args("--config", str(cfg), "--pd-max-prefill-queue", "2"))[1]
+    assert flag.settings.pd_max_prefill_queue == 2
+    with pytest.raises(SystemExit):
+        build(_args("--workers", "http://a:1", "--pd-max-prefill-queue", "-1"))
+
+
 def test_pd_threshold_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\npd_threshold: 128\n")

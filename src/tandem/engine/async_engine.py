@@ -5,7 +5,8 @@ through a thread-safe inbox that it drains between steps, so an HTTP event loop 
 waits for a running step. `generate()` yields a `RequestOutput` per step that changed the
 request; closing or cancelling the consumer (a disconnected HTTP client) aborts the request
 and frees its blocks at the next step boundary. `snapshot` holds the engine's stats as of
-the last step, for metrics and load reports.
+the last step or the last commands taken in (whichever came later), for metrics and load
+reports.
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ class AsyncLLMEngine:
             logger.exception("engine loop crashed")
             raise
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Run every queued command; True if there was any."""
+        drained = False
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             if isinstance(cmd, _Add):
                 if cmd.done.cancelled():
                     continue
@@ -117,7 +121,10 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
+            if self._drain_inbox():
+                # what arrived counts in the load at once, not after the coming step (a
+                # long prefill step would otherwise hide it from routers for its length)
+                self.snapshot = self.engine.stats()
             busy = self.engine.has_unfinished_requests()
             outputs = self.engine.step() if busy else []
             self.snapshot = self.engine.stats()

@@ -31,6 +31,9 @@ class RouterSettings:
     approx_capacity: int = 100_000  # blocks remembered per worker in approximate mode
     filters: tuple[str, ...] = ("model", "role", "health")
     pd_threshold: int = 16  # uncached prompt tokens from which prefill goes to a prefill worker
+    # conditional disaggregation: serve aggregated when the best prefill worker already has
+    # this many requests (running + waiting); 0 = no bound
+    pd_max_prefill_queue: int = 0
     seed: int | None = None
 
 

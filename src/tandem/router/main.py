@@ -19,8 +19,9 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
 `inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
-`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `pd_threshold`, `retries`,
-`max_prompt_tokens`, `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path),
+`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `pd_threshold`,
+`pd_max_prefill_queue`, `retries`, `max_prompt_tokens`, `max_tokens_cap`, `max_body_bytes`,
+`tokenizers` (model -> path),
 `redis` (URL), `index` (URL) and `rate_limits: {default: {requests_per_s, burst_requests,
 tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
 
@@ -78,6 +79,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
                    help="prefill on a prefill worker when the decode worker lacks at least "
                         "this many prompt tokens (default 16; only with prefill workers)")
+    p.add_argument("--pd-max-prefill-queue", type=int, default=None, metavar="REQUESTS",
+                   help="serve aggregated when the best prefill worker already has this many "
+                        "requests running or waiting (default 0: no bound)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits")
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
@@ -149,11 +153,18 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
         port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
 
 
-def pd_threshold(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
-    value = args.pd_threshold if args.pd_threshold is not None else cfg.get("pd_threshold", 16)
+def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int,
+           what: str) -> int:
+    """A non-negative integer setting: the flag, else router.yaml, else `default`."""
+    flag = getattr(args, key, None)
+    value = flag if flag is not None else cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SystemExit(f"pd_threshold: a token count >= 0, not {value!r}")
+        raise SystemExit(f"{key}: {what} >= 0, not {value!r}")
     return value
+
+
+def pd_threshold(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
+    return _count(args, cfg, "pd_threshold", 16, "a token count")
 
 
 def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
@@ -174,7 +185,8 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed,
-        pd_threshold=pd_threshold(args, cfg))
+        pd_threshold=pd_threshold(args, cfg),
+        pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}

@@ -35,8 +35,9 @@ class RouterMetrics:
                                      "worker (P/D), by the decode worker's KV transfer "
                                      "backend", ["backend"], registry=r)
         self.aggregated = Counter("tandem_router_aggregated_requests_total",
-                                  "Requests answered with prefill and decode on one worker",
-                                  registry=r)
+                                  "Requests answered with prefill and decode on one worker, "
+                                  "by reason (below_threshold, decode_not_capable, "
+                                  "no_prefill_worker, prefill_busy)", ["reason"], registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
                                   ["worker"], registry=r)

@@ -7,7 +7,15 @@ a KV-transfer backend) and a routable prefill worker (role "prefill", gRPC port 
 the model, one is picked the same cache-aware way (its own prefix hits and
 load; the prompt's blocks are then recorded as speculatively present on it) and the request
 goes to the decode worker with `x-tandem-prefill: <its gRPC host:port>`: the decode worker
-fetches the missing KV pages from there, then decodes. Otherwise it is served aggregated.
+fetches the missing KV pages from there, then decodes. Otherwise it is served aggregated,
+and `Route.reason` says why.
+
+Conditional disaggregation (`RouterSettings.pd_max_prefill_queue`, as NVIDIA Dynamo's
+prefill-queue bound): prefill workers that already hold that many requests (running +
+waiting) are passed over; when all are, the decode worker prefills locally instead of
+queueing behind them. A saturated prefill
+pool then costs the decode worker's inter-token latency, not unbounded TTFT (and remote
+prefills that time out and are recomputed anyway).
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ class Route:
     decision: Decision  # the worker the request is sent to (decode, or aggregated)
     prefill: Decision | None = None  # set: disaggregated, the prefill runs there
     uncached_tokens: int = 0  # prompt tokens the decode worker is estimated to lack
+    # why it is aggregated (prefill None): below_threshold, decode_not_capable,
+    # no_prefill_worker or prefill_busy
+    reason: str = ""
 
     @property
     def worker(self) -> Worker:
@@ -68,24 +79,32 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
                                                             parsed.token_ids is None))
     # only a Tandem decode worker (its /ready names its KV-transfer backend) can fetch pages;
     # a stock server would ignore the header and prefill itself anyway
-    capable = decision.worker.kv_transfer_backend is not None
-    if capable and route.uncached_tokens >= router.settings.pd_threshold:
-        if keep_prefill is not None and _usable(router, keep_prefill.worker, now):
-            route.prefill = keep_prefill
-        else:
-            route.prefill = pick_prefill(router, parsed, model, now, ctx, external)
+    if route.uncached_tokens < router.settings.pd_threshold:
+        route.reason = "below_threshold"
+    elif decision.worker.kv_transfer_backend is None:
+        route.reason = "decode_not_capable"
+    elif keep_prefill is not None and _usable(router, keep_prefill.worker, now):
+        route.prefill = keep_prefill
+    else:
+        bound = router.settings.pd_max_prefill_queue
+        busy = [w.id for w in router.workers.values()
+                if bound and w.role == "prefill" and w.queue_depth >= bound]
+        route.prefill = pick_prefill(router, parsed, model, now, ctx, external, busy)
+        if route.prefill is None:
+            route.reason = "prefill_busy" if busy else "no_prefill_worker"
     return route, ctx
 
 
 def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
-                 ctx: RoutingContext, external: Mapping[int, Mapping[str, int]] | None = None
-                 ) -> Decision | None:
-    """The best routable prefill worker with a known gRPC address, or None. Reuses the
-    hash chains in `ctx`; records the prompt's blocks as speculative on the winner."""
+                 ctx: RoutingContext, external: Mapping[int, Mapping[str, int]] | None = None,
+                 busy: Iterable[str] = ()) -> Decision | None:
+    """The best routable prefill worker with a known gRPC address, not in `busy`, or None.
+    Reuses the hash chains in `ctx`; records the prompt's blocks as speculative on the
+    winner."""
     if not any(w.role == "prefill" for w in router.workers.values()):
         return None  # the common aggregated deployment: no second pass
     no_grpc = [w.id for w in router.workers.values() if w.grpc_target is None]
-    decision, _ = router.route(parsed, model, now, exclude=no_grpc, role="prefill",
+    decision, _ = router.route(parsed, model, now, exclude=[*no_grpc, *busy], role="prefill",
                                hashes=ctx.hashes, external=external)
     return decision
 
