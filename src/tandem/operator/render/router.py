@@ -57,6 +57,7 @@ def router_config(spec: InferenceServiceSpec) -> dict[str, Any]:
     """router.yaml as a dict (keys of `tandem.router.main`)."""
     r = spec.router
     cfg: dict[str, Any] = {"policy": r.policy, "pd_threshold": r.pd_threshold,
+                           "pd_max_prefill_queue": r.pd_max_prefill_queue,
                            "worker_port_name": HTTP_PORT_NAME}
     if r.weights is not None:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
