@@ -276,8 +276,9 @@ def test_encode_data_is_the_protobuf_encoding(layer, offset, payload):
 @settings(max_examples=100, deadline=None)
 @given(num_cache_blocks=st.integers(1, 9), data=st.data())
 def test_pages_sent_from_cache_views_equal_the_gathered_layer(num_cache_blocks, data):
-    """The sender's no-gather path: messages built from per-block views of a host cache
-    carry exactly `gather_layer`'s bytes, whole pages per message, and the same checksum."""
+    """Both send paths carry exactly `gather_layer`'s bytes and its checksum: messages built
+    from per-block views of a host cache (whole pages per message), and from slices of the
+    gathered layer."""
     shape = (num_cache_blocks, 3, 4, 2)  # [blocks, kv_heads, block_size, head_dim]
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(2)]
     ids = data.draw(st.lists(st.integers(0, num_cache_blocks - 1), min_size=1, max_size=12))
@@ -294,6 +295,16 @@ def test_pages_sent_from_cache_views_equal_the_gathered_layer(num_cache_blocks, 
             offset += len(m.data)
             got += m.data
         assert got == want
+        assert checksum.digest() == xxhash.xxh3_64_intdigest(want)
+        # the gather path (device caches): the layer cut into `chunk`-byte slices, the last
+        # one shorter; one slice per message
+        mv = memoryview(want)
+        slices = [mv[o:o + chunk] for o in range(0, len(want), chunk)]
+        checksum = PageChecksum()
+        messages = [PageChunk.FromString(raw).data
+                    for raw in encode_pages(layer, slices, chunk, checksum)]
+        assert [m.offset for m in messages] == list(range(0, len(want), chunk))
+        assert b"".join(m.data for m in messages) == want
         assert checksum.digest() == xxhash.xxh3_64_intdigest(want)
 
 

@@ -76,23 +76,24 @@ def encode_data(layer: int, offset: int, payload: memoryview | bytes) -> bytes:
     return _data_prefix(layer, offset, len(payload)) + payload
 
 
-def encode_pages(layer: int, pages: list[memoryview], chunk: int,
+def encode_pages(layer: int, pieces: list[memoryview], chunk: int,
                  checksum: PageChecksum) -> list[bytes]:
-    """Data messages of one layer from its equal-size page views (wire order), whole pages
-    per message up to `chunk` bytes (a page larger than `chunk` goes alone); each payload
-    is copied once, from the views into the message, and fed to `checksum` in order."""
+    """Data messages of one layer from its bytes given as pieces in wire order: whole
+    pieces per message, up to `chunk` bytes (a piece larger than `chunk` goes alone). Each
+    payload is copied once, from the pieces into the message, and fed to `checksum` in
+    order."""
     out: list[bytes] = []
-    page = len(pages[0]) if pages else 0
-    per = max(1, chunk // page) if page else 1
-    offset = 0
-    for i in range(0, len(pages), per):
-        group = pages[i:i + per]
-        size = page * len(group)
+    offset = i = 0
+    while i < len(pieces):
+        j, size = i + 1, len(pieces[i])
+        while j < len(pieces) and size + len(pieces[j]) <= chunk:
+            size += len(pieces[j])
+            j += 1
         prefix = _data_prefix(layer, offset, size)
-        message = b"".join((prefix, *group))
+        message = b"".join((prefix, *pieces[i:j]))
         checksum.update(memoryview(message)[len(prefix):])
         out.append(message)
-        offset += size
+        offset, i = offset + size, j
     return out
 
 
@@ -140,13 +141,12 @@ class GrpcBackend(TransferBackend):
         layers = job.layout.num_layers
 
         def prepare(layer: int, checksum: PageChecksum) -> list[bytes]:
-            views = job.views(layer) if job.views is not None else None
-            if views is not None:  # host cache: straight from the blocks, one copy
-                return encode_pages(layer, views, SEND_CHUNK, checksum)
-            data = tensor_bytes(job.gather(layer).cpu())
-            checksum.update(data)  # the whole layer at once: one GIL round trip
-            return [encode_data(layer, off, data[off:off + SEND_CHUNK])
-                    for off in range(0, len(data), SEND_CHUNK)]
+            # a host cache is read in place, block by block; a device cache is gathered
+            pieces = job.views(layer) if job.views is not None else None
+            if pieces is None:
+                data = tensor_bytes(job.gather(layer).cpu())
+                pieces = [data[off:off + SEND_CHUNK] for off in range(0, len(data), SEND_CHUNK)]
+            return encode_pages(layer, pieces, SEND_CHUNK, checksum)
 
         checksum = PageChecksum()
         nxt = asyncio.ensure_future(asyncio.to_thread(prepare, 0, checksum))
@@ -169,11 +169,8 @@ class GrpcBackend(TransferBackend):
                       stream: AsyncIterator[worker_pb2.PageChunk | RawPageData]
                       ) -> list[torch.Tensor]:
         size = num_blocks * layout.block_layer_bytes
-        tensors, views = [], []
-        for _ in range(layout.num_layers if size else 0):
-            t, v = layer_buffer(size)
-            tensors.append(t)
-            views.append(v)
+        buffers = [layer_buffer(size) for _ in range(layout.num_layers if size else 0)]
+        tensors, views = [t for t, _ in buffers], [v for _, v in buffers]
         layer, filled = 0, 0
         # each completed layer is hashed in a thread (xxhash releases the GIL), chained in
         # layer order, while the next layer arrives

@@ -230,7 +230,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
 
 def add_kv_transfer_service(server: grpc.aio.Server, service: KVTransferService) -> None:
     """Register `service` like the generated `add_KVTransferServicer_to_server`, except that
-    Prefill's replies may be pre-encoded `PageChunk` bytes (`grpc_backend.encode_data`)."""
+    Prefill's replies may be pre-encoded `PageChunk` bytes (`grpc_backend.encode_pages`)."""
     handlers = {
         "Prefill": grpc.unary_stream_rpc_method_handler(
             service.Prefill, request_deserializer=worker_pb2.PrefillRequest.FromString,

@@ -5,6 +5,7 @@
 * ASGI middleware: a request-body size limit (413) and an in-flight request count.
 * `FastPaths`: hot POST routes served straight from ASGI, in front of the FastAPI app.
 * `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
+* `PREFILL_HEADER`: how the router tells a decode worker where its prefill runs (P/D).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
+# P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from
+PREFILL_HEADER = "x-tandem-prefill"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",

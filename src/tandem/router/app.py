@@ -274,7 +274,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 metrics.disaggregated.labels(a.route.worker.kv_transfer_backend
                                              or "unknown").inc()
             elif a.final:
-                metrics.aggregated.labels(a.route.reason or "below_threshold").inc()
+                metrics.aggregated.labels(a.route.reason).inc()
 
         work = forward(state["upstream"], path, payload, rid, pick, parsed.stream,
                        settings.proxy, on_attempt)

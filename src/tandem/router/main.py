@@ -163,10 +163,6 @@ def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int
     return value
 
 
-def pd_threshold(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
-    return _count(args, cfg, "pd_threshold", 16, "a token count")
-
-
 def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
     """The router app from parsed arguments and the optional YAML config."""
     from tandem.router.app import RouterServerSettings, build_app
@@ -185,7 +181,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed,
-        pd_threshold=pd_threshold(args, cfg),
+        pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)

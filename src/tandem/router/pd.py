@@ -24,13 +24,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tandem.protocol.block_hash import BlockHash
+from tandem.protocol.web import PREFILL_HEADER
 from tandem.router import prompt as prompts
 from tandem.router.core import Router
 from tandem.router.policy import Decision
 from tandem.router.scorers import RoutingContext
 from tandem.router.workers import Worker
 
-PREFILL_HEADER = "x-tandem-prefill"
 CHARS_PER_TOKEN = 4  # approximate mode (no tokenizer): uncached characters -> tokens
 
 

@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
 from tandem.kvtransfer.pages import KVTransferError
+from tandem.protocol.web import PREFILL_HEADER
 from tandem.serving.errors import APIError
 from tandem.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-PREFILL_HEADER = "x-tandem-prefill"
 
 
 def valid_target(target: str) -> bool:
