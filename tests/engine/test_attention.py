@@ -95,3 +95,54 @@ def test_mixed_batch_matches_dense_reference(window, backend_name):
         ref = _reference(qi, k_all, v_all, torch.arange(cached, cached + new), window)
         torch.testing.assert_close(out[start : start + new].double(), ref, atol=1e-5, rtol=1e-5)
         start += new
+
+
+def _paged_batch(backend, rng, shapes, bs, kvh, h, d, nblocks):
+    """Write `shapes` [(cached, new)] into a fresh cache; returns (cache, layout, per-seq
+    (cached, new, k_all, v_all, q)) with decodes first as `BatchLayout` requires."""
+    cache = backend.allocate_kv_cache(nblocks)
+    free = list(range(nblocks))
+    rng.shuffle(free)
+    seqs, slots = [], []
+    for cached, new in shapes:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // bs))]
+        k_all, v_all = torch.randn(total, kvh, d), torch.randn(total, kvh, d)
+        for p in range(cached):
+            cache[0][table[p // bs], :, p % bs] = k_all[p]
+            cache[1][table[p // bs], :, p % bs] = v_all[p]
+        slots += [table[p // bs] * bs + p % bs for p in range(cached, total)]
+        seqs.append((cached, new, table, k_all, v_all, torch.randn(new, h, d)))
+    num_decodes = sum(1 for _, n in shapes if n == 1)
+    layout = BatchLayout([n for _, n in shapes], [c + n for c, n in shapes],
+                         [s[2] for s in seqs], torch.tensor(slots), num_decodes, bs)
+    return cache, layout, seqs
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize(("h", "kvh", "d"), [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_native_prefill_kernel_matches_dense_reference(h, kvh, d, window):
+    """The flash-style prefill kernel (block size 16): query tiles of every remainder,
+    chunks after a cached prefix of any length, several chunks in one call, decodes
+    alongside."""
+    torch.manual_seed(1)
+    rng = random.Random(1)
+    bs = 16
+    spec = AttentionSpec(h, kvh, d, d ** -0.5, window)
+    backend = get_backend("cpu")(spec, bs, torch.float32, torch.device("cpu"))
+    if backend._prefill_kernel is None:
+        pytest.skip("this CPU has no AVX2 + FMA: prefill runs on the torch path")
+    shapes = [(0, 1), (5, 1), (70, 1), (0, 16), (0, 45), (33, 17), (100, 3), (16, 64),
+              (7, 200)]
+    cache, layout, seqs = _paged_batch(backend, rng, shapes, bs, kvh, h, d, 128)
+    meta = backend.build_metadata(layout)
+    assert meta.native_prefills is not None and len(meta.native_prefills.q_lens) == 6
+    q = torch.cat([s[5] for s in seqs])
+    k = torch.cat([s[3][s[0]:] for s in seqs])
+    v = torch.cat([s[4][s[0]:] for s in seqs])
+    out = backend.forward(q, k, v, cache, meta)
+    start = 0
+    for cached, new, _, k_all, v_all, qi in seqs:
+        ref = _reference(qi, k_all, v_all, torch.arange(cached, cached + new), window)
+        torch.testing.assert_close(out[start : start + new].double(), ref, atol=1e-5, rtol=1e-5)
+        start += new

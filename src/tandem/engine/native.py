@@ -24,15 +24,18 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention_cpu.c", "elementwise_cpu.c", "linear_cpu.c")
+SOURCES = ("paged_attention_cpu.c", "prefill_attention_cpu.c", "elementwise_cpu.c",
+           "linear_cpu.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
-ABI_VERSION = 4
+ABI_VERSION = 5
 DISABLE_ENV = "TANDEM_DISABLE_NATIVE_KERNELS"
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # name -> (restype, argtypes); the C files document each layout
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_paged_attention_decode_f32": (ctypes.c_int, [_P] * 6 + [_I64] * 9 + [_F32, _I64]),
+    "tandem_paged_attention_prefill_f32": (ctypes.c_int,
+                                           [_P] * 8 + [_I64] * 9 + [_F32, _I64]),
     "tandem_add_rms_norm_f32": (None, [_P] * 4 + [_I64, _I64, _F32, _I64]),
     "tandem_silu_mul_f32": (None, [_P, _P, _I64, _I64, _I64]),
     "tandem_rope_f32": (None, [_P] * 4 + [_I64] * 5),

@@ -1,10 +1,13 @@
-"""CPU backend: decodes read K/V straight from the paged cache with a native kernel.
+"""CPU backend: attention reads K/V straight from the paged cache with native kernels.
 
 The torch backend gathers every decode's context into a dense copy per layer and then runs
-SDPA over it: the KV bytes cross memory three times. Here one C kernel
-(`engine/csrc/paged_attention_cpu.c`, built by `tandem.engine.native`) walks each
-sequence's block table and reads every K/V row once. Writes and prefill chunks stay on the
-torch path (prefill is matmul-bound, where SDPA is already good). float32 only.
+SDPA over it: the KV bytes cross memory three times. Here C kernels built by
+`tandem.engine.native` walk each sequence's block table and read every K/V row once:
+`csrc/paged_attention_cpu.c` for decodes, and (with AVX2 + FMA) the flash-style
+`csrc/prefill_attention_cpu.c` for prefill chunks, which stacks the query heads that share
+a KV head and skips the causal upper triangle that torch's CPU flash kernel computes and
+masks for chunks under ~1k tokens. Without AVX2 the prefill stays on the torch path.
+K/V writes stay in torch. float32 only.
 """
 
 from __future__ import annotations
@@ -18,13 +21,25 @@ from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAt
 from tandem.engine.errors import ConfigError
 from tandem.engine.native import load_native
 
-MAX_GROUP = 64  # query heads per KV head the kernel supports
+MAX_GROUP = 64  # query heads per KV head the kernels support
+PREFILL_KEY_TILE = 16  # keys per tile of the prefill kernel; block_size must be a multiple
+
+
+@dataclass
+class NativePrefills:
+    """Every prefill chunk of the batch, as the prefill kernel reads them (int32 tensors)."""
+
+    tables: torch.Tensor  # [P, max_blocks] block ids, zero-padded
+    q_start: torch.Tensor  # [P] first row of each chunk in the flattened batch
+    q_lens: torch.Tensor  # [P] new tokens per chunk
+    seq_lens: torch.Tensor  # [P] context length after the chunk
 
 
 @dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
     decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
+    native_prefills: NativePrefills | None = None  # set when the prefill kernel runs
 
 
 def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> bool:
@@ -32,6 +47,11 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
     return (device.type == "cpu" and dtype == torch.float32
             and 1 <= spec.num_heads // spec.num_kv_heads <= MAX_GROUP
             and load_native() is not None)
+
+
+def _int32_table(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 @register_backend("cpu")
@@ -42,18 +62,52 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not native_available(spec, dtype, device):
             raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
                               "compiler, and at most 64 query heads per KV head")
-        self._kernel = load_native().tandem_paged_attention_decode_f32
+        lib = load_native()
+        self._kernel = lib.tandem_paged_attention_decode_f32
+        self._prefill_kernel = (
+            lib.tandem_paged_attention_prefill_f32
+            if lib.tandem_linear_simd() and spec.head_dim % 16 == 0
+            and block_size % PREFILL_KEY_TILE == 0 else None)
 
     def build_metadata(self, layout: BatchLayout) -> CpuAttentionMetadata:
         nd = layout.num_decodes
         tables = lens = None
         if nd:
-            width = max(len(t) for t in layout.block_tables[:nd])
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in layout.block_tables[:nd]],
-                                  dtype=torch.int32)
+            tables = _int32_table(layout.block_tables[:nd])
             lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int32)
-        return CpuAttentionMetadata(self._write_rows(layout), nd, [],
-                                    self._prefill_seqs(layout), tables, lens)
+        if self._prefill_kernel is None or nd == len(layout.query_lens):
+            return CpuAttentionMetadata(self._write_rows(layout), nd, [],
+                                        self._prefill_seqs(layout), tables, lens)
+        q_lens = layout.query_lens[nd:]
+        starts = [sum(layout.query_lens[:nd])]
+        for n in q_lens[:-1]:
+            starts.append(starts[-1] + n)
+        native = NativePrefills(_int32_table(layout.block_tables[nd:]),
+                                torch.tensor(starts, dtype=torch.int32),
+                                torch.tensor(q_lens, dtype=torch.int32),
+                                torch.tensor(layout.seq_lens[nd:], dtype=torch.int32))
+        return CpuAttentionMetadata(self._write_rows(layout), nd, [], [], tables, lens, native)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
+                 out: torch.Tensor) -> None:
+        assert isinstance(meta, CpuAttentionMetadata)
+        p = meta.native_prefills
+        if p is None:
+            super()._prefill(q, k, v, k_rows, v_rows, meta, out)
+            return
+        s = self.spec
+        if q.stride(2) != 1 or q.stride(1) != s.head_dim:
+            q = q.contiguous()
+        d = s.head_dim
+        rc = self._prefill_kernel(
+            out.data_ptr(), q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(),
+            p.tables.data_ptr(), p.q_start.data_ptr(), p.q_lens.data_ptr(),
+            p.seq_lens.data_ptr(), len(p.q_lens), s.num_heads, s.num_kv_heads, d,
+            self.block_size, p.tables.shape[1], q.stride(0), out.stride(0),
+            s.sliding_window or 0, s.scale, torch.get_num_threads(),
+        )
+        _check(rc, "prefill")
 
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
@@ -70,7 +124,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             s.num_kv_heads, s.head_dim, self.block_size, tables.shape[1], qd.stride(0),
             out.stride(0), s.sliding_window or 0, s.scale, torch.get_num_threads(),
         )
-        if rc == -1:
-            raise MemoryError("paged attention kernel could not allocate scratch memory")
-        if rc != 0:
-            raise RuntimeError(f"paged attention kernel failed with code {rc}")
+        _check(rc, "decode")
+
+
+def _check(rc: int, which: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{which} attention kernel could not allocate scratch memory")
+    if rc != 0:
+        raise RuntimeError(f"{which} attention kernel failed with code {rc}")

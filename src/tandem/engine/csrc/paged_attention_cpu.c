@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) const float *row_and_prefetch(
     return cache + (int64_t)table[t / block_size] * page + in_block;
 }
 
-int tandem_paged_attention_abi(void) { return 4; }  /* ABI of the whole library */
+int tandem_paged_attention_abi(void) { return 5; }  /* ABI of the whole library */
 
 /* One (sequence, KV head) item; D is a compile-time constant in the specialised copies. */
 static inline __attribute__((always_inline)) void attend(
