@@ -4,7 +4,10 @@
         [--datasets mixed,shared-system] [--rates 0.5,1,2] [--requests N] [--url NAME=URL ...]
 
 Each server runs alone on the machine (one after another; `bench/servers.py` starts and
-stops them), or `--url NAME=URL` benchmarks endpoints that are already running. Against each
+stops them), or `--url NAME=URL` benchmarks endpoints that are already running. With
+`--rounds R` every server is started at once and each point runs R times, the servers taking
+turns back to back (order reversed every other round, so a drifting machine hits both alike);
+ratios are the median of the per-round ratios. Against each
 server and for each dataset and request rate, `bench/loadgen.py` sends a fresh seeded set of
 token-id prompts at Poisson arrival times, streamed, greedy, `ignore_eos`, and records TTFT,
 inter-token latency, TPOT and end-to-end latency (p50/p90/p99), output tokens/s and goodput
@@ -25,7 +28,9 @@ import asyncio
 import datetime as dt
 import json
 import math
+import statistics
 import sys
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -66,33 +71,67 @@ def one_token_prompt(seed: int) -> list[int]:
                          output_len=(1, 1))[0].prompt_token_ids
 
 
-def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
-    """Every dataset x rate against one running server."""
+def prepare(url: str, args: argparse.Namespace) -> dict:
+    """Warm a running server up and time its 1-token completions; the result skeleton."""
     model = asyncio.run(loadgen.served_model(url))
     warm = dataset("mixed", True, seed=10_000)[:2]  # excluded: first-call work (compiles)
     asyncio.run(loadgen.run_rate(url, model, warm, math.inf, seed=0))
     lat = loadgen.one_token_latency(url, model, one_token_prompt(args.seed), ONE_TOKEN_REPEATS)
-    out: dict = {"model": model, "one_token": asdict(lat), "runs": {}}
+    return {"model": model, "one_token": asdict(lat), "runs": {}}
+
+
+def run_one(name: str, url: str, model: str, ds: str, i: int, rate: float,
+            args: argparse.Namespace) -> dict:
+    """One dataset at one rate against one server: the summary with raw per-request rows."""
+    reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1), num_requests=args.requests)
     slo = loadgen.SLO(args.slo_ttft, args.slo_tpot)
+    with Timer() as timer:
+        results = asyncio.run(loadgen.run_rate(url, model, reqs, rate, seed=args.seed + i))
+    summary = loadgen.summarize(rate, results, slo).to_json()
+    summary.update(timer.contention())
+    # raw per-request rows: [prompt tokens, max tokens, sent at, ttft, e2e, ok]
+    summary["requests"] = [[r.prompt_tokens, r.max_tokens, round(r.sent_at, 4),
+                            r.ttft and round(r.ttft, 4), r.e2e and round(r.e2e, 4),
+                            r.ok] for r in results]
+    print(f"[{name}] {ds} rate={rate}: {summary['completed']}/{len(reqs)} ok, "
+          f"ttft p50 {summary['ttft']['p50']:.3f}s, "
+          f"{summary['output_throughput']:.1f} tok/s", file=sys.stderr, flush=True)
+    return summary
+
+
+def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
+    """Every dataset x rate against one running server."""
+    out = prepare(url, args)
     for ds in args.datasets:
-        runs = []
+        out["runs"][ds] = [run_one(name, url, out["model"], ds, i, rate, args)
+                           for i, rate in enumerate(args.rates)]
+    return out
+
+
+def bench_interleaved(urls: dict[str, str], args: argparse.Namespace) -> dict:
+    """Every server running at once, idle but for the one under load: per dataset and rate,
+    `args.rounds` rounds, each running the same requests against every server back to back
+    (order reversed every other round), so slow drift of a shared machine hits both sides
+    of each pair alike. Each entry is the round with the median TTFT p50 (odd rounds),
+    plus `rounds`: every round's headline numbers."""
+    out = {name: prepare(url, args) for name, url in urls.items()}
+    names = list(urls)
+    for ds in args.datasets:
+        for name in names:
+            out[name]["runs"][ds] = []
         for i, rate in enumerate(args.rates):
-            reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1),
-                           num_requests=args.requests)
-            with Timer() as timer:
-                results = asyncio.run(loadgen.run_rate(url, model, reqs, rate,
-                                                       seed=args.seed + i))
-            summary = loadgen.summarize(rate, results, slo).to_json()
-            summary.update(timer.contention())
-            # raw per-request rows: [prompt tokens, max tokens, sent at, ttft, e2e, ok]
-            summary["requests"] = [[r.prompt_tokens, r.max_tokens, round(r.sent_at, 4),
-                                    r.ttft and round(r.ttft, 4), r.e2e and round(r.e2e, 4),
-                                    r.ok] for r in results]
-            runs.append(summary)
-            print(f"[{name}] {ds} rate={rate}: {summary['completed']}/{len(reqs)} ok, "
-                  f"ttft p50 {summary['ttft']['p50']:.3f}s, "
-                  f"{summary['output_throughput']:.1f} tok/s", file=sys.stderr, flush=True)
-        out["runs"][ds] = runs
+            per: dict[str, list[dict]] = {name: [] for name in names}
+            for r in range(args.rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    per[name].append(run_one(name, urls[name], out[name]["model"], ds, i,
+                                             rate, args))
+            for name in names:
+                rounds = per[name]
+                median = sorted(rounds, key=lambda x: x["ttft"]["p50"])[len(rounds) // 2]
+                median["rounds"] = [{"ttft_p50": x["ttft"]["p50"], "tpot_p50": x["tpot"]["p50"],
+                                     "output_throughput": x["output_throughput"],
+                                     "completed": x["completed"]} for x in rounds]
+                out[name]["runs"][ds].append(median)
     return out
 
 
@@ -104,11 +143,23 @@ def ratios(res: dict) -> dict:
         return {}
     out: dict = {}
     for ds, truns in t["runs"].items():
-        out[ds] = [{"rate": a["rate"],
-                    "ttft_p50_vllm_over_tandem": b["ttft"]["p50"] / a["ttft"]["p50"],
-                    "throughput_tandem_over_vllm":
-                        a["output_throughput"] / b["output_throughput"]}
-                   for a, b in zip(truns, v["runs"][ds], strict=True)]
+        out[ds] = []
+        for a, b in zip(truns, v["runs"][ds], strict=True):
+            ra, rb = a.get("rounds"), b.get("rounds")
+            if ra and rb:  # interleaved: the median of each round's own ratio
+                ttft = [y["ttft_p50"] / x["ttft_p50"] for x, y in zip(ra, rb, strict=True)]
+                tput = [x["output_throughput"] / y["output_throughput"]
+                        for x, y in zip(ra, rb, strict=True)]
+                out[ds].append({"rate": a["rate"], "rounds": len(ra),
+                                "ttft_p50_vllm_over_tandem": statistics.median(ttft),
+                                "throughput_tandem_over_vllm": statistics.median(tput),
+                                "ttft_p50_vllm_over_tandem_per_round": ttft,
+                                "throughput_tandem_over_vllm_per_round": tput})
+            else:
+                out[ds].append({"rate": a["rate"],
+                                "ttft_p50_vllm_over_tandem": b["ttft"]["p50"] / a["ttft"]["p50"],
+                                "throughput_tandem_over_vllm":
+                                    a["output_throughput"] / b["output_throughput"]})
     return out
 
 
@@ -152,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per rate (default: the dataset's, 40; 10 with --quick); "
                          "more requests dilute the cold start and the step-alignment luck")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: start every server at once and run each point this many "
+                         "times, alternating servers (ABBA...); ratios are per-round medians")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO, seconds")
     ap.add_argument("--slo-tpot", type=float, default=0.25, help="goodput SLO, seconds")
     ap.add_argument("--tandem-args", default="", help="extra `tandem worker` arguments")
@@ -167,22 +221,32 @@ def main(argv: list[str] | None = None) -> int:
     from offline_throughput import machine_info
 
     results: dict = {}
+    specs = {}
+    for name in [] if args.url else args.servers.split(","):
+        if name == "vllm" and not servers.vllm_available():
+            print("[vllm] skipped: run bench/setup_vllm.sh first", file=sys.stderr)
+            continue
+        specs[name] = (servers.tandem_spec(args.tandem_args.split()) if name == "tandem"
+                       else servers.vllm_spec())
     if args.url:
-        for item in args.url:
-            name, _, url = item.partition("=")
-            results[name] = bench_server(name, url.rstrip("/"), args)
+        urls = {name: url.rstrip("/") for name, _, url in
+                (item.partition("=") for item in args.url)}
+        if args.rounds > 1:
+            results = bench_interleaved(urls, args)
+        else:
+            results = {name: bench_server(name, url, args) for name, url in urls.items()}
+    elif args.rounds > 1:
+        with ExitStack() as stack:
+            urls = {name: stack.enter_context(servers.launched(spec))
+                    for name, spec in specs.items()}
+            results = bench_interleaved(urls, args)
     else:
-        for name in args.servers.split(","):
-            if name == "vllm" and not servers.vllm_available():
-                print("[vllm] skipped: run bench/setup_vllm.sh first", file=sys.stderr)
-                continue
-            spec = (servers.tandem_spec(args.tandem_args.split()) if name == "tandem"
-                    else servers.vllm_spec())
+        for name, spec in specs.items():
             with servers.launched(spec) as url:
                 results[name] = bench_server(name, url, args)
     report: dict = {"benchmark": "serve", "date": dt.date.today().isoformat(),
                     "machine": machine_info(), "quick": args.quick, "seed": args.seed,
-                    "rates": args.rates, "slo": {"ttft_s": args.slo_ttft,
+                    "rates": args.rates, "rounds": args.rounds, "slo": {"ttft_s": args.slo_ttft,
                                                  "tpot_s": args.slo_tpot},
                     "datasets": {d: {**DATASETS[d][1 if args.quick else 0],
                                      **({"num_requests": args.requests} if args.requests

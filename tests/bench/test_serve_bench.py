@@ -79,3 +79,25 @@ def test_load_generator_against_a_real_worker(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         assert worker.stop() == 0, worker.log()
+
+
+def test_interleaved_ratios_are_medians_of_per_round_pairs():
+    import serve
+
+    def entry(ttfts, tputs):
+        rounds = [{"ttft_p50": a, "tpot_p50": 0.1, "output_throughput": b, "completed": 3}
+                  for a, b in zip(ttfts, tputs, strict=True)]
+        return {"rate": 2.0, "ttft": {"p50": ttfts[0]}, "output_throughput": tputs[0],
+                "rounds": rounds}
+
+    res = {"tandem": {"runs": {"mixed": [entry([1.0, 2.0, 4.0], [10.0, 10.0, 10.0])]}},
+           "vllm": {"runs": {"mixed": [entry([1.5, 1.0, 8.0], [5.0, 20.0, 10.0])]}}}
+    r = serve.ratios(res)["mixed"][0]
+    assert r["ttft_p50_vllm_over_tandem_per_round"] == [1.5, 0.5, 2.0]
+    assert r["ttft_p50_vllm_over_tandem"] == 1.5  # the median round, not a ratio of medians
+    assert r["throughput_tandem_over_vllm"] == 1.0
+    # one round each: the plain ratio
+    single = {n: {"runs": {"mixed": [{"rate": 1.0, "ttft": {"p50": t},
+                                      "output_throughput": 4.0}]}}
+              for n, t in (("tandem", 2.0), ("vllm", 3.0))}
+    assert serve.ratios(single)["mixed"][0]["ttft_p50_vllm_over_tandem"] == 1.5
