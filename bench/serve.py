@@ -81,9 +81,11 @@ def prepare(url: str, args: argparse.Namespace) -> dict:
 
 
 def run_one(name: str, url: str, model: str, ds: str, i: int, rate: float,
-            args: argparse.Namespace) -> dict:
-    """One dataset at one rate against one server: the summary with raw per-request rows."""
-    reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1), num_requests=args.requests)
+            args: argparse.Namespace, round_: int = 0) -> dict:
+    """One dataset at one rate against one server: the summary with raw per-request rows.
+    Every (rate, round) gets its own prompts, so no run finds the last one's in the cache."""
+    reqs = dataset(ds, args.quick, seed=args.seed + 1000 * (i + 1) + 100_000 * round_,
+                   num_requests=args.requests)
     slo = loadgen.SLO(args.slo_ttft, args.slo_tpot)
     with Timer() as timer:
         results = asyncio.run(loadgen.run_rate(url, model, reqs, rate, seed=args.seed + i))
@@ -110,7 +112,7 @@ def bench_server(name: str, url: str, args: argparse.Namespace) -> dict:
 
 def bench_interleaved(urls: dict[str, str], args: argparse.Namespace) -> dict:
     """Every server running at once, idle but for the one under load: per dataset and rate,
-    `args.rounds` rounds, each running the same requests against every server back to back
+    `args.rounds` rounds, each running the same (fresh) requests against every server back to back
     (order reversed every other round), so slow drift of a shared machine hits both sides
     of each pair alike. Each entry is the round with the median TTFT p50 (odd rounds),
     plus `rounds`: every round's headline numbers."""
@@ -124,7 +126,7 @@ def bench_interleaved(urls: dict[str, str], args: argparse.Namespace) -> dict:
             for r in range(args.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
                     per[name].append(run_one(name, urls[name], out[name]["model"], ds, i,
-                                             rate, args))
+                                             rate, args, round_=r))
             for name in names:
                 rounds = per[name]
                 median = sorted(rounds, key=lambda x: x["ttft"]["p50"])[len(rounds) // 2]
