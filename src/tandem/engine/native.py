@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_cpu.c", "prefill_attention_cpu.c", "elementwise_cpu.c",
            "linear_cpu.c")
+HEADERS = ("tile_avx2.h",)  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
 ABI_VERSION = 5
 DISABLE_ENV = "TANDEM_DISABLE_NATIVE_KERNELS"
@@ -88,7 +89,7 @@ def load_native() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
-        parts = [(CSRC / s).read_text() for s in SOURCES]
+        parts = [(CSRC / s).read_text() for s in (*SOURCES, *HEADERS)]
         key = hashlib.sha256("\0".join(
             [*parts, " ".join(CFLAGS), version, _cpu_fingerprint()]).encode()).hexdigest()[:24]
         path = _cache_dir() / f"tandem_cpu-{key}.so"

@@ -12,6 +12,7 @@ K/V writes stay in torch. float32 only.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                               "compiler, and at most 64 query heads per KV head")
         lib = load_native()
         self._kernel = lib.tandem_paged_attention_decode_f32
-        self._prefill_kernel = (
+        self._prefill_kernel = (  # tandem_linear_simd: the library was built with AVX2 + FMA
             lib.tandem_paged_attention_prefill_f32
             if lib.tandem_linear_simd() and spec.head_dim % 16 == 0
             and block_size % PREFILL_KEY_TILE == 0 else None)
@@ -79,9 +80,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return CpuAttentionMetadata(self._write_rows(layout), nd, [],
                                         self._prefill_seqs(layout), tables, lens)
         q_lens = layout.query_lens[nd:]
-        starts = [sum(layout.query_lens[:nd])]
-        for n in q_lens[:-1]:
-            starts.append(starts[-1] + n)
+        starts = list(itertools.accumulate(q_lens[:-1], initial=nd))  # decodes: 1 row each
         native = NativePrefills(_int32_table(layout.block_tables[nd:]),
                                 torch.tensor(starts, dtype=torch.int32),
                                 torch.tensor(q_lens, dtype=torch.int32),
@@ -97,13 +96,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super()._prefill(q, k, v, k_rows, v_rows, meta, out)
             return
         s = self.spec
-        if q.stride(2) != 1 or q.stride(1) != s.head_dim:
-            q = q.contiguous()
-        d = s.head_dim
+        q = _rows_of_heads(q, s.head_dim)
         rc = self._prefill_kernel(
             out.data_ptr(), q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(),
             p.tables.data_ptr(), p.q_start.data_ptr(), p.q_lens.data_ptr(),
-            p.seq_lens.data_ptr(), len(p.q_lens), s.num_heads, s.num_kv_heads, d,
+            p.seq_lens.data_ptr(), len(p.q_lens), s.num_heads, s.num_kv_heads, s.head_dim,
             self.block_size, p.tables.shape[1], q.stride(0), out.stride(0),
             s.sliding_window or 0, s.scale, torch.get_num_threads(),
         )
@@ -113,9 +110,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
         assert isinstance(meta, CpuAttentionMetadata) and meta.decode_tables is not None
         s = self.spec
-        qd = q[: meta.num_decodes]
-        if qd.stride(2) != 1 or qd.stride(1) != s.head_dim:
-            qd = qd.contiguous()
+        qd = _rows_of_heads(q[: meta.num_decodes], s.head_dim)
         k_cache, v_cache = kv_cache
         tables, lens = meta.decode_tables, meta.decode_lens
         rc = self._kernel(
@@ -125,6 +120,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out.stride(0), s.sliding_window or 0, s.scale, torch.get_num_threads(),
         )
         _check(rc, "decode")
+
+
+def _rows_of_heads(q: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`q` [T, H, D] as the kernels read it: any row stride, heads and D contiguous."""
+    return q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
 
 
 def _check(rc: int, which: str) -> None:

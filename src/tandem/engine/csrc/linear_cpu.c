@@ -20,11 +20,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TANDEM_LINEAR_AVX2 1
+#include "tile_avx2.h"
 #endif
 
-#define NR 16                 /* panel width (output columns), two ymm */
-#define MR 6                  /* activation rows per register tile */
-#define PREFETCH_LINES 8      /* panel lines (k steps) prefetched ahead */
+#define NR 16                 /* panel width (output columns): TILE_NR of tile_avx2.h */
+#define MR 6                  /* activation rows per register tile: TILE_MR */
 #define MC_BYTES (768 * 1024) /* activation block kept in L2 across a thread's panels */
 
 int64_t tandem_linear_simd(void) {
@@ -34,51 +34,6 @@ int64_t tandem_linear_simd(void) {
     return 0;
 #endif
 }
-
-#ifdef TANDEM_LINEAR_AVX2
-/* c[mr x ncols] = a[mr x K] @ panel[K x 16] (+ bias), mr <= MR a constant after inlining. */
-static inline __attribute__((always_inline)) void tile(
-        const float *restrict a, int64_t K, const float *restrict panel, float *restrict c,
-        int64_t ldc, const int mr, int64_t ncols, const float *restrict bias) {
-    __m256 c0[MR], c1[MR];
-    for (int i = 0; i < mr; i++) {
-        c0[i] = _mm256_setzero_ps();
-        c1[i] = _mm256_setzero_ps();
-    }
-    /* unrolled: the loop's own add/compare/branch otherwise crowd the front end, which
-     * has to issue 8 loads and 12 FMAs per k (measured +3-7 % at 24-2,048 rows) */
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        __builtin_prefetch(panel + (k + PREFETCH_LINES) * NR, 0, 3);
-        const __m256 b0 = _mm256_loadu_ps(panel + k * NR);
-        const __m256 b1 = _mm256_loadu_ps(panel + k * NR + 8);
-        for (int i = 0; i < mr; i++) {
-            const __m256 av = _mm256_broadcast_ss(a + i * K + k);
-            c0[i] = _mm256_fmadd_ps(av, b0, c0[i]);
-            c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
-        }
-    }
-    float tmp[NR];
-    __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
-    if (bias) {
-        memset(tmp, 0, sizeof tmp);
-        memcpy(tmp, bias, (size_t)ncols * sizeof(float));
-        bias0 = _mm256_loadu_ps(tmp);
-        bias1 = _mm256_loadu_ps(tmp + 8);
-    }
-    for (int i = 0; i < mr; i++) {
-        const __m256 r0 = _mm256_add_ps(c0[i], bias0), r1 = _mm256_add_ps(c1[i], bias1);
-        if (ncols == NR) {
-            _mm256_storeu_ps(c + i * ldc, r0);
-            _mm256_storeu_ps(c + i * ldc + 8, r1);
-        } else {
-            _mm256_storeu_ps(tmp, r0);
-            _mm256_storeu_ps(tmp + 8, r1);
-            memcpy(c + i * ldc, tmp, (size_t)ncols * sizeof(float));
-        }
-    }
-}
-#endif
 
 void tandem_linear_packed_f32(const float *x, const float *wp, const float *bias, float *y,
                               int64_t M, int64_t N, int64_t K, int64_t num_threads) {
@@ -93,18 +48,7 @@ void tandem_linear_packed_f32(const float *x, const float *wp, const float *bias
             const float *panel = wp + p * K * NR;
             const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
             const float *b = bias ? bias + n0 : NULL;
-            for (int64_t i = m0; i < m0 + mb; i += MR) {
-                const float *a = x + i * K;
-                float *c = y + i * N + n0;
-                switch (m0 + mb - i < MR ? m0 + mb - i : MR) {
-                    case 6: tile(a, K, panel, c, N, 6, ncols, b); break;
-                    case 5: tile(a, K, panel, c, N, 5, ncols, b); break;
-                    case 4: tile(a, K, panel, c, N, 4, ncols, b); break;
-                    case 3: tile(a, K, panel, c, N, 3, ncols, b); break;
-                    case 2: tile(a, K, panel, c, N, 2, ncols, b); break;
-                    default: tile(a, K, panel, c, N, 1, ncols, b); break;
-                }
-            }
+            rows_6x16(x + m0 * K, mb, K, panel, y + m0 * N + n0, N, ncols, b);
         }
     }
 #else

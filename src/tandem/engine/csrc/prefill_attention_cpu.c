@@ -17,8 +17,8 @@
  *
  * Flash-attention schedule: a work item is (sequence, KV head, tile of TQ query rows). Its
  * G = H / KVH query heads share every key read, so they are stacked into one M = G * TQ
- * row matrix. Keys go in blocks of KB: S = Q K^T in 16-key tiles with the 6x16 register
- * tile of linear_cpu.c over transposed keys, an online softmax once per block (running
+ * row matrix. Keys go in blocks of KB: S = Q K^T in 16-key tiles with the GEMM's 6x16
+ * register tile (tile_avx2.h) over transposed keys, an online softmax once per block (running
  * max and sum per row, exp inlined), and O = alpha O + P V with the same register tile
  * (each V row load serves six query rows). Key tiles past a work item's last position are
  * never touched: the causal half is skipped, where torch's CPU flash kernel scores and
@@ -34,57 +34,19 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TANDEM_PREFILL_AVX2 1
+#include "tile_avx2.h"
+#define MR TILE_MR
 #endif
-
-#pragma omp declare simd notinbranch
-extern float expf(float);
 
 #define KT 16  /* keys per score tile (two ymm) */
 #define KB 128 /* keys per softmax block: the running max / sum update once per block */
 #define TQ 16  /* query positions per work item */
-#define MR 6   /* rows per register tile */
 #define MAX_GROUP 64
+#if defined(TANDEM_PREFILL_AVX2) && KT != TILE_NR
+#error "a key tile is one column panel of the shared register tile"
+#endif
 
 #ifdef TANDEM_PREFILL_AVX2
-/* s[mr x 16] = a[mr x D] @ kt[D x 16]; mr <= MR a constant after inlining. */
-static inline __attribute__((always_inline)) void score_tile(
-        const float *restrict a, int64_t D, const float *restrict kt, float *restrict s,
-        int64_t ldc, const int mr) {
-    __m256 c0[MR], c1[MR];
-    for (int i = 0; i < mr; i++) {
-        c0[i] = _mm256_setzero_ps();
-        c1[i] = _mm256_setzero_ps();
-    }
-    for (int64_t d = 0; d < D; d++) {
-        const __m256 b0 = _mm256_loadu_ps(kt + d * KT);
-        const __m256 b1 = _mm256_loadu_ps(kt + d * KT + 8);
-        for (int i = 0; i < mr; i++) {
-            const __m256 av = _mm256_broadcast_ss(a + i * D + d);
-            c0[i] = _mm256_fmadd_ps(av, b0, c0[i]);
-            c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
-        }
-    }
-    for (int i = 0; i < mr; i++) {
-        _mm256_storeu_ps(s + i * ldc, c0[i]);
-        _mm256_storeu_ps(s + i * ldc + 8, c1[i]);
-    }
-}
-
-/* s[M x 16] (row stride ldc) = qs[M x D] @ kt[D x 16] */
-static void scores(const float *qs, int64_t M, int64_t D, const float *kt, float *s,
-                   int64_t ldc) {
-    int64_t i = 0;
-    for (; i + MR <= M; i += MR) score_tile(qs + i * D, D, kt, s + i * ldc, ldc, MR);
-    switch (M - i) {
-        case 5: score_tile(qs + i * D, D, kt, s + i * ldc, ldc, 5); break;
-        case 4: score_tile(qs + i * D, D, kt, s + i * ldc, ldc, 4); break;
-        case 3: score_tile(qs + i * D, D, kt, s + i * ldc, ldc, 3); break;
-        case 2: score_tile(qs + i * D, D, kt, s + i * ldc, ldc, 2); break;
-        case 1: score_tile(qs + i * D, D, kt, s + i * ldc, ldc, 1); break;
-        default: break;
-    }
-}
-
 /* o[mr x D] = alpha[i] * o + p[mr x n] @ v[n x D] (p rows `ldp` apart, v[j] = key j's
  * value row): the 6x16 register tile again, D in 16-column panels, so each V load serves
  * six query rows. */
@@ -268,8 +230,8 @@ int tandem_paged_attention_prefill_f32(
                 if (nk > KB) nk = KB;
                 const int64_t ntiles = (nk + KT - 1) / KT, first = (lo > T0 ? lo - T0 : 0) / KT;
                 for (int64_t u = first; u < ntiles; u++)
-                    scores(qs, M, D, kt_all + kt_off[s] + ((T0 / KT + u) * KVH + h) * D * KT,
-                           sc + u * KT, KB);
+                    rows_6x16(qs, M, D, kt_all + kt_off[s] + ((T0 / KT + u) * KVH + h) * D * KT,
+                              sc + u * KT, KB, KT, NULL);
                 for (int64_t j = first * KT; j < nk; j++)
                     vrow[j] = cache_row(v_cache, table, T0 + j, h, bs, page, D);
                 const int64_t k0 = first * KT;
