@@ -22,8 +22,9 @@ import http.client
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -129,11 +130,12 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
 
 
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
-                   t0: float) -> RequestResult:
-    """Stream one greedy completion of exactly `req.max_tokens` tokens."""
+                   t0: float, extra: Mapping[str, Any] | None = None) -> RequestResult:
+    """Stream one greedy completion of exactly `req.max_tokens` tokens; `extra` adds body
+    fields (e.g. a `cache_salt`, so a rerun of the same prompts starts cold)."""
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.monotonic()
     res = RequestResult(ok=False, sent_at=start - t0, prompt_tokens=len(req.prompt_token_ids),
                         max_tokens=req.max_tokens)
@@ -181,7 +183,8 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
 
 
 async def run_rate(url: str, model: str, requests: Sequence[BenchRequest], rate: float,
-                   seed: int, timeout_s: float = 600.0) -> list[RequestResult]:
+                   seed: int, timeout_s: float = 600.0,
+                   extra: Mapping[str, Any] | None = None) -> list[RequestResult]:
     """Send `requests` open-loop at Poisson `rate`; return results in request order."""
     offsets = arrival_times(len(requests), rate, seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -190,7 +193,7 @@ async def run_rate(url: str, model: str, requests: Sequence[BenchRequest], rate:
 
         async def later(req: BenchRequest, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-            return await send_one(client, url, model, req, t0)
+            return await send_one(client, url, model, req, t0, extra)
 
         return list(await asyncio.gather(*(later(r, at)
                                            for r, at in zip(requests, offsets, strict=True))))

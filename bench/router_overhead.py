@@ -17,6 +17,11 @@ Three parts (see the "Router overhead" section of bench/README.md):
 3. Simulated scale (`bench/router_sim.py`, in a subprocess, no sockets): routing decision
    time with 1,000 workers and 10 million indexed blocks.
 
+`--also NAME=ARGS` adds another `tandem router` (the same command with ARGS, e.g.
+`2proc=--processes 2`) and `--vllm-router` adds vllm-router (its `cache_aware` policy) in
+front of the same stub: all of them take turns in the same rounds (rotated order), so their
+added latencies compare within one run.
+
 `--quick`: 200 req/s for 5 s, 8 long prompts, 100 workers / 200,000 blocks. Prints a table
 with the targets and writes `bench/results/router_overhead[-quick]-<date>.json`.
 """
@@ -30,6 +35,8 @@ import http.client
 import json
 import os
 import random
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,9 +79,28 @@ def machine_cpu_s() -> tuple[float, float]:
     return (total - parts[3] - parts[4]) / CLK_TCK, total / CLK_TCK
 
 
+def tree_cpu_s(pid: int) -> float:
+    """`proc_cpu_s` of `pid` and every descendant (`--processes N` runs N children)."""
+    parents: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        cpu = proc_cpu_s(p)
+        total += 0.0 if cpu != cpu else cpu  # NaN: gone meanwhile
+        todo.extend(parents.get(p, ()))
+    return total
+
+
 def cpu_sample(pids: dict[str, int]) -> dict[str, float]:
     busy, total = machine_cpu_s()
-    return {**{k: proc_cpu_s(p) for k, p in pids.items()}, "machine_busy": busy,
+    return {**{k: tree_cpu_s(p) for k, p in pids.items()}, "machine_busy": busy,
             "machine_total": total, "wall": perf()}
 
 
@@ -221,6 +247,12 @@ def shared_prefix_hashes(tokenizer, bodies: list[str]) -> list[bytes]:  # noqa: 
 
 
 # -- part 1: load ----------------------------------------------------------------------------
+def vllm_router_exe() -> str | None:
+    """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
+    venv = REPO / ".venv-vllm-router" / "bin" / "vllm-router"
+    return str(venv) if venv.exists() else shutil.which("vllm-router")
+
+
 def warm_up(stub_url: str, router_url: str, bodies: list[str], n: int = 30) -> None:
     """One-time costs out of the measured rounds (the router loads its tokenizer on the first
     request of a model, and opens its upstream connections)."""
@@ -269,31 +301,39 @@ def summarize_round(mode: str, r: int, res: dict) -> dict:
     return out
 
 
-def load_phase(args: argparse.Namespace, stub_url: str, router_url: str, bodies_file: str,
-               pids: dict[str, int]) -> dict:
+def load_phase(args: argparse.Namespace, stub_url: str, targets: dict[str, str],
+               bodies_file: str, pids: dict[str, int]) -> dict:
+    """Interleaved rounds over `direct` (the stub) and every router in `targets` (mode ->
+    URL; "router" is `tandem router` as configured, the others variants or vllm-router),
+    each round in a rotated order. Added latency is each mode's minus direct's."""
+    modes = ["direct", *targets]
+    urls = {"direct": stub_url, **targets}
     rounds = []
     per_round = args.duration / args.rounds
     for r in range(args.rounds):
-        order = ("direct", "router") if r % 2 == 0 else ("router", "direct")
-        for mode in order:
-            url = stub_url if mode == "direct" else router_url
-            h0 = routing_histogram(router_url)
+        k = r % len(modes)
+        order = modes[k:] + modes[:k]
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            url = urls[mode]
+            tandem = mode != "direct" and not mode.startswith("vllm")
+            h0 = routing_histogram(url) if tandem else None
             res = run_load(url, bodies_file, args.rate, per_round, args.warmup,
                            args.seed + r, pids)
-            h1 = routing_histogram(router_url)
+            h1 = routing_histogram(url) if tandem else None
             s = summarize_round(mode, r, res)
-            if mode == "router" and h1[1] > h0[1]:
+            if h0 and h1 and h1[1] > h0[1]:
                 s["router_routing_s_mean"] = (h1[0] - h0[0]) / (h1[1] - h0[1])
             rounds.append(s)
             c = s["cpu_s"]
-            log(f"[load] round {r} {mode:6}: {s['ok']}/{s['sent']} ok, "
+            own = c.get(mode, 0.0) if mode != "direct" else 0.0
+            log(f"[load] round {r} {mode:12}: {s['ok']}/{s['sent']} ok, "
                 f"p50 {s['latency_s']['p50'] * 1e3:.3f} ms, p99 "
                 f"{s['latency_s']['p99'] * 1e3:.3f} ms, {s['achieved_rate']:.0f} req/s; cpu s: "
-                f"client {c['client']:.2f} stub {c['stub']:.2f} router {c['router']:.2f} "
+                f"client {c['client']:.2f} stub {c['stub']:.2f} this router {own:.2f} "
                 f"other {c['other']:.2f} (machine {c['machine_busy_share']:.0%} busy)")
     out: dict = {"rate": args.rate, "duration_s": args.duration, "rounds": args.rounds,
-                 "warmup_s_per_round": args.warmup, "per_round": rounds}
-    for mode in ("direct", "router"):
+                 "warmup_s_per_round": args.warmup, "modes": modes, "per_round": rounds}
+    for mode in modes:
         rs = [r for r in rounds if r["mode"] == mode]
         lat = [x for r in rs for x in r["_lat"]]
         cpu = {k: sum(r["cpu_s"][k] for r in rs) for k in rs[0]["cpu_s"]}
@@ -308,18 +348,25 @@ def load_phase(args: argparse.Namespace, stub_url: str, router_url: str, bodies_
                      "latency_s": pct(lat), "lag_s_p99": max(r["lag_s"]["p99"] for r in rs),
                      "cpu_s": cpu,
                      "cpu_us_per_request": {k: cpu[k] / max(ok, 1) * 1e6
-                                            for k in ("client", "stub", "router")}}
-        if mode == "router":
-            means = [r["router_routing_s_mean"] for r in rs if "router_routing_s_mean" in r]
-            out[mode]["routing_seconds_mean"] = sum(means) / len(means) if means else None
+                                            for k in ("client", "stub", *targets)}}
+        means = [r["router_routing_s_mean"] for r in rs if "router_routing_s_mean" in r]
+        if means:
+            out[mode]["routing_seconds_mean"] = sum(means) / len(means)
     for r in rounds:
         del r["_lat"]
-    d, rt = out["direct"]["latency_s"], out["router"]["latency_s"]
-    out["added_s"] = {q: rt[q] - d[q] for q in ("p50", "p90", "p99", "mean")}
+    d = out["direct"]["latency_s"]
     by_round = {(r["round"], r["mode"]): r for r in rounds}
-    out["added_s_per_round"] = [
-        {q: by_round[(i, "router")]["latency_s"][q] - by_round[(i, "direct")]["latency_s"][q]
-         for q in ("p50", "p99")} for i in range(args.rounds)]
+    out["added_s_by_mode"] = {}
+    for mode in targets:
+        rt = out[mode]["latency_s"]
+        out["added_s_by_mode"][mode] = {
+            **{q: rt[q] - d[q] for q in ("p50", "p90", "p99", "mean")},
+            "per_round": [{q: by_round[(i, mode)]["latency_s"][q]
+                           - by_round[(i, "direct")]["latency_s"][q] for q in ("p50", "p99")}
+                          for i in range(args.rounds)]}
+    out["added_s"] = {q: v for q, v in out["added_s_by_mode"]["router"].items()
+                      if q != "per_round"}
+    out["added_s_per_round"] = out["added_s_by_mode"]["router"]["per_round"]
     return out
 
 
@@ -401,24 +448,26 @@ def print_report(report: dict) -> None:
     for name, value, limit, note in rows:
         print(f"{name:38} {value:8.3f}ms {limit:6.1f}ms  {verdict(value, limit)}{note}")
     if load:
-        print(f"\n{'load':8} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-              f"{'req/s':>6} {'lag p99':>8}   cpu s: {'client':>6} {'stub':>6} {'router':>6} "
-              f"{'other':>6} {'busy':>5}")
-        for mode in ("direct", "router"):
+        modes = load.get("modes", ["direct", "router"])
+        print(f"\n{'load':12} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+              f"{'added p50':>9} {'added p99':>9} {'req/s':>6} {'cpu us/req':>10} {'busy':>5}")
+        for mode in modes:
             m = load[mode]
             lat, c = m["latency_s"], m["cpu_s"]
-            print(f"{mode:8} {m['ok']:>5}/{m['sent']:<5} {lat['p50'] * 1e3:8.3f} "
-                  f"{lat['p90'] * 1e3:8.3f} {lat['p99'] * 1e3:8.3f} {m['achieved_rate']:6.0f} "
-                  f"{m['lag_s_p99'] * 1e3:6.2f}ms          {c['client']:6.2f} {c['stub']:6.2f} "
-                  f"{c['router']:6.2f} {c['other']:6.2f} {c['machine_busy_share']:5.0%}")
+            add = load.get("added_s_by_mode", {}).get(mode)
+            added = (f"{add['p50'] * 1e3:9.3f} {add['p99'] * 1e3:9.3f}" if add
+                     else f"{'':9} {'':9}")
+            us = m["cpu_us_per_request"].get(mode, float("nan"))
+            print(f"{mode:12} {m['ok']:>5}/{m['sent']:<5} {lat['p50'] * 1e3:8.3f} "
+                  f"{lat['p90'] * 1e3:8.3f} {lat['p99'] * 1e3:8.3f} {added} "
+                  f"{m['achieved_rate']:6.0f} {us if mode != 'direct' else float('nan'):10.0f} "
+                  f"{c['machine_busy_share']:5.0%}")
         r = load["router"]
         rs = r.get("routing_seconds_mean")
-        us = r["cpu_us_per_request"]["router"]
-        print(f"router CPU per request {us:.0f} us (one core: at most ~{1e6 / us:.0f} req/s); "
-              f"routing_seconds mean {rs * 1e3 if rs else float('nan'):.3f} ms; per-round "
-              "added p50/p99 ms: " + ", ".join(
+        print(f"router routing_seconds mean {rs * 1e3 if rs else float('nan'):.3f} ms; "
+              "per-round added p50/p99 ms: " + ", ".join(
                   f"{x['p50'] * 1e3:.2f}/{x['p99'] * 1e3:.2f}" for x in load["added_s_per_round"]))
-        if any(m["cpu_s"]["machine_busy_share"] > 0.85 for m in (load["direct"], r)):
+        if any(load[m]["cpu_s"]["machine_busy_share"] > 0.85 for m in modes):
             print("warning: the machine was over 85% busy during the load rounds")
     if long:
         d, r, rs = long["direct_s"], long["router_s"], long["routing_seconds"]
@@ -477,7 +526,8 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
             wait_until(lambda: get(stub_url + "/health")[0] == 200, stub, "stub worker up")
             router = stack.enter_context(spawned("router", [
                 sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
-                "router", "--port", str(router_port), "--workers", stub_url]))
+                "router", "--port", str(router_port), "--workers", stub_url,
+                *shlex.split(args.router_args)]))
             wait_until(lambda: get(router_url + "/ready")[0] == 200, router, "router ready")
             wait_until(lambda: sum(metric_values(get(router_url + "/metrics")[1],
                                                  "tandem_router_worker_kv_events_connected{")) >= 1
@@ -487,10 +537,33 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
             log(f"[setup] stub {stub_url} (pid {stub.pid}), router {router_url} "
                 f"(pid {router.pid}), KV stream connected")
             pids = {"stub": stub.pid, "router": router.pid}
-            warm_up(stub_url, router_url, bodies)
+            targets = {"router": router_url}
+            for spec in args.also:
+                name, _, extra = spec.partition("=")
+                port = free_port()
+                proc = stack.enter_context(spawned(name, [
+                    sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
+                    "router", "--port", str(port), "--workers", stub_url,
+                    *shlex.split(extra)]))
+                url = f"http://127.0.0.1:{port}"
+                wait_until(lambda u=url: get(u + "/ready")[0] == 200, proc, f"{name} ready")
+                targets[name], pids[name] = url, proc.pid
+            exe = vllm_router_exe() if args.vllm_router else None
+            if args.vllm_router and exe is None:
+                log("[setup] vllm-router is not installed (bash bench/setup_vllm.sh); skipped")
+            if exe:
+                port = free_port()
+                proc = stack.enter_context(spawned("vllm-router", [
+                    exe, "--port", str(port), "--worker-urls", stub_url,
+                    "--policy", "cache_aware"]))
+                url = f"http://127.0.0.1:{port}"
+                wait_until(lambda u=url: get(u + "/health")[0] == 200, proc,
+                           "vllm-router up")
+                targets["vllm-router"], pids["vllm-router"] = url, proc.pid
+            for url in targets.values():
+                warm_up(stub_url, url, bodies)
             if not args.no_load:
-                report["load"] = load_phase(args, stub_url, router_url, str(bodies_file),
-                                            pids)
+                report["load"] = load_phase(args, stub_url, targets, str(bodies_file), pids)
             if args.long_requests > 0:
                 report["long_prompt"] = long_phase(args, tokenizer, stub_url, router_url)
             blocks = metric_values(get(router_url + "/metrics")[1],
@@ -519,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stub-http", choices=("raw", "asgi"), default="raw")
     ap.add_argument("--stub-random-blocks", type=int, default=10_000)
     ap.add_argument("--router-log-level", default="WARNING")
+    ap.add_argument("--router-args", default="", help="extra `tandem router` arguments, "
+                    "e.g. '--http-server uvicorn'")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=ARGS",
+                    help="another `tandem router` in the same rounds, with these extra "
+                         "arguments (e.g. '2proc=--processes 2'); repeatable")
+    ap.add_argument("--vllm-router", action="store_true",
+                    help="vllm-router (cache_aware) in the same rounds, when installed")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick

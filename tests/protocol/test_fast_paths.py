@@ -1,5 +1,6 @@
 """`FastPaths`: hot POST routes served straight from ASGI keep the endpoint contract (OpenAI
-errors, 413 body limit, logged 500) and leave every other route to FastAPI. Real sockets."""
+errors, 413 body limit, logged 500) and leave every other route to FastAPI. Real sockets,
+under both servers: uvicorn (the worker) and the lean server (the router)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tests.router.test_router_app import Served
 LIMIT = 1000
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["lean", "uvicorn"])
+def served(request):
     app = FastAPI()
     install_error_handlers(app)
     calls: list[str] = []
@@ -34,7 +35,7 @@ def served():
     async def other() -> dict:
         return {"fastapi": True}
 
-    server = Served(FastPaths(app, {"/echo": echo}, LIMIT))
+    server = Served(FastPaths(app, {"/echo": echo}, LIMIT), lean=request.param == "lean")
     yield server, calls, app
     server.stop()
 

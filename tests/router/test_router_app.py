@@ -3,6 +3,7 @@ and its auth, over real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from tandem.protocol.http_server import LeanServer
+from tandem.protocol.web import FastPaths
 from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router, RouterSettings
@@ -19,14 +22,20 @@ from tests.serving.conftest import free_port
 
 
 class Served:
-    """An ASGI app on a real port, in a thread."""
+    """An ASGI app on a real port, in a thread: a `FastPaths` app on the lean server the
+    router runs in production (`protocol.http_server`), anything else on uvicorn."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, lean: bool | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        if lean if lean is not None else isinstance(app, FastPaths):
+            self.server = LeanServer(app, "127.0.0.1", self.port)
+            self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),),
+                                           daemon=True)
+        else:
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                        log_level="warning"))
+            self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
@@ -34,7 +43,10 @@ class Served:
             time.sleep(0.02)
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        if isinstance(self.server, LeanServer):
+            self.server.loop.call_soon_threadsafe(self.server.stop)
+        else:
+            self.server.should_exit = True
         self.thread.join(timeout=10)
 
 

@@ -146,6 +146,9 @@ def test_unknown_model_and_bad_body_are_answered_by_the_router(cluster):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     models = httpx.get(router.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [BUNDLED_NAME]
+    # the context length the workers report on /ready (every worker here has the same one)
+    worker = httpx.get(cluster[1][0].url + "/ready", timeout=10).json()
+    assert models["data"][0]["max_model_len"] == worker["max_model_len"] > 0
 
 
 def test_two_router_replicas_agree_on_routing(cluster, redis_url, tmp_path):

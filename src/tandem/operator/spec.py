@@ -218,7 +218,8 @@ def _rate(d: dict, where: str) -> RateLimit:
                      get_num(d, "tokensPerMinute", 0.0, where) or 0.0)
 
 
-_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5}
+_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
+            "cacheChurn": 1.0}
 
 
 def _router(d: dict) -> RouterSpec:

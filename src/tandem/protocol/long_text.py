@@ -34,6 +34,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models
@@ -130,7 +131,7 @@ class ChunkedEncoder:
         self.chunk_chars = chunk_chars
         self.cache_chars = cache_chars  # bound on the cached pieces' total length
         self.splitter = added_token_splitter(backend)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # the router tokenizes long bodies in worker threads
         self.hits = self.misses = 0
@@ -149,7 +150,7 @@ class ChunkedEncoder:
 
     def encode(self, text: str) -> list[int]:
         pieces = self.pieces(text)
-        found: dict[int, list[int]] = {}
+        found: dict[int, Sequence[int]] = {}
         todo: list[int] = []
         with self._lock:
             for i, piece in enumerate(pieces):
@@ -187,7 +188,7 @@ class ChunkedEncoder:
     def _remember(self, piece: str, ids: list[int]) -> None:
         if len(piece) > self.cache_chars or piece in self._cache:
             return
-        self._cache[piece] = ids
+        self._cache[piece] = tuple(ids)  # a tuple of ints: the cyclic GC stops tracking it
         self._cached_chars += len(piece)
         while self._cached_chars > self.cache_chars:
             old, _ = self._cache.popitem(last=False)

@@ -5,6 +5,7 @@
 * ASGI middleware: a request-body size limit (413) and an in-flight request count.
 * `FastPaths`: hot POST routes served straight from ASGI, in front of the FastAPI app.
 * `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
+* `serve_route`: a hot route's handler with the endpoint contract (errors, 413, 500).
 * `PREFILL_HEADER`: how the router tells a decode worker where its prefill runs (P/D).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -25,6 +27,17 @@ from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
 logger = logging.getLogger(__name__)
 # P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from
 PREFILL_HEADER = "x-tandem-prefill"
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+def plain_request_id(value: str | None) -> str | None:
+    """A client's X-Request-Id if it is short and plain (safe in logs and headers), else
+    None."""
+    return value if value and _PLAIN_ID.fullmatch(value) else None
+
+
+# ASGI scope extension: the server cancels the request's task when the client goes away
+DISCONNECT_CANCELS = "tandem.disconnect_cancels"
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -169,17 +182,24 @@ class FastPaths:
             return await self.app(scope, receive, send)
         if declared_too_large(scope, self.limit):
             return await too_large(self.limit)(scope, receive, send)
-        try:
-            response = await handler(Request(scope, limited_receive(receive, self.limit)))
-        except _TooLarge:
-            response = too_large(self.limit)
-        except APIError as exc:
-            response = error_response(exc)
-        except Exception as exc:
-            logger.exception("unhandled error on %s", scope["path"])
-            response = error_response(APIError(500, f"internal error: {type(exc).__name__}",
-                                               type_="server_error"))
+        request = Request(scope, limited_receive(receive, self.limit))
+        response = await serve_route(handler, request, self.limit)
         await response(scope, receive, send)
+
+
+async def serve_route(handler: Handler, request: Request, limit: int = 0) -> Response:
+    """`handler(request)` with the endpoint contract: `APIError` -> its OpenAI error, a body
+    over `limit` (seen while reading) -> 413, anything else -> a logged 500."""
+    try:
+        return await handler(request)
+    except _TooLarge:
+        return too_large(limit)
+    except APIError as exc:
+        return error_response(exc)
+    except Exception as exc:
+        logger.exception("unhandled error on %s", request.scope["path"])
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}",
+                                       type_="server_error"))
 
 
 class InFlight:
@@ -208,7 +228,10 @@ async def _until_disconnected(request: Request) -> None:
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
     """Run `work` in the calling task; if the client goes away first, cancel it (its
-    requests get aborted). Returns (completed, result). One watcher task per call."""
+    requests get aborted). Returns (completed, result). One watcher task per call, except
+    under a server that cancels the request's task itself (`DISCONNECT_CANCELS`)."""
+    if DISCONNECT_CANCELS in request.scope.get("extensions", ()):
+        return True, await work
     task = asyncio.current_task()
     assert task is not None
     watcher = asyncio.ensure_future(_until_disconnected(request))

@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from tandem.protocol.web import (
@@ -32,6 +31,7 @@ from tandem.protocol.web import (
     FastPaths,
     cancel_on_disconnect,
     install_error_handlers,
+    plain_request_id,
 )
 from tandem.router import prompt as prompts
 from tandem.router.auth import ApiKeys, tenant_cache_salt
@@ -180,14 +180,14 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
             metrics.worker_indexed_blocks.labels(w.id).set(router.index.num_blocks(w.id))
             metrics.worker_events_connected.labels(w.id).set(1 if w.events_connected else 0)
-        return PlainTextResponse(generate_latest(metrics.registry),
-                                 media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         settings.api_keys.tenant(request.headers.get("authorization"))
         return {"object": "list", "data": [
-            {"id": m, "object": "model", "owned_by": "tandem"}
+            {"id": m, "object": "model", "owned_by": "tandem",
+             **({"max_model_len": n} if (n := router.max_model_len(m)) else {})}
             for m in router.models()]}
 
     async def handle(kind: str, path: str, request: Request) -> Response:
@@ -221,7 +221,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             metrics.rejected.labels("400").inc()
             raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "
                                 f"{settings.max_prompt_tokens}", "prompt")
-        if model not in router.models(ready_only=False):
+        if not model or not router.knows(model):
             metrics.rejected.labels("404").inc()
             raise APIError(404, f"model {model!r} is not served here", "model")
         limiter = settings.rate_limiter
@@ -254,12 +254,16 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             if route is not None:
                 decision = route.decision
                 prefill = route.prefill or prefill
-                metrics.decisions.labels(router.settings.policy, decision.reason).inc()
+                metrics.child(metrics.decisions, router.settings.policy, decision.reason).inc()
                 metrics.prompt_tokens.inc(ctx.prompt_tokens)
                 metrics.matched_tokens.inc(decision.matched_tokens)
-                logger.info("[%s] -> %s (%s, %d cached tokens)%s", rid, decision.worker.id,
-                            decision.reason, decision.matched_tokens,
-                            f", prefill on {route.prefill.worker.id}" if route.prefill else "")
+                if logger.isEnabledFor(logging.INFO):  # prefix: the first block's hash
+                    chain = ctx.hashes.get(decision.worker.kv_block_size) or [b""]
+                    logger.info("[%s] -> %s (%s, %d of %d tokens cached, prefix %s)%s", rid,
+                                decision.worker.id, decision.reason, decision.matched_tokens,
+                                ctx.prompt_tokens, chain[0][:4].hex() or "-",
+                                f", prefill on {route.prefill.worker.id}" if route.prefill
+                                else "")
             return route
 
         attempts = 0
@@ -269,12 +273,13 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             attempts += 1
             if attempts > 1:
                 metrics.retries.labels(str(a.status or "connect")).inc()
-            metrics.requests.labels(a.decision.worker.id, str(a.status or "error")).inc()
+            metrics.child(metrics.requests, a.decision.worker.id,
+                          str(a.status or "error")).inc()
             if a.final and a.route.prefill is not None:
                 metrics.disaggregated.labels(a.route.worker.kv_transfer_backend
                                              or "unknown").inc()
             elif a.final:
-                metrics.aggregated.labels(a.route.reason).inc()
+                metrics.child(metrics.aggregated, a.route.reason).inc()
 
         work = forward(state["upstream"], path, payload, rid, pick, parsed.stream,
                        settings.proxy, on_attempt)
@@ -326,7 +331,6 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                      settings.max_body_bytes)
 
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 _ID_PREFIX = f"rt-{uuid.uuid4().hex[:8]}-"  # per process, so replicas' ids do not collide
 _ID_COUNTER = itertools.count(1)
 
@@ -334,9 +338,7 @@ _ID_COUNTER = itertools.count(1)
 def request_id(supplied: str | None) -> str:
     """The client's X-Request-Id when it is short and plain (it goes into logs and the
     worker request's headers), else a fresh one."""
-    if supplied and _REQUEST_ID.fullmatch(supplied):
-        return supplied
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    return plain_request_id(supplied) or f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 def _first_error(exc: Exception) -> str:

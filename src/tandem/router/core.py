@@ -3,7 +3,8 @@
 Pure state and logic on plain values (no sockets): the HTTP layer parses requests and
 proxies, the monitor keeps `workers` and the index current. `route()` is synchronous and
 cheap: one tokenization happens before it (in `prompt.parse`), then one hash chain per
-block size in use and one index walk.
+block size in use and one index walk. Each decision also charges the winner's uncached
+prompt tokens to its cache churn (`churn.ChurnTracker`, read by the `cache_churn` scorer).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
+from tandem.router.churn import ChurnTracker
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
 from tandem.router.scorers import FILTERS, RoutingContext
@@ -28,6 +30,7 @@ class RouterSettings:
     saturation_queue: int = 8  # a prefix hit stops counting at this queue depth
     saturation_kv: float = 0.9  # ... or at this KV-cache use
     speculative_ttl_s: float = 2.0  # routed blocks count as present this long
+    churn_half_life_s: float = 30.0  # half-life of a worker's routed uncached tokens
     approx_capacity: int = 100_000  # blocks remembered per worker in approximate mode
     filters: tuple[str, ...] = ("model", "role", "health")
     pd_threshold: int = 16  # uncached prompt tokens from which prefill goes to a prefill worker
@@ -45,6 +48,7 @@ class Router:
         self.workers: dict[str, Worker] = {}
         self.index = PrefixIndex(settings.speculative_ttl_s)
         self.approx = ApproximateIndex(settings.approx_capacity)
+        self.churn = ChurnTracker(settings.churn_half_life_s)
         rng = random.Random(settings.seed)
         kwargs: dict = {"rng": rng}
         if settings.policy == "cache-aware":
@@ -61,12 +65,24 @@ class Router:
         self.workers.pop(worker_id, None)
         self.index.drop(worker_id)
         self.approx.drop(worker_id)
+        self.churn.drop(worker_id)
 
     def models(self, ready_only: bool = True) -> list[str]:
         """Models served by ready workers (or by any worker ever seen, `ready_only=False`:
         a known model with no ready worker is a 503, an unknown one a 404)."""
         return sorted({w.model for w in self.workers.values()
                        if w.model and (w.ready or not ready_only)})
+
+    def max_model_len(self, model: str) -> int | None:
+        """The smallest context length the ready workers of `model` report (None: none
+        reported one): a prompt that fits it fits wherever it is routed."""
+        lengths = [w.max_model_len for w in self.workers.values()
+                   if w.model == model and w.ready and w.max_model_len]
+        return min(lengths) if lengths else None
+
+    def knows(self, model: str) -> bool:
+        """Some worker, ready or not, serves `model` (else a request for it is a 404)."""
+        return any(w.model == model for w in self.workers.values())
 
     # -- routing ---------------------------------------------------------------------------
     def block_sizes(self, candidates: Iterable[Worker]) -> dict[int, list[Worker]]:
@@ -86,9 +102,13 @@ class Router:
                 hashes: Mapping[int, list[BlockHash]] | None = None,
                 external: Mapping[int, Mapping[str, int]] | None = None) -> RoutingContext:
         """Hash the prompt once per block size in use (unless `hashes` has them) and look up
-        every candidate; `external` adds per-size matches from a shared index store."""
+        every candidate; `external` adds per-size matches from a shared index store. Also
+        fills each candidate's cache churn as of `now`."""
+        candidates = list(candidates)
         ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
-                             now=now)
+                             now=now,
+                             churn_tokens={w.id: self.churn.value(w.id, now)
+                                           for w in candidates})
         for size, group in self.block_sizes(candidates).items():
             chain = hashes.get(size) if hashes else None
             if chain is None:
@@ -114,8 +134,9 @@ class Router:
               hashes: Mapping[int, list[BlockHash]] | None = None,
               external: Mapping[int, Mapping[str, int]] | None = None
               ) -> tuple[Decision | None, RoutingContext]:
-        """Pick a worker (None if no candidate passes the filters) and record the routed
-        blocks as speculatively present on it."""
+        """Pick a worker (None if no candidate passes the filters), record the routed
+        blocks as speculatively present on it and charge its uncached prompt tokens
+        (`prompt_tokens - matched_tokens`) to its cache churn."""
         skip = set(exclude)
         probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now)
         candidates = [w for w in self.workers.values()
@@ -131,4 +152,5 @@ class Router:
             self.index.add_speculative(w.id, hashes, now)
         else:
             self.approx.routed(w.id, hashes)
+        self.churn.add(w.id, ctx.prompt_tokens - decision.matched_tokens, now)
         return decision, ctx

@@ -1,8 +1,9 @@
-"""`tandem router`: arguments, the optional YAML config, tokenizers, uvicorn.
+"""`tandem router`: arguments, the optional YAML config, tokenizers, the HTTP server.
 
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
         [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
-        [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N]
+        [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N] \\
+        [--http-server lean|uvicorn]
     tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
         [--label-selector SELECTOR] [--worker-port-name http] ...
 
@@ -19,9 +20,9 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
 `inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
-`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `pd_threshold`,
+`saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `retries`, `max_prompt_tokens`, `max_tokens_cap`, `max_body_bytes`,
-`tokenizers` (model -> path),
+`tokenizers` (model -> path), `processes`,
 `redis` (URL), `index` (URL) and `rate_limits: {default: {requests_per_s, burst_requests,
 tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,6 +91,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "(a new replica is warm at once; Redis down = in-memory index)")
     add_tls_arg(p)  # the workers' gRPC: KV events and load
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="router processes sharing the port (SO_REUSEPORT; default 1)")
+    p.add_argument("--http-server", default="lean", choices=("lean", "uvicorn"),
+                   help="front-door HTTP server: lean (protocol.http_server, ~0.2 ms less "
+                        "CPU per request) or uvicorn")
 
 
 def _load_yaml(path: str | None) -> dict[str, Any]:
@@ -180,7 +187,8 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         policy=args.policy or cfg.get("policy", "cache-aware"), weights=cfg.get("weights"),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
-        speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)), seed=args.seed,
+        speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)),
+        churn_half_life_s=float(cfg.get("churn_half_life_s", 30.0)), seed=args.seed,
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
@@ -225,11 +233,31 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from tandem.router import processes
 
+    n = args.processes if args.processes is not None else int(
+        _load_yaml(args.config).get("processes", 1))
+    if n < 1:
+        raise SystemExit(f"--processes: at least 1, not {n}")
+    if n > 1 and not processes.is_child():
+        if args.http_server != "lean":
+            raise SystemExit("--processes > 1 needs the lean HTTP server (SO_REUSEPORT)")
+        return processes.supervise(n, sys.argv[1:])
     app, router, server = build(args)
-    logger.info("router (%s) on http://%s:%d, workers by %s discovery",
-                router.settings.policy, args.host, args.port, server.discovery.name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    limiter = server.rate_limiter
+    if processes.is_child() and limiter is not None and not limiter.shared:
+        logger.warning("rate limits without --redis: each of the %d router processes enforces "
+                       "them on its own connections", n)
+    logger.info("router (%s) on http://%s:%d, workers by %s discovery, %s HTTP server",
+                router.settings.policy, args.host, args.port, server.discovery.name,
+                args.http_server)
+    if args.http_server == "lean":
+        from tandem.protocol import http_server
+
+        http_server.run(app, args.host, args.port, reuse_port=processes.is_child())
+    else:
+        import uvicorn
+
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    access_log=False, timeout_graceful_shutdown=5)
     return 0

@@ -1,8 +1,17 @@
-"""The router's Prometheus metrics (`tandem_router_*`), on a registry of its own."""
+"""The router's Prometheus metrics (`tandem_router_*`), on a registry of its own.
+
+Under `tandem router --processes N` (`PROMETHEUS_MULTIPROC_DIR` set by the supervisor) the
+values live in prometheus_client's shared files and `exposition()` sums every process's
+counters and histograms; the per-worker gauges, which the scraped process sets just before,
+report their most recent value."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 1.0)
@@ -10,6 +19,7 @@ ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 
 class RouterMetrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("tandem_router_decisions_total",
                                  "Routing decisions by policy and reason",
@@ -40,14 +50,34 @@ class RouterMetrics:
                                   "no_prefill_worker, prefill_busy)", ["reason"], registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
-                                  ["worker"], registry=r)
+                                  ["worker"], registry=r, multiprocess_mode="mostrecent")
         self.worker_indexed_blocks = Gauge("tandem_router_worker_indexed_blocks",
                                            "Blocks the index holds for the worker",
-                                           ["worker"], registry=r)
+                                           ["worker"], registry=r, multiprocess_mode="mostrecent")
         self.worker_events_connected = Gauge("tandem_router_worker_kv_events_connected",
                                              "1 while the worker's KV event stream is live",
-                                             ["worker"], registry=r)
+                                             ["worker"], registry=r, multiprocess_mode="mostrecent")
         self.index_store_lookups = Counter("tandem_router_index_store_lookups_total",
                                            "Shared index store lookups: ok, or fallback to "
                                            "the in-memory index (Redis down or slow)",
                                            ["result"], registry=r)
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: the per-request path skips the library's
+        label validation and lock (bounded: label values are policies, reasons, statuses
+        and worker URLs)."""
+        key = (metric._name, labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def exposition(self) -> bytes:
+        """The text format of every metric (of all router processes, under `--processes`)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -81,7 +81,9 @@ class WorkerMonitor:
                                         timeout=self.settings.probe_timeout_s)
                 w.ready = h.status_code == 200 and m.status_code == 200
                 if w.ready:
-                    w.model = m.json()["data"][0]["id"]
+                    card = m.json()["data"][0]
+                    w.model = card["id"]
+                    w.max_model_len = _length(card.get("max_model_len")) or w.max_model_len
                 return
             info = r.json()
             w.ready = r.status_code == 200
@@ -90,6 +92,7 @@ class WorkerMonitor:
                 w.role = info.get("role") or w.role
                 w.block_size = info.get("block_size") or w.block_size
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
+                w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
                 port = info.get("grpc_port")
                 if port and w.grpc_target is None:
                     w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"
@@ -192,3 +195,8 @@ class WorkerMonitor:
 
 class _SequenceGap(Exception):
     pass
+
+
+def _length(value: object) -> int | None:
+    """A context length a worker reported, if it is a positive int."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

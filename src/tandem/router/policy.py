@@ -1,11 +1,17 @@
 """Routing policies: pick one worker among the filtered candidates (interface + registry).
 
-* `cache-aware` — weighted sum of scorers (prefix hit, queue depth, KV use, in-flight
-  tokens), each on an absolute [0, 1] scale. Saturation guard ("sticky until
-  saturated"): a worker whose queue depth reaches
+* `cache-aware` — weighted sum of scorers (`prefix` hit, `queue` depth, `kv_usage`,
+  `inflight_tokens`, `cache_churn`: the uncached prompt tokens routed to a worker lately,
+  against its KV capacity), each on an absolute [0, 1] scale. Saturation guard ("sticky
+  until saturated"): a worker whose queue depth reaches
   `saturation_queue` or whose KV use reaches `saturation_kv` gets no prefix credit, so a hot
   prefix spills onto other replicas instead of piling up. With no hit anywhere (a cold
-  request) only the load scorers speak, so cold traffic spreads by load.
+  request) only the load and churn scorers speak: cold traffic spreads by load, and among
+  equally loaded workers goes to the one that has taken the least new text lately, so
+  distinct prefix groups spread evenly. With the default weights a hit on a share `f` of the
+  prompt outweighs a churn gap of `2f` of capacity (any hit over half the prompt beats a full
+  gap, like vllm-router's 50% match threshold), and a full churn gap weighs as much as
+  `saturation_queue` requests of queue depth.
 * `least-loaded` — lowest queue depth, then fewest in-flight tokens.
 * `round-robin`, `random` — baselines.
 
@@ -23,7 +29,8 @@ from dataclasses import dataclass, field
 from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
 from tandem.router.workers import Worker
 
-DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5}
+DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5,
+                   "cache_churn": 1.0}
 
 
 @dataclass

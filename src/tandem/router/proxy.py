@@ -79,7 +79,7 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
         w = route.worker
         tried.add(w.id)
         attempt = Attempt(route)
-        w.breaker.on_attempt()
+        w.breaker.on_attempt(time.monotonic())
         w.local_in_flight += 1
         released = False
 

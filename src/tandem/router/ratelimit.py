@@ -146,6 +146,11 @@ class RateLimiter:
         return self.per_tenant.get(tenant, self.default)
 
     @property
+    def shared(self) -> bool:
+        """The buckets live in Redis (one limit for every router process and replica)."""
+        return self._redis is not None
+
+    @property
     def enabled(self) -> bool:
         lims = [self.default, *self.per_tenant.values()]
         return any(lim.requests_per_s > 0 or lim.tokens_per_min > 0 for lim in lims)

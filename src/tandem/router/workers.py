@@ -41,16 +41,24 @@ class CircuitBreaker:
     reopen_at: float = 0.0
     trial_in_flight: bool = False
 
-    def allows(self, now: float) -> bool:
+    def current(self, now: float) -> BreakerState:
+        """The state as of `now` (an open breaker past its cooldown is half-open); pure."""
         if self.state is BreakerState.OPEN and now >= self.reopen_at:
-            self.state = BreakerState.HALF_OPEN
-            self.trial_in_flight = False
-        if self.state is BreakerState.HALF_OPEN:
-            return not self.trial_in_flight
-        return self.state is BreakerState.CLOSED
+            return BreakerState.HALF_OPEN
+        return self.state
 
-    def on_attempt(self) -> None:
-        if self.state is BreakerState.HALF_OPEN:
+    def allows(self, now: float) -> bool:
+        """May a request go to the worker at `now`? Pure: only `on_attempt` and the
+        outcomes change the breaker (probes, /ready and /metrics may ask at any time)."""
+        state = self.current(now)
+        if state is BreakerState.HALF_OPEN:
+            return not self.trial_in_flight
+        return state is BreakerState.CLOSED
+
+    def on_attempt(self, now: float) -> None:
+        """A request is sent: past the cooldown it is the half-open trial."""
+        if self.current(now) is BreakerState.HALF_OPEN:
+            self.state = BreakerState.HALF_OPEN
             self.trial_in_flight = True
 
     def on_success(self) -> None:
@@ -73,6 +81,7 @@ class Worker:
     role: str = "both"  # both | prefill | decode
     grpc_target: str | None = None  # host:port of its gRPC Worker service, if any
     kv_transfer_backend: str | None = None  # how it fetches P/D pages (from /ready), if known
+    max_model_len: int | None = None  # its context length (from /ready or /v1/models)
     block_size: int | None = None  # from its KV event stream
     ready: bool = False  # last readiness probe answered 200
     events_connected: bool = False  # its KV event stream is live (precise routing)

@@ -37,7 +37,13 @@ from tandem.protocol.openai_api import (
     now,
 )
 from tandem.protocol.tls import TLSFiles
-from tandem.protocol.web import BodyLimit, InFlight, cancel_on_disconnect, install_error_handlers
+from tandem.protocol.web import (
+    BodyLimit,
+    InFlight,
+    cancel_on_disconnect,
+    install_error_handlers,
+    plain_request_id,
+)
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
@@ -231,7 +237,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             for i in range(len(queues)):
                 engine.abort(f"{rid}-{i}")
             raise from_engine_error(exc, settings.retry_after_s) from exc
-        logger.info("[%s] admitted %d prompt(s), stream=%s", rid, len(prompts), responder.stream)
+        via = plain_request_id(request.headers.get("x-request-id"))  # the router's id
+        logger.info("[%s] admitted %d prompt(s), stream=%s%s", rid, len(prompts),
+                    responder.stream, f", x-request-id {via}" if via else "")
         timing = _Timing()
         stream = _merge(engine, rid, queues, metrics, arrival, timing,
                         on_end=lambda: pd.unpin(imported))

@@ -36,7 +36,7 @@ CONFIG_DIR = "/etc/tandem/router"
 AUTH_DIR = "/etc/tandem/auth"
 # CRD weight names -> the router's scorer names
 SCORERS = {"prefix": "prefix", "queue": "queue", "kvUsage": "kv_usage",
-           "inflightTokens": "inflight_tokens"}
+           "inflightTokens": "inflight_tokens", "cacheChurn": "cache_churn"}
 
 
 def router_name(owner: Owner) -> str:

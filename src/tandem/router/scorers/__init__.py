@@ -1,6 +1,6 @@
 """Routing scorers and filters; importing this package registers every built-in one."""
 
-from tandem.router.scorers import filters, inflight, kv_usage, prefix, queue  # noqa: F401
+from tandem.router.scorers import churn, filters, inflight, kv_usage, prefix, queue  # noqa: F401
 from tandem.router.scorers.base import (
     FILTERS,
     SCORERS,

@@ -25,6 +25,8 @@ class RoutingContext:
     hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
     role: str = "decode"  # the role that must serve it: "decode" (aggregated or P/D decode)
     matched_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached prefix
+    # worker id -> decayed uncached prompt tokens the router sent it lately (ChurnTracker)
+    churn_tokens: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
 
 
