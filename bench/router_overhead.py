@@ -555,7 +555,7 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
                 port = free_port()
                 proc = stack.enter_context(spawned("vllm-router", [
                     exe, "--port", str(port), "--worker-urls", stub_url,
-                    "--policy", "cache_aware"]))
+                    "--policy", "cache_aware", "--prometheus-port", str(free_port())]))
                 url = f"http://127.0.0.1:{port}"
                 wait_until(lambda u=url: get(u + "/health")[0] == 200, proc,
                            "vllm-router up")

@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 if policy == "vllm-router":
                     spec = servers.ServerSpec("vllm-router", [
                         router_exe, "--port", "{port}", "--worker-urls", *urls,
-                        "--policy", "cache_aware"])
+                        "--policy", "cache_aware", "--prometheus-port",
+                        str(servers.free_port())])
                 else:
                     name, _, config = policy.partition("@")  # cache-aware@router.yaml
                     tag = f"router-{name}" + (f"-{Path(config).stem}" if config else "")

@@ -49,6 +49,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
                    right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # the common case
+            if len(left) + len(right) > _MAX_VALUE_CHARS:
+                raise SecurityError("template operation '+' builds a value that is too large")
+            return left + right
         too_big = False
         if operator == "**":
             too_big = isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT
@@ -99,6 +103,14 @@ def compile_template(template: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
 
+@lru_cache(maxsize=32)
+def _compiled(template: str) -> tuple[jinja2.Template, dict[str, Any]]:
+    """The compiled template and its globals as one plain dict, so a render's context is one
+    dict merge instead of Jinja flattening its ChainMap of globals every time."""
+    compiled = compile_template(template)
+    return compiled, dict(compiled.globals)
+
+
 def _content_text(content: Any, index: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
@@ -141,13 +153,14 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]],
                 *, max_output_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
     """Render `messages` through `template` in the sandbox; raises ChatTemplateError on bad
     messages, template errors, sandbox violations or output over `max_output_chars`."""
-    compiled = compile_template(template)
-    context = {**extra, "messages": normalize_messages(messages), "bos_token": bos_token,
-               "eos_token": eos_token, "add_generation_prompt": add_generation_prompt}
+    compiled, template_globals = _compiled(template)
+    context = {**template_globals, **extra, "messages": normalize_messages(messages),
+               "bos_token": bos_token, "eos_token": eos_token,
+               "add_generation_prompt": add_generation_prompt}
     chunks: list[str] = []
     size = 0
-    try:
-        for chunk in compiled.generate(context):
+    try:  # what Template.generate does, with the globals already merged in
+        for chunk in compiled.root_render_func(compiled.new_context(context, shared=True)):
             size += len(chunk)
             if size > max_output_chars:
                 raise ChatTemplateError(f"rendered chat prompt exceeds {max_output_chars} chars")

@@ -201,8 +201,19 @@ class UpstreamResponse:
                 await self._wait(timeout_s, "response bytes")
 
     async def read(self) -> bytes:
-        """The whole body."""
-        return b"".join([chunk async for chunk in self.chunks()])
+        """The whole body (waits for its end; no async generator on this per-request path)."""
+        timeout_s = self._pool.settings.read_timeout_s
+        while not self.complete:
+            if self._error is not None:
+                raise self._error
+            if self._paused and self._conn.transport:  # the whole body is wanted anyway
+                self._paused = False
+                self._conn.transport.resume_reading()
+            await self._wait(timeout_s, "response bytes")
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return body
 
     def release(self) -> None:
         """Done with the response: its connection goes back to the pool if the body was read
