@@ -11,8 +11,9 @@ arrival times, each under its own `cache_salt` (part of the workers' block hashe
 policy inherits another's warm cache. Reports TTFT p50/p90, output tokens/s and the
 cluster prefix-cache hit rate (from the workers' `vllm:prefix_cache_*` counters), the
 TTFT p90 ratio of each policy to cache-aware, and writes `bench/results/routing-<date>.json`.
-With `--rounds R` every policy runs R times in a rotated order; the table shows medians over
-the rounds and the median of the per-round p90 ratios. A policy may be a variant with its own
+With `--rounds R` every policy runs R times in a rotated order, each round on a new seeded
+workload (shared by all policies in that round); the table shows medians over the rounds and
+the median of the per-round p90 ratios. A policy may be a variant with its own
 router config: `cache-aware@path/router.yaml`.
 `vllm-router` (the Rust router of the vLLM project, `cache_aware` policy) runs in front of
 the same workers when it is installed (`bash bench/setup_vllm.sh` puts it in
@@ -166,15 +167,17 @@ def main(argv: list[str] | None = None) -> int:
                     "rate": rate, "runs": []}
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(servers.launched(s)) for s in worker_specs]
-        # every policy gets the same prompts at the same arrival times, under its own
-        # cache_salt (the workers' block hashes include it), so none inherits a warm cache
-        reqs = make_workload(n_req, seed=args.seed + 100, shared_prefix_tokens=prefix,
-                             num_prefix_groups=groups, prompt_len=(16, 64), output_len=(16, 32))
+        # within a round every policy gets the same prompts at the same arrival times, under
+        # its own cache_salt (the workers' block hashes include it), so none inherits a warm
+        # cache; each round draws a new workload (group sizes, arrivals, lengths)
         run_id = os.urandom(4).hex()
         router_exe = None if args.no_vllm_router else vllm_router_exe()
         if router_exe is None:
             report["vllm_router"] = "not installed (bash bench/setup_vllm.sh); not compared"
         for rnd in range(args.rounds):  # each round: every policy once, a rotated order
+            reqs = make_workload(n_req, seed=args.seed + 100 + rnd,
+                                 shared_prefix_tokens=prefix, num_prefix_groups=groups,
+                                 prompt_len=(16, 64), output_len=(16, 32))
             entries = [*policies, *(["vllm-router"] if router_exe else [])]
             k = rnd % len(entries)
             for policy in entries[k:] + entries[:k]:
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                         ",".join(urls), "--policy", name, "--seed", str(args.seed),
                         *(["--config", config] if config else [])],
                         env=servers.tandem_spec().env)
-                run = run_policy(policy, spec, urls, reqs, rate, args.seed,
+                run = run_policy(policy, spec, urls, reqs, rate, args.seed + rnd,
                                  f"{run_id}-{rnd}-{policy}")
                 run["round"] = rnd
                 report["runs"].append(run)

@@ -6,7 +6,12 @@ import datetime
 
 import pytest
 
-from tandem.protocol.chat_template import ChatTemplateError, compile_template, render_chat
+from tandem.protocol.chat_template import (
+    ChatTemplateError,
+    _compiled,
+    compile_template,
+    render_chat,
+)
 
 CHATML = (
     "{% for message in messages %}"
@@ -148,7 +153,9 @@ def test_broken_templates(template: str, match: str) -> None:
 def test_templates_are_compiled_once() -> None:
     template = "{{ messages | length }} cached"
     compile_template.cache_clear()
+    _compiled.cache_clear()
     for _ in range(5):
         assert render_chat(template, USER) == "1 cached"
-    info = compile_template.cache_info()
+    assert compile_template.cache_info().misses == 1  # compiled once
+    info = _compiled.cache_info()  # (template, its globals) looked up per render
     assert info.misses == 1 and info.hits == 4
