@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tandem.protocol.bundled import find_bundled_gguf
-from tandem.protocol.long_text import ChunkedEncoder, chunkable, cut_points
+from tandem.protocol.long_text import ChunkedEncoder, chunkable, cut_points, split_words
 from tandem.protocol.tokenizer import Tokenizer
 
 PIECES = ["the", "The", "cat", "naïve", "Ünïcödé", "日本語", "emoji🚀", "don't", "it's", "x",
@@ -41,6 +41,21 @@ def test_tiny_chunks_give_the_whole_text_tokens(tok, seed):
     enc = ChunkedEncoder(tok.backend, chunk_chars=rng.choice([1, 3, 7, 50]))
     assert enc.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
     assert enc.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids  # cached
+
+
+def test_a_new_message_reuses_known_words(tok):
+    enc = ChunkedEncoder(tok.backend)
+    a = "Where is my parcel with the blue book, ordered on Monday?"
+    b = "Where is my order with the red book, shipped on Friday?"
+    assert split_words(b) == ["Where", " is", " my", " order", " with", " the", " red",
+                              " book, shipped", " on", " Friday?"]
+    assert enc.encode(a) == tok.backend.encode(a, add_special_tokens=False).ids
+    assert enc.word_hits == 0
+    assert enc.encode(b) == tok.backend.encode(b, add_special_tokens=False).ids
+    assert enc.word_hits == 6  # Where, is, my, with, the, on: only the rest was encoded
+    hits = enc.hits
+    assert enc.encode(b) == tok.backend.encode(b, add_special_tokens=False).ids
+    assert enc.hits == hits + 1  # the whole message is cached now
 
 
 def test_cuts_are_spaces_between_letters_and_shared_prefixes_cut_alike():

@@ -20,8 +20,10 @@ its two passes exactly: tokens with `normalized=False` first, then the normalize
 leftmost-longest. A chat prompt thus becomes its template's fixed pieces plus one stretch
 per message, and a system prompt or an earlier turn is tokenized once, not per request
 (measured on the bundled model: a ~100-token two-message chat prompt went from ~340 us to
-~130 us with the system message cached). Added tokens that strip neighbouring spaces or
-match only as single words move the boundaries; such tokenizers are not split.
+~130 us with the system message cached). A stretch never seen whole (a new user turn) is
+looked up again word by word, cut at every safe space, so only its new words reach the
+tokenizer. Added tokens that strip neighbouring spaces or match only as single words move
+the boundaries; such tokenizers are not split.
 
 Only tokenizers whose normalizer is empty and whose pre-tokenizer is byte-level (regex
 split and/or digits, then ByteLevel) qualify, and none of their added tokens may contain a
@@ -76,6 +78,14 @@ def cut_points(text: str, chunk_chars: int) -> list[int]:
     return cuts
 
 
+def split_words(text: str) -> list[str]:
+    """`text` cut at every letter-space-letter position (each word keeps its leading
+    space): encoding the words one by one gives the whole text's tokens, by the argument
+    above, and common words repeat across prompts that share no longer piece."""
+    bounds = [0, *cut_points(text, 1), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
 def added_token_splitter(backend: _Backend) -> AddedTokenSplitter | None:
     """The backend's added-token split, or None when it cannot be reproduced exactly (a token
     with lstrip / rstrip / single_word, or `encode_special_tokens` set)."""
@@ -123,12 +133,16 @@ class AddedTokenSplitter:
 class ChunkedEncoder:
     """`encode(text)` without special tokens: split at added tokens, stretches longer than
     `chunk_chars` cut at safe spaces, every piece looked up in a bounded LRU (keyed by its
-    text) and the rest encoded together."""
+    text); a missed piece up to `word_chars` long is cut into words, which are looked up in
+    the same LRU; whatever is still unknown is encoded together."""
 
     def __init__(self, backend: _Backend, chunk_chars: int = 4096,
-                 cache_chars: int = 8 << 20) -> None:
+                 cache_chars: int = 8 << 20, word_chars: int = 2048) -> None:
         self.backend = backend
         self.chunk_chars = chunk_chars
+        # a missed piece up to this long is looked up again word by word (`split_words`)
+        self.word_chars = word_chars
+        self.word_hits = 0
         self.cache_chars = cache_chars  # bound on the cached pieces' total length
         self.splitter = added_token_splitter(backend)
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -151,31 +165,62 @@ class ChunkedEncoder:
     def encode(self, text: str) -> list[int]:
         pieces = self.pieces(text)
         found: dict[int, Sequence[int]] = {}
-        todo: list[int] = []
+        missed: list[int] = []
+        words_of: dict[int, list[str]] = {}
+        known: dict[str, Sequence[int]] = {}
+        todo: dict[str, None] = {}  # distinct texts to encode, in order
         with self._lock:
             for i, piece in enumerate(pieces):
                 if isinstance(piece, int):
-                    found[i] = [piece]
+                    found[i] = (piece,)
                     continue
-                ids = self._cache.get(piece)
+                ids = self._lookup(piece)
                 if ids is None:
-                    todo.append(i)
+                    missed.append(i)
                 else:
-                    self._cache.move_to_end(piece)
                     found[i] = ids
                     self.hits += 1
-            self.misses += len(todo)
+            self.misses += len(missed)
+            for i in missed:  # second level: the missed piece's words may be known
+                piece = pieces[i]  # type: ignore[assignment]
+                words = split_words(piece) if len(piece) <= self.word_chars else [piece]
+                words_of[i] = words
+                for w in words:
+                    if w in known or w in todo:
+                        continue
+                    ids = self._lookup(w) if len(words) > 1 else None
+                    if ids is None:
+                        todo[w] = None
+                    else:
+                        known[w] = ids
+                        self.word_hits += 1
         if todo:  # in parallel inside `tokenizers`; without offsets where it can
-            encoded = self._encode_batch([pieces[i] for i in todo])  # type: ignore[misc]
-        if todo:
+            texts = list(todo)
+            encoded = self._encode_batch(texts)
             with self._lock:
-                for i, enc in zip(todo, encoded, strict=True):
-                    found[i] = enc.ids
-                    self._remember(pieces[i], enc.ids)  # type: ignore[arg-type]
+                for w, enc in zip(texts, encoded, strict=True):
+                    known[w] = enc.ids
+                    self._remember(w, enc.ids)
+        if missed:
+            with self._lock:
+                for i in missed:
+                    words = words_of[i]
+                    if len(words) == 1:
+                        found[i] = known[words[0]]
+                        continue
+                    found[i] = ids = [t for w in words for t in known[w]]
+                    self._remember(pieces[i], ids)  # type: ignore[arg-type]
         out: list[int] = []
         for i in range(len(pieces)):
             out.extend(found[i])
         return out
+
+    def _lookup(self, piece: str) -> Sequence[int] | None:
+        """Cached ids of `piece` (marked recently used), or None; under the lock."""
+        ids = self._cache.get(piece)
+        if ids is not None:
+            self._cache.move_to_end(piece)
+        return ids
 
     def _encode_batch(self, texts: list[str]) -> list:
         # encode_batch_fast (tokenizers >= 0.21) skips offset tracking: ~35 % less time on
