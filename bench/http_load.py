@@ -238,7 +238,7 @@ async def run(args: argparse.Namespace) -> dict:
             sys.stdout.flush()
             cpu0, wall0 = time.process_time(), perf()
         lag[idx] = perf() - target
-        client.submit(idx, payloads[idx % len(payloads)])
+        client.submit(idx, payloads[(args.body_offset + idx) % len(payloads)])
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(client.drained.wait(), args.timeout)
     wall1, cpu1 = perf(), time.process_time()
@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--path", default="/v1/chat/completions")
     ap.add_argument("--bodies", required=True, help="JSON list of request bodies")
+    ap.add_argument("--body-offset", type=int, default=0,
+                    help="request i sends bodies[(offset + i) % len(bodies)]")
     ap.add_argument("--rate", type=float, default=500.0)
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=1.0)

