@@ -36,7 +36,6 @@ import json
 import os
 import random
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ LOG_DIR = BENCH_DIR / ".cache" / "logs"
 sys.path.insert(0, str(BENCH_DIR))
 
 from router_sim import pct  # noqa: E402
-from servers import free_port, stop_group  # noqa: E402
+from servers import free_port, stop_group, vllm_router_exe  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 TARGETS = {"added_p50_ms": 1.0, "added_p99_ms": 5.0, "long_added_p50_ms": 20.0}
@@ -247,12 +246,6 @@ def shared_prefix_hashes(tokenizer, bodies: list[str]) -> list[bytes]:  # noqa: 
 
 
 # -- part 1: load ----------------------------------------------------------------------------
-def vllm_router_exe() -> str | None:
-    """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
-    venv = REPO / ".venv-vllm-router" / "bin" / "vllm-router"
-    return str(venv) if venv.exists() else shutil.which("vllm-router")
-
-
 def warm_up(stub_url: str, router_url: str, bodies: list[str], n: int = 30) -> None:
     """One-time costs out of the measured rounds (the router loads its tokenizer on the first
     request of a model, and opens its upstream connections)."""

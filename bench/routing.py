@@ -28,7 +28,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -73,12 +72,6 @@ def wait_routable(url: str, workers: int, events: bool, timeout_s: float = 60) -
                     return
         time.sleep(0.2)
     raise TimeoutError(f"{url} never saw all {workers} workers")
-
-
-def vllm_router_exe() -> str | None:
-    """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
-    venv = BENCH_DIR.parent / ".venv-vllm-router" / "bin" / "vllm-router"
-    return str(venv) if venv.exists() else shutil.which("vllm-router")
 
 
 def run_policy(name: str, spec: servers.ServerSpec, worker_urls: list[str], reqs: list,
@@ -171,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         # its own cache_salt (the workers' block hashes include it), so none inherits a warm
         # cache; each round draws a new workload (group sizes, arrivals, lengths)
         run_id = os.urandom(4).hex()
-        router_exe = None if args.no_vllm_router else vllm_router_exe()
+        router_exe = None if args.no_vllm_router else servers.vllm_router_exe()
         if router_exe is None:
             report["vllm_router"] = "not installed (bash bench/setup_vllm.sh); not compared"
         for rnd in range(args.rounds):  # each round: every policy once, a rotated order

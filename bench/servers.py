@@ -14,6 +14,7 @@ Each server runs as its own process group (so a server's own children go with it
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -53,6 +54,12 @@ def tandem_spec(extra: list[str] | None = None) -> ServerSpec:
     return ServerSpec("tandem", [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING",
                                  "worker", "--port", "{port}", *(extra or [])],
                       env={"PYTHONPATH": str(REPO / "src")})
+
+
+def vllm_router_exe() -> str | None:
+    """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
+    venv = REPO / ".venv-vllm-router" / "bin" / "vllm-router"
+    return str(venv) if venv.exists() else shutil.which("vllm-router")
 
 
 def vllm_available() -> bool:

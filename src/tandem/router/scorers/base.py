@@ -72,6 +72,13 @@ def register_filter(cls: type[Filter]) -> type[Filter]:
     return cls
 
 
+def share_free(used_tokens: float, w: Worker) -> float:
+    """`1 - used / capacity` in [0, 1], the capacity being the worker's KV cache in tokens;
+    1.0 while the worker has not reported its capacity."""
+    capacity = w.load.num_total_blocks * w.kv_block_size
+    return 1.0 - min(1.0, max(used_tokens, 0.0) / capacity) if capacity > 0 else 1.0
+
+
 def inverse_minmax(values: Sequence[float]) -> list[float]:
     """Lower is better -> [0, 1]: the lowest gets 1, the highest 0; all equal -> all 1."""
     if not values:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer, share_free
 from tandem.router.workers import Worker
 
 
@@ -23,9 +23,4 @@ class CacheChurnScorer(Scorer):
     name = "cache_churn"
 
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
-        out = []
-        for w in workers:
-            capacity = w.load.num_total_blocks * w.kv_block_size
-            churn = max(ctx.churn_tokens.get(w.id, 0.0), 0.0)
-            out.append(1.0 - min(1.0, churn / capacity) if capacity > 0 else 1.0)
-        return out
+        return [share_free(ctx.churn_tokens.get(w.id, 0.0), w) for w in workers]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer, share_free
 from tandem.router.workers import Worker
 
 
@@ -15,8 +15,4 @@ class InFlightTokensScorer(Scorer):
     name = "inflight_tokens"
 
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
-        out = []
-        for w in workers:
-            capacity = w.load.num_total_blocks * w.kv_block_size
-            out.append(max(0.0, 1.0 - w.load.in_flight_tokens / capacity) if capacity else 1.0)
-        return out
+        return [share_free(w.load.in_flight_tokens, w) for w in workers]
