@@ -99,13 +99,13 @@ def summarize_rounds(report: dict, rounds: int) -> None:
     runs = report["runs"]
     names = list(dict.fromkeys(r["policy"] for r in runs))
     summary: dict = {}
+    base = {r["round"]: r for r in runs if r["policy"] == "cache-aware"}
     for name in names:
         rs = [r for r in runs if r["policy"] == name]
         summary[name] = {q: statistics.median(r["ttft"][q] for r in rs) for q in ("p50", "p90")}
         summary[name]["prefix_hit_rate"] = statistics.median(r["prefix_hit_rate"] for r in rs)
         summary[name]["output_throughput"] = statistics.median(r["output_throughput"]
                                                                for r in rs)
-        base = {r["round"]: r for r in runs if r["policy"] == "cache-aware"}
         ratios = [r["ttft"]["p90"] / base[r["round"]]["ttft"]["p90"] for r in rs
                   if r["round"] in base]
         if ratios:

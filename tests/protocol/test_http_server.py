@@ -16,9 +16,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.protocol.http_server import LeanServer, ServerLimits
+from tandem.protocol.http_server import ServerLimits
 from tandem.protocol.web import FastPaths, install_error_handlers
-from tests.serving.conftest import free_port
+from tests.router.test_router_app import Served
 
 LIMIT = 4096
 
@@ -96,23 +96,15 @@ def make_app(events: Events) -> FastPaths:
     return FastPaths(app, routes, LIMIT)
 
 
-class Lean:
+class Lean(Served):
+    """The lean server with `make_app` on a real port, in a thread."""
+
     def __init__(self, limits: ServerLimits | None = None) -> None:
         self.events = Events()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = LeanServer(make_app(self.events), "127.0.0.1", self.port, limits)
-        self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),),
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        super().__init__(make_app(self.events), lean=True, limits=limits)
 
     def stop(self) -> None:
-        self.server.loop.call_soon_threadsafe(self.server.stop)
-        self.thread.join(timeout=15)
+        super().stop()
         assert not self.thread.is_alive()
 
     def raw(self) -> socket.socket:

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from tandem.protocol.http_server import LeanServer
+from tandem.protocol.http_server import LeanServer, ServerLimits
 from tandem.protocol.web import FastPaths
 from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.auth import ApiKeys, tenant_cache_salt
@@ -25,11 +25,12 @@ class Served:
     """An ASGI app on a real port, in a thread: a `FastPaths` app on the lean server the
     router runs in production (`protocol.http_server`), anything else on uvicorn."""
 
-    def __init__(self, app, lean: bool | None = None) -> None:
+    def __init__(self, app, lean: bool | None = None,
+                 limits: ServerLimits | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if lean if lean is not None else isinstance(app, FastPaths):
-            self.server = LeanServer(app, "127.0.0.1", self.port)
+            self.server = LeanServer(app, "127.0.0.1", self.port, limits)
             self.thread = threading.Thread(target=asyncio.run, args=(self.server.serve(),),
                                            daemon=True)
         else:

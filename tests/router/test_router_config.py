@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from tandem.protocol.bundled import BUNDLED_NAME
-from tandem.router.main import add_router_args, build
+from tandem.router.main import add_router_args, build, run
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -74,3 +74,20 @@ def test_pd_threshold_from_yaml_and_flag(tmp_path):
     assert build(_args("--config", str(cfg), "--pd-threshold", "0"))[1].settings.pd_threshold == 0
     with pytest.raises(SystemExit):
         build(_args("--workers", "http://a:1", "--pd-threshold", "-1"))
+
+
+def test_churn_half_life_and_processes_are_checked_at_start(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\nchurn_half_life_s: 12.5\n")
+    assert build(_args("--config", str(cfg)))[1].churn.half_life_s == 12.5
+    for bad in ("0", "-3", "'soon'", "true"):
+        cfg.write_text(f"workers: [http://a:8000]\nchurn_half_life_s: {bad}\n")
+        with pytest.raises(SystemExit, match="churn_half_life_s: a number of seconds > 0"):
+            build(_args("--config", str(cfg)))
+    with pytest.raises(SystemExit, match="processes: a process count >= 1, not 0"):
+        run(_args("--workers", "http://a:1", "--processes", "0"))
+    cfg.write_text("workers: [http://a:8000]\nprocesses: two\n")
+    with pytest.raises(SystemExit, match="processes: a process count >= 1, not 'two'"):
+        run(_args("--config", str(cfg)))
+    with pytest.raises(SystemExit, match="needs the lean HTTP server"):
+        run(_args("--workers", "http://a:1", "--processes", "2", "--http-server", "uvicorn"))

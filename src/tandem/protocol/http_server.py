@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import gc
 import http
 import logging
@@ -68,6 +67,11 @@ def _status_line(status: int) -> bytes:
 _STATUS = {s.value: _status_line(s.value) for s in http.HTTPStatus}
 
 
+def _frame(data: bytes, chunked: bool) -> bytes:
+    """One piece of a response body as it goes on the wire."""
+    return b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
+
+
 class _Reject(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -103,7 +107,7 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task | None = None
         self.gone: asyncio.Future | None = None
         self.idle: asyncio.TimerHandle | None = None
-        self.broken = False  # a parse error: read nothing more, close after the answer
+        self.broken = False  # a parse error or a drain: read no more, close after the answers
         self.reading_paused = False
         self.write_waiter: asyncio.Future | None = None
         self.write_paused = False
@@ -235,7 +239,6 @@ class _Connection(asyncio.Protocol):
 
     def _served(self, task: asyncio.Task) -> None:
         self.task = None
-        self.server.served += 1
         if task.cancelled():
             self.close()
             return
@@ -259,20 +262,22 @@ class _Connection(asyncio.Protocol):
         handler = self.server.routes.get(path) if req.method == b"POST" else None
         if handler is not None:
             body = b"".join(req.parts)
-            request = Request(self._scope(req, path, query), self._receiver(body))
+            scope = self._scope(req, path, query, {DISCONNECT_CANCELS: {}})
+            request = Request(scope, self._receiver(body))
             response = await serve_route(handler, request)
             await self._respond(req, response)
         else:
             await self._asgi(req, path, query)
         return req.keep_alive
 
-    def _scope(self, req: _Request, path: bytes, query: bytes) -> dict[str, Any]:
+    def _scope(self, req: _Request, path: bytes, query: bytes,
+               extensions: dict[str, Any]) -> dict[str, Any]:
         return {"type": "http", "asgi": _ASGI, "http_version": req.version,
                 "method": req.method.decode("ascii"), "scheme": "http",
                 "path": path.decode("latin-1"), "raw_path": path, "query_string": query,
                 "root_path": "", "headers": req.headers, "client": self.client,
                 "server": self.local, "state": {}, "app": self.server.app,
-                "extensions": {DISCONNECT_CANCELS: {}}}
+                "extensions": extensions}
 
     def _receiver(self, body: bytes):  # noqa: ANN202 - an ASGI receive callable
         sent = False
@@ -323,7 +328,7 @@ class _Connection(asyncio.Protocol):
                 data = chunk if isinstance(chunk, bytes) else chunk.encode(response.charset)
                 if not data or self.transport is None:
                     continue
-                self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+                self.transport.write(_frame(data, chunked))
                 if self.write_paused:
                     await self._drain()
             if chunked and self.transport is not None:
@@ -345,7 +350,6 @@ class _Connection(asyncio.Protocol):
 
     async def _asgi(self, req: _Request, path: bytes, query: bytes) -> None:
         """Any other route: the app over ASGI."""
-        t = self.transport
         state = {"chunked": False, "started": False, "done": False}
         is_head = req.method == b"HEAD"
 
@@ -365,8 +369,7 @@ class _Connection(asyncio.Protocol):
                 data = message.get("body", b"")
                 more = message.get("more_body", False)
                 if data and not is_head:
-                    self.transport.write(b"%x\r\n%b\r\n" % (len(data), data)
-                                         if state["chunked"] else data)
+                    self.transport.write(_frame(data, state["chunked"]))
                 if not more:
                     state["done"] = True
                     if state["chunked"]:
@@ -374,13 +377,12 @@ class _Connection(asyncio.Protocol):
                 elif self.write_paused:
                     await self._drain()
 
-        scope = self._scope(req, path, query)
-        scope["extensions"] = {}
+        scope = self._scope(req, path, query, {})  # FastAPI watches for disconnects itself
         try:
             await self.server.app(scope, self._receiver(b"".join(req.parts)), send)
         except Exception:
             logger.exception("unhandled error on %s", path.decode("latin-1"))
-            if not state["started"] and t is not None:
+            if not state["started"] and self.transport is not None:
                 await self._respond(req, JSONResponse(
                     error_body(500, "internal error", type_="server_error"), status_code=500))
                 state["done"] = True
@@ -415,7 +417,6 @@ class LeanServer:
         self.host, self.port = host, port
         self.limits = limits or ServerLimits()
         self.connections: set[_Connection] = set()
-        self.served = 0
         self.started = False
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -458,8 +459,13 @@ class LeanServer:
             self._stop.set()
 
     async def _drain_connections(self) -> None:
-        for c in [c for c in self.connections if not c.busy]:
-            c.close()
+        """Idle connections close now; busy ones answer what they have already received
+        (no new requests are read: `broken`) and close, or are cut at `graceful_s`."""
+        for c in list(self.connections):
+            if c.busy:
+                c.broken = True
+            else:
+                c.close()
         deadline = self.loop.time() + self.limits.graceful_s
         while any(c.busy for c in self.connections) and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
@@ -467,8 +473,6 @@ class LeanServer:
             if c.task is not None:
                 c.task.cancel()
             c.close()
-        with contextlib.suppress(Exception):
-            await asyncio.sleep(0)
 
 
 def run(app: FastPaths, host: str, port: int, limits: ServerLimits | None = None,

@@ -195,7 +195,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         try:
             tenant = settings.api_keys.tenant(request.headers.get("authorization"))
         except APIError:
-            metrics.rejected.labels("401").inc()
+            metrics.child(metrics.rejected, "401").inc()
             raise
         t0 = time.perf_counter()
         body = await request.body()
@@ -215,14 +215,14 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             else:
                 parsed = prompts.parse(kind, data, tokenizer)
         except (ValueError, ValidationError, RecursionError) as exc:
-            metrics.rejected.labels("400").inc()
+            metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, _first_error(exc)) from exc
         if parsed.token_ids is not None and len(parsed.token_ids) > settings.max_prompt_tokens:
-            metrics.rejected.labels("400").inc()
+            metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "
                                 f"{settings.max_prompt_tokens}", "prompt")
         if not model or not router.knows(model):
-            metrics.rejected.labels("404").inc()
+            metrics.child(metrics.rejected, "404").inc()
             raise APIError(404, f"model {model!r} is not served here", "model")
         limiter = settings.rate_limiter
         if limiter is not None:
@@ -232,7 +232,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             verdict = await limiter.acquire(tenant or "anonymous",
                                             prompt_tokens + int(out_tokens))
             if not verdict.allowed:
-                metrics.rejected.labels("429").inc()
+                metrics.child(metrics.rejected, "429").inc()
                 if verdict.reason == "too_large":
                     raise APIError(429, "the request alone exceeds this tenant's tokens per "
                                         "minute", "max_tokens")
@@ -272,12 +272,12 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             nonlocal attempts
             attempts += 1
             if attempts > 1:
-                metrics.retries.labels(str(a.status or "connect")).inc()
+                metrics.child(metrics.retries, str(a.status or "connect")).inc()
             metrics.child(metrics.requests, a.decision.worker.id,
                           str(a.status or "error")).inc()
             if a.final and a.route.prefill is not None:
-                metrics.disaggregated.labels(a.route.worker.kv_transfer_backend
-                                             or "unknown").inc()
+                metrics.child(metrics.disaggregated,
+                              a.route.worker.kv_transfer_backend or "unknown").inc()
             elif a.final:
                 metrics.child(metrics.aggregated, a.route.reason).inc()
 
@@ -300,7 +300,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             ids = [w.id for w in router.workers.values()  # with or without our own stream
                    if w.model == model and w.kv_block_size == size]
             got = await store.match(chain, ids)
-            metrics.index_store_lookups.labels("ok" if got is not None else "fallback").inc()
+            metrics.child(metrics.index_store_lookups,
+                          "ok" if got is not None else "fallback").inc()
             if got is None:
                 return hashes, None
             external[size] = got

@@ -55,6 +55,7 @@ class Router:
             kwargs.update(weights=settings.weights, saturation_queue=settings.saturation_queue,
                           saturation_kv=settings.saturation_kv)
         self.policy = make_policy(settings.policy, **kwargs)
+        self._churn_scored = self.policy.uses("cache_churn")  # else no per-request churn reads
         self.filters = [FILTERS[name]() for name in settings.filters]
 
     # -- membership ------------------------------------------------------------------------
@@ -67,11 +68,10 @@ class Router:
         self.approx.drop(worker_id)
         self.churn.drop(worker_id)
 
-    def models(self, ready_only: bool = True) -> list[str]:
-        """Models served by ready workers (or by any worker ever seen, `ready_only=False`:
-        a known model with no ready worker is a 503, an unknown one a 404)."""
-        return sorted({w.model for w in self.workers.values()
-                       if w.model and (w.ready or not ready_only)})
+    def models(self) -> list[str]:
+        """Models served by ready workers (`knows` covers the others: a known model with no
+        ready worker is a 503, an unknown one a 404)."""
+        return sorted({w.model for w in self.workers.values() if w.model and w.ready})
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the ready workers of `model` report (None: none
@@ -103,12 +103,12 @@ class Router:
                 external: Mapping[int, Mapping[str, int]] | None = None) -> RoutingContext:
         """Hash the prompt once per block size in use (unless `hashes` has them) and look up
         every candidate; `external` adds per-size matches from a shared index store. Also
-        fills each candidate's cache churn as of `now`."""
+        fills each candidate's cache churn as of `now` when the policy scores it."""
         candidates = list(candidates)
         ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
-                             now=now,
-                             churn_tokens={w.id: self.churn.value(w.id, now)
-                                           for w in candidates})
+                             now=now)
+        if self._churn_scored:
+            ctx.churn_tokens = {w.id: self.churn.value(w.id, now) for w in candidates}
         for size, group in self.block_sizes(candidates).items():
             chain = hashes.get(size) if hashes else None
             if chain is None:

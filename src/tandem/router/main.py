@@ -161,17 +161,27 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
 
 
 def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int,
-           what: str) -> int:
-    """A non-negative integer setting: the flag, else router.yaml, else `default`."""
+           what: str, least: int = 0) -> int:
+    """An integer setting of at least `least`: the flag, else router.yaml, else `default`."""
     flag = getattr(args, key, None)
     value = flag if flag is not None else cfg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SystemExit(f"{key}: {what} >= 0, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SystemExit(f"{key}: {what} >= {least}, not {value!r}")
     return value
 
 
-def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, settings)
-    """The router app from parsed arguments and the optional YAML config."""
+def _seconds(cfg: dict[str, Any], key: str, default: float) -> float:
+    """A positive number of seconds from router.yaml, else `default`."""
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SystemExit(f"{key}: a number of seconds > 0, not {value!r}")
+    return float(value)
+
+
+def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, settings)
+          cfg: dict[str, Any] | None = None):
+    """The router app from parsed arguments and the YAML config (read from `--config` unless
+    the caller has it already)."""
     from tandem.router.app import RouterServerSettings, build_app
     from tandem.router.auth import ApiKeys
     from tandem.router.core import Router, RouterSettings
@@ -179,7 +189,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
     from tandem.router.proxy import ProxySettings
     from tandem.router.ratelimit import Limits, RateLimiter
 
-    cfg = _load_yaml(args.config)
+    cfg = _load_yaml(args.config) if cfg is None else cfg
     workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
                if u]
     discovery = discovery_from(args, cfg, workers)
@@ -188,7 +198,7 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)),
-        churn_half_life_s=float(cfg.get("churn_half_life_s", 30.0)), seed=args.seed,
+        churn_half_life_s=_seconds(cfg, "churn_half_life_s", 30.0), seed=args.seed,
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
@@ -235,15 +245,13 @@ def build(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI app, Router, set
 def run(args: argparse.Namespace) -> int:
     from tandem.router import processes
 
-    n = args.processes if args.processes is not None else int(
-        _load_yaml(args.config).get("processes", 1))
-    if n < 1:
-        raise SystemExit(f"--processes: at least 1, not {n}")
+    cfg = _load_yaml(args.config)
+    n = _count(args, cfg, "processes", 1, "a process count", least=1)
     if n > 1 and not processes.is_child():
         if args.http_server != "lean":
             raise SystemExit("--processes > 1 needs the lean HTTP server (SO_REUSEPORT)")
         return processes.supervise(n, sys.argv[1:])
-    app, router, server = build(args)
+    app, router, server = build(args, cfg)
     limiter = server.rate_limiter
     if processes.is_child() and limiter is not None and not limiter.shared:
         logger.warning("rate limits without --redis: each of the %d router processes enforces "

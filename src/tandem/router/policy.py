@@ -48,6 +48,10 @@ class Policy(ABC):
     def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
         """`candidates` is non-empty and already filtered."""
 
+    def uses(self, scorer: str) -> bool:
+        """Whether `pick` reads that scorer (so the router fills its context inputs)."""
+        return False
+
 
 POLICIES: dict[str, Callable[..., Policy]] = {}
 
@@ -76,6 +80,9 @@ class CacheAwarePolicy(Policy):
         self.limits = LoadLimits(saturation_queue, saturation_kv)
         self.scorers = [(SCORERS[n](self.limits), w) for n, w in weights.items() if w > 0]
         self.rng = rng or random.Random()
+
+    def uses(self, scorer: str) -> bool:
+        return any(s.name == scorer for s, _ in self.scorers)
 
     def saturated(self, w: Worker) -> bool:
         return (w.queue_depth >= self.limits.saturation_queue
