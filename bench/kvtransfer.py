@@ -1,18 +1,23 @@
 """KV transfer benchmark: page throughput per backend, and what disaggregation adds to TTFT.
 
     .venv/bin/python bench/kvtransfer.py [--quick] [--backends grpc,torch] [--no-ttft]
+                                         [--no-throughput]
 
 1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
    the bundled model's geometry (30 layers x K/V x 3 heads x 16 tokens x 64 dims, float32:
    720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend:
    page views or gather, chunking, XXH3-64, protobuf); this process receives with the real
    receiver code (validation, XXH3-64, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and
-   the ratio to a plain in-memory copy of the same bytes (`torch.Tensor.clone`) measured in
-   the same run.
+   the ratio to a plain in-memory copy of the same bytes into an already-mapped buffer
+   (`memcpy_gbps`) measured in the same run.
 2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
    (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
    overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
-   time). Interleaved, medians over `--ttft-trials`.
+   time); and the same through a second prefill worker that sends each layer as soon as it
+   is computed (`--kv-stream-layers`). Rotated order, medians over `--ttft-trials`.
+   Then the transfer time left after the compute, on one clock: this process calls Prefill
+   on both prefill workers with the same fresh prompt and times each message
+   (`exposed_transfer`).
 
 Writes `bench/results/kvtransfer[-quick]-<date>.json` and prints a table with the targets.
 """
@@ -129,13 +134,17 @@ async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
 
 
 def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
+    """A plain copy of `nbytes` into a buffer that is already mapped (the first copy takes
+    the page faults and is not timed): what moving the bytes costs at memory speed."""
     import torch
 
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        src.clone()
+        dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -222,12 +231,17 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
         spec = tandem_spec(["--num-threads", "1", "--num-kv-blocks", "1024", *extra])
         return ServerSpec(f"kvtransfer-{name}", spec.argv, spec.env)
 
-    grpc_port = free_port()
+    grpc_port, streamed_port = free_port(), free_port()
     rng = random.Random(0)
-    rows: dict[str, list[float]] = {"aggregated": [], "disaggregated": []}
+    modes = ("aggregated", "disaggregated", "streamed")
+    rows: dict[str, list[float]] = {m: [] for m in modes}
+    targets = {"disaggregated": f"127.0.0.1:{grpc_port}",
+               "streamed": f"127.0.0.1:{streamed_port}"}
     with contextlib.ExitStack() as stack:
         stack.enter_context(launched(worker("prefill", ["--role", "prefill", "--grpc-port",
                                                         str(grpc_port)])))
+        stack.enter_context(launched(worker("prefill-streamed", [
+            "--role", "prefill", "--grpc-port", str(streamed_port), "--kv-stream-layers"])))
         decode_url = stack.enter_context(launched(worker(
             "decode", ["--role", "decode", "--grpc-port", str(free_port())])))
         single_url = stack.enter_context(launched(worker("single", ["--role", "both"])))
@@ -243,28 +257,103 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
                         return time.perf_counter() - t0
             raise RuntimeError("no token")
 
-        for i in range(trials + 1):  # the first pair warms up
-            order = ("aggregated", "disaggregated") if i % 2 else ("disaggregated",
-                                                                   "aggregated")
-            for mode in order:
+        for i in range(trials + 1):  # the first round warms up
+            for mode in modes[i % 3:] + modes[:i % 3]:  # rotated
                 prompt = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
                 if mode == "aggregated":
                     t = ttft(single_url, prompt, {})
                 else:
-                    t = ttft(decode_url, prompt, {"x-tandem-prefill": f"127.0.0.1:{grpc_port}"})
+                    t = ttft(decode_url, prompt, {"x-tandem-prefill": targets[mode]})
                 if i:
                     rows[mode].append(t)
                 log(f"[ttft] trial {i} {mode}: {t * 1e3:.0f} ms")
+        exposure = asyncio.run(exposed_transfer(targets, prompt_tokens, trials))
         fetch = {}  # the decode worker's own view: remote prefill + transfer + import
         for line in httpx.get(decode_url + "/metrics", timeout=10).text.splitlines():
             for key in ("sum", "count"):
                 if line.startswith(f"tandem_kvtransfer_fetch_seconds_{key}"):
                     fetch[key] = float(line.rsplit(" ", 1)[1])
-    agg, dis = (statistics.median(rows[k]) for k in ("aggregated", "disaggregated"))
+    agg, dis, streamed = (statistics.median(rows[k]) for k in modes)
     return {"prompt_tokens": prompt_tokens, "trials": trials, "ttft_s": rows,
             "decode_fetch_seconds_mean": fetch.get("sum", 0) / max(fetch.get("count", 0), 1),
             "aggregated_median_s": agg, "disaggregated_median_s": dis,
-            "overhead_s": dis - agg, "overhead_share": (dis - agg) / agg}
+            "overhead_s": dis - agg, "overhead_share": (dis - agg) / agg,
+            "streamed_median_s": streamed, "streamed_overhead_s": streamed - agg,
+            "streamed_overhead_share": (streamed - agg) / agg, "exposed_transfer": exposure}
+
+
+async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: int) -> dict:
+    """The transfer time a decode worker waits for after the prefill compute, measured on
+    one clock (this process receives, as a decode worker would, with the real receiver):
+    whole-prompt sending: trailer - header (the header leaves when the compute is done);
+    layer by layer: trailer - first message of the last layer (an upper bound: that layer
+    was computed before its pages left). The same fresh prompt goes to both prefill workers
+    (separate processes, so neither has it cached)."""
+    import grpc
+    import torch
+
+    import tandem.kvtransfer  # noqa: F401 - registers the backends
+    from tandem.kvtransfer.base import make_backend
+    from tandem.kvtransfer.client import CHANNEL_OPTIONS, prefill_method
+    from tandem.kvtransfer.grpc_backend import RawPageData
+    from tandem.kvtransfer.pages import PageLayout, check_header
+    from tandem.protocol import worker_pb2, worker_pb2_grpc
+    from tandem.protocol.block_hash import HashKeys, hash_block_chain
+    from tandem.protocol.bundled import BUNDLED_NAME
+
+    layout = PageLayout(BUNDLED_NAME, LAYERS, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
+    backend = make_backend("grpc")
+    rng = random.Random(1)
+    rows: dict[str, list[dict]] = {"disaggregated": [], "streamed": []}
+    channels = {m: grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS)
+                for m, t in targets.items()}
+
+    async def one(mode: str, tokens: list[int]) -> dict:
+        chain = hash_block_chain(tokens, BLOCK, HashKeys(BUNDLED_NAME))
+        req = worker_pb2.PrefillRequest(request_id="exposure", model_id=BUNDLED_NAME,
+                                        token_ids=tokens, block_size=BLOCK, first_block=0,
+                                        num_blocks=len(chain), backend="grpc", lease_s=10)
+        stamps: list[tuple[float, int]] = []  # (arrival, layer; -1 header, -2 trailer)
+        t0 = time.perf_counter()
+        call = prefill_method(channels[mode])(req)
+        it = call.__aiter__()
+        header = (await it.__anext__()).header
+        stamps.append((time.perf_counter(), -1))
+        n = check_header(header, layout, 0, chain)
+
+        async def timed():  # noqa: ANN202
+            async for msg in it:
+                layer = msg.layer if isinstance(msg, RawPageData) else -2
+                stamps.append((time.perf_counter(), layer))
+                yield msg
+
+        await backend.receive(req, layout, n, timed())
+        t_end = stamps[-1][0]
+        start = (stamps[0][0] if mode == "disaggregated"
+                 else next(t for t, layer in stamps if layer == LAYERS - 1))
+        await worker_pb2_grpc.KVTransferStub(channels[mode]).ReleasePages(
+            worker_pb2.ReleasePagesRequest(lease_id=header.lease_id))
+        return {"blocks": n, "call_s": t_end - t0, "header_s": stamps[0][0] - t0,
+                "exposed_s": t_end - start}
+
+    try:
+        for i in range(trials + 1):  # the first round warms up
+            tokens = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
+            for mode in (("disaggregated", "streamed") if i % 2 else
+                         ("streamed", "disaggregated")):
+                row = await one(mode, tokens)
+                if i:
+                    rows[mode].append(row)
+                log(f"[exposed] trial {i} {mode}: call {row['call_s'] * 1e3:.0f} ms, header "
+                    f"at {row['header_s'] * 1e3:.0f} ms, exposed transfer "
+                    f"{row['exposed_s'] * 1e3:.1f} ms")
+    finally:
+        for ch in channels.values():
+            await ch.close()
+    med = {m: statistics.median(r["exposed_s"] for r in rows[m]) for m in rows}
+    calls = {m: statistics.median(r["call_s"] for r in rows[m]) for m in rows}
+    return {"trials": rows, "exposed_median_s": med, "call_median_s": calls,
+            "streamed_saves_s": med["disaggregated"] - med["streamed"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--backends", default="grpc,torch")
     ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--ttft-trials", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--serve-pages", type=int, default=None, help=argparse.SUPPRESS)
@@ -288,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     "geometry": {"layers": LAYERS, "kv_heads": KV_HEADS, "block_size": BLOCK,
                                  "head_dim": HEAD_DIM, "dtype": "float32",
                                  "bytes_per_block": LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 4}}
-    report["throughput"], report["grpc_ceiling"] = throughput(args.backends.split(","), sizes,
-                                                              2 if args.quick else 3)
+    report["throughput"], report["grpc_ceiling"] = ([], []) if args.no_throughput else \
+        throughput(args.backends.split(","), sizes, 2 if args.quick else 3)
     if not args.no_ttft:
         report["ttft"] = ttft_overhead(1024, args.ttft_trials or (3 if args.quick else 7))
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (
@@ -315,6 +405,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['disaggregated_median_s'] * 1e3:.0f} ms: overhead "
               f"{t['overhead_share']:.1%} of prefill (target <= 20%): "
               f"{'met' if ok else 'MISSED'}")
+        print(f"  layer by layer (--kv-stream-layers): {t['streamed_median_s'] * 1e3:.0f} ms, "
+              f"overhead {t['streamed_overhead_share']:.1%} of prefill")
+        e = t["exposed_transfer"]
+        print(f"  transfer left after the compute (median): whole prompt "
+              f"{e['exposed_median_s']['disaggregated'] * 1e3:.1f} ms, layer by layer "
+              f"{e['exposed_median_s']['streamed'] * 1e3:.1f} ms; whole Prefill call "
+              f"{e['call_median_s']['disaggregated'] * 1e3:.0f} vs "
+              f"{e['call_median_s']['streamed'] * 1e3:.0f} ms")
     print(f"wrote {out}")
     return 0
 

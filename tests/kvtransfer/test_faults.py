@@ -88,9 +88,10 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     common = ("--num-threads", "1", "--num-kv-blocks", "256")
     decode_args = ("--role", "decode", "--kv-transfer-timeout", str(TIMEOUT), *common)
-    ports = {"prefill": free_port(), "victim": free_port()}
+    ports = {"prefill": free_port(), "victim": free_port(), "streamed": free_port()}
     workers = {
         name: start_worker(tmp, "--role", "prefill", "--grpc-port", str(port), *common,
+                           *(["--kv-stream-layers"] if name == "streamed" else []),
                            wait_ready=False) for name, port in ports.items()}
     workers["decode"] = start_worker(tmp, *decode_args, wait_ready=False)
     workers["decode_fail"] = start_worker(tmp, *decode_args, "--kv-transfer-policy", "fail",
@@ -106,6 +107,7 @@ def cluster(tmp_path_factory):
     finally:
         if cluster is not None:
             cluster.channel.close()
+            cluster.streamed_channel.close()
         if fake is not None:
             fake.stop()
         for w in workers.values():  # all drain at once
@@ -119,14 +121,20 @@ class Cluster:
     def __init__(self, workers, targets, fake) -> None:
         self.prefill, self.victim = workers["prefill"], workers["victim"]
         self.decode, self.decode_fail = workers["decode"], workers["decode_fail"]
-        self.single = workers["single"]
+        self.single, self.streamed = workers["single"], workers["streamed"]
         self.target, self.victim_target = targets["prefill"], targets["victim"]
         self.fake: FakePrefillServer = fake
         self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self.streamed_channel = grpc.insecure_channel(targets["streamed"],
+                                                      options=CHANNEL_OPTIONS)
 
     def stub(self) -> worker_pb2_grpc.KVTransferStub:
         """The real prefill worker's KVTransfer, called as a decode worker would."""
         return worker_pb2_grpc.KVTransferStub(self.channel)
+
+    def streamed_stub(self) -> worker_pb2_grpc.KVTransferStub:
+        """The same on the worker that sends each layer as soon as it is computed."""
+        return worker_pb2_grpc.KVTransferStub(self.streamed_channel)
 
 
 # -- a prefill worker that stalls or dies ---------------------------------------------------
@@ -470,6 +478,50 @@ def test_a_stream_cancelled_during_the_prefill_frees_the_pages(cluster):
     assert wait_usage_zero(c.prefill.url, 3.0) < 3.0
 
 
+# -- layer-by-layer sending ---------------------------------------------------------------------
+
+def test_streamed_pages_leave_while_the_prompt_computes(cluster):
+    """The header comes when the prompt's last step starts and pages follow as layers are
+    written, well before the compute ends; the pages are those of the whole-prompt
+    sender (same checksum), and an acknowledgement frees them."""
+    c = cluster
+    wait_idle(c.streamed.url, 10)
+    prompt = ids(740, 500)  # ~2 s of prefill in one step on one thread
+    t0 = time.monotonic()
+    arrivals: list[tuple[float, str]] = []
+    chunks = []
+    for chunk in c.streamed_stub().Prefill(prefill_request(prompt, lease_s=600), timeout=60):
+        arrivals.append((time.monotonic() - t0, chunk.WhichOneof("kind")))
+        chunks.append(chunk)
+    kinds = [k for _, k in arrivals]
+    assert kinds[0] == "header" and kinds[-1] == "trailer" and set(kinds[1:-1]) == {"data"}
+    first_data, end = arrivals[1][0], arrivals[-1][0]
+    assert first_data < 0.5 * end, arrivals[:3]  # layer 0 left long before the last layer
+    whole = list(c.stub().Prefill(prefill_request(prompt, lease_s=600), timeout=60))
+    assert whole[-1].trailer.xxh3_64 == chunks[-1].trailer.xxh3_64
+    assert [m.data.layer for m in whole[1:-1]] == [m.data.layer for m in chunks[1:-1]]
+    assert c.stub().ReleasePages(worker_pb2.ReleasePagesRequest(
+        lease_id=whole[0].header.lease_id), timeout=10).released
+    assert c.streamed_stub().ReleasePages(worker_pb2.ReleasePagesRequest(
+        lease_id=chunks[0].header.lease_id), timeout=10).released
+    assert wait_usage_zero(c.streamed.url, 3.0) < 3.0
+
+
+def test_a_streamed_prefill_cancelled_while_computing_frees_its_blocks(cluster):
+    c = cluster
+    wait_idle(c.streamed.url, 10)
+    call = c.streamed_stub().Prefill(prefill_request(ids(750, 500), lease_s=600), timeout=60)
+    assert next(call).WhichOneof("kind") == "header"
+    assert next(call).WhichOneof("kind") == "data"  # the first layers, the rest computing
+    call.cancel()
+    # the request is aborted, or it finishes and its kept blocks are released after it
+    assert wait_usage_zero(c.streamed.url, 10.0) < 10.0
+    chunks = list(c.streamed_stub().Prefill(prefill_request(ids(751, 2 * BS), lease_s=1),
+                                            timeout=60))
+    assert chunks[-1].WhichOneof("kind") == "trailer"  # and it keeps serving
+    assert wait_usage_zero(c.streamed.url, 1.0 + 3.0) < 4.0  # the lease expires
+
+
 # -- invalid requests ---------------------------------------------------------------------------
 
 BASE = ids(800, 4 * BS + 3)
@@ -498,16 +550,17 @@ INVALID = {
 }
 
 
-def test_invalid_prefill_requests_are_invalid_argument(cluster):
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole-prompt", "layer-by-layer"])
+def test_invalid_prefill_requests_are_invalid_argument(cluster, streamed):
     c = cluster
-    stub = c.stub()
+    stub, worker = (c.streamed_stub(), c.streamed) if streamed else (c.stub(), c.prefill)
     for name, fields in INVALID.items():
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Prefill(prefill_request(BASE, **fields), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value)
     # nothing was computed or pinned, and the worker keeps serving
-    assert usage(c.prefill.url) == 0
-    assert httpx.get(c.prefill.url + "/health", timeout=5).status_code == 200
+    assert usage(worker.url) == 0
+    assert httpx.get(worker.url + "/health", timeout=5).status_code == 200
     chunks = list(stub.Prefill(prefill_request(BASE, lease_s=5), timeout=60))
     assert chunks[0].header.block_hashes and chunks[-1].WhichOneof("kind") == "trailer"
     assert stub.ReleasePages(worker_pb2.ReleasePagesRequest(

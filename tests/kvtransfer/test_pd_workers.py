@@ -43,12 +43,18 @@ def pd(tmp_path_factory):
     single = start_worker(tmp, "--role", "both", *common, wait_ready=False)
     torch_decode = start_worker(tmp, "--role", "decode", "--kv-transfer-backend", "torch",
                                 "--kv-transfer-host", "127.0.0.1", *common, wait_ready=False)
-    workers = (prefill, decode, single, torch_decode)
+    # sends each layer as it is computed; a small token budget splits long prompts into
+    # several steps, of which only the last is streamed
+    streamed_port = free_port()
+    streamed = start_worker(tmp, "--role", "prefill", "--grpc-port", str(streamed_port),
+                            "--kv-stream-layers", "--max-num-batched-tokens", "128", *common,
+                            wait_ready=False)
+    workers = (prefill, decode, single, torch_decode, streamed)
     try:
         for w in workers:
             wait_for(w, "/ready", 200, timeout=240)
         yield prefill, {"grpc": decode, "torch": torch_decode}, single, \
-            f"127.0.0.1:{grpc_port}"
+            f"127.0.0.1:{grpc_port}", f"127.0.0.1:{streamed_port}"
     finally:
         for w in workers:
             w.stop()
@@ -70,7 +76,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["grpc", "torch"])
 def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
-    prefill, decoders, single, target = pd
+    prefill, decoders, single, target, _ = pd
     decode = decoders[backend]
     doc = ids(1, 300)
     cases = [
@@ -92,8 +98,27 @@ def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
     assert fetches(decode.url, "ok", backend) >= len(cases) - 1  # through `backend`
 
 
+@pytest.mark.parametrize("backend", ["grpc", "torch"])
+def test_pages_streamed_layer_by_layer_give_the_same_tokens(pd, backend):
+    _, decoders, single, _, streamed = pd
+    decode = decoders[backend]
+    doc = ids(30, 200)
+    cases = [
+        ("one step", ids(31, 5 * BS + 3), {}),
+        ("several steps, the last one streamed", ids(32, 300), {}),
+        ("cached document on the prefill side", doc + ids(33, 45), {}),
+        ("same document, decode holds its blocks", doc + ids(34, 70), {}),
+    ]
+    ok = fetches(decode.url, "ok", backend)
+    for name, prompt, extra in cases:
+        want = complete(single.url, prompt, **extra)["choices"][0]["text"]
+        got = complete(decode.url, prompt, prefill=streamed, **extra)["choices"][0]["text"]
+        assert got == want, name
+    assert fetches(decode.url, "ok", backend) == ok + len(cases)
+
+
 def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
-    prefill, decoders, _, target = pd
+    prefill, decoders, _, target, _ = pd
     decode = decoders["grpc"]
     head = ids(10, 20 * BS)
     before = fetched_bytes(decode.url)
@@ -110,7 +135,7 @@ def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
 
 
 def test_an_unreachable_prefill_worker_is_recomputed_locally(pd):
-    _, decoders, single, _ = pd
+    _, decoders, single, _, _ = pd
     decode = decoders["grpc"]
     prompt = ids(20, 5 * BS + 2)
     failed = fetches(decode.url, "unavailable") + fetches(decode.url, "rpc")

@@ -42,7 +42,7 @@ SPECS: dict[str, dict[str, Any]] = {
         "decode": {"replicas": 1, "autoscaling": {
             "mode": "hpa", "maxReplicas": 3, "signal": "kvUtilization", "target": 0.8}},
         "kvTransfer": {"backend": "torch", "tlsSecret": "tandem-kv-tls", "policy": "fail",
-                       "timeoutSeconds": 12.5},
+                       "timeoutSeconds": 12.5, "streamLayers": True},
     },
     "gpu": {
         "image": "registry.example/tandem:dev",

@@ -100,9 +100,13 @@ def test_tls_secret_is_mounted_for_grpc_tls_dir_and_torch_backend_advertises_pod
     assert arg(decode, "--kv-transfer-host") == "$(POD_IP)"
     prefill = container(one(docs, "Deployment", "demo-prefill"))["args"]
     assert "--kv-transfer-backend" not in prefill
+    # streamLayers: the prefill side sends layer by layer; decode workers serve no Prefill
+    assert "--kv-stream-layers" in prefill and "--kv-stream-layers" not in decode
     for name in ("demo-decode", "demo-router"):
         no_tls = container(one(render("disaggregated"), "Deployment", name))
         assert "--grpc-tls-dir" not in no_tls["args"]
+    assert "--kv-stream-layers" not in container(one(render("disaggregated"), "Deployment",
+                                                     "demo-prefill"))["args"]
 
 
 def test_gpu_resources_node_selector_and_tolerations_pass_through():

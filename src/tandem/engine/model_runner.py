@@ -3,11 +3,17 @@
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
 and for prompt positions whose logprobs were requested.
+
+A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
+the step that completes its prompt: its block table before the forward, then each layer
+once that layer's K/V are written, so a KV transfer can send finished layers while later
+ones compute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +33,17 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
+class LayerObserver(Protocol):
+    """Called on the engine thread during the step that computes a prompt's last tokens."""
+
+    def begin(self, block_ids: list[int]) -> None:
+        """Before the forward: the request's whole block table (a copy)."""
+
+    def layer_done(self, layer: int, event: Any | None) -> None:
+        """`layer`'s K/V for the step are written (in order, every layer once); `event` is
+        a CUDA event to wait on before reading them on another stream, None on the CPU."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
@@ -39,6 +56,15 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.generators: dict[str, torch.Generator] = {}
+        # request id -> observer; set from other threads (one dict operation each)
+        self.observers: dict[str, LayerObserver] = {}
+
+    def observe(self, request_id: str, observer: LayerObserver) -> None:
+        """Register before the request is added; `unobserve` when done with it."""
+        self.observers[request_id] = observer
+
+    def unobserve(self, request_id: str) -> None:
+        self.observers.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -77,6 +103,7 @@ class ModelRunner:
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
         plp: list[tuple[Request, int, int, int]] = []  # (request, start, flat index, count)
+        watching: list[LayerObserver] = []
         # decodes first (the scheduler's order), sorted by context length so the attention
         # backend can group similar lengths and pad little
         scheduled = sched.scheduled
@@ -100,6 +127,10 @@ class ModelRunner:
             if s.samples:
                 sample_idx.append(offset + n - 1)
                 sample_reqs.append(req)
+                observer = self.observers.get(req.request_id) if self.observers else None
+                if observer is not None and req.num_output_tokens == 0:  # the prompt's end
+                    observer.begin(list(table))
+                    watching.append(observer)
             if req.sampling_params.prompt_logprobs is not None:
                 # position p predicts prompt token p + 1
                 count = min(start + n, req.num_prompt_tokens - 1) - start
@@ -115,6 +146,7 @@ class ModelRunner:
             torch.tensor(tokens, dtype=torch.int64, device=self.device),
             pos_t.to(self.device), self.kv_caches, meta,
             torch.tensor(sample_idx + flat_plp, dtype=torch.int64, device=self.device),
+            on_layer=self._layer_signal(watching) if watching else None,
         )
         out = RunnerOutput()
         if sample_reqs:
@@ -127,6 +159,18 @@ class ModelRunner:
         if plp:
             self._prompt_logprobs(logits[len(sample_reqs):].float(), plp, out)
         return out
+
+    def _layer_signal(self, observers: list[LayerObserver]):  # noqa: ANN202 - Callable
+        cuda = self.device.type == "cuda"
+
+        def signal(layer: int) -> None:
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            for observer in observers:
+                observer.layer_done(layer, event)
+        return signal
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, plp: list[tuple[Request, int, int, int]],

@@ -21,11 +21,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.kvtransfer.pages import PageLayout
 from tandem.protocol import worker_pb2
+
+if TYPE_CHECKING:
+    from tandem.kvtransfer.layer_stream import LayerStream
 
 
 @dataclass
@@ -40,6 +44,8 @@ class SendJob:
     # layer -> the same bytes as 2n per-block page views (K of each block, then V), read in
     # place from a host-memory cache; None where the cache is not in host memory
     views: Callable[[int], list[memoryview]] | None = None
+    # set while the prompt still computes: wait for each layer before reading it
+    layers: LayerStream | None = None
 
 
 class TransferBackend(ABC):

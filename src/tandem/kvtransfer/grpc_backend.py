@@ -136,7 +136,7 @@ class GrpcBackend(TransferBackend):
 
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk | bytes]:
         """Layer by layer; the next layer is gathered, hashed and encoded in a thread while
-        this one's messages go out."""
+        this one's messages go out (once it is computed, when `job.layers` is set)."""
         loop = asyncio.get_running_loop()
         layers = job.layout.num_layers
 
@@ -148,13 +148,18 @@ class GrpcBackend(TransferBackend):
                 pieces = [data[off:off + SEND_CHUNK] for off in range(0, len(data), SEND_CHUNK)]
             return encode_pages(layer, pieces, SEND_CHUNK, checksum)
 
+        async def ready_then_prepare(layer: int) -> list[bytes]:
+            if job.layers is not None:
+                await job.layers.wait(layer)
+            return await asyncio.to_thread(prepare, layer, checksum)
+
         checksum = PageChecksum()
-        nxt = asyncio.ensure_future(asyncio.to_thread(prepare, 0, checksum))
+        nxt = asyncio.ensure_future(ready_then_prepare(0))
         try:
             for layer in range(layers):
                 messages = await nxt
                 if layer + 1 < layers:
-                    nxt = asyncio.ensure_future(asyncio.to_thread(prepare, layer + 1, checksum))
+                    nxt = asyncio.ensure_future(ready_then_prepare(layer + 1))
                 for message in messages:
                     if loop.time() > job.deadline:
                         raise KVTransferError("expired", "the lease ended before the pages "

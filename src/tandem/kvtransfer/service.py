@@ -3,7 +3,10 @@
 `Prefill`: validate the request (INVALID_ARGUMENT otherwise), run the prompt for one greedy
 token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
 blocks are not recomputed), pin the finished request's blocks under a lease, send the header
-and the requested blocks' pages through the chosen backend. The pages stay pinned until
+and the requested blocks' pages through the chosen backend. With `stream_layers` the header
+goes out when the prompt's last step starts and each layer's pages as soon as that step has
+written the layer (`layer_stream.LayerStream`), so the transfer overlaps the compute; the
+trailer waits for the run to finish with those blocks kept. The pages stay pinned until
 `ReleasePages`, the lease's expiry, or a failed or cancelled stream, so a decode worker that
 dies cannot hold prefill memory for longer than the lease.
 """
@@ -25,6 +28,7 @@ from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import serialize_chunk
+from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import (
     KVTransferError,
     PageLayout,
@@ -38,6 +42,14 @@ from tandem.protocol.block_hash import HashKeys, hash_block_chain
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 600.0
 DEFAULT_LEASE_S = 30.0
+
+
+class _Refused(Exception):
+    """Ends a Prefill call with `code` and `message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 @dataclass
@@ -80,10 +92,13 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
     """Serves Prefill on workers whose role is `prefill` or `both`."""
 
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], model_id: str,
-                 role: str) -> None:
+                 role: str, stream_layers: bool = False) -> None:
+        """`stream_layers`: send each layer's pages as soon as the prompt's last step has
+        written it (`LayerStream`), instead of after the whole prompt."""
         self.get_engine = get_engine
         self.model_id = model_id
         self.role = role
+        self.stream_layers = stream_layers
         self.backends: dict[str, TransferBackend] = {}
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
@@ -151,55 +166,97 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
-        first_token = await self._run_prompt(engine, rid, tokens, request.cache_salt, context)
+        caches = engine.engine.runner.kv_caches
+        layout = PageLayout.of(self.model_id, caches)
+        loop = asyncio.get_running_loop()
+        stream = LayerStream(loop, layout.num_layers) if self.stream_layers else None
+        if stream is not None:
+            engine.engine.runner.observe(rid, stream)
+        run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt))
+        if stream is not None:
+            run.add_done_callback(lambda _: stream.fail("the prompt run ended early"))
         leases = self.leases(engine)
         lease_s = request.lease_s or DEFAULT_LEASE_S
-        lease = leases.add(rid, lease_s)
+        lease: Lease | None = None
         sent = False
         try:
-            kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
             first, num = request.first_block, request.num_blocks
-            if kept is None or len(kept) < first + num:
-                await context.abort(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
-            state = engine.engine.state
+            if stream is None:  # the whole prompt first, then every layer at once
+                first_token = await run
+                kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
+                table = None if kept is None else [b.block_id for b in kept]
+            else:  # from the start of its last step, layer by layer as each is written
+                first_token, table = 0, await self._started(stream, run)
+            lease = leases.add(rid, lease_s)
+            if table is None or len(table) < first + num:
+                raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
             keys = HashKeys(self.model_id, "", request.cache_salt)
-            hashes = hash_block_chain(tokens[: (first + num) * state.block_size],
-                                      state.block_size, keys)[first:]
-            caches = engine.engine.runner.kv_caches
-            layout = PageLayout.of(self.model_id, caches)
-            block_ids = [b.block_id for b in kept[first:first + num]]
+            block_size = engine.engine.state.block_size
+            hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
+                                      keys)[first:]
+            block_ids = table[first:first + num]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
                                                          first_token))
-            loop = asyncio.get_running_loop()
             job = SendJob(request, layout, block_ids,
                           lambda layer: gather_layer(caches, layer, block_ids),
                           loop.time() + lease_s,
-                          lambda layer: layer_page_views(caches, layer, block_ids))
+                          lambda layer: layer_page_views(caches, layer, block_ids), stream)
             async for chunk in self.backend(request.backend).send(job):
+                if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
+                        "trailer"):  # every layer sent: the run must have kept these blocks
+                    await run
+                    kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
+                    if kept is None or [b.block_id for b in kept[first:first + num]] != block_ids:
+                        raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks moved")
                 yield chunk
             sent = True
-            logger.info("[%s] sent %d blocks x %d layers (%s), lease %.0f s", rid, num,
-                        layout.num_layers, request.backend, lease_s)
+            logger.info("[%s] sent %d blocks x %d layers (%s%s), lease %.0f s", rid, num,
+                        layout.num_layers, request.backend,
+                        ", layer by layer" if stream is not None else "", lease_s)
+        except _Refused as exc:
+            await context.abort(exc.code, exc.message)
         except KVTransferError as exc:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED
                                 if exc.reason == "expired" else grpc.StatusCode.INTERNAL,
                                 str(exc))
         finally:
-            if not sent:  # failed or cancelled: nobody will acknowledge these pages
+            if stream is not None:
+                engine.engine.runner.unobserve(rid)
+            if not run.done():
+                run.cancel()  # aborts the request; its kept blocks are released after it
+            elif not run.cancelled():
+                run.exception()  # retrieved: a failed run ended the stream above
+            if not sent and lease is not None:  # nobody will acknowledge these pages
                 await leases.release(lease.lease_id, "stream not completed")
 
+    @staticmethod
+    async def _started(stream: LayerStream, run: asyncio.Future) -> list[int]:
+        """The block table once the prompt's last step begins; the run's error if it ends
+        first."""
+        begun = asyncio.ensure_future(stream.started())
+        try:
+            await asyncio.wait({begun, run}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not begun.done():
+                begun.cancel()
+        if begun.done() and not begun.cancelled() and begun.exception() is None:
+            return begun.result()
+        await run  # raises the run's error
+        raise _Refused(grpc.StatusCode.INTERNAL, "the prompt finished without computing")
+
     async def _run_prompt(self, engine: AsyncLLMEngine, rid: str, tokens: list[int],
-                          cache_salt: str, context: grpc.aio.ServicerContext) -> int:
-        """Prefill `tokens` (one greedy token) keeping the blocks; the token."""
+                          cache_salt: str) -> int:
+        """Prefill `tokens` (one greedy token) keeping the blocks; the token. Raises
+        `_Refused` when the engine refuses or fails the prompt."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         try:
             try:
                 _, outputs = await engine.add(tokens, params, rid,
                                               cache_salt=cache_salt or None, keep_blocks=True)
             except QueueFullError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
             while True:
                 out = await outputs.get()
                 if out.finished:
@@ -207,7 +264,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         except asyncio.CancelledError:
             # The caller left (its timeout, its death) while the prompt ran. The request may
             # finish, keeping its blocks, before the abort reaches the engine, and no lease
-            # exists yet to expire them: release after the abort (the engine thread takes
+            # may exist yet to expire them: release after the abort (the engine thread takes
             # commands in order), a no-op when the abort came first.
             engine.abort(rid)
             asyncio.ensure_future(engine.call(lambda e: e.kv.release_kept(rid)))
@@ -215,8 +272,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         comp = out.outputs[0]
         if comp.finish_reason not in ("length", "stop") or not comp.token_ids:
             await engine.call(lambda e: e.kv.release_kept(rid))
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"prefill failed: {out.error or comp.finish_reason}")
+            raise _Refused(grpc.StatusCode.INTERNAL,
+                           f"prefill failed: {out.error or comp.finish_reason}")
         return comp.token_ids[0]
 
     async def ReleasePages(self, request: worker_pb2.ReleasePagesRequest,  # noqa: N802

@@ -293,6 +293,9 @@ class TorchBackend(TransferBackend):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError("expired", "the lease ended before the pages were sent")
+            if job.layers is not None:  # still computing: wait for this layer
+                job.layers.wait_sync(layer, left)
+                left = deadline - time.monotonic()
             pages = job.gather(layer).contiguous()
             if not pair.nccl:
                 pages = pages.cpu()

@@ -137,6 +137,7 @@ class KVTransferSpec:
     policy: str = "recompute"
     timeout_seconds: float = 30.0
     tls_secret: str | None = None
+    stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             backend=get_enum(kv, "backend", "grpc", "kvTransfer", ("grpc", "torch")),
             policy=get_enum(kv, "policy", "recompute", "kvTransfer", ("recompute", "fail")),
             timeout_seconds=get_num(kv, "timeoutSeconds", 30.0, "kvTransfer") or 30.0,
-            tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer")),
+            tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer"),
+            stream_layers=get(kv, "streamLayers", bool, False, "kvTransfer")),
         service_monitor=get(mon, "serviceMonitor", bool, False, "monitoring"),
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
         image=get(spec, "image", str, None, "spec"))

@@ -68,6 +68,7 @@ class ServerSettings:
     # decode side of P/D: how requests naming a prefill worker (x-tandem-prefill) fetch pages
     kv_transfer: RemotePrefillSettings = field(default_factory=RemotePrefillSettings)
     tls: TLSFiles | None = None  # mutual TLS on the gRPC links (server and client side)
+    kv_stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
 
 
 class _EngineHolder:
@@ -118,7 +119,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             service = WorkerService(lambda: holder.engine, settings.worker_id,
                                     settings.served_model_name, settings.role)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
-                                           settings.role)
+                                           settings.role, settings.kv_stream_layers)
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
                 settings.tls.server_credentials() if settings.tls else None)

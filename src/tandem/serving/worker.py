@@ -81,6 +81,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds for a whole remote prefill (compute, transfer, import)")
     p.add_argument("--kv-lease", type=float, default=30.0,
                    help="seconds a prefill worker keeps sent pages pinned unless released")
+    p.add_argument("--kv-stream-layers", action="store_true",
+                   help="prefill side of P/D: send each layer's pages as soon as the "
+                        "prompt's last step has computed it, overlapping transfer and compute")
     p.add_argument("--model-sha256", default=None, metavar="HEX",
                    help="refuse to serve unless the model's SHA-256 is HEX (a .gguf: the "
                         "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
                               grpc_host=args.host, grpc_port=args.grpc_port,
-                              worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls)
+                              worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls,
+                              kv_stream_layers=args.kv_stream_layers)
     config = dataclasses.replace(config, served_model_name=name,
                                  enable_kv_events=args.grpc_port is not None)
     app = build_app(settings, lambda: AsyncLLMEngine.from_config(config))

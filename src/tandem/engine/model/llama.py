@@ -8,6 +8,7 @@ attention itself is delegated to an `AttentionBackend`. Activations are `[T, hid
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,12 +150,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """`on_layer(i)` runs after layer i (its K/V written; queued, on a GPU)."""
         residual = self.embed_tokens(input_ids)
         x = None
         rope = (positions, self.rope.cos, self.rope.sin)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, rope, cache, meta)
+            if on_layer is not None:
+                on_layer(i)
         h, _ = self.ops.add_rms_norm(x[logits_indices], residual[logits_indices],
                                      self.norm.weight, self.config.rms_norm_eps)
         return self.lm_head(h)

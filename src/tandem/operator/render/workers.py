@@ -102,6 +102,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
             args += [flag, str(value)]
     if not e.enable_prefix_caching:
         args.append("--no-prefix-caching")
+    if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
+        args.append("--kv-stream-layers")
     return args
 
 
