@@ -96,8 +96,10 @@ def _gguf_name(hf: str) -> str:
 
 
 def _write_gguf(path: Path, arch: str, cfg: ModelArchConfig, weights: dict[str, np.ndarray],
-                qtypes: dict[str, Q], name: str = "tiny") -> None:
-    """Write `weights` (HF names and layout) the way llama.cpp's converter would."""
+                qtypes: dict[str, Q], name: str = "tiny",
+                extra: dict[str, np.ndarray] | None = None) -> None:
+    """Write `weights` (HF names and layout) the way llama.cpp's converter would, plus
+    `extra` tensors under their GGUF names."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     if cfg.sliding_window:
@@ -128,6 +130,8 @@ def _write_gguf(path: Path, arch: str, cfg: ModelArchConfig, weights: dict[str, 
             w.add_tensor(_gguf_name(hf), t)
         else:
             w.add_tensor(_gguf_name(hf), gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+    for gguf_name, t in (extra or {}).items():
+        w.add_tensor(gguf_name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -294,6 +298,69 @@ def test_hf_dtype_cast_and_rope_scaling(tmp_path: Path) -> None:
     out = export_hf(loaded, tmp_path / "out")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert load_model(out).config == loaded.config
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _llama3_rope_freqs(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for a llama3-scaled model: per
+    frequency, 1 (short wavelengths), `factor` (long ones), or the smooth blend between."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_llama3_rope_frequencies_match_transformers() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tandem.engine.model.llama import _inv_freq
+
+    cfg = ModelArchConfig(architecture="llama", **{**TINY, "head_dim": 64,
+                                                   "rope_theta": 500000.0},
+                          rope_scaling=dict(LLAMA3))
+    hf_cfg = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
+                                      rope_theta=500000.0, rope_scaling=dict(LLAMA3),
+                                      max_position_embeddings=256)
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = _inv_freq(cfg)
+    assert torch.allclose(ours, ref.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, _inv_freq(ModelArchConfig(
+        architecture="llama", **{**TINY, "head_dim": 64, "rope_theta": 500000.0})))
+
+
+def test_gguf_rope_freqs_give_the_llama3_frequencies(tmp_path: Path) -> None:
+    """A Llama 3.1-style GGUF carries its rope scaling as `rope_freqs.weight`, not metadata:
+    loading it gives the frequencies of the HF config it was converted from."""
+    from tandem.engine.model.llama import _inv_freq
+
+    cfg = ModelArchConfig(architecture="llama", **{**TINY, "rope_theta": 500000.0})
+    factors = _llama3_rope_freqs(cfg.rope_theta, cfg.head_dim, LLAMA3)
+    assert len(set(factors.tolist())) > 2  # all three zones: 1, factor and blended
+    path = tmp_path / "llama31.gguf"
+    _write_gguf(path, "llama", cfg, _random_weights(cfg), {},
+                extra={"rope_freqs.weight": factors})
+    loaded = load_model(path, progress=False)
+    assert loaded.config.rope_freq_factors == tuple(factors.tolist())
+    assert loaded.config.rope_scaling is None
+    want = _inv_freq(ModelArchConfig(architecture="llama", **{**TINY, "rope_theta": 500000.0},
+                                     rope_scaling=dict(LLAMA3)))
+    assert torch.allclose(_inv_freq(loaded.config), want, rtol=1e-6, atol=0)
+    with pytest.raises(ConfigError, match="rope frequency factors"):
+        export_hf(loaded, tmp_path / "out")  # no HF config can say this
+    with pytest.raises(ConfigError, match="rope_freq_factors"):
+        ModelArchConfig(architecture="llama", **TINY, rope_freq_factors=(1.0, 2.0))
 
 
 def test_gguf_export_hf(tmp_path: Path) -> None:

@@ -32,6 +32,9 @@ class ModelArchConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral; None = full attention
     rope_scaling: dict[str, float | str] | None = field(default=None, hash=False)  # HF dict
+    # GGUF `rope_freqs.weight` (how llama.cpp stores Llama 3.1+ rope scaling): head_dim // 2
+    # divisors of the rotary frequencies, theta_i / factor_i; None = all 1
+    rope_freq_factors: tuple[float, ...] | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -47,3 +50,8 @@ class ModelArchConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("num_heads must be a multiple of num_kv_heads")
+        factors = self.rope_freq_factors
+        if factors is not None and (len(factors) != self.head_dim // 2
+                                    or not all(f > 0 for f in factors)):
+            raise ConfigError(f"rope_freq_factors must be {self.head_dim // 2} positive "
+                              f"numbers (head_dim / 2), got {len(factors)}")

@@ -47,7 +47,8 @@ _BLOCK_NAMES = {
 }
 _ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-# Tensors llama.cpp writes that have no HF parameter counterpart.
+# Tensors llama.cpp writes that have no HF parameter counterpart (rope_freqs goes into the
+# config as `rope_freq_factors`).
 _IGNORED = {"rope_freqs.weight"}
 
 
@@ -232,9 +233,11 @@ def config_from_gguf(reader: GGUFReader, source: str) -> ModelArchConfig:
             original = get("rope.scaling.original_context_length")
             if original:
                 scaling["original_max_position_embeddings"] = int(original)
-        if "rope_freqs.weight" in names:
-            logger.warning("%s: rope_freqs.weight (llama3-style rope scaling factors) is "
-                           "ignored; rope scaling will not match the original model", source)
+        factors = None
+        for tensor in reader.tensors:
+            if tensor.name == "rope_freqs.weight":  # llama3-style scaling, per dimension
+                factors = tuple(float(f) for f in np.asarray(
+                    dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(-1))
         window = get("attention.sliding_window")
         return ModelArchConfig(
             architecture=arch,
@@ -252,6 +255,7 @@ def config_from_gguf(reader: GGUFReader, source: str) -> ModelArchConfig:
             attention_bias="blk.0.attn_q.bias" in names,
             sliding_window=int(window) if window else None,
             rope_scaling=scaling,
+            rope_freq_factors=factors,
             bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         )

@@ -239,6 +239,9 @@ def read_hf(
 
 def config_to_hf(config: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
     """A config.json dict that transformers (4.x and 5.x) and other engines accept."""
+    if config.rope_freq_factors is not None:
+        raise ConfigError("per-dimension rope frequency factors (a GGUF rope_freqs.weight) "
+                          "have no HF config form; export from the original HF checkpoint")
     arch = config.architecture
     out: dict[str, Any] = {
         "architectures": [ARCH_TO_HF_CLASS[arch]],

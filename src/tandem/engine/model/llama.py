@@ -36,6 +36,8 @@ class RMSNorm(nn.Module):
 def _inv_freq(cfg: ModelArchConfig) -> torch.Tensor:
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_freq_factors is not None:  # llama.cpp: theta_i / factor_i
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float32)
     rs = cfg.rope_scaling
     if not rs:
         return inv
