@@ -50,7 +50,9 @@ class PrefillImports:
     async def fetch(self, headers: Mapping[str, str], engine: AsyncLLMEngine, rid: str,
                     prompts: list[str | list[int]], salt: str) -> list[Imported]:
         """Import every prompt's missing pages when the request names a prefill worker;
-        [] when it does not. Raises APIError (400 bad header, 502 under `fail`)."""
+        [] when it does not. Text prompts are tokenized here once and replaced in `prompts`
+        by their ids, so the engine thread does not tokenize them again. Raises APIError
+        (400 bad header, 502 under `fail`)."""
         target = headers.get(PREFILL_HEADER)
         remote = self.get_remote()
         if not target or remote is None:
@@ -60,8 +62,10 @@ class PrefillImports:
         imported: list[Imported] = []
         try:
             for i, prompt in enumerate(prompts):
-                ids = (prompt if isinstance(prompt, list)
-                       else engine.engine.tokenizer.encode(prompt))
+                if isinstance(prompt, list):
+                    ids = prompt
+                else:
+                    ids = prompts[i] = engine.engine.tokenizer.encode(prompt)
                 imp = await self._fetch_one(remote, target, f"{rid}-{i}", ids, salt)
                 if imp is not None:
                     imported.append(imp)
