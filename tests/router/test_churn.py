@@ -120,3 +120,40 @@ def test_route_charges_uncached_tokens_and_remove_worker_drops_them():
     assert router.churn.value(wid, 10.0) == pytest.approx(PREFIX / 2)
     router.remove_worker(wid)
     assert router.churn.value(wid, 10.0) == 0.0
+
+
+def test_refund_takes_back_a_charge_and_never_goes_negative():
+    t = ChurnTracker(half_life_s=30.0)
+    t.add("a", 100, 0.0)
+    t.refund("a", 60, 0.0)
+    assert t.value("a", 0.0) == 40.0
+    t.refund("a", 500, 0.0)
+    assert t.value("a", 0.0) == 0.0
+    t.refund("never-seen", 10, 0.0)  # a no-op
+    assert t.workers() == ["a"]
+
+
+def test_retract_undoes_what_route_recorded_for_a_failed_attempt():
+    router = idle_router(0, n_workers=2, churn_half_life_s=10.0)
+    first, _ = router.route(group_prompt(0), "m", now=0.0)
+    assert first is not None and first.charged_tokens == PREFIX
+    wid = first.worker.id
+    # the attempt failed before any byte: the retry goes elsewhere, and the worker is
+    # charged nothing and holds nothing for this prompt
+    router.retract(first, now=0.001)
+    assert router.churn.value(wid, 0.001) == 0.0
+    again, ctx = router.route(group_prompt(0), "m", now=0.002, exclude=[wid])
+    assert again is not None and again.worker.id != wid
+    assert router.index.match(ctx.hashes[again.worker.kv_block_size], 0.003).get(wid) is None
+    router.retract(first, now=0.004)  # twice is harmless
+    assert router.churn.value(again.worker.id, 0.002) == PREFIX
+
+
+def test_retract_leaves_speculative_blocks_a_later_routing_refreshed():
+    router = idle_router(0, n_workers=1)
+    first, ctx = router.route(group_prompt(0), "m", now=0.0)
+    second, _ = router.route(group_prompt(0), "m", now=0.5)  # same worker, same prefix
+    assert first is not None and second is not None
+    router.retract(first, now=0.6)
+    chain = ctx.hashes[first.worker.kv_block_size]
+    assert router.index.match(chain, 0.7)[first.worker.id] == len(chain)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from tandem.protocol.http_server import LeanServer, ServerLimits
 from tandem.protocol.web import FastPaths
@@ -139,6 +140,36 @@ def test_a_dead_backend_is_retried_elsewhere_before_the_first_byte(stubs):
         assert r.status_code in (502, 503) and r.json()["error"]["message"]
     finally:
         router.stop()
+
+
+def test_a_429_is_retried_elsewhere_and_its_worker_is_not_charged(stubs):
+    servers, seen = stubs
+    busy_seen: list = []
+    busy = stub_openai("busy", busy_seen)
+
+    @busy.middleware("http")
+    async def always_429(request, call_next):  # noqa: ANN001, ANN202
+        if request.url.path == "/v1/completions":
+            busy_seen.append(request.url.path)
+            return JSONResponse({"error": {"message": "full", "code": 429}}, status_code=429)
+        return await call_next(request)
+
+    busy_server = Served(busy)
+    router = Router(RouterSettings(seed=0), lambda model: None)
+    served = router_app([busy_server.url, servers[0].url], router=router)
+    try:
+        _wait_ready(served.url, 2)
+        for i in range(6):  # new prompts: the load tie goes either way, so some hit `busy`
+            r = httpx.post(served.url + "/v1/completions", timeout=10,
+                           json={"model": "stub-model", "prompt": f"fresh prompt {i} " * 40})
+            assert r.status_code == 200 and r.headers["x-tandem-worker"] == servers[0].url
+        assert busy_seen  # it was tried, answered 429, and the retry went elsewhere
+        now = time.monotonic()
+        assert router.churn.value(busy_server.url, now) == 0.0  # charged, then refunded
+        assert router.churn.value(servers[0].url, now) > 0
+    finally:
+        served.stop()
+        busy_server.stop()
 
 
 def test_api_keys_and_tenant_salts(stubs):

@@ -271,6 +271,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         def on_attempt(a: Attempt) -> None:
             nonlocal attempts
             attempts += 1
+            if not a.final:  # it never reached the worker: the retry routes without it
+                router.retract(a.decision, time.monotonic())
             if attempts > 1:
                 metrics.child(metrics.retries, str(a.status or "connect")).inc()
             metrics.child(metrics.requests, a.decision.worker.id,

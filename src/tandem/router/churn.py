@@ -42,6 +42,15 @@ class ChurnTracker:
         t = now if state is None else max(state[1], now)
         self._state[worker] = (self.value(worker, now) + max(tokens, 0.0), t)
 
+    def refund(self, worker: str, tokens: float, now: float) -> None:
+        """Take back `tokens` charged by `add` that never reached `worker` (the total stays
+        >= 0; what decayed since the charge comes off in full, a negligible excess for the
+        milliseconds between a charge and its failed attempt)."""
+        state = self._state.get(worker)
+        if state is not None and tokens > 0:
+            self._state[worker] = (max(self.value(worker, now) - tokens, 0.0),
+                                   max(state[1], now))
+
     def drop(self, worker: str) -> None:
         """Forget `worker` (it left the pool); a no-op for an unknown one."""
         self._state.pop(worker, None)

@@ -149,8 +149,21 @@ class Router:
         w = decision.worker
         hashes = ctx.hashes.get(w.kv_block_size, [])
         if w.events_connected:
-            self.index.add_speculative(w.id, hashes, now)
+            decision.speculative = (hashes, self.index.add_speculative(w.id, hashes, now))
         else:
             self.approx.routed(w.id, hashes)
-        self.churn.add(w.id, ctx.prompt_tokens - decision.matched_tokens, now)
+        decision.charged_tokens = max(ctx.prompt_tokens - decision.matched_tokens, 0)
+        self.churn.add(w.id, decision.charged_tokens, now)
         return decision, ctx
+
+    def retract(self, decision: Decision, now: float) -> None:
+        """The attempt `decision` routed failed before any byte (no connection, no answer in
+        time, 429 / 503) and is retried elsewhere: take back its churn charge and its
+        speculative blocks, so the retry's pick and later prompts with the same prefix do
+        not count on them. (If a timed-out worker did compute the prompt, its KV events
+        report the blocks as usual.)"""
+        wid = decision.worker.id
+        self.churn.refund(wid, decision.charged_tokens, now)
+        if decision.speculative is not None:
+            self.index.retract_speculative(wid, *decision.speculative)
+        decision.charged_tokens, decision.speculative = 0, None

@@ -109,7 +109,9 @@ class PrefixIndex:
         self._free.append(slot)
 
     # -- routing ---------------------------------------------------------------------------
-    def add_speculative(self, worker: str, hashes: Sequence[BlockHash], now: float) -> None:
+    def add_speculative(self, worker: str, hashes: Sequence[BlockHash], now: float) -> float:
+        """Count `hashes` as held by `worker` until `now` + the TTL (blocks it has confirmed
+        are left alone); returns that expiry, which `retract_speculative` takes."""
         slot = self._slot_of(worker)
         self._blocks.setdefault(worker, set())
         bit, expiry = 1 << slot, now + self.speculative_ttl_s
@@ -117,6 +119,23 @@ class PrefixIndex:
             k = block_key(h)
             if not self._holders.get(k, 0) & bit:
                 self._speculative.setdefault(k, {})[slot] = expiry
+        return expiry
+
+    def retract_speculative(self, worker: str, hashes: Sequence[BlockHash],
+                            expiry: float) -> None:
+        """Undo `add_speculative(worker, hashes, ...)` that returned `expiry` (the request
+        never reached the worker); entries a later routing refreshed stay."""
+        slot = self._slot.get(worker)
+        if slot is None:
+            return
+        spec = self._speculative
+        for h in hashes:
+            k = block_key(h)
+            entry = spec.get(k)
+            if entry is not None and entry.get(slot) == expiry:
+                del entry[slot]
+                if not entry:
+                    del spec[k]
 
     def match(self, hashes: Sequence[BlockHash], now: float,
               workers: Iterable[str] | None = None) -> dict[str, int]:

@@ -39,6 +39,10 @@ class Decision:
     reason: str  # prefix_hit | load | saturated | round_robin | random
     matched_tokens: int  # of the prompt, already cached on the winner
     scores: dict[str, float] = field(default_factory=dict)  # the winner's, for debugging
+    # what `Router.route` recorded for it, so `Router.retract` can take it back: the tokens
+    # charged to the winner's churn, and its speculative blocks (hashes, expiry)
+    charged_tokens: int = 0
+    speculative: tuple[list[bytes], float] | None = None
 
 
 class Policy(ABC):
