@@ -95,3 +95,28 @@ def test_a_sender_thread_waiting_too_long_is_told_so():
         assert err.value.reason == "expired" and time.monotonic() - t0 < 5
 
     asyncio.run(main())
+
+
+def test_device_work_needs_no_stream_of_its_own_on_the_cpu():
+    """On a GPU the sender reads layers on a stream of its own (so a layer's gather does not
+    queue behind later layers); on the CPU there is nothing to switch."""
+    import contextlib
+
+    import torch
+
+    from tandem.kvtransfer.base import SendJob
+    from tandem.kvtransfer.pages import PageLayout
+    from tandem.protocol import worker_pb2
+
+    async def main() -> None:
+        stream = LayerStream(asyncio.get_running_loop(), num_layers=1)
+        assert isinstance(stream.device_context(torch.device("cpu")), contextlib.nullcontext)
+        assert stream._side is None
+        layout = PageLayout("m", 1, 1, 16, 16, torch.float32)
+        job = SendJob(worker_pb2.PrefillRequest(), layout, [0], lambda layer: None, 0.0,
+                      layers=stream, device=torch.device("cpu"))
+        assert isinstance(job.device_context(), contextlib.nullcontext)
+        whole = SendJob(worker_pb2.PrefillRequest(), layout, [0], lambda layer: None, 0.0)
+        assert isinstance(whole.device_context(), contextlib.nullcontext)
+
+    asyncio.run(main())

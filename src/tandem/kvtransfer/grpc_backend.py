@@ -144,7 +144,8 @@ class GrpcBackend(TransferBackend):
             # a host cache is read in place, block by block; a device cache is gathered
             pieces = job.views(layer) if job.views is not None else None
             if pieces is None:
-                data = tensor_bytes(job.gather(layer).cpu())
+                with job.device_context():
+                    data = tensor_bytes(job.gather(layer).cpu())
                 pieces = [data[off:off + SEND_CHUNK] for off in range(0, len(data), SEND_CHUNK)]
             return encode_pages(layer, pieces, SEND_CHUNK, checksum)
 

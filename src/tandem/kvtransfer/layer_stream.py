@@ -19,6 +19,8 @@ import contextlib
 import threading
 from typing import Any
 
+import torch
+
 from tandem.kvtransfer.pages import KVTransferError
 
 
@@ -32,6 +34,18 @@ class LayerStream:
         self._events: list[Any | None] = [None] * num_layers
         self.failed: str | None = None
         self._waiters: list[tuple[int, asyncio.Future]] = []  # (layers needed; -1: begun)
+        self._side: Any = None  # a CUDA stream of the sender's own, made on first use
+
+    def device_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Where a sender does its device work (gather, copy out, NCCL send) for this
+        prompt: on a GPU, a stream of its own, so reading layer i does not queue behind
+        the later layers the engine has queued on its stream since (`wait` has seen layer
+        i's event complete by then); on the CPU, nothing."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)
+        return torch.cuda.stream(self._side)
 
     # -- engine thread (LayerObserver) -----------------------------------------------------
     def begin(self, block_ids: list[int]) -> None:

@@ -200,7 +200,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             job = SendJob(request, layout, block_ids,
                           lambda layer: gather_layer(caches, layer, block_ids),
                           loop.time() + lease_s,
-                          lambda layer: layer_page_views(caches, layer, block_ids), stream)
+                          lambda layer: layer_page_views(caches, layer, block_ids), stream,
+                          caches[0][0].device)
             async for chunk in self.backend(request.backend).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks

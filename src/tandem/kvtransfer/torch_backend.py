@@ -296,14 +296,15 @@ class TorchBackend(TransferBackend):
             if job.layers is not None:  # still computing: wait for this layer
                 job.layers.wait_sync(layer, left)
                 left = deadline - time.monotonic()
-            pages = job.gather(layer).contiguous()
-            if not pair.nccl:
-                pages = pages.cpu()
-            elif not pages.is_cuda:
-                pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
-            flat = pages.view(-1).view(torch.uint8)
-            work = pair.post("send", flat, RECEIVER, tag)
-            checksum.update(tensor_bytes(flat.cpu()))  # while the bytes travel
+            with job.device_context():
+                pages = job.gather(layer).contiguous()
+                if not pair.nccl:
+                    pages = pages.cpu()
+                elif not pages.is_cuda:
+                    pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
+                flat = pages.view(-1).view(torch.uint8)
+                work = pair.post("send", flat, RECEIVER, tag)
+                checksum.update(tensor_bytes(flat.cpu()))  # while the bytes travel
             try:
                 pair.wait(work, min(self.timeout_s, left))
             except Exception as exc:
