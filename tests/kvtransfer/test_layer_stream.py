@@ -109,12 +109,14 @@ def test_device_work_needs_no_stream_of_its_own_on_the_cpu():
     from tandem.protocol import worker_pb2
 
     async def main() -> None:
-        stream = LayerStream(asyncio.get_running_loop(), num_layers=1)
-        assert isinstance(stream.device_context(torch.device("cpu")), contextlib.nullcontext)
-        assert stream._side is None
+        loop = asyncio.get_running_loop()
+        for device in (None, torch.device("cpu")):
+            stream = LayerStream(loop, num_layers=1, device=device)
+            assert isinstance(stream.device_context(), contextlib.nullcontext)
+            assert stream._side is None
         layout = PageLayout("m", 1, 1, 16, 16, torch.float32)
         job = SendJob(worker_pb2.PrefillRequest(), layout, [0], lambda layer: None, 0.0,
-                      layers=stream, device=torch.device("cpu"))
+                      layers=stream)
         assert isinstance(job.device_context(), contextlib.nullcontext)
         whole = SendJob(worker_pb2.PrefillRequest(), layout, [0], lambda layer: None, 0.0)
         assert isinstance(whole.device_context(), contextlib.nullcontext)

@@ -74,6 +74,15 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
+def assert_same_tokens(single, decode, prefill: str, cases: list) -> None:
+    """Each (name, prompt, extra) case: greedy text through `decode` with its pages from
+    `prefill` equals the single aggregated worker's."""
+    for name, prompt, extra in cases:
+        want = complete(single.url, prompt, **extra)["choices"][0]["text"]
+        got = complete(decode.url, prompt, prefill=prefill, **extra)["choices"][0]["text"]
+        assert got == want, name
+
+
 @pytest.mark.parametrize("backend", ["grpc", "torch"])
 def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
     prefill, decoders, single, target, _ = pd
@@ -89,10 +98,7 @@ def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
         ("salted: no sharing with the unsalted blocks", doc + ids(6, 40), {"cache_salt": "t1"}),
         ("text prompt", "The quick brown fox jumps over the lazy dog. " * 12, {}),
     ]
-    for name, prompt, extra in cases:
-        want = complete(single.url, prompt, **extra)["choices"][0]["text"]
-        got = complete(decode.url, prompt, prefill=target, **extra)["choices"][0]["text"]
-        assert got == want, name
+    assert_same_tokens(single, decode, target, cases)
     assert fetches(decode.url, "ok") >= len(cases) - 1
     assert fetched_bytes(decode.url) > 0
     assert fetches(decode.url, "ok", backend) >= len(cases) - 1  # through `backend`
@@ -110,10 +116,7 @@ def test_pages_streamed_layer_by_layer_give_the_same_tokens(pd, backend):
         ("same document, decode holds its blocks", doc + ids(34, 70), {}),
     ]
     ok = fetches(decode.url, "ok", backend)
-    for name, prompt, extra in cases:
-        want = complete(single.url, prompt, **extra)["choices"][0]["text"]
-        got = complete(decode.url, prompt, prefill=streamed, **extra)["choices"][0]["text"]
-        assert got == want, name
+    assert_same_tokens(single, decode, streamed, cases)
     assert fetches(decode.url, "ok", backend) == ok + len(cases)
 
 

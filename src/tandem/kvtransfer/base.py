@@ -47,14 +47,11 @@ class SendJob:
     views: Callable[[int], list[memoryview]] | None = None
     # set while the prompt still computes: wait for each layer before reading it
     layers: LayerStream | None = None
-    device: torch.device | None = None  # where the cache lives (None: host memory)
 
     def device_context(self) -> contextlib.AbstractContextManager:
         """Wrap a sender's device work: a stream of its own while the prompt still
         computes on a GPU (`LayerStream.device_context`), else nothing."""
-        if self.layers is None or self.device is None:
-            return contextlib.nullcontext()
-        return self.layers.device_context(self.device)
+        return contextlib.nullcontext() if self.layers is None else self.layers.device_context()
 
 
 class TransferBackend(ABC):

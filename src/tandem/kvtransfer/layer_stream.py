@@ -25,9 +25,12 @@ from tandem.kvtransfer.pages import KVTransferError
 
 
 class LayerStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_layers: int,
+                 device: torch.device | None = None) -> None:
+        """`device`: where the KV cache lives (None or CPU: host memory)."""
         self._loop = loop
         self.num_layers = num_layers
+        self.device = device
         self._cond = threading.Condition()
         self.block_ids: list[int] | None = None
         self.done = 0  # layers written
@@ -36,15 +39,15 @@ class LayerStream:
         self._waiters: list[tuple[int, asyncio.Future]] = []  # (layers needed; -1: begun)
         self._side: Any = None  # a CUDA stream of the sender's own, made on first use
 
-    def device_context(self, device: torch.device) -> contextlib.AbstractContextManager:
+    def device_context(self) -> contextlib.AbstractContextManager:
         """Where a sender does its device work (gather, copy out, NCCL send) for this
         prompt: on a GPU, a stream of its own, so reading layer i does not queue behind
         the later layers the engine has queued on its stream since (`wait` has seen layer
         i's event complete by then); on the CPU, nothing."""
-        if device.type != "cuda":
+        if self.device is None or self.device.type != "cuda":
             return contextlib.nullcontext()
         if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
+            self._side = torch.cuda.Stream(device=self.device)
         return torch.cuda.stream(self._side)
 
     # -- engine thread (LayerObserver) -----------------------------------------------------

@@ -169,7 +169,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         caches = engine.engine.runner.kv_caches
         layout = PageLayout.of(self.model_id, caches)
         loop = asyncio.get_running_loop()
-        stream = LayerStream(loop, layout.num_layers) if self.stream_layers else None
+        stream = (LayerStream(loop, layout.num_layers, caches[0][0].device)
+                  if self.stream_layers else None)
         if stream is not None:
             engine.engine.runner.observe(rid, stream)
         run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt))
@@ -183,8 +184,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             first, num = request.first_block, request.num_blocks
             if stream is None:  # the whole prompt first, then every layer at once
                 first_token = await run
-                kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
-                table = None if kept is None else [b.block_id for b in kept]
+                table = await self._kept_ids(engine, rid)
             else:  # from the start of its last step, layer by layer as each is written
                 first_token, table = 0, await self._started(stream, run)
             lease = leases.add(rid, lease_s)
@@ -200,14 +200,13 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             job = SendJob(request, layout, block_ids,
                           lambda layer: gather_layer(caches, layer, block_ids),
                           loop.time() + lease_s,
-                          lambda layer: layer_page_views(caches, layer, block_ids), stream,
-                          caches[0][0].device)
+                          lambda layer: layer_page_views(caches, layer, block_ids), stream)
             async for chunk in self.backend(request.backend).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks
                     await run
-                    kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
-                    if kept is None or [b.block_id for b in kept[first:first + num]] != block_ids:
+                    kept = await self._kept_ids(engine, rid)
+                    if kept is None or kept[first:first + num] != block_ids:
                         raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks moved")
                 yield chunk
             sent = True
@@ -229,6 +228,12 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                 run.exception()  # retrieved: a failed run ended the stream above
             if not sent and lease is not None:  # nobody will acknowledge these pages
                 await leases.release(lease.lease_id, "stream not completed")
+
+    @staticmethod
+    async def _kept_ids(engine: AsyncLLMEngine, rid: str) -> list[int] | None:
+        """The ids of the blocks the finished prompt `rid` keeps, in order; None if none."""
+        kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
+        return None if kept is None else [b.block_id for b in kept]
 
     @staticmethod
     async def _started(stream: LayerStream, run: asyncio.Future) -> list[int]:

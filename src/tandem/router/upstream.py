@@ -189,9 +189,8 @@ class UpstreamResponse:
             if self._chunks:
                 data = self._chunks.popleft()
                 self._buffered -= len(data)
-                if self._paused and self._buffered < LOW_WATER and self._conn.transport:
-                    self._paused = False
-                    self._conn.transport.resume_reading()
+                if self._buffered < LOW_WATER:
+                    self._resume_reading()
                 yield data
             elif self.complete:
                 return
@@ -200,15 +199,18 @@ class UpstreamResponse:
             else:
                 await self._wait(timeout_s, "response bytes")
 
+    def _resume_reading(self) -> None:
+        if self._paused and self._conn.transport:
+            self._paused = False
+            self._conn.transport.resume_reading()
+
     async def read(self) -> bytes:
         """The whole body (waits for its end; no async generator on this per-request path)."""
         timeout_s = self._pool.settings.read_timeout_s
         while not self.complete:
             if self._error is not None:
                 raise self._error
-            if self._paused and self._conn.transport:  # the whole body is wanted anyway
-                self._paused = False
-                self._conn.transport.resume_reading()
+            self._resume_reading()  # the whole body is wanted anyway
             await self._wait(timeout_s, "response bytes")
         body = b"".join(self._chunks)
         self._chunks.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem.engine.errors import ConfigError
@@ -52,6 +53,6 @@ class ModelArchConfig:
             raise ConfigError("num_heads must be a multiple of num_kv_heads")
         factors = self.rope_freq_factors
         if factors is not None and (len(factors) != self.head_dim // 2
-                                    or not all(f > 0 for f in factors)):
+                                    or not all(0 < f < math.inf for f in factors)):
             raise ConfigError(f"rope_freq_factors must be {self.head_dim // 2} positive "
-                              f"numbers (head_dim / 2), got {len(factors)}")
+                              f"finite numbers (head_dim / 2), got {len(factors)}")

@@ -233,11 +233,9 @@ def config_from_gguf(reader: GGUFReader, source: str) -> ModelArchConfig:
             original = get("rope.scaling.original_context_length")
             if original:
                 scaling["original_max_position_embeddings"] = int(original)
-        factors = None
-        for tensor in reader.tensors:
-            if tensor.name == "rope_freqs.weight":  # llama3-style scaling, per dimension
-                factors = tuple(float(f) for f in np.asarray(
-                    dequantize(tensor.data, tensor.tensor_type), np.float32).reshape(-1))
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        factors = None if freqs is None else tuple(  # llama3-style scaling, per dimension
+            np.asarray(dequantize(freqs.data, freqs.tensor_type), np.float32).ravel().tolist())
         window = get("attention.sliding_window")
         return ModelArchConfig(
             architecture=arch,
