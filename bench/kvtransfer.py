@@ -126,11 +126,17 @@ async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
         header = (await it.__anext__()).header
         expected = [i.to_bytes(32, "little") for i in range(n)]
         got = check_header(header, layout, 0, expected)
-        pages = await backend.receive(req, layout, got, it)
+        nbytes = 0
+
+        async def count(layer: int, pages) -> None:  # noqa: ANN001 - a torch.Tensor
+            nonlocal nbytes  # the receive path only, as before pages had a sink
+            nbytes += pages.numel() * pages.element_size()
+
+        await backend.receive(req, layout, got, it, count)
     finally:
         await backend.release(req)
     dt_s = time.perf_counter() - t0
-    return dt_s, sum(p.numel() * p.element_size() for p in pages)
+    return dt_s, nbytes
 
 
 def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
@@ -313,7 +319,8 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
         req = worker_pb2.PrefillRequest(request_id="exposure", model_id=BUNDLED_NAME,
                                         token_ids=tokens, block_size=BLOCK, first_block=0,
                                         num_blocks=len(chain), backend="grpc", lease_s=10)
-        stamps: list[tuple[float, int]] = []  # (arrival, layer; -1 header, -2 trailer)
+        # (arrival, layer; -1 header, -2 trailer, -3 a layer's end)
+        stamps: list[tuple[float, int]] = []
         t0 = time.perf_counter()
         call = prefill_method(channels[mode])(req)
         it = call.__aiter__()
@@ -323,11 +330,15 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
 
         async def timed():  # noqa: ANN202
             async for msg in it:
-                layer = msg.layer if isinstance(msg, RawPageData) else -2
+                layer = (msg.layer if isinstance(msg, RawPageData)
+                         else -2 if msg.WhichOneof("kind") == "trailer" else -3)
                 stamps.append((time.perf_counter(), layer))
                 yield msg
 
-        await backend.receive(req, layout, n, timed())
+        async def drop(layer: int, pages) -> None:  # noqa: ANN001 - a torch.Tensor
+            return None
+
+        await backend.receive(req, layout, n, timed(), drop)
         t_end = stamps[-1][0]
         start = (stamps[0][0] if mode == "disaggregated"
                  else next(t for t, layer in stamps if layer == LAYERS - 1))

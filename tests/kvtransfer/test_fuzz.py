@@ -2,11 +2,12 @@
 
 Receiver side, in-process: whatever bytes arrive (decoded as grpc does with the decode side's
 `decode_chunk`, which must read what protobuf reads), `check_header`, `GrpcBackend.receive`
-and the decode side's `_receive` either accept pages that are exactly what was asked for,
-placed where the messages say and matching the checksum, or raise `KVTransferError`; nothing
-else. Sender side, against a real prefill worker: random `PrefillRequest`s end with OK or
-INVALID_ARGUMENT (DEADLINE_EXCEEDED for a lease shorter than the prefill), and the worker
-stays healthy and holds nothing afterwards."""
+and the decode side's header reader either accept pages that are exactly what was asked for,
+placed where the messages say and matching each layer's digest and the trailer's checksum,
+or raise `KVTransferError`; nothing else. Whatever happens, only layers whose digest checked
+ever reach the sink, in layer order. Sender side, against a real prefill worker: random
+`PrefillRequest`s end with OK or INVALID_ARGUMENT (DEADLINE_EXCEEDED for a lease shorter
+than the prefill), and the worker stays healthy and holds nothing afterwards."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from tandem.kvtransfer.pages import (
     gather_layer,
     header_for,
     layer_page_views,
+    transfer_digest,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
@@ -51,6 +53,7 @@ U32, U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
 OFFSETS = st.sampled_from([0, 16, 32, 64, 96]) | st.integers(0, 130) | U64
 HASHES = st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=4, unique=True)
 PageChunk, PageData, PageTrailer = worker_pb2.PageChunk, worker_pb2.PageData, worker_pb2.PageTrailer
+PageLayerEnd = worker_pb2.PageLayerEnd
 
 
 # -- strategies ---------------------------------------------------------------------------------
@@ -77,6 +80,8 @@ def random_chunks() -> st.SearchStrategy:
         st.builds(lambda h: PageChunk(header=h), random_headers()),
         st.builds(lambda d: PageChunk(data=d), data),
         st.builds(lambda c: PageChunk(trailer=PageTrailer(xxh3_64=c)), U64),
+        st.builds(lambda layer, c: PageChunk(layer_end=PageLayerEnd(layer=layer, xxh3_64=c)),
+                  st.integers(0, 3) | U32, U64),
         st.just(PageChunk()))  # no kind at all
 
 
@@ -84,16 +89,16 @@ def random_chunks() -> st.SearchStrategy:
 def valid_pages(draw, num_blocks: int) -> tuple[list[bytes], list[worker_pb2.PageChunk]]:
     """Every layer's bytes and a correct stream of them, cut into random chunks."""
     size = num_blocks * BLOCK
-    layers, chunks, h = [], [], xxhash.xxh3_64()
+    layers, chunks = [], []
     for layer in range(LAYOUT.num_layers):
         data = draw(st.binary(min_size=size, max_size=size))
         cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=4))))
         bounds = [0, *cuts, size]
         chunks += [PageChunk(data=PageData(layer=layer, offset=a, data=data[a:b]))
                    for a, b in itertools.pairwise(bounds)]
+        chunks.append(_end(layer, data))
         layers.append(data)
-        h.update(data)
-    return layers, [*chunks, PageChunk(trailer=PageTrailer(xxh3_64=h.intdigest()))]
+    return layers, [*chunks, _trailer(*layers)]
 
 
 def copy(c: worker_pb2.PageChunk | bytes) -> worker_pb2.PageChunk | bytes:
@@ -125,7 +130,8 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
     out = [copy(c) for c in chunks]
     for _ in range(draw(st.integers(0, 4))):
         op = draw(st.sampled_from(["drop", "dup", "swap", "truncate", "grow", "flip", "offset",
-                                   "layer", "checksum", "insert", "bytes", "encode", "cut"]))
+                                   "layer", "checksum", "digest", "insert", "bytes", "encode",
+                                   "cut"]))
         if not out and op != "insert":
             continue
         i = draw(st.integers(0, max(len(out) - 1, 0)))
@@ -148,10 +154,12 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
             c.data.data = d[:at] + bytes([d[at] ^ (1 << draw(st.integers(0, 7)))]) + d[at + 1:]
         elif op == "offset" and kind == "data":
             c.data.offset = draw(OFFSETS)
-        elif op == "layer" and kind == "data":
-            c.data.layer = draw(st.integers(0, 3) | U32)
+        elif op == "layer" and kind in ("data", "layer_end"):
+            getattr(c, kind).layer = draw(st.integers(0, 3) | U32)
         elif op == "checksum" and kind == "trailer":
             c.trailer.xxh3_64 = draw(U64)
+        elif op == "digest" and kind == "layer_end":
+            c.layer_end.xxh3_64 = draw(U64)
         elif op == "insert":
             out.insert(i, draw(random_chunks() | st.binary(max_size=40)))
         elif op == "bytes":
@@ -160,14 +168,18 @@ def damaged(draw, chunks: list[worker_pb2.PageChunk]) -> list[worker_pb2.PageChu
             out[i] = encode_data(c.data.layer, c.data.offset, c.data.data)
         elif op == "cut":
             out = out[:i]
-    if draw(st.booleans()):  # a sender whose checksum matches what it sent, however wrong
-        h = xxhash.xxh3_64()
+    if draw(st.booleans()):  # a sender whose digests match what it sent, however wrong
+        h, digests = xxhash.xxh3_64(), []
         for c in out:
             kind = c.WhichOneof("kind") if isinstance(c, PageChunk) else None
             if kind == "data":
                 h.update(c.data.data)
+            elif kind == "layer_end":
+                c.layer_end.xxh3_64 = h.intdigest()
+                digests.append(h.intdigest())
+                h = xxhash.xxh3_64()
             elif kind == "trailer":
-                c.trailer.xxh3_64 = h.intdigest()
+                c.trailer.xxh3_64 = transfer_digest(digests)
                 break
     return out
 
@@ -191,37 +203,78 @@ async def _aiter(chunks):
         yield c
 
 
-def receive(num_blocks: int, items) -> list[torch.Tensor]:
+def collector(got: list[tuple[int, bytes]], num_blocks: int, layout: PageLayout = LAYOUT):
+    """A sink that checks each layer's tensor and keeps a copy of its bytes (the backend
+    reuses its buffers), after yielding to the loop as a real write would."""
+    async def sink(layer: int, pages: torch.Tensor) -> None:
+        assert pages.dtype == layout.dtype
+        assert tuple(pages.shape) == layout.layer_shape(num_blocks)
+        await asyncio.sleep(0)
+        got.append((layer, pages.contiguous().numpy().tobytes()))
+    return sink
+
+
+class Refused(Exception):
+    """A refusal (`error`) and what reached the sink before it (`got`)."""
+
+    def __init__(self, error: KVTransferError, got: list[tuple[int, bytes]]) -> None:
+        super().__init__(str(error))
+        self.error, self.got = error, got
+
+
+def receive(num_blocks: int, items) -> list[tuple[int, bytes]]:
+    """What the sink got, in order; raises `Refused`."""
     request = worker_pb2.PrefillRequest(backend="grpc")
-    return asyncio.run(GrpcBackend().receive(request, LAYOUT, num_blocks,
-                                             _aiter(on_the_wire(items))))
+    got: list[tuple[int, bytes]] = []
+    try:
+        asyncio.run(GrpcBackend().receive(request, LAYOUT, num_blocks,
+                                          _aiter(on_the_wire(items)),
+                                          collector(got, num_blocks)))
+    except KVTransferError as exc:
+        raise Refused(exc, got) from exc
+    return got
 
 
-def check_accepted(pages: list[torch.Tensor], num_blocks: int, items) -> bytes:
-    """What a receiver may return: every layer at the asked-for size, made of the data
-    messages before the first trailer, each at the place it names, covering every byte once,
-    and matching that trailer's checksum."""
-    assert len(pages) == LAYOUT.num_layers
-    for p in pages:
-        assert p.dtype == LAYOUT.dtype and tuple(p.shape) == LAYOUT.layer_shape(num_blocks)
-    raw = b"".join(p.contiguous().numpy().tobytes() for p in pages)
+def check_sunk(got: list[tuple[int, bytes]], items) -> None:
+    """Whatever happened, the sink got layers 0, 1, ... in order, each with the digest a
+    layer end of that layer carried."""
+    assert [layer for layer, _ in got] == list(range(len(got)))
+    ends = {(m.layer_end.layer, m.layer_end.xxh3_64) for m in on_the_wire(items)
+            if isinstance(m, PageChunk) and m.WhichOneof("kind") == "layer_end"}
+    for layer, raw in got:
+        assert (layer, xxhash.xxh3_64_intdigest(raw)) in ends
+
+
+def check_accepted(got: list[tuple[int, bytes]], num_blocks: int, items) -> bytes:
+    """What a receiver may accept: every layer at the asked-for size, in order, made of the
+    data messages before the first trailer, each at the place it names, covering every byte
+    once, each layer closed by an end with its digest, and matching the trailer's checksum."""
+    check_sunk(got, items)
+    assert len(got) == LAYOUT.num_layers
     size = num_blocks * BLOCK
     placed = [bytearray(size) for _ in range(LAYOUT.num_layers)]
     covered = [0] * LAYOUT.num_layers
+    ends: list[int] = []
     for m in on_the_wire(items):
-        if isinstance(m, PageChunk) and m.WhichOneof("kind") == "trailer":
-            assert xxhash.xxh3_64_intdigest(raw) == m.trailer.xxh3_64
+        kind = "data" if isinstance(m, RawPageData) else (
+            m.WhichOneof("kind") if isinstance(m, PageChunk) else None)
+        if kind == "trailer":
+            assert m.trailer.xxh3_64 == transfer_digest(ends)
             break
-        assert isinstance(m, RawPageData) or (isinstance(m, PageChunk)
-                                              and m.WhichOneof("kind") == "data")
+        if kind == "layer_end":
+            assert m.layer_end.layer == len(ends) and covered[len(ends)] == size
+            ends.append(m.layer_end.xxh3_64)
+            continue
+        assert kind == "data"
         d = m if isinstance(m, RawPageData) else m.data
-        assert d.layer < LAYOUT.num_layers and d.offset + len(d.data) <= size
+        assert d.layer == len(ends) and d.offset + len(d.data) <= size
         placed[d.layer][d.offset:d.offset + len(d.data)] = d.data
         covered[d.layer] += len(d.data)
     else:
         raise AssertionError("accepted without a trailer")
-    assert covered == [size] * LAYOUT.num_layers and b"".join(placed) == raw
-    return raw
+    assert covered == [size] * LAYOUT.num_layers
+    assert [bytes(p) for p in placed] == [raw for _, raw in got]
+    return b"".join(raw for _, raw in got)
 
 
 # -- receiver side -------------------------------------------------------------------------------
@@ -347,15 +400,16 @@ def test_receive_returns_checked_pages_or_raises(data):
     stream = data.draw(damaged(chunks))
     asked = num_blocks if data.draw(st.integers(0, 9)) else data.draw(st.integers(0, 4))
     try:
-        pages = receive(asked, stream)
-    except KVTransferError as exc:
-        assert exc.reason in ("invalid", "incomplete")
+        got = receive(asked, stream)
+    except Refused as exc:
+        assert exc.error.reason in ("invalid", "incomplete")
         assert stream != chunks or asked != num_blocks  # an intact stream is never refused
+        check_sunk(exc.got, stream)
         return
     if not asked:
-        assert pages == []
+        assert got == []
         return
-    raw = check_accepted(pages, asked, stream)
+    raw = check_accepted(got, asked, stream)
     if stream == chunks and asked == num_blocks:
         assert raw == b"".join(layers)
 
@@ -364,52 +418,110 @@ def _data(layer: int, offset: int, payload: bytes) -> worker_pb2.PageChunk:
     return PageChunk(data=PageData(layer=layer, offset=offset, data=payload))
 
 
-def _trailer(*payloads: bytes) -> worker_pb2.PageChunk:
-    h = xxhash.xxh3_64()
-    for p in payloads:
-        h.update(p)
-    return PageChunk(trailer=PageTrailer(xxh3_64=h.intdigest()))
+def _end(layer: int, *payloads: bytes) -> worker_pb2.PageChunk:
+    """A layer's end carrying the digest of `payloads` as sent (concatenated)."""
+    return PageChunk(layer_end=PageLayerEnd(layer=layer,
+                                            xxh3_64=xxhash.xxh3_64_intdigest(b"".join(payloads))))
+
+
+def _trailer(*layers: bytes) -> worker_pb2.PageChunk:
+    """The trailer for layers of these bytes (each layer's bytes as sent, concatenated)."""
+    return PageChunk(trailer=PageTrailer(xxh3_64=transfer_digest(
+        [xxhash.xxh3_64_intdigest(x) for x in layers])))
 
 
 A, B, C = b"a" * BLOCK, b"b" * BLOCK, b"c" * BLOCK  # one block of layer 0, of layer 1, extra
-EDGE_STREAMS = {  # one block asked for; every checksum matches the data sent before it
+GOOD_TAIL = [_data(1, 0, B), _end(1, B)]
+EDGE_STREAMS = {  # one block asked for; every digest matches the data sent before it
     "a trailer first": [_trailer()],
-    "a trailer after one layer": [_data(0, 0, A), _trailer(A)],
+    "a trailer after one layer": [_data(0, 0, A), _end(0, A), _trailer(A)],
     "a trailer mid-layer": [_data(0, 0, A[:8]), _trailer(A[:8])],
-    "data after the last layer": [_data(0, 0, A), _data(1, 0, B), _data(2, 0, C),
-                                  _trailer(A, B, C)],
-    "a layer sent twice": [_data(0, 0, A), _data(0, 0, A), _data(1, 0, B), _trailer(A, A, B)],
-    "layers swapped": [_data(1, 0, B), _data(0, 0, A), _trailer(B, A)],
-    "a gap in a layer": [_data(0, 0, A[:8]), _data(0, 16, A[16:]), _data(1, 0, B),
-                         _trailer(A[:8], A[16:], B)],
-    "overlapping pieces": [_data(0, 0, A[:16]), _data(0, 8, A[8:]), _data(1, 0, B),
-                           _trailer(A[:16], A[8:], B)],
-    "a piece past the layer's end": [_data(0, 0, A + C[:1]), _data(1, 0, B),
+    "data after the last layer": [_data(0, 0, A), _end(0, A), *GOOD_TAIL, _data(2, 0, C),
+                                  _end(2, C), _trailer(A, B, C)],
+    "a layer sent twice": [_data(0, 0, A), _end(0, A), _data(0, 0, A), _end(0, A), *GOOD_TAIL,
+                           _trailer(A, A, B)],
+    "layers swapped": [_data(1, 0, B), _end(1, B), _data(0, 0, A), _end(0, A), _trailer(B, A)],
+    "a gap in a layer": [_data(0, 0, A[:8]), _data(0, 16, A[16:]), _end(0, A[:8], A[16:]),
+                         *GOOD_TAIL, _trailer(A[:8] + A[16:], B)],
+    "overlapping pieces": [_data(0, 0, A[:16]), _data(0, 8, A[8:]), _end(0, A[:16], A[8:]),
+                           *GOOD_TAIL, _trailer(A[:16] + A[8:], B)],
+    "a piece past the layer's end": [_data(0, 0, A + C[:1]), _end(0, A + C[:1]), *GOOD_TAIL,
                                      _trailer(A + C[:1], B)],
-    "an empty piece": [_data(0, 0, b""), _data(0, 0, A), _data(1, 0, B), _trailer(A, B)],
-    "layer 2**32 (protobuf would read 0)": [encode_data(2**32, 0, A), _data(1, 0, B),
+    "an empty piece": [_data(0, 0, b""), _data(0, 0, A), _end(0, A), *GOOD_TAIL,
+                       _trailer(A, B)],
+    "layer 2**32 (protobuf would read 0)": [encode_data(2**32, 0, A), _end(0, A), *GOOD_TAIL,
                                             _trailer(A, B)],
-    "an undecodable message": [_data(0, 0, A), b"\x12\x05\x08", _data(1, 0, B), _trailer(A, B)],
-    "a message of no kind": [_data(0, 0, A), PageChunk(), _data(1, 0, B), _trailer(A, B)],
+    "an undecodable message": [_data(0, 0, A), b"\x12\x05\x08", _end(0, A), *GOOD_TAIL,
+                               _trailer(A, B)],
+    "a message of no kind": [_data(0, 0, A), PageChunk(), _end(0, A), *GOOD_TAIL,
+                             _trailer(A, B)],
     "a header among the pages": [_data(0, 0, A), PageChunk(header=worker_pb2.PageHeader()),
-                                 _data(1, 0, B), _trailer(A, B)],
-    "no trailer": [_data(0, 0, A), _data(1, 0, B)],
+                                 _end(0, A), *GOOD_TAIL, _trailer(A, B)],
+    "no layer ends": [_data(0, 0, A), _data(1, 0, B), _trailer(A, B)],
+    "a layer end mid-layer": [_data(0, 0, A[:8]), _end(0, A[:8]), _data(0, 8, A[8:]),
+                              _end(0, A[8:]), *GOOD_TAIL, _trailer(A, B)],
+    "a layer end naming another layer": [_data(0, 0, A), _end(1, A), *GOOD_TAIL,
+                                         _trailer(A, B)],
+    "a layer end twice": [_data(0, 0, A), _end(0, A), _end(0, A), *GOOD_TAIL, _trailer(A, B)],
+    "a wrong layer digest": [_data(0, 0, A), _end(0, B), *GOOD_TAIL, _trailer(B, B)],
+    "a trailer over other digests": [_data(0, 0, A), _end(0, A), *GOOD_TAIL, _trailer(B, A)],
+    "no trailer": [_data(0, 0, A), _end(0, A), *GOOD_TAIL],
     "nothing": [],
 }
 
 
 @pytest.mark.parametrize("name", list(EDGE_STREAMS))
 def test_malformed_streams_are_refused(name):
-    with pytest.raises(KVTransferError) as info:
+    with pytest.raises(Refused) as info:
         receive(1, EDGE_STREAMS[name])
-    assert info.value.reason in ("invalid", "incomplete")
+    assert info.value.error.reason in ("invalid", "incomplete")
+    check_sunk(info.value.got, EDGE_STREAMS[name])
 
 
 def test_a_well_formed_stream_is_accepted():
-    for stream in ([_data(0, 0, A), _data(1, 0, B), _trailer(A, B)],
-                   [_data(0, 0, A[:5]), encode_data(0, 5, A[5:]), _data(1, 0, B), _trailer(A, B)]):
-        pages = receive(1, stream)
-        assert check_accepted(pages, 1, stream) == A + B
+    for stream in ([_data(0, 0, A), _end(0, A), *GOOD_TAIL, _trailer(A, B)],
+                   [_data(0, 0, A[:5]), encode_data(0, 5, A[5:]), _end(0, A), *GOOD_TAIL,
+                    _trailer(A, B)]):
+        got = receive(1, stream)
+        assert check_accepted(got, 1, stream) == A + B
+
+
+def test_a_bad_layer_is_refused_after_the_good_ones_reached_the_sink():
+    """Layers are validated one by one: layer 0 is written before layer 1's bytes fail."""
+    got: list[tuple[int, bytes]] = []
+
+    async def stream():  # noqa: ANN202 - a sender slow to finish layer 1
+        for c in on_the_wire([_data(0, 0, A), _end(0, A), _data(1, 0, B)]):
+            yield c
+        await asyncio.sleep(0.05)
+        for c in on_the_wire([_end(1, C), _trailer(A, C)]):
+            yield c
+
+    with pytest.raises(KVTransferError) as info:
+        asyncio.run(GrpcBackend().receive(worker_pb2.PrefillRequest(backend="grpc"), LAYOUT, 1,
+                                          stream(), collector(got, 1)))
+    assert info.value.reason == "invalid"
+    assert got == [(0, A)]
+
+
+def test_many_layers_through_two_buffers_with_a_slow_sink():
+    """Seven layers through the receiver's two reused buffers: a sink still copying layer i
+    is never overwritten by layer i + 2, and every layer arrives intact and in order."""
+    layout = PageLayout("fuzz-model", num_layers=7, num_kv_heads=1, block_size=2, head_dim=2,
+                        dtype=torch.float32)
+    layers = [bytes([i]) * (3 * BLOCK) for i in range(7)]
+    stream = [c for i, x in enumerate(layers)
+              for c in (_data(i, 0, x[:40]), _data(i, 40, x[40:]), _end(i, x))]
+    stream.append(_trailer(*layers))
+    got: list[tuple[int, bytes]] = []
+
+    async def slow(layer: int, pages: torch.Tensor) -> None:
+        await asyncio.sleep(0.01)  # meanwhile the receiver reads on into the other buffer
+        got.append((layer, pages.contiguous().numpy().tobytes()))
+
+    asyncio.run(GrpcBackend().receive(worker_pb2.PrefillRequest(backend="grpc"), layout, 3,
+                                      _aiter(on_the_wire(stream)), slow))
+    assert got == list(enumerate(layers))
 
 
 @settings(max_examples=200, deadline=None)
@@ -417,25 +529,16 @@ def test_a_well_formed_stream_is_accepted():
        num_blocks=st.integers(0, 3))
 def test_receive_of_random_messages_raises_only_kv_transfer_errors(chunks, num_blocks):
     try:
-        pages = receive(num_blocks, chunks)
-    except KVTransferError:
+        got = receive(num_blocks, chunks)
+    except Refused as exc:
+        check_sunk(exc.got, chunks)
         return
     if num_blocks:
-        check_accepted(pages, num_blocks, chunks)
-
-
-class _Call:
-    """What `RemotePrefill._receive` reads: a Prefill call's reply stream."""
-
-    def __init__(self, chunks) -> None:
-        self.chunks = chunks
-
-    def __aiter__(self):
-        return _aiter(self.chunks)
+        check_accepted(got, num_blocks, chunks)
 
 
 def _receiver() -> RemotePrefill:
-    remote = RemotePrefill.__new__(RemotePrefill)  # no engine: `_receive` needs only these
+    remote = RemotePrefill.__new__(RemotePrefill)  # no engine: reading needs only these
     remote.layout = LAYOUT
     remote._backend = GrpcBackend()
     return remote
@@ -444,6 +547,8 @@ def _receiver() -> RemotePrefill:
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_the_decode_side_stream_reader_raises_only_kv_transfer_errors(data):
+    """The decode side's reading of a Prefill reply, as `RemotePrefill.fetch` does it: the
+    header (`_header`), then the pages through the backend into a sink."""
     expected = data.draw(HASHES)
     first = data.draw(st.integers(0, 2))
     offered = expected[: data.draw(st.integers(0, len(expected)))]
@@ -452,12 +557,21 @@ def test_the_decode_side_stream_reader_raises_only_kv_transfer_errors(data):
     intact = [header, *pages]
     stream = data.draw(damaged(intact))
     req = worker_pb2.PrefillRequest(backend="grpc")
+    got: list[tuple[int, bytes]] = []
+
+    async def read():  # noqa: ANN202
+        remote = _receiver()
+        it = _aiter(on_the_wire(stream))
+        got_header, n = await remote._header(it, expected, first)
+        await remote._backend.receive(req, LAYOUT, n, it, collector(got, n))
+        return got_header, n
+
     try:
-        got, got_header, n = asyncio.run(_receiver()._receive(req, _Call(on_the_wire(stream)),
-                                                              expected, first))
+        got_header, n = asyncio.run(read())
     except KVTransferError as exc:
         assert exc.reason in ("invalid", "incomplete")
         assert stream != intact or not offered
+        check_sunk(got, stream[1:])
         return
     assert 1 <= n <= len(expected) and list(got_header.block_hashes) == expected[:n]
     check_accepted(got, n, stream[1:])

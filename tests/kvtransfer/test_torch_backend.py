@@ -80,7 +80,13 @@ async def transfer(receiver: TorchBackend, sender: TorchBackend, pages: list[tor
         wire = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
         job = SendJob(wire, layout, list(range(n)), gather or (lambda layer: pages[layer]),
                       asyncio.get_running_loop().time() + lease_s)
-        got = await receiver.receive(req, layout, n, pipe(sender, job, edit, errors))
+        got: list[torch.Tensor] = []
+
+        async def sink(layer: int, layer_pages: torch.Tensor) -> None:
+            assert layer == len(got)
+            got.append(layer_pages.clone())
+
+        await receiver.receive(req, layout, n, pipe(sender, job, edit, errors), sink)
     finally:
         await receiver.release(req)
     return got, req.torch.group_id
@@ -177,6 +183,10 @@ def test_a_sender_that_dies_mid_transfer_fails_the_receiver_fast():
     run(body, timeout_s=20)
 
 
+async def _never_called(layer: int, pages: torch.Tensor) -> None:
+    raise AssertionError("no page may reach the sink")
+
+
 def test_a_sender_that_never_joins_times_out():
     async def body(receiver, _sender):
         req = worker_pb2.PrefillRequest(num_blocks=2, backend="torch")
@@ -189,7 +199,7 @@ def test_a_sender_that_never_joins_times_out():
         t0 = time.monotonic()
         try:
             with pytest.raises(KVTransferError) as err:
-                await receiver.receive(req, LAYOUT, 2, silent())
+                await receiver.receive(req, LAYOUT, 2, silent(), _never_called)
         finally:
             await receiver.release(req)
         assert err.value.reason in ("timeout", "unavailable")

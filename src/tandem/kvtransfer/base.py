@@ -2,17 +2,20 @@
 
 A transfer always starts with the decode worker's `KVTransfer.Prefill` call to the prefill
 worker and that call's reply stream carries the `PageHeader` first and a `PageTrailer` (the
-XXH3-64 checksum) last; the backend decides how the page bytes travel in between:
+checksum over the layers' digests) last; the backend decides how the page bytes travel in
+between:
 
-* `grpc` (`grpc_backend.py`): `PageData` chunks on the same stream; works between any hosts.
+* `grpc` (`grpc_backend.py`): each layer's `PageData` chunks then its `PageLayerEnd`
+  (digest) on the same stream; works between any hosts.
 * `torch` (`torch_backend.py`): torch.distributed point-to-point send/recv of one tensor per
   layer in a pair process group (NCCL between GPUs, gloo on CPU).
 
 Sender side (prefill worker): `send(job)` yields the stream messages after the header.
 Receiver side (decode worker): `configure(...)` once, then per transfer `prepare(request,
-peer)` fills the request's backend fields before the call, `receive(...)` returns the
-validated per-layer tensors (or raises `KVTransferError`; nothing it returns has touched the
-receiver's cache yet), and `release(request)` always ends the transfer, whether or not
+peer)` fills the request's backend fields before the call, `receive(..., sink)` hands each
+layer to `sink` once its bytes are validated (never before: only checked pages reach the
+caller's cache) and returns after the trailer checks and every sink call has finished (or
+raises `KVTransferError`), and `release(request)` always ends the transfer, whether or not
 `receive` ran or succeeded.
 """
 
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.kvtransfer.pages import PageLayout
+from tandem.kvtransfer.pages import LayerSink, PageLayout
 from tandem.protocol import worker_pb2
 
 if TYPE_CHECKING:
@@ -72,10 +75,14 @@ class TransferBackend(ABC):
 
     @abstractmethod
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
-                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk]
-                      ) -> list[torch.Tensor]:
-        """Receiver: every layer's `[2, num_blocks, kvh, bs, dim]` pages, checksum verified;
-        `stream` is the reply stream after the header."""
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
+                      sink: LayerSink) -> None:
+        """Receiver: await `sink(layer, pages)` with every layer's validated `[2,
+        num_blocks, kvh, bs, dim]` pages, in layer order (`pages` is valid only until that
+        call completes); return once the trailer's checksum matches and every sink call is
+        done. `stream` is the reply stream after the header. On failure, sink calls not yet
+        finished are cancelled; work they handed to threads is the sink owner's to wait
+        for."""
 
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
         """Receiver: the transfer `prepare` set up is over (received, failed or never

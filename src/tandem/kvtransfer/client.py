@@ -5,10 +5,13 @@
    holds; only the full blocks after those (up to the last one the engine could ever serve
    from cache) are asked for;
 2. call `KVTransfer.Prefill` on the prefill worker, check the header against this worker's
-   layout and its own hash chain, receive the pages through the backend (validated,
-   checksum verified);
-3. on the engine thread: pin blocks (reusing any that appeared meanwhile), write the pages,
-   register them in the prefix cache (KV events go out), then acknowledge the lease.
+   layout and its own hash chain, then pin blocks for the offered ones on the engine thread
+   (reusing any that appeared meanwhile);
+3. receive the pages through the backend: each layer, once validated, is written into the
+   pinned blocks by a writer thread while the next one arrives (nothing references blocks
+   that are not registered yet, so the engine keeps stepping);
+4. on the engine thread: register the blocks in the prefix cache (KV events go out), then
+   acknowledge the lease. On any failure the pins are dropped once no write is running.
 
 The engine then schedules the request as usual: its prefix lookup hits the imported blocks
 and it computes only the prompt's tail (less than one block, and at least the last token,
@@ -20,8 +23,13 @@ locally; `fail`: answer an error). Everything is bounded by `timeout_s`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -77,6 +85,8 @@ class RemotePrefill:
         self._backend: TransferBackend = make_backend(self.settings.backend)
         self._backend.configure(device=engine.engine.runner.kv_caches[0][0].device,
                                 advertise_host=self.settings.advertise_host)
+        self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
+        self._releases: set[asyncio.Task] = set()  # unpins of failed imports, in flight
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         ch = self._channels.get(target)
@@ -115,72 +125,50 @@ class RemotePrefill:
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
             num_blocks=num, backend=self.settings.backend, lease_s=self.settings.lease_s)
+        writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 await self._backend.prepare(req, target)
                 try:
                     call = prefill_method(self._channel(target))(req)
                     try:
-                        pages, header, n = await self._receive(req, call, chain[first:],
-                                                               first)
+                        it = call.__aiter__()
+                        header, n = await self._header(it, chain[first:], first)
+                        hashes = chain[first:first + n]
+                        writer = _PageWriter(self.engine.engine.runner.kv_caches,
+                                             self._writer_pool, n)
+                        await writer.pin(self.engine, hashes)
+                        await self._backend.receive(req, self.layout, n, it, writer.write)
                     finally:
                         call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:
                     await self._backend.release(req)
                 parent = chain[first - 1] if first else root_hash(
                     HashKeys(self.model_id, "", cache_salt))
-                hashes = chain[first:first + n]
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
-                blocks = await self._import(hashes, parent, tokens, pages)
-        except TimeoutError as exc:
-            raise KVTransferError("timeout", f"remote prefill from {target} took over "
-                                             f"{self.settings.timeout_s:g} s") from exc
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-            raise KVTransferError("unavailable" if code == grpc.StatusCode.UNAVAILABLE
-                                  else "rpc", f"remote prefill from {target} failed: "
-                                              f"{code}: {_details(exc)}") from exc
+                blocks = writer.pinned  # once sent, the commit runs even if we are cancelled
+                await self.engine.call(lambda e: e.kv.commit_import(blocks, hashes, parent,
+                                                                    tokens))
+        except BaseException as exc:
+            if writer is not None:  # after the commit (if sent) and every running write
+                writer.release(self.engine, self._releases)
+            if isinstance(exc, TimeoutError):
+                raise KVTransferError("timeout", f"remote prefill from {target} took over "
+                                                 f"{self.settings.timeout_s:g} s") from exc
+            if isinstance(exc, grpc.RpcError):
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+                raise KVTransferError("unavailable" if code == grpc.StatusCode.UNAVAILABLE
+                                      else "rpc", f"remote prefill from {target} failed: "
+                                                  f"{code}: {_details(exc)}") from exc
+            raise
         asyncio.ensure_future(self._ack(target, header.lease_id))
-        return Imported(blocks, n, header.first_token, n * self.layout.num_layers
+        return Imported(writer.pinned, n, header.first_token, n * self.layout.num_layers
                         * self.layout.block_layer_bytes)
 
-    async def _import(self, hashes: list[BlockHash], parent: BlockHash, tokens: list[int],
-                      pages: list[torch.Tensor]) -> list[KVBlock]:
-        """Pin fresh blocks (engine thread), write the pages into them (a worker thread: the
-        engine keeps stepping; nothing references unregistered blocks), register them
-        (engine thread). Shielded from the fetch's timeout: queued engine calls run anyway,
-        so when the timeout fires first the pinned blocks are unpinned once it is done."""
-        task = asyncio.ensure_future(self._import_steps(hashes, parent, tokens, pages))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._drop_import)
-            raise
-
-    async def _import_steps(self, hashes: list[BlockHash], parent: BlockHash,
-                            tokens: list[int], pages: list[torch.Tensor]) -> list[KVBlock]:
-        pinned, fresh = await self.engine.call(lambda e: e.kv.import_blocks(hashes))
-        try:
-            if fresh:
-                caches = self.engine.engine.runner.kv_caches
-                await asyncio.to_thread(_write_pages, caches, pinned, fresh, pages)
-            await self.engine.call(lambda e: e.kv.commit_import(pinned, hashes, parent,
-                                                                tokens))
-        except BaseException:
-            await self.engine.call(lambda e: e.kv.unpin(pinned))
-            raise
-        return pinned
-
-    def _drop_import(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is None:
-            blocks = task.result()
-            asyncio.ensure_future(self.engine.call(lambda e: e.kv.unpin(blocks)))
-
-    async def _receive(self, req: worker_pb2.PrefillRequest, call: grpc.aio.UnaryStreamCall,
-                       expected: list[BlockHash], first: int
-                       ) -> tuple[list[torch.Tensor], worker_pb2.PageHeader, int]:
-        it = call.__aiter__()
+    async def _header(self, it: AsyncIterator[Any], expected: list[BlockHash], first: int
+                      ) -> tuple[worker_pb2.PageHeader, int]:
+        """The stream's header, checked; and the number of blocks it offers (> 0)."""
         try:
             msg = await it.__anext__()
         except StopAsyncIteration as exc:
@@ -191,8 +179,7 @@ class RemotePrefill:
         n = check_header(header, self.layout, first, expected)
         if n == 0:
             raise KVTransferError("invalid", "the prefill worker offered no blocks")
-        pages = await self._backend.receive(req, self.layout, n, it)
-        return pages, header, n
+        return header, n
 
     async def _ack(self, target: str, lease_id: str) -> None:
         try:
@@ -211,6 +198,7 @@ class RemotePrefill:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._writer_pool.shutdown(wait=False)
 
 
 def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
@@ -220,15 +208,66 @@ def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallab
                                 response_deserializer=decode_chunk)
 
 
-def _write_pages(caches: list[tuple[torch.Tensor, torch.Tensor]], pinned: list[KVBlock],
-                 fresh: list[int], pages: list[torch.Tensor]) -> None:
-    """Write the received pages of the `fresh` chain positions into their pinned blocks."""
-    ids = [pinned[i].block_id for i in fresh]
-    n = pages[0].shape[1] if pages else 0
-    sel = None if fresh == list(range(n)) else torch.tensor(fresh, dtype=torch.int64)
-    for layer, layer_pages in enumerate(pages):
-        scatter_layer(caches, layer, ids,
-                      layer_pages if sel is None else layer_pages.index_select(1, sel))
+class _PageWriter:
+    """Pins the blocks of one import and writes validated layers into them on `executor`
+    (one thread: the copies are memory-bound). Tracks the pins and the writes, so a failed
+    import unpins only after every write into those blocks has ended."""
+
+    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 executor: ThreadPoolExecutor, num_blocks: int) -> None:
+        self.caches = caches
+        self.executor = executor
+        self.num_blocks = num_blocks
+        self.pinned: list[KVBlock] = []
+        self.released = False  # no write starts after `release`
+        self._pin: asyncio.Future | None = None
+        self._ids: list[int] = []
+        self._select: torch.Tensor | None = None
+        self._writes: list[concurrent.futures.Future] = []
+
+    async def pin(self, engine: AsyncLLMEngine, hashes: list[BlockHash]) -> None:
+        """Pin blocks for `hashes` (engine thread); the positions to write are the fresh
+        ones among those the pool could supply."""
+        self._pin = asyncio.ensure_future(engine.call(lambda e: e.kv.import_blocks(hashes)))
+        self.pinned, fresh = await asyncio.shield(self._pin)
+        self._ids = [self.pinned[i].block_id for i in fresh]
+        if fresh != list(range(self.num_blocks)):
+            self._select = torch.tensor(fresh, dtype=torch.int64)
+
+    async def write(self, layer: int, pages: torch.Tensor) -> None:
+        """The backend's sink: write one layer's `[2, n, kvh, bs, dim]` pages."""
+        if not self._ids or self.released:
+            return
+        cf = self.executor.submit(self._write, layer, pages)
+        self._writes.append(cf)
+        await asyncio.wrap_future(cf)
+
+    def _write(self, layer: int, pages: torch.Tensor) -> None:
+        if self._select is not None:
+            pages = pages.index_select(1, self._select)
+        scatter_layer(self.caches, layer, self._ids, pages)
+
+    def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task]) -> None:
+        """Unpin once the pin call and every write have ended (in the background: this runs
+        on failure and cancellation)."""
+        self.released = True
+
+        async def run() -> None:
+            if self._pin is not None and not self._pin.done():
+                with contextlib.suppress(BaseException):
+                    await self._pin
+            if self._pin is None or self._pin.cancelled() or self._pin.exception():
+                return
+            blocks = self._pin.result()[0]
+            running = [cf for cf in self._writes if not cf.done()]
+            if running:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, concurrent.futures.wait, running)
+            await engine.call(lambda e: e.kv.unpin(blocks))
+
+        task = asyncio.ensure_future(run())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 def _details(exc: grpc.RpcError) -> str:

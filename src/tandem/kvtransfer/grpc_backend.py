@@ -1,9 +1,12 @@
 """`grpc` backend: the page bytes travel as bounded `PageData` chunks on the Prefill stream.
 
 The receiver accepts only what it asked for: layers in order, each chunk at the next
-offset, at most `MAX_DATA_CHUNK` bytes, exactly `layer_bytes` per layer, then a trailer whose
-XXH3-64 matches. Anything else raises `KVTransferError("invalid")`; a stream that ends early
-raises `KVTransferError("incomplete")`.
+offset, at most `MAX_DATA_CHUNK` bytes, exactly `layer_bytes` per layer, each layer closed
+by a `PageLayerEnd` whose XXH3-64 matches its bytes, then a trailer whose checksum matches
+the layers' digests. Anything else raises `KVTransferError("invalid")`; a stream that ends
+early raises `KVTransferError("incomplete")`. A layer is handed to the caller's sink as soon
+as its digest checks, so the receiver holds two layers' bytes at most (two buffers, reused:
+one filling while the sink writes the other), whatever the transfer's size.
 
 Data messages are the `PageChunk{data: PageData}` wire format, but encoded and decoded here
 (`encode_data`, `decode_chunk`): the payload is copied once into the message on the way out
@@ -18,17 +21,17 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
-
 from tandem.kvtransfer.base import SendJob, TransferBackend, register_backend
 from tandem.kvtransfer.pages import (
     MAX_DATA_CHUNK,
     SEND_CHUNK,
     KVTransferError,
+    LayerSink,
     PageChecksum,
     PageLayout,
     layer_buffer,
     tensor_bytes,
+    transfer_digest,
 )
 from tandem.protocol import worker_pb2
 
@@ -135,30 +138,32 @@ class GrpcBackend(TransferBackend):
     name = "grpc"
 
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk | bytes]:
-        """Layer by layer; the next layer is gathered, hashed and encoded in a thread while
-        this one's messages go out (once it is computed, when `job.layers` is set)."""
+        """Layer by layer, each closed by its digest; the next layer is gathered, hashed and
+        encoded in a thread while this one's messages go out (once it is computed, when
+        `job.layers` is set)."""
         loop = asyncio.get_running_loop()
         layers = job.layout.num_layers
 
-        def prepare(layer: int, checksum: PageChecksum) -> list[bytes]:
+        def prepare(layer: int) -> tuple[list[bytes], int]:
             # a host cache is read in place, block by block; a device cache is gathered
             pieces = job.views(layer) if job.views is not None else None
             if pieces is None:
                 with job.device_context():
                     data = tensor_bytes(job.gather(layer).cpu())
                 pieces = [data[off:off + SEND_CHUNK] for off in range(0, len(data), SEND_CHUNK)]
-            return encode_pages(layer, pieces, SEND_CHUNK, checksum)
+            checksum = PageChecksum()
+            return encode_pages(layer, pieces, SEND_CHUNK, checksum), checksum.digest()
 
-        async def ready_then_prepare(layer: int) -> list[bytes]:
+        async def ready_then_prepare(layer: int) -> tuple[list[bytes], int]:
             if job.layers is not None:
                 await job.layers.wait(layer)
-            return await asyncio.to_thread(prepare, layer, checksum)
+            return await asyncio.to_thread(prepare, layer)
 
-        checksum = PageChecksum()
+        digests: list[int] = []
         nxt = asyncio.ensure_future(ready_then_prepare(0))
         try:
             for layer in range(layers):
-                messages = await nxt
+                messages, digest = await nxt
                 if layer + 1 < layers:
                     nxt = asyncio.ensure_future(ready_then_prepare(layer + 1))
                 for message in messages:
@@ -166,52 +171,87 @@ class GrpcBackend(TransferBackend):
                         raise KVTransferError("expired", "the lease ended before the pages "
                                                          "were sent")
                     yield message
+                digests.append(digest)
+                yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+                    layer=layer, xxh3_64=digest))
         finally:
             nxt.cancel()
-        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(xxh3_64=checksum.digest()))
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
+            xxh3_64=transfer_digest(digests)))
 
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
                       num_blocks: int,
-                      stream: AsyncIterator[worker_pb2.PageChunk | RawPageData]
-                      ) -> list[torch.Tensor]:
+                      stream: AsyncIterator[worker_pb2.PageChunk | RawPageData],
+                      sink: LayerSink) -> None:
         size = num_blocks * layout.block_layer_bytes
-        buffers = [layer_buffer(size) for _ in range(layout.num_layers if size else 0)]
-        tensors, views = [t for t, _ in buffers], [v for _, v in buffers]
+        shape = layout.layer_shape(num_blocks)
+        slots = [layer_buffer(size) for _ in range(min(2, layout.num_layers) if size else 0)]
+        writing: list[asyncio.Future | None] = [None] * len(slots)
+        digests: list[int] = []
         layer, filled = 0, 0
         # each chunk is hashed as it is copied, while its bytes are still in cache: ~12 %
         # less receiver CPU than hashing whole layers again in a thread (256-block loop)
         checksum = PageChecksum()
-        async for chunk in stream:
-            if isinstance(chunk, RawPageData):
-                kind, d = "data", chunk
-            elif isinstance(chunk, worker_pb2.PageChunk):
-                kind = chunk.WhichOneof("kind")
-                d = chunk.data
-            else:  # grpc hands on a message its deserializer failed on as None
-                raise KVTransferError("invalid", "an undecodable message among the pages")
-            if kind == "trailer":
-                if layer < layout.num_layers and size:
-                    raise KVTransferError("invalid", f"trailer after {layer} of "
-                                                     f"{layout.num_layers} layers")
-                if chunk.trailer.xxh3_64 != checksum.digest():
-                    raise KVTransferError("invalid", "page checksum mismatch")
-                shape = layout.layer_shape(num_blocks)
-                return [t.view(layout.dtype).view(shape) for t in tensors]
-            if kind != "data":
-                raise KVTransferError("invalid", f"unexpected {kind} message among the pages")
-            if layer >= len(views):
-                raise KVTransferError("invalid", "page data after the last layer")
-            if d.layer != layer or d.offset != filled:
-                raise KVTransferError("invalid", f"page data out of order (layer {d.layer} "
-                                                 f"offset {d.offset}; expected layer {layer} "
-                                                 f"offset {filled})")
-            n = len(d.data)
-            if n == 0 or n > MAX_DATA_CHUNK or filled + n > size:
-                raise KVTransferError("invalid", f"page chunk of {n} bytes at {filled} does "
-                                                 f"not fit a {size}-byte layer")
-            views[layer][filled:filled + n] = d.data
-            checksum.update(d.data)
-            filled += n
-            if filled == size:
-                layer, filled = layer + 1, 0
+        try:
+            async for chunk in stream:
+                if isinstance(chunk, RawPageData):
+                    kind, d = "data", chunk
+                elif isinstance(chunk, worker_pb2.PageChunk):
+                    kind = chunk.WhichOneof("kind")
+                    d = chunk.data
+                else:  # grpc hands on a message its deserializer failed on as None
+                    raise KVTransferError("invalid", "an undecodable message among the pages")
+                if kind == "trailer":
+                    if layer < layout.num_layers and size:
+                        raise KVTransferError("invalid", f"trailer after {layer} of "
+                                                         f"{layout.num_layers} layers")
+                    if chunk.trailer.xxh3_64 != transfer_digest(digests):
+                        raise KVTransferError("invalid", "page checksum mismatch")
+                    await asyncio.gather(*(w for w in writing if w is not None))
+                    return
+                if kind == "layer_end":
+                    end = chunk.layer_end
+                    if (not slots or layer >= layout.num_layers or end.layer != layer
+                            or filled != size):
+                        raise KVTransferError("invalid", f"layer {end.layer} ended at byte "
+                                                         f"{filled} of layer {layer}")
+                    if end.xxh3_64 != checksum.digest():
+                        raise KVTransferError("invalid", f"page checksum mismatch in layer "
+                                                         f"{layer}")
+                    digests.append(end.xxh3_64)
+                    slot = layer % len(slots)
+                    pages = slots[slot][0].view(layout.dtype).view(shape)
+                    writing[slot] = asyncio.ensure_future(sink(layer, pages))
+                    layer, filled, checksum = layer + 1, 0, PageChecksum()
+                    continue
+                if kind != "data":
+                    raise KVTransferError("invalid", f"unexpected {kind} message among the "
+                                                     f"pages")
+                if not slots or layer >= layout.num_layers:
+                    raise KVTransferError("invalid", "page data after the last layer")
+                if d.layer != layer or d.offset != filled:
+                    raise KVTransferError("invalid", f"page data out of order (layer "
+                                                     f"{d.layer} offset {d.offset}; expected "
+                                                     f"layer {layer} offset {filled})")
+                n = len(d.data)
+                if n == 0 or n > MAX_DATA_CHUNK or filled + n > size:
+                    raise KVTransferError("invalid", f"page chunk of {n} bytes at {filled} "
+                                                     f"does not fit a {size}-byte layer")
+                slot = layer % len(slots)
+                if filled == 0 and writing[slot] is not None:  # its last layer is written
+                    await writing[slot]
+                    writing[slot] = None
+                slots[slot][1][filled:filled + n] = d.data
+                checksum.update(d.data)
+                filled += n
+        finally:
+            for w in writing:  # on failure no sink call goes on; threads are the sink's
+                if w is not None:
+                    w.cancel()  # a no-op once done
+                    w.add_done_callback(_retrieve)
         raise KVTransferError("incomplete", "the page stream ended before its trailer")
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -3,9 +3,11 @@
 A transfer moves `n` full blocks of every layer. Per layer the payload is one tensor
 `[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V), contiguous, in
 the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * head_dim *
-itemsize`. Layers go in order 0..num_layers-1; the checksum is XXH3-64 (seed 0) over all
-layers' bytes in that order (`PageChecksum`). The block ids are each side's own; only
-hashes cross the wire.
+itemsize`. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
+(seed 0, `PageChecksum`); the trailer's checksum is XXH3-64 over those digests, 8 bytes
+little-endian each, in layer order (`transfer_digest`). A receiver that gets each layer's
+digest as it ends (backend `grpc`) validates the layer at once and can write it while the
+next one arrives. The block ids are each side's own; only hashes cross the wire.
 
 `PageLayout` is what both ends must agree on (model, shapes, dtype); `check_header` checks
 a received header against the receiver's layout and the hashes it asked for, before any
@@ -14,6 +16,7 @@ byte touches its cache.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,11 @@ from tandem.protocol.block_hash import BlockHash
 
 MAX_DATA_CHUNK = 4 << 20  # bytes per PageData message (gRPC's default limit is 4 MiB)
 SEND_CHUNK = 1 << 20  # what senders use
+
+
+# a receiver's consumer of validated pages: (layer, [2, n, kvh, bs, dim] pages) -> awaited;
+# the tensor is valid only until the awaitable completes (the backend reuses its buffer)
+LayerSink = Callable[[int, torch.Tensor], Awaitable[None]]
 
 
 class KVTransferError(Exception):
@@ -127,6 +135,12 @@ class PageChecksum:
     def digest(self) -> int:
         """The unsigned 64-bit value the trailer carries."""
         return self._h.intdigest()
+
+
+def transfer_digest(layer_digests: Sequence[int]) -> int:
+    """The trailer's checksum: XXH3-64 over the layers' digests (8 bytes little-endian
+    each, layer order)."""
+    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in layer_digests))
 
 
 def layer_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:

@@ -36,7 +36,14 @@ import torch
 import torch.distributed as dist
 
 from tandem.kvtransfer.base import SendJob, TransferBackend, register_backend
-from tandem.kvtransfer.pages import KVTransferError, PageChecksum, PageLayout, tensor_bytes
+from tandem.kvtransfer.pages import (
+    KVTransferError,
+    LayerSink,
+    PageChecksum,
+    PageLayout,
+    tensor_bytes,
+    transfer_digest,
+)
 from tandem.protocol import worker_pb2
 
 SENDER, RECEIVER = 0, 1
@@ -191,10 +198,11 @@ class TorchBackend(TransferBackend):
             group_id=pair.group_id, tag=pair.tag))
 
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
-                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk]
-                      ) -> list[torch.Tensor]:
-        """Recv every layer into CPU tensors, then the trailer; verify the checksum. Fails as
-        soon as the stream fails or ends early."""
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
+                      sink: LayerSink) -> None:
+        """Recv every layer into CPU tensors, then the trailer; verify the checksum, then hand
+        the layers to `sink`. Fails as soon as the stream fails or ends early. (The layers'
+        digests only come with the trailer here, so all of them are held until it.)"""
         pair = self._leased.get(request.torch.group_id)
         if pair is None or pair.tag != request.torch.tag or pair.store is None:
             raise KVTransferError("invalid", "this transfer was not prepared here")
@@ -206,7 +214,7 @@ class TorchBackend(TransferBackend):
             if not recv.done():  # the stream spoke first: only an early trailer is fine
                 _expect_trailer(msg.result())
             try:
-                buffers, checksum = await recv
+                buffers, digests = await recv
             except Exception as exc:
                 raise _failure(exc, "recv") from exc
             trailer = _expect_trailer(await msg)
@@ -216,25 +224,27 @@ class TorchBackend(TransferBackend):
                     fut.cancel()
                 elif not fut.cancelled():
                     fut.exception()  # retrieved: raised above or superseded
-        if trailer.xxh3_64 != checksum.digest():
+        if trailer.xxh3_64 != transfer_digest(digests):
             raise KVTransferError("invalid", "page checksum mismatch")
         pair.clean, pair.last_used = True, time.monotonic()
         shape = layout.layer_shape(num_blocks)
-        return [b.view(layout.dtype).view(shape) for b in buffers]
+        for layer, buf in enumerate(buffers):
+            await sink(layer, buf.view(layout.dtype).view(shape))
 
     def _recv_all(self, pair: _Pair, layers: int, nbytes: int
-                  ) -> tuple[list[torch.Tensor], PageChecksum]:
-        """Blocking: join if new, then every layer's bytes (CPU) in order, and their hash."""
+                  ) -> tuple[list[torch.Tensor], list[int]]:
+        """Blocking: join if new, then every layer's bytes (CPU) in order, and their
+        digests."""
         if pair.pg is None:
             pair.join(RECEIVER, self.timeout_s)
-        out, checksum = [], PageChecksum()
+        out, digests = [], []
         for _ in range(layers):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
             pair.wait(pair.post("recv", buf, SENDER, pair.tag), self.timeout_s)
             buf = buf.cpu()
-            checksum.update(tensor_bytes(buf))
+            digests.append(PageChecksum().update(tensor_bytes(buf)).digest())
             out.append(buf)
-        return out, checksum
+        return out, digests
 
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
         pair = self._leased.pop(request.torch.group_id, None)
@@ -287,8 +297,9 @@ class TorchBackend(TransferBackend):
         return pair
 
     def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float) -> int:
-        """Blocking: gather and send every layer in order; the XXH3-64 of all their bytes."""
-        checksum = PageChecksum()
+        """Blocking: gather and send every layer in order; the trailer's checksum of their
+        bytes (`transfer_digest`)."""
+        digests = []
         for layer in range(job.layout.num_layers):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -304,7 +315,8 @@ class TorchBackend(TransferBackend):
                     pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
                 flat = pages.view(-1).view(torch.uint8)
                 work = pair.post("send", flat, RECEIVER, tag)
-                checksum.update(tensor_bytes(flat.cpu()))  # while the bytes travel
+                # hashed while the bytes travel
+                digests.append(PageChecksum().update(tensor_bytes(flat.cpu())).digest())
             try:
                 pair.wait(work, min(self.timeout_s, left))
             except Exception as exc:
@@ -312,7 +324,7 @@ class TorchBackend(TransferBackend):
                     raise KVTransferError("expired", "the lease ended before the pages "
                                                      "were sent") from exc
                 raise
-        return checksum.digest()
+        return transfer_digest(digests)
 
     async def close(self) -> None:
         if self._sweeper is not None:

@@ -168,6 +168,14 @@ class PageData(_message.Message):
     data: bytes
     def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class PageLayerEnd(_message.Message):
+    __slots__ = ("layer", "xxh3_64")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    XXH3_64_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    xxh3_64: int
+    def __init__(self, layer: _Optional[int] = ..., xxh3_64: _Optional[int] = ...) -> None: ...
+
 class PageTrailer(_message.Message):
     __slots__ = ("xxh3_64",)
     XXH3_64_FIELD_NUMBER: _ClassVar[int]
@@ -175,14 +183,16 @@ class PageTrailer(_message.Message):
     def __init__(self, xxh3_64: _Optional[int] = ...) -> None: ...
 
 class PageChunk(_message.Message):
-    __slots__ = ("header", "data", "trailer")
+    __slots__ = ("header", "data", "trailer", "layer_end")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     header: PageHeader
     data: PageData
     trailer: PageTrailer
-    def __init__(self, header: _Optional[_Union[PageHeader, _Mapping]] = ..., data: _Optional[_Union[PageData, _Mapping]] = ..., trailer: _Optional[_Union[PageTrailer, _Mapping]] = ...) -> None: ...
+    layer_end: PageLayerEnd
+    def __init__(self, header: _Optional[_Union[PageHeader, _Mapping]] = ..., data: _Optional[_Union[PageData, _Mapping]] = ..., trailer: _Optional[_Union[PageTrailer, _Mapping]] = ..., layer_end: _Optional[_Union[PageLayerEnd, _Mapping]] = ...) -> None: ...
 
 class ReleasePagesRequest(_message.Message):
     __slots__ = ("lease_id",)
