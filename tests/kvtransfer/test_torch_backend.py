@@ -80,13 +80,17 @@ async def transfer(receiver: TorchBackend, sender: TorchBackend, pages: list[tor
         wire = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
         job = SendJob(wire, layout, list(range(n)), gather or (lambda layer: pages[layer]),
                       asyncio.get_running_loop().time() + lease_s)
-        got: list[torch.Tensor] = []
+        started: list[int] = []
+        written: dict[int, torch.Tensor] = {}
 
         async def sink(layer: int, layer_pages: torch.Tensor) -> None:
-            assert layer == len(got)
-            got.append(layer_pages.clone())
+            started.append(layer)  # calls start in layer order (and may overlap)
+            await asyncio.sleep(0.005)  # a slow write: the receiver must not reuse its buffer
+            written[layer] = layer_pages.clone()
 
         await receiver.receive(req, layout, n, pipe(sender, job, edit, errors), sink)
+        assert started == list(range(layout.num_layers)) == sorted(written)
+        got = [written[layer] for layer in started]
     finally:
         await receiver.release(req)
     return got, req.torch.group_id
@@ -149,7 +153,11 @@ def bad_checksum(chunk):
 
 @pytest.mark.parametrize("edit,reason", [
     (bad_checksum, "invalid"),
-    (lambda c: None, "incomplete"),  # no trailer: the stream just ends
+    # no trailer: the stream ends after the last layer's end
+    (lambda c: None if c.WhichOneof("kind") == "trailer" else c, "incomplete"),
+    (lambda c: worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+        layer=c.layer_end.layer, xxh3_64=c.layer_end.xxh3_64 ^ 1))
+     if c.WhichOneof("kind") == "layer_end" else c, "invalid"),  # a layer's bad digest
     (lambda c: worker_pb2.PageChunk(data=worker_pb2.PageData(layer=0, offset=0, data=b"x")),
      "invalid"),
 ])

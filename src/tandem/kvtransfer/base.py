@@ -8,7 +8,8 @@ between:
 * `grpc` (`grpc_backend.py`): each layer's `PageData` chunks then its `PageLayerEnd`
   (digest) on the same stream; works between any hosts.
 * `torch` (`torch_backend.py`): torch.distributed point-to-point send/recv of one tensor per
-  layer in a pair process group (NCCL between GPUs, gloo on CPU).
+  layer in a pair process group (NCCL between GPUs, gloo on CPU); each layer's
+  `PageLayerEnd` still comes on the stream.
 
 Sender side (prefill worker): `send(job)` yields the stream messages after the header.
 Receiver side (decode worker): `configure(...)` once, then per transfer `prepare(request,
@@ -78,11 +79,11 @@ class TransferBackend(ABC):
                       num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
                       sink: LayerSink) -> None:
         """Receiver: await `sink(layer, pages)` with every layer's validated `[2,
-        num_blocks, kvh, bs, dim]` pages, in layer order (`pages` is valid only until that
-        call completes); return once the trailer's checksum matches and every sink call is
-        done. `stream` is the reply stream after the header. On failure, sink calls not yet
-        finished are cancelled; work they handed to threads is the sink owner's to wait
-        for."""
+        num_blocks, kvh, bs, dim]` pages; calls start in layer order and may overlap
+        (`pages` is valid only until its call completes). Return once the trailer's
+        checksum matches and every sink call is done. `stream` is the reply stream after
+        the header. On failure, sink calls not yet finished are cancelled; work they handed
+        to threads is the sink owner's to wait for."""
 
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
         """Receiver: the transfer `prepare` set up is over (received, failed or never

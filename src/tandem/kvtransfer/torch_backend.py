@@ -1,6 +1,8 @@
 """`torch` backend: page tensors travel by torch.distributed point-to-point send/recv in a
 pair process group (NCCL when the receiver's KV cache is on CUDA, gloo otherwise); the
-header and the trailer stay on the Prefill stream.
+header, each layer's `PageLayerEnd` (its digest) and the trailer stay on the Prefill
+stream. The receiver checks each layer against its digest and hands it on while the next
+one arrives, in two reused buffers.
 
 Groups are built on demand, never through `init_process_group`: the receiver (decode worker,
 rank 1) hosts a `TCPStore` per group on a free port and advertises `advertise_host`; the
@@ -27,7 +29,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,51 +202,69 @@ class TorchBackend(TransferBackend):
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
                       num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
                       sink: LayerSink) -> None:
-        """Recv every layer into CPU tensors, then the trailer; verify the checksum, then hand
-        the layers to `sink`. Fails as soon as the stream fails or ends early. (The layers'
-        digests only come with the trailer here, so all of them are held until it.)"""
+        """Per layer: recv its bytes (a thread), hash them, read its `PageLayerEnd` from the
+        stream; when the digests match, hand the layer to `sink` while the next one is
+        received (two buffers, reused). Then the trailer. Fails as soon as the stream fails,
+        ends early or says something else."""
         pair = self._leased.get(request.torch.group_id)
         if pair is None or pair.tag != request.torch.tag or pair.store is None:
             raise KVTransferError("invalid", "this transfer was not prepared here")
+        nbytes = num_blocks * layout.block_layer_bytes
+        shape = layout.layer_shape(num_blocks)
+        slots = [torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
+                 for _ in range(min(2, layout.num_layers))]
+        writing: list[asyncio.Future | None] = [None] * len(slots)
+        digests: list[int] = []
         msg = asyncio.ensure_future(_next(stream))
-        recv = asyncio.ensure_future(self._run(
-            self._recv_all, pair, layout.num_layers, num_blocks * layout.block_layer_bytes))
+        recv: asyncio.Future | None = None
+
+        async def post(layer: int) -> asyncio.Future:  # the recv of `layer`, once its slot is free
+            slot = layer % len(slots)
+            if writing[slot] is not None:  # its last layer is written
+                await writing[slot]
+                writing[slot] = None
+            return asyncio.ensure_future(self._run(self._recv_layer, pair, slots[slot]))
+
         try:
-            await asyncio.wait((recv, msg), return_when=asyncio.FIRST_COMPLETED)
-            if not recv.done():  # the stream spoke first: only an early trailer is fine
-                _expect_trailer(msg.result())
-            try:
-                buffers, digests = await recv
-            except Exception as exc:
-                raise _failure(exc, "recv") from exc
+            recv = await post(0)
+            for layer in range(layout.num_layers):
+                await asyncio.wait((recv, msg), return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():  # the stream spoke first: only this layer's end is fine
+                    _expect_layer_end(msg.result(), layer)
+                try:
+                    pages, digest = await recv
+                except Exception as exc:
+                    raise _failure(exc, "recv") from exc
+                if layer + 1 < layout.num_layers:  # the sender goes on while we check this one
+                    recv = await post(layer + 1)
+                end = _expect_layer_end(await msg, layer)
+                if end.xxh3_64 != digest:
+                    raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+                digests.append(digest)
+                writing[layer % len(slots)] = asyncio.ensure_future(
+                    sink(layer, pages.view(layout.dtype).view(shape)))
+                msg = asyncio.ensure_future(_next(stream))
             trailer = _expect_trailer(await msg)
+            if trailer.xxh3_64 != transfer_digest(digests):
+                raise KVTransferError("invalid", "page checksum mismatch")
+            await asyncio.gather(*(w for w in writing if w is not None))
         finally:
-            for fut in (recv, msg):
+            for fut in (recv, msg, *writing):  # on failure no sink call goes on
+                if fut is None:
+                    continue
                 if not fut.done():
                     fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # retrieved: raised above or superseded
-        if trailer.xxh3_64 != transfer_digest(digests):
-            raise KVTransferError("invalid", "page checksum mismatch")
+                fut.add_done_callback(_retrieve)
         pair.clean, pair.last_used = True, time.monotonic()
-        shape = layout.layer_shape(num_blocks)
-        for layer, buf in enumerate(buffers):
-            await sink(layer, buf.view(layout.dtype).view(shape))
 
-    def _recv_all(self, pair: _Pair, layers: int, nbytes: int
-                  ) -> tuple[list[torch.Tensor], list[int]]:
-        """Blocking: join if new, then every layer's bytes (CPU) in order, and their
-        digests."""
-        if pair.pg is None:
+    def _recv_layer(self, pair: _Pair, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Blocking: join if new, then one layer's bytes into `buf`; (those bytes on the CPU,
+        their digest)."""
+        if pair.pg is None and pair.store is not None:
             pair.join(RECEIVER, self.timeout_s)
-        out, digests = [], []
-        for _ in range(layers):
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
-            pair.wait(pair.post("recv", buf, SENDER, pair.tag), self.timeout_s)
-            buf = buf.cpu()
-            digests.append(PageChecksum().update(tensor_bytes(buf)).digest())
-            out.append(buf)
-        return out, digests
+        pair.wait(pair.post("recv", buf, SENDER, pair.tag), self.timeout_s)
+        host = buf.cpu()
+        return host, PageChecksum().update(tensor_bytes(host)).digest()
 
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
         pair = self._leased.pop(request.torch.group_id, None)
@@ -255,18 +275,41 @@ class TorchBackend(TransferBackend):
 
     # -- sender --------------------------------------------------------------------------------
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
+        """Every layer from a sender thread; each layer's `PageLayerEnd` goes on the stream
+        as soon as the thread has posted and hashed it, then the trailer."""
         ch = job.request.torch
         if not (GROUP_ID.fullmatch(ch.group_id) and 0 < ch.store_port < 65536
                 and 0 < len(ch.store_host) <= 255 and 0 < ch.tag <= MAX_TAG):
             raise KVTransferError("invalid", "the request's torch channel is malformed")
-        deadline = time.monotonic() + job.deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + job.deadline - loop.time()
         pair = await self._sender_pair(ch)
+        ends: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+
+        def report(layer: int, digest: int) -> None:  # from the sender thread
+            loop.call_soon_threadsafe(ends.put_nowait, (layer, digest))
+
+        work: asyncio.Future | None = None
         try:
             async with pair.lock:
-                digest = await self._run(self._send_all, pair, job, ch.tag, deadline)
+                work = asyncio.ensure_future(
+                    self._run(self._send_all, pair, job, ch.tag, deadline, report))
+                for _ in range(job.layout.num_layers):
+                    got = asyncio.ensure_future(ends.get())
+                    await asyncio.wait((got, work), return_when=asyncio.FIRST_COMPLETED)
+                    if not got.done():
+                        got.cancel()
+                        await work  # it failed (it reports every layer before it returns)
+                        raise KVTransferError("invalid", "a layer was sent unreported")
+                    layer, digest = got.result()
+                    yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+                        layer=layer, xxh3_64=digest))
+                digest = await work
                 pair.last_used = time.monotonic()
         except BaseException as exc:
             self._discard(pair)
+            if work is not None:
+                work.add_done_callback(_retrieve)
             if isinstance(exc, Exception):
                 raise _failure(exc, "send") from exc
             raise
@@ -296,9 +339,10 @@ class TorchBackend(TransferBackend):
         pair.join(SENDER, self.timeout_s)
         return pair
 
-    def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float) -> int:
-        """Blocking: gather and send every layer in order; the trailer's checksum of their
-        bytes (`transfer_digest`)."""
+    def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float,
+                  report: Callable[[int, int], None]) -> int:
+        """Blocking: gather and send every layer in order, `report`ing each one's digest once
+        it is on its way; the trailer's checksum of their bytes (`transfer_digest`)."""
         digests = []
         for layer in range(job.layout.num_layers):
             left = deadline - time.monotonic()
@@ -317,6 +361,7 @@ class TorchBackend(TransferBackend):
                 work = pair.post("send", flat, RECEIVER, tag)
                 # hashed while the bytes travel
                 digests.append(PageChecksum().update(tensor_bytes(flat.cpu())).digest())
+                report(layer, digests[-1])
             try:
                 pair.wait(work, min(self.timeout_s, left))
             except Exception as exc:
@@ -346,6 +391,21 @@ async def _next(stream: AsyncIterator[Any]) -> Any:
         return await anext(stream)
     except StopAsyncIteration:
         return None
+
+
+def _expect_layer_end(msg: Any, layer: int) -> worker_pb2.PageLayerEnd:
+    if msg is None:
+        raise KVTransferError("incomplete", f"the page stream ended before layer {layer}'s end")
+    if (not isinstance(msg, worker_pb2.PageChunk) or msg.WhichOneof("kind") != "layer_end"
+            or msg.layer_end.layer != layer):
+        raise KVTransferError("invalid", f"expected layer {layer}'s end on a torch transfer's "
+                                         f"stream")
+    return msg.layer_end
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _expect_trailer(msg: Any) -> worker_pb2.PageTrailer:

@@ -176,9 +176,9 @@ class KVTransferServicer:
 
     def Prefill(self, request, context):
         """Compute the prompt's KV (its prefix cache is used), pin the requested blocks under a
-        lease and stream them: one PageHeader, then the pages (backend "grpc": each layer's
-        PageData then its PageLayerEnd), then a PageTrailer with the checksum. Bad requests
-        end with INVALID_ARGUMENT.
+        lease and stream them: one PageHeader, then per layer its pages (backend "grpc":
+        PageData; "torch": a tensor on the pair group) and its PageLayerEnd, then a PageTrailer
+        with the checksum. Bad requests end with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
