@@ -22,6 +22,7 @@ raises `KVTransferError`), and `release(request)` always ends the transfer, whet
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -93,6 +94,43 @@ class TransferBackend(ABC):
     async def close(self) -> None:
         """Release connections and process groups."""
         return None
+
+
+class SinkCalls:
+    """The sink calls of one `receive` over `slots` reused buffers: a slot is refilled only
+    once its last call is done (`slot_free`), all calls are done before a successful
+    `receive` returns (`finish`), and a failed one cancels the rest (`abandon`)."""
+
+    def __init__(self, sink: LayerSink, slots: int) -> None:
+        self._sink = sink
+        self._calls: list[asyncio.Future | None] = [None] * slots
+
+    async def slot_free(self, layer: int) -> int:
+        """The slot `layer` fills, once the sink is done with its previous layer."""
+        slot = layer % len(self._calls)
+        call, self._calls[slot] = self._calls[slot], None
+        if call is not None:
+            await call
+        return slot
+
+    def start(self, layer: int, pages: torch.Tensor) -> None:
+        """Hand `layer`'s validated pages (in its slot's buffer) to the sink."""
+        self._calls[layer % len(self._calls)] = asyncio.ensure_future(self._sink(layer, pages))
+
+    async def finish(self) -> None:
+        await asyncio.gather(*(c for c in self._calls if c is not None))
+
+    def abandon(self) -> None:
+        for call in self._calls:
+            abandon(call)
+
+
+def abandon(fut: asyncio.Future | None) -> None:
+    """Cancel `fut` unless done; its exception, if any, counts as retrieved."""
+    if fut is None:
+        return
+    fut.cancel()  # a no-op once done
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 BACKENDS: dict[str, Callable[[], TransferBackend]] = {}

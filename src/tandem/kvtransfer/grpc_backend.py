@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.kvtransfer.base import SendJob, TransferBackend, register_backend
+from tandem.kvtransfer.base import SendJob, SinkCalls, TransferBackend, register_backend
 from tandem.kvtransfer.pages import (
     MAX_DATA_CHUNK,
     SEND_CHUNK,
@@ -186,9 +186,9 @@ class GrpcBackend(TransferBackend):
         size = num_blocks * layout.block_layer_bytes
         shape = layout.layer_shape(num_blocks)
         slots = [layer_buffer(size) for _ in range(min(2, layout.num_layers) if size else 0)]
-        writing: list[asyncio.Future | None] = [None] * len(slots)
+        calls = SinkCalls(sink, len(slots))
         digests: list[int] = []
-        layer, filled = 0, 0
+        layer, filled, slot = 0, 0, 0
         # each chunk is hashed as it is copied, while its bytes are still in cache: ~12 %
         # less receiver CPU than hashing whole layers again in a thread (256-block loop)
         checksum = PageChecksum()
@@ -207,7 +207,7 @@ class GrpcBackend(TransferBackend):
                                                          f"{layout.num_layers} layers")
                     if chunk.trailer.xxh3_64 != transfer_digest(digests):
                         raise KVTransferError("invalid", "page checksum mismatch")
-                    await asyncio.gather(*(w for w in writing if w is not None))
+                    await calls.finish()
                     return
                 if kind == "layer_end":
                     end = chunk.layer_end
@@ -219,9 +219,7 @@ class GrpcBackend(TransferBackend):
                         raise KVTransferError("invalid", f"page checksum mismatch in layer "
                                                          f"{layer}")
                     digests.append(end.xxh3_64)
-                    slot = layer % len(slots)
-                    pages = slots[slot][0].view(layout.dtype).view(shape)
-                    writing[slot] = asyncio.ensure_future(sink(layer, pages))
+                    calls.start(layer, slots[slot][0].view(layout.dtype).view(shape))
                     layer, filled, checksum = layer + 1, 0, PageChecksum()
                     continue
                 if kind != "data":
@@ -237,21 +235,11 @@ class GrpcBackend(TransferBackend):
                 if n == 0 or n > MAX_DATA_CHUNK or filled + n > size:
                     raise KVTransferError("invalid", f"page chunk of {n} bytes at {filled} "
                                                      f"does not fit a {size}-byte layer")
-                slot = layer % len(slots)
-                if filled == 0 and writing[slot] is not None:  # its last layer is written
-                    await writing[slot]
-                    writing[slot] = None
+                if filled == 0:  # a new layer: into a slot the sink is done with
+                    slot = await calls.slot_free(layer)
                 slots[slot][1][filled:filled + n] = d.data
                 checksum.update(d.data)
                 filled += n
         finally:
-            for w in writing:  # on failure no sink call goes on; threads are the sink's
-                if w is not None:
-                    w.cancel()  # a no-op once done
-                    w.add_done_callback(_retrieve)
+            calls.abandon()  # on failure no sink call goes on; its threads are the sink's
         raise KVTransferError("incomplete", "the page stream ended before its trailer")
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

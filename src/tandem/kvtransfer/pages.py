@@ -5,9 +5,9 @@ A transfer moves `n` full blocks of every layer. Per layer the payload is one te
 the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * head_dim *
 itemsize`. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
 (seed 0, `PageChecksum`); the trailer's checksum is XXH3-64 over those digests, 8 bytes
-little-endian each, in layer order (`transfer_digest`). A receiver that gets each layer's
-digest as it ends (backend `grpc`) validates the layer at once and can write it while the
-next one arrives. The block ids are each side's own; only hashes cross the wire.
+little-endian each, in layer order (`transfer_digest`). Each layer's digest travels right
+after its bytes (`PageLayerEnd`), so a receiver validates the layer at once and can write it
+while the next one arrives. The block ids are each side's own; only hashes cross the wire.
 
 `PageLayout` is what both ends must agree on (model, shapes, dtype); `check_header` checks
 a received header against the receiver's layout and the hashes it asked for, before any

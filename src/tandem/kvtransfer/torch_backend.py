@@ -37,7 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.kvtransfer.base import SendJob, TransferBackend, register_backend
+from tandem.kvtransfer.base import (
+    SendJob,
+    SinkCalls,
+    TransferBackend,
+    abandon,
+    register_backend,
+)
 from tandem.kvtransfer.pages import (
     KVTransferError,
     LayerSink,
@@ -213,16 +219,13 @@ class TorchBackend(TransferBackend):
         shape = layout.layer_shape(num_blocks)
         slots = [torch.empty(nbytes, dtype=torch.uint8, device=pair.device)
                  for _ in range(min(2, layout.num_layers))]
-        writing: list[asyncio.Future | None] = [None] * len(slots)
+        calls = SinkCalls(sink, len(slots))
         digests: list[int] = []
         msg = asyncio.ensure_future(_next(stream))
         recv: asyncio.Future | None = None
 
         async def post(layer: int) -> asyncio.Future:  # the recv of `layer`, once its slot is free
-            slot = layer % len(slots)
-            if writing[slot] is not None:  # its last layer is written
-                await writing[slot]
-                writing[slot] = None
+            slot = await calls.slot_free(layer)
             return asyncio.ensure_future(self._run(self._recv_layer, pair, slots[slot]))
 
         try:
@@ -241,20 +244,16 @@ class TorchBackend(TransferBackend):
                 if end.xxh3_64 != digest:
                     raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
                 digests.append(digest)
-                writing[layer % len(slots)] = asyncio.ensure_future(
-                    sink(layer, pages.view(layout.dtype).view(shape)))
+                calls.start(layer, pages.view(layout.dtype).view(shape))
                 msg = asyncio.ensure_future(_next(stream))
             trailer = _expect_trailer(await msg)
             if trailer.xxh3_64 != transfer_digest(digests):
                 raise KVTransferError("invalid", "page checksum mismatch")
-            await asyncio.gather(*(w for w in writing if w is not None))
-        finally:
-            for fut in (recv, msg, *writing):  # on failure no sink call goes on
-                if fut is None:
-                    continue
-                if not fut.done():
-                    fut.cancel()
-                fut.add_done_callback(_retrieve)
+            await calls.finish()
+        finally:  # on failure nothing goes on (a recv thread ends with the discarded group)
+            abandon(recv)
+            abandon(msg)
+            calls.abandon()
         pair.clean, pair.last_used = True, time.monotonic()
 
     def _recv_layer(self, pair: _Pair, buf: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -290,30 +289,34 @@ class TorchBackend(TransferBackend):
             loop.call_soon_threadsafe(ends.put_nowait, (layer, digest))
 
         work: asyncio.Future | None = None
+        digests: list[int] = []
         try:
             async with pair.lock:
                 work = asyncio.ensure_future(
                     self._run(self._send_all, pair, job, ch.tag, deadline, report))
                 for _ in range(job.layout.num_layers):
                     got = asyncio.ensure_future(ends.get())
-                    await asyncio.wait((got, work), return_when=asyncio.FIRST_COMPLETED)
-                    if not got.done():
-                        got.cancel()
-                        await work  # it failed (it reports every layer before it returns)
-                        raise KVTransferError("invalid", "a layer was sent unreported")
-                    layer, digest = got.result()
+                    try:
+                        await asyncio.wait((got, work), return_when=asyncio.FIRST_COMPLETED)
+                        if not got.done():  # it ended first: it failed (raised here), or its
+                            await work      # last report is already queued for `got`
+                        layer, digest = await got
+                    except BaseException:
+                        abandon(got)
+                        raise
+                    digests.append(digest)
                     yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
                         layer=layer, xxh3_64=digest))
-                digest = await work
+                await work
                 pair.last_used = time.monotonic()
         except BaseException as exc:
             self._discard(pair)
-            if work is not None:
-                work.add_done_callback(_retrieve)
+            abandon(work)
             if isinstance(exc, Exception):
                 raise _failure(exc, "send") from exc
             raise
-        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(xxh3_64=digest))
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
+            xxh3_64=transfer_digest(digests)))
 
     async def _sender_pair(self, ch: worker_pb2.TorchChannel) -> _Pair:
         if ch.group_id in self._closed:
@@ -340,10 +343,9 @@ class TorchBackend(TransferBackend):
         return pair
 
     def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float,
-                  report: Callable[[int, int], None]) -> int:
+                  report: Callable[[int, int], None]) -> None:
         """Blocking: gather and send every layer in order, `report`ing each one's digest once
-        it is on its way; the trailer's checksum of their bytes (`transfer_digest`)."""
-        digests = []
+        it is on its way."""
         for layer in range(job.layout.num_layers):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -360,8 +362,7 @@ class TorchBackend(TransferBackend):
                 flat = pages.view(-1).view(torch.uint8)
                 work = pair.post("send", flat, RECEIVER, tag)
                 # hashed while the bytes travel
-                digests.append(PageChecksum().update(tensor_bytes(flat.cpu())).digest())
-                report(layer, digests[-1])
+                report(layer, PageChecksum().update(tensor_bytes(flat.cpu())).digest())
             try:
                 pair.wait(work, min(self.timeout_s, left))
             except Exception as exc:
@@ -369,7 +370,6 @@ class TorchBackend(TransferBackend):
                     raise KVTransferError("expired", "the lease ended before the pages "
                                                      "were sent") from exc
                 raise
-        return transfer_digest(digests)
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -401,11 +401,6 @@ def _expect_layer_end(msg: Any, layer: int) -> worker_pb2.PageLayerEnd:
         raise KVTransferError("invalid", f"expected layer {layer}'s end on a torch transfer's "
                                          f"stream")
     return msg.layer_end
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _expect_trailer(msg: Any) -> worker_pb2.PageTrailer:
