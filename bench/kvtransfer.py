@@ -125,7 +125,7 @@ async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
         it = call.__aiter__()
         header = (await it.__anext__()).header
         expected = [i.to_bytes(32, "little") for i in range(n)]
-        got = check_header(header, layout, 0, expected)
+        got = check_header(header, layout, 0, expected).num_blocks
         nbytes = 0
 
         async def count(layer: int, pages) -> None:  # noqa: ANN001 - a torch.Tensor
@@ -326,7 +326,7 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
         it = call.__aiter__()
         header = (await it.__anext__()).header
         stamps.append((time.perf_counter(), -1))
-        n = check_header(header, layout, 0, chain)
+        n = check_header(header, layout, 0, chain).num_blocks
 
         async def timed():  # noqa: ANN202
             async for msg in it:

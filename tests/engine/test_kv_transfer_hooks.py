@@ -84,6 +84,92 @@ def test_an_import_stops_where_the_pool_runs_out():
     assert kv.pool.get_cached_block(chain[2]) is None
 
 
+def _import_with_tail(kv: KVCacheManager, prompt: list[int], rid: str):
+    """What the decode side does for `prompt`: pin its full blocks before the last token and
+    a partial block after them, register the full ones and stage the partial one."""
+    usable = (len(prompt) - 1) // BS
+    chain = hash_block_chain(prompt[:usable * BS], BS, HashKeys())
+    pinned, fresh = kv.import_blocks(chain, tail=True)
+    assert len(pinned) == usable + 1 and fresh[-1] == usable  # the partial block: fresh
+    kv.commit_import(pinned[:usable], chain, root_hash(HashKeys()), prompt[:usable * BS])
+    kv.stage_tail(rid, pinned[usable], usable, prompt[usable * BS:len(prompt) - 1])
+    return chain, pinned
+
+
+def test_a_staged_tail_is_taken_over_and_only_the_last_token_is_computed():
+    for n in (14, 16):  # a one-token tail; a block-aligned prompt (a 3-token tail)
+        kv = KVCacheManager(num_blocks=12, block_size=BS)
+        sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+        prompt = list(range(100, 100 + n))
+        chain, pinned = _import_with_tail(kv, prompt, "r-tail")
+        req = make_request(prompt, max_tokens=2, request_id="r-tail")
+        sched.add_request(req)
+        out = sched.schedule()
+        [s] = out.scheduled
+        assert (s.start, s.num_new_tokens) == (n - 1, 1) and s.samples
+        assert req.num_cached_tokens == n - 1
+        assert kv.block_ids("r-tail")[:len(pinned)] == [b.block_id for b in pinned]
+        kv.unpin(pinned[:-1])  # the import's pins on the full blocks end
+        kv.drop_tail("r-tail")  # a no-op: the request holds the partial block now
+        assert all(b.ref_cnt == 1 for b in pinned)
+        if n % BS == 0:  # the step fills the partial block: it joins the prefix cache
+            full = hash_block_chain(prompt, BS, HashKeys())
+            assert kv.pool.get_cached_block(full[-1]) is pinned[-1]
+        sched.update_after_step(out)
+        sched.finish(req, RequestStatus.FINISHED_ABORTED)
+        assert kv.pool.num_free_blocks() == 12
+
+
+def test_a_staged_tail_is_used_only_where_it_continues_the_prompt_and_never_leaks():
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(100, 114))
+    _, pinned = _import_with_tail(kv, prompt, "other-tokens")
+    # a request under that id whose tail tokens differ: the full blocks hit, the tail is
+    # computed, and the staged block goes back to the pool when the request ends
+    changed = prompt[:12] + [7, 8]
+    req = make_request(changed, max_tokens=1, request_id="other-tokens")
+    sched.add_request(req)
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(12, 2)]
+    assert pinned[-1].block_id not in kv.block_ids("other-tokens")
+    sched.update_after_step(out)
+    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    kv.unpin(pinned[:-1])
+    assert kv.pool.num_free_blocks() == 12
+    # staged, then the request is aborted while it waits: freed with it
+    _, pinned = _import_with_tail(kv, prompt, "waiting")
+    req = make_request(prompt, max_tokens=1, request_id="waiting")
+    sched.add_request(req)
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    kv.unpin(pinned[:-1])
+    assert kv.pool.num_free_blocks() == 12
+    # staged for a request that never arrives: `drop_tail` (the import's unpin) frees it
+    _, pinned = _import_with_tail(kv, prompt, "never")
+    kv.unpin(pinned[:-1])
+    kv.drop_tail("never")
+    kv.drop_tail("never")
+    assert kv.pool.num_free_blocks() == 12
+    # prompt logprobs bypass the cache: the tail is not taken either
+    _, pinned = _import_with_tail(kv, prompt, "logprobs")
+    req = make_request(prompt, max_tokens=1, request_id="logprobs", prompt_logprobs=1)
+    sched.add_request(req)
+    assert [(s.start, s.num_new_tokens) for s in sched.schedule().scheduled] == [(0, 14)]
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    kv.unpin(pinned[:-1])
+    assert kv.pool.num_free_blocks() == 12
+
+
+def test_an_import_pins_no_partial_block_unless_every_full_block_fits():
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    chain = hash_block_chain(list(range(12)), BS, HashKeys())
+    pinned, fresh = kv.import_blocks(chain, tail=True)
+    assert len(pinned) == 3 and fresh == [0, 1, 2]  # no room for the partial block
+    kv.unpin(pinned)
+    pinned, fresh = kv.import_blocks(chain[:2], tail=True)
+    assert len(pinned) == 3 and fresh == [0, 1, 2] and pinned[2].block_hash is None
+
+
 def test_a_cancelled_caller_cannot_kill_the_engine_thread():
     """An `AsyncLLMEngine.call` whose caller gave up before the engine thread got to it
     still runs (it may hold resources), and settling its cancelled future does not raise

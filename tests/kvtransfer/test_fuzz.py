@@ -70,7 +70,7 @@ def random_headers() -> st.SearchStrategy:
         first_block=st.integers(0, 3) | U32,
         block_hashes=st.lists(st.binary(max_size=40), max_size=5),
         layer_bytes=st.integers(0, 200) | U64,
-        lease_id=st.text(max_size=8), first_token=U32)
+        lease_id=st.text(max_size=8), first_token=U32, tail_tokens=st.integers(0, 2) | U32)
 
 
 def random_chunks() -> st.SearchStrategy:
@@ -366,12 +366,14 @@ def test_pages_sent_from_cache_views_equal_the_gathered_layer(num_cache_blocks, 
 def test_check_header_accepts_a_prefix_of_the_chain_or_raises(data):
     expected = data.draw(HASHES)
     first = data.draw(st.integers(0, 3))
+    asked_tail = data.draw(st.sampled_from([0, 0, 1]))  # LAYOUT's blocks hold 2 tokens
     if data.draw(st.booleans()):  # a real header, maybe with one field changed
         offered = expected[: data.draw(st.integers(0, len(expected)))]
-        header = header_for(LAYOUT, first, offered, "lease", 0)
+        tail = data.draw(st.sampled_from([0, asked_tail, 1]))
+        header = header_for(LAYOUT, first, offered, "lease", 0, tail)
         field = data.draw(st.sampled_from(["", "model_id", "num_layers", "num_kv_heads",
                                            "block_size", "head_dim", "dtype", "first_block",
-                                           "block_hashes", "layer_bytes"]))
+                                           "block_hashes", "layer_bytes", "tail_tokens"]))
         if field == "block_hashes":
             del header.block_hashes[:]
             header.block_hashes.extend(data.draw(st.lists(st.binary(max_size=40), max_size=6)))
@@ -382,12 +384,16 @@ def test_check_header_accepts_a_prefix_of_the_chain_or_raises(data):
     else:
         header = data.draw(random_headers())
     try:
-        n = check_header(header, LAYOUT, first, expected)
+        offer = check_header(header, LAYOUT, first, expected, asked_tail)
     except KVTransferError as exc:
         assert exc.reason == "invalid"
         return
+    n = offer.num_full
     assert 0 <= n <= len(expected) and list(header.block_hashes) == expected[:n]
-    assert header.first_block == first and header.layer_bytes == n * BLOCK
+    # a partial block only as asked for, and only after every full block
+    assert offer.tail_tokens in (0, asked_tail) and (not offer.tail_tokens or n == len(expected))
+    assert offer.num_blocks == n + (1 if offer.tail_tokens else 0)
+    assert header.first_block == first and header.layer_bytes == offer.num_blocks * BLOCK
     assert (header.model_id, header.num_layers, header.num_kv_heads, header.block_size,
             header.head_dim, header.dtype) == ("fuzz-model", 2, 1, 2, 2, "float32")
 
@@ -562,7 +568,8 @@ def test_the_decode_side_stream_reader_raises_only_kv_transfer_errors(data):
     async def read():  # noqa: ANN202
         remote = _receiver()
         it = _aiter(on_the_wire(stream))
-        got_header, n = await remote._header(it, expected, first)
+        got_header, offer = await remote._header(it, expected, first, 0)
+        n = offer.num_blocks
         await remote._backend.receive(req, LAYOUT, n, it, collector(got, n))
         return got_header, n
 
@@ -608,6 +615,7 @@ ANY_FIELD = {  # a random value for each PrefillRequest field, in or out of rang
     "torch": st.builds(worker_pb2.TorchChannel, store_host=st.text(max_size=20),
                        store_port=U32, group_id=st.text(max_size=20), tag=U64),
     "lease_s": st.floats(width=32),
+    "tail_tokens": st.integers(0, 20) | U32,
 }
 
 
@@ -619,11 +627,16 @@ def prefill_requests(draw) -> worker_pb2.PrefillRequest:
     prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=BS, max_size=5 * BS))
     full = len(prompt) // BS
     first = draw(st.integers(0, full - 1))
+    num = draw(st.integers(1, full - first))
+    tail = 0
+    usable = (len(prompt) - 1) // BS
+    if usable > first and draw(st.booleans()):  # the decode side's ask: up to the last token
+        num, tail = usable - first, len(prompt) - 1 - usable * BS
     fields = {"request_id": draw(st.text(max_size=20)), "model_id": BUNDLED_NAME,
               "token_ids": prompt, "cache_salt": draw(st.just("") | st.text(max_size=8)),
-              "block_size": BS, "first_block": first,
-              "num_blocks": draw(st.integers(1, full - first)), "backend": "grpc",
-              "lease_s": draw(st.just(0.0) | st.floats(0, 2) | st.floats(5, 600))}
+              "block_size": BS, "first_block": first, "num_blocks": num, "backend": "grpc",
+              "lease_s": draw(st.just(0.0) | st.floats(0, 2) | st.floats(5, 600)),
+              "tail_tokens": tail}
     for name in draw(st.sets(st.sampled_from(sorted(ANY_FIELD)), max_size=3)):
         fields[name] = draw(ANY_FIELD[name])
     return worker_pb2.PrefillRequest(**fields)
@@ -637,6 +650,8 @@ def is_valid(req: worker_pb2.PrefillRequest) -> bool:
             and 0 < n < MAX_LEN and -(-(n + 1) // BS) * BS <= KV_TOKENS
             and all(t < VOCAB for t in req.token_ids)
             and req.num_blocks >= 1 and req.first_block + req.num_blocks <= n // BS
+            and (not req.tail_tokens or (req.first_block + req.num_blocks == (n - 1) // BS
+                                         and req.tail_tokens == n - 1 - (n - 1) // BS * BS))
             and 0 <= req.lease_s <= 600 and len(req.request_id) <= 256
             and len(req.cache_salt) <= 4096)
 
@@ -670,8 +685,8 @@ def test_random_prefill_requests_end_with_a_status(prefill, req):
         header = chunks[0].header
         assert chunks[0].WhichOneof("kind") == "header"
         assert chunks[-1].WhichOneof("kind") == "trailer"
-        assert (header.first_block, len(header.block_hashes)) == (req.first_block,
-                                                                  req.num_blocks)
+        assert (header.first_block, len(header.block_hashes), header.tail_tokens) == (
+            req.first_block, req.num_blocks, req.tail_tokens)
         released = stub.ReleasePages(worker_pb2.ReleasePagesRequest(lease_id=header.lease_id),
                                      timeout=10).released
         assert released or short_lease

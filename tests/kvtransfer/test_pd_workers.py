@@ -74,13 +74,23 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def assert_same_tokens(single, decode, prefill: str, cases: list) -> None:
+def assert_same_tokens(single, decode, prefill: str, cases: list) -> int:
     """Each (name, prompt, extra) case: greedy text through `decode` with its pages from
-    `prefill` equals the single aggregated worker's."""
+    `prefill` equals the single aggregated worker's; and whenever anything was imported the
+    decode worker computed only the prompt's last token (the partial last block came over
+    too). Returns how many cases imported pages."""
+    imported = 0
     for name, prompt, extra in cases:
         want = complete(single.url, prompt, **extra)["choices"][0]["text"]
-        got = complete(decode.url, prompt, prefill=prefill, **extra)["choices"][0]["text"]
-        assert got == want, name
+        before = fetched_bytes(decode.url)
+        got = complete(decode.url, prompt, prefill=prefill, **extra)
+        assert got["choices"][0]["text"] == want, name
+        usage = got["usage"]
+        if fetched_bytes(decode.url) > before:
+            imported += 1
+            assert usage["prompt_tokens_details"]["cached_tokens"] == \
+                usage["prompt_tokens"] - 1, name
+    return imported
 
 
 @pytest.mark.parametrize("backend", ["grpc", "torch"])
@@ -98,7 +108,7 @@ def test_disaggregated_tokens_equal_a_single_worker(pd, backend):
         ("salted: no sharing with the unsalted blocks", doc + ids(6, 40), {"cache_salt": "t1"}),
         ("text prompt", "The quick brown fox jumps over the lazy dog. " * 12, {}),
     ]
-    assert_same_tokens(single, decode, target, cases)
+    assert assert_same_tokens(single, decode, target, cases) == len(cases) - 1  # not "short"
     assert fetches(decode.url, "ok") >= len(cases) - 1
     assert fetched_bytes(decode.url) > 0
     assert fetches(decode.url, "ok", backend) >= len(cases) - 1  # through `backend`
@@ -116,7 +126,7 @@ def test_pages_streamed_layer_by_layer_give_the_same_tokens(pd, backend):
         ("same document, decode holds its blocks", doc + ids(34, 70), {}),
     ]
     ok = fetches(decode.url, "ok", backend)
-    assert_same_tokens(single, decode, streamed, cases)
+    assert assert_same_tokens(single, decode, streamed, cases) == len(cases)
     assert fetches(decode.url, "ok", backend) == ok + len(cases)
 
 
@@ -127,12 +137,15 @@ def test_only_missing_blocks_travel_and_the_prefill_cache_is_used(pd):
     before = fetched_bytes(decode.url)
     complete(decode.url, head + ids(11, 5), prefill=target)
     first = fetched_bytes(decode.url) - before
-    assert first == 20 * BLOCK_BYTES  # (20*16 + 5 - 1) // 16 full blocks, none held before
-    # the decode worker now holds the 20 head blocks: only the 10 new ones come over
+    # (20*16 + 5 - 1) // 16 = 20 full blocks, none held before, and the partial block with
+    # the 4 tokens before the last
+    assert first == 21 * BLOCK_BYTES
+    # the decode worker now holds the 20 head blocks: only the 10 new ones come over (and
+    # the new partial block)
     before = fetched_bytes(decode.url)
     prefill_hits = metric(prefill.url, "vllm:prefix_cache_hits_total")
     complete(decode.url, head + ids(12, 10 * BS + 3), prefill=target)
-    assert fetched_bytes(decode.url) - before == 10 * BLOCK_BYTES
+    assert fetched_bytes(decode.url) - before == 11 * BLOCK_BYTES
     # and the prefill worker served the head from its own prefix cache
     assert metric(prefill.url, "vllm:prefix_cache_hits_total") - prefill_hits >= 20 * BS
 

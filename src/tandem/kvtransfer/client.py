@@ -2,22 +2,25 @@
 
 `RemotePrefill.fetch(target, request_id, token_ids, cache_salt)`:
 1. hash the prompt as the engine does and count the leading blocks this worker already
-   holds; only the full blocks after those (up to the last one the engine could ever serve
-   from cache) are asked for;
+   holds; the full blocks after those (up to the last one before the prompt's last token)
+   are asked for, and the partial block after them that holds the tokens up to the last
+   one (`tail_tokens`);
 2. call `KVTransfer.Prefill` on the prefill worker, check the header against this worker's
    layout and its own hash chain, then pin blocks for the offered ones on the engine thread
-   (reusing any that appeared meanwhile);
+   (reusing any that appeared meanwhile; the partial block always gets a fresh one);
 3. receive the pages through the backend: each layer, once validated, is written into the
    pinned blocks by a writer thread while the next one arrives (nothing references blocks
    that are not registered yet, so the engine keeps stepping);
-4. on the engine thread: register the blocks in the prefix cache (KV events go out), then
+4. on the engine thread: register the full blocks in the prefix cache (KV events go out)
+   and stage the partial one for `request_id` (`KVCacheManager.stage_tail`), then
    acknowledge the lease. On any failure the pins are dropped once no write is running.
 
-The engine then schedules the request as usual: its prefix lookup hits the imported blocks
-and it computes only the prompt's tail (less than one block, and at least the last token,
-whose logits give the first token). A block that could not be imported is simply computed.
-Failures raise `KVTransferError`; the caller applies its policy (`recompute`: serve it
-locally; `fail`: answer an error). Everything is bounded by `timeout_s`.
+The engine then schedules the request as usual: its prefix lookup hits the imported blocks,
+takes over the staged partial block, and computes only the prompt's last token (whose
+logits give the first token), as a one-token step in the decode batch. A block that could
+not be imported is simply computed. Failures raise `KVTransferError`; the caller applies its
+policy (`recompute`: serve it locally; `fail`: answer an error). Everything is bounded by
+`timeout_s`.
 """
 
 from __future__ import annotations
@@ -36,9 +39,16 @@ import torch
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.kv_cache.block_pool import KVBlock
+from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
-from tandem.kvtransfer.pages import KVTransferError, PageLayout, check_header, scatter_layer
+from tandem.kvtransfer.pages import (
+    KVTransferError,
+    Offer,
+    PageLayout,
+    check_header,
+    scatter_layer,
+)
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain, root_hash
 
@@ -62,12 +72,27 @@ class RemotePrefillSettings:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
 
+@dataclass(frozen=True)
+class FetchPlan:
+    """What to ask a prefill worker for: full blocks [first, first + num) of the prompt's
+    hash `chain` (this worker holds the ones before `first`), then `tail_tokens` tokens of
+    its partial block (0: none)."""
+
+    chain: list[BlockHash]  # the prompt's full blocks before its last token
+    first: int
+    num: int
+    tail_tokens: int
+
+
 @dataclass
 class Imported:
-    """Blocks pinned for one request until `RemotePrefill.unpin`."""
+    """Blocks pinned for request `request_id` until `RemotePrefill.unpin` (which also drops
+    its staged partial block, unless the request took it over)."""
 
-    blocks: list[KVBlock]
-    num_transferred: int  # blocks whose pages arrived (the rest were already here)
+    request_id: str
+    blocks: list[KVBlock]  # the full blocks
+    num_transferred: int  # full blocks whose pages arrived (the rest were already here)
+    tail_tokens: int  # tokens of the staged partial block (0: none)
     first_token: int  # the prefill worker's greedy first token (informational)
     bytes: int
 
@@ -101,9 +126,9 @@ class RemotePrefill:
     def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(target))
 
-    def plan(self, token_ids: list[int], cache_salt: str) -> tuple[list[BlockHash], int, int]:
-        """(the prompt's usable block hashes, first missing block, blocks to fetch). Reads
-        the prefix cache without locking: a stale answer only moves work between sides."""
+    def plan(self, token_ids: list[int], cache_salt: str) -> FetchPlan:
+        """Reads the prefix cache without locking: a stale answer only moves work between
+        sides."""
         bs = self.layout.block_size
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
@@ -112,19 +137,21 @@ class RemotePrefill:
         local = 0
         while local < usable and pool.get_cached_block(chain[local]) is not None:
             local += 1
-        return chain, local, usable - local
+        return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
     async def fetch(self, target: str, request_id: str, token_ids: list[int],
                     cache_salt: str = "") -> Imported | None:
-        """Import the missing blocks' pages from `target` (host:port of its gRPC); None when
-        nothing is missing. Raises KVTransferError."""
-        chain, first, num = self.plan(token_ids, cache_salt)
-        if num <= 0:
+        """Import the missing blocks' pages from `target` (host:port of its gRPC) for engine
+        request `request_id`; None when no full block is missing. Raises KVTransferError."""
+        plan = self.plan(token_ids, cache_salt)
+        chain, first = plan.chain, plan.first
+        if plan.num <= 0:
             return None
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
-            num_blocks=num, backend=self.settings.backend, lease_s=self.settings.lease_s)
+            num_blocks=plan.num, backend=self.settings.backend, lease_s=self.settings.lease_s,
+            tail_tokens=plan.tail_tokens)
         writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
@@ -133,26 +160,36 @@ class RemotePrefill:
                     call = prefill_method(self._channel(target))(req)
                     try:
                         it = call.__aiter__()
-                        header, n = await self._header(it, chain[first:], first)
-                        hashes = chain[first:first + n]
+                        header, offer = await self._header(it, chain[first:], first,
+                                                           plan.tail_tokens)
+                        hashes = chain[first:first + offer.num_full]
                         writer = _PageWriter(self.engine.engine.runner.kv_caches,
-                                             self._writer_pool, n)
+                                             self._writer_pool, offer)
                         await writer.pin(self.engine, hashes)
-                        await self._backend.receive(req, self.layout, n, it, writer.write)
+                        await self._backend.receive(req, self.layout, offer.num_blocks, it,
+                                                    writer.write)
                     finally:
                         call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:
                     await self._backend.release(req)
+                n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
                     HashKeys(self.model_id, "", cache_salt))
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
-                blocks = writer.pinned  # once sent, the commit runs even if we are cancelled
-                await self.engine.call(lambda e: e.kv.commit_import(blocks, hashes, parent,
-                                                                    tokens))
+                tail_ids = token_ids[(first + n) * bs:(first + n) * bs + offer.tail_tokens]
+                full, tail = writer.split()
+                writer.committed = True  # once sent, the commit runs even if we are cancelled
+
+                def commit(e: LLMEngine) -> None:
+                    e.kv.commit_import(full, hashes, parent, tokens)
+                    if tail is not None:
+                        e.kv.stage_tail(request_id, tail, first + n, tail_ids)
+
+                await self.engine.call(commit)
         except BaseException as exc:
             if writer is not None:  # after the commit (if sent) and every running write
-                writer.release(self.engine, self._releases)
+                writer.release(self.engine, self._releases, request_id)
             if isinstance(exc, TimeoutError):
                 raise KVTransferError("timeout", f"remote prefill from {target} took over "
                                                  f"{self.settings.timeout_s:g} s") from exc
@@ -163,12 +200,13 @@ class RemotePrefill:
                                                   f"{code}: {_details(exc)}") from exc
             raise
         asyncio.ensure_future(self._ack(target, header.lease_id))
-        return Imported(writer.pinned, n, header.first_token, n * self.layout.num_layers
-                        * self.layout.block_layer_bytes)
+        return Imported(request_id, full, n, offer.tail_tokens if tail is not None else 0,
+                        header.first_token,
+                        offer.num_blocks * self.layout.num_layers * self.layout.block_layer_bytes)
 
-    async def _header(self, it: AsyncIterator[Any], expected: list[BlockHash], first: int
-                      ) -> tuple[worker_pb2.PageHeader, int]:
-        """The stream's header, checked; and the number of blocks it offers (> 0)."""
+    async def _header(self, it: AsyncIterator[Any], expected: list[BlockHash], first: int,
+                      tail_tokens: int) -> tuple[worker_pb2.PageHeader, Offer]:
+        """The stream's header, checked; and what it offers (at least one full block)."""
         try:
             msg = await it.__anext__()
         except StopAsyncIteration as exc:
@@ -176,10 +214,10 @@ class RemotePrefill:
         if not isinstance(msg, worker_pb2.PageChunk) or msg.WhichOneof("kind") != "header":
             raise KVTransferError("invalid", "the prefill stream did not start with a header")
         header = msg.header
-        n = check_header(header, self.layout, first, expected)
-        if n == 0:
+        offer = check_header(header, self.layout, first, expected, tail_tokens)
+        if offer.num_full == 0:
             raise KVTransferError("invalid", "the prefill worker offered no blocks")
-        return header, n
+        return header, offer
 
     async def _ack(self, target: str, lease_id: str) -> None:
         try:
@@ -190,8 +228,14 @@ class RemotePrefill:
                            _details(exc))
 
     async def unpin(self, imported: Imported) -> None:
-        blocks = imported.blocks
-        await self.engine.call(lambda e: e.kv.unpin(blocks))
+        """Drop the full blocks' pins and the staged partial block, if still staged."""
+        blocks, rid = imported.blocks, imported.request_id
+
+        def run(e: LLMEngine) -> None:
+            e.kv.unpin(blocks)
+            e.kv.drop_tail(rid)
+
+        await self.engine.call(run)
 
     async def close(self) -> None:
         await self._backend.close()
@@ -214,25 +258,33 @@ class _PageWriter:
     import unpins only after every write into those blocks has ended."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 executor: ThreadPoolExecutor, num_blocks: int) -> None:
+                 executor: ThreadPoolExecutor, offer: Offer) -> None:
         self.caches = caches
         self.executor = executor
-        self.num_blocks = num_blocks
-        self.pinned: list[KVBlock] = []
+        self.offer = offer
+        self.pinned: list[KVBlock] = []  # the full blocks, then the partial one if pinned
         self.released = False  # no write starts after `release`
+        self.committed = False  # the commit (which stages the partial block) was sent
         self._pin: asyncio.Future | None = None
         self._ids: list[int] = []
         self._select: torch.Tensor | None = None
         self._writes: list[concurrent.futures.Future] = []
 
     async def pin(self, engine: AsyncLLMEngine, hashes: list[BlockHash]) -> None:
-        """Pin blocks for `hashes` (engine thread); the positions to write are the fresh
-        ones among those the pool could supply."""
-        self._pin = asyncio.ensure_future(engine.call(lambda e: e.kv.import_blocks(hashes)))
+        """Pin blocks for `hashes` and, when offered, the partial block after them (engine
+        thread); the positions to write are the fresh ones among those the pool supplied."""
+        tail = self.offer.tail_tokens > 0
+        self._pin = asyncio.ensure_future(engine.call(lambda e: e.kv.import_blocks(hashes,
+                                                                                   tail)))
         self.pinned, fresh = await asyncio.shield(self._pin)
         self._ids = [self.pinned[i].block_id for i in fresh]
-        if fresh != list(range(self.num_blocks)):
+        if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
+
+    def split(self) -> tuple[list[KVBlock], KVBlock | None]:
+        """(the pinned full blocks, the pinned partial block or None)."""
+        n = self.offer.num_full
+        return self.pinned[:n], (self.pinned[n] if len(self.pinned) > n else None)
 
     async def write(self, layer: int, pages: torch.Tensor) -> None:
         """The backend's sink: write one layer's `[2, n, kvh, bs, dim]` pages."""
@@ -247,10 +299,13 @@ class _PageWriter:
             pages = pages.index_select(1, self._select)
         scatter_layer(self.caches, layer, self._ids, pages)
 
-    def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task]) -> None:
+    def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task],
+                request_id: str) -> None:
         """Unpin once the pin call and every write have ended (in the background: this runs
-        on failure and cancellation)."""
+        on failure and cancellation). A committed partial block is staged for `request_id`
+        by then, and dropped from there."""
         self.released = True
+        committed = self.committed
 
         async def run() -> None:
             if self._pin is not None and not self._pin.done():
@@ -259,11 +314,19 @@ class _PageWriter:
             if self._pin is None or self._pin.cancelled() or self._pin.exception():
                 return
             blocks = self._pin.result()[0]
+            if committed:
+                blocks = blocks[:self.offer.num_full]
             running = [cf for cf in self._writes if not cf.done()]
             if running:
                 await asyncio.get_running_loop().run_in_executor(
                     None, concurrent.futures.wait, running)
-            await engine.call(lambda e: e.kv.unpin(blocks))
+
+            def unpin(e: LLMEngine) -> None:
+                e.kv.unpin(blocks)
+                if committed:
+                    e.kv.drop_tail(request_id)
+
+            await engine.call(unpin)
 
         task = asyncio.ensure_future(run())
         tasks.add(task)

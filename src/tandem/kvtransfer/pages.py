@@ -1,9 +1,11 @@
 """The KV page format shared by every transfer backend, and its validation.
 
-A transfer moves `n` full blocks of every layer. Per layer the payload is one tensor
-`[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V), contiguous, in
-the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * head_dim *
-itemsize`. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
+A transfer moves `n` blocks of every layer: full blocks of the prompt, named by their hashes,
+and optionally the prompt's partial last block after them (`tail_tokens`: the tokens up to
+the prompt's last one, so the receiver computes only that token). Per layer the payload is
+one tensor `[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V),
+contiguous, in the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size *
+head_dim * itemsize`. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
 (seed 0, `PageChecksum`); the trailer's checksum is XXH3-64 over those digests, 8 bytes
 little-endian each, in layer order (`transfer_digest`). Each layer's digest travels right
 after its bytes (`PageLayerEnd`), so a receiver validates the layer at once and can write it
@@ -150,20 +152,39 @@ def layer_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
 
 
 def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], lease_id: str,
-               first_token: int) -> worker_pb2.PageHeader:
+               first_token: int, tail_tokens: int = 0) -> worker_pb2.PageHeader:
+    """The header of a transfer of the full blocks `hashes`, plus the prompt's partial block
+    after them when `tail_tokens` > 0."""
+    n = len(hashes) + (1 if tail_tokens else 0)
     return worker_pb2.PageHeader(
         model_id=layout.model_id, num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads, block_size=layout.block_size,
         head_dim=layout.head_dim, dtype=layout.dtype_name, first_block=first_block,
-        block_hashes=hashes, layer_bytes=len(hashes) * layout.block_layer_bytes,
-        lease_id=lease_id, first_token=first_token)
+        block_hashes=hashes, layer_bytes=n * layout.block_layer_bytes,
+        lease_id=lease_id, first_token=first_token, tail_tokens=tail_tokens)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a checked header offers: `num_full` hashed blocks (a prefix of those asked
+    for), then the partial block when `tail_tokens` > 0."""
+
+    num_full: int
+    tail_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in each layer's pages."""
+        return self.num_full + (1 if self.tail_tokens else 0)
 
 
 def check_header(header: worker_pb2.PageHeader, layout: PageLayout, first_block: int,
-                 expected: list[BlockHash]) -> int:
-    """Validate a received header against the receiver's `layout` and the chain it asked for
-    (`expected`: hashes of blocks first_block..). Returns the number of blocks offered (a
-    prefix of `expected`; the sender may hold fewer). Raises KVTransferError("invalid")."""
+                 expected: list[BlockHash], tail_tokens: int = 0) -> Offer:
+    """Validate a received header against the receiver's `layout` and what it asked for
+    (`expected`: hashes of blocks first_block..; `tail_tokens`: the partial block's tokens,
+    0 for none). The sender may offer fewer blocks, and the partial block only after every
+    full one. Raises KVTransferError("invalid")."""
+
     def bad(msg: str) -> KVTransferError:
         return KVTransferError("invalid", f"page header rejected: {msg}")
 
@@ -178,7 +199,12 @@ def check_header(header: worker_pb2.PageHeader, layout: PageLayout, first_block:
     n = len(header.block_hashes)
     if n > len(expected) or list(header.block_hashes) != expected[:n]:
         raise bad("block hashes differ from this worker's hash chain of the prompt")
-    if header.layer_bytes != n * layout.block_layer_bytes:
+    tail = header.tail_tokens
+    if tail and (tail != tail_tokens or n != len(expected)):
+        raise bad(f"a partial block of {tail} tokens after {n} blocks; asked for "
+                  f"{tail_tokens} after {len(expected)}")
+    offer = Offer(n, tail)
+    if header.layer_bytes != offer.num_blocks * layout.block_layer_bytes:
         raise bad(f"layer size {header.layer_bytes} bytes, expected "
-                  f"{n * layout.block_layer_bytes}")
-    return n
+                  f"{offer.num_blocks * layout.block_layer_bytes}")
+    return offer

@@ -3,7 +3,8 @@
 `Prefill`: validate the request (INVALID_ARGUMENT otherwise), run the prompt for one greedy
 token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
 blocks are not recomputed), pin the finished request's blocks under a lease, send the header
-and the requested blocks' pages through the chosen backend. With `stream_layers` the header
+and the requested blocks' pages (the full blocks, then the prompt's partial last block when
+`tail_tokens` asks for it) through the chosen backend. With `stream_layers` the header
 goes out when the prompt's last step starts and each layer's pages as soon as that step has
 written the layer (`layer_stream.LayerStream`), so the transfer overlaps the compute; the
 trailer waits for the run to finish with those blocks kept. The pages stay pinned until
@@ -146,6 +147,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         if req.num_blocks < 1 or req.first_block + req.num_blocks > n // state.block_size:
             return (f"blocks [{req.first_block}, {req.first_block + req.num_blocks}) are not "
                     f"full blocks of a {n}-token prompt")
+        end = req.first_block + req.num_blocks
+        if req.tail_tokens and (end != (n - 1) // state.block_size
+                                or req.tail_tokens != n - 1 - end * state.block_size):
+            return (f"tail_tokens {req.tail_tokens} is not the part of a {n}-token prompt "
+                    f"between block {end} and its last token")
         if not 0 <= req.lease_s <= MAX_LEASE_S:
             return f"lease_s must be in [0, {MAX_LEASE_S:g}]"
         if len(req.request_id) > 256 or len(req.cache_salt) > 4096:
@@ -188,15 +194,17 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             else:  # from the start of its last step, layer by layer as each is written
                 first_token, table = 0, await self._started(stream, run)
             lease = leases.add(rid, lease_s)
-            if table is None or len(table) < first + num:
+            tail = request.tail_tokens
+            sent_blocks = num + (1 if tail else 0)  # the partial block follows the full ones
+            if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
             keys = HashKeys(self.model_id, "", request.cache_salt)
             block_size = engine.engine.state.block_size
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
-            block_ids = table[first:first + num]
+            block_ids = table[first:first + sent_blocks]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
-                                                         first_token))
+                                                         first_token, tail))
             job = SendJob(request, layout, block_ids,
                           lambda layer: gather_layer(caches, layer, block_ids),
                           loop.time() + lease_s,
@@ -206,13 +214,14 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                         "trailer"):  # every layer sent: the run must have kept these blocks
                     await run
                     kept = await self._kept_ids(engine, rid)
-                    if kept is None or kept[first:first + num] != block_ids:
+                    if kept is None or kept[first:first + sent_blocks] != block_ids:
                         raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks moved")
                 yield chunk
             sent = True
-            logger.info("[%s] sent %d blocks x %d layers (%s%s), lease %.0f s", rid, num,
-                        layout.num_layers, request.backend,
-                        ", layer by layer" if stream is not None else "", lease_s)
+            logger.info("[%s] sent %d blocks%s x %d layers (%s%s), lease %.0f s", rid, num,
+                        f" + a {tail}-token tail" if tail else "", layout.num_layers,
+                        request.backend, ", layer by layer" if stream is not None else "",
+                        lease_s)
         except _Refused as exc:
             await context.abort(exc.code, exc.message)
         except KVTransferError as exc:

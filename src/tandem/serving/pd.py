@@ -2,8 +2,9 @@
 
 A request carrying `x-tandem-prefill: host:port` (set by the router) first imports each
 prompt's missing KV pages from that prefill worker (`kvtransfer.client.RemotePrefill`), then
-runs as usual. The imports stay pinned until the request's own block references hold them
-(its first output) or it ends; `unpin` drops them on the engine thread. On a failed fetch
+runs as usual, computing only the prompt's last token. The imports stay pinned until the
+request's own block references hold them (its first output) or it ends; `unpin` drops them,
+and a partial block the request never took over, on the engine thread. On a failed fetch
 the `recompute` policy serves the prompt locally and `fail` answers 502.
 """
 
@@ -92,6 +93,8 @@ class PrefillImports:
         self.metrics.kv_fetch_seconds.observe(time.monotonic() - t0)
         if imp is not None:
             self.metrics.kv_fetched_bytes.inc(imp.bytes)
-            logger.info("[%s] imported %d blocks from %s in %.1f ms", sub_id,
-                        imp.num_transferred, target, (time.monotonic() - t0) * 1e3)
+            logger.info("[%s] imported %d blocks%s from %s in %.1f ms", sub_id,
+                        imp.num_transferred,
+                        f" + a {imp.tail_tokens}-token tail" if imp.tail_tokens else "",
+                        target, (time.monotonic() - t0) * 1e3)
         return imp

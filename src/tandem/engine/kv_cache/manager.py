@@ -6,6 +6,8 @@ effects; `allocate_slots` takes the blocks or returns None when the pool is too 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tandem.engine.request import Request
 from tandem.protocol.block_hash import BlockHash
@@ -13,6 +15,17 @@ from tandem.protocol.block_hash import BlockHash
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class StagedTail:
+    """A prompt's partial last block imported for one request (`stage_tail`): slots
+    [0, len(token_ids)) of `block` hold the KV of `token_ids`, the prompt's tokens from
+    position `index * block_size` up to, not including, its last token."""
+
+    block: KVBlock
+    index: int  # the block's position in the prompt: the full blocks before it
+    token_ids: tuple[int, ...]
 
 
 class KVCacheManager:
@@ -26,6 +39,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
         self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
+        self._tails: dict[str, StagedTail] = {}  # imported partial blocks, by request id
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which served from it
 
@@ -33,7 +47,10 @@ class KVCacheManager:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached leading blocks of `req` and the tokens they cover.
+        """Longest run of cached leading blocks of `req` and the tokens they cover; when
+        they are all of the prompt's full blocks before its last token and a tail was staged
+        for `req` that continues them, that partial block too (then every token but the last
+        is covered).
 
         The last token is never served from the cache: its logits must be computed.
         """
@@ -47,9 +64,26 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        num_hit = len(hit) * self.block_size
+        tail = self._usable_tail(req, len(hit))
+        if tail is not None:
+            hit.append(tail.block)
+            num_hit += len(tail.token_ids)
         self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hit) * self.block_size
-        return hit, len(hit) * self.block_size
+        self.prefix_hits += num_hit
+        return hit, num_hit
+
+    def _usable_tail(self, req: Request, num_full: int) -> StagedTail | None:
+        """`req`'s staged tail if it continues `num_full` leading blocks up to the prompt's
+        last token, on the request's first scheduling."""
+        tail = self._tails.get(req.request_id)
+        if tail is None or tail.index != num_full or req.num_computed_tokens:
+            return None
+        start = num_full * self.block_size
+        end = start + len(tail.token_ids)
+        if end != req.num_prompt_tokens - 1 or req.num_tokens != req.num_prompt_tokens:
+            return None
+        return tail if tuple(req.all_token_ids[start:end]) == tail.token_ids else None
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: list[KVBlock] | None = None) -> list[KVBlock] | None:
@@ -59,20 +93,27 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
         """
         computed = computed or []
-        blocks = self._blocks.setdefault(req.request_id, [])
+        full = computed
+        tail = self._tails.get(req.request_id)
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
+        if tail is not None and computed and computed[-1] is tail.block:
+            full = computed[:-1]
+            num_computed += len(tail.token_ids) - self.block_size
+        blocks = self._blocks.setdefault(req.request_id, [])
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(computed)
-        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        revived = sum(1 for b in full if b.ref_cnt == 0)
         if need + revived > self.pool.num_free_blocks():
             if not blocks:
                 del self._blocks[req.request_id]
             return None
-        self.pool.touch(computed)
+        self.pool.touch(full)
+        if full is not computed:  # the staged tail's pin becomes the request's reference
+            del self._tails[req.request_id]
         blocks.extend(computed)
         self._num_cached.setdefault(req.request_id, 0)
-        if computed:
-            self._num_cached[req.request_id] = len(blocks)
+        if full:
+            self._num_cached[req.request_id] = len(full)
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
         self._cache_blocks(req, min(total, req.num_tokens))
@@ -97,6 +138,7 @@ class KVCacheManager:
     def free(self, req: Request, keep: bool = False) -> None:
         """Release every block of `req` (tail first, so the tail is evicted first); with
         `keep` they stay referenced under the request id until `release_kept`."""
+        self.drop_tail(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         if blocks and keep:
@@ -114,11 +156,14 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks))
         return blocks is not None
 
-    def import_blocks(self, hashes: list[BlockHash]) -> tuple[list[KVBlock], list[int]]:
+    def import_blocks(self, hashes: list[BlockHash], tail: bool = False
+                      ) -> tuple[list[KVBlock], list[int]]:
         """Pin blocks for a chain of full blocks arriving from another worker: hashes this
-        cache already holds are reused, the rest get fresh blocks. Returns (pinned blocks in
-        chain order, indexes into `hashes` whose pages must be written). Stops at the first
-        block the pool cannot supply. The caller writes the pages, then `commit_import`."""
+        cache already holds are reused, the rest get fresh blocks. With `tail`, one more
+        fresh block follows them for the prompt's partial last block (only when every full
+        block was pinned). Returns (pinned blocks in chain order, indexes into the pinned
+        list whose pages must be written). Stops at the first block the pool cannot supply.
+        The caller writes the pages, then `commit_import` (and `stage_tail`)."""
         pinned: list[KVBlock] = []
         fresh: list[int] = []
         for i, h in enumerate(hashes):
@@ -131,7 +176,26 @@ class KVCacheManager:
             else:
                 break
             pinned.append(block)
+        if tail and len(pinned) == len(hashes) and self.pool.num_free_blocks() > 0:
+            fresh.append(len(pinned))
+            pinned.append(self.pool.get_new_blocks(1)[0])
         return pinned, fresh
+
+    def stage_tail(self, request_id: str, block: KVBlock, index: int,
+                   token_ids: list[int]) -> None:
+        """Hand a pinned, written partial block to request `request_id` (`StagedTail`): its
+        first scheduling takes it over when it continues the prefix hit; `free` or
+        `drop_tail` release it otherwise. Takes over the caller's pin."""
+        if not 0 < len(token_ids) < self.block_size:
+            raise ValueError(f"a tail holds 1..{self.block_size - 1} tokens")
+        self.drop_tail(request_id)
+        self._tails[request_id] = StagedTail(block, index, tuple(token_ids))
+
+    def drop_tail(self, request_id: str) -> None:
+        """Release `request_id`'s staged tail unless its request took it over; idempotent."""
+        tail = self._tails.pop(request_id, None)
+        if tail is not None:
+            self.pool.free_blocks([tail.block])
 
     def commit_import(self, pinned: list[KVBlock], hashes: list[BlockHash],
                       parent_hash: BlockHash, token_ids: list[int]) -> None:
