@@ -19,10 +19,12 @@ from tests.serving.conftest import free_port
 
 def _args(workers: int | None = None, prefill: int = 0, decode: int = 0,
           pd_threshold: int | None = None,
-          pd_max_prefill_queue: int | None = None) -> argparse.Namespace:
+          pd_max_prefill_queue: int | None = None,
+          pd_max_local_prefill: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(host="127.0.0.1", port=8000, log_level="INFO", workers=workers,
                               prefill=prefill, decode=decode, pd_threshold=pd_threshold,
-                              pd_max_prefill_queue=pd_max_prefill_queue)
+                              pd_max_prefill_queue=pd_max_prefill_queue,
+                              pd_max_local_prefill=pd_max_local_prefill)
 
 
 def _ports():
@@ -43,7 +45,8 @@ def test_default_is_one_aggregated_worker():
 
 
 def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
-    d = _plan(_args(prefill=2, decode=1, pd_threshold=64, pd_max_prefill_queue=3),
+    d = _plan(_args(prefill=2, decode=1, pd_threshold=64, pd_max_prefill_queue=3,
+                    pd_max_local_prefill=512),
               ["--num-kv-blocks", "256"], _ports())
     assert [role for role, _, _ in d.workers] == ["prefill", "prefill", "decode"]
     for (role, url, cmd), port in zip(d.workers, (9000, 9002, 9004), strict=True):
@@ -56,6 +59,7 @@ def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
     assert _opt(d.router, "--workers").split(",") == [url for _, url, _ in d.workers]
     assert _opt(d.router, "--pd-threshold") == "64"
     assert _opt(d.router, "--pd-max-prefill-queue") == "3"
+    assert _opt(d.router, "--pd-max-local-prefill") == "512"
     assert d.describe() == "2 prefill + 1 decode workers"
 
 

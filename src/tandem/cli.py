@@ -156,6 +156,8 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
         router += ["--pd-threshold", str(args.pd_threshold)]
     if args.pd_max_prefill_queue is not None:
         router += ["--pd-max-prefill-queue", str(args.pd_max_prefill_queue)]
+    if args.pd_max_local_prefill is not None:
+        router += ["--pd-max-local-prefill", str(args.pd_max_local_prefill)]
     return _Deployment(workers, router)
 
 
@@ -242,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--pd-max-prefill-queue", type=int, default=None, metavar="REQUESTS",
                        help="the router serves aggregated when every prefill worker already "
                             "has this many requests (default: no bound)")
+    serve.add_argument("--pd-max-local-prefill", type=int, default=None, metavar="TOKENS",
+                       help="...except prompts lacking more than this many tokens, which "
+                            "queue for a prefill worker (default 1024; 0: no cap)")
 
     router = sub.add_parser("router", help="run the KV-cache-aware router")
     worker = sub.add_parser("worker", help="run one worker process")

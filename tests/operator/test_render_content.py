@@ -145,6 +145,7 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert one(docs, "Service", "demo-router")["spec"]["type"] == "LoadBalancer"
     cfg = yaml.safe_load(one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
     assert cfg["pd_threshold"] == 64 and cfg["pd_max_prefill_queue"] == 3
+    assert cfg["pd_max_local_prefill"] == 2048
     assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
                               "inflight_tokens": 0.5, "cache_churn": 1.0}
     assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
@@ -177,6 +178,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
     _, router, server = build(parsed)
     assert router.settings.pd_threshold == 64
     assert router.settings.pd_max_prefill_queue == 3
+    assert router.settings.pd_max_local_prefill == 2048
     assert server.discovery.name == "kubernetes"
     assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
     assert server.rate_limiter is not None

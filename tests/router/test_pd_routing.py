@@ -37,9 +37,10 @@ class W:
 
 
 def build(workers: list[W], prompt: prompts.ParsedPrompt, threshold: int = 16,
-          bound: int = 0) -> Router:
+          bound: int = 0, local_cap: int = 1024) -> Router:
     router = Router(RouterSettings(seed=0, pd_threshold=threshold,
-                                   pd_max_prefill_queue=bound), lambda model: None)
+                                   pd_max_prefill_queue=bound, pd_max_local_prefill=local_cap),
+                    lambda model: None)
     chain = prompts.block_hashes(prompt, MODEL, BS)
     for spec in workers:
         w = Worker(id=f"http://{spec.name}:8000", model=spec.model, role=spec.role,
@@ -61,6 +62,7 @@ class Case:
     prefill: str | None = None  # the expected prefill worker; None: aggregated
     reason: str = ""  # when aggregated: the expected Route.reason
     bound: int = 0  # RouterSettings.pd_max_prefill_queue
+    local_cap: int = 1024  # RouterSettings.pd_max_local_prefill
     decode_capable: bool = True  # the decode worker reports a KV-transfer backend
 
 
@@ -92,6 +94,12 @@ CASES = [
          [W("p1", held=12, queue=2), W("p2", queue=1)], bound=2, prefill="p2"),
     Case("queue bound: every prefill worker at it: aggregated", 320,
          [W("p1", queue=2), W("p2", queue=7)], bound=2, reason="prefill_busy"),
+    Case("queue bound, all busy, too long to prefill locally: the best one anyway", 1500,
+         [W("p1", queue=4), W("p2", queue=2)], bound=2, local_cap=1024, prefill="p2"),
+    Case("queue bound, all busy, at the local cap: aggregated", 1024 + 5 * BS,
+         [W("p1", queue=4)], decode_held=5, bound=2, local_cap=1024, reason="prefill_busy"),
+    Case("queue bound, all busy, no local cap: aggregated however long", 1500,
+         [W("p1", queue=4)], bound=2, local_cap=0, reason="prefill_busy"),
 ]
 
 
@@ -99,7 +107,7 @@ CASES = [
 def test_pd_decision(case: Case):
     prompt = parsed(case.prompt_tokens)
     decode = W("d", role="decode", held=case.decode_held, pd_capable=case.decode_capable)
-    router = build([decode, *case.workers], prompt, bound=case.bound)
+    router = build([decode, *case.workers], prompt, bound=case.bound, local_cap=case.local_cap)
     route, ctx = plan(router, prompt, MODEL, now=1.0)
     assert route is not None and route.worker.id == "http://d:8000"
     assert route.uncached_tokens == case.prompt_tokens - case.decode_held * BS

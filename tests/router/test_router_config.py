@@ -66,6 +66,17 @@ def test_pd_max_prefill_queue_from_yaml_and_flag(tmp_path):
         build(_args("--workers", "http://a:1", "--pd-max-prefill-queue", "-1"))
 
 
+def test_pd_max_local_prefill_from_yaml_and_flag(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\npd_max_local_prefill: 512\n")
+    assert build(_args("--workers", "http://a:1"))[1].settings.pd_max_local_prefill == 1024
+    assert build(_args("--config", str(cfg)))[1].settings.pd_max_local_prefill == 512
+    flag = build(_args("--config", str(cfg), "--pd-max-local-prefill", "0"))[1]
+    assert flag.settings.pd_max_local_prefill == 0
+    with pytest.raises(SystemExit):
+        build(_args("--workers", "http://a:1", "--pd-max-local-prefill", "-5"))
+
+
 def test_pd_threshold_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\npd_threshold: 128\n")

@@ -121,6 +121,7 @@ class RouterSpec:
     weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
+    pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
     api_keys_secret: str | None = None
     api_keys_key: str = "api-keys"
     rate_limit: RateLimit | None = None
@@ -236,6 +237,7 @@ def _router(d: dict) -> RouterSpec:
             k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
         pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
+        pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
         api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
         api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
         rate_limit=_rate(rl["default"], "router.rateLimits.default") if "default" in rl

@@ -37,6 +37,9 @@ class RouterSettings:
     # conditional disaggregation: serve aggregated when the best prefill worker already has
     # this many requests (running + waiting); 0 = no bound
     pd_max_prefill_queue: int = 0
+    # ... except for prompts lacking more than this many tokens: a long local prefill would
+    # stall every stream on the decode worker, so they queue on a prefill worker; 0 = no cap
+    pd_max_local_prefill: int = 1024
     seed: int | None = None
 
 

@@ -21,8 +21,8 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
 `inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
-`pd_max_prefill_queue`, `retries`, `max_prompt_tokens`, `max_tokens_cap`, `max_body_bytes`,
-`tokenizers` (model -> path), `processes`,
+`pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
+`max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL), `index` (URL) and `rate_limits: {default: {requests_per_s, burst_requests,
 tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
 
@@ -84,6 +84,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-max-prefill-queue", type=int, default=None, metavar="REQUESTS",
                    help="serve aggregated when the best prefill worker already has this many "
                         "requests running or waiting (default 0: no bound)")
+    p.add_argument("--pd-max-local-prefill", type=int, default=None, metavar="TOKENS",
+                   help="with --pd-max-prefill-queue: a prompt lacking more than this many "
+                        "tokens still queues on a prefill worker rather than prefilling on "
+                        "the decode worker (default 1024; 0: no cap)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits")
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
@@ -200,7 +204,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)),
         churn_half_life_s=_seconds(cfg, "churn_half_life_s", 30.0), seed=args.seed,
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
-        pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"))
+        pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
+        pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"))
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}

@@ -13,9 +13,11 @@ and `Route.reason` says why.
 Conditional disaggregation (`RouterSettings.pd_max_prefill_queue`, as NVIDIA Dynamo's
 prefill-queue bound): prefill workers that already hold that many requests (running +
 waiting) are passed over; when all are, the decode worker prefills locally instead of
-queueing behind them. A saturated prefill
-pool then costs the decode worker's inter-token latency, not unbounded TTFT (and remote
-prefills that time out and are recomputed anyway).
+queueing behind them. A saturated prefill pool then costs the decode worker's inter-token
+latency, not unbounded TTFT (and remote prefills that time out and are recomputed anyway).
+Only up to a point: a prompt lacking more than `pd_max_local_prefill` tokens (as Dynamo's
+max local prefill length) would stall every stream on the decode worker for its whole
+prefill, so it still goes to the best prefill worker and queues there.
 """
 
 from __future__ import annotations
@@ -86,10 +88,14 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
     elif keep_prefill is not None and _usable(router, keep_prefill.worker, now):
         route.prefill = keep_prefill
     else:
-        bound = router.settings.pd_max_prefill_queue
+        settings = router.settings
+        bound = settings.pd_max_prefill_queue
         busy = [w.id for w in router.workers.values()
                 if bound and w.role == "prefill" and w.queue_depth >= bound]
         route.prefill = pick_prefill(router, parsed, model, now, ctx, external, busy)
+        if route.prefill is None and busy and 0 < settings.pd_max_local_prefill \
+                < route.uncached_tokens:  # too long to prefill locally: queue for one
+            route.prefill = pick_prefill(router, parsed, model, now, ctx, external)
         if route.prefill is None:
             route.reason = "prefill_busy" if busy else "no_prefill_worker"
     return route, ctx
