@@ -62,9 +62,10 @@ def test_rope_in_place_on_a_strided_view(ops, rows):
 @pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (13, 37), (260, 200)])  # + tails
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("native", [True, False])  # the packed-panel kernel, and oneDNN
-def test_packed_linear_matches_torch(rows, out_f, in_f, bias, native):
+def test_packed_linear_matches_torch(rows, out_f, in_f, bias, native, monkeypatch):
     from tandem.engine.model.cpu_linear import PackedLinear
 
+    monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "native")  # whatever this CPU would pick
     torch.manual_seed(rows * 1000 + out_f)
     lin = torch.nn.Linear(in_f, out_f, bias=bias)
     x = torch.randn(rows, in_f)
@@ -75,10 +76,30 @@ def test_packed_linear_matches_torch(rows, out_f, in_f, bias, native):
     torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-5)
 
 
-def test_large_blocks_of_rows_take_several_passes():
+def test_the_linear_kernel_is_chosen_from_the_cpu_unless_overridden(monkeypatch):
+    from tandem.engine.model.cpu_linear import native_preferred
+
+    lib = load_native()
+    if not (lib and lib.tandem_linear_simd()):
+        assert not native_preferred(lib)  # nothing to prefer: oneDNN
+        return
+    monkeypatch.delenv("TANDEM_LINEAR_KERNEL", raising=False)
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert native_preferred(lib) is not avx512  # AVX-512: oneDNN's kernels are faster
+    monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "oneDNN")
+    assert not native_preferred(lib)
+    monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "native")
+    assert native_preferred(lib)
+    monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "fast")
+    with pytest.raises(ValueError, match="TANDEM_LINEAR_KERNEL"):
+        native_preferred(lib)
+
+
+def test_large_blocks_of_rows_take_several_passes(monkeypatch):
     """More rows than one L2-sized activation block (MC) still give every row."""
     from tandem.engine.model.cpu_linear import PackedLinear
 
+    monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "native")
     torch.manual_seed(0)
     lin = torch.nn.Linear(1536, 40)  # K=1536: MC = 126 rows, so 300 rows = 3 blocks
     x = torch.randn(300, 1536)

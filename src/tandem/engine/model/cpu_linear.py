@@ -5,8 +5,12 @@
   byte once per block of activation rows. One layout for every batch size; on this machine
   1.4-2x faster than oneDNN at 1-48 rows (decode) and about equal at 96-1024 (prefill),
   measured with `bench/linear_micro.py`.
-* Otherwise (no compiler, no AVX2): oneDNN's blocked layout (`torch.nn.functional.linear`
-  would repack the weight on every call).
+* Otherwise (no compiler, no AVX2), and on CPUs with AVX-512: oneDNN's blocked layout
+  (`torch.nn.functional.linear` would repack the weight on every call). oneDNN's AVX-512
+  kernels beat the AVX2 panels there: on a 2-core AVX-512 EPYC (one thread, one forward of
+  SmolLM2's linears) about equal at 1-4 rows and 1.6-1.9x faster from 16 rows up.
+  `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone,
+  so every worker on one machine computes with the same kernel (same rounding).
 
 Either way the model file stays plain (gpt-fast style: applied after weight loading), and
 the results differ from MKL's only in float rounding order.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 from torch import nn
@@ -33,6 +38,21 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _native_simd(native: ctypes.CDLL | None) -> bool:
     return native is not None and bool(native.tandem_linear_simd())
+
+
+def native_preferred(native: ctypes.CDLL | None) -> bool:
+    """Use the AVX2 packed-panel kernel: it is built, and the CPU lacks AVX-512 (where
+    oneDNN is faster) unless `TANDEM_LINEAR_KERNEL` says otherwise."""
+    if not _native_simd(native):
+        return False
+    if not onednn_available(torch.float32, torch.device("cpu")):
+        return True
+    choice = os.environ.get("TANDEM_LINEAR_KERNEL", "").strip().lower()
+    if choice in ("native", "onednn"):
+        return choice == "native"
+    if choice:
+        raise ValueError(f"TANDEM_LINEAR_KERNEL must be 'native' or 'onednn', got {choice!r}")
+    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def packing_available(dtype: torch.dtype, device: torch.device,
@@ -62,7 +82,7 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach().contiguous() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self._kernel = None
-        if _native_simd(native):
+        if native_preferred(native):
             self._kernel = native.tandem_linear_packed_f32
             self.register_buffer("packed", pack_panels(weight), persistent=False)
         else:
@@ -86,7 +106,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, native: ctypes.CDLL | None = None) -> int:
     """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many."""
     count = 0
-    kind = "native panels" if _native_simd(native) else "oneDNN"
+    kind = "native panels" if native_preferred(native) else "oneDNN"
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
