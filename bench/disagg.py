@@ -1,23 +1,25 @@
-"""Disaggregated vs aggregated serving on the same two cores, in one run.
+"""Disaggregated vs aggregated serving on the same two cores, in one run, at one or more loads.
 
-    .venv/bin/python bench/disagg.py [--quick] [--rate R] [--pd-threshold T]
-        [--pd-max-prefill-queue N]
+    .venv/bin/python bench/disagg.py [--quick] [--loads S:L,...] [--duration SECONDS]
+        [--pd-threshold T] [--pd-max-prefill-queue N]
 
 Both setups get one CPU core per worker (`taskset`, one engine thread each), standing in for
 two machines, and a `tandem router` in front:
 
 * aggregated: two `--role both` workers (core 0, core 1), cache-aware routing;
 * disaggregated: a `--role prefill` worker on core 0 and a `--role decode` worker on core 1;
-  the router sends every prompt whose uncached part reaches `--pd-threshold` tokens through
-  the prefill worker (KV pages over gRPC), shorter ones straight to the decode worker.
+  the router sends every prompt whose uncached part reaches `--pd-threshold` tokens (default
+  16, the product's) through the prefill worker (KV pages over gRPC), shorter ones straight
+  to the decode worker.
 
 The workload mixes short chat-like requests (64-token prompts, 64 output tokens) with long
-prompts (1,536 tokens, 4 output tokens) arriving while the short ones decode; Poisson
-arrivals, seeded, the same schedule for both setups. Reports inter-token latency p50/p99 and
-TTFT p50/p99 for each class, and the ratio of the short requests' ITL p99 (disaggregated /
-aggregated). Target: at most 0.5. With a few long prompts among thousands of short-request
-gaps the stalls they cause may stay under the 99th percentile, so the short class's tail is
-reported too: p99.9, max, and the stalls (gaps over `STALL_S`) with their total seconds.
+prompts (1,536 tokens, 4 output tokens) arriving while the short ones decode: two
+independent Poisson streams over `--duration` seconds, at `S` short and `L` long requests
+per second for each load `S:L` of `--loads`; seeded, the same schedule for both setups.
+Reports inter-token latency p50/p99 and TTFT p50/p99 for each class, and the ratio of the
+short requests' ITL p99 (disaggregated / aggregated) at each load. Target: at most 0.5.
+The short class's tail is reported too: p99.9, max, and the stalls (gaps over `STALL_S`)
+with their total seconds, which a p99 over a few thousand gaps can miss.
 Writes `bench/results/disagg[-quick]-<date>.json`.
 """
 
@@ -54,16 +56,29 @@ def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def workload(n_short: int, n_long: int, seed: int) -> list[tuple[str, BenchRequest]]:
+def workload(short_rate: float, long_rate: float, duration: float, seed: int
+             ) -> tuple[list[tuple[str, BenchRequest]], list[float]]:
+    """Short and long requests arriving as two Poisson streams over `duration` seconds:
+    (class, request) pairs and their arrival offsets (s), in arrival order."""
     rng = random.Random(seed)
+    gen = np.random.default_rng(seed)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
-    reqs = ([("short", BenchRequest(ids(SHORT[0]), SHORT[1])) for _ in range(n_short)]
-            + [("long", BenchRequest(ids(LONG[0]), LONG[1])) for _ in range(n_long)])
-    rng.shuffle(reqs)
-    return reqs
+    arrivals: list[tuple[float, str]] = []
+    for cls, rate in (("short", short_rate), ("long", long_rate)):
+        t = 0.0
+        while rate > 0:
+            t += float(gen.exponential(1.0 / rate))
+            if t >= duration:
+                break
+            arrivals.append((t, cls))
+    arrivals.sort()
+    reqs = [(cls, BenchRequest(ids(SHORT[0] if cls == "short" else LONG[0]),
+                               SHORT[1] if cls == "short" else LONG[1]))
+            for _, cls in arrivals]
+    return reqs, [t for t, _ in arrivals]
 
 
 def cli(*args: str) -> list[str]:
@@ -85,8 +100,8 @@ def router(name: str, urls: list[str], extra: list[str]) -> ServerSpec:
                       {"PYTHONPATH": str(REPO / "src")})
 
 
-def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], rate: float, seed: int,
-              pd_threshold: int, pd_max_prefill_queue: int = 0) -> dict:
+def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[float],
+              seed: int, pd_threshold: int, pd_max_prefill_queue: int = 0) -> dict:
     from tandem.protocol.bundled import BUNDLED_NAME
 
     cores = sorted(os.sched_getaffinity(0))
@@ -103,7 +118,8 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], rate: float, seed
             extra = ["--pd-threshold", str(pd_threshold),
                      "--pd-max-prefill-queue", str(pd_max_prefill_queue)]
         url = stack.enter_context(launched(router(name, urls, extra)))
-        results = asyncio.run(run_rate(url, BUNDLED_NAME, [r for _, r in reqs], rate, seed))
+        results = asyncio.run(run_rate(url, BUNDLED_NAME, [r for _, r in reqs], 1.0, seed,
+                                       offsets=offsets))
     out: dict = {"setup": name, "by_class": {}}
     for cls in ("short", "long"):
         rs = [res for (c, _), res in zip(reqs, results, strict=True) if c == cls]
@@ -133,54 +149,76 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
+def parse_loads(text: str) -> list[tuple[float, float]]:
+    """"S:L,S:L" -> [(short req/s, long req/s), ...]."""
+    out = []
+    for item in text.split(","):
+        short, _, long = item.partition(":")
+        out.append((float(short), float(long)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rate", type=float, default=None, help="requests/s (default 0.8)")
-    ap.add_argument("--pd-threshold", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="one light load, 20 s")
+    ap.add_argument("--loads", default="0.64:0.16,2.4:0.1",
+                    help="short:long request rates per second, comma-separated (default: "
+                         "0.64:0.16, a light mix; 2.4:0.1, busier chat traffic)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    ap.add_argument("--pd-threshold", type=int, default=16)
     ap.add_argument("--pd-max-prefill-queue", type=int, default=0,
                     help="the router's conditional-disaggregation bound (default 0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    n_short, n_long = (12, 3) if args.quick else (40, 10)
-    rate = args.rate or 0.8
-    reqs = workload(n_short, n_long, args.seed)
+    loads = [(0.64, 0.16)] if args.quick else parse_loads(args.loads)
+    duration = 20.0 if args.quick else args.duration
     report: dict = {"benchmark": "disagg", "date": dt.date.today().isoformat(),
-                    "quick": args.quick, "rate": rate, "pd_threshold": args.pd_threshold,
+                    "quick": args.quick, "duration_s": duration,
+                    "pd_threshold": args.pd_threshold,
                     "pd_max_prefill_queue": args.pd_max_prefill_queue,
-                    "short": {"prompt_tokens": SHORT[0], "max_tokens": SHORT[1],
-                              "requests": n_short},
-                    "long": {"prompt_tokens": LONG[0], "max_tokens": LONG[1],
-                             "requests": n_long},
+                    "short": {"prompt_tokens": SHORT[0], "max_tokens": SHORT[1]},
+                    "long": {"prompt_tokens": LONG[0], "max_tokens": LONG[1]},
                     "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                                 "platform": platform.platform()},
-                    "runs": []}
-    for name in ("aggregated", "disaggregated"):
-        report["runs"].append(run_setup(name, reqs, rate, args.seed, args.pd_threshold,
-                                        args.pd_max_prefill_queue))
-    agg, dis = (r["by_class"]["short"]["itl"]["p99"] for r in report["runs"])
-    report["short_itl_p99_ratio"] = dis / agg if agg else None
+                    "loads": []}
+    for short_rate, long_rate in loads:
+        reqs, offsets = workload(short_rate, long_rate, duration, args.seed)
+        log(f"load {short_rate:g} short/s + {long_rate:g} long/s: "
+            f"{sum(c == 'short' for c, _ in reqs)} short, {sum(c == 'long' for c, _ in reqs)} "
+            f"long over {duration:g} s")
+        load: dict = {"short_rate": short_rate, "long_rate": long_rate,
+                      "requests": {cls: sum(c == cls for c, _ in reqs)
+                                   for cls in ("short", "long")}, "runs": []}
+        for name in ("aggregated", "disaggregated"):
+            load["runs"].append(run_setup(name, reqs, offsets, args.seed, args.pd_threshold,
+                                          args.pd_max_prefill_queue))
+        agg, dis = (r["by_class"]["short"]["itl"]["p99"] for r in load["runs"])
+        load["short_itl_p99_ratio"] = dis / agg if agg else None
+        report["loads"].append(load)
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (
         f"disagg{'-quick' if args.quick else ''}-{report['date']}.json")
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'setup':14s} {'class':6s} {'ttft p50':>9s} {'ttft p99':>9s} {'itl p50':>8s} "
-          f"{'itl p99':>8s}")
-    for r in report["runs"]:
-        for cls, s in r["by_class"].items():
-            print(f"{r['setup']:14s} {cls:6s} {s['ttft']['p50']:9.3f} {s['ttft']['p99']:9.3f} "
-                  f"{s['itl']['p50']:8.3f} {s['itl']['p99']:8.3f}")
-    for r in report["runs"]:
-        t = r["by_class"]["short"]["itl_tail"]
-        if t["gaps"]:
-            print(f"{r['setup']}: short gaps {t['gaps']}, p99.9 {t['p99_9']:.3f} s, max "
-                  f"{t['max']:.3f} s, stalls over {STALL_S:g} s: {t['stalls']} "
-                  f"({t['stall_s']:.1f} s)")
-    ratio = report["short_itl_p99_ratio"]
-    if ratio is not None:
-        verdict = "met" if ratio <= TARGET_ITL_P99_RATIO else "MISSED"
-        print(f"short ITL p99 disaggregated / aggregated: {ratio:.2f} (target <= "
-              f"{TARGET_ITL_P99_RATIO}): {verdict}")
+    for load in report["loads"]:
+        print(f"\nload: {load['short_rate']:g} short/s + {load['long_rate']:g} long/s "
+              f"({load['requests']['short']} short, {load['requests']['long']} long)")
+        print(f"{'setup':14s} {'class':6s} {'ttft p50':>9s} {'ttft p99':>9s} {'itl p50':>8s} "
+              f"{'itl p99':>8s}")
+        for r in load["runs"]:
+            for cls, st in r["by_class"].items():
+                print(f"{r['setup']:14s} {cls:6s} {st['ttft']['p50']:9.3f} "
+                      f"{st['ttft']['p99']:9.3f} {st['itl']['p50']:8.3f} {st['itl']['p99']:8.3f}")
+        for r in load["runs"]:
+            t = r["by_class"]["short"]["itl_tail"]
+            if t["gaps"]:
+                print(f"{r['setup']}: short gaps {t['gaps']}, p99.9 {t['p99_9']:.3f} s, max "
+                      f"{t['max']:.3f} s, stalls over {STALL_S:g} s: {t['stalls']} "
+                      f"({t['stall_s']:.1f} s)")
+        ratio = load["short_itl_p99_ratio"]
+        if ratio is not None:
+            verdict = "met" if ratio <= TARGET_ITL_P99_RATIO else "MISSED"
+            print(f"short ITL p99 disaggregated / aggregated: {ratio:.2f} (target <= "
+                  f"{TARGET_ITL_P99_RATIO}): {verdict}")
     print(f"wrote {out}")
     return 0
 

@@ -184,9 +184,12 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
 
 async def run_rate(url: str, model: str, requests: Sequence[BenchRequest], rate: float,
                    seed: int, timeout_s: float = 600.0,
-                   extra: Mapping[str, Any] | None = None) -> list[RequestResult]:
-    """Send `requests` open-loop at Poisson `rate`; return results in request order."""
-    offsets = arrival_times(len(requests), rate, seed)
+                   extra: Mapping[str, Any] | None = None,
+                   offsets: Sequence[float] | None = None) -> list[RequestResult]:
+    """Send `requests` open-loop at Poisson `rate` (or at the given arrival `offsets`, in
+    seconds); return results in request order."""
+    if offsets is None:
+        offsets = arrival_times(len(requests), rate, seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         t0 = time.monotonic()
