@@ -55,26 +55,20 @@ def test_malformed_redis_urls_stop_start_up_with_the_flag_named(tmp_path):
         build(_args("--workers", "http://a:8000", "--config", str(cfg), "--redis", "x://y"))
 
 
-def test_pd_max_prefill_queue_from_yaml_and_flag(tmp_path):
+@pytest.mark.parametrize(("key", "default", "in_yaml", "by_flag"), [
+    ("pd_max_prefill_queue", 0, 4, 2),
+    ("pd_max_local_prefill", 1024, 512, 0),
+])
+def test_pd_bounds_from_yaml_and_flag(tmp_path, key, default, in_yaml, by_flag):
+    flag_name = "--" + key.replace("_", "-")
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("workers: [http://a:8000]\npd_max_prefill_queue: 4\n")
-    assert build(_args("--workers", "http://a:1"))[1].settings.pd_max_prefill_queue == 0
-    assert build(_args("--config", str(cfg)))[1].settings.pd_max_prefill_queue == 4
-    flag = build(_args("--config", str(cfg), "--pd-max-prefill-queue", "2"))[1]
-    assert flag.settings.pd_max_prefill_queue == 2
+    cfg.write_text(f"workers: [http://a:8000]\n{key}: {in_yaml}\n")
+    assert getattr(build(_args("--workers", "http://a:1"))[1].settings, key) == default
+    assert getattr(build(_args("--config", str(cfg)))[1].settings, key) == in_yaml
+    flag = build(_args("--config", str(cfg), flag_name, str(by_flag)))[1]
+    assert getattr(flag.settings, key) == by_flag
     with pytest.raises(SystemExit):
-        build(_args("--workers", "http://a:1", "--pd-max-prefill-queue", "-1"))
-
-
-def test_pd_max_local_prefill_from_yaml_and_flag(tmp_path):
-    cfg = tmp_path / "router.yaml"
-    cfg.write_text("workers: [http://a:8000]\npd_max_local_prefill: 512\n")
-    assert build(_args("--workers", "http://a:1"))[1].settings.pd_max_local_prefill == 1024
-    assert build(_args("--config", str(cfg)))[1].settings.pd_max_local_prefill == 512
-    flag = build(_args("--config", str(cfg), "--pd-max-local-prefill", "0"))[1]
-    assert flag.settings.pd_max_local_prefill == 0
-    with pytest.raises(SystemExit):
-        build(_args("--workers", "http://a:1", "--pd-max-local-prefill", "-5"))
+        build(_args("--workers", "http://a:1", flag_name, "-1"))
 
 
 def test_pd_threshold_from_yaml_and_flag(tmp_path):
