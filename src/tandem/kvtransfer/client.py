@@ -182,9 +182,13 @@ class RemotePrefill:
                 writer.committed = True  # once sent, the commit runs even if we are cancelled
 
                 def commit(e: LLMEngine) -> None:
+                    if tail is not None:  # staged, the block is the request's to drop
+                        try:
+                            e.kv.stage_tail(request_id, tail, first + n, tail_ids)
+                        except BaseException:
+                            e.kv.unpin([tail])
+                            raise
                     e.kv.commit_import(full, hashes, parent, tokens)
-                    if tail is not None:
-                        e.kv.stage_tail(request_id, tail, first + n, tail_ids)
 
                 await self.engine.call(commit)
         except BaseException as exc:
