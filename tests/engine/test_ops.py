@@ -106,3 +106,17 @@ def test_large_blocks_of_rows_take_several_passes(monkeypatch):
     torch.testing.assert_close(PackedLinear(lin, load_native())(x),
                                torch.nn.functional.linear(x, lin.weight, lin.bias).detach(),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_malloc_arenas_are_limited_unless_the_environment_decides(monkeypatch):
+    """glibc takes the one-arena setting; a `MALLOC_ARENA_MAX` in the environment wins."""
+    import ctypes.util
+    import platform
+
+    from tandem.engine.cpu_tuning import limit_malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert limit_malloc_arenas() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    glibc = platform.libc_ver()[0] == "glibc" and ctypes.util.find_library("c") is not None
+    assert limit_malloc_arenas() is glibc

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.protocol.tls import add_tls_arg
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.protocol.tls import tls_from_args
     from tandem.serving.api_server import ServerSettings, build_app
 
+    limit_malloc_arenas()  # before any of the server's threads start
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
