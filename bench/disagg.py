@@ -150,18 +150,24 @@ def tail(gaps: list[float]) -> dict:
 
 
 def parse_loads(text: str) -> list[tuple[float, float]]:
-    """"S:L,S:L" -> [(short req/s, long req/s), ...]."""
+    """"S:L,S:L" -> [(short req/s, long req/s), ...]; argparse's `type`."""
     out = []
     for item in text.split(","):
         short, _, long = item.partition(":")
-        out.append((float(short), float(long)))
+        try:
+            rates = (float(short), float(long))
+        except ValueError:
+            rates = (-1.0, -1.0)
+        if min(rates) < 0 or max(rates) <= 0:
+            raise argparse.ArgumentTypeError(f"{item!r} is not SHORT:LONG requests per second")
+        out.append(rates)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one light load, 20 s")
-    ap.add_argument("--loads", default="0.64:0.16,2.4:0.1",
+    ap.add_argument("--loads", type=parse_loads, default="0.64:0.16,2.4:0.1",
                     help="short:long request rates per second, comma-separated (default: "
                          "0.64:0.16, a light mix; 2.4:0.1, busier chat traffic)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    loads = [(0.64, 0.16)] if args.quick else parse_loads(args.loads)
+    loads = [(0.64, 0.16)] if args.quick else args.loads
     duration = 20.0 if args.quick else args.duration
     report: dict = {"benchmark": "disagg", "date": dt.date.today().isoformat(),
                     "quick": args.quick, "duration_s": duration,
@@ -184,12 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                     "loads": []}
     for short_rate, long_rate in loads:
         reqs, offsets = workload(short_rate, long_rate, duration, args.seed)
-        log(f"load {short_rate:g} short/s + {long_rate:g} long/s: "
-            f"{sum(c == 'short' for c, _ in reqs)} short, {sum(c == 'long' for c, _ in reqs)} "
-            f"long over {duration:g} s")
-        load: dict = {"short_rate": short_rate, "long_rate": long_rate,
-                      "requests": {cls: sum(c == cls for c, _ in reqs)
-                                   for cls in ("short", "long")}, "runs": []}
+        counts = {cls: sum(c == cls for c, _ in reqs) for cls in ("short", "long")}
+        log(f"load {short_rate:g} short/s + {long_rate:g} long/s: {counts['short']} short, "
+            f"{counts['long']} long over {duration:g} s")
+        load: dict = {"short_rate": short_rate, "long_rate": long_rate, "requests": counts,
+                      "runs": []}
         for name in ("aggregated", "disaggregated"):
             load["runs"].append(run_setup(name, reqs, offsets, args.seed, args.pd_threshold,
                                           args.pd_max_prefill_queue))

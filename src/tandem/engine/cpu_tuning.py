@@ -29,19 +29,25 @@ TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
+def _mallopt() -> ctypes._CFuncPtr | None:
+    """glibc's `mallopt(int, int)`, or None where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return mallopt
+
+
 def tune_malloc() -> bool:
     """Raise glibc's mmap and trim thresholds (idempotent). False where not glibc."""
     global _done
     if _done:
         return True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         logger.info("not glibc; allocator left as is")
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     _done = ok
@@ -56,17 +62,14 @@ def limit_malloc_arenas() -> bool:
     A worker's engine steps on its own thread, and glibc gives that thread its own arena:
     64 MiB heaps that are unmapped when they empty and fault in again, so the raised
     thresholds above do not keep its per-step buffers. Sharing the main arena does.
-    Measured on a 2-core AVX-512 VM (2026-12-01, one engine thread, medians, two trials
-    each): a 1,536-token prefill 2.31 -> 2.16 s, 16 + 65 tokens 1.40 -> 1.35 s. The server's
-    other threads (HTTP, gRPC, page writes) allocate little, so the shared arena's lock is
-    not contended. False where not glibc or left to the environment."""
+    Measured on a 2-core AVX-512 VM (2026-12-01, one engine thread, three interleaved pairs
+    of trials, medians): a 1,536-token prefill 2.28-2.31 -> 2.13-2.18 s. The server's other
+    threads (HTTP, gRPC, page writes) allocate little, so the shared arena's lock is not
+    contended. False where not glibc or left to the environment."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         logger.info("not glibc; malloc arenas left as they are")
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_ARENA_MAX, 1))

@@ -317,8 +317,9 @@ class _PageWriter:
                     await self._pin
             if self._pin is None or self._pin.cancelled() or self._pin.exception():
                 return
+            # the pin's own result: `self.pinned` is unset when `pin` was cancelled waiting
             blocks = self._pin.result()[0]
-            if committed:
+            if committed:  # the partial block is staged by then: dropped below
                 blocks = blocks[:self.offer.num_full]
             running = [cf for cf in self._writes if not cf.done()]
             if running:

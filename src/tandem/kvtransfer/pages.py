@@ -155,7 +155,7 @@ def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], le
                first_token: int, tail_tokens: int = 0) -> worker_pb2.PageHeader:
     """The header of a transfer of the full blocks `hashes`, plus the prompt's partial block
     after them when `tail_tokens` > 0."""
-    n = len(hashes) + (1 if tail_tokens else 0)
+    n = Offer(len(hashes), tail_tokens).num_blocks
     return worker_pb2.PageHeader(
         model_id=layout.model_id, num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads, block_size=layout.block_size,

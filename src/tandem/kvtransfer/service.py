@@ -32,6 +32,7 @@ from tandem.kvtransfer.grpc_backend import serialize_chunk
 from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import (
     KVTransferError,
+    Offer,
     PageLayout,
     gather_layer,
     header_for,
@@ -195,7 +196,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                 first_token, table = 0, await self._started(stream, run)
             lease = leases.add(rid, lease_s)
             tail = request.tail_tokens
-            sent_blocks = num + (1 if tail else 0)  # the partial block follows the full ones
+            sent_blocks = Offer(num, tail).num_blocks  # the partial block after the full ones
             if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
             keys = HashKeys(self.model_id, "", request.cache_salt)

@@ -93,12 +93,11 @@ class KVCacheManager:
         Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
         """
         computed = computed or []
-        full = computed
         tail = self._tails.get(req.request_id)
-        num_computed = req.num_computed_tokens + len(computed) * self.block_size
-        if tail is not None and computed and computed[-1] is tail.block:
-            full = computed[:-1]
-            num_computed += len(tail.token_ids) - self.block_size
+        takes_tail = tail is not None and bool(computed) and computed[-1] is tail.block
+        full = computed[:-1] if takes_tail else computed  # the staged tail is pinned already
+        num_computed = req.num_computed_tokens + len(full) * self.block_size + (
+            len(tail.token_ids) if takes_tail else 0)
         blocks = self._blocks.setdefault(req.request_id, [])
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(computed)
@@ -108,7 +107,7 @@ class KVCacheManager:
                 del self._blocks[req.request_id]
             return None
         self.pool.touch(full)
-        if full is not computed:  # the staged tail's pin becomes the request's reference
+        if takes_tail:  # the staged tail's pin becomes the request's reference
             del self._tails[req.request_id]
         blocks.extend(computed)
         self._num_cached.setdefault(req.request_id, 0)

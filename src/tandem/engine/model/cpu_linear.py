@@ -2,8 +2,8 @@
 
 * Native (AVX2 + FMA, `engine/csrc/linear_cpu.c`): W is repacked into 16-column panels
   `[ceil(N/16), K, 16]` and multiplied by a register-tiled kernel that reads each weight
-  byte once per block of activation rows. One layout for every batch size; on this machine
-  1.4-2x faster than oneDNN at 1-48 rows (decode) and about equal at 96-1024 (prefill),
+  byte once per block of activation rows. One layout for every batch size; on a 2-core AVX2
+  VM 1.4-2x faster than oneDNN at 1-48 rows (decode) and about equal at 96-1024 (prefill),
   measured with `bench/linear_micro.py`.
 * Otherwise (no compiler, no AVX2), and on CPUs with AVX-512: oneDNN's blocked layout
   (`torch.nn.functional.linear` would repack the weight on every call). oneDNN's AVX-512
