@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from tandem.serving.ports import free_port
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -42,12 +43,6 @@ class ServerSpec:
     argv: list[str]  # the command, with "{port}" where the port goes
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 900.0  # vLLM compiles its model on every start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tandem_spec(extra: list[str] | None = None) -> ServerSpec:

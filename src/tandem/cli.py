@@ -79,14 +79,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -135,8 +127,10 @@ def _roles(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, passthrough: list[str],
-          free_port: Callable[[str], int] = _free_port) -> _Deployment:
+          free_port: Callable[[str], int] | None = None) -> _Deployment:
     """The worker and router command lines, each worker on free HTTP and gRPC ports."""
+    if free_port is None:
+        from tandem.serving.ports import free_port
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
     roles = _roles(args)
     if len(roles) > 1 and "--num-threads" not in passthrough:

@@ -4,7 +4,6 @@ kmock's Kubernetes API over HTTP, `/metrics` scraped from a local HTTP server.""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +13,7 @@ from kubernetes.client import ApiClient, Configuration, DiscoveryV1Api
 
 from tandem.operator.metrics import HttpMetricsSource, counters, parse, per_replica
 from tandem.operator.spec import signal_for
+from tandem.serving.ports import free_port
 from tests.operator.kube_emulator import FakeCluster
 
 TEXT = """\
@@ -81,12 +81,6 @@ def worker() -> Iterator[int]:
     server.shutdown()
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def endpoint_slice(name: str, service: str, port: int,
                    endpoints: list[tuple[str, bool | None]]) -> dict:
     return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -108,7 +102,7 @@ def test_http_source_scrapes_the_ready_endpoints_of_the_pool(tmp_path, worker):
         api = DiscoveryV1Api(client)
         api.create_namespaced_endpoint_slice("ml", endpoint_slice(
             "demo-decode-a", "demo-decode", worker, [("127.0.0.1", True), ("10.9.9.9", False)]))
-        dead = closed_port()
+        dead = free_port()
         api.create_namespaced_endpoint_slice("ml", endpoint_slice(
             "demo-decode-b", "demo-decode", dead, [("127.0.0.2", None)]))
         api.create_namespaced_endpoint_slice("ml", endpoint_slice(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from tandem.operator.reconcile import OperatorConfig
 from tandem.operator.render import Owner, render_all
 from tandem.operator.render.common import CONFIG_HASH
 from tandem.operator.spec import parse_spec
+from tandem.serving.ports import free_port
 from tests.operator.harness import FakeMetrics, OperatorThread, condition, wait_for
 from tests.operator.kube_emulator import SERVER_META, FakeCluster
 from tests.operator.samples import SHA
@@ -413,7 +413,3 @@ def test_the_tandem_operator_process(tmp_path) -> None:
     assert proc.returncode == 0, out[-3000:]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from tandem.serving.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]  # tests import it from here
 
 
 @dataclass
