@@ -1,7 +1,7 @@
 """Disaggregated vs aggregated serving on the same two cores, in one run, at one or more loads.
 
     .venv/bin/python bench/disagg.py [--quick] [--loads S:L,...] [--duration SECONDS]
-        [--pd-threshold T] [--pd-max-prefill-queue N]
+        [--pd-threshold T] [--pd-max-prefill-queue N] [--seed N] [--setups A,B,...]
 
 Both setups get one CPU core per worker (`taskset`, one engine thread each), standing in for
 two machines, and a `tandem router` in front:
@@ -10,7 +10,10 @@ two machines, and a `tandem router` in front:
 * disaggregated: a `--role prefill` worker on core 0 and a `--role decode` worker on core 1;
   the router sends every prompt whose uncached part reaches `--pd-threshold` tokens (default
   16, the product's) through the prefill worker (KV pages over gRPC), shorter ones straight
-  to the decode worker.
+  to the decode worker;
+* disaggregated-fcfs (only when `--setups` names it): the same, with the prefill worker's
+  per-request chunk cap off (`--long-prefill-token-threshold 0`), so prompts queue there
+  first come, first served: what the cap buys short prompts behind long ones.
 
 The workload mixes short chat-like requests (64-token prompts, 64 output tokens) with long
 prompts (1,536 tokens, 4 output tokens) arriving while the short ones decode: two
@@ -85,10 +88,11 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", *args]
 
 
-def worker(name: str, core: int, role: str, grpc_port: int | None) -> ServerSpec:
+def worker(name: str, core: int, role: str, grpc_port: int | None,
+           extra: tuple[str, ...] = ()) -> ServerSpec:
     argv = ["taskset", "-c", str(core), *cli(
         "worker", "--port", "{port}", "--role", role, "--num-threads", "1",
-        "--num-kv-blocks", "1024", "--max-num-batched-tokens", "2048")]
+        "--num-kv-blocks", "1024", "--max-num-batched-tokens", "2048", *extra)]
     if grpc_port is not None:
         argv += ["--grpc-port", str(grpc_port)]
     return ServerSpec(f"disagg-{name}", argv, {"PYTHONPATH": str(REPO / "src")})
@@ -112,8 +116,10 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
                     stack.enter_context(launched(worker("both1", c1, "both", free_port())))]
             extra = ["--pd-threshold", str(pd_threshold)]
         else:
+            # disaggregated-fcfs: the prefill worker without its default per-request chunk cap
+            cap = ("--long-prefill-token-threshold", "0") if name.endswith("-fcfs") else ()
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
-                                                        free_port()))),
+                                                        free_port(), cap))),
                     stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
             extra = ["--pd-threshold", str(pd_threshold),
                      "--pd-max-prefill-queue", str(pd_max_prefill_queue)]
@@ -149,6 +155,18 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
+SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs")
+
+
+def parse_setups(text: str) -> list[str]:
+    """"aggregated,disaggregated" -> the setups to run, in order; argparse's `type`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SETUPS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"setups are {', '.join(SETUPS)}; got {text!r}")
+    return names
+
+
 def parse_loads(text: str) -> list[tuple[float, float]]:
     """"S:L,S:L" -> [(short req/s, long req/s), ...]; argparse's `type`."""
     out = []
@@ -175,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pd-max-prefill-queue", type=int, default=0,
                     help="the router's conditional-disaggregation bound (default 0: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--setups", type=parse_setups, default="aggregated,disaggregated",
+                    help=f"comma-separated, of {', '.join(SETUPS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     loads = [(0.64, 0.16)] if args.quick else args.loads
@@ -195,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{counts['long']} long over {duration:g} s")
         load: dict = {"short_rate": short_rate, "long_rate": long_rate, "requests": counts,
                       "runs": []}
-        for name in ("aggregated", "disaggregated"):
+        for name in args.setups:
             load["runs"].append(run_setup(name, reqs, offsets, args.seed, args.pd_threshold,
                                           args.pd_max_prefill_queue))
-        agg, dis = (r["by_class"]["short"]["itl"]["p99"] for r in load["runs"])
-        load["short_itl_p99_ratio"] = dis / agg if agg else None
+        p99 = {r["setup"]: r["by_class"]["short"]["itl"]["p99"] for r in load["runs"]}
+        agg, dis = p99.get("aggregated"), p99.get("disaggregated")
+        load["short_itl_p99_ratio"] = dis / agg if agg and dis is not None else None
         report["loads"].append(load)
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (
         f"disagg{'-quick' if args.quick else ''}-{report['date']}.json")

@@ -56,12 +56,13 @@ def test_matches_transformers_greedy(tiny, native):
     assert ours == [_hf_greedy(model, p, 40) for p in prompts]
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunk_size_and_prefix_caching_do_not_change_outputs(tiny, chunk):
+@pytest.mark.parametrize("chunk,cap", [(1, 0), (7, 0), (64, 0), (64, 5)])
+def test_chunk_size_and_prefix_caching_do_not_change_outputs(tiny, chunk, cap):
     _, path, _ = tiny
     prompts = _prompts(5, seed=1)
     ref, _ = _run(path, prompts, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    got, llm = _run(path, prompts, max_num_batched_tokens=chunk, enable_prefix_caching=True)
+    got, llm = _run(path, prompts, max_num_batched_tokens=chunk, enable_prefix_caching=True,
+                    long_prefill_token_threshold=cap)
     assert got == ref
     again = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))  # warm cache
     assert [o.outputs[0].token_ids for o in again] == ref

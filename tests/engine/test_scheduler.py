@@ -40,6 +40,88 @@ def test_chunked_prefill_shares_budget_with_decodes():
     assert not out.scheduled[1].samples
 
 
+def test_a_capped_long_prefill_yields_the_step_to_a_prompt_behind_it():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16,
+                      long_prefill_token_threshold=6)
+    long, short = make_request(list(range(40)), max_tokens=1), make_request([7] * 5, 1)
+    sched.add_request(long)
+    out = _step(sched)
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 6)]
+    sched.add_request(short)
+    out = _step(sched)  # the short prompt alone: its first token does not wait for a chunk
+    assert [(s.request, s.start, s.num_new_tokens) for s in out.scheduled] == [(short, 0, 5)]
+    assert short.status is RequestStatus.FINISHED_LENGTH and short.output_token_ids == [7]
+    steps = 2
+    while long.status is not RequestStatus.FINISHED_LENGTH:
+        out = _step(sched)
+        assert [s.request for s in out.scheduled] == [long]
+        assert out.num_batched_tokens <= 6
+        steps += 1
+    assert steps == 2 + 6  # ceil(34 / 6) more
+    assert long.output_token_ids == [7] and not sched._yielded
+
+
+def test_a_long_prefill_yields_at_most_its_cap_in_tokens_of_steps_in_a_row():
+    kv = KVCacheManager(num_blocks=256, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16,
+                      long_prefill_token_threshold=6)
+    long = make_request(list(range(200)), max_tokens=1)
+    sched.add_request(long)
+    _step(sched)
+    ran = []
+    for i in range(9):  # a 5-token prompt arrives before every step
+        sched.add_request(make_request([100 + i] * 5, 1))
+        out = _step(sched)
+        ran.append(any(s.request is long for s in out.scheduled))
+        assert out.num_batched_tokens in (5, 11)
+    # yields 5 tokens, then 10 (>= 6): runs alongside the third short prompt, and again
+    assert ran == [False, False, True] * 3
+
+
+def test_waiting_prompts_that_fill_every_step_do_not_starve_a_long_prefill():
+    kv = KVCacheManager(num_blocks=512, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=16,
+                      long_prefill_token_threshold=6)
+    long = make_request(list(range(60)), max_tokens=1)
+    sched.add_request(long)
+    _step(sched)
+    progress = [long.num_computed_tokens]
+    for i in range(12):  # more short prompts arrive than a step holds
+        for j in range(4):
+            sched.add_request(make_request([1000 + 10 * i + j] * 5, 1))
+        _step(sched)
+        progress.append(long.num_computed_tokens)
+    assert all(progress[k + 3] > progress[k] for k in range(len(progress) - 3)), progress
+
+
+def test_decodes_do_not_make_a_long_prefill_yield():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16,
+                      long_prefill_token_threshold=6)
+    chat = make_request([5] * 3, max_tokens=20)
+    sched.add_request(chat)
+    _step(sched)
+    long = make_request(list(range(30)), max_tokens=1)
+    sched.add_request(long)
+    for _ in range(5):
+        out = _step(sched)
+        assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(chat, 1), (long, 6)]
+    assert long.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_without_a_cap_the_prompt_behind_a_long_one_waits_for_budget():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16)
+    long, short = make_request(list(range(40)), max_tokens=1), make_request([7] * 5, 1)
+    sched.add_request(long)
+    _step(sched)
+    sched.add_request(short)
+    out = _step(sched)
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(long, 16)]
+    assert short.status is RequestStatus.WAITING
+
+
 def test_priority_orders_waiting_and_preemption_picks_lowest_priority():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
@@ -97,11 +179,12 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 40), block_size=st.sampled_from([1, 2, 4]),
-       budget=st.integers(4, 48), caching=st.booleans())
+       budget=st.integers(4, 48), caching=st.booleans(), cap=st.integers(0, 8))
 def test_random_add_step_abort_keeps_pool_consistent(ops, num_blocks, block_size, budget,
-                                                     caching):
+                                                     caching, cap):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, enable_events=True)
-    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=budget)
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=budget,
+                      long_prefill_token_threshold=cap)
     added = []
     for op in ops:
         if op[0] == "add":

@@ -25,7 +25,8 @@ SPECS: dict[str, dict[str, Any]] = {
                                   "tenants": {"gold": {"tokensPerMinute": 100000}}},
                    "redisUrl": "redis://redis:6379/0", "sharedIndex": True,
                    "serviceType": "LoadBalancer"},
-        "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192}},
+        "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192,
+                                                "longPrefillTokenThreshold": 1024}},
         "decode": {"replicas": 3, "engine": {"maxNumSeqs": 256, "kvCacheMemory": "0.5"}},
     },
     "autoscaling": {

@@ -199,6 +199,32 @@ def test_worker_flags_are_accepted_by_tandem_worker(name):
         engine_config(parsed, serving=True)  # the engine's own validation
 
 
+def test_engine_fields_reach_each_pools_engine():
+    from tandem.serving.worker import (
+        PREFILL_ROLE_CHUNK_CAP,
+        add_engine_args,
+        add_server_args,
+        engine_config,
+    )
+
+    def configs(raw: dict) -> dict:
+        p = argparse.ArgumentParser(exit_on_error=False)
+        add_engine_args(p)
+        add_server_args(p)
+        return {d["metadata"]["name"]: engine_config(p.parse_args(container(d)["args"][1:]),
+                                                     serving=True)
+                for d in by_kind(render(raw), "Deployment") if container(d)["args"][0] == "worker"}
+
+    got = configs(spec("disaggregated"))
+    assert got["demo-prefill"].max_num_batched_tokens == 8192
+    assert got["demo-prefill"].long_prefill_token_threshold == 1024
+    assert got["demo-decode"].long_prefill_token_threshold == 0  # the decode role's default
+    assert got["demo-decode"].max_num_seqs == 256
+    plain = spec("disaggregated")
+    del plain["prefill"]["engine"]["longPrefillTokenThreshold"]
+    assert configs(plain)["demo-prefill"].long_prefill_token_threshold == PREFILL_ROLE_CHUNK_CAP
+
+
 def test_replicas_change_keeps_the_pod_template_while_model_or_engine_change_rolls_it():
     def templates(raw: dict) -> dict[str, dict]:
         return {d["metadata"]["name"]: d["spec"]["template"] for d in

@@ -25,6 +25,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit block count; overrides kv_cache_memory
     max_num_seqs: int = 128  # concurrent running requests
     max_num_batched_tokens: int = 1024  # token budget per step (decode + prefill chunks)
+    # most prefill tokens one request runs per step (0: up to the budget); a long prompt then
+    # leaves room for the requests queued behind it
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # context window; None = the model's
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
@@ -71,6 +74,9 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0, got "
+                              f"{self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.cpu_linear not in ("onednn", "torch"):

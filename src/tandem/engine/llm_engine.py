@@ -112,7 +112,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, backend, caches, self.kv, Sampler(config.seed),
                                   self.device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting)
+                                   config.max_waiting, config.long_prefill_token_threshold)
         self.outputs = OutputProcessor(self.tokenizer)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests
         self._prompt_tokens = 0

@@ -2,7 +2,13 @@
 
 Running requests are served first (a decode token each, or their next prefill chunk), then
 waiting requests join in (priority, arrival) order while budget, `max_num_seqs` and blocks
-last. When blocks run out a running request is preempted by recompute: its blocks are freed
+last. With `long_prefill_token_threshold` (vLLM's option of that name) no request's prefill
+chunk exceeds that many tokens per step, so a long prompt leaves budget to the requests
+behind it: they start next step instead of after its whole prefill. Such long chunks are
+scheduled after the waiting prompts, and sit out a step that finishes another prompt's
+prefill (for at most the cap's worth of tokens in a row; see `_schedule_deferred`).
+
+When blocks run out a running request is preempted by recompute: its blocks are freed
 (full ones keep their hashes, so it usually returns through the prefix cache) and it goes
 back to the waiting queue with its generated tokens kept.
 """
@@ -49,16 +55,18 @@ class Scheduler:
     """FCFS-with-priority scheduler over a `KVCacheManager` (plain values, no torch)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int = 1 << 30) -> None:
+                 max_waiting: int = 1 << 30, long_prefill_token_threshold: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
         self.max_waiting = max_waiting
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (priority, seq, req)
         self._seq = itertools.count()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._yielded: dict[str, int] = {}  # request id -> tokens of steps it sat out
 
     # -- queue management ------------------------------------------------------------------
     @property
@@ -94,6 +102,7 @@ class Scheduler:
             return
         req.status = status
         del self.requests[req.request_id]
+        self._yielded.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -104,9 +113,15 @@ class Scheduler:
         self.kv.free(req, keep=keep)
 
     # -- scheduling --------------------------------------------------------------------------
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to run this step of a request with `remaining` uncomputed tokens."""
+        cap = self.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
+        self._yielded.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -114,39 +129,48 @@ class Scheduler:
         out.preempted.append(victim)
         heapq.heappush(self._waiting, (victim.priority, victim.arrival_seq, victim))
 
+    def _make_room(self, req: Request, num_new: int, scheduled: list[ScheduledRequest],
+                   out: SchedulerOutput) -> bool:
+        """Blocks for `num_new` more tokens of running `req`, preempting the lowest-priority,
+        latest request while the pool is short (dropping it from `scheduled`). False when
+        `req` itself was the victim."""
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_seq))
+            self._preempt(victim, out)
+            scheduled[:] = [s for s in scheduled if s.request is not victim]
+            if victim is req:
+                return False
+        return True
+
+    def _left(self, scheduled: list[ScheduledRequest]) -> int:
+        return self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        cap = self.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            ok = True
-            while self.kv.allocate_slots(req, num_new) is None:
-                # lowest priority, latest arrival is the victim (possibly `req` itself)
-                victim = max(self.running, key=lambda r: (r.priority, r.arrival_seq))
-                j = self.running.index(victim)
-                self._preempt(victim, out)
-                for s in scheduled:
-                    if s.request is victim:
-                        budget += s.num_new_tokens
-                scheduled = [s for s in scheduled if s.request is not victim]
-                if victim is req:
-                    ok = False
-                    break
-                if j < i:
-                    i -= 1
-            if ok:
+        deferred: list[Request] = []  # long prefills: their chunk comes after waiting prompts
+        for req in list(self.running):
+            budget = self._left(scheduled)
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier request this step
+            remaining = req.num_tokens - req.num_computed_tokens
+            if 0 < cap < remaining and self._yielded.get(req.request_id, 0) < cap:
+                deferred.append(req)  # a long prefill not yet due: after the waiting prompts
+                continue
+            num_new = self._chunk(remaining, budget)
+            if self._make_room(req, num_new, scheduled, out):
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                budget -= num_new
-                i += 1
+                self._yielded.pop(req.request_id, None)
 
+        budget = self._left(scheduled)
         if not out.preempted:
             while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._waiting[0][2]
                 computed, num_hit = self.kv.get_computed_blocks(req)
-                num_new = min(req.num_tokens - num_hit, budget)
+                num_new = self._chunk(req.num_tokens - num_hit, budget)
                 if self.kv.allocate_slots(req, num_new, computed) is None:
                     break
                 heapq.heappop(self._waiting)
@@ -160,10 +184,40 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(req, num_hit, num_new))
                 budget -= num_new
 
+        yielding = self._schedule_deferred(deferred, scheduled, out)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         out.scheduled = scheduled
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
+        for req in yielding:
+            self._yielded[req.request_id] = (self._yielded.get(req.request_id, 0)
+                                             + out.num_batched_tokens)
         return out
+
+    def _schedule_deferred(self, deferred: list[Request], scheduled: list[ScheduledRequest],
+                           out: SchedulerOutput) -> list[Request]:
+        """Chunks of the long prefills held back from the running pass. While this step
+        finishes some prompt's prefill, a long one yields it to that prompt (a CPU step costs
+        in proportion to its tokens, so its chunk would delay that prompt's first token); it
+        also sits out a step the waiting prompts filled. Once it has sat out
+        `long_prefill_token_threshold` tokens of steps in a row it is due, and the running
+        pass serves it first: under a stream of short prompts it still gets about half of
+        the worker. Returns the requests that sat out this step."""
+        cap = self.long_prefill_token_threshold
+        finishing = any(s.samples and s.start < s.request.num_prompt_tokens
+                        for s in scheduled)
+        yielding = []
+        for req in deferred:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            budget = self._left(scheduled)
+            if finishing or budget <= 0:
+                yielding.append(req)
+                continue
+            if self._make_room(req, min(cap, budget), scheduled, out):
+                scheduled.append(ScheduledRequest(req, req.num_computed_tokens,
+                                                  min(cap, budget)))
+                self._yielded.pop(req.request_id, None)
+        return yielding
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance progress of every scheduled request (before sampled tokens are appended)."""

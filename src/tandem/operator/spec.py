@@ -74,6 +74,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None
     kv_cache_memory: str | None = None  # `--kv-cache-memory`: a fraction or bytes
     num_kv_blocks: int | None = None
@@ -170,6 +171,7 @@ def _engine(d: dict, where: str) -> EngineArgs:
         block_size=get_int(d, "blockSize", 16, w, 1, 256),
         max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
         max_num_batched_tokens=get_int(d, "maxNumBatchedTokens", None, w, 1),
+        long_prefill_token_threshold=get_int(d, "longPrefillTokenThreshold", None, w, 0),
         max_model_len=get_int(d, "maxModelLen", None, w, 1),
         kv_cache_memory=kv_memory(get(d, "kvCacheMemory", str, None, w)),
         num_kv_blocks=get_int(d, "numKvBlocks", None, w, 1),

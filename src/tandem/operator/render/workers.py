@@ -87,6 +87,7 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         ("--model", model_path), ("--model-sha256", m.sha256), ("--dtype", m.dtype),
         ("--block-size", e.block_size), ("--max-num-seqs", e.max_num_seqs),
         ("--max-num-batched-tokens", e.max_num_batched_tokens),
+        ("--long-prefill-token-threshold", e.long_prefill_token_threshold),
         ("--max-model-len", e.max_model_len), ("--kv-cache-memory", e.kv_cache_memory),
         ("--num-kv-blocks", e.num_kv_blocks), ("--max-waiting", e.max_waiting),
         ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds)]
