@@ -222,7 +222,10 @@ def test_engine_fields_reach_each_pools_engine():
     assert got["demo-decode"].max_num_seqs == 256
     plain = spec("disaggregated")
     del plain["prefill"]["engine"]["longPrefillTokenThreshold"]
-    assert configs(plain)["demo-prefill"].long_prefill_token_threshold == PREFILL_ROLE_CHUNK_CAP
+    import torch
+
+    default = 0 if torch.cuda.is_available() else PREFILL_ROLE_CHUNK_CAP  # CPU prefill: 512
+    assert configs(plain)["demo-prefill"].long_prefill_token_threshold == default
 
 
 def test_replicas_change_keeps_the_pod_template_while_model_or_engine_change_rolls_it():

@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="most prefill tokens one request runs per step, so prompts queued "
                         "behind a long one start before it finishes (0: no cap; default: "
-                        f"{PREFILL_ROLE_CHUNK_CAP} for --role prefill, else 0, as vLLM)")
+                        f"{PREFILL_ROLE_CHUNK_CAP} for --role prefill on CPU, else 0, as "
+                        "vLLM)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=0.1,
                    help="bytes (> 1) or a fraction of RAM (<= 1)")
@@ -71,9 +72,16 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
 
 
 def _chunk_cap(args: argparse.Namespace) -> int:
+    """The flag, else PREFILL_ROLE_CHUNK_CAP on a CPU prefill worker, else 0 (vLLM's). On a
+    GPU a step's cost is far from proportional to its tokens below a few thousand, and no
+    GPU run has measured a cap, so CUDA keeps vLLM's default."""
     if args.long_prefill_token_threshold is not None:
         return args.long_prefill_token_threshold
-    return PREFILL_ROLE_CHUNK_CAP if getattr(args, "role", None) == "prefill" else 0
+    if getattr(args, "role", None) != "prefill":
+        return 0
+    import torch
+
+    return 0 if torch.cuda.is_available() else PREFILL_ROLE_CHUNK_CAP
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
