@@ -62,13 +62,18 @@ def test_a_capped_long_prefill_yields_the_step_to_a_prompt_behind_it():
     assert long.output_token_ids == [7] and not sched._yielded
 
 
-def test_a_long_prefill_yields_at_most_its_cap_in_tokens_of_steps_in_a_row():
-    kv = KVCacheManager(num_blocks=256, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=16,
-                      long_prefill_token_threshold=6)
-    long = make_request(list(range(200)), max_tokens=1)
+def _long_running(num_blocks: int, prompt_len: int, max_num_seqs: int = 8):
+    """A scheduler (budget 16, cap 6) that has run the first chunk of a long prompt."""
+    sched = Scheduler(KVCacheManager(num_blocks=num_blocks, block_size=4), max_num_seqs,
+                      max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    long = make_request(list(range(prompt_len)), max_tokens=1)
     sched.add_request(long)
     _step(sched)
+    return sched, long
+
+
+def test_a_long_prefill_yields_at_most_its_cap_in_tokens_of_steps_in_a_row():
+    sched, long = _long_running(256, 200)
     ran = []
     for i in range(9):  # a 5-token prompt arrives before every step
         sched.add_request(make_request([100 + i] * 5, 1))
@@ -80,12 +85,7 @@ def test_a_long_prefill_yields_at_most_its_cap_in_tokens_of_steps_in_a_row():
 
 
 def test_waiting_prompts_that_fill_every_step_do_not_starve_a_long_prefill():
-    kv = KVCacheManager(num_blocks=512, block_size=4)
-    sched = Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=16,
-                      long_prefill_token_threshold=6)
-    long = make_request(list(range(60)), max_tokens=1)
-    sched.add_request(long)
-    _step(sched)
+    sched, long = _long_running(512, 60, max_num_seqs=64)
     progress = [long.num_computed_tokens]
     for i in range(12):  # more short prompts arrive than a step holds
         for j in range(4):
