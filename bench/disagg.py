@@ -13,7 +13,8 @@ two machines, and a `tandem router` in front:
   to the decode worker;
 * disaggregated-fcfs (only when `--setups` names it): the same, with the prefill worker's
   per-request chunk cap off (`--long-prefill-token-threshold 0`), so prompts queue there
-  first come, first served: what the cap buys short prompts behind long ones.
+  first come, first served: what the cap buys short prompts behind long ones;
+  disaggregated-capN: the same with a cap of N tokens instead of the default.
 
 The workload mixes short chat-like requests (64-token prompts, 64 output tokens) with long
 prompts (1,536 tokens, 4 output tokens) arriving while the short ones decode: two
@@ -36,6 +37,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -116,8 +118,11 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
                     stack.enter_context(launched(worker("both1", c1, "both", free_port())))]
             extra = ["--pd-threshold", str(pd_threshold)]
         else:
-            # disaggregated-fcfs: the prefill worker without its default per-request chunk cap
-            cap = ("--long-prefill-token-threshold", "0") if name.endswith("-fcfs") else ()
+            # disaggregated-fcfs: the prefill worker without its default per-request chunk
+            # cap; disaggregated-capN: with a cap of N tokens
+            suffix = name.removeprefix("disaggregated")
+            cap = ("--long-prefill-token-threshold",
+                   "0" if suffix == "-fcfs" else suffix.removeprefix("-cap")) if suffix else ()
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
                                                         free_port(), cap))),
                     stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
@@ -155,13 +160,14 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
-SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs")
+SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs", "disaggregated-capN")
 
 
 def parse_setups(text: str) -> list[str]:
     """"aggregated,disaggregated" -> the setups to run, in order; argparse's `type`."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in SETUPS]
+    bad = [n for n in names if n not in SETUPS[:3]
+           and not re.fullmatch(r"disaggregated-cap[1-9][0-9]{0,5}", n)]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"setups are {', '.join(SETUPS)}; got {text!r}")
     return names
