@@ -150,8 +150,8 @@ class Scheduler:
         cap = self.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         deferred: list[Request] = []  # long prefills: their chunk comes after waiting prompts
+        budget = self.max_num_batched_tokens
         for req in list(self.running):
-            budget = self._left(scheduled)
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
@@ -161,11 +161,14 @@ class Scheduler:
                 deferred.append(req)  # a long prefill not yet due: after the waiting prompts
                 continue
             num_new = self._chunk(remaining, budget)
+            preempted = len(out.preempted)
             if self._make_room(req, num_new, scheduled, out):
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
                 self._yielded.pop(req.request_id, None)
+            # without a preemption `req` got its chunk; with one, victims' chunks came back
+            budget = (budget - num_new if len(out.preempted) == preempted
+                      else self._left(scheduled))
 
-        budget = self._left(scheduled)
         if not out.preempted:
             while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._waiting[0][2]

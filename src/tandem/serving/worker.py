@@ -50,10 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # 1024 (more waiting prompts start per step) at a small cost in inter-token latency
 SERVING_MAX_BATCHED_TOKENS = 2048
 # A prefill worker decodes nothing: the cap only decides how queued prompts share it. Without
-# one a short prompt behind a 1.5k-token one waits out that whole prefill; with 512 it waits
-# at most one 512-token step, for ~2% more time on a lone 1,536-token prompt (one thread:
-# 4.07 s uncapped, 4.14 s at 512, 4.18 s at 256)
-PREFILL_ROLE_CHUNK_CAP = 512
+# one a short prompt behind a 1.5k-token one waits out that whole prefill; with 256 it waits
+# at most one 256-token step, for ~3% more time on a lone 1,536-token prompt (one thread:
+# 4.07 s uncapped, 4.14 s at 512, 4.18 s at 256). bench/disagg.py, 256 against 512 in one
+# run, seeds 0 and 1, two loads: short TTFT p99 3.2-6.8 s against 4.7-13.5 s, long TTFT p50
+# +1 to +12 %
+PREFILL_ROLE_CHUNK_CAP = 256
 
 
 def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConfig:
