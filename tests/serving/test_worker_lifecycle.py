@@ -56,6 +56,20 @@ def test_loading_then_ready(tmp_path):
         assert w.stop() == 0, w.log()
 
 
+def test_a_model_that_fails_to_load_fails_liveness_and_says_so(tmp_path):
+    w = start_worker(tmp_path, "--model", str(tmp_path / "missing.gguf"), wait_ready=False)
+    try:
+        wait_for(w, "/health", 503, timeout=120)  # the kubelet restarts such a container
+        assert httpx.get(w.url + "/health", timeout=5).json() == {"status": "failed"}
+        ready = httpx.get(w.url + "/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["status"] == "failed"
+        r = httpx.post(w.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        assert "failed to load" in r.json()["error"]["message"]
+    finally:
+        assert w.stop() == 0, w.log()
+
+
 def test_full_queue_gets_429_with_retry_after(tmp_path):
     w = start_worker(tmp_path, "--max-num-seqs", "1", "--max-waiting", "1",
                      "--drain-timeout", "0")

@@ -151,8 +151,13 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                                 f"{settings.served_model_name!r}", "model")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """Liveness: 200 while loading or serving; 503 once the model failed to load or the
+        engine loop died (as vLLM's), so a kubelet restarts the container."""
+        engine = holder.engine
+        if holder.error is not None or (engine is not None and not engine.alive):
+            return JSONResponse({"status": "failed" if holder.error else "dead"}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
