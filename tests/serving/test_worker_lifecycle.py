@@ -56,18 +56,14 @@ def test_loading_then_ready(tmp_path):
         assert w.stop() == 0, w.log()
 
 
-def test_a_model_that_fails_to_load_fails_liveness_and_says_so(tmp_path):
-    w = start_worker(tmp_path, "--model", str(tmp_path / "missing.gguf"), wait_ready=False)
-    try:
-        wait_for(w, "/health", 503, timeout=120)  # the kubelet restarts such a container
-        assert httpx.get(w.url + "/health", timeout=5).json() == {"status": "failed"}
-        ready = httpx.get(w.url + "/ready", timeout=5)
-        assert ready.status_code == 503 and ready.json()["status"] == "failed"
-        r = httpx.post(w.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
-        assert r.status_code == 503 and r.headers["Retry-After"]
-        assert "failed to load" in r.json()["error"]["message"]
-    finally:
-        assert w.stop() == 0, w.log()
+def test_a_model_that_fails_to_load_exits_the_worker_with_the_reason(tmp_path):
+    """As vLLM: no worker lingers without a model (Kubernetes restarts the container)."""
+    missing = tmp_path / "missing.gguf"
+    w = start_worker(tmp_path, "--model", str(missing), wait_ready=False)
+    assert w.proc.wait(timeout=120) == 1, w.log()
+    log = w.log()
+    assert "engine failed to load" in log and f"{missing} does not exist" in log
+    assert "exiting: the model failed to load" in log
 
 
 def test_full_queue_gets_429_with_retry_after(tmp_path):

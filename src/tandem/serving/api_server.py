@@ -87,8 +87,10 @@ class _EngineHolder:
         return None if self.engine is None else self.engine.snapshot
 
 
-def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine]) -> FastAPI:
-    """`load_engine` runs in a thread at start-up; its engine is shut down at exit."""
+def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine],
+              on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """`load_engine` runs in a thread at start-up; its engine is shut down at exit. If it
+    raises, `on_load_failure` gets the exception (in the server's loop)."""
     holder = _EngineHolder()
     metrics = ServerMetrics(settings.served_model_name, holder.snapshot)
     pd = PrefillImports(lambda: holder.remote, settings.kv_transfer, metrics,
@@ -104,6 +106,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             if t.exception() is not None:
                 holder.error = t.exception()
                 logger.error("engine failed to load: %r", holder.error)
+                if on_load_failure is not None:
+                    on_load_failure(holder.error)
                 return
             holder.engine = t.result()
             state = holder.engine.engine.state

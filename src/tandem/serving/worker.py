@@ -160,13 +160,22 @@ def run(args: argparse.Namespace) -> int:
                               kv_stream_layers=args.kv_stream_layers)
     config = dataclasses.replace(config, served_model_name=name,
                                  enable_kv_events=args.grpc_port is not None)
-    app = build_app(settings, lambda: AsyncLLMEngine.from_config(config))
+    failed: list[BaseException] = []
+
+    def exit_on_failure(exc: BaseException) -> None:  # as vLLM: a worker without a model exits
+        failed.append(exc)
+        server.server.should_exit = True
+
+    app = build_app(settings, lambda: AsyncLLMEngine.from_config(config), exit_on_failure)
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level="warning", access_log=False,
                                             timeout_graceful_shutdown=5),
                              app, args.drain_timeout)
     logger.info("worker (%s) serving %s on http://%s:%d", args.role, name, args.host, args.port)
     server.run()
+    if failed:
+        logger.error("exiting: the model failed to load (%s)", failed[0])
+        return 1
     return 0
 
 
