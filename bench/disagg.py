@@ -118,11 +118,7 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
                     stack.enter_context(launched(worker("both1", c1, "both", free_port())))]
             extra = ["--pd-threshold", str(pd_threshold)]
         else:
-            # disaggregated-fcfs: the prefill worker without its default per-request chunk
-            # cap; disaggregated-capN: with a cap of N tokens
-            suffix = name.removeprefix("disaggregated")
-            cap = ("--long-prefill-token-threshold",
-                   "0" if suffix == "-fcfs" else suffix.removeprefix("-cap")) if suffix else ()
+            cap = prefill_flags(name) or ()
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
                                                         free_port(), cap))),
                     stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
@@ -163,11 +159,21 @@ def tail(gaps: list[float]) -> dict:
 SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs", "disaggregated-capN")
 
 
+def prefill_flags(setup: str) -> tuple[str, ...] | None:
+    """The prefill worker's extra flags in `setup` (None: not a setup): disaggregated-fcfs
+    turns its per-request chunk cap off, disaggregated-capN sets it to N tokens."""
+    if setup in ("aggregated", "disaggregated"):
+        return ()
+    if setup == "disaggregated-fcfs":
+        return ("--long-prefill-token-threshold", "0")
+    m = re.fullmatch(r"disaggregated-cap([1-9][0-9]{0,5})", setup)
+    return ("--long-prefill-token-threshold", m[1]) if m else None
+
+
 def parse_setups(text: str) -> list[str]:
     """"aggregated,disaggregated" -> the setups to run, in order; argparse's `type`."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in SETUPS[:3]
-           and not re.fullmatch(r"disaggregated-cap[1-9][0-9]{0,5}", n)]
+    bad = [n for n in names if prefill_flags(n) is None]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"setups are {', '.join(SETUPS)}; got {text!r}")
     return names

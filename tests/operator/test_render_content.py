@@ -184,13 +184,21 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
     assert server.rate_limiter is not None
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_worker_flags_are_accepted_by_tandem_worker(name):
-    from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+def worker_parser() -> argparse.ArgumentParser:
+    """`tandem worker`'s own argument parser."""
+    from tandem.serving.worker import add_engine_args, add_server_args
 
     p = argparse.ArgumentParser(exit_on_error=False)
     add_engine_args(p)
     add_server_args(p)
+    return p
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_worker_flags_are_accepted_by_tandem_worker(name):
+    from tandem.serving.worker import engine_config
+
+    p = worker_parser()
     for d in by_kind(render(name), "Deployment"):
         args = container(d)["args"]
         if args[0] != "worker":
@@ -200,17 +208,10 @@ def test_worker_flags_are_accepted_by_tandem_worker(name):
 
 
 def test_engine_fields_reach_each_pools_engine():
-    from tandem.serving.worker import (
-        PREFILL_ROLE_CHUNK_CAP,
-        add_engine_args,
-        add_server_args,
-        engine_config,
-    )
+    from tandem.serving.worker import PREFILL_ROLE_CHUNK_CAP, engine_config
 
     def configs(raw: dict) -> dict:
-        p = argparse.ArgumentParser(exit_on_error=False)
-        add_engine_args(p)
-        add_server_args(p)
+        p = worker_parser()
         return {d["metadata"]["name"]: engine_config(p.parse_args(container(d)["args"][1:]),
                                                      serving=True)
                 for d in by_kind(render(raw), "Deployment") if container(d)["args"][0] == "worker"}
@@ -222,9 +223,9 @@ def test_engine_fields_reach_each_pools_engine():
     assert got["demo-decode"].max_num_seqs == 256
     plain = spec("disaggregated")
     del plain["prefill"]["engine"]["longPrefillTokenThreshold"]
-    import torch
+    from tandem.engine.llm_engine import default_device
 
-    default = 0 if torch.cuda.is_available() else PREFILL_ROLE_CHUNK_CAP  # CPU prefill: 512
+    default = PREFILL_ROLE_CHUNK_CAP if default_device().type == "cpu" else 0
     assert configs(plain)["demo-prefill"].long_prefill_token_threshold == default
 
 

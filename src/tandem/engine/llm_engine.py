@@ -69,6 +69,11 @@ def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def default_device() -> torch.device:
+    """Where an engine runs: the first CUDA device if there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -76,7 +81,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model) if config.model else bundled_model_path()
         dtype = getattr(torch, config.dtype)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = default_device()
         if self.device.type == "cpu":
             tune_malloc()
         t0 = time.perf_counter()

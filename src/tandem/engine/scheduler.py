@@ -157,14 +157,16 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier request this step
             remaining = req.num_tokens - req.num_computed_tokens
-            if 0 < cap < remaining and self._yielded.get(req.request_id, 0) < cap:
+            long = 0 < cap < remaining
+            if long and self._yielded.get(req.request_id, 0) < cap:
                 deferred.append(req)  # a long prefill not yet due: after the waiting prompts
                 continue
             num_new = self._chunk(remaining, budget)
             preempted = len(out.preempted)
             if self._make_room(req, num_new, scheduled, out):
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                self._yielded.pop(req.request_id, None)
+                if long:  # a due one: it starts sitting out afresh
+                    self._yielded.pop(req.request_id, None)
             # without a preemption `req` got its chunk; with one, victims' chunks came back
             budget = (budget - num_new if len(out.preempted) == preempted
                       else self._left(scheduled))
@@ -216,9 +218,9 @@ class Scheduler:
             if finishing or budget <= 0:
                 yielding.append(req)
                 continue
-            if self._make_room(req, min(cap, budget), scheduled, out):
-                scheduled.append(ScheduledRequest(req, req.num_computed_tokens,
-                                                  min(cap, budget)))
+            num_new = min(cap, budget)
+            if self._make_room(req, num_new, scheduled, out):
+                scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
                 self._yielded.pop(req.request_id, None)
         return yielding
 

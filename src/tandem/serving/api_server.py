@@ -86,6 +86,14 @@ class _EngineHolder:
     def snapshot(self) -> EngineStats | None:
         return None if self.engine is None else self.engine.snapshot
 
+    def status(self) -> str:
+        """"failed" (the load raised), "loading", "dead" (the engine loop died) or "ready"."""
+        if self.error is not None:
+            return "failed"
+        if self.engine is None:
+            return "loading"
+        return "ready" if self.engine.alive else "dead"
+
 
 def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine],
               on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
@@ -158,16 +166,15 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     async def health() -> JSONResponse:
         """Liveness: 200 while loading or serving; 503 once the model failed to load or the
         engine loop died (as vLLM's), so a kubelet restarts the container."""
-        engine = holder.engine
-        if holder.error is not None or (engine is not None and not engine.alive):
-            return JSONResponse({"status": "failed" if holder.error else "dead"}, 503)
+        status = holder.status()
+        if status in ("failed", "dead"):
+            return JSONResponse({"status": status}, 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         engine = holder.engine
-        status = ("draining" if app.state.draining else "failed" if holder.error
-                  else "loading" if engine is None else "dead" if not engine.alive else "ready")
+        status = "draining" if app.state.draining else holder.status()
         body = {"status": status, "role": settings.role, "model": settings.served_model_name,
                 "grpc_port": settings.grpc_port,
                 "kv_transfer_backend": settings.kv_transfer.backend}

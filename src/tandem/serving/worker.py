@@ -81,9 +81,9 @@ def _chunk_cap(args: argparse.Namespace) -> int:
         return args.long_prefill_token_threshold
     if getattr(args, "role", None) != "prefill":
         return 0
-    import torch
+    from tandem.engine.llm_engine import default_device
 
-    return 0 if torch.cuda.is_available() else PREFILL_ROLE_CHUNK_CAP
+    return PREFILL_ROLE_CHUNK_CAP if default_device().type == "cpu" else 0
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
