@@ -270,16 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
         return _serve(args, extra)  # unknown options go to the worker (engine args)
-    if args.command == "worker":
+    if args.command in ("worker", "generate"):
+        from tandem.engine.errors import ConfigError
         from tandem.serving.worker import run
 
-        return run(args)
+        try:
+            return run(args) if args.command == "worker" else _generate(args)
+        except ConfigError as exc:  # a bad engine flag: a usage error, not a traceback
+            parser.error(str(exc))
     if args.command == "router":
         from tandem.router.main import run as run_router
 
         return run_router(args)
-    if args.command == "generate":
-        return _generate(args)
     if args.command == "operator":
         from tandem.operator.cli import run as run_operator
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from .conftest import metric, start_worker, wait_for, wait_idle
+from .conftest import free_port, metric, start_worker, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 400, "temperature": 0,
@@ -64,6 +66,17 @@ def test_a_model_that_fails_to_load_exits_the_worker_with_the_reason(tmp_path):
     log = w.log()
     assert "engine failed to load" in log and f"{missing} does not exist" in log
     assert "exiting: the model failed to load" in log
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--long-prefill-token-threshold", "-5"), "long_prefill_token_threshold must be >= 0"),
+    (("--max-num-batched-tokens", "0"), "max_num_batched_tokens must be >= 1"),
+])
+def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message):
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "worker", "--port",
+                        str(free_port()), *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_full_queue_gets_429_with_retry_after(tmp_path):
@@ -138,10 +151,6 @@ def test_sigterm_drains_running_requests_then_exits_zero(tmp_path):
 
 def test_tandem_serve_prints_the_url_and_stops_everything_on_ctrl_c(tmp_path):
     import os
-    import subprocess
-    import sys
-
-    from .conftest import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

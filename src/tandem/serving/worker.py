@@ -61,8 +61,9 @@ PREFILL_ROLE_CHUNK_CAP = 256
 def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConfig:
     """Engine arguments from the CLI; `serving` picks the server's token budget default."""
     mem = args.kv_cache_memory
-    budget = args.max_num_batched_tokens or (
-        SERVING_MAX_BATCHED_TOKENS if serving else EngineConfig.max_num_batched_tokens)
+    budget = args.max_num_batched_tokens
+    if budget is None:  # an explicit 0 goes on to the engine's own check
+        budget = SERVING_MAX_BATCHED_TOKENS if serving else EngineConfig.max_num_batched_tokens
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
