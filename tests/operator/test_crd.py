@@ -140,6 +140,8 @@ INVALID = [  # (what, where in spec, value, keyword that must fail, at this path
     ("a non-Redis URL", "router.redisUrl", "http://redis", "pattern", "spec.router.redisUrl"),
     ("a block size of 0", "prefill.engine", {"blockSize": 0}, "minimum",
      "spec.prefill.engine.blockSize"),
+    ("a negative chunk cap", "prefill.engine", {"longPrefillTokenThreshold": -1}, "minimum",
+     "spec.prefill.engine.longPrefillTokenThreshold"),
 ]
 
 

@@ -97,6 +97,8 @@ def _mutate(name: str, path: str, value) -> dict:
     ("aggregated", "router.policy", "fastest", "router.policy"),
     ("aggregated", "router.weights", {"prefix": 1, "latency": 2}, "latency"),
     ("aggregated", "router.replicas", 0, "router.replicas"),
+    ("disaggregated", "prefill.engine.longPrefillTokenThreshold", -1,
+     r"prefill\.engine\.longPrefillTokenThreshold: -1 is not in \[0, "),
     ("aggregated", "decode.replicas", "3", "expected int"),
     ("aggregated", "decode.replicas", True, "expected int"),
     ("aggregated", "decode.resources", {"requests": {"nvidia.com/gpu": 1}}, "nvidia.com/gpu"),
