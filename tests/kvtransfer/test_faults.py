@@ -86,7 +86,8 @@ def in_thread(fn, *args) -> tuple[threading.Thread, list]:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    # a 2,048-token budget: the busy prompt below is one engine step however fast the CPU
+    # a 2,048-token budget: the decode worker's busy prompt below is one engine step however
+    # fast the CPU (the prefill role caps each prompt's chunk at its default, 256 tokens)
     common = ("--num-threads", "1", "--num-kv-blocks", "256", "--max-num-batched-tokens", "2048")
     decode_args = ("--role", "decode", "--kv-transfer-timeout", str(TIMEOUT), *common)
     ports = {"prefill": free_port(), "victim": free_port(), "streamed": free_port()}
@@ -189,8 +190,8 @@ def test_a_prefill_worker_killed_while_prefilling(cluster):
     """SIGKILL of the real prefill worker mid-prefill: the decode worker notices the dead
     connection at once (not at the timeout) and computes the prompt itself."""
     c = cluster
-    # ~2 s of prefill on the victim's one thread, in one engine step (so no metric shows it
-    # running): it is killed well inside that window; `ok` staying put below proves it
+    # ~2 s of prefill on the victim's one thread (two chunks at the prefill role's cap): it
+    # is killed well inside that window; `ok` staying put below proves it
     prompt = ids(200, 500)
     want = text(c.single.url, prompt)
     before = {r: fetches(c.decode.url, r) for r in ("ok", "timeout", "unavailable", "rpc")}
@@ -473,8 +474,9 @@ def test_a_stream_cancelled_during_the_prefill_frees_the_pages(cluster):
     c = cluster
     wait_idle(c.prefill.url, 10)
     stub = c.stub()
-    # ~2 s of prefill in one engine step: the cancel lands while it computes (and no metric
-    # moves until the step is over, so the next request is the way to wait for it)
+    # ~2 s of prefill (two capped chunks): the cancel lands while it computes (and the
+    # prompt is not finished until its last step is, so the next request is the way to
+    # wait for it)
     call = stub.Prefill(prefill_request(ids(730, 500), lease_s=600), timeout=60)
     time.sleep(0.5)
     call.cancel()
@@ -489,32 +491,38 @@ def test_a_stream_cancelled_during_the_prefill_frees_the_pages(cluster):
 
 def test_streamed_pages_leave_while_the_prompt_computes(cluster):
     """The header comes when the prompt's last step starts and pages follow as layers are
-    written, well before the compute ends; the pages are those of the whole-prompt
-    sender (same checksum), and an acknowledgement frees them."""
+    written, well before that step ends; the pages are those of the whole-prompt sender
+    (same checksum), and an acknowledgement frees them. The prefill workers run their role's
+    default chunk cap, so the prompt takes more than one step."""
     c = cluster
     wait_idle(c.streamed.url, 10)
-    prompt = ids(740, 500)  # ~2 s of prefill in one step on one thread
+    prompt = ids(740, 500)  # ~2 s of prefill on one thread, in two capped chunks
     t0 = time.monotonic()
     arrivals: list[tuple[float, str]] = []
-    chunks = []
-    for chunk in c.streamed_stub().Prefill(prefill_request(prompt, lease_s=600), timeout=60):
-        arrivals.append((time.monotonic() - t0, chunk.WhichOneof("kind")))
-        chunks.append(chunk)
-    kinds = [k for _, k in arrivals]
-    assert kinds[0] == "header" and kinds[-1] == "trailer"
-    assert set(kinds[1:-1]) == {"data", "layer_end"}
-    first_data, end = arrivals[1][0], arrivals[-1][0]
-    assert first_data < 0.5 * end, arrivals[:3]  # layer 0 left long before the last layer
-    whole = list(c.stub().Prefill(prefill_request(prompt, lease_s=600), timeout=60))
-    assert whole[-1].trailer.xxh3_64 == chunks[-1].trailer.xxh3_64
-    assert [(m.WhichOneof("kind"), m.data.layer, m.layer_end.layer) for m in whole[1:-1]] == [
-        (m.WhichOneof("kind"), m.data.layer, m.layer_end.layer) for m in chunks[1:-1]]
-    assert [m.layer_end.xxh3_64 for m in whole[1:-1]] == [
-        m.layer_end.xxh3_64 for m in chunks[1:-1]]
-    assert c.stub().ReleasePages(worker_pb2.ReleasePagesRequest(
-        lease_id=whole[0].header.lease_id), timeout=10).released
-    assert c.streamed_stub().ReleasePages(worker_pb2.ReleasePagesRequest(
-        lease_id=chunks[0].header.lease_id), timeout=10).released
+    chunks, whole = [], []
+    try:
+        for chunk in c.streamed_stub().Prefill(prefill_request(prompt, lease_s=600),
+                                               timeout=60):
+            arrivals.append((time.monotonic() - t0, chunk.WhichOneof("kind")))
+            chunks.append(chunk)
+        kinds = [k for _, k in arrivals]
+        assert kinds[0] == "header" and kinds[-1] == "trailer"
+        assert set(kinds[1:-1]) == {"data", "layer_end"}
+        # layer 0 of the last step left long before its last layer was written
+        header, first_data, end = arrivals[0][0], arrivals[1][0], arrivals[-1][0]
+        assert first_data - header < 0.5 * (end - header), arrivals[:3]
+        whole = list(c.stub().Prefill(prefill_request(prompt, lease_s=600), timeout=60))
+        assert whole[-1].trailer.xxh3_64 == chunks[-1].trailer.xxh3_64
+        assert [(m.WhichOneof("kind"), m.data.layer, m.layer_end.layer)
+                for m in whole[1:-1]] == [
+            (m.WhichOneof("kind"), m.data.layer, m.layer_end.layer) for m in chunks[1:-1]]
+        assert [m.layer_end.xxh3_64 for m in whole[1:-1]] == [
+            m.layer_end.xxh3_64 for m in chunks[1:-1]]
+    finally:  # a failure above must not leave pages pinned for the next tests
+        released = [stub.ReleasePages(worker_pb2.ReleasePagesRequest(
+            lease_id=got[0].header.lease_id), timeout=10).released
+            for stub, got in ((c.stub(), whole), (c.streamed_stub(), chunks)) if got]
+    assert released == [True, True]
     assert wait_usage_zero(c.streamed.url, 3.0) < 3.0
 
 
