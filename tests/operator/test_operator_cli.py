@@ -32,12 +32,24 @@ def test_all_namespaces_and_a_namespace_exclude_each_other():
         parse("--all-namespaces", "--namespace=a")
 
 
+@pytest.mark.parametrize("flag", ["--status-interval", "--autoscale-interval",
+                                  "--resync-interval"])
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_a_timer_interval_must_be_positive_seconds(flag, value, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse("-A", flag, value)
+    assert info.value.code == 2
+    assert "number of seconds > 0" in capsys.readouterr().err
+
+
 def test_config_takes_the_childrens_image_from_the_environment():
-    args = parse("-A", "--status-interval", "5", "--autoscale-interval", "30")
+    args = parse("-A", "--status-interval", "5", "--autoscale-interval", "30",
+                 "--resync-interval", "120")
     cfg = config_from(args, {"TANDEM_IMAGE": "registry.example/tandem:1.2",
                              "TANDEM_IMAGE_PULL_POLICY": "Always"})
     assert (cfg.image, cfg.image_pull_policy) == ("registry.example/tandem:1.2", "Always")
-    assert (cfg.status_interval_s, cfg.autoscale_interval_s) == (5.0, 30.0)
+    assert (cfg.status_interval_s, cfg.autoscale_interval_s, cfg.resync_interval_s) == (
+        5.0, 30.0, 120.0)
     assert cfg.metrics is None  # scrape the pods over HTTP
     cfg = config_from(args, {})
     assert (cfg.image, cfg.image_pull_policy) == (DEFAULT_IMAGE, None)

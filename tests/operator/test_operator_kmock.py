@@ -28,7 +28,7 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 import pytest
-from kubernetes.client import ApiClient, AppsV1Api, Configuration, CustomObjectsApi
+from kubernetes.client import ApiClient, AppsV1Api, Configuration, CoreV1Api, CustomObjectsApi
 
 from tandem.operator.reconcile import OperatorConfig
 from tandem.operator.render import Owner, render_all
@@ -78,6 +78,7 @@ class Env:
         self.cluster, self.metrics = cluster, metrics
         client = ApiClient(Configuration(host=cluster.url))
         self.api, self.apps = CustomObjectsApi(client), AppsV1Api(client)
+        self.core = CoreV1Api(client)
         self.created: list[str] = []
 
     def clean(self) -> None:
@@ -133,6 +134,7 @@ def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     metrics = FakeMetrics()
     config = OperatorConfig(image=IMAGE, image_pull_policy="IfNotPresent",
                             status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
+                            resync_interval_s=1.0,
                             metrics=metrics)
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)  # read by the operator's login
@@ -299,6 +301,48 @@ def test_a_deployment_deleted_by_hand_comes_back(env: Env) -> None:
                     and d["metadata"]["uid"] != first["metadata"]["uid"] and d,
                     what="the Deployment re-applied")
     assert server_side(back) == server_side(first)
+
+
+def test_children_deleted_or_edited_by_hand_are_repaired(env: Env) -> None:
+    """The resync timer applies the children again: a Service and the router's ConfigMap
+    deleted by hand come back as rendered, a Deployment's image edited by hand is reverted,
+    a Repaired Warning Event names exactly those, and untouched children are not written."""
+    env.create("kappa", PD)
+    wait_for(lambda: env.status("kappa").get("observedGeneration") == 1)
+    first = {(kind, name): env.get(kind, name)
+             for kind, names in children("kappa").items() for name in names}
+    env.core.delete_namespaced_service("kappa-router", NS)
+    env.core.delete_namespaced_config_map("kappa-router-config", NS)
+    env.apps.patch_namespaced_deployment("kappa-decode", NS, [
+        {"op": "replace", "path": "/spec/template/spec/containers/0/image",
+         "value": "registry.example/other:latest"}])
+    assert env.get("Deployment", "kappa-decode")["spec"]["template"]["spec"]["containers"][0][
+        "image"] == "registry.example/other:latest"
+    for kind, name in (("Service", "kappa-router"), ("ConfigMap", "kappa-router-config")):
+        back = wait_for(lambda kind=kind, name=name: (o := env.get(kind, name))
+                        and o["metadata"]["uid"] != first[kind, name]["metadata"]["uid"] and o,
+                        what=f"{kind}/{name} re-applied")
+        assert server_side(back) == server_side(first[kind, name])
+    reverted = wait_for(lambda: (d := env.get("Deployment", "kappa-decode"))
+                        and d["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+                        and d, what="the image reverted")
+    assert server_side(reverted)["spec"] == server_side(first["Deployment", "kappa-decode"])[
+        "spec"]
+    events = wait_for(lambda: [e["message"] for e in env.cluster.objects("v1/events")
+                               if e.get("reason") == "Repaired"
+                               and e["involvedObject"]["name"] == "kappa"],
+                      what="a Repaired event")
+    named = " ".join(events)
+    for child in ("Service/kappa-router", "ConfigMap/kappa-router-config",
+                  "Deployment/kappa-decode"):
+        assert child in named, (child, events)
+    untouched = [key for key in first if key not in {
+        ("Service", "kappa-router"), ("ConfigMap", "kappa-router-config"),
+        ("Deployment", "kappa-decode")}]
+    time.sleep(2.5)  # two more resyncs
+    for kind, name in untouched:
+        assert f"{kind}/{name}" not in named
+        assert len(env.history(kind, name)) == 1, f"{kind}/{name} was written again"
 
 
 def test_a_spec_the_schema_cannot_catch_is_reported_and_recovers(env: Env) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -31,11 +32,25 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
                        help="handle InferenceServices in NS (repeatable; globs as in kopf)")
     p.add_argument("--liveness", metavar="URL", default=None,
                    help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
-    p.add_argument("--status-interval", type=float, default=10.0, metavar="S",
+    p.add_argument("--status-interval", type=_seconds, default=10.0, metavar="S",
                    help="seconds between status refreshes from the Deployments (default 10)")
-    p.add_argument("--autoscale-interval", type=float, default=15.0, metavar="S",
+    p.add_argument("--autoscale-interval", type=_seconds, default=15.0, metavar="S",
                    help="seconds between autoscaler ticks (autoscaling.mode: operator; "
                         "default 15)")
+    p.add_argument("--resync-interval", type=_seconds, default=60.0, metavar="S",
+                   help="seconds between full re-applies of each InferenceService's children, "
+                        "which repair ones deleted or edited by hand (default 60)")
+
+
+def _seconds(text: str) -> float:
+    """A timer interval: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
 
 
 def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
@@ -45,7 +60,8 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Operato
     image, pull = image_from_env(environ)
     return OperatorConfig(image=image, image_pull_policy=pull,
                           status_interval_s=args.status_interval,
-                          autoscale_interval_s=args.autoscale_interval)
+                          autoscale_interval_s=args.autoscale_interval,
+                          resync_interval_s=args.resync_interval)
 
 
 def settings() -> kopf.OperatorSettings:

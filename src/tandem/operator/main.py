@@ -7,6 +7,10 @@
   an `InvalidSpec` condition), apply the children, delete those no longer rendered, write
   status; an API failure → `TemporaryError` with exponential backoff (`ApplyFailed`).
 * status timer: replicas and conditions from the Deployments; re-applies a missing one.
+* resync timer: applies every child again, so one deleted or edited by hand (a Service, a
+  ConfigMap, a Deployment's image...) is back to its rendered form within the interval; a
+  `Repaired` Warning Event names each child it had to write. Unchanged children cost one
+  no-op apply each (the API server keeps them as they are).
 * autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`).
 
 Deletion needs no handler: every child carries a controller owner reference, so the garbage
@@ -17,6 +21,9 @@ lifted once they stop).
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import kopf
@@ -24,7 +31,7 @@ from kubernetes.client import ApiClient
 
 from tandem.operator import kube, reconcile
 from tandem.operator.metrics import HttpMetricsSource
-from tandem.operator.render import pool_name, pools, router_name
+from tandem.operator.render import Owner, pool_name, pools, router_name
 from tandem.operator.render.common import API_VERSION
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
@@ -59,8 +66,9 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
         kopf.event(body, type="Warning", reason="InvalidSpec", message=str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     try:
-        removed = reconcile.apply(memo.kube, spec, owner, memo.config,
-                                  reconcile.deployments(memo.kube, owner))
+        with _writer(memo, owner, generation, newest=True):
+            removed = reconcile.apply(memo.kube, spec, owner, memo.config,
+                                      reconcile.deployments(memo.kube, owner)).removed
         live = reconcile.deployments(memo.kube, owner)
     except kube.KubeError as exc:
         reason = kube.describe(exc)
@@ -87,7 +95,10 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
         names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
-            reconcile.apply(memo.kube, spec, owner, memo.config, live)
+            with _writer(memo, owner, generation) as current:
+                if current:
+                    reconcile.apply(memo.kube, spec, owner, memo.config,
+                                    reconcile.deployments(memo.kube, owner))
             live = reconcile.deployments(memo.kube, owner)
     except SpecError:
         return
@@ -97,6 +108,29 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
         return
     patch.status.update(merge_patch(status, observed(spec, owner, status, live, generation,
                                                      now_iso())))
+
+
+def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Apply the current generation's children again; report what that had to write."""
+    owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
+    if (body.get("status") or {}).get("observedGeneration") != generation:
+        return  # the change handler owns this generation until it has applied it
+    try:
+        spec = _spec(body)
+        with _writer(memo, owner, generation) as current:
+            done = reconcile.apply(memo.kube, spec, owner, memo.config,
+                                   reconcile.deployments(memo.kube, owner)) if current else None
+    except SpecError:
+        return
+    except kube.KubeError as exc:
+        log.warning("%s/%s: resync failed: %s", owner.namespace, owner.name,
+                    kube.describe(exc))
+        return
+    if done is not None and (repaired := done.changed + done.removed):
+        log.warning("%s/%s: drift repaired: %s", owner.namespace, owner.name,
+                    ", ".join(repaired))
+        kopf.event(body, type="Warning", reason="Repaired",
+                   message=f"re-applied after a change outside the spec: {', '.join(repaired)}")
 
 
 def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -112,11 +146,12 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
         return
     states = memo.setdefault("autoscaler", {})
     try:
-        live = reconcile.deployments(memo.kube, owner)
         for pool in scaled_pools:
             state = states.setdefault(pool.name, reconcile.PoolState())
-            done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
-                                        live.get(pool_name(owner, pool)), state)
+            with _writer(memo, owner, generation):  # it patches the replicas it reads
+                live = reconcile.deployments(memo.kube, owner)
+                done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
+                                            live.get(pool_name(owner, pool)), state)
             if done is not None:
                 patch.status[STATUS_KEY[pool.name]] = {"desiredReplicas": done.desired,
                                                        "lastScaleTime": now_iso()}
@@ -129,6 +164,22 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
                     kube.describe(exc))
 
 
+@contextmanager
+def _writer(memo: kopf.Memo, owner: Owner, generation: int,
+            newest: bool = False) -> Iterator[bool]:
+    """One writer at a time per InferenceService (kopf runs handlers and timers in threads
+    of their own: a re-apply must not undo a scale between its read and its write). Yields
+    whether `generation` is still the newest one the change handler has taken up: a timer's
+    body can be older than that handler's, and must not apply a spec it has replaced.
+    `newest`: the change handler's own call, which takes `generation` up."""
+    lock = memo.setdefault("locks", {}).setdefault(owner.uid, threading.Lock())
+    taken = memo.setdefault("generations", {})
+    with lock:
+        if newest:
+            taken[owner.uid] = max(taken.get(owner.uid, generation), generation)
+        yield taken.get(owner.uid, generation) <= generation
+
+
 def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
     """A registry with every handler; run it with `memo=kopf.Memo(config=config)`."""
     reg = kopf.OperatorRegistry()
@@ -138,4 +189,6 @@ def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
         on(*RESOURCE, registry=reg, id="apply")(apply)
     kopf.timer(*RESOURCE, registry=reg, interval=config.status_interval_s)(refresh)
     kopf.timer(*RESOURCE, registry=reg, interval=config.autoscale_interval_s)(autoscale)
+    kopf.timer(*RESOURCE, registry=reg, interval=config.resync_interval_s,
+               initial_delay=config.resync_interval_s)(resync)
     return reg

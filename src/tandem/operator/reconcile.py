@@ -34,6 +34,7 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE  # the children's default image (TANDEM_IMAGE)
     image_pull_policy: str | None = None  # TANDEM_IMAGE_PULL_POLICY
     status_interval_s: float = 10.0
+    resync_interval_s: float = 60.0  # full re-apply: children deleted or edited by hand
     autoscale_interval_s: float = 15.0
     backoff_s: float = 5.0  # the first retry after an API failure; doubles up to 300 s
     metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
@@ -63,29 +64,44 @@ def deployments(kube: Kube, owner: Owner) -> dict[str, dict[str, Any]]:
             for d in kube.list_owned("Deployment", owner.namespace, owner.name, owner.uid)}
 
 
+@dataclass
+class Applied:
+    """One apply's effect on the children, each named `Kind/name`."""
+
+    before: dict[str, str]  # the owned children before it -> their resourceVersion
+    after: dict[str, str]  # the rendered children after it -> their resourceVersion
+    removed: list[str]  # owned children no longer rendered, deleted
+
+    @property
+    def changed(self) -> list[str]:
+        """Rendered children the apply created or wrote (same content: same version)."""
+        return [k for k, rv in self.after.items() if self.before.get(k) != rv]
+
+
 def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
-          live: Mapping[str, Mapping[str, Any]]) -> list[str]:
+          live: Mapping[str, Mapping[str, Any]]) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
     renders (e.g. the prefill pool when prefill.replicas drops to 0). A pool the autoscaler
-    drives keeps its live replica count (`live`: the Deployments as they are). Returns the
-    removed children as `Kind/name`."""
+    drives keeps its live replica count (`live`: the Deployments as they are)."""
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = render_all(spec, owner, image=config.image,
                       image_pull_policy=config.image_pull_policy, replicas=keep)
+    before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
+              for kind in KINDS
+              for obj in kube.list_owned(kind, owner.namespace, owner.name, owner.uid)}
+    after = {}
     for doc in docs:
-        kube.apply(doc)
-    wanted = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    removed = []
-    for kind in KINDS:
-        for obj in kube.list_owned(kind, owner.namespace, owner.name, owner.uid):
-            name = obj["metadata"]["name"]
-            if (kind, name) not in wanted:
-                kube.delete(kind, owner.namespace, name)
-                removed.append(f"{kind}/{name}")
+        out = kube.apply(doc)
+        after[f"{doc['kind']}/{doc['metadata']['name']}"] = (
+            out.get("metadata", {}).get("resourceVersion", ""))
+    removed = [key for key in before if key not in after]
+    for key in removed:
+        kind, name = key.split("/", 1)
+        kube.delete(kind, owner.namespace, name)
     if removed:
         logger.info("%s/%s: removed %s", owner.namespace, owner.name, ", ".join(removed))
-    return removed
+    return Applied(before, after, removed)
 
 
 @dataclass(frozen=True)
