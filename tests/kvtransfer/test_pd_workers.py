@@ -160,6 +160,23 @@ def test_an_unreachable_prefill_worker_is_recomputed_locally(pd):
     assert fetches(decode.url, "unavailable") + fetches(decode.url, "rpc") == failed + 1
 
 
+def test_an_echo_with_logprobs_is_computed_on_the_decode_worker(pd):
+    """Prompt logprobs need every prompt position's logits: a decode worker asked to import
+    pages for such a request computes the prompt itself instead, with the same answer."""
+    _, decoders, single, target, _ = pd
+    decode = decoders["grpc"]
+    prompt = ids(21, 6 * BS + 3)
+    extra = {"echo": True, "logprobs": 1, "max_tokens": 2}
+    before = fetches(decode.url, "ok")
+    got = complete(decode.url, prompt, prefill=target, **extra)["choices"][0]
+    want = complete(single.url, prompt, **extra)["choices"][0]
+    assert got["text"] == want["text"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        want["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert fetches(decode.url, "ok") == before
+
+
 def test_a_malformed_prefill_target_is_a_400(pd):
     decode = pd[1]["grpc"]
     r = httpx.post(decode.url + "/v1/completions", headers={"x-tandem-prefill": "no-port"},

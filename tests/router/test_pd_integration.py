@@ -100,3 +100,26 @@ def test_a_short_prompt_stays_aggregated(pd):
     assert text(r) == text(complete(single.url, prompt))
     assert (_metric(router.url, DISAGG), _metric(router.url, AGG),
             fetches(decode.url, "ok")) == (before[0], before[1] + 1, before[2])
+
+
+def test_an_echo_with_logprobs_through_pd_scores_the_prompt_on_the_decode_worker(pd):
+    """Prompt logprobs need every position's logits: the router keeps the request
+    aggregated on the decode worker (and says why in its metrics), which answers as an
+    aggregated worker does."""
+    router, _, decode, single = pd
+    prompt = ids(37, 200)
+    body = {"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 0, "echo": True,
+            "logprobs": 1, "temperature": 0}
+    before = (fetches(decode.url, "ok"), _metric(router.url, AGG, 'reason="prompt_logprobs"'))
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-tandem-worker"] == decode.url
+    ref = httpx.post(single.url + "/v1/completions", json=body, timeout=120).json()
+    got = r.json()["choices"][0]
+    assert got["text"] == ref["choices"][0]["text"]
+    assert got["logprobs"]["tokens"] == ref["choices"][0]["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][0] is None
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        ref["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert fetches(decode.url, "ok") == before[0]
+    assert _metric(router.url, AGG, 'reason="prompt_logprobs"') == before[1] + 1

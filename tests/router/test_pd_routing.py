@@ -16,10 +16,11 @@ BS = 16
 MODEL = "m"
 
 
-def parsed(n_tokens: int, seed: int = 0) -> prompts.ParsedPrompt:
+def parsed(n_tokens: int, seed: int = 0, prompt_logits: bool = False
+           ) -> prompts.ParsedPrompt:
     ids = [(seed * 7919 + i * 31) % 30000 + 100 for i in range(n_tokens)]
     return prompts.ParsedPrompt(model=MODEL, token_ids=ids, text="", cache_salt="",
-                                stream=False)
+                                stream=False, prompt_logits=prompt_logits)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Case:
     bound: int = 0  # RouterSettings.pd_max_prefill_queue
     local_cap: int = 1024  # RouterSettings.pd_max_local_prefill
     decode_capable: bool = True  # the decode worker reports a KV-transfer backend
+    prompt_logits: bool = False  # echo with logprobs
 
 
 CASES = [
@@ -86,6 +88,8 @@ CASES = [
          reason="no_prefill_worker"),
     Case("a both worker is no prefill candidate", 320, [W("b1", role="both", queue=9)],
          reason="no_prefill_worker"),
+    Case("echo with logprobs (every prompt position's logits): aggregated", 320, [W("p1")],
+         prompt_logits=True, reason="prompt_logprobs"),
     Case("a decode worker that cannot fetch pages: aggregated", 320, [W("p1")],
          decode_capable=False, reason="decode_not_capable"),
     Case("no queue bound: a busy prefill worker still takes the prefill", 320,
@@ -105,7 +109,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_pd_decision(case: Case):
-    prompt = parsed(case.prompt_tokens)
+    prompt = parsed(case.prompt_tokens, prompt_logits=case.prompt_logits)
     decode = W("d", role="decode", held=case.decode_held, pd_capable=case.decode_capable)
     router = build([decode, *case.workers], prompt, bound=case.bound, local_cap=case.local_cap)
     route, ctx = plan(router, prompt, MODEL, now=1.0)

@@ -35,7 +35,9 @@ def test_chat_max_completion_tokens_wins_and_logprobs_map():
 
 @pytest.mark.parametrize(("req", "param"), [
     (CompletionRequest(prompt="x", n=9), "n"),
-    (CompletionRequest(prompt="x", echo=True), "echo"),
+    (CompletionRequest(prompt="x", suffix="y"), "suffix"),
+    (CompletionRequest(prompt="x", echo=True, max_tokens=0, min_tokens=1), "min_tokens"),
+    (CompletionRequest(prompt="x", max_tokens=0), "max_tokens"),  # 0 only with echo
     (CompletionRequest(prompt="x", temperature=-1), "temperature"),
     (CompletionRequest(prompt="x", seed=2**64), "seed"),  # would overflow torch's generator
     (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_logprobs=2),
@@ -77,3 +79,16 @@ def test_usage_counts_every_sample_and_cached_tokens():
     u = usage(outs)
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (3, 3, 6)
     assert u.prompt_tokens_details == {"cached_tokens": 2}
+
+
+def test_echo_asks_for_the_prompts_logprobs_and_echo_only_computes_one_token():
+    p = sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=5),
+                        max_n=1)
+    assert (p.prompt_logprobs, p.logprobs, p.max_tokens) == (2, 2, 5)
+    p = sampling_params(CompletionRequest(prompt="x", echo=True, logprobs=0, max_tokens=0),
+                        max_n=1)
+    assert (p.prompt_logprobs, p.logprobs, p.max_tokens) == (0, 0, 1)
+    p = sampling_params(CompletionRequest(prompt="x", echo=True), max_n=1)
+    assert p.prompt_logprobs is None  # no logprobs asked for: nothing extra computed
+    assert sampling_params(CompletionRequest(prompt="x", logprobs=1), max_n=1
+                           ).prompt_logprobs is None

@@ -136,6 +136,82 @@ def test_logprobs(client):
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def _prompt_logprobs(real_llm, prompt: str | list[int], k: int = 1):
+    out = real_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0,
+                                                     prompt_logprobs=k))[0]
+    return out.prompt_token_ids, out.prompt_logprobs
+
+
+def test_echo_only_scores_the_prompt(client, real_llm):
+    """lm-evaluation-harness's loglikelihood request: echo, max_tokens 0, logprobs: the
+    prompt's tokens with their logprobs (the first has none), nothing generated."""
+    prompt = "The quick brown fox jumps over the lazy dog."
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0)
+    ids, ref = _prompt_logprobs(real_llm, prompt)
+    tok = real_llm.get_tokenizer()
+    choice = resp.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([ref[i][t] for i, t in enumerate(ids)
+                                                   if i], abs=1e-4)
+    for i in range(1, len(ids)):  # the top-1 entry: greedy's token at that position
+        best = max(ref[i].items(), key=lambda kv: kv[1])[0]
+        assert list(lp.top_logprobs[i]) == [tok.decode([best], skip_special_tokens=False)]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(ids), 0)
+
+
+def test_echo_prefixes_the_prompt_to_text_and_logprobs(client, real_llm):
+    prompt = PROMPTS[1]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                      temperature=0, logprobs=2)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                       temperature=0, logprobs=2, echo=True)
+    ids, _ = _prompt_logprobs(real_llm, prompt)
+    assert echoed.choices[0].text == prompt + _greedy(real_llm, prompt, 6).text
+    assert plain.choices[0].text == _greedy(real_llm, prompt, 6).text
+    lp, gen = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 6
+    assert lp.tokens[len(ids):] == gen.tokens
+    assert lp.token_logprobs[len(ids):] == pytest.approx(gen.token_logprobs, abs=1e-4)
+    # offsets index the echoed text: the generated part starts where the prompt ends
+    assert lp.text_offset[len(ids):] == [o + len(prompt) for o in gen.text_offset]
+    assert echoed.usage.completion_tokens == 6
+    # token-id prompts echo their decoded text; batches and n > 1 echo per choice
+    tok = real_llm.get_tokenizer()
+    id_prompt = tok.encode("Roses are red,")
+    batch = client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[2]],
+                                      max_tokens=4, temperature=0, echo=True, n=2)
+    assert [c.text for c in batch.choices] == [
+        p + _greedy(real_llm, p, 4).text for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2],
+                                                   PROMPTS[2])]
+    by_ids = client.completions.create(model=MODEL, prompt=id_prompt, max_tokens=4,
+                                       temperature=0, echo=True)
+    assert by_ids.choices[0].text == tok.decode(id_prompt, skip_special_tokens=False) + \
+        _greedy(real_llm, id_prompt, 4).text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 8])
+def test_echo_streams_the_prompt_first(client, real_llm, max_tokens):
+    prompt = PROMPTS[0]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0, echo=True, logprobs=1)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True,
+        logprobs=1, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].text == prompt
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == max_tokens
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 1.5}, "top_p"),

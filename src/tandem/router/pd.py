@@ -43,7 +43,8 @@ class Route:
     decision: Decision  # the worker the request is sent to (decode, or aggregated)
     prefill: Decision | None = None  # set: disaggregated, the prefill runs there
     uncached_tokens: int = 0  # prompt tokens the decode worker is estimated to lack
-    # why it is aggregated (prefill None): below_threshold, decode_not_capable,
+    # why it is aggregated (prefill None): below_threshold, prompt_logprobs (echo with
+    # logprobs: the decode worker computes the prompt anyway), decode_not_capable,
     # no_prefill_worker or prefill_busy
     reason: str = ""
 
@@ -83,6 +84,8 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
     # a stock server would ignore the header and prefill itself anyway
     if route.uncached_tokens < router.settings.pd_threshold:
         route.reason = "below_threshold"
+    elif parsed.prompt_logits:
+        route.reason = "prompt_logprobs"
     elif decision.worker.kv_transfer_backend is None:
         route.reason = "decode_not_capable"
     elif keep_prefill is not None and _usable(router, keep_prefill.worker, now):

@@ -30,11 +30,15 @@ class ParsedPrompt:
     text: str  # the rendered prompt text (approximate mode); "" for token-id prompts
     cache_salt: str
     stream: bool
+    # the worker needs every prompt position's logits (echo with logprobs): it computes the
+    # prompt itself, whatever it holds or could import
+    prompt_logits: bool = False
 
 
 def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> ParsedPrompt:
     """`kind` is "completions" or "chat". Raises pydantic.ValidationError / ValueError on a
     malformed body (the caller answers 400), as the worker would."""
+    prompt_logits = False
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -46,6 +50,7 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
             text, ids = json.dumps(messages, sort_keys=True), None
     else:
         req = CompletionRequest.model_validate(body)
+        prompt_logits = req.echo and req.logprobs is not None
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch goes to one worker; route on its first prompt
@@ -55,7 +60,8 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
             text = prompt or ""
             ids = tokenizer.encode(text) if tokenizer is not None else None
     return ParsedPrompt(model=req.model or "", token_ids=ids, text=text,
-                        cache_salt=req.cache_salt or "", stream=bool(req.stream))
+                        cache_salt=req.cache_salt or "", stream=bool(req.stream),
+                        prompt_logits=prompt_logits)
 
 
 def block_hashes(prompt: ParsedPrompt, model: str, block_size: int) -> list[BlockHash]:

@@ -231,8 +231,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise APIError(503, "the engine is not running")
         rid = responder.request_id
         arrival = time.monotonic()
-        imported = await pd.fetch(request.headers, engine, rid, prompts,
-                                  responder.cache_salt or "")
+        # prompt logprobs need every prompt position's logits: imported pages would go unused
+        imported = [] if responder.params.prompt_logprobs is not None else await pd.fetch(
+            request.headers, engine, rid, prompts, responder.cache_salt or "")
         try:
             return await admit_and_run(request, engine, responder, prompts, rid, arrival,
                                        imported)

@@ -24,6 +24,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
     """Map the request's sampling fields; raises `InvalidRequestError` naming the field."""
     if not 1 <= req.n <= max_n:
         raise InvalidRequestError(f"n must be in [1, {max_n}], got {req.n}", "n")
+    prompt_logprobs = None
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -37,10 +38,15 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
     else:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16  # OpenAI's default
         logprobs = req.logprobs
-        if req.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        if req.echo and max_tokens == 0:  # the prompt (and its logprobs) only, as in vLLM:
+            if req.min_tokens:  # one token is computed and dropped
+                raise InvalidRequestError("min_tokens must be 0 with echo and max_tokens 0",
+                                          "min_tokens")
+            max_tokens = 1
+        if req.echo:
+            prompt_logprobs = logprobs
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -54,6 +60,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -74,9 +81,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return prompts
 
 
-def usage(outputs: list[RequestOutput]) -> Usage:
+def usage(outputs: list[RequestOutput], generated: bool = True) -> Usage:
+    """`generated` False: no output token is returned (echo only), none is counted."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
@@ -90,16 +98,32 @@ def _token_text(tok: Tokenizer, token_id: int) -> str:
 def completion_logprobs(tok: Tokenizer, out: CompletionOutput, start: int, end: int,
                         text_offset: int, k: int) -> CompletionLogprobs:
     """Legacy completions logprobs for generated positions [start, end)."""
+    entries = out.logprobs[start:end] if out.logprobs else [{}] * (end - start)
+    return _legacy_logprobs(tok, out.token_ids[start:end], entries, text_offset, k)
+
+
+def prompt_logprobs(tok: Tokenizer, out: RequestOutput, k: int) -> CompletionLogprobs:
+    """Legacy completions logprobs of the prompt's tokens (echo): the first has none."""
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return _legacy_logprobs(tok, out.prompt_token_ids, entries, 0, k)
+
+
+def _legacy_logprobs(tok: Tokenizer, token_ids: list[int],
+                     entries: list[dict[int, float] | None], text_offset: int,
+                     k: int) -> CompletionLogprobs:
+    """`entries[j]` (token id -> logprob, the chosen one included) belongs to `token_ids[j]`;
+    None: no logprob for it (a prompt's first token)."""
     lp = CompletionLogprobs()
     offset = text_offset
-    for pos in range(start, end):
-        tid = out.token_ids[pos]
-        entry = out.logprobs[pos] if out.logprobs else {}
+    for tid, entry in zip(token_ids, entries, strict=True):
         text = _token_text(tok, tid)
         lp.tokens.append(text)
-        lp.token_logprobs.append(entry.get(tid))
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k] if k else []
-        lp.top_logprobs.append({_token_text(tok, t): v for t, v in top} if k else None)
+        lp.token_logprobs.append(None if entry is None else entry.get(tid))
+        if entry is None or not k:
+            lp.top_logprobs.append(None)
+        else:
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            lp.top_logprobs.append({_token_text(tok, t): v for t, v in top})
         lp.text_offset.append(offset)
         offset += len(text)
     return lp

@@ -21,9 +21,11 @@ from tandem.protocol.openai_api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    Usage,
     now,
 )
 from tandem.protocol.tokenizer import Tokenizer
@@ -91,7 +93,7 @@ class Responder(ABC):
                 idx = i * self.n + c.index
                 if idx not in started:
                     started.add(idx)
-                    first = self.first_chunk(idx)
+                    first = self.first_chunk(idx, i, out)
                     if first is not None:
                         yield _sse(first)
                 t0, t1 = sent_tok.get(idx, 0), len(c.token_ids)
@@ -112,7 +114,8 @@ class Responder(ABC):
                 yield _sse(self.usage_chunk(ordered))
         yield "data: [DONE]\n\n"
 
-    def first_chunk(self, idx: int) -> dict[str, Any] | None:
+    def first_chunk(self, idx: int, i: int, out: RequestOutput) -> dict[str, Any] | None:
+        """What choice `idx` (of prompt `i`) sends before its first tokens, if anything."""
         return None
 
     @abstractmethod
@@ -127,35 +130,95 @@ class Responder(ABC):
 
 
 class CompletionResponder(Responder):
+    """`echo`: each choice's text (and logprobs, the prompt's first token with none) starts
+    with its prompt's; with `max_tokens` 0 it is the prompt alone (vLLM's echo-only scoring,
+    as lm-evaluation-harness uses): the one token computed is dropped, not counted."""
+
     req: CompletionRequest
 
-    def _logprobs(self, c: CompletionOutput, t0: int, t1: int, offset: int):
+    def __init__(self, req: CompletionRequest, tok: Tokenizer, settings: Any,
+                 request_id: str) -> None:
+        super().__init__(req, tok, settings, request_id)
+        self.echo = req.echo
+        self.echo_only = req.echo and req.max_tokens == 0
+        self._prompts = convert.completion_prompts(req) if req.echo else []
+        self._prompt_texts: dict[int, str] = {}
+
+    def _prompt_text(self, i: int) -> str:
+        """Prompt `i` as given, or its token ids decoded (after the engine checked them)."""
+        if i not in self._prompt_texts:
+            p = self._prompts[i]
+            self._prompt_texts[i] = p if isinstance(p, str) else self.tok.decode(
+                p, skip_special_tokens=False)
+        return self._prompt_texts[i]
+
+    def _generated(self, c: CompletionOutput, text: str, t0: int, t1: int, i: int):
+        """The choice's new text and its logprobs for positions [t0, t1)."""
+        if self.echo_only:
+            return "", None
         if self.params.logprobs is None:
-            return None
-        return convert.completion_logprobs(self.tok, c, t0, t1, offset, self.params.logprobs)
+            return text, None
+        offset = len(c.text) - len(text) + (len(self._prompt_text(i)) if self.echo else 0)
+        return text, convert.completion_logprobs(self.tok, c, t0, t1, offset,
+                                                 self.params.logprobs)
+
+    def _echoed(self, i: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        k = self.params.logprobs
+        return self._prompt_text(i), None if k is None else convert.prompt_logprobs(
+            self.tok, out, k)
+
+    def _finish(self, c: CompletionOutput) -> tuple[str | None, int | str | None]:
+        return ("length", None) if self.echo_only else (c.finish_reason, c.stop_reason)
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [
-            CompletionChoice(index=i * self.n + c.index, text=c.text,
-                             logprobs=self._logprobs(c, 0, len(c.token_ids), 0),
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for i, out in enumerate(outs) for c in out.outputs
-        ]
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                text, lp = self._generated(c, c.text, 0, len(c.token_ids), i)
+                if self.echo:
+                    head, head_lp = self._echoed(i, out)
+                    text, lp = head + text, _joined(head_lp, lp)
+                finish, stop = self._finish(c)
+                choices.append(CompletionChoice(index=i * self.n + c.index, text=text,
+                                                logprobs=lp, finish_reason=finish,
+                                                stop_reason=stop))
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=choices, usage=convert.usage(outs)).model_dump()
+                                  choices=choices, usage=self._usage(outs)).model_dump()
+
+    def first_chunk(self, idx: int, i: int, out: RequestOutput) -> dict[str, Any] | None:
+        if not self.echo:
+            return None
+        text, lp = self._echoed(i, out)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[CompletionChoice(index=idx, text=text, logprobs=lp)]
+                                  ).model_dump(exclude={"usage"})
 
     def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
               done: bool) -> dict[str, Any]:
-        choice = CompletionChoice(index=idx, text=text,
-                                  logprobs=self._logprobs(c, t0, t1, len(c.text) - len(text)),
-                                  finish_reason=c.finish_reason if done else None,
-                                  stop_reason=c.stop_reason if done else None)
+        text, lp = self._generated(c, text, t0, t1, idx // self.n)
+        finish, stop = self._finish(c) if done else (None, None)
+        choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=finish,
+                                  stop_reason=stop)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                   choices=[choice]).model_dump(exclude={"usage"})
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[], usage=convert.usage(outs)).model_dump()
+                                  choices=[], usage=self._usage(outs)).model_dump()
+
+    def _usage(self, outs: list[RequestOutput]) -> Usage:
+        return convert.usage(outs, generated=not self.echo_only)
+
+
+def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None
+            ) -> CompletionLogprobs | None:
+    """`a` then `b` (either may be None: no logprobs asked for)."""
+    if a is None or b is None:
+        return a or b
+    return CompletionLogprobs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
 class ChatResponder(Responder):
@@ -177,7 +240,7 @@ class ChatResponder(Responder):
                                       model=self.model, choices=choices,
                                       usage=convert.usage(outs)).model_dump()
 
-    def first_chunk(self, idx: int) -> dict[str, Any]:
+    def first_chunk(self, idx: int, i: int, out: RequestOutput) -> dict[str, Any]:
         choice = ChatChunkChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))
         return self._chunk_dict(choice)
 
