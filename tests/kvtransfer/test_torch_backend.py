@@ -7,11 +7,15 @@ within bounded time, groups are recycled after clean transfers and discarded aft
 from __future__ import annotations
 
 import asyncio
+import datetime
+import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tandem.kvtransfer import BACKENDS, KVTransferError, PageLayout
 from tandem.kvtransfer.base import SendJob
@@ -71,11 +75,15 @@ def pipe(sender: TorchBackend, job: SendJob,
 async def transfer(receiver: TorchBackend, sender: TorchBackend, pages: list[torch.Tensor],
                    edit=lambda c: c, layout: PageLayout = LAYOUT, lease_s: float = 30.0,
                    gather: Callable[[int], torch.Tensor] | None = None,
-                   errors: list[Exception] | None = None) -> tuple[list[torch.Tensor], str]:
-    """One transfer as client.fetch drives it; (received pages, the group id used)."""
+                   errors: list[Exception] | None = None,
+                   prepared: Callable[[worker_pb2.PrefillRequest], object] = lambda r: None,
+                   ) -> tuple[list[torch.Tensor], str]:
+    """One transfer as client.fetch drives it; (received pages, the group id used).
+    `prepared` sees the request once the receiver has filled in its channel."""
     n = pages[0].shape[1]
     req = worker_pb2.PrefillRequest(request_id="t", num_blocks=n, backend="torch")
     await receiver.prepare(req, PEER)
+    prepared(req)
     try:
         wire = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
         job = SendJob(wire, layout, list(range(n)), gather or (lambda layer: pages[layer]),
@@ -277,3 +285,52 @@ def test_a_transfer_released_unreceived_frees_its_sender():
         assert time.monotonic() - t0 < 10
         assert not receiver._leased and not receiver._idle
     run(body, timeout_s=20)
+
+
+def test_the_store_listens_only_on_the_advertised_address():
+    async def body(receiver, sender):
+        req = worker_pb2.PrefillRequest(request_id="t", num_blocks=1, backend="torch")
+        await receiver.prepare(req, PEER)
+        try:
+            assert req.torch.store_host == "127.0.0.1"
+            socket.create_connection(("127.0.0.1", req.torch.store_port), timeout=5).close()
+            with pytest.raises(ConnectionRefusedError):  # another loopback address
+                socket.create_connection(("127.0.0.2", req.torch.store_port), timeout=5)
+        finally:
+            await receiver.release(req)
+    run(body)
+
+
+def test_a_store_client_without_the_group_id_cannot_take_a_rank():
+    """Someone who reaches the store but did not see the Prefill stream (so not the group
+    id) tries to join as the receiver's rank before it does: they meet nobody (their join
+    fails), and the real transfer still goes through, bit-identical. Without the group id
+    as a key prefix the intruder and the sender pair up, and the transfer fails."""
+    pages = random_pages(LAYOUT, 4, 3)
+    joined: list[object] = []
+
+    def intrude(req: worker_pb2.PrefillRequest) -> threading.Thread:
+        def run_intruder() -> None:
+            try:
+                store = dist.TCPStore(req.torch.store_host, req.torch.store_port, None, False,
+                                      datetime.timedelta(seconds=5))
+                pg = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=2))
+                joined.append(pg)
+            except Exception as exc:  # noqa: BLE001 - the expected outcome
+                joined.append(exc)
+        t = threading.Thread(target=run_intruder, daemon=True)
+        t.start()
+        threads.append(t)
+        return t
+
+    threads: list[threading.Thread] = []
+
+    async def body(receiver, sender):
+        await asyncio.sleep(0)
+        got, _ = await transfer(receiver, sender, pages, prepared=intrude)
+        assert [bytes(tensor_bytes(g)) for g in got] == [bytes(tensor_bytes(p))
+                                                         for p in pages]
+    run(body, timeout_s=10.0)
+    for t in threads:
+        t.join(15)
+    assert len(joined) == 1 and isinstance(joined[0], Exception), joined

@@ -14,9 +14,15 @@ connections, so the other side fails fast and discards its copy; a discarded `gr
 never joined again. Idle groups close after `idle_s` (the sender waits twice as long, so a
 receiver never picks a group its sender dropped). Every store connect, rendezvous and
 per-layer send/recv is bounded by `timeout_s`. Per layer the wire carries the contiguous
-`[2, n, kvh, bs, dim]` pages as flat bytes under the transfer's tag. Trust: the store and the
-gloo/NCCL sockets are unauthenticated (mTLS covers only gRPC): use a private network; a peer
-sending more bytes than the header promised aborts the receiving process (gloo enforces it).
+`[2, n, kvh, bs, dim]` pages as flat bytes under the transfer's tag.
+
+Trust: torch's store and the gloo/NCCL sockets have no authentication of their own (mTLS
+covers only gRPC). What this backend adds: the receiver's store listens only on the address
+it advertises (not every interface), and each group's rendezvous keys sit under its
+`group_id`, 122 random bits that travel only on the (mTLS-capable) gRPC stream, so a
+client of the store that did not see that stream can neither read the ranks' addresses nor
+plant its own. Still use a private network: a peer sending more bytes than the header
+promised aborts the receiving process (gloo enforces it).
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import errno
 import itertools
+import logging
+import os
 import re
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -54,6 +64,7 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2
 
+logger = logging.getLogger(__name__)
 SENDER, RECEIVER = 0, 1
 GROUP_ID = re.compile(r"(gloo|nccl)-[0-9a-f]{32}")
 MAX_TAG = (1 << 31) - 1  # gloo tags are C ints
@@ -82,13 +93,15 @@ class _Pair:
         return self.group_id.startswith("nccl-")
 
     def join(self, rank: int, timeout_s: float) -> None:
-        """This rank's group (gloo connects both ranks here, NCCL on first use)."""
+        """This rank's group (gloo connects both ranks here, NCCL on first use); its
+        rendezvous keys are under the secret `group_id`."""
+        store = dist.PrefixStore(self.group_id, self.store)
         if self.nccl:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = _td(timeout_s)
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, 2, opts)
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, 2, _td(timeout_s))
+            self.pg = dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
 
     def post(self, op: str, flat: torch.Tensor, peer: int, tag: int) -> Any:
         """Start `op` ("send" | "recv") of the 1-D `flat`; its Work."""
@@ -116,6 +129,37 @@ class _Pair:
         if pg is not None and self.nccl:
             with contextlib.suppress(Exception):  # already aborted or broken
                 pg.abort()  # unlike shutdown, never waits for a stuck operation
+
+
+def _host_store(host: str, timeout_s: float) -> Any:
+    """Blocking: a master TCPStore on a fresh port of `host`'s address only. Where `host` is
+    not an address of this machine (advertised through NAT), every interface, with a
+    warning."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            logger.warning("kv transfer host %s is not an address here; the torch backend's "
+                           "stores listen on every interface", host)
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        sock.listen(128)
+        bound, port = sock.getsockname()[:2]
+    except BaseException:
+        sock.close()
+        raise
+    if bound in ("0.0.0.0", "::"):
+        bound = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+    fd = sock.detach()  # the store owns the listening socket from here
+    try:
+        return dist.TCPStore(bound, port, None, True, _td(timeout_s), wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _failure(exc: BaseException, what: str) -> KVTransferError:
@@ -195,8 +239,8 @@ class TorchBackend(TransferBackend):
             pair = _Pair(f"{'nccl' if nccl else 'gloo'}-{uuid.uuid4().hex}",
                          self.device if nccl else torch.device("cpu"), peer=peer)
             try:
-                pair.store = await self._run(lambda: dist.TCPStore(
-                    "127.0.0.1", 0, None, True, _td(self.timeout_s), wait_for_workers=False))
+                pair.store = await self._run(lambda: _host_store(self.advertise_host,
+                                                                 self.timeout_s))
             except Exception as exc:
                 raise _failure(exc, "store setup") from exc
         pair.tag, pair.clean = next(self._tags) % MAX_TAG + 1, False
