@@ -14,7 +14,11 @@ two machines, and a `tandem router` in front:
 * disaggregated-fcfs (only when `--setups` names it): the same, with the prefill worker's
   per-request chunk cap off (`--long-prefill-token-threshold 0`), so prompts queue there
   first come, first served: what the cap buys short prompts behind long ones;
-  disaggregated-capN: the same with a cap of N tokens instead of the default.
+  disaggregated-capN: the same with a cap of N tokens instead of the default;
+  disaggregated-qN: the default prefill worker, and the router's conditional
+  disaggregation at N (`--pd-max-prefill-queue N`: while the prefill worker holds N
+  requests, prompts lacking at most `--pd-max-local-prefill` tokens prefill on the decode
+  worker instead of queueing).
 
 The workload mixes short chat-like requests (64-token prompts, 64 output tokens) with long
 prompts (1,536 tokens, 4 output tokens) arriving while the short ones decode: two
@@ -119,6 +123,8 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
             extra = ["--pd-threshold", str(pd_threshold)]
         else:
             cap = prefill_flags(name) or ()
+            queue = router_queue(name)
+            pd_max_prefill_queue = pd_max_prefill_queue if queue is None else queue
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
                                                         free_port(), cap))),
                     stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
@@ -156,13 +162,20 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
-SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs", "disaggregated-capN")
+SETUPS = ("aggregated", "disaggregated", "disaggregated-fcfs", "disaggregated-capN",
+          "disaggregated-qN")
+
+
+def router_queue(setup: str) -> int | None:
+    """disaggregated-qN: the router's `--pd-max-prefill-queue` N; None: the run's own."""
+    m = re.fullmatch(r"disaggregated-q([1-9][0-9]{0,3})", setup)
+    return int(m[1]) if m else None
 
 
 def prefill_flags(setup: str) -> tuple[str, ...] | None:
     """The prefill worker's extra flags in `setup` (None: not a setup): disaggregated-fcfs
     turns its per-request chunk cap off, disaggregated-capN sets it to N tokens."""
-    if setup in ("aggregated", "disaggregated"):
+    if setup in ("aggregated", "disaggregated") or router_queue(setup) is not None:
         return ()
     if setup == "disaggregated-fcfs":
         return ("--long-prefill-token-threshold", "0")
