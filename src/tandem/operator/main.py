@@ -95,10 +95,7 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
         names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
-            with _writer(memo, owner, generation) as current:
-                if current:
-                    reconcile.apply(memo.kube, spec, owner, memo.config,
-                                    reconcile.deployments(memo.kube, owner))
+            _reapply(memo, spec, owner, generation)
             live = reconcile.deployments(memo.kube, owner)
     except SpecError:
         return
@@ -116,10 +113,7 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if (body.get("status") or {}).get("observedGeneration") != generation:
         return  # the change handler owns this generation until it has applied it
     try:
-        spec = _spec(body)
-        with _writer(memo, owner, generation) as current:
-            done = reconcile.apply(memo.kube, spec, owner, memo.config,
-                                   reconcile.deployments(memo.kube, owner)) if current else None
+        done = _reapply(memo, _spec(body), owner, generation)
     except SpecError:
         return
     except kube.KubeError as exc:
@@ -131,6 +125,17 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
                     ", ".join(repaired))
         kopf.event(body, type="Warning", reason="Repaired",
                    message=f"re-applied after a change outside the spec: {', '.join(repaired)}")
+
+
+def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner,
+             generation: int) -> reconcile.Applied | None:
+    """A timer's apply of `generation`'s children; None when the change handler has taken
+    up a newer generation meanwhile (nothing written)."""
+    with _writer(memo, owner, generation) as current:
+        if not current:
+            return None
+        return reconcile.apply(memo.kube, spec, owner, memo.config,
+                               reconcile.deployments(memo.kube, owner))
 
 
 def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
