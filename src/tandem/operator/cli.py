@@ -37,9 +37,9 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale-interval", type=_seconds, default=15.0, metavar="S",
                    help="seconds between autoscaler ticks (autoscaling.mode: operator; "
                         "default 15)")
-    p.add_argument("--resync-interval", type=_seconds, default=60.0, metavar="S",
+    p.add_argument("--resync-interval", type=_seconds, default=300.0, metavar="S",
                    help="seconds between full re-applies of each InferenceService's children, "
-                        "which repair ones deleted or edited by hand (default 60)")
+                        "which repair ones deleted or edited by hand (default 300)")
 
 
 def _seconds(text: str) -> float:

@@ -34,7 +34,7 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE  # the children's default image (TANDEM_IMAGE)
     image_pull_policy: str | None = None  # TANDEM_IMAGE_PULL_POLICY
     status_interval_s: float = 10.0
-    resync_interval_s: float = 60.0  # full re-apply: children deleted or edited by hand
+    resync_interval_s: float = 300.0  # full re-apply: children deleted or edited by hand
     autoscale_interval_s: float = 15.0
     backoff_s: float = 5.0  # the first retry after an API failure; doubles up to 300 s
     metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
