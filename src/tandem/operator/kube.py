@@ -75,6 +75,20 @@ def connection(cfg: client.Configuration) -> dict[str, Any]:
             "certificate_path": cfg.cert_file, "private_key_path": cfg.key_file}
 
 
+def applies_field(obj: dict[str, Any], manager: str, *path: str) -> bool:
+    """`manager`'s server-side apply owns the field at `path` (e.g. "spec", "replicas") of
+    `obj`, per its `metadata.managedFields`."""
+    for entry in obj.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") != manager or entry.get("operation") != "Apply":
+            continue
+        node = entry.get("fieldsV1") or {}
+        for key in path:
+            node = node.get(f"f:{key}") if isinstance(node, dict) else None
+        if node is not None:
+            return True
+    return False
+
+
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
@@ -96,10 +110,10 @@ class Kube:
         resp = fn(*head, *args, _preload_content=False, _request_timeout=self.timeout_s, **kw)
         return json.loads(resp.data or b"{}")
 
-    def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, doc: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
         meta = doc["metadata"]
         return self._call("patch", doc["kind"], meta["namespace"], meta["name"], doc,
-                          field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+                          field_manager=manager, force=True, _content_type=APPLY)
 
     def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
               manager: str = FIELD_MANAGER) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.operator import autoscale
-from tandem.operator.kube import KINDS, Kube
+from tandem.operator.kube import FIELD_MANAGER, KINDS, Kube, applies_field
 from tandem.operator.metrics import MetricsSource, counters, per_replica
 from tandem.operator.render import (
     DEFAULT_IMAGE,
@@ -25,6 +25,7 @@ from tandem.operator.spec import InferenceServiceSpec, signal_for
 
 logger = logging.getLogger(__name__)
 AUTOSCALER = "tandem-autoscaler"  # the field manager of the replicas the autoscaler sets
+HANDOVER = "tandem-handover"  # holds a pool's replicas while an HPA takes them over
 
 
 @dataclass
@@ -87,6 +88,7 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: Operator
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = render_all(spec, owner, image=config.image,
                       image_pull_policy=config.image_pull_policy, replicas=keep)
+    hand_over_replicas(kube, spec, owner, live)
     before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
               for kind in KINDS
               for obj in kube.list_owned(kind, owner.namespace, owner.name, owner.uid)}
@@ -102,6 +104,33 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: Operator
     if removed:
         logger.info("%s/%s: removed %s", owner.namespace, owner.name, ", ".join(removed))
     return Applied(before, after, removed)
+
+
+def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
+                       live: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Before a pool's first apply under an HPA (which renders no replicas): where this
+    operator's apply still owns the live Deployment's replicas, apply that count under
+    `HANDOVER` first. Dropping a field its only applier owned would reset the pool to one
+    replica; with a second owner the count stays until the HPA's first scale takes it
+    (Kubernetes' documented server-side-apply ownership transfer). Returns the
+    Deployments handed over."""
+    done = []
+    for pool in pools(spec):
+        auto = pool.spec.autoscaling
+        name = pool_name(owner, pool)
+        dep = live.get(name)
+        if auto is None or auto.mode != "hpa" or dep is None:
+            continue
+        replicas = dep.get("spec", {}).get("replicas")
+        if replicas is None or not applies_field(dict(dep), FIELD_MANAGER, "spec", "replicas"):
+            continue
+        kube.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+                    "metadata": {"name": name, "namespace": owner.namespace},
+                    "spec": {"replicas": replicas}}, manager=HANDOVER)
+        logger.info("%s/%s: %s keeps %d replicas while its HPA takes over", owner.namespace,
+                    owner.name, name, replicas)
+        done.append(name)
+    return done
 
 
 @dataclass(frozen=True)
