@@ -70,11 +70,13 @@ def group_prompt(group: int) -> prompts.ParsedPrompt:
     return prompts.ParsedPrompt(model="m", token_ids=ids, text="", cache_salt="", stream=False)
 
 
-def idle_router(seed: int, n_workers: int = 4, **settings: object) -> Router:
+def idle_router(seed: int, n_workers: int = 4, events: bool = True,
+                **settings: object) -> Router:
+    """`events` False: workers that publish no KV events (the approximate index)."""
     router = Router(RouterSettings(seed=seed, **settings), lambda model: None)
     for i in range(n_workers):
         router.add_worker(Worker(id=f"http://w{i}:8000", model="m", ready=True, block_size=BS,
-                                 events_connected=True,
+                                 events_connected=events,
                                  load=WorkerLoad(num_total_blocks=CAPACITY_BLOCKS)))
     return router
 
@@ -157,3 +159,25 @@ def test_retract_leaves_speculative_blocks_a_later_routing_refreshed():
     router.retract(first, now=0.6)
     chain = ctx.hashes[first.worker.kv_block_size]
     assert router.index.match(chain, 0.7)[first.worker.id] == len(chain)
+
+
+def test_retract_takes_back_an_approximate_routing_unless_a_later_one_refreshed_it():
+    """Workers without KV events: the router's own LRU of what it sent is the index. A
+    failed attempt's blocks leave it; blocks an earlier success put there, or a later
+    routing refreshed, stay."""
+    router = idle_router(0, n_workers=1, events=False)
+    wid = "http://w0:8000"
+    first, ctx = router.route(group_prompt(0), "m", now=0.0)
+    chain = ctx.hashes[BS]
+    assert router.approx.match(chain, [wid]) == {wid: len(chain)}
+    router.retract(first, now=0.1)
+    assert router.approx.match(chain, [wid]) == {}
+    ok, _ = router.route(group_prompt(0), "m", now=0.2)  # succeeds: stays
+    failed, _ = router.route(group_prompt(0), "m", now=0.3)  # adds nothing new
+    router.retract(failed, now=0.4)
+    assert router.approx.match(chain, [wid]) == {wid: len(chain)}
+    a, _ = router.route(group_prompt(1), "m", now=0.5)
+    b, ctx1 = router.route(group_prompt(1), "m", now=0.6)  # refreshes a's blocks
+    router.retract(a, now=0.7)
+    assert router.approx.match(ctx1.hashes[BS], [wid]) == {wid: len(ctx1.hashes[BS])}
+    assert ok is not None and b is not None

@@ -154,7 +154,7 @@ class Router:
         if w.events_connected:
             decision.speculative = (hashes, self.index.add_speculative(w.id, hashes, now))
         else:
-            self.approx.routed(w.id, hashes)
+            decision.approximate = self.approx.routed(w.id, hashes)
         decision.charged_tokens = max(ctx.prompt_tokens - decision.matched_tokens, 0)
         self.churn.add(w.id, decision.charged_tokens, now)
         return decision, ctx
@@ -169,4 +169,6 @@ class Router:
         self.churn.refund(wid, decision.charged_tokens, now)
         if decision.speculative is not None:
             self.index.retract_speculative(wid, *decision.speculative)
-        decision.charged_tokens, decision.speculative = 0, None
+        if decision.approximate is not None:
+            self.approx.retract(wid, *decision.approximate)
+        decision.charged_tokens, decision.speculative, decision.approximate = 0, None, None

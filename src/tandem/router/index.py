@@ -213,15 +213,31 @@ class ApproximateIndex:
 
     def __init__(self, capacity: int = 100_000) -> None:
         self.capacity = capacity
-        self._lru: dict[str, OrderedDict[BlockHash, None]] = {}
+        self._lru: dict[str, OrderedDict[BlockHash, int]] = {}  # hash -> last routing's seq
+        self._seq = 0
 
-    def routed(self, worker: str, hashes: Sequence[BlockHash]) -> None:
+    def routed(self, worker: str, hashes: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
+        """Record `hashes` as sent to `worker`; (this routing's sequence number, the hashes
+        it added), for `retract`."""
+        self._seq += 1
         lru = self._lru.setdefault(worker, OrderedDict())
+        added = []
         for h in hashes:
-            lru[h] = None
+            if h not in lru:
+                added.append(h)
+            lru[h] = self._seq
             lru.move_to_end(h)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+        return self._seq, added
+
+    def retract(self, worker: str, seq: int, added: Sequence[BlockHash]) -> None:
+        """Take back what routing `seq` added, except hashes a later routing refreshed."""
+        lru = self._lru.get(worker)
+        if lru:
+            for h in added:
+                if lru.get(h) == seq:
+                    del lru[h]
 
     def match(self, hashes: Sequence[BlockHash], workers: Iterable[str]) -> dict[str, int]:
         result = {}

@@ -40,9 +40,11 @@ class Decision:
     matched_tokens: int  # of the prompt, already cached on the winner
     scores: dict[str, float] = field(default_factory=dict)  # the winner's, for debugging
     # what `Router.route` recorded for it, so `Router.retract` can take it back: the tokens
-    # charged to the winner's churn, and its speculative blocks (hashes, expiry)
+    # charged to the winner's churn, and its speculative blocks (hashes, expiry), or in
+    # approximate mode the routing's sequence number and the hashes it added
     charged_tokens: int = 0
     speculative: tuple[list[bytes], float] | None = None
+    approximate: tuple[int, list[bytes]] | None = None
 
 
 class Policy(ABC):
