@@ -152,7 +152,8 @@ class CompletionResponder(Responder):
                 p, skip_special_tokens=False)
         return self._prompt_texts[i]
 
-    def _generated(self, c: CompletionOutput, text: str, t0: int, t1: int, i: int):
+    def _generated(self, c: CompletionOutput, text: str, t0: int, t1: int,
+                   i: int) -> tuple[str, CompletionLogprobs | None]:
         """The choice's new text and its logprobs for positions [t0, t1)."""
         if self.echo_only:
             return "", None
