@@ -168,13 +168,19 @@ def test_an_echo_with_logprobs_is_computed_on_the_decode_worker(pd):
     prompt = ids(21, 6 * BS + 3)
     extra = {"echo": True, "logprobs": 1, "max_tokens": 2}
     before = fetches(decode.url, "ok")
-    got = complete(decode.url, prompt, prefill=target, **extra)["choices"][0]
-    want = complete(single.url, prompt, **extra)["choices"][0]
+    assert_same_echo(complete(decode.url, prompt, prefill=target, **extra)["choices"][0],
+                     complete(single.url, prompt, **extra)["choices"][0])
+    assert fetches(decode.url, "ok") == before
+
+
+def assert_same_echo(got: dict, want: dict) -> None:
+    """Two echoed completion choices with logprobs: the same text and tokens, and the
+    same prompt logprobs (the first none; the rest up to float noise)."""
     assert got["text"] == want["text"]
     assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][0] is None
     assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(
         want["logprobs"]["token_logprobs"][1:], abs=1e-4)
-    assert fetches(decode.url, "ok") == before
 
 
 def test_a_malformed_prefill_target_is_a_400(pd):

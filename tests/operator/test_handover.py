@@ -59,8 +59,7 @@ def live_children(spec: dict, fields: list[dict]) -> list[dict]:
 def run(fields: list[dict], spec: dict = HPA) -> RecordingKube:
     live = live_children(FIXED, fields)
     kube = RecordingKube(live)
-    deployments = {d["metadata"]["name"]: d for d in live if d["kind"] == "Deployment"}
-    apply(kube, parse_spec(spec), OWNER, OperatorConfig(image="img"), deployments)
+    apply(kube, parse_spec(spec), OWNER, OperatorConfig(image="img"))
     return kube
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,7 @@ def connection(cfg: client.Configuration) -> dict[str, Any]:
             "certificate_path": cfg.cert_file, "private_key_path": cfg.key_file}
 
 
-def applies_field(obj: dict[str, Any], manager: str, *path: str) -> bool:
+def applies_field(obj: Mapping[str, Any], manager: str, *path: str) -> bool:
     """`manager`'s server-side apply owns the field at `path` (e.g. "spec", "replicas") of
     `obj`, per its `metadata.managedFields`."""
     for entry in obj.get("metadata", {}).get("managedFields") or []:

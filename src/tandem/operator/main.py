@@ -67,8 +67,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     try:
         with _writer(memo, owner, generation, newest=True):
-            removed = reconcile.apply(memo.kube, spec, owner, memo.config,
-                                      reconcile.deployments(memo.kube, owner)).removed
+            removed = reconcile.apply(memo.kube, spec, owner, memo.config).removed
         live = reconcile.deployments(memo.kube, owner)
     except kube.KubeError as exc:
         reason = kube.describe(exc)
@@ -134,8 +133,7 @@ def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner,
     with _writer(memo, owner, generation) as current:
         if not current:
             return None
-        return reconcile.apply(memo.kube, spec, owner, memo.config,
-                               reconcile.deployments(memo.kube, owner))
+        return reconcile.apply(memo.kube, spec, owner, memo.config)
 
 
 def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:

@@ -79,19 +79,23 @@ class Applied:
         return [k for k, rv in self.after.items() if self.before.get(k) != rv]
 
 
-def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
-          live: Mapping[str, Mapping[str, Any]]) -> Applied:
+def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
+          config: OperatorConfig) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
-    renders (e.g. the prefill pool when prefill.replicas drops to 0). A pool the autoscaler
-    drives keeps its live replica count (`live`: the Deployments as they are)."""
+    renders (e.g. the prefill pool when prefill.replicas drops to 0). One list per kind,
+    before the writes, gives both: the live Deployments, from which a pool the autoscaler
+    drives keeps its replica count (and a pool newly under an HPA hands its count over),
+    and the versions `Applied` compares."""
+    owned = {kind: kube.list_owned(kind, owner.namespace, owner.name, owner.uid)
+             for kind in KINDS}
+    live = {d["metadata"]["name"]: d for d in owned["Deployment"]}
+    before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
+              for kind, objs in owned.items() for obj in objs}
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = render_all(spec, owner, image=config.image,
                       image_pull_policy=config.image_pull_policy, replicas=keep)
     hand_over_replicas(kube, spec, owner, live)
-    before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
-              for kind in KINDS
-              for obj in kube.list_owned(kind, owner.namespace, owner.name, owner.uid)}
     after = {}
     for doc in docs:
         out = kube.apply(doc)
@@ -107,14 +111,12 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: Operator
 
 
 def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
-                       live: Mapping[str, Mapping[str, Any]]) -> list[str]:
+                       live: Mapping[str, Mapping[str, Any]]) -> None:
     """Before a pool's first apply under an HPA (which renders no replicas): where this
     operator's apply still owns the live Deployment's replicas, apply that count under
     `HANDOVER` first. Dropping a field its only applier owned would reset the pool to one
     replica; with a second owner the count stays until the HPA's first scale takes it
-    (Kubernetes' documented server-side-apply ownership transfer). Returns the
-    Deployments handed over."""
-    done = []
+    (Kubernetes' documented server-side-apply ownership transfer)."""
     for pool in pools(spec):
         auto = pool.spec.autoscaling
         name = pool_name(owner, pool)
@@ -122,15 +124,13 @@ def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
         if auto is None or auto.mode != "hpa" or dep is None:
             continue
         replicas = dep.get("spec", {}).get("replicas")
-        if replicas is None or not applies_field(dict(dep), FIELD_MANAGER, "spec", "replicas"):
+        if replicas is None or not applies_field(dep, FIELD_MANAGER, "spec", "replicas"):
             continue
         kube.apply({"apiVersion": "apps/v1", "kind": "Deployment",
                     "metadata": {"name": name, "namespace": owner.namespace},
                     "spec": {"replicas": replicas}}, manager=HANDOVER)
         logger.info("%s/%s: %s keeps %d replicas while its HPA takes over", owner.namespace,
                     owner.name, name, replicas)
-        done.append(name)
-    return done
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
         logprobs = req.logprobs
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if req.echo and max_tokens == 0:  # the prompt (and its logprobs) only, as in vLLM:
-            if req.min_tokens:  # one token is computed and dropped
-                raise InvalidRequestError("min_tokens must be 0 with echo and max_tokens 0",
-                                          "min_tokens")
-            max_tokens = 1
         if req.echo:
             prompt_logprobs = logprobs
+            if max_tokens == 0:  # the prompt (and its logprobs) only, as in vLLM: one token
+                if req.min_tokens:  # is computed and dropped
+                    raise InvalidRequestError("min_tokens must be 0 with echo and "
+                                              "max_tokens 0", "min_tokens")
+                max_tokens = 1
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
