@@ -71,6 +71,8 @@ def test_a_model_that_fails_to_load_exits_the_worker_with_the_reason(tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (("--long-prefill-token-threshold", "-5"), "long_prefill_token_threshold must be >= 0"),
     (("--max-num-batched-tokens", "0"), "max_num_batched_tokens must be >= 1"),
+    (("--role", "decode", "--kv-transfer-backend", "torch", "--kv-transfer-host",
+      "no-such-host.invalid"), "kv transfer host 'no-such-host.invalid' does not resolve"),
 ])
 def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, message):
     r = subprocess.run([sys.executable, "-m", "tandem.cli", "worker", "--port",

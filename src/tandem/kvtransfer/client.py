@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import grpc
 import torch
 
 from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import KVBlock
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.base import TransferBackend, make_backend
@@ -70,6 +72,12 @@ class RemotePrefillSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.backend == "torch":  # the store binds there: fail at start, not per fetch
+            try:
+                socket.getaddrinfo(self.advertise_host, 0, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ConfigError(f"kv transfer host {self.advertise_host!r} does not "
+                                  f"resolve: {exc}") from exc
 
 
 @dataclass(frozen=True)
