@@ -2,13 +2,16 @@
 
     .venv/bin/python bench/offline_throughput.py [--quick] [--engines tandem,hf,vllm]
         [--workloads mixed,shared-prefix] [--out bench/results/offline_throughput-DATE.json]
+        [--tandem-baseline PATH]
 
 Every engine gets the same seeded token-id prompts (``bench/workload.py``), greedy decoding,
 ``ignore_eos`` and exactly ``max_tokens`` new tokens per request, all submitted at once.  Wall
 time runs from submission to the last completion (model load excluded).  Each engine runs in
 its own subprocess (``bench/runners/*_runner.py``; vLLM from ``.venv-vllm``, made by
 ``bench/setup_vllm.sh``) that prints one JSON result line.  On the shared-prefix workload
-Tandem runs twice, with prefix caching on and off.
+Tandem runs twice, with prefix caching on and off.  ``--tandem-baseline PATH`` adds
+``tandem-baseline``: the same runner on another checkout's ``src`` (``git worktree add PATH
+REV``), so a change is measured against its parent in the same invocation.
 
 Prints a table, throughput ratios and a greedy-agreement check (first 4 requests' token ids
 against HF's), and writes the raw results with machine details to one JSON file.
@@ -80,6 +83,19 @@ def machine_info() -> dict:
     }
 
 
+def _revision(checkout: Path) -> str | None:
+    """The git commit of `checkout` (with "+dirty" when its tree has changes), or None."""
+    try:
+        rev = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
 def vllm_python() -> Path | None:
     py = VLLM_VENV / "bin" / "python"
     return py if py.exists() else None
@@ -93,11 +109,12 @@ def ensure_hf_export() -> None:
                    check=True)
 
 
-def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True) -> tuple[list[str], dict]:
+def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True,
+               tandem_src: Path | None = None) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if engine == "tandem":
-        src = str(REPO / "src")
+        src = str(tandem_src or REPO / "src")
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [project_python(), str(RUNNERS / "tandem_runner.py"), str(wl_path)]
         if not prefix_caching:
@@ -138,8 +155,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: float,
-               prefix_caching: bool = True) -> dict:
-    cmd, env = runner_cmd(engine, wl_path, prefix_caching)
+               prefix_caching: bool = True, tandem_src: Path | None = None) -> dict:
+    cmd, env = runner_cmd(engine, wl_path, prefix_caching, tandem_src)
     log_path = CACHE / "logs" / f"{wl_name}-{label}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"  running {label} ... (log: {log_path.relative_to(REPO)})", flush=True)
@@ -233,7 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="per-runner seconds")
     ap.add_argument("--out", type=Path, default=None,
                     help="raw JSON (default bench/results/offline_throughput-<date>.json)")
+    ap.add_argument("--tandem-baseline", type=Path, default=None, metavar="PATH",
+                    help="also run Tandem from PATH/src as tandem-baseline (a checkout of "
+                         "the revision to compare against)")
     args = ap.parse_args(argv)
+    baseline_src = None
+    if args.tandem_baseline is not None:
+        baseline_src = args.tandem_baseline.resolve() / "src"
+        if not (baseline_src / "tandem" / "__init__.py").exists():
+            ap.error(f"{baseline_src} holds no tandem package")
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -260,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({machine['torch_threads']} threads), load avg {machine['loadavg_at_start']}")
     report: dict = {"benchmark": "offline_throughput", "date": now.isoformat(timespec="seconds"),
                     "quick": args.quick, "seed": args.seed, "engines": engines,
-                    "machine": machine, "notes": notes, "workloads": {}}
+                    "machine": machine, "notes": notes, "workloads": {},
+                    "tandem_src": str(REPO / "src"), "tandem_revision": _revision(REPO)}
+    if baseline_src is not None:
+        report["tandem_baseline_src"] = str(baseline_src)
+        report["tandem_baseline_revision"] = _revision(baseline_src.parent)
 
     CACHE.mkdir(parents=True, exist_ok=True)
     for wl_name in workloads:
@@ -273,15 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nworkload {wl_name}: {len(requests)} requests, {prompt_tokens} prompt tokens, "
               f"{out_tokens} output tokens, params {params}", flush=True)
 
-        runs: list[tuple[str, str, bool]] = []
+        runs: list[tuple[str, str, bool, Path | None]] = []
         for e in engines:
             if e == "tandem" and params.get("shared_prefix_tokens"):
-                runs += [("tandem", "tandem", True),
-                         ("tandem-no-prefix-cache", "tandem", False)]
+                runs += [("tandem", "tandem", True, None),
+                         ("tandem-no-prefix-cache", "tandem", False, None)]
             else:
-                runs.append((e, e, True))
-        results = [run_engine(label, eng, wl_name, wl_path, args.timeout, pc)
-                   for label, eng, pc in runs]
+                runs.append((e, e, True, None))
+            if e == "tandem" and baseline_src is not None:
+                runs.append(("tandem-baseline", "tandem", True, baseline_src))
+        results = [run_engine(label, eng, wl_name, wl_path, args.timeout, pc, src)
+                   for label, eng, pc, src in runs]
         by = {r["engine"]: r for r in results if "error" not in r}
 
         print_table(wl_name, results)
@@ -290,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             "tandem/hf": ratio(by.get("tandem"), by.get("hf")),
             "vllm/hf": ratio(by.get("vllm"), by.get("hf")),
         }
-        if any(label == "tandem-no-prefix-cache" for label, _, _ in runs):
+        if baseline_src is not None:
+            ratios["tandem/tandem-baseline"] = ratio(by.get("tandem"), by.get("tandem-baseline"))
+            ratios["tandem-baseline/vllm"] = ratio(by.get("tandem-baseline"), by.get("vllm"))
+        if any(label == "tandem-no-prefix-cache" for label, *_ in runs):
             ratios["tandem prefix-cache on/off"] = ratio(by.get("tandem"),
                                                          by.get("tandem-no-prefix-cache"))
         print("ratios (output tokens/s): " + ", ".join(

@@ -10,6 +10,13 @@ from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 from .utils import make_request
 
 
+def _compute(kv: KVCacheManager, req, n: int) -> None:
+    """Allocate `n` more tokens of `req` and pretend the forward that computed them ended."""
+    assert kv.allocate_slots(req, n) is not None
+    req.num_computed_tokens += n
+    kv.commit_computed(req)
+
+
 def test_new_blocks_come_from_queue_head_and_double_free_raises():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
@@ -28,7 +35,7 @@ def test_prefix_hit_reuses_blocks_and_skips_last_token():
     prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
     r1 = make_request(prompt)
     assert kv.get_computed_blocks(r1) == ([], 0)
-    kv.allocate_slots(r1, len(prompt))
+    _compute(kv, r1, len(prompt))
     assert kv.block_ids(r1.request_id) == [0, 1, 2]
     kv.free(r1)
 
@@ -45,10 +52,10 @@ def test_prefix_hit_reuses_blocks_and_skips_last_token():
 def test_eviction_is_lru_with_request_tail_first():
     kv = KVCacheManager(num_blocks=6, block_size=2)
     r1 = make_request([1, 2, 3, 4, 5, 6])  # blocks 0,1,2 all full
-    kv.allocate_slots(r1, 6)
+    _compute(kv, r1, 6)
     kv.free(r1)  # joins the queue tail-first: 3 free clean (3,4,5) then 2,1,0
     r2 = make_request([9, 9, 9, 9, 9, 9, 9, 9])  # needs 4 blocks: 3,4,5 then evicts block 2
-    kv.allocate_slots(r2, 8)
+    _compute(kv, r2, 8)
     assert kv.block_ids(r2.request_id) == [3, 4, 5, 2]
     # r1's first two blocks survive, its tail block was evicted
     r1b = make_request([1, 2, 3, 4, 5, 6, 7])
@@ -82,13 +89,16 @@ def test_events_stored_removed_cleared():
     kv = KVCacheManager(num_blocks=2, block_size=2, enable_events=True)
     r1 = make_request([1, 2, 3, 4, 5])
     kv.allocate_slots(r1, 4)  # only the first 4 tokens: 2 full blocks
+    assert kv.pool.take_events() == []  # nothing is cached before the forward computed it
+    r1.num_computed_tokens = 4
+    kv.commit_computed(r1)
     events = kv.pool.take_events()
     assert len(events) == 1 and isinstance(events[0], BlockStored)
     assert events[0].token_ids == (1, 2, 3, 4) and len(events[0].block_hashes) == 2
     assert events[0].parent_hash == root_hash(HashKeys())
     kv.free(r1)
     r2 = make_request([7, 8, 9])
-    kv.allocate_slots(r2, 3)
+    _compute(kv, r2, 3)
     events = kv.pool.take_events()
     assert [type(e) for e in events] == [BlockRemoved, BlockStored]
     kv.free(r2)

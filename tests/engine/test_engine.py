@@ -80,6 +80,28 @@ def test_forced_preemption_keeps_outputs(tiny):
     assert got == ref
 
 
+def test_prompt_logprobs_survive_preemption_once(tiny):
+    """A preempted request recomputes its prompt; the prompt logprobs it already emitted are
+    not emitted again, and the rest equal an unpressured run's."""
+    _, path, _ = tiny
+    prompts = _prompts(8, seed=7, lo=20, hi=40)
+    params = SamplingParams(max_tokens=30, prompt_logprobs=2, **GREEDY)
+
+    def run(**engine_args):
+        llm = LLM(path, block_size=4, kv_cache_memory=64 << 20, **engine_args)
+        return llm.generate(prompts, params), llm
+
+    ref, _ = run()
+    got, llm = run(num_kv_blocks=32, max_num_batched_tokens=24)
+    assert llm.engine.stats().num_preemptions > 0
+    for prompt, g, r in zip(prompts, got, ref, strict=True):
+        assert len(g.prompt_logprobs) == len(prompt) == len(r.prompt_logprobs)
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert set(a) == set(b)
+            assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+
+
 def test_seeded_sampling_same_alone_and_in_batch(tiny):
     _, path, _ = tiny
     llm = LLM(path, block_size=4, kv_cache_memory=64 << 20)

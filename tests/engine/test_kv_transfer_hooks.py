@@ -74,10 +74,11 @@ def test_imported_blocks_are_pinned_registered_and_hit_by_the_next_request():
     assert kv.pool.get_cached_block(chain[0]) is pinned[0]  # still cached after unpinning
 
 
-def test_an_import_stops_where_the_pool_runs_out():
+def test_an_import_is_pinned_whole_or_not_at_all():
     kv = KVCacheManager(num_blocks=2, block_size=BS)
     chain = hash_block_chain(list(range(20)), BS, HashKeys())  # 5 blocks
-    pinned, fresh = kv.import_blocks(chain)
+    assert kv.import_blocks(chain) == ([], []) and kv.pool.num_free_blocks() == 2
+    pinned, fresh = kv.import_blocks(chain[:2])
     assert len(pinned) == 2 and fresh == [0, 1] and kv.pool.num_free_blocks() == 0
     kv.commit_import(pinned, chain, root_hash(HashKeys()), list(range(8)))
     assert kv.pool.get_cached_block(chain[1]) is pinned[1]
@@ -86,18 +87,21 @@ def test_an_import_stops_where_the_pool_runs_out():
 
 def _import_with_tail(kv: KVCacheManager, prompt: list[int], rid: str):
     """What the decode side does for `prompt`: pin its full blocks before the last token and
-    a partial block after them, register the full ones and stage the partial one."""
+    a block for the last one, register the full ones and stage the last (its partial tokens
+    and, after them, the last token's slot)."""
     usable = (len(prompt) - 1) // BS
     chain = hash_block_chain(prompt[:usable * BS], BS, HashKeys())
-    pinned, fresh = kv.import_blocks(chain, tail=True)
-    assert len(pinned) == usable + 1 and fresh[-1] == usable  # the partial block: fresh
+    pinned, fresh = kv.import_blocks(chain, stage=True)
+    assert len(pinned) == usable + 1 and fresh[-1] == usable  # the staged block: fresh
     kv.commit_import(pinned[:usable], chain, root_hash(HashKeys()), prompt[:usable * BS])
     kv.stage_tail(rid, pinned[usable], usable, prompt[usable * BS:len(prompt) - 1])
     return chain, pinned
 
 
 def test_a_staged_tail_is_taken_over_and_only_the_last_token_is_computed():
-    for n in (14, 16):  # a one-token tail; a block-aligned prompt (a 3-token tail)
+    # a one-token tail; a block-aligned prompt (a 3-token tail); a last token that starts a
+    # block (an empty staged block: the request still needs no free block)
+    for n in (14, 16, 13):
         kv = KVCacheManager(num_blocks=12, block_size=BS)
         sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
         prompt = list(range(100, 100 + n))
@@ -112,10 +116,12 @@ def test_a_staged_tail_is_taken_over_and_only_the_last_token_is_computed():
         kv.unpin(pinned[:-1])  # the import's pins on the full blocks end
         kv.drop_tail("r-tail")  # a no-op: the request holds the partial block now
         assert all(b.ref_cnt == 1 for b in pinned)
-        if n % BS == 0:  # the step fills the partial block: it joins the prefix cache
-            full = hash_block_chain(prompt, BS, HashKeys())
-            assert kv.pool.get_cached_block(full[-1]) is pinned[-1]
+        full = hash_block_chain(prompt, BS, HashKeys())
+        if n % BS == 0:  # the step fills the partial block: cached once the step ran
+            assert kv.pool.get_cached_block(full[-1]) is None
         sched.update_after_step(out)
+        if n % BS == 0:
+            assert kv.pool.get_cached_block(full[-1]) is pinned[-1]
         sched.finish(req, RequestStatus.FINISHED_ABORTED)
         assert kv.pool.num_free_blocks() == 12
 
@@ -160,13 +166,12 @@ def test_a_staged_tail_is_used_only_where_it_continues_the_prompt_and_never_leak
     assert kv.pool.num_free_blocks() == 12
 
 
-def test_an_import_pins_no_partial_block_unless_every_full_block_fits():
+def test_an_import_pins_the_staged_block_only_with_every_full_block():
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     chain = hash_block_chain(list(range(12)), BS, HashKeys())
-    pinned, fresh = kv.import_blocks(chain, tail=True)
-    assert len(pinned) == 3 and fresh == [0, 1, 2]  # no room for the partial block
-    kv.unpin(pinned)
-    pinned, fresh = kv.import_blocks(chain[:2], tail=True)
+    assert kv.import_blocks(chain, stage=True) == ([], [])  # no room for the staged block
+    assert kv.pool.num_free_blocks() == 3
+    pinned, fresh = kv.import_blocks(chain[:2], stage=True)
     assert len(pinned) == 3 and fresh == [0, 1, 2] and pinned[2].block_hash is None
 
 
@@ -181,6 +186,7 @@ def test_a_cancelled_caller_cannot_kill_the_engine_thread():
 
     class FakeEngine:
         config = type("C", (), {"enable_kv_events": False})()
+        last_step_idle = False
 
         def stats(self):
             return None
@@ -218,6 +224,7 @@ def test_requests_taken_in_count_in_the_load_before_the_next_step_ends():
 
     class FakeEngine:
         config = type("C", (), {"enable_kv_events": False})()
+        last_step_idle = False
         queued = 0
 
         def stats(self):

@@ -52,6 +52,26 @@ def test_stop_string_spanning_tokens_is_cut_and_not_returned(tiny):
     assert kept.text == full.text[: cut + len(stop)]
 
 
+def test_a_stop_string_completed_by_the_min_tokens_th_token_stops(tiny):
+    """Stops count from the `min_tokens`-th token on (vLLM's rule): a stop string that token
+    completes is caught, though the next token's text no longer contains it."""
+    llm, _ = tiny
+    prompt = _prompt(6)
+    full = _greedy(llm, prompt, max_tokens=24).outputs[0]
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    upto = "".join(pieces[:3])
+    stop = upto[-3:]  # ends with the 3rd token's text
+    assert len(pieces[2]) >= 1 and full.text.startswith(upto)
+    assert full.text.find(stop) == len(upto) - 3  # nowhere earlier, so only token 3 ends it
+    out = _greedy(llm, prompt, max_tokens=24, stop=[stop], min_tokens=3).outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full.token_ids[:3] and out.text == upto[:-3]
+    # one token more of min_tokens and it no longer counts: the text runs on
+    later = _greedy(llm, prompt, max_tokens=24, stop=[stop], min_tokens=4).outputs[0]
+    assert later.finish_reason == "length" or len(later.token_ids) > 3
+
+
 def test_stop_token_ids_and_min_tokens(tiny):
     llm, _ = tiny
     prompt = _prompt(2)

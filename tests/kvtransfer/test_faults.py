@@ -33,6 +33,7 @@ VOCAB = 49152
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 BLOCK_BYTES = LAYERS * 2 * KV_HEADS * BS * HEAD_DIM * 4  # every layer's K + V, float32
 TIMEOUT = 2.0  # the decode workers' --kv-transfer-timeout
+SMALL_POOL = 24  # KV blocks of the `small` decode worker
 BOUND = TIMEOUT + 40  # "never a hang": the longest any answer below may take
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,6 +100,10 @@ def cluster(tmp_path_factory):
     workers["decode_fail"] = start_worker(tmp, *decode_args, "--kv-transfer-policy", "fail",
                                           wait_ready=False)
     workers["single"] = start_worker(tmp, "--role", "both", *common, wait_ready=False)
+    # a decode worker with a pool small enough for a test to evict what it does not pin
+    workers["small"] = start_worker(tmp, "--role", "decode", "--kv-transfer-timeout", "60",
+                                    "--num-threads", "1", "--num-kv-blocks", str(SMALL_POOL),
+                                    "--max-num-batched-tokens", "2048", wait_ready=False)
     fake = cluster = None
     try:
         for w in workers.values():
@@ -124,6 +129,7 @@ class Cluster:
         self.prefill, self.victim = workers["prefill"], workers["victim"]
         self.decode, self.decode_fail = workers["decode"], workers["decode_fail"]
         self.single, self.streamed = workers["single"], workers["streamed"]
+        self.small = workers["small"]
         self.target, self.victim_target = targets["prefill"], targets["victim"]
         self.fake: FakePrefillServer = fake
         self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
@@ -281,6 +287,11 @@ CORRUPTIONS = {
                                                             b"\1" * 16]), 0,
                                                layer_bytes=ch[0].header.layer_bytes
                                                + BLOCK_BYTES // LAYERS), "invalid"),
+    # a valid offer of only some of the blocks asked for: its pins would hold blocks while
+    # the request still needs free ones for the rest, so it is refused
+    "fewer blocks than asked": (lambda ch: _set(_hashes(ch, ch[0].header.block_hashes[:-1]),
+                                                0, layer_bytes=ch[0].header.layer_bytes
+                                                - BLOCK_BYTES // LAYERS), "partial"),
     "other model": (lambda ch: _set(ch, 0, model_id="other-model"), "invalid"),
     "wrong head count": (lambda ch: _set(ch, 0, num_kv_heads=KV_HEADS + 1), "invalid"),
     "bad checksum": (lambda ch: _set(ch, -1, xxh3_64=ch[-1].trailer.xxh3_64 ^ 1), "invalid"),
@@ -369,6 +380,50 @@ def test_the_decode_cache_holds_only_its_own_computation(cluster):
     assert got.status_code == want.status_code == 200
     assert got.json()["choices"] == want.json()["choices"]
     assert metric(c.decode.url, "vllm:prefix_cache_hits_total") > hits
+
+
+def test_the_local_prefix_stays_pinned_while_the_rest_is_fetched(cluster):
+    """The decode worker plans its fetch against the prefix it already holds and pins it at
+    once: evicting that prefix before the request is admitted would waste every imported
+    block after the gap. Here a request evicts whatever is not pinned while the pages are
+    on their way; the P/D request still takes every prompt token but the last from cache."""
+    c = cluster
+    url = c.small.url
+    prefix = ids(800, 2 * BS)
+    text(url, prefix + [7])  # the small worker holds the prefix's 2 blocks
+    # 21 blocks of other tokens: afterwards the prefix is next in line for eviction
+    text(url, ids(801, 21 * BS - 8))
+    prompt = prefix + ids(802, 3 * BS + 5)  # asks for blocks 2..4 and a 4-token tail
+    stub = c.stub()
+    chunks = list(stub.Prefill(prefill_request(prompt, first_block=2, num_blocks=3,
+                                               tail_tokens=4), timeout=60))
+    stub.ReleasePages(worker_pb2.ReleasePagesRequest(lease_id=chunks[0].header.lease_id),
+                      timeout=10)
+    gate = threading.Event()
+
+    async def held_back(request, context):
+        assert (request.first_block, request.num_blocks, request.tail_tokens) == (2, 3, 4)
+        while not gate.is_set():
+            await asyncio.sleep(0.02)
+        for chunk in chunks:
+            yield chunk
+
+    c.fake.behaviour = held_back
+    calls = c.fake.calls
+    t, box = in_thread(post, url, prompt, c.fake.target)
+    deadline = time.monotonic() + 30
+    while c.fake.calls == calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)  # the pin runs at the engine's next step boundary (it is idle)
+    text(url, ids(803, 2 * BS + 8))  # 3 blocks: the least recently used, if not pinned
+    gate.set()
+    t.join(BOUND + 30)
+    r, _ = box[0]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == text(c.single.url, prompt)
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+    wait_idle(url, 10)
 
 
 def test_an_import_that_outlasts_the_timeout_leaves_nothing_pinned(cluster):

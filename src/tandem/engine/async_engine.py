@@ -2,7 +2,10 @@
 
 Only the engine thread touches the `LLMEngine`. Coroutines hand it commands (add, abort)
 through a thread-safe inbox that it drains between steps, so an HTTP event loop never
-waits for a running step. `generate()` yields a `RequestOutput` per step that changed the
+waits for a running step. The thread sleeps while there is nothing it can schedule (no
+requests, or only requests waiting for blocks that pins hold) until a command arrives;
+it never spins. `add_many` admits several prompts in one command, so they all join the
+same step. `generate()` yields a `RequestOutput` per step that changed the
 request; closing or cancelling the consumer (a disconnected HTTP client) aborts the request
 and frees its blocks at the next step boundary. `snapshot` holds the engine's stats as of
 the last step or the last commands taken in (whichever came later), for metrics and load
@@ -24,22 +27,31 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.kv_events_hub import KVEventHub, Subscription
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+IDLE_WAKE_S = 1.0  # an idle engine thread also wakes this often (a safety net, not a poll)
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """One request for `AsyncLLMEngine.add_many`."""
+
+    request_id: str
+    prompt: str | list[int] | TokenizedPrompt
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    keep_blocks: bool = False
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    keep_blocks: bool
+    requests: list[AddRequest]
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
-    done: concurrent.futures.Future  # result: prompt token ids; or the validation error
+    outputs: list[asyncio.Queue]
+    done: concurrent.futures.Future  # result: each request's prompt ids; or the first error
 
 
 @dataclass
@@ -94,20 +106,8 @@ class AsyncLLMEngine:
                 return drained
             drained = True
             if isinstance(cmd, _Add):
-                if cmd.done.cancelled():
-                    continue
-                try:
-                    ids = self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                                  priority=cmd.priority,
-                                                  cache_salt=cmd.cache_salt,
-                                                  keep_blocks=cmd.keep_blocks)
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    _settle(cmd.done, error=exc)
-                    continue
-                self._streams[cmd.request_id] = (cmd.loop, cmd.outputs)
-                if not _settle(cmd.done, ids):  # the caller left meanwhile: take it back
-                    self._streams.pop(cmd.request_id, None)
-                    self.engine.abort_request(cmd.request_id)
+                if not cmd.done.cancelled():
+                    self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
@@ -118,6 +118,29 @@ class AsyncLLMEngine:
                     _settle(cmd.done, error=exc)
                 else:
                     _settle(cmd.done, result)
+
+    def _add(self, cmd: _Add) -> None:
+        """Add every request of `cmd`, or none: one that fails takes the others back."""
+        added: list[str] = []
+        ids = []
+        try:
+            for r in cmd.requests:
+                ids.append(self.engine.add_request(r.request_id, r.prompt, r.params,
+                                                   priority=r.priority,
+                                                   cache_salt=r.cache_salt,
+                                                   keep_blocks=r.keep_blocks))
+                added.append(r.request_id)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            for rid in added:
+                self.engine.abort_request(rid)
+            _settle(cmd.done, error=exc)
+            return
+        for rid, q in zip(added, cmd.outputs, strict=True):
+            self._streams[rid] = (cmd.loop, q)
+        if not _settle(cmd.done, ids):  # the caller left meanwhile: take them back
+            for rid in added:
+                self._streams.pop(rid, None)
+                self.engine.abort_request(rid)
 
     def _loop(self) -> None:
         while not self._stopped:
@@ -132,8 +155,10 @@ class AsyncLLMEngine:
                 self.kv_hub.publish(self.engine.take_kv_events())
             if outputs:
                 self._deliver(outputs)
-            if not busy:
-                self._wake.wait(timeout=0.5)
+            if not busy or (self.engine.last_step_idle and not outputs):
+                # nothing can run until a command arrives (a new request, an abort, a
+                # release of pinned blocks): sleep until one does instead of spinning
+                self._wake.wait(timeout=IDLE_WAKE_S)
                 self._wake.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -159,25 +184,34 @@ class AsyncLLMEngine:
         self._wake.set()
 
     # -- coroutine side ------------------------------------------------------------------------
-    async def add(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
-                  priority: int = 0, cache_salt: str | None = None,
+    async def add(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams,
+                  request_id: str, *, priority: int = 0, cache_salt: str | None = None,
                   keep_blocks: bool = False) -> tuple[list[int], asyncio.Queue]:
         """Queue a request; returns (prompt token ids, its output queue).
 
         Raises what `LLMEngine.add_request` raises (`InvalidRequestError`, `QueueFullError`).
         """
+        [(ids, outputs)] = await self.add_many(
+            [AddRequest(request_id, prompt, params, priority, cache_salt, keep_blocks)])
+        return ids, outputs
+
+    async def add_many(self, requests: list[AddRequest]
+                       ) -> list[tuple[list[int], asyncio.Queue]]:
+        """Queue several requests in one command: all join the same step, or, when one is
+        refused, none is added and its error is raised. Returns (prompt token ids, output
+        queue) per request, in order."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in requests]
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Add(request_id, prompt, params, priority, cache_salt, keep_blocks, loop,
-                        outputs, done))
+        self._send(_Add(list(requests), loop, queues, done))
         try:
             ids = await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            if not done.cancel():  # already added: take it back out
-                self.abort(request_id)
+            if not done.cancel():  # already added: take them back out
+                for r in requests:
+                    self.abort(r.request_id)
             raise
-        return ids, outputs
+        return list(zip(ids, queues, strict=True))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str, *, priority: int = 0,

@@ -12,25 +12,17 @@ ones compute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
+from tandem.engine.core import RunnerOutput
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import SchedulerOutput
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    # request id -> logprob entries for prompt tokens covered by this step
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class LayerObserver(Protocol):
@@ -102,7 +94,7 @@ class ModelRunner:
         query_lens, seq_lens, tables = [], [], []
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
-        plp: list[tuple[Request, int, int, int]] = []  # (request, start, flat index, count)
+        plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
         watching: list[LayerObserver] = []
         # decodes first (the scheduler's order), sorted by context length so the attention
         # backend can group similar lengths and pad little
@@ -131,13 +123,15 @@ class ModelRunner:
                 if observer is not None and req.num_output_tokens == 0:  # the prompt's end
                     observer.begin(list(table))
                     watching.append(observer)
-            if req.sampling_params.prompt_logprobs is not None:
-                # position p predicts prompt token p + 1
-                count = min(start + n, req.num_prompt_tokens - 1) - start
+            if req.prompt_logprobs_pos is not None:
+                # position p predicts prompt token p + 1; positions whose logprobs were
+                # emitted before a preemption are recomputed but not emitted again
+                first = max(start, req.prompt_logprobs_pos)
+                count = min(start + n, req.num_prompt_tokens - 1) - first
                 if count > 0:
-                    plp.append((req, start, offset, count))
+                    plp.append((req, first, offset + first - start, count))
 
-        flat_plp = [offset + j for _, _, offset, count in plp for j in range(count)]
+        flat_plp = [flat + j for _, _, flat, count in plp for j in range(count)]
         slot_t = torch.cat([torch.tensor(slots, dtype=torch.int64), *chunk_slots])
         pos_t = torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_pos])
         layout = BatchLayout(query_lens, seq_lens, tables, slot_t, nd, bs)

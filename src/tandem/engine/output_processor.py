@@ -80,7 +80,9 @@ class OutputProcessor:
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(logprobs)
             state.cumulative_logprob = (state.cumulative_logprob or 0.0) + logprobs[token_id]
-        may_stop = child.num_output_tokens > params.min_tokens or params.min_tokens == 0
+        # vLLM's rule: stops count from the min_tokens-th output token on (the sampler bans
+        # EOS and stop tokens before it)
+        may_stop = child.num_output_tokens >= params.min_tokens
         if may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
             child.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED

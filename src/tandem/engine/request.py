@@ -10,6 +10,15 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block, root_hash
 
 
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt already tokenized or checked (`EngineCore.process_prompt`): token ids within
+    the vocabulary, and the text they came from, if any."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,7 +53,6 @@ class Request:
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
@@ -53,10 +61,61 @@ class Request:
     first_token_time: float | None = None
     keep_kv: bool = False  # on a normal finish its blocks stay pinned (KV transfer source)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # the next prompt position whose logits give a prompt logprob (that of the token after
+    # it); None when none are wanted: not asked for, sample > 0 of n, or all emitted. A
+    # preempted request that recomputes its prompt emits none twice.
+    prompt_logprobs_pos: int | None = None
     _root: BlockHash | None = field(default=None, repr=False)
+    _max_hit: int = field(default=-1, repr=False)  # largest prompt prefix hit; -1: none yet
+    _own: list[list[int]] = field(default_factory=list, repr=False)  # computed [start, end)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if (self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+                and len(self.prompt_token_ids) > 1):
+            self.prompt_logprobs_pos = 0
+
+    def advance_prompt_logprobs(self, count: int) -> None:
+        """`count` more prompt logprobs were emitted."""
+        if self.prompt_logprobs_pos is not None:
+            pos = self.prompt_logprobs_pos + count
+            self.prompt_logprobs_pos = pos if pos < self.num_prompt_tokens - 1 else None
+
+    # -- prompt accounting (usage's cached tokens) ------------------------------------------
+    def note_admitted(self, num_hit: int) -> None:
+        """An admission that starts with `num_hit` tokens served by the prefix cache."""
+        if not self.output_token_ids:  # later admissions recompute prompt + output
+            self._max_hit = max(self._max_hit, min(num_hit, self.num_prompt_tokens))
+
+    def note_computed(self, start: int, end: int) -> None:
+        """This request's own forward computed positions [start, end)."""
+        end = min(end, self.num_prompt_tokens)
+        if start >= end or self.output_token_ids:
+            return
+        own = self._own
+        if own and own[-1][1] >= start and own[-1][0] <= start:  # the usual: it continues
+            own[-1][1] = max(own[-1][1], end)
+            return
+        own.append([start, end])
+        own.sort()
+        merged = [own[0]]
+        for lo, hi in own[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._own = merged
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens this request took from the prefix cache (or a KV import) and never
+        computed itself, over all its admissions before its first token; -1 before its first
+        admission. A preempted request's hits on blocks it computed itself do not count."""
+        if self._max_hit < 0:
+            return -1
+        own = sum(max(0, min(hi, self._max_hit) - lo) for lo, hi in self._own
+                  if lo < self._max_hit)
+        return self._max_hit - own
 
     @property
     def num_tokens(self) -> int:

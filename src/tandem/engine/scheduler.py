@@ -1,20 +1,33 @@
 """Continuous batching: every step rebuilds the batch under one token budget.
 
-Running requests are served first (a decode token each, or their next prefill chunk), then
-waiting requests join in (priority, arrival) order while budget, `max_num_seqs` and blocks
-last. With `long_prefill_token_threshold` (vLLM's option of that name) no request's prefill
-chunk exceeds that many tokens per step, so a long prompt leaves budget to the requests
-behind it: they start next step instead of after its whole prefill. Such long chunks are
-scheduled after the waiting prompts, and sit out a step that finishes another prompt's
-prefill (for at most the cap's worth of tokens in a row; see `_schedule_deferred`).
+Running requests are served first, in (priority, arrival) order (a decode token each, or
+their next prefill chunk), then waiting requests join in the same order while budget,
+`max_num_seqs` and blocks last. With `long_prefill_token_threshold` (vLLM's option of that
+name) no request's prefill chunk exceeds that many tokens per step, so a long prompt leaves
+budget to the requests behind it: they start next step instead of after its whole prefill.
+Such long chunks are scheduled after the waiting prompts, and sit out a step that finishes
+another prompt's prefill (for at most the cap's worth of tokens in a row; see
+`_schedule_deferred`).
 
 When blocks run out a running request is preempted by recompute: its blocks are freed
-(full ones keep their hashes, so it usually returns through the prefix cache) and it goes
-back to the waiting queue with its generated tokens kept.
+(the full ones it computed keep their hashes, so it usually returns through the prefix
+cache) and it goes back to the waiting queue with its generated tokens kept. A victim is
+never a request already scheduled in this step: the running pass serves requests in the
+order victims are taken from the back, and the deferred pass takes none that ran.
+
+Admission stops at the first waiting request that does not fit, except for P/D requests
+whose imported blocks are pinned with a block for their last token (they need no free one);
+a step that would run nothing admits the first request that fits.
+
+Blocks join the prefix cache in `update_after_step`, after the forward that computed them.
+A waiting request whose prefix continues into blocks this step computes for another
+request (n > 1 samples, a burst sharing a system prompt) waits a step and then hits them
+instead of computing them twice, when they are at least half of its chunk.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
@@ -22,6 +35,8 @@ from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+
+STALL_LOOKAHEAD = 64  # waiting requests a stalled step looks at
 
 
 @dataclass
@@ -129,24 +144,44 @@ class Scheduler:
         out.preempted.append(victim)
         heapq.heappush(self._waiting, (victim.priority, victim.arrival_seq, victim))
 
-    def _make_room(self, req: Request, num_new: int, scheduled: list[ScheduledRequest],
-                   out: SchedulerOutput) -> bool:
-        """Blocks for `num_new` more tokens of running `req`, preempting the lowest-priority,
-        latest request while the pool is short (dropping it from `scheduled`). False when
-        `req` itself was the victim."""
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for `num_new` more tokens of running `req` (running pass), preempting from
+        the back of `running` (lowest priority, latest arrival) while the pool is short.
+        Everything behind `req` there is unscheduled this step. False when `req` itself was
+        the victim."""
         while self.kv.allocate_slots(req, num_new) is None:
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_seq))
+            victim = self.running[-1]
             self._preempt(victim, out)
-            scheduled[:] = [s for s in scheduled if s.request is not victim]
             if victim is req:
                 return False
         return True
 
-    def _left(self, scheduled: list[ScheduledRequest]) -> int:
-        return self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+    def _make_room_deferred(self, req: Request, num_new: int, ran: set[str],
+                            out: SchedulerOutput) -> bool:
+        """As `_make_room` for a deferred long prefill, but victims are only requests behind
+        `req` that did not run this step. When none is left, `req` sits the step out (False)
+        rather than lose its own progress, unless nothing else runs this step: then it gives
+        its blocks back as the running pass would (pins held for others must not wedge it)."""
+        key = (req.priority, req.arrival_seq)
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = next((r for r in reversed(self.running) if r.request_id not in ran
+                           and (r.priority, r.arrival_seq) > key), None)
+            if victim is None:
+                if ran:
+                    return False
+                victim = req
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request) -> None:
+        """A waiting request starts running: `running` stays in (priority, arrival) order."""
+        bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_seq))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.new_step()
         cap = self.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         deferred: list[Request] = []  # long prefills: their chunk comes after waiting prompts
@@ -162,54 +197,140 @@ class Scheduler:
                 deferred.append(req)  # a long prefill not yet due: after the waiting prompts
                 continue
             num_new = self._chunk(remaining, budget)
-            preempted = len(out.preempted)
-            if self._make_room(req, num_new, scheduled, out):
+            if self._make_room(req, num_new, out):
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                budget -= num_new
                 if long:  # a due one: it starts sitting out afresh
                     self._yielded.pop(req.request_id, None)
-            # without a preemption `req` got its chunk; with one, victims' chunks came back
-            budget = (budget - num_new if len(out.preempted) == preempted
-                      else self._left(scheduled))
 
         if not out.preempted:
-            while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self._waiting[0][2]
-                computed, num_hit = self.kv.get_computed_blocks(req)
-                num_new = self._chunk(req.num_tokens - num_hit, budget)
-                if self.kv.allocate_slots(req, num_new, computed) is None:
-                    break
-                heapq.heappop(self._waiting)
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = time.monotonic()
-                req.num_computed_tokens = num_hit
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append(ScheduledRequest(req, num_hit, num_new))
-                budget -= num_new
+            budget = self._schedule_waiting(scheduled, budget)
 
         yielding = self._schedule_deferred(deferred, scheduled, out)
+        if not scheduled and self._waiting:
+            self._admit_when_stalled(scheduled, out.preempted)
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, stable
         out.scheduled = scheduled
         out.num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
         for req in yielding:
-            self._yielded[req.request_id] = (self._yielded.get(req.request_id, 0)
-                                             + out.num_batched_tokens)
+            if req.status is RequestStatus.RUNNING:  # not preempted later in this step
+                self._yielded[req.request_id] = (self._yielded.get(req.request_id, 0)
+                                                 + out.num_batched_tokens)
         return out
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Admit waiting requests in (priority, arrival) order while budget, seats and blocks
+        last; returns the budget left.
+
+        - One whose prefix continues into blocks this step computes for another request,
+          at least half of the chunk it would run, waits a step instead and then hits them
+          (n > 1 samples, a burst sharing a long system prompt): a step of waiting costs it
+          no more than computing them, and nobody computes them twice.
+        - The first that does not fit stops admission (no overtaking under pressure), except
+          for requests with a staged block (P/D imports, `KVCacheManager.import_blocks`):
+          they take no free block, so they cannot delay the one that did not fit, and their
+          pinned pages would otherwise hold the pool while they wait behind it.
+        """
+        passed: list[tuple[int, int, Request]] = []
+        blocked = False
+        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self._waiting[0][2]
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            num_new = self._chunk(req.num_tokens - num_hit, budget)
+            if 2 * self.kv.pending_run(req, num_hit // self.kv.block_size) >= num_new:
+                passed.append(heapq.heappop(self._waiting))  # half its chunk is being computed
+                continue
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                blocked = True
+                break
+            heapq.heappop(self._waiting)
+            budget = self._start(req, num_hit, num_new, scheduled, budget)
+        for entry in passed:
+            heapq.heappush(self._waiting, entry)
+        if blocked:
+            budget = self._admit_staged(scheduled, budget)
+        return budget
+
+    def _admit_staged(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Admit the waiting requests with a staged block that fit without a free block."""
+        ids = self.kv.staged_request_ids()
+        if not ids:
+            return budget
+        staged = sorted((e for e in self._waiting
+                         if e[2].request_id in ids or e[2].parent_id in ids),
+                        key=lambda e: e[:2])
+        admitted = []
+        for _, _, req in staged:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            num_new = self._chunk(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_new, computed, max_free=0) is None:
+                continue
+            admitted.append(req)
+            budget = self._start(req, num_hit, num_new, scheduled, budget)
+        if admitted:
+            gone = set(map(id, admitted))
+            self._waiting = [e for e in self._waiting if id(e[2]) not in gone]
+            heapq.heapify(self._waiting)
+        return budget
+
+    def _admit_when_stalled(self, scheduled: list[ScheduledRequest],
+                            preempted: list[Request]) -> None:
+        """Nothing runs this step, yet requests wait: the first (in order, within
+        `STALL_LOOKAHEAD`, not preempted in this step) that fits is admitted, though one
+        before it does not. Blocks pinned outside the scheduler (a prefill role's leased
+        pages, imports still in flight) must not idle the engine while some request could
+        run."""
+        for _, _, req in heapq.nsmallest(STALL_LOOKAHEAD, self._waiting):
+            if req in preempted:
+                continue
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens)
+            if self.kv.allocate_slots(req, num_new, computed) is not None:
+                self._waiting = [e for e in self._waiting if e[2] is not req]
+                heapq.heapify(self._waiting)
+                self._start(req, num_hit, num_new, scheduled, 0)
+                return
+
+    def _start(self, req: Request, num_hit: int, num_new: int,
+               scheduled: list[ScheduledRequest], budget: int) -> int:
+        """`req` (its blocks allocated) leaves the waiting queue for `running`."""
+        self.kv.record_admission(req, num_hit)
+        req.note_admitted(num_hit)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self._admit(req)
+        scheduled.append(ScheduledRequest(req, num_hit, num_new))
+        return budget - num_new
 
     def _schedule_deferred(self, deferred: list[Request], scheduled: list[ScheduledRequest],
                            out: SchedulerOutput) -> list[Request]:
-        """Chunks of the long prefills held back from the running pass. While this step
-        finishes some prompt's prefill, a long one yields it to that prompt (a CPU step costs
-        in proportion to its tokens, so its chunk would delay that prompt's first token); it
-        also sits out a step the waiting prompts filled. Once it has sat out
-        `long_prefill_token_threshold` tokens of steps in a row it is due, and the running
-        pass serves it first: under a stream of short prompts it still gets about half of
-        the worker. Returns the requests that sat out this step."""
+        """Chunks of the long prefills held back from the running pass; returns those that
+        sat this step out.
+
+        Invariants (`cap` = `long_prefill_token_threshold` > 0):
+        - `_yielded[r]` exists only for a running request `r` that has more than `cap`
+          prompt tokens left and sat out every step since it last ran; it holds the
+          scheduled tokens of those steps. Running a chunk, preemption and finishing drop it.
+        - `r` is *due* once `_yielded[r] >= cap`: the running pass then serves it like any
+          request (it may preempt), so it sits out at most `cap` tokens of steps in a row
+          (plus the one step that crosses the mark); under a stream of short prompts it
+          still gets about half of the worker.
+        - Otherwise it runs here, after the waiting prompts, unless this step finishes some
+          prompt's prefill (a CPU step costs in proportion to its tokens, so its chunk
+          would delay that prompt's first token) or no budget is left: then it sits out.
+        - Its victims are only requests behind it that did not run this step; with none
+          left it sits out, unless nothing else runs this step: then it gives its own
+          blocks back (preempted, like the running pass's last resort), so it cannot hold
+          blocks that pins of others leave too few of while nothing moves.
+        """
         cap = self.long_prefill_token_threshold
         finishing = any(s.samples and s.start < s.request.num_prompt_tokens
                         for s in scheduled)
+        ran = {s.request.request_id for s in scheduled}
         yielding = []
         for req in deferred:
             if req.status is not RequestStatus.RUNNING:
@@ -219,12 +340,23 @@ class Scheduler:
                 yielding.append(req)
                 continue
             num_new = min(cap, budget)
-            if self._make_room(req, num_new, scheduled, out):
+            if self._make_room_deferred(req, num_new, ran, out):
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                ran.add(req.request_id)
                 self._yielded.pop(req.request_id, None)
+            else:
+                yielding.append(req)
         return yielding
 
+    def _left(self, scheduled: list[ScheduledRequest]) -> int:
+        return self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
+
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance progress of every scheduled request (before sampled tokens are appended)."""
+        """The step's forward completed: advance every scheduled request's progress (before
+        sampled tokens are appended) and register the blocks it completed in the prefix
+        cache."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            req.note_computed(s.start, req.num_computed_tokens)
+            self.kv.commit_computed(req)

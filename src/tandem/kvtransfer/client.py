@@ -4,22 +4,29 @@
 1. hash the prompt as the engine does and count the leading blocks this worker already
    holds; the full blocks after those (up to the last one before the prompt's last token)
    are asked for, and the partial block after them that holds the tokens up to the last
-   one (`tail_tokens`);
+   one (`tail_tokens`). Those local blocks are pinned on the engine thread while the
+   request goes out, so they cannot be evicted before the request is admitted (which would
+   waste every imported block after the gap);
 2. call `KVTransfer.Prefill` on the prefill worker, check the header against this worker's
-   layout and its own hash chain, then pin blocks for the offered ones on the engine thread
-   (reusing any that appeared meanwhile; the partial block always gets a fresh one);
+   layout and its own hash chain, then pin blocks for the offered ones on the engine thread,
+   all or none (reusing any that appeared meanwhile), plus a fresh block for the prompt's
+   last block when the offer reaches it, so the request is admitted without a free block;
+   with no room for them all, the prompt is computed here instead;
 3. receive the pages through the backend: each layer, once validated, is written into the
    pinned blocks by a writer thread while the next one arrives (nothing references blocks
    that are not registered yet, so the engine keeps stepping);
 4. on the engine thread: register the full blocks in the prefix cache (KV events go out)
-   and stage the partial one for `request_id` (`KVCacheManager.stage_tail`), then
-   acknowledge the lease. On any failure the pins are dropped once no write is running.
+   and stage the last one (its partial tokens, if any) for `request_id`
+   (`KVCacheManager.stage_tail`), then acknowledge the lease. On any failure the pins are
+   dropped once no write is running.
 
-The engine then schedules the request as usual: its prefix lookup hits the imported blocks,
-takes over the staged partial block, and computes only the prompt's last token (whose
-logits give the first token), as a one-token step in the decode batch. A block that could
-not be imported is simply computed. Failures raise `KVTransferError`; the caller applies its
-policy (`recompute`: serve it locally; `fail`: answer an error). Everything is bounded by
+The engine then schedules the request as usual (needing no free block, it is admitted even
+past a waiting request that does not fit): its prefix lookup hits the local and imported
+blocks, takes over the staged block, and computes only the prompt's last token (whose
+logits give the first token), as a one-token step in the decode batch. An offer of fewer
+full blocks than asked is refused (`partial`). Failures raise `KVTransferError`; the caller
+applies its policy (`recompute`: serve it locally; `fail`: answer an error), except
+`NoRoomForImport`, after which the prompt is always computed here. Everything is bounded by
 `timeout_s`.
 """
 
@@ -99,6 +106,7 @@ class Imported:
 
     request_id: str
     blocks: list[KVBlock]  # the full blocks
+    local: list[KVBlock]  # the local prefix before them, pinned for the request's admission
     num_transferred: int  # full blocks whose pages arrived (the rest were already here)
     tail_tokens: int  # tokens of the staged partial block (0: none)
     first_token: int  # the prefill worker's greedy first token (informational)
@@ -151,10 +159,15 @@ class RemotePrefill:
                     cache_salt: str = "") -> Imported | None:
         """Import the missing blocks' pages from `target` (host:port of its gRPC) for engine
         request `request_id`; None when no full block is missing. Raises KVTransferError."""
+        if not self.engine.engine.kv.enable_caching:
+            return None  # imported blocks could never be hit: compute the prompt here
         plan = self.plan(token_ids, cache_salt)
         chain, first = plan.chain, plan.first
         if plan.num <= 0:
             return None
+        # pinned at the next step boundary, while the prefill worker computes
+        local_pin = asyncio.ensure_future(self.engine.call(
+            lambda e: e.kv.pin_cached(chain[:first])))
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
@@ -170,10 +183,23 @@ class RemotePrefill:
                         it = call.__aiter__()
                         header, offer = await self._header(it, chain[first:], first,
                                                            plan.tail_tokens)
+                        if offer.num_full < plan.num:
+                            # its pins would hold blocks while the request still needs free
+                            # ones for the rest of the prompt: that can wedge the pool
+                            raise KVTransferError(
+                                "partial", f"the prefill worker offered {offer.num_full} of "
+                                           f"the {plan.num} blocks asked for")
+                        local = await asyncio.shield(local_pin)
+                        if len(local) < first:
+                            logger.warning("[%s] local blocks %d..%d were evicted before they "
+                                           "were pinned; they will be recomputed", request_id,
+                                           len(local), first - 1)
                         hashes = chain[first:first + offer.num_full]
                         writer = _PageWriter(self.engine.engine.runner.kv_caches,
                                              self._writer_pool, offer)
                         await writer.pin(self.engine, hashes)
+                        if not writer.pinned:
+                            raise NoRoomForImport(request_id, offer.num_blocks)
                         await self._backend.receive(req, self.layout, offer.num_blocks, it,
                                                     writer.write)
                     finally:
@@ -197,11 +223,13 @@ class RemotePrefill:
                             e.kv.unpin([tail])
                             raise
                     e.kv.commit_import(full, hashes, parent, tokens)
+                    writer.pinned[:n] = full  # the blocks pinned now (release reads them)
 
                 await self.engine.call(commit)
         except BaseException as exc:
             if writer is not None:  # after the commit (if sent) and every running write
                 writer.release(self.engine, self._releases, request_id)
+            self._release_later(local_pin)
             if isinstance(exc, TimeoutError):
                 raise KVTransferError("timeout", f"remote prefill from {target} took over "
                                                  f"{self.settings.timeout_s:g} s") from exc
@@ -212,7 +240,8 @@ class RemotePrefill:
                                                   f"{code}: {_details(exc)}") from exc
             raise
         asyncio.ensure_future(self._ack(target, header.lease_id))
-        return Imported(request_id, full, n, offer.tail_tokens if tail is not None else 0,
+        return Imported(request_id, full, local, n,
+                        offer.tail_tokens if tail is not None else 0,
                         header.first_token,
                         offer.num_blocks * self.layout.num_layers * self.layout.block_layer_bytes)
 
@@ -239,9 +268,23 @@ class RemotePrefill:
             logger.warning("could not release lease %s on %s: %s", lease_id, target,
                            _details(exc))
 
+    def _release_later(self, pin: asyncio.Future) -> None:
+        """Unpin what the local-prefix pin call pinned, once it has run (a failed fetch)."""
+        async def run() -> None:
+            try:
+                blocks = await pin
+            except BaseException:  # noqa: BLE001 - nothing was pinned
+                return
+            await self.engine.call(lambda e: e.kv.unpin(blocks))
+
+        task = asyncio.ensure_future(run())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def unpin(self, imported: Imported) -> None:
-        """Drop the full blocks' pins and the staged partial block, if still staged."""
-        blocks, rid = imported.blocks, imported.request_id
+        """Drop the pins of the imported and the local blocks, and the staged partial block
+        if still staged."""
+        blocks, rid = imported.local + imported.blocks, imported.request_id
 
         def run(e: LLMEngine) -> None:
             e.kv.unpin(blocks)
@@ -255,6 +298,15 @@ class RemotePrefill:
             await ch.close()
         self._channels.clear()
         self._writer_pool.shutdown(wait=False)
+
+
+class NoRoomForImport(KVTransferError):
+    """The pool cannot supply every block of an import at once: the prompt is computed
+    where it decodes (whatever the failure policy: nothing failed)."""
+
+    def __init__(self, request_id: str, num_blocks: int) -> None:
+        super().__init__("no_room", f"[{request_id}] no room to pin {num_blocks} imported "
+                                    "blocks")
 
 
 def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
@@ -274,7 +326,7 @@ class _PageWriter:
         self.caches = caches
         self.executor = executor
         self.offer = offer
-        self.pinned: list[KVBlock] = []  # the full blocks, then the partial one if pinned
+        self.pinned: list[KVBlock] = []  # the full blocks, then the staged one if pinned
         self.released = False  # no write starts after `release`
         self.committed = False  # the commit (which stages the partial block) was sent
         self._pin: asyncio.Future | None = None
@@ -283,18 +335,20 @@ class _PageWriter:
         self._writes: list[concurrent.futures.Future] = []
 
     async def pin(self, engine: AsyncLLMEngine, hashes: list[BlockHash]) -> None:
-        """Pin blocks for `hashes` and, when offered, the partial block after them (engine
-        thread); the positions to write are the fresh ones among those the pool supplied."""
-        tail = self.offer.tail_tokens > 0
+        """Pin blocks for `hashes` (every full block up to the prompt's last one) and one for
+        the last block (engine thread), all or none: `pinned` stays empty when the pool
+        cannot supply them. The positions to write are the fresh ones among those the offer
+        has pages for (the last block has none without a partial block in the offer)."""
         self._pin = asyncio.ensure_future(engine.call(lambda e: e.kv.import_blocks(hashes,
-                                                                                   tail)))
+                                                                                   True)))
         self.pinned, fresh = await asyncio.shield(self._pin)
+        fresh = [i for i in fresh if i < self.offer.num_blocks]
         self._ids = [self.pinned[i].block_id for i in fresh]
         if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
 
     def split(self) -> tuple[list[KVBlock], KVBlock | None]:
-        """(the pinned full blocks, the pinned partial block or None)."""
+        """(the pinned full blocks, the pinned block for the last one, or None)."""
         n = self.offer.num_full
         return self.pinned[:n], (self.pinned[n] if len(self.pinned) > n else None)
 
@@ -325,16 +379,17 @@ class _PageWriter:
                     await self._pin
             if self._pin is None or self._pin.cancelled() or self._pin.exception():
                 return
-            # the pin's own result: `self.pinned` is unset when `pin` was cancelled waiting
-            blocks = self._pin.result()[0]
-            if committed:  # the partial block is staged by then: dropped below
-                blocks = blocks[:self.offer.num_full]
             running = [cf for cf in self._writes if not cf.done()]
             if running:
                 await asyncio.get_running_loop().run_in_executor(
                     None, concurrent.futures.wait, running)
 
             def unpin(e: LLMEngine) -> None:
+                # the pin's own result (`self.pinned` is unset when `pin` was cancelled
+                # waiting), read on the engine thread: a commit sent before swapped blocks
+                blocks = self._pin.result()[0]  # type: ignore[union-attr]
+                if committed:  # the last block is staged by then: dropped below
+                    blocks = blocks[:self.offer.num_full]
                 e.kv.unpin(blocks)
                 if committed:
                     e.kv.drop_tail(request_id)

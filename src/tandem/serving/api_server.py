@@ -5,6 +5,10 @@
 `/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
 `/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
 alive, not draining), `/metrics` (Prometheus). Every log line carries the request id.
+
+Prompts are tokenized (and chat templates rendered) in a small thread pool, off both the
+event loop and the engine thread, which gets token ids; a request's prompts are admitted in
+one engine command, so they all join the same step.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +26,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.async_engine import AddRequest, AsyncLLMEngine
 from tandem.engine.llm_engine import EngineStats
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import TokenizedPrompt
 from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
 from tandem.kvtransfer.service import KVTransferService
 from tandem.protocol.openai_api import (
@@ -69,6 +75,7 @@ class ServerSettings:
     kv_transfer: RemotePrefillSettings = field(default_factory=RemotePrefillSettings)
     tls: TLSFiles | None = None  # mutual TLS on the gRPC links (server and client side)
     kv_stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
+    tokenizer_threads: int = 4  # the pool that tokenizes prompts and renders chat templates
 
 
 class _EngineHolder:
@@ -100,6 +107,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     """`load_engine` runs in a thread at start-up; its engine is shut down at exit. If it
     raises, `on_load_failure` gets the exception (in the server's loop)."""
     holder = _EngineHolder()
+    tokenizer_pool = ThreadPoolExecutor(max_workers=max(1, settings.tokenizer_threads),
+                                        thread_name_prefix="tandem-tokenize")
     metrics = ServerMetrics(settings.served_model_name, holder.snapshot)
     pd = PrefillImports(lambda: holder.remote, settings.kv_transfer, metrics,
                         settings.served_model_name)
@@ -146,6 +155,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             task.cancel()
             if holder.engine is not None:
                 holder.engine.shutdown()
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Tandem worker", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -195,6 +205,13 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                          max_model_len=state.max_model_len, root=state.model_path)
         return ModelList(data=[card]).model_dump()
 
+    async def off_thread(fn: Callable[[], Any]) -> Any:
+        """Run `fn` in the tokenizer pool; engine errors become API errors."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+        except ValueError as exc:  # InvalidRequestError, a template's error
+            raise from_engine_error(exc) from exc
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         check_model(req.model)
@@ -202,16 +219,16 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
-        if req.messages is not None:
-            try:
-                text = tok.apply_chat_template(
-                    [{"role": m.role, "content": m.text()} for m in req.messages],
-                    add_generation_prompt=req.add_generation_prompt)
-            except ValueError as exc:
-                raise from_engine_error(exc) from exc
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+        def run() -> list[int]:
+            if req.messages is None:
+                return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            text = tok.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=False)
+
+        ids = await off_thread(run)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.state.max_model_len}
 
     @app.post("/detokenize")
@@ -224,7 +241,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def serve(request: Request, engine: AsyncLLMEngine, responder: Responder,
-                    prompts: list[str | list[int]]) -> Any:
+                    prompts: list[TokenizedPrompt]) -> Any:
         if app.state.draining:
             raise APIError(503, "the worker is draining; retry on another replica")
         if not engine.alive:
@@ -233,7 +250,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         arrival = time.monotonic()
         # prompt logprobs need every prompt position's logits: imported pages would go unused
         imported = [] if responder.params.prompt_logprobs is not None else await pd.fetch(
-            request.headers, engine, rid, prompts, responder.cache_salt or "")
+            request.headers, engine, rid, [p.token_ids for p in prompts],
+            responder.cache_salt or "")
         try:
             return await admit_and_run(request, engine, responder, prompts, rid, arrival,
                                        imported)
@@ -242,18 +260,13 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise
 
     async def admit_and_run(request: Request, engine: AsyncLLMEngine, responder: Responder,
-                            prompts: list[str | list[int]], rid: str, arrival: float,
+                            prompts: list[TokenizedPrompt], rid: str, arrival: float,
                             imported: list[Imported]) -> Any:
-        queues: list[asyncio.Queue] = []
+        adds = [AddRequest(f"{rid}-{i}", prompt, responder.params, responder.priority,
+                           responder.cache_salt) for i, prompt in enumerate(prompts)]
         try:
-            for i, prompt in enumerate(prompts):
-                _, q = await engine.add(prompt, responder.params, f"{rid}-{i}",
-                                        priority=responder.priority,
-                                        cache_salt=responder.cache_salt)
-                queues.append(q)
+            queues = [q for _, q in await engine.add_many(adds)]
         except Exception as exc:
-            for i in range(len(queues)):
-                engine.abort(f"{rid}-{i}")
             raise from_engine_error(exc, settings.retry_after_s) from exc
         via = plain_request_id(request.headers.get("x-request-id"))  # the router's id
         logger.info("[%s] admitted %d prompt(s), stream=%s%s", rid, len(prompts),
@@ -293,7 +306,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             prompts = completion_prompts(req)
         except ValueError as exc:
             raise from_engine_error(exc) from exc
-        return await serve(request, engine, responder, prompts)
+        core = engine.engine
+        tokenized = await off_thread(lambda: [core.process_prompt(p) for p in prompts])
+        return await serve(request, engine, responder, tokenized)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
@@ -302,13 +317,16 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         tok = engine.engine.tokenizer
         try:
             responder = ChatResponder(req, tok, settings, new_id("chatcmpl"))
-            text = tok.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt)
         except ValueError as exc:
             raise from_engine_error(exc) from exc
-        return await serve(request, engine, responder,
-                           [tok.encode(text, add_special_tokens=False)])
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+
+        def render() -> TokenizedPrompt:
+            text = tok.apply_chat_template(messages,
+                                           add_generation_prompt=req.add_generation_prompt)
+            return engine.engine.process_prompt(tok.encode(text, add_special_tokens=False))
+
+        return await serve(request, engine, responder, [await off_thread(render)])
 
     return app
 

@@ -16,7 +16,12 @@ import time
 from collections.abc import Callable, Mapping
 
 from tandem.engine.async_engine import AsyncLLMEngine
-from tandem.kvtransfer.client import Imported, RemotePrefill, RemotePrefillSettings
+from tandem.kvtransfer.client import (
+    Imported,
+    NoRoomForImport,
+    RemotePrefill,
+    RemotePrefillSettings,
+)
 from tandem.kvtransfer.pages import KVTransferError
 from tandem.protocol.web import PREFILL_HEADER
 from tandem.serving.errors import APIError
@@ -49,11 +54,10 @@ class PrefillImports:
         imported.clear()
 
     async def fetch(self, headers: Mapping[str, str], engine: AsyncLLMEngine, rid: str,
-                    prompts: list[str | list[int]], salt: str) -> list[Imported]:
-        """Import every prompt's missing pages when the request names a prefill worker;
-        [] when it does not. Text prompts are tokenized here once and replaced in `prompts`
-        by their ids, so the engine thread does not tokenize them again. Raises APIError
-        (400 bad header, 502 under `fail`)."""
+                    prompts: list[list[int]], salt: str) -> list[Imported]:
+        """Import every prompt's missing pages (prompts as token ids) when the request names
+        a prefill worker; [] when it does not. Raises APIError (400 bad header, 502 under
+        `fail`)."""
         target = headers.get(PREFILL_HEADER)
         remote = self.get_remote()
         if not target or remote is None:
@@ -62,11 +66,7 @@ class PrefillImports:
             raise APIError(400, f"{PREFILL_HEADER} must be host:port", PREFILL_HEADER)
         imported: list[Imported] = []
         try:
-            for i, prompt in enumerate(prompts):
-                if isinstance(prompt, list):
-                    ids = prompt
-                else:
-                    ids = prompts[i] = engine.engine.tokenizer.encode(prompt)
+            for i, ids in enumerate(prompts):
                 imp = await self._fetch_one(remote, target, f"{rid}-{i}", ids, salt)
                 if imp is not None:
                     imported.append(imp)
@@ -81,6 +81,10 @@ class PrefillImports:
         t0 = time.monotonic()
         try:
             imp = await remote.fetch(target, sub_id, ids, salt)
+        except NoRoomForImport as exc:  # memory pressure here, not a failed transfer
+            self.metrics.kv_fetches.labels(self.model_name, exc.reason, backend).inc()
+            logger.info("%s; computing the prompt here", exc)
+            return None
         except KVTransferError as exc:
             self.metrics.kv_fetches.labels(self.model_name, exc.reason, backend).inc()
             if self.settings.policy == "fail":

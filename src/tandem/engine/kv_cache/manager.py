@@ -2,6 +2,13 @@
 
 Check/act pairs as in nano-vllm: `get_computed_blocks` finds a prefix hit without side
 effects; `allocate_slots` takes the blocks or returns None when the pool is too small.
+
+A block joins the prefix cache (and its `BlockStored` event goes out) only in
+`commit_computed`, which the scheduler calls once the forward that wrote the block's last
+token has completed: a request that is preempted, aborted or fails before that leaves no
+hash behind for tokens it did not compute. Between `new_step` and the commit, the full
+blocks the step's chunks will complete are *pending*: `pending_run` tells how much of a
+waiting request's prefix a step of waiting would turn into a hit.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class StagedTail:
-    """A prompt's partial last block imported for one request (`stage_tail`): slots
-    [0, len(token_ids)) of `block` hold the KV of `token_ids`, the prompt's tokens from
-    position `index * block_size` up to, not including, its last token."""
+    """A prompt's last block, pinned for one request (`stage_tail`): slots
+    [0, len(token_ids)) of `block` hold the KV of `token_ids`, the prompt's first tokens
+    from position `index * block_size` (all but its last token when the partial block was
+    imported; none when the last token starts the block or the sender left the partial
+    block out); the request computes the rest of the block itself."""
 
     block: KVBlock
     index: int  # the block's position in the prompt: the full blocks before it
@@ -40,24 +49,31 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
         self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
         self._tails: dict[str, StagedTail] = {}  # imported partial blocks, by request id
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which served from it
+        # hashes of full blocks this step's scheduled chunks complete (until the commit)
+        self._pending: set[BlockHash] = set()
+        self.prefix_queries = 0  # tokens looked up at first admissions
+        self.prefix_hits = 0  # of which served from the cache
+        self.preempted_queries = 0  # the same for re-admissions after a preemption
+        self.preempted_hits = 0
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached leading blocks of `req` and the tokens they cover; when
-        they are all of the prompt's full blocks before its last token and a tail was staged
-        for `req` that continues them, that partial block too (then every token but the last
-        is covered).
+        they are all of the prompt's full blocks before its last token and a block was staged
+        for `req`'s last one that continues them, that block too, with the tokens written in
+        it (every token but the last when the partial block was imported; none when only
+        the block was reserved).
 
-        The last token is never served from the cache: its logits must be computed.
+        The last token is never served from the cache: its logits must be computed. Neither
+        are prompt positions whose prompt logprobs are still to be emitted. Pure: the
+        scheduler counts the hit (`record_admission`) once the request is admitted.
         """
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+        max_blocks = self._max_hit_blocks(req)
+        if max_blocks <= 0:
             return [], 0
         hashes = req.update_block_hashes(self.block_size)
-        max_blocks = (req.num_tokens - 1) // self.block_size
         hit: list[KVBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -69,31 +85,81 @@ class KVCacheManager:
         if tail is not None:
             hit.append(tail.block)
             num_hit += len(tail.token_ids)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += num_hit
         return hit, num_hit
+
+    def _max_hit_blocks(self, req: Request) -> int:
+        """How many leading full blocks of `req` a prefix hit may cover."""
+        if not self.enable_caching:
+            return 0
+        limit = req.num_tokens - 1
+        if req.prompt_logprobs_pos is not None:
+            # position p's logits give prompt token p + 1's logprob: positions from the
+            # first one not yet emitted must be computed
+            limit = min(limit, req.prompt_logprobs_pos)
+        return limit // self.block_size
+
+    def pending_run(self, req: Request, num_blocks: int) -> int:
+        """Tokens of `req`'s consecutive blocks after its first `num_blocks` (within what a
+        hit may cover) that chunks of this step are computing: cached after the step."""
+        if not self._pending:
+            return 0
+        hashes = req.update_block_hashes(self.block_size)
+        end = self._max_hit_blocks(req)
+        run = num_blocks
+        while run < end and hashes[run] in self._pending:
+            run += 1
+        return (run - num_blocks) * self.block_size
+
+    def record_admission(self, req: Request, num_hit: int) -> None:
+        """Count one admission's lookup: `req.num_tokens` queried, `num_hit` served."""
+        if req.num_preemptions:
+            self.preempted_queries += req.num_tokens
+            self.preempted_hits += num_hit
+        else:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_hit
+
+    def new_step(self) -> None:
+        """A step's scheduling begins: nothing is pending."""
+        self._pending.clear()
+
+    def _tail_key(self, req: Request) -> str | None:
+        """Where `req`'s staged block is filed: under its own id, or under its user request's
+        (n > 1 samples: the first one admitted takes it)."""
+        if req.request_id in self._tails:
+            return req.request_id
+        if req.parent_id is not None and req.parent_id in self._tails:
+            return req.parent_id
+        return None
 
     def _usable_tail(self, req: Request, num_full: int) -> StagedTail | None:
         """`req`'s staged tail if it continues `num_full` leading blocks up to the prompt's
         last token, on the request's first scheduling."""
-        tail = self._tails.get(req.request_id)
+        key = self._tail_key(req)
+        tail = None if key is None else self._tails[key]
         if tail is None or tail.index != num_full or req.num_computed_tokens:
             return None
         start = num_full * self.block_size
         end = start + len(tail.token_ids)
-        if end != req.num_prompt_tokens - 1 or req.num_tokens != req.num_prompt_tokens:
+        if end >= req.num_prompt_tokens or req.num_tokens != req.num_prompt_tokens:
+            return None
+        if (req.num_prompt_tokens - 1) // self.block_size != num_full:  # not its last block
             return None
         return tail if tuple(req.all_token_ids[start:end]) == tail.token_ids else None
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[KVBlock] | None = None) -> list[KVBlock] | None:
+                       computed: list[KVBlock] | None = None,
+                       max_free: int | None = None) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `computed` are prefix-hit blocks from `get_computed_blocks` (first scheduling only).
-        Returns the newly allocated blocks, or None (nothing changed) if the pool is short.
+        Returns the newly allocated blocks, or None (nothing changed) if the pool is short or
+        the allocation would take more than `max_free` blocks out of the free queue (fresh
+        ones and revived cached ones).
         """
         computed = computed or []
-        tail = self._tails.get(req.request_id)
+        tail_key = self._tail_key(req)
+        tail = None if tail_key is None else self._tails[tail_key]
         takes_tail = tail is not None and bool(computed) and computed[-1] is tail.block
         full = computed[:-1] if takes_tail else computed  # the staged tail is pinned already
         num_computed = req.num_computed_tokens + len(full) * self.block_size + (
@@ -102,28 +168,35 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(computed)
         revived = sum(1 for b in full if b.ref_cnt == 0)
-        if need + revived > self.pool.num_free_blocks():
+        free = self.pool.num_free_blocks()
+        if need + revived > (free if max_free is None else min(free, max_free)):
             if not blocks:
                 del self._blocks[req.request_id]
             return None
         self.pool.touch(full)
         if takes_tail:  # the staged tail's pin becomes the request's reference
-            del self._tails[req.request_id]
+            del self._tails[tail_key]
         blocks.extend(computed)
         self._num_cached.setdefault(req.request_id, 0)
         if full:
             self._num_cached[req.request_id] = len(full)
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
-        self._cache_blocks(req, min(total, req.num_tokens))
+        if self.enable_caching:  # the full blocks this chunk completes: cached after the step
+            end = min(total, req.num_tokens) // self.block_size
+            start = self._num_cached[req.request_id]
+            if end > start:
+                self._pending.update(req.update_block_hashes(self.block_size)[start:end])
         return new
 
-    def _cache_blocks(self, req: Request, num_tokens: int) -> None:
-        """Register the request's blocks that are full once `num_tokens` tokens are computed."""
-        if not self.enable_caching:
+    def commit_computed(self, req: Request) -> None:
+        """Register `req`'s full blocks up to `req.num_computed_tokens` in the prefix cache
+        (their `BlockStored` events go out). Call only once the forward that wrote them has
+        completed."""
+        if not self.enable_caching or req.request_id not in self._blocks:
             return
         start = self._num_cached[req.request_id]
-        end = num_tokens // self.block_size
+        end = req.num_computed_tokens // self.block_size
         if end <= start:
             return
         hashes = req.update_block_hashes(self.block_size)
@@ -133,6 +206,19 @@ class KVCacheManager:
             req.all_token_ids[start * bs : end * bs], bs,
         )
         self._num_cached[req.request_id] = end
+
+    def pin_cached(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """Pin the leading run of `hashes` that the prefix cache holds (a P/D decode side's
+        local prefix, so it cannot be evicted before its request is admitted); `unpin`
+        releases them."""
+        pinned: list[KVBlock] = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            pinned.append(block)
+        self.pool.touch(pinned)
+        return pinned
 
     def free(self, req: Request, keep: bool = False) -> None:
         """Release every block of `req` (tail first, so the tail is evicted first); with
@@ -155,40 +241,47 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks))
         return blocks is not None
 
-    def import_blocks(self, hashes: list[BlockHash], tail: bool = False
+    def import_blocks(self, hashes: list[BlockHash], stage: bool = False
                       ) -> tuple[list[KVBlock], list[int]]:
-        """Pin blocks for a chain of full blocks arriving from another worker: hashes this
-        cache already holds are reused, the rest get fresh blocks. With `tail`, one more
-        fresh block follows them for the prompt's partial last block (only when every full
-        block was pinned). Returns (pinned blocks in chain order, indexes into the pinned
-        list whose pages must be written). Stops at the first block the pool cannot supply.
-        The caller writes the pages, then `commit_import` (and `stage_tail`)."""
-        pinned: list[KVBlock] = []
-        fresh: list[int] = []
-        for i, h in enumerate(hashes):
-            block = self.pool.get_cached_block(h)
-            if block is not None:
-                self.pool.touch([block])
-            elif self.pool.num_free_blocks() > 0:
-                block = self.pool.get_new_blocks(1)[0]
-                fresh.append(i)
-            else:
-                break
-            pinned.append(block)
-        if tail and len(pinned) == len(hashes) and self.pool.num_free_blocks() > 0:
+        """Pin blocks for a chain of full blocks arriving from another worker, all or none:
+        hashes this cache already holds are reused, the rest get fresh blocks; with `stage`,
+        one more fresh block follows them for the prompt's last block (its partial tokens,
+        if any, and the last token: `stage_tail`), so the request needs no free block to be
+        admitted. Returns (pinned blocks in chain order, indexes into the pinned list whose
+        pages must be written), or ([], []) when the pool cannot supply them all: a partial
+        import would hold blocks while its request might not fit in what is left. The
+        caller writes the pages, then `commit_import` (and `stage_tail`). Nothing without
+        prefix caching: imported blocks could never be hit."""
+        if not self.enable_caching:
+            return [], []
+        found = [self.pool.get_cached_block(h) for h in hashes]
+        fresh = [i for i, b in enumerate(found) if b is None]
+        revived = sum(1 for b in found if b is not None and b.ref_cnt == 0)
+        if len(fresh) + int(stage) + revived > self.pool.num_free_blocks():
+            return [], []
+        self.pool.touch([b for b in found if b is not None])  # before fresh ones evict them
+        new = iter(self.pool.get_new_blocks(len(fresh) + int(stage)))
+        pinned = [b if b is not None else next(new) for b in found]
+        if stage:
             fresh.append(len(pinned))
-            pinned.append(self.pool.get_new_blocks(1)[0])
+            pinned.append(next(new))
         return pinned, fresh
 
     def stage_tail(self, request_id: str, block: KVBlock, index: int,
                    token_ids: list[int]) -> None:
-        """Hand a pinned, written partial block to request `request_id` (`StagedTail`): its
-        first scheduling takes it over when it continues the prefix hit; `free` or
-        `drop_tail` release it otherwise. Takes over the caller's pin."""
-        if not 0 < len(token_ids) < self.block_size:
-            raise ValueError(f"a tail holds 1..{self.block_size - 1} tokens")
+        """Hand a pinned block, written with `token_ids` (0..block_size - 1 tokens), to
+        request `request_id` (`StagedTail`) for its prompt's last block: its first
+        scheduling takes it over when it continues the prefix hit; `free` or `drop_tail`
+        release it otherwise. Takes over the caller's pin."""
+        if not 0 <= len(token_ids) < self.block_size:
+            raise ValueError(f"a staged block holds 0..{self.block_size - 1} tokens")
         self.drop_tail(request_id)
         self._tails[request_id] = StagedTail(block, index, tuple(token_ids))
+
+    def staged_request_ids(self) -> set[str]:
+        """Ids (a request's, or its user request's) with a staged block (P/D imports): such
+        a request fits without a free block."""
+        return set(self._tails)
 
     def drop_tail(self, request_id: str) -> None:
         """Release `request_id`'s staged tail unless its request took it over; idempotent."""
@@ -198,10 +291,21 @@ class KVCacheManager:
 
     def commit_import(self, pinned: list[KVBlock], hashes: list[BlockHash],
                       parent_hash: BlockHash, token_ids: list[int]) -> None:
-        """Register imported blocks (pages written) in the prefix cache; events go out."""
+        """Register imported blocks (pages written) in the prefix cache; events go out.
+
+        `pinned` is updated in place: where the cache came to hold a hash meanwhile (this
+        worker computed the same block while the pages travelled), that block is pinned
+        instead and the imported copy is released, so the pins always hold the blocks a
+        prefix lookup returns."""
         n = len(pinned)
         self.pool.cache_full_blocks(pinned, hashes[:n], parent_hash,
                                     token_ids[: n * self.block_size], self.block_size)
+        for i, (block, h) in enumerate(zip(pinned, hashes, strict=False)):
+            cached = self.pool.get_cached_block(h)
+            if cached is not None and cached is not block:
+                self.pool.touch([cached])
+                self.pool.free_blocks([block])
+                pinned[i] = cached
 
     def unpin(self, blocks: list[KVBlock]) -> None:
         """Drop `import_blocks` pins (tail first)."""

@@ -1,0 +1,279 @@
+"""The engine's request lifecycle without a model: admission, steps, aborts and failures.
+
+`EngineCore` owns the scheduler (and through it the KV manager), the output processor and a
+`Runner` (anything with `execute` and `release`); `LLMEngine` builds the model and its
+`ModelRunner` and inherits the rest. Tests drive the core with fake runners. Torch-free.
+
+One step: schedule → `runner.execute` → on success `update_after_step` (progress, then the
+completed blocks join the prefix cache) → sampled tokens, stop checks, outputs. A step whose
+forward raises fails exactly the requests it ran (finish reason "error"); nothing it was
+about to compute reaches the cache, and the engine goes on with the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.kv_cache.manager import cdiv
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.protocol.block_hash import HashKeys
+from tandem.protocol.kv_events import KVEvent
+
+logger = logging.getLogger(__name__)
+MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before model limits
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward produced, by engine request id."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> logprob entries for the prompt tokens this step covered, in order from
+    # the request's `prompt_logprobs_pos`
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step's forward and sample; raise to fail the step."""
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (its generator) once the request is finished."""
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Values discovered at start-up (never written back into `EngineConfig`)."""
+
+    model_path: str
+    model_name: str  # served name; also the model key of every block hash
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int  # all layers, K and V
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_free_blocks: int
+    prefix_cache_queries: int  # tokens looked up at first admissions (cumulative)
+    prefix_cache_hits: int  # of which hit (cumulative)
+    num_preemptions: int  # cumulative
+    prompt_tokens: int  # prompt tokens of requests that produced a token (cumulative)
+    generation_tokens: int  # tokens sampled (cumulative)
+    kv_unused_slots: int  # slots held by running requests beyond their computed tokens
+    in_flight_tokens: int  # prompt + generated tokens of running and waiting requests
+    num_steps: int = 0  # steps that ran a forward (cumulative)
+
+
+class EngineCore:
+    def __init__(self, state: EngineState, scheduler: Scheduler, runner: Runner,
+                 outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.state = state
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.runner = runner
+        self.outputs = outputs
+        self.tokenizer = outputs.tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self.num_steps = 0
+        # True when the latest `step` could schedule nothing: only a command (an abort, a
+        # release of pinned blocks, a new request) can change that, so callers wait for one
+        self.last_step_idle = False
+
+    # -- requests ----------------------------------------------------------------------------
+    def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
+        """Tokenize a text prompt or check a token-id prompt. Reads only immutable state, so
+        servers call it from a thread pool, off the engine thread and the event loop.
+
+        Raises `InvalidRequestError` naming `prompt`.
+        """
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            if len(prompt) > MAX_PROMPT_TOKENS * 16:
+                raise InvalidRequestError("prompt is too long", "prompt")
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, (list, tuple)):
+            if len(prompt) > MAX_PROMPT_TOKENS:
+                raise InvalidRequestError("prompt is too long", "prompt")
+            vocab = self.state.vocab_size
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+                   for t in prompt):
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {vocab})", "prompt")
+            ids, text = list(prompt), None
+        else:
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        return TokenizedPrompt(ids, text)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | TokenizedPrompt,
+                    params: SamplingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None, keep_blocks: bool = False) -> list[int]:
+        """Validate and queue a request; returns its prompt token ids. `keep_blocks`: when it
+        finishes normally its KV blocks stay pinned until `kv.release_kept(request_id)` (the
+        source of a KV transfer). A `TokenizedPrompt` (from `process_prompt`) is not
+        tokenized or checked again.
+
+        Raises `InvalidRequestError` (bad input) or `QueueFullError` (back-pressure).
+        """
+        params = params or SamplingParams()
+        params.validate()
+        if self.outputs.has(request_id):
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
+        tokenized = self.process_prompt(prompt)
+        ids = tokenized.token_ids
+        limit = self.state.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context window is {limit} tokens and at "
+                "least one must be left to generate", "prompt")
+        if params.max_tokens is None:
+            max_tokens = limit - len(ids)
+        elif len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context window of {limit} tokens", "max_tokens")
+        else:
+            max_tokens = params.max_tokens
+        if cdiv(len(ids) + max_tokens, self.state.block_size) > self.state.num_kv_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens ({len(ids) + max_tokens} tokens) exceeds the KV cache "
+                f"capacity of {self.state.num_kv_blocks * self.state.block_size} tokens",
+                "max_tokens")
+        if not self.scheduler.can_admit(params.n):
+            raise QueueFullError("the waiting queue is full; retry later")
+        keys = HashKeys(self.state.model_name, "", cache_salt or "")
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone_for_sample(i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            if child_id in self.scheduler.requests:
+                raise InvalidRequestError(f"duplicate request id {child_id!r}", "request_id")
+            children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
+                                    keys, priority=priority, parent_id=request_id,
+                                    sample_index=i, keep_kv=keep_blocks))
+        self.outputs.add(request_id, tokenized.text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a user request (all its samples) and free its blocks at once."""
+        if not self.outputs.has(request_id):
+            return False
+        for child in self.outputs.children(request_id):
+            if not child.is_finished:
+                self._finish(child, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self.outputs.make_output(request_id))
+        return True
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
+
+    def _fail(self, parent_ids: dict[str, None], message: str) -> list[RequestOutput]:
+        """End every sample of the given user requests with an error; their outputs."""
+        outs = []
+        for pid in parent_ids:
+            for child in self.outputs.children(pid):
+                if not child.is_finished:
+                    self._finish(child, RequestStatus.FINISHED_ERROR)
+            self.outputs.fail(pid, message)
+            outs.append(self.outputs.make_output(pid))
+        return outs
+
+    # -- stepping ----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return outputs of requests that progressed, finished or aborted."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self.last_step_idle = sched.is_empty
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # one bad batch must not kill the loop
+            logger.exception("step failed; failing %d requests", len(sched.scheduled))
+            parents = {(s.request.parent_id or s.request.request_id): None
+                       for s in sched.scheduled}
+            outputs.extend(self._fail(parents, f"internal error: {type(exc).__name__}"))
+            return outputs
+        self.scheduler.update_after_step(sched)
+        touched: dict[str, None] = {}
+        failed: dict[str, None] = {}
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            pid = req.parent_id or req.request_id
+            if req.is_finished or pid in failed:
+                continue
+            try:
+                if self._commit_outputs(s.samples, req, result, now):
+                    touched[pid] = None
+            except Exception:  # a bug in one request's output path fails that request only
+                logger.exception("[%s] output processing failed", req.request_id)
+                failed[pid] = None
+        outputs.extend(self.outputs.make_output(pid) for pid in touched if pid not in failed)
+        outputs.extend(self._fail(failed, "internal error while processing outputs"))
+        return outputs
+
+    def _commit_outputs(self, samples: bool, req: Request, result: RunnerOutput,
+                        now: float) -> bool:
+        """Take one scheduled request's results; True when it has an output to report."""
+        entries = result.prompt_logprobs.get(req.request_id)
+        if entries:
+            self.outputs.add_prompt_logprobs(req, entries)
+            req.advance_prompt_logprobs(len(entries))
+        if not samples:
+            return False
+        token = result.sampled[req.request_id]
+        req.append_output_token(token)
+        self._generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self._prompt_tokens += req.num_prompt_tokens
+        status = self.outputs.process_token(req, token, result.logprobs.get(req.request_id))
+        if status is not None:
+            self._finish(req, status)
+        return True
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(), num_free_blocks=self.kv.pool.num_free_blocks(),
+            prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
+            in_flight_tokens=self.scheduler.num_unfinished_tokens(), num_steps=self.num_steps)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()
