@@ -91,7 +91,7 @@ def _import_with_tail(kv: KVCacheManager, prompt: list[int], rid: str):
     and, after them, the last token's slot)."""
     usable = (len(prompt) - 1) // BS
     chain = hash_block_chain(prompt[:usable * BS], BS, HashKeys())
-    pinned, fresh = kv.import_blocks(chain, stage=True)
+    pinned, fresh = kv.import_blocks(chain, tail=True)
     assert len(pinned) == usable + 1 and fresh[-1] == usable  # the staged block: fresh
     kv.commit_import(pinned[:usable], chain, root_hash(HashKeys()), prompt[:usable * BS])
     kv.stage_tail(rid, pinned[usable], usable, prompt[usable * BS:len(prompt) - 1])
@@ -169,9 +169,9 @@ def test_a_staged_tail_is_used_only_where_it_continues_the_prompt_and_never_leak
 def test_an_import_pins_the_staged_block_only_with_every_full_block():
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     chain = hash_block_chain(list(range(12)), BS, HashKeys())
-    assert kv.import_blocks(chain, stage=True) == ([], [])  # no room for the staged block
+    assert kv.import_blocks(chain, tail=True) == ([], [])  # no room for the staged block
     assert kv.pool.num_free_blocks() == 3
-    pinned, fresh = kv.import_blocks(chain[:2], stage=True)
+    pinned, fresh = kv.import_blocks(chain[:2], tail=True)
     assert len(pinned) == 3 and fresh == [0, 1, 2] and pinned[2].block_hash is None
 
 

@@ -7,18 +7,13 @@ from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler import Scheduler
 
-from .utils import make_request
+from .utils import finish_step, make_request
 
 
 def _step(sched: Scheduler, token: int = 7):
     """Pretend to run the batch: advance progress and append a token where one is sampled."""
     out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.request.append_output_token(token)
-            if s.request.num_output_tokens >= s.request.max_tokens:
-                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+    finish_step(sched, out, token)
     return out
 
 

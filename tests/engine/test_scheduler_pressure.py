@@ -10,19 +10,12 @@ from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.protocol.block_hash import HashKeys, hash_block_chain, root_hash
 from tandem.protocol.kv_events import BlockStored
 
-from .utils import make_request
+from .utils import finish_step, make_request
 
 BS = 4
 
 
-def _ran(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
-    """The forward of `out` completed: progress, sampled tokens, finishes."""
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.request.append_output_token(token)
-            if s.request.num_output_tokens >= s.request.max_tokens:
-                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+_ran = finish_step  # the forward of `out` completed: progress, sampled tokens, finishes
 
 
 def _step(sched: Scheduler) -> SchedulerOutput:
@@ -141,7 +134,7 @@ def _staged_import(kv: KVCacheManager, prompt: list[int], rid: str) -> list:
     for the last one, register, stage."""
     usable = (len(prompt) - 1) // BS
     chain = hash_block_chain(prompt[:usable * BS], BS, HashKeys())
-    pinned, fresh = kv.import_blocks(chain, stage=True)
+    pinned, fresh = kv.import_blocks(chain, tail=True)
     assert len(pinned) == usable + 1 and fresh == list(range(usable + 1))
     kv.commit_import(pinned[:usable], chain, root_hash(HashKeys()), prompt[:usable * BS])
     kv.stage_tail(rid, pinned[usable], usable, prompt[usable * BS:len(prompt) - 1])
@@ -151,9 +144,9 @@ def _staged_import(kv: KVCacheManager, prompt: list[int], rid: str) -> list:
 def test_an_import_is_pinned_all_or_nothing_with_a_block_for_the_last_token():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     chain = hash_block_chain(list(range(16)), BS, HashKeys())
-    assert kv.import_blocks(chain, stage=True) == ([], [])  # 5 blocks do not fit in 4
+    assert kv.import_blocks(chain, tail=True) == ([], [])  # 5 blocks do not fit in 4
     assert kv.pool.num_free_blocks() == 4
-    pinned, fresh = kv.import_blocks(chain[:3], stage=True)
+    pinned, fresh = kv.import_blocks(chain[:3], tail=True)
     assert len(pinned) == 4 and fresh == [0, 1, 2, 3] and kv.pool.num_free_blocks() == 0
     assert KVCacheManager(4, BS, enable_caching=False).import_blocks(chain[:1]) == ([], [])
 

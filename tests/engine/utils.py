@@ -17,6 +17,19 @@ def make_request(prompt: list[int], max_tokens: int = 16, request_id: str | None
                    priority=priority)
 
 
+def finish_step(sched, out, token: int = 7) -> None:
+    """Pretend `out`'s forward ran: progress, the sampled `token` where one is sampled,
+    and finishes at `max_tokens` (`sched` is a `Scheduler`, `out` its `SchedulerOutput`)."""
+    from tandem.engine.request import RequestStatus
+
+    sched.update_after_step(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.request.append_output_token(token)
+            if s.request.num_output_tokens >= s.request.max_tokens:
+                sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
+
+
 def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0, **overrides):
     """A small random-weight HF checkpoint of `family` plus the bundled tokenizer's files.
 

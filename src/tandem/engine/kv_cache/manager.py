@@ -241,10 +241,10 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks))
         return blocks is not None
 
-    def import_blocks(self, hashes: list[BlockHash], stage: bool = False
+    def import_blocks(self, hashes: list[BlockHash], tail: bool = False
                       ) -> tuple[list[KVBlock], list[int]]:
         """Pin blocks for a chain of full blocks arriving from another worker, all or none:
-        hashes this cache already holds are reused, the rest get fresh blocks; with `stage`,
+        hashes this cache already holds are reused, the rest get fresh blocks; with `tail`,
         one more fresh block follows them for the prompt's last block (its partial tokens,
         if any, and the last token: `stage_tail`), so the request needs no free block to be
         admitted. Returns (pinned blocks in chain order, indexes into the pinned list whose
@@ -257,12 +257,12 @@ class KVCacheManager:
         found = [self.pool.get_cached_block(h) for h in hashes]
         fresh = [i for i, b in enumerate(found) if b is None]
         revived = sum(1 for b in found if b is not None and b.ref_cnt == 0)
-        if len(fresh) + int(stage) + revived > self.pool.num_free_blocks():
+        if len(fresh) + int(tail) + revived > self.pool.num_free_blocks():
             return [], []
         self.pool.touch([b for b in found if b is not None])  # before fresh ones evict them
-        new = iter(self.pool.get_new_blocks(len(fresh) + int(stage)))
+        new = iter(self.pool.get_new_blocks(len(fresh) + int(tail)))
         pinned = [b if b is not None else next(new) for b in found]
-        if stage:
+        if tail:
             fresh.append(len(pinned))
             pinned.append(next(new))
         return pinned, fresh
