@@ -48,7 +48,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
         self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
-        self._tails: dict[str, StagedTail] = {}  # imported partial blocks, by request id
+        # blocks staged for a prompt's last block, by request id (or the user request's)
+        self._tails: dict[str, StagedTail] = {}
         # hashes of full blocks this step's scheduled chunks complete (until the commit)
         self._pending: set[BlockHash] = set()
         self.prefix_queries = 0  # tokens looked up at first admissions
@@ -133,8 +134,9 @@ class KVCacheManager:
         return None
 
     def _usable_tail(self, req: Request, num_full: int) -> StagedTail | None:
-        """`req`'s staged tail if it continues `num_full` leading blocks up to the prompt's
-        last token, on the request's first scheduling."""
+        """`req`'s staged block if it is the prompt's last block, right after `num_full`
+        leading blocks, and its tokens are the prompt's, on the request's first
+        scheduling."""
         key = self._tail_key(req)
         tail = None if key is None else self._tails[key]
         if tail is None or tail.index != num_full or req.num_computed_tokens:
