@@ -190,7 +190,6 @@ class Expected:
     prompt: list[int]
     salt: str
     max_tokens: int
-    n: int
     prompt_logprobs: bool
 
 
@@ -287,14 +286,17 @@ class Sim:
             chain.append(parent)
             self.hash_ident.setdefault(parent, tuple(ids[b * bs:(b + 1) * bs]))
 
-    def _learn(self, tokens: list[int], salt: str) -> None:
-        """Remember what each full block of `tokens` must hold, by its hash."""
+    def _learn(self, tokens: list[int], salt: str) -> list[bytes]:
+        """Remember what each full block of `tokens` must hold, by its hash (blocks an
+        import registers before any request computes them); returns the hash chain."""
         bs = self.block_size
         ids = identities(tokens, salt)
-        parent = root_hash(HashKeys(MODEL, "", salt))
+        chain, parent = [], root_hash(HashKeys(MODEL, "", salt))
         for b in range(len(tokens) // bs):
             parent = chain_hash(parent, tokens[b * bs:(b + 1) * bs])
+            chain.append(parent)
             self.hash_ident.setdefault(parent, tuple(ids[b * bs:(b + 1) * bs]))
+        return chain
 
     def check_cache(self) -> None:
         for h, block in self.kv.pool._cached.items():
@@ -385,9 +387,8 @@ class Sim:
                                 cache_salt=salt or None, keep_blocks=keep)
         for child in self.engine.outputs.children(rid):
             self.salt_of[child.request_id] = salt
-        self.expected[rid] = Expected(list(prompt), salt, max_tokens, n, plp)
+        self.expected[rid] = Expected(list(prompt), salt, max_tokens, plp)
         self.live.add(rid)
-        self._learn(prompt, salt)
 
     def _rid(self) -> str:
         self._ids += 1
@@ -401,12 +402,7 @@ class Sim:
         if len(prompt) < 2 or not self._fits(prompt, 6):
             return
         usable = (len(prompt) - 1) // bs
-        keys = HashKeys(MODEL, "", salt)
-        chain, parent = [], root_hash(keys)
-        for b in range(usable):
-            parent = chain_hash(parent, prompt[b * bs:(b + 1) * bs])
-            chain.append(parent)
-        self._learn(prompt, salt)
+        chain = self._learn(prompt[:usable * bs], salt)
         local = kv.pin_cached(chain)
         first = len(local)
         tail_tokens = len(prompt) - 1 - usable * bs

@@ -23,7 +23,7 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.protocol.block_hash import HashKeys
 from tandem.protocol.kv_events import KVEvent
 
@@ -76,7 +76,6 @@ class EngineStats:
     generation_tokens: int  # tokens sampled (cumulative)
     kv_unused_slots: int  # slots held by running requests beyond their computed tokens
     in_flight_tokens: int  # prompt + generated tokens of running and waiting requests
-    num_steps: int = 0  # steps that ran a forward (cumulative)
 
 
 class EngineCore:
@@ -92,7 +91,6 @@ class EngineCore:
         self._pending: list[RequestOutput] = []  # outputs of aborted requests
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self.num_steps = 0
         # True when the latest `step` could schedule nothing: only a command (an abort, a
         # release of pinned blocks, a new request) can change that, so callers wait for one
         self.last_step_idle = False
@@ -213,7 +211,6 @@ class EngineCore:
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
             return outputs
-        self.num_steps += 1
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # one bad batch must not kill the loop
@@ -227,28 +224,27 @@ class EngineCore:
         failed: dict[str, None] = {}
         now = time.monotonic()
         for s in sched.scheduled:
-            req = s.request
-            pid = req.parent_id or req.request_id
-            if req.is_finished or pid in failed:
+            pid = s.request.parent_id or s.request.request_id
+            if pid in failed:
                 continue
             try:
-                if self._commit_outputs(s.samples, req, result, now):
+                if self._commit_outputs(s, result, now):
                     touched[pid] = None
             except Exception:  # a bug in one request's output path fails that request only
-                logger.exception("[%s] output processing failed", req.request_id)
+                logger.exception("[%s] output processing failed", s.request.request_id)
                 failed[pid] = None
         outputs.extend(self.outputs.make_output(pid) for pid in touched if pid not in failed)
         outputs.extend(self._fail(failed, "internal error while processing outputs"))
         return outputs
 
-    def _commit_outputs(self, samples: bool, req: Request, result: RunnerOutput,
-                        now: float) -> bool:
+    def _commit_outputs(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
         """Take one scheduled request's results; True when it has an output to report."""
+        req = s.request
         entries = result.prompt_logprobs.get(req.request_id)
         if entries:
             self.outputs.add_prompt_logprobs(req, entries)
             req.advance_prompt_logprobs(len(entries))
-        if not samples:
+        if not s.samples:
             return False
         token = result.sampled[req.request_id]
         req.append_output_token(token)
@@ -270,7 +266,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
-            in_flight_tokens=self.scheduler.num_unfinished_tokens(), num_steps=self.num_steps)
+            in_flight_tokens=self.scheduler.num_unfinished_tokens())
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()

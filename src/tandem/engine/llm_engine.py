@@ -43,6 +43,8 @@ def default_device() -> torch.device:
 
 
 class LLMEngine(EngineCore):
+    runner: ModelRunner
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads:
@@ -85,7 +87,6 @@ class LLMEngine(EngineCore):
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos)
-        self.runner: ModelRunner = runner
         logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens (%.0f MiB), "
                     "max_model_len %d, attention %s", time.perf_counter() - t0, name, num_blocks,
                     config.block_size, num_blocks * per_block / 2**20, max_len, backend.name)

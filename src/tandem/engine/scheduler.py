@@ -327,6 +327,8 @@ class Scheduler:
           blocks back (preempted, like the running pass's last resort), so it cannot hold
           blocks that pins of others leave too few of while nothing moves.
         """
+        if not deferred:
+            return []
         cap = self.long_prefill_token_threshold
         finishing = any(s.samples and s.start < s.request.num_prompt_tokens
                         for s in scheduled)

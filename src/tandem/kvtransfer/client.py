@@ -149,10 +149,7 @@ class RemotePrefill:
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
                                  HashKeys(self.model_id, "", cache_salt))
-        pool = self.engine.engine.kv.pool
-        local = 0
-        while local < usable and pool.get_cached_block(chain[local]) is not None:
-            local += 1
+        local = len(self.engine.engine.kv.cached_prefix(chain))
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
     async def fetch(self, target: str, request_id: str, token_ids: list[int],

@@ -54,8 +54,6 @@ class KVCacheManager:
         self._pending: set[BlockHash] = set()
         self.prefix_queries = 0  # tokens looked up at first admissions
         self.prefix_hits = 0  # of which served from the cache
-        self.preempted_queries = 0  # the same for re-admissions after a preemption
-        self.preempted_hits = 0
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
@@ -74,19 +72,24 @@ class KVCacheManager:
         max_blocks = self._max_hit_blocks(req)
         if max_blocks <= 0:
             return [], 0
-        hashes = req.update_block_hashes(self.block_size)
-        hit: list[KVBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
+        hit = self.cached_prefix(req.update_block_hashes(self.block_size)[:max_blocks])
         num_hit = len(hit) * self.block_size
         tail = self._usable_tail(req, len(hit))
         if tail is not None:
             hit.append(tail.block)
             num_hit += len(tail.token_ids)
         return hit, num_hit
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """The blocks of the leading run of `hashes` that the prefix cache holds (read-only:
+        safe, if possibly stale, from another thread)."""
+        run: list[KVBlock] = []
+        for h in hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            run.append(block)
+        return run
 
     def _max_hit_blocks(self, req: Request) -> int:
         """How many leading full blocks of `req` a prefix hit may cover."""
@@ -112,11 +115,9 @@ class KVCacheManager:
         return (run - num_blocks) * self.block_size
 
     def record_admission(self, req: Request, num_hit: int) -> None:
-        """Count one admission's lookup: `req.num_tokens` queried, `num_hit` served."""
-        if req.num_preemptions:
-            self.preempted_queries += req.num_tokens
-            self.preempted_hits += num_hit
-        else:
+        """Count a first admission's lookup: `req.num_tokens` queried, `num_hit` served (a
+        re-admission after a preemption mostly hits what the request computed itself)."""
+        if not req.num_preemptions:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += num_hit
 
@@ -213,12 +214,7 @@ class KVCacheManager:
         """Pin the leading run of `hashes` that the prefix cache holds (a P/D decode side's
         local prefix, so it cannot be evicted before its request is admitted); `unpin`
         releases them."""
-        pinned: list[KVBlock] = []
-        for h in hashes:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            pinned.append(block)
+        pinned = self.cached_prefix(hashes)
         self.pool.touch(pinned)
         return pinned
 
