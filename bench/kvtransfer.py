@@ -230,11 +230,15 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
 
     import httpx
 
-    from servers import ServerSpec, free_port, launched, tandem_spec
+    from servers import ServerSpec, free_port, launched, tandem_spec, worker_auth_key
     from tandem.protocol.bundled import BUNDLED_NAME
+    from tandem.protocol.signing import signed_headers
+
+    key_file, key = worker_auth_key()  # the decode worker acts only on signed targets
 
     def worker(name: str, extra: list[str]) -> ServerSpec:
-        spec = tandem_spec(["--num-threads", "1", "--num-kv-blocks", "1024", *extra])
+        spec = tandem_spec(["--num-threads", "1", "--num-kv-blocks", "1024",
+                            "--worker-auth-key-file", key_file, *extra])
         return ServerSpec(f"kvtransfer-{name}", spec.argv, spec.env)
 
     grpc_port, streamed_port = free_port(), free_port()
@@ -251,11 +255,13 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
         decode_url = stack.enter_context(launched(worker(
             "decode", ["--role", "decode", "--grpc-port", str(free_port())])))
         single_url = stack.enter_context(launched(worker("single", ["--role", "both"])))
-        def ttft(url: str, prompt: list[int], headers: dict) -> float:
-            body = {"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 2,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
+        def ttft(url: str, prompt: list[int], target: str | None) -> float:
+            body = json.dumps({"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 2,
+                               "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+            headers = {"Content-Type": "application/json",
+                       **signed_headers(key, body, target)}  # as the router sends it
             t0 = time.perf_counter()
-            with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+            with httpx.stream("POST", url + "/v1/completions", content=body, headers=headers,
                               timeout=300) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
@@ -267,13 +273,13 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
             for mode in modes[i % 3:] + modes[:i % 3]:  # rotated
                 prompt = [rng.randrange(100, 40000) for _ in range(prompt_tokens)]
                 if mode == "aggregated":
-                    t = ttft(single_url, prompt, {})
+                    t = ttft(single_url, prompt, None)
                 else:
-                    t = ttft(decode_url, prompt, {"x-tandem-prefill": targets[mode]})
+                    t = ttft(decode_url, prompt, targets[mode])
                 if i:
                     rows[mode].append(t)
                 log(f"[ttft] trial {i} {mode}: {t * 1e3:.0f} ms")
-        exposure = asyncio.run(exposed_transfer(targets, prompt_tokens, trials))
+        exposure = asyncio.run(exposed_transfer(targets, prompt_tokens, trials, key))
         fetch = {}  # the decode worker's own view: remote prefill + transfer + import
         for line in httpx.get(decode_url + "/metrics", timeout=10).text.splitlines():
             for key in ("sum", "count"):
@@ -288,7 +294,8 @@ def ttft_overhead(prompt_tokens: int, trials: int) -> dict:
             "streamed_overhead_share": (streamed - agg) / agg, "exposed_transfer": exposure}
 
 
-async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: int) -> dict:
+async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: int,
+                           key: bytes) -> dict:
     """The transfer time a decode worker waits for after the prefill compute, measured on
     one clock (this process receives, as a decode worker would, with the real receiver):
     whole-prompt sending: trailer - header (the header leaves when the compute is done);
@@ -306,6 +313,7 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
     from tandem.protocol import worker_pb2, worker_pb2_grpc
     from tandem.protocol.block_hash import HashKeys, hash_block_chain
     from tandem.protocol.bundled import BUNDLED_NAME
+    from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, rpc_body, sign
 
     layout = PageLayout(BUNDLED_NAME, LAYERS, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
     backend = make_backend("grpc")
@@ -322,7 +330,8 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
         # (arrival, layer; -1 header, -2 trailer, -3 a layer's end)
         stamps: list[tuple[float, int]] = []
         t0 = time.perf_counter()
-        call = prefill_method(channels[mode])(req)
+        signature = sign(key, rpc_body(req), PREFILL_RPC)  # as a decode worker signs it
+        call = prefill_method(channels[mode])(req, metadata=((SIGNATURE_HEADER, signature),))
         it = call.__aiter__()
         header = (await it.__anext__()).header
         stamps.append((time.perf_counter(), -1))

@@ -30,7 +30,7 @@ def cr_spec(prefill: int, decode: int) -> dict:
         "model": {"uri": "pvc://models/llama-3-8b.Q8_0.gguf", "sha256": "ab" * 32},
         "router": {"replicas": 3, "weights": {"prefix": 3}, "apiKeysSecret": {"name": "keys"},
                    "rateLimits": {"default": {"requestsPerSecond": 50}},
-                   "redisUrl": "redis://redis:6379/0", "sharedIndex": True},
+                   "redisUrlSecretRef": {"name": "tandem-redis"}, "sharedIndex": True},
         "prefill": {"replicas": prefill, "resources": gpu,
                     "autoscaling": {"maxReplicas": 200, "target": 4000,
                                     "signal": "tokensPerSecond"}},

@@ -51,6 +51,26 @@ def tandem_spec(extra: list[str] | None = None) -> ServerSpec:
                       env={"PYTHONPATH": str(REPO / "src")})
 
 
+_AUTH_KEY: list[tuple[str, bytes]] = []
+
+
+def worker_auth_key() -> tuple[str, bytes]:
+    """(path, key): one random worker-auth key per bench run, in a 0600 file under LOG_DIR,
+    for `--worker-auth-key-file` on the Tandem routers and workers a bench starts (and for
+    signing requests a bench sends a decode worker directly)."""
+    if not _AUTH_KEY:
+        import secrets
+
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        path = LOG_DIR / "worker-auth.key"
+        key = secrets.token_bytes(32)
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_bytes(key)
+        _AUTH_KEY.append((str(path), key))
+    return _AUTH_KEY[0]
+
+
 def vllm_router_exe() -> str | None:
     """`vllm-router` from its own venv (bench/setup_vllm.sh), else from PATH."""
     venv = REPO / ".venv-vllm-router" / "bin" / "vllm-router"

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tandem.cli import _plan
+from tandem.cli import _plan, _worker_auth_key_file
 from tests.serving.conftest import free_port
 
 
@@ -68,6 +69,21 @@ def test_aggregated_workers_may_join_a_pd_deployment():
     assert [role for role, _, _ in d.workers] == ["both", "prefill", "decode"]
     assert all(cmd.count("--num-threads") == 1 for _, _, cmd in d.workers)  # the user's
     assert d.describe() == "1 aggregated + 1 prefill + 1 decode workers"
+
+
+def test_every_process_shares_the_runs_worker_auth_key():
+    path, other = _worker_auth_key_file(), _worker_auth_key_file()
+    try:
+        key = Path(path).read_bytes()
+        assert os.stat(path).st_mode & 0o777 == 0o600 and len(key) == 32
+        assert key != Path(other).read_bytes()  # fresh per run
+        d = _plan(_args(prefill=1, decode=1), [], _ports(), auth_key_file=path)
+        for cmd in [c for _, _, c in d.workers] + [d.router]:
+            assert _opt(cmd, "--worker-auth-key-file") == path
+    finally:
+        os.unlink(path)
+        os.unlink(other)
+    assert "--worker-auth-key-file" not in _plan(_args(), [], _ports()).router
 
 
 @pytest.mark.parametrize("kwargs", [{"prefill": 1}, {"decode": 2}, {"workers": 0},

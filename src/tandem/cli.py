@@ -2,13 +2,16 @@
 
 * `tandem serve`    - the embedded default: a local deployment on the bundled model as
   separate processes (the router in front of `--workers N` workers, or of `--prefill N`
-  prefill and `--decode M` decode workers for P/D). Prints the URL and a curl example;
-  Ctrl-C stops every process it started.
+  prefill and `--decode M` decode workers for P/D), sharing a fresh random worker-auth key
+  (a 0600 temp file, removed at exit). Prints the URL and a curl example; Ctrl-C stops
+  every process it started.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem router`   - the KV-cache-aware router in front of workers.
 * `tandem generate` - one-shot offline generation.
 * `tandem operator` - the Kubernetes operator (kopf) for InferenceServices; imports neither
   torch nor the engine (`tandem.operator.cli`).
+* `tandem render -f FILE` - what the operator would apply for an InferenceService, as YAML
+  (`tandem.operator.dryrun`; no cluster, no torch).
 * `tandem bench offline|serve` - runs `bench/offline_throughput.py` or `bench/serve.py`
   (e.g. `tandem bench serve --url tandem=http://host:8000`) from a source checkout.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.operator.cli import add_operator_args
+from tandem.operator.dryrun import add_render_args
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 
@@ -127,8 +131,10 @@ def _roles(args: argparse.Namespace) -> list[str]:
 
 
 def _plan(args: argparse.Namespace, passthrough: list[str],
-          free_port: Callable[[str], int] | None = None) -> _Deployment:
-    """The worker and router command lines, each worker on free HTTP and gRPC ports."""
+          free_port: Callable[[str], int] | None = None,
+          auth_key_file: str | None = None) -> _Deployment:
+    """The worker and router command lines, each worker on free HTTP and gRPC ports; with
+    `auth_key_file`, every process gets it as `--worker-auth-key-file`."""
     if free_port is None:
         from tandem.serving.ports import free_port
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
@@ -138,14 +144,16 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
         passthrough = [*passthrough, "--num-threads", str(max(1, cores // len(roles)))]
+    auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
     workers = []
     for role in roles:
         port = free_port(args.host)
         workers.append((role, f"http://{args.host}:{port}", [
             *base, "worker", "--host", args.host, "--port", str(port),
-            "--grpc-port", str(free_port(args.host)), "--role", role, *passthrough]))
+            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *passthrough]))
     router = [*base, "router", "--host", args.host, "--port", str(args.port),
-              "--workers", ",".join(url for _, url, _ in workers)]
+              "--workers", ",".join(url for _, url, _ in workers), *auth,
+              *_tls_flags(passthrough)]
     if args.pd_threshold is not None:
         router += ["--pd-threshold", str(args.pd_threshold)]
     if args.pd_max_prefill_queue is not None:
@@ -155,11 +163,31 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
     return _Deployment(workers, router)
 
 
+TLS_FLAGS = ("--grpc-tls-dir", "--grpc-tls-server-name")
+
+
+def _tls_flags(passthrough: list[str]) -> list[str]:
+    """The gRPC TLS flags among the workers' arguments: the router needs the same ones to
+    reach the workers' gRPC (KV events, load)."""
+    out = []
+    for i, arg in enumerate(passthrough):
+        if arg in TLS_FLAGS and i + 1 < len(passthrough):
+            out += [arg, passthrough[i + 1]]
+        elif arg.split("=", 1)[0] in TLS_FLAGS and "=" in arg:
+            out.append(arg)
+    return out
+
+
 def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start the local deployment (`_plan`: workers on free ports behind the router on
     `--port`) as child processes, and supervise them until Ctrl-C."""
     url = f"http://{args.host}:{args.port}"
-    deployment = _plan(args, passthrough)
+    key_file = _worker_auth_key_file()
+    try:
+        deployment = _plan(args, passthrough, auth_key_file=key_file)
+    except BaseException:
+        os.unlink(key_file)
+        raise
     worker_urls = [wurl for _, wurl, _ in deployment.workers]
     procs: list[subprocess.Popen] = []
     stopping = False
@@ -200,11 +228,24 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         return 0
     finally:
         _stop_all(procs)
+        os.unlink(key_file)
+
+
+def _worker_auth_key_file() -> str:
+    """A fresh random key for this run's router and workers (they sign and check requests
+    with it), in a file only this user can read; the caller removes it."""
+    import secrets
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="tandem-worker-auth-")  # mode 0600
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    return path
 
 
 def _command(argv: list[str]) -> str | None:
     """The subcommand named in `argv` (before parsing: `operator` skips the engine's
-    imports, which the other subcommands' arguments need)."""
+    imports, which the other subcommands' arguments need; so does `render`)."""
     args = iter(argv)
     for a in args:
         if a == "--log-level":
@@ -216,7 +257,7 @@ def _command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    engine = _command(argv) != "operator"
+    engine = _command(argv) not in ("operator", "render")
     if engine:
         from tandem.router.main import add_router_args
         from tandem.serving.worker import add_engine_args, add_server_args
@@ -263,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     op = sub.add_parser("operator", help="run the Kubernetes operator for InferenceServices")
     add_operator_args(op)
 
+    render = sub.add_parser("render", help="print what the operator would apply for an "
+                                           "InferenceService (YAML, apply order)")
+    add_render_args(render)
+
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -286,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.operator.cli import run as run_operator
 
         return run_operator(args)
+    if args.command == "render":
+        from tandem.operator.dryrun import run as run_render
+
+        return run_render(args)
     script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]
     if not script.exists():
         parser.error(f"{script} not found: run from a Tandem source checkout")

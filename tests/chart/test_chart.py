@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,14 @@ OPERATOR_RULES = {
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
     ("autoscaling", "horizontalpodautoscalers"): CHILD,
     ("monitoring.coreos.com", "servicemonitors"): CHILD,
+    ("networking.k8s.io", "networkpolicies"): CHILD,
+    ("cert-manager.io", "certificates"): CHILD,
+    ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},
 }
 CRD_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
 FULLNAME = RELEASE  # the release name contains the chart name
+LEADER_ROLE = f"{FULLNAME}-leader-election"
 
 
 def rule_table(rules: list[dict[str, Any]]) -> dict[tuple[str, str], set[str]]:
@@ -128,9 +133,11 @@ def test_crds_are_installed_from_the_crds_folder(helm: Helm) -> None:
 
 
 @pytest.mark.parametrize("sets, complaint", [
-    (("replicaCount=-1",), "replicaCount"),
-    (("replicaCount=2",), "replicaCount"),
-    (("replicaCount=one",), "replicaCount"),
+    (("replicaCount=1",), "replicaCount"),  # gone: operator.replicas
+    (("operator.replicas=-1",), "replicas"),
+    (("operator.replicas=one",), "replicas"),
+    (("operator.leaderElection.leaseDuration=1",), "leaseDuration"),
+    (("operator.leaderElection.retryPeriod=0",), "retryPeriod"),
     (("nosuchkey=1",), "nosuchkey"),
     (("image.registry=x",), "registry"),
     (("image.pullPolicy=Sometimes",), "pullPolicy"),
@@ -139,6 +146,8 @@ def test_crds_are_installed_from_the_crds_folder(helm: Helm) -> None:
     (("operator.health.port=80",), "port"),
     (("redis.maxmemory=lots",), "maxmemory"),
     (("redis.maxmemoryPolicy=whatever",), "maxmemoryPolicy"),
+    (("redis.auth.existingSecret=Not_A_Name",), "existingSecret"),
+    (("redis.auth.urlSecretNamespaces[0]=Team_A",), "urlSecretNamespaces"),
     (("resources.limits.memory=1 GB",), "memory"),
     (("dashboards.enabled=yes please",), "enabled"),
 ])
@@ -190,7 +199,9 @@ def test_operator_runs_as_the_service_account_the_rbac_binds(helm: Helm) -> None
         assert b["roleRef"]["name"] in roles
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"],
                                   "namespace": NAMESPACE}]
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    # namespaced: only leader election's (its own test below)
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == [LEADER_ROLE]
+    assert [b["metadata"]["name"] for b in by_kind(docs, "RoleBinding")] == [LEADER_ROLE]
 
 
 def test_rbac_rules_are_exactly_the_listed_ones(helm: Helm) -> None:
@@ -200,11 +211,15 @@ def test_rbac_rules_are_exactly_the_listed_ones(helm: Helm) -> None:
     crds = one(docs, "ClusterRole", f"{FULLNAME}-crd-observer")
     assert rule_table(crds["rules"]) == CRD_RULES
     for role in [*by_kind(docs, "ClusterRole"), *by_kind(docs, "Role")]:
+        if role["metadata"]["name"] == LEADER_ROLE:  # its own test below
+            continue
         text = json.dumps(role["rules"])
         assert "*" not in text, f"wildcard in {role['metadata']['name']}"
         for verb in ("update", "deletecollection", "escalate", "bind", "impersonate"):
             assert f'"{verb}"' not in text, f"{verb} in {role['metadata']['name']}"
-        assert "secrets" not in text and "pods" not in text
+        assert "pods" not in text
+        secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
+        assert all(r["resources"] == ["secrets"] and r["verbs"] == ["create"] for r in secrets)
 
 
 def test_watch_namespaces_use_namespaced_roles(helm: Helm) -> None:
@@ -214,8 +229,8 @@ def test_watch_namespaces_use_namespaced_roles(helm: Helm) -> None:
         f"{FULLNAME}-crd-observer"]
     assert rule_table(by_kind(docs, "ClusterRole")[0]["rules"]) == CRD_RULES
     assert len(by_kind(docs, "ClusterRoleBinding")) == 1
-    roles = by_kind(docs, "Role")
-    bindings = by_kind(docs, "RoleBinding")
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] != LEADER_ROLE]
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] != LEADER_ROLE]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for role in roles:
@@ -245,19 +260,25 @@ def test_operator_deployment(helm: Helm) -> None:
     docs = helm.render()
     dep = one(docs, "Deployment", f"{FULLNAME}-operator")
     assert dep["metadata"]["namespace"] == NAMESPACE
-    assert dep["spec"]["replicas"] == 1
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}  # never two kopf operators
+    assert dep["spec"]["replicas"] == 2  # a leader and a standby
+    # leader election makes an overlap safe: the new pod stands by until the old one releases
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": 1, "maxUnavailable": 0}}
     c = operator_container(docs)
     assert c["image"] == "ghcr.io/tandem-llm/tandem:0.1.0"  # the chart's appVersion
     assert c["command"] == ["tandem", "operator"]
-    assert c["args"] == ["--standalone", "--all-namespaces",
-                         "--liveness=http://0.0.0.0:8080/healthz"]
+    assert c["args"] == ["--standalone", "--leader-elect", f"--lease-name={FULLNAME}-operator",
+                         "--lease-duration=15", "--renew-deadline=10", "--retry-period=2",
+                         "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     env = env_of(c)
     assert env["TANDEM_IMAGE"] == c["image"]  # the operator's default for workers and routers
     assert env["TANDEM_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["TANDEM_OPERATOR_RELEASE"] == RELEASE  # routers labelled with it (Redis policy)
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert labels["tandem.dev/operator-release"] == RELEASE  # the workers' policies admit it
     assert c["resources"]["requests"] and c["resources"]["limits"]
 
 
@@ -326,20 +347,31 @@ def test_redis_only_when_enabled(helm: Helm) -> None:
     assert dep["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     svc = one(docs, "Service", f"{FULLNAME}-redis")
     assert svc["spec"]["ports"][0]["port"] == 6379
-    # only Tandem routers get in, from any namespace
+    # only the routers of this release's operator get in, from any namespace
     (rule,) = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")["spec"]["ingress"]
     (peer,) = rule["from"]
     assert peer["namespaceSelector"] == {}
-    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "router"}
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "router",
+                                                  "tandem.dev/operator-release": RELEASE}
     assert peer["podSelector"]["matchExpressions"] == [
         {"key": "tandem.dev/inference-service", "operator": "Exists"}]
     off = helm.render(sets=("redis.enabled=true", "redis.networkPolicy.enabled=false"))
     assert not by_kind(off, "NetworkPolicy")
 
 
-def test_redis_arguments_are_accepted_by_a_real_redis_server(helm: Helm, tmp_path) -> None:
-    """The rendered `redis-server` flags start Debian's redis-server (the one the router tests
-    use) with the intended settings."""
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """The kubelet's `$(VAR)` expansion of container args."""
+    import re
+
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a)
+            for a in args]
+
+
+def test_redis_arguments_and_probes_work_on_a_real_redis_server(helm: Helm, tmp_path) -> None:
+    """The rendered `redis-server` flags (the password expanded from the Secret's env, as the
+    kubelet does) start Debian's redis-server with the intended settings; it refuses clients
+    without the password, and the rendered probe commands pass with the pod's REDISCLI_AUTH
+    and fail without it."""
     import shutil
     import subprocess
     import time
@@ -350,16 +382,23 @@ def test_redis_arguments_are_accepted_by_a_real_redis_server(helm: Helm, tmp_pat
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"
+    assert shutil.which("redis-cli"), "redis-cli is required (it comes with redis-server)"
     docs = helm.render(sets=("redis.enabled=true",))
     (c,) = one(docs, "Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"]
-    args = list(c["args"])
+    secret = one(docs, "Secret", f"{FULLNAME}-redis")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}
+    assert refs == {"REDIS_PASSWORD": {"name": f"{FULLNAME}-redis", "key": "password"},
+                    "REDISCLI_AUTH": {"name": f"{FULLNAME}-redis", "key": "password"}}
+    assert password not in json.dumps([d for d in docs if d["kind"] != "Secret"])
+    args = _expand(list(c["args"]), {"REDIS_PASSWORD": password})
     assert args[0] == "redis-server"
     port = free_port()
     args[args.index("--port") + 1] = str(port)
     proc = subprocess.Popen([exe, *args[1:], "--dir", str(tmp_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
-        client = redis.Redis(port=port, decode_responses=True)
+        client = redis.Redis(port=port, password=password, decode_responses=True)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -373,9 +412,58 @@ def test_redis_arguments_are_accepted_by_a_real_redis_server(helm: Helm, tmp_pat
                 ("maxmemory", "maxmemory-policy", "save", "appendonly", "protected-mode")}
         assert conf == {"maxmemory": str(256 * 1024 * 1024), "maxmemory-policy": "allkeys-lru",
                         "save": "", "appendonly": "no", "protected-mode": "no"}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong").ping()
+        url = base64.b64decode(secret["data"]["url"]).decode()
+        assert url == f"redis://:{password}@{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
+        local = url.replace(f"{FULLNAME}-redis.{NAMESPACE}.svc:6379", f"127.0.0.1:{port}")
+        assert redis.Redis.from_url(local).ping()  # the URL the routers get works as it is
+        for probe in ("livenessProbe", "readinessProbe"):
+            command = [a.replace(" -p 6379 ", f" -p {port} ") for a in c[probe]["exec"]["command"]]
+            env = {"PATH": "/usr/bin:/bin"}
+            ok = subprocess.run(command, env={**env, "REDISCLI_AUTH": password}, timeout=10)
+            assert ok.returncode == 0, probe
+            for bad in ({}, {"REDISCLI_AUTH": "wrong"}):
+                assert subprocess.run(command, env={**env, **bad}, timeout=10,
+                                      capture_output=True).returncode != 0, (probe, bad)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_redis_password_is_generated_per_render_or_taken_from_your_secret(helm: Helm) -> None:
+    """No cluster: `lookup` finds nothing, so each render generates a fresh 32-character
+    password (an install; an upgrade reads the live Secret back). The URL Secret goes to the
+    release namespace and watched namespaces; with existingSecret the chart writes none and
+    Redis reads your key."""
+    import re
+
+    def password(docs: list[dict[str, Any]]) -> str:
+        secret = one(docs, "Secret", f"{FULLNAME}-redis")
+        return base64.b64decode(secret["data"]["password"]).decode()
+
+    a = password(helm.render(sets=("redis.enabled=true",)))
+    b = password(helm.render(sets=("redis.enabled=true",)))
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", a) and a != b
+    docs = helm.render(sets=("redis.enabled=true", "watchNamespaces={team-a,team-b}"))
+    urls = {s["metadata"]["namespace"]: s["data"] for s in by_kind(docs, "Secret")}
+    assert sorted(urls) == [NAMESPACE, "team-a", "team-b"]
+    assert set(urls["team-a"]) == {"url"}  # no bare password outside the release namespace
+    assert urls["team-a"]["url"] == urls["team-b"]["url"] == urls[NAMESPACE]["url"]
+    peer = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")["spec"]["ingress"][0]["from"][0]
+    assert peer["namespaceSelector"] == {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}
+    only = helm.render(sets=("redis.enabled=true", "redis.auth.urlSecretNamespaces={ml}"))
+    assert sorted(s["metadata"]["namespace"] for s in by_kind(only, "Secret")) == [
+        "ml", NAMESPACE]
+    own = helm.render(sets=("redis.enabled=true", "redis.auth.existingSecret=my-redis",
+                            "redis.auth.existingSecretPasswordKey=pw"))
+    assert not by_kind(own, "Secret")
+    (c,) = one(own, "Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}["REDIS_PASSWORD"] == {
+        "name": "my-redis", "key": "pw"}
 
 
 def test_dashboard_configmap(helm: Helm) -> None:
@@ -417,3 +505,71 @@ def test_notes_render(helm: Helm, tmp_path: Path) -> None:
     assert f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0" in notes_text
     assert "watching all namespaces" in notes_text
     assert "kubectl apply -f charts/tandem/examples/" in notes_text
+
+
+# ---------------------------------------------------------------------------------------------
+# operator availability and the Kubernetes version
+
+
+def test_leader_election_rbac_is_its_one_lease_in_its_own_namespace(helm: Helm) -> None:
+    docs = helm.render()
+    role = one(docs, "Role", LEADER_ROLE)
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": [f"{FULLNAME}-operator"], "verbs": ["get", "update"]}]
+    binding = one(docs, "RoleBinding", LEADER_ROLE)
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"]["name"] == LEADER_ROLE
+    sa = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"][
+        "serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
+                                    "namespace": NAMESPACE}]
+    lease_name = next(a for a in operator_container(docs)["args"]
+                      if a.startswith("--lease-name=")).split("=", 1)[1]
+    assert role["rules"][1]["resourceNames"] == [lease_name]
+
+
+def test_standbys_get_a_disruption_budget_and_spread_over_nodes(helm: Helm) -> None:
+    docs = helm.render(sets=("operator.replicas=3",))
+    dep = one(docs, "Deployment", f"{FULLNAME}-operator")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    pdb = one(docs, "PodDisruptionBudget", f"{FULLNAME}-operator")
+    assert pdb["spec"]["minAvailable"] == 1
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert selector == dep["spec"]["selector"]["matchLabels"]
+    assert all(pod_labels[k] == v for k, v in selector.items())
+    (term,) = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector
+    single = helm.render(sets=("operator.replicas=1",))
+    assert not by_kind(single, "PodDisruptionBudget")
+    assert "affinity" not in one(single, "Deployment", f"{FULLNAME}-operator")["spec"][
+        "template"]["spec"]
+    own = helm.render(sets=("affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuring"
+                            "Execution.nodeSelectorTerms[0].matchExpressions[0].key=pool",))
+    affinity = one(own, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"][
+        "affinity"]
+    assert list(affinity) == ["nodeAffinity"]  # the user's affinity replaces the default
+
+
+def test_inconsistent_lease_timings_are_refused(helm: Helm) -> None:
+    proc = helm.run(*helm.template_args(sets=("operator.leaderElection.renewDeadline=20",)),
+                    check=False)
+    assert proc.returncode != 0
+    assert "leaseDuration > renewDeadline > 1.2 x retryPeriod" in proc.stderr
+
+
+def test_kubernetes_1_29_is_refused(helm: Helm) -> None:
+    """The children's preStop hooks use the sleep action: beta and on by default from
+    Kubernetes 1.30 (alpha, off, in 1.29). The chart says so before installing anything."""
+    args = helm.template_args()
+    at = args.index("--kube-version") + 1
+    args[at] = "1.29.9"
+    proc = helm.run(*args, check=False)
+    assert proc.returncode != 0
+    assert "chart requires kubeVersion: >=1.30.0-0" in proc.stderr, proc.stderr
+    args[at] = "1.30.0"
+    assert helm.run(*args).returncode == 0

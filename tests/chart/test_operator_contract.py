@@ -27,7 +27,9 @@ def chart_flags(helm: Helm) -> set[str]:
 
 def test_tandem_operator_accepts_the_charts_flags(helm: Helm) -> None:
     flags = chart_flags(helm)
-    assert flags == {"--standalone", "--all-namespaces", "--namespace", "--liveness"}
+    assert flags == {"--standalone", "--all-namespaces", "--namespace", "--liveness",
+                     "--leader-elect", "--lease-name", "--lease-duration", "--renew-deadline",
+                     "--retry-period"}
     proc = subprocess.run([str(TANDEM), "operator", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, f"`tandem operator --help` failed:\n{proc.stderr[-2000:]}"

@@ -24,8 +24,18 @@ import pytest
 from tandem.kvtransfer.pages import MAX_DATA_CHUNK
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
+from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, rpc_body, sign
 from tests.kvtransfer.fake_prefill import CHANNEL_OPTIONS, FakePrefillServer, header
-from tests.serving.conftest import free_port, metric, start_worker, wait_for, wait_idle
+from tests.serving.conftest import (
+    WORKER_KEY,
+    free_port,
+    metric,
+    signed,
+    signing_channel,
+    start_worker,
+    wait_for,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -56,11 +66,10 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def post(url: str, prompt, prefill: str | None = None) -> tuple[httpx.Response, float]:
-    headers = {"x-tandem-prefill": prefill} if prefill else {}
+    body, headers = signed({"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8,
+                            "temperature": 0, "ignore_eos": True}, prefill)
     t0 = time.monotonic()
-    r = httpx.post(url + "/v1/completions", timeout=BOUND + 30, headers=headers, json={
-        "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True})
+    r = httpx.post(url + "/v1/completions", timeout=BOUND + 30, headers=headers, content=body)
     return r, time.monotonic() - t0
 
 
@@ -132,9 +141,10 @@ class Cluster:
         self.small = workers["small"]
         self.target, self.victim_target = targets["prefill"], targets["victim"]
         self.fake: FakePrefillServer = fake
-        self.channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
-        self.streamed_channel = grpc.insecure_channel(targets["streamed"],
-                                                      options=CHANNEL_OPTIONS)
+        self.channel = signing_channel(grpc.insecure_channel(self.target,
+                                                             options=CHANNEL_OPTIONS))
+        self.streamed_channel = signing_channel(grpc.insecure_channel(
+            targets["streamed"], options=CHANNEL_OPTIONS))
 
     def stub(self) -> worker_pb2_grpc.KVTransferStub:
         """The real prefill worker's KVTransfer, called as a decode worker would."""
@@ -639,3 +649,40 @@ def test_invalid_prefill_requests_are_invalid_argument(cluster, streamed):
     assert chunks[0].header.block_hashes and chunks[-1].WhichOneof("kind") == "trailer"
     assert stub.ReleasePages(worker_pb2.ReleasePagesRequest(
         lease_id=chunks[0].header.lease_id), timeout=10).released
+
+
+def test_prefill_calls_without_the_key_are_permission_denied(cluster):
+    """A prefill worker with a worker auth key serves Prefill only to callers signing with
+    it (as decode workers do): unsigned, wrong-key, other-request and stale signatures are
+    refused before any compute, and the worker keeps serving signed calls."""
+    c = cluster
+    prompt = ids(770, 4 * BS + 3)
+    req = prefill_request(prompt, lease_s=5)
+    other = prefill_request(ids(771, 4 * BS + 3), lease_s=5)
+    computed = metric(c.prefill.url, "vllm:prompt_tokens_total")
+    raw = grpc.insecure_channel(c.target, options=CHANNEL_OPTIONS)
+    try:
+        stub = worker_pb2_grpc.KVTransferStub(raw)
+        forged = {
+            "unsigned": None,
+            "malformed": "t=1,v1=zz",
+            "wrong key": sign(b"k" * 32, rpc_body(req), PREFILL_RPC),
+            "another request": sign(WORKER_KEY, rpc_body(other), PREFILL_RPC),
+            "an HTTP signature": sign(WORKER_KEY, rpc_body(req), None),
+            "stale": sign(WORKER_KEY, rpc_body(req), PREFILL_RPC, now=time.time() - 600),
+        }
+        for name, signature in forged.items():
+            metadata = None if signature is None else ((SIGNATURE_HEADER, signature),)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Prefill(req, metadata=metadata, timeout=30))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (name, info.value)
+            assert "decode worker holding the key" in info.value.details(), name
+        assert metric(c.prefill.url, "vllm:prompt_tokens_total") == computed  # nothing ran
+        assert usage(c.prefill.url) == 0
+        good = sign(WORKER_KEY, rpc_body(req), PREFILL_RPC)
+        chunks = list(stub.Prefill(req, metadata=((SIGNATURE_HEADER, good),), timeout=60))
+        assert chunks[-1].WhichOneof("kind") == "trailer"
+        assert stub.ReleasePages(worker_pb2.ReleasePagesRequest(
+            lease_id=chunks[0].header.lease_id), timeout=10).released
+    finally:
+        raw.close()

@@ -44,7 +44,7 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
-from tests.serving.conftest import free_port, start_worker, wait_idle
+from tests.serving.conftest import free_port, signing_channel, start_worker, wait_idle
 
 LAYOUT = PageLayout("fuzz-model", num_layers=2, num_kv_heads=1, block_size=2, head_dim=2,
                     dtype=torch.float32)
@@ -594,8 +594,8 @@ def prefill(tmp_path_factory):
     port = free_port()
     w = start_worker(tmp_path_factory.mktemp("fuzz"), "--role", "prefill", "--grpc-port",
                      str(port), "--num-threads", "1", "--num-kv-blocks", "256")
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}",
-                               options=[("grpc.max_receive_message_length", 8 << 20)])
+    ch = signing_channel(grpc.insecure_channel(
+        f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 8 << 20)]))
     try:
         yield w, worker_pb2_grpc.KVTransferStub(ch)
     finally:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tandem.protocol.bundled import BUNDLED_NAME
-from tests.serving.conftest import free_port, metric, start_worker, wait_for
+from tests.serving.conftest import free_port, metric, signed, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 BS = 16
@@ -61,10 +61,10 @@ def pd(tmp_path_factory):
 
 
 def complete(url: str, prompt, prefill: str | None = None, **extra) -> dict:
-    headers = {"x-tandem-prefill": prefill} if prefill else {}
-    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, json={
-        "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True, **extra})
+    """Greedy completion; with `prefill`, signed as the router would (P/D)."""
+    body, headers = signed({"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8,
+                            "temperature": 0, "ignore_eos": True, **extra}, prefill)
+    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, content=body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -185,6 +185,6 @@ def assert_same_echo(got: dict, want: dict) -> None:
 
 def test_a_malformed_prefill_target_is_a_400(pd):
     decode = pd[1]["grpc"]
-    r = httpx.post(decode.url + "/v1/completions", headers={"x-tandem-prefill": "no-port"},
-                   json={"model": BUNDLED_NAME, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    body, headers = signed({"model": BUNDLED_NAME, "prompt": "hi", "max_tokens": 1}, "no-port")
+    r = httpx.post(decode.url + "/v1/completions", headers=headers, content=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-tandem-prefill"

@@ -1,88 +1,43 @@
 """P/D over mutual TLS between real worker processes: a CA and certificates made at test time,
-a prefill and a decode worker started with --grpc-tls-dir. The transfer works and gives the
-aggregated worker's tokens; the prefill worker's gRPC port refuses clients without a
-certificate its CA signed (and plaintext ones); a decode worker from another CA is refused
-and computes the prompt itself."""
+a prefill and a decode worker started with --grpc-tls-dir and --grpc-tls-server-name, their
+certificates naming only the service identity (no address) and dialed at 127.0.0.1. The
+transfer works and gives the aggregated worker's tokens; the prefill worker's gRPC port
+refuses clients without a certificate its CA signed (and plaintext ones) and clients of
+another service under the same CA; a decode worker from another CA is refused and computes
+the prompt itself; a router reaches the workers' KV events and load by the identity."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import asyncio
 import random
 import signal
-from pathlib import Path
+import time
 
 import grpc
 import httpx
 import pytest
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.block_hash import HashKeys, hash_block_chain
 from tandem.protocol.bundled import BUNDLED_NAME
-from tests.serving.conftest import free_port, metric, start_worker, wait_for
-
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
+from tandem.protocol.tls import TLSFiles, peer_identity
+from tandem.router.index import PrefixIndex
+from tandem.router.monitor import MonitorSettings, WorkerMonitor
+from tandem.router.workers import Worker
+from tests.protocol.certs import CA
+from tests.serving.conftest import (
+    free_port,
+    metric,
+    signed,
+    signing_channel,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 BS = 16
-
-
-# -- a CA and certificates ------------------------------------------------------------------------
-
-class CA:
-    def __init__(self, name: str) -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.UTC)
-        self.cert = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-            .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(self.key, hashes.SHA256()))
-
-    @property
-    def pem(self) -> bytes:
-        return self.cert.public_bytes(serialization.Encoding.PEM)
-
-    def issue(self, name: str) -> tuple[bytes, bytes]:
-        """(certificate, key) PEM for `name`, valid as server and client on 127.0.0.1."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(self.cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(self.key, hashes.SHA256()))
-        key_pem = key.private_bytes(serialization.Encoding.PEM,
-                                    serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
-        return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-    def secret_dir(self, path: Path, name: str) -> Path:
-        """A directory laid out like a mounted Kubernetes TLS Secret."""
-        cert, key = self.issue(name)
-        path.mkdir(parents=True)
-        (path / "tls.crt").write_bytes(cert)
-        (path / "tls.key").write_bytes(key)
-        (path / "ca.crt").write_bytes(self.pem)
-        return path
+ID = peer_identity("chat", "tls-test")  # the InferenceService these workers belong to
+OTHER = peer_identity("embed", "tls-test")  # another one whose certificates the CA signs
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -93,22 +48,29 @@ def mtls(tmp_path_factory):
     ca, rogue = CA("tandem-test-ca"), CA("some-other-ca")
     grpc_port = free_port()
     common = ("--num-threads", "1", "--num-kv-blocks", "256")
+    identity = ("--grpc-tls-server-name", ID)  # the certificates name only the service
     prefill = start_worker(tmp, "--role", "prefill", "--grpc-port", str(grpc_port),
-                           "--grpc-tls-dir", str(ca.secret_dir(tmp / "prefill", "prefill")),
-                           *common, wait_ready=False)
+                           "--grpc-tls-dir", str(ca.secret_dir(tmp / "prefill", "p", (ID,))),
+                           *identity, *common, wait_ready=False)
     decode = start_worker(tmp, "--role", "decode",
-                          "--grpc-tls-dir", str(ca.secret_dir(tmp / "decode", "decode")),
-                          *common, wait_ready=False)
+                          "--grpc-tls-dir", str(ca.secret_dir(tmp / "decode", "d", (ID,))),
+                          *identity, *common, wait_ready=False)
+    # the torch backend: its Prefill control stream runs on the same verified channel
+    torch_decode = start_worker(tmp, "--role", "decode", "--kv-transfer-backend", "torch",
+                                "--grpc-tls-dir",
+                                str(ca.secret_dir(tmp / "torch", "t", (ID,))), *identity,
+                                *common, wait_ready=False)
     stranger = start_worker(tmp, "--role", "decode", "--grpc-tls-dir",
-                            str(rogue.secret_dir(tmp / "stranger", "decode")), *common,
-                            wait_ready=False)
+                            str(rogue.secret_dir(tmp / "stranger", "d", (ID,))), *identity,
+                            *common, wait_ready=False)
     single = start_worker(tmp, "--role", "both", *common, wait_ready=False)
-    workers = (prefill, decode, stranger, single)
+    workers = (prefill, decode, torch_decode, stranger, single)
     try:
         for w in workers:
             wait_for(w, "/ready", 200, timeout=240)
-        yield {"prefill": prefill, "decode": decode, "stranger": stranger, "single": single,
-               "target": f"127.0.0.1:{grpc_port}", "ca": ca, "rogue": rogue}
+        yield {"prefill": prefill, "decode": decode, "torch_decode": torch_decode,
+               "stranger": stranger, "single": single,
+               "target": f"127.0.0.1:{grpc_port}", "ca": ca, "rogue": rogue, "tmp": tmp}
     finally:
         for w in workers:  # all drain at once
             if w.proc.poll() is None:
@@ -123,10 +85,9 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def complete(url: str, prompt, prefill: str | None = None) -> str:
-    headers = {"x-tandem-prefill": prefill} if prefill else {}
-    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, json={
-        "model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True})
+    body, headers = signed({"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8,
+                            "temperature": 0, "ignore_eos": True}, prefill)
+    r = httpx.post(url + "/v1/completions", timeout=120, headers=headers, content=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -145,22 +106,48 @@ def prefill_request(prompt: list[int]) -> worker_pb2.PrefillRequest:
         first_block=0, num_blocks=len(prompt) // BS, backend="grpc", lease_s=5)
 
 
-def call_prefill(target: str, credentials: grpc.ChannelCredentials | None,
-                 prompt: list[int]) -> list[worker_pb2.PageChunk]:
+def credentials(ca: CA, client_sans: tuple[str, ...] | None = (ID,),
+                trust: CA | None = None) -> grpc.ChannelCredentials:
+    """A client certificate from `ca` naming `client_sans` (None: no client certificate),
+    trusting `trust` (default `ca`)."""
+    if client_sans is None:
+        return grpc.ssl_channel_credentials(root_certificates=(trust or ca).pem)
+    cert, key = ca.issue("test-client", client_sans)
+    return grpc.ssl_channel_credentials(root_certificates=(trust or ca).pem, private_key=key,
+                                        certificate_chain=cert)
+
+
+def channel(target: str, creds: grpc.ChannelCredentials | None,
+            server_name: str | None = ID) -> grpc.Channel:
+    """Dialed at `target`, the server verified as `server_name` (None: as the address)."""
     options = [("grpc.max_receive_message_length", 8 << 20)]
-    with (grpc.secure_channel(target, credentials, options=options) if credentials
-          else grpc.insecure_channel(target, options=options)) as ch:
-        stub = worker_pb2_grpc.KVTransferStub(ch)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return (grpc.secure_channel(target, creds, options=options) if creds
+            else grpc.insecure_channel(target, options=options))
+
+
+def call_prefill(target: str, creds: grpc.ChannelCredentials | None, prompt: list[int],
+                 server_name: str | None = ID) -> list[worker_pb2.PageChunk]:
+    with channel(target, creds, server_name) as ch:
+        stub = worker_pb2_grpc.KVTransferStub(signing_channel(ch))
         chunks = list(stub.Prefill(prefill_request(prompt), timeout=30))
         stub.ReleasePages(worker_pb2.ReleasePagesRequest(lease_id=chunks[0].header.lease_id),
                           timeout=10)
         return chunks
 
 
+def get_load(target: str, creds: grpc.ChannelCredentials,
+             server_name: str | None = ID) -> worker_pb2.Load:
+    with channel(target, creds, server_name) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+
+
 # -- tests -----------------------------------------------------------------------------------------
 
-def test_pd_over_mutual_tls_gives_the_aggregated_tokens(mtls):
-    decode, single, target = mtls["decode"], mtls["single"], mtls["target"]
+@pytest.mark.parametrize("decoder", ["decode", "torch_decode"])
+def test_pd_over_mutual_tls_gives_the_aggregated_tokens(mtls, decoder):
+    decode, single, target = mtls[decoder], mtls["single"], mtls["target"]
     ok = fetches(decode.url, "ok")
     received = metric(decode.url, "tandem_kvtransfer_received_bytes_total")
     for seed, n in ((1, 5 * BS + 3), (2, 300)):
@@ -170,42 +157,97 @@ def test_pd_over_mutual_tls_gives_the_aggregated_tokens(mtls):
     assert metric(decode.url, "tandem_kvtransfer_received_bytes_total") > received
 
 
-def test_a_client_with_a_certificate_from_the_ca_is_served(mtls):
-    cert, key = mtls["ca"].issue("test-client")
-    creds = grpc.ssl_channel_credentials(root_certificates=mtls["ca"].pem, private_key=key,
-                                         certificate_chain=cert)
+def test_a_client_of_the_service_is_served_by_identity(mtls):
+    """Its certificate names only the identity; the server is dialed at 127.0.0.1."""
+    creds = credentials(mtls["ca"])
     chunks = call_prefill(mtls["target"], creds, ids(3, 3 * BS))
     assert chunks[0].WhichOneof("kind") == "header"
     assert chunks[-1].WhichOneof("kind") == "trailer"
+    load = get_load(mtls["target"], creds)
+    assert (load.role, load.num_total_blocks, load.block_size) == ("prefill", 256, BS)
 
 
-def _refused(target: str, credentials: grpc.ChannelCredentials | None) -> None:
+def _refused(target: str, creds: grpc.ChannelCredentials | None,
+             code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+             server_name: str | None = ID) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        call_prefill(target, credentials, ids(4, 3 * BS))
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        call_prefill(target, creds, ids(4, 3 * BS), server_name)
+    assert info.value.code() == code, info.value
 
 
 def test_clients_without_a_trusted_certificate_are_refused(mtls):
     ca, rogue, target = mtls["ca"], mtls["rogue"], mtls["target"]
-    # TLS, trusting the server, but no client certificate
-    _refused(target, grpc.ssl_channel_credentials(root_certificates=ca.pem))
-    # a client certificate from another CA
-    cert, key = rogue.issue("intruder")
-    _refused(target, grpc.ssl_channel_credentials(root_certificates=ca.pem, private_key=key,
-                                                  certificate_chain=cert))
-    # plaintext
-    _refused(target, None)
-    # a good client certificate, but the client does not trust the server's CA
-    cert, key = ca.issue("test-client")
-    _refused(target, grpc.ssl_channel_credentials(root_certificates=rogue.pem,
-                                                  private_key=key, certificate_chain=cert))
+    _refused(target, credentials(ca, None))  # TLS, trusting the server, no client certificate
+    _refused(target, credentials(rogue, trust=ca))  # a client certificate from another CA
+    _refused(target, None)  # plaintext
+    _refused(target, credentials(ca, trust=rogue))  # a client not trusting the server's CA
     # the Worker service on the same port is as closed
-    with grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca.pem)
-                             ) as ch, pytest.raises(grpc.RpcError) as info:
-        worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    with pytest.raises(grpc.RpcError) as info:
+        get_load(target, credentials(ca, None))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # and the worker is fine
     assert httpx.get(mtls["prefill"].url + "/health", timeout=5).status_code == 200
+
+
+def test_a_client_of_another_service_under_the_same_ca_is_refused(mtls):
+    ca, target = mtls["ca"], mtls["target"]
+    other = credentials(ca, (OTHER,))
+    # it dials expecting its own service: the server's certificate does not name it
+    _refused(target, other, server_name=OTHER)
+    # it accepts ours: the server sees a client certificate naming OTHER
+    _refused(target, other, grpc.StatusCode.PERMISSION_DENIED)
+    with pytest.raises(grpc.RpcError) as info:
+        get_load(target, other)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert ID in info.value.details()
+    with channel(target, other) as ch, pytest.raises(grpc.RpcError) as info:
+        next(iter(worker_pb2_grpc.WorkerStub(ch).SubscribeKVEvents(
+            worker_pb2.SubscribeKVEventsRequest(), timeout=10)))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_dialed_by_ip_without_the_server_name_the_certificate_does_not_match(mtls):
+    """The failure this identity fixes: no pod IP is in the certificate."""
+    _refused(mtls["target"], credentials(mtls["ca"]), server_name=None)
+
+
+def test_a_router_gets_kv_events_and_load_by_identity(mtls, tmp_path):
+    from tests.router.test_router_integration import RouterProcess
+
+    prefill, ca = mtls["prefill"], mtls["ca"]
+    router_dir = ca.secret_dir(tmp_path / "router", "router", (ID,))
+    router = RouterProcess(mtls["tmp"], [prefill.url], "--grpc-tls-dir", str(router_dir),
+                           "--grpc-tls-server-name", ID)
+    prompt = ids(6, 3 * BS + 5)
+    hashes = hash_block_chain(prompt[:3 * BS], BS, HashKeys(BUNDLED_NAME, "", ""))
+
+    async def monitor() -> tuple[dict, worker_pb2.Load | None]:
+        index, worker = PrefixIndex(), Worker(id=prefill.url)
+        async with httpx.AsyncClient() as http:
+            mon = WorkerMonitor(worker, index, http, MonitorSettings(
+                load_interval_s=0.05, tls=TLSFiles.from_dir(router_dir, ID)))
+            mon.start()
+            try:
+                await asyncio.wait_for(mon.connected.wait(), 30)
+                await asyncio.to_thread(call_prefill, mtls["target"], credentials(ca), prompt)
+                deadline = time.monotonic() + 30
+                while index.match(hashes, 0) != {prefill.url: 3} or worker.load is None:
+                    assert time.monotonic() < deadline, index.match(hashes, 0)
+                    await asyncio.sleep(0.05)
+                return index.match(hashes, 0), worker.load
+            finally:
+                await mon.stop()
+
+    try:
+        router.wait_events(1)
+        matched, load = asyncio.run(monitor())
+        assert matched == {prefill.url: 3}
+        assert load.num_total_blocks == 256 and 0 <= load.num_free_blocks <= 256
+        indexed = [line for line in httpx.get(router.url + "/metrics", timeout=10).text
+                   .splitlines() if line.startswith("tandem_router_worker_indexed_blocks{")]
+        assert len(indexed) == 1 and float(indexed[0].rsplit(" ", 1)[1]) >= 3
+    finally:
+        router.stop()
 
 
 def test_a_decode_worker_from_another_ca_is_refused_and_computes_itself(mtls):

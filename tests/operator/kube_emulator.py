@@ -11,8 +11,12 @@ nothing (no new version, no watch event, as the API server does); 422 for a JSON
 `labelSelector`s; watches that start at the list's `resourceVersion` and lose no write
 between snapshot and stream (kopf stalls on a replayed stale object); the garbage collector's
 background cascade (deleting an object deletes those whose `ownerReferences` name its uid);
-and injected write failures (`faults`). kmock's 500 on `GET /api/v1/namespaces` is left as
-it is: the tests run kopf cluster-wide, which never lists namespaces.
+injected write failures (`faults`); PUT (a replace, refused with 409 when its
+`metadata.resourceVersion` is not the live one: leader election's optimistic concurrency);
+and a log of every write with the client's Authorization header (`writes`: which of several
+operators, each with a kubeconfig token of its own, wrote what). kmock's 500 on
+`GET /api/v1/namespaces` is left as it is: the tests run kopf cluster-wide, which never lists
+namespaces.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import asyncio
 import copy
 import datetime
 import threading
+import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,28 @@ import yaml
 APPLY = "application/apply-patch+yaml"
 SERVER_META = ("uid", "resourceVersion", "generation", "creationTimestamp",
                "deletionTimestamp", "finalizers")
+
+
+@dataclass
+class Write:
+    """One write request as the emulator received it (`status`: its answer)."""
+
+    at: float  # time.monotonic()
+    auth: str  # the Authorization header: which client (kubeconfig token) wrote
+    method: str
+    plural: str
+    namespace: str | None
+    name: str | None
+    status: int = 0
+
+
+@dataclass
+class _Replaced:
+    """A PUT's body, for `_update` as if it were a JSON merge patch replacing everything."""
+
+    data: dict[str, Any]
+    subresource: None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def _now() -> str:
@@ -77,6 +105,7 @@ class Emulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._rv = 0  # the last resourceVersion handed out (one counter for all objects)
         self.faults: dict[str, int] = {}  # plural -> HTTP status every write gets (tests)
+        self.writes: list[Write] = []  # every write request, in arrival order
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -87,19 +116,48 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         writes = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
-        if request.resource is None or request.action not in writes:
+        put = request.method == kmock.method.PUT and request.name is not None
+        if request.resource is None or (request.action not in writes and not put):
             return await super()._handle(request)
         if request.action != kmock.action.CREATE and request.name is None:
             return await super()._handle(request)
+        write = Write(time.monotonic(), request.headers.get("Authorization", ""),
+                      getattr(request.method, "value", str(request.method)),
+                      request.resource.plural, request.namespace,
+                      request.name or (request.data or {}).get("metadata", {}).get("name"))
+        self.writes.append(write)
         if request.resource.plural in self.faults:
-            status = self.faults[request.resource.plural]
-            return await self._render_error(kmock.KubernetesError(status, "Injected", "fault"))
+            write.status = self.faults[request.resource.plural]
+            return await self._render_error(kmock.KubernetesError(write.status, "Injected",
+                                                                  "fault"))
         try:
             async with self._lock:
-                status, body = await self._write(request)
+                status, body = await (self._replace(request) if put else self._write(request))
         except kmock.KubernetesError as exc:  # an answer, not a server fault
+            write.status = exc.status
             return await self._render_error(exc)
+        write.status = status
         return aiohttp.web.json_response(body, status=status)
+
+    async def _replace(self, request: kmock.Request) -> tuple[int, dict[str, Any]]:
+        """PUT: the whole object, if `metadata.resourceVersion` (when given) is the live one
+        (optimistic concurrency: else 409 Conflict, as a leader-election race gets)."""
+        key = (request.resource, request.namespace, request.name)
+        try:
+            live = self._objects[key]
+        except KeyError:
+            live = None
+        if live is None or live.deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        data = copy.deepcopy(request.data or {})
+        rv = data.get("metadata", {}).get("resourceVersion")
+        if rv is not None and rv != live.raw["metadata"].get("resourceVersion"):
+            raise kmock.KubernetesError(409, "Conflict", f"{request.name}: the object has "
+                                        "been modified; apply your changes to the latest version")
+        merged = {k: v for k, v in data.items() if k != "status"}
+        merged["metadata"] = {**data.get("metadata", {}), **{
+            k: live.raw["metadata"][k] for k in SERVER_META if k in live.raw["metadata"]}}
+        return 200, await self._update(key, _Replaced(merged))
 
     async def _write(self, request: kmock.Request) -> tuple[int, dict[str, Any]]:
         res = request.resource
@@ -141,10 +199,12 @@ class Emulator(kmock.KubernetesEmulator):
         await self._buses[res].put({"type": "ADDED", "object": obj})
         return obj
 
-    async def _update(self, key: tuple, request: kmock.Request) -> dict:
+    async def _update(self, key: tuple, request: kmock.Request | _Replaced) -> dict:
         res, live = key[0], self._objects[key].raw
         data = request.data if request.data is not None else {}
-        if request.headers.get("Content-Type", "").startswith(APPLY):
+        if isinstance(request, _Replaced):
+            new = copy.deepcopy(data)
+        elif request.headers.get("Content-Type", "").startswith(APPLY):
             new = copy.deepcopy(data)
             new.setdefault("metadata", {}).update(
                 {k: live["metadata"][k] for k in SERVER_META if k in live["metadata"]})
@@ -246,12 +306,24 @@ class FakeCluster:
                                         daemon=True)
         self._thread.start()
         assert started.wait(10), "kmock did not start"
-        self.kubeconfig = tmp / "kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump({
+        self.kubeconfig = self.kubeconfig_as("test", tmp / "kubeconfig")
+
+    def kubeconfig_as(self, token: str, path: Path | None = None) -> Path:
+        """A kubeconfig for this server with bearer `token` (the write log's `auth`)."""
+        path = path or self.kubeconfig.with_name(f"kubeconfig-{token}")
+        path.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "kmock", "user": {"token": "test"}}],
+            "users": [{"name": "kmock", "user": {"token": token}}],
             "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
+        return path
+
+    def writes(self) -> list[Write]:
+        """Every write request so far, in arrival order."""
+        async def read() -> list[Write]:
+            return list(self.km.writes)
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(5)
 
     async def _serve(self, started: threading.Event) -> None:
         async with Emulator() as km, kmock.Server(km) as server:

@@ -23,7 +23,7 @@ SPECS: dict[str, dict[str, Any]] = {
                    "apiKeysSecret": {"name": "tandem-keys"},
                    "rateLimits": {"default": {"requestsPerSecond": 10, "burstRequests": 20},
                                   "tenants": {"gold": {"tokensPerMinute": 100000}}},
-                   "redisUrl": "redis://redis:6379/0", "sharedIndex": True,
+                   "redisUrlSecretRef": {"name": "tandem-redis-url"}, "sharedIndex": True,
                    "serviceType": "LoadBalancer"},
         "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192,
                                                 "longPrefillTokenThreshold": 1024}},
@@ -46,6 +46,25 @@ SPECS: dict[str, dict[str, Any]] = {
         "kvTransfer": {"backend": "torch", "tlsSecret": "tandem-kv-tls", "policy": "fail",
                        "timeoutSeconds": 12.5, "streamLayers": True},
     },
+    # every security field: cert-manager TLS, the caller's key Secret, NetworkPolicy peers
+    "secure": {
+        "model": {"uri": "pvc://models/m.gguf"},
+        "router": {"redisUrlSecretRef": {"name": "redis-auth", "key": "redis-url"},
+                   "allowedClients": [
+                       {"namespaceSelector": {"matchLabels": {"team": "web"}},
+                        "podSelector": {"matchExpressions": [
+                            {"key": "app", "operator": "In", "values": ["gateway", "ui"]}]}},
+                       {"ipBlock": {"cidr": "10.20.0.0/16", "except": ["10.20.9.0/24"]}}]},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2},
+        "kvTransfer": {"tlsSecret": "secure-grpc-tls",
+                       "tlsIssuerRef": {"name": "tandem-ca", "kind": "ClusterIssuer"}},
+        "monitoring": {"prometheus": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"},
+                            "matchExpressions": [{"key": "shard", "operator": "Exists"}]}}},
+        "security": {"workerAuthSecretName": "secure-signing-key"},
+    },
     "gpu": {
         "image": "registry.example/tandem:dev",
         "model": {"uri": "file:///opt/models/qwen2-7b", "dtype": "bfloat16", "sha256": SHA},
@@ -63,6 +82,49 @@ SPECS: dict[str, dict[str, Any]] = {
                               "numKvBlocks": 100000, "maxWaiting": 1024,
                               "enablePrefixCaching": False, "drainTimeoutSeconds": 120}},
         "monitoring": {"serviceMonitor": True, "interval": "15s"},
+    },
+    # pod settings on every pool and the router; an hf:// model through a shared cache
+    "pods": {
+        "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@0e9e39f249a16976918f6564b8830bc894c89659",
+                  "hfTokenSecretRef": {"name": "hf-token", "key": "HF_TOKEN"},
+                  "cache": {"pvc": "model-cache"}},
+        "router": {"replicas": 2, "image": "registry.example/tandem-control:1",
+                   "nodeSelector": {"node-pool": "cpu"},
+                   "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "serving",
+                                    "effect": "NoSchedule"}],
+                   "priorityClassName": "serving-critical", "podLabels": {"team": "ml"},
+                   "topologySpreadConstraints": [{
+                       "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                       "whenUnsatisfiable": "ScheduleAnyway"}],
+                   "strategy": {"maxSurge": "25%", "maxUnavailable": 0}},
+        "prefill": {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": 1}},
+                    "runtimeClassName": "nvidia",
+                    "strategy": {"maxSurge": 0, "maxUnavailable": 1},
+                    "env": [{"name": "HTTPS_PROXY", "value": "http://proxy.internal:3128"}],
+                    "envFrom": [{"configMapRef": {"name": "tandem-extra-env"}}]},
+        "decode": {"replicas": 2, "image": "registry.example/tandem:cu128",
+                   "resources": {"limits": {"nvidia.com/gpu": 1}},
+                   "affinity": {"podAntiAffinity": {
+                       "preferredDuringSchedulingIgnoredDuringExecution": [{
+                           "weight": 100, "podAffinityTerm": {
+                               "topologyKey": "kubernetes.io/hostname",
+                               "labelSelector": {"matchLabels": {"tandem.dev/role": "decode"}}}}]}},
+                   "imagePullSecrets": [{"name": "regcred"}],
+                   "volumes": [{"name": "nccl-conf", "configMap": {"name": "nccl"}}],
+                   "volumeMounts": [{"name": "nccl-conf", "mountPath": "/etc/nccl",
+                                     "readOnly": True}],
+                   "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+                   "env": [{"name": "NCCL_DEBUG", "value": "WARN"},
+                           {"name": "TEAM_TOKEN", "valueFrom": {"secretKeyRef": {
+                               "name": "team", "key": "token"}}}],
+                   "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
+    },
+    # one GGUF file of a gated Hub repository, downloaded into a sized emptyDir
+    "hf-gguf": {
+        "model": {"uri": "hf://bartowski/Meta-Llama-3.1-8B-Instruct-GGUF@main/"
+                         "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",
+                  "hfTokenSecretRef": {"name": "hf-token"}, "storage": "20Gi"},
+        "decode": {"replicas": 2, "resources": {"requests": {"ephemeral-storage": "30Gi"}}},
     },
 }
 

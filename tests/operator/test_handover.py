@@ -41,6 +41,11 @@ class RecordingKube:
         self.applied.append((manager, doc))
         return {"metadata": {"resourceVersion": str(len(self.applied))}}
 
+    def create(self, doc: dict[str, Any]) -> bool:
+        """The worker-auth Secret: created once, outside the applied children."""
+        assert doc["kind"] == "Secret", doc["kind"]
+        return True
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
         raise AssertionError(f"nothing should be deleted: {kind}/{name}")
 

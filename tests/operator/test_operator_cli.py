@@ -59,3 +59,22 @@ def test_kopf_settings():
     s = settings()
     assert s.persistence.finalizer == "tandem.dev/operator"
     assert s.posting.level == logging.WARNING
+
+
+def test_leader_election_arguments():
+    from tandem.operator.cli import lease_from
+
+    assert lease_from(parse("-A"), {}) is None
+    args = parse("-A", "--leader-elect", "--lease-name", "ops", "--lease-duration", "20",
+                 "--renew-deadline", "12", "--retry-period", "3")
+    lease = lease_from(args, {"TANDEM_OPERATOR_NAMESPACE": "tandem-system"})
+    assert (lease.name, lease.namespace, lease.duration_s, lease.renew_deadline_s,
+            lease.retry_s) == ("ops", "tandem-system", 20, 12.0, 3.0)
+    other = lease_from(args, {"TANDEM_OPERATOR_NAMESPACE": "tandem-system"})
+    assert lease.identity != other.identity  # a restarted replica is a new candidate
+    assert lease_from(parse("-A", "--leader-elect", "--lease-namespace", "x"), {}).namespace == "x"
+    with pytest.raises(SystemExit, match="needs --lease-namespace"):
+        lease_from(parse("-A", "--leader-elect"), {})
+    with pytest.raises(SystemExit, match="lease duration > renew deadline"):
+        lease_from(parse("-A", "--leader-elect", "--renew-deadline", "20"), {
+            "TANDEM_OPERATOR_NAMESPACE": "ns"})

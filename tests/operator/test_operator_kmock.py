@@ -62,6 +62,9 @@ RESOURCES: dict[str, dict[str, Any]] = {
                                                verbs={"list", "watch"}),
     "autoscaling/v2/horizontalpodautoscalers": dict(kind="HorizontalPodAutoscaler",
                                                     namespaced=True, verbs=RW),
+    "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", namespaced=True,
+                                                 verbs=RW),
+    "v1/secrets": dict(kind="Secret", namespaced=True, verbs=RW),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}),
 }
@@ -69,7 +72,8 @@ PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
            "ConfigMap": "v1/configmaps", "ServiceAccount": "v1/serviceaccounts",
            "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
            "Role": "rbac.authorization.k8s.io/v1/roles",
-           "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings"}
+           "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
+           "NetworkPolicy": "networking.k8s.io/v1/networkpolicies", "Secret": "v1/secrets"}
 ISVC = "tandem.dev/v1alpha1/inferenceservices"
 
 
@@ -183,7 +187,8 @@ def children(name: str, disaggregated: bool = True) -> dict[str, list[str]]:
             "Service": [f"{name}-{p}" for p in pools] + [f"{name}-router"],
             "PodDisruptionBudget": [f"{name}-{p}" for p in pools] + [f"{name}-router"],
             "ConfigMap": [f"{name}-router-config"], "ServiceAccount": [f"{name}-router"],
-            "Role": [f"{name}-router"], "RoleBinding": [f"{name}-router"]}
+            "Role": [f"{name}-router"], "RoleBinding": [f"{name}-router"],
+            "NetworkPolicy": [f"{name}-workers", f"{name}-router"]}
 
 
 def test_create_applies_the_rendered_children_and_becomes_ready(env: Env) -> None:
@@ -276,6 +281,43 @@ def test_switch_to_aggregated_removes_the_prefill_pool(env: Env) -> None:
     wait_for(lambda: [e for e in env.cluster.objects("v1/events") if e.get("reason") ==
                       "Removed" and "Deployment/delta-prefill" in e["message"]],
              what="a Removed event")
+
+
+def test_worker_auth_secret_is_created_once_and_never_overwritten(env: Env) -> None:
+    """The operator creates `<isvc>-worker-auth` (Opaque, `key`: 32 random bytes, owned by
+    the InferenceService) before the pods that mount it; a key rotated by hand survives the
+    resyncs and spec changes, and rolls no pod (the config hash ignores it); deleting the
+    InferenceService takes the Secret with it. A spec naming its own Secret gets none."""
+    import base64
+
+    env.create("lambda", PD)
+    secret = wait_for(lambda: env.get("Secret", "lambda-worker-auth"), what="the key Secret")
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"key"}
+    assert len(base64.b64decode(secret["data"]["key"])) == 32
+    (ref,) = secret["metadata"]["ownerReferences"]
+    assert ref["uid"] == env.isvc("lambda")["metadata"]["uid"] and ref["controller"]
+    wait_for(lambda: env.status("lambda").get("observedGeneration") == 1)
+    deployments = {n: env.get("Deployment", n) for n in children("lambda")["Deployment"]}
+    rotated = base64.b64encode(b"r" * 32).decode()
+    env.core.patch_namespaced_secret("lambda-worker-auth", NS, {"data": {"key": rotated}})
+    env.patch("lambda", {"decode": {"replicas": 3}})  # an apply, then resyncs (1 s)
+    wait_for(lambda: env.status("lambda").get("observedGeneration") == 2)
+    time.sleep(2.5)
+    assert env.get("Secret", "lambda-worker-auth")["data"]["key"] == rotated
+    assert len(env.history("Secret", "lambda-worker-auth")) == 2  # created, rotated: no more
+    for name, dep in deployments.items():
+        assert template_hash(env.get("Deployment", name)) == template_hash(dep), name
+        assert env.get("Deployment", name)["spec"]["template"] == dep["spec"]["template"]
+    env.delete("lambda")
+    wait_for(lambda: env.isvc("lambda") is None, timeout=20, what="the InferenceService gone")
+    wait_for(lambda: env.get("Secret", "lambda-worker-auth") is None, what="the GC")
+    own = {**PD, "security": {"workerAuthSecretName": "mu-key"}}
+    env.create("mu", own)
+    wait_for(lambda: env.status("mu").get("observedGeneration") == 1)
+    assert env.get("Secret", "mu-worker-auth") is None
+    vols = env.get("Deployment", "mu-decode")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "worker-auth", "secret": {"secretName": "mu-key", "defaultMode": 0o440,
+                                              "items": [{"key": "key", "path": "key"}]}} in vols
 
 
 def test_delete_lifts_the_finalizer_and_the_children_follow(env: Env) -> None:
@@ -457,3 +499,41 @@ def test_the_tandem_operator_process(tmp_path) -> None:
     assert proc.returncode == 0, out[-3000:]
 
 
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "charts" / "tandem" / "examples")
+                  .glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_tandem_render_prints_what_the_operator_applies(env: Env, example: Path) -> None:
+    """`tandem render -f` (a real process) with the operator's namespace, image and the
+    InferenceService's uid prints exactly the objects the running operator wrote, in a
+    cluster's view (the operator's random worker-auth key aside: a placeholder there)."""
+    import yaml
+
+    from tandem.operator.dryrun import PLACEHOLDER_VALUE
+
+    source = yaml.safe_load(example.read_text())
+    name = source["metadata"]["name"]
+    env.create(name, source["spec"])
+    uid = wait_for(lambda: env.isvc(name)["metadata"]["uid"])
+    wait_for(lambda: env.status(name).get("observedGeneration") == 1, what="the apply")
+    proc = subprocess.run([str(TANDEM), "render", "-f", str(example), "-n", NS, "--uid", uid,
+                           "--image", IMAGE, "--image-pull-policy", "IfNotPresent"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rendered = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    plural = {info["kind"]: key for key, info in RESOURCES.items()}
+    live_names = {(info["kind"], o["metadata"]["name"]) for key, info in RESOURCES.items()
+                  if info["kind"] not in ("InferenceService", "Event")
+                  for o in env.cluster.objects(key) if o["metadata"].get("ownerReferences")
+                  and o["metadata"]["ownerReferences"][0]["uid"] == uid}
+    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == live_names
+    for doc in rendered:
+        live = server_side(env.cluster.history(plural[doc["kind"]], NS,
+                                               doc["metadata"]["name"])[-1])
+        if doc["kind"] == "Secret":
+            assert set(doc["data"].values()) == {PLACEHOLDER_VALUE}
+            live["data"] = dict.fromkeys(live["data"], PLACEHOLDER_VALUE)
+        assert live == doc, f"{doc['kind']}/{doc['metadata']['name']}"

@@ -67,16 +67,24 @@ def test_model_volume_is_read_only_and_digest_is_passed():
         assert arg(args, "--model-sha256") == SHA
         assert arg(args, "--served-model-name") == "llama-3-8b"
     router_cfg = yaml.safe_load(one(docs, "ConfigMap", "demo-router-config")["data"][
-        "router.yaml"])  # the router reads the worker's tokenizer from the same claim
-    assert router_cfg["tokenizers"] == {"llama-3-8b": "/models/llama/llama-3-8b.Q8_0.gguf"}
+        "router.yaml"])  # the router reads the tokenizer its init container took from the claim
+    assert router_cfg["tokenizers"] == {"llama-3-8b": "/tokenizer"}
+    router = one(docs, "Deployment", "demo-router")["spec"]["template"]["spec"]
+    (init,) = router["initContainers"]
+    assert init["command"][3:] == ["tokenizer", "--local", "/models/llama/llama-3-8b.Q8_0.gguf",
+                                   "--dest", "/tokenizer"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in init["volumeMounts"]
+    assert all(m["name"] != "model" for m in container(
+        one(docs, "Deployment", "demo-router"))["volumeMounts"])  # weights stay out of it
 
 
 def test_hf_model_is_fetched_by_an_init_container_then_mounted_read_only():
     d = one(render("tls"), "Deployment", "demo-decode")
     pod = d["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["command"][-4:] == ["HuggingFaceTB/SmolLM2-135M-Instruct", "main", "",
-                                    "/models"]
+    assert init["command"] == ["python", "-m", "tandem.operator.fetch", "model",
+                               "--repo", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                               "--revision", "main", "--path", "", "--dest", "/models"]
     assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(d)[
         "volumeMounts"]
@@ -150,7 +158,7 @@ def test_router_deployment_config_and_least_privilege_rbac():
                               "inflight_tokens": 0.5, "cache_churn": 1.0}
     assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
                                              "tokens_per_min": 0.0}
-    assert cfg["index"] == cfg["redis"] == "redis://redis:6379/0"
+    assert cfg["index"] == cfg["redis"] == "env:TANDEM_REDIS_URL"  # from the URL Secret
     role = one(docs, "Role", "demo-router")
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                               "verbs": ["list", "watch"]}]
@@ -160,10 +168,13 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert not by_kind(docs, "ClusterRole")
 
 
-def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
-    """The real `tandem router` parser and config loader take what the operator renders."""
+def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, monkeypatch):
+    """The real `tandem router` parser and config loader take what the operator renders (the
+    Redis URL from the env var the Secret fills, the worker-auth key file)."""
     from tandem.router.main import add_router_args, build
 
+    monkeypatch.setenv("TANDEM_REDIS_URL", "redis://:s3cret@127.0.0.1:1/0")
+    (tmp_path / "key").write_bytes(b"k" * 32)
     docs = render("disaggregated")
     (tmp_path / "router.yaml").write_text(
         one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
@@ -173,6 +184,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
     args = container(one(docs, "Deployment", "demo-router"))["args"][1:]
     args = [str(tmp_path / "router.yaml") if a.endswith("router.yaml") else
             str(tmp_path / "keys") if a.endswith("/api-keys") else
+            str(tmp_path / "key") if a.endswith("/worker-auth/key") else
             "ml" if a == "$(POD_NAMESPACE)" else a for a in args]
     parsed = p.parse_args(args)
     _, router, server = build(parsed)
@@ -182,6 +194,8 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path):
     assert server.discovery.name == "kubernetes"
     assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
     assert server.rate_limiter is not None
+    assert server.rate_limiter.shared  # the Redis URL reached it, through the env var
+    assert server.rate_limiter._redis.connection_pool.connection_kwargs["password"] == "s3cret"
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -298,7 +312,7 @@ def test_image_and_pull_policy_from_the_operators_environment():
     docs = render_all(parse_spec(spec("tls")), OWNER, image=image, image_pull_policy=policy)
     pods = [d["spec"]["template"]["spec"] for d in by_kind(docs, "Deployment")]
     containers = [c for p in pods for c in p["containers"] + p.get("initContainers", [])]
-    assert len(containers) == 5  # router, prefill (+ fetch), decode (+ fetch)
+    assert len(containers) == 6  # router (+ tokenizer), prefill (+ fetch), decode (+ fetch)
     assert {(c["image"], c["imagePullPolicy"]) for c in containers} == {("reg/tandem:1", "Always")}
     gpu = render("gpu")  # spec.image wins over the operator's default
     assert {container(d)["image"] for d in by_kind(gpu, "Deployment")} == {

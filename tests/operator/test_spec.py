@@ -15,6 +15,7 @@ from tandem.operator.spec import (
     parse_spec,
     signal_for,
 )
+from tandem.operator.spec_security import IssuerRef, SecretKeyRef, SecuritySpec
 from tests.operator.samples import spec
 
 
@@ -93,7 +94,34 @@ def _mutate(name: str, path: str, value) -> dict:
     ("aggregated", "decode.autoscaling", {"maxReplicas": 2, "target": 1.5,
                                           "signal": "kvUtilization"}, "fraction"),
     ("aggregated", "decode.autoscaling", {"target": 1}, "maxReplicas is required"),
-    ("aggregated", "router.sharedIndex", True, "redisUrl"),
+    ("aggregated", "router.sharedIndex", True, "sharedIndex needs router.redisUrlSecretRef"),
+    ("aggregated", "router.redisUrl", "redis://:pw@redis:6379/0",
+     r"router.redisUrl is no longer supported.*router.redisUrlSecretRef"),
+    ("aggregated", "router.redisUrlSecretRef", {"key": "url"}, "redisUrlSecretRef.name"),
+    ("aggregated", "router.redisUrlSecretRef", {"name": "r", "key": "a/b"},
+     "redisUrlSecretRef.key"),
+    ("aggregated", "kvTransfer.tlsIssuerRef", {"name": "ca"}, "tlsIssuerRef needs"),
+    ("tls", "kvTransfer.tlsIssuerRef", {"name": "ca", "kind": "Vault"},
+     "tlsIssuerRef.kind"),
+    ("aggregated", "security.workerAuthSecretName", "Bad_Name", "workerAuthSecretName"),
+    ("aggregated", "security.networkPolicy", {"enabled": "yes"}, "networkPolicy.enabled"),
+    ("aggregated", "router.allowedClients", [{}], r"allowedClients\[0\]"),
+    ("aggregated", "router.allowedClients", [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                              "podSelector": {}}], "ipBlock goes alone"),
+    ("aggregated", "router.allowedClients", [{"ipBlock": {"cidr": "10.0.0.300/8"}}],
+     r"allowedClients\[0\].ipBlock.cidr"),
+    ("aggregated", "router.allowedClients", [{"ipBlock": {"cidr": "10.0.0.1"}}], "no /prefix"),
+    ("aggregated", "router.allowedClients",
+     [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}],
+     r"allowedClients\[0\].podSelector.matchExpressions\[0\]: values are required"),
+    ("aggregated", "router.allowedClients",
+     [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Has"}]}}],
+     "operator: 'Has' is not one of"),
+    ("aggregated", "router.allowedClients", [{"podSelector": {"matchLabel": {}}}],
+     "only matchLabels and matchExpressions"),
+    ("aggregated", "router.allowedClients", [{"podSelector": {}}] * 33, "at most 32"),
+    ("aggregated", "monitoring.prometheus", {"ipBlock": {"cidr": "10.0.0.0/8"}},
+     "monitoring.prometheus: one of namespaceSelector, podSelector"),
     ("aggregated", "router.policy", "fastest", "router.policy"),
     ("aggregated", "router.weights", {"prefix": 1, "latency": 2}, "latency"),
     ("aggregated", "router.replicas", 0, "router.replicas"),
@@ -112,6 +140,22 @@ def _mutate(name: str, path: str, value) -> dict:
 def test_spec_errors_name_the_field(name, path, value, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(_mutate(name, path, value))
+
+
+def test_security_fields():
+    s = parse_spec(spec("secure"))
+    assert s.router.redis_url_secret == SecretKeyRef("redis-auth", "redis-url")
+    assert s.kv_transfer.tls_issuer == IssuerRef("tandem-ca", "ClusterIssuer", "cert-manager.io")
+    assert s.security == SecuritySpec("secure-signing-key", network_policy=True)
+    assert s.router.allowed_clients[1] == {"ipBlock": {"cidr": "10.20.0.0/16",
+                                                       "except": ["10.20.9.0/24"]}}
+    assert s.prometheus["podSelector"]["matchExpressions"] == [
+        {"key": "shard", "operator": "Exists"}]
+    d = parse_spec(spec("aggregated"))
+    assert d.security == SecuritySpec() and d.security.network_policy
+    assert d.router.redis_url_secret is None and d.router.allowed_clients == ()
+    assert parse_spec(spec("disaggregated")).router.redis_url_secret == SecretKeyRef(
+        "tandem-redis-url", "url")  # the key of the chart's URL Secret by default
 
 
 def test_missing_model():

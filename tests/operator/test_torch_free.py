@@ -60,3 +60,15 @@ def test_tandem_operator_cli_path_imports_no_torch_and_no_engine():
         "except SystemExit as e:\n"
         "    assert 'all-namespaces' in str(e), e\n" + BAD)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tandem_render_imports_no_torch_and_no_engine():
+    """`tandem render -f` through `tandem.cli.main`: parse, config and `reconcile.apply`
+    against its recorder, no engine."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from tandem.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    assert main(['render', '-f', 'charts/tandem/examples/aggregated.yaml']) == 0\n"
+        "assert 'kind: Deployment' in out.getvalue()\n" + BAD)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -9,9 +9,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
+from tandem.protocol.signing import SIGNATURE_HEADER, SignatureError, WorkerKey, verify
 from tandem.router.core import Router, RouterSettings
 from tests.router.test_router_app import Served, router_app
-from tests.serving.conftest import free_port
+from tests.serving.conftest import WORKER_KEY, free_port, worker_key_file
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 20  # ~225 tokens by text length
 
@@ -28,7 +29,14 @@ def stub_worker(name: str, role: str, seen: list, status: int = 200) -> tuple[Fa
 
     @app.post("/v1/completions")
     async def completions(body: dict, request: Request) -> Response:
-        seen.append((name, request.headers.get("x-tandem-prefill")))
+        target = request.headers.get("x-tandem-prefill")
+        seen.append((name, target))
+        signature = request.headers.get(SIGNATURE_HEADER)
+        if signature is not None or target is not None:  # as a Tandem worker checks it
+            try:
+                verify([WORKER_KEY], signature, await request.body(), target)
+            except SignatureError as exc:
+                return Response(str(exc), status_code=403)
         if status != 200:
             return Response(status_code=status)
         return Response(f'{{"choices": [{{"index": 0, "text": "{name}"}}]}}',
@@ -46,14 +54,19 @@ def counter(url: str, name: str, label: str = "") -> float:
 
 
 @pytest.fixture()
-def cluster(request):
+def cluster(request, tmp_path):
+    """Stub workers behind a router app; `request.param`: RouterSettings fields, and
+    `unsigned: True` for a router without a worker key."""
+    params = dict(getattr(request, "param", {}))
+    unsigned = params.pop("unsigned", False)
     seen: list = []
     apps = {"busy": stub_worker("busy", "decode", seen, status=503),
             "decode": stub_worker("decode", "decode", seen),
             "p1": stub_worker("p1", "prefill", seen), "p2": stub_worker("p2", "prefill", seen)}
     servers = {name: Served(app) for name, (app, _) in apps.items()}
-    core = Router(RouterSettings(seed=0, **getattr(request, "param", {})), lambda model: None)
-    router = router_app([s.url for s in servers.values()], router=core)
+    core = Router(RouterSettings(seed=0, **params), lambda model: None)
+    key = None if unsigned else WorkerKey(worker_key_file(tmp_path))
+    router = router_app([s.url for s in servers.values()], router=core, worker_key=key)
     router.core = core
     deadline = time.monotonic() + 10
     while httpx.get(router.url + "/ready", timeout=5).json().get("ready_workers", 0) < 4:
@@ -115,3 +128,17 @@ def test_a_saturated_prefill_pool_is_passed_over_then_served_aggregated(cluster)
     assert all(h is None for _, h in seen)
     assert counter(router.url, "tandem_router_aggregated_requests_total",
                    'reason="prefill_busy"') == 1
+
+
+@pytest.mark.parametrize("cluster", [{"unsigned": True}], indirect=True)
+def test_a_router_without_a_worker_key_never_names_a_prefill_worker(cluster):
+    """Workers act on no unsigned prefill target, so an unsigned router serves long prompts
+    aggregated, and says why."""
+    router, seen, _ = cluster
+    seen.clear()
+    for n in range(3):
+        assert post(router, f"{n} {LONG}").status_code == 200
+    assert seen and all(h is None for _, h in seen)
+    assert counter(router.url, "tandem_router_aggregated_requests_total",
+                   'reason="unsigned"') == 3
+    assert counter(router.url, "tandem_router_disaggregated_requests_total") == 0

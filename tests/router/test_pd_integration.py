@@ -118,3 +118,28 @@ def test_an_echo_with_logprobs_through_pd_scores_the_prompt_on_the_decode_worker
     assert_same_echo(r.json()["choices"][0], ref["choices"][0])
     assert fetches(decode.url, "ok") == before[0]
     assert _metric(router.url, AGG, 'reason="prompt_logprobs"') == before[1] + 1
+
+
+def test_a_tenant_request_through_a_keyed_router_is_signed_and_disaggregated(pd, tmp_path):
+    """With API keys, the router's request carries the tenant salt and a P/D target: both
+    only pass the decode worker because the router signed them; the tokens are the
+    aggregated worker's."""
+    _, prefill, decode, single = pd
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alpha alpha\n")
+    router = RouterProcess(tmp_path, [prefill.url, decode.url], "--api-keys", str(keys))
+    try:
+        router.wait_events(2)
+        prompt = ids(41, 300)
+        before = fetches(decode.url, "ok")
+        r = httpx.post(router.url + "/v1/completions", timeout=120,
+                       headers={"Authorization": "Bearer sk-alpha"},
+                       json={"model": BUNDLED_NAME, "prompt": prompt, "max_tokens": 8,
+                             "temperature": 0, "ignore_eos": True, "cache_salt": "mine"})
+        assert r.status_code == 200, r.text
+        assert text(r) == text(complete(single.url, prompt))
+        assert _metric(router.url, DISAGG, 'backend="grpc"') == 1
+        assert fetches(decode.url, "ok") == before + 1
+        assert _metric(decode.url, "tandem_worker_auth_rejected_total") == 0
+    finally:
+        router.stop()

@@ -4,22 +4,24 @@ and its auth, over real sockets."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tandem.protocol.http_server import LeanServer, ServerLimits
+from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, verify
 from tandem.protocol.web import FastPaths
 from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
-from tests.serving.conftest import free_port
+from tests.serving.conftest import WORKER_KEY, free_port, worker_key_file
 
 
 class Served:
@@ -52,6 +54,9 @@ class Served:
         self.thread.join(timeout=10)
 
 
+signed: list[tuple[bytes, str | None]] = []  # (body, x-tandem-signature) stubs received
+
+
 def stub_openai(name: str, seen: list) -> FastAPI:
     """What a stock vLLM server looks like to the router: /health, /v1/models, completions;
     no /ready and no KV events."""
@@ -66,8 +71,9 @@ def stub_openai(name: str, seen: list) -> FastAPI:
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: dict) -> dict:
+    async def completions(body: dict, request: Request) -> dict:
         seen.append((name, body))
+        signed.append((await request.body(), request.headers.get(SIGNATURE_HEADER)))
         return {"id": "x", "object": "text_completion", "model": body["model"],
                 "choices": [{"index": 0, "text": name, "finish_reason": "length"}]}
 
@@ -75,10 +81,11 @@ def stub_openai(name: str, seen: list) -> FastAPI:
 
 
 def router_app(workers: list[str], keys: dict[str, str] | None = None,
-               router: Router | None = None) -> Served:
+               router: Router | None = None, worker_key: WorkerKey | None = None) -> Served:
     router = router or Router(RouterSettings(seed=0), lambda model: None)  # text hashes
     settings = RouterServerSettings(worker_urls=workers, api_keys=ApiKeys(keys or {}),
-                                    monitor=MonitorSettings(probe_interval_s=0.1))
+                                    monitor=MonitorSettings(probe_interval_s=0.1),
+                                    worker_key=worker_key)
     return Served(build_app(router, settings))
 
 
@@ -172,9 +179,13 @@ def test_a_429_is_retried_elsewhere_and_its_worker_is_not_charged(stubs):
         busy_server.stop()
 
 
-def test_api_keys_and_tenant_salts(stubs):
+def test_api_keys_and_tenant_salts(stubs, tmp_path):
     servers, seen = stubs
-    router = router_app([servers[0].url], keys={"sk-alpha": "alpha", "sk-beta": "beta"})
+    with pytest.raises(ValueError, match="need a worker auth key"):
+        router_app([servers[0].url], keys={"sk-alpha": "alpha"})
+    key = WorkerKey(worker_key_file(tmp_path))
+    router = router_app([servers[0].url], keys={"sk-alpha": "alpha", "sk-beta": "beta"},
+                        worker_key=key)
     try:
         _wait_ready(router.url, 1)
         body = {"model": "stub-model", "prompt": "hi", "cache_salt": "mine"}
@@ -192,6 +203,9 @@ def test_api_keys_and_tenant_salts(stubs):
                        headers={"Authorization": "Bearer sk-beta"})
         assert r.status_code == 200
         assert seen[-1][1]["cache_salt"] == "tenant=beta;mine"  # the worker sees the salt
+        body, signature = signed[-1]  # signed over the exact bytes the worker got
+        verify([WORKER_KEY], signature, body, None)
+        assert json.loads(body)["cache_salt"] == "tenant=beta;mine"
     finally:
         router.stop()
 

@@ -18,7 +18,7 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
-from tests.serving.conftest import free_port, start_worker
+from tests.serving.conftest import free_port, start_worker, worker_key_file
 
 pytestmark = pytest.mark.slow
 SYSTEMS = [
@@ -37,14 +37,18 @@ def _metric(url: str, name: str, label: str = "") -> float:
 
 
 class RouterProcess:
-    def __init__(self, tmp_path, workers: list[str], *args: str) -> None:
+    def __init__(self, tmp_path, workers: list[str], *args: str, auth: bool = True) -> None:
+        """A router process; with `auth` (unless `args` name one) it signs with the test
+        workers' key."""
         self.port = free_port()
+        auth_flag = "--worker-auth-key-file"
+        extra = [auth_flag, worker_key_file(tmp_path)] if auth and auth_flag not in args else []
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"router-{self.port}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem.cli", "router", "--port", str(self.port),
-                 "--workers", ",".join(workers), "--seed", "0", *args],
+                 "--workers", ",".join(workers), "--seed", "0", *extra, *args],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def log(self) -> str:

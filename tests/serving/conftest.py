@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,12 +11,63 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import httpx
 import pytest
 
+from tandem.protocol.signing import (
+    PREFILL_RPC,
+    SIGNATURE_HEADER,
+    rpc_body,
+    sign,
+    signed_headers,
+)
 from tandem.serving.ports import free_port
 
 __all__ = ["free_port"]  # tests import it from here
+# the worker-auth key every test worker and router shares (`--worker-auth-key-file`)
+WORKER_KEY = b"tandem-tests-worker-auth-key-0123456789abcdef"
+
+
+def worker_key_file(tmp_path) -> str:
+    """`WORKER_KEY` in a 0600 file under `tmp_path` (written once)."""
+    path = tmp_path / "worker-auth.key"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_bytes(WORKER_KEY)
+    return str(path)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d: grpc.ClientCallDetails, metadata: list[tuple[str, str]]) -> None:
+        self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+        self.wait_for_ready, self.compression = d.wait_for_ready, d.compression
+        self.metadata = metadata
+
+
+class _SignPrefill(grpc.UnaryStreamClientInterceptor):
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        metadata = list(details.metadata or ())
+        if details.method == PREFILL_RPC.removeprefix("grpc:"):
+            metadata.append((SIGNATURE_HEADER, sign(self.key, rpc_body(request), PREFILL_RPC)))
+        return continuation(_Details(details, metadata), request)
+
+
+def signing_channel(channel: grpc.Channel, key: bytes = WORKER_KEY) -> grpc.Channel:
+    """`channel` whose `KVTransfer.Prefill` calls are signed with `key`, as a decode
+    worker signs them (prefill workers with a key serve no other)."""
+    return grpc.intercept_channel(channel, _SignPrefill(key))
+
+
+def signed(payload: dict, prefill: str | None = None,
+           key: bytes = WORKER_KEY) -> tuple[bytes, dict[str, str]]:
+    """(body, headers) as the router would send `payload` (with `prefill` as the P/D
+    target): pass them as httpx's `content=` and `headers=`."""
+    body = json.dumps(payload).encode()
+    return body, {"Content-Type": "application/json", **signed_headers(key, body, prefill)}
 
 
 @dataclass
@@ -34,9 +86,13 @@ class WorkerProcess:
         return self.proc.wait(timeout=timeout)
 
 
-def start_worker(tmp_path, *args: str, wait_ready: bool = True) -> WorkerProcess:
+def start_worker(tmp_path, *args: str, wait_ready: bool = True,
+                 auth: bool = True) -> WorkerProcess:
+    """A worker process; with `auth` (unless `args` name one) it has `WORKER_KEY`."""
     port = free_port()
     log_path = str(tmp_path / f"worker-{port}.log")
+    if auth and "--worker-auth-key-file" not in args:
+        args = ("--worker-auth-key-file", worker_key_file(tmp_path), *args)
     cmd = [sys.executable, "-m", "tandem.cli", "worker", "--port", str(port),
            "--kv-cache-memory", str(256 << 20), *args]
     with open(log_path, "w") as log:

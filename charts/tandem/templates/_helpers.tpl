@@ -57,6 +57,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The control image (operator and routers, no torch): controlImage, else the Tandem image. */}}
+{{- define "tandem.controlImage" -}}
+{{- with .Values.controlImage }}
+{{- if and .repository .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else if .repository }}
+{{- printf "%s:%s" .repository (default $.Chart.AppVersion .tag) }}
+{{- else }}
+{{- include "tandem.image" $ }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.redisName" -}}
 {{- printf "%s-redis" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}

@@ -60,6 +60,9 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain, root_hash
+from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, WorkerKey, rpc_body
+from tandem.protocol.tls import TLSFiles
+from tandem.protocol.tls_peers import PeerChannel
 
 logger = logging.getLogger(__name__)
 POLICIES = ("recompute", "fail")
@@ -116,13 +119,17 @@ class Imported:
 class RemotePrefill:
     def __init__(self, engine: AsyncLLMEngine, model_id: str,
                  settings: RemotePrefillSettings | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 tls: TLSFiles | None = None, key: WorkerKey | None = None) -> None:
+        """`tls`: mutual TLS to prefill workers, each verified against `tls.server_name`
+        when set; a channel is rebuilt once the files changed (renewed certificates).
+        `key`: the worker auth key each Prefill call is signed with (`protocol.signing`)."""
+        self.key = key
         self.engine = engine
         self.model_id = model_id
         self.settings = settings or RemotePrefillSettings()
-        self.credentials = credentials
+        self.tls = tls
         self.layout = PageLayout.of(model_id, engine.engine.runner.kv_caches)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, PeerChannel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
         self._backend.configure(device=engine.engine.runner.kv_caches[0][0].device,
                                 advertise_host=self.settings.advertise_host)
@@ -131,13 +138,10 @@ class RemotePrefill:
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         ch = self._channels.get(target)
-        if ch is None:
-            if self.credentials is not None:
-                ch = grpc.aio.secure_channel(target, self.credentials, options=CHANNEL_OPTIONS)
-            else:
-                ch = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-            self._channels[target] = ch
-        return ch
+        if ch is None:  # a replaced channel's fetches get the whole fetch timeout to end
+            ch = self._channels[target] = PeerChannel(target, self.tls, CHANNEL_OPTIONS,
+                                                      self.settings.timeout_s)
+        return ch.get()
 
     def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(target))
@@ -175,7 +179,9 @@ class RemotePrefill:
             async with asyncio.timeout(self.settings.timeout_s):
                 await self._backend.prepare(req, target)
                 try:
-                    call = prefill_method(self._channel(target))(req)
+                    metadata = None if self.key is None else (
+                        (SIGNATURE_HEADER, self.key.sign(rpc_body(req), PREFILL_RPC)),)
+                    call = prefill_method(self._channel(target))(req, metadata=metadata)
                     try:
                         it = call.__aiter__()
                         header, offer = await self._header(it, chain[first:], first,

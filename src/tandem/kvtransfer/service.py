@@ -40,6 +40,14 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
+from tandem.protocol.signing import (
+    PREFILL_RPC,
+    SIGNATURE_HEADER,
+    TENANT_SALT_PREFIX,
+    SignatureError,
+    WorkerKey,
+    rpc_body,
+)
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 600.0
@@ -94,9 +102,12 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
     """Serves Prefill on workers whose role is `prefill` or `both`."""
 
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], model_id: str,
-                 role: str, stream_layers: bool = False) -> None:
+                 role: str, stream_layers: bool = False, key: WorkerKey | None = None) -> None:
         """`stream_layers`: send each layer's pages as soon as the prompt's last step has
-        written it (`LayerStream`), instead of after the whole prompt."""
+        written it (`LayerStream`), instead of after the whole prompt. `key` (the worker
+        auth key): every Prefill call must be signed with it (`protocol.signing`); without
+        one, a call for a tenant's `cache_salt` is refused."""
+        self.key = key
         self.get_engine = get_engine
         self.model_id = model_id
         self.role = role
@@ -159,9 +170,31 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             return "request_id or cache_salt too long"
         return None
 
+    def _unauthorized(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> str | None:
+        """Why this call may not be served (see `__init__`), or None."""
+        if self.key is None:
+            if request.cache_salt.startswith(TENANT_SALT_PREFIX):
+                return ("this worker has no --worker-auth-key-file, so it serves no tenant "
+                        "cache_salt")
+            return None
+        header = next((v for k, v in context.invocation_metadata() or ()
+                       if k == SIGNATURE_HEADER), None)
+        try:
+            self.key.verify(header if isinstance(header, str) else None, rpc_body(request),
+                            PREFILL_RPC)
+        except SignatureError as exc:
+            return f"{exc} (Prefill calls must come from a decode worker holding the key)"
+        return None
+
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[worker_pb2.PageChunk]:
+        refused = self._unauthorized(request, context)  # before anything is revealed
+        if refused is not None:
+            logger.warning("[kv-%s] Prefill refused: %s", request.request_id[:64] or "anon",
+                           refused)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         engine = self.get_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")

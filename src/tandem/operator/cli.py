@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 import os
+import signal
+import socket
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+import uuid
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the run's imports (kubernetes, kopf) wait until it runs
     import kopf
 
+    from tandem.operator.leader import LeaseConfig
     from tandem.operator.reconcile import OperatorConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +45,19 @@ def add_operator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resync-interval", type=_seconds, default=300.0, metavar="S",
                    help="seconds between full re-applies of each InferenceService's children, "
                         "which repair ones deleted or edited by hand (default 300)")
+    le = p.add_argument_group("leader election (several replicas, one active)")
+    le.add_argument("--leader-elect", action="store_true",
+                    help="run the handlers only while holding a coordination.k8s.io Lease; "
+                         "the other replicas stand by and take over when it expires")
+    le.add_argument("--lease-name", default="tandem-operator", metavar="NAME")
+    le.add_argument("--lease-namespace", default=None, metavar="NS",
+                    help="default: $TANDEM_OPERATOR_NAMESPACE (the chart sets it)")
+    le.add_argument("--lease-duration", type=int, default=15, metavar="S",
+                    help="whole seconds a silent lease stays taken (default 15)")
+    le.add_argument("--renew-deadline", type=_seconds, default=10.0, metavar="S",
+                    help="the leader stops when it could not renew for this long (default 10)")
+    le.add_argument("--retry-period", type=_seconds, default=2.0, metavar="S",
+                    help="seconds between renewals and standbys' attempts (default 2)")
 
 
 def _seconds(text: str) -> float:
@@ -56,12 +74,37 @@ def _seconds(text: str) -> float:
 def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
     from tandem.operator.reconcile import OperatorConfig
     from tandem.operator.render import image_from_env
+    from tandem.operator.render.common import router_image_from_env
+    from tandem.operator.render.pod import PULL_SECRETS_ENV, pull_secrets_from_env
+    from tandem.operator.render.security import operator_from_env
 
     image, pull = image_from_env(environ)
     return OperatorConfig(image=image, image_pull_policy=pull,
+                          router_image=router_image_from_env(environ),
+                          image_pull_secrets=pull_secrets_from_env(environ.get(PULL_SECRETS_ENV)),
                           status_interval_s=args.status_interval,
                           autoscale_interval_s=args.autoscale_interval,
-                          resync_interval_s=args.resync_interval)
+                          resync_interval_s=args.resync_interval,
+                          operator=operator_from_env(environ))
+
+
+def lease_from(args: argparse.Namespace, environ: Mapping[str, str]) -> LeaseConfig | None:
+    """The Lease of `--leader-elect` (None without it); this replica's identity is its pod
+    (host) name and a random suffix, so a restarted pod is a new candidate."""
+    if not args.leader_elect:
+        return None
+    from tandem.operator.leader import LeaseConfig
+
+    namespace = args.lease_namespace or environ.get("TANDEM_OPERATOR_NAMESPACE")
+    if not namespace:
+        raise SystemExit("tandem operator: --leader-elect needs --lease-namespace or "
+                         "TANDEM_OPERATOR_NAMESPACE")
+    try:
+        return LeaseConfig(args.lease_name, namespace,
+                           f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}",
+                           args.lease_duration, args.renew_deadline, args.retry_period)
+    except ValueError as exc:
+        raise SystemExit(f"tandem operator: {exc}") from None
 
 
 def settings() -> kopf.OperatorSettings:
@@ -79,17 +122,51 @@ def settings() -> kopf.OperatorSettings:
 async def operator(config: OperatorConfig, *, clusterwide: bool, namespaces: Sequence[str],
                    standalone: bool = True, liveness: str | None = None,
                    stop_flag: threading.Event | None = None,
-                   ready_flag: threading.Event | None = None) -> None:
-    """The operator until `stop_flag` (or SIGINT/SIGTERM in the main thread)."""
+                   ready_flag: threading.Event | None = None,
+                   lease: LeaseConfig | None = None) -> bool:
+    """The operator until `stop_flag` (or SIGINT/SIGTERM in the main thread). With `lease`:
+    kopf runs only while this replica leads (`leader.lead`), its writes fenced by the lease;
+    False when the lease was lost (the process should exit non-zero and restart)."""
     import kopf
 
     from tandem.operator.main import registry
 
-    await kopf.operator(registry=registry(config), settings=settings(),
-                        standalone=standalone, clusterwide=clusterwide,
-                        namespaces=list(namespaces), liveness_endpoint=liveness,
-                        memo=kopf.Memo(config=config), stop_flag=stop_flag,
-                        ready_flag=ready_flag)
+    def run(cfg: OperatorConfig, stop: threading.Event | None,
+            live: str | None) -> Coroutine[Any, Any, None]:
+        return kopf.operator(registry=registry(cfg), settings=settings(),
+                             standalone=standalone, clusterwide=clusterwide,
+                             namespaces=list(namespaces), liveness_endpoint=live,
+                             memo=kopf.Memo(config=cfg), stop_flag=stop, ready_flag=ready_flag)
+
+    if lease is None:
+        await run(config, stop_flag, liveness)
+        return True
+    from kubernetes.client import ApiClient
+
+    from tandem.operator.kube import load_config
+    from tandem.operator.leader import Elector, KubeLease, lead
+
+    elector = Elector(KubeLease(ApiClient(load_config()), lease))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    if stop_flag is not None:
+        async def watch(flag: threading.Event) -> None:
+            while not flag.is_set():
+                await asyncio.sleep(0.05)
+            stop.set()
+
+        watcher = loop.create_task(watch(stop_flag))  # noqa: F841 - cancelled at the loop's end
+    fenced = dataclasses.replace(config, fence=elector.fence)
+
+    async def work(flag: threading.Event) -> None:
+        # kopf on an event loop of its own: it takes every task of its loop for its own (and
+        # cancels them on exit), and its signal handlers would replace these
+        await asyncio.to_thread(lambda: asyncio.run(run(fenced, flag, None)))
+
+    return await lead(elector, work, stop, liveness)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +180,11 @@ def run(args: argparse.Namespace) -> int:
     logger.info("operator: children's image %s (pull policy %s), %s", config.image,
                 config.image_pull_policy or "default",
                 "all namespaces" if args.all_namespaces else ", ".join(args.namespace))
-    asyncio.run(operator(config, clusterwide=args.all_namespaces, namespaces=args.namespace,
-                         standalone=args.standalone, liveness=args.liveness))
-    return 0
+    lease = lease_from(args, os.environ)
+    kept = asyncio.run(operator(config, clusterwide=args.all_namespaces,
+                                namespaces=args.namespace, standalone=args.standalone,
+                                liveness=args.liveness, lease=lease))
+    if not kept:
+        logger.error("operator: leadership lost; exiting so the pod restarts as a standby")
+    return 0 if kept else 1
 

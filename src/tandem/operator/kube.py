@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,12 @@ KINDS = {
     "HorizontalPodAutoscaler": Kind(client.AutoscalingV2Api, "horizontal_pod_autoscaler"),
     "ServiceMonitor": Kind(client.CustomObjectsApi, "custom_object", "monitoring.coreos.com",
                            "v1", "servicemonitors"),
+    "NetworkPolicy": Kind(client.NetworkingV1Api, "network_policy"),
+    "Certificate": Kind(client.CustomObjectsApi, "custom_object", "cert-manager.io", "v1",
+                        "certificates"),
 }
+# created once, never applied, listed or read (the worker-auth key: RBAC `create` only)
+CREATE_ONLY = {"Secret": Kind(client.CoreV1Api, "secret")}
 
 
 def load_config() -> client.Configuration:
@@ -98,16 +103,22 @@ def owned_by(obj: dict[str, Any], uid: str) -> bool:
 class Kube:
     """Typed-API calls by kind name, answering plain dicts (no model classes)."""
 
-    def __init__(self, api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
-        self.api_client, self.timeout_s = api_client, timeout_s
+    def __init__(self, api_client: client.ApiClient, timeout_s: float = 30.0,
+                 fence: Callable[[], None] | None = None) -> None:
+        """`fence`: called before every write, raises to refuse it (`leader.Elector.fence`:
+        a replica whose leader lease has run out writes nothing)."""
+        self.api_client, self.timeout_s, self.fence = api_client, timeout_s, fence
 
     def _call(self, verb: str, kind: str, namespace: str, *args: Any, **kw: Any) -> Any:
-        k = KINDS[kind]
+        k = KINDS.get(kind) or CREATE_ONLY[kind]
+        if self.fence is not None and verb not in ("list", "read"):
+            self.fence()
         api = k.api(self.api_client)
         head = (k.group, k.version, namespace, k.plural) if k.group else ()
         fn = getattr(api, f"{verb}_namespaced_{k.snake}")
         if not k.group:  # typed APIs: (name, namespace, body) / (namespace, body)
-            args = (*args[:1], namespace, *args[1:]) if verb != "list" else (namespace,)
+            args = ((namespace, *args) if verb == "create" else (namespace,) if verb == "list"
+                    else (*args[:1], namespace, *args[1:]))
         resp = fn(*head, *args, _preload_content=False, _request_timeout=self.timeout_s, **kw)
         return json.loads(resp.data or b"{}")
 
@@ -115,6 +126,18 @@ class Kube:
         meta = doc["metadata"]
         return self._call("patch", doc["kind"], meta["namespace"], meta["name"], doc,
                           field_manager=manager, force=True, _content_type=APPLY)
+
+    def create(self, doc: dict[str, Any]) -> bool:
+        """Create `doc` unless an object of that name exists (409: left as it is, unread).
+        True when this call created it."""
+        try:
+            self._call("create", doc["kind"], doc["metadata"]["namespace"], doc,
+                       field_manager=FIELD_MANAGER)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def patch(self, kind: str, namespace: str, name: str, body: dict[str, Any],
               manager: str = FIELD_MANAGER) -> dict[str, Any]:

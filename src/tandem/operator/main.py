@@ -46,7 +46,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 
 def startup(memo: kopf.Memo, **_: Any) -> None:
-    memo.kube = kube.Kube(ApiClient(kube.load_config()))
+    memo.kube = kube.Kube(ApiClient(kube.load_config()), fence=memo.config.fence)
     memo.metrics = memo.config.metrics or HttpMetricsSource(memo.kube.api_client)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,12 +15,14 @@ from tandem.operator.kube import FIELD_MANAGER, KINDS, Kube, applies_field
 from tandem.operator.metrics import MetricsSource, counters, per_replica
 from tandem.operator.render import (
     DEFAULT_IMAGE,
+    OperatorPeer,
     Owner,
     Pool,
     pool_name,
     pools,
     render_all,
 )
+from tandem.operator.render.security import worker_auth_secret
 from tandem.operator.spec import InferenceServiceSpec, signal_for
 
 logger = logging.getLogger(__name__)
@@ -34,11 +36,15 @@ class OperatorConfig:
 
     image: str = DEFAULT_IMAGE  # the children's default image (TANDEM_IMAGE)
     image_pull_policy: str | None = None  # TANDEM_IMAGE_PULL_POLICY
+    router_image: str | None = None  # the routers' (TANDEM_ROUTER_IMAGE); None: `image`
+    image_pull_secrets: tuple[str, ...] = ()  # every child pod's (TANDEM_IMAGE_PULL_SECRETS)
     status_interval_s: float = 10.0
     resync_interval_s: float = 300.0  # full re-apply: children deleted or edited by hand
     autoscale_interval_s: float = 15.0
     backoff_s: float = 5.0  # the first retry after an API failure; doubles up to 300 s
     metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
+    operator: OperatorPeer | None = None  # TANDEM_OPERATOR_NAMESPACE / TANDEM_OPERATOR_RELEASE
+    fence: Callable[[], None] | None = None  # leader election: raises unless still leading
 
 
 @dataclass
@@ -79,6 +85,29 @@ class Applied:
         return [k for k, rv in self.after.items() if self.before.get(k) != rv]
 
 
+def manifests(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
+              replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every child `apply` writes, in apply order: the one list both the operator and
+    `tandem render` (`dryrun`) use. `replicas`: the live counts of operator-scaled pools."""
+    return render_all(spec, owner, image=config.image, router_image=config.router_image,
+                      image_pull_policy=config.image_pull_policy, replicas=replicas,
+                      operator=config.operator, image_pull_secrets=config.image_pull_secrets)
+
+
+def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> bool:
+    """Create `<isvc>-worker-auth` (a fresh random key, owned by the InferenceService, so the
+    garbage collector removes it with it) unless it exists, which is then left untouched and
+    unread: a key rotated by hand stays. Nothing with `security.workerAuthSecretName` set.
+    True when this call created it."""
+    if spec.security.worker_auth_secret_name:
+        return False
+    created = kube.create(worker_auth_secret(owner))
+    if created:
+        logger.info("%s/%s: created Secret %s-worker-auth", owner.namespace, owner.name,
+                    owner.name)
+    return created
+
+
 def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
           config: OperatorConfig) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
@@ -93,8 +122,8 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
               for kind, objs in owned.items() for obj in objs}
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
-    docs = render_all(spec, owner, image=config.image,
-                      image_pull_policy=config.image_pull_policy, replicas=keep)
+    docs = manifests(spec, owner, config, keep)
+    ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
     hand_over_replicas(kube, spec, owner, live)
     after = {}
     for doc in docs:

@@ -23,10 +23,23 @@ from tandem.operator.fields import (
     resources,
 )
 from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
+from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_security import (
+    IssuerRef,
+    SecretKeyRef,
+    SecuritySpec,
+    issuer_ref,
+    parse_security,
+    peers,
+    prometheus_peer,
+    secret_key_ref,
+)
 
 __all__ = ["SpecError", "ModelSource", "InferenceServiceSpec", "parse_spec", "check_name",
            "SIGNALS", "MAX_NAME"]
 
+DEFAULT_HF_STORAGE = "50Gi"  # hf:// without model.storage (CRD: the field's description)
+_STORAGE = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)$")
 MAX_NAME = 52  # the longest child Service name, NAME-prefill, stays a 63-character label
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -61,10 +74,18 @@ class ModelSpec:
     sha256: str | None = None
     name: str | None = None  # served name; default `source.default_name`
     dtype: str | None = None  # None: the worker's default
+    hf_token: SecretKeyRef | None = None  # HF_TOKEN of the fetch init containers
+    storage: str | None = None  # hf:// download size (emptyDir + ephemeral-storage)
+    cache_pvc: str | None = None  # hf:// shared ReadWriteMany cache, filled once
 
     @property
     def served_name(self) -> str:
         return self.name or self.source.default_name
+
+    @property
+    def download_storage(self) -> str:
+        """The emptyDir size of an hf:// download without a cache."""
+        return self.storage or DEFAULT_HF_STORAGE
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,7 @@ class PoolSpec:
     tolerations: tuple[dict[str, Any], ...] = ()
     engine: EngineArgs = EngineArgs()
     autoscaling: AutoscalingSpec | None = None
+    pod: PodSettings = PodSettings()
 
     @property
     def gpus(self) -> int:
@@ -127,10 +149,12 @@ class RouterSpec:
     api_keys_key: str = "api-keys"
     rate_limit: RateLimit | None = None
     tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
-    redis_url: str | None = None
+    redis_url_secret: SecretKeyRef | None = None  # env TANDEM_REDIS_URL from this Secret key
     shared_index: bool = False
+    allowed_clients: tuple[dict[str, Any], ...] = ()  # NetworkPolicy peers; () = anyone
     service_type: str = "ClusterIP"
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    pod: PodSettings = PodSettings()
 
 
 @dataclass(frozen=True)
@@ -140,6 +164,7 @@ class KVTransferSpec:
     timeout_seconds: float = 30.0
     tls_secret: str | None = None
     stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
+    tls_issuer: IssuerRef | None = None  # cert-manager issues tls_secret
 
 
 @dataclass(frozen=True)
@@ -152,6 +177,8 @@ class InferenceServiceSpec:
     service_monitor: bool = False
     scrape_interval: str = "30s"
     image: str | None = None  # None: the operator's default image
+    security: SecuritySpec = SecuritySpec()
+    prometheus: dict[str, Any] | None = None  # a NetworkPolicy peer admitted to /metrics
 
     @property
     def disaggregated(self) -> bool:
@@ -213,7 +240,8 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
         node_selector=dict(get_obj(d, "nodeSelector", where)),
         tolerations=tuple(dict(t) for t in tolerations),
         engine=_engine(get_obj(d, "engine", where), where),
-        autoscaling=_autoscaling(get(d, "autoscaling", dict, None, where), where))
+        autoscaling=_autoscaling(get(d, "autoscaling", dict, None, where), where),
+        pod=parse_pod_settings(d, where, scheduling=False))
 
 
 def _rate(d: dict, where: str) -> RateLimit:
@@ -228,6 +256,9 @@ _WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
 
 def _router(d: dict) -> RouterSpec:
     w = "router"
+    if "redisUrl" in d:  # removed: a URL with a password does not belong in the spec
+        raise SpecError("router.redisUrl is no longer supported: put the URL in a Secret and "
+                        "name it in router.redisUrlSecretRef {name, key}")
     weights = get(d, "weights", dict, None, w)
     rl = get_obj(d, "rateLimits", w)
     keys = get_obj(d, "apiKeysSecret", w)
@@ -246,18 +277,44 @@ def _router(d: dict) -> RouterSpec:
         else None,
         tenant_rate_limits={t: _rate(v, f"router.rateLimits.tenants.{t}")
                             for t, v in get_obj(rl, "tenants", "router.rateLimits").items()},
-        redis_url=get(d, "redisUrl", str, None, w),
+        redis_url_secret=secret_key_ref(get(d, "redisUrlSecretRef", dict, None, w),
+                                        "router.redisUrlSecretRef", "url"),
         shared_index=get(d, "sharedIndex", bool, False, w),
         service_type=get_enum(d, "serviceType", "ClusterIP", w,
                            ("ClusterIP", "NodePort", "LoadBalancer")),
-        resources=resources(get_obj(d, "resources", w), "router.resources"))
+        allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
+        resources=resources(get_obj(d, "resources", w), "router.resources"),
+        pod=parse_pod_settings(d, w, scheduling=True))
     if weights is not None and set(weights) - set(_WEIGHTS):
         raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
-    if r.shared_index and not r.redis_url:
-        raise SpecError("router.sharedIndex needs router.redisUrl")
+    if r.shared_index and not r.redis_url_secret:
+        raise SpecError("router.sharedIndex needs router.redisUrlSecretRef")
     if keys and not r.api_keys_secret:
         raise SpecError("router.apiKeysSecret.name is required")
     return r
+
+
+def _delivery(m: dict) -> tuple[SecretKeyRef | None, str | None, str | None]:
+    """model.hfTokenSecretRef, model.storage and model.cache.pvc (hf:// only)."""
+    token = secret_key_ref(get(m, "hfTokenSecretRef", dict, None, "model"),
+                           "model.hfTokenSecretRef", "token")
+    storage = get(m, "storage", str, None, "model")
+    if storage is not None and not _STORAGE.match(storage):
+        raise SpecError(f"model.storage {storage!r}: a size like 20Gi (Ki, Mi, Gi or Ti)")
+    cache = get_obj(m, "cache", "model")
+    pvc = get(cache, "pvc", str, None, "model.cache")
+    if cache and not pvc:
+        raise SpecError("model.cache.pvc is required")
+    if pvc is not None and (len(pvc) > 253 or not re.fullmatch(
+            r"[a-z0-9]([-.a-z0-9]*[a-z0-9])?", pvc)):
+        raise SpecError(f"model.cache.pvc {pvc!r}: not a PersistentVolumeClaim name")
+    if (token or storage or pvc) and not m.get("uri", "").startswith("hf://"):
+        raise SpecError("model.hfTokenSecretRef, model.storage and model.cache are for "
+                        "hf:// models only")
+    if storage and pvc:
+        raise SpecError("model.storage sizes the per-pod download; with model.cache the "
+                        "model lives on the cache PVC (size that instead)")
+    return token, storage, pvc
 
 
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
@@ -272,7 +329,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if sha is not None and not re.fullmatch(r"[a-f0-9]{64}", sha):
         raise SpecError(f"model.sha256 {sha!r}: 64 lowercase hex digits")
     model = ModelSpec(uri, parse_model_uri(uri), sha, get(m, "name", str, None, "model"),
-                      get(m, "dtype", str, None, "model"))
+                      get(m, "dtype", str, None, "model"), *_delivery(m))
     if model.dtype not in (None, "float32", "bfloat16", "float16"):
         raise SpecError(f"model.dtype {model.dtype!r}: float32, bfloat16 or float16")
     kv, mon = get_obj(spec, "kvTransfer", "spec"), get_obj(spec, "monitoring", "spec")
@@ -285,10 +342,17 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             policy=get_enum(kv, "policy", "recompute", "kvTransfer", ("recompute", "fail")),
             timeout_seconds=get_num(kv, "timeoutSeconds", 30.0, "kvTransfer") or 30.0,
             tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer"),
-            stream_layers=get(kv, "streamLayers", bool, False, "kvTransfer")),
+            stream_layers=get(kv, "streamLayers", bool, False, "kvTransfer"),
+            tls_issuer=issuer_ref(get(kv, "tlsIssuerRef", dict, None, "kvTransfer"),
+                                  "kvTransfer.tlsIssuerRef")),
         service_monitor=get(mon, "serviceMonitor", bool, False, "monitoring"),
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
-        image=get(spec, "image", str, None, "spec"))
+        image=get(spec, "image", str, None, "spec"),
+        security=parse_security(get_obj(spec, "security", "spec")),
+        prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")))
+    if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:
+        raise SpecError("kvTransfer.tlsIssuerRef needs kvTransfer.tlsSecret (the Secret "
+                        "cert-manager writes)")
     if out.disaggregated and out.prefill.engine.block_size != out.decode.engine.block_size:
         raise SpecError("prefill.engine.blockSize and decode.engine.blockSize differ; KV pages "
                         "move between the pools, so they must match")

@@ -18,8 +18,14 @@ Contract:
 * A connection idle for `keep_alive_s` (no request in progress) is closed.
 * The client going away cancels its request's task: `finally` blocks run, so the router
   aborts the worker's request. Handlers need no disconnect watcher (`DISCONNECT_CANCELS`).
-* SIGTERM/SIGINT: stop accepting, close idle connections, give in-flight requests up to
-  `graceful_s`, cancel the rest, then the lifespan shutdown.
+* SIGTERM/SIGINT start the drain: idle connections close, busy ones read no further
+  requests and close after their answers, in-flight requests (streams included) get up to
+  `graceful_s` to finish, the rest are cancelled, then the listener closes and the lifespan
+  shuts down. During the drain the listener stays open for the kubelet's probes only: a new
+  request for `GET /ready` is answered 503 `{"status": "draining"}` (the pod leaves the
+  Service's endpoints), `/health` and `/metrics` still reach the app (liveness holds while
+  streams finish), and any other new request gets a 503 OpenAI error with `Retry-After: 1`
+  and `connection: close` (it never reaches the app).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ class ServerLimits:
     max_headers: int = 100
     max_header_bytes: int = 64 << 10
     keep_alive_s: float = 5.0
-    graceful_s: float = 5.0
+    graceful_s: float = 5.0  # the drain: in-flight requests' time to finish after a stop
 
 
 def _status_line(status: int) -> bytes:
@@ -259,6 +265,10 @@ class _Connection(asyncio.Protocol):
                                                   status_code=rej.status))
             return False
         path, _, query = req.url.partition(b"?")
+        if self.server.draining and path not in DRAIN_OPEN_PATHS:
+            req.keep_alive = False
+            await self._respond(req, _draining_answer(path))
+            return False
         handler = self.server.routes.get(path) if req.method == b"POST" else None
         if handler is not None:
             body = b"".join(req.parts)
@@ -404,6 +414,18 @@ class _Connection(asyncio.Protocol):
         return self.task is not None or bool(self.pending)
 
 
+DRAIN_READY_PATH = b"/ready"  # answered 503 by the server itself while it drains
+DRAIN_OPEN_PATHS = (b"/health", b"/metrics")  # still served by the app while it drains
+
+
+def _draining_answer(path: bytes) -> Response:
+    if path == DRAIN_READY_PATH:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse(error_body(503, "the server is shutting down; retry on another "
+                                        "replica", type_="server_error"),
+                        status_code=503, headers={"Retry-After": "1"})
+
+
 class LeanServer:
     """Serves one `FastPaths` app on (host, port); `serve()` runs until `stop()` (or a
     signal, with `install_signals`)."""
@@ -418,6 +440,7 @@ class LeanServer:
         self.limits = limits or ServerLimits()
         self.connections: set[_Connection] = set()
         self.started = False
+        self.draining = False  # set at the stop: new requests get `_draining_answer`
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -447,9 +470,13 @@ class LeanServer:
         self.started = True
         try:
             await self._stop.wait()
+            await self._drain_connections()
         finally:
             server.close()
-            await self._drain_connections()
+            for c in list(self.connections):
+                if c.task is not None:
+                    c.task.cancel()
+                c.close()
             await server.wait_closed()
             await lifespan.shutdown()
 
@@ -460,19 +487,24 @@ class LeanServer:
 
     async def _drain_connections(self) -> None:
         """Idle connections close now; busy ones answer what they have already received
-        (no new requests are read: `broken`) and close, or are cut at `graceful_s`."""
+        (no new requests are read: `broken`) and close; the caller cuts whatever is still
+        running at `graceful_s`. Connections made meanwhile get `_draining_answer`s."""
+        self.draining = True
+        busy = [c for c in self.connections if c.busy]
         for c in list(self.connections):
             if c.busy:
                 c.broken = True
             else:
                 c.close()
+        logger.info("draining: %d requests in flight, up to %.0fs", len(busy),
+                    self.limits.graceful_s)
         deadline = self.loop.time() + self.limits.graceful_s
-        while any(c.busy for c in self.connections) and self.loop.time() < deadline:
+        while any(c.busy for c in busy) and self.loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for c in list(self.connections):
-            if c.task is not None:
-                c.task.cancel()
-            c.close()
+        cut = sum(1 for c in busy if c.busy)
+        if cut:
+            logger.warning("drain deadline (%.0fs): cutting %d requests still running",
+                           self.limits.graceful_s, cut)
 
 
 def run(app: FastPaths, host: str, port: int, limits: ServerLimits | None = None,

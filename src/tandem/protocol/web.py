@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
-# P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from
+# P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from;
+# workers act on it only under the router's signature (`signing.SIGNATURE_HEADER`)
 PREFILL_HEADER = "x-tandem-prefill"
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 

@@ -15,16 +15,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from tandem.protocol.signing import WorkerKey
 from tandem.protocol.web import (
     APIError,
     BodyLimit,
@@ -34,6 +35,7 @@ from tandem.protocol.web import (
     plain_request_id,
 )
 from tandem.router import prompt as prompts
+from tandem.router import usage
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router
 from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
@@ -43,6 +45,7 @@ from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.pd import plan
 from tandem.router.proxy import Attempt, ProxySettings, forward, upstream_session
 from tandem.router.ratelimit import RateLimiter, retry_after_header
+from tandem.router.startup import DEFAULT_WINDOW_S, StartupState
 from tandem.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -60,15 +63,33 @@ class RouterServerSettings:
     rate_limiter: RateLimiter | None = None
     index_store: RedisIndexStore | None = None  # shared prefix index (`--index redis://`)
     preload_tokenizers: Callable[[], None] | None = None  # run once at start-up
+    on_metrics: Callable[[RouterMetrics], None] | None = None  # given the metrics at build
     proxy: ProxySettings = field(default_factory=ProxySettings)
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
+    # unknown models get 503 "starting", not 404, this long while workers have not reported
+    # their models (`startup.StartupState`)
+    startup_window_s: float = DEFAULT_WINDOW_S
+    # signs every forwarded request (`--worker-auth-key-file`); None: requests go unsigned,
+    # so no P/D (aggregated, reason "unsigned") and no tenants (api_keys refused)
+    worker_key: WorkerKey | None = None
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
-    """The ASGI app: the two OpenAI POST routes on `FastPaths`, the rest on FastAPI."""
+    """The ASGI app: the two OpenAI POST routes on `FastPaths`, the rest on FastAPI.
+    ValueError when API keys are configured without a worker key (workers would refuse
+    every tenant's salt)."""
+    if settings.api_keys.configured and settings.worker_key is None:
+        raise ValueError("API keys (tenants) need a worker auth key: workers refuse tenant "
+                         "cache salts that the router has not signed")
+    if settings.worker_key is None:
+        logger.warning("no worker auth key: requests to workers go unsigned, so every "
+                       "request is served aggregated (reason \"unsigned\"), never P/D")
     metrics = RouterMetrics()
+    if settings.on_metrics is not None:
+        settings.on_metrics(metrics)
     monitors: dict[str, WorkerMonitor] = {}
     state: dict = {}
+    startup = StartupState(settings.startup_window_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +98,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                                 connect=settings.proxy.connect_timeout_s)
         state["http"] = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
         state["upstream"] = upstream_session(settings.proxy)  # forwarding
+        startup.started_at = time.monotonic()
         if settings.preload_tokenizers is not None:  # ~0.4 s each: now, not on a request
             await asyncio.to_thread(settings.preload_tokenizers)
         discovery = settings.discovery or StaticDiscovery(settings.worker_urls)
@@ -142,6 +164,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         not bring it back); ready again, it rejoins as a fresh worker."""
         want = {ep.url.rstrip("/"): ep for ep in endpoints.values()}
         async with membership:
+            startup.observe(router.workers.values())  # models served before, kept
             for wid in [wid for wid in router.workers if wid not in want]:
                 await remove_worker(wid)
             for wid, ep in want.items():
@@ -154,11 +177,13 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 elif not ep.ready and wid in monitors:
                     await monitors.pop(wid).stop()
                     w.ready = False  # a probe may have answered meanwhile
+            startup.synced = True
 
     app = FastAPI(title="Tandem router", lifespan=lifespan)
     app.state.router = router
     app.state.monitors = monitors
     app.state.metrics = metrics
+    app.state.startup = startup
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
 
@@ -180,15 +205,24 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
             metrics.worker_indexed_blocks.labels(w.id).set(router.index.num_blocks(w.id))
             metrics.worker_events_connected.labels(w.id).set(1 if w.events_connected else 0)
+        metrics.reload_errors.labels("api_keys").set(settings.api_keys.reload_errors)
+        if settings.worker_key is not None:
+            metrics.reload_errors.labels("worker_auth_key").set(
+                settings.worker_key.reload_errors)
         return PlainTextResponse(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         settings.api_keys.tenant(request.headers.get("authorization"))
+        served = router.models()
+        if not served:  # none ready: 503 while workers may be starting, else an empty list
+            err = startup.models_unavailable(router.workers.values(), time.monotonic())
+            if err is not None:
+                raise err
         return {"object": "list", "data": [
             {"id": m, "object": "model", "owned_by": "tandem",
              **({"max_model_len": n} if (n := router.max_model_len(m)) else {})}
-            for m in router.models()]}
+            for m in served]}
 
     async def handle(kind: str, path: str, request: Request) -> Response:
         rid = request_id(request.headers.get("x-request-id"))
@@ -221,23 +255,36 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "
                                 f"{settings.max_prompt_tokens}", "prompt")
-        if not model or not router.knows(model):
-            metrics.child(metrics.rejected, "404").inc()
-            raise APIError(404, f"model {model!r} is not served here", "model")
+        unavailable = startup.check(model, router.workers.values(), time.monotonic())
+        if unavailable is not None:  # 503 while its workers may be starting, else 404
+            metrics.child(metrics.rejected, str(unavailable.status)).inc()
+            raise unavailable
         limiter = settings.rate_limiter
+        bill: usage.Settlement | None = None
+        strip_usage = False
         if limiter is not None:
             prompt_tokens = (len(parsed.token_ids) if parsed.token_ids is not None
-                             else len(parsed.text) // 4)
-            out_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or 16
-            verdict = await limiter.acquire(tenant or "anonymous",
-                                            prompt_tokens + int(out_tokens))
+                             else len(parsed.text.encode()) + 2)  # an upper bound
+            worst, prompt_share = usage.worst_case(kind, data, prompt_tokens,
+                                                   router.max_model_len(model))
+            verdict = await limiter.acquire(tenant or "anonymous", worst)
             if not verdict.allowed:
                 metrics.child(metrics.rejected, "429").inc()
                 if verdict.reason == "too_large":
-                    raise APIError(429, "the request alone exceeds this tenant's tokens per "
-                                        "minute", "max_tokens")
+                    raise APIError(429, f"the request may use up to {worst} tokens (prompt + "
+                                        "max_tokens, or the context left when max_tokens is "
+                                        "unset, times n), more than this tenant's tokens per "
+                                        "minute; lower max_tokens or n", "max_tokens")
                 raise APIError(429, f"rate limit exceeded ({verdict.reason}); retry later",
                                headers={"Retry-After": retry_after_header(verdict)})
+            if verdict.charged:
+                bill = usage.Settlement(limiter, tenant or "anonymous", verdict, prompt_share)
+                if parsed.stream:  # the worker's usage chunk settles the charge
+                    opts = data.get("stream_options")
+                    opts = dict(opts) if isinstance(opts, dict) else {}
+                    strip_usage = not opts.get("include_usage")
+                    data["stream_options"] = {**opts, "include_usage": True}
+                    changed = True
         data["model"] = model
         payload = json.dumps(data).encode() if changed else body  # as sent, when unchanged
         hashes, external = await shared_matches(parsed, model)
@@ -247,7 +294,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         def pick(tried: set[str]):  # noqa: ANN202 - pd.Route | None
             nonlocal first, prefill
             route, ctx = plan(router, parsed, model, time.monotonic(), exclude=tried,
-                              keep_prefill=prefill, hashes=hashes, external=external)
+                              keep_prefill=prefill, hashes=hashes, external=external,
+                              signed=settings.worker_key is not None)
             if first:
                 metrics.routing_seconds.observe(time.perf_counter() - t0)
                 first = False
@@ -284,11 +332,38 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 metrics.child(metrics.aggregated, a.route.reason).inc()
 
         work = forward(state["upstream"], path, payload, rid, pick, parsed.stream,
-                       settings.proxy, on_attempt)
+                       settings.proxy, on_attempt, settings.worker_key)
+        if bill is not None:
+            return await settled(request, work, bill, parsed.stream, strip_usage)
         if parsed.stream:
             return await work
         completed, response = await cancel_on_disconnect(request, work)
         return response if completed else Response(status_code=499)
+
+    async def settled(request: Request, work: Awaitable[Response], bill: usage.Settlement,
+                      stream: bool, strip_usage: bool) -> Response:
+        """`work`'s answer, its token charge settled from the usage it reports."""
+        try:
+            if stream:
+                response = await work
+            else:
+                completed, response = await cancel_on_disconnect(request, work)
+                if not completed:
+                    bill.keep()  # abandoned: what it used is unknown
+                    return Response(status_code=499)
+        except asyncio.CancelledError:
+            bill.keep()  # the client left: what the worker did is unknown
+            raise
+        except Exception:
+            bill.settle()  # no answer: nothing was generated
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = bill.tap(response.body_iterator, strip_usage)
+        elif 200 <= response.status_code < 300:
+            bill.settle(*usage.answer_usage(bytes(response.body)))
+        else:
+            bill.settle()
+        return response
 
     async def shared_matches(parsed: prompts.ParsedPrompt, model: str):  # noqa: ANN202
         """(hash chains per block size, matches from the shared index store) or (None, None)
@@ -310,9 +385,10 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         return hashes, external
 
     def default_model() -> str:
+        """The one model served; "" when none is (yet: `startup.check` answers)."""
         served = router.models()
-        if len(served) == 1:
-            return served[0]
+        if len(served) <= 1:
+            return served[0] if served else ""
         raise ValueError("the request must name a model (this router serves several)")
 
     def check_bounds(data: dict) -> None:

@@ -4,6 +4,15 @@ Keys file: one `KEY TENANT` pair per line (`#` comments); a Kubernetes Secret mo
 file works the same. Keys are compared in constant time (`hmac.compare_digest` against
 every key, no early exit). With no keys configured, auth is off and there are no tenants.
 
+Reload: `ApiKeys.from_file` keeps following the file. Its content is re-read at most every
+`RELOAD_INTERVAL_S` seconds, checked on the request path, so a key removed from the file
+stops working for requests that arrive more than `RELOAD_INTERVAL_S` after the change, and
+an added one works from then on, without a restart. Content is compared (not mtime), so
+kubelet's symlink swap of a Secret volume is seen; kubelet itself takes up to its sync
+period (1 min by default) plus its cache TTL to update a mounted Secret. A file that
+becomes unreadable, malformed or empty keeps the last good keys (logged, and counted in
+`reload_errors`): an emptied file never turns auth off.
+
 `tenant_cache_salt` puts every tenant's prompts in its own hash space (the router and the
 worker both hash with it), so one tenant cannot learn by timing whether another tenant's
 prompt is cached; a client's own `cache_salt` is kept inside its tenant's namespace.
@@ -15,29 +24,65 @@ import hmac
 import re
 from pathlib import Path
 
+from tandem.protocol.signing import TENANT_SALT_PREFIX
+from tandem.protocol.watched import DEFAULT_INTERVAL_S, WatchedFile
 from tandem.protocol.web import APIError
 
 MAX_KEY_LEN = 512
+MAX_FILE_BYTES = 16 << 20
+RELOAD_INTERVAL_S = DEFAULT_INTERVAL_S
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_Keys = list[tuple[bytes, str]]
+
+
+def parse_keys(raw: bytes) -> _Keys:
+    """A keys file's content -> [(key, tenant)]; ValueError naming the bad line."""
+    keys: dict[str, str] = {}
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not _TENANT.fullmatch(parts[1]) or len(parts[0]) > MAX_KEY_LEN:
+            raise ValueError(f"line {n}: expected 'KEY TENANT' (key: at most {MAX_KEY_LEN} "
+                             "characters; tenant: letters, digits, '.', '_', '-')")
+        keys[parts[0]] = parts[1]
+    if not keys:  # never fail open: an emptied Secret must not turn auth off
+        raise ValueError("no keys (to turn auth off, run without --api-keys)")
+    return [(k.encode(), tenant) for k, tenant in keys.items()]
 
 
 class ApiKeys:
     def __init__(self, keys: dict[str, str]) -> None:
-        self._keys = [(k.encode(), tenant) for k, tenant in keys.items()]
+        self._static: _Keys = [(k.encode(), tenant) for k, tenant in keys.items()]
+        self._file: WatchedFile[_Keys] | None = None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> ApiKeys:
-        keys: dict[str, str] = {}
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2 or not _TENANT.fullmatch(parts[1]):
-                raise ValueError(f"{path}:{n}: expected 'KEY TENANT' (tenant: letters, digits, "
-                                 "'.', '_', '-')")
-            keys[parts[0]] = parts[1]
-        return cls(keys)
+    def from_file(cls, path: str | Path,
+                  reload_interval_s: float = RELOAD_INTERVAL_S) -> ApiKeys:
+        """Keys that follow `path` (module doc); ValueError (`WatchedFileError`) naming the
+        file and line when it cannot be read or parsed now."""
+        keys = cls({})
+        keys._file = WatchedFile(path, parse_keys, what="API keys file",
+                                 max_bytes=MAX_FILE_BYTES, interval_s=reload_interval_s)
+        return keys
+
+    @property
+    def _keys(self) -> _Keys:
+        return self._file.value() if self._file is not None else self._static
+
+    @property
+    def configured(self) -> bool:
+        """A keys file was given, or keys: tenants exist now or may after a reload."""
+        return self._file is not None or bool(self._static)
+
+    @property
+    def reload_errors(self) -> int:
+        return self._file.errors if self._file is not None else 0
 
     @property
     def enabled(self) -> bool:
@@ -45,7 +90,8 @@ class ApiKeys:
 
     def tenant(self, authorization: str | None) -> str | None:
         """The caller's tenant (None when auth is off); APIError(401) otherwise."""
-        if not self._keys:
+        keys = self._keys
+        if not keys:
             return None
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token or len(token) > MAX_KEY_LEN:
@@ -53,7 +99,7 @@ class ApiKeys:
                            headers={"WWW-Authenticate": "Bearer"})
         given = token.strip().encode()
         found = None
-        for key, tenant in self._keys:  # no early exit: constant time in the key list
+        for key, tenant in keys:  # no early exit: constant time in the key list
             if hmac.compare_digest(key, given):
                 found = tenant
         if found is None:
@@ -64,4 +110,4 @@ class ApiKeys:
 def tenant_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
     if tenant is None:
         return client_salt
-    return f"tenant={tenant}" + (f";{client_salt}" if client_salt else "")
+    return f"{TENANT_SALT_PREFIX}{tenant}" + (f";{client_salt}" if client_salt else "")

@@ -23,8 +23,9 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
-`redis` (URL), `index` (URL) and `rate_limits: {default: {requests_per_s, burst_requests,
-tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
+`redis` (URL or env:VAR), `index` (URL or env:VAR), `drain_seconds` and
+`rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
+{...}}}`; flags win over the file.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
@@ -39,7 +40,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.protocol.signing import add_worker_auth_arg, load_worker_key
 from tandem.protocol.tls import add_tls_arg, tls_from_args
+from tandem.protocol.watched import DEFAULT_INTERVAL_S as API_KEYS_RELOAD_S
 from tandem.router.discovery import (
     DISCOVERY,
     Discovery,
@@ -51,9 +54,13 @@ from tandem.router.discovery import (
 
 if TYPE_CHECKING:
     from tandem.protocol.tokenizer import Tokenizer
+    from tandem.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
+MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
+DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
+CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +83,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
                    help="PATH for every model, or MODEL=PATH (repeatable)")
-    p.add_argument("--api-keys", default=None, help="file of 'KEY TENANT' lines")
+    p.add_argument("--api-keys", default=None,
+                   help="file of 'KEY TENANT' lines; re-read every "
+                        f"{API_KEYS_RELOAD_S:g} s, so a removed key stops working within "
+                        f"{API_KEYS_RELOAD_S:g} s of the file changing (a mounted Secret: "
+                        "kubelet takes up to ~1 min + its sync period to update it); a "
+                        "malformed rewrite keeps the last good keys. Needs "
+                        "--worker-auth-key-file")
     p.add_argument("--retries", type=int, default=None)
     p.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
                    help="prefill on a prefill worker when the decode worker lacks at least "
@@ -89,17 +102,54 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "tokens still queues on a prefill worker rather than prefilling on "
                         "the decode worker (default 1024; 0: no cap)")
     p.add_argument("--redis", default=None,
-                   help="redis://host:port/db shared by router replicas for rate limits")
+                   help="redis://host:port/db shared by router replicas for rate limits "
+                        "(env:VAR: the URL from environment variable VAR)")
     p.add_argument("--index", default=None, metavar="redis://HOST:PORT/DB",
                    help="keep the prefix index in Redis too, shared by router replicas "
-                        "(a new replica is warm at once; Redis down = in-memory index)")
+                        "(a new replica is warm at once; Redis down = in-memory index; "
+                        "env:VAR: the URL from environment variable VAR)")
     add_tls_arg(p)  # the workers' gRPC: KV events and load
+    add_worker_auth_arg(p)  # signs every request forwarded to a worker
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
     p.add_argument("--processes", type=int, default=None,
                    help="router processes sharing the port (SO_REUSEPORT; default 1)")
     p.add_argument("--http-server", default="lean", choices=("lean", "uvicorn"),
                    help="front-door HTTP server: lean (protocol.http_server, ~0.2 ms less "
                         "CPU per request) or uvicorn")
+    p.add_argument("--drain-seconds", type=_drain_seconds, default=None, metavar="S",
+                   help="on SIGTERM, in-flight requests and streams get up to S seconds to "
+                        f"finish (default {DRAIN_SECONDS:g}; router.yaml drain_seconds)")
+
+
+def _drain_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 86400:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def drain_seconds(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
+    """`--drain-seconds`, else router.yaml `drain_seconds`, else `DRAIN_SECONDS`."""
+    if args.drain_seconds is not None:
+        return args.drain_seconds
+    value = cfg.get("drain_seconds", DRAIN_SECONDS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise SystemExit(f"drain_seconds: a number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
+def redis_urls(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(rate-limit Redis URL, index Redis URL): flags win over router.yaml; `env:VAR` read."""
+    from tandem.router.redis_url import resolve
+
+    try:
+        return (resolve(args.redis or cfg.get("redis"), "--redis / redis"),
+                resolve(args.index or cfg.get("index"), "--index / index"))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def _load_yaml(path: str | None) -> dict[str, Any]:
@@ -127,10 +177,13 @@ class TokenizerResolver:
                 self.per_model[name] = path
             else:
                 self.default = spec
+        self.configured = bool(self.per_model) or self.default is not None
         bundled = find_bundled_gguf()
         if bundled is not None:
             self.per_model.setdefault(BUNDLED_NAME, str(bundled))
         self._loaded: dict[str, Tokenizer] = {}
+        self.approximate: set[str] = set()  # models seen without a tokenizer (bounded)
+        self._metrics: RouterMetrics | None = None
 
     def _load(self, path: str) -> Tokenizer:
         tok = self._loaded.get(path)
@@ -142,7 +195,28 @@ class TokenizerResolver:
 
     def __call__(self, model: str) -> Tokenizer | None:
         path = self.per_model.get(model, self.default)
-        return self._load(path) if path else None
+        if path:
+            return self._load(path)
+        if model not in self.approximate and len(self.approximate) < MAX_APPROXIMATE_MODELS:
+            self.approximate.add(model)
+            logger.warning("model %r has no tokenizer: routed approximately on text hashes "
+                           "(no cache-aware prefix scoring, no shared index)", model)
+            if self._metrics is not None:
+                self._metrics.child(self._metrics.approximate_routing, model).set(1)
+        return None
+
+    def bind_metrics(self, metrics: RouterMetrics) -> None:
+        """At start-up: say (log line, `tandem_router_approximate_routing`) which models
+        will be routed approximately; model "*" when no tokenizer is configured at all."""
+        self._metrics = metrics
+        if self.default is None:
+            logger.warning("approximate routing for every model but %s: no tokenizer for "
+                           "them (--tokenizer PATH or router.yaml tokenizers)",
+                           sorted(self.per_model) or "none")
+        if not self.configured:
+            metrics.child(metrics.approximate_routing, "*").set(1)
+        for model in self.approximate:
+            metrics.child(metrics.approximate_routing, model).set(1)
 
     def preload(self) -> None:
         """Load every configured tokenizer now, not on some request's critical path."""
@@ -192,6 +266,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     from tandem.router.monitor import MonitorSettings
     from tandem.router.proxy import ProxySettings
     from tandem.router.ratelimit import Limits, RateLimiter
+    from tandem.router.redis_url import masked
 
     cfg = _load_yaml(args.config) if cfg is None else cfg
     workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
@@ -210,17 +285,19 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}
     limiter = None
+    redis_url, index_url = redis_urls(args, cfg)
     if rl:
         try:
             tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
             limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
-                                  redis_url=args.redis or cfg.get("redis"))
+                                  redis_url=redis_url)
         except ValueError as exc:  # bad limits or a malformed Redis URL
             raise SystemExit(f"rate_limits / --redis: {exc}") from exc
-    elif args.redis or cfg.get("redis"):
+        if redis_url:
+            logger.info("rate limits shared through Redis at %s", masked(redis_url))
+    elif redis_url:
         logger.warning("--redis is for shared rate limits, and router.yaml sets none; unused "
                        "(the shared prefix index takes --index)")
-    index_url = args.index or cfg.get("index")
     store = None
     if index_url:
         from tandem.router.index_store import RedisIndexStore
@@ -229,20 +306,31 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
             store = RedisIndexStore(index_url)
         except ValueError as exc:  # a malformed URL; an unreachable Redis only falls back
             raise SystemExit(f"--index: {exc}") from exc
-    tls = tls_from_args(args.grpc_tls_dir)
+        logger.info("prefix index shared through Redis at %s", masked(index_url))
+    tls = tls_from_args(args.grpc_tls_dir, args.grpc_tls_server_name)
+    worker_key = load_worker_key(args.worker_auth_key_file)
+    if args.api_keys and worker_key is None:
+        raise SystemExit("--api-keys needs --worker-auth-key-file: workers refuse tenant "
+                         "cache salts that the router has not signed")
+    try:
+        api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({})
+    except ValueError as exc:
+        raise SystemExit(f"--api-keys: {exc}") from exc
     server = RouterServerSettings(
         preload_tokenizers=tokenizers.preload,
+        on_metrics=tokenizers.bind_metrics,
         worker_urls=workers,
         discovery=discovery,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
         max_prompt_tokens=int(cfg.get("max_prompt_tokens", 131072)),
         max_tokens_cap=cfg.get("max_tokens_cap"),
-        api_keys=ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({}),
+        api_keys=api_keys,
+        worker_key=worker_key,
         rate_limiter=limiter,
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
                             else int(cfg.get("retries", 2))),
-        monitor=MonitorSettings(grpc_credentials=tls.channel_credentials() if tls else None))
+        monitor=MonitorSettings(tls=tls))
     return build_app(router, server), router, server
 
 
@@ -255,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     if n > 1 and not processes.is_child():
         if args.http_server != "lean":
             raise SystemExit("--processes > 1 needs the lean HTTP server (SO_REUSEPORT)")
-        return processes.supervise(n, sys.argv[1:])
+        return processes.supervise(n, sys.argv[1:],
+                                   grace_s=drain_seconds(args, cfg) + CHILD_EXIT_SLACK_S)
     app, router, server = build(args, cfg)
     limiter = server.rate_limiter
     if processes.is_child() and limiter is not None and not limiter.shared:
@@ -264,13 +353,15 @@ def run(args: argparse.Namespace) -> int:
     logger.info("router (%s) on http://%s:%d, workers by %s discovery, %s HTTP server",
                 router.settings.policy, args.host, args.port, server.discovery.name,
                 args.http_server)
+    drain = drain_seconds(args, cfg)
     if args.http_server == "lean":
         from tandem.protocol import http_server
 
-        http_server.run(app, args.host, args.port, reuse_port=processes.is_child())
-    else:
+        http_server.run(app, args.host, args.port, http_server.ServerLimits(graceful_s=drain),
+                        reuse_port=processes.is_child())
+    else:  # uvicorn closes its listener at once on SIGTERM (no draining /ready answer)
         import uvicorn
 
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=5)
+                    access_log=False, timeout_graceful_shutdown=drain)
     return 0

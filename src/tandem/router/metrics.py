@@ -46,8 +46,9 @@ class RouterMetrics:
                                      "backend", ["backend"], registry=r)
         self.aggregated = Counter("tandem_router_aggregated_requests_total",
                                   "Requests answered with prefill and decode on one worker, "
-                                  "by reason (below_threshold, decode_not_capable, "
-                                  "no_prefill_worker, prefill_busy)", ["reason"], registry=r)
+                                  "by reason (below_threshold, prompt_logprobs, "
+                                  "decode_not_capable, unsigned, no_prefill_worker, "
+                                  "prefill_busy)", ["reason"], registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
                                   ["worker"], registry=r, multiprocess_mode="mostrecent")
@@ -57,10 +58,20 @@ class RouterMetrics:
         self.worker_events_connected = Gauge("tandem_router_worker_kv_events_connected",
                                              "1 while the worker's KV event stream is live",
                                              ["worker"], registry=r, multiprocess_mode="mostrecent")
+        self.reload_errors = Gauge("tandem_router_file_reload_errors",
+                                   "Failed re-reads of a watched file (api_keys, "
+                                   "worker_auth_key) that kept the last good content",
+                                   ["file"], registry=r, multiprocess_mode="max")
         self.index_store_lookups = Counter("tandem_router_index_store_lookups_total",
                                            "Shared index store lookups: ok, or fallback to "
                                            "the in-memory index (Redis down or slow)",
                                            ["result"], registry=r)
+
+        self.approximate_routing = Gauge("tandem_router_approximate_routing",
+                                         "1 for a model routed on text hashes, without its "
+                                         "tokenizer (no cache-aware prefix scoring, no shared "
+                                         "index); model \"*\": no default tokenizer",
+                                         ["model"], registry=r, multiprocess_mode="max")
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: the per-request path skips the library's

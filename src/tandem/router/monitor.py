@@ -10,6 +10,10 @@ Per worker, three loops on the router's event loop:
   worker's entries in the index, live events update them; a sequence gap or a broken stream
   drops its entries and resubscribes after a jittered backoff.
 * load: gRPC `GetLoad` every `load_interval_s`.
+
+Both gRPC loops share one `PeerChannel` (mutual TLS by identity with `settings.tls`): once the
+TLS files change, calls go on a new channel and the old one (its KV stream included, which
+then resubscribes) is closed after `retire_grace_s`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import grpc
 import httpx
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.tls import TLSFiles
+from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
 from tandem.router.workers import Worker, WorkerLoad
@@ -40,7 +46,10 @@ class MonitorSettings:
     load_interval_s: float = 0.2
     probe_timeout_s: float = 2.0
     backoff_max_s: float = 5.0
-    grpc_credentials: grpc.ChannelCredentials | None = None  # mutual TLS to workers' gRPC
+    # mutual TLS to workers' gRPC (verified against `tls.server_name` when set); the
+    # channel is rebuilt once the files changed, the old one closed after `retire_grace_s`
+    tls: TLSFiles | None = None
+    retire_grace_s: float = 10.0
 
 
 class WorkerMonitor:
@@ -54,7 +63,7 @@ class WorkerMonitor:
         self.http = http
         self.settings = settings
         self._tasks: list[asyncio.Task] = []
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: PeerChannel | None = None
         self.connected = asyncio.Event()  # set while the KV stream is live
 
     def start(self) -> None:
@@ -87,6 +96,10 @@ class WorkerMonitor:
                 return
             info = r.json()
             w.ready = r.status_code == 200
+            if (not w.ready and not w.model and isinstance(info, dict)
+                    and isinstance(info.get("model"), str)):
+                w.model = info["model"]  # a loading worker names its model: its requests
+                # are answered 503 "starting", not 404 (`startup`)
             if w.ready:
                 w.model = info.get("model") or w.model
                 w.role = info.get("role") or w.role
@@ -109,20 +122,21 @@ class WorkerMonitor:
 
     # -- gRPC: KV events and load ----------------------------------------------------------
     def _start_grpc_loops(self) -> None:
-        opts = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)]
-        creds = self.settings.grpc_credentials
-        self._channel = (grpc.aio.secure_channel(self.worker.grpc_target, creds, options=opts)
-                         if creds is not None else
-                         grpc.aio.insecure_channel(self.worker.grpc_target, options=opts))
-        stub = worker_pb2_grpc.WorkerStub(self._channel)
-        self._tasks += [asyncio.create_task(self._events_loop(stub)),
-                        asyncio.create_task(self._load_loop(stub))]
+        self._channel = PeerChannel(self.worker.grpc_target, self.settings.tls,
+                                    [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE)],
+                                    self.settings.retire_grace_s)
+        self._tasks += [asyncio.create_task(self._events_loop()),
+                        asyncio.create_task(self._load_loop())]
 
-    async def _events_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+    def _stub(self) -> worker_pb2_grpc.WorkerStub:
+        """On the channel made with the current TLS files (a renewal replaces it)."""
+        return worker_pb2_grpc.WorkerStub(self._channel.get())  # type: ignore[union-attr]
+
+    async def _events_loop(self) -> None:
         w, delay = self.worker, 0.1
         while True:
             try:
-                await self._consume(stub)
+                await self._consume(self._stub())
             except grpc.aio.AioRpcError as exc:
                 logger.info("KV event stream of %s ended: %s", w.id, exc.code())
             except _SequenceGap as exc:
@@ -178,11 +192,11 @@ class WorkerMonitor:
             return None
         return IndexView(self.instance_id, self.seq, self.index.keys(self.worker.id))
 
-    async def _load_loop(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+    async def _load_loop(self) -> None:
         while True:
             try:
-                load = await stub.GetLoad(worker_pb2.GetLoadRequest(),
-                                          timeout=self.settings.probe_timeout_s)
+                load = await self._stub().GetLoad(worker_pb2.GetLoadRequest(),
+                                                  timeout=self.settings.probe_timeout_s)
                 self.worker.load = WorkerLoad(
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,

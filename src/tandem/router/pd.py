@@ -45,7 +45,8 @@ class Route:
     uncached_tokens: int = 0  # prompt tokens the decode worker is estimated to lack
     # why it is aggregated (prefill None): below_threshold, prompt_logprobs (echo with
     # logprobs: the decode worker computes the prompt anyway), decode_not_capable,
-    # no_prefill_worker or prefill_busy
+    # unsigned (the router has no worker auth key, and workers act on no unsigned
+    # prefill target), no_prefill_worker or prefill_busy
     reason: str = ""
 
     @property
@@ -69,11 +70,12 @@ def uncached_tokens(ctx: RoutingContext, decision: Decision, text_mode: bool) ->
 def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
          exclude: Iterable[str] = (), keep_prefill: Decision | None = None,
          hashes: Mapping[int, list[BlockHash]] | None = None,
-         external: Mapping[int, Mapping[str, int]] | None = None,
+         external: Mapping[int, Mapping[str, int]] | None = None, signed: bool = True,
          ) -> tuple[Route | None, RoutingContext]:
     """The decode worker (None if none passes the filters), and a prefill worker when the
     decode worker lacks at least `pd_threshold` prompt tokens. `keep_prefill` (an earlier
-    attempt's prefill pick) is reused while it is still routable."""
+    attempt's prefill pick) is reused while it is still routable. Unless `signed` (the
+    request will carry the router's signature) there is no prefill worker."""
     decision, ctx = router.route(parsed, model, now, exclude=exclude, role="decode",
                                  hashes=hashes, external=external)
     if decision is None:
@@ -88,6 +90,8 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
         route.reason = "prompt_logprobs"
     elif decision.worker.kv_transfer_backend is None:
         route.reason = "decode_not_capable"
+    elif not signed and any(w.role == "prefill" for w in router.workers.values()):
+        route.reason = "unsigned"
     elif keep_prefill is not None and _usable(router, keep_prefill.worker, now):
         route.prefill = keep_prefill
     else:

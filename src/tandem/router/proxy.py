@@ -14,6 +14,8 @@
   httpx, measured on this path.
 * Connect errors and 5xx feed the worker's circuit breaker; a 503 (loading or draining)
   also marks it unready until its next good readiness probe.
+* With a worker key every attempt is signed (`protocol.signing`): the exact body sent and
+  that attempt's prefill target, so a worker can tell the router's requests from others.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response, StreamingResponse
 
-from tandem.protocol.web import APIError, error_body
+from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, body_digest
+from tandem.protocol.web import PREFILL_HEADER, APIError, error_body
 from tandem.router.pd import Route
 from tandem.router.policy import Decision
 from tandem.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamSettings
@@ -68,9 +71,10 @@ def upstream_session(settings: ProxySettings) -> UpstreamPool:
 async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                   pick: Callable[[set[str]], Route | None], stream: bool,
                   settings: ProxySettings, on_attempt: Callable[[Attempt], None],
-                  ) -> Response:
+                  signer: WorkerKey | None = None) -> Response:
     """Send `body` to `path` on the worker `pick(tried)` chooses; see the module doc."""
     tried: set[str] = set()
+    digest = body_digest(body) if signer is not None else None
     last: Attempt | None = None
     for n in range(settings.retries + 1):
         route = pick(tried)
@@ -90,8 +94,12 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                 w.local_in_flight -= 1
 
         try:
-            resp = await http.post(w.id, path, body, {
-                "Content-Type": "application/json", "X-Request-Id": rid, **route.headers()})
+            headers = {"Content-Type": "application/json", "X-Request-Id": rid,
+                       **route.headers()}
+            if signer is not None:
+                headers[SIGNATURE_HEADER] = signer.sign(body, headers.get(PREFILL_HEADER),
+                                                        digest)
+            resp = await http.post(w.id, path, body, headers)
         except UpstreamError as exc:
             release()
             w.breaker.on_failure(time.monotonic())

@@ -5,6 +5,8 @@
 `/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
 `/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
 alive, not draining), `/metrics` (Prometheus). Every log line carries the request id.
+A completion naming a prefill worker or a tenant salt must carry the router's signature
+(`worker_auth.check_signature`: 403 otherwise, checked before anything else is done).
 
 Prompts are tokenized (and chat templates rendered) in a small thread pool, off both the
 event loop and the engine thread, which gets token ids; a request's prompts are admitted in
@@ -42,6 +44,7 @@ from tandem.protocol.openai_api import (
     new_id,
     now,
 )
+from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.web import (
     BodyLimit,
@@ -56,6 +59,7 @@ from tandem.serving.grpc_server import WorkerService, start_grpc_server
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
+from tandem.serving.worker_auth import check_signature
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +80,9 @@ class ServerSettings:
     tls: TLSFiles | None = None  # mutual TLS on the gRPC links (server and client side)
     kv_stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
     tokenizer_threads: int = 4  # the pool that tokenizes prompts and renders chat templates
+    # the router's signing key (`--worker-auth-key-file`): P/D targets and tenant salts
+    # are acted on only when signed with it (serving/worker_auth.py)
+    auth_key: WorkerKey | None = None
 
 
 class _EngineHolder:
@@ -131,7 +138,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             metrics.attach(state.block_size, state.num_kv_blocks)
             holder.remote = RemotePrefill(
                 holder.engine, settings.served_model_name, settings.kv_transfer,
-                settings.tls.channel_credentials() if settings.tls else None)
+                settings.tls, settings.auth_key)
             logger.info("engine ready: serving %s", settings.served_model_name)
 
         task.add_done_callback(loaded)
@@ -140,10 +147,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             service = WorkerService(lambda: holder.engine, settings.worker_id,
                                     settings.served_model_name, settings.role)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
-                                           settings.role, settings.kv_stream_layers)
+                                           settings.role, settings.kv_stream_layers,
+                                           settings.auth_key)
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
-                settings.tls.server_credentials() if settings.tls else None)
+                settings.tls)
         try:
             yield
         finally:
@@ -296,8 +304,12 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         return JSONResponse(body, headers={
             "server-timing": f"engine;dur={timing.engine_s * 1e3:.3f}, total;dur={total_ms:.3f}"})
 
+    def refused(reason: str) -> None:
+        metrics.auth_rejected.labels(settings.served_model_name, reason).inc()
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
+        await check_signature(request, settings.auth_key, req.cache_salt, refused)
         check_model(req.model)
         engine = holder.get()
         try:
@@ -312,6 +324,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        await check_signature(request, settings.auth_key, req.cache_salt, refused)
         check_model(req.model)
         engine = holder.get()
         tok = engine.engine.tokenizer

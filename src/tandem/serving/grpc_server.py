@@ -17,6 +17,8 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.protocol.tls import TLSFiles
+from tandem.protocol.tls_peers import server_interceptors
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS_PER_MESSAGE = 1024
@@ -94,16 +96,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 async def start_grpc_server(service: WorkerService, host: str, port: int,
                             kv_transfer: KVTransferService | None = None,
-                            credentials: grpc.ServerCredentials | None = None
-                            ) -> grpc.aio.Server:
-    """The Worker service (and KVTransfer when given) on host:port; TLS with `credentials`."""
+                            tls: TLSFiles | None = None) -> grpc.aio.Server:
+    """The Worker service (and KVTransfer when given) on host:port. With `tls`: mutual TLS
+    (client certificates signed by its CA, renewed files used by new connections) and, when
+    it names a server name, only clients whose certificate carries that identity."""
     # a Prefill request carries a whole prompt's token ids (4 bytes each at most)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)],
+                             interceptors=server_interceptors(tls))
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     if kv_transfer is not None:
         add_kv_transfer_service(server, kv_transfer)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, credentials) if credentials is not None
+    bound = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
              else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")

@@ -93,6 +93,10 @@ class ServerMetrics:
                                           "Remote prefill + transfer + import, per prompt", lbl,
                                           buckets=LATENCY_BUCKETS, registry=reg
                                           ).labels(model_name)
+        self.auth_rejected = Counter("tandem_worker_auth_rejected",
+                                     "Requests refused (403) for want of a valid router "
+                                     "signature, by reason (no_key, missing, malformed, bad, "
+                                     "stale)", ["model_name", "reason"], registry=reg)
 
     def attach(self, block_size: int, num_blocks: int) -> None:
         """Record the loaded engine's KV geometry."""

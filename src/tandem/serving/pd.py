@@ -1,6 +1,7 @@
 """The decode side of P/D inside the worker's HTTP server.
 
-A request carrying `x-tandem-prefill: host:port` (set by the router) first imports each
+A request carrying `x-tandem-prefill: host:port` (set and signed by the router; the
+signature is checked by `worker_auth` before this module sees the target) first imports each
 prompt's missing KV pages from that prefill worker (`kvtransfer.client.RemotePrefill`), then
 runs as usual, computing only the prompt's last token. The imports stay pinned until the
 request's own block references hold them (its first output) or it ends; `unpin` drops them,

@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
+from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="refuse to serve unless the model's SHA-256 is HEX (a .gguf: the "
                         "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
     add_tls_arg(p)
+    add_worker_auth_arg(p)
 
 
 def check_model_digest(model: str | None, expected: str) -> None:
@@ -140,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tandem.engine.async_engine import AsyncLLMEngine
     from tandem.kvtransfer.client import RemotePrefillSettings
+    from tandem.protocol.signing import load_worker_key
     from tandem.protocol.tls import tls_from_args
     from tandem.serving.api_server import ServerSettings, build_app
 
@@ -148,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
         check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
     name = config.model_name
-    tls = tls_from_args(args.grpc_tls_dir)
+    tls = tls_from_args(args.grpc_tls_dir, args.grpc_tls_server_name)
+    auth_key = load_worker_key(args.worker_auth_key_file)
+    if auth_key is None:
+        logger.warning("no --worker-auth-key-file: requests naming a prefill worker or a "
+                       "tenant cache_salt will be refused (403)")
     kv = RemotePrefillSettings(backend=args.kv_transfer_backend,
                                policy=args.kv_transfer_policy,
                                timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease,
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                               request_timeout_s=args.request_timeout,
                               grpc_host=args.host, grpc_port=args.grpc_port,
                               worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls,
-                              kv_stream_layers=args.kv_stream_layers)
+                              kv_stream_layers=args.kv_stream_layers, auth_key=auth_key)
     config = dataclasses.replace(config, served_model_name=name,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []

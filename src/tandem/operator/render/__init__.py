@@ -3,12 +3,14 @@ its children, each owned by the InferenceService. No I/O, no Kubernetes client."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env
 from tandem.operator.render.monitoring import hpa, service_monitor
+from tandem.operator.render.pod import apply_pod_settings
 from tandem.operator.render.router import render_router, router_endpoint, router_name
+from tandem.operator.render.security import OperatorPeer, certificate, network_policies
 from tandem.operator.render.workers import (
     Pool,
     pool_config_hash,
@@ -19,20 +21,40 @@ from tandem.operator.render.workers import (
 )
 from tandem.operator.spec import InferenceServiceSpec, check_name
 
-__all__ = ["DEFAULT_IMAGE", "Owner", "Pool", "image_from_env", "pool_config_hash", "pool_name",
-           "pool_selector", "pools", "render_all", "router_endpoint", "router_name"]
+__all__ = ["DEFAULT_IMAGE", "OperatorPeer", "Owner", "Pool", "image_from_env",
+           "pool_config_hash", "pool_name", "pool_selector", "pools", "render_all",
+           "router_endpoint", "router_name"]
 
 
 def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = None,
                image_pull_policy: str | None = None,
-               replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+               replicas: Mapping[str, int] | None = None,
+               operator: OperatorPeer | None = None,
+               image_pull_secrets: Sequence[str] = (),
+               router_image: str | None = None) -> list[dict[str, Any]]:
     """Every child manifest, in an order that can be applied front to back (RBAC and config
     before the pods that use them). `image` is the operator's default (spec.image wins; see
-    `image_from_env`); `replicas` (pool name -> count) overrides the spec's, as an
-    autoscaler decides."""
+    `image_from_env`), `router_image` the routers' (the torch-free control image; default
+    `image`; spec.image and router.image win over it); `replicas` (pool name -> count)
+    overrides the spec's, as an autoscaler decides; `operator` (its namespace and release)
+    labels the routers and joins the workers' NetworkPolicy as a metrics scraper.
+    NetworkPolicies and the gRPC Certificate come first: no pod runs before its policy
+    exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
+    the pods' user settings (`render.pod`) are merged last."""
     check_name(owner.name)
     img = spec.image or image or DEFAULT_IMAGE
-    out = render_router(spec, owner, img) + render_workers(spec, owner, img, replicas)
+    cert = certificate(spec, owner)
+    out = network_policies(spec, owner, operator) + ([cert] if cert else [])
+    out += render_router(spec, owner, spec.image or router_image or img, operator,
+                         worker_image=spec.decode.pod.image or img)
+    out += render_workers(spec, owner, img, replicas)
+    settings = {router_name(owner): (spec.router.pod, "router")}
+    settings |= {pool_name(owner, p): (p.spec.pod, "prefill" if p.role == "prefill" else
+                                       "decode") for p in pools(spec)}
+    for doc in out:
+        if doc["kind"] == "Deployment":
+            pod, where = settings[doc["metadata"]["name"]]
+            apply_pod_settings(doc, pod, where, image_pull_secrets)
     if image_pull_policy:
         for doc in out:
             if doc["kind"] == "Deployment":

@@ -22,6 +22,7 @@ API_VERSION = f"{GROUP}/v1alpha1"
 KIND = "InferenceService"
 DEFAULT_IMAGE = "ghcr.io/tandem-llm/tandem:0.1.0"  # the operator passes its own default
 IMAGE_ENV = "TANDEM_IMAGE"  # set by the chart on the operator: the children's default image
+ROUTER_IMAGE_ENV = "TANDEM_ROUTER_IMAGE"  # the routers' (the torch-free `control` target)
 PULL_POLICY_ENV = "TANDEM_IMAGE_PULL_POLICY"
 HTTP_PORT = 8000  # worker and router HTTP (named "http": the router's --worker-port-name)
 GRPC_PORT = 50051  # worker gRPC: KV events, load, KV transfer
@@ -43,6 +44,11 @@ class Owner:
     uid: str
     api_version: str = API_VERSION
     kind: str = KIND
+
+
+def router_image_from_env(environ: Mapping[str, str]) -> str | None:
+    """The routers' default image (`TANDEM_ROUTER_IMAGE`); None: the workers' image."""
+    return environ.get(ROUTER_IMAGE_ENV) or None
 
 
 def image_from_env(environ: Mapping[str, str]) -> tuple[str, str | None]:

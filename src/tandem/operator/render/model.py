@@ -1,32 +1,35 @@
 """The model in a pod: its volume (read-only where the worker reads it), the init container
-that fetches an `hf://` repository, and the path the worker and the router's tokenizer use.
+that fetches an `hf://` repository, the router's tokenizer, and the path the worker uses.
 
-`pvc://` mounts the claim read-only at /models (worker and router: the router reads only the
-tokenizer). `hf://` downloads into an emptyDir in an init container of each worker pod, so
-the pods need egress to the Hub (and the router routes on text hashes: it has no tokenizer
-file). `file://` is a path already in the image; the bundled model needs nothing.
+Workers: `pvc://` mounts the claim read-only at /models; `hf://` downloads in an init
+container (`python -m tandem.operator.fetch model`, HF_TOKEN from `model.hfTokenSecretRef`)
+into an emptyDir of `model.storage` (its ephemeral-storage requested), or with `model.cache`
+into a shared ReadWriteMany PVC filled once (a key per repository, revision and path, that
+the worker mounts read-only by subPath); `file://` is a path in the image; the bundled model
+needs nothing.
+
+The router always gets the model's tokenizer: an init container writes only the tokenizer
+files (`fetch tokenizer`) into an emptyDir at /tokenizer, which router.yaml names. It runs
+in the router's image for `hf://` (the Hub's tokenizer files, or a GGUF's metadata by range
+requests) and `pvc://` (the claim mounted into the init container only), and in the
+workers' image for `file://` and the bundled model, whose files are in that image.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.operator.model_uri import MODEL_DIR
-from tandem.operator.render.common import (
-    base_env,
-    container_security_context,
-)
+from tandem.operator.model_uri import MODEL_DIR, ModelSource
+from tandem.operator.render.common import base_env, container_security_context
 from tandem.operator.spec import ModelSpec
 
-# argv: repo, revision ("" = default branch), path in the repo ("" = all of it)
-FETCH_SCRIPT = """\
-import sys
-from huggingface_hub import snapshot_download
-repo, rev, path = sys.argv[1:4]
-patterns = [path, path + "/*"] if path else None
-snapshot_download(repo, revision=rev or None, local_dir=sys.argv[4], allow_patterns=patterns)
-"""
+FETCH = ["python", "-m", "tandem.operator.fetch"]
+TOKENIZER_DIR = "/tokenizer"  # in router pods: what the tokenizer init container wrote
+TOKENIZER_STORAGE = "2Gi"  # tokenizer files, or a GGUF's metadata prefix while converting
+CACHE_MOUNT = "/model-cache"  # the shared cache PVC, in the fetch init container
+HF_TOKEN_ENV = "HF_TOKEN"
 
 
 @dataclass
@@ -34,42 +37,95 @@ class ModelMount:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     mounts: list[dict[str, Any]] = field(default_factory=list)
     init_containers: list[dict[str, Any]] = field(default_factory=list)
-    path: str | None = None  # the worker's --model (None: bundled)
+    path: str | None = None  # the worker's --model (None: bundled); the router's tokenizer
+    ephemeral_storage: str | None = None  # the download's size, for the pod's request
 
 
-def _read_only_mount() -> dict[str, Any]:
-    return {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+def _read_only_mount(sub_path: str | None = None) -> dict[str, Any]:
+    m = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    return {**m, "subPath": sub_path} if sub_path else m
+
+
+def cache_key(src: ModelSource) -> str:
+    """The model's directory on a shared cache PVC: one per repository, revision and path
+    (a branch's later commits are not fetched again; pin a commit to be exact)."""
+    key = f"hf--{src.repo.replace('/', '--')}--{src.revision or 'main'}"
+    if src.path:
+        key += "--" + hashlib.sha256(src.path.encode()).hexdigest()[:12]
+    return key
+
+
+def fetch_env(model: ModelSpec) -> list[dict[str, Any]]:
+    """TANDEM_CACHE_DIR, HF_HOME, HOME and, for gated repositories, HF_TOKEN from its Secret."""
+    env = base_env()[:3]
+    if model.hf_token is not None:
+        env.append({"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": model.hf_token.name, "key": model.hf_token.key}}})
+    return env
+
+
+def _init(name: str, image: str, args: list[str], env: list[dict[str, Any]],
+          mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"name": name, "image": image, "command": [*FETCH, *args], "env": env,
+            "volumeMounts": mounts, "securityContext": container_security_context(),
+            "terminationMessagePolicy": "FallbackToLogsOnError"}
+
+
+def _hf_args(src: ModelSource) -> list[str]:
+    return ["--repo", src.repo, "--revision", src.revision, "--path", src.path]
 
 
 def worker_model(model: ModelSpec, image: str,
                  scratch_mounts: list[dict[str, Any]]) -> ModelMount:
     src = model.source
     out = ModelMount(path=src.worker_path)
+    scratch = [dict(m) for m in scratch_mounts]
     if src.kind == "pvc":
         out.volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": src.claim, "readOnly": True}})
         out.mounts.append(_read_only_mount())
+    elif src.kind == "hf" and model.cache_pvc:
+        key = cache_key(src)
+        out.volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": model.cache_pvc}})
+        out.mounts.append(_read_only_mount(key))
+        out.init_containers.append(_init(
+            "fetch-model", image,
+            ["model", *_hf_args(src), "--dest", f"{CACHE_MOUNT}/{key}", "--shared"],
+            fetch_env(model), [{"name": "model", "mountPath": CACHE_MOUNT}, *scratch]))
     elif src.kind == "hf":
-        out.volumes.append({"name": "model", "emptyDir": {}})
+        out.ephemeral_storage = model.download_storage
+        out.volumes.append({"name": "model", "emptyDir": {"sizeLimit": out.ephemeral_storage}})
         out.mounts.append(_read_only_mount())
-        out.init_containers.append({
-            "name": "fetch-model", "image": image,
-            "command": ["python", "-c", FETCH_SCRIPT, src.repo, src.revision, src.path,
-                        MODEL_DIR],
-            "env": base_env()[:3],
-            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
-                             *(dict(m) for m in scratch_mounts)],
-            "securityContext": container_security_context(),
-            "terminationMessagePolicy": "FallbackToLogsOnError"})
+        out.init_containers.append(_init(
+            "fetch-model", image, ["model", *_hf_args(src), "--dest", MODEL_DIR],
+            fetch_env(model), [{"name": "model", "mountPath": MODEL_DIR}, *scratch]))
     return out
 
 
-def router_model(model: ModelSpec) -> ModelMount:
-    """The worker's tokenizer file for the router, where one is reachable without a download;
-    `path` None means the bundled model (found by the router itself) or none."""
+def router_model(model: ModelSpec, image: str, worker_image: str,
+                 scratch_mounts: list[dict[str, Any]]) -> ModelMount:
+    """The tokenizer init container, its emptyDir and the router container's read-only mount
+    of it; `path` is the directory router.yaml names for the served model."""
     src = model.source
-    if src.kind == "pvc":
-        return ModelMount([{"name": "model", "persistentVolumeClaim": {
-            "claimName": src.claim, "readOnly": True}}], [_read_only_mount()], [],
-            src.worker_path)
-    return ModelMount(path=src.worker_path if src.kind == "file" else None)
+    volumes: list[dict[str, Any]] = [{"name": "tokenizer",
+                                      "emptyDir": {"sizeLimit": TOKENIZER_STORAGE}}]
+    mounts = [{"name": "tokenizer", "mountPath": TOKENIZER_DIR}, *map(dict, scratch_mounts)]
+    dest = ["--dest", TOKENIZER_DIR]
+    if src.kind == "hf":
+        init = _init("fetch-tokenizer", image, ["tokenizer", *_hf_args(src), *dest],
+                     fetch_env(model), mounts)
+    elif src.kind == "pvc":
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": src.claim, "readOnly": True}})
+        init = _init("fetch-tokenizer", image,
+                     ["tokenizer", "--local", src.worker_path or MODEL_DIR, *dest],
+                     base_env()[:3], [*mounts, _read_only_mount()])
+    elif src.kind == "file":
+        init = _init("fetch-tokenizer", worker_image, ["tokenizer", "--local", src.path, *dest],
+                     base_env()[:3], mounts)
+    else:
+        init = _init("fetch-tokenizer", worker_image, ["tokenizer", "--bundled", *dest],
+                     base_env()[:3], mounts)
+    return ModelMount(volumes, [{"name": "tokenizer", "mountPath": TOKENIZER_DIR,
+                                 "readOnly": True}], [init], TOKENIZER_DIR)

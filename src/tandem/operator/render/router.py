@@ -28,11 +28,24 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
-from tandem.operator.render.model import router_model
+from tandem.operator.render.model import TOKENIZER_DIR, router_model
+from tandem.operator.render.security import (
+    OperatorPeer,
+    redis_config,
+    redis_env,
+    router_pod_labels,
+    security_args,
+    worker_auth_mount,
+)
 from tandem.operator.spec import InferenceServiceSpec, RateLimit
 from tandem.protocol.labels import ROUTER_COMPONENT
 
 CONFIG_DIR = "/etc/tandem/router"
+# SIGTERM (after the preStop sleep) -> in-flight streams get DRAIN_SECONDS (`--drain-seconds`)
+# -> EXIT_SLACK_SECONDS for the shutdown; the grace period covers all three, as for workers
+DRAIN_SECONDS = 25
+EXIT_SLACK_SECONDS = 5
+TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + EXIT_SLACK_SECONDS
 AUTH_DIR = "/etc/tandem/auth"
 # CRD weight names -> the router's scorer names
 SCORERS = {"prefix": "prefix", "queue": "queue", "kvUsage": "kv_usage",
@@ -62,17 +75,13 @@ def router_config(spec: InferenceServiceSpec) -> dict[str, Any]:
                            "worker_port_name": HTTP_PORT_NAME}
     if r.weights is not None:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
-    tokenizer = router_model(spec.model).path
-    if tokenizer is not None:
-        cfg["tokenizers"] = {spec.model.served_name: tokenizer}
+    # the tokenizer init container's output (`render.model.router_model`), for every source
+    cfg["tokenizers"] = {spec.model.served_name: TOKENIZER_DIR}
     if r.rate_limit is not None or r.tenant_rate_limits:
         cfg["rate_limits"] = {"default": _limits(r.rate_limit or RateLimit()),
                               "tenants": {t: _limits(v)
                                           for t, v in r.tenant_rate_limits.items()}}
-    if r.redis_url:
-        cfg["redis"] = r.redis_url
-        if r.shared_index:
-            cfg["index"] = r.redis_url
+    cfg.update(redis_config(spec))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
     return cfg
 
 
@@ -80,16 +89,24 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     args = ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)",
             "--inference-service", owner.name, "--worker-port-name", HTTP_PORT_NAME,
-            "--config", f"{CONFIG_DIR}/router.yaml"]
+            "--config", f"{CONFIG_DIR}/router.yaml",
+            "--drain-seconds", str(TERMINATION_GRACE_SECONDS - PRE_STOP_SECONDS
+                                   - EXIT_SLACK_SECONDS)]
     if spec.router.api_keys_secret:
         args += ["--api-keys", f"{AUTH_DIR}/api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
-    return args
+    return args + security_args(spec, owner)
 
 
-def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[dict[str, Any]]:
+def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
+                  operator: OperatorPeer | None = None,
+                  worker_image: str | None = None) -> list[dict[str, Any]]:
+    """`image`: the router's (`router.image` wins); `worker_image`: the decode pool's, which
+    holds a `file://` or the bundled model for the tokenizer init container."""
     name = router_name(owner)
+    worker_image = worker_image or image
+    image = spec.router.pod.image or image
     text = yaml.safe_dump(router_config(spec), sort_keys=True)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": metadata(owner, f"{name}-config", ROUTER_COMPONENT),
@@ -107,9 +124,9 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[
                "subjects": [{"kind": "ServiceAccount", "name": name,
                              "namespace": owner.namespace}]}
     volumes, mounts = scratch_volumes()
+    model = router_model(spec.model, image, worker_image, mounts)
     volumes.append({"name": "config", "configMap": {"name": f"{name}-config"}})
     mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
-    model = router_model(spec.model)
     volumes += model.volumes
     mounts += model.mounts
     if spec.router.api_keys_secret:
@@ -121,11 +138,14 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
         mounts.append({"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True})
+    auth_volume, auth_mount = worker_auth_mount(spec, owner)
+    volumes.append(auth_volume)
+    mounts.append(auth_mount)
     container: dict[str, Any] = {
         "name": "router", "image": image, "command": ["tandem"],
         "args": router_args(spec, owner),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": base_env(),
+        "env": base_env() + redis_env(spec),
         "readinessProbe": http_probe("/ready", period=5, failures=2),
         "livenessProbe": http_probe("/health", period=10, failures=3, timeout=5),
         "lifecycle": pre_stop(), "securityContext": container_security_context(),
@@ -143,11 +163,12 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str) -> list[
             "selector": {"matchLabels": labels(owner, ROUTER_COMPONENT)},
             "revisionHistoryLimit": 3,
             "template": {
-                "metadata": {"labels": dict(meta["labels"]),
+                "metadata": {"labels": {**meta["labels"], **router_pod_labels(operator)},
                              "annotations": {CONFIG_HASH: digest, **scrape_annotations()}},
                 "spec": {"serviceAccountName": name, "enableServiceLinks": False,
                          "securityContext": pod_security_context(),
-                         "terminationGracePeriodSeconds": PRE_STOP_SECONDS + 25,
+                         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+                         "initContainers": model.init_containers,
                          "containers": [container], "volumes": volumes}}}}
     service = {"apiVersion": "v1", "kind": "Service",
                "metadata": metadata(owner, name, ROUTER_COMPONENT),

@@ -37,10 +37,14 @@ from tandem.operator.render.common import (
     scratch_volumes,
 )
 from tandem.operator.render.model import worker_model
+from tandem.operator.render.security import security_args, worker_auth_mount
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol.labels import WORKER_COMPONENT
 
 SHUTDOWN_SLACK_SECONDS = 15  # after the drain: uvicorn's graceful stop, engine shutdown
+EPHEMERAL = "ephemeral-storage"
+EPHEMERAL_HEADROOM_MIB = 4096  # logs, /tmp and the caches, beyond the model's download
+_MIB = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
 STARTUP_SECONDS = 1800  # digest check + (download) before /health answers; then liveness
 
 
@@ -117,7 +121,9 @@ def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
 
 def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
                       replicas: int | None) -> dict[str, Any]:
-    """The pool's Deployment; `replicas` None leaves the count to an HPA."""
+    """The pool's Deployment; `replicas` None leaves the count to an HPA; the pool's own
+    `image` wins over `image`."""
+    image = pool.spec.pod.image or image
     volumes, mounts = scratch_volumes()
     model = worker_model(spec.model, image, mounts)
     volumes += model.volumes
@@ -126,12 +132,15 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
         mounts.append({"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True})
+    auth_volume, auth_mount = worker_auth_mount(spec, owner)  # a rotated key: no restart
+    volumes.append(auth_volume)
+    mounts.append(auth_mount)
     if pool.spec.gpus or spec.kv_transfer.backend == "torch":  # NCCL / gloo shared memory
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": "worker", "image": image, "command": ["tandem"],
-        "args": worker_args(spec, pool, model.path),
+        "args": worker_args(spec, pool, model.path) + security_args(spec, owner),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": GRPC_PORT_NAME, "containerPort": GRPC_PORT, "protocol": "TCP"}],
         "env": base_env(),
@@ -140,8 +149,9 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
         "startupProbe": http_probe("/health", period=10, failures=STARTUP_SECONDS // 10),
         "lifecycle": pre_stop(), "securityContext": container_security_context(),
         "volumeMounts": mounts, "terminationMessagePolicy": "FallbackToLogsOnError"}
-    if pool.spec.resources:
-        container["resources"] = copy.deepcopy(pool.spec.resources)
+    if pool.spec.resources or model.ephemeral_storage:
+        container["resources"] = with_ephemeral_storage(pool.spec.resources,
+                                                        model.ephemeral_storage)
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "securityContext": pod_security_context(),
@@ -170,6 +180,19 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
         deploy_spec = {"replicas": replicas, **deploy_spec}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": deploy_spec}
+
+
+def with_ephemeral_storage(resources: Mapping[str, Any], download: str | None) -> dict[str, Any]:
+    """The pool's resources plus, for a download into an emptyDir, an ephemeral-storage
+    request of its size and a limit with room for logs and scratch (unless the pool sets
+    either itself)."""
+    out = copy.deepcopy(dict(resources))
+    if download is None or any(EPHEMERAL in out.get(k, {}) for k in ("requests", "limits")):
+        return out
+    mib = math.ceil(int(download[:-2]) * _MIB[download[-2:]]) + EPHEMERAL_HEADROOM_MIB
+    out.setdefault("requests", {}).setdefault(EPHEMERAL, download)
+    out.setdefault("limits", {}).setdefault(EPHEMERAL, f"{mib}Mi")
+    return out
 
 
 def worker_service(owner: Owner, pool: Pool) -> dict[str, Any]:

@@ -1,0 +1,246 @@
+"""`tandem render -f FILE`: every object the operator would apply for an InferenceService,
+as multi-document YAML in apply order, without a cluster.
+
+Built on the operator's own code path, not a copy: `parse_spec` (with the CRD's CEL rules
+repeated), `cli.config_from` on the operator's environment (TANDEM_IMAGE ... as the chart
+sets them; `--image` and the like override them) and `reconcile.apply` itself, run against
+a `Recorder` instead of a cluster: the output is its writes, in order. A Secret it creates
+once with random key material (the worker-auth key) is printed with a placeholder value.
+What only a live cluster knows comes from flags: the namespace
+(else the document's, else "default"), the InferenceService's uid (else the document's, else
+a placeholder the output says is one) and the replicas the operator's autoscaler chose.
+
+Refused, exit 2 with the reason on stderr: unreadable YAML, a document that is not an
+InferenceService (`kind: List` is expanded), an invalid spec (the `SpecError` names the
+field). A file of several InferenceServices renders each, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import yaml
+
+from tandem.operator.render.common import (
+    API_VERSION,
+    IMAGE_ENV,
+    KIND,
+    PULL_POLICY_ENV,
+    ROUTER_IMAGE_ENV,
+    Owner,
+)
+from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+PLACEHOLDER_VALUE = "<generated-by-the-operator>"  # not base64 on purpose: never a key
+
+
+class RenderError(Exception):
+    """Input `tandem render` refuses (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Service:
+    """One InferenceService document, parsed."""
+
+    owner: Owner
+    spec: InferenceServiceSpec
+    placeholder_uid: bool
+
+
+def add_render_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--filename", required=True, metavar="FILE",
+                   help="the InferenceService manifest(s); - reads stdin")
+    p.add_argument("-n", "--namespace", default=None,
+                   help="the namespace the InferenceService is applied to (default: the "
+                        "document's metadata.namespace, else 'default')")
+    p.add_argument("--uid", default=None, help="the InferenceService's metadata.uid, which "
+                   "the children's ownerReferences name (default: the document's, else a "
+                   "placeholder)")
+    p.add_argument("--image", default=None, help="the operator's default image for workers "
+                   "and routers (default: $TANDEM_IMAGE, as the chart sets it)")
+    p.add_argument("--image-pull-policy", default=None,
+                   choices=("Always", "IfNotPresent", "Never"),
+                   help="default: $TANDEM_IMAGE_PULL_POLICY, else the cluster's default")
+    p.add_argument("--router-image", default=None,
+                   help="the routers' image (default: $TANDEM_ROUTER_IMAGE)")
+    p.add_argument("--replicas", action="append", default=[], metavar="POOL=N",
+                   help="the live replicas of a pool the operator's autoscaler drives "
+                        "(worker, prefill or decode; repeatable)")
+    # what `config_from` reads besides the environment (timers do not change the objects)
+    p.set_defaults(status_interval=10.0, autoscale_interval=15.0, resync_interval=300.0)
+
+
+def load(text: str) -> list[dict[str, Any]]:
+    """The InferenceService documents of `text` (empty documents skipped)."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise RenderError(f"not valid YAML: {exc}") from None
+    out: list[dict[str, Any]] = []
+    for i, doc in enumerate(docs, 1):
+        items = doc.get("items") if isinstance(doc, dict) and doc.get("kind") == "List" else [doc]
+        for item in items or []:
+            if not isinstance(item, dict):
+                raise RenderError(f"document {i}: a mapping is expected, got "
+                                  f"{type(item).__name__}")
+            kind, api = item.get("kind"), item.get("apiVersion")
+            if (api, kind) != (API_VERSION, KIND):
+                raise RenderError(f"document {i}: {api}/{kind} is not an InferenceService "
+                                  f"(apiVersion {API_VERSION}, kind {KIND})")
+            out.append(item)
+    if not out:
+        raise RenderError("no InferenceService in the input")
+    return out
+
+
+def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Service:
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+        raise RenderError("metadata.name is required")
+    name = meta["name"]
+    try:
+        check_name(name)
+        spec = parse_spec(doc.get("spec"))
+    except SpecError as exc:
+        raise RenderError(f"InferenceService {name}: invalid spec: {exc}") from None
+    own_ns = meta.get("namespace")
+    if namespace and own_ns and namespace != own_ns:
+        raise RenderError(f"InferenceService {name}: metadata.namespace {own_ns!r} does not "
+                          f"match --namespace {namespace!r}")
+    uid = uid or meta.get("uid")
+    return Service(Owner(name, namespace or own_ns or "default", uid or PLACEHOLDER_UID),
+                   spec, placeholder_uid=uid is None)
+
+
+def replica_overrides(flags: list[str], spec: InferenceServiceSpec) -> dict[str, int]:
+    """`--replicas POOL=N`, for pools the operator's autoscaler drives (the only counts the
+    operator takes from the live Deployment instead of the spec)."""
+    from tandem.operator.reconcile import operator_scaled
+
+    scaled = {p.name for p in operator_scaled(spec)}
+    out = {}
+    for flag in flags:
+        pool, _, count = flag.partition("=")
+        if not count.isdigit():
+            raise RenderError(f"--replicas {flag!r}: POOL=N, N a whole number")
+        if pool not in scaled:
+            raise RenderError(f"--replicas {flag!r}: pool {pool!r} is not scaled by the "
+                              f"operator (autoscaling.mode: operator): {sorted(scaled) or 'none'}")
+        out[pool] = int(count)
+    return out
+
+
+def environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The operator's environment, the flags overriding it."""
+    out = dict(environ)
+    for env, value in ((IMAGE_ENV, args.image), (PULL_POLICY_ENV, args.image_pull_policy),
+                       (ROUTER_IMAGE_ENV, args.router_image)):
+        if value:
+            out[env] = value
+    return out
+
+
+class Recorder:
+    """A `kube.Kube` with no cluster behind it, for `reconcile.apply` to run against: no
+    children yet (but the `live` Deployments' replicas), every write recorded in order."""
+
+    def __init__(self, live: list[dict[str, Any]]) -> None:
+        self.live, self.writes = live, []
+
+    def list_owned(self, kind: str, namespace: str, owner: str, uid: str) -> list[dict]:
+        return [d for d in self.live if d["kind"] == kind]
+
+    def apply(self, doc: dict[str, Any], manager: str = "") -> dict[str, Any]:
+        self.writes.append(("apply", doc))
+        return doc
+
+    def create(self, doc: dict[str, Any]) -> bool:
+        self.writes.append(("create", doc))
+        return True
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict, manager: str = "") -> dict:
+        raise AssertionError(f"a patch of {kind}/{name} while rendering")  # autoscaler only
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        raise AssertionError(f"a delete of {kind}/{name} while rendering")  # none live
+
+
+def placeholder(doc: dict[str, Any]) -> dict[str, Any]:
+    """A created-once Secret (random key material) with its values replaced."""
+    if doc["kind"] != "Secret":
+        return doc
+    return {**doc, "data": dict.fromkeys(doc.get("data") or {}, PLACEHOLDER_VALUE)}
+
+
+def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[str, dict]]:
+    """What `reconcile.apply` writes for `svc`, in order, on a cluster without its children
+    (operator-scaled pools at `replicas`, as their live Deployments would be)."""
+    from tandem.operator.reconcile import apply
+    from tandem.operator.render import pool_name, pools
+
+    live = [{"apiVersion": "apps/v1", "kind": "Deployment",
+             "metadata": {"name": pool_name(svc.owner, p), "namespace": svc.owner.namespace},
+             "spec": {"replicas": replicas[p.name]}} for p in pools(svc.spec) if p.name in replicas]
+    recorder = Recorder(live)
+    apply(recorder, svc.spec, svc.owner, config)  # type: ignore[arg-type]
+    return recorder.writes
+
+
+def render(args: argparse.Namespace, text: str, environ: Mapping[str, str]) -> str:
+    """The YAML `tandem render` prints for the manifest(s) in `text`."""
+    from tandem.operator.cli import config_from
+
+    docs = load(text)
+    if args.uid and len(docs) > 1:
+        raise RenderError("--uid names one InferenceService; the input holds "
+                          f"{len(docs)}")
+    config = config_from(args, environment(args, environ))
+    out = []
+    for doc in docs:
+        svc = parse(doc, args.namespace, args.uid)
+        done = writes(svc, config, replica_overrides(args.replicas, svc.spec))
+        head = [f"# InferenceService {svc.owner.namespace}/{svc.owner.name}: the "
+                f"{len(done)} objects the operator writes, in order"]
+        if svc.placeholder_uid:
+            head.append(f"# ownerReferences[].uid is a placeholder ({PLACEHOLDER_UID}):\n"
+                        "# pass --uid with the InferenceService's metadata.uid before applying")
+        if any(verb == "create" for verb, _ in done):
+            created = ", ".join(f"{d['kind']}/{d['metadata']['name']}"
+                                for verb, d in done if verb == "create")
+            head += [f"# {created}: created once by the operator with fresh random key "
+                     "material,", f"# never overwritten; printed with the value "
+                     f"{PLACEHOLDER_VALUE}, not a key", "# (not base64: the API server "
+                     "refuses it, so it cannot be applied by mistake)"]
+        out.append("\n".join(head) + "\n")
+        out += [yaml.safe_dump(placeholder(d) if verb == "create" else d, sort_keys=False)
+                for verb, d in done]
+    return "---\n".join(out)
+
+
+def run(args: argparse.Namespace, stdin: TextIO | None = None,
+        stdout: TextIO | None = None) -> int:
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    logging.getLogger("tandem.operator").setLevel(logging.WARNING)  # no "created ..." lines
+    where = "stdin" if args.filename == "-" else args.filename
+    try:
+        if args.filename == "-":
+            text = stdin.read()
+        else:
+            with open(args.filename, encoding="utf-8") as f:
+                text = f.read()
+        result = render(args, text, os.environ)
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"tandem render: cannot read {where}: {exc}", file=sys.stderr)
+        return 2
+    except RenderError as exc:
+        print(f"tandem render: {where}: {exc}", file=sys.stderr)
+        return 2
+    stdout.write(result)
+    return 0

@@ -1,0 +1,188 @@
+"""The security side of an InferenceService's pods and children.
+
+* Worker-plane signing (`protocol.signing`): the Secret `<isvc>-worker-auth` (key `key`, 32 random
+  bytes; `worker_auth_secret`, created by `reconcile` only when absent and never rendered
+  into the applied set, so no re-apply overwrites it), or `security.workerAuthSecretName`;
+  mounted as a directory (no subPath: a rotated key reaches the pods, which re-read it) at
+  `WORKER_AUTH_DIR` in the router and every worker, `--worker-auth-key-file` pointing at it.
+* mTLS identity (`protocol.tls`): with `kvTransfer.tlsSecret`, `--grpc-tls-server-name
+  NAME.NS.tandem.internal`; with `kvTransfer.tlsIssuerRef`, a cert-manager `Certificate`
+  `<isvc>-grpc-tls` for exactly that name, written into tlsSecret.
+* Redis: `router.redisUrlSecretRef` -> env `TANDEM_REDIS_URL` from the Secret, and
+  router.yaml `redis` (and `index`) `env:TANDEM_REDIS_URL`: the URL never enters a ConfigMap.
+* NetworkPolicies (`security.networkPolicy.enabled`, default on): worker pods admit only
+  this InferenceService's routers (http, grpc), its own workers (grpc; every TCP port with the
+  torch backend, whose TCPStore and gloo/NCCL sockets take ephemeral ports), the operator of
+  the release (http: the autoscaler scrapes /metrics) and `monitoring.prometheus` (http);
+  router pods admit clients on http from anywhere, or only `router.allowedClients` (then
+  also the Prometheus peer). Kubelet probes come from the node, which policies do not
+  govern on the common CNIs.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.render.common import (
+    GRPC_PORT_NAME,
+    HTTP_PORT_NAME,
+    Owner,
+    labels,
+    metadata,
+)
+from tandem.operator.spec import InferenceServiceSpec
+from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
+from tandem.protocol.tls import peer_identity
+
+WORKER_AUTH_DIR = "/etc/tandem/worker-auth"
+WORKER_AUTH_KEY = "key"  # the Secret's data key, and the file name under WORKER_AUTH_DIR
+WORKER_AUTH_BYTES = 32
+REDIS_URL_ENV = "TANDEM_REDIS_URL"
+# on router (and operator) pods: the Helm release of the operator that deployed them, which
+# the chart's Redis NetworkPolicy admits
+OPERATOR_RELEASE_LABEL = f"{GROUP}/operator-release"
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # set by the API server on every namespace
+OPERATOR_COMPONENT = "operator"
+OPERATOR_NAMESPACE_ENV = "TANDEM_OPERATOR_NAMESPACE"
+OPERATOR_RELEASE_ENV = "TANDEM_OPERATOR_RELEASE"
+CERT_USAGES = ("server auth", "client auth", "digital signature", "key encipherment")
+
+
+@dataclass(frozen=True)
+class OperatorPeer:
+    """Who runs the operator (from the chart's env): its namespace and Helm release; either
+    None (e.g. run from a laptop) leaves it out of the NetworkPolicies and labels."""
+
+    namespace: str | None = None  # TANDEM_OPERATOR_NAMESPACE
+    release: str | None = None  # TANDEM_OPERATOR_RELEASE
+
+
+def operator_from_env(environ: Mapping[str, str]) -> OperatorPeer:
+    """The chart sets both on the operator (`os.environ`); unset ones stay None."""
+    return OperatorPeer(environ.get(OPERATOR_NAMESPACE_ENV) or None,
+                        environ.get(OPERATOR_RELEASE_ENV) or None)
+
+
+# ---- worker-auth Secret -----------------------------------------------------------------
+
+def worker_auth_secret_name(spec: InferenceServiceSpec, owner: Owner) -> str:
+    return spec.security.worker_auth_secret_name or f"{owner.name}-worker-auth"
+
+
+def worker_auth_secret(owner: Owner) -> dict[str, Any]:
+    """A new key Secret for `reconcile` to create once (fresh random bytes every call)."""
+    key = base64.b64encode(secrets.token_bytes(WORKER_AUTH_BYTES)).decode()
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": metadata(owner, f"{owner.name}-worker-auth", "worker-auth"),
+            "data": {WORKER_AUTH_KEY: key}}
+
+
+def worker_auth_mount(spec: InferenceServiceSpec,
+                      owner: Owner) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(volume, mount): the key Secret as a directory; a missing `key` fails the pod start."""
+    volume = {"name": "worker-auth", "secret": {
+        "secretName": worker_auth_secret_name(spec, owner), "defaultMode": 0o440,
+        "items": [{"key": WORKER_AUTH_KEY, "path": WORKER_AUTH_KEY}]}}
+    return volume, {"name": "worker-auth", "mountPath": WORKER_AUTH_DIR, "readOnly": True}
+
+
+def security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
+    """Flags every router and worker gets: the signing key, and the gRPC peer identity."""
+    args = ["--worker-auth-key-file", f"{WORKER_AUTH_DIR}/{WORKER_AUTH_KEY}"]
+    if spec.kv_transfer.tls_secret:
+        args += ["--grpc-tls-server-name", peer_identity(owner.name, owner.namespace)]
+    return args
+
+
+# ---- cert-manager Certificate -----------------------------------------------------------
+
+def certificate(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any] | None:
+    kv = spec.kv_transfer
+    if kv.tls_issuer is None or not kv.tls_secret:
+        return None
+    issuer = kv.tls_issuer
+    return {"apiVersion": "cert-manager.io/v1", "kind": "Certificate",
+            "metadata": metadata(owner, f"{owner.name}-grpc-tls", "grpc-tls"),
+            "spec": {"secretName": kv.tls_secret,
+                     "dnsNames": [peer_identity(owner.name, owner.namespace)],
+                     "usages": list(CERT_USAGES),
+                     "privateKey": {"algorithm": "RSA", "size": 2048,
+                                    "rotationPolicy": "Always"},
+                     "issuerRef": {"name": issuer.name, "kind": issuer.kind,
+                                   "group": issuer.group}}}
+
+
+# ---- Redis URL from a Secret ------------------------------------------------------------
+
+def redis_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    ref = spec.router.redis_url_secret
+    if ref is None:
+        return []
+    return [{"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name,
+                                                                   "key": ref.key}}}]
+
+
+def redis_config(spec: InferenceServiceSpec) -> dict[str, str]:
+    """router.yaml's `redis` / `index`: the environment variable, never the URL."""
+    if spec.router.redis_url_secret is None:
+        return {}
+    value = f"env:{REDIS_URL_ENV}"
+    return {"redis": value, **({"index": value} if spec.router.shared_index else {})}
+
+
+def router_pod_labels(operator: OperatorPeer | None) -> dict[str, str]:
+    return {OPERATOR_RELEASE_LABEL: operator.release} if operator and operator.release else {}
+
+
+# ---- NetworkPolicies ---------------------------------------------------------------------
+
+def _port(name: str) -> dict[str, Any]:
+    return {"port": name, "protocol": "TCP"}
+
+
+def _pods(owner: Owner, component: str) -> dict[str, Any]:
+    """Pods of this InferenceService only (a peer without namespaceSelector: its namespace)."""
+    return {"podSelector": {"matchLabels": labels(owner, component)}}
+
+
+def operator_peer(operator: OperatorPeer | None) -> dict[str, Any] | None:
+    if operator is None or not operator.namespace or not operator.release:
+        return None
+    return {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: operator.namespace}},
+            "podSelector": {"matchLabels": {COMPONENT_LABEL: OPERATOR_COMPONENT,
+                                            OPERATOR_RELEASE_LABEL: operator.release}}}
+
+
+def _policy(owner: Owner, name: str, component: str,
+            ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(owner, name, component),
+            "spec": {"podSelector": {"matchLabels": labels(owner, component)},
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
+def network_policies(spec: InferenceServiceSpec, owner: Owner,
+                     operator: OperatorPeer | None = None) -> list[dict[str, Any]]:
+    if not spec.security.network_policy:
+        return []
+    http, grpc = _port(HTTP_PORT_NAME), _port(GRPC_PORT_NAME)
+    prom = [spec.prometheus] if spec.prometheus is not None else []
+    peers = [_pods(owner, WORKER_COMPONENT)]
+    workers: list[dict[str, Any]] = [
+        {"from": [_pods(owner, ROUTER_COMPONENT)], "ports": [http, grpc]},
+        # decode -> prefill gRPC (KV transfer); the torch backend's TCPStore (decode side)
+        # and gloo/NCCL pair sockets listen on ephemeral ports, in both directions
+        {"from": peers} if spec.kv_transfer.backend == "torch" and spec.disaggregated
+        else {"from": peers, "ports": [grpc]}]
+    scrapers = [p for p in (operator_peer(operator), *prom) if p is not None]
+    if scrapers:
+        workers.append({"from": scrapers, "ports": [http]})
+    clients = list(spec.router.allowed_clients)
+    router = ([{"from": clients + prom, "ports": [http]}] if clients
+              else [{"ports": [http]}])  # the front door: anyone, on http only
+    return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers),
+            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router)]

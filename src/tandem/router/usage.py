@@ -1,0 +1,171 @@
+"""Tokens-per-minute accounting of one request: its worst case up front, then what it used.
+
+`worst_case` is what a request may consume at most, charged before it is routed:
+(prompt tokens + output tokens allowed) for every sequence it may generate. Output allowed
+is `max_completion_tokens` / `max_tokens`, bounded by the context left after the prompt
+(`max_model_len - prompt`, the smallest context of the model's ready workers); without
+either bound, the context left, or `UNKNOWN_CONTEXT_OUTPUT` when no worker reported its
+context. Sequences: `n` (or `best_of`, when larger) for each prompt of a batch; a batch's
+other prompts count their token ids, or the UTF-8 bytes of their text + 2 (a token covers
+at least one byte; + BOS/EOS), an upper bound since only the first prompt is tokenized.
+
+`Settlement` refunds the difference once the answer shows the real use:
+* a JSON answer: its `usage.total_tokens`; without usage, the prompt share of the charge plus
+  an upper bound of the text it holds; a non-2xx answer or no answer at all: everything
+  (nothing was generated);
+* a stream: the router asks the worker for the usage chunk (`stream_options.include_usage`,
+  removed again before the client when it did not ask for it); without one (a server that
+  ignores the option, or a stream cut short) the prompt share plus an upper bound of what
+  was streamed (one token per byte of each event, + 1): conservative, never an over-refund;
+* a non-streamed request the client abandoned: no refund (its use is unknown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.router.ratelimit import RateLimiter, Verdict
+
+logger = logging.getLogger(__name__)
+UNKNOWN_CONTEXT_OUTPUT = 4096  # output tokens charged when nothing bounds them
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_TASKS: set[asyncio.Task] = set()  # refunds in flight (referenced until done)
+
+
+def _count(value: Any, default: int = 1) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else default
+
+
+def _prompt_bound(prompt: Any) -> int:
+    """An upper bound of one prompt's tokens without tokenizing it."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return len(str(prompt).encode()) + 2
+
+
+def worst_case(kind: str, data: Mapping[str, Any], prompt_tokens: int,
+               max_model_len: int | None) -> tuple[int, int]:
+    """(tokens to charge, the prompt share of them) for a parsed request body `data` whose
+    (first) prompt has `prompt_tokens` tokens; see the module doc."""
+    prompts = [prompt_tokens]
+    batch = data.get("prompt") if kind == "completions" else None
+    if isinstance(batch, list) and batch and not isinstance(batch[0], int):
+        prompts += [_prompt_bound(p) for p in batch[1:]]
+    seqs = max(_count(data.get("n")), _count(data.get("best_of")))
+    asked = data.get("max_completion_tokens") if kind == "chat" else None
+    asked = _count(asked if asked is not None else data.get("max_tokens"), 0) or None
+    total = prompt_share = 0
+    for p in prompts:
+        room = max(max_model_len - p, 0) if max_model_len else None
+        out = min(x for x in (asked, room) if x is not None) if (asked or room is not None) \
+            else UNKNOWN_CONTEXT_OUTPUT
+        total += seqs * (p + out)
+        prompt_share += p
+    return total, prompt_share
+
+
+def answer_usage(body: bytes) -> tuple[int | None, int]:
+    """(`usage.total_tokens` or None, an upper bound of the completion tokens from the
+    choices' text: UTF-8 bytes + 1 each) of a JSON answer."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None, len(body)
+    if not isinstance(doc, dict):
+        return None, len(body)
+    usage = doc.get("usage")
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+        return total, 0
+    bound = 0
+    for c in doc.get("choices") or ():
+        if isinstance(c, dict):
+            msg = c.get("message")
+            text = c.get("text") or (msg.get("content") if isinstance(msg, dict) else "")
+            bound += len(str(text or "").encode()) + 1
+    return None, bound
+
+
+@dataclass
+class Settlement:
+    """One charged request's refund, applied once (`settle`)."""
+
+    limiter: RateLimiter
+    tenant: str
+    verdict: Verdict
+    prompt_share: int
+    done: bool = field(default=False)
+
+    def settle(self, total: int | None = None, completion_bound: int | None = None) -> None:
+        """Refund what the request did not use, in the background: `total` tokens when the
+        answer said so, else the prompt share + `completion_bound`; neither: nothing was
+        generated, the whole charge comes back."""
+        if self.done:
+            return
+        self.done = True
+        if total is not None:
+            used = total
+        elif completion_bound is not None:
+            used = self.prompt_share + completion_bound
+        else:
+            used = 0
+        unused = self.verdict.charged - used
+        if unused <= 0:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(
+                self.limiter.refund(self.tenant, self.verdict, unused))
+        except RuntimeError:  # no loop (shutting down): the charge stands
+            return
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+
+    def keep(self) -> None:
+        """No refund: what the request used is unknown."""
+        self.done = True
+
+    async def tap(self, chunks: AsyncIterator[bytes], strip_usage: bool
+                  ) -> AsyncIterator[bytes]:
+        """Relay an SSE stream, reading its usage chunk (dropped when `strip_usage`); on its
+        end, however it ends, settle from that chunk or from the bound of what it sent."""
+        total: int | None = None
+        bound = 0
+        tail = b""
+        try:
+            async for chunk in chunks:
+                data = tail + chunk
+                end = data.rfind(b"\n\n")
+                if end < 0:  # no complete event yet
+                    tail = data
+                    continue
+                tail, ready = data[end + 2:], data[:end + 2]
+                out = []
+                for event in ready.split(b"\n\n")[:-1]:
+                    if _USAGE.search(event):
+                        seen = _stream_usage(event)
+                        if seen is not None:
+                            total = seen
+                            if strip_usage and b'"choices":[]' in event.replace(b" ", b""):
+                                continue
+                    bound += len(event) + 1
+                    out.append(event + b"\n\n")
+                if out:
+                    yield b"".join(out)
+            if tail:
+                yield tail
+        finally:
+            self.settle(total, bound)
+
+
+def _stream_usage(event: bytes) -> int | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return answer_usage(line[5:].strip())[0]
+    return None

@@ -1,0 +1,52 @@
+"""The worker's check of the router's signature (`protocol.signing`).
+
+A request that names a prefill worker (`x-tandem-prefill`) or carries a tenant's
+`cache_salt` (`tenant=...`) is acted on only with a valid, fresh signature over its exact
+body and that target: otherwise 403 with an OpenAI error body naming the cause, before the
+prompt is tokenized and before any connection is opened. Anything else (direct debugging,
+probes) needs no signature. A worker without `--worker-auth-key-file` refuses both.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import Request
+
+from tandem.protocol.signing import (
+    SIGNATURE_HEADER,
+    TENANT_SALT_PREFIX,
+    SignatureError,
+    WorkerKey,
+)
+from tandem.protocol.web import PREFILL_HEADER
+from tandem.serving.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+def needs_signature(target: str | None, cache_salt: str | None) -> bool:
+    return target is not None or (cache_salt or "").startswith(TENANT_SALT_PREFIX)
+
+
+async def check_signature(request: Request, key: WorkerKey | None, cache_salt: str | None,
+                          on_reject: Callable[[str], None] | None = None) -> None:
+    """Raise APIError(403) when the request needs a signature (module doc) and has no
+    valid one. `on_reject(reason)` is called first (a metric)."""
+    target = request.headers.get(PREFILL_HEADER)
+    if not needs_signature(target, cache_salt):
+        return
+    what = PREFILL_HEADER if target is not None else "a tenant cache_salt"
+    try:
+        if key is None:
+            raise SignatureError("no_key", "this worker has no --worker-auth-key-file, so it "
+                                           f"accepts no {what}")
+        key.verify(request.headers.get(SIGNATURE_HEADER), await request.body(), target)
+    except SignatureError as exc:
+        if on_reject is not None:
+            on_reject(exc.reason)
+        logger.warning("refused a request with %s from %s: %s", what,
+                       request.client.host if request.client else "?", exc)
+        raise APIError(403, f"{exc} (a request with {what} must come from the router)",
+                       SIGNATURE_HEADER, type_="permission_error") from exc

@@ -1,0 +1,121 @@
+"""Kubernetes NetworkPolicy semantics for tests: label selectors (matchLabels and
+matchExpressions), and which pods may open a TCP connection to which pod on which port under
+a set of NetworkPolicies (ingress only, as the operator and the chart render them).
+
+The rules, as the NetworkPolicy API defines them: a pod no policy selects is not isolated
+(everything gets in); an isolated pod admits a connection that some selecting policy's
+ingress rule allows. A rule with no `ports` allows every port, a named port is resolved on
+the target pod's containers; a rule with no `from` allows every source. A peer with only a
+podSelector means pods of the policy's namespace; with a namespaceSelector, pods of the
+namespaces it selects (all of their pods, or those the podSelector also selects); an ipBlock
+matches the source address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """`metav1.LabelSelector` semantics: every matchLabels pair and every expression holds;
+    an empty selector selects everything."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+        if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            raise ValueError(f"unknown selector operator {op!r}")
+    return True
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+    ports: dict[str, int] = field(default_factory=dict)  # named container ports
+    ip: str = "10.0.0.1"
+    namespace_labels: dict[str, str] = field(default_factory=dict)
+
+    def ns_labels(self) -> dict[str, str]:
+        # the API server labels every namespace with its own name
+        return {"kubernetes.io/metadata.name": self.namespace, **self.namespace_labels}
+
+
+def pods_of(docs: Iterable[dict[str, Any]], namespace: str, **ns_labels: str) -> list[Pod]:
+    """One Pod per rendered Deployment (named NAMESPACE/DEPLOYMENT): its template's labels
+    and named container ports."""
+    out = []
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        tpl = d["spec"]["template"]
+        ports = {p["name"]: p["containerPort"] for c in tpl["spec"]["containers"]
+                 for p in c.get("ports", []) if "name" in p}
+        out.append(Pod(f"{namespace}/{d['metadata']['name']}", namespace,
+                       dict(tpl["metadata"]["labels"]),
+                       ports, namespace_labels=dict(ns_labels)))
+    return out
+
+
+def _peer_matches(peer: dict[str, Any], policy_ns: str, source: Pod) -> bool:
+    if "ipBlock" in peer:
+        block = peer["ipBlock"]
+        ip = ipaddress.ip_address(source.ip)
+        return (ip in ipaddress.ip_network(block["cidr"])
+                and not any(ip in ipaddress.ip_network(c) for c in block.get("except", [])))
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], source.ns_labels()):
+            return False
+    elif source.namespace != policy_ns:
+        return False
+    return "podSelector" not in peer or selects(peer["podSelector"], source.labels)
+
+
+def _port_matches(rule_port: dict[str, Any], target: Pod, port: int) -> bool:
+    if rule_port.get("protocol", "TCP") != "TCP":
+        return False
+    want = rule_port.get("port")
+    if want is None:
+        return True
+    if isinstance(want, str):
+        want = target.ports.get(want)
+    end = rule_port.get("endPort", want)
+    return want is not None and want <= port <= end
+
+
+def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int) -> bool:
+    """May `source` open a TCP connection to `target`:`port`?"""
+    selecting = [p for p in policies if p["metadata"]["namespace"] == target.namespace
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and selects(p["spec"]["podSelector"], target.labels)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            if rule.get("ports") and not any(_port_matches(rp, target, port)
+                                             for rp in rule["ports"]):
+                continue
+            peers = rule.get("from")
+            if not peers or any(_peer_matches(p, policy["metadata"]["namespace"], source)
+                                for p in peers):
+                return True
+    return False
+
+
+def admitted(policies: list[dict[str, Any]], pods: Iterable[Pod], target: Pod,
+             port: int) -> set[str]:
+    """The names of the pods in `pods` that `target` admits on `port`."""
+    return {p.name for p in pods if p is not target and admits(policies, p, target, port)}

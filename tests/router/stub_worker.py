@@ -1,0 +1,87 @@
+"""A Tandem-shaped stub worker on a real port (uvicorn in a thread) for router process tests:
+`/ready` as a worker answers it (503 while `loading`, naming its model as a loading Tandem
+worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow stream on
+request: the body's `stub_chunks` and `stub_delay_s` (fields the router passes through)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+COMPLETION_TOKENS = 5  # per sequence, in every answer's usage
+
+
+class StubWorker:
+    def __init__(self, port: int, model: str = "stub-model", max_model_len: int = 400,
+                 loading: bool = False) -> None:
+        self.port, self.model, self.max_model_len = port, model, max_model_len
+        self.url = f"http://127.0.0.1:{port}"
+        self.loading = loading
+        self.bodies: list[dict] = []
+        self.finished_streams = 0
+        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/ready")
+        async def ready() -> JSONResponse:
+            body = {"status": "loading" if self.loading else "ready", "role": "both",
+                    "model": self.model}
+            if self.loading:
+                return JSONResponse(body, status_code=503)
+            return JSONResponse({**body, "block_size": 16,
+                                 "max_model_len": self.max_model_len})
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {"status": "ok"}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):  # noqa: ANN202
+            body = await request.json()
+            self.bodies.append(body)
+            prompt = body["prompt"]
+            n = body.get("n", 1)
+            usage = {"prompt_tokens": len(prompt) if isinstance(prompt, list) else 1,
+                     "completion_tokens": COMPLETION_TOKENS * n}
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            if not body.get("stream"):
+                return {"id": "cmpl-1", "object": "text_completion", "model": self.model,
+                        "choices": [{"index": i, "text": "abcde", "finish_reason": "length"}
+                                    for i in range(n)], "usage": usage}
+            chunks, delay = int(body.get("stub_chunks", 3)), float(body.get("stub_delay_s", 0))
+            want_usage = (body.get("stream_options") or {}).get("include_usage")
+
+            async def events():  # noqa: ANN202
+                for i in range(chunks):
+                    await asyncio.sleep(delay)
+                    yield "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion",
+                                                 "choices": [{"index": 0, "text": f"t{i}",
+                                                              "finish_reason": None}]}) + "\n\n"
+                if want_usage:
+                    yield "data: " + json.dumps({"id": "cmpl-1", "choices": [],
+                                                 "usage": usage}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                self.finished_streams += 1
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app
