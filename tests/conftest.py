@@ -39,28 +39,35 @@ def real_llm():
     return LLM(dtype="float32", kv_cache_memory=1 << 30, max_num_batched_tokens=512)
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real redis-server on a free port for the session (`.ci/run` installs Debian's)."""
+def start_redis(directory, password: str | None = None) -> tuple[subprocess.Popen, str, int]:
+    """A real redis-server on a free port (`.ci/run` installs Debian's), answering PING:
+    (process, URL, port); with `password`, it requires it and the URL carries it."""
+    import redis
+
     from tests.serving.conftest import free_port
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"
     port = free_port()
+    auth = ["--requirepass", password] if password else []
     proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                             *auth, "--dir", str(directory)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
+    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
     while True:
         try:
             redis.Redis.from_url(url).ping()
-            break
+            return proc, url, port
         except redis.ConnectionError:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server for the session."""
+    proc, url, _ = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     proc.terminate()
     proc.wait(timeout=10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_each_example_renders_valid_objects_equal_to_render_all(example: Path) -
                       image="registry.example/tandem:1.0", image_pull_policy="IfNotPresent")
     assert docs == want  # same objects, same (apply) order
     assert "is a placeholder" not in proc.stdout
+    assert not re.search(r"[&*]id\d", proc.stdout)  # every place written out, no YAML aliases
     # the key Secret the operator creates once, first, and never with a usable value here
     assert secret == {**worker_auth_secret(owner), "data": {"key": PLACEHOLDER_VALUE}}
     with pytest.raises(binascii.Error):

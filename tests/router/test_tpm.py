@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import threading
 import time
 
@@ -19,6 +17,7 @@ import redis
 import yaml
 
 from tandem.router.main import add_router_args, build
+from tests.conftest import start_redis
 from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker
 from tests.router.test_router_lifecycle import Router
 from tests.serving.conftest import free_port
@@ -31,22 +30,7 @@ CONTEXT = 400  # the stub's max_model_len
 
 @pytest.fixture(scope="module")
 def secret_redis(tmp_path_factory):
-    exe = shutil.which("redis-server")
-    assert exe, "redis-server is required (scripts/ensure_redis.sh)"
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--requirepass", PASSWORD,
-                             "--dir", str(tmp_path_factory.mktemp("redis-pw"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
+    proc, url, port = start_redis(tmp_path_factory.mktemp("redis-pw"), PASSWORD)
     yield url, port
     proc.terminate()
     proc.wait(timeout=10)

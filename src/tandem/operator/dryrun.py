@@ -54,6 +54,14 @@ class Service:
     placeholder_uid: bool
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Every object written out in full: no `&id` anchors and `*id` aliases where render
+    functions share one dict between places (a reviewer reads each place on its own)."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
 def add_render_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--filename", required=True, metavar="FILE",
                    help="the InferenceService manifest(s); - reads stdin")
@@ -219,7 +227,8 @@ def render(args: argparse.Namespace, text: str, environ: Mapping[str, str]) -> s
                      f"{PLACEHOLDER_VALUE}, not a key", "# (not base64: the API server "
                      "refuses it, so it cannot be applied by mistake)"]
         out.append("\n".join(head) + "\n")
-        out += [yaml.safe_dump(placeholder(d) if verb == "create" else d, sort_keys=False)
+        out += [yaml.dump(placeholder(d) if verb == "create" else d, Dumper=_PlainDumper,
+                          sort_keys=False)
                 for verb, d in done]
     return "---\n".join(out)
 
