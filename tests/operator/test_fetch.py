@@ -143,3 +143,79 @@ def test_hf_tokenizer_fetches_only_the_tokenizer_files_of_the_models_folder(
     assert calls == [("org/repo", "v1", [patterns_prefix + n for n in fetch.TOKENIZER_FILES])]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         source / patterns_prefix / "tokenizer.json").read_bytes()
+
+
+class _Hub:
+    """A local stand-in for the Hub's `/{repo}/resolve/{revision}/{file}` over real HTTP,
+    honouring `Range: bytes=a-b` (206) as the Hub's CDN does; records each request."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        import http.server
+        import threading
+
+        self.requests: list[dict[str, str]] = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                hub.requests.append({"path": self.path, **{k.lower(): v for k, v in
+                                                           self.headers.items()}})
+                data = files.get(self.path)
+                if data is None:
+                    self.send_error(404)
+                    return
+                start, end = 0, len(data) - 1
+                rng = self.headers.get("Range", "")
+                if rng.startswith("bytes="):
+                    a, _, b = rng.removeprefix("bytes=").partition("-")
+                    start, end = int(a), min(int(b), len(data) - 1)
+                body = data[start:end + 1]
+                self.send_response(206 if rng else 200)
+                if rng:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_hub_gguf_tokenizer_over_http_reads_only_ranges_of_the_prefix(gguf, tmp_path):
+    """`fetch tokenizer --repo R --path X.gguf` as the router's init container runs it, in
+    its own process against a real HTTP server (HF_ENDPOINT): only ranged reads of the
+    file's start, the gated-repository token sent, and the tokenizer equal to the full
+    file's."""
+    import os
+    import subprocess
+    import sys
+
+    data = gguf.read_bytes()
+    hub = _Hub({"/org/gated/resolve/abc123/sub/model.gguf": data})
+    try:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test_token",
+               "HF_HUB_DISABLE_TELEMETRY": "1"}
+        env.pop("HF_HUB_OFFLINE", None)
+        proc = subprocess.run([sys.executable, "-m", "tandem.operator.fetch", "tokenizer",
+                               "--repo", "org/gated", "--revision", "abc123",
+                               "--path", "sub/model.gguf", "--dest", str(tmp_path / "tok")],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        hub.close()
+    assert hub.requests, "no request reached the hub"
+    for r in hub.requests:
+        assert r["path"] == "/org/gated/resolve/abc123/sub/model.gguf"
+        assert r["authorization"] == "Bearer hf_test_token"
+        assert r["range"].startswith("bytes=0-")
+    read = max(int(r["range"].removeprefix("bytes=0-")) + 1 for r in hub.requests)
+    assert read < len(data) // 4  # the weights never came
+    _same_tokenizer(Tokenizer.load(tmp_path / "tok"), Tokenizer.from_gguf(gguf, use_cache=False))

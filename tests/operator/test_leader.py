@@ -115,12 +115,36 @@ def test_no_two_leaders_under_random_partitions(cluster: FakeCluster, seed: int)
             overlaps += len(leading) > 1
             leaders.update(leading)
             await asyncio.sleep(0.003)
+
+        async def sample_until(done: Any, timeout: float) -> bool:
+            nonlocal overlaps
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                leading = [e.config.identity for e in electors if e.leading()]
+                overlaps += len(leading) > 1
+                leaders.update(leading)
+                if done():
+                    return True
+                await asyncio.sleep(0.003)
+            return False
+
         for e in electors:
             e.lease.down = False
-        healed = await wait_async(lambda: sum(e.leading() for e in electors) == 1, 3.0)
+        healed = await sample_until(lambda: sum(e.leading() for e in electors) == 1, 10.0)
+        # then, whatever the storm did on this machine's timing, cut the leader off: the
+        # lease must change hands (liveness), still never with two leaders (safety)
+        moved = False
+        if healed:
+            (cut,) = [e for e in electors if e.leading()]
+            cut.lease.down = True
+            moved = await sample_until(
+                lambda: any(e.leading() for e in electors if e is not cut), 10.0)
+            cut.lease.down = False
+            healed = await sample_until(lambda: sum(e.leading() for e in electors) == 1, 10.0)
         stop.set()
         await asyncio.gather(*tasks)
         assert healed, "no single leader after the partitions healed"
+        assert moved, "a partitioned leader's lease was never taken over"
         return overlaps, leaders
 
     overlaps, leaders = asyncio.run(storm())

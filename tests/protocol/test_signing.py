@@ -220,3 +220,27 @@ def test_api_keys_follow_their_file(tmp_path):
     assert keys.reload_errors == 10  # every re-read of a bad file counts (two per case)
     with pytest.raises(WatchedFileError, match="line 2: expected 'KEY TENANT'"):
         ApiKeys.from_file(write(tmp_path / "bad", b"sk-a alpha\nsk-b\n"))
+
+
+def test_refusal_log_lines_are_throttled_per_reason():
+    """A flood of forged requests gets one log line per reason every LOG_INTERVAL_S, each
+    saying how many it stood for; every refusal still counts (the metric, not the log)."""
+    from tandem.serving.worker_auth import LOG_INTERVAL_S, _Throttle
+
+    t = _Throttle()
+    rng = random.Random(7)
+    now, logged = 0.0, {"bad": [], "stale": []}
+    total = {"bad": 0, "stale": 0}
+    for _ in range(5000):
+        now += rng.expovariate(200.0)
+        reason = rng.choice(("bad", "stale"))
+        total[reason] += 1
+        got = t.allow(reason, now)
+        if got is not None:
+            logged[reason].append((now, got))
+    for reason, lines in logged.items():
+        gaps = [b[0] - a[0] for a, b in zip(lines, lines[1:], strict=False)]
+        assert all(g >= LOG_INTERVAL_S for g in gaps), reason
+        assert len(lines) <= now / LOG_INTERVAL_S + 1
+        assert len(lines) + sum(n for _, n in lines) <= total[reason]  # none counted twice
+        assert lines[0][1] == 0  # the first refusal is logged at once

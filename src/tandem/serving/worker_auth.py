@@ -10,6 +10,7 @@ probes) needs no signature. A worker without `--worker-auth-key-file` refuses bo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from fastapi import Request
@@ -20,10 +21,33 @@ from tandem.protocol.signing import (
     SignatureError,
     WorkerKey,
 )
-from tandem.protocol.web import PREFILL_HEADER
+from tandem.protocol.web import PREFILL_HEADER, plain_request_id
 from tandem.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
+
+
+LOG_INTERVAL_S = 10.0  # refusals are counted in a metric; the log gets one line a reason
+
+
+class _Throttle:
+    """At most one log line per reason every `interval_s`; `allow` says how many were
+    suppressed since the last one (None: suppress this one too)."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def allow(self, reason: str, now: float) -> int | None:
+        last, skipped = self._last.get(reason, (-self.interval_s, 0))
+        if now - last < self.interval_s:
+            self._last[reason] = (last, skipped + 1)
+            return None
+        self._last[reason] = (now, 0)
+        return skipped
+
+
+_LOG_LIMIT = _Throttle()
 
 
 def needs_signature(target: str | None, cache_salt: str | None) -> bool:
@@ -46,7 +70,12 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     except SignatureError as exc:
         if on_reject is not None:
             on_reject(exc.reason)
-        logger.warning("refused a request with %s from %s: %s", what,
-                       request.client.host if request.client else "?", exc)
+        suppressed = _LOG_LIMIT.allow(exc.reason, time.monotonic())
+        if suppressed is not None:  # a flood of forgeries must not flood the log
+            rid = plain_request_id(request.headers.get("x-request-id")) or "-"
+            logger.warning("[%s] refused a request with %s from %s: %s%s", rid, what,
+                           request.client.host if request.client else "?", exc,
+                           f" ({suppressed} more refused since the last report)"
+                           if suppressed else "")
         raise APIError(403, f"{exc} (a request with {what} must come from the router)",
                        SIGNATURE_HEADER, type_="permission_error") from exc
