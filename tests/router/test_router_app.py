@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 
@@ -202,20 +203,34 @@ def test_api_keys_and_tenant_salts(stubs, tmp_path):
         r = httpx.post(router.url + "/v1/completions", json=body,
                        headers={"Authorization": "Bearer sk-beta"})
         assert r.status_code == 200
-        assert seen[-1][1]["cache_salt"] == "tenant=beta;mine"  # the worker sees the salt
+        salt = tenant_cache_salt("beta", "mine", WORKER_KEY)
+        assert salt.startswith("tenant=beta;ns=") and salt.endswith(";mine")
+        assert seen[-1][1]["cache_salt"] == salt  # the worker sees the keyed salt
         body, signature = signed[-1]  # signed over the exact bytes the worker got
         verify([WORKER_KEY], signature, body, None)
-        assert json.loads(body)["cache_salt"] == "tenant=beta;mine"
+        assert json.loads(body)["cache_salt"] == salt
     finally:
         router.stop()
 
 
 def test_tenant_salt_cannot_be_forged():
-    assert tenant_cache_salt(None, "x") == "x"
+    k = WORKER_KEY
+    assert tenant_cache_salt(None, "x", k) == "x"
     assert tenant_cache_salt("a", None) == "tenant=a"
     # a client of tenant a cannot reach tenant b's namespace with its own salt
-    assert tenant_cache_salt("a", "tenant=b") != tenant_cache_salt("b", None)
-    assert not tenant_cache_salt("a", "x;tenant=b").startswith("tenant=b")
+    assert tenant_cache_salt("a", "tenant=b", k) != tenant_cache_salt("b", None, k)
+    assert not tenant_cache_salt("a", "x;tenant=b", k).startswith("tenant=b")
+    # keyed: the same under one key, unrelated under another, never the bare name
+    rng = random.Random(3)
+    names = {"".join(rng.choice("abcdefgh.-_0") for _ in range(rng.randint(1, 12)))
+             for _ in range(500)}
+    salts = {tenant_cache_salt(t, None, k) for t in names}
+    assert len(salts) == len(names)  # one namespace per tenant
+    for t in list(names)[:50]:
+        s = tenant_cache_salt(t, None, k)
+        assert s == tenant_cache_salt(t, None, k) and s.startswith(f"tenant={t};ns=")
+        assert s != tenant_cache_salt(t, None, b"another-key-0123456789")
+        assert s != tenant_cache_salt(t, None)  # not computable from the name alone
 
 
 def test_bad_keys_file_is_rejected(tmp_path):

@@ -237,7 +237,9 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             data = json.loads(body)
             if not isinstance(data, dict):
                 raise ValueError("the body must be a JSON object")
-            salt = tenant_cache_salt(tenant, data.get("cache_salt"))
+            salt = tenant_cache_salt(tenant, data.get("cache_salt"), None if tenant is None
+                                     or settings.worker_key is None
+                                     else settings.worker_key.signing_key())
             changed = salt is not None or not data.get("model")
             if salt is not None:
                 data["cache_salt"] = salt

@@ -15,11 +15,14 @@ becomes unreadable, malformed or empty keeps the last good keys (logged, and cou
 
 `tenant_cache_salt` puts every tenant's prompts in its own hash space (the router and the
 worker both hash with it), so one tenant cannot learn by timing whether another tenant's
-prompt is cached; a client's own `cache_salt` is kept inside its tenant's namespace.
+prompt is cached; a client's own `cache_salt` is kept inside its tenant's namespace, and
+the namespace is keyed (an HMAC under the worker auth key), so its hashes cannot be
+recomputed from the tenant's name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from pathlib import Path
@@ -107,7 +110,16 @@ class ApiKeys:
         return found
 
 
-def tenant_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
+def tenant_cache_salt(tenant: str | None, client_salt: str | None,
+                      key: bytes | None = None) -> str | None:
+    """The `cache_salt` a tenant's request is hashed with: `tenant=T;ns=N[;CLIENT]`, where
+    N is an HMAC of the tenant under `key` (the worker auth key), so a tenant's block
+    hashes cannot be computed by anyone without the key, even one who reads a worker's KV
+    event stream and knows the tenant's name. The tenant's namespace therefore changes
+    when the key is rotated (its prefixes are computed again once). No tenant: the
+    client's salt as given."""
     if tenant is None:
         return client_salt
-    return f"{TENANT_SALT_PREFIX}{tenant}" + (f";{client_salt}" if client_salt else "")
+    ns = "" if key is None else ";ns=" + hmac.new(
+        key, f"tandem-tenant-salt-v1\n{tenant}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{TENANT_SALT_PREFIX}{tenant}{ns}" + (f";{client_salt}" if client_salt else "")

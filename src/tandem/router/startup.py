@@ -32,6 +32,11 @@ RETRY_AFTER_S = 2
 DEFAULT_WINDOW_S = 300.0
 
 
+def _workers(n: int, singular: str, plural: str) -> str:
+    """"1 worker <singular>" / "3 workers <plural>"."""
+    return f"1 worker {singular}" if n == 1 else f"{n} workers {plural}"
+
+
 def _starting(message: str) -> APIError:
     return APIError(503, message, "model", headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -69,17 +74,16 @@ class StartupState:
             return _starting("the router is starting: worker discovery has not reported yet; "
                              "retry later")
         if same:
-            return _starting(f"model {model!r}: none of its {same} workers is ready yet "
-                             "(starting, draining or failing their probes); retry later"
-                             if model else
-                             f"no model is ready yet: {same} workers are starting, draining "
-                             "or failing their probes; retry later")
+            if not model:
+                return _starting(f"no model is ready yet: {_workers(same, 'is', 'are')} "
+                                 "starting, draining or failing probes; retry later")
+            whose = "its worker is not" if same == 1 else f"none of its {same} workers is"
+            return _starting(f"model {model!r}: {whose} ready yet (starting, draining or "
+                             "failing probes); retry later")
         if unattributed and (self.in_window(now) or model in self.seen):
-            return _starting(f"workers are starting: {unattributed} have not reported their "
-                             f"model yet, so {model!r} may be among them; retry later"
-                             if model else
-                             f"workers are starting: {unattributed} have not reported their "
-                             "model yet; retry later")
+            which = f", so {model!r} may be served by one of them" if model else ""
+            return _starting(f"workers are starting: {_workers(unattributed, 'has', 'have')} "
+                             f"not reported a model yet{which}; retry later")
         if not model:
             return APIError(404, "no model is served here (no worker is ready)", "model")
         return APIError(404, f"model {model!r} is not served here", "model")
