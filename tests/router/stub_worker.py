@@ -1,18 +1,18 @@
-"""A Tandem-shaped stub worker on a real port (uvicorn in a thread) for router process tests:
-`/ready` as a worker answers it (503 while `loading`, naming its model as a loading Tandem
-worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow stream on
-request: the body's `stub_chunks` and `stub_delay_s` (fields the router passes through)."""
+"""A Tandem-shaped stub worker on a real port (`Served`, uvicorn in a thread) for router
+process tests: `/ready` as a worker answers it (503 while `loading`, naming its model as a
+loading Tandem worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow
+stream on request: the body's `stub_chunks` and `stub_delay_s` (fields the router passes
+through)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.router.test_router_app import Served
 
 COMPLETION_TOKENS = 5  # per sequence, in every answer's usage
 
@@ -25,18 +25,10 @@ class StubWorker:
         self.loading = loading
         self.bodies: list[dict] = []
         self.finished_streams = 0
-        self.server = uvicorn.Server(uvicorn.Config(self.app(), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        self.served = Served(self.app(), lean=False, port=port)
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.served.stop()
 
     def app(self) -> FastAPI:
         app = FastAPI()

@@ -30,8 +30,8 @@ class Served:
     router runs in production (`protocol.http_server`), anything else on uvicorn."""
 
     def __init__(self, app, lean: bool | None = None,
-                 limits: ServerLimits | None = None) -> None:
-        self.port = free_port()
+                 limits: ServerLimits | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if lean if lean is not None else isinstance(app, FastPaths):
             self.server = LeanServer(app, "127.0.0.1", self.port, limits)

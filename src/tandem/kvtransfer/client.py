@@ -179,9 +179,10 @@ class RemotePrefill:
             async with asyncio.timeout(self.settings.timeout_s):
                 await self._backend.prepare(req, target)
                 try:
+                    raw = rpc_body(req)  # encoded once: signed, and sent as is
                     metadata = None if self.key is None else (
-                        (SIGNATURE_HEADER, self.key.sign(rpc_body(req), PREFILL_RPC)),)
-                    call = prefill_method(self._channel(target))(req, metadata=metadata)
+                        (SIGNATURE_HEADER, self.key.sign(raw, PREFILL_RPC)),)
+                    call = prefill_method(self._channel(target))(raw, metadata=metadata)
                     try:
                         it = call.__aiter__()
                         header, offer = await self._header(it, chain[first:], first,
@@ -313,10 +314,15 @@ class NoRoomForImport(KVTransferError):
 
 
 def prefill_method(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
-    """`KVTransfer.Prefill` whose data replies decode without copying their payload."""
+    """`KVTransfer.Prefill` whose data replies decode without copying their payload; the
+    request is a `PrefillRequest` or its encoding (`rpc_body`, as signed)."""
     return channel.unary_stream("/tandem.v1.KVTransfer/Prefill",
-                                request_serializer=worker_pb2.PrefillRequest.SerializeToString,
+                                request_serializer=_encode_request,
                                 response_deserializer=decode_chunk)
+
+
+def _encode_request(request: worker_pb2.PrefillRequest | bytes) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 class _PageWriter:

@@ -22,6 +22,7 @@ recomputed from the tenant's name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
@@ -120,6 +121,11 @@ def tenant_cache_salt(tenant: str | None, client_salt: str | None,
     client's salt as given."""
     if tenant is None:
         return client_salt
-    ns = "" if key is None else ";ns=" + hmac.new(
-        key, f"tandem-tenant-salt-v1\n{tenant}".encode(), hashlib.sha256).hexdigest()[:32]
+    ns = "" if key is None else f";ns={_tenant_ns(key, tenant)}"
     return f"{TENANT_SALT_PREFIX}{tenant}{ns}" + (f";{client_salt}" if client_salt else "")
+
+
+@functools.lru_cache(maxsize=4096)  # one HMAC per (key, tenant), not per request
+def _tenant_ns(key: bytes, tenant: str) -> str:
+    return hmac.new(key, f"tandem-tenant-salt-v1\n{tenant}".encode(),
+                    hashlib.sha256).hexdigest()[:32]

@@ -72,8 +72,8 @@ class Router:
         self.churn.drop(worker_id)
 
     def models(self) -> list[str]:
-        """Models served by ready workers (`knows` covers the others: a known model with no
-        ready worker is a 503, an unknown one a 404)."""
+        """Models served by ready workers (for the others `startup.StartupState` answers 503
+        or 404)."""
         return sorted({w.model for w in self.workers.values() if w.model and w.ready})
 
     def max_model_len(self, model: str) -> int | None:
@@ -82,10 +82,6 @@ class Router:
         lengths = [w.max_model_len for w in self.workers.values()
                    if w.model == model and w.ready and w.max_model_len]
         return min(lengths) if lengths else None
-
-    def knows(self, model: str) -> bool:
-        """Some worker, ready or not, serves `model` (else a request for it is a 404)."""
-        return any(w.model == model for w in self.workers.values())
 
     # -- routing ---------------------------------------------------------------------------
     def block_sizes(self, candidates: Iterable[Worker]) -> dict[int, list[Worker]]:
