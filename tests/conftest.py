@@ -12,6 +12,19 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton kernels run on the CPU only under its interpreter, which @triton.jit reads when a
+# kernel module is imported: set it before any test imports one (worker processes the tests
+# start inherit it). With a GPU the kernels compile for it instead.
+if not _cuda_present():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def bundled_gguf():
     from tandem.engine.model.loader import bundled_model_path

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.operator.cli import add_operator_args
@@ -83,8 +83,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+def _spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                            env={**os.environ, **env} if env else None)
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
@@ -103,10 +104,14 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
 
 @dataclass
 class _Deployment:
-    """What `tandem serve` starts: (role, base URL, command) per worker, then the router."""
+    """What `tandem serve` starts: (role, base URL, command) per worker, then the router;
+    with GPUs, each worker's extra environment (its CUDA_VISIBLE_DEVICES) and start wave
+    (workers sharing a GPU start one after another, each profiling its memory alone)."""
 
     workers: list[tuple[str, str, list[str]]]
     router: list[str]
+    envs: list[dict[str, str]] = field(default_factory=list)
+    waves: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
         counts = Counter(role for role, _, _ in self.workers)
@@ -132,13 +137,19 @@ def _roles(args: argparse.Namespace) -> list[str]:
 
 def _plan(args: argparse.Namespace, passthrough: list[str],
           free_port: Callable[[str], int] | None = None,
-          auth_key_file: str | None = None) -> _Deployment:
+          auth_key_file: str | None = None,
+          gpus: list[str] | None = None) -> _Deployment:
     """The worker and router command lines, each worker on free HTTP and gRPC ports; with
-    `auth_key_file`, every process gets it as `--worker-auth-key-file`."""
+    `auth_key_file`, every process gets it as `--worker-auth-key-file`. `gpus`: the GPUs
+    to hand out (None: `visible_gpus()`)."""
+    from tandem.serving.gpus import gpu_plan, visible_gpus  # not on the operator's path
+
     if free_port is None:
         from tandem.serving.ports import free_port
     base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
     roles = _roles(args)
+    envs, waves, gpu_flags = gpu_plan(len(roles), passthrough,
+                                      visible_gpus() if gpus is None else gpus)
     if len(roles) > 1 and "--num-threads" not in passthrough:
         # workers on one host share its cores: split them instead of oversubscribing
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
@@ -146,11 +157,12 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
         passthrough = [*passthrough, "--num-threads", str(max(1, cores // len(roles)))]
     auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
     workers = []
-    for role in roles:
+    for role, extra in zip(roles, gpu_flags, strict=True):
         port = free_port(args.host)
         workers.append((role, f"http://{args.host}:{port}", [
             *base, "worker", "--host", args.host, "--port", str(port),
-            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *passthrough]))
+            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *passthrough,
+            *extra]))
     router = [*base, "router", "--host", args.host, "--port", str(args.port),
               "--workers", ",".join(url for _, url, _ in workers), *auth,
               *_tls_flags(passthrough)]
@@ -160,7 +172,7 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
         router += ["--pd-max-prefill-queue", str(args.pd_max_prefill_queue)]
     if args.pd_max_local_prefill is not None:
         router += ["--pd-max-local-prefill", str(args.pd_max_local_prefill)]
-    return _Deployment(workers, router)
+    return _Deployment(workers, router, envs, waves)
 
 
 TLS_FLAGS = ("--grpc-tls-dir", "--grpc-tls-server-name")
@@ -199,11 +211,14 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        for _, _, cmd in deployment.workers:
-            procs.append(_spawn(cmd))
-        procs.append(_spawn(deployment.router))
         print(f"starting {deployment.describe()} behind a router on {url} "
               "(the first start prepares the model) ...", flush=True)
+        late = _start_workers(deployment, procs)
+        if late is not None:
+            if not stopping:
+                print(f"the worker at {late} did not become ready", file=sys.stderr)
+            return 1
+        procs.append(_spawn(deployment.router))
         for wurl, proc in zip(worker_urls, procs, strict=False):
             if not _wait_ready(wurl, proc, timeout=600):
                 if not stopping:
@@ -229,6 +244,21 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     finally:
         _stop_all(procs)
         os.unlink(key_file)
+
+
+def _start_workers(deployment: _Deployment, procs: list[subprocess.Popen]) -> str | None:
+    """Spawn the workers (appended to `procs`) wave by wave: a wave starts once every worker
+    before it is ready, so GPU-sharing workers size their memory one at a time. Returns the
+    URL of a worker that did not become ready, else None."""
+    n = len(deployment.workers)
+    waves, envs = deployment.waves or [0] * n, deployment.envs or [{}] * n
+    for i, (_, _, cmd) in enumerate(deployment.workers):
+        if i and waves[i] != waves[i - 1]:
+            for (_, url, _), proc in zip(deployment.workers[:i], procs, strict=False):
+                if not _wait_ready(url, proc, timeout=600):
+                    return url
+        procs.append(_spawn(cmd, envs[i]))
+    return None
 
 
 def _worker_auth_key_file() -> str:

@@ -23,7 +23,7 @@ def test_group_by_length_bounds_padding():
 
 
 def test_unknown_backend_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="available: auto, cpu, torch"):
+    with pytest.raises(ConfigError, match="available: auto, cpu, torch, triton"):
         get_backend("nope")
 
 

@@ -152,6 +152,14 @@ INVALID = [  # (what, where in spec, value, keyword that must fail, at this path
      "spec.prefill.engine.blockSize"),
     ("a negative chunk cap", "prefill.engine", {"longPrefillTokenThreshold": -1}, "minimum",
      "spec.prefill.engine.longPrefillTokenThreshold"),
+    ("an unknown device", "decode.engine", {"device": "tpu"}, "enum",
+     "spec.decode.engine.device"),
+    ("an unknown attention backend", "decode.engine", {"attentionBackend": "flash"}, "enum",
+     "spec.decode.engine.attentionBackend"),
+    ("a GPU memory share above 1", "decode.engine", {"gpuMemoryUtilization": 1.01}, "maximum",
+     "spec.decode.engine.gpuMemoryUtilization"),
+    ("a GPU memory share of 0 (exclusive minimum)", "decode.engine",
+     {"gpuMemoryUtilization": 0}, "minimum", "spec.decode.engine.gpuMemoryUtilization"),
 ]
 
 
@@ -265,6 +273,12 @@ CEL_INVALID = [
      "nvidia.com/gpu goes in limits"),
     ("aggregated", "router.resources", {"requests": {"nvidia.com/gpu": 1},
                                         "limits": {"cpu": 1}}, "nvidia.com/gpu goes in limits"),
+    ("aggregated", "decode.resources", {"limits": {"nvidia.com/gpu": 2}},
+     "tensor parallelism is not supported yet"),
+    ("disaggregated", "prefill.resources", {"limits": {"nvidia.com/gpu": "8"}},
+     "one GPU per worker (nvidia.com/gpu: 1)"),
+    ("aggregated", "decode.engine", {"device": "cuda"}, "engine.device cuda needs a GPU"),
+    ("gpu", "decode.engine", {"device": "cpu"}, "would hold a GPU it never uses"),
 ]
 
 

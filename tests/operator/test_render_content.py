@@ -237,9 +237,9 @@ def test_engine_fields_reach_each_pools_engine():
     assert got["demo-decode"].max_num_seqs == 256
     plain = spec("disaggregated")
     del plain["prefill"]["engine"]["longPrefillTokenThreshold"]
-    from tandem.engine.llm_engine import default_device
+    from tandem.engine.devices import device_type
 
-    default = PREFILL_ROLE_CHUNK_CAP if default_device().type == "cpu" else 0
+    default = PREFILL_ROLE_CHUNK_CAP if device_type("auto") == "cpu" else 0
     assert configs(plain)["demo-prefill"].long_prefill_token_threshold == default
 
 

@@ -70,6 +70,31 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The CPU pools' image: workerImage (repository and tag default to image's), else the Tandem image. */}}
+{{- define "tandem.workerImage" -}}
+{{- $w := .Values.workerImage | default dict }}
+{{- $repo := default .Values.image.repository $w.repository }}
+{{- if $w.digest }}
+{{- printf "%s@%s" $repo $w.digest }}
+{{- else if or $w.repository $w.tag }}
+{{- printf "%s:%s" $repo (default (default .Chart.AppVersion .Values.image.tag) $w.tag) }}
+{{- else }}
+{{- include "tandem.image" . }}
+{{- end }}
+{{- end }}
+
+{{/* The GPU pools' image (the Dockerfile's worker-cuda target): workerImage.cudaDigest, else repository:cudaTag, by default the CPU tag + "-cu128". */}}
+{{- define "tandem.workerCudaImage" -}}
+{{- $w := .Values.workerImage | default dict }}
+{{- $repo := default .Values.image.repository $w.repository }}
+{{- if $w.cudaDigest }}
+{{- printf "%s@%s" $repo $w.cudaDigest }}
+{{- else }}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) $w.tag }}
+{{- printf "%s:%s" $repo (default (printf "%s-cu128" $tag) $w.cudaTag) }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.redisName" -}}
 {{- printf "%s-redis" (include "tandem.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.errors import ConfigError
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,19 @@ class EngineConfig:
     """
 
     model: str | None = None  # .gguf file or HF directory; None = bundled SmolLM2-135M
-    dtype: str = "float32"  # weights, activations and KV cache
+    # "auto" (cuda:0 if torch sees a GPU, else cpu) | "cpu" | "cuda" | "cuda:N"; an explicit
+    # CUDA device that cannot be used is a ConfigError (engine/devices.py)
+    device: str = "auto"
+    # weights, activations and KV cache; "auto": bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: float | int = 0.1  # bytes (int) or a fraction of system RAM (float)
+    # CPU: bytes (int) or a fraction of system RAM (float). CUDA: bytes (int) = exactly this
+    # much KV cache (vLLM's kv_cache_memory_bytes, no profiling); a fraction is ignored there
+    # and `gpu_memory_utilization` sizes the pool
+    kv_cache_memory: float | int = 0.1
+    # CUDA: fraction of the GPU's total memory this engine may use (weights + activation peak
+    # + KV cache, measured by a profiling forward; vLLM's meaning)
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # explicit block count; overrides kv_cache_memory
     max_num_seqs: int = 128  # concurrent running requests
     max_num_batched_tokens: int = 1024  # token budget per step (decode + prefill chunks)
@@ -32,6 +44,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
     attention_backend: str = "auto"  # "auto": native CPU kernel if it builds, else "torch"
+    # CUDA graphs of decode steps (Triton backend): False = capture them at startup, at the
+    # padded batch sizes `cuda_graph_sizes` (None: 1, 2, 4, 8, then multiples of 8 up to
+    # min(max_num_seqs, 256), plus that bound); True = always eager (vLLM's flag)
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # "onednn": CPU float32 linear weights packed once at load (native 16-column panels on
     # AVX2, else oneDNN's layout); "torch": plain F.linear (MKL)
     cpu_linear: str = "onednn"
@@ -57,6 +74,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not 1 <= self.block_size <= 1024:
             raise ConfigError(f"block_size must be in [1, 1024], got {self.block_size}")
         mem = self.kv_cache_memory
@@ -85,3 +108,18 @@ class EngineConfig:
             raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        self._check_graph_sizes()
+
+    def _check_graph_sizes(self) -> None:
+        sizes = self.cuda_graph_sizes
+        if sizes is None:
+            return
+        if (not isinstance(sizes, (tuple, list)) or not sizes
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
+            raise ConfigError(f"cuda_graph_sizes must be a non-empty sequence of batch sizes, "
+                              f"got {sizes!r}")
+        bad = [n for n in sizes if not 1 <= n <= self.max_num_seqs]
+        if bad:
+            raise ConfigError(f"cuda_graph_sizes must lie in [1, max_num_seqs="
+                              f"{self.max_num_seqs}], got {bad}")
+        object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))

@@ -1,6 +1,8 @@
 """The synchronous engine: add requests, `step()` until done. One step = schedule, run, emit.
 
-`LLMEngine` loads the model, sizes the KV cache and builds the `ModelRunner`; the request
+`LLMEngine` resolves the device and dtype (`devices.py`), builds the model on the meta device
+and streams the weights onto the device in the target dtype, sizes the KV cache (host RAM on
+the CPU, `memory.py`'s profile on CUDA) and builds the `ModelRunner`; the request
 lifecycle (admission, steps, aborts, failures) is `core.EngineCore`'s. A failing step fails
 only the requests it ran (finish reason "error"); the engine goes on.
 """
@@ -14,14 +16,18 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.attention.base import AttentionSpec, resolve_backend
+from tandem.engine import memory
+from tandem.engine.attention.base import AttentionBackend, AttentionSpec, resolve_backend
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, EngineState, EngineStats
 from tandem.engine.cpu_tuning import tune_malloc
+from tandem.engine.cuda_graphs import build_decode_graphs
+from tandem.engine.devices import resolve_device, resolve_dtype
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
 from tandem.engine.model.cpu_linear import pack_linears, packing_available
 from tandem.engine.model.llama import LlamaForCausalLM
-from tandem.engine.model.loader import bundled_model_path, load_model
+from tandem.engine.model.loader import bundled_model_path, open_model
 from tandem.engine.model.ops import Ops
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
@@ -29,17 +35,12 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.protocol.tokenizer import Tokenizer
 
-__all__ = ["EngineState", "EngineStats", "LLMEngine", "default_device"]
+__all__ = ["EngineState", "EngineStats", "LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
 def _total_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_device() -> torch.device:
-    """Where an engine runs: the first CUDA device if there is one, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class LLMEngine(EngineCore):
@@ -50,32 +51,44 @@ class LLMEngine(EngineCore):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path = Path(config.model) if config.model else bundled_model_path()
-        dtype = getattr(torch, config.dtype)
-        self.device = default_device()
-        if self.device.type == "cpu":
+        self.device = device = resolve_device(config.device)
+        self.dtype = dtype = resolve_dtype(config.dtype, device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+            start = memory.snapshot(device)  # before this engine holds anything
+            if self._gpu_profiled():
+                memory.requested_memory(start.total, start.free, config.gpu_memory_utilization)
+        else:
             tune_malloc()
         t0 = time.perf_counter()
-        loaded = load_model(path, dtype=torch.float32)
-        arch = loaded.config
+        source = open_model(path, dtype)
+        arch = source.config
         tokenizer = Tokenizer.load(path)
         max_len = min(config.max_model_len or arch.max_position_embeddings,
                       arch.max_position_embeddings)
         spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
                              arch.head_dim ** -0.5, arch.sliding_window)
-        backend = resolve_backend(config.attention_backend, spec, dtype, self.device,
+        backend = resolve_backend(config.attention_backend, spec, dtype, device,
                                   native=config.native_kernels)(
-            spec, config.block_size, dtype, self.device)
-        ops = Ops(config.native_kernels, self.device, dtype)
-        self.model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
-        self.model.load_weights(loaded.weights)
-        del loaded
-        self.model.to(device=self.device, dtype=dtype).eval()
-        self.model.rope.to(torch.float32)
-        if config.cpu_linear == "onednn" and packing_available(dtype, self.device, ops.lib):
+            spec, config.block_size, dtype, device)
+        ops = Ops(config.native_kernels, device, dtype, triton=backend.name == "triton")
+        # built on meta, allocated once on the device in `dtype`, filled tensor by tensor
+        with torch.device("meta"):
+            self.model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
+        self.model.materialize(device, dtype)
+        self.model.load_weights(source.tensors())
+        self.model.eval()
+        if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
             pack_linears(self.model, native=ops.lib)
 
         per_block = backend.bytes_per_block() * arch.num_layers
-        num_blocks = config.num_kv_blocks or self._blocks_from_budget(per_block, max_len)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif cuda:
+            num_blocks = self._blocks_on_gpu(backend, start, per_block, max_len)
+        else:
+            num_blocks = self._blocks_from_budget(per_block, max_len)
         name = config.model_name
         state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
                             per_block, arch.vocab_size)
@@ -83,13 +96,50 @@ class LLMEngine(EngineCore):
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             enable_events=config.enable_kv_events)
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
-        runner = ModelRunner(self.model, backend, caches, kv, Sampler(config.seed), self.device)
+        runner = ModelRunner(self.model, backend, caches, kv, Sampler(config.seed), device)
+        runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len, device)
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos)
-        logger.info("engine ready in %.1fs: %s, %d KV blocks of %d tokens (%.0f MiB), "
-                    "max_model_len %d, attention %s", time.perf_counter() - t0, name, num_blocks,
+        logger.info("engine ready in %.1fs: %s on %s in %s, %d KV blocks of %d tokens "
+                    "(%.0f MiB), max_model_len %d, attention %s", time.perf_counter() - t0,
+                    name, device, str(dtype).removeprefix("torch."), num_blocks,
                     config.block_size, num_blocks * per_block / 2**20, max_len, backend.name)
+
+    def _gpu_profiled(self) -> bool:
+        """On CUDA: whether gpu_memory_utilization sizes the pool (no explicit blocks/bytes)."""
+        mem = self.config.kv_cache_memory
+        return not self.config.num_kv_blocks and not isinstance(mem, int)
+
+    def _blocks_on_gpu(self, backend: AttentionBackend, start: memory.MemorySnapshot,
+                       per_block: int, max_len: int) -> int:
+        """KV blocks on CUDA: `kv_cache_memory` bytes when given as an int, else what
+        gpu_memory_utilization leaves after a profiling step (engine/memory.py). At least
+        one max_model_len sequence must fit."""
+        cfg, device = self.config, self.device
+        if self._gpu_profiled():
+            weights = memory.snapshot(device).allocated - start.allocated
+            prof = memory.profile_steps(self.model, backend, self.model.config.num_layers,
+                                        cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                        max_len, device)
+            budget = memory.kv_cache_budget(
+                start.total, cfg.gpu_memory_utilization, weights, prof.activation_peak,
+                max(0, prof.after.non_torch - start.non_torch), free_at_start=start.free)
+            logger.info("GPU memory: %.2f GiB total x %.2f, weights %.2f GiB, activation "
+                        "peak %.2f GiB -> KV cache %.2f GiB", start.total / 2**30,
+                        cfg.gpu_memory_utilization, weights / 2**30,
+                        prof.activation_peak / 2**30, budget / 2**30)
+        else:
+            budget = int(cfg.kv_cache_memory)
+        num_blocks = budget // per_block
+        needed = cdiv(max_len, cfg.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * cfg.block_size} tokens "
+                f"({budget / 2**30:.2f} GiB), less than one max_model_len ({max_len}) "
+                "sequence needs; raise gpu_memory_utilization (or kv_cache_memory bytes) or "
+                f"lower max_model_len to at most {num_blocks * cfg.block_size}")
+        return num_blocks
 
     def _blocks_from_budget(self, per_block: int, max_len: int) -> int:
         mem = self.config.kv_cache_memory

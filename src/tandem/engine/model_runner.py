@@ -2,7 +2,10 @@
 
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
-and for prompt positions whose logprobs were requested.
+and for prompt positions whose logprobs were requested. Host work per step is O(tokens
+scheduled): inputs are filled into numpy arrays and reach the device as one int64 buffer
+(pinned, non-blocking on CUDA); results come back with one device-to-host copy each
+(sampled tokens with their logprobs, prompt logprobs).
 
 A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
 the step that completes its prompt: its block table before the forward, then each layer
@@ -12,8 +15,9 @@ ones compute.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
@@ -23,6 +27,10 @@ from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.staging import download, upload
+
+if TYPE_CHECKING:
+    from tandem.engine.cuda_graphs import DecodeGraphRunner
 
 
 class LayerObserver(Protocol):
@@ -50,6 +58,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         # request id -> observer; set from other threads (one dict operation each)
         self.observers: dict[str, LayerObserver] = {}
+        # decode steps over static buffers / CUDA graphs (engine/cuda_graphs.py), set by
+        # LLMEngine; None = every step eager
+        self.graphs: DecodeGraphRunner | None = None
 
     def observe(self, request_id: str, observer: LayerObserver) -> None:
         """Register before the request is added; `unobserve` when done with it."""
@@ -60,6 +71,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.sampler.release(request_id)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -67,7 +79,8 @@ class ModelRunner:
             return None
         gen = self.generators.get(req.request_id)
         if gen is None:
-            gen = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[req.request_id] = gen
         return gen
 
     def _row(self, req: Request) -> SamplingRow:
@@ -81,38 +94,45 @@ class ModelRunner:
             frequency_penalty=sp.frequency_penalty, generator=self._generator(req),
             banned_token_ids=banned, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids, num_logprobs=sp.logprobs,
+            key=req.request_id,
         )
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []  # decodes as ints, then prefill chunks as tensors
-        slots: list[int] = []
-        chunk_pos: list[torch.Tensor] = []
-        chunk_slots: list[torch.Tensor] = []
-        query_lens, seq_lens, tables = [], [], []
-        sample_idx: list[int] = []
-        sample_reqs: list[Request] = []
-        plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
-        watching: list[LayerObserver] = []
         # decodes first (the scheduler's order), sorted by context length so the attention
         # backend can group similar lengths and pad little
         scheduled = sched.scheduled
         nd = sum(1 for s in scheduled if s.num_new_tokens == 1)
         scheduled = sorted(scheduled[:nd], key=lambda s: s.start) + scheduled[nd:]
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        tokens = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        dec_tokens: list[int] = []
+        dec_positions: list[int] = []
+        dec_slots: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        sample_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
+        watching: list[LayerObserver] = []
+        offset = 0
         for s in scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = self.kv.block_ids(req.request_id)
-            offset = len(tokens)
-            tokens.extend(req.all_token_ids[start : start + n])
             if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos = torch.arange(start, start + n)
-                chunk_pos.append(pos)
-                chunk_slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+                dec_tokens.append(req.all_token_ids[start])
+                dec_positions.append(start)
+                dec_slots.append(table[start // bs] * bs + start % bs)
+            else:  # only this chunk's tokens and the blocks it writes
+                end = offset + n
+                tokens[offset:end] = req.all_token_ids[start : start + n]
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions[offset:end] = pos
+                b0 = start // bs
+                blocks = np.array(table[b0 : (start + n - 1) // bs + 1], dtype=np.int64)
+                slots[offset:end] = blocks[pos // bs - b0] * bs + pos % bs
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -130,18 +150,30 @@ class ModelRunner:
                 count = min(start + n, req.num_prompt_tokens - 1) - first
                 if count > 0:
                     plp.append((req, first, offset + first - start, count))
+            offset += n
+        tokens[:nd], positions[:nd], slots[:nd] = dec_tokens, dec_positions, dec_slots
 
-        flat_plp = [flat + j for _, _, flat, count in plp for j in range(count)]
-        slot_t = torch.cat([torch.tensor(slots, dtype=torch.int64), *chunk_slots])
-        pos_t = torch.cat([torch.tensor(positions, dtype=torch.int64), *chunk_pos])
-        layout = BatchLayout(query_lens, seq_lens, tables, slot_t, nd, bs)
-        meta = self.backend.build_metadata(layout)
-        logits = self.model(
-            torch.tensor(tokens, dtype=torch.int64, device=self.device),
-            pos_t.to(self.device), self.kv_caches, meta,
-            torch.tensor(sample_idx + flat_plp, dtype=torch.int64, device=self.device),
-            on_layer=self._layer_signal(watching) if watching else None,
-        )
+        # one upload: tokens | positions | logits rows | prompt-logprob targets
+        logits_idx = np.concatenate([np.array(sample_idx, dtype=np.int64)] + [
+            np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
+        targets = [t for req, first, _, count in plp
+                   for t in req.prompt_token_ids[first + 1 : first + 1 + count]]
+        flat = upload(np.concatenate([tokens, positions, logits_idx,
+                                      np.array(targets, dtype=np.int64)]),
+                      torch.int64, self.device)
+        input_ids, pos_t, idx_t, targets_t = flat.split(
+            [num_tokens, num_tokens, len(logits_idx), len(targets)])
+        layout = BatchLayout(query_lens, seq_lens, tables, torch.from_numpy(slots), nd, bs)
+        logits = None
+        if (self.graphs is not None and not watching and not plp
+                and len(sample_reqs) == nd == len(scheduled)):  # decodes only, all sampling
+            logits = self.graphs.run(input_ids, pos_t, layout)  # None: batch too big
+        if logits is None:
+            meta = self.backend.build_metadata(layout)
+            logits = self.model(
+                input_ids, pos_t, self.kv_caches, meta, idx_t,
+                on_layer=self._layer_signal(watching) if watching else None,
+            )
         out = RunnerOutput()
         if sample_reqs:
             result = self.sampler(logits[: len(sample_reqs)],
@@ -151,7 +183,8 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[req.request_id] = lp
         if plp:
-            self._prompt_logprobs(logits[len(sample_reqs):].float(), plp, out)
+            self._prompt_logprobs(logits[len(sample_reqs):].float(), plp, targets, targets_t,
+                                  out)
         return out
 
     def _layer_signal(self, observers: list[LayerObserver]):  # noqa: ANN202 - Callable
@@ -168,21 +201,26 @@ class ModelRunner:
 
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, plp: list[tuple[Request, int, int, int]],
+                         targets: list[int], targets_t: torch.Tensor,
                          out: RunnerOutput) -> None:
+        """Rows of `logits` in `plp` order; `targets` the prompt token each row predicts
+        (host list and its device copy). One topk and one device-to-host copy for all."""
         logprobs = logits.log_softmax(dim=-1)
+        kmax = min(max(req.sampling_params.prompt_logprobs or 0 for req, *_ in plp),
+                   logprobs.shape[-1])
+        cols = [logprobs.gather(1, targets_t[:, None]).double()]
+        if kmax:
+            top_v, top_i = logprobs.topk(kmax, dim=-1)
+            cols += [top_i.double(), top_v.double()]
+        host = download(torch.cat(cols, dim=1)).tolist()
         row = 0
-        for req, first, _, count in plp:
-            k = req.sampling_params.prompt_logprobs or 0
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : first + 1 + count])
-            chunk = logprobs[row : row + count]
-            chosen = chunk.gather(1, targets[:, None])[:, 0].tolist()
-            top_v, top_i = chunk.topk(k, dim=-1) if k else (None, None)
+        for req, _, _, count in plp:
+            k = min(req.sampling_params.prompt_logprobs or 0, kmax)
             entries = []
-            for j, tid in enumerate(targets.tolist()):
-                entry = {tid: chosen[j]}
-                if k:
-                    for t, v in zip(top_i[j].tolist(), top_v[j].tolist(), strict=True):
-                        entry.setdefault(t, v)
+            for h, tid in zip(host[row : row + count], targets[row : row + count], strict=True):
+                entry = {tid: h[0]}
+                for t, v in zip(h[1 : 1 + k], h[1 + kmax : 1 + kmax + k], strict=True):
+                    entry.setdefault(int(t), v)
                 entries.append(entry)
             out.prompt_logprobs[req.request_id] = entries
             row += count

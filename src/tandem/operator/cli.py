@@ -1,6 +1,8 @@
 """`tandem operator`: its arguments and the kopf run. kopf is imported only to run (so
 `--help` works without it); the children's default image comes from TANDEM_IMAGE and
-TANDEM_IMAGE_PULL_POLICY (`render.image_from_env`), as the chart sets them."""
+TANDEM_IMAGE_PULL_POLICY (`render.image_from_env`), the routers', CPU pools' and GPU pools'
+from TANDEM_ROUTER_IMAGE, TANDEM_WORKER_IMAGE and TANDEM_WORKER_CUDA_IMAGE, as the chart
+sets them."""
 
 from __future__ import annotations
 
@@ -74,13 +76,15 @@ def _seconds(text: str) -> float:
 def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
     from tandem.operator.reconcile import OperatorConfig
     from tandem.operator.render import image_from_env
-    from tandem.operator.render.common import router_image_from_env
+    from tandem.operator.render.common import router_image_from_env, worker_images_from_env
     from tandem.operator.render.pod import PULL_SECRETS_ENV, pull_secrets_from_env
     from tandem.operator.render.security import operator_from_env
 
     image, pull = image_from_env(environ)
+    worker, cuda = worker_images_from_env(environ)
     return OperatorConfig(image=image, image_pull_policy=pull,
                           router_image=router_image_from_env(environ),
+                          worker_image=worker, worker_cuda_image=cuda,
                           image_pull_secrets=pull_secrets_from_env(environ.get(PULL_SECRETS_ENV)),
                           status_interval_s=args.status_interval,
                           autoscale_interval_s=args.autoscale_interval,
@@ -180,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
     logger.info("operator: children's image %s (pull policy %s), %s", config.image,
                 config.image_pull_policy or "default",
                 "all namespaces" if args.all_namespaces else ", ".join(args.namespace))
+    logger.info("operator: CPU pools run %s, GPU pools %s", config.worker_image or config.image,
+                config.worker_cuda_image or config.image)
+    if config.worker_cuda_image is None:
+        logger.warning("operator: TANDEM_WORKER_CUDA_IMAGE is unset: GPU pools without an "
+                       "image of their own run %s, which must be a CUDA build (the "
+                       "Dockerfile's worker-cuda target) or their workers exit", config.image)
     lease = lease_from(args, os.environ)
     kept = asyncio.run(operator(config, clusterwide=args.all_namespaces,
                                 namespaces=args.namespace, standalone=args.standalone,

@@ -33,6 +33,8 @@ from tandem.operator.render.common import (
     KIND,
     PULL_POLICY_ENV,
     ROUTER_IMAGE_ENV,
+    WORKER_CUDA_IMAGE_ENV,
+    WORKER_IMAGE_ENV,
     Owner,
 )
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
@@ -78,6 +80,11 @@ def add_render_args(p: argparse.ArgumentParser) -> None:
                    help="default: $TANDEM_IMAGE_PULL_POLICY, else the cluster's default")
     p.add_argument("--router-image", default=None,
                    help="the routers' image (default: $TANDEM_ROUTER_IMAGE)")
+    p.add_argument("--worker-image", default=None,
+                   help="the CPU pools' image (default: $TANDEM_WORKER_IMAGE, else --image)")
+    p.add_argument("--worker-cuda-image", default=None,
+                   help="the image of pools that request nvidia.com/gpu (default: "
+                        "$TANDEM_WORKER_CUDA_IMAGE, else --image)")
     p.add_argument("--replicas", action="append", default=[], metavar="POOL=N",
                    help="the live replicas of a pool the operator's autoscaler drives "
                         "(worker, prefill or decode; repeatable)")
@@ -149,7 +156,9 @@ def environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[st
     """The operator's environment, the flags overriding it."""
     out = dict(environ)
     for env, value in ((IMAGE_ENV, args.image), (PULL_POLICY_ENV, args.image_pull_policy),
-                       (ROUTER_IMAGE_ENV, args.router_image)):
+                       (ROUTER_IMAGE_ENV, args.router_image),
+                       (WORKER_IMAGE_ENV, args.worker_image),
+                       (WORKER_CUDA_IMAGE_ENV, args.worker_cuda_image)):
         if value:
             out[env] = value
     return out

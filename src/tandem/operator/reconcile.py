@@ -37,6 +37,8 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE  # the children's default image (TANDEM_IMAGE)
     image_pull_policy: str | None = None  # TANDEM_IMAGE_PULL_POLICY
     router_image: str | None = None  # the routers' (TANDEM_ROUTER_IMAGE); None: `image`
+    worker_image: str | None = None  # CPU pools' (TANDEM_WORKER_IMAGE); None: `image`
+    worker_cuda_image: str | None = None  # GPU pools' (TANDEM_WORKER_CUDA_IMAGE); None: `image`
     image_pull_secrets: tuple[str, ...] = ()  # every child pod's (TANDEM_IMAGE_PULL_SECRETS)
     status_interval_s: float = 10.0
     resync_interval_s: float = 300.0  # full re-apply: children deleted or edited by hand
@@ -90,6 +92,8 @@ def manifests(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
     """Every child `apply` writes, in apply order: the one list both the operator and
     `tandem render` (`dryrun`) use. `replicas`: the live counts of operator-scaled pools."""
     return render_all(spec, owner, image=config.image, router_image=config.router_image,
+                      worker_image=config.worker_image,
+                      worker_cuda_image=config.worker_cuda_image,
                       image_pull_policy=config.image_pull_policy, replicas=replicas,
                       operator=config.operator, image_pull_secrets=config.image_pull_secrets)
 

@@ -19,11 +19,17 @@ from tandem.operator.fields import (
     get_int,
     get_num,
     get_obj,
-    kv_memory,
     resources,
 )
 from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
 from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_engine import (
+    EngineArgs,
+    check_pool_device,
+    gpu_count,
+    parse_engine,
+    pool_device,
+)
 from tandem.operator.spec_security import (
     IssuerRef,
     SecretKeyRef,
@@ -89,23 +95,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class EngineArgs:
-    """`tandem worker` engine flags; None leaves the worker's default."""
-
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int | None = None
-    max_model_len: int | None = None
-    kv_cache_memory: str | None = None  # `--kv-cache-memory`: a fraction or bytes
-    num_kv_blocks: int | None = None
-    max_waiting: int = 4096
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    drain_timeout_seconds: int = 30
-
-
-@dataclass(frozen=True)
 class AutoscalingSpec:
     max_replicas: int
     target: float
@@ -128,6 +117,11 @@ class PoolSpec:
     @property
     def gpus(self) -> int:
         return int((self.resources.get("limits") or {}).get(GPU, 0))
+
+    @property
+    def device(self) -> str:
+        """cuda or cpu: the workers' `--device`."""
+        return pool_device(self.engine, self.gpus)
 
 
 @dataclass(frozen=True)
@@ -192,22 +186,6 @@ def check_name(name: str) -> None:
                         "(children are named NAME-prefill, NAME-decode, NAME-router)")
 
 
-def _engine(d: dict, where: str) -> EngineArgs:
-    w = f"{where}.engine"
-    return EngineArgs(
-        block_size=get_int(d, "blockSize", 16, w, 1, 256),
-        max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
-        max_num_batched_tokens=get_int(d, "maxNumBatchedTokens", None, w, 1),
-        long_prefill_token_threshold=get_int(d, "longPrefillTokenThreshold", None, w, 0),
-        max_model_len=get_int(d, "maxModelLen", None, w, 1),
-        kv_cache_memory=kv_memory(get(d, "kvCacheMemory", str, None, w)),
-        num_kv_blocks=get_int(d, "numKvBlocks", None, w, 1),
-        max_waiting=get_int(d, "maxWaiting", 4096, w, 1),
-        enable_prefix_caching=get(d, "enablePrefixCaching", bool, True, w),
-        num_threads=get_int(d, "numThreads", None, w, 1, 1024),
-        drain_timeout_seconds=get_int(d, "drainTimeoutSeconds", 30, w, 0, 3600))
-
-
 def _autoscaling(d: dict[str, Any] | None, where: str) -> AutoscalingSpec | None:
     if d is None:
         return None
@@ -234,12 +212,15 @@ def _autoscaling(d: dict[str, Any] | None, where: str) -> AutoscalingSpec | None
 
 def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
     tolerations = get(d, "tolerations", list, [], where)
+    res = resources(get_obj(d, "resources", where), f"{where}.resources")
+    engine = parse_engine(get_obj(d, "engine", where), where)
+    check_pool_device(engine, gpu_count(res, where), where)
     return PoolSpec(
         replicas=get_int(d, "replicas", replicas, where, 0, 1000),
-        resources=resources(get_obj(d, "resources", where), f"{where}.resources"),
+        resources=res,
         node_selector=dict(get_obj(d, "nodeSelector", where)),
         tolerations=tuple(dict(t) for t in tolerations),
-        engine=_engine(get_obj(d, "engine", where), where),
+        engine=engine,
         autoscaling=_autoscaling(get(d, "autoscaling", dict, None, where), where),
         pod=parse_pod_settings(d, where, scheduling=False))
 
@@ -330,8 +311,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         raise SpecError(f"model.sha256 {sha!r}: 64 lowercase hex digits")
     model = ModelSpec(uri, parse_model_uri(uri), sha, get(m, "name", str, None, "model"),
                       get(m, "dtype", str, None, "model"), *_delivery(m))
-    if model.dtype not in (None, "float32", "bfloat16", "float16"):
-        raise SpecError(f"model.dtype {model.dtype!r}: float32, bfloat16 or float16")
+    if model.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+        raise SpecError(f"model.dtype {model.dtype!r}: auto, float32, bfloat16 or float16")
     kv, mon = get_obj(spec, "kvTransfer", "spec"), get_obj(spec, "monitoring", "spec")
     out = InferenceServiceSpec(
         model=model, router=_router(get_obj(spec, "router", "spec")),
@@ -356,6 +337,11 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if out.disaggregated and out.prefill.engine.block_size != out.decode.engine.block_size:
         raise SpecError("prefill.engine.blockSize and decode.engine.blockSize differ; KV pages "
                         "move between the pools, so they must match")
+    if (out.disaggregated and out.prefill.device != out.decode.device
+            and model.dtype in (None, "auto")):
+        raise SpecError(f"prefill runs on {out.prefill.device} and decode on "
+                        f"{out.decode.device}: set model.dtype (auto is bfloat16 on CUDA, "
+                        "float32 on the CPU) so the KV pages they exchange match")
     if out.prefill.autoscaling is not None and not out.disaggregated:
         raise SpecError("prefill.autoscaling needs prefill.replicas >= 1 (0 = aggregated)")
     return out

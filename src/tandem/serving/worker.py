@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
+from tandem.engine.errors import ConfigError
 from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
 
@@ -26,7 +27,19 @@ logger = logging.getLogger(__name__)
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=".gguf file or HF directory (default: bundled)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda:0 when torch sees a GPU, else cpu), cpu, cuda or cuda:N; "
+                        "a CUDA device that cannot be used is an error, never a CPU fallback")
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (auto: bfloat16 on CUDA, float32 "
+                        "on CPU)")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "triton", "torch", "cpu"],
+                   help="auto: triton on CUDA, the native kernel (else torch) on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the GPU's memory this worker may use (weights, "
+                        "activations and KV cache; vLLM's meaning)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -39,12 +52,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "vLLM)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=0.1,
-                   help="bytes (> 1) or a fraction of RAM (<= 1)")
+                   help="bytes (> 1) or a fraction of RAM (<= 1); on CUDA only bytes count "
+                        "(exactly that much KV cache), else --gpu-memory-utilization sizes it")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-waiting", type=int, default=4096,
                    help="bound on queued requests; beyond it requests get 429")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs of decode steps (vLLM's flag; they are "
+                        "captured on CUDA with the triton attention backend otherwise)")
 
 
 # vLLM's CPU server default too; measured with bench/serve.py: lower TTFT under load than
@@ -67,12 +84,14 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         budget = SERVING_MAX_BATCHED_TOKENS if serving else EngineConfig.max_num_batched_tokens
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=budget, max_model_len=args.max_model_len,
         long_prefill_token_threshold=_chunk_cap(args),
         kv_cache_memory=int(mem) if mem > 1 else float(mem), num_kv_blocks=args.num_kv_blocks,
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads)
+        num_threads=args.num_threads, enforce_eager=args.enforce_eager)
 
 
 def _chunk_cap(args: argparse.Namespace) -> int:
@@ -83,9 +102,9 @@ def _chunk_cap(args: argparse.Namespace) -> int:
         return args.long_prefill_token_threshold
     if getattr(args, "role", None) != "prefill":
         return 0
-    from tandem.engine.llm_engine import default_device
+    from tandem.engine.devices import device_type
 
-    return PREFILL_ROLE_CHUNK_CAP if default_device().type == "cpu" else 0
+    return PREFILL_ROLE_CHUNK_CAP if device_type(args.device) == "cpu" else 0
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -137,6 +156,17 @@ def check_model_digest(model: str | None, expected: str) -> None:
     logger.info("model digest verified: sha256 %s (%.1fs)", digest, time.monotonic() - started)
 
 
+def preflight(config: EngineConfig) -> str:
+    """Before the server starts: resolve the device and dtype as the engine will
+    (ConfigError naming the reason when the device cannot be used); returns them in words.
+    The attention backend is resolved with the model (an unusable one fails the load)."""
+    from tandem.engine.devices import resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    return f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -150,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
+    try:
+        resolved = preflight(config)
+    except ConfigError as exc:  # e.g. --device cuda without a usable GPU: exit at once
+        logger.error("exiting: %s", exc)
+        return 1
     name = config.model_name
     tls = tls_from_args(args.grpc_tls_dir, args.grpc_tls_server_name)
     auth_key = load_worker_key(args.worker_auth_key_file)
@@ -179,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                                             log_level="warning", access_log=False,
                                             timeout_graceful_shutdown=5),
                              app, args.drain_timeout)
-    logger.info("worker (%s) serving %s on http://%s:%d", args.role, name, args.host, args.port)
+    logger.info("worker (%s) serving %s on http://%s:%d (%s)", args.role, name, args.host,
+                args.port, resolved)
     server.run()
     if failed:
         logger.error("exiting: the model failed to load (%s)", failed[0])

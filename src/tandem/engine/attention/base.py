@@ -7,6 +7,7 @@ writes the new K/V into the paged cache and attends over each sequence's whole c
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from tandem.engine.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +49,9 @@ class AttentionBackend(ABC):
     """Paged attention. Implementations must be safe for mixed prefill/decode batches."""
 
     name: str = ""
+    # the metadata of a decode-only batch can live in fixed buffers (`static_decode_metadata`)
+    # and `forward` launches no host work, so decode steps can be captured as CUDA graphs
+    supports_cuda_graphs: bool = False
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -72,6 +78,12 @@ class AttentionBackend(ABC):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (new tokens) -> out [T, H, D]; writes k/v to the cache."""
 
+    def static_decode_metadata(self, max_batch: int, max_model_len: int) -> Any:
+        """Metadata in fixed buffers for decode-only batches of up to `max_batch` rows (CUDA
+        graphs); `build_metadata(layout, out=...)` refills it. Only where
+        `supports_cuda_graphs`."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no CUDA-graph path")
+
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
 
@@ -86,8 +98,9 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    # import built-in backends so they register themselves
-    from tandem.engine.attention import cpu_backend, torch_backend  # noqa: F401
+    # import built-in backends so they register themselves (triton_backend imports triton
+    # itself only when a backend is built, so torch-only installs get here too)
+    from tandem.engine.attention import cpu_backend, torch_backend, triton_backend  # noqa: F401
 
     if name not in _REGISTRY:
         raise ConfigError(
@@ -99,10 +112,30 @@ def get_backend(name: str) -> type[AttentionBackend]:
 
 def resolve_backend(name: str, spec: AttentionSpec, dtype: torch.dtype,
                     device: torch.device, native: bool = True) -> type[AttentionBackend]:
-    """`name`'s class; "auto" picks the native CPU kernel where it builds (and `native`
-    kernels are allowed), else torch."""
+    """`name`'s class for `device`, or a ConfigError saying why it cannot run there.
+
+    "auto": "triton" on CUDA (torch, with a warning, where Triton cannot run); on the CPU the
+    native kernel where it builds (and `native` kernels are allowed), else "torch". Triton's
+    interpreter is a test tool, so "auto" never picks it on the CPU."""
+    from tandem.engine.kernels import triton_unavailable_reason
+
     if name == "auto":
+        if device.type == "cuda":
+            reason = triton_unavailable_reason(device)
+            if reason is None:
+                return get_backend("triton")
+            logger.warning("attention backend 'auto' falls back to 'torch' on %s: %s",
+                           device, reason)
+            return get_backend("torch")
         from tandem.engine.attention.cpu_backend import native_available
 
         name = "cpu" if native and native_available(spec, dtype, device) else "torch"
-    return get_backend(name)
+    cls = get_backend(name)
+    if name == "triton":
+        reason = triton_unavailable_reason(device)
+        if reason is not None:
+            raise ConfigError(f"attention backend 'triton' cannot run on {device}: {reason}")
+    elif name == "cpu" and device.type != "cpu":
+        raise ConfigError(f"attention backend 'cpu' runs only on the CPU, not on {device}; "
+                          "use 'triton' or 'torch' (or 'auto')")
+    return cls

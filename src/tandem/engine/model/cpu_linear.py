@@ -104,13 +104,14 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module, native: ctypes.CDLL | None = None) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many."""
-    count = 0
+    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many.
+
+    One layer at a time: each original weight is freed as soon as its packed copy exists
+    (nothing here holds the replaced modules), so the peak is the model plus one layer."""
     kind = "native panels" if native_preferred(native) else "oneDNN"
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child, native))
-                count += 1
-    logger.info("packed %d linear layers (%s)", count, kind)
-    return count
+    slots = [(parent, name) for parent in model.modules()
+             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name in slots:
+        setattr(parent, name, PackedLinear(getattr(parent, name), native))
+    logger.info("packed %d linear layers (%s)", len(slots), kind)
+    return len(slots)

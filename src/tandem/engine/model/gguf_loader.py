@@ -304,6 +304,9 @@ def read_gguf(
             proj = name.split(".")[-2]
             if permuted and proj in heads:
                 w = unpermute_rows(w, heads[proj])
-            yield name, torch.from_numpy(w).to(dtype)
+            out = torch.from_numpy(w).to(dtype)
+            del w
+            yield name, out
+            del out  # hold nothing while the next tensor is dequantized
 
     return config, len(selected), tensors()

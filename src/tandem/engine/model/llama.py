@@ -8,7 +8,7 @@ attention itself is delegated to an `AttentionBackend`. Activations are `[T, hid
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -60,15 +60,30 @@ def _inv_freq(cfg: ModelArchConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE tables `cos`, `sin`: `[max_pos, D]` float32, both halves equal."""
+    """Rotate-half RoPE tables `cos`, `sin`: `[max_pos, D]` float32, both halves equal.
+
+    Built on the meta device they stay empty until `compute`, which the engine calls after
+    the model's cast, so a bfloat16 model still gets float32 tables.
+    """
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
-        inv = _inv_freq(cfg)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+        self.cfg, self.max_positions = cfg, max_positions
+        shape = (max_positions, cfg.head_dim)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        if self.cos.device.type != "meta":
+            self.compute(self.cos.device)
+
+    def compute(self, device: torch.device) -> None:
+        """(Re)build the tables on `device` in float32, as HF and vLLM do: the inverse
+        frequencies on the host (D/2 values), the position * frequency products and their
+        cos/sin on the device."""
+        inv = _inv_freq(self.cfg).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos, self.sin = emb.cos(), emb.sin()
 
 
 class Attention(nn.Module):
@@ -166,38 +181,79 @@ class LlamaForCausalLM(nn.Module):
                                      self.norm.weight, self.config.rms_norm_eps)
         return self.lm_head(h)
 
-    @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be set."""
-        cfg = self.config
-        remaining = dict(weights)
-
-        def take(name: str) -> torch.Tensor:
-            if name not in remaining:
-                raise ConfigError(f"checkpoint is missing weight {name!r}")
-            return remaining.pop(name)
-
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
-        if cfg.tie_word_embeddings:
-            remaining.pop("lm_head.weight", None)
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """A model built under `torch.device("meta")` -> uninitialised parameters on `device`
+        in `dtype` (fill them with `load_weights`), embeddings tied when the config says so,
+        RoPE tables computed on `device` in float32. No host copy of the weights is made."""
+        tied = self.config.tie_word_embeddings
+        if tied:  # never allocate an lm_head that the tie replaces
+            self.lm_head.weight = None
+        self.to(dtype=dtype)  # free on meta
+        self.to_empty(device=device)
+        if tied:
             self.lm_head.weight = self.embed_tokens.weight
-        else:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
+        self.rope.compute(device)
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF weight name -> the parameter (or the slice of a fused one) it fills."""
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, (
+            cfg.intermediate_size)
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight,
+               "model.norm.weight": self.norm.weight}
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            attn.qkv_proj.weight.copy_(torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            if cfg.attention_bias:
-                attn.qkv_proj.bias.copy_(torch.cat(
-                    [take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            attn.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-        leftovers = [n for n in remaining if "rotary_emb" not in n]
-        if leftovers:
-            raise ConfigError(f"unexpected weights in checkpoint: {leftovers[:5]}")
+            kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
+            for kind in kinds:
+                fused = getattr(attn.qkv_proj, kind)
+                for n, part in zip("qkv", fused.split([q, kv, kv]), strict=True):
+                    out[p + f"self_attn.{n}_proj.{kind}"] = part
+            gate, up = layer.mlp.gate_up_proj.weight.split([inter, inter])
+            out.update({
+                p + "self_attn.o_proj.weight": attn.o_proj.weight,
+                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                p + "input_layernorm.weight": layer.input_layernorm.weight,
+                p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            })
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]
+                     | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named weights in as they come, each q/k/v and gate/up part straight into
+        its slice of the fused parameter (no concatenation, one tensor held at a time).
+
+        Every parameter must be set exactly once: ConfigError for a missing, repeated,
+        unexpected or mis-shaped weight. A tied model ignores `lm_head.weight`.
+        """
+        targets = self._weight_targets()
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        done: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in items:
+            dst = targets.get(name)
+            if dst is None:
+                if "rotary_emb" not in name and not (
+                        name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    unexpected.append(name)
+                continue
+            if name in done:
+                raise ConfigError(f"checkpoint has weight {name!r} twice")
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ConfigError(f"weight {name!r} has shape {tuple(tensor.shape)}, the "
+                                  f"model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            done.add(name)
+            del tensor, dst  # nothing held while the loader reads the next tensor
+        if unexpected:
+            raise ConfigError(f"unexpected weights in checkpoint: {unexpected[:5]}")
+        missing = [n for n in targets if n not in done]
+        if missing:
+            more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ConfigError(f"checkpoint is missing weight {missing[0]!r}{more}")
+        if self.config.tie_word_embeddings:  # (`materialize` tied them already)
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,8 +1,8 @@
 """Load model weights from a GGUF file or a Hugging Face directory; export to HF format.
 
-`load_model` is the single entry point: whatever the source, the result carries a
-`ModelArchConfig` and a state dict with Hugging Face parameter names in the HF
-(un-permuted) Q/K layout, in the requested dtype.
+`open_model` is the single entry point: whatever the source, it yields a
+`ModelArchConfig` and, one tensor at a time, weights with Hugging Face parameter names in the
+HF (un-permuted) Q/K layout, in the requested dtype. `load_model` collects them in a dict.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from tandem.engine.model.hf_loader import check_weight_names, config_to_hf, read
 from tandem.protocol.bundled import BUNDLED_FILE, find_bundled_gguf
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -72,16 +71,42 @@ def _torch_single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def load_model(
-    path: str | os.PathLike[str],
-    dtype: torch.dtype = torch.float32,
-    progress: bool | None = None,
-) -> LoadedModel:
-    """Load a `.gguf` file or an HF directory (config.json + *.safetensors).
+@dataclass
+class ModelSource:
+    """A validated checkpoint whose tensors are not read yet: `tensors()` yields
+    (HF name, tensor) pairs one at a time in HF layout and `dtype`, so a caller can copy
+    each into its parameter and drop it (host memory: one tensor, not the model)."""
+
+    config: ModelArchConfig
+    num_tensors: int
+    items: Iterator[tuple[str, torch.Tensor]]
+    source: str
+    dtype: torch.dtype
+    start: float
+
+    def tensors(self, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors, once (a tqdm bar when `progress`, or None and stderr is a terminal);
+        torch runs single-threaded while they are read."""
+        name = Path(self.source).name
+        bar = tqdm(total=self.num_tensors, desc=f"Loading {name}", unit="tensor",
+                   disable=not _show_progress(progress), file=sys.stderr, leave=False)
+        count = 0
+        with _torch_single_threaded(), bar:
+            for item in self.items:  # (tqdm's own iterator would hold the previous tensor)
+                yield item
+                del item  # nothing held here while the next tensor is read
+                count += 1
+                bar.update()
+        logger.info("loaded %s (%s, %d layers, %d tensors, %s) in %.2fs", self.source,
+                    self.config.architecture, self.config.num_layers, count, self.dtype,
+                    time.perf_counter() - self.start)
+
+
+def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> ModelSource:
+    """Open a `.gguf` file or an HF directory (config.json + *.safetensors) for streaming.
 
     Raises ConfigError for a missing path, an unknown format, an unsupported architecture
-    or tensor type, or tensors that do not match the config. `progress=None` shows a tqdm
-    bar only when stderr is a terminal.
+    or tensor type, or tensors that do not match the config.
     """
     p = Path(path)
     if not p.exists():
@@ -102,15 +127,19 @@ def load_model(
         raise ConfigError(
             f"{p}: unsupported model file; expected a .gguf file or a Hugging Face directory"
         )
-    weights: dict[str, torch.Tensor] = {}
-    bar = tqdm(items, total=total, desc=f"Loading {p.name}", unit="tensor",
-               disable=not _show_progress(progress), file=sys.stderr, leave=False)
-    with _torch_single_threaded():
-        for name, tensor in bar:
-            weights[name] = tensor
-    logger.info("loaded %s (%s, %d layers, %d tensors, %s) in %.2fs", p, config.architecture,
-                config.num_layers, len(weights), dtype, time.perf_counter() - start)
-    return LoadedModel(config=config, weights=weights, source=str(p))
+    return ModelSource(config, total, items, str(p), dtype, start)
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    progress: bool | None = None,
+) -> LoadedModel:
+    """`open_model` with every tensor read into a dict (export and tests; the engine
+    streams instead). `progress=None` shows a tqdm bar only when stderr is a terminal."""
+    src = open_model(path, dtype)
+    weights = dict(src.tensors(progress))
+    return LoadedModel(config=src.config, weights=weights, source=src.source)
 
 
 def export_hf(loaded: LoadedModel, out_dir: str | os.PathLike[str]) -> Path:

@@ -1,8 +1,11 @@
-"""Fused element-wise ops of the Llama block: native CPU kernels where they apply, else torch.
+"""Fused element-wise ops of the Llama block: Triton or native CPU kernels where they apply,
+else torch.
 
-Each op has one torch reference implementation (HF's math) and, for contiguous float32 CPU
-tensors, a native kernel from `tandem.engine.csrc/elementwise_cpu.c` doing the same in one
-pass, chosen once per model. `Ops(native=False)` forces the torch path (tests compare them).
+Each op has one torch reference implementation (HF's math); for contiguous float32 CPU
+tensors, a native kernel from `tandem.engine.csrc/elementwise_cpu.c` does the same in one
+pass, and `Ops(triton=True)` (the Triton attention backend's engines) sends add + RMSNorm,
+SwiGLU and RoPE to `tandem.engine.kernels.triton_ops` instead; the choice is made once per
+model. `Ops(native=False)` forces the torch path (tests compare them).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.errors import ConfigError
+from tandem.engine.kernels import triton_unavailable_reason
 from tandem.engine.native import load_native
 
 
@@ -24,21 +29,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * r.to(x.dtype)
 
 
+def _rows_ok(*tensors: torch.Tensor | None) -> bool:
+    """The Triton kernels' layout: only rows (dim 0) may be strided."""
+    return all(t is None or t.stride(-1) == 1 and (t.dim() < 3 or t.shape[1] < 2
+                                                    or t.stride(1) == t.shape[2])
+               for t in tensors)
+
+
 class Ops:
     """`native=True` uses the kernels when the model runs in float32 on the CPU (decided
-    once here, not per call); callers still need contiguous tensors for the native path."""
+    once here, not per call); callers still need contiguous tensors for the native path.
+    `triton=True` uses the Triton kernels on `device` (any float dtype) and raises
+    `ConfigError` when they cannot run there; tensors strided within rows go to torch."""
 
     def __init__(self, native: bool = True, device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
-        on_cpu = device is None or torch.device(device).type == "cpu"
-        self.lib = load_native() if native and on_cpu and dtype == torch.float32 else None
+                 dtype: torch.dtype = torch.float32, triton: bool = False) -> None:
+        device = torch.device("cpu" if device is None else device)
+        self.triton = None
+        self.lib = None
+        if triton:
+            reason = triton_unavailable_reason(device)
+            if reason is not None:
+                raise ConfigError(f"Triton ops on {device}: {reason}")
+            from tandem.engine.kernels import triton_ops
+
+            self.triton = triton_ops
+        elif native and device.type == "cpu" and dtype == torch.float32:
+            self.lib = load_native()
 
     def add_rms_norm(self, x: torch.Tensor | None, residual: torch.Tensor,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """residual += x (if given); return (rms_norm(residual) * weight, residual).
 
-        x, residual: [T, H]. `residual` is updated in place when it is contiguous.
+        x, residual: [T, H]. `residual` is updated in place when it is contiguous (Triton:
+        when its rows are).
         """
+        if self.triton is not None and _rows_ok(x, residual):
+            return self.triton.add_rms_norm(x, residual, weight, eps)
         if self.lib is not None and residual.is_contiguous() and (
                 x is None or x.is_contiguous()):
             out = torch.empty_like(residual)
@@ -53,6 +80,8 @@ class Ops:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+        if self.triton is not None and _rows_ok(gate_up):
+            return self.triton.silu_mul(gate_up)
         t, two_i = gate_up.shape
         if self.lib is not None and gate_up.is_contiguous():
             out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
@@ -66,6 +95,8 @@ class Ops:
               sin: torch.Tensor) -> torch.Tensor:
         """Rotate-half RoPE in place on x [T, heads, D] (rows may be strided; heads and D
         contiguous) with tables cos/sin [max_pos, D] at `positions` [T] int64. Returns x."""
+        if self.triton is not None and _rows_ok(x) and cos.stride(-1) == sin.stride(-1) == 1:
+            return self.triton.rope_(x, positions, cos, sin)
         t, heads, d = x.shape
         if (self.lib is not None and x.stride(2) == 1 and x.stride(1) == d
                 and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()

@@ -14,6 +14,7 @@ from tandem.operator.render.security import OperatorPeer, certificate, network_p
 from tandem.operator.render.workers import (
     Pool,
     pool_config_hash,
+    pool_image,
     pool_name,
     pool_selector,
     pools,
@@ -31,11 +32,14 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
                replicas: Mapping[str, int] | None = None,
                operator: OperatorPeer | None = None,
                image_pull_secrets: Sequence[str] = (),
-               router_image: str | None = None) -> list[dict[str, Any]]:
+               router_image: str | None = None, worker_image: str | None = None,
+               worker_cuda_image: str | None = None) -> list[dict[str, Any]]:
     """Every child manifest, in an order that can be applied front to back (RBAC and config
     before the pods that use them). `image` is the operator's default (spec.image wins; see
     `image_from_env`), `router_image` the routers' (the torch-free control image; default
-    `image`; spec.image and router.image win over it); `replicas` (pool name -> count)
+    `image`; spec.image and router.image win over it), `worker_image` the CPU pools' and
+    `worker_cuda_image` the GPU pools' (default `image`; spec.image and the pool's image win
+    over them); `replicas` (pool name -> count)
     overrides the spec's, as an autoscaler decides; `operator` (its namespace and release)
     labels the routers and joins the workers' NetworkPolicy as a metrics scraper.
     NetworkPolicies and the gRPC Certificate come first: no pod runs before its policy
@@ -43,11 +47,13 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     the pods' user settings (`render.pod`) are merged last."""
     check_name(owner.name)
     img = spec.image or image or DEFAULT_IMAGE
+    cpu_img = spec.image or worker_image or img
+    cuda_img = spec.image or worker_cuda_image or img
     cert = certificate(spec, owner)
     out = network_policies(spec, owner, operator) + ([cert] if cert else [])
     out += render_router(spec, owner, spec.image or router_image or img, operator,
-                         worker_image=spec.decode.pod.image or img)
-    out += render_workers(spec, owner, img, replicas)
+                         worker_image=pool_image(pools(spec)[-1], cpu_img, cuda_img))
+    out += render_workers(spec, owner, cpu_img, replicas, cuda_img)
     settings = {router_name(owner): (spec.router.pod, "router")}
     settings |= {pool_name(owner, p): (p.spec.pod, "prefill" if p.role == "prefill" else
                                        "decode") for p in pools(spec)}

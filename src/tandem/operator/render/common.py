@@ -23,6 +23,8 @@ KIND = "InferenceService"
 DEFAULT_IMAGE = "ghcr.io/tandem-llm/tandem:0.1.0"  # the operator passes its own default
 IMAGE_ENV = "TANDEM_IMAGE"  # set by the chart on the operator: the children's default image
 ROUTER_IMAGE_ENV = "TANDEM_ROUTER_IMAGE"  # the routers' (the torch-free `control` target)
+WORKER_IMAGE_ENV = "TANDEM_WORKER_IMAGE"  # CPU pools' (the Dockerfile's default target)
+WORKER_CUDA_IMAGE_ENV = "TANDEM_WORKER_CUDA_IMAGE"  # GPU pools' (the `worker-cuda` target)
 PULL_POLICY_ENV = "TANDEM_IMAGE_PULL_POLICY"
 HTTP_PORT = 8000  # worker and router HTTP (named "http": the router's --worker-port-name)
 GRPC_PORT = 50051  # worker gRPC: KV events, load, KV transfer
@@ -49,6 +51,12 @@ class Owner:
 def router_image_from_env(environ: Mapping[str, str]) -> str | None:
     """The routers' default image (`TANDEM_ROUTER_IMAGE`); None: the workers' image."""
     return environ.get(ROUTER_IMAGE_ENV) or None
+
+
+def worker_images_from_env(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(CPU pools' image, GPU pools' image): `TANDEM_WORKER_IMAGE` and
+    `TANDEM_WORKER_CUDA_IMAGE`; None: the children's default image (`TANDEM_IMAGE`)."""
+    return environ.get(WORKER_IMAGE_ENV) or None, environ.get(WORKER_CUDA_IMAGE_ENV) or None
 
 
 def image_from_env(environ: Mapping[str, str]) -> tuple[str, str | None]:

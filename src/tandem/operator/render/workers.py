@@ -94,7 +94,10 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         ("--long-prefill-token-threshold", e.long_prefill_token_threshold),
         ("--max-model-len", e.max_model_len), ("--kv-cache-memory", e.kv_cache_memory),
         ("--num-kv-blocks", e.num_kv_blocks), ("--max-waiting", e.max_waiting),
-        ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds)]
+        ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds),
+        ("--device", pool.spec.device),
+        ("--attention-backend", None if e.attention_backend == "auto" else e.attention_backend),
+        ("--gpu-memory-utilization", e.gpu_memory_utilization)]
     if pool.role == "decode":  # the side that pulls pages from prefill workers
         optional += [("--kv-transfer-backend", kv.backend), ("--kv-transfer-policy", kv.policy),
                      ("--kv-transfer-timeout", f"{kv.timeout_seconds:g}")]
@@ -107,6 +110,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
             args += [flag, str(value)]
     if not e.enable_prefix_caching:
         args.append("--no-prefix-caching")
+    if e.enforce_eager:
+        args.append("--enforce-eager")
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
         args.append("--kv-stream-layers")
     return args
@@ -217,11 +222,22 @@ def desired_replicas(pool: Pool, override: Mapping[str, int] | None) -> int | No
     return n if auto is None else min(max(n, auto.min_replicas), auto.max_replicas)
 
 
+def pool_image(pool: Pool, image: str, cuda_image: str | None = None) -> str:
+    """The pool's image: its own `image`, else `cuda_image` (default `image`) for a pool on
+    CUDA, else `image`."""
+    if pool.spec.pod.image:
+        return pool.spec.pod.image
+    return (cuda_image or image) if pool.spec.device == "cuda" else image
+
+
 def render_workers(spec: InferenceServiceSpec, owner: Owner, image: str,
-                   replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                   replicas: Mapping[str, int] | None = None,
+                   cuda_image: str | None = None) -> list[dict[str, Any]]:
+    """`image` runs the CPU pools, `cuda_image` (default `image`) the GPU pools."""
     out: list[dict[str, Any]] = []
     for pool in pools(spec):
-        out.append(worker_deployment(spec, owner, pool, image, desired_replicas(pool, replicas)))
+        out.append(worker_deployment(spec, owner, pool, pool_image(pool, image, cuda_image),
+                                     desired_replicas(pool, replicas)))
         out.append(worker_service(owner, pool))
         out.append(pdb(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role))
     return out

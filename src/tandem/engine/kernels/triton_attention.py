@@ -1,0 +1,348 @@
+"""Paged attention in Triton: one varlen kernel for mixed batches, and split-KV decode.
+
+KV cache layout (per layer, K and V alike): `[num_blocks, KVH, block_size, D]`, contiguous, so
+one block of one KV head is a contiguous `[block_size, D]` page. Block tables are int32
+`[B, W]`; entries past a sequence's last block are never read. Every kernel packs the query
+heads that share a KV head (the GQA group) into the M dimension of its tile, so each K/V tile
+is loaded once per group, and accumulates in float32 with an online (streaming) softmax in
+base 2 (`scale * log2(e)` is folded into the scores).
+
+Only host-side Python ints (shapes, `max_query_len`, `num_splits`) pick launch shapes; all
+per-sequence lengths are read in-kernel, so none of these calls syncs with the device and a
+CUDA graph captured with fixed shapes stays valid for any lengths.
+
+Under `TRITON_INTERPRET=1` (CPU tensors) tiles are upcast to float32 before `tl.dot` (the
+interpreter's bfloat16 dot is wrong); on CUDA, 16-bit tiles feed the tensor cores directly
+and float32 uses IEEE (not TF32) dots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, pos, row_ok,
+                 window, scale_log2, stride_kb, stride_ks, offs_d, d_ok,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One online-softmax update of (m_i, l_i, acc) with keys [start, start + BLOCK_N) that
+    lie in [key_lo, key_hi); query row r sits at position pos[r] (causal + window masks)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = (n >= key_lo) & (n < key_hi)
+    blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= pos[:, None])
+    keep = keep & ((window == 0) | (n[None, :] > pos[:, None] - window))
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+    pv = tl.dot(p.to(v_ptr.dtype.element_ty).to(DOT), v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs,
+                   scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   stride_kb, stride_kh, stride_ks,
+                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, kvh): BLOCK_Q query tokens x GROUP heads of one sequence. Sequence b owns
+    tiles [qs[b] // BLOCK_Q + b, qs[b + 1] // BLOCK_Q + b + 1) (a superset of what it needs),
+    found by binary search, so the grid is T // BLOCK_Q + B without reading lengths."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qs_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(qs_ptr + b)
+    qlen = tl.load(qs_ptr + b + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + b)
+    if local * BLOCK_Q >= qlen:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - qlen  # the new tokens are the sequence's last qlen positions
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    tok = local * BLOCK_Q + offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = (offs_m // GROUP < BLOCK_Q) & (tok < qlen)
+    pos = ctx + tok
+    t64 = (q_start + tok).to(tl.int64)
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + t64[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0).to(DOT)
+
+    first = ctx + local * BLOCK_Q
+    key_hi = tl.minimum(first + BLOCK_Q, seq_len)  # causal: nothing above the tile's last row
+    key_lo = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)  # window's left edge
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    kv_head = kvh.to(tl.int64) * stride_kh
+    for start in range((key_lo // BLOCK_N) * BLOCK_N, key_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
+                                     start, key_lo, key_hi, pos, row_ok, window, scale_log2,
+                                     stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
+                                     DOT, PRECISION)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, bt_ptr,
+                   seq_lens_ptr, scale_log2, window, stride_qb, stride_qh, stride_ob, stride_oh,
+                   stride_bt, stride_kb, stride_kh, stride_ks, stride_wb, stride_wh,
+                   stride_ab, stride_ah, stride_as,
+                   GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (b, kvh, split): the GROUP heads of one KV head over one split of the keys.
+    The attended keys [lo, seq_len) are cut into NUM_SPLITS runs of whole BLOCK_N tiles; a
+    split past the end writes an empty partial (m = -inf, l = 0, acc = 0)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if seq_len == 0:
+        return
+    key_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_tile = key_lo // BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N) - first_tile, NUM_SPLITS)
+    start = (first_tile + split * per_split) * BLOCK_N
+    stop = tl.minimum(start + per_split * BLOCK_N, seq_len)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    head = kvh * GROUP + offs_m
+    row_ok = offs_m < GROUP
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0).to(DOT)
+    pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    bt_row = bt_ptr + b64 * stride_bt
+    kv_head = kvh.to(tl.int64) * stride_kh
+    for tile_start in range(start, stop, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
+                                     tile_start, key_lo, stop, pos, row_ok, window, scale_log2,
+                                     stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
+                                     DOT, PRECISION)
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        ml = b64 * stride_wb + head * stride_wh + split
+        tl.store(ws_m_ptr + ml, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + ml, l_i, mask=row_ok)
+        a_off = b64 * stride_ab + head * stride_ah + split * stride_as
+        tl.store(ws_acc_ptr + a_off[:, None] + offs_d[None, :], acc, mask=io_mask)
+
+
+@triton.jit
+def _reduce_kernel(o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, seq_lens_ptr, stride_ob, stride_oh,
+                   stride_wb, stride_wh, stride_ab, stride_ah, stride_as,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr):
+    """Program (b, h): merge the NUM_SPLITS partials of one head (log-sum-exp in base 2)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    if tl.load(seq_lens_ptr + b) == 0:
+        return
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    ml = b * stride_wb + h * stride_wh + s
+    m = tl.load(ws_m_ptr + ml, mask=s_ok, other=float("-inf"))
+    lsum = tl.load(ws_l_ptr + ml, mask=s_ok, other=0.0)
+    a_off = b * stride_ab + h * stride_ah + s * stride_as
+    acc = tl.load(ws_acc_ptr + a_off[:, None] + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # the first split is never empty, so the max is finite
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+@dataclass
+class DecodeWorkspace:
+    """Static float32 split-KV partials, reusable across steps and CUDA-graph replays:
+    `m`/`l` `[max_batch, num_heads, num_splits]`, `acc` `[max_batch, num_heads, num_splits, D]`."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741 (the softmax denominator's usual name)
+    acc: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_batch: int, num_heads: int, head_dim: int, num_splits: int,
+                 device: torch.device | str) -> DecodeWorkspace:
+        shape = (max_batch, num_heads, num_splits)
+        return cls(m=torch.empty(shape, dtype=torch.float32, device=device),
+                   l=torch.empty(shape, dtype=torch.float32, device=device),
+                   acc=torch.empty((*shape, head_dim), dtype=torch.float32, device=device))
+
+    @property
+    def num_splits(self) -> int:
+        return int(self.m.shape[2])
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Power-of-two split-KV count for decode (<= 16): enough (batch, KV head, split) programs
+    for about two per SM, each split at least 256 keys; 1 when the batch already fills the GPU
+    or contexts are short."""
+    programs = max(1, batch * num_kv_heads)
+    want = triton.next_power_of_2(max(1, math.ceil(2 * num_sms / programs)))
+    splits = min(want, 16)
+    while splits > 1 and max_seq_len < splits * 256:
+        splits //= 2
+    return splits
+
+
+def _dot_config(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"attention supports float32, bfloat16 and float16, not {dtype}")
+    if device.type != "cuda" or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return _TL_DTYPES[dtype], "tf32"
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Validate shapes/dtypes shared by both entry points; returns the GQA group size."""
+    if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"q and out must be [T, H, D] of one dtype, got {tuple(q.shape)} "
+                         f"{q.dtype} and {tuple(out.shape)} {out.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, KVH, block_size, D]")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads of dim {head_dim} do not fit a cache of "
+                         f"{num_kv_heads} KV heads of dim {k_cache.shape[3]}")
+    for t in (q, out):
+        if t.shape[0] and (t.stride(2) != 1 or t.stride(1) != head_dim):
+            raise ValueError("q/out heads and head_dim must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1 or seq_lens.dim() != 1 or (
+            block_tables.shape[0] != seq_lens.shape[0]):
+        raise ValueError("block_tables must be [B, W] (rows contiguous) and seq_lens [B]")
+    return num_heads // num_kv_heads
+
+
+def _check_window(sliding_window: int) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0 = none), got {sliding_window}")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start: torch.Tensor, *, scale: float, max_query_len: int,
+                    sliding_window: int = 0) -> None:
+    """Varlen causal attention of a mixed batch into `out` (q/out `[T, H, D]`). Sequence b's
+    new tokens are q rows [query_start[b], query_start[b + 1]), its last positions of
+    `seq_lens[b]` (their K/V already cached). `max_query_len` (a host int, an upper bound is
+    fine) only picks the tile size. Rows past query_start[B] and qlen-0 sequences are untouched."""
+    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens)
+    _check_window(sliding_window)
+    num_seqs = seq_lens.shape[0]
+    if query_start.dtype != torch.int32 or query_start.shape != (num_seqs + 1,):
+        raise ValueError("query_start must be int32 [B + 1]")
+    if q.shape[0] == 0 or num_seqs == 0:
+        return
+    dot, precision = _dot_config(q.dtype, q.device)
+    head_dim = q.shape[2]
+    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
+    if q.dtype == torch.float32:  # fp32 tiles are twice the shared memory
+        block_m = min(block_m, 64)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[1])
+    _varlen_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, num_seqs,
+        scale * _LOG2E, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=64, DOT=dot, PRECISION=precision,
+        num_warps=8 if block_m >= 128 else 4, num_stages=2)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           *, scale: float, sliding_window: int = 0, num_splits: int = 1,
+                           workspace: DecodeWorkspace | None = None) -> None:
+    """Decode attention (one new token per sequence, q/out `[B, H, D]`) into `out`; rows with
+    seq_lens[b] == 0 are untouched. num_splits > 1 splits each context into that many key
+    ranges (computed in-kernel) reduced by a second kernel through `workspace` (allocated
+    per call when None, which a CUDA graph must not rely on)."""
+    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens)
+    _check_window(sliding_window)
+    batch, num_heads, head_dim = q.shape
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows for a batch of {batch}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if batch == 0:
+        return
+    if num_splits > 1 and workspace is None:
+        workspace = DecodeWorkspace.allocate(batch, num_heads, head_dim, num_splits, q.device)
+    if workspace is not None and num_splits > 1 and (
+            workspace.acc.shape[0] < batch or workspace.acc.shape[1] != num_heads
+            or workspace.acc.shape[3] != head_dim or workspace.num_splits < num_splits
+            or not all(t.is_contiguous() for t in (workspace.m, workspace.l, workspace.acc))):
+        raise ValueError(f"workspace {tuple(workspace.acc.shape)} too small for batch {batch}, "
+                         f"{num_heads} heads, dim {head_dim}, {num_splits} splits")
+    ws = workspace if num_splits > 1 else None
+    ws_m, ws_l, ws_acc = (ws.m, ws.l, ws.acc) if ws else (out, out, out)  # unused when 1 split
+    dot, precision = _dot_config(q.dtype, q.device)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    ws_strides = ((ws.m.stride(0), ws.m.stride(1), ws.acc.stride(0), ws.acc.stride(1),
+                   ws.acc.stride(2)) if ws else (0, 0, 0, 0, 0))
+    _decode_kernel[(batch, k_cache.shape[1], num_splits)](
+        q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, block_tables, seq_lens,
+        scale * _LOG2E, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *ws_strides,
+        GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, NUM_SPLITS=num_splits,
+        DOT=dot, PRECISION=precision, num_warps=4, num_stages=3)
+    if ws is not None:
+        _reduce_kernel[(batch, num_heads)](
+            out, ws.m, ws.l, ws.acc, seq_lens, out.stride(0), out.stride(1), *ws_strides,
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)

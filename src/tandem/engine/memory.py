@@ -1,0 +1,162 @@
+"""Sizing the KV cache on a GPU from `gpu_memory_utilization` (vLLM's meaning and method).
+
+The engine may use `total * gpu_memory_utilization` bytes of the device. Of that, what is
+not taken by the weights, the activation peak of the largest step, and memory this process
+holds outside torch's allocator (CUDA context growth, cuBLAS/Triton workspaces, NCCL) goes
+to the KV cache:
+
+    kv = total * utilization - (weights + activation_peak + non_torch_increase)
+
+`snapshot` reads the device (`torch.cuda.mem_get_info` + the caching allocator's stats);
+`profile_peak` measures a dummy step's activation peak; `kv_cache_budget` is the arithmetic,
+pure, on plain ints. As vLLM, memory used by other processes is assumed not to change while
+the engine starts; it must leave at least the requested fraction free (`requested_memory`).
+CUDA graphs captured later (engine/cuda_graphs.py) take a small extra pool not counted here.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.attention.base import AttentionBackend, BatchLayout
+from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.manager import cdiv
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of a CUDA device, in bytes."""
+
+    free: int  # free on the device (all processes)
+    total: int
+    reserved: int  # held by this process's torch caching allocator
+    allocated: int  # in live torch tensors
+    peak_allocated: int  # since the last torch.cuda.reset_peak_memory_stats
+
+    @property
+    def non_torch(self) -> int:
+        """Used on the device but not through torch's allocator here: other processes,
+        this process's CUDA context, library workspaces."""
+        return (self.total - self.free) - self.reserved
+
+
+def snapshot(device: torch.device) -> MemorySnapshot:
+    """Read `device` now (creates its CUDA context if there is none yet)."""
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    return MemorySnapshot(free, total, torch.cuda.memory_reserved(device),
+                          stats.get("allocated_bytes.all.current", 0),
+                          stats.get("allocated_bytes.all.peak", 0))
+
+
+def requested_memory(total: int, free: int, utilization: float) -> int:
+    """`total * utilization` bytes; ConfigError when less than that is free at start-up
+    (other processes, or another engine in this one, already hold the rest)."""
+    requested = int(total * utilization)
+    if free < requested:
+        raise ConfigError(
+            f"free GPU memory at start-up ({_gib(free)} of {_gib(total)}) is less than "
+            f"gpu_memory_utilization {utilization} asks for ({_gib(requested)}); lower "
+            "gpu_memory_utilization or free memory held by other processes")
+    return requested
+
+
+def kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int,
+                    non_torch: int, *, free_at_start: int | None = None) -> int:
+    """KV cache bytes: `total * utilization - (weights + activation_peak + non_torch)`.
+
+    `non_torch`: this process's non-torch memory growth since start-up. With
+    `free_at_start`, first checks `requested_memory`. ConfigError, naming every term, when
+    nothing is left for the KV cache.
+    """
+    requested = (int(total * utilization) if free_at_start is None
+                 else requested_memory(total, free_at_start, utilization))
+    kv = requested - (weights + activation_peak + non_torch)
+    if kv <= 0:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: gpu_memory_utilization {utilization} of "
+            f"{_gib(total)} is {_gib(requested)}, and the model weights take "
+            f"{_gib(weights)}, the activation peak {_gib(activation_peak)} and non-torch "
+            f"memory {_gib(non_torch)}; raise gpu_memory_utilization, or lower "
+            "max_num_batched_tokens / max_num_seqs")
+    return kv
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    activation_peak: int  # bytes above the allocations live before the dummy steps
+    after: MemorySnapshot  # after the steps, their tensors freed
+
+
+def profile_peak(run: Callable[[], object], device: torch.device) -> ProfileResult:
+    """Run `run` (the dummy steps) on `device` and measure its torch allocation peak."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = snapshot(device)
+    run()
+    torch.cuda.synchronize(device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = snapshot(device)
+    return ProfileResult(after.peak_allocated - before.allocated, after)
+
+
+def dummy_layout(num_tokens: int, max_len: int, block_size: int) -> BatchLayout:
+    """A step of `num_tokens` prompt tokens: prefills of `max_len` tokens (the last one
+    shorter) whose every block id is 0, so a 1-block KV cache serves it. Writes collide in
+    block 0; the values are garbage, the memory traffic is real."""
+    qlens = [max_len] * (num_tokens // max_len)
+    if rest := num_tokens % max_len:
+        qlens = [rest, *qlens] if rest == 1 else [*qlens, rest]  # one-token rows go first
+    tables = [[0] * cdiv(n, block_size) for n in qlens]
+    slots = torch.arange(num_tokens, dtype=torch.int64) % block_size
+    return BatchLayout(qlens, list(qlens), tables, slots, int(qlens[0] == 1), block_size)
+
+
+@torch.inference_mode()
+def dummy_step(model: torch.nn.Module, backend: AttentionBackend,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: BatchLayout,
+               num_logits: int, device: torch.device) -> torch.Tensor:
+    """One forward over `layout` with logits for its last `num_logits` tokens, plus the
+    sampler's largest temporaries (a float32 softmax and a full sort, as top-p does).
+    Returns the logits. Any device; the engine profiles it on CUDA."""
+    positions = torch.cat([torch.arange(s - q, s) for q, s in
+                           zip(layout.query_lens, layout.seq_lens, strict=True)])
+    t = layout.num_tokens
+    ids = torch.zeros(t, dtype=torch.int64, device=device)
+    rows = torch.arange(t - min(num_logits, t), t, device=device)
+    logits = model(ids, positions.to(device), kv_caches, backend.build_metadata(layout), rows)
+    probs = logits.float().softmax(dim=-1)
+    probs.sort(dim=-1, descending=True)
+    return logits
+
+
+def profile_steps(model: torch.nn.Module, backend: AttentionBackend, num_layers: int,
+                  max_num_batched_tokens: int, max_num_seqs: int, max_len: int,
+                  device: torch.device) -> ProfileResult:
+    """The activation peak of the largest step (vLLM's profile run): the whole token budget
+    as prompt tokens, with logits for `max_num_seqs` rows, over a 1-block KV cache.
+
+    The Triton backend's decode needs no context-sized temporaries; the torch backend's
+    decode gathers each row's whole context, which this does not bound.
+    """
+    caches = [backend.allocate_kv_cache(1) for _ in range(num_layers)]
+    layout = dummy_layout(max_num_batched_tokens, max_len, backend.block_size)
+    result = profile_peak(
+        lambda: dummy_step(model, backend, caches, layout, max_num_seqs, device), device)
+    logger.info("profiled a %d-token step: activation peak %s", max_num_batched_tokens,
+                _gib(result.activation_peak))
+    return result

@@ -1,0 +1,108 @@
+"""A pool's engine flags (`EngineArgs`, `parse_engine`) and the device it runs on.
+
+A pool that requests `nvidia.com/gpu` runs on CUDA, any other on the CPU (`pool_device`): the
+operator passes `--device` explicitly, so a GPU pod never falls back to the CPU unnoticed and a
+CPU pod never grabs a GPU its node exposes. `check_pool_device` refuses what would fail or
+waste hardware: more than one GPU per worker (no tensor parallelism yet), `device: cuda`
+without a GPU, `device: cpu` holding one, and engine settings for the other device. The
+CRD's CEL rules refuse the first three too, the GPU count with the same message (`ONE_GPU`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.fields import GPU, get, get_enum, get_int, get_num, kv_memory
+from tandem.operator.model_uri import SpecError
+
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
+ONE_GPU = ("tensor parallelism is not supported yet: one GPU per worker "
+           f"({GPU}: 1)")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """`tandem worker` engine flags; None leaves the worker's default."""
+
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: str | None = None  # `--kv-cache-memory`: a fraction or bytes
+    num_kv_blocks: int | None = None
+    max_waiting: int = 4096
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    drain_timeout_seconds: int = 30
+    device: str = "auto"  # auto: cuda when the pool requests a GPU, else cpu
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float | None = None  # GPU pools only; None: the worker's 0.9
+    enforce_eager: bool = False  # no CUDA graphs
+
+
+def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
+    """`where.engine` (`where`: the pool) as typed flags."""
+    w = f"{where}.engine"
+    util = get_num(d, "gpuMemoryUtilization", None, w)
+    if util is not None and not 0 < util <= 1:
+        raise SpecError(f"{w}.gpuMemoryUtilization: {util:g} is not in (0, 1] (the fraction "
+                        "of the GPU's memory the worker may use)")
+    return EngineArgs(
+        block_size=get_int(d, "blockSize", 16, w, 1, 256),
+        max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
+        max_num_batched_tokens=get_int(d, "maxNumBatchedTokens", None, w, 1),
+        long_prefill_token_threshold=get_int(d, "longPrefillTokenThreshold", None, w, 0),
+        max_model_len=get_int(d, "maxModelLen", None, w, 1),
+        kv_cache_memory=kv_memory(get(d, "kvCacheMemory", str, None, w)),
+        num_kv_blocks=get_int(d, "numKvBlocks", None, w, 1),
+        max_waiting=get_int(d, "maxWaiting", 4096, w, 1),
+        enable_prefix_caching=get(d, "enablePrefixCaching", bool, True, w),
+        num_threads=get_int(d, "numThreads", None, w, 1, 1024),
+        drain_timeout_seconds=get_int(d, "drainTimeoutSeconds", 30, w, 0, 3600),
+        device=get_enum(d, "device", "auto", w, DEVICES),
+        attention_backend=get_enum(d, "attentionBackend", "auto", w, ATTENTION_BACKENDS),
+        gpu_memory_utilization=util,
+        enforce_eager=get(d, "enforceEager", bool, False, w))
+
+
+def gpu_count(resources: dict[str, dict[str, int | str]], where: str) -> int:
+    """Whole GPUs in `resources.limits` (0 or 1); more is refused until tensor parallelism."""
+    value = (resources.get("limits") or {}).get(GPU, 0)
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or value < 0:
+        raise SpecError(f"{where}.resources.limits.{GPU}: {value!r}: whole GPUs, 0 or 1")
+    if value > 1:
+        raise SpecError(f"{where}.resources.limits.{GPU}: {value}: {ONE_GPU}")
+    return value
+
+
+def pool_device(engine: EngineArgs, gpus: int) -> str:
+    """The `--device` a pool's workers get: cuda or cpu."""
+    if engine.device != "auto":
+        return engine.device
+    return "cuda" if gpus else "cpu"
+
+
+def check_pool_device(engine: EngineArgs, gpus: int, where: str) -> None:
+    """Device, GPU request and the device-specific engine settings agree."""
+    w = f"{where}.engine"
+    if engine.device == "cuda" and not gpus:
+        raise SpecError(f"{w}.device cuda needs a GPU: set {where}.resources.limits."
+                        f"{GPU}: 1")
+    if engine.device == "cpu" and gpus:
+        raise SpecError(f"{w}.device cpu with {where}.resources.limits.{GPU}: {gpus}: the pod "
+                        "would hold a GPU it never uses (drop the GPU or the device)")
+    device = pool_device(engine, gpus)
+    if device == "cuda" and engine.attention_backend == "cpu":
+        raise SpecError(f"{w}.attentionBackend cpu runs on the CPU only; this pool runs on "
+                        "CUDA (auto, triton or torch)")
+    if device == "cpu" and engine.attention_backend == "triton":
+        raise SpecError(f"{w}.attentionBackend triton needs a GPU pool ({GPU}: 1); on the "
+                        "CPU use auto, cpu or torch")
+    if device == "cpu" and engine.gpu_memory_utilization is not None:
+        raise SpecError(f"{w}.gpuMemoryUtilization is for GPU pools; this pool runs on the "
+                        "CPU (size its KV cache with kvCacheMemory)")

@@ -1,0 +1,58 @@
+"""With the Triton backend (and fused Triton ops) under the interpreter, the bundled SmolLM2's
+greedy tokens equal transformers' — through chunked prefill, a prefill chunk after a cached
+prefix and mixed prefill/decode batches. Interpreter steps are slow: three prompts, three
+tokens each, five steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tests.engine.test_hf_parity import CHATS, RAW_PROMPTS, _hf_greedy
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 3
+
+
+def test_triton_backend_greedy_tokens_match_transformers(hf_reference, monkeypatch):
+    model, _ = hf_reference
+    # block 16, 25 tokens a step: the first chat prompt (40 tokens) is chunked beside the
+    # short prompt's decodes; the second chat shares its first block (24 common tokens)
+    llm = LLM(attention_backend="triton", dtype="float32", block_size=16, num_kv_blocks=32,
+              max_num_batched_tokens=25)
+    engine = llm.engine
+    assert engine.runner.backend.name == "triton" and engine.runner.graphs is None
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(RAW_PROMPTS[0])] + [
+        tok.encode(tok.apply_chat_template(c, add_generation_prompt=True),
+                   add_special_tokens=False) for c in (CHATS[0], CHATS[2])]
+    refs = [_hf_greedy(model, p)[:MAX_NEW] for p in prompts]
+
+    layouts = []
+    build = engine.runner.backend.build_metadata
+
+    def recording(layout, *args, **kw):
+        layouts.append((layout.num_decodes, list(layout.query_lens), list(layout.seq_lens)))
+        return build(layout, *args, **kw)
+
+    monkeypatch.setattr(engine.runner.backend, "build_metadata", recording)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engine.add_request("short", prompts[0], params)
+    engine.add_request("chat-a", prompts[1], params)
+    done: dict[str, list[int]] = {}
+    steps = 0
+    while len(done) < 3:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+        if steps == 2:  # chat-a's prompt is cached by now
+            engine.add_request("chat-b", prompts[2], params)
+        assert steps < 20
+    assert [done["short"], done["chat-a"], done["chat-b"]] == refs
+    assert engine.stats().prefix_cache_hits > 0
+    # step 2: short's decode beside chat-a's second chunk; step 3: two decodes beside
+    # chat-b's chunk after its cached first block (positions 16..38); then decodes only,
+    # sorted by context length
+    assert layouts == [(0, [5, 20], [5, 20]), (1, [1, 20], [6, 40]),
+                       (2, [1, 1, 23], [7, 41, 39]), (2, [1, 1], [40, 42]), (1, [1], [41])]
