@@ -30,6 +30,7 @@ from tandem.engine.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention,
     paged_decode_attention,
+    varlen_block_m,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -347,3 +348,16 @@ def test_kernels_compile_for_h200(tmp_path):
     assert "wgmma.mma_async.sync.aligned.m64n64k16" in report["prefill"]["ops"]
     for name in ("mixed", "decode"):
         assert "mma.sync.aligned.m16n8k16.row.col" in report[name]["ops"], report[name]
+
+
+@pytest.mark.parametrize(("qlen", "group", "d_pad", "elt", "limit", "want"), [
+    (512, 4, 128, 2, 227 * 1024, 128),  # H100/H200: the full 128-row bf16 tile (~112 KiB)
+    (512, 4, 128, 2, 99 * 1024, 64),    # sm_86 / sm_89: halved to fit
+    (512, 4, 128, 2, 48 * 1024, 16),    # the K/V stages alone exceed it: the smallest tile
+    (512, 4, 128, 4, 227 * 1024, 64),   # fp32: at most 64 rows
+    (1, 8, 128, 2, 99 * 1024, 16),      # a decode's group fills a 16-row tile
+    (1, 32, 128, 2, 16 * 1024, 32),     # never under the group, whatever the limit
+])
+def test_varlen_tile_fits_the_devices_shared_memory(qlen, group, d_pad, elt, limit, want):
+    assert varlen_block_m(qlen, group, d_pad, elt, limit) == want
+

@@ -36,3 +36,13 @@ def container(deployment: dict) -> dict:
 
 def arg(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
+
+
+def set_path(raw: dict, path: str, value: Any) -> dict:
+    """Set `raw`'s value at a dotted `path` (creating maps on the way); returns `raw`."""
+    node = raw
+    *keys, last = path.split(".")
+    for k in keys:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return raw

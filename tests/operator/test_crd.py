@@ -15,6 +15,7 @@ import pytest
 from openapi_schema_validator import OAS30Validator
 
 from tandem.operator.spec import parse_spec
+from tests.operator.manifests import set_path
 from tests.operator.samples import SPECS, apply_defaults, crd, resource, schema, spec
 
 FORBIDDEN = {"$ref", "$schema", "id", "definitions", "dependencies", "patternProperties",
@@ -163,19 +164,10 @@ INVALID = [  # (what, where in spec, value, keyword that must fail, at this path
 ]
 
 
-def _set(raw: dict, path: str, value: Any) -> dict:
-    node = raw
-    keys = path.split(".")
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-    node[keys[-1]] = value
-    return raw
-
-
 @pytest.mark.parametrize(("what", "path", "value", "keyword", "where"), INVALID,
                          ids=[case[0] for case in INVALID])
 def test_invalid_samples_fail_for_the_stated_reason(what, path, value, keyword, where):
-    errors = _errors(resource(_set(spec("aggregated"), path, value)))
+    errors = _errors(resource(set_path(spec("aggregated"), path, value)))
     assert [(e.validator, ".".join(map(str, e.absolute_path))) for e in errors] == [
         (keyword, where)], what
 
@@ -285,7 +277,7 @@ CEL_INVALID = [
 @pytest.mark.parametrize(("name", "path", "value", "message"), CEL_INVALID,
                          ids=[case[3] for case in CEL_INVALID])
 def test_cel_rules_reject_what_the_schema_alone_accepts(name, path, value, message):
-    obj = resource(_set(spec(name), path, value))
+    obj = resource(set_path(spec(name), path, value))
     assert _errors(obj) == []  # the OpenAPI part alone lets it through
     (failed,) = failed_rules(obj)
     assert message in failed

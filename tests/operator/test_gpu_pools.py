@@ -17,7 +17,7 @@ from tandem.operator.reconcile import OperatorConfig, manifests
 from tandem.operator.render import render_all
 from tandem.operator.spec import SpecError, parse_spec
 from tandem.operator.spec_engine import ONE_GPU
-from tests.operator.manifests import K8S, OWNER, arg, by_kind, container, one
+from tests.operator.manifests import K8S, OWNER, arg, by_kind, container, one, set_path
 from tests.operator.samples import resource
 from tests.operator.test_crd import _errors, failed_rules
 from tests.operator.test_dryrun import ENV, documents, tandem_render
@@ -105,14 +105,6 @@ def test_engine_fields_reach_tandem_workers_own_parser():
     assert (pre.device, pre.attention_backend, pre.enforce_eager) == ("cpu", "auto", False)
 
 
-def _set(raw: dict, path: str, value) -> dict:
-    node = raw
-    *keys, last = path.split(".")
-    for k in keys:
-        node = node.setdefault(k, {})
-    node[last] = value
-    return raw
-
 
 def _gpus(n) -> dict:
     return {"limits": {"nvidia.com/gpu": n}}
@@ -144,7 +136,7 @@ GPU_SPEC_ERRORS = [  # on a pool with one GPU
                          ids=[c[2][:40] for c in SPEC_ERRORS])
 def test_spec_errors_name_the_field(path, value, message):
     with pytest.raises(SpecError) as e:
-        parse_spec(_set({"model": {"uri": "SmolLM2-135M-Instruct"}}, path, value))
+        parse_spec(set_path({"model": {"uri": "SmolLM2-135M-Instruct"}}, path, value))
     assert message in str(e.value)
 
 

@@ -21,7 +21,7 @@ from tandem.operator.render.model import TOKENIZER_DIR, cache_key
 from tandem.operator.spec import SpecError, parse_spec
 from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
 from tandem.protocol.labels import COMPONENT_LABEL, ROLE_LABEL, SERVICE_LABEL
-from tests.operator.manifests import K8S, OWNER, by_kind, container, one, render
+from tests.operator.manifests import K8S, OWNER, by_kind, container, one, render, set_path
 from tests.operator.samples import SPECS, resource, spec
 from tests.operator.test_crd import _errors, failed_rules
 
@@ -210,24 +210,16 @@ REFUSED = [  # (spec field, value, message): what the operator owns cannot be ov
 ]
 
 
-def _set(raw: dict, path: str, value) -> dict:
-    node = raw
-    *keys, last = path.split(".")
-    for k in keys:
-        node = node.setdefault(k, {})
-    node[last] = value
-    return raw
-
 
 @pytest.mark.parametrize(("path", "value", "message"), REFUSED, ids=[r[2] for r in REFUSED])
 def test_user_settings_cannot_override_what_the_operator_owns(path, value, message):
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        render(_set(spec("aggregated"), path, value))
+        render(set_path(spec("aggregated"), path, value))
 
 
 @pytest.mark.parametrize("mount", ["/models", "/tmp", "/tmp/x", "/etc/tandem", "/etc"])
 def test_user_mounts_cannot_shadow_or_nest_in_the_operators(mount):
-    raw = _set(spec("disaggregated"), "decode.volumes", [{"name": "x", "emptyDir": {}}])
+    raw = set_path(spec("disaggregated"), "decode.volumes", [{"name": "x", "emptyDir": {}}])
     raw["decode"]["volumeMounts"] = [{"name": "x", "mountPath": mount}]
     with pytest.raises(SpecError, match=r"decode.volumeMounts\[0\].mountPath"):
         render(raw)
@@ -255,7 +247,7 @@ SPEC_ERRORS = [  # (spec field, value, message; CEL/schema reject them too: test
                          ids=[f"{e[0]}:{e[2]}" for e in SPEC_ERRORS])
 def test_bad_pod_and_model_settings_are_spec_errors_and_the_crd_refuses_them(path, value,
                                                                             message):
-    raw = _set(spec("aggregated"), path, value)
+    raw = set_path(spec("aggregated"), path, value)
     with pytest.raises(SpecError, match=message):
         parse_spec(raw)
     assert _errors(resource(raw)) or failed_rules(resource(raw)), "the CRD lets it through"

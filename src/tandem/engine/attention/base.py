@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +78,10 @@ class AttentionBackend(ABC):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (new tokens) -> out [T, H, D]; writes k/v to the cache."""
 
-    def static_decode_metadata(self, max_batch: int, max_model_len: int) -> Any:
-        """Metadata in fixed buffers for decode-only batches of up to `max_batch` rows (CUDA
-        graphs); `build_metadata(layout, out=...)` refills it. Only where
-        `supports_cuda_graphs`."""
+    def static_decode_metadata(self, sizes: Sequence[int], max_model_len: int) -> Any:
+        """Metadata in fixed buffers for decode-only batches padded to each of `sizes` rows
+        (CUDA graphs), as {size: metadata}; `build_metadata(layout, out=...)` refills one in
+        place. Only where `supports_cuda_graphs`."""
         raise NotImplementedError(f"attention backend {self.name!r} has no CUDA-graph path")
 
 

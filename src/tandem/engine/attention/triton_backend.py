@@ -86,13 +86,13 @@ class TritonAttentionBackend(AttentionBackend):
         """An int32 host buffer of `n` elements: on CUDA the reused pinned one, once the last
         non-blocking copy out of it has finished; on the CPU a fresh tensor."""
         if not self._cuda:
-            return torch.empty(n, dtype=torch.int32)
+            return torch.empty(n, dtype=torch.int32, device="cpu")
         if self._uploaded is not None:
             self._uploaded.synchronize()
         if self._host is None or self._host.numel() < n:
             self._host = torch.empty(max(n, 2 * (0 if self._host is None else
                                                  self._host.numel()), 4096),
-                                     dtype=torch.int32, pin_memory=True)
+                                     dtype=torch.int32, device="cpu", pin_memory=True)
         return self._host[:n]
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:

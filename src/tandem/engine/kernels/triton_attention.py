@@ -18,6 +18,7 @@ and float32 uses IEEE (not TF32) dots.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,7 +56,12 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, 
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
-@triton.jit
+# Per-step values are not specialised on: the batch size and block-table width vary every step,
+# and the metadata pointers are views at arbitrary int32 offsets of one uploaded buffer, so
+# Triton's default (==1 / %16 integer and 16-byte pointer-alignment keys) would compile new
+# variants mid-serving as those change. Only loop/launch-shaping constexprs pick a kernel.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "qs_ptr"])
 def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs,
                    scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kb, stride_kh, stride_ks,
@@ -114,7 +120,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, bt_ptr,
                    seq_lens_ptr, scale_log2, window, stride_qb, stride_qh, stride_ob, stride_oh,
                    stride_bt, stride_kb, stride_kh, stride_ks, stride_wb, stride_wh,
@@ -169,7 +176,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, b
         tl.store(ws_acc_ptr + a_off[:, None] + offs_d[None, :], acc, mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _reduce_kernel(o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, seq_lens_ptr, stride_ob, stride_oh,
                    stride_wb, stride_wh, stride_ab, stride_ah, stride_as,
                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -269,6 +276,45 @@ def _check_window(sliding_window: int) -> None:
         raise ValueError(f"sliding_window must be >= 0 (0 = none), got {sliding_window}")
 
 
+_VARLEN_BLOCK_N = 64
+_VARLEN_STAGES = 2
+
+
+def _varlen_shared_bytes(block_m: int, d_pad: int, elt: int) -> int:
+    """Shared memory the varlen kernel's tiles need: the Q tile, `_VARLEN_STAGES` buffered
+    K and V tiles, and the P tile fed to the second dot."""
+    n = _VARLEN_BLOCK_N
+    return elt * (block_m * d_pad + _VARLEN_STAGES * 2 * n * d_pad + block_m * n)
+
+
+def varlen_block_m(max_query_len: int, group: int, d_pad: int, elt: int,
+                   shared_limit: int) -> int:
+    """Rows of the varlen kernel's tile (query tokens × the GQA group's heads): a power of
+    two from 16 to 128 covering the longest chunk, at most 64 in fp32, halved while its
+    tiles exceed the device's shared memory (128-row bf16 tiles at D 128 need ~112 KiB: an
+    H100/H200 or A100 has it, an sm_86 / sm_89 GPU (99 KiB) gets 64), never under the group."""
+    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
+    if elt == 4:  # fp32 tiles are twice the shared memory
+        block_m = min(block_m, 64)
+    while block_m > 16 and _varlen_shared_bytes(block_m, d_pad, elt) > shared_limit:
+        block_m //= 2
+    return max(block_m, triton.next_power_of_2(group))
+
+
+@functools.cache
+def _shared_memory_limit(device: torch.device) -> int:
+    """Opt-in shared memory per block on a CUDA device (bytes); unbounded elsewhere (the
+    interpreter)."""
+    if device.type != "cuda":
+        return 1 << 62
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", None)
+    if limit is None:  # older torch: ask Triton's driver
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        limit = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return int(limit)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, *, scale: float, max_query_len: int,
@@ -286,10 +332,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     dot, precision = _dot_config(q.dtype, q.device)
     head_dim = q.shape[2]
-    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
-    if q.dtype == torch.float32:  # fp32 tiles are twice the shared memory
-        block_m = min(block_m, 64)
-    block_m = max(block_m, triton.next_power_of_2(group))
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_m = varlen_block_m(max_query_len, group, d_pad, q.element_size(),
+                             _shared_memory_limit(q.device))
     block_q = block_m // group
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[1])
     _varlen_kernel[grid](
@@ -297,9 +342,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * _LOG2E, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim,
-        D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=64, DOT=dot, PRECISION=precision,
-        num_warps=8 if block_m >= 128 else 4, num_stages=2)
+        D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=_VARLEN_BLOCK_N, DOT=dot, PRECISION=precision,
+        num_warps=8 if block_m >= 128 else 4, num_stages=_VARLEN_STAGES)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -54,7 +54,7 @@ def _cast(x, dt: tl.constexpr):
         return x.to(dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _add_rms_norm_kernel(out_ptr, res_ptr, x_ptr, w_ptr, n_rows, n_cols, out_stride,
                          res_stride, x_stride, eps, HAS_X: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK: tl.constexpr):
@@ -109,7 +109,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return out, residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _silu_mul_kernel(out_ptr, in_ptr, n_rows, n_cols, out_stride, in_stride,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
@@ -146,7 +146,7 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, n_tokens, n_heads, half, x_stride,
                  cos_stride, sin_stride, ROWS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
                  BLOCK_HALF: tl.constexpr):
@@ -202,7 +202,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
 def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_tokens,
                               n_heads, head_dim, block_size, k_stride, v_stride,
                               cache_block_stride, cache_head_stride, ROWS: tl.constexpr,
