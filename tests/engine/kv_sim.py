@@ -14,6 +14,9 @@ Checked on every step (`SimViolation` names the rule):
   after the step; a `BlockStored` event names only such blocks, and the events replayed by
   a router-like mirror give exactly the cache's hash set;
 - a preemption victim is never a request scheduled in the same step;
+- the persistent `BlockTable` (where the forward reads its tables) mirrors the manager's
+  block lists after the step: one row per request holding blocks, and `gather` of them all
+  gives each one's list, zero-padded;
 - blocks pinned by imports and P/D local prefixes keep a reference until released, kept
   (KV-transfer source) blocks also their content; every pin is released and the pool is
   empty at the end;
@@ -123,8 +126,8 @@ class TrackingForward:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = kv.block_ids(req.request_id)
             if len(table) < cdiv(start + n, bs):
-                raise SimViolation(f"{req.request_id}: table of {len(table)} blocks for "
-                                   f"{start + n} tokens")
+                sim._fail(f"{req.request_id}: table of {len(table)} blocks for "
+                          f"{start + n} tokens")
             plan.append((s, table))
         if self.fail_next:  # a forward that dies part-way: some slots hold garbage
             self.fail_next = False
@@ -343,6 +346,20 @@ class Sim:
                 if b.ref_cnt < 1:
                     self._fail(f"a block pinned for import {imp.rid} lost its reference")
 
+    def check_block_table(self) -> None:
+        blocks, rows = self.kv._blocks, self.kv.block_table.row_of
+        if rows.keys() != blocks.keys():
+            self._fail(f"block table rows {sorted(rows)} != requests with blocks "
+                       f"{sorted(blocks)}")
+        if not blocks:
+            return
+        table, lens = self.kv.block_table.gather(blocks)
+        width = table.shape[1]
+        want = [[b.block_id for b in bl] for bl in blocks.values()]
+        if table.tolist() != [w + [0] * (width - len(w)) for w in want] or (
+                lens.tolist() != [len(w) for w in want]):
+            self._fail(f"block table rows {table.tolist()} != the requests' blocks {want}")
+
     def after_schedule(self, out: SchedulerOutput) -> None:
         ran = {id(s.request) for s in out.scheduled}
         for victim in out.preempted:
@@ -464,6 +481,7 @@ class Sim:
         self.check_cache()
         self.check_events()
         self.check_pins()
+        self.check_block_table()
         for out in outs:
             self.on_output(out)
         for rid, when in list(self.kept_release.items()):

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tandem.engine.kv_cache.block_table import BlockTable
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
@@ -294,7 +295,10 @@ def test_runner_inputs_sampling_and_prompt_logprobs_match_a_plain_rebuild():
                              ScheduledRequest(reqs["p1"], 8, 9),
                              ScheduledRequest(reqs["p2"], 6, 4)])
     model, backend = _FakeModel(), _FakeBackend()
-    kv = SimpleNamespace(block_size=bs, block_ids=lambda rid: list(tables[rid]))
+    block_table = BlockTable(rows=1, width=1)
+    for rid, ids in tables.items():
+        block_table.append(rid, ids)
+    kv = SimpleNamespace(block_size=bs, block_table=block_table)
     runner = ModelRunner(model, backend, [], kv, Sampler(), torch.device("cpu"))
     with META:
         out = runner.execute(sched)
@@ -310,6 +314,7 @@ def test_runner_inputs_sampling_and_prompt_logprobs_match_a_plain_rebuild():
     assert layout.slot_mapping.tolist() == slots
     assert (layout.query_lens, layout.seq_lens, layout.num_decodes) == (
         [1, 1, 9, 4], [6, 12, 17, 10], 2)
+    assert layout.block_tables == [tables[rid] for rid, _, _ in order]
 
     logits = model.table[torch.tensor(tokens)[idx]] + torch.tensor(positions)[idx, None] * 0.01
     lp = logits.log_softmax(-1)

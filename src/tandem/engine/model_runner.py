@@ -2,10 +2,11 @@
 
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
-and for prompt positions whose logprobs were requested. Host work per step is O(tokens
-scheduled): inputs are filled into numpy arrays and reach the device as one int64 buffer
-(pinned, non-blocking on CUDA); results come back with one device-to-host copy each
-(sampled tokens with their logprobs, prompt logprobs).
+and for prompt positions whose logprobs were requested. Python work per step is
+O(tokens scheduled): the block tables are one numpy copy out of the KV manager's persistent
+`BlockTable` (no per-request lists), inputs are filled into numpy arrays and reach the
+device as one int64 buffer (pinned, non-blocking on CUDA); results come back with one
+device-to-host copy each (sampled tokens with their logprobs, prompt logprobs).
 
 A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
 the step that completes its prompt: its block table before the forward, then each layer
@@ -111,37 +112,35 @@ class ModelRunner:
         slots = np.empty(num_tokens, dtype=np.int64)
         dec_tokens: list[int] = []
         dec_positions: list[int] = []
-        dec_slots: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens = [], []
+        # the batch's block tables, gathered from the persistent one: [B, W] zero-padded
+        table, table_lens = self.kv.block_table.gather(s.request.request_id for s in scheduled)
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
         plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
         watching: list[LayerObserver] = []
         offset = 0
-        for s in scheduled:
+        for i, s in enumerate(scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
-            table = self.kv.block_ids(req.request_id)
             if n == 1:
                 dec_tokens.append(req.all_token_ids[start])
                 dec_positions.append(start)
-                dec_slots.append(table[start // bs] * bs + start % bs)
             else:  # only this chunk's tokens and the blocks it writes
                 end = offset + n
                 tokens[offset:end] = req.all_token_ids[start : start + n]
                 pos = np.arange(start, start + n, dtype=np.int64)
                 positions[offset:end] = pos
                 b0 = start // bs
-                blocks = np.array(table[b0 : (start + n - 1) // bs + 1], dtype=np.int64)
+                blocks = table[i, b0 : (start + n - 1) // bs + 1].astype(np.int64)
                 slots[offset:end] = blocks[pos // bs - b0] * bs + pos % bs
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(table)
             if s.samples:
                 sample_idx.append(offset + n - 1)
                 sample_reqs.append(req)
                 observer = self.observers.get(req.request_id) if self.observers else None
                 if observer is not None and req.num_output_tokens == 0:  # the prompt's end
-                    observer.begin(list(table))
+                    observer.begin(table[i, : table_lens[i]].tolist())
                     watching.append(observer)
             if req.prompt_logprobs_pos is not None:
                 # position p predicts prompt token p + 1; positions whose logprobs were
@@ -151,7 +150,11 @@ class ModelRunner:
                 if count > 0:
                     plp.append((req, first, offset + first - start, count))
             offset += n
-        tokens[:nd], positions[:nd], slots[:nd] = dec_tokens, dec_positions, dec_slots
+        if nd:
+            tokens[:nd], positions[:nd] = dec_tokens, dec_positions
+            dec_pos = positions[:nd]
+            slots[:nd] = table[np.arange(nd), dec_pos // bs].astype(np.int64) * bs + (
+                dec_pos % bs)
 
         # one upload: tokens | positions | logits rows | prompt-logprob targets
         logits_idx = np.concatenate([np.array(sample_idx, dtype=np.int64)] + [
@@ -163,7 +166,8 @@ class ModelRunner:
                       torch.int64, self.device)
         input_ids, pos_t, idx_t, targets_t = flat.split(
             [num_tokens, num_tokens, len(logits_idx), len(targets)])
-        layout = BatchLayout(query_lens, seq_lens, tables, torch.from_numpy(slots), nd, bs)
+        layout = BatchLayout(query_lens, seq_lens, None, torch.from_numpy(slots), nd, bs,
+                             block_table=table, table_lens=table_lens)
         logits = None
         if (self.graphs is not None and not watching and not plp
                 and len(sample_reqs) == nd == len(scheduled)):  # decodes only, all sampling

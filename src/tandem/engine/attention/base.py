@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tandem.engine.errors import ConfigError
@@ -20,20 +21,68 @@ from tandem.engine.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class BatchLayout:
-    """Backend-agnostic description of one step (host-side values plus a few tensors)."""
+    """Backend-agnostic description of one step (host-side values plus a few tensors).
 
-    query_lens: list[int]  # new tokens per sequence
-    seq_lens: list[int]  # context length per sequence after this step (cached + new)
-    block_tables: list[list[int]]  # block ids per sequence, covering seq_lens
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
-    num_decodes: int  # the first num_decodes sequences have query_len 1, sorted by seq_len
-    block_size: int
+    The block tables come as lists (`block_tables`) or as one zero-padded int32 array
+    (`block_table`, [B, W]) with each row's length (`table_lens`); either form is derived
+    from the other on first access and cached, so a backend reads the one it wants."""
+
+    def __init__(self, query_lens: list[int], seq_lens: list[int],
+                 block_tables: list[list[int]] | None, slot_mapping: torch.Tensor,
+                 num_decodes: int, block_size: int, block_table: np.ndarray | None = None,
+                 table_lens: np.ndarray | None = None) -> None:
+        if block_tables is None and (block_table is None or table_lens is None):
+            raise ValueError("a BatchLayout needs block_tables, or block_table with table_lens")
+        self.query_lens = query_lens  # new tokens per sequence
+        self.seq_lens = seq_lens  # context length per sequence after this step (cached + new)
+        self.slot_mapping = slot_mapping  # [T] int64: block_id * block_size + offset per token
+        self.num_decodes = num_decodes  # the first ones have query_len 1, sorted by seq_len
+        self.block_size = block_size
+        self._lists = block_tables
+        self._array = block_table
+        self._lens = table_lens
 
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Block ids per sequence, covering seq_lens."""
+        if self._lists is None:
+            assert self._array is not None and self._lens is not None
+            self._lists = [row[:n] for row, n in zip(self._array.tolist(), self._lens.tolist(),
+                                                      strict=True)]
+        return self._lists
+
+    @block_tables.setter
+    def block_tables(self, tables: list[list[int]]) -> None:
+        self._lists, self._array, self._lens = tables, None, None
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """[B, W] int32 block ids, zero-padded; W the longest table (at least 1)."""
+        if self._array is None:
+            lists = self._lists
+            assert lists is not None
+            self._lens = np.fromiter(map(len, lists), dtype=np.int32, count=len(lists))
+            array = np.zeros((len(lists), max(1, max(map(len, lists), default=0))),
+                             dtype=np.int32)
+            for i, t in enumerate(lists):
+                array[i, : len(t)] = t
+            self._array = array
+        elif self._array.shape[1] == 0:
+            self._array = np.zeros((self._array.shape[0], 1), dtype=np.int32)
+        return self._array
+
+    @property
+    def table_lens(self) -> np.ndarray:
+        """[B] int32 blocks in each row of `block_table`."""
+        if self._lens is None:
+            self.block_table  # noqa: B018 - derives the lengths
+        assert self._lens is not None
+        return self._lens
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,6 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
             and load_native() is not None)
 
 
-def _int32_table(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-
-
 @register_backend("cpu")
 class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
@@ -74,14 +69,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = layout.num_decodes
         tables = lens = None
         if nd:
-            tables = _int32_table(layout.block_tables[:nd])
+            tables = torch.from_numpy(layout.block_table[:nd])  # rows contiguous
             lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int32)
         if self._prefill_kernel is None or nd == len(layout.query_lens):
             return CpuAttentionMetadata(self._write_rows(layout), nd, [],
                                         self._prefill_seqs(layout), tables, lens)
         q_lens = layout.query_lens[nd:]
         starts = list(itertools.accumulate(q_lens[:-1], initial=nd))  # decodes: 1 row each
-        native = NativePrefills(_int32_table(layout.block_tables[nd:]),
+        native = NativePrefills(torch.from_numpy(layout.block_table[nd:]),
                                 torch.tensor(starts, dtype=torch.int32),
                                 torch.tensor(q_lens, dtype=torch.int32),
                                 torch.tensor(layout.seq_lens[nd:], dtype=torch.int32))

@@ -61,10 +61,6 @@ def group_by_length(lens: list[int], slack: float = 1.25, min_len: int = 64) -> 
     return groups
 
 
-def _padded(tables: list[list[int]], width: int) -> torch.Tensor:
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-
-
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Reference CPU/GPU backend built only from torch ops (no per-token Python loops)."""
@@ -103,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor(lens_all[lo:hi], dtype=torch.int64)
             length = int(lens[-1])
             width = -(-length // bs)
-            table = _padded([t[:width] for t in layout.block_tables[lo:hi]], width)
+            table = torch.from_numpy(layout.block_table[lo:hi, :width]).long()
             rows = self._rows(table, length).reshape(-1).to(self.device)
             k_pos = torch.arange(length)[None, :]
             q_pos = (lens - 1)[:, None]
@@ -121,8 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
             seq = PrefillSeq(start, qlen, slen, None, None)
             window_bites = window is not None and slen > window
             if slen > qlen or window_bites:
-                table = torch.tensor(layout.block_tables[i][: -(-slen // bs)],
-                                     dtype=torch.int64)[None, :]
+                table = torch.from_numpy(layout.block_table[i, : -(-slen // bs)]).long()[None, :]
                 # measured on CPU: the split wins once the chunk is at least as long as the
                 # prefix (up to 1.3x at 64 + 960), and loses on short chunks (LSE merge cost)
                 if not window_bites and self.device.type == "cpu" and qlen >= slen - qlen:

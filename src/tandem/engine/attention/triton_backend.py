@@ -131,13 +131,11 @@ class TritonAttentionBackend(AttentionBackend):
         if out is not None:
             return self._fill_static(layout, out)
         b, t = len(layout.seq_lens), layout.num_tokens
-        w = max(1, max(map(len, layout.block_tables)))
+        table = layout.block_table  # [b, w] zero-padded
+        w = table.shape[1]
         host = self._staging(b * w + b + (b + 1) + t)
         arr = host.numpy()
-        tables = arr[: b * w].reshape(b, w)
-        for i, table in enumerate(layout.block_tables):  # host packing, once per step
-            tables[i, : len(table)] = table
-            tables[i, len(table):] = 0
+        arr[: b * w].reshape(b, w)[:] = table  # host packing: one copy per step
         arr[b * w : b * w + b] = layout.seq_lens
         qs = arr[b * w + b : b * w + 2 * b + 1]
         qs[0] = 0
@@ -178,7 +176,8 @@ class TritonAttentionBackend(AttentionBackend):
         if layout.num_decodes != b or b > rows:
             raise ValueError(f"static metadata holds up to {rows} decodes, got "
                              f"{layout.num_decodes} decodes in a batch of {b}")
-        w = max(1, max(map(len, layout.block_tables)))
+        table = layout.block_table  # [b, w] zero-padded
+        w = table.shape[1]
         if w > out.block_tables.shape[1]:
             raise ValueError(f"block table of {w} blocks exceeds the static width "
                              f"{out.block_tables.shape[1]}")
@@ -188,10 +187,7 @@ class TritonAttentionBackend(AttentionBackend):
         arr[b:rows] = 0  # padding rows: skipped by the kernel
         host[rows : rows + b].copy_(layout.slot_mapping)
         arr[rows + b : 2 * rows] = -1  # padding tokens: not written to the cache
-        tables = arr[2 * rows :].reshape(b, w)
-        for i, table in enumerate(layout.block_tables):
-            tables[i, : len(table)] = table
-            tables[i, len(table):] = 0
+        arr[2 * rows :].reshape(b, w)[:] = table
         dev = self._upload(host)
         out.seq_lens.copy_(dev[:rows])
         out.slot_mapping.copy_(dev[rows : 2 * rows])

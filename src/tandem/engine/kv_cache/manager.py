@@ -9,6 +9,10 @@ token has completed: a request that is preempted, aborted or fails before that l
 hash behind for tokens it did not compute. Between `new_step` and the commit, the full
 blocks the step's chunks will complete are *pending*: `pending_run` tells how much of a
 waiting request's prefix a step of waiting would turn into a hit.
+
+Every request's block ids are also kept in a persistent `BlockTable` (`block_table`),
+updated where `_blocks` (the source of truth) changes, so a step's attention metadata
+gathers its rows without per-request lists.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
+from tandem.engine.kv_cache.block_table import BlockTable
 from tandem.engine.request import Request
 from tandem.protocol.block_hash import BlockHash
 
@@ -38,7 +43,8 @@ class StagedTail:
 
 
 class KVCacheManager:
-    """Maps requests to their blocks; the block table of a request is `block_ids(req)`."""
+    """Maps requests to their blocks; the block table of a request is `block_ids(req)`, of
+    a batch `block_table.gather(ids)`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  enable_events: bool = False) -> None:
@@ -46,6 +52,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
         self._blocks: dict[str, list[KVBlock]] = {}
+        # the ids of `_blocks`, row per request id: changed only with `_blocks`
+        self.block_table = BlockTable()
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
         self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
         # blocks staged for a prompt's last block, by request id (or the user request's)
@@ -56,7 +64,7 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which served from the cache
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return self.block_table.row(request_id).tolist()
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached leading blocks of `req` and the tokens they cover; when
@@ -175,6 +183,7 @@ class KVCacheManager:
         if need + revived > (free if max_free is None else min(free, max_free)):
             if not blocks:
                 del self._blocks[req.request_id]
+                self.block_table.drop(req.request_id)
             return None
         self.pool.touch(full)
         if takes_tail:  # the staged tail's pin becomes the request's reference
@@ -185,6 +194,7 @@ class KVCacheManager:
             self._num_cached[req.request_id] = len(full)
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
+        self.block_table.append(req.request_id, [b.block_id for b in computed + new])
         if self.enable_caching:  # the full blocks this chunk completes: cached after the step
             end = min(total, req.num_tokens) // self.block_size
             start = self._num_cached[req.request_id]
@@ -223,6 +233,7 @@ class KVCacheManager:
         `keep` they stay referenced under the request id until `release_kept`."""
         self.drop_tail(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
+        self.block_table.drop(req.request_id)
         self._num_cached.pop(req.request_id, None)
         if blocks and keep:
             self._kept[req.request_id] = blocks
