@@ -202,10 +202,15 @@ def test_the_profiling_step_runs_through_the_real_model(real_llm, tokens: int, m
     """engine/memory.py's dummy step (profiled on CUDA) is a valid batch for the model and
     its attention backend: prompts over a 1-block cache, logits for the last rows."""
     from tandem.engine.memory import dummy_layout, dummy_step
+    from tandem.engine.sampler import Sampler
 
     engine = real_llm.engine
     backend = engine.runner.backend
     caches = [backend.allocate_kv_cache(1) for _ in engine.model.layers]
     layout = dummy_layout(tokens, max_len, backend.block_size)
-    logits = dummy_step(engine.model, backend, caches, layout, 4, CPU)
+    sampler = Sampler(0)
+    logits = dummy_step(engine.model, backend, caches, layout, 4, CPU, sampler)
     assert logits.shape == (4, engine.state.vocab_size) and torch.isfinite(logits).all()
+    # the real sampler ran in its costliest mode (penalty rows for every logits row: their
+    # storage stays, as under load) and released its state
+    assert sampler.counts.slots == {} and sampler.counts.output.shape[0] >= 5

@@ -82,11 +82,12 @@ class LLMEngine(EngineCore):
         if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
             pack_linears(self.model, native=ops.lib)
 
+        sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
         per_block = backend.bytes_per_block() * arch.num_layers
         if config.num_kv_blocks:
             num_blocks = config.num_kv_blocks
         elif cuda:
-            num_blocks = self._blocks_on_gpu(backend, start, per_block, max_len)
+            num_blocks = self._blocks_on_gpu(backend, start, per_block, max_len, sampler)
         else:
             num_blocks = self._blocks_from_budget(per_block, max_len)
         name = config.model_name
@@ -96,7 +97,7 @@ class LLMEngine(EngineCore):
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             enable_events=config.enable_kv_events)
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
-        runner = ModelRunner(self.model, backend, caches, kv, Sampler(config.seed), device)
+        runner = ModelRunner(self.model, backend, caches, kv, sampler, device)
         runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len, device)
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold)
@@ -112,7 +113,7 @@ class LLMEngine(EngineCore):
         return not self.config.num_kv_blocks and not isinstance(mem, int)
 
     def _blocks_on_gpu(self, backend: AttentionBackend, start: memory.MemorySnapshot,
-                       per_block: int, max_len: int) -> int:
+                       per_block: int, max_len: int, sampler: Sampler) -> int:
         """KV blocks on CUDA: `kv_cache_memory` bytes when given as an int, else what
         gpu_memory_utilization leaves after a profiling step (engine/memory.py). At least
         one max_model_len sequence must fit."""
@@ -121,7 +122,7 @@ class LLMEngine(EngineCore):
             weights = memory.snapshot(device).allocated - start.allocated
             prof = memory.profile_steps(self.model, backend, self.model.config.num_layers,
                                         cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                        max_len, device)
+                                        max_len, device, sampler)
             budget = memory.kv_cache_budget(
                 start.total, cfg.gpu_memory_utilization, weights, prof.activation_peak,
                 max(0, prof.after.non_torch - start.non_torch), free_at_start=start.free)

@@ -26,6 +26,7 @@ import torch
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import cdiv
+from tandem.engine.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -126,29 +127,51 @@ def dummy_layout(num_tokens: int, max_len: int, block_size: int) -> BatchLayout:
     return BatchLayout(qlens, list(qlens), tables, slots, int(qlens[0] == 1), block_size)
 
 
+_PROFILE_KEY = "\x00profile-"  # penalty-state keys no request id can take
+
+
+def worst_case_rows(n: int, prompt_len: int) -> list[SamplingRow]:
+    """`n` sampling rows that take every costly path at once: top-k, top-p and min-p
+    (the full sort), all three penalties (per-request device counts) and 20 logprobs."""
+    prompt = list(range(prompt_len))
+    return [SamplingRow(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05,
+                        repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
+                        generator=None, banned_token_ids=(0,), prompt_token_ids=prompt,
+                        output_token_ids=[1], num_logprobs=20, key=f"{_PROFILE_KEY}{i}")
+            for i in range(n)]
+
+
 @torch.inference_mode()
 def dummy_step(model: torch.nn.Module, backend: AttentionBackend,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: BatchLayout,
-               num_logits: int, device: torch.device) -> torch.Tensor:
-    """One forward over `layout` with logits for its last `num_logits` tokens, plus the
-    sampler's largest temporaries (a float32 softmax and a full sort, as top-p does).
-    Returns the logits. Any device; the engine profiles it on CUDA."""
+               num_logits: int, device: torch.device,
+               sampler: Sampler | None = None) -> torch.Tensor:
+    """One forward over `layout` with logits for its last `num_logits` tokens; with a
+    `sampler`, then the real sampler over those rows in its costliest mode
+    (`worst_case_rows`; its penalty state released after, its storage kept, as it would be
+    under load). Returns the logits. Any device; the engine profiles it on CUDA."""
     positions = torch.cat([torch.arange(s - q, s) for q, s in
                            zip(layout.query_lens, layout.seq_lens, strict=True)])
     t = layout.num_tokens
     ids = torch.zeros(t, dtype=torch.int64, device=device)
     rows = torch.arange(t - min(num_logits, t), t, device=device)
     logits = model(ids, positions.to(device), kv_caches, backend.build_metadata(layout), rows)
-    probs = logits.float().softmax(dim=-1)
-    probs.sort(dim=-1, descending=True)
+    if sampler is not None:
+        sample_rows = worst_case_rows(logits.shape[0], min(t, 64))
+        try:
+            sampler(logits, sample_rows)
+        finally:
+            for r in sample_rows:
+                sampler.release(r.key)
     return logits
 
 
 def profile_steps(model: torch.nn.Module, backend: AttentionBackend, num_layers: int,
                   max_num_batched_tokens: int, max_num_seqs: int, max_len: int,
-                  device: torch.device) -> ProfileResult:
+                  device: torch.device, sampler: Sampler | None = None) -> ProfileResult:
     """The activation peak of the largest step (vLLM's profile run): the whole token budget
-    as prompt tokens, with logits for `max_num_seqs` rows, over a 1-block KV cache.
+    as prompt tokens, with logits for `max_num_seqs` rows sampled by `sampler` in its
+    costliest mode, over a 1-block KV cache.
 
     The Triton backend's decode needs no context-sized temporaries; the torch backend's
     decode gathers each row's whole context, which this does not bound.
@@ -156,7 +179,8 @@ def profile_steps(model: torch.nn.Module, backend: AttentionBackend, num_layers:
     caches = [backend.allocate_kv_cache(1) for _ in range(num_layers)]
     layout = dummy_layout(max_num_batched_tokens, max_len, backend.block_size)
     result = profile_peak(
-        lambda: dummy_step(model, backend, caches, layout, max_num_seqs, device), device)
+        lambda: dummy_step(model, backend, caches, layout, max_num_seqs, device, sampler),
+        device)
     logger.info("profiled a %d-token step: activation peak %s", max_num_batched_tokens,
                 _gib(result.activation_peak))
     return result

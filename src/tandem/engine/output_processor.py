@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.outputs import CompletionOutput, RequestOutput, TokenPrefix
 from tandem.engine.request import Request, RequestStatus
 from tandem.protocol.detokenizer import IncrementalDetokenizer
 from tandem.protocol.tokenizer import Tokenizer
@@ -133,7 +133,9 @@ class OutputProcessor:
                 delta_text = s.text[s.sent_len:visible]
             s.sent_len = visible
             outputs.append(CompletionOutput(
-                index=i, text=s.text[:visible], token_ids=list(req.output_token_ids),
+                index=i, text=s.text[:visible],
+                token_ids=(list(req.output_token_ids) if done else
+                           TokenPrefix(req.output_token_ids, len(req.output_token_ids))),
                 finish_reason=req.status.value if done else None,
                 stop_reason=req.stop_reason, logprobs=s.logprobs,
                 cumulative_logprob=s.cumulative_logprob))
