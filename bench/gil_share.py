@@ -480,8 +480,6 @@ def main() -> int:
     if args.quick:
         args.requests, args.max_tokens, args.rounds, args.words = 4, 8, 1, 12
 
-    import socket
-
     import torch
     import uvicorn
 
@@ -489,6 +487,7 @@ def main() -> int:
     from tandem.engine.cpu_tuning import limit_malloc_arenas
     from tandem.engine.llm_engine import LLMEngine
     from tandem.serving.api_server import ServerSettings, build_app
+    from tandem.serving.ports import free_port
     from tandem.serving.worker import add_engine_args, add_server_args, engine_config
 
     limit_malloc_arenas()  # as `tandem worker`, before any thread starts
@@ -500,9 +499,7 @@ def main() -> int:
     engine = LLMEngine(config)
     rec = StepRecorder(engine)  # wrapped before the engine thread starts
     aeng = AsyncLLMEngine(engine)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = build_app(ServerSettings(served_model_name=config.model_name,
                                    worker_id=f"127.0.0.1:{port}"), lambda: aeng)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.operator.cli import add_operator_args
@@ -110,8 +110,8 @@ class _Deployment:
 
     workers: list[tuple[str, str, list[str]]]
     router: list[str]
-    envs: list[dict[str, str]] = field(default_factory=list)
-    waves: list[int] = field(default_factory=list)
+    envs: list[dict[str, str]]
+    waves: list[int]
 
     def describe(self) -> str:
         counts = Counter(role for role, _, _ in self.workers)
@@ -250,8 +250,7 @@ def _start_workers(deployment: _Deployment, procs: list[subprocess.Popen]) -> st
     """Spawn the workers (appended to `procs`) wave by wave: a wave starts once every worker
     before it is ready, so GPU-sharing workers size their memory one at a time. Returns the
     URL of a worker that did not become ready, else None."""
-    n = len(deployment.workers)
-    waves, envs = deployment.waves or [0] * n, deployment.envs or [{}] * n
+    waves, envs = deployment.waves, deployment.envs
     for i, (_, _, cmd) in enumerate(deployment.workers):
         if i and waves[i] != waves[i - 1]:
             for (_, url, _), proc in zip(deployment.workers[:i], procs, strict=False):

@@ -12,6 +12,12 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
 
+def check_device_name(name: str) -> None:
+    """Raise ConfigError unless `name` is "auto", "cpu", "cuda" or "cuda:N" (syntax only)."""
+    if not isinstance(name, str) or not DEVICE_PATTERN.fullmatch(name):
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """User-facing engine arguments (names follow vLLM's engine args).
@@ -74,9 +80,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
-            raise ConfigError(
-                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device_name(self.device)
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

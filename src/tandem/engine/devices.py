@@ -13,18 +13,12 @@ import os
 
 import torch
 
-from tandem.engine.config import DEVICE_PATTERN
+from tandem.engine.config import check_device_name
 from tandem.engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_device_name(name: str) -> None:
-    """Raise ConfigError unless `name` is "auto", "cpu", "cuda" or "cuda:N" (syntax only)."""
-    if not isinstance(name, str) or not DEVICE_PATTERN.fullmatch(name):
-        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
 
 
 def device_type(name: str) -> str:

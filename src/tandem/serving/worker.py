@@ -37,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "triton", "torch", "cpu"],
                    help="auto: triton on CUDA, the native kernel (else torch) on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=EngineConfig.gpu_memory_utilization,
                    help="CUDA: fraction of the GPU's memory this worker may use (weights, "
                         "activations and KV cache; vLLM's meaning)")
     p.add_argument("--block-size", type=int, default=16)

@@ -72,7 +72,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._host: torch.Tensor | None = None  # pinned staging buffer (CUDA)
         self._uploaded: torch.cuda.Event | None = None  # the last copy out of it
         self._workspace: Any = None
-        self._workspace_shape = (0, 0)  # (rows, splits) it holds
 
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -114,12 +113,12 @@ class TritonAttentionBackend(AttentionBackend):
     def _grown_workspace(self, rows: int, splits: int) -> Any:
         """The split-KV workspace, grown (never shrunk) to hold `rows` x `splits`; one it
         replaces lives on in the metadata (and CUDA graphs) that hold it."""
-        have_rows, have_splits = self._workspace_shape
+        ws = self._workspace
+        have_rows, have_splits = (0, 0) if ws is None else (ws.m.shape[0], ws.num_splits)
         if rows > have_rows or splits > have_splits:
-            rows, splits = max(rows, have_rows), max(splits, have_splits)
             self._workspace = self._attn.DecodeWorkspace.allocate(
-                rows, self.spec.num_heads, self.spec.head_dim, splits, self.device)
-            self._workspace_shape = (rows, splits)
+                max(rows, have_rows), self.spec.num_heads, self.spec.head_dim,
+                max(splits, have_splits), self.device)
         return self._workspace
 
     # metadata ------------------------------------------------------------------------------

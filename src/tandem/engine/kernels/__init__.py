@@ -16,6 +16,11 @@ import torch
 MIN_CUDA_CAPABILITY = (7, 5)
 
 
+def rows_strided_only(t: torch.Tensor) -> bool:
+    """The Triton elementwise kernels' layout: only rows (dim 0) may be strided."""
+    return t.stride(-1) == 1 and (t.dim() < 3 or t.shape[1] < 2 or t.stride(1) == t.shape[2])
+
+
 def _interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`)."""
     try:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.kernels import _interpreting
+from tandem.engine.kernels import _interpreting, rows_strided_only
 
 _TILE = 4096  # elements per program on a GPU
 _TILE_INTERPRETED = 1 << 16
@@ -38,7 +38,7 @@ def _warps(tile: int) -> int:
 def _check_rows(name: str, t: torch.Tensor, dims: int) -> None:
     if t.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
-    if t.stride(-1) != 1 or (dims == 3 and t.shape[1] > 1 and t.stride(1) != t.shape[2]):
+    if not rows_strided_only(t):
         raise ValueError(f"{name}: only its rows may be strided (got strides {t.stride()})")
 
 

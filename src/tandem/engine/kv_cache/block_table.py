@@ -75,26 +75,6 @@ class BlockTable:
             self.table[r, start:end] = ids
         self.lens[r] = end
 
-    def set(self, request_id: str, ids: Sequence[int]) -> None:
-        """Replace `request_id`'s row with `ids`."""
-        r = self._row(request_id)
-        old, n = int(self.lens[r]), len(ids)
-        self._fit(n)
-        if n:
-            self.table[r, :n] = ids
-        if old > n:
-            self.table[r, n:old] = 0
-        self.lens[r] = n
-
-    def truncate(self, request_id: str, n: int) -> None:
-        """Keep the first `n` ids of `request_id`'s row (which must exist)."""
-        r = self.row_of[request_id]
-        old = int(self.lens[r])
-        if not 0 <= n <= old:
-            raise ValueError(f"cannot truncate a row of {old} blocks to {n}")
-        self.table[r, n:old] = 0
-        self.lens[r] = n
-
     def drop(self, request_id: str) -> None:
         """Free `request_id`'s row (zeroed, for reuse); idempotent."""
         r = self.row_of.pop(request_id, None)

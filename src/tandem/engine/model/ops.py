@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.errors import ConfigError
-from tandem.engine.kernels import triton_unavailable_reason
+from tandem.engine.kernels import rows_strided_only, triton_unavailable_reason
 from tandem.engine.native import load_native
 
 
@@ -31,9 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _rows_ok(*tensors: torch.Tensor | None) -> bool:
     """The Triton kernels' layout: only rows (dim 0) may be strided."""
-    return all(t is None or t.stride(-1) == 1 and (t.dim() < 3 or t.shape[1] < 2
-                                                    or t.stride(1) == t.shape[2])
-               for t in tensors)
+    return all(t is None or rows_strided_only(t) for t in tensors)
 
 
 class Ops:
