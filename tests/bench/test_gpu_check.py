@@ -150,7 +150,9 @@ def test_a_real_runs_pytest_step_counts_outcomes_per_file(tmp_path, monkeypatch)
         "    assert 'TRITON_INTERPRET' not in os.environ\n"  # the kernels must compile for CUDA
         "def test_ok():\n    pass\n"
         "def test_broken():\n    assert 1 == 2, 'boom'\n"
-        "@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+        # skips as a GPU file's tests do where their dependency is absent (not a marker)
+        "def test_needs_a_missing_module():\n"
+        "    pytest.importorskip('tandem_no_such_module')\n")
     monkeypatch.setattr(gpu_check, "TEST_FILES", (str(tests), "tests/engine/test_nothing.py"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     res = gpu_check.run_tests(dry=False, cap_s=120)
