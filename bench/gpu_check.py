@@ -10,6 +10,11 @@ short keeps what it measured):
   Llama-8B-like sizes (32 query / 8 KV heads, head dim 128, block 16, contexts 1k-8k), timed
   with CUDA events (median, rotating input sets larger than L2); decode attention's KV bytes
   read per second as a fraction of the copy rate (`bench/gpu_kernels.py`).
+* `quant`: the quantized matmuls (`kernels/triton_quant.py` INT8 / INT4, FP8 W8A8 through
+  `torch._scaled_mm` and FP8 weight-only) against float64 references of their dequantized
+  weights and timed beside `torch.matmul` on bf16 weights, at SmolLM2's gate/up, down and
+  LM-head shapes and 4096 x 4096, M = 1 / 16 / 256: achieved weight GB/s and its share of
+  the copy rate (`gpu_kernels.quant_checks`).
 * `e2e`: a random-weight ~1B Llama (hidden 2048, 16 layers, 32/8 heads, vocab 32000) written
   as an HF directory and loaded through `LLM(model=dir)`: batch-64 decode and a
   prefill-heavy point, for the Triton backend with CUDA graphs, without (`enforce_eager`),
@@ -62,7 +67,8 @@ TEST_FILES = ("tests/engine/test_hf_parity.py", "tests/engine/test_triton_parity
               "tests/engine/test_triton_backend.py", "tests/engine/test_sampler_device.py",
               "tests/engine/test_triton_attention.py", "tests/engine/test_triton_ops.py",
               "tests/engine/test_cuda_graphs.py", "tests/engine/test_memory.py",
-              "tests/engine/test_devices.py")
+              "tests/engine/test_devices.py", "tests/engine/test_triton_quant.py",
+              "tests/engine/test_fp8.py")
 DECODE_TARGET, SPEEDUP_TARGET = 0.70, 3.0
 L2_FALLBACK = 50 << 20
 
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/gpu_check-"
                     "<date>.json; a temp file with --dry-run)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip "
-                    "(copy,kernels,e2e,tests)")
+                    "(copy,kernels,quant,e2e,tests)")
     ap.add_argument("--tests-cap", type=float, default=150.0, help="seconds for pytest")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -267,6 +273,18 @@ def main(argv: list[str] | None = None) -> int:
             return {"dtype": "bfloat16", "sizes": dataclasses.asdict(ksz), "results": res,
                     "all_ok": all(r["ok"] for r in res.values())}
         section(report, "kernels", out, kernels)
+    if "quant" not in skip:
+        def quant() -> dict:
+            from tandem.engine.kernels import triton_unavailable_reason
+
+            reason = triton_unavailable_reason(device)
+            if reason:
+                raise RuntimeError(reason)
+            qsz = gk.QUANT_DRY if args.dry_run else gk.QUANT_REAL
+            res = gk.quant_checks(qsz, dtype, device, timer, copy_gbps, env["l2_bytes"])
+            return {"dtype": "bfloat16", "sizes": dataclasses.asdict(qsz), "results": res,
+                    "all_ok": all(r["ok"] for r in res.values())}
+        section(report, "quant", out, quant)
     if "e2e" not in skip:
         with tempfile.TemporaryDirectory(prefix="gpu_check-model-") as work:
             partial: dict = {"sizes": dataclasses.asdict(esz)}
@@ -295,6 +313,11 @@ def summary(report: dict) -> None:
         frac = f"  {r['copy_fraction']:.0%} of copy" if "copy_fraction" in r else ""
         print(f"  {name:32s} err {r['rel_err']:.1e} {'ok ' if r['ok'] else 'BAD'} "
               f"{timing}{frac}")
+    for name, r in report.get("quant", {}).get("results", {}).items():
+        speed = f"  {r['speedup_vs_bf16']:.2f}x bf16" if "speedup_vs_bf16" in r else ""
+        print(f"  {name:40s} err {r['rel_err']:.1e} {'ok ' if r['ok'] else 'BAD'} "
+              f"{r['median_ms']:.3f} ms  {r['weight_gb_per_s']:.0f} GB/s "
+              f"({r['copy_fraction']:.0%} of copy){speed}")
     for name, r in report.get("e2e", {}).get("runs", {}).items():
         print(f"  {name:14s} decode {r['decode']['tokens_per_s']:9.0f} tok/s  "
               f"prefill {r['prefill']['tokens_per_s']:9.0f} tok/s")
@@ -304,7 +327,7 @@ def summary(report: dict) -> None:
         print(f"  {name}: {f['status']} {({k: v for k, v in f.items() if k in _COUNTS})}")
     for name, t in report["targets"].items():
         print(f"target {name} >= {t['target']}: {t['value']} -> {t['verdict']}")
-    for name in ("copy", "kernels", "e2e", "tests"):
+    for name in ("copy", "kernels", "quant", "e2e", "tests"):
         if report.get(name, {}).get("status") == "error":
             print(f"section {name} FAILED: {report[name]['error']}")
 

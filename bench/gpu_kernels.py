@@ -384,3 +384,114 @@ def elementwise_checks(sz: KernelSizes, dtype: torch.dtype, device: torch.device
 
     out["reshape_and_cache"] = entry(err, sets, cache_write, None, 4 * t * kvh * d * e, 0.0)
     return out
+
+
+# ----------------------------------------------------------------------------- quantized matmul
+
+
+@dataclass(frozen=True)
+class QuantSizes:
+    """Weight shapes (name, N, K) and activation row counts of the quantized-matmul checks."""
+
+    shapes: tuple[tuple[str, int, int], ...]
+    rows: tuple[int, ...]
+    iters: int
+    cap_s: float
+
+
+# SmolLM2-135M's fused gate/up, down and LM head, and a Llama-8B-sized square projection.
+QUANT_REAL = QuantSizes((("smollm2_gate_up", 3072, 576), ("smollm2_down", 576, 1536),
+                         ("smollm2_lm_head", 49152, 576), ("square_4096", 4096, 4096)),
+                        (1, 16, 256), 100, 2.0)
+QUANT_DRY = QuantSizes((("tiny", 48, 128),), (1, 33), 1, 5.0)
+
+
+def _quant_methods(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> dict:
+    """name -> (make one weight set, call(set, x), set bytes, float64 weight, x quantized)
+    for one float weight [N, K]."""
+    from tandem.engine.kernels import triton_quant as tq
+    from tandem.engine.quant.base import QuantLinear, quantize_grouped
+    from tandem.engine.quant.fp8 import Fp8Method
+    from tandem.engine.quant.torch_ref import pack_nibbles
+
+    k = w.shape[1]
+    g8 = quantize_grouped(w, 8, k, True)
+    g4 = quantize_grouped(w, 4, 32, False)
+    c4 = pack_nibbles(g4.codes).contiguous()
+    wb = w.to(dtype)
+
+    def nbytes(*ts: torch.Tensor) -> int:
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def fp8_layer(mode: str) -> QuantLinear:
+        with torch.device(device):
+            layer = QuantLinear(Fp8Method(device=device, mode=mode), k, w.shape[0], False,
+                                dtype)
+        layer.method.load(layer, 0, w)
+        return layer
+
+    methods = {
+        "bf16_matmul": (wb.clone, lambda s, x: torch.matmul(x, s.t()), nbytes(wb),
+                        wb.double(), False),
+        "int8_grouped": (lambda: (g8.codes.clone(), g8.scales.clone()),
+                         lambda s, x: tq.grouped_linear(x, s[0], s[1], None, 8, k),
+                         nbytes(g8.codes, g8.scales), g8.dequantize(torch.float64), False),
+        "int4_g32_grouped": (lambda: (c4.clone(), g4.scales.clone(), g4.mins.clone()),
+                             lambda s, x: tq.grouped_linear(x, s[0], s[1], s[2], 4, 32),
+                             nbytes(c4, g4.scales, g4.mins), g4.dequantize(torch.float64),
+                             False)}
+    fp8_mm = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    for mode in (["scaled_mm"] if fp8_mm else []) + ["triton"]:
+        layer = fp8_layer(mode)
+        methods[f"fp8_{mode}"] = (lambda mode=mode: fp8_layer(mode), lambda s, x: s(x),
+                                  nbytes(layer.weight, layer.weight_scale),
+                                  layer.method.dequantize(layer).double(), mode == "scaled_mm")
+    return methods
+
+
+def quant_checks(qs: QuantSizes, dtype: torch.dtype, device: torch.device, timer: Timer,
+                 copy_gbps: float, l2_bytes: int) -> dict:
+    """Quantized linears vs `torch.matmul` on the bf16 weight, per shape and row count:
+    `grouped_linear` INT8 (per channel) and INT4 (group 32, with mins), FP8 W8A8 through
+    `Fp8Method` "scaled_mm" (its per-token activation quantization included; where the
+    device has FP8 matmuls: CUDA >= 8.9, or the CPU's `_scaled_mm`) and FP8 weight-only
+    through its "triton" mode. Errors against a float64 reference of each method's own
+    dequantized weight (W8A8: and of its quantized activations); weight GB/s = resident
+    weight bytes (codes + scales + mins) / median time; `plan` = the Triton launch plan."""
+    from tandem.engine.kernels import triton_quant as tq
+    from tandem.engine.quant.fp8 import quantize_rows
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    tol = TOLERANCE[dtype]
+    out: dict[str, dict] = {}
+    for shape, n, k in qs.shapes:
+        w = torch.randn(n, k, generator=gen, device=device) * 0.05
+        for name, (make, call, set_bytes, w64, quant_x) in _quant_methods(w, dtype,
+                                                                          device).items():
+            sets = [make() for _ in range(num_sets(set_bytes, l2_bytes))]
+            for m in qs.rows:
+                x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+                if quant_x:
+                    xq, sx = quantize_rows(x)
+                    x64 = xq.double() * sx.double()[:, None]
+                else:
+                    x64 = x.double()
+                err = rel_err(call(sets[0], x), x64 @ w64.t())
+                entry = {"shape": shape, "n": n, "k": k, "m": m, "rel_err": err, "tol": tol,
+                         "ok": err <= tol, "weight_bytes": set_bytes}
+                entry.update(timer([lambda s=s, x=x, call=call: call(s, x) for s in sets],
+                                   qs.iters, qs.cap_s))
+                sec = entry["median_ms"] * 1e-3
+                entry["weight_gb_per_s"] = set_bytes / sec / 1e9
+                entry["copy_fraction"] = entry["weight_gb_per_s"] / copy_gbps
+                entry["tflops"] = 2 * m * n * k / sec / 1e12
+                if name.endswith("_grouped") or name == "fp8_triton":
+                    bits = 4 if name.startswith("int4") else 8
+                    entry["plan"] = tq.launch_plan(m, n, k, bits, 32 if bits == 4 else k,
+                                                   x.element_size(), device)._asdict()
+                base = out.get(f"{shape}_m{m}_bf16_matmul")
+                if base is not None:
+                    entry["speedup_vs_bf16"] = base["median_ms"] / entry["median_ms"]
+                out[f"{shape}_m{m}_{name}"] = entry
+            del sets
+    return out

@@ -194,6 +194,7 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start the local deployment (`_plan`: workers on free ports behind the router on
     `--port`) as child processes, and supervise them until Ctrl-C."""
     url = f"http://{args.host}:{args.port}"
+    _check_worker_flags(passthrough)
     key_file = _worker_auth_key_file()
     try:
         deployment = _plan(args, passthrough, auth_key_file=key_file)
@@ -244,6 +245,22 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     finally:
         _stop_all(procs)
         os.unlink(key_file)
+
+
+def _check_worker_flags(passthrough: list[str]) -> None:
+    """Before anything starts: the flags every worker gets (engine and server flags, e.g.
+    `--quantization int4 --kv-cache-dtype fp8`) parse as `tandem worker` parses them and make
+    a valid EngineConfig; else exit 2 with argparse's or the ConfigError's message."""
+    from tandem.engine.errors import ConfigError
+    from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+
+    p = argparse.ArgumentParser(prog="tandem serve (worker flags)")
+    add_engine_args(p)
+    add_server_args(p)
+    try:
+        engine_config(p.parse_args(passthrough), serving=True)
+    except ConfigError as exc:
+        p.error(str(exc))
 
 
 def _start_workers(deployment: _Deployment, procs: list[subprocess.Popen]) -> str | None:

@@ -58,22 +58,30 @@ def test_rope_in_place_on_a_strided_view(ops, rows):
     torch.testing.assert_close(view_native, view_ref, rtol=1e-6, atol=1e-6)
 
 
+def _packed(lin: torch.nn.Linear, lib):
+    """`lin` converted to the "packed" linear method (the engine's float CPU layout)."""
+    from tandem.engine.quant.apply import convert_linear
+    from tandem.engine.quant.float_methods import PackedMethod
+
+    return convert_linear(lin, PackedMethod(device=torch.device("cpu"), native=lib))
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 100])  # register tiles are 6 rows
 @pytest.mark.parametrize(("out_f", "in_f"), [(96, 64), (13, 37), (260, 200)])  # + tails
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("native", [True, False])  # the packed-panel kernel, and oneDNN
 def test_packed_linear_matches_torch(rows, out_f, in_f, bias, native, monkeypatch):
-    from tandem.engine.model.cpu_linear import PackedLinear
-
     monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "native")  # whatever this CPU would pick
     torch.manual_seed(rows * 1000 + out_f)
     lin = torch.nn.Linear(in_f, out_f, bias=bias)
     x = torch.randn(rows, in_f)
     want = torch.nn.functional.linear(x, lin.weight, lin.bias).detach()
     lib = load_native() if native else None
-    fast = PackedLinear(lin, native=lib)
-    assert (fast._kernel is not None) == bool(lib and lib.tandem_linear_simd())
+    fast = _packed(lin, lib)
+    assert (fast.method.kernel is not None) == bool(lib and lib.tandem_linear_simd())
     torch.testing.assert_close(fast(x), want, rtol=1e-5, atol=1e-5)
+    # the packed layout still reads back as the weight it was made from
+    assert torch.equal(fast.method.dequantize(fast), lin.weight.detach())
 
 
 def test_the_linear_kernel_is_chosen_from_the_cpu_unless_overridden(monkeypatch):
@@ -97,13 +105,11 @@ def test_the_linear_kernel_is_chosen_from_the_cpu_unless_overridden(monkeypatch)
 
 def test_large_blocks_of_rows_take_several_passes(monkeypatch):
     """More rows than one L2-sized activation block (MC) still give every row."""
-    from tandem.engine.model.cpu_linear import PackedLinear
-
     monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "native")
     torch.manual_seed(0)
     lin = torch.nn.Linear(1536, 40)  # K=1536: MC = 126 rows, so 300 rows = 3 blocks
     x = torch.randn(300, 1536)
-    torch.testing.assert_close(PackedLinear(lin, load_native())(x),
+    torch.testing.assert_close(_packed(lin, load_native())(x),
                                torch.nn.functional.linear(x, lin.weight, lin.bias).detach(),
                                rtol=1e-5, atol=1e-4)
 

@@ -314,7 +314,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     tables = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qs_ptr": "*i32"}
     ws = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32"}
     common = dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, DOT=tl.bfloat16,
-                  PRECISION="tf32")
+                  PRECISION="tf32", KV_FMT=0)
     build("prefill", A._varlen_kernel, {**io, **tables},
           dict(common, GROUP=8, BLOCK_M=128, BLOCK_Q=16), num_warps=8, num_stages=2)
     build("mixed", A._varlen_kernel, {**io, **tables},

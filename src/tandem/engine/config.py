@@ -9,6 +9,11 @@ from pathlib import Path
 from tandem.engine.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# weight quantization (engine/quant): None = the dtype's float weights
+QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
+# KV cache storage: "auto" = the model dtype; "fp8" (e4m3) / "int8" codes with a float16
+# scale per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
 
@@ -58,6 +63,14 @@ class EngineConfig:
     # "onednn": CPU float32 linear weights packed once at load (native 16-column panels on
     # AVX2, else oneDNN's layout); "torch": plain F.linear (MKL)
     cpu_linear: str = "onednn"
+    # weights kept compressed and computed with (engine/quant): "int8" weight-only per-channel,
+    # "w8a8" int8 weights + per-token int8 activations, "int4" group-wise weight-only, "fp8"
+    # (W8A8 e4m3 with torch._scaled_mm on Hopper/Ada; weight-only elsewhere), "gguf" the
+    # file's own Q4_0/Q4_1/Q8_0 tensors as they are; None = float weights in `dtype`
+    quantization: str | None = None
+    # K columns per scale for "int4" (32, 64 or 128; None = 32) and "int8" (None = per channel)
+    quantization_group_size: int | None = None
+    kv_cache_dtype: str = "auto"
     # compiled CPU kernels (engine/csrc: paged decode attention, fused norm/RoPE/SwiGLU) where
     # they apply; False = pure torch everywhere
     native_kernels: bool = True
@@ -112,7 +125,24 @@ class EngineConfig:
             raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        self._check_quantization()
         self._check_graph_sizes()
+
+    def _check_quantization(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or None, got "
+                              f"{self.quantization!r}")
+        g = self.quantization_group_size
+        if g is not None and (isinstance(g, bool) or g not in (32, 64, 128)):
+            raise ConfigError(f"quantization_group_size must be 32, 64 or 128, got {g!r}")
+        if g is not None and self.quantization not in ("int4", "int8"):
+            raise ConfigError("quantization_group_size applies to quantization 'int4' or "
+                              f"'int8', not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                              f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            object.__setattr__(self, "kv_cache_dtype", "fp8")
 
     def _check_graph_sizes(self) -> None:
         sizes = self.cuda_graph_sizes

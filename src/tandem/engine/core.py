@@ -61,6 +61,9 @@ class EngineState:
     num_kv_blocks: int
     kv_bytes_per_block: int  # all layers, K and V
     vocab_size: int
+    model_memory_bytes: int = 0  # resident weight bytes (quant.apply.model_memory_bytes)
+    quantization: str | None = None  # EngineConfig.quantization
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
 
 
 @dataclass(frozen=True)

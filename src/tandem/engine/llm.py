@@ -22,6 +22,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def model_memory_bytes(self) -> int:
+        """Resident bytes of the model's weights, each storage once (quantized buffers,
+        tied embeddings); RoPE tables and the KV cache are not weights."""
+        return self.engine.model_memory_bytes()
+
     def get_tokenizer(self):  # noqa: ANN201 - tandem.protocol.tokenizer.Tokenizer
         return self.engine.tokenizer
 

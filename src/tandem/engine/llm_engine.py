@@ -25,12 +25,19 @@ from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
-from tandem.engine.model.cpu_linear import pack_linears, packing_available
+from tandem.engine.model.cpu_linear import packing_available
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import bundled_model_path, open_model
 from tandem.engine.model.ops import Ops
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.quant.apply import (
+    convert_linears,
+    model_memory_bytes,
+    plan_quantization,
+    prepare_model,
+)
+from tandem.engine.quant.float_methods import PackedMethod
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.protocol.tokenizer import Tokenizer
@@ -62,7 +69,8 @@ class LLMEngine(EngineCore):
         else:
             tune_malloc()
         t0 = time.perf_counter()
-        source = open_model(path, dtype)
+        # a GGUF's Q4_0 / Q4_1 / Q8_0 tensors stay compressed when quantizing anyway
+        source = open_model(path, dtype, keep_quantized=config.quantization is not None)
         arch = source.config
         tokenizer = Tokenizer.load(path)
         max_len = min(config.max_model_len or arch.max_position_embeddings,
@@ -71,16 +79,24 @@ class LLMEngine(EngineCore):
                              arch.head_dim ** -0.5, arch.sliding_window)
         backend = resolve_backend(config.attention_backend, spec, dtype, device,
                                   native=config.native_kernels)(
-            spec, config.block_size, dtype, device)
+            spec, config.block_size, dtype, device, kv_cache_dtype=config.kv_cache_dtype)
         ops = Ops(config.native_kernels, device, dtype, triton=backend.name == "triton")
-        # built on meta, allocated once on the device in `dtype`, filled tensor by tensor
+        plan = plan_quantization(config.quantization, arch, source.formats, device, ops.lib,
+                                 config.quantization_group_size, str(path))
+        # built on meta (quantized layers swapped in there), allocated once on the device,
+        # filled tensor by tensor: neither a float copy nor a host copy of the model exists
         with torch.device("meta"):
             self.model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
+            prepare_model(self.model, plan, dtype)
         self.model.materialize(device, dtype)
         self.model.load_weights(source.tensors())
         self.model.eval()
         if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
-            pack_linears(self.model, native=ops.lib)
+            # the float linears left (all of them unless quantized): packed once for the CPU
+            count = convert_linears(self.model, lambda: PackedMethod(device=device,
+                                                                     native=ops.lib))
+            logger.info("packed %d float linear layers", count)
+        weight_bytes = model_memory_bytes(self.model)
 
         sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
         per_block = backend.bytes_per_block() * arch.num_layers
@@ -92,7 +108,8 @@ class LLMEngine(EngineCore):
             num_blocks = self._blocks_from_budget(per_block, max_len)
         name = config.model_name
         state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
-                            per_block, arch.vocab_size)
+                            per_block, arch.vocab_size, weight_bytes, config.quantization,
+                            config.kv_cache_dtype)
         eos = tuple(dict.fromkeys(tuple(arch.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             enable_events=config.enable_kv_events)
@@ -102,10 +119,17 @@ class LLMEngine(EngineCore):
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos)
-        logger.info("engine ready in %.1fs: %s on %s in %s, %d KV blocks of %d tokens "
-                    "(%.0f MiB), max_model_len %d, attention %s", time.perf_counter() - t0,
-                    name, device, str(dtype).removeprefix("torch."), num_blocks,
-                    config.block_size, num_blocks * per_block / 2**20, max_len, backend.name)
+        logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
+                    "%s), %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, "
+                    "attention %s", time.perf_counter() - t0, name, device,
+                    str(dtype).removeprefix("torch."), weight_bytes / 2**20,
+                    config.quantization or "none", num_blocks, config.block_size,
+                    num_blocks * per_block / 2**20, config.kv_cache_dtype, max_len,
+                    backend.name)
+
+    def model_memory_bytes(self) -> int:
+        """Resident bytes of the model's weights (every parameter and quantized buffer)."""
+        return self.state.model_memory_bytes
 
     def _gpu_profiled(self) -> bool:
         """On CUDA: whether gpu_memory_utilization sizes the pool (no explicit blocks/bytes)."""

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_cpu.c", "prefill_attention_cpu.c", "elementwise_cpu.c",
-           "linear_cpu.c")
+           "linear_cpu.c", "w8a8_cpu.c", "quant_linear_cpu.c")
 HEADERS = ("tile_avx2.h",)  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
 ABI_VERSION = 5
@@ -37,11 +37,20 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_paged_attention_decode_f32": (ctypes.c_int, [_P] * 6 + [_I64] * 9 + [_F32, _I64]),
     "tandem_paged_attention_prefill_f32": (ctypes.c_int,
                                            [_P] * 8 + [_I64] * 9 + [_F32, _I64]),
+    "tandem_paged_attention_decode_q8": (ctypes.c_int, [_P] * 6 + [_I64] * 10 + [_F32, _I64]),
+    "tandem_kv_quantize_write": (ctypes.c_int, [_P] * 3 + [_I64] * 6),
     "tandem_add_rms_norm_f32": (None, [_P] * 4 + [_I64, _I64, _F32, _I64]),
     "tandem_silu_mul_f32": (None, [_P, _P, _I64, _I64, _I64]),
     "tandem_rope_f32": (None, [_P] * 4 + [_I64] * 5),
     "tandem_linear_packed_f32": (None, [_P] * 4 + [_I64] * 4),
     "tandem_linear_simd": (_I64, []),
+    "tandem_quant_linear_i8": (None, [_P] * 6 + [_I64] * 6),
+    "tandem_quant_linear_i4": (None, [_P] * 6 + [_I64] * 6),
+    "tandem_quant_linear_simd": (_I64, []),
+    "tandem_w8a8_simd": (_I64, []),
+    "tandem_w8a8_quantize_f32": (None, [_P] * 3 + [_I64] * 4),
+    "tandem_w8a8_gemm_i32": (ctypes.c_int, [_P] * 3 + [_I64] * 4),
+    "tandem_w8a8_linear_f32": (ctypes.c_int, [_P] * 5 + [_I64] * 4),
 }
 
 

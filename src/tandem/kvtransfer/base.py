@@ -45,7 +45,7 @@ class SendJob:
     request: worker_pb2.PrefillRequest
     layout: PageLayout
     block_ids: list[int]  # the sender's own ids of the blocks to send, chain order
-    gather: Callable[[int], torch.Tensor]  # layer -> [2, n, kvh, bs, dim] (may block: a copy)
+    gather: Callable[[int], torch.Tensor]  # layer -> [2, n, kvh, bs, row] (may block: a copy)
     deadline: float  # loop time at which the lease ends: stop sending
     # layer -> the same bytes as 2n per-block page views (K of each block, then V), read in
     # place from a host-memory cache; None where the cache is not in host memory
@@ -80,7 +80,7 @@ class TransferBackend(ABC):
                       num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
                       sink: LayerSink) -> None:
         """Receiver: await `sink(layer, pages)` with every layer's validated `[2,
-        num_blocks, kvh, bs, dim]` pages; calls start in layer order and may overlap
+        num_blocks, kvh, bs, row]` pages; calls start in layer order and may overlap
         (`pages` is valid only until its call completes). Return once the trailer's
         checksum matches and every sink call is done. `stream` is the reply stream after
         the header. On failure, sink calls not yet finished are cancelled; work they handed

@@ -7,8 +7,9 @@
    one (`tail_tokens`). Those local blocks are pinned on the engine thread while the
    request goes out, so they cannot be evicted before the request is admitted (which would
    waste every imported block after the gap);
-2. call `KVTransfer.Prefill` on the prefill worker, check the header against this worker's
-   layout and its own hash chain, then pin blocks for the offered ones on the engine thread,
+2. call `KVTransfer.Prefill` on the prefill worker (the request names this worker's KV cache
+   dtype), check the header against this worker's layout (KV cache dtype included) and its
+   own hash chain, then pin blocks for the offered ones on the engine thread,
    all or none (reusing any that appeared meanwhile), plus a fresh block for the prompt's
    last block when the offer reaches it, so the request is admitted without a free block;
    with no room for them all, the prompt is computed here instead;
@@ -54,8 +55,8 @@ from tandem.kvtransfer.grpc_backend import decode_chunk
 from tandem.kvtransfer.pages import (
     KVTransferError,
     Offer,
-    PageLayout,
     check_header,
+    engine_layout,
     scatter_layer,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
@@ -128,7 +129,7 @@ class RemotePrefill:
         self.model_id = model_id
         self.settings = settings or RemotePrefillSettings()
         self.tls = tls
-        self.layout = PageLayout.of(model_id, engine.engine.runner.kv_caches)
+        self.layout = engine_layout(model_id, engine.engine)
         self._channels: dict[str, PeerChannel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
         self._backend.configure(device=engine.engine.runner.kv_caches[0][0].device,
@@ -173,7 +174,7 @@ class RemotePrefill:
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
             num_blocks=plan.num, backend=self.settings.backend, lease_s=self.settings.lease_s,
-            tail_tokens=plan.tail_tokens)
+            tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype)
         writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
@@ -362,7 +363,7 @@ class _PageWriter:
         return self.pinned[:n], (self.pinned[n] if len(self.pinned) > n else None)
 
     async def write(self, layer: int, pages: torch.Tensor) -> None:
-        """The backend's sink: write one layer's `[2, n, kvh, bs, dim]` pages."""
+        """The backend's sink: write one layer's `[2, n, kvh, bs, row]` pages."""
         if not self._ids or self.released:
             return
         cf = self.executor.submit(self._write, layer, pages)

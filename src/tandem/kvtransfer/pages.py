@@ -3,23 +3,30 @@
 A transfer moves `n` blocks of every layer: full blocks of the prompt, named by their hashes,
 and optionally the prompt's partial last block after them (`tail_tokens`: the tokens up to
 the prompt's last one, so the receiver computes only that token). Per layer the payload is
-one tensor `[2, n, num_kv_heads, block_size, head_dim]` (K of the n blocks, then V),
-contiguous, in the engine's KV dtype: `layer_bytes = 2 * n * num_kv_heads * block_size *
-head_dim * itemsize`. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
+one tensor `[2, n, num_kv_heads, block_size, row]` (K of the n blocks, then V), contiguous,
+in the cache's storage dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * row_bytes`.
+With `kv_cache_dtype` "auto" a row is one token's head in the engine's float dtype (`row =
+head_dim` elements, `row_bytes = head_dim * itemsize`). With "fp8" or "int8" the cache is
+uint8 and a row is `head_dim` code bytes (e4m3fn or signed int8 two's complement) followed by
+that row's scale as float16 little-endian (`row = row_bytes = head_dim + 2`; the value is
+`code * scale`), so the pages carry their codes and scales together and no scale travels
+apart. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
 (seed 0, `PageChecksum`); the trailer's checksum is XXH3-64 over those digests, 8 bytes
 little-endian each, in layer order (`transfer_digest`). Each layer's digest travels right
 after its bytes (`PageLayerEnd`), so a receiver validates the layer at once and can write it
 while the next one arrives. The block ids are each side's own; only hashes cross the wire.
 
-`PageLayout` is what both ends must agree on (model, shapes, dtype); `check_header` checks
-a received header against the receiver's layout and the hashes it asked for, before any
-byte touches its cache.
+`PageLayout` is what both ends must agree on (model, shapes, storage dtype, KV cache dtype;
+the header's `head_dim` is the model's, whatever the row format); `check_header` checks a
+received header against the receiver's layout and the hashes it asked for, before any byte
+touches its cache. A header without `kv_cache_dtype` (an older sender) means "auto".
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -29,9 +36,11 @@ from tandem.protocol.block_hash import BlockHash
 
 MAX_DATA_CHUNK = 4 << 20  # bytes per PageData message (gRPC's default limit is 4 MiB)
 SEND_CHUNK = 1 << 20  # what senders use
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # as `EngineConfig.kv_cache_dtype` normalises them
+SCALE_BYTES = 2  # the float16 scale after each quantized row's codes
 
 
-# a receiver's consumer of validated pages: (layer, [2, n, kvh, bs, dim] pages) -> awaited;
+# a receiver's consumer of validated pages: (layer, [2, n, kvh, bs, row] pages) -> awaited;
 # the tensor is valid only until the awaitable completes (the backend reuses its buffer)
 LayerSink = Callable[[int, torch.Tensor], Awaitable[None]]
 
@@ -46,7 +55,9 @@ class KVTransferError(Exception):
 
 @dataclass(frozen=True)
 class PageLayout:
-    """The KV cache geometry both ends of a transfer must share."""
+    """The KV cache geometry both ends of a transfer must share. `head_dim` is the model's;
+    `dtype` is the cache tensors' storage dtype (the float dtype for `cache_dtype` "auto",
+    uint8 for "fp8" / "int8", whose rows are `head_dim` codes + a float16 scale)."""
 
     model_id: str
     num_layers: int
@@ -54,31 +65,73 @@ class PageLayout:
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.cache_dtype!r}")
+        if not (self.dtype == torch.uint8 if self.quantized else self.dtype.is_floating_point):
+            raise ValueError(f"a {self.cache_dtype!r} KV cache cannot be stored as "
+                             f"{self.dtype_name} (quantized caches are uint8, others float)")
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype != "auto"
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
     @property
+    def row(self) -> int:
+        """Elements (of `dtype`) per cache row, i.e. one token of one KV head."""
+        return self.head_dim + SCALE_BYTES if self.quantized else self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def block_layer_bytes(self) -> int:
         """K + V bytes of one block in one layer."""
-        return (2 * self.num_kv_heads * self.block_size * self.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
+        return 2 * self.num_kv_heads * self.block_size * self.row_bytes
 
     def layer_shape(self, n: int) -> tuple[int, ...]:
-        return (2, n, self.num_kv_heads, self.block_size, self.head_dim)
+        """The shape of `n` blocks' pages of one layer, in `dtype`."""
+        return (2, n, self.num_kv_heads, self.block_size, self.row)
 
     @classmethod
-    def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-           ) -> PageLayout:
-        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, dim]`."""
+    def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+           cache_dtype: str = "auto") -> PageLayout:
+        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, row]`
+        (row = head_dim, or head_dim + 2 uint8 for a quantized `cache_dtype`). Raises
+        ValueError when the tensors do not hold that format."""
         k = kv_caches[0][0]
-        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], k.shape[3], k.dtype)
+        head_dim = k.shape[3] - (SCALE_BYTES if cache_dtype != "auto" else 0)
+        if head_dim < 1:
+            raise ValueError(f"a {cache_dtype!r} KV cache of rows {k.shape[3]} wide has no "
+                             "head_dim")
+        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], head_dim, k.dtype,
+                   cache_dtype)
+
+
+def engine_cache_dtype(engine: Any) -> str:
+    """An `LLMEngine`'s KV cache dtype: the format its attention backend allocated the cache
+    in (`AttentionBackend.kv_format`; the config's where the backend has none)."""
+    fmt = getattr(engine.runner.backend, "kv_format", None)
+    return fmt.name if fmt is not None else engine.config.kv_cache_dtype
+
+
+def engine_layout(model_id: str, engine: Any) -> PageLayout:
+    """The layout of an `LLMEngine`'s KV cache."""
+    return PageLayout.of(model_id, engine.runner.kv_caches, engine_cache_dtype(engine))
 
 
 def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
                  block_ids: list[int]) -> torch.Tensor:
-    """`[2, n, kvh, bs, dim]` copy of `block_ids` in `layer` (the blocks must be pinned)."""
+    """`[2, n, kvh, bs, row]` copy of `block_ids` in `layer`, in the cache's own dtype (the
+    blocks must be pinned)."""
     k, v = kv_caches[layer]
     idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
     out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
@@ -105,7 +158,7 @@ def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: 
 
 def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
                   block_ids: list[int], pages: torch.Tensor) -> None:
-    """Write `[2, n, kvh, bs, dim]` `pages` into `block_ids` of `layer`."""
+    """Write `[2, n, kvh, bs, row]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
     k, v = kv_caches[layer]
     idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
     k.index_copy_(0, idx, pages[0].to(k.device))
@@ -161,7 +214,8 @@ def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], le
         num_kv_heads=layout.num_kv_heads, block_size=layout.block_size,
         head_dim=layout.head_dim, dtype=layout.dtype_name, first_block=first_block,
         block_hashes=hashes, layer_bytes=n * layout.block_layer_bytes,
-        lease_id=lease_id, first_token=first_token, tail_tokens=tail_tokens)
+        lease_id=lease_id, first_token=first_token, tail_tokens=tail_tokens,
+        kv_cache_dtype=layout.cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -183,10 +237,15 @@ def check_header(header: worker_pb2.PageHeader, layout: PageLayout, first_block:
     """Validate a received header against the receiver's `layout` and what it asked for
     (`expected`: hashes of blocks first_block..; `tail_tokens`: the partial block's tokens,
     0 for none). The sender may offer fewer blocks, and the partial block only after every
-    full one. Raises KVTransferError("invalid")."""
+    full one. A KV cache dtype other than the receiver's is refused first, by name (""
+    from an older sender is "auto"). Raises KVTransferError("invalid")."""
 
     def bad(msg: str) -> KVTransferError:
         return KVTransferError("invalid", f"page header rejected: {msg}")
+
+    theirs_kv = header.kv_cache_dtype or "auto"
+    if theirs_kv != layout.cache_dtype:
+        raise bad(f"kv cache dtype {theirs_kv[:32]} on the sender, {layout.cache_dtype} here")
 
     mine = (layout.model_id, layout.num_layers, layout.num_kv_heads, layout.block_size,
             layout.head_dim, layout.dtype_name)

@@ -1,6 +1,7 @@
 """Prefill side: the `tandem.v1.KVTransfer` gRPC service and its page leases.
 
-`Prefill`: validate the request (INVALID_ARGUMENT otherwise), run the prompt for one greedy
+`Prefill`: validate the request (INVALID_ARGUMENT otherwise, also when the decode worker's KV
+cache dtype is not this worker's: its pages could not be used), run the prompt for one greedy
 token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
 blocks are not recomputed), pin the finished request's blocks under a lease, send the header
 and the requested blocks' pages (the full blocks, then the prompt's partial last block when
@@ -33,7 +34,8 @@ from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import (
     KVTransferError,
     Offer,
-    PageLayout,
+    engine_cache_dtype,
+    engine_layout,
     gather_layer,
     header_for,
     layer_page_views,
@@ -150,6 +152,10 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             return f"model {req.model_id!r} is not served here ({self.model_id!r})"
         if req.block_size != state.block_size:
             return f"block size {req.block_size} differs from this worker's {state.block_size}"
+        theirs, mine = req.kv_cache_dtype or "auto", engine_cache_dtype(engine.engine)
+        if theirs != mine:  # its header would be refused: do not compute for nothing
+            return (f"kv cache dtype {theirs[:32]} on the decode worker, {mine} here: the "
+                    "pages cannot be shared")
         if req.backend not in BACKENDS:
             return f"unknown backend {req.backend!r}; known: {sorted(BACKENDS)}"
         if not 0 < n < state.max_model_len:
@@ -207,7 +213,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
         caches = engine.engine.runner.kv_caches
-        layout = PageLayout.of(self.model_id, caches)
+        layout = engine_layout(self.model_id, engine.engine)
         loop = asyncio.get_running_loop()
         stream = (LayerStream(loop, layout.num_layers, caches[0][0].device)
                   if self.stream_layers else None)

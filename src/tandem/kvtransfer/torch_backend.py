@@ -14,7 +14,8 @@ connections, so the other side fails fast and discards its copy; a discarded `gr
 never joined again. Idle groups close after `idle_s` (the sender waits twice as long, so a
 receiver never picks a group its sender dropped). Every store connect, rendezvous and
 per-layer send/recv is bounded by `timeout_s`. Per layer the wire carries the contiguous
-`[2, n, kvh, bs, dim]` pages as flat bytes under the transfer's tag.
+`[2, n, kvh, bs, row]` pages as one flat uint8 tensor (whatever the cache dtype: a quantized
+cache's codes and scales alike) under the transfer's tag.
 
 Trust: torch's store and the gloo/NCCL sockets have no authentication of their own (mTLS
 covers only gRPC). What this backend adds: the receiver's store listens only on the address

@@ -337,6 +337,10 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if out.disaggregated and out.prefill.engine.block_size != out.decode.engine.block_size:
         raise SpecError("prefill.engine.blockSize and decode.engine.blockSize differ; KV pages "
                         "move between the pools, so they must match")
+    if out.disaggregated and out.prefill.engine.kv_dtype != out.decode.engine.kv_dtype:
+        raise SpecError(f"prefill.engine.kvCacheDtype {out.prefill.engine.kv_cache_dtype} and "
+                        f"decode.engine.kvCacheDtype {out.decode.engine.kv_cache_dtype} differ; "
+                        "KV pages move between the pools, so they must match")
     if (out.disaggregated and out.prefill.device != out.decode.device
             and model.dtype in (None, "auto")):
         raise SpecError(f"prefill runs on {out.prefill.device} and decode on "

@@ -18,6 +18,12 @@ from tandem.operator.model_uri import SpecError
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
+# `tandem worker --quantization` / `--kv-cache-dtype` (tandem.engine.config, which this
+# torch-free module does not import; tests/operator/test_spec_quant.py checks they agree)
+QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
+GROUP_SIZES = (32, 64, 128)
+GROUPED = ("int4", "int8")  # the quantizations with a group size
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 ONE_GPU = ("tensor parallelism is not supported yet: one GPU per worker "
            f"({GPU}: 1)")
 
@@ -41,6 +47,14 @@ class EngineArgs:
     attention_backend: str = "auto"
     gpu_memory_utilization: float | None = None  # GPU pools only; None: the worker's 0.9
     enforce_eager: bool = False  # no CUDA graphs
+    quantization: str | None = None  # None: float weights in model.dtype
+    quantization_group_size: int | None = None  # int4 / int8 only; None: the worker's
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def kv_dtype(self) -> str:
+        """kvCacheDtype with vLLM's alias fp8_e4m3 read as fp8 (what the KV pages carry)."""
+        return "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
 
 
 def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
@@ -50,6 +64,17 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
     if util is not None and not 0 < util <= 1:
         raise SpecError(f"{w}.gpuMemoryUtilization: {util:g} is not in (0, 1] (the fraction "
                         "of the GPU's memory the worker may use)")
+    quant = d.get("quantization")
+    if quant is not None:
+        quant = get_enum(d, "quantization", "", w, QUANTIZATIONS)
+    group = d.get("quantizationGroupSize")
+    if group is not None:
+        group = get(d, "quantizationGroupSize", int, None, w)
+        if group not in GROUP_SIZES:
+            raise SpecError(f"{w}.quantizationGroupSize: {group} is not one of 32, 64, 128")
+        if quant not in GROUPED:
+            raise SpecError(f"{w}.quantizationGroupSize applies to quantization int4 or int8 "
+                            f"(this pool's quantization: {quant or 'unset'})")
     return EngineArgs(
         block_size=get_int(d, "blockSize", 16, w, 1, 256),
         max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
@@ -65,7 +90,9 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
         device=get_enum(d, "device", "auto", w, DEVICES),
         attention_backend=get_enum(d, "attentionBackend", "auto", w, ATTENTION_BACKENDS),
         gpu_memory_utilization=util,
-        enforce_eager=get(d, "enforceEager", bool, False, w))
+        enforce_eager=get(d, "enforceEager", bool, False, w),
+        quantization=quant, quantization_group_size=group,
+        kv_cache_dtype=get_enum(d, "kvCacheDtype", "auto", w, KV_CACHE_DTYPES))
 
 
 def gpu_count(resources: dict[str, dict[str, int | str]], where: str) -> int:

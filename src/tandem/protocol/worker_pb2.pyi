@@ -109,7 +109,7 @@ class TorchChannel(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class PrefillRequest(_message.Message):
     TORCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -132,10 +133,11 @@ class PrefillRequest(_message.Message):
     torch: TorchChannel
     lease_s: float
     tail_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class PageHeader(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class PageHeader(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
@@ -160,7 +163,8 @@ class PageHeader(_message.Message):
     lease_id: str
     first_token: int
     tail_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class PageData(_message.Message):
     __slots__ = ("layer", "offset", "data")

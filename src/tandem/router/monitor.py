@@ -105,6 +105,7 @@ class WorkerMonitor:
                 w.role = info.get("role") or w.role
                 w.block_size = info.get("block_size") or w.block_size
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
+                w.kv_cache_dtype = info.get("kv_cache_dtype") or w.kv_cache_dtype
                 w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
                 port = info.get("grpc_port")
                 if port and w.grpc_target is None:

@@ -8,7 +8,8 @@ the model, one is picked the same cache-aware way (its own prefix hits and
 load; the prompt's blocks are then recorded as speculatively present on it) and the request
 goes to the decode worker with `x-tandem-prefill: <its gRPC host:port>`: the decode worker
 fetches the missing KV pages from there, then decodes. Otherwise it is served aggregated,
-and `Route.reason` says why.
+and `Route.reason` says why. A prefill worker whose KV cache dtype (/ready) is known to
+differ from the decode worker's is passed over: its pages would be refused.
 
 Conditional disaggregation (`RouterSettings.pd_max_prefill_queue`, as NVIDIA Dynamo's
 prefill-queue bound): prefill workers that already hold that many requests (running +
@@ -92,17 +93,22 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
         route.reason = "decode_not_capable"
     elif not signed and any(w.role == "prefill" for w in router.workers.values()):
         route.reason = "unsigned"
-    elif keep_prefill is not None and _usable(router, keep_prefill.worker, now):
+    elif keep_prefill is not None and _usable(router, keep_prefill.worker, now) \
+            and kv_compatible(keep_prefill.worker, decision.worker):
         route.prefill = keep_prefill
     else:
         settings = router.settings
         bound = settings.pd_max_prefill_queue
         busy = [w.id for w in router.workers.values()
                 if bound and w.role == "prefill" and w.queue_depth >= bound]
-        route.prefill = pick_prefill(router, parsed, model, now, ctx, external, busy)
+        # a prefill worker whose KV cache dtype differs would have its pages refused
+        other_kv = [w.id for w in router.workers.values()
+                    if not kv_compatible(w, decision.worker)]
+        route.prefill = pick_prefill(router, parsed, model, now, ctx, external,
+                                     [*busy, *other_kv])
         if route.prefill is None and busy and 0 < settings.pd_max_local_prefill \
                 < route.uncached_tokens:  # too long to prefill locally: queue for one
-            route.prefill = pick_prefill(router, parsed, model, now, ctx, external)
+            route.prefill = pick_prefill(router, parsed, model, now, ctx, external, other_kv)
         if route.prefill is None:
             route.reason = "prefill_busy" if busy else "no_prefill_worker"
     return route, ctx
@@ -120,6 +126,14 @@ def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: 
     decision, _ = router.route(parsed, model, now, exclude=[*no_grpc, *busy], role="prefill",
                                hashes=ctx.hashes, external=external)
     return decision
+
+
+def kv_compatible(prefill: Worker, decode: Worker) -> bool:
+    """Whether `decode` can take `prefill`'s KV pages: the same KV cache dtype, or one of
+    them not known (an older worker: a mismatch is still refused by the decode worker, which
+    then computes the prompt itself)."""
+    a, b = prefill.kv_cache_dtype, decode.kv_cache_dtype
+    return a is None or b is None or a == b
 
 
 def _usable(router: Router, w: Worker, now: float) -> bool:

@@ -81,6 +81,7 @@ class Worker:
     role: str = "both"  # both | prefill | decode
     grpc_target: str | None = None  # host:port of its gRPC Worker service, if any
     kv_transfer_backend: str | None = None  # how it fetches P/D pages (from /ready), if known
+    kv_cache_dtype: str | None = None  # its KV cache's "auto" | "fp8" | "int8" (/ready), if known
     max_model_len: int | None = None  # its context length (from /ready or /v1/models)
     block_size: int | None = None  # from its KV event stream
     ready: bool = False  # last readiness probe answered 200

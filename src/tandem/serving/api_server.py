@@ -135,7 +135,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 return
             holder.engine = t.result()
             state = holder.engine.engine.state
-            metrics.attach(state.block_size, state.num_kv_blocks)
+            metrics.attach(state.block_size, state.num_kv_blocks,
+                           getattr(state, "model_memory_bytes", None))
             holder.remote = RemotePrefill(
                 holder.engine, settings.served_model_name, settings.kv_transfer,
                 settings.tls, settings.auth_key)
@@ -198,7 +199,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 "kv_transfer_backend": settings.kv_transfer.backend}
         if engine is not None:  # what a router needs to hash prompts as this worker does
             body.update(block_size=engine.engine.state.block_size,
-                        max_model_len=engine.engine.state.max_model_len)
+                        max_model_len=engine.engine.state.max_model_len,
+                        kv_cache_dtype=engine.engine.config.kv_cache_dtype,
+                        quantization=engine.engine.config.quantization)
         return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")

@@ -29,6 +29,7 @@ class _EngineCollector(Collector):
         self.snapshot = snapshot
         self.block_size = 0
         self.num_blocks = 0
+        self.model_memory_bytes: int | None = None  # None: the engine does not report it
 
     def collect(self) -> Iterator:
         s = self.snapshot()
@@ -62,6 +63,10 @@ class _EngineCollector(Collector):
         yield gauge("tandem_kv_free_blocks", "Free (or evictable) KV blocks.", s.num_free_blocks)
         yield gauge("tandem_kv_total_blocks", "KV blocks in the pool.", self.num_blocks)
         yield gauge("tandem_kv_block_size", "Tokens per KV block.", self.block_size)
+        if self.model_memory_bytes is not None:
+            yield gauge("tandem_model_memory_bytes", "Resident weight bytes (every tensor of "
+                        "the model as stored: quantized codes, scales and float weights).",
+                        self.model_memory_bytes)
 
 
 class ServerMetrics:
@@ -98,10 +103,13 @@ class ServerMetrics:
                                      "signature, by reason (no_key, missing, malformed, bad, "
                                      "stale)", ["model_name", "reason"], registry=reg)
 
-    def attach(self, block_size: int, num_blocks: int) -> None:
-        """Record the loaded engine's KV geometry."""
+    def attach(self, block_size: int, num_blocks: int,
+               model_memory_bytes: int | None = None) -> None:
+        """Record the loaded engine's KV geometry and resident weight bytes (None: not
+        reported, and `tandem_model_memory_bytes` is not exported)."""
         self._engine.block_size = block_size
         self._engine.num_blocks = num_blocks
+        self._engine.model_memory_bytes = model_memory_bytes
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -15,7 +15,7 @@ import signal
 import time
 from typing import Any
 
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
 from tandem.protocol.signing import add_worker_auth_arg
@@ -63,6 +63,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs of decode steps (vLLM's flag; they are "
                         "captured on CUDA with the triton attention backend otherwise)")
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+                   help="keep the weights compressed and compute with them: int8 (weight-only, "
+                        "per channel), w8a8 (int8 weights and per-token int8 activations), "
+                        "int4 (group-wise), fp8 (e4m3), gguf (the file's own Q4_0/Q4_1/Q8_0 "
+                        "tensors as they are); default: float weights in --dtype")
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=(32, 64, 128),
+                   help="input columns per scale for int4 (default 32) and int8 (default: "
+                        "per channel)")
+    p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype,
+                   choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model dtype), fp8 (e4m3; fp8_e4m3 is the "
+                        "same) or int8, each with a float16 scale per token and KV head")
 
 
 # vLLM's CPU server default too; measured with bench/serve.py: lower TTFT under load than
@@ -92,7 +104,10 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         long_prefill_token_threshold=_chunk_cap(args),
         kv_cache_memory=int(mem) if mem > 1 else float(mem), num_kv_blocks=args.num_kv_blocks,
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.num_threads, enforce_eager=args.enforce_eager)
+        num_threads=args.num_threads, enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _chunk_cap(args: argparse.Namespace) -> int:
@@ -165,7 +180,12 @@ def preflight(config: EngineConfig) -> str:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    return f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
+    words = f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
+    if config.quantization is not None:
+        words += f", {config.quantization} weights"
+    if config.kv_cache_dtype != "auto":
+        words += f", {config.kv_cache_dtype} KV cache"
+    return words
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.quant import kv_format
 
 logger = logging.getLogger(__name__)
 
@@ -103,16 +104,32 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
         self.spec = spec
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        # "auto": K/V rows in `dtype`; "fp8" / "int8": uint8 codes + a float16 scale per row
+        self.kv_format = kv_format(kv_cache_dtype)
 
     def bytes_per_block(self) -> int:
         """KV bytes one block costs in one layer (K and V)."""
         s = self.spec
-        return 2 * self.block_size * s.num_kv_heads * s.head_dim * torch.finfo(self.dtype).bits // 8
+        return (2 * self.block_size * s.num_kv_heads
+                * self.kv_format.row_bytes(s.head_dim, self.dtype))
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's K (and V) tensor: [num_blocks, KVH, block_size, D (+ 2 quantized)]."""
+        s = self.spec
+        return (num_blocks, s.num_kv_heads, self.block_size,
+                self.kv_format.row_width(s.head_dim))
+
+    def _zero_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V tensors in the cache's layout and dtype."""
+        shape = self.kv_cache_shape(num_blocks)
+        dtype = self.kv_format.cache_dtype(self.dtype)
+        return (torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device))
 
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,12 @@ SDPA over it: the KV bytes cross memory three times. Here C kernels built by
 a KV head and skips the causal upper triangle that torch's CPU flash kernel computes and
 masks for chunks under ~1k tokens. Without AVX2 the prefill stays on the torch path.
 K/V writes stay in torch. float32 only.
+
+With a quantized KV cache ("fp8" / "int8", `kv_cache/quant.py`) decodes read the uint8
+rows directly (`tandem_paged_attention_decode_q8`: a quarter of the bytes per context
+token); a prefill chunk's context blocks are dequantized into a float32 scratch of just
+those blocks (remapped tables) for the float prefill kernel, which costs one pass over the
+context per layer against the chunk's attention over it.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import AttentionSpec, BatchLayout, register_backend
 from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.quant import dequantize_rows
 from tandem.engine.native import load_native
 
 MAX_GROUP = 64  # query heads per KV head the kernels support
@@ -41,6 +49,9 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
     decode_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     decode_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
     native_prefills: NativePrefills | None = None  # set when the prefill kernel runs
+    # quantized cache + prefill kernel: the prefills' distinct blocks [U] int64 (dequantized
+    # per layer into a scratch cache) and native_prefills.tables remapped into it
+    prefill_blocks: torch.Tensor | None = None
 
 
 def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> bool:
@@ -53,13 +64,15 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
 @register_backend("cpu")
 class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(spec, block_size, dtype, device)
+                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(spec, block_size, dtype, device, kv_cache_dtype)
         if not native_available(spec, dtype, device):
             raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
                               "compiler, and at most 64 query heads per KV head")
         lib = load_native()
         self._kernel = lib.tandem_paged_attention_decode_f32
+        self._q8_kernel = lib.tandem_paged_attention_decode_q8
+        self._quantize_write = lib.tandem_kv_quantize_write
         self._prefill_kernel = (  # tandem_linear_simd: the library was built with AVX2 + FMA
             lib.tandem_paged_attention_prefill_f32
             if lib.tandem_linear_simd() and spec.head_dim % 16 == 0
@@ -76,11 +89,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                         self._prefill_seqs(layout), tables, lens)
         q_lens = layout.query_lens[nd:]
         starts = list(itertools.accumulate(q_lens[:-1], initial=nd))  # decodes: 1 row each
-        native = NativePrefills(torch.from_numpy(layout.block_table[nd:]),
+        table = layout.block_table[nd:]
+        blocks = None
+        if self.kv_format.quantized:
+            table, blocks = _remap_blocks(table, layout.seq_lens[nd:], self.block_size)
+        native = NativePrefills(torch.from_numpy(table),
                                 torch.tensor(starts, dtype=torch.int32),
                                 torch.tensor(q_lens, dtype=torch.int32),
                                 torch.tensor(layout.seq_lens[nd:], dtype=torch.int32))
-        return CpuAttentionMetadata(self._write_rows(layout), nd, [], [], tables, lens, native)
+        return CpuAttentionMetadata(self._write_rows(layout), nd, [], [], tables, lens, native,
+                                    blocks)
+
+    def _write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The native quantize-and-scatter (same bytes as `quantize_rows`) for float32 k/v
+        whose heads are contiguous; the torch path otherwise or where a torch prefill
+        reads the new tokens."""
+        s = self.spec
+        rows = meta.write_rows
+        if meta.prefills or rows.dtype != torch.int64 or not rows.is_contiguous() or not all(
+                _heads_contiguous(x, s.head_dim) for x in (k, v)):
+            return super()._write_quantized(k, v, k_rows, v_rows, meta)
+        for x, cache in ((k, k_rows), (v, v_rows)):
+            rc = self._quantize_write(cache.data_ptr(), x.data_ptr(), rows.data_ptr(),
+                                      x.shape[0], s.num_kv_heads, s.head_dim, x.stride(0),
+                                      self.kv_format.code, torch.get_num_threads())
+            _check(rc, "KV quantize")
+        return k, v
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
@@ -92,6 +128,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         s = self.spec
         q = _rows_of_heads(q, s.head_dim)
+        if meta.prefill_blocks is not None:  # quantized: a float copy of the chunks' blocks
+            k_rows, v_rows = (self._dequantized_blocks(rows, meta.prefill_blocks)
+                              for rows in (k_rows, v_rows))
         rc = self._prefill_kernel(
             out.data_ptr(), q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(),
             p.tables.data_ptr(), p.q_start.data_ptr(), p.q_lens.data_ptr(),
@@ -108,6 +147,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         qd = _rows_of_heads(q[: meta.num_decodes], s.head_dim)
         k_cache, v_cache = kv_cache
         tables, lens = meta.decode_tables, meta.decode_lens
+        if self.kv_format.quantized:
+            rc = self._q8_kernel(
+                out.data_ptr(), qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                tables.data_ptr(), lens.data_ptr(), meta.num_decodes, s.num_heads,
+                s.num_kv_heads, s.head_dim, self.block_size, tables.shape[1], qd.stride(0),
+                out.stride(0), s.sliding_window or 0, self.kv_format.code, s.scale,
+                torch.get_num_threads(),
+            )
+            _check(rc, "decode")
+            return
         rc = self._kernel(
             out.data_ptr(), qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), meta.num_decodes, s.num_heads,
@@ -115,6 +164,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out.stride(0), s.sliding_window or 0, s.scale, torch.get_num_threads(),
         )
         _check(rc, "decode")
+
+
+    def _dequantized_blocks(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Cache rows [NB * KVH * BS, D + 2] uint8 -> blocks `blocks` as a float32 cache
+        [U, KVH, BS, D] (contiguous, as the prefill kernel reads it)."""
+        s = self.spec
+        width = rows.shape[-1]
+        picked = rows.view(-1, s.num_kv_heads, self.block_size, width).index_select(0, blocks)
+        return dequantize_rows(picked, self.kv_format.name, torch.float32)
+
+
+def _remap_blocks(table: np.ndarray, seq_lens: list[int], block_size: int
+                  ) -> tuple[np.ndarray, torch.Tensor]:
+    """[P, W] block tables (zero-padded) -> (the same tables as indices into their distinct
+    used blocks, those blocks [U] int64); padding entries map to 0."""
+    used = np.arange(table.shape[1])[None, :] < (-(-np.asarray(seq_lens) // block_size))[:, None]
+    blocks, inverse = np.unique(table[used], return_inverse=True)
+    remapped = np.zeros_like(table)
+    remapped[used] = inverse
+    return remapped, torch.from_numpy(blocks.astype(np.int64))
+
+
+def _heads_contiguous(x: torch.Tensor, head_dim: int) -> bool:
+    """x [T, KVH, D] float32 with heads and D contiguous (any row stride)."""
+    return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == head_dim
 
 
 def _rows_of_heads(q: torch.Tensor, head_dim: int) -> torch.Tensor:

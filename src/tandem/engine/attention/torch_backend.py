@@ -3,7 +3,10 @@
 Cache layout per layer: K and V each `[num_blocks, KVH, block_size, D]`, so a block is one
 contiguous page (what kvtransfer ships). Viewed as rows `[num_blocks * KVH * block_size, D]`,
 the row of (block b, kv head h, offset o) is `(b * KVH + h) * block_size + o`; every gather
-and scatter index is built once per step and shared by all layers.
+and scatter index is built once per step and shared by all layers. With a quantized KV
+cache (`kv_cache/quant.py`) a row is D + 2 uint8 (codes + float16 scale): new K/V are
+quantized on write, and every gathered context (the new tokens' own K/V included, so a
+token's attention never depends on how its prompt was chunked) is dequantized on read.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.attention.base import AttentionBackend, BatchLayout, register_backend
+from tandem.engine.kv_cache.quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -66,10 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference CPU/GPU backend built only from torch ops (no per-token Python loops)."""
 
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
-        shape = (num_blocks, s.num_kv_heads, self.block_size, s.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return self._zero_kv_cache(num_blocks)
+
+    def _gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Cache rows [N, width] at `index` -> [len(index), D] in the model dtype."""
+        picked = rows.index_select(0, index)
+        if self.kv_format.quantized:
+            return dequantize_rows(picked, self.kv_format.name, self.dtype)
+        return picked
 
     def _rows(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """[B, max_blocks] block ids -> [B, KVH, length] cache rows for positions 0..length-1."""
@@ -141,29 +149,47 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata) -> torch.Tensor:
-        d = self.spec.head_dim
-        k_rows = kv_cache[0].view(-1, d)
-        v_rows = kv_cache[1].view(-1, d)
-        k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
-        v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
+        width = kv_cache[0].shape[-1]
+        k_rows = kv_cache[0].view(-1, width)
+        v_rows = kv_cache[1].view(-1, width)
+        if self.kv_format.quantized:
+            k, v = self._write_quantized(k, v, k_rows, v_rows, meta)
+        else:
+            d = self.spec.head_dim
+            k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
+            v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             self._decode(q, kv_cache, meta, out)
         self._prefill(q, k, v, k_rows, v_rows, meta, out)
         return out
 
+    def _write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize k/v [T, KVH, D] into the cache rows; returns them as the cache now holds
+        them (dequantized) where a torch prefill reads them, else k/v unchanged."""
+        name, width = self.kv_format.name, k_rows.shape[-1]
+        kq, vq = quantize_rows(k, name), quantize_rows(v, name)
+        k_rows.index_copy_(0, meta.write_rows, kq.view(-1, width))
+        v_rows.index_copy_(0, meta.write_rows, vq.view(-1, width))
+        if not meta.prefills:
+            return k, v
+        # prefill chunks attend to their own tokens as the cache holds them
+        return dequantize_rows(kq, name, k.dtype), dequantize_rows(vq, name, v.dtype)
+
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
         """Attention of the first `meta.num_decodes` rows of q into `out`."""
         s = self.spec
         kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
-        k_rows = kv_cache[0].view(-1, d)
-        v_rows = kv_cache[1].view(-1, d)
+        k_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
+        v_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
         for grp in meta.decode_groups:
             b = grp.hi - grp.lo
             shape = (b, kvh, grp.length, d)
-            kd = k_rows.index_select(0, grp.rows).view(shape)
-            vd = v_rows.index_select(0, grp.rows).view(shape)
+            kd = self._gather(k_rows, grp.rows).view(shape)
+            vd = self._gather(v_rows, grp.rows).view(shape)
             qd = q[grp.lo : grp.hi].reshape(b, kvh, g, d)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=s.scale)
             out[grp.lo : grp.hi] = od.reshape(b, s.num_heads, d)
@@ -183,8 +209,8 @@ class TorchAttentionBackend(AttentionBackend):
                 kp = k[sl].transpose(0, 1)[None]  # [1, KVH, Tq, D]
                 vp = v[sl].transpose(0, 1)[None]
             else:
-                kp = k_rows.index_select(0, p.rows).view(1, kvh, p.seq_len, d)
-                vp = v_rows.index_select(0, p.rows).view(1, kvh, p.seq_len, d)
+                kp = self._gather(k_rows, p.rows).view(1, kvh, p.seq_len, d)
+                vp = self._gather(v_rows, p.rows).view(1, kvh, p.seq_len, d)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=s.scale,
                 enable_gqa=True,
@@ -202,8 +228,8 @@ class TorchAttentionBackend(AttentionBackend):
         s = self.spec
         kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         plen = p.seq_len - p.query_len
-        kp = k_rows.index_select(0, p.rows).view(1, kvh, plen, d)
-        vp = v_rows.index_select(0, p.rows).view(1, kvh, plen, d)
+        kp = self._gather(k_rows, p.rows).view(1, kvh, plen, d)
+        vp = self._gather(v_rows, p.rows).view(1, kvh, plen, d)
         kn = k_new.transpose(0, 1)[None]
         vn = v_new.transpose(0, 1)[None]
         if g > 1:

@@ -2,9 +2,11 @@
 CPU under Triton's interpreter, for tests).
 
 Same cache layout as the torch backend (K and V each `[num_blocks, KVH, block_size, D]`, a
-block one contiguous page). Per step, `build_metadata` packs the batch's int32 indices
-(block tables, context lengths, query offsets, KV slots) into one host buffer, pinned and
-reused on CUDA, and uploads it with one non-blocking copy; every layer then runs
+block one contiguous page; `[.., D + 2]` uint8 rows with kv_cache_dtype "fp8" / "int8",
+quantized by `reshape_and_cache` and dequantized in the attention kernels). Per step,
+`build_metadata` packs the batch's int32 indices (block tables, context lengths, query
+offsets, KV slots) into one host buffer, pinned and reused on CUDA, and uploads it with one
+non-blocking copy; every layer then runs
 `reshape_and_cache` and one attention launch: the varlen kernel for a batch with any
 prefill, or the decode kernel (split-KV when `choose_num_splits` says the batch is too small
 to fill the GPU) for a decode-only one. `forward` does no host work, so a decode step over
@@ -54,8 +56,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__(spec, block_size, dtype, device)
+                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
+        super().__init__(spec, block_size, dtype, device, kv_cache_dtype)
         reason = triton_unavailable_reason(device)
         if reason is not None:
             raise ConfigError(f"attention backend 'triton' cannot run on {device}: {reason}")
@@ -74,10 +76,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._workspace: Any = None
 
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.spec
-        shape = (num_blocks, s.num_kv_heads, self.block_size, s.head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return self._zero_kv_cache(num_blocks)
 
     # host staging --------------------------------------------------------------------------
 
@@ -199,7 +198,8 @@ class TritonAttentionBackend(AttentionBackend):
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TritonAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        fmt = self.kv_format.name
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache_dtype=fmt)
         # padding rows are never attended: zero them, so no garbage flows through the layer
         alloc = torch.zeros if meta.padded else torch.empty
         out = alloc(q.shape, dtype=q.dtype, device=q.device)
@@ -208,10 +208,11 @@ class TritonAttentionBackend(AttentionBackend):
             self._attn.paged_decode_attention(
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale=scale,
                 sliding_window=self.window, num_splits=meta.num_splits,
-                workspace=meta.workspace)
+                workspace=meta.workspace, kv_cache_dtype=fmt)
         else:
             self._attn.paged_attention(
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
-                scale=scale, max_query_len=meta.max_query_len, sliding_window=self.window)
+                scale=scale, max_query_len=meta.max_query_len, sliding_window=self.window,
+                kv_cache_dtype=fmt)
         return out
 

@@ -155,3 +155,287 @@ int tandem_paged_attention_decode_f32(
     }
     return failed ? -1 : 0;
 }
+
+/*
+ * The same decode attention over a quantized KV cache (engine/kv_cache/quant.py): each row
+ * of k_cache / v_cache [NB, KVH, BS, D + 2] uint8 is D codes (fmt 1: int8, fmt 2: fp8
+ * e4m3fn) and the row's float16 scale s (little-endian), x = code * s. Rows are read as
+ * they are stored (D + 2 bytes instead of 4 D): each row's codes are converted to float
+ * once into a D-float buffer shared by the G query heads, and the scale is folded in per
+ * row: score = (scale * s_k) * dot(q, codes), acc += (p * s_v) * codes. fp8 codes convert
+ * exactly with the bit trick bits = (b & 0x7F) << 20 | (b & 0x80) << 24, times 2^120
+ * (subnormal codes land on float32 subnormals, exact without flush-to-zero). Returns 0,
+ * -1 (out of memory), -2 (unsupported group or fmt).
+ */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline float half_to_float(const uint8_t *p)
+{
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;  /* subnormal (the quantizer never writes one) */
+    } else if (e == 31) {
+        f = m ? NAN : INFINITY;
+    } else {
+        const uint32_t bits = ((e + 112) << 23) | (m << 13);
+        memcpy(&f, &bits, sizeof f);
+    }
+    uint32_t out;
+    memcpy(&out, &f, sizeof out);
+    out |= sign;
+    memcpy(&f, &out, sizeof f);
+    return f;
+#endif
+}
+
+static inline float fp8_to_float(uint8_t b)
+{
+    const uint32_t bits = ((uint32_t)(b & 0x7F) << 20) | ((uint32_t)(b & 0x80) << 24);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f * 0x1p120f;
+}
+
+/* dst[0..D) = the codes of one row as floats (fmt 1 int8, 2 fp8) */
+static inline __attribute__((always_inline)) void codes_to_float(
+    float *restrict dst, const uint8_t *restrict src, const int64_t D, const int fmt)
+{
+    int64_t d = 0;
+#if defined(__AVX2__)
+    if (fmt == 1) {
+        for (; d + 8 <= D; d += 8) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(src + d));
+            _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+        }
+    } else {
+        const __m256i mag = _mm256_set1_epi32(0x7F), sgn = _mm256_set1_epi32(0x80);
+        const __m256 pow120 = _mm256_set1_ps(0x1p120f);
+        for (; d + 8 <= D; d += 8) {
+            const __m256i x =
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + d)));
+            const __m256i bits =
+                _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, mag), 20),
+                                _mm256_slli_epi32(_mm256_and_si256(x, sgn), 24));
+            _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_castsi256_ps(bits), pow120));
+        }
+    }
+#endif
+    for (; d < D; d++)
+        dst[d] = fmt == 1 ? (float)(int8_t)src[d] : fp8_to_float(src[d]);
+}
+
+static inline __attribute__((always_inline)) const uint8_t *qrow_and_prefetch(
+    const uint8_t *cache, const int32_t *table, int64_t t, int64_t len, int64_t kvh,
+    int64_t block_size, int64_t page, int64_t R)
+{
+    const int64_t in_block = (kvh * block_size + t % block_size) * R;
+    if (t + block_size < len) {
+        const char *next = (const char *)(cache + (int64_t)table[t / block_size + 1] * page
+                                          + in_block);
+        for (int64_t c = 0; c < R; c += 64) __builtin_prefetch(next + c);
+        __builtin_prefetch(next + R - 1);
+    }
+    return cache + (int64_t)table[t / block_size] * page + in_block;
+}
+
+/* One (sequence, KV head) item over quantized rows; D and fmt constant in the copies. */
+static inline __attribute__((always_inline)) void attend_q8(
+    float *restrict oh, const float *restrict qh, const uint8_t *restrict k_cache,
+    const uint8_t *restrict v_cache, const int32_t *restrict table, int64_t first,
+    int64_t len, int64_t G, const int64_t D, const int fmt, int64_t kvh, int64_t block_size,
+    int64_t page, float scale, float *restrict scores, float *restrict row)
+{
+    const int64_t n = len - first, R = D + 2;
+    float mx[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+
+    for (int64_t t = first; t < len; t++) {
+        const uint8_t *kr = qrow_and_prefetch(k_cache, table, t, len, kvh, block_size, page, R);
+        const float sk = scale * half_to_float(kr + D);
+        codes_to_float(row, kr, D, fmt);
+        for (int64_t g = 0; g < G; g++) {
+            const float *restrict qg = qh + g * D;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < D; d++) acc += qg[d] * row[d];
+            acc *= sk;
+            scores[g * n + (t - first)] = acc;
+            mx[g] = acc > mx[g] ? acc : mx[g];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *restrict s = scores + g * n;
+        const float m = mx[g];
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            const float e = expf(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) s[i] *= inv;
+        memset(oh + g * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t t = first; t < len; t++) {
+        const uint8_t *vr = qrow_and_prefetch(v_cache, table, t, len, kvh, block_size, page, R);
+        const float sv = half_to_float(vr + D);
+        codes_to_float(row, vr, D, fmt);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * n + (t - first)] * sv;
+            float *restrict og = oh + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) og[d] += p * row[d];
+        }
+    }
+}
+
+#define ATTEND_Q8(DIM, FMT, NAME)                                                         \
+    static void NAME(float *oh, const float *qh, const uint8_t *k_cache,                  \
+                     const uint8_t *v_cache, const int32_t *table, int64_t first,         \
+                     int64_t len, int64_t G, int64_t kvh, int64_t block_size, int64_t page, \
+                     float scale, float *scores, float *row)                              \
+    {                                                                                     \
+        attend_q8(oh, qh, k_cache, v_cache, table, first, len, G, DIM, FMT, kvh,          \
+                  block_size, page, scale, scores, row);                                  \
+    }
+ATTEND_Q8(64, 1, attend_i8_d64)
+ATTEND_Q8(64, 2, attend_f8_d64)
+ATTEND_Q8(128, 1, attend_i8_d128)
+ATTEND_Q8(128, 2, attend_f8_d128)
+
+int tandem_paged_attention_decode_q8(
+    float *out, const float *q, const uint8_t *k_cache, const uint8_t *v_cache,
+    const int32_t *tables, const int32_t *seq_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, int64_t q_stride, int64_t out_stride,
+    int64_t window, int64_t fmt, float scale, int64_t num_threads)
+{
+    const int64_t G = num_heads / num_kv_heads;
+    const int64_t D = head_dim;
+    const int64_t page = num_kv_heads * block_size * (D + 2);  /* bytes per block */
+    int failed = 0;
+    if (G < 1 || G > MAX_GROUP || (fmt != 1 && fmt != 2)) return -2;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t b = item / num_kv_heads;
+        const int64_t kvh = item % num_kv_heads;
+        const int64_t len = seq_lens[b];
+        const int64_t first = (window > 0 && len > window) ? len - window : 0;
+        const int32_t *table = tables + b * max_blocks;
+        const float *qh = q + b * q_stride + kvh * G * D;
+        float *oh = out + b * out_stride + kvh * G * D;
+        if (len <= first) {
+            memset(oh, 0, (size_t)(G * D) * sizeof(float));
+            continue;
+        }
+        float *scores = (float *)malloc((size_t)(G * (len - first) + D) * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *row = scores + G * (len - first);
+        if (D == 64 && fmt == 1)
+            attend_i8_d64(oh, qh, k_cache, v_cache, table, first, len, G, kvh, block_size,
+                          page, scale, scores, row);
+        else if (D == 64)
+            attend_f8_d64(oh, qh, k_cache, v_cache, table, first, len, G, kvh, block_size,
+                          page, scale, scores, row);
+        else if (D == 128 && fmt == 1)
+            attend_i8_d128(oh, qh, k_cache, v_cache, table, first, len, G, kvh, block_size,
+                           page, scale, scores, row);
+        else if (D == 128)
+            attend_f8_d128(oh, qh, k_cache, v_cache, table, first, len, G, kvh, block_size,
+                           page, scale, scores, row);
+        else
+            attend_q8(oh, qh, k_cache, v_cache, table, first, len, G, D, (int)fmt, kvh,
+                      block_size, page, scale, scores, row);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* float32 -> float16 bits, round to nearest even, for x in float16's normal range. */
+static inline uint16_t float_to_half_normal(float x)
+{
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(x, 0);  /* 0 = _MM_FROUND_TO_NEAREST_INT */
+#else
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    const uint32_t sign = (b >> 16) & 0x8000, a = b & 0x7FFFFFFF;
+    return (uint16_t)(sign | (((a + 0xFFF + ((a >> 13) & 1)) >> 13) - (112 << 10)));
+#endif
+}
+
+/* float32 y with |y| <= 448 -> fp8 e4m3fn bits, round to nearest even (as torch casts). */
+static inline uint8_t float_to_fp8(float y)
+{
+    uint32_t b;
+    memcpy(&b, &y, sizeof b);
+    const uint32_t sign = (b >> 24) & 0x80, a = b & 0x7FFFFFFF;
+    if (a >= 0x3C800000)  /* |y| >= 2^-6: round the mantissa to 3 bits, rebias 127 -> 7 */
+        return (uint8_t)(sign | (((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)));
+    float f;  /* subnormal: |y| + 2^14 rounds |y| to a multiple of 2^-9 */
+    memcpy(&f, &a, sizeof f);
+    f += 16384.0f;
+    uint32_t m;
+    memcpy(&m, &f, sizeof m);
+    return (uint8_t)(sign | (m - 0x46800000u));
+}
+
+/*
+ * Quantize rows into a quantized cache (engine/kv_cache/quant.py, the same bytes as its
+ * torch reference): src row r (of T * KVH rows: token r / KVH, head r % KVH) is at
+ * src + (r / KVH) * src_stride + (r % KVH) * D floats; it goes to cache row dst_rows[r] of
+ * `cache` viewed as [rows, D + 2] uint8. fmt 1 int8, 2 fp8. Returns 0, or -2 for a bad fmt.
+ */
+int tandem_kv_quantize_write(
+    uint8_t *cache, const float *src, const int64_t *dst_rows, int64_t num_tokens,
+    int64_t num_kv_heads, int64_t head_dim, int64_t src_stride, int64_t fmt,
+    int64_t num_threads)
+{
+    const int64_t D = head_dim, R = D + 2, n = num_tokens * num_kv_heads;
+    if (fmt != 1 && fmt != 2) return -2;
+    const float qmax = fmt == 1 ? 127.0f : 448.0f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 256)
+    for (int64_t r = 0; r < n; r++) {
+        const float *x = src + (r / num_kv_heads) * src_stride + (r % num_kv_heads) * D;
+        uint8_t *dst = cache + dst_rows[r] * R;
+        float amax = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            const float a = fabsf(x[d]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / qmax;
+        s = s < 0x1p-14f ? 0x1p-14f : (s > 65504.0f ? 65504.0f : s);
+        const uint16_t h = float_to_half_normal(s);
+        const float sr = half_to_float((const uint8_t[2]){(uint8_t)(h & 0xFF), (uint8_t)(h >> 8)});
+        if (fmt == 1) {
+            for (int64_t d = 0; d < D; d++) {
+                float y = x[d] / sr;
+                y = y < -127.0f ? -127.0f : (y > 127.0f ? 127.0f : y);
+                dst[d] = (uint8_t)(int8_t)nearbyintf(y);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                float y = x[d] / sr;
+                y = y < -448.0f ? -448.0f : (y > 448.0f ? 448.0f : y);
+                dst[d] = float_to_fp8(y);
+            }
+        }
+        dst[D] = (uint8_t)(h & 0xFF);
+        dst[D + 1] = (uint8_t)(h >> 8);
+    }
+    return 0;
+}

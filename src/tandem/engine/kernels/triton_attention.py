@@ -11,6 +11,12 @@ Only host-side Python ints (shapes, `max_query_len`, `num_splits`) pick launch s
 per-sequence lengths are read in-kernel, so none of these calls syncs with the device and a
 CUDA graph captured with fixed shapes stays valid for any lengths.
 
+A quantized cache (`kv_cache_dtype` "int8" / "fp8", `kv_cache/quant.py`) is uint8
+`[num_blocks, KVH, block_size, D + 2]`: each row's D codes, then its float16 scale's two
+bytes (combined into a uint16 and bitcast). The kernels (constexpr KV_FMT: 0 float, 1 int8,
+2 fp8) convert the codes exactly (fp8 in integer arithmetic, so no GPU fp8 support is
+needed) and fold the scales in per key: scores = (q . codes) * s_k, acc += (p * s_v) codes.
+
 Under `TRITON_INTERPRET=1` (CPU tensors) tiles are upcast to float32 before `tl.dot` (the
 interpreter's bfloat16 dot is wrong); on CUDA, 16-bit tiles feed the tensor cores directly
 and float32 uses IEEE (not TF32) dots.
@@ -26,15 +32,38 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kv_cache.quant import kv_format
+
 _LOG2E = 1.4426950408889634
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _codes_to_float(b, KV_FMT: tl.constexpr):
+    """uint8 codes -> float32 values (KV_FMT 1: int8; 2: fp8 e4m3fn, subnormals included)."""
+    if KV_FMT == 1:
+        return b.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        x = b.to(tl.int32)
+        normal = (((x & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        sub = (x & 7).to(tl.float32) * 0.001953125  # exponent 0: m * 2^-9
+        mag = tl.where((x & 0x78) == 0, sub, normal)
+        return tl.where((x & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _row_scales(ptr, mask):
+    """The float16 scales whose two bytes start at ptr [N] -> float32 [N] (0 where masked)."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, pos, row_ok,
                  window, scale_log2, stride_kb, stride_ks, offs_d, d_ok,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr):
     """One online-softmax update of (m_i, l_i, acc) with keys [start, start + BLOCK_N) that
     lie in [key_lo, key_hi); query row r sits at position pos[r] (causal + window masks)."""
     n = start + tl.arange(0, BLOCK_N)
@@ -42,8 +71,14 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, 
     blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     kv_off = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    if KV_FMT == 0:
+        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+    else:
+        k = _codes_to_float(tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask,
+                                    other=0), KV_FMT).to(DOT)
+        k_scale = _row_scales(k_ptr + kv_off + HEAD_DIM, n_ok) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
     keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= pos[:, None])
     keep = keep & ((window == 0) | (n[None, :] > pos[:, None] - window))
     s = tl.where(keep, s, float("-inf"))
@@ -51,8 +86,14 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, 
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend yet
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
-    pv = tl.dot(p.to(v_ptr.dtype.element_ty).to(DOT), v, input_precision=PRECISION)
+    if KV_FMT == 0:
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
+        pv = tl.dot(p.to(v_ptr.dtype.element_ty).to(DOT), v, input_precision=PRECISION)
+    else:
+        v = _codes_to_float(tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask,
+                                    other=0), KV_FMT).to(DOT)
+        p_v = p * _row_scales(v_ptr + kv_off + HEAD_DIM, n_ok)[None, :]
+        pv = tl.dot(p_v.to(DOT), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
@@ -67,7 +108,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num
                    stride_kb, stride_kh, stride_ks,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                   KV_FMT: tl.constexpr):
     """Program (tile, kvh): BLOCK_Q query tokens x GROUP heads of one sequence. Sequence b owns
     tiles [qs[b] // BLOCK_Q + b, qs[b + 1] // BLOCK_Q + b + 1) (a superset of what it needs),
     found by binary search, so the grid is T // BLOCK_Q + B without reading lengths."""
@@ -114,7 +156,7 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
                                      start, key_lo, key_hi, pos, row_ok, window, scale_log2,
                                      stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
-                                     DOT, PRECISION)
+                                     DOT, PRECISION, HEAD_DIM, KV_FMT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
@@ -128,7 +170,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, b
                    stride_ab, stride_ah, stride_as,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                   KV_FMT: tl.constexpr):
     """Program (b, kvh, split): the GROUP heads of one KV head over one split of the keys.
     The attended keys [lo, seq_len) are cut into NUM_SPLITS runs of whole BLOCK_N tiles; a
     split past the end writes an empty partial (m = -inf, l = 0, acc = 0)."""
@@ -163,7 +206,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, b
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
                                      tile_start, key_lo, stop, pos, row_ok, window, scale_log2,
                                      stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
-                                     DOT, PRECISION)
+                                     DOT, PRECISION, HEAD_DIM, KV_FMT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
@@ -245,19 +288,22 @@ def _dot_config(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> int:
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, kv_cache_dtype: str) -> int:
     """Validate shapes/dtypes shared by both entry points; returns the GQA group size."""
+    fmt = kv_format(kv_cache_dtype)
     if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"q and out must be [T, H, D] of one dtype, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(out.shape)} {out.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (
             k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous [num_blocks, KVH, block_size, D]")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    want = fmt.cache_dtype(q.dtype)
+    if k_cache.dtype != want or v_cache.dtype != want:
+        raise ValueError(f"cache dtype {k_cache.dtype} is not {want} (q {q.dtype}, "
+                         f"kv_cache_dtype {fmt.name!r})")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+    if k_cache.shape[3] != fmt.row_width(head_dim) or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads of dim {head_dim} do not fit a cache of "
                          f"{num_kv_heads} KV heads of dim {k_cache.shape[3]}")
     for t in (q, out):
@@ -318,12 +364,13 @@ def _shared_memory_limit(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, *, scale: float, max_query_len: int,
-                    sliding_window: int = 0) -> None:
+                    sliding_window: int = 0, kv_cache_dtype: str = "auto") -> None:
     """Varlen causal attention of a mixed batch into `out` (q/out `[T, H, D]`). Sequence b's
     new tokens are q rows [query_start[b], query_start[b + 1]), its last positions of
     `seq_lens[b]` (their K/V already cached). `max_query_len` (a host int, an upper bound is
-    fine) only picks the tile size. Rows past query_start[B] and qlen-0 sequences are untouched."""
-    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens)
+    fine) only picks the tile size. Rows past query_start[B] and qlen-0 sequences are untouched.
+    kv_cache_dtype "int8" / "fp8": the caches hold quantized uint8 rows [.., D + 2]."""
+    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype)
     _check_window(sliding_window)
     num_seqs = seq_lens.shape[0]
     if query_start.dtype != torch.int32 or query_start.shape != (num_seqs + 1,):
@@ -344,18 +391,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=_VARLEN_BLOCK_N, DOT=dot, PRECISION=precision,
-        num_warps=8 if block_m >= 128 else 4, num_stages=_VARLEN_STAGES)
+        KV_FMT=kv_format(kv_cache_dtype).code, num_warps=8 if block_m >= 128 else 4,
+        num_stages=_VARLEN_STAGES)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            *, scale: float, sliding_window: int = 0, num_splits: int = 1,
-                           workspace: DecodeWorkspace | None = None) -> None:
+                           workspace: DecodeWorkspace | None = None,
+                           kv_cache_dtype: str = "auto") -> None:
     """Decode attention (one new token per sequence, q/out `[B, H, D]`) into `out`; rows with
     seq_lens[b] == 0 are untouched. num_splits > 1 splits each context into that many key
     ranges (computed in-kernel) reduced by a second kernel through `workspace` (allocated
-    per call when None, which a CUDA graph must not rely on)."""
-    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens)
+    per call when None, which a CUDA graph must not rely on). kv_cache_dtype as
+    `paged_attention`'s."""
+    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype)
     _check_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
@@ -385,7 +435,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *ws_strides,
         GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, NUM_SPLITS=num_splits,
-        DOT=dot, PRECISION=precision, num_warps=4, num_stages=3)
+        DOT=dot, PRECISION=precision, KV_FMT=kv_format(kv_cache_dtype).code, num_warps=4,
+        num_stages=3)
     if ws is not None:
         _reduce_kernel[(batch, num_heads)](
             out, ws.m, ws.l, ws.acc, seq_lens, out.stride(0), out.stride(1), *ws_strides,

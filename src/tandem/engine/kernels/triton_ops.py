@@ -224,18 +224,96 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, 
     tl.store(v_cache_ptr + cache_off, _cast(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _div_rn(x, y):
+    """x / y rounded to nearest (IEEE), as torch divides: GPUs' default `/` is approximate."""
+    if _INTERPRET:
+        return x / y
+    else:
+        return tl.math.div_rn(x, y)
+
+
+@triton.jit
+def _quantize_rows(x, FMT: tl.constexpr):
+    """x [R, H, D] float32 -> (codes [R, H, D] uint8, scale bits [R, H] uint16): the
+    reference `kv_cache/quant.py` (FMT 1 int8, 2 fp8 e4m3fn), bit for bit."""
+    amax = tl.max(tl.abs(x), axis=2)
+    s = _div_rn(amax, 127.0 if FMT == 1 else 448.0)
+    s16 = tl.minimum(tl.maximum(s, 6.103515625e-05), 65504.0).to(tl.float16)
+    y = _div_rn(x, s16.to(tl.float32)[:, :, None])
+    if FMT == 1:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        # y + 1.5 * 2^23 rounds to an integer (nearest even): it is the low mantissa bits
+        q = (y + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        codes = q.to(tl.int8).to(tl.uint8, bitcast=True)
+    else:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        a = bits & 0x7FFFFFFF
+        # normal (|y| >= 2^-6): round the mantissa to 3 bits (nearest even), rebias 127 -> 7
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+        # subnormal: |y| + 2^14 rounds |y| to a multiple of 2^-9 (the low mantissa bits)
+        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        codes = (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+    return codes, s16.to(tl.uint16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
+def _reshape_and_quantize_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_tokens,
+                                 n_heads, head_dim, block_size, k_stride, v_stride,
+                                 cache_block_stride, cache_head_stride, FMT: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+                                 BLOCK_D: tl.constexpr):
+    """reshape_and_cache into uint8 rows [.., D + 2]: codes, then the fp16 scale's bytes."""
+    tok = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
+    valid = (tok < n_tokens) & (slot >= 0)
+    slot = tl.where(valid, slot, 0)
+    heads = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = valid[:, None] & (heads < n_heads)[None, :]
+    mask = row_ok[:, :, None] & (d < head_dim)[None, None, :]
+    row = ((slot // block_size) * cache_block_stride + (slot % block_size) * (head_dim + 2))
+    row = row[:, None] + heads[None, :] * cache_head_stride  # [ROWS, BLOCK_HEADS]
+    head_off = heads[None, :, None] * head_dim + d[None, None, :]
+    _quantize_store(k_ptr + tok[:, None, None] * k_stride + head_off, k_cache_ptr, row, d,
+                    head_dim, mask, row_ok, FMT)
+    _quantize_store(v_ptr + tok[:, None, None] * v_stride + head_off, v_cache_ptr, row, d,
+                    head_dim, mask, row_ok, FMT)
+
+
+@triton.jit
+def _quantize_store(src_ptrs, cache_ptr, row, d, head_dim, mask, row_ok, FMT: tl.constexpr):
+    """Quantize the rows at src_ptrs [R, H, D] into cache rows starting at `row` [R, H]."""
+    x = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
+    codes, sbits = _quantize_rows(x, FMT)
+    tl.store(cache_ptr + row[:, :, None] + d[None, None, :], codes, mask=mask)
+    tl.store(cache_ptr + row + head_dim, (sbits & 0xFF).to(tl.uint8), mask=row_ok)
+    tl.store(cache_ptr + row + head_dim + 1, (sbits >> 8).to(tl.uint8), mask=row_ok)
+
+
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      kv_cache_dtype: str = "auto") -> None:
     """Write k/v [T, KVH, D] (rows may be strided) into caches [num_blocks, KVH, block_size,
-    D] at slot_mapping [T] (int32/int64, block * block_size + offset); slot < 0 is skipped."""
+    D] at slot_mapping [T] (int32/int64, block * block_size + offset); slot < 0 is skipped.
+    kv_cache_dtype "fp8" / "int8": the caches are uint8 [.., D + 2] and each row is
+    quantized as `kv_cache/quant.py` does (the same bytes)."""
+    from tandem.engine.kv_cache.quant import kv_format
+
+    fmt = kv_format(kv_cache_dtype)
     _check_rows("k", k, 3)
     _check_rows("v", v, 3)
     t, heads, d = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != d:
-        raise ValueError(f"k_cache must be [num_blocks, {heads}, block_size, {d}], got "
+    width = fmt.row_width(d)
+    if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != width:
+        raise ValueError(f"k_cache must be [num_blocks, {heads}, block_size, {width}], got "
                          f"{tuple(k_cache.shape)}")
+    if fmt.quantized and k_cache.dtype != torch.uint8:
+        raise ValueError(f"a {fmt.name} KV cache must be uint8, got {k_cache.dtype}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous()
                                               and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
@@ -246,6 +324,13 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         return
     block_heads, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(d)
     rows = _rows_per_program(t, block_heads * block_d)
+    if fmt.quantized:
+        _reshape_and_quantize_kernel[(triton.cdiv(t, rows),)](
+            k, v, k_cache, v_cache, slot_mapping.contiguous(), t, heads, d, k_cache.shape[2],
+            k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), FMT=fmt.code,
+            ROWS=rows, BLOCK_HEADS=block_heads, BLOCK_D=block_d,
+            num_warps=_warps(rows * block_heads * block_d))
+        return
     _reshape_and_cache_kernel[(triton.cdiv(t, rows),)](
         k, v, k_cache, v_cache, slot_mapping.contiguous(), t, heads, d, k_cache.shape[2],
         k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), ROWS=rows,

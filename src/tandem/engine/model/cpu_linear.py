@@ -12,20 +12,17 @@
   `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone,
   so every worker on one machine computes with the same kernel (same rounding).
 
-Either way the model file stays plain (gpt-fast style: applied after weight loading), and
-the results differ from MKL's only in float rounding order.
+The "packed" linear method (`quant/float_methods.py`) applies this after weight loading,
+so the model file stays plain; results differ from MKL's only in float rounding order.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 
 import torch
-from torch import nn
 
-logger = logging.getLogger(__name__)
 PANEL = 16  # output columns per packed panel (linear_cpu.c's NR)
 ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packed layout for
 
@@ -69,49 +66,3 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((n + PANEL - 1) // PANEL * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
-
-
-class PackedLinear(nn.Module):
-    """`y = x @ W.T + b`, x: [T, in] -> [T, out], float32 on the CPU, W pre-packed."""
-
-    def __init__(self, linear: nn.Linear, native: ctypes.CDLL | None = None) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach().contiguous()
-        bias = linear.bias.detach().contiguous() if linear.bias is not None else None
-        self.register_buffer("bias", bias, persistent=False)
-        self._kernel = None
-        if native_preferred(native):
-            self._kernel = native.tandem_linear_packed_f32
-            self.register_buffer("packed", pack_panels(weight), persistent=False)
-        else:
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
-                weight, ONEDNN_BATCH_HINT), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if self._kernel is None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
-                                                      "")
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=x.dtype)
-        if rows:
-            self._kernel(x.data_ptr(), self.packed.data_ptr(),
-                         None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                         rows, self.out_features, self.in_features, torch.get_num_threads())
-        return y
-
-
-def pack_linears(model: nn.Module, native: ctypes.CDLL | None = None) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many.
-
-    One layer at a time: each original weight is freed as soon as its packed copy exists
-    (nothing here holds the replaced modules), so the peak is the model plus one layer."""
-    kind = "native panels" if native_preferred(native) else "oneDNN"
-    slots = [(parent, name) for parent in model.modules()
-             for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name in slots:
-        setattr(parent, name, PackedLinear(getattr(parent, name), native))
-    logger.info("packed %d linear layers (%s)", len(slots), kind)
-    return len(slots)

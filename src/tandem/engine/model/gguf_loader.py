@@ -1,7 +1,10 @@
-"""GGUF files: metadata -> `ModelArchConfig`, tensors -> dequantized HF-named torch tensors.
+"""GGUF files: metadata -> `ModelArchConfig`, tensors -> HF-named torch tensors.
 
 Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32 are dequantized by vectorized torch code that is
-bit-identical to `gguf.quants.dequantize`; other types fall back to `gguf.quants`.
+bit-identical to `gguf.quants.dequantize`; other types fall back to `gguf.quants`. With
+`keep_quantized`, Q4_0 / Q4_1 / Q8_0 tensors come out as `GroupedWeight`s instead (codes,
+float16 scales and mins taken from the blocks as they are; their `dequantize` equals the
+float path bit for bit).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from gguf import quants as gguf_quants
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.hf_loader import check_weight_names
+from tandem.engine.quant.apply import SourceFormat
+from tandem.engine.quant.base import GroupedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +187,36 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return out.reshape(shape)
 
 
+# the GGUF block types `keep_quantized` keeps compressed, and their format
+KEPT_FORMATS = {Q.Q4_0: SourceFormat(4, 32, True), Q.Q4_1: SourceFormat(4, 32, True),
+                Q.Q8_0: SourceFormat(8, 32, False)}
+
+
+def grouped(data: np.ndarray, qtype: GGMLQuantizationType,
+            shape: tuple[int, int]) -> GroupedWeight:
+    """A raw Q4_0 / Q4_1 / Q8_0 tensor [N, K] as a `GroupedWeight` (no float round trip):
+    Q8_0 -> int8 codes, scale d; Q4_0 -> codes 0..15, scale d, min -8d (exact in float16);
+    Q4_1 -> codes 0..15, scale d, min m. Group size 32 (the GGUF block)."""
+    qtype = GGMLQuantizationType(qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n, k = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n * (k // block), size)
+    scales = torch.from_numpy(blocks[:, 0:2].copy().view(np.float16)).view(n, k // block)
+    if qtype == Q.Q8_0:
+        codes = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+        return GroupedWeight(codes.reshape(n, k), scales, None, 8, block)
+    start = 2 if qtype == Q.Q4_0 else 4
+    qs = blocks[:, start:]
+    codes = np.empty((qs.shape[0], block), dtype=np.int8)
+    np.bitwise_and(qs, np.uint8(0x0F), out=codes[:, :16], casting="unsafe")
+    np.right_shift(qs, np.uint8(4), out=codes[:, 16:], casting="unsafe")
+    if qtype == Q.Q4_0:
+        mins = scales * -8
+    else:
+        mins = torch.from_numpy(blocks[:, 2:4].copy().view(np.float16)).view(n, k // block)
+    return GroupedWeight(torch.from_numpy(codes).reshape(n, k), scales, mins, 4, block)
+
+
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary permutation of Q/K rows (weights or biases).
 
@@ -274,11 +309,14 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def read_gguf(
-    path: Path, dtype: torch.dtype
-) -> tuple[ModelArchConfig, int, Iterator[tuple[str, torch.Tensor]]]:
-    """Validate a GGUF file; return (config, tensor count, lazy (HF name, tensor) iterator).
+    path: Path, dtype: torch.dtype, keep_quantized: bool = False
+) -> tuple[ModelArchConfig, int, Iterator[tuple[str, torch.Tensor | GroupedWeight]],
+           dict[str, SourceFormat]]:
+    """Validate a GGUF file; return (config, tensor count, lazy (HF name, tensor) iterator,
+    the format of each tensor that `keep_quantized` keeps compressed).
 
-    Tensors come out in HF layout (Q/K un-permuted for llama/mistral) and `dtype`.
+    Tensors come out in HF layout (Q/K un-permuted for llama/mistral) and `dtype`, or as
+    `GroupedWeight`s (their rows un-permuted likewise) for the formats returned.
     """
     source = str(path)
     reader = open_gguf(path)
@@ -298,15 +336,27 @@ def read_gguf(
     permuted = config.architecture in ("llama", "mistral")
     heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    formats = {name: KEPT_FORMATS[Q(t.tensor_type)] for name, t in selected
+               if Q(t.tensor_type) in KEPT_FORMATS and len(found[name]) == 2}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor | GroupedWeight]]:
         for name, tensor in selected:
-            w = dequantize(tensor.data, tensor.tensor_type).reshape(found[name])
             proj = name.split(".")[-2]
-            if permuted and proj in heads:
+            unpermute = permuted and proj in heads
+            if keep_quantized and name in formats:
+                gw = grouped(tensor.data, tensor.tensor_type, found[name])  # type: ignore[arg-type]
+                if unpermute:
+                    order = unpermute_rows(np.arange(found[name][0]), heads[proj])
+                    gw = gw.permute_rows(torch.from_numpy(order))
+                yield name, gw
+                del gw
+                continue
+            w = dequantize(tensor.data, tensor.tensor_type).reshape(found[name])
+            if unpermute:
                 w = unpermute_rows(w, heads[proj])
             out = torch.from_numpy(w).to(dtype)
             del w
             yield name, out
             del out  # hold nothing while the next tensor is dequantized
 
-    return config, len(selected), tensors()
+    return config, len(selected), tensors(), formats if keep_quantized else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,28 @@ from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.ops import Ops, rms_norm
+from tandem.engine.quant.apply import QuantEmbedding
+from tandem.engine.quant.base import GroupedWeight, QuantLinear
+
+
+@dataclass(frozen=True)
+class RowTarget:
+    """Where a checkpoint tensor goes in a `QuantLinear`: its rows [start, start + rows)."""
+
+    layer: QuantLinear
+    start: int
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.layer.in_features)
+
+
+def _rows(linear: nn.Module, kind: str, start: int, size: int) -> torch.Tensor | RowTarget:
+    """Rows [start, start + size) of a linear's weight or bias, as a load target."""
+    if isinstance(linear, QuantLinear) and kind == "weight":
+        return RowTarget(linear, start, size)
+    return getattr(linear, kind)[start:start + size]
 
 
 class RMSNorm(nn.Module):
@@ -182,50 +205,62 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
-        """A model built under `torch.device("meta")` -> uninitialised parameters on `device`
-        in `dtype` (fill them with `load_weights`), embeddings tied when the config says so,
-        RoPE tables computed on `device` in float32. No host copy of the weights is made."""
-        tied = self.config.tie_word_embeddings
+        """A model built under `torch.device("meta")` (and possibly `quant.prepare_model`d)
+        -> uninitialised parameters on `device` in `dtype` (fill them with `load_weights`),
+        float embeddings tied when the config says so, RoPE tables computed on `device` in
+        float32. Quantized layers keep their buffers' own dtypes. No host copy is made."""
+        tied = self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear)
         if tied:  # never allocate an lm_head that the tie replaces
             self.lm_head.weight = None
-        self.to(dtype=dtype)  # free on meta
+        for module in self.modules():  # free on meta
+            if not isinstance(module, QuantLinear):
+                module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t,
+                              recurse=False)
         self.to_empty(device=device)
         if tied:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope.compute(device)
 
-    def _weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF weight name -> the parameter (or the slice of a fused one) it fills."""
+    def _weight_targets(self) -> dict[str, torch.Tensor | RowTarget]:
+        """HF weight name -> the parameter (or the slice of a fused one, or the rows of a
+        `QuantLinear`) it fills."""
         cfg = self.config
         q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, (
             cfg.intermediate_size)
-        out = {"model.embed_tokens.weight": self.embed_tokens.weight,
-               "model.norm.weight": self.norm.weight}
+        emb = self.embed_tokens
+        out: dict[str, torch.Tensor | RowTarget] = {
+            "model.embed_tokens.weight": (
+                RowTarget(emb.storage, 0, emb.storage.out_features)
+                if isinstance(emb, QuantEmbedding) else emb.weight),
+            "model.norm.weight": self.norm.weight}
         if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight
+            out["lm_head.weight"] = _rows(self.lm_head, "weight", 0, cfg.vocab_size)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
             for kind in kinds:
-                fused = getattr(attn.qkv_proj, kind)
-                for n, part in zip("qkv", fused.split([q, kv, kv]), strict=True):
-                    out[p + f"self_attn.{n}_proj.{kind}"] = part
-            gate, up = layer.mlp.gate_up_proj.weight.split([inter, inter])
+                for n, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                    out[p + f"self_attn.{n}_proj.{kind}"] = _rows(attn.qkv_proj, kind, start,
+                                                                  size)
             out.update({
-                p + "self_attn.o_proj.weight": attn.o_proj.weight,
-                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                p + "self_attn.o_proj.weight": _rows(attn.o_proj, "weight", 0, cfg.hidden_size),
+                p + "mlp.gate_proj.weight": _rows(mlp.gate_up_proj, "weight", 0, inter),
+                p + "mlp.up_proj.weight": _rows(mlp.gate_up_proj, "weight", inter, inter),
+                p + "mlp.down_proj.weight": _rows(mlp.down_proj, "weight", 0, cfg.hidden_size),
                 p + "input_layernorm.weight": layer.input_layernorm.weight,
                 p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
             })
         return out
 
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]
-                     | Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor | GroupedWeight]
+                     | Iterable[tuple[str, torch.Tensor | GroupedWeight]]) -> None:
         """Copy HF-named weights in as they come, each q/k/v and gate/up part straight into
-        its slice of the fused parameter (no concatenation, one tensor held at a time).
+        its slice of the fused parameter, or handed to its `QuantLinear`'s method as rows
+        (no concatenation, one tensor held at a time). A `GroupedWeight` (a GGUF tensor
+        kept compressed) bound for a float parameter is dequantized. Each `QuantLinear` is
+        `finish`ed at the end.
 
         Every parameter must be set exactly once: ConfigError for a missing, repeated,
         unexpected or mis-shaped weight. A tied model ignores `lm_head.weight`.
@@ -246,7 +281,11 @@ class LlamaForCausalLM(nn.Module):
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ConfigError(f"weight {name!r} has shape {tuple(tensor.shape)}, the "
                                   f"model expects {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if isinstance(dst, RowTarget):
+                dst.layer.method.load(dst.layer, dst.start, tensor)
+            else:
+                dst.copy_(tensor.dequantize(dst.dtype) if isinstance(tensor, GroupedWeight)
+                          else tensor)
             done.add(name)
             del tensor, dst  # nothing held while the loader reads the next tensor
         if unexpected:
@@ -255,5 +294,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ConfigError(f"checkpoint is missing weight {missing[0]!r}{more}")
-        if self.config.tie_word_embeddings:  # (`materialize` tied them already)
-            self.lm_head.weight = self.embed_tokens.weight
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+            self.lm_head.weight = self.embed_tokens.weight  # (`materialize` tied them)
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.method.finish(module)

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,8 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.gguf_loader import read_gguf
 from tandem.engine.model.hf_loader import check_weight_names, config_to_hf, read_hf
+from tandem.engine.quant.apply import SourceFormat
+from tandem.engine.quant.base import GroupedWeight
 from tandem.protocol.bundled import BUNDLED_FILE, find_bundled_gguf
 
 logger = logging.getLogger(__name__)
@@ -75,16 +77,20 @@ def _torch_single_threaded() -> Iterator[None]:
 class ModelSource:
     """A validated checkpoint whose tensors are not read yet: `tensors()` yields
     (HF name, tensor) pairs one at a time in HF layout and `dtype`, so a caller can copy
-    each into its parameter and drop it (host memory: one tensor, not the model)."""
+    each into its parameter and drop it (host memory: one tensor, not the model).
+    `formats`: the tensors that come out compressed, as `GroupedWeight`s (only when opened
+    with `keep_quantized`)."""
 
     config: ModelArchConfig
     num_tensors: int
-    items: Iterator[tuple[str, torch.Tensor]]
+    items: Iterator[tuple[str, torch.Tensor | GroupedWeight]]
     source: str
     dtype: torch.dtype
     start: float
+    formats: dict[str, SourceFormat] = field(default_factory=dict)
 
-    def tensors(self, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, progress: bool | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | GroupedWeight]]:
         """The tensors, once (a tqdm bar when `progress`, or None and stderr is a terminal);
         torch runs single-threaded while they are read."""
         name = Path(self.source).name
@@ -102,8 +108,10 @@ class ModelSource:
                     time.perf_counter() - self.start)
 
 
-def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> ModelSource:
+def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
+               keep_quantized: bool = False) -> ModelSource:
     """Open a `.gguf` file or an HF directory (config.json + *.safetensors) for streaming.
+    `keep_quantized`: a GGUF's Q4_0 / Q4_1 / Q8_0 tensors come out as `GroupedWeight`s.
 
     Raises ConfigError for a missing path, an unknown format, an unsupported architecture
     or tensor type, or tensors that do not match the config.
@@ -121,13 +129,14 @@ def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32)
                 "directory (config.json + *.safetensors) or a .gguf file"
             )
         config, total, items = read_hf(p, dtype)
+        formats: dict[str, SourceFormat] = {}
     elif p.suffix.lower() == ".gguf":
-        config, total, items = read_gguf(p, dtype)
+        config, total, items, formats = read_gguf(p, dtype, keep_quantized)
     else:
         raise ConfigError(
             f"{p}: unsupported model file; expected a .gguf file or a Hugging Face directory"
         )
-    return ModelSource(config, total, items, str(p), dtype, start)
+    return ModelSource(config, total, items, str(p), dtype, start, formats)
 
 
 def load_model(

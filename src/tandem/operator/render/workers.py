@@ -97,7 +97,10 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds),
         ("--device", pool.spec.device),
         ("--attention-backend", None if e.attention_backend == "auto" else e.attention_backend),
-        ("--gpu-memory-utilization", e.gpu_memory_utilization)]
+        ("--gpu-memory-utilization", e.gpu_memory_utilization),
+        ("--quantization", e.quantization),
+        ("--quantization-group-size", e.quantization_group_size),
+        ("--kv-cache-dtype", None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
     if pool.role == "decode":  # the side that pulls pages from prefill workers
         optional += [("--kv-transfer-backend", kv.backend), ("--kv-transfer-policy", kv.policy),
                      ("--kv-transfer-timeout", f"{kv.timeout_seconds:g}")]

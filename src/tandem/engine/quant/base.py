@@ -1,0 +1,207 @@
+"""Linear-method interface and registry; the logical grouped-integer weight format.
+
+A `LinearMethod` owns how one linear layer's weight is stored and multiplied (vLLM's
+`LinearMethodBase`, gpt-fast's quantize handlers): float (plain or pre-packed), INT8 / INT4
+weight-only, W8A8, FP8. The model code stays plain `nn.Linear`; `quant/apply.py` swaps
+each for a `QuantLinear` on the meta device, before any weight exists, so a compressed
+model never holds its float weights.
+
+Life of a layer: `create` registers empty buffers (shapes only, on meta) -> the model is
+materialised (`to_empty`) -> `load` fills row ranges, once each, from float rows or
+`GroupedWeight` rows (fused q/k/v and gate/up parts arrive separately) -> `finish` turns
+them into the kernel's layout -> `apply(x)` per step. `dequantize` returns the exact
+float weight the layer computes with (tests compare kernels against it in float64).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tandem.engine.errors import ConfigError
+
+
+@dataclass
+class GroupedWeight:
+    """Rows of an integer weight with one scale (and optional min) per group of K columns.
+
+    w[n, k] = codes[n, k] * scales[n, k // g] + (mins[n, k // g] if mins is not None else 0)
+
+    codes: [N, K] int8 -- signed -128..127 for `bits=8`, unsigned 0..15 for `bits=4`
+    (GGUF's Q4_0 / Q4_1 convention: Q4_0 is mins = -8 * scales). scales / mins: [N, K // g]
+    float16 (GGUF's own block scales, bit for bit). K % g == 0; g == K is per-channel.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.bits not in (4, 8) or k % self.group_size:
+            raise ConfigError(f"bad grouped weight: bits={self.bits}, K={k}, "
+                              f"group_size={self.group_size}")
+        if tuple(self.scales.shape) != (n, k // self.group_size):
+            raise ConfigError(f"grouped weight scales {tuple(self.scales.shape)} do not match "
+                              f"codes {(n, k)} with group_size {self.group_size}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    def rows(self, start: int, stop: int) -> GroupedWeight:
+        return GroupedWeight(self.codes[start:stop], self.scales[start:stop],
+                             None if self.mins is None else self.mins[start:stop],
+                             self.bits, self.group_size)
+
+    def permute_rows(self, index: torch.Tensor) -> GroupedWeight:
+        """Rows reordered by `index` (llama.cpp's Q/K un-permutation acts on whole rows)."""
+        return GroupedWeight(self.codes[index], self.scales[index],
+                             None if self.mins is None else self.mins[index],
+                             self.bits, self.group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`, computed as `codes * scale + min` in float32 (GGUF's order:
+        two roundings, no FMA), then cast; float64 computes in float64."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        n, k = self.shape
+        g = self.group_size
+        w = self.codes.to(work).view(n, k // g, g) * self.scales.to(work)[..., None]
+        if self.mins is not None:
+            w = w + self.mins.to(work)[..., None]
+        return w.view(n, k).to(dtype)
+
+
+def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int,
+                     symmetric: bool) -> GroupedWeight:
+    """Round-to-nearest quantization of float rows `weight` [N, K] (K % group_size == 0).
+
+    bits=8, symmetric: codes in [-127, 127], scale = amax / 127 (mins None).
+    bits=4, asymmetric: codes in [0, 15], scale = (max - min) / 15, min = the group's min
+    (GGUF Q4_1 style); bits=4 symmetric: Q4_0 style, scale = -amax_signed / 8 with min
+    = -8 * scale. Scales/mins are rounded to float16 first and codes computed against the
+    rounded values, so `dequantize` is exactly what the kernels see.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ConfigError(f"K={k} is not a multiple of group_size {group_size}")
+    w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    tiny = torch.finfo(torch.float16).tiny
+    mins = None
+    if bits == 8 and symmetric:
+        scales = (w.abs().amax(-1) / 127).clamp(min=tiny).to(torch.float16)
+        codes = torch.round(w / scales.float()[..., None]).clamp(-127, 127)
+    elif bits == 4 and not symmetric:
+        lo, hi = w.amin(-1), w.amax(-1)
+        scales = ((hi - lo) / 15).clamp(min=tiny).to(torch.float16)
+        mins = lo.to(torch.float16)
+        codes = torch.round((w - mins.float()[..., None]) / scales.float()[..., None])
+        codes = codes.clamp(0, 15)
+    elif bits == 4 and symmetric:
+        # Q4_0: the value of largest magnitude maps to code 0 (-8), keeping its sign
+        idx = w.abs().argmax(-1, keepdim=True)
+        peak = w.gather(-1, idx).squeeze(-1)
+        scales = (peak / -8).to(torch.float16)
+        scales = torch.where(scales == 0, torch.full_like(scales, tiny), scales)
+        mins = (scales.float() * -8).to(torch.float16)
+        codes = torch.round(w / scales.float()[..., None] + 8).clamp(0, 15)
+    else:
+        raise ConfigError(f"no {bits}-bit {'symmetric' if symmetric else 'asymmetric'} "
+                          "grouped quantization")
+    return GroupedWeight(codes.to(torch.int8).reshape(n, k), scales, mins, bits, group_size)
+
+
+WeightRows = torch.Tensor | GroupedWeight  # what `LinearMethod.load` accepts
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + b`, x [T, in] -> [T, out] in the activation dtype; W stored and
+    multiplied by `method` (its buffers live on this module, registered by `create`)."""
+
+    def __init__(self, method: LinearMethod, in_features: int, out_features: int,
+                 bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.method = method
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype  # activation / output dtype
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        method.create(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, method={self.method.name}"
+                f", bias={self.bias is not None}")
+
+
+class LinearMethod(ABC):
+    """How a `QuantLinear` stores and multiplies its weight. One instance may serve many
+    layers (it holds configuration, not tensors)."""
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    def create(self, layer: QuantLinear) -> None:
+        """Register the (empty) weight buffers on `layer` for `layer.out_features` x
+        `layer.in_features`, on the current default device (meta while the model is built)."""
+
+    @abstractmethod
+    def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
+        """Fill output rows [start, start + rows) from float rows [rows, K] or a
+        `GroupedWeight`; every row is loaded exactly once before `finish`."""
+
+    def finish(self, layer: QuantLinear) -> None:  # noqa: B027 - optional hook
+        """After every row is loaded: convert to the kernel layout, drop staging buffers."""
+
+    @abstractmethod
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (layer.dtype) -> [T, N] (layer.dtype), bias added."""
+
+    @abstractmethod
+    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
+        """The float weight [N, K] (float32) this layer computes with."""
+
+    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, dequantized -> [T, K] in layer.dtype (a quantized
+        token embedding shares its storage with a tied LM head)."""
+        return self.dequantize(layer)[ids].to(layer.dtype)
+
+    def weight_bytes(self, layer: QuantLinear) -> int:
+        """Resident bytes of the layer's weight storage (bias excluded)."""
+        return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
+
+
+_REGISTRY: dict[str, Callable[..., LinearMethod]] = {}
+
+
+def register_linear_method(name: str) -> Callable[[type[LinearMethod]], type[LinearMethod]]:
+    def deco(cls: type[LinearMethod]) -> type[LinearMethod]:
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_linear_method(name: str, **options: object) -> LinearMethod:
+    """An instance of the registered method `name` (options: its constructor's)."""
+    from tandem.engine.quant import methods  # noqa: F401 - registers the built-in methods
+
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown linear method {name!r}; available: "
+                          f"{', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**options)
+
+
+def linear_methods() -> list[str]:
+    from tandem.engine.quant import methods  # noqa: F401
+
+    return sorted(_REGISTRY)

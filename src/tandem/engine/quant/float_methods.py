@@ -1,0 +1,109 @@
+"""Float linear methods: "float" (`F.linear` over a `[N, K]` weight in the model dtype) and
+"packed" (CPU float32 weights packed once after loading into `model/cpu_linear.py`'s
+native 16-column panels or oneDNN's blocked layout)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.model.cpu_linear import (
+    ONEDNN_BATCH_HINT,
+    native_preferred,
+    pack_panels,
+)
+from tandem.engine.quant.base import (
+    GroupedWeight,
+    LinearMethod,
+    QuantLinear,
+    WeightRows,
+    register_linear_method,
+)
+
+
+def float_rows(rows: WeightRows, dtype: torch.dtype) -> torch.Tensor:
+    """Float rows `[r, K]` in `dtype` from float or grouped rows."""
+    if isinstance(rows, GroupedWeight):
+        return rows.dequantize(dtype)
+    return rows.to(dtype)
+
+
+@register_linear_method("float")
+class FloatMethod(LinearMethod):
+    """The weight as it is, `[N, K]` in the layer's dtype."""
+
+    def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None) -> None:
+        self.device = device
+
+    def create(self, layer: QuantLinear) -> None:
+        layer.register_buffer("weight", torch.empty(layer.out_features, layer.in_features,
+                                                    dtype=layer.dtype), persistent=False)
+
+    def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
+        rows = float_rows(weight, layer.dtype)
+        layer.weight[start:start + rows.shape[0]].copy_(rows)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
+        return layer.weight.float()
+
+    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
+        return layer.weight[ids]
+
+
+@register_linear_method("packed")
+class PackedMethod(FloatMethod):
+    """float32 on the CPU: loaded as "float", then packed by `finish` (the float weight is
+    dropped) into native panels `[ceil(N/16), K, 16]` where the AVX2 kernel is preferred,
+    else oneDNN's layout. `embeds_cheaply`: rows can be read back from the layout (native
+    panels), so a tied embedding can share the packed LM head instead of a second copy."""
+
+    def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None) -> None:
+        super().__init__(device=device)
+        self.native = native
+        self.kernel = native.tandem_linear_packed_f32 if native_preferred(native) else None
+        self.embeds_cheaply = self.kernel is not None
+
+    def finish(self, layer: QuantLinear) -> None:
+        weight = layer.weight.contiguous()
+        del layer.weight  # the buffer goes; only the packed copy stays
+        if self.kernel is not None:
+            packed = pack_panels(weight)
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
+        layer.register_buffer("packed", packed, persistent=False)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if self.kernel is None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [],
+                                                      "")
+        rows = x.shape[0]
+        y = torch.empty(rows, layer.out_features, dtype=x.dtype)
+        if rows:
+            bias = layer.bias
+            self.kernel(x.data_ptr(), layer.packed.data_ptr(),
+                        None if bias is None else bias.data_ptr(), y.data_ptr(), rows,
+                        layer.out_features, layer.in_features, torch.get_num_threads())
+        return y
+
+    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
+        if hasattr(layer, "weight"):
+            return layer.weight.float()
+        n, k = layer.out_features, layer.in_features
+        if self.kernel is not None:  # [P, K, 16] -> [P*16, K]
+            return layer.packed.transpose(1, 2).reshape(-1, k)[:n].float()
+        eye = torch.eye(k, dtype=torch.float32)  # oneDNN's layout is opaque: W.T = I @ W.T
+        return torch.ops.mkldnn._linear_pointwise(eye, layer.packed, None, "none", [],
+                                                  "").T.contiguous()
+
+    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
+        if hasattr(layer, "weight"):
+            return layer.weight[ids]
+        if self.kernel is not None:  # row n of W is column n % 16 of panel n // 16
+            return layer.packed[ids // 16, :, ids % 16]
+        return self.dequantize(layer)[ids]

@@ -1,0 +1,177 @@
+"""The "fp8" linear method: float8_e4m3fn weights with one float32 scale per output row.
+
+Storage: `weight` [N, K] float8_e4m3fn, `weight_scale` [N] float32; row n's scale is
+amax(|w[n]|) / 448 (e4m3's largest finite value), so codes = w / scale lie in [-448, 448]
+(clamped: never NaN). `GroupedWeight` rows are dequantized to float32, then quantized.
+
+Execution (`mode`, picked from the device unless given):
+* "scaled_mm" (CUDA compute capability >= 8.9, Ada / Hopper): W8A8. Each activation row is
+  quantized on the fly with the same rule (dynamic per-token scale), then
+  `torch._scaled_mm` multiplies on the FP8 tensor cores with float32 accumulation. bf16
+  activations on sm_90+ use its row-wise scales (bf16 out, bias fused); otherwise it
+  runs with unit scales into float32 and the scales are applied after.
+* "triton" (older CUDA GPUs): weight-only, `kernels/triton_quant.fp8_linear` decodes the
+  bytes with integer ops in registers (no FP8 hardware needed).
+* "torch" (the CPU): weight-only in row blocks: codes become float16 by a bit shuffle
+  (exactly value / 256), are multiplied in the activation dtype, and the output columns
+  are scaled by 256 * scale. torch 2.13's CPU `_scaled_mm` is correct but measured 15-30x
+  slower than this at one row on this AVX2 machine, and quantizing activations costs accuracy,
+  so the CPU never runs W8A8 unless asked (`mode="scaled_mm"`, tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.quant.base import (
+    GroupedWeight,
+    LinearMethod,
+    QuantLinear,
+    WeightRows,
+    register_linear_method,
+)
+
+logger = logging.getLogger(__name__)
+
+E4M3_MAX = 448.0
+MODES = ("scaled_mm", "triton", "torch")
+SCALED_MM_CAPABILITY = (8, 9)
+BLOCK_ELEMENTS = 1 << 20  # weight elements decoded at a time by the "torch" mode
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float rows [R, K] -> (float8_e4m3fn codes [R, K], float32 scales [R]) with
+    scale = amax(|row|) / 448 (at least float32's smallest normal, so a zero row is zeros)
+    and codes = round-to-nearest(row / scale) clamped to [-448, 448]."""
+    t = t.float()
+    scale = (t.abs().amax(-1) / E4M3_MAX).clamp(min=_TINY)
+    codes = (t / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def e4m3_as_half(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes -> float16 holding exactly value / 256 (a bit shuffle: e4m3's
+    exponent and mantissa land in float16's, whose exponent bias is 8 larger; e4m3
+    subnormals become float16 subnormals). Vectorised ops, unlike torch's CPU fp8 cast."""
+    h = codes.view(torch.int8).to(torch.int16)
+    h.bitwise_left_shift_(7).bitwise_and_(-16385)  # bit 14 held a copy of the sign
+    return h.view(torch.float16)
+
+
+def default_mode(device: torch.device) -> str:
+    """The mode `Fp8Method` runs on `device` (see the module docstring)."""
+    if device.type != "cuda":
+        return "torch"
+    if torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY:
+        return "scaled_mm"
+    from tandem.engine.kernels import triton_unavailable_reason
+
+    return "torch" if triton_unavailable_reason(device) else "triton"
+
+
+def _pad16(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """t zero-padded at the end of each dim in `dims` to a multiple of 16 (fp8 padded as
+    bytes: F.pad has no float8 kernels)."""
+    pad = [0, 0] * t.dim()
+    for d in dims:
+        pad[2 * (t.dim() - 1 - d) + 1] = -t.shape[d] % 16
+    if not any(pad):
+        return t
+    if t.dtype == torch.float8_e4m3fn:
+        return F.pad(t.view(torch.uint8), pad).view(torch.float8_e4m3fn)
+    return F.pad(t, pad)
+
+
+@register_linear_method("fp8")
+class Fp8Method(LinearMethod):
+    """FP8 e4m3 weights, per-output-channel float32 scales (see the module docstring)."""
+
+    embeds_cheaply = True  # rows decode from the same storage (a tied LM head's)
+
+    def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None,
+                 mode: str | None = None) -> None:
+        self.device = torch.device(device)
+        if mode is not None and mode not in MODES:
+            raise ConfigError(f"fp8 mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "triton":
+            from tandem.engine.kernels import triton_unavailable_reason
+
+            reason = triton_unavailable_reason(self.device)
+            if reason:
+                raise ConfigError(f"fp8 mode 'triton' on {self.device}: {reason}")
+        self.mode = mode or default_mode(self.device)
+        self.rowwise = (self.mode == "scaled_mm" and self.device.type == "cuda"
+                        and torch.cuda.get_device_capability(self.device) >= (9, 0))
+
+    def create(self, layer: QuantLinear) -> None:
+        n, k = layer.out_features, layer.in_features
+        layer.register_buffer("weight", torch.empty(n, k, dtype=torch.float8_e4m3fn),
+                              persistent=False)
+        layer.register_buffer("weight_scale", torch.empty(n, dtype=torch.float32),
+                              persistent=False)
+
+    def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
+        rows = weight.dequantize(torch.float32) if isinstance(weight, GroupedWeight) else weight
+        if rows.dim() != 2 or rows.shape[1] != layer.in_features or (
+                start + rows.shape[0] > layer.out_features):
+            raise ConfigError(f"fp8 load of rows {tuple(rows.shape)} at {start} into a "
+                              f"[{layer.out_features}, {layer.in_features}] layer")
+        codes, scale = quantize_rows(rows.to(layer.weight.device))
+        layer.weight[start:start + rows.shape[0]].copy_(codes)
+        layer.weight_scale[start:start + rows.shape[0]].copy_(scale)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return torch.empty(0, layer.out_features, dtype=x.dtype, device=x.device)
+        if self.mode == "scaled_mm":
+            return self._scaled_mm(layer, x)
+        if self.mode == "triton":
+            from tandem.engine.kernels.triton_quant import fp8_linear
+
+            return fp8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+        return self._torch(layer, x)
+
+    def _scaled_mm(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        n = layer.out_features
+        xq, sx = quantize_rows(x)
+        xq = _pad16(xq, (1,))
+        wq = _pad16(layer.weight, (0, 1))
+        bias = layer.bias
+        if self.rowwise and x.dtype == torch.bfloat16:
+            sw = _pad16(layer.weight_scale, (0,)).view(1, -1)
+            bias = None if bias is None else _pad16(bias, (0,))
+            y = torch._scaled_mm(xq, wq.t(), scale_a=sx.view(-1, 1), scale_b=sw, bias=bias,
+                                 out_dtype=torch.bfloat16)
+            return y[:, :n] if y.shape[1] != n else y
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        y = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y[:, :n] * sx[:, None] * layer.weight_scale
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype)
+
+    def _torch(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        n, k = layer.out_features, layer.in_features
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        rows = max(16, BLOCK_ELEMENTS // max(k, 1))
+        for r0 in range(0, n, rows):
+            w = e4m3_as_half(layer.weight[r0:r0 + rows]).to(x.dtype)
+            torch.matmul(x, w.t(), out=y[:, r0:r0 + rows])
+        y.mul_(layer.weight_scale * 256)
+        if layer.bias is not None:
+            y += layer.bias
+        return y
+
+    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
+        return layer.weight.float() * layer.weight_scale[:, None]
+
+    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(device=layer.weight.device, dtype=torch.long)
+        rows = e4m3_as_half(layer.weight[ids]).float() * (layer.weight_scale[ids, None] * 256)
+        return rows.to(layer.dtype)

@@ -1,0 +1,245 @@
+""""w8a8": int8 per-channel symmetric weights and per-token dynamic int8 activations.
+
+y = (xq @ wq.T) * x_scale[row] * w_scale[col] (+ bias), the product summed exactly in
+int32. Weights: codes in [-127, 127] (never -128, so the AVX2 sign trick stays exact) and
+one float16 scale per output channel (amax / 127, `quantize_grouped`). Activations, per
+row: s = amax(|x|) / 127 in float32, codes = round_half_even(x / s) clamped to
+[-127, 127] (amax 0 -> s 0, codes 0); `quantize_rows` is the reference.
+
+Storage: on the CPU with the native library the int8 panel layout of `quant/int8.py`
+(codes [P, K, 16] int8, scales [P, 1, 16] float16; P = ceil(N / 16)), so rows below
+`min_rows` run the weight-only int8 kernel (`cpu_kernels.int8_panel_linear`) on the same
+buffers and from `min_rows` on the int8 GEMM of `csrc/w8a8_cpu.c`. Elsewhere row-major
+codes [N, K] int8 and scales [N, 1] float16: CUDA multiplies with `torch._int_mm`
+(cuBLASLt int8, padded to M > 16 and K, N multiples of 8), a CPU without the native
+library with torch's CPU `_int_mm` (or an exact float64 product where it is missing).
+
+Measured (`bench/w8a8_micro.py`, results in bench/results/w8a8_micro.json; this 2-core
+AVX2 EPYC, no VNNI, 2 threads, the fastest of 5 passes over DRAM-streamed weight copies,
+on a machine shared with other jobs -- load 3-18 -- so single entries are noisy; ranges
+over SmolLM2's 960x576, 576x576, 3072x576, 576x1536 and 49152x576 from two runs),
+weight-only int8 time / w8a8 time (> 1: w8a8 faster; a few entries > 3 or < 0.65, single
+calls hit by other jobs, left out):
+  M = 1: 0.72-0.99, M = 8: 0.85-1.19, M = 16: 0.98-1.50, M = 64: 0.97-1.42,
+  M = 256-1024: 1.10-2.38;
+float32 panels / w8a8 at 64-1,024 rows: 0.97-1.83, mostly 1.3-1.7 (weight-only int8 is
+0.77-1.26x float32 there). One thread with the weights in cache: w8a8 ~100-115 G
+int-ops/s, float32 panels ~70-85 GFLOPS. So on AVX2 the int8 GEMM wins from 16 rows on (a
+tie at 8: the weight-only kernel keeps those, its activations are not rounded):
+`DEFAULT_MIN_ROWS = 16`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.native import SIGNATURES
+from tandem.engine.quant import cpu_kernels
+from tandem.engine.quant.base import (
+    GroupedWeight,
+    LinearMethod,
+    QuantLinear,
+    WeightRows,
+    quantize_grouped,
+    register_linear_method,
+)
+
+logger = logging.getLogger(__name__)
+PANEL = cpu_kernels.PANEL
+MIN_ROWS_ENV = "TANDEM_W8A8_MIN_ROWS"
+MAX_K = 65536  # int32 sums cannot overflow (VNNI sums (a + 128) * w before correcting)
+DEFAULT_MIN_ROWS = 16  # rows from which the int8 GEMM runs (measured: module docstring)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization (the reference): x [M, K] float32 ->
+    (codes [M, K] int8, scales [M, 1] float32)."""
+    x = x.to(torch.float32)
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(x / safe).clamp(-127, 127)
+    codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.int8), torch.where(scale > 0, scale, torch.zeros_like(scale))
+
+
+def native_quantize_rows(x: torch.Tensor, native: ctypes.CDLL) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """`quantize_rows` by the native kernel (bit-identical): [M, K] float32 ->
+    (codes [M, K] int8, scales [M, 1] float32)."""
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, 1, dtype=torch.float32)
+    if m:
+        native.tandem_w8a8_quantize_f32(x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                        m, k, k, torch.get_num_threads())
+    return codes, scales
+
+
+def panel_gemm_i32(codes_x: torch.Tensor, codes: torch.Tensor, n_out: int,
+                   native: ctypes.CDLL) -> torch.Tensor:
+    """Exact int32 sums: codes_x [M, K] int8 @ panel codes [P, K, 16] -> [M, N] int32."""
+    codes_x = codes_x.contiguous()
+    m, k = codes_x.shape
+    y = torch.empty(m, n_out, dtype=torch.int32)
+    if m and native.tandem_w8a8_gemm_i32(codes_x.data_ptr(), codes.data_ptr(), y.data_ptr(),
+                                         m, n_out, k, torch.get_num_threads()):
+        raise MemoryError("w8a8 kernel: out of scratch memory")
+    return y
+
+
+def w8a8_panel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None, n_out: int,
+                      native: ctypes.CDLL) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32 by the native int8 GEMM over panel codes
+    [P, K, 16] int8 and scales [P, 1, 16] float16; bias [N] float32 or None."""
+    x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n_out, dtype=torch.float32)
+    if m and native.tandem_w8a8_linear_f32(
+            x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n_out, k,
+            torch.get_num_threads()):
+        raise MemoryError("w8a8 kernel: out of scratch memory")
+    return y
+
+
+def int_mm(a: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """Exact a [M, K] int8 @ codes [N, K].T int8 -> [M, N] int32 with torch."""
+    if a.device.type == "cuda":
+        m, k = a.shape
+        n = codes.shape[0]
+        mp, kp, np_ = max(24, -(-m // 8) * 8), -(-k // 8) * 8, -(-n // 8) * 8
+        if (mp, kp) != (m, k):
+            a = torch.nn.functional.pad(a, (0, kp - k, 0, mp - m))
+        if (kp, np_) != (k, n):  # slow path: no SmolLM2 / Llama shape needs it
+            codes = torch.nn.functional.pad(codes, (0, kp - k, 0, np_ - n))
+        return torch._int_mm(a, codes.t())[:m, :n]
+    if hasattr(torch, "_int_mm"):
+        return torch._int_mm(a, codes.t())
+    return (a.double() @ codes.double().t()).to(torch.int32)  # |sum| < 2^53: exact
+
+
+def resolve_min_rows(min_rows: int | None) -> int:
+    """The constructor's `min_rows`, else `TANDEM_W8A8_MIN_ROWS`, else the default."""
+    if min_rows is None:
+        raw = os.environ.get(MIN_ROWS_ENV, "").strip()
+        if not raw:
+            return DEFAULT_MIN_ROWS
+        try:
+            min_rows = int(raw)
+        except ValueError:
+            raise ConfigError(f"{MIN_ROWS_ENV} must be an integer, got {raw!r}") from None
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
+        raise ConfigError(f"w8a8 min_rows must be an integer >= 1, got {min_rows!r}")
+    return min_rows
+
+
+def per_channel_rows(weight: WeightRows, k: int) -> GroupedWeight:
+    """Rows as 8-bit per-channel symmetric codes in [-127, 127]: taken as they are when
+    they already are that (bit-exact), else dequantized (float rows: as given) and
+    requantized with `quantize_grouped`."""
+    if isinstance(weight, GroupedWeight):
+        if weight.shape[1] != k:
+            raise ConfigError(f"w8a8 rows have K={weight.shape[1]}, the layer {k}")
+        if (weight.bits == 8 and weight.group_size == k and weight.mins is None
+                and (weight.codes.numel() == 0 or int(weight.codes.min()) >= -127)):
+            return weight
+        weight = weight.dequantize(torch.float32)
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ConfigError(f"w8a8 rows must be [r, {k}], got {tuple(weight.shape)}")
+    return quantize_grouped(weight, 8, k, symmetric=True)
+
+
+@register_linear_method("w8a8")
+class W8A8Method(LinearMethod):
+    """int8 weights x per-token int8 activations, int32 accumulation (module docstring).
+
+    min_rows: steps with at least this many rows use the int8 GEMM on the native CPU
+    layout, fewer the weight-only int8 kernel (default: measured, `DEFAULT_MIN_ROWS`;
+    env `TANDEM_W8A8_MIN_ROWS`). Ignored off the native CPU path."""
+
+    embeds_cheaply = True  # `embed` reads only the looked-up rows
+
+    def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None,
+                 min_rows: int | None = None) -> None:
+        self.device = torch.device(device)
+        self.native = native if self.device.type == "cpu" else None
+        self.panels = self.native is not None
+        self.min_rows = resolve_min_rows(min_rows)
+        # K1's weight-only kernel, where this build has it
+        self._weight_only = self.panels and "tandem_quant_linear_i8" in SIGNATURES
+
+    def create(self, layer: QuantLinear) -> None:
+        n, k = layer.out_features, layer.in_features
+        if k < 1 or n < 1:
+            raise ConfigError(f"w8a8 needs a non-empty weight, got {n} x {k}")
+        if self.panels and k > MAX_K:
+            raise ConfigError(f"w8a8's int32 sums need in_features <= {MAX_K}, got {k}")
+        shape = ((cpu_kernels.panel_count(n), k, PANEL), (cpu_kernels.panel_count(n), 1, PANEL))
+        if not self.panels:
+            shape = ((n, k), (n, 1))
+        layer.register_buffer("codes", torch.empty(shape[0], dtype=torch.int8),
+                              persistent=False)
+        layer.register_buffer("scales", torch.empty(shape[1], dtype=torch.float16),
+                              persistent=False)
+
+    def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
+        rows = per_channel_rows(weight, layer.in_features)
+        stop = start + rows.shape[0]
+        if start < 0 or stop > layer.out_features:
+            raise ConfigError(f"w8a8 rows [{start}, {stop}) outside the layer's "
+                              f"{layer.out_features} outputs")
+        if self.panels:
+            cpu_kernels.write_panel_rows(layer.codes, layer.scales, None, start, rows)
+        else:
+            layer.codes[start:stop] = rows.codes.to(layer.codes.device)
+            layer.scales[start:stop] = rows.scales.to(layer.scales.device, torch.float16)
+
+    def finish(self, layer: QuantLinear) -> None:
+        if self.panels:
+            cpu_kernels.clear_padding(layer.codes, layer.scales, None, layer.out_features)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        n = layer.out_features
+        if x.dim() != 2 or x.shape[1] != layer.in_features:
+            raise ValueError(f"w8a8 input must be [T, {layer.in_features}], got "
+                             f"{tuple(x.shape)}")
+        if x.shape[0] == 0:
+            return x.new_empty((0, n), dtype=layer.dtype)
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        if self.panels:
+            xf = x.to(torch.float32).contiguous()
+            if x.shape[0] >= self.min_rows:
+                y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
+            elif self._weight_only:
+                y = cpu_kernels.int8_panel_linear(xf, layer.codes, layer.scales, None,
+                                                  layer.in_features, bias, n, self.native)
+            else:  # weight-only kernel not built: the int8 GEMM serves every row count
+                y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
+            return y.to(layer.dtype)
+        xq, xs = quantize_rows(x)
+        y = int_mm(xq, layer.codes).float() * xs * layer.scales.float().view(1, n)
+        if bias is not None:
+            y = y + bias
+        return y.to(layer.dtype)
+
+    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
+        if self.panels:
+            ids = torch.arange(layer.out_features)
+            return cpu_kernels.panel_rows(layer.codes, layer.scales, None, 8,
+                                          layer.in_features, ids)
+        return layer.codes.float() * layer.scales.float()
+
+    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            rows = cpu_kernels.panel_rows(layer.codes, layer.scales, None, 8,
+                                          layer.in_features, ids)
+        else:
+            rows = layer.codes[ids].float() * layer.scales[ids].float()
+        return rows.to(layer.dtype)

@@ -1,0 +1,149 @@
+"""`tandem worker --quantization / --quantization-group-size / --kv-cache-dtype` (vLLM's flag
+names) into EngineConfig; `tandem serve` hands them to every worker it starts and refuses a
+bad combination before starting any; `tandem_model_memory_bytes` on /metrics."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+from prometheus_client import generate_latest
+
+from tandem.cli import _plan, main
+from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from tandem.engine.llm_engine import EngineStats
+from tandem.serving.metrics import ServerMetrics
+from tandem.serving.worker import add_engine_args, add_server_args, engine_config
+
+PROMPT = "The capital of France is"
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem worker")
+    add_engine_args(p)
+    add_server_args(p)
+    return p
+
+
+def quant(argv: list[str]) -> tuple:
+    cfg = engine_config(worker_parser().parse_args(argv), serving=True)
+    return cfg.quantization, cfg.quantization_group_size, cfg.kv_cache_dtype
+
+
+def test_flags_reach_the_engine_config():
+    assert quant([]) == (None, None, "auto")
+    assert quant(["--quantization", "int4", "--quantization-group-size", "128",
+                  "--kv-cache-dtype", "int8"]) == ("int4", 128, "int8")
+    assert quant(["-q", "int8", "--quantization-group-size", "32"]) == ("int8", 32, "auto")
+    assert quant(["--kv-cache-dtype", "fp8_e4m3"]) == (None, None, "fp8")  # vLLM's alias
+    for q in QUANTIZATIONS:
+        for kv in KV_CACHE_DTYPES:
+            assert quant(["--quantization", q, "--kv-cache-dtype", kv]) == (
+                q, None, "fp8" if kv == "fp8_e4m3" else kv)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--quantization", "nf4"], "argument --quantization/-q: invalid choice: 'nf4'"),
+    (["--quantization", "int4", "--quantization-group-size", "16"],
+     "argument --quantization-group-size: invalid choice: 16 (choose from 32, 64, 128)"),
+    (["--quantization-group-size", "x"], "argument --quantization-group-size: invalid int"),
+    (["--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice: 'fp16'"),
+])
+def test_bad_values_are_usage_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        worker_parser().parse_args(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def _ports():
+    counter = itertools.count(9000)
+    return lambda host: next(counter)
+
+
+def test_serve_passes_the_flags_to_every_worker_of_every_role(monkeypatch):
+    seen = []
+    monkeypatch.setattr("tandem.cli._serve", lambda args, extra: seen.append((args, extra)))
+    main(["serve", "--workers", "1", "--prefill", "1", "--decode", "1", "--quantization",
+          "int4", "--quantization-group-size", "64", "--kv-cache-dtype", "fp8_e4m3"])
+    ((args, extra),) = seen
+    d = _plan(args, extra, _ports())
+    assert [role for role, _, _ in d.workers] == ["both", "prefill", "decode"]
+    for _, _, cmd in d.workers:
+        argv = cmd[cmd.index("worker") + 1:]
+        assert quant(argv) == ("int4", 64, "fp8")
+        assert worker_parser().parse_args(argv).role in ("both", "prefill", "decode")
+    assert "--quantization" not in d.router and "--kv-cache-dtype" not in d.router
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--quantization", "fp8", "--quantization-group-size", "32"],
+     "quantization_group_size applies to quantization 'int4' or 'int8', not 'fp8'"),
+    (["--kv-cache-dtype", "bf16"], "argument --kv-cache-dtype: invalid choice: 'bf16'"),
+])
+def test_serve_refuses_bad_worker_flags_before_starting_anything(argv, words, capsys,
+                                                                  monkeypatch):
+    started = []
+    monkeypatch.setattr("tandem.cli._worker_auth_key_file", lambda: started.append(1))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--workers", "2", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+    assert started == []  # no key file, no process
+
+
+def _stats() -> EngineStats:
+    return EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=8,
+                       prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                       prompt_tokens=0, generation_tokens=0, kv_unused_slots=0,
+                       in_flight_tokens=0)
+
+
+def test_model_memory_gauge():
+    m = ServerMetrics("demo", _stats)
+    m.attach(16, 8)  # an engine that does not report it: no series
+    assert b"tandem_model_memory_bytes" not in generate_latest(m.registry)
+    m.attach(16, 8, 149_422_080)
+    lines = generate_latest(m.registry).decode().splitlines()
+    assert 'tandem_model_memory_bytes{model_name="demo"} 1.4942208e+08' in lines
+    assert "# TYPE tandem_model_memory_bytes gauge" in lines
+
+
+def int8_weight_bytes() -> int:
+    """The bundled model's resident bytes under weight-only per-channel int8, from the GGUF's
+    tensor shapes alone: an `[N, K]` matrix (ggml shape `[K, N]`; the tied embedding once)
+    is N*K int8 codes + N float16 scales, a vector (norm weights) stays float32."""
+    from tandem.engine.model.gguf_loader import open_gguf
+    from tandem.protocol.bundled import find_bundled_gguf
+
+    total = 0
+    for t in open_gguf(find_bundled_gguf()).tensors:
+        if len(t.shape) == 2:
+            total += int(t.n_elements) + 2 * int(t.shape[1])
+        else:
+            total += 4 * int(t.n_elements)
+    return total
+
+
+@pytest.mark.slow
+def test_a_quantized_worker_answers_through_the_openai_client(tmp_path):
+    """`tandem worker --quantization int8 --kv-cache-dtype fp8`: its dtypes in /ready, a
+    greedy completion through the `openai` client that still knows the capital of France,
+    and its resident weight bytes as `tandem_model_memory_bytes`."""
+    import httpx
+    import openai
+
+    from tests.serving.conftest import metric, start_worker
+
+    w = start_worker(tmp_path, "--quantization", "int8", "--kv-cache-dtype", "fp8",
+                     "--max-num-seqs", "4")
+    try:
+        ready = httpx.get(w.url + "/ready", timeout=5).json()
+        assert (ready["quantization"], ready["kv_cache_dtype"]) == ("int8", "fp8")
+        client = openai.OpenAI(base_url=w.url + "/v1", api_key="unused", max_retries=0)
+        resp = client.completions.create(model=ready["model"], prompt=PROMPT, max_tokens=3,
+                                         temperature=0)
+        assert resp.choices[0].text.startswith(" Paris"), resp.choices[0].text
+        assert resp.usage.completion_tokens == 3
+        assert metric(w.url, "tandem_model_memory_bytes") == int8_weight_bytes()
+    finally:
+        assert w.stop() == 0, w.log()
