@@ -98,9 +98,13 @@ def test_every_mode_plans_every_linear_and_the_vocabulary(mode):
     arch = _arch(tied=False)
     plan = plan_quantization(mode, arch, {}, CPU, None)
     assert len(plan.methods) == 4 * arch.num_layers + 2
-    head = {"int8": "int8", "int4": "int8", "w8a8": "w8a8", "fp8": "fp8"}[mode]
+    head = {"int8": "int8", "int4": "int8", "w8a8": "int8", "fp8": "fp8"}[mode]
     assert plan.methods["lm_head"].name == head
-    assert plan.methods["layers.1.mlp.down_proj"].name == mode
+    assert plan.methods["layers.1.mlp.gate_up_proj"].name == mode
+    # w8a8: int8 activations only into o_proj and gate_up; qkv / down weight-only int8
+    assert plan.methods["layers.1.mlp.down_proj"].name == ("int8" if mode == "w8a8" else mode)
+    assert plan.methods["layers.0.self_attn.qkv_proj"].name == (
+        "int8" if mode == "w8a8" else mode)
 
 
 def _float_weights(arch: ModelArchConfig, seed: int) -> dict[str, torch.Tensor]:
