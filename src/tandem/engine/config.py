@@ -64,7 +64,8 @@ class EngineConfig:
     # AVX2, else oneDNN's layout); "torch": plain F.linear (MKL)
     cpu_linear: str = "onednn"
     # weights kept compressed and computed with (engine/quant): "int8" weight-only per-channel,
-    # "w8a8" int8 weights + per-token int8 activations (o_proj, gate_up; the rest weight-only), "int4" group-wise weight-only, "fp8"
+    # "w8a8" int8 weights + per-token int8 activations (o_proj, gate_up; the rest weight-only),
+    # "int4" group-wise weight-only, "fp8"
     # (W8A8 e4m3 with torch._scaled_mm on Hopper/Ada; weight-only elsewhere), "gguf" the
     # file's own Q4_0/Q4_1/Q8_0 tensors as they are; None = float weights in `dtype`
     quantization: str | None = None
