@@ -48,6 +48,28 @@ static inline __attribute__((always_inline)) const float *row_and_prefetch(
 int tandem_paged_attention_abi(void) { return 5; }  /* ABI of the whole library */
 
 /* One (sequence, KV head) item; D is a compile-time constant in the specialised copies. */
+/* Each of the G score rows `scores[g * n ...]` (row maxima `mx`) -> its softmax, in place;
+ * the G output rows `oh[g * D ...]` zeroed for the PV accumulation. */
+static void softmax_and_clear(float *restrict scores, const float *restrict mx, int64_t G,
+                              int64_t n, float *restrict oh, int64_t D)
+{
+    for (int64_t g = 0; g < G; g++) {
+        float *restrict s = scores + g * n;
+        const float m = mx[g];
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            const float e = expf(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) s[i] *= inv;
+        memset(oh + g * D, 0, (size_t)D * sizeof(float));
+    }
+}
+
 static inline __attribute__((always_inline)) void attend(
     float *restrict oh, const float *restrict qh, const float *restrict k_cache,
     const float *restrict v_cache, const int32_t *restrict table, int64_t first,
@@ -71,21 +93,7 @@ static inline __attribute__((always_inline)) void attend(
             mx[g] = acc > mx[g] ? acc : mx[g];
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *restrict s = scores + g * n;
-        const float m = mx[g];
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) {
-            const float e = expf(s[i] - m);
-            s[i] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        memset(oh + g * D, 0, (size_t)D * sizeof(float));
-    }
+    softmax_and_clear(scores, mx, G, n, oh, D);
     for (int64_t t = first; t < len; t++) {
         const float *restrict vr =
             row_and_prefetch(v_cache, table, t, len, kvh, block_size, page, D);
@@ -270,21 +278,7 @@ static inline __attribute__((always_inline)) void attend_q8(
             mx[g] = acc > mx[g] ? acc : mx[g];
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *restrict s = scores + g * n;
-        const float m = mx[g];
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) {
-            const float e = expf(s[i] - m);
-            s[i] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        memset(oh + g * D, 0, (size_t)D * sizeof(float));
-    }
+    softmax_and_clear(scores, mx, G, n, oh, D);
     for (int64_t t = first; t < len; t++) {
         const uint8_t *vr = qrow_and_prefetch(v_cache, table, t, len, kvh, block_size, page, R);
         const float sv = half_to_float(vr + D);

@@ -210,26 +210,12 @@ static inline __attribute__((always_inline)) void ql_few(
             }
         }
     }
-    float tmp[QL_NR];
-    __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
-    if (bias) {
-        memset(tmp, 0, sizeof tmp);
-        memcpy(tmp, bias, (size_t)ncols * sizeof(float));
-        bias0 = _mm256_loadu_ps(tmp);
-        bias1 = _mm256_loadu_ps(tmp + 8);
-    }
+    __m256 bias0, bias1;
+    tile_bias(bias, ncols, &bias0, &bias1);
     for (int i = 0; i < mr; i++) {
         const __m256 v0 = in_regs ? t0[i & 1] : _mm256_loadu_ps(tmem[i]);
         const __m256 v1 = in_regs ? t1[i & 1] : _mm256_loadu_ps(tmem[i] + 8);
-        const __m256 r0 = _mm256_add_ps(v0, bias0), r1 = _mm256_add_ps(v1, bias1);
-        if (ncols == QL_NR) {
-            _mm256_storeu_ps(y + i * ldy, r0);
-            _mm256_storeu_ps(y + i * ldy + 8, r1);
-        } else {
-            _mm256_storeu_ps(tmp, r0);
-            _mm256_storeu_ps(tmp + 8, r1);
-            memcpy(y + i * ldy, tmp, (size_t)ncols * sizeof(float));
-        }
+        tile_store_row(y + i * ldy, _mm256_add_ps(v0, bias0), _mm256_add_ps(v1, bias1), ncols);
     }
 }
 

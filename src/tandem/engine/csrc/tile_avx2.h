@@ -11,6 +11,30 @@
 #define TILE_MR 6             /* rows per register tile */
 #define TILE_PREFETCH_LINES 8 /* panel lines (k steps) prefetched ahead */
 
+/* bias[ncols] zero-padded to 16 columns as two ymm (zeros when bias is NULL). */
+static inline __attribute__((always_inline)) void tile_bias(const float *restrict bias,
+                                                            int64_t ncols, __m256 *b0,
+                                                            __m256 *b1) {
+    float tmp[TILE_NR] = {0};
+    if (bias) memcpy(tmp, bias, (size_t)ncols * sizeof(float));
+    *b0 = _mm256_loadu_ps(tmp);
+    *b1 = _mm256_loadu_ps(tmp + 8);
+}
+
+/* The first ncols (<= 16) of the row (r0, r1) stored at c. */
+static inline __attribute__((always_inline)) void tile_store_row(float *restrict c, __m256 r0,
+                                                                 __m256 r1, int64_t ncols) {
+    if (ncols == TILE_NR) {
+        _mm256_storeu_ps(c, r0);
+        _mm256_storeu_ps(c + 8, r1);
+        return;
+    }
+    float tmp[TILE_NR];
+    _mm256_storeu_ps(tmp, r0);
+    _mm256_storeu_ps(tmp + 8, r1);
+    memcpy(c, tmp, (size_t)ncols * sizeof(float));
+}
+
 /* c[mr x ncols] = a[mr x K] @ panel[K x 16] (+ bias[ncols]); rows of a are K floats apart,
  * rows of c ldc; mr <= TILE_MR a constant after inlining. */
 static inline __attribute__((always_inline)) void tile_6x16(
@@ -34,25 +58,11 @@ static inline __attribute__((always_inline)) void tile_6x16(
             c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
         }
     }
-    float tmp[TILE_NR];
-    __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
-    if (bias) {
-        memset(tmp, 0, sizeof tmp);
-        memcpy(tmp, bias, (size_t)ncols * sizeof(float));
-        bias0 = _mm256_loadu_ps(tmp);
-        bias1 = _mm256_loadu_ps(tmp + 8);
-    }
-    for (int i = 0; i < mr; i++) {
-        const __m256 r0 = _mm256_add_ps(c0[i], bias0), r1 = _mm256_add_ps(c1[i], bias1);
-        if (ncols == TILE_NR) {
-            _mm256_storeu_ps(c + i * ldc, r0);
-            _mm256_storeu_ps(c + i * ldc + 8, r1);
-        } else {
-            _mm256_storeu_ps(tmp, r0);
-            _mm256_storeu_ps(tmp + 8, r1);
-            memcpy(c + i * ldc, tmp, (size_t)ncols * sizeof(float));
-        }
-    }
+    __m256 bias0, bias1;
+    tile_bias(bias, ncols, &bias0, &bias1);
+    for (int i = 0; i < mr; i++)
+        tile_store_row(c + i * ldc, _mm256_add_ps(c0[i], bias0), _mm256_add_ps(c1[i], bias1),
+                       ncols);
 }
 
 /* c[M x ncols] = a[M x K] @ panel[K x 16] (+ bias): M rows in register tiles of six. */

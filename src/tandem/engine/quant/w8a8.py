@@ -42,12 +42,11 @@ from tandem.engine.native import SIGNATURES
 from tandem.engine.quant import cpu_kernels
 from tandem.engine.quant.base import (
     GroupedWeight,
-    LinearMethod,
     QuantLinear,
     WeightRows,
-    quantize_grouped,
     register_linear_method,
 )
+from tandem.engine.quant.int8 import Int8Method
 
 logger = logging.getLogger(__name__)
 PANEL = cpu_kernels.PANEL
@@ -140,39 +139,20 @@ def resolve_min_rows(min_rows: int | None) -> int:
     return min_rows
 
 
-def per_channel_rows(weight: WeightRows, k: int) -> GroupedWeight:
-    """Rows as 8-bit per-channel symmetric codes in [-127, 127]: taken as they are when
-    they already are that (bit-exact), else dequantized (float rows: as given) and
-    requantized with `quantize_grouped`."""
-    if isinstance(weight, GroupedWeight):
-        if weight.shape[1] != k:
-            raise ConfigError(f"w8a8 rows have K={weight.shape[1]}, the layer {k}")
-        if (weight.bits == 8 and weight.group_size == k and weight.mins is None
-                and (weight.codes.numel() == 0 or int(weight.codes.min()) >= -127)):
-            return weight
-        weight = weight.dequantize(torch.float32)
-    if weight.dim() != 2 or weight.shape[1] != k:
-        raise ConfigError(f"w8a8 rows must be [r, {k}], got {tuple(weight.shape)}")
-    return quantize_grouped(weight, 8, k, symmetric=True)
-
-
 @register_linear_method("w8a8")
-class W8A8Method(LinearMethod):
+class W8A8Method(Int8Method):
     """int8 weights x per-token int8 activations, int32 accumulation (module docstring).
 
-    min_rows: steps with at least this many rows use the int8 GEMM on the native CPU
-    layout, fewer the weight-only int8 kernel (default: measured, `DEFAULT_MIN_ROWS`;
-    env `TANDEM_W8A8_MIN_ROWS`). Ignored off the native CPU path."""
-
-    embeds_cheaply = True  # `embed` reads only the looked-up rows
+    The weights are "int8"'s per-channel storage (same buffers, loads and `embed`); only
+    `apply` differs. min_rows: steps with at least this many rows use the int8 GEMM on the
+    native CPU layout, fewer the weight-only int8 kernel (default: measured,
+    `DEFAULT_MIN_ROWS`; env `TANDEM_W8A8_MIN_ROWS`). Ignored off the native CPU path."""
 
     def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None,
                  min_rows: int | None = None) -> None:
-        self.device = torch.device(device)
-        self.native = native if self.device.type == "cpu" else None
-        self.panels = self.native is not None
+        super().__init__(device=device, native=native)
         self.min_rows = resolve_min_rows(min_rows)
-        # K1's weight-only kernel, where this build has it
+        # the weight-only kernel, where this build has it
         self._weight_only = self.panels and "tandem_quant_linear_i8" in SIGNATURES
 
     def create(self, layer: QuantLinear) -> None:
@@ -181,29 +161,14 @@ class W8A8Method(LinearMethod):
             raise ConfigError(f"w8a8 needs a non-empty weight, got {n} x {k}")
         if self.panels and k > MAX_K:
             raise ConfigError(f"w8a8's int32 sums need in_features <= {MAX_K}, got {k}")
-        shape = ((cpu_kernels.panel_count(n), k, PANEL), (cpu_kernels.panel_count(n), 1, PANEL))
-        if not self.panels:
-            shape = ((n, k), (n, 1))
-        layer.register_buffer("codes", torch.empty(shape[0], dtype=torch.int8),
-                              persistent=False)
-        layer.register_buffer("scales", torch.empty(shape[1], dtype=torch.float16),
-                              persistent=False)
+        super().create(layer)
 
-    def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
-        rows = per_channel_rows(weight, layer.in_features)
-        stop = start + rows.shape[0]
-        if start < 0 or stop > layer.out_features:
-            raise ConfigError(f"w8a8 rows [{start}, {stop}) outside the layer's "
-                              f"{layer.out_features} outputs")
-        if self.panels:
-            cpu_kernels.write_panel_rows(layer.codes, layer.scales, None, start, rows)
-        else:
-            layer.codes[start:stop] = rows.codes.to(layer.codes.device)
-            layer.scales[start:stop] = rows.scales.to(layer.scales.device, torch.float16)
-
-    def finish(self, layer: QuantLinear) -> None:
-        if self.panels:
-            cpu_kernels.clear_padding(layer.codes, layer.scales, None, layer.out_features)
+    def _convert(self, layer: QuantLinear, rows: WeightRows) -> GroupedWeight:
+        """As "int8", but code -128 is re-quantized: the AVX2 sign trick needs |code| <= 127."""
+        if (isinstance(rows, GroupedWeight) and rows.bits == 8 and rows.codes.numel()
+                and int(rows.codes.min()) < -127):
+            rows = rows.dequantize(torch.float32)
+        return super()._convert(layer, rows)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         n = layer.out_features
@@ -228,18 +193,3 @@ class W8A8Method(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.to(layer.dtype)
-
-    def dequantize(self, layer: QuantLinear) -> torch.Tensor:
-        if self.panels:
-            ids = torch.arange(layer.out_features)
-            return cpu_kernels.panel_rows(layer.codes, layer.scales, None, 8,
-                                          layer.in_features, ids)
-        return layer.codes.float() * layer.scales.float()
-
-    def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
-        if self.panels:
-            rows = cpu_kernels.panel_rows(layer.codes, layer.scales, None, 8,
-                                          layer.in_features, ids)
-        else:
-            rows = layer.codes[ids].float() * layer.scales[ids].float()
-        return rows.to(layer.dtype)
