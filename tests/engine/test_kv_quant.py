@@ -19,6 +19,7 @@ from tandem.engine.kv_cache.quant import (
     quantize_rows,
     row_codes,
 )
+from tests.engine.test_attention import _reference
 
 FORMATS = ("int8", "fp8")
 BACKENDS = ("torch", "cpu", "triton")
@@ -96,20 +97,6 @@ def test_format_names_and_sizes():
         assert quant.bytes_per_block() == 2 * 16 * 3 * 66
         k, v = quant.allocate_kv_cache(5)
         assert k.shape == v.shape == (5, 3, 16, 66) and k.dtype == torch.uint8
-
-
-def _reference(q, k_all, v_all, q_pos, window):
-    """float64 attention: q [Tq, H, D], k/v [L, KVH, D], causal (+ sliding window)."""
-    h, kvh = q.shape[1], k_all.shape[1]
-    k = k_all.double().repeat_interleave(h // kvh, dim=1)
-    v = v_all.double().repeat_interleave(h // kvh, dim=1)
-    scores = torch.einsum("thd,lhd->htl", q.double(), k) / q.shape[-1] ** 0.5
-    kp = torch.arange(k.shape[0])[None, :]
-    allowed = kp <= q_pos[:, None]
-    if window:
-        allowed &= kp > q_pos[:, None] - window
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
 
 
 def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None):

@@ -31,13 +31,12 @@ from typing import Any
 import torch
 import xxhash
 
+from tandem.engine.kv_cache.quant import KV_FORMATS, SCALE_BYTES
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import BlockHash
 
 MAX_DATA_CHUNK = 4 << 20  # bytes per PageData message (gRPC's default limit is 4 MiB)
 SEND_CHUNK = 1 << 20  # what senders use
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # as `EngineConfig.kv_cache_dtype` normalises them
-SCALE_BYTES = 2  # the float16 scale after each quantized row's codes
 
 
 # a receiver's consumer of validated pages: (layer, [2, n, kvh, bs, row] pages) -> awaited;
@@ -68,8 +67,8 @@ class PageLayout:
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got "
+        if self.cache_dtype not in KV_FORMATS:
+            raise ValueError(f"kv cache dtype must be one of {KV_FORMATS}, got "
                              f"{self.cache_dtype!r}")
         if not (self.dtype == torch.uint8 if self.quantized else self.dtype.is_floating_point):
             raise ValueError(f"a {self.cache_dtype!r} KV cache cannot be stored as "
@@ -116,16 +115,10 @@ class PageLayout:
                    cache_dtype)
 
 
-def engine_cache_dtype(engine: Any) -> str:
-    """An `LLMEngine`'s KV cache dtype: the format its attention backend allocated the cache
-    in (`AttentionBackend.kv_format`; the config's where the backend has none)."""
-    fmt = getattr(engine.runner.backend, "kv_format", None)
-    return fmt.name if fmt is not None else engine.config.kv_cache_dtype
-
-
 def engine_layout(model_id: str, engine: Any) -> PageLayout:
-    """The layout of an `LLMEngine`'s KV cache."""
-    return PageLayout.of(model_id, engine.runner.kv_caches, engine_cache_dtype(engine))
+    """The layout of an `LLMEngine`'s KV cache (in the format its attention backend
+    allocated it: `AttentionBackend.kv_format`)."""
+    return PageLayout.of(model_id, engine.runner.kv_caches, engine.runner.backend.kv_format.name)
 
 
 def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,

@@ -34,7 +34,6 @@ from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import (
     KVTransferError,
     Offer,
-    engine_cache_dtype,
     engine_layout,
     gather_layer,
     header_for,
@@ -152,7 +151,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             return f"model {req.model_id!r} is not served here ({self.model_id!r})"
         if req.block_size != state.block_size:
             return f"block size {req.block_size} differs from this worker's {state.block_size}"
-        theirs, mine = req.kv_cache_dtype or "auto", engine_cache_dtype(engine.engine)
+        theirs = req.kv_cache_dtype or "auto"
+        mine = engine.engine.runner.backend.kv_format.name
         if theirs != mine:  # its header would be refused: do not compute for nothing
             return (f"kv cache dtype {theirs[:32]} on the decode worker, {mine} here: the "
                     "pages cannot be shared")
