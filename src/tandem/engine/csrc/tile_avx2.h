@@ -58,11 +58,27 @@ static inline __attribute__((always_inline)) void tile_6x16(
             c1[i] = _mm256_fmadd_ps(av, b1, c1[i]);
         }
     }
-    __m256 bias0, bias1;
-    tile_bias(bias, ncols, &bias0, &bias1);
-    for (int i = 0; i < mr; i++)
-        tile_store_row(c + i * ldc, _mm256_add_ps(c0[i], bias0), _mm256_add_ps(c1[i], bias1),
-                       ncols);
+    /* the epilogue spelled out, not through tile_bias / tile_store_row: with them GCC
+     * compiled this tile ~1.5x slower at 16-row decode steps (measured end to end) */
+    float tmp[TILE_NR];
+    __m256 bias0 = _mm256_setzero_ps(), bias1 = _mm256_setzero_ps();
+    if (bias) {
+        memset(tmp, 0, sizeof tmp);
+        memcpy(tmp, bias, (size_t)ncols * sizeof(float));
+        bias0 = _mm256_loadu_ps(tmp);
+        bias1 = _mm256_loadu_ps(tmp + 8);
+    }
+    for (int i = 0; i < mr; i++) {
+        const __m256 r0 = _mm256_add_ps(c0[i], bias0), r1 = _mm256_add_ps(c1[i], bias1);
+        if (ncols == TILE_NR) {
+            _mm256_storeu_ps(c + i * ldc, r0);
+            _mm256_storeu_ps(c + i * ldc + 8, r1);
+        } else {
+            _mm256_storeu_ps(tmp, r0);
+            _mm256_storeu_ps(tmp + 8, r1);
+            memcpy(c + i * ldc, tmp, (size_t)ncols * sizeof(float));
+        }
+    }
 }
 
 /* c[M x ncols] = a[M x K] @ panel[K x 16] (+ bias): M rows in register tiles of six. */
