@@ -20,7 +20,7 @@ test: $(STAMP)
 	bash scripts/ensure_redis.sh
 	bash scripts/fetch_helm.sh  # helm for tests/chart/, into .tools/bin (ignored)
 	$(VENV)/bin/ruff check src tests bench
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=40
 
 bench: $(STAMP)
 	$(PY) bench/offline_throughput.py

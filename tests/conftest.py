@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,17 +35,72 @@ def bundled_gguf():
     return bundled_model_path()
 
 
+_GGUF_READERS: dict[tuple, object] = {}
+_GGUF_METADATA: dict[str, dict] = {}
+_GGUF_NAME_MAPS: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def memoized_gguf() -> Iterator[None]:
+    """transformers' GGUF path, unchanged but without its repeats: within this block one
+    `gguf.GGUFReader` per file (its metadata parse, ~5 s for SmolLM2's vocab, ran once per
+    `load_gguf_checkpoint` call, three per model load), one tensor-name map per (arch,
+    layers) (built once per tensor, ~18 s a model) and one metadata-only parse per file.
+    Everything is read-only and the same pure functions compute it: the references stay
+    transformers' own. Caches live for the session."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as mgu
+
+    real_reader, real_map, real_load = gguf.GGUFReader, gguf.get_tensor_name_map, \
+        mgu.load_gguf_checkpoint
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(path, *args, **kwargs)
+        return _GGUF_READERS[key]
+
+    def load(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return real_load(path, return_tensors, *args, **kwargs)
+        if str(path) not in _GGUF_METADATA:
+            _GGUF_METADATA[str(path)] = real_load(path)
+        return copy.deepcopy(_GGUF_METADATA[str(path)])  # callers pop from what they get
+
+    def name_map(*args):
+        if args not in _GGUF_NAME_MAPS:
+            _GGUF_NAME_MAPS[args] = real_map(*args)
+        return _GGUF_NAME_MAPS[args]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map, mgu.load_gguf_checkpoint = reader, name_map, load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map, mgu.load_gguf_checkpoint = \
+            real_reader, real_map, real_load
+
+
 @pytest.fixture(scope="session")
-def hf_reference(bundled_gguf):
+def hf_tokenizer(bundled_gguf):
+    """transformers' tokenizer from the bundled GGUF (its own conversion)."""
+    from transformers import AutoTokenizer
+
+    with memoized_gguf():
+        return AutoTokenizer.from_pretrained(str(bundled_gguf.parent),
+                                             gguf_file=bundled_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(bundled_gguf, hf_tokenizer):
     """transformers' own load of the same GGUF (it dequantizes and un-permutes itself)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": bundled_gguf.name}
-    model = AutoModelForCausalLM.from_pretrained(str(bundled_gguf.parent), dtype=torch.float32,
-                                                 **kwargs).eval()
-    tok = AutoTokenizer.from_pretrained(str(bundled_gguf.parent), **kwargs)
-    return model, tok
+    with memoized_gguf():
+        model = AutoModelForCausalLM.from_pretrained(str(bundled_gguf.parent),
+                                                     dtype=torch.float32,
+                                                     gguf_file=bundled_gguf.name).eval()
+    return model, hf_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,10 @@ Checked on every step (`SimViolation` names the rule):
 - the engine never idles for long while requests wait (pins must not wedge it);
 - finished requests' tokens (and prompt logprobs) equal the reference.
 
+Half the traces speculate (`SimProposer`: drafts right or wrong at random, verified greedily
+by the fake forward): rejected drafts' slots must never be read or cached, and outputs stay
+exactly the reference.
+
 Traces mix small pools, chunk caps, budgets, priorities, shared prefixes, cache salts,
 n > 1, prompt logprobs, aborts, forwards that fail part-way (after writing poison), imports
 with a staged partial block (written over later steps, committed or failed), P/D local
@@ -41,6 +45,8 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.spec_decode import Proposal, Proposer, SpeculativeConfig
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.protocol.block_hash import HashKeys, hash_block, root_hash
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -145,7 +151,8 @@ class TrackingForward:
                 prev = cache[table[(start - 1) // bs]][(start - 1) % bs]
             else:
                 prev = root_ident(sim.salt_of[req.request_id])
-            toks = req.all_token_ids
+            # a verification's positions past the known tokens hold its drafts
+            toks = req.all_token_ids[: start + n - len(s.spec_token_ids)] + s.spec_token_ids
             vals = []
             for p in range(start, start + n):
                 prev = ident(prev, toks[p])
@@ -154,10 +161,18 @@ class TrackingForward:
             written.append(vals)
         for (s, table), vals in zip(plan, written, strict=True):
             req = s.request
-            end = s.start + s.num_new_tokens
+            k = len(s.spec_token_ids)
+            end = s.start + s.num_new_tokens - k  # the drafts' slots were just written
             sim.check_reads(req, table, end)
             sim.learn_request(req, end)
-            if s.samples:
+            if k:  # greedy verification: drafts hold while they equal the target's token
+                i, row = 0, vals[len(vals) - 1 - k]
+                while i < k and s.spec_token_ids[i] == sample(row, req.sample_index):
+                    i += 1
+                    row = vals[len(vals) - 1 - k + i]
+                out.accepted[req.request_id] = s.spec_token_ids[:i]
+                out.sampled[req.request_id] = sample(row, req.sample_index)
+            elif s.samples:
                 out.sampled[req.request_id] = sample(vals[-1], req.sample_index)
             pos = req.prompt_logprobs_pos
             if pos is not None:
@@ -167,6 +182,32 @@ class TrackingForward:
                     out.prompt_logprobs[req.request_id] = [
                         {req.prompt_token_ids[p + 1]: prompt_logprob(vals[p - s.start])}
                         for p in range(first, last)]
+        return out
+
+
+class SimProposer(Proposer):
+    """Drafts that follow the reference continuation, each token right with a trace-chosen
+    probability (else a random token): accepted runs of every length, and rejections."""
+
+    def __init__(self, sim: Sim, rng: random.Random) -> None:
+        self.sim, self.rng = sim, rng
+        self.p_right = rng.choice([0.3, 0.7, 0.95])
+
+    def propose(self, requests, num_tokens, hidden_states=None):  # noqa: ANN001, ANN201
+        out = []
+        for req, k in zip(requests, num_tokens, strict=True):
+            if self.rng.random() < 0.2:
+                out.append(None)
+                continue
+            prev = identities(req.all_token_ids, self.sim.salt_of[req.request_id])[-1]
+            drafts = []
+            for _ in range(k):
+                t = sample(prev, req.sample_index)
+                if self.rng.random() > self.p_right:
+                    t = FIRST_TOKEN + self.rng.randrange(NUM_TOKENS)
+                drafts.append(t)
+                prev = ident(prev, t)
+            out.append(Proposal(drafts))
         return out
 
 
@@ -213,7 +254,15 @@ class Sim:
                                long_prefill_token_threshold=self.cap)
         state = EngineState("sim", MODEL, 10_000, bs, self.num_blocks, 0, 50_000)
         self.forward = TrackingForward(self)
-        self.engine = EngineCore(state, self.sched, self.forward, OutputProcessor(tokenizer))
+        # half the traces speculate (own generator: the other half's traces are unchanged)
+        spec_rng = random.Random(seed * 7919 + 1)
+        speculator = None
+        if spec_rng.random() < 0.5:
+            k = spec_rng.randint(1, 4)
+            config = SpeculativeConfig("ngram", num_speculative_tokens=k, adaptive=False)
+            speculator = Speculator(config, SimProposer(self, spec_rng), 10_000, budget)
+        self.engine = EngineCore(state, self.sched, self.forward, OutputProcessor(tokenizer),
+                                 speculator=speculator)
         self.cache: list[list[int | None]] = [[None] * bs for _ in range(self.num_blocks)]
         self.salt_of: dict[str, str] = {}
         self.expected: dict[str, Expected] = {}

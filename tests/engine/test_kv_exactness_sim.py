@@ -31,7 +31,8 @@ def _run_seeds(seeds: range) -> dict:
     """Traces for `seeds`: the first violations and what the traces exercised."""
     logging.disable(logging.CRITICAL)  # injected faults log a traceback each
     tok = _tokenizer()
-    stats = dict(traces=0, steps=0, finished=0, preemptions=0, errors=0, violations=[])
+    stats = dict(traces=0, steps=0, finished=0, preemptions=0, errors=0, draft_tokens=0,
+                 accepted=0, violations=[])
     for seed in seeds:
         try:
             sim = run_trace(seed, tok)
@@ -45,6 +46,10 @@ def _run_seeds(seeds: range) -> dict:
         stats["finished"] += sim.done
         stats["preemptions"] += sim.sched.num_preemptions
         stats["errors"] += sim.failed_steps
+        if sim.engine.speculator is not None:
+            spec = sim.engine.speculator.stats()
+            stats["draft_tokens"] += spec.num_draft_tokens
+            stats["accepted"] += spec.num_accepted_tokens
     return stats
 
 
@@ -55,7 +60,8 @@ def _run_parallel(num: int, procs: int = 2) -> dict:
     with ctx.Pool(procs) as pool:
         parts = pool.map(_run_seeds, chunks)
     total = {k: sum(p[k] for p in parts) for k in ("traces", "steps", "finished",
-                                                 "preemptions", "errors")}
+                                                 "preemptions", "errors", "draft_tokens",
+                                                 "accepted")}
     total["violations"] = [v for p in parts for v in p["violations"]]
     return total
 
@@ -68,6 +74,9 @@ def test_random_traces_read_only_written_kv_and_cache_only_computed_blocks():
     assert stats["preemptions"] > NUM_TRACES
     assert stats["errors"] > NUM_TRACES // 10
     assert stats["finished"] > 5 * NUM_TRACES
+    # speculation: drafts verified in every trace that speculates, some rejected
+    assert stats["draft_tokens"] > 2 * NUM_TRACES
+    assert 0.2 * stats["draft_tokens"] < stats["accepted"] < 0.9 * stats["draft_tokens"]
 
 
 def _eager_caching(monkeypatch) -> None:
@@ -127,3 +136,17 @@ def test_the_read_check_alone_flags_what_eager_caching_corrupts(monkeypatch):
     monkeypatch.setattr(kv_sim.Sim, "check_events", lambda self: self.kv.pool.take_events()
                         and None)
     assert _count_flagged(range(1000)) >= 5
+
+
+def test_the_simulation_flags_drafts_committed_without_rollback(monkeypatch):
+    """The harness can fail on speculation: counting rejected drafts as computed (no
+    rollback of their KV) is flagged in most traces that speculate."""
+    from tandem.engine.scheduler import Scheduler
+
+    real = Scheduler.update_after_step
+
+    def no_rollback(self, out, accepted=None):
+        real(self, out, {s.request.request_id: s.spec_token_ids for s in out.scheduled})
+
+    monkeypatch.setattr(Scheduler, "update_after_step", no_rollback)
+    assert _count_flagged(range(200)) >= 50

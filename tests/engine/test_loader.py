@@ -452,6 +452,8 @@ def test_bundled_model_path_missing(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bundled_model_matches_transformers() -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from tests.conftest import memoized_gguf
+
     path = bundled_model_path()
     ours: LoadedModel = load_model(path)
     cfg = ours.config
@@ -466,7 +468,8 @@ def test_bundled_model_matches_transformers() -> None:
         num_key_value_heads=cfg.num_kv_heads, tie_word_embeddings=True)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
+    with memoized_gguf():  # the session's parse of the file, if a test made one already
+        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)
     ref, tcfg = parsed["tensors"], parsed["config"]
     assert set(ref) == set(ours.weights)
     mismatched = [k for k, v in ours.weights.items() if not torch.equal(v, ref[k])]

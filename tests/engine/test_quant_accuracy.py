@@ -31,6 +31,17 @@ the Q4_1 rows bit-exactly (only the Q8_0 tensors are re-quantized), hence int4 <
 A single near-tie flips a greedy choice and the continuations part for good, so the greedy
 bound is coarse; the teacher-forced argmax share over all 2,583 positions is the finer one.
 
+w8a8's numbers are one draw of a wide spread: per-token activation rounding turns
+last-ulp differences upstream into different codes, and those compound over 30 layers.
+On a 2-core AVX-512 EPYC (2026-12-02) its int8 GEMM gives bit-identical int32 sums on
+the VNNI and AVX2 paths, yet the native library's `omp simd` RMSNorm reductions (16 lanes
+instead of 8) change a few ulps and w8a8 scores 21.7323 (+0.80 %), greedy prefixes 17, 1,
+2, 1 (one prompt with a 3-token prefix); the same build without AVX-512 reproduces the
+AVX2 row exactly. Four random +-1-ulp perturbations of the RMSNorm weights there: +0.49 %
+.. +1.01 %, argmax agreement 93.0-93.5 %, prompts with a 3-token prefix 2, 4, 2, 2
+(float32's top-2 logprob gaps at the second token of prompts 2 and 4 are 0.16 and 0.04
+nats). Hence w8a8's greedy bound is one prompt of four.
+
 """
 
 from __future__ import annotations
@@ -73,7 +84,7 @@ MODES: dict[str, dict] = {
 # `prompts` of the 4 share their first `tokens` tokens with float32's (a near-tie flips a
 # greedy choice and the continuations part for good, so this is coarse); teacher-forced
 # argmax agreement (every scored corpus position): at least this share equals float32's.
-GREEDY_BOUNDS = {"int8": (3, 2), "w8a8": (3, 2), "int4": (3, 2), "gguf": (32, 4),
+GREEDY_BOUNDS = {"int8": (3, 2), "w8a8": (3, 1), "int4": (3, 2), "gguf": (32, 4),
                  "kv-fp8": (3, 2), "kv-int8": (3, 2)}
 TOP1_BOUNDS = {"int8": 0.94, "w8a8": 0.92, "int4": 0.94, "gguf": 0.999, "kv-fp8": 0.94,
                "kv-int8": 0.94}

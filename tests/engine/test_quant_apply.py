@@ -186,13 +186,21 @@ def test_a_mis_shaped_row_range_is_refused():
         model.load_weights(weights)
 
 
-def test_packed_float_lm_head_serves_the_tied_embedding_once():
-    """convert_linears with the packed method: a tied embedding reads its rows from the
-    packed LM head (native panels), so the vocabulary matrix is resident once."""
+@pytest.mark.parametrize("kernel", ["default", "onednn", "no-native"])
+def test_packed_float_lm_head_serves_the_tied_embedding_once(kernel, monkeypatch):
+    """convert_linears with the packed method, whichever layout the CPU gets (oneDNN is
+    the default on AVX-512): the tied vocabulary matrix stays resident once (the head in
+    native panels serving the embedding's rows, or left a plain linear over the
+    embedding's weight), embedding rows are bit-exact, logits match float64."""
+    from tandem.engine.model.cpu_linear import onednn_available
     from tandem.engine.native import load_native
     from tandem.engine.quant.float_methods import PackedMethod
 
-    lib = load_native()
+    lib = None if kernel == "no-native" else load_native()
+    if kernel == "onednn":
+        monkeypatch.setenv("TANDEM_LINEAR_KERNEL", "onednn")
+    if kernel != "default" and not onednn_available(torch.float32, CPU):
+        pytest.skip("needs oneDNN")
     arch = _arch()
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, None)  # type: ignore[arg-type]
@@ -200,12 +208,24 @@ def test_packed_float_lm_head_serves_the_tied_embedding_once():
     model.load_weights(_float_weights(arch, seed=2))
     before = model_memory_bytes(model)
     emb = model.embed_tokens.weight.detach().clone()
-    convert_linears(model, lambda: PackedMethod(device=CPU, native=lib))
+    body = model.layers[0].mlp.down_proj.weight.detach().clone()
+    count = convert_linears(model, lambda: PackedMethod(device=CPU, native=lib))
+    head = model.lm_head
+    assert model_memory_bytes(model) == before
+    if isinstance(head, QuantLinear):
+        assert head.method.embeds_cheaply and isinstance(model.embed_tokens, QuantEmbedding)
+        assert count == 4 * arch.num_layers + 1
+    else:  # no layout that serves rows: the head shares the embedding's float weight
+        assert head.weight is model.embed_tokens.weight and count == 4 * arch.num_layers
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and torch.equal(down.method.dequantize(down), body)
     ids = torch.tensor([0, 17, 95, 17])
-    if PackedMethod(device=CPU, native=lib).embeds_cheaply:
-        assert isinstance(model.embed_tokens, QuantEmbedding)
-        assert model_memory_bytes(model) == before
     assert torch.equal(model.embed_tokens(ids), emb[ids])
+    for rows in (1, 16):
+        x = torch.randn(rows, arch.hidden_size, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ emb.double().T
+        bound = arch.hidden_size * 2.0 ** -23 * (x.double().abs() @ emb.double().abs().T)
+        assert ((head(x).double() - want).abs() <= bound).all()
 
 
 def test_quantize_grouped_codes_ranges_and_reconstruction():

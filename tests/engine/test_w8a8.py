@@ -9,6 +9,7 @@ import ctypes
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,9 +117,26 @@ def test_quantizer_matches_torch_reference_exactly(lib):
         assert (err <= scales * 0.5 * (1 + 1e-5)).all()  # round to nearest
 
 
+def _cpu_path() -> int | None:
+    """The path `-march=native` compiles on this CPU (3 AVX-512 VNNI, 2 AVX-VNNI, 1 AVX2,
+    0 none), from /proc/cpuinfo; None off Linux x86."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        line = next(x for x in text.splitlines() if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    flags = set(line.split())
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return 3
+    return 2 if {"avx2", "avx_vnni"} <= flags else int("avx2" in flags)
+
+
 def test_gemm_int32_is_exact_on_every_path(lib, scalar_libs):
     """int32 sums vs an int64 reference of the codes, bit for bit, for the compiled SIMD
-    path (tandem_w8a8_simd() says which) and both scalar builds."""
+    path (the one this CPU has: an AVX-512 VNNI machine runs vpdpbusd on activations +
+    128 with the column-sum correction) and both scalar builds."""
+    if platform.machine() in ("x86_64", "AMD64") and _cpu_path() is not None:
+        assert lib.tandem_w8a8_simd() == _cpu_path()
     gen = torch.Generator().manual_seed(1)
     for n, k in SHAPES:
         w = _codes(gen, n, k)

@@ -27,7 +27,9 @@ SPECS: dict[str, dict[str, Any]] = {
                    "serviceType": "LoadBalancer"},
         "prefill": {"replicas": 2, "engine": {"maxNumBatchedTokens": 8192,
                                                 "longPrefillTokenThreshold": 1024}},
-        "decode": {"replicas": 3, "engine": {"maxNumSeqs": 256, "kvCacheMemory": "0.5"}},
+        "decode": {"replicas": 3, "engine": {"maxNumSeqs": 256, "kvCacheMemory": "0.5",
+                                             "speculative": {"method": "ngram",
+                                                             "num_speculative_tokens": 3}}},
     },
     "autoscaling": {
         "model": {"uri": "pvc://models", "sha256": SHA},

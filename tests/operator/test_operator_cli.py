@@ -59,6 +59,7 @@ def test_kopf_settings():
     s = settings()
     assert s.persistence.finalizer == "tandem.dev/operator"
     assert s.posting.level == logging.WARNING
+    assert s.background.cancellation_polling <= 1  # a delete mid-tick is not held a minute
 
 
 def test_leader_election_arguments():

@@ -309,7 +309,7 @@ def test_worker_auth_secret_is_created_once_and_never_overwritten(env: Env) -> N
         assert template_hash(env.get("Deployment", name)) == template_hash(dep), name
         assert env.get("Deployment", name)["spec"]["template"] == dep["spec"]["template"]
     env.delete("lambda")
-    wait_for(lambda: env.isvc("lambda") is None, timeout=20, what="the InferenceService gone")
+    wait_for(lambda: env.isvc("lambda") is None, timeout=60, what="the InferenceService gone")
     wait_for(lambda: env.get("Secret", "lambda-worker-auth") is None, what="the GC")
     own = {**PD, "security": {"workerAuthSecretName": "mu-key"}}
     env.create("mu", own)
@@ -332,6 +332,31 @@ def test_delete_lifts_the_finalizer_and_the_children_follow(env: Env) -> None:
     for kind, names in children("eps").items():
         for name in names:
             assert env.get(kind, name) is None, f"{kind}/{name} survived"
+
+
+def test_a_delete_during_a_timer_tick_is_not_held_up(env: Env, monkeypatch) -> None:
+    """A delete that lands while a timer's tick runs (in its thread) still lifts the finalizer
+    within seconds: kopf re-checks the stopping timer every `cancellation_polling` (its
+    default, 60 s, kept the InferenceService a minute; a CI flake under load)."""
+    import threading
+
+    from tandem.operator import reconcile
+
+    env.create("nu", PD)
+    wait_for(lambda: env.status("nu").get("observedGeneration") == 1)
+    inside, deleted, real = threading.Event(), threading.Event(), reconcile.deployments
+
+    def held(kube, owner):  # the status timer's read, held open until the delete
+        if owner.name == "nu":
+            inside.set()
+            deleted.wait(10)
+        return real(kube, owner)
+
+    monkeypatch.setattr(reconcile, "deployments", held)
+    assert inside.wait(10), "no status tick"
+    env.delete("nu")
+    deleted.set()
+    wait_for(lambda: env.isvc("nu") is None, timeout=10, what="the InferenceService gone")
 
 
 def test_a_deployment_deleted_by_hand_comes_back(env: Env) -> None:

@@ -233,6 +233,21 @@ def test_bad_parameters_get_400_with_the_field(client, body, param):
     assert error["param"] == param and error["message"]
 
 
+def test_speculative_is_a_boolean_extension(client, real_llm):
+    """`speculative: false` opts a request out (here, on a worker without speculative_config,
+    the same greedy text); a value that is not a JSON boolean is a 400 naming it."""
+    want = _greedy(real_llm, PROMPTS[1], 8)
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
+                                    temperature=0, extra_body={"speculative": False})
+    assert got.choices[0].text == want.text
+    for bad in ("false", 0):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+                {"role": "user", "content": "hi"}], extra_body={"speculative": bad})
+        assert err.value.body["param"] == "speculative"
+        assert err.value.body["type"] == "invalid_request_error"
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import free_port, metric, start_worker, wait_for, wait_idle
+from .conftest import WorkerProcess, free_port, metric, start_worker, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 400, "temperature": 0,
@@ -41,8 +41,35 @@ def _wait_running(url: str, n: int) -> None:
     _wait_gauge(url, "vllm:num_requests_running", n)
 
 
-def test_loading_then_ready(tmp_path):
-    w = start_worker(tmp_path, wait_ready=False)
+# the ready workers the tests below use, each its own (its flags), none shared
+PRESTARTED = {"full_queue": ("--max-num-seqs", "1", "--max-waiting", "1", "--drain-timeout", "0"),
+              "timeout": ("--request-timeout", "1.5"), "default": (),
+              "drain": ("--drain-timeout", "60")}
+
+
+@pytest.fixture(scope="module")
+def prestarted(tmp_path_factory):
+    """`PRESTARTED`'s workers, launched together when the module starts (their model loads
+    overlap: each is mostly one core's work); `take` hands one out once all are ready (no
+    load competes with a test), for the test to stop."""
+    tmp = tmp_path_factory.mktemp("lifecycle")
+    workers = {name: start_worker(tmp, *args, wait_ready=False)
+               for name, args in PRESTARTED.items()}
+    yield workers
+    for w in workers.values():  # those no test took (deselected)
+        if w.proc.poll() is None:
+            w.stop()
+
+
+def take(workers: dict[str, WorkerProcess], name: str) -> WorkerProcess:
+    for w in workers.values():
+        if w.proc.poll() is None:
+            wait_for(w, "/ready", 200, timeout=240)
+    return workers[name]
+
+
+def test_loading_then_ready(tmp_path, prestarted):
+    w = start_worker(tmp_path, wait_ready=False)  # loads beside the prestarted ones
     try:
         wait_for(w, "/health", 200, timeout=120)  # the process answers before the model is up
         ready = httpx.get(w.url + "/ready", timeout=5)
@@ -81,9 +108,8 @@ def test_a_bad_engine_flag_is_a_usage_error_before_anything_starts(flags, messag
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_full_queue_gets_429_with_retry_after(tmp_path):
-    w = start_worker(tmp_path, "--max-num-seqs", "1", "--max-waiting", "1",
-                     "--drain-timeout", "0")
+def test_full_queue_gets_429_with_retry_after(prestarted):
+    w = take(prestarted, "full_queue")
     results: list = []
     try:
         _post_in_thread(w.url, LONG, results)
@@ -98,8 +124,8 @@ def test_full_queue_gets_429_with_retry_after(tmp_path):
         assert w.stop() == 0, w.log()
 
 
-def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
-    w = start_worker(tmp_path, "--request-timeout", "1.5")
+def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(prestarted):
+    w = take(prestarted, "timeout")
     try:
         t = time.monotonic()
         r = httpx.post(w.url + "/v1/completions", json={**LONG, "max_tokens": 3000},
@@ -122,8 +148,8 @@ def test_request_timeout_is_504_streamed_or_not_and_frees_the_blocks(tmp_path):
         assert w.stop() == 0, w.log()
 
 
-def test_non_streaming_client_that_hangs_up_frees_its_blocks(tmp_path):
-    w = start_worker(tmp_path)
+def test_non_streaming_client_that_hangs_up_frees_its_blocks(prestarted):
+    w = take(prestarted, "default")
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(w.url + "/v1/completions", json={**LONG, "max_tokens": 3000},
@@ -133,8 +159,8 @@ def test_non_streaming_client_that_hangs_up_frees_its_blocks(tmp_path):
         assert w.stop() == 0, w.log()
 
 
-def test_sigterm_drains_running_requests_then_exits_zero(tmp_path):
-    w = start_worker(tmp_path, "--drain-timeout", "60")
+def test_sigterm_drains_running_requests_then_exits_zero(prestarted):
+    w = take(prestarted, "drain")
     results: list = []
     t = _post_in_thread(w.url, {**LONG, "max_tokens": 120}, results)
     _wait_running(w.url, 1)

@@ -126,16 +126,20 @@ def int8_weight_bytes() -> int:
 
 @pytest.mark.slow
 def test_a_quantized_worker_answers_through_the_openai_client(tmp_path):
-    """`tandem worker --quantization int8 --kv-cache-dtype fp8`: its dtypes in /ready, a
-    greedy completion through the `openai` client that still knows the capital of France,
-    and its resident weight bytes as `tandem_model_memory_bytes`."""
+    """`tandem worker --quantization int8 --kv-cache-dtype fp8` (and n-gram speculation):
+    its dtypes in /ready, a greedy completion through the `openai` client that still knows
+    the capital of France, its resident weight bytes as `tandem_model_memory_bytes`, and
+    vLLM's spec_decode counters, consistent with each other and the same greedy text with
+    the request opted out."""
     import httpx
     import openai
 
     from tests.serving.conftest import metric, start_worker
 
     w = start_worker(tmp_path, "--quantization", "int8", "--kv-cache-dtype", "fp8",
-                     "--max-num-seqs", "4")
+                     "--max-num-seqs", "4", "--speculative-config",
+                     '{"method": "ngram", "num_speculative_tokens": 3, '
+                     '"prompt_lookup_min": 1, "adaptive": false}')
     try:
         ready = httpx.get(w.url + "/ready", timeout=5).json()
         assert (ready["quantization"], ready["kv_cache_dtype"]) == ("int8", "fp8")
@@ -145,5 +149,19 @@ def test_a_quantized_worker_answers_through_the_openai_client(tmp_path):
         assert resp.choices[0].text.startswith(" Paris"), resp.choices[0].text
         assert resp.usage.completion_tokens == 3
         assert metric(w.url, "tandem_model_memory_bytes") == int8_weight_bytes()
+        echo = "Repeat: one two three four five six. one two three four five six. one two"
+        texts = [client.completions.create(model=ready["model"], prompt=echo, max_tokens=16,
+                                           temperature=0, extra_body={"speculative": opt}
+                                           ).choices[0].text for opt in (True, False)]
+        assert texts[0] == texts[1]
+        spec = {name: metric(w.url, f"vllm:spec_decode_num_{name}_total")
+                for name in ("drafts", "draft_tokens", "accepted_tokens")}
+        text = httpx.get(w.url + "/metrics", timeout=10).text.splitlines()
+        per_pos = [float(line.rsplit(" ", 1)[1]) for i in range(3) for line in text
+                   if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")
+                   and f'position="{i}"' in line]
+        assert 0 < spec["drafts"] <= spec["draft_tokens"] <= 3 * spec["drafts"], spec
+        assert sum(per_pos) == spec["accepted_tokens"] <= spec["draft_tokens"], per_pos
+        assert per_pos == sorted(per_pos, reverse=True)  # position i needs 0 .. i-1 accepted
     finally:
         assert w.stop() == 0, w.log()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.errors import ConfigError
+from tandem.engine.spec_decode.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # weight quantization (engine/quant): None = the dtype's float weights
@@ -79,6 +80,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # seeds the generator of unseeded random sampling
     served_model_name: str | None = None  # model id used in hashes and the API
+    # speculative decoding (engine/spec_decode): a dict of vLLM's keys or a
+    # SpeculativeConfig, normalised to SpeculativeConfig; None = off
+    speculative_config: SpeculativeConfig | dict | None = None
 
     @property
     def model_name(self) -> str:
@@ -128,6 +132,9 @@ class EngineConfig:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
         self._check_quantization()
         self._check_graph_sizes()
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
 
     def _check_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

@@ -24,6 +24,7 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.protocol.block_hash import HashKeys
 from tandem.protocol.kv_events import KVEvent
 
@@ -40,6 +41,13 @@ class RunnerOutput:
     # request id -> logprob entries for the prompt tokens this step covered, in order from
     # the request's `prompt_logprobs_pos`
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # speculative decoding: request id -> the verified drafts that precede `sampled[rid]`
+    # (emitted in order before it), and their logprob entries when logprobs are wanted
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # request id -> [n, H] hidden states of the positions that gave its tokens (only when a
+    # proposer reads them): torch tensors, opaque here
+    hidden_states: dict[str, object] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -79,12 +87,19 @@ class EngineStats:
     generation_tokens: int  # tokens sampled (cumulative)
     kv_unused_slots: int  # slots held by running requests beyond their computed tokens
     in_flight_tokens: int  # prompt + generated tokens of running and waiting requests
+    # speculative decoding (cumulative; vLLM's vllm:spec_decode_* counters)
+    spec_num_drafts: int = 0  # verifications: requests x steps that carried drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0 .. k-1
 
 
 class EngineCore:
     def __init__(self, state: EngineState, scheduler: Scheduler, runner: Runner,
-                 outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = (),
+                 speculator: Speculator | None = None) -> None:
         self.state = state
+        self.speculator = speculator  # None: no speculative decoding
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.runner = runner
@@ -191,6 +206,8 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
 
     def _fail(self, parent_ids: dict[str, None], message: str) -> list[RequestOutput]:
         """End every sample of the given user requests with an error; their outputs."""
@@ -222,7 +239,7 @@ class EngineCore:
                        for s in sched.scheduled}
             outputs.extend(self._fail(parents, f"internal error: {type(exc).__name__}"))
             return outputs
-        self.scheduler.update_after_step(sched)
+        self.scheduler.update_after_step(sched, result.accepted)
         touched: dict[str, None] = {}
         failed: dict[str, None] = {}
         now = time.monotonic()
@@ -238,6 +255,13 @@ class EngineCore:
                 failed[pid] = None
         outputs.extend(self.outputs.make_output(pid) for pid in touched if pid not in failed)
         outputs.extend(self._fail(failed, "internal error while processing outputs"))
+        if self.speculator is not None:
+            try:
+                self.speculator.propose(self.scheduler.running, result.hidden_states)
+            except Exception:  # a proposer bug costs speed, never requests
+                logger.exception("speculative proposal failed; this step proposes nothing")
+                for req in self.scheduler.running:
+                    req.spec_token_ids, req.spec_draft_probs = [], None
         return outputs
 
     def _commit_outputs(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
@@ -249,15 +273,24 @@ class EngineCore:
             req.advance_prompt_logprobs(len(entries))
         if not s.samples:
             return False
-        token = result.sampled[req.request_id]
-        req.append_output_token(token)
-        self._generation_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self._prompt_tokens += req.num_prompt_tokens
-        status = self.outputs.process_token(req, token, result.logprobs.get(req.request_id))
-        if status is not None:
-            self._finish(req, status)
+        rid = req.request_id
+        drafts = result.accepted.get(rid, [])
+        if s.spec_token_ids and self.speculator is not None:
+            self.speculator.record(rid, len(s.spec_token_ids), len(drafts))
+        draft_lps = result.accepted_logprobs.get(rid)
+        # verified drafts, then the sampled token; a stop inside the run drops the rest
+        for i, token in enumerate([*drafts, result.sampled[rid]]):
+            lp = (result.logprobs.get(rid) if i == len(drafts)
+                  else draft_lps[i] if draft_lps else None)
+            req.append_output_token(token)
+            self._generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self._prompt_tokens += req.num_prompt_tokens
+            status = self.outputs.process_token(req, token, lp)
+            if status is not None:
+                self._finish(req, status)
+                break
         return True
 
     # -- introspection ---------------------------------------------------------------------
@@ -269,7 +302,15 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
-            in_flight_tokens=self.scheduler.num_unfinished_tokens())
+            in_flight_tokens=self.scheduler.num_unfinished_tokens(), **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, object]:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats()
+        return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                "spec_num_accepted_tokens": st.num_accepted_tokens,
+                "spec_accepted_per_pos": st.accepted_per_pos}
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.take_events()

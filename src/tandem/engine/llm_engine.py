@@ -40,6 +40,8 @@ from tandem.engine.quant.apply import (
 from tandem.engine.quant.float_methods import PackedMethod
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec_decode import ProposerContext, SpeculativeConfig, build_proposer
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.protocol.tokenizer import Tokenizer
 
 __all__ = ["EngineState", "EngineStats", "LLMEngine"]
@@ -118,7 +120,8 @@ class LLMEngine(EngineCore):
         runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len, device)
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold)
-        super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos)
+        speculator = self._speculator(path, max_len, runner)
+        super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator)
         logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
                     "%s), %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, "
                     "attention %s", time.perf_counter() - t0, name, device,
@@ -126,6 +129,22 @@ class LLMEngine(EngineCore):
                     config.quantization or "none", num_blocks, config.block_size,
                     num_blocks * per_block / 2**20, config.kv_cache_dtype, max_len,
                     backend.name)
+
+    def _speculator(self, path: Path, max_len: int, runner: ModelRunner) -> Speculator | None:
+        """The configured proposer (speculative_config), or None."""
+        cfg = self.config
+        spec = getattr(cfg, "speculative_config", None)
+        if spec is None:
+            return None
+        spec = SpeculativeConfig.from_dict(spec)
+        ctx = ProposerContext(spec, cfg, self.model, str(path), self.device, self.dtype,
+                              self.model.config.vocab_size, cfg.block_size, max_len,
+                              cfg.max_num_seqs)
+        proposer = build_proposer(ctx)
+        runner.return_hidden = proposer.needs_hidden_states
+        logger.info("speculative decoding: %s, up to %d tokens (adaptive %s)", spec.method,
+                    spec.num_speculative_tokens, spec.adaptive)
+        return Speculator(spec, proposer, max_len, cfg.max_num_batched_tokens)
 
     def model_memory_bytes(self) -> int:
         """Resident bytes of the model's weights (every parameter and quantized buffer)."""

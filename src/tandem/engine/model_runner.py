@@ -27,7 +27,8 @@ from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec_decode.rejection import VerifyRequest, verify
 from tandem.engine.staging import download, upload
 
 if TYPE_CHECKING:
@@ -62,6 +63,9 @@ class ModelRunner:
         # decode steps over static buffers / CUDA graphs (engine/cuda_graphs.py), set by
         # LLMEngine; None = every step eager
         self.graphs: DecodeGraphRunner | None = None
+        # deliver last-layer hidden states (`RunnerOutput.hidden_states`) for a proposer that
+        # reads them (EAGLE-style heads); set by LLMEngine
+        self.return_hidden = False
 
     def observe(self, request_id: str, observer: LayerObserver) -> None:
         """Register before the request is added; `unobserve` when done with it."""
@@ -101,30 +105,46 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         bs = self.block_size
-        # decodes first (the scheduler's order), sorted by context length so the attention
-        # backend can group similar lengths and pad little
-        scheduled = sched.scheduled
-        nd = sum(1 for s in scheduled if s.num_new_tokens == 1)
-        scheduled = sorted(scheduled[:nd], key=lambda s: s.start) + scheduled[nd:]
+        # one-token rows first, sorted by context length so the attention backend can group
+        # similar lengths and pad little: plain decodes, and each verified request's k + 1
+        # positions (causal rows of one sequence, each attending over its own context length
+        # through the same block table); then prefill chunks
+        single = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+        chunks = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
+        scheduled = single + chunks
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         tokens = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
-        dec_tokens: list[int] = []
-        dec_positions: list[int] = []
-        query_lens, seq_lens = [], []
         # the batch's block tables, gathered from the persistent one: [B, W] zero-padded
         table, table_lens = self.kv.block_table.gather(s.request.request_id for s in scheduled)
+        units: list[tuple[int, int, int]] = []  # (position, scheduled index, token)
+        for i, s in enumerate(single):
+            toks = s.request.all_token_ids[s.start : s.start + 1] + s.spec_token_ids
+            units.extend((s.start + j, i, t) for j, t in enumerate(toks))
+        units.sort()
+        nd = len(units)
+        flat_of: dict[tuple[int, int], int] = {(i, p): f for f, (p, i, _) in enumerate(units)}
+        rows = [i for _, i, _ in units] + list(range(len(single), len(scheduled)))
+        query_lens = [1] * nd + [s.num_new_tokens for s in chunks]
+        seq_lens = [p + 1 for p, _, _ in units] + [s.start + s.num_new_tokens for s in chunks]
+        if nd:
+            tokens[:nd] = [t for _, _, t in units]
+            positions[:nd] = [p for p, _, _ in units]
+            dec_pos = positions[:nd]
+            slots[:nd] = table[np.array(rows[:nd]), dec_pos // bs].astype(np.int64) * bs + (
+                dec_pos % bs)
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
+        spec: list[tuple[ScheduledRequest, int]] = []  # (verified request, its first row)
+        spec_idx: list[int] = []
         plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
         watching: list[LayerObserver] = []
-        offset = 0
+        offset = nd
         for i, s in enumerate(scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
-            if n == 1:
-                dec_tokens.append(req.all_token_ids[start])
-                dec_positions.append(start)
+            if i < len(single):
+                last = flat_of[(i, start)]
             else:  # only this chunk's tokens and the blocks it writes
                 end = offset + n
                 tokens[offset:end] = req.all_token_ids[start : start + n]
@@ -133,10 +153,13 @@ class ModelRunner:
                 b0 = start // bs
                 blocks = table[i, b0 : (start + n - 1) // bs + 1].astype(np.int64)
                 slots[offset:end] = blocks[pos // bs - b0] * bs + pos % bs
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            if s.samples:
-                sample_idx.append(offset + n - 1)
+                last = end - 1
+            if s.spec_token_ids:  # k + 1 rows: the last known token's and each draft's
+                spec.append((s, len(spec_idx)))
+                spec_idx.extend(flat_of[(i, start + j)]
+                                for j in range(len(s.spec_token_ids) + 1))
+            elif s.samples:
+                sample_idx.append(last)
                 sample_reqs.append(req)
                 observer = self.observers.get(req.request_id) if self.observers else None
                 if observer is not None and req.num_output_tokens == 0:  # the prompt's end
@@ -148,16 +171,15 @@ class ModelRunner:
                 first = max(start, req.prompt_logprobs_pos)
                 count = min(start + n, req.num_prompt_tokens - 1) - first
                 if count > 0:
-                    plp.append((req, first, offset + first - start, count))
-            offset += n
-        if nd:
-            tokens[:nd], positions[:nd] = dec_tokens, dec_positions
-            dec_pos = positions[:nd]
-            slots[:nd] = table[np.arange(nd), dec_pos // bs].astype(np.int64) * bs + (
-                dec_pos % bs)
+                    flat = flat_of[(i, first)] if i < len(single) else offset + first - start
+                    plp.append((req, first, flat, count))
+            if i >= len(single):
+                offset += n
+        row_idx = np.array(rows, dtype=np.int64)
+        table, table_lens = table[row_idx], table_lens[row_idx]
 
         # one upload: tokens | positions | logits rows | prompt-logprob targets
-        logits_idx = np.concatenate([np.array(sample_idx, dtype=np.int64)] + [
+        logits_idx = np.concatenate([np.array(sample_idx + spec_idx, dtype=np.int64)] + [
             np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
         targets = [t for req, first, _, count in plp
                    for t in req.prompt_token_ids[first + 1 : first + 1 + count]]
@@ -169,27 +191,68 @@ class ModelRunner:
         layout = BatchLayout(query_lens, seq_lens, None, torch.from_numpy(slots), nd, bs,
                              block_table=table, table_lens=table_lens)
         logits = None
-        if (self.graphs is not None and not watching and not plp
-                and len(sample_reqs) == nd == len(scheduled)):  # decodes only, all sampling
+        if (self.graphs is not None and not watching and not plp and not self.return_hidden
+                and not spec and len(sample_reqs) == nd == len(scheduled)):  # decodes only
             logits = self.graphs.run(input_ids, pos_t, layout)  # None: batch too big
         if logits is None:
             meta = self.backend.build_metadata(layout)
             logits = self.model(
                 input_ids, pos_t, self.kv_caches, meta, idx_t,
                 on_layer=self._layer_signal(watching) if watching else None,
+                **({"return_hidden": True} if self.return_hidden else {}),
             )
+        hidden = None
+        if self.return_hidden:
+            logits, hidden = logits
         out = RunnerOutput()
+        ns, nv = len(sample_reqs), len(spec_idx)
         if sample_reqs:
-            result = self.sampler(logits[: len(sample_reqs)],
-                                  [self._row(r) for r in sample_reqs])
+            result = self.sampler(logits[:ns], [self._row(r) for r in sample_reqs])
             for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs, strict=True):
                 out.sampled[req.request_id] = tok
                 if lp is not None:
                     out.logprobs[req.request_id] = lp
+        if spec:
+            self._verify(logits[ns : ns + nv], spec, out)
+        if hidden is not None:
+            self._hidden(hidden, sample_reqs, spec, ns, out)
         if plp:
-            self._prompt_logprobs(logits[len(sample_reqs):].float(), plp, targets, targets_t,
-                                  out)
+            self._prompt_logprobs(logits[ns + nv :].float(), plp, targets, targets_t, out)
         return out
+
+    def _verify(self, logits: torch.Tensor, spec: list[tuple[ScheduledRequest, int]],
+                out: RunnerOutput) -> None:
+        """Speculative requests: logits [sum(k + 1), V] -> accepted drafts + a final token."""
+        reqs = []
+        for s, _ in spec:
+            req, k = s.request, len(s.spec_token_ids)
+            sp = req.sampling_params
+            banned = tuple(req.eos_token_ids) + tuple(sp.stop_token_ids or ())
+            row = self._row(req)
+            row.key = None  # penalised requests never speculate: no penalty state here
+            reqs.append(VerifyRequest(row, s.spec_token_ids, s.draft_probs, [
+                banned if req.num_output_tokens + j < sp.min_tokens else ()
+                for j in range(k + 1)]))
+        results = verify(logits, reqs, self.sampler.generator(logits.device))
+        for (s, _), res in zip(spec, results, strict=True):
+            rid = s.request.request_id
+            out.sampled[rid] = res.token_ids[-1]
+            out.accepted[rid] = res.token_ids[:-1]
+            if res.logprobs is not None:
+                out.logprobs[rid] = res.logprobs[-1]
+                out.accepted_logprobs[rid] = res.logprobs[:-1]
+
+    @staticmethod
+    def _hidden(hidden: torch.Tensor, sample_reqs: list[Request],
+                spec: list[tuple[ScheduledRequest, int]], ns: int, out: RunnerOutput) -> None:
+        """`out.hidden_states[rid]`: [n, H] last-layer hidden states of the positions whose
+        logits gave the request's committed tokens this step (1 row, or accepted + 1)."""
+        for i, req in enumerate(sample_reqs):
+            out.hidden_states[req.request_id] = hidden[i : i + 1]
+        for s, first in spec:
+            rid = s.request.request_id
+            n = len(out.accepted[rid]) + 1
+            out.hidden_states[rid] = hidden[ns + first : ns + first + n]
 
     def _layer_signal(self, observers: list[LayerObserver]):  # noqa: ANN202 - Callable
         cuda = self.device.type == "cuda"

@@ -61,6 +61,11 @@ class Request:
     first_token_time: float | None = None
     keep_kv: bool = False  # on a normal finish its blocks stay pinned (KV transfer source)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # speculative decoding: tokens proposed to follow all_token_ids, verified by the next step
+    # (not part of all_token_ids); `spec_draft_probs` [len, V] the distribution they were
+    # drawn from (None: a point mass, e.g. n-gram)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: object | None = field(default=None, repr=False)
     # the next prompt position whose logits give a prompt logprob (that of the token after
     # it); None when none are wanted: not asked for, sample > 0 of n, or all emitted. A
     # preempted request that recomputes its prompt emits none twice.

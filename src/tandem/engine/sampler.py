@@ -73,6 +73,36 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def sampling_params(rows: Sequence[SamplingRow], vocab: int,
+                    device: torch.device) -> torch.Tensor:
+    """The rows' float parameters [7, N] on `device` in one upload (rows `_TEMP` ..
+    `_FREQ`; top-k clamped to the vocabulary, <= 0 = the whole vocabulary)."""
+    return upload(list(chain(
+        (r.temperature for r in rows),
+        (float(min(r.top_k, vocab) if r.top_k > 0 else vocab) for r in rows),
+        (r.top_p for r in rows), (r.min_p for r in rows),
+        (r.repetition_penalty for r in rows), (r.presence_penalty for r in rows),
+        (r.frequency_penalty for r in rows),
+    )), torch.float32, device).view(7, len(rows))
+
+
+def processed_probs(logits: torch.Tensor, params: torch.Tensor,
+                    rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """What random rows sample from: logits [R, V] float32 (bans and penalties applied),
+    params [7, R] -> probs [R, V]: temperature, top-k, top-p, softmax, then min-p as a mask
+    (not renormalised: the exponential race does not need it). `rows` only says which steps
+    apply (the rows, or the distinct rows they repeat)."""
+    vocab = logits.shape[-1]
+    logits = logits / params[_TEMP][:, None]
+    if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
+        logits = _filter(logits, params[_TOP_K], params[_TOP_P])
+    probs = logits.softmax(dim=-1)
+    if any(r.min_p > 0 for r in rows):
+        keep = probs >= params[_MIN_P][:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+    return probs
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
@@ -113,13 +143,7 @@ class Sampler:
         idx = ints.upload(device) if any(ints.parts) else []
         params = None
         if penalised or unseeded or seeded:
-            params = upload(list(chain(
-                (r.temperature for r in rows),
-                (float(min(r.top_k, vocab) if r.top_k > 0 else vocab) for r in rows),
-                (r.top_p for r in rows), (r.min_p for r in rows),
-                (r.repetition_penalty for r in rows), (r.presence_penalty for r in rows),
-                (r.frequency_penalty for r in rows),
-            )), torch.float32, device).view(7, n)
+            params = sampling_params(rows, vocab, device)
 
         if bans:
             logits = logits.index_put((idx[ban_rows], idx[ban_tokens]),
@@ -143,14 +167,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: torch.Tensor, rows: list[SamplingRow],
                 num_unseeded: int) -> torch.Tensor:
         """Random rows, unseeded first: logits [R, V], params [7, R] -> tokens [R]."""
-        vocab = logits.shape[-1]
-        logits = logits / params[_TEMP][:, None]
-        if any(0 < r.top_k < vocab or r.top_p < 1.0 for r in rows):
-            logits = _filter(logits, params[_TOP_K], params[_TOP_P])
-        probs = logits.softmax(dim=-1)
-        if any(r.min_p > 0 for r in rows):
-            keep = probs >= params[_MIN_P][:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
+        probs = processed_probs(logits, params, rows)
         noise = torch.empty_like(probs)
         if num_unseeded:
             noise[:num_unseeded].exponential_(generator=self.generator(probs.device))

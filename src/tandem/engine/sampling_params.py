@@ -35,6 +35,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (<= 20)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: this request never speculates (speculative_config)
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,8 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         )):
             raise bad("stop_token_ids", "must be at most 256 non-negative integers")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", f"must be true or false, got {self.speculative!r}")
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Params for the `index`-th of n samples: n=1 and a derived seed when seeded."""

@@ -31,6 +31,7 @@ import bisect
 import heapq
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache.manager import KVCacheManager
@@ -41,16 +42,21 @@ STALL_LOOKAHEAD = 64  # waiting requests a stalled step looks at
 
 @dataclass
 class ScheduledRequest:
-    """`num_new_tokens` tokens of `request` starting at position `start` run this step."""
+    """`num_new_tokens` tokens of `request` starting at position `start` run this step; the
+    last `len(spec_token_ids)` of them are proposed tokens to verify (speculative decoding:
+    the request's last known token, then its drafts)."""
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_probs: object | None = None  # [len(spec_token_ids), V] or None (point masses)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return (self.start + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass
@@ -139,6 +145,7 @@ class Scheduler:
         self._yielded.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids, victim.spec_draft_probs = [], None
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
@@ -175,6 +182,19 @@ class Scheduler:
                 return False
         return True
 
+    def _speculate(self, req: Request, remaining: int, budget: int) -> ScheduledRequest | None:
+        """A decode with its proposed tokens, as many as budget and free blocks allow without
+        preempting anyone (drafts are optional work); None: run it as a plain decode. The
+        drafts are taken off the request either way."""
+        drafts, probs = req.spec_token_ids, req.spec_draft_probs
+        req.spec_token_ids, req.spec_draft_probs = [], None
+        k = min(len(drafts), budget - 1)
+        if remaining != 1 or k <= 0 or self.kv.allocate_slots(req, 1 + k) is None:
+            return None
+        if probs is not None and k < len(drafts):
+            probs = probs[:k]
+        return ScheduledRequest(req, req.num_computed_tokens, 1 + k, drafts[:k], probs)
+
     def _admit(self, req: Request) -> None:
         """A waiting request starts running: `running` stays in (priority, arrival) order."""
         bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_seq))
@@ -195,6 +215,10 @@ class Scheduler:
             long = 0 < cap < remaining
             if long and self._yielded.get(req.request_id, 0) < cap:
                 deferred.append(req)  # a long prefill not yet due: after the waiting prompts
+                continue
+            if req.spec_token_ids and (s := self._speculate(req, remaining, budget)):
+                scheduled.append(s)
+                budget -= s.num_new_tokens
                 continue
             num_new = self._chunk(remaining, budget)
             if self._make_room(req, num_new, out):
@@ -353,12 +377,15 @@ class Scheduler:
     def _left(self, scheduled: list[ScheduledRequest]) -> int:
         return self.max_num_batched_tokens - sum(s.num_new_tokens for s in scheduled)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
+    def update_after_step(self, out: SchedulerOutput,
+                          accepted: Mapping[str, Sequence[int]] | None = None) -> None:
         """The step's forward completed: advance every scheduled request's progress (before
         sampled tokens are appended) and register the blocks it completed in the prefix
-        cache."""
+        cache. `accepted`: request id -> its verified drafts; the KV of the rejected ones is
+        rolled back (not computed: overwritten by a later step, never cached)."""
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new_tokens
+            rejected = len(s.spec_token_ids) - len((accepted or {}).get(req.request_id, ()))
+            req.num_computed_tokens = s.start + s.num_new_tokens - rejected
             req.note_computed(s.start, req.num_computed_tokens)
             self.kv.commit_computed(req)

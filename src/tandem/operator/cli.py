@@ -120,6 +120,10 @@ def settings() -> kopf.OperatorSettings:
     s.posting.level = logging.WARNING  # kopf's log lines as Events: problems only (else
     # one per timer tick); the handlers' own Events (Scaled, Removed) are posted regardless
     s.watching.server_timeout = 300  # watches end and restart, as the API server likes
+    # a deleted InferenceService keeps kopf's finalizer until its timers have stopped; a timer
+    # whose (threaded) tick is in flight then is re-checked after this many seconds (kopf's
+    # default, 60, kept it up a minute after any delete that landed mid-tick)
+    s.background.cancellation_polling = 0.5
     return s
 
 

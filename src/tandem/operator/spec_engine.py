@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.operator.fields import GPU, get, get_enum, get_int, get_num, kv_memory
 from tandem.operator.model_uri import SpecError
+from tandem.operator.spec_speculative import SpeculativeSpec, parse_speculative
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
@@ -50,6 +51,7 @@ class EngineArgs:
     quantization: str | None = None  # None: float weights in model.dtype
     quantization_group_size: int | None = None  # int4 / int8 only; None: the worker's
     kv_cache_dtype: str = "auto"
+    speculative: SpeculativeSpec | None = None  # decode and aggregated pools; None: off
 
     @property
     def kv_dtype(self) -> str:
@@ -92,7 +94,8 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
         gpu_memory_utilization=util,
         enforce_eager=get(d, "enforceEager", bool, False, w),
         quantization=quant, quantization_group_size=group,
-        kv_cache_dtype=get_enum(d, "kvCacheDtype", "auto", w, KV_CACHE_DTYPES))
+        kv_cache_dtype=get_enum(d, "kvCacheDtype", "auto", w, KV_CACHE_DTYPES),
+        speculative=parse_speculative(get(d, "speculative", dict, None, w), w))
 
 
 def gpu_count(resources: dict[str, dict[str, int | str]], where: str) -> int:

@@ -2,7 +2,8 @@
 
 Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `cache_salt`,
-`priority`). Every client-controlled size is bounded here, before anything is tokenized.
+`priority`) and Tandem's `speculative` (false: this request never speculates). Every
+client-controlled size is bounded here, before anything is tokenized.
 Unknown fields are ignored, as the OpenAI server and vLLM do.
 """
 
@@ -12,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1_000_000
@@ -69,6 +70,7 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(default=None, max_length=256)
     priority: int = 0
+    speculative: StrictBool = True  # false: no speculative decoding for this request
     user: str | None = Field(default=None, max_length=256)
 
 

@@ -135,8 +135,10 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 return
             holder.engine = t.result()
             state = holder.engine.engine.state
+            spec = holder.engine.engine.config.speculative_config
             metrics.attach(state.block_size, state.num_kv_blocks,
-                           getattr(state, "model_memory_bytes", None))
+                           getattr(state, "model_memory_bytes", None),
+                           spec.num_speculative_tokens if spec is not None else 0)
             holder.remote = RemotePrefill(
                 holder.engine, settings.served_model_name, settings.kv_transfer,
                 settings.tls, settings.auth_key)

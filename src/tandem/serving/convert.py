@@ -60,7 +60,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, speculative=req.speculative,
     )
 
 

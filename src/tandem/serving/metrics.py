@@ -30,6 +30,7 @@ class _EngineCollector(Collector):
         self.block_size = 0
         self.num_blocks = 0
         self.model_memory_bytes: int | None = None  # None: the engine does not report it
+        self.num_speculative_tokens = 0  # k of speculative_config; 0: no spec_decode series
 
     def collect(self) -> Iterator:
         s = self.snapshot()
@@ -67,6 +68,27 @@ class _EngineCollector(Collector):
             yield gauge("tandem_model_memory_bytes", "Resident weight bytes (every tensor of "
                         "the model as stored: quantized codes, scales and float weights).",
                         self.model_memory_bytes)
+        if self.num_speculative_tokens or s.spec_accepted_per_pos:
+            yield from self._spec_decode(s, counter)
+
+    def _spec_decode(self, s: EngineStats, counter: Callable[..., CounterMetricFamily]
+                     ) -> Iterator[CounterMetricFamily]:
+        """vLLM's spec_decode counters; accepted tokens per draft position 0 .. k-1 (a
+        position no draft reached yet reads 0)."""
+        yield counter("vllm:spec_decode_num_drafts", "Verifications of drafts (requests x "
+                      "steps that carried proposed tokens).", s.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                      s.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                      s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens by their position in the draft.",
+                                      labels=["model_name", "position"])
+        counts = list(s.spec_accepted_per_pos)
+        counts += [0] * (self.num_speculative_tokens - len(counts))
+        for pos, n in enumerate(counts):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
 
 
 class ServerMetrics:
@@ -104,12 +126,14 @@ class ServerMetrics:
                                      "stale)", ["model_name", "reason"], registry=reg)
 
     def attach(self, block_size: int, num_blocks: int,
-               model_memory_bytes: int | None = None) -> None:
+               model_memory_bytes: int | None = None, num_speculative_tokens: int = 0) -> None:
         """Record the loaded engine's KV geometry and resident weight bytes (None: not
-        reported, and `tandem_model_memory_bytes` is not exported)."""
+        reported, and `tandem_model_memory_bytes` is not exported) and its speculative k
+        (0: no speculative decoding, no `vllm:spec_decode_*` series)."""
         self._engine.block_size = block_size
         self._engine.num_blocks = num_blocks
         self._engine.model_memory_bytes = model_memory_bytes
+        self._engine.num_speculative_tokens = num_speculative_tokens
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import time
@@ -18,6 +19,7 @@ from typing import Any
 from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
+from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
 
@@ -75,6 +77,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), fp8 (e4m3; fp8_e4m3 is the "
                         "same) or int8, each with a float16 scale per token and KV head")
+    p.add_argument("--speculative-config", type=speculative_config, default=None,
+                   metavar="JSON",
+                   help="speculative decoding, vLLM's keys as a JSON object, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
+                        "'{\"method\": \"draft\", \"model\": \"self\", "
+                        "\"draft_quantization\": \"int4\"}' (default: off)")
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config`: a JSON object (json.loads, never eval) of vLLM's keys,
+    validated at once, so a bad value is a usage error naming the key."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    try:
+        return SpeculativeConfig.from_dict(raw)
+    except (ConfigError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # vLLM's CPU server default too; measured with bench/serve.py: lower TTFT under load than
@@ -90,7 +111,8 @@ PREFILL_ROLE_CHUNK_CAP = 256
 
 
 def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConfig:
-    """Engine arguments from the CLI; `serving` picks the server's token budget default."""
+    """Engine arguments from the CLI; `serving` picks the server's token budget default. A
+    prefill worker (`--role prefill`) decodes nothing, so it never speculates."""
     mem = args.kv_cache_memory
     budget = args.max_num_batched_tokens
     if budget is None:  # an explicit 0 goes on to the engine's own check
@@ -107,7 +129,9 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         num_threads=args.num_threads, enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
-        kv_cache_dtype=args.kv_cache_dtype)
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=None if getattr(args, "role", None) == "prefill"
+        else getattr(args, "speculative_config", None))
 
 
 def _chunk_cap(args: argparse.Namespace) -> int:
@@ -185,6 +209,8 @@ def preflight(config: EngineConfig) -> str:
         words += f", {config.quantization} weights"
     if config.kv_cache_dtype != "auto":
         words += f", {config.kv_cache_dtype} KV cache"
+    if (spec := config.speculative_config) is not None:
+        words += f", speculative {spec.method} (k={spec.num_speculative_tokens})"
     return words
 
 
@@ -201,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
     config = engine_config(args, serving=True)
+    if args.speculative_config is not None and config.speculative_config is None:
+        logger.info("--speculative-config ignored: a prefill worker does not decode")
     try:
         resolved = preflight(config)
     except ConfigError as exc:  # e.g. --device cuda without a usable GPU: exit at once

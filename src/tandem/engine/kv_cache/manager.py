@@ -209,7 +209,8 @@ class KVCacheManager:
         if not self.enable_caching or req.request_id not in self._blocks:
             return
         start = self._num_cached[req.request_id]
-        end = req.num_computed_tokens // self.block_size
+        # accepted drafts are computed before they join all_token_ids: cached next step
+        end = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         if end <= start:
             return
         hashes = req.update_block_hashes(self.block_size)

@@ -11,6 +11,9 @@
   SmolLM2's linears) about equal at 1-4 rows and 1.6-1.9x faster from 16 rows up.
   `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone,
   so every worker on one machine computes with the same kernel (same rounding).
+* A LM head tied to the token embedding always gets the native panels where they are
+  built (the embedding reads its rows from them; oneDNN's layout is opaque), else stays a
+  plain linear over the embedding's weight: the vocabulary matrix is stored once.
 
 The "packed" linear method (`quant/float_methods.py`) applies this after weight loading,
 so the model file stays plain; results differ from MKL's only in float rounding order.
@@ -33,14 +36,15 @@ def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _native_simd(native: ctypes.CDLL | None) -> bool:
+def native_simd(native: ctypes.CDLL | None) -> bool:
+    """The native library is built with its AVX2 + FMA linear kernel."""
     return native is not None and bool(native.tandem_linear_simd())
 
 
 def native_preferred(native: ctypes.CDLL | None) -> bool:
     """Use the AVX2 packed-panel kernel: it is built, and the CPU lacks AVX-512 (where
     oneDNN is faster) unless `TANDEM_LINEAR_KERNEL` says otherwise."""
-    if not _native_simd(native):
+    if not native_simd(native):
         return False
     if not onednn_available(torch.float32, torch.device("cpu")):
         return True
@@ -57,7 +61,7 @@ def packing_available(dtype: torch.dtype, device: torch.device,
     """Whether `pack_linears` applies: float32 on the CPU with the native kernel (AVX2) or
     oneDNN."""
     return device.type == "cpu" and dtype == torch.float32 and (
-        _native_simd(native) or onednn_available(dtype, device))
+        native_simd(native) or onednn_available(dtype, device))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

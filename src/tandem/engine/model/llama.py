@@ -174,7 +174,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`forward(input_ids [T], positions [T], kv_caches, meta, logits_indices [N]) -> [N, V]`."""
+    """`forward(input_ids [T], positions [T], kv_caches, meta, logits_indices [N]) -> [N, V]`
+    (with `return_hidden=True`: `(logits [N, V], hidden [N, H])`)."""
 
     def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend,
                  max_positions: int | None = None, ops: Ops | None = None) -> None:
@@ -191,8 +192,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
                 logits_indices: torch.Tensor,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """`on_layer(i)` runs after layer i (its K/V written; queued, on a GPU)."""
+                on_layer: Callable[[int], None] | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`on_layer(i)` runs after layer i (its K/V written; queued, on a GPU).
+
+        `return_hidden`: also return the last layer's hidden states of the `logits_indices`
+        rows after the final norm, i.e. exactly what the LM head reads (the features EAGLE
+        heads take and predict), in the model dtype."""
         residual = self.embed_tokens(input_ids)
         x = None
         rope = (positions, self.rope.cos, self.rope.sin)
@@ -202,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
                 on_layer(i)
         h, _ = self.ops.add_rms_norm(x[logits_indices], residual[logits_indices],
                                      self.norm.weight, self.config.rms_norm_eps)
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        return (logits, h) if return_hidden else logits
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """A model built under `torch.device("meta")` (and possibly `quant.prepare_model`d)

@@ -204,20 +204,30 @@ def convert_linear(linear: nn.Linear, method: LinearMethod) -> QuantLinear:
 def convert_linears(model: nn.Module, make: Callable[[], LinearMethod]) -> int:
     """Replace every `nn.Linear` of a loaded model by `convert_linear(_, make())`, one at
     a time (each original is freed as soon as its copy exists: the peak is the model plus
-    one layer); returns how many. An embedding tied to the converted LM head reads its
-    rows from the new layout when the method `embeds_cheaply`, so the vocabulary matrix
-    is not kept twice."""
+    one layer); returns how many. The vocabulary matrix of a tied embedding / LM head is
+    never kept twice: the head gets a method that `embeds_cheaply` (the method's
+    `tied_head_method()`, if it has one, else `make()` itself when it embeds cheaply) and
+    the embedding reads its rows from that layout; without one the head stays the plain
+    `nn.Linear` over the embedding's weight (not counted)."""
     emb, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     tied = (isinstance(emb, nn.Embedding) and isinstance(head, nn.Linear)
             and emb.weight is head.weight)
     slots = [(parent, name) for parent in model.modules()
              for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    count = 0
     for parent, name in slots:
-        setattr(parent, name, convert_linear(getattr(parent, name), make()))
+        linear, method = getattr(parent, name), make()
+        if tied and linear is head:
+            pick = getattr(method, "tied_head_method", None)
+            method = pick() if pick else method
+            if method is None or not getattr(method, "embeds_cheaply", False):
+                continue
+        setattr(parent, name, convert_linear(linear, method))
+        count += 1
     head = getattr(model, "lm_head", None)
-    if tied and getattr(head.method, "embeds_cheaply", False):
+    if tied and isinstance(head, QuantLinear):
         model.embed_tokens = QuantEmbedding(head)
-    return len(slots)
+    return count
 
 
 def model_memory_bytes(model: nn.Module) -> int:

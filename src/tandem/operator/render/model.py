@@ -8,6 +8,10 @@ into a shared ReadWriteMany PVC filled once (a key per repository, revision and 
 the worker mounts read-only by subPath); `file://` is a path in the image; the bundled model
 needs nothing.
 
+A draft model of `engine.speculative` (`draft_model`): `file://` is a path in the image; a
+`pvc://` draft on the model's own claim is read through the model's mount, another claim is
+mounted read-only at /draft-model (the model's cache PVC reuses its volume).
+
 The router always gets the model's tokenizer: an init container writes only the tokenizer
 files (`fetch tokenizer`) into an emptyDir at /tokenizer, which router.yaml names. It runs
 in the router's image for `hf://` (the Hub's tokenizer files, or a GGUF's metadata by range
@@ -19,13 +23,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.operator.model_uri import MODEL_DIR, ModelSource
 from tandem.operator.render.common import base_env, container_security_context
 from tandem.operator.spec import ModelSpec
+from tandem.operator.spec_speculative import SpeculativeSpec
 
 FETCH = ["python", "-m", "tandem.operator.fetch"]
+DRAFT_DIR = "/draft-model"  # in worker pods: the claim of a pvc:// draft (other than the model's)
 TOKENIZER_DIR = "/tokenizer"  # in router pods: what the tokenizer init container wrote
 TOKENIZER_STORAGE = "2Gi"  # tokenizer files, or a GGUF's metadata prefix while converting
 CACHE_MOUNT = "/model-cache"  # the shared cache PVC, in the fetch init container
@@ -100,6 +107,28 @@ def worker_model(model: ModelSpec, image: str,
         out.init_containers.append(_init(
             "fetch-model", image, ["model", *_hf_args(src), "--dest", MODEL_DIR],
             fetch_env(model), [{"name": "model", "mountPath": MODEL_DIR}, *scratch]))
+    return out
+
+
+def draft_model(model: ModelSpec, spec: SpeculativeSpec | None) -> ModelMount:
+    """The draft (or EAGLE head) of a pool's `engine.speculative`: its volume and mount, if
+    any, and `path`, the worker's speculative_config.model (None: no model; "self" as is)."""
+    src = spec.source if spec is not None else None
+    if src is None:
+        return ModelMount(path=spec.model if spec is not None else None)
+    if src.kind == "file":
+        return ModelMount(path=src.path)
+    main = model.source
+    if main.kind == "pvc" and main.claim == src.claim:  # the claim's root is at MODEL_DIR
+        return ModelMount(path=str(PurePosixPath(MODEL_DIR, src.path)))
+    out = ModelMount(path=str(PurePosixPath(DRAFT_DIR, src.path)))
+    if main.kind == "hf" and model.cache_pvc == src.claim:
+        name = "model"  # the cache PVC, already a volume of the pod
+    else:
+        name = "draft-model"
+        out.volumes.append({"name": name, "persistentVolumeClaim": {
+            "claimName": src.claim, "readOnly": True}})
+    out.mounts.append({"name": name, "mountPath": DRAFT_DIR, "readOnly": True})
     return out
 
 

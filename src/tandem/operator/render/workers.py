@@ -36,7 +36,7 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
-from tandem.operator.render.model import worker_model
+from tandem.operator.render.model import draft_model, worker_model
 from tandem.operator.render.security import security_args, worker_auth_mount
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol.labels import WORKER_COMPONENT
@@ -101,6 +101,9 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         ("--quantization", e.quantization),
         ("--quantization-group-size", e.quantization_group_size),
         ("--kv-cache-dtype", None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
+    if e.speculative is not None:  # (refused on prefill pools: they do not decode)
+        optional.append(("--speculative-config", e.speculative.worker_json(
+            draft_model(m, e.speculative).path)))
     if pool.role == "decode":  # the side that pulls pages from prefill workers
         optional += [("--kv-transfer-backend", kv.backend), ("--kv-transfer-policy", kv.policy),
                      ("--kv-transfer-timeout", f"{kv.timeout_seconds:g}")]
@@ -134,8 +137,9 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
     image = pool.spec.pod.image or image
     volumes, mounts = scratch_volumes()
     model = worker_model(spec.model, image, mounts)
-    volumes += model.volumes
-    mounts = mounts + model.mounts
+    draft = draft_model(spec.model, pool.spec.engine.speculative)
+    volumes += model.volumes + draft.volumes
+    mounts = mounts + model.mounts + draft.mounts
     if spec.kv_transfer.tls_secret:
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
