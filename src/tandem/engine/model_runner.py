@@ -109,7 +109,8 @@ class ModelRunner:
         # similar lengths and pad little: plain decodes, and each verified request's k + 1
         # positions (causal rows of one sequence, each attending over its own context length
         # through the same block table); then prefill chunks
-        single = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+        single = sorted((s for s in sched.scheduled if s.num_new_tokens == 1 or s.spec_token_ids),
+                        key=lambda s: s.start)
         chunks = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
         scheduled = single + chunks
         num_tokens = sum(s.num_new_tokens for s in scheduled)
