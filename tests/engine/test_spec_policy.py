@@ -3,12 +3,18 @@ recover, learns the per-position acceptance rate; torch-free."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from tandem.engine.spec_decode import SpeculativeConfig
-from tandem.engine.spec_decode.policy import SpecPolicy, expected_tokens
+from tandem.engine.spec_decode.policy import (
+    MAX_SATURATION,
+    SpecPolicy,
+    StepCostFit,
+    expected_tokens,
+)
 
 
 def cfg(k: int = 4, adaptive: bool = True) -> SpeculativeConfig:
@@ -26,9 +32,12 @@ def run(policy: SpecPolicy, steps: int, accept, batch: int = 1, rid: str = "r") 
     return ks
 
 
-def throughput(useful: float, tokens: int, a: float, k: int, sat: float) -> float:
-    """The documented rule: the step's useful tokens over its cost with k more drafts."""
-    return (useful + expected_tokens(a, k) - 1) / (1 + (tokens + k) / sat)
+def throughput(useful: float, tokens: int, a: float, k: int, sat: float, rounds: int = 0,
+               draft_cost: float = 0.0) -> float:
+    """The documented rule: the step's useful tokens over its cost with k more drafts, the
+    proposer drafting max(rounds, k) lockstep rounds."""
+    return (useful + expected_tokens(a, k) - 1) / (
+        1 + (tokens + k) / sat + max(rounds, k) * draft_cost)
 
 
 def test_expected_tokens():
@@ -112,6 +121,7 @@ def test_random_traces_bounds_and_greedy_optimum():
     for _ in range(40):
         k_max = rng.randint(1, 8)
         sat, margin = rng.choice([8.0, 24.0, 256.0]), rng.choice([0.0, 0.02, 0.1])
+        cost = 0.0  # free drafting: the sequential rule (rounds cost nothing)
         policy = SpecPolicy(cfg(k_max), saturation_tokens=sat, margin=margin,
                             probe_period=rng.randint(1, 10), prior=rng.random())
         quality = {f"r{i}": rng.random() for i in range(6)}
@@ -123,9 +133,10 @@ def test_random_traces_bounds_and_greedy_optimum():
             ks = policy.choose(ids, batch)
             assert all(isinstance(k, int) and 0 <= k <= k_max for k in ks), ks
             if policy.num_probes == probes:  # no probe: every k is the documented optimum
-                useful, tokens = float(batch), batch
+                useful, tokens, rounds = float(batch), batch, 0
                 for a, k in zip(accs, ks, strict=True):
-                    ratios = [throughput(useful, tokens, a, j, sat) for j in range(k_max + 1)]
+                    ratios = [throughput(useful, tokens, a, j, sat, rounds, cost)
+                              for j in range(k_max + 1)]
                     if k:
                         assert ratios[k] == pytest.approx(max(ratios))
                         assert ratios[k] > ratios[0] * (1 + margin)
@@ -133,6 +144,7 @@ def test_random_traces_bounds_and_greedy_optimum():
                         assert max(ratios) <= ratios[0] * (1 + margin) * (1 + 1e-12)
                     useful += expected_tokens(a, k) - 1
                     tokens += k
+                    rounds = max(rounds, k)
             for r, k in zip(ids, ks, strict=True):
                 if k:
                     acc = 0
@@ -141,3 +153,103 @@ def test_random_traces_bounds_and_greedy_optimum():
                     policy.observe(r, k, acc)
             if rng.random() < 0.1:
                 policy.release(rng.choice(sorted(quality)))
+
+
+def test_measured_draft_cost_and_lockstep_rounds():
+    policy = SpecPolicy(cfg(4), saturation_tokens=24.0, probe_period=10**9, prior=0.96)
+    assert policy.draft_cost == 0.0
+    policy.observe_timing(0.0, 5)  # nothing measured: ignored
+    policy.observe_timing(0.040 * (1 + 1 / 24), 1)  # one-token step: 40 ms
+    assert policy.draft_cost == 0.0  # a proposer without rounds stays free
+    policy.observe_timing(0.040 * (1 + 9 / 24), 9, round_cost=(0.012, 0.002))
+    assert policy.draft_cost == pytest.approx(0.3)
+    assert policy.draft_cost_per_row == pytest.approx(0.05)
+    # the unit time is an EMA: a noisy step moves it a tenth of the way
+    policy.observe_timing(0.080 * (1 + 1 / 24), 1, round_cost=(0.012, 0.0))
+    assert policy.draft_cost == pytest.approx(0.012 / 0.044)
+    assert policy.draft_cost_per_row == 0.0
+    # a round whose cost grows with its rows: 8 requests share fewer rounds than 1 takes
+    rowwise = SpecPolicy(cfg(4), probe_period=10**9, prior=0.96)
+    rowwise.draft_cost_per_row = 0.25  # a round of 8 rows costs two target steps
+    assert rowwise.choose(["a"], 1) == [4]
+    assert sum(rowwise.choose([f"r{i}" for i in range(8)], 8)) < 4 * 8
+    # a draft costing a third of a step still pays alone; at batch 8 the rounds are shared,
+    # so every request speculates at the same k
+    costly = SpecPolicy(cfg(4), probe_period=10**9, prior=0.96, draft_cost=0.33)
+    assert costly.choose(["a"], 1) == [4]
+    ks = costly.choose([f"r{i}" for i in range(8)], 8)
+    assert ks == [ks[0]] * 8 and ks[0] >= 1
+    # one request among 7 tokens of others' prefill: a free draft still speculates, the
+    # costly one cannot share its rounds with anybody and backs off
+    free = SpecPolicy(cfg(4), probe_period=10**9, prior=0.96)
+    assert free.choose(["x"], 8) == [4]
+    assert costly.choose(["x"], 8) == [0]
+
+
+def test_costly_drafts_plan_near_the_brute_force_optimum():
+    """With a drafting cost (fixed and per drafting request), the batch's plan is within 1 %
+    of the best of every k vector
+    (exhaustive over up to 4 requests and k <= 4), and never below drafting nothing."""
+    rng = random.Random(5)
+    worst = 1.0
+    for _ in range(1500):
+        k_max, n = rng.randint(1, 4), rng.randint(1, 4)
+        sat, cost = rng.choice([8.0, 24.0, 256.0]), rng.choice([0.02, 0.1, 0.3, 1.0])
+        policy = SpecPolicy(cfg(k_max), saturation_tokens=sat, draft_cost=cost, margin=0.0,
+                            probe_period=10**9)
+        policy.draft_cost_per_row = per_row = rng.choice([0.0, 0.05, 0.2])
+        ids = [f"r{i}" for i in range(n)]
+        for rid in ids:  # a random acceptance history per request
+            for _ in range(rng.randint(0, 6)):
+                k = rng.randint(1, k_max)
+                policy.observe(rid, k, rng.randint(0, k))
+        accs = [policy.acceptance(r) for r in ids]
+        batch = rng.randint(n, 200)
+        ks = policy.choose(ids, batch)
+
+        def step(vec, accs=accs, batch=batch, sat=sat, cost=cost, per_row=per_row):
+            rows = sum(k > 0 for k in vec)
+            return throughput(batch, batch, 1.0, 0, sat) if not any(vec) else (
+                batch + sum(expected_tokens(a, k) - 1 for a, k in zip(accs, vec, strict=True))
+            ) / (1 + (batch + sum(vec)) / sat + max(vec) * (cost + per_row * rows))
+
+        best = max(step(v) for v in itertools.product(range(k_max + 1), repeat=n))
+        got = step(ks)
+        assert got >= step([0] * n) * (1 - 1e-12)
+        worst = min(worst, got / best)
+    assert worst >= 0.99, worst
+
+
+def test_step_cost_fit_learns_the_machines_saturation():
+    rng = random.Random(8)
+    fit = StepCostFit()
+    fit.add(4, 0.045)
+    fit.add(12, 0.10)
+    assert fit.line() is None  # too little weight
+    for _ in range(40):
+        fit.add(8, 0.05)
+    assert fit.w > fit.min_weight and fit.line() is None  # the sizes no longer spread
+    w = fit.w
+    fit.add(4096, 9.0)  # a long prefill chunk is outside the fitted range
+    assert fit.w == w
+    c0, c1 = 0.040, 0.005  # a CPU that saturates at 8 tokens
+    for _ in range(300):
+        t = rng.randint(1, 40)
+        fit.add(t, (c0 + c1 * t) * rng.uniform(0.97, 1.03))
+    got0, got1 = fit.line()
+    assert got0 == pytest.approx(c0, rel=0.05) and got1 == pytest.approx(c1, rel=0.05)
+    # the policy adopts it: at 8 decodes, acceptance 0.6, it drafts less than with the prior
+    learned = SpecPolicy(cfg(4), probe_period=10**9, prior=0.6)
+    for _ in range(300):
+        t = rng.randint(1, 40)
+        learned.observe_timing(c0 + c1 * t, t)
+    assert learned.saturation == pytest.approx(8.0, rel=0.02)
+    prior = SpecPolicy(cfg(4), probe_period=10**9, prior=0.6)
+    ids = [f"r{i}" for i in range(8)]
+    assert sum(learned.choose(ids, 8)) < sum(prior.choose(ids, 8))
+    # a flat machine (extra tokens free): the largest saturation, full speculation
+    flat = SpecPolicy(cfg(4), probe_period=10**9, prior=0.6)
+    for _ in range(100):
+        flat.observe_timing(0.05, rng.randint(1, 40))
+    assert flat.saturation == MAX_SATURATION
+    assert flat.choose(ids, 8) == [4] * 8

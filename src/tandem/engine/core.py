@@ -232,7 +232,9 @@ class EngineCore:
         if sched.is_empty:
             return outputs
         try:
+            t0 = time.perf_counter()
             result = self.runner.execute(sched)
+            took = time.perf_counter() - t0
         except Exception as exc:  # one bad batch must not kill the loop
             logger.exception("step failed; failing %d requests", len(sched.scheduled))
             parents = {(s.request.parent_id or s.request.request_id): None
@@ -257,6 +259,7 @@ class EngineCore:
         outputs.extend(self._fail(failed, "internal error while processing outputs"))
         if self.speculator is not None:
             try:
+                self.speculator.observe_step(took, sched.num_batched_tokens)
                 self.speculator.propose(self.scheduler.running, result.hidden_states)
             except Exception:  # a proposer bug costs speed, never requests
                 logger.exception("speculative proposal failed; this step proposes nothing")

@@ -66,6 +66,11 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:  # noqa: B027 - optional for stateless ones
         """Forget the request (finished, aborted or preempted)."""
 
+    def round_cost(self) -> tuple[float, float] | None:
+        """Measured seconds of one draft round (one batched draft forward for the requests of
+        a `propose` call) as (d0, d1): d0 + d1 * rows; None: drafting is free."""
+        return None
+
 
 PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {}
 

@@ -21,6 +21,7 @@ distribution as `draft_probs` [k, V] float32 (what rejection sampling needs for 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.sampler import SamplingRow, processed_probs, sampling_params
 from tandem.engine.spec_decode.base import Proposal, Proposer, ProposerContext, register_proposer
 from tandem.engine.spec_decode.draft_runner import DraftKV, DraftSeq, load_model, truncated_view
+from tandem.engine.spec_decode.policy import StepCostFit
 from tandem.engine.staging import download
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 DRAFT_KV_BYTES = 1 << 30  # at most this much draft KV cache (one max_model_len sequence fits)
 _GREEDY_BELOW = 1e-5  # as the sampler's
+_ROUND_ROWS = 8  # a catch-up of at most this many tokens per request times as a round
 
 
 @dataclass
@@ -90,6 +93,26 @@ class DraftProposer(Proposer):
         self.generator = torch.Generator(device=ctx.device).manual_seed(
             getattr(cfg, "seed", 0) + 0x5EED)
         self.generators: dict[str, torch.Generator] = {}
+        self._round_s: float | None = None  # seconds per draft round (EMA)
+        self._rounds = StepCostFit(max_tokens=1 << 30)  # seconds against rows
+
+    def round_cost(self) -> tuple[float, float] | None:
+        """A draft round's seconds as d0 + d1 * rows: a least-squares line once rounds of
+        several batch sizes were timed, else (EMA, 0). Timed: the single-token rounds, and the
+        catch-up forward when it runs only a few accepted tokens per request (a prompt's is
+        not a round)."""
+        line = self._rounds.line()
+        if line is not None:
+            return line
+        return None if self._round_s is None else (self._round_s, 0.0)
+
+    def _timed(self, t0: float, rows: int) -> None:
+        """A round of `rows` requests since `t0` ended (`_choose` ends in a device-to-host
+        copy: synchronised)."""
+        took = time.perf_counter() - t0
+        self._rounds.add(rows, took)
+        self._round_s = took if self._round_s is None else (
+            self._round_s + 0.1 * (took - self._round_s))
 
     def release(self, request_id: str) -> None:
         self.kv.release(request_id)
@@ -139,16 +162,22 @@ class DraftProposer(Proposer):
                 batch.append((r, r.pending[:take]))
                 del r.pending[:take]
                 budget -= take
+            t0 = time.perf_counter()
             logits = self.kv.forward(self.model, self.device, [(r.seq, t) for r, t in batch])
             done = [i for i, (r, _) in enumerate(batch) if not r.pending]
             if done:
                 self._choose(logits[done] if len(done) < len(batch) else logits,
                              [batch[i][0] for i in done], 0)
+                if len(done) == len(batch) and sum(len(t) for _, t in batch) <= (
+                        _ROUND_ROWS * len(batch)):  # a few accepted tokens each: a round
+                    self._timed(t0, len(batch))
         for step in range(1, max((r.k for r in live), default=0)):
+            t0 = time.perf_counter()
             batch = [r for r in live if r.k > step]
             logits = self.kv.forward(self.model, self.device,
                                      [(r.seq, [r.tokens[-1]]) for r in batch])
             self._choose(logits, batch, step)
+            self._timed(t0, len(batch))
         return [None if r is None else Proposal(
             r.tokens, None if r.row is None else torch.stack(r.probs)) for r in rows]
 

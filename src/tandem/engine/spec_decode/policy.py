@@ -9,16 +9,27 @@ With `adaptive=False`, always k = `num_speculative_tokens`. Otherwise:
   request starts from the global EMA (all requests' positions), itself from `prior`.
 - Gain: with independent per-position acceptance `a`, k drafts yield
   E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) tokens (k + 1 when a = 1).
-- Cost: a step running T tokens costs cost(T) = 1 + T / saturation_tokens (+ k * draft_cost
-  per request for proposers whose drafting is not free), in units of a one-token step. On
+- Cost: a step running T tokens whose proposer drafts R rounds for n requests costs
+  cost(T, R, n) = 1 + T / saturation_tokens + R * (draft_cost + n * draft_cost_per_row), in
+  units of a zero-token target step. On
   CPU a decode step reads every weight once whatever the batch, so it is weight-read bound
   until the batch reaches tens of rows (default saturation 24) and then compute bound (each
   extra token costs about as much as another step / saturation); on a GPU saturation is in
-  the hundreds.
+  the hundreds. A draft model drafts in lockstep rounds (one batched forward per draft
+  position for all requests), so R is the largest k of the step, and a request's drafts
+  cost rounds only beyond the k already chosen (and a row in each). The round's costs (over
+  a target step) and the saturation are measured when the engine reports timings
+  (`observe_timing`): a weighted least-squares line through the target's step seconds
+  against T (`StepCostFit`; intercept / slope = saturation, the intercept the unit) and the
+  proposer's round seconds against rows (`Proposer.round_cost`); until the steps' sizes
+  spread enough to fit, the constructor's saturation and `draft_cost` (0: an n-gram lookup
+  is free) stand.
 - Choice: the step does U useful tokens of work (starting at U = T = `batch_tokens`: every
-  decode and prefill token) at cost(T). Requests in order pick the k maximising the step's
-  throughput (U + E(k) - 1) / cost(T + k), then U += E(k) - 1, T += k. k = 0 unless the best
-  ratio beats k = 0's by `margin` (relative). Throughput of the whole step, not of the
+  decode and prefill token) at cost(T, R). For a round count R, requests in order pick the
+  k <= R maximising the step's throughput (U + E(k) - 1) / cost(T + k, R), then
+  U += E(k) - 1, T += k; the R whose plan gives the highest throughput wins (R = k when
+  drafting is free: then the rule per request is the plain sequential one). k = 0 unless
+  the best ratio beats k = 0's by `margin` (relative). Throughput of the whole step, not of the
   request alone: a request's drafts slow every request in the batch, so at high load (T
   large) a draft position is worth it only when its gain nears 1, and speculation backs off;
   with low acceptance it backs off at any load.
@@ -40,6 +51,43 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+MAX_SATURATION = 1e6  # a flat fit: extra tokens cost nothing measurable
+
+
+class StepCostFit:
+    """Exponentially weighted least squares of a target step's seconds on its token count,
+    s = c0 + c1 * T, over the steps of at most `max_tokens` tokens (decode and verification
+    sizes, where speculation's choices lie). `line()` is (c0, c1) once the weight reaches
+    `min_weight` and the sizes' standard deviation `min_spread` tokens, else None."""
+
+    def __init__(self, decay: float = 0.02, max_tokens: int = 256, min_spread: float = 1.0,
+                 min_weight: float = 16.0) -> None:
+        self.decay, self.max_tokens = decay, max_tokens
+        self.min_spread, self.min_weight = min_spread, min_weight
+        self.w = self.t = self.s = self.tt = self.ts = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > self.max_tokens:
+            return
+        keep = 1.0 - self.decay
+        self.w = self.w * keep + 1.0
+        self.t = self.t * keep + tokens
+        self.s = self.s * keep + seconds
+        self.tt = self.tt * keep + tokens * tokens
+        self.ts = self.ts * keep + tokens * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        if self.w < self.min_weight:
+            return None
+        mt, ms = self.t / self.w, self.s / self.w
+        var = self.tt / self.w - mt * mt
+        if var < self.min_spread ** 2:
+            return None
+        c1 = max((self.ts / self.w - mt * ms) / var, 0.0)
+        c0 = ms - c1 * mt
+        return (c0, c1) if c0 > 0 else None
+
+
 @dataclass
 class _ReqState:
     acceptance: float
@@ -58,12 +106,16 @@ class SpecPolicy:
         self.k = config.num_speculative_tokens
         self.adaptive = config.adaptive
         self.saturation = float(saturation_tokens)
-        self.draft_cost = float(draft_cost)
+        self.draft_cost = float(draft_cost)  # a round's fixed cost, in target steps
+        self.draft_cost_per_row = 0.0  # .. and its cost per drafting request
         self.probe_period = probe_period
         self.alpha = ema_alpha
         self.global_alpha = global_alpha
         self.global_acceptance = prior
         self.margin = margin
+        self.timing_alpha = 0.1
+        self._unit_s: float | None = None  # seconds of a zero-token target step (cost 1)
+        self.fit = StepCostFit()
         self._reqs: dict[str, _ReqState] = {}
         self.num_probes = 0  # k = 1 probes handed out (diagnostics)
 
@@ -72,46 +124,114 @@ class SpecPolicy:
         st = self._reqs.get(request_id)
         return self.global_acceptance if st is None else st.acceptance
 
-    def _cost(self, tokens: float, k: int) -> float:
-        return 1.0 + tokens / self.saturation + k * self.draft_cost
+    def _cost(self, tokens: float, rounds: int, rows: int = 1) -> float:
+        """A step of `tokens` target tokens and `rounds` draft rounds over `rows` drafting
+        requests, in units of a zero-token target step."""
+        if not rounds:
+            return 1.0 + tokens / self.saturation
+        return 1.0 + tokens / self.saturation + rounds * (self.draft_cost
+                                                          + self.draft_cost_per_row * rows)
 
-    def _best_k(self, a: float, useful: float, tokens: int) -> tuple[int, float]:
-        """(k, E(k)) maximising the step's throughput; k = 0 unless it wins by margin."""
-        base = useful / self._cost(tokens, 0)
+    def observe_timing(self, step_s: float, step_tokens: int,
+                       round_cost: tuple[float, float] | None = None) -> None:
+        """A target step of `step_tokens` tokens took `step_s` seconds; `round_cost`: the
+        proposer's current seconds per draft round as (d0, d1), d0 + d1 * rows (None:
+        drafting is free).
+
+        Once the steps' sizes spread (speculation varies them), `fit` gives the machine's
+        own saturation and unit time, replacing the constructor's saturation; before that,
+        and whenever the spread is too small, the last values stand."""
+        if step_s <= 0 or step_tokens <= 0:
+            return
+        self.fit.add(step_tokens, step_s)
+        line = self.fit.line()
+        if line is not None:
+            c0, c1 = line
+            self.saturation = min(c0 / c1, MAX_SATURATION) if c1 > 0 else MAX_SATURATION
+            self._unit_s = c0
+        else:
+            unit = step_s / (1.0 + step_tokens / self.saturation)
+            self._unit_s = unit if self._unit_s is None else (
+                self._unit_s + self.timing_alpha * (unit - self._unit_s))
+        if round_cost is not None:
+            self.draft_cost = max(round_cost[0], 0.0) / self._unit_s
+            self.draft_cost_per_row = max(round_cost[1], 0.0) / self._unit_s
+
+    def _best_k(self, a: float, useful: float, tokens: int, rounds: int, cap: int,
+                rows: int = 0) -> tuple[int, float]:
+        """(k <= cap, E(k)) maximising the step's throughput given `rounds` already drafted
+        for `rows` requests; k = 0 unless it wins by margin."""
+        base = useful / self._cost(tokens, rounds, rows)
         best_k, best_ratio = 0, base
-        for k in range(1, self.k + 1):
-            ratio = (useful + expected_tokens(a, k) - 1.0) / self._cost(tokens + k, k)
+        for k in range(1, cap + 1):
+            ratio = (useful + expected_tokens(a, k) - 1.0) / self._cost(
+                tokens + k, max(rounds, k), rows + 1)
             if ratio > best_ratio:
                 best_k, best_ratio = k, ratio
         if best_ratio <= base * (1.0 + self.margin):
             return 0, 1.0
         return best_k, expected_tokens(a, best_k)
 
+    def _plan(self, accs: list[float], tokens: int, rounds: int) -> tuple[list[int], float]:
+        """Requests in order, each k <= `rounds` with the step paying `rounds` draft rounds:
+        (ks, the step's throughput paying only the max(ks) rounds the plan needs)."""
+        useful, ks, rows = float(tokens), [], 0
+        for a in accs:
+            k, gain = self._best_k(a, useful, tokens, rounds, rounds, rows)
+            ks.append(k)
+            useful += gain - 1.0
+            tokens += k
+            rows += k > 0
+        return ks, useful / self._cost(tokens, max(ks, default=0), rows)
+
     def choose(self, request_ids: list[str], batch_tokens: int) -> list[int]:
         """k_i in [0, num_speculative_tokens] per request; `batch_tokens` = tokens the step
-        runs without drafts (these requests' decode tokens and others' prefill chunks)."""
+        runs without drafts (these requests' decode tokens and others' prefill chunks).
+
+        Rounds are shared, so the step's round count R is chosen for the batch: for each R
+        in 0..k a plan (`_plan`), the plan of highest throughput wins (a drafting cost of 0
+        makes R = k always best, and the rule per request is then the sequential one)."""
         if not self.adaptive:
             return [self.k] * len(request_ids)
         tokens = max(int(batch_tokens), 0)
-        useful = float(tokens)
-        out: list[int] = []
+        states = []
         for rid in request_ids:
             st = self._reqs.get(rid)
             if st is None:
                 st = self._reqs[rid] = _ReqState(self.global_acceptance)
-            k, gain = self._best_k(st.acceptance, useful, tokens)
-            if k == 0:
-                st.zero_streak += 1
-                if st.zero_streak >= self.probe_period and self._best_k(1.0, useful,
-                                                                         tokens)[0] > 0:
-                    k, gain = 1, expected_tokens(st.acceptance, 1)
-                    self.num_probes += 1
-            if k:
+            states.append(st)
+        accs = [st.acceptance for st in states]
+        if self.draft_cost > 0 or self.draft_cost_per_row > 0:
+            zero = self._plan(accs, tokens, 0)[1]
+            ks, best = [0] * len(states), zero
+            for r in range(1, self.k + 1):
+                plan, ratio = self._plan(accs, tokens, r)
+                if ratio > best:
+                    ks, best = plan, ratio
+            if best <= zero * (1.0 + self.margin):
+                ks = [0] * len(states)
+        else:
+            ks = self._plan(accs, tokens, self.k)[0]
+        useful = tokens + sum(expected_tokens(a, k) - 1.0 for a, k in zip(accs, ks,
+                                                                          strict=True))
+        tokens += sum(ks)
+        rounds = max(ks, default=0)
+        rows = sum(k > 0 for k in ks)
+        for i, st in enumerate(states):
+            if ks[i]:
                 st.zero_streak = 0
-            out.append(k)
-            useful += gain - 1.0
-            tokens += k
-        return out
+                continue
+            st.zero_streak += 1
+            if st.zero_streak >= self.probe_period and self._best_k(
+                    1.0, useful, tokens, rounds, 1, rows)[0] > 0:
+                ks[i] = 1
+                st.zero_streak = 0
+                self.num_probes += 1
+                useful += expected_tokens(st.acceptance, 1) - 1.0
+                tokens += 1
+                rounds = max(rounds, 1)
+                rows += 1
+        return ks
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification of `proposed` drafts kept the first `accepted` of them."""

@@ -56,6 +56,11 @@ class Speculator:
             self._per_pos[j] += 1
         self.policy.observe(request_id, proposed, accepted)
 
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        """The target's step of `tokens` tokens took `seconds` (wall, device synchronised):
+        the policy's cost of a draft round against a target step."""
+        self.policy.observe_timing(seconds, tokens, self.proposer.round_cost())
+
     def propose(self, running: list[Request], hidden_states: dict[str, Any]) -> None:
         """Set `spec_token_ids` (and `spec_draft_probs`) of the running requests that may
         speculate next step; the others get none."""
