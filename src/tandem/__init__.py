@@ -9,16 +9,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 if TYPE_CHECKING:
     from tandem.engine.llm import LLM
+    from tandem.engine.lora.request import LoRARequest
     from tandem.engine.outputs import CompletionOutput, RequestOutput
     from tandem.engine.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "tandem.engine.llm",
     "SamplingParams": "tandem.engine.sampling_params",
+    "LoRARequest": "tandem.engine.lora.request",
     "RequestOutput": "tandem.engine.outputs",
     "CompletionOutput": "tandem.engine.outputs",
 }

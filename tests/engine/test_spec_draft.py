@@ -18,7 +18,7 @@ from tandem.engine.sampler import SamplingRow, processed_probs, sampling_params
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.spec_decode import ProposerContext, SpeculativeConfig, build_proposer
 from tandem.engine.spec_decode.draft import DraftProposer
-from tandem.engine.spec_decode.draft_runner import load_model
+from tandem.engine.spec_decode.draft_runner import common_prefix, load_model
 
 from .utils import make_request, make_tiny_model_dir
 
@@ -152,6 +152,41 @@ def test_batched_proposals_equal_the_drafts_own_recompute_across_rejections(tiny
     for req in reqs:
         p.release(req.request_id)
     assert p.kv.num_free_blocks() == p.kv.pool.num_blocks and not p.kv.seqs
+
+
+def test_common_prefix_matches_a_linear_scan():
+    rng = random.Random(3)
+    for _ in range(3000):
+        n = rng.randint(0, 40)
+        a = [rng.randint(0, 3) for _ in range(n)]
+        b = a[: rng.randint(0, n)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 12))]
+        limit = rng.randint(-1, 50)
+        assert common_prefix(a, b, limit) == max(0, min(_lcp(a, b), limit))
+
+
+def test_costs_are_calibrated_at_start_and_catch_ups_counted(tiny):
+    """Before any request the proposer knows a round's cost (a line over 1 and 8 rows) and a
+    catch-up token's, and has returned its throwaway blocks. `catchup_tokens` is what the
+    draft has not run of a request beyond a round's few tokens: the prompt at first, 0 after
+    a proposal and a short verification, the missed output after steps without drafts."""
+    p = build_proposer(_ctx(tiny, model=str(tiny[2])))
+    cost = p.round_cost()
+    assert cost is not None and cost.round_s > 0 and cost.row_s >= 0
+    assert cost.catchup_token_s > 0
+    assert p.kv.num_free_blocks() == p.kv.pool.num_blocks and not p.kv.seqs
+    rng = random.Random(1)
+    short, long_ = make_request(_prompt(rng, 6)), make_request(_prompt(rng, 30), max_tokens=64)
+    assert p.catchup_tokens(short) == 0 and p.catchup_tokens(long_) == 30
+    prop = p.propose([long_], [3])[0]
+    assert p.catchup_tokens(long_) == 0
+    _simulate_verification(rng, long_, prop.token_ids)
+    assert p.catchup_tokens(long_) == 0  # at most k + 1 new tokens: a round's work
+    for t in range(12):  # twelve steps without drafts
+        long_.append_output_token(200 + t)
+    assert p.catchup_tokens(long_) == long_.num_tokens - p.kv.known(long_.request_id,
+                                                                   long_.all_token_ids)
+    assert p.catchup_tokens(long_) > 12
+    p.release(long_.request_id)
 
 
 def test_self_draft_truncated_shares_the_targets_weights(tiny):

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from tandem.engine.spec_decode import SpeculativeConfig
+from tandem.engine.spec_decode.base import DraftCost
 from tandem.engine.spec_decode.policy import (
     MAX_SATURATION,
     SpecPolicy,
@@ -161,11 +162,11 @@ def test_measured_draft_cost_and_lockstep_rounds():
     policy.observe_timing(0.0, 5)  # nothing measured: ignored
     policy.observe_timing(0.040 * (1 + 1 / 24), 1)  # one-token step: 40 ms
     assert policy.draft_cost == 0.0  # a proposer without rounds stays free
-    policy.observe_timing(0.040 * (1 + 9 / 24), 9, round_cost=(0.012, 0.002))
+    policy.observe_timing(0.040 * (1 + 9 / 24), 9, round_cost=DraftCost(0.012, 0.002))
     assert policy.draft_cost == pytest.approx(0.3)
     assert policy.draft_cost_per_row == pytest.approx(0.05)
     # the unit time is an EMA: a noisy step moves it a tenth of the way
-    policy.observe_timing(0.080 * (1 + 1 / 24), 1, round_cost=(0.012, 0.0))
+    policy.observe_timing(0.080 * (1 + 1 / 24), 1, round_cost=DraftCost(0.012, 0.0))
     assert policy.draft_cost == pytest.approx(0.012 / 0.044)
     assert policy.draft_cost_per_row == 0.0
     # a round whose cost grows with its rows: 8 requests share fewer rounds than 1 takes
@@ -187,8 +188,8 @@ def test_measured_draft_cost_and_lockstep_rounds():
 
 
 def test_costly_drafts_plan_near_the_brute_force_optimum():
-    """With a drafting cost (fixed and per drafting request), the batch's plan is within 1 %
-    of the best of every k vector
+    """With a drafting cost (fixed, per drafting request, and amortised catch-ups), the
+    batch's plan is within 1 % of the best of every k vector
     (exhaustive over up to 4 requests and k <= 4), and never below drafting nothing."""
     rng = random.Random(5)
     worst = 1.0
@@ -198,6 +199,9 @@ def test_costly_drafts_plan_near_the_brute_force_optimum():
         policy = SpecPolicy(cfg(k_max), saturation_tokens=sat, draft_cost=cost, margin=0.0,
                             probe_period=10**9)
         policy.draft_cost_per_row = per_row = rng.choice([0.0, 0.05, 0.2])
+        policy.catchup_cost = per_token = rng.choice([0.0, 0.002, 0.01])
+        catchup = [rng.choice([0, 0, rng.randint(9, 400)]) for _ in range(n)]
+        remaining = [rng.randint(1, 300) for _ in range(n)]
         ids = [f"r{i}" for i in range(n)]
         for rid in ids:  # a random acceptance history per request
             for _ in range(rng.randint(0, 6)):
@@ -205,19 +209,39 @@ def test_costly_drafts_plan_near_the_brute_force_optimum():
                 policy.observe(rid, k, rng.randint(0, k))
         accs = [policy.acceptance(r) for r in ids]
         batch = rng.randint(n, 200)
-        ks = policy.choose(ids, batch)
+        ks = policy.choose(ids, batch, catchup, remaining)
 
-        def step(vec, accs=accs, batch=batch, sat=sat, cost=cost, per_row=per_row):
+        def step(vec, accs=accs, batch=batch, sat=sat, cost=cost, per_row=per_row,
+                 catchup=catchup, remaining=remaining, per_token=per_token):
             rows = sum(k > 0 for k in vec)
+            gains = [expected_tokens(a, k) for a, k in zip(accs, vec, strict=True)]
+            extra = sum(c * per_token * g / max(left, g) for c, left, g, k in zip(
+                catchup, remaining, gains, vec, strict=True) if k)
             return throughput(batch, batch, 1.0, 0, sat) if not any(vec) else (
-                batch + sum(expected_tokens(a, k) - 1 for a, k in zip(accs, vec, strict=True))
-            ) / (1 + (batch + sum(vec)) / sat + max(vec) * (cost + per_row * rows))
+                batch + sum(g - 1 for g in gains)
+            ) / (1 + (batch + sum(vec)) / sat + extra + max(vec) * (cost + per_row * rows))
 
         best = max(step(v) for v in itertools.product(range(k_max + 1), repeat=n))
         got = step(ks)
         assert got >= step([0] * n) * (1 - 1e-12)
         worst = min(worst, got / best)
     assert worst >= 0.99, worst
+
+
+def test_a_catch_up_is_paid_only_when_the_rest_of_the_request_repays_it():
+    """A draft that must first run a 300-token prompt (a token costing 2 % of a target step,
+    so 6 steps in all) drafts for a request with 500 tokens to go, not for one with 8."""
+    policy = SpecPolicy(cfg(4), probe_period=10**9, prior=0.9, draft_cost=0.1)
+    policy.catchup_cost = 0.02
+    assert policy.choose(["long"], 1, [300], [500]) == [4]
+    assert policy.choose(["short"], 1, [300], [8]) == [0]
+    assert policy.choose(["short"], 1, [0], [8]) == [4]  # caught up: rounds only
+    # a probe needing a long catch-up is not handed out when a few tokens remain
+    probe = SpecPolicy(cfg(4), probe_period=1, prior=0.05, draft_cost=0.1)
+    probe.catchup_cost = 0.02
+    assert probe.choose(["p"], 1, [300], [8]) == [0]
+    assert probe.choose(["q"], 1, [0], [8]) == [1]
+    assert probe.num_probes == 1
 
 
 def test_step_cost_fit_learns_the_machines_saturation():

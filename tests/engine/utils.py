@@ -69,3 +69,70 @@ def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0, **overrid
     model.save_pretrained(out_dir)
     Tokenizer.load(bundled_model_path()).save_hf(out_dir)
     return model
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_peft_adapter(out_dir, base_config: dict, rank: int = 8, alpha: float = 16.0,
+                      targets=LORA_TARGETS, seed: int = 0, std: float = 0.3,
+                      layers=None, **config_extra) -> dict:
+    """A random PEFT LoRA adapter for a Llama-family base (`base_config`: its HF config
+    dict) in `out_dir`: `adapter_config.json` + `adapter_model.safetensors` with PEFT's
+    tensor names. Returns {(layer, target): (A [r, in], B [out, r])} (unscaled)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    h, inter = base_config["hidden_size"], base_config["intermediate_size"]
+    heads = base_config["num_attention_heads"]
+    kv = base_config.get("num_key_value_heads", heads)
+    hd = base_config.get("head_dim") or h // heads
+    shapes = {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h),
+              "o_proj": (h, heads * hd), "gate_proj": (inter, h), "up_proj": (inter, h),
+              "down_proj": (h, inter)}
+    gen = torch.Generator().manual_seed(seed)
+    weights, tensors = {}, {}
+    for i in layers if layers is not None else range(base_config["num_hidden_layers"]):
+        for t in targets:
+            n_out, n_in = shapes[t]
+            a = torch.randn(rank, n_in, generator=gen) * std
+            b = torch.randn(n_out, rank, generator=gen) * std
+            group = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{i}.{group}.{t}"
+            tensors[f"{key}.lora_A.weight"] = a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+            weights[(i, t)] = (a, b)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+           "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0,
+           "base_model_name_or_path": "base"} | config_extra
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return weights
+
+
+def merge_adapter(base_dir, out_dir, weights: dict, scale) -> None:
+    """An HF checkpoint of `base_dir` with the adapter merged (W + scale * B A; `scale` a
+    float or {target: float}), tokenizer files copied: the reference a LoRA request must
+    reproduce."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    base, out = Path(base_dir), Path(out_dir)
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    for file in base.glob("*.safetensors"):
+        state = load_file(str(file))
+        for (i, t), (a, b) in weights.items():
+            group = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            name = f"model.layers.{i}.{group}.{t}.weight"
+            if name in state:
+                k = scale[t] if isinstance(scale, dict) else scale
+                state[name] = (state[name].double() + k * (b.double() @ a.double())
+                               ).to(state[name].dtype).contiguous()
+        save_file(state, str(out / file.name), metadata={"format": "pt"})

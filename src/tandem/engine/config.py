@@ -83,6 +83,16 @@ class EngineConfig:
     # speculative decoding (engine/spec_decode): a dict of vLLM's keys or a
     # SpeculativeConfig, normalised to SpeculativeConfig; None = off
     speculative_config: SpeculativeConfig | dict | None = None
+    # multi-LoRA (engine/lora, vLLM's arguments): adapters per step resident in device slots,
+    # their largest rank, adapters kept in host memory (None: max_loras), adapters loaded at
+    # start ({name: path} or "name=path" strings, trusted) and the directories clients may
+    # load adapters from (`POST /v1/load_lora_adapter`; none: loading by path is refused)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | tuple[str, ...] | list[str] | None = None
+    lora_dirs: tuple[str, ...] | list[str] = ()
 
     @property
     def model_name(self) -> str:
@@ -135,6 +145,33 @@ class EngineConfig:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.from_dict(self.speculative_config))
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+                raise ConfigError(f"{name} must be an integer in [1, 4096], got {v!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int)
+                                or cpu < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer >= max_loras "
+                              f"({self.max_loras}), got {cpu!r}")
+        mods = self.lora_modules
+        if isinstance(mods, (list, tuple)):
+            parsed = {}
+            for item in mods:
+                name, sep, path = str(item).partition("=")
+                if not sep or not name or not path:
+                    raise ConfigError(f"lora_modules entries are name=path, got {item!r}")
+                parsed[name] = path
+            mods = parsed
+        if mods is not None and not isinstance(mods, dict):
+            raise ConfigError("lora_modules must map adapter names to paths")
+        object.__setattr__(self, "lora_modules", mods or None)
+        object.__setattr__(self, "lora_dirs", tuple(str(d) for d in self.lora_dirs))
+        if (mods or self.lora_dirs) and not self.enable_lora:
+            raise ConfigError("lora_modules / lora_dirs need enable_lora=True")
 
     def _check_quantization(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

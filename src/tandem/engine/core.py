@@ -15,18 +15,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
 from tandem.engine.kv_cache.manager import cdiv
+from tandem.engine.lora.request import LoRARequest
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.spec_decode.speculator import Speculator
-from tandem.protocol.block_hash import HashKeys
+from tandem.protocol.block_hash import request_hash_keys
 from tandem.protocol.kv_events import KVEvent
+
+if TYPE_CHECKING:
+    from tandem.engine.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before model limits
@@ -112,6 +116,26 @@ class EngineCore:
         # True when the latest `step` could schedule nothing: only a command (an abort, a
         # release of pinned blocks, a new request) can change that, so callers wait for one
         self.last_step_idle = False
+        self.lora: LoRAManager | None = None  # set by LLMEngine with enable_lora
+
+    def resolve_lora(self, lora: LoRARequest | str | None) -> str | None:
+        """The adapter name a request runs with: a loaded adapter's name, or a
+        `LoRARequest` (registered here on first use, from a local path: the offline API's
+        caller is trusted). InvalidRequestError without enable_lora, UnknownAdapterError for
+        a name that is not loaded."""
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora=True", "model")
+        if isinstance(lora, LoRARequest):
+            if not self.lora.has(lora.lora_name):
+                if not lora.lora_path:
+                    raise UnknownAdapterError(lora.lora_name)
+                self.lora.add(lora, trusted=True)
+            return lora.lora_name
+        if not self.lora.has(lora):
+            raise UnknownAdapterError(lora)
+        return lora
 
     # -- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
@@ -144,7 +168,8 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: str | list[int] | TokenizedPrompt,
                     params: SamplingParams | None = None, *, priority: int = 0,
-                    cache_salt: str | None = None, keep_blocks: bool = False) -> list[int]:
+                    cache_salt: str | None = None, keep_blocks: bool = False,
+                    lora_request: LoRARequest | str | None = None) -> list[int]:
         """Validate and queue a request; returns its prompt token ids. `keep_blocks`: when it
         finishes normally its KV blocks stay pinned until `kv.release_kept(request_id)` (the
         source of a KV transfer). A `TokenizedPrompt` (from `process_prompt`) is not
@@ -178,7 +203,8 @@ class EngineCore:
                 "max_tokens")
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError("the waiting queue is full; retry later")
-        keys = HashKeys(self.state.model_name, "", cache_salt or "")
+        lora = self.resolve_lora(lora_request)
+        keys = request_hash_keys(self.state.model_name, lora, cache_salt)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone_for_sample(i)
@@ -186,7 +212,7 @@ class EngineCore:
             if child_id in self.scheduler.requests:
                 raise InvalidRequestError(f"duplicate request id {child_id!r}", "request_id")
             children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
-                                    keys, priority=priority, parent_id=request_id,
+                                    keys, lora, priority=priority, parent_id=request_id,
                                     sample_index=i, keep_kv=keep_blocks))
         self.outputs.add(request_id, tokenized.text, children)
         for child in children:

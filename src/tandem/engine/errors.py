@@ -17,3 +17,11 @@ class InvalidRequestError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The bounded waiting queue is full; the HTTP layer maps it to 429."""
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request named a LoRA adapter that is not loaded; the HTTP layer maps it to 404."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the LoRA adapter {name!r} is not loaded", "model")
+        self.name = name

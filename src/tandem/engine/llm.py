@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.lora.request import LoRARequest
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 
@@ -32,8 +33,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in input order."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in input order.
+        `lora_request`: one adapter for all prompts, or one (or None) per prompt."""
         if isinstance(prompts, str) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
@@ -44,14 +48,22 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError("need one SamplingParams per prompt, or a single one")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("need one lora_request per prompt, or a single one")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            self.engine.add_request(rid, prompt, sp)
+        for rid, prompt, sp, lora in zip(ids, prompts, params, loras, strict=True):
+            self.engine.add_request(rid, prompt, sp, lora_request=lora)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
@@ -60,7 +72,8 @@ class LLM:
                        add_special_tokens=False)
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -25,6 +25,9 @@ from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
+from tandem.engine.lora.manager import LoRAConfig, LoRAManager
+from tandem.engine.lora.request import LoRARequest
+from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.cpu_linear import packing_available
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import bundled_model_path, open_model
@@ -99,6 +102,7 @@ class LLMEngine(EngineCore):
                                                                      native=ops.lib))
             logger.info("packed %d float linear layers", count)
         weight_bytes = model_memory_bytes(self.model)
+        lora = self._lora_manager(arch) if config.enable_lora else None
 
         sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
         per_block = backend.bytes_per_block() * arch.num_layers
@@ -117,11 +121,17 @@ class LLMEngine(EngineCore):
                             enable_events=config.enable_kv_events)
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device)
-        runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len, device)
+        # decode graphs replay fixed buffers: a LoRA engine runs eagerly (its slot plan
+        # changes every step)
+        runner.graphs = None if lora else build_decode_graphs(config, self.model, backend,
+                                                              caches, max_len, device)
+        runner.lora = lora
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
-                              config.max_waiting, config.long_prefill_token_threshold)
+                              config.max_waiting, config.long_prefill_token_threshold,
+                              max_loras=config.max_loras if lora else 0)
         speculator = self._speculator(path, max_len, runner)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator)
+        self.lora = lora
         logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
                     "%s), %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, "
                     "attention %s", time.perf_counter() - t0, name, device,
@@ -129,6 +139,19 @@ class LLMEngine(EngineCore):
                     config.quantization or "none", num_blocks, config.block_size,
                     num_blocks * per_block / 2**20, config.kv_cache_dtype, max_len,
                     backend.name)
+
+    def _lora_manager(self, arch: ModelArchConfig) -> LoRAManager:
+        """Slot stacks in every decoder linear, the configured adapters registered."""
+        cfg = self.config
+        manager = LoRAManager(self.model, arch, LoRAConfig(
+            cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, tuple(cfg.lora_dirs)),
+            self.device, self.dtype)
+        for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), start=1):
+            manager.add(LoRARequest(name, i, path), trusted=True)
+        logger.info("LoRA: %d slots of rank %d (%.1f MiB), %d adapters at start",
+                    cfg.max_loras, cfg.max_lora_rank, manager.slot_bytes / 2**20,
+                    len(manager.registered))
+        return manager
 
     def _speculator(self, path: Path, max_len: int, runner: ModelRunner) -> Speculator | None:
         """The configured proposer (speculative_config), or None."""

@@ -16,6 +16,7 @@ ones compute.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.core import RunnerOutput
 from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.lora.layers import LoRABatch
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
@@ -33,6 +35,7 @@ from tandem.engine.staging import download, upload
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
+    from tandem.engine.lora.manager import LoRAManager
 
 
 class LayerObserver(Protocol):
@@ -66,6 +69,8 @@ class ModelRunner:
         # deliver last-layer hidden states (`RunnerOutput.hidden_states`) for a proposer that
         # reads them (EAGLE-style heads); set by LLMEngine
         self.return_hidden = False
+        # multi-LoRA adapters (engine/lora), set by LLMEngine with enable_lora; None = none
+        self.lora: LoRAManager | None = None
 
     def observe(self, request_id: str, observer: LayerObserver) -> None:
         """Register before the request is added; `unobserve` when done with it."""
@@ -191,17 +196,20 @@ class ModelRunner:
             [num_tokens, num_tokens, len(logits_idx), len(targets)])
         layout = BatchLayout(query_lens, seq_lens, None, torch.from_numpy(slots), nd, bs,
                              block_table=table, table_lens=table_lens)
+        lora = self._lora_batch(scheduled, rows, nd, len(single))
         logits = None
-        if (self.graphs is not None and not watching and not plp and not self.return_hidden
-                and not spec and len(sample_reqs) == nd == len(scheduled)):  # decodes only
+        if (self.graphs is not None and lora is None and not watching and not plp
+                and not self.return_hidden and not spec
+                and len(sample_reqs) == nd == len(scheduled)):  # decodes only
             logits = self.graphs.run(input_ids, pos_t, layout)  # None: batch too big
         if logits is None:
             meta = self.backend.build_metadata(layout)
-            logits = self.model(
-                input_ids, pos_t, self.kv_caches, meta, idx_t,
-                on_layer=self._layer_signal(watching) if watching else None,
-                **({"return_hidden": True} if self.return_hidden else {}),
-            )
+            with self.lora.ctx.use(lora) if self.lora is not None else nullcontext():
+                logits = self.model(
+                    input_ids, pos_t, self.kv_caches, meta, idx_t,
+                    on_layer=self._layer_signal(watching) if watching else None,
+                    **({"return_hidden": True} if self.return_hidden else {}),
+                )
         hidden = None
         if self.return_hidden:
             logits, hidden = logits
@@ -220,6 +228,24 @@ class ModelRunner:
         if plp:
             self._prompt_logprobs(logits[ns + nv :].float(), plp, targets, targets_t, out)
         return out
+
+    def _lora_batch(self, scheduled: list[ScheduledRequest], rows: list[int], nd: int,
+                    num_single: int) -> LoRABatch | None:
+        """The step's token -> adapter slot plan (the step's adapters made resident), in
+        the flat order: the `nd` one-token rows (`rows[:nd]` their scheduled index), then
+        each chunk's tokens. None without adapters in the step."""
+        if self.lora is None:
+            return None
+        names = {s.request.lora_name for s in scheduled if s.request.lora_name is not None}
+        if not names:
+            return None
+        slot_of = self.lora.prepare(names)
+        per = np.array([-1 if s.request.lora_name is None else slot_of[s.request.lora_name]
+                        for s in scheduled], dtype=np.int64)
+        chunk_lens = [s.num_new_tokens for s in scheduled[num_single:]]
+        token_slots = np.concatenate([per[np.asarray(rows[:nd], dtype=np.int64)],
+                                      np.repeat(per[num_single:], chunk_lens)])
+        return LoRABatch.build(token_slots, self.lora.num_slots, self.device)
 
     def _verify(self, logits: torch.Tensor, spec: list[tuple[ScheduledRequest, int]],
                 out: RunnerOutput) -> None:

@@ -47,6 +47,7 @@ class Request:
     max_tokens: int  # resolved: never None, bounded by the context window
     eos_token_ids: tuple[int, ...] = ()
     hash_keys: HashKeys = field(default_factory=HashKeys)
+    lora_name: str | None = None  # the LoRA adapter it runs with; None = the base model
     priority: int = 0  # lower is served first; ties by arrival
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None  # the user's request id when n > 1

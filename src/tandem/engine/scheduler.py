@@ -15,6 +15,10 @@ cache) and it goes back to the waiting queue with its generated tokens kept. A v
 never a request already scheduled in this step: the running pass serves requests in the
 order victims are taken from the back, and the deferred pass takes none that ran.
 
+With LoRA (`max_loras` > 0) the running requests use at most `max_loras` distinct adapters:
+a waiting request whose adapter would exceed it is passed over (the requests behind it
+may start) until a running adapter's last request leaves.
+
 Admission stops at the first waiting request that does not fit, except for P/D requests
 whose imported blocks are pinned with a block for their last token (they need no free one);
 a step that would run nothing admits the first request that fits.
@@ -31,6 +35,7 @@ import bisect
 import heapq
 import itertools
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -76,8 +81,13 @@ class Scheduler:
     """FCFS-with-priority scheduler over a `KVCacheManager` (plain values, no torch)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int = 1 << 30, long_prefill_token_threshold: int = 0) -> None:
+                 max_waiting: int = 1 << 30, long_prefill_token_threshold: int = 0,
+                 max_loras: int = 0) -> None:
         self.kv = kv
+        # distinct LoRA adapters among the running requests, at most `max_loras` (0: no
+        # LoRA): so every step's adapters fit the device slots
+        self.max_loras = max_loras
+        self.running_loras: Counter[str] = Counter()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
@@ -126,6 +136,7 @@ class Scheduler:
         self._yielded.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
+            self._drop_lora(req)
         else:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)
@@ -139,8 +150,21 @@ class Scheduler:
         cap = self.long_prefill_token_threshold
         return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
 
+    def _drop_lora(self, req: Request) -> None:
+        if req.lora_name is not None:
+            self.running_loras[req.lora_name] -= 1
+            if self.running_loras[req.lora_name] <= 0:
+                del self.running_loras[req.lora_name]
+
+    def _lora_blocked(self, req: Request) -> bool:
+        """Admitting `req` would take the running requests past `max_loras` adapters."""
+        name = req.lora_name
+        return (name is not None and self.max_loras > 0 and name not in self.running_loras
+                and len(self.running_loras) >= self.max_loras)
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
+        self._drop_lora(victim)
         self.kv.free(victim)
         self._yielded.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
@@ -198,6 +222,8 @@ class Scheduler:
     def _admit(self, req: Request) -> None:
         """A waiting request starts running: `running` stays in (priority, arrival) order."""
         bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_seq))
+        if req.lora_name is not None:
+            self.running_loras[req.lora_name] += 1
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -259,6 +285,9 @@ class Scheduler:
         blocked = False
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][2]
+            if self._lora_blocked(req):  # its adapter waits for a slot: others go ahead
+                passed.append(heapq.heappop(self._waiting))
+                continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, budget)
             if 2 * self.kv.pending_run(req, num_hit // self.kv.block_size) >= num_new:
@@ -287,6 +316,8 @@ class Scheduler:
         for _, _, req in staged:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self._lora_blocked(req):
+                continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, computed, max_free=0) is None:
@@ -307,7 +338,7 @@ class Scheduler:
         pages, imports still in flight) must not idle the engine while some request could
         run."""
         for _, _, req in heapq.nsmallest(STALL_LOOKAHEAD, self._waiting):
-            if req in preempted:
+            if req in preempted or self._lora_blocked(req):
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens)

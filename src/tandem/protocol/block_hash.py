@@ -44,6 +44,15 @@ class HashKeys:
     cache_salt: str = ""  # per-tenant salt from the request; "" = shared cache
 
 
+def request_hash_keys(model_id: str, adapter: str | None = None,
+                      cache_salt: str | None = None) -> HashKeys:
+    """The keys of a request for `model_id` (the base model's served name) run with LoRA
+    adapter `adapter` (None: the base model) and `cache_salt`: every place that hashes a
+    prompt (engine, prefill service, decode-side client, router) derives them here, so two
+    adapters, or an adapter and its base model, never share a block."""
+    return HashKeys(model_id, adapter or "", cache_salt or "")
+
+
 def _field(value: str) -> bytes:
     raw = value.encode("utf-8")
     return _U32.pack(len(raw)) + raw

@@ -32,6 +32,18 @@ class Proposal:
     draft_probs: Any | None = None  # torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """A proposer's measured costs, in seconds: a draft round (one batched forward for the
+    requests of a `propose` call) takes `round_s + row_s * rows`; catching a request up over
+    tokens the draft has not seen yet (a prompt, the output of steps it did not draft)
+    takes `catchup_token_s` per token."""
+
+    round_s: float
+    row_s: float = 0.0
+    catchup_token_s: float = 0.0
+
+
 @dataclass
 class ProposerContext:
     """What a proposer may use of the engine it serves (set by `LLMEngine`)."""
@@ -66,10 +78,14 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:  # noqa: B027 - optional for stateless ones
         """Forget the request (finished, aborted or preempted)."""
 
-    def round_cost(self) -> tuple[float, float] | None:
-        """Measured seconds of one draft round (one batched draft forward for the requests of
-        a `propose` call) as (d0, d1): d0 + d1 * rows; None: drafting is free."""
+    def round_cost(self) -> DraftCost | None:
+        """What drafting costs on this machine; None: drafting is free (n-gram lookup)."""
         return None
+
+    def catchup_tokens(self, request: Request) -> int:
+        """Tokens of `request` the proposer must run before it can propose, beyond what a
+        draft round covers (0 for stateless proposers)."""
+        return 0
 
 
 PROPOSERS: dict[str, Callable[[ProposerContext], Proposer]] = {}

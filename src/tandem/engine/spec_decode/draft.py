@@ -30,7 +30,13 @@ import torch
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.sampler import SamplingRow, processed_probs, sampling_params
-from tandem.engine.spec_decode.base import Proposal, Proposer, ProposerContext, register_proposer
+from tandem.engine.spec_decode.base import (
+    DraftCost,
+    Proposal,
+    Proposer,
+    ProposerContext,
+    register_proposer,
+)
 from tandem.engine.spec_decode.draft_runner import DraftKV, DraftSeq, load_model, truncated_view
 from tandem.engine.spec_decode.policy import StepCostFit
 from tandem.engine.staging import download
@@ -41,6 +47,8 @@ if TYPE_CHECKING:
 DRAFT_KV_BYTES = 1 << 30  # at most this much draft KV cache (one max_model_len sequence fits)
 _GREEDY_BELOW = 1e-5  # as the sampler's
 _ROUND_ROWS = 8  # a catch-up of at most this many tokens per request times as a round
+_CALIBRATION_TOKENS = 64  # a catch-up of this many tokens is timed at start
+_CALIBRATION_WEIGHT = 8  # each calibration size counts as this many rounds in the fit
 
 
 @dataclass
@@ -95,16 +103,63 @@ class DraftProposer(Proposer):
         self.generators: dict[str, torch.Generator] = {}
         self._round_s: float | None = None  # seconds per draft round (EMA)
         self._rounds = StepCostFit(max_tokens=1 << 30)  # seconds against rows
+        self._token_s = 0.0  # seconds per caught-up token (EMA)
+        self._calibrate(min(_ROUND_ROWS, max(1, ctx.max_num_seqs)))
 
-    def round_cost(self) -> tuple[float, float] | None:
-        """A draft round's seconds as d0 + d1 * rows: a least-squares line once rounds of
-        several batch sizes were timed, else (EMA, 0). Timed: the single-token rounds, and the
-        catch-up forward when it runs only a few accepted tokens per request (a prompt's is
-        not a round)."""
+    def round_cost(self) -> DraftCost | None:
+        """A draft round's seconds as round_s + row_s * rows: a least-squares line once
+        rounds of several batch sizes were timed (the start's calibration seeds it), else
+        (EMA, 0); a catch-up token's seconds (EMA). Timed: the single-token rounds, the
+        catch-up forward when it runs only a few accepted tokens per request (a round), and
+        longer catch-ups (per token)."""
         line = self._rounds.line()
         if line is not None:
-            return line
-        return None if self._round_s is None else (self._round_s, 0.0)
+            return DraftCost(line[0], line[1], self._token_s)
+        return None if self._round_s is None else DraftCost(self._round_s, 0.0, self._token_s)
+
+    def catchup_tokens(self, request: Request) -> int:
+        """Tokens to run before drafting, when more than a round's few accepted ones."""
+        ids = request.all_token_ids
+        pending = len(ids) - self.kv.known(request.request_id, ids)
+        return pending if pending > _ROUND_ROWS else 0
+
+    def _calibrate(self, rows: int) -> None:
+        """Time a catch-up of `_CALIBRATION_TOKENS` tokens and single-token rounds of 1 and
+        `rows` requests on throwaway sequences (the second of two runs of each, the first
+        warms up), so the policy knows what drafting costs before the first real round."""
+        n = min(_CALIBRATION_TOKENS, self.max_len - 1)
+        if n < 2:
+            return
+        seqs = [f"\x00calibrate-{i}" for i in range(rows)]
+        need = cdiv(n + 2, self.kv.block_size) * rows
+        if self.kv.num_free_blocks() < need:
+            return
+        try:
+            for _ in range(2):
+                states = [self.kv.reconcile(rid, [1]) for rid in seqs]
+                for st in states:
+                    self.kv.reserve(st, n + 2, set(seqs))
+                t0 = time.perf_counter()
+                self.kv.forward(self.model, self.device, [(states[0], [1] * n)])[0].tolist()
+                token_s = (time.perf_counter() - t0) / n
+                for st in states[1:]:
+                    self.kv.forward(self.model, self.device, [(st, [1] * n)])
+                times = []
+                for size in (1, rows):
+                    t0 = time.perf_counter()
+                    self.kv.forward(self.model, self.device,
+                                    [(st, [1]) for st in states[:size]])[0].tolist()
+                    times.append((size, time.perf_counter() - t0))
+                for rid in seqs:
+                    self.kv.release(rid)
+        finally:
+            for rid in seqs:
+                self.kv.release(rid)
+        self._token_s = token_s
+        for size, took in times if rows > 1 else ():
+            for _ in range(_CALIBRATION_WEIGHT):
+                self._rounds.add(size, took)
+        self._round_s = times[0][1]
 
     def _timed(self, t0: float, rows: int) -> None:
         """A round of `rows` requests since `t0` ended (`_choose` ends in a device-to-host
@@ -165,12 +220,18 @@ class DraftProposer(Proposer):
             t0 = time.perf_counter()
             logits = self.kv.forward(self.model, self.device, [(r.seq, t) for r, t in batch])
             done = [i for i, (r, _) in enumerate(batch) if not r.pending]
+            ran = sum(len(t) for _, t in batch)
             if done:
                 self._choose(logits[done] if len(done) < len(batch) else logits,
                              [batch[i][0] for i in done], 0)
-                if len(done) == len(batch) and sum(len(t) for _, t in batch) <= (
-                        _ROUND_ROWS * len(batch)):  # a few accepted tokens each: a round
-                    self._timed(t0, len(batch))
+            else:
+                download(logits[:1, :1])  # synchronise before timing
+            if len(done) == len(batch) and ran <= _ROUND_ROWS * len(batch):
+                self._timed(t0, len(batch))  # a few accepted tokens each: a round
+            elif ran > _ROUND_ROWS * len(batch):
+                per = (time.perf_counter() - t0) / ran
+                self._token_s = per if not self._token_s else (
+                    self._token_s + 0.1 * (per - self._token_s))
         for step in range(1, max((r.k for r in live), default=0)):
             t0 = time.perf_counter()
             batch = [r for r in live if r.k > step]

@@ -95,6 +95,22 @@ def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype
     return model, backend
 
 
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of `a` and `b`, at most `limit`: a binary
+    search over slice equality (prefix equality is monotone), C-speed list compares."""
+    hi = max(0, min(len(a), len(b), limit))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] holds, a[:hi] == b[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 @dataclass
 class DraftSeq:
     """One request's draft KV: `tokens[p]` is the token whose K/V sit at position p."""
@@ -120,6 +136,13 @@ class DraftKV:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks()
 
+    def known(self, rid: str, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` (short of the last) the request's draft KV
+        holds (read-only; `reconcile` keeps exactly these)."""
+        seq = self.seqs.get(rid)
+        return 0 if seq is None else common_prefix(seq.tokens, token_ids,
+                                                   len(token_ids) - 1)
+
     def reconcile(self, rid: str, token_ids: list[int]) -> DraftSeq:
         """The request's state, kept only over its longest common prefix with `token_ids`
         and short of the last token (whose logits the next forward must produce)."""
@@ -127,11 +150,7 @@ class DraftKV:
         if seq is None:
             seq = self.seqs[rid] = DraftSeq()
         self.seqs.move_to_end(rid)
-        toks, limit = seq.tokens, min(len(seq.tokens), len(token_ids) - 1)
-        keep = 0
-        while keep < limit and toks[keep] == token_ids[keep]:
-            keep += 1
-        del toks[keep:]
+        del seq.tokens[common_prefix(seq.tokens, token_ids, len(token_ids) - 1):]
         return seq
 
     def reserve(self, seq: DraftSeq, num_tokens: int, protected: set[str]) -> bool:

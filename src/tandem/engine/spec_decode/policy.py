@@ -33,6 +33,12 @@ With `adaptive=False`, always k = `num_speculative_tokens`. Otherwise:
   request alone: a request's drafts slow every request in the batch, so at high load (T
   large) a draft position is worth it only when its gain nears 1, and speculation backs off;
   with low acceptance it backs off at any load.
+- Catch-up: a draft model must first run the tokens it has not seen (a request's prompt, or
+  the output of the steps it sat out at k = 0), at `catchup_cost` per token. That cost is
+  paid once and buys speculation for the rest of the request, so a request with C such
+  tokens and `remaining` tokens still to emit is charged C * catchup_cost * E(k) /
+  max(remaining, E(k)) in the step it drafts (the one-off cost spread over the steps
+  speculation can still save): a long prompt is not caught up for a short answer.
 - Probe: a request held at k = 0 for `probe_period` steps gets k = 1 once (so its estimate
   can recover), unless even a perfect draft (a = 1) would lose at this load.
 """
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.engine.spec_decode.base import DraftCost
 from tandem.engine.spec_decode.config import SpeculativeConfig
 
 
@@ -108,6 +115,7 @@ class SpecPolicy:
         self.saturation = float(saturation_tokens)
         self.draft_cost = float(draft_cost)  # a round's fixed cost, in target steps
         self.draft_cost_per_row = 0.0  # .. and its cost per drafting request
+        self.catchup_cost = 0.0  # a draft model's cost per caught-up token, in target steps
         self.probe_period = probe_period
         self.alpha = ema_alpha
         self.global_alpha = global_alpha
@@ -124,19 +132,25 @@ class SpecPolicy:
         st = self._reqs.get(request_id)
         return self.global_acceptance if st is None else st.acceptance
 
-    def _cost(self, tokens: float, rounds: int, rows: int = 1) -> float:
+    def _cost(self, tokens: float, rounds: int, rows: int = 1, extra: float = 0.0) -> float:
         """A step of `tokens` target tokens and `rounds` draft rounds over `rows` drafting
-        requests, in units of a zero-token target step."""
+        requests, plus `extra` (amortised catch-ups), in units of a zero-token target step."""
         if not rounds:
-            return 1.0 + tokens / self.saturation
-        return 1.0 + tokens / self.saturation + rounds * (self.draft_cost
-                                                          + self.draft_cost_per_row * rows)
+            return 1.0 + tokens / self.saturation + extra
+        return 1.0 + tokens / self.saturation + extra + rounds * (
+            self.draft_cost + self.draft_cost_per_row * rows)
+
+    def _catchup(self, tokens: int, remaining: int, gain: float) -> float:
+        """The share of a `tokens`-token catch-up charged to a step expected to emit `gain`
+        tokens of a request with `remaining` still to emit."""
+        if tokens <= 0 or self.catchup_cost <= 0:
+            return 0.0
+        return tokens * self.catchup_cost * gain / max(float(remaining), gain)
 
     def observe_timing(self, step_s: float, step_tokens: int,
-                       round_cost: tuple[float, float] | None = None) -> None:
+                       round_cost: DraftCost | None = None) -> None:
         """A target step of `step_tokens` tokens took `step_s` seconds; `round_cost`: the
-        proposer's current seconds per draft round as (d0, d1), d0 + d1 * rows (None:
-        drafting is free).
+        proposer's current costs (None: drafting is free).
 
         Once the steps' sizes spread (speculation varies them), `fit` gives the machine's
         own saturation and unit time, replacing the constructor's saturation; before that,
@@ -154,39 +168,51 @@ class SpecPolicy:
             self._unit_s = unit if self._unit_s is None else (
                 self._unit_s + self.timing_alpha * (unit - self._unit_s))
         if round_cost is not None:
-            self.draft_cost = max(round_cost[0], 0.0) / self._unit_s
-            self.draft_cost_per_row = max(round_cost[1], 0.0) / self._unit_s
+            self.draft_cost = max(round_cost.round_s, 0.0) / self._unit_s
+            self.draft_cost_per_row = max(round_cost.row_s, 0.0) / self._unit_s
+            self.catchup_cost = max(round_cost.catchup_token_s, 0.0) / self._unit_s
 
     def _best_k(self, a: float, useful: float, tokens: int, rounds: int, cap: int,
-                rows: int = 0) -> tuple[int, float]:
-        """(k <= cap, E(k)) maximising the step's throughput given `rounds` already drafted
-        for `rows` requests; k = 0 unless it wins by margin."""
-        base = useful / self._cost(tokens, rounds, rows)
-        best_k, best_ratio = 0, base
+                rows: int = 0, extra: float = 0.0, catchup: int = 0,
+                remaining: int = 0) -> tuple[int, float, float]:
+        """(k <= cap, E(k), its catch-up charge) maximising the step's throughput given
+        `rounds` already drafted for `rows` requests and `extra` charged; k = 0 unless it
+        wins by margin. `catchup` / `remaining`: this request's (`_catchup`)."""
+        base = useful / self._cost(tokens, rounds, rows, extra)
+        best = (0, 1.0, 0.0)
+        best_ratio = base
         for k in range(1, cap + 1):
-            ratio = (useful + expected_tokens(a, k) - 1.0) / self._cost(
-                tokens + k, max(rounds, k), rows + 1)
+            gain = expected_tokens(a, k)
+            add = self._catchup(catchup, remaining, gain)
+            ratio = (useful + gain - 1.0) / self._cost(tokens + k, max(rounds, k), rows + 1,
+                                                       extra + add)
             if ratio > best_ratio:
-                best_k, best_ratio = k, ratio
+                best, best_ratio = (k, gain, add), ratio
         if best_ratio <= base * (1.0 + self.margin):
-            return 0, 1.0
-        return best_k, expected_tokens(a, best_k)
+            return 0, 1.0, 0.0
+        return best
 
-    def _plan(self, accs: list[float], tokens: int, rounds: int) -> tuple[list[int], float]:
+    def _plan(self, accs: list[float], tokens: int, rounds: int, catchup: list[int],
+              remaining: list[int]) -> tuple[list[int], float]:
         """Requests in order, each k <= `rounds` with the step paying `rounds` draft rounds:
         (ks, the step's throughput paying only the max(ks) rounds the plan needs)."""
-        useful, ks, rows = float(tokens), [], 0
-        for a in accs:
-            k, gain = self._best_k(a, useful, tokens, rounds, rounds, rows)
+        useful, ks, rows, extra = float(tokens), [], 0, 0.0
+        for a, c, left in zip(accs, catchup, remaining, strict=True):
+            k, gain, add = self._best_k(a, useful, tokens, rounds, rounds, rows, extra, c, left)
             ks.append(k)
             useful += gain - 1.0
             tokens += k
             rows += k > 0
-        return ks, useful / self._cost(tokens, max(ks, default=0), rows)
+            extra += add
+        return ks, useful / self._cost(tokens, max(ks, default=0), rows, extra)
 
-    def choose(self, request_ids: list[str], batch_tokens: int) -> list[int]:
+    def choose(self, request_ids: list[str], batch_tokens: int,
+               catchup: list[int] | None = None,
+               remaining: list[int] | None = None) -> list[int]:
         """k_i in [0, num_speculative_tokens] per request; `batch_tokens` = tokens the step
-        runs without drafts (these requests' decode tokens and others' prefill chunks).
+        runs without drafts (these requests' decode tokens and others' prefill chunks);
+        `catchup[i]`: tokens the proposer must catch up on before request i drafts
+        (`Proposer.catchup_tokens`, default 0), `remaining[i]`: tokens it may still emit.
 
         Rounds are shared, so the step's round count R is chosen for the batch: for each R
         in 0..k a plan (`_plan`), the plan of highest throughput wins (a drafting cost of 0
@@ -201,19 +227,24 @@ class SpecPolicy:
                 st = self._reqs[rid] = _ReqState(self.global_acceptance)
             states.append(st)
         accs = [st.acceptance for st in states]
+        n = len(states)
+        catchup = list(catchup) if catchup is not None else [0] * n
+        remaining = list(remaining) if remaining is not None else [0] * n
         if self.draft_cost > 0 or self.draft_cost_per_row > 0:
-            zero = self._plan(accs, tokens, 0)[1]
-            ks, best = [0] * len(states), zero
+            zero = self._plan(accs, tokens, 0, catchup, remaining)[1]
+            ks, best = [0] * n, zero
             for r in range(1, self.k + 1):
-                plan, ratio = self._plan(accs, tokens, r)
+                plan, ratio = self._plan(accs, tokens, r, catchup, remaining)
                 if ratio > best:
                     ks, best = plan, ratio
             if best <= zero * (1.0 + self.margin):
-                ks = [0] * len(states)
+                ks = [0] * n
         else:
-            ks = self._plan(accs, tokens, self.k)[0]
-        useful = tokens + sum(expected_tokens(a, k) - 1.0 for a, k in zip(accs, ks,
-                                                                          strict=True))
+            ks = self._plan(accs, tokens, self.k, catchup, remaining)[0]
+        gains = [expected_tokens(a, k) for a, k in zip(accs, ks, strict=True)]
+        useful = tokens + sum(g - 1.0 for g in gains)
+        extra = sum(self._catchup(c, left, g) for c, left, g, k in zip(
+            catchup, remaining, gains, ks, strict=True) if k)
         tokens += sum(ks)
         rounds = max(ks, default=0)
         rows = sum(k > 0 for k in ks)
@@ -222,8 +253,11 @@ class SpecPolicy:
                 st.zero_streak = 0
                 continue
             st.zero_streak += 1
-            if st.zero_streak >= self.probe_period and self._best_k(
-                    1.0, useful, tokens, rounds, 1, rows)[0] > 0:
+            if st.zero_streak < self.probe_period:
+                continue
+            k, _, add = self._best_k(1.0, useful, tokens, rounds, 1, rows, extra, catchup[i],
+                                     remaining[i])
+            if k:
                 ks[i] = 1
                 st.zero_streak = 0
                 self.num_probes += 1
@@ -231,6 +265,7 @@ class SpecPolicy:
                 tokens += 1
                 rounds = max(rounds, 1)
                 rows += 1
+                extra += add
         return ks
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:

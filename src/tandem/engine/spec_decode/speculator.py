@@ -77,7 +77,9 @@ class Speculator:
                     ready.append((r, cap))
         if not ready:
             return
-        ks = self.policy.choose([r.request_id for r, _ in ready], batch)
+        ks = self.policy.choose([r.request_id for r, _ in ready], batch,
+                                [self.proposer.catchup_tokens(r) for r, _ in ready],
+                                [r.max_tokens - r.num_output_tokens for r, _ in ready])
         asks = [(r, min(k, cap)) for (r, cap), k in zip(ready, ks, strict=True)
                 if min(k, cap) > 0]
         if not asks:

@@ -1,0 +1,178 @@
+"""Which adapters exist, which sit in host memory, which in the device slots.
+
+- Registered adapters (`add`, `remove`): name -> `LoRARequest` (validated once when added:
+  the files are read, so a bad adapter fails its load call, not a later request).
+- Host cache: up to `max_cpu_loras` loaded `LoRAAdapter`s, least recently used evicted
+  (re-read from disk, sha256 checked again, when needed later).
+- Device slots: `max_loras` slots of `ModuleSlots` stacks in every wrapped linear;
+  `prepare(names)` makes a step's adapters resident (loading into free or least recently
+  used slots not needed by this step) and returns each name's slot. The scheduler keeps
+  the running requests' distinct adapters at most `max_loras`, so a step always fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.errors import ConfigError, UnknownAdapterError
+from tandem.engine.lora.layers import LoRAContext, LoRALinear, ModuleSlots
+from tandem.engine.lora.paths import resolve_adapter_dir
+from tandem.engine.lora.peft import LoRAAdapter, load_adapter
+from tandem.engine.lora.request import LoRARequest
+from tandem.engine.model.config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+# fused module -> its sub-targets, in output order
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA engine arguments."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_dirs: tuple[str, ...] = ()  # roots clients may load adapters from
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                              f"({self.max_loras})")
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, config: LoRAConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.arch, self.config, self.device = arch, config, device
+        self.ctx = LoRAContext()
+        self.num_slots = config.max_loras
+        self.max_cpu = config.max_cpu_loras or config.max_loras
+        self.registered: dict[str, LoRARequest] = {}
+        self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
+        self.modules: dict[tuple[int, str], ModuleSlots] = {}
+        self._wrap(model, dtype)
+        self.num_loads = 0  # adapters copied into a slot (diagnostics)
+
+    def _wrap(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        a = self.arch
+        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, (
+            a.intermediate_size)
+        layout = {"qkv_proj": ("self_attn", a.hidden_size, [(0, q), (q, kv), (q + kv, kv)]),
+                  "o_proj": ("self_attn", q, [(0, a.hidden_size)]),
+                  "gate_up_proj": ("mlp", a.hidden_size, [(0, inter), (inter, inter)]),
+                  "down_proj": ("mlp", inter, [(0, a.hidden_size)])}
+        for i, layer in enumerate(model.layers):
+            for name, (group, n_in, outs) in layout.items():
+                parent = getattr(layer, group)
+                slots = ModuleSlots.allocate(self.num_slots, self.config.max_lora_rank, n_in,
+                                             outs, self.device, dtype)
+                self.modules[(i, name)] = slots
+                setattr(parent, name, LoRALinear(getattr(parent, name), slots, self.ctx))
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of every slot stack (allocated up front)."""
+        return sum(m.nbytes for m in self.modules.values())
+
+    # -- registry ---------------------------------------------------------------------------
+    def add(self, req: LoRARequest, trusted: bool = False) -> LoRAAdapter:
+        """Register (and load, to validate) an adapter; `trusted`: a path from the server's
+        own configuration, not confined to `lora_dirs`. ConfigError on a bad adapter,
+        ValueError when the name is taken by a different adapter."""
+        old = self.registered.get(req.lora_name)
+        if old is not None and old != req:
+            raise ValueError(f"adapter {req.lora_name!r} is already loaded")
+        if any(r.lora_int_id == req.lora_int_id and r.lora_name != req.lora_name
+               for r in self.registered.values()):
+            raise ValueError(f"lora_int_id {req.lora_int_id} is taken by another adapter")
+        path = resolve_adapter_dir(req.lora_path, None if trusted else self.config.lora_dirs)
+        adapter = load_adapter(path, req.lora_name, req.lora_int_id, self.arch,
+                               self.config.max_lora_rank, req.sha256)
+        resolved = LoRARequest(req.lora_name, req.lora_int_id, str(path),
+                               req.sha256 or adapter.sha256)
+        self.registered[req.lora_name] = resolved
+        self._cache(adapter)
+        logger.info("LoRA adapter %s (id %d, rank %d, %d modules, %.1f MiB) from %s",
+                    req.lora_name, req.lora_int_id, adapter.rank, len(adapter.weights),
+                    adapter.nbytes / 2**20, path)
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter (its slot and host copy); the caller has ended its requests."""
+        if self.registered.pop(name, None) is None:
+            raise UnknownAdapterError(name)
+        self.host.pop(name, None)
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            for m in self.modules.values():
+                m.clear(slot)
+
+    def has(self, name: str) -> bool:
+        return name in self.registered
+
+    def names(self) -> list[str]:
+        return list(self.registered)
+
+    # -- residency --------------------------------------------------------------------------
+    def _cache(self, adapter: LoRAAdapter) -> None:
+        self.host[adapter.name] = adapter
+        self.host.move_to_end(adapter.name)
+        while len(self.host) > self.max_cpu:
+            self.host.popitem(last=False)
+
+    def _host(self, name: str) -> LoRAAdapter:
+        adapter = self.host.get(name)
+        if adapter is None:
+            req = self.registered[name]
+            adapter = load_adapter(resolve_adapter_dir(req.lora_path, None), name,
+                                   req.lora_int_id, self.arch, self.config.max_lora_rank,
+                                   req.sha256)
+        self._cache(adapter)
+        return adapter
+
+    def prepare(self, names: set[str]) -> dict[str, int]:
+        """Each of this step's adapters (at most `max_loras`) -> its device slot, loading
+        the missing ones into free slots or those of the least recently used adapters not
+        in `names`."""
+        if len(names) > self.num_slots:
+            raise ValueError(f"{len(names)} adapters in one step; max_loras is "
+                             f"{self.num_slots}")
+        for name in names:
+            if name not in self.registered:
+                raise UnknownAdapterError(name)
+            if name in self.slot_of:
+                self.slot_of.move_to_end(name)
+        for name in sorted(names - self.slot_of.keys()):
+            used = set(self.slot_of.values())
+            free = next((s for s in range(self.num_slots) if s not in used), None)
+            if free is None:
+                victim = next(n for n in self.slot_of if n not in names)
+                free = self.slot_of.pop(victim)
+            self._load(name, free)
+        return {n: self.slot_of[n] for n in names}
+
+    def _load(self, name: str, slot: int) -> None:
+        adapter = self._host(name)
+        for (layer, fused), m in self.modules.items():
+            m.clear(slot)
+            for sub, target in enumerate(FUSED[fused]):
+                w = adapter.weights.get((layer, target))
+                if w is not None:
+                    m.set(slot, sub, w[0].to(m.a.device, m.a.dtype), w[1].to(m.a.device,
+                                                                             m.a.dtype))
+        self.slot_of[name] = slot
+        self.num_loads += 1
+
+

@@ -1,0 +1,337 @@
+"""Multi-LoRA (engine/lora): the batched update against a per-token reference, mixed batches
+against merged-weight models run alone, adapter validation and path confinement, the
+adapter in every block hash, and the scheduler's bound on adapters per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tandem import LLM, LoRARequest, SamplingParams
+from tandem.engine.errors import ConfigError, UnknownAdapterError
+from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.lora.layers import LoRABatch, LoRAContext, LoRALinear, ModuleSlots
+from tandem.engine.lora.paths import AdapterPathError, file_sha256, resolve_adapter_dir
+from tandem.engine.request import RequestStatus
+from tandem.engine.scheduler import Scheduler
+
+from .utils import finish_step, make_peft_adapter, make_request, make_tiny_model_dir, merge_adapter
+
+VOCAB = 1024
+
+
+def test_batched_update_equals_a_per_token_reference():
+    """Random slot maps (base tokens, one adapter, many, long runs): both plans give, for
+    every token, base(x) + x A_s^T B_s^T of its own slot, within float32 rounding."""
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    n_in, outs, rank, num_slots = 24, [(0, 16), (16, 8), (24, 8)], 4, 5
+    base = torch.nn.Linear(n_in, 32, bias=False)
+    slots = ModuleSlots.allocate(num_slots, rank, n_in, outs, torch.device("cpu"),
+                                 torch.float32)
+    dense = {}
+    for s in range(num_slots):
+        for j, (_, n) in enumerate(outs):
+            r = rng.randint(1, rank)
+            a, b = torch.randn(r, n_in), torch.randn(n, r)
+            slots.set(s, j, a, b)
+            dense[(s, j)] = b @ a
+    ctx = LoRAContext()
+    layer = LoRALinear(base, slots, ctx)
+    modes = set()
+    for _ in range(1500):
+        t = rng.randint(1, 40)
+        used = rng.sample(range(num_slots), rng.randint(1, num_slots))
+        runs = rng.random() < 0.3
+        token_slots = np.array([
+            (used[0] if runs and i < t // 2 else rng.choice(used + [-1]))
+            for i in range(t)])
+        x = torch.randn(t, n_in)
+        batch = LoRABatch.build(token_slots, num_slots, torch.device("cpu"))
+        with ctx.use(batch):
+            got = layer(x)
+        want = base(x)
+        for i, s in enumerate(token_slots.tolist()):
+            if s >= 0:
+                for j, (off, n) in enumerate(outs):
+                    want[i, off:off + n] += dense[(s, j)] @ x[i]
+        if batch is None:
+            assert (token_slots < 0).all()
+        else:
+            modes.add(batch.mode)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert ctx.current is None
+    assert modes == {"bmm", "loop"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 3-layer tiny Llama, three adapters (all linears rank 8; q/v only rank 4 with rsLoRA;
+    MLP only rank 6 with an alpha pattern) and a merged-weights checkpoint of each."""
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    make_tiny_model_dir(base, "llama", seed=3, num_hidden_layers=3, vocab_size=VOCAB)
+    cfg = json.loads((base / "config.json").read_text())
+    specs = {
+        "sql": dict(rank=8, alpha=16.0, seed=1),
+        "code": dict(rank=4, alpha=8.0, seed=2, targets=("q_proj", "v_proj"), use_rslora=True),
+        "chat": dict(rank=6, alpha=12.0, seed=3, targets=("gate_proj", "up_proj", "down_proj"),
+                     alpha_pattern={"down_proj": 3.0}),
+    }
+    adapters = {}
+    for name, spec in specs.items():
+        w = make_peft_adapter(root / name, cfg, **spec)
+        r, alpha = spec["rank"], spec["alpha"]
+        scale = alpha / r ** 0.5 if spec.get("use_rslora") else alpha / r
+        if "alpha_pattern" in spec:  # down_proj has its own alpha
+            scale = {t: 3.0 / r if t == "down_proj" else scale for t in spec["targets"]}
+        merge_adapter(base, root / f"{name}-merged", w, scale)
+        adapters[name] = root / name
+    return root, base, adapters
+
+
+def _prompts(rng: random.Random, n: int) -> list[list[int]]:
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]
+    return [(shared if i % 2 else []) + [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 30))]
+            for i in range(n)]
+
+
+def test_mixed_batch_equals_each_merged_model_alone(tiny):
+    """Twelve requests over three adapters and the base model in one engine (2 slots, so
+    adapters wait and are evicted; prefix caching and 16-token chunks on): each request's
+    greedy tokens equal those of the merged model run alone, its logprobs within float32
+    tolerance."""
+    root, base, adapters = tiny
+    rng = random.Random(7)
+    prompts = _prompts(rng, 12)
+    names = [None, "sql", "code", "chat"] * 3
+    rng.shuffle(names)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
+    ref = {}
+    for name in set(names):
+        path = base if name is None else root / f"{name}-merged"
+        llm = LLM(model=str(path), device="cpu", dtype="float32")
+        idx = [i for i, n in enumerate(names) if n == name]
+        for i, out in zip(idx, llm.generate([prompts[i] for i in idx], sp), strict=True):
+            ref[i] = out.outputs[0]
+    llm = LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_num_batched_tokens=16, max_cpu_loras=2)
+    ids = {n: i for i, n in enumerate(adapters, start=1)}
+    reqs = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
+    got = llm.generate(prompts, sp, lora_request=reqs)
+    for i, out in enumerate(got):
+        assert out.outputs[0].token_ids == ref[i].token_ids, (i, names[i])
+        for lp_ref, lp in zip(ref[i].logprobs, out.outputs[0].logprobs, strict=True):
+            for tok, v in lp_ref.items():
+                assert lp[tok] == pytest.approx(v, abs=2e-4)
+    manager = llm.engine.lora
+    assert manager.num_loads >= 3 and len(manager.host) <= 2
+    # the same adapters by name alone, now that they are registered; an unknown one: 404
+    again = llm.generate(prompts[:4], sp, lora_request=[
+        None if n is None else LoRARequest(n, ids[n]) for n in names[:4]])
+    assert [o.outputs[0].token_ids for o in again] == [ref[i].token_ids for i in range(4)]
+    with pytest.raises(UnknownAdapterError):
+        llm.generate(prompts[:1], sp, lora_request=LoRARequest("nope", 9))
+
+
+def test_an_adapter_never_shares_blocks_with_the_base_or_another(tiny):
+    root, base, adapters = tiny
+    llm = LLM(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
+              block_size=4)
+    sql, code = LoRARequest("sql", 1, str(adapters["sql"])), LoRARequest("code", 2,
+                                                                         str(adapters["code"]))
+    prompt = list(range(10, 50))
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def cached(lora) -> int:
+        return llm.generate([prompt], sp, lora_request=lora)[0].num_cached_tokens
+
+    assert cached(None) == 0
+    assert cached(sql) == 0  # the base model's blocks are not the adapter's
+    assert cached(code) == 0
+    assert cached(sql) == 36 and cached(None) == 36  # each hits its own
+
+
+def _write_adapter(dirpath, cfg, **kw):
+    return make_peft_adapter(dirpath, cfg, rank=kw.pop("rank", 4), **kw)
+
+
+def test_bad_adapters_are_refused_with_clear_errors(tiny, tmp_path):
+    root, base, _ = tiny
+    cfg = json.loads((base / "config.json").read_text())
+    llm = LLM(model=str(base), device="cpu", enable_lora=True, max_lora_rank=8,
+              lora_dirs=[str(tmp_path)])
+    manager = llm.engine.lora
+
+    def refused(name: str, match: str, trusted: bool = False, **write) -> None:
+        path = tmp_path / name
+        _write_adapter(path, cfg, **write)
+        with pytest.raises(ConfigError, match=match):
+            manager.add(LoRARequest(name, 50 + len(manager.registered), str(path)),
+                        trusted=trusted)
+        assert name not in manager.registered
+
+    refused("big", "exceeds max_lora_rank", rank=16)
+    refused("dora", "DoRA", use_dora=True)
+    refused("saved", "modules_to_save", modules_to_save=["lm_head"])
+    refused("bias", "biases", bias="all")
+    refused("deep", "names layer 7", layers=[7])
+    refused("untargeted", "not in the adapter's target_modules",
+            targets=("q_proj",), target_modules=["v_proj"])
+    # a B of the wrong shape
+    path = tmp_path / "shape"
+    _write_adapter(path, cfg)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key] = torch.zeros(3, 4)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="the base model needs"):
+        manager.add(LoRARequest("shape", 60, str(path)))
+    # a missing lora_B
+    del tensors[key]
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="without lora_B"):
+        manager.add(LoRARequest("shape", 60, str(path)))
+    # garbage weights, bad JSON
+    (path / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ConfigError, match="safetensors"):
+        manager.add(LoRARequest("shape", 60, str(path)))
+    ok = tmp_path / "ok"
+    _write_adapter(ok, cfg)
+    digest = file_sha256(ok / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match="does not match the pinned"):
+        manager.add(LoRARequest("ok", 61, str(ok), sha256="0" * 64))
+    manager.add(LoRARequest("ok", 61, str(ok), sha256=digest))
+    with pytest.raises(ValueError, match="already loaded"):
+        manager.add(LoRARequest("ok", 62, str(ok)))
+    (ok / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        manager.add(LoRARequest("ok2", 63, str(ok)))
+
+
+def test_adapter_paths_stay_inside_the_allowed_directories(tiny, tmp_path):
+    root, base, adapters = tiny
+    cfg = json.loads((base / "config.json").read_text())
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    _write_adapter(allowed / "good", cfg)
+    _write_adapter(outside / "evil", cfg)
+    (allowed / "link").symlink_to(outside / "evil")
+    (allowed / "halflink").mkdir()
+    (allowed / "halflink" / "adapter_config.json").write_text("{}")
+    (allowed / "halflink" / "adapter_model.safetensors").symlink_to(
+        outside / "evil" / "adapter_model.safetensors")
+    roots = [str(allowed)]
+    assert resolve_adapter_dir(str(allowed / "good"), roots) == (allowed / "good").resolve()
+    assert resolve_adapter_dir("good", roots) == (allowed / "good").resolve()
+    for bad, why in [(str(outside / "evil"), "outside"), ("../outside/evil", "'..'"),
+                     (str(allowed / "link"), "outside"), (str(allowed / "halflink"), "links"),
+                     ("https://example.com/a", "URL"), ("file:///etc", "URL"),
+                     ("s3://bucket/a", "URL"), ("a\x00b", "non-empty"), ("", "non-empty"),
+                     (str(allowed), "has no adapter_config.json"),
+                     (str(allowed / "missing"), "not a directory")]:
+        with pytest.raises(AdapterPathError, match=why):
+            resolve_adapter_dir(bad, roots)
+    with pytest.raises(AdapterPathError, match="no adapter directory"):
+        resolve_adapter_dir(str(allowed / "good"), [])
+    # nothing outside the root was opened: an unreadable file there stays unread
+    os.chmod(outside / "evil" / "adapter_model.safetensors", 0)
+    try:
+        with pytest.raises(AdapterPathError):
+            resolve_adapter_dir(str(allowed / "link"), roots)
+    finally:
+        os.chmod(outside / "evil" / "adapter_model.safetensors", 0o644)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scheduler_keeps_running_adapters_within_max_loras(seed):
+    """Random arrivals over 6 adapters and the base model, max_loras = 2: no step ever runs
+    more than 2 distinct adapters, nobody starves, every block comes back."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(kv, max_num_seqs=6, max_num_batched_tokens=32, max_loras=2)
+    names = [None, "a", "b", "c", "d", "e", "f"]
+    pending = 60
+    steps = 0
+    while pending or sched.has_unfinished():
+        for _ in range(min(rng.randint(0, 2), pending)):
+            req = make_request([rng.randrange(1, 100) for _ in range(rng.randint(1, 12))],
+                               max_tokens=rng.randint(1, 6))
+            req.lora_name = rng.choice(names)
+            sched.add_request(req)
+            pending -= 1
+        out = sched.schedule()
+        step = {s.request.lora_name for s in out.scheduled} - {None}
+        running = {r.lora_name for r in sched.running} - {None}
+        assert len(step) <= 2 and len(running) <= 2
+        assert dict(sched.running_loras) == {
+            n: sum(r.lora_name == n for r in sched.running) for n in running}
+        finish_step(sched, out)
+        for r in list(sched.running):
+            if r.status is RequestStatus.RUNNING and rng.random() < 0.05:
+                sched.finish(r, RequestStatus.FINISHED_ABORTED)
+        steps += 1
+        assert steps < 5000
+    assert not sched.running_loras
+    assert kv.pool.num_free_blocks() == 64
+
+
+@pytest.mark.slow
+def test_bundled_model_adapters_equal_merged_weights(bundled_gguf, tmp_path):
+    """Two random rank-8 adapters (all linears; q/v only) on the bundled SmolLM2 in one
+    batch with the base model: greedy tokens equal an engine whose linears have W + s B A
+    merged in place, logprobs within float32 tolerance."""
+    llm = LLM(device="cpu", dtype="float32", cpu_linear="torch", enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    arch = llm.engine.model.config
+    cfg = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+           "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+           "head_dim": arch.head_dim, "num_hidden_layers": arch.num_layers}
+    w1 = make_peft_adapter(tmp_path / "one", cfg, rank=8, alpha=16.0, seed=4, std=0.05)
+    w2 = make_peft_adapter(tmp_path / "two", cfg, rank=8, alpha=8.0, seed=5, std=0.08,
+                           targets=("q_proj", "v_proj"))
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):",
+                                       "Once upon a time, in a small village,")]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+    one, two = LoRARequest("one", 1, str(tmp_path / "one")), LoRARequest("two", 2,
+                                                                         str(tmp_path / "two"))
+    loras = [one, two, None, two, one, None]
+    got = llm.generate(prompts + prompts, sp, lora_request=loras)
+    assert got[0].outputs[0].token_ids != got[2].outputs[0].token_ids  # the adapter matters
+    del llm
+
+    ref = LLM(device="cpu", dtype="float32", cpu_linear="torch")
+    model = ref.engine.model
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size
+    where = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", q),
+             "v_proj": ("self_attn", "qkv_proj", q + kv), "o_proj": ("self_attn", "o_proj", 0),
+             "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", inter),
+             "down_proj": ("mlp", "down_proj", 0)}
+
+    def merged(weights, scale, sign):
+        with torch.no_grad():
+            for (i, t), (a, b) in weights.items():
+                group, fused, off = where[t]
+                lin = getattr(getattr(model.layers[i], group), fused)
+                lin.weight[off:off + b.shape[0]] += sign * scale * (b @ a)
+
+    for weights, scale, lora in ((None, 0.0, None), (w1, 2.0, one), (w2, 1.0, two)):
+        if weights is not None:
+            merged(weights, scale, 1.0)
+        idx = [i for i, x in enumerate(loras) if x is lora]
+        outs = ref.generate([(prompts + prompts)[i] for i in idx], sp)
+        for i, out in zip(idx, outs, strict=True):
+            assert got[i].outputs[0].token_ids == out.outputs[0].token_ids, i
+            for a, b in zip(got[i].outputs[0].logprobs, out.outputs[0].logprobs, strict=True):
+                for t, v in b.items():
+                    assert a[t] == pytest.approx(v, abs=1e-3)
+        if weights is not None:
+            merged(weights, scale, -1.0)
