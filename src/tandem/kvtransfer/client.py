@@ -60,7 +60,7 @@ from tandem.kvtransfer.pages import (
     scatter_layer,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
-from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain, root_hash
+from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys, root_hash
 from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, WorkerKey, rpc_body
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
@@ -153,7 +153,7 @@ class RemotePrefill:
         bs = self.layout.block_size
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
-                                 HashKeys(self.model_id, "", cache_salt))
+                                 request_hash_keys(self.model_id, None, cache_salt))
         local = len(self.engine.engine.kv.cached_prefix(chain))
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
@@ -213,7 +213,7 @@ class RemotePrefill:
                     await self._backend.release(req)
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
-                    HashKeys(self.model_id, "", cache_salt))
+                    request_hash_keys(self.model_id, None, cache_salt))
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
                 tail_ids = token_ids[(first + n) * bs:(first + n) * bs + offer.tail_tokens]

@@ -40,7 +40,7 @@ from tandem.kvtransfer.pages import (
     layer_page_views,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
-from tandem.protocol.block_hash import HashKeys, hash_block_chain
+from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.protocol.signing import (
     PREFILL_RPC,
     SIGNATURE_HEADER,
@@ -238,7 +238,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             sent_blocks = Offer(num, tail).num_blocks  # the partial block after the full ones
             if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
-            keys = HashKeys(self.model_id, "", request.cache_salt)
+            keys = request_hash_keys(self.model_id, None, request.cache_salt)
             block_size = engine.engine.state.block_size
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block_chain
+from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from tandem.protocol.tokenizer import Tokenizer
 
@@ -68,7 +68,7 @@ def block_hashes(prompt: ParsedPrompt, model: str, block_size: int) -> list[Bloc
     """The worker's hash chain over the prompt's full blocks."""
     if prompt.token_ids is None:
         return text_hashes(prompt.text, model, prompt.cache_salt)
-    keys = HashKeys(model_id=model, cache_salt=prompt.cache_salt)
+    keys = request_hash_keys(model, None, prompt.cache_salt)
     return hash_block_chain(prompt.token_ids, block_size, keys)
 
 
