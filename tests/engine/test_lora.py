@@ -16,22 +16,36 @@ from tandem import LLM, LoRARequest, SamplingParams
 from tandem.engine.errors import ConfigError, UnknownAdapterError
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.lora.layers import LoRABatch, LoRAContext, LoRALinear, ModuleSlots
-from tandem.engine.lora.paths import AdapterPathError, file_sha256, resolve_adapter_dir
+from tandem.engine.lora.paths import AdapterPathError, resolve_adapter_dir
+from tandem.engine.native import load_native
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler import Scheduler
+from tandem.protocol.file_digest import file_sha256
+from tandem.protocol.kv_events import BlockStored
 
 from .utils import finish_step, make_peft_adapter, make_request, make_tiny_model_dir, merge_adapter
 
 VOCAB = 1024
 
 
-def test_batched_update_equals_a_per_token_reference():
-    """Random slot maps (base tokens, one adapter, many, long runs): both plans give, for
-    every token, base(x) + x A_s^T B_s^T of its own slot, within float32 rounding."""
+@pytest.mark.parametrize(("native", "shape"), [
+    (False, "small"), (True, "small"),
+    (True, "large"),  # big enough for the kernel's OpenMP path (both threads, both phases)
+], ids=["torch", "native", "native-parallel"])
+def test_batched_update_equals_a_per_token_reference(native, shape):
+    """Random slot maps (base tokens, one adapter, many, long runs): every plan (bmm, loop,
+    and the C kernel when built) gives, for every token, base(x) + x A_s^T B_s^T of its own
+    slot, within float32 rounding; the kernel's odd layouts fall back to the loop plan."""
+    lib = load_native() if native else None
+    if native and lib is None:
+        pytest.fail("the native CPU kernels did not build on this machine")
     rng = random.Random(0)
     torch.manual_seed(0)
     n_in, outs, rank, num_slots = 24, [(0, 16), (16, 8), (24, 8)], 4, 5
-    base = torch.nn.Linear(n_in, 32, bias=False)
+    iterations, max_t = 1500, 40
+    if shape == "large":
+        n_in, outs, rank, num_slots, iterations, max_t = 256, [(0, 300), (300, 200)], 8, 3, 150, 64
+    base = torch.nn.Linear(n_in, sum(n for _, n in outs), bias=False)
     slots = ModuleSlots.allocate(num_slots, rank, n_in, outs, torch.device("cpu"),
                                  torch.float32)
     dense = {}
@@ -44,15 +58,17 @@ def test_batched_update_equals_a_per_token_reference():
     ctx = LoRAContext()
     layer = LoRALinear(base, slots, ctx)
     modes = set()
-    for _ in range(1500):
-        t = rng.randint(1, 40)
+    for _ in range(iterations):
+        t = rng.randint(1, max_t)
         used = rng.sample(range(num_slots), rng.randint(1, num_slots))
         runs = rng.random() < 0.3
         token_slots = np.array([
             (used[0] if runs and i < t // 2 else rng.choice(used + [-1]))
             for i in range(t)])
         x = torch.randn(t, n_in)
-        batch = LoRABatch.build(token_slots, num_slots, torch.device("cpu"))
+        if native and rng.random() < 0.1:  # a strided input: the loop plan instead
+            x = torch.randn(t, 2 * n_in)[:, ::2]
+        batch = LoRABatch.build(token_slots, num_slots, torch.device("cpu"), lib, rank)
         with ctx.use(batch):
             got = layer(x)
         want = base(x)
@@ -66,7 +82,7 @@ def test_batched_update_equals_a_per_token_reference():
             modes.add(batch.mode)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         assert ctx.current is None
-    assert modes == {"bmm", "loop"}
+    assert modes == ({"native"} if native else {"bmm", "loop"})
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +158,7 @@ def test_mixed_batch_equals_each_merged_model_alone(tiny):
 def test_an_adapter_never_shares_blocks_with_the_base_or_another(tiny):
     root, base, adapters = tiny
     llm = LLM(model=str(base), device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
-              block_size=4)
+              block_size=4, enable_kv_events=True)
     sql, code = LoRARequest("sql", 1, str(adapters["sql"])), LoRARequest("code", 2,
                                                                          str(adapters["code"]))
     prompt = list(range(10, 50))
@@ -155,6 +171,14 @@ def test_an_adapter_never_shares_blocks_with_the_base_or_another(tiny):
     assert cached(sql) == 0  # the base model's blocks are not the adapter's
     assert cached(code) == 0
     assert cached(sql) == 36 and cached(None) == 36  # each hits its own
+    # KV events name the adapter that computed the blocks (its hashes are its own)
+    stored = [e for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)]
+    by_adapter = {}
+    for e in stored:
+        by_adapter.setdefault(e.lora_name, set()).update(e.block_hashes)
+    assert set(by_adapter) == {"", "sql", "code"}
+    assert all(len(v) >= 9 for v in by_adapter.values())  # the whole prompt's blocks
+    assert not by_adapter[""] & by_adapter["sql"] and not by_adapter["sql"] & by_adapter["code"]
 
 
 def _write_adapter(dirpath, cfg, **kw):
@@ -280,6 +304,84 @@ def test_scheduler_keeps_running_adapters_within_max_loras(seed):
         assert steps < 5000
     assert not sched.running_loras
     assert kv.pool.num_free_blocks() == 64
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_load_unload_under_traffic_never_loses_a_request(tiny, seed):
+    """A seeded trace of arrivals, aborts, unloads and reloads over three adapters and the
+    base model (2 slots, 16-token chunks): every request that is not aborted finishes with
+    its merged model's exact tokens, even when its adapter was unloaded while it ran; a
+    request for an unloaded adapter is refused at once; a retiring adapter is freed with
+    its last request and no slot ever holds a freed one."""
+    root, base, adapters = tiny
+    rng = random.Random(100 + seed)
+    pool = _prompts(random.Random(seed), 6)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = {}
+    for name in (None, *adapters):
+        path = base if name is None else root / f"{name}-merged"
+        outs = LLM(model=str(path), device="cpu", dtype="float32").generate(pool, sp)
+        ref[name] = [o.outputs[0].token_ids for o in outs]
+    llm = LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_num_batched_tokens=16, max_cpu_loras=3)
+    engine = llm.engine
+    loaded = set()
+
+    def load(name: str) -> None:
+        engine.load_lora(LoRARequest(name, 1, str(adapters[name])), trusted=True,
+                         fresh_id=True)
+        loaded.add(name)
+
+    for name in adapters:
+        load(name)
+    live: dict[str, tuple[str | None, int]] = {}
+    aborted: set[str] = set()
+    done = busy = 0
+    for step in range(600):
+        op = rng.random()
+        name = rng.choice([None, *adapters])
+        if op < 0.35 and len(live) < 8:
+            rid, i = f"r{step}", rng.randrange(len(pool))
+            if name is None or name in loaded:
+                engine.add_request(rid, pool[i], sp, lora_request=name)
+                live[rid] = (name, i)
+            else:
+                with pytest.raises(UnknownAdapterError):
+                    engine.add_request(rid, pool[i], sp, lora_request=name)
+        elif op < 0.45 and name in loaded:
+            engine.unload_lora(name)
+            loaded.discard(name)
+            busy += name in engine.lora.retiring  # its requests still run
+        elif op < 0.55 and name is not None and name not in loaded:
+            if name in engine.lora.retiring:
+                with pytest.raises(ValueError, match="being unloaded"):
+                    load(name)
+            else:
+                load(name)
+        elif op < 0.58 and live:
+            rid = rng.choice(sorted(live))
+            engine.abort_request(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                who, i = live.pop(out.request_id)
+                if out.request_id not in aborted:
+                    assert out.outputs[0].token_ids == ref[who][i], (out.request_id, who)
+                    done += 1
+        lora = engine.lora
+        in_use = {r.lora_name for r in engine.scheduler.requests.values()} - {None}
+        assert lora.retiring <= in_use  # nothing retires without a request left
+        assert set(lora.slot_of) <= set(lora.registered)
+        assert set(lora.names()) == loaded
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                who, i = live.pop(out.request_id)
+                if out.request_id not in aborted:
+                    assert out.outputs[0].token_ids == ref[who][i]
+                    done += 1
+    assert not live and not engine.lora.retiring and done > 30 and busy >= 3, (done, busy)
+    assert engine.kv.pool.num_free_blocks() == engine.state.num_kv_blocks
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ SPECS: dict[str, dict[str, Any]] = {
                    "pdThreshold": 64, "pdMaxPrefillQueue": 3,
                    "pdMaxLocalPrefill": 2048,
                    "apiKeysSecret": {"name": "tandem-keys"},
+                   "adminApiKeysSecret": {"name": "tandem-admin-keys"},
                    "rateLimits": {"default": {"requestsPerSecond": 10, "burstRequests": 20},
                                   "tenants": {"gold": {"tokensPerMinute": 100000}}},
                    "redisUrlSecretRef": {"name": "tandem-redis-url"}, "sharedIndex": True,
@@ -120,6 +121,22 @@ SPECS: dict[str, dict[str, Any]] = {
                            {"name": "TEAM_TOKEN", "valueFrom": {"secretKeyRef": {
                                "name": "team", "key": "token"}}}],
                    "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
+    },
+    # multi-LoRA on P/D pools: adapters on the model's claim, on another claim (pinned), on
+    # the Hub (one pinned, one in a folder of a repository) and in the image
+    "lora": {
+        "model": {"uri": "pvc://models/llama-3-8b", "name": "llama-3-8b"},
+        "lora": {"maxLoras": 2, "maxLoraRank": 64, "maxCpuLoras": 4, "storage": "2Gi",
+                 "hfTokenSecretRef": {"name": "hf-token"},
+                 "adapters": [
+                     {"name": "sql", "uri": "pvc://models/adapters/sql"},
+                     {"name": "Acme/support:v2", "uri": "pvc://adapters/support", "sha256": SHA},
+                     {"name": "chat-es", "uri": "hf://org/llama-3-8b-es-lora@v1",
+                      "sha256": SHA[::-1]},
+                     {"name": "summarize", "uri": "hf://org/adapters/summarize"},
+                     {"name": "tone", "uri": "file:///opt/adapters/tone"}]},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2},
     },
     # one GGUF file of a gated Hub repository, downloaded into a sized emptyDir
     "hf-gguf": {

@@ -149,13 +149,18 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert arg(args, "--inference-service") == "demo"
     assert arg(args, "--worker-port-name") == "http"
     assert arg(args, "--api-keys") == "/etc/tandem/auth/api-keys"
+    assert arg(args, "--admin-api-keys") == "/etc/tandem/admin-auth/admin-api-keys"
+    admin = next(v for v in d["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == "admin-api-keys")
+    assert admin["secret"]["secretName"] == "tandem-admin-keys"
+    assert admin["secret"]["items"] == [{"key": "admin-api-keys", "path": "admin-api-keys"}]
     assert d["spec"]["replicas"] == 2
     assert one(docs, "Service", "demo-router")["spec"]["type"] == "LoadBalancer"
     cfg = yaml.safe_load(one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
     assert cfg["pd_threshold"] == 64 and cfg["pd_max_prefill_queue"] == 3
     assert cfg["pd_max_local_prefill"] == 2048
     assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
-                              "inflight_tokens": 0.5, "cache_churn": 1.0}
+                              "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0}
     assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
                                              "tokens_per_min": 0.0}
     assert cfg["index"] == cfg["redis"] == "env:TANDEM_REDIS_URL"  # from the URL Secret
@@ -179,11 +184,13 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, m
     (tmp_path / "router.yaml").write_text(
         one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"])
     (tmp_path / "keys").write_text("sk-test alice\n")
+    (tmp_path / "admins").write_text("sk-admin ops\n")
     p = argparse.ArgumentParser()
     add_router_args(p)
     args = container(one(docs, "Deployment", "demo-router"))["args"][1:]
     args = [str(tmp_path / "router.yaml") if a.endswith("router.yaml") else
             str(tmp_path / "keys") if a.endswith("/api-keys") else
+            str(tmp_path / "admins") if a.endswith("/admin-api-keys") else
             str(tmp_path / "key") if a.endswith("/worker-auth/key") else
             "ml" if a == "$(POD_NAMESPACE)" else a for a in args]
     parsed = p.parse_args(args)
@@ -192,6 +199,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, m
     assert router.settings.pd_max_prefill_queue == 3
     assert router.settings.pd_max_local_prefill == 2048
     assert server.discovery.name == "kubernetes"
+    assert server.admin_keys is not None and server.admin_keys.tenant("Bearer sk-admin") == "ops"
     assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
     assert server.rate_limiter is not None
     assert server.rate_limiter.shared  # the Redis URL reached it, through the env var

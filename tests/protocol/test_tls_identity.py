@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.core import EngineStats
 from tandem.engine.kv_events_hub import KVEventHub
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import BlockStored
@@ -46,9 +47,10 @@ class FakeEngine:
     def __init__(self, held: list[bytes], num_running: int = 3) -> None:
         self.kv_hub = KVEventHub()
         self.held = held
-        self.snapshot = SimpleNamespace(num_running=num_running, num_waiting=1,
-                                        num_free_blocks=200, in_flight_tokens=77,
-                                        kv_cache_usage=0.25)
+        self.snapshot = EngineStats(
+            num_running=num_running, num_waiting=1, kv_cache_usage=0.25, num_free_blocks=200,
+            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0,
+            generation_tokens=0, kv_unused_slots=0, in_flight_tokens=77)
         self.engine = SimpleNamespace(state=SimpleNamespace(num_kv_blocks=256, block_size=16))
 
     async def subscribe_kv_events(self):  # noqa: ANN201 - the engine's signature

@@ -44,6 +44,7 @@ class AddRequest:
     priority: int = 0
     cache_salt: str | None = None
     keep_blocks: bool = False
+    lora_name: str | None = None  # a loaded adapter's name; None: the base model
 
 
 @dataclass
@@ -128,7 +129,8 @@ class AsyncLLMEngine:
                 ids.append(self.engine.add_request(r.request_id, r.prompt, r.params,
                                                    priority=r.priority,
                                                    cache_salt=r.cache_salt,
-                                                   keep_blocks=r.keep_blocks))
+                                                   keep_blocks=r.keep_blocks,
+                                                   lora_request=r.lora_name))
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             for rid in added:
@@ -186,13 +188,15 @@ class AsyncLLMEngine:
     # -- coroutine side ------------------------------------------------------------------------
     async def add(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams,
                   request_id: str, *, priority: int = 0, cache_salt: str | None = None,
-                  keep_blocks: bool = False) -> tuple[list[int], asyncio.Queue]:
+                  keep_blocks: bool = False, lora_name: str | None = None
+                  ) -> tuple[list[int], asyncio.Queue]:
         """Queue a request; returns (prompt token ids, its output queue).
 
         Raises what `LLMEngine.add_request` raises (`InvalidRequestError`, `QueueFullError`).
         """
         [(ids, outputs)] = await self.add_many(
-            [AddRequest(request_id, prompt, params, priority, cache_salt, keep_blocks)])
+            [AddRequest(request_id, prompt, params, priority, cache_salt, keep_blocks,
+                        lora_name)])
         return ids, outputs
 
     async def add_many(self, requests: list[AddRequest]

@@ -12,6 +12,7 @@ about to compute reaches the cache, and the engine goes on with the others.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from tandem.protocol.kv_events import KVEvent
 
 if TYPE_CHECKING:
     from tandem.engine.lora.manager import LoRAManager
+    from tandem.engine.lora.peft import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before model limits
@@ -96,6 +98,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0 .. k-1
+    # multi-LoRA (vLLM's vllm:lora_requests_info): adapters of running / waiting requests
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    lora_resident: tuple[str, ...] = ()  # in device slots, least recently used first
+    lora_adapters: tuple[str, ...] = ()  # every adapter a request may name
+    max_loras: int = 0  # 0: LoRA off
 
 
 class EngineCore:
@@ -136,6 +144,34 @@ class EngineCore:
         if not self.lora.has(lora):
             raise UnknownAdapterError(lora)
         return lora
+
+    def load_lora(self, lora: LoRARequest, trusted: bool = False,
+                  adapter: LoRAAdapter | None = None, fresh_id: bool = False) -> LoRARequest:
+        """Register an adapter (`fresh_id`: under the next free `lora_int_id` instead of
+        its own), read from disk unless `adapter` is it already (`LoRAManager.read`, off
+        this thread); the registered request (path resolved, sha256 filled in). Errors as
+        `LoRAManager.add`."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA adapters need enable_lora=True", "lora_name")
+        if fresh_id and not self.lora.has(lora.lora_name):
+            lora = dataclasses.replace(lora, lora_int_id=self.lora.next_id())
+            if adapter is not None:
+                adapter = dataclasses.replace(adapter, int_id=lora.lora_int_id)
+        self.lora.add(lora, trusted=trusted, adapter=adapter)
+        return self.lora.registered[lora.lora_name]
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload under traffic: new requests for `name` fail at once (UnknownAdapterError),
+        those already queued or running finish with it; True when it was freed at once."""
+        if self.lora is None:
+            raise UnknownAdapterError(name)
+        self.lora.retire(name)
+        return bool(self._reap_loras())
+
+    def _reap_loras(self) -> list[str]:
+        if self.lora is None or not self.lora.retiring:
+            return []
+        return self.lora.reap({r.lora_name for r in self.scheduler.requests.values()})
 
     # -- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
@@ -234,6 +270,8 @@ class EngineCore:
         self.runner.release(req.request_id)
         if self.speculator is not None:
             self.speculator.release(req.request_id)
+        if self.lora is not None and req.lora_name in self.lora.retiring:
+            self._reap_loras()  # its last request may just have ended
 
     def _fail(self, parent_ids: dict[str, None], message: str) -> list[RequestOutput]:
         """End every sample of the given user requests with an error; their outputs."""
@@ -331,7 +369,17 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
-            in_flight_tokens=self.scheduler.num_unfinished_tokens(), **self._spec_stats())
+            in_flight_tokens=self.scheduler.num_unfinished_tokens(), **self._spec_stats(),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict[str, object]:
+        if self.lora is None:
+            return {}
+        waiting = {r.lora_name for r in self.scheduler.waiting_requests()} - {None}
+        return {"lora_running": tuple(sorted(self.scheduler.running_loras)),
+                "lora_waiting": tuple(sorted(waiting)),  # type: ignore[type-var]
+                "lora_resident": tuple(self.lora.resident()),
+                "lora_adapters": tuple(self.lora.names()), "max_loras": self.lora.num_slots}
 
     def _spec_stats(self) -> dict[str, object]:
         if self.speculator is None:

@@ -102,7 +102,7 @@ class LLMEngine(EngineCore):
                                                                      native=ops.lib))
             logger.info("packed %d float linear layers", count)
         weight_bytes = model_memory_bytes(self.model)
-        lora = self._lora_manager(arch) if config.enable_lora else None
+        lora = self._lora_manager(arch, ops.lib) if config.enable_lora else None
 
         sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
         per_block = backend.bytes_per_block() * arch.num_layers
@@ -140,12 +140,12 @@ class LLMEngine(EngineCore):
                     num_blocks * per_block / 2**20, config.kv_cache_dtype, max_len,
                     backend.name)
 
-    def _lora_manager(self, arch: ModelArchConfig) -> LoRAManager:
+    def _lora_manager(self, arch: ModelArchConfig, native: object | None) -> LoRAManager:
         """Slot stacks in every decoder linear, the configured adapters registered."""
         cfg = self.config
         manager = LoRAManager(self.model, arch, LoRAConfig(
             cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, tuple(cfg.lora_dirs)),
-            self.device, self.dtype)
+            self.device, self.dtype, native)
         for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), start=1):
             manager.add(LoRARequest(name, i, path), trusted=True)
         logger.info("LoRA: %d slots of rank %d (%.1f MiB), %d adapters at start",

@@ -245,7 +245,8 @@ class ModelRunner:
         chunk_lens = [s.num_new_tokens for s in scheduled[num_single:]]
         token_slots = np.concatenate([per[np.asarray(rows[:nd], dtype=np.int64)],
                                       np.repeat(per[num_single:], chunk_lens)])
-        return LoRABatch.build(token_slots, self.lora.num_slots, self.device)
+        return LoRABatch.build(token_slots, self.lora.num_slots, self.device,
+                               self.lora.native, self.lora.config.max_lora_rank)
 
     def _verify(self, logits: torch.Tensor, spec: list[tuple[ScheduledRequest, int]],
                 out: RunnerOutput) -> None:

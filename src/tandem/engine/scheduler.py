@@ -113,6 +113,10 @@ class Scheduler:
         return (sum(r.num_tokens for r in self.running)
                 + sum(entry[2].num_tokens for entry in self._waiting))
 
+    def waiting_requests(self) -> list[Request]:
+        """Queued requests, in no particular order."""
+        return [entry[2] for entry in self._waiting]
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
 

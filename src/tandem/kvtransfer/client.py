@@ -147,23 +147,25 @@ class RemotePrefill:
     def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(target))
 
-    def plan(self, token_ids: list[int], cache_salt: str) -> FetchPlan:
+    def plan(self, token_ids: list[int], cache_salt: str,
+             lora_name: str | None = None) -> FetchPlan:
         """Reads the prefix cache without locking: a stale answer only moves work between
         sides."""
         bs = self.layout.block_size
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
-                                 request_hash_keys(self.model_id, None, cache_salt))
+                                 request_hash_keys(self.model_id, lora_name, cache_salt))
         local = len(self.engine.engine.kv.cached_prefix(chain))
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
     async def fetch(self, target: str, request_id: str, token_ids: list[int],
-                    cache_salt: str = "") -> Imported | None:
+                    cache_salt: str = "", lora_name: str | None = None) -> Imported | None:
         """Import the missing blocks' pages from `target` (host:port of its gRPC) for engine
-        request `request_id`; None when no full block is missing. Raises KVTransferError."""
+        request `request_id`, computed there with adapter `lora_name` (None: the base
+        model); None when no full block is missing. Raises KVTransferError."""
         if not self.engine.engine.kv.enable_caching:
             return None  # imported blocks could never be hit: compute the prompt here
-        plan = self.plan(token_ids, cache_salt)
+        plan = self.plan(token_ids, cache_salt, lora_name)
         chain, first = plan.chain, plan.first
         if plan.num <= 0:
             return None
@@ -174,7 +176,8 @@ class RemotePrefill:
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
             num_blocks=plan.num, backend=self.settings.backend, lease_s=self.settings.lease_s,
-            tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype)
+            tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype,
+            lora_name=lora_name or "")
         writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
@@ -213,7 +216,7 @@ class RemotePrefill:
                     await self._backend.release(req)
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
-                    request_hash_keys(self.model_id, None, cache_salt))
+                    request_hash_keys(self.model_id, lora_name, cache_salt))
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
                 tail_ids = token_ids[(first + n) * bs:(first + n) * bs + offer.tail_tokens]
@@ -227,7 +230,7 @@ class RemotePrefill:
                         except BaseException:
                             e.kv.unpin([tail])
                             raise
-                    e.kv.commit_import(full, hashes, parent, tokens)
+                    e.kv.commit_import(full, hashes, parent, tokens, lora_name or "")
                     writer.pinned[:n] = full  # the blocks pinned now (release reads them)
 
                 await self.engine.call(commit)

@@ -174,6 +174,10 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             return f"lease_s must be in [0, {MAX_LEASE_S:g}]"
         if len(req.request_id) > 256 or len(req.cache_salt) > 4096:
             return "request_id or cache_salt too long"
+        if req.lora_name:
+            lora = engine.engine.lora
+            if lora is None or not lora.has(req.lora_name):
+                return f"LoRA adapter {req.lora_name[:256]!r} is not loaded here"
         return None
 
     def _unauthorized(self, request: worker_pb2.PrefillRequest,
@@ -219,7 +223,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                   if self.stream_layers else None)
         if stream is not None:
             engine.engine.runner.observe(rid, stream)
-        run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt))
+        run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt,
+                                                     request.lora_name or None))
         if stream is not None:
             run.add_done_callback(lambda _: stream.fail("the prompt run ended early"))
         leases = self.leases(engine)
@@ -238,7 +243,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             sent_blocks = Offer(num, tail).num_blocks  # the partial block after the full ones
             if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
-            keys = request_hash_keys(self.model_id, None, request.cache_salt)
+            keys = request_hash_keys(self.model_id, request.lora_name or None,
+                                     request.cache_salt)
             block_size = engine.engine.state.block_size
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
@@ -300,14 +306,15 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         raise _Refused(grpc.StatusCode.INTERNAL, "the prompt finished without computing")
 
     async def _run_prompt(self, engine: AsyncLLMEngine, rid: str, tokens: list[int],
-                          cache_salt: str) -> int:
+                          cache_salt: str, lora_name: str | None = None) -> int:
         """Prefill `tokens` (one greedy token) keeping the blocks; the token. Raises
         `_Refused` when the engine refuses or fails the prompt."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         try:
             try:
                 _, outputs = await engine.add(tokens, params, rid,
-                                              cache_salt=cache_salt or None, keep_blocks=True)
+                                              cache_salt=cache_salt or None, keep_blocks=True,
+                                              lora_name=lora_name)
             except QueueFullError as exc:
                 raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except InvalidRequestError as exc:

@@ -2,6 +2,7 @@
 
     model --repo ORG/REPO [--revision REV] [--path FILE] --dest DIR [--shared]
     tokenizer (--repo ORG/REPO [--revision REV] [--path P] | --local PATH | --bundled) --dest DIR
+    adapters JSON...
 
 `model` downloads a Hugging Face repository (or one file or folder of it) into DIR. With
 `--shared`, DIR lies on a ReadWriteMany cache volume that many pods fill at once: the first
@@ -13,6 +14,12 @@ private `DIR.partial-*` directory, writes the completion marker last and renames
 tokenizer_config.json, special_tokens_map.json, generation_config.json, chat_template.jinja)
 into DIR: from the repository's files, from a GGUF's metadata (for a `.gguf` on the Hub only
 the metadata prefix of the file is fetched, by HTTP range requests), or from a local path.
+`adapters` prepares `spec.lora`'s adapters, one compact JSON object each:
+`{"repo", "revision", "path", "dest"}` downloads the adapter at PATH of the repository (its
+adapter_config.json and adapter_model.safetensors only) into DEST, `{"local": DIR}` names
+one already mounted; with `"sha256"` the adapter_model.safetensors must hash to it, else the
+container exits non-zero naming the file and both digests (the pod never starts its worker).
+
 `HF_TOKEN` (from a Secret, never an argument) authenticates gated repositories.
 """
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -30,12 +38,15 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
+from tandem.protocol.file_digest import file_sha256
+
 logger = logging.getLogger(__name__)
 MARKER = ".tandem-complete"  # written last: a cache directory without it is not used
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json")
 FIRST_PREFIX = 8 << 20  # bytes of a GGUF first fetched for its metadata; x4 until it parses
 MAX_PREFIX = 1 << 30
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what the engine reads
 
 
 def is_complete(dest: Path) -> bool:
@@ -153,18 +164,51 @@ def hf_tokenizer(repo: str, revision: str, path: str, dest: Path) -> None:
         local_tokenizer(Path(tmp, folder), dest)
 
 
+def prepare_adapter(item: dict[str, str]) -> Path:
+    """Download (`repo` ...) or find (`local`) one adapter, check its files and `sha256`;
+    returns its directory. SystemExit names what is wrong."""
+    if "local" in item:
+        where = adapter = Path(item["local"])
+    else:
+        folder = item.get("path", "")
+        hf_download(item["repo"], item.get("revision", ""), "", Path(item["dest"]),
+                    [f"{folder}/{n}" if folder else n for n in ADAPTER_FILES])
+        adapter = Path(item["dest"], folder)
+        where = f"hf://{item['repo']}" + (f"@{item['revision']}" if item.get("revision")
+                                          else "") + (f"/{folder}" if folder else "")
+    missing = [n for n in ADAPTER_FILES if not (adapter / n).is_file()]
+    if missing:
+        raise SystemExit(f"adapter {where}: no {' or '.join(missing)} (a PEFT adapter "
+                         "directory has both)")
+    want = item.get("sha256")
+    if want:
+        weights = adapter / ADAPTER_FILES[1]
+        got = file_sha256(weights)
+        if got != want.lower():
+            raise SystemExit(f"{weights}: sha256 {got}, lora.adapters pins {want}")
+        logger.info("%s: sha256 %s as pinned", weights, got)
+    return adapter
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tandem.operator.fetch")
-    p.add_argument("what", choices=("model", "tokenizer"))
+    p.add_argument("what", choices=("model", "tokenizer", "adapters"))
+    p.add_argument("adapters", nargs="*", default=[], metavar="JSON")
     p.add_argument("--repo", default="")
     p.add_argument("--revision", default="")
     p.add_argument("--path", default="")
     p.add_argument("--local", default=None)
     p.add_argument("--bundled", action="store_true")
-    p.add_argument("--dest", required=True)
+    p.add_argument("--dest", default=None)
     p.add_argument("--shared", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.what == "adapters":
+        for text in args.adapters:
+            logger.info("adapter ready in %s", prepare_adapter(json.loads(text)))
+        return 0
+    if not args.dest or args.adapters:
+        raise SystemExit(f"{args.what}: --dest DIR is required, and no JSON arguments")
     dest = Path(args.dest)
     if args.what == "model":
         if not args.repo:

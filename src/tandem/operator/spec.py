@@ -30,6 +30,7 @@ from tandem.operator.spec_engine import (
     parse_engine,
     pool_device,
 )
+from tandem.operator.spec_lora import LoRASpec, check_served_name, parse_lora
 from tandem.operator.spec_security import (
     IssuerRef,
     SecretKeyRef,
@@ -141,6 +142,9 @@ class RouterSpec:
     pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
     api_keys_secret: str | None = None
     api_keys_key: str = "api-keys"
+    # keys that may load / unload LoRA adapters through the router (needs api_keys_secret)
+    admin_api_keys_secret: str | None = None
+    admin_api_keys_key: str = "admin-api-keys"
     rate_limit: RateLimit | None = None
     tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     redis_url_secret: SecretKeyRef | None = None  # env TANDEM_REDIS_URL from this Secret key
@@ -173,6 +177,7 @@ class InferenceServiceSpec:
     image: str | None = None  # None: the operator's default image
     security: SecuritySpec = SecuritySpec()
     prometheus: dict[str, Any] | None = None  # a NetworkPolicy peer admitted to /metrics
+    lora: LoRASpec | None = None  # adapters every pool serves; None: no LoRA
 
     @property
     def disaggregated(self) -> bool:
@@ -232,7 +237,7 @@ def _rate(d: dict, where: str) -> RateLimit:
 
 
 _WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
-            "cacheChurn": 1.0}
+            "cacheChurn": 1.0, "loraAffinity": 1.0}
 
 
 def _router(d: dict) -> RouterSpec:
@@ -243,6 +248,7 @@ def _router(d: dict) -> RouterSpec:
     weights = get(d, "weights", dict, None, w)
     rl = get_obj(d, "rateLimits", w)
     keys = get_obj(d, "apiKeysSecret", w)
+    admin = get_obj(d, "adminApiKeysSecret", w)
     r = RouterSpec(
         replicas=get_int(d, "replicas", 1, w, 1, 100),
         policy=get_enum(d, "policy", "cache-aware", w,
@@ -254,6 +260,9 @@ def _router(d: dict) -> RouterSpec:
         pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
         api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
         api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
+        admin_api_keys_secret=get(admin, "name", str, None, "router.adminApiKeysSecret"),
+        admin_api_keys_key=get(admin, "key", str, "admin-api-keys",
+                               "router.adminApiKeysSecret"),
         rate_limit=_rate(rl["default"], "router.rateLimits.default") if "default" in rl
         else None,
         tenant_rate_limits={t: _rate(v, f"router.rateLimits.tenants.{t}")
@@ -272,6 +281,11 @@ def _router(d: dict) -> RouterSpec:
         raise SpecError("router.sharedIndex needs router.redisUrlSecretRef")
     if keys and not r.api_keys_secret:
         raise SpecError("router.apiKeysSecret.name is required")
+    if admin and not r.admin_api_keys_secret:
+        raise SpecError("router.adminApiKeysSecret.name is required")
+    if r.admin_api_keys_secret and not r.api_keys_secret:
+        raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
+                        "keys the admin endpoints are open)")
     return r
 
 
@@ -330,7 +344,9 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
         image=get(spec, "image", str, None, "spec"),
         security=parse_security(get_obj(spec, "security", "spec")),
-        prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")))
+        prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")),
+        lora=parse_lora(get(spec, "lora", dict, None, "spec")))
+    check_served_name(out.lora, model.served_name)
     if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:
         raise SpecError("kvTransfer.tlsIssuerRef needs kvTransfer.tlsSecret (the Secret "
                         "cert-manager writes)")

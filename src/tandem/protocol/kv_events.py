@@ -15,6 +15,7 @@ class BlockStored:
     parent_hash: BlockHash  # hash before block_hashes[0] (a root hash for a first block)
     token_ids: tuple[int, ...]  # len == block_size * len(block_hashes)
     block_size: int
+    lora_name: str = ""  # the LoRA adapter that computed them (in their hashes); "": none
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,19 @@ class TokenizeRequest(_Model):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's `POST /v1/load_lora_adapter` body, plus an optional sha256 pin of
+    `adapter_model.safetensors`."""
+
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    lora_name: str = Field(min_length=1, max_length=128)
+
+
 class DetokenizeRequest(_Model):
     model: str | None = Field(default=None, max_length=512)
     tokens: TokenIds
@@ -225,6 +238,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     max_model_len: int | None = None
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(BaseModel):

@@ -40,6 +40,7 @@ from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router
 from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
+from tandem.router.lora_admin import install_lora_admin
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.pd import plan
@@ -72,6 +73,8 @@ class RouterServerSettings:
     # signs every forwarded request (`--worker-auth-key-file`); None: requests go unsigned,
     # so no P/D (aggregated, reason "unsigned") and no tenants (api_keys refused)
     worker_key: WorkerKey | None = None
+    # keys that may load and unload LoRA adapters when `api_keys` is on (`lora_admin`)
+    admin_keys: ApiKeys | None = None
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
@@ -221,7 +224,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 raise err
         return {"object": "list", "data": [
             {"id": m, "object": "model", "owned_by": "tandem",
-             **({"max_model_len": n} if (n := router.max_model_len(m)) else {})}
+             **({"max_model_len": n} if (n := router.max_model_len(m)) else {}),
+             **({"parent": base} if (base := router.base_model(m)[0]) != m else {})}
             for m in served]}
 
     async def handle(kind: str, path: str, request: Request) -> Response:
@@ -245,7 +249,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 data["cache_salt"] = salt
             check_bounds(data)
             model = data.get("model") or default_model()
-            tokenizer = router.tokenizer_for(model)
+            tokenizer = router.tokenizer_for(router.base_model(model)[0])
             if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
                 parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
             else:
@@ -377,7 +381,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         external: dict[int, dict[str, int]] = {}
         for size, chain in hashes.items():
             ids = [w.id for w in router.workers.values()  # with or without our own stream
-                   if w.model == model and w.kv_block_size == size]
+                   if w.serves(model) and w.kv_block_size == size]
             got = await store.match(chain, ids)
             metrics.child(metrics.index_store_lookups,
                           "ok" if got is not None else "fallback").inc()
@@ -399,6 +403,9 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             v = data.get(key)
             if cap is not None and isinstance(v, int) and v > cap:
                 raise ValueError(f"{key}: at most {cap}")
+
+    install_lora_admin(app, router, settings.api_keys, settings.admin_keys,
+                       settings.worker_key, lambda: state["http"])
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

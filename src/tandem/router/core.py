@@ -72,15 +72,25 @@ class Router:
         self.churn.drop(worker_id)
 
     def models(self) -> list[str]:
-        """Models served by ready workers (for the others `startup.StartupState` answers 503
-        or 404)."""
-        return sorted({w.model for w in self.workers.values() if w.model and w.ready})
+        """Models and LoRA adapters served by ready workers (for the others
+        `startup.StartupState` answers 503 or 404)."""
+        ready = [w for w in self.workers.values() if w.model and w.ready]
+        return sorted({w.model for w in ready} | {a for w in ready for a in w.lora_adapters})
+
+    def base_model(self, model: str) -> tuple[str, str | None]:
+        """(base model, adapter) a request's `model` means: a base model some worker
+        serves is itself; else the base of a worker holding it as an adapter."""
+        if any(w.model == model for w in self.workers.values()):
+            return model, None
+        base = next((w.model for w in self.workers.values() if model in w.lora_adapters),
+                    None)
+        return (model, None) if base is None else (base, model)
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the ready workers of `model` report (None: none
         reported one): a prompt that fits it fits wherever it is routed."""
         lengths = [w.max_model_len for w in self.workers.values()
-                   if w.model == model and w.ready and w.max_model_len]
+                   if w.serves(model) and w.ready and w.max_model_len]
         return min(lengths) if lengths else None
 
     # -- routing ---------------------------------------------------------------------------
@@ -93,8 +103,9 @@ class Router:
     def hashes(self, parsed: prompts.ParsedPrompt, model: str) -> dict[int, list[BlockHash]]:
         """The prompt's hash chain for each block size among this model's workers."""
         sizes = {w.kv_block_size for w in self.workers.values()
-                 if w.model == model or not w.model}
-        return {size: prompts.block_hashes(parsed, model, size) for size in sorted(sizes)}
+                 if w.serves(model) or not w.model}
+        base, lora = self.base_model(model)
+        return {size: prompts.block_hashes(parsed, base, size, lora) for size in sorted(sizes)}
 
     def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
                 candidates: Iterable[Worker],
@@ -104,14 +115,15 @@ class Router:
         every candidate; `external` adds per-size matches from a shared index store. Also
         fills each candidate's cache churn as of `now` when the policy scores it."""
         candidates = list(candidates)
+        base, lora = self.base_model(model)
         ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
-                             now=now)
+                             now=now, lora=lora)
         if self._churn_scored:
             ctx.churn_tokens = {w.id: self.churn.value(w.id, now) for w in candidates}
         for size, group in self.block_sizes(candidates).items():
             chain = hashes.get(size) if hashes else None
             if chain is None:
-                chain = prompts.block_hashes(parsed, model, size)
+                chain = prompts.block_hashes(parsed, base, size, lora)
             ctx.hashes[size] = chain
             precise = [w.id for w in group if w.events_connected]
             guessed = [w.id for w in group if not w.events_connected]
@@ -137,7 +149,8 @@ class Router:
         blocks as speculatively present on it and charge its uncached prompt tokens
         (`prompt_tokens - matched_tokens`) to its cache churn."""
         skip = set(exclude)
-        probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now)
+        probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now,
+                               lora=self.base_model(model)[1])
         candidates = [w for w in self.workers.values()
                       if w.id not in skip and all(f.keep(probe, w) for f in self.filters)]
         ctx = self.context(parsed, model, now, candidates, hashes, external)

@@ -90,6 +90,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "kubelet takes up to ~1 min + its sync period to update it); a "
                         "malformed rewrite keeps the last good keys. Needs "
                         "--worker-auth-key-file")
+    p.add_argument("--admin-api-keys", default=None,
+                   help="file of 'KEY NAME' lines (as --api-keys) whose keys may call "
+                        "/v1/load_lora_adapter and /v1/unload_lora_adapter while --api-keys "
+                        "is on (without --api-keys those are open)")
     p.add_argument("--retries", type=int, default=None)
     p.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
                    help="prefill on a prefill worker when the decode worker lacks at least "
@@ -316,6 +320,10 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys({})
     except ValueError as exc:
         raise SystemExit(f"--api-keys: {exc}") from exc
+    try:
+        admin_keys = ApiKeys.from_file(args.admin_api_keys) if args.admin_api_keys else None
+    except ValueError as exc:
+        raise SystemExit(f"--admin-api-keys: {exc}") from exc
     server = RouterServerSettings(
         preload_tokenizers=tokenizers.preload,
         on_metrics=tokenizers.bind_metrics,
@@ -325,6 +333,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         max_prompt_tokens=int(cfg.get("max_prompt_tokens", 131072)),
         max_tokens_cap=cfg.get("max_tokens_cap"),
         api_keys=api_keys,
+        admin_keys=admin_keys,
         worker_key=worker_key,
         rate_limiter=limiter,
         index_store=store,

@@ -107,6 +107,10 @@ class WorkerMonitor:
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
                 w.kv_cache_dtype = info.get("kv_cache_dtype") or w.kv_cache_dtype
                 w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
+                adapters = info.get("lora_adapters")
+                w.lora_slots = _length(info.get("max_loras")) or 0
+                if isinstance(adapters, list):
+                    w.lora_adapters = frozenset(a for a in adapters if isinstance(a, str))
                 port = info.get("grpc_port")
                 if port and w.grpc_target is None:
                     w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"
@@ -202,7 +206,13 @@ class WorkerMonitor:
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,
                     num_total_blocks=load.num_total_blocks,
-                    kv_cache_usage=load.kv_cache_usage, in_flight_tokens=load.in_flight_tokens)
+                    kv_cache_usage=load.kv_cache_usage, in_flight_tokens=load.in_flight_tokens,
+                    running_loras=frozenset(load.running_loras),
+                    waiting_loras=frozenset(load.waiting_loras),
+                    resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)
+                if load.max_loras:  # fresher than the readiness probe's list
+                    self.worker.lora_adapters = frozenset(load.lora_adapters)
+                    self.worker.lora_slots = load.max_loras
             except grpc.aio.AioRpcError:
                 pass  # the probe loop owns readiness
             await asyncio.sleep(self.settings.load_interval_s)

@@ -11,7 +11,8 @@
   distinct prefix groups spread evenly. With the default weights a hit on a share `f` of the
   prompt outweighs a churn gap of `2f` of capacity (any hit over half the prompt beats a full
   gap, like vllm-router's 50% match threshold), and a full churn gap weighs as much as
-  `saturation_queue` requests of queue depth.
+  `saturation_queue` requests of queue depth. `lora_affinity` prefers replicas running the
+  requested adapter, then those with a free adapter slot (constant for base-model requests).
 * `least-loaded` — lowest queue depth, then fewest in-flight tokens.
 * `round-robin`, `random` — baselines.
 
@@ -30,7 +31,7 @@ from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
 from tandem.router.workers import Worker
 
 DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5,
-                   "cache_churn": 1.0}
+                   "cache_churn": 1.0, "lora_affinity": 1.0}
 
 
 @dataclass

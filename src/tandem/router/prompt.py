@@ -64,11 +64,14 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
                         prompt_logits=prompt_logits)
 
 
-def block_hashes(prompt: ParsedPrompt, model: str, block_size: int) -> list[BlockHash]:
-    """The worker's hash chain over the prompt's full blocks."""
+def block_hashes(prompt: ParsedPrompt, model: str, block_size: int,
+                 lora: str | None = None) -> list[BlockHash]:
+    """The worker's hash chain over the prompt's full blocks: `model` is the base model,
+    `lora` the adapter the request names (None: the base model), as the worker keys them."""
     if prompt.token_ids is None:
-        return text_hashes(prompt.text, model, prompt.cache_salt)
-    keys = request_hash_keys(model, None, prompt.cache_salt)
+        return text_hashes(prompt.text, model if lora is None else f"{model}\0lora:{lora}",
+                           prompt.cache_salt)
+    keys = request_hash_keys(model, lora, prompt.cache_salt)
     return hash_block_chain(prompt.token_ids, block_size, keys)
 
 

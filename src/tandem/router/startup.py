@@ -52,7 +52,10 @@ class StartupState:
 
     def observe(self, workers: Iterable[Worker]) -> None:
         """Remember the models `workers` report (call before workers are removed)."""
-        self.seen.update(w.model for w in workers if w.model)
+        for w in workers:
+            if w.model:
+                self.seen.add(w.model)
+                self.seen.update(w.lora_adapters)
 
     def in_window(self, now: float) -> bool:
         return now - self.started_at < self.window_s
@@ -65,8 +68,8 @@ class StartupState:
         for w in workers:
             if not w.model:
                 unattributed += 1
-            elif w.model == model or not model:  # no model named: any attributed worker
-                if w.model == model and w.routable(now):
+            elif w.serves(model) or not model:  # no model named: any attributed worker
+                if w.serves(model) and w.routable(now):
                     return None
                 same += not w.routable(now)
         self.observe(workers)

@@ -21,6 +21,11 @@ class WorkerLoad:
     num_total_blocks: int = 0
     kv_cache_usage: float = 0.0  # [0, 1]
     in_flight_tokens: int = 0
+    # multi-LoRA: adapters of running / waiting requests, adapters in device slots, slots
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    resident_loras: frozenset[str] = frozenset()
+    max_loras: int = 0
 
 
 class BreakerState(enum.Enum):
@@ -89,6 +94,13 @@ class Worker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     local_in_flight: int = 0  # requests this router has open on it
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # LoRA adapters a request may name here (its /ready and load reports; served on `model`)
+    lora_adapters: frozenset[str] = frozenset()
+    lora_slots: int = 0  # its max_loras (0: LoRA off or not reported)
+
+    def serves(self, model: str) -> bool:
+        """`model` is its base model or one of its adapters."""
+        return bool(model) and (model == self.model or model in self.lora_adapters)
 
     @property
     def kv_block_size(self) -> int:

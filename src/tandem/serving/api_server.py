@@ -38,7 +38,6 @@ from tandem.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     new_id,
@@ -56,6 +55,7 @@ from tandem.protocol.web import (
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
+from tandem.serving.lora_api import install_lora_routes, model_cards, resolve
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
@@ -179,9 +179,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     created = now()
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != settings.served_model_name:
-            raise APIError(404, f"model {name!r} is not served here; this worker serves "
-                                f"{settings.served_model_name!r}", "model")
+        """The base model or a loaded adapter (same tokenizer); 404 otherwise."""
+        resolve(name, settings.served_model_name, holder.get())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -204,6 +203,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                         max_model_len=engine.engine.state.max_model_len,
                         kv_cache_dtype=engine.engine.config.kv_cache_dtype,
                         quantization=engine.engine.config.quantization)
+            lora = engine.engine.lora
+            if lora is not None:  # the router's LoRA affinity learns residency from here
+                body.update(max_loras=lora.num_slots, lora_adapters=lora.names())
         return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
@@ -213,10 +215,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     @app.get("/v1/models")
     async def models() -> dict:
-        state = holder.get().engine.state
-        card = ModelCard(id=settings.served_model_name, created=created,
-                         max_model_len=state.max_model_len, root=state.model_path)
-        return ModelList(data=[card]).model_dump()
+        cards = model_cards(settings.served_model_name, holder.get(), created)
+        return ModelList(data=cards).model_dump()
+
+    install_lora_routes(app, settings.served_model_name, holder.get, settings.auth_key,
+                        lambda reason: refused(reason))
 
     async def off_thread(fn: Callable[[], Any]) -> Any:
         """Run `fn` in the tokenizer pool; engine errors become API errors."""
@@ -264,7 +267,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         # prompt logprobs need every prompt position's logits: imported pages would go unused
         imported = [] if responder.params.prompt_logprobs is not None else await pd.fetch(
             request.headers, engine, rid, [p.token_ids for p in prompts],
-            responder.cache_salt or "")
+            responder.cache_salt or "", responder.lora_name)
         try:
             return await admit_and_run(request, engine, responder, prompts, rid, arrival,
                                        imported)
@@ -276,7 +279,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                             prompts: list[TokenizedPrompt], rid: str, arrival: float,
                             imported: list[Imported]) -> Any:
         adds = [AddRequest(f"{rid}-{i}", prompt, responder.params, responder.priority,
-                           responder.cache_salt) for i, prompt in enumerate(prompts)]
+                           responder.cache_salt, lora_name=responder.lora_name)
+                for i, prompt in enumerate(prompts)]
         try:
             queues = [q for _, q in await engine.add_many(adds)]
         except Exception as exc:
@@ -315,11 +319,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         await check_signature(request, settings.auth_key, req.cache_salt, refused)
-        check_model(req.model)
         engine = holder.get()
+        lora = resolve(req.model, settings.served_model_name, engine)
         try:
             responder = CompletionResponder(req, engine.engine.tokenizer, settings,
-                                            new_id("cmpl"))
+                                            new_id("cmpl"), lora)
             prompts = completion_prompts(req)
         except ValueError as exc:
             raise from_engine_error(exc) from exc
@@ -330,11 +334,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         await check_signature(request, settings.auth_key, req.cache_salt, refused)
-        check_model(req.model)
         engine = holder.get()
+        lora = resolve(req.model, settings.served_model_name, engine)
         tok = engine.engine.tokenizer
         try:
-            responder = ChatResponder(req, tok, settings, new_id("chatcmpl"))
+            responder = ChatResponder(req, tok, settings, new_id("chatcmpl"), lora)
         except ValueError as exc:
             raise from_engine_error(exc) from exc
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]

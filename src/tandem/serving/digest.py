@@ -6,7 +6,7 @@
   `cd DIR && LC_ALL=C sha256sum *.safetensors | sha256sum` prints. Only the weights count:
   config and tokenizer files are not pinned.
 
-Torch-free; files are read in 8 MiB chunks.
+Torch-free; files are read in 8 MiB chunks (`protocol.file_digest`).
 """
 
 from __future__ import annotations
@@ -14,19 +14,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-CHUNK = 8 << 20
+from tandem.protocol.file_digest import file_sha256
 
 
 class DigestMismatchError(ValueError):
     """The model on disk is not the one the deployment pinned."""
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_sha256(path: str | Path) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
 from tandem.protocol.chat_template import ChatTemplateError
 from tandem.protocol.web import APIError, error_body, install_error_handlers
 
@@ -10,6 +10,8 @@ __all__ = ["APIError", "error_body", "from_engine_error", "install_error_handler
 
 
 def from_engine_error(exc: Exception, retry_after_s: int = 1) -> APIError:
+    if isinstance(exc, UnknownAdapterError):  # unloaded between the check and the engine
+        return APIError(404, f"The model `{exc.name[:256]}` does not exist.", "model")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, ChatTemplateError):

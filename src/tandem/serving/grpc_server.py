@@ -28,7 +28,8 @@ def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
     if isinstance(event, BlockStored):
         return worker_pb2.KVEvent(seq=seq, stored=worker_pb2.BlockStored(
             block_hashes=list(event.block_hashes), parent_hash=event.parent_hash,
-            token_ids=list(event.token_ids), block_size=event.block_size))
+            token_ids=list(event.token_ids), block_size=event.block_size,
+            lora_name=event.lora_name))
     if isinstance(event, BlockRemoved):
         return worker_pb2.KVEvent(seq=seq, removed=worker_pb2.BlockRemoved(
             block_hashes=list(event.block_hashes)))
@@ -60,7 +61,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_free_blocks=s.num_free_blocks, num_total_blocks=state.num_kv_blocks,
             block_size=state.block_size, in_flight_tokens=s.in_flight_tokens,
-            kv_cache_usage=s.kv_cache_usage)
+            kv_cache_usage=s.kv_cache_usage, running_loras=s.lora_running,
+            waiting_loras=s.lora_waiting, resident_loras=s.lora_resident,
+            max_loras=s.max_loras, lora_adapters=s.lora_adapters)
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
             self, request: worker_pb2.SubscribeKVEventsRequest,

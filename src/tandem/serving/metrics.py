@@ -7,6 +7,7 @@ vLLM's so existing dashboards and KEDA triggers work unchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -70,6 +71,20 @@ class _EngineCollector(Collector):
                         self.model_memory_bytes)
         if self.num_speculative_tokens or s.spec_accepted_per_pos:
             yield from self._spec_decode(s, counter)
+        if s.max_loras:
+            yield self._lora_info(s)
+
+    @staticmethod
+    def _lora_info(s: EngineStats) -> GaugeMetricFamily:
+        """vLLM's `vllm:lora_requests_info`: one sample whose labels list the adapters of
+        running and waiting requests (comma-separated) and `max_lora`; its value is the
+        time of the reading (what llm-d's LoRA affinity scorer keys on)."""
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                              labels=["max_lora", "running_lora_adapters",
+                                      "waiting_lora_adapters"])
+        g.add_metric([str(s.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)],
+                     time.time())
+        return g
 
     def _spec_decode(self, s: EngineStats, counter: Callable[..., CounterMetricFamily]
                      ) -> Iterator[CounterMetricFamily]:

@@ -55,7 +55,8 @@ class PrefillImports:
         imported.clear()
 
     async def fetch(self, headers: Mapping[str, str], engine: AsyncLLMEngine, rid: str,
-                    prompts: list[list[int]], salt: str) -> list[Imported]:
+                    prompts: list[list[int]], salt: str, lora_name: str | None = None
+                    ) -> list[Imported]:
         """Import every prompt's missing pages (prompts as token ids) when the request names
         a prefill worker; [] when it does not. Raises APIError (400 bad header, 502 under
         `fail`)."""
@@ -68,7 +69,7 @@ class PrefillImports:
         imported: list[Imported] = []
         try:
             for i, ids in enumerate(prompts):
-                imp = await self._fetch_one(remote, target, f"{rid}-{i}", ids, salt)
+                imp = await self._fetch_one(remote, target, f"{rid}-{i}", ids, salt, lora_name)
                 if imp is not None:
                     imported.append(imp)
         except BaseException:  # cancelled (client gone) or failed: drop what was pinned
@@ -77,11 +78,11 @@ class PrefillImports:
         return imported
 
     async def _fetch_one(self, remote: RemotePrefill, target: str, sub_id: str,
-                         ids: list[int], salt: str) -> Imported | None:
+                         ids: list[int], salt: str, lora_name: str | None) -> Imported | None:
         backend = self.settings.backend
         t0 = time.monotonic()
         try:
-            imp = await remote.fetch(target, sub_id, ids, salt)
+            imp = await remote.fetch(target, sub_id, ids, salt, lora_name)
         except NoRoomForImport as exc:  # memory pressure here, not a failed transfer
             self.metrics.kv_fetches.labels(self.model_name, exc.reason, backend).inc()
             logger.info("%s; computing the prompt here", exc)

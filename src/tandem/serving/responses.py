@@ -45,7 +45,7 @@ def sse_error(status: int, message: str) -> str:
 
 class Responder(ABC):
     def __init__(self, req: CompletionRequest | ChatCompletionRequest, tok: Tokenizer,
-                 settings: Any, request_id: str) -> None:
+                 settings: Any, request_id: str, lora_name: str | None = None) -> None:
         self.req = req
         self.tok = tok
         self.params = convert.sampling_params(req, settings.max_n)
@@ -55,7 +55,8 @@ class Responder(ABC):
         self.priority = req.priority
         self.cache_salt = req.cache_salt
         self.request_id = request_id
-        self.model = settings.served_model_name
+        self.lora_name = lora_name  # the adapter `model` named; None: the base model
+        self.model = lora_name or settings.served_model_name
         self.created = now()
 
     async def collect(self, stream: Stream) -> dict[str, Any]:
@@ -137,8 +138,8 @@ class CompletionResponder(Responder):
     req: CompletionRequest
 
     def __init__(self, req: CompletionRequest, tok: Tokenizer, settings: Any,
-                 request_id: str) -> None:
-        super().__init__(req, tok, settings, request_id)
+                 request_id: str, lora_name: str | None = None) -> None:
+        super().__init__(req, tok, settings, request_id, lora_name)
         self.echo = req.echo
         self.echo_only = req.echo and req.max_tokens == 0
         self._prompts = convert.completion_prompts(req) if req.echo else []

@@ -83,6 +83,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                         "'{\"method\": \"draft\", \"model\": \"self\", "
                         "\"draft_quantization\": \"int4\"}' (default: off)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters on the base model; a request picks one by its "
+                        "name in the OpenAI `model` field")
+    p.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="adapters resident in device slots (distinct adapters per step)")
+    p.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                   help="largest adapter rank accepted (the slots are this wide)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters loaded at start (PEFT directories; trusted paths)")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="a root `POST /v1/load_lora_adapter` may load adapters from "
+                        "(repeatable; none: loading by path is refused)")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -130,6 +144,12 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=args.lora_modules,
+        lora_dirs=tuple(args.lora_dir),
         speculative_config=None if getattr(args, "role", None) == "prefill"
         else getattr(args, "speculative_config", None))
 
@@ -211,6 +231,9 @@ def preflight(config: EngineConfig) -> str:
         words += f", {config.kv_cache_dtype} KV cache"
     if (spec := config.speculative_config) is not None:
         words += f", speculative {spec.method} (k={spec.num_speculative_tokens})"
+    if config.enable_lora:
+        words += (f", LoRA ({len(config.lora_modules or {})} adapters at start, "
+                  f"{config.max_loras} slots of rank {config.max_lora_rank})")
     return words
 
 

@@ -62,6 +62,18 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     if not needs_signature(target, cache_salt):
         return
     what = PREFILL_HEADER if target is not None else "a tenant cache_salt"
+    await require_signature(request, key, target, what, on_reject)
+
+
+def admin_target(path: str) -> str:
+    """What the router signs an admin call to the worker's `path` for."""
+    return f"admin:{path}"
+
+
+async def require_signature(request: Request, key: WorkerKey | None, target: str | None,
+                            what: str, on_reject: Callable[[str], None] | None = None) -> None:
+    """Raise APIError(403) unless the request carries a valid, fresh router signature over
+    its body and `target`; `what` names what needed it in the error."""
     try:
         if key is None:
             raise SignatureError("no_key", "this worker has no --worker-auth-key-file, so it "

@@ -217,7 +217,7 @@ class KVCacheManager:
         bs = self.block_size
         self.pool.cache_full_blocks(
             self._blocks[req.request_id][start:end], hashes[start:end], req.parent_hash(start),
-            req.all_token_ids[start * bs : end * bs], bs,
+            req.all_token_ids[start * bs : end * bs], bs, req.lora_name or "",
         )
         self._num_cached[req.request_id] = end
 
@@ -300,7 +300,8 @@ class KVCacheManager:
             self.pool.free_blocks([tail.block])
 
     def commit_import(self, pinned: list[KVBlock], hashes: list[BlockHash],
-                      parent_hash: BlockHash, token_ids: list[int]) -> None:
+                      parent_hash: BlockHash, token_ids: list[int],
+                      lora_name: str = "") -> None:
         """Register imported blocks (pages written) in the prefix cache; events go out.
 
         `pinned` is updated in place: where the cache came to hold a hash meanwhile (this
@@ -309,7 +310,8 @@ class KVCacheManager:
         prefix lookup returns."""
         n = len(pinned)
         self.pool.cache_full_blocks(pinned, hashes[:n], parent_hash,
-                                    token_ids[: n * self.block_size], self.block_size)
+                                    token_ids[: n * self.block_size], self.block_size,
+                                    lora_name)
         for i, (block, h) in enumerate(zip(pinned, hashes, strict=False)):
             cached = self.pool.get_cached_block(h)
             if cached is not None and cached is not block:

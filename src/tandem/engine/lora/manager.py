@@ -8,6 +8,9 @@
   `prepare(names)` makes a step's adapters resident (loading into free or least recently
   used slots not needed by this step) and returns each name's slot. The scheduler keeps
   the running requests' distinct adapters at most `max_loras`, so a step always fits.
+- Unloading under traffic (`retire`): the name stops resolving at once (new requests get
+  404), the adapter's queued and running requests finish with it, and `reap` frees it
+  once none is left.
 """
 
 from __future__ import annotations
@@ -53,8 +56,11 @@ class LoRAConfig:
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, config: LoRAConfig,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, native: object | None = None
+                 ) -> None:
         self.arch, self.config, self.device = arch, config, device
+        # the C kernel library for CPU float32 steps (`layers` module doc); None: torch plans
+        self.native = native if device.type == "cpu" and dtype == torch.float32 else None
         self.ctx = LoRAContext()
         self.num_slots = config.max_loras
         self.max_cpu = config.max_cpu_loras or config.max_loras
@@ -62,6 +68,7 @@ class LoRAManager:
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
         self.modules: dict[tuple[int, str], ModuleSlots] = {}
+        self.retiring: set[str] = set()  # unloaded names whose requests still run
         self._wrap(model, dtype)
         self.num_loads = 0  # adapters copied into a slot (diagnostics)
 
@@ -87,26 +94,36 @@ class LoRAManager:
         return sum(m.nbytes for m in self.modules.values())
 
     # -- registry ---------------------------------------------------------------------------
-    def add(self, req: LoRARequest, trusted: bool = False) -> LoRAAdapter:
-        """Register (and load, to validate) an adapter; `trusted`: a path from the server's
-        own configuration, not confined to `lora_dirs`. ConfigError on a bad adapter,
-        ValueError when the name is taken by a different adapter."""
+    def read(self, req: LoRARequest, trusted: bool = False) -> LoRAAdapter:
+        """Resolve (confined to `lora_dirs` unless `trusted`: a path from the server's own
+        configuration) and load an adapter; touches no shared state, so it may run off the
+        engine thread. ConfigError (AdapterPathError) on a bad path or adapter."""
+        path = resolve_adapter_dir(req.lora_path, None if trusted else self.config.lora_dirs)
+        return load_adapter(path, req.lora_name, req.lora_int_id, self.arch,
+                            self.config.max_lora_rank, req.sha256)
+
+    def add(self, req: LoRARequest, trusted: bool = False,
+            adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Register an adapter, loading it (`read`) unless `adapter` is that already.
+        ConfigError on a bad adapter, ValueError when the name is taken by another one."""
+        if req.lora_name in self.retiring:
+            raise ValueError(f"adapter {req.lora_name!r} is being unloaded (its requests are "
+                             "finishing); retry once they have")
         old = self.registered.get(req.lora_name)
         if old is not None and old != req:
             raise ValueError(f"adapter {req.lora_name!r} is already loaded")
         if any(r.lora_int_id == req.lora_int_id and r.lora_name != req.lora_name
                for r in self.registered.values()):
             raise ValueError(f"lora_int_id {req.lora_int_id} is taken by another adapter")
-        path = resolve_adapter_dir(req.lora_path, None if trusted else self.config.lora_dirs)
-        adapter = load_adapter(path, req.lora_name, req.lora_int_id, self.arch,
-                               self.config.max_lora_rank, req.sha256)
-        resolved = LoRARequest(req.lora_name, req.lora_int_id, str(path),
+        if adapter is None:
+            adapter = self.read(req, trusted)
+        resolved = LoRARequest(req.lora_name, req.lora_int_id, str(adapter.path),
                                req.sha256 or adapter.sha256)
         self.registered[req.lora_name] = resolved
         self._cache(adapter)
         logger.info("LoRA adapter %s (id %d, rank %d, %d modules, %.1f MiB) from %s",
                     req.lora_name, req.lora_int_id, adapter.rank, len(adapter.weights),
-                    adapter.nbytes / 2**20, path)
+                    adapter.nbytes / 2**20, adapter.path)
         return adapter
 
     def remove(self, name: str) -> None:
@@ -119,11 +136,35 @@ class LoRAManager:
             for m in self.modules.values():
                 m.clear(slot)
 
+    def retire(self, name: str) -> None:
+        """Unload under traffic: `name` stops resolving now; `reap` frees it later."""
+        if not self.has(name):
+            raise UnknownAdapterError(name)
+        self.retiring.add(name)
+
+    def reap(self, in_use: set[str | None]) -> list[str]:
+        """Free the retiring adapters no unfinished request uses; their names."""
+        done = sorted(self.retiring - in_use)
+        for name in done:
+            self.retiring.discard(name)
+            self.remove(name)
+            logger.info("LoRA adapter %s unloaded", name)
+        return done
+
     def has(self, name: str) -> bool:
-        return name in self.registered
+        return name in self.registered and name not in self.retiring
 
     def names(self) -> list[str]:
-        return list(self.registered)
+        """Adapters requests may name (registered, not retiring), in load order."""
+        return [n for n in self.registered if n not in self.retiring]
+
+    def next_id(self) -> int:
+        """A `lora_int_id` no registered adapter holds."""
+        return max((r.lora_int_id for r in self.registered.values()), default=0) + 1
+
+    def resident(self) -> list[str]:
+        """Adapters in device slots, most recently used last."""
+        return list(self.slot_of)
 
     # -- residency --------------------------------------------------------------------------
     def _cache(self, adapter: LoRAAdapter) -> None:
@@ -150,7 +191,7 @@ class LoRAManager:
             raise ValueError(f"{len(names)} adapters in one step; max_loras is "
                              f"{self.num_slots}")
         for name in names:
-            if name not in self.registered:
+            if name not in self.registered:  # a retiring adapter still runs its requests
                 raise UnknownAdapterError(name)
             if name in self.slot_of:
                 self.slot_of.move_to_end(name)

@@ -11,7 +11,6 @@ paths are inside the same root. Nothing outside the roots is opened or even stat
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -70,10 +69,3 @@ def resolve_adapter_dir(path: str, roots: list[str] | tuple[str, ...] | None) ->
     return Path(real)
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

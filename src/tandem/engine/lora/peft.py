@@ -24,8 +24,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem.engine.errors import ConfigError
-from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE, file_sha256
+from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE
 from tandem.engine.model.config import ModelArchConfig
+from tandem.protocol.file_digest import file_sha256
 
 # target module -> (fused module of the decoder layer, its group)
 TARGETS: dict[str, tuple[str, str]] = {

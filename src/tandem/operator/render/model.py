@@ -29,6 +29,7 @@ from typing import Any
 from tandem.operator.model_uri import MODEL_DIR, ModelSource
 from tandem.operator.render.common import base_env, container_security_context
 from tandem.operator.spec import ModelSpec
+from tandem.operator.spec_security import SecretKeyRef
 from tandem.operator.spec_speculative import SpeculativeSpec
 
 FETCH = ["python", "-m", "tandem.operator.fetch"]
@@ -62,12 +63,12 @@ def cache_key(src: ModelSource) -> str:
     return key
 
 
-def fetch_env(model: ModelSpec) -> list[dict[str, Any]]:
+def fetch_env(hf_token: SecretKeyRef | None) -> list[dict[str, Any]]:
     """TANDEM_CACHE_DIR, HF_HOME, HOME and, for gated repositories, HF_TOKEN from its Secret."""
     env = base_env()[:3]
-    if model.hf_token is not None:
+    if hf_token is not None:
         env.append({"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": model.hf_token.name, "key": model.hf_token.key}}})
+            "name": hf_token.name, "key": hf_token.key}}})
     return env
 
 
@@ -99,14 +100,14 @@ def worker_model(model: ModelSpec, image: str,
         out.init_containers.append(_init(
             "fetch-model", image,
             ["model", *_hf_args(src), "--dest", f"{CACHE_MOUNT}/{key}", "--shared"],
-            fetch_env(model), [{"name": "model", "mountPath": CACHE_MOUNT}, *scratch]))
+            fetch_env(model.hf_token), [{"name": "model", "mountPath": CACHE_MOUNT}, *scratch]))
     elif src.kind == "hf":
         out.ephemeral_storage = model.download_storage
         out.volumes.append({"name": "model", "emptyDir": {"sizeLimit": out.ephemeral_storage}})
         out.mounts.append(_read_only_mount())
         out.init_containers.append(_init(
             "fetch-model", image, ["model", *_hf_args(src), "--dest", MODEL_DIR],
-            fetch_env(model), [{"name": "model", "mountPath": MODEL_DIR}, *scratch]))
+            fetch_env(model.hf_token), [{"name": "model", "mountPath": MODEL_DIR}, *scratch]))
     return out
 
 
@@ -143,7 +144,7 @@ def router_model(model: ModelSpec, image: str, worker_image: str,
     dest = ["--dest", TOKENIZER_DIR]
     if src.kind == "hf":
         init = _init("fetch-tokenizer", image, ["tokenizer", *_hf_args(src), *dest],
-                     fetch_env(model), mounts)
+                     fetch_env(model.hf_token), mounts)
     elif src.kind == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": src.claim, "readOnly": True}})

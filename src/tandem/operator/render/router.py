@@ -47,9 +47,11 @@ DRAIN_SECONDS = 25
 EXIT_SLACK_SECONDS = 5
 TERMINATION_GRACE_SECONDS = PRE_STOP_SECONDS + DRAIN_SECONDS + EXIT_SLACK_SECONDS
 AUTH_DIR = "/etc/tandem/auth"
+ADMIN_AUTH_DIR = "/etc/tandem/admin-auth"
 # CRD weight names -> the router's scorer names
 SCORERS = {"prefix": "prefix", "queue": "queue", "kvUsage": "kv_usage",
-           "inflightTokens": "inflight_tokens", "cacheChurn": "cache_churn"}
+           "inflightTokens": "inflight_tokens", "cacheChurn": "cache_churn",
+           "loraAffinity": "lora_affinity"}
 
 
 def router_name(owner: Owner) -> str:
@@ -94,6 +96,8 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
                                    - EXIT_SLACK_SECONDS)]
     if spec.router.api_keys_secret:
         args += ["--api-keys", f"{AUTH_DIR}/api-keys"]
+    if spec.router.admin_api_keys_secret:
+        args += ["--admin-api-keys", f"{ADMIN_AUTH_DIR}/admin-api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
     return args + security_args(spec, owner)
@@ -134,6 +138,12 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
             "secretName": spec.router.api_keys_secret, "defaultMode": 0o440,
             "items": [{"key": spec.router.api_keys_key, "path": "api-keys"}]}})
         mounts.append({"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True})
+    if spec.router.admin_api_keys_secret:
+        volumes.append({"name": "admin-api-keys", "secret": {
+            "secretName": spec.router.admin_api_keys_secret, "defaultMode": 0o440,
+            "items": [{"key": spec.router.admin_api_keys_key, "path": "admin-api-keys"}]}})
+        mounts.append({"name": "admin-api-keys", "mountPath": ADMIN_AUTH_DIR,
+                       "readOnly": True})
     if spec.kv_transfer.tls_secret:
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
@@ -154,8 +164,10 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
         container["resources"] = copy.deepcopy(spec.router.resources)
     meta = metadata(owner, name, ROUTER_COMPONENT)
     # a new router.yaml or key Secret rolls the routers (both are read at start)
+    admin = ((spec.router.admin_api_keys_secret, spec.router.admin_api_keys_key)
+             if spec.router.admin_api_keys_secret else ())  # absent: the hash as before
     digest = config_hash(text, spec.router.api_keys_secret, spec.router.api_keys_key,
-                         spec.kv_transfer.tls_secret)
+                         spec.kv_transfer.tls_secret, *admin)
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {

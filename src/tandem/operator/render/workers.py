@@ -36,6 +36,7 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
+from tandem.operator.render.lora import lora_args, worker_lora
 from tandem.operator.render.model import draft_model, worker_model
 from tandem.operator.render.security import security_args, worker_auth_mount
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
@@ -120,14 +121,16 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         args.append("--enforce-eager")
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
         args.append("--kv-stream-layers")
-    return args
+    return args + lora_args(spec.lora)  # every role: prefill computes with the adapter too
 
 
 def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
     """Model + engine args (+ the KV transfer settings a decode pool runs with): what rolls
     the pool when it changes; replicas are not in it."""
     kv = spec.kv_transfer if pool.role == "decode" else None
-    return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret)
+    lora = [spec.lora] if spec.lora is not None else []  # (unset: the hash it always had)
+    return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret,
+                       *lora)
 
 
 def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
@@ -139,7 +142,9 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
     model = worker_model(spec.model, image, mounts)
     draft = draft_model(spec.model, pool.spec.engine.speculative)
     volumes += model.volumes + draft.volumes
-    mounts = mounts + model.mounts + draft.mounts
+    lora = worker_lora(spec.lora, image, mounts, volumes)
+    volumes += lora.volumes
+    mounts = mounts + model.mounts + draft.mounts + lora.mounts
     if spec.kv_transfer.tls_secret:
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
@@ -161,17 +166,17 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
         "startupProbe": http_probe("/health", period=10, failures=STARTUP_SECONDS // 10),
         "lifecycle": pre_stop(), "securityContext": container_security_context(),
         "volumeMounts": mounts, "terminationMessagePolicy": "FallbackToLogsOnError"}
-    if pool.spec.resources or model.ephemeral_storage:
-        container["resources"] = with_ephemeral_storage(pool.spec.resources,
-                                                        model.ephemeral_storage)
+    download = total_size(model.ephemeral_storage, lora.ephemeral_storage)
+    if pool.spec.resources or download:
+        container["resources"] = with_ephemeral_storage(pool.spec.resources, download)
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": (PRE_STOP_SECONDS + pool.spec.engine.drain_timeout_seconds
                                           + SHUTDOWN_SLACK_SECONDS),
         "containers": [container], "volumes": volumes}
-    if model.init_containers:
-        pod["initContainers"] = model.init_containers
+    if model.init_containers or lora.init_containers:
+        pod["initContainers"] = model.init_containers + lora.init_containers
     if pool.spec.node_selector:
         pod["nodeSelector"] = dict(pool.spec.node_selector)
     if pool.spec.tolerations:
@@ -194,6 +199,18 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
             "spec": deploy_spec}
 
 
+def _mib(size: str) -> int:
+    return math.ceil(int(size[:-2]) * _MIB[size[-2:]])
+
+
+def total_size(*sizes: str | None) -> str | None:
+    """Downloads' sizes (like 20Gi) added up: the one given as is, several in Mi."""
+    given = [s for s in sizes if s]
+    if len(given) < 2:
+        return given[0] if given else None
+    return f"{sum(map(_mib, given))}Mi"
+
+
 def with_ephemeral_storage(resources: Mapping[str, Any], download: str | None) -> dict[str, Any]:
     """The pool's resources plus, for a download into an emptyDir, an ephemeral-storage
     request of its size and a limit with room for logs and scratch (unless the pool sets
@@ -201,7 +218,7 @@ def with_ephemeral_storage(resources: Mapping[str, Any], download: str | None) -
     out = copy.deepcopy(dict(resources))
     if download is None or any(EPHEMERAL in out.get(k, {}) for k in ("requests", "limits")):
         return out
-    mib = math.ceil(int(download[:-2]) * _MIB[download[-2:]]) + EPHEMERAL_HEADROOM_MIB
+    mib = _mib(download) + EPHEMERAL_HEADROOM_MIB
     out.setdefault("requests", {}).setdefault(EPHEMERAL, download)
     out.setdefault("limits", {}).setdefault(EPHEMERAL, f"{mib}Mi")
     return out

@@ -1,6 +1,14 @@
 """Routing scorers and filters; importing this package registers every built-in one."""
 
-from tandem.router.scorers import churn, filters, inflight, kv_usage, prefix, queue  # noqa: F401
+from tandem.router.scorers import (  # noqa: F401
+    churn,
+    filters,
+    inflight,
+    kv_usage,
+    lora,
+    prefix,
+    queue,
+)
 from tandem.router.scorers.base import (
     FILTERS,
     SCORERS,

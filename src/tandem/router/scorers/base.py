@@ -19,7 +19,7 @@ from tandem.router.workers import Worker
 class RoutingContext:
     """One request's routing inputs (plain values)."""
 
-    model: str
+    model: str  # what the request names: a base model or a LoRA adapter
     prompt_tokens: int
     # block size -> the prompt's full-block hash chain for workers with that block size
     hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
@@ -28,6 +28,7 @@ class RoutingContext:
     # worker id -> decayed uncached prompt tokens the router sent it lately (ChurnTracker)
     churn_tokens: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
+    lora: str | None = None  # the adapter `model` names (None: a base model)
 
 
 @dataclass(frozen=True)

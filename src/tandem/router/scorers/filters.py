@@ -14,7 +14,7 @@ class ModelFilter(Filter):
     name = "model"
 
     def keep(self, ctx: RoutingContext, worker: Worker) -> bool:
-        return worker.model == ctx.model
+        return worker.serves(ctx.model)  # the base model, or one of its loaded adapters
 
 
 @register_filter
