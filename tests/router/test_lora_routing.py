@@ -158,7 +158,7 @@ def test_affinity_to_the_replica_running_the_adapter(lora_cluster):
             # keep worker 0 busy with `w` (sent straight to it)
             hold = [asyncio.ensure_future(client.post(workers[0].url + "/v1/completions", json={
                 "model": "w", "prompt": [rng.randrange(3, 49152) for _ in range(8)],
-                "max_tokens": 400, "ignore_eos": True})) for _ in range(2)]
+                "max_tokens": 480, "ignore_eos": True})) for _ in range(2)]
             await asyncio.sleep(0.5)  # the router's load poll (every 0.2 s) sees them
             before = [_routed(router, w) for w in workers]
             for name in ("w", "x", "w", "x"):

@@ -241,3 +241,28 @@ def test_bad_keys_file_is_rejected(tmp_path):
     f.write_text("sk-1 al;pha\n")
     with pytest.raises(ValueError, match="TENANT"):
         ApiKeys.from_file(f)
+
+
+def test_adapter_loads_need_a_lora_worker_and_an_admin_key(stubs, tmp_path):
+    """Through the router: with no worker serving LoRA a load is 400 (not a retry later);
+    with API keys on, a tenant key is 403 and a missing key 401."""
+    servers, _ = stubs
+    router = router_app([s.url for s in servers[:1]])
+    try:
+        _wait_ready(router.url, 1)
+        r = httpx.post(router.url + "/v1/load_lora_adapter", timeout=10,
+                       json={"lora_name": "x", "lora_path": "x"})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+        bad = httpx.post(router.url + "/v1/unload_lora_adapter", timeout=10, json={"x": 1})
+        assert bad.status_code == 400 and "lora_name" in bad.json()["error"]["message"]
+    finally:
+        router.stop()
+    keyed = router_app([s.url for s in servers[:1]], keys={"sk-tenant": "acme"},
+                       worker_key=WorkerKey(worker_key_file(tmp_path)))
+    try:
+        for headers, status in (({}, 401), ({"Authorization": "Bearer sk-tenant"}, 403)):
+            r = httpx.post(keyed.url + "/v1/load_lora_adapter", timeout=10, headers=headers,
+                           json={"lora_name": "x", "lora_path": "x"})
+            assert r.status_code == status, r.text
+    finally:
+        keyed.stop()

@@ -63,12 +63,20 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
         body = await request.body()
         try:
             req = model.model_validate(json.loads(body))
-        except (ValueError, ValidationError) as exc:
-            raise APIError(400, f"invalid body: {exc}".splitlines()[0]) from exc
-        targets = [w for w in router.workers.values() if w.ready and w.lora_slots > 0]
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            raise APIError(400, f"{loc}: {err.get('msg', 'invalid')}" if loc
+                           else err.get("msg", "invalid"), loc or None) from exc
+        except ValueError as exc:  # not JSON
+            raise APIError(400, f"the body is not JSON: {exc}") from exc
+        ready = [w for w in router.workers.values() if w.ready]
+        targets = [w for w in ready if w.lora_slots > 0]
+        if not ready:
+            raise APIError(503, "no worker is ready; retry later", headers={"Retry-After": "5"})
         if not targets:
-            raise APIError(503, "no ready worker serves LoRA adapters (--enable-lora)",
-                           headers={"Retry-After": "5"})
+            raise APIError(400, "no worker here serves LoRA adapters (workers need "
+                                "--enable-lora)", "lora_name")
         headers = {"content-type": "application/json"}
         if worker_key is not None:
             headers[SIGNATURE_HEADER] = worker_key.sign(body, f"admin:{path}")
