@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.protocol.signing import SIGNATURE_HEADER, sign
-from tandem.serving.worker_auth import admin_target
+from tandem.protocol.signing import SIGNATURE_HEADER, admin_target, sign
 from tests.engine.utils import make_peft_adapter, make_tiny_model_dir, merge_adapter
 from tests.router.test_router_integration import RouterProcess, _metric
 from tests.serving.conftest import WORKER_KEY, free_port, start_worker
@@ -149,7 +148,8 @@ def test_affinity_to_the_replica_running_the_adapter(lora_cluster):
     router, workers, root = lora_cluster
     for w in workers:
         _load_on(w, "w", root)
-    _wait(lambda: "w" in _served(router), "the router to learn w")
+        _load_on(w, "x", root)  # a no-op where the fan-out test loaded it
+    _wait(lambda: {"w", "x"} <= set(_served(router)), "the router to learn w and x")
     headers = {"Authorization": f"Bearer {TENANT}"}
     rng = random.Random(1)
 

@@ -15,8 +15,7 @@ import openai
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.protocol.signing import SIGNATURE_HEADER, sign
-from tandem.serving.worker_auth import admin_target
+from tandem.protocol.signing import SIGNATURE_HEADER, admin_target, sign
 from tests.engine.utils import make_peft_adapter, make_tiny_model_dir, merge_adapter
 from tests.serving.conftest import WORKER_KEY, start_worker
 

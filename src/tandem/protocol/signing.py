@@ -190,6 +190,12 @@ def load_worker_key(path: str | None) -> WorkerKey | None:
         raise SystemExit(f"--worker-auth-key-file: {exc}") from exc
 
 
+def admin_target(path: str) -> str:
+    """The target the router signs an admin call to a worker's HTTP `path` for (LoRA
+    adapter loads and unloads)."""
+    return f"admin:{path}"
+
+
 PREFILL_RPC = "grpc:/tandem.v1.KVTransfer/Prefill"  # the "target" a Prefill call is signed for
 
 

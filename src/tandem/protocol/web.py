@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
@@ -61,6 +62,18 @@ def error_body(status: int, message: str, param: str | None = None,
     detail = ErrorDetail(message=message, type=type_ or _TYPES.get(status, "server_error"),
                          param=param, code=status)
     return ErrorResponse(error=detail).model_dump()
+
+
+def first_error(exc: Exception) -> str:
+    """A client's bad body in one line: the first pydantic error as `loc: msg`, or the
+    JSON error's text."""
+    if isinstance(exc, RecursionError):
+        return "the JSON body is nested too deeply"
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        return f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid")
+    return str(exc)
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -31,6 +31,7 @@ from tandem.protocol.web import (
     BodyLimit,
     FastPaths,
     cancel_on_disconnect,
+    first_error,
     install_error_handlers,
     plain_request_id,
 )
@@ -256,7 +257,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 parsed = prompts.parse(kind, data, tokenizer)
         except (ValueError, ValidationError, RecursionError) as exc:
             metrics.child(metrics.rejected, "400").inc()
-            raise APIError(400, _first_error(exc)) from exc
+            raise APIError(400, first_error(exc)) from exc
         if parsed.token_ids is not None and len(parsed.token_ids) > settings.max_prompt_tokens:
             metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "
@@ -427,13 +428,3 @@ def request_id(supplied: str | None) -> str:
     """The client's X-Request-Id when it is short and plain (it goes into logs and the
     worker request's headers), else a fresh one."""
     return plain_request_id(supplied) or f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
-
-
-def _first_error(exc: Exception) -> str:
-    if isinstance(exc, RecursionError):
-        return "the JSON body is nested too deeply"
-    if isinstance(exc, ValidationError):
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        return f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid")
-    return str(exc)

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from tandem.protocol.openai_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
-from tandem.protocol.web import APIError
+from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, admin_target
+from tandem.protocol.web import APIError, first_error
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
 from tandem.router.workers import Worker
@@ -63,13 +63,8 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
         body = await request.body()
         try:
             req = model.model_validate(json.loads(body))
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            raise APIError(400, f"{loc}: {err.get('msg', 'invalid')}" if loc
-                           else err.get("msg", "invalid"), loc or None) from exc
-        except ValueError as exc:  # not JSON
-            raise APIError(400, f"the body is not JSON: {exc}") from exc
+        except (ValueError, ValidationError) as exc:  # not JSON, or not the schema
+            raise APIError(400, first_error(exc)) from exc
         ready = [w for w in router.workers.values() if w.ready]
         targets = [w for w in ready if w.lora_slots > 0]
         if not ready:
@@ -79,7 +74,7 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
                                 "--enable-lora)", "lora_name")
         headers = {"content-type": "application/json"}
         if worker_key is not None:
-            headers[SIGNATURE_HEADER] = worker_key.sign(body, f"admin:{path}")
+            headers[SIGNATURE_HEADER] = worker_key.sign(body, admin_target(path))
         results = await asyncio.gather(*[_call(http(), w, path, body, headers)
                                          for w in targets])
         ok = [w for w, (status, _) in zip(targets, results, strict=True) if status < 300]

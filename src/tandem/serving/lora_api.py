@@ -33,9 +33,9 @@ from tandem.protocol.openai_api import (
     ModelCard,
     UnloadLoRAAdapterRequest,
 )
-from tandem.protocol.signing import WorkerKey
+from tandem.protocol.signing import WorkerKey, admin_target
 from tandem.serving.errors import APIError
-from tandem.serving.worker_auth import admin_target, require_signature
+from tandem.serving.worker_auth import require_signature
 
 logger = logging.getLogger(__name__)
 LOAD_PATH = "/v1/load_lora_adapter"

@@ -65,11 +65,6 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     await require_signature(request, key, target, what, on_reject)
 
 
-def admin_target(path: str) -> str:
-    """What the router signs an admin call to the worker's `path` for."""
-    return f"admin:{path}"
-
-
 async def require_signature(request: Request, key: WorkerKey | None, target: str | None,
                             what: str, on_reject: Callable[[str], None] | None = None) -> None:
     """Raise APIError(403) unless the request carries a valid, fresh router signature over
