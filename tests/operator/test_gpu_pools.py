@@ -1,7 +1,8 @@
 """GPU pools: a pool that requests `nvidia.com/gpu` gets `--device cuda` and the CUDA worker
 image, any other `--device cpu` and the CPU image; the engine fields reach `tandem worker`'s
-own parser; one GPU per worker (SpecError and CRD CEL rule, the same message); settings for
-the other device are refused naming the field; `tandem render` shows it all."""
+own parser; more GPUs per pod than `parallelism.tensor` are refused (SpecError and CRD CEL
+rule; tests/operator/test_tensor_parallel.py has the rest); settings for the other device
+are refused naming the field; `tandem render` shows it all."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tandem.operator.cli import add_operator_args, config_from
 from tandem.operator.reconcile import OperatorConfig, manifests
 from tandem.operator.render import render_all
 from tandem.operator.spec import SpecError, parse_spec
-from tandem.operator.spec_engine import ONE_GPU
+from tandem.operator.spec_parallel import ONE_RANK_PER_GPU
 from tests.operator.manifests import K8S, OWNER, arg, by_kind, container, one, set_path
 from tests.operator.samples import resource
 from tests.operator.test_crd import _errors, failed_rules
@@ -111,8 +112,10 @@ def _gpus(n) -> dict:
 
 
 SPEC_ERRORS = [  # (path, value, the message's words)
-    ("decode.resources", _gpus(2), f"decode.resources.limits.nvidia.com/gpu: 2: {ONE_GPU}"),
-    ("decode.resources", _gpus("8"), f"decode.resources.limits.nvidia.com/gpu: 8: {ONE_GPU}"),
+    ("decode.resources", _gpus(2), "decode.resources.limits.nvidia.com/gpu: 2 needs "
+     "parallelism.tensor 2 (a worker uses one GPU per tensor-parallel rank)"),
+    ("decode.resources", _gpus("8"), "decode.resources.limits.nvidia.com/gpu: 8 needs "
+     f"parallelism.tensor 8 ({ONE_RANK_PER_GPU}); decode.parallelism.tensor is 1"),
     ("decode.resources", _gpus("500m"), "nvidia.com/gpu: '500m': whole GPUs"),
     ("decode.engine", {"device": "cuda"}, "decode.engine.device cuda needs a GPU"),
     ("decode.engine", {"device": "tpu"}, "decode.engine.device: 'tpu' is not one of"),
@@ -166,7 +169,12 @@ def test_pools_on_different_devices_need_one_dtype():
 
 # ---- the CRD's CEL rules say the same ------------------------------------------------------
 
-def test_cel_refuses_two_gpus_per_worker_with_the_operators_message():
+CEL_TOO_MANY_GPUS = ("resources.limits nvidia.com/gpu above parallelism.tensor: a worker uses "
+                     "one GPU per tensor-parallel rank (set parallelism.tensor to at least the "
+                     "GPUs per pod)")
+
+
+def test_cel_refuses_more_gpus_per_pod_than_tensor_parallel_ranks():
     ok = resource({"model": {"uri": "SmolLM2-135M-Instruct"}, "decode": {"resources": GPU}})
     assert failed_rules(ok) == [] and _errors(ok) == []
     for pool, n in (("decode", 2), ("decode", "2"), ("prefill", 4)):
@@ -174,9 +182,12 @@ def test_cel_refuses_two_gpus_per_worker_with_the_operators_message():
                "prefill": {"replicas": 1}, pool: {"replicas": 1, "resources": _gpus(n)}}
         obj = resource(raw)
         assert _errors(obj) == []  # the OpenAPI part alone lets it through
-        assert failed_rules(obj) == [ONE_GPU]
-        with pytest.raises(SpecError, match=ONE_GPU.replace("(", r"\(").replace(")", r"\)")):
+        assert failed_rules(obj) == [CEL_TOO_MANY_GPUS]
+        with pytest.raises(SpecError, match=f"nvidia.com/gpu: {n} needs parallelism.tensor {n}"):
             parse_spec(raw)
+        raw[pool]["parallelism"] = {"tensor": int(n)}  # one rank per GPU: accepted
+        assert failed_rules(resource(raw)) == []
+        assert getattr(parse_spec(raw), pool).layout.tensor == int(n)
 
 
 @pytest.mark.parametrize(("resources", "engine", "words"), [
@@ -228,11 +239,12 @@ def test_tandem_render_shows_the_device_flags_and_images(tmp_path):
     assert "--enforce-eager" in dec["args"]
     assert arg(dec["args"], "--gpu-memory-utilization") == "0.85"
     two = mixed()
-    two["decode"]["resources"]["limits"]["nvidia.com/gpu"] = 2
+    two["decode"]["resources"]["limits"]["nvidia.com/gpu"] = 2  # without parallelism.tensor 2
     isvc.write_text(yaml.safe_dump({"apiVersion": "tandem.dev/v1alpha1",
                                     "kind": "InferenceService", "metadata": {"name": "demo"},
                                     "spec": two}))
     proc = tandem_render("-f", str(isvc))
-    assert proc.returncode == 2 and ONE_GPU in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and ONE_RANK_PER_GPU in proc.stderr, proc.stderr
+    assert "decode.resources.limits.nvidia.com/gpu: 2 needs parallelism.tensor 2" in proc.stderr
     assert proc.stdout == ""
 

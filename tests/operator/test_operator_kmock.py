@@ -65,6 +65,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "networking.k8s.io/v1/networkpolicies": dict(kind="NetworkPolicy", namespaced=True,
                                                  verbs=RW),
     "v1/secrets": dict(kind="Secret", namespaced=True, verbs=RW),
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": dict(
+        kind="LeaderWorkerSet", namespaced=True, verbs=RW, subresources={"status", "scale"}),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}),
 }
@@ -73,7 +75,8 @@ PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
            "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
            "Role": "rbac.authorization.k8s.io/v1/roles",
            "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
-           "NetworkPolicy": "networking.k8s.io/v1/networkpolicies", "Secret": "v1/secrets"}
+           "NetworkPolicy": "networking.k8s.io/v1/networkpolicies", "Secret": "v1/secrets",
+           "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets"}
 ISVC = "tandem.dev/v1alpha1/inferenceservices"
 
 
@@ -283,6 +286,44 @@ def test_switch_to_aggregated_removes_the_prefill_pool(env: Env) -> None:
              what="a Removed event")
 
 
+TP = {"model": {"uri": "pvc://models/llama-70b", "sha256": SHA, "dtype": "bfloat16"},
+      "decode": {"replicas": 2, "parallelism": {"tensor": 16},
+                 "resources": {"limits": {"nvidia.com/gpu": 8}}}}
+LWS = ("leaderworkerset.x-k8s.io", "v1", NS, "leaderworkersets")
+
+
+def test_a_multi_node_pool_is_a_leader_worker_set_applied_and_pruned(env: Env) -> None:
+    """TP=16 on 8-GPU pods: the pool is a LeaderWorkerSet with exactly the rendered content
+    (no worker Deployment) and its group NetworkPolicy; status waits for its groups (here
+    the LWS controller is played: it reports ready groups) and then is Ready; tensor 8 puts
+    the worker on one node: a Deployment replaces the LWS, which is deleted with its policy."""
+    env.create("tp", TP)
+    want = {(d["kind"], d["metadata"]["name"]): d for d in
+            wait_for(lambda: env.isvc("tp")["metadata"]["uid"] and expected(env, "tp", TP))}
+    got = wait_for(lambda: env.get("LeaderWorkerSet", "tp-worker"), what="the LWS")
+    assert server_side(got) == want[("LeaderWorkerSet", "tp-worker")]
+    assert got["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert ("Deployment", "tp-worker") not in want and env.get("Deployment", "tp-worker") is None
+    assert env.get("NetworkPolicy", "tp-worker-group") is not None
+    wait_for(lambda: env.status("tp").get("observedGeneration") == 1)
+    wait_for(lambda: "tp-worker: 0/2 ready" in condition(env.isvc("tp"), "Ready")["message"],
+             what="waiting for the groups")
+    env.roll_out("tp-router")
+    env.api.patch_namespaced_custom_object_status(*LWS, "tp-worker", {"status": {
+        "observedGeneration": got["metadata"]["generation"], "replicas": 2,
+        "readyReplicas": 2, "updatedReplicas": 2}})
+    wait_for(lambda: condition(env.isvc("tp"), "Ready")["status"] == "True", what="Ready")
+    assert env.status("tp")["decode"]["readyReplicas"] == 2
+    env.patch("tp", {"decode": {"parallelism": {"tensor": 8}}})
+    dep = wait_for(lambda: env.get("Deployment", "tp-worker"), what="the Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size"):][:4] == [
+        "--tensor-parallel-size", "8", "--distributed-executor-backend", "mp"]
+    wait_for(lambda: env.get("LeaderWorkerSet", "tp-worker") is None, what="the LWS removed")
+    wait_for(lambda: env.get("NetworkPolicy", "tp-worker-group") is None,
+             what="its NetworkPolicy removed")
+
+
 def test_worker_auth_secret_is_created_once_and_never_overwritten(env: Env) -> None:
     """The operator creates `<isvc>-worker-auth` (Opaque, `key`: 32 random bytes, owned by
     the InferenceService) before the pods that mount it; a key rotated by hand survives the
@@ -344,7 +385,7 @@ def test_a_delete_during_a_timer_tick_is_not_held_up(env: Env, monkeypatch) -> N
 
     env.create("nu", PD)
     wait_for(lambda: env.status("nu").get("observedGeneration") == 1)
-    inside, deleted, real = threading.Event(), threading.Event(), reconcile.deployments
+    inside, deleted, real = threading.Event(), threading.Event(), reconcile.workloads
 
     def held(kube, owner):  # the status timer's read, held open until the delete
         if owner.name == "nu":
@@ -352,7 +393,7 @@ def test_a_delete_during_a_timer_tick_is_not_held_up(env: Env, monkeypatch) -> N
             deleted.wait(10)
         return real(kube, owner)
 
-    monkeypatch.setattr(reconcile, "deployments", held)
+    monkeypatch.setattr(reconcile, "workloads", held)
     assert inside.wait(10), "no status tick"
     env.delete("nu")
     deleted.set()

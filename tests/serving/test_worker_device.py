@@ -68,6 +68,23 @@ def test_visible_gpus_reads_cuda_visible_devices_as_cuda_does():
         assert visible_gpus({}) == []
 
 
+def test_tensor_parallel_workers_get_consecutive_gpu_groups():
+    gpus = [str(g) for g in range(8)]
+    assert assign_gpus(gpus, 2, per_worker=4) == [GpuSlot("0,1,2,3", 1, 0),
+                                                  GpuSlot("4,5,6,7", 1, 0)]
+    assert assign_gpus(gpus[:6], 3, per_worker=2) == [
+        GpuSlot("0,1", 1, 0), GpuSlot("2,3", 1, 0), GpuSlot("4,5", 1, 0)]
+    # more workers than groups: groups shared round-robin; a leftover GPU stays unused
+    assert assign_gpus(gpus[:5], 3, per_worker=2) == [
+        GpuSlot("0,1", 2, 0), GpuSlot("2,3", 1, 0), GpuSlot("0,1", 2, 1)]
+    with pytest.raises(ValueError, match="needs 4 GPUs per worker; 2 visible"):
+        assign_gpus(["0", "1"], 1, per_worker=4)
+    envs, _, _ = gpu_plan(2, ["--tensor-parallel-size", "2"], gpus[:4])
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    envs, _, _ = gpu_plan(1, ["-tp", "3"], gpus[:4])
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "0,1,2"}]
+
+
 def test_gpu_plan_flags():
     envs, waves, flags = gpu_plan(3, [], ["0", "1"])
     assert envs == [{"CUDA_VISIBLE_DEVICES": g} for g in "010"] and waves == [0, 0, 1]

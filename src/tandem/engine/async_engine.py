@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.errors import EngineDeadError
 from tandem.engine.kv_events_hub import KVEventHub, Subscription
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import RequestOutput
@@ -77,6 +78,9 @@ class AsyncLLMEngine:
         # KV events (when the engine records them) are drained every step and fanned out
         self.kv_hub = KVEventHub() if engine.config.enable_kv_events else None
         self.dead: BaseException | None = None  # set if the loop itself ever crashes
+        executor = getattr(engine, "executor", None)
+        if executor is not None:  # a rank's death wakes an idle loop at once
+            executor.on_dead = self._wake.set
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -92,10 +96,35 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self._loop()
+        except EngineDeadError as exc:  # a tensor-parallel rank is gone: a clean stop
+            self.dead = exc
+            logger.error("engine stopped: %s", exc)
+            self._fail_everything(exc)
         except BaseException as exc:  # noqa: BLE001 - recorded for /ready, then re-raised
             self.dead = exc
             logger.exception("engine loop crashed")
+            self._fail_everything(exc)
             raise
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """After the loop's end: every request gets an error output, every queued command
+        an EngineDeadError, so no caller waits forever."""
+        try:
+            self._deliver(self.engine.fail_all(f"the engine stopped: {exc}"))
+        except Exception:  # noqa: BLE001 - the streams below still end
+            logger.exception("failing the engine's requests")
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, (_Add, _Call)):
+                _settle(cmd.done, error=EngineDeadError(str(exc)))
+
+    def executor_dead(self) -> str | None:
+        """Why a tensor-parallel rank is gone (None while all run, or with one rank)."""
+        executor = getattr(self.engine, "executor", None)
+        return None if executor is None else executor.dead
 
     def _drain_inbox(self) -> bool:
         """Run every queued command; True if there was any."""
@@ -146,6 +175,8 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         while not self._stopped:
+            if (why := self.executor_dead()) is not None:
+                raise EngineDeadError(why)
             if self._drain_inbox():
                 # what arrived counts in the load at once, not after the coming step (a
                 # long prefill step would otherwise hide it from routers for its length)
@@ -182,6 +213,9 @@ class AsyncLLMEngine:
                 logger.debug("dropped %d outputs for a closed event loop", len(batch))
 
     def _send(self, cmd: _Add | _Abort | _Call) -> None:
+        if self.dead is not None and isinstance(cmd, (_Add, _Call)):
+            _settle(cmd.done, error=EngineDeadError(str(self.dead)))
+            return
         self._inbox.put(cmd)
         self._wake.set()
 
@@ -254,12 +288,16 @@ class AsyncLLMEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.dead is None
+        return (self._thread.is_alive() and self.dead is None
+                and self.executor_dead() is None)
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:  # the tensor-parallel ranks
+            stop()
 
 
 def _settle(done: concurrent.futures.Future, result: Any = None,

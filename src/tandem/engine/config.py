@@ -15,6 +15,7 @@ QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
 # KV cache storage: "auto" = the model dtype; "fp8" (e4m3) / "int8" codes with a float16
 # scale per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
 
@@ -77,7 +78,9 @@ class EngineConfig:
     # they apply; False = pure torch everywhere
     native_kernels: bool = True
     max_waiting: int = 4096  # bound on queued requests; add_request raises beyond it
-    num_threads: int | None = None  # torch intra-op threads; None = torch default
+    # torch intra-op threads of the engine, split over its tensor-parallel ranks; None =
+    # torch's default (N ranks: the cores split N ways)
+    num_threads: int | None = None
     seed: int = 0  # seeds the generator of unseeded random sampling
     served_model_name: str | None = None  # model id used in hashes and the API
     # speculative decoding (engine/spec_decode): a dict of vLLM's keys or a
@@ -93,6 +96,11 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     lora_modules: dict[str, str] | tuple[str, ...] | list[str] | None = None
     lora_dirs: tuple[str, ...] | list[str] = ()
+    # tensor parallelism (engine/parallel): ranks sharing each layer (heads, MLP columns,
+    # vocabulary), and how ranks 1..N-1 run: "mp" local processes, "ray" Ray actors in one
+    # placement group, "uni" one rank; None = "uni" for 1, else "mp" (vLLM's names)
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -146,6 +154,31 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.from_dict(self.speculative_config))
         self._check_lora()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise ConfigError(f"tensor_parallel_size must be an integer in [1, 64], got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of "
+                              f"{EXECUTOR_BACKENDS} or None, got {backend!r}")
+        if backend == "uni" and tp > 1:
+            raise ConfigError("distributed_executor_backend 'uni' runs one rank; use 'mp' or "
+                              f"'ray' for tensor_parallel_size {tp}")
+        if tp == 1:
+            return
+        if self.quantization is not None:
+            raise ConfigError("quantized weights are not sharded yet: tensor_parallel_size "
+                              f"{tp} needs float weights (quantization None)")
+        if self.enable_lora:
+            raise ConfigError("LoRA adapters are not sharded yet: tensor_parallel_size "
+                              f"{tp} needs enable_lora off")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ConfigError(f"speculative method {spec.method!r} runs a draft model, not "
+                              f"sharded yet; with tensor_parallel_size {tp} use 'ngram'")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

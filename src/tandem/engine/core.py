@@ -18,7 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from tandem.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
+from tandem.engine.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    UnknownAdapterError,
+)
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.lora.request import LoRARequest
 from tandem.engine.output_processor import OutputProcessor
@@ -284,6 +289,13 @@ class EngineCore:
             outs.append(self.outputs.make_output(pid))
         return outs
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every unfinished request with an error (the engine cannot go on)."""
+        parents = {(r.parent_id or r.request_id): None
+                   for r in [*self.scheduler.running, *self.scheduler.waiting_requests()]}
+        outs, self._pending = self._pending, []
+        return outs + self._fail(parents, message)
+
     # -- stepping ----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -299,6 +311,8 @@ class EngineCore:
             t0 = time.perf_counter()
             result = self.runner.execute(sched)
             took = time.perf_counter() - t0
+        except EngineDeadError:  # nothing can run any more: the caller fails everything
+            raise
         except Exception as exc:  # one bad batch must not kill the loop
             logger.exception("step failed; failing %d requests", len(sched.scheduled))
             parents = {(s.request.parent_id or s.request.request_id): None

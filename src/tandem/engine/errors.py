@@ -25,3 +25,8 @@ class UnknownAdapterError(InvalidRequestError):
     def __init__(self, name: str) -> None:
         super().__init__(f"the LoRA adapter {name!r} is not loaded", "model")
         self.name = name
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (a tensor-parallel rank died): every request
+    fails, the loop stops, the worker's readiness goes down and it exits."""

@@ -1,5 +1,7 @@
 """Turns a `SchedulerOutput` into model inputs, runs the forward pass and samples.
 
+Each step is first a `parallel.plan.StepPlan` (the flat inputs and the batch layout), which
+the other tensor-parallel ranks receive before rank 0 runs its own share; rank 0 samples.
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
 and for prompt positions whose logprobs were requested. Python work per step is
@@ -22,20 +24,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from tandem.engine.attention.base import AttentionBackend, BatchLayout
+from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.core import RunnerOutput
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.lora.layers import LoRABatch
 from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.parallel.plan import PlanKind, StepPlan
+from tandem.engine.parallel.worker import plan_inputs
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec_decode.rejection import VerifyRequest, verify
-from tandem.engine.staging import download, upload
+from tandem.engine.staging import download
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
     from tandem.engine.lora.manager import LoRAManager
+    from tandem.engine.parallel.executor import Executor
 
 
 class LayerObserver(Protocol):
@@ -52,8 +57,11 @@ class LayerObserver(Protocol):
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device) -> None:
+                 sampler: Sampler, device: torch.device,
+                 executor: Executor | None = None) -> None:
         self.model = model
+        # the other tensor-parallel ranks: each step's plan is sent to them first
+        self.executor = executor if executor is not None and executor.world > 1 else None
         self.backend = backend
         self.kv_caches = kv_caches
         self.kv = kv
@@ -184,18 +192,19 @@ class ModelRunner:
         row_idx = np.array(rows, dtype=np.int64)
         table, table_lens = table[row_idx], table_lens[row_idx]
 
-        # one upload: tokens | positions | logits rows | prompt-logprob targets
         logits_idx = np.concatenate([np.array(sample_idx + spec_idx, dtype=np.int64)] + [
             np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
         targets = [t for req, first, _, count in plp
                    for t in req.prompt_token_ids[first + 1 : first + 1 + count]]
-        flat = upload(np.concatenate([tokens, positions, logits_idx,
-                                      np.array(targets, dtype=np.int64)]),
-                      torch.int64, self.device)
-        input_ids, pos_t, idx_t, targets_t = flat.split(
-            [num_tokens, num_tokens, len(logits_idx), len(targets)])
-        layout = BatchLayout(query_lens, seq_lens, None, torch.from_numpy(slots), nd, bs,
-                             block_table=table, table_lens=table_lens)
+        plan = StepPlan(PlanKind.FORWARD, tokens, positions, slots, logits_idx,
+                        np.asarray(query_lens, dtype=np.int64),
+                        np.asarray(seq_lens, dtype=np.int64), table, table_lens, nd,
+                        self.return_hidden)
+        if self.executor is not None:  # the other ranks run the same forward
+            self.executor.send(plan)
+        # one upload: tokens | positions | logits rows | prompt-logprob targets
+        input_ids, pos_t, idx_t, targets_t, layout = plan_inputs(
+            plan, self.device, bs, np.array(targets, dtype=np.int64))
         lora = self._lora_batch(scheduled, rows, nd, len(single))
         logits = None
         if (self.graphs is not None and lora is None and not watching and not plp
@@ -204,12 +213,17 @@ class ModelRunner:
             logits = self.graphs.run(input_ids, pos_t, layout)  # None: batch too big
         if logits is None:
             meta = self.backend.build_metadata(layout)
-            with self.lora.ctx.use(lora) if self.lora is not None else nullcontext():
-                logits = self.model(
-                    input_ids, pos_t, self.kv_caches, meta, idx_t,
-                    on_layer=self._layer_signal(watching) if watching else None,
-                    **({"return_hidden": True} if self.return_hidden else {}),
-                )
+            try:
+                with self.lora.ctx.use(lora) if self.lora is not None else nullcontext():
+                    logits = self.model(
+                        input_ids, pos_t, self.kv_caches, meta, idx_t,
+                        on_layer=self._layer_signal(watching) if watching else None,
+                        **({"return_hidden": True} if self.return_hidden else {}),
+                    )
+            except Exception as exc:  # a peer died, or this rank left its peers mid-step
+                if self.executor is None:
+                    raise
+                raise self.executor.failure(exc) from exc
         hidden = None
         if self.return_hidden:
             logits, hidden = logits

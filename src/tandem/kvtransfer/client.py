@@ -58,6 +58,7 @@ from tandem.kvtransfer.pages import (
     check_header,
     engine_layout,
     scatter_layer,
+    tensor_parallel,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys, root_hash
@@ -204,7 +205,8 @@ class RemotePrefill:
                                            len(local), first - 1)
                         hashes = chain[first:first + offer.num_full]
                         writer = _PageWriter(self.engine.engine.runner.kv_caches,
-                                             self._writer_pool, offer)
+                                             self._writer_pool, offer,
+                                             tensor_parallel(self.engine.engine))
                         await writer.pin(self.engine, hashes)
                         if not writer.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
@@ -214,6 +216,7 @@ class RemotePrefill:
                         call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:
                     await self._backend.release(req)
+                await writer.flush(self.engine, self.layout.num_layers)
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
                     request_hash_keys(self.model_id, lora_name, cache_salt))
@@ -335,8 +338,11 @@ class _PageWriter:
     import unpins only after every write into those blocks has ended."""
 
     def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 executor: ThreadPoolExecutor, offer: Offer) -> None:
+                 executor: ThreadPoolExecutor, offer: Offer, staged: bool = False) -> None:
+        """`staged`: a tensor-parallel engine's cache: layers are kept here and `flush`
+        hands them to the engine, which gives each rank its heads."""
         self.caches = caches
+        self.staged: dict[int, torch.Tensor] | None = {} if staged else None
         self.executor = executor
         self.offer = offer
         self.pinned: list[KVBlock] = []  # the full blocks, then the staged one if pinned
@@ -376,7 +382,21 @@ class _PageWriter:
     def _write(self, layer: int, pages: torch.Tensor) -> None:
         if self._select is not None:
             pages = pages.index_select(1, self._select)
-        scatter_layer(self.caches, layer, self._ids, pages)
+        if self.staged is not None:
+            self.staged[layer] = pages.clone()  # the backend may reuse its buffer
+        else:
+            scatter_layer(self.caches, layer, self._ids, pages)
+
+    async def flush(self, engine: AsyncLLMEngine, num_layers: int) -> None:
+        """Staged (tensor-parallel) pages into the ranks' caches, on the engine thread."""
+        if self.staged is None or not self._ids or self.released:
+            return
+        if sorted(self.staged) != list(range(num_layers)):
+            raise KVTransferError("incomplete", f"{len(self.staged)} of {num_layers} layers "
+                                                "arrived")
+        pages, ids = [self.staged[i] for i in range(num_layers)], self._ids
+        self.staged = {}
+        await engine.call(lambda e: e.import_kv(ids, pages))
 
     def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task],
                 request_id: str) -> None:

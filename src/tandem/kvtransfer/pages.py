@@ -24,6 +24,7 @@ touches its cache. A header without `kv_cache_dtype` (an older sender) means "au
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,9 +117,19 @@ class PageLayout:
 
 
 def engine_layout(model_id: str, engine: Any) -> PageLayout:
-    """The layout of an `LLMEngine`'s KV cache (in the format its attention backend
-    allocated it: `AttentionBackend.kv_format`)."""
-    return PageLayout.of(model_id, engine.runner.kv_caches, engine.runner.backend.kv_format.name)
+    """The layout of an `LLMEngine`'s KV pages on the wire (in the format its attention
+    backend allocated them: `AttentionBackend.kv_format`), with all of the model's KV heads
+    whatever the engine's tensor-parallel size (each rank's cache holds a share)."""
+    layout = PageLayout.of(model_id, engine.runner.kv_caches,
+                           engine.runner.backend.kv_format.name)
+    heads = getattr(engine, "num_kv_heads", layout.num_kv_heads)
+    return dataclasses.replace(layout, num_kv_heads=heads)
+
+
+def tensor_parallel(engine: Any) -> bool:
+    """Whether an `LLMEngine`'s KV pages are split over tensor-parallel ranks (then they
+    move through `export_kv` / `import_kv` on the engine thread)."""
+    return getattr(engine.runner, "executor", None) is not None
 
 
 def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,

@@ -38,6 +38,7 @@ from tandem.kvtransfer.pages import (
     gather_layer,
     header_for,
     layer_page_views,
+    tensor_parallel,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
@@ -219,8 +220,9 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         caches = engine.engine.runner.kv_caches
         layout = engine_layout(self.model_id, engine.engine)
         loop = asyncio.get_running_loop()
+        split = tensor_parallel(engine.engine)  # pages gathered from the ranks when sent
         stream = (LayerStream(loop, layout.num_layers, caches[0][0].device)
-                  if self.stream_layers else None)
+                  if self.stream_layers and not split else None)
         if stream is not None:
             engine.engine.runner.observe(rid, stream)
         run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt,
@@ -251,10 +253,15 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             block_ids = table[first:first + sent_blocks]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
                                                          first_token, tail))
-            job = SendJob(request, layout, block_ids,
-                          lambda layer: gather_layer(caches, layer, block_ids),
-                          loop.time() + lease_s,
-                          lambda layer: layer_page_views(caches, layer, block_ids), stream)
+            if split:  # every KV head, from every rank (engine thread: between steps)
+                full = await engine.call(lambda e: e.export_kv(block_ids))
+                job = SendJob(request, layout, block_ids, lambda layer: full[layer],
+                              loop.time() + lease_s, None, None)
+            else:
+                job = SendJob(request, layout, block_ids,
+                              lambda layer: gather_layer(caches, layer, block_ids),
+                              loop.time() + lease_s,
+                              lambda layer: layer_page_views(caches, layer, block_ids), stream)
             async for chunk in self.backend(request.backend).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks

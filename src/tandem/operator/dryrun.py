@@ -123,6 +123,7 @@ def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Servic
     try:
         check_name(name)
         spec = parse_spec(doc.get("spec"))
+        check_name(name, spec)
     except SpecError as exc:
         raise RenderError(f"InferenceService {name}: invalid spec: {exc}") from None
     own_ns = meta.get("namespace")
@@ -199,10 +200,10 @@ def placeholder(doc: dict[str, Any]) -> dict[str, Any]:
 def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[str, dict]]:
     """What `reconcile.apply` writes for `svc`, in order, on a cluster without its children
     (operator-scaled pools at `replicas`, as their live Deployments would be)."""
-    from tandem.operator.reconcile import apply
+    from tandem.operator.reconcile import KIND_API, apply, pool_kind
     from tandem.operator.render import pool_name, pools
 
-    live = [{"apiVersion": "apps/v1", "kind": "Deployment",
+    live = [{"apiVersion": KIND_API[pool_kind(p)], "kind": pool_kind(p),
              "metadata": {"name": pool_name(svc.owner, p), "namespace": svc.owner.namespace},
              "spec": {"replicas": replicas[p.name]}} for p in pools(svc.spec) if p.name in replicas]
     recorder = Recorder(live)

@@ -53,7 +53,11 @@ KINDS = {
     "NetworkPolicy": Kind(client.NetworkingV1Api, "network_policy"),
     "Certificate": Kind(client.CustomObjectsApi, "custom_object", "cert-manager.io", "v1",
                         "certificates"),
+    # multi-node tensor-parallel pools (render.multinode); needs the LWS controller's CRD
+    "LeaderWorkerSet": Kind(client.CustomObjectsApi, "custom_object", "leaderworkerset.x-k8s.io",
+                            "v1", "leaderworkersets"),
 }
+WORKLOADS = ("Deployment", "LeaderWorkerSet")  # what runs a pool (status, scaling)
 # created once, never applied, listed or read (the worker-auth key: RBAC `create` only)
 CREATE_ONLY = {"Secret": Kind(client.CoreV1Api, "secret")}
 
@@ -123,9 +127,19 @@ class Kube:
         return json.loads(resp.data or b"{}")
 
     def apply(self, doc: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
+        """Server-side apply; a custom kind the cluster does not serve (its CRD missing)
+        answers 404 with a reason that says so."""
         meta = doc["metadata"]
-        return self._call("patch", doc["kind"], meta["namespace"], meta["name"], doc,
-                          field_manager=manager, force=True, _content_type=APPLY)
+        try:
+            return self._call("patch", doc["kind"], meta["namespace"], meta["name"], doc,
+                              field_manager=manager, force=True, _content_type=APPLY)
+        except ApiException as exc:
+            k = KINDS.get(doc["kind"])
+            if exc.status != 404 or k is None or not k.group:
+                raise
+            raise ApiException(status=404, reason=(
+                f"{doc['kind']} {meta['name']}: this cluster does not serve {k.group}/"
+                f"{k.version} {k.plural} (install its CRD and controller)")) from exc
 
     def create(self, doc: dict[str, Any]) -> bool:
         """Create `doc` unless an object of that name exists (409: left as it is, unread).

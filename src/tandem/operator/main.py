@@ -6,7 +6,8 @@
 * create / resume / update of an InferenceService: parse (`SpecError` → `PermanentError` and
   an `InvalidSpec` condition), apply the children, delete those no longer rendered, write
   status; an API failure → `TemporaryError` with exponential backoff (`ApplyFailed`).
-* status timer: replicas and conditions from the Deployments; re-applies a missing one.
+* status timer: replicas and conditions from the workloads (Deployments; LeaderWorkerSets of
+  multi-node pools); re-applies a missing one.
 * resync timer: applies every child again, so one deleted or edited by hand (a Service, a
   ConfigMap, a Deployment's image...) is back to its rendered form within the interval; a
   `Repaired` Warning Event names each child it had to write. Unchanged children cost one
@@ -52,7 +53,9 @@ def startup(memo: kopf.Memo, **_: Any) -> None:
 
 def _spec(body: kopf.Body) -> InferenceServiceSpec:
     check_name(body["metadata"]["name"])
-    return parse_spec(dict(body.get("spec") or {}))
+    spec = parse_spec(dict(body.get("spec") or {}))
+    check_name(body["metadata"]["name"], spec)  # a multi-node pool's LeaderWorkerSet name
+    return spec
 
 
 def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
@@ -68,7 +71,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
     try:
         with _writer(memo, owner, generation, newest=True):
             removed = reconcile.apply(memo.kube, spec, owner, memo.config).removed
-        live = reconcile.deployments(memo.kube, owner)
+        live = reconcile.workloads(memo.kube, owner)
     except kube.KubeError as exc:
         reason = kube.describe(exc)
         patch.status.update(merge_patch(status, failed(status, generation, "ApplyFailed",
@@ -83,19 +86,19 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
 
 
 def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    """Status from the Deployments; a Deployment deleted by hand is applied again."""
+    """Status from the workloads; one deleted by hand is applied again."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     status = dict(body.get("status") or {})
     if status.get("observedGeneration") != generation:
         return  # the change handler has not finished with this generation (or failed)
     try:
         spec = _spec(body)
-        live = reconcile.deployments(memo.kube, owner)
+        live = reconcile.workloads(memo.kube, owner)
         names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
             _reapply(memo, spec, owner, generation)
-            live = reconcile.deployments(memo.kube, owner)
+            live = reconcile.workloads(memo.kube, owner)
     except SpecError:
         return
     except kube.KubeError as exc:
@@ -152,7 +155,7 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
         for pool in scaled_pools:
             state = states.setdefault(pool.name, reconcile.PoolState())
             with _writer(memo, owner, generation):  # it patches the replicas it reads
-                live = reconcile.deployments(memo.kube, owner)
+                live = reconcile.workloads(memo.kube, owner)
                 done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
                                             live.get(pool_name(owner, pool)), state)
             if done is not None:

@@ -1,6 +1,7 @@
 """What the kopf handlers do, without kopf: apply an InferenceService's rendered children and
-delete the ones it no longer renders, read their Deployments for status, and run one
-autoscaler tick for a pool. API errors propagate (`kube.KubeError`); handlers decide."""
+delete the ones it no longer renders, read their workloads (Deployments, and the
+LeaderWorkerSets of multi-node pools) for status, and run one autoscaler tick for a pool.
+API errors propagate (`kube.KubeError`); handlers decide."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.operator import autoscale
-from tandem.operator.kube import FIELD_MANAGER, KINDS, Kube, applies_field
+from tandem.operator.kube import FIELD_MANAGER, KINDS, WORKLOADS, Kube, applies_field
 from tandem.operator.metrics import MetricsSource, counters, per_replica
 from tandem.operator.render import (
     DEFAULT_IMAGE,
@@ -22,10 +23,12 @@ from tandem.operator.render import (
     pools,
     render_all,
 )
+from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
 from tandem.operator.render.security import worker_auth_secret
 from tandem.operator.spec import InferenceServiceSpec, signal_for
 
 logger = logging.getLogger(__name__)
+KIND_API = {"Deployment": "apps/v1", LWS_KIND: LWS_API_VERSION}
 AUTOSCALER = "tandem-autoscaler"  # the field manager of the replicas the autoscaler sets
 HANDOVER = "tandem-handover"  # holds a pool's replicas while an HPA takes them over
 
@@ -62,6 +65,11 @@ def owner_of(body: Mapping[str, Any]) -> Owner:
     return Owner(meta["name"], meta["namespace"], meta["uid"])
 
 
+def pool_kind(pool: Pool) -> str:
+    """The kind of the workload that runs `pool`."""
+    return LWS_KIND if pool.spec.layout.multinode else "Deployment"
+
+
 def operator_scaled(spec: InferenceServiceSpec) -> list[Pool]:
     return [p for p in pools(spec)
             if p.spec.autoscaling is not None and p.spec.autoscaling.mode == "operator"]
@@ -71,6 +79,20 @@ def deployments(kube: Kube, owner: Owner) -> dict[str, dict[str, Any]]:
     """The InferenceService's Deployments by name."""
     return {d["metadata"]["name"]: d
             for d in kube.list_owned("Deployment", owner.namespace, owner.name, owner.uid)}
+
+
+def by_name(owned: Mapping[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The workloads among `owned` (kind -> objects as listed) by name, each with its `kind`
+    (list items come without)."""
+    return {o["metadata"]["name"]: {**o, "kind": kind}
+            for kind in WORKLOADS for o in owned.get(kind, [])}
+
+
+def workloads(kube: Kube, owner: Owner) -> dict[str, dict[str, Any]]:
+    """What runs the InferenceService's pools and router by name: Deployments and the
+    LeaderWorkerSets of multi-node pools, each with its `kind`."""
+    return by_name({k: kube.list_owned(k, owner.namespace, owner.name, owner.uid)
+                    for k in WORKLOADS})
 
 
 @dataclass
@@ -115,13 +137,14 @@ def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> 
 def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
           config: OperatorConfig) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
-    renders (e.g. the prefill pool when prefill.replicas drops to 0). One list per kind,
-    before the writes, gives both: the live Deployments, from which a pool the autoscaler
+    renders (e.g. the prefill pool when prefill.replicas drops to 0, or the Deployment of a
+    pool that became multi-node). One list per kind,
+    before the writes, gives both: the live workloads, from which a pool the autoscaler
     drives keeps its replica count (and a pool newly under an HPA hands its count over),
     and the versions `Applied` compares."""
     owned = {kind: kube.list_owned(kind, owner.namespace, owner.name, owner.uid)
              for kind in KINDS}
-    live = {d["metadata"]["name"]: d for d in owned["Deployment"]}
+    live = by_name(owned)
     before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
               for kind, objs in owned.items() for obj in objs}
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
@@ -159,7 +182,10 @@ def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
         replicas = dep.get("spec", {}).get("replicas")
         if replicas is None or not applies_field(dep, FIELD_MANAGER, "spec", "replicas"):
             continue
-        kube.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+        kind = dep.get("kind", "Deployment")
+        if kind != pool_kind(pool):
+            continue  # the pool changes kind: its new workload starts under the HPA
+        kube.apply({"apiVersion": KIND_API[kind], "kind": kind,
                     "metadata": {"name": name, "namespace": owner.namespace},
                     "spec": {"replicas": replicas}}, manager=HANDOVER)
         logger.info("%s/%s: %s keeps %d replicas while its HPA takes over", owner.namespace,
@@ -177,8 +203,9 @@ class Scaled:
 def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
                dep: Mapping[str, Any] | None, state: PoolState,
                now: float | None = None) -> Scaled | None:
-    """One autoscaler tick for one pool: read the signal, decide, and patch the Deployment's
-    replicas (nothing else) when the decision differs from what runs. None: no change."""
+    """One autoscaler tick for one pool: read the signal, decide, and patch the workload's
+    replicas (nothing else: a Deployment's pods, a LeaderWorkerSet's groups, whose leaders
+    report) when the decision differs from what runs. None: no change."""
     auto = pool.spec.autoscaling
     if auto is None or dep is None:
         return None
@@ -201,8 +228,8 @@ def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
     state.history = autoscale.remember(state.history, now, rec, window)
     if desired == current:
         return None
-    kube.patch("Deployment", owner.namespace, name, {"spec": {"replicas": desired}},
-               manager=AUTOSCALER)
+    kube.patch(dep.get("kind", "Deployment"), owner.namespace, name,
+               {"spec": {"replicas": desired}}, manager=AUTOSCALER)
     logger.info("%s: %d -> %d replicas (%s %.3g per replica, target %g)", name, current,
                 desired, auto.signal, value, auto.target)
     return Scaled(pool, current, desired, value)

@@ -23,6 +23,13 @@ from tandem.operator.fields import (
 )
 from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
 from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_autoscaling import (
+    SIGNALS,
+    AutoscalingSpec,
+    Signal,
+    parse_autoscaling,
+    signal_for,
+)
 from tandem.operator.spec_engine import (
     EngineArgs,
     check_pool_device,
@@ -31,47 +38,34 @@ from tandem.operator.spec_engine import (
     pool_device,
 )
 from tandem.operator.spec_lora import LoRASpec, check_served_name, parse_lora
+from tandem.operator.spec_parallel import (
+    Layout,
+    ParallelismSpec,
+    check_parallelism,
+    parse_parallelism,
+)
+from tandem.operator.spec_router import RateLimit, RouterSpec, parse_router
 from tandem.operator.spec_security import (
     IssuerRef,
     SecretKeyRef,
     SecuritySpec,
     issuer_ref,
     parse_security,
-    peers,
     prometheus_peer,
     secret_key_ref,
 )
 
 __all__ = ["SpecError", "ModelSource", "InferenceServiceSpec", "parse_spec", "check_name",
-           "SIGNALS", "MAX_NAME"]
+           "SIGNALS", "MAX_NAME", "RateLimit", "RouterSpec", "AutoscalingSpec", "Signal",
+           "signal_for"]
 
 DEFAULT_HF_STORAGE = "50Gi"  # hf:// without model.storage (CRD: the field's description)
 _STORAGE = re.compile(r"^[1-9][0-9]*(Ki|Mi|Gi|Ti)$")
 MAX_NAME = 52  # the longest child Service name, NAME-prefill, stays a 63-character label
+# a StatefulSet name is at most 52 (its pods' controller-revision-hash label is NAME-HASH);
+# LeaderWorkerSet NAME-POOL names its worker StatefulSets NAME-POOL-GROUP (groups < 1000)
+MAX_MULTINODE_NAME = 52 - len("-999")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
-
-@dataclass(frozen=True)
-class Signal:
-    """An autoscaling signal: the worker's Prometheus metric and the HPA adapter's name."""
-
-    worker_metric: str  # as on the worker's /metrics; a `_total` counter when `rate`
-    hpa_metric: str  # the per-pod metric a metrics adapter must expose for `mode: hpa`
-    rate: bool = False  # per second, from a counter
-
-
-# tokens/s counts prompt tokens on a prefill pool (see `signal_for`)
-SIGNALS = {
-    "waitingRequests": Signal("vllm:num_requests_waiting", "vllm_num_requests_waiting"),
-    "kvUtilization": Signal("vllm:kv_cache_usage_perc", "vllm_kv_cache_usage_perc"),
-    "tokensPerSecond": Signal("vllm:generation_tokens_total",
-                              "vllm_generation_tokens_per_second", rate=True),
-}
-_PROMPT_TOKENS = Signal("vllm:prompt_tokens_total", "vllm_prompt_tokens_per_second", rate=True)
-
-
-def signal_for(signal: str, role: str) -> Signal:
-    return _PROMPT_TOKENS if signal == "tokensPerSecond" and role == "prefill" else SIGNALS[signal]
 
 
 @dataclass(frozen=True)
@@ -96,16 +90,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class AutoscalingSpec:
-    max_replicas: int
-    target: float
-    mode: str = "operator"  # "operator" (the operator's timer) | "hpa"
-    min_replicas: int = 1
-    signal: str = "waitingRequests"
-    scale_down_stabilization_seconds: int = 300
-
-
-@dataclass(frozen=True)
 class PoolSpec:
     replicas: int
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
@@ -114,45 +98,22 @@ class PoolSpec:
     engine: EngineArgs = EngineArgs()
     autoscaling: AutoscalingSpec | None = None
     pod: PodSettings = PodSettings()
+    parallelism: ParallelismSpec = ParallelismSpec()
 
     @property
     def gpus(self) -> int:
+        """GPUs per pod (a multi-node pool's worker holds `layout.nodes` times as many)."""
         return int((self.resources.get("limits") or {}).get(GPU, 0))
+
+    @property
+    def layout(self) -> Layout:
+        """Where one worker's tensor-parallel ranks run (checked when parsed)."""
+        return check_parallelism(self.parallelism, self.gpus, "pool")
 
     @property
     def device(self) -> str:
         """cuda or cpu: the workers' `--device`."""
         return pool_device(self.engine, self.gpus)
-
-
-@dataclass(frozen=True)
-class RateLimit:
-    requests_per_second: float = 0.0  # 0 = unlimited
-    burst_requests: float = 0.0
-    tokens_per_minute: float = 0.0
-
-
-@dataclass(frozen=True)
-class RouterSpec:
-    replicas: int = 1
-    policy: str = "cache-aware"
-    weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
-    pd_threshold: int = 16
-    pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
-    pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
-    api_keys_secret: str | None = None
-    api_keys_key: str = "api-keys"
-    # keys that may load / unload LoRA adapters through the router (needs api_keys_secret)
-    admin_api_keys_secret: str | None = None
-    admin_api_keys_key: str = "admin-api-keys"
-    rate_limit: RateLimit | None = None
-    tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
-    redis_url_secret: SecretKeyRef | None = None  # env TANDEM_REDIS_URL from this Secret key
-    shared_index: bool = False
-    allowed_clients: tuple[dict[str, Any], ...] = ()  # NetworkPolicy peers; () = anyone
-    service_type: str = "ClusterIP"
-    resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
-    pod: PodSettings = PodSettings()
 
 
 @dataclass(frozen=True)
@@ -183,110 +144,46 @@ class InferenceServiceSpec:
     def disaggregated(self) -> bool:
         return self.prefill.replicas > 0
 
+    def worker_pools(self) -> list[tuple[str, str, PoolSpec]]:
+        """(name, role, spec) per worker pool: prefill + decode, or one aggregated `worker`
+        (role both) built from `decode`."""
+        if self.disaggregated:
+            return [("prefill", "prefill", self.prefill), ("decode", "decode", self.decode)]
+        return [("worker", "both", self.decode)]
 
-def check_name(name: str) -> None:
-    """An InferenceService name whose children's names all stay valid."""
+
+def check_name(name: str, spec: InferenceServiceSpec | None = None) -> None:
+    """An InferenceService name whose children's names all stay valid (with `spec`: a
+    multi-node pool's LeaderWorkerSet too, whose StatefulSets are NAME-POOL-GROUP)."""
     if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
         raise SpecError(f"name {name!r}: a DNS label of at most {MAX_NAME} characters "
                         "(children are named NAME-prefill, NAME-decode, NAME-router)")
-
-
-def _autoscaling(d: dict[str, Any] | None, where: str) -> AutoscalingSpec | None:
-    if d is None:
-        return None
-    w = f"{where}.autoscaling"
-    for key in ("maxReplicas", "target"):
-        if key not in d:
-            raise SpecError(f"{w}.{key} is required")
-    a = AutoscalingSpec(
-        max_replicas=get_int(d, "maxReplicas", None, w, 1, 1000),
-        target=get_num(d, "target", None, w) or 0.0,
-        mode=get_enum(d, "mode", "operator", w, ("operator", "hpa")),
-        min_replicas=get_int(d, "minReplicas", 1, w, 1, 1000),
-        signal=get_enum(d, "signal", "waitingRequests", w, tuple(SIGNALS)),
-        scale_down_stabilization_seconds=get_int(d, "scaleDownStabilizationSeconds", 300, w,
-                                              0, 3600))
-    if a.min_replicas > a.max_replicas:
-        raise SpecError(f"{w}: minReplicas {a.min_replicas} exceeds maxReplicas "
-                        f"{a.max_replicas}")
-    if a.target <= 0 or (a.signal == "kvUtilization" and a.target > 1):
-        raise SpecError(f"{w}.target {a.target}: must be > 0 (a fraction in (0, 1] for "
-                        "kvUtilization)")
-    return a
+    for pool, _, p in spec.worker_pools() if spec is not None else ():
+        if p.layout.multinode and len(f"{name}-{pool}") > MAX_MULTINODE_NAME:
+            where = "decode" if pool == "worker" else pool
+            raise SpecError(f"name {name!r}: {where} is a multi-node pool, whose "
+                            f"LeaderWorkerSet {name}-{pool} must be at most "
+                            f"{MAX_MULTINODE_NAME} characters (its StatefulSets are named "
+                            f"{name}-{pool}-GROUP, and Kubernetes labels a StatefulSet's pods "
+                            "with its name and a revision hash)")
 
 
 def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
     tolerations = get(d, "tolerations", list, [], where)
     res = resources(get_obj(d, "resources", where), f"{where}.resources")
     engine = parse_engine(get_obj(d, "engine", where), where)
-    check_pool_device(engine, gpu_count(res, where), where)
+    gpus = gpu_count(res, where)
+    check_pool_device(engine, gpus, where)
+    parallelism = parse_parallelism(d.get("parallelism"), where)
+    check_parallelism(parallelism, gpus, where)
     return PoolSpec(
         replicas=get_int(d, "replicas", replicas, where, 0, 1000),
         resources=res,
         node_selector=dict(get_obj(d, "nodeSelector", where)),
         tolerations=tuple(dict(t) for t in tolerations),
         engine=engine,
-        autoscaling=_autoscaling(get(d, "autoscaling", dict, None, where), where),
-        pod=parse_pod_settings(d, where, scheduling=False))
-
-
-def _rate(d: dict, where: str) -> RateLimit:
-    return RateLimit(get_num(d, "requestsPerSecond", 0.0, where) or 0.0,
-                     get_num(d, "burstRequests", 0.0, where) or 0.0,
-                     get_num(d, "tokensPerMinute", 0.0, where) or 0.0)
-
-
-_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
-            "cacheChurn": 1.0, "loraAffinity": 1.0}
-
-
-def _router(d: dict) -> RouterSpec:
-    w = "router"
-    if "redisUrl" in d:  # removed: a URL with a password does not belong in the spec
-        raise SpecError("router.redisUrl is no longer supported: put the URL in a Secret and "
-                        "name it in router.redisUrlSecretRef {name, key}")
-    weights = get(d, "weights", dict, None, w)
-    rl = get_obj(d, "rateLimits", w)
-    keys = get_obj(d, "apiKeysSecret", w)
-    admin = get_obj(d, "adminApiKeysSecret", w)
-    r = RouterSpec(
-        replicas=get_int(d, "replicas", 1, w, 1, 100),
-        policy=get_enum(d, "policy", "cache-aware", w,
-                     ("cache-aware", "least-loaded", "round-robin", "random")),
-        weights=None if weights is None else {
-            k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
-        pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
-        pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
-        pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
-        api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
-        api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
-        admin_api_keys_secret=get(admin, "name", str, None, "router.adminApiKeysSecret"),
-        admin_api_keys_key=get(admin, "key", str, "admin-api-keys",
-                               "router.adminApiKeysSecret"),
-        rate_limit=_rate(rl["default"], "router.rateLimits.default") if "default" in rl
-        else None,
-        tenant_rate_limits={t: _rate(v, f"router.rateLimits.tenants.{t}")
-                            for t, v in get_obj(rl, "tenants", "router.rateLimits").items()},
-        redis_url_secret=secret_key_ref(get(d, "redisUrlSecretRef", dict, None, w),
-                                        "router.redisUrlSecretRef", "url"),
-        shared_index=get(d, "sharedIndex", bool, False, w),
-        service_type=get_enum(d, "serviceType", "ClusterIP", w,
-                           ("ClusterIP", "NodePort", "LoadBalancer")),
-        allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
-        resources=resources(get_obj(d, "resources", w), "router.resources"),
-        pod=parse_pod_settings(d, w, scheduling=True))
-    if weights is not None and set(weights) - set(_WEIGHTS):
-        raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
-    if r.shared_index and not r.redis_url_secret:
-        raise SpecError("router.sharedIndex needs router.redisUrlSecretRef")
-    if keys and not r.api_keys_secret:
-        raise SpecError("router.apiKeysSecret.name is required")
-    if admin and not r.admin_api_keys_secret:
-        raise SpecError("router.adminApiKeysSecret.name is required")
-    if r.admin_api_keys_secret and not r.api_keys_secret:
-        raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
-                        "keys the admin endpoints are open)")
-    return r
+        autoscaling=parse_autoscaling(get(d, "autoscaling", dict, None, where), where),
+        pod=parse_pod_settings(d, where, scheduling=False), parallelism=parallelism)
 
 
 def _delivery(m: dict) -> tuple[SecretKeyRef | None, str | None, str | None]:
@@ -329,7 +226,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         raise SpecError(f"model.dtype {model.dtype!r}: auto, float32, bfloat16 or float16")
     kv, mon = get_obj(spec, "kvTransfer", "spec"), get_obj(spec, "monitoring", "spec")
     out = InferenceServiceSpec(
-        model=model, router=_router(get_obj(spec, "router", "spec")),
+        model=model, router=parse_router(get_obj(spec, "router", "spec")),
         prefill=_pool(get_obj(spec, "prefill", "spec"), "prefill", 0),
         decode=_pool(get_obj(spec, "decode", "spec"), "decode", 1),
         kv_transfer=KVTransferSpec(

@@ -3,9 +3,9 @@
 A pool that requests `nvidia.com/gpu` runs on CUDA, any other on the CPU (`pool_device`): the
 operator passes `--device` explicitly, so a GPU pod never falls back to the CPU unnoticed and a
 CPU pod never grabs a GPU its node exposes. `check_pool_device` refuses what would fail or
-waste hardware: more than one GPU per worker (no tensor parallelism yet), `device: cuda`
-without a GPU, `device: cpu` holding one, and engine settings for the other device. The
-CRD's CEL rules refuse the first three too, the GPU count with the same message (`ONE_GPU`).
+waste hardware: `device: cuda` without a GPU, `device: cpu` holding one, and engine settings
+for the other device (the CRD's CEL rules refuse the first two too). How many GPUs a pod
+may hold is `spec_parallel`'s: one per tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
 GROUP_SIZES = (32, 64, 128)
 GROUPED = ("int4", "int8")  # the quantizations with a group size
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-ONE_GPU = ("tensor parallelism is not supported yet: one GPU per worker "
-           f"({GPU}: 1)")
 
 
 @dataclass(frozen=True)
@@ -99,14 +97,14 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
 
 
 def gpu_count(resources: dict[str, dict[str, int | str]], where: str) -> int:
-    """Whole GPUs in `resources.limits` (0 or 1); more is refused until tensor parallelism."""
+    """Whole GPUs per pod in `resources.limits` (`spec_parallel` checks them against
+    `parallelism.tensor`)."""
     value = (resources.get("limits") or {}).get(GPU, 0)
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     if not isinstance(value, int) or value < 0:
-        raise SpecError(f"{where}.resources.limits.{GPU}: {value!r}: whole GPUs, 0 or 1")
-    if value > 1:
-        raise SpecError(f"{where}.resources.limits.{GPU}: {value}: {ONE_GPU}")
+        raise SpecError(f"{where}.resources.limits.{GPU}: {value!r}: whole GPUs (one per "
+                        "tensor-parallel rank)")
     return value
 
 

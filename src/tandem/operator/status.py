@@ -1,6 +1,7 @@
 """The InferenceService's status as pure functions: per pool replicas from the children's
-Deployments, the Ready / Progressing / Degraded conditions with reasons, and the minimal
-merge patch from the status there is to the status there should be."""
+Deployments (a multi-node pool's LeaderWorkerSet: its groups, each one tensor-parallel
+worker, ready when all its pods are), the Ready / Progressing / Degraded conditions with
+reasons, and the minimal merge patch from the status there is to the status there should be."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tandem.operator.render import (
     router_endpoint,
     router_name,
 )
+from tandem.operator.render.multinode import LWS_KIND
 from tandem.operator.spec import InferenceServiceSpec
 
 STATUS_KEY = {"prefill": "prefill", "decode": "decode", "worker": "decode"}  # pool -> status
@@ -27,13 +29,18 @@ def now_iso() -> str:
 
 
 def rollout(dep: Mapping[str, Any] | None) -> tuple[int, int, bool]:
-    """(wanted, ready, rolled out) of a Deployment; a missing one wants 1 and has none."""
+    """(wanted, ready, rolled out) of a Deployment or LeaderWorkerSet (replicas: groups); a
+    missing one wants 1 and has none. An LWS controller older than v0.9 reports no
+    observedGeneration: its counts are taken as current."""
     if dep is None:
         return 1, 0, False
     spec, st = dep.get("spec") or {}, dep.get("status") or {}
     wanted = spec.get("replicas", 1)
     ready = st.get("readyReplicas") or 0
-    current = (st.get("observedGeneration") or 0) >= dep["metadata"].get("generation", 0)
+    seen = st.get("observedGeneration")
+    if seen is None and dep.get("kind") == LWS_KIND and st:
+        seen = dep["metadata"].get("generation", 0)
+    current = (seen or 0) >= dep["metadata"].get("generation", 0)
     done = (current and (st.get("updatedReplicas") or 0) >= wanted and ready >= wanted
             and (st.get("replicas") or 0) <= wanted)
     return wanted, ready, done
@@ -77,7 +84,8 @@ def failed(current: Mapping[str, Any], generation: int, reason: str, message: st
 def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any],
              deployments: Mapping[str, Mapping[str, Any]], generation: int,
              now: str) -> dict[str, Any]:
-    """Status from the children's Deployments (name -> object as read)."""
+    """Status from the children's workloads (name -> Deployment or LeaderWorkerSet, with
+    its `kind`, as `reconcile.workloads` reads them)."""
     out: dict[str, Any] = {"endpoint": router_endpoint(owner), "modelDigest": spec.model.sha256,
                            "prefill": {"replicas": 0, "readyReplicas": 0, "selector": None,
                                        "desiredReplicas": None, "lastScaleTime": None}}

@@ -62,6 +62,7 @@ from tandem.serving.responses import ChatResponder, CompletionResponder, Respond
 from tandem.serving.worker_auth import check_signature
 
 logger = logging.getLogger(__name__)
+DEATH_POLL_S = 0.25  # how often a loaded engine is checked for having stopped
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,12 @@ class _EngineHolder:
 
 
 def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine],
-              on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_load_failure: Callable[[BaseException], None] | None = None,
+              on_engine_death: Callable[[str], None] | None = None) -> FastAPI:
     """`load_engine` runs in a thread at start-up; its engine is shut down at exit. If it
-    raises, `on_load_failure` gets the exception (in the server's loop)."""
+    raises, `on_load_failure` gets the exception (in the server's loop). Once loaded, an
+    engine that stops (its loop crashed, a tensor-parallel rank died) is noticed within
+    `DEATH_POLL_S` and `on_engine_death` gets the reason (readiness is down by then)."""
     holder = _EngineHolder()
     tokenizer_pool = ThreadPoolExecutor(max_workers=max(1, settings.tokenizer_threads),
                                         thread_name_prefix="tandem-tokenize")
@@ -143,7 +147,17 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 holder.engine, settings.served_model_name, settings.kv_transfer,
                 settings.tls, settings.auth_key)
             logger.info("engine ready: serving %s", settings.served_model_name)
+            if on_engine_death is not None:
+                watchers.append(asyncio.ensure_future(watch(holder.engine)))
 
+        async def watch(engine: AsyncLLMEngine) -> None:
+            while engine.alive:
+                await asyncio.sleep(DEATH_POLL_S)
+            why = str(engine.dead or engine.executor_dead() or "the engine stopped")
+            logger.error("engine stopped (%s): readiness down, exiting", why)
+            on_engine_death(why)
+
+        watchers: list[asyncio.Future] = []
         task.add_done_callback(loaded)
         grpc_server = kv_service = None
         if settings.grpc_port is not None:
@@ -164,6 +178,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             if holder.remote is not None:
                 await holder.remote.close()
             task.cancel()
+            for w in watchers:
+                w.cancel()
             if holder.engine is not None:
                 holder.engine.shutdown()
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)

@@ -2,7 +2,9 @@
 
 Each worker gets its own GPU while there are enough; beyond that they share round-robin,
 splitting the default gpu_memory_utilization, and start one after another so each profiles
-its memory alone. Without GPUs nothing changes (the workers split the CPU cores).
+its memory alone. A tensor-parallel worker (`--tensor-parallel-size N`) gets N consecutive
+GPUs, one per rank (groups shared round-robin likewise); fewer than N visible GPUs is an
+error. Without GPUs nothing changes (the workers split the CPU cores).
 """
 
 from __future__ import annotations
@@ -14,21 +16,27 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GpuSlot:
-    """One worker's GPU: its CUDA_VISIBLE_DEVICES value, how many workers share that GPU,
-    and the worker's place among them (0 = first to start)."""
+    """One worker's GPUs: its CUDA_VISIBLE_DEVICES value (one GPU per tensor-parallel
+    rank), how many workers share them, and the worker's place among them (0 = first)."""
 
     gpu: str
     sharers: int
     wave: int
 
 
-def assign_gpus(visible: list[str], n_workers: int) -> list[GpuSlot]:
-    """Worker i gets visible[i % len(visible)]: its own GPU while there are enough, else
-    round-robin sharing. No GPUs: [] (the workers run on the CPU)."""
+def assign_gpus(visible: list[str], n_workers: int, per_worker: int = 1) -> list[GpuSlot]:
+    """Worker i gets group i % G of the G = len(visible) // per_worker groups of
+    `per_worker` consecutive GPUs: its own while there are enough, else round-robin sharing.
+    No GPUs: [] (the workers run on the CPU). ValueError when one group does not fit."""
     if not visible:
         return []
-    per_gpu = [len(range(g, n_workers, len(visible))) for g in range(len(visible))]
-    return [GpuSlot(visible[i % len(visible)], per_gpu[i % len(visible)], i // len(visible))
+    if len(visible) < per_worker:
+        raise ValueError(f"--tensor-parallel-size {per_worker} needs {per_worker} GPUs per "
+                         f"worker; {len(visible)} visible")
+    groups = [",".join(visible[g * per_worker:(g + 1) * per_worker])
+              for g in range(len(visible) // per_worker)]
+    per_group = [len(range(g, n_workers, len(groups))) for g in range(len(groups))]
+    return [GpuSlot(groups[i % len(groups)], per_group[i % len(groups)], i // len(groups))
             for i in range(n_workers)]
 
 
@@ -68,7 +76,10 @@ def gpu_plan(n_workers: int, passthrough: list[str],
     unless `--device` names the CPU or one device; workers sharing a GPU split the default
     gpu_memory_utilization (0.9) unless it was passed."""
     device = flag_value(passthrough, "--device")
-    slots = [] if device not in (None, "auto", "cuda") else assign_gpus(visible, n_workers)
+    tp = int(flag_value(passthrough, "--tensor-parallel-size")
+             or flag_value(passthrough, "-tp") or 1)
+    slots = [] if device not in (None, "auto", "cuda") else assign_gpus(visible, n_workers,
+                                                                         tp)
     if not slots:
         return [{} for _ in range(n_workers)], [0] * n_workers, [[] for _ in range(n_workers)]
     from tandem.engine.config import EngineConfig

@@ -16,7 +16,12 @@ import signal
 import time
 from typing import Any
 
-from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from tandem.engine.config import (
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
 from tandem.engine.spec_decode.config import SpeculativeConfig
@@ -97,6 +102,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
                    help="a root `POST /v1/load_lora_adapter` may load adapters from "
                         "(repeatable; none: loading by path is refused)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks sharing every layer (heads, MLP columns, vocabulary), one "
+                        "GPU each on CUDA (this worker's GPU and the next N-1), local "
+                        "processes or Ray actors on the CPU too")
+    p.add_argument("--distributed-executor-backend", default=None,
+                   choices=EXECUTOR_BACKENDS,
+                   help="how ranks 1..N-1 run: mp (local processes, the default for N > 1) "
+                        "or ray (Ray actors in one placement group: the shards stay "
+                        "together on as few nodes as possible; RAY_ADDRESS joins a cluster)")
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -150,6 +164,8 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=args.lora_modules,
         lora_dirs=tuple(args.lora_dir),
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=None if getattr(args, "role", None) == "prefill"
         else getattr(args, "speculative_config", None))
 
@@ -281,7 +297,14 @@ def run(args: argparse.Namespace) -> int:
         failed.append(exc)
         server.server.should_exit = True
 
-    app = build_app(settings, lambda: AsyncLLMEngine.from_config(config), exit_on_failure)
+    died: list[str] = []
+
+    def exit_on_death(why: str) -> None:  # a rank died: readiness is down, then exit
+        died.append(why)
+        server.server.should_exit = True
+
+    app = build_app(settings, lambda: AsyncLLMEngine.from_config(config), exit_on_failure,
+                    exit_on_death)
     server = _DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                             log_level="warning", access_log=False,
                                             timeout_graceful_shutdown=5),
@@ -291,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
     server.run()
     if failed:
         logger.error("exiting: the model failed to load (%s)", failed[0])
+        return 1
+    if died:
+        logger.error("exiting: the engine stopped (%s)", died[0])
         return 1
     return 0
 

@@ -19,6 +19,7 @@ quantizing); biases follow their rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,23 +68,44 @@ class TPPlan:
 
 
 class TPGroup:
-    """The collectives of one tensor-parallel group (None group: the default world)."""
+    """The collectives of one tensor-parallel group: an unregistered `backend` (a
+    `ProcessGroupGloo` / `ProcessGroupNCCL` of `parallel.comm.connect`), else `group` of
+    the default world (None: the whole world)."""
 
-    def __init__(self, world: int, group: dist.ProcessGroup | None = None) -> None:
-        self.world, self.group = world, group
+    def __init__(self, world: int, group: dist.ProcessGroup | None = None,
+                 backend: dist.Backend | None = None) -> None:
+        self.world, self.group, self.backend = world, group, backend
+        # with `timed` (bench/tp.py): wall seconds spent in collectives, and their count
+        self.timed, self.seconds, self.calls = False, 0.0, 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
+        if self.world == 1:
+            return x
+        t0 = time.perf_counter() if self.timed else 0.0
+        if self.backend is not None:
+            self.backend.allreduce([x]).wait()
+        else:
             dist.all_reduce(x, group=self.group)
+        if self.timed:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on every rank -> [..., world * n], rank order."""
         if self.world == 1:
             return x
+        t0 = time.perf_counter() if self.timed else 0.0
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        if self.backend is not None:
+            self.backend.allgather([parts], [x.contiguous()]).wait()
+        else:
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        out = torch.cat(parts, dim=-1)
+        if self.timed:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+        return out
 
 
 class RowParallel(nn.Module):

@@ -8,6 +8,7 @@ from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env
 from tandem.operator.render.monitoring import hpa, service_monitor
+from tandem.operator.render.multinode import LWS_KIND, pod_templates
 from tandem.operator.render.pod import apply_pod_settings
 from tandem.operator.render.router import render_router, router_endpoint, router_name
 from tandem.operator.render.security import OperatorPeer, certificate, network_policies
@@ -44,8 +45,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     labels the routers and joins the workers' NetworkPolicy as a metrics scraper.
     NetworkPolicies and the gRPC Certificate come first: no pod runs before its policy
     exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
-    the pods' user settings (`render.pod`) are merged last."""
-    check_name(owner.name)
+    the pods' user settings (`render.pod`) are merged last. A multi-node tensor-parallel pool
+    is a LeaderWorkerSet (`render.multinode`) where the others are Deployments."""
+    check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
     cuda_img = spec.image or worker_cuda_image or img
@@ -57,14 +59,14 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     settings = {router_name(owner): (spec.router.pod, "router")}
     settings |= {pool_name(owner, p): (p.spec.pod, "prefill" if p.role == "prefill" else
                                        "decode") for p in pools(spec)}
-    for doc in out:
-        if doc["kind"] == "Deployment":
-            pod, where = settings[doc["metadata"]["name"]]
-            apply_pod_settings(doc, pod, where, image_pull_secrets)
+    workloads = [d for d in out if d["kind"] in ("Deployment", LWS_KIND)]
+    for doc in workloads:
+        pod, where = settings[doc["metadata"]["name"]]
+        apply_pod_settings(doc, pod, where, image_pull_secrets)
     if image_pull_policy:
-        for doc in out:
-            if doc["kind"] == "Deployment":
-                pod = doc["spec"]["template"]["spec"]
+        for doc in workloads:
+            for template in pod_templates(doc):
+                pod = template["spec"]
                 for c in pod["containers"] + pod.get("initContainers", []):
                     c["imagePullPolicy"] = image_pull_policy
     for pool in pools(spec):

@@ -1,12 +1,15 @@
 """Optional extras: a ServiceMonitor (Prometheus Operator) for the router and worker Services,
 and per pool with `autoscaling.mode: hpa` a HorizontalPodAutoscaler on the pool's signal,
-read per pod through a custom-metrics adapter (names in `tandem.operator.spec.SIGNALS`)."""
+read per pod through a custom-metrics adapter (names in `tandem.operator.spec.SIGNALS`). A
+multi-node pool's HPA scales its LeaderWorkerSet's groups (their scale subresource selects
+the leaders, whose metrics are the group's)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tandem.operator.render.common import HTTP_PORT_NAME, Owner, metadata
+from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
 from tandem.operator.render.workers import Pool, pool_name
 from tandem.operator.spec import AutoscalingSpec, InferenceServiceSpec, signal_for
 from tandem.protocol.labels import SERVICE_LABEL, WORKER_COMPONENT
@@ -30,10 +33,13 @@ def quantity(value: float) -> str:
 def hpa(owner: Owner, pool: Pool, auto: AutoscalingSpec) -> dict[str, Any]:
     name = pool_name(owner, pool)
     metric = signal_for(auto.signal, pool.role).hpa_metric
+    target = ({"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "name": name}
+              if pool.spec.layout.multinode
+              else {"apiVersion": "apps/v1", "kind": "Deployment", "name": name})
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
             "metadata": metadata(owner, name, WORKER_COMPONENT, pool.role),
             "spec": {
-                "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                "scaleTargetRef": target,
                 "minReplicas": auto.min_replicas, "maxReplicas": auto.max_replicas,
                 "metrics": [{"type": "Pods", "pods": {
                     "metric": {"name": metric},

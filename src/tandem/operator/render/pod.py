@@ -1,23 +1,28 @@
-"""The user's pod settings (`PodSettings`) merged into a rendered Deployment, last, so they
+"""The user's pod settings (`PodSettings`) merged into a rendered Deployment (or both pod
+templates of a LeaderWorkerSet, its rollout strategy from the same fields), last, so they
 meet everything the operator put there: a user env var, volume, mount path, pod label or
 annotation that collides with one of the operator's is a `SpecError` naming the field; the
 user cannot override the selector labels, config hash, reserved env or volumes.
 
 Env and envFrom reach every container (the fetch init containers too: HTTPS_PROXY,
 HF_ENDPOINT for a mirror); volumeMounts only the main one. A topology spread constraint
-without a labelSelector spreads the pool's own pods. Image pull secrets are the operator's
-defaults (`TANDEM_IMAGE_PULL_SECRETS`) followed by the pool's.
+without a labelSelector spreads the pool's own pods (an LWS's: every pod of its groups).
+Image pull secrets are the operator's defaults (`TANDEM_IMAGE_PULL_SECRETS`) followed by the
+pool's.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.operator.model_uri import SpecError
-from tandem.operator.pod_settings import PodSettings
+from tandem.operator.pod_settings import PodSettings, Strategy
+from tandem.operator.render.multinode import LWS_KIND, group_selector, pod_templates
+from tandem.protocol.labels import SERVICE_LABEL
 
 PULL_SECRETS_ENV = "TANDEM_IMAGE_PULL_SECRETS"  # comma-separated Secret names (the chart's)
 
@@ -36,10 +41,52 @@ def _under(path: str, other: str) -> bool:
     return p == o or o in p.parents or p in o.parents
 
 
-def apply_pod_settings(deployment: dict[str, Any], pod: PodSettings, where: str,
+def apply_pod_settings(workload: dict[str, Any], pod: PodSettings, where: str,
                        default_pull_secrets: Sequence[str] = ()) -> None:
-    """Merge `pod` (the settings of spec field `where`, e.g. "decode") into `deployment`."""
-    template = deployment["spec"]["template"]
+    """Merge `pod` (the settings of spec field `where`, e.g. "decode") into `workload`, a
+    Deployment or a LeaderWorkerSet."""
+    meta = workload["metadata"]
+    if workload["kind"] == LWS_KIND:
+        selector = group_selector(meta["labels"][SERVICE_LABEL], meta["name"])
+    else:
+        selector = workload["spec"]["selector"]["matchLabels"]
+    for template in pod_templates(workload):
+        _merge(template, selector, pod, where, default_pull_secrets)
+    rolling = {"maxSurge": pod.strategy.max_surge, "maxUnavailable": pod.strategy.max_unavailable}
+    if workload["kind"] == LWS_KIND:
+        check_group_strategy(pod.strategy, workload["spec"].get("replicas", 1), where)
+        workload["spec"]["rolloutStrategy"] = {"type": "RollingUpdate",
+                                               "rollingUpdateConfiguration": rolling}
+    else:
+        workload["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": rolling}
+
+
+def _groups(value: int | str, replicas: int, up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    share = int(value[:-1]) * replicas / 100
+    return math.ceil(share) if up else math.floor(share)
+
+
+def check_group_strategy(strategy: Strategy, replicas: int, where: str) -> None:
+    """What the LeaderWorkerSet webhook refuses of a rollout: a percentage above 100%, and
+    bounds that both come to 0 groups at `replicas` (maxSurge rounds up, maxUnavailable
+    down, as it scales them)."""
+    for name, value in (("maxSurge", strategy.max_surge),
+                        ("maxUnavailable", strategy.max_unavailable)):
+        if isinstance(value, str) and int(value[:-1]) > 100:
+            raise SpecError(f"{where}.strategy.{name}: {value} is above 100% (a multi-node "
+                            "pool's LeaderWorkerSet refuses it)")
+    if replicas and not (_groups(strategy.max_surge, replicas, True)
+                         or _groups(strategy.max_unavailable, replicas, False)):
+        raise SpecError(f"{where}.strategy: maxSurge {strategy.max_surge} and maxUnavailable "
+                        f"{strategy.max_unavailable} both come to 0 groups at {replicas} "
+                        "replicas, which a multi-node pool's LeaderWorkerSet refuses (use a "
+                        "whole number, e.g. maxUnavailable: 1)")
+
+
+def _merge(template: dict[str, Any], selector: dict[str, str], pod: PodSettings, where: str,
+           default_pull_secrets: Sequence[str]) -> None:
     spec = template["spec"]
     meta = template["metadata"]
     for key, field_name, what in (("labels", "podLabels", "a label"),
@@ -72,7 +119,6 @@ def apply_pod_settings(deployment: dict[str, Any], pod: PodSettings, where: str,
     if pod.volume_mounts:
         main["volumeMounts"] = main.get("volumeMounts", []) + copy.deepcopy(
             list(pod.volume_mounts))
-    selector = deployment["spec"]["selector"]["matchLabels"]
     if pod.affinity:
         spec["affinity"] = copy.deepcopy(pod.affinity)
     if pod.topology_spread_constraints:
@@ -90,5 +136,3 @@ def apply_pod_settings(deployment: dict[str, Any], pod: PodSettings, where: str,
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **pod.node_selector}
     if pod.tolerations:
         spec["tolerations"] = spec.get("tolerations", []) + copy.deepcopy(list(pod.tolerations))
-    deployment["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {
-        "maxSurge": pod.strategy.max_surge, "maxUnavailable": pod.strategy.max_unavailable}}

@@ -14,6 +14,8 @@
   this InferenceService's routers (http, grpc), its own workers (grpc; every TCP port with the
   torch backend, whose TCPStore and gloo/NCCL sockets take ephemeral ports), the operator of
   the release (http: the autoscaler scrapes /metrics) and `monitoring.prometheus` (http);
+  the pods of a multi-node pool's groups admit each other on every port (`NAME-POOL-group`:
+  Ray's GCS and workers, NCCL sockets);
   router pods admit clients on http from anywhere, or only `router.allowedClients` (then
   also the Prometheus peer). Kubelet probes come from the node, which policies do not
   govern on the common CNIs.
@@ -34,6 +36,7 @@ from tandem.operator.render.common import (
     labels,
     metadata,
 )
+from tandem.operator.render.multinode import group_selector
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
 from tandem.protocol.tls import peer_identity
@@ -184,5 +187,15 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     clients = list(spec.router.allowed_clients)
     router = ([{"from": clients + prom, "ports": [http]}] if clients
               else [{"ports": [http]}])  # the front door: anyone, on http only
+    groups = [group_policy(owner, f"{owner.name}-{name}")
+              for name, _, pool in spec.worker_pools() if pool.layout.multinode]
     return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers),
-            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router)]
+            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router), *groups]
+
+
+def group_policy(owner: Owner, name: str) -> dict[str, Any]:
+    """LeaderWorkerSet `name`'s pods admit each other on every port (Ray picks its own)."""
+    group = {"podSelector": {"matchLabels": group_selector(owner.name, name)}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(owner, f"{name}-group", WORKER_COMPONENT),
+            "spec": {**group, "policyTypes": ["Ingress"], "ingress": [{"from": [group]}]}}

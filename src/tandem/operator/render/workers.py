@@ -1,5 +1,6 @@
-"""Worker pools: a Deployment, a headless Service (whose EndpointSlices the routers watch)
-and a PodDisruptionBudget per pool.
+"""Worker pools: a Deployment (a multi-node tensor-parallel pool: a LeaderWorkerSet, see
+`render.multinode`), a headless Service (whose EndpointSlices the routers watch) and a
+PodDisruptionBudget per pool.
 
 Disaggregated (`prefill.replicas > 0`): pools `prefill` (role prefill) and `decode` (role
 decode). Aggregated: one pool `worker` (role both) built from `spec.decode`. Pods drain on
@@ -38,6 +39,7 @@ from tandem.operator.render.common import (
 )
 from tandem.operator.render.lora import lora_args, worker_lora
 from tandem.operator.render.model import draft_model, worker_model
+from tandem.operator.render.multinode import group_pdb, leader_worker_set
 from tandem.operator.render.security import security_args, worker_auth_mount
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol.labels import WORKER_COMPONENT
@@ -57,9 +59,7 @@ class Pool:
 
 
 def pools(spec: InferenceServiceSpec) -> list[Pool]:
-    if spec.disaggregated:
-        return [Pool("prefill", "prefill", spec.prefill), Pool("decode", "decode", spec.decode)]
-    return [Pool("worker", "both", spec.decode)]
+    return [Pool(*p) for p in spec.worker_pools()]
 
 
 def pool_name(owner: Owner, pool: Pool) -> str:
@@ -102,6 +102,10 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         ("--quantization", e.quantization),
         ("--quantization-group-size", e.quantization_group_size),
         ("--kv-cache-dtype", None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
+    layout = pool.spec.layout
+    if layout.tensor > 1:  # (1: the worker's default; unset keeps older renders as they were)
+        optional += [("--tensor-parallel-size", layout.tensor),
+                     ("--distributed-executor-backend", layout.backend)]
     if e.speculative is not None:  # (refused on prefill pools: they do not decode)
         optional.append(("--speculative-config", e.speculative.worker_json(
             draft_model(m, e.speculative).path)))
@@ -129,13 +133,19 @@ def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
     the pool when it changes; replicas are not in it."""
     kv = spec.kv_transfer if pool.role == "decode" else None
     lora = [spec.lora] if spec.lora is not None else []  # (unset: the hash it always had)
+    tp = [pool.spec.parallelism] if pool.spec.parallelism.tensor > 1 else []  # (likewise)
     return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret,
-                       *lora)
+                       *lora, *tp)
 
 
-def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
-                      replicas: int | None) -> dict[str, Any]:
-    """The pool's Deployment; `replicas` None leaves the count to an HPA; the pool's own
+def shm_size(pool: PoolSpec) -> str:
+    """The memory-backed /dev/shm of a pool's pods: NCCL / gloo buffers, 1Gi per local rank."""
+    return f"{max(1, pool.layout.ranks_per_pod)}Gi"
+
+
+def worker_template(spec: InferenceServiceSpec, owner: Owner, pool: Pool,
+                    image: str) -> dict[str, Any]:
+    """The pod template of one worker (a multi-node pool's leader pod); the pool's own
     `image` wins over `image`."""
     image = pool.spec.pod.image or image
     volumes, mounts = scratch_volumes()
@@ -152,8 +162,10 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
     auth_volume, auth_mount = worker_auth_mount(spec, owner)  # a rotated key: no restart
     volumes.append(auth_volume)
     mounts.append(auth_mount)
-    if pool.spec.gpus or spec.kv_transfer.backend == "torch":  # NCCL / gloo shared memory
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
+    if (pool.spec.gpus or spec.kv_transfer.backend == "torch"
+            or pool.spec.layout.tensor > 1):  # NCCL / gloo shared memory
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": shm_size(pool.spec)}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": "worker", "image": image, "command": ["tandem"],
@@ -181,18 +193,24 @@ def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, imag
         pod["nodeSelector"] = dict(pool.spec.node_selector)
     if pool.spec.tolerations:
         pod["tolerations"] = copy.deepcopy(list(pool.spec.tolerations))
-    name = pool_name(owner, pool)
-    meta = metadata(owner, name, WORKER_COMPONENT, pool.role)
+    meta = metadata(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role)
+    return {"metadata": {
+        "labels": dict(meta["labels"]),
+        "annotations": {CONFIG_HASH: pool_config_hash(spec, pool), **scrape_annotations(),
+                        "kubectl.kubernetes.io/default-container": "worker"}},
+        "spec": pod}
+
+
+def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
+                      replicas: int | None) -> dict[str, Any]:
+    """The pool's Deployment; `replicas` None leaves the count to an HPA."""
+    meta = metadata(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role)
     deploy_spec: dict[str, Any] = {
         "selector": {"matchLabels": labels(owner, WORKER_COMPONENT, pool.role)},
         "strategy": {"type": "RollingUpdate",
                      "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "revisionHistoryLimit": 3,
-        "template": {"metadata": {
-            "labels": dict(meta["labels"]),
-            "annotations": {CONFIG_HASH: pool_config_hash(spec, pool), **scrape_annotations(),
-                            "kubectl.kubernetes.io/default-container": "worker"}},
-            "spec": pod}}
+        "template": worker_template(spec, owner, pool, image)}
     if replicas is not None:
         deploy_spec = {"replicas": replicas, **deploy_spec}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
@@ -260,8 +278,15 @@ def render_workers(spec: InferenceServiceSpec, owner: Owner, image: str,
     """`image` runs the CPU pools, `cuda_image` (default `image`) the GPU pools."""
     out: list[dict[str, Any]] = []
     for pool in pools(spec):
-        out.append(worker_deployment(spec, owner, pool, pool_image(pool, image, cuda_image),
-                                     desired_replicas(pool, replicas)))
+        img, n = pool_image(pool, image, cuda_image), desired_replicas(pool, replicas)
+        if pool.spec.layout.multinode:
+            out.append(leader_worker_set(owner, pool_name(owner, pool), pool.role,
+                                         pool.spec.layout, worker_template(spec, owner, pool,
+                                                                           img), n))
+        else:
+            out.append(worker_deployment(spec, owner, pool, img, n))
         out.append(worker_service(owner, pool))
-        out.append(pdb(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role))
+        out.append(group_pdb(owner, pool_name(owner, pool), pool.role)
+                   if pool.spec.layout.multinode
+                   else pdb(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role))
     return out

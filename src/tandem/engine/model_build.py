@@ -1,0 +1,160 @@
+"""One rank's model: weights, attention backend, KV cache size. Shared by `LLMEngine`
+(rank 0, or the only rank) and the other tensor-parallel ranks (`parallel/worker.py`), so
+every rank builds, shards and sizes its share the same way.
+
+The model is built on meta (quantized layers swapped in there), allocated once on the
+device and filled tensor by tensor; with tensor parallelism it is then sharded in place
+(`parallel/tp.apply_tp`, float weights only) before the CPU's packing. KV blocks: an
+explicit count, else host RAM (`kv_cache_memory`, shared by the ranks of one machine), else
+on CUDA what `gpu_memory_utilization` leaves after a profiling step run by every rank at
+once; the ranks then agree on their minimum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.engine import memory
+from tandem.engine.attention.base import AttentionBackend, AttentionSpec, resolve_backend
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.manager import cdiv
+from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.cpu_linear import packing_available
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.loader import open_model
+from tandem.engine.model.ops import Ops
+from tandem.engine.parallel.comm import Groups, all_reduce_min
+from tandem.engine.parallel.tp import TPPlan, apply_tp
+from tandem.engine.quant.apply import (
+    convert_linears,
+    model_memory_bytes,
+    plan_quantization,
+    prepare_model,
+)
+from tandem.engine.quant.float_methods import PackedMethod
+from tandem.engine.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Shard:
+    """One rank's built model. `per_block`: bytes of one KV block over all layers on this
+    rank (its KV heads only)."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    arch: ModelArchConfig
+    ops: Ops
+    max_len: int
+    weight_bytes: int
+    per_block: int
+    tp: TPPlan | None
+
+
+def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
+                groups: Groups | None = None) -> Shard:
+    """Rank `groups.rank` of `groups.world` (None: the whole model on one device)."""
+    source = open_model(path, dtype, keep_quantized=config.quantization is not None)
+    arch = source.config
+    max_len = min(config.max_model_len or arch.max_position_embeddings,
+                  arch.max_position_embeddings)
+    world = groups.world if groups is not None else 1
+    tp = TPPlan.build(arch, groups.rank, world) if groups is not None else None
+    heads, kv_heads = (tp.num_heads, tp.num_kv_heads) if tp else (arch.num_heads,
+                                                                 arch.num_kv_heads)
+    spec = AttentionSpec(heads, kv_heads, arch.head_dim, arch.head_dim ** -0.5,
+                         arch.sliding_window)
+    backend = resolve_backend(config.attention_backend, spec, dtype, device,
+                              native=config.native_kernels)(
+        spec, config.block_size, dtype, device, kv_cache_dtype=config.kv_cache_dtype)
+    ops = Ops(config.native_kernels, device, dtype, triton=backend.name == "triton")
+    plan = plan_quantization(config.quantization, arch, source.formats, device, ops.lib,
+                             config.quantization_group_size, str(path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
+        prepare_model(model, plan, dtype)
+    model.materialize(device, dtype)
+    model.load_weights(source.tensors())
+    model.eval()
+    if tp is not None:
+        apply_tp(model, tp, groups.tp, backend)
+    if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
+        # the float linears left (all of them unless quantized): packed once for the CPU
+        count = convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
+        logger.info("packed %d float linear layers", count)
+    return Shard(model, backend, arch, ops, max_len, model_memory_bytes(model),
+                 backend.bytes_per_block() * arch.num_layers, tp)
+
+
+def rank_threads(config: EngineConfig) -> int | None:
+    """Torch threads of each rank: `num_threads` is the whole engine's, split evenly over
+    its tensor-parallel ranks (local processes share the host's cores); unset, a single
+    rank keeps torch's default and N ranks split the cores this process may run on."""
+    world = config.tensor_parallel_size
+    if config.num_threads:
+        return max(1, config.num_threads // world)
+    if world == 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // world)
+
+
+def _total_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_profiled(config: EngineConfig) -> bool:
+    """On CUDA: whether gpu_memory_utilization sizes the pool (no explicit blocks/bytes)."""
+    return not config.num_kv_blocks and not isinstance(config.kv_cache_memory, int)
+
+
+def kv_blocks(config: EngineConfig, shard: Shard, device: torch.device,
+              start: memory.MemorySnapshot | None, sampler: Sampler,
+              groups: Groups | None = None) -> int:
+    """This engine's KV blocks per rank (every rank calls it at the same time)."""
+    world = groups.world if groups is not None else 1
+    if config.num_kv_blocks:
+        blocks = config.num_kv_blocks
+    elif device.type == "cuda":
+        blocks = _blocks_on_gpu(config, shard, device, start, sampler)
+    else:
+        mem = config.kv_cache_memory
+        budget = int(_total_memory() * mem) if isinstance(mem, float) else int(mem)
+        useful = config.max_num_seqs * cdiv(shard.max_len, config.block_size)
+        blocks = max(1, min(budget // world // shard.per_block, useful))
+    return blocks if groups is None else all_reduce_min(groups.ctrl, blocks)
+
+
+def _blocks_on_gpu(config: EngineConfig, shard: Shard, device: torch.device,
+                   start: memory.MemorySnapshot, sampler: Sampler) -> int:
+    """`kv_cache_memory` bytes when given as an int, else what gpu_memory_utilization
+    leaves after a profiling step (engine/memory.py). One max_model_len sequence must fit."""
+    if gpu_profiled(config):
+        weights = memory.snapshot(device).allocated - start.allocated
+        prof = memory.profile_steps(shard.model, shard.backend, shard.arch.num_layers,
+                                    config.max_num_batched_tokens, config.max_num_seqs,
+                                    shard.max_len, device, sampler)
+        budget = memory.kv_cache_budget(
+            start.total, config.gpu_memory_utilization, weights, prof.activation_peak,
+            max(0, prof.after.non_torch - start.non_torch), free_at_start=start.free)
+        logger.info("GPU memory: %.2f GiB total x %.2f, weights %.2f GiB, activation "
+                    "peak %.2f GiB -> KV cache %.2f GiB", start.total / 2**30,
+                    config.gpu_memory_utilization, weights / 2**30,
+                    prof.activation_peak / 2**30, budget / 2**30)
+    else:
+        budget = int(config.kv_cache_memory)
+    num_blocks = budget // shard.per_block
+    needed = cdiv(shard.max_len, config.block_size)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens "
+            f"({budget / 2**30:.2f} GiB), less than one max_model_len ({shard.max_len}) "
+            "sequence needs; raise gpu_memory_utilization (or kv_cache_memory bytes) or "
+            f"lower max_model_len to at most {num_blocks * config.block_size}")
+    return num_blocks

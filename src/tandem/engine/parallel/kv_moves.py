@@ -1,0 +1,88 @@
+"""KV pages between tensor-parallel ranks, for P/D transfers (the wire always carries all
+of a page's KV heads, in the model's order, whatever either side's TP size).
+
+- `gather_pages` (every rank, on a KV_GATHER plan): rank 0 receives each rank's heads of
+  `block_ids`, layer by layer, and assembles `[2, n, KVH, bs, row]` per layer.
+- `scatter_pages` (every rank, on a KV_SCATTER plan): rank 0 hands each rank the slice of
+  its KV heads of full pages, which the rank writes into `block_ids` of its cache.
+
+A rank's heads are `TPPlan.kv_head_start` + its `num_kv_heads` (replicated heads arrive
+from several ranks, identical). Pages travel as raw bytes (any cache dtype) over the gloo
+control group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.parallel.tp import TPPlan
+
+Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _pages(caches: Caches, layer: int, block_ids: list[int]) -> torch.Tensor:
+    k, v = caches[layer]
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
+    return torch.stack([k.index_select(0, idx), v.index_select(0, idx)]).cpu()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def gather_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
+                 arch: ModelArchConfig | None = None, world: int = 1) -> list[torch.Tensor]:
+    """Rank 0 (`arch` and `world` given): the full pages of every layer; other ranks: []."""
+    root = arch is not None
+    full = []
+    for layer in range(len(caches)):
+        mine = _pages(caches, layer, block_ids)
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if not root:
+            ctrl.gather([], [_bytes(mine)], opts).wait()
+            continue
+        parts = [torch.empty_like(_bytes(mine)) for _ in range(world)]
+        ctrl.gather([parts], [_bytes(mine)], opts).wait()
+        out = mine.new_empty((2, len(block_ids), arch.num_kv_heads, *mine.shape[3:]))
+        for rank, raw in enumerate(parts):
+            plan = TPPlan.build(arch, rank, world)
+            heads = raw.view(mine.dtype).view(mine.shape)
+            out[:, :, plan.kv_head_start:plan.kv_head_start + plan.num_kv_heads] = heads
+        full.append(out)
+    return full
+
+
+def _write(caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor) -> None:
+    k, v = caches[layer]
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
+    k.index_copy_(0, idx, pages[0].to(k.device))
+    v.index_copy_(0, idx, pages[1].to(v.device))
+
+
+def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
+                  full: list[torch.Tensor] | None = None, arch: ModelArchConfig | None = None,
+                  world: int = 1) -> None:
+    """Rank 0 passes `full` (`[2, n, KVH, bs, row]` per layer), `arch` and `world`."""
+    k0 = caches[0][0]
+    shape = (2, len(block_ids), *k0.shape[1:])  # this rank's heads
+    for layer in range(len(caches)):
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        mine = torch.empty(shape, dtype=k0.dtype)
+        if full is None:
+            ctrl.scatter([_bytes(mine)], [], opts).wait()
+            recv = mine
+        else:
+            slices = []
+            for rank in range(world):
+                plan = TPPlan.build(arch, rank, world)
+                part = full[layer][:, :, plan.kv_head_start:
+                                   plan.kv_head_start + plan.num_kv_heads]
+                slices.append(_bytes(part.to(k0.dtype).cpu()))
+            out = torch.empty_like(slices[0])
+            ctrl.scatter([out], [slices], opts).wait()
+            recv = out.view(k0.dtype).view(shape)
+        _write(caches, layer, block_ids, recv)

@@ -1,0 +1,106 @@
+"""The step plan rank 0 broadcasts to the other tensor-parallel ranks, and its wire form.
+
+A `StepPlan` is self-contained: the flat inputs of one forward (tokens, positions, KV slots,
+the logits rows), the batch layout (query and sequence lengths, block tables) and the number
+of one-token rows first in it. Ranks > 0 never see the scheduler, the KV manager or a
+`Request`: they run the forward the plan describes over their own share of the KV cache,
+join its collectives, and drop the logits (rank 0 samples, as vLLM's driver worker does, so
+sampling state stays with rank 0's sampler). `kind` also carries the control messages: stop,
+and the KV page moves of P/D transfers (`block_ids` then names the pages).
+
+Wire form (`encode` / `decode`, no pickle): one little-endian int64 array, a fixed header
+`[MAGIC, kind, T, L, B, W, num_decode, flags, P]` then tokens [T] | positions [T] |
+slots [T] | logits_idx [L] | query_lens [B] | seq_lens [B] | block_table [B * W] |
+table_lens [B] | block_ids [P]. `decode` checks every size against the payload's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = 0x7A4E_0001  # format version 1
+HEADER = 9
+MAX_ELEMENTS = 1 << 28  # a plan past this is a bug, not a batch
+
+
+class PlanKind(IntEnum):
+    FORWARD = 0
+    STOP = 1
+    KV_GATHER = 2  # each rank hands rank 0 its heads of `block_ids` (a P/D send)
+    KV_SCATTER = 3  # rank 0 hands each rank its heads of `block_ids` (a P/D receive)
+
+
+def _i64(a: object) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
+
+
+@dataclass
+class StepPlan:
+    """One step for every rank. Arrays are int64 but for `block_table` ([B, W]
+    zero-padded) and `table_lens` [B], int32 as the attention backends read them."""
+
+    kind: PlanKind = PlanKind.FORWARD
+    tokens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    logits_idx: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    query_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    seq_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    block_table: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int32))
+    table_lens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    num_decode: int = 0  # the first rows, one token each
+    return_hidden: bool = False
+    block_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @classmethod
+    def control(cls, kind: PlanKind, block_ids: list[int] | None = None) -> StepPlan:
+        return cls(kind=kind, block_ids=_i64(block_ids or []))
+
+    def encode(self) -> np.ndarray:
+        """The plan as one int64 array (header + payload)."""
+        t, b = len(self.tokens), len(self.query_lens)
+        w = self.block_table.shape[1] if self.block_table.ndim == 2 and b else 0
+        head = np.array([MAGIC, int(self.kind), t, len(self.logits_idx), b, w,
+                         self.num_decode, int(self.return_hidden), len(self.block_ids)],
+                        dtype=np.int64)
+        parts = [head, self.tokens, self.positions, self.slots, self.logits_idx,
+                 self.query_lens, self.seq_lens, self.block_table, self.table_lens,
+                 self.block_ids]
+        return np.concatenate([_i64(p) for p in parts])
+
+    @staticmethod
+    def payload_size(header: np.ndarray) -> int:
+        """Elements after the header that `header` announces; ValueError when malformed."""
+        if len(header) != HEADER or int(header[0]) != MAGIC:
+            raise ValueError("not a step plan (bad magic)")
+        _, kind, t, n_logits, b, w, nd, flags, p = (int(x) for x in header)
+        PlanKind(kind)  # ValueError for an unknown kind
+        if min(t, n_logits, b, w, nd, p) < 0 or flags not in (0, 1) or nd > t:
+            raise ValueError("step plan header out of range")
+        size = 3 * t + n_logits + 3 * b + b * w + p
+        if size > MAX_ELEMENTS:
+            raise ValueError(f"step plan of {size} elements is too large")
+        return size
+
+    @classmethod
+    def decode(cls, data: np.ndarray) -> StepPlan:
+        """The inverse of `encode`; ValueError for anything malformed."""
+        data = _i64(data)
+        if len(data) < HEADER:
+            raise ValueError("step plan shorter than its header")
+        size = cls.payload_size(data[:HEADER])
+        if len(data) != HEADER + size:
+            raise ValueError(f"step plan payload of {len(data) - HEADER} elements, its "
+                             f"header says {size}")
+        _, kind, t, n_logits, b, w, nd, flags, p = (int(x) for x in data[:HEADER])
+        out, at = [], HEADER
+        for n in (t, t, t, n_logits, b, b, b * w, b, p):
+            out.append(data[at : at + n].copy())
+            at += n
+        tokens, positions, slots, logits_idx, qlens, slens, table, tlens, ids = out
+        table = np.ascontiguousarray(table.reshape(b, w), dtype=np.int32)
+        return cls(PlanKind(kind), tokens, positions, slots, logits_idx, qlens, slens,
+                   table, tlens.astype(np.int32), nd, bool(flags), ids)

@@ -1,0 +1,103 @@
+"""The router's spec (`RouterSpec`, `parse_router`): replicas, policy and scorer weights, P/D
+thresholds, API keys, rate limits, the shared index's Redis, clients and pod settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.operator.fields import get, get_enum, get_int, get_num, get_obj, resources
+from tandem.operator.model_uri import SpecError
+from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_security import SecretKeyRef, peers, secret_key_ref
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    requests_per_second: float = 0.0  # 0 = unlimited
+    burst_requests: float = 0.0
+    tokens_per_minute: float = 0.0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    policy: str = "cache-aware"
+    weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
+    pd_threshold: int = 16
+    pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
+    pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
+    api_keys_secret: str | None = None
+    api_keys_key: str = "api-keys"
+    # keys that may load / unload LoRA adapters through the router (needs api_keys_secret)
+    admin_api_keys_secret: str | None = None
+    admin_api_keys_key: str = "admin-api-keys"
+    rate_limit: RateLimit | None = None
+    tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+    redis_url_secret: SecretKeyRef | None = None  # env TANDEM_REDIS_URL from this Secret key
+    shared_index: bool = False
+    allowed_clients: tuple[dict[str, Any], ...] = ()  # NetworkPolicy peers; () = anyone
+    service_type: str = "ClusterIP"
+    resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
+    pod: PodSettings = PodSettings()
+
+
+
+def _rate(d: dict, where: str) -> RateLimit:
+    return RateLimit(get_num(d, "requestsPerSecond", 0.0, where) or 0.0,
+                     get_num(d, "burstRequests", 0.0, where) or 0.0,
+                     get_num(d, "tokensPerMinute", 0.0, where) or 0.0)
+
+
+_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
+            "cacheChurn": 1.0, "loraAffinity": 1.0}
+
+
+def parse_router(d: dict) -> RouterSpec:
+    """`spec.router` with the CRD's defaults; `SpecError` names the field."""
+    w = "router"
+    if "redisUrl" in d:  # removed: a URL with a password does not belong in the spec
+        raise SpecError("router.redisUrl is no longer supported: put the URL in a Secret and "
+                        "name it in router.redisUrlSecretRef {name, key}")
+    weights = get(d, "weights", dict, None, w)
+    rl = get_obj(d, "rateLimits", w)
+    keys = get_obj(d, "apiKeysSecret", w)
+    admin = get_obj(d, "adminApiKeysSecret", w)
+    r = RouterSpec(
+        replicas=get_int(d, "replicas", 1, w, 1, 100),
+        policy=get_enum(d, "policy", "cache-aware", w,
+                     ("cache-aware", "least-loaded", "round-robin", "random")),
+        weights=None if weights is None else {
+            k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
+        pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
+        pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
+        pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
+        api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
+        api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
+        admin_api_keys_secret=get(admin, "name", str, None, "router.adminApiKeysSecret"),
+        admin_api_keys_key=get(admin, "key", str, "admin-api-keys",
+                               "router.adminApiKeysSecret"),
+        rate_limit=_rate(rl["default"], "router.rateLimits.default") if "default" in rl
+        else None,
+        tenant_rate_limits={t: _rate(v, f"router.rateLimits.tenants.{t}")
+                            for t, v in get_obj(rl, "tenants", "router.rateLimits").items()},
+        redis_url_secret=secret_key_ref(get(d, "redisUrlSecretRef", dict, None, w),
+                                        "router.redisUrlSecretRef", "url"),
+        shared_index=get(d, "sharedIndex", bool, False, w),
+        service_type=get_enum(d, "serviceType", "ClusterIP", w,
+                           ("ClusterIP", "NodePort", "LoadBalancer")),
+        allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
+        resources=resources(get_obj(d, "resources", w), "router.resources"),
+        pod=parse_pod_settings(d, w, scheduling=True))
+    if weights is not None and set(weights) - set(_WEIGHTS):
+        raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
+    if r.shared_index and not r.redis_url_secret:
+        raise SpecError("router.sharedIndex needs router.redisUrlSecretRef")
+    if keys and not r.api_keys_secret:
+        raise SpecError("router.apiKeysSecret.name is required")
+    if admin and not r.admin_api_keys_secret:
+        raise SpecError("router.adminApiKeysSecret.name is required")
+    if r.admin_api_keys_secret and not r.api_keys_secret:
+        raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
+                        "keys the admin endpoints are open)")
+    return r

@@ -1,0 +1,79 @@
+"""The step plan's wire form (`engine/parallel/plan.py`): random plans of every kind
+round-trip exactly (dtypes included: the block table stays int32 for the attention
+kernels), and malformed arrays (bad magic, unknown kind, negative or oversized counts, a
+payload shorter or longer than its header says) are a ValueError, never a plan."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tandem.engine.parallel.plan import HEADER, MAX_ELEMENTS, PlanKind, StepPlan
+
+
+def _random_plan(rng: random.Random) -> StepPlan:
+    b = rng.randrange(0, 6)
+    q = [rng.randrange(1, 9) for _ in range(b)]
+    t = sum(q)
+    w = rng.randrange(1, 7) if b else 0
+    ints = lambda n, hi=1 << 40: np.array([rng.randrange(hi) for _ in range(n)],  # noqa: E731
+                                          dtype=np.int64)
+    return StepPlan(
+        kind=rng.choice(list(PlanKind)), tokens=ints(t), positions=ints(t), slots=ints(t),
+        logits_idx=ints(rng.randrange(0, t + 1)), query_lens=np.array(q, dtype=np.int64),
+        seq_lens=ints(b), block_table=ints(b * w, 1 << 30).astype(np.int32).reshape(b, w),
+        table_lens=ints(b, w + 1).astype(np.int32), num_decode=rng.randrange(0, t + 1),
+        return_hidden=rng.random() < 0.5, block_ids=ints(rng.randrange(0, 5)))
+
+
+def test_random_plans_round_trip() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        plan = _random_plan(rng)
+        got = StepPlan.decode(plan.encode())
+        assert got.kind == plan.kind and got.num_decode == plan.num_decode
+        assert got.return_hidden == plan.return_hidden
+        for name in ("tokens", "positions", "slots", "logits_idx", "query_lens", "seq_lens",
+                     "block_table", "table_lens", "block_ids"):
+            a, b = getattr(got, name), getattr(plan, name)
+            assert a.shape == b.shape and np.array_equal(a, b), name
+        assert got.block_table.dtype == np.int32 and got.block_table.flags.c_contiguous
+        assert got.table_lens.dtype == np.int32 and got.tokens.dtype == np.int64
+
+
+def _header(**over: int) -> np.ndarray:
+    plan = StepPlan(tokens=np.arange(3), positions=np.arange(3), slots=np.arange(3),
+                    logits_idx=np.array([2]), query_lens=np.array([3]),
+                    seq_lens=np.array([3]), block_table=np.array([[1]], np.int32),
+                    table_lens=np.array([1], np.int32))
+    data = plan.encode()
+    names = ["magic", "kind", "t", "l", "b", "w", "nd", "flags", "p"]
+    for k, v in over.items():
+        data[names.index(k)] = v
+    return data
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(magic=7), "bad magic"),
+    (dict(kind=9), "is not a valid PlanKind"),
+    (dict(t=-1), "out of range"),
+    (dict(nd=4), "out of range"),
+    (dict(flags=2), "out of range"),
+    (dict(t=MAX_ELEMENTS), "too large"),
+    (dict(b=2), "payload"),
+])
+def test_malformed_plans_are_refused(over: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepPlan.decode(_header(**over))
+
+
+def test_truncated_and_padded_payloads_are_refused() -> None:
+    data = _header()
+    with pytest.raises(ValueError, match="payload"):
+        StepPlan.decode(data[:-1])
+    with pytest.raises(ValueError, match="payload"):
+        StepPlan.decode(np.concatenate([data, [0]]))
+    with pytest.raises(ValueError, match="shorter than its header"):
+        StepPlan.decode(data[: HEADER - 1])

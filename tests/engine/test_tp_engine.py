@@ -1,0 +1,246 @@
+"""Tensor-parallel engines end to end (`LLM(tensor_parallel_size=N,
+distributed_executor_backend=...)`): ranks 1..N-1 as real local processes (`mp`) or Ray
+actors (`ray`), joined over gloo; the scheduler runs on rank 0 only and every step reaches
+the others as an encoded `StepPlan`.
+
+A random-weight Llama (12 query heads, 6 KV heads: split 2 and 3 ways) with a KV pool
+small enough to preempt and prompts sharing prefixes (cache hits on the second round)
+gives, at TP = 2 and 3, exactly TP = 1's greedy tokens, and sampled and prompt logprobs
+within float32 tolerance. The bundled SmolLM2 (9 heads, 3 KV heads) at TP = 3 gives TP = 1's
+tokens too. Configurations that cannot shard are refused before anything starts, and a
+rank that dies fails the engine's requests with an error and marks it dead (no hang)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+
+import pytest
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ConfigError, EngineDeadError
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tests.engine.utils import make_tiny_model_dir
+
+SHAPE = dict(hidden_size=96, intermediate_size=192, num_attention_heads=12,
+             num_key_value_heads=6)
+ENGINE = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=48, num_threads=1,
+              max_model_len=128)
+ROUNDS = 2  # the second round finds the first's prefixes cached
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 4000) for _ in range(13)]
+    out = []
+    for i in range(7):
+        own = [rng.randrange(3, 4000) for _ in range(rng.randrange(5, 30))]
+        out.append(shared + own if i % 2 else own)
+    return out
+
+
+# every third request also asks for prompt logprobs (those compute their whole prompt)
+PARAMS = [SamplingParams(max_tokens=20, temperature=0.0, logprobs=3, ignore_eos=True,
+                         prompt_logprobs=2 if i % 3 == 0 else None) for i in range(7)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tp") / "tiny"
+    make_tiny_model_dir(path, "llama", seed=5, **SHAPE)
+    return str(path)
+
+
+def _run(llm: LLM) -> list:
+    outs = []
+    for _ in range(ROUNDS):
+        outs += llm.generate(_prompts(), PARAMS)
+    return outs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_down():  # noqa: ANN202 - a Ray started here ends with this module
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def _local_ray():  # noqa: ANN202 - the ray module
+    """A local Ray with 4 logical CPUs (one per rank; this machine may have fewer cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    return ray
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: str) -> list:
+    return _run(LLM(tiny, **ENGINE))
+
+
+def _close(a: dict, b: dict, tol: float = 1e-4) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert abs(a[k] - b[k]) < tol, (k, a[k], b[k])
+
+
+@pytest.mark.parametrize("tp,backend", [(2, "mp"), (3, "mp"), (2, "ray"), (3, "ray")])
+def test_tp_matches_one_rank(tiny: str, reference: list, tp: int, backend: str) -> None:
+    if backend == "ray":
+        _local_ray()
+    llm = LLM(tiny, tensor_parallel_size=tp, distributed_executor_backend=backend, **ENGINE)
+    try:
+        got = _run(llm)
+        stats = llm.engine.stats()
+    finally:
+        llm.engine.shutdown()
+    assert stats.num_preemptions > 0  # the pool is small enough to preempt
+    assert stats.prefix_cache_hits > 0
+    assert llm.engine.executor.name == backend
+    for g, r in zip(got, reference, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            _close(a, b)
+        if r.prompt_logprobs is None:
+            assert g.prompt_logprobs is None
+            continue
+        assert len(g.prompt_logprobs) == len(r.prompt_logprobs)
+        for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            _close(a, b)
+
+
+def test_ngram_speculation_at_tp2_matches_one_rank(tiny: str) -> None:
+    """Verification rows (k + 1 per request) go through the plan like any others."""
+    rng = random.Random(3)
+    motif = [rng.randrange(3, 4000) for _ in range(6)]
+    prompts = [motif * 4 + [rng.randrange(3, 4000)] for _ in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    ref = [o.outputs[0].token_ids for o in LLM(tiny, **ENGINE).generate(prompts, params)]
+    llm = LLM(tiny, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        drafts = llm.engine.stats().spec_num_draft_tokens
+    finally:
+        llm.engine.shutdown()
+    assert got == ref
+    assert drafts > 0
+
+
+def test_rank0_failing_mid_step_stops_the_engine(tiny: str) -> None:
+    """An error inside rank 0's forward leaves the other ranks in a collective: the engine
+    must stop (EngineDeadError), not run the next step out of step with them."""
+    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    layer = llm.engine.model.layers[1]
+    try:
+        def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise RuntimeError("injected")
+        layer.forward = broken
+        with pytest.raises(EngineDeadError, match="rank 0's step failed mid-way"):
+            llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4))
+        assert "injected" in llm.engine.executor.dead
+    finally:
+        t0 = time.monotonic()
+        llm.engine.shutdown()
+        assert time.monotonic() - t0 < 8  # the stuck rank is killed, not waited on
+
+
+def test_bundled_model_tp3_matches_tp1() -> None:
+    """The real model: 9 heads, 3 KV heads, one per rank; a vocabulary of 49152 rows."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Tensor parallelism splits"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    args = dict(num_kv_blocks=64, max_model_len=256, num_threads=1)
+    ref = [o.outputs[0].token_ids for o in LLM(**args).generate(prompts, params)]
+    llm = LLM(tensor_parallel_size=3, **args)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.engine.shutdown()
+    assert got == ref
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "runs one rank"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="mpi"),
+     "distributed_executor_backend must be"),
+    (dict(tensor_parallel_size=2, quantization="int8"), "quantized weights"),
+    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "draft", "model": "self",
+                                                      "num_speculative_tokens": 2}),
+     "draft model"),
+])
+def test_refused_configs(args: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**args)
+
+
+def test_ray_refuses_more_ranks_than_the_local_cluster_holds(tiny: str) -> None:
+    _local_ray()
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="needs 6 CPU in Ray; the local Ray cluster has 4"):
+        LLM(tiny, tensor_parallel_size=6, distributed_executor_backend="ray", **ENGINE)
+    assert time.monotonic() - t0 < 30
+
+
+def test_unsplittable_model_is_refused_before_serving(tiny: str) -> None:
+    """12 heads do not split 5 ways: ConfigError, and no rank is left behind."""
+    with pytest.raises(ConfigError, match="must divide the model's 12 attention heads"):
+        LLM(tiny, tensor_parallel_size=5, **ENGINE)
+
+
+def test_rank_death_fails_requests_and_marks_engine_dead(tiny: str) -> None:
+    import asyncio
+
+    from tandem.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_args(tiny, tensor_parallel_size=2, **ENGINE)
+    try:
+        proc = engine.engine.executor.procs[0]
+
+        async def go() -> tuple[list, BaseException | None]:
+            outs: list = []
+            long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+            async for out in engine.generate([5, 6, 7, 8], long, "victim"):
+                outs.append(out)
+                if len(outs) == 3:
+                    os.kill(proc.pid, signal.SIGKILL)
+            late = None
+            try:
+                async for _ in engine.generate([9, 10], long, "late"):
+                    pass
+            except EngineDeadError as exc:
+                late = exc
+            return outs, late
+
+        t0 = time.monotonic()
+        outs, late = asyncio.run(asyncio.wait_for(go(), timeout=60))
+        assert time.monotonic() - t0 < 60
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "error"
+        assert len(outs[-1].outputs[0].token_ids) < 100
+        assert not engine.alive
+        assert "rank 1" in str(engine.dead) and "exited" in str(engine.dead)
+        assert isinstance(late, EngineDeadError)
+    finally:
+        engine.shutdown()
+
+
+def test_ray_actor_death_marks_engine_dead(tiny: str) -> None:
+    ray = _local_ray()
+    llm = LLM(tiny, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    try:
+        ray.kill(llm.engine.executor.actors[0])
+        deadline = time.monotonic() + 30
+        while llm.engine.executor.dead is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "rank 1 (Ray actor) died" in str(llm.engine.executor.dead)
+        with pytest.raises(EngineDeadError):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    finally:
+        llm.engine.shutdown()
