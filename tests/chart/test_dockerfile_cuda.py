@@ -30,7 +30,10 @@ def test_cuda_build_installs_the_pinned_cuda_torch_and_checks_triton() -> None:
     assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", index), index
     assert 'pip install --index-url "${CUDA_TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in build
     assert "import torch, triton" in build and "assert torch.version.cuda" in build
-    assert 'pip install ".[operator]"' in build
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    runtime = ",".join(sorted(set(extras) - {"test"}))  # operator, ray (multi-node pools)
+    assert f'pip install ".[{runtime}]"' in build
     assert "find_bundled_gguf" in build  # the bundled model, as in the CPU image
     # the chart's default CUDA tag names the same CUDA version (<appVersion>-cu128)
     helpers = (ROOT / "charts" / "tandem" / "templates" / "_helpers.tpl").read_text()

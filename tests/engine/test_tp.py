@@ -102,7 +102,7 @@ def _rank(rank: int, world: int, port: int, kv_heads: int, tied: bool, out) -> N
         want, want_seqs = run(model, backend)
         plan = TPPlan.build(cfg, rank, world)
         local = backend_for(cfg, plan.num_heads, plan.num_kv_heads)
-        apply_tp(model, plan, TPGroup(world), local)
+        model = apply_tp(model, plan, TPGroup(world), local)
         got, got_seqs = run(model, local)
         cache_heads = local.allocate_kv_cache(1)[0].shape[1]
         worst = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))

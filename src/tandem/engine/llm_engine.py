@@ -72,7 +72,8 @@ class LLMEngine(EngineCore):
         except BaseException:
             executor.shutdown()
             raise
-        self.model, backend, arch, max_len = shard.model, shard.backend, shard.arch, shard.max_len
+        self.model, backend, max_len = shard.model, shard.backend, shard.max_len
+        self.arch = arch = shard.arch  # the whole model's (model.config: this rank's share)
         tokenizer = Tokenizer.load(path)
         weight_bytes, per_block = shard.weight_bytes, shard.per_block
         lora = self._lora_manager(arch, shard.ops.lib) if config.enable_lora else None
@@ -125,7 +126,7 @@ class LLMEngine(EngineCore):
             return None
         spec = SpeculativeConfig.from_dict(spec)
         ctx = ProposerContext(spec, cfg, self.model, str(path), self.device, self.dtype,
-                              self.model.config.vocab_size, cfg.block_size, max_len,
+                              self.arch.vocab_size, cfg.block_size, max_len,
                               cfg.max_num_seqs)
         proposer = build_proposer(ctx)
         runner.return_hidden = proposer.needs_hidden_states
@@ -136,7 +137,7 @@ class LLMEngine(EngineCore):
     @property
     def num_kv_heads(self) -> int:
         """The model's KV heads (each tensor-parallel rank's cache holds its share)."""
-        return self.model.config.num_kv_heads
+        return self.arch.num_kv_heads
 
     def export_kv(self, block_ids: list[int]) -> list[torch.Tensor] | None:
         """Engine thread only. With tensor parallelism: `block_ids`' pages with every KV
@@ -147,8 +148,8 @@ class LLMEngine(EngineCore):
             return None
         ex.send(StepPlan.control(PlanKind.KV_GATHER, block_ids))
         try:
-            return gather_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids,
-                                self.model.config, ex.world)
+            return gather_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids, self.arch,
+                                ex.world)
         except Exception as exc:  # the ranks are out of step: the engine's end
             raise ex.failure(exc) from exc
 
@@ -160,8 +161,8 @@ class LLMEngine(EngineCore):
             raise RuntimeError("import_kv is for tensor-parallel engines")
         ex.send(StepPlan.control(PlanKind.KV_SCATTER, block_ids))
         try:
-            scatter_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids, pages,
-                          self.model.config, ex.world)
+            scatter_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids, pages, self.arch,
+                          ex.world)
         except Exception as exc:  # the ranks are out of step: the engine's end
             raise ex.failure(exc) from exc
 

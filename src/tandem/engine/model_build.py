@@ -3,8 +3,10 @@
 every rank builds, shards and sizes its share the same way.
 
 The model is built on meta (quantized layers swapped in there), allocated once on the
-device and filled tensor by tensor; with tensor parallelism it is then sharded in place
-(`parallel/tp.apply_tp`, float weights only) before the CPU's packing. KV blocks: an
+device and filled tensor by tensor; with tensor parallelism a rank builds the model of its
+share (`parallel/tp.local_arch`), loads each checkpoint tensor's slice as it streams in
+(`shard_weights`: float weights only) and wraps the collectives around it (`wrap_tp`),
+before the CPU's packing. KV blocks: an
 explicit count, else host RAM (`kv_cache_memory`, shared by the ranks of one machine), else
 on CUDA what `gpu_memory_utilization` leaves after a profiling step run by every rank at
 once; the ranks then agree on their minimum.
@@ -30,7 +32,7 @@ from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.loader import open_model
 from tandem.engine.model.ops import Ops
 from tandem.engine.parallel.comm import Groups, all_reduce_min
-from tandem.engine.parallel.tp import TPPlan, apply_tp
+from tandem.engine.parallel.tp import TPPlan, local_arch, shard_weights, wrap_tp
 from tandem.engine.quant.apply import (
     convert_linears,
     model_memory_bytes,
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Shard:
-    """One rank's built model. `per_block`: bytes of one KV block over all layers on this
-    rank (its KV heads only)."""
+    """One rank's built model. `arch` is the whole model's (`model.config` the rank's
+    share); `per_block`: bytes of one KV block over all layers on this rank (its KV heads
+    only)."""
 
     model: LlamaForCausalLM
     backend: AttentionBackend
@@ -77,14 +80,18 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     ops = Ops(config.native_kernels, device, dtype, triton=backend.name == "triton")
     plan = plan_quantization(config.quantization, arch, source.formats, device, ops.lib,
                              config.quantization_group_size, str(path))
+    # a rank's model is the single-device model of its share (local_arch); each checkpoint
+    # tensor is sliced as it streams in, so only the shard is ever allocated
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions=max_len, ops=ops)
+        model = LlamaForCausalLM(local_arch(arch, tp) if tp else arch, backend,
+                                 max_positions=max_len, ops=ops)
         prepare_model(model, plan, dtype)
     model.materialize(device, dtype)
-    model.load_weights(source.tensors())
+    weights = source.tensors()
+    model.load_weights(shard_weights(weights, arch, tp) if tp else weights)
     model.eval()
     if tp is not None:
-        apply_tp(model, tp, groups.tp, backend)
+        wrap_tp(model, tp, groups.tp)
     if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU
         count = convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))

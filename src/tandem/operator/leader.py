@@ -201,9 +201,10 @@ class Elector:
 
     async def release(self) -> None:
         """Hand the Lease back (holder emptied, 1 s duration): a standby takes it at once.
-        Only while still leading; call it after the work it guarded has stopped."""
-        if not self.leading():
-            return
+        Call it after the work it guarded has stopped. The server's record decides, not the
+        local renew clock (the work may take longer to stop than a renew deadline): only a
+        Lease still naming this replica is written, with optimistic concurrency, so one a
+        standby took meanwhile is left alone."""
 
         def give_back() -> None:
             lease = self.lease.get()

@@ -1,5 +1,5 @@
-"""Tensor parallelism applied to a built model (as gpt-fast's `apply_tp`): the model code
-stays single-device, `apply_tp` swaps each rank's share of the weights in.
+"""Tensor parallelism with single-device model code (as gpt-fast): each rank builds the
+model of its share and wraps the collectives around it.
 
 Per rank r of N (`TPPlan`, plain values, checked up front):
 - attention: query heads [r H/N, (r+1) H/N); KV heads split the same way when N divides
@@ -13,13 +13,20 @@ Per rank r of N (`TPPlan`, plain values, checked up front):
   all-reduce; each rank's logits are all-gathered and the padding cut.
 Each rank's KV cache holds its own KV heads only (its attention backend is built for the
 local `AttentionSpec`). Collectives go through `TPGroup` (torch.distributed: NCCL on GPU,
-gloo on CPU); with N = 1 nothing changes. Float `nn.Linear` weights only (before packing or
-quantizing); biases follow their rows.
+gloo on CPU); with N = 1 nothing changes.
+
+A rank builds the single-device model of `local_arch` (its heads, columns and vocabulary
+rows), loads `shard_weights` of the checkpoint into it (each tensor sliced as it streams in:
+only the shard is ever allocated on the device) and `wrap_tp` adds the collectives. Float
+weights only (before packing; quantized shards are not supported yet); biases follow their
+rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -148,59 +155,89 @@ class ParallelLMHead(nn.Module):
         return self.comm.all_gather_last(h @ self.weight.T)[..., : self.vocab]
 
 
-def _rows(linear: nn.Linear, pieces: list[tuple[int, int]]) -> nn.Linear:
-    """A new linear of `linear`'s output rows [start, start + n) for each piece, in order."""
-    w = torch.cat([linear.weight.data[s:s + n] for s, n in pieces])
-    out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None,
-                    device=w.device, dtype=w.dtype)
-    out.weight.data.copy_(w)
-    if linear.bias is not None:
-        out.bias.data.copy_(torch.cat([linear.bias.data[s:s + n] for s, n in pieces]))
-    return out
+def local_arch(arch: ModelArchConfig, plan: TPPlan) -> ModelArchConfig:
+    """The single-device model one rank builds: its heads, MLP columns and vocabulary rows
+    (the head size, layers and everything else unchanged)."""
+    return dataclasses.replace(arch, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
+                               intermediate_size=plan.inter_size, vocab_size=plan.vocab_size)
 
 
-def _cols(linear: nn.Linear, start: int, n: int) -> nn.Linear:
-    """A new linear of `linear`'s input columns [start, start + n) (no bias: row-parallel
-    linears here have none)."""
-    if linear.bias is not None:
-        raise ConfigError("a row-parallel linear with a bias is not supported")
-    w = linear.weight.data[:, start:start + n]
-    out = nn.Linear(n, w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-    out.weight.data.copy_(w)
-    return out
+_ROWS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter",
+         "up_proj": "inter"}  # column-parallel: output rows
+_COLS = {"o_proj": "q", "down_proj": "inter"}  # row-parallel: input columns
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArchConfig,
+                  plan: TPPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float weights -> this rank's slice of each (views where they can be), for
+    `local_arch`'s model: q/k/v and gate/up rows, o/down input columns, the embedding's and
+    LM head's vocabulary rows (zero rows past the vocabulary). Norms pass whole."""
+    d = arch.head_dim
+    spans = {"q": (plan.q_head_start * d, plan.num_heads * d),
+             "kv": (plan.kv_head_start * d, plan.num_kv_heads * d),
+             "inter": (plan.inter_start, plan.inter_size)}
+    for name, t in weights:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ConfigError(f"tensor parallelism shards float weights; {name!r} is "
+                              f"{type(t).__name__}")
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        if proj in _ROWS:
+            start, n = spans[_ROWS[proj]]
+            t = t[start:start + n]
+        elif proj in _COLS and parts[-1] == "weight":
+            start, n = spans[_COLS[proj]]
+            t = t[:, start:start + n]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            t = _vocab_rows(t, plan)
+        yield name, t
 
 
 def _vocab_rows(weight: torch.Tensor, plan: TPPlan) -> torch.Tensor:
-    """This rank's vocabulary rows, zero-padded past the vocabulary."""
-    shard = weight.new_zeros(plan.vocab_size, weight.shape[1])
+    """This rank's vocabulary rows (a view), zero-padded past the vocabulary (a copy)."""
     end = min(plan.vocab_start + plan.vocab_size, plan.vocab)
-    if end > plan.vocab_start:
-        shard[: end - plan.vocab_start] = weight[plan.vocab_start:end]
+    rows = weight[plan.vocab_start:max(end, plan.vocab_start)]
+    if len(rows) == plan.vocab_size:
+        return rows
+    shard = weight.new_zeros(plan.vocab_size, weight.shape[1])
+    shard[: len(rows)] = rows
     return shard
 
 
-def apply_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, backend: object) -> None:
-    """Shard a built, loaded `LlamaForCausalLM` in place for `plan`'s rank; `backend` is
-    the attention backend built for the local heads (every layer uses it)."""
+def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup) -> None:
+    """The collectives around a loaded `local_arch` model, in place, no weight copied:
+    `o_proj` / `down_proj` all-reduce their partial sums, the embedding masks tokens outside
+    its rows and all-reduces, the LM head all-gathers the logits and cuts the padding."""
     if plan.world == 1:
         return
-    cfg = model.config
-    d, q_all, kv_all = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q0, nq = plan.q_head_start * d, plan.num_heads * d
-    k0, nk = plan.kv_head_start * d, plan.num_kv_heads * d
-    i0, ni, inter = plan.inter_start, plan.inter_size, cfg.intermediate_size
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _rows(attn.qkv_proj, [(q0, nq), (q_all + k0, nk),
-                                              (q_all + kv_all + k0, nk)])
-        attn.o_proj = RowParallel(_cols(attn.o_proj, q0, nq), comm)
-        attn.num_heads, attn.num_kv_heads = plan.num_heads, plan.num_kv_heads
-        attn.q_size, attn.kv_size = nq, nk
-        attn.backend = backend
-        mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(i0, ni), (inter + i0, ni)])
-        mlp.down_proj = RowParallel(_cols(mlp.down_proj, i0, ni), comm)
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
     tied = model.lm_head.weight is model.embed_tokens.weight
-    emb = _vocab_rows(model.embed_tokens.weight.data, plan)
-    model.embed_tokens = VocabParallelEmbedding(emb, plan.vocab_start, comm)
-    head = model.embed_tokens.weight if tied else _vocab_rows(model.lm_head.weight.data, plan)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab_start,
+                                                comm)
+    head = model.embed_tokens.weight if tied else model.lm_head.weight
     model.lm_head = ParallelLMHead(head, plan.vocab, comm)
+
+
+def apply_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, backend: object) -> nn.Module:
+    """This rank's sharded copy of a built, loaded float `LlamaForCausalLM` (`backend`: the
+    attention backend for the local heads). Engines shard while loading instead
+    (`model_build.build_shard`: only the shard is ever allocated); this serves tests."""
+    if plan.world == 1:
+        return model
+    from tandem.engine.model.llama import LlamaForCausalLM
+
+    arch = model.config
+    weight = next(model.parameters())
+    with torch.device(weight.device):
+        local = LlamaForCausalLM(local_arch(arch, plan), backend,
+                                 max_positions=model.rope.max_positions, ops=model.ops)
+    local.to(weight.dtype)
+    if arch.tie_word_embeddings:
+        local.lm_head.weight = local.embed_tokens.weight
+    local.load_weights(shard_weights(
+        ((n, t.detach()) for n, t in model._weight_targets().items()), arch, plan))
+    local.rope.compute(weight.device)
+    wrap_tp(local, plan, comm)
+    return local.eval()
