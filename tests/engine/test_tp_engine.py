@@ -152,6 +152,63 @@ def test_rank0_failing_mid_step_stops_the_engine(tiny: str) -> None:
         assert time.monotonic() - t0 < 8  # the stuck rank is killed, not waited on
 
 
+@pytest.fixture(scope="module")
+def tiny_q(tmp_path_factory) -> str:
+    """8 heads of 16 and an MLP of 256: every rank's input columns are whole 32-groups at
+    TP = 2 (o_proj 64, down_proj 128)."""
+    path = tmp_path_factory.mktemp("tpq") / "tiny"
+    make_tiny_model_dir(path, "llama", seed=9, hidden_size=128, intermediate_size=256,
+                        num_attention_heads=8, num_key_value_heads=4)
+    return str(path)
+
+
+def test_int4_shards_match_one_rank_exactly(tiny_q: str) -> None:
+    """Each rank quantizes its slice; int4 groups never straddle two ranks, so the shards
+    hold exactly TP = 1's codes: equal greedy tokens, logprobs within float32 tolerance."""
+    prompts = _prompts()[:4]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    ref = LLM(tiny_q, quantization="int4", **ENGINE).generate(prompts, params)
+    llm = LLM(tiny_q, quantization="int4", tensor_parallel_size=2, **ENGINE)
+    try:
+        got = llm.generate(prompts, params)
+    finally:
+        llm.engine.shutdown()
+    for g, r in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            _close(a, b)
+
+
+def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[float]:
+    """Teacher-forced logprob of every prompt token after the first (no divergence)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate(prompts, params)
+    return [e[t] for o, p in zip(outs, prompts, strict=True)
+            for e, t in zip(o.prompt_logprobs[1:], p[1:], strict=True)]
+
+
+@pytest.mark.parametrize("quant", ["int8", "w8a8", "fp8"])
+def test_per_channel_shards_stay_within_quantization_error(tiny_q: str, quant: str) -> None:
+    """Per-channel scales of the row-parallel o_proj / down_proj (and w8a8's per-token
+    activation scales) come from a rank's own columns, so TP = 2 is not TP = 1's codes:
+    its teacher-forced logprobs must differ from TP = 1's quantized ones by less than
+    quantization itself moves them from the float model."""
+    import statistics
+
+    prompts = _prompts()
+    full = _prompt_logprobs(LLM(tiny_q, **ENGINE), prompts)
+    one = _prompt_logprobs(LLM(tiny_q, quantization=quant, **ENGINE), prompts)
+    llm = LLM(tiny_q, quantization=quant, tensor_parallel_size=2, **ENGINE)
+    try:
+        two = _prompt_logprobs(llm, prompts)
+    finally:
+        llm.engine.shutdown()
+    quant_err = statistics.fmean(abs(a - b) for a, b in zip(one, full, strict=True))
+    shard_err = statistics.fmean(abs(a - b) for a, b in zip(two, one, strict=True))
+    assert quant_err > 0 and shard_err < quant_err, (shard_err, quant_err)
+    assert statistics.fmean(abs(a - b) for a, b in zip(two, full, strict=True)) < 2 * quant_err
+
+
 def test_bundled_model_tp3_matches_tp1() -> None:
     """The real model: 9 heads, 3 KV heads, one per rank; a vocabulary of 49152 rows."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Tensor parallelism splits"]
@@ -175,7 +232,7 @@ def test_bundled_model_tp3_matches_tp1() -> None:
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "runs one rank"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="mpi"),
      "distributed_executor_backend must be"),
-    (dict(tensor_parallel_size=2, quantization="int8"), "quantized weights"),
+    (dict(tensor_parallel_size=2, quantization="gguf"), "cannot be sliced"),
     (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft", "model": "self",
                                                       "num_speculative_tokens": 2}),

@@ -93,3 +93,31 @@ def test_tp_worker_serves_then_exits_when_a_rank_dies(tmp_path, tiny: str) -> No
             httpx.get(worker.url + "/ready", timeout=2)
     finally:
         worker.stop(signal.SIGKILL)
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGKILL, -9)])
+def test_tp_worker_ranks_never_outlive_it(tmp_path, tiny: str, sig: int, code: int) -> None:
+    """SIGTERM drains and stops the ranks (exit 0); after a SIGKILL the orphaned rank
+    notices rank 0's sockets close and exits by itself."""
+    worker = start_worker(tmp_path, "--model", tiny, "--tensor-parallel-size", "2",
+                          "--num-threads", "1", "--block-size", "4", "--max-model-len", "256")
+    try:
+        (rank,) = _rank_pids(worker.proc.pid)
+        worker.proc.send_signal(sig)
+        assert worker.proc.wait(timeout=60) == code, worker.log()[-3000:]
+        assert _gone(rank, within=30), f"rank {rank} outlived the worker"
+    finally:
+        worker.stop(signal.SIGKILL)

@@ -169,9 +169,10 @@ class EngineConfig:
                               f"'ray' for tensor_parallel_size {tp}")
         if tp == 1:
             return
-        if self.quantization is not None:
-            raise ConfigError("quantized weights are not sharded yet: tensor_parallel_size "
-                              f"{tp} needs float weights (quantization None)")
+        if self.quantization == "gguf":
+            raise ConfigError("quantization 'gguf' keeps the file's compressed tensors, which "
+                              f"cannot be sliced: with tensor_parallel_size {tp} use int8, "
+                              "int4, w8a8 or fp8 (each rank quantizes its slice)")
         if self.enable_lora:
             raise ConfigError("LoRA adapters are not sharded yet: tensor_parallel_size "
                               f"{tp} needs enable_lora off")

@@ -5,8 +5,8 @@ every rank builds, shards and sizes its share the same way.
 The model is built on meta (quantized layers swapped in there), allocated once on the
 device and filled tensor by tensor; with tensor parallelism a rank builds the model of its
 share (`parallel/tp.local_arch`), loads each checkpoint tensor's slice as it streams in
-(`shard_weights`: float weights only) and wraps the collectives around it (`wrap_tp`),
-before the CPU's packing. KV blocks: an
+(`shard_weights`; quantized layers quantize their slice), is packed for the CPU like any
+model, and then gets the collectives wrapped around it (`wrap_tp`). KV blocks: an
 explicit count, else host RAM (`kv_cache_memory`, shared by the ranks of one machine), else
 on CUDA what `gpu_memory_utilization` leaves after a profiling step run by every rank at
 once; the ranks then agree on their minimum.
@@ -64,12 +64,16 @@ class Shard:
 def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
                 groups: Groups | None = None) -> Shard:
     """Rank `groups.rank` of `groups.world` (None: the whole model on one device)."""
-    source = open_model(path, dtype, keep_quantized=config.quantization is not None)
+    # a GGUF's Q4/Q8 tensors stay compressed when quantizing anyway, but a tensor-parallel
+    # rank slices float tensors (and quantizes its slice)
+    world = groups.world if groups is not None else 1
+    source = open_model(path, dtype,
+                        keep_quantized=config.quantization is not None and world == 1)
     arch = source.config
     max_len = min(config.max_model_len or arch.max_position_embeddings,
                   arch.max_position_embeddings)
-    world = groups.world if groups is not None else 1
     tp = TPPlan.build(arch, groups.rank, world) if groups is not None else None
+    model_arch = local_arch(arch, tp) if tp else arch
     heads, kv_heads = (tp.num_heads, tp.num_kv_heads) if tp else (arch.num_heads,
                                                                  arch.num_kv_heads)
     spec = AttentionSpec(heads, kv_heads, arch.head_dim, arch.head_dim ** -0.5,
@@ -78,24 +82,23 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
                               native=config.native_kernels)(
         spec, config.block_size, dtype, device, kv_cache_dtype=config.kv_cache_dtype)
     ops = Ops(config.native_kernels, device, dtype, triton=backend.name == "triton")
-    plan = plan_quantization(config.quantization, arch, source.formats, device, ops.lib,
+    plan = plan_quantization(config.quantization, model_arch, source.formats, device, ops.lib,
                              config.quantization_group_size, str(path))
     # a rank's model is the single-device model of its share (local_arch); each checkpoint
     # tensor is sliced as it streams in, so only the shard is ever allocated
     with torch.device("meta"):
-        model = LlamaForCausalLM(local_arch(arch, tp) if tp else arch, backend,
-                                 max_positions=max_len, ops=ops)
+        model = LlamaForCausalLM(model_arch, backend, max_positions=max_len, ops=ops)
         prepare_model(model, plan, dtype)
     model.materialize(device, dtype)
     weights = source.tensors()
     model.load_weights(shard_weights(weights, arch, tp) if tp else weights)
     model.eval()
-    if tp is not None:
-        wrap_tp(model, tp, groups.tp)
     if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU
         count = convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
         logger.info("packed %d float linear layers", count)
+    if tp is not None:  # the collectives, around whatever the layers became
+        wrap_tp(model, tp, groups.tp)
     return Shard(model, backend, arch, ops, max_len, model_memory_bytes(model),
                  backend.bytes_per_block() * arch.num_layers, tp)
 

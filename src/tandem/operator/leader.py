@@ -249,19 +249,21 @@ async def lead(elector: Elector, work: Work, stop: asyncio.Event,
             return True
         work_stop = threading.Event()
         task = asyncio.create_task(work(work_stop))
-        keeper = asyncio.create_task(elector.keep(stop))
+        # renewals go on until the work has stopped (however long that takes), so no
+        # standby takes over while it may still write
+        done_keeping = asyncio.Event()
+        keeper = asyncio.create_task(elector.keep(done_keeping))
+        stopping = asyncio.create_task(stop.wait())
         if health is not None:
             health.work = task
-        await asyncio.wait({task, keeper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, keeper, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
         work_stop.set()
-        kept = True
-        if keeper.done():
-            kept = keeper.result()
-        else:
-            keeper.cancel()
         try:
             await task
         finally:
+            done_keeping.set()
+            kept = await keeper  # False: the lease was lost (the fence stopped the writes)
             if kept:
                 await elector.release()
         return kept

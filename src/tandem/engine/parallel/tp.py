@@ -16,10 +16,11 @@ local `AttentionSpec`). Collectives go through `TPGroup` (torch.distributed: NCC
 gloo on CPU); with N = 1 nothing changes.
 
 A rank builds the single-device model of `local_arch` (its heads, columns and vocabulary
-rows), loads `shard_weights` of the checkpoint into it (each tensor sliced as it streams in:
-only the shard is ever allocated on the device) and `wrap_tp` adds the collectives. Float
-weights only (before packing; quantized shards are not supported yet); biases follow their
-rows.
+rows), loads `shard_weights` of the checkpoint into it (each float tensor sliced as it
+streams in: only the shard is ever allocated on the device; quantized layers quantize their
+slice), packs or quantizes it as one device would, and `wrap_tp` adds the collectives;
+biases follow their rows. Group-wise quantization needs each rank's input columns to be
+whole groups.
 """
 
 from __future__ import annotations
@@ -127,32 +128,31 @@ class RowParallel(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + n) of the (padded) vocabulary; others embed to 0, then summed."""
+    """An embedding of vocabulary rows [start, start + rows) (`inner`: float or quantized):
+    other ids embed to 0, then the ranks' parts are summed."""
 
-    def __init__(self, weight: torch.Tensor, start: int, comm: TPGroup) -> None:
+    def __init__(self, inner: nn.Module, start: int, rows: int, comm: TPGroup) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.comm = start, comm
+        self.inner, self.start, self.rows, self.comm = inner, start, rows, comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        out = self.inner(local.masked_fill(outside, 0))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.comm.all_reduce(out)
 
 
 class ParallelLMHead(nn.Module):
-    """Logits of this rank's vocabulary rows, all-gathered and cut to the vocabulary."""
+    """The logits of this rank's vocabulary rows (`inner`: float or quantized linear),
+    all-gathered and cut to the vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, vocab: int, comm: TPGroup) -> None:
+    def __init__(self, inner: nn.Module, vocab: int, comm: TPGroup) -> None:
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
-            weight, requires_grad=False)
-        self.vocab, self.comm = vocab, comm
+        self.inner, self.vocab, self.comm = inner, vocab, comm
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(h @ self.weight.T)[..., : self.vocab]
+        return self.comm.all_gather_last(self.inner(h))[..., : self.vocab]
 
 
 def local_arch(arch: ModelArchConfig, plan: TPPlan) -> ModelArchConfig:
@@ -205,19 +205,18 @@ def _vocab_rows(weight: torch.Tensor, plan: TPPlan) -> torch.Tensor:
 
 
 def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup) -> None:
-    """The collectives around a loaded `local_arch` model, in place, no weight copied:
-    `o_proj` / `down_proj` all-reduce their partial sums, the embedding masks tokens outside
-    its rows and all-reduces, the LM head all-gathers the logits and cuts the padding."""
+    """The collectives around a loaded (packed or quantized) `local_arch` model, in place,
+    no weight copied: `o_proj` / `down_proj` all-reduce their partial sums, the embedding
+    masks tokens outside its rows and all-reduces, the LM head all-gathers the logits and
+    cuts the padding. A tied embedding and head keep sharing their one matrix."""
     if plan.world == 1:
         return
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab_start,
-                                                comm)
-    head = model.embed_tokens.weight if tied else model.lm_head.weight
-    model.lm_head = ParallelLMHead(head, plan.vocab, comm)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.vocab_start,
+                                                plan.vocab_size, comm)
+    model.lm_head = ParallelLMHead(model.lm_head, plan.vocab, comm)
 
 
 def apply_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, backend: object) -> nn.Module:
