@@ -243,12 +243,20 @@ def test_refused_configs(args: dict, message: str) -> None:
         EngineConfig(**args)
 
 
-def test_ray_refuses_more_ranks_than_the_local_cluster_holds(tiny: str) -> None:
+def test_ray_ranks_share_a_small_local_cluster(tiny: str) -> None:
+    """6 CPU ranks on a local Ray of 4 CPUs: fractional bundles (as 6 `mp` processes would
+    share the cores), and TP = 1's tokens."""
     _local_ray()
-    t0 = time.monotonic()
-    with pytest.raises(ConfigError, match="needs 6 CPU in Ray; the local Ray cluster has 4"):
-        LLM(tiny, tensor_parallel_size=6, distributed_executor_backend="ray", **ENGINE)
-    assert time.monotonic() - t0 < 30
+    prompts, params = _prompts()[:2], SamplingParams(max_tokens=8, temperature=0.0)
+    ref = [o.outputs[0].token_ids for o in LLM(tiny, **ENGINE).generate(prompts, params)]
+    llm = LLM(tiny, tensor_parallel_size=6, distributed_executor_backend="ray", **ENGINE)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        bundles = llm.engine.executor.pg.bundle_specs
+    finally:
+        llm.engine.shutdown()
+    assert got == ref
+    assert len(bundles) == 6 and all(b["CPU"] == pytest.approx(4 / 6) for b in bundles)
 
 
 def test_unsplittable_model_is_refused_before_serving(tiny: str) -> None:

@@ -1,6 +1,7 @@
 """The `ray` executor: ranks 1..N-1 as Ray actors in one placement group.
 
-One bundle per rank (`{"GPU": 1}` on CUDA, `{"CPU": 1}` on the CPU), strategy PACK, so one
+One bundle per rank (`{"GPU": 1}` on CUDA, `{"CPU": 1}` on the CPU: a share of the CPUs
+when a local Ray has fewer than ranks), strategy PACK, so one
 worker's shards share a node when one has room and spread over as few nodes as possible
 otherwise. Bundle 0 is rank 0's, pinned to this node (its `node:<ip>` resource): rank 0
 is the engine's own process. Each actor runs `parallel.worker.run_rank` to the end (its
@@ -58,9 +59,14 @@ class RayExecutor(Executor):
         (kind, _), = unit.items()
         have = ray.cluster_resources().get(kind, 0.0)
         if have < self.world and not os.environ.get("RAY_ADDRESS"):
-            # a local Ray this process started cannot grow: refuse now, not after a wait
-            raise ConfigError(f"tensor_parallel_size {self.world} needs {self.world} {kind} "
-                              f"in Ray; the local Ray cluster has {have:g}")
+            # a local Ray cannot grow: CPU ranks share its cores (as `mp` ranks would),
+            # GPU ranks are refused now rather than after the placement wait
+            if cuda:
+                raise ConfigError(f"tensor_parallel_size {self.world} needs {self.world} GPU "
+                                  f"in Ray; the local Ray cluster has {have:g}")
+            unit = {"CPU": have / self.world}
+            logger.warning("the local Ray cluster has %g CPUs for %d ranks: each gets %.2f",
+                           have, self.world, have / self.world)
         bundles = [{**unit, f"node:{ip}": 0.001}] + [dict(unit) for _ in range(self.world - 1)]
         self.pg = placement_group(bundles, strategy="PACK", name=f"tandem-tp-{os.getpid()}")
         ready, _ = ray.wait([self.pg.ready()], timeout=READY_TIMEOUT_S)
@@ -72,7 +78,8 @@ class RayExecutor(Executor):
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         host = ip if nodes > 1 or os.environ.get("RAY_ADDRESS") else "127.0.0.1"
         store = host_store(self.world, host)
-        actor_cls = ray.remote(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0)(_Rank)
+        actor_cls = ray.remote(num_cpus=0 if cuda else unit["CPU"],
+                               num_gpus=1 if cuda else 0)(_Rank)
         self.actors, self.calls = [], []
         for rank in range(1, self.world):
             strategy = PlacementGroupSchedulingStrategy(
