@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.chart.conftest import CHART, ROOT
-from tests.operator.samples import apply_defaults
+from tests.operator.samples import apply_defaults, unknown_fields
 
 SOURCE_CRDS = ROOT / "crds"
 CHART_CRDS = CHART / "crds"
@@ -71,26 +71,6 @@ def check(resource: dict[str, Any]) -> list[str]:
     errors = [f"{'.'.join(map(str, e.path))}: {e.message}"
               for e in OAS30Validator(schema).iter_errors(obj)]
     return errors + cel_failures(schema, obj)
-
-
-def unknown_fields(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Fields the structural schema does not declare (the API server would prune them)."""
-    if node.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, dict):
-        if isinstance(value, list) and isinstance(node.get("items"), dict):
-            return [u for i, v in enumerate(value)
-                    for u in unknown_fields(node["items"], v, f"{path}[{i}]")]
-        return []
-    props = node.get("properties")
-    extra = node.get("additionalProperties")
-    out = []
-    for key, sub_value in value.items():
-        if props is not None and key in props:
-            out += unknown_fields(props[key], sub_value, f"{path}.{key}")
-        elif isinstance(extra, dict):
-            out += unknown_fields(extra, sub_value, f"{path}.{key}")
-        elif props is not None and path != ".metadata":
-            out.append(f"{path}.{key}")
-    return out
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

@@ -16,7 +16,7 @@ import yaml
 from openapi_schema_validator import OAS30Validator
 
 from tandem.operator.render.multinode import LWS_KIND, pod_templates
-from tests.operator.samples import apply_defaults
+from tests.operator.samples import apply_defaults, unknown_fields
 
 LWS_CRD = Path(__file__).with_name("schemas") / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 NO_SCHEMA = ("monitoring.coreos.com", "cert-manager.io")  # CRDs without a schema here
@@ -30,27 +30,6 @@ def lws_crd() -> dict[str, Any]:
 def lws_schema() -> dict[str, Any]:
     (version,) = [v for v in lws_crd()["spec"]["versions"] if v["storage"]]
     return version["schema"]["openAPIV3Schema"]
-
-
-def pruned(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Fields of `value` the structural schema `node` does not declare."""
-    if node.get("x-kubernetes-preserve-unknown-fields"):
-        return []
-    if isinstance(value, list):
-        items = node.get("items") or {}
-        return [u for i, v in enumerate(value) for u in pruned(items, v, f"{path}[{i}]")]
-    if not isinstance(value, dict) or path == ".metadata":
-        return []
-    props, extra = node.get("properties"), node.get("additionalProperties")
-    out = []
-    for key, sub in value.items():
-        if props is not None and key in props:
-            out += pruned(props[key], sub, f"{path}.{key}")
-        elif isinstance(extra, dict):
-            out += pruned(extra, sub, f"{path}.{key}")
-        elif props is not None:
-            out.append(f"{path}.{key}")
-    return out
 
 
 def _scaled(value: int | str, replicas: int, up: bool) -> int:
@@ -88,7 +67,7 @@ def lws_errors(doc: dict[str, Any]) -> list[str]:
     obj = apply_defaults(schema, copy.deepcopy(doc))
     errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
               for e in OAS30Validator(schema).iter_errors(obj)]
-    return errors + pruned(schema, doc) + webhook_errors(doc)
+    return errors + unknown_fields(schema, doc) + webhook_errors(doc)
 
 
 def validate(doc: dict[str, Any], version: str = "1.32") -> None:

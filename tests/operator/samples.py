@@ -181,3 +181,23 @@ def apply_defaults(node: dict[str, Any], value: Any) -> Any:
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         return [apply_defaults(node["items"], v) for v in value]
     return value
+
+
+def unknown_fields(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields the structural schema does not declare (the API server would prune them)."""
+    if node.get("x-kubernetes-preserve-unknown-fields") or not isinstance(value, dict):
+        if isinstance(value, list) and isinstance(node.get("items"), dict):
+            return [u for i, v in enumerate(value)
+                    for u in unknown_fields(node["items"], v, f"{path}[{i}]")]
+        return []
+    props = node.get("properties")
+    extra = node.get("additionalProperties")
+    out = []
+    for key, sub_value in value.items():
+        if props is not None and key in props:
+            out += unknown_fields(props[key], sub_value, f"{path}.{key}")
+        elif isinstance(extra, dict):
+            out += unknown_fields(extra, sub_value, f"{path}.{key}")
+        elif props is not None and path != ".metadata":
+            out.append(f"{path}.{key}")
+    return out

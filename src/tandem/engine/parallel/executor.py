@@ -62,6 +62,7 @@ class Executor(ABC):
         self.groups: Groups | None = None
         self.channel: PlanChannel | None = None
         self.dead: str | None = None  # why a rank is gone; None while all run
+        self._noticed = threading.Event()  # set once `dead` is
         self.on_dead: Callable[[], None] | None = None  # called once, from a watcher thread
         self.send_seconds = 0.0  # wall seconds rank 0 spent sending plans (bench/tp.py)
         self._stopping = False
@@ -105,13 +106,15 @@ class Executor(ABC):
                             f"{str(exc)[:200]}); the ranks are out of step")
         return EngineDeadError(self.dead or str(exc))
 
-    def _await_death(self, timeout: float) -> None:  # noqa: B027 - optional
+    def _await_death(self, timeout: float) -> None:
         """Wait up to `timeout` s for a rank's exit to be noticed."""
+        self._noticed.wait(timeout)
 
     def _mark_dead(self, why: str) -> None:
         if not self._stopping and self.dead is None:
             self.dead = why
             logger.error("tensor-parallel %s; the engine stops", why)
+            self._noticed.set()
             if self.on_dead is not None:
                 self.on_dead()
 
@@ -158,7 +161,6 @@ class MPExecutor(Executor):
                                daemon=True)
             proc.start()
             self.procs.append(proc)
-        self._noticed = threading.Event()
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         try:
             return self._connect(store, "127.0.0.1")
@@ -173,10 +175,6 @@ class MPExecutor(Executor):
         rank, proc = sentinels[ready[0]]
         proc.join(timeout=1)
         self._mark_dead(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
-        self._noticed.set()
-
-    def _await_death(self, timeout: float) -> None:
-        self._noticed.wait(timeout)
 
     def _stop_ranks(self) -> None:
         grace = 10 if self.dead is None else 1  # after a death the others may be stuck

@@ -36,6 +36,7 @@ def gather_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
                  arch: ModelArchConfig | None = None, world: int = 1) -> list[torch.Tensor]:
     """Rank 0 (`arch` and `world` given): the full pages of every layer; other ranks: []."""
     root = arch is not None
+    plans = [TPPlan.build(arch, r, world) for r in range(world)] if root else []
     full = []
     for layer in range(len(caches)):
         mine = _pages(caches, layer, block_ids)
@@ -47,8 +48,7 @@ def gather_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
         parts = [torch.empty_like(_bytes(mine)) for _ in range(world)]
         ctrl.gather([parts], [_bytes(mine)], opts).wait()
         out = mine.new_empty((2, len(block_ids), arch.num_kv_heads, *mine.shape[3:]))
-        for rank, raw in enumerate(parts):
-            plan = TPPlan.build(arch, rank, world)
+        for plan, raw in zip(plans, parts, strict=True):
             heads = raw.view(mine.dtype).view(mine.shape)
             out[:, :, plan.kv_head_start:plan.kv_head_start + plan.num_kv_heads] = heads
         full.append(out)
@@ -68,6 +68,7 @@ def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
     """Rank 0 passes `full` (`[2, n, KVH, bs, row]` per layer), `arch` and `world`."""
     k0 = caches[0][0]
     shape = (2, len(block_ids), *k0.shape[1:])  # this rank's heads
+    plans = [TPPlan.build(arch, r, world) for r in range(world)] if full is not None else []
     for layer in range(len(caches)):
         opts = dist.ScatterOptions()
         opts.rootRank = 0
@@ -77,8 +78,7 @@ def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
             recv = mine
         else:
             slices = []
-            for rank in range(world):
-                plan = TPPlan.build(arch, rank, world)
+            for plan in plans:
                 part = full[layer][:, :, plan.kv_head_start:
                                    plan.kv_head_start + plan.num_kv_heads]
                 slices.append(_bytes(part.to(k0.dtype).cpu()))

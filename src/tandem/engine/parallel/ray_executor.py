@@ -90,7 +90,6 @@ class RayExecutor(Executor):
                             "cuda:0" if cuda else "cpu")
             self.actors.append(actor)
             self.calls.append(actor.run.remote(spec))
-        self._noticed = threading.Event()
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         try:
             return self._connect(store, host)
@@ -109,10 +108,6 @@ class RayExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - RayActorError, a task error: its reason
             why = f"rank {rank} (Ray actor) died: {type(exc).__name__}: {str(exc)[:300]}"
         self._mark_dead(why)
-        self._noticed.set()
-
-    def _await_death(self, timeout: float) -> None:
-        self._noticed.wait(timeout)
 
     def _stop_ranks(self) -> None:
         ray = self._ray
