@@ -227,6 +227,40 @@ def test_config_errors(tiny):
         DraftProposer(_ctx(tiny, model="self", draft_num_layers=5))
 
 
+def test_the_draft_is_allocated_before_the_kv_pool_is_sized(tiny, monkeypatch):
+    """On CUDA the KV pool gets what gpu_memory_utilization leaves after everything already
+    allocated: the draft's weights and its KV cache must exist by then (as vLLM loads the
+    draft before profiling), or they come on top of the budget. The engine's order, seen
+    through the two calls."""
+    from tandem.engine import llm_engine
+
+    target_path, _, draft_path = tiny
+    calls: list[str] = []
+    real_init, real_kv = DraftProposer.__init__, llm_engine.kv_blocks
+
+    def init(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        real_init(self, *a, **kw)
+        calls.append(f"draft {self.kv_bytes}")
+
+    def kv(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        calls.append("kv pool")
+        return real_kv(*a, **kw)
+
+    monkeypatch.setattr(DraftProposer, "__init__", init)
+    monkeypatch.setattr(llm_engine, "kv_blocks", kv)
+    eng = llm_engine.LLMEngine(_engine_config(
+        target_path, kv_cache_memory=1 << 20, max_model_len=MAX_LEN,
+        speculative_config={"method": "draft", "model": str(draft_path)}))
+    try:
+        assert [c.split()[0] for c in calls] == ["draft", "kv"]
+        assert int(calls[0].split()[1]) > 0 and eng.speculator is not None
+        eng.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0))
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("seed", [3, 4])
 def test_randomized_trace_keeps_the_pool_exact(tiny, seed):
     """A small pool (room for ~2.5 long requests), requests arriving, speculating, being

@@ -26,7 +26,13 @@ from tandem.engine.lora.manager import LoRAConfig, LoRAManager
 from tandem.engine.lora.request import LoRARequest
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.loader import bundled_model_path
-from tandem.engine.model_build import build_shard, gpu_profiled, kv_blocks, rank_threads
+from tandem.engine.model_build import (
+    Shard,
+    build_shard,
+    gpu_profiled,
+    kv_blocks,
+    rank_threads,
+)
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.parallel.executor import build_executor
@@ -34,7 +40,12 @@ from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind, StepPlan
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.spec_decode import ProposerContext, SpeculativeConfig, build_proposer
+from tandem.engine.spec_decode import (
+    Proposer,
+    ProposerContext,
+    SpeculativeConfig,
+    build_proposer,
+)
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.protocol.tokenizer import Tokenizer
 
@@ -66,6 +77,11 @@ class LLMEngine(EngineCore):
         groups = executor.start()
         try:
             shard = build_shard(config, path, device, dtype, groups)
+            # before the KV pool is sized: on CUDA, a draft model's weights and KV cache are
+            # then allocated, so gpu_memory_utilization counts them (as vLLM's profiling does)
+            spec = (SpeculativeConfig.from_dict(config.speculative_config)
+                    if getattr(config, "speculative_config", None) is not None else None)
+            proposer = None if spec is None else self._proposer(spec, path, shard)
             sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
             num_blocks = kv_blocks(config, shard, device, start if cuda else None, sampler,
                                    groups)
@@ -94,7 +110,11 @@ class LLMEngine(EngineCore):
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold,
                               max_loras=config.max_loras if lora else 0)
-        speculator = self._speculator(path, max_len, runner)
+        speculator = None
+        if proposer is not None:
+            runner.return_hidden = proposer.needs_hidden_states
+            speculator = Speculator(spec, proposer, max_len,
+                                    config.max_num_batched_tokens)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator)
         self.lora = lora
         logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
@@ -118,21 +138,16 @@ class LLMEngine(EngineCore):
                     len(manager.registered))
         return manager
 
-    def _speculator(self, path: Path, max_len: int, runner: ModelRunner) -> Speculator | None:
-        """The configured proposer (speculative_config), or None."""
+    def _proposer(self, spec: SpeculativeConfig, path: Path, shard: Shard) -> Proposer:
+        """The proposer `spec` configures, for the target model in `shard`."""
         cfg = self.config
-        spec = getattr(cfg, "speculative_config", None)
-        if spec is None:
-            return None
-        spec = SpeculativeConfig.from_dict(spec)
-        ctx = ProposerContext(spec, cfg, self.model, str(path), self.device, self.dtype,
-                              self.arch.vocab_size, cfg.block_size, max_len,
+        ctx = ProposerContext(spec, cfg, shard.model, str(path), self.device, self.dtype,
+                              shard.arch.vocab_size, cfg.block_size, shard.max_len,
                               cfg.max_num_seqs)
         proposer = build_proposer(ctx)
-        runner.return_hidden = proposer.needs_hidden_states
         logger.info("speculative decoding: %s, up to %d tokens (adaptive %s)", spec.method,
                     spec.num_speculative_tokens, spec.adaptive)
-        return Speculator(spec, proposer, max_len, cfg.max_num_batched_tokens)
+        return proposer
 
     @property
     def num_kv_heads(self) -> int:
