@@ -1,16 +1,18 @@
 """Speculative decoding benchmark: baseline vs n-gram vs self-draft proposers, in one run.
 
     .venv/bin/python bench/spec_decode.py [--quick] [--engines baseline,ngram,self-l8,self-int4]
-        [--workloads grounded,code,chat] [--batch-sizes 1,8] [--prompts 8] [--max-tokens 128]
-        [--temperature 0] [--k 4] [--no-adaptive] [--out bench/results/spec_decode-DATE.json]
+        [--workloads grounded,code,chat] [--batch-sizes 1,8] [--prompts 8] [--max-tokens 256]
+        [--temperature 0] [--k 8] [--no-adaptive] [--out bench/results/spec_decode-DATE.json]
 
 On the bundled SmolLM2-135M-Instruct, chat-formatted prompts, three workloads (`spec_prompts.py`):
 `grounded` (repeat / quote / lightly edit / summarize a given public-domain passage of 250-400
 tokens: where prompt lookup shines), `code` (repetitive code: getters and setters, enums, a
-listing to continue) and `chat` (short open questions). Each engine runs in its own
-subprocess (`--child NAME`, one JSON line), one after another, built once: a warm-up generate,
-then every workload at every batch size. Batch b submits groups of b prompts at once (the
-prompt list cycled to fill a group); batch 1 runs each prompt alone.
+listing to continue) and `chat` (short open questions). Each engine lives in its own
+subprocess (`--child NAME`), built once and warmed up (the processes start one after
+another); then each (workload, batch) runs on every engine back to back, one engine at a
+time, in an order that rotates from run to run, so the machine's drift over the run spreads
+over the engines. Batch b submits groups of b prompts at once (the prompt list cycled to
+fill a group); batch 1 runs each prompt alone, and its per-prompt ratios are printed.
 
 Per (engine, workload, batch): output tokens/s over the wall clock of each group's generate
 (submission to last completion, prefill included), decode tokens/s (after every request of
@@ -31,8 +33,10 @@ import datetime as dt
 import hashlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -159,7 +163,9 @@ def lookup_ceiling(prompts: list[list[int]], outputs: list[list[int]], k: int, m
     return tokens / steps if steps else 0.0
 
 
-def child(name: str, args: argparse.Namespace) -> dict:
+def child(name: str, args: argparse.Namespace) -> None:
+    """One engine, built once and warmed up, then serving runs: prints a ready line, then
+    for each stdin line {"workload", "batch"} one result line (JSON) on stdout."""
     import torch
 
     from tandem import LLM, SamplingParams
@@ -177,51 +183,115 @@ def child(name: str, args: argparse.Namespace) -> dict:
     warm_sp = SamplingParams(max_tokens=16, temperature=args.temperature)
     run_batch(llm, warm[:1], 1, warm_sp)
     run_batch(llm, warm, max(args.batch_sizes), warm_sp)
-    out: dict = {"engine": name, "engine_args": engine_args, "load_s": round(load.elapsed, 2),
-                 "torch_threads": torch.get_num_threads(),
-                 "spec_enabled": getattr(llm.engine, "speculator", None) is not None,
-                 "runs": {}}
-    for wl in args.workloads:
+    print(json.dumps({"engine": name, "engine_args": engine_args,
+                      "load_s": round(load.elapsed, 2), "torch_threads": torch.get_num_threads(),
+                      "spec_enabled": getattr(llm.engine, "speculator", None) is not None}),
+          flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        wl, b = job["workload"], int(job["batch"])
         prompts = [enc(c) for c in conversations(wl, args.prompts)]
-        for b in args.batch_sizes:
-            with Timer() as t:
-                r = run_batch(llm, prompts, b, sp)
-            r.update(t.contention(), prompt_tokens=sum(map(len, prompts)) // len(prompts))
-            if name == "baseline":  # what prompt lookup could do at best on these outputs
-                ng = ENGINES["ngram"]
-                pool = [prompts[i % len(prompts)] for i in range(len(r["token_ids"]))]
-                r["ngram_ceiling"] = {
-                    f"k{k}": round(lookup_ceiling(pool, r["token_ids"], k,
-                                                  ng["prompt_lookup_min"],
-                                                  ng["prompt_lookup_max"]), 3)
-                    for k in sorted({args.k, 8})}
-            out["runs"][f"{wl}/b{b}"] = r
-            log(f"  {name} {wl} b{b}: {r['tokens_per_s']:.1f} tok/s, acceptance "
-                f"{r['acceptance_rate']}, mean accepted length {r['mean_accepted_length']}")
-        out.setdefault("sample_text", {})[wl] = tok.decode(
-            out["runs"][f"{wl}/b{args.batch_sizes[0]}"]["token_ids"][0])
-    return out
+        with Timer() as t:
+            r = run_batch(llm, prompts, b, sp)
+        r.update(t.contention(), prompt_tokens=sum(map(len, prompts)) // len(prompts),
+                 sample_text=tok.decode(r["token_ids"][0]))
+        if name == "baseline":  # what prompt lookup could do at best on these outputs
+            ng = ENGINES["ngram"]
+            pool = [prompts[i % len(prompts)] for i in range(len(r["token_ids"]))]
+            r["ngram_ceiling"] = {
+                f"k{k}": round(lookup_ceiling(pool, r["token_ids"], k, ng["prompt_lookup_min"],
+                                              ng["prompt_lookup_max"]), 3)
+                for k in sorted({args.k, 4, 8})}
+        print(json.dumps(r), flush=True)
 
 
-def run_child(name: str, argv: list[str], timeout: float) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    log(f"running {name} ...")
-    t0 = time.perf_counter()
-    cmd = [sys.executable, __file__, *argv, "--child", name]
+class EngineProcess:
+    """A `--child NAME` subprocess: `start` waits for its ready line, `run` sends one job
+    and waits for its result. A dead or silent child turns into an error, never a hang
+    longer than `timeout` seconds per call."""
+
+    def __init__(self, name: str, argv: list[str], timeout: float) -> None:
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+        self.name, self.timeout, self.error = name, timeout, None
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", name],
+                                     env=env, cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=None, text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(line)
+        self.lines.put(None)
+
+    def _read(self) -> dict | None:
+        try:
+            line = self.lines.get(timeout=self.timeout)
+        except queue.Empty:
+            self.error = f"no answer within {self.timeout:.0f}s"
+            self.proc.kill()
+            return None
+        if line is None:
+            self.error = f"exit code {self.proc.wait()}"
+            return None
+        return json.loads(line)
+
+    def start(self) -> dict:
+        log(f"starting {self.name} ...")
+        head = self._read()
+        return head if head is not None else {"engine": self.name, "error": self.error}
+
+    def run(self, workload: str, batch: int) -> dict | None:
+        if self.error is not None:
+            return None
+        self.proc.stdin.write(json.dumps({"workload": workload, "batch": batch}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_engines(engines: list[str], argv: list[str], args: argparse.Namespace) -> dict:
+    """Every engine's process started (one at a time, so loads do not overlap), then each
+    (workload, batch) run on every engine back to back, the engines' order rotating from
+    run to run: slow drift of the machine's speed spreads over all engines instead of
+    favouring whichever runs first."""
+    procs = {e: EngineProcess(e, argv, args.timeout) for e in engines[:1]}
+    results = {engines[0]: procs[engines[0]].start()}
+    for e in engines[1:]:
+        procs[e] = EngineProcess(e, argv, args.timeout)
+        results[e] = procs[e].start()
     try:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=None,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        log(f"  {name} timed out after {timeout:.0f}s")
-        return {"engine": name, "error": f"timed out after {timeout:.0f}s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            res = json.loads(line)
-            res["process_s"] = round(time.perf_counter() - t0, 1)
-            return res
-    log(f"  {name} FAILED (exit {proc.returncode})")
-    return {"engine": name, "error": f"exit code {proc.returncode}"}
+        jobs = [(wl, b) for wl in args.workloads for b in args.batch_sizes]
+        for n, (wl, b) in enumerate(jobs):
+            order = engines[n % len(engines):] + engines[: n % len(engines)]
+            for e in order:
+                r = procs[e].run(wl, b)
+                if r is None:
+                    results[e].setdefault("error", procs[e].error)
+                    continue
+                text = r.pop("sample_text")
+                if b == args.batch_sizes[0]:
+                    results[e].setdefault("sample_text", {})[wl] = text
+                results[e].setdefault("runs", {})[f"{wl}/b{b}"] = r
+                log(f"  {e} {wl} b{b}: {r['tokens_per_s']:.1f} tok/s, acceptance "
+                    f"{r['acceptance_rate']}, mean accepted length {r['mean_accepted_length']}")
+    finally:
+        for p in procs.values():
+            p.close()
+    for r in results.values():  # runs in the jobs' order, whatever order they came in
+        if "runs" in r:
+            r["runs"] = {f"{wl}/b{b}": r["runs"][f"{wl}/b{b}"] for wl in args.workloads
+                         for b in args.batch_sizes if f"{wl}/b{b}" in r["runs"]}
+    return results
 
 
 def check_outputs(results: dict[str, dict], greedy: bool) -> list[dict]:
@@ -266,7 +336,7 @@ def report(results: dict[str, dict], greedy: bool) -> None:
             continue
         if name != "baseline" and not r.get("spec_enabled"):
             print(f"{name:<11}WARNING: the engine has no speculator (config ignored?)")
-        for key, run in r["runs"].items():
+        for key, run in r.get("runs", {}).items():
             b = base.get(key, {})
             acc, ml = run["acceptance_rate"], run["mean_accepted_length"]
             same = "-" if not greedy or name == "baseline" else (
@@ -282,6 +352,12 @@ def report(results: dict[str, dict], greedy: bool) -> None:
     print("(tok/s: output tokens / wall clock of each group's generate, prefill included; "
           "decode: after every request's first token; accept = accepted / draft tokens; "
           "mean len = 1 + accepted / drafts; same: greedy tokens equal the baseline's)")
+    for name, r in results.items():  # b1: each prompt alone, so its own ratio
+        for key, run in r.get("runs", {}).items() if name != "baseline" else ():
+            ref = base.get(key, {}).get("group_wall_s")
+            if key.endswith("/b1") and ref and len(ref) == len(run["group_wall_s"]):
+                print(f"per prompt {name} {key}: " + " ".join(
+                    f"{b / a:.2f}x" for a, b in zip(run["group_wall_s"], ref, strict=True)))
     for key, run in base.items():
         if "ngram_ceiling" in run and key.endswith("/b1"):
             print(f"ngram ceiling {key} (tokens per step, free verification): "
@@ -303,14 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256,
+                    help="per request; 256 lets a copy or edit of a 250-400 token "
+                    "passage run to its end")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8,
+                    help="num_speculative_tokens (a cap: adaptive speculation trims it)")
     ap.add_argument("--no-adaptive", action="store_true", help="speculative adaptive=False")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="enable prefix caching (off: every group pays its prefill)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per workload, 16 tokens")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="per-engine seconds")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds an engine may take to load or to do one run")
     ap.add_argument("--out", type=Path, default=None)
     raw = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(raw)
@@ -326,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if w not in WORKLOADS:
             ap.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
     if args.child:
-        print(json.dumps(child(args.child, args)), flush=True)
+        child(args.child, args)
         return 0
     import torch
 
@@ -335,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now().astimezone()
     machine = {**machine_info(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     log(f"machine: {machine}")
-    results = {e: run_child(e, raw, args.timeout) for e in args.engines}
+    results = run_engines(args.engines, raw, args)
     greedy = args.temperature == 0
     bad = check_outputs(results, greedy)
     report(results, greedy)

@@ -172,6 +172,10 @@ def test_costs_are_calibrated_at_start_and_catch_ups_counted(tiny):
     p = build_proposer(_ctx(tiny, model=str(tiny[2])))
     cost = p.round_cost()
     assert cost is not None and cost.round_s > 0 and cost.row_s >= 0
+    assert p._rounds.line() is not None  # the calibration's line, not the per-row-free EMA
+    for _ in range(500):  # a long run of one-row rounds (batch 1) keeps the slope known
+        p._rounds.add(1, cost.round_s + cost.row_s)
+    assert p._rounds.line() is not None
     assert cost.catchup_token_s > 0
     assert p.kv.num_free_blocks() == p.kv.pool.num_blocks and not p.kv.seqs
     rng = random.Random(1)

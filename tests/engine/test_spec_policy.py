@@ -272,6 +272,15 @@ def test_step_cost_fit_learns_the_machines_saturation():
     ids = [f"r{i}" for i in range(8)]
     assert sum(learned.choose(ids, 8)) < sum(prior.choose(ids, 8))
     # a flat machine (extra tokens free): the largest saturation, full speculation
+    # a prior (calibration) keeps the slope once the live sizes stop spreading
+    anchored = StepCostFit()
+    anchored.add_prior(1, 0.011, 8)
+    anchored.add_prior(8, 0.032, 8)
+    assert anchored.line() == pytest.approx((0.008, 0.003))
+    for _ in range(1000):
+        anchored.add(1, 0.012)
+    got0, got1 = anchored.line()
+    assert got1 == pytest.approx(0.003, rel=0.05) and got0 == pytest.approx(0.009, rel=0.05)
     flat = SpecPolicy(cfg(4), probe_period=10**9, prior=0.6)
     for _ in range(100):
         flat.observe_timing(0.05, rng.randint(1, 40))

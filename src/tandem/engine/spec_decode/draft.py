@@ -6,7 +6,9 @@ file again, quantized by `draft_quantization` and/or truncated to its first
 is a view of the target's first layers, final norm and LM head: no weight is loaded twice.
 
 The draft keeps its own paged KV cache (`draft_runner.DraftKV`, the engine's block size,
-sized for `max_num_seqs` sequences of `max_model_len` tokens up to `DRAFT_KV_BYTES`). At each
+sized for `max_num_seqs` sequences of `max_model_len` tokens up to `DRAFT_KV_BYTES`). The
+engine builds the proposer before it sizes its own KV pool, so on CUDA the draft's weights
+and KV cache count within `gpu_memory_utilization`. At each
 `propose` a request's draft KV is cut to its longest common prefix with `all_token_ids`
 (rejected drafts are gone), the tokens after it are run through the draft (in chunks of at
 most `max_num_batched_tokens`), then k - 1 single-token steps follow; every step is one
@@ -21,6 +23,7 @@ distribution as `draft_probs` [k, V] float32 (what rejection sampling needs for 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,7 +51,9 @@ DRAFT_KV_BYTES = 1 << 30  # at most this much draft KV cache (one max_model_len 
 _GREEDY_BELOW = 1e-5  # as the sampler's
 _ROUND_ROWS = 8  # a catch-up of at most this many tokens per request times as a round
 _CALIBRATION_TOKENS = 64  # a catch-up of this many tokens is timed at start
-_CALIBRATION_WEIGHT = 8  # each calibration size counts as this many rounds in the fit
+_CALIBRATION_WEIGHT = 8  # each calibration size counts as this many rounds in the fit,
+# for good: it keeps the per-row slope known while live rounds all have one size
+_CALIBRATION_REPEATS = 3  # rounds timed per size at start (the median counts)
 
 
 @dataclass
@@ -68,7 +73,7 @@ class _Row:
 @register_proposer("draft")
 class DraftProposer(Proposer):
     """`shared`: the draft is a view of the target's weights; `kv_bytes`: the draft KV
-    cache's size (allocated here, on top of the target's; `kv_bytes` bounds it)."""
+    cache's size (allocated here, before the target's pool is sized; `kv_bytes` bounds it)."""
 
     def __init__(self, ctx: ProposerContext, kv_bytes: int = DRAFT_KV_BYTES) -> None:
         spec, cfg = ctx.config, ctx.engine_config
@@ -126,19 +131,21 @@ class DraftProposer(Proposer):
     def _calibrate(self, rows: int) -> None:
         """Time a catch-up of `_CALIBRATION_TOKENS` tokens and single-token rounds of 1 and
         `rows` requests on throwaway sequences (the second of two runs of each, the first
-        warms up), so the policy knows what drafting costs before the first real round."""
-        n = min(_CALIBRATION_TOKENS, self.max_len - 1)
+        warms up; a round size's time is the median of `_CALIBRATION_REPEATS`), so the policy
+        knows what drafting costs before the first real round. The rounds stay in the cost
+        fit as a prior (`StepCostFit.add_prior`)."""
+        n = min(_CALIBRATION_TOKENS, self.max_len - 1 - 2 * _CALIBRATION_REPEATS)
         if n < 2:
             return
         seqs = [f"\x00calibrate-{i}" for i in range(rows)]
-        need = cdiv(n + 2, self.kv.block_size) * rows
+        need = cdiv(n + 1 + 2 * _CALIBRATION_REPEATS, self.kv.block_size) * rows
         if self.kv.num_free_blocks() < need:
             return
         try:
             for _ in range(2):
                 states = [self.kv.reconcile(rid, [1]) for rid in seqs]
                 for st in states:
-                    self.kv.reserve(st, n + 2, set(seqs))
+                    self.kv.reserve(st, n + 1 + 2 * _CALIBRATION_REPEATS, set(seqs))
                 t0 = time.perf_counter()
                 self.kv.forward(self.model, self.device, [(states[0], [1] * n)])[0].tolist()
                 token_s = (time.perf_counter() - t0) / n
@@ -146,10 +153,13 @@ class DraftProposer(Proposer):
                     self.kv.forward(self.model, self.device, [(st, [1] * n)])
                 times = []
                 for size in (1, rows):
-                    t0 = time.perf_counter()
-                    self.kv.forward(self.model, self.device,
-                                    [(st, [1]) for st in states[:size]])[0].tolist()
-                    times.append((size, time.perf_counter() - t0))
+                    took = []
+                    for _ in range(_CALIBRATION_REPEATS):
+                        t0 = time.perf_counter()
+                        self.kv.forward(self.model, self.device,
+                                        [(st, [1]) for st in states[:size]])[0].tolist()
+                        took.append(time.perf_counter() - t0)
+                    times.append((size, statistics.median(took)))
                 for rid in seqs:
                     self.kv.release(rid)
         finally:
@@ -157,8 +167,7 @@ class DraftProposer(Proposer):
                 self.kv.release(rid)
         self._token_s = token_s
         for size, took in times if rows > 1 else ():
-            for _ in range(_CALIBRATION_WEIGHT):
-                self._rounds.add(size, took)
+            self._rounds.add_prior(size, took, _CALIBRATION_WEIGHT)
         self._round_s = times[0][1]
 
     def _timed(self, t0: float, rows: int) -> None:

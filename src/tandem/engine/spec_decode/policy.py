@@ -65,13 +65,22 @@ class StepCostFit:
     """Exponentially weighted least squares of a target step's seconds on its token count,
     s = c0 + c1 * T, over the steps of at most `max_tokens` tokens (decode and verification
     sizes, where speculation's choices lie). `line()` is (c0, c1) once the weight reaches
-    `min_weight` and the sizes' standard deviation `min_spread` tokens, else None."""
+    `min_weight` and the sizes' standard deviation `min_spread` tokens, else None.
+
+    `add_prior` adds samples that never decay (a start-up calibration): they keep the slope
+    known when the live samples stop spreading (all of one size for a while), and weigh less
+    and less against the live ones as those accumulate (live weight tends to 1 / decay)."""
 
     def __init__(self, decay: float = 0.02, max_tokens: int = 256, min_spread: float = 1.0,
                  min_weight: float = 16.0) -> None:
         self.decay, self.max_tokens = decay, max_tokens
         self.min_spread, self.min_weight = min_spread, min_weight
         self.w = self.t = self.s = self.tt = self.ts = 0.0
+        self._prior = [0.0] * 5  # w, t, s, tt, ts of the non-decaying samples
+
+    def add_prior(self, tokens: int, seconds: float, weight: float) -> None:
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            self._prior[i] += weight * v
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > self.max_tokens:
@@ -84,13 +93,15 @@ class StepCostFit:
         self.ts = self.ts * keep + tokens * seconds
 
     def line(self) -> tuple[float, float] | None:
-        if self.w < self.min_weight:
+        pw, pt, ps, ptt, pts = self._prior
+        w = self.w + pw
+        if w < self.min_weight:
             return None
-        mt, ms = self.t / self.w, self.s / self.w
-        var = self.tt / self.w - mt * mt
+        mt, ms = (self.t + pt) / w, (self.s + ps) / w
+        var = (self.tt + ptt) / w - mt * mt
         if var < self.min_spread ** 2:
             return None
-        c1 = max((self.ts / self.w - mt * ms) / var, 0.0)
+        c1 = max(((self.ts + pts) / w - mt * ms) / var, 0.0)
         c0 = ms - c1 * mt
         return (c0, c1) if c0 > 0 else None
 
