@@ -59,8 +59,9 @@ def serve_pages(port: int, max_blocks: int) -> None:
 
     import tandem.kvtransfer  # noqa: F401 - registers the backends
     from tandem.engine.cpu_tuning import tune_malloc
+    from tandem.engine.kv_cache.pages import gather_layer
     from tandem.kvtransfer.base import SendJob, make_backend
-    from tandem.kvtransfer.pages import PageLayout, gather_layer, header_for, layer_page_views
+    from tandem.kvtransfer.pages import PageLayout, header_for, layer_page_views
     from tandem.kvtransfer.service import add_kv_transfer_service
     from tandem.protocol import worker_pb2
 

@@ -264,12 +264,12 @@ def run_engines(engines: list[str], argv: list[str], args: argparse.Namespace) -
     (workload, batch) run on every engine back to back, the engines' order rotating from
     run to run: slow drift of the machine's speed spreads over all engines instead of
     favouring whichever runs first."""
-    procs = {e: EngineProcess(e, argv, args.timeout) for e in engines[:1]}
-    results = {engines[0]: procs[engines[0]].start()}
-    for e in engines[1:]:
-        procs[e] = EngineProcess(e, argv, args.timeout)
-        results[e] = procs[e].start()
+    procs: dict[str, EngineProcess] = {}
+    results: dict[str, dict] = {}
     try:
+        for e in engines:
+            procs[e] = EngineProcess(e, argv, args.timeout)
+            results[e] = procs[e].start()
         jobs = [(wl, b) for wl in args.workloads for b in args.batch_sizes]
         for n, (wl, b) in enumerate(jobs):
             order = engines[n % len(engines):] + engines[: n % len(engines)]
@@ -287,11 +287,7 @@ def run_engines(engines: list[str], argv: list[str], args: argparse.Namespace) -
     finally:
         for p in procs.values():
             p.close()
-    for r in results.values():  # runs in the jobs' order, whatever order they came in
-        if "runs" in r:
-            r["runs"] = {f"{wl}/b{b}": r["runs"][f"{wl}/b{b}"] for wl in args.workloads
-                         for b in args.batch_sizes if f"{wl}/b{b}" in r["runs"]}
-    return results
+    return results  # each engine's runs in the jobs' order: only engines rotate, not jobs
 
 
 def check_outputs(results: dict[str, dict], greedy: bool) -> list[dict]:

@@ -152,9 +152,9 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
                                       visible_gpus() if gpus is None else gpus)
     if len(roles) > 1 and "--num-threads" not in passthrough:
         # workers on one host share its cores: split them instead of oversubscribing
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        passthrough = [*passthrough, "--num-threads", str(max(1, cores // len(roles)))]
+        from tandem.engine.cpu_tuning import usable_cores
+
+        passthrough = [*passthrough, "--num-threads", str(max(1, usable_cores() // len(roles)))]
     auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
     workers = []
     for role, extra in zip(roles, gpu_flags, strict=True):

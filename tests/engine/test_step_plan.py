@@ -77,3 +77,33 @@ def test_truncated_and_padded_payloads_are_refused() -> None:
         StepPlan.decode(np.concatenate([data, [0]]))
     with pytest.raises(ValueError, match="shorter than its header"):
         StepPlan.decode(data[: HEADER - 1])
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses (hex, as the kernel writes them) LISTENing on `port`, IPv4 and IPv6."""
+    out = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hexport = local.rsplit(":", 1)
+                if state == "0A" and int(hexport, 16) == port:
+                    out.add(addr)
+    return out
+
+
+def test_rank_zeros_store_listens_on_its_host_only():
+    """A TCPStore left to bind itself listens on every interface: the mp executor's store
+    (host 127.0.0.1) must be reachable from this machine only, and still serve its ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tandem.engine.parallel.comm import host_store
+
+    store = host_store("127.0.0.1", 10.0, world=2)
+    assert _listening(store.port) == {"0100007F"}  # 127.0.0.1, nothing else
+    peer = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False,
+                         timeout=datetime.timedelta(seconds=10))
+    peer.set("k", "v")
+    assert store.get("k") == b"v"

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
+from tandem.engine.kv_cache.pages import gather_layer
 from tandem.kvtransfer.client import RemotePrefill
 from tandem.kvtransfer.grpc_backend import (
     GrpcBackend,
@@ -37,7 +38,6 @@ from tandem.kvtransfer.pages import (
     PageChecksum,
     PageLayout,
     check_header,
-    gather_layer,
     header_for,
     layer_page_views,
     transfer_digest,

@@ -19,6 +19,7 @@ import torch
 from tandem import SamplingParams
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
 from tandem.engine.kv_cache.quant import dequantize_rows, quantize_rows
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
@@ -30,10 +31,8 @@ from tandem.kvtransfer.pages import (
     PageLayout,
     check_header,
     engine_layout,
-    gather_layer,
     header_for,
     layer_page_views,
-    scatter_layer,
     tensor_bytes,
 )
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service

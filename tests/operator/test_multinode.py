@@ -212,6 +212,28 @@ def test_rollouts_the_lws_webhook_refuses_are_spec_errors(strategy, replicas, wo
         assert lws_errors(lws(render(raw))) == []
 
 
+def test_an_autoscaled_pools_rollout_is_checked_at_its_fewest_replicas_when_parsed():
+    """Percentages grow with the count, so the fewest replicas are the worst case: the
+    operator's autoscaler's minReplicas, or for an HPA the webhook's default 1 (its LWS is
+    created without a count, so the render could not catch it)."""
+    raw = tp16()
+    raw["prefill"] |= {"strategy": {"maxSurge": 0, "maxUnavailable": "50%"},
+                       "autoscaling": {"mode": "hpa", "minReplicas": 2, "maxReplicas": 4,
+                                       "target": 8}}
+    with pytest.raises(SpecError, match=r"prefill\.strategy: .*both come to 0 groups at 1 "
+                                        r"replicas"):
+        parse_spec(raw)
+    raw["prefill"]["autoscaling"]["mode"] = "operator"
+    raw["prefill"]["autoscaling"]["minReplicas"] = 1
+    with pytest.raises(SpecError, match=r"both come to 0 groups at 1 replicas"):
+        parse_spec(raw)
+    raw["prefill"]["autoscaling"]["minReplicas"] = 2  # 50% of 2 and more: at least one group
+    assert lws_errors(lws(render(raw))) == []
+    raw["prefill"]["strategy"]["maxUnavailable"] = 1  # a whole number: any count
+    raw["prefill"]["autoscaling"]["mode"] = "hpa"
+    assert lws_errors(lws(render(raw))) == []
+
+
 def test_the_lws_check_is_not_vacuous():
     doc = lws(render(tp16()))
     bad = copy.deepcopy(doc)

@@ -55,6 +55,14 @@ SPEC_ERRORS = [  # (path, value, the message's words)
     ("decode", pool(0, 2, engine={"device": "cuda"}), "decode.engine.device cuda needs a GPU"),
     ("decode", pool(4, 4, engine={"device": "cpu"}), "decode.engine.device cpu with "
                                                      "decode.resources.limits.nvidia.com/gpu: 4"),
+    # what the workers' engine refuses with tensor_parallel_size > 1 (EngineConfig)
+    ("decode", pool(2, 2, engine={"quantization": "gguf"}),
+     "decode.engine.quantization: 'gguf' keeps the file's compressed tensors, which cannot be "
+     "sliced: with decode.parallelism.tensor 2 use int8, int4, w8a8 or fp8"),
+    ("decode", pool(2, 2, engine={"speculative": {"method": "draft", "model": "self",
+                                                  "draft_num_layers": 8}}),
+     "decode.engine.speculative.method 'draft' runs a draft model, not sharded yet; with "
+     "decode.parallelism.tensor 2 use 'ngram'"),
 ]
 
 
@@ -64,6 +72,25 @@ def test_spec_errors_name_the_field(path, value, message):
     with pytest.raises(SpecError) as e:
         parse_spec(set_path({"model": dict(MODEL)}, path, value))
     assert message in str(e.value)
+
+
+def test_what_the_engine_refuses_with_tensor_parallelism_is_refused_at_parse_time():
+    """The engine's own refusals (tested against EngineConfig here), as spec errors."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import ConfigError
+
+    for kw in ({"quantization": "gguf"}, {"enable_lora": True},
+               {"speculative_config": {"method": "draft", "model": "self"}}):
+        with pytest.raises(ConfigError):
+            EngineConfig(tensor_parallel_size=2, **kw)
+        EngineConfig(tensor_parallel_size=1, **kw)  # accepted at TP = 1
+    lora = {"adapters": [{"name": "a", "uri": "pvc://claim/a"}]}
+    with pytest.raises(SpecError, match=r"^spec\.lora: LoRA adapters are not sharded yet, "
+                                        r"and decode\.parallelism\.tensor is 2"):
+        parse_spec({**aggregated(2, 2), "lora": lora})
+    parse_spec({**aggregated(None, None), "lora": lora})  # TP 1: LoRA is fine
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    parse_spec(aggregated(2, 2, engine={"speculative": ngram, "quantization": "int4"}))
 
 
 def test_the_prefill_pool_is_named_in_its_own_errors():
@@ -178,9 +205,8 @@ def test_disaggregated_pools_each_get_their_own_tensor_size():
         docs, "Deployment", "demo-decode")["spec"]["template"]["metadata"]["annotations"]
 
 
-def test_tp_flags_reach_tandem_workers_parser_once_it_has_them():
-    """The flag names are the ones `tandem worker` defines (the engine side adds them): parsed
-    by its own parser whenever it knows them."""
+def test_tp_flags_reach_tandem_workers_parser():
+    """The flag names are the ones `tandem worker` defines: parsed by its own parser."""
     from tandem.serving.worker import add_engine_args, add_server_args
 
     p = argparse.ArgumentParser(exit_on_error=False)
@@ -189,10 +215,9 @@ def test_tp_flags_reach_tandem_workers_parser_once_it_has_them():
     args = container(one(render(aggregated(4, 4)), "Deployment", "demo-worker"))["args"]
     known = {s for a in p._actions for s in a.option_strings}
     for flag in ("--tensor-parallel-size", "--distributed-executor-backend"):
-        assert flag in args
-    if {"--tensor-parallel-size", "--distributed-executor-backend"} <= known:
-        parsed = p.parse_args(args[1:])
-        assert (parsed.tensor_parallel_size, parsed.distributed_executor_backend) == (4, "mp")
+        assert flag in args and flag in known
+    parsed = p.parse_args(args[1:])
+    assert (parsed.tensor_parallel_size, parsed.distributed_executor_backend) == (4, "mp")
 
 
 def test_a_multi_node_pool_name_must_leave_room_for_its_statefulsets():

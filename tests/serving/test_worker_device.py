@@ -79,6 +79,11 @@ def test_tensor_parallel_workers_get_consecutive_gpu_groups():
         GpuSlot("0,1", 2, 0), GpuSlot("2,3", 1, 0), GpuSlot("0,1", 2, 1)]
     with pytest.raises(ValueError, match="needs 4 GPUs per worker; 2 visible"):
         assign_gpus(["0", "1"], 1, per_worker=4)
+    for bad in (0, -2):  # a clear error, not a ZeroDivisionError
+        with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
+            assign_gpus(gpus, 2, per_worker=bad)
+        with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
+            gpu_plan(2, ["-tp", str(bad)], gpus)
     envs, _, _ = gpu_plan(2, ["--tensor-parallel-size", "2"], gpus[:4])
     assert envs == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     envs, _, _ = gpu_plan(1, ["-tp", "3"], gpus[:4])

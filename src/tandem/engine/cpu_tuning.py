@@ -73,3 +73,10 @@ def limit_malloc_arenas() -> bool:
         logger.info("not glibc; malloc arenas left as they are")
         return False
     return bool(mallopt(_M_ARENA_MAX, 1))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS has one); torch-free."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

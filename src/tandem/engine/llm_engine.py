@@ -18,7 +18,6 @@ import torch
 from tandem.engine import memory
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, EngineState, EngineStats
-from tandem.engine.cpu_tuning import tune_malloc
 from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
 from tandem.engine.kv_cache.manager import KVCacheManager
@@ -29,12 +28,12 @@ from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
     Shard,
     build_shard,
-    gpu_profiled,
     kv_blocks,
-    rank_threads,
+    prepare_process,
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.parallel.comm import Groups
 from tandem.engine.parallel.executor import build_executor
 from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind, StepPlan
@@ -58,36 +57,33 @@ class LLMEngine(EngineCore):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if (threads := rank_threads(config)) is not None:
-            torch.set_num_threads(threads)
         path = Path(config.model) if config.model else bundled_model_path()
         self.device = device = resolve_device(config.device)
-        self.dtype = dtype = resolve_dtype(config.dtype, device)
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.set_device(device)
-            start = memory.snapshot(device)  # before this engine holds anything
-            if gpu_profiled(config):
-                memory.requested_memory(start.total, start.free, config.gpu_memory_utilization)
-        else:
-            tune_malloc()
+        self.dtype = resolve_dtype(config.dtype, device)
+        start = prepare_process(config, device)
         t0 = time.perf_counter()
         # ranks 1..N-1 start (processes or Ray actors) and join rank 0, this process
         self.executor = executor = build_executor(config, device)
         groups = executor.start()
-        try:
-            shard = build_shard(config, path, device, dtype, groups)
-            # before the KV pool is sized: on CUDA, a draft model's weights and KV cache are
-            # then allocated, so gpu_memory_utilization counts them (as vLLM's profiling does)
-            spec = (SpeculativeConfig.from_dict(config.speculative_config)
-                    if getattr(config, "speculative_config", None) is not None else None)
-            proposer = None if spec is None else self._proposer(spec, path, shard)
-            sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
-            num_blocks = kv_blocks(config, shard, device, start if cuda else None, sampler,
-                                   groups)
+        try:  # the ranks must not outlive a start-up that fails anywhere
+            self._build(path, groups, start, t0)
         except BaseException:
             executor.shutdown()
             raise
+
+    def _build(self, path: Path, groups: Groups | None,
+               start: memory.MemorySnapshot | None, t0: float) -> None:
+        """Rank 0's shard, proposer, KV cache, runner and scheduler (the ranks are up;
+        `start`: the CUDA memory snapshot before anything was allocated)."""
+        config, device, dtype = self.config, self.device, self.dtype
+        executor = self.executor
+        shard = build_shard(config, path, device, dtype, groups)
+        # before the KV pool is sized: on CUDA, a draft model's weights and KV cache are
+        # then allocated, so gpu_memory_utilization counts them (as vLLM's profiling does)
+        spec = config.speculative_config  # a SpeculativeConfig (EngineConfig parsed it)
+        proposer = None if spec is None else self._proposer(spec, path, shard)
+        sampler = Sampler(config.seed)  # profiled with the model on CUDA, then the runner's
+        num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
         self.model, backend, max_len = shard.model, shard.backend, shard.max_len
         self.arch = arch = shard.arch  # the whole model's (model.config: this rank's share)
         tokenizer = Tokenizer.load(path)

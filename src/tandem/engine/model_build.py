@@ -24,6 +24,7 @@ import torch
 from tandem.engine import memory
 from tandem.engine.attention.base import AttentionBackend, AttentionSpec, resolve_backend
 from tandem.engine.config import EngineConfig
+from tandem.engine.cpu_tuning import tune_malloc, usable_cores
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.model.config import ModelArchConfig
@@ -74,10 +75,8 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
                   arch.max_position_embeddings)
     tp = TPPlan.build(arch, groups.rank, world) if groups is not None else None
     model_arch = local_arch(arch, tp) if tp else arch
-    heads, kv_heads = (tp.num_heads, tp.num_kv_heads) if tp else (arch.num_heads,
-                                                                 arch.num_kv_heads)
-    spec = AttentionSpec(heads, kv_heads, arch.head_dim, arch.head_dim ** -0.5,
-                         arch.sliding_window)
+    spec = AttentionSpec(model_arch.num_heads, model_arch.num_kv_heads, arch.head_dim,
+                         arch.head_dim ** -0.5, arch.sliding_window)
     backend = resolve_backend(config.attention_backend, spec, dtype, device,
                               native=config.native_kernels)(
         spec, config.block_size, dtype, device, kv_cache_dtype=config.kv_cache_dtype)
@@ -103,6 +102,23 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
                  backend.bytes_per_block() * arch.num_layers, tp)
 
 
+def prepare_process(config: EngineConfig, device: torch.device) -> memory.MemorySnapshot | None:
+    """What every rank's process does before it builds anything (rank 0 and the others
+    alike): its torch threads (`rank_threads`); on CUDA its device selected, the memory
+    snapshot the KV budget is measured from (returned) and gpu_memory_utilization checked
+    against the free memory; on the CPU glibc malloc tuned (`tune_malloc`)."""
+    if (threads := rank_threads(config)) is not None:
+        torch.set_num_threads(threads)
+    if device.type != "cuda":
+        tune_malloc()
+        return None
+    torch.cuda.set_device(device)
+    start = memory.snapshot(device)  # before this rank holds anything
+    if gpu_profiled(config):
+        memory.requested_memory(start.total, start.free, config.gpu_memory_utilization)
+    return start
+
+
 def rank_threads(config: EngineConfig) -> int | None:
     """Torch threads of each rank: `num_threads` is the whole engine's, split evenly over
     its tensor-parallel ranks (local processes share the host's cores); unset, a single
@@ -112,7 +128,7 @@ def rank_threads(config: EngineConfig) -> int | None:
         return max(1, config.num_threads // world)
     if world == 1:
         return None
-    return max(1, len(os.sched_getaffinity(0)) // world)
+    return max(1, usable_cores() // world)
 
 
 def _total_memory() -> int:

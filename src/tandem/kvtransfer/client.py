@@ -49,6 +49,7 @@ import torch
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import KVBlock
+from tandem.engine.kv_cache.pages import scatter_layer
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
@@ -57,7 +58,6 @@ from tandem.kvtransfer.pages import (
     Offer,
     check_header,
     engine_layout,
-    scatter_layer,
     tensor_parallel,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc

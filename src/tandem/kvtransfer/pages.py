@@ -132,23 +132,11 @@ def tensor_parallel(engine: Any) -> bool:
     return getattr(engine.runner, "executor", None) is not None
 
 
-def gather_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
-                 block_ids: list[int]) -> torch.Tensor:
-    """`[2, n, kvh, bs, row]` copy of `block_ids` in `layer`, in the cache's own dtype (the
-    blocks must be pinned)."""
-    k, v = kv_caches[layer]
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-    out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
-    torch.index_select(k, 0, idx, out=out[0])
-    torch.index_select(v, 0, idx, out=out[1])
-    return out
-
-
 def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
                      block_ids: list[int]) -> list[memoryview] | None:
-    """`gather_layer`'s bytes without the copy: K pages of `block_ids`, then V pages, as
-    views into a host-memory cache (None for a device cache). Valid while the blocks stay
-    pinned."""
+    """`engine.kv_cache.pages.gather_layer`'s bytes without the copy: K pages of
+    `block_ids`, then V pages, as views into a host-memory cache (None for a device cache).
+    Valid while the blocks stay pinned."""
     k, v = kv_caches[layer]
     if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
         return None
@@ -158,15 +146,6 @@ def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: 
         raw = tensor_bytes(t)
         out += [raw[b * page:(b + 1) * page] for b in block_ids]
     return out
-
-
-def scatter_layer(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
-                  block_ids: list[int], pages: torch.Tensor) -> None:
-    """Write `[2, n, kvh, bs, row]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
-    k, v = kv_caches[layer]
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-    k.index_copy_(0, idx, pages[0].to(k.device))
-    v.index_copy_(0, idx, pages[1].to(v.device))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

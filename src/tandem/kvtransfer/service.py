@@ -27,6 +27,7 @@ import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.kv_cache.pages import gather_layer
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import serialize_chunk
@@ -35,7 +36,6 @@ from tandem.kvtransfer.pages import (
     KVTransferError,
     Offer,
     engine_layout,
-    gather_layer,
     header_for,
     layer_page_views,
     tensor_parallel,

@@ -31,12 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import errno
 import itertools
 import logging
-import os
 import re
-import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -48,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.engine.parallel.comm import host_store
 from tandem.kvtransfer.base import (
     SendJob,
     SinkCalls,
@@ -132,37 +130,6 @@ class _Pair:
                 pg.abort()  # unlike shutdown, never waits for a stuck operation
 
 
-def _host_store(host: str, timeout_s: float) -> Any:
-    """Blocking: a master TCPStore on a fresh port of `host`'s address only. Where `host` is
-    not an address of this machine (advertised through NAT), every interface, with a
-    warning."""
-    family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            if exc.errno != errno.EADDRNOTAVAIL:
-                raise
-            logger.warning("kv transfer host %s is not an address here; the torch backend's "
-                           "stores listen on every interface", host)
-            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
-        sock.listen(128)
-        bound, port = sock.getsockname()[:2]
-    except BaseException:
-        sock.close()
-        raise
-    if bound in ("0.0.0.0", "::"):
-        bound = "::1" if family == socket.AF_INET6 else "127.0.0.1"
-    fd = sock.detach()  # the store owns the listening socket from here
-    try:
-        return dist.TCPStore(bound, port, None, True, _td(timeout_s), wait_for_workers=False,
-                             master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def _failure(exc: BaseException, what: str) -> KVTransferError:
     if isinstance(exc, KVTransferError):
         return exc
@@ -240,7 +207,7 @@ class TorchBackend(TransferBackend):
             pair = _Pair(f"{'nccl' if nccl else 'gloo'}-{uuid.uuid4().hex}",
                          self.device if nccl else torch.device("cpu"), peer=peer)
             try:
-                pair.store = await self._run(lambda: _host_store(self.advertise_host,
+                pair.store = await self._run(lambda: host_store(self.advertise_host,
                                                                  self.timeout_s))
             except Exception as exc:
                 raise _failure(exc, "store setup") from exc

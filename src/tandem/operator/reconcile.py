@@ -75,12 +75,6 @@ def operator_scaled(spec: InferenceServiceSpec) -> list[Pool]:
             if p.spec.autoscaling is not None and p.spec.autoscaling.mode == "operator"]
 
 
-def deployments(kube: Kube, owner: Owner) -> dict[str, dict[str, Any]]:
-    """The InferenceService's Deployments by name."""
-    return {d["metadata"]["name"]: d
-            for d in kube.list_owned("Deployment", owner.namespace, owner.name, owner.uid)}
-
-
 def by_name(owned: Mapping[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """The workloads among `owned` (kind -> objects as listed) by name, each with its `kind`
     (list items come without)."""

@@ -41,7 +41,9 @@ from tandem.operator.spec_lora import LoRASpec, check_served_name, parse_lora
 from tandem.operator.spec_parallel import (
     Layout,
     ParallelismSpec,
+    check_group_strategy,
     check_parallelism,
+    check_tensor_parallel_engine,
     parse_parallelism,
 )
 from tandem.operator.spec_router import RateLimit, RouterSpec, parse_router
@@ -175,8 +177,9 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
     gpus = gpu_count(res, where)
     check_pool_device(engine, gpus, where)
     parallelism = parse_parallelism(d.get("parallelism"), where)
-    check_parallelism(parallelism, gpus, where)
-    return PoolSpec(
+    layout = check_parallelism(parallelism, gpus, where)
+    check_tensor_parallel_engine(parallelism, engine, where)
+    pool = PoolSpec(
         replicas=get_int(d, "replicas", replicas, where, 0, 1000),
         resources=res,
         node_selector=dict(get_obj(d, "nodeSelector", where)),
@@ -184,6 +187,11 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
         engine=engine,
         autoscaling=parse_autoscaling(get(d, "autoscaling", dict, None, where), where),
         pod=parse_pod_settings(d, where, scheduling=False), parallelism=parallelism)
+    if layout.multinode:  # the LeaderWorkerSet's rollout, at the fewest replicas it runs
+        a = pool.autoscaling  # (an HPA's LWS is created without a count: the webhook's 1)
+        fewest = pool.replicas if a is None else 1 if a.mode == "hpa" else a.min_replicas
+        check_group_strategy(pool.pod.strategy, fewest, where)
+    return pool
 
 
 def _delivery(m: dict) -> tuple[SecretKeyRef | None, str | None, str | None]:
@@ -244,6 +252,12 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")),
         lora=parse_lora(get(spec, "lora", dict, None, "spec")))
     check_served_name(out.lora, model.served_name)
+    for pool, _, p in out.worker_pools() if out.lora is not None else ():
+        if p.parallelism.tensor > 1:
+            where = "decode" if pool == "worker" else pool
+            raise SpecError(f"spec.lora: LoRA adapters are not sharded yet, and "
+                            f"{where}.parallelism.tensor is {p.parallelism.tensor} (the "
+                            "workers refuse tensor parallelism with LoRA)")
     if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:
         raise SpecError("kvTransfer.tlsIssuerRef needs kvTransfer.tlsSecret (the Secret "
                         "cert-manager writes)")

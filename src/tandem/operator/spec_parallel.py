@@ -12,11 +12,16 @@ the same (their messages are fixed; these name the values).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.operator.fields import GPU, get_int
 from tandem.operator.model_uri import SpecError
+
+if TYPE_CHECKING:
+    from tandem.operator.pod_settings import Strategy
+    from tandem.operator.spec_engine import EngineArgs
 
 MAX_TENSOR = 256  # the CRD's maximum
 KEYS = ("tensor",)  # pipeline, data, expert parallelism: not yet
@@ -79,3 +84,44 @@ def check_parallelism(par: ParallelismSpec, gpus: int, where: str) -> Layout:
                         f"pods (set tensor to {gpus * (t // gpus + 1)}, or the GPUs per pod "
                         f"to a divisor of {t})")
     return Layout(tensor=t, gpus_per_pod=gpus, nodes=t // gpus if gpus else 1)
+
+
+def check_tensor_parallel_engine(par: ParallelismSpec, engine: EngineArgs, where: str) -> None:
+    """What the engine refuses with tensor_parallel_size > 1 (`EngineConfig`), refused here
+    so the workers do not crash-loop on it."""
+    t = par.tensor
+    if t == 1:
+        return
+    if engine.quantization == "gguf":
+        raise SpecError(f"{where}.engine.quantization: 'gguf' keeps the file's compressed "
+                        f"tensors, which cannot be sliced: with {where}.parallelism.tensor {t} "
+                        "use int8, int4, w8a8 or fp8 (each rank quantizes its slice)")
+    spec = engine.speculative
+    if spec is not None and spec.method != "ngram":
+        raise SpecError(f"{where}.engine.speculative.method {spec.method!r} runs a draft model, "
+                        f"not sharded yet; with {where}.parallelism.tensor {t} use 'ngram'")
+
+
+def _groups(value: int | str, replicas: int, up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    share = int(value[:-1]) * replicas / 100
+    return math.ceil(share) if up else math.floor(share)
+
+
+def check_group_strategy(strategy: Strategy, replicas: int, where: str) -> None:
+    """What the LeaderWorkerSet webhook refuses of a rollout: a percentage above 100%, and
+    bounds that both come to 0 groups at `replicas` (maxSurge rounds up, maxUnavailable
+    down, as it scales them). Both grow with the replica count, so a pool checked at the
+    fewest replicas it runs (an autoscaled pool's minReplicas) passes at every count."""
+    for name, value in (("maxSurge", strategy.max_surge),
+                        ("maxUnavailable", strategy.max_unavailable)):
+        if isinstance(value, str) and int(value[:-1]) > 100:
+            raise SpecError(f"{where}.strategy.{name}: {value} is above 100% (a multi-node "
+                            "pool's LeaderWorkerSet refuses it)")
+    if replicas and not (_groups(strategy.max_surge, replicas, True)
+                         or _groups(strategy.max_unavailable, replicas, False)):
+        raise SpecError(f"{where}.strategy: maxSurge {strategy.max_surge} and maxUnavailable "
+                        f"{strategy.max_unavailable} both come to 0 groups at {replicas} "
+                        "replicas, which a multi-node pool's LeaderWorkerSet refuses (use a "
+                        "whole number, e.g. maxUnavailable: 1)")

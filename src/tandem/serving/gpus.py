@@ -27,7 +27,10 @@ class GpuSlot:
 def assign_gpus(visible: list[str], n_workers: int, per_worker: int = 1) -> list[GpuSlot]:
     """Worker i gets group i % G of the G = len(visible) // per_worker groups of
     `per_worker` consecutive GPUs: its own while there are enough, else round-robin sharing.
-    No GPUs: [] (the workers run on the CPU). ValueError when one group does not fit."""
+    No GPUs: [] (the workers run on the CPU). ValueError when one group does not fit, or
+    `per_worker` < 1."""
+    if per_worker < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {per_worker}")
     if not visible:
         return []
     if len(visible) < per_worker:

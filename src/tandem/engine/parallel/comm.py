@@ -11,6 +11,10 @@ collective (gloo sees the socket close); `timeout_s` bounds a peer that hangs in
 from __future__ import annotations
 
 import datetime
+import errno
+import logging
+import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +23,8 @@ import torch.distributed as dist
 
 from tandem.engine.parallel.plan import HEADER, StepPlan
 from tandem.engine.parallel.tp import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,10 +36,38 @@ class Groups:
     store: dist.Store
 
 
-def host_store(world: int, host: str = "127.0.0.1", timeout_s: float = 120.0) -> dist.TCPStore:
-    """Rank 0's store on a free port of `host` (`store.port`), before the others start."""
-    return dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+def host_store(host: str, timeout_s: float = 120.0,
+               world: int | None = None) -> dist.TCPStore:
+    """Blocking: a master TCPStore (`store.port`) on a fresh port of `host`'s address only
+    (a TCPStore left to bind itself listens on every interface), for `world` ranks (None:
+    any number). Where `host` is not an address of this machine (advertised through NAT),
+    every interface, with a warning."""
+    family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            logger.warning("%s is not an address here; the TCPStore listens on every "
+                           "interface", host)
+            sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", 0))
+        sock.listen(128)
+        bound, port = sock.getsockname()[:2]
+    except BaseException:
+        sock.close()
+        raise
+    if bound in ("0.0.0.0", "::"):
+        bound = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+    fd = sock.detach()  # the store owns the listening socket from here
+    try:
+        return dist.TCPStore(bound, port, world, True, datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def connect(rank: int, world: int, host: str, port: int, device: torch.device,
@@ -71,10 +105,10 @@ class PlanChannel:
         self.ctrl = ctrl
 
     def send(self, plan: StepPlan) -> None:
-        data = torch.from_numpy(plan.encode())
-        broadcast(self.ctrl, data[:HEADER].clone())
+        data = torch.from_numpy(plan.encode())  # 1-D: both slices are contiguous views
+        broadcast(self.ctrl, data[:HEADER])
         if len(data) > HEADER:
-            broadcast(self.ctrl, data[HEADER:].clone())
+            broadcast(self.ctrl, data[HEADER:])
 
     def recv(self) -> StepPlan:
         header = torch.empty(HEADER, dtype=torch.int64)

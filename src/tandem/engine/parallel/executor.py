@@ -77,8 +77,9 @@ class Executor(ABC):
             return "cpu"
         return f"cuda:{(self.device.index or 0) + rank}"
 
-    def _connect(self, store: object, host: str) -> Groups:
-        self.groups = connect(0, self.world, host, store.port, self.device, store=store)
+    def _connect(self, store: object) -> Groups:
+        """Rank 0 joins the groups through its own `store` (host and port unused then)."""
+        self.groups = connect(0, self.world, "", store.port, self.device, store=store)
         self.channel = PlanChannel(self.groups.ctrl)
         return self.groups
 
@@ -151,7 +152,7 @@ class MPExecutor(Executor):
 
         from tandem.engine.parallel.worker import run_rank
 
-        store = host_store(self.world)
+        store = host_store("127.0.0.1", world=self.world)
         ctx = mp.get_context("spawn")
         self.procs = []
         for rank in range(1, self.world):
@@ -163,7 +164,7 @@ class MPExecutor(Executor):
             self.procs.append(proc)
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         try:
-            return self._connect(store, "127.0.0.1")
+            return self._connect(store)
         except Exception as exc:
             self._stopping = True
             self._stop_ranks()

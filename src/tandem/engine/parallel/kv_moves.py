@@ -16,16 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tandem.engine.kv_cache.pages import Caches, block_index, gather_layer, scatter_layer
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.parallel.tp import TPPlan
-
-Caches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _pages(caches: Caches, layer: int, block_ids: list[int]) -> torch.Tensor:
-    k, v = caches[layer]
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-    return torch.stack([k.index_select(0, idx), v.index_select(0, idx)]).cpu()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -38,8 +31,9 @@ def gather_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
     root = arch is not None
     plans = [TPPlan.build(arch, r, world) for r in range(world)] if root else []
     full = []
+    index = block_index(block_ids, caches[0][0].device)
     for layer in range(len(caches)):
-        mine = _pages(caches, layer, block_ids)
+        mine = gather_layer(caches, layer, block_ids, index).cpu()
         opts = dist.GatherOptions()
         opts.rootRank = 0
         if not root:
@@ -55,13 +49,6 @@ def gather_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
     return full
 
 
-def _write(caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor) -> None:
-    k, v = caches[layer]
-    idx = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-    k.index_copy_(0, idx, pages[0].to(k.device))
-    v.index_copy_(0, idx, pages[1].to(v.device))
-
-
 def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
                   full: list[torch.Tensor] | None = None, arch: ModelArchConfig | None = None,
                   world: int = 1) -> None:
@@ -69,6 +56,7 @@ def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
     k0 = caches[0][0]
     shape = (2, len(block_ids), *k0.shape[1:])  # this rank's heads
     plans = [TPPlan.build(arch, r, world) for r in range(world)] if full is not None else []
+    index = block_index(block_ids, k0.device)
     for layer in range(len(caches)):
         opts = dist.ScatterOptions()
         opts.rootRank = 0
@@ -85,4 +73,4 @@ def scatter_pages(ctrl: dist.Backend, caches: Caches, block_ids: list[int],
             out = torch.empty_like(slices[0])
             ctrl.scatter([out], [slices], opts).wait()
             recv = out.view(k0.dtype).view(shape)
-        _write(caches, layer, block_ids, recv)
+        scatter_layer(caches, layer, block_ids, recv, index)

@@ -32,9 +32,6 @@ class _Rank:
     """The actor body: one rank's whole life in `run`."""
 
     def run(self, spec: RankSpec) -> int:
-        if spec.device.startswith("cuda"):  # Ray sets CUDA_VISIBLE_DEVICES to the bundle's GPU
-            spec = RankSpec(spec.config, spec.rank, spec.world, spec.host, spec.port,
-                            "cuda:0", spec.timeout_s)
         run_rank(spec)
         return spec.rank
 
@@ -77,7 +74,7 @@ class RayExecutor(Executor):
         # actors on other nodes reach rank 0's store on this node's IP
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         host = ip if nodes > 1 or os.environ.get("RAY_ADDRESS") else "127.0.0.1"
-        store = host_store(self.world, host)
+        store = host_store(host, world=self.world)
         actor_cls = ray.remote(num_cpus=0 if cuda else unit["CPU"],
                                num_gpus=1 if cuda else 0)(_Rank)
         self.actors, self.calls = [], []
@@ -86,13 +83,14 @@ class RayExecutor(Executor):
                 placement_group=self.pg, placement_group_bundle_index=rank)
             actor = actor_cls.options(scheduling_strategy=strategy,
                                       name=f"tandem-tp{rank}-{os.getpid()}").remote()
+            # Ray sets the actor's CUDA_VISIBLE_DEVICES to its bundle's GPU: cuda:0
             spec = RankSpec(self.config, rank, self.world, host, store.port,
                             "cuda:0" if cuda else "cpu")
             self.actors.append(actor)
             self.calls.append(actor.run.remote(spec))
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
         try:
-            return self._connect(store, host)
+            return self._connect(store)
         except Exception as exc:
             self._stopping = True
             self._stop_ranks()

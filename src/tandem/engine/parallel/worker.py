@@ -11,16 +11,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.engine import memory
 from tandem.engine.attention.base import BatchLayout
 from tandem.engine.devices import resolve_dtype
 from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
     Shard,
     build_shard,
-    gpu_profiled,
     kv_blocks,
-    rank_threads,
+    prepare_process,
 )
 from tandem.engine.parallel.comm import PlanChannel, connect
 from tandem.engine.parallel.executor import RankSpec
@@ -54,19 +52,13 @@ def run_rank(spec: RankSpec) -> None:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s tp{spec.rank} %(levelname)s %(message)s")
     config = spec.config
-    if (threads := rank_threads(config)) is not None:
-        torch.set_num_threads(threads)
     device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    start = memory.snapshot(device) if device.type == "cuda" else None
+    start = prepare_process(config, device)
     dtype = resolve_dtype(config.dtype, device)
     groups = connect(spec.rank, spec.world, spec.host, spec.port, device, spec.timeout_s)
     path = Path(config.model) if config.model else bundled_model_path()
     shard = build_shard(config, path, device, dtype, groups)
     sampler = Sampler(config.seed)
-    if device.type == "cuda" and gpu_profiled(config):
-        memory.requested_memory(start.total, start.free, config.gpu_memory_utilization)
     num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
     caches = [shard.backend.allocate_kv_cache(num_blocks) for _ in range(shard.arch.num_layers)]
     logger.info("rank %d of %d ready: %d KV heads, %d KV blocks", spec.rank, spec.world,

@@ -137,15 +137,16 @@ class DraftProposer(Proposer):
         n = min(_CALIBRATION_TOKENS, self.max_len - 1 - 2 * _CALIBRATION_REPEATS)
         if n < 2:
             return
+        span = n + 1 + 2 * _CALIBRATION_REPEATS  # tokens a sequence reaches (first: 1 + n + 2R)
         seqs = [f"\x00calibrate-{i}" for i in range(rows)]
-        need = cdiv(n + 1 + 2 * _CALIBRATION_REPEATS, self.kv.block_size) * rows
+        need = cdiv(span, self.kv.block_size) * rows
         if self.kv.num_free_blocks() < need:
             return
         try:
-            for _ in range(2):
+            for repeats in (1, _CALIBRATION_REPEATS):  # a warm-up pass, then the timed one
                 states = [self.kv.reconcile(rid, [1]) for rid in seqs]
                 for st in states:
-                    self.kv.reserve(st, n + 1 + 2 * _CALIBRATION_REPEATS, set(seqs))
+                    self.kv.reserve(st, span, set(seqs))
                 t0 = time.perf_counter()
                 self.kv.forward(self.model, self.device, [(states[0], [1] * n)])[0].tolist()
                 token_s = (time.perf_counter() - t0) / n
@@ -154,7 +155,7 @@ class DraftProposer(Proposer):
                 times = []
                 for size in (1, rows):
                     took = []
-                    for _ in range(_CALIBRATION_REPEATS):
+                    for _ in range(repeats):
                         t0 = time.perf_counter()
                         self.kv.forward(self.model, self.device,
                                         [(st, [1]) for st in states[:size]])[0].tolist()

@@ -75,33 +75,39 @@ class StepCostFit:
                  min_weight: float = 16.0) -> None:
         self.decay, self.max_tokens = decay, max_tokens
         self.min_spread, self.min_weight = min_spread, min_weight
-        self.w = self.t = self.s = self.tt = self.ts = 0.0
-        self._prior = [0.0] * 5  # w, t, s, tt, ts of the non-decaying samples
+        # weighted sums of 1, T, s, T*T and T*s: the live (decaying) samples and the prior
+        self._live = [0.0] * 5
+        self._prior = [0.0] * 5
+
+    @property
+    def w(self) -> float:
+        """The live samples' weight."""
+        return self._live[0]
+
+    @staticmethod
+    def _moments(tokens: int, seconds: float) -> tuple[float, ...]:
+        return 1.0, tokens, seconds, tokens * tokens, tokens * seconds
 
     def add_prior(self, tokens: int, seconds: float, weight: float) -> None:
-        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+        for i, v in enumerate(self._moments(tokens, seconds)):
             self._prior[i] += weight * v
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > self.max_tokens:
             return
         keep = 1.0 - self.decay
-        self.w = self.w * keep + 1.0
-        self.t = self.t * keep + tokens
-        self.s = self.s * keep + seconds
-        self.tt = self.tt * keep + tokens * tokens
-        self.ts = self.ts * keep + tokens * seconds
+        for i, v in enumerate(self._moments(tokens, seconds)):
+            self._live[i] = self._live[i] * keep + v
 
     def line(self) -> tuple[float, float] | None:
-        pw, pt, ps, ptt, pts = self._prior
-        w = self.w + pw
+        w, t, s, tt, ts = (a + b for a, b in zip(self._live, self._prior, strict=True))
         if w < self.min_weight:
             return None
-        mt, ms = (self.t + pt) / w, (self.s + ps) / w
-        var = (self.tt + ptt) / w - mt * mt
+        mt, ms = t / w, s / w
+        var = tt / w - mt * mt
         if var < self.min_spread ** 2:
             return None
-        c1 = max(((self.ts + pts) / w - mt * ms) / var, 0.0)
+        c1 = max((ts / w - mt * ms) / var, 0.0)
         c0 = ms - c1 * mt
         return (c0, c1) if c0 > 0 else None
 

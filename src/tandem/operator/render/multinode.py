@@ -35,7 +35,7 @@ LWS_KIND = "LeaderWorkerSet"
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set by LWS on every pod of the set
 RAY_PORT = 6379
 RAY_WAIT_SECONDS = 5
-_DROPPED = ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle", "args")
+_DROPPED = ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle")
 
 
 def group_selector(owner_name: str, name: str) -> dict[str, str]:

@@ -14,13 +14,12 @@ pool's.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.operator.model_uri import SpecError
-from tandem.operator.pod_settings import PodSettings, Strategy
+from tandem.operator.pod_settings import PodSettings
 from tandem.operator.render.multinode import LWS_KIND, group_selector, pod_templates
 from tandem.protocol.labels import SERVICE_LABEL
 
@@ -54,35 +53,10 @@ def apply_pod_settings(workload: dict[str, Any], pod: PodSettings, where: str,
         _merge(template, selector, pod, where, default_pull_secrets)
     rolling = {"maxSurge": pod.strategy.max_surge, "maxUnavailable": pod.strategy.max_unavailable}
     if workload["kind"] == LWS_KIND:
-        check_group_strategy(pod.strategy, workload["spec"].get("replicas", 1), where)
         workload["spec"]["rolloutStrategy"] = {"type": "RollingUpdate",
                                                "rollingUpdateConfiguration": rolling}
     else:
         workload["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": rolling}
-
-
-def _groups(value: int | str, replicas: int, up: bool) -> int:
-    if isinstance(value, int):
-        return value
-    share = int(value[:-1]) * replicas / 100
-    return math.ceil(share) if up else math.floor(share)
-
-
-def check_group_strategy(strategy: Strategy, replicas: int, where: str) -> None:
-    """What the LeaderWorkerSet webhook refuses of a rollout: a percentage above 100%, and
-    bounds that both come to 0 groups at `replicas` (maxSurge rounds up, maxUnavailable
-    down, as it scales them)."""
-    for name, value in (("maxSurge", strategy.max_surge),
-                        ("maxUnavailable", strategy.max_unavailable)):
-        if isinstance(value, str) and int(value[:-1]) > 100:
-            raise SpecError(f"{where}.strategy.{name}: {value} is above 100% (a multi-node "
-                            "pool's LeaderWorkerSet refuses it)")
-    if replicas and not (_groups(strategy.max_surge, replicas, True)
-                         or _groups(strategy.max_unavailable, replicas, False)):
-        raise SpecError(f"{where}.strategy: maxSurge {strategy.max_surge} and maxUnavailable "
-                        f"{strategy.max_unavailable} both come to 0 groups at {replicas} "
-                        "replicas, which a multi-node pool's LeaderWorkerSet refuses (use a "
-                        "whole number, e.g. maxUnavailable: 1)")
 
 
 def _merge(template: dict[str, Any], selector: dict[str, str], pod: PodSettings, where: str,

@@ -1,0 +1,36 @@
+"""Copies of whole KV pages out of and into a paged cache (P/D transfers, tensor-parallel
+page moves). A layer's cache is a (K, V) pair of `[num_blocks, kvh, block_size, row]`
+tensors; a layer's pages travel as one `[2, n, kvh, bs, row]` tensor in the cache's dtype.
+`index`: `block_ids` already as an int64 tensor on the cache's device (build it once when
+many layers move the same blocks)."""
+
+from __future__ import annotations
+
+import torch
+
+Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.int64, device=device)
+
+
+def gather_layer(kv_caches: Caches, layer: int, block_ids: list[int],
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    """`[2, n, kvh, bs, row]` copy of `block_ids` in `layer`, on the cache's device (the
+    blocks must be pinned)."""
+    k, v = kv_caches[layer]
+    idx = block_index(block_ids, k.device) if index is None else index
+    out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
+    torch.index_select(k, 0, idx, out=out[0])
+    torch.index_select(v, 0, idx, out=out[1])
+    return out
+
+
+def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor,
+                  index: torch.Tensor | None = None) -> None:
+    """Write `[2, n, kvh, bs, row]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
+    k, v = kv_caches[layer]
+    idx = block_index(block_ids, k.device) if index is None else index
+    k.index_copy_(0, idx, pages[0].to(k.device))
+    v.index_copy_(0, idx, pages[1].to(v.device))
