@@ -23,7 +23,7 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
-`redis` (URL or env:VAR), `index` (URL or env:VAR), `drain_seconds` and
+`redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds` and
 `rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
 {...}}}`; flags win over the file.
 
@@ -112,6 +112,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="keep the prefix index in Redis too, shared by router replicas "
                         "(a new replica is warm at once; Redis down = in-memory index; "
                         "env:VAR: the URL from environment variable VAR)")
+    p.add_argument("--redis-key-prefix", default=None, metavar="PREFIX",
+                   help="every Redis key (rate limits PREFIXrl:, shared index PREFIXkv:) "
+                        "starts with this (default tandem:; the operator sets "
+                        "tandem:NAMESPACE:INFERENCESERVICE:)")
     add_tls_arg(p)  # the workers' gRPC: KV events and load
     add_worker_auth_arg(p)  # signs every request forwarded to a worker
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
@@ -270,6 +274,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     from tandem.router.monitor import MonitorSettings
     from tandem.router.proxy import ProxySettings
     from tandem.router.ratelimit import Limits, RateLimiter
+    from tandem.router.redis_url import key_prefix as redis_key_prefix
     from tandem.router.redis_url import masked
 
     cfg = _load_yaml(args.config) if cfg is None else cfg
@@ -290,11 +295,15 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     rl = cfg.get("rate_limits") or {}
     limiter = None
     redis_url, index_url = redis_urls(args, cfg)
+    try:
+        key_prefix = redis_key_prefix(args.redis_key_prefix or cfg.get("redis_key_prefix"))
+    except ValueError as exc:
+        raise SystemExit(f"--redis-key-prefix / redis_key_prefix: {exc}") from exc
     if rl:
         try:
             tenants = {t: Limits.from_dict(v) for t, v in (rl.get("tenants") or {}).items()}
             limiter = RateLimiter(Limits.from_dict(rl.get("default") or {}), tenants,
-                                  redis_url=redis_url)
+                                  redis_url=redis_url, prefix=f"{key_prefix}rl")
         except ValueError as exc:  # bad limits or a malformed Redis URL
             raise SystemExit(f"rate_limits / --redis: {exc}") from exc
         if redis_url:
@@ -307,7 +316,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         from tandem.router.index_store import RedisIndexStore
 
         try:
-            store = RedisIndexStore(index_url)
+            store = RedisIndexStore(index_url, prefix=f"{key_prefix}kv:")
         except ValueError as exc:  # a malformed URL; an unreachable Redis only falls back
             raise SystemExit(f"--index: {exc}") from exc
         logger.info("prefix index shared through Redis at %s", masked(index_url))

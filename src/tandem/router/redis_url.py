@@ -4,6 +4,11 @@ A value `env:VAR` is read from the environment variable VAR at start-up, so a UR
 password can come from a Kubernetes Secret (`valueFrom.secretKeyRef`) rather than from the
 command line or a ConfigMap; VAR unset or empty is an error naming VAR. `masked` is the form
 every log line and error message uses: the password (and a user name) replaced by `***`.
+
+`key_prefix` checks `--redis-key-prefix` (router.yaml `redis_key_prefix`): every key and
+script of the rate limiter (`{prefix}rl:`) and the shared index (`{prefix}kv:`) lives under
+it, so InferenceServices sharing one Redis never touch each other's state, and a Redis ACL
+user limited to `~{prefix}*` (the operator's, one per InferenceService) is all a router needs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 ENV_PREFIX = "env:"
 _VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.:]{0,199}")
+DEFAULT_KEY_PREFIX = "tandem:"
 _SECRET_PARAM = re.compile(r"((?:^|&)(?:password|username)=)[^&]*", re.IGNORECASE)
 
 
@@ -46,3 +53,14 @@ def masked(url: str) -> str:
     if parts.query:  # redis-py also takes ?password=...&username=...
         parts = parts._replace(query=_SECRET_PARAM.sub(r"\1***", parts.query))
     return urlunsplit(parts)
+
+
+def key_prefix(value: str | None) -> str:
+    """The Redis key prefix: `value` (default `tandem:`), letters, digits and `-_.:` only
+    (no glob characters: an ACL key pattern `~{prefix}*` must match exactly its keys), at
+    most 200 characters. ValueError otherwise."""
+    value = DEFAULT_KEY_PREFIX if value is None else value
+    if not isinstance(value, str) or not _KEY_PREFIX.fullmatch(value):
+        raise ValueError(f"redis key prefix {value!r}: 1-200 characters, letters, digits and "
+                         "-_.: only, starting with a letter or digit")
+    return value
