@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the run's imports (kubernetes, kopf) wait until it runs
 
     from tandem.operator.leader import LeaseConfig
     from tandem.operator.reconcile import OperatorConfig
+    from tandem.operator.redis_acl import RedisAcl
 
 logger = logging.getLogger(__name__)
 FINALIZER = "tandem.dev/operator"
@@ -89,7 +90,19 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Operato
                           status_interval_s=args.status_interval,
                           autoscale_interval_s=args.autoscale_interval,
                           resync_interval_s=args.resync_interval,
-                          operator=operator_from_env(environ))
+                          operator=operator_from_env(environ),
+                          redis=redis_acl_from_env(environ))
+
+
+def redis_acl_from_env(environ: Mapping[str, str]) -> RedisAcl | None:
+    """The chart's Redis (`TANDEM_REDIS_ADDRESS`, `TANDEM_REDIS_ADMIN_PASSWORD_FILE`)."""
+    from tandem.operator.redis_acl import RedisAcl, managed_redis_from_env
+
+    try:
+        managed = managed_redis_from_env(environ)
+    except ValueError as exc:
+        raise SystemExit(f"tandem operator: {exc}") from None
+    return None if managed is None else RedisAcl(managed)
 
 
 def lease_from(args: argparse.Namespace, environ: Mapping[str, str]) -> LeaseConfig | None:

@@ -14,9 +14,10 @@
   no-op apply each (the API server keeps them as they are).
 * autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`).
 
-Deletion needs no handler: every child carries a controller owner reference, so the garbage
-collector removes them with the InferenceService (kopf's finalizer, there for the timers, is
-lifted once they stop).
+Deletion needs no handler for the children: every child carries a controller owner reference,
+so the garbage collector removes them with the InferenceService (kopf's finalizer, there for
+the timers, is lifted once they stop). With the chart's Redis, a delete handler removes the
+InferenceService's Redis ACL user (`redis_acl`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kubernetes.client import ApiClient
 
 from tandem.operator import kube, reconcile
 from tandem.operator.metrics import HttpMetricsSource
+from tandem.operator.redis_acl import RedisAclError
 from tandem.operator.render import Owner, pool_name, pools, router_name
 from tandem.operator.render.common import API_VERSION
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
@@ -40,6 +42,7 @@ from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, obs
 GROUP, VERSION = API_VERSION.split("/")
 RESOURCE = (GROUP, VERSION, kube.PLURAL)
 log = logging.getLogger(__name__)
+REDIS_DELETE_RETRIES = 5
 
 
 def login(**_: Any) -> kopf.ConnectionInfo:
@@ -63,6 +66,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
         spec = _spec(body)
+        reconcile.check_environment(spec, memo.config)
     except SpecError as exc:
         patch.status.update(merge_patch(status, failed(status, generation, "InvalidSpec",
                                                        str(exc), now)))
@@ -72,7 +76,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
         with _writer(memo, owner, generation, newest=True):
             removed = reconcile.apply(memo.kube, spec, owner, memo.config).removed
         live = reconcile.workloads(memo.kube, owner)
-    except kube.KubeError as exc:
+    except (*kube.KubeError, RedisAclError) as exc:
         reason = kube.describe(exc)
         patch.status.update(merge_patch(status, failed(status, generation, "ApplyFailed",
                                                        reason, now)))
@@ -101,7 +105,7 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
             live = reconcile.workloads(memo.kube, owner)
     except SpecError:
         return
-    except kube.KubeError as exc:
+    except (*kube.KubeError, RedisAclError) as exc:
         log.warning("%s/%s: status not refreshed: %s", owner.namespace, owner.name,
                     kube.describe(exc))
         return
@@ -118,7 +122,7 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         done = _reapply(memo, _spec(body), owner, generation)
     except SpecError:
         return
-    except kube.KubeError as exc:
+    except (*kube.KubeError, RedisAclError) as exc:
         log.warning("%s/%s: resync failed: %s", owner.namespace, owner.name,
                     kube.describe(exc))
         return
@@ -170,6 +174,21 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
                     kube.describe(exc))
 
 
+def delete_redis_user(body: kopf.Body, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    """A deleted InferenceService's Redis ACL user goes with it (`router.managedRedis`; a
+    user that never existed is a no-op). Redis unreachable: retried with backoff, then
+    given up after `REDIS_DELETE_RETRIES` (logged) rather than holding the deletion."""
+    owner = reconcile.owner_of(body)
+    try:
+        memo.config.redis.delete_user(owner)
+    except RedisAclError as exc:
+        if retry >= REDIS_DELETE_RETRIES:
+            log.error("%s/%s: Redis ACL user left behind: %s", owner.namespace, owner.name, exc)
+            return
+        raise kopf.TemporaryError(str(exc), delay=min(memo.config.backoff_s * 2**retry,
+                                                      60.0)) from exc
+
+
 @contextmanager
 def _writer(memo: kopf.Memo, owner: Owner, generation: int,
             newest: bool = False) -> Iterator[bool]:
@@ -193,6 +212,8 @@ def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
     kopf.on.startup(registry=reg)(startup)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*RESOURCE, registry=reg, id="apply")(apply)
+    if config.redis is not None:
+        kopf.on.delete(*RESOURCE, registry=reg, id="redis-user")(delete_redis_user)
     kopf.timer(*RESOURCE, registry=reg, interval=config.status_interval_s)(refresh)
     kopf.timer(*RESOURCE, registry=reg, interval=config.autoscale_interval_s)(autoscale)
     kopf.timer(*RESOURCE, registry=reg, interval=config.resync_interval_s,

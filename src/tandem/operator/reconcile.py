@@ -14,6 +14,7 @@ from typing import Any
 from tandem.operator import autoscale
 from tandem.operator.kube import FIELD_MANAGER, KINDS, WORKLOADS, Kube, applies_field
 from tandem.operator.metrics import MetricsSource, counters, per_replica
+from tandem.operator.redis_acl import RedisAcl, url_secret
 from tandem.operator.render import (
     DEFAULT_IMAGE,
     OperatorPeer,
@@ -25,7 +26,7 @@ from tandem.operator.render import (
 )
 from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
 from tandem.operator.render.security import worker_auth_secret
-from tandem.operator.spec import InferenceServiceSpec, signal_for
+from tandem.operator.spec import InferenceServiceSpec, SpecError, signal_for
 
 logger = logging.getLogger(__name__)
 KIND_API = {"Deployment": "apps/v1", LWS_KIND: LWS_API_VERSION}
@@ -50,6 +51,8 @@ class OperatorConfig:
     metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
     operator: OperatorPeer | None = None  # TANDEM_OPERATOR_NAMESPACE / TANDEM_OPERATOR_RELEASE
     fence: Callable[[], None] | None = None  # leader election: raises unless still leading
+    # the chart's Redis (TANDEM_REDIS_ADDRESS + admin password file): `router.managedRedis`
+    redis: RedisAcl | None = None
 
 
 @dataclass
@@ -128,6 +131,26 @@ def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> 
     return created
 
 
+def check_environment(spec: InferenceServiceSpec, config: OperatorConfig) -> None:
+    """What the spec asks of this operator's installation: `SpecError` when it lacks it."""
+    if spec.router.managed_redis and config.redis is None:
+        raise SpecError("router.managedRedis: this operator has no Redis (install the chart "
+                        "with redis.enabled=true), or name your own in "
+                        "router.redisUrlSecretRef")
+
+
+def ensure_redis_user(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
+                      config: OperatorConfig) -> None:
+    """`router.managedRedis`: the URL Secret `<isvc>-redis` (created once, owned by the
+    InferenceService) and its ACL user, set again on every call (a restarted Redis forgets
+    it). `redis_acl.RedisAclError` when Redis refuses."""
+    if not spec.router.managed_redis or config.redis is None:
+        return
+    if kube.create(url_secret(config.redis.redis, owner)):
+        logger.info("%s/%s: created Secret %s-redis", owner.namespace, owner.name, owner.name)
+    config.redis.ensure_user(owner)
+
+
 def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
           config: OperatorConfig) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
@@ -144,7 +167,9 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = manifests(spec, owner, config, keep)
+    check_environment(spec, config)
     ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
+    ensure_redis_user(kube, spec, owner, config)
     hand_over_replicas(kube, spec, owner, live)
     after = {}
     for doc in docs:

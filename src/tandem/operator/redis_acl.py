@@ -33,13 +33,13 @@ from typing import Any
 from urllib.parse import quote
 
 from tandem.operator.render.common import Owner, metadata
-from tandem.operator.spec_security import SecretKeyRef
+from tandem.operator.render.security import managed_redis_secret
+from tandem.operator.render.security import redis_key_prefix as key_prefix
 from tandem.protocol.labels import ROUTER_COMPONENT
 
 logger = logging.getLogger(__name__)
 ADDRESS_ENV = "TANDEM_REDIS_ADDRESS"  # host:port of the chart's Redis
 PASSWORD_FILE_ENV = "TANDEM_REDIS_ADMIN_PASSWORD_FILE"  # the admin (default user) password
-URL_KEY = "url"
 # what `router.ratelimit` and `router.index_store` send (EVALSHA, SCRIPT LOAD after a
 # NOSCRIPT) and what their Lua scripts call (Redis checks a script's calls against the user)
 ROUTER_COMMANDS = ("evalsha", "script|load", "time", "hget", "hmget", "hset", "expire",
@@ -76,22 +76,9 @@ def managed_redis_from_env(environ: Mapping[str, str]) -> ManagedRedis | None:
     return ManagedRedis(host, int(port), path)
 
 
-def key_prefix(owner: Owner) -> str:
-    """The routers' `--redis-key-prefix`: namespace and name are DNS labels (no `:`)."""
-    return f"tandem:{owner.namespace}:{owner.name}:"
-
-
 def acl_user(owner: Owner) -> str:
     """The ACL user (no `:`, which a URL's user-info would split on)."""
     return f"tandem.{owner.namespace}.{owner.name}"
-
-
-def url_secret_name(owner: Owner) -> str:
-    return f"{owner.name}-redis"
-
-
-def url_secret_ref(owner: Owner) -> SecretKeyRef:
-    return SecretKeyRef(url_secret_name(owner), URL_KEY)
 
 
 def user_password(admin_password: str, owner: Owner) -> str:
@@ -115,9 +102,10 @@ def user_url(redis: ManagedRedis, owner: Owner, password: str) -> str:
 def url_secret(redis: ManagedRedis, owner: Owner) -> dict[str, Any]:
     """The routers' URL Secret (`stringData`: the API server encodes it)."""
     url = user_url(redis, owner, user_password(redis.admin_password(), owner))
+    ref = managed_redis_secret(owner)
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": metadata(owner, url_secret_name(owner), ROUTER_COMPONENT),
-            "stringData": {URL_KEY: url}}
+            "metadata": metadata(owner, ref.name, ROUTER_COMPONENT),
+            "stringData": {ref.key: url}}
 
 
 class RedisAcl:

@@ -36,6 +36,8 @@ class RouterSpec:
     tenant_rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     redis_url_secret: SecretKeyRef | None = None  # env TANDEM_REDIS_URL from this Secret key
     shared_index: bool = False
+    # the chart's Redis through a per-InferenceService ACL user (`operator.redis_acl`)
+    managed_redis: bool = False
     allowed_clients: tuple[dict[str, Any], ...] = ()  # NetworkPolicy peers; () = anyone
     service_type: str = "ClusterIP"
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
@@ -84,6 +86,7 @@ def parse_router(d: dict) -> RouterSpec:
         redis_url_secret=secret_key_ref(get(d, "redisUrlSecretRef", dict, None, w),
                                         "router.redisUrlSecretRef", "url"),
         shared_index=get(d, "sharedIndex", bool, False, w),
+        managed_redis=get(d, "managedRedis", bool, False, w),
         service_type=get_enum(d, "serviceType", "ClusterIP", w,
                            ("ClusterIP", "NodePort", "LoadBalancer")),
         allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
@@ -91,8 +94,11 @@ def parse_router(d: dict) -> RouterSpec:
         pod=parse_pod_settings(d, w, scheduling=True))
     if weights is not None and set(weights) - set(_WEIGHTS):
         raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
-    if r.shared_index and not r.redis_url_secret:
-        raise SpecError("router.sharedIndex needs router.redisUrlSecretRef")
+    if r.shared_index and not (r.redis_url_secret or r.managed_redis):
+        raise SpecError("router.sharedIndex needs router.redisUrlSecretRef or "
+                        "router.managedRedis")
+    if r.managed_redis and r.redis_url_secret:
+        raise SpecError("router.managedRedis and router.redisUrlSecretRef are exclusive")
     if keys and not r.api_keys_secret:
         raise SpecError("router.apiKeysSecret.name is required")
     if admin and not r.admin_api_keys_secret:

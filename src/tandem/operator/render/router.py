@@ -68,7 +68,7 @@ def _limits(r: RateLimit) -> dict[str, float]:
             "tokens_per_min": r.tokens_per_minute}
 
 
-def router_config(spec: InferenceServiceSpec) -> dict[str, Any]:
+def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
     """router.yaml as a dict (keys of `tandem.router.main`)."""
     r = spec.router
     cfg: dict[str, Any] = {"policy": r.policy, "pd_threshold": r.pd_threshold,
@@ -83,7 +83,7 @@ def router_config(spec: InferenceServiceSpec) -> dict[str, Any]:
         cfg["rate_limits"] = {"default": _limits(r.rate_limit or RateLimit()),
                               "tenants": {t: _limits(v)
                                           for t, v in r.tenant_rate_limits.items()}}
-    cfg.update(redis_config(spec))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
+    cfg.update(redis_config(spec, owner))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
     return cfg
 
 
@@ -111,7 +111,7 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
     name = router_name(owner)
     worker_image = worker_image or image
     image = spec.router.pod.image or image
-    text = yaml.safe_dump(router_config(spec), sort_keys=True)
+    text = yaml.safe_dump(router_config(spec, owner), sort_keys=True)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": metadata(owner, f"{name}-config", ROUTER_COMPONENT),
                   "data": {"router.yaml": text}}
@@ -155,7 +155,7 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
         "name": "router", "image": image, "command": ["tandem"],
         "args": router_args(spec, owner),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": base_env() + redis_env(spec),
+        "env": base_env() + redis_env(spec, owner),
         "readinessProbe": http_probe("/ready", period=5, failures=2),
         "livenessProbe": http_probe("/health", period=10, failures=3, timeout=5),
         "lifecycle": pre_stop(), "securityContext": container_security_context(),

@@ -38,6 +38,7 @@ from tandem.operator.render.common import (
 )
 from tandem.operator.render.multinode import group_selector
 from tandem.operator.spec import InferenceServiceSpec
+from tandem.operator.spec_security import SecretKeyRef
 from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
 from tandem.protocol.tls import peer_identity
 
@@ -121,20 +122,39 @@ def certificate(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any] | No
 
 # ---- Redis URL from a Secret ------------------------------------------------------------
 
-def redis_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    ref = spec.router.redis_url_secret
+def redis_key_prefix(owner: Owner) -> str:
+    """The routers' `--redis-key-prefix` (router.yaml `redis_key_prefix`): namespace and
+    name are DNS labels (no `:`), so no two InferenceServices share a key."""
+    return f"tandem:{owner.namespace}:{owner.name}:"
+
+
+def managed_redis_secret(owner: Owner) -> SecretKeyRef:
+    """`router.managedRedis`: the URL Secret the operator writes (`operator.redis_acl`)."""
+    return SecretKeyRef(f"{owner.name}-redis", "url")
+
+
+def redis_ref(spec: InferenceServiceSpec, owner: Owner) -> SecretKeyRef | None:
+    if spec.router.managed_redis:
+        return managed_redis_secret(owner)
+    return spec.router.redis_url_secret
+
+
+def redis_env(spec: InferenceServiceSpec, owner: Owner) -> list[dict[str, Any]]:
+    ref = redis_ref(spec, owner)
     if ref is None:
         return []
     return [{"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name,
                                                                    "key": ref.key}}}]
 
 
-def redis_config(spec: InferenceServiceSpec) -> dict[str, str]:
-    """router.yaml's `redis` / `index`: the environment variable, never the URL."""
-    if spec.router.redis_url_secret is None:
+def redis_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, str]:
+    """router.yaml's `redis` / `index`: the environment variable, never the URL; and the key
+    prefix of this InferenceService."""
+    if redis_ref(spec, owner) is None:
         return {}
     value = f"env:{REDIS_URL_ENV}"
-    return {"redis": value, **({"index": value} if spec.router.shared_index else {})}
+    return {"redis": value, "redis_key_prefix": redis_key_prefix(owner),
+            **({"index": value} if spec.router.shared_index else {})}
 
 
 def router_pod_labels(operator: OperatorPeer | None) -> dict[str, str]:
