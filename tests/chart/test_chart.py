@@ -148,7 +148,7 @@ def test_crds_are_installed_from_the_crds_folder(helm: Helm) -> None:
     (("redis.maxmemory=lots",), "maxmemory"),
     (("redis.maxmemoryPolicy=whatever",), "maxmemoryPolicy"),
     (("redis.auth.existingSecret=Not_A_Name",), "existingSecret"),
-    (("redis.auth.urlSecretNamespaces[0]=Team_A",), "urlSecretNamespaces"),
+    (("redis.auth.urlSecretNamespaces={team-a}",), "urlSecretNamespaces"),  # removed
     (("resources.limits.memory=1 GB",), "memory"),
     (("dashboards.enabled=yes please",), "enabled"),
 ])
@@ -359,7 +359,10 @@ def test_redis_only_when_enabled(helm: Helm) -> None:
     svc = one(docs, "Service", f"{FULLNAME}-redis")
     assert svc["spec"]["ports"][0]["port"] == 6379
     # only the routers of this release's operator get in, from any namespace
-    (rule,) = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")["spec"]["ingress"]
+    rule, operator = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")["spec"]["ingress"]
+    assert operator["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "operator"}}}]
     (peer,) = rule["from"]
     assert peer["namespaceSelector"] == {}
     assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/component": "router",
@@ -427,10 +430,27 @@ def test_redis_arguments_and_probes_work_on_a_real_redis_server(helm: Helm, tmp_
             redis.Redis(port=port).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, password="wrong").ping()
-        url = base64.b64decode(secret["data"]["url"]).decode()
-        assert url == f"redis://:{password}@{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
-        local = url.replace(f"{FULLNAME}-redis.{NAMESPACE}.svc:6379", f"127.0.0.1:{port}")
-        assert redis.Redis.from_url(local).ping()  # the URL the routers get works as it is
+        # the operator, with the address and the admin password file the chart gives it,
+        # creates an InferenceService's ACL user, whose URL works as the routers get it
+        from tandem.operator.redis_acl import RedisAcl, managed_redis_from_env, url_secret
+        from tandem.operator.render.common import Owner
+
+        op = operator_container(docs)
+        operator_env = env_of(op)
+        assert operator_env["TANDEM_REDIS_ADDRESS"] == f"{FULLNAME}-redis.{NAMESPACE}.svc:6379"
+        spec = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "redis-admin"]
+        (mount,) = [m for m in op["volumeMounts"] if m["name"] == "redis-admin"]
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+        assert vol["secret"]["items"] == [{"key": "password", "path": "password"}]
+        assert operator_env["TANDEM_REDIS_ADMIN_PASSWORD_FILE"] == f"{mount['mountPath']}/password"
+        (tmp_path / "password").write_text(password)
+        managed = managed_redis_from_env({"TANDEM_REDIS_ADDRESS": f"127.0.0.1:{port}",
+                                          "TANDEM_REDIS_ADMIN_PASSWORD_FILE":
+                                              str(tmp_path / "password")})
+        owner = Owner("alpha", "team-a", "uid")
+        RedisAcl(managed).ensure_user(owner)
+        assert redis.Redis.from_url(url_secret(managed, owner)["stringData"]["url"]).ping()
         for probe in ("livenessProbe", "readinessProbe"):
             command = [a.replace(" -p 6379 ", f" -p {port} ") for a in c[probe]["exec"]["command"]]
             env = {"PATH": "/usr/bin:/bin"}
@@ -446,9 +466,10 @@ def test_redis_arguments_and_probes_work_on_a_real_redis_server(helm: Helm, tmp_
 
 def test_redis_password_is_generated_per_render_or_taken_from_your_secret(helm: Helm) -> None:
     """No cluster: `lookup` finds nothing, so each render generates a fresh 32-character
-    password (an install; an upgrade reads the live Secret back). The URL Secret goes to the
-    release namespace and watched namespaces; with existingSecret the chart writes none and
-    Redis reads your key."""
+    password (an install; an upgrade reads the live Secret back). It stays in the release
+    namespace (no URL, no copy in a watched namespace: the operator gives each
+    InferenceService an ACL user of its own); with existingSecret the chart writes none and
+    Redis and the operator read your key."""
     import re
 
     def password(docs: list[dict[str, Any]]) -> str:
@@ -459,22 +480,20 @@ def test_redis_password_is_generated_per_render_or_taken_from_your_secret(helm: 
     b = password(helm.render(sets=("redis.enabled=true",)))
     assert re.fullmatch(r"[A-Za-z0-9]{32}", a) and a != b
     docs = helm.render(sets=("redis.enabled=true", "watchNamespaces={team-a,team-b}"))
-    urls = {s["metadata"]["namespace"]: s["data"] for s in by_kind(docs, "Secret")}
-    assert sorted(urls) == [NAMESPACE, "team-a", "team-b"]
-    assert set(urls["team-a"]) == {"url"}  # no bare password outside the release namespace
-    assert urls["team-a"]["url"] == urls["team-b"]["url"] == urls[NAMESPACE]["url"]
+    secrets = {s["metadata"]["namespace"]: s["data"] for s in by_kind(docs, "Secret")}
+    assert list(secrets) == [NAMESPACE] and set(secrets[NAMESPACE]) == {"password"}
     peer = one(docs, "NetworkPolicy", f"{FULLNAME}-redis")["spec"]["ingress"][0]["from"][0]
     assert peer["namespaceSelector"] == {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}
-    only = helm.render(sets=("redis.enabled=true", "redis.auth.urlSecretNamespaces={ml}"))
-    assert sorted(s["metadata"]["namespace"] for s in by_kind(only, "Secret")) == [
-        "ml", NAMESPACE]
     own = helm.render(sets=("redis.enabled=true", "redis.auth.existingSecret=my-redis",
                             "redis.auth.existingSecretPasswordKey=pw"))
     assert not by_kind(own, "Secret")
     (c,) = one(own, "Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"]
     assert {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]}["REDIS_PASSWORD"] == {
         "name": "my-redis", "key": "pw"}
+    spec = one(own, "Deployment", f"{FULLNAME}-operator")["spec"]["template"]["spec"]
+    assert {"name": "redis-admin", "secret": {"secretName": "my-redis", "defaultMode": 0o440,
+            "items": [{"key": "pw", "path": "password"}]}} in spec["volumes"]
 
 
 def test_dashboard_configmap(helm: Helm) -> None:

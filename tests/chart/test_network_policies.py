@@ -59,9 +59,11 @@ def test_redis_admits_exactly_the_routers_of_this_release(helm: Helm) -> None:
     policies, pods = cluster(helm)
     redis = pod(pods, f"{NAMESPACE}/{RELEASE}-redis")
     assert admitted(policies, pods, redis, REDIS_PORT) == {
-        "ml/alpha-router", "ml/beta-router", "elsewhere/gamma-router"}
+        "ml/alpha-router", "ml/beta-router", "elsewhere/gamma-router",
+        f"{NAMESPACE}/{RELEASE}-operator"}  # the operator: the ACL users
     assert admitted(policies, pods, redis, 8000) == set()
     # limited to the watched namespaces: a router elsewhere is out
     policies, pods = cluster(helm, ("watchNamespaces={ml}",))
     redis = pod(pods, f"{NAMESPACE}/{RELEASE}-redis")
-    assert admitted(policies, pods, redis, REDIS_PORT) == {"ml/alpha-router", "ml/beta-router"}
+    assert admitted(policies, pods, redis, REDIS_PORT) == {"ml/alpha-router", "ml/beta-router",
+                                                           f"{NAMESPACE}/{RELEASE}-operator"}
