@@ -5,7 +5,11 @@ disconnects cancelling the request, the idle timeout, the lifespan and graceful 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
+import json
+import random
 import socket
 import threading
 import time
@@ -16,7 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.protocol.http_server import ServerLimits
+from tandem.protocol.http_server import FEED_BYTES, MAX_PIPELINED, ServerLimits
 from tandem.protocol.web import FastPaths, install_error_handlers
 from tests.router.test_router_app import Served
 
@@ -52,6 +56,11 @@ def make_app(events: Events) -> FastPaths:
     async def hello() -> dict:
         return {"hello": "world"}
 
+    @app.get("/big")
+    async def big(n: int, id: str = "") -> Response:  # noqa: A002 - the request's id
+        events.add("big")
+        return Response(f"{id}:".encode() + b"x" * n, media_type="text/plain")
+
     @app.get("/chunks")
     async def chunks() -> StreamingResponse:  # no Content-Length: chunked via the bridge
         async def gen() -> AsyncIterator[bytes]:
@@ -86,13 +95,27 @@ def make_app(events: Events) -> FastPaths:
                 events.add("stream:closed")
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    async def flood(request: Request) -> Response:
+        """16 KiB chunks as fast as they are taken, until the client goes."""
+        await request.body()
+
+        async def gen() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    yield b"f" * (16 << 10)
+                    await asyncio.sleep(0)
+            finally:
+                events.add("flood:closed")
+        return StreamingResponse(gen(), media_type="text/plain")
+
     async def finish(request: Request) -> Response:
         await request.body()
         await asyncio.sleep(0.5)
         events.add("finish:done")
         return JSONResponse({"finished": True})
 
-    routes = {"/echo": echo, "/slow": slow, "/stream": stream, "/finish": finish}
+    routes = {"/echo": echo, "/slow": slow, "/stream": stream, "/finish": finish,
+              "/flood": flood}
     return FastPaths(app, routes, LIMIT)
 
 
@@ -260,3 +283,226 @@ def test_idle_connections_close_and_lifespan_and_graceful_stop():
     t.join(timeout=5)
     assert results and results[0].json() == {"finished": True}
     assert server.events.log[-2:] == ["finish:done", "shutdown"]
+
+
+# -- backpressure, send timeout, connection cap ---------------------------------------------
+def on_loop(server: Lean, fn):  # noqa: ANN001, ANN201 - fn() run on the server's loop
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.set_exception(exc)
+
+    server.server.loop.call_soon_threadsafe(call)
+    return done.result(5)
+
+
+def held(server: Lean) -> tuple[int, int, int]:
+    """(connections, bytes waiting in their transports, the transports' high-water mark)."""
+    def measure() -> tuple[int, int, int]:
+        conns = [c for c in server.server.connections if c.transport is not None]
+        high = max((c.transport.get_write_buffer_limits()[1] for c in conns), default=0)
+        return (len(server.server.connections),
+                sum(c.transport.get_write_buffer_size() for c in conns), high)
+    return on_loop(server, measure)
+
+
+def stalled_client(server: Lean) -> socket.socket:
+    """A client with a 4 KiB receive buffer (it will read little or nothing), the only one
+    connected; the server's side of it gets a 4 KiB send buffer too, so what the client
+    leaves unread piles up in the server's transport, not in the kernels."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(5)
+    s.connect(("127.0.0.1", server.port))
+    assert wait_until(lambda: held(server)[0] == 1)
+
+    def shrink() -> None:
+        for c in server.server.connections:
+            c.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                            socket.SO_SNDBUF, 4096)
+    on_loop(server, shrink)
+    return s
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def settled_count(events: Events, what: str, quiet_s: float = 0.4,
+                  timeout: float = 20.0) -> int:
+    """How many `what` events, once no new one came for `quiet_s`."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while (now := events.log.count(what)) != last and time.monotonic() < deadline:
+        last = now
+        time.sleep(quiet_s)
+    return last
+
+
+def test_a_client_that_pipelines_and_never_reads_holds_bounded_memory():
+    """The probe: thousands of pipelined GETs, nothing read. The server stops answering
+    once the transport is over its high-water mark (so it holds at most that plus one
+    answer), and frees everything when the client goes."""
+    server = Lean(ServerLimits(send_timeout_s=60))
+    n, size = 2000, 32 << 10
+    try:
+        with stalled_client(server) as s:
+            s.sendall(b"".join(b"GET /big?n=%d&id=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (size, i)
+                               for i in range(n)))
+            answered = settled_count(server.events, "big")
+            conns, buffered, high = held(server)
+            assert conns == 1 and high > 0
+            assert buffered <= high + size + 1024, (buffered, high)
+            assert answered < n / 4  # the rest wait: read, or parked unparsed
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # RST
+        assert wait_until(lambda: held(server)[:2] == (0, 0)), held(server)
+        assert httpx.get(server.url + "/hello").json() == {"hello": "world"}
+    finally:
+        server.stop()
+
+
+def _request(rng: random.Random, i: int) -> tuple[bytes, tuple]:
+    kind = rng.choice(("big", "big", "echo", "hello"))
+    if kind == "big":
+        n = rng.choice((0, 10, 5000, 70_000, 150_000))
+        return b"GET /big?n=%d&id=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (n, i), ("big", i, n)
+    if kind == "echo":
+        n = rng.randint(0, 3000)
+        return (b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Id: %d\r\nContent-Length: %d\r\n\r\n%b"
+                % (i, n, b"e" * n), ("echo", i, n))
+    return b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n", ("hello", i, 0)
+
+
+def _take_answers(buf: bytearray, expected: collections.deque) -> None:
+    """Check and drop every complete answer at the head of `buf`, in request order."""
+    while (end := buf.find(b"\r\n\r\n")) >= 0:
+        head = bytes(buf[:end]).split(b"\r\n")
+        length = next(int(h.split(b":")[1]) for h in head if h.lower().startswith(
+            b"content-length:"))
+        if len(buf) < end + 4 + length:
+            return
+        body = bytes(buf[end + 4:end + 4 + length])
+        del buf[:end + 4 + length]
+        kind, i, n = expected.popleft()
+        assert head[0] == b"HTTP/1.1 200 OK", (head, kind, i)
+        if kind == "big":
+            assert body == b"%d:" % i + b"x" * n, (kind, i, len(body))
+        elif kind == "echo":
+            assert json.loads(body) == {"len": n, "head": "e" * min(n, 20), "id": str(i)}
+        else:
+            assert body == b'{"hello":"world"}'
+
+
+class _Pipeliner:
+    """A non-blocking client: queued requests go out as the socket takes them; answers are
+    checked against `expected` as they complete."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.expected: collections.deque = collections.deque()
+        self.outbox, self.buf, self.seq = bytearray(), bytearray(), 0
+
+    def send(self, data: bytes, want: tuple) -> None:
+        self.outbox += data
+        self.expected.append(want)
+        self.seq += 1
+
+    def pump(self, want: int) -> None:
+        """Send what the socket takes, read up to `want` bytes, check complete answers."""
+        with contextlib.suppress(BlockingIOError):
+            while self.outbox:
+                del self.outbox[:self.sock.send(self.outbox)]
+        with contextlib.suppress(BlockingIOError):
+            while want > 0 and (got := self.sock.recv(min(want, 65536))):
+                self.buf.extend(got)
+                want -= len(got)
+        _take_answers(self.buf, self.expected)
+
+
+def test_random_interleavings_keep_buffers_bounded_and_answer_each_request_once_in_order():
+    """Seeded: random pipelined batches, partial reads and pauses on real sockets. Every
+    request read gets exactly one answer, in order; no connection's transport ever holds
+    more than its high-water mark plus one answer; requests parked in the pipeline stay
+    within `MAX_PIPELINED` plus one parse slice of them."""
+    rng = random.Random(1307)
+    server = Lean(ServerLimits(send_timeout_s=60))
+    biggest = 150_000 + 300  # the largest answer, head included
+    try:
+        for _ in range(5):
+            c = _Pipeliner(stalled_client(server))
+            for _ in range(40):
+                op = rng.random()
+                if op < 0.4:
+                    for _ in range(rng.randint(1, 12)):
+                        c.send(*_request(rng, c.seq))
+                    c.pump(0)
+                elif op < 0.8:
+                    c.pump(rng.choice((1, 100, 4096, 100_000)))
+                else:
+                    time.sleep(rng.random() * 0.01)
+                stats = on_loop(server, server.server.stats)
+                assert stats.pending_requests <= MAX_PIPELINED + FEED_BYTES // 33
+            deadline = time.monotonic() + 20
+            while c.expected or c.outbox:
+                assert time.monotonic() < deadline, (len(c.expected), len(c.outbox))
+                c.pump(1 << 20)
+                time.sleep(0.001)
+            assert not c.buf
+            high = held(server)[2]
+            c.sock.close()
+            stats = on_loop(server, server.server.stats)
+            assert stats.peak_write_buffered <= high + biggest, (stats, high)
+            assert wait_until(lambda: held(server)[:2] == (0, 0))
+        assert on_loop(server, server.server.stats).peak_write_buffered > high  # it was tested
+    finally:
+        server.stop()
+
+
+def test_a_stalled_stream_is_cut_after_the_send_timeout():
+    """A streaming client that stops reading: after `send_timeout_s` without progress the
+    connection is aborted and the answer's generator closed (a relay would close its
+    upstream); what the transport held stays within high-water + one chunk."""
+    server = Lean(ServerLimits(send_timeout_s=0.5))
+    try:
+        with stalled_client(server) as s:
+            high = held(server)[2]
+            s.sendall(b"POST /flood HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            t0 = time.monotonic()
+            assert server.events.wait_for("flood:closed", timeout=15)
+            assert time.monotonic() - t0 < 10
+            assert on_loop(server, server.server.stats).peak_write_buffered <= high + (17 << 10)
+            assert wait_until(lambda: held(server)[:2] == (0, 0))
+            s.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                while s.recv(65536):  # what was sent, then the end: the server cut it
+                    pass
+    finally:
+        server.stop()
+
+
+def test_connections_beyond_the_cap_are_closed_at_accept():
+    server = Lean(ServerLimits(max_connections=2))
+    try:
+        held_open = [server.raw(), server.raw()]
+        for c in held_open:  # both served (and so registered)
+            c.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_responses(c, 1)[0].endswith(b'{"hello":"world"}')
+        with server.raw() as extra, contextlib.suppress(ConnectionResetError):
+            extra.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert extra.recv(100) == b""  # closed, never answered
+        assert on_loop(server, server.server.stats).refused == 1
+        held_open.pop().close()
+        assert wait_until(lambda: held(server)[0] == 1)
+        assert httpx.get(server.url + "/hello").json() == {"hello": "world"}  # room again
+        held_open.pop().close()
+    finally:
+        server.stop()

@@ -9,8 +9,20 @@ asyncio protocol ~0.11 ms; the router's budget is 1 ms of added latency in all. 
 Contract:
 * HTTP/1.1 keep-alive and pipelining (answers in request order), HTTP/1.0; Content-Length
   and chunked request bodies. Responses are starlette `Response`s (Content-Length) or
-  `StreamingResponse`s (chunked, or close-delimited for HTTP/1.0); writing waits while the
-  socket's buffer is over its high-water mark.
+  `StreamingResponse`s (chunked, or close-delimited for HTTP/1.0).
+* Backpressure, so a client that sends and never reads holds bounded memory: after every
+  write (an answer, a stream's chunk), while the transport's buffer is over its high-water
+  mark, the connection waits (`pause_writing`/`resume_writing`) and starts no further
+  pipelined request. At most `MAX_PIPELINED` parsed requests (`MAX_PIPELINED_BYTES` of them)
+  wait behind the one in progress; then reading pauses, and what was read beyond them waits
+  unparsed. So a connection buffers at most the high-water mark plus one answer (or chunk)
+  for writing, and ~`MAX_PIPELINED_BYTES` + one request of input.
+* Send timeout: a client that takes no bytes for `send_timeout_s` while a write waits is cut
+  (the transport aborted, its buffer dropped, the request cancelled: a relayed stream closes
+  its upstream connection, so the worker aborts the request and frees its KV cache).
+* At most `max_connections` connections: one beyond is closed as soon as it is accepted,
+  before any byte is read or written (as Envoy's downstream connection limit does), and
+  logged; the client retries, on another replica behind a Service.
 * Limits: URL <= 8 KiB (414), <= `max_headers` headers and `max_header_bytes` of them (431),
   body <= the app's limit, declared or streamed (413). A malformed request is a 400. Each of
   these is an OpenAI error body, and the connection closes after it. An `Upgrade` request is
@@ -51,6 +63,9 @@ logger = logging.getLogger(__name__)
 MAX_URL_BYTES = 8 << 10
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 MAX_PIPELINED = 16  # parsed requests waiting behind the one in progress; then reading pauses
+MAX_PIPELINED_BYTES = 1 << 20  # ... or this many bytes of them
+FEED_BYTES = 4096  # input is parsed in slices of this, so reading can stop between requests
+REFUSED_LOG_S = 10.0  # at most one log line this often about refused connections
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 
 
@@ -60,6 +75,20 @@ class ServerLimits:
     max_header_bytes: int = 64 << 10
     keep_alive_s: float = 5.0
     graceful_s: float = 5.0  # the drain: in-flight requests' time to finish after a stop
+    send_timeout_s: float = 30.0  # a write waiting this long for the client to read: cut
+    max_connections: int = 4096  # concurrent connections; more are closed at accept
+
+
+@dataclass
+class ServerStats:
+    """What the server holds now (and its peak write buffer): for tests and debugging."""
+
+    connections: int
+    write_buffered: int  # bytes in the connections' transports, not yet sent
+    pending_requests: int  # parsed, waiting behind the request in progress
+    pending_bytes: int  # their bytes, plus input read but not yet parsed
+    peak_write_buffered: int  # the most one connection's transport held after a write
+    refused: int  # connections closed at accept (`max_connections`)
 
 
 def _status_line(status: int) -> bytes:
@@ -85,8 +114,13 @@ class _Reject(Exception):
         self.message = message
 
 
+class _SendTimeout(Exception):
+    """The client took no bytes for `send_timeout_s`; the connection is aborted."""
+
+
 class _Request:
-    __slots__ = ("method", "url", "headers", "parts", "size", "version", "keep_alive", "reject")
+    __slots__ = ("method", "url", "headers", "parts", "size", "nbytes", "version",
+                 "keep_alive", "reject")
 
     def __init__(self) -> None:
         self.method = b""
@@ -94,6 +128,7 @@ class _Request:
         self.headers: list[tuple[bytes, bytes]] = []
         self.parts: list[bytes] = []
         self.size = 0  # header bytes while parsing them, then body bytes
+        self.nbytes = 0  # URL + headers + body, once parsed (pipelining bound)
         self.version = "1.1"
         self.keep_alive = True
         self.reject: _Reject | None = None
@@ -110,6 +145,8 @@ class _Connection(asyncio.Protocol):
         self.parsing: _Request | None = None
         self.last: _Request | None = None  # the last complete request parsed
         self.pending: collections.deque[_Request] = collections.deque()
+        self.pending_bytes = 0
+        self.backlog = b""  # read while the pipeline was full, parsed once it empties
         self.task: asyncio.Task | None = None
         self.gone: asyncio.Future | None = None
         self.idle: asyncio.TimerHandle | None = None
@@ -123,6 +160,11 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if len(self.server.connections) >= self.limits.max_connections:
+            self.broken = True  # never read, never registered
+            self.server.refuse()
+            transport.close()
+            return
         self.client = transport.get_extra_info("peername")
         self.local = transport.get_extra_info("sockname")
         self.gone = self.server.loop.create_future()
@@ -139,6 +181,8 @@ class _Connection(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client is gone: abort its request
         self.pending.clear()
+        self.pending_bytes = 0
+        self.backlog = b""
         self._wake_writer()
 
     def data_received(self, data: bytes) -> None:
@@ -147,21 +191,43 @@ class _Connection(asyncio.Protocol):
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
+        if self._feed(data) and self.task is None and not self.pending:
+            self._arm_idle()  # a partial request also counts as idle
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse `data` slice by slice; once the pipeline is full, keep the rest unparsed
+        (`backlog`) and pause reading. False when the input was bad or an upgrade."""
         try:
-            self.parser.feed_data(data)
+            if len(data) <= FEED_BYTES:
+                self.parser.feed_data(data)
+                return True
+            for at in range(0, len(data), FEED_BYTES):
+                if self._pipeline_full():
+                    self.backlog = data[at:]
+                    self._pause_reading()
+                    return True
+                self.parser.feed_data(data[at:at + FEED_BYTES])
         except httptools.HttpParserUpgrade:  # answered as plain HTTP/1.1, then closed: what
             self.broken = True  # follows the request is in the other protocol
             if self.last is not None:
                 self.last.keep_alive = False
             if self.task is None and not self.pending:
                 self.close()
+            return False
         except httptools.HttpParserError as exc:
             ctx = exc.__context__
             self._broken(ctx if isinstance(ctx, _Reject)
                          else _Reject(400, "malformed HTTP request"))
-        else:
-            if self.task is None and not self.pending:
-                self._arm_idle()  # a partial request also counts as idle
+            return False
+        return True
+
+    def _pipeline_full(self) -> bool:
+        return len(self.pending) >= MAX_PIPELINED or self.pending_bytes >= MAX_PIPELINED_BYTES
+
+    def _pause_reading(self) -> None:
+        if self.transport is not None and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -194,6 +260,7 @@ class _Connection(asyncio.Protocol):
         r.method = p.get_method()  # type: ignore[union-attr]
         r.version = p.get_http_version()  # type: ignore[union-attr]
         r.keep_alive = p.should_keep_alive()  # type: ignore[union-attr]
+        r.nbytes = len(r.url) + r.size  # type: ignore[union-attr]
         r.size = 0  # type: ignore[union-attr]
         limit = self.server.body_limit
         for k, v in r.headers:  # type: ignore[union-attr]
@@ -210,13 +277,15 @@ class _Connection(asyncio.Protocol):
         r.parts.append(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
-        self.pending.append(self.parsing)  # type: ignore[arg-type]
-        self.last, self.parsing = self.parsing, None
+        r = self.parsing
+        r.nbytes += r.size  # type: ignore[union-attr]
+        self.pending.append(r)  # type: ignore[arg-type]
+        self.pending_bytes += r.nbytes  # type: ignore[union-attr]
+        self.last, self.parsing = r, None
         if self.task is None:
             self._next()
-        elif len(self.pending) >= MAX_PIPELINED and self.transport and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
+        elif self._pipeline_full():
+            self._pause_reading()
 
     # -- running requests -----------------------------------------------------------------
     def _broken(self, reject: _Reject) -> None:
@@ -237,9 +306,15 @@ class _Connection(asyncio.Protocol):
             if self.reading_paused:
                 self.reading_paused = False
                 self.transport.resume_reading()
+                backlog, self.backlog = self.backlog, b""
+                if backlog:  # may start the next request, or fill the pipeline again
+                    self._feed(backlog)
+                    if self.busy or self.transport is None or self.broken:
+                        return
             self._arm_idle()
             return
         req = self.pending.popleft()
+        self.pending_bytes -= req.nbytes
         self.task = self.server.loop.create_task(self._serve(req))
         self.task.add_done_callback(self._served)
 
@@ -247,6 +322,9 @@ class _Connection(asyncio.Protocol):
         self.task = None
         if task.cancelled():
             self.close()
+            return
+        if isinstance(task.exception(), _SendTimeout):
+            self.close()  # aborted already
             return
         if task.exception() is not None:
             logger.error("request handling failed", exc_info=task.exception())
@@ -320,7 +398,7 @@ class _Connection(asyncio.Protocol):
         headers = response.raw_headers
         if not isinstance(response, StreamingResponse):
             head = self._head(req, response.status_code, headers, chunked=False)
-            t.write(head if req.method == b"HEAD" else head + response.body)
+            await self._write(head if req.method == b"HEAD" else head + response.body)
         else:
             await self._stream(req, response)
         if response.background is not None:
@@ -332,26 +410,54 @@ class _Connection(asyncio.Protocol):
             req.keep_alive = False  # the body ends when the connection does
         it = response.body_iterator
         try:  # the head at once (a client may time out waiting for it), not with a token
-            self.transport.write(self._head(  # type: ignore[union-attr]
-                req, response.status_code, response.raw_headers, chunked))
+            await self._write(self._head(req, response.status_code, response.raw_headers,
+                                         chunked))
             async for chunk in it:
                 data = chunk if isinstance(chunk, bytes) else chunk.encode(response.charset)
                 if not data or self.transport is None:
                     continue
-                self.transport.write(_frame(data, chunked))
-                if self.write_paused:
-                    await self._drain()
+                await self._write(_frame(data, chunked))
             if chunked and self.transport is not None:
-                self.transport.write(b"0\r\n\r\n")
+                await self._write(b"0\r\n\r\n")
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
 
+    async def _write(self, data: bytes) -> None:
+        """Write, then wait while the transport is over its high-water mark (module doc)."""
+        t = self.transport
+        if t is None:
+            return
+        t.write(data)
+        size = t.get_write_buffer_size()
+        if size > self.server.peak_write_buffered:
+            self.server.peak_write_buffered = size
+        if self.write_paused:
+            await self._drain()
+
     async def _drain(self) -> None:
+        """Wait for `resume_writing`; `_SendTimeout` (the connection aborted) when it does
+        not come within `send_timeout_s`."""
+        loop = self.server.loop
+        deadline = loop.time() + self.limits.send_timeout_s
         while self.write_paused and self.transport is not None:
-            self.write_waiter = self.server.loop.create_future()
-            await self.write_waiter
+            left = deadline - loop.time()
+            if left <= 0:
+                logger.info("client %s took no bytes for %.0f s: connection cut",
+                            self.client, self.limits.send_timeout_s)
+                self.broken = True  # nothing more is read or answered
+                self.pending.clear()
+                self.pending_bytes = 0
+                self.transport.abort()  # drops the buffer; connection_lost follows
+                self.transport = None
+                raise _SendTimeout
+            self.write_waiter = waiter = loop.create_future()
+            timer = loop.call_later(left, self._wake_writer)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
 
     def _wake_writer(self) -> None:
         w = self.write_waiter
@@ -373,23 +479,28 @@ class _Connection(asyncio.Protocol):
                 if not sized and not state["chunked"]:
                     req.keep_alive = False
                 state["started"] = True
-                self.transport.write(self._head(req, message["status"], headers,
-                                                state["chunked"]))
+                await self._write(self._head(req, message["status"], headers,
+                                             state["chunked"]))
             elif message["type"] == "http.response.body" and not state["done"]:
                 data = message.get("body", b"")
                 more = message.get("more_body", False)
-                if data and not is_head:
-                    self.transport.write(_frame(data, state["chunked"]))
                 if not more:
                     state["done"] = True
                     if state["chunked"]:
-                        self.transport.write(b"0\r\n\r\n")
-                elif self.write_paused:
-                    await self._drain()
+                        data = (_frame(data, True) if data and not is_head else b"") + \
+                            b"0\r\n\r\n"
+                    elif is_head:
+                        data = b""
+                    if data:
+                        await self._write(data)
+                elif data and not is_head:
+                    await self._write(_frame(data, state["chunked"]))
 
         scope = self._scope(req, path, query, {})  # FastAPI watches for disconnects itself
         try:
             await self.server.app(scope, self._receiver(b"".join(req.parts)), send)
+        except _SendTimeout:
+            raise
         except Exception:
             logger.exception("unhandled error on %s", path.decode("latin-1"))
             if not state["started"] and self.transport is not None:
@@ -440,6 +551,9 @@ class LeanServer:
         self.limits = limits or ServerLimits()
         self.connections: set[_Connection] = set()
         self.started = False
+        self.peak_write_buffered = 0  # see `ServerStats`
+        self.refused = 0
+        self._refused_logged = float("-inf")
         self.draining = False  # set at the stop: new requests get `_draining_answer`
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -485,6 +599,27 @@ class LeanServer:
         if self._stop is not None:
             self._stop.set()
 
+    def refuse(self) -> None:
+        """Count (and now and then log) a connection closed at accept."""
+        self.refused += 1
+        now = self.loop.time()
+        if now - self._refused_logged >= REFUSED_LOG_S:
+            self._refused_logged = now
+            logger.warning("%d connections open (the most, --max-connections): new ones are "
+                           "closed at accept (%d so far)", self.limits.max_connections,
+                           self.refused)
+
+    def stats(self) -> ServerStats:
+        """What the connections hold now. Call it on the server's loop."""
+        conns = list(self.connections)
+        return ServerStats(
+            connections=len(conns),
+            write_buffered=sum(c.transport.get_write_buffer_size() for c in conns
+                               if c.transport is not None),
+            pending_requests=sum(len(c.pending) for c in conns),
+            pending_bytes=sum(c.pending_bytes + len(c.backlog) for c in conns),
+            peak_write_buffered=self.peak_write_buffered, refused=self.refused)
+
     async def _drain_connections(self) -> None:
         """Idle connections close now; busy ones answer what they have already received
         (no new requests are read: `broken`) and close; the caller cuts whatever is still
@@ -507,12 +642,33 @@ class LeanServer:
                            self.limits.graceful_s, cut)
 
 
+async def serve_with(server: LeanServer, side: list[LeanServer]) -> None:
+    """Run `side` servers (e.g. a metrics port) alongside `server`: they listen first (a
+    failure to bind one stops start-up), `server` takes the signals, and they stop after its
+    drain."""
+    tasks = [asyncio.create_task(s.serve()) for s in side]
+    try:
+        while not all(s.started for s in side):
+            for t in tasks:
+                if t.done():
+                    t.result()  # raises what stopped it
+                    raise RuntimeError("a side server stopped during start-up")
+            await asyncio.sleep(0.01)
+        await server.serve(install_signals=True, freeze_gc=True)
+    finally:
+        for s in side:
+            s.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def run(app: FastPaths, host: str, port: int, limits: ServerLimits | None = None,
-        reuse_port: bool = False) -> None:
+        reuse_port: bool = False, side: list[tuple[FastPaths, int]] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, on uvloop when it is installed (a process entry point:
-    it also freezes the start-up heap, see `LeanServer.serve`)."""
+    it also freezes the start-up heap, see `LeanServer.serve`). `side`: (app, port) pairs
+    served alongside on `host` (`serve_with`)."""
     server = LeanServer(app, host, port, limits, reuse_port)
-    main = server.serve(install_signals=True, freeze_gc=True)
+    others = [LeanServer(a, host, p, limits, reuse_port) for a, p in side or ()]
+    main = serve_with(server, others)
     try:
         import uvloop
     except ImportError:
