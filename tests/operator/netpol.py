@@ -1,6 +1,6 @@
 """Kubernetes NetworkPolicy semantics for tests: label selectors (matchLabels and
-matchExpressions), and which pods may open a TCP connection to which pod on which port under
-a set of NetworkPolicies (ingress only, as the operator and the chart render them).
+matchExpressions), and which pods may open a connection to which pod (or outside address) on
+which port and protocol under a set of NetworkPolicies, ingress and egress.
 
 The rules, as the NetworkPolicy API defines them: a pod no policy selects is not isolated
 (everything gets in); an isolated pod admits a connection that some selecting policy's
@@ -8,7 +8,11 @@ ingress rule allows. A rule with no `ports` allows every port, a named port is r
 the target pod's containers; a rule with no `from` allows every source. A peer with only a
 podSelector means pods of the policy's namespace; with a namespaceSelector, pods of the
 namespaces it selects (all of their pods, or those the podSelector also selects); an ipBlock
-matches the source address.
+matches the source address. Egress mirrors it: a pod no Egress policy selects may connect
+anywhere; an egress-isolated pod only where some selecting policy's `to` peer (matched
+against the destination) and `ports` allow. A connection needs both the source's egress
+and the destination's ingress. An address outside the cluster (`Pod.namespace` None) is
+matched by ipBlocks only, and admits everything.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
 @dataclass(frozen=True)
 class Pod:
     name: str
-    namespace: str
+    namespace: str | None  # None: an address outside the cluster
     labels: dict[str, str]
     ports: dict[str, int] = field(default_factory=dict)  # named container ports
     ip: str = "10.0.0.1"
@@ -76,6 +80,8 @@ def _peer_matches(peer: dict[str, Any], policy_ns: str, source: Pod) -> bool:
         ip = ipaddress.ip_address(source.ip)
         return (ip in ipaddress.ip_network(block["cidr"])
                 and not any(ip in ipaddress.ip_network(c) for c in block.get("except", [])))
+    if source.namespace is None:
+        return False
     if "namespaceSelector" in peer:
         if not selects(peer["namespaceSelector"], source.ns_labels()):
             return False
@@ -84,8 +90,9 @@ def _peer_matches(peer: dict[str, Any], policy_ns: str, source: Pod) -> bool:
     return "podSelector" not in peer or selects(peer["podSelector"], source.labels)
 
 
-def _port_matches(rule_port: dict[str, Any], target: Pod, port: int) -> bool:
-    if rule_port.get("protocol", "TCP") != "TCP":
+def _port_matches(rule_port: dict[str, Any], target: Pod, port: int,
+                  protocol: str = "TCP") -> bool:
+    if rule_port.get("protocol", "TCP") != protocol:
         return False
     want = rule_port.get("port")
     if want is None:
@@ -96,8 +103,11 @@ def _port_matches(rule_port: dict[str, Any], target: Pod, port: int) -> bool:
     return want is not None and want <= port <= end
 
 
-def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int) -> bool:
-    """May `source` open a TCP connection to `target`:`port`?"""
+def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int,
+           protocol: str = "TCP") -> bool:
+    """Does `target` admit a connection from `source` to `target`:`port`?"""
+    if target.namespace is None:
+        return True
     selecting = [p for p in policies if p["metadata"]["namespace"] == target.namespace
                  and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
                  and selects(p["spec"]["podSelector"], target.labels)]
@@ -105,7 +115,7 @@ def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: i
         return True
     for policy in selecting:
         for rule in policy["spec"].get("ingress") or []:
-            if rule.get("ports") and not any(_port_matches(rp, target, port)
+            if rule.get("ports") and not any(_port_matches(rp, target, port, protocol)
                                              for rp in rule["ports"]):
                 continue
             peers = rule.get("from")
@@ -119,3 +129,32 @@ def admitted(policies: list[dict[str, Any]], pods: Iterable[Pod], target: Pod,
              port: int) -> set[str]:
     """The names of the pods in `pods` that `target` admits on `port`."""
     return {p.name for p in pods if p is not target and admits(policies, p, target, port)}
+
+
+def sends(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int,
+          protocol: str = "TCP") -> bool:
+    """Do `source`'s egress policies let it connect to `target`:`port`?"""
+    if source.namespace is None:
+        return True
+    selecting = [p for p in policies if p["metadata"]["namespace"] == source.namespace
+                 and "Egress" in p["spec"].get("policyTypes", [])
+                 and selects(p["spec"]["podSelector"], source.labels)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("egress") or []:
+            if rule.get("ports") and not any(_port_matches(rp, target, port, protocol)
+                                             for rp in rule["ports"]):
+                continue
+            peers = rule.get("to")
+            if not peers or any(_peer_matches(p, policy["metadata"]["namespace"], target)
+                                for p in peers):
+                return True
+    return False
+
+
+def connects(policies: list[dict[str, Any]], source: Pod, target: Pod, port: int,
+             protocol: str = "TCP") -> bool:
+    """Both ends allow it: `source`'s egress and `target`'s ingress."""
+    return (sends(policies, source, target, port, protocol)
+            and admits(policies, source, target, port, protocol))

@@ -19,6 +19,16 @@
   router pods admit clients on http from anywhere, or only `router.allowedClients` (then
   also the Prometheus peer). Kubelet probes come from the node, which policies do not
   govern on the common CNIs.
+* Egress (the same policies, `policyTypes: [Ingress, Egress]`): every pod may reach DNS
+  (kube-system's kube-dns pods, UDP and TCP 53); workers their own peers (grpc; every port
+  with the torch backend; a multi-node group every port within the group), and HTTPS (443)
+  anywhere but `METADATA_RANGES` only when an init container downloads (`hf://` model or
+  adapters); routers their own workers (http, grpc), the Kubernetes API (443 and 6443: their
+  EndpointSlice discovery; the Hub's tokenizer files on 443 too) anywhere but
+  `METADATA_RANGES`, and their Redis: the chart's Redis pods (`router.managedRedis`, the port
+  from `TANDEM_REDIS_ADDRESS`) or, for `redisUrlSecretRef`, TCP 6379 anywhere but
+  `METADATA_RANGES`. Nothing ever reaches the cloud metadata services (169.254.169.254,
+  fd00:ec2::254, 100.100.100.200) nor link-local addresses.
 """
 
 from __future__ import annotations
@@ -54,6 +64,14 @@ OPERATOR_COMPONENT = "operator"
 OPERATOR_NAMESPACE_ENV = "TANDEM_OPERATOR_NAMESPACE"
 OPERATOR_RELEASE_ENV = "TANDEM_OPERATOR_RELEASE"
 CERT_USAGES = ("server auth", "client auth", "digital signature", "key encipherment")
+REDIS_ADDRESS_ENV = "TANDEM_REDIS_ADDRESS"  # the chart's Redis, host:port (`redis_acl`)
+BYO_REDIS_PORT = 6379  # redisUrlSecretRef: the URL is in a Secret the operator cannot read
+KUBE_API_PORTS = (443, 6443)
+DNS_PORT = 53
+# link-local (every cloud's instance metadata: 169.254.169.254, EKS pod identity
+# 169.254.170.23) and the metadata addresses outside it (AWS IPv6, Alibaba)
+METADATA_RANGES = {4: ("169.254.0.0/16", "100.100.100.200/32"),
+                   6: ("fe80::/10", "fd00:ec2::254/128")}
 
 
 @dataclass(frozen=True)
@@ -63,12 +81,15 @@ class OperatorPeer:
 
     namespace: str | None = None  # TANDEM_OPERATOR_NAMESPACE
     release: str | None = None  # TANDEM_OPERATOR_RELEASE
+    redis_port: int | None = None  # the chart's Redis (TANDEM_REDIS_ADDRESS), beside it
 
 
 def operator_from_env(environ: Mapping[str, str]) -> OperatorPeer:
-    """The chart sets both on the operator (`os.environ`); unset ones stay None."""
+    """The chart sets them on the operator (`os.environ`); unset ones stay None."""
+    port = (environ.get(REDIS_ADDRESS_ENV) or "").rpartition(":")[2]
     return OperatorPeer(environ.get(OPERATOR_NAMESPACE_ENV) or None,
-                        environ.get(OPERATOR_RELEASE_ENV) or None)
+                        environ.get(OPERATOR_RELEASE_ENV) or None,
+                        int(port) if port.isdigit() else None)
 
 
 # ---- worker-auth Secret -----------------------------------------------------------------
@@ -180,12 +201,52 @@ def operator_peer(operator: OperatorPeer | None) -> dict[str, Any] | None:
                                             OPERATOR_RELEASE_LABEL: operator.release}}}
 
 
-def _policy(owner: Owner, name: str, component: str,
-            ingress: list[dict[str, Any]]) -> dict[str, Any]:
+def _policy(owner: Owner, name: str, component: str, ingress: list[dict[str, Any]],
+            egress: list[dict[str, Any]]) -> dict[str, Any]:
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": metadata(owner, name, component),
             "spec": {"podSelector": {"matchLabels": labels(owner, component)},
-                     "policyTypes": ["Ingress"], "ingress": ingress}}
+                     "policyTypes": ["Ingress", "Egress"], "ingress": ingress,
+                     "egress": egress}}
+
+
+def dns_egress() -> dict[str, Any]:
+    """The cluster DNS: kube-system's kube-dns pods (CoreDNS keeps the label)."""
+    return {"to": [{"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: "kube-system"}},
+                    "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+            "ports": [{"port": DNS_PORT, "protocol": "UDP"},
+                      {"port": DNS_PORT, "protocol": "TCP"}]}
+
+
+def outside(*ports: int) -> dict[str, Any]:
+    """TCP `ports` anywhere but the metadata and link-local ranges."""
+    return {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(METADATA_RANGES[4])}},
+                   {"ipBlock": {"cidr": "::/0", "except": list(METADATA_RANGES[6])}}],
+            "ports": [{"port": p, "protocol": "TCP"} for p in ports]}
+
+
+def downloads(spec: InferenceServiceSpec) -> bool:
+    """Does a worker's init container fetch from the Hub (the model or an adapter)?"""
+    adapters = spec.lora.adapters if spec.lora is not None else ()
+    return spec.model.source.kind == "hf" or any(a.source.kind == "hf" for a in adapters)
+
+
+def redis_egress(spec: InferenceServiceSpec,
+                 operator: OperatorPeer | None) -> list[dict[str, Any]]:
+    if spec.router.managed_redis and operator and operator.namespace and operator.release:
+        return [{"to": [{"namespaceSelector": {"matchLabels": {
+                    NAMESPACE_LABEL: operator.namespace}},
+                    "podSelector": {"matchLabels": {
+                        COMPONENT_LABEL: "redis", "app.kubernetes.io/instance":
+                        operator.release}}}],
+                 "ports": [{"port": operator.redis_port or BYO_REDIS_PORT,
+                            "protocol": "TCP"}]}]
+    if spec.router.managed_redis or spec.router.redis_url_secret is not None:
+        # a Redis the operator cannot place: any pod, or any address but the metadata's
+        rule = outside(BYO_REDIS_PORT)
+        rule["to"].insert(0, {"namespaceSelector": {}})
+        return [rule]
+    return []
 
 
 def network_policies(spec: InferenceServiceSpec, owner: Owner,
@@ -195,12 +256,18 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     http, grpc = _port(HTTP_PORT_NAME), _port(GRPC_PORT_NAME)
     prom = [spec.prometheus] if spec.prometheus is not None else []
     peers = [_pods(owner, WORKER_COMPONENT)]
+    torch_peers = spec.kv_transfer.backend == "torch" and spec.disaggregated
     workers: list[dict[str, Any]] = [
         {"from": [_pods(owner, ROUTER_COMPONENT)], "ports": [http, grpc]},
         # decode -> prefill gRPC (KV transfer); the torch backend's TCPStore (decode side)
         # and gloo/NCCL pair sockets listen on ephemeral ports, in both directions
-        {"from": peers} if spec.kv_transfer.backend == "torch" and spec.disaggregated
-        else {"from": peers, "ports": [grpc]}]
+        {"from": peers} if torch_peers else {"from": peers, "ports": [grpc]}]
+    workers_out = [dns_egress(), {"to": peers} if torch_peers else {"to": peers,
+                                                                     "ports": [grpc]}]
+    if downloads(spec):  # the init containers' Hub download (a policy governs the whole pod)
+        workers_out.append(outside(443))
+    router_out = [dns_egress(), {"to": peers, "ports": [http, grpc]},
+                  outside(*KUBE_API_PORTS), *redis_egress(spec, operator)]
     scrapers = [p for p in (operator_peer(operator), *prom) if p is not None]
     if scrapers:
         workers.append({"from": scrapers, "ports": [http]})
@@ -209,13 +276,16 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
               else [{"ports": [http]}])  # the front door: anyone, on http only
     groups = [group_policy(owner, f"{owner.name}-{name}")
               for name, _, pool in spec.worker_pools() if pool.layout.multinode]
-    return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers),
-            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router), *groups]
+    return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers, workers_out),
+            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router, router_out),
+            *groups]
 
 
 def group_policy(owner: Owner, name: str) -> dict[str, Any]:
-    """LeaderWorkerSet `name`'s pods admit each other on every port (Ray picks its own)."""
+    """LeaderWorkerSet `name`'s pods admit and reach each other on every port (Ray picks its
+    own)."""
     group = {"podSelector": {"matchLabels": group_selector(owner.name, name)}}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": metadata(owner, f"{name}-group", WORKER_COMPONENT),
-            "spec": {**group, "policyTypes": ["Ingress"], "ingress": [{"from": [group]}]}}
+            "spec": {**group, "policyTypes": ["Ingress", "Egress"],
+                     "ingress": [{"from": [group]}], "egress": [{"to": [group]}]}}
