@@ -5,17 +5,21 @@ through a thread-safe inbox that it drains between steps, so an HTTP event loop 
 waits for a running step. The thread sleeps while there is nothing it can schedule (no
 requests, or only requests waiting for blocks that pins hold) until a command arrives;
 it never spins. `add_many` admits several prompts in one command, so they all join the
-same step. `generate()` yields a `RequestOutput` per step that changed the
-request; closing or cancelling the consumer (a disconnected HTTP client) aborts the request
-and frees its blocks at the next step boundary. `snapshot` holds the engine's stats as of
-the last step or the last commands taken in (whichever came later), for metrics and load
-reports.
+same step. Each request's outputs wait for its coroutine in an `OutputStream`, which holds
+at most one pending output: while the reader is behind, newer outputs merge into it (delta
+outputs are appended, a cumulative one replaces the older), so a slow reader costs
+O(what it has not read), never a queue of copies. `generate()` yields a `RequestOutput` per
+step that changed the request (or the merge of several); closing or cancelling the
+consumer (a disconnected HTTP client) aborts the request and frees its blocks at the next
+step boundary. `snapshot` holds the engine's stats as of the last step or the last commands
+taken in (whichever came later), for metrics and load reports.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,7 +31,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.errors import EngineDeadError
 from tandem.engine.kv_events_hub import KVEventHub, Subscription
 from tandem.engine.llm_engine import EngineStats, LLMEngine
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import DeltaAccumulator, RequestOutput, output_size
 from tandem.engine.request import TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 
@@ -46,13 +50,65 @@ class AddRequest:
     cache_salt: str | None = None
     keep_blocks: bool = False
     lora_name: str | None = None  # a loaded adapter's name; None: the base model
+    # outputs carry only what is new since the previous one (`OutputProcessor.use_deltas`)
+    delta: bool = False
+
+
+class OutputStream:
+    """One request's outputs, from the engine thread to the coroutine reading them, with at
+    most one output pending (as vLLM's `RequestOutputCollector`): one that arrives while
+    another waits merges into it. Delta outputs are appended (the pending one is what the
+    reader has not read); a cumulative output supersedes the older (whose `delta_*` fields
+    it takes over). Read with `get` (a cancelled `get` loses nothing); filled on the
+    reader's event loop."""
+
+    def __init__(self, delta: bool = False) -> None:
+        self.delta = delta
+        self._acc = DeltaAccumulator()  # delta outputs
+        self._latest: RequestOutput | None = None  # cumulative outputs
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if self.delta:
+            self._acc.add(out)
+        elif self._latest is None:
+            self._latest = out
+        else:
+            older = self._latest
+            self._latest = dataclasses.replace(
+                out, delta_text=older.delta_text + out.delta_text,
+                delta_token_ids=older.delta_token_ids + out.delta_token_ids)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._acc and self._latest is None
+
+    def pending_size(self) -> int:
+        """`outputs.output_size` of the pending output (0 if none)."""
+        if self.delta:
+            return self._acc.size
+        return 0 if self._latest is None else output_size(self._latest)
+
+    def get_nowait(self) -> RequestOutput:
+        """The pending output; `asyncio.QueueEmpty` if there is none."""
+        out = self._acc.take() if self.delta else self._latest
+        if out is None:
+            raise asyncio.QueueEmpty
+        self._latest = None
+        self._ready.clear()
+        return out
+
+    async def get(self) -> RequestOutput:
+        while self.empty():
+            await self._ready.wait()
+        return self.get_nowait()
 
 
 @dataclass
 class _Add:
     requests: list[AddRequest]
     loop: asyncio.AbstractEventLoop
-    outputs: list[asyncio.Queue]
+    outputs: list[OutputStream]
     done: concurrent.futures.Future  # result: each request's prompt ids; or the first error
 
 
@@ -72,7 +128,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._stopped = False
         self.snapshot: EngineStats = engine.stats()
         # KV events (when the engine records them) are drained every step and fanned out
@@ -161,6 +217,8 @@ class AsyncLLMEngine:
                                                    keep_blocks=r.keep_blocks,
                                                    lora_request=r.lora_name))
                 added.append(r.request_id)
+                if r.delta:
+                    self.engine.outputs.use_deltas(r.request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             for rid in added:
                 self.engine.abort_request(rid)
@@ -197,7 +255,7 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand one step's outputs to their event loops: one thread-safe wakeup per loop per
         step (not per request), so streaming many requests costs the HTTP loop one callback."""
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = {}
         for out in outputs:
             entry = self._streams.get(out.request_id)
             if entry is None:
@@ -223,8 +281,8 @@ class AsyncLLMEngine:
     async def add(self, prompt: str | list[int] | TokenizedPrompt, params: SamplingParams,
                   request_id: str, *, priority: int = 0, cache_salt: str | None = None,
                   keep_blocks: bool = False, lora_name: str | None = None
-                  ) -> tuple[list[int], asyncio.Queue]:
-        """Queue a request; returns (prompt token ids, its output queue).
+                  ) -> tuple[list[int], OutputStream]:
+        """Queue a request; returns (prompt token ids, its output stream).
 
         Raises what `LLMEngine.add_request` raises (`InvalidRequestError`, `QueueFullError`).
         """
@@ -234,12 +292,12 @@ class AsyncLLMEngine:
         return ids, outputs
 
     async def add_many(self, requests: list[AddRequest]
-                       ) -> list[tuple[list[int], asyncio.Queue]]:
+                       ) -> list[tuple[list[int], OutputStream]]:
         """Queue several requests in one command: all join the same step, or, when one is
         refused, none is added and its error is raised. Returns (prompt token ids, output
-        queue) per request, in order."""
+        stream) per request, in order."""
         loop = asyncio.get_running_loop()
-        queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in requests]
+        queues = [OutputStream(r.delta) for r in requests]
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._send(_Add(list(requests), loop, queues, done))
         try:
@@ -314,6 +372,6 @@ def _settle(done: concurrent.futures.Future, result: Any = None,
     return True
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in batch:
-        q.put_nowait(out)
+def _put_all(batch: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.put(out)

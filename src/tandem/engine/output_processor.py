@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.outputs import CompletionOutput, RequestOutput, TokenPrefix
@@ -17,6 +18,7 @@ class _SampleState:
     detok: IncrementalDetokenizer
     text: str = ""
     sent_len: int = 0  # chars of text already reported as delta
+    sent_tok: int = 0  # output ids already handed out (delta outputs)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     flushed: bool = False
@@ -32,6 +34,7 @@ class _ParentState:
     error: str | None = None
     hold_back: int = 0  # chars withheld while running: a stop string may still complete
     new_token_ids: list[int] = field(default_factory=list)
+    delta: bool = False  # outputs carry only what is new (`use_deltas`)
 
 
 class OutputProcessor:
@@ -60,6 +63,13 @@ class OutputProcessor:
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
+
+    def use_deltas(self, request_id: str) -> None:
+        """From now on each output of `request_id` carries, per sample, only the text, ids
+        and logprobs produced since its previous output (the final one too): no output
+        copies what an earlier one carried, so what waits for a slow reader stays O(what it
+        has not read). Logprob entries handed out are not kept here."""
+        self._parents[request_id].delta = True
 
     def children(self, request_id: str) -> list[Request]:
         return [s.request for s in self._parents[request_id].samples]
@@ -116,7 +126,8 @@ class OutputProcessor:
         self._parents[request_id].error = message
 
     def make_output(self, request_id: str) -> RequestOutput:
-        """Cumulative output of the request; removes it once every sample has finished."""
+        """The request's output (cumulative, or a delta after `use_deltas`); removes the
+        request once every sample has finished."""
         parent = self._parents[request_id]
         outputs = []
         finished = all(s.request.is_finished for s in parent.samples)
@@ -129,15 +140,24 @@ class OutputProcessor:
                 if not isinstance(req.stop_reason, str):  # a stop string already cut the text
                     s.text += s.detok.flush()
             visible = len(s.text) if done else max(s.sent_len, len(s.text) - parent.hold_back)
+            new_text = s.text[s.sent_len:visible]
             if i == 0:
-                delta_text = s.text[s.sent_len:visible]
+                delta_text = new_text
             s.sent_len = visible
+            ids: Sequence[int]
+            if parent.delta:
+                text, ids, logprobs = new_text, req.output_token_ids[s.sent_tok:], s.logprobs
+                s.sent_tok = len(req.output_token_ids)
+                if logprobs is not None:
+                    s.logprobs = []  # handed over, not copied
+            else:
+                text, logprobs = s.text[:visible], s.logprobs
+                ids = (list(req.output_token_ids) if done else
+                       TokenPrefix(req.output_token_ids, len(req.output_token_ids)))
             outputs.append(CompletionOutput(
-                index=i, text=s.text[:visible],
-                token_ids=(list(req.output_token_ids) if done else
-                           TokenPrefix(req.output_token_ids, len(req.output_token_ids))),
+                index=i, text=text, token_ids=ids,
                 finish_reason=req.status.value if done else None,
-                stop_reason=req.stop_reason, logprobs=s.logprobs,
+                stop_reason=req.stop_reason, logprobs=logprobs,
                 cumulative_logprob=s.cumulative_logprob))
         first = parent.samples[0].request
         queued = (None if first.first_scheduled_time is None

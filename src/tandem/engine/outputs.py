@@ -84,3 +84,80 @@ class RequestOutput:
     engine_time: float = 0.0  # seconds from the engine taking the request to this output
     delta_text: str = ""  # text produced by the latest step (single-sample requests)
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+def output_size(out: RequestOutput) -> int:
+    """What `out` holds of its request's generated data, in items: characters of text plus
+    token ids plus logprob entries, over its samples and its `delta_*` fields (the measure
+    in which a request's pending outputs are bounded)."""
+    size = len(out.delta_text) + len(out.delta_token_ids)
+    for c in out.outputs:
+        size += len(c.text) + len(c.token_ids) + (len(c.logprobs) if c.logprobs else 0)
+    return size
+
+
+class DeltaAccumulator:
+    """Merges a request's delta outputs (each sample's new text, ids and logprobs since the
+    previous output) into one: appended, never copied per output, so it holds O(what it was
+    given); text pieces are joined once, by `take`. Also builds a delta request's whole
+    result. The request-level fields are the newest output's (`queue_time`: the first
+    known; `error`: the last set)."""
+
+    __slots__ = ("_last", "_texts", "_ids", "_lps", "_delta_texts", "_delta_ids", "_queue_time",
+                 "_error", "size")
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+        self.size = 0  # `output_size` of what `take` would return
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last = None
+        self._texts: dict[int, list[str]] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._lps: dict[int, LogprobsList | None] = {}
+        self._delta_texts: list[str] = []
+        self._delta_ids: list[int] = []
+        self._queue_time: float | None = None
+        self._error: str | None = None
+        self.size = 0
+
+    def __bool__(self) -> bool:
+        return self._last is not None
+
+    def add(self, out: RequestOutput) -> None:
+        self._last = out
+        for c in out.outputs:
+            if c.text:
+                self._texts.setdefault(c.index, []).append(c.text)
+            self._ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._lps.setdefault(c.index, []).extend(c.logprobs)  # type: ignore[union-attr]
+            else:
+                self._lps.setdefault(c.index, None)
+        if out.delta_text:
+            self._delta_texts.append(out.delta_text)
+        self._delta_ids.extend(out.delta_token_ids)
+        if self._queue_time is None:
+            self._queue_time = out.queue_time
+        self._error = out.error or self._error
+        self.size += output_size(out)
+
+    def take(self) -> RequestOutput | None:
+        """The merged output (None if nothing was added); the accumulator is then empty."""
+        last = self._last
+        if last is None:
+            return None
+        outputs = [CompletionOutput(
+            index=c.index, text="".join(self._texts.get(c.index, ())),
+            token_ids=self._ids.get(c.index, []), finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason, logprobs=self._lps.get(c.index),
+            cumulative_logprob=c.cumulative_logprob) for c in last.outputs]
+        out = RequestOutput(
+            request_id=last.request_id, prompt=last.prompt,
+            prompt_token_ids=last.prompt_token_ids, outputs=outputs, finished=last.finished,
+            prompt_logprobs=last.prompt_logprobs, num_cached_tokens=last.num_cached_tokens,
+            error=self._error, queue_time=self._queue_time, engine_time=last.engine_time,
+            delta_text="".join(self._delta_texts), delta_token_ids=self._delta_ids)
+        self._reset()
+        return out
