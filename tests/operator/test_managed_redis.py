@@ -94,8 +94,8 @@ def test_an_operator_without_redis_refuses_managed_redis() -> None:
     from tandem.operator.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError, match="router.managedRedis: this operator has no Redis"):
-        check_environment(parse_spec(SPEC), OperatorConfig())
-    check_environment(parse_spec(PD), OperatorConfig())
+        check_environment(parse_spec(SPEC), Owner("a", NS, "u"), OperatorConfig())
+    check_environment(parse_spec(PD), Owner("a", NS, "u"), OperatorConfig())
 
 
 def test_managed_redis_is_exclusive_with_a_url_secret() -> None:
@@ -104,3 +104,18 @@ def test_managed_redis_is_exclusive_with_a_url_secret() -> None:
     bad = {**PD, "router": {"managedRedis": True, "redisUrlSecretRef": {"name": "mine"}}}
     with pytest.raises(SpecError, match="managedRedis and router.redisUrlSecretRef"):
         parse_spec(bad)
+
+
+def test_a_host_path_is_an_invalid_spec_naming_the_field(world) -> None:
+    """The admission checks run in the operator's handler: InvalidSpec, nothing deployed."""
+    from tests.operator.harness import condition
+
+    env, _, _ = world
+    bad = {**PD, "decode": {"replicas": 1, "volumes": [{"name": "root",
+                                                         "hostPath": {"path": "/"}}]}}
+    env.create("eta", bad)
+    ready = wait_for(lambda: condition(env.isvc("eta"), "Ready"), what="a Ready condition")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "decode.volumes[0].hostPath: volume type not allowed" in ready["message"]
+    assert env.get("Deployment", "eta-decode") is None
+    env.delete("eta")

@@ -75,6 +75,7 @@ def _seconds(text: str) -> float:
 
 
 def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
+    from tandem.operator.admission import policy_from_env
     from tandem.operator.reconcile import OperatorConfig
     from tandem.operator.render import image_from_env
     from tandem.operator.render.common import router_image_from_env, worker_images_from_env
@@ -91,7 +92,8 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str]) -> Operato
                           autoscale_interval_s=args.autoscale_interval,
                           resync_interval_s=args.resync_interval,
                           operator=operator_from_env(environ),
-                          redis=redis_acl_from_env(environ))
+                          redis=redis_acl_from_env(environ),
+                          admission=policy_from_env(environ))
 
 
 def redis_acl_from_env(environ: Mapping[str, str]) -> RedisAcl | None:

@@ -66,7 +66,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
         spec = _spec(body)
-        reconcile.check_environment(spec, memo.config)
+        reconcile.check_environment(spec, reconcile.owner_of(body), memo.config)
     except SpecError as exc:
         patch.status.update(merge_patch(status, failed(status, generation, "InvalidSpec",
                                                        str(exc), now)))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.operator import autoscale
+from tandem.operator.admission import AdmissionPolicy, admit
 from tandem.operator.kube import FIELD_MANAGER, KINDS, WORKLOADS, Kube, applies_field
 from tandem.operator.metrics import MetricsSource, counters, per_replica
 from tandem.operator.redis_acl import RedisAcl, url_secret
@@ -53,6 +54,7 @@ class OperatorConfig:
     fence: Callable[[], None] | None = None  # leader election: raises unless still leading
     # the chart's Redis (TANDEM_REDIS_ADDRESS + admin password file): `router.managedRedis`
     redis: RedisAcl | None = None
+    admission: AdmissionPolicy = AdmissionPolicy()  # the chart's `security` values
 
 
 @dataclass
@@ -131,8 +133,10 @@ def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> 
     return created
 
 
-def check_environment(spec: InferenceServiceSpec, config: OperatorConfig) -> None:
-    """What the spec asks of this operator's installation: `SpecError` when it lacks it."""
+def check_environment(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig) -> None:
+    """What the spec asks of this operator's installation: `SpecError` when it lacks it or
+    its admin does not allow it (`admission`)."""
+    admit(spec, owner.namespace, config.admission)
     if spec.router.managed_redis and config.redis is None:
         raise SpecError("router.managedRedis: this operator has no Redis (install the chart "
                         "with redis.enabled=true), or name your own in "
@@ -167,7 +171,7 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = manifests(spec, owner, config, keep)
-    check_environment(spec, config)
+    check_environment(spec, owner, config)
     ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
     ensure_redis_user(kube, spec, owner, config)
     hand_over_replicas(kube, spec, owner, live)
