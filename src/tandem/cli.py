@@ -140,7 +140,8 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
           auth_key_file: str | None = None,
           gpus: list[str] | None = None) -> _Deployment:
     """The worker and router command lines, each worker on free HTTP and gRPC ports; with
-    `auth_key_file`, every process gets it as `--worker-auth-key-file`. `gpus`: the GPUs
+    `auth_key_file`, every process gets it as `--worker-auth-key-file` and every worker
+    `--require-signed-requests` (it serves only the router). `gpus`: the GPUs
     to hand out (None: `visible_gpus()`)."""
     from tandem.serving.gpus import gpu_plan, visible_gpus  # not on the operator's path
 
@@ -156,12 +157,14 @@ def _plan(args: argparse.Namespace, passthrough: list[str],
 
         passthrough = [*passthrough, "--num-threads", str(max(1, usable_cores() // len(roles)))]
     auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
+    signed_only = ["--require-signed-requests"] if auth_key_file else []  # the router's only
     workers = []
     for role, extra in zip(roles, gpu_flags, strict=True):
         port = free_port(args.host)
         workers.append((role, f"http://{args.host}:{port}", [
             *base, "worker", "--host", args.host, "--port", str(port),
-            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *passthrough,
+            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *signed_only,
+            *passthrough,
             *extra]))
     router = [*base, "router", "--host", args.host, "--port", str(args.port),
               "--workers", ",".join(url for _, url, _ in workers), *auth,

@@ -682,7 +682,11 @@ def test_prefill_calls_without_the_key_are_permission_denied(cluster):
         good = sign(WORKER_KEY, rpc_body(req), PREFILL_RPC)
         chunks = list(stub.Prefill(req, metadata=((SIGNATURE_HEADER, good),), timeout=60))
         assert chunks[-1].WhichOneof("kind") == "trailer"
-        assert stub.ReleasePages(worker_pb2.ReleasePagesRequest(
-            lease_id=chunks[0].header.lease_id), timeout=10).released
+        release = worker_pb2.ReleasePagesRequest(lease_id=chunks[0].header.lease_id)
+        with pytest.raises(grpc.RpcError) as info:  # unsigned: anyone could unpin pages
+            stub.ReleasePages(release, timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert worker_pb2_grpc.KVTransferStub(signing_channel(raw)).ReleasePages(
+            release, timeout=10).released
     finally:
         raw.close()

@@ -140,7 +140,8 @@ def call_prefill(target: str, creds: grpc.ChannelCredentials | None, prompt: lis
 def get_load(target: str, creds: grpc.ChannelCredentials,
              server_name: str | None = ID) -> worker_pb2.Load:
     with channel(target, creds, server_name) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        return worker_pb2_grpc.WorkerStub(signing_channel(ch)).GetLoad(
+            worker_pb2.GetLoadRequest(), timeout=10)
 
 
 # -- tests -----------------------------------------------------------------------------------------

@@ -46,8 +46,11 @@ def test_round_trip_with_and_without_a_target():
         header = sign(KEY, BODY, target, now=NOW)
         assert reason([KEY], header, target=target) is None
         assert reason([OTHER, KEY], header, target=target) is None  # any accepted key
-    assert sign(KEY, BODY, None, now=NOW) == sign(KEY, BODY, "", now=NOW)  # "" = no target
-    assert sign(KEY, BODY, now=NOW).startswith(f"t={int(NOW)},v1=")
+    n = "0" * 32
+    assert sign(KEY, BODY, None, now=NOW, nonce=n) == sign(KEY, BODY, "", now=NOW, nonce=n)
+    assert sign(KEY, BODY, now=NOW, nonce=n).startswith(f"t={int(NOW)},n={n},v1=")
+    # a fresh nonce per signature: the same body in the same second signs differently
+    assert len({sign(KEY, BODY, now=NOW) for _ in range(100)}) == 100
 
 
 def test_every_tamper_is_refused_with_its_reason():
@@ -57,10 +60,14 @@ def test_every_tamper_is_refused_with_its_reason():
     assert reason([KEY], header, target="10.0.0.8:50051") == "bad"  # other target
     assert reason([KEY], header, target=None) == "bad"  # target dropped
     assert reason([KEY], header, BODY + b" ", "10.0.0.7:50051") == "bad"  # other body
-    ts, mac = header.split(",")
-    assert reason([KEY], f"t={int(NOW) + 1},{mac}", target="10.0.0.7:50051") == "bad"
+    ts, nonce, mac = header.split(",")
+    assert reason([KEY], f"t={int(NOW) + 1},{nonce},{mac}", target="10.0.0.7:50051") == "bad"
+    other_nonce = f"n={'0' * 32}" if nonce != f"n={'0' * 32}" else f"n={'1' * 32}"
+    assert reason([KEY], f"{ts},{other_nonce},{mac}", target="10.0.0.7:50051") == "bad"
     assert reason([KEY], None) == reason([KEY], "") == "missing"
-    for bad in ("garbage", ts, f"{ts},v1=zz", f"{ts},v2={mac[3:]}", f"{ts},{mac}0"):
+    for bad in ("garbage", ts, f"{ts},{nonce},v1=zz", f"{ts},{nonce},v2={mac[3:]}",
+                f"{ts},{nonce},{mac}0", f"{ts},{mac}",  # the old format: no nonce
+                f"{ts},n={nonce[2:18]},{mac}"):  # a short nonce
         assert reason([KEY], bad, target="10.0.0.7:50051") == "malformed", bad
     assert reason([], header, target="10.0.0.7:50051") == "no_key"
 
@@ -76,6 +83,8 @@ def test_random_single_byte_changes_never_verify():
         flipped = body[:i] + bytes([body[i] ^ (1 << rng.randrange(8))]) + body[i + 1:]
         assert reason([KEY], header, flipped, target) == "bad"
         j = header.index("v1=") + 3 + rng.randrange(64)  # inside the hex MAC
+        if rng.random() < 0.5:
+            j = header.index("n=") + 2 + rng.randrange(32)  # inside the nonce
         c = "0" if header[j] != "0" else "1"
         assert reason([KEY], header[:j] + c + header[j + 1:], body, target) == "bad"
 
@@ -244,3 +253,92 @@ def test_refusal_log_lines_are_throttled_per_reason():
         assert len(lines) <= now / LOG_INTERVAL_S + 1
         assert len(lines) + sum(n for _, n in lines) <= total[reason]  # none counted twice
         assert lines[0][1] == 0  # the first refusal is logged at once
+
+
+# -- replay: each signature is accepted once ------------------------------------------------
+def admit(cache: signing.ReplayCache, ts: int, mac: bytes, now: float) -> str | None:
+    try:
+        cache.admit(ts, mac, now)
+    except SignatureError as exc:
+        return exc.reason
+    return None
+
+
+def test_replay_cache_against_a_reference_over_random_traces():
+    """3,000 seeded traces of fresh, replayed and reordered signatures, the verifier's clock
+    sometimes stepping back: nothing accepted is ever accepted again, the cache never holds
+    more than its capacity, a cache that never overflowed (on a clock that never stepped
+    back) accepts every fresh new signature, and one newer than anything admitted so far is
+    accepted even after overflows (forgetting only ever refuses the old)."""
+    rng = random.Random(20240613)
+    window = 10
+    for trace in range(3000):
+        capacity = rng.choice((1, 2, 3, 5, 8, 50))
+        cache = signing.ReplayCache(capacity, window_s=window)
+        accepted: set[bytes] = set()  # the reference: every signature ever accepted
+        issued: list[tuple[int, bytes]] = []
+        newest, stepped_back = -1, False
+        now = 1000.0
+        for _ in range(rng.randrange(20, 60)):
+            step = rng.choice((0, 0, 0.3, 1, 2, 7, 7, -8 if trace % 3 == 0 else 1))
+            stepped_back |= step < 0  # an NTP correction on the verifier
+            now += step
+            if issued and rng.random() < 0.35:
+                ts, mac = rng.choice(issued)  # a replay (or a retry of a refused one)
+            else:
+                ts = int(now) - rng.randrange(0, window)  # fresh, possibly reordered
+                mac = rng.randbytes(32)
+                issued.append((ts, mac))
+            if now - ts > window:
+                continue  # `verify` refuses it by the clock before the cache is asked
+            got = admit(cache, ts, mac, now)
+            assert len(cache) <= capacity, trace
+            if mac in accepted:
+                assert got in ("replayed", "stale"), (trace, got)
+                continue
+            if got is None:
+                accepted.add(mac)
+                newest = max(newest, ts)
+                continue
+            assert got == "stale", (trace, got)
+            assert cache.evictions or stepped_back, (trace, "refused a fresh new signature")
+            assert ts <= newest, (trace, "refused a signature newer than any admitted")
+
+
+def test_replay_cache_is_safe_across_threads():
+    import threading
+
+    cache = signing.ReplayCache(1000, window_s=60)
+    macs = [random.Random(i).randbytes(32) for i in range(200)]
+    results: list[str | None] = []
+    lock = threading.Lock()
+
+    def hammer() -> None:
+        for mac in macs:
+            got = admit(cache, 1000, mac, 1000.0)
+            with lock:
+                results.append(got)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(None) == len(macs)  # each accepted by exactly one thread
+    assert results.count("replayed") == 7 * len(macs)
+
+
+def test_a_worker_key_accepts_each_signature_once(tmp_path):
+    k = WorkerKey(write(tmp_path / "key", KEY), replay_capacity=16)
+    header = k.sign(BODY, "p:1")
+    k.verify(header, BODY, "p:1")
+    with pytest.raises(SignatureError, match="already used") as err:
+        k.verify(header, BODY, "p:1")
+    assert err.value.reason == "replayed"
+    for _ in range(10):  # fresh signatures of the same body in the same second: all pass
+        k.verify(k.sign(BODY, "p:1"), BODY, "p:1")
+    assert len(k.replay) == 11
+    # a forgery is not remembered (it cannot fill the cache), the signed one still works
+    with pytest.raises(SignatureError):
+        k.verify(sign(OTHER, BODY), BODY)
+    assert len(k.replay) == 11

@@ -18,7 +18,7 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
-from tests.serving.conftest import free_port, start_worker, worker_key_file
+from tests.serving.conftest import free_port, signing_channel, start_worker, worker_key_file
 
 pytestmark = pytest.mark.slow
 SYSTEMS = [
@@ -130,7 +130,7 @@ def test_router_hashes_equal_the_workers_block_hashes(cluster):
     want = prompts.block_hashes(parsed, BUNDLED_NAME, ready["block_size"])
     assert len(want) >= 5
     with grpc.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as ch:
-        stream = worker_pb2_grpc.WorkerStub(ch).SubscribeKVEvents(
+        stream = worker_pb2_grpc.WorkerStub(signing_channel(ch)).SubscribeKVEvents(
             worker_pb2.SubscribeKVEventsRequest())
         held = set(next(stream).snapshot.block_hashes)
         stream.cancel()

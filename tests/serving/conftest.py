@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tandem.protocol.signing import (
-    PREFILL_RPC,
     SIGNATURE_HEADER,
+    WORKER_RPCS,
     rpc_body,
     sign,
     signed_headers,
@@ -45,21 +45,28 @@ class _Details(grpc.ClientCallDetails):
         self.metadata = metadata
 
 
-class _SignPrefill(grpc.UnaryStreamClientInterceptor):
+class _SignCalls(grpc.UnaryStreamClientInterceptor, grpc.UnaryUnaryClientInterceptor):
     def __init__(self, key: bytes) -> None:
         self.key = key
 
-    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+    def _signed(self, details, request):  # noqa: ANN001, ANN202
         metadata = list(details.metadata or ())
-        if details.method == PREFILL_RPC.removeprefix("grpc:"):
-            metadata.append((SIGNATURE_HEADER, sign(self.key, rpc_body(request), PREFILL_RPC)))
-        return continuation(_Details(details, metadata), request)
+        target = f"grpc:{details.method}"
+        if target in WORKER_RPCS:
+            metadata.append((SIGNATURE_HEADER, sign(self.key, rpc_body(request), target)))
+        return _Details(details, metadata)
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._signed(details, request), request)
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._signed(details, request), request)
 
 
 def signing_channel(channel: grpc.Channel, key: bytes = WORKER_KEY) -> grpc.Channel:
-    """`channel` whose `KVTransfer.Prefill` calls are signed with `key`, as a decode
-    worker signs them (prefill workers with a key serve no other)."""
-    return grpc.intercept_channel(channel, _SignPrefill(key))
+    """`channel` whose `Worker` and `KVTransfer` calls are signed with `key`, as routers
+    and decode workers sign them (workers with a key serve no other), each call anew."""
+    return grpc.intercept_channel(channel, _SignCalls(key))
 
 
 def signed(payload: dict, prefill: str | None = None,

@@ -62,7 +62,14 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys, root_hash
-from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, WorkerKey, rpc_body
+from tandem.protocol.signing import (
+    PREFILL_RPC,
+    RELEASE_PAGES_RPC,
+    SIGNATURE_HEADER,
+    WorkerKey,
+    rpc_body,
+    rpc_metadata,
+)
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 
@@ -273,8 +280,9 @@ class RemotePrefill:
 
     async def _ack(self, target: str, lease_id: str) -> None:
         try:
-            await self._stub(target).ReleasePages(
-                worker_pb2.ReleasePagesRequest(lease_id=lease_id), timeout=5)
+            req = worker_pb2.ReleasePagesRequest(lease_id=lease_id)
+            await self._stub(target).ReleasePages(  # signed: the prefill worker checks
+                req, timeout=5, metadata=rpc_metadata(self.key, req, RELEASE_PAGES_RPC))
         except grpc.RpcError as exc:  # the lease expires on its own
             logger.warning("could not release lease %s on %s: %s", lease_id, target,
                            _details(exc))

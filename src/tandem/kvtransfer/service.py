@@ -44,12 +44,11 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.protocol.signing import (
     PREFILL_RPC,
-    SIGNATURE_HEADER,
+    RELEASE_PAGES_RPC,
     TENANT_SALT_PREFIX,
-    SignatureError,
     WorkerKey,
-    rpc_body,
 )
+from tandem.serving.worker_auth import check_rpc
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 600.0
@@ -104,12 +103,15 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
     """Serves Prefill on workers whose role is `prefill` or `both`."""
 
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], model_id: str,
-                 role: str, stream_layers: bool = False, key: WorkerKey | None = None) -> None:
+                 role: str, stream_layers: bool = False, key: WorkerKey | None = None,
+                 on_reject: Callable[[str], None] | None = None) -> None:
         """`stream_layers`: send each layer's pages as soon as the prompt's last step has
         written it (`LayerStream`), instead of after the whole prompt. `key` (the worker
-        auth key): every Prefill call must be signed with it (`protocol.signing`); without
-        one, a call for a tenant's `cache_salt` is refused."""
+        auth key): every Prefill and ReleasePages call must be signed with it
+        (`protocol.signing`, PERMISSION_DENIED otherwise; `on_reject(reason)` counts
+        refusals); without one, a Prefill call for a tenant's `cache_salt` is refused."""
         self.key = key
+        self.on_reject = on_reject
         self.get_engine = get_engine
         self.model_id = model_id
         self.role = role
@@ -189,14 +191,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                 return ("this worker has no --worker-auth-key-file, so it serves no tenant "
                         "cache_salt")
             return None
-        header = next((v for k, v in context.invocation_metadata() or ()
-                       if k == SIGNATURE_HEADER), None)
-        try:
-            self.key.verify(header if isinstance(header, str) else None, rpc_body(request),
-                            PREFILL_RPC)
-        except SignatureError as exc:
-            return f"{exc} (Prefill calls must come from a decode worker holding the key)"
-        return None
+        return check_rpc(self.key, context.invocation_metadata(), request, PREFILL_RPC,
+                         context.peer(), self.on_reject, who="a decode worker")
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext
@@ -348,6 +344,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
     async def ReleasePages(self, request: worker_pb2.ReleasePagesRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext
                            ) -> worker_pb2.ReleasePagesResponse:
+        refused = check_rpc(self.key, context.invocation_metadata(), request,
+                            RELEASE_PAGES_RPC, context.peer(), self.on_reject,
+                            who="a decode worker")
+        if refused is not None:  # else anyone could unpin another request's pages
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         if self._leases is None:
             return worker_pb2.ReleasePagesResponse(released=False)
         released = await self._leases.release(request.lease_id, "acknowledged")

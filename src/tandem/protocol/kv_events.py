@@ -13,7 +13,9 @@ class BlockStored:
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash  # hash before block_hashes[0] (a root hash for a first block)
-    token_ids: tuple[int, ...]  # len == block_size * len(block_hashes)
+    # len == block_size * len(block_hashes): the prompt's text, for in-process consumers
+    # only; never serialized (grpc_server.event_to_proto sends hashes, the proto reserves it)
+    token_ids: tuple[int, ...]
     block_size: int
     lora_name: str = ""  # the LoRA adapter that computed them (in their hashes); "": none
 

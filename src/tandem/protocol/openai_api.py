@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1_000_000
@@ -21,6 +21,11 @@ MAX_BATCH_PROMPTS = 256
 MAX_MESSAGES = 4096
 MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT = 256  # a client's own cache_salt
+# what the router puts in front of a tenant's salt (router/auth.py `tenant_cache_salt`):
+# "tenant=" + the tenant (<= 128) + ";ns=" + 32 hex digits + ";"
+MAX_TENANT_SALT_PREFIX = 7 + 128 + 4 + 32 + 1
+MAX_PRIORITY = 2**31 - 1  # |priority|
 
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]
@@ -68,10 +73,20 @@ class _SamplingRequest(_Model):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(default=None, max_length=256)
-    priority: int = 0
+    # a client's salt: MAX_CACHE_SALT; one in a tenant's namespace (signed by the router,
+    # which checked the client's part) may carry the router's prefix on top
+    cache_salt: str | None = Field(default=None,
+                                   max_length=MAX_CACHE_SALT + MAX_TENANT_SALT_PREFIX)
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     speculative: StrictBool = True  # false: no speculative decoding for this request
     user: str | None = Field(default=None, max_length=256)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _client_salt(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("tenant=") and len(v) > MAX_CACHE_SALT:
+            raise ValueError(f"at most {MAX_CACHE_SALT} characters")
+        return v
 
 
 class CompletionRequest(_SamplingRequest):

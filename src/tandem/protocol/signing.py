@@ -5,17 +5,26 @@ The router and its workers share a key file (`--worker-auth-key-file`; in
 Kubernetes the Secret `<isvc>-worker-auth`, data key `key`). Every request the router
 forwards carries
 
-    x-tandem-signature: t=<unix seconds>,v1=<hex HMAC-SHA256(key, message)>
-    message = b"tandem-worker-v1\\n<t>\\n<x-tandem-prefill value, or empty>\\n<hex sha256(body)>"
+    x-tandem-signature: t=<unix seconds>,n=<32 hex: a random nonce>,v1=<hex HMAC-SHA256(key,
+                                                                         message)>
+    message = b"tandem-worker-v2\\n<t>\\n<nonce>\\n<target, or empty>\\n<hex sha256(body)>"
 
-over the exact body bytes sent. A worker verifies it (constant-time compare, timestamp
-within `MAX_SKEW_S` of its clock) before it tokenizes a request that names a prefill
-worker or carries a `cache_salt` starting with `tenant=`. A captured request can be replayed
-only unchanged (same body, same target) and only within the freshness window.
+over the exact body bytes sent (the target: the `x-tandem-prefill` value, `admin:<path>`, or
+`grpc:/<service>/<method>`). A worker verifies it (constant-time compare, timestamp within
+`MAX_SKEW_S` of its clock, not seen before) before it acts on the request. Each signature is
+accepted once: a verifying `WorkerKey` remembers the MACs it accepted (`ReplayCache`, bounded;
+once full, the oldest is forgotten and every signature at or before its timestamp is refused
+as stale, so forgetting never reopens a replay). Every attempt is therefore signed anew (the
+nonce makes two signatures of the same body in the same second differ). The old format
+(`t=..,v1=..`, no nonce) is refused as malformed: routers and workers ship together.
 
-A decode worker signs its `KVTransfer.Prefill` calls the same way (gRPC metadata
-`x-tandem-signature`, target `PREFILL_RPC`, body `rpc_body(request)`), so a prefill worker
-with a key serves pages, and reveals what its cache holds, only to peers holding the key.
+Signed calls: the router's forwarded requests (P/D targets, tenant salts, and, on a worker
+with `--require-signed-requests`, every inference request), its LoRA admin calls, and its
+`Worker.SubscribeKVEvents` / `Worker.GetLoad` calls (`WORKER_RPCS`); a decode worker's
+`KVTransfer.Prefill` and `KVTransfer.ReleasePages` calls (gRPC metadata
+`x-tandem-signature`, body `rpc_body(request)`). A worker with a key serves those RPCs only
+signed, so its KV event stream (block hashes: no token ids are ever sent), its load, and its
+pages reach only holders of the key.
 
 Key files are raw bytes (the mounted Secret holds 32 random bytes; surrounding ASCII
 whitespace is ignored, so a hand-written key with a newline works) of `MIN_KEY_BYTES` to
@@ -31,10 +40,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import hmac
 import re
+import secrets
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,9 +62,12 @@ MAX_KEY_BYTES = 4096
 RELOAD_INTERVAL_S = 2.0
 SIGN_PREVIOUS_FOR_S = 120.0
 ACCEPT_PREVIOUS_FOR_S = 240.0
-_HEADER = re.compile(r"t=([0-9]{1,12}),v1=([0-9a-f]{64})")
+NONCE_BYTES = 16
+REPLAY_CAPACITY = 100_000  # signatures a verifier remembers (~20 MB): 1,600/s for 60 s
+_HEADER = re.compile(r"t=([0-9]{1,12}),n=([0-9a-f]{32}),v1=([0-9a-f]{64})")
+_DOMAIN = "tandem-worker-v2"  # the MAC'd message's format (v1: no nonce; refused)
 
-Reason = Literal["no_key", "missing", "malformed", "bad", "stale"]
+Reason = Literal["no_key", "missing", "malformed", "bad", "stale", "replayed"]
 
 
 class SignatureError(Exception):
@@ -74,8 +89,8 @@ def parse_key(raw: bytes) -> bytes:
     return key
 
 
-def _message(timestamp: int, target: str, body_sha256: str) -> bytes:
-    return f"tandem-worker-{VERSION}\n{timestamp}\n{target}\n{body_sha256}".encode()
+def _message(timestamp: int, nonce: str, target: str, body_sha256: str) -> bytes:
+    return f"{_DOMAIN}\n{timestamp}\n{nonce}\n{target}\n{body_sha256}".encode()
 
 
 def body_digest(body: bytes) -> str:
@@ -83,39 +98,102 @@ def body_digest(body: bytes) -> str:
 
 
 def sign(key: bytes, body: bytes, target: str | None = None, now: float | None = None,
-         digest: str | None = None) -> str:
-    """The `x-tandem-signature` value for `body` sent with `target` (None: no P/D target).
-    `digest` (`body_digest(body)`) saves rehashing the body on a retry."""
+         digest: str | None = None, nonce: str | None = None) -> str:
+    """The `x-tandem-signature` value for `body` sent with `target` (None: none), with a fresh
+    random nonce (tests may pass `nonce`, 32 hex digits). `digest` (`body_digest(body)`)
+    saves rehashing the body on a retry. Each call gives a new signature: use it once."""
     ts = int(time.time() if now is None else now)
-    mac = hmac.new(key, _message(ts, target or "", digest or body_digest(body)),
+    nonce = secrets.token_hex(NONCE_BYTES) if nonce is None else nonce
+    mac = hmac.new(key, _message(ts, nonce, target or "", digest or body_digest(body)),
                    hashlib.sha256)
-    return f"t={ts},{VERSION}={mac.hexdigest()}"
+    return f"t={ts},n={nonce},{VERSION}={mac.hexdigest()}"
+
+
+class ReplayCache:
+    """The signatures a verifier accepted, so that each is accepted once. Thread-safe.
+
+    Holds at most `capacity` MACs. An entry leaves when its timestamp falls out of the
+    freshness window, or, when the cache is full, the one with the oldest timestamp; either
+    way the floor rises to that timestamp, and a signature at or below the floor is refused
+    ("stale"), so no accepted signature is ever accepted again."""
+
+    def __init__(self, capacity: int = REPLAY_CAPACITY, window_s: float = MAX_SKEW_S) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self.window_s = window_s
+        self.floor = -1  # timestamps <= floor are refused
+        self.evictions = 0  # entries forgotten for want of room (each raised the floor)
+        self._seen: set[bytes] = set()
+        self._heap: list[tuple[int, bytes]] = []  # (timestamp, mac), oldest first
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _forget_oldest(self) -> int:
+        ts, mac = heapq.heappop(self._heap)
+        self._seen.discard(mac)
+        self.floor = max(self.floor, ts)
+        return ts
+
+    def admit(self, timestamp: int, mac: bytes, now: float) -> None:
+        """Record a verified signature; SignatureError ("replayed" or "stale") when it was
+        accepted before or may have been (at or below the floor)."""
+        with self._lock:
+            while self._heap and self._heap[0][0] < now - self.window_s:
+                self._forget_oldest()  # refused as stale by the clock anyway
+            if timestamp <= self.floor:
+                raise SignatureError("stale", f"stale {SIGNATURE_HEADER}: signatures up to "
+                                              f"t={self.floor} are no longer accepted here")
+            if mac in self._seen:
+                raise SignatureError("replayed", f"replayed {SIGNATURE_HEADER}: this "
+                                                 "signature was already used")
+            heapq.heappush(self._heap, (timestamp, mac))
+            self._seen.add(mac)
+            if len(self._seen) > self.capacity:
+                self.evictions += 1
+                self._forget_oldest()
+            if mac not in self._seen:  # it was the oldest itself
+                raise SignatureError("stale", f"stale {SIGNATURE_HEADER}: older than every "
+                                              "signature this worker still remembers")
 
 
 def verify(keys: Sequence[bytes], header: str | None, body: bytes, target: str | None = None,
-           now: float | None = None, max_skew_s: float = MAX_SKEW_S) -> None:
-    """Raise `SignatureError` unless `header` signs `body` and `target` with one of `keys`
-    and its timestamp is within `max_skew_s` of `now`."""
+           now: float | None = None, max_skew_s: float = MAX_SKEW_S,
+           replay: ReplayCache | None = None) -> None:
+    """Raise `SignatureError` unless `header` signs `body` and `target` with one of `keys`,
+    its timestamp is within `max_skew_s` of `now`, and (with `replay`) it was not accepted
+    before; an accepted signature is then recorded in `replay`."""
     if not keys:
         raise SignatureError("no_key", "this worker has no --worker-auth-key-file")
     if not header:
         raise SignatureError("missing", f"missing {SIGNATURE_HEADER}")
     m = _HEADER.fullmatch(header.strip())
     if m is None:
-        raise SignatureError("malformed", f"malformed {SIGNATURE_HEADER} "
-                                          f"(expected t=<unix seconds>,{VERSION}=<hex>)")
-    ts, given = int(m[1]), bytes.fromhex(m[2])
-    message = _message(ts, target or "", body_digest(body))
+        raise SignatureError("malformed", f"malformed {SIGNATURE_HEADER} (expected "
+                                          f"t=<unix seconds>,n=<32 hex>,{VERSION}=<64 hex>)")
+    ts, nonce, given = int(m[1]), m[2], bytes.fromhex(m[3])
+    message = _message(ts, nonce, target or "", body_digest(body))
     ok = False
     for key in keys:  # no early exit
         ok |= hmac.compare_digest(hmac.new(key, message, hashlib.sha256).digest(), given)
     if not ok:
         raise SignatureError("bad", f"bad {SIGNATURE_HEADER}: it does not sign this body "
                                     "and target with this worker's key")
-    skew = (time.time() if now is None else now) - ts
+    t = time.time() if now is None else now
+    skew = t - ts
     if abs(skew) > max_skew_s:
         raise SignatureError("stale", f"stale {SIGNATURE_HEADER}: its timestamp is "
                                       f"{skew:+.0f} s off (at most {max_skew_s:g} s)")
+    if replay is not None:
+        replay.admit(ts, given, t)
+
+
+def metadata_signature(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The `x-tandem-signature` value among a gRPC call's metadata, if any."""
+    value = next((v for k, v in metadata or () if k == SIGNATURE_HEADER), None)
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -131,9 +209,12 @@ class WorkerKey:
     def __init__(self, path: str | Path, reload_interval_s: float = RELOAD_INTERVAL_S,
                  sign_previous_for_s: float = SIGN_PREVIOUS_FOR_S,
                  accept_previous_for_s: float = ACCEPT_PREVIOUS_FOR_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """Raises `WatchedFileError` (a ValueError naming the file) for a bad key file."""
+                 clock: Callable[[], float] = time.monotonic,
+                 replay_capacity: int = REPLAY_CAPACITY) -> None:
+        """Raises `WatchedFileError` (a ValueError naming the file) for a bad key file.
+        `verify` accepts each signature once (`ReplayCache` of `replay_capacity`)."""
         self._clock = clock
+        self.replay = ReplayCache(replay_capacity)
         self.sign_previous_for_s = sign_previous_for_s
         self.accept_previous_for_s = accept_previous_for_s
         self._file = WatchedFile(path, parse_key, what="worker auth key", max_bytes=MAX_KEY_BYTES,
@@ -166,8 +247,11 @@ class WorkerKey:
     def sign(self, body: bytes, target: str | None = None, digest: str | None = None) -> str:
         return sign(self.signing_key(), body, target, digest=digest)
 
-    def verify(self, header: str | None, body: bytes, target: str | None = None) -> None:
-        verify(self.verifying_keys(), header, body, target)
+    def verify(self, header: str | None, body: bytes, target: str | None = None,
+               now: float | None = None) -> None:
+        """`verify` with this key (and its previous one during a rotation), each signature
+        accepted once."""
+        verify(self.verifying_keys(), header, body, target, now, replay=self.replay)
 
 
 def add_worker_auth_arg(p: argparse.ArgumentParser) -> None:
@@ -196,7 +280,18 @@ def admin_target(path: str) -> str:
     return f"admin:{path}"
 
 
-PREFILL_RPC = "grpc:/tandem.v1.KVTransfer/Prefill"  # the "target" a Prefill call is signed for
+# the "targets" gRPC calls are signed for: "grpc:" + the method's full name
+PREFILL_RPC = "grpc:/tandem.v1.KVTransfer/Prefill"
+RELEASE_PAGES_RPC = "grpc:/tandem.v1.KVTransfer/ReleasePages"
+SUBSCRIBE_RPC = "grpc:/tandem.v1.Worker/SubscribeKVEvents"
+GET_LOAD_RPC = "grpc:/tandem.v1.Worker/GetLoad"
+WORKER_RPCS = (PREFILL_RPC, RELEASE_PAGES_RPC, SUBSCRIBE_RPC, GET_LOAD_RPC)
+
+
+def rpc_metadata(key: WorkerKey | None, message: Any, target: str
+                 ) -> tuple[tuple[str, str], ...] | None:
+    """gRPC metadata signing `message` for `target` with `key` (None without a key)."""
+    return None if key is None else ((SIGNATURE_HEADER, key.sign(rpc_body(message), target)),)
 
 
 def rpc_body(message: Any) -> bytes:

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """A worker with a key (--worker-auth-key-file) serves every call of Worker and KVTransfer
+    only with metadata x-tandem-signature signing the request's deterministic encoding for
+    "grpc:/<package>.<service>/<method>" (tandem/protocol/signing.py); else PERMISSION_DENIED.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +50,10 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """A worker with a key (--worker-auth-key-file) serves every call of Worker and KVTransfer
+    only with metadata x-tandem-signature signing the request's deterministic encoding for
+    "grpc:/<package>.<service>/<method>" (tandem/protocol/signing.py); else PERMISSION_DENIED.
+    """
 
     def SubscribeKVEvents(self, request, context):
         """First message: a snapshot of every block hash the worker holds (with the sequence
@@ -87,7 +93,10 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """A worker with a key (--worker-auth-key-file) serves every call of Worker and KVTransfer
+    only with metadata x-tandem-signature signing the request's deterministic encoding for
+    "grpc:/<package>.<service>/<method>" (tandem/protocol/signing.py); else PERMISSION_DENIED.
+    """
 
     @staticmethod
     def SubscribeKVEvents(request,

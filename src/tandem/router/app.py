@@ -45,6 +45,7 @@ from tandem.router.lora_admin import install_lora_admin
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.pd import plan
+from tandem.router.priority import PriorityPolicy
 from tandem.router.proxy import Attempt, ProxySettings, forward, upstream_session
 from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.startup import DEFAULT_WINDOW_S, StartupState
@@ -74,6 +75,8 @@ class RouterServerSettings:
     # signs every forwarded request (`--worker-auth-key-file`); None: requests go unsigned,
     # so no P/D (aggregated, reason "unsigned") and no tenants (api_keys refused)
     worker_key: WorkerKey | None = None
+    # each tenant's priority range (router.yaml `priority`; none: 0 only)
+    priority: PriorityPolicy = field(default_factory=PriorityPolicy)
     # keys that may load and unload LoRA adapters when `api_keys` is on (`lora_admin`)
     admin_keys: ApiKeys | None = None
 
@@ -138,7 +141,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         router.add_worker(w)
         if monitored:
             monitors[w.id] = m = WorkerMonitor(w, router.index, state["http"],
-                                                settings.monitor, settings.index_store)
+                                                settings.monitor, settings.index_store,
+                                                settings.worker_key)
             m.start()
 
     async def remove_worker(worker_id: str) -> None:
@@ -248,6 +252,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             changed = salt is not None or not data.get("model")
             if salt is not None:
                 data["cache_salt"] = salt
+            changed |= settings.priority.apply(tenant, data)  # 400 outside its range
             check_bounds(data)
             model = data.get("model") or default_model()
             tokenizer = router.tokenizer_for(router.base_model(model)[0])
@@ -258,6 +263,9 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         except (ValueError, ValidationError, RecursionError) as exc:
             metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, first_error(exc)) from exc
+        except APIError as exc:  # a bad cache_salt or priority
+            metrics.child(metrics.rejected, str(exc.status)).inc()
+            raise
         if parsed.token_ids is not None and len(parsed.token_ids) > settings.max_prompt_tokens:
             metrics.child(metrics.rejected, "400").inc()
             raise APIError(400, f"prompt has {len(parsed.token_ids)} tokens; the limit is "

@@ -17,7 +17,10 @@ becomes unreadable, malformed or empty keeps the last good keys (logged, and cou
 worker both hash with it), so one tenant cannot learn by timing whether another tenant's
 prompt is cached; a client's own `cache_salt` is kept inside its tenant's namespace, and
 the namespace is keyed (an HMAC under the worker auth key), so its hashes cannot be
-recomputed from the tenant's name.
+recomputed from the tenant's name. A worker's KV event stream carries block hashes only
+(no token ids) and is served only to callers signing with the worker auth key; a reader
+who has neither the key nor the prompt learns nothing from it, and even one holding a
+candidate prompt cannot test it against a tenant's blocks without the key.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hmac
 import re
 from pathlib import Path
 
+from tandem.protocol.openai_api import MAX_CACHE_SALT
 from tandem.protocol.signing import TENANT_SALT_PREFIX
 from tandem.protocol.watched import DEFAULT_INTERVAL_S, WatchedFile
 from tandem.protocol.web import APIError
@@ -118,7 +122,13 @@ def tenant_cache_salt(tenant: str | None, client_salt: str | None,
     hashes cannot be computed by anyone without the key, even one who reads a worker's KV
     event stream and knows the tenant's name. The tenant's namespace therefore changes
     when the key is rotated (its prefixes are computed again once). No tenant: the
-    client's salt as given."""
+    client's salt as given. APIError(400) for a client salt that is not a string of at
+    most MAX_CACHE_SALT characters (the limit counts the client's part only: workers
+    accept the prefix on top)."""
+    if client_salt is not None and (not isinstance(client_salt, str)
+                                    or len(client_salt) > MAX_CACHE_SALT):
+        raise APIError(400, f"cache_salt: a string of at most {MAX_CACHE_SALT} characters",
+                       "cache_salt")
     if tenant is None:
         return client_salt
     ns = "" if key is None else f";ns={_tenant_ns(key, tenant)}"

@@ -333,7 +333,14 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         admin_keys = ApiKeys.from_file(args.admin_api_keys) if args.admin_api_keys else None
     except ValueError as exc:
         raise SystemExit(f"--admin-api-keys: {exc}") from exc
+    from tandem.router.priority import PriorityPolicy
+
+    try:
+        priority = PriorityPolicy.from_dict(cfg.get("priority"))
+    except ValueError as exc:
+        raise SystemExit(f"router.yaml priority: {exc}") from exc
     server = RouterServerSettings(
+        priority=priority,
         preload_tokenizers=tokenizers.preload,
         on_metrics=tokenizers.bind_metrics,
         worker_urls=workers,

@@ -11,6 +11,9 @@ Per worker, three loops on the router's event loop:
   drops its entries and resubscribes after a jittered backoff.
 * load: gRPC `GetLoad` every `load_interval_s`.
 
+With the worker auth key (`key`) each call is signed (`protocol.signing`, a fresh signature
+per call): a worker with a key serves these RPCs to no one else.
+
 Both gRPC loops share one `PeerChannel` (mutual TLS by identity with `settings.tls`): once the
 TLS files change, calls go on a new channel and the old one (its KV stream included, which
 then resubscribes) is closed after `retire_grace_s`.
@@ -29,6 +32,7 @@ import grpc
 import httpx
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.signing import GET_LOAD_RPC, SUBSCRIBE_RPC, WorkerKey, rpc_metadata
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
@@ -54,8 +58,10 @@ class MonitorSettings:
 
 class WorkerMonitor:
     def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
-                 settings: MonitorSettings, store: RedisIndexStore | None = None) -> None:
+                 settings: MonitorSettings, store: RedisIndexStore | None = None,
+                 key: WorkerKey | None = None) -> None:
         self.worker = worker
+        self.key = key  # signs the gRPC calls
         self.index = index
         self.store = store  # shared index store the events are mirrored to, if any
         self.instance_id = ""  # the worker's event sequence, from its snapshot
@@ -143,7 +149,10 @@ class WorkerMonitor:
             try:
                 await self._consume(self._stub())
             except grpc.aio.AioRpcError as exc:
-                logger.info("KV event stream of %s ended: %s", w.id, exc.code())
+                refused = exc.code() == grpc.StatusCode.PERMISSION_DENIED  # a key mismatch
+                logger.log(logging.WARNING if refused else logging.INFO,
+                           "KV event stream of %s ended: %s%s", w.id, exc.code(),
+                           f" ({exc.details()})" if refused else "")
             except _SequenceGap as exc:
                 logger.warning("KV event stream of %s: %s; resubscribing", w.id, exc)
             w.events_connected = False
@@ -155,7 +164,9 @@ class WorkerMonitor:
     async def _consume(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         w = self.worker
         self.seq = -1
-        async for batch in stub.SubscribeKVEvents(worker_pb2.SubscribeKVEventsRequest()):
+        req = worker_pb2.SubscribeKVEventsRequest()
+        async for batch in stub.SubscribeKVEvents(
+                req, metadata=rpc_metadata(self.key, req, SUBSCRIBE_RPC)):
             if batch.HasField("snapshot"):
                 snap = batch.snapshot
                 hashes = snap.block_hashes
@@ -200,8 +211,10 @@ class WorkerMonitor:
     async def _load_loop(self) -> None:
         while True:
             try:
-                load = await self._stub().GetLoad(worker_pb2.GetLoadRequest(),
-                                                  timeout=self.settings.probe_timeout_s)
+                req = worker_pb2.GetLoadRequest()
+                load = await self._stub().GetLoad(
+                    req, timeout=self.settings.probe_timeout_s,
+                    metadata=rpc_metadata(self.key, req, GET_LOAD_RPC))
                 self.worker.load = WorkerLoad(
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,

@@ -5,8 +5,10 @@
 `/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
 `/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
 alive, not draining), `/metrics` (Prometheus). Every log line carries the request id.
-A completion naming a prefill worker or a tenant salt must carry the router's signature
-(`worker_auth.check_signature`: 403 otherwise, checked before anything else is done).
+A completion naming a prefill worker or a tenant salt, or asking for a nonzero priority on
+a worker with a key, must carry the router's signature, as must every completion and
+(de)tokenize call with `--require-signed-requests` (`worker_auth.check_signature`: 403
+otherwise, checked before anything else is done).
 
 Prompts are tokenized (and chat templates rendered) in a small thread pool, off both the
 event loop and the engine thread, which gets token ids; a request's prompts are admitted in
@@ -84,6 +86,10 @@ class ServerSettings:
     # the router's signing key (`--worker-auth-key-file`): P/D targets and tenant salts
     # are acted on only when signed with it (serving/worker_auth.py)
     auth_key: WorkerKey | None = None
+    # --require-signed-requests: with `auth_key`, every request that runs the model or the
+    # tokenizer on client input must be the router's (signed)
+    require_signed: bool = False
+    max_kv_event_subscribers: int = 16  # concurrent SubscribeKVEvents streams
 
 
 class _EngineHolder:
@@ -162,10 +168,12 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         grpc_server = kv_service = None
         if settings.grpc_port is not None:
             service = WorkerService(lambda: holder.engine, settings.worker_id,
-                                    settings.served_model_name, settings.role)
+                                    settings.served_model_name, settings.role,
+                                    settings.auth_key, settings.max_kv_event_subscribers,
+                                    refused)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
-                                           settings.auth_key)
+                                           settings.auth_key, refused)
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
                 settings.tls)
@@ -245,7 +253,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             raise from_engine_error(exc) from exc
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
+    async def tokenize(req: TokenizeRequest, request: Request) -> dict:
+        await check_signature(request, settings.auth_key, None, refused,
+                              required=settings.require_signed)
         check_model(req.model)
         engine = holder.get().engine
         tok = engine.tokenizer
@@ -264,7 +274,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.state.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
+    async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
+        await check_signature(request, settings.auth_key, None, refused,
+                              required=settings.require_signed)
         check_model(req.model)
         engine = holder.get().engine
         vocab = engine.state.vocab_size
@@ -334,7 +346,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        await check_signature(request, settings.auth_key, req.cache_salt, refused)
+        await check_signature(request, settings.auth_key, req.cache_salt, refused,
+                              req.priority, settings.require_signed)
         engine = holder.get()
         lora = resolve(req.model, settings.served_model_name, engine)
         try:
@@ -349,7 +362,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        await check_signature(request, settings.auth_key, req.cache_salt, refused)
+        await check_signature(request, settings.auth_key, req.cache_salt, refused,
+                              req.priority, settings.require_signed)
         engine = holder.get()
         lora = resolve(req.model, settings.served_model_name, engine)
         tok = engine.engine.tokenizer

@@ -1,13 +1,19 @@
 """The worker's gRPC control service (`tandem.v1.Worker`, see `protocol/worker.proto`).
 
 `SubscribeKVEvents` streams a snapshot of every block hash the worker holds, then live
-KV events with sequence numbers; `GetLoad` reports queue depth, free blocks and in-flight
-tokens. Runs on grpc.aio in the same event loop as the HTTP server. Messages are protobuf
-only: nothing received is unpickled or evaluated.
+KV events with sequence numbers (hashes only: never the blocks' token ids, so a reader
+learns no prompt text); `GetLoad` reports queue depth, free blocks and in-flight tokens.
+A worker with a key (`--worker-auth-key-file`) serves both only when the call is signed
+(`worker_auth.check_rpc`: PERMISSION_DENIED otherwise, counted in
+`tandem_worker_auth_rejected_total`), and at most `max_subscribers` streams at once
+(RESOURCE_EXHAUSTED beyond; a stream that ends frees its slot). Runs on grpc.aio in the
+same event loop as the HTTP server. Messages are protobuf only: nothing received is
+unpickled or evaluated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -17,19 +23,21 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.protocol.signing import GET_LOAD_RPC, SUBSCRIBE_RPC, WorkerKey
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import server_interceptors
+from tandem.serving.worker_auth import check_rpc
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS_PER_MESSAGE = 1024
+MAX_SUBSCRIBERS = 16  # KV event streams at once (each router process holds one per worker)
 
 
 def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
     if isinstance(event, BlockStored):
         return worker_pb2.KVEvent(seq=seq, stored=worker_pb2.BlockStored(
             block_hashes=list(event.block_hashes), parent_hash=event.parent_hash,
-            token_ids=list(event.token_ids), block_size=event.block_size,
-            lora_name=event.lora_name))
+            block_size=event.block_size, lora_name=event.lora_name))  # no token ids
     if isinstance(event, BlockRemoved):
         return worker_pb2.KVEvent(seq=seq, removed=worker_pb2.BlockRemoved(
             block_hashes=list(event.block_hashes)))
@@ -40,11 +48,26 @@ def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], worker_id: str,
-                 model: str, role: str) -> None:
+                 model: str, role: str, key: WorkerKey | None = None,
+                 max_subscribers: int = MAX_SUBSCRIBERS,
+                 on_reject: Callable[[str], None] | None = None) -> None:
+        """`key`: calls must be signed with it (module doc); `on_reject(reason)` counts
+        refused calls."""
         self.get_engine = get_engine
         self.worker_id = worker_id
         self.model = model
         self.role = role
+        self.key = key
+        self.max_subscribers = max_subscribers
+        self.on_reject = on_reject
+        self.subscribers = 0  # KV event streams open now
+
+    async def _authorize(self, request: object, context: grpc.aio.ServicerContext,
+                         target: str) -> None:
+        refused = check_rpc(self.key, context.invocation_metadata(), request, target,
+                            context.peer(), self.on_reject)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLMEngine:
         engine = self.get_engine()
@@ -54,6 +77,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,  # noqa: N802 - gRPC name
                       context: grpc.aio.ServicerContext) -> worker_pb2.Load:
+        await self._authorize(request, context, GET_LOAD_RPC)
         engine = await self._engine(context)
         s, state = engine.snapshot, engine.engine.state
         return worker_pb2.Load(
@@ -68,6 +92,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
             self, request: worker_pb2.SubscribeKVEventsRequest,
             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KVEventBatch]:
+        await self._authorize(request, context, SUBSCRIBE_RPC)
+        if self.subscribers >= self.max_subscribers:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this worker already streams KV events to "
+                                f"{self.max_subscribers} subscribers "
+                                "(--max-kv-event-subscribers); retry later")
+        self.subscribers += 1  # no await since the check: the count cannot overshoot
+        try:
+            async with contextlib.aclosing(self._stream(context)) as stream:
+                async for batch in stream:
+                    yield batch
+        finally:
+            self.subscribers -= 1
+
+    async def _stream(self, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[worker_pb2.KVEventBatch]:
         engine = await self._engine(context)
         hub = engine.kv_hub
         if hub is None:

@@ -213,6 +213,22 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
     add_tls_arg(p)
     add_worker_auth_arg(p)
+    p.add_argument("--require-signed-requests", action="store_true",
+                   help="serve completions and (de)tokenize calls only when the router "
+                        "signed them (needs --worker-auth-key-file; 403 otherwise)")
+    p.add_argument("--max-kv-event-subscribers", type=_positive_int, default=16,
+                   metavar="N", help="KV event streams (gRPC SubscribeKVEvents) served at "
+                                     "once; more are refused (RESOURCE_EXHAUSTED)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"an integer >= 1, not {text!r}")
+    return value
 
 
 def check_model_digest(model: str | None, expected: str) -> None:
@@ -262,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
     from tandem.protocol.tls import tls_from_args
     from tandem.serving.api_server import ServerSettings, build_app
 
+    if args.require_signed_requests and not args.worker_auth_key_file:  # a usage error
+        raise ConfigError("--require-signed-requests needs --worker-auth-key-file (the key "
+                          "the router signs requests with)")
     limit_malloc_arenas()  # before any of the server's threads start
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
@@ -276,6 +295,9 @@ def run(args: argparse.Namespace) -> int:
     name = config.model_name
     tls = tls_from_args(args.grpc_tls_dir, args.grpc_tls_server_name)
     auth_key = load_worker_key(args.worker_auth_key_file)
+    if auth_key is not None and not args.require_signed_requests:
+        logger.warning("no --require-signed-requests: anything that reaches this worker's "
+                       "HTTP port is served unsigned (no tenant, no rate limit)")
     if auth_key is None:
         logger.warning("no --worker-auth-key-file: requests naming a prefill worker or a "
                        "tenant cache_salt will be refused (403)")
@@ -288,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
                               request_timeout_s=args.request_timeout,
                               grpc_host=args.host, grpc_port=args.grpc_port,
                               worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls,
-                              kv_stream_layers=args.kv_stream_layers, auth_key=auth_key)
+                              kv_stream_layers=args.kv_stream_layers, auth_key=auth_key,
+                              require_signed=args.require_signed_requests,
+                              max_kv_event_subscribers=args.max_kv_event_subscribers)
     config = dataclasses.replace(config, served_model_name=name,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []

@@ -1,17 +1,24 @@
 """The worker's check of the router's signature (`protocol.signing`).
 
-A request that names a prefill worker (`x-tandem-prefill`) or carries a tenant's
-`cache_salt` (`tenant=...`) is acted on only with a valid, fresh signature over its exact
-body and that target: otherwise 403 with an OpenAI error body naming the cause, before the
-prompt is tokenized and before any connection is opened. Anything else (direct debugging,
-probes) needs no signature. A worker without `--worker-auth-key-file` refuses both.
+HTTP: a request that names a prefill worker (`x-tandem-prefill`), carries a tenant's
+`cache_salt` (`tenant=...`), asks for a nonzero `priority` (on a worker with a key), or
+reaches a worker with `--require-signed-requests` (every route that runs the model or the
+tokenizer on client input) is acted on only with a valid, fresh, unused signature over its
+exact body and that target: otherwise 403 with an OpenAI error body naming the cause, before
+the prompt is tokenized and before any connection is opened. Anything else (direct
+debugging, probes) needs no signature. A worker without `--worker-auth-key-file` refuses
+prefill targets and tenant salts, and honours priority as vLLM does.
+
+gRPC (`check_rpc`): a worker with a key serves `Worker.*` and `KVTransfer.*` calls only when
+signed for their method (PERMISSION_DENIED otherwise).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from fastapi import Request
 
@@ -20,6 +27,8 @@ from tandem.protocol.signing import (
     TENANT_SALT_PREFIX,
     SignatureError,
     WorkerKey,
+    metadata_signature,
+    rpc_body,
 )
 from tandem.protocol.web import PREFILL_HEADER, plain_request_id
 from tandem.serving.errors import APIError
@@ -50,19 +59,63 @@ class _Throttle:
 _LOG_LIMIT = _Throttle()
 
 
-def needs_signature(target: str | None, cache_salt: str | None) -> bool:
-    return target is not None or (cache_salt or "").startswith(TENANT_SALT_PREFIX)
+REQUIRED = "every request to this worker (--require-signed-requests)"
+
+
+def needs_signature(target: str | None, cache_salt: str | None, key: WorkerKey | None = None,
+                    priority: int = 0, required: bool = False) -> str | None:
+    """What makes a request need the router's signature (for the error), or None."""
+    if target is not None:
+        return PREFILL_HEADER
+    if (cache_salt or "").startswith(TENANT_SALT_PREFIX):
+        return "a tenant cache_salt"
+    if required and key is not None:
+        return REQUIRED
+    if priority and key is not None:  # keyed: priority is the router's (tenant policy)
+        return "a nonzero priority"
+    return None
 
 
 async def check_signature(request: Request, key: WorkerKey | None, cache_salt: str | None,
-                          on_reject: Callable[[str], None] | None = None) -> None:
+                          on_reject: Callable[[str], None] | None = None, priority: int = 0,
+                          required: bool = False) -> None:
     """Raise APIError(403) when the request needs a signature (module doc) and has no
-    valid one. `on_reject(reason)` is called first (a metric)."""
+    valid one. `on_reject(reason)` is called first (a metric). `required`: the worker's
+    --require-signed-requests."""
     target = request.headers.get(PREFILL_HEADER)
-    if not needs_signature(target, cache_salt):
+    what = needs_signature(target, cache_salt, key, priority, required)
+    if what is None:
         return
-    what = PREFILL_HEADER if target is not None else "a tenant cache_salt"
     await require_signature(request, key, target, what, on_reject)
+
+
+def _log_refusal(reason: str, rid: str, what: str, peer: str, exc: SignatureError) -> None:
+    suppressed = _LOG_LIMIT.allow(reason, time.monotonic())
+    if suppressed is not None:  # a flood of forgeries must not flood the log
+        logger.warning("[%s] refused a request from %s (%s needs the router's signature): "
+                       "%s%s", rid, peer, what, exc,
+                       f" ({suppressed} more refused since the last report)"
+                       if suppressed else "")
+
+
+def check_rpc(key: WorkerKey | None, metadata: Iterable[tuple[str, Any]] | None, request: Any,
+              target: str, peer: str = "?", on_reject: Callable[[str], None] | None = None,
+              who: str = "the router") -> str | None:
+    """Why a gRPC call may not be served (for PERMISSION_DENIED), or None: a worker with a
+    key serves it only when its `x-tandem-signature` metadata signs `rpc_body(request)` for
+    `target` (the method, `protocol.signing.WORKER_RPCS`); without a key, any call. `who`
+    names the legitimate caller in the message."""
+    if key is None:
+        return None
+    try:
+        key.verify(metadata_signature(metadata), rpc_body(request), target)
+    except SignatureError as exc:
+        if on_reject is not None:
+            on_reject(exc.reason)
+        method = target.rsplit("/", 1)[-1]
+        _log_refusal(exc.reason, "-", f"a {method} call", peer, exc)
+        return f"{exc} ({method} calls must come from {who} holding the key)"
+    return None
 
 
 async def require_signature(request: Request, key: WorkerKey | None, target: str | None,
@@ -77,12 +130,8 @@ async def require_signature(request: Request, key: WorkerKey | None, target: str
     except SignatureError as exc:
         if on_reject is not None:
             on_reject(exc.reason)
-        suppressed = _LOG_LIMIT.allow(exc.reason, time.monotonic())
-        if suppressed is not None:  # a flood of forgeries must not flood the log
-            rid = plain_request_id(request.headers.get("x-request-id")) or "-"
-            logger.warning("[%s] refused a request with %s from %s: %s%s", rid, what,
-                           request.client.host if request.client else "?", exc,
-                           f" ({suppressed} more refused since the last report)"
-                           if suppressed else "")
-        raise APIError(403, f"{exc} (a request with {what} must come from the router)",
+        _log_refusal(exc.reason, plain_request_id(request.headers.get("x-request-id")) or "-",
+                     what, request.client.host if request.client else "?", exc)
+        whose = "" if what == REQUIRED else "a request with "
+        raise APIError(403, f"{exc} ({whose}{what} must come from the router)",
                        SIGNATURE_HEADER, type_="permission_error") from exc
