@@ -20,7 +20,7 @@ class _Stub:
         for b in self.batches:
             yield b
 
-    def SubscribeKVEvents(self, request):  # noqa: N802, ANN001, ANN201 - the gRPC name
+    def SubscribeKVEvents(self, request, metadata=None):  # noqa: N802, ANN001, ANN201
         return self._stream()
 
 
