@@ -17,6 +17,7 @@ from tandem.router.core import Router, RouterSettings
 from tandem.router.index import block_key
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
 from tandem.router.monitor import MonitorSettings
+from tandem.router.proxy import ProxySettings
 from tests.serving.conftest import free_port
 
 from .test_router_app import Served, _wait_ready, stub_openai
@@ -183,7 +184,8 @@ def test_a_fresh_router_routes_on_the_shared_index_before_hearing_any_worker(red
         core = Router(RouterSettings(seed=0), lambda model: None)
         router = Served(build_app(core, RouterServerSettings(
             worker_urls=[a.url, b.url], index_store=store,
-            monitor=MonitorSettings(probe_interval_s=0.1))))
+            monitor=MonitorSettings(probe_interval_s=0.1),
+            proxy=ProxySettings(debug_headers=True))))  # x-tandem-worker
         _wait_ready(router.url, 2)
         for _ in range(3):
             r = httpx.post(router.url + "/v1/completions", timeout=10, json={

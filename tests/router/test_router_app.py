@@ -22,6 +22,7 @@ from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
+from tandem.router.proxy import ProxySettings
 from tests.serving.conftest import WORKER_KEY, free_port, worker_key_file
 
 
@@ -82,12 +83,16 @@ def stub_openai(name: str, seen: list) -> FastAPI:
 
 
 def router_app(workers: list[str], keys: dict[str, str] | None = None,
-               router: Router | None = None, worker_key: WorkerKey | None = None) -> Served:
+               router: Router | None = None, worker_key: WorkerKey | None = None,
+               debug_headers: bool = False, limits: ServerLimits | None = None,
+               **settings) -> Served:
+    """The router app on the lean server; `settings`: more `RouterServerSettings` fields."""
     router = router or Router(RouterSettings(seed=0), lambda model: None)  # text hashes
-    settings = RouterServerSettings(worker_urls=workers, api_keys=ApiKeys(keys or {}),
-                                    monitor=MonitorSettings(probe_interval_s=0.1),
-                                    worker_key=worker_key)
-    return Served(build_app(router, settings))
+    server = RouterServerSettings(worker_urls=workers, api_keys=ApiKeys(keys or {}),
+                                  monitor=MonitorSettings(probe_interval_s=0.1),
+                                  worker_key=worker_key,
+                                  proxy=ProxySettings(debug_headers=debug_headers), **settings)
+    return Served(build_app(router, server), limits=limits)
 
 
 @pytest.fixture()
@@ -134,7 +139,7 @@ def test_approximate_mode_keeps_a_prompt_on_one_stock_server(stubs):
 def test_a_dead_backend_is_retried_elsewhere_before_the_first_byte(stubs):
     servers, seen = stubs
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    router = router_app([dead, servers[0].url])
+    router = router_app([dead, servers[0].url], debug_headers=True)
     try:
         _wait_ready(router.url, 1)
         # the dead one never passes readiness, so it is not even tried
@@ -164,7 +169,7 @@ def test_a_429_is_retried_elsewhere_and_its_worker_is_not_charged(stubs):
 
     busy_server = Served(busy)
     router = Router(RouterSettings(seed=0), lambda model: None)
-    served = router_app([busy_server.url, servers[0].url], router=router)
+    served = router_app([busy_server.url, servers[0].url], router=router, debug_headers=True)
     try:
         _wait_ready(served.url, 2)
         for i in range(6):  # new prompts: the load tie goes either way, so some hit `busy`
@@ -199,7 +204,10 @@ def test_api_keys_and_tenant_salts(stubs, tmp_path):
         deep = httpx.post(router.url + "/v1/completions", content=b"[" * 200_000,
                           headers={"Authorization": "Bearer sk-beta"})
         assert deep.status_code == 400 and "deeply" in deep.json()["error"]["message"]
-        assert httpx.get(router.url + "/metrics").status_code == 200
+        r = httpx.get(router.url + "/metrics")  # with keys, /metrics needs one too
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(router.url + "/metrics",
+                         headers={"Authorization": "Bearer sk-beta"}).status_code == 200
         r = httpx.post(router.url + "/v1/completions", json=body,
                        headers={"Authorization": "Bearer sk-beta"})
         assert r.status_code == 200

@@ -43,6 +43,9 @@ class RouterProcess:
         self.port = free_port()
         auth_flag = "--worker-auth-key-file"
         extra = [auth_flag, worker_key_file(tmp_path)] if auth and auth_flag not in args else []
+        extra.append("--debug-headers")  # the tests read x-tandem-worker
+        if "--api-keys" in args:
+            extra.append("--no-metrics-auth")  # ... and /metrics without a key
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / f"router-{self.port}.log"
         with open(self.log_path, "w") as log:

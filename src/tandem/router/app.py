@@ -4,7 +4,14 @@ Per request: authenticate (tenant) -> bound and parse the body -> tokenize and h
 prompt as the worker will -> pick a worker (`core.Router`), and a prefill worker when the
 prompt's uncached part is long (`pd.plan`) -> forward (`proxy.forward`, retries before the
 first byte). `/v1/models` lists what the ready workers serve; `/health`
-is the process, `/ready` means at least one worker is routable; `/metrics` is Prometheus.
+is the process, `/ready` means at least one worker is routable (both open: kubelet probes).
+
+`/metrics` (Prometheus; its labels name workers, i.e. pod addresses) is served on the main
+port, or with `metrics_port` only on a port of its own (`metrics_app`). It needs a key when
+`metrics_auth` is on: by default on the main port whenever API keys are configured, off on
+the metrics port (reach it through a NetworkPolicy). The key is an admin key when admin keys
+are configured, else any API key. FastAPI's `/docs` and `/redoc` are never served;
+`/openapi.json` only with `openapi` (behind the API keys when configured).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router
 from tandem.router.discovery import Discovery, StaticDiscovery, WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
-from tandem.router.lora_admin import install_lora_admin
+from tandem.router.lora_admin import check_admin, install_lora_admin
 from tandem.router.metrics import RouterMetrics
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.pd import plan
@@ -79,6 +86,9 @@ class RouterServerSettings:
     priority: PriorityPolicy = field(default_factory=PriorityPolicy)
     # keys that may load and unload LoRA adapters when `api_keys` is on (`lora_admin`)
     admin_keys: ApiKeys | None = None
+    metrics_port: int | None = None  # /metrics there (`metrics_app`), not on the main port
+    metrics_auth: bool | None = None  # None: on the main port iff API keys are configured
+    openapi: bool = False  # serve /openapi.json (behind the API keys when configured)
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
@@ -88,6 +98,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     if settings.api_keys.configured and settings.worker_key is None:
         raise ValueError("API keys (tenants) need a worker auth key: workers refuse tenant "
                          "cache salts that the router has not signed")
+    if settings.metrics_auth and not settings.api_keys.configured:
+        raise ValueError("metrics auth needs API keys (--api-keys) to check against")
     if settings.worker_key is None:
         logger.warning("no worker auth key: requests to workers go unsigned, so every "
                        "request is served aggregated (reason \"unsigned\"), never P/D")
@@ -187,7 +199,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                     w.ready = False  # a probe may have answered meanwhile
             startup.synced = True
 
-    app = FastAPI(title="Tandem router", lifespan=lifespan)
+    app = FastAPI(title="Tandem router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.router = router
     app.state.monitors = monitors
     app.state.metrics = metrics
@@ -206,8 +219,22 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         return JSONResponse({"status": "ready" if n else "no_workers", "ready_workers": n},
                             status_code=200 if n else 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
+    def check_metrics_key(request: Request) -> None:
+        """401/403 (OpenAI errors) unless the caller may read /metrics (module doc)."""
+        authorization = request.headers.get("authorization")
+        if settings.admin_keys is not None and settings.admin_keys.configured:
+            check_admin(settings.api_keys, settings.admin_keys, authorization)
+        else:
+            settings.api_keys.tenant(authorization)
+
+    def metrics_route(target: FastAPI, auth: bool) -> None:
+        @target.get("/metrics")
+        async def prometheus(request: Request) -> PlainTextResponse:
+            if auth:
+                check_metrics_key(request)
+            return exposition()
+
+    def exposition() -> PlainTextResponse:
         now = time.monotonic()
         for w in router.workers.values():
             metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
@@ -218,6 +245,21 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
             metrics.reload_errors.labels("worker_auth_key").set(
                 settings.worker_key.reload_errors)
         return PlainTextResponse(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    if settings.metrics_port is None:
+        metrics_route(app, settings.api_keys.configured if settings.metrics_auth is None
+                      else settings.metrics_auth)
+    else:
+        side = FastAPI(title="Tandem router metrics", docs_url=None, redoc_url=None,
+                       openapi_url=None)
+        install_error_handlers(side)
+        metrics_route(side, bool(settings.metrics_auth))
+        app.state.metrics_app = FastPaths(side, {}, settings.max_body_bytes)
+    if settings.openapi:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> JSONResponse:
+            settings.api_keys.tenant(request.headers.get("authorization"))
+            return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -436,3 +478,8 @@ def request_id(supplied: str | None) -> str:
     """The client's X-Request-Id when it is short and plain (it goes into logs and the
     worker request's headers), else a fresh one."""
     return plain_request_id(supplied) or f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
+def metrics_app(app: FastPaths) -> FastPaths | None:
+    """The app for the metrics port (only `/metrics`), when `metrics_port` is set."""
+    return getattr(app.state, "metrics_app", None)

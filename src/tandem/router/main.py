@@ -23,9 +23,15 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
-`redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds` and
-`rate_limits: {default: {requests_per_s, burst_requests, tokens_per_min}, tenants: {NAME:
-{...}}}`; flags win over the file.
+`redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
+`debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
+`max_connections` and `rate_limits: {default: {requests_per_s, burst_requests,
+tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
+
+The front door (`add_front_door_args`): answers name no worker unless `--debug-headers`;
+`/metrics` needs a key on `--port` when `--api-keys` is set, or moves to `--metrics-port`;
+`/openapi.json` only with `--openapi`; a client that takes no bytes for
+`--send-timeout-seconds` is cut; at most `--max-connections` connections per process.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +68,20 @@ POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
 MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
 DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
 CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL
+SEND_TIMEOUT_S = 30.0  # a client that takes no bytes this long is cut
+MAX_CONNECTIONS = 4096  # per router process
+
+
+@dataclass(frozen=True)
+class FrontDoor:
+    """The front door's settings (`add_front_door_args`)."""
+
+    debug_headers: bool = False
+    metrics_port: int | None = None
+    metrics_auth: bool | None = None
+    openapi: bool = False
+    send_timeout_s: float = SEND_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +148,60 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=_drain_seconds, default=None, metavar="S",
                    help="on SIGTERM, in-flight requests and streams get up to S seconds to "
                         f"finish (default {DRAIN_SECONDS:g}; router.yaml drain_seconds)")
+    add_front_door_args(p)
+
+
+def add_front_door_args(p: argparse.ArgumentParser) -> None:
+    """What the router's answers reveal and what a client may hold (router.yaml: the same
+    names with underscores)."""
+    p.add_argument("--debug-headers", action="store_true", default=None,
+                   help="name the answering worker (x-tandem-worker: a pod address) and pass "
+                        "its server-timing in answers (default off)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /metrics on this port only (not on --port); without it, "
+                        "/metrics on --port needs a key when --api-keys is set")
+    p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=None,
+                   help="/metrics needs a key (an admin key when --admin-api-keys is set, "
+                        "else any API key); default: on for --port when --api-keys is set, "
+                        "off for --metrics-port")
+    p.add_argument("--openapi", action="store_true", default=None,
+                   help="serve /openapi.json (behind the API keys when set; default off)")
+    p.add_argument("--send-timeout-seconds", type=float, default=None, metavar="S",
+                   help="cut a connection whose client takes no bytes of its answer or "
+                        f"stream for S seconds (default {SEND_TIMEOUT_S:g}; lean server)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="concurrent client connections per router process; more are closed "
+                        f"at accept (default {MAX_CONNECTIONS})")
+
+
+def front_door(args: argparse.Namespace, cfg: dict[str, Any]) -> FrontDoor:
+    """The front-door settings: flags win over router.yaml; SystemExit naming a bad one."""
+    def flag(key: str, what: str, default: Any) -> Any:
+        value = getattr(args, key)
+        value = cfg.get(key, default) if value is None else value
+        ok = {"a boolean": lambda v: isinstance(v, bool),
+              "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+              "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if value is not None and not ok[what](value):
+            raise SystemExit(f"{key}: {what}, not {value!r}")
+        return value
+
+    door = FrontDoor(debug_headers=flag("debug_headers", "a boolean", False),
+                     metrics_port=flag("metrics_port", "an integer", None),
+                     metrics_auth=flag("metrics_auth", "a boolean", None),
+                     openapi=flag("openapi", "a boolean", False),
+                     send_timeout_s=float(flag("send_timeout_seconds", "a number",
+                                               SEND_TIMEOUT_S)),
+                     max_connections=flag("max_connections", "an integer", MAX_CONNECTIONS))
+    if door.metrics_port is not None and not 1 <= door.metrics_port <= 65535:
+        raise SystemExit(f"metrics_port: a port in 1-65535, not {door.metrics_port}")
+    if door.metrics_port is not None and door.metrics_port == args.port:
+        raise SystemExit("metrics_port: must differ from --port")
+    if not 0 < door.send_timeout_s <= 86400:
+        raise SystemExit(f"send_timeout_seconds: in (0, 86400], not {door.send_timeout_s:g}")
+    if door.max_connections < 1:
+        raise SystemExit(f"max_connections: at least 1, not {door.max_connections}")
+    return door
 
 
 def _drain_seconds(text: str) -> float:
@@ -333,6 +408,9 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         admin_keys = ApiKeys.from_file(args.admin_api_keys) if args.admin_api_keys else None
     except ValueError as exc:
         raise SystemExit(f"--admin-api-keys: {exc}") from exc
+    door = front_door(args, cfg)
+    if door.metrics_auth and not args.api_keys:
+        raise SystemExit("--metrics-auth needs --api-keys (the keys it checks)")
     from tandem.router.priority import PriorityPolicy
 
     try:
@@ -354,8 +432,11 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         rate_limiter=limiter,
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
-                            else int(cfg.get("retries", 2))),
-        monitor=MonitorSettings(tls=tls))
+                            else int(cfg.get("retries", 2)), debug_headers=door.debug_headers),
+        monitor=MonitorSettings(tls=tls),
+        metrics_port=door.metrics_port,
+        metrics_auth=door.metrics_auth,
+        openapi=door.openapi)
     return build_app(router, server), router, server
 
 
@@ -365,6 +446,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _load_yaml(args.config)
     n = _count(args, cfg, "processes", 1, "a process count", least=1)
+    door = front_door(args, cfg)
+    if door.metrics_port is not None and args.http_server != "lean":
+        raise SystemExit("--metrics-port needs the lean HTTP server")
     if n > 1 and not processes.is_child():
         if args.http_server != "lean":
             raise SystemExit("--processes > 1 needs the lean HTTP server (SO_REUSEPORT)")
@@ -381,12 +465,17 @@ def run(args: argparse.Namespace) -> int:
     drain = drain_seconds(args, cfg)
     if args.http_server == "lean":
         from tandem.protocol import http_server
+        from tandem.router.app import metrics_app
 
-        http_server.run(app, args.host, args.port, http_server.ServerLimits(graceful_s=drain),
-                        reuse_port=processes.is_child())
-    else:  # uvicorn closes its listener at once on SIGTERM (no draining /ready answer)
-        import uvicorn
+        side = metrics_app(app)
+        limits = http_server.ServerLimits(graceful_s=drain, send_timeout_s=door.send_timeout_s,
+                                          max_connections=door.max_connections)
+        http_server.run(app, args.host, args.port, limits, reuse_port=processes.is_child(),
+                        side=[(side, door.metrics_port)] if side is not None else None)
+    else:  # uvicorn closes its listener at once on SIGTERM (no draining /ready answer), and
+        import uvicorn  # has no send timeout; past the limit it answers 503
 
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, timeout_graceful_shutdown=drain)
+                    access_log=False, timeout_graceful_shutdown=drain,
+                    limit_concurrency=door.max_connections)
     return 0

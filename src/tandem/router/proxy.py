@@ -16,6 +16,9 @@
   also marks it unready until its next good readiness probe.
 * With a worker key every attempt is signed (`protocol.signing`): the exact body sent and
   that attempt's prefill target, so a worker can tell the router's requests from others.
+* Answers name no worker: a worker id is a pod address. Only with `debug_headers` does the
+  client get `x-tandem-worker` (the worker that answered) and the worker's `server-timing`,
+  and a 502's message the connect error; without, the error's kind only.
 """
 
 from __future__ import annotations
@@ -34,12 +37,20 @@ from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, body_digest
 from tandem.protocol.web import PREFILL_HEADER, APIError, error_body
 from tandem.router.pd import Route
 from tandem.router.policy import Decision
-from tandem.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamSettings
+from tandem.router.upstream import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamSettings,
+    UpstreamTimeout,
+)
 from tandem.router.workers import Worker
 
 logger = logging.getLogger(__name__)
 RETRY_STATUSES = (429, 503)
-PASS_HEADERS = ("content-type", "retry-after", "server-timing")
+PASS_HEADERS = ("content-type", "retry-after")  # worker headers a client gets
+DEBUG_PASS_HEADERS = (*PASS_HEADERS, "server-timing")  # ... with `debug_headers`
+WORKER_HEADER = "x-tandem-worker"  # the answering worker's id, with `debug_headers`
 
 
 @dataclass
@@ -48,13 +59,15 @@ class ProxySettings:
     backoff_s: float = 0.02  # base of the jittered exponential backoff
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
+    debug_headers: bool = False  # name the worker in answers (module doc); off: no pod address
 
 
 @dataclass
 class Attempt:
     route: Route
     status: int | None = None
-    error: str | None = None
+    error: str | None = None  # for logs: may name the worker's address
+    failure: str | None = None  # what went wrong, naming no address ("timeout", ...)
     final: bool = False  # the attempt whose response the client gets
 
     @property
@@ -104,6 +117,8 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
             release()
             w.breaker.on_failure(time.monotonic())
             attempt.error = f"{type(exc).__name__}: {exc}"
+            attempt.failure = ("timeout" if isinstance(exc, UpstreamTimeout)
+                               else "connection failed")
             logger.warning("[%s] %s failed before the first byte: %s", rid, w.id, attempt.error)
         else:
             attempt.status = resp.status
@@ -121,8 +136,10 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                     w.breaker.on_success()
                 attempt.final = True
                 on_attempt(attempt)
-                headers = {k: v for k, v in resp.headers if k in PASS_HEADERS}
-                headers["x-tandem-worker"] = w.id
+                passed = DEBUG_PASS_HEADERS if settings.debug_headers else PASS_HEADERS
+                headers = {k: v for k, v in resp.headers if k in passed}
+                if settings.debug_headers:
+                    headers[WORKER_HEADER] = w.id
                 if stream and resp.status == 200:
                     return StreamingResponse(_relay(resp, rid, w, release),
                                              status_code=200, headers=headers)
@@ -148,7 +165,8 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
     if last.status in RETRY_STATUSES:
         raise APIError(last.status, f"every worker tried was busy (last: HTTP {last.status})",
                        headers={"Retry-After": "1"})
-    raise APIError(502, f"no worker could be reached ({last.error})", type_="server_error")
+    detail = last.error if settings.debug_headers else last.failure
+    raise APIError(502, f"no worker could be reached ({detail})", type_="server_error")
 
 
 async def _relay(resp: UpstreamResponse, rid: str, w: Worker,
