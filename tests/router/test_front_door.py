@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import threading
 import time
 
@@ -31,6 +32,7 @@ from tandem.router.proxy import ProxySettings, forward, upstream_session
 from tandem.router.workers import Worker
 from tests.protocol.test_http_server import held, on_loop, stalled_client, wait_until
 from tests.router.test_router_app import Served, _wait_ready, router_app
+from tests.router.test_router_lifecycle import Router as RouterProcess
 from tests.serving.conftest import free_port, worker_key_file
 
 CHUNK = 8 << 10  # the flooding stream's SSE data per event
@@ -285,3 +287,23 @@ def test_front_door_flags_and_router_yaml(tmp_path):
             front_door(_args(*argv), cfg_)
     with pytest.raises(SystemExit, match="--metrics-auth needs --api-keys"):
         build(_args("--metrics-auth"))
+
+
+def test_the_router_process_serves_metrics_on_its_own_port_only(worker, tmp_path):
+    """`tandem router --metrics-port`: the side listener is up with the main one, serves
+    /metrics alone, and goes down with the process on SIGTERM."""
+    metrics_port = free_port()
+    router = RouterProcess(tmp_path, [worker.url], "--metrics-port", str(metrics_port))
+    metrics = f"http://127.0.0.1:{metrics_port}"
+    try:
+        router.wait_listening()
+        r = httpx.get(metrics + "/metrics", timeout=5)
+        assert r.status_code == 200 and "tandem_router_" in r.text
+        assert httpx.get(metrics + "/v1/models", timeout=5).status_code == 404
+        assert httpx.get(router.url + "/metrics", timeout=5).status_code == 404
+        router.proc.send_signal(signal.SIGTERM)
+        assert router.proc.wait(timeout=30) == 0, router.log()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(metrics + "/metrics", timeout=5)
+    finally:
+        router.stop()
