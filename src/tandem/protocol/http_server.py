@@ -45,11 +45,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import http
 import logging
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import httptools
@@ -57,81 +55,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.protocol.asgi_lifespan import Lifespan
+from tandem.protocol.http_wire import (
+    DRAIN_OPEN_PATHS,
+    MAX_URL_BYTES,
+    STATUS_LINES,
+    ParsedRequest,
+    Reject,
+    SendTimeout,
+    ServerLimits,
+    ServerStats,
+    draining_answer,
+    frame,
+    status_line,
+)
 from tandem.protocol.web import DISCONNECT_CANCELS, FastPaths, Handler, error_body, serve_route
 
 logger = logging.getLogger(__name__)
-MAX_URL_BYTES = 8 << 10
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 MAX_PIPELINED = 16  # parsed requests waiting behind the one in progress; then reading pauses
 MAX_PIPELINED_BYTES = 1 << 20  # ... or this many bytes of them
 FEED_BYTES = 4096  # input is parsed in slices of this, so reading can stop between requests
 REFUSED_LOG_S = 10.0  # at most one log line this often about refused connections
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
-
-
-@dataclass
-class ServerLimits:
-    max_headers: int = 100
-    max_header_bytes: int = 64 << 10
-    keep_alive_s: float = 5.0
-    graceful_s: float = 5.0  # the drain: in-flight requests' time to finish after a stop
-    send_timeout_s: float = 30.0  # a write waiting this long for the client to read: cut
-    max_connections: int = 4096  # concurrent connections; more are closed at accept
-
-
-@dataclass
-class ServerStats:
-    """What the server holds now (and its peak write buffer): for tests and debugging."""
-
-    connections: int
-    write_buffered: int  # bytes in the connections' transports, not yet sent
-    pending_requests: int  # parsed, waiting behind the request in progress
-    pending_bytes: int  # their bytes, plus input read but not yet parsed
-    peak_write_buffered: int  # the most one connection's transport held after a write
-    refused: int  # connections closed at accept (`max_connections`)
-
-
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase
-    except ValueError:
-        phrase = ""
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
-
-
-_STATUS = {s.value: _status_line(s.value) for s in http.HTTPStatus}
-
-
-def _frame(data: bytes, chunked: bool) -> bytes:
-    """One piece of a response body as it goes on the wire."""
-    return b"%x\r\n%b\r\n" % (len(data), data) if chunked else data
-
-
-class _Reject(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class _SendTimeout(Exception):
-    """The client took no bytes for `send_timeout_s`; the connection is aborted."""
-
-
-class _Request:
-    __slots__ = ("method", "url", "headers", "parts", "size", "nbytes", "version",
-                 "keep_alive", "reject")
-
-    def __init__(self) -> None:
-        self.method = b""
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.parts: list[bytes] = []
-        self.size = 0  # header bytes while parsing them, then body bytes
-        self.nbytes = 0  # URL + headers + body, once parsed (pipelining bound)
-        self.version = "1.1"
-        self.keep_alive = True
-        self.reject: _Reject | None = None
 
 
 class _Connection(asyncio.Protocol):
@@ -142,9 +87,9 @@ class _Connection(asyncio.Protocol):
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
-        self.parsing: _Request | None = None
-        self.last: _Request | None = None  # the last complete request parsed
-        self.pending: collections.deque[_Request] = collections.deque()
+        self.parsing: ParsedRequest | None = None
+        self.last: ParsedRequest | None = None  # the last complete request parsed
+        self.pending: collections.deque[ParsedRequest] = collections.deque()
         self.pending_bytes = 0
         self.backlog = b""  # read while the pipeline was full, parsed once it empties
         self.task: asyncio.Task | None = None
@@ -216,8 +161,8 @@ class _Connection(asyncio.Protocol):
             return False
         except httptools.HttpParserError as exc:
             ctx = exc.__context__
-            self._broken(ctx if isinstance(ctx, _Reject)
-                         else _Reject(400, "malformed HTTP request"))
+            self._broken(ctx if isinstance(ctx, Reject)
+                         else Reject(400, "malformed HTTP request"))
             return False
         return True
 
@@ -238,13 +183,13 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self.parsing = _Request()
+        self.parsing = ParsedRequest()
 
     def on_url(self, url: bytes) -> None:
         r = self.parsing
         r.url += url  # type: ignore[union-attr]
         if len(r.url) > MAX_URL_BYTES:  # type: ignore[union-attr]
-            raise _Reject(414, f"the URL exceeds {MAX_URL_BYTES} bytes")
+            raise Reject(414, f"the URL exceeds {MAX_URL_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         r = self.parsing
@@ -252,7 +197,7 @@ class _Connection(asyncio.Protocol):
         r.size += len(name) + len(value)  # type: ignore[union-attr]
         if (len(r.headers) > self.limits.max_headers  # type: ignore[union-attr]
                 or r.size > self.limits.max_header_bytes):  # type: ignore[union-attr]
-            raise _Reject(431, "too many or too large request headers")
+            raise Reject(431, "too many or too large request headers")
 
     def on_headers_complete(self) -> None:
         r = self.parsing
@@ -265,7 +210,7 @@ class _Connection(asyncio.Protocol):
         limit = self.server.body_limit
         for k, v in r.headers:  # type: ignore[union-attr]
             if k == b"content-length" and v.isdigit() and int(v) > limit:
-                raise _Reject(413, f"request body exceeds {limit} bytes")
+                raise Reject(413, f"request body exceeds {limit} bytes")
             if k == b"expect" and v.lower() == b"100-continue" and self.transport:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -273,7 +218,7 @@ class _Connection(asyncio.Protocol):
         r = self.parsing
         r.size += len(body)  # type: ignore[union-attr]
         if r.size > self.server.body_limit:  # type: ignore[union-attr]
-            raise _Reject(413, f"request body exceeds {self.server.body_limit} bytes")
+            raise Reject(413, f"request body exceeds {self.server.body_limit} bytes")
         r.parts.append(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
@@ -288,9 +233,9 @@ class _Connection(asyncio.Protocol):
             self._pause_reading()
 
     # -- running requests -----------------------------------------------------------------
-    def _broken(self, reject: _Reject) -> None:
+    def _broken(self, reject: Reject) -> None:
         self.broken = True
-        r = _Request()
+        r = ParsedRequest()
         r.reject, r.keep_alive = reject, False
         self.pending.append(r)
         if self.task is None:
@@ -323,7 +268,7 @@ class _Connection(asyncio.Protocol):
         if task.cancelled():
             self.close()
             return
-        if isinstance(task.exception(), _SendTimeout):
+        if isinstance(task.exception(), SendTimeout):
             self.close()  # aborted already
             return
         if task.exception() is not None:
@@ -335,7 +280,7 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
-    async def _serve(self, req: _Request) -> bool:
+    async def _serve(self, req: ParsedRequest) -> bool:
         """Answer one request; True to keep the connection for the next."""
         if req.reject is not None:
             rej = req.reject
@@ -345,7 +290,7 @@ class _Connection(asyncio.Protocol):
         path, _, query = req.url.partition(b"?")
         if self.server.draining and path not in DRAIN_OPEN_PATHS:
             req.keep_alive = False
-            await self._respond(req, _draining_answer(path))
+            await self._respond(req, draining_answer(path))
             return False
         handler = self.server.routes.get(path) if req.method == b"POST" else None
         if handler is not None:
@@ -358,7 +303,7 @@ class _Connection(asyncio.Protocol):
             await self._asgi(req, path, query)
         return req.keep_alive
 
-    def _scope(self, req: _Request, path: bytes, query: bytes,
+    def _scope(self, req: ParsedRequest, path: bytes, query: bytes,
                extensions: dict[str, Any]) -> dict[str, Any]:
         return {"type": "http", "asgi": _ASGI, "http_version": req.version,
                 "method": req.method.decode("ascii"), "scheme": "http",
@@ -380,9 +325,9 @@ class _Connection(asyncio.Protocol):
 
         return receive
 
-    def _head(self, req: _Request, status: int, headers: list[tuple[bytes, bytes]],
+    def _head(self, req: ParsedRequest, status: int, headers: list[tuple[bytes, bytes]],
               chunked: bool) -> bytes:
-        out = [_STATUS.get(status) or _status_line(status)]
+        out = [STATUS_LINES.get(status) or status_line(status)]
         out += [k + b": " + v + b"\r\n" for k, v in headers]
         if chunked:
             out.append(b"transfer-encoding: chunked\r\n")
@@ -391,7 +336,7 @@ class _Connection(asyncio.Protocol):
         out.append(b"\r\n")
         return b"".join(out)
 
-    async def _respond(self, req: _Request, response: Response) -> None:
+    async def _respond(self, req: ParsedRequest, response: Response) -> None:
         t = self.transport
         if t is None:
             return
@@ -404,7 +349,7 @@ class _Connection(asyncio.Protocol):
         if response.background is not None:
             await response.background()
 
-    async def _stream(self, req: _Request, response: StreamingResponse) -> None:
+    async def _stream(self, req: ParsedRequest, response: StreamingResponse) -> None:
         chunked = req.version == "1.1" and req.keep_alive
         if not chunked:
             req.keep_alive = False  # the body ends when the connection does
@@ -416,7 +361,7 @@ class _Connection(asyncio.Protocol):
                 data = chunk if isinstance(chunk, bytes) else chunk.encode(response.charset)
                 if not data or self.transport is None:
                     continue
-                await self._write(_frame(data, chunked))
+                await self._write(frame(data, chunked))
             if chunked and self.transport is not None:
                 await self._write(b"0\r\n\r\n")
         finally:
@@ -437,7 +382,7 @@ class _Connection(asyncio.Protocol):
             await self._drain()
 
     async def _drain(self) -> None:
-        """Wait for `resume_writing`; `_SendTimeout` (the connection aborted) when it does
+        """Wait for `resume_writing`; `SendTimeout` (the connection aborted) when it does
         not come within `send_timeout_s`."""
         loop = self.server.loop
         deadline = loop.time() + self.limits.send_timeout_s
@@ -451,7 +396,7 @@ class _Connection(asyncio.Protocol):
                 self.pending_bytes = 0
                 self.transport.abort()  # drops the buffer; connection_lost follows
                 self.transport = None
-                raise _SendTimeout
+                raise SendTimeout
             self.write_waiter = waiter = loop.create_future()
             timer = loop.call_later(left, self._wake_writer)
             try:
@@ -464,7 +409,7 @@ class _Connection(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def _asgi(self, req: _Request, path: bytes, query: bytes) -> None:
+    async def _asgi(self, req: ParsedRequest, path: bytes, query: bytes) -> None:
         """Any other route: the app over ASGI."""
         state = {"chunked": False, "started": False, "done": False}
         is_head = req.method == b"HEAD"
@@ -487,19 +432,19 @@ class _Connection(asyncio.Protocol):
                 if not more:
                     state["done"] = True
                     if state["chunked"]:
-                        data = (_frame(data, True) if data and not is_head else b"") + \
+                        data = (frame(data, True) if data and not is_head else b"") + \
                             b"0\r\n\r\n"
                     elif is_head:
                         data = b""
                     if data:
                         await self._write(data)
                 elif data and not is_head:
-                    await self._write(_frame(data, state["chunked"]))
+                    await self._write(frame(data, state["chunked"]))
 
         scope = self._scope(req, path, query, {})  # FastAPI watches for disconnects itself
         try:
             await self.server.app(scope, self._receiver(b"".join(req.parts)), send)
-        except _SendTimeout:
+        except SendTimeout:
             raise
         except Exception:
             logger.exception("unhandled error on %s", path.decode("latin-1"))
@@ -525,18 +470,6 @@ class _Connection(asyncio.Protocol):
         return self.task is not None or bool(self.pending)
 
 
-DRAIN_READY_PATH = b"/ready"  # answered 503 by the server itself while it drains
-DRAIN_OPEN_PATHS = (b"/health", b"/metrics")  # still served by the app while it drains
-
-
-def _draining_answer(path: bytes) -> Response:
-    if path == DRAIN_READY_PATH:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse(error_body(503, "the server is shutting down; retry on another "
-                                        "replica", type_="server_error"),
-                        status_code=503, headers={"Retry-After": "1"})
-
-
 class LeanServer:
     """Serves one `FastPaths` app on (host, port); `serve()` runs until `stop()` (or a
     signal, with `install_signals`)."""
@@ -554,7 +487,7 @@ class LeanServer:
         self.peak_write_buffered = 0  # see `ServerStats`
         self.refused = 0
         self._refused_logged = float("-inf")
-        self.draining = False  # set at the stop: new requests get `_draining_answer`
+        self.draining = False  # set at the stop: new requests get `draining_answer`
         self._stop: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -623,7 +556,7 @@ class LeanServer:
     async def _drain_connections(self) -> None:
         """Idle connections close now; busy ones answer what they have already received
         (no new requests are read: `broken`) and close; the caller cuts whatever is still
-        running at `graceful_s`. Connections made meanwhile get `_draining_answer`s."""
+        running at `graceful_s`. Connections made meanwhile get `draining_answer`s."""
         self.draining = True
         busy = [c for c in self.connections if c.busy]
         for c in list(self.connections):
