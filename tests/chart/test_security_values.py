@@ -33,7 +33,7 @@ def test_values_become_the_admission_policy(helm: Helm) -> None:
                              "security.allowedNamespaces={ml,serving}"))
     assert policy_from_env(operator_env(docs)) == AdmissionPolicy(
         True, ("kata", "nvidia"), ("team-ml-*",), ("registry.example.com/ml",),
-        ("ml", "serving"))
+        ("ml", "serving"), ())
 
 
 def test_allowed_namespaces_limit_a_cluster_wide_operators_writes(helm: Helm) -> None:

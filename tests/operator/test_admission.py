@@ -128,3 +128,16 @@ def test_namespaces_and_the_environment() -> None:
     with pytest.raises(SpecError, match="metadata.namespace: this operator may not deploy "
                                         "into 'kube-system'"):
         admit(parse_spec(spec("aggregated")), "kube-system", policy)
+
+
+def test_a_cluster_issuer_needs_the_admins_leave() -> None:
+    raw = spec("secure")
+    assert raw["kvTransfer"]["tlsIssuerRef"]["kind"] == "ClusterIssuer"
+    with pytest.raises(SpecError, match="kvTransfer.tlsIssuerRef: ClusterIssuer 'tandem-ca' "
+                                        "is not allowed"):
+        admit(parse_spec(raw), "ml", DEFAULT)
+    admit(parse_spec(raw), "ml", AdmissionPolicy(allowed_cluster_issuers=("tandem-ca",)))
+    raw["kvTransfer"]["tlsIssuerRef"] = {"name": "team-ca"}  # a namespaced Issuer: fine
+    admit(parse_spec(raw), "ml", DEFAULT)
+    assert policy_from_env({"TANDEM_ALLOWED_CLUSTER_ISSUERS": "a,b"}).allowed_cluster_issuers \
+        == ("a", "b")

@@ -18,7 +18,11 @@ may add is checked here, each refusal a `SpecError` naming the field:
 * images (spec.image, router.image, each pool's image): only under one of
   `security.allowedRegistries` when set (`registry.example.com` or
   `registry.example.com/team`; Docker Hub short names are `docker.io/library/NAME`);
-* the InferenceService's namespace: only one of `security.allowedNamespaces` when set.
+* the InferenceService's namespace: only one of `security.allowedNamespaces` when set;
+* `kvTransfer.tlsIssuerRef` of kind ClusterIssuer: only one of
+  `security.allowedClusterIssuers` (default none): a ClusterIssuer signs for any namespace,
+  so whoever may use it can mint another namespace's gRPC identity; a namespaced Issuer or
+  `kvTransfer.tlsOwnCA` keeps the identity within the namespace.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ RUNTIME_CLASSES_ENV = "TANDEM_ALLOWED_RUNTIME_CLASSES"  # comma-separated; unset
 SECRETS_ENV = "TANDEM_ALLOWED_SECRETS"  # comma-separated shell patterns
 REGISTRIES_ENV = "TANDEM_ALLOWED_REGISTRIES"  # comma-separated
 NAMESPACES_ENV = "TANDEM_ALLOWED_NAMESPACES"  # comma-separated
+CLUSTER_ISSUERS_ENV = "TANDEM_ALLOWED_CLUSTER_ISSUERS"  # comma-separated
 RESTRICTED_VOLUMES = ("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
                       "persistentVolumeClaim", "projected", "secret")
 
@@ -48,6 +53,7 @@ class AdmissionPolicy:
     allowed_secrets: tuple[str, ...] = ()  # shell patterns of Secret names
     allowed_registries: tuple[str, ...] = ()  # empty: any image
     allowed_namespaces: tuple[str, ...] = ()  # empty: any namespace
+    allowed_cluster_issuers: tuple[str, ...] = ()  # kvTransfer.tlsIssuerRef ClusterIssuers
 
 
 def _list(value: str | None) -> tuple[str, ...]:
@@ -61,7 +67,8 @@ def policy_from_env(environ: Mapping[str, str]) -> AdmissionPolicy:
         allowed_runtime_classes=("nvidia",) if runtime is None else _list(runtime),
         allowed_secrets=_list(environ.get(SECRETS_ENV)),
         allowed_registries=tuple(r.rstrip("/") for r in _list(environ.get(REGISTRIES_ENV))),
-        allowed_namespaces=_list(environ.get(NAMESPACES_ENV)))
+        allowed_namespaces=_list(environ.get(NAMESPACES_ENV)),
+        allowed_cluster_issuers=_list(environ.get(CLUSTER_ISSUERS_ENV)))
 
 
 def normalized_image(image: str) -> str:
@@ -114,6 +121,12 @@ def admit(spec: InferenceServiceSpec, namespace: str, policy: AdmissionPolicy) -
     if policy.allowed_namespaces and namespace not in policy.allowed_namespaces:
         raise SpecError(f"metadata.namespace: this operator may not deploy into {namespace!r} "
                         f"(allowed: {', '.join(policy.allowed_namespaces)})")
+    issuer = spec.kv_transfer.tls_issuer
+    if (issuer is not None and issuer.kind == "ClusterIssuer"
+            and issuer.name not in policy.allowed_cluster_issuers):
+        raise SpecError(f"kvTransfer.tlsIssuerRef: ClusterIssuer {issuer.name!r} is not allowed "
+                        "(the chart's security.allowedClusterIssuers); use a namespaced Issuer "
+                        "or kvTransfer.tlsOwnCA")
     images = [("spec.image", spec.image)] + [(f"{w}.image", p.image) for w, p in _pods(spec)]
     for where, image in images:
         if image and not image_allowed(image, policy.allowed_registries):

@@ -53,6 +53,8 @@ KINDS = {
     "NetworkPolicy": Kind(client.NetworkingV1Api, "network_policy"),
     "Certificate": Kind(client.CustomObjectsApi, "custom_object", "cert-manager.io", "v1",
                         "certificates"),
+    "Issuer": Kind(client.CustomObjectsApi, "custom_object", "cert-manager.io", "v1",
+                   "issuers"),
     # multi-node tensor-parallel pools (render.multinode); needs the LWS controller's CRD
     "LeaderWorkerSet": Kind(client.CustomObjectsApi, "custom_object", "leaderworkerset.x-k8s.io",
                             "v1", "leaderworkersets"),

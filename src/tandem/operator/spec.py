@@ -126,6 +126,7 @@ class KVTransferSpec:
     tls_secret: str | None = None
     stream_layers: bool = False  # prefill side: send each layer as soon as it is computed
     tls_issuer: IssuerRef | None = None  # cert-manager issues tls_secret
+    tls_own_ca: bool = False  # ... from a CA of the InferenceService's own (render.security)
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer"),
             stream_layers=get(kv, "streamLayers", bool, False, "kvTransfer"),
             tls_issuer=issuer_ref(get(kv, "tlsIssuerRef", dict, None, "kvTransfer"),
-                                  "kvTransfer.tlsIssuerRef")),
+                                  "kvTransfer.tlsIssuerRef"),
+            tls_own_ca=get(kv, "tlsOwnCA", bool, False, "kvTransfer")),
         service_monitor=get(mon, "serviceMonitor", bool, False, "monitoring"),
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
         image=get(spec, "image", str, None, "spec"),
@@ -261,6 +263,10 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:
         raise SpecError("kvTransfer.tlsIssuerRef needs kvTransfer.tlsSecret (the Secret "
                         "cert-manager writes)")
+    kv_ = out.kv_transfer
+    if kv_.tls_own_ca and (not kv_.tls_secret or kv_.tls_issuer is not None):
+        raise SpecError("kvTransfer.tlsOwnCA needs kvTransfer.tlsSecret and excludes "
+                        "kvTransfer.tlsIssuerRef")
     if out.disaggregated and out.prefill.engine.block_size != out.decode.engine.block_size:
         raise SpecError("prefill.engine.blockSize and decode.engine.blockSize differ; KV pages "
                         "move between the pools, so they must match")

@@ -11,7 +11,7 @@ from tandem.operator.render.monitoring import hpa, service_monitor
 from tandem.operator.render.multinode import LWS_KIND, pod_templates
 from tandem.operator.render.pod import apply_pod_settings
 from tandem.operator.render.router import render_router, router_endpoint, router_name
-from tandem.operator.render.security import OperatorPeer, certificate, network_policies
+from tandem.operator.render.security import OperatorPeer, certificates, network_policies
 from tandem.operator.render.workers import (
     Pool,
     pool_config_hash,
@@ -51,8 +51,7 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
     cuda_img = spec.image or worker_cuda_image or img
-    cert = certificate(spec, owner)
-    out = network_policies(spec, owner, operator) + ([cert] if cert else [])
+    out = network_policies(spec, owner, operator) + certificates(spec, owner)
     out += render_router(spec, owner, spec.image or router_image or img, operator,
                          worker_image=pool_image(pools(spec)[-1], cpu_img, cuda_img))
     out += render_workers(spec, owner, cpu_img, replicas, cuda_img)

@@ -7,7 +7,12 @@
   `WORKER_AUTH_DIR` in the router and every worker, `--worker-auth-key-file` pointing at it.
 * mTLS identity (`protocol.tls`): with `kvTransfer.tlsSecret`, `--grpc-tls-server-name
   NAME.NS.tandem.internal`; with `kvTransfer.tlsIssuerRef`, a cert-manager `Certificate`
-  `<isvc>-grpc-tls` for exactly that name, written into tlsSecret.
+  `<isvc>-grpc-tls` for exactly that name, written into tlsSecret (a namespaced Issuer by
+  default; a ClusterIssuer, which any namespace could use to mint any name, only where the
+  chart allows it: `admission`); with `kvTransfer.tlsOwnCA`, from a CA of the
+  InferenceService's own (self-signed Issuer -> CA Certificate -> CA Issuer, all in its
+  namespace): the Secret's ca.crt, which the peers trust, is that CA alone, so two
+  namespaces' (or two InferenceServices') identities never verify each other.
 * Redis: `router.redisUrlSecretRef` -> env `TANDEM_REDIS_URL` from the Secret, and
   router.yaml `redis` (and `index`) `env:TANDEM_REDIS_URL`: the URL never enters a ConfigMap.
 * NetworkPolicies (`security.networkPolicy.enabled`, default on): worker pods admit only
@@ -48,7 +53,7 @@ from tandem.operator.render.common import (
 )
 from tandem.operator.render.multinode import group_selector
 from tandem.operator.spec import InferenceServiceSpec
-from tandem.operator.spec_security import SecretKeyRef
+from tandem.operator.spec_security import IssuerRef, SecretKeyRef
 from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
 from tandem.protocol.tls import peer_identity
 
@@ -125,12 +130,43 @@ def security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
 
 # ---- cert-manager Certificate -----------------------------------------------------------
 
-def certificate(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any] | None:
+CERT_MANAGER = "cert-manager.io/v1"
+CA_DAYS = 3650
+
+
+def _issuer(owner: Owner, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": CERT_MANAGER, "kind": "Issuer",
+            "metadata": metadata(owner, name, "grpc-tls"), "spec": spec}
+
+
+def certificates(spec: InferenceServiceSpec, owner: Owner) -> list[dict[str, Any]]:
+    """The gRPC identity's cert-manager objects, in apply order (issuers first)."""
     kv = spec.kv_transfer
-    if kv.tls_issuer is None or not kv.tls_secret:
+    if not kv.tls_own_ca:
+        cert = certificate(spec, owner)
+        return [cert] if cert else []
+    ca = f"{owner.name}-grpc-ca"
+    root = _issuer(owner, f"{owner.name}-grpc-selfsigned", {"selfSigned": {}})
+    ca_cert = {"apiVersion": CERT_MANAGER, "kind": "Certificate",
+               "metadata": metadata(owner, ca, "grpc-tls"),
+               "spec": {"isCA": True, "commonName": f"{owner.name}.{owner.namespace} gRPC CA",
+                        "secretName": ca, "duration": f"{CA_DAYS * 24}h",
+                        "privateKey": {"algorithm": "ECDSA", "size": 256},
+                        "issuerRef": {"name": root["metadata"]["name"], "kind": "Issuer",
+                                      "group": "cert-manager.io"}}}
+    ca_issuer = _issuer(owner, ca, {"ca": {"secretName": ca}})
+    leaf = certificate(spec, owner, IssuerRef(ca, "Issuer", "cert-manager.io"))
+    assert leaf is not None
+    return [root, ca_cert, ca_issuer, leaf]
+
+
+def certificate(spec: InferenceServiceSpec, owner: Owner,
+                issuer: IssuerRef | None = None) -> dict[str, Any] | None:
+    kv = spec.kv_transfer
+    issuer = issuer or kv.tls_issuer
+    if issuer is None or not kv.tls_secret:
         return None
-    issuer = kv.tls_issuer
-    return {"apiVersion": "cert-manager.io/v1", "kind": "Certificate",
+    return {"apiVersion": CERT_MANAGER, "kind": "Certificate",
             "metadata": metadata(owner, f"{owner.name}-grpc-tls", "grpc-tls"),
             "spec": {"secretName": kv.tls_secret,
                      "dnsNames": [peer_identity(owner.name, owner.namespace)],
