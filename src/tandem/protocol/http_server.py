@@ -18,8 +18,10 @@ Contract:
   unparsed. So a connection buffers at most the high-water mark plus one answer (or chunk)
   for writing, and ~`MAX_PIPELINED_BYTES` + one request of input.
 * Send timeout: a client that takes no bytes for `send_timeout_s` while a write waits is cut
-  (the transport aborted, its buffer dropped, the request cancelled: a relayed stream closes
-  its upstream connection, so the worker aborts the request and frees its KV cache).
+  (the transport aborted, its buffer dropped, the request cancelled: a fast route's stream
+  is closed at once, so the router's relay closes its upstream connection and the worker
+  aborts the request; a stream over the ASGI bridge is left to starlette, which does not
+  close its iterator: the collector finalizes it).
 * At most `max_connections` connections: one beyond is closed as soon as it is accepted,
   before any byte is read or written (as Envoy's downstream connection limit does), and
   logged; the client retries, on another replica behind a Service.
@@ -389,7 +391,7 @@ class _Connection(asyncio.Protocol):
         while self.write_paused and self.transport is not None:
             left = deadline - loop.time()
             if left <= 0:
-                logger.info("client %s took no bytes for %.0f s: connection cut",
+                logger.info("client %s took no bytes for %g s: connection cut",
                             self.client, self.limits.send_timeout_s)
                 self.broken = True  # nothing more is read or answered
                 self.pending.clear()
