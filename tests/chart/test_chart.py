@@ -55,6 +55,7 @@ OPERATOR_RULES = {
     ("monitoring.coreos.com", "servicemonitors"): CHILD,
     ("networking.k8s.io", "networkpolicies"): CHILD,
     ("cert-manager.io", "certificates"): CHILD,
+    ("cert-manager.io", "issuers"): CHILD,  # kvTransfer.tlsOwnCA
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): CHILD,  # multi-node pools
     ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},
