@@ -437,3 +437,218 @@ def test_bundled_model_adapters_equal_merged_weights(bundled_gguf, tmp_path):
                     assert a[t] == pytest.approx(v, abs=1e-3)
         if weights is not None:
             merged(weights, scale, -1.0)
+
+
+def _copy_adapter(src, dst, **config_changes) -> None:
+    """The adapter at `src` under `dst`: the same weight file, its config with changes."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / "adapter_model.safetensors", dst / "adapter_model.safetensors")
+    cfg = json.loads((src / "adapter_config.json").read_text()) | config_changes
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def test_a_replaced_adapter_never_hits_the_old_weights_blocks(tiny, tmp_path):
+    """`x` runs a prompt with adapter A, is unloaded, and B is loaded under the same name:
+    the same prompt reuses no cached token and gives exactly a fresh engine's tokens with B.
+    The same files as A under `x` again hit A's blocks (same digest); A's weights with
+    another alpha do not. KV events and the manager's state name the adapter by digest."""
+    root, base, adapters = tiny
+    _copy_adapter(adapters["sql"], tmp_path / "sql-again")
+    _copy_adapter(adapters["sql"], tmp_path / "sql-alpha", lora_alpha=4.0)
+    prompt = list(range(10, 50))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    fresh = LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True,
+                max_lora_rank=8, block_size=4)
+    want_b = fresh.generate([prompt], sp, lora_request=LoRARequest(
+        "x", 1, str(adapters["code"])))[0].outputs[0].token_ids
+    llm = LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True,
+              max_lora_rank=8, block_size=4, enable_kv_events=True)
+    engine = llm.engine
+
+    def run(path=None) -> tuple[int, list[int]]:
+        lora = LoRARequest("x", 1, str(path)) if path is not None else "x"
+        out = llm.generate([prompt], sp, lora_request=lora)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    cached, want_a = run(adapters["sql"])
+    digest_a = engine.lora.digest("x")
+    assert cached == 0 and run() == (36, want_a)  # warm on its own blocks
+    assert engine.unload_lora("x")
+    assert run(adapters["code"]) == (0, want_b)  # nothing of A's computation is reused
+    digest_b = engine.lora.digest("x")
+    assert want_b != want_a and digest_b != digest_a
+    assert engine.unload_lora("x")
+    assert run(tmp_path / "sql-again") == (36, want_a)  # identical files: A's cache is warm
+    assert engine.lora.digest("x") == digest_a
+    assert engine.unload_lora("x")
+    cached, _ = run(tmp_path / "sql-alpha")  # same weight file, other scaling: other outputs
+    digest_alpha = engine.lora.digest("x")
+    assert cached == 0 and digest_alpha not in (digest_a, digest_b)
+    stored = [e for e in engine.take_kv_events() if isinstance(e, BlockStored)]
+    assert {e.lora_digest for e in stored} == {digest_a, digest_b, digest_alpha}
+    assert {e.lora_name for e in stored} == {"x"}
+    state = engine.lora.state  # 4 loads, 3 unloads (retired, then freed): 10 versions
+    assert state.adapters == (("x", digest_alpha),) and state.version == 10
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_no_block_is_ever_hit_under_other_adapter_weights(tiny, tmp_path, seed):
+    """Thousands of random load / unload / replace / request events through the engine's
+    request path (real `add_request`, scheduler and prefix cache; forwards pretended) over
+    four adapter variants (A, A's files copied, B, A with another alpha) under three names
+    and a 24-block pool (constant eviction): every prefix hit is a block computed with the
+    same weights as the request's adapter (the test's own labels, not the digests), and
+    identical reloads do get hits."""
+    root, base, adapters = tiny
+    variants = {"A": adapters["sql"], "A-copy": tmp_path / "a-copy", "B": adapters["code"],
+                "A-alpha": tmp_path / "a-alpha"}
+    _copy_adapter(adapters["sql"], variants["A-copy"])
+    _copy_adapter(adapters["sql"], variants["A-alpha"], lora_alpha=5.0)
+    weights_of = {"A": "A", "A-copy": "A", "B": "B", "A-alpha": "A-alpha"}
+    llm = LLM(model=str(base), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_cpu_loras=3, block_size=4, num_kv_blocks=24)
+    engine = llm.engine
+    sched = engine.scheduler
+    rng = random.Random(1000 + seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(12)] for _ in range(3)]
+    loaded: dict[str, str] = {}  # name -> variant
+    computed_with: dict[bytes, str] = {}  # block hash -> the weights that computed it
+    label: dict[str, str | None] = {}  # request id -> its weights
+    hits = warm = 0
+    seen: set[str] = set()
+    for step in range(4000):
+        r = rng.random()
+        if r < 0.08:  # load, or replace: unload then load another variant under the name
+            name, variant = rng.choice(["x", "y", "z"]), rng.choice(list(variants))
+            if name in loaded and rng.random() < 0.5:
+                engine.unload_lora(name)
+                loaded.pop(name)
+            if name not in loaded and name not in engine.lora.retiring:
+                engine.load_lora(LoRARequest(name, engine.lora.next_id(),
+                                             str(variants[variant])), trusted=True)
+                loaded[name] = variant
+        elif r < 0.25:
+            name = rng.choice([None, *loaded])
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes) + [rng.randrange(3, VOCAB)
+                                             for _ in range(rng.randint(0, 6))]
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=rng.randint(1, 3)),
+                               lora_request=name)
+            label[rid] = None if name is None else weights_of[loaded[name]]
+        else:
+            out = sched.schedule()
+            for s in out.scheduled:
+                req = s.request
+                if req.request_id not in seen:
+                    seen.add(req.request_id)
+                    n = s.start // 4  # the prefix hit at admission: whose blocks?
+                    for h in req.block_hashes[:n]:
+                        assert computed_with[h] == label[req.request_id], (step, req.lora_name)
+                    hits += n
+                    warm += n and label[req.request_id] == "A" and any(
+                        v == "A-copy" for v in loaded.values())
+            finish_step(sched, out)
+            for s in out.scheduled:
+                req = s.request
+                for h in req.block_hashes[:req.num_computed_tokens // 4]:
+                    assert computed_with.setdefault(h, label[req.request_id]) == label[
+                        req.request_id]
+            engine._reap_loras()
+    assert hits > 200 and warm > 0
+
+
+def _rewrite_header(path, key_shapes: dict, sparse_key: str | None = None) -> None:
+    """Rewrite `path`'s safetensors file: tensors in `key_shapes` declared with those shapes
+    (zeros); `sparse_key` placed last as float16, its data a hole (a sparse file: nothing on
+    disk)."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    keys = sorted(tensors, key=lambda k: k == sparse_key)
+    header, chunks, off = {}, [], 0
+    for k in keys:
+        shape = key_shapes.get(k, list(tensors[k].shape))
+        dtype = "F16" if k == sparse_key else "F32"
+        n = (2 if k == sparse_key else 4) * int(np.prod(shape))
+        header[k] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+        chunks.append(b"" if k == sparse_key else (
+            tensors[k].numpy().tobytes() if k not in key_shapes else bytes(n)))
+        off += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(chunks))
+        f.truncate(8 + len(raw) + off)
+
+
+def test_shapes_are_checked_from_the_header_before_any_data_is_read(tiny, tmp_path):
+    """A header declaring a 512 MiB float16 lora_A of the wrong shape (its data a sparse
+    hole) is refused naming the module and both shapes, without reading or converting the
+    tensor (a few page faults, not the 262,144 of a float32 copy); a header whose extents
+    run past the file is a clean error; rank_pattern 0 is refused as a config error, not a
+    division by zero."""
+    import resource
+
+    root, base, _ = tiny
+    cfg = json.loads((base / "config.json").read_text())
+    llm = LLM(model=str(base), device="cpu", enable_lora=True, max_lora_rank=8,
+              lora_dirs=[str(tmp_path)])
+    manager = llm.engine.lora
+    path = tmp_path / "huge"
+    _write_adapter(path, cfg)
+    weights = path / "adapter_model.safetensors"
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    _rewrite_header(weights, {key: [4, 1 << 26]}, sparse_key=key)
+    assert weights.stat().st_size > 1 << 29 and weights.stat().st_blocks * 512 < 1 << 24
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj has lora_A "
+                                          r"\(4, 67108864\) and lora_B \(\d+, 4\); the base "
+                                          r"model needs \(4, \d+\) and \(\d+, 4\)"):
+        manager.read(LoRARequest("huge", 1, str(path)))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 20_000
+    # a header whose tensor runs past the end of the file (truncated data)
+    _write_adapter(path, cfg)
+    blob = weights.read_bytes()
+    weights.write_bytes(blob[:-100])
+    with pytest.raises(ConfigError, match="truncated or its header lies"):
+        manager.read(LoRARequest("huge", 1, str(path)))
+    for value, shown in [(0, "0"), (-2, "-2"), ("8", "'8'")]:
+        _write_adapter(path, cfg, rank_pattern={"q_proj": value})
+        with pytest.raises(ConfigError, match=r"rank_pattern\['q_proj'\] must be a positive "
+                                              rf"integer, got {shown}"):
+            manager.read(LoRARequest("huge", 1, str(path)))
+
+
+def test_a_symlink_swapped_in_after_the_check_is_not_followed(tiny, tmp_path, monkeypatch):
+    """The adapter directory passes the confinement check, then (before its files are read)
+    is replaced by a symlink to an adapter outside `--lora-dir`: the load fails naming the
+    change instead of reading the outside files. Without a swap the same path loads."""
+    import tandem.engine.lora.paths as paths
+
+    root, base, _ = tiny
+    cfg = json.loads((base / "config.json").read_text())
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    _write_adapter(allowed / "good", cfg, seed=1)
+    _write_adapter(outside / "evil", cfg, seed=2)
+    llm = LLM(model=str(base), device="cpu", enable_lora=True, max_lora_rank=8,
+              lora_dirs=[str(allowed)])
+    manager = llm.engine.lora
+    assert manager.read(LoRARequest("good", 1, "good")).path == str(allowed / "good")
+    real_isfile = os.path.isfile
+
+    def isfile_then_swap(p):  # the check's last look at the directory, then the attack
+        ok = real_isfile(p)
+        if p.endswith("adapter_model.safetensors") and (allowed / "good").is_dir() and not (
+                allowed / "good").is_symlink():
+            (allowed / "good").rename(allowed / "moved")
+            (allowed / "good").symlink_to(outside / "evil")
+        return ok
+
+    monkeypatch.setattr(paths.os.path, "isfile", isfile_then_swap)
+    with pytest.raises(AdapterPathError, match="changed after it was checked"):
+        manager.read(LoRARequest("good", 1, "good"))
+    assert "good" not in manager.registered

@@ -14,16 +14,20 @@ from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.router import prompt as prompts
 from tandem.router.core import Router, RouterSettings
 from tandem.router.scorers import SCORERS, RoutingContext
-from tandem.router.workers import Worker, WorkerLoad
+from tandem.router.workers import LoRAReport, Worker, WorkerLoad
+
+DIGESTS = {"sql": "5a" * 32, "code": "c0" * 32}  # what the workers report (by weights)
 
 
 def lora_worker(wid: str, adapters=(), running=(), waiting=(), resident=(), slots=2,
-                queue=0, model="base") -> Worker:
-    return Worker(id=wid, model=model, ready=True, block_size=4,
-                  lora_adapters=frozenset(adapters), lora_slots=slots,
-                  load=WorkerLoad(num_running=queue, running_loras=frozenset(running),
-                                  waiting_loras=frozenset(waiting),
-                                  resident_loras=frozenset(resident), max_loras=slots))
+                queue=0, model="base", digests=DIGESTS) -> Worker:
+    w = Worker(id=wid, model=model, ready=True, block_size=4,
+               load=WorkerLoad(num_running=queue, running_loras=frozenset(running),
+                               waiting_loras=frozenset(waiting),
+                               resident_loras=frozenset(resident), max_loras=slots))
+    assert w.apply_lora_report(LoRAReport({a: digests.get(a, "") for a in adapters}, slots,
+                                          "engine-1", 1))
+    return w
 
 
 def router(*workers: Worker) -> Router:
@@ -59,13 +63,54 @@ def test_router_hashes_adapter_prompts_exactly_as_the_engine(seed):
         salt = rng.choice(["", "s1", "tenant=t;ns=ab"])
         lora = rng.choice(["sql", "code"])
         parsed = prompts.ParsedPrompt(lora, ids, "", salt, False)
-        chain = r.hashes(parsed, lora)[4]
+        chain = r.hashes(parsed, lora)[(4, DIGESTS[lora])]
         req = Request("r", ids, SamplingParams(max_tokens=1), 1,
-                      hash_keys=request_hash_keys("base", lora, salt), lora_name=lora)
+                      hash_keys=request_hash_keys("base", DIGESTS[lora], salt), lora_name=lora)
         assert chain == req.update_block_hashes(4)[: len(ids) // 4]
-        for other in (None, "code" if lora == "sql" else "sql"):
-            theirs = hash_block_chain(ids, 4, request_hash_keys("base", other, salt))
+        other = DIGESTS["code" if lora == "sql" else "sql"]
+        for theirs_keys in (None, other, lora):  # the base model, other weights, the name
+            theirs = hash_block_chain(ids, 4, request_hash_keys("base", theirs_keys, salt))
             assert not chain or not set(chain) & set(theirs)
+
+
+def test_each_worker_is_matched_with_the_weights_it_holds():
+    """`sql` was replaced on worker b only (other weights, same name): b's index still holds
+    the old weights' blocks, but the router hashes b's candidates with b's digest, so they
+    do not count as cached there; a, holding the old weights, matches them."""
+    old, new = DIGESTS["sql"], "99" * 32
+    a = lora_worker("a", ["sql"])
+    b = lora_worker("b", ["sql"], digests={"sql": new})
+    r = router(a, b)
+    for w in (a, b):
+        w.events_connected = True
+    ids = list(range(40))
+    parsed = prompts.ParsedPrompt("sql", ids, "", "", False)
+    stale = hash_block_chain(ids, 4, request_hash_keys("base", old, ""))
+    r.index.stored("a", stale)
+    r.index.stored("b", stale)  # b computed these before the replacement
+    assert set(r.hashes(parsed, "sql")) == {(4, old), (4, new)}
+    ctx = r.context(parsed, "sql", 0.0, [a, b])
+    assert ctx.matched_tokens == {"a": 40}
+    assert ctx.chain(a) == stale and ctx.chain(b) == hash_block_chain(
+        ids, 4, request_hash_keys("base", new, ""))
+    decision, _ = r.route(parsed, "sql", 0.0)
+    assert decision.worker is a and decision.matched_tokens == 40
+
+
+def test_adapter_reports_never_go_back_to_an_older_set():
+    """A report older than the set held (a probe answered before a load, delivered after
+    the load's own answer) is dropped; equal or newer ones apply; a restarted engine
+    (new instance) starts over, and its predecessor's late reports are dropped too."""
+    w = Worker(id="w")
+    assert w.apply_lora_report(LoRAReport({}, 2, "e1", 3))
+    assert w.apply_lora_report(LoRAReport({"x": "aa"}, 2, "e1", 4))  # the load's answer
+    assert not w.apply_lora_report(LoRAReport({}, 2, "e1", 3))  # the stale probe
+    assert not w.apply_lora_report(LoRAReport({}, 2))  # unversioned: older worker code path
+    assert w.lora_adapters == {"x"} and w.serves("x") and w.lora_version == ("e1", 4)
+    assert w.apply_lora_report(LoRAReport({"x": "aa"}, 2, "e1", 4))  # the same again
+    assert w.apply_lora_report(LoRAReport({}, 2, "e2", 1))  # restarted: empty
+    assert not w.apply_lora_report(LoRAReport({"x": "aa"}, 2, "e1", 9))  # the old engine
+    assert w.lora_adapters == frozenset() and w.lora_version == ("e2", 1)
 
 
 @pytest.mark.parametrize(("w", "want"), [

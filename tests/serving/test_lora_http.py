@@ -181,3 +181,69 @@ def test_unloading_under_traffic_loses_no_request(lora_worker):
     assert admin(worker, "/v1/load_lora_adapter",
                  {"lora_name": "sql", "lora_path": "sql"}).json()["status"] == "loaded"
     assert asyncio.run(_complete(_client(worker), "sql", prompts[2])) == ref["sql"][2]
+
+
+def test_rank_pattern_zero_is_a_400_and_a_stale_probe_cannot_undo_a_load(lora_worker):
+    """An adapter whose rank_pattern holds 0 gets 400 naming it (not a 500). Then the
+    router's view of the worker: a readiness probe answered before a load but delivered
+    after the load's answer (held back by a proxy) does not take the new adapter away; the
+    load's answer and the next probe carry the same, newer version and the adapter's
+    digest."""
+    from tandem.router.index import PrefixIndex
+    from tandem.router.lora_admin import LOAD_PATH, _apply
+    from tandem.router.monitor import MonitorSettings, WorkerMonitor
+    from tandem.router.workers import Worker
+
+    worker, root, allowed, _, _ = lora_worker
+    cfg = json.loads((root / "base" / "config.json").read_text())
+    make_peft_adapter(allowed / "zero", cfg, rank=4, rank_pattern={"q_proj": 0})
+    r = admin(worker, "/v1/load_lora_adapter", {"lora_name": "zero", "lora_path": "zero"})
+    assert r.status_code == 400, r.text
+    assert "rank_pattern['q_proj'] must be a positive integer, got 0" in r.json()[
+        "error"]["message"]
+
+    async def run() -> None:
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_ready(reader, writer) -> None:  # fetch /ready now, answer later
+            await reader.readuntil(b"\r\n\r\n")
+            async with httpx.AsyncClient() as c:
+                answer = (await c.get(worker.url + "/ready")).json()
+            answer.pop("grpc_port", None)  # only the probe reports here
+            held.set()
+            await release.wait()
+            body = json.dumps(answer).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body),
+                                                                                   body))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(slow_ready, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        w = Worker(id=f"http://127.0.0.1:{port}")
+        async with httpx.AsyncClient() as http:
+            monitor = WorkerMonitor(w, PrefixIndex(), http, MonitorSettings(probe_timeout_s=30))
+            first = asyncio.ensure_future(monitor.probe())  # answered by the worker now
+            await held.wait()
+            answer = await asyncio.to_thread(admin, worker, "/v1/load_lora_adapter",
+                                             {"lora_name": "late", "lora_path": "chat"})
+            assert answer.status_code == 200, answer.text
+            state = answer.json()["lora"]
+            assert state["adapters"]["late"] == answer.json()["digest"]
+            _apply(w, LOAD_PATH, "late", answer.json())  # the router's fan-out, at once
+            assert w.serves("late")
+            release.set()
+            await first  # the stale answer arrives: it lists no `late`
+            assert w.serves("late") and w.lora_version == (state["instance"],
+                                                           state["version"])
+            assert w.lora_digests["late"] == answer.json()["digest"]
+            await monitor.probe()  # a fresh probe agrees
+            assert w.serves("late") and w.lora_version[1] == state["version"]
+            await monitor.stop()
+        server.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        admin(worker, "/v1/unload_lora_adapter", {"lora_name": "late"})

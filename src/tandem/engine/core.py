@@ -25,7 +25,7 @@ from tandem.engine.errors import (
     UnknownAdapterError,
 )
 from tandem.engine.kv_cache.manager import cdiv
-from tandem.engine.lora.request import LoRARequest
+from tandem.engine.lora.request import LoRARequest, LoRAState
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
@@ -109,6 +109,7 @@ class EngineStats:
     lora_resident: tuple[str, ...] = ()  # in device slots, least recently used first
     lora_adapters: tuple[str, ...] = ()  # every adapter a request may name
     max_loras: int = 0  # 0: LoRA off
+    lora_state: LoRAState | None = None  # the adapters' digests and version (None: LoRA off)
 
 
 class EngineCore:
@@ -245,7 +246,9 @@ class EngineCore:
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError("the waiting queue is full; retry later")
         lora = self.resolve_lora(lora_request)
-        keys = request_hash_keys(self.state.model_name, lora, cache_salt)
+        # the adapter by the digest of its weights: a replaced adapter never hits old blocks
+        keys = request_hash_keys(self.state.model_name,
+                                 None if lora is None else self.lora.digest(lora), cache_salt)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone_for_sample(i)
@@ -390,10 +393,12 @@ class EngineCore:
         if self.lora is None:
             return {}
         waiting = {r.lora_name for r in self.scheduler.waiting_requests()} - {None}
+        state = self.lora.state
         return {"lora_running": tuple(sorted(self.scheduler.running_loras)),
                 "lora_waiting": tuple(sorted(waiting)),  # type: ignore[type-var]
                 "lora_resident": tuple(self.lora.resident()),
-                "lora_adapters": tuple(self.lora.names()), "max_loras": self.lora.num_slots}
+                "lora_adapters": tuple(state.names()), "max_loras": self.lora.num_slots,
+                "lora_state": state}
 
     def _spec_stats(self) -> dict[str, object]:
         if self.speculator is None:

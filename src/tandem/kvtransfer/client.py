@@ -155,14 +155,22 @@ class RemotePrefill:
     def _stub(self, target: str) -> worker_pb2_grpc.KVTransferStub:
         return worker_pb2_grpc.KVTransferStub(self._channel(target))
 
+    def lora_digest(self, lora_name: str | None) -> str | None:
+        """The weight digest of this engine's adapter `lora_name` (None: the base model, or
+        an adapter not loaded here: nothing is imported for it)."""
+        lora = self.engine.engine.lora
+        if not lora_name or lora is None:
+            return None
+        return lora.digests.get(lora_name)
+
     def plan(self, token_ids: list[int], cache_salt: str,
-             lora_name: str | None = None) -> FetchPlan:
+             lora_digest: str | None = None) -> FetchPlan:
         """Reads the prefix cache without locking: a stale answer only moves work between
-        sides."""
+        sides. `lora_digest`: the adapter's weight digest (None: the base model)."""
         bs = self.layout.block_size
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
-                                 request_hash_keys(self.model_id, lora_name, cache_salt))
+                                 request_hash_keys(self.model_id, lora_digest, cache_salt))
         local = len(self.engine.engine.kv.cached_prefix(chain))
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
@@ -173,7 +181,10 @@ class RemotePrefill:
         model); None when no full block is missing. Raises KVTransferError."""
         if not self.engine.engine.kv.enable_caching:
             return None  # imported blocks could never be hit: compute the prompt here
-        plan = self.plan(token_ids, cache_salt, lora_name)
+        digest = self.lora_digest(lora_name)
+        if lora_name and digest is None:
+            return None  # not loaded here (any more): the engine answers the request 404
+        plan = self.plan(token_ids, cache_salt, digest)
         chain, first = plan.chain, plan.first
         if plan.num <= 0:
             return None
@@ -185,7 +196,7 @@ class RemotePrefill:
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
             num_blocks=plan.num, backend=self.settings.backend, lease_s=self.settings.lease_s,
             tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype,
-            lora_name=lora_name or "")
+            lora_name=lora_name or "", lora_digest=digest or "")
         writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
@@ -226,7 +237,7 @@ class RemotePrefill:
                 await writer.flush(self.engine, self.layout.num_layers)
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
-                    request_hash_keys(self.model_id, lora_name, cache_salt))
+                    request_hash_keys(self.model_id, digest, cache_salt))
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
                 tail_ids = token_ids[(first + n) * bs:(first + n) * bs + offer.tail_tokens]
@@ -240,7 +251,8 @@ class RemotePrefill:
                         except BaseException:
                             e.kv.unpin([tail])
                             raise
-                    e.kv.commit_import(full, hashes, parent, tokens, lora_name or "")
+                    e.kv.commit_import(full, hashes, parent, tokens, lora_name or "",
+                                       digest or "")
                     writer.pinned[:n] = full  # the blocks pinned now (release reads them)
 
                 await self.engine.call(commit)

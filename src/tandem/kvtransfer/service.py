@@ -211,6 +211,9 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         problem = self._check(request, engine)
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        digest, problem = _adapter_digest(request, engine)
+        if problem is not None:  # pages of other weights must never be sent for it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
         caches = engine.engine.runner.kv_caches
@@ -241,8 +244,10 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             sent_blocks = Offer(num, tail).num_blocks  # the partial block after the full ones
             if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
-            keys = request_hash_keys(self.model_id, request.lora_name or None,
-                                     request.cache_salt)
+            if _adapter_digest(request, engine)[0] != digest:  # replaced while it ran
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"LoRA adapter {request.lora_name[:256]!r} was replaced")
+            keys = request_hash_keys(self.model_id, digest, request.cache_salt)
             block_size = engine.engine.state.block_size
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
@@ -369,3 +374,19 @@ def add_kv_transfer_service(server: grpc.aio.Server, service: KVTransferService)
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("tandem.v1.KVTransfer", handlers),))
+
+
+def _adapter_digest(request: worker_pb2.PrefillRequest, engine: AsyncLLMEngine
+                    ) -> tuple[str | None, str | None]:
+    """(the weight digest of the adapter the call names, as loaded here (None: the base
+    model), why it may not be served: a digest the caller sent that differs)."""
+    lora = engine.engine.lora
+    if not request.lora_name or lora is None:
+        return None, None
+    digest = lora.digests.get(request.lora_name)
+    if digest is None:
+        return None, f"LoRA adapter {request.lora_name[:256]!r} is not loaded here"
+    if request.lora_digest and request.lora_digest != digest:
+        return digest, (f"LoRA adapter {request.lora_name[:256]!r} has other weights here "
+                        f"(digest {digest[:12]}, the caller's {request.lora_digest[:12]})")
+    return digest, None

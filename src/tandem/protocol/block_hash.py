@@ -17,6 +17,10 @@ Byte layout (all integers little-endian):
 The extra keys therefore reach every block through the chain: a per-tenant ``cache_salt``
 or another LoRA adapter yields a disjoint hash space, and SHA-256 keeps collisions from
 being constructible (predictable hashes let one request poison another's cache).
+
+A LoRA adapter enters as the hex digest of its effective weights
+(`engine.lora.peft.adapter_digest`), never its name: a different adapter loaded under a
+name used before never matches the old one's blocks, and the same files loaded again do.
 """
 
 from __future__ import annotations
@@ -40,17 +44,18 @@ class HashKeys:
     """Keys that partition the prefix cache besides the tokens themselves."""
 
     model_id: str = ""
-    adapter_id: str = ""  # LoRA adapter name; "" = base model
+    adapter_id: str = ""  # the LoRA adapter's weight digest (hex); "" = base model
     cache_salt: str = ""  # per-tenant salt from the request; "" = shared cache
 
 
-def request_hash_keys(model_id: str, adapter: str | None = None,
+def request_hash_keys(model_id: str, adapter_digest: str | None = None,
                       cache_salt: str | None = None) -> HashKeys:
-    """The keys of a request for `model_id` (the base model's served name) run with LoRA
-    adapter `adapter` (None: the base model) and `cache_salt`: every place that hashes a
-    prompt (engine, prefill service, decode-side client, router) derives them here, so two
-    adapters, or an adapter and its base model, never share a block."""
-    return HashKeys(model_id, adapter or "", cache_salt or "")
+    """The keys of a request for `model_id` (the base model's served name) run with the
+    LoRA adapter whose weights have digest `adapter_digest` (None: the base model) and
+    `cache_salt`: every place that hashes a prompt (engine, prefill service, decode-side
+    client, router) derives them here, so two adapters' weights, or an adapter and its base
+    model, never share a block."""
+    return HashKeys(model_id, adapter_digest or "", cache_salt or "")
 
 
 def _field(value: str) -> bytes:

@@ -17,7 +17,8 @@ class BlockStored:
     # only; never serialized (grpc_server.event_to_proto sends hashes, the proto reserves it)
     token_ids: tuple[int, ...]
     block_size: int
-    lora_name: str = ""  # the LoRA adapter that computed them (in their hashes); "": none
+    lora_name: str = ""  # the LoRA adapter that computed them; "": none
+    lora_digest: str = ""  # that adapter's weight digest: what their hashes key it by
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,18 @@ class SubscribeKVEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "block_size", "lora_name")
+    __slots__ = ("block_hashes", "parent_hash", "block_size", "lora_name", "lora_digest")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     block_size: int
     lora_name: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_digest: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes",)
@@ -73,7 +75,14 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters")
+    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version")
+    class LoraDigestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +98,9 @@ class Load(_message.Message):
     RESIDENT_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     role: str
@@ -104,7 +116,10 @@ class Load(_message.Message):
     resident_loras: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    lora_digests: _containers.ScalarMap[str, str]
+    lora_instance: str
+    lora_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ...) -> None: ...
 
 class TorchChannel(_message.Message):
     __slots__ = ("store_host", "store_port", "group_id", "tag")
@@ -119,7 +134,7 @@ class TorchChannel(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +148,7 @@ class PrefillRequest(_message.Message):
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -146,7 +162,8 @@ class PrefillRequest(_message.Message):
     tail_tokens: int
     kv_cache_dtype: str
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_digest: str
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PageHeader(_message.Message):
     __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype")

@@ -56,7 +56,7 @@ from tandem.router.priority import PriorityPolicy
 from tandem.router.proxy import Attempt, ProxySettings, forward, upstream_session
 from tandem.router.ratelimit import RateLimiter, retry_after_header
 from tandem.router.startup import DEFAULT_WINDOW_S, StartupState
-from tandem.router.workers import Worker
+from tandem.router.workers import HashGroup, Worker
 
 logger = logging.getLogger(__name__)
 THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the event loop
@@ -363,7 +363,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 metrics.prompt_tokens.inc(ctx.prompt_tokens)
                 metrics.matched_tokens.inc(decision.matched_tokens)
                 if logger.isEnabledFor(logging.INFO):  # prefix: the first block's hash
-                    chain = ctx.hashes.get(decision.worker.kv_block_size) or [b""]
+                    chain = ctx.chain(decision.worker) or [b""]
                     logger.info("[%s] -> %s (%s, %d of %d tokens cached, prefix %s)%s", rid,
                                 decision.worker.id, decision.reason, decision.matched_tokens,
                                 ctx.prompt_tokens, chain[0][:4].hex() or "-",
@@ -423,22 +423,23 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         return response
 
     async def shared_matches(parsed: prompts.ParsedPrompt, model: str):  # noqa: ANN202
-        """(hash chains per block size, matches from the shared index store) or (None, None)
+        """(hash chains per hash group, matches from the shared index store) or (None, None)
         without a store; a store that has no answer in time leaves matching to memory."""
         store = settings.index_store
         if store is None or parsed.token_ids is None:
             return None, None
         hashes = router.hashes(parsed, model)
-        external: dict[int, dict[str, int]] = {}
-        for size, chain in hashes.items():
+        lora = router.base_model(model)[1]
+        external: dict[HashGroup, dict[str, int]] = {}
+        for group, chain in hashes.items():
             ids = [w.id for w in router.workers.values()  # with or without our own stream
-                   if w.serves(model) and w.kv_block_size == size]
+                   if w.serves(model) and w.hash_group(lora) == group]
             got = await store.match(chain, ids)
             metrics.child(metrics.index_store_lookups,
                           "ok" if got is not None else "fallback").inc()
             if got is None:
                 return hashes, None
-            external[size] = got
+            external[group] = got
         return hashes, external
 
     def default_model() -> str:

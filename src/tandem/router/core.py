@@ -20,7 +20,7 @@ from tandem.router.churn import ChurnTracker
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
 from tandem.router.scorers import FILTERS, RoutingContext
-from tandem.router.workers import Worker
+from tandem.router.workers import HashGroup, Worker
 
 
 @dataclass
@@ -94,25 +94,32 @@ class Router:
         return min(lengths) if lengths else None
 
     # -- routing ---------------------------------------------------------------------------
-    def block_sizes(self, candidates: Iterable[Worker]) -> dict[int, list[Worker]]:
-        by_size: dict[int, list[Worker]] = {}
+    @staticmethod
+    def hash_groups(candidates: Iterable[Worker], lora: str | None
+                    ) -> dict[HashGroup, list[Worker]]:
+        """Candidates by how they hash a prompt for adapter `lora`: block size and the
+        adapter's weight digest there (workers may hold other weights under one name)."""
+        groups: dict[HashGroup, list[Worker]] = {}
         for w in candidates:
-            by_size.setdefault(w.kv_block_size, []).append(w)
-        return by_size
+            groups.setdefault(w.hash_group(lora), []).append(w)
+        return groups
 
-    def hashes(self, parsed: prompts.ParsedPrompt, model: str) -> dict[int, list[BlockHash]]:
-        """The prompt's hash chain for each block size among this model's workers."""
-        sizes = {w.kv_block_size for w in self.workers.values()
-                 if w.serves(model) or not w.model}
+    def hashes(self, parsed: prompts.ParsedPrompt, model: str
+               ) -> dict[HashGroup, list[BlockHash]]:
+        """The prompt's hash chain for each hash group among this model's workers."""
         base, lora = self.base_model(model)
-        return {size: prompts.block_hashes(parsed, base, size, lora) for size in sorted(sizes)}
+        groups = {w.hash_group(lora) for w in self.workers.values()
+                  if w.serves(model) or not w.model}
+        return {g: prompts.block_hashes(parsed, base, *g) for g in sorted(groups)}
 
     def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
                 candidates: Iterable[Worker],
-                hashes: Mapping[int, list[BlockHash]] | None = None,
-                external: Mapping[int, Mapping[str, int]] | None = None) -> RoutingContext:
-        """Hash the prompt once per block size in use (unless `hashes` has them) and look up
-        every candidate; `external` adds per-size matches from a shared index store. Also
+                hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
+                external: Mapping[HashGroup, Mapping[str, int]] | None = None
+                ) -> RoutingContext:
+        """Hash the prompt once per hash group (block size, adapter digest) in use (unless
+        `hashes` has them) and look up every candidate; `external` adds per-group matches
+        from a shared index store. Also
         fills each candidate's cache churn as of `now` when the policy scores it."""
         candidates = list(candidates)
         base, lora = self.base_model(model)
@@ -120,18 +127,19 @@ class Router:
                              now=now, lora=lora)
         if self._churn_scored:
             ctx.churn_tokens = {w.id: self.churn.value(w.id, now) for w in candidates}
-        for size, group in self.block_sizes(candidates).items():
-            chain = hashes.get(size) if hashes else None
+        for key, group in self.hash_groups(candidates, lora).items():
+            size = key[0]
+            chain = hashes.get(key) if hashes else None
             if chain is None:
-                chain = prompts.block_hashes(parsed, base, size, lora)
-            ctx.hashes[size] = chain
+                chain = prompts.block_hashes(parsed, base, *key)
+            ctx.hashes[key] = chain
             precise = [w.id for w in group if w.events_connected]
             guessed = [w.id for w in group if not w.events_connected]
             unit = size if parsed.token_ids is not None else prompts.TEXT_CHUNK_CHARS
             matched = self.index.match(chain, now, precise)
-            if external and size in external:  # the shared store knows every worker
+            if external and key in external:  # the shared store knows every worker
                 keep = {w.id for w in group}
-                for wid, n in external[size].items():
+                for wid, n in external[key].items():
                     if wid in keep and n > matched.get(wid, 0):
                         matched[wid] = n
             for wid, n in matched.items():
@@ -142,8 +150,8 @@ class Router:
 
     def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
               exclude: Iterable[str] = (), role: str = "decode",
-              hashes: Mapping[int, list[BlockHash]] | None = None,
-              external: Mapping[int, Mapping[str, int]] | None = None
+              hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
+              external: Mapping[HashGroup, Mapping[str, int]] | None = None
               ) -> tuple[Decision | None, RoutingContext]:
         """Pick a worker (None if no candidate passes the filters), record the routed
         blocks as speculatively present on it and charge its uncached prompt tokens
@@ -159,7 +167,7 @@ class Router:
             return None, ctx
         decision = self.policy.pick(ctx, candidates)
         w = decision.worker
-        hashes = ctx.hashes.get(w.kv_block_size, [])
+        hashes = ctx.chain(w)
         if w.events_connected:
             decision.speculative = (hashes, self.index.add_speculative(w.id, hashes, now))
         else:

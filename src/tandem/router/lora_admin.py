@@ -10,7 +10,8 @@ loads (or unloads) an adapter on every ready LoRA-enabled worker.
   each worker's `--lora-dir`.
 - The answer: 200 when every worker succeeded; when all failed with one status, that
   status and the first worker's error body; else 502. Either way `workers` lists each
-  worker's status. Routing learns the change at once (the workers' reports confirm it).
+  worker's status. Routing learns the change at once: each worker's answer carries its
+  versioned adapter set (`LoRAReport`), which no older probe or load report can undo.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, admin_target
 from tandem.protocol.web import APIError, first_error
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
-from tandem.router.workers import Worker
+from tandem.router.workers import LoRAReport, Worker
 
 logger = logging.getLogger(__name__)
 LOAD_PATH = "/v1/load_lora_adapter"
@@ -78,11 +79,9 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
         results = await asyncio.gather(*[_call(http(), w, path, body, headers)
                                          for w in targets])
         ok = [w for w, (status, _) in zip(targets, results, strict=True) if status < 300]
-        for w in ok:
-            if path == LOAD_PATH:
-                w.lora_adapters = w.lora_adapters | {req.lora_name}
-            else:
-                w.lora_adapters = w.lora_adapters - {req.lora_name}
+        for w, (status, result) in zip(targets, results, strict=True):
+            if status < 300:
+                _apply(w, path, req.lora_name, result)
         per_worker = [{"worker": w.id, "status": s, "result": r}
                       for w, (s, r) in zip(targets, results, strict=True)]
         logger.info("%s %s: %d of %d workers ok", path, req.lora_name, len(ok), len(targets))
@@ -106,6 +105,23 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
     @app.post(UNLOAD_PATH)
     async def unload(request: Request) -> JSONResponse:
         return await fan_out(UNLOAD_PATH, request, UnloadLoRAAdapterRequest)
+
+
+def _apply(w: Worker, path: str, name: str, result: Any) -> None:
+    """Routing learns a worker's load or unload at once: from the adapter set its answer
+    reports (versioned, so no probe answered before it can undo it), else (an older
+    worker) by adding or removing the name."""
+    report = LoRAReport.from_json(result.get("lora") if isinstance(result, dict) else None)
+    if report is not None and report.version is not None:
+        w.apply_lora_report(report)
+    elif w.lora_version is None:
+        digests = dict(w.lora_digests) | dict.fromkeys(w.lora_adapters - w.lora_digests.keys(),
+                                                       "")
+        if path == LOAD_PATH:
+            digests.setdefault(name, "")
+        else:
+            digests.pop(name, None)
+        w.apply_lora_report(LoRAReport(digests))
 
 
 async def _call(http: httpx.AsyncClient, w: Worker, path: str, body: bytes,

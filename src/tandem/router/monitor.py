@@ -37,7 +37,7 @@ from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
-from tandem.router.workers import Worker, WorkerLoad
+from tandem.router.workers import LoRAReport, Worker, WorkerLoad
 
 logger = logging.getLogger(__name__)
 MAX_GRPC_MESSAGE = 64 << 20
@@ -113,10 +113,11 @@ class WorkerMonitor:
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
                 w.kv_cache_dtype = info.get("kv_cache_dtype") or w.kv_cache_dtype
                 w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
-                adapters = info.get("lora_adapters")
-                w.lora_slots = _length(info.get("max_loras")) or 0
-                if isinstance(adapters, list):
-                    w.lora_adapters = frozenset(a for a in adapters if isinstance(a, str))
+                report = LoRAReport.from_json(info.get("lora"),
+                                              _length(info.get("max_loras")) or 0,
+                                              info.get("lora_adapters"))
+                if report is not None:  # unless older than what a load answer told us
+                    w.apply_lora_report(report)
                 port = info.get("grpc_port")
                 if port and w.grpc_target is None:
                     w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"
@@ -223,9 +224,11 @@ class WorkerMonitor:
                     running_loras=frozenset(load.running_loras),
                     waiting_loras=frozenset(load.waiting_loras),
                     resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)
-                if load.max_loras:  # fresher than the readiness probe's list
-                    self.worker.lora_adapters = frozenset(load.lora_adapters)
-                    self.worker.lora_slots = load.max_loras
+                if load.max_loras:  # applied unless older than the set held
+                    self.worker.apply_lora_report(LoRAReport(
+                        dict(load.lora_digests) if load.lora_instance
+                        else dict.fromkeys(load.lora_adapters, ""), load.max_loras,
+                        load.lora_instance, load.lora_version if load.lora_instance else None))
             except grpc.aio.AioRpcError:
                 pass  # the probe loop owns readiness
             await asyncio.sleep(self.settings.load_interval_s)

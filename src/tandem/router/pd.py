@@ -32,7 +32,7 @@ from tandem.router import prompt as prompts
 from tandem.router.core import Router
 from tandem.router.policy import Decision
 from tandem.router.scorers import RoutingContext
-from tandem.router.workers import Worker
+from tandem.router.workers import HashGroup, Worker
 
 CHARS_PER_TOKEN = 4  # approximate mode (no tokenizer): uncached characters -> tokens
 
@@ -70,8 +70,8 @@ def uncached_tokens(ctx: RoutingContext, decision: Decision, text_mode: bool) ->
 
 def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
          exclude: Iterable[str] = (), keep_prefill: Decision | None = None,
-         hashes: Mapping[int, list[BlockHash]] | None = None,
-         external: Mapping[int, Mapping[str, int]] | None = None, signed: bool = True,
+         hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
+         external: Mapping[HashGroup, Mapping[str, int]] | None = None, signed: bool = True,
          ) -> tuple[Route | None, RoutingContext]:
     """The decode worker (None if none passes the filters), and a prefill worker when the
     decode worker lacks at least `pd_threshold` prompt tokens. `keep_prefill` (an earlier
@@ -115,7 +115,7 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
 
 
 def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
-                 ctx: RoutingContext, external: Mapping[int, Mapping[str, int]] | None = None,
+                 ctx: RoutingContext, external: Mapping[HashGroup, Mapping[str, int]] | None = None,
                  busy: Iterable[str] = ()) -> Decision | None:
     """The best routable prefill worker with a known gRPC address, not in `busy`, or None.
     Reuses the hash chains in `ctx`; records the prompt's blocks as speculative on the

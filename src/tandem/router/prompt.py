@@ -2,8 +2,9 @@
 
 Uses only the torch-free shared modules: `protocol.tokenizer` (same tokenizer files, same
 `encode` / chat-template calls as the worker) and `protocol.block_hash` (same chain, same
-model id and `cache_salt` keys). For a model the router has no tokenizer for, `text_hashes`
-chains fixed-size chunks of the prompt's text instead (approximate mode).
+model id, adapter weight digest and `cache_salt` keys). For a model the router has no
+tokenizer for, `text_hashes` chains fixed-size chunks of the prompt's text instead
+(approximate mode).
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
 
 
 def block_hashes(prompt: ParsedPrompt, model: str, block_size: int,
-                 lora: str | None = None) -> list[BlockHash]:
+                 adapter_digest: str = "") -> list[BlockHash]:
     """The worker's hash chain over the prompt's full blocks: `model` is the base model,
-    `lora` the adapter the request names (None: the base model), as the worker keys them."""
+    `adapter_digest` the weight digest of the adapter the request names as the worker
+    reports it (`Worker.adapter_digest`; "": the base model), as the worker keys them."""
     if prompt.token_ids is None:
-        return text_hashes(prompt.text, model if lora is None else f"{model}\0lora:{lora}",
-                           prompt.cache_salt)
-    keys = request_hash_keys(model, lora, prompt.cache_salt)
+        return text_hashes(prompt.text, f"{model}\0lora:{adapter_digest}" if adapter_digest
+                           else model, prompt.cache_salt)
+    keys = request_hash_keys(model, adapter_digest or None, prompt.cache_salt)
     return hash_block_chain(prompt.token_ids, block_size, keys)
 
 

@@ -6,9 +6,47 @@ Plain state, mutated only on the router's event loop. `Worker.id` is the worker'
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until a worker reports its own (readiness or KV stream)
+MAX_REPORTED_ADAPTERS = 4096  # adapters taken from one report
+RETIRED_INSTANCES = 8  # engine instances of a worker remembered as gone (their reports: stale)
+HashGroup = tuple[int, str]  # (KV block size, adapter digest): workers that hash alike
+
+
+@dataclass(frozen=True)
+class LoRAReport:
+    """A worker's adapters as one report states them (`/ready`, `GetLoad`, a load or unload
+    answer): name -> weight digest (the adapter's identity in block hashes), its slots, and
+    the adapter set's version on engine `instance` (None: a worker that reports none)."""
+
+    digests: Mapping[str, str]
+    slots: int = 0
+    instance: str = ""
+    version: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: object, slots: int = 0,
+                  names: object = None) -> LoRAReport | None:
+        """From `/ready`'s or a load answer's `lora` object (`LoRAState.to_json`); without
+        one, from a bare `lora_adapters` name list (`names`, unversioned); None when
+        neither is well formed."""
+        if isinstance(obj, dict) and isinstance(obj.get("adapters"), dict):
+            version, instance = obj.get("version"), obj.get("instance")
+            if (isinstance(version, int) and not isinstance(version, bool) and version >= 0
+                    and isinstance(instance, str)):
+                return cls(_digests(obj["adapters"]), slots, instance[:128], version)
+        if isinstance(names, list):
+            return cls({n: "" for n in names[:MAX_REPORTED_ADAPTERS] if isinstance(n, str)},
+                       slots)
+        return None
+
+
+def _digests(adapters: dict[Any, Any]) -> dict[str, str]:
+    return {name: digest for name, digest in list(adapters.items())[:MAX_REPORTED_ADAPTERS]
+            if isinstance(name, str) and isinstance(digest, str) and len(digest) <= 128}
 
 
 @dataclass
@@ -97,6 +135,46 @@ class Worker:
     # LoRA adapters a request may name here (its /ready and load reports; served on `model`)
     lora_adapters: frozenset[str] = frozenset()
     lora_slots: int = 0  # its max_loras (0: LoRA off or not reported)
+    lora_digests: Mapping[str, str] = field(default_factory=dict)  # name -> weight digest
+    # (engine instance, version) of the adapter set applied; None: none versioned yet
+    lora_version: tuple[str, int] | None = None
+    retired_instances: tuple[str, ...] = ()  # its engines' earlier instances, newest last
+
+    def apply_lora_report(self, report: LoRAReport) -> bool:
+        """Take a report's adapters unless it is older than the set held: a lower version
+        of the same engine instance, or any version of an instance since replaced (a probe
+        answered before a load must not undo it). Unversioned reports apply only while no
+        versioned one has. True when applied."""
+        held = self.lora_version
+        if report.version is None:
+            if held is not None:
+                return False
+        elif held is not None and (report.instance in self.retired_instances or (
+                report.instance == held[0] and report.version < held[1])):
+            return False
+        elif held is not None and report.instance != held[0]:  # the worker restarted
+            self.retired_instances = (*self.retired_instances, held[0])[-RETIRED_INSTANCES:]
+        if report.version is not None:
+            self.lora_version = (report.instance, report.version)
+        self.lora_digests = dict(report.digests)
+        self.lora_adapters = frozenset(report.digests)
+        if report.slots:
+            self.lora_slots = report.slots
+        return True
+
+    def adapter_digest(self, lora: str | None) -> str:
+        """How prompts for adapter `lora` are hashed here: its weight digest; "name:<lora>"
+        when the worker reported none (an older worker: never the base model's chain); ""
+        for the base model."""
+        if not lora:
+            return ""
+        return self.lora_digests.get(lora) or f"name:{lora}"
+
+    def hash_group(self, lora: str | None) -> HashGroup:
+        """Workers of one group hash a prompt for adapter `lora` alike (as `prompt.
+        block_hashes` does with the group's block size and digest)."""
+        return self.kv_block_size, self.adapter_digest(lora)
+
 
     def serves(self, model: str) -> bool:
         """`model` is its base model or one of its adapters."""

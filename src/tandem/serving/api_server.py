@@ -229,7 +229,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                         quantization=engine.engine.config.quantization)
             lora = engine.engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
-                body.update(max_loras=lora.num_slots, lora_adapters=lora.names())
+                state = lora.state  # one consistent version (digests: how to hash prompts)
+                body.update(max_loras=lora.num_slots, lora_adapters=state.names(),
+                            lora=state.to_json())
         return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")

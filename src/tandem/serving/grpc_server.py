@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.lora.request import LoRAState
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -37,7 +38,8 @@ def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
     if isinstance(event, BlockStored):
         return worker_pb2.KVEvent(seq=seq, stored=worker_pb2.BlockStored(
             block_hashes=list(event.block_hashes), parent_hash=event.parent_hash,
-            block_size=event.block_size, lora_name=event.lora_name))  # no token ids
+            block_size=event.block_size, lora_name=event.lora_name,
+            lora_digest=event.lora_digest))  # no token ids
     if isinstance(event, BlockRemoved):
         return worker_pb2.KVEvent(seq=seq, removed=worker_pb2.BlockRemoved(
             block_hashes=list(event.block_hashes)))
@@ -87,7 +89,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             block_size=state.block_size, in_flight_tokens=s.in_flight_tokens,
             kv_cache_usage=s.kv_cache_usage, running_loras=s.lora_running,
             waiting_loras=s.lora_waiting, resident_loras=s.lora_resident,
-            max_loras=s.max_loras, lora_adapters=s.lora_adapters)
+            max_loras=s.max_loras, lora_adapters=s.lora_adapters,
+            **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
             self, request: worker_pb2.SubscribeKVEventsRequest,
@@ -157,3 +160,11 @@ async def start_grpc_server(service: WorkerService, host: str, port: int,
     await server.start()
     logger.info("gRPC Worker service on %s:%d", host, bound)
     return server
+
+
+def _lora_version(state: LoRAState | None) -> dict[str, object]:
+    """`Load`'s adapter digests and adapter-set version (the router orders reports by it)."""
+    if state is None:
+        return {}
+    return {"lora_digests": dict(state.adapters), "lora_instance": state.instance,
+            "lora_version": state.version}

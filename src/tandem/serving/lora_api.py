@@ -11,6 +11,9 @@
 - Unloading under traffic: the name stops resolving at once; the adapter's queued and
   running requests finish with it and its memory is freed after the last (`"unloading"`),
   at once when it has none (`"unloaded"`).
+- Every load and unload answer carries the worker's adapter set after it (`lora`: instance,
+  version, name -> weight digest, as `/ready` reports it), so the router applies it at once
+  and no older report (a probe answered before the load) can undo it.
 - Admin-only when auth is on: a worker with `--worker-auth-key-file` takes load and unload
   calls only under the router's signature over the body for `admin:<path>` (403 otherwise);
   the router takes them only from admin keys.
@@ -21,13 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import ConfigError, UnknownAdapterError
 from tandem.engine.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from tandem.engine.lora.manager import LoRAManager
 from tandem.protocol.openai_api import (
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -101,15 +107,16 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
             raise APIError(400, str(exc), "lora_name") from exc
         old = manager.registered.get(req.lora_name)
         if (old is not None and manager.has(req.lora_name) and old.lora_path == adapter.path
-                and old.sha256 == adapter.sha256):
-            return _card(old, "already_loaded")
+                and manager.digests.get(req.lora_name) == adapter.digest):
+            return _card(old, "already_loaded", manager)
         try:
             loaded = await engine.call(lambda e: e.load_lora(wanted, adapter=adapter,
                                                              fresh_id=True))
         except ValueError as exc:  # the name is taken, or being unloaded
             raise APIError(409, str(exc), "lora_name", type_="conflict_error") from exc
-        logger.info("loaded LoRA adapter %s (sha256 %s)", loaded.lora_name, loaded.sha256)
-        return _card(loaded, "loaded")
+        logger.info("loaded LoRA adapter %s (sha256 %s, digest %s)", loaded.lora_name,
+                    loaded.sha256, adapter.digest)
+        return _card(loaded, "loaded", manager)
 
     @app.post(UNLOAD_PATH)
     async def unload(req: UnloadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
@@ -121,10 +128,16 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
             raise not_found(req.lora_name) from exc
         logger.info("unloading LoRA adapter %s (%s)", req.lora_name,
                     "freed" if freed else "its requests finish first")
+        manager = engine.engine.lora
         return {"object": "lora_adapter", "lora_name": req.lora_name,
-                "status": "unloaded" if freed else "unloading"}
+                "status": "unloaded" if freed else "unloading",
+                **({} if manager is None else {"lora": manager.state.to_json()})}
 
 
-def _card(lora: LoRARequest, status: str) -> dict[str, Any]:
+def _card(lora: LoRARequest, status: str, manager: LoRAManager) -> dict[str, Any]:
+    """A load's answer: the adapter (its file's sha256 and weight digest) and the worker's
+    adapter set after it."""
     return {"object": "lora_adapter", "lora_name": lora.lora_name,
-            "lora_int_id": lora.lora_int_id, "sha256": lora.sha256, "status": status}
+            "lora_int_id": lora.lora_int_id, "sha256": lora.sha256,
+            "digest": manager.digests.get(lora.lora_name, ""), "status": status,
+            "lora": manager.state.to_json()}

@@ -103,7 +103,8 @@ class BlockPool:
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash],
                           parent_hash: BlockHash, token_ids: Sequence[int],
-                          block_size: int, lora_name: str = "") -> None:
+                          block_size: int, lora_name: str = "",
+                          lora_digest: str = "") -> None:
         """Register full blocks under their hashes (`blocks[i]` holds tokens of `hashes[i]`).
 
         A hash already present keeps its existing block; the duplicate stays uncached.
@@ -120,14 +121,14 @@ class BlockPool:
         if stored and self.enable_events:
             if len(stored) == len(hashes):
                 self._events.append(BlockStored(tuple(stored), parent_hash, tuple(token_ids),
-                                                block_size, lora_name))
+                                                block_size, lora_name, lora_digest))
             else:  # partial: emit per block so each event carries its own parent and tokens
                 prev = parent_hash
                 for i, h in enumerate(hashes):
                     if h in stored:
                         toks = tuple(token_ids[i * block_size:(i + 1) * block_size])
                         self._events.append(BlockStored((h,), prev, toks, block_size,
-                                                        lora_name))
+                                                        lora_name, lora_digest))
                     prev = h
 
     def reset_prefix_cache(self) -> bool:

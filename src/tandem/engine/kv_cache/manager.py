@@ -218,6 +218,7 @@ class KVCacheManager:
         self.pool.cache_full_blocks(
             self._blocks[req.request_id][start:end], hashes[start:end], req.parent_hash(start),
             req.all_token_ids[start * bs : end * bs], bs, req.lora_name or "",
+            req.hash_keys.adapter_id,
         )
         self._num_cached[req.request_id] = end
 
@@ -301,7 +302,7 @@ class KVCacheManager:
 
     def commit_import(self, pinned: list[KVBlock], hashes: list[BlockHash],
                       parent_hash: BlockHash, token_ids: list[int],
-                      lora_name: str = "") -> None:
+                      lora_name: str = "", lora_digest: str = "") -> None:
         """Register imported blocks (pages written) in the prefix cache; events go out.
 
         `pinned` is updated in place: where the cache came to hold a hash meanwhile (this
@@ -311,7 +312,7 @@ class KVCacheManager:
         n = len(pinned)
         self.pool.cache_full_blocks(pinned, hashes[:n], parent_hash,
                                     token_ids[: n * self.block_size], self.block_size,
-                                    lora_name)
+                                    lora_name, lora_digest)
         for i, (block, h) in enumerate(zip(pinned, hashes, strict=False)):
             cached = self.pool.get_cached_block(h)
             if cached is not None and cached is not block:

@@ -11,11 +11,17 @@
 - Unloading under traffic (`retire`): the name stops resolving at once (new requests get
   404), the adapter's queued and running requests finish with it, and `reap` frees it
   once none is left.
+- Identity: each adapter's `digest` (of its effective weights, `peft.adapter_digest`) keys
+  its blocks in the prefix cache, so a different adapter loaded under a name used before
+  never hits the old one's blocks, while the same files loaded again do. `state` (a
+  `LoRAState`, replaced whole on every change, so readers on other threads see one
+  consistent version) is what the worker reports to routers.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -23,9 +29,9 @@ import torch
 
 from tandem.engine.errors import ConfigError, UnknownAdapterError
 from tandem.engine.lora.layers import LoRAContext, LoRALinear, ModuleSlots
-from tandem.engine.lora.paths import resolve_adapter_dir
+from tandem.engine.lora.paths import resolve_adapter
 from tandem.engine.lora.peft import LoRAAdapter, load_adapter
-from tandem.engine.lora.request import LoRARequest
+from tandem.engine.lora.request import LoRARequest, LoRAState
 from tandem.engine.model.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,9 @@ class LoRAManager:
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
         self.modules: dict[tuple[int, str], ModuleSlots] = {}
         self.retiring: set[str] = set()  # unloaded names whose requests still run
+        self.digests: dict[str, str] = {}  # registered name -> its adapter's digest
+        self._roots: dict[str, str | None] = {}  # name -> the root it was confined to
+        self.state = LoRAState(uuid.uuid4().hex, 0)
         self._wrap(model, dtype)
         self.num_loads = 0  # adapters copied into a slot (diagnostics)
 
@@ -98,9 +107,10 @@ class LoRAManager:
         """Resolve (confined to `lora_dirs` unless `trusted`: a path from the server's own
         configuration) and load an adapter; touches no shared state, so it may run off the
         engine thread. ConfigError (AdapterPathError) on a bad path or adapter."""
-        path = resolve_adapter_dir(req.lora_path, None if trusted else self.config.lora_dirs)
-        return load_adapter(path, req.lora_name, req.lora_int_id, self.arch,
-                            self.config.max_lora_rank, req.sha256)
+        found = resolve_adapter(req.lora_path, None if trusted else self.config.lora_dirs)
+        return load_adapter(found.real, req.lora_name, req.lora_int_id, self.arch,
+                            self.config.max_lora_rank, req.sha256,
+                            root=None if trusted else found.root)
 
     def add(self, req: LoRARequest, trusted: bool = False,
             adapter: LoRAAdapter | None = None) -> LoRAAdapter:
@@ -120,7 +130,10 @@ class LoRAManager:
         resolved = LoRARequest(req.lora_name, req.lora_int_id, str(adapter.path),
                                req.sha256 or adapter.sha256)
         self.registered[req.lora_name] = resolved
+        self.digests[req.lora_name] = adapter.digest
+        self._roots[req.lora_name] = adapter.root
         self._cache(adapter)
+        self._publish()
         logger.info("LoRA adapter %s (id %d, rank %d, %d modules, %.1f MiB) from %s",
                     req.lora_name, req.lora_int_id, adapter.rank, len(adapter.weights),
                     adapter.nbytes / 2**20, adapter.path)
@@ -130,17 +143,21 @@ class LoRAManager:
         """Forget an adapter (its slot and host copy); the caller has ended its requests."""
         if self.registered.pop(name, None) is None:
             raise UnknownAdapterError(name)
+        self.digests.pop(name, None)
+        self._roots.pop(name, None)
         self.host.pop(name, None)
         slot = self.slot_of.pop(name, None)
         if slot is not None:
             for m in self.modules.values():
                 m.clear(slot)
+        self._publish()
 
     def retire(self, name: str) -> None:
         """Unload under traffic: `name` stops resolving now; `reap` frees it later."""
         if not self.has(name):
             raise UnknownAdapterError(name)
         self.retiring.add(name)
+        self._publish()
 
     def reap(self, in_use: set[str | None]) -> list[str]:
         """Free the retiring adapters no unfinished request uses; their names."""
@@ -157,6 +174,18 @@ class LoRAManager:
     def names(self) -> list[str]:
         """Adapters requests may name (registered, not retiring), in load order."""
         return [n for n in self.registered if n not in self.retiring]
+
+    def digest(self, name: str) -> str:
+        """The digest of registered adapter `name` (its identity in block hashes)."""
+        try:
+            return self.digests[name]
+        except KeyError:
+            raise UnknownAdapterError(name) from None
+
+    def _publish(self) -> None:
+        """A new `state` (one assignment: readers off the engine thread see it whole)."""
+        self.state = LoRAState(self.state.instance, self.state.version + 1,
+                               tuple((n, self.digests[n]) for n in self.names()))
 
     def next_id(self) -> int:
         """A `lora_int_id` no registered adapter holds."""
@@ -175,11 +204,16 @@ class LoRAManager:
 
     def _host(self, name: str) -> LoRAAdapter:
         adapter = self.host.get(name)
-        if adapter is None:
-            req = self.registered[name]
-            adapter = load_adapter(resolve_adapter_dir(req.lora_path, None), name,
-                                   req.lora_int_id, self.arch, self.config.max_lora_rank,
-                                   req.sha256)
+        if adapter is None:  # read again, as confined as the first time
+            req, root = self.registered[name], self._roots.get(name)
+            found = resolve_adapter(req.lora_path, None if root is None else (root,))
+            adapter = load_adapter(found.real, name, req.lora_int_id, self.arch,
+                                   self.config.max_lora_rank, req.sha256,
+                                   root=None if root is None else found.root)
+            if adapter.digest != self.digests[name]:
+                raise ConfigError(f"adapter {name!r} changed on disk since it was loaded "
+                                  f"(digest {adapter.digest[:12]}, loaded "
+                                  f"{self.digests[name][:12]}); unload and load it again")
         self._cache(adapter)
         return adapter
 

@@ -7,26 +7,30 @@ a list of module names, a regular expression over full module names (PEFT's rule
 "all-linear", `layers_to_transform`, `fan_in_fan_out`. Targets are the decoder's linears:
 q/k/v/o_proj and gate/up/down_proj. Refused with a clear error: DoRA (`use_dora`), trained
 biases (`bias` other than "none"), `modules_to_save` (full copies of modules), embeddings or
-LM-head adapters, a rank above `max_lora_rank`, and any tensor whose shape does not match
-the base model. Weights are read with safetensors (no pickle).
+LM-head adapters, a rank above `max_lora_rank` or below 1 (`rank_pattern` too), and any
+tensor whose shape does not match the base model (checked from the safetensors header,
+before any data is read). Files are opened once each, confined (`paths.open_confined`), and
+read through that descriptor (no pickle). `LoRAAdapter.digest` names the effective weights.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from tandem.engine.errors import ConfigError
-from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE
+from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE, AdapterDir, open_confined
+from tandem.engine.lora.safetensors_io import TensorEntry, read_header
 from tandem.engine.model.config import ModelArchConfig
-from tandem.protocol.file_digest import file_sha256
 
 # target module -> (fused module of the decoder layer, its group)
 TARGETS: dict[str, tuple[str, str]] = {
@@ -58,7 +62,9 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-    sha256: str = ""
+    sha256: str = ""  # of adapter_model.safetensors as read
+    digest: str = ""  # `adapter_digest` of the weights: the adapter's identity in block hashes
+    root: str | None = None  # the root it was confined to when read (None: trusted)
 
     @property
     def nbytes(self) -> int:
@@ -88,17 +94,26 @@ def _targets(spec: Any, module: str) -> bool:
     return short in spec or module in spec
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path, root: str | None = None) -> dict[str, Any]:
+    """`adapter_config.json` of adapter directory `path` (inside `root`; None: "/"), read
+    through one confined descriptor (`paths.open_confined`)."""
     file = path / CONFIG_FILE
-    if file.stat().st_size > MAX_CONFIG_BYTES:
+    with _open(path, CONFIG_FILE, root) as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{file} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        cfg = json.loads(file.read_text())
+        cfg = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{file} must hold a JSON object")
     return cfg
+
+
+def _open(path: Path, name: str, root: str | None) -> io.BufferedReader:
+    fd = open_confined(AdapterDir(Path(path), root or os.sep), name)
+    return os.fdopen(fd, "rb")
 
 
 def _check_config(cfg: dict[str, Any], where: Path) -> None:
@@ -125,52 +140,115 @@ def _check_config(cfg: dict[str, Any], where: Path) -> None:
             isinstance(t, str) for t in spec))):
         raise ConfigError(f"{where}: target_modules must be a list of module names or a "
                           "regular expression")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise ConfigError(f"{where}: {key} must be an object of module name -> value")
+        for module, value in pattern.items():
+            if key == "rank_pattern" and (isinstance(value, bool) or not isinstance(
+                    value, int) or value < 1):
+                raise ConfigError(f"{where}: rank_pattern[{module!r}] must be a positive "
+                                  f"integer, got {value!r}")
+            if key == "alpha_pattern" and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value)):
+                raise ConfigError(f"{where}: alpha_pattern[{module!r}] must be a finite "
+                                  f"number, got {value!r}")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool)) \
+            and not (isinstance(layers, list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+        raise ConfigError(f"{where}: layers_to_transform must be a layer index or a list "
+                          "of them")
 
 
 def load_adapter(path: Path, name: str, int_id: int, arch: ModelArchConfig,
-                 max_rank: int, expected_sha256: str | None = None) -> LoRAAdapter:
-    """Read and validate the PEFT adapter in directory `path` (already confined: see
-    `paths.resolve_adapter_dir`) for a base model of architecture `arch`."""
-    cfg = read_config(path)
+                 max_rank: int, expected_sha256: str | None = None,
+                 root: str | None = None) -> LoRAAdapter:
+    """Read and validate the PEFT adapter in directory `path` (already confined to `root`:
+    see `paths.resolve_adapter`; None: "/") for a base model of architecture `arch`.
+
+    Each file is opened once (`paths.open_confined`) and read through that descriptor.
+    Every tensor's name, dtype, shape and extent are checked from the safetensors header
+    before any tensor data is read; the sha256 pin is checked over the very bytes loaded.
+    ConfigError on any problem."""
+    path = Path(path)
+    cfg = read_config(path, root)
     _check_config(cfg, path)
     weights_file = path / WEIGHTS_FILE
-    digest = file_sha256(weights_file)
-    if expected_sha256 is not None and digest != expected_sha256.lower():
-        raise ConfigError(f"{weights_file}: sha256 {digest} does not match the pinned "
+    with _open(path, WEIGHTS_FILE, root) as f:
+        size = os.fstat(f.fileno()).st_size
+        head, entries = read_header(f, size, weights_file)
+        plan = _plan(entries, cfg, arch, max_rank, weights_file, path)
+        data = bytearray(size - len(head))
+        if f.readinto(data) != len(data) or f.read(1):
+            raise ConfigError(f"{weights_file} changed while it was read")
+    digest = hashlib.sha256(head)
+    digest.update(data)
+    sha = digest.hexdigest()
+    if expected_sha256 is not None and sha != expected_sha256.lower():
+        raise ConfigError(f"{weights_file}: sha256 {sha} does not match the pinned "
                           f"{expected_sha256.lower()}")
+    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    top = 0
+    for (layer, target), (a_entry, b_entry, r) in sorted(plan.items()):
+        module = f"model.layers.{layer}.{TARGETS[target][1]}.{target}"
+        a, b = a_entry.tensor(data), b_entry.tensor(data)
+        if cfg.get("fan_in_fan_out"):
+            a, b = a.T, b.T
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ConfigError(f"{weights_file}: {module} has non-finite weights")
+        alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module,
+                                     cfg.get("lora_alpha", cfg["r"])))
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        out[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
+        top = max(top, r)
+    return LoRAAdapter(name, int_id, str(path), top, out, sha, adapter_digest(out), root)
+
+
+def adapter_digest(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """Hex SHA-256 of an adapter's effective weights: every (layer, target) in order with
+    its A and scaled B (float32, shapes and bytes). Equal exactly when the adapter's updates
+    are: the same files loaded again give the same digest, any change to the weights or to
+    what scales or places them (alpha, rank, patterns, rsLoRA, targets, layers) another."""
+    h = hashlib.sha256(b"tandem-lora-digest-v1")
+    for (layer, target), (a, b) in sorted(weights.items()):
+        h.update(f"{layer}\0{target}\0{tuple(a.shape)}\0{tuple(b.shape)}\0".encode())
+        h.update(a.float().contiguous().numpy())
+        h.update(b.float().contiguous().numpy())
+    return h.hexdigest()
+
+
+def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchConfig,
+          max_rank: int, weights_file: Path, path: Path
+          ) -> dict[tuple[int, str], tuple[TensorEntry, TensorEntry, int]]:
+    """(layer, target) -> (A entry, B entry, rank), every header entry checked against the
+    base model and the config before any tensor data is read."""
     shapes = target_shapes(arch)
     spec = cfg["target_modules"]
     layers = cfg.get("layers_to_transform")
     if isinstance(layers, int):
         layers = [layers]
-    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(weights_file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                m = _KEY.match(key)
-                if m is None:
-                    raise ConfigError(f"{weights_file}: unexpected tensor {key!r} (only "
-                                      "LoRA A/B matrices of decoder layers are supported)")
-                layer, target, ab = int(m.group(1)), m.group(3), m.group(4)
-                if target not in TARGETS or TARGETS[target][1] != m.group(2):
-                    raise ConfigError(f"{weights_file}: {key!r} targets an unsupported "
-                                      f"module (supported: {', '.join(TARGETS)})")
-                if layer >= arch.num_layers:
-                    raise ConfigError(f"{weights_file}: {key!r} names layer {layer}; the "
-                                      f"base model has {arch.num_layers}")
-                slot = pairs.setdefault((layer, target), {})
-                if ab in slot:
-                    raise ConfigError(f"{weights_file}: {key!r} appears twice")
-                slot[ab] = f.get_tensor(key)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # header / read errors
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"{weights_file}: not a readable safetensors file: {e}") from None
+    ranks = cfg.get("rank_pattern") or {}
+    pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
+    for key, entry in entries.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise ConfigError(f"{weights_file}: unexpected tensor {key[:256]!r} (only LoRA "
+                              "A/B matrices of decoder layers are supported)")
+        layer, target, ab = int(m.group(1)), m.group(3), m.group(4)
+        if target not in TARGETS or TARGETS[target][1] != m.group(2):
+            raise ConfigError(f"{weights_file}: {key!r} targets an unsupported module "
+                              f"(supported: {', '.join(TARGETS)})")
+        if layer >= arch.num_layers:
+            raise ConfigError(f"{weights_file}: {key!r} names layer {layer}; the base model "
+                              f"has {arch.num_layers}")
+        slot = pairs.setdefault((layer, target), {})
+        if ab in slot:
+            raise ConfigError(f"{weights_file}: {key!r} appears twice")
+        slot[ab] = entry
     if not pairs:
         raise ConfigError(f"{weights_file} holds no LoRA weights")
-    out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-    top = 0
+    plan = {}
     for (layer, target), ab in sorted(pairs.items()):
         module = f"model.layers.{layer}.{TARGETS[target][1]}.{target}"
         if "A" not in ab or "B" not in ab:
@@ -179,21 +257,16 @@ def load_adapter(path: Path, name: str, int_id: int, arch: ModelArchConfig,
         if not _targets(spec, module) or (layers is not None and layer not in layers):
             raise ConfigError(f"{weights_file}: {module} has weights but is not in the "
                               "adapter's target_modules / layers_to_transform")
-        a, b = ab["A"].float(), ab["B"].float()
-        if cfg.get("fan_in_fan_out"):
-            a, b = a.T, b.T
         r = _pattern_value(ranks, module, cfg["r"])
-        n_out, n_in = shapes[target]
-        if a.dim() != 2 or b.dim() != 2 or a.shape != (r, n_in) or b.shape != (n_out, r):
-            raise ConfigError(f"{weights_file}: {module} has lora_A {tuple(a.shape)} and "
-                              f"lora_B {tuple(b.shape)}; the base model needs ({r}, {n_in}) "
-                              f"and ({n_out}, {r})")
         if r > max_rank:
             raise ConfigError(f"{path}: rank {r} exceeds max_lora_rank {max_rank}")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise ConfigError(f"{weights_file}: {module} has non-finite weights")
-        alpha = float(_pattern_value(alphas, module, cfg.get("lora_alpha", cfg["r"])))
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        out[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
-        top = max(top, r)
-    return LoRAAdapter(name, int_id, str(path), top, out, digest)
+        n_out, n_in = shapes[target]
+        want_a, want_b = (r, n_in), (n_out, r)
+        if cfg.get("fan_in_fan_out"):
+            want_a, want_b = want_a[::-1], want_b[::-1]
+        a, b = ab["A"], ab["B"]
+        if a.shape != want_a or b.shape != want_b:
+            raise ConfigError(f"{weights_file}: {module} has lora_A {a.shape} and lora_B "
+                              f"{b.shape}; the base model needs {want_a} and {want_b}")
+        plan[(layer, target)] = (a, b, r)
+    return plan

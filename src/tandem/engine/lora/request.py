@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MAX_NAME_LEN = 128
 
@@ -37,3 +38,23 @@ def check_name(name: object) -> str:
     if not name.isprintable() or any(c.isspace() for c in name):
         raise ValueError(f"adapter name {name!r} has whitespace or unprintable characters")
     return name
+
+
+@dataclass(frozen=True)
+class LoRAState:
+    """The adapters a request may name on one engine, as it reports them: `(name, digest)`
+    pairs in load order (the digest is the adapter's identity in block hashes), under a
+    `version` bumped on every load and unload of engine `instance` (random per process).
+    A report of a lower version of the same instance is older: routers drop it."""
+
+    instance: str
+    version: int
+    adapters: tuple[tuple[str, str], ...] = ()
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.adapters]
+
+    def to_json(self) -> dict[str, Any]:
+        """The `/ready` and load / unload answers' `lora` object."""
+        return {"instance": self.instance, "version": self.version,
+                "adapters": dict(self.adapters)}

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.protocol.block_hash import BlockHash
-from tandem.router.workers import Worker
+from tandem.router.workers import HashGroup, Worker
 
 
 @dataclass
@@ -21,14 +21,19 @@ class RoutingContext:
 
     model: str  # what the request names: a base model or a LoRA adapter
     prompt_tokens: int
-    # block size -> the prompt's full-block hash chain for workers with that block size
-    hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+    # (block size, adapter digest) -> the prompt's full-block hash chain for the workers
+    # that hash alike (`Worker.hash_group`)
+    hashes: dict[HashGroup, list[BlockHash]] = field(default_factory=dict)
     role: str = "decode"  # the role that must serve it: "decode" (aggregated or P/D decode)
     matched_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached prefix
     # worker id -> decayed uncached prompt tokens the router sent it lately (ChurnTracker)
     churn_tokens: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
     lora: str | None = None  # the adapter `model` names (None: a base model)
+
+    def chain(self, w: Worker) -> list[BlockHash]:
+        """The prompt's hash chain as worker `w` hashes it ([] when not computed)."""
+        return self.hashes.get(w.hash_group(self.lora), [])
 
 
 @dataclass(frozen=True)
