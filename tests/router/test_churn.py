@@ -146,7 +146,7 @@ def test_retract_undoes_what_route_recorded_for_a_failed_attempt():
     assert router.churn.value(wid, 0.001) == 0.0
     again, ctx = router.route(group_prompt(0), "m", now=0.002, exclude=[wid])
     assert again is not None and again.worker.id != wid
-    assert router.index.match(ctx.hashes[again.worker.kv_block_size], 0.003).get(wid) is None
+    assert router.index.match(ctx.chain(again.worker), 0.003).get(wid) is None
     router.retract(first, now=0.004)  # twice is harmless
     assert router.churn.value(again.worker.id, 0.002) == PREFIX
 
@@ -157,7 +157,7 @@ def test_retract_leaves_speculative_blocks_a_later_routing_refreshed():
     second, _ = router.route(group_prompt(0), "m", now=0.5)  # same worker, same prefix
     assert first is not None and second is not None
     router.retract(first, now=0.6)
-    chain = ctx.hashes[first.worker.kv_block_size]
+    chain = ctx.chain(first.worker)
     assert router.index.match(chain, 0.7)[first.worker.id] == len(chain)
 
 
@@ -168,7 +168,7 @@ def test_retract_takes_back_an_approximate_routing_unless_a_later_one_refreshed_
     router = idle_router(0, n_workers=1, events=False)
     wid = "http://w0:8000"
     first, ctx = router.route(group_prompt(0), "m", now=0.0)
-    chain = ctx.hashes[BS]
+    chain = ctx.hashes[(BS, "")]
     assert router.approx.match(chain, [wid]) == {wid: len(chain)}
     router.retract(first, now=0.1)
     assert router.approx.match(chain, [wid]) == {}
@@ -179,5 +179,5 @@ def test_retract_takes_back_an_approximate_routing_unless_a_later_one_refreshed_
     a, _ = router.route(group_prompt(1), "m", now=0.5)
     b, ctx1 = router.route(group_prompt(1), "m", now=0.6)  # refreshes a's blocks
     router.retract(a, now=0.7)
-    assert router.approx.match(ctx1.hashes[BS], [wid]) == {wid: len(ctx1.hashes[BS])}
+    assert router.approx.match(ctx1.hashes[(BS, "")], [wid]) == {wid: len(ctx1.hashes[(BS, "")])}
     assert ok is not None and b is not None
