@@ -310,20 +310,23 @@ def held(server: Lean) -> tuple[int, int, int]:
 
 
 def stalled_client(server: Lean) -> socket.socket:
-    """A client with a 4 KiB receive buffer (it will read little or nothing), the only one
-    connected; the server's side of it gets a 4 KiB send buffer too, so what the client
-    leaves unread piles up in the server's transport, not in the kernels."""
+    """A client with a 4 KiB receive buffer (it will read little or nothing); the server's
+    side of it gets a 4 KiB send buffer too, so what the client leaves unread piles up in
+    the server's transport, not in the kernels."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(5)
     s.connect(("127.0.0.1", server.port))
-    assert wait_until(lambda: held(server)[0] == 1)
+    me = s.getsockname()
 
-    def shrink() -> None:
+    def shrink() -> bool:
         for c in server.server.connections:
-            c.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
-                                                            socket.SO_SNDBUF, 4096)
-    on_loop(server, shrink)
+            if c.client == me and c.transport is not None:
+                c.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET,
+                                                                socket.SO_SNDBUF, 4096)
+                return True
+        return False
+    assert wait_until(lambda: on_loop(server, shrink))
     return s
 
 
