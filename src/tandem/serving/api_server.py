@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tandem.engine.async_engine import AddRequest, AsyncLLMEngine
+from tandem.engine.async_engine import AddRequest, AsyncLLMEngine, OutputStream
 from tandem.engine.llm_engine import EngineStats
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import TokenizedPrompt
@@ -61,6 +62,7 @@ from tandem.serving.lora_api import install_lora_routes, model_cards, resolve
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
+from tandem.serving.sse import SSEResponse
 from tandem.serving.worker_auth import check_signature
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,13 @@ class ServerSettings:
     role: str = "both"  # "both" | "prefill" | "decode"
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     max_n: int = 16  # cap on `n`
-    request_timeout_s: float = 600.0  # a request running longer is aborted (504)
+    # admission to the last byte handed to the client: a request running longer is
+    # aborted (504; a stream ends with an error event, or is cut if the client stalls)
+    request_timeout_s: float = 600.0
+    # a stream whose client reads nothing for this long is aborted and its connection closed
+    stream_send_timeout_s: float = 30.0
+    # prompts waiting for (or in) the tokenizer pool; more get 429 + Retry-After
+    max_pending_tokenize: int = 256
     retry_after_s: int = 1  # Retry-After on 429
     grpc_host: str = "127.0.0.1"
     grpc_port: int | None = None  # the gRPC Worker service; None = off
@@ -126,6 +134,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     holder = _EngineHolder()
     tokenizer_pool = ThreadPoolExecutor(max_workers=max(1, settings.tokenizer_threads),
                                         thread_name_prefix="tandem-tokenize")
+    # a slot per job queued or running in the pool, freed when the job ends (not when its
+    # caller stops waiting: a cancelled caller's job may still run)
+    tokenize_slots = threading.Semaphore(max(1, settings.max_pending_tokenize))
     metrics = ServerMetrics(settings.served_model_name, holder.snapshot)
     pd = PrefillImports(lambda: holder.remote, settings.kv_transfer, metrics,
                         settings.served_model_name)
@@ -248,9 +259,19 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                         lambda reason: refused(reason))
 
     async def off_thread(fn: Callable[[], Any]) -> Any:
-        """Run `fn` in the tokenizer pool; engine errors become API errors."""
+        """Run `fn` in the tokenizer pool; engine errors become API errors. With
+        `max_pending_tokenize` jobs already queued or running: 429 + Retry-After."""
+        if not tokenize_slots.acquire(blocking=False):
+            raise APIError(429, "too many prompts are waiting to be tokenized; retry later",
+                           headers={"Retry-After": str(settings.retry_after_s)})
         try:
-            return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+            job = tokenizer_pool.submit(fn)
+        except BaseException:
+            tokenize_slots.release()
+            raise
+        job.add_done_callback(lambda _: tokenize_slots.release())
+        try:
+            return await asyncio.wrap_future(job)
         except ValueError as exc:  # InvalidRequestError, a template's error
             raise from_engine_error(exc) from exc
 
@@ -309,7 +330,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                             prompts: list[TokenizedPrompt], rid: str, arrival: float,
                             imported: list[Imported]) -> Any:
         adds = [AddRequest(f"{rid}-{i}", prompt, responder.params, responder.priority,
-                           responder.cache_salt, lora_name=responder.lora_name)
+                           responder.cache_salt, lora_name=responder.lora_name, delta=True)
                 for i, prompt in enumerate(prompts)]
         try:
             queues = [q for _, q in await engine.add_many(adds)]
@@ -321,12 +342,15 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         timing = _Timing()
         stream = _merge(engine, rid, queues, metrics, arrival, timing,
                         on_end=lambda: pd.unpin(imported))
+        deadline = arrival + settings.request_timeout_s
         if responder.stream:
-            return StreamingResponse(_with_timeout(responder.sse(stream), settings, rid),
-                                     media_type="text/event-stream")
+            return SSEResponse(responder.sse(stream), deadline=deadline,
+                               send_timeout_s=settings.stream_send_timeout_s, request_id=rid,
+                               on_timeout=[sse_error(504, "request timed out"),
+                                           "data: [DONE]\n\n"])
 
         async def collect() -> dict:
-            async with asyncio.timeout(settings.request_timeout_s):
+            async with asyncio.timeout(deadline - time.monotonic()):
                 return await responder.collect(stream)
 
         try:
@@ -393,7 +417,7 @@ class _Timing:
     engine_s: float = 0.0
 
 
-async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[asyncio.Queue],
+async def _merge(engine: AsyncLLMEngine, rid: str, queues: list[OutputStream],
                  metrics: ServerMetrics, arrival: float, timing: _Timing,
                  on_end: Callable[[], None] = lambda: None
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -463,23 +487,3 @@ class _TokenClock:
                 self.metrics.finished(c.finish_reason or "abort")
         return out.finished
 
-
-async def _with_timeout(chunks: AsyncIterator[str], settings: ServerSettings,
-                        rid: str) -> AsyncIterator[str]:
-    deadline = time.monotonic() + settings.request_timeout_s
-    it = chunks.__aiter__()
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
-                    chunk = await it.__anext__()
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                logger.warning("[%s] stream timed out", rid)
-                yield sse_error(504, "request timed out")
-                yield "data: [DONE]\n\n"
-                return
-            yield chunk
-    finally:
-        await it.aclose()

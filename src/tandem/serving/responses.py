@@ -1,8 +1,10 @@
 """Turns a stream of engine outputs into OpenAI responses: one JSON body, or SSE chunks.
 
 Choice `index` = prompt index * n + sample index (OpenAI's order for batched prompts).
-Streaming sends each choice's new text since the last chunk, its finish reason once, an
-optional usage chunk (`stream_options.include_usage`) and `data: [DONE]`.
+The engine's outputs are deltas (each sample's text, ids and logprobs since its previous
+output): a stream sends each as it comes, so nothing here grows with what was sent; a
+whole response merges them first. Streaming sends each choice's new text, its finish reason
+once, an optional usage chunk (`stream_options.include_usage`) and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tandem.protocol.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -60,14 +62,15 @@ class Responder(ABC):
         self.created = now()
 
     async def collect(self, stream: Stream) -> dict[str, Any]:
-        finals: dict[int, RequestOutput] = {}
+        """The whole response: each prompt's delta outputs merged into its result."""
+        whole: dict[int, DeltaAccumulator] = {}
         try:
             async for i, out in stream:
-                if out.finished:
-                    finals[i] = out
+                whole.setdefault(i, DeltaAccumulator()).add(out)
         finally:
             await stream.aclose()  # aborts unfinished sub-requests at once (disconnect)
-        ordered = [finals[i] for i in sorted(finals)]
+        merged = {i: acc.take() for i, acc in whole.items()}
+        ordered = [out for i in sorted(merged) if (out := merged[i]) is not None and out.finished]
         for out in ordered:
             if out.error:
                 raise APIError(500, out.error, type_="server_error")
@@ -81,11 +84,11 @@ class Responder(ABC):
             await stream.aclose()  # aborts unfinished sub-requests at once (disconnect)
 
     async def _sse(self, stream: Stream) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_tok: dict[int, int] = {}
+        sent_text: dict[int, int] = {}  # per choice: characters sent (the text offset)
         finished: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
+        generated = 0  # tokens over every choice, for the usage chunk
         async for i, out in stream:
             if out.error:
                 yield sse_error(500, out.error)
@@ -97,23 +100,29 @@ class Responder(ABC):
                     first = self.first_chunk(idx, i, out)
                     if first is not None:
                         yield _sse(first)
-                t0, t1 = sent_tok.get(idx, 0), len(c.token_ids)
-                text = c.text[sent_text.get(idx, 0):]
+                generated += len(c.token_ids)
                 done = c.finish_reason is not None and idx not in finished
-                if not text and not done and t1 == t0:
+                if not c.text and not done and not c.token_ids:
                     continue
-                sent_text[idx] = len(c.text)
-                sent_tok[idx] = t1
+                offset = sent_text.get(idx, 0)
+                sent_text[idx] = offset + len(c.text)
                 if done:
                     finished.add(idx)
-                yield _sse(self.chunk(idx, c, text, t0, t1, done))
+                yield _sse(self.chunk(idx, c, offset, done))
             if out.finished:
                 finals[i] = out
         else:
             if self.include_usage:
                 ordered = [finals[i] for i in sorted(finals)]
-                yield _sse(self.usage_chunk(ordered))
+                yield _sse(self.usage_chunk(self.stream_usage(ordered, generated)))
         yield "data: [DONE]\n\n"
+
+    def stream_usage(self, finals: list[RequestOutput], generated: int) -> Usage:
+        """A stream's usage: its prompts' from their final outputs, `generated` tokens."""
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        return Usage(prompt_tokens=prompt, completion_tokens=generated,
+                     total_tokens=prompt + generated, prompt_tokens_details={
+                         "cached_tokens": sum(o.num_cached_tokens for o in finals)})
 
     def first_chunk(self, idx: int, i: int, out: RequestOutput) -> dict[str, Any] | None:
         """What choice `idx` (of prompt `i`) sends before its first tokens, if anything."""
@@ -123,11 +132,12 @@ class Responder(ABC):
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
 
     @abstractmethod
-    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
-              done: bool) -> dict[str, Any]: ...
+    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
+        """Choice `idx`'s chunk for the delta `c`, whose text starts at character `offset`
+        of the choice's generated text."""
 
     @abstractmethod
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
 
 
 class CompletionResponder(Responder):
@@ -153,16 +163,17 @@ class CompletionResponder(Responder):
                 p, skip_special_tokens=False)
         return self._prompt_texts[i]
 
-    def _generated(self, c: CompletionOutput, text: str, t0: int, t1: int,
+    def _generated(self, c: CompletionOutput, offset: int,
                    i: int) -> tuple[str, CompletionLogprobs | None]:
-        """The choice's new text and its logprobs for positions [t0, t1)."""
+        """`c`'s text and logprobs, its text starting at character `offset` of the choice's
+        generated text."""
         if self.echo_only:
             return "", None
         if self.params.logprobs is None:
-            return text, None
-        offset = len(c.text) - len(text) + (len(self._prompt_text(i)) if self.echo else 0)
-        return text, convert.completion_logprobs(self.tok, c, t0, t1, offset,
-                                                 self.params.logprobs)
+            return c.text, None
+        offset += len(self._prompt_text(i)) if self.echo else 0
+        return c.text, convert.completion_logprobs(self.tok, c, 0, len(c.token_ids), offset,
+                                                   self.params.logprobs)
 
     def _echoed(self, i: int, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
         k = self.params.logprobs
@@ -176,7 +187,7 @@ class CompletionResponder(Responder):
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                text, lp = self._generated(c, c.text, 0, len(c.token_ids), i)
+                text, lp = self._generated(c, 0, i)
                 if self.echo:
                     head, head_lp = self._echoed(i, out)
                     text, lp = head + text, _joined(head_lp, lp)
@@ -195,18 +206,20 @@ class CompletionResponder(Responder):
                                   choices=[CompletionChoice(index=idx, text=text, logprobs=lp)]
                                   ).model_dump(exclude={"usage"})
 
-    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
-              done: bool) -> dict[str, Any]:
-        text, lp = self._generated(c, text, t0, t1, idx // self.n)
+    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
+        text, lp = self._generated(c, offset, idx // self.n)
         finish, stop = self._finish(c) if done else (None, None)
         choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=finish,
                                   stop_reason=stop)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                   choices=[choice]).model_dump(exclude={"usage"})
 
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+    def stream_usage(self, finals: list[RequestOutput], generated: int) -> Usage:
+        return super().stream_usage(finals, 0 if self.echo_only else generated)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=[], usage=self._usage(outs)).model_dump()
+                                  choices=[], usage=usage).model_dump()
 
     def _usage(self, outs: list[RequestOutput]) -> Usage:
         return convert.usage(outs, generated=not self.echo_only)
@@ -226,15 +239,15 @@ def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None
 class ChatResponder(Responder):
     req: ChatCompletionRequest
 
-    def _logprobs(self, c: CompletionOutput, t0: int, t1: int):
+    def _logprobs(self, c: CompletionOutput):
         if self.params.logprobs is None:
             return None
-        return convert.chat_logprobs(self.tok, c, t0, t1, self.params.logprobs)
+        return convert.chat_logprobs(self.tok, c, 0, len(c.token_ids), self.params.logprobs)
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = [
             ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                       logprobs=self._logprobs(c, 0, len(c.token_ids)),
+                       logprobs=self._logprobs(c),
                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             for out in outs for c in out.outputs
         ]
@@ -254,14 +267,13 @@ class ChatResponder(Responder):
         body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}
         return body
 
-    def chunk(self, idx: int, c: CompletionOutput, text: str, t0: int, t1: int,
-              done: bool) -> dict[str, Any]:
-        choice = ChatChunkChoice(index=idx, delta=DeltaMessage(content=text or None),
-                                 logprobs=self._logprobs(c, t0, t1),
+    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
+        choice = ChatChunkChoice(index=idx, delta=DeltaMessage(content=c.text or None),
+                                 logprobs=self._logprobs(c),
                                  finish_reason=c.finish_reason if done else None,
                                  stop_reason=c.stop_reason if done else None)
         return self._chunk_dict(choice)
 
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=[], usage=convert.usage(outs)).model_dump()
+                                   choices=[], usage=usage).model_dump()
