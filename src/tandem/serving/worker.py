@@ -191,7 +191,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     p.add_argument("--max-n", type=int, default=16)
     p.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from admission to a response's last byte (sends included)")
+    p.add_argument("--stream-send-timeout", type=float, default=30.0,
+                   help="seconds a stream's send may wait for a client that reads nothing; "
+                        "then the request is aborted and the connection closed")
+    p.add_argument("--max-pending-tokenize", type=_positive_int, default=256, metavar="N",
+                   help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
     p.add_argument("--kv-transfer-backend", default="grpc", choices=["grpc", "torch"],
@@ -308,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
+                              stream_send_timeout_s=args.stream_send_timeout,
+                              max_pending_tokenize=args.max_pending_tokenize,
                               grpc_host=args.host, grpc_port=args.grpc_port,
                               worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls,
                               kv_stream_layers=args.kv_stream_layers, auth_key=auth_key,
