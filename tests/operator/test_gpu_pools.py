@@ -52,7 +52,7 @@ def test_gpu_pools_get_device_cuda_and_the_cuda_image_cpu_pools_the_cpu_ones():
         "--device", "cuda", "--attention-backend", "triton",
         "--gpu-memory-utilization", "0.85", "--kv-transfer-backend", "grpc",
         "--kv-transfer-policy", "recompute", "--kv-transfer-timeout", "30", "--enforce-eager",
-        "--worker-auth-key-file", "/etc/tandem/worker-auth/key"]
+        "--worker-auth-key-file", "/etc/tandem/worker-auth/key", "--require-signed-requests"]
     assert arg(dec["args"], "--dtype") == arg(pre["args"], "--dtype") == "bfloat16"
     assert arg(pre["args"], "--device") == "cpu"
     for flag in ("--attention-backend", "--gpu-memory-utilization", "--enforce-eager"):

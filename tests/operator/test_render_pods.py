@@ -52,8 +52,8 @@ def test_the_router_gets_the_models_tokenizer_for_every_source(uri, command, ima
            "router": {"image": "reg/control:1"}}
     docs = render(raw)
     d, cfg = _router(docs)
-    name = parse_spec(raw).model.served_name
-    assert cfg["tokenizers"] == {name: TOKENIZER_DIR}
+    names = parse_spec(raw).model.served_names  # (hf://: the Hub id too)
+    assert cfg["tokenizers"] == dict.fromkeys(names, TOKENIZER_DIR)
     pod = d["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     assert init["command"] == ["python", "-m", "tandem.operator.fetch", "tokenizer", *command,

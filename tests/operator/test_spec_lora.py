@@ -237,7 +237,7 @@ def test_every_role_gets_the_flags_and_the_worker_reads_them_back():
     args = container(both)["args"]
     assert arg(args, "--role") == "both" and arg(args, "--max-lora-rank") == "8"
     assert "--lora-modules" not in args and "--max-cpu-loras" not in args
-    assert args[-4:-2] == ["--lora-dir", "/adapters"]  # then the worker-auth key file
+    assert args[-5:-3] == ["--lora-dir", "/adapters"]  # then the worker-auth key file
     for name in ("aggregated", "disaggregated", "pods"):
         assert all("--enable-lora" not in container(d)["args"] for d in render(name)
                    if d["kind"] == "Deployment")

@@ -45,8 +45,9 @@ class ModelSource:
         """The served model name when `spec.model.name` is not set."""
         if self.kind == "bundled":
             return BUNDLED_NAME
-        if self.path:
-            return PurePosixPath(self.path).stem
+        if self.path:  # a .gguf file's name without the extension, a directory's whole name
+            name = PurePosixPath(self.path).name
+            return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
         return self.claim or self.repo.rsplit("/", 1)[-1]
 
 

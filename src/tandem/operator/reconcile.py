@@ -135,7 +135,8 @@ def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> 
 
 def check_environment(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig) -> None:
     """What the spec asks of this operator's installation: `SpecError` when it lacks it or
-    its admin does not allow it (`admission`)."""
+    its admin does not allow it (`admission`). The change handler's (`main.apply`), before
+    `apply`; `tandem render` renders without it."""
     admit(spec, owner.namespace, config.admission)
     if spec.router.managed_redis and config.redis is None:
         raise SpecError("router.managedRedis: this operator has no Redis (install the chart "
@@ -171,7 +172,6 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
             if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
     docs = manifests(spec, owner, config, keep)
-    check_environment(spec, owner, config)
     ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
     ensure_redis_user(kube, spec, owner, config)
     hand_over_replicas(kube, spec, owner, live)

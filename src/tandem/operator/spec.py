@@ -86,6 +86,15 @@ class ModelSpec:
         return self.name or self.source.default_name
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name the workers answer to (`--served-model-name`, the first in answers):
+        `served_name`, and for `hf://ORG/NAME` the Hub id ORG/NAME too, as vLLM serves it."""
+        names = [self.served_name]
+        if self.source.kind == "hf" and self.source.repo:
+            names.append(self.source.repo)
+        return tuple(dict.fromkeys(names))
+
+    @property
     def download_storage(self) -> str:
         """The emptyDir size of an hf:// download without a cache."""
         return self.storage or DEFAULT_HF_STORAGE
@@ -253,7 +262,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         security=parse_security(get_obj(spec, "security", "spec")),
         prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")),
         lora=parse_lora(get(spec, "lora", dict, None, "spec")))
-    check_served_name(out.lora, model.served_name)
+    for name in model.served_names:
+        check_served_name(out.lora, name)
     for pool, _, p in out.worker_pools() if out.lora is not None else ():
         if p.parallelism.tensor > 1:
             where = "decode" if pool == "worker" else pool

@@ -78,7 +78,7 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
     if r.weights is not None:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
     # the tokenizer init container's output (`render.model.router_model`), for every source
-    cfg["tokenizers"] = {spec.model.served_name: TOKENIZER_DIR}
+    cfg["tokenizers"] = {name: TOKENIZER_DIR for name in spec.model.served_names}
     if r.rate_limit is not None or r.tenant_rate_limits:
         cfg["rate_limits"] = {"default": _limits(r.rate_limit or RateLimit()),
                               "tenants": {t: _limits(v)

@@ -128,6 +128,12 @@ def security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     return args
 
 
+def worker_security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
+    """A worker's: every one has the key, so it serves only requests its routers signed
+    (no unmetered inference for whatever reaches a pod)."""
+    return security_args(spec, owner) + ["--require-signed-requests"]
+
+
 # ---- cert-manager Certificate -----------------------------------------------------------
 
 CERT_MANAGER = "cert-manager.io/v1"

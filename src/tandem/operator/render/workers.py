@@ -40,7 +40,7 @@ from tandem.operator.render.common import (
 from tandem.operator.render.lora import lora_args, worker_lora
 from tandem.operator.render.model import draft_model, worker_model
 from tandem.operator.render.multinode import group_pdb, leader_worker_set
-from tandem.operator.render.security import security_args, worker_auth_mount
+from tandem.operator.render.security import worker_auth_mount, worker_security_args
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol.labels import WORKER_COMPONENT
 
@@ -87,7 +87,7 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
     e, kv, m = pool.spec.engine, spec.kv_transfer, spec.model
     args = ["worker", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--grpc-port", str(GRPC_PORT), "--role", pool.role,
-            "--served-model-name", m.served_name]
+            "--served-model-name", *m.served_names]
     optional: list[tuple[str, Any]] = [
         ("--model", model_path), ("--model-sha256", m.sha256), ("--dtype", m.dtype),
         ("--block-size", e.block_size), ("--max-num-seqs", e.max_num_seqs),
@@ -169,7 +169,7 @@ def worker_template(spec: InferenceServiceSpec, owner: Owner, pool: Pool,
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {
         "name": "worker", "image": image, "command": ["tandem"],
-        "args": worker_args(spec, pool, model.path) + security_args(spec, owner),
+        "args": worker_args(spec, pool, model.path) + worker_security_args(spec, owner),
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": GRPC_PORT_NAME, "containerPort": GRPC_PORT, "protocol": "TCP"}],
         "env": base_env(),
