@@ -451,7 +451,8 @@ def test_redis_arguments_and_probes_work_on_a_real_redis_server(helm: Helm, tmp_
                                               str(tmp_path / "password")})
         owner = Owner("alpha", "team-a", "uid")
         RedisAcl(managed).ensure_user(owner)
-        assert redis.Redis.from_url(url_secret(managed, owner)["stringData"]["url"]).ping()
+        url = base64.b64decode(url_secret(managed, owner)["data"]["url"]).decode()
+        assert redis.Redis.from_url(url).ping()
         for probe in ("livenessProbe", "readinessProbe"):
             command = [a.replace(" -p 6379 ", f" -p {port} ") for a in c[probe]["exec"]["command"]]
             env = {"PATH": "/usr/bin:/bin"}

@@ -46,7 +46,11 @@ def test_each_example_renders_valid_objects_equal_to_render_all(example: Path) -
                          "--image", "registry.example/tandem:1.0",
                          "--image-pull-policy", "IfNotPresent")
     assert proc.returncode == 0, proc.stderr
-    secret, *docs = documents(proc.stdout)
+    out = documents(proc.stdout)
+    secrets = [d for d in out if d["kind"] == "Secret"]
+    assert out[:len(secrets)] == secrets  # created first, before the pods that mount them
+    secret, *more = secrets
+    docs = out[len(secrets):]
     source = yaml.safe_load(example.read_text())
     owner = Owner(source["metadata"]["name"], "ml", UID)
     want = render_all(parse_spec(source["spec"]), owner,
@@ -56,6 +60,13 @@ def test_each_example_renders_valid_objects_equal_to_render_all(example: Path) -
     assert not re.search(r"[&*]id\d", proc.stdout)  # every place written out, no YAML aliases
     # the key Secret the operator creates once, first, and never with a usable value here
     assert secret == {**worker_auth_secret(owner), "data": {"key": PLACEHOLDER_VALUE}}
+    # router.managedRedis: its URL Secret, created once with the ACL user's password
+    if source["spec"].get("router", {}).get("managedRedis"):
+        (redis_secret,) = more
+        assert redis_secret["metadata"]["name"] == f"{owner.name}-redis"
+        assert redis_secret["data"] == {"url": PLACEHOLDER_VALUE}
+    else:
+        assert more == []
     with pytest.raises(binascii.Error):
         base64.b64decode(PLACEHOLDER_VALUE, validate=True)
     assert "created once by the operator with fresh random key material" in proc.stdout

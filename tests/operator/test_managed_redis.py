@@ -67,8 +67,7 @@ def test_create_makes_the_user_and_secret_and_delete_removes_the_user(world) -> 
     user = acl_user(owner)
     assert user in _users(admin)
     secret = env.get("Secret", "zeta-redis")
-    url = (secret.get("stringData") or {}).get("url") or base64.b64decode(
-        secret["data"]["url"]).decode()
+    url = base64.b64decode(secret["data"]["url"]).decode()
     assert urlsplit(url).username == user and secret["metadata"]["ownerReferences"][0][
         "uid"] == owner.uid
     local = redis.Redis.from_url(url.replace(urlsplit(url).hostname, "127.0.0.1"))

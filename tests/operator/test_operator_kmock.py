@@ -137,12 +137,20 @@ class Env:
 
 @pytest.fixture(scope="module")
 def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    from tandem.operator.redis_acl import ManagedRedis, RedisAcl
+    from tests.conftest import start_redis
+
     cluster = FakeCluster(RESOURCES, tmp_path_factory.mktemp("kube"))
     metrics = FakeMetrics()
+    # the chart's Redis (the examples' router.managedRedis)
+    redis_proc, _, redis_port = start_redis(tmp_path_factory.mktemp("redis"), password="adm")
+    (tmp_path_factory.getbasetemp() / "redis-admin").write_text("adm")
     config = OperatorConfig(image=IMAGE, image_pull_policy="IfNotPresent",
                             status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
                             resync_interval_s=1.0,
-                            metrics=metrics)
+                            metrics=metrics, redis=RedisAcl(ManagedRedis(
+                                "127.0.0.1", redis_port,
+                                str(tmp_path_factory.getbasetemp() / "redis-admin"))))
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)  # read by the operator's login
     try:
@@ -154,6 +162,8 @@ def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         else:
             os.environ["KUBECONFIG"] = old
         cluster.stop()
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
 
 
 @pytest.fixture()

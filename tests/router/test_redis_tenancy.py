@@ -7,6 +7,7 @@ another's keys (NOPERM), nor run what the routers never do."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import random
 
 import pytest
@@ -122,10 +123,11 @@ def test_users_are_reset_and_deleted(shared) -> None:
     assert all(f"+{c}" in rules for c in ROUTER_COMMANDS) and "-@all" in rules
     secret = url_secret(managed, owner)
     assert secret["metadata"]["name"] == "gamma-redis"
-    assert redis.Redis.from_url(secret["stringData"]["url"]).ping()
+    url = base64.b64decode(secret["data"]["url"]).decode()
+    assert redis.Redis.from_url(url).ping()
     assert acl.delete_user(owner) and not acl.delete_user(owner)
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis.from_url(secret["stringData"]["url"]).ping()
+        redis.Redis.from_url(url).ping()
 
 
 def test_the_router_puts_every_key_under_its_prefix(shared) -> None:

@@ -211,6 +211,23 @@ def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[st
     return recorder.writes
 
 
+def dry_redis(config: Any) -> Any:
+    """The config with a Redis that is never contacted: `router.managedRedis` gets its URL
+    Secret printed (a placeholder value, as every created Secret) and no ACL call."""
+    import dataclasses
+
+    from tandem.operator.redis_acl import ManagedRedis, RedisAcl
+
+    class DryAcl(RedisAcl):
+        def ensure_user(self, owner: Owner) -> None:
+            pass
+
+    managed = config.redis.redis if config.redis is not None else ManagedRedis(
+        "redis", 6379, os.devnull)
+    return dataclasses.replace(config, redis=DryAcl(dataclasses.replace(
+        managed, password_file=os.devnull)))
+
+
 def render(args: argparse.Namespace, text: str, environ: Mapping[str, str]) -> str:
     """The YAML `tandem render` prints for the manifest(s) in `text`."""
     from tandem.operator.cli import config_from
@@ -219,7 +236,7 @@ def render(args: argparse.Namespace, text: str, environ: Mapping[str, str]) -> s
     if args.uid and len(docs) > 1:
         raise RenderError("--uid names one InferenceService; the input holds "
                           f"{len(docs)}")
-    config = config_from(args, environment(args, environ))
+    config = dry_redis(config_from(args, environment(args, environ)))
     out = []
     for doc in docs:
         svc = parse(doc, args.namespace, args.uid)

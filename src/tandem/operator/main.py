@@ -61,12 +61,19 @@ def _spec(body: kopf.Body) -> InferenceServiceSpec:
     return spec
 
 
+def _admitted(body: kopf.Body, memo: kopf.Memo) -> InferenceServiceSpec:
+    """The spec, parsed and checked against this operator's installation and admin policy
+    (`reconcile.check_environment`); `SpecError` otherwise."""
+    spec = _spec(body)
+    reconcile.check_environment(spec, reconcile.owner_of(body), memo.config)
+    return spec
+
+
 def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
     owner, now = reconcile.owner_of(body), now_iso()
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
-        spec = _spec(body)
-        reconcile.check_environment(spec, reconcile.owner_of(body), memo.config)
+        spec = _admitted(body, memo)
     except SpecError as exc:
         patch.status.update(merge_patch(status, failed(status, generation, "InvalidSpec",
                                                        str(exc), now)))
@@ -96,7 +103,7 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     if status.get("observedGeneration") != generation:
         return  # the change handler has not finished with this generation (or failed)
     try:
-        spec = _spec(body)
+        spec = _admitted(body, memo)
         live = reconcile.workloads(memo.kube, owner)
         names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
         if missing := [n for n in names if n not in live]:
@@ -119,7 +126,7 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if (body.get("status") or {}).get("observedGeneration") != generation:
         return  # the change handler owns this generation until it has applied it
     try:
-        done = _reapply(memo, _spec(body), owner, generation)
+        done = _reapply(memo, _admitted(body, memo), owner, generation)
     except SpecError:
         return
     except (*kube.KubeError, RedisAclError) as exc:
@@ -148,7 +155,7 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
     if (body.get("status") or {}).get("observedGeneration") != generation:
         return
     try:
-        spec = _spec(body)
+        spec = _admitted(body, memo)
     except SpecError:
         return
     scaled_pools = reconcile.operator_scaled(spec)

@@ -23,6 +23,7 @@ The user is deleted with its InferenceService (`delete_user`, kopf's delete hand
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import logging
@@ -100,12 +101,12 @@ def user_url(redis: ManagedRedis, owner: Owner, password: str) -> str:
 
 
 def url_secret(redis: ManagedRedis, owner: Owner) -> dict[str, Any]:
-    """The routers' URL Secret (`stringData`: the API server encodes it)."""
+    """The routers' URL Secret, for `reconcile` to create once."""
     url = user_url(redis, owner, user_password(redis.admin_password(), owner))
     ref = managed_redis_secret(owner)
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": metadata(owner, ref.name, ROUTER_COMPONENT),
-            "stringData": {ref.key: url}}
+            "data": {ref.key: base64.b64encode(url.encode()).decode()}}
 
 
 class RedisAcl:
