@@ -8,6 +8,7 @@ the spec (InvalidSpec)."""
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -116,5 +117,7 @@ def test_a_host_path_is_an_invalid_spec_naming_the_field(world) -> None:
     ready = wait_for(lambda: condition(env.isvc("eta"), "Ready"), what="a Ready condition")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
     assert "decode.volumes[0].hostPath: volume type not allowed" in ready["message"]
+    time.sleep(1.5)  # the status (0.3 s) and resync (1 s) timers apply nothing either
     assert env.get("Deployment", "eta-decode") is None
+    assert env.get("Deployment", "eta-router") is None
     env.delete("eta")
