@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 
@@ -314,3 +315,33 @@ def test_ray_actor_death_marks_engine_dead(tiny: str) -> None:
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
     finally:
         llm.engine.shutdown()
+
+
+EXIT_SCRIPT = """
+import sys
+from tandem import LLM, SamplingParams
+
+def main() -> None:
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=48, num_threads=1, max_model_len=128)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    print("generated", len(out[0].outputs[0].token_ids), flush=True)
+
+if __name__ == "__main__":
+    main()  # returns with the engine never shut down: the interpreter's exit stops the ranks
+"""
+
+
+def test_a_script_that_returns_without_shutdown_exits_cleanly(tiny: str, tmp_path) -> None:
+    """As vLLM: a TP engine left running when its script returns is shut down at exit
+    (STOP to every rank, ranks joined) before multiprocessing terminates the ranks and
+    before the process groups are torn down under live peers: status 0, no C++
+    `terminate called`, no leaked semaphores, and each rank ends on STOP."""
+    script = tmp_path / "tp_script.py"
+    script.write_text(EXIT_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), tiny], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "generated 3" in r.stdout
+    assert "terminate called" not in r.stderr and "leaked semaphore" not in r.stderr, r.stderr
+    assert "tp1 INFO stopping" in r.stderr, r.stderr[-3000:]  # the rank got STOP, not SIGTERM

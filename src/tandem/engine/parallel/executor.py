@@ -9,13 +9,21 @@ An executor starts ranks 1..N-1, connects rank 0 to them and watches them:
 
 `EXECUTORS` maps the names to the classes (`register` adds one). A rank that exits makes
 `dead` say why; `send` then raises `EngineDeadError` instead of waiting on it.
+
+Exit: a started executor is shut down at interpreter exit if its owner has not (a script
+that builds `LLM(tensor_parallel_size=N)` and returns), as vLLM does: the ranks get STOP and
+are joined before multiprocessing's own exit handler would terminate them and before the
+process groups are torn down under live peers (which aborted with `terminate called without
+an active exception`, status 134, and leaked the ranks' semaphores).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +38,29 @@ from tandem.engine.parallel.plan import PlanKind, StepPlan
 
 logger = logging.getLogger(__name__)
 EXECUTORS: dict[str, type[Executor]] = {}
+_LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()  # started, not yet shut down
+_live_lock = threading.Lock()
+
+
+def _shutdown_live() -> None:
+    """atexit: shut down every executor still running (ranks stopped and joined)."""
+    with _live_lock:
+        live = list(_LIVE)
+    for executor in live:
+        try:
+            executor.shutdown()
+        except Exception:  # noqa: BLE001 - the others must still stop
+            logger.exception("stopping the tensor-parallel ranks at exit failed")
+
+
+def track(executor: Executor) -> None:
+    """Shut `executor` down at exit unless it is first. The hook is registered again after
+    each start, so it runs before the exit handlers of what the start set up (atexit runs
+    last-in first-out: multiprocessing's, Ray's)."""
+    with _live_lock:
+        _LIVE.add(executor)
+        atexit.unregister(_shutdown_live)
+        atexit.register(_shutdown_live)
 
 
 def register(name: str):  # noqa: ANN201 - a class decorator
@@ -124,6 +155,8 @@ class Executor(ABC):
         if self._stopping:
             return
         self._stopping = True
+        with _live_lock:
+            _LIVE.discard(self)
         if self.channel is not None and self.dead is None:
             try:
                 self.channel.send(StepPlan.control(PlanKind.STOP))
@@ -163,11 +196,11 @@ class MPExecutor(Executor):
             proc.start()
             self.procs.append(proc)
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
+        track(self)  # from here on, the ranks are stopped at exit at the latest
         try:
             return self._connect(store)
         except Exception as exc:
-            self._stopping = True
-            self._stop_ranks()
+            self.shutdown()
             raise ConfigError(f"tensor-parallel ranks did not start: {exc}") from exc
 
     def _watch(self) -> None:

@@ -21,7 +21,7 @@ import threading
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.parallel.comm import Groups, host_store
-from tandem.engine.parallel.executor import Executor, RankSpec, register
+from tandem.engine.parallel.executor import Executor, RankSpec, register, track
 from tandem.engine.parallel.worker import run_rank
 
 logger = logging.getLogger(__name__)
@@ -89,11 +89,11 @@ class RayExecutor(Executor):
             self.actors.append(actor)
             self.calls.append(actor.run.remote(spec))
         threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
+        track(self)  # stopped at exit at the latest, before Ray's own exit handler
         try:
             return self._connect(store)
         except Exception as exc:
-            self._stopping = True
-            self._stop_ranks()
+            self.shutdown()
             raise ConfigError(f"tensor-parallel ranks did not start: {exc}") from exc
 
     def _watch(self) -> None:
