@@ -32,21 +32,32 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.operator.cli import add_operator_args
 from tandem.operator.dryrun import add_render_args
+from tandem.protocol.cli_args import busy_message, busy_ports, port_number, positive_int
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from tandem import LLM, SamplingParams
+    from tandem.engine.errors import InvalidRequestError
     from tandem.serving.worker import engine_config
 
-    llm = LLM(**vars(engine_config(args)))
+    config = engine_config(args)  # both checked before the model loads
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed)
+    except InvalidRequestError as exc:  # e.g. --max-tokens -3: a usage error
+        flag = f"--{exc.param.replace('_', '-')}" if exc.param else "sampling"
+        parser.error(f"argument {flag}: {str(exc).removeprefix(f'{exc.param} ')}")
+    llm = LLM(**vars(config))
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -197,7 +208,11 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start the local deployment (`_plan`: workers on free ports behind the router on
     `--port`) as child processes, and supervise them until Ctrl-C."""
     url = f"http://{args.host}:{args.port}"
-    _check_worker_flags(passthrough)
+    served = _check_worker_flags(passthrough).model_name
+    busy = busy_ports(args.host, [("--port", args.port)])
+    if busy:  # before any worker loads the model
+        print(busy_message("tandem serve", busy), file=sys.stderr)
+        return 1
     key_file = _worker_auth_key_file()
     try:
         deployment = _plan(args, passthrough, auth_key_file=key_file)
@@ -237,7 +252,7 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
                 print("the router did not become ready", file=sys.stderr)
             return 1
         roles = ", ".join(f"{wurl} ({role})" for role, wurl, _ in deployment.workers)
-        print(f"\nTandem is serving the bundled model at {url}\nworkers: {roles}\n\n"
+        print(f"\nTandem is serving {served} at {url}\nworkers: {roles}\n\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
               "\"max_tokens\": 32}'\n\n"
@@ -254,10 +269,11 @@ def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         os.unlink(key_file)
 
 
-def _check_worker_flags(passthrough: list[str]) -> None:
+def _check_worker_flags(passthrough: list[str]) -> EngineConfig:
     """Before anything starts: the flags every worker gets (engine and server flags, e.g.
     `--quantization int4 --kv-cache-dtype fp8`) parse as `tandem worker` parses them and make
-    a valid EngineConfig; else exit 2 with argparse's or the ConfigError's message."""
+    a valid EngineConfig (returned); else exit 2 with argparse's or the ConfigError's
+    message."""
     from tandem.engine.errors import ConfigError
     from tandem.serving.worker import add_engine_args, add_server_args, engine_config
 
@@ -265,7 +281,7 @@ def _check_worker_flags(passthrough: list[str]) -> None:
     add_engine_args(p)
     add_server_args(p)
     try:
-        engine_config(p.parse_args(passthrough), serving=True)
+        return engine_config(p.parse_args(passthrough), serving=True)
     except ConfigError as exc:
         p.error(str(exc))
 
@@ -320,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="run the embedded default deployment")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="the router's port")
+    serve.add_argument("--port", type=port_number, default=8000, help="the router's port")
     serve.add_argument("--workers", type=int, default=None,
                        help="aggregated workers (default 1, or 0 with --prefill/--decode)")
     serve.add_argument("--prefill", type=int, default=0, metavar="N",
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         add_server_args(worker)
         add_engine_args(gen)
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--max-tokens", type=positive_int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="apply the chat template")
@@ -372,10 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         from tandem.engine.errors import ConfigError
         from tandem.serving.worker import run
 
+        own = worker if args.command == "worker" else gen  # its usage line in errors
         try:
-            return run(args) if args.command == "worker" else _generate(args)
+            return run(args) if args.command == "worker" else _generate(args, own)
         except ConfigError as exc:  # a bad engine flag: a usage error, not a traceback
-            parser.error(str(exc))
+            own.error(str(exc))
     if args.command == "router":
         from tandem.router.main import run as run_router
 

@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 
+from tandem.protocol.bundled import BUNDLED_NAME
+
 from .conftest import WorkerProcess, free_port, metric, start_worker, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -195,6 +197,7 @@ def test_tandem_serve_prints_the_url_and_stops_everything_on_ctrl_c(tmp_path):
             lines.append(proc.stdout.readline())
         text = "".join(lines)
         assert f"curl {url}/v1/chat/completions" in text
+        assert f"Tandem is serving {BUNDLED_NAME} at {url}" in text  # the model's name
         r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.protocol.cli_args import default_served_name
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # weight quantization (engine/quant): None = the dtype's float weights
@@ -16,6 +16,7 @@ QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
 # scale per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
+MAX_NAME_CHARS = 512  # a served model name (as long as the API's `model` field may be)
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
 
@@ -82,7 +83,10 @@ class EngineConfig:
     # torch's default (N ranks: the cores split N ways)
     num_threads: int | None = None
     seed: int = 0  # seeds the generator of unseeded random sampling
-    served_model_name: str | None = None  # model id used in hashes and the API
+    # the names the model is served under (vLLM's): the first is the model id of the API's
+    # answers and block hashes, every one is accepted in requests; None = the `model`
+    # argument as given (`protocol.cli_args.default_served_name`)
+    served_model_name: str | tuple[str, ...] | list[str] | None = None
     # speculative decoding (engine/spec_decode): a dict of vLLM's keys or a
     # SpeculativeConfig, normalised to SpeculativeConfig; None = off
     speculative_config: SpeculativeConfig | dict | None = None
@@ -104,16 +108,36 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The served model id (API `model` field, metrics label, block-hash key)."""
-        if self.served_model_name:
-            return self.served_model_name
-        if self.model is None:
-            from tandem.protocol.bundled import BUNDLED_NAME
+        """The served model id (API `model` field, metrics label, block-hash key): the first
+        served name."""
+        return self.served_model_names[0]
 
-            return BUNDLED_NAME
-        return Path(self.model).stem
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may use for the base model, the primary one first."""
+        names = self.served_model_name
+        if names:
+            return (names,) if isinstance(names, str) else tuple(names)
+        from tandem.protocol.bundled import BUNDLED_NAME
+
+        return (default_served_name(self.model, BUNDLED_NAME),)
+
+    def _check_names(self) -> None:
+        names = self.served_model_name
+        if names is None:
+            return
+        if isinstance(names, (list, tuple)):
+            names = tuple(names)
+            object.__setattr__(self, "served_model_name", names or None)
+        for name in (names,) if isinstance(names, str) else names:
+            if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
+                raise ConfigError(f"served_model_name entries must be non-empty strings of "
+                                  f"at most {MAX_NAME_CHARS} characters, got {name!r}")
+        if not isinstance(names, str) and len(set(names)) != len(names):
+            raise ConfigError(f"served_model_name repeats a name: {list(names)}")
 
     def __post_init__(self) -> None:
+        self._check_names()
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         check_device_name(self.device)
@@ -204,6 +228,9 @@ class EngineConfig:
             raise ConfigError("lora_modules must map adapter names to paths")
         object.__setattr__(self, "lora_modules", mods or None)
         object.__setattr__(self, "lora_dirs", tuple(str(d) for d in self.lora_dirs))
+        taken = sorted(set(mods or ()) & set(self.served_model_names))
+        if taken:
+            raise ConfigError(f"lora_modules name {taken[0]!r} is a served model name")
         if (mods or self.lora_dirs) and not self.enable_lora:
             raise ConfigError("lora_modules / lora_dirs need enable_lora=True")
 

@@ -272,7 +272,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         return {"object": "list", "data": [
             {"id": m, "object": "model", "owned_by": "tandem",
              **({"max_model_len": n} if (n := router.max_model_len(m)) else {}),
-             **({"parent": base} if (base := router.base_model(m)[0]) != m else {})}
+             **({"parent": base[0]} if (base := router.base_model(m))[1] else {})}
             for m in served]}
 
     async def handle(kind: str, path: str, request: Request) -> Response:

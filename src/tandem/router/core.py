@@ -75,13 +75,17 @@ class Router:
         """Models and LoRA adapters served by ready workers (for the others
         `startup.StartupState` answers 503 or 404)."""
         ready = [w for w in self.workers.values() if w.model and w.ready]
-        return sorted({w.model for w in ready} | {a for w in ready for a in w.lora_adapters})
+        return sorted({w.model for w in ready} | {a for w in ready for a in w.aliases}
+                      | {a for w in ready for a in w.lora_adapters})
 
     def base_model(self, model: str) -> tuple[str, str | None]:
         """(base model, adapter) a request's `model` means: a base model some worker
         serves is itself; else the base of a worker holding it as an adapter."""
         if any(w.model == model for w in self.workers.values()):
             return model, None
+        primary = next((w.model for w in self.workers.values() if model in w.aliases), None)
+        if primary is not None:  # another served name: hashed under the primary one
+            return primary, None
         base = next((w.model for w in self.workers.values() if model in w.lora_adapters),
                     None)
         return (model, None) if base is None else (base, model)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tandem.protocol.cli_args import busy_message, busy_ports, port_number
 from tandem.protocol.signing import add_worker_auth_arg, load_worker_key
 from tandem.protocol.tls import add_tls_arg, tls_from_args
 from tandem.protocol.watched import DEFAULT_INTERVAL_S as API_KEYS_RELOAD_S
@@ -86,7 +87,7 @@ class FrontDoor:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--workers", default="", help="comma-separated worker base URLs")
     p.add_argument("--discovery", default=None, choices=sorted(DISCOVERY),
                    help="where workers come from: static (--workers; the default) or "
@@ -157,7 +158,7 @@ def add_front_door_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-headers", action="store_true", default=None,
                    help="name the answering worker (x-tandem-worker: a pod address) and pass "
                         "its server-timing in answers (default off)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
                    help="serve /metrics on this port only (not on --port); without it, "
                         "/metrics on --port needs a key when --api-keys is set")
     p.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=None,
@@ -449,6 +450,11 @@ def run(args: argparse.Namespace) -> int:
     door = front_door(args, cfg)
     if door.metrics_port is not None and args.http_server != "lean":
         raise SystemExit("--metrics-port needs the lean HTTP server")
+    busy = [] if processes.is_child() else busy_ports(  # a child's siblings share the port
+        args.host, [("--port", args.port), ("--metrics-port", door.metrics_port)])
+    if busy:  # one line, before the tokenizers load, not a bind traceback
+        print(busy_message("tandem router", busy), file=sys.stderr)
+        return 1
     if n > 1 and not processes.is_child():
         if args.http_server != "lean":
             raise SystemExit("--processes > 1 needs the lean HTTP server (SO_REUSEPORT)")

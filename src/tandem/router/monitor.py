@@ -96,8 +96,11 @@ class WorkerMonitor:
                                         timeout=self.settings.probe_timeout_s)
                 w.ready = h.status_code == 200 and m.status_code == 200
                 if w.ready:
-                    card = m.json()["data"][0]
+                    cards = m.json()["data"]
+                    card = cards[0]
                     w.model = card["id"]
+                    w.aliases = _aliases([c.get("id") for c in cards if isinstance(c, dict)
+                                          and not c.get("parent")], w.model)
                     w.max_model_len = _length(card.get("max_model_len")) or w.max_model_len
                 return
             info = r.json()
@@ -108,6 +111,7 @@ class WorkerMonitor:
                 # are answered 503 "starting", not 404 (`startup`)
             if w.ready:
                 w.model = info.get("model") or w.model
+                w.aliases = _aliases(info.get("models"), w.model)
                 w.role = info.get("role") or w.role
                 w.block_size = info.get("block_size") or w.block_size
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
@@ -241,3 +245,14 @@ class _SequenceGap(Exception):
 def _length(value: object) -> int | None:
     """A context length a worker reported, if it is a positive int."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+MAX_SERVED_NAMES = 64  # served names taken from one readiness report
+
+
+def _aliases(names: object, model: str) -> frozenset[str]:
+    """A readiness report's `models` (every served name) but the primary `model`."""
+    if not isinstance(names, list):
+        return frozenset()
+    return frozenset(n for n in names[:MAX_SERVED_NAMES]
+                     if isinstance(n, str) and n and n != model)

@@ -121,6 +121,9 @@ class CircuitBreaker:
 class Worker:
     id: str  # base URL, e.g. http://10.0.0.7:8000
     model: str = ""  # served model name ("" until known)
+    # its other served names (--served-model-name's others, /ready `models`): requests may
+    # name the model by them; prompts are hashed with `model`, as the worker does
+    aliases: frozenset[str] = frozenset()
     role: str = "both"  # both | prefill | decode
     grpc_target: str | None = None  # host:port of its gRPC Worker service, if any
     kv_transfer_backend: str | None = None  # how it fetches P/D pages (from /ready), if known
@@ -175,10 +178,10 @@ class Worker:
         block_hashes` does with the group's block size and digest)."""
         return self.kv_block_size, self.adapter_digest(lora)
 
-
     def serves(self, model: str) -> bool:
-        """`model` is its base model or one of its adapters."""
-        return bool(model) and (model == self.model or model in self.lora_adapters)
+        """`model` is its base model (by any served name) or one of its adapters."""
+        return bool(model) and (model == self.model or model in self.aliases
+                                or model in self.lora_adapters)
 
     @property
     def kv_block_size(self) -> int:

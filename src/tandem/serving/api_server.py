@@ -72,6 +72,9 @@ DEATH_POLL_S = 0.25  # how often a loaded engine is checked for having stopped
 @dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str
+    # --served-model-name's other names: accepted in requests' `model`, listed by
+    # /v1/models and /ready (answers and block hashes use `served_model_name`)
+    served_model_aliases: tuple[str, ...] = ()
     role: str = "both"  # "both" | "prefill" | "decode"
     max_body_bytes: int = 8 << 20  # larger bodies get 413
     max_n: int = 16  # cap on `n`
@@ -215,7 +218,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     def check_model(name: str | None) -> None:
         """The base model or a loaded adapter (same tokenizer); 404 otherwise."""
-        resolve(name, settings.served_model_name, holder.get())
+        resolve(name, settings.served_model_name, holder.get(), settings.served_model_aliases)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -231,6 +234,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         engine = holder.engine
         status = "draining" if app.state.draining else holder.status()
         body = {"status": status, "role": settings.role, "model": settings.served_model_name,
+                "models": [settings.served_model_name, *settings.served_model_aliases],
                 "grpc_port": settings.grpc_port,
                 "kv_transfer_backend": settings.kv_transfer.backend}
         if engine is not None:  # what a router needs to hash prompts as this worker does
@@ -252,11 +256,12 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
 
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = model_cards(settings.served_model_name, holder.get(), created)
+        cards = model_cards(settings.served_model_name, holder.get(), created,
+                            settings.served_model_aliases)
         return ModelList(data=cards).model_dump()
 
     install_lora_routes(app, settings.served_model_name, holder.get, settings.auth_key,
-                        lambda reason: refused(reason))
+                        lambda reason: refused(reason), settings.served_model_aliases)
 
     async def off_thread(fn: Callable[[], Any]) -> Any:
         """Run `fn` in the tokenizer pool; engine errors become API errors. With
@@ -375,7 +380,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         await check_signature(request, settings.auth_key, req.cache_salt, refused,
                               req.priority, settings.require_signed)
         engine = holder.get()
-        lora = resolve(req.model, settings.served_model_name, engine)
+        lora = resolve(req.model, settings.served_model_name, engine,
+                       settings.served_model_aliases)
         try:
             responder = CompletionResponder(req, engine.engine.tokenizer, settings,
                                             new_id("cmpl"), lora)
@@ -391,7 +397,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         await check_signature(request, settings.auth_key, req.cache_salt, refused,
                               req.priority, settings.require_signed)
         engine = holder.get()
-        lora = resolve(req.model, settings.served_model_name, engine)
+        lora = resolve(req.model, settings.served_model_name, engine,
+                       settings.served_model_aliases)
         tok = engine.engine.tokenizer
         try:
             responder = ChatResponder(req, tok, settings, new_id("chatcmpl"), lora)

@@ -52,10 +52,12 @@ def not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name[:256]}` does not exist.", "model")
 
 
-def resolve(name: str | None, served: str, engine: AsyncLLMEngine) -> str | None:
-    """The adapter a request's `model` names (None: the base model); 404 otherwise. The
-    engine checks again when it takes the request (an unload may come between)."""
-    if name is None or name == served:
+def resolve(name: str | None, served: str, engine: AsyncLLMEngine,
+            aliases: tuple[str, ...] = ()) -> str | None:
+    """The adapter a request's `model` names (None: the base model, by its served name or
+    one of its `aliases`); 404 otherwise. The engine checks again when it takes the request
+    (an unload may come between)."""
+    if name is None or name == served or name in aliases:
         return None
     lora = engine.engine.lora
     if lora is None or not lora.has(name):
@@ -63,11 +65,13 @@ def resolve(name: str | None, served: str, engine: AsyncLLMEngine) -> str | None
     return name
 
 
-def model_cards(served: str, engine: AsyncLLMEngine, created: int) -> list[ModelCard]:
-    """The base model's card, then one per loaded adapter (`parent`: the base)."""
+def model_cards(served: str, engine: AsyncLLMEngine, created: int,
+                aliases: tuple[str, ...] = ()) -> list[ModelCard]:
+    """The base model's card under each served name (as vLLM), then one per loaded adapter
+    (`parent`: the base)."""
     state = engine.engine.state
-    cards = [ModelCard(id=served, created=created, max_model_len=state.max_model_len,
-                       root=state.model_path)]
+    cards = [ModelCard(id=name, created=created, max_model_len=state.max_model_len,
+                       root=state.model_path) for name in (served, *aliases)]
     lora = engine.engine.lora
     if lora is not None:
         registered = dict(lora.registered)  # a copy: the engine thread may add meanwhile
@@ -79,7 +83,8 @@ def model_cards(served: str, engine: AsyncLLMEngine, created: int) -> list[Model
 
 def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], AsyncLLMEngine],
                         auth_key: WorkerKey | None,
-                        on_reject: Callable[[str], None] | None = None) -> None:
+                        on_reject: Callable[[str], None] | None = None,
+                        aliases: tuple[str, ...] = ()) -> None:
     async def admin(request: Request) -> None:
         if auth_key is not None:
             await require_signature(request, auth_key, admin_target(request.url.path),
@@ -95,8 +100,8 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
         if not manager.config.lora_dirs:
             raise APIError(400, "this worker has no --lora-dir, so it loads no adapter by "
                                 "path", "lora_path")
-        if req.lora_name == served:
-            raise APIError(400, f"{served!r} is the base model's name", "lora_name")
+        if req.lora_name == served or req.lora_name in aliases:
+            raise APIError(400, f"{req.lora_name!r} is the base model's name", "lora_name")
         try:
             wanted = LoRARequest(req.lora_name, 1, req.lora_path,
                                  req.sha256.lower() if req.sha256 else None)

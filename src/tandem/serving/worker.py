@@ -12,7 +12,9 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import signal
+import sys
 import time
 from typing import Any
 
@@ -25,6 +27,14 @@ from tandem.engine.config import (
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
 from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.protocol.cli_args import (
+    busy_message,
+    busy_ports,
+    non_negative_seconds,
+    port_number,
+    positive_int,
+    positive_seconds,
+)
 from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
 
@@ -33,7 +43,11 @@ logger = logging.getLogger(__name__)
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=".gguf file or HF directory (default: bundled)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names requests may use for the model (the first names it in "
+                        "answers and metrics); default: --model as given, a path's last "
+                        "component (a .gguf file's without the extension), or the bundled "
+                        "model's name")
     p.add_argument("--device", default="auto",
                    help="auto (cuda:0 when torch sees a GPU, else cpu), cpu, cuda or cuda:N; "
                         "a CUDA device that cannot be used is an error, never a CPU fallback")
@@ -59,7 +73,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"{PREFILL_ROLE_CHUNK_CAP} for --role prefill on CPU, else 0, as "
                         "vLLM)")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=0.1,
+    p.add_argument("--kv-cache-memory", type=_finite, default=0.1,
                    help="bytes (> 1) or a fraction of RAM (<= 1); on CUDA only bytes count "
                         "(exactly that much KV cache), else --gpu-memory-utilization sizes it")
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -111,6 +125,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how ranks 1..N-1 run: mp (local processes, the default for N > 1) "
                         "or ray (Ray actors in one placement group: the shards stay "
                         "together on as few nodes as possible; RAY_ADDRESS joins a cluster)")
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite number (the engine checks its range)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"a finite number, not {text!r}")
+    return value
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -185,20 +210,20 @@ def _chunk_cap(args: argparse.Namespace) -> int:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=None,
+    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--grpc-port", type=port_number, default=None,
                    help="serve the gRPC Worker service (KV events, load) on this port")
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
-    p.add_argument("--max-n", type=int, default=16)
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--max-n", type=positive_int, default=16)
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
+    p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
                    help="seconds from admission to a response's last byte (sends included)")
-    p.add_argument("--stream-send-timeout", type=float, default=30.0,
+    p.add_argument("--stream-send-timeout", type=positive_seconds, default=30.0,
                    help="seconds a stream's send may wait for a client that reads nothing; "
                         "then the request is aborted and the connection closed")
-    p.add_argument("--max-pending-tokenize", type=_positive_int, default=256, metavar="N",
+    p.add_argument("--max-pending-tokenize", type=positive_int, default=256, metavar="N",
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
     p.add_argument("--kv-transfer-backend", default="grpc", choices=["grpc", "torch"],
                    help="decode side of P/D: how pages come from prefill workers")
@@ -207,9 +232,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "worker's torch.distributed store at")
     p.add_argument("--kv-transfer-policy", default="recompute", choices=["recompute", "fail"],
                    help="when a remote prefill fails: compute locally, or fail the request")
-    p.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+    p.add_argument("--kv-transfer-timeout", type=positive_seconds, default=30.0,
                    help="seconds for a whole remote prefill (compute, transfer, import)")
-    p.add_argument("--kv-lease", type=float, default=30.0,
+    p.add_argument("--kv-lease", type=positive_seconds, default=30.0,
                    help="seconds a prefill worker keeps sent pages pinned unless released")
     p.add_argument("--kv-stream-layers", action="store_true",
                    help="prefill side of P/D: send each layer's pages as soon as the "
@@ -276,6 +301,10 @@ def preflight(config: EngineConfig) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    busy = busy_ports(args.host, [("--port", args.port), ("--grpc-port", args.grpc_port)])
+    if busy:  # before anything loads: one line, not a bind traceback once loaded
+        print(busy_message("tandem worker", busy), file=sys.stderr)
+        return 1
     import uvicorn
 
     from tandem.engine.async_engine import AsyncLLMEngine
@@ -311,7 +340,9 @@ def run(args: argparse.Namespace) -> int:
                                policy=args.kv_transfer_policy,
                                timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease,
                                advertise_host=args.kv_transfer_host)
-    settings = ServerSettings(served_model_name=name, role=args.role, max_n=args.max_n,
+    names = config.served_model_names
+    settings = ServerSettings(served_model_name=name, served_model_aliases=names[1:],
+                              role=args.role, max_n=args.max_n,
                               max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout,
                               stream_send_timeout_s=args.stream_send_timeout,
@@ -321,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
                               kv_stream_layers=args.kv_stream_layers, auth_key=auth_key,
                               require_signed=args.require_signed_requests,
                               max_kv_event_subscribers=args.max_kv_event_subscribers)
-    config = dataclasses.replace(config, served_model_name=name,
+    config = dataclasses.replace(config, served_model_name=names,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []
 
