@@ -2,7 +2,9 @@
 semantics (`tests.operator.netpol`) over the pods the chart renders (the operator, Redis)
 and the pods the operator renders for two InferenceServices, as the chart's environment
 (TANDEM_OPERATOR_NAMESPACE / TANDEM_OPERATOR_RELEASE) configures it: the workers admit the
-release's operator to /metrics only, and Redis admits exactly this release's routers."""
+release's operator to /metrics only, the routers' metrics port admits the Prometheus peer
+alone (not the operator, which scrapes workers only), and Redis admits exactly this
+release's routers."""
 
 from __future__ import annotations
 
@@ -27,14 +29,15 @@ def chart_env(docs: list[dict[str, Any]]) -> dict[str, str]:
             == "metadata.namespace"}
 
 
-def cluster(helm: Helm, sets: tuple[str, ...] = ()) -> tuple[list[dict], list[Pod]]:
+def cluster(helm: Helm, sets: tuple[str, ...] = (),
+            sample: str = "disaggregated") -> tuple[list[dict], list[Pod]]:
     chart = helm.render(sets=("redis.enabled=true", *sets))
     operator = operator_from_env(chart_env(chart))
     docs, pods = list(chart), pods_of(chart, NAMESPACE)
     for ns, name, peer in (("ml", "alpha", operator), ("ml", "beta", operator),
                            ("elsewhere", "gamma", operator),
                            ("ml", "other", type(operator)(NAMESPACE, "another-release"))):
-        out = render_all(parse_spec(spec("disaggregated")), Owner(name, ns, f"u-{name}"),
+        out = render_all(parse_spec(spec(sample)), Owner(name, ns, f"u-{name}"),
                          image="t", operator=peer)
         docs += out
         pods += pods_of(out, ns)
@@ -67,3 +70,17 @@ def test_redis_admits_exactly_the_routers_of_this_release(helm: Helm) -> None:
     redis = pod(pods, f"{NAMESPACE}/{RELEASE}-redis")
     assert admitted(policies, pods, redis, REDIS_PORT) == {"ml/alpha-router", "ml/beta-router",
                                                            f"{NAMESPACE}/{RELEASE}-operator"}
+
+
+def test_the_routers_metrics_port_admits_prometheus_only(helm: Helm) -> None:
+    """`monitoring.prometheus` (the "secure" sample: namespace monitoring) reaches a router's
+    keyless metrics port (9090); the chart's operator and Redis do not, nor does anything
+    without that peer."""
+    policies, pods = cluster(helm, sample="secure")
+    prometheus = Pod("monitoring/prometheus", "monitoring",
+                     {"app.kubernetes.io/name": "prometheus", "shard": "0"})
+    pods.append(prometheus)
+    router = pod(pods, "ml/alpha-router")
+    assert admitted(policies, pods, router, 9090) == {"monitoring/prometheus"}
+    policies, pods = cluster(helm)  # no Prometheus peer: no one
+    assert admitted(policies, [*pods, prometheus], pod(pods, "ml/alpha-router"), 9090) == set()

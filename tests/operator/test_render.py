@@ -58,10 +58,15 @@ def test_selectors_select_exactly_their_own_pods(name):
     selectors = [(s, s["spec"]["selector"]) for s in by_kind(docs, "Service")]
     selectors += [(p, p["spec"]["selector"]["matchLabels"])
                   for p in by_kind(docs, "PodDisruptionBudget")]
-    assert len(selectors) == 2 * len(deployments)
+    # one Service and one PDB per workload, and with a ServiceMonitor the routers' metrics
+    # Service (demo-metrics), which selects the routers
+    monitored = bool(by_kind(docs, "ServiceMonitor"))
+    assert len(selectors) == 2 * len(deployments) + monitored
     for doc, selector in selectors:
         hits = [n for n, labels in templates.items() if matches(selector, labels)]
-        assert hits == [doc["metadata"]["name"]], (doc["kind"], doc["metadata"]["name"], hits)
+        own = {"demo-metrics": "demo-router"}.get(doc["metadata"]["name"],
+                                                  doc["metadata"]["name"])
+        assert hits == [own], (doc["kind"], doc["metadata"]["name"], hits)
     for hpa in by_kind(docs, "HorizontalPodAutoscaler"):
         assert hpa["spec"]["scaleTargetRef"]["name"] in templates
 

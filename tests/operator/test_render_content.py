@@ -37,7 +37,9 @@ def test_pods_probes_drain_and_hardening(name):
             assert {"/tmp", "/cache"} <= mounted  # writable scratch on a read-only root
         annotations = d["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
-        assert annotations["prometheus.io/port"] == "8000"
+        # the router's /metrics is on its own port (no API key there), a worker's on http
+        assert annotations["prometheus.io/port"] == (
+            "9090" if d["metadata"]["name"] == "demo-router" else "8000")
         assert len(annotations[CONFIG_HASH]) == 16
         if d["metadata"]["name"] == "demo-router":
             assert pod["serviceAccountName"] == "demo-router"
@@ -137,7 +139,9 @@ def test_gpu_resources_node_selector_and_tolerations_pass_through():
     assert "--no-prefix-caching" in decode
     assert not any(v["name"] == "model" for v in pod["volumes"])  # file:// is in the image
     (sm,) = by_kind(docs, "ServiceMonitor")
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"},
+                                       {"port": "metrics", "path": "/metrics",
+                                        "interval": "15s"}]
 
 
 def test_router_deployment_config_and_least_privilege_rbac():

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env
-from tandem.operator.render.monitoring import hpa, service_monitor
+from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import LWS_KIND, pod_templates
 from tandem.operator.render.pod import apply_pod_settings
 from tandem.operator.render.router import render_router, router_endpoint, router_name
@@ -73,5 +73,5 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, pool, auto))
     if spec.service_monitor:
-        out.append(service_monitor(spec, owner))
+        out += [router_metrics_service(owner), service_monitor(spec, owner)]
     return out

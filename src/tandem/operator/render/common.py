@@ -30,6 +30,10 @@ HTTP_PORT = 8000  # worker and router HTTP (named "http": the router's --worker-
 GRPC_PORT = 50051  # worker gRPC: KV events, load, KV transfer
 HTTP_PORT_NAME = "http"
 GRPC_PORT_NAME = "grpc"
+# the routers' /metrics, on a port of its own (`--metrics-port`, no key): /metrics on http
+# needs an API key once keys are configured, which Prometheus does not send
+METRICS_PORT = 9090
+METRICS_PORT_NAME = "metrics"
 RUN_AS = 10001  # the image's unprivileged user and group
 TLS_DIR = "/etc/tandem/tls"  # the kvTransfer TLS Secret, in workers and routers
 CACHE_DIR = "/cache"  # emptyDir: tokenizer and kernel caches (TANDEM_CACHE_DIR), HF_HOME
@@ -134,8 +138,9 @@ def pre_stop() -> dict[str, Any]:
     return {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}}
 
 
-def scrape_annotations() -> dict[str, str]:
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+def scrape_annotations(port: int = HTTP_PORT) -> dict[str, str]:
+    """Annotation-based discovery (Prometheus' pod role): /metrics on `port`."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
             "prometheus.io/path": "/metrics"}
 
 

@@ -1,6 +1,8 @@
-"""Optional extras: a ServiceMonitor (Prometheus Operator) for the router and worker Services,
-and per pool with `autoscaling.mode: hpa` a HorizontalPodAutoscaler on the pool's signal,
-read per pod through a custom-metrics adapter (names in `tandem.operator.spec.SIGNALS`). A
+"""Optional extras: a ServiceMonitor (Prometheus Operator) for the workers' Services (their
+`http` port) and the routers' metrics Service (`router_metrics_service`: their `metrics`
+port, where /metrics needs no key; never the router's front-door Service), and per pool
+with `autoscaling.mode: hpa` a HorizontalPodAutoscaler on the pool's signal, read per pod
+through a custom-metrics adapter (names in `tandem.operator.spec.SIGNALS`). A
 multi-node pool's HPA scales its LeaderWorkerSet's groups (their scale subresource selects
 the leaders, whose metrics are the group's)."""
 
@@ -8,21 +10,52 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem.operator.render.common import HTTP_PORT_NAME, Owner, metadata
+from tandem.operator.render.common import (
+    HTTP_PORT_NAME,
+    METRICS_PORT,
+    METRICS_PORT_NAME,
+    Owner,
+    labels,
+    metadata,
+)
 from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
 from tandem.operator.render.workers import Pool, pool_name
 from tandem.operator.spec import AutoscalingSpec, InferenceServiceSpec, signal_for
-from tandem.protocol.labels import SERVICE_LABEL, WORKER_COMPONENT
+from tandem.protocol.labels import (
+    COMPONENT_LABEL,
+    ROUTER_COMPONENT,
+    SERVICE_LABEL,
+    WORKER_COMPONENT,
+)
+
+ROUTER_METRICS_COMPONENT = "router-metrics"  # the label of the routers' metrics Service
+
+
+def router_metrics_service(owner: Owner) -> dict[str, Any]:
+    """Headless, the routers' `metrics` port only: what the ServiceMonitor finds them by
+    (NAME-metrics: as long as NAME-prefill, within a DNS label for every valid NAME)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(owner, f"{owner.name}-metrics", ROUTER_METRICS_COMPONENT),
+            "spec": {"clusterIP": "None", "selector": labels(owner, ROUTER_COMPONENT),
+                     "ports": [{"name": METRICS_PORT_NAME, "port": METRICS_PORT,
+                                "targetPort": METRICS_PORT_NAME, "protocol": "TCP"}]}}
 
 
 def service_monitor(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
-    """Scrapes `/metrics` on the `http` port of every Service of this InferenceService."""
+    """Scrapes `/metrics` on the `http` port of the worker Services and on the `metrics`
+    port of `router_metrics_service` (each endpoint keeps only the Services with a port of
+    its name); the router's front-door Service is not selected."""
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": metadata(owner, owner.name, "metrics"),
-            "spec": {"selector": {"matchLabels": {SERVICE_LABEL: owner.name}},
+            "spec": {"selector": {
+                         "matchLabels": {SERVICE_LABEL: owner.name},
+                         "matchExpressions": [{
+                             "key": COMPONENT_LABEL, "operator": "In",
+                             "values": [WORKER_COMPONENT, ROUTER_METRICS_COMPONENT]}]},
                      "namespaceSelector": {"matchNames": [owner.namespace]},
-                     "endpoints": [{"port": HTTP_PORT_NAME, "path": "/metrics",
-                                    "interval": spec.scrape_interval}]}}
+                     "endpoints": [{"port": port, "path": "/metrics",
+                                    "interval": spec.scrape_interval}
+                                   for port in (HTTP_PORT_NAME, METRICS_PORT_NAME)]}}
 
 
 def quantity(value: float) -> str:

@@ -1,6 +1,9 @@
 """The router: Deployment, Service (the InferenceService's endpoint), ConfigMap (router.yaml),
 PodDisruptionBudget, and a ServiceAccount with a namespaced Role that may only list and
-watch EndpointSlices (what `--discovery kubernetes` reads)."""
+watch EndpointSlices (what `--discovery kubernetes` reads). Its /metrics is on a port of its
+own (`METRICS_PORT`, named `metrics`, `--metrics-port`: no key, admitted only to
+`monitoring.prometheus` by the NetworkPolicy), never on the Service's http port, where it
+would need an API key; the pod's `prometheus.io/port` names it."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from tandem.operator.render.common import (
     CONFIG_HASH,
     HTTP_PORT,
     HTTP_PORT_NAME,
+    METRICS_PORT,
+    METRICS_PORT_NAME,
     PRE_STOP_SECONDS,
     TLS_DIR,
     Owner,
@@ -91,7 +96,7 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     args = ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)",
             "--inference-service", owner.name, "--worker-port-name", HTTP_PORT_NAME,
-            "--config", f"{CONFIG_DIR}/router.yaml",
+            "--config", f"{CONFIG_DIR}/router.yaml", "--metrics-port", str(METRICS_PORT),
             "--drain-seconds", str(TERMINATION_GRACE_SECONDS - PRE_STOP_SECONDS
                                    - EXIT_SLACK_SECONDS)]
     if spec.router.api_keys_secret:
@@ -154,7 +159,9 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
     container: dict[str, Any] = {
         "name": "router", "image": image, "command": ["tandem"],
         "args": router_args(spec, owner),
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT,
+                   "protocol": "TCP"}],
         "env": base_env() + redis_env(spec, owner),
         "readinessProbe": http_probe("/ready", period=5, failures=2),
         "livenessProbe": http_probe("/health", period=10, failures=3, timeout=5),
@@ -176,7 +183,8 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": {"labels": {**meta["labels"], **router_pod_labels(operator)},
-                             "annotations": {CONFIG_HASH: digest, **scrape_annotations()}},
+                             "annotations": {CONFIG_HASH: digest,
+                                             **scrape_annotations(METRICS_PORT)}},
                 "spec": {"serviceAccountName": name, "enableServiceLinks": False,
                          "securityContext": pod_security_context(),
                          "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

@@ -22,7 +22,9 @@
   the pods of a multi-node pool's groups admit each other on every port (`NAME-POOL-group`:
   Ray's GCS and workers, NCCL sockets);
   router pods admit clients on http from anywhere, or only `router.allowedClients` (then
-  also the Prometheus peer). Kubelet probes come from the node, which policies do not
+  also the Prometheus peer), and `monitoring.prometheus` alone on `metrics` (`METRICS_PORT`:
+  /metrics without a key; no one else, the operator included, which scrapes workers
+  only). Kubelet probes come from the node, which policies do not
   govern on the common CNIs.
 * Egress (the same policies, `policyTypes: [Ingress, Egress]`): every pod may reach DNS
   (kube-system's kube-dns pods, UDP and TCP 53); workers their own peers (grpc; every port
@@ -47,6 +49,7 @@ from typing import Any
 from tandem.operator.render.common import (
     GRPC_PORT_NAME,
     HTTP_PORT_NAME,
+    METRICS_PORT_NAME,
     Owner,
     labels,
     metadata,
@@ -316,6 +319,8 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     clients = list(spec.router.allowed_clients)
     router = ([{"from": clients + prom, "ports": [http]}] if clients
               else [{"ports": [http]}])  # the front door: anyone, on http only
+    if prom:  # /metrics without a key: Prometheus only
+        router.append({"from": prom, "ports": [_port(METRICS_PORT_NAME)]})
     groups = [group_policy(owner, f"{owner.name}-{name}")
               for name, _, pool in spec.worker_pools() if pool.layout.multinode]
     return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers, workers_out),
