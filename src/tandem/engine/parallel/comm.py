@@ -84,6 +84,19 @@ def connect(rank: int, world: int, host: str, port: int, device: torch.device,
     return Groups(rank, world, TPGroup(world, backend=tp_backend), ctrl, store)
 
 
+def close_groups(groups: Groups) -> None:
+    """A rank's side of `destroy_process_group` once the ranks are done (STOP served or
+    the ranks joined): both backends shut down, their threads joined now rather than torn
+    down at interpreter exit (where gloo's aborted the process now and then); idempotent."""
+    for backend in (groups.ctrl, groups.tp.backend):
+        if backend is None:
+            continue
+        try:
+            backend.shutdown()
+        except Exception as exc:  # noqa: BLE001 - a backend already gone
+            logger.debug("process group shutdown: %s", exc)
+
+
 def broadcast(ctrl: dist.Backend, tensor: torch.Tensor, root: int = 0) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = root

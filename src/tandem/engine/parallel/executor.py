@@ -23,7 +23,6 @@ import atexit
 import logging
 import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +32,20 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import ConfigError, EngineDeadError
-from tandem.engine.parallel.comm import Groups, PlanChannel, connect, host_store
+from tandem.engine.parallel.comm import (
+    Groups,
+    PlanChannel,
+    close_groups,
+    connect,
+    host_store,
+)
 from tandem.engine.parallel.plan import PlanKind, StepPlan
 
 logger = logging.getLogger(__name__)
 EXECUTORS: dict[str, type[Executor]] = {}
-_LIVE: weakref.WeakSet[Executor] = weakref.WeakSet()  # started, not yet shut down
+# started, not yet shut down: held (a script's engine may be garbage before the exit, its
+# ranks still running) until `shutdown`
+_LIVE: set[Executor] = set()
 _live_lock = threading.Lock()
 
 
@@ -97,6 +104,7 @@ class Executor(ABC):
         self.on_dead: Callable[[], None] | None = None  # called once, from a watcher thread
         self.send_seconds = 0.0  # wall seconds rank 0 spent sending plans (bench/tp.py)
         self._stopping = False
+        self._watcher: threading.Thread | None = None  # waits on the ranks (`watch`)
 
     @abstractmethod
     def start(self) -> Groups | None:
@@ -163,6 +171,19 @@ class Executor(ABC):
             except RuntimeError:
                 logger.warning("a rank was gone at shutdown")
         self._stop_ranks()
+        # the watcher wakes as the ranks exit; joined, so that no daemon thread drops the
+        # last reference to the process groups during interpreter finalization (their
+        # destructor then retakes the GIL, the thread is unwound, and C++ terminates)
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5)
+        if self.groups is not None:
+            close_groups(self.groups)
+
+    def watch(self, target: Callable[[], None]) -> None:
+        """Run `target` (waits for a rank to exit, then `_mark_dead`) in a daemon thread."""
+        self._watcher = threading.Thread(target=target, name="tandem-tp-watch", daemon=True)
+        self._watcher.start()
 
     def _stop_ranks(self) -> None:  # noqa: B027 - optional
         """Wait for (and, past a grace period, kill) the ranks."""
@@ -195,7 +216,7 @@ class MPExecutor(Executor):
                                daemon=True)
             proc.start()
             self.procs.append(proc)
-        threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
+        self.watch(self._watch)
         track(self)  # from here on, the ranks are stopped at exit at the latest
         try:
             return self._connect(store)

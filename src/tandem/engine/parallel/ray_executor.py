@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.parallel.comm import Groups, host_store
@@ -88,7 +87,7 @@ class RayExecutor(Executor):
                             "cuda:0" if cuda else "cpu")
             self.actors.append(actor)
             self.calls.append(actor.run.remote(spec))
-        threading.Thread(target=self._watch, name="tandem-tp-watch", daemon=True).start()
+        self.watch(self._watch)
         track(self)  # stopped at exit at the latest, before Ray's own exit handler
         try:
             return self._connect(store)

@@ -20,7 +20,7 @@ from tandem.engine.model_build import (
     kv_blocks,
     prepare_process,
 )
-from tandem.engine.parallel.comm import PlanChannel, connect
+from tandem.engine.parallel.comm import PlanChannel, close_groups, connect
 from tandem.engine.parallel.executor import RankSpec
 from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind, StepPlan
@@ -63,7 +63,10 @@ def run_rank(spec: RankSpec) -> None:
     caches = [shard.backend.allocate_kv_cache(num_blocks) for _ in range(shard.arch.num_layers)]
     logger.info("rank %d of %d ready: %d KV heads, %d KV blocks", spec.rank, spec.world,
                 shard.tp.num_kv_heads, num_blocks)
-    serve(shard, caches, PlanChannel(groups.ctrl), device, config.block_size)
+    try:
+        serve(shard, caches, PlanChannel(groups.ctrl), device, config.block_size)
+    finally:
+        close_groups(groups)
 
 
 @torch.inference_mode()
