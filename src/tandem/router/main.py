@@ -25,8 +25,9 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
-`max_connections` and `rate_limits: {default: {requests_per_s, burst_requests,
-tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
+`max_connections`, `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
+tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
+burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
 
 The front door (`add_front_door_args`): answers name no worker unless `--debug-headers`;
 `/metrics` needs a key on `--port` when `--api-keys` is set, or moves to `--metrics-port`;
