@@ -76,6 +76,11 @@ def test_port_number_bounds():
     (["worker", "--max-n", "0"], "argument --max-n: an integer >= 1"),
     (["worker", "--kv-cache-memory", "inf"], "argument --kv-cache-memory: a finite number"),
     (["worker", "--kv-lease", "nan"], "argument --kv-lease: a number of seconds > 0"),
+    (["worker", "--stream-send-timeout", "0"], "argument --stream-send-timeout: a number of "
+                                               "seconds > 0"),
+    (["worker", "--max-pending-tokenize", "0"], "argument --max-pending-tokenize: an integer"),
+    (["worker", "--max-kv-event-subscribers", "0"], "argument --max-kv-event-subscribers: an "
+                                                    "integer >= 1"),
 ])
 def test_bad_numbers_are_usage_errors_before_any_model_loads(argv, message, capsys,
                                                              no_start):

@@ -35,12 +35,14 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Async engines of one tiny model: prefill and decode with adapter `sql` (the prefill
-    one also without it), and the merged `sql` model and the base model alone."""
+    one also without it, and with other weights loaded as `sql`), and the merged `sql`
+    model and the base model alone."""
     root = tmp_path_factory.mktemp("lora-pd")
     base = root / "base"
     make_tiny_model_dir(base, "llama", seed=4)
     cfg = json.loads((base / "config.json").read_text())
     w = make_peft_adapter(root / "sql", cfg, rank=8, alpha=16.0, seed=9)
+    make_peft_adapter(root / "sql-other", cfg, rank=8, alpha=16.0, seed=10)
     merge_adapter(base, root / "merged", w, 2.0)
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8,
                 lora_modules={"sql": str(root / "sql")})
@@ -55,6 +57,8 @@ def engines(tmp_path_factory):
         made["prefill"] = engine(base, **lora)
         made["decode"] = engine(base, **lora)
         made["prefill_plain"] = engine(base, enable_lora=True, max_lora_rank=8)
+        made["prefill_other"] = engine(base, enable_lora=True, max_lora_rank=8,
+                                       lora_modules={"sql": str(root / "sql-other")})
         made["merged"] = engine(root / "merged")
         made["base"] = engine(base)
         yield made
@@ -139,3 +143,24 @@ def test_a_prefill_worker_without_the_adapter_refuses_and_decode_computes(engine
 
     asyncio.run(main())
     assert "is not loaded here" in caplog.text
+
+
+def test_a_prefill_worker_with_other_weights_under_the_name_refuses(engines, caplog):
+    """Same adapter name, other weights on the prefill side: its pages would carry KV of
+    other weights, so it refuses (FAILED_PRECONDITION) and the decode side computes."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 49152) for _ in range(21)]
+    assert engines["prefill_other"].engine.lora.digests["sql"] != \
+        engines["decode"].engine.lora.digests["sql"]
+
+    async def main() -> None:
+        [(got, nbytes)], metrics = await disaggregated(engines["prefill_other"],
+                                                       engines["decode"], [(prompt, "sql")])
+        want = await greedy(engines["merged"], prompt, "ref-other")
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert nbytes == 0 and got.num_cached_tokens == 0
+        assert metrics.registry.get_sample_value("tandem_kvtransfer_fetches_total", {
+            "model_name": MODEL, "result": "rpc", "backend": "grpc"}) == 1
+
+    asyncio.run(main())
+    assert "has other weights here" in caplog.text

@@ -55,3 +55,12 @@ def test_models_list_is_503_only_while_workers_may_be_starting() -> None:
     assert state().models_unavailable([w()], NOW).status == 503
     assert state(started_at=NOW - 301).models_unavailable([w()], NOW) is None
     assert state().models_unavailable([], NOW) is None  # nothing known: empty is the truth
+
+
+def test_every_served_name_is_remembered_past_the_window() -> None:
+    st = state(started_at=NOW - 301)
+    worker = Worker("http://w-names", model="m", ready=True, aliases=frozenset({"org/m"}))
+    assert st.check("org/m", [worker], NOW) is None
+    st.observe([worker])
+    err = st.check("org/m", [w()], NOW)  # replaced by a worker that has not reported yet
+    assert err is not None and err.status == 503, err

@@ -55,6 +55,7 @@ class StartupState:
         for w in workers:
             if w.model:
                 self.seen.add(w.model)
+                self.seen.update(w.aliases)
                 self.seen.update(w.lora_adapters)
 
     def in_window(self, now: float) -> bool:

@@ -136,9 +136,9 @@ class ServerMetrics:
                                           buckets=LATENCY_BUCKETS, registry=reg
                                           ).labels(model_name)
         self.auth_rejected = Counter("tandem_worker_auth_rejected",
-                                     "Requests refused (403) for want of a valid router "
-                                     "signature, by reason (no_key, missing, malformed, bad, "
-                                     "stale)", ["model_name", "reason"], registry=reg)
+                                     "Requests and gRPC calls refused for want of a valid "
+                                     "router signature, by reason (no_key, missing, "
+                                     "malformed, bad, stale, replayed)", ["model_name", "reason"], registry=reg)
 
     def attach(self, block_size: int, num_blocks: int,
                model_memory_bytes: int | None = None, num_speculative_tokens: int = 0) -> None:
