@@ -128,39 +128,27 @@ def test_adapter_prompts_prefilled_remotely_give_the_merged_tokens(engines):
     asyncio.run(main())
 
 
-def test_a_prefill_worker_without_the_adapter_refuses_and_decode_computes(engines, caplog):
-    rng = random.Random(6)
+@pytest.mark.parametrize(("prefill", "seed", "why"), [
+    ("prefill_plain", 6, "is not loaded here"),
+    # the same name with other weights: its pages would carry KV of other weights
+    ("prefill_other", 7, "has other weights here"),
+])
+def test_a_prefill_worker_without_the_adapters_weights_refuses_and_decode_computes(
+        engines, caplog, prefill, seed, why):
+    rng = random.Random(seed)
     prompt = [rng.randrange(3, 49152) for _ in range(21)]
+    if prefill == "prefill_other":
+        assert engines[prefill].engine.lora.digests["sql"] != \
+            engines["decode"].engine.lora.digests["sql"]
 
     async def main() -> None:
-        [(got, nbytes)], metrics = await disaggregated(engines["prefill_plain"],
-                                                       engines["decode"], [(prompt, "sql")])
-        want = await greedy(engines["merged"], prompt, "ref-plain")
+        [(got, nbytes)], metrics = await disaggregated(engines[prefill], engines["decode"],
+                                                       [(prompt, "sql")])
+        want = await greedy(engines["merged"], prompt, f"ref-{prefill}")
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert nbytes == 0 and got.num_cached_tokens == 0
         assert metrics.registry.get_sample_value("tandem_kvtransfer_fetches_total", {
             "model_name": MODEL, "result": "rpc", "backend": "grpc"}) == 1
 
     asyncio.run(main())
-    assert "is not loaded here" in caplog.text
-
-
-def test_a_prefill_worker_with_other_weights_under_the_name_refuses(engines, caplog):
-    """Same adapter name, other weights on the prefill side: its pages would carry KV of
-    other weights, so it refuses (FAILED_PRECONDITION) and the decode side computes."""
-    rng = random.Random(7)
-    prompt = [rng.randrange(3, 49152) for _ in range(21)]
-    assert engines["prefill_other"].engine.lora.digests["sql"] != \
-        engines["decode"].engine.lora.digests["sql"]
-
-    async def main() -> None:
-        [(got, nbytes)], metrics = await disaggregated(engines["prefill_other"],
-                                                       engines["decode"], [(prompt, "sql")])
-        want = await greedy(engines["merged"], prompt, "ref-other")
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        assert nbytes == 0 and got.num_cached_tokens == 0
-        assert metrics.registry.get_sample_value("tandem_kvtransfer_fetches_total", {
-            "model_name": MODEL, "result": "rpc", "backend": "grpc"}) == 1
-
-    asyncio.run(main())
-    assert "has other weights here" in caplog.text
+    assert why in caplog.text
