@@ -20,6 +20,7 @@ import pytest
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
 from tandem.protocol.bundled import BUNDLED_NAME
+from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tls import TLSFiles, peer_identity
 from tandem.router.index import PrefixIndex
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
@@ -32,6 +33,7 @@ from tests.serving.conftest import (
     signing_channel,
     start_worker,
     wait_for,
+    worker_key_file,
 )
 
 pytestmark = pytest.mark.slow
@@ -226,7 +228,8 @@ def test_a_router_gets_kv_events_and_load_by_identity(mtls, tmp_path):
         index, worker = PrefixIndex(), Worker(id=prefill.url)
         async with httpx.AsyncClient() as http:
             mon = WorkerMonitor(worker, index, http, MonitorSettings(
-                load_interval_s=0.05, tls=TLSFiles.from_dir(router_dir, ID)))
+                load_interval_s=0.05, tls=TLSFiles.from_dir(router_dir, ID)),
+                key=WorkerKey(worker_key_file(mtls["tmp"])))
             mon.start()
             try:
                 await asyncio.wait_for(mon.connected.wait(), 30)

@@ -13,7 +13,7 @@ import pytest
 from tandem.protocol.bundled import find_bundled_gguf
 from tandem.serving.digest import DigestMismatchError, model_sha256, verify_model
 
-from .conftest import start_worker
+from .conftest import free_port, start_worker
 
 
 def test_a_file_hashes_like_sha256sum(tmp_path):
@@ -57,7 +57,7 @@ def test_worker_with_a_wrong_digest_exits_nonzero_naming_both(tmp_path):
     wrong = "ab" * 32
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "worker", "--model", str(model),
-         "--model-sha256", wrong, "--port", "0"],
+         "--model-sha256", wrong, "--port", str(free_port())],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert f"expected sha256 {wrong}" in proc.stderr
