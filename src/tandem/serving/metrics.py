@@ -138,7 +138,8 @@ class ServerMetrics:
         self.auth_rejected = Counter("tandem_worker_auth_rejected",
                                      "Requests and gRPC calls refused for want of a valid "
                                      "router signature, by reason (no_key, missing, "
-                                     "malformed, bad, stale, replayed)", ["model_name", "reason"], registry=reg)
+                                     "malformed, bad, stale, replayed)", ["model_name", "reason"],
+                                     registry=reg)
 
     def attach(self, block_size: int, num_blocks: int,
                model_memory_bytes: int | None = None, num_speculative_tokens: int = 0) -> None:
