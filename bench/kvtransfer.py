@@ -314,7 +314,13 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
     from tandem.protocol import worker_pb2, worker_pb2_grpc
     from tandem.protocol.block_hash import HashKeys, hash_block_chain
     from tandem.protocol.bundled import BUNDLED_NAME
-    from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, rpc_body, sign
+    from tandem.protocol.signing import (
+        PREFILL_RPC,
+        RELEASE_PAGES_RPC,
+        SIGNATURE_HEADER,
+        rpc_body,
+        sign,
+    )
 
     layout = PageLayout(BUNDLED_NAME, LAYERS, KV_HEADS, BLOCK, HEAD_DIM, torch.float32)
     backend = make_backend("grpc")
@@ -352,8 +358,10 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
         t_end = stamps[-1][0]
         start = (stamps[0][0] if mode == "disaggregated"
                  else next(t for t, layer in stamps if layer == LAYERS - 1))
+        release = worker_pb2.ReleasePagesRequest(lease_id=header.lease_id)
         await worker_pb2_grpc.KVTransferStub(channels[mode]).ReleasePages(
-            worker_pb2.ReleasePagesRequest(lease_id=header.lease_id))
+            release, metadata=((SIGNATURE_HEADER,
+                                sign(key, rpc_body(release), RELEASE_PAGES_RPC)),))
         return {"blocks": n, "call_s": t_end - t0, "header_s": stamps[0][0] - t0,
                 "exposed_s": t_end - start}
 
