@@ -46,26 +46,26 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
+def _seconds(text: str, *, zero_ok: bool) -> float:
+    """argparse type: a finite number of seconds, > 0 (or >= 0 with `zero_ok`)."""
     try:
         value = float(text)
     except (TypeError, ValueError):
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"a number of seconds > 0, not {text!r}")
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise argparse.ArgumentTypeError(
+            f"a number of seconds {'>=' if zero_ok else '>'} 0, not {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    return _seconds(text, zero_ok=False)
 
 
 def non_negative_seconds(text: str) -> float:
     """argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"a number of seconds >= 0, not {text!r}")
-    return value
+    return _seconds(text, zero_ok=True)
 
 
 @dataclass(frozen=True)

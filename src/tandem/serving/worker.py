@@ -247,19 +247,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-signed-requests", action="store_true",
                    help="serve completions and (de)tokenize calls only when the router "
                         "signed them (needs --worker-auth-key-file; 403 otherwise)")
-    p.add_argument("--max-kv-event-subscribers", type=_positive_int, default=16,
+    p.add_argument("--max-kv-event-subscribers", type=positive_int, default=16,
                    metavar="N", help="KV event streams (gRPC SubscribeKVEvents) served at "
                                      "once; more are refused (RESOURCE_EXHAUSTED)")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"an integer >= 1, not {text!r}")
-    return value
 
 
 def check_model_digest(model: str | None, expected: str) -> None:
