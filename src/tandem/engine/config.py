@@ -115,26 +115,25 @@ class EngineConfig:
     @property
     def served_model_names(self) -> tuple[str, ...]:
         """Every name a request may use for the base model, the primary one first."""
-        names = self.served_model_name
-        if names:
-            return (names,) if isinstance(names, str) else tuple(names)
+        if self.served_model_name:
+            return self.served_model_name  # type: ignore[return-value] - a tuple by now
         from tandem.protocol.bundled import BUNDLED_NAME
 
         return (default_served_name(self.model, BUNDLED_NAME),)
 
     def _check_names(self) -> None:
+        """Check the served names and keep them as a tuple (None when none is given)."""
         names = self.served_model_name
         if names is None:
             return
-        if isinstance(names, (list, tuple)):
-            names = tuple(names)
-            object.__setattr__(self, "served_model_name", names or None)
-        for name in (names,) if isinstance(names, str) else names:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        for name in names:
             if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
                 raise ConfigError(f"served_model_name entries must be non-empty strings of "
                                   f"at most {MAX_NAME_CHARS} characters, got {name!r}")
-        if not isinstance(names, str) and len(set(names)) != len(names):
+        if len(set(names)) != len(names):
             raise ConfigError(f"served_model_name repeats a name: {list(names)}")
+        object.__setattr__(self, "served_model_name", names or None)
 
     def __post_init__(self) -> None:
         self._check_names()
