@@ -115,8 +115,7 @@ def _apply(w: Worker, path: str, name: str, result: Any) -> None:
     if report is not None and report.version is not None:
         w.apply_lora_report(report)
     elif w.lora_version is None:
-        digests = dict(w.lora_digests) | dict.fromkeys(w.lora_adapters - w.lora_digests.keys(),
-                                                       "")
+        digests = dict(w.lora_digests)
         if path == LOAD_PATH:
             digests.setdefault(name, "")
         else:

@@ -6,7 +6,7 @@ Plain state, mutated only on the router's event loop. `Worker.id` is the worker'
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import KeysView, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,10 +135,10 @@ class Worker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     local_in_flight: int = 0  # requests this router has open on it
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    # LoRA adapters a request may name here (its /ready and load reports; served on `model`)
-    lora_adapters: frozenset[str] = frozenset()
     lora_slots: int = 0  # its max_loras (0: LoRA off or not reported)
-    lora_digests: Mapping[str, str] = field(default_factory=dict)  # name -> weight digest
+    # LoRA adapters a request may name here (its /ready, load and admin reports; served on
+    # `model`): name -> weight digest ("": not reported)
+    lora_digests: Mapping[str, str] = field(default_factory=dict)
     # (engine instance, version) of the adapter set applied; None: none versioned yet
     lora_version: tuple[str, int] | None = None
     retired_instances: tuple[str, ...] = ()  # its engines' earlier instances, newest last
@@ -160,10 +160,14 @@ class Worker:
         if report.version is not None:
             self.lora_version = (report.instance, report.version)
         self.lora_digests = dict(report.digests)
-        self.lora_adapters = frozenset(report.digests)
         if report.slots:
             self.lora_slots = report.slots
         return True
+
+    @property
+    def lora_adapters(self) -> KeysView[str]:
+        """The adapters a request may name here (`lora_digests`' names)."""
+        return self.lora_digests.keys()
 
     def adapter_digest(self, lora: str | None) -> str:
         """How prompts for adapter `lora` are hashed here: its weight digest; "name:<lora>"
