@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from tandem.protocol.signing import TENANT_SALT_PREFIX
+
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_BATCH_PROMPTS = 256
@@ -23,8 +25,8 @@ MAX_STOP = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT = 256  # a client's own cache_salt
 # what the router puts in front of a tenant's salt (router/auth.py `tenant_cache_salt`):
-# "tenant=" + the tenant (<= 128) + ";ns=" + 32 hex digits + ";"
-MAX_TENANT_SALT_PREFIX = 7 + 128 + 4 + 32 + 1
+# TENANT_SALT_PREFIX + the tenant (<= 128) + ";ns=" + 32 hex digits + ";"
+MAX_TENANT_SALT_PREFIX = len(TENANT_SALT_PREFIX) + 128 + 4 + 32 + 1
 MAX_PRIORITY = 2**31 - 1  # |priority|
 
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
@@ -84,7 +86,7 @@ class _SamplingRequest(_Model):
     @field_validator("cache_salt")
     @classmethod
     def _client_salt(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("tenant=") and len(v) > MAX_CACHE_SALT:
+        if v is not None and not v.startswith(TENANT_SALT_PREFIX) and len(v) > MAX_CACHE_SALT:
             raise ValueError(f"at most {MAX_CACHE_SALT} characters")
         return v
 
