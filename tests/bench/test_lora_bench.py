@@ -1,7 +1,7 @@
 """bench/lora.py's adapters load through the engine's PEFT loader for the bundled model's
 shapes (every target, the configured rank), its prompts are distinct and of the asked
 length, and its report prints the ratios and the target line (no model is loaded: the
-benchmark itself is run by hand, see README)."""
+benchmark itself is run by hand, see bench/README.md; results in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """bench/quant.py's mode arguments and report, and offline_throughput's --quantization runs
-(no model is loaded: the benchmarks themselves are run by hand, see README)."""
+(no model is loaded: the benchmarks themselves are run by hand; results in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -108,18 +108,23 @@ def test_the_checker_rejects_what_the_api_server_would() -> None:
         ".spec.decode.engine.blokSize"]
 
 
-def test_the_readme_example_is_a_valid_inference_service() -> None:
-    """The InferenceService shown in README.md passes the CRD schema, its CEL rules and the
-    operator's own parser, and renders (docs that drift from the CRD fail here)."""
+def test_the_documented_examples_are_valid_inference_services() -> None:
+    """Every InferenceService shown in README.md or a docs/*.md page passes the CRD schema,
+    its CEL rules and the operator's own parser, and renders (docs that drift from the CRD
+    fail here)."""
     from tandem.operator.render import render_all
     from tandem.operator.render.common import Owner
     from tandem.operator.spec import parse_spec
 
-    text = (ROOT / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
-    docs = [d for b in blocks for d in yaml.safe_load_all(b)
-            if isinstance(d, dict) and d.get("kind") == "InferenceService"]
-    assert docs, "README.md shows no InferenceService"
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = []
+    for page in pages:
+        text = page.read_text()
+        blocks = [b.split("```", 1)[0] for b in text.split("```yaml\n")[1:]]
+        docs += [d for b in blocks for d in yaml.safe_load_all(b)
+                 if isinstance(d, dict) and d.get("kind") == "InferenceService"]
+    assert docs, "neither README.md nor docs/*.md shows an InferenceService"
+    assert len(docs) >= 2, "docs/kubernetes.md shows a disaggregated and a secured example"
     _, version = crd_schema()
     schema = version["schema"]["openAPIV3Schema"]
     for doc in docs:
