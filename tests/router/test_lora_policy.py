@@ -136,3 +136,13 @@ def test_policy_keeps_an_adapter_on_its_replica_while_load_allows():
     assert r.route(parsed, "y", 0.0)[0].worker.id == "b"  # a's slot is busy with x
     holder.load = WorkerLoad(num_running=12, running_loras=frozenset(["x"]), max_loras=1)
     assert r.route(parsed, "x", 0.0)[0].worker.id == "b"  # saturated: spill over
+
+
+def test_a_report_keeps_bounded_adapters_and_instance():
+    from tandem.router.workers import MAX_REPORTED_ADAPTERS
+
+    named = {f"a{i}": "d" for i in range(MAX_REPORTED_ADAPTERS + 5)}
+    r = LoRAReport.reported(named, 2, "i" * 500, 3)  # as GetLoad states one
+    assert len(r.digests) == MAX_REPORTED_ADAPTERS and "a0" in r.digests
+    assert r.instance == "i" * 128 and (r.slots, r.version) == (2, 3)
+    assert LoRAReport.reported({"x": "d" * 129}).digests == {}

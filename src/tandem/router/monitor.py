@@ -229,10 +229,11 @@ class WorkerMonitor:
                     waiting_loras=frozenset(load.waiting_loras),
                     resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)
                 if load.max_loras:  # applied unless older than the set held
-                    self.worker.apply_lora_report(LoRAReport(
-                        dict(load.lora_digests) if load.lora_instance
+                    versioned = bool(load.lora_instance)
+                    self.worker.apply_lora_report(LoRAReport.reported(
+                        load.lora_digests if versioned
                         else dict.fromkeys(load.lora_adapters, ""), load.max_loras,
-                        load.lora_instance, load.lora_version if load.lora_instance else None))
+                        load.lora_instance, load.lora_version if versioned else None))
             except grpc.aio.AioRpcError:
                 pass  # the probe loop owns readiness
             await asyncio.sleep(self.settings.load_interval_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from collections.abc import KeysView, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 DEFAULT_BLOCK_SIZE = 16  # assumed until a worker reports its own (readiness or KV stream)
@@ -28,6 +29,13 @@ class LoRAReport:
     version: int | None = None
 
     @classmethod
+    def reported(cls, digests: Mapping[Any, Any], slots: int = 0, instance: str = "",
+                 version: int | None = None) -> LoRAReport:
+        """A report as a worker states it, bounded: its first MAX_REPORTED_ADAPTERS
+        adapters, digests and the instance id of at most 128 characters."""
+        return cls(_digests(digests), slots, instance[:128], version)
+
+    @classmethod
     def from_json(cls, obj: object, slots: int = 0,
                   names: object = None) -> LoRAReport | None:
         """From `/ready`'s or a load answer's `lora` object (`LoRAState.to_json`); without
@@ -37,15 +45,15 @@ class LoRAReport:
             version, instance = obj.get("version"), obj.get("instance")
             if (isinstance(version, int) and not isinstance(version, bool) and version >= 0
                     and isinstance(instance, str)):
-                return cls(_digests(obj["adapters"]), slots, instance[:128], version)
+                return cls.reported(obj["adapters"], slots, instance, version)
         if isinstance(names, list):
             return cls({n: "" for n in names[:MAX_REPORTED_ADAPTERS] if isinstance(n, str)},
                        slots)
         return None
 
 
-def _digests(adapters: dict[Any, Any]) -> dict[str, str]:
-    return {name: digest for name, digest in list(adapters.items())[:MAX_REPORTED_ADAPTERS]
+def _digests(adapters: Mapping[Any, Any]) -> dict[str, str]:
+    return {name: digest for name, digest in islice(adapters.items(), MAX_REPORTED_ADAPTERS)
             if isinstance(name, str) and isinstance(digest, str) and len(digest) <= 128}
 
 
