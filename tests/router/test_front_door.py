@@ -31,7 +31,7 @@ from tandem.router.policy import Decision
 from tandem.router.proxy import ProxySettings, forward, upstream_session
 from tandem.router.workers import Worker
 from tests.protocol.test_http_server import held, on_loop, stalled_client, wait_until
-from tests.router.test_router_app import Served, _wait_ready, router_app
+from tests.router.test_router_app import Served, _wait_ready, router_app, stub_base
 from tests.router.test_router_lifecycle import Router as RouterProcess
 from tests.serving.conftest import free_port, worker_key_file
 
@@ -52,15 +52,7 @@ class FloodWorker:
         self.url = self.served.url
 
     def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.get("/health")
-        async def health() -> dict:
-            return {}
-
-        @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+        app = stub_base()
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

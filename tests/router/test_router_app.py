@@ -59,9 +59,9 @@ class Served:
 signed: list[tuple[bytes, str | None]] = []  # (body, x-tandem-signature) stubs received
 
 
-def stub_openai(name: str, seen: list) -> FastAPI:
-    """What a stock vLLM server looks like to the router: /health, /v1/models, completions;
-    no /ready and no KV events."""
+def stub_base() -> FastAPI:
+    """A stock OpenAI server's /health and /v1/models (serving `stub-model`), as the router
+    probes them; no /ready and no KV events."""
     app = FastAPI()
 
     @app.get("/health")
@@ -71,6 +71,13 @@ def stub_openai(name: str, seen: list) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
+    return app
+
+
+def stub_openai(name: str, seen: list) -> FastAPI:
+    """What a stock vLLM server looks like to the router: `stub_base` and completions."""
+    app = stub_base()
 
     @app.post("/v1/completions")
     async def completions(body: dict, request: Request) -> dict:
