@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -33,9 +32,11 @@ from pathlib import Path
 
 import httpx
 
-from tandem.serving.ports import free_port
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from servers import LOG_DIR, free_port, stop_group  # noqa: E402
+
 RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -62,16 +63,6 @@ def start(src: str, argv: list[str], port: int, ready: str, log: Path) -> subpro
             pass
         time.sleep(0.5)
     raise SystemExit(f"{argv[0]} did not start: see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    with_group = os.getpgid(proc.pid)
-    os.killpg(with_group, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(with_group, signal.SIGKILL)
-        proc.wait()
 
 
 def running(port: int) -> float:
@@ -153,12 +144,12 @@ def run_tree(name: str, src: str, args: argparse.Namespace, logs: Path) -> dict:
         try:
             r = router_probe(rport, router.pid, args.pipeline_s)
         finally:
-            stop(router)
+            stop_group(router, 30)
         print(f"[{name}] router RSS {r['rss_start_mib']:.0f} -> peak {r['rss_peak_mib']:.0f} "
               f"-> {r['rss_3s_after_close_mib']:.0f} MiB after close "
               f"({r['request_bytes_sent'] / 2**20:.1f} MiB of requests sent)", flush=True)
     finally:
-        stop(worker)
+        stop_group(worker, 30)
     return {"src": src, "worker": w, "router": r}
 
 
@@ -173,12 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=15.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    logs = REPO / "bench" / ".cache" / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
     trees = {"this": str(REPO / "src")}
     if args.compare:
         trees["compare"] = args.compare
-    results = {name: run_tree(name, src, args, logs) for name, src in trees.items()}
+    results = {name: run_tree(name, src, args, LOG_DIR) for name, src in trees.items()}
     if "compare" in results:
         for part, key in (("worker", "rss_peak_mib"), ("router", "rss_peak_mib")):
             grow = {n: r[part][key] - r[part]["rss_start_mib"] for n, r in results.items()}
