@@ -151,5 +151,6 @@ def test_the_router_puts_every_key_under_its_prefix(shared) -> None:
     _, _, server = build(p.parse_args(argv), dict(cfg))
     assert (server.rate_limiter.prefix, server.index_store.prefix) == ("tandem:rl",
                                                                       "tandem:kv:")
-    with pytest.raises(SystemExit, match="--redis-key-prefix"):
-        build(p.parse_args(argv + ["--redis-key-prefix", "tandem:*"]), dict(cfg))
+    for bad in ("tandem:*", ""):  # an empty one is refused, not read as "unset"
+        with pytest.raises(SystemExit, match="--redis-key-prefix"):
+            build(p.parse_args(argv + ["--redis-key-prefix", bad]), dict(cfg))

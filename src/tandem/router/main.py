@@ -373,7 +373,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     limiter = None
     redis_url, index_url = redis_urls(args, cfg)
     try:
-        key_prefix = redis_key_prefix(args.redis_key_prefix or cfg.get("redis_key_prefix"))
+        key_prefix = redis_key_prefix(cfg.get("redis_key_prefix") if args.redis_key_prefix
+                                      is None else args.redis_key_prefix)
     except ValueError as exc:
         raise SystemExit(f"--redis-key-prefix / redis_key_prefix: {exc}") from exc
     if rl:
