@@ -16,14 +16,11 @@ from fastapi.testclient import TestClient
 
 from tandem.protocol.openai_api import MAX_CACHE_SALT, CompletionRequest
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, signed_headers
-from tandem.router.app import RouterServerSettings, build_app
-from tandem.router.auth import ApiKeys, tenant_cache_salt
-from tandem.router.core import Router, RouterSettings
-from tandem.router.monitor import MonitorSettings
+from tandem.router.auth import tenant_cache_salt
 from tandem.router.priority import PriorityPolicy
 from tandem.serving.api_server import ServerSettings
 from tandem.serving.api_server import build_app as worker_app
-from tests.router.test_router_app import Served, _wait_ready, stub_openai
+from tests.router.test_router_app import Served, _wait_ready, router_app, stub_openai
 from tests.serving.conftest import WORKER_KEY, worker_key_file
 
 POLICY = {"default": {"min": 0, "max": 0, "default": 0},
@@ -36,11 +33,8 @@ def routed(tmp_path):
     seen: list = []
     stub = Served(stub_openai("stub0", seen))
     key = WorkerKey(worker_key_file(tmp_path))
-    settings = RouterServerSettings(
-        worker_urls=[stub.url], monitor=MonitorSettings(probe_interval_s=0.1), worker_key=key,
-        api_keys=ApiKeys({"sk-a": "alpha", "sk-b": "beta", "sk-g": "gold"}),
-        priority=PriorityPolicy.from_dict(POLICY))
-    router = Served(build_app(Router(RouterSettings(seed=0), lambda model: None), settings))
+    router = router_app([stub.url], {"sk-a": "alpha", "sk-b": "beta", "sk-g": "gold"},
+                        worker_key=key, priority=PriorityPolicy.from_dict(POLICY))
     _wait_ready(router.url, 1)
     yield router.url, seen
     router.stop()
@@ -81,11 +75,8 @@ def test_priority_follows_the_tenant_policy(routed):
 def test_anonymous_requests_may_use_priority_0_only(tmp_path):
     seen: list = []
     stub = Served(stub_openai("stub0", seen))
-    settings = RouterServerSettings(worker_urls=[stub.url],
-                                    monitor=MonitorSettings(probe_interval_s=0.1),
-                                    worker_key=WorkerKey(worker_key_file(tmp_path)),
-                                    priority=PriorityPolicy.from_dict(POLICY))
-    router = Served(build_app(Router(RouterSettings(seed=0), lambda model: None), settings))
+    router = router_app([stub.url], worker_key=WorkerKey(worker_key_file(tmp_path)),
+                        priority=PriorityPolicy.from_dict(POLICY))
     try:
         _wait_ready(router.url, 1)
         assert post(router.url, None, priority=0).status_code == 200
