@@ -310,7 +310,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         vocab = engine.state.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        tok = engine.tokenizer  # up to MAX_PROMPT_TOKENS ids: decoded off the event loop
+        return {"prompt": await off_thread(lambda: tok.decode(req.tokens,
+                                                              skip_special_tokens=False))}
 
     async def serve(request: Request, engine: AsyncLLMEngine, responder: Responder,
                     prompts: list[TokenizedPrompt]) -> Any:
