@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import os
 import re
@@ -29,7 +28,7 @@ import torch
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE, AdapterDir, open_confined
-from tandem.engine.lora.safetensors_io import TensorEntry, read_header
+from tandem.engine.lora.safetensors_io import TensorEntry, json_object, read_header
 from tandem.engine.model.config import ModelArchConfig
 
 # target module -> (fused module of the decoder layer, its group)
@@ -102,13 +101,7 @@ def read_config(path: Path, root: str | None = None) -> dict[str, Any]:
         raw = f.read(MAX_CONFIG_BYTES + 1)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{file} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        cfg = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{file} must hold a JSON object")
-    return cfg
+    return json_object(raw, str(file))
 
 
 def _open(path: Path, name: str, root: str | None) -> io.BufferedReader:

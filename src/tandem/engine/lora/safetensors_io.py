@@ -56,12 +56,7 @@ def read_header(f: BinaryIO, size: int, where: Path) -> tuple[bytes, dict[str, T
     raw = f.read(n)
     if len(raw) != n:
         raise ConfigError(f"{bad}: the header is truncated")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{bad}: its header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{bad}: its header is not a JSON object")
+    header = json_object(raw, f"{bad}: its header")
     header.pop("__metadata__", None)
     if len(header) > MAX_TENSORS:
         raise ConfigError(f"{bad}: more than {MAX_TENSORS} tensors")
@@ -70,6 +65,17 @@ def read_header(f: BinaryIO, size: int, where: Path) -> tuple[bytes, dict[str, T
     for name, info in header.items():
         entries[name] = _entry(name, info, data_len, bad)
     return raw_len + raw, entries
+
+
+def json_object(raw: bytes, what: str) -> dict:
+    """`raw` (UTF-8 JSON) as the object it must be; ConfigError naming `what` if it is not."""
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} is not a JSON object")
+    return value
 
 
 def _entry(name: str, info: object, data_len: int, bad: str) -> TensorEntry:
