@@ -17,12 +17,10 @@ import redis
 import yaml
 
 from tandem.operator.reconcile import OperatorConfig
-from tandem.operator.redis_acl import ManagedRedis, RedisAcl, acl_user
+from tandem.operator.redis_acl import acl_user
 from tandem.operator.render.common import Owner
-from tests.conftest import start_redis
-from tests.operator.harness import FakeMetrics, OperatorThread, wait_for
-from tests.operator.kube_emulator import FakeCluster
-from tests.operator.test_operator_kmock import IMAGE, NS, PD, RESOURCES, Env
+from tests.operator.harness import FakeMetrics, wait_for
+from tests.operator.test_operator_kmock import NS, PD, Env, operator_with_redis
 
 ADMIN = "chart-admin-password"
 SPEC = {**PD, "router": {"managedRedis": True, "sharedIndex": True,
@@ -31,29 +29,12 @@ SPEC = {**PD, "router": {"managedRedis": True, "sharedIndex": True,
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Env, redis.Redis, int]]:
-    import os
-
-    proc, _, port = start_redis(tmp_path_factory.mktemp("redis"), password=ADMIN)
-    pw = tmp_path_factory.mktemp("admin") / "password"
-    pw.write_text(ADMIN)
-    cluster = FakeCluster(RESOURCES, tmp_path_factory.mktemp("kube"))
-    config = OperatorConfig(image=IMAGE, status_interval_s=0.3, autoscale_interval_s=5,
-                            backoff_s=0.2, resync_interval_s=1.0, metrics=FakeMetrics(),
-                            redis=RedisAcl(ManagedRedis("127.0.0.1", port, str(pw))))
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    try:
-        with OperatorThread(config):
-            yield Env(cluster, FakeMetrics()), redis.Redis(port=port, password=ADMIN,
-                                                           decode_responses=True), port
-    finally:
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
-        cluster.stop()
-        proc.terminate()
-        proc.wait(timeout=10)
+    metrics = FakeMetrics()
+    with operator_with_redis(tmp_path_factory, ADMIN, status_interval_s=0.3,
+                             autoscale_interval_s=5, backoff_s=0.2, resync_interval_s=1.0,
+                             metrics=metrics) as (cluster, port):
+        yield Env(cluster, metrics), redis.Redis(port=port, password=ADMIN,
+                                                 decode_responses=True), port
 
 
 def _users(admin: redis.Redis) -> set[str]:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.error import URLError
@@ -135,27 +136,28 @@ class Env:
                 "updatedReplicas": n, "readyReplicas": n, "availableReplicas": n}})
 
 
-@pytest.fixture(scope="module")
-def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+@contextmanager
+def operator_with_redis(tmp_path_factory: pytest.TempPathFactory, admin_password: str,
+                        **config: Any) -> Iterator[tuple[FakeCluster, int]]:
+    """(kmock's API emulator, the port of the chart's Redis: a real redis-server with
+    `admin_password`) with the operator (`OperatorConfig(image=IMAGE, **config)` managing
+    that Redis's ACL users) running against both; $KUBECONFIG points at the emulator
+    meanwhile (read by the operator's login)."""
     from tandem.operator.redis_acl import ManagedRedis, RedisAcl
     from tests.conftest import start_redis
 
     cluster = FakeCluster(RESOURCES, tmp_path_factory.mktemp("kube"))
-    metrics = FakeMetrics()
-    # the chart's Redis (the examples' router.managedRedis)
-    redis_proc, _, redis_port = start_redis(tmp_path_factory.mktemp("redis"), password="adm")
-    (tmp_path_factory.getbasetemp() / "redis-admin").write_text("adm")
-    config = OperatorConfig(image=IMAGE, image_pull_policy="IfNotPresent",
-                            status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
-                            resync_interval_s=1.0,
-                            metrics=metrics, redis=RedisAcl(ManagedRedis(
-                                "127.0.0.1", redis_port,
-                                str(tmp_path_factory.getbasetemp() / "redis-admin"))))
+    redis_proc, _, redis_port = start_redis(tmp_path_factory.mktemp("redis"),
+                                            password=admin_password)
+    password_file = tmp_path_factory.mktemp("redis-admin") / "password"
+    password_file.write_text(admin_password)
+    operator_config = OperatorConfig(image=IMAGE, redis=RedisAcl(ManagedRedis(
+        "127.0.0.1", redis_port, str(password_file))), **config)
     old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)  # read by the operator's login
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     try:
-        with OperatorThread(config):
-            yield Env(cluster, metrics)
+        with OperatorThread(operator_config):
+            yield cluster, redis_port
     finally:
         if old is None:
             os.environ.pop("KUBECONFIG", None)
@@ -164,6 +166,15 @@ def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         cluster.stop()
         redis_proc.terminate()
         redis_proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    metrics = FakeMetrics()  # the chart's Redis: the examples' router.managedRedis
+    with operator_with_redis(tmp_path_factory, "adm", image_pull_policy="IfNotPresent",
+                             status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
+                             resync_interval_s=1.0, metrics=metrics) as (cluster, _):
+        yield Env(cluster, metrics)
 
 
 @pytest.fixture()
