@@ -103,26 +103,34 @@ def _port_matches(rule_port: dict[str, Any], target: Pod, port: int,
     return want is not None and want <= port <= end
 
 
-def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int,
-           protocol: str = "TCP") -> bool:
-    """Does `target` admit a connection from `source` to `target`:`port`?"""
-    if target.namespace is None:
+def _allows(policies: Iterable[dict[str, Any]], direction: str, pod: Pod, peer: Pod,
+            target: Pod, port: int, protocol: str) -> bool:
+    """Do `pod`'s policies of `direction` ("Ingress": `peer` connects to it; "Egress": it
+    connects to `peer`) allow the connection to `target` (the receiving end):`port`?"""
+    if pod.namespace is None:
         return True
-    selecting = [p for p in policies if p["metadata"]["namespace"] == target.namespace
-                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-                 and selects(p["spec"]["podSelector"], target.labels)]
+    ingress = direction == "Ingress"
+    selecting = [p for p in policies if p["metadata"]["namespace"] == pod.namespace
+                 and direction in p["spec"].get("policyTypes", ["Ingress"] if ingress else [])
+                 and selects(p["spec"]["podSelector"], pod.labels)]
     if not selecting:
         return True
     for policy in selecting:
-        for rule in policy["spec"].get("ingress") or []:
+        for rule in policy["spec"].get("ingress" if ingress else "egress") or []:
             if rule.get("ports") and not any(_port_matches(rp, target, port, protocol)
                                              for rp in rule["ports"]):
                 continue
-            peers = rule.get("from")
-            if not peers or any(_peer_matches(p, policy["metadata"]["namespace"], source)
+            peers = rule.get("from" if ingress else "to")
+            if not peers or any(_peer_matches(p, policy["metadata"]["namespace"], peer)
                                 for p in peers):
                 return True
     return False
+
+
+def admits(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int,
+           protocol: str = "TCP") -> bool:
+    """Does `target` admit a connection from `source` to `target`:`port`?"""
+    return _allows(policies, "Ingress", target, source, target, port, protocol)
 
 
 def admitted(policies: list[dict[str, Any]], pods: Iterable[Pod], target: Pod,
@@ -134,23 +142,7 @@ def admitted(policies: list[dict[str, Any]], pods: Iterable[Pod], target: Pod,
 def sends(policies: Iterable[dict[str, Any]], source: Pod, target: Pod, port: int,
           protocol: str = "TCP") -> bool:
     """Do `source`'s egress policies let it connect to `target`:`port`?"""
-    if source.namespace is None:
-        return True
-    selecting = [p for p in policies if p["metadata"]["namespace"] == source.namespace
-                 and "Egress" in p["spec"].get("policyTypes", [])
-                 and selects(p["spec"]["podSelector"], source.labels)]
-    if not selecting:
-        return True
-    for policy in selecting:
-        for rule in policy["spec"].get("egress") or []:
-            if rule.get("ports") and not any(_port_matches(rp, target, port, protocol)
-                                             for rp in rule["ports"]):
-                continue
-            peers = rule.get("to")
-            if not peers or any(_peer_matches(p, policy["metadata"]["namespace"], target)
-                                for p in peers):
-                return True
-    return False
+    return _allows(policies, "Egress", source, target, target, port, protocol)
 
 
 def connects(policies: list[dict[str, Any]], source: Pod, target: Pod, port: int,
