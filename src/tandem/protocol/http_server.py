@@ -430,18 +430,13 @@ class _Connection(asyncio.Protocol):
                                              state["chunked"]))
             elif message["type"] == "http.response.body" and not state["done"]:
                 data = message.get("body", b"")
-                more = message.get("more_body", False)
-                if not more:
+                out = frame(data, state["chunked"]) if data and not is_head else b""
+                if not message.get("more_body", False):
                     state["done"] = True
                     if state["chunked"]:
-                        data = (frame(data, True) if data and not is_head else b"") + \
-                            b"0\r\n\r\n"
-                    elif is_head:
-                        data = b""
-                    if data:
-                        await self._write(data)
-                elif data and not is_head:
-                    await self._write(frame(data, state["chunked"]))
+                        out += b"0\r\n\r\n"  # with the last piece: one write
+                if out:
+                    await self._write(out)
 
         scope = self._scope(req, path, query, {})  # FastAPI watches for disconnects itself
         try:
