@@ -34,12 +34,12 @@ from typing import Any
 from urllib.parse import quote
 
 from tandem.operator.render.common import Owner, metadata
-from tandem.operator.render.security import managed_redis_secret
+from tandem.operator.render.security import REDIS_ADDRESS_ENV, managed_redis_secret
 from tandem.operator.render.security import redis_key_prefix as key_prefix
 from tandem.protocol.labels import ROUTER_COMPONENT
 
 logger = logging.getLogger(__name__)
-ADDRESS_ENV = "TANDEM_REDIS_ADDRESS"  # host:port of the chart's Redis
+ADDRESS_ENV = REDIS_ADDRESS_ENV  # host:port of the chart's Redis
 PASSWORD_FILE_ENV = "TANDEM_REDIS_ADMIN_PASSWORD_FILE"  # the admin (default user) password
 # what `router.ratelimit` and `router.index_store` send (EVALSHA, SCRIPT LOAD after a
 # NOSCRIPT) and what their Lua scripts call (Redis checks a script's calls against the user)
@@ -116,37 +116,30 @@ class RedisAcl:
     def __init__(self, redis: ManagedRedis, timeout_s: float = 5.0) -> None:
         self.redis, self.timeout_s = redis, timeout_s
 
-    def _client(self) -> Any:
+    def _acl(self, admin_password: str, owner: Owner, *args: str) -> Any:
+        """`ACL <args>` as the admin user; RedisAclError (naming `owner`'s user) when Redis
+        refuses or does not answer."""
         import redis
 
-        return redis.Redis(host=self.redis.host, port=self.redis.port,
-                           username=self.redis.admin_user,
-                           password=self.redis.admin_password(),
-                           socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        try:
+            with redis.Redis(host=self.redis.host, port=self.redis.port,
+                             username=self.redis.admin_user, password=admin_password,
+                             socket_timeout=self.timeout_s,
+                             socket_connect_timeout=self.timeout_s) as client:
+                return client.execute_command("ACL", *args)
+        except (redis.RedisError, OSError) as exc:
+            raise RedisAclError(f"Redis ACL user {acl_user(owner)}: {type(exc).__name__}: "
+                                f"{exc}") from exc
 
     def ensure_user(self, owner: Owner) -> None:
         """Create or reset the InferenceService's user (idempotent)."""
-        import redis
-
-        password = user_password(self.redis.admin_password(), owner)
-        try:
-            with self._client() as client:
-                client.execute_command("ACL", "SETUSER", acl_user(owner),
-                                       *acl_rules(owner, password))
-        except (redis.RedisError, OSError) as exc:
-            raise RedisAclError(f"Redis ACL user {acl_user(owner)}: {type(exc).__name__}: "
-                                f"{exc}") from exc
+        admin = self.redis.admin_password()
+        self._acl(admin, owner, "SETUSER", acl_user(owner),
+                  *acl_rules(owner, user_password(admin, owner)))
 
     def delete_user(self, owner: Owner) -> bool:
         """Remove the user; True when it existed."""
-        import redis
-
-        try:
-            with self._client() as client:
-                n = client.execute_command("ACL", "DELUSER", acl_user(owner))
-        except (redis.RedisError, OSError) as exc:
-            raise RedisAclError(f"Redis ACL user {acl_user(owner)}: {type(exc).__name__}: "
-                                f"{exc}") from exc
+        n = self._acl(self.redis.admin_password(), owner, "DELUSER", acl_user(owner))
         if n:
             logger.info("%s/%s: deleted Redis ACL user %s", owner.namespace, owner.name,
                         acl_user(owner))
