@@ -107,12 +107,10 @@ class DeltaAccumulator:
                  "_error", "size")
 
     def __init__(self) -> None:
-        self._last: RequestOutput | None = None
-        self.size = 0  # `output_size` of what `take` would return
         self._reset()
 
     def _reset(self) -> None:
-        self._last = None
+        self._last: RequestOutput | None = None
         self._texts: dict[int, list[str]] = {}
         self._ids: dict[int, list[int]] = {}
         self._lps: dict[int, LogprobsList | None] = {}
@@ -120,7 +118,7 @@ class DeltaAccumulator:
         self._delta_ids: list[int] = []
         self._queue_time: float | None = None
         self._error: str | None = None
-        self.size = 0
+        self.size = 0  # `output_size` of what `take` would return
 
     def __bool__(self) -> bool:
         return self._last is not None
