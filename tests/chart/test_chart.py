@@ -277,8 +277,9 @@ def test_operator_deployment(helm: Helm) -> None:
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
         "maxSurge": 1, "maxUnavailable": 0}}
     c = operator_container(docs)
-    assert c["image"] == "ghcr.io/tandem-llm/tandem:0.1.0"  # the chart's appVersion
-    assert c["command"] == ["tandem", "operator"]
+    # the torch-free control image, at the chart's appVersion
+    assert c["image"] == "ghcr.io/tandem-llm/tandem-control:0.1.0"
+    assert c["command"] == ["tandem", "--log-level", "INFO", "operator"]
     assert c["args"] == ["--standalone", "--leader-elect", f"--lease-name={FULLNAME}-operator",
                          "--lease-duration=15", "--renew-deadline=10", "--retry-period=2",
                          "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
@@ -286,7 +287,9 @@ def test_operator_deployment(helm: Helm) -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     env = env_of(c)
-    assert env["TANDEM_IMAGE"] == c["image"]  # the operator's default for workers and routers
+    # the workers' default (CPU torch) and the routers' (the control image)
+    assert env["TANDEM_IMAGE"] == "ghcr.io/tandem-llm/tandem:0.1.0"
+    assert env["TANDEM_ROUTER_IMAGE"] == c["image"]
     assert env["TANDEM_OPERATOR_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["TANDEM_OPERATOR_RELEASE"] == RELEASE  # routers labelled with it (Redis policy)
     labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -298,21 +301,24 @@ def test_image_comes_from_values(helm: Helm) -> None:
     docs = helm.render(sets=("image.repository=registry.example.com/ml/tandem",
                              "image.tag=1.2.3", "image.pullPolicy=Always"))
     c = operator_container(docs)
-    assert c["image"] == "registry.example.com/ml/tandem:1.2.3"
+    assert c["image"] == "ghcr.io/tandem-llm/tandem-control:0.1.0"  # controlImage's
     assert c["imagePullPolicy"] == "Always"
     assert env_of(c)["TANDEM_IMAGE"] == "registry.example.com/ml/tandem:1.2.3"
     assert env_of(c)["TANDEM_IMAGE_PULL_POLICY"] == "Always"
     digest = "sha256:" + "ab" * 32
     c = operator_container(helm.render(sets=("image.tag=1.2.3", f"image.digest={digest}")))
-    assert c["image"] == f"ghcr.io/tandem-llm/tandem@{digest}"
+    assert env_of(c)["TANDEM_IMAGE"] == f"ghcr.io/tandem-llm/tandem@{digest}"
+    c = operator_container(helm.render(sets=("controlImage.repository=",
+                                             f"image.digest={digest}")))
+    assert c["image"] == f"ghcr.io/tandem-llm/tandem@{digest}"  # no control image: image
 
 
 def test_health_endpoint_can_be_turned_off(helm: Helm) -> None:
     c = operator_container(helm.render(sets=("operator.health.enabled=false",
-                                             "operator.extraArgs={--verbose}")))
+                                             "operator.extraArgs={--resync-interval=60}")))
     assert not any(a.startswith("--liveness") for a in c["args"])
     assert "livenessProbe" not in c and "readinessProbe" not in c and "ports" not in c
-    assert c["args"][-1] == "--verbose"
+    assert c["args"][-1] == "--resync-interval=60"
 
 
 def test_every_pod_is_hardened(helm: Helm) -> None:

@@ -24,8 +24,16 @@ def test_control_image_runs_the_operator_and_the_routers(helm: Helm) -> None:
     assert c["image"] == env_of(c)["TANDEM_ROUTER_IMAGE"] == f"r.example/control@{digest}"
 
 
-def test_without_a_control_image_everything_runs_the_tandem_image(helm: Helm) -> None:
+def test_the_default_control_image_is_the_published_one(helm: Helm) -> None:
     c = operator_container(helm.render())
+    env = env_of(c)
+    assert c["image"] == env["TANDEM_ROUTER_IMAGE"] == "ghcr.io/tandem-llm/tandem-control:0.1.0"
+    assert env["TANDEM_IMAGE"] == env["TANDEM_WORKER_IMAGE"] == "ghcr.io/tandem-llm/tandem:0.1.0"
+    assert env["TANDEM_WORKER_CUDA_IMAGE"] == "ghcr.io/tandem-llm/tandem:0.1.0-cu128"
+
+
+def test_without_a_control_image_everything_runs_the_tandem_image(helm: Helm) -> None:
+    c = operator_container(helm.render(sets=("controlImage.repository=",)))
     env = env_of(c)
     assert c["image"] == env["TANDEM_IMAGE"] == env["TANDEM_ROUTER_IMAGE"] == (
         "ghcr.io/tandem-llm/tandem:0.1.0")
