@@ -44,7 +44,7 @@ class RayExecutor(Executor):
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError as exc:
             raise ConfigError("distributed_executor_backend 'ray' needs Ray: "
-                              "pip install 'ray>=2.40'") from exc
+                              "pip install 'tandem[ray]'") from exc
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                      log_to_driver=True, ignore_reinit_error=True)
