@@ -1,0 +1,184 @@
+"""The user-facing API and model pages stay true to the code.
+
+`docs/openai-api.md`: every request field of the OpenAI models is documented, the endpoint
+table names exactly the routes the worker's and the router's apps register (and who serves
+each), every row of its refused-fields table is refused with that exact message, and every
+field it says is ignored really is. `docs/supported-models.md`: the architectures it lists
+are the loaders' registries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from tandem.protocol import openai_api as api
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+API_PAGE = DOCS / "openai-api.md"
+MODELS_PAGE = DOCS / "supported-models.md"
+
+
+def _page(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+    """The data rows (cells stripped) of the first Markdown table after `marker`."""
+    rows: list[list[str]] = []
+    started = False
+    for line in text[text.index(marker):].splitlines()[1:]:
+        if line.startswith("|"):
+            started = True
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if not all(set(c) <= set("-: ") for c in cells):
+                rows.append(cells)
+        elif started:
+            break
+    return rows[1:]  # without the header
+
+
+def _code(cell: str) -> str:
+    m = re.fullmatch(r"`(.*)`", cell)
+    assert m, f"expected one code span, got {cell!r}"
+    return m.group(1)
+
+
+# -- request fields ----------------------------------------------------------------------
+DOCUMENTED_MODELS: tuple[type[BaseModel], ...] = (
+    api.CompletionRequest, api.ChatCompletionRequest, api.ChatMessage, api.TextPart,
+    api.StreamOptions, api.TokenizeRequest, api.DetokenizeRequest)
+
+
+@pytest.mark.parametrize("model", DOCUMENTED_MODELS, ids=lambda m: m.__name__)
+def test_every_request_field_is_documented(model: type[BaseModel]) -> None:
+    text = _page(API_PAGE)
+    missing = [f for f in model.model_fields if f"`{f}`" not in text and f'"{f}"' not in text]
+    assert not missing, f"{model.__name__} fields not in docs/openai-api.md: {missing}"
+
+
+# -- endpoints ---------------------------------------------------------------------------
+def _worker_routes() -> set[tuple[str, str]]:
+    from tandem.serving.api_server import ServerSettings, build_app
+
+    app = build_app(ServerSettings(served_model_name="m"), lambda: None)  # never started
+    return {(m, r.path) for r in app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+
+
+def _router_routes() -> set[tuple[str, str]]:
+    from tandem.router.app import RouterServerSettings, build_app
+    from tandem.router.core import Router, RouterSettings
+
+    app = build_app(Router(RouterSettings(), lambda _: None), RouterServerSettings(openapi=True))
+    return {(m, r.path) for r in app.app.routes for m in getattr(r, "methods", ())}
+
+
+def _endpoint_table() -> dict[tuple[str, str], tuple[bool, bool]]:
+    """(method, path) -> (router serves it, worker serves it), from the page's table."""
+    out = {}
+    for method, paths, router, worker, _auth in _table_after(_page(API_PAGE), "## Endpoints"):
+        for path in re.findall(r"`([^`]+)`", paths):
+            out[(method, path)] = (not router.startswith("no"), not worker.startswith("no"))
+    return out
+
+
+def test_endpoint_table_matches_the_apps_routes() -> None:
+    table = _endpoint_table()
+    worker, router = _worker_routes(), _router_routes()
+    for route in worker | router:
+        assert route in table, f"{route} is served but not in the endpoint table"
+    for route, (on_router, on_worker) in table.items():
+        assert (route in router) == on_router, f"{route}: the table says router={on_router}"
+        assert (route in worker) == on_worker, f"{route}: the table says worker={on_worker}"
+
+
+# -- refused and ignored fields ----------------------------------------------------------
+_BASE = {"completions": {"model": "m", "prompt": "hi"},
+         "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+
+
+def _refusal(kind: str, body: dict) -> str | None:
+    """The worker's 400 message for `body`, from the same code the endpoints run (schema,
+    then sampling parameters, then the prompt list); None when it is accepted."""
+    from tandem.engine.errors import InvalidRequestError
+    from tandem.protocol.web import first_error
+    from tandem.serving.convert import completion_prompts, sampling_params
+
+    model = api.CompletionRequest if kind == "completions" else api.ChatCompletionRequest
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        return first_error(exc)
+    try:
+        sampling_params(req, 16)  # the worker's default --max-n
+        if isinstance(req, api.CompletionRequest):
+            completion_prompts(req)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
+
+
+def _refused_rows() -> list[tuple[str, dict, str]]:
+    rows = _table_after(_page(API_PAGE), "<!-- refused-table")
+    assert len(rows) >= 10
+    return [(kind, json.loads(_code(body)), _code(msg)) for kind, body, msg in rows]
+
+
+@pytest.mark.parametrize("kind,extra,message", _refused_rows(),
+                         ids=lambda v: json.dumps(v) if isinstance(v, dict) else None)
+def test_refused_fields_are_refused_with_the_documented_message(kind: str, extra: dict,
+                                                                message: str) -> None:
+    assert _refusal(kind, {**_BASE[kind], **extra}) == message
+
+
+def _ignored_fields() -> list[str]:
+    text = _page(API_PAGE)
+    section = text[text.index("### Ignored fields"):text.index("## Responses")]
+    para = section.split("in particular", 1)[1].split("have no effect", 1)[0]
+    return re.findall(r"`([a-z_]+)`", para)
+
+
+@pytest.mark.parametrize("field", _ignored_fields())
+def test_ignored_fields_are_accepted_and_unknown(field: str) -> None:
+    for kind, model in (("completions", api.CompletionRequest),
+                        ("chat", api.ChatCompletionRequest)):
+        assert field not in model.model_fields, f"{field} is a field now: document it"
+        assert _refusal(kind, {**_BASE[kind], field: {"x": 1}}) is None
+
+
+# -- supported models --------------------------------------------------------------------
+def _listed_architectures() -> dict[str, set[str]]:
+    """Column -> names, from the architectures table of docs/supported-models.md."""
+    rows = _table_after(_page(MODELS_PAGE), "<!-- architectures-table")
+    out: dict[str, set[str]] = {"engine": set(), "hf": set(), "gguf": set()}
+    for engine, hf, gguf, *_ in rows:
+        out["engine"].add(_code(engine))
+        out["hf"].update(re.findall(r"`([^`]+)`", hf))
+        out["gguf"].update(re.findall(r"`([^`]+)`", gguf))
+    return out
+
+
+def test_supported_architectures_match_the_loaders() -> None:
+    from tandem.engine.model.config import SUPPORTED_ARCHITECTURES
+    from tandem.engine.model.hf_loader import HF_ARCHITECTURES, HF_MODEL_TYPES
+
+    listed = _listed_architectures()
+    assert listed["engine"] == set(SUPPORTED_ARCHITECTURES)
+    assert listed["hf"] == set(HF_ARCHITECTURES) | {f"model_type: {t}" for t in HF_MODEL_TYPES}
+    assert listed["gguf"] == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_unsupported_architecture_message_is_the_documented_one(tmp_path: Path) -> None:
+    from tandem.engine.errors import ConfigError
+    from tandem.engine.model.hf_loader import config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}))
+    with pytest.raises(ConfigError) as err:
+        config_from_hf(tmp_path)
+    shown = str(err.value).replace(str(tmp_path), "/models/gemma-2b")
+    assert f"`{shown}`" in _page(MODELS_PAGE)
