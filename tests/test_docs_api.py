@@ -182,3 +182,59 @@ def test_unsupported_architecture_message_is_the_documented_one(tmp_path: Path) 
         config_from_hf(tmp_path)
     shown = str(err.value).replace(str(tmp_path), "/models/gemma-2b")
     assert f"`{shown}`" in _page(MODELS_PAGE)
+
+
+# -- troubleshooting ---------------------------------------------------------------------
+# literal parts of the messages docs/troubleshooting.md quotes; each must still be what the
+# code says (string literals joined across lines) and what the page says
+TROUBLESHOOTING_MESSAGES = (
+    "is a directory without config.json; expected a Hugging Face model directory",
+    "unsupported model file; expected a .gguf file or a Hugging Face directory",
+    "no *.safetensors files (only safetensors is supported)",
+    "not a readable GGUF file",
+    "needs CUDA, but this torch build",
+    "is CPU-only; install a CUDA build of torch (e.g. the tandem CUDA image) or use --device cpu",
+    "no C compiler found; using the pure-torch CPU path",
+    "; using pure torch",
+    "exceeds the KV cache capacity of",
+    "and at least one must be left to generate",
+    "; lower gpu_memory_utilization or free memory held by other processes",
+    "no GPU memory left for the KV cache: ",
+    "sequence needs; raise gpu_memory_utilization (or kv_cache_memory bytes) or lower "
+    "max_model_len to at most",
+    "this model has no chat template",
+    "does not exist.",
+    "is not served here",
+    "missing or malformed Authorization: Bearer <key>",
+    "invalid API key",
+    "this API key may not load or unload adapters",
+    "must come from the router",
+    "rate limit exceeded (",
+    "more than this tenant's tokens per minute; lower max_tokens or n",
+    "no ready worker serves this model; retry later",
+    "the router is starting: ",
+    "ready yet (starting, draining or failing probes); retry later",
+    "the model is loading",
+    "request timed out after",
+    "has no tokenizer: routed approximately on text hashes (no cache-aware prefix scoring, "
+    "no shared index)",
+    "no tokenizer for them (--tokenizer PATH or router.yaml tokenizers)",
+    "exiting: the model failed to load",
+    "does not exist",
+    "is already in use",
+    "expected pvc://, hf://, file:// or ",
+)
+
+
+def _joined_source() -> str:
+    src = Path(__file__).resolve().parents[1] / "src" / "tandem"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(src.rglob("*.py")))
+    return re.sub(r"([\"'])\s*\n\s*(?:rf|fr|f|r)?\1", "", text)  # "a "\n  f"b" -> "ab"
+
+
+def test_troubleshooting_messages_are_the_codes() -> None:
+    source = _joined_source()
+    page = " ".join(_page(DOCS / "troubleshooting.md").split())
+    for fragment in TROUBLESHOOTING_MESSAGES:
+        assert fragment in source, f"no longer in the code: {fragment!r}"
+        assert fragment in page, f"not in docs/troubleshooting.md: {fragment!r}"
