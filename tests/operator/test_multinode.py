@@ -73,8 +73,9 @@ def test_the_multi_node_pool_is_a_valid_leader_worker_set_and_the_other_a_deploy
     assert (lwt["size"], lwt["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
     assert s["startupPolicy"] == "LeaderCreated"
     assert s["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
+    # GPU groups: one replaced at a time (a surge group would wait for free GPU nodes)
     assert s["rolloutStrategy"] == {"type": "RollingUpdate", "rollingUpdateConfiguration": {
-        "maxSurge": 1, "maxUnavailable": 0}}
+        "maxSurge": 0, "maxUnavailable": 1}}
     for t in pod_templates(doc):
         assert main(t)["resources"]["limits"]["nvidia.com/gpu"] == 8
 

@@ -191,10 +191,12 @@ def test_pod_settings_reach_every_pool_and_the_router():
 
 
 @pytest.mark.parametrize("name", sorted(set(SPECS) - {"pods"}))
-def test_default_strategy_surges_one_and_keeps_capacity(name):
+def test_default_strategy_surges_one_on_cpu_and_replaces_one_at_a_time_on_gpus(name):
     for d in by_kind(render(name), "Deployment"):
-        assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
-            "maxSurge": 1, "maxUnavailable": 0}}
+        limits = container(d).get("resources", {}).get("limits", {})
+        want = ({"maxSurge": 0, "maxUnavailable": 1} if "nvidia.com/gpu" in limits
+                else {"maxSurge": 1, "maxUnavailable": 0})
+        assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": want}
         assert "imagePullSecrets" not in d["spec"]["template"]["spec"]
 
 

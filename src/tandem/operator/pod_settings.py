@@ -1,5 +1,6 @@
 """Per-pool and router pod settings (`PodSettings`, `parse_pod_settings`): scheduling,
-image, pull secrets, env, extra volumes, pod labels/annotations and the rollout strategy.
+image, log level, pull secrets, env, extra volumes, pod labels/annotations and the rollout
+strategy (`default_strategy`: a GPU pool replaces its pods one at a time).
 
 Kubernetes' own types (affinity, topology spread constraints, volumes, env sources) are
 passed through as dicts after a shape check here; the rendered Deployment is what the API
@@ -26,6 +27,7 @@ RESERVED_PREFIX = "tandem.dev/"
 AFFINITY_KEYS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
 VALUE_FROM_KEYS = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
 WHEN_UNSATISFIABLE = ("DoNotSchedule", "ScheduleAnyway")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # `tandem --log-level`
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,18 @@ class Strategy:
     max_unavailable: int | str = 0
 
 
+SURGE = Strategy(1, 0)  # a new pod first: the router's and CPU pools' default
+ONE_AT_A_TIME = Strategy(0, 1)  # GPU pools': a surge pod on a full GPU pool never schedules
+
+
+def default_strategy(gpu: bool) -> Strategy:
+    return ONE_AT_A_TIME if gpu else SURGE
+
+
 @dataclass(frozen=True)
 class PodSettings:
     image: str | None = None  # wins over spec.image and the operator's images
+    log_level: str | None = None  # wins over spec.logLevel; None: that (or the CLI's INFO)
     affinity: dict[str, Any] = field(default_factory=dict)
     topology_spread_constraints: tuple[dict[str, Any], ...] = ()  # no labelSelector: the pool's
     priority_class_name: str | None = None
@@ -108,27 +119,49 @@ def _labels(d: dict, key: str, where: str, values: bool) -> dict[str, str]:
     return out
 
 
-def _bound(s: dict, key: str, default: int, where: str) -> int | str:
-    value = s.get(key, default)
+def _bound(s: dict, key: str, where: str) -> int | str | None:
+    value = s.get(key)
+    if value is None:
+        return None
     if isinstance(value, bool) or not (isinstance(value, int) and value >= 0 or
                                        isinstance(value, str) and _PERCENT_OR_INT.match(value)):
         raise SpecError(f"{where}.{key}: {value!r}: a count >= 0 or a percentage like '25%'")
     return value
 
 
-def _strategy(d: dict, where: str) -> Strategy:
+def _zero(value: int | str) -> bool:
+    return str(value).rstrip("%") == "0"
+
+
+def _strategy(d: dict, where: str, gpu: bool) -> Strategy:
+    """The bounds given, the others from `default_strategy(gpu)`; an unset bound whose
+    default would leave both at 0 is 1 instead (maxUnavailable 0 alone on a GPU pool
+    surges by one pod)."""
     w = f"{where}.strategy"
     s = get_obj(d, "strategy", where)
-    out = Strategy(_bound(s, "maxSurge", 1, w), _bound(s, "maxUnavailable", 0, w))
-    if str(out.max_surge).rstrip("%") == "0" and str(out.max_unavailable).rstrip("%") == "0":
+    surge, unavailable = _bound(s, "maxSurge", w), _bound(s, "maxUnavailable", w)
+    if surge is not None and unavailable is not None and _zero(surge) and _zero(unavailable):
         raise SpecError(f"{w}: maxSurge and maxUnavailable cannot both be 0 (no rollout could "
                         "progress)")
-    return out
+    default = default_strategy(gpu)
+    if surge is None:
+        surge = 1 if unavailable is not None and _zero(unavailable) else default.max_surge
+    if unavailable is None:
+        unavailable = 1 if _zero(surge) else default.max_unavailable
+    return Strategy(surge, unavailable)
 
 
-def parse_pod_settings(d: dict[str, Any], where: str, *, scheduling: bool) -> PodSettings:
+def parse_log_level(d: dict, where: str) -> str | None:
+    level = get(d, "logLevel", str, None, where)
+    if level is not None and level not in LOG_LEVELS:
+        raise SpecError(f"{where}.logLevel: {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def parse_pod_settings(d: dict[str, Any], where: str, *, scheduling: bool,
+                       gpu: bool = False) -> PodSettings:
     """`scheduling`: also read nodeSelector and tolerations (the router; pools keep theirs
-    in `PoolSpec`)."""
+    in `PoolSpec`); `gpu`: a pool that requests nvidia.com/gpu (its strategy's default)."""
     affinity = dict(get_obj(d, "affinity", where))
     if set(affinity) - set(AFFINITY_KEYS) or not all(isinstance(v, dict)
                                                       for v in affinity.values()):
@@ -163,7 +196,7 @@ def parse_pod_settings(d: dict[str, Any], where: str, *, scheduling: bool) -> Po
         if not isinstance(m.get("mountPath"), str) or not m["mountPath"].startswith("/"):
             raise SpecError(f"{w}.mountPath: an absolute path, got {m.get('mountPath')!r}")
     return PodSettings(
-        image=get(d, "image", str, None, where),
+        image=get(d, "image", str, None, where), log_level=parse_log_level(d, where),
         affinity=affinity, topology_spread_constraints=tuple(spread),
         priority_class_name=get(d, "priorityClassName", str, None, where),
         runtime_class_name=get(d, "runtimeClassName", str, None, where),
@@ -172,7 +205,7 @@ def parse_pod_settings(d: dict[str, Any], where: str, *, scheduling: bool) -> Po
         volume_mounts=tuple(mounts),
         labels=_labels(d, "podLabels", where, values=True),
         annotations=_labels(d, "podAnnotations", where, values=False),
-        strategy=_strategy(d, where),
+        strategy=_strategy(d, where, gpu),
         node_selector=dict(get_obj(d, "nodeSelector", where)) if scheduling else {},
         tolerations=tuple(dict(t) for t in get(d, "tolerations", list, [], where))
         if scheduling else ())

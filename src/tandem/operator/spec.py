@@ -22,7 +22,7 @@ from tandem.operator.fields import (
     resources,
 )
 from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
-from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.pod_settings import PodSettings, parse_log_level, parse_pod_settings
 from tandem.operator.spec_autoscaling import (
     SIGNALS,
     AutoscalingSpec,
@@ -151,6 +151,7 @@ class InferenceServiceSpec:
     security: SecuritySpec = SecuritySpec()
     prometheus: dict[str, Any] | None = None  # a NetworkPolicy peer admitted to /metrics
     lora: LoRASpec | None = None  # adapters every pool serves; None: no LoRA
+    log_level: str | None = None  # routers' and workers' (`tandem --log-level`); None: INFO
 
     @property
     def disaggregated(self) -> bool:
@@ -196,7 +197,8 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
         tolerations=tuple(dict(t) for t in tolerations),
         engine=engine,
         autoscaling=parse_autoscaling(get(d, "autoscaling", dict, None, where), where),
-        pod=parse_pod_settings(d, where, scheduling=False), parallelism=parallelism)
+        pod=parse_pod_settings(d, where, scheduling=False, gpu=gpus > 0),
+        parallelism=parallelism)
     if layout.multinode:  # the LeaderWorkerSet's rollout, at the fewest replicas it runs
         a = pool.autoscaling  # (an HPA's LWS is created without a count: the webhook's 1)
         fewest = pool.replicas if a is None else 1 if a.mode == "hpa" else a.min_replicas
@@ -260,8 +262,10 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
         image=get(spec, "image", str, None, "spec"),
         security=parse_security(get_obj(spec, "security", "spec")),
-        prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring")),
-        lora=parse_lora(get(spec, "lora", dict, None, "spec")))
+        prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring"),
+                                   get(mon, "serviceMonitor", bool, False, "monitoring")),
+        lora=parse_lora(get(spec, "lora", dict, None, "spec")),
+        log_level=parse_log_level(spec, "spec"))
     for name in model.served_names:
         check_served_name(out.lora, name)
     for pool, _, p in out.worker_pools() if out.lora is not None else ():

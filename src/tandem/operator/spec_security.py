@@ -138,8 +138,19 @@ def peers(values: Any, where: str) -> tuple[dict[str, Any], ...]:
     return tuple(peer(v, f"{where}[{i}]") for i, v in enumerate(values))
 
 
-def prometheus_peer(d: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`monitoring.prometheus`: the Prometheus pods the NetworkPolicies admit to /metrics."""
+# the Prometheus Operator's Prometheus pods (kube-prometheus-stack labels them so) in the
+# namespace `monitoring`: who scrapes a ServiceMonitor unless monitoring.prometheus says
+PROMETHEUS_NAMESPACE = "monitoring"
+DEFAULT_PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": PROMETHEUS_NAMESPACE}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+def prometheus_peer(d: dict[str, Any] | None,
+                    service_monitor: bool = False) -> dict[str, Any] | None:
+    """`monitoring.prometheus`: the Prometheus pods the NetworkPolicies admit to /metrics;
+    unset with `monitoring.serviceMonitor`, `DEFAULT_PROMETHEUS` (its scrapes would be
+    dropped otherwise), else None (no one)."""
     if d is None:
-        return None
+        return copy.deepcopy(DEFAULT_PROMETHEUS) if service_monitor else None
     return peer(d, "monitoring.prometheus", ip_block=False)

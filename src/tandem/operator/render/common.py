@@ -96,6 +96,12 @@ def metadata(owner: Owner, name: str, component: str, role: str | None = None,
     return meta
 
 
+def log_level_args(level: str | None) -> list[str]:
+    """`tandem`'s own flag, ahead of the subcommand: nothing for an unset level (the CLI's
+    INFO; pods rendered before the field existed stay as they were)."""
+    return ["--log-level", level] if level else []
+
+
 def config_hash(*parts: Any) -> str:
     """A short, stable digest of dataclasses / JSON-able values."""
     data = [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts]

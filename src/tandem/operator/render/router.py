@@ -26,6 +26,7 @@ from tandem.operator.render.common import (
     container_security_context,
     http_probe,
     labels,
+    log_level_args,
     metadata,
     pdb,
     pod_security_context,
@@ -93,7 +94,8 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
 
 
 def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
-    args = ["router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+    args = [*log_level_args(spec.router.pod.log_level or spec.log_level),
+            "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)",
             "--inference-service", owner.name, "--worker-port-name", HTTP_PORT_NAME,
             "--config", f"{CONFIG_DIR}/router.yaml", "--metrics-port", str(METRICS_PORT),

@@ -30,6 +30,7 @@ from tandem.operator.render.common import (
     container_security_context,
     http_probe,
     labels,
+    log_level_args,
     metadata,
     pdb,
     pod_security_context,
@@ -85,7 +86,8 @@ def _threads(pool: PoolSpec) -> int | None:
 def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) -> list[str]:
     """`tandem worker` arguments for one pool (after the `tandem` command)."""
     e, kv, m = pool.spec.engine, spec.kv_transfer, spec.model
-    args = ["worker", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+    args = [*log_level_args(pool.spec.pod.log_level or spec.log_level),
+            "worker", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--grpc-port", str(GRPC_PORT), "--role", pool.role,
             "--served-model-name", *m.served_names]
     optional: list[tuple[str, Any]] = [
