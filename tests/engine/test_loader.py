@@ -433,9 +433,18 @@ def test_missing_and_misshapen_tensors(tmp_path: Path) -> None:
 
 
 def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's progress line; stderr is not a terminal here, so each refresh is a line of
+    its own (the first and the last, for a load shorter than the log interval)."""
     _hf_model("llama", True).save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' own bar
     load_model(tmp_path, progress=True)
-    assert "Loading" in capsys.readouterr().err
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "\r" not in "".join(lines), lines
+    assert lines[0].startswith("Loading safetensors checkpoint tensors:   0% Completed | 0/")
+    total = lines[0].split(" | 0/")[1].split(" ")[0]
+    assert lines[1].startswith(f"Loading safetensors checkpoint tensors: 100% Completed | "
+                               f"{total}/{total} ["), lines
+    assert lines[1].endswith(" tensors/s]")
     load_model(tmp_path)  # auto: captured stderr is not a terminal
     assert capsys.readouterr().err == ""
 

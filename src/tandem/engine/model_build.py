@@ -89,7 +89,7 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
         model = LlamaForCausalLM(model_arch, backend, max_positions=max_len, ops=ops)
         prepare_model(model, plan, dtype)
     model.materialize(device, dtype)
-    weights = source.tensors()
+    weights = source.tensors(progress=groups is None or groups.rank == 0)  # vLLM: always
     model.load_weights(shard_weights(weights, arch, tp) if tp else weights)
     model.eval()
     if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):

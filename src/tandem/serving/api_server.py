@@ -8,7 +8,10 @@ alive, not draining), `/metrics` (Prometheus). Every log line carries the reques
 A completion naming a prefill worker or a tenant salt, or asking for a nonzero priority on
 a worker with a key, must carry the router's signature, as must every completion and
 (de)tokenize call with `--require-signed-requests` (`worker_auth.check_signature`: 403
-otherwise, checked before anything else is done).
+otherwise, checked before anything else is done). With API keys (`--api-key`), every route
+but `/health`, `/ready` and `/metrics` needs one of them as a bearer token, or the router's
+signature (`worker_auth.ApiKeyAuth`). Under load, a status line is logged every
+`log_stats_interval_s` (`stats_logger`).
 
 Prompts are tokenized (and chat templates rendered) in a small thread pool, off both the
 event loop and the engine thread, which gets token ids; a request's prompts are admitted in
@@ -58,12 +61,19 @@ from tandem.protocol.web import (
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
-from tandem.serving.lora_api import install_lora_routes, model_cards, resolve
+from tandem.serving.lora_api import (
+    LOAD_PATH,
+    UNLOAD_PATH,
+    install_lora_routes,
+    model_cards,
+    resolve,
+)
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
 from tandem.serving.responses import ChatResponder, CompletionResponder, Responder, sse_error
 from tandem.serving.sse import SSEResponse
-from tandem.serving.worker_auth import check_signature
+from tandem.serving.stats_logger import DEFAULT_INTERVAL_S, kv_label, log_stats_forever
+from tandem.serving.worker_auth import ApiKeyAuth, check_signature
 
 logger = logging.getLogger(__name__)
 DEATH_POLL_S = 0.25  # how often a loaded engine is checked for having stopped
@@ -101,6 +111,16 @@ class ServerSettings:
     # tokenizer on client input must be the router's (signed)
     require_signed: bool = False
     max_kv_event_subscribers: int = 16  # concurrent SubscribeKVEvents streams
+    # --api-key: the API needs one of these as a bearer token (or the router's signature);
+    # empty: no key needed
+    api_keys: tuple[str, ...] = ()
+    # the status line's period under load (stats_logger); None: --disable-log-stats
+    log_stats_interval_s: float | None = DEFAULT_INTERVAL_S
+
+
+# the routes that check the router's signature: a signed request may come without an API key
+SIGNED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                 LOAD_PATH, UNLOAD_PATH)
 
 
 class _EngineHolder:
@@ -169,6 +189,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             logger.info("engine ready: serving %s", settings.served_model_name)
             if on_engine_death is not None:
                 watchers.append(asyncio.ensure_future(watch(holder.engine)))
+            if settings.log_stats_interval_s is not None:
+                engine = holder.engine
+                watchers.append(asyncio.ensure_future(log_stats_forever(
+                    lambda: engine.snapshot, kv_label(engine.engine.device.type),
+                    settings.log_stats_interval_s)))
 
         async def watch(engine: AsyncLLMEngine) -> None:
             while engine.alive:
@@ -214,6 +239,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     app.state.metrics = metrics
     app.add_middleware(InFlight, counter=app.state.in_flight)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.api_keys:  # outermost: a caller without a key is refused before anything
+        app.add_middleware(ApiKeyAuth, keys=settings.api_keys, signed_paths=SIGNED_ROUTES,
+                           accept_signed=settings.auth_key is not None)
     created = now()
 
     def check_model(name: str | None) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -37,6 +38,7 @@ from tandem.protocol.cli_args import (
 )
 from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
+from tandem.serving.stats_logger import DEFAULT_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +252,36 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kv-event-subscribers", type=positive_int, default=16,
                    metavar="N", help="KV event streams (gRPC SubscribeKVEvents) served at "
                                      "once; more are refused (RESOURCE_EXHAUSTED)")
+    add_api_key_arg(p)
+    p.add_argument("--log-stats-interval", type=positive_seconds, default=DEFAULT_INTERVAL_S,
+                   metavar="SECONDS",
+                   help="under load, log throughput, running and waiting requests and KV "
+                        "cache usage every SECONDS (as vLLM)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="never log that status line")
+
+
+API_KEY_ENV = "TANDEM_API_KEY"  # the key when --api-key is not given (vLLM: VLLM_API_KEY)
+
+
+def add_api_key_arg(p: argparse.ArgumentParser) -> None:
+    """`--api-key` (vLLM's flag; `serving.worker_auth.ApiKeyAuth` enforces it)."""
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="serve the API only to requests with `Authorization: Bearer KEY` "
+                        "(any of these keys; 401 otherwise); /health, /ready and /metrics "
+                        "stay open, and a request the router signed needs no key. Default: "
+                        f"${API_KEY_ENV} if set, else no key")
+
+
+def api_keys(flag: list[str] | None, environ: dict[str, str] | None = None
+             ) -> tuple[str, ...]:
+    """The worker's API keys: `--api-key`'s, else $TANDEM_API_KEY's one, else none.
+    ConfigError for a blank key."""
+    env = os.environ if environ is None else environ
+    keys = tuple(flag) if flag else ((env[API_KEY_ENV],) if env.get(API_KEY_ENV) else ())
+    if any(not k.strip() for k in keys):
+        raise ConfigError("--api-key: a key may not be empty or blank")
+    return tuple(k.strip() for k in keys)
 
 
 def check_model_digest(model: str | None, expected: str) -> None:
@@ -306,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
     if args.require_signed_requests and not args.worker_auth_key_file:  # a usage error
         raise ConfigError("--require-signed-requests needs --worker-auth-key-file (the key "
                           "the router signs requests with)")
+    keys = api_keys(args.api_key)
     limit_malloc_arenas()  # before any of the server's threads start
     if args.model_sha256:
         check_model_digest(args.model, args.model_sha256)
@@ -341,7 +374,10 @@ def run(args: argparse.Namespace) -> int:
                               worker_id=f"{args.host}:{args.port}", kv_transfer=kv, tls=tls,
                               kv_stream_layers=args.kv_stream_layers, auth_key=auth_key,
                               require_signed=args.require_signed_requests,
-                              max_kv_event_subscribers=args.max_kv_event_subscribers)
+                              max_kv_event_subscribers=args.max_kv_event_subscribers,
+                              api_keys=keys,
+                              log_stats_interval_s=None if args.disable_log_stats
+                              else args.log_stats_interval)
     config = dataclasses.replace(config, served_model_name=names,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []

@@ -11,13 +11,24 @@ prefill targets and tenant salts, and honours priority as vLLM does.
 
 gRPC (`check_rpc`): a worker with a key serves `Worker.*` and `KVTransfer.*` calls only when
 signed for their method (PERMISSION_DENIED otherwise).
+
+API keys (`ApiKeyAuth`, vLLM's `--api-key`): with keys, every HTTP route but `/health`,
+`/ready` and `/metrics` needs `Authorization: Bearer <one of the keys>` (401 with an OpenAI
+error body otherwise; keys compared in constant time). A request the router signed needs no
+key (the router has checked its caller's): on a worker with `--worker-auth-key-file`, a
+request to a route that checks signatures (completions, chat, (de)tokenize, LoRA admin)
+that carries `x-tandem-signature` but no valid key passes on, and that route then serves it
+only if the signature is valid, fresh and unused (401 otherwise), as with
+`--require-signed-requests`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -30,7 +41,7 @@ from tandem.protocol.signing import (
     metadata_signature,
     rpc_body,
 )
-from tandem.protocol.web import PREFILL_HEADER, plain_request_id
+from tandem.protocol.web import PREFILL_HEADER, error_response, plain_request_id
 from tandem.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -80,9 +91,13 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
                           on_reject: Callable[[str], None] | None = None, priority: int = 0,
                           required: bool = False) -> None:
     """Raise APIError(403) when the request needs a signature (module doc) and has no
-    valid one. `on_reject(reason)` is called first (a metric). `required`: the worker's
-    --require-signed-requests."""
+    valid one; APIError(401) when it came without an API key (`ApiKeyAuth`) and its
+    signature is not valid. `on_reject(reason)` is called first (a metric). `required`:
+    the worker's --require-signed-requests."""
     target = request.headers.get(PREFILL_HEADER)
+    if signature_instead_of_key(request):
+        await require_signature(request, key, target, WITHOUT_KEY, on_reject)
+        return
     what = needs_signature(target, cache_salt, key, priority, required)
     if what is None:
         return
@@ -132,6 +147,67 @@ async def require_signature(request: Request, key: WorkerKey | None, target: str
             on_reject(exc.reason)
         _log_refusal(exc.reason, plain_request_id(request.headers.get("x-request-id")) or "-",
                      what, request.client.host if request.client else "?", exc)
+        if what == WITHOUT_KEY:
+            raise APIError(401, f"invalid API key and {exc} (send Authorization: Bearer "
+                                "<key>)", headers={"WWW-Authenticate": "Bearer"}) from exc
         whose = "" if what == REQUIRED else "a request with "
         raise APIError(403, f"{exc} ({whose}{what} must come from the router)",
                        SIGNATURE_HEADER, type_="permission_error") from exc
+
+
+# -- API keys (vLLM's --api-key) ------------------------------------------------------------
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes: no key
+MAX_KEY_LEN = 4096
+WITHOUT_KEY = "a request without an API key"
+_SIGNED_INSTEAD = "tandem.signed_instead_of_key"  # ASGI scope flag set by ApiKeyAuth
+
+
+def signature_instead_of_key(request: Request) -> bool:
+    """The request came without a valid API key but signed (`ApiKeyAuth` let it on): its
+    route must verify the signature before acting on it."""
+    return bool(request.scope.get(_SIGNED_INSTEAD))
+
+
+def _digest(token: str | bytes) -> bytes:
+    return hashlib.sha256(token if isinstance(token, bytes) else token.encode()).digest()
+
+
+class ApiKeyAuth:
+    """ASGI middleware: the API for holders of `keys` only (module doc). `signed_paths`:
+    the routes that verify a router signature, where a signed request may come without a
+    key (`accept_signed`: the worker has a signing key). Probes (`OPEN_PATHS`) are open."""
+
+    def __init__(self, app: Any, keys: Sequence[str], signed_paths: Iterable[str] = (),
+                 accept_signed: bool = False) -> None:
+        if not keys:
+            raise ValueError("ApiKeyAuth needs at least one key")
+        self.app = app
+        self.digests = [_digest(k) for k in keys]
+        self.signed_paths = frozenset(signed_paths) if accept_signed else frozenset()
+
+    def valid(self, authorization: bytes | None) -> bool:
+        """`Authorization: Bearer <one of the keys>` (constant time in the key list)."""
+        scheme, _, token = (authorization or b"").partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer" or not token or len(token) > MAX_KEY_LEN:
+            return False
+        given = _digest(token)
+        ok = False
+        for digest in self.digests:  # no early exit
+            ok |= hmac.compare_digest(digest, given)
+        return ok
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.valid(headers.get(b"authorization")):
+            return await self.app(scope, receive, send)
+        if scope["path"] in self.signed_paths and SIGNATURE_HEADER.encode() in headers:
+            scope[_SIGNED_INSTEAD] = True  # the route verifies it (check_signature)
+            return await self.app(scope, receive, send)
+        message = ("invalid API key" if headers.get(b"authorization")
+                   else "missing Authorization: Bearer <key>")
+        response = error_response(APIError(401, message,
+                                           headers={"WWW-Authenticate": "Bearer"}))
+        await response(scope, receive, send)

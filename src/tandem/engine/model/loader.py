@@ -52,13 +52,44 @@ def bundled_model_path() -> Path:
     return path
 
 
-def _show_progress(progress: bool | None) -> bool:
-    if progress is not None:
-        return progress
+# vLLM's progress line; where stderr is not a terminal (a pod's log), one line every
+# PROGRESS_LOG_INTERVAL_S and the last, instead of a bar redrawn in place
+BAR_FORMAT = ("{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} "
+              "[{elapsed}<{remaining}, {rate_fmt}]")
+PROGRESS_LOG_INTERVAL_S = 5.0
+
+
+def _stderr_is_tty() -> bool:
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _show_progress(progress: bool | None) -> bool:
+    return _stderr_is_tty() if progress is None else progress
+
+
+class _Lines:
+    """A file for tqdm that writes each refresh as a line of its own on stderr (a log has
+    no carriage returns to redraw with)."""
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            sys.stderr.write(line + "\n")
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def progress_bar(total: int, desc: str, show: bool) -> tqdm:
+    """The weight-loading bar: redrawn in place on a terminal, a line every
+    `PROGRESS_LOG_INTERVAL_S` (and the last) elsewhere; `show=False`: nothing."""
+    tty = _stderr_is_tty()
+    return tqdm(total=total, desc=desc, unit=" tensors", bar_format=BAR_FORMAT,
+                disable=not show, file=sys.stderr if tty else _Lines(),
+                mininterval=0.1 if tty else PROGRESS_LOG_INTERVAL_S, leave=True)
 
 
 @contextmanager
@@ -91,11 +122,11 @@ class ModelSource:
 
     def tensors(self, progress: bool | None = None
                 ) -> Iterator[tuple[str, torch.Tensor | GroupedWeight]]:
-        """The tensors, once (a tqdm bar when `progress`, or None and stderr is a terminal);
-        torch runs single-threaded while they are read."""
-        name = Path(self.source).name
-        bar = tqdm(total=self.num_tensors, desc=f"Loading {name}", unit="tensor",
-                   disable=not _show_progress(progress), file=sys.stderr, leave=False)
+        """The tensors, once (vLLM's progress bar on stderr when `progress`, or None and
+        stderr is a terminal); torch runs single-threaded while they are read."""
+        kind = "GGUF" if Path(self.source).suffix.lower() == ".gguf" else "safetensors"
+        bar = progress_bar(self.num_tensors, f"Loading {kind} checkpoint tensors",
+                           _show_progress(progress))
         count = 0
         with _torch_single_threaded(), bar:
             for item in self.items:  # (tqdm's own iterator would hold the previous tensor)
