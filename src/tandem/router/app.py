@@ -12,6 +12,10 @@ port, or with `metrics_port` only on a port of its own (`metrics_app`). It needs
 the metrics port (reach it through a NetworkPolicy). The key is an admin key when admin keys
 are configured, else any API key. FastAPI's `/docs` and `/redoc` are never served;
 `/openapi.json` only with `openapi` (behind the API keys when configured).
+
+Logging: each routed request gets one INFO line (`[id] -> worker (...)`); the workers'
+probes (`GET /ready`, `/health`, `/v1/models`, `/metrics`, every `probe_interval_s`) are
+logged at DEBUG only (`ProbeLogFilter` on httpx's request log).
 """
 
 from __future__ import annotations
@@ -62,6 +66,29 @@ logger = logging.getLogger(__name__)
 THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the event loop
 
 
+class ProbeLogFilter(logging.Filter):
+    """On the `httpx` logger: its INFO line for a probe (`GET` of one of `PROBE_PATHS`)
+    becomes a DEBUG record, dropped unless `httpx` logs at DEBUG; other requests keep
+    their INFO line."""
+
+    PROBE_PATHS = frozenset({"/ready", "/health", "/v1/models", "/metrics"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if (record.levelno != logging.INFO or not isinstance(args, tuple) or len(args) < 2
+                or args[0] != "GET" or getattr(args[1], "path", None) not in self.PROBE_PATHS):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_probe_logs() -> None:
+    """Install `ProbeLogFilter` on the `httpx` logger (once)."""
+    log = logging.getLogger("httpx")
+    if not any(isinstance(f, ProbeLogFilter) for f in log.filters):
+        log.addFilter(ProbeLogFilter())
+
+
 @dataclass
 class RouterServerSettings:
     worker_urls: list[str] = field(default_factory=list)
@@ -103,6 +130,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     if settings.worker_key is None:
         logger.warning("no worker auth key: requests to workers go unsigned, so every "
                        "request is served aggregated (reason \"unsigned\"), never P/D")
+    quiet_probe_logs()  # the monitor's probes: DEBUG, not a line each at INFO
     metrics = RouterMetrics()
     if settings.on_metrics is not None:
         settings.on_metrics(metrics)
