@@ -1,7 +1,11 @@
 """The InferenceService's status as pure functions: per pool replicas from the children's
 Deployments (a multi-node pool's LeaderWorkerSet: its groups, each one tensor-parallel
 worker, ready when all its pods are), the Ready / Progressing / Degraded conditions with
-reasons, and the minimal merge patch from the status there is to the status there should be."""
+reasons, and the minimal merge patch from the status there is to the status there should be.
+
+With a pool under `autoscaling.mode: hpa`, a fourth condition, `MetricsAdapter` (status
+Unknown: the operator cannot see the custom metrics API), names the per-pod metric each HPA
+reads and how to install the adapter that serves it (`render.monitoring.ADAPTER_INSTALL`)."""
 
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from tandem.operator.render import (
     router_endpoint,
     router_name,
 )
+from tandem.operator.render.monitoring import ADAPTER_INSTALL
 from tandem.operator.render.multinode import LWS_KIND
-from tandem.operator.spec import InferenceServiceSpec
+from tandem.operator.spec import InferenceServiceSpec, signal_for
 
 STATUS_KEY = {"prefill": "prefill", "decode": "decode", "worker": "decode"}  # pool -> status
 CONDITIONS = ("Ready", "Progressing", "Degraded")
@@ -69,6 +74,30 @@ def conditions(current: list[dict[str, Any]], generation: int, now: str, *, read
                       message if degraded else "", generation, now)]
 
 
+METRICS_ADAPTER = "MetricsAdapter"
+
+
+def adapter_condition(spec: InferenceServiceSpec, owner: Owner,
+                      current: list[dict[str, Any]], generation: int,
+                      now: str) -> dict[str, Any] | None:
+    """`MetricsAdapter` for the pools an HPA scales (None without one): their metrics and the
+    adapter to install."""
+    hpas = [f"HorizontalPodAutoscaler {pool_name(owner, p)} reads the per-pod metric "
+            f"{signal_for(p.spec.autoscaling.signal, p.role).hpa_metric}"
+            for p in pools(spec)
+            if p.spec.autoscaling is not None and p.spec.autoscaling.mode == "hpa"]
+    if not hpas:
+        return None
+    message = ("; ".join(hpas) + " from the custom metrics API (custom.metrics.k8s.io), "
+               "which needs Prometheus scraping the workers (monitoring.serviceMonitor) and "
+               f"prometheus-adapter with Tandem's rules: {ADAPTER_INSTALL}")
+    old = next((c for c in current if c.get("type") == METRICS_ADAPTER), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == "Unknown" and old.get(
+        "lastTransitionTime") else now
+    return {"type": METRICS_ADAPTER, "status": "Unknown", "reason": "CustomMetricsRequired",
+            "message": message, "lastTransitionTime": since, "observedGeneration": generation}
+
+
 def failed(current: Mapping[str, Any], generation: int, reason: str, message: str,
            now: str) -> dict[str, Any]:
     """Status for a spec that cannot be deployed (`InvalidSpec`) or an apply that failed."""
@@ -113,6 +142,9 @@ def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any
         current.get("conditions") or [], generation, now, ready=not waiting,
         progressing=bool(waiting), degraded=False, reason="ReplicasNotReady",
         message="; ".join(waiting))
+    adapter = adapter_condition(spec, owner, current.get("conditions") or [], generation, now)
+    if adapter is not None:
+        out["conditions"].append(adapter)
     return out
 
 

@@ -29,6 +29,11 @@ from tandem.protocol.labels import (
 )
 
 ROUTER_METRICS_COMPONENT = "router-metrics"  # the label of the routers' metrics Service
+# what serves an HPA's per-pod metrics (custom.metrics.k8s.io): prometheus-adapter with the
+# chart's rules (one per `SIGNALS` metric; a test holds the file to the workers' metrics)
+ADAPTER_VALUES = "charts/tandem/examples/prometheus-adapter/values.yaml"
+ADAPTER_INSTALL = ("helm install prometheus-adapter prometheus-community/prometheus-adapter "
+                   f"-n monitoring -f {ADAPTER_VALUES}")
 
 
 def router_metrics_service(owner: Owner) -> dict[str, Any]:
