@@ -14,18 +14,24 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.cli import _plan, _worker_auth_key_file
+from tandem.cli import main
+from tandem.serving.embedded import plan as _plan
+from tandem.serving.embedded import worker_auth_key_file as _worker_auth_key_file
 from tests.serving.conftest import free_port
 
 
-def _args(workers: int | None = None, prefill: int = 0, decode: int = 0,
-          pd_threshold: int | None = None,
-          pd_max_prefill_queue: int | None = None,
-          pd_max_local_prefill: int | None = None) -> argparse.Namespace:
+def _args(workers: int | None = None, prefill: int = 0,
+          decode: int = 0) -> argparse.Namespace:
     return argparse.Namespace(host="127.0.0.1", port=8000, log_level="INFO", workers=workers,
-                              prefill=prefill, decode=decode, pd_threshold=pd_threshold,
-                              pd_max_prefill_queue=pd_max_prefill_queue,
-                              pd_max_local_prefill=pd_max_local_prefill)
+                              prefill=prefill, decode=decode)
+
+
+def parsed(argv: list[str], monkeypatch) -> tuple[argparse.Namespace, list[str]]:
+    """`tandem serve ARGV` through the real parser: (its arguments, the workers' flags)."""
+    seen = []
+    monkeypatch.setattr("tandem.cli._serve", lambda args, extra: seen.append((args, extra)))
+    main(["serve", *argv])
+    return seen[0]
 
 
 def _ports():
@@ -45,10 +51,12 @@ def test_default_is_one_aggregated_worker():
     assert "--pd-threshold" not in d.router and d.describe() == "1 worker(s)"
 
 
-def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router():
-    d = _plan(_args(prefill=2, decode=1, pd_threshold=64, pd_max_prefill_queue=3,
-                    pd_max_local_prefill=512),
-              ["--num-kv-blocks", "256"], _ports())
+def test_prefill_and_decode_workers_with_grpc_ports_behind_the_router(monkeypatch):
+    args, extra = parsed(["--prefill", "2", "--decode", "1", "--pd-threshold", "64",
+                          "--pd-max-prefill-queue", "3", "--pd-max-local-prefill", "512",
+                          "--num-kv-blocks", "256"], monkeypatch)
+    assert extra == ["--num-kv-blocks", "256"]
+    d = _plan(args, extra, _ports(), router_flags=args.router_flags)
     assert [role for role, _, _ in d.workers] == ["prefill", "prefill", "decode"]
     for (role, url, cmd), port in zip(d.workers, (9000, 9002, 9004), strict=True):
         assert cmd[cmd.index("worker") - 2:cmd.index("worker")] == ["--log-level", "INFO"]
@@ -95,32 +103,47 @@ def test_bad_worker_counts_are_refused(kwargs):
 
 @pytest.mark.slow
 def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
+    """One real `tandem serve MODEL`: P/D end to end, the router's key required
+    (`--api-key`), and the router given the workers' tokenizer for the served name (no
+    approximate routing)."""
+    from tandem.protocol.bundled import find_bundled_gguf
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--prefill", "1",
-         "--decode", "1", "--pd-threshold", "32", "--num-kv-blocks", "256"],
+        [sys.executable, "-m", "tandem.cli", "serve", str(find_bundled_gguf()), "--port",
+         str(port), "--prefill", "1", "--decode", "1", "--pd-threshold", "32",
+         "--num-kv-blocks", "256", "--served-model-name", "smol", "--api-key", "sk-test"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**env, "PYTHONUNBUFFERED": "1"})
     lines: list[str] = []
+    key = {"Authorization": "Bearer sk-test"}
     try:
         deadline = time.monotonic() + 240
         while not any("Press Ctrl-C" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         text = "".join(lines)
-        assert "1 prefill + 1 decode workers" in text
+        assert "1 prefill + 1 decode workers" in text and "Tandem is serving smol" in text
         assert "(prefill)" in text and "(decode)" in text
+        assert "Authorization: Bearer $API_KEY" in text
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json=body)
+        assert r.status_code == 401, r.text
         for content in ("Hi", "Tell me about rivers. " * 20):  # short, then long
-            r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            r = httpx.post(url + "/v1/chat/completions", timeout=120, headers=key, json={
                 "messages": [{"role": "user", "content": content}], "max_tokens": 4})
             assert r.status_code == 200, r.text
-        metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert r.json()["model"] == "smol"
+        metrics = httpx.get(url + "/metrics", timeout=10, headers=key).text
         assert ('tandem_router_aggregated_requests_total{reason="below_threshold"} 1.0'
                 in metrics), metrics
         assert 'tandem_router_disaggregated_requests_total{backend="grpc"} 1.0' in metrics
+        assert 'tandem_router_approximate_routing{model="smol"}' not in metrics
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
+        assert "routed approximately" not in text + proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()

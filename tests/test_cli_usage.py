@@ -38,7 +38,7 @@ def no_start(monkeypatch):
     for module, name in ((tandem.router.main, "run"), (tandem.serving.worker, "run"),
                          (tandem, "LLM")):
         monkeypatch.setattr(module, name, started)
-    monkeypatch.setattr(tandem.cli, "_plan", started)  # serve: before any process starts
+    monkeypatch.setattr(tandem.cli, "_serve", started)  # serve: before any process starts
 
 
 def _usage_error(argv: list[str], capsys) -> str:

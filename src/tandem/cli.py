@@ -1,10 +1,10 @@
 """`tandem` command line: thin wiring only.
 
-* `tandem serve`    - the embedded default: a local deployment on the bundled model as
-  separate processes (the router in front of `--workers N` workers, or of `--prefill N`
-  prefill and `--decode M` decode workers for P/D), sharing a fresh random worker-auth key
-  (a 0600 temp file, removed at exit). Prints the URL and a curl example; Ctrl-C stops
-  every process it started.
+* `tandem serve [MODEL]` - the embedded default: a local deployment as separate processes
+  (the router in front of `--workers N` workers, or of `--prefill N` prefill and
+  `--decode M` decode workers for P/D; `tandem.serving.embedded`). MODEL (or `--model`)
+  defaults to the bundled model; every worker flag and the embedded router's flags are
+  accepted and forwarded. Prints the URL and a curl example; Ctrl-C stops every process.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem router`   - the KV-cache-aware router in front of workers.
 * `tandem generate` - one-shot offline generation.
@@ -14,34 +14,327 @@
   (`tandem.operator.dryrun`; no cluster, no torch).
 * `tandem bench offline|serve` - runs `bench/offline_throughput.py` or `bench/serve.py`
   (e.g. `tandem bench serve --url tandem=http://host:8000`) from a source checkout.
+
+`--log-level` goes before or after the subcommand; `tandem --version` prints the version.
+`build_parser()` builds the whole parser without side effects (the CLI reference is
+generated from it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import runpy
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
+from tandem import __version__
 from tandem.operator.cli import add_operator_args
 from tandem.operator.dryrun import add_render_args
-from tandem.protocol.cli_args import busy_message, busy_ports, port_number, positive_int
-
-if TYPE_CHECKING:
-    from tandem.engine.config import EngineConfig
+from tandem.protocol.cli_args import port_number, positive_int
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+API_KEY_ENV = "TANDEM_API_KEY"
+
+SUMMARIES = {
+    "serve": "serve a model locally: workers behind the router, as separate processes",
+    "worker": "run one worker: the engine behind the OpenAI HTTP API",
+    "router": "run the KV-cache-aware router in front of workers",
+    "generate": "generate completions offline, without a server",
+    "bench": "run a benchmark script (from a source checkout)",
+    "operator": "run the Kubernetes operator for InferenceServices",
+    "render": "print what the operator would apply for an InferenceService (YAML)",
+}
+EXAMPLES = {
+    "serve": """\
+  tandem serve
+  tandem serve ./models/Qwen2.5-0.5B-Instruct --served-model-name qwen --max-model-len 4096
+  tandem serve --prefill 1 --decode 1 --pd-threshold 32
+  tandem serve --api-keys keys.txt --policy cache-aware --workers 2""",
+    "worker": """\
+  tandem worker --port 8001
+  tandem worker --model ./models/model.gguf --role prefill --grpc-port 50051
+  tandem worker --api-key sk-local --log-level DEBUG""",
+    "router": """\
+  tandem router --port 8000 --workers http://127.0.0.1:8001,http://127.0.0.1:8002
+  tandem router --config router.yaml --api-keys keys.txt --worker-auth-key-file auth.key
+  tandem router --discovery kubernetes --inference-service smollm2""",
+    "generate": """\
+  tandem generate "The capital of France is"
+  tandem generate --chat --max-tokens 32 "Write a haiku about rivers."
+  tandem generate --model ./models/model.gguf --temperature 0.7 --seed 1 "Once upon a time\"""",
+    "bench": """\
+  tandem bench offline --quick
+  tandem bench serve --servers tandem --url tandem=http://127.0.0.1:8000""",
+    "operator": """\
+  tandem operator --standalone --all-namespaces
+  tandem operator --namespace tandem-system""",
+    "render": """\
+  tandem render -f charts/tandem/examples/aggregated.yaml
+  tandem render -f charts/tandem/examples/disaggregated.yaml -n llm""",
+}
+SERVE_MANAGED = """\
+Every engine and worker-server flag goes to every worker, every router flag to the
+router. `tandem serve` sets these worker flags itself: --host, --port, --grpc-port (free
+local ports), --role, --worker-auth-key-file (a fresh key per run),
+--require-signed-requests (each worker serves only the router) and --api-key; and these
+router flags: --host, --port (the ones above), --workers, --worker-auth-key-file,
+--tokenizer (the workers' own, for every served name), --grpc-tls-dir and
+--grpc-tls-server-name (the workers'). --api-key KEY (or $TANDEM_API_KEY) makes the
+router require KEY (tenant "default"); --api-keys FILE gives it a keys file instead."""
+
+
+def log_level(text: str) -> str:
+    """argparse type of `--log-level`: a logging level name, any case."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
+
+
+class _Subset:
+    """Stands in for a parser in an `add_*_args(p)` call: adds every argument but those
+    named in `skip` to `target`, and keeps the actions it added."""
+
+    def __init__(self, target: Any, skip: tuple[str, ...]) -> None:
+        self.target, self.skip = target, set(skip)
+        self.actions: list[argparse.Action] = []
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action | None:
+        if self.skip.intersection(names):
+            return None
+        action = self.target.add_argument(*names, **kwargs)
+        self.actions.append(action)
+        return action
+
+
+class _Record(argparse.Action):
+    """In the second pass over `tandem serve`'s arguments: each forwarded flag's tokens as
+    given (`kind` "worker" or "router"; None: not forwarded) go to `sink[kind]`."""
+
+    def __init__(self, *args: Any, kind: str | None = None,
+                 sink: dict[str, list[str]] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kind, self.sink = kind, sink
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        if self.kind is None or self.sink is None or option_string is None:
+            return
+        given = [] if values is None else [values] if isinstance(values, str) else values
+        self.sink[self.kind] += [option_string, *map(str, given)]
+
+
+def _add_log_level(p: argparse.ArgumentParser, default: Any) -> None:
+    p.add_argument("--log-level", type=log_level, default=default, metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)}, any case (default INFO); "
+                        "before or after the subcommand")
+
+
+def _subcommand(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=SUMMARIES[name], description=SUMMARIES[name] + ".",
+                       epilog="examples:\n" + EXAMPLES[name],
+                       formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    _add_log_level(p, argparse.SUPPRESS)  # the value before the subcommand stays otherwise
+    return p
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> dict[int, str]:
+    """`tandem serve`'s arguments; returns which actions are forwarded to whom (by id)."""
+    from tandem.router.main import add_router_args
+    from tandem.serving.embedded import MANAGED_ROUTER_FLAGS, MANAGED_WORKER_FLAGS, api_key
+    from tandem.serving.worker import add_engine_args, add_server_args
+
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model: a .gguf file or an HF directory (as --model; default: "
+                        "the bundled model)")
+    own = p.add_argument_group("deployment")
+    own.add_argument("--host", default="127.0.0.1", help="the address every process binds")
+    own.add_argument("--port", type=port_number, default=8000, help="the router's port")
+    own.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="aggregated workers (default 1, or 0 with --prefill/--decode)")
+    own.add_argument("--prefill", type=int, default=0, metavar="N",
+                     help="P/D: prefill workers (with --decode)")
+    own.add_argument("--decode", type=int, default=0, metavar="M",
+                     help="P/D: decode workers (with --prefill)")
+    forwarded: dict[int, str] = {}
+    for title, adder in (("engine (every worker)", add_engine_args),
+                         ("worker server (every worker)", add_server_args)):
+        group = _Subset(p.add_argument_group(title), MANAGED_WORKER_FLAGS)
+        adder(group)
+        forwarded.update((id(a), "worker") for a in group.actions)
+    router = p.add_argument_group("router (see `tandem router --help`)")
+    router.add_argument("--api-key", action="append", type=api_key, default=None,
+                        metavar="KEY", help="clients must send `Authorization: Bearer KEY` "
+                        f"(repeatable; default ${API_KEY_ENV}); not with --api-keys")
+    group = _Subset(router, MANAGED_ROUTER_FLAGS)
+    add_router_args(group)  # type: ignore[arg-type]  # only add_argument is called
+    forwarded.update((id(a), "router") for a in group.actions)
+    return forwarded
+
+
+def _build(engine: bool) -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """The parser, and its subcommands' parsers and serve's forwarding map (under
+    "forwarded"). Without `engine` the serve, worker, router and generate subcommands get
+    no arguments of their own (`operator` and `render` import nothing of the engine)."""
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: Kubernetes-native LLM serving.",
+        epilog="examples:\n  tandem serve\n  tandem --log-level DEBUG worker --port 8001\n"
+               "  tandem render -f charts/tandem/examples/aggregated.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    _add_log_level(parser, "INFO")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subs: dict[str, Any] = {}
+    serve = subs["serve"] = _subcommand(sub, "serve", allow_abbrev=False,
+                                        usage="%(prog)s [MODEL] [options]")
+    serve.description = f"{SUMMARIES['serve']}.\n\n{SERVE_MANAGED}"
+    subs["forwarded"] = _add_serve_args(serve) if engine else {}
+    router = subs["router"] = _subcommand(sub, "router", usage="%(prog)s [options]")
+    worker = subs["worker"] = _subcommand(sub, "worker", usage="%(prog)s [options]")
+    gen = subs["generate"] = _subcommand(sub, "generate",
+                                         usage="%(prog)s [options] [PROMPT ...]")
+    if engine:
+        from tandem.router.main import add_router_args
+        from tandem.serving.worker import add_engine_args, add_server_args
+
+        add_router_args(router)
+        add_engine_args(worker.add_argument_group("engine"))  # type: ignore[arg-type]
+        add_server_args(worker.add_argument_group("server"))  # type: ignore[arg-type]
+        add_engine_args(gen.add_argument_group("engine"))  # type: ignore[arg-type]
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
+    gen.add_argument("--max-tokens", type=positive_int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="apply the chat template")
+
+    bench = subs["bench"] = _subcommand(sub, "bench")
+    bench.add_argument("kind", choices=sorted(BENCH_SCRIPTS))
+    bench.add_argument("rest", nargs=argparse.REMAINDER,
+                       help="the script's own arguments (`tandem bench KIND --help`)")
+    subs["operator"] = _subcommand(sub, "operator")
+    add_operator_args(subs["operator"])
+    subs["render"] = _subcommand(sub, "render")
+    add_render_args(subs["render"])
+    return parser, subs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole `tandem` parser, every subcommand with all its arguments (no side
+    effects; imports the engine's argument definitions, not torch)."""
+    return _build(engine=True)[0]
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (before parsing: `operator` skips the engine's
+    imports, which the other subcommands' arguments need; so does `render`)."""
+    args = iter(argv)
+    for a in args:
+        if a == "--log-level":
+            next(args, None)
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
+def _serve_flags(serve: argparse.ArgumentParser, forwarded: dict[int, str],
+                 argv: list[str], args: argparse.Namespace) -> list[str]:
+    """After `tandem serve`'s arguments parsed: the flags every worker gets (returned;
+    MODEL as `--model`) and the router's (`args.router_flags`), each as given; `args.model`
+    set from MODEL; the API keys checked. A conflict is a usage error (exit 2)."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        serve.error(f"argument MODEL: {args.model_tag!r} differs from --model {args.model!r} "
+                    "(give one of them)")
+    if args.api_key is None and os.environ.get(API_KEY_ENV) and not args.api_keys:
+        from tandem.serving.embedded import api_key
+
+        try:
+            args.api_key = [api_key(os.environ[API_KEY_ENV])]
+        except argparse.ArgumentTypeError as exc:
+            serve.error(f"${API_KEY_ENV}: {exc}")
+    if args.api_key and args.api_keys:
+        serve.error("argument --api-key: not allowed with argument --api-keys")
+    sink: dict[str, list[str]] = {"worker": [], "router": []}
+    again = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for action in serve._actions:
+        if action.option_strings:
+            again.add_argument(*action.option_strings, nargs=action.nargs, action=_Record,
+                               dest=action.dest, default=argparse.SUPPRESS,
+                               kind=forwarded.get(id(action)), sink=sink)
+        else:
+            again.add_argument(action.dest, nargs=action.nargs)
+    again.parse_args(argv[argv.index("serve") + 1:])
+    model = ["--model", args.model_tag] if args.model_tag and args.model is None else []
+    args.model = args.model or args.model_tag
+    args.router_flags = sink["router"]
+    return [*model, *sink["worker"]]
+
+
+def _unrecognized(p: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """Exit 2 naming the unknown arguments (and why, for a flag `tandem serve` sets)."""
+    if command == "serve":
+        from tandem.serving.embedded import MANAGED_ROUTER_FLAGS, MANAGED_WORKER_FLAGS
+
+        managed = {*MANAGED_WORKER_FLAGS, *MANAGED_ROUTER_FLAGS} - {"--host", "--port"}
+        for arg in extra:
+            if arg.split("=", 1)[0] in managed:
+                p.error(f"argument {arg.split('=', 1)[0]}: tandem serve sets it itself "
+                        "(see `tandem serve --help`)")
+    p.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
+def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from tandem.serving.embedded import check_worker_flags, serve
+
+    return serve(args, passthrough, check_worker_flags(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, subs = _build(engine=_command(argv) not in ("operator", "render"))
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's usage line
+        _unrecognized(subs.get(args.command, parser), args.command, extra)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "worker", "generate"):
+        from tandem.engine.errors import ConfigError
+
+        own = subs[args.command]  # its usage line in errors
+        try:
+            if args.command == "serve":
+                from tandem.serving.embedded import check_worker_flags
+
+                passthrough = _serve_flags(own, subs["forwarded"], argv, args)
+                check_worker_flags(args)  # before anything starts
+                return _serve(args, passthrough)
+            from tandem.serving.worker import run
+
+            return run(args) if args.command == "worker" else _generate(args, own)
+        except ConfigError as exc:  # a bad engine flag: a usage error, not a traceback
+            own.error(str(exc))
+    if args.command == "router":
+        from tandem.router.main import run as run_router
+
+        return run_router(args)
+    if args.command == "operator":
+        from tandem.operator.cli import run as run_operator
+
+        return run_operator(args)
+    if args.command == "render":
+        from tandem.operator.dryrun import run as run_render
+
+        return run_render(args)
+    script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]
+    if not script.exists():
+        parser.error(f"{script} not found: run from a Tandem source checkout")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -64,352 +357,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         print(f"### {prompt}\n{out.outputs[0].text}\n")
-    return 0
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, workers: int = 0) -> bool:
-    """`url`/ready answers 200 (and, for the router, reports `workers` routable ones)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
-                if resp.status == 200 and (
-                        not workers or json.load(resp).get("ready_workers", 0) >= workers):
-                    return True
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.3)
-    return False
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if `tandem serve` itself dies (Linux), so no orphans."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
-                            env={**os.environ, **env} if env else None)
-
-
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process group (workers drain), then SIGKILL what outlives the grace."""
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 40
-    for p in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-@dataclass
-class _Deployment:
-    """What `tandem serve` starts: (role, base URL, command) per worker, then the router;
-    with GPUs, each worker's extra environment (its CUDA_VISIBLE_DEVICES) and start wave
-    (workers sharing a GPU start one after another, each profiling its memory alone)."""
-
-    workers: list[tuple[str, str, list[str]]]
-    router: list[str]
-    envs: list[dict[str, str]]
-    waves: list[int]
-
-    def describe(self) -> str:
-        counts = Counter(role for role, _, _ in self.workers)
-        if set(counts) == {"both"}:
-            return f"{counts['both']} worker(s)"
-        names = {"both": "aggregated", "prefill": "prefill", "decode": "decode"}
-        return " + ".join(f"{counts[r]} {names[r]}" for r in names if counts[r]) + " workers"
-
-
-def _roles(args: argparse.Namespace) -> list[str]:
-    """One role per worker: `--workers` aggregated ones (default 1 without P/D), then
-    `--prefill` prefill and `--decode` decode workers (both or neither)."""
-    if min(args.workers or 0, args.prefill, args.decode) < 0:
-        raise SystemExit("tandem serve: worker counts must be >= 0")
-    if (args.prefill > 0) != (args.decode > 0):
-        raise SystemExit("tandem serve: --prefill and --decode go together (P/D needs both)")
-    both = args.workers if args.workers is not None else (0 if args.prefill else 1)
-    roles = ["both"] * both + ["prefill"] * args.prefill + ["decode"] * args.decode
-    if not roles:
-        raise SystemExit("tandem serve: no workers to start")
-    return roles
-
-
-def _plan(args: argparse.Namespace, passthrough: list[str],
-          free_port: Callable[[str], int] | None = None,
-          auth_key_file: str | None = None,
-          gpus: list[str] | None = None) -> _Deployment:
-    """The worker and router command lines, each worker on free HTTP and gRPC ports; with
-    `auth_key_file`, every process gets it as `--worker-auth-key-file` and every worker
-    `--require-signed-requests` (it serves only the router). `gpus`: the GPUs
-    to hand out (None: `visible_gpus()`)."""
-    from tandem.serving.gpus import gpu_plan, visible_gpus  # not on the operator's path
-
-    if free_port is None:
-        from tandem.serving.ports import free_port
-    base = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level]
-    roles = _roles(args)
-    envs, waves, gpu_flags = gpu_plan(len(roles), passthrough,
-                                      visible_gpus() if gpus is None else gpus)
-    if len(roles) > 1 and "--num-threads" not in passthrough:
-        # workers on one host share its cores: split them instead of oversubscribing
-        from tandem.engine.cpu_tuning import usable_cores
-
-        passthrough = [*passthrough, "--num-threads", str(max(1, usable_cores() // len(roles)))]
-    auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
-    signed_only = ["--require-signed-requests"] if auth_key_file else []  # the router's only
-    workers = []
-    for role, extra in zip(roles, gpu_flags, strict=True):
-        port = free_port(args.host)
-        workers.append((role, f"http://{args.host}:{port}", [
-            *base, "worker", "--host", args.host, "--port", str(port),
-            "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *signed_only,
-            *passthrough,
-            *extra]))
-    router = [*base, "router", "--host", args.host, "--port", str(args.port),
-              "--workers", ",".join(url for _, url, _ in workers), *auth,
-              *_tls_flags(passthrough)]
-    if args.pd_threshold is not None:
-        router += ["--pd-threshold", str(args.pd_threshold)]
-    if args.pd_max_prefill_queue is not None:
-        router += ["--pd-max-prefill-queue", str(args.pd_max_prefill_queue)]
-    if args.pd_max_local_prefill is not None:
-        router += ["--pd-max-local-prefill", str(args.pd_max_local_prefill)]
-    return _Deployment(workers, router, envs, waves)
-
-
-TLS_FLAGS = ("--grpc-tls-dir", "--grpc-tls-server-name")
-
-
-def _tls_flags(passthrough: list[str]) -> list[str]:
-    """The gRPC TLS flags among the workers' arguments: the router needs the same ones to
-    reach the workers' gRPC (KV events, load)."""
-    out = []
-    for i, arg in enumerate(passthrough):
-        if arg in TLS_FLAGS and i + 1 < len(passthrough):
-            out += [arg, passthrough[i + 1]]
-        elif arg.split("=", 1)[0] in TLS_FLAGS and "=" in arg:
-            out.append(arg)
-    return out
-
-
-def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
-    """Start the local deployment (`_plan`: workers on free ports behind the router on
-    `--port`) as child processes, and supervise them until Ctrl-C."""
-    url = f"http://{args.host}:{args.port}"
-    served = _check_worker_flags(passthrough).model_name
-    busy = busy_ports(args.host, [("--port", args.port)])
-    if busy:  # before any worker loads the model
-        print(busy_message("tandem serve", busy), file=sys.stderr)
-        return 1
-    key_file = _worker_auth_key_file()
-    try:
-        deployment = _plan(args, passthrough, auth_key_file=key_file)
-    except ValueError as exc:  # e.g. fewer GPUs than --tensor-parallel-size
-        os.unlink(key_file)
-        print(f"tandem serve: error: {exc}", file=sys.stderr)
-        return 2
-    except BaseException:
-        os.unlink(key_file)
-        raise
-    worker_urls = [wurl for _, wurl, _ in deployment.workers]
-    procs: list[subprocess.Popen] = []
-    stopping = False
-
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        print(f"starting {deployment.describe()} behind a router on {url} "
-              "(the first start prepares the model) ...", flush=True)
-        late = _start_workers(deployment, procs)
-        if late is not None:
-            if not stopping:
-                print(f"the worker at {late} did not become ready", file=sys.stderr)
-            return 1
-        procs.append(_spawn(deployment.router))
-        for wurl, proc in zip(worker_urls, procs, strict=False):
-            if not _wait_ready(wurl, proc, timeout=600):
-                if not stopping:
-                    print(f"the worker at {wurl} did not become ready", file=sys.stderr)
-                return 1
-        if not _wait_ready(url, procs[-1], timeout=60, workers=len(worker_urls)):
-            if not stopping:
-                print("the router did not become ready", file=sys.stderr)
-            return 1
-        roles = ", ".join(f"{wurl} ({role})" for role, wurl, _ in deployment.workers)
-        print(f"\nTandem is serving {served} at {url}\nworkers: {roles}\n\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-              "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], "
-              "\"max_tokens\": 32}'\n\n"
-              "Press Ctrl-C to stop.", flush=True)
-        while not stopping and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        if not stopping:
-            dead = next(p for p in procs if p.poll() is not None)
-            print(f"a child process exited ({dead.returncode}); stopping", file=sys.stderr)
-            return dead.returncode or 1
-        return 0
-    finally:
-        _stop_all(procs)
-        os.unlink(key_file)
-
-
-def _check_worker_flags(passthrough: list[str]) -> EngineConfig:
-    """Before anything starts: the flags every worker gets (engine and server flags, e.g.
-    `--quantization int4 --kv-cache-dtype fp8`) parse as `tandem worker` parses them and make
-    a valid EngineConfig (returned); else exit 2 with argparse's or the ConfigError's
-    message."""
-    from tandem.engine.errors import ConfigError
-    from tandem.serving.worker import add_engine_args, add_server_args, engine_config
-
-    p = argparse.ArgumentParser(prog="tandem serve (worker flags)")
-    add_engine_args(p)
-    add_server_args(p)
-    try:
-        return engine_config(p.parse_args(passthrough), serving=True)
-    except ConfigError as exc:
-        p.error(str(exc))
-
-
-def _start_workers(deployment: _Deployment, procs: list[subprocess.Popen]) -> str | None:
-    """Spawn the workers (appended to `procs`) wave by wave: a wave starts once every worker
-    before it is ready, so GPU-sharing workers size their memory one at a time. Returns the
-    URL of a worker that did not become ready, else None."""
-    waves, envs = deployment.waves, deployment.envs
-    for i, (_, _, cmd) in enumerate(deployment.workers):
-        if i and waves[i] != waves[i - 1]:
-            for (_, url, _), proc in zip(deployment.workers[:i], procs, strict=False):
-                if not _wait_ready(url, proc, timeout=600):
-                    return url
-        procs.append(_spawn(cmd, envs[i]))
-    return None
-
-
-def _worker_auth_key_file() -> str:
-    """A fresh random key for this run's router and workers (they sign and check requests
-    with it), in a file only this user can read; the caller removes it."""
-    import secrets
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix="tandem-worker-auth-")  # mode 0600
-    with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-    return path
-
-
-def _command(argv: list[str]) -> str | None:
-    """The subcommand named in `argv` (before parsing: `operator` skips the engine's
-    imports, which the other subcommands' arguments need; so does `render`)."""
-    args = iter(argv)
-    for a in args:
-        if a == "--log-level":
-            next(args, None)
-        elif not a.startswith("-"):
-            return a
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    engine = _command(argv) not in ("operator", "render")
-    if engine:
-        from tandem.router.main import add_router_args
-        from tandem.serving.worker import add_engine_args, add_server_args
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the embedded default deployment")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=port_number, default=8000, help="the router's port")
-    serve.add_argument("--workers", type=int, default=None,
-                       help="aggregated workers (default 1, or 0 with --prefill/--decode)")
-    serve.add_argument("--prefill", type=int, default=0, metavar="N",
-                       help="P/D: prefill workers (with --decode)")
-    serve.add_argument("--decode", type=int, default=0, metavar="M",
-                       help="P/D: decode workers (with --prefill)")
-    serve.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
-                       help="the router's P/D threshold in uncached prompt tokens (default 16)")
-    serve.add_argument("--pd-max-prefill-queue", type=int, default=None, metavar="REQUESTS",
-                       help="the router serves aggregated when every prefill worker already "
-                            "has this many requests (default: no bound)")
-    serve.add_argument("--pd-max-local-prefill", type=int, default=None, metavar="TOKENS",
-                       help="...except prompts lacking more than this many tokens, which "
-                            "queue for a prefill worker (default 1024; 0: no cap)")
-
-    router = sub.add_parser("router", help="run the KV-cache-aware router")
-    worker = sub.add_parser("worker", help="run one worker process")
-    gen = sub.add_parser("generate", help="generate completions offline")
-    if engine:
-        add_router_args(router)
-        add_engine_args(worker)
-        add_server_args(worker)
-        add_engine_args(gen)
-    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line on stdin)")
-    gen.add_argument("--max-tokens", type=positive_int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="apply the chat template")
-
-    bench = sub.add_parser("bench", help="benchmarks (from a source checkout)")
-    bench.add_argument("kind", choices=sorted(BENCH_SCRIPTS))
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-
-    op = sub.add_parser("operator", help="run the Kubernetes operator for InferenceServices")
-    add_operator_args(op)
-
-    render = sub.add_parser("render", help="print what the operator would apply for an "
-                                           "InferenceService (YAML, apply order)")
-    add_render_args(render)
-
-    args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "serve":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        return _serve(args, extra)  # unknown options go to the worker (engine args)
-    if args.command in ("worker", "generate"):
-        from tandem.engine.errors import ConfigError
-        from tandem.serving.worker import run
-
-        own = worker if args.command == "worker" else gen  # its usage line in errors
-        try:
-            return run(args) if args.command == "worker" else _generate(args, own)
-        except ConfigError as exc:  # a bad engine flag: a usage error, not a traceback
-            own.error(str(exc))
-    if args.command == "router":
-        from tandem.router.main import run as run_router
-
-        return run_router(args)
-    if args.command == "operator":
-        from tandem.operator.cli import run as run_operator
-
-        return run_operator(args)
-    if args.command == "render":
-        from tandem.operator.dryrun import run as run_render
-
-        return run_render(args)
-    script = Path.cwd() / "bench" / BENCH_SCRIPTS[args.kind]
-    if not script.exists():
-        parser.error(f"{script} not found: run from a Tandem source checkout")
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 

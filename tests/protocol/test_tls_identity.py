@@ -131,7 +131,7 @@ def test_the_flags(tmp_path, pki):
 
 
 def test_tandem_serve_hands_the_workers_tls_flags_to_the_router():
-    from tandem.cli import _plan
+    from tandem.serving.embedded import plan as _plan
 
     args = SimpleNamespace(workers=1, prefill=0, decode=0, host="127.0.0.1", port=8000,
                            log_level="info", pd_threshold=None, pd_max_prefill_queue=None,

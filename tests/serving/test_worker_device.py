@@ -1,5 +1,5 @@
 """`tandem worker` on a device it cannot use exits 1 with the reason, and `tandem serve`
-hands each worker its own GPU (`serving/gpus.py`, `cli._plan`)."""
+hands each worker its own GPU (`serving/gpus.py`, `serving/embedded.plan`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tandem.cli import _plan
+from tandem.serving.embedded import plan as _plan
 from tandem.serving.gpus import GpuSlot, assign_gpus, gpu_plan, visible_gpus
 from tests.serving.conftest import free_port
 

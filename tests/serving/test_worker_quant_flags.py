@@ -10,9 +10,10 @@ import itertools
 import pytest
 from prometheus_client import generate_latest
 
-from tandem.cli import _plan, main
+from tandem.cli import main
 from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from tandem.engine.llm_engine import EngineStats
+from tandem.serving.embedded import plan as _plan
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.worker import add_engine_args, add_server_args, engine_config
 
@@ -84,7 +85,7 @@ def test_serve_passes_the_flags_to_every_worker_of_every_role(monkeypatch):
 def test_serve_refuses_bad_worker_flags_before_starting_anything(argv, words, capsys,
                                                                   monkeypatch):
     started = []
-    monkeypatch.setattr("tandem.cli._worker_auth_key_file", lambda: started.append(1))
+    monkeypatch.setattr("tandem.serving.embedded.worker_auth_key_file", lambda: started.append(1))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--workers", "2", *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err

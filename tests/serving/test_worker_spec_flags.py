@@ -12,10 +12,11 @@ import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from tandem.cli import _plan, main
+from tandem.cli import main
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from tandem.serving.convert import sampling_params
+from tandem.serving.embedded import plan as _plan
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.worker import engine_config
 from tests.serving.test_worker_quant_flags import _ports, _stats, worker_parser
@@ -69,7 +70,7 @@ def test_serve_passes_it_to_the_workers_that_decode(monkeypatch):
 
 def test_serve_refuses_a_bad_one_before_starting_anything(monkeypatch, capsys):
     started = []
-    monkeypatch.setattr("tandem.cli._worker_auth_key_file", lambda: started.append(1))
+    monkeypatch.setattr("tandem.serving.embedded.worker_auth_key_file", lambda: started.append(1))
     with pytest.raises(SystemExit) as e:
         main(["serve", "--workers", "2", "--speculative-config", '{"method": "lookahead"}'])
     assert e.value.code == 2 and "speculative_config.method must be one of" in (
