@@ -182,6 +182,8 @@ def test_serve_forwards_the_router_flags_to_the_router_only(monkeypatch, tmp_pat
 
 def test_serve_api_key_becomes_the_routers_keys_file(monkeypatch):
     monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    assert parsed(["--api-key", "a", "b", "--api-key", "c"], monkeypatch)[0].api_key == [
+        "a", "b", "c"]  # as the worker's --api-key: one or more keys
     args, _ = parsed(["--api-key", "sk-one", "--api-key", "sk-two"], monkeypatch)
     files: list[str] = []
     try:

@@ -37,7 +37,6 @@ from tandem.protocol.cli_args import port_number, positive_int
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-API_KEY_ENV = "TANDEM_API_KEY"
 
 SUMMARIES = {
     "serve": "serve a model locally: workers behind the router, as separate processes",
@@ -147,7 +146,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> dict[int, str]:
     """`tandem serve`'s arguments; returns which actions are forwarded to whom (by id)."""
     from tandem.router.main import add_router_args
     from tandem.serving.embedded import MANAGED_ROUTER_FLAGS, MANAGED_WORKER_FLAGS, api_key
-    from tandem.serving.worker import add_engine_args, add_server_args
+    from tandem.serving.worker import API_KEY_ENV, add_engine_args, add_server_args
 
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model: a .gguf file or an HF directory (as --model; default: "
@@ -168,9 +167,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> dict[int, str]:
         adder(group)
         forwarded.update((id(a), "worker") for a in group.actions)
     router = p.add_argument_group("router (see `tandem router --help`)")
-    router.add_argument("--api-key", action="append", type=api_key, default=None,
+    router.add_argument("--api-key", action="extend", nargs="+", type=api_key, default=None,
                         metavar="KEY", help="clients must send `Authorization: Bearer KEY` "
-                        f"(repeatable; default ${API_KEY_ENV}); not with --api-keys")
+                        f"(any of these keys; default ${API_KEY_ENV} if set), as vLLM's "
+                        "--api-key; the router's tenant 'default'. Not with --api-keys")
     group = _Subset(router, MANAGED_ROUTER_FLAGS)
     add_router_args(group)  # type: ignore[arg-type]  # only add_argument is called
     forwarded.update((id(a), "router") for a in group.actions)
@@ -246,12 +246,13 @@ def _serve_flags(serve: argparse.ArgumentParser, forwarded: dict[int, str],
     """After `tandem serve`'s arguments parsed: the flags every worker gets (returned;
     MODEL as `--model`) and the router's (`args.router_flags`), each as given; `args.model`
     set from MODEL; the API keys checked. A conflict is a usage error (exit 2)."""
+    from tandem.serving.embedded import api_key
+    from tandem.serving.worker import API_KEY_ENV
+
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         serve.error(f"argument MODEL: {args.model_tag!r} differs from --model {args.model!r} "
                     "(give one of them)")
     if args.api_key is None and os.environ.get(API_KEY_ENV) and not args.api_keys:
-        from tandem.serving.embedded import api_key
-
         try:
             args.api_key = [api_key(os.environ[API_KEY_ENV])]
         except argparse.ArgumentTypeError as exc:
