@@ -359,6 +359,9 @@ def run(args: argparse.Namespace) -> int:
     if auth_key is None:
         logger.warning("no --worker-auth-key-file: requests naming a prefill worker or a "
                        "tenant cache_salt will be refused (403)")
+    if keys:
+        logger.info("API keys: %d; every route but /health, /ready and /metrics needs one "
+                    "(or the router's signature)", len(keys))
     kv = RemotePrefillSettings(backend=args.kv_transfer_backend,
                                policy=args.kv_transfer_policy,
                                timeout_s=args.kv_transfer_timeout, lease_s=args.kv_lease,
