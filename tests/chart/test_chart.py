@@ -540,6 +540,8 @@ def test_notes_render(helm: Helm, tmp_path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(helm.run(*args).stdout) if d]
     notes_text = one(docs, "ConfigMap", "notes-under-test")["data"]["notes"]
     assert f"deployment/{FULLNAME}-operator" in notes_text
+    # the image the operator really runs (the control image), and its log level
+    assert "image ghcr.io/tandem-llm/tandem-control:0.1.0\n  (log level INFO)" in notes_text
     assert f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0" in notes_text
     assert "watching all namespaces" in notes_text
     assert "kubectl apply -f charts/tandem/examples/" in notes_text

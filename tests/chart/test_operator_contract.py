@@ -20,7 +20,7 @@ def chart_flags(helm: Helm) -> set[str]:
     for sets in ((), ("watchNamespaces={team-a}",)):
         dep = one(helm.render(sets=sets), "Deployment", "tandem-operator")
         (container,) = dep["spec"]["template"]["spec"]["containers"]
-        assert container["command"] == ["tandem", "operator"]
+        assert container["command"] == ["tandem", "--log-level", "INFO", "operator"]
         flags.update(a.split("=", 1)[0] for a in container["args"])
     return flags
 
@@ -30,8 +30,9 @@ def test_tandem_operator_accepts_the_charts_flags(helm: Helm) -> None:
     assert flags == {"--standalone", "--all-namespaces", "--namespace", "--liveness",
                      "--leader-elect", "--lease-name", "--lease-duration", "--renew-deadline",
                      "--retry-period"}
-    proc = subprocess.run([str(TANDEM), "operator", "--help"], capture_output=True, text=True,
-                          timeout=120)
+    # the chart's command line, as the container runs it
+    proc = subprocess.run([str(TANDEM), "--log-level", "INFO", "operator", "--help"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"`tandem operator --help` failed:\n{proc.stderr[-2000:]}"
     offered = set(re.findall(r"--[a-z][-a-z]*", proc.stdout))
     assert flags <= offered, f"`tandem operator` lacks {sorted(flags - offered)}"

@@ -68,6 +68,6 @@ def test_the_operator_deploys_the_charts_worker_images(helm: Helm) -> None:
         manifests(parse_spec(raw), OWNER, config), "Deployment")}
     assert got["demo-prefill"]["image"] == "r.example/worker:0.1.0"
     assert got["demo-decode"]["image"] == "r.example/worker:0.1.0-cu128"
-    assert got["demo-router"]["image"] == f"{REPO}:0.1.0"  # the Tandem image (no control)
+    assert got["demo-router"]["image"] == f"{REPO}-control:0.1.0"  # the control image
     args = got["demo-decode"]["args"]
     assert args[args.index("--device") + 1] == "cuda"
