@@ -31,6 +31,22 @@ def test_chart_crds_are_the_repository_crds() -> None:
             f"cp crds/{name} charts/tandem/crds/")
 
 
+def test_the_packaged_crd_is_the_repository_crd() -> None:
+    """`tandem render` validates against the CRD inside the package (it runs where crds/ is
+    not): src/tandem/operator/crd/ holds crds/'s files, byte for byte, as package data."""
+    import tomllib
+
+    packaged = ROOT / "src" / "tandem" / "operator" / "crd"
+    assert sorted(p.name for p in packaged.glob("*.yaml")) == sorted(
+        p.name for p in SOURCE_CRDS.glob("*.yaml"))
+    for path in SOURCE_CRDS.glob("*.yaml"):
+        assert (packaged / path.name).read_bytes() == path.read_bytes(), (
+            f"src/tandem/operator/crd/{path.name} differs from crds/{path.name}: "
+            f"cp crds/{path.name} src/tandem/operator/crd/")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "operator/crd/*.yaml" in data["package-data"]["tandem"]
+
+
 def crd_schema() -> dict[str, Any]:
     crd = yaml.safe_load((SOURCE_CRDS / "inferenceservice.yaml").read_text())
     (version,) = [v for v in crd["spec"]["versions"] if v["storage"]]

@@ -1,7 +1,9 @@
 """`tandem render -f` as a real process: the chart's examples render to objects that pass the
 Kubernetes schemas (strict) and are exactly `render_all`'s for the parsed spec (that they are
-what the running operator applies: `test_operator_kmock`); bad input exits 2 naming the
-problem; stdin, several documents and the runtime flags (namespace, uid, image, replicas).
+what the running operator applies: `test_operator_kmock`); a manifest kubectl would refuse
+exits 1 naming the problem, a command line it cannot use 2; stdin, several documents and the
+runtime flags (namespace, uid, image, replicas). The CRD schema's checks:
+test_dryrun_schema.py; the chart's defaults: test_dryrun_chart.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import yaml
 
 from tandem.operator.dryrun import PLACEHOLDER_UID, PLACEHOLDER_VALUE
 from tandem.operator.render import Owner, render_all
-from tandem.operator.render.security import worker_auth_secret
+from tandem.operator.render.security import OperatorPeer, worker_auth_secret
 from tandem.operator.spec import parse_spec
 from tests.operator.lws import validate
 from tests.operator.manifests import K8S
@@ -53,8 +55,10 @@ def test_each_example_renders_valid_objects_equal_to_render_all(example: Path) -
     docs = out[len(secrets):]
     source = yaml.safe_load(example.read_text())
     owner = Owner(source["metadata"]["name"], "ml", UID)
+    # --image: one image for every child; the operator is the chart's default install
     want = render_all(parse_spec(source["spec"]), owner,
-                      image="registry.example/tandem:1.0", image_pull_policy="IfNotPresent")
+                      image="registry.example/tandem:1.0", image_pull_policy="IfNotPresent",
+                      operator=OperatorPeer("tandem-system", "tandem"))
     assert docs == want  # same objects, same (apply) order
     assert "is a placeholder" not in proc.stdout
     assert not re.search(r"[&*]id\d", proc.stdout)  # every place written out, no YAML aliases
@@ -94,7 +98,7 @@ def test_stdin_environment_defaults_and_a_placeholder_uid() -> None:
     assert {d["metadata"]["namespace"] for d in docs} == {"team"}
     assert {d["metadata"]["ownerReferences"][0]["uid"] for d in docs} == {UID}
     proc = tandem_render("-f", "-", "--namespace", "other", stdin=yaml.safe_dump(source))
-    assert proc.returncode == 2 and "'team' does not match --namespace 'other'" in proc.stderr
+    assert proc.returncode == 1 and "'team' does not match --namespace 'other'" in proc.stderr
 
 
 def test_several_documents_render_each_in_order() -> None:
@@ -147,16 +151,16 @@ def test_replicas_of_an_operator_scaled_pool() -> None:
     ("spec: [unclosed\n", "not valid YAML"),
     ("", "no InferenceService"),
 ])
-def test_bad_input_exits_2_naming_the_problem(text: str, complaint: str) -> None:
+def test_a_refused_manifest_exits_1_naming_the_problem(text: str, complaint: str) -> None:
     proc = tandem_render("-f", "-", stdin=text)
-    assert proc.returncode == 2, proc.stdout
+    assert proc.returncode == 1, proc.stdout
     assert proc.stdout == ""
     assert complaint in proc.stderr and proc.stderr.startswith("tandem render: stdin: "), (
         proc.stderr)
     assert "Traceback" not in proc.stderr
 
 
-def test_an_unreadable_file_exits_2(tmp_path: Path) -> None:
+def test_an_unreadable_file_exits_1(tmp_path: Path) -> None:
     proc = tandem_render("-f", str(tmp_path / "missing.yaml"))
-    assert proc.returncode == 2 and "cannot read" in proc.stderr
+    assert proc.returncode == 1 and "cannot read" in proc.stderr
     assert "missing.yaml" in proc.stderr

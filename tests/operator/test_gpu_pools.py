@@ -244,7 +244,7 @@ def test_tandem_render_shows_the_device_flags_and_images(tmp_path):
                                     "kind": "InferenceService", "metadata": {"name": "demo"},
                                     "spec": two}))
     proc = tandem_render("-f", str(isvc))
-    assert proc.returncode == 2 and ONE_RANK_PER_GPU in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and ONE_RANK_PER_GPU in proc.stderr, proc.stderr
     assert "decode.resources.limits.nvidia.com/gpu: 2 needs parallelism.tensor 2" in proc.stderr
     assert proc.stdout == ""
 

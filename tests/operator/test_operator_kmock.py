@@ -607,7 +607,8 @@ def test_tandem_render_prints_what_the_operator_applies(env: Env, example: Path)
     uid = wait_for(lambda: env.isvc(name)["metadata"]["uid"])
     wait_for(lambda: env.status(name).get("observedGeneration") == 1, what="the apply")
     proc = subprocess.run([str(TANDEM), "render", "-f", str(example), "-n", NS, "--uid", uid,
-                           "--image", IMAGE, "--image-pull-policy", "IfNotPresent"],
+                           "--image", IMAGE, "--image-pull-policy", "IfNotPresent",
+                           "--release=", "--operator-namespace="],  # not the chart's
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rendered = [d for d in yaml.safe_load_all(proc.stdout) if d]

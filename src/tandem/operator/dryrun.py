@@ -1,18 +1,27 @@
 """`tandem render -f FILE`: every object the operator would apply for an InferenceService,
 as multi-document YAML in apply order, without a cluster.
 
-Built on the operator's own code path, not a copy: `parse_spec` (with the CRD's CEL rules
-repeated), `cli.config_from` on the operator's environment (TANDEM_IMAGE ... as the chart
-sets them; `--image` and the like override them) and `reconcile.apply` itself, run against
-a `Recorder` instead of a cluster: the output is its writes, in order. A Secret it creates
-once with random key material (the worker-auth key) is printed with a placeholder value.
-What only a live cluster knows comes from flags: the namespace
-(else the document's, else "default"), the InferenceService's uid (else the document's, else
-a placeholder the output says is one) and the replicas the operator's autoscaler chose.
+Built on the operator's own code path, not a copy: the document is first judged as the API
+server judges it (`crd_schema.check`: strict field validation against the CRD's own schema,
+defaults applied), then `parse_spec` (with the CRD's CEL rules repeated), `cli.config_from`
+on the environment the chart gives its operator (`chart_defaults`: the default install
+`helm install tandem charts/tandem -n tandem-system`, or `--values`, `--release`,
+`--operator-namespace` for another; TANDEM_* variables and the image flags override it) and
+`reconcile.apply` itself, run against a `Recorder` instead of a cluster: the output is its
+writes, in order. A Secret it creates once with random key material (the worker-auth key) is
+printed with a placeholder value. What only a live cluster knows comes from flags: the
+namespace (else the document's, else "default"), the InferenceService's uid (else the
+document's, else a placeholder the output says is one) and the replicas the operator's
+autoscaler chose.
 
-Refused, exit 2 with the reason on stderr: unreadable YAML, a document that is not an
-InferenceService (`kind: List` is expanded), an invalid spec (the `SpecError` names the
-field). A file of several InferenceServices renders each, one after the other.
+A manifest `kubectl apply` would refuse exits 1 (as kubectl does), the reason on stderr:
+what the API server refuses, in kubectl's words (an unknown field named by its path, a value
+the schema does not allow), an invalid spec (the `SpecError` names the field), unreadable
+YAML or file, a document that is not an InferenceService (`kind: List` is expanded), a
+metadata.namespace other than `--namespace`. A command line it cannot use exits 2, as
+argparse's errors do: `--replicas` of a pool the operator does not scale, `--uid` for several
+documents, an unreadable `--values` file. A file of several InferenceServices renders each,
+one after the other.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from typing import Any, TextIO
 
 import yaml
 
+from tandem.operator import chart_defaults
+from tandem.operator.crd_schema import Invalid, check
 from tandem.operator.render.common import (
     API_VERSION,
     IMAGE_ENV,
@@ -37,6 +48,7 @@ from tandem.operator.render.common import (
     WORKER_IMAGE_ENV,
     Owner,
 )
+from tandem.operator.render.security import OPERATOR_NAMESPACE_ENV, OPERATOR_RELEASE_ENV
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -44,7 +56,15 @@ PLACEHOLDER_VALUE = "<generated-by-the-operator>"  # not base64 on purpose: neve
 
 
 class RenderError(Exception):
-    """Input `tandem render` refuses (exit 2)."""
+    """A manifest `tandem render` refuses, as `kubectl apply` would refuse it (exit 1)."""
+
+    exit_code = 1
+
+
+class UsageError(RenderError):
+    """A command line `tandem render` refuses (exit 2, as argparse's errors)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -73,18 +93,38 @@ def add_render_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uid", default=None, help="the InferenceService's metadata.uid, which "
                    "the children's ownerReferences name (default: the document's, else a "
                    "placeholder)")
-    p.add_argument("--image", default=None, help="the operator's default image for workers "
-                   "and routers (default: $TANDEM_IMAGE, as the chart sets it)")
-    p.add_argument("--image-pull-policy", default=None,
-                   choices=("Always", "IfNotPresent", "Never"),
-                   help="default: $TANDEM_IMAGE_PULL_POLICY, else the cluster's default")
-    p.add_argument("--router-image", default=None,
-                   help="the routers' image (default: $TANDEM_ROUTER_IMAGE)")
-    p.add_argument("--worker-image", default=None,
-                   help="the CPU pools' image (default: $TANDEM_WORKER_IMAGE, else --image)")
-    p.add_argument("--worker-cuda-image", default=None,
-                   help="the image of pools that request nvidia.com/gpu (default: "
-                        "$TANDEM_WORKER_CUDA_IMAGE, else --image)")
+    chart = p.add_argument_group(
+        "the operator's installation (default: the chart's, as `helm install tandem "
+        "charts/tandem -n tandem-system` installs it)")
+    chart.add_argument("--values", action="append", default=[], metavar="FILE",
+                       help="a values file given to `helm install -f` (repeatable, merged in "
+                            "order over the chart's defaults): its images, pull secrets, "
+                            "Redis and operator.env, as the chart gives them to the operator")
+    chart.add_argument("--release", default=None, metavar="NAME",
+                       help="the chart's release name (default: $TANDEM_OPERATOR_RELEASE, "
+                            f"else {chart_defaults.RELEASE!r}): the routers' "
+                            "tandem.dev/operator-release label and the NetworkPolicies' "
+                            "operator peer; '' for an operator the chart did not install")
+    chart.add_argument("--operator-namespace", default=None, metavar="NS",
+                       help="the chart's namespace (default: $TANDEM_OPERATOR_NAMESPACE, "
+                            f"else {chart_defaults.NAMESPACE!r})")
+    chart.add_argument("--image", default=None,
+                       help="one image for every child (default: $TANDEM_IMAGE, else the "
+                            "chart's images: the CPU, CUDA and control images): replaces "
+                            "them all but those named by the three flags below")
+    chart.add_argument("--image-pull-policy", default=None,
+                       choices=("Always", "IfNotPresent", "Never"),
+                       help="default: $TANDEM_IMAGE_PULL_POLICY, else the chart's "
+                            "image.pullPolicy")
+    chart.add_argument("--router-image", default=None,
+                       help="the routers' image (default: $TANDEM_ROUTER_IMAGE, else the "
+                            "chart's control image)")
+    chart.add_argument("--worker-image", default=None,
+                       help="the CPU pools' image (default: $TANDEM_WORKER_IMAGE, else the "
+                            "chart's worker image)")
+    chart.add_argument("--worker-cuda-image", default=None,
+                       help="the image of pools that request nvidia.com/gpu (default: "
+                            "$TANDEM_WORKER_CUDA_IMAGE, else the chart's CUDA worker image)")
     p.add_argument("--replicas", action="append", default=[], metavar="POOL=N",
                    help="the live replicas of a pool the operator's autoscaler drives "
                         "(worker, prefill or decode; repeatable)")
@@ -120,9 +160,10 @@ def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Servic
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
         raise RenderError("metadata.name is required")
     name = meta["name"]
+    stored = check(doc)  # crd_schema.Invalid: what the API server refuses
     try:
         check_name(name)
-        spec = parse_spec(doc.get("spec"))
+        spec = parse_spec(stored.get("spec"))
         check_name(name, spec)
     except SpecError as exc:
         raise RenderError(f"InferenceService {name}: invalid spec: {exc}") from None
@@ -145,17 +186,36 @@ def replica_overrides(flags: list[str], spec: InferenceServiceSpec) -> dict[str,
     for flag in flags:
         pool, _, count = flag.partition("=")
         if not count.isdigit():
-            raise RenderError(f"--replicas {flag!r}: POOL=N, N a whole number")
+            raise UsageError(f"--replicas {flag!r}: POOL=N, N a whole number")
         if pool not in scaled:
-            raise RenderError(f"--replicas {flag!r}: pool {pool!r} is not scaled by the "
+            raise UsageError(f"--replicas {flag!r}: pool {pool!r} is not scaled by the "
                               f"operator (autoscaling.mode: operator): {sorted(scaled) or 'none'}")
         out[pool] = int(count)
     return out
 
 
-def environment(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
-    """The operator's environment, the flags overriding it."""
-    out = dict(environ)
+def environment(args: argparse.Namespace, environ: Mapping[str, str],
+                values: list[str] | None = None) -> dict[str, str]:
+    """The operator's environment: the chart's (`chart_defaults.operator_env` of its values,
+    each text in `values` merged over them, for the release and namespace: either empty is
+    an operator the chart did not install, one the NetworkPolicies do not name), the variables
+    in `environ` over it, the flags over both. An image given by `--image` or TANDEM_IMAGE
+    replaces the chart's four (the children's default is then the only one) but where a
+    more specific variable or flag names its own."""
+    release = (args.release if args.release is not None
+               else environ.get(OPERATOR_RELEASE_ENV, chart_defaults.RELEASE))
+    namespace = (args.operator_namespace if args.operator_namespace is not None
+                 else environ.get(OPERATOR_NAMESPACE_ENV, chart_defaults.NAMESPACE))
+    try:
+        chart = chart_defaults.operator_env(chart_defaults.load_values(values or []),
+                                            release, namespace)
+    except chart_defaults.ValuesError as exc:
+        raise UsageError(f"--values: {exc}") from None
+    if args.image or environ.get(IMAGE_ENV):
+        for env in (ROUTER_IMAGE_ENV, WORKER_IMAGE_ENV, WORKER_CUDA_IMAGE_ENV):
+            chart.pop(env, None)
+    out = {**chart, **environ, OPERATOR_RELEASE_ENV: release,
+           OPERATOR_NAMESPACE_ENV: namespace}
     for env, value in ((IMAGE_ENV, args.image), (PULL_POLICY_ENV, args.image_pull_policy),
                        (ROUTER_IMAGE_ENV, args.router_image),
                        (WORKER_IMAGE_ENV, args.worker_image),
@@ -228,15 +288,17 @@ def dry_redis(config: Any) -> Any:
         managed, password_file=os.devnull)))
 
 
-def render(args: argparse.Namespace, text: str, environ: Mapping[str, str]) -> str:
-    """The YAML `tandem render` prints for the manifest(s) in `text`."""
+def render(args: argparse.Namespace, text: str, environ: Mapping[str, str],
+           values: list[str] | None = None) -> str:
+    """The YAML `tandem render` prints for the manifest(s) in `text`, for the chart
+    installed with the values files' texts `values` (`environment`)."""
     from tandem.operator.cli import config_from
 
     docs = load(text)
     if args.uid and len(docs) > 1:
-        raise RenderError("--uid names one InferenceService; the input holds "
+        raise UsageError("--uid names one InferenceService; the input holds "
                           f"{len(docs)}")
-    config = dry_redis(config_from(args, environment(args, environ)))
+    config = dry_redis(config_from(args, environment(args, environ, values)))
     out = []
     for doc in docs:
         svc = parse(doc, args.namespace, args.uid)
@@ -265,18 +327,29 @@ def run(args: argparse.Namespace, stdin: TextIO | None = None,
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     logging.getLogger("tandem.operator").setLevel(logging.WARNING)  # no "created ..." lines
     where = "stdin" if args.filename == "-" else args.filename
+    values = []
+    for path in args.values:
+        try:
+            with open(path, encoding="utf-8") as f:
+                values.append(f.read())
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"tandem render: cannot read --values {path}: {exc}", file=sys.stderr)
+            return 2
     try:
         if args.filename == "-":
             text = stdin.read()
         else:
             with open(args.filename, encoding="utf-8") as f:
                 text = f.read()
-        result = render(args, text, os.environ)
+        result = render(args, text, os.environ, values)
     except (OSError, UnicodeDecodeError) as exc:
         print(f"tandem render: cannot read {where}: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except RenderError as exc:
         print(f"tandem render: {where}: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except Invalid as exc:  # the API server's refusal, in kubectl's words
+        print(f"tandem render: {where}: {exc}", file=sys.stderr)
+        return 1
     stdout.write(result)
     return 0

@@ -1,0 +1,158 @@
+"""The Tandem chart's defaults, as `tandem render` mirrors them: the environment the chart's
+`templates/deployment.yaml` gives the operator (TANDEM_IMAGE ... TANDEM_ALLOWED_NAMESPACES),
+computed from the chart's values (`VALUES`, the keys of `charts/tandem/values.yaml` that
+template reads), a release name and a namespace, as `helm install RELEASE charts/tandem -n
+NAMESPACE [-f VALUES]` would give it. tests/operator/test_dryrun_chart.py holds this module
+and the chart together (`helm template`, compared variable by variable)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+APP_VERSION = "0.1.0"  # Chart.yaml appVersion: the images' default tag
+CHART_NAME = "tandem"
+RELEASE = "tandem"  # the README's `helm install tandem charts/tandem -n tandem-system`
+NAMESPACE = "tandem-system"
+REDIS_ADMIN_PASSWORD_FILE = "/etc/tandem/redis-admin/password"  # the chart's mount
+
+# the values the operator's environment is made of, with the chart's defaults
+VALUES: dict[str, Any] = {
+    "nameOverride": "",
+    "fullnameOverride": "",
+    "image": {"repository": "ghcr.io/tandem-llm/tandem", "tag": "", "digest": "",
+              "pullPolicy": "IfNotPresent"},
+    "controlImage": {"repository": "ghcr.io/tandem-llm/tandem-control", "tag": "",
+                     "digest": ""},
+    "workerImage": {"repository": "", "tag": "", "cudaTag": "", "digest": "",
+                    "cudaDigest": ""},
+    "childImagePullSecrets": [],
+    "watchNamespaces": [],
+    "operator": {"env": []},
+    "security": {"allowHostPath": False, "allowedRuntimeClasses": ["nvidia"],
+                 "allowedSecrets": [], "allowedRegistries": [], "allowedNamespaces": [],
+                 "allowedClusterIssuers": []},
+    "redis": {"enabled": False, "port": 6379},
+}
+
+
+class ValuesError(ValueError):
+    """A values file `tandem render --values` cannot read as the chart's."""
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Helm's coalescing of a values file over the defaults: mappings merge key by key, any
+    other value replaces, and null deletes a default."""
+    if not (isinstance(base, dict) and isinstance(override, dict)):
+        return copy.deepcopy(override)
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge(out.get(key), value)
+    return out
+
+
+def load_values(texts: list[str]) -> dict[str, Any]:
+    """The chart's values with each YAML text (`helm -f`, in order) merged over them."""
+    values = copy.deepcopy(VALUES)
+    for i, text in enumerate(texts, 1):
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValuesError(f"values file {i}: not valid YAML: {exc}") from None
+        if doc is None:
+            continue
+        if not isinstance(doc, dict):
+            raise ValuesError(f"values file {i}: a mapping is expected, got "
+                              f"{type(doc).__name__}")
+        values = merge(values, doc)
+    return values
+
+
+def _get(values: Mapping[str, Any], path: str, kind: type | tuple[type, ...]) -> Any:
+    node: Any = values
+    for key in path.split("."):
+        node = node.get(key) if isinstance(node, Mapping) else None
+    if node is None:
+        node = kind() if isinstance(kind, type) else kind[0]()
+    if not isinstance(node, kind):
+        raise ValuesError(f"{path}: {type(node).__name__} is not "
+                          f"{getattr(kind, '__name__', kind)}")
+    return node
+
+
+def _str(values: Mapping[str, Any], path: str) -> str:
+    return str(_get(values, path, (str, int, float)))
+
+
+def fullname(values: Mapping[str, Any], release: str) -> str:
+    """The chart's `tandem.fullname`: the prefix of its resource names."""
+    if _str(values, "fullnameOverride"):
+        return _str(values, "fullnameOverride")[:63].rstrip("-")
+    name = _str(values, "nameOverride") or CHART_NAME
+    return (release if name in release else f"{release}-{name}")[:63].rstrip("-")
+
+
+def images(values: Mapping[str, Any]) -> dict[str, str]:
+    """The chart's image references: `tandem.image`, `.controlImage`, `.workerImage` and
+    `.workerCudaImage` (a digest wins over a tag; an empty tag is the appVersion)."""
+    repo, tag = _str(values, "image.repository"), _str(values, "image.tag") or APP_VERSION
+    digest = _str(values, "image.digest")
+    image = f"{repo}@{digest}" if digest else f"{repo}:{tag}"
+    c_repo, c_digest = _str(values, "controlImage.repository"), _str(values,
+                                                                      "controlImage.digest")
+    control = (f"{c_repo}@{c_digest}" if c_repo and c_digest else
+               f"{c_repo}:{_str(values, 'controlImage.tag') or APP_VERSION}" if c_repo
+               else image)
+    w_repo = _str(values, "workerImage.repository") or repo
+    w_tag, w_digest = _str(values, "workerImage.tag"), _str(values, "workerImage.digest")
+    worker = (f"{w_repo}@{w_digest}" if w_digest else
+              f"{w_repo}:{w_tag or tag}" if _str(values, "workerImage.repository") or w_tag
+              else image)
+    cuda_digest = _str(values, "workerImage.cudaDigest")
+    cuda = (f"{w_repo}@{cuda_digest}" if cuda_digest else
+            f"{w_repo}:{_str(values, 'workerImage.cudaTag') or (w_tag or tag) + '-cu128'}")
+    return {"image": image, "control": control, "worker": worker, "cuda": cuda}
+
+
+def _join(values: Mapping[str, Any], path: str) -> str:
+    return ",".join(str(v) for v in _get(values, path, list))
+
+
+def operator_env(values: Mapping[str, Any] | None = None, release: str = RELEASE,
+                 namespace: str = NAMESPACE) -> dict[str, str]:
+    """The operator container's environment variables with a plain value, as the chart's
+    Deployment sets them (TANDEM_OPERATOR_NAMESPACE, a fieldRef there, is `namespace`);
+    `operator.env` entries with a `value` come last and win."""
+    values = VALUES if values is None else values
+    img = images(values)
+    env = {"TANDEM_IMAGE": img["image"], "TANDEM_ROUTER_IMAGE": img["control"],
+           "TANDEM_WORKER_IMAGE": img["worker"], "TANDEM_WORKER_CUDA_IMAGE": img["cuda"],
+           "TANDEM_IMAGE_PULL_POLICY": _str(values, "image.pullPolicy")}
+    secrets = _get(values, "childImagePullSecrets", list)
+    if secrets:
+        env["TANDEM_IMAGE_PULL_SECRETS"] = ",".join(
+            str(s.get("name", "")) if isinstance(s, Mapping) else "" for s in secrets)
+    env["TANDEM_OPERATOR_NAMESPACE"] = namespace
+    env["TANDEM_OPERATOR_RELEASE"] = release
+    if _get(values, "redis.enabled", bool):
+        redis = f"{fullname(values, release)}-redis"[:63].rstrip("-")
+        env["TANDEM_REDIS_ADDRESS"] = f"{redis}.{namespace}.svc:{int(_str(values, 'redis.port'))}"
+        env["TANDEM_REDIS_ADMIN_PASSWORD_FILE"] = REDIS_ADMIN_PASSWORD_FILE
+    env["TANDEM_ALLOW_HOST_PATH"] = str(_get(values, "security.allowHostPath", bool)).lower()
+    for var, key in (("TANDEM_ALLOWED_RUNTIME_CLASSES", "allowedRuntimeClasses"),
+                     ("TANDEM_ALLOWED_SECRETS", "allowedSecrets"),
+                     ("TANDEM_ALLOWED_REGISTRIES", "allowedRegistries"),
+                     ("TANDEM_ALLOWED_CLUSTER_ISSUERS", "allowedClusterIssuers")):
+        env[var] = _join(values, f"security.{key}")
+    env["TANDEM_ALLOWED_NAMESPACES"] = (_join(values, "watchNamespaces")
+                                        or _join(values, "security.allowedNamespaces"))
+    for var in _get(values, "operator.env", list):
+        if isinstance(var, Mapping) and isinstance(var.get("name"), str) and "value" in var:
+            env[var["name"]] = str(var["value"])
+    return env
