@@ -28,6 +28,7 @@ from tandem.operator.crd_schema import (
     check,
     crd_schema,
     drop_nulls_and_default,
+    unknown_fields,
     validate,
 )
 from tandem.operator.dryrun import render, run
@@ -141,6 +142,34 @@ def docs_isvcs() -> list[tuple[str, dict[str, Any]]]:
 def test_every_shipped_and_documented_inference_service_renders(where: str,
                                                                 doc: dict[str, Any]) -> None:
     assert "kind: Deployment" in render_ok(doc), where
+
+
+SPEC_ONLY = {"model", "lora", "router", "prefill", "decode", "kvTransfer", "monitoring"}
+
+
+def docs_spec_fragments() -> list[tuple[str, dict[str, Any]]]:
+    """Every ```yaml block of README.md and docs/*.md that is part of a spec: `spec:` alone,
+    or keys only a spec has (`image` and `security` are also the chart's values keys)."""
+    out = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        blocks = re.findall(r"```ya?ml\n(.*?)```", page.read_text(), re.S)
+        for i, block in enumerate(blocks):
+            try:
+                docs = list(yaml.safe_load_all(block))
+            except yaml.YAMLError:
+                continue
+            for doc in docs:
+                if isinstance(doc, dict) and doc and (set(doc) == {"spec"}
+                                                      or set(doc) <= SPEC_ONLY):
+                    out.append((f"{page.name}#{i}", doc.get("spec", doc)))
+    return out
+
+
+@pytest.mark.parametrize("where, spec", docs_spec_fragments() or [("none", {})],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_every_documented_spec_fragment_names_only_crd_fields(where: str,
+                                                              spec: dict[str, Any]) -> None:
+    assert unknown_fields(SCHEMA["properties"]["spec"], spec, "spec") == [], where
 
 
 # ---- randomized: unknown keys at any depth -------------------------------------------------
