@@ -2,14 +2,17 @@
 
 `docs/openai-api.md`: every request field of the OpenAI models is documented, the endpoint
 table names exactly the routes the worker's and the router's apps register (and who serves
-each), every row of its refused-fields table is refused with that exact message, and every
-field it says is ignored really is. `docs/supported-models.md`: the architectures it lists
+each), every row of its refused-fields table is refused with that exact message, every field
+it lists as unsupported (and any unknown name) gets exactly the documented 400 from the
+worker's app, and the fields it accepts without effect are the code's allow-list and are
+accepted. `docs/supported-models.md`: the architectures it lists
 are the loaders' registries.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
@@ -96,7 +99,7 @@ def test_endpoint_table_matches_the_apps_routes() -> None:
         assert (route in worker) == on_worker, f"{route}: the table says worker={on_worker}"
 
 
-# -- refused and ignored fields ----------------------------------------------------------
+# -- refused and accepted fields ---------------------------------------------------------
 _BASE = {"completions": {"model": "m", "prompt": "hi"},
          "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
 
@@ -135,19 +138,77 @@ def test_refused_fields_are_refused_with_the_documented_message(kind: str, extra
     assert _refusal(kind, {**_BASE[kind], **extra}) == message
 
 
-def _ignored_fields() -> list[str]:
-    text = _page(API_PAGE)
-    section = text[text.index("### Ignored fields"):text.index("## Responses")]
-    para = section.split("in particular", 1)[1].split("have no effect", 1)[0]
-    return re.findall(r"`([a-z_]+)`", para)
+def _unsupported_fields() -> list[str]:
+    rows = _table_after(_page(API_PAGE), "<!-- unsupported-fields")
+    fields = [f for cells in rows for f in re.findall(r"`([a-z_]+)`", cells[0])]
+    assert len(fields) >= 20
+    return fields
 
 
-@pytest.mark.parametrize("field", _ignored_fields())
-def test_ignored_fields_are_accepted_and_unknown(field: str) -> None:
+def _worker_answer(kind: str, body: dict) -> tuple[int, dict]:
+    """The worker app's HTTP answer to `body` (in-process; a body the schema refuses never
+    reaches the engine, which this app does not have)."""
+    from fastapi.testclient import TestClient
+
+    from tandem.serving.api_server import ServerSettings, build_app
+
+    path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+    app = build_app(ServerSettings(served_model_name="m"), lambda: None)
+    r = TestClient(app, raise_server_exceptions=False).post(path, json=body)
+    return r.status_code, r.json()
+
+
+def unsupported(field: str) -> tuple[int, dict]:
+    """The documented answer to a field Tandem does not support."""
+    return 400, {"error": {"message": f"{field} is not supported",
+                           "type": "invalid_request_error", "param": field, "code": 400}}
+
+
+@pytest.mark.parametrize("field", [*_unsupported_fields(), "unknown"])
+def test_unsupported_fields_get_the_documented_400(field: str) -> None:
+    """Each listed field (and a random name) on both endpoints: exactly the documented 400;
+    null means not sent."""
+    if field == "unknown":
+        field = f"x_{random.randrange(1 << 30):x}"
     for kind, model in (("completions", api.CompletionRequest),
                         ("chat", api.ChatCompletionRequest)):
         assert field not in model.model_fields, f"{field} is a field now: document it"
-        assert _refusal(kind, {**_BASE[kind], field: {"x": 1}}) is None
+        assert _worker_answer(kind, {**_BASE[kind], field: {"x": 1}}) == unsupported(field)
+        assert _refusal(kind, {**_BASE[kind], field: None}) is None
+
+
+def test_empty_tools_functions_and_logit_bias_mean_not_sent() -> None:
+    text = " ".join(_page(API_PAGE).split())
+    named = re.search(r"empty `(\w+)`, `(\w+)` or `(\w+)` \(`\[\]` or `\{\}`\), are taken "
+                      r"as not sent", text)
+    assert named and set(named.groups()) == api.EMPTY_MEANS_UNUSED
+    for field in api.EMPTY_MEANS_UNUSED:
+        for kind in _BASE:
+            for empty in ([], {}):
+                assert _refusal(kind, {**_BASE[kind], field: empty}) is None
+            assert _worker_answer(kind, {**_BASE[kind], field: [{}]}) == unsupported(field)
+
+
+def _accepted_rows() -> list[tuple[str, str, dict]]:
+    rows = _table_after(_page(API_PAGE), "<!-- accepted-without-effect")
+    return [(re.match(r"`(\w+)`", field).group(1), kind, json.loads(_code(body)))
+            for field, kind, body, _why in rows]
+
+
+def test_accepted_without_effect_is_the_codes_allow_list() -> None:
+    assert {field for field, _, _ in _accepted_rows()} == api.ACCEPTED_WITHOUT_EFFECT
+
+
+@pytest.mark.parametrize("field,kind,body", _accepted_rows(), ids=lambda v: v
+                         if isinstance(v, str) else None)
+def test_accepted_without_effect_fields_are_accepted(field: str, kind: str,
+                                                     body: dict) -> None:
+    assert field in json.dumps(body)
+    kinds = list(_BASE) if kind == "both" else [kind]
+    for k in kinds:
+        assert _refusal(k, {**_BASE[k], **body}) is None
+    for k in set(_BASE) - set(kinds) if field in body else ():  # elsewhere: refused
+        assert _worker_answer(k, {**_BASE[k], **body}) == unsupported(field)
 
 
 # -- supported models --------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """A Tandem-shaped stub worker on a real port (`Served`, uvicorn in a thread) for router
 process tests: `/ready` as a worker answers it (503 while `loading`, naming its model as a
 loading Tandem worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow
-stream on request: the body's `stub_chunks` and `stub_delay_s` (fields the router passes
-through)."""
+stream on request: `slow_stream(chunks, delay)`'s X-Request-Id (the router passes a
+client's id through; a field the body does not declare it refuses)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tests.router.test_router_app import Served
 
 COMPLETION_TOKENS = 5  # per sequence, in every answer's usage
+_SLOW = "stub-stream:"
+
+
+def slow_stream(chunks: int, delay: float = 0.0) -> dict[str, str]:
+    """Headers asking a stub for a stream of `chunks` events, `delay` seconds apart."""
+    return {"X-Request-Id": f"{_SLOW}{chunks}:{delay}"}
+
+
+def stream_shape(request: Request, chunks: int = 3) -> tuple[int, float]:
+    """(chunks, delay) a request asks for with `slow_stream`, else (`chunks`, 0)."""
+    rid = request.headers.get("x-request-id", "")
+    if not rid.startswith(_SLOW):
+        return chunks, 0.0
+    n, delay = rid[len(_SLOW):].split(":")
+    return int(n), float(delay)
 
 
 class StubWorker:
@@ -59,7 +74,7 @@ class StubWorker:
                 return {"id": "cmpl-1", "object": "text_completion", "model": self.model,
                         "choices": [{"index": i, "text": "abcde", "finish_reason": "length"}
                                     for i in range(n)], "usage": usage}
-            chunks, delay = int(body.get("stub_chunks", 3)), float(body.get("stub_delay_s", 0))
+            chunks, delay = stream_shape(request)
             want_usage = (body.get("stream_options") or {}).get("include_usage")
 
             async def events():  # noqa: ANN202

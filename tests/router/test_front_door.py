@@ -31,6 +31,7 @@ from tandem.router.policy import Decision
 from tandem.router.proxy import ProxySettings, forward, upstream_session
 from tandem.router.workers import Worker
 from tests.protocol.test_http_server import held, on_loop, stalled_client, wait_until
+from tests.router.stub_worker import slow_stream, stream_shape
 from tests.router.test_router_app import Served, _wait_ready, router_app, stub_base
 from tests.router.test_router_lifecycle import Router as RouterProcess
 from tests.serving.conftest import free_port, worker_key_file
@@ -42,7 +43,7 @@ READ_MAX = 256 << 10  # the most one upstream read delivers (asyncio), relayed a
 
 class FloodWorker:
     """A stock-OpenAI-shaped worker (/health, /v1/models, completions with server-timing);
-    `stub_chunks` in the body bounds a stream, else it streams until the client goes, and
+    `slow_stream(chunks)`'s header bounds a stream, else it streams until the client goes, and
     `closed` is set when its stream ends for any reason."""
 
     def __init__(self) -> None:
@@ -61,7 +62,7 @@ class FloodWorker:
                 return JSONResponse({"id": "x", "object": "text_completion", "choices": [
                     {"index": 0, "text": "hi", "finish_reason": "length"}]},
                     headers={"server-timing": TIMING})
-            limit = body.get("stub_chunks")
+            limit = stream_shape(request, 0)[0] or None
             self.streams += 1
 
             async def events():  # noqa: ANN202
@@ -88,8 +89,8 @@ def worker():
     w.served.stop()
 
 
-def _complete(url: str, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=10,
+def _complete(url: str, headers: dict[str, str] | None = None, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=10, headers=headers,
                       json={"model": "stub-model", "prompt": "hello", **extra})
 
 
@@ -99,7 +100,7 @@ def test_answers_name_no_worker_unless_debug_headers(worker):
         try:
             _wait_ready(router.url, 1)
             plain = _complete(router.url)
-            streamed = _complete(router.url, stream=True, stub_chunks=2)
+            streamed = _complete(router.url, slow_stream(2), stream=True)
             for r in (plain, streamed):
                 assert r.status_code == 200, r.text
                 if debug:

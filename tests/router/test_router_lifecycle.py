@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.router.stub_worker import StubWorker
+from tests.router.stub_worker import StubWorker, slow_stream
 from tests.serving.conftest import free_port
 
 
@@ -116,7 +116,7 @@ def stream_in_thread(url: str, chunks: int, delay: float) -> tuple[threading.Thr
         try:
             with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
                     "model": "stub-model", "prompt": [1, 2, 3], "max_tokens": chunks,
-                    "stream": True, "stub_chunks": chunks, "stub_delay_s": delay}) as r:
+                    "stream": True}, headers=slow_stream(chunks, delay)) as r:
                 out["status"] = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):

@@ -18,7 +18,7 @@ import yaml
 
 from tandem.router.main import add_router_args, build
 from tests.conftest import start_redis
-from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker
+from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker, slow_stream
 from tests.router.test_router_lifecycle import Router
 from tests.serving.conftest import free_port
 
@@ -71,8 +71,8 @@ def test_worst_case_charge_then_settle_through_shared_redis(tmp_path, secret_red
 
         def stream() -> None:
             with httpx.stream("POST", router.url + "/v1/completions", timeout=30, json={
-                    "model": "stub-model", "prompt": PROMPT, "stream": True,
-                    "stub_chunks": 2, "stub_delay_s": 1.0}) as resp:
+                    "model": "stub-model", "prompt": PROMPT, "stream": True},
+                    headers=slow_stream(2, 1.0)) as resp:
                 out["events"] = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
 
         t = threading.Thread(target=stream)

@@ -248,6 +248,32 @@ def test_speculative_is_a_boolean_extension(client, real_llm):
         assert err.value.body["type"] == "invalid_request_error"
 
 
+def test_unsupported_fields_are_refused_and_allow_listed_ones_accepted(client, worker):
+    """A field Tandem does not support is a 400 naming it, never ignored; OpenAI's no-effect
+    fields (and nulls) are accepted, as the openai client sends them."""
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kw in ({"tools": [tool]}, {"response_format": {"type": "json_object"}},
+               {"logit_bias": {"1": 5}}, {"extra_body": {"guided_json": {"type": "object"}}}):
+        field = next(iter(kw.get("extra_body", kw)))
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**chat, **kw)
+        assert err.value.body == {"message": f"{field} is not supported",
+                                  "type": "invalid_request_error", "param": field,
+                                  "code": 400}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, best_of=2)
+    assert err.value.body["message"] == "best_of is not supported"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**chat, store=True)
+    assert err.value.body["param"] == "store"
+    got = client.chat.completions.create(**chat, user="user-1234", store=False, tools=[],
+                                         metadata={"team": "search"}, tool_choice=None)
+    assert got.choices[0].finish_reason == "length"
+    r = httpx.post(worker.url + "/tokenize", json={"prompt": "hi", "tools": [tool]}, timeout=10)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "tools")
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-17", prompt="hi", max_tokens=2)

@@ -4,16 +4,22 @@ Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `cache_salt`,
 `priority`) and Tandem's `speculative` (false: this request never speculates). Every
 client-controlled size is bounded here, before anything is tokenized.
-Unknown fields are ignored, as the OpenAI server and vLLM do.
+
+A field a model does not declare is refused (pydantic's `extra_forbidden`, which
+`protocol.web` answers as 400 `<field> is not supported`), never silently ignored. A null
+value means the field's default (for an undeclared field: not sent), and so does an empty
+list or object for the fields in `EMPTY_MEANS_UNUSED`. The few fields accepted without
+effect are declared, each with its reason (docs/openai-api.md lists them).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.protocol.signing import TENANT_SALT_PREFIX
 
@@ -33,8 +39,33 @@ PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]
 
 
+# the error type of a declared field's value Tandem refuses; its message names the field
+# (`protocol.web` sends it as is, with the field as `param`)
+NOT_SUPPORTED = "not_supported"
+# declared fields that change nothing, accepted so that clients sending them work (each
+# with its reason where it is declared; docs/openai-api.md "Accepted without effect")
+ACCEPTED_WITHOUT_EFFECT = frozenset({"user", "safety_identifier", "store", "metadata", "name"})
+# undeclared fields whose empty list or object means "not used", as some clients send them
+EMPTY_MEANS_UNUSED = frozenset({"tools", "functions", "logit_bias"})
+MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value characters
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)]
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request object: undeclared fields are refused; null values are dropped first (the
+    default applies), as are empty `EMPTY_MEANS_UNUSED` fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None and not (
+            k in EMPTY_MEANS_UNUSED and k not in fields and v in ([], {}))}
 
 
 class ErrorDetail(BaseModel):
@@ -81,6 +112,7 @@ class _SamplingRequest(_Model):
                                    max_length=MAX_CACHE_SALT + MAX_TENANT_SALT_PREFIX)
     priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     speculative: StrictBool = True  # false: no speculative decoding for this request
+    # accepted without effect: an end user's id, for the provider's abuse monitoring
     user: str | None = Field(default=None, max_length=256)
 
     @field_validator("cache_salt")
@@ -108,7 +140,7 @@ class TextPart(_Model):
 class ChatMessage(_Model):
     role: Annotated[str, Field(max_length=64)]
     content: PromptText | Annotated[list[TextPart], Field(max_length=1024)] | None = None
-    name: str | None = Field(default=None, max_length=256)
+    name: str | None = Field(default=None, max_length=256)  # accepted without effect
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -122,6 +154,20 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # accepted without effect: OpenAI's successor of `user` (an end user's id for abuse
+    # monitoring); OpenAI stores a completion only with `store: true`, refused here (nothing
+    # is stored), and `metadata` only tags a stored completion
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    store: bool = False
+    metadata: Metadata | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool) -> bool:
+        if v:
+            raise PydanticCustomError(
+                NOT_SUPPORTED, "store=true is not supported: completions are not stored")
+        return v
 
 
 class TokenizeRequest(_Model):

@@ -1,7 +1,8 @@
 """Torch-free HTTP plumbing shared by the worker server and the router.
 
 * OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right
-  status; anything a client can send maps to a 4xx, a 500 means a bug.
+  status; anything a client can send maps to a 4xx, a 500 means a bug. A body field the
+  schema does not declare is 400 `<field> is not supported` (`schema_error`).
 * ASGI middleware: a request-body size limit (413) and an in-flight request count.
 * `FastPaths`: hot POST routes served straight from ASGI, in front of the FastAPI app.
 * `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.protocol.openai_api import ErrorDetail, ErrorResponse
+from tandem.protocol.openai_api import NOT_SUPPORTED, ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 # P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from;
@@ -64,16 +65,37 @@ def error_body(status: int, message: str, param: str | None = None,
     return ErrorResponse(error=detail).model_dump()
 
 
+def schema_error(err: Mapping[str, Any]) -> tuple[str, str | None]:
+    """One pydantic error as (message, param): `<field> is not supported` for a field the
+    schema does not declare, a `NOT_SUPPORTED` error's own message, else `loc: msg`. The
+    param is the dotted location (without FastAPI's leading `body`)."""
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid")
+    if param and err.get("type") == "extra_forbidden":
+        return f"{param} is not supported", param
+    if err.get("type") == NOT_SUPPORTED:
+        return msg, param
+    return (f"{param}: {msg}" if param else msg), param
+
+
 def first_error(exc: Exception) -> str:
-    """A client's bad body in one line: the first pydantic error as `loc: msg`, or the
+    """A client's bad body in one line: the first pydantic error (`schema_error`), or the
     JSON error's text."""
     if isinstance(exc, RecursionError):
         return "the JSON body is nested too deeply"
     if isinstance(exc, ValidationError):
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        return f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid")
+        return schema_error(exc.errors()[0])[0]
     return str(exc)
+
+
+def bad_body(exc: Exception) -> APIError:
+    """The 400 for a body that is not JSON or not the schema: `first_error`'s message, the
+    field as `param` when one is to blame."""
+    param = schema_error(exc.errors()[0])[1] if isinstance(exc, ValidationError) else None
+    return APIError(400, first_error(exc), param)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -90,11 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        return error_response(APIError(400, f"{param}: {msg}" if param else msg, param))
+        message, param = schema_error(errs[0]) if errs else ("invalid request", None)
+        return error_response(APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

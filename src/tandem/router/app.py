@@ -41,8 +41,8 @@ from tandem.protocol.web import (
     APIError,
     BodyLimit,
     FastPaths,
+    bad_body,
     cancel_on_disconnect,
-    first_error,
     install_error_handlers,
     plain_request_id,
 )
@@ -332,7 +332,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                 parsed = prompts.parse(kind, data, tokenizer)
         except (ValueError, ValidationError, RecursionError) as exc:
             metrics.child(metrics.rejected, "400").inc()
-            raise APIError(400, first_error(exc)) from exc
+            raise bad_body(exc) from exc
         except APIError as exc:  # a bad cache_salt or priority
             metrics.child(metrics.rejected, str(exc.status)).inc()
             raise

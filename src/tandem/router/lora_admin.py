@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from tandem.protocol.openai_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, admin_target
-from tandem.protocol.web import APIError, first_error
+from tandem.protocol.web import APIError, bad_body
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
 from tandem.router.workers import LoRAReport, Worker
@@ -65,7 +65,7 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
         try:
             req = model.model_validate(json.loads(body))
         except (ValueError, ValidationError) as exc:  # not JSON, or not the schema
-            raise APIError(400, first_error(exc)) from exc
+            raise bad_body(exc) from exc
         ready = [w for w in router.workers.values() if w.ready]
         targets = [w for w in ready if w.lora_slots > 0]
         if not ready:
