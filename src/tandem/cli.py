@@ -73,7 +73,7 @@ EXAMPLES = {
   tandem operator --namespace tandem-system""",
     "render": """\
   tandem render -f charts/tandem/examples/aggregated.yaml
-  tandem render -f charts/tandem/examples/disaggregated.yaml -n llm""",
+  tandem render -f charts/tandem/examples/disaggregated.yaml -n llm --set redis.enabled=true""",
 }
 SERVE_MANAGED = """\
 Every engine and worker-server flag goes to every worker, every router flag to the

@@ -41,13 +41,16 @@ CUSTOM: dict[str, Any] = {
 
 
 def chart_env(helm: Helm, release: str, namespace: str,  # noqa: F811 - the fixture
-              values: Path | None = None) -> dict[str, str]:
-    """The TANDEM_* variables `helm template` gives the operator container (a fieldRef to
-    the pod's namespace read as the namespace the Deployment is rendered in)."""
+              values: Path | None = None, sets: tuple[str, ...] = ()) -> dict[str, str]:
+    """The TANDEM_* variables `helm template` (with `--set` of each of `sets`) gives the
+    operator container (a fieldRef to the pod's namespace read as the namespace the
+    Deployment is rendered in)."""
     args = ["template", release, str(CHART), "--namespace", namespace,
             "--kube-version", KUBE_VERSION]
     if values is not None:
         args += ["--values", str(values)]
+    for s in sets:
+        args += ["--set", s]
     docs = [d for d in yaml.safe_load_all(helm.run(*args).stdout) if d]
     (dep,) = [d for d in docs if d["kind"] == "Deployment"
               and d["metadata"]["name"].endswith("-operator")]
@@ -98,6 +101,34 @@ def test_a_custom_install_gives_the_operator_what_render_assumes(
     again = render_env("--values", str(values), "--values", str(more))
     assert again["TANDEM_WORKER_CUDA_IMAGE"] == "registry.example/ml/tandem@sha256:" + "d" * 64
     assert "TANDEM_REDIS_ADDRESS" not in again  # null deletes the key: redis off by default
+
+
+def test_set_gives_the_operator_what_helm_install_set_gives_it(
+        helm: Helm, tmp_path: Path) -> None:  # noqa: F811
+    """`--set` as `helm install --set`, after the values files: each case's operator
+    environment is the real chart's."""
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(CUSTOM))
+    cases: list[tuple[Path | None, tuple[str, ...]]] = [
+        (None, ("redis.enabled=true,redis.port=6380",
+                "security.allowedRegistries={registry.example.com,ghcr.io/team}",
+                "watchNamespaces={team-a}", "image.pullPolicy=Always",
+                "workerImage.cudaTag=2.0-cu126", "security.allowHostPath=true")),
+        (None, ("fullnameOverride=llm", "security.allowedRuntimeClasses={kata}",
+                "security.allowedSecrets={hf-*,team-?}", "redis.enabled=TRUE")),
+        (values, ("redis.enabled=false", "watchNamespaces={team-z}", "controlImage.digest=",
+                  "image.tag=3.0")),
+    ]
+    for file, sets in cases:
+        argv = [a for s in sets for a in ("--set", s)]
+        if file is not None:
+            argv += ["--values", str(file)]
+        got = render_env(*argv)
+        want = chart_env(helm, chart_defaults.RELEASE, chart_defaults.NAMESPACE, file, sets)
+        if file is not None:  # operator.env's second TANDEM_ALLOWED_SECRETS: the later wins
+            got.pop("TANDEM_ALLOWED_SECRETS")
+            want.pop("TANDEM_ALLOWED_SECRETS")
+        assert got == want, sets
 
 
 def test_render_with_no_flags_renders_the_default_installs_children() -> None:

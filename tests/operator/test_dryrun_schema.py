@@ -32,7 +32,7 @@ from tandem.operator.crd_schema import (
     validate,
 )
 from tandem.operator.dryrun import render, run
-from tests.operator.test_dryrun import EXAMPLES, ROOT, tandem_render
+from tests.operator.test_dryrun import EXAMPLES, ROOT, needs, tandem_render
 
 SCHEMA = crd_schema().schema
 SMOLLM2 = next(p for p in EXAMPLES if p.stem == "aggregated")  # metadata.name: smollm2
@@ -55,7 +55,8 @@ def render_cli(doc: dict[str, Any], *flags: str) -> tuple[int, str, str]:
 
 
 def render_ok(doc: dict[str, Any]) -> str:
-    args = build_parser().parse_args(["render", "-f", "-", "-n", "ml"])
+    """`tandem render -n ml` of `doc`, with the values it needs (`needs`)."""
+    args = build_parser().parse_args(["render", "-f", "-", "-n", "ml", *needs(doc)])
     return render(args, yaml.safe_dump(doc), {})
 
 
@@ -226,7 +227,7 @@ def test_an_unknown_key_renders_again_once_removed_through_the_cli() -> None:
         code, _, err = render_cli(doc)
         assert code == 1 and f'unknown field "{path}.zz"' in err
         del obj["zz"]
-        assert render_cli(doc)[0] == 0
+        assert render_cli(doc, *needs(doc))[0] == 0
 
 
 # ---- randomized: values, against openapi-schema-validator ----------------------------------

@@ -608,7 +608,8 @@ def test_tandem_render_prints_what_the_operator_applies(env: Env, example: Path)
     wait_for(lambda: env.status(name).get("observedGeneration") == 1, what="the apply")
     proc = subprocess.run([str(TANDEM), "render", "-f", str(example), "-n", NS, "--uid", uid,
                            "--image", IMAGE, "--image-pull-policy", "IfNotPresent",
-                           "--release=", "--operator-namespace="],  # not the chart's
+                           "--release=", "--operator-namespace=",  # not the chart's
+                           "--set", "redis.enabled=true"],  # as this operator has Redis
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rendered = [d for d in yaml.safe_load_all(proc.stdout) if d]

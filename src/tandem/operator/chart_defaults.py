@@ -2,12 +2,14 @@
 `templates/deployment.yaml` gives the operator (TANDEM_IMAGE ... TANDEM_ALLOWED_NAMESPACES),
 computed from the chart's values (`VALUES`, the keys of `charts/tandem/values.yaml` that
 template reads), a release name and a namespace, as `helm install RELEASE charts/tandem -n
-NAMESPACE [-f VALUES]` would give it. tests/operator/test_dryrun_chart.py holds this module
-and the chart together (`helm template`, compared variable by variable)."""
+NAMESPACE [-f VALUES] [--set KEY=VALUE]` would give it (`parse_set`: helm's `--set` syntax,
+the common case). tests/operator/test_dryrun_chart.py holds this module and the chart
+together (`helm template`, compared variable by variable)."""
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,20 +47,102 @@ class ValuesError(ValueError):
 
 def merge(base: Any, override: Any) -> Any:
     """Helm's coalescing of a values file over the defaults: mappings merge key by key, any
-    other value replaces, and null deletes a default."""
+    other value replaces, and null deletes a default (a null with no default stays null)."""
     if not (isinstance(base, dict) and isinstance(override, dict)):
         return copy.deepcopy(override)
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if value is None:
-            out.pop(key, None)
+        if value is None and key in out:
+            del out[key]
         else:
             out[key] = merge(out.get(key), value)
     return out
 
 
-def load_values(texts: list[str]) -> dict[str, Any]:
-    """The chart's values with each YAML text (`helm -f`, in order) merged over them."""
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+def typed(text: str) -> Any:
+    """A `--set` value as helm types it: true/false/null in any case, a whole number that
+    fits 64 bits and does not start with 0 (or is 0), else the string itself."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "null":
+        return None
+    if text == "0" or (text[:1] != "0" and _INT.fullmatch(text)
+                       and -2**63 <= int(text) < 2**63):
+        return int(text)
+    return text
+
+
+def _until(text: str, i: int, stops: str) -> tuple[str, int, str | None]:
+    """(the characters from `i` up to the first unescaped one of `stops`, the index after
+    it, that stop or None at the end); a backslash takes the next character as it is."""
+    out = []
+    while i < len(text):
+        char = text[i]
+        i += 1
+        if char == "\\":
+            out.append(text[i:i + 1])
+            i += 1
+        elif char in stops:
+            return "".join(out), i, char
+        else:
+            out.append(char)
+    return "".join(out), i, None
+
+
+def parse_set(text: str, into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`helm --set TEXT` parsed into `into` (a new mapping by default), as helm's strvals:
+    `a.b=v,c=w` (dotted paths; commas separate assignments), `{x,y}` a list, a backslash
+    escapes `.`, `,`, `=`, `{` or `}`; values typed by `typed`. List indexes (`a[0].b=v`)
+    are not supported (a values file says it); `ValuesError` for what helm also refuses
+    and for an empty key."""
+    into = {} if into is None else into
+    i = 0
+    while i < len(text):
+        path: list[str] = []
+        while True:
+            key, i, stop = _until(text, i, ".=[,")
+            if stop is None or stop == ",":
+                raise ValuesError(f"{text!r}: key {'.'.join(path + [key])!r} has no value")
+            if stop == "[":
+                raise ValuesError(f"{text!r}: list indexes ({key}[...]) are not supported: "
+                                  "give a list whole ({a,b}) or use --values")
+            if not key:
+                raise ValuesError(f"{text!r}: an empty key")
+            path.append(key)
+            if stop == "=":
+                break
+        if text[i:i + 1] == "{":
+            value: Any = []
+            i += 1
+            while True:
+                item, i, stop = _until(text, i, ",}")
+                if stop is None:
+                    raise ValuesError(f"{text!r}: list must terminate with '}}'")
+                value.append(typed(item))
+                if stop == "}":
+                    i += text[i:i + 1] == ","
+                    break
+        else:
+            raw, i, _ = _until(text, i, ",")
+            value = typed(raw)
+        node = into
+        for n, key in enumerate(path[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ValuesError(f"{text!r}: {'.'.join(path[:n + 1])} is {child!r}, not a "
+                                  "mapping")
+            node = child
+        node[path[-1]] = value
+    return into
+
+
+def load_values(texts: list[str], sets: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The chart's values with each YAML text (`helm -f`, in order) merged over them, then
+    the `--set` texts (in order, into one mapping, as helm parses them) over those."""
     values = copy.deepcopy(VALUES)
     for i, text in enumerate(texts, 1):
         try:
@@ -71,7 +155,10 @@ def load_values(texts: list[str]) -> dict[str, Any]:
             raise ValuesError(f"values file {i}: a mapping is expected, got "
                               f"{type(doc).__name__}")
         values = merge(values, doc)
-    return values
+    given: dict[str, Any] = {}
+    for text in sets:
+        parse_set(text, given)
+    return merge(values, given)
 
 
 def _get(values: Mapping[str, Any], path: str, kind: type | tuple[type, ...]) -> Any:
@@ -142,7 +229,10 @@ def operator_env(values: Mapping[str, Any] | None = None, release: str = RELEASE
     env["TANDEM_OPERATOR_RELEASE"] = release
     if _get(values, "redis.enabled", bool):
         redis = f"{fullname(values, release)}-redis"[:63].rstrip("-")
-        env["TANDEM_REDIS_ADDRESS"] = f"{redis}.{namespace}.svc:{int(_str(values, 'redis.port'))}"
+        port = _get(values, "redis.port", int)
+        if isinstance(port, bool) or not 0 < port < 65536:
+            raise ValuesError(f"redis.port: {port!r} is not a port (1-65535)")
+        env["TANDEM_REDIS_ADDRESS"] = f"{redis}.{namespace}.svc:{port}"
         env["TANDEM_REDIS_ADMIN_PASSWORD_FILE"] = REDIS_ADMIN_PASSWORD_FILE
     env["TANDEM_ALLOW_HOST_PATH"] = str(_get(values, "security.allowHostPath", bool)).lower()
     for var, key in (("TANDEM_ALLOWED_RUNTIME_CLASSES", "allowedRuntimeClasses"),

@@ -6,8 +6,10 @@ server judges it (`crd_schema.check`: strict field validation against the CRD's 
 defaults applied), then `parse_spec` (with the CRD's CEL rules repeated), `cli.config_from`
 on the environment the chart gives its operator (`chart_defaults`: the default install
 `helm install tandem charts/tandem -n tandem-system`, or `--values`, `--release`,
-`--operator-namespace` for another; TANDEM_* variables and the image flags override it) and
-`reconcile.apply` itself, run against a `Recorder` instead of a cluster: the output is its
+`--set`, `--operator-namespace` for another; TANDEM_* variables and the image flags override it) and
+the admission the operator runs before it applies (`reconcile.check_environment`: what the
+installation has, e.g. Redis for `router.managedRedis`, and the chart's `security.*` policy)
+and `reconcile.apply` itself, run against a `Recorder` instead of a cluster: the output is its
 writes, in order. A Secret it creates once with random key material (the worker-auth key) is
 printed with a placeholder value. What only a live cluster knows comes from flags: the
 namespace (else the document's, else "default"), the InferenceService's uid (else the
@@ -16,11 +18,13 @@ autoscaler chose.
 
 A manifest `kubectl apply` would refuse exits 1 (as kubectl does), the reason on stderr:
 what the API server refuses, in kubectl's words (an unknown field named by its path, a value
-the schema does not allow), an invalid spec (the `SpecError` names the field), unreadable
+the schema does not allow), a spec the operator refuses (its `InvalidSpec` condition's message,
+which names the field: `parse_spec`'s checks, then the installation's admission), unreadable
 YAML or file, a document that is not an InferenceService (`kind: List` is expanded), a
 metadata.namespace other than `--namespace`. A command line it cannot use exits 2, as
 argparse's errors do: `--replicas` of a pool the operator does not scale, `--uid` for several
-documents, an unreadable `--values` file. A file of several InferenceServices renders each,
+documents, an unreadable `--values` file, a `--set` it cannot parse or values of the wrong
+type. A file of several InferenceServices renders each,
 one after the other.
 """
 
@@ -99,7 +103,14 @@ def add_render_args(p: argparse.ArgumentParser) -> None:
     chart.add_argument("--values", action="append", default=[], metavar="FILE",
                        help="a values file given to `helm install -f` (repeatable, merged in "
                             "order over the chart's defaults): its images, pull secrets, "
-                            "Redis and operator.env, as the chart gives them to the operator")
+                            "Redis, security policy and operator.env, as the chart gives "
+                            "them to the operator")
+    chart.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       dest="set_values",
+                       help="a value as `helm install --set` gives it (repeatable, after "
+                            "--values): dotted keys, true/false/null, whole numbers, "
+                            "{a,b} lists, commas between several; e.g. redis.enabled=true, "
+                            "security.allowedRegistries={registry.example.com}")
     chart.add_argument("--release", default=None, metavar="NAME",
                        help="the chart's release name (default: $TANDEM_OPERATOR_RELEASE, "
                             f"else {chart_defaults.RELEASE!r}): the routers' "
@@ -155,6 +166,11 @@ def load(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def invalid_spec(name: str, exc: SpecError) -> RenderError:
+    """The operator's refusal: its InvalidSpec condition (and Event) message is `str(exc)`."""
+    return RenderError(f'InferenceService "{name}": InvalidSpec: {exc}')
+
+
 def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Service:
     meta = doc.get("metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
@@ -166,7 +182,7 @@ def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Servic
         spec = parse_spec(stored.get("spec"))
         check_name(name, spec)
     except SpecError as exc:
-        raise RenderError(f"InferenceService {name}: invalid spec: {exc}") from None
+        raise invalid_spec(name, exc) from None
     own_ns = meta.get("namespace")
     if namespace and own_ns and namespace != own_ns:
         raise RenderError(f"InferenceService {name}: metadata.namespace {own_ns!r} does not "
@@ -197,20 +213,21 @@ def replica_overrides(flags: list[str], spec: InferenceServiceSpec) -> dict[str,
 def environment(args: argparse.Namespace, environ: Mapping[str, str],
                 values: list[str] | None = None) -> dict[str, str]:
     """The operator's environment: the chart's (`chart_defaults.operator_env` of its values,
-    each text in `values` merged over them, for the release and namespace: either empty is
-    an operator the chart did not install, one the NetworkPolicies do not name), the variables
-    in `environ` over it, the flags over both. An image given by `--image` or TANDEM_IMAGE
-    replaces the chart's four (the children's default is then the only one) but where a
-    more specific variable or flag names its own."""
+    each text in `values` merged over them, then `--set`'s, for the release and namespace:
+    either empty is an operator the chart did not install, one the NetworkPolicies do not
+    name), the variables in `environ` over it, the flags over both. An image given by
+    `--image` or TANDEM_IMAGE replaces the chart's four (the children's default is then the
+    only one) but where a more specific variable or flag names its own."""
     release = (args.release if args.release is not None
                else environ.get(OPERATOR_RELEASE_ENV, chart_defaults.RELEASE))
     namespace = (args.operator_namespace if args.operator_namespace is not None
                  else environ.get(OPERATOR_NAMESPACE_ENV, chart_defaults.NAMESPACE))
     try:
-        chart = chart_defaults.operator_env(chart_defaults.load_values(values or []),
-                                            release, namespace)
+        chart = chart_defaults.operator_env(
+            chart_defaults.load_values(values or [], getattr(args, "set_values", [])),
+            release, namespace)
     except chart_defaults.ValuesError as exc:
-        raise UsageError(f"--values: {exc}") from None
+        raise UsageError(f"the chart's values (--values, --set): {exc}") from None
     if args.image or environ.get(IMAGE_ENV):
         for env in (ROUTER_IMAGE_ENV, WORKER_IMAGE_ENV, WORKER_CUDA_IMAGE_ENV):
             chart.pop(env, None)
@@ -272,20 +289,31 @@ def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[st
 
 
 def dry_redis(config: Any) -> Any:
-    """The config with a Redis that is never contacted: `router.managedRedis` gets its URL
+    """The config with its Redis (if any) never contacted: `router.managedRedis` gets its URL
     Secret printed (a placeholder value, as every created Secret) and no ACL call."""
     import dataclasses
 
-    from tandem.operator.redis_acl import ManagedRedis, RedisAcl
+    from tandem.operator.redis_acl import RedisAcl
 
     class DryAcl(RedisAcl):
         def ensure_user(self, owner: Owner) -> None:
             pass
 
-    managed = config.redis.redis if config.redis is not None else ManagedRedis(
-        "redis", 6379, os.devnull)
+    if config.redis is None:
+        return config
     return dataclasses.replace(config, redis=DryAcl(dataclasses.replace(
-        managed, password_file=os.devnull)))
+        config.redis.redis, password_file=os.devnull)))
+
+
+def admit(svc: Service, config: Any) -> None:
+    """The operator's checks of `svc` against its installation before it applies
+    (`reconcile.check_environment`); its refusal as `invalid_spec`."""
+    from tandem.operator.reconcile import check_environment
+
+    try:
+        check_environment(svc.spec, svc.owner, config)
+    except SpecError as exc:
+        raise invalid_spec(svc.owner.name, exc) from None
 
 
 def render(args: argparse.Namespace, text: str, environ: Mapping[str, str],
@@ -298,11 +326,17 @@ def render(args: argparse.Namespace, text: str, environ: Mapping[str, str],
     if args.uid and len(docs) > 1:
         raise UsageError("--uid names one InferenceService; the input holds "
                           f"{len(docs)}")
-    config = dry_redis(config_from(args, environment(args, environ, values)))
+    env = environment(args, environ, values)
+    try:
+        config = config_from(args, env)
+    except SystemExit as exc:  # the operator would not start: a bad TANDEM_* variable
+        raise UsageError(str(exc.code).removeprefix("tandem operator: ")) from None
+    dry = dry_redis(config)
     out = []
     for doc in docs:
         svc = parse(doc, args.namespace, args.uid)
-        done = writes(svc, config, replica_overrides(args.replicas, svc.spec))
+        admit(svc, config)
+        done = writes(svc, dry, replica_overrides(args.replicas, svc.spec))
         head = [f"# InferenceService {svc.owner.namespace}/{svc.owner.name}: the "
                 f"{len(done)} objects the operator writes, in order"]
         if svc.placeholder_uid:

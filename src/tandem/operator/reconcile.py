@@ -136,7 +136,7 @@ def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> 
 def check_environment(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig) -> None:
     """What the spec asks of this operator's installation: `SpecError` when it lacks it or
     its admin does not allow it (`admission`). The change handler's (`main.apply`), before
-    `apply`; `tandem render` renders without it."""
+    `apply`; `tandem render`'s too (`dryrun.admit`)."""
     admit(spec, owner.namespace, config.admission)
     if spec.router.managed_redis and config.redis is None:
         raise SpecError("router.managedRedis: this operator has no Redis (install the chart "
