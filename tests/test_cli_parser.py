@@ -132,6 +132,11 @@ def test_serve_help_lists_every_worker_and_router_flag_it_forwards(capsys):
                             "itself (see `tandem serve --help`)"),
     (["--tokenizer=x"], "tandem serve: error: argument --tokenizer: tandem serve sets it "
                         "itself (see `tandem serve --help`)"),
+    (["--discovery", "kubernetes"], "tandem serve: error: argument --discovery: only for "
+                                    "`tandem router` run alone (tandem serve starts its own "
+                                    "workers)"),
+    (["--seed=3"], "tandem serve: error: argument --seed: only for `tandem router` run alone "
+                   "(tandem serve starts its own workers)"),
     (["a", "--model", "b"], "tandem serve: error: argument MODEL: 'a' differs from --model "
                             "'b' (give one of them)"),
     (["--policy", "best"], "tandem serve: error: argument --policy: invalid choice: 'best'"),

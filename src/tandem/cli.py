@@ -278,12 +278,20 @@ def _serve_flags(serve: argparse.ArgumentParser, forwarded: dict[int, str],
 def _unrecognized(p: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
     """Exit 2 naming the unknown arguments (and why, for a flag `tandem serve` sets)."""
     if command == "serve":
-        from tandem.serving.embedded import MANAGED_ROUTER_FLAGS, MANAGED_WORKER_FLAGS
+        from tandem.serving.embedded import (
+            MANAGED_ROUTER_FLAGS,
+            MANAGED_WORKER_FLAGS,
+            ROUTER_ONLY_FLAGS,
+        )
 
         managed = {*MANAGED_WORKER_FLAGS, *MANAGED_ROUTER_FLAGS} - {"--host", "--port"}
         for arg in extra:
-            if arg.split("=", 1)[0] in managed:
-                p.error(f"argument {arg.split('=', 1)[0]}: tandem serve sets it itself "
+            flag = arg.split("=", 1)[0]
+            if flag in ROUTER_ONLY_FLAGS:
+                p.error(f"argument {flag}: only for `tandem router` run alone "
+                        "(tandem serve starts its own workers)")
+            if flag in managed:
+                p.error(f"argument {flag}: tandem serve sets it itself "
                         "(see `tandem serve --help`)")
     p.error(f"unrecognized arguments: {' '.join(extra)}")
 

@@ -35,11 +35,14 @@ if TYPE_CHECKING:
 # the flags of `tandem worker` that `tandem serve` sets for each worker itself
 MANAGED_WORKER_FLAGS = ("--host", "--port", "--grpc-port", "--role", "--worker-auth-key-file",
                         "--require-signed-requests", "--api-key")
-# the flags of `tandem router` that `tandem serve` sets itself, or that only a cluster uses
+# the flags of `tandem router` that `tandem serve` does not take: worker discovery in a
+# cluster, and the random policy's seed (for a router run alone)
+ROUTER_ONLY_FLAGS = ("--seed", "--discovery", "--namespace", "--label-selector",
+                     "--inference-service", "--worker-port-name")
+# ...and those it sets itself, then all of them
 MANAGED_ROUTER_FLAGS = ("--host", "--port", "--workers", "--worker-auth-key-file",
-                        "--tokenizer", "--grpc-tls-dir", "--grpc-tls-server-name", "--seed",
-                        "--discovery", "--namespace", "--label-selector",
-                        "--inference-service", "--worker-port-name")
+                        "--tokenizer", "--grpc-tls-dir", "--grpc-tls-server-name",
+                        *ROUTER_ONLY_FLAGS)
 TLS_FLAGS = ("--grpc-tls-dir", "--grpc-tls-server-name")
 API_KEY_TENANT = "default"  # the tenant of `tandem serve --api-key` keys
 
