@@ -2,13 +2,12 @@
 
 * Native (AVX2 + FMA, `engine/csrc/linear_cpu.c`): W is repacked into 16-column panels
   `[ceil(N/16), K, 16]` and multiplied by a register-tiled kernel that reads each weight
-  byte once per block of activation rows. One layout for every batch size; on a 2-core AVX2
-  VM 1.4-2x faster than oneDNN at 1-48 rows (decode) and about equal at 96-1024 (prefill),
-  measured with `bench/linear_micro.py`.
+  byte once per block of activation rows. One layout for every batch size; on AVX2 it is
+  faster than oneDNN at decode batch sizes (`bench/linear_micro.py`; the measured ratios
+  are in docs/cpu.md).
 * Otherwise (no compiler, no AVX2), and on CPUs with AVX-512: oneDNN's blocked layout
   (`torch.nn.functional.linear` would repack the weight on every call). oneDNN's AVX-512
-  kernels beat the AVX2 panels there: on a 2-core AVX-512 EPYC (one thread, one forward of
-  SmolLM2's linears) about equal at 1-4 rows and 1.6-1.9x faster from 16 rows up.
+  kernels beat the AVX2 panels there from a few rows up (docs/cpu.md).
   `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone,
   so every worker on one machine computes with the same kernel (same rounding).
 * A LM head tied to the token embedding always gets the native panels where they are
