@@ -84,7 +84,8 @@ SPECS: dict[str, dict[str, Any]] = {
                    "engine": {"blockSize": 16, "maxModelLen": 32768, "kvCacheMemory": "60Gi",
                               "numKvBlocks": 100000, "maxWaiting": 1024,
                               "enablePrefixCaching": False, "drainTimeoutSeconds": 120}},
-        "monitoring": {"serviceMonitor": True, "interval": "15s"},
+        "monitoring": {"serviceMonitor": True, "interval": "15s",
+                       "labels": {"release": "kube-prometheus-stack"}},
     },
     # pod settings on every pool and the router; an hf:// model through a shared cache
     "pods": {

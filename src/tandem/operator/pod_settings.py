@@ -119,6 +119,9 @@ def _labels(d: dict, key: str, where: str, values: bool) -> dict[str, str]:
     return out
 
 
+label_map = _labels  # the same checks for another label map (`monitoring.labels`)
+
+
 def _bound(s: dict, key: str, where: str) -> int | str | None:
     value = s.get(key)
     if value is None:

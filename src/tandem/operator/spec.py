@@ -22,7 +22,12 @@ from tandem.operator.fields import (
     resources,
 )
 from tandem.operator.model_uri import ModelSource, SpecError, parse_model_uri
-from tandem.operator.pod_settings import PodSettings, parse_log_level, parse_pod_settings
+from tandem.operator.pod_settings import (
+    PodSettings,
+    label_map,
+    parse_log_level,
+    parse_pod_settings,
+)
 from tandem.operator.spec_autoscaling import (
     SIGNALS,
     AutoscalingSpec,
@@ -68,6 +73,10 @@ MAX_NAME = 52  # the longest child Service name, NAME-prefill, stays a 63-charac
 # LeaderWorkerSet NAME-POOL names its worker StatefulSets NAME-POOL-GROUP (groups < 1000)
 MAX_MULTINODE_NAME = 52 - len("-999")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# the labels the operator puts on every child besides its tandem.dev/ keys
+# (`render.common.all_labels`; a test holds the two together)
+OPERATOR_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                   "app.kubernetes.io/component", "app.kubernetes.io/managed-by")
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,8 @@ class InferenceServiceSpec:
     kv_transfer: KVTransferSpec = KVTransferSpec()
     service_monitor: bool = False
     scrape_interval: str = "30s"
+    # added to the ServiceMonitor's own labels (a Prometheus's serviceMonitorSelector)
+    monitoring_labels: dict[str, str] = field(default_factory=dict)
     image: str | None = None  # None: the operator's default image
     security: SecuritySpec = SecuritySpec()
     prometheus: dict[str, Any] | None = None  # a NetworkPolicy peer admitted to /metrics
@@ -229,6 +240,15 @@ def _delivery(m: dict) -> tuple[SecretKeyRef | None, str | None, str | None]:
     return token, storage, pvc
 
 
+def _monitoring_labels(mon: dict) -> dict[str, str]:
+    """monitoring.labels: Kubernetes label keys and values, none the operator sets."""
+    out = label_map(mon, "labels", "monitoring", values=True)
+    for k in out:
+        if k in OPERATOR_LABELS:
+            raise SpecError(f"monitoring.labels: {k!r} is a label the operator sets")
+    return out
+
+
 def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     """The typed spec, defaults applied; `SpecError` names the first problem found."""
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
@@ -260,6 +280,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             tls_own_ca=get(kv, "tlsOwnCA", bool, False, "kvTransfer")),
         service_monitor=get(mon, "serviceMonitor", bool, False, "monitoring"),
         scrape_interval=get(mon, "interval", str, "30s", "monitoring"),
+        monitoring_labels=_monitoring_labels(mon),
         image=get(spec, "image", str, None, "spec"),
         security=parse_security(get_obj(spec, "security", "spec")),
         prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring"),

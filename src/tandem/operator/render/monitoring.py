@@ -49,9 +49,14 @@ def router_metrics_service(owner: Owner) -> dict[str, Any]:
 def service_monitor(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
     """Scrapes `/metrics` on the `http` port of the worker Services and on the `metrics`
     port of `router_metrics_service` (each endpoint keeps only the Services with a port of
-    its name); the router's front-door Service is not selected."""
+    its name); the router's front-door Service is not selected. `monitoring.labels` are
+    added to its labels (the ones a Prometheus's serviceMonitorSelector matches), never in
+    place of the operator's own (`parse_spec` refuses those keys)."""
+    meta = metadata(owner, owner.name, "metrics")
+    own = meta["labels"]
+    own.update({k: v for k, v in spec.monitoring_labels.items() if k not in own})
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-            "metadata": metadata(owner, owner.name, "metrics"),
+            "metadata": meta,
             "spec": {"selector": {
                          "matchLabels": {SERVICE_LABEL: owner.name},
                          "matchExpressions": [{
