@@ -297,9 +297,21 @@ def _unrecognized(p: argparse.ArgumentParser, command: str, extra: list[str]) ->
 
 
 def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from tandem.router.config import load_config
     from tandem.serving.embedded import check_worker_flags, serve
 
+    load_config(getattr(args, "config", None))  # RouterConfigError: before anything starts
     return serve(args, passthrough, check_worker_flags(args))
+
+
+def _check_router_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad `--config` router.yaml is a usage error (exit 2), before anything starts."""
+    from tandem.router.config import RouterConfigError, load_config
+
+    try:
+        load_config(getattr(args, "config", None))
+    except RouterConfigError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("serve", "worker", "generate"):
         from tandem.engine.errors import ConfigError
+        from tandem.router.config import RouterConfigError
 
         own = subs[args.command]  # its usage line in errors
         try:
@@ -324,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.serving.worker import run
 
             return run(args) if args.command == "worker" else _generate(args, own)
-        except ConfigError as exc:  # a bad engine flag: a usage error, not a traceback
-            own.error(str(exc))
+        except (ConfigError, RouterConfigError) as exc:  # a bad engine flag or serve's
+            own.error(str(exc))  # router.yaml: a usage error, not a traceback
     if args.command == "router":
         from tandem.router.main import run as run_router
 
+        _check_router_config(subs["router"], args)
         return run_router(args)
     if args.command == "operator":
         from tandem.operator.cli import run as run_operator

@@ -151,6 +151,8 @@ def test_churn_yields_to_a_real_load_gap(b_queue, want):
 def test_unknown_scorer_weight_is_rejected():
     with pytest.raises(ValueError, match="unknown scorers"):
         CacheAwarePolicy(weights={"prefix": 1.0, "vibes": 2.0})
+    with pytest.raises(ValueError, match=r"weights must be >= 0: \['queue'\]"):
+        CacheAwarePolicy(weights={"prefix": 1.0, "queue": -1.0})
 
 
 def test_baseline_policies():

@@ -7,7 +7,9 @@ import argparse
 import pytest
 
 from tandem.protocol.bundled import BUNDLED_NAME
+from tandem.router.config import RouterConfigError
 from tandem.router.main import add_router_args, build, run
+from tandem.router.policy import DEFAULT_WEIGHTS
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -20,7 +22,7 @@ def test_yaml_config_and_flags(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000, http://b:8000]\npolicy: least-loaded\n"
                    "saturation_queue: 3\nretries: 5\nmax_tokens_cap: 256\n"
-                   "weights: {prefix: 3.0, queue: 1.0}\n")
+                   "weights: {prefix: 3.0, queue: 1.0, lora_affinity: 0}\n")
     _, router, server = build(_args("--config", str(cfg)))
     assert server.worker_urls == ["http://a:8000", "http://b:8000"]
     assert router.settings.policy == "least-loaded" and router.settings.saturation_queue == 3
@@ -30,13 +32,19 @@ def test_yaml_config_and_flags(tmp_path):
                                     "--workers", "http://c:1", "--retries", "0"))
     assert router.settings.policy == "cache-aware" and server.worker_urls == ["http://c:1"]
     assert server.proxy.retries == 0
-    assert [s.name for s, _ in router.policy.scorers] == ["prefix", "queue"]
+    # weights over the defaults: the ones left out keep theirs, 0 switches one off
+    assert [(s.name, w) for s, w in router.policy.scorers] == [
+        ("prefix", 3.0), ("queue", 1.0), ("kv_usage", 0.5), ("inflight_tokens", 0.5),
+        ("cache_churn", 1.0)]
+    assert router.settings.weights == {**DEFAULT_WEIGHTS, "prefix": 3.0, "lora_affinity": 0.0}
 
 
 def test_unknown_scorer_in_config_fails_at_start(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("weights: {prefix: 1.0, astrology: 1.0}\n")
-    with pytest.raises(ValueError, match="unknown scorers"):
+    with pytest.raises(RouterConfigError, match=f'^{cfg}: unknown key "weights.astrology" '
+                       r"\(known: cache_churn, inflight_tokens, kv_usage, lora_affinity, "
+                       r"prefix, queue\)$"):
         build(_args("--config", str(cfg)))
 
 
@@ -85,14 +93,17 @@ def test_churn_half_life_and_processes_are_checked_at_start(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\nchurn_half_life_s: 12.5\n")
     assert build(_args("--config", str(cfg)))[1].churn.half_life_s == 12.5
-    for bad in ("0", "-3", "'soon'", "true"):
+    for bad, why in (("0", "greater than 0, not 0"), ("-3", "greater than 0, not -3"),
+                     ("'soon'", "a valid number, not 'soon'"),
+                     ("true", "a valid number, not True")):
         cfg.write_text(f"workers: [http://a:8000]\nchurn_half_life_s: {bad}\n")
-        with pytest.raises(SystemExit, match="churn_half_life_s: a number of seconds > 0"):
+        with pytest.raises(RouterConfigError, match=f"churn_half_life_s: input should be {why}$"):
             build(_args("--config", str(cfg)))
     with pytest.raises(SystemExit, match="processes: a process count >= 1, not 0"):
         run(_args("--workers", "http://a:1", "--processes", "0"))
     cfg.write_text("workers: [http://a:8000]\nprocesses: two\n")
-    with pytest.raises(SystemExit, match="processes: a process count >= 1, not 'two'"):
+    with pytest.raises(RouterConfigError, match="processes: input should be a valid integer, "
+                       "not 'two'"):
         run(_args("--config", str(cfg)))
     with pytest.raises(SystemExit, match="needs the lean HTTP server"):
         run(_args("--workers", "http://a:1", "--processes", "2", "--http-server", "uvicorn"))

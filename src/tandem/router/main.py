@@ -19,7 +19,8 @@ Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (r
 tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
-`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight),
+`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight, over the
+defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
@@ -27,7 +28,9 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
 `max_connections`, `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
-burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file.
+burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
+unknown key (at any level) or a value of the wrong type or range stops start-up with one
+line naming it (`config.py`; `tandem router` reports it as a usage error, exit 2).
 
 The front door (`add_front_door_args`): answers name no worker unless `--debug-headers`;
 `/metrics` needs a key on `--port` when `--api-keys` is set, or moves to `--metrics-port`;
@@ -45,7 +48,6 @@ import argparse
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandem.protocol.cli_args import busy_message, busy_ports, port_number
@@ -238,14 +240,10 @@ def redis_urls(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[str | Non
 
 
 def _load_yaml(path: str | None) -> dict[str, Any]:
-    if not path:
-        return {}
-    import yaml
+    """router.yaml's keys that are set, checked (`config.load_config`: RouterConfigError)."""
+    from tandem.router.config import load_config
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise SystemExit(f"{path}: expected a mapping")
-    return data
+    return load_config(path)
 
 
 class TokenizerResolver:
@@ -347,6 +345,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     the caller has it already)."""
     from tandem.router.app import RouterServerSettings, build_app
     from tandem.router.auth import ApiKeys
+    from tandem.router.config import check_config, merged_weights
     from tandem.router.core import Router, RouterSettings
     from tandem.router.monitor import MonitorSettings
     from tandem.router.proxy import ProxySettings
@@ -354,12 +353,13 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     from tandem.router.redis_url import key_prefix as redis_key_prefix
     from tandem.router.redis_url import masked
 
-    cfg = _load_yaml(args.config) if cfg is None else cfg
+    cfg = _load_yaml(args.config) if cfg is None else check_config(cfg)
     workers = [u for u in (args.workers.split(",") if args.workers else cfg.get("workers", []))
                if u]
     discovery = discovery_from(args, cfg, workers)
     settings = RouterSettings(
-        policy=args.policy or cfg.get("policy", "cache-aware"), weights=cfg.get("weights"),
+        policy=args.policy or cfg.get("policy", "cache-aware"),
+        weights=merged_weights(cfg.get("weights")),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
         speculative_ttl_s=float(cfg.get("speculative_ttl_s", 2.0)),
@@ -416,10 +416,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         raise SystemExit("--metrics-auth needs --api-keys (the keys it checks)")
     from tandem.router.priority import PriorityPolicy
 
-    try:
-        priority = PriorityPolicy.from_dict(cfg.get("priority"))
-    except ValueError as exc:
-        raise SystemExit(f"router.yaml priority: {exc}") from exc
+    priority = PriorityPolicy.from_dict(cfg.get("priority"))  # checked by check_config
     server = RouterServerSettings(
         priority=priority,
         preload_tokenizers=tokenizers.preload,

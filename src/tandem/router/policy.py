@@ -80,10 +80,16 @@ class CacheAwarePolicy(Policy):
     def __init__(self, weights: Mapping[str, float] | None = None,
                  saturation_queue: int = 8, saturation_kv: float = 0.9,
                  rng: random.Random | None = None) -> None:
+        """`weights`: the whole set, a scorer absent or at 0 is off (None: `DEFAULT_WEIGHTS`;
+        router.yaml's `weights` reach here merged over the defaults, `config.merged_weights`);
+        ValueError for an unknown scorer or a negative weight."""
         weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
         unknown = set(weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
+        negative = sorted(n for n, w in weights.items() if not w >= 0)
+        if negative:
+            raise ValueError(f"scorer weights must be >= 0: {negative}")
         self.limits = LoadLimits(saturation_queue, saturation_kv)
         self.scorers = [(SCORERS[n](self.limits), w) for n, w in weights.items() if w > 0]
         self.rng = rng or random.Random()
