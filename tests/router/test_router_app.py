@@ -209,7 +209,8 @@ def test_api_keys_and_tenant_salts(stubs, tmp_path):
         assert httpx.get(router.url + "/v1/models").status_code == 401
         assert httpx.get(router.url + "/health").status_code == 200  # probes need no key
         deep = httpx.post(router.url + "/v1/completions", content=b"[" * 200_000,
-                          headers={"Authorization": "Bearer sk-beta"})
+                          headers={"Authorization": "Bearer sk-beta",
+                                   "Content-Type": "application/json"})
         assert deep.status_code == 400 and "deeply" in deep.json()["error"]["message"]
         r = httpx.get(router.url + "/metrics")  # with keys, /metrics needs one too
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -98,6 +98,22 @@ def bad_body(exc: Exception) -> APIError:
     return APIError(400, first_error(exc), param)
 
 
+NOT_JSON = "the request body must be JSON, sent with Content-Type: application/json"
+
+
+def require_json(request: Request) -> None:
+    """APIError 400 (`NOT_JSON`) for a POST whose Content-Type is not JSON
+    (`application/json` or `application/*+json`), or missing: such a body is never parsed
+    as JSON, so a browser's cross-site form or text/plain POST cannot reach a model (as
+    FastAPI's strict content type), and the client is told why."""
+    if request.method != "POST":
+        return
+    media = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                            and media.endswith("+json")):
+        raise APIError(400, NOT_JSON)
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param, err.type),
                         status_code=err.status, headers=err.headers)

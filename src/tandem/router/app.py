@@ -45,6 +45,7 @@ from tandem.protocol.web import (
     cancel_on_disconnect,
     install_error_handlers,
     plain_request_id,
+    require_json,
 )
 from tandem.router import prompt as prompts
 from tandem.router import usage
@@ -313,6 +314,7 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         t0 = time.perf_counter()
         body = await request.body()
         try:
+            require_json(request)  # 400 for a body not sent as JSON, as at the worker
             data = json.loads(body)
             if not isinstance(data, dict):
                 raise ValueError("the body must be a JSON object")

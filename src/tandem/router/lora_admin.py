@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from tandem.protocol.openai_api import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, admin_target
-from tandem.protocol.web import APIError, bad_body
+from tandem.protocol.web import APIError, bad_body, require_json
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
 from tandem.router.workers import LoRAReport, Worker
@@ -61,6 +61,7 @@ def install_lora_admin(app: FastAPI, router: Router, api_keys: ApiKeys,
                        http: Callable[[], httpx.AsyncClient]) -> None:
     async def fan_out(path: str, request: Request, model: type) -> JSONResponse:
         check_admin(api_keys, admin_keys, request.headers.get("authorization"))
+        require_json(request)
         body = await request.body()
         try:
             req = model.model_validate(json.loads(body))

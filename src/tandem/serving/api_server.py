@@ -4,7 +4,8 @@
 `/health` answers at once, `/ready` and the API say 503 until it is up. Routes:
 `/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
 `/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
-alive, not draining), `/metrics` (Prometheus). Every log line carries the request id.
+alive, not draining), `/metrics` (Prometheus). Every log line carries the request id. A POST
+body without a JSON Content-Type is a 400 (`web.require_json`).
 A completion naming a prefill worker or a tenant salt, or asking for a nonzero priority on
 a worker with a key, must carry the router's signature, as must every completion and
 (de)tokenize call with `--require-signed-requests` (`worker_auth.check_signature`: 403
@@ -30,7 +31,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -57,6 +58,7 @@ from tandem.protocol.web import (
     cancel_on_disconnect,
     install_error_handlers,
     plain_request_id,
+    require_json,
 )
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
@@ -231,7 +233,9 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 holder.engine.shutdown()
             tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Tandem worker", version="0.1.0", lifespan=lifespan)
+    # a POST body must be sent as JSON (400 `NOT_JSON` otherwise), as at the router
+    app = FastAPI(title="Tandem worker", version="0.1.0", lifespan=lifespan,
+                  dependencies=[Depends(require_json)])
     install_error_handlers(app)
     app.state.in_flight = [0]
     app.state.draining = False
