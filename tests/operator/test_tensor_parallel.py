@@ -44,8 +44,8 @@ SPEC_ERRORS = [  # (path, value, the message's words)
     ("decode", pool(4, 6), "decode.parallelism.tensor 6 is not a multiple of "
                            "decode.resources.limits.nvidia.com/gpu 4"),
     ("decode", pool(8, 12), "(set tensor to 16, or the GPUs per pod to a divisor of 12)"),
-    ("decode", pool(None, 0), "decode.parallelism.tensor: 0 is not in [1, 256]"),
-    ("decode", pool(None, 512), "decode.parallelism.tensor: 512 is not in [1, 256]"),
+    ("decode", pool(None, 0), "decode.parallelism.tensor: 0 is not in [1, 64]"),
+    ("decode", pool(None, 512), "decode.parallelism.tensor: 512 is not in [1, 64]"),
     ("decode", pool(None, "2"), "decode.parallelism.tensor: expected int, got '2'"),
     ("decode", pool(None, True), "decode.parallelism.tensor: expected int, got True"),
     ("decode.parallelism", 2, "decode.parallelism: expected an object like {tensor: 2}"),
@@ -233,3 +233,19 @@ def test_a_multi_node_pool_name_must_leave_room_for_its_statefulsets():
     with pytest.raises(SpecError, match="multi-node pool"):
         render_all(spec, OWNER.__class__(long, "ml", "u"))
     check_name(long, parse_spec(aggregated(8, 8)))  # single node: a Deployment, no bound
+
+
+def test_the_operator_admits_exactly_the_tensor_sizes_a_worker_accepts():
+    """The CRD's maximum, the operator's and the engine's agree: a pool the operator renders
+    never crash-loops on `--tensor-parallel-size`."""
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import ConfigError
+    from tandem.operator.crd_schema import crd_schema
+    from tandem.operator.spec_parallel import MAX_TENSOR
+
+    tensor = crd_schema().schema["properties"]["spec"]["properties"]["decode"]["properties"][
+        "parallelism"]["properties"]["tensor"]
+    assert (tensor["minimum"], tensor["maximum"]) == (1, MAX_TENSOR)
+    EngineConfig(tensor_parallel_size=MAX_TENSOR, distributed_executor_backend="ray")
+    with pytest.raises(ConfigError, match=r"in \[1, 64\]"):
+        EngineConfig(tensor_parallel_size=MAX_TENSOR + 1)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tandem.operator.pod_settings import Strategy
     from tandem.operator.spec_engine import EngineArgs
 
-MAX_TENSOR = 256  # the CRD's maximum
+MAX_TENSOR = 64  # the CRD's maximum and the engine's (EngineConfig refuses more)
 KEYS = ("tensor",)  # pipeline, data, expert parallelism: not yet
 ONE_RANK_PER_GPU = "a worker uses one GPU per tensor-parallel rank"
 
