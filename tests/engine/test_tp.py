@@ -24,8 +24,8 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.ops import Ops
-from tandem.engine.parallel.reshard import HeadCopy, kv_heads, reshard
-from tandem.engine.parallel.tp import TPGroup, TPPlan, apply_tp
+from tandem.engine.parallel.tp import TPGroup, TPPlan, kv_heads
+from tests.engine.tp_helpers import HeadCopy, apply_tp, reshard
 from tests.serving.conftest import free_port
 
 BS = 4  # tokens per KV block

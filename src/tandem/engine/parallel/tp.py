@@ -36,7 +36,22 @@ from torch import nn
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.parallel.reshard import kv_heads
+
+
+def kv_heads(num_kv_heads: int, world: int, rank: int) -> range:
+    """The global KV heads rank `rank` of `world` caches: a contiguous run when `world`
+    divides the heads, else (fewer heads than ranks) the one head its query heads read
+    (ConfigError if neither divides the other)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"tensor-parallel rank {rank} of {world}")
+    if num_kv_heads % world == 0:
+        n = num_kv_heads // world
+        return range(rank * n, (rank + 1) * n)
+    if world % num_kv_heads == 0:
+        h = rank * num_kv_heads // world
+        return range(h, h + 1)
+    raise ConfigError(f"tensor_parallel_size {world} and {num_kv_heads} KV heads: one must "
+                      "divide the other")
 
 
 @dataclass(frozen=True)
@@ -218,25 +233,3 @@ def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup) -> None:
                                                 plan.vocab_size, comm)
     model.lm_head = ParallelLMHead(model.lm_head, plan.vocab, comm)
 
-
-def apply_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, backend: object) -> nn.Module:
-    """This rank's sharded copy of a built, loaded float `LlamaForCausalLM` (`backend`: the
-    attention backend for the local heads). Engines shard while loading instead
-    (`model_build.build_shard`: only the shard is ever allocated); this serves tests."""
-    if plan.world == 1:
-        return model
-    from tandem.engine.model.llama import LlamaForCausalLM
-
-    arch = model.config
-    weight = next(model.parameters())
-    with torch.device(weight.device):
-        local = LlamaForCausalLM(local_arch(arch, plan), backend,
-                                 max_positions=model.rope.max_positions, ops=model.ops)
-    local.to(weight.dtype)
-    if arch.tie_word_embeddings:
-        local.lm_head.weight = local.embed_tokens.weight
-    local.load_weights(shard_weights(
-        ((n, t.detach()) for n, t in model._weight_targets().items()), arch, plan))
-    local.rope.compute(weight.device)
-    wrap_tp(local, plan, comm)
-    return local.eval()
