@@ -115,7 +115,7 @@ def start_redis(directory, password: str | None = None) -> tuple[subprocess.Pope
     (process, URL, port); with `password`, it requires it and the URL carries it."""
     import redis
 
-    from tests.serving.conftest import free_port
+    from tests.serving.helpers import free_port
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"

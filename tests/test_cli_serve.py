@@ -17,7 +17,7 @@ import pytest
 from tandem.cli import main
 from tandem.serving.embedded import plan as _plan
 from tandem.serving.embedded import worker_auth_key_file as _worker_auth_key_file
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 
 def _args(workers: int | None = None, prefill: int = 0,

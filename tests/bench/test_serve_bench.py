@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import loadgen  # noqa: E402
 from serve_chart import plot  # noqa: E402
-from tests.serving.conftest import start_worker  # noqa: E402
+from tests.serving.helpers import start_worker  # noqa: E402
 from workload import make_workload  # noqa: E402
 
 

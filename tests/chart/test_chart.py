@@ -399,7 +399,7 @@ def test_redis_arguments_and_probes_work_on_a_real_redis_server(helm: Helm, tmp_
 
     import redis
 
-    from tests.serving.conftest import free_port
+    from tests.serving.helpers import free_port
 
     exe = shutil.which("redis-server")
     assert exe, "redis-server is required (Debian: apt-get install redis-server; .ci/run does)"

@@ -26,7 +26,7 @@ from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.ops import Ops
 from tandem.engine.parallel.tp import TPGroup, TPPlan, kv_heads
 from tests.engine.tp_helpers import HeadCopy, apply_tp, reshard
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 BS = 4  # tokens per KV block
 PROMPTS = ([5, 17, 33, 2, 90, 41, 8, 8, 61, 77, 13], [40, 3, 96, 11, 54])

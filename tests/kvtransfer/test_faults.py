@@ -26,7 +26,7 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
 from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, rpc_body, sign
 from tests.kvtransfer.fake_prefill import CHANNEL_OPTIONS, FakePrefillServer, header
-from tests.serving.conftest import (
+from tests.serving.helpers import (
     WORKER_KEY,
     free_port,
     metric,

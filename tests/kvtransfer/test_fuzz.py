@@ -44,7 +44,7 @@ from tandem.kvtransfer.pages import (
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME
-from tests.serving.conftest import free_port, signing_channel, start_worker, wait_idle
+from tests.serving.helpers import free_port, signing_channel, start_worker, wait_idle
 
 LAYOUT = PageLayout("fuzz-model", num_layers=2, num_kv_heads=1, block_size=2, head_dim=2,
                     dtype=torch.float32)

@@ -48,7 +48,7 @@ from tests.kvtransfer.test_torch_backend import run as run_torch
 from tests.kvtransfer.test_torch_backend import transfer as torch_transfer
 from tests.router.test_pd_routing import MODEL as MODEL_R
 from tests.router.test_pd_routing import W, build, parsed
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 HASHES = [bytes([i]) * 32 for i in range(1, 4)]
 KVH, BS, HD = 2, 4, 8

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tandem.protocol.bundled import BUNDLED_NAME
-from tests.serving.conftest import free_port, metric, signed, start_worker, wait_for
+from tests.serving.helpers import free_port, metric, signed, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 BS = 16

@@ -26,7 +26,7 @@ from tandem.router.index import PrefixIndex
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
 from tandem.router.workers import Worker
 from tests.protocol.certs import CA
-from tests.serving.conftest import (
+from tests.serving.helpers import (
     free_port,
     metric,
     signed,

@@ -13,7 +13,7 @@ from tandem.router.main import MAX_APPROXIMATE_MODELS, TokenizerResolver
 from tandem.router.metrics import RouterMetrics
 from tests.router.stub_worker import StubWorker
 from tests.router.test_router_lifecycle import Router, completion
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 GAUGE = "tandem_router_approximate_routing"
 

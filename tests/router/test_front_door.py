@@ -34,7 +34,7 @@ from tests.protocol.test_http_server import held, on_loop, stalled_client, wait_
 from tests.router.stub_worker import slow_stream, stream_shape
 from tests.router.test_router_app import Served, _wait_ready, router_app, stub_base
 from tests.router.test_router_lifecycle import Router as RouterProcess
-from tests.serving.conftest import free_port, worker_key_file
+from tests.serving.helpers import free_port, worker_key_file
 
 CHUNK = 8 << 10  # the flooding stream's SSE data per event
 TIMING = "engine;dur=1.500, total;dur=2.000"

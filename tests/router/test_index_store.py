@@ -18,7 +18,7 @@ from tandem.router.index import block_key
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
 from tandem.router.monitor import MonitorSettings
 from tandem.router.proxy import ProxySettings
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 from .test_router_app import Served, _wait_ready, stub_openai
 

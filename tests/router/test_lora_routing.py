@@ -17,7 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.protocol.signing import SIGNATURE_HEADER, admin_target, sign
 from tests.engine.utils import make_peft_adapter, make_tiny_model_dir, merge_adapter
 from tests.router.test_router_integration import RouterProcess, _metric
-from tests.serving.conftest import WORKER_KEY, free_port, start_worker
+from tests.serving.helpers import WORKER_KEY, free_port, start_worker
 
 ADMIN, TENANT = "admin-key-0123456789", "tenant-key-0123456789"
 NAMES = ("x", "y", "z", "w")

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request, Response
 from tandem.protocol.signing import SIGNATURE_HEADER, SignatureError, WorkerKey, verify
 from tandem.router.core import Router, RouterSettings
 from tests.router.test_router_app import Served, router_app
-from tests.serving.conftest import WORKER_KEY, free_port, worker_key_file
+from tests.serving.helpers import WORKER_KEY, free_port, worker_key_file
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 20  # ~225 tokens by text length
 

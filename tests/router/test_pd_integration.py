@@ -12,7 +12,7 @@ import pytest
 from tandem.protocol.bundled import BUNDLED_NAME
 from tests.kvtransfer.test_pd_workers import assert_same_echo, fetches, ids
 from tests.router.test_router_integration import RouterProcess, _metric
-from tests.serving.conftest import free_port, start_worker, wait_for
+from tests.serving.helpers import free_port, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 DISAGG = "tandem_router_disaggregated_requests_total"

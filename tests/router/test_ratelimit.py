@@ -13,7 +13,7 @@ from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
 from tandem.router.ratelimit import Limits, LocalBuckets, RateLimiter
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 from .test_router_app import Served, _wait_ready, stub_openai
 

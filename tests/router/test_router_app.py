@@ -23,7 +23,7 @@ from tandem.router.auth import ApiKeys, tenant_cache_salt
 from tandem.router.core import Router, RouterSettings
 from tandem.router.monitor import MonitorSettings
 from tandem.router.proxy import ProxySettings
-from tests.serving.conftest import WORKER_KEY, free_port, worker_key_file
+from tests.serving.helpers import WORKER_KEY, free_port, worker_key_file
 
 
 class Served:

@@ -18,7 +18,7 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
-from tests.serving.conftest import free_port, signing_channel, start_worker, worker_key_file
+from tests.serving.helpers import free_port, signing_channel, start_worker, worker_key_file
 
 pytestmark = pytest.mark.slow
 SYSTEMS = [
@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
             workers.append(start_worker(tmp, "--grpc-port", str(free_port()),
                                         "--num-kv-blocks", "160", wait_ready=False))
         for w in workers:
-            from tests.serving.conftest import wait_for
+            from tests.serving.helpers import wait_for
 
             wait_for(w, "/ready", 200, timeout=240)
         router = RouterProcess(tmp, [w.url for w in workers])
@@ -196,7 +196,7 @@ def test_two_router_replicas_agree_on_routing(cluster, redis_url, tmp_path):
 def test_a_client_that_hangs_up_aborts_the_request_on_the_worker(cluster, stream):
     """Through the router, a client gone mid-request frees the worker's blocks within a
     second, streamed or not."""
-    from tests.serving.conftest import metric, wait_idle
+    from tests.serving.helpers import metric, wait_idle
 
     router, workers = cluster
     body = json.dumps({"model": BUNDLED_NAME, "prompt": "Count slowly:", "max_tokens": 2000,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.router.stub_worker import StubWorker, slow_stream
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 
 class Router:

@@ -15,7 +15,7 @@ import httpx
 from fastapi import Request
 
 from tests.router.test_router_app import Served, stub_openai
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 
 def children_of(pid: int) -> list[int]:

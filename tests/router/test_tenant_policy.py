@@ -21,7 +21,7 @@ from tandem.router.priority import PriorityPolicy
 from tandem.serving.api_server import ServerSettings
 from tandem.serving.api_server import build_app as worker_app
 from tests.router.test_router_app import Served, _wait_ready, router_app, stub_openai
-from tests.serving.conftest import WORKER_KEY, worker_key_file
+from tests.serving.helpers import WORKER_KEY, worker_key_file
 
 POLICY = {"default": {"min": 0, "max": 0, "default": 0},
           "tenants": {"alpha": {"min": 0, "max": 10, "default": 5},

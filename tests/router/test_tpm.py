@@ -20,7 +20,7 @@ from tandem.router.main import add_router_args, build
 from tests.conftest import start_redis
 from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker, slow_stream
 from tests.router.test_router_lifecycle import Router
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 PASSWORD = "s3cret-pa55word"
 TPM = 600  # 10 tokens/s refill

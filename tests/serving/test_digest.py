@@ -13,7 +13,7 @@ import pytest
 from tandem.protocol.bundled import find_bundled_gguf
 from tandem.serving.digest import DigestMismatchError, model_sha256, verify_model
 
-from .conftest import free_port, start_worker
+from .helpers import free_port, start_worker
 
 
 def test_a_file_hashes_like_sha256sum(tmp_path):

@@ -16,7 +16,7 @@ from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
 from tandem.protocol.signing import GET_LOAD_RPC, SIGNATURE_HEADER, SUBSCRIBE_RPC, rpc_body, sign
 
-from .conftest import WORKER_KEY, free_port, signing_channel, start_worker
+from .helpers import WORKER_KEY, free_port, signing_channel, start_worker
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

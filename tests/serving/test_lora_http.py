@@ -17,7 +17,7 @@ import pytest
 from tandem import LLM, SamplingParams
 from tandem.protocol.signing import SIGNATURE_HEADER, admin_target, sign
 from tests.engine.utils import make_peft_adapter, make_tiny_model_dir, merge_adapter
-from tests.serving.conftest import WORKER_KEY, start_worker
+from tests.serving.helpers import WORKER_KEY, start_worker
 
 SPECS = {"sql": dict(rank=8, alpha=16.0, seed=11),
          "code": dict(rank=4, alpha=4.0, seed=12, targets=("q_proj", "v_proj", "down_proj")),

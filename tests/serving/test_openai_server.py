@@ -12,7 +12,7 @@ import pytest
 
 from tandem import SamplingParams
 
-from .conftest import metric, wait_idle
+from .helpers import metric, wait_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

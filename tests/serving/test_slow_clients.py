@@ -23,7 +23,7 @@ from tandem.serving.api_server import ServerSettings, build_app
 from tandem.serving.sse import TAIL_GRACE_S
 from tests.engine.utils import make_tiny_model_dir
 
-from .conftest import metric
+from .helpers import metric
 
 NAME = "tiny"
 # n=4 long samples with logprobs: a few KiB of SSE per engine step

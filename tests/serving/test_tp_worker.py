@@ -18,7 +18,7 @@ import pytest
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 from tests.engine.utils import make_tiny_model_dir
-from tests.serving.conftest import start_worker
+from tests.serving.helpers import start_worker
 
 SHAPE = dict(hidden_size=96, intermediate_size=192, num_attention_heads=12,
              num_key_value_heads=6)

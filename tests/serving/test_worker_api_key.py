@@ -18,7 +18,7 @@ from tandem.protocol.signing import SIGNATURE_HEADER
 from tandem.serving.api_server import SIGNED_ROUTES
 from tandem.serving.lora_api import LOAD_PATH, UNLOAD_PATH
 from tandem.serving.worker import API_KEY_ENV, api_keys
-from tests.serving.conftest import free_port, signed, start_worker
+from tests.serving.helpers import free_port, signed, start_worker
 
 pytestmark = pytest.mark.slow
 KEYS = ("key-one-0123", "key-two-4567")

@@ -22,7 +22,7 @@ from tandem.router.auth import RELOAD_INTERVAL_S
 from tandem.serving.api_server import ServerSettings, build_app
 from tests.protocol.test_signing import kube_secret
 from tests.router.test_router_integration import RouterProcess, _metric
-from tests.serving.conftest import WORKER_KEY, free_port, signed, start_worker, wait_for
+from tests.serving.helpers import WORKER_KEY, free_port, signed, start_worker, wait_for
 
 pytestmark = pytest.mark.slow
 OTHER_KEY = b"not-the-cluster-key-0123456789abcdef"
@@ -164,7 +164,7 @@ def test_prefill_rpc_without_a_key_serves_no_tenant_salt(tmp_path):
     from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
     from tandem.protocol import worker_pb2
     from tandem.protocol.signing import WorkerKey
-    from tests.serving.conftest import worker_key_file
+    from tests.serving.helpers import worker_key_file
 
     async def codes(key: WorkerKey | None) -> list[grpc.StatusCode]:
         server = grpc.aio.server()

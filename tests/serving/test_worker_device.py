@@ -14,7 +14,7 @@ import torch
 
 from tandem.serving.embedded import plan as _plan
 from tandem.serving.gpus import GpuSlot, assign_gpus, gpu_plan, visible_gpus
-from tests.serving.conftest import free_port
+from tests.serving.helpers import free_port
 
 
 def _worker(*flags: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:

@@ -13,7 +13,7 @@ import pytest
 
 from tandem.protocol.bundled import BUNDLED_NAME
 
-from .conftest import WorkerProcess, free_port, metric, start_worker, wait_for, wait_idle
+from .helpers import WorkerProcess, free_port, metric, start_worker, wait_for, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 400, "temperature": 0,

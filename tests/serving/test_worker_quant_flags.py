@@ -135,7 +135,7 @@ def test_a_quantized_worker_answers_through_the_openai_client(tmp_path):
     import httpx
     import openai
 
-    from tests.serving.conftest import metric, start_worker
+    from tests.serving.helpers import metric, start_worker
 
     w = start_worker(tmp_path, "--quantization", "int8", "--kv-cache-dtype", "fp8",
                      "--max-num-seqs", "4", "--speculative-config",
