@@ -73,6 +73,10 @@ def test_unreadable_files_and_empty_values(tmp_path):
     bad.write_text("policy: [random\n")
     with pytest.raises(RouterConfigError, match=r"router.yaml: not valid YAML \(line 2\)"):
         load_config(str(bad))
+    bad.write_bytes(b"policy: random\n\xff\xfe")  # a binary file: one line, not a traceback
+    with pytest.raises(RouterConfigError,
+                       match=r"router.yaml: not UTF-8 text \(byte 15: invalid start byte\)$"):
+        load_config(str(bad))
     bad.write_text("")
     assert load_config(str(bad)) == {}
     bad.write_text("max_tokens_cap:\npolicy: random\n")  # an empty value: unset

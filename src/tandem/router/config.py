@@ -141,6 +141,9 @@ def load_config(path: str | None) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise RouterConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # e.g. a binary file given by mistake
+        raise RouterConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})"
+                                ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
