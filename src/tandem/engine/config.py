@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from tandem.engine.errors import ConfigError
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.protocol.cli_args import default_served_name
+from tandem.protocol.engine_flags import DTYPES as _DTYPES
+from tandem.protocol.engine_flags import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# weight quantization (engine/quant): None = the dtype's float weights
-QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
-# KV cache storage: "auto" = the model dtype; "fp8" (e4m3) / "int8" codes with a float16
-# scale per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
+# The value sets are `tandem worker`'s choices and the operator's enums (protocol/engine_flags).
+# QUANTIZATIONS: weight quantization (engine/quant); None = the dtype's float weights.
+# KV_CACHE_DTYPES: "auto" = the model dtype; "fp8" (e4m3) / "int8" codes with a float16 scale
+# per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias.
+# EXECUTOR_BACKENDS: engine/parallel/executor.py.
 MAX_NAME_CHARS = 512  # a served model name (as long as the API's `model` field may be)
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 

@@ -61,6 +61,7 @@ from tandem.operator.spec_security import (
     prometheus_peer,
     secret_key_ref,
 )
+from tandem.protocol.engine_flags import KV_TRANSFER_BACKENDS, KV_TRANSFER_POLICIES
 
 __all__ = ["SpecError", "ModelSource", "InferenceServiceSpec", "parse_spec", "check_name",
            "SIGNALS", "MAX_NAME", "RateLimit", "RouterSpec", "AutoscalingSpec", "Signal",
@@ -270,8 +271,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         prefill=_pool(get_obj(spec, "prefill", "spec"), "prefill", 0),
         decode=_pool(get_obj(spec, "decode", "spec"), "decode", 1),
         kv_transfer=KVTransferSpec(
-            backend=get_enum(kv, "backend", "grpc", "kvTransfer", ("grpc", "torch")),
-            policy=get_enum(kv, "policy", "recompute", "kvTransfer", ("recompute", "fail")),
+            backend=get_enum(kv, "backend", "grpc", "kvTransfer", KV_TRANSFER_BACKENDS),
+            policy=get_enum(kv, "policy", "recompute", "kvTransfer", KV_TRANSFER_POLICIES),
             timeout_seconds=get_num(kv, "timeoutSeconds", 30.0, "kvTransfer") or 30.0,
             tls_secret=get(kv, "tlsSecret", str, None, "kvTransfer"),
             stream_layers=get(kv, "streamLayers", bool, False, "kvTransfer"),

@@ -16,15 +16,11 @@ from typing import Any
 from tandem.operator.fields import GPU, get, get_enum, get_int, get_num, kv_memory
 from tandem.operator.model_uri import SpecError
 from tandem.operator.spec_speculative import SpeculativeSpec, parse_speculative
+from tandem.protocol.engine_flags import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
+from tandem.protocol.engine_flags import GROUPED_QUANTIZATIONS as GROUPED
+from tandem.protocol.engine_flags import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 
-DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
-# `tandem worker --quantization` / `--kv-cache-dtype` (tandem.engine.config, which this
-# torch-free module does not import; tests/operator/test_spec_quant.py checks they agree)
-QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
-GROUP_SIZES = (32, 64, 128)
-GROUPED = ("int4", "int8")  # the quantizations with a group size
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+DEVICES = ("auto", "cpu", "cuda")  # the CRD's; the worker also takes cuda:N
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tandem.protocol import engine_flags as flags
 from tandem.protocol.watched import WatchedFile, WatchedFileError
 
 SIGNATURE_HEADER = "x-tandem-signature"
@@ -256,7 +257,7 @@ class WorkerKey:
 
 def add_worker_auth_arg(p: argparse.ArgumentParser) -> None:
     """`--worker-auth-key-file`, shared by `tandem worker` and `tandem router`."""
-    p.add_argument("--worker-auth-key-file", default=None, metavar="PATH",
+    p.add_argument(flags.WORKER_AUTH_KEY_FILE, default=None, metavar="PATH",
                    help="the key the router signs worker requests with (>= "
                         f"{MIN_KEY_BYTES} bytes; a mounted Secret, re-read every "
                         f"{RELOAD_INTERVAL_S:g} s). Workers act on x-tandem-prefill and "

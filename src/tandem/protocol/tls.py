@@ -36,6 +36,8 @@ from pathlib import Path
 
 import grpc
 
+from tandem.protocol import engine_flags as flags
+
 logger = logging.getLogger(__name__)
 IDENTITY_DOMAIN = "tandem.internal"
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
@@ -221,10 +223,10 @@ class TLSFiles:
 def add_tls_arg(p: argparse.ArgumentParser) -> None:
     """`--grpc-tls-dir` and `--grpc-tls-server-name`, shared by `tandem worker` and
     `tandem router`."""
-    p.add_argument("--grpc-tls-dir", default=None,
+    p.add_argument(flags.GRPC_TLS_DIR, default=None,
                    help="mutual TLS on the gRPC links: a directory with tls.crt, tls.key, "
                         "ca.crt (a mounted Kubernetes TLS Secret; re-read when it changes)")
-    p.add_argument("--grpc-tls-server-name", default=None, metavar="NAME",
+    p.add_argument(flags.GRPC_TLS_SERVER_NAME, default=None, metavar="NAME",
                    help="with --grpc-tls-dir: every gRPC peer's certificate must carry the "
                         "DNS name NAME (e.g. ISVC.NAMESPACE.tandem.internal), whatever "
                         "address it is dialed at; without it a server is verified against "

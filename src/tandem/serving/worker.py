@@ -19,15 +19,11 @@ import sys
 import time
 from typing import Any
 
-from tandem.engine.config import (
-    EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    EngineConfig,
-)
+from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
 from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.protocol import engine_flags as flags
 from tandem.protocol.cli_args import (
     busy_message,
     busy_ports,
@@ -44,86 +40,87 @@ logger = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help=".gguf file or HF directory (default: bundled)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    p.add_argument(flags.MODEL, default=None, help=".gguf file or HF directory (default: bundled)")
+    p.add_argument(flags.SERVED_MODEL_NAME, nargs="+", default=None, metavar="NAME",
                    help="the names requests may use for the model (the first names it in "
                         "answers and metrics); default: --model as given, a path's last "
                         "component (a .gguf file's without the extension), or the bundled "
                         "model's name")
-    p.add_argument("--device", default="auto",
+    p.add_argument(flags.DEVICE, default="auto",
                    help="auto (cuda:0 when torch sees a GPU, else cpu), cpu, cuda or cuda:N; "
                         "a CUDA device that cannot be used is an error, never a CPU fallback")
-    p.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument(flags.DTYPE, default="auto",
+                   choices=flags.DTYPES,
                    help="weights, activations and KV cache (auto: bfloat16 on CUDA, float32 "
                         "on CPU)")
-    p.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "triton", "torch", "cpu"],
+    p.add_argument(flags.ATTENTION_BACKEND, default="auto",
+                   choices=flags.ATTENTION_BACKENDS,
                    help="auto: triton on CUDA, the native kernel (else torch) on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float,
+    p.add_argument(flags.GPU_MEMORY_UTILIZATION, type=float,
                    default=EngineConfig.gpu_memory_utilization,
                    help="CUDA: fraction of the GPU's memory this worker may use (weights, "
                         "activations and KV cache; vLLM's meaning)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument(flags.BLOCK_SIZE, type=int, default=16)
+    p.add_argument(flags.MAX_NUM_SEQS, type=int, default=128)
+    p.add_argument(flags.MAX_NUM_BATCHED_TOKENS, type=int, default=None,
                    help="token budget per step (default: 2048 for `worker`, as vLLM's server; "
                         "1024 offline)")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+    p.add_argument(flags.LONG_PREFILL_TOKEN_THRESHOLD, type=int, default=None,
                    help="most prefill tokens one request runs per step, so prompts queued "
                         "behind a long one start before it finishes (0: no cap; default: "
                         f"{PREFILL_ROLE_CHUNK_CAP} for --role prefill on CPU, else 0, as "
                         "vLLM)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=_finite, default=0.1,
+    p.add_argument(flags.MAX_MODEL_LEN, type=int, default=None)
+    p.add_argument(flags.KV_CACHE_MEMORY, type=_finite, default=0.1,
                    help="bytes (> 1) or a fraction of RAM (<= 1); on CUDA only bytes count "
                         "(exactly that much KV cache), else --gpu-memory-utilization sizes it")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=4096,
+    p.add_argument(flags.NUM_KV_BLOCKS, type=int, default=None)
+    p.add_argument(flags.MAX_WAITING, type=int, default=4096,
                    help="bound on queued requests; beyond it requests get 429")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true",
+    p.add_argument(flags.NO_PREFIX_CACHING, action="store_true")
+    p.add_argument(flags.NUM_THREADS, type=int, default=None)
+    p.add_argument(flags.ENFORCE_EAGER, action="store_true",
                    help="never capture CUDA graphs of decode steps (vLLM's flag; they are "
                         "captured on CUDA with the triton attention backend otherwise)")
-    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS,
+    p.add_argument(flags.QUANTIZATION, "-q", default=None, choices=flags.QUANTIZATIONS,
                    help="keep the weights compressed and compute with them: int8 (weight-only, "
                         "per channel), w8a8 (int8 weights and per-token int8 activations), "
                         "int4 (group-wise), fp8 (e4m3), gguf (the file's own Q4_0/Q4_1/Q8_0 "
                         "tensors as they are); default: float weights in --dtype")
-    p.add_argument("--quantization-group-size", type=int, default=None, choices=(32, 64, 128),
+    p.add_argument(flags.QUANTIZATION_GROUP_SIZE, type=int, default=None,
+                   choices=flags.QUANTIZATION_GROUP_SIZES,
                    help="input columns per scale for int4 (default 32) and int8 (default: "
                         "per channel)")
-    p.add_argument("--kv-cache-dtype", default=EngineConfig.kv_cache_dtype,
-                   choices=KV_CACHE_DTYPES,
+    p.add_argument(flags.KV_CACHE_DTYPE, default=EngineConfig.kv_cache_dtype,
+                   choices=flags.KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), fp8 (e4m3; fp8_e4m3 is the "
                         "same) or int8, each with a float16 scale per token and KV head")
-    p.add_argument("--speculative-config", type=speculative_config, default=None,
+    p.add_argument(flags.SPECULATIVE_CONFIG, type=speculative_config, default=None,
                    metavar="JSON",
                    help="speculative decoding, vLLM's keys as a JSON object, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                         "'{\"method\": \"draft\", \"model\": \"self\", "
                         "\"draft_quantization\": \"int4\"}' (default: off)")
-    p.add_argument("--enable-lora", action="store_true",
+    p.add_argument(flags.ENABLE_LORA, action="store_true",
                    help="serve LoRA adapters on the base model; a request picks one by its "
                         "name in the OpenAI `model` field")
-    p.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+    p.add_argument(flags.MAX_LORAS, type=int, default=EngineConfig.max_loras,
                    help="adapters resident in device slots (distinct adapters per step)")
-    p.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+    p.add_argument(flags.MAX_LORA_RANK, type=int, default=EngineConfig.max_lora_rank,
                    help="largest adapter rank accepted (the slots are this wide)")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
+    p.add_argument(flags.MAX_CPU_LORAS, type=int, default=None,
                    help="adapters kept in host memory (default: --max-loras)")
-    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+    p.add_argument(flags.LORA_MODULES, nargs="+", default=None, metavar="NAME=PATH",
                    help="adapters loaded at start (PEFT directories; trusted paths)")
-    p.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+    p.add_argument(flags.LORA_DIR, action="append", default=[], metavar="DIR",
                    help="a root `POST /v1/load_lora_adapter` may load adapters from "
                         "(repeatable; none: loading by path is refused)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument(flags.TENSOR_PARALLEL_SIZE, "-tp", type=int, default=1,
                    help="ranks sharing every layer (heads, MLP columns, vocabulary), one "
                         "GPU each on CUDA (this worker's GPU and the next N-1), local "
                         "processes or Ray actors on the CPU too")
-    p.add_argument("--distributed-executor-backend", default=None,
-                   choices=EXECUTOR_BACKENDS,
+    p.add_argument(flags.DISTRIBUTED_EXECUTOR_BACKEND, default=None,
+                   choices=flags.EXECUTOR_BACKENDS,
                    help="how ranks 1..N-1 run: mp (local processes, the default for N > 1) "
                         "or ray (Ray actors in one placement group: the shards stay "
                         "together on as few nodes as possible; RAY_ADDRESS joins a cluster)")
@@ -211,11 +208,11 @@ def _chunk_cap(args: argparse.Namespace) -> int:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--grpc-port", type=port_number, default=None,
+    p.add_argument(flags.HOST, default="127.0.0.1")
+    p.add_argument(flags.PORT, type=port_number, default=8000)
+    p.add_argument(flags.GRPC_PORT, type=port_number, default=None,
                    help="serve the gRPC Worker service (KV events, load) on this port")
-    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    p.add_argument(flags.ROLE, default="both", choices=flags.ROLES)
     p.add_argument("--max-n", type=positive_int, default=16)
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20)
     p.add_argument("--request-timeout", type=positive_seconds, default=600.0,
@@ -225,28 +222,29 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "then the request is aborted and the connection closed")
     p.add_argument("--max-pending-tokenize", type=positive_int, default=256, metavar="N",
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
-    p.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0,
+    p.add_argument(flags.DRAIN_TIMEOUT, type=non_negative_seconds, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
-    p.add_argument("--kv-transfer-backend", default="grpc", choices=["grpc", "torch"],
+    p.add_argument(flags.KV_TRANSFER_BACKEND, default="grpc", choices=flags.KV_TRANSFER_BACKENDS,
                    help="decode side of P/D: how pages come from prefill workers")
-    p.add_argument("--kv-transfer-host", default="127.0.0.1",
+    p.add_argument(flags.KV_TRANSFER_HOST, default="127.0.0.1",
                    help="torch backend: the address prefill workers reach this decode "
                         "worker's torch.distributed store at")
-    p.add_argument("--kv-transfer-policy", default="recompute", choices=["recompute", "fail"],
+    p.add_argument(flags.KV_TRANSFER_POLICY, default="recompute",
+                   choices=flags.KV_TRANSFER_POLICIES,
                    help="when a remote prefill fails: compute locally, or fail the request")
-    p.add_argument("--kv-transfer-timeout", type=positive_seconds, default=30.0,
+    p.add_argument(flags.KV_TRANSFER_TIMEOUT, type=positive_seconds, default=30.0,
                    help="seconds for a whole remote prefill (compute, transfer, import)")
     p.add_argument("--kv-lease", type=positive_seconds, default=30.0,
                    help="seconds a prefill worker keeps sent pages pinned unless released")
-    p.add_argument("--kv-stream-layers", action="store_true",
+    p.add_argument(flags.KV_STREAM_LAYERS, action="store_true",
                    help="prefill side of P/D: send each layer's pages as soon as the "
                         "prompt's last step has computed it, overlapping transfer and compute")
-    p.add_argument("--model-sha256", default=None, metavar="HEX",
+    p.add_argument(flags.MODEL_SHA256, default=None, metavar="HEX",
                    help="refuse to serve unless the model's SHA-256 is HEX (a .gguf: the "
                         "file; an HF directory: its sorted `sha256sum *.safetensors` listing)")
     add_tls_arg(p)
     add_worker_auth_arg(p)
-    p.add_argument("--require-signed-requests", action="store_true",
+    p.add_argument(flags.REQUIRE_SIGNED_REQUESTS, action="store_true",
                    help="serve completions and (de)tokenize calls only when the router "
                         "signed them (needs --worker-auth-key-file; 403 otherwise)")
     p.add_argument("--max-kv-event-subscribers", type=positive_int, default=16,

@@ -33,6 +33,7 @@ from typing import Any
 from tandem.operator.render.common import container_security_context
 from tandem.operator.render.model import FETCH, fetch_env
 from tandem.operator.spec_lora import ADAPTER_DIR, AdapterSpec, LoRASpec
+from tandem.protocol import engine_flags as flags
 
 DOWNLOAD_VOLUME = "lora-download"
 INIT_NAME = "fetch-adapters"
@@ -65,14 +66,14 @@ def lora_args(lora: LoRASpec | None) -> list[str]:
     """The worker's LoRA flags; none without `spec.lora`."""
     if lora is None:
         return []
-    args = ["--enable-lora", "--max-loras", str(lora.max_loras),
-            "--max-lora-rank", str(lora.max_lora_rank)]
+    args = [flags.ENABLE_LORA, flags.MAX_LORAS, str(lora.max_loras),
+            flags.MAX_LORA_RANK, str(lora.max_lora_rank)]
     if lora.max_cpu_loras is not None:
-        args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+        args += [flags.MAX_CPU_LORAS, str(lora.max_cpu_loras)]
     if lora.adapters:
-        args += ["--lora-modules", *(f"{a.name}={adapter_path(i, a)}"
+        args += [flags.LORA_MODULES, *(f"{a.name}={adapter_path(i, a)}"
                                      for i, a in enumerate(lora.adapters))]
-    return [*args, "--lora-dir", ADAPTER_DIR]
+    return [*args, flags.LORA_DIR, ADAPTER_DIR]
 
 
 def _claim_volume(claim: str, i: int, volumes: list[dict[str, Any]],

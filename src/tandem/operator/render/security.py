@@ -57,6 +57,7 @@ from tandem.operator.render.common import (
 from tandem.operator.render.multinode import group_selector
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.operator.spec_security import IssuerRef, SecretKeyRef
+from tandem.protocol import engine_flags as flags
 from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
 from tandem.protocol.tls import peer_identity
 
@@ -125,16 +126,16 @@ def worker_auth_mount(spec: InferenceServiceSpec,
 
 def security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     """Flags every router and worker gets: the signing key, and the gRPC peer identity."""
-    args = ["--worker-auth-key-file", f"{WORKER_AUTH_DIR}/{WORKER_AUTH_KEY}"]
+    args = [flags.WORKER_AUTH_KEY_FILE, f"{WORKER_AUTH_DIR}/{WORKER_AUTH_KEY}"]
     if spec.kv_transfer.tls_secret:
-        args += ["--grpc-tls-server-name", peer_identity(owner.name, owner.namespace)]
+        args += [flags.GRPC_TLS_SERVER_NAME, peer_identity(owner.name, owner.namespace)]
     return args
 
 
 def worker_security_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     """A worker's: every one has the key, so it serves only requests its routers signed
     (no unmetered inference for whatever reaches a pod)."""
-    return security_args(spec, owner) + ["--require-signed-requests"]
+    return security_args(spec, owner) + [flags.REQUIRE_SIGNED_REQUESTS]
 
 
 # ---- cert-manager Certificate -----------------------------------------------------------

@@ -43,6 +43,7 @@ from tandem.operator.render.model import draft_model, worker_model
 from tandem.operator.render.multinode import group_pdb, leader_worker_set
 from tandem.operator.render.security import worker_auth_mount, worker_security_args
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
+from tandem.protocol import engine_flags as flags
 from tandem.protocol.labels import WORKER_COMPONENT
 
 SHUTDOWN_SLACK_SECONDS = 15  # after the drain: uvicorn's graceful stop, engine shutdown
@@ -87,46 +88,46 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
     """`tandem worker` arguments for one pool (after the `tandem` command)."""
     e, kv, m = pool.spec.engine, spec.kv_transfer, spec.model
     args = [*log_level_args(pool.spec.pod.log_level or spec.log_level),
-            "worker", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-            "--grpc-port", str(GRPC_PORT), "--role", pool.role,
-            "--served-model-name", *m.served_names]
+            "worker", flags.HOST, "0.0.0.0", flags.PORT, str(HTTP_PORT),
+            flags.GRPC_PORT, str(GRPC_PORT), flags.ROLE, pool.role,
+            flags.SERVED_MODEL_NAME, *m.served_names]
     optional: list[tuple[str, Any]] = [
-        ("--model", model_path), ("--model-sha256", m.sha256), ("--dtype", m.dtype),
-        ("--block-size", e.block_size), ("--max-num-seqs", e.max_num_seqs),
-        ("--max-num-batched-tokens", e.max_num_batched_tokens),
-        ("--long-prefill-token-threshold", e.long_prefill_token_threshold),
-        ("--max-model-len", e.max_model_len), ("--kv-cache-memory", e.kv_cache_memory),
-        ("--num-kv-blocks", e.num_kv_blocks), ("--max-waiting", e.max_waiting),
-        ("--num-threads", _threads(pool.spec)), ("--drain-timeout", e.drain_timeout_seconds),
-        ("--device", pool.spec.device),
-        ("--attention-backend", None if e.attention_backend == "auto" else e.attention_backend),
-        ("--gpu-memory-utilization", e.gpu_memory_utilization),
-        ("--quantization", e.quantization),
-        ("--quantization-group-size", e.quantization_group_size),
-        ("--kv-cache-dtype", None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
+        (flags.MODEL, model_path), (flags.MODEL_SHA256, m.sha256), (flags.DTYPE, m.dtype),
+        (flags.BLOCK_SIZE, e.block_size), (flags.MAX_NUM_SEQS, e.max_num_seqs),
+        (flags.MAX_NUM_BATCHED_TOKENS, e.max_num_batched_tokens),
+        (flags.LONG_PREFILL_TOKEN_THRESHOLD, e.long_prefill_token_threshold),
+        (flags.MAX_MODEL_LEN, e.max_model_len), (flags.KV_CACHE_MEMORY, e.kv_cache_memory),
+        (flags.NUM_KV_BLOCKS, e.num_kv_blocks), (flags.MAX_WAITING, e.max_waiting),
+        (flags.NUM_THREADS, _threads(pool.spec)), (flags.DRAIN_TIMEOUT, e.drain_timeout_seconds),
+        (flags.DEVICE, pool.spec.device),
+        (flags.ATTENTION_BACKEND, None if e.attention_backend == "auto" else e.attention_backend),
+        (flags.GPU_MEMORY_UTILIZATION, e.gpu_memory_utilization),
+        (flags.QUANTIZATION, e.quantization),
+        (flags.QUANTIZATION_GROUP_SIZE, e.quantization_group_size),
+        (flags.KV_CACHE_DTYPE, None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
     layout = pool.spec.layout
     if layout.tensor > 1:  # (1: the worker's default; unset keeps older renders as they were)
-        optional += [("--tensor-parallel-size", layout.tensor),
-                     ("--distributed-executor-backend", layout.backend)]
+        optional += [(flags.TENSOR_PARALLEL_SIZE, layout.tensor),
+                     (flags.DISTRIBUTED_EXECUTOR_BACKEND, layout.backend)]
     if e.speculative is not None:  # (refused on prefill pools: they do not decode)
-        optional.append(("--speculative-config", e.speculative.worker_json(
+        optional.append((flags.SPECULATIVE_CONFIG, e.speculative.worker_json(
             draft_model(m, e.speculative).path)))
     if pool.role == "decode":  # the side that pulls pages from prefill workers
-        optional += [("--kv-transfer-backend", kv.backend), ("--kv-transfer-policy", kv.policy),
-                     ("--kv-transfer-timeout", f"{kv.timeout_seconds:g}")]
+        optional += [(flags.KV_TRANSFER_BACKEND, kv.backend), (flags.KV_TRANSFER_POLICY, kv.policy),
+                     (flags.KV_TRANSFER_TIMEOUT, f"{kv.timeout_seconds:g}")]
         if kv.backend == "torch":
-            optional.append(("--kv-transfer-host", "$(POD_IP)"))
+            optional.append((flags.KV_TRANSFER_HOST, "$(POD_IP)"))
     if kv.tls_secret:
-        optional.append(("--grpc-tls-dir", TLS_DIR))
-    for flag, value in optional:
+        optional.append((flags.GRPC_TLS_DIR, TLS_DIR))
+    for name, value in optional:
         if value is not None:
-            args += [flag, str(value)]
+            args += [name, str(value)]
     if not e.enable_prefix_caching:
-        args.append("--no-prefix-caching")
+        args.append(flags.NO_PREFIX_CACHING)
     if e.enforce_eager:
-        args.append("--enforce-eager")
+        args.append(flags.ENFORCE_EAGER)
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
-        args.append("--kv-stream-layers")
+        args.append(flags.KV_STREAM_LAYERS)
     return args + lora_args(spec.lora)  # every role: prefill computes with the adapter too
 
 

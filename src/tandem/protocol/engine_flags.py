@@ -1,0 +1,80 @@
+"""`tandem worker`'s flags, spelled once: the worker defines its arguments with these names
+(`serving/worker.py`, `protocol/signing.py`, `protocol/tls.py`) and the operator renders
+its pods' command lines with them (`operator/render/`); the value sets are the choices the
+worker accepts and the CRD's enums. Plain strings and tuples, torch-free: the operator and
+the router import it.
+"""
+
+from __future__ import annotations
+
+# the model
+MODEL = "--model"
+SERVED_MODEL_NAME = "--served-model-name"
+MODEL_SHA256 = "--model-sha256"
+DTYPE = "--dtype"
+# device and memory
+DEVICE = "--device"
+ATTENTION_BACKEND = "--attention-backend"
+GPU_MEMORY_UTILIZATION = "--gpu-memory-utilization"
+KV_CACHE_MEMORY = "--kv-cache-memory"
+NUM_KV_BLOCKS = "--num-kv-blocks"
+ENFORCE_EAGER = "--enforce-eager"
+NUM_THREADS = "--num-threads"
+# scheduling
+BLOCK_SIZE = "--block-size"
+MAX_NUM_SEQS = "--max-num-seqs"
+MAX_NUM_BATCHED_TOKENS = "--max-num-batched-tokens"
+LONG_PREFILL_TOKEN_THRESHOLD = "--long-prefill-token-threshold"
+MAX_MODEL_LEN = "--max-model-len"
+MAX_WAITING = "--max-waiting"
+NO_PREFIX_CACHING = "--no-prefix-caching"
+# quantization and speculation
+QUANTIZATION = "--quantization"
+QUANTIZATION_GROUP_SIZE = "--quantization-group-size"
+KV_CACHE_DTYPE = "--kv-cache-dtype"
+SPECULATIVE_CONFIG = "--speculative-config"
+# LoRA
+ENABLE_LORA = "--enable-lora"
+MAX_LORAS = "--max-loras"
+MAX_LORA_RANK = "--max-lora-rank"
+MAX_CPU_LORAS = "--max-cpu-loras"
+LORA_MODULES = "--lora-modules"
+LORA_DIR = "--lora-dir"
+# tensor parallelism
+TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
+DISTRIBUTED_EXECUTOR_BACKEND = "--distributed-executor-backend"
+# the server
+HOST = "--host"
+PORT = "--port"
+GRPC_PORT = "--grpc-port"
+ROLE = "--role"
+DRAIN_TIMEOUT = "--drain-timeout"
+# P/D KV transfer
+KV_TRANSFER_BACKEND = "--kv-transfer-backend"
+KV_TRANSFER_HOST = "--kv-transfer-host"
+KV_TRANSFER_POLICY = "--kv-transfer-policy"
+KV_TRANSFER_TIMEOUT = "--kv-transfer-timeout"
+KV_STREAM_LAYERS = "--kv-stream-layers"
+# worker authentication and gRPC TLS (the router takes the first three too)
+WORKER_AUTH_KEY_FILE = "--worker-auth-key-file"
+GRPC_TLS_DIR = "--grpc-tls-dir"
+GRPC_TLS_SERVER_NAME = "--grpc-tls-server-name"
+REQUIRE_SIGNED_REQUESTS = "--require-signed-requests"
+
+# the values the worker accepts (argparse choices) and the CRD's enums
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
+QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+GROUPED_QUANTIZATIONS = ("int4", "int8")  # the quantizations with a group size
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
+ROLES = ("both", "prefill", "decode")
+KV_TRANSFER_BACKENDS = ("grpc", "torch")
+KV_TRANSFER_POLICIES = ("recompute", "fail")
+
+
+def all_flags() -> dict[str, str]:
+    """Every flag above by constant name (`{"MAX_MODEL_LEN": "--max-model-len", ...}`)."""
+    return {k: v for k, v in globals().items()
+            if k.isupper() and isinstance(v, str) and v.startswith("--")}
