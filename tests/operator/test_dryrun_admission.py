@@ -127,8 +127,10 @@ def test_every_example_renders_with_the_values_its_comments_name() -> None:
 
 @pytest.mark.parametrize("flag, message", [
     ("redis.enabled", "'redis.enabled': key 'redis.enabled' has no value"),
-    ("redis.enabled=yes", "redis.enabled: str is not bool"),
-    ("redis.enabled=true,redis.port=70000", "redis.port: 70000 is not a port (1-65535)"),
+    ("redis.enabled=yes", 'redis.enabled: Invalid value: "yes": redis.enabled in body must '
+     'be of type boolean: "string"'),
+    ("redis.enabled=true,redis.port=70000", "redis.port: Invalid value: 70000: redis.port in "
+     "body should be less than or equal to 65535"),
     ("security.allowedRegistries[0]=registry.example.com",
      "list indexes (allowedRegistries[...]) are not supported: give a list whole ({a,b}) or "
      "use --values"),

@@ -1,19 +1,26 @@
 """The Tandem chart's defaults, as `tandem render` mirrors them: the environment the chart's
 `templates/deployment.yaml` gives the operator (TANDEM_IMAGE ... TANDEM_ALLOWED_NAMESPACES),
-computed from the chart's values (`VALUES`, the keys of `charts/tandem/values.yaml` that
-template reads), a release name and a namespace, as `helm install RELEASE charts/tandem -n
-NAMESPACE [-f VALUES] [--set KEY=VALUE]` would give it (`parse_set`: helm's `--set` syntax,
-the common case). tests/operator/test_dryrun_chart.py holds this module and the chart
-together (`helm template`, compared variable by variable)."""
+computed from the chart's values (`chart_values`: the package's copy of
+`charts/tandem/values.yaml`), a release name and a namespace, as `helm install RELEASE
+charts/tandem -n NAMESPACE [-f VALUES] [--set KEY=VALUE]` would give it (`parse_set`: helm's
+`--set` syntax, the common case), after helm's check of the merged values against the
+chart's values.schema.json (`check_values`, also a packaged copy).
+tests/operator/test_dryrun_chart.py holds this module and the chart together (`helm
+template`, compared variable by variable)."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import re
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
 import yaml
+
+from tandem.operator.crd_schema import unknown_fields, validate
 
 APP_VERSION = "0.1.0"  # Chart.yaml appVersion: the images' default tag
 CHART_NAME = "tandem"
@@ -21,24 +28,42 @@ RELEASE = "tandem"  # the README's `helm install tandem charts/tandem -n tandem-
 NAMESPACE = "tandem-system"
 REDIS_ADMIN_PASSWORD_FILE = "/etc/tandem/redis-admin/password"  # the chart's mount
 
-# the values the operator's environment is made of, with the chart's defaults
-VALUES: dict[str, Any] = {
-    "nameOverride": "",
-    "fullnameOverride": "",
-    "image": {"repository": "ghcr.io/tandem-llm/tandem", "tag": "", "digest": "",
-              "pullPolicy": "IfNotPresent"},
-    "controlImage": {"repository": "ghcr.io/tandem-llm/tandem-control", "tag": "",
-                     "digest": ""},
-    "workerImage": {"repository": "", "tag": "", "cudaTag": "", "digest": "",
-                    "cudaDigest": ""},
-    "childImagePullSecrets": [],
-    "watchNamespaces": [],
-    "operator": {"env": []},
-    "security": {"allowHostPath": False, "allowedRuntimeClasses": ["nvidia"],
-                 "allowedSecrets": [], "allowedRegistries": [], "allowedNamespaces": [],
-                 "allowedClusterIssuers": []},
-    "redis": {"enabled": False, "port": 6379},
-}
+VALUES_FILE = "values.yaml"  # the package's copies of charts/tandem/'s (byte for byte)
+SCHEMA_FILE = "values.schema.json"
+
+
+def _packaged(name: str) -> str:
+    return (resources.files("tandem.operator") / "chart" / name).read_text("utf-8")
+
+
+@functools.cache
+def _chart_values() -> dict[str, Any]:
+    return yaml.safe_load(_packaged(VALUES_FILE))
+
+
+def chart_values() -> dict[str, Any]:
+    """The chart's default values (a fresh copy of its values.yaml)."""
+    return copy.deepcopy(_chart_values())
+
+
+def _resolve(node: Any, definitions: Mapping[str, Any]) -> Any:
+    """`node` with each `{"$ref": "#/definitions/NAME"}` replaced by that definition (the
+    chart's schema has no recursive ones)."""
+    if isinstance(node, list):
+        return [_resolve(v, definitions) for v in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        return _resolve(definitions[ref.removeprefix("#/definitions/")], definitions)
+    return {k: _resolve(v, definitions) for k, v in node.items() if k != "definitions"}
+
+
+@functools.cache
+def values_schema() -> dict[str, Any]:
+    """The chart's values.schema.json, its `$ref`s resolved."""
+    schema = json.loads(_packaged(SCHEMA_FILE))
+    return _resolve(schema, schema.get("definitions") or {})
 
 
 class ValuesError(ValueError):
@@ -143,7 +168,7 @@ def parse_set(text: str, into: dict[str, Any] | None = None) -> dict[str, Any]:
 def load_values(texts: list[str], sets: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The chart's values with each YAML text (`helm -f`, in order) merged over them, then
     the `--set` texts (in order, into one mapping, as helm parses them) over those."""
-    values = copy.deepcopy(VALUES)
+    values = chart_values()
     for i, text in enumerate(texts, 1):
         try:
             doc = yaml.safe_load(text)
@@ -158,7 +183,22 @@ def load_values(texts: list[str], sets: list[str] | tuple[str, ...] = ()) -> dic
     given: dict[str, Any] = {}
     for text in sets:
         parse_set(text, given)
-    return merge(values, given)
+    values = merge(values, given)
+    check_values(values)
+    return values
+
+
+def check_values(values: Mapping[str, Any]) -> None:
+    """`ValuesError` with what helm refuses of the merged `values` by the chart's
+    values.schema.json: a key the chart does not have (`redis.enable`), a value of the wrong
+    type, range or pattern, a required key deleted by a null."""
+    schema = values_schema()
+    errors = [f"{path}: the chart has no such value" for path in
+              unknown_fields(schema, values, json_schema=True)]
+    errors += validate(schema, values)
+    if errors:
+        raise ValuesError(
+            "values don't meet the chart's values.schema.json: " + "; ".join(errors))
 
 
 def _get(values: Mapping[str, Any], path: str, kind: type | tuple[type, ...]) -> Any:
@@ -216,7 +256,7 @@ def operator_env(values: Mapping[str, Any] | None = None, release: str = RELEASE
     """The operator container's environment variables with a plain value, as the chart's
     Deployment sets them (TANDEM_OPERATOR_NAMESPACE, a fieldRef there, is `namespace`);
     `operator.env` entries with a `value` come last and win."""
-    values = VALUES if values is None else values
+    values = chart_values() if values is None else values
     img = images(values)
     env = {"TANDEM_IMAGE": img["image"], "TANDEM_ROUTER_IMAGE": img["control"],
            "TANDEM_WORKER_IMAGE": img["worker"], "TANDEM_WORKER_CUDA_IMAGE": img["cuda"],

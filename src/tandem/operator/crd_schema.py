@@ -25,10 +25,15 @@ import yaml
 
 CRD_FILE = "inferenceservice.yaml"
 # ObjectMeta's fields (strict decoding of metadata; the CRD's schema says only `object`)
-OBJECT_META = frozenset({
-    "name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
-    "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
-    "annotations", "ownerReferences", "finalizers", "managedFields"})
+# ObjectMeta's fields and their JSON types (strict decoding of metadata; the CRD's schema
+# says only `object`)
+META_TYPES = {
+    "name": "string", "generateName": "string", "namespace": "string", "selfLink": "string",
+    "uid": "string", "resourceVersion": "string", "generation": "integer",
+    "creationTimestamp": "string", "deletionTimestamp": "string",
+    "deletionGracePeriodSeconds": "integer", "labels": "object", "annotations": "object",
+    "ownerReferences": "array", "finalizers": "array", "managedFields": "array"}
+OBJECT_META = frozenset(META_TYPES)
 STRING_MAPS = ("labels", "annotations")
 
 
@@ -85,31 +90,38 @@ def _key(path: str, key: str, declared: bool) -> str:
 
 # ---- strict decoding ----------------------------------------------------------------------
 
-def unknown_fields(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
+def unknown_fields(node: dict[str, Any], value: Any, path: str = "", *,
+                   json_schema: bool = False) -> list[str]:
     """The paths of fields `node` does not declare, in document order. A node with
     `x-kubernetes-preserve-unknown-fields` keeps unknown fields (its declared ones are still
-    walked); `additionalProperties` declares every key."""
+    walked); `additionalProperties` declares every key. `json_schema`: JSON Schema's rule
+    instead of a structural schema's (a helm chart's values.schema.json): only an object with
+    `additionalProperties: false` refuses a key it does not declare."""
     out: list[str] = []
     if isinstance(value, list):
         items = node.get("items")
         if isinstance(items, dict):
             for i, item in enumerate(value):
-                out += unknown_fields(items, item, f"{path}[{i}]")
+                out += unknown_fields(items, item, f"{path}[{i}]", json_schema=json_schema)
         return out
     if not isinstance(value, dict):
         return out
-    if path == "metadata":
+    if path == "metadata" and not json_schema:
         return [f"metadata.{k}" for k in value if k not in OBJECT_META]
     props = node.get("properties") or {}
     extra = node.get("additionalProperties")
     keep = node.get("x-kubernetes-preserve-unknown-fields") or extra is True
+    closed = extra is False if json_schema else not keep and (props or node.get("type") ==
+                                                             "object")
     for key, sub_value in value.items():
         key = str(key)
         if key in props:
-            out += unknown_fields(props[key], sub_value, _key(path, key, True))
+            out += unknown_fields(props[key], sub_value, _key(path, key, True),
+                                  json_schema=json_schema)
         elif isinstance(extra, dict):
-            out += unknown_fields(extra, sub_value, _key(path, key, False))
-        elif not keep and (props or node.get("type") == "object"):
+            out += unknown_fields(extra, sub_value, _key(path, key, False),
+                                  json_schema=json_schema)
+        elif closed:
             out.append(_key(path, key, True))
     return out
 
@@ -182,15 +194,20 @@ def _bounds(node: dict[str, Any], value: Any, path: str) -> list[str]:
     out = []
     if isinstance(value, int | float) and not isinstance(value, bool):
         low, high = node.get("minimum"), node.get("maximum")
+        for bound, above in (("exclusiveMinimum", True), ("exclusiveMaximum", False)):
+            limit = node.get(bound)  # JSON Schema draft 6+: a number (OpenAPI v3: a flag)
+            if isinstance(limit, int | float) and not isinstance(limit, bool) and not (
+                    value > limit if above else value < limit):
+                out.append(f"should be {'greater' if above else 'less'} than {limit}")
         if low is not None:
-            if node.get("exclusiveMinimum") and not value > low:
+            if node.get("exclusiveMinimum") is True and not value > low:
                 out.append(f"should be greater than {low}")
-            elif not node.get("exclusiveMinimum") and not value >= low:
+            elif node.get("exclusiveMinimum") is not True and not value >= low:
                 out.append(f"should be greater than or equal to {low}")
         if high is not None:
-            if node.get("exclusiveMaximum") and not value < high:
+            if node.get("exclusiveMaximum") is True and not value < high:
                 out.append(f"should be less than {high}")
-            elif not node.get("exclusiveMaximum") and not value <= high:
+            elif node.get("exclusiveMaximum") is not True and not value <= high:
                 out.append(f"should be less than or equal to {high}")
         step = node.get("multipleOf")
         if step and (value / step) != int(value / step):
@@ -203,6 +220,8 @@ def _bounds(node: dict[str, Any], value: Any, path: str) -> list[str]:
         if "pattern" in node and not re.search(node["pattern"], value):
             out.append(f"should match '{node['pattern']}'")
     if isinstance(value, list):
+        if node.get("uniqueItems") and len({_show(v) for v in value}) < len(value):
+            out.append("shouldn't contain duplicates")
         if "minItems" in node and len(value) < node["minItems"]:
             out.append(f"should have at least {node['minItems']} items")
         if "maxItems" in node and len(value) > node["maxItems"]:
@@ -281,6 +300,21 @@ def validate(node: dict[str, Any], value: Any, path: str = "") -> list[str]:
     return out
 
 
+def _meta_errors(meta: dict[str, Any]) -> list[str]:
+    """ObjectMeta's field types (a namespace or uid that is not a string, ...) and its
+    labels' and annotations' values."""
+    out = []
+    for field, value in meta.items():
+        where = f"metadata.{field}"
+        error = _type_error({"type": META_TYPES[field]}, value, where)
+        if error:
+            out.append(error)
+        elif field in STRING_MAPS:
+            out += [f"{where}[{k}]: Invalid value: {_show(v)}: {where}[{k}] in body must be "
+                    "of type string" for k, v in value.items() if not isinstance(v, str)]
+    return out
+
+
 # ---- the whole object ---------------------------------------------------------------------
 
 def check(doc: dict[str, Any], crd: CrdSchema | None = None) -> dict[str, Any]:
@@ -296,17 +330,7 @@ def check(doc: dict[str, Any], crd: CrdSchema | None = None) -> dict[str, Any]:
     stored = drop_nulls_and_default(crd.schema, doc)
     errors = validate(crd.schema, stored)
     if isinstance(stored.get("metadata"), dict):
-        for field in STRING_MAPS:
-            entries = stored["metadata"].get(field)
-            if entries is None:
-                continue
-            if not isinstance(entries, dict):
-                errors.append(f"metadata.{field}: Invalid value: {_show(entries)}: "
-                              f"metadata.{field} in body must be of type object")
-                continue
-            errors += [f"metadata.{field}[{k}]: Invalid value: {_show(v)}: metadata.{field}"
-                       f"[{k}] in body must be of type string" for k, v in entries.items()
-                       if not isinstance(v, str)]
+        errors += _meta_errors(stored["metadata"])
     if errors:
         raise Invalid(crd.kind, name, errors=tuple(errors))
     return stored

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from tandem.operator.render.common import (
 from tandem.operator.render.security import OPERATOR_NAMESPACE_ENV, OPERATOR_RELEASE_ENV
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_VALUE = "<generated-by-the-operator>"  # not base64 on purpose: never a key
 
@@ -152,6 +154,9 @@ def load(text: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, doc in enumerate(docs, 1):
         items = doc.get("items") if isinstance(doc, dict) and doc.get("kind") == "List" else [doc]
+        if items is not None and not isinstance(items, list):
+            raise RenderError(f"document {i}: a List's items must be a list, got "
+                              f"{type(items).__name__}")
         for item in items or []:
             if not isinstance(item, dict):
                 raise RenderError(f"document {i}: a mapping is expected, got "
@@ -184,6 +189,9 @@ def parse(doc: dict[str, Any], namespace: str | None, uid: str | None) -> Servic
     except SpecError as exc:
         raise invalid_spec(name, exc) from None
     own_ns = meta.get("namespace")
+    if own_ns and not _NAMESPACE.fullmatch(own_ns):
+        raise RenderError(f"InferenceService {name}: metadata.namespace {own_ns!r} is not a "
+                          "namespace name (a DNS-1123 label)")
     if namespace and own_ns and namespace != own_ns:
         raise RenderError(f"InferenceService {name}: metadata.namespace {own_ns!r} does not "
                           f"match --namespace {namespace!r}")
@@ -322,6 +330,9 @@ def render(args: argparse.Namespace, text: str, environ: Mapping[str, str],
     installed with the values files' texts `values` (`environment`)."""
     from tandem.operator.cli import config_from
 
+    if args.namespace and not _NAMESPACE.fullmatch(args.namespace):
+        raise UsageError(f"--namespace {args.namespace!r} is not a namespace name (a "
+                         "DNS-1123 label)")
     docs = load(text)
     if args.uid and len(docs) > 1:
         raise UsageError("--uid names one InferenceService; the input holds "
