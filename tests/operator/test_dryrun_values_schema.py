@@ -111,3 +111,11 @@ def test_a_list_whose_items_are_no_list_is_refused() -> None:
     code, out, err = render_cli({"apiVersion": "v1", "kind": "List", "items": 5})
     assert (code, out, err) == (1, "", "tandem render: stdin: document 1: a List's items "
                                        "must be a list, got int\n")
+
+
+def test_replicas_that_are_no_ascii_number_are_a_usage_error() -> None:
+    doc = yaml.safe_load((ROOT / "charts" / "tandem" / "examples" / "aggregated.yaml")
+                         .read_text())
+    code, out, err = render_cli(doc, "--replicas", "worker=\u00b2")
+    assert (code, out) == (2, "") and err.endswith(
+        "--replicas 'worker=\u00b2': POOL=N, N a whole number\n"), err

@@ -21,11 +21,13 @@ what the API server refuses, in kubectl's words (an unknown field named by its p
 the schema does not allow), a spec the operator refuses (its `InvalidSpec` condition's message,
 which names the field: `parse_spec`'s checks, then the installation's admission), unreadable
 YAML or file, a document that is not an InferenceService (`kind: List` is expanded), a
-metadata.namespace other than `--namespace`. A command line it cannot use exits 2, as
-argparse's errors do: `--replicas` of a pool the operator does not scale, `--uid` for several
-documents, an unreadable `--values` file, a `--set` it cannot parse or values of the wrong
-type. A file of several InferenceServices renders each,
-one after the other.
+metadata.namespace other than `--namespace` or that is no namespace name. A command line it
+cannot use exits 2, as argparse's errors do: `--replicas` of a pool the operator does not
+scale, `--uid` for several documents, a `--namespace` that is no namespace name, an
+unreadable `--values` file, a `--set` it cannot parse, or values the chart's
+values.schema.json refuses (as helm refuses them: an unknown key such as `redis.enable`, a
+value of the wrong type or range). A file of several InferenceServices renders each, one
+after the other.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def replica_overrides(flags: list[str], spec: InferenceServiceSpec) -> dict[str,
     out = {}
     for flag in flags:
         pool, _, count = flag.partition("=")
-        if not count.isdigit():
+        if not (count.isascii() and count.isdigit()):  # int() refuses "²", isdigit() not
             raise UsageError(f"--replicas {flag!r}: POOL=N, N a whole number")
         if pool not in scaled:
             raise UsageError(f"--replicas {flag!r}: pool {pool!r} is not scaled by the "
