@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -11,11 +12,13 @@ from tandem.protocol.cli_args import default_served_name
 from tandem.protocol.engine_flags import DTYPES as _DTYPES
 from tandem.protocol.engine_flags import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
 
+logger = logging.getLogger(__name__)
 # The value sets are `tandem worker`'s choices and the operator's enums (protocol/engine_flags).
 # QUANTIZATIONS: weight quantization (engine/quant); None = the dtype's float weights.
 # KV_CACHE_DTYPES: "auto" = the model dtype; "fp8" (e4m3) / "int8" codes with a float16 scale
 # per token and KV head (engine/kv_cache/quant.py); "fp8_e4m3" is vLLM's alias.
 # EXECUTOR_BACKENDS: engine/parallel/executor.py.
+CPU_LINEARS = ("packed", "torch")  # how CPU float32 linears run (EngineConfig.cpu_linear)
 MAX_NAME_CHARS = 512  # a served model name (as long as the API's `model` field may be)
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # syntax only; engine/devices.py checks use
 
@@ -63,9 +66,11 @@ class EngineConfig:
     # min(max_num_seqs, 256), plus that bound); True = always eager (vLLM's flag)
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
-    # "onednn": CPU float32 linear weights packed once at load (native 16-column panels on
-    # AVX2, else oneDNN's layout); "torch": plain F.linear (MKL)
-    cpu_linear: str = "onednn"
+    # "packed": CPU float32 linear weights packed once at load (native 16-column panels on
+    # AVX2, else oneDNN's blocked layout; TANDEM_LINEAR_KERNEL picks between the two);
+    # "torch": plain F.linear (MKL). "onednn", the old name of "packed", is read as "packed"
+    # with a warning (it never meant oneDNN's kernel only).
+    cpu_linear: str = "packed"
     # weights kept compressed and computed with (engine/quant): "int8" weight-only per-channel,
     # "w8a8" int8 weights + per-token int8 activations (o_proj, gate_up; the rest weight-only),
     # "int4" group-wise weight-only, "fp8"
@@ -135,6 +140,17 @@ class EngineConfig:
             raise ConfigError(f"served_model_name repeats a name: {list(names)}")
         object.__setattr__(self, "served_model_name", names or None)
 
+    def _check_cpu_linear(self) -> None:
+        """`cpu_linear` is one of CPU_LINEARS; the deprecated "onednn" becomes "packed"."""
+        if self.cpu_linear == "onednn":
+            logger.warning('cpu_linear="onednn" is deprecated: it is "packed" (weights packed '
+                           "once at load; the kernel, native panels or oneDNN, follows the CPU "
+                           "and TANDEM_LINEAR_KERNEL)")
+            object.__setattr__(self, "cpu_linear", "packed")
+        if self.cpu_linear not in CPU_LINEARS:
+            raise ConfigError(f"cpu_linear must be one of {CPU_LINEARS}, got "
+                              f"{self.cpu_linear!r}")
+
     def __post_init__(self) -> None:
         self._check_names()
         if self.dtype not in _DTYPES:
@@ -165,8 +181,7 @@ class EngineConfig:
                               f"{self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.cpu_linear not in ("onednn", "torch"):
-            raise ConfigError(f"cpu_linear must be 'onednn' or 'torch', got {self.cpu_linear!r}")
+        self._check_cpu_linear()
         if self.max_waiting < 1:
             raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -92,7 +92,7 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     weights = source.tensors(progress=groups is None or groups.rank == 0)  # vLLM: always
     model.load_weights(shard_weights(weights, arch, tp) if tp else weights)
     model.eval()
-    if config.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
+    if config.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU
         count = convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
         logger.info("packed %d float linear layers", count)

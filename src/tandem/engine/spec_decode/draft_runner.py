@@ -90,7 +90,7 @@ def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype
     model.materialize(device, dtype)
     model.load_weights(_first_layers(source.tensors(progress=False), arch.num_layers))
     model.eval()
-    if cfg.cpu_linear == "onednn" and packing_available(dtype, device, ops.lib):
+    if cfg.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
         convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
     return model, backend
 
