@@ -10,6 +10,10 @@ short keeps what it measured):
   Llama-8B-like sizes (32 query / 8 KV heads, head dim 128, block 16, contexts 1k-8k), timed
   with CUDA events (median, rotating input sets larger than L2); decode attention's KV bytes
   read per second as a fraction of the copy rate (`bench/gpu_kernels.py`).
+* `sweep`: decode attention's launch parameters (`num_stages` 3/5, `num_warps` 4/8, 64/128
+  keys per tile, KV splits 1/2/4) at batch 64 over contexts 1k-8k, each checked against the
+  reference before it is timed; the best per context, the recommended `DECODE_CONFIG`, and
+  how many buffers the pipeliner gives the K/V tiles per `num_stages` (`bench/gpu_sweep.py`).
 * `quant`: the quantized matmuls (`kernels/triton_quant.py` INT8 / INT4, FP8 W8A8 through
   `torch._scaled_mm` and FP8 weight-only) against float64 references of their dequantized
   weights and timed beside `torch.matmul` on bf16 weights, at SmolLM2's gate/up, down and
@@ -18,7 +22,9 @@ short keeps what it measured):
 * `e2e`: a random-weight ~1B Llama (hidden 2048, 16 layers, 32/8 heads, vocab 32000) written
   as an HF directory and loaded through `LLM(model=dir)`: batch-64 decode and a
   prefill-heavy point, for the Triton backend with CUDA graphs, without (`enforce_eager`),
-  and the torch backend; tokens/s and the ratios (`bench/gpu_e2e.py`).
+  and the torch backend; tokens/s and the ratios, and per step the forwards' device time
+  (CUDA events) beside the wall time: the host share, and the ratios on device time alone
+  (`bench/gpu_e2e.py`).
 * `sampling`: every sampling mode in one mixed batch on that engine, run twice (seeded and
   greedy rows must repeat), with the output invariants checked.
 * `tests`: the exactness test files under pytest on CUDA (TRITON_INTERPRET unset); with
@@ -61,6 +67,7 @@ else:
 
 import gpu_e2e  # noqa: E402
 import gpu_kernels as gk  # noqa: E402
+import gpu_sweep  # noqa: E402
 
 # in priority order (the time cap skips the tail); a missing file is reported as missing
 TEST_FILES = ("tests/engine/test_hf_parity.py", "tests/engine/test_triton_parity.py",
@@ -228,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/gpu_check-"
                     "<date>.json; a temp file with --dry-run)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip "
-                    "(copy,kernels,quant,e2e,tests)")
+                    "(copy,kernels,sweep,quant,e2e,tests)")
     ap.add_argument("--tests-cap", type=float, default=150.0, help="seconds for pytest")
+    ap.add_argument("--sweep-cap", type=float, help="seconds for the decode sweep's timed "
+                    f"launches (default {gpu_sweep.SWEEP_REAL.cap_s:g}; a dry run "
+                    f"{gpu_sweep.SWEEP_DRY.cap_s:g})")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -273,6 +283,21 @@ def main(argv: list[str] | None = None) -> int:
             return {"dtype": "bfloat16", "sizes": dataclasses.asdict(ksz), "results": res,
                     "all_ok": all(r["ok"] for r in res.values())}
         section(report, "kernels", out, kernels)
+    if "sweep" not in skip:
+        def sweep() -> dict:
+            from tandem.engine.kernels import triton_unavailable_reason
+
+            reason = triton_unavailable_reason(device)
+            if reason:
+                raise RuntimeError(reason)
+            ssz = gpu_sweep.SWEEP_DRY if args.dry_run else gpu_sweep.SWEEP_REAL
+            if args.sweep_cap is not None:
+                ssz = dataclasses.replace(ssz, cap_s=args.sweep_cap)
+            res = gpu_sweep.decode_sweep(ssz, dtype, device, timer, copy_gbps, env["num_sms"],
+                                         env["l2_bytes"])
+            res["pipelining"] = gpu_sweep.pipelining(ssz.stages, device)
+            return res
+        section(report, "sweep", out, sweep)
     if "quant" not in skip:
         def quant() -> dict:
             from tandem.engine.kernels import triton_unavailable_reason
@@ -321,18 +346,49 @@ def summary(report: dict) -> None:
     for name, r in report.get("e2e", {}).get("runs", {}).items():
         print(f"  {name:14s} decode {r['decode']['tokens_per_s']:9.0f} tok/s  "
               f"prefill {r['prefill']['tokens_per_s']:9.0f} tok/s")
+    for name, r in report.get("e2e", {}).get("runs", {}).items():
+        for point in ("decode", "prefill"):
+            t = r.get(point, {}).get("step_time", {})
+            if t.get("steps"):
+                print(f"  {name:14s} {point:7s} wall {t['wall_ms_per_step']:8.2f} ms/step  "
+                      f"forward on device {t['device_ms_per_step']:8.2f} ms/step  "
+                      f"host share {t['host_share']:.0%}")
     for k, v in report.get("e2e", {}).get("ratios", {}).items():
-        print(f"  {k}: {v:.2f}x")
+        dev = report["e2e"].get("device_ratios", {}).get(k)
+        print(f"  {k}: {v:.2f}x" + (f"  (device time alone: {dev:.2f}x)" if dev else ""))
+    sweep_summary(report.get("sweep", {}))
     for name, f in report.get("tests", {}).get("files", {}).items():
         print(f"  {name}: {f['status']} {({k: v for k, v in f.items() if k in _COUNTS})}")
     for name, t in report["targets"].items():
         print(f"target {name} >= {t['target']}: {t['value']} -> {t['verdict']}")
-    for name in ("copy", "kernels", "quant", "e2e", "tests"):
+    for name in ("copy", "kernels", "sweep", "quant", "e2e", "tests"):
         if report.get(name, {}).get("status") == "error":
             print(f"section {name} FAILED: {report[name]['error']}")
 
 
 _COUNTS = ("passed", "failed", "skipped", "error", "collected")
+
+
+def sweep_summary(sweep: dict) -> None:
+    """The decode sweep's best launch per context, its recommendation, the pipelining."""
+    for ctx, b in sweep.get("buckets", {}).items():
+        best, default = b.get("best"), b.get("default") or {}
+        if best:
+            base = f"  default {default['median_ms']:.3f} ms" if "median_ms" in default else ""
+            print(f"  decode sweep ctx {ctx:>5s}: best stages {best['num_stages']} warps "
+                  f"{best['num_warps']} block_n {best['block_n']} splits "
+                  f"{best['num_splits']} {best['median_ms']:.3f} ms "
+                  f"({best['copy_fraction']:.0%} of copy){base}  heuristic splits "
+                  f"{b['heuristic_splits']}")
+    rec = sweep.get("recommended", {})
+    if rec.get("decode_config"):
+        speed = rec.get("speedup_over_default")
+        print(f"  recommended decode default: {rec['how']}"
+              + (f" ({speed:.2f}x the current default)" if speed else ""))
+    pipe = sweep.get("pipelining")
+    if pipe:
+        print(f"  decode pipelining ({pipe['target']}, triton {pipe['triton']}): "
+              f"{pipe['finding']}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

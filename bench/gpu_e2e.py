@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 import traceback
 from collections.abc import Iterator
@@ -109,7 +110,8 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 
 def decode_point(llm, sz: E2ESizes, rng: random.Random, deadline: float) -> dict:
     """Batch-`decode_batch` decode: every request prefilled first, then whole decode steps
-    timed (each sequence +1 token per step); the requests are aborted afterwards."""
+    timed (each sequence +1 token per step; `ForwardClock` splits each into device and host
+    time); the requests are aborted afterwards."""
     from tandem import SamplingParams
 
     eng = llm.engine
@@ -128,17 +130,21 @@ def decode_point(llm, sz: E2ESizes, rng: random.Random, deadline: float) -> dict
     while len([c for c in counts.values() if c]) < len(ids):
         step()
     before, steps = sum(counts.values()), 0
-    t0 = time.perf_counter()
-    while steps < sz.decode_steps and (not steps or time.perf_counter() < deadline):
-        step()
-        steps += 1
-    elapsed = time.perf_counter() - t0
+    clock = ForwardClock(eng.runner, eng.device)
+    try:
+        t0 = time.perf_counter()
+        while steps < sz.decode_steps and (not steps or time.perf_counter() < deadline):
+            clock.step(step)
+            steps += 1
+        elapsed = time.perf_counter() - t0
+    finally:
+        clock.close()
     tokens = sum(counts.values()) - before
     for rid in ids:
         eng.abort_request(rid)
     return {"batch": sz.decode_batch, "prompt_len": sz.decode_prompt, "steps": steps,
             "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "ms_per_step": elapsed / steps * 1e3}
+            "ms_per_step": elapsed / steps * 1e3, "step_time": clock.summary()}
 
 
 def prefill_point(llm, sz: E2ESizes, rng: random.Random) -> dict:
@@ -147,12 +153,21 @@ def prefill_point(llm, sz: E2ESizes, rng: random.Random) -> dict:
     from tandem import SamplingParams
 
     prompts = _prompts(rng, sz.prefill_prompts, sz.prefill_len, sz.vocab)
-    t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    elapsed = time.perf_counter() - t0
+    eng = llm.engine
+    clock = ForwardClock(eng.runner, eng.device)
+    engine_step = eng.step
+    eng.step = lambda: clock.step(engine_step)  # each step `generate` drives, timed
+    try:
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        elapsed = time.perf_counter() - t0
+    finally:
+        del eng.step
+        clock.close()
     tokens = sz.prefill_prompts * sz.prefill_len
     return {"prompts": sz.prefill_prompts, "prompt_len": sz.prefill_len, "tokens": tokens,
-            "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+            "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "step_time": clock.summary()}
 
 
 @contextlib.contextmanager
@@ -174,6 +189,101 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+class ForwardClock:
+    """Per engine step: wall time, and the device time of the step's model forwards.
+
+    On CUDA, events are recorded around each forward on the current stream: the model's
+    eager forward (module hooks) and each CUDA-graph replay (the graph's `replay`, so the
+    runner's input copies and metadata build stay host work). A forward's device time is
+    the GPU timeline from its first kernel to its last: the kernels' time, plus any gap in
+    which the GPU waited for the host to launch the next one (none for a graph replay).
+    Elsewhere the same hooks read `time.perf_counter` (the CPU runs the forward
+    synchronously, so that is its compute time) and the result says so (`timer`).
+    `host_share` = 1 - device / wall over the steps: what the step spends outside forwards
+    (scheduling, input building, sampling, output processing, launch gaps before the
+    forward's first kernel).
+    """
+
+    def __init__(self, runner, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._steps: list[tuple[float, list]] = []  # (wall seconds, the step's spans)
+        self._spans: list = []
+        self._depth = 0
+        self._undo: list = []
+        model = runner.model
+        self._undo += [model.register_forward_pre_hook(lambda *_: self._start()),
+                       model.register_forward_hook(lambda *_: self._stop())]
+        graphs = getattr(runner, "graphs", None)
+        for graph in (getattr(graphs, "graphs", None) or {}).values():
+            self._wrap_replay(graph)
+
+    def _wrap_replay(self, graph) -> None:
+        replay = graph.replay
+
+        def timed_replay() -> None:
+            self._start()
+            try:
+                replay()
+            finally:
+                self._stop()
+
+        graph.replay = timed_replay
+        self._undo.append(lambda: vars(graph).pop("replay", None))
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self._spans.append([self._mark(), None])
+
+    def _stop(self) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._spans and self._spans[-1][1] is None:
+            self._spans[-1][1] = self._mark()
+
+    def step(self, fn):  # noqa: ANN001, ANN201 - any engine call
+        """Run one engine step `fn()`, timing it; returns what it returns."""
+        self._spans = []
+        t0 = time.perf_counter()
+        out = fn()
+        self._steps.append((time.perf_counter() - t0, self._spans))
+        return out
+
+    def close(self) -> None:
+        for undo in self._undo:
+            undo() if callable(undo) else undo.remove()
+        self._undo = []
+
+    def summary(self) -> dict:
+        """Medians per step and the host share over all the steps timed (reads the events:
+        synchronizes once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        device, wall = [], []
+        for seconds, spans in self._steps:
+            done = [(a, b) for a, b in spans if b is not None]
+            ms = sum(a.elapsed_time(b) if self.cuda else (b - a) * 1e3 for a, b in done)
+            device.append(ms)
+            wall.append(seconds * 1e3)
+        if not wall:
+            return {"timer": None, "steps": 0}
+        total_wall = sum(wall)
+        return {"timer": "cuda_events" if self.cuda else "wall_clock (no CUDA: the forward's "
+                "own time, synchronous on the CPU)",
+                "steps": len(wall),
+                "forwards": sum(len(spans) for _, spans in self._steps),
+                "wall_ms_per_step": statistics.median(wall),
+                "device_ms_per_step": statistics.median(device),
+                "wall_ms_total": total_wall, "device_ms_total": sum(device),
+                "host_share": max(0.0, 1 - sum(device) / total_wall) if total_wall else None}
 
 
 def e2e(sz: E2ESizes, device: torch.device, workdir: Path, result: dict) -> dict:
@@ -198,14 +308,21 @@ def e2e(sz: E2ESizes, device: torch.device, workdir: Path, result: dict) -> dict
                           "traceback": traceback.format_exc()[-4000:]}
         free_memory()
     ok = {n: r for n, r in runs.items() if "error" not in r}
-    ratios = {}
+    ratios, device_ratios = {}, {}
     for point in ("decode", "prefill"):
         tps = {n: r[point]["tokens_per_s"] for n, r in ok.items()}
+        dev = {n: r[point]["step_time"].get("device_ms_total") for n, r in ok.items()}
         for label, a, b in (("triton_over_torch", "triton_graphs", "torch_eager"),
                             ("graphs_over_eager", "triton_graphs", "triton_eager")):
             if a in tps and b in tps:
                 ratios[f"{point}_{label}"] = tps[a] / tps[b]
+            if dev.get(a) and dev.get(b):  # the same tokens: device time b / a = speed a / b
+                device_ratios[f"{point}_{label}"] = (
+                    dev[b] / ok[b][point]["tokens"]) / (dev[a] / ok[a][point]["tokens"])
     result["ratios"] = ratios
+    # the same ratios from the forwards' device time alone (`ForwardClock`): kernels apart
+    # from host work; on the CPU from the forwards' wall time
+    result["device_ratios"] = device_ratios
     failed = sorted(set(runs) - set(ok))
     if failed:
         raise RuntimeError(f"engine configuration(s) {failed} failed (see e2e.runs)")

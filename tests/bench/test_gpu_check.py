@@ -161,3 +161,24 @@ def test_a_real_runs_pytest_step_counts_outcomes_per_file(tmp_path, monkeypatch)
     assert "test_broken" in got["tail"] and "boom" in got["tail"]
     assert res["files"]["tests/engine/test_nothing.py"] == {"status": "missing"}
     assert (res["passed"], res["failed"]) == (2, 1)
+
+
+def test_dry_run_times_each_step_and_sweeps_decode_attention(dry_run):
+    report = dry_run[0]
+    e2e = report["e2e"]
+    for name, r in e2e["runs"].items():
+        for point in ("decode", "prefill"):
+            t = r[point]["step_time"]
+            assert t["timer"].startswith("wall_clock") and t["forwards"] >= t["steps"] >= 1
+            assert 0 < t["device_ms_total"] <= t["wall_ms_total"], (name, point, t)
+            assert 0 <= t["host_share"] < 1
+        assert r["decode"]["step_time"]["steps"] == r["decode"]["steps"]
+    assert set(e2e["device_ratios"]) == set(e2e["ratios"])
+    sweep = report["sweep"]
+    assert sweep["status"] == "ok" and sweep["all_ok"], sweep.get("traceback")
+    (bucket,) = sweep["buckets"].values()
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in bucket["runs"])
+    assert bucket["best"] in bucket["runs"] and bucket["default"] in bucket["runs"]
+    assert sweep["recommended"]["how"].startswith("DECODE_CONFIG = DecodeConfig(")
+    stages = sweep["pipelining"]["stages"]
+    assert not stages["3"]["double_buffered"] and stages["5"]["double_buffered"]

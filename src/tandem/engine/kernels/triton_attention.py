@@ -395,16 +395,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_stages=_VARLEN_STAGES)
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel (`bench/gpu_sweep.py` measures the choices).
+
+    `num_stages` is Triton's software-pipelining depth over the key tiles. The K/V tile
+    loads depend on a block-table load, so the pipeliner gives them fewer stages than
+    `num_stages`: compiled for sm_90 (Triton 3.9), 3 and 4 keep one shared-memory buffer
+    per tile and wait for every copy before computing (no overlap); 5 is the first value
+    with two buffers (the next tile loads while this one computes). `bench/gpu_sweep.py`
+    reports what the installed Triton compiles."""
+
+    block_n: int = 64  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.block_n < 16 or self.num_stages < 1:
+            raise ValueError(f"block_n must be >= 16 and num_stages >= 1, got {self}")
+
+
+# what `paged_decode_attention` launches unless told otherwise: the one place to change it
+DECODE_CONFIG = DecodeConfig()
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            *, scale: float, sliding_window: int = 0, num_splits: int = 1,
                            workspace: DecodeWorkspace | None = None,
-                           kv_cache_dtype: str = "auto") -> None:
+                           kv_cache_dtype: str = "auto",
+                           config: DecodeConfig | None = None) -> None:
     """Decode attention (one new token per sequence, q/out `[B, H, D]`) into `out`; rows with
     seq_lens[b] == 0 are untouched. num_splits > 1 splits each context into that many key
     ranges (computed in-kernel) reduced by a second kernel through `workspace` (allocated
     per call when None, which a CUDA graph must not rely on). kv_cache_dtype as
-    `paged_attention`'s."""
+    `paged_attention`'s; `config` the launch parameters (default `DECODE_CONFIG`)."""
+    cfg = DECODE_CONFIG if config is None else config
     group = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype)
     _check_window(sliding_window)
     batch, num_heads, head_dim = q.shape
@@ -434,9 +464,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *ws_strides,
         GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, NUM_SPLITS=num_splits,
-        DOT=dot, PRECISION=precision, KV_FMT=kv_format(kv_cache_dtype).code, num_warps=4,
-        num_stages=3)
+        BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits, DOT=dot, PRECISION=precision,
+        KV_FMT=kv_format(kv_cache_dtype).code, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     if ws is not None:
         _reduce_kernel[(batch, num_heads)](
             out, ws.m, ws.l, ws.acc, seq_lens, out.stride(0), out.stride(1), *ws_strides,
