@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tandem.cli import main
+from tandem.cli import build_parser, main
 from tandem.serving.embedded import plan as _plan
 from tandem.serving.embedded import worker_auth_key_file as _worker_auth_key_file
 from tests.serving.helpers import free_port
@@ -94,11 +95,67 @@ def test_every_process_shares_the_runs_worker_auth_key():
     assert "--worker-auth-key-file" not in _plan(_args(), [], _ports()).router
 
 
-@pytest.mark.parametrize("kwargs", [{"prefill": 1}, {"decode": 2}, {"workers": 0},
-                                    {"workers": -1}, {"prefill": -1, "decode": 1}])
-def test_bad_worker_counts_are_refused(kwargs):
-    with pytest.raises(SystemExit):
-        _plan(_args(**kwargs), [], _ports())
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prefill", "1"], "argument --prefill/--decode: P/D needs both (each at least 1)"),
+    (["--decode", "2"], "argument --prefill/--decode: P/D needs both (each at least 1)"),
+    (["--workers", "0"], "argument --workers: no workers to start (0 without --prefill and "
+                         "--decode)"),
+    (["--workers", "-1"], "argument --workers: must be >= 0, not -1"),
+    (["--prefill", "-1", "--decode", "1"], "argument --prefill: must be >= 0, not -1"),
+])
+def test_bad_worker_counts_are_usage_errors_before_anything_starts(argv, message, capsys,
+                                                                    monkeypatch):
+    """Exit 2 with the usage line, as every other bad `tandem serve` flag (not exit 1)."""
+    monkeypatch.setattr("tandem.cli._serve", lambda *a: pytest.fail("started"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["usage: tandem serve [MODEL] [options]", f"tandem serve: error: {message}"]
+    args = _args(**{a.lstrip("-"): int(v) for a, v in zip(argv[::2], argv[1::2], strict=True)})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _plan(args, [], _ports())
+
+
+def test_a_value_given_as_flag_equals_dash_value_reaches_the_worker_as_given(monkeypatch):
+    """`--served-model-name=-odd` parses at `tandem serve`; forwarded as `--flag -odd` the
+    worker (and the router) would refuse it (`expected one argument`) after start-up."""
+    args, extra = parsed(["--served-model-name=-odd", "--max-num-seqs", "4",
+                          "--redis=-x", "--policy", "random"], monkeypatch)
+    assert extra == ["--served-model-name=-odd", "--max-num-seqs", "4"]
+    assert args.router_flags == ["--redis=-x", "--policy", "random"]
+    worker = build_parser().parse_args(["worker", *extra])
+    assert worker.served_model_name == ["-odd"] and worker.max_num_seqs == 4
+    router = build_parser().parse_args(["router", *args.router_flags])
+    assert (router.redis, router.policy) == ("-x", "random")
+
+
+SUPERVISED = """
+import sys
+from tandem.serving.embedded import Deployment, _supervise
+never_ready = [sys.executable, "-c", "import time; time.sleep(300)"]
+d = Deployment(workers=[("both", sys.argv[1], never_ready)], router=never_ready, envs=[{}],
+               waves=[0])
+sys.exit(_supervise(d, sys.argv[2], "m", keyed=False))
+"""
+
+
+def test_ctrl_c_while_the_workers_load_stops_everything_at_once():
+    """A worker that is still loading (never ready here) must not hold Ctrl-C for the
+    600 s readiness timeout: `tandem serve` stops its children and exits within seconds."""
+    worker, router = (f"http://127.0.0.1:{free_port()}" for _ in range(2))  # nothing listens
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISED, worker, router],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert "starting 1 worker(s)" in proc.stdout.readline()
+        time.sleep(0.5)  # it is waiting for the worker's /ready
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 1  # the worker never became ready
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow

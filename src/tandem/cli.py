@@ -125,6 +125,9 @@ class _Record(argparse.Action):
         if self.kind is None or self.sink is None or option_string is None:
             return
         given = [] if values is None else [values] if isinstance(values, str) else values
+        if len(given) == 1 and str(given[0]).startswith("-"):  # given as --flag=-value:
+            self.sink[self.kind].append(f"{option_string}={given[0]}")  # kept in that form
+            return
         self.sink[self.kind] += [option_string, *map(str, given)]
 
 
@@ -246,7 +249,7 @@ def _serve_flags(serve: argparse.ArgumentParser, forwarded: dict[int, str],
     """After `tandem serve`'s arguments parsed: the flags every worker gets (returned;
     MODEL as `--model`) and the router's (`args.router_flags`), each as given; `args.model`
     set from MODEL; the API keys checked. A conflict is a usage error (exit 2)."""
-    from tandem.serving.embedded import api_key
+    from tandem.serving.embedded import api_key, roles
     from tandem.serving.worker import API_KEY_ENV
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
@@ -259,6 +262,10 @@ def _serve_flags(serve: argparse.ArgumentParser, forwarded: dict[int, str],
             serve.error(f"${API_KEY_ENV}: {exc}")
     if args.api_key and args.api_keys:
         serve.error("argument --api-key: not allowed with argument --api-keys")
+    try:
+        roles(args)  # the worker counts
+    except ValueError as exc:
+        serve.error(str(exc))
     sink: dict[str, list[str]] = {"worker": [], "router": []}
     again = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for action in serve._actions:

@@ -68,15 +68,20 @@ class Deployment:
 
 def roles(args: argparse.Namespace) -> list[str]:
     """One role per worker: `--workers` aggregated ones (default 1 without P/D), then
-    `--prefill` prefill and `--decode` decode workers (both or neither)."""
-    if min(args.workers or 0, args.prefill, args.decode) < 0:
-        raise SystemExit("tandem serve: worker counts must be >= 0")
+    `--prefill` prefill and `--decode` decode workers (both or neither). ValueError, in
+    argparse's words (the CLI's usage error), for a negative count, `--prefill` without
+    `--decode` or the reverse, or no worker at all."""
+    for flag, count in (("--workers", args.workers), ("--prefill", args.prefill),
+                        ("--decode", args.decode)):
+        if count is not None and count < 0:
+            raise ValueError(f"argument {flag}: must be >= 0, not {count}")
     if (args.prefill > 0) != (args.decode > 0):
-        raise SystemExit("tandem serve: --prefill and --decode go together (P/D needs both)")
+        raise ValueError("argument --prefill/--decode: P/D needs both (each at least 1)")
     both = args.workers if args.workers is not None else (0 if args.prefill else 1)
     out = ["both"] * both + ["prefill"] * args.prefill + ["decode"] * args.decode
     if not out:
-        raise SystemExit("tandem serve: no workers to start")
+        raise ValueError("argument --workers: no workers to start (0 without --prefill and "
+                         "--decode)")
     return out
 
 
@@ -216,18 +221,19 @@ def _supervise(deployment: Deployment, url: str, served: str, keyed: bool) -> in
     try:
         print(f"starting {deployment.describe()} behind a router on {url} "
               "(the first start prepares the model) ...", flush=True)
-        late = start_workers(deployment, procs)
+        late = start_workers(deployment, procs, lambda: stopping)
         if late is not None:
             if not stopping:
                 print(f"the worker at {late} did not become ready", file=sys.stderr)
             return 1
         procs.append(spawn(deployment.router))
         for wurl, proc in zip(worker_urls, procs, strict=False):
-            if not wait_ready(wurl, proc, timeout=600):
+            if not wait_ready(wurl, proc, timeout=600, stopping=lambda: stopping):
                 if not stopping:
                     print(f"the worker at {wurl} did not become ready", file=sys.stderr)
                 return 1
-        if not wait_ready(url, procs[-1], timeout=60, workers=len(worker_urls)):
+        if not wait_ready(url, procs[-1], timeout=60, workers=len(worker_urls),
+                          stopping=lambda: stopping):
             if not stopping:
                 print("the router did not become ready", file=sys.stderr)
             return 1
@@ -249,11 +255,13 @@ def _supervise(deployment: Deployment, url: str, served: str, keyed: bool) -> in
         stop_all(procs)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float, workers: int = 0) -> bool:
-    """`url`/ready answers 200 (and, for the router, reports `workers` routable ones)."""
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, workers: int = 0,
+               stopping: Callable[[], bool] = lambda: False) -> bool:
+    """`url`/ready answers 200 (and, for the router, reports `workers` routable ones); False
+    once `proc` exits, `stopping()` (Ctrl-C while the model loads) or after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc.poll() is not None or stopping():
             return False
         try:
             with urllib.request.urlopen(f"{url}/ready", timeout=2) as resp:
@@ -295,15 +303,17 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def start_workers(deployment: Deployment, procs: list[subprocess.Popen]) -> str | None:
+def start_workers(deployment: Deployment, procs: list[subprocess.Popen],
+                  stopping: Callable[[], bool] = lambda: False) -> str | None:
     """Spawn the workers (appended to `procs`) wave by wave: a wave starts once every worker
     before it is ready, so GPU-sharing workers size their memory one at a time. Returns the
-    URL of a worker that did not become ready, else None."""
+    URL of a worker that did not become ready (or was waited for when `stopping()`), else
+    None."""
     waves, envs = deployment.waves, deployment.envs
     for i, (_, _, cmd) in enumerate(deployment.workers):
         if i and waves[i] != waves[i - 1]:
             for (_, url, _), proc in zip(deployment.workers[:i], procs, strict=False):
-                if not wait_ready(url, proc, timeout=600):
+                if not wait_ready(url, proc, timeout=600, stopping=stopping):
                     return url
         procs.append(spawn(cmd, envs[i]))
     return None
