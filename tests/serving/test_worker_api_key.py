@@ -137,6 +137,22 @@ def test_keys_come_from_the_flag_else_the_environment():
     assert api_keys(None, {}) == ()
     with pytest.raises(ConfigError, match="may not be empty"):
         api_keys([" "], {})
+    with pytest.raises(ConfigError, match=r"^\$TANDEM_API_KEY: a key may not be empty"):
+        api_keys(None, {API_KEY_ENV: "  "})  # named where it came from
+
+
+def test_a_key_longer_than_any_bearer_token_compared_is_refused():
+    """The middleware refuses bearer tokens over MAX_KEY_LEN unread: a longer key would
+    parse, then lock every client out."""
+    from tandem.serving.worker_auth import MAX_KEY_LEN, ApiKeyAuth
+
+    longest = "k" * MAX_KEY_LEN
+    assert api_keys([longest], {}) == (longest,)
+    assert ApiKeyAuth(None, [longest]).valid(f"Bearer {longest}".encode())
+    with pytest.raises(ConfigError, match=f"^--api-key: a key is at most {MAX_KEY_LEN} "):
+        api_keys([longest + "k"], {})
+    with pytest.raises(ConfigError, match=r"^\$TANDEM_API_KEY: a key is at most"):
+        api_keys(None, {API_KEY_ENV: longest + "k"})
 
 
 def test_a_blank_key_is_a_usage_error():

@@ -274,11 +274,17 @@ def add_api_key_arg(p: argparse.ArgumentParser) -> None:
 def api_keys(flag: list[str] | None, environ: dict[str, str] | None = None
              ) -> tuple[str, ...]:
     """The worker's API keys: `--api-key`'s, else $TANDEM_API_KEY's one, else none.
-    ConfigError for a blank key."""
+    ConfigError (naming where the key came from) for a blank key, or one longer than the
+    longest bearer token `ApiKeyAuth` compares (it could never match)."""
+    from tandem.serving.worker_auth import MAX_KEY_LEN
+
     env = os.environ if environ is None else environ
     keys = tuple(flag) if flag else ((env[API_KEY_ENV],) if env.get(API_KEY_ENV) else ())
+    source = "--api-key" if flag else f"${API_KEY_ENV}"
     if any(not k.strip() for k in keys):
-        raise ConfigError("--api-key: a key may not be empty or blank")
+        raise ConfigError(f"{source}: a key may not be empty or blank")
+    if any(len(k.strip()) > MAX_KEY_LEN for k in keys):
+        raise ConfigError(f"{source}: a key is at most {MAX_KEY_LEN} characters")
     return tuple(k.strip() for k in keys)
 
 
