@@ -1,9 +1,12 @@
-"""The static-buffer decode path of CUDA graphs, run eagerly on the CPU (TANDEM_STATIC_DECODE=1,
-Triton backend under the interpreter): padded batches give the eager path's tokens."""
+"""The static-buffer decode path of CUDA graphs, run eagerly (TANDEM_STATIC_DECODE=1; on the CPU
+the Triton backend runs under the interpreter) and, on a GPU, replayed from captured graphs:
+padded batches give the eager path's tokens. The model and its tokenizer are built at test
+time (the GPU image has no bundled model)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.cuda_graphs import STATIC_DECODE_ENV
@@ -13,12 +16,13 @@ from tests.engine.utils import make_tiny_model_dir
 # largest size: eager), 4 (size 4), 3, 3 (padded to 4), 2 (size 2), 1, 1 (size 1)
 MAX_TOKENS = [2, 3, 5, 6, 8]
 SIZES = (1, 2, 4)
+CUDA = torch.cuda.is_available()
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model_dir(path, "llama", seed=3)
+    make_tiny_model_dir(path, "llama", seed=3, tokenizer="trained")
     return str(path)
 
 
@@ -34,11 +38,19 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def test_padded_static_decode_gives_the_eager_tokens(tiny_model, monkeypatch):
-    monkeypatch.setenv(STATIC_DECODE_ENV, "1")
+@pytest.mark.parametrize("captured", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+def test_padded_static_decode_gives_the_eager_tokens(tiny_model, monkeypatch, captured):
+    """Static buffers run eagerly (the environment's switch, any device) or, on a GPU by
+    default, replayed from one captured graph per size."""
+    if captured:
+        monkeypatch.delenv(STATIC_DECODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STATIC_DECODE_ENV, "1")
     llm = _llm(tiny_model)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.sizes == SIZES and not graphs.graphs  # no capture
+    assert graphs is not None and graphs.sizes == SIZES
+    assert sorted(graphs.graphs) == (list(SIZES) if captured else [])
     static = _generate(llm)
     assert dict(graphs.runs) == {4: 3, 2: 1, 1: 2}
     llm.engine.runner.graphs = None  # the same engine, every step eager
@@ -50,8 +62,13 @@ def test_padded_static_decode_gives_the_eager_tokens(tiny_model, monkeypatch):
 
 def test_static_path_is_off_by_default_on_the_cpu_and_with_enforce_eager(tiny_model,
                                                                          monkeypatch):
+    """By default: none on the CPU, captured graphs on a GPU; never with enforce_eager."""
     monkeypatch.delenv(STATIC_DECODE_ENV, raising=False)
-    assert _llm(tiny_model).engine.runner.graphs is None
+    graphs = _llm(tiny_model).engine.runner.graphs
+    if CUDA:
+        assert graphs is not None and sorted(graphs.graphs) == list(SIZES)
+    else:
+        assert graphs is None
     monkeypatch.setenv(STATIC_DECODE_ENV, "1")
     assert _llm(tiny_model, enforce_eager=True).engine.runner.graphs is None
     # backends without fixed-buffer metadata never get the static path

@@ -93,29 +93,35 @@ def test_dummy_layout_is_a_valid_prompt_step_over_block_zero(tokens: int, max_le
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_check.py)")
-def test_a_cuda_engine_sizes_its_kv_cache_within_its_share():
+def test_a_cuda_engine_sizes_its_kv_cache_within_its_share(tmp_path):
     """The real profile: the engine's whole torch footprint, profiling step included, stays
-    within total * gpu_memory_utilization, and the KV cache gets most of that share."""
+    within total * gpu_memory_utilization, and the KV cache gets most of that share (a tiny
+    model built here: the GPU image has no bundled model)."""
     import gc
 
     from tandem import LLM, SamplingParams
+    from tests.engine.utils import make_tiny_model_dir
 
+    # 128 KiB of bf16 KV a block (the bundled model's 360 KiB): ~230k blocks in 0.2 of an H200
+    make_tiny_model_dir(tmp_path, "llama", seed=2, tokenizer="trained", hidden_size=256,
+                        intermediate_size=512, num_hidden_layers=8, num_key_value_heads=4,
+                        head_dim=64, max_position_embeddings=2048)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     free, total = torch.cuda.mem_get_info()
     held = torch.cuda.memory_reserved()  # by anything else in this process
     util = min(0.2, free / total * 0.9)
-    llm = LLM(device="cuda", gpu_memory_utilization=util, max_model_len=2048,
+    llm = LLM(str(tmp_path), device="cuda", gpu_memory_utilization=util, max_model_len=2048,
               max_num_seqs=32, max_num_batched_tokens=2048)
     out = llm.generate(["The capital of France is"] * 4,
-                       SamplingParams(max_tokens=8, temperature=0.0))
+                       SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     state = llm.engine.state
     kv = state.num_kv_blocks * state.kv_bytes_per_block
     requested = int(total * util)
     assert torch.cuda.max_memory_reserved() - held <= requested + (64 << 20)  # + rounding
-    assert kv >= requested // 2  # the 135M model's weights and activations are small
+    assert kv >= requested // 2  # the tiny model's weights and activations are small
     assert state.num_kv_blocks > 32 * cdiv(2048, state.block_size)  # no host-RAM cap on CUDA
     del llm, out
     gc.collect()

@@ -1,5 +1,6 @@
-"""The Triton attention backend (under TRITON_INTERPRET=1 on the CPU) against the torch
-backend, its static CUDA-graph metadata, and the backend registry's rules."""
+"""The Triton attention backend against the torch backend on the same device (the GPU where
+there is one, else the CPU under TRITON_INTERPRET=1), its static CUDA-graph metadata, and the
+backend registry's rules."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from tandem.engine.errors import ConfigError
 from tests.engine.test_attention import _paged_batch
 
 CPU = torch.device("cpu")
-FAKE_CUDA = torch.device("cuda")  # this machine has no GPU: only the registry sees it
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda") if CUDA else CPU
+FAKE_CUDA = torch.device("cuda")  # on a machine without a GPU only the registry sees it
 
 
 def _backends(spec: AttentionSpec, bs: int):
-    return (get_backend("torch")(spec, bs, torch.float32, CPU),
-            get_backend("triton")(spec, bs, torch.float32, CPU))
+    return (get_backend("torch")(spec, bs, torch.float32, DEVICE),
+            get_backend("triton")(spec, bs, torch.float32, DEVICE))
 
 
 def _run_both(spec, bs, shapes, seed, nblocks=96, num_sms=1):
@@ -36,9 +39,9 @@ def _run_both(spec, bs, shapes, seed, nblocks=96, num_sms=1):
                                        spec.num_kv_heads, spec.num_heads, spec.head_dim,
                                        nblocks)
     tcache = (cache[0].clone(), cache[1].clone())
-    q = torch.cat([s[5] for s in seqs])
-    k = torch.cat([s[3][s[0]:] for s in seqs])
-    v = torch.cat([s[4][s[0]:] for s in seqs])
+    q = torch.cat([s[5] for s in seqs]).to(DEVICE)
+    k = torch.cat([s[3][s[0]:] for s in seqs]).to(DEVICE)
+    v = torch.cat([s[4][s[0]:] for s in seqs]).to(DEVICE)
     # q, k as the model hands them over: strided views into one [T, H + 2 KVH, D] tensor
     qkv = torch.cat([q, k, v], dim=1)
     h, kvh = spec.num_heads, spec.num_kv_heads
@@ -108,9 +111,9 @@ def test_static_decode_metadata_pads_and_matches_the_dynamic_path():
     assert meta is metas[4]
     assert meta.seq_lens.tolist() == [5, 21, 48, 0]
     assert meta.slot_mapping.tolist()[3] == -1
-    q = torch.cat([s[5] for s in seqs] + [torch.randn(1, 6, 16)])  # + a padding row
-    k = torch.cat([s[3][s[0]:] for s in seqs] + [torch.randn(1, 2, 16)])
-    v = torch.cat([s[4][s[0]:] for s in seqs] + [torch.randn(1, 2, 16)])
+    q = torch.cat([s[5] for s in seqs] + [torch.randn(1, 6, 16)]).to(DEVICE)  # + padding
+    k = torch.cat([s[3][s[0]:] for s in seqs] + [torch.randn(1, 2, 16)]).to(DEVICE)
+    v = torch.cat([s[4][s[0]:] for s in seqs] + [torch.randn(1, 2, 16)]).to(DEVICE)
     sout = backend.forward(q, k, v, scache, meta)
     torch.testing.assert_close(sout[:3], out, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(scache, tcache, atol=0, rtol=0)
@@ -149,13 +152,23 @@ SPEC = AttentionSpec(6, 2, 16, 0.25)
 
 
 def test_auto_on_the_cpu_stays_native_even_under_the_interpreter():
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py, no GPU here
+    assert os.environ.get("TRITON_INTERPRET") == ("1" if not CUDA else None)  # tests/conftest
     assert resolve_backend("auto", SPEC, torch.float32, CPU).name == "cpu"
     assert resolve_backend("auto", SPEC, torch.bfloat16, CPU).name == "torch"
     assert resolve_backend("auto", SPEC, torch.float32, CPU, native=False).name == "torch"
-    assert resolve_backend("triton", SPEC, torch.float32, CPU).name == "triton"
+    if not CUDA:  # with a GPU the kernels compile for it: no interpreter for the CPU
+        assert resolve_backend("triton", SPEC, torch.float32, CPU).name == "triton"
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_auto_picks_triton_and_the_cpu_backend_refuses():
+    assert resolve_backend("auto", SPEC, torch.bfloat16, FAKE_CUDA).name == "triton"
+    assert resolve_backend("triton", SPEC, torch.bfloat16, FAKE_CUDA).name == "triton"
+    with pytest.raises(ConfigError, match="'cpu' runs only on the CPU, not on cuda"):
+        resolve_backend("cpu", SPEC, torch.float32, FAKE_CUDA)
+
+
+@pytest.mark.skipif(CUDA, reason="checks a machine without CUDA")
 def test_cuda_without_a_gpu_auto_warns_and_explicit_backends_refuse(caplog):
     with caplog.at_level(logging.WARNING, logger="tandem.engine.attention.base"):
         assert resolve_backend("auto", SPEC, torch.bfloat16, FAKE_CUDA).name == "torch"

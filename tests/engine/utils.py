@@ -30,16 +30,58 @@ def finish_step(sched, out, token: int = 7) -> None:
                 sched.finish(s.request, RequestStatus.FINISHED_LENGTH)
 
 
-def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0, **overrides):
-    """A small random-weight HF checkpoint of `family` plus the bundled tokenizer's files.
+TINY_VOCAB = 512
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1 (bos), 2 (eos)
+TINY_CHAT_TEMPLATE = (  # ChatML with a default system prompt, as SmolLM2's
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful AI assistant.<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_TINY_CORPUS = (
+    "The capital of France is Paris, and the capital of Germany is Berlin.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1)\n",
+    "1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144",
+    "Translate to German: 'Good morning, how are you?' Guten Morgen, wie geht es dir?",
+    "Water boils at 212 degrees Fahrenheit; the sky is blue because of Rayleigh scattering.",
+    "Paged attention keeps the key and value cache in fixed-size blocks of tokens.",
+)
+
+
+def write_tiny_tokenizer(out_dir, vocab_size: int = TINY_VOCAB) -> None:
+    """A byte-level BPE trained here on a few sentences, padded with added tokens to exactly
+    `vocab_size` ids, with a ChatML template: HF tokenizer files (tokenizer.json,
+    tokenizer_config.json) that Tandem and transformers both load, no download or bundled
+    model needed."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from tandem.protocol.tokenizer import Tokenizer
+
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(TINY_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator(_TINY_CORPUS, trainer)
+    backend.add_tokens([f"<extra_{i}>" for i in range(vocab_size - backend.get_vocab_size())])
+    assert backend.get_vocab_size() == vocab_size
+    Tokenizer(backend, bos_token_id=1, eos_token_id=2, add_bos=False,
+              chat_template=TINY_CHAT_TEMPLATE).save_hf(out_dir)
+
+
+def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0,
+                        tokenizer: str = "bundled", **overrides):
+    """A small random-weight HF checkpoint of `family` plus the bundled tokenizer's files;
+    `tokenizer="trained"`: `write_tiny_tokenizer`'s instead, the vocabulary TINY_VOCAB
+    (unless `vocab_size` is given), so nothing needs the bundled model (the GPU image).
 
     Weights are drawn with a wide init so greedy argmax has clear winners.
     """
     import torch
     import transformers
-
-    from tandem.engine.model.loader import bundled_model_path
-    from tandem.protocol.tokenizer import Tokenizer
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -56,6 +98,10 @@ def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0, **overrid
         cls = transformers.MistralForCausalLM
     else:
         raise ValueError(family)
+    if tokenizer == "trained":
+        overrides = {"vocab_size": TINY_VOCAB, **overrides}
+    elif tokenizer != "bundled":
+        raise ValueError(tokenizer)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
@@ -67,7 +113,13 @@ def make_tiny_model_dir(out_dir, family: str = "llama", seed: int = 0, **overrid
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(out_dir)
-    Tokenizer.load(bundled_model_path()).save_hf(out_dir)
+    if tokenizer == "trained":
+        write_tiny_tokenizer(out_dir, cfg.vocab_size)
+    else:
+        from tandem.engine.model.loader import bundled_model_path
+        from tandem.protocol.tokenizer import Tokenizer
+
+        Tokenizer.load(bundled_model_path()).save_hf(out_dir)
     return model
 
 

@@ -1,11 +1,12 @@
 """Builds and loads Tandem's native CPU kernels (`csrc/*.c`) with the system C compiler.
 
 The kernels are plain C99 + OpenMP, compiled once per machine with `-O3 -march=native` into
-one shared library under `$TANDEM_CACHE_DIR/kernels/` (or the user cache), named by a hash
-of the sources, flags, compiler version and CPU flags, and loaded with ctypes (which
-releases the GIL during each call). OpenMP resolves to the `libgomp.so.1` torch already
-loaded, so the kernels and torch share one thread pool. Any failure (no compiler, not
-Linux, `TANDEM_DISABLE_NATIVE_KERNELS=1`) yields None and callers keep the pure-torch path.
+one shared library under `kernels/` of Tandem's cache (`protocol.bundled.cache_dir`:
+`$TANDEM_CACHE_DIR` or the user cache), named by a hash of the sources, flags, compiler
+version and CPU flags, and loaded with ctypes (which releases the GIL during each call).
+OpenMP resolves to the `libgomp.so.1` torch already loaded, so the kernels and torch share
+one thread pool. Any failure (no compiler, not Linux, a build or load error,
+`TANDEM_DISABLE_NATIVE_KERNELS=1`) yields None and callers keep the pure-torch path.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 
 
 def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
+    from tandem.protocol.bundled import cache_dir
 
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or user_cache_dir("tandem")) / "kernels"
+    return cache_dir() / "kernels"
 
 
 def _cpu_fingerprint() -> str:
@@ -109,13 +110,16 @@ def load_native() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         if lib.tandem_paged_attention_abi() != ABI_VERSION:
             raise RuntimeError("kernel ABI mismatch")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)  # AttributeError: a library without this kernel
+            fn.restype = restype
+            fn.argtypes = argtypes
+    # ImportError: a module the cache location needs is missing (the fallback is pure torch,
+    # never a failed start)
+    except (OSError, RuntimeError, subprocess.SubprocessError, ImportError,
+            AttributeError) as exc:
         detail = getattr(exc, "stderr", "") or ""
         logger.warning("native CPU kernels unavailable (%s %s); using pure torch",
                        exc, detail.strip()[:500])
         return None
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
     return lib

@@ -107,10 +107,11 @@ def read_gguf_metadata(path: PathLike, prefix: str = "tokenizer.") -> dict[str, 
 
 
 def cache_root() -> Path:
-    """Where converted tokenizers live: `$TANDEM_CACHE_DIR` or the user cache, + /tokenizers."""
-    from platformdirs import user_cache_dir
+    """Where converted tokenizers live: `bundled.cache_dir()` (`$TANDEM_CACHE_DIR` or the user
+    cache) + /tokenizers."""
+    from tandem.protocol.bundled import cache_dir
 
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or user_cache_dir("tandem")) / "tokenizers"
+    return cache_dir() / "tokenizers"
 
 
 def file_digest(path: PathLike, root: Path) -> str:

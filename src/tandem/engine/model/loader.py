@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.model.gguf_loader import read_gguf
 from tandem.engine.model.hf_loader import check_weight_names, config_to_hf, read_hf
 from tandem.engine.quant.apply import SourceFormat
 from tandem.engine.quant.base import GroupedWeight
@@ -139,6 +138,22 @@ class ModelSource:
                     time.perf_counter() - self.start)
 
 
+def _read_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool
+               ) -> tuple[ModelArchConfig, int,
+                          Iterator[tuple[str, torch.Tensor | GroupedWeight]],
+                          dict[str, SourceFormat]]:
+    """`gguf_loader.read_gguf`, imported only when a GGUF file is loaded: serving a Hugging
+    Face directory needs no `gguf` package. Without it a GGUF file is a ConfigError."""
+    try:
+        from tandem.engine.model.gguf_loader import read_gguf
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "gguf":
+            raise
+        raise ConfigError(f"{path}: loading a GGUF file needs the gguf package "
+                          "(pip install gguf)") from None
+    return read_gguf(path, dtype, keep_quantized)
+
+
 def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                keep_quantized: bool = False) -> ModelSource:
     """Open a `.gguf` file or an HF directory (config.json + *.safetensors) for streaming.
@@ -162,7 +177,7 @@ def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
         config, total, items = read_hf(p, dtype)
         formats: dict[str, SourceFormat] = {}
     elif p.suffix.lower() == ".gguf":
-        config, total, items, formats = read_gguf(p, dtype, keep_quantized)
+        config, total, items, formats = _read_gguf(p, dtype, keep_quantized)
     else:
         raise ConfigError(
             f"{p}: unsupported model file; expected a .gguf file or a Hugging Face directory"
