@@ -149,6 +149,22 @@ def test_serve_refuses_a_bad_flag_before_starting_anything(argv, message, capsys
     assert _usage_error(["serve", *argv], capsys).startswith(message)
 
 
+def test_serve_refuses_a_router_yaml_with_cluster_discovery(tmp_path, capsys, monkeypatch):
+    """router.yaml's `discovery: kubernetes` is refused as the --discovery flag is: the
+    router would exit only after the workers had loaded the model."""
+    monkeypatch.setattr("tandem.serving.embedded.serve",
+                        lambda *a: pytest.fail("started despite the router.yaml"))
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("discovery: kubernetes\ninference_service: smol\n")
+    assert _usage_error(["serve", "--config", str(cfg)], capsys) == (
+        f"tandem serve: error: {cfg}: discovery: kubernetes is only for `tandem router` run "
+        "alone (tandem serve starts its own workers)")
+    started = []
+    monkeypatch.setattr("tandem.serving.embedded.serve", lambda *a: started.append(a) or 0)
+    cfg.write_text("discovery: static\npolicy: random\n")
+    assert main(["serve", "--config", str(cfg)]) == 0 and len(started) == 1
+
+
 def test_model_as_a_positional_argument_like_vllm_serve(monkeypatch):
     args, extra = parsed(["./models/Qwen2.5-0.5B-Instruct", "--max-model-len", "512"],
                          monkeypatch)

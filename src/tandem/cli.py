@@ -304,10 +304,14 @@ def _unrecognized(p: argparse.ArgumentParser, command: str, extra: list[str]) ->
 
 
 def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from tandem.router.config import load_config
+    from tandem.router.config import RouterConfigError, load_config
     from tandem.serving.embedded import check_worker_flags, serve
 
-    load_config(getattr(args, "config", None))  # RouterConfigError: before anything starts
+    # RouterConfigError: before anything starts
+    discovery = load_config(getattr(args, "config", None)).get("discovery", "static")
+    if discovery != "static":  # as --discovery: the router would exit once the workers load
+        raise RouterConfigError(f"{args.config}: discovery: {discovery} is only for `tandem "
+                                "router` run alone (tandem serve starts its own workers)")
     return serve(args, passthrough, check_worker_flags(args))
 
 
