@@ -90,7 +90,7 @@ def main() -> int:
             res = {"context": context, "batch": args.batch, "kv_cache_dtype": name,
                    "kv_bytes_per_layer": 2 * cache[0].numel() * cache[0].element_size()}
             res["attend_ms"], res["attend_min_ms"], res["attend_cpu_ms"] = timed_ms(
-                lambda be=be, c=cache, m=meta, o=out, q=q: be._decode(q, c, m, o), args.reps)
+                lambda be=be, c=cache, m=meta, o=out, q=q: be.decode(q, c, m, o), args.reps)
             res["forward_ms"], res["forward_min_ms"], res["forward_cpu_ms"] = timed_ms(
                 lambda be=be, c=cache, m=meta, q=q, k=k, v=v: be.forward(q, k, v, c, m),
                 args.reps)

@@ -24,8 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.engine.attention.base import AttentionSpec, BatchLayout, register_backend
-from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from tandem.engine.attention.base import (
+    AttentionBackend,
+    AttentionSpec,
+    BatchLayout,
+    register_backend,
+)
+from tandem.engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    write_then_attend,
+)
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.quant import dequantize_rows
 from tandem.engine.native import load_native
@@ -62,13 +71,17 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
 
 
 @register_backend("cpu")
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend(AttentionBackend):
+    """Native decode (and, with AVX2, prefill) kernels over the paged cache; the torch
+    backend it owns builds the shared metadata and runs what the kernels do not."""
+
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype,
                  device: torch.device, kv_cache_dtype: str = "auto") -> None:
         super().__init__(spec, block_size, dtype, device, kv_cache_dtype)
         if not native_available(spec, dtype, device):
             raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
                               "compiler, and at most 64 query heads per KV head")
+        self._torch = TorchAttentionBackend(spec, block_size, dtype, device, kv_cache_dtype)
         lib = load_native()
         self._kernel = lib.tandem_paged_attention_decode_f32
         self._q8_kernel = lib.tandem_paged_attention_decode_q8
@@ -78,6 +91,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if lib.tandem_linear_simd() and spec.head_dim % 16 == 0
             and block_size % PREFILL_KEY_TILE == 0 else None)
 
+    def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._zero_kv_cache(num_blocks)
+
     def build_metadata(self, layout: BatchLayout) -> CpuAttentionMetadata:
         nd = layout.num_decodes
         tables = lens = None
@@ -85,8 +101,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             tables = torch.from_numpy(layout.block_table[:nd])  # rows contiguous
             lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int32)
         if self._prefill_kernel is None or nd == len(layout.query_lens):
-            return CpuAttentionMetadata(self._write_rows(layout), nd, [],
-                                        self._prefill_seqs(layout), tables, lens)
+            return CpuAttentionMetadata(self._torch.write_rows(layout), nd, [],
+                                        self._torch.prefill_seqs(layout), tables, lens)
         q_lens = layout.query_lens[nd:]
         starts = list(itertools.accumulate(q_lens[:-1], initial=nd))  # decodes: 1 row each
         table = layout.block_table[nd:]
@@ -97,12 +113,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                 torch.tensor(starts, dtype=torch.int32),
                                 torch.tensor(q_lens, dtype=torch.int32),
                                 torch.tensor(layout.seq_lens[nd:], dtype=torch.int32))
-        return CpuAttentionMetadata(self._write_rows(layout), nd, [], [], tables, lens, native,
-                                    blocks)
+        return CpuAttentionMetadata(self._torch.write_rows(layout), nd, [], [], tables, lens,
+                                    native, blocks)
 
-    def _write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: CpuAttentionMetadata) -> torch.Tensor:
+        return write_then_attend(self, q, k, v, kv_cache, meta)
+
+    def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                        v_rows: torch.Tensor, meta: TorchAttentionMetadata
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The native quantize-and-scatter (same bytes as `quantize_rows`) for float32 k/v
         whose heads are contiguous; the torch path otherwise or where a torch prefill
         reads the new tokens."""
@@ -110,7 +131,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rows = meta.write_rows
         if meta.prefills or rows.dtype != torch.int64 or not rows.is_contiguous() or not all(
                 _heads_contiguous(x, s.head_dim) for x in (k, v)):
-            return super()._write_quantized(k, v, k_rows, v_rows, meta)
+            return self._torch.write_quantized(k, v, k_rows, v_rows, meta)
         for x, cache in ((k, k_rows), (v, v_rows)):
             rc = self._quantize_write(cache.data_ptr(), x.data_ptr(), rows.data_ptr(),
                                       x.shape[0], s.num_kv_heads, s.head_dim, x.stride(0),
@@ -118,13 +139,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
             _check(rc, "KV quantize")
         return k, v
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
-                 out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
+                out: torch.Tensor) -> None:
+        """The prefill chunks: the native kernel where `build_metadata` planned it, else
+        the torch backend's path."""
         assert isinstance(meta, CpuAttentionMetadata)
         p = meta.native_prefills
         if p is None:
-            super()._prefill(q, k, v, k_rows, v_rows, meta, out)
+            self._torch.prefill(q, k, v, k_rows, v_rows, meta, out)
             return
         s = self.spec
         q = _rows_of_heads(q, s.head_dim)
@@ -140,8 +163,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
         _check(rc, "prefill")
 
-    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+    def decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+        """Attention of the first `meta.num_decodes` rows of q into `out` (native)."""
         assert isinstance(meta, CpuAttentionMetadata) and meta.decode_tables is not None
         s = self.spec
         qd = _rows_of_heads(q[: meta.num_decodes], s.head_dim)
@@ -164,7 +188,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out.stride(0), s.sliding_window or 0, s.scale, torch.get_num_threads(),
         )
         _check(rc, "decode")
-
 
     def _dequantized_blocks(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Cache rows [NB * KVH * BS, D + 2] uint8 -> blocks `blocks` as a float32 cache

@@ -7,17 +7,27 @@ and scatter index is built once per step and shared by all layers. With a quanti
 cache (`kv_cache/quant.py`) a row is D + 2 uint8 (codes + float16 scale): new K/V are
 quantized on write, and every gathered context (the new tokens' own K/V included, so a
 token's attention never depends on how its prompt was chunked) is dequantized on read.
+
+Other backends compose this one (no inheritance): `write_rows` and `prefill_seqs` build
+their metadata, and `write_then_attend` runs a layer from three steps, `write_quantized`,
+`decode` and `prefill`, that a backend implements or delegates to an owned instance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention.base import AttentionBackend, BatchLayout, register_backend
-from tandem.engine.kv_cache.quant import dequantize_rows, quantize_rows
+from tandem.engine.attention.base import (
+    AttentionBackend,
+    AttentionSpec,
+    BatchLayout,
+    register_backend,
+)
+from tandem.engine.kv_cache.quant import KVCacheFormat, dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -65,6 +75,47 @@ def group_by_length(lens: list[int], slack: float = 1.25, min_len: int = 64) -> 
     return groups
 
 
+class PagedSteps(Protocol):
+    """What `write_then_attend` calls: the torch backend's steps, or a backend's own."""
+
+    spec: AttentionSpec
+    kv_format: KVCacheFormat
+
+    def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                        v_rows: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any,
+               out: torch.Tensor) -> None:
+        ...
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                v_rows: torch.Tensor, meta: Any, out: torch.Tensor) -> None:
+        ...
+
+
+def write_then_attend(steps: PagedSteps, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      meta: TorchAttentionMetadata) -> torch.Tensor:
+    """One layer's paged attention: the new tokens' K/V into the cache at `meta.write_rows`
+    (quantized by `steps.write_quantized` when the cache is), then `steps.decode` for the
+    first `meta.num_decodes` rows and `steps.prefill` for the rest -> out [T, H, D]."""
+    width = kv_cache[0].shape[-1]
+    k_rows = kv_cache[0].view(-1, width)
+    v_rows = kv_cache[1].view(-1, width)
+    if steps.kv_format.quantized:
+        k, v = steps.write_quantized(k, v, k_rows, v_rows, meta)
+    else:
+        d = steps.spec.head_dim
+        k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
+        v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.num_decodes:
+        steps.decode(q, kv_cache, meta, out)
+    steps.prefill(q, k, v, k_rows, v_rows, meta, out)
+    return out
+
+
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Reference CPU/GPU backend built only from torch ops (no per-token Python loops)."""
@@ -91,7 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
         w = self.spec.sliding_window
         return k_pos > q_pos - w if w else torch.ones((), dtype=torch.bool)
 
-    def _write_rows(self, layout: BatchLayout) -> torch.Tensor:
+    def write_rows(self, layout: BatchLayout) -> torch.Tensor:
+        """[T * KVH] cache rows the batch's new tokens' K/V go to, on the device."""
         bs, kvh = self.block_size, self.spec.num_kv_heads
         slots = layout.slot_mapping
         write_rows = ((slots // bs) * (kvh * bs))[:, None] + (torch.arange(kvh) * bs)[None, :]
@@ -115,7 +167,8 @@ class TorchAttentionBackend(AttentionBackend):
             groups.append(DecodeGroup(lo, hi, length, rows, mask[:, None, None, :].to(self.device)))
         return groups
 
-    def _prefill_seqs(self, layout: BatchLayout) -> list[PrefillSeq]:
+    def prefill_seqs(self, layout: BatchLayout) -> list[PrefillSeq]:
+        """How each prefill chunk of the batch (after the decodes) reads its context."""
         bs, nd = self.block_size, layout.num_decodes
         window = self.spec.sliding_window
         prefills: list[PrefillSeq] = []
@@ -143,30 +196,17 @@ class TorchAttentionBackend(AttentionBackend):
         return prefills
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(self._write_rows(layout), layout.num_decodes,
-                                      self._decode_groups(layout), self._prefill_seqs(layout))
+        return TorchAttentionMetadata(self.write_rows(layout), layout.num_decodes,
+                                      self._decode_groups(layout), self.prefill_seqs(layout))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata) -> torch.Tensor:
-        width = kv_cache[0].shape[-1]
-        k_rows = kv_cache[0].view(-1, width)
-        v_rows = kv_cache[1].view(-1, width)
-        if self.kv_format.quantized:
-            k, v = self._write_quantized(k, v, k_rows, v_rows, meta)
-        else:
-            d = self.spec.head_dim
-            k_rows.index_copy_(0, meta.write_rows, k.reshape(-1, d))
-            v_rows.index_copy_(0, meta.write_rows, v.reshape(-1, d))
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if meta.num_decodes:
-            self._decode(q, kv_cache, meta, out)
-        self._prefill(q, k, v, k_rows, v_rows, meta, out)
-        return out
+        return write_then_attend(self, q, k, v, kv_cache, meta)
 
-    def _write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
+                        v_rows: torch.Tensor, meta: TorchAttentionMetadata
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize k/v [T, KVH, D] into the cache rows; returns them as the cache now holds
         them (dequantized) where a torch prefill reads them, else k/v unchanged."""
         name, width = self.kv_format.name, k_rows.shape[-1]
@@ -178,8 +218,8 @@ class TorchAttentionBackend(AttentionBackend):
         # prefill chunks attend to their own tokens as the cache holds them
         return dequantize_rows(kq, name, k.dtype), dequantize_rows(vq, name, v.dtype)
 
-    def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
+    def decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: TorchAttentionMetadata, out: torch.Tensor) -> None:
         """Attention of the first `meta.num_decodes` rows of q into `out`."""
         s = self.spec
         kvh, d, g = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
@@ -194,9 +234,10 @@ class TorchAttentionBackend(AttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=s.scale)
             out[grp.lo : grp.hi] = od.reshape(b, s.num_heads, d)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
-                 out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_rows: torch.Tensor, v_rows: torch.Tensor, meta: TorchAttentionMetadata,
+                out: torch.Tensor) -> None:
+        """Attention of the prefill rows of q (after the decodes) into `out`."""
         s = self.spec
         kvh, d = s.num_kv_heads, s.head_dim
         for p in meta.prefills:
