@@ -204,3 +204,20 @@ def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_children_do_not_inherit_the_api_key_variable(monkeypatch):
+    """`tandem serve` consumes $TANDEM_API_KEY for its router (a keys file); its children never
+    see it, so a worker does not demand a key the router's signed requests do not carry."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TANDEM_API_KEY", "sk-env")
+    monkeypatch.setenv("TANDEM_SPAWN_PROBE", "kept")
+    probe = ("import os; print(os.environ.get('TANDEM_API_KEY'), "
+             "os.environ.get('TANDEM_SPAWN_PROBE'), os.environ.get('EXTRA'))")
+    out = subprocess.run([sys.executable, "-c", "import sys; from tandem.serving.embedded import "
+                          "spawn; p = spawn([sys.executable, '-c', sys.argv[1]], {'EXTRA': '1'});"
+                          " p.wait()", probe], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert out.stdout.split() == ["None", "kept", "1"]

@@ -285,8 +285,14 @@ def _die_with_parent() -> None:
 
 
 def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a child in its own session with this environment plus `env`, less the API-key
+    variable: `tandem serve` has already given the router its keys (a 0600 file), and the
+    workers serve only the router's signed requests."""
+    from tandem.serving.worker import API_KEY_ENV
+
+    base = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
-                            env={**os.environ, **env} if env else None)
+                            env={**base, **(env or {})})
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
