@@ -27,6 +27,7 @@ from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.sampler import Sampler, SamplingRow
+from tandem.engine.scheduler import prompt_logprobs_rows
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -141,28 +142,45 @@ def worst_case_rows(n: int, prompt_len: int) -> list[SamplingRow]:
             for i in range(n)]
 
 
+def prompt_logprobs_work(logits: torch.Tensor, k: int = 20) -> torch.Tensor:
+    """What the model runner computes over a step's prompt-logprobs rows (`[rows, V]` in
+    the model dtype): float32 log-softmax, each row's target and top-k. Returns the
+    log-softmax."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.zeros(logits.shape[0], 1, dtype=torch.int64, device=logits.device)
+    torch.cat([logprobs.gather(1, targets).double(),
+               *(t.double() for t in logprobs.topk(min(k, logits.shape[-1]), dim=-1))], dim=1)
+    return logprobs
+
+
 @torch.inference_mode()
 def dummy_step(model: torch.nn.Module, backend: AttentionBackend,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: BatchLayout,
                num_logits: int, device: torch.device,
-               sampler: Sampler | None = None) -> torch.Tensor:
-    """One forward over `layout` with logits for its last `num_logits` tokens; with a
-    `sampler`, then the real sampler over those rows in its costliest mode
-    (`worst_case_rows`; its penalty state released after, its storage kept, as it would be
-    under load). Returns the logits. Any device; the engine profiles it on CUDA."""
+               sampler: Sampler | None = None, prompt_logprob_rows: int = 0) -> torch.Tensor:
+    """One forward over `layout` with logits for its last `num_logits + prompt_logprob_rows`
+    tokens (at most all of them): with a `sampler`, the real sampler over the first
+    `num_logits` rows in its costliest mode (`worst_case_rows`; its penalty state released
+    after, its storage kept, as it would be under load), then `prompt_logprobs_work` over
+    the rest, the logits all live meanwhile as in a real step. Returns the logits. Any
+    device; the engine profiles it on CUDA."""
     positions = torch.cat([torch.arange(s - q, s) for q, s in
                            zip(layout.query_lens, layout.seq_lens, strict=True)])
     t = layout.num_tokens
     ids = torch.zeros(t, dtype=torch.int64, device=device)
-    rows = torch.arange(t - min(num_logits, t), t, device=device)
+    n = min(num_logits + prompt_logprob_rows, t)
+    rows = torch.arange(t - n, t, device=device)
     logits = model(ids, positions.to(device), kv_caches, backend.build_metadata(layout), rows)
+    ns = min(num_logits, n)
     if sampler is not None:
-        sample_rows = worst_case_rows(logits.shape[0], min(t, 64))
+        sample_rows = worst_case_rows(ns, min(t, 64))
         try:
-            sampler(logits, sample_rows)
+            sampler(logits[:ns], sample_rows)
         finally:
             for r in sample_rows:
                 sampler.release(r.key)
+    if n > ns:
+        prompt_logprobs_work(logits[ns:])
     return logits
 
 
@@ -171,15 +189,19 @@ def profile_steps(model: torch.nn.Module, backend: AttentionBackend, num_layers:
                   device: torch.device, sampler: Sampler | None = None) -> ProfileResult:
     """The activation peak of the largest step (vLLM's profile run): the whole token budget
     as prompt tokens, with logits for `max_num_seqs` rows sampled by `sampler` in its
-    costliest mode, over a 1-block KV cache.
+    costliest mode and for the prompt-logprobs rows a step may compute
+    (`scheduler.prompt_logprobs_rows`, their float32 log-softmax and top-20), over a
+    1-block KV cache.
 
     The Triton backend's decode needs no context-sized temporaries; the torch backend's
     decode gathers each row's whole context, which this does not bound.
     """
     caches = [backend.allocate_kv_cache(1) for _ in range(num_layers)]
     layout = dummy_layout(max_num_batched_tokens, max_len, backend.block_size)
+    plp_rows = prompt_logprobs_rows(max_num_seqs, max_num_batched_tokens)
     result = profile_peak(
-        lambda: dummy_step(model, backend, caches, layout, max_num_seqs, device, sampler),
+        lambda: dummy_step(model, backend, caches, layout, max_num_seqs, device, sampler,
+                           plp_rows),
         device)
     logger.info("profiled a %d-token step: activation peak %s", max_num_batched_tokens,
                 _gib(result.activation_peak))

@@ -19,6 +19,11 @@ With LoRA (`max_loras` > 0) the running requests use at most `max_loras` distinc
 a waiting request whose adapter would exceed it is passed over (the requests behind it
 may start) until a running adapter's last request leaves.
 
+A step computes prompt logprobs (`[rows, vocab]` float32 logits) for at most
+`prompt_logprobs_rows` prompt positions, over all its requests: a request asking for them
+gets a shorter prefill chunk (or none this step) when the step's rows are taken, so the
+memory of any prompt-logprobs request stays within what the profiling step reserves.
+
 Admission stops at the first waiting request that does not fit, except for P/D requests
 whose imported blocks are pinned with a block for their last token (they need no free one);
 a step that would run nothing admits the first request that fits.
@@ -43,6 +48,13 @@ from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
 STALL_LOOKAHEAD = 64  # waiting requests a stalled step looks at
+PROMPT_LOGPROBS_MIN_ROWS = 256
+
+
+def prompt_logprobs_rows(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Prompt positions whose logprobs one step computes, at most: max(max_num_seqs, 256)
+    within the token budget. `memory.profile_steps` profiles a step with this many."""
+    return min(max_num_batched_tokens, max(max_num_seqs, PROMPT_LOGPROBS_MIN_ROWS))
 
 
 @dataclass
@@ -90,6 +102,9 @@ class Scheduler:
         self.running_loras: Counter[str] = Counter()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prompt_logprobs_rows = prompt_logprobs_rows(max_num_seqs,
+                                                             max_num_batched_tokens)
+        self._plp_left = self.max_prompt_logprobs_rows  # this step's rows not yet taken
         self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
         self.max_waiting = max_waiting
         self.running: list[Request] = []
@@ -149,10 +164,27 @@ class Scheduler:
         self.kv.free(req, keep=keep)
 
     # -- scheduling --------------------------------------------------------------------------
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens to run this step of a request with `remaining` uncomputed tokens."""
+    def _chunk(self, remaining: int, budget: int, req: Request | None = None) -> int:
+        """Tokens to run this step of a request with `remaining` uncomputed tokens; for `req`
+        asking for prompt logprobs, also within the step's prompt-logprobs rows left (0: it
+        cannot run this step)."""
         cap = self.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        n = min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        if req is not None and req.prompt_logprobs_pos is not None:
+            start = req.num_tokens - remaining
+            # positions [first, num_prompt_tokens - 1) still need their row (position p
+            # gives prompt token p + 1's logprob)
+            first = max(start, req.prompt_logprobs_pos)
+            if first + self._plp_left < req.num_prompt_tokens - 1:
+                n = min(n, first + self._plp_left - start)
+        return n
+
+    def _take_rows(self, req: Request, start: int, num_new: int) -> None:
+        """`num_new` tokens of `req` from `start` run this step: their prompt-logprobs rows
+        are taken from the step's."""
+        if req.prompt_logprobs_pos is not None:
+            first = max(start, req.prompt_logprobs_pos)
+            self._plp_left -= max(0, min(start + num_new, req.num_prompt_tokens - 1) - first)
 
     def _drop_lora(self, req: Request) -> None:
         if req.lora_name is not None:
@@ -236,6 +268,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         deferred: list[Request] = []  # long prefills: their chunk comes after waiting prompts
         budget = self.max_num_batched_tokens
+        self._plp_left = self.max_prompt_logprobs_rows
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -250,8 +283,11 @@ class Scheduler:
                 scheduled.append(s)
                 budget -= s.num_new_tokens
                 continue
-            num_new = self._chunk(remaining, budget)
+            num_new = self._chunk(remaining, budget, req)
+            if num_new == 0:
+                continue  # the step's prompt-logprobs rows are taken: next step
             if self._make_room(req, num_new, out):
+                self._take_rows(req, req.num_computed_tokens, num_new)
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
                 budget -= num_new
                 if long:  # a due one: it starts sitting out afresh
@@ -293,8 +329,9 @@ class Scheduler:
                 passed.append(heapq.heappop(self._waiting))
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
-            num_new = self._chunk(req.num_tokens - num_hit, budget)
-            if 2 * self.kv.pending_run(req, num_hit // self.kv.block_size) >= num_new:
+            num_new = self._chunk(req.num_tokens - num_hit, budget, req)
+            if num_new == 0 or 2 * self.kv.pending_run(req, num_hit // self.kv.block_size
+                                                       ) >= num_new:
                 passed.append(heapq.heappop(self._waiting))  # half its chunk is being computed
                 continue
             if self.kv.allocate_slots(req, num_new, computed) is None:
@@ -323,8 +360,9 @@ class Scheduler:
             if self._lora_blocked(req):
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
-            num_new = self._chunk(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new, computed, max_free=0) is None:
+            num_new = self._chunk(req.num_tokens - num_hit, budget, req)
+            if num_new == 0 or self.kv.allocate_slots(req, num_new, computed,
+                                                      max_free=0) is None:
                 continue
             admitted.append(req)
             budget = self._start(req, num_hit, num_new, scheduled, budget)
@@ -345,8 +383,8 @@ class Scheduler:
             if req in preempted or self._lora_blocked(req):
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
-            num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens)
-            if self.kv.allocate_slots(req, num_new, computed) is not None:
+            num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens, req)
+            if num_new and self.kv.allocate_slots(req, num_new, computed) is not None:
                 self._waiting = [e for e in self._waiting if e[2] is not req]
                 heapq.heapify(self._waiting)
                 self._start(req, num_hit, num_new, scheduled, 0)
@@ -362,6 +400,7 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         req.status = RequestStatus.RUNNING
         self._admit(req)
+        self._take_rows(req, num_hit, num_new)
         scheduled.append(ScheduledRequest(req, num_hit, num_new))
         return budget - num_new
 
@@ -400,8 +439,9 @@ class Scheduler:
             if finishing or budget <= 0:
                 yielding.append(req)
                 continue
-            num_new = min(cap, budget)
-            if self._make_room_deferred(req, num_new, ran, out):
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, min(cap, budget), req)
+            if num_new and self._make_room_deferred(req, num_new, ran, out):
+                self._take_rows(req, req.num_computed_tokens, num_new)
                 scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
                 ran.add(req.request_id)
                 self._yielded.pop(req.request_id, None)
