@@ -28,7 +28,7 @@ short keeps what it measured):
 * `sampling`: every sampling mode in one mixed batch on that engine, run twice (seeded and
   greedy rows must repeat), with the output invariants checked.
 * `tests`: the exactness test files under pytest on CUDA (TRITON_INTERPRET unset); with
-  `--dry-run`, `--collect-only`.
+  `--dry-run`, `--collect-only`; skipped, saying so, where pytest is not installed.
 
 Targets (PASS/FAIL; "n/a (dry run)" with `--dry-run`): decode attention >= 70 % of the copy
 rate; the Triton backend >= 3x the torch backend end to end at batch 64. Output:
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import importlib.util
 import json
 import math
 import os
@@ -77,6 +78,9 @@ TEST_FILES = ("tests/engine/test_hf_parity.py", "tests/engine/test_triton_parity
               "tests/engine/test_devices.py", "tests/engine/test_triton_quant.py",
               "tests/engine/test_fp8.py")
 DECODE_TARGET, SPEEDUP_TARGET = 0.70, 3.0
+# packages the device image may lack: the engine needs none of them to serve an HF directory,
+# the tests section needs pytest and transformers (reported in env.absent_packages)
+OPTIONAL_PACKAGES = ("gguf", "platformdirs", "pytest", "transformers")
 L2_FALLBACK = 50 << 20
 
 
@@ -87,7 +91,8 @@ def environment(device: torch.device) -> dict:
            "platform": platform.platform(), "torch": torch.__version__,
            "triton": triton.__version__,
            "cuda": torch.version.cuda, "device": str(device), "device_name": platform.processor()
-           or platform.machine(), "l2_bytes": L2_FALLBACK, "num_sms": os.cpu_count() or 1}
+           or platform.machine(), "l2_bytes": L2_FALLBACK, "num_sms": os.cpu_count() or 1,
+           "absent_packages": [n for n in OPTIONAL_PACKAGES if importlib.util.find_spec(n) is None]}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(device_name=props.name, l2_bytes=int(getattr(props, "L2_cache_size", 0))
@@ -146,6 +151,11 @@ def start_collect() -> subprocess.Popen:
 def run_tests(dry: bool, cap_s: float, collecting: subprocess.Popen | None = None) -> dict:
     """The exactness test files under pytest in subprocesses (CUDA present, TRITON_INTERPRET
     unset): pass/fail counts per file. Dry run: `--collect-only`, test counts per file."""
+    if importlib.util.find_spec("pytest") is None:
+        if collecting is not None:
+            collecting.kill()
+            collecting.wait()
+        return {"mode": "skipped", "reason": "pytest is not installed here", "files": {}}
     env = _test_env(dry)
     files: dict[str, dict] = {f: {"status": "missing"} for f in TEST_FILES
                               if not (REPO / f).is_file()}
