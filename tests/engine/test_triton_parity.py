@@ -16,9 +16,10 @@ from tests.engine.utils import make_tiny_model_dir
 
 MAX_NEW = 3
 # block 16, 25 tokens a step: the first chat prompt (40 tokens) is chunked beside the short
-# prompt's decodes; the second chat shares its first block (24 common tokens)
+# prompt's decodes; the second chat shares its first block (24 common tokens); eager on a GPU
+# too (decode graphs are test_cuda_graphs.py's)
 ENGINE = {"attention_backend": "triton", "dtype": "float32", "block_size": 16,
-          "num_kv_blocks": 32, "max_num_batched_tokens": 25}
+          "num_kv_blocks": 32, "max_num_batched_tokens": 25, "enforce_eager": True}
 
 
 def _check(llm: LLM, model, prompts: list[list[int]], monkeypatch) -> None:
@@ -73,7 +74,7 @@ def test_triton_backend_greedy_tokens_match_transformers_on_a_tiny_model(tmp_pat
     """The same steps on the engine's device (the GPU check runs this one): prompts of the
     bundled run's lengths, the last two sharing 24 tokens."""
     model = make_tiny_model_dir(tmp_path, "llama", seed=13, tokenizer="trained").to(DEVICE)
-    llm = LLM(str(tmp_path), device=str(DEVICE), enforce_eager=True, **ENGINE)
+    llm = LLM(str(tmp_path), device=str(DEVICE), **ENGINE)
     rng = random.Random(13)
     ids = [rng.randrange(3, model.config.vocab_size) for _ in range(5 + 40 + 15)]
     prompts = [ids[:5], ids[5:45], ids[5:29] + ids[45:]]
