@@ -10,10 +10,6 @@ short keeps what it measured):
   Llama-8B-like sizes (32 query / 8 KV heads, head dim 128, block 16, contexts 1k-8k), timed
   with CUDA events (median, rotating input sets larger than L2); decode attention's KV bytes
   read per second as a fraction of the copy rate (`bench/gpu_kernels.py`).
-* `sweep`: decode attention's launch parameters (`num_stages` 3/5, `num_warps` 4/8, 64/128
-  keys per tile, KV splits 1/2/4) at batch 64 over contexts 1k-8k, each checked against the
-  reference before it is timed; the best per context, the recommended `DECODE_CONFIG`, and
-  how many buffers the pipeliner gives the K/V tiles per `num_stages` (`bench/gpu_sweep.py`).
 * `quant`: the quantized matmuls (`kernels/triton_quant.py` INT8 / INT4, FP8 W8A8 through
   `torch._scaled_mm` and FP8 weight-only) against float64 references of their dequantized
   weights and timed beside `torch.matmul` on bf16 weights, at SmolLM2's gate/up, down and
@@ -29,6 +25,11 @@ short keeps what it measured):
   greedy rows must repeat), with the output invariants checked.
 * `tests`: the exactness test files under pytest on CUDA (TRITON_INTERPRET unset); with
   `--dry-run`, `--collect-only`; skipped, saying so, where pytest is not installed.
+* `sweep`: decode attention's launch parameters (`num_stages` 3/5, `num_warps` 4/8, 64/128
+  keys per tile, KV splits 1/2/4) at batch 64 over contexts 1k-8k, each checked against the
+  reference before it is timed; the best per context, the recommended `DECODE_CONFIG`, and
+  how many buffers the pipeliner gives the K/V tiles per `num_stages` (`bench/gpu_sweep.py`);
+  last, so the outer timeout cuts it rather than the tests (each context saved as it ends).
 
 Targets (PASS/FAIL; "n/a (dry run)" with `--dry-run`): decode attention >= 70 % of the copy
 rate; the Triton backend >= 3x the torch backend end to end at batch 64. Output:
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="JSON path (default: bench/results/gpu_check-"
                     "<date>.json; a temp file with --dry-run)")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip "
-                    "(copy,kernels,sweep,quant,e2e,tests)")
+                    "(copy,kernels,quant,e2e,tests,sweep)")
     ap.add_argument("--tests-cap", type=float, default=150.0, help="seconds for pytest")
     ap.add_argument("--sweep-cap", type=float, help="seconds for the decode sweep's timed "
                     f"launches (default {gpu_sweep.SWEEP_REAL.cap_s:g}; a dry run "
@@ -293,21 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             return {"dtype": "bfloat16", "sizes": dataclasses.asdict(ksz), "results": res,
                     "all_ok": all(r["ok"] for r in res.values())}
         section(report, "kernels", out, kernels)
-    if "sweep" not in skip:
-        def sweep() -> dict:
-            from tandem.engine.kernels import triton_unavailable_reason
-
-            reason = triton_unavailable_reason(device)
-            if reason:
-                raise RuntimeError(reason)
-            ssz = gpu_sweep.SWEEP_DRY if args.dry_run else gpu_sweep.SWEEP_REAL
-            if args.sweep_cap is not None:
-                ssz = dataclasses.replace(ssz, cap_s=args.sweep_cap)
-            res = gpu_sweep.decode_sweep(ssz, dtype, device, timer, copy_gbps, env["num_sms"],
-                                         env["l2_bytes"])
-            res["pipelining"] = gpu_sweep.pipelining(ssz.stages, device)
-            return res
-        section(report, "sweep", out, sweep)
     if "quant" not in skip:
         def quant() -> dict:
             from tandem.engine.kernels import triton_unavailable_reason
@@ -329,6 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" not in skip:
         section(report, "tests", out, lambda: run_tests(args.dry_run, args.tests_cap,
                                                         collecting))
+    if "sweep" not in skip:  # last: the outer timeout may cut it; each bucket is saved
+        def sweep() -> dict:
+            from tandem.engine.kernels import triton_unavailable_reason
+
+            reason = triton_unavailable_reason(device)
+            if reason:
+                raise RuntimeError(reason)
+            ssz = gpu_sweep.SWEEP_DRY if args.dry_run else gpu_sweep.SWEEP_REAL
+            if args.sweep_cap is not None:
+                ssz = dataclasses.replace(ssz, cap_s=args.sweep_cap)
+            res = {"pipelining": gpu_sweep.pipelining(ssz.stages, device)}
+
+            def save(partial: dict) -> None:
+                report["sweep"] = {"status": "partial", **res, **partial}
+                out.write_text(json.dumps(report, indent=1, default=str, allow_nan=True))
+
+            save({})
+            return res | gpu_sweep.decode_sweep(ssz, dtype, device, timer, copy_gbps,
+                                                env["num_sms"], env["l2_bytes"], save)
+        section(report, "sweep", out, sweep)
     report["targets"] = targets(report, args.dry_run)
     report["seconds"] = time.perf_counter() - t_start
     out.write_text(json.dumps(report, indent=1, default=str, allow_nan=True))
@@ -371,7 +377,7 @@ def summary(report: dict) -> None:
         print(f"  {name}: {f['status']} {({k: v for k, v in f.items() if k in _COUNTS})}")
     for name, t in report["targets"].items():
         print(f"target {name} >= {t['target']}: {t['value']} -> {t['verdict']}")
-    for name in ("copy", "kernels", "sweep", "quant", "e2e", "tests"):
+    for name in ("copy", "kernels", "quant", "e2e", "tests", "sweep"):
         if report.get(name, {}).get("status") == "error":
             print(f"section {name} FAILED: {report[name]['error']}")
 

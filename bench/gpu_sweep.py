@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class SweepSizes:
 
 
 SWEEP_REAL = SweepSizes(gk.REAL, 64, (1024, 2048, 4096, 8192), (3, 5), (4, 8), (64, 128),
-                        (1, 2, 4), 30, 150.0)
+                        (1, 2, 4), 20, 90.0)
 # two launch configs (today's default and its opposite corner), one bucket, interpreted
 SWEEP_DRY = SweepSizes(gk.DRY, 2, (40,), (3, 5), (4, 8), (64,), (1, 2), 1, 30.0)
 
@@ -67,9 +68,11 @@ def _grid(sz: SweepSizes) -> list[dict[str, int]]:
 
 
 def decode_sweep(sz: SweepSizes, dtype: torch.dtype, device: torch.device, timer: gk.Timer,
-                 copy_gbps: float, num_sms: int, l2_bytes: int) -> dict:
+                 copy_gbps: float, num_sms: int, l2_bytes: int,
+                 progress: Callable[[dict], None] | None = None) -> dict:
     """Each bucket x launch config x split count: error, median ms and KV bandwidth; the best
-    per bucket and the recommended default (see the module docstring)."""
+    per bucket and the recommended default (see the module docstring). `progress` gets the
+    result so far after each bucket (a run cut short keeps the buckets it finished)."""
     from tandem.engine.kernels import triton_attention as ta
 
     rng = random.Random(3)
@@ -126,6 +129,14 @@ def decode_sweep(sz: SweepSizes, dtype: torch.dtype, device: torch.device, timer
             "best": min(timed, key=lambda r: r["median_ms"]) if timed else None,
             "runs": runs}
         del sets, ref, ws
+        if progress is not None:
+            progress(_result(sz, dtype, buckets))
+    return _result(sz, dtype, buckets)
+
+
+def _result(sz: SweepSizes, dtype: torch.dtype, buckets: dict[str, dict]) -> dict:
+    from tandem.engine.kernels import triton_attention as ta
+
     return {"sizes": dataclasses.asdict(sz), "dtype": str(dtype).removeprefix("torch."),
             "default_config": dataclasses.asdict(ta.DECODE_CONFIG), "buckets": buckets,
             "all_ok": all(r.get("status") in ("ok", "skipped (time cap)")

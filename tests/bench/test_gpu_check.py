@@ -198,6 +198,7 @@ def test_dry_run_times_each_step_and_sweeps_decode_attention(dry_run):
     assert sweep["recommended"]["how"].startswith("DECODE_CONFIG = DecodeConfig(")
     stages = sweep["pipelining"]["stages"]
     assert not stages["3"]["double_buffered"] and stages["5"]["double_buffered"]
+    assert list(report).index("sweep") > list(report).index("tests")  # the one a cut loses
 
 
 def test_the_tests_section_says_so_without_pytest(monkeypatch):

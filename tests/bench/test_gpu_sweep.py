@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -159,3 +160,13 @@ def test_forward_clock_splits_each_step_into_forward_and_host_time():
     assert t["device_ms_total"] >= 2.0 and t["wall_ms_total"] >= 8.0 + t["device_ms_total"]
     assert 0.5 < t["host_share"] < 1
     assert t["device_ms_per_step"] <= t["wall_ms_per_step"]
+
+
+def test_the_sweep_hands_over_each_finished_context():
+    sz = dataclasses.replace(gpu_sweep.SWEEP_DRY, contexts=(24, 40), splits=(1,))
+    seen = []
+    res = gpu_sweep.decode_sweep(sz, torch.bfloat16, CPU, gk.Timer(CPU), 10.0, 4, 50 << 20,
+                                 lambda partial: seen.append(sorted(partial["buckets"])))
+    assert seen == [["24"], ["24", "40"]] and sorted(res["buckets"]) == ["24", "40"]
+    assert res["buckets"]["24"]["context"] == [19, 24]
+    assert set(res["recommended"]["best_splits"]) == {"24", "40"}
