@@ -366,12 +366,16 @@ def summary(report: dict) -> None:
         for point in ("decode", "prefill"):
             t = r.get(point, {}).get("step_time", {})
             if t.get("steps"):
+                kernels = t.get("kernel_ms_per_step")
                 print(f"  {name:14s} {point:7s} wall {t['wall_ms_per_step']:8.2f} ms/step  "
                       f"forward on device {t['device_ms_per_step']:8.2f} ms/step  "
-                      f"host share {t['host_share']:.0%}")
+                      f"host share {t['host_share']:.0%}"
+                      + (f"  kernels {kernels:.2f} ms/step" if kernels else ""))
     for k, v in report.get("e2e", {}).get("ratios", {}).items():
         dev = report["e2e"].get("device_ratios", {}).get(k)
-        print(f"  {k}: {v:.2f}x" + (f"  (device time alone: {dev:.2f}x)" if dev else ""))
+        kern = report["e2e"].get("kernel_ratios", {}).get(k)
+        print(f"  {k}: {v:.2f}x" + (f"  (device time alone: {dev:.2f}x)" if dev else "")
+              + (f"  (kernels alone: {kern:.2f}x)" if kern else ""))
     sweep_summary(report.get("sweep", {}))
     for name, f in report.get("tests", {}).get("files", {}).items():
         print(f"  {name}: {f['status']} {({k: v for k, v in f.items() if k in _COUNTS})}")

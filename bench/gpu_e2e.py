@@ -140,11 +140,14 @@ def decode_point(llm, sz: E2ESizes, rng: random.Random, deadline: float) -> dict
     finally:
         clock.close()
     tokens = sum(counts.values()) - before
+    # a few more steps, profiled (one on the CPU: the same code, nothing to measure)
+    kernels = kernel_time(step, KERNEL_STEPS if eng.device.type == "cuda" else 1, eng.device)
     for rid in ids:
         eng.abort_request(rid)
     return {"batch": sz.decode_batch, "prompt_len": sz.decode_prompt, "steps": steps,
             "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "ms_per_step": elapsed / steps * 1e3, "step_time": clock.summary()}
+            "ms_per_step": elapsed / steps * 1e3,
+            "step_time": clock.summary() | kernels}
 
 
 def prefill_point(llm, sz: E2ESizes, rng: random.Random) -> dict:
@@ -203,7 +206,7 @@ class ForwardClock:
     synchronously, so that is its compute time) and the result says so (`timer`).
     `host_share` = 1 - device / wall over the steps: what the step spends outside forwards
     (scheduling, input building, sampling, output processing, launch gaps before the
-    forward's first kernel).
+    forward's first kernel). `kernel_time` gives the kernels' own time for comparison.
     """
 
     def __init__(self, runner, device: torch.device) -> None:
@@ -286,6 +289,34 @@ class ForwardClock:
                 "host_share": max(0.0, 1 - sum(device) / total_wall) if total_wall else None}
 
 
+KERNEL_STEPS = 8
+
+
+def kernel_time(step, steps: int, device: torch.device) -> dict:  # noqa: ANN001 - a step
+    """`steps` more engine steps under torch's profiler: the GPU's kernel time per step
+    (every kernel's and copy's own device time, CUPTI's numbers, summed): the device's busy
+    time alone, without the launch gaps that events around a forward include. None where
+    the profiler saw no device activity (the CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        # the device's own events (kernels, copies), as the profiler table's "Self CUDA
+        # time total": a CPU op's self device time would count its kernels twice
+        us = sum(e.self_device_time_total for e in prof.key_averages()
+                 if e.device_type != DeviceType.CPU)
+    except Exception as exc:  # a profiler the image cannot start must not cost the point
+        return {"kernel_ms_per_step": None, "kernel_error": f"{type(exc).__name__}: {exc}"}
+    return {"kernel_ms_per_step": us / 1e3 / steps if us else None, "kernel_steps": steps}
+
+
 def e2e(sz: E2ESizes, device: torch.device, workdir: Path, result: dict) -> dict:
     """Each engine configuration in turn on the same random model (see `engine_run`), then
     the ratios between them; `result` fills as it goes, so a failure keeps what ran."""
@@ -323,6 +354,11 @@ def e2e(sz: E2ESizes, device: torch.device, workdir: Path, result: dict) -> dict
     # the same ratios from the forwards' device time alone (`ForwardClock`): kernels apart
     # from host work; on the CPU from the forwards' wall time
     result["device_ratios"] = device_ratios
+    kernel = {n: r["decode"]["step_time"].get("kernel_ms_per_step") for n, r in ok.items()}
+    # decode on the kernels' own GPU time (every engine decodes the same batch per step)
+    result["kernel_ratios"] = {f"decode_{label}": kernel[b] / kernel[a] for label, a, b in (
+        ("triton_over_torch", "triton_graphs", "torch_eager"),
+        ("graphs_over_eager", "triton_graphs", "triton_eager")) if kernel.get(a) and kernel.get(b)}
     failed = sorted(set(runs) - set(ok))
     if failed:
         raise RuntimeError(f"engine configuration(s) {failed} failed (see e2e.runs)")
