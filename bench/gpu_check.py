@@ -407,8 +407,8 @@ def sweep_summary(sweep: dict) -> None:
               + (f" ({speed:.2f}x the current default)" if speed else ""))
     pipe = sweep.get("pipelining")
     if pipe:
-        print(f"  decode pipelining ({pipe['target']}, triton {pipe['triton']}): "
-              f"{pipe['finding']}")
+        print(f"  decode pipelining ({pipe.get('target')}, triton {pipe.get('triton')}): "
+              f"{pipe.get('finding') or pipe.get('error')}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

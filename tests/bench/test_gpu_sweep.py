@@ -170,3 +170,9 @@ def test_the_sweep_hands_over_each_finished_context():
     assert seen == [["24"], ["24", "40"]] and sorted(res["buckets"]) == ["24", "40"]
     assert res["buckets"]["24"]["context"] == [19, 24]
     assert set(res["recommended"]["best_splits"]) == {"24", "40"}
+
+
+def test_a_pipelining_report_that_cannot_compile_says_why_instead_of_raising(monkeypatch):
+    monkeypatch.setattr(gpu_sweep, "__file__", str(REPO / "bench" / "no_such_script.py"))
+    res = gpu_sweep.pipelining((3,), CPU)
+    assert set(res) == {"error"} and "compiling the decode kernel failed" in res["error"]
