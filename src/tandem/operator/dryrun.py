@@ -287,12 +287,13 @@ def placeholder(doc: dict[str, Any]) -> dict[str, Any]:
 def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[str, dict]]:
     """What `reconcile.apply` writes for `svc`, in order, on a cluster without its children
     (operator-scaled pools at `replicas`, as their live Deployments would be)."""
-    from tandem.operator.reconcile import KIND_API, apply, pool_kind
-    from tandem.operator.render import pool_name, pools
+    from tandem.operator.reconcile import apply
+    from tandem.operator.render import pool_workloads
 
-    live = [{"apiVersion": KIND_API[pool_kind(p)], "kind": pool_kind(p),
-             "metadata": {"name": pool_name(svc.owner, p), "namespace": svc.owner.namespace},
-             "spec": {"replicas": replicas[p.name]}} for p in pools(svc.spec) if p.name in replicas]
+    live = [{"apiVersion": w.api_version, "kind": w.kind,
+             "metadata": {"name": w.name, "namespace": svc.owner.namespace},
+             "spec": {"replicas": replicas[w.pool.name]}}
+            for w in pool_workloads(svc.spec, svc.owner) if w.pool.name in replicas]
     recorder = Recorder(live)
     apply(recorder, svc.spec, svc.owner, config)  # type: ignore[arg-type]
     return recorder.writes

@@ -21,16 +21,15 @@ from tandem.operator.render import (
     OperatorPeer,
     Owner,
     Pool,
-    pool_name,
+    Workload,
+    pool_workloads,
     pools,
     render_all,
 )
-from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
 from tandem.operator.render.security import worker_auth_secret
 from tandem.operator.spec import InferenceServiceSpec, SpecError, signal_for
 
 logger = logging.getLogger(__name__)
-KIND_API = {"Deployment": "apps/v1", LWS_KIND: LWS_API_VERSION}
 AUTOSCALER = "tandem-autoscaler"  # the field manager of the replicas the autoscaler sets
 HANDOVER = "tandem-handover"  # holds a pool's replicas while an HPA takes them over
 
@@ -68,11 +67,6 @@ class PoolState:
 def owner_of(body: Mapping[str, Any]) -> Owner:
     meta = body["metadata"]
     return Owner(meta["name"], meta["namespace"], meta["uid"])
-
-
-def pool_kind(pool: Pool) -> str:
-    """The kind of the workload that runs `pool`."""
-    return LWS_KIND if pool.spec.layout.multinode else "Deployment"
 
 
 def operator_scaled(spec: InferenceServiceSpec) -> list[Pool]:
@@ -169,8 +163,9 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     live = by_name(owned)
     before = {f"{kind}/{obj['metadata']['name']}": obj["metadata"].get("resourceVersion", "")
               for kind, objs in owned.items() for obj in objs}
-    keep = {p.name: live[pool_name(owner, p)]["spec"]["replicas"] for p in operator_scaled(spec)
-            if "replicas" in (live.get(pool_name(owner, p)) or {}).get("spec", {})}
+    scaled = {p.name for p in operator_scaled(spec)}
+    keep = {w.pool.name: live[w.name]["spec"]["replicas"] for w in pool_workloads(spec, owner)
+            if w.pool.name in scaled and "replicas" in (live.get(w.name) or {}).get("spec", {})}
     docs = manifests(spec, owner, config, keep)
     ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
     ensure_redis_user(kube, spec, owner, config)
@@ -196,23 +191,21 @@ def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     `HANDOVER` first. Dropping a field its only applier owned would reset the pool to one
     replica; with a second owner the count stays until the HPA's first scale takes it
     (Kubernetes' documented server-side-apply ownership transfer)."""
-    for pool in pools(spec):
-        auto = pool.spec.autoscaling
-        name = pool_name(owner, pool)
-        dep = live.get(name)
+    for w in pool_workloads(spec, owner):
+        auto = w.pool.spec.autoscaling
+        dep = live.get(w.name)
         if auto is None or auto.mode != "hpa" or dep is None:
             continue
         replicas = dep.get("spec", {}).get("replicas")
         if replicas is None or not applies_field(dep, FIELD_MANAGER, "spec", "replicas"):
             continue
-        kind = dep.get("kind", "Deployment")
-        if kind != pool_kind(pool):
+        if dep.get("kind", "Deployment") != w.kind:
             continue  # the pool changes kind: its new workload starts under the HPA
-        kube.apply({"apiVersion": KIND_API[kind], "kind": kind,
-                    "metadata": {"name": name, "namespace": owner.namespace},
+        kube.apply({"apiVersion": w.api_version, "kind": w.kind,
+                    "metadata": {"name": w.name, "namespace": owner.namespace},
                     "spec": {"replicas": replicas}}, manager=HANDOVER)
         logger.info("%s/%s: %s keeps %d replicas while its HPA takes over", owner.namespace,
-                    owner.name, name, replicas)
+                    owner.name, w.name, replicas)
 
 
 @dataclass(frozen=True)
@@ -228,13 +221,14 @@ def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
                now: float | None = None) -> Scaled | None:
     """One autoscaler tick for one pool: read the signal, decide, and patch the workload's
     replicas (nothing else: a Deployment's pods, a LeaderWorkerSet's groups, whose leaders
-    report) when the decision differs from what runs. None: no change."""
+    report) when the decision differs from what runs. None: no change. `dep` is the live
+    workload named by the pool's `Workload` (`workloads`), patched as the kind it is."""
     auto = pool.spec.autoscaling
     if auto is None or dep is None:
         return None
     now = time.time() if now is None else now
     signal = signal_for(auto.signal, pool.role)
-    name = pool_name(owner, pool)
+    name = Workload.of(owner, pool).name
     current = int(dep["spec"].get("replicas", 1))
     samples = source.scrape(owner.namespace, name)
     value = per_replica(signal, samples, current, now, state.previous)

@@ -6,26 +6,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env
+from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
-from tandem.operator.render.multinode import LWS_KIND, pod_templates
+from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
 from tandem.operator.render.router import render_router, router_endpoint, router_name
 from tandem.operator.render.security import OperatorPeer, certificates, network_policies
 from tandem.operator.render.workers import (
-    Pool,
     pool_config_hash,
     pool_image,
-    pool_name,
     pool_selector,
-    pools,
     render_workers,
 )
+from tandem.operator.render.workload import (
+    Pool,
+    Workload,
+    pool_name,
+    pool_workloads,
+    pools,
+)
 from tandem.operator.spec import InferenceServiceSpec, check_name
+from tandem.protocol.labels import ROUTER_COMPONENT
 
-__all__ = ["DEFAULT_IMAGE", "OperatorPeer", "Owner", "Pool", "image_from_env",
-           "pool_config_hash", "pool_name", "pool_selector", "pools", "render_all",
-           "router_endpoint", "router_name"]
+__all__ = ["DEFAULT_IMAGE", "OperatorPeer", "Owner", "Pool", "Workload", "image_from_env",
+           "pool_config_hash", "pool_name", "pool_selector", "pool_workloads", "pools",
+           "render_all", "router_endpoint", "router_name"]
 
 
 def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = None,
@@ -46,32 +51,36 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     NetworkPolicies and the gRPC Certificate come first: no pod runs before its policy
     exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
     the pods' user settings (`render.pod`) are merged last. A multi-node tensor-parallel pool
-    is a LeaderWorkerSet (`render.multinode`) where the others are Deployments."""
+    is a LeaderWorkerSet (`render.multinode`) where the others are Deployments: each pool's
+    `Workload`, decided once here, is what every renderer reads."""
     check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
     cuda_img = spec.image or worker_cuda_image or img
-    out = network_policies(spec, owner, operator) + certificates(spec, owner)
+    workloads = pool_workloads(spec, owner)
+    out = network_policies(spec, owner, operator, workloads) + certificates(spec, owner)
     out += render_router(spec, owner, spec.image or router_image or img, operator,
-                         worker_image=pool_image(pools(spec)[-1], cpu_img, cuda_img))
-    out += render_workers(spec, owner, cpu_img, replicas, cuda_img)
-    settings = {router_name(owner): (spec.router.pod, "router")}
-    settings |= {pool_name(owner, p): (p.spec.pod, "prefill" if p.role == "prefill" else
-                                       "decode") for p in pools(spec)}
-    workloads = [d for d in out if d["kind"] in ("Deployment", LWS_KIND)]
-    for doc in workloads:
-        pod, where = settings[doc["metadata"]["name"]]
-        apply_pod_settings(doc, pod, where, image_pull_secrets)
+                         worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img))
+    out += render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
+    # (kind, name) -> pod settings, their spec field, every pod the workload runs
+    settings = {("Deployment", router_name(owner)): (
+        spec.router.pod, "router", labels(owner, ROUTER_COMPONENT))}
+    settings |= {(w.kind, w.name): (w.pool.spec.pod, "prefill" if w.role == "prefill" else
+                                    "decode", w.pod_selector) for w in workloads}
+    running = [d for d in out if (d["kind"], d["metadata"]["name"]) in settings]
+    for doc in running:
+        pod, where, selector = settings[doc["kind"], doc["metadata"]["name"]]
+        apply_pod_settings(doc, pod, where, selector, image_pull_secrets)
     if image_pull_policy:
-        for doc in workloads:
+        for doc in running:
             for template in pod_templates(doc):
                 pod = template["spec"]
                 for c in pod["containers"] + pod.get("initContainers", []):
                     c["imagePullPolicy"] = image_pull_policy
-    for pool in pools(spec):
-        auto = pool.spec.autoscaling
+    for w in workloads:
+        auto = w.pool.spec.autoscaling
         if auto is not None and auto.mode == "hpa":
-            out.append(hpa(owner, pool, auto))
+            out.append(hpa(owner, w, auto))
     if spec.service_monitor:
         out += [router_metrics_service(owner), service_monitor(spec, owner)]
     return out

@@ -150,9 +150,12 @@ def scrape_annotations(port: int = HTTP_PORT) -> dict[str, str]:
             "prometheus.io/path": "/metrics"}
 
 
-def pdb(owner: Owner, name: str, component: str, role: str | None = None) -> dict[str, Any]:
-    """At most one pod of the pool voluntarily down at a time (drains, node upgrades)."""
+def pdb(owner: Owner, name: str, component: str, role: str | None = None, *,
+        selector: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """At most one pod of `selector` (default: the component's and role's selector labels)
+    voluntarily down at a time (drains, node upgrades); for a LeaderWorkerSet's groups,
+    one group, since a lost pod restarts its group."""
+    match = dict(selector) if selector is not None else labels(owner, component, role)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": metadata(owner, name, component, role),
-            "spec": {"maxUnavailable": 1,
-                     "selector": {"matchLabels": labels(owner, component, role)}}}
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": match}}}

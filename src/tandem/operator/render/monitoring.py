@@ -18,8 +18,7 @@ from tandem.operator.render.common import (
     labels,
     metadata,
 )
-from tandem.operator.render.multinode import LWS_API_VERSION, LWS_KIND
-from tandem.operator.render.workers import Pool, pool_name
+from tandem.operator.render.workload import Workload
 from tandem.operator.spec import AutoscalingSpec, InferenceServiceSpec, signal_for
 from tandem.protocol.labels import (
     COMPONENT_LABEL,
@@ -73,16 +72,13 @@ def quantity(value: float) -> str:
     return str(int(value)) if value == int(value) else f"{round(value * 1000)}m"
 
 
-def hpa(owner: Owner, pool: Pool, auto: AutoscalingSpec) -> dict[str, Any]:
-    name = pool_name(owner, pool)
-    metric = signal_for(auto.signal, pool.role).hpa_metric
-    target = ({"apiVersion": LWS_API_VERSION, "kind": LWS_KIND, "name": name}
-              if pool.spec.layout.multinode
-              else {"apiVersion": "apps/v1", "kind": "Deployment", "name": name})
+def hpa(owner: Owner, workload: Workload, auto: AutoscalingSpec) -> dict[str, Any]:
+    """Scales `workload` (its `target`: a Deployment's pods, a LeaderWorkerSet's groups)."""
+    metric = signal_for(auto.signal, workload.role).hpa_metric
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-            "metadata": metadata(owner, name, WORKER_COMPONENT, pool.role),
+            "metadata": metadata(owner, workload.name, WORKER_COMPONENT, workload.role),
             "spec": {
-                "scaleTargetRef": target,
+                "scaleTargetRef": workload.target,
                 "minReplicas": auto.min_replicas, "maxReplicas": auto.max_replicas,
                 "metrics": [{"type": "Pods", "pods": {
                     "metric": {"name": metric},

@@ -17,7 +17,9 @@ in place of the pool's Deployment, one group per replica.
   group (NAME-POOL-GROUP, not-ready addresses published) resolves LWS_LEADER_ADDRESS before the
   leader is ready, and the pool's own Service NAME-POOL stays the operator's (the Shared
   policy would claim that name).
-* The pool's PodDisruptionBudget covers every pod of its groups (`group_selector`).
+* The pool's PodDisruptionBudget covers every pod of its groups (`Workload.pod_selector`).
+
+The pool is a LeaderWorkerSet when its `render.workload.Workload` says so (decided there).
 """
 
 from __future__ import annotations
@@ -27,20 +29,21 @@ import shlex
 from typing import Any
 
 from tandem.operator.render.common import CONFIG_HASH, Owner, all_labels, metadata
+from tandem.operator.render.workload import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    LWS_NAME_LABEL,
+    Workload,
+    group_selector,
+)
 from tandem.operator.spec_parallel import Layout
-from tandem.protocol.labels import COMPONENT_LABEL, SERVICE_LABEL, WORKER_COMPONENT
+from tandem.protocol.labels import WORKER_COMPONENT
 
-LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
-LWS_KIND = "LeaderWorkerSet"
-LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # set by LWS on every pod of the set
+__all__ = ["LWS_API_VERSION", "LWS_KIND", "LWS_NAME_LABEL", "follower_args", "group_selector",
+           "leader_script", "leader_worker_set", "pod_templates"]
 RAY_PORT = 6379
 RAY_WAIT_SECONDS = 5
 _DROPPED = ("ports", "readinessProbe", "livenessProbe", "startupProbe", "lifecycle")
-
-
-def group_selector(owner_name: str, name: str) -> dict[str, str]:
-    """Every pod of LeaderWorkerSet `name`'s groups, leaders and followers."""
-    return {SERVICE_LABEL: owner_name, COMPONENT_LABEL: WORKER_COMPONENT, LWS_NAME_LABEL: name}
 
 
 def pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -99,14 +102,16 @@ def _follower(owner: Owner, template: dict[str, Any], layout: Layout) -> dict[st
                          "annotations": annotations}, "spec": pod}
 
 
-def leader_worker_set(owner: Owner, name: str, role: str, layout: Layout,
-                      template: dict[str, Any], replicas: int | None) -> dict[str, Any]:
+def leader_worker_set(owner: Owner, workload: Workload, template: dict[str, Any],
+                      replicas: int | None) -> dict[str, Any]:
     """The pool's LeaderWorkerSet from its worker pod `template` (the Deployment's);
     `replicas` (groups) None leaves the count to an HPA."""
+    assert workload.kind == LWS_KIND
     assert CONFIG_HASH in template["metadata"]["annotations"]
+    layout = workload.layout
     spec: dict[str, Any] = {
         "leaderWorkerTemplate": {
-            "size": layout.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
+            "size": workload.group_size, "restartPolicy": "RecreateGroupOnPodRestart",
             "leaderTemplate": _leader(template, layout),
             "workerTemplate": _follower(owner, template, layout)},
         "startupPolicy": "LeaderCreated",
@@ -115,14 +120,6 @@ def leader_worker_set(owner: Owner, name: str, role: str, layout: Layout,
         "networkConfig": {"subdomainPolicy": "UniquePerReplica"}}
     if replicas is not None:
         spec = {"replicas": replicas, **spec}
-    return {"apiVersion": LWS_API_VERSION, "kind": LWS_KIND,
-            "metadata": metadata(owner, name, WORKER_COMPONENT, role), "spec": spec}
-
-
-def group_pdb(owner: Owner, name: str, role: str) -> dict[str, Any]:
-    """At most one pod of the pool's groups voluntarily down at a time (one group, since a
-    lost pod restarts its group)."""
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": metadata(owner, name, WORKER_COMPONENT, role),
-            "spec": {"maxUnavailable": 1,
-                     "selector": {"matchLabels": group_selector(owner.name, name)}}}
+    return {"apiVersion": workload.api_version, "kind": workload.kind,
+            "metadata": metadata(owner, workload.name, WORKER_COMPONENT, workload.role),
+            "spec": spec}

@@ -14,14 +14,13 @@ pool's.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.operator.model_uri import SpecError
 from tandem.operator.pod_settings import PodSettings
-from tandem.operator.render.multinode import LWS_KIND, group_selector, pod_templates
-from tandem.protocol.labels import SERVICE_LABEL
+from tandem.operator.render.multinode import LWS_KIND, pod_templates
 
 PULL_SECRETS_ENV = "TANDEM_IMAGE_PULL_SECRETS"  # comma-separated Secret names (the chart's)
 
@@ -41,14 +40,12 @@ def _under(path: str, other: str) -> bool:
 
 
 def apply_pod_settings(workload: dict[str, Any], pod: PodSettings, where: str,
+                       selector: Mapping[str, str],
                        default_pull_secrets: Sequence[str] = ()) -> None:
     """Merge `pod` (the settings of spec field `where`, e.g. "decode") into `workload`, a
-    Deployment or a LeaderWorkerSet."""
-    meta = workload["metadata"]
-    if workload["kind"] == LWS_KIND:
-        selector = group_selector(meta["labels"][SERVICE_LABEL], meta["name"])
-    else:
-        selector = workload["spec"]["selector"]["matchLabels"]
+    Deployment or a LeaderWorkerSet; `selector`: every pod it runs (a pool's
+    `Workload.pod_selector`), what a topology spread constraint without a labelSelector
+    spreads."""
     for template in pod_templates(workload):
         _merge(template, selector, pod, where, default_pull_secrets)
     rolling = {"maxSurge": pod.strategy.max_surge, "maxUnavailable": pod.strategy.max_unavailable}
@@ -59,7 +56,7 @@ def apply_pod_settings(workload: dict[str, Any], pod: PodSettings, where: str,
         workload["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
-def _merge(template: dict[str, Any], selector: dict[str, str], pod: PodSettings, where: str,
+def _merge(template: dict[str, Any], selector: Mapping[str, str], pod: PodSettings, where: str,
            default_pull_secrets: Sequence[str]) -> None:
     spec = template["spec"]
     meta = template["metadata"]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import base64
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ from tandem.operator.render.common import (
     labels,
     metadata,
 )
-from tandem.operator.render.multinode import group_selector
+from tandem.operator.render.workload import Workload, pool_workloads
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.operator.spec_security import IssuerRef, SecretKeyRef
 from tandem.protocol import engine_flags as flags
@@ -296,7 +296,10 @@ def redis_egress(spec: InferenceServiceSpec,
 
 
 def network_policies(spec: InferenceServiceSpec, owner: Owner,
-                     operator: OperatorPeer | None = None) -> list[dict[str, Any]]:
+                     operator: OperatorPeer | None = None,
+                     workloads: Sequence[Workload] | None = None) -> list[dict[str, Any]]:
+    """The workers' and the router's policies, then one per LeaderWorkerSet pool
+    (`group_policy`); `workloads` default `pool_workloads`."""
     if not spec.security.network_policy:
         return []
     http, grpc = _port(HTTP_PORT_NAME), _port(GRPC_PORT_NAME)
@@ -322,18 +325,19 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
               else [{"ports": [http]}])  # the front door: anyone, on http only
     if prom:  # /metrics without a key: Prometheus only
         router.append({"from": prom, "ports": [_port(METRICS_PORT_NAME)]})
-    groups = [group_policy(owner, f"{owner.name}-{name}")
-              for name, _, pool in spec.worker_pools() if pool.layout.multinode]
+    groups = [group_policy(owner, w)
+              for w in (pool_workloads(spec, owner) if workloads is None else workloads)
+              if w.multinode]
     return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers, workers_out),
             _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router, router_out),
             *groups]
 
 
-def group_policy(owner: Owner, name: str) -> dict[str, Any]:
-    """LeaderWorkerSet `name`'s pods admit and reach each other on every port (Ray picks its
-    own)."""
-    group = {"podSelector": {"matchLabels": group_selector(owner.name, name)}}
+def group_policy(owner: Owner, workload: Workload) -> dict[str, Any]:
+    """A LeaderWorkerSet pool's pods (`Workload.pod_selector`) admit and reach each other on
+    every port (Ray picks its own): NAME-POOL-group."""
+    group = {"podSelector": {"matchLabels": dict(workload.pod_selector)}}
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": metadata(owner, f"{name}-group", WORKER_COMPONENT),
+            "metadata": metadata(owner, f"{workload.name}-group", WORKER_COMPONENT),
             "spec": {**group, "policyTypes": ["Ingress", "Egress"],
                      "ingress": [{"from": [group]}], "egress": [{"to": [group]}]}}

@@ -1,6 +1,6 @@
-"""Worker pools: a Deployment (a multi-node tensor-parallel pool: a LeaderWorkerSet, see
-`render.multinode`), a headless Service (whose EndpointSlices the routers watch) and a
-PodDisruptionBudget per pool.
+"""Worker pools: the pool's workload (`render.workload.Workload`: a Deployment, or for a
+multi-node tensor-parallel pool a LeaderWorkerSet, see `render.multinode`), a headless
+Service (whose EndpointSlices the routers watch) and a PodDisruptionBudget per pool.
 
 Disaggregated (`prefill.replicas > 0`): pools `prefill` (role prefill) and `decode` (role
 decode). Aggregated: one pool `worker` (role both) built from `spec.decode`. Pods drain on
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import (
@@ -29,7 +28,6 @@ from tandem.operator.render.common import (
     config_hash,
     container_security_context,
     http_probe,
-    labels,
     log_level_args,
     metadata,
     pdb,
@@ -40,8 +38,15 @@ from tandem.operator.render.common import (
 )
 from tandem.operator.render.lora import lora_args, worker_lora
 from tandem.operator.render.model import draft_model, worker_model
-from tandem.operator.render.multinode import group_pdb, leader_worker_set
+from tandem.operator.render.multinode import leader_worker_set
 from tandem.operator.render.security import worker_auth_mount, worker_security_args
+from tandem.operator.render.workload import (
+    Pool,
+    Workload,
+    pool_name,
+    pool_workloads,
+    pools,
+)
 from tandem.operator.spec import InferenceServiceSpec, PoolSpec
 from tandem.protocol import engine_flags as flags
 from tandem.protocol.labels import WORKER_COMPONENT
@@ -53,24 +58,13 @@ _MIB = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
 STARTUP_SECONDS = 1800  # digest check + (download) before /health answers; then liveness
 
 
-@dataclass(frozen=True)
-class Pool:
-    name: str  # "prefill" | "decode" | "worker"
-    role: str  # "prefill" | "decode" | "both"
-    spec: PoolSpec
-
-
-def pools(spec: InferenceServiceSpec) -> list[Pool]:
-    return [Pool(*p) for p in spec.worker_pools()]
-
-
-def pool_name(owner: Owner, pool: Pool) -> str:
-    return f"{owner.name}-{pool.name}"
+__all__ = ["Pool", "Workload", "pool_name", "pool_selector", "pools", "render_workers",
+           "worker_args", "worker_template"]
 
 
 def pool_selector(owner: Owner, pool: Pool) -> str:
     """The pool's label selector as a string (the scale subresource's `status.selector`)."""
-    return ",".join(f"{k}={v}" for k, v in labels(owner, WORKER_COMPONENT, pool.role).items())
+    return Workload.of(owner, pool).selector_string
 
 
 def _threads(pool: PoolSpec) -> int | None:
@@ -204,19 +198,21 @@ def worker_template(spec: InferenceServiceSpec, owner: Owner, pool: Pool,
         "spec": pod}
 
 
-def worker_deployment(spec: InferenceServiceSpec, owner: Owner, pool: Pool, image: str,
+def worker_deployment(owner: Owner, workload: Workload, template: dict[str, Any],
                       replicas: int | None) -> dict[str, Any]:
-    """The pool's Deployment; `replicas` None leaves the count to an HPA."""
-    meta = metadata(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role)
+    """The pool's Deployment from its worker pod `template`; `replicas` None leaves the count
+    to an HPA."""
+    assert not workload.multinode
+    meta = metadata(owner, workload.name, WORKER_COMPONENT, workload.role)
     deploy_spec: dict[str, Any] = {
-        "selector": {"matchLabels": labels(owner, WORKER_COMPONENT, pool.role)},
+        "selector": {"matchLabels": dict(workload.selector)},
         "strategy": {"type": "RollingUpdate",
                      "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "revisionHistoryLimit": 3,
-        "template": worker_template(spec, owner, pool, image)}
+        "template": template}
     if replicas is not None:
         deploy_spec = {"replicas": replicas, **deploy_spec}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+    return {"apiVersion": workload.api_version, "kind": workload.kind, "metadata": meta,
             "spec": deploy_spec}
 
 
@@ -245,12 +241,12 @@ def with_ephemeral_storage(resources: Mapping[str, Any], download: str | None) -
     return out
 
 
-def worker_service(owner: Owner, pool: Pool) -> dict[str, Any]:
+def worker_service(owner: Owner, workload: Workload) -> dict[str, Any]:
     """Headless: routers reach pods by IP; its labels reach the EndpointSlices they watch."""
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": metadata(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role),
+            "metadata": metadata(owner, workload.name, WORKER_COMPONENT, workload.role),
             "spec": {"clusterIP": "None",
-                     "selector": labels(owner, WORKER_COMPONENT, pool.role),
+                     "selector": dict(workload.selector),
                      "ports": [{"name": HTTP_PORT_NAME, "port": HTTP_PORT,
                                 "targetPort": HTTP_PORT_NAME, "protocol": "TCP"},
                                {"name": GRPC_PORT_NAME, "port": GRPC_PORT,
@@ -277,19 +273,17 @@ def pool_image(pool: Pool, image: str, cuda_image: str | None = None) -> str:
 
 def render_workers(spec: InferenceServiceSpec, owner: Owner, image: str,
                    replicas: Mapping[str, int] | None = None,
-                   cuda_image: str | None = None) -> list[dict[str, Any]]:
-    """`image` runs the CPU pools, `cuda_image` (default `image`) the GPU pools."""
+                   cuda_image: str | None = None,
+                   workloads: Sequence[Workload] | None = None) -> list[dict[str, Any]]:
+    """Each pool's workload, Service and PodDisruptionBudget; `image` runs the CPU pools,
+    `cuda_image` (default `image`) the GPU pools; `workloads` default `pool_workloads`."""
     out: list[dict[str, Any]] = []
-    for pool in pools(spec):
+    for w in pool_workloads(spec, owner) if workloads is None else workloads:
+        pool = w.pool
         img, n = pool_image(pool, image, cuda_image), desired_replicas(pool, replicas)
-        if pool.spec.layout.multinode:
-            out.append(leader_worker_set(owner, pool_name(owner, pool), pool.role,
-                                         pool.spec.layout, worker_template(spec, owner, pool,
-                                                                           img), n))
-        else:
-            out.append(worker_deployment(spec, owner, pool, img, n))
-        out.append(worker_service(owner, pool))
-        out.append(group_pdb(owner, pool_name(owner, pool), pool.role)
-                   if pool.spec.layout.multinode
-                   else pdb(owner, pool_name(owner, pool), WORKER_COMPONENT, pool.role))
+        template = worker_template(spec, owner, pool, img)
+        out.append(leader_worker_set(owner, w, template, n) if w.multinode
+                   else worker_deployment(owner, w, template, n))
+        out.append(worker_service(owner, w))
+        out.append(pdb(owner, w.name, WORKER_COMPONENT, w.role, selector=w.pod_selector))
     return out
