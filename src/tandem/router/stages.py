@@ -1,0 +1,323 @@
+"""The router's OpenAI POST (`/v1/completions`, `/v1/chat/completions`) in named stages.
+
+`handle` runs them in order, each raising `APIError` (an OpenAI error answer) to stop:
+`authenticate` (API key -> tenant; 401) -> `parse_body` (JSON object, tenant cache salt,
+priority range, max_tokens cap, model, prompt tokenized as the worker will; 400) -> `admit`
+(prompt length; 503 while the model's workers may be starting, else 404) -> `charge`
+(the tenant's rate limit at the worst case; 429) -> `shared_matches` (the shared prefix
+index) -> `forward` with a `Routing` (pick a worker, and a prefill worker for P/D; count
+each attempt) -> `relay` (the answer; a token charge settled from the usage it reports).
+Every stop counts in `tandem_router_rejected_total` with its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from tandem.protocol.web import (
+    APIError,
+    bad_body,
+    cancel_on_disconnect,
+    plain_request_id,
+    require_json,
+)
+from tandem.router import prompt as prompts
+from tandem.router import usage
+from tandem.router.auth import tenant_cache_salt
+from tandem.router.pd import Route, plan
+from tandem.router.proxy import Attempt, forward
+from tandem.router.ratelimit import retry_after_header
+from tandem.router.workers import HashGroup
+
+if TYPE_CHECKING:
+    from tandem.router.routes import RouterApp
+
+logger = logging.getLogger("tandem.router.app")  # the routing lines keep their logger
+THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the event loop
+_ID_PREFIX = f"rt-{uuid.uuid4().hex[:8]}-"  # per process, so replicas' ids do not collide
+_ID_COUNTER = itertools.count(1)
+
+
+@dataclass
+class Body:
+    """A request past `parse_body`: `data` is the JSON object as it will be forwarded once
+    `changed` (else `raw` goes as sent), `model` the model it names (or the one served)."""
+
+    tenant: str | None
+    raw: bytes
+    data: dict[str, Any]
+    parsed: prompts.ParsedPrompt
+    model: str
+    changed: bool
+
+
+@dataclass
+class Charge:
+    """A rate-limit charge to settle from the answer's usage (`usage.Settlement`);
+    `strip_usage`: the usage chunk was asked for by the router only, so the client's
+    stream loses it."""
+
+    bill: usage.Settlement
+    strip_usage: bool = False
+
+
+def request_id(supplied: str | None) -> str:
+    """The client's X-Request-Id when it is short and plain (it goes into logs and the
+    worker request's headers), else a fresh one."""
+    return plain_request_id(supplied) or f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
+def authenticate(ra: RouterApp, request: Request) -> str | None:
+    """The caller's tenant (None: auth is off); 401 without a valid API key."""
+    try:
+        return ra.settings.api_keys.tenant(request.headers.get("authorization"))
+    except APIError:
+        ra.metrics.child(ra.metrics.rejected, "401").inc()
+        raise
+
+
+async def parse_body(ra: RouterApp, kind: str, request: Request, tenant: str | None) -> Body:
+    """The body read, bounded and parsed (`kind`: "completions" or "chat"): 400 for a body
+    that is not a JSON object (sent as JSON), a max_tokens over the cap, no model while
+    several are served, or a prompt the tokenizer refuses; a tenant's cache salt and
+    priority are applied (400 / 403 outside their rules)."""
+    settings, metrics, router = ra.settings, ra.metrics, ra.router
+    body = await request.body()
+    try:
+        require_json(request)  # 400 for a body not sent as JSON, as at the worker
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            raise ValueError("the body must be a JSON object")
+        salt = tenant_cache_salt(tenant, data.get("cache_salt"), None if tenant is None
+                                 or settings.worker_key is None
+                                 else settings.worker_key.signing_key())
+        changed = salt is not None or not data.get("model")
+        if salt is not None:
+            data["cache_salt"] = salt
+        changed |= settings.priority.apply(tenant, data)  # 400 outside its range
+        check_bounds(ra, data)
+        model = data.get("model") or default_model(ra)
+        tokenizer = router.tokenizer_for(router.base_model(model)[0])
+        if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
+            parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
+        else:
+            parsed = prompts.parse(kind, data, tokenizer)
+    except (ValueError, ValidationError, RecursionError) as exc:
+        metrics.child(metrics.rejected, "400").inc()
+        raise bad_body(exc) from exc
+    except APIError as exc:  # a bad cache_salt or priority
+        metrics.child(metrics.rejected, str(exc.status)).inc()
+        raise
+    return Body(tenant, body, data, parsed, model, changed)
+
+
+def check_bounds(ra: RouterApp, data: dict) -> None:
+    """ValueError when max_tokens or max_completion_tokens exceeds `max_tokens_cap`."""
+    cap = ra.settings.max_tokens_cap
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = data.get(key)
+        if cap is not None and isinstance(v, int) and v > cap:
+            raise ValueError(f"{key}: at most {cap}")
+
+
+def default_model(ra: RouterApp) -> str:
+    """The one model served; "" when none is (yet: `startup.check` answers)."""
+    served = ra.router.models()
+    if len(served) <= 1:
+        return served[0] if served else ""
+    raise ValueError("the request must name a model (this router serves several)")
+
+
+def admit(ra: RouterApp, req: Body) -> None:
+    """400 for a prompt over `max_prompt_tokens`; 503 while the model's workers may be
+    starting, else 404 for a model no worker serves (`startup.StartupState`)."""
+    metrics, limit = ra.metrics, ra.settings.max_prompt_tokens
+    token_ids = req.parsed.token_ids
+    if token_ids is not None and len(token_ids) > limit:
+        metrics.child(metrics.rejected, "400").inc()
+        raise APIError(400, f"prompt has {len(token_ids)} tokens; the limit is {limit}",
+                       "prompt")
+    unavailable = ra.startup.check(req.model, ra.router.workers.values(), time.monotonic())
+    if unavailable is not None:
+        metrics.child(metrics.rejected, str(unavailable.status)).inc()
+        raise unavailable
+
+
+async def charge(ra: RouterApp, kind: str, req: Body) -> Charge | None:
+    """The tenant's rate limit, charged at the request's worst case (`usage.worst_case`):
+    429 when over it (Retry-After) or larger than a minute's tokens. A charge to settle
+    (None without a limiter, or when nothing was charged); a stream is made to report its
+    usage (`stream_options.include_usage`) so that its last chunk settles it."""
+    limiter = ra.settings.rate_limiter
+    if limiter is None:
+        return None
+    parsed, data = req.parsed, req.data
+    prompt_tokens = (len(parsed.token_ids) if parsed.token_ids is not None
+                     else len(parsed.text.encode()) + 2)  # an upper bound
+    worst, prompt_share = usage.worst_case(kind, data, prompt_tokens,
+                                           ra.router.max_model_len(req.model))
+    verdict = await limiter.acquire(req.tenant or "anonymous", worst)
+    if not verdict.allowed:
+        ra.metrics.child(ra.metrics.rejected, "429").inc()
+        if verdict.reason == "too_large":
+            raise APIError(429, f"the request may use up to {worst} tokens (prompt + "
+                                "max_tokens, or the context left when max_tokens is "
+                                "unset, times n), more than this tenant's tokens per "
+                                "minute; lower max_tokens or n", "max_tokens")
+        raise APIError(429, f"rate limit exceeded ({verdict.reason}); retry later",
+                       headers={"Retry-After": retry_after_header(verdict)})
+    if not verdict.charged:
+        return None
+    bill = Charge(usage.Settlement(limiter, req.tenant or "anonymous", verdict, prompt_share))
+    if parsed.stream:  # the worker's usage chunk settles the charge
+        opts = data.get("stream_options")
+        opts = dict(opts) if isinstance(opts, dict) else {}
+        bill.strip_usage = not opts.get("include_usage")
+        data["stream_options"] = {**opts, "include_usage": True}
+        req.changed = True
+    return bill
+
+
+async def shared_matches(ra: RouterApp, parsed: prompts.ParsedPrompt, model: str
+                         ) -> tuple[dict | None, dict[HashGroup, dict[str, int]] | None]:
+    """(hash chains per hash group, matches from the shared index store) or (None, None)
+    without a store; a store that has no answer in time leaves matching to memory."""
+    store, router, metrics = ra.settings.index_store, ra.router, ra.metrics
+    if store is None or parsed.token_ids is None:
+        return None, None
+    hashes = router.hashes(parsed, model)
+    lora = router.base_model(model)[1]
+    external: dict[HashGroup, dict[str, int]] = {}
+    for group, chain in hashes.items():
+        ids = [w.id for w in router.workers.values()  # with or without our own stream
+               if w.serves(model) and w.hash_group(lora) == group]
+        got = await store.match(chain, ids)
+        metrics.child(metrics.index_store_lookups,
+                      "ok" if got is not None else "fallback").inc()
+        if got is None:
+            return hashes, None
+        external[group] = got
+    return hashes, external
+
+
+class Routing:
+    """One request's routing across `forward`'s attempts: `pick` plans each attempt
+    (`pd.plan`, excluding the workers tried; a retry keeps the first prefill worker) and
+    logs the decision; `on_attempt` counts each attempt's outcome."""
+
+    def __init__(self, ra: RouterApp, rid: str, req: Body, t0: float,
+                 hashes: dict | None, external: dict | None) -> None:
+        self.ra, self.rid, self.req, self.t0 = ra, rid, req, t0
+        self.hashes, self.external = hashes, external
+        self.first = True
+        self.prefill = None  # a retry may keep the first attempt's prefill worker
+        self.attempts = 0
+
+    def pick(self, tried: set[str]) -> Route | None:
+        """The next attempt's route (None: no worker left); the first observes routing
+        latency since `t0`."""
+        ra, metrics, router = self.ra, self.ra.metrics, self.ra.router
+        route, ctx = plan(router, self.req.parsed, self.req.model, time.monotonic(),
+                          exclude=tried, keep_prefill=self.prefill, hashes=self.hashes,
+                          external=self.external, signed=ra.settings.worker_key is not None)
+        if self.first:
+            metrics.routing_seconds.observe(time.perf_counter() - self.t0)
+            self.first = False
+        if route is not None:
+            decision = route.decision
+            self.prefill = route.prefill or self.prefill
+            metrics.child(metrics.decisions, router.settings.policy, decision.reason).inc()
+            metrics.prompt_tokens.inc(ctx.prompt_tokens)
+            metrics.matched_tokens.inc(decision.matched_tokens)
+            if logger.isEnabledFor(logging.INFO):  # prefix: the first block's hash
+                chain = ctx.chain(decision.worker) or [b""]
+                logger.info("[%s] -> %s (%s, %d of %d tokens cached, prefix %s)%s", self.rid,
+                            decision.worker.id, decision.reason, decision.matched_tokens,
+                            ctx.prompt_tokens, chain[0][:4].hex() or "-",
+                            f", prefill on {route.prefill.worker.id}" if route.prefill
+                            else "")
+        return route
+
+    def on_attempt(self, a: Attempt) -> None:
+        """Count one attempt; one that never reached its worker is retracted from the
+        index, so the retry routes without it."""
+        metrics = self.ra.metrics
+        self.attempts += 1
+        if not a.final:  # it never reached the worker: the retry routes without it
+            self.ra.router.retract(a.decision, time.monotonic())
+        if self.attempts > 1:
+            metrics.child(metrics.retries, str(a.status or "connect")).inc()
+        metrics.child(metrics.requests, a.decision.worker.id, str(a.status or "error")).inc()
+        if a.final and a.route.prefill is not None:
+            metrics.child(metrics.disaggregated,
+                          a.route.worker.kv_transfer_backend or "unknown").inc()
+        elif a.final:
+            metrics.child(metrics.aggregated, a.route.reason).inc()
+
+
+async def relay(request: Request, work: Awaitable[Response], stream: bool,
+                bill: Charge | None) -> Response:
+    """`work`'s answer; 499 when a non-streaming client left first. With `bill`, its charge
+    is settled from the usage the answer reports (`settled`)."""
+    if bill is not None:
+        return await settled(request, work, bill.bill, stream, bill.strip_usage)
+    if stream:
+        return await work
+    completed, response = await cancel_on_disconnect(request, work)
+    return response if completed else Response(status_code=499)
+
+
+async def settled(request: Request, work: Awaitable[Response], bill: usage.Settlement,
+                  stream: bool, strip_usage: bool) -> Response:
+    """`work`'s answer, its token charge settled from the usage it reports."""
+    try:
+        if stream:
+            response = await work
+        else:
+            completed, response = await cancel_on_disconnect(request, work)
+            if not completed:
+                bill.keep()  # abandoned: what it used is unknown
+                return Response(status_code=499)
+    except asyncio.CancelledError:
+        bill.keep()  # the client left: what the worker did is unknown
+        raise
+    except Exception:
+        bill.settle()  # no answer: nothing was generated
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = bill.tap(response.body_iterator, strip_usage)
+    elif 200 <= response.status_code < 300:
+        bill.settle(*usage.answer_usage(bytes(response.body)))
+    else:
+        bill.settle()
+    return response
+
+
+async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Response:
+    """One OpenAI POST (`kind` "completions" or "chat", forwarded to `path`), stage by stage
+    (module doc)."""
+    rid = request_id(request.headers.get("x-request-id"))
+    tenant = authenticate(ra, request)
+    t0 = time.perf_counter()
+    req = await parse_body(ra, kind, request, tenant)
+    admit(ra, req)
+    bill = await charge(ra, kind, req)
+    req.data["model"] = req.model
+    payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
+    hashes, external = await shared_matches(ra, req.parsed, req.model)
+    routing = Routing(ra, rid, req, t0, hashes, external)
+    work = forward(ra.upstream, path, payload, rid, routing.pick, req.parsed.stream,
+                   ra.settings.proxy, routing.on_attempt, ra.settings.worker_key)
+    return await relay(request, work, req.parsed.stream, bill)
