@@ -374,7 +374,7 @@ def experiment(args: argparse.Namespace, port: int, aeng: Any, rec: StepRecorder
                for si in [default_si, *args.switch_intervals]}
 
     def on_engine(fn: Any) -> Any:
-        return asyncio.run(aeng.call(fn))
+        return asyncio.run(aeng._call(fn))
 
     def http_run(si: float) -> dict[str, Any]:
         on_engine(lambda e: e.reset_prefix_cache())

@@ -54,7 +54,7 @@ def test_the_engine_thread_sleeps_while_pins_hold_every_block(tiny_path):
 
     async def main() -> None:
         chain = hash_block_chain(list(range(100, 132)), 4, HashKeys())  # 8 blocks
-        pinned, _ = await engine.call(lambda e: e.kv.import_blocks(chain))
+        pinned, _ = await engine._call(lambda e: e.kv.import_blocks(chain))
         assert len(pinned) == 8  # the whole pool, as leases or imports in flight can
         _, q = await engine.add(list(range(500, 510)), GREEDY, "starved")
         await asyncio.sleep(0.2)
@@ -64,7 +64,7 @@ def test_the_engine_thread_sleeps_while_pins_hold_every_block(tiny_path):
         # it waits for a command (with a 1 s safety wake), it does not poll
         assert idle <= 2, f"{idle} schedule calls in 1 s while nothing could run"
         t0 = time.monotonic()
-        await engine.call(lambda e: e.kv.unpin(pinned))  # the release is the wake-up
+        await engine._call(lambda e: e.kv.unpin(pinned))  # the release is the wake-up
         out = await asyncio.wait_for(_collect(q), 30)
         assert out.outputs[0].finish_reason == "length"
         assert time.monotonic() - t0 < 5
@@ -90,7 +90,7 @@ def test_add_many_admits_every_prompt_in_the_same_step(tiny_path):
     gate = threading.Event()
 
     async def main() -> None:
-        blocked = asyncio.ensure_future(engine.call(lambda e: gate.wait(10)))  # a long step
+        blocked = asyncio.ensure_future(engine._call(lambda e: gate.wait(10)))  # a long step
         await asyncio.sleep(0.1)
         adds = [AddRequest(f"r-{i}", list(range(200 + 10 * i, 208 + 10 * i)), GREEDY)
                 for i in range(4)]
@@ -118,7 +118,7 @@ def test_add_many_adds_none_when_one_is_refused(tiny_path):
                 AddRequest("bad-1", list(range(100, 200)), GREEDY)]  # past the window
         with pytest.raises(ValueError, match="context window"):
             await engine.add_many(adds)
-        stats = await engine.call(lambda e: (e.scheduler.num_waiting, e.scheduler.num_running,
+        stats = await engine._call(lambda e: (e.scheduler.num_waiting, e.scheduler.num_running,
                                              e.kv.usage()))
         assert stats == (0, 0, 0.0)
 

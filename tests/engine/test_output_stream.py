@@ -231,8 +231,8 @@ def test_slow_readers_and_aborts_on_a_real_engine(tiny):
                 assert worst <= 2 * _items(ref)
                 if got is not None:
                     _same(got, ref, rel=1e-5)
-        await engine.call(lambda e: None)  # every abort taken in
-        await engine.call(lambda e: None)  # and a step boundary passed
+        await engine._call(lambda e: None)  # every abort taken in
+        await engine._call(lambda e: None)  # and a step boundary passed
 
     asyncio.run(main())
     core = engine.engine

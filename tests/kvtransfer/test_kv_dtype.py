@@ -339,7 +339,7 @@ def test_a_pair_of_different_kv_dtypes_is_refused_and_computed_locally(engines, 
             assert (pd.fetches("rpc"), pd.fetches("invalid"), pd.fetches("ok")) == (1, 1, 0)
             # the fp8 prefill worker computed (and so cached) nothing for the refused prompt
             chain = hash_block_chain(prompts(9)[1], EBS, HashKeys(MODEL, "", ""))
-            held = await engines["prefill"].call(lambda e: e.kv.cached_prefix(chain))
+            held = await engines["prefill"]._call(lambda e: e.kv.cached_prefix(chain))
             assert held == []
 
     try:

@@ -12,7 +12,9 @@ O(what it has not read), never a queue of copies. `generate()` yields a `Request
 step that changed the request (or the merge of several); closing or cancelling the
 consumer (a disconnected HTTP client) aborts the request and frees its blocks at the next
 step boundary. `snapshot` holds the engine's stats as of the last step or the last commands
-taken in (whichever came later), for metrics and load reports.
+taken in (whichever came later), for metrics and load reports. Callers outside the engine use
+the typed coroutines and views of `async_api.EngineAPI` (pins, pages, LoRA, the engine's
+state), never the `LLMEngine` itself; `_call` is the engine package's own escape hatch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.async_api import EngineAPI
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import EngineDeadError
 from tandem.engine.kv_events_hub import KVEventHub, Subscription
@@ -123,7 +126,7 @@ class _Call:
     done: concurrent.futures.Future
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineAPI):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
@@ -325,7 +328,7 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+    async def _call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread between steps and return its result. Once
         sent, `fn` runs even if the caller is cancelled while waiting (a release or unpin
         is never lost); its result is then dropped."""
@@ -338,7 +341,7 @@ class AsyncLLMEngine:
         if self.kv_hub is None:
             raise RuntimeError("the engine was started without enable_kv_events")
         hub, loop = self.kv_hub, asyncio.get_running_loop()
-        return await self.call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop))
+        return await self._call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop))
 
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary (safe from any thread)."""

@@ -9,6 +9,7 @@ only the requests it ran (finish reason "error"); the engine goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from tandem.engine.core import EngineCore, EngineState, EngineStats
 from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
 from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
+from tandem.engine.kv_pages import PageLayout
 from tandem.engine.lora.manager import LoRAConfig, LoRAManager
 from tandem.engine.lora.request import LoRARequest
 from tandem.engine.model.config import ModelArchConfig
@@ -150,30 +153,53 @@ class LLMEngine(EngineCore):
         """The model's KV heads (each tensor-parallel rank's cache holds its share)."""
         return self.arch.num_kv_heads
 
-    def export_kv(self, block_ids: list[int]) -> list[torch.Tensor] | None:
-        """Engine thread only. With tensor parallelism: `block_ids`' pages with every KV
-        head, `[2, n, KVH, bs, row]` per layer on the host, gathered from the ranks (a P/D
-        send); None with one rank (read `runner.kv_caches` in place)."""
+    @property
+    def kv_in_place(self) -> bool:
+        """Whether `runner.kv_caches` holds every KV head (one rank), so other threads may
+        read and write pinned pages there directly; with tensor parallelism pages move only
+        through `export_kv` / `import_kv` on the engine thread."""
+        return self.runner.executor is None
+
+    def page_layout(self, model_id: str) -> PageLayout:
+        """The layout of this engine's KV pages on the wire (in the format its attention
+        backend allocated them: `AttentionBackend.kv_format`), with all of the model's KV
+        heads whatever the tensor-parallel size (each rank's cache holds a share)."""
+        layout = PageLayout.of(model_id, self.runner.kv_caches,
+                               self.runner.backend.kv_format.name)
+        return dataclasses.replace(layout, num_kv_heads=self.num_kv_heads)
+
+    def export_kv(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Engine thread only. Pinned `block_ids`' pages with every KV head, `[2, n, KVH,
+        bs, row]` per layer on the host: copied out of this process's cache with one rank,
+        gathered from the ranks with tensor parallelism."""
         ex = self.runner.executor
+        caches = self.runner.kv_caches
         if ex is None:
-            return None
+            index = block_index(block_ids, caches[0][0].device)
+            return [gather_layer(caches, layer, block_ids, index).cpu()
+                    for layer in range(len(caches))]
         ex.send(StepPlan.control(PlanKind.KV_GATHER, block_ids))
         try:
-            return gather_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids, self.arch,
-                                ex.world)
+            return gather_pages(ex.groups.ctrl, caches, block_ids, self.arch, ex.world)
         except Exception as exc:  # the ranks are out of step: the engine's end
             raise ex.failure(exc) from exc
 
     def import_kv(self, block_ids: list[int], pages: list[torch.Tensor]) -> None:
-        """Engine thread only, tensor parallelism only: write full-head `pages` (one
-        `[2, n, KVH, bs, row]` per layer) into `block_ids`, each rank its own heads."""
+        """Engine thread only. Write full-head `pages` (one `[2, n, KVH, bs, row]` per
+        layer, any device) into pinned `block_ids`: into this process's cache with one
+        rank, each rank its own heads with tensor parallelism."""
         ex = self.runner.executor
+        caches = self.runner.kv_caches
+        if len(pages) != len(caches):
+            raise ValueError(f"pages for {len(pages)} layers; the model has {len(caches)}")
         if ex is None:
-            raise RuntimeError("import_kv is for tensor-parallel engines")
+            index = block_index(block_ids, caches[0][0].device)
+            for layer, layer_pages in enumerate(pages):
+                scatter_layer(caches, layer, block_ids, layer_pages, index)
+            return
         ex.send(StepPlan.control(PlanKind.KV_SCATTER, block_ids))
         try:
-            scatter_pages(ex.groups.ctrl, self.runner.kv_caches, block_ids, pages, self.arch,
-                          ex.world)
+            scatter_pages(ex.groups.ctrl, caches, block_ids, pages, self.arch, ex.world)
         except Exception as exc:  # the ranks are out of step: the engine's end
             raise ex.failure(exc) from exc
 

@@ -50,7 +50,7 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import KVBlock
 from tandem.engine.kv_cache.pages import scatter_layer
-from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.kv_pages import ImportCommit, ImportPins
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
 from tandem.kvtransfer.pages import (
@@ -58,7 +58,6 @@ from tandem.kvtransfer.pages import (
     Offer,
     check_header,
     engine_layout,
-    tensor_parallel,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys, root_hash
@@ -137,10 +136,10 @@ class RemotePrefill:
         self.model_id = model_id
         self.settings = settings or RemotePrefillSettings()
         self.tls = tls
-        self.layout = engine_layout(model_id, engine.engine)
+        self.layout = engine_layout(model_id, engine)
         self._channels: dict[str, PeerChannel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
-        self._backend.configure(device=engine.engine.runner.kv_caches[0][0].device,
+        self._backend.configure(device=engine.kv_caches[0][0].device,
                                 advertise_host=self.settings.advertise_host)
         self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
         self._releases: set[asyncio.Task] = set()  # unpins of failed imports, in flight
@@ -158,10 +157,7 @@ class RemotePrefill:
     def lora_digest(self, lora_name: str | None) -> str | None:
         """The weight digest of this engine's adapter `lora_name` (None: the base model, or
         an adapter not loaded here: nothing is imported for it)."""
-        lora = self.engine.engine.lora
-        if not lora_name or lora is None:
-            return None
-        return lora.digests.get(lora_name)
+        return self.engine.lora_digest(lora_name)
 
     def plan(self, token_ids: list[int], cache_salt: str,
              lora_digest: str | None = None) -> FetchPlan:
@@ -171,7 +167,7 @@ class RemotePrefill:
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
                                  request_hash_keys(self.model_id, lora_digest, cache_salt))
-        local = len(self.engine.engine.kv.cached_prefix(chain))
+        local = self.engine.cached_prefix_len(chain)
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
     async def fetch(self, target: str, request_id: str, token_ids: list[int],
@@ -179,7 +175,7 @@ class RemotePrefill:
         """Import the missing blocks' pages from `target` (host:port of its gRPC) for engine
         request `request_id`, computed there with adapter `lora_name` (None: the base
         model); None when no full block is missing. Raises KVTransferError."""
-        if not self.engine.engine.kv.enable_caching:
+        if not self.engine.prefix_caching:
             return None  # imported blocks could never be hit: compute the prompt here
         digest = self.lora_digest(lora_name)
         if lora_name and digest is None:
@@ -189,8 +185,7 @@ class RemotePrefill:
         if plan.num <= 0:
             return None
         # pinned at the next step boundary, while the prefill worker computes
-        local_pin = asyncio.ensure_future(self.engine.call(
-            lambda e: e.kv.pin_cached(chain[:first])))
+        local_pin = asyncio.ensure_future(self.engine.pin_cached(chain[:first]))
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
@@ -222,11 +217,10 @@ class RemotePrefill:
                                            "were pinned; they will be recomputed", request_id,
                                            len(local), first - 1)
                         hashes = chain[first:first + offer.num_full]
-                        writer = _PageWriter(self.engine.engine.runner.kv_caches,
-                                             self._writer_pool, offer,
-                                             tensor_parallel(self.engine.engine))
+                        writer = _PageWriter(self.engine.kv_caches, self._writer_pool,
+                                             offer, staged=not self.engine.kv_in_place)
                         await writer.pin(self.engine, hashes)
-                        if not writer.pinned:
+                        if not writer.pins.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
                         await self._backend.receive(req, self.layout, offer.num_blocks, it,
                                                     writer.write)
@@ -241,21 +235,13 @@ class RemotePrefill:
                 bs = self.layout.block_size
                 tokens = token_ids[first * bs:(first + n) * bs]
                 tail_ids = token_ids[(first + n) * bs:(first + n) * bs + offer.tail_tokens]
-                full, tail = writer.split()
+                tail = writer.split()[1]
                 writer.committed = True  # once sent, the commit runs even if we are cancelled
-
-                def commit(e: LLMEngine) -> None:
-                    if tail is not None:  # staged, the block is the request's to drop
-                        try:
-                            e.kv.stage_tail(request_id, tail, first + n, tail_ids)
-                        except BaseException:
-                            e.kv.unpin([tail])
-                            raise
-                    e.kv.commit_import(full, hashes, parent, tokens, lora_name or "",
-                                       digest or "")
-                    writer.pinned[:n] = full  # the blocks pinned now (release reads them)
-
-                await self.engine.call(commit)
+                # staged, the tail block is the request's to drop; the commit updates the
+                # pins in place (release reads them)
+                full = await self.engine.commit_import(writer.pins, ImportCommit(
+                    request_id, hashes[:n], parent, tokens, first + n, tail_ids,
+                    lora_name or "", digest or ""))
         except BaseException as exc:
             if writer is not None:  # after the commit (if sent) and every running write
                 writer.release(self.engine, self._releases, request_id)
@@ -306,7 +292,7 @@ class RemotePrefill:
                 blocks = await pin
             except BaseException:  # noqa: BLE001 - nothing was pinned
                 return
-            await self.engine.call(lambda e: e.kv.unpin(blocks))
+            await self.engine.unpin(blocks)
 
         task = asyncio.ensure_future(run())
         self._releases.add(task)
@@ -315,13 +301,8 @@ class RemotePrefill:
     async def unpin(self, imported: Imported) -> None:
         """Drop the pins of the imported and the local blocks, and the staged partial block
         if still staged."""
-        blocks, rid = imported.local + imported.blocks, imported.request_id
-
-        def run(e: LLMEngine) -> None:
-            e.kv.unpin(blocks)
-            e.kv.drop_tail(rid)
-
-        await self.engine.call(run)
+        await self.engine.unpin(imported.local + imported.blocks,
+                                drop_tail=imported.request_id)
 
     async def close(self) -> None:
         await self._backend.close()
@@ -365,7 +346,7 @@ class _PageWriter:
         self.staged: dict[int, torch.Tensor] | None = {} if staged else None
         self.executor = executor
         self.offer = offer
-        self.pinned: list[KVBlock] = []  # the full blocks, then the staged one if pinned
+        self.pins = ImportPins([], [])  # the full blocks, then the staged one if pinned
         self.released = False  # no write starts after `release`
         self.committed = False  # the commit (which stages the partial block) was sent
         self._pin: asyncio.Future | None = None
@@ -375,21 +356,21 @@ class _PageWriter:
 
     async def pin(self, engine: AsyncLLMEngine, hashes: list[BlockHash]) -> None:
         """Pin blocks for `hashes` (every full block up to the prompt's last one) and one for
-        the last block (engine thread), all or none: `pinned` stays empty when the pool
+        the last block (engine thread), all or none: `pins` stays empty when the pool
         cannot supply them. The positions to write are the fresh ones among those the offer
         has pages for (the last block has none without a partial block in the offer)."""
-        self._pin = asyncio.ensure_future(engine.call(lambda e: e.kv.import_blocks(hashes,
-                                                                                   True)))
-        self.pinned, fresh = await asyncio.shield(self._pin)
-        fresh = [i for i in fresh if i < self.offer.num_blocks]
-        self._ids = [self.pinned[i].block_id for i in fresh]
+        self._pin = asyncio.ensure_future(engine.import_blocks(hashes, tail=True))
+        self.pins = await asyncio.shield(self._pin)
+        fresh = [i for i in self.pins.fresh if i < self.offer.num_blocks]
+        self._ids = [self.pins.blocks[i].block_id for i in fresh]
         if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
 
     def split(self) -> tuple[list[KVBlock], KVBlock | None]:
         """(the pinned full blocks, the pinned block for the last one, or None)."""
         n = self.offer.num_full
-        return self.pinned[:n], (self.pinned[n] if len(self.pinned) > n else None)
+        pinned = self.pins.blocks
+        return pinned[:n], (pinned[n] if len(pinned) > n else None)
 
     async def write(self, layer: int, pages: torch.Tensor) -> None:
         """The backend's sink: write one layer's `[2, n, kvh, bs, row]` pages."""
@@ -416,7 +397,7 @@ class _PageWriter:
                                                 "arrived")
         pages, ids = [self.staged[i] for i in range(num_layers)], self._ids
         self.staged = {}
-        await engine.call(lambda e: e.import_kv(ids, pages))
+        await engine.import_pages(ids, pages)
 
     def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task],
                 request_id: str) -> None:
@@ -436,18 +417,12 @@ class _PageWriter:
             if running:
                 await asyncio.get_running_loop().run_in_executor(
                     None, concurrent.futures.wait, running)
-
-            def unpin(e: LLMEngine) -> None:
-                # the pin's own result (`self.pinned` is unset when `pin` was cancelled
-                # waiting), read on the engine thread: a commit sent before swapped blocks
-                blocks = self._pin.result()[0]  # type: ignore[union-attr]
-                if committed:  # the last block is staged by then: dropped below
-                    blocks = blocks[:self.offer.num_full]
-                e.kv.unpin(blocks)
-                if committed:
-                    e.kv.drop_tail(request_id)
-
-            await engine.call(unpin)
+            # the pin's own result (`self.pins` is unset when `pin` was cancelled waiting),
+            # its blocks read on the engine thread: a commit sent before swapped some; once
+            # committed, the last block is staged: dropped from there
+            pins: ImportPins = self._pin.result()  # type: ignore[union-attr]
+            await engine.unpin(pins.blocks, limit=self.offer.num_full if committed else None,
+                               drop_tail=request_id if committed else None)
 
         task = asyncio.ensure_future(run())
         tasks.add(task)

@@ -24,7 +24,6 @@ touches its cache. A header without `kv_cache_dtype` (an older sender) means "au
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tandem.engine.kv_cache.quant import KV_FORMATS, SCALE_BYTES
+from tandem.engine.kv_pages import PageLayout  # the engine's; imported from here too
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import BlockHash
 
@@ -53,83 +52,10 @@ class KVTransferError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class PageLayout:
-    """The KV cache geometry both ends of a transfer must share. `head_dim` is the model's;
-    `dtype` is the cache tensors' storage dtype (the float dtype for `cache_dtype` "auto",
-    uint8 for "fp8" / "int8", whose rows are `head_dim` codes + a float16 scale)."""
-
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    block_size: int
-    head_dim: int
-    dtype: torch.dtype
-    cache_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.cache_dtype not in KV_FORMATS:
-            raise ValueError(f"kv cache dtype must be one of {KV_FORMATS}, got "
-                             f"{self.cache_dtype!r}")
-        if not (self.dtype == torch.uint8 if self.quantized else self.dtype.is_floating_point):
-            raise ValueError(f"a {self.cache_dtype!r} KV cache cannot be stored as "
-                             f"{self.dtype_name} (quantized caches are uint8, others float)")
-
-    @property
-    def quantized(self) -> bool:
-        return self.cache_dtype != "auto"
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def row(self) -> int:
-        """Elements (of `dtype`) per cache row, i.e. one token of one KV head."""
-        return self.head_dim + SCALE_BYTES if self.quantized else self.head_dim
-
-    @property
-    def row_bytes(self) -> int:
-        return self.row * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_layer_bytes(self) -> int:
-        """K + V bytes of one block in one layer."""
-        return 2 * self.num_kv_heads * self.block_size * self.row_bytes
-
-    def layer_shape(self, n: int) -> tuple[int, ...]:
-        """The shape of `n` blocks' pages of one layer, in `dtype`."""
-        return (2, n, self.num_kv_heads, self.block_size, self.row)
-
-    @classmethod
-    def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-           cache_dtype: str = "auto") -> PageLayout:
-        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, row]`
-        (row = head_dim, or head_dim + 2 uint8 for a quantized `cache_dtype`). Raises
-        ValueError when the tensors do not hold that format."""
-        k = kv_caches[0][0]
-        head_dim = k.shape[3] - (SCALE_BYTES if cache_dtype != "auto" else 0)
-        if head_dim < 1:
-            raise ValueError(f"a {cache_dtype!r} KV cache of rows {k.shape[3]} wide has no "
-                             "head_dim")
-        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], head_dim, k.dtype,
-                   cache_dtype)
-
-
 def engine_layout(model_id: str, engine: Any) -> PageLayout:
-    """The layout of an `LLMEngine`'s KV pages on the wire (in the format its attention
-    backend allocated them: `AttentionBackend.kv_format`), with all of the model's KV heads
-    whatever the engine's tensor-parallel size (each rank's cache holds a share)."""
-    layout = PageLayout.of(model_id, engine.runner.kv_caches,
-                           engine.runner.backend.kv_format.name)
-    heads = getattr(engine, "num_kv_heads", layout.num_kv_heads)
-    return dataclasses.replace(layout, num_kv_heads=heads)
-
-
-def tensor_parallel(engine: Any) -> bool:
-    """Whether an `LLMEngine`'s KV pages are split over tensor-parallel ranks (then they
-    move through `export_kv` / `import_kv` on the engine thread)."""
-    return getattr(engine.runner, "executor", None) is not None
+    """The wire layout of an engine's KV pages (`LLMEngine.page_layout`; an `LLMEngine` or
+    an `AsyncLLMEngine`)."""
+    return engine.page_layout(model_id)
 
 
 def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,

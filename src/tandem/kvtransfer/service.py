@@ -38,7 +38,6 @@ from tandem.kvtransfer.pages import (
     engine_layout,
     header_for,
     layer_page_views,
-    tensor_parallel,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
@@ -88,7 +87,7 @@ class LeaseTable:
             return False
         rid = lease.request_id
         # an engine call runs even if this coroutine is cancelled while it waits
-        await self.engine.call(lambda e: e.kv.release_kept(rid))
+        await self.engine.release_kept(rid)
         logger.info("[%s] pages unpinned (%s)", rid, why)
         return True
 
@@ -148,14 +147,14 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
 
     def _check(self, req: worker_pb2.PrefillRequest, engine: AsyncLLMEngine) -> str | None:
         """Why `req` cannot be served, or None."""
-        state = engine.engine.state
+        state = engine.state
         n = len(req.token_ids)
         if req.model_id != self.model_id:
             return f"model {req.model_id!r} is not served here ({self.model_id!r})"
         if req.block_size != state.block_size:
             return f"block size {req.block_size} differs from this worker's {state.block_size}"
         theirs = req.kv_cache_dtype or "auto"
-        mine = engine.engine.runner.backend.kv_format.name
+        mine = engine.page_layout(self.model_id).cache_dtype
         if theirs != mine:  # its header would be refused: do not compute for nothing
             return (f"kv cache dtype {theirs[:32]} on the decode worker, {mine} here: the "
                     "pages cannot be shared")
@@ -178,7 +177,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         if len(req.request_id) > 256 or len(req.cache_salt) > 4096:
             return "request_id or cache_salt too long"
         if req.lora_name:
-            lora = engine.engine.lora
+            lora = engine.lora
             if lora is None or not lora.has(req.lora_name):
                 return f"LoRA adapter {req.lora_name[:256]!r} is not loaded here"
         return None
@@ -216,14 +215,14 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
-        caches = engine.engine.runner.kv_caches
-        layout = engine_layout(self.model_id, engine.engine)
+        caches = engine.kv_caches
+        layout = engine_layout(self.model_id, engine)
         loop = asyncio.get_running_loop()
-        split = tensor_parallel(engine.engine)  # pages gathered from the ranks when sent
+        split = not engine.kv_in_place  # pages gathered from the ranks when sent
         stream = (LayerStream(loop, layout.num_layers, caches[0][0].device)
                   if self.stream_layers and not split else None)
         if stream is not None:
-            engine.engine.runner.observe(rid, stream)
+            engine.observe_layers(rid, stream)
         run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt,
                                                      request.lora_name or None))
         if stream is not None:
@@ -248,14 +247,14 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
                                f"LoRA adapter {request.lora_name[:256]!r} was replaced")
             keys = request_hash_keys(self.model_id, digest, request.cache_salt)
-            block_size = engine.engine.state.block_size
+            block_size = engine.state.block_size
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
             block_ids = table[first:first + sent_blocks]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
                                                          first_token, tail))
             if split:  # every KV head, from every rank (engine thread: between steps)
-                full = await engine.call(lambda e: e.export_kv(block_ids))
+                full = await engine.export_pages(block_ids)
                 job = SendJob(request, layout, block_ids, lambda layer: full[layer],
                               loop.time() + lease_s, None, None)
             else:
@@ -284,7 +283,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                                 str(exc))
         finally:
             if stream is not None:
-                engine.engine.runner.unobserve(rid)
+                engine.unobserve_layers(rid)
             if not run.done():
                 run.cancel()  # aborts the request; its kept blocks are released after it
             elif not run.cancelled():
@@ -295,8 +294,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
     @staticmethod
     async def _kept_ids(engine: AsyncLLMEngine, rid: str) -> list[int] | None:
         """The ids of the blocks the finished prompt `rid` keeps, in order; None if none."""
-        kept = await engine.call(lambda e: e.kv.kept_blocks(rid))
-        return None if kept is None else [b.block_id for b in kept]
+        return await engine.kept_block_ids(rid)
 
     @staticmethod
     async def _started(stream: LayerStream, run: asyncio.Future) -> list[int]:
@@ -337,11 +335,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             # may exist yet to expire them: release after the abort (the engine thread takes
             # commands in order), a no-op when the abort came first.
             engine.abort(rid)
-            asyncio.ensure_future(engine.call(lambda e: e.kv.release_kept(rid)))
+            asyncio.ensure_future(engine.release_kept(rid))
             raise
         comp = out.outputs[0]
         if comp.finish_reason not in ("length", "stop") or not comp.token_ids:
-            await engine.call(lambda e: e.kv.release_kept(rid))
+            await engine.release_kept(rid)
             raise _Refused(grpc.StatusCode.INTERNAL,
                            f"prefill failed: {out.error or comp.finish_reason}")
         return comp.token_ids[0]
@@ -380,7 +378,7 @@ def _adapter_digest(request: worker_pb2.PrefillRequest, engine: AsyncLLMEngine
                     ) -> tuple[str | None, str | None]:
     """(the weight digest of the adapter the call names, as loaded here (None: the base
     model), why it may not be served: a digest the caller sent that differs)."""
-    lora = engine.engine.lora
+    lora = engine.lora
     if not request.lora_name or lora is None:
         return None, None
     digest = lora.digests.get(request.lora_name)

@@ -180,8 +180,8 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                     on_load_failure(holder.error)
                 return
             holder.engine = t.result()
-            state = holder.engine.engine.state
-            spec = holder.engine.engine.config.speculative_config
+            state = holder.engine.state
+            spec = holder.engine.config.speculative_config
             metrics.attach(state.block_size, state.num_kv_blocks,
                            getattr(state, "model_memory_bytes", None),
                            spec.num_speculative_tokens if spec is not None else 0)
@@ -194,7 +194,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
             if settings.log_stats_interval_s is not None:
                 engine = holder.engine
                 watchers.append(asyncio.ensure_future(log_stats_forever(
-                    lambda: engine.snapshot, kv_label(engine.engine.device.type),
+                    lambda: engine.snapshot, kv_label(engine.device.type),
                     settings.log_stats_interval_s)))
 
         async def watch(engine: AsyncLLMEngine) -> None:
@@ -270,11 +270,11 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
                 "grpc_port": settings.grpc_port,
                 "kv_transfer_backend": settings.kv_transfer.backend}
         if engine is not None:  # what a router needs to hash prompts as this worker does
-            body.update(block_size=engine.engine.state.block_size,
-                        max_model_len=engine.engine.state.max_model_len,
-                        kv_cache_dtype=engine.engine.config.kv_cache_dtype,
-                        quantization=engine.engine.config.quantization)
-            lora = engine.engine.lora
+            body.update(block_size=engine.state.block_size,
+                        max_model_len=engine.state.max_model_len,
+                        kv_cache_dtype=engine.config.kv_cache_dtype,
+                        quantization=engine.config.quantization)
+            lora = engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
                 state = lora.state  # one consistent version (digests: how to hash prompts)
                 body.update(max_loras=lora.num_slots, lora_adapters=state.names(),
@@ -417,13 +417,12 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         lora = resolve(req.model, settings.served_model_name, engine,
                        settings.served_model_aliases)
         try:
-            responder = CompletionResponder(req, engine.engine.tokenizer, settings,
+            responder = CompletionResponder(req, engine.tokenizer, settings,
                                             new_id("cmpl"), lora)
             prompts = completion_prompts(req)
         except ValueError as exc:
             raise from_engine_error(exc) from exc
-        core = engine.engine
-        tokenized = await off_thread(lambda: [core.process_prompt(p) for p in prompts])
+        tokenized = await off_thread(lambda: [engine.process_prompt(p) for p in prompts])
         return await serve(request, engine, responder, tokenized)
 
     @app.post("/v1/chat/completions")
@@ -433,7 +432,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         engine = holder.get()
         lora = resolve(req.model, settings.served_model_name, engine,
                        settings.served_model_aliases)
-        tok = engine.engine.tokenizer
+        tok = engine.tokenizer
         try:
             responder = ChatResponder(req, tok, settings, new_id("chatcmpl"), lora)
         except ValueError as exc:
@@ -443,7 +442,7 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
         def render() -> TokenizedPrompt:
             text = tok.apply_chat_template(messages,
                                            add_generation_prompt=req.add_generation_prompt)
-            return engine.engine.process_prompt(tok.encode(text, add_special_tokens=False))
+            return engine.process_prompt(tok.encode(text, add_special_tokens=False))
 
         return await serve(request, engine, responder, [await off_thread(render)])
 

@@ -81,7 +81,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.Load:
         await self._authorize(request, context, GET_LOAD_RPC)
         engine = await self._engine(context)
-        s, state = engine.snapshot, engine.engine.state
+        s, state = engine.snapshot, engine.state
         return worker_pb2.Load(
             worker_id=self.worker_id, model=self.model, role=self.role,
             num_running=s.num_running, num_waiting=s.num_waiting,
@@ -116,7 +116,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if hub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are disabled")
         sid, sub = await engine.subscribe_kv_events()
-        block_size = engine.engine.state.block_size
+        block_size = engine.state.block_size
         logger.info("KV subscriber %d joined at seq %d (%d blocks)", sid, sub.snapshot_seq,
                     len(sub.snapshot))
         try:

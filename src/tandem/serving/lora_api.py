@@ -59,7 +59,7 @@ def resolve(name: str | None, served: str, engine: AsyncLLMEngine,
     (an unload may come between)."""
     if name is None or name == served or name in aliases:
         return None
-    lora = engine.engine.lora
+    lora = engine.lora
     if lora is None or not lora.has(name):
         raise not_found(name)
     return name
@@ -69,10 +69,10 @@ def model_cards(served: str, engine: AsyncLLMEngine, created: int,
                 aliases: tuple[str, ...] = ()) -> list[ModelCard]:
     """The base model's card under each served name (as vLLM), then one per loaded adapter
     (`parent`: the base)."""
-    state = engine.engine.state
+    state = engine.state
     cards = [ModelCard(id=name, created=created, max_model_len=state.max_model_len,
                        root=state.model_path) for name in (served, *aliases)]
-    lora = engine.engine.lora
+    lora = engine.lora
     if lora is not None:
         registered = dict(lora.registered)  # a copy: the engine thread may add meanwhile
         cards += [ModelCard(id=name, created=created, max_model_len=state.max_model_len,
@@ -94,7 +94,7 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
     async def load(req: LoadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
         await admin(request)
         engine = get_engine()
-        manager = engine.engine.lora
+        manager = engine.lora
         if manager is None:
             raise APIError(400, "this worker was started without --enable-lora", "lora_name")
         if not manager.config.lora_dirs:
@@ -115,8 +115,7 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
                 and manager.digests.get(req.lora_name) == adapter.digest):
             return _card(old, "already_loaded", manager)
         try:
-            loaded = await engine.call(lambda e: e.load_lora(wanted, adapter=adapter,
-                                                             fresh_id=True))
+            loaded = await engine.load_lora(wanted, adapter=adapter, fresh_id=True)
         except ValueError as exc:  # the name is taken, or being unloaded
             raise APIError(409, str(exc), "lora_name", type_="conflict_error") from exc
         logger.info("loaded LoRA adapter %s (sha256 %s, digest %s)", loaded.lora_name,
@@ -128,12 +127,12 @@ def install_lora_routes(app: FastAPI, served: str, get_engine: Callable[[], Asyn
         await admin(request)
         engine = get_engine()
         try:
-            freed = await engine.call(lambda e: e.unload_lora(req.lora_name))
+            freed = await engine.unload_lora(req.lora_name)
         except UnknownAdapterError as exc:
             raise not_found(req.lora_name) from exc
         logger.info("unloading LoRA adapter %s (%s)", req.lora_name,
                     "freed" if freed else "its requests finish first")
-        manager = engine.engine.lora
+        manager = engine.lora
         return {"object": "lora_adapter", "lora_name": req.lora_name,
                 "status": "unloaded" if freed else "unloading",
                 **({} if manager is None else {"lora": manager.state.to_json()})}

@@ -1,0 +1,190 @@
+"""`AsyncLLMEngine`'s typed surface for callers outside the engine (serving, kvtransfer).
+
+Coroutines run on the engine thread between steps and, once sent, run even if their caller
+is cancelled while waiting (a release or unpin is never lost). Properties are read on the
+caller's thread without locking: they are set at start-up, or (the LoRA manager's tables,
+the prefix cache) read as a snapshot whose staleness only moves work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from tandem.engine.kv_pages import ImportCommit, ImportPins
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.core import EngineState
+    from tandem.engine.kv_cache.block_pool import KVBlock
+    from tandem.engine.kv_pages import PageLayout
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.lora.manager import LoRAManager
+    from tandem.engine.lora.peft import LoRAAdapter
+    from tandem.engine.lora.request import LoRARequest
+    from tandem.engine.model_runner import LayerObserver
+    from tandem.engine.request import TokenizedPrompt
+    from tandem.protocol.block_hash import BlockHash
+    from tandem.protocol.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class EngineAPI:
+    """Mixed into `AsyncLLMEngine`, which provides `engine` and `_call`."""
+
+    engine: LLMEngine
+
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        raise NotImplementedError
+
+    # -- read-only views -------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        """What the engine serves: model, block size, KV blocks, max_model_len, vocab."""
+        return self.engine.state
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def lora(self) -> LoRAManager | None:
+        """The LoRA manager (None without --enable-lora); its tables are read as is."""
+        return self.engine.lora
+
+    def lora_digest(self, name: str | None) -> str | None:
+        """The weight digest of loaded adapter `name` (None: no name, no LoRA, or not
+        loaded)."""
+        lora = self.engine.lora
+        if not name or lora is None:
+            return None
+        return lora.digests.get(name)
+
+    def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
+        """Tokenize and check a prompt as `add` would (any thread: it reads no state)."""
+        return self.engine.process_prompt(prompt)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the prefix cache is on (imported blocks could never be hit without)."""
+        return self.engine.kv.enable_caching
+
+    def cached_prefix_len(self, hashes: list[BlockHash]) -> int:
+        """How many leading `hashes` the prefix cache holds, read without locking (a stale
+        answer only moves work between P/D sides)."""
+        return len(self.engine.kv.cached_prefix(hashes))
+
+    def page_layout(self, model_id: str) -> PageLayout:
+        """The wire layout of this engine's KV pages (`LLMEngine.page_layout`)."""
+        return self.engine.page_layout(model_id)
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This process's per-layer (K, V) caches; every KV head only when `kv_in_place`."""
+        return self.engine.runner.kv_caches
+
+    @property
+    def kv_in_place(self) -> bool:
+        """Whether other threads may read and write pinned pages in `kv_caches` directly
+        (one rank); otherwise pages move only through `export_pages` / `import_pages`."""
+        return self.engine.kv_in_place
+
+    def observe_layers(self, request_id: str, observer: LayerObserver) -> None:
+        """Tell `observer` as each layer of `request_id`'s steps is written
+        (`ModelRunner.observe`; one rank)."""
+        self.engine.runner.observe(request_id, observer)
+
+    def unobserve_layers(self, request_id: str) -> None:
+        self.engine.runner.unobserve(request_id)
+
+    # -- pages and pins (engine thread) ----------------------------------------------------
+    async def pin_cached(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """Pin the leading run of `hashes` the prefix cache holds (`unpin` releases)."""
+        return await self._call(lambda e: e.kv.pin_cached(hashes))
+
+    async def import_blocks(self, hashes: list[BlockHash], tail: bool = False) -> ImportPins:
+        """Pin blocks for pages of `hashes` arriving from elsewhere, all or none, plus one
+        for the prompt's last block with `tail` (`KVCacheManager.import_blocks`)."""
+        return await self._call(lambda e: ImportPins(*e.kv.import_blocks(hashes, tail)))
+
+    async def commit_import(self, pins: ImportPins, commit: ImportCommit) -> list[KVBlock]:
+        """Register the written full blocks of `pins` and stage the block after them (if
+        pinned) for `commit.request_id`; returns the full blocks now pinned, which also
+        replace the first ones of `pins.blocks` in place (a hash cached here meanwhile pins
+        the cached block instead). The staged block's pin is dropped when staging fails."""
+        n = len(commit.hashes)
+
+        def run(e: LLMEngine) -> list[KVBlock]:
+            full = pins.blocks[:n]
+            if len(pins.blocks) > n:
+                tail = pins.blocks[n]
+                try:
+                    e.kv.stage_tail(commit.request_id, tail, commit.tail_index,
+                                    commit.tail_token_ids)
+                except BaseException:
+                    e.kv.unpin([tail])
+                    raise
+            e.kv.commit_import(full, commit.hashes, commit.parent_hash, commit.token_ids,
+                               commit.lora_name, commit.lora_digest)
+            pins.blocks[:n] = full
+            return full
+
+        return await self._call(run)
+
+    async def unpin(self, blocks: Sequence[KVBlock], *, limit: int | None = None,
+                    drop_tail: str | None = None) -> None:
+        """Drop pins of `pin_cached` / `import_blocks`: `blocks[:limit]`, read on the
+        engine thread (a `commit_import` sent before may have replaced some in place);
+        then, with `drop_tail`, that request's staged block unless it took it over."""
+        def run(e: LLMEngine) -> None:
+            e.kv.unpin(list(blocks[:limit]))
+            if drop_tail is not None:
+                e.kv.drop_tail(drop_tail)
+
+        await self._call(run)
+
+    async def kept_block_ids(self, request_id: str) -> list[int] | None:
+        """The block ids a finished `keep_blocks` request keeps, in order; None if none."""
+        def run(e: LLMEngine) -> list[int] | None:
+            kept = e.kv.kept_blocks(request_id)
+            return None if kept is None else [b.block_id for b in kept]
+
+        return await self._call(run)
+
+    async def release_kept(self, request_id: str) -> bool:
+        """Free the blocks a finished `keep_blocks` request kept; False if it kept none."""
+        return await self._call(lambda e: e.kv.release_kept(request_id))
+
+    async def export_pages(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Pinned `block_ids`' pages with every KV head, `[2, n, KVH, bs, row]` per layer on
+        the host (`LLMEngine.export_kv`; one rank or many)."""
+        return await self._call(lambda e: e.export_kv(block_ids))
+
+    async def import_pages(self, block_ids: list[int], pages: list[torch.Tensor]) -> None:
+        """Write full-head `pages` (one `[2, n, KVH, bs, row]` per layer) into pinned
+        `block_ids` (`LLMEngine.import_kv`; one rank or many)."""
+        await self._call(lambda e: e.import_kv(block_ids, pages))
+
+    # -- LoRA (engine thread) --------------------------------------------------------------
+    async def load_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None,
+                        fresh_id: bool = False) -> LoRARequest:
+        """Register adapter `request` (`LLMEngine.load_lora`); raises ValueError when its
+        name is taken or being unloaded."""
+        return await self._call(lambda e: e.load_lora(request, adapter=adapter,
+                                                      fresh_id=fresh_id))
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload adapter `name`: True if freed now, False once its requests finish;
+        raises `UnknownAdapterError`."""
+        return await self._call(lambda e: e.unload_lora(name))

@@ -1,0 +1,116 @@
+"""Typed values of the engine's KV page API: a page layout, import pins and commits.
+
+`PageLayout` is the geometry both ends of a page transfer share (`LLMEngine.page_layout`
+gives an engine's, with all of the model's KV heads whatever its tensor-parallel size).
+`ImportPins` and `ImportCommit` are what `AsyncLLMEngine.import_blocks` returns and
+`AsyncLLMEngine.commit_import` takes: the pins of blocks that pages from elsewhere are
+written into, and how they join the prefix cache once written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.kv_cache.block_pool import KVBlock
+from tandem.engine.kv_cache.quant import KV_FORMATS, SCALE_BYTES
+from tandem.protocol.block_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The KV cache geometry both ends of a transfer must share. `head_dim` is the model's;
+    `dtype` is the cache tensors' storage dtype (the float dtype for `cache_dtype` "auto",
+    uint8 for "fp8" / "int8", whose rows are `head_dim` codes + a float16 scale)."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_FORMATS:
+            raise ValueError(f"kv cache dtype must be one of {KV_FORMATS}, got "
+                             f"{self.cache_dtype!r}")
+        if not (self.dtype == torch.uint8 if self.quantized else self.dtype.is_floating_point):
+            raise ValueError(f"a {self.cache_dtype!r} KV cache cannot be stored as "
+                             f"{self.dtype_name} (quantized caches are uint8, others float)")
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_dtype != "auto"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def row(self) -> int:
+        """Elements (of `dtype`) per cache row, i.e. one token of one KV head."""
+        return self.head_dim + SCALE_BYTES if self.quantized else self.head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_layer_bytes(self) -> int:
+        """K + V bytes of one block in one layer."""
+        return 2 * self.num_kv_heads * self.block_size * self.row_bytes
+
+    def layer_shape(self, n: int) -> tuple[int, ...]:
+        """The shape of `n` blocks' pages of one layer, in `dtype`."""
+        return (2, n, self.num_kv_heads, self.block_size, self.row)
+
+    @classmethod
+    def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+           cache_dtype: str = "auto") -> PageLayout:
+        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, row]`
+        (row = head_dim, or head_dim + 2 uint8 for a quantized `cache_dtype`). Raises
+        ValueError when the tensors do not hold that format."""
+        k = kv_caches[0][0]
+        head_dim = k.shape[3] - (SCALE_BYTES if cache_dtype != "auto" else 0)
+        if head_dim < 1:
+            raise ValueError(f"a {cache_dtype!r} KV cache of rows {k.shape[3]} wide has no "
+                             "head_dim")
+        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], head_dim, k.dtype,
+                   cache_dtype)
+
+
+@dataclass(frozen=True)
+class ImportPins:
+    """Blocks pinned for pages arriving from elsewhere (`KVCacheManager.import_blocks`):
+    `blocks` in chain order (the full blocks, then, when asked for, one for the prompt's
+    last block); `fresh`: the indexes into `blocks` whose pages must be written (the others
+    were cached here already). Both empty when the pool could not supply them all.
+    `blocks` is the list `commit_import` updates in place."""
+
+    blocks: list[KVBlock]
+    fresh: list[int]
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.blocks)
+
+
+@dataclass(frozen=True)
+class ImportCommit:
+    """How written pages join the prefix cache (`AsyncLLMEngine.commit_import`): the first
+    `len(hashes)` pinned blocks are registered under `hashes` (after `parent_hash`), holding
+    `token_ids`; the block after them, when pinned, is staged for `request_id` as the
+    prompt's block number `tail_index` holding `tail_token_ids`
+    (`KVCacheManager.stage_tail`). `lora_name` / `lora_digest`: the adapter the pages were
+    computed with ("": the base model)."""
+
+    request_id: str
+    hashes: list[BlockHash]
+    parent_hash: BlockHash
+    token_ids: list[int]
+    tail_index: int
+    tail_token_ids: list[int]
+    lora_name: str = ""
+    lora_digest: str = ""
