@@ -17,7 +17,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache.pages import gather_layer
 from tandem.engine.kv_pages import ImportCommit, ImportPins, PageLayout
 from tandem.engine.llm_engine import LLMEngine
-from tandem.kvtransfer.pages import engine_layout
+from tandem.kvtransfer.pages import engine_layout, tensor_bytes
 from tandem.protocol.block_hash import HashKeys, hash_block_chain, root_hash
 
 from .utils import make_tiny_model_dir
@@ -36,6 +36,16 @@ def test_no_module_outside_the_engine_runs_closures_on_it_or_reaches_into_it():
                  if reach.search(line)]
     assert offenders == []
     assert not hasattr(AsyncLLMEngine, "call")  # private: `_call`
+
+
+def test_kvtransfer_never_learns_the_tensor_parallel_size():
+    """Pages come from `page_source` and go through `page_sink`, one rank or many."""
+    tp = re.compile(r"tensor_parallel|kv_in_place|runner\.|\.world\b|(export|import)_(kv|pages)")
+    offenders = [f"{path.name}:{n}: {line.strip()}"
+                 for path in sorted((SRC / "kvtransfer").glob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if tp.search(line)]
+    assert offenders == []
 
 
 @pytest.fixture(scope="module")
@@ -110,5 +120,38 @@ def test_import_refuses_pages_for_another_number_of_layers(engine):
     async def main() -> None:
         with pytest.raises(ValueError, match="pages for 1 layers"):
             await engine.import_pages([0], [torch.zeros(1)])
+
+    asyncio.run(main())
+
+
+def test_a_page_source_and_sink_move_every_layer_with_one_rank(engine):
+    caches = engine.kv_caches
+    prompt = list(range(60, 69))  # 2 full blocks + 1 token
+
+    async def main() -> None:
+        _, out = await engine.add(prompt, ONE, "src2", keep_blocks=True)
+        while not (await out.get()).finished:
+            pass
+        ids = (await engine.kept_block_ids("src2"))[:2]
+        source = await engine.page_source(ids)
+        pages = [source.layer(i) for i in range(len(caches))]
+        assert all(torch.equal(p, gather_layer(caches, i, ids)) for i, p in enumerate(pages))
+        assert b"".join(source.views(0)) == bytes(tensor_bytes(pages[0]))  # host cache
+        assert engine.layer_streaming
+
+        pins = await engine.import_blocks(hash_block_chain(prompt[:8], 4,
+                                                           HashKeys(cache_salt="x")))
+        target = [b.block_id for b in pins.blocks]
+        sink = engine.page_sink(target)
+        for i, p in enumerate(pages[:-1]):
+            sink.write(i, p)
+        with pytest.raises(ValueError, match=f"{len(caches) - 1} of {len(caches)} layers"):
+            await sink.finish()
+        sink.write(len(caches) - 1, pages[-1])
+        await sink.finish()
+        assert all(torch.equal(gather_layer(caches, i, target), p)
+                   for i, p in enumerate(pages))
+        await engine.unpin(pins.blocks)
+        await engine.release_kept("src2")
 
     asyncio.run(main())

@@ -4,6 +4,11 @@ Coroutines run on the engine thread between steps and, once sent, run even if th
 is cancelled while waiting (a release or unpin is never lost). Properties are read on the
 caller's thread without locking: they are set at start-up, or (the LoRA manager's tables,
 the prefix cache) read as a snapshot whose staleness only moves work.
+
+Pages move the same way whatever the tensor-parallel size: `page_source` gives a send's pages
+layer by layer (read in place with one rank, exported from the ranks at once with several),
+`page_sink` writes an import's (into the cache as each layer arrives with one rank, handed to
+the ranks at `finish` with several). Callers never learn how many ranks there are.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from tandem.engine.kv_pages import ImportCommit, ImportPins
+from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
+from tandem.engine.kv_pages import ImportCommit, ImportPins, layer_page_views
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +106,12 @@ class EngineAPI:
         (one rank); otherwise pages move only through `export_pages` / `import_pages`."""
         return self.engine.kv_in_place
 
+    @property
+    def layer_streaming(self) -> bool:
+        """Whether a send can follow a running step layer by layer (`observe_layers`): one
+        rank; with tensor parallelism a send starts once the prompt has run."""
+        return self.engine.kv_in_place
+
     def observe_layers(self, request_id: str, observer: LayerObserver) -> None:
         """Tell `observer` as each layer of `request_id`'s steps is written
         (`ModelRunner.observe`; one rank)."""
@@ -176,6 +188,17 @@ class EngineAPI:
         `block_ids` (`LLMEngine.import_kv`; one rank or many)."""
         await self._call(lambda e: e.import_kv(block_ids, pages))
 
+    async def page_source(self, block_ids: list[int]) -> PageSource:
+        """The pages of pinned `block_ids` for a send: read in place, layer by layer, with
+        one rank; exported from the ranks at once (engine thread) with several."""
+        if self.engine.kv_in_place:
+            return PageSource(self.kv_caches, block_ids)
+        return PageSource(self.kv_caches, block_ids, await self.export_pages(block_ids))
+
+    def page_sink(self, block_ids: list[int]) -> PageSink:
+        """A writer of pages into pinned `block_ids` (`PageSink`)."""
+        return PageSink(self, block_ids)
+
     # -- LoRA (engine thread) --------------------------------------------------------------
     async def load_lora(self, request: LoRARequest, adapter: LoRAAdapter | None = None,
                         fresh_id: bool = False) -> LoRARequest:
@@ -188,3 +211,65 @@ class EngineAPI:
         """Unload adapter `name`: True if freed now, False once its requests finish;
         raises `UnknownAdapterError`."""
         return await self._call(lambda e: e.unload_lora(name))
+
+
+class PageSource:
+    """A send's pages of pinned blocks, layer by layer (`EngineAPI.page_source`); valid
+    while the blocks stay pinned."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_ids: list[int], exported: list[torch.Tensor] | None = None) -> None:
+        """`exported`: every layer's pages already gathered (tensor parallelism); None: read
+        them from `kv_caches`, which holds every KV head."""
+        self.block_ids = block_ids
+        self._caches = kv_caches
+        self._exported = exported
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s `[2, n, KVH, bs, row]` pages with every KV head, on the cache's
+        device or the host (a copy: may block)."""
+        if self._exported is not None:
+            return self._exported[layer]
+        return gather_layer(self._caches, layer, self.block_ids)
+
+    def views(self, layer: int) -> list[memoryview] | None:
+        """The same bytes as 2n per-block views (K of each block, then V) read in place
+        from a host-memory cache; None where there is none to read."""
+        if self._exported is not None:
+            return None
+        return layer_page_views(self._caches, layer, self.block_ids)
+
+
+class PageSink:
+    """Writes an import's pages into pinned `block_ids` (`EngineAPI.page_sink`): `write`
+    each layer from one thread at a time (the pages need stay valid only during the call),
+    then `finish` on the event loop. With one rank a layer goes into the cache as it is
+    written; with tensor parallelism the layers are kept and `finish` hands them to the
+    ranks (engine thread)."""
+
+    def __init__(self, engine: EngineAPI, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+        self._engine = engine
+        self._caches = caches = engine.kv_caches
+        self._in_place = engine.engine.kv_in_place
+        self._index = block_index(block_ids, caches[0][0].device) if self._in_place else None
+        self._staged: dict[int, torch.Tensor] = {}
+        self._written: set[int] = set()
+
+    def write(self, layer: int, pages: torch.Tensor) -> None:
+        """Layer `layer`'s `[2, n, KVH, bs, row]` pages (the cache's dtype, any device)."""
+        if self._in_place:
+            scatter_layer(self._caches, layer, self.block_ids, pages, self._index)
+        else:
+            self._staged[layer] = pages.clone()
+        self._written.add(layer)
+
+    async def finish(self) -> None:
+        """Every layer written: the pages are in the cache when this returns. Raises
+        ValueError when a layer was not written (nothing is handed to the ranks then)."""
+        n = len(self._caches)
+        if len(self._written) != n:
+            raise ValueError(f"{len(self._written)} of {n} layers were written")
+        if not self._in_place:
+            pages, self._staged = [self._staged[i] for i in range(n)], {}
+            await self._engine.import_pages(self.block_ids, pages)

@@ -4,7 +4,8 @@
 gives an engine's, with all of the model's KV heads whatever its tensor-parallel size).
 `ImportPins` and `ImportCommit` are what `AsyncLLMEngine.import_blocks` returns and
 `AsyncLLMEngine.commit_import` takes: the pins of blocks that pages from elsewhere are
-written into, and how they join the prefix cache once written.
+written into, and how they join the prefix cache once written. `layer_page_views` and
+`tensor_bytes` read pages' bytes in place from a host-memory cache.
 """
 
 from __future__ import annotations
@@ -114,3 +115,24 @@ class ImportCommit:
     tail_token_ids: list[int]
     lora_name: str = ""
     lora_digest: str = ""
+
+
+def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
+                     block_ids: list[int]) -> list[memoryview] | None:
+    """`engine.kv_cache.pages.gather_layer`'s bytes without the copy: K pages of
+    `block_ids`, then V pages, as views into a host-memory cache (None for a device cache).
+    Valid while the blocks stay pinned."""
+    k, v = kv_caches[layer]
+    if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    page = k[0].numel() * k.element_size()
+    out = []
+    for t in (k, v):
+        raw = tensor_bytes(t)
+        out += [raw[b * page:(b + 1) * page] for b in block_ids]
+    return out
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")

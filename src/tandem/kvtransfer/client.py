@@ -13,9 +13,10 @@
    all or none (reusing any that appeared meanwhile), plus a fresh block for the prompt's
    last block when the offer reaches it, so the request is admitted without a free block;
    with no room for them all, the prompt is computed here instead;
-3. receive the pages through the backend: each layer, once validated, is written into the
-   pinned blocks by a writer thread while the next one arrives (nothing references blocks
-   that are not registered yet, so the engine keeps stepping);
+3. receive the pages through the backend: each layer, once validated, goes to the engine's
+   `PageSink` for the pinned blocks from a writer thread while the next one arrives
+   (nothing references blocks that are not registered yet, so the engine keeps stepping);
+   the sink decides how pages reach the cache, whatever the engine's tensor-parallel size;
 4. on the engine thread: register the full blocks in the prefix cache (KV events go out)
    and stage the last one (its partial tokens, if any) for `request_id`
    (`KVCacheManager.stage_tail`), then acknowledge the lease. On any failure the pins are
@@ -46,10 +47,10 @@ from typing import Any
 import grpc
 import torch
 
+from tandem.engine.async_api import PageSink
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import KVBlock
-from tandem.engine.kv_cache.pages import scatter_layer
 from tandem.engine.kv_pages import ImportCommit, ImportPins
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
@@ -217,8 +218,7 @@ class RemotePrefill:
                                            "were pinned; they will be recomputed", request_id,
                                            len(local), first - 1)
                         hashes = chain[first:first + offer.num_full]
-                        writer = _PageWriter(self.engine.kv_caches, self._writer_pool,
-                                             offer, staged=not self.engine.kv_in_place)
+                        writer = _PageWriter(self._writer_pool, offer)
                         await writer.pin(self.engine, hashes)
                         if not writer.pins.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
@@ -228,7 +228,7 @@ class RemotePrefill:
                         call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:
                     await self._backend.release(req)
-                await writer.flush(self.engine, self.layout.num_layers)
+                await writer.flush()
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
                     request_hash_keys(self.model_id, digest, cache_salt))
@@ -334,16 +334,12 @@ def _encode_request(request: worker_pb2.PrefillRequest | bytes) -> bytes:
 
 
 class _PageWriter:
-    """Pins the blocks of one import and writes validated layers into them on `executor`
-    (one thread: the copies are memory-bound). Tracks the pins and the writes, so a failed
-    import unpins only after every write into those blocks has ended."""
+    """Pins the blocks of one import and writes validated layers into them through the
+    engine's `PageSink` on `executor` (one thread: the copies are memory-bound). Tracks the
+    pins and the writes, so a failed import unpins only after every write into those blocks
+    has ended."""
 
-    def __init__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 executor: ThreadPoolExecutor, offer: Offer, staged: bool = False) -> None:
-        """`staged`: a tensor-parallel engine's cache: layers are kept here and `flush`
-        hands them to the engine, which gives each rank its heads."""
-        self.caches = caches
-        self.staged: dict[int, torch.Tensor] | None = {} if staged else None
+    def __init__(self, executor: ThreadPoolExecutor, offer: Offer) -> None:
         self.executor = executor
         self.offer = offer
         self.pins = ImportPins([], [])  # the full blocks, then the staged one if pinned
@@ -351,6 +347,7 @@ class _PageWriter:
         self.committed = False  # the commit (which stages the partial block) was sent
         self._pin: asyncio.Future | None = None
         self._ids: list[int] = []
+        self._sink: PageSink | None = None  # None: nothing to write (every block was here)
         self._select: torch.Tensor | None = None
         self._writes: list[concurrent.futures.Future] = []
 
@@ -365,6 +362,8 @@ class _PageWriter:
         self._ids = [self.pins.blocks[i].block_id for i in fresh]
         if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
+        if self._ids:
+            self._sink = engine.page_sink(self._ids)
 
     def split(self) -> tuple[list[KVBlock], KVBlock | None]:
         """(the pinned full blocks, the pinned block for the last one, or None)."""
@@ -374,7 +373,7 @@ class _PageWriter:
 
     async def write(self, layer: int, pages: torch.Tensor) -> None:
         """The backend's sink: write one layer's `[2, n, kvh, bs, row]` pages."""
-        if not self._ids or self.released:
+        if self._sink is None or self.released:
             return
         cf = self.executor.submit(self._write, layer, pages)
         self._writes.append(cf)
@@ -383,21 +382,16 @@ class _PageWriter:
     def _write(self, layer: int, pages: torch.Tensor) -> None:
         if self._select is not None:
             pages = pages.index_select(1, self._select)
-        if self.staged is not None:
-            self.staged[layer] = pages.clone()  # the backend may reuse its buffer
-        else:
-            scatter_layer(self.caches, layer, self._ids, pages)
+        self._sink.write(layer, pages)  # type: ignore[union-attr]
 
-    async def flush(self, engine: AsyncLLMEngine, num_layers: int) -> None:
-        """Staged (tensor-parallel) pages into the ranks' caches, on the engine thread."""
-        if self.staged is None or not self._ids or self.released:
+    async def flush(self) -> None:
+        """Every layer received: the pages are in the engine's cache when this returns."""
+        if self._sink is None or self.released:
             return
-        if sorted(self.staged) != list(range(num_layers)):
-            raise KVTransferError("incomplete", f"{len(self.staged)} of {num_layers} layers "
-                                                "arrived")
-        pages, ids = [self.staged[i] for i in range(num_layers)], self._ids
-        self.staged = {}
-        await engine.import_pages(ids, pages)
+        try:
+            await self._sink.finish()
+        except ValueError as exc:
+            raise KVTransferError("incomplete", str(exc)) from exc
 
     def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task],
                 request_id: str) -> None:

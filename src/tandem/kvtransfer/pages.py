@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import xxhash
 
-from tandem.engine.kv_pages import PageLayout  # the engine's; imported from here too
+# the engine's, imported from here too
+from tandem.engine.kv_pages import PageLayout as PageLayout
+from tandem.engine.kv_pages import layer_page_views as layer_page_views
+from tandem.engine.kv_pages import tensor_bytes as tensor_bytes
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import BlockHash
 
@@ -56,27 +59,6 @@ def engine_layout(model_id: str, engine: Any) -> PageLayout:
     """The wire layout of an engine's KV pages (`LLMEngine.page_layout`; an `LLMEngine` or
     an `AsyncLLMEngine`)."""
     return engine.page_layout(model_id)
-
-
-def layer_page_views(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layer: int,
-                     block_ids: list[int]) -> list[memoryview] | None:
-    """`engine.kv_cache.pages.gather_layer`'s bytes without the copy: K pages of
-    `block_ids`, then V pages, as views into a host-memory cache (None for a device cache).
-    Valid while the blocks stay pinned."""
-    k, v = kv_caches[layer]
-    if k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
-        return None
-    page = k[0].numel() * k.element_size()
-    out = []
-    for t in (k, v):
-        raw = tensor_bytes(t)
-        out += [raw[b * page:(b + 1) * page] for b in block_ids]
-    return out
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class PageChecksum:

@@ -5,9 +5,11 @@ cache dtype is not this worker's: its pages could not be used), run the prompt f
 token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
 blocks are not recomputed), pin the finished request's blocks under a lease, send the header
 and the requested blocks' pages (the full blocks, then the prompt's partial last block when
-`tail_tokens` asks for it) through the chosen backend. With `stream_layers` the header
-goes out when the prompt's last step starts and each layer's pages as soon as that step has
-written the layer (`layer_stream.LayerStream`), so the transfer overlaps the compute; the
+`tail_tokens` asks for it, from the engine's `page_source`) through the chosen backend. With
+`stream_layers`, where the engine can follow a step layer by layer (`layer_streaming`: one
+rank), the header goes out when the prompt's last step starts and each layer's pages as soon
+as that step has written the layer (`layer_stream.LayerStream`), so the transfer overlaps
+the compute; the
 trailer waits for the run to finish with those blocks kept. The pages stay pinned until
 `ReleasePages`, the lease's expiry, or a failed or cancelled stream, so a decode worker that
 dies cannot hold prefill memory for longer than the lease.
@@ -27,7 +29,6 @@ import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
-from tandem.engine.kv_cache.pages import gather_layer
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import serialize_chunk
@@ -37,7 +38,6 @@ from tandem.kvtransfer.pages import (
     Offer,
     engine_layout,
     header_for,
-    layer_page_views,
 )
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
@@ -215,12 +215,10 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
-        caches = engine.kv_caches
         layout = engine_layout(self.model_id, engine)
         loop = asyncio.get_running_loop()
-        split = not engine.kv_in_place  # pages gathered from the ranks when sent
-        stream = (LayerStream(loop, layout.num_layers, caches[0][0].device)
-                  if self.stream_layers and not split else None)
+        stream = (LayerStream(loop, layout.num_layers, engine.kv_caches[0][0].device)
+                  if self.stream_layers and engine.layer_streaming else None)
         if stream is not None:
             engine.observe_layers(rid, stream)
         run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt,
@@ -253,15 +251,9 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             block_ids = table[first:first + sent_blocks]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
                                                          first_token, tail))
-            if split:  # every KV head, from every rank (engine thread: between steps)
-                full = await engine.export_pages(block_ids)
-                job = SendJob(request, layout, block_ids, lambda layer: full[layer],
-                              loop.time() + lease_s, None, None)
-            else:
-                job = SendJob(request, layout, block_ids,
-                              lambda layer: gather_layer(caches, layer, block_ids),
-                              loop.time() + lease_s,
-                              lambda layer: layer_page_views(caches, layer, block_ids), stream)
+            source = await engine.page_source(block_ids)  # every KV head
+            job = SendJob(request, layout, block_ids, source.layer, loop.time() + lease_s,
+                          source.views, stream)
             async for chunk in self.backend(request.backend).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks
