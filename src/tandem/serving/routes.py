@@ -362,7 +362,6 @@ class WorkerApp:
     async def tokenize(self, req: TokenizeRequest, request: Request) -> dict:
         await self.authenticate(request)
         engine, _ = self.engine_for(req.model)
-        engine = engine.engine
         tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
@@ -381,7 +380,6 @@ class WorkerApp:
     async def detokenize(self, req: DetokenizeRequest, request: Request) -> dict:
         await self.authenticate(request)
         engine, _ = self.engine_for(req.model)
-        engine = engine.engine
         vocab = engine.state.vocab_size
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
