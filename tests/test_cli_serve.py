@@ -30,7 +30,7 @@ def _args(workers: int | None = None, prefill: int = 0,
 def parsed(argv: list[str], monkeypatch) -> tuple[argparse.Namespace, list[str]]:
     """`tandem serve ARGV` through the real parser: (its arguments, the workers' flags)."""
     seen = []
-    monkeypatch.setattr("tandem.cli._serve", lambda args, extra: seen.append((args, extra)))
+    monkeypatch.setattr("tandem.cli._serve", lambda args, extra, config: seen.append((args, extra)))
     main(["serve", *argv])
     return seen[0]
 
@@ -221,3 +221,22 @@ def test_children_do_not_inherit_the_api_key_variable(monkeypatch):
                           " p.wait()", probe], capture_output=True, text=True, timeout=60,
                          check=True)
     assert out.stdout.split() == ["None", "kept", "1"]
+
+
+def test_serve_builds_the_engine_config_once_and_starts_with_it(monkeypatch):
+    """The workers' flags are checked once, before anything starts, and `serve` receives
+    that very configuration (not a second one built from the same flags)."""
+    import tandem.serving.worker as worker
+
+    built, started = [], []
+    real = worker.engine_config
+
+    def counting(args, serving=False):  # noqa: ANN001, ANN202 - wraps the real builder
+        built.append(real(args, serving=serving))
+        return built[-1]
+
+    monkeypatch.setattr(worker, "engine_config", counting)
+    monkeypatch.setattr("tandem.serving.embedded.serve",
+                        lambda args, extra, config: started.append(config) or 0)
+    assert main(["serve", "--num-kv-blocks", "64"]) == 0
+    assert len(built) == 1 and started == built and built[0].num_kv_blocks == 64

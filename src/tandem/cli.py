@@ -28,12 +28,15 @@ import os
 import runpy
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem import __version__
 from tandem.operator.cli import add_operator_args
 from tandem.operator.dryrun import add_render_args
 from tandem.protocol.cli_args import port_number, positive_int
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
 
 BENCH_SCRIPTS = {"offline": "offline_throughput.py", "serve": "serve.py"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -303,16 +306,17 @@ def _unrecognized(p: argparse.ArgumentParser, command: str, extra: list[str]) ->
     p.error(f"unrecognized arguments: {' '.join(extra)}")
 
 
-def _serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+def _serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfig) -> int:
+    """Start `tandem serve` with the workers' engine `config` (checked by `main`)."""
     from tandem.router.config import RouterConfigError, load_config
-    from tandem.serving.embedded import check_worker_flags, serve
+    from tandem.serving.embedded import serve
 
     # RouterConfigError: before anything starts
     discovery = load_config(getattr(args, "config", None)).get("discovery", "static")
     if discovery != "static":  # as --discovery: the router would exit once the workers load
         raise RouterConfigError(f"{args.config}: discovery: {discovery} is only for `tandem "
                                 "router` run alone (tandem serve starts its own workers)")
-    return serve(args, passthrough, check_worker_flags(args))
+    return serve(args, passthrough, config)
 
 
 def _check_router_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -343,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 from tandem.serving.embedded import check_worker_flags
 
                 passthrough = _serve_flags(own, subs["forwarded"], argv, args)
-                check_worker_flags(args)  # before anything starts
-                return _serve(args, passthrough)
+                config = check_worker_flags(args)  # before anything starts
+                return _serve(args, passthrough, config)
             from tandem.serving.worker import run
 
             return run(args) if args.command == "worker" else _generate(args, own)
