@@ -127,6 +127,20 @@ def test_a_busy_port_is_one_line_naming_the_flag_before_anything_loads(argv, tak
     assert elapsed < 10  # no model load (a worker's takes far longer); ~0.3 s unloaded
 
 
+def test_serve_names_a_busy_metrics_port_of_its_router_yaml_before_anything_loads(
+        taken, tmp_path):
+    config = tmp_path / "router.yaml"
+    config.write_text(f"metrics_port: {taken}\n")
+    from tandem.serving.ports import free_port
+
+    r = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--port",
+                        str(free_port()), "--config", str(config)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == (f"tandem serve: error: metrics_port (in {config}) {taken} is already "
+                        "in use on 127.0.0.1\n")
+
+
 def test_busy_ports_names_a_port_given_twice_and_skips_unset_ones(taken):
     from tandem.serving.ports import free_port
 

@@ -168,8 +168,7 @@ def serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfig
     `--port`) as child processes, and supervise them until Ctrl-C. `args.router_flags`:
     the router's flags as given."""
     url = f"http://{args.host}:{args.port}"
-    busy = busy_ports(args.host, [("--port", args.port),
-                                  ("--metrics-port", getattr(args, "metrics_port", None))])
+    busy = busy_ports(args.host, [("--port", args.port), _metrics_port(args)])
     if busy:  # before any worker loads the model
         print(busy_message("tandem serve", busy), file=sys.stderr)
         return 1
@@ -188,6 +187,18 @@ def serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfig
         return _supervise(deployment, url, config.model_name, keyed="--api-keys" in flags)
     finally:
         _unlink(temp_files)
+
+
+def _metrics_port(args: argparse.Namespace) -> tuple[str, int | None]:
+    """The router's metrics port and where it was set: `--metrics-port`, else the
+    `metrics_port` of the `--config` router.yaml (checked before any worker loads too)."""
+    port = getattr(args, "metrics_port", None)
+    path = getattr(args, "config", None)
+    if port is not None or path is None:
+        return "--metrics-port", port
+    from tandem.router.config import load_config
+
+    return f"metrics_port (in {path})", load_config(path).get("metrics_port")
 
 
 def router_flags(args: argparse.Namespace, config: EngineConfig,
