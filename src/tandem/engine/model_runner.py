@@ -18,7 +18,9 @@ ones compute.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -54,6 +56,20 @@ class LayerObserver(Protocol):
         a CUDA event to wait on before reading them on another stream, None on the CPU."""
 
 
+@dataclass
+class RunnerTimings:
+    """Cumulative host wall seconds of rank 0's steps (`time.perf_counter`, no device
+    sync added: on a GPU, `forward_s` is the launch time unless a copy waits):
+    `prepare_s` building the step's plan and inputs (and sending it to the other ranks),
+    `forward_s` the forward pass, `sample_s` sampling, verification and prompt logprobs
+    with their device-to-host copies; `steps` executed."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    steps: int = 0
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
@@ -79,6 +95,7 @@ class ModelRunner:
         self.return_hidden = False
         # multi-LoRA adapters (engine/lora), set by LLMEngine with enable_lora; None = none
         self.lora: LoRAManager | None = None
+        self.timings = RunnerTimings()
 
     def observe(self, request_id: str, observer: LayerObserver) -> None:
         """Register before the request is added; `unobserve` when done with it."""
@@ -117,6 +134,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        t_start = time.perf_counter()
         bs = self.block_size
         # one-token rows first, sorted by context length so the attention backend can group
         # similar lengths and pad little: plain decodes, and each verified request's k + 1
@@ -206,6 +224,7 @@ class ModelRunner:
         input_ids, pos_t, idx_t, targets_t, layout = plan_inputs(
             plan, self.device, bs, np.array(targets, dtype=np.int64))
         lora = self._lora_batch(scheduled, rows, nd, len(single))
+        t_forward = time.perf_counter()
         logits = None
         if (self.graphs is not None and lora is None and not watching and not plp
                 and not self.return_hidden and not spec
@@ -224,6 +243,7 @@ class ModelRunner:
                 if self.executor is None:
                     raise
                 raise self.executor.failure(exc) from exc
+        t_sample = time.perf_counter()
         hidden = None
         if self.return_hidden:
             logits, hidden = logits
@@ -241,6 +261,11 @@ class ModelRunner:
             self._hidden(hidden, sample_reqs, spec, ns, out)
         if plp:
             self._prompt_logprobs(logits[ns + nv :].float(), plp, targets, targets_t, out)
+        t = self.timings
+        t.prepare_s += t_forward - t_start
+        t.forward_s += t_sample - t_forward
+        t.sample_s += time.perf_counter() - t_sample
+        t.steps += 1
         return out
 
     def _lora_batch(self, scheduled: list[ScheduledRequest], rows: list[int], nd: int,
