@@ -38,7 +38,7 @@ class Req:
 def make(min_n: int = 2, max_n: int = 5, k: int = 4, max_model_len: int = 1 << 20):
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=k,
                             prompt_lookup_min=min_n, prompt_lookup_max=max_n)
-    ctx = ProposerContext(config=cfg, engine_config=None, model=None, model_path="",
+    ctx = ProposerContext(config=cfg, engine_config=None, target=None, model_path="",
                           device=None, dtype=None, vocab_size=32000, block_size=16,
                           max_model_len=max_model_len, max_num_seqs=8)
     return NgramProposer(ctx)

@@ -236,8 +236,8 @@ def test_bundled_model_tp3_matches_tp1() -> None:
     (dict(tensor_parallel_size=2, quantization="gguf"), "cannot be sliced"),
     (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "draft", "model": "self",
-                                                      "num_speculative_tokens": 2}),
-     "draft model"),
+                                                      "draft_tensor_parallel_size": 2}),
+     "draft models run unsharded on rank 0"),
 ])
 def test_refused_configs(args: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -73,6 +73,7 @@ VALUES = {
     "draft_quantization": (["int4", "int8", "fp8"], ["nf4", 4]),
     "draft_num_layers": ([1, 12, 1024], [0, 1025, "2"]),
     "adaptive": ([True, False], ["yes", 1]),
+    "draft_tensor_parallel_size": ([1], [2, 0, True, "1", 1.5]),
 }
 
 

@@ -60,9 +60,9 @@ SPEC_ERRORS = [  # (path, value, the message's words)
      "decode.engine.quantization: 'gguf' keeps the file's compressed tensors, which cannot be "
      "sliced: with decode.parallelism.tensor 2 use int8, int4, w8a8 or fp8"),
     ("decode", pool(2, 2, engine={"speculative": {"method": "draft", "model": "self",
-                                                  "draft_num_layers": 8}}),
-     "decode.engine.speculative.method 'draft' runs a draft model, not sharded yet; with "
-     "decode.parallelism.tensor 2 use 'ngram'"),
+                                                  "draft_tensor_parallel_size": 2}}),
+     "decode.engine.speculative.draft_tensor_parallel_size: 2 is not 1 (draft models run "
+     "unsharded on rank 0)"),
 ]
 
 
@@ -79,8 +79,7 @@ def test_what_the_engine_refuses_with_tensor_parallelism_is_refused_at_parse_tim
     from tandem.engine.config import EngineConfig
     from tandem.engine.errors import ConfigError
 
-    for kw in ({"quantization": "gguf"}, {"enable_lora": True},
-               {"speculative_config": {"method": "draft", "model": "self"}}):
+    for kw in ({"quantization": "gguf"}, {"enable_lora": True}):
         with pytest.raises(ConfigError):
             EngineConfig(tensor_parallel_size=2, **kw)
         EngineConfig(tensor_parallel_size=1, **kw)  # accepted at TP = 1
@@ -91,6 +90,11 @@ def test_what_the_engine_refuses_with_tensor_parallelism_is_refused_at_parse_tim
     parse_spec({**aggregated(None, None), "lora": lora})  # TP 1: LoRA is fine
     ngram = {"method": "ngram", "num_speculative_tokens": 4}
     parse_spec(aggregated(2, 2, engine={"speculative": ngram, "quantization": "int4"}))
+    # a draft model or EAGLE head runs unsharded on rank 0: both sides accept it at TP > 1
+    for speculative in ({"method": "draft", "model": "self", "draft_num_layers": 8},
+                        {"method": "eagle", "draft_tensor_parallel_size": 1}):
+        parse_spec(aggregated(2, 2, engine={"speculative": speculative}))
+        EngineConfig(tensor_parallel_size=2, speculative_config=speculative)
 
 
 def test_the_prefill_pool_is_named_in_its_own_errors():

@@ -214,10 +214,6 @@ class EngineConfig:
         if self.enable_lora:
             raise ConfigError("LoRA adapters are not sharded yet: tensor_parallel_size "
                               f"{tp} needs enable_lora off")
-        spec = self.speculative_config
-        if spec is not None and spec.method != "ngram":
-            raise ConfigError(f"speculative method {spec.method!r} runs a draft model, not "
-                              f"sharded yet; with tensor_parallel_size {tp} use 'ngram'")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -138,14 +138,18 @@ class LLMEngine(EngineCore):
         return manager
 
     def _proposer(self, spec: SpeculativeConfig, path: Path, shard: Shard) -> Proposer:
-        """The proposer `spec` configures, for the target model in `shard`."""
+        """The proposer `spec` configures, for the target model in `shard`. It runs on rank 0
+        only, unsharded: with tensor parallelism it gets no target model (rank 0's shard
+        runs collectives) and reads what it needs of the target from `path`."""
         cfg = self.config
-        ctx = ProposerContext(spec, cfg, shard.model, str(path), self.device, self.dtype,
-                              shard.arch.vocab_size, cfg.block_size, shard.max_len,
-                              cfg.max_num_seqs)
+        whole = shard.tp is None or shard.tp.world == 1
+        ctx = ProposerContext(spec, cfg, shard.model if whole else None, str(path),
+                              self.device, self.dtype, shard.arch.vocab_size, cfg.block_size,
+                              shard.max_len, cfg.max_num_seqs)
         proposer = build_proposer(ctx)
-        logger.info("speculative decoding: %s, up to %d tokens (adaptive %s)", spec.method,
-                    spec.num_speculative_tokens, spec.adaptive)
+        logger.info("speculative decoding: %s, up to %d tokens (adaptive %s)%s", spec.method,
+                    spec.num_speculative_tokens, spec.adaptive,
+                    "" if whole else ", unsharded on rank 0")
         return proposer
 
     @property

@@ -96,10 +96,6 @@ def check_tensor_parallel_engine(par: ParallelismSpec, engine: EngineArgs, where
         raise SpecError(f"{where}.engine.quantization: 'gguf' keeps the file's compressed "
                         f"tensors, which cannot be sliced: with {where}.parallelism.tensor {t} "
                         "use int8, int4, w8a8 or fp8 (each rank quantizes its slice)")
-    spec = engine.speculative
-    if spec is not None and spec.method != "ngram":
-        raise SpecError(f"{where}.engine.speculative.method {spec.method!r} runs a draft model, "
-                        f"not sharded yet; with {where}.parallelism.tensor {t} use 'ngram'")
 
 
 def _groups(value: int | str, replicas: int, up: bool) -> int:

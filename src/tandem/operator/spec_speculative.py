@@ -41,6 +41,7 @@ class SpeculativeSpec:
     draft_quantization: str | None = None
     draft_num_layers: int | None = None
     adaptive: bool = True
+    draft_tensor_parallel_size: int | None = None  # 1 (or unset): the proposer on rank 0
 
     @property
     def source(self) -> ModelSource | None:
@@ -103,6 +104,10 @@ def parse_speculative(d: dict[str, Any] | None, where: str) -> SpeculativeSpec |
     if method != "draft" and (quant, layers) != (None, None):
         raise SpecError(f"{w}.draft_quantization and draft_num_layers apply to method draft "
                         "only")
+    dtp = get(d, "draft_tensor_parallel_size", int, None, w)
+    if dtp not in (None, 1):
+        raise SpecError(f"{w}.draft_tensor_parallel_size: {dtp} is not 1 (draft models run "
+                        "unsharded on rank 0)")
     if method == "ngram" and d.get("model") is not None:
         raise SpecError(f"{w}.model applies to methods draft and eagle")
     return SpeculativeSpec(
@@ -111,4 +116,4 @@ def parse_speculative(d: dict[str, Any] | None, where: str) -> SpeculativeSpec |
                                        MAX_SPECULATIVE_TOKENS),
         prompt_lookup_min=lo, prompt_lookup_max=hi, model=_model(d, method, w),
         draft_quantization=quant, draft_num_layers=layers,
-        adaptive=get(d, "adaptive", bool, True, w))
+        adaptive=get(d, "adaptive", bool, True, w), draft_tensor_parallel_size=dtp)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
     from tandem.engine.spec_decode.config import SpeculativeConfig
+    from tandem.engine.spec_decode.target import TargetHeads
 
 
 @dataclass
@@ -46,11 +47,19 @@ class DraftCost:
 
 @dataclass
 class ProposerContext:
-    """What a proposer may use of the engine it serves (set by `LLMEngine`)."""
+    """What a proposer may use of the engine it serves (set by `LLMEngine`).
+
+    A proposer runs on rank 0 only, unsharded, whatever the tensor-parallel size (vLLM's
+    `draft_tensor_parallel_size=1`): its weights and KV cache live on rank 0's `device`.
+    `target` is the whole target model with one rank (self-drafts and heads share its
+    weights) and None with tensor parallelism, where rank 0 holds a shard whose embedding,
+    LM head and row-parallel layers run collectives the other ranks would not join; a
+    sharded model here is a ValueError. `heads()` is the target's full-vocabulary
+    embedding and LM head either way."""
 
     config: SpeculativeConfig
     engine_config: Any  # tandem.engine.config.EngineConfig
-    model: Any  # the target LlamaForCausalLM (shared weights: self-draft, LM head)
+    target: Any  # the whole target LlamaForCausalLM, or None (tensor parallelism, tests)
     model_path: str  # the target's resolved .gguf file or HF directory
     device: Any  # torch.device
     dtype: Any  # torch.dtype
@@ -58,6 +67,23 @@ class ProposerContext:
     block_size: int
     max_model_len: int
     max_num_seqs: int
+    _heads: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.target is not None:
+            from tandem.engine.spec_decode.target import check_whole
+
+            check_whole(self.target)
+
+    def heads(self) -> TargetHeads:
+        """The target's whole-vocabulary embedding and LM head: `target`'s own modules, or
+        without it an unsharded copy read from `model_path` onto `device` (once)."""
+        if self._heads is None:
+            from tandem.engine.spec_decode.target import heads_of, load_heads
+
+            self._heads = (heads_of(self.target) if self.target is not None
+                           else load_heads(self.model_path, self.device, self.dtype))
+        return self._heads
 
 
 class Proposer(ABC):

@@ -26,6 +26,10 @@ class SpeculativeConfig:
       weights (`eagle.py`), null = a small randomly initialised head (tests, demos).
     - `adaptive`: the number of proposed tokens follows the measured acceptance rate and
       the batch size (`policy.py`); False = always k (where a proposal exists).
+    - `draft_tensor_parallel_size`: the proposer's tensor-parallel size, null or 1 (the
+      same): whatever the engine's `tensor_parallel_size`, a draft model or EAGLE head runs
+      unsharded on rank 0 (its own weights and KV cache on rank 0's device) while the
+      target runs sharded on every rank, as vLLM's `draft_tensor_parallel_size=1`.
     """
 
     method: str
@@ -36,6 +40,7 @@ class SpeculativeConfig:
     draft_quantization: str | None = None
     draft_num_layers: int | None = None
     adaptive: bool = True
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         from tandem.engine.config import QUANTIZATIONS
@@ -57,6 +62,10 @@ class SpeculativeConfig:
         int_in("prompt_lookup_max", lo, 64)
         if not isinstance(self.adaptive, bool):
             raise ConfigError("speculative_config.adaptive must be true or false")
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp != 1):
+            raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be 1 or "
+                              f"null, got {dtp!r}: draft models run unsharded on rank 0")
         if self.method == "draft":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("speculative_config.model is required for method 'draft' "

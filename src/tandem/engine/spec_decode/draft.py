@@ -4,6 +4,10 @@
 file again, quantized by `draft_quantization` and/or truncated to its first
 `draft_num_layers` layers. "self" without a quantization of its own (none, or the target's)
 is a view of the target's first layers, final norm and LM head: no weight is loaded twice.
+With tensor parallelism the draft runs on rank 0 alone, unsharded (vLLM's
+`draft_tensor_parallel_size=1`): "self" then loads the target's file again, whole, in the
+target's quantization unless `draft_quantization` names another (rank 0's shard runs
+collectives the draft must not enter).
 
 The draft keeps its own paged KV cache (`draft_runner.DraftKV`, the engine's block size,
 sized for `max_num_seqs` sequences of `max_model_len` tokens up to `DRAFT_KV_BYTES`). The
@@ -80,16 +84,19 @@ class DraftProposer(Proposer):
         self.device, self.vocab_size = ctx.device, ctx.vocab_size
         if spec.model is None:
             raise ConfigError("speculative_config.model is required for method 'draft'")
-        self.shared = spec.model == "self" and spec.draft_quantization in (
-            None, getattr(cfg, "quantization", None))
+        target_q = getattr(cfg, "quantization", None)
+        self.shared = (ctx.target is not None and spec.model == "self"
+                       and spec.draft_quantization in (None, target_q))
         if self.shared:
-            self.model = truncated_view(ctx.model, spec.draft_num_layers or len(ctx.model.layers))
-            backend = ctx.model.layers[0].self_attn.backend
-        else:
-            path = ctx.model_path if spec.model == "self" else spec.model
+            target = ctx.target
+            self.model = truncated_view(target, spec.draft_num_layers or len(target.layers))
+            backend = target.layers[0].self_attn.backend
+        else:  # with tensor parallelism "self" is the target's file again, whole, on rank 0
+            path, quant = spec.model, spec.draft_quantization
+            if spec.model == "self":
+                path, quant = ctx.model_path, quant if quant is not None else target_q
             self.model, backend = load_model(path, cfg, ctx.device, ctx.dtype, ctx.max_model_len,
-                                             ctx.block_size, spec.draft_num_layers,
-                                             spec.draft_quantization)
+                                             ctx.block_size, spec.draft_num_layers, quant)
         arch = self.model.config
         if arch.vocab_size != ctx.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({arch.vocab_size} tokens) differs "

@@ -20,6 +20,10 @@ position p, whose logits give the distribution of token p + 1):
   - verification of k drafts with a accepted (0 <= a <= k): rows 0..a, [a + 1, H] (row a
     sampled the correction / bonus token; rows a+1..k scored rejected drafts: drop them).
   A request with no entry (a prefill chunk that sampled nothing) gets no proposal.
+- With tensor parallelism the head runs on rank 0 alone: the hidden states (after the
+  final norm, the same on every rank) are read there, and the embedding and LM head it
+  chains through are unsharded copies read from the checkpoint (`target.load_heads`),
+  never rank 0's vocabulary shards, whose collectives the other ranks would not join.
 - The CUDA-graph decode path (`cuda_graphs.py`) returns logits only: steps whose hidden
   states are wanted run eagerly unless it is extended with a static hidden buffer.
 
@@ -120,8 +124,9 @@ class EagleHead(nn.Module):
 
 @register_proposer("eagle")
 class EagleProposer(Proposer):
-    """Drafts k tokens per request by chaining `EagleHead` through the target's embedding
-    and LM head (shared weights, `ctx.model`); greedy requests get argmax drafts
+    """Drafts k tokens per request by chaining `EagleHead` through the target's
+    full-vocabulary embedding and LM head (`ctx.heads()`: the target's own with one rank, an
+    unsharded copy on rank 0 with tensor parallelism); greedy requests get argmax drafts
     (`draft_probs` None), random ones sample their processed draft distribution
     (temperature / top-k / top-p / min-p, renormalised) and get `draft_probs` [k, V]."""
 
@@ -129,8 +134,10 @@ class EagleProposer(Proposer):
 
     def __init__(self, ctx: ProposerContext) -> None:
         self.ctx = ctx
-        self.model = ctx.model
-        cfg = self.model.config
+        heads = ctx.heads()
+        self.embed_tokens, self.lm_head, self.vocab_size = (heads.embed_tokens, heads.lm_head,
+                                                            heads.config.vocab_size)
+        cfg = heads.config  # the whole target's (a rank's shard has fewer MLP columns)
         path = ctx.config.model
         head = (EagleHead.load(path, cfg.hidden_size, cfg.rms_norm_eps) if path else
                 EagleHead.random(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps))
@@ -168,13 +175,13 @@ class EagleProposer(Proposer):
         tok = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
         rand = [j for j, r in enumerate(reqs) if not r.sampling_params.greedy]
         rows = [_row(reqs[j]) for j in rand]
-        params = sampling_params(rows, self.model.config.vocab_size, dev) if rand else None
+        params = sampling_params(rows, self.vocab_size, dev) if rand else None
         rand_t = torch.tensor(rand, dtype=torch.int64, device=dev)
         gens = [self._generator(reqs[j]) for j in rand]
         steps, step_probs = [], []
         for step in range(max(ks[i] for i in live)):
-            h = self.head(h, self.model.embed_tokens(tok))
-            logits = self.model.lm_head(h).float()
+            h = self.head(h, self.embed_tokens(tok))
+            logits = self.lm_head(h).float()
             for j, r in enumerate(reqs):  # min_tokens: the target bans these too
                 sp = r.sampling_params
                 if r.num_output_tokens + step < sp.min_tokens:

@@ -1,0 +1,94 @@
+"""What a proposer may call of the target model: its full-vocabulary input embedding and LM
+head (`TargetHeads`), never a tensor-parallel shard.
+
+With one rank these are the target's own modules (weights shared). With tensor parallelism
+each rank's embedding and LM head hold a slice of the vocabulary and run collectives that
+the other ranks join only inside a step rank 0 planned; a proposer runs on rank 0 alone, so
+calling them would leave rank 0 waiting for peers that never come. There the proposer gets
+unsharded copies read from the checkpoint (`load_heads`, on rank 0's device), and
+`ProposerContext` refuses a model with collectives inside (`check_whole`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.model.config import ModelArchConfig
+
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class TargetHeads:
+    """The target's whole-vocabulary embedding `embed_tokens(ids [N]) -> [N, H]` and LM head
+    `lm_head(h [N, H]) -> logits [N, V]` (V = `config.vocab_size`), and the whole target's
+    architecture (not a rank's share)."""
+
+    config: ModelArchConfig
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+def sharded_modules(model: nn.Module) -> list[str]:
+    """Names of `model`'s submodules that run tensor-parallel collectives (`parallel.tp`'s
+    wrappers, or anything holding a `TPGroup` of more than one rank)."""
+    from tandem.engine.parallel.tp import TPGroup
+
+    out = []
+    for name, module in model.named_modules():
+        comm = getattr(module, "comm", None)
+        if type(module).__module__.startswith("tandem.engine.parallel.") or (
+                isinstance(comm, TPGroup) and comm.world > 1):
+            out.append(name)
+    return out
+
+
+def check_whole(model: nn.Module) -> None:
+    """ValueError when `model` is a tensor-parallel shard: a proposer must never call one."""
+    if names := sharded_modules(model):
+        raise ValueError(f"a proposer may not use a tensor-parallel shard of the target "
+                         f"(modules {names[:3]} run collectives): pass target=None and let "
+                         "it read unsharded heads from the checkpoint")
+
+
+def heads_of(model: nn.Module) -> TargetHeads:
+    """A whole (one-rank) target's own embedding and LM head, shared, not copied."""
+    check_whole(model)
+    return TargetHeads(model.config, model.embed_tokens, model.lm_head)
+
+
+def load_heads(path: str | Path, device: torch.device, dtype: torch.dtype) -> TargetHeads:
+    """The embedding and LM head of the checkpoint at `path` (a .gguf file or an HF
+    directory), whole, in `dtype` on `device`; a tied model's head shares the embedding's
+    matrix. Only these two tensors are materialised (a GGUF's other tensors are skipped
+    still compressed)."""
+    from tandem.engine.model.loader import open_model
+    from tandem.engine.quant.base import GroupedWeight
+
+    source = open_model(path, dtype, keep_quantized=True)
+    arch = source.config
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in source.tensors(progress=False):
+        if name in (_EMBED, _HEAD):
+            t = tensor.dequantize(dtype) if isinstance(tensor, GroupedWeight) else tensor
+            found[name] = t.to(device=device, dtype=dtype)
+    want = (arch.vocab_size, arch.hidden_size)
+    if _EMBED not in found:
+        raise ConfigError(f"{path}: no {_EMBED} for the speculative proposer")
+    head = found.get(_HEAD, found[_EMBED] if arch.tie_word_embeddings else None)
+    if head is None:
+        raise ConfigError(f"{path}: no {_HEAD} (and the model's embeddings are not tied)")
+    for name, t in ((_EMBED, found[_EMBED]), (_HEAD, head)):
+        if tuple(t.shape) != want:
+            raise ConfigError(f"{path}: {name} has shape {tuple(t.shape)}, expected {want}")
+    embed = nn.Embedding(*want, device="meta")
+    embed.weight = nn.Parameter(found[_EMBED], requires_grad=False)
+    lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
+    lm_head.weight = embed.weight if head is found[_EMBED] else nn.Parameter(
+        head, requires_grad=False)
+    return TargetHeads(arch, embed.eval(), lm_head.eval())
