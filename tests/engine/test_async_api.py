@@ -1,6 +1,8 @@
 """`AsyncLLMEngine`'s typed surface (`engine/async_api.py`): what serving and kvtransfer use
-instead of closures run on the engine thread, and the engine's page API, which gives and
-takes every KV head the same way with one rank as with many."""
+instead of closures run on the engine thread, the engine's page API, which gives and
+takes every KV head the same way with one rank as with many, and its KV connector
+(`engine/kv_connector`), the only page API kvtransfer calls: leases expired on the engine
+thread, layer saves through the worker side, the registry."""
 
 from __future__ import annotations
 
@@ -14,13 +16,23 @@ import torch
 from tandem import SamplingParams
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.leases import LeaseError, LeaseStats
 from tandem.engine.kv_cache.pages import gather_layer
+from tandem.engine.kv_connector import (
+    KV_CONNECTORS,
+    ConnectorMetadata,
+    ExternalMatch,
+    FinishAction,
+    make_connector,
+)
+from tandem.engine.kv_connector.pd import PDConnector
 from tandem.engine.kv_pages import ImportCommit, ImportPins, PageLayout
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer.pages import engine_layout, tensor_bytes
 from tandem.protocol.block_hash import HashKeys, hash_block_chain, root_hash
 
-from .utils import make_tiny_model_dir
+from .utils import make_request, make_tiny_model_dir
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tandem"
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -46,6 +58,29 @@ def test_kvtransfer_never_learns_the_tensor_parallel_size():
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if tp.search(line)]
     assert offenders == []
+
+
+def test_kvtransfer_calls_the_engines_pages_through_its_connector_only():
+    direct = re.compile(r"\bengine\.(pin_cached|import_blocks|commit_import|unpin|page_source|"
+                        r"page_sink|observe_layers|unobserve_layers|release_kept|"
+                        r"kept_block_ids|kv_caches|layer_streaming|cached_prefix_len|"
+                        r"prefix_caching)\b")
+    offenders = [f"{path.name}:{n}: {line.strip()}"
+                 for path in sorted((SRC / "kvtransfer").glob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if direct.search(line)]
+    assert offenders == []
+
+
+def test_a_page_layout_splits_its_kv_heads_by_rank():
+    layout = PageLayout("m", 2, 4, 16, 64, torch.float16)
+    assert [layout.kv_heads_per_rank(w) for w in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert layout.rank_heads(1, 2) == range(2, 4) and layout.rank_heads(5, 8) == range(2, 3)
+    share = layout.rank_layout(1, 2)
+    assert (share.num_kv_heads, share.block_layer_bytes * 2) == (2, layout.block_layer_bytes)
+    assert share.layer_shape(3) == (2, 3, 2, 16, 64)
+    with pytest.raises(ConfigError, match="one must divide the other"):
+        layout.rank_layout(0, 3)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +190,97 @@ def test_a_page_source_and_sink_move_every_layer_with_one_rank(engine):
         await engine.release_kept("src2")
 
     asyncio.run(main())
+
+
+def test_the_connector_is_the_engines_own_and_built_from_the_registry(engine):
+    kv = engine.kv_connector
+    assert isinstance(kv, PDConnector) and engine.kv_connector is kv
+    assert KV_CONNECTORS["pd"] is PDConnector and kv.name == "pd"
+    assert kv.layout("m") == engine.page_layout("m") and kv.device == engine.device
+    with pytest.raises(ConfigError, match="unknown KV connector 'tier'; available: .*pd"):
+        make_connector("tier", engine)
+
+
+def test_a_lease_nobody_releases_expires_on_the_engine_thread(engine):
+    """A prefill worker whose decode peer died: the kept pages are unpinned at the lease's
+    end, counted, and the lease's handle is refused from then on."""
+    kv = engine.kv_connector
+    core = engine.engine
+    prompt = list(range(80, 93))  # 3 full blocks + 1 token
+
+    async def main() -> None:
+        free = core.kv.pool.num_free_blocks()
+        _, out = await engine.add(prompt, ONE, "lease-src", keep_blocks=True)
+        while not (await out.get()).finished:
+            pass
+        before = kv.lease_stats()
+        lease = await kv.lease_kept("lease-src", 0.3)
+        assert lease is not None and len(lease.block_ids) == 4
+        assert core.kv.pool.num_free_blocks() == free - 4
+        source = await kv.page_source(lease, 1, 2)  # blocks 1..2 of the lease
+        assert source.block_ids == list(lease.block_ids[1:3])
+        assert torch.equal(source.layer(0), gather_layer(engine.kv_caches, 0,
+                                                         list(lease.block_ids[1:3])))
+        renewed = await kv.renew(lease, 0.3)
+        assert renewed.expires > lease.expires
+        for _ in range(100):  # the sweeper runs every 0.25 s
+            if core.kv.pool.num_free_blocks() == free:
+                break
+            await asyncio.sleep(0.05)
+        assert core.kv.pool.num_free_blocks() == free
+        assert kv.lease_stats() == LeaseStats(before.active - 1, before.released,
+                                              before.expired + 1)
+        with pytest.raises(LeaseError, match="expired"):
+            await kv.page_source(lease)
+        assert await kv.release(lease) is False and await kv.release_kept("lease-src") is False
+        await kv.close()
+
+    asyncio.run(main())
+
+
+def test_layers_are_saved_through_the_connectors_worker_side(engine):
+    kv = engine.kv_connector
+    prompt = list(range(100, 109))  # 2 full blocks + 1 token
+    seen: list[tuple] = []
+
+    class Saver:
+        def begin(self, block_ids: list[int]) -> None:
+            seen.append(("begin", len(block_ids)))
+
+        def layer_done(self, layer: int, event: object) -> None:
+            seen.append(("layer", layer, event))
+
+    async def main() -> None:
+        assert kv.save_layers("saved", Saver())
+        _, out = await engine.add(prompt, ONE, "saved", keep_blocks=True)
+        while not (await out.get()).finished:
+            pass
+        ids = list((await kv.lease_kept("saved", 5.0)).block_ids)
+        source = await kv.saved_page_source("saved", ids)
+        assert torch.equal(source.layer(1), gather_layer(engine.kv_caches, 1, ids))
+        kv.unsave_layers("saved")
+        with pytest.raises(ValueError, match="are not being saved"):
+            await kv.saved_page_source("saved", ids)
+        assert await kv.release_kept("saved")
+
+    asyncio.run(main())
+    layers = len(engine.kv_caches)
+    assert seen == [("begin", 3)] + [("layer", i, None) for i in range(layers)]
+
+    # the scheduler side: nothing loads in a step; saves of the allocated blocks; kept
+    # blocks under the manager's lease
+    sched = kv.scheduler
+    req = make_request([1, 2, 3, 4, 5], request_id="r")
+    assert sched.get_num_new_matched_tokens(req, 0) == ExternalMatch(0, False)
+    kv.save_layers("r", Saver())
+    sched.update_state_after_alloc(req, [4, 5], 0)
+    assert sched.build_connector_meta() == ConnectorMetadata({}, {"r": (4, 5)})
+    assert sched.build_connector_meta().empty
+    kv.unsave_layers("r")
+    sched.update_state_after_alloc(req, [4, 5], 0)  # no longer saved: nothing to do
+    assert sched.build_connector_meta().empty
+    assert sched.request_finished(req, [4, 5]) == FinishAction(False, 600.0)
+    req.keep_kv = True
+    assert sched.request_finished(req, [4, 5]) == FinishAction(True, 600.0)
+    with pytest.raises(ValueError, match="before admission"):
+        kv.worker.start_load_kv(ConnectorMetadata({"r": (1,)}, {}))

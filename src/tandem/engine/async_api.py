@@ -9,6 +9,10 @@ Pages move the same way whatever the tensor-parallel size: `page_source` gives a
 layer by layer (read in place with one rank, exported from the ranks at once with several),
 `page_sink` writes an import's (into the cache as each layer arrives with one rank, handed to
 the ranks at `finish` with several). Callers never learn how many ranks there are.
+
+A KV transport (kvtransfer) calls only the engine's `kv_connector` (`engine/kv_connector`),
+built on first use from `kv_connector_name`: the typed page API with leases, over these
+coroutines.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
     from tandem.engine.config import EngineConfig
     from tandem.engine.core import EngineState
     from tandem.engine.kv_cache.block_pool import KVBlock
+    from tandem.engine.kv_connector.base import KVConnector
     from tandem.engine.kv_pages import PageLayout
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.lora.manager import LoRAManager
@@ -42,6 +47,8 @@ class EngineAPI:
     """Mixed into `AsyncLLMEngine`, which provides `engine` and `_call`."""
 
     engine: LLMEngine
+    kv_connector_name = "pd"  # `engine/kv_connector`'s registry
+    _kv_connector: KVConnector | None = None
 
     async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         raise NotImplementedError
@@ -119,6 +126,16 @@ class EngineAPI:
 
     def unobserve_layers(self, request_id: str) -> None:
         self.engine.runner.unobserve(request_id)
+
+    @property
+    def kv_connector(self) -> KVConnector:
+        """This engine's KV connector (`kv_connector_name`), built on first use: the only
+        page API a transport calls."""
+        if self._kv_connector is None:
+            from tandem.engine.kv_connector.base import make_connector
+
+            self._kv_connector = make_connector(self.kv_connector_name, self)
+        return self._kv_connector
 
     # -- pages and pins (engine thread) ----------------------------------------------------
     async def pin_cached(self, hashes: list[BlockHash]) -> list[KVBlock]:

@@ -10,6 +10,7 @@ written into, and how they join the prefix cache once written. `layer_page_views
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,20 @@ class PageLayout:
     def block_layer_bytes(self) -> int:
         """K + V bytes of one block in one layer."""
         return 2 * self.num_kv_heads * self.block_size * self.row_bytes
+
+    def rank_heads(self, rank: int, world: int) -> range:
+        """The KV heads tensor-parallel rank `rank` of `world` caches (`tp.kv_heads`)."""
+        from tandem.engine.parallel.tp import kv_heads
+
+        return kv_heads(self.num_kv_heads, world, rank)
+
+    def kv_heads_per_rank(self, world: int) -> int:
+        """KV heads each of `world` ranks caches (every rank holds as many)."""
+        return len(self.rank_heads(0, world))
+
+    def rank_layout(self, rank: int, world: int) -> PageLayout:
+        """The layout of rank `rank`'s share of these pages (its KV heads only)."""
+        return dataclasses.replace(self, num_kv_heads=len(self.rank_heads(rank, world)))
 
     def layer_shape(self, n: int) -> tuple[int, ...]:
         """The shape of `n` blocks' pages of one layer, in `dtype`."""

@@ -4,8 +4,9 @@
 1. hash the prompt as the engine does and count the leading blocks this worker already
    holds; the full blocks after those (up to the last one before the prompt's last token)
    are asked for, and the partial block after them that holds the tokens up to the last
-   one (`tail_tokens`). Those local blocks are pinned on the engine thread while the
-   request goes out, so they cannot be evicted before the request is admitted (which would
+   one (`tail_tokens`). Those local blocks are pinned on the engine thread (through its KV
+   connector, `engine.kv_connector`, as every engine call here) while the request goes
+   out, so they cannot be evicted before the request is admitted (which would
    waste every imported block after the gap);
 2. call `KVTransfer.Prefill` on the prefill worker (the request names this worker's KV cache
    dtype), check the header against this worker's layout (KV cache dtype included) and its
@@ -47,19 +48,14 @@ from typing import Any
 import grpc
 import torch
 
-from tandem.engine.async_api import PageSink
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import KVBlock
+from tandem.engine.kv_connector.base import KVConnector, PageSinkAPI
 from tandem.engine.kv_pages import ImportCommit, ImportPins
 from tandem.kvtransfer.base import TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import decode_chunk
-from tandem.kvtransfer.pages import (
-    KVTransferError,
-    Offer,
-    check_header,
-    engine_layout,
-)
+from tandem.kvtransfer.pages import KVTransferError, Offer, check_header
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys, root_hash
 from tandem.protocol.signing import (
@@ -134,13 +130,14 @@ class RemotePrefill:
         `key`: the worker auth key each Prefill call is signed with (`protocol.signing`)."""
         self.key = key
         self.engine = engine
+        self.kv: KVConnector = engine.kv_connector
         self.model_id = model_id
         self.settings = settings or RemotePrefillSettings()
         self.tls = tls
-        self.layout = engine_layout(model_id, engine)
+        self.layout = self.kv.layout(model_id)
         self._channels: dict[str, PeerChannel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
-        self._backend.configure(device=engine.kv_caches[0][0].device,
+        self._backend.configure(device=self.kv.device,
                                 advertise_host=self.settings.advertise_host)
         self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
         self._releases: set[asyncio.Task] = set()  # unpins of failed imports, in flight
@@ -168,7 +165,7 @@ class RemotePrefill:
         usable = (len(token_ids) - 1) // bs  # the engine never serves the last token cached
         chain = hash_block_chain(token_ids[: usable * bs], bs,
                                  request_hash_keys(self.model_id, lora_digest, cache_salt))
-        local = self.engine.cached_prefix_len(chain)
+        local = self.kv.cached_prefix_len(chain)
         return FetchPlan(chain, local, usable - local, len(token_ids) - 1 - usable * bs)
 
     async def fetch(self, target: str, request_id: str, token_ids: list[int],
@@ -176,7 +173,7 @@ class RemotePrefill:
         """Import the missing blocks' pages from `target` (host:port of its gRPC) for engine
         request `request_id`, computed there with adapter `lora_name` (None: the base
         model); None when no full block is missing. Raises KVTransferError."""
-        if not self.engine.prefix_caching:
+        if not self.kv.prefix_caching:
             return None  # imported blocks could never be hit: compute the prompt here
         digest = self.lora_digest(lora_name)
         if lora_name and digest is None:
@@ -186,7 +183,7 @@ class RemotePrefill:
         if plan.num <= 0:
             return None
         # pinned at the next step boundary, while the prefill worker computes
-        local_pin = asyncio.ensure_future(self.engine.pin_cached(chain[:first]))
+        local_pin = asyncio.ensure_future(self.kv.pin_cached(chain[:first]))
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
@@ -219,7 +216,7 @@ class RemotePrefill:
                                            len(local), first - 1)
                         hashes = chain[first:first + offer.num_full]
                         writer = _PageWriter(self._writer_pool, offer)
-                        await writer.pin(self.engine, hashes)
+                        await writer.pin(self.kv, hashes)
                         if not writer.pins.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
                         await self._backend.receive(req, self.layout, offer.num_blocks, it,
@@ -239,12 +236,12 @@ class RemotePrefill:
                 writer.committed = True  # once sent, the commit runs even if we are cancelled
                 # staged, the tail block is the request's to drop; the commit updates the
                 # pins in place (release reads them)
-                full = await self.engine.commit_import(writer.pins, ImportCommit(
+                full = await self.kv.commit_import(writer.pins, ImportCommit(
                     request_id, hashes[:n], parent, tokens, first + n, tail_ids,
                     lora_name or "", digest or ""))
         except BaseException as exc:
             if writer is not None:  # after the commit (if sent) and every running write
-                writer.release(self.engine, self._releases, request_id)
+                writer.release(self.kv, self._releases, request_id)
             self._release_later(local_pin)
             if isinstance(exc, TimeoutError):
                 raise KVTransferError("timeout", f"remote prefill from {target} took over "
@@ -292,7 +289,7 @@ class RemotePrefill:
                 blocks = await pin
             except BaseException:  # noqa: BLE001 - nothing was pinned
                 return
-            await self.engine.unpin(blocks)
+            await self.kv.unpin(blocks)
 
         task = asyncio.ensure_future(run())
         self._releases.add(task)
@@ -301,7 +298,7 @@ class RemotePrefill:
     async def unpin(self, imported: Imported) -> None:
         """Drop the pins of the imported and the local blocks, and the staged partial block
         if still staged."""
-        await self.engine.unpin(imported.local + imported.blocks,
+        await self.kv.unpin(imported.local + imported.blocks,
                                 drop_tail=imported.request_id)
 
     async def close(self) -> None:
@@ -335,7 +332,7 @@ def _encode_request(request: worker_pb2.PrefillRequest | bytes) -> bytes:
 
 class _PageWriter:
     """Pins the blocks of one import and writes validated layers into them through the
-    engine's `PageSink` on `executor` (one thread: the copies are memory-bound). Tracks the
+    connector's page sink on `executor` (one thread: the copies are memory-bound). Tracks the
     pins and the writes, so a failed import unpins only after every write into those blocks
     has ended."""
 
@@ -347,23 +344,23 @@ class _PageWriter:
         self.committed = False  # the commit (which stages the partial block) was sent
         self._pin: asyncio.Future | None = None
         self._ids: list[int] = []
-        self._sink: PageSink | None = None  # None: nothing to write (every block was here)
+        self._sink: PageSinkAPI | None = None  # None: nothing to write (every block was here)
         self._select: torch.Tensor | None = None
         self._writes: list[concurrent.futures.Future] = []
 
-    async def pin(self, engine: AsyncLLMEngine, hashes: list[BlockHash]) -> None:
+    async def pin(self, kv: KVConnector, hashes: list[BlockHash]) -> None:
         """Pin blocks for `hashes` (every full block up to the prompt's last one) and one for
         the last block (engine thread), all or none: `pins` stays empty when the pool
         cannot supply them. The positions to write are the fresh ones among those the offer
         has pages for (the last block has none without a partial block in the offer)."""
-        self._pin = asyncio.ensure_future(engine.import_blocks(hashes, tail=True))
+        self._pin = asyncio.ensure_future(kv.import_blocks(hashes, tail=True))
         self.pins = await asyncio.shield(self._pin)
         fresh = [i for i in self.pins.fresh if i < self.offer.num_blocks]
         self._ids = [self.pins.blocks[i].block_id for i in fresh]
         if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
         if self._ids:
-            self._sink = engine.page_sink(self._ids)
+            self._sink = kv.page_sink(self._ids)
 
     def split(self) -> tuple[list[KVBlock], KVBlock | None]:
         """(the pinned full blocks, the pinned block for the last one, or None)."""
@@ -393,7 +390,7 @@ class _PageWriter:
         except ValueError as exc:
             raise KVTransferError("incomplete", str(exc)) from exc
 
-    def release(self, engine: AsyncLLMEngine, tasks: set[asyncio.Task],
+    def release(self, kv: KVConnector, tasks: set[asyncio.Task],
                 request_id: str) -> None:
         """Unpin once the pin call and every write have ended (in the background: this runs
         on failure and cancellation). A committed partial block is staged for `request_id`
@@ -415,7 +412,7 @@ class _PageWriter:
             # its blocks read on the engine thread: a commit sent before swapped some; once
             # committed, the last block is staged: dropped from there
             pins: ImportPins = self._pin.result()  # type: ignore[union-attr]
-            await engine.unpin(pins.blocks, limit=self.offer.num_full if committed else None,
+            await kv.unpin(pins.blocks, limit=self.offer.num_full if committed else None,
                                drop_tail=request_id if committed else None)
 
         task = asyncio.ensure_future(run())

@@ -5,14 +5,17 @@ cache dtype is not this worker's: its pages could not be used), run the prompt f
 token with `keep_blocks` (the engine's prefix cache serves what it already holds, so cached
 blocks are not recomputed), pin the finished request's blocks under a lease, send the header
 and the requested blocks' pages (the full blocks, then the prompt's partial last block when
-`tail_tokens` asks for it, from the engine's `page_source`) through the chosen backend. With
-`stream_layers`, where the engine can follow a step layer by layer (`layer_streaming`: one
-rank), the header goes out when the prompt's last step starts and each layer's pages as soon
-as that step has written the layer (`layer_stream.LayerStream`), so the transfer overlaps
-the compute; the
-trailer waits for the run to finish with those blocks kept. The pages stay pinned until
-`ReleasePages`, the lease's expiry, or a failed or cancelled stream, so a decode worker that
-dies cannot hold prefill memory for longer than the lease.
+`tail_tokens` asks for it) through the chosen backend. Everything on the engine goes
+through its KV connector (`engine.kv_connector`): the finished prompt's blocks are the
+connector's lease (`lease_kept`, set to the request's `lease_s`), read through its
+`page_source`. With `stream_layers`, where the connector can save a step layer by layer
+(`save_layers`: one rank), the header goes out when the prompt's last step starts and each
+layer's pages as soon as that step has written the layer (`layer_stream.LayerStream`), so the
+transfer overlaps the compute; the trailer waits for the run to finish with those blocks
+kept. The pages stay pinned until `ReleasePages`, the lease's expiry (the engine unpins
+them), or a failed or cancelled stream, so a decode worker that dies cannot hold prefill
+memory for longer than the lease. The header's lease id is this service's: it names the
+prompt's request, whose engine lease it releases.
 """
 
 from __future__ import annotations
@@ -29,16 +32,13 @@ import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
+from tandem.engine.kv_cache.leases import MAX_LEASE_S
+from tandem.engine.kv_connector.base import KVConnector
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
 from tandem.kvtransfer.grpc_backend import serialize_chunk
 from tandem.kvtransfer.layer_stream import LayerStream
-from tandem.kvtransfer.pages import (
-    KVTransferError,
-    Offer,
-    engine_layout,
-    header_for,
-)
+from tandem.kvtransfer.pages import KVTransferError, Offer, header_for
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.protocol.signing import (
@@ -50,7 +50,6 @@ from tandem.protocol.signing import (
 from tandem.serving.worker_auth import check_rpc
 
 logger = logging.getLogger(__name__)
-MAX_LEASE_S = 600.0
 DEFAULT_LEASE_S = 30.0
 
 
@@ -64,20 +63,25 @@ class _Refused(Exception):
 
 @dataclass
 class Lease:
-    lease_id: str
-    request_id: str  # the engine request whose kept blocks are pinned
-    expires: float  # time.monotonic()
+    lease_id: str  # the header's
+    request_id: str  # the engine request whose kept blocks are the connector's lease
+    expires: float  # time.monotonic(): forgotten here after it (the engine expires it)
 
 
 class LeaseTable:
-    """Pinned page sets by lease id; `release` unpins on the engine thread at most once."""
+    """The header's lease ids, each naming the prompt request whose kept blocks the
+    connector leases; `release` ends that lease (on the engine thread) at most once. The
+    engine expires the leases; ids past their time are forgotten here as others come."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, kv: KVConnector) -> None:
+        self.kv = kv
         self.leases: dict[str, Lease] = {}
 
     def add(self, request_id: str, lease_s: float) -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, time.monotonic() + lease_s)
+        now = time.monotonic()
+        for lid in [lid for lid, lease in self.leases.items() if lease.expires < now]:
+            del self.leases[lid]
+        lease = Lease(uuid.uuid4().hex, request_id, now + lease_s)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -87,15 +91,10 @@ class LeaseTable:
             return False
         rid = lease.request_id
         # an engine call runs even if this coroutine is cancelled while it waits
-        await self.engine.release_kept(rid)
-        logger.info("[%s] pages unpinned (%s)", rid, why)
-        return True
-
-    async def expire(self, now: float) -> int:
-        gone = [lid for lid, lease in self.leases.items() if lease.expires <= now]
-        for lid in gone:
-            await self.release(lid, "lease expired")
-        return len(gone)
+        released = await self.kv.release_kept(rid)
+        if released:
+            logger.info("[%s] pages unpinned (%s)", rid, why)
+        return released
 
 
 class KVTransferService(worker_pb2_grpc.KVTransferServicer):
@@ -118,21 +117,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         self.backends: dict[str, TransferBackend] = {}
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
-        self._sweeper: asyncio.Task | None = None
 
-    def leases(self, engine: AsyncLLMEngine) -> LeaseTable:
+    def leases(self, kv: KVConnector) -> LeaseTable:
         if self._leases is None:
-            self._leases = LeaseTable(engine)
-            self._sweeper = asyncio.ensure_future(self._sweep())
+            self._leases = LeaseTable(kv)
         return self._leases
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            try:
-                await self._leases.expire(time.monotonic())  # type: ignore[union-attr]
-            except Exception:  # noqa: BLE001 - the sweeper must outlive one bad release
-                logger.exception("lease sweep failed")
 
     def backend(self, name: str) -> TransferBackend:
         if name not in self.backends:
@@ -140,8 +129,6 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         return self.backends[name]
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         for b in self.backends.values():
             await b.close()
 
@@ -154,7 +141,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         if req.block_size != state.block_size:
             return f"block size {req.block_size} differs from this worker's {state.block_size}"
         theirs = req.kv_cache_dtype or "auto"
-        mine = engine.page_layout(self.model_id).cache_dtype
+        mine = engine.kv_connector.layout(self.model_id).cache_dtype
         if theirs != mine:  # its header would be refused: do not compute for nothing
             return (f"kv cache dtype {theirs[:32]} on the decode worker, {mine} here: the "
                     "pages cannot be shared")
@@ -215,30 +202,32 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         rid = f"kv-{request.request_id or 'anon'}-{next(self._ids)}"
         tokens = list(request.token_ids)
-        layout = engine_layout(self.model_id, engine)
+        kv = engine.kv_connector
+        layout = kv.layout(self.model_id)
         loop = asyncio.get_running_loop()
-        stream = (LayerStream(loop, layout.num_layers, engine.kv_caches[0][0].device)
-                  if self.stream_layers and engine.layer_streaming else None)
-        if stream is not None:
-            engine.observe_layers(rid, stream)
+        stream = (LayerStream(loop, layout.num_layers, kv.device)
+                  if self.stream_layers else None)
+        if stream is not None and not kv.save_layers(rid, stream):
+            stream = None  # this engine cannot follow a step layer by layer
         run = asyncio.ensure_future(self._run_prompt(engine, rid, tokens, request.cache_salt,
                                                      request.lora_name or None))
         if stream is not None:
             run.add_done_callback(lambda _: stream.fail("the prompt run ended early"))
-        leases = self.leases(engine)
+        leases = self.leases(kv)
         lease_s = request.lease_s or DEFAULT_LEASE_S
         lease: Lease | None = None
         sent = False
         try:
             first, num = request.first_block, request.num_blocks
-            if stream is None:  # the whole prompt first, then every layer at once
-                first_token = await run
-                table = await self._kept_ids(engine, rid)
-            else:  # from the start of its last step, layer by layer as each is written
-                first_token, table = 0, await self._started(stream, run)
-            lease = leases.add(rid, lease_s)
             tail = request.tail_tokens
             sent_blocks = Offer(num, tail).num_blocks  # the partial block after the full ones
+            if stream is None:  # the whole prompt first, then every layer at once
+                first_token = await run
+                kept = await kv.lease_kept(rid, lease_s)
+                table = None if kept is None else list(kept.block_ids)
+            else:  # from the start of its last step, layer by layer as each is written
+                kept, first_token, table = None, 0, await self._started(stream, run)
+            lease = leases.add(rid, lease_s)
             if table is None or len(table) < first + sent_blocks:
                 raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks are gone")
             if _adapter_digest(request, engine)[0] != digest:  # replaced while it ran
@@ -251,15 +240,17 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             block_ids = table[first:first + sent_blocks]
             yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
                                                          first_token, tail))
-            source = await engine.page_source(block_ids)  # every KV head
+            source = (await kv.page_source(kept, first, sent_blocks) if kept is not None
+                      else await kv.saved_page_source(rid, block_ids))  # every KV head
             job = SendJob(request, layout, block_ids, source.layer, loop.time() + lease_s,
                           source.views, stream)
             async for chunk in self.backend(request.backend).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks
                     await run
-                    kept = await self._kept_ids(engine, rid)
-                    if kept is None or kept[first:first + sent_blocks] != block_ids:
+                    kept = await kv.lease_kept(rid, lease_s)
+                    if kept is None or list(kept.block_ids[first:first + sent_blocks]) != (
+                            block_ids):
                         raise _Refused(grpc.StatusCode.INTERNAL, "the prompt's blocks moved")
                 yield chunk
             sent = True
@@ -275,18 +266,13 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                                 str(exc))
         finally:
             if stream is not None:
-                engine.unobserve_layers(rid)
+                kv.unsave_layers(rid)
             if not run.done():
                 run.cancel()  # aborts the request; its kept blocks are released after it
             elif not run.cancelled():
                 run.exception()  # retrieved: a failed run ended the stream above
             if not sent and lease is not None:  # nobody will acknowledge these pages
                 await leases.release(lease.lease_id, "stream not completed")
-
-    @staticmethod
-    async def _kept_ids(engine: AsyncLLMEngine, rid: str) -> list[int] | None:
-        """The ids of the blocks the finished prompt `rid` keeps, in order; None if none."""
-        return await engine.kept_block_ids(rid)
 
     @staticmethod
     async def _started(stream: LayerStream, run: asyncio.Future) -> list[int]:
@@ -327,11 +313,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             # may exist yet to expire them: release after the abort (the engine thread takes
             # commands in order), a no-op when the abort came first.
             engine.abort(rid)
-            asyncio.ensure_future(engine.release_kept(rid))
+            asyncio.ensure_future(engine.kv_connector.release_kept(rid))
             raise
         comp = out.outputs[0]
         if comp.finish_reason not in ("length", "stop") or not comp.token_ids:
-            await engine.release_kept(rid)
+            await engine.kv_connector.release_kept(rid)
             raise _Refused(grpc.StatusCode.INTERNAL,
                            f"prefill failed: {out.error or comp.finish_reason}")
         return comp.token_ids[0]

@@ -13,14 +13,22 @@ waiting request's prefix a step of waiting would turn into a hit.
 Every request's block ids are also kept in a persistent `BlockTable` (`block_table`),
 updated where `_blocks` (the source of truth) changes, so a step's attention metadata
 gathers its rows without per-request lists.
+
+Blocks held for a reader outside the engine are leased (`leases`, `kv_cache/leases.py`): a
+finished `keep_kv` request's blocks under its id for `keep_lease_s`, which its reader
+shortens or extends (`lease_kept`), and prefix-cached runs for a reader (`lease_cached`).
+A lease nobody releases ends at `expire_leases`, which the engine thread calls.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tandem.engine.kv_cache.block_table import BlockTable
+from tandem.engine.kv_cache.leases import MAX_LEASE_S, LeaseBook, LeaseStats, PageLease
 from tandem.engine.request import Request
 from tandem.protocol.block_hash import BlockHash
 
@@ -55,7 +63,11 @@ class KVCacheManager:
         # the ids of `_blocks`, row per request id: changed only with `_blocks`
         self.block_table = BlockTable()
         self._num_cached: dict[str, int] = {}  # leading blocks registered in the hash map
-        self._kept: dict[str, list[KVBlock]] = {}  # finished requests' pinned blocks
+        # pins held for readers outside the engine, on `clock`'s time: finished keep_kv
+        # requests' blocks under their request ids, leased cached runs
+        self.leases = LeaseBook(self.pool)
+        self.clock: Callable[[], float] = time.monotonic
+        self.keep_lease_s = MAX_LEASE_S  # until the reader sets its own (`lease_kept`)
         # blocks staged for a prompt's last block, by request id (or the user request's)
         self._tails: dict[str, StagedTail] = {}
         # hashes of full blocks this step's scheduled chunks complete (until the commit)
@@ -232,25 +244,67 @@ class KVCacheManager:
 
     def free(self, req: Request, keep: bool = False) -> None:
         """Release every block of `req` (tail first, so the tail is evicted first); with
-        `keep` they stay referenced under the request id until `release_kept`."""
+        `keep` they stay pinned under a lease owned by the request id (`keep_lease_s`)
+        until `release_kept`, or its expiry."""
         self.drop_tail(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
         self.block_table.drop(req.request_id)
         self._num_cached.pop(req.request_id, None)
         if blocks and keep:
-            self._kept[req.request_id] = blocks
+            stale = self.leases.of_owner(req.request_id)  # an earlier request of that id's
+            if stale is not None:
+                self.leases.release(stale.lease_id)
+            self.leases.add(req.request_id, blocks, self.keep_lease_s, self.clock())
         elif blocks:
             self.pool.free_blocks(reversed(blocks))
 
     def kept_blocks(self, request_id: str) -> list[KVBlock] | None:
-        """The pinned blocks of a finished `keep_kv` request, in position order."""
-        return self._kept.get(request_id)
+        """The pinned blocks of a finished `keep_kv` request, in position order (None once
+        released or expired)."""
+        lease = self.leases.of_owner(request_id)
+        return None if lease is None else self.leases.blocks(lease.lease_id)
 
     def release_kept(self, request_id: str) -> bool:
-        blocks = self._kept.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks(reversed(blocks))
-        return blocks is not None
+        """Unpin a finished `keep_kv` request's blocks; False if it kept none (any more)."""
+        lease = self.leases.of_owner(request_id)
+        return lease is not None and self.leases.release(lease.lease_id)
+
+    # -- leases for readers outside the engine ---------------------------------------------
+    def lease_kept(self, request_id: str, lease_s: float) -> PageLease | None:
+        """The lease on a finished `keep_kv` request's blocks, now ending `lease_s` from
+        now; None if it kept none (any more)."""
+        lease = self.leases.of_owner(request_id)
+        if lease is None:
+            return None
+        return self.leases.renew(lease.lease_id, lease_s, self.clock())
+
+    def lease_cached(self, owner: str, hashes: list[BlockHash],
+                     lease_s: float) -> PageLease:
+        """Lease the leading run of `hashes` the prefix cache holds (possibly none) for
+        `owner`'s reader."""
+        run = self.pin_cached(hashes)
+        try:
+            return self.leases.add(owner, run, lease_s, self.clock())
+        except BaseException:
+            self.unpin(run)
+            raise
+
+    def lease_blocks(self, lease_id: str) -> list[KVBlock]:
+        """A live lease's blocks; `LeaseError` once released or expired."""
+        return self.leases.blocks(lease_id)
+
+    def renew_lease(self, lease_id: str, lease_s: float) -> PageLease:
+        return self.leases.renew(lease_id, lease_s, self.clock())
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.leases.release(lease_id)
+
+    def expire_leases(self, now: float | None = None) -> list[PageLease]:
+        """Unpin the leases whose time is up (engine thread: between steps)."""
+        return self.leases.expire(self.clock() if now is None else now)
+
+    def lease_stats(self) -> LeaseStats:
+        return self.leases.stats()
 
     def import_blocks(self, hashes: list[BlockHash], tail: bool = False
                       ) -> tuple[list[KVBlock], list[int]]:

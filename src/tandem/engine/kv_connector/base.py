@@ -1,0 +1,298 @@
+"""The engine's KV connector seam: how KV pages leave and enter the engine.
+
+Modelled on vLLM's `KVConnectorBase_V1`, a connector has three faces:
+
+* a **scheduler side** (`KVConnectorScheduler`, rank 0's engine thread): how many tokens of
+  a request after its locally computed ones can be loaded from outside, and whether over
+  later steps (`get_num_new_matched_tokens`); the blocks allocated for them
+  (`update_state_after_alloc`); the step's `ConnectorMetadata` (`build_connector_meta`);
+  and what becomes of a finished request's blocks (`request_finished`: kept for a reader
+  under a lease, or freed);
+* a **worker side** (`KVConnectorWorker`, every rank's forward): start loading a step's
+  pages (`start_load_kv`), wait for one layer's (`wait_for_layer_load`), save each layer's
+  pages as soon as it is computed (`save_kv_layer`), wait for the saves (`wait_for_save`);
+* a **page API** for the connector's transport (`KVConnector`'s coroutines): the page
+  layout, leases on kept or cached blocks, import pins and commits, and page sources and
+  sinks. Pages cross it with every KV head (`PageLayout`), whatever the tensor-parallel
+  size: a transport never learns how many ranks there are.
+
+Every pin a transport holds for a reader outside the process is a `PageLease`: it ends when
+released, or `lease_s` after its last renewal (expired on the engine thread, counted in
+`lease_stats`), so a reader that dies cannot hold the pool. Connectors register by name
+(`register`, `KV_CONNECTORS`) and an engine builds its own (`make_connector`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.leases import MAX_LEASE_S, LeaseError, LeaseStats, PageLease
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.engine.async_api import EngineAPI
+    from tandem.engine.kv_cache.block_pool import KVBlock
+    from tandem.engine.kv_pages import ImportCommit, ImportPins, PageLayout
+    from tandem.engine.request import Request
+    from tandem.protocol.block_hash import BlockHash
+
+__all__ = ["KV_CONNECTORS", "ConnectorMetadata", "ExternalMatch", "FinishAction",
+           "KVConnector", "KVConnectorRole", "KVConnectorScheduler", "KVConnectorWorker",
+           "LayerSaver", "LeaseError", "LeaseStats", "PageLease", "PageSinkAPI",
+           "PageSourceAPI", "make_connector", "register"]
+
+
+class KVConnectorRole(Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class ExternalMatch:
+    """`get_num_new_matched_tokens`' answer: `num_tokens` after the request's computed
+    ones can be loaded from outside; with `load_async` they arrive over later steps and the
+    request is not scheduled until they have (`KVConnectorWorker.get_finished`)."""
+
+    num_tokens: int = 0
+    load_async: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class FinishAction:
+    """`request_finished`'s answer: `keep` the request's blocks pinned for a reader, under a
+    lease of `lease_s` owned by the request id, or free them (`keep` False)."""
+
+    keep: bool = False
+    lease_s: float = MAX_LEASE_S
+
+
+@dataclass(frozen=True)
+class ConnectorMetadata:
+    """What the worker side does in one step, built by the scheduler side: `loads` maps a
+    request id to the block ids its pages go into, `saves` to the block ids whose layers are
+    saved as each is computed."""
+
+    loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    saves: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.saves)
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler side (rank 0's engine thread)."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> ExternalMatch:
+        """Tokens of `request` after its first `num_computed_tokens` (local prefix hits)
+        that can be loaded from outside instead of computed."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        """The blocks allocated for `request`, the first `num_external_tokens` tokens after
+        its computed ones to be loaded into them (0: nothing to load)."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """The step's loads and saves; resets what was gathered for it."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
+        """`request` has finished (normally) holding `block_ids`: keep them or free them."""
+
+
+class LayerSaver(Protocol):
+    """What a save streams to (e.g. a transport's layer stream): the block table once the
+    prompt's last step begins, then each layer once written (`event`: a CUDA event to wait
+    on before reading on another stream; None on the CPU)."""
+
+    def begin(self, block_ids: list[int]) -> None: ...
+
+    def layer_done(self, layer: int, event: Any | None) -> None: ...
+
+
+class KVConnectorWorker(ABC):
+    """The worker side (every rank, on its engine thread, during the forward)."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           layout: PageLayout) -> None:
+        """This rank's per-layer (K, V) caches and the full-head layout they are a share
+        of (`PageLayout.rank_layout`)."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        """Before the forward: begin writing the step's `loads` into the cache."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Before `layer`'s attention: its pages for this step are in the cache."""
+
+    @abstractmethod
+    def save_kv_layer(self, request_id: str, layer: int, event: Any | None) -> None:
+        """`layer`'s K/V of `request_id`'s step are written: save (or send) them."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """After the forward: every save of the step is done with the cache."""
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(request ids whose saves, whose asynchronous loads have finished since the last
+        call)."""
+        return set(), set()
+
+
+class PageSourceAPI(Protocol):
+    """A send's pages of pinned blocks, layer by layer; valid while they stay pinned."""
+
+    block_ids: list[int]
+
+    def layer(self, layer: int) -> torch.Tensor: ...
+
+    def views(self, layer: int) -> list[memoryview] | None: ...
+
+
+class PageSinkAPI(Protocol):
+    """Writes an import's pages into pinned blocks: `write` each layer, then `finish`."""
+
+    block_ids: list[int]
+
+    def write(self, layer: int, pages: torch.Tensor) -> None: ...
+
+    async def finish(self) -> None: ...
+
+
+class KVConnector(ABC):
+    """An engine's connector: its `scheduler` and `worker` sides, and the page API its
+    transport calls (coroutines run on the engine thread between steps)."""
+
+    name = ""
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+
+    # -- what both ends share --------------------------------------------------------------
+    @abstractmethod
+    def layout(self, model_id: str) -> PageLayout:
+        """The full-head layout of this engine's pages on the wire."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the KV cache lives (a transport's buffers go there)."""
+
+    @property
+    @abstractmethod
+    def prefix_caching(self) -> bool:
+        """Whether imported pages can be hit (False: import nothing)."""
+
+    @abstractmethod
+    def cached_prefix_len(self, hashes: list[BlockHash]) -> int:
+        """How many leading `hashes` the prefix cache holds (stale answers only move work)."""
+
+    # -- sending: leases on kept or cached blocks ------------------------------------------
+    @abstractmethod
+    async def lease_kept(self, request_id: str, lease_s: float) -> PageLease | None:
+        """The lease on finished `keep_blocks` request `request_id`'s blocks, now ending
+        `lease_s` from now; None if it kept none."""
+
+    @abstractmethod
+    async def lease_cached(self, owner: str, hashes: list[BlockHash],
+                           lease_s: float) -> PageLease:
+        """Lease the leading run of `hashes` the prefix cache holds, for `owner`'s reader."""
+
+    @abstractmethod
+    async def renew(self, lease: PageLease, lease_s: float) -> PageLease:
+        """Extend `lease` to `lease_s` from now; `LeaseError` once it has ended."""
+
+    @abstractmethod
+    async def release(self, lease: PageLease | str) -> bool:
+        """End a lease (a handle or its id): False if it had ended already."""
+
+    @abstractmethod
+    async def release_kept(self, request_id: str) -> bool:
+        """End the lease on `request_id`'s kept blocks; False if there is none."""
+
+    @abstractmethod
+    async def page_source(self, lease: PageLease, start: int = 0,
+                          count: int | None = None) -> PageSourceAPI:
+        """The pages of `lease.block_ids[start:start + count]`; `LeaseError` once the lease
+        has ended."""
+
+    @abstractmethod
+    async def saved_page_source(self, request_id: str,
+                                block_ids: list[int]) -> PageSourceAPI:
+        """The pages of `block_ids` of request `request_id` while its layers are saved
+        (`save_layers`; the ids its saver's `begin` gave); read each layer once saved."""
+
+    @abstractmethod
+    def save_layers(self, request_id: str, saver: LayerSaver) -> bool:
+        """Stream `request_id`'s pages to `saver` layer by layer while its last prompt step
+        runs; False (nothing registered) where the engine cannot. `unsave_layers` ends it."""
+
+    @abstractmethod
+    def unsave_layers(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def lease_stats(self) -> LeaseStats:
+        """Leases active now, released and expired since start."""
+
+    # -- receiving: import pins, sinks, commits ---------------------------------------------
+    @abstractmethod
+    async def pin_cached(self, hashes: list[BlockHash]) -> list[KVBlock]:
+        """Pin the leading cached run of `hashes` (`unpin` releases)."""
+
+    @abstractmethod
+    async def import_blocks(self, hashes: list[BlockHash], tail: bool = False) -> ImportPins:
+        """Pin blocks for arriving pages of `hashes`, all or none (+ one for the tail)."""
+
+    @abstractmethod
+    def page_sink(self, block_ids: list[int]) -> PageSinkAPI:
+        """A writer of pages into pinned `block_ids`."""
+
+    @abstractmethod
+    async def commit_import(self, pins: ImportPins, commit: ImportCommit) -> list[KVBlock]:
+        """Register written pages in the prefix cache, staging the tail block."""
+
+    @abstractmethod
+    async def unpin(self, blocks: Sequence[KVBlock], *, limit: int | None = None,
+                    drop_tail: str | None = None) -> None:
+        """Drop pins of `pin_cached` / `import_blocks` (and a staged tail)."""
+
+    async def close(self) -> None:
+        """Stop background work (lease expiry); leases stay until the engine goes."""
+        return None
+
+
+KV_CONNECTORS: dict[str, Callable[[EngineAPI], KVConnector]] = {}
+
+
+def register(name: str):  # noqa: ANN201 - a class decorator
+    """Register a connector class under `name`; it is built with the engine it serves."""
+    def add(cls: type[KVConnector]) -> type[KVConnector]:
+        cls.name = name
+        KV_CONNECTORS[name] = cls
+        return cls
+    return add
+
+
+def make_connector(name: str, engine: EngineAPI) -> KVConnector:
+    """Build connector `name` for `engine`; ConfigError naming the known ones otherwise."""
+    from tandem.engine.kv_connector import pd  # noqa: F401 - the built-in registers itself
+
+    if name not in KV_CONNECTORS:
+        raise ConfigError(f"unknown KV connector {name!r}; available: "
+                          f"{', '.join(sorted(KV_CONNECTORS))}")
+    return KV_CONNECTORS[name](engine)
