@@ -5,9 +5,9 @@
 The `cpu` attention backend (native kernels) on SmolLM2's shape (9 query heads, 3 KV heads,
 head dim 64, block size 16, float32 model) for decode batches of `--batch` sequences at
 contexts 512 and 2,048, with the KV cache as float32 rows (256 bytes per token and KV head)
-or quantized (66 bytes: 64 codes + a float16 scale). Times, as medians (and minima, the
-steadier figure on a shared machine; and the median thread CPU time, the steadiest with
-`--threads 1`) over `--reps`:
+or quantized (66 bytes: 64 codes + a float16 scale, in pages of a block's codes then its
+scales). Times, as medians (and minima, the steadier figure on a shared machine; and the
+median thread CPU time, the steadiest with `--threads 1`) over `--reps`:
 `attend_ms`, the decode kernel alone (it reads the context), and `forward_ms`, the whole
 layer call (quantizing and writing the new K/V, then attending). The quantized outputs are
 checked against the float cache's (max abs difference) and the torch backend's on the same
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.attention.base import AttentionSpec, BatchLayout, get_backend
-from tandem.engine.kv_cache.quant import quantize_rows
+from tandem.engine.kv_cache.quant import quantize_pages
 
 H, KVH, D, BS = 9, 3, 64, 16
 CONTEXTS = (512, 2048)
@@ -83,7 +83,7 @@ def main() -> int:
             be = get_backend("cpu")(spec, BS, torch.float32, cpu, name)
             cache = be.allocate_kv_cache(num_blocks)
             for c, x in zip(cache, kv, strict=True):
-                c.copy_(x if name == "auto" else quantize_rows(x, name))
+                c.copy_(x if name == "auto" else quantize_pages(x, name))
             meta = be.build_metadata(layout)
             outs[name] = be.forward(q, k, v, cache, meta)
             out = torch.empty_like(q)

@@ -15,7 +15,7 @@ from tandem.engine.attention import torch_backend
 from tandem.engine.attention.base import AttentionBackend, AttentionSpec, BatchLayout
 from tandem.engine.attention.cpu_backend import CpuAttentionBackend
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
-from tandem.engine.kv_cache.quant import quantize_rows
+from tandem.engine.kv_cache.quant import page_parts, quantize_rows
 
 CPU = torch.device("cpu")
 
@@ -55,10 +55,15 @@ def test_fallback_prefill_and_writes_equal_the_torch_backends(kv_cache_dtype, mo
             table = [free.pop() for _ in range(-(-total // bs))]
             kv = torch.randn(2, total, kvh, d, generator=gen)
             for c, x in zip(cache, kv, strict=True):
-                rows = x[:cached] if kv_cache_dtype == "auto" else quantize_rows(
-                    x[:cached], kv_cache_dtype)
-                for p in range(cached):  # as earlier steps wrote them
-                    c[table[p // bs], :, p % bs] = rows[p]
+                if kv_cache_dtype == "auto":
+                    for p in range(cached):  # as earlier steps wrote them
+                        c[table[p // bs], :, p % bs] = x[p]
+                    continue
+                codes, scales = page_parts(c, bs)
+                new_codes, new_scales = quantize_rows(x[:cached], kv_cache_dtype)
+                for p in range(cached):
+                    codes[table[p // bs], :, p % bs] = new_codes[p]
+                    scales[table[p // bs], :, p % bs] = new_scales[p]
             slots += [table[p // bs] * bs + p % bs for p in range(cached, total)]
             tables.append(table)
             q.append(torch.randn(new, h, d, generator=gen))

@@ -1,6 +1,6 @@
 """KV pages of a quantized cache: the header names the KV cache dtype (an older sender's
 header without it means "auto"), a receiver refuses any other dtype than its own before a
-byte touches its cache, pages of fp8/int8 caches (codes and their inline float16 scales)
+byte touches its cache, pages of fp8/int8 caches (codes, then their float16 scales, in each page)
 travel bit-exactly through both backends, and between two real engines with fp8 KV a
 disaggregated request gives the aggregated worker's greedy tokens, while a pair whose KV
 dtypes differ is refused and the decode side computes the prompt itself; a router does not
@@ -20,7 +20,7 @@ from tandem import SamplingParams
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
-from tandem.engine.kv_cache.quant import dequantize_rows, quantize_rows
+from tandem.engine.kv_cache.quant import dequantize_pages, quantize_pages
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.outputs import RequestOutput
 from tandem.kvtransfer.base import SendJob
@@ -62,8 +62,8 @@ def layout(cache_dtype: str, dtype: torch.dtype = torch.float32, layers: int = 2
 
 def quantized_caches(cache_dtype: str, layers: int, blocks: int, seed: int
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V) `[blocks, KVH, BS, HD + 2]` uint8 rows quantized from random floats
-    of widely varying magnitude (so the scales differ row by row)."""
+    """Per layer (K, V) `[blocks, KVH, BS * (HD + 2)]` uint8 pages quantized from random
+    floats of widely varying magnitude (so the scales differ row by row)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(layers):
@@ -71,7 +71,7 @@ def quantized_caches(cache_dtype: str, layers: int, blocks: int, seed: int
         for _ in range(2):
             x = torch.randn(blocks, KVH, BS, HD, generator=g)
             x *= torch.exp(4 * torch.randn(blocks, KVH, BS, 1, generator=g))
-            kv.append(quantize_rows(x, cache_dtype))
+            kv.append(quantize_pages(x, cache_dtype))
         out.append((kv[0], kv[1]))
     return out
 
@@ -80,24 +80,33 @@ def quantized_caches(cache_dtype: str, layers: int, blocks: int, seed: int
 
 def test_a_quantized_layout_is_read_from_its_uint8_caches():
     caches = quantized_caches("fp8", 3, 5, seed=0)
-    lay = PageLayout.of("m", caches, "fp8")
+    lay = PageLayout.of("m", caches, "fp8", BS)
     assert lay == PageLayout("m", 3, KVH, BS, HD, torch.uint8, "fp8")
-    assert (lay.row, lay.row_bytes) == (HD + 2, HD + 2)
+    # a page: BS rows' codes, then their BS float16 scales
+    assert (lay.code_bytes, lay.scale_bytes, lay.page_bytes, lay.row_bytes) == (
+        BS * HD, 2 * BS, BS * (HD + 2), HD + 2)
+    assert lay.page_shape == (BS * (HD + 2),)
     assert lay.block_layer_bytes == 2 * KVH * BS * (HD + 2) == 160
-    assert lay.layer_shape(3) == (2, 3, KVH, BS, HD + 2)
+    assert lay.layer_shape(3) == (2, 3, KVH, BS * (HD + 2))
     f32, bf16 = layout("auto"), layout("auto", torch.bfloat16)
-    assert (f32.row, f32.block_layer_bytes, bf16.block_layer_bytes) == (HD, 512, 256)
+    assert (f32.page_shape, f32.scale_bytes, f32.block_layer_bytes, bf16.block_layer_bytes) == (
+        (BS, HD), 0, 512, 256)
+    assert PageLayout.of("m", [(torch.zeros(2, KVH, BS, HD),) * 2]) == layout("auto", layers=1)
 
 
-@pytest.mark.parametrize(("cache_dtype", "tensor", "why"), [
-    ("fp8", torch.zeros(2, KVH, BS, HD), "cannot be stored as float32"),
-    ("auto", torch.zeros(2, KVH, BS, HD, dtype=torch.uint8), "cannot be stored as uint8"),
-    ("int8", torch.zeros(2, KVH, BS, 2, dtype=torch.uint8), "has no head_dim"),
-    ("fp4", torch.zeros(2, KVH, BS, HD, dtype=torch.uint8), "must be one of"),
+@pytest.mark.parametrize(("cache_dtype", "tensor", "block_size", "why"), [
+    ("fp8", torch.zeros(2, KVH, BS * (HD + 2)), BS, "cannot be stored as float32"),
+    ("auto", torch.zeros(2, KVH, BS, HD, dtype=torch.uint8), None, "cannot be stored as uint8"),
+    ("int8", torch.zeros(2, KVH, BS * 2, dtype=torch.uint8), BS, "has no head_dim"),
+    ("int8", torch.zeros(2, KVH, BS * (HD + 2) + 1, dtype=torch.uint8), BS, "has no head_dim"),
+    ("int8", torch.zeros(2, KVH, BS, HD + 2, dtype=torch.uint8), BS, "has no head_dim"),
+    ("int8", torch.zeros(2, KVH, BS * (HD + 2), dtype=torch.uint8), None, "needs its block_s"),
+    ("auto", torch.zeros(2, KVH, BS * HD), None, "is \\[blocks, kv_heads, block_size"),
+    ("fp4", torch.zeros(2, KVH, BS, HD, dtype=torch.uint8), None, "must be one of"),
 ])
-def test_caches_not_in_the_named_format_are_a_value_error(cache_dtype, tensor, why):
+def test_caches_not_in_the_named_format_are_a_value_error(cache_dtype, tensor, block_size, why):
     with pytest.raises(ValueError, match=why):
-        PageLayout.of("m", [(tensor, tensor)], cache_dtype)
+        PageLayout.of("m", [(tensor, tensor)], cache_dtype, block_size)
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8", "int8"])
@@ -160,7 +169,7 @@ def test_quantized_pages_travel_bit_exactly_codes_and_scales(cache_dtype):
     for seed in range(4):
         rng = random.Random(seed)
         src = quantized_caches(cache_dtype, layers, blocks, seed)
-        lay = PageLayout.of("m", src, cache_dtype)
+        lay = PageLayout.of("m", src, cache_dtype, BS)
         n = rng.randint(1, 6)
         src_ids, dst_ids = rng.sample(range(blocks), n), rng.sample(range(blocks), n)
         for layer in range(layers):
@@ -186,8 +195,9 @@ def test_quantized_pages_travel_bit_exactly_codes_and_scales(cache_dtype):
                 got, want = dst[layer][kv], src[layer][kv]
                 assert torch.equal(got[dst_ids], want[src_ids])
                 assert not got[untouched].any()
-                assert torch.equal(dequantize_rows(got[dst_ids], cache_dtype, torch.float32),
-                                   dequantize_rows(want[src_ids], cache_dtype, torch.float32))
+                assert torch.equal(
+                    dequantize_pages(got[dst_ids], cache_dtype, BS, torch.float32),
+                    dequantize_pages(want[src_ids], cache_dtype, BS, torch.float32))
 
 
 def test_quantized_pages_through_the_torch_backend_over_gloo():
@@ -291,7 +301,7 @@ def prompts(seed: int) -> list[list[int]]:
 def test_fp8_pages_between_engines_give_the_aggregated_tokens(engines, backend):
     """Greedy tokens through prefill (fp8) -> pages -> decode (fp8) equal an aggregated fp8
     engine's, token for token; the decode side computed only each prompt's last token, from
-    pages of head_dim + 2 bytes per row."""
+    pages of head_dim + 2 bytes per row (codes, and the row's scale after the page's codes)."""
     row = 16 + 2  # the tiny model's head_dim, plus the float16 scale
     block_bytes = 2 * 2 * 2 * EBS * row  # layers x (K, V) x kv heads x tokens x row
 

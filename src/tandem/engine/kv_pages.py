@@ -24,7 +24,9 @@ from tandem.protocol.block_hash import BlockHash
 class PageLayout:
     """The KV cache geometry both ends of a transfer must share. `head_dim` is the model's;
     `dtype` is the cache tensors' storage dtype (the float dtype for `cache_dtype` "auto",
-    uint8 for "fp8" / "int8", whose rows are `head_dim` codes + a float16 scale)."""
+    uint8 for "fp8" / "int8"). A page is one block of one KV head: `[block_size, head_dim]`
+    in `dtype`, or quantized `[block_size * (head_dim + 2)]` uint8, the codes
+    (`code_bytes`) then one float16 scale per token (`scale_bytes`; `kv_cache/quant.py`)."""
 
     model_id: str
     num_layers: int
@@ -51,50 +53,61 @@ class PageLayout:
         return str(self.dtype).removeprefix("torch.")
 
     @property
-    def row(self) -> int:
-        """Elements (of `dtype`) per cache row, i.e. one token of one KV head."""
-        return self.head_dim + SCALE_BYTES if self.quantized else self.head_dim
+    def page_shape(self) -> tuple[int, ...]:
+        """One page's shape in `dtype` (a cache tensor's shape after [blocks, kv_heads])."""
+        if self.quantized:
+            return (self.block_size * (self.head_dim + SCALE_BYTES),)
+        return (self.block_size, self.head_dim)
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of a page's values (quantized: its codes, first in the page)."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of a page's float16 scales after its codes (0 unquantized)."""
+        return self.block_size * SCALE_BYTES if self.quantized else 0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.code_bytes + self.scale_bytes
 
     @property
     def row_bytes(self) -> int:
-        return self.row * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes one token of one KV head costs (quantized: its codes and its scale)."""
+        return self.page_bytes // self.block_size
 
     @property
     def block_layer_bytes(self) -> int:
         """K + V bytes of one block in one layer."""
-        return 2 * self.num_kv_heads * self.block_size * self.row_bytes
-
-    def rank_heads(self, rank: int, world: int) -> range:
-        """The KV heads tensor-parallel rank `rank` of `world` caches (`tp.kv_heads`)."""
-        from tandem.engine.parallel.tp import kv_heads
-
-        return kv_heads(self.num_kv_heads, world, rank)
-
-    def kv_heads_per_rank(self, world: int) -> int:
-        """KV heads each of `world` ranks caches (every rank holds as many)."""
-        return len(self.rank_heads(0, world))
-
-    def rank_layout(self, rank: int, world: int) -> PageLayout:
-        """The layout of rank `rank`'s share of these pages (its KV heads only)."""
-        return dataclasses.replace(self, num_kv_heads=len(self.rank_heads(rank, world)))
+        return 2 * self.num_kv_heads * self.page_bytes
 
     def layer_shape(self, n: int) -> tuple[int, ...]:
-        """The shape of `n` blocks' pages of one layer, in `dtype`."""
-        return (2, n, self.num_kv_heads, self.block_size, self.row)
+        """The shape of `n` blocks' pages of one layer (K's, then V's), in `dtype`."""
+        return (2, n, self.num_kv_heads, *self.page_shape)
 
     @classmethod
     def of(cls, model_id: str, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-           cache_dtype: str = "auto") -> PageLayout:
-        """From an engine's per-layer (K, V) caches `[blocks, kv_heads, block_size, row]`
-        (row = head_dim, or head_dim + 2 uint8 for a quantized `cache_dtype`). Raises
-        ValueError when the tensors do not hold that format."""
+           cache_dtype: str = "auto", block_size: int | None = None) -> PageLayout:
+        """From an engine's per-layer (K, V) caches: `[blocks, kv_heads, block_size,
+        head_dim]`, or for a quantized `cache_dtype` `[blocks, kv_heads, block_size *
+        (head_dim + 2)]` uint8 pages, whose `block_size` must be given. Raises ValueError
+        when the tensors do not hold that format."""
         k = kv_caches[0][0]
-        head_dim = k.shape[3] - (SCALE_BYTES if cache_dtype != "auto" else 0)
-        if head_dim < 1:
-            raise ValueError(f"a {cache_dtype!r} KV cache of rows {k.shape[3]} wide has no "
-                             "head_dim")
-        return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], head_dim, k.dtype,
-                   cache_dtype)
+        if cache_dtype == "auto" or cache_dtype not in KV_FORMATS:
+            if k.dim() != 4:
+                raise ValueError(f"a {cache_dtype!r} KV cache is [blocks, kv_heads, "
+                                 f"block_size, head_dim], got {tuple(k.shape)}")
+            return cls(model_id, len(kv_caches), k.shape[1], k.shape[2], k.shape[3],
+                       k.dtype, cache_dtype)
+        if block_size is None or block_size < 1:
+            raise ValueError(f"a {cache_dtype!r} KV cache's layout needs its block_size")
+        if k.dim() != 3 or k.shape[2] % block_size or k.shape[2] // block_size <= SCALE_BYTES:
+            raise ValueError(f"a {cache_dtype!r} KV cache of shape {tuple(k.shape)} is not "
+                             f"pages of {block_size} rows: it has no head_dim")
+        return cls(model_id, len(kv_caches), k.shape[1], block_size,
+                   k.shape[2] // block_size - SCALE_BYTES, k.dtype, cache_dtype)
 
 
 @dataclass(frozen=True)

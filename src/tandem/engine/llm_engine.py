@@ -169,7 +169,8 @@ class LLMEngine(EngineCore):
         backend allocated them: `AttentionBackend.kv_format`), with all of the model's KV
         heads whatever the tensor-parallel size (each rank's cache holds a share)."""
         layout = PageLayout.of(model_id, self.runner.kv_caches,
-                               self.runner.backend.kv_format.name)
+                               self.runner.backend.kv_format.name,
+                               self.runner.backend.block_size)
         return dataclasses.replace(layout, num_kv_heads=self.num_kv_heads)
 
     def export_kv(self, block_ids: list[int]) -> list[torch.Tensor]:

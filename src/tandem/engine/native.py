@@ -29,7 +29,7 @@ SOURCES = ("paged_attention_cpu.c", "prefill_attention_cpu.c", "elementwise_cpu.
            "linear_cpu.c", "w8a8_cpu.c", "quant_linear_cpu.c", "lora_cpu.c")
 HEADERS = ("tile_avx2.h",)  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
-ABI_VERSION = 5
+ABI_VERSION = 6
 DISABLE_ENV = "TANDEM_DISABLE_NATIVE_KERNELS"
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -39,7 +39,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_paged_attention_prefill_f32": (ctypes.c_int,
                                            [_P] * 8 + [_I64] * 9 + [_F32, _I64]),
     "tandem_paged_attention_decode_q8": (ctypes.c_int, [_P] * 6 + [_I64] * 10 + [_F32, _I64]),
-    "tandem_kv_quantize_write": (ctypes.c_int, [_P] * 3 + [_I64] * 6),
+    "tandem_kv_quantize_write": (ctypes.c_int, [_P] * 3 + [_I64] * 7),
     "tandem_add_rms_norm_f32": (None, [_P] * 4 + [_I64, _I64, _F32, _I64]),
     "tandem_silu_mul_f32": (None, [_P, _P, _I64, _I64, _I64]),
     "tandem_rope_f32": (None, [_P] * 4 + [_I64] * 5),

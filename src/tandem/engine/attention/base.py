@@ -109,7 +109,8 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        # "auto": K/V rows in `dtype`; "fp8" / "int8": uint8 codes + a float16 scale per row
+        # "auto": K/V rows in `dtype`; "fp8" / "int8": uint8 pages of codes, then float16
+        # scales (`kv_cache/quant.py`)
         self.kv_format = kv_format(kv_cache_dtype)
 
     def bytes_per_block(self) -> int:
@@ -118,11 +119,12 @@ class AttentionBackend(ABC):
         return (2 * self.block_size * s.num_kv_heads
                 * self.kv_format.row_bytes(s.head_dim, self.dtype))
 
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        """One layer's K (and V) tensor: [num_blocks, KVH, block_size, D (+ 2 quantized)]."""
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's K (and V) tensor: [num_blocks, KVH, block_size, D], or quantized
+        [num_blocks, KVH, block_size * (D + 2)] uint8 pages (`KVCacheFormat.cache_shape`)."""
         s = self.spec
-        return (num_blocks, s.num_kv_heads, self.block_size,
-                self.kv_format.row_width(s.head_dim))
+        return self.kv_format.cache_shape(num_blocks, s.num_kv_heads, self.block_size,
+                                          s.head_dim)
 
     def _zero_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Zeroed K and V tensors in the cache's layout and dtype."""

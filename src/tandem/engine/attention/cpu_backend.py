@@ -9,11 +9,13 @@ a KV head and skips the causal upper triangle that torch's CPU flash kernel comp
 masks for chunks under ~1k tokens. Without AVX2 the prefill stays on the torch path.
 K/V writes stay in torch. float32 only.
 
-With a quantized KV cache ("fp8" / "int8", `kv_cache/quant.py`) decodes read the uint8
-rows directly (`tandem_paged_attention_decode_q8`: a quarter of the bytes per context
-token); a prefill chunk's context blocks are dequantized into a float32 scratch of just
-those blocks (remapped tables) for the float prefill kernel, which costs one pass over the
-context per layer against the chunk's attention over it.
+With a quantized KV cache ("fp8" / "int8", `kv_cache/quant.py`: per block and KV head a
+page of codes, then their float16 scales) decodes read the uint8 pages directly
+(`tandem_paged_attention_decode_q8`: about a quarter of the bytes per context token), and
+new K/V are quantized straight into them (`tandem_kv_quantize_write`); a prefill chunk's
+context blocks are dequantized into a float32 scratch of just those blocks (remapped
+tables) for the float prefill kernel, which costs one pass over the context per layer
+against the chunk's attention over it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from tandem.engine.attention.torch_backend import (
     write_then_attend,
 )
 from tandem.engine.errors import ConfigError
-from tandem.engine.kv_cache.quant import dequantize_rows
+from tandem.engine.kv_cache.quant import dequantize_pages
 from tandem.engine.native import load_native
 
 MAX_GROUP = 64  # query heads per KV head the kernels support
@@ -134,8 +136,9 @@ class CpuAttentionBackend(AttentionBackend):
             return self._torch.write_quantized(k, v, k_rows, v_rows, meta)
         for x, cache in ((k, k_rows), (v, v_rows)):
             rc = self._quantize_write(cache.data_ptr(), x.data_ptr(), rows.data_ptr(),
-                                      x.shape[0], s.num_kv_heads, s.head_dim, x.stride(0),
-                                      self.kv_format.code, torch.get_num_threads())
+                                      x.shape[0], s.num_kv_heads, s.head_dim,
+                                      self.block_size, x.stride(0), self.kv_format.code,
+                                      torch.get_num_threads())
             _check(rc, "KV quantize")
         return k, v
 
@@ -189,13 +192,11 @@ class CpuAttentionBackend(AttentionBackend):
         )
         _check(rc, "decode")
 
-    def _dequantized_blocks(self, rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Cache rows [NB * KVH * BS, D + 2] uint8 -> blocks `blocks` as a float32 cache
+    def _dequantized_blocks(self, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Cache pages [NB * KVH, BS * (D + 2)] uint8 -> blocks `blocks` as a float32 cache
         [U, KVH, BS, D] (contiguous, as the prefill kernel reads it)."""
-        s = self.spec
-        width = rows.shape[-1]
-        picked = rows.view(-1, s.num_kv_heads, self.block_size, width).index_select(0, blocks)
-        return dequantize_rows(picked, self.kv_format.name, torch.float32)
+        picked = pages.view(-1, self.spec.num_kv_heads, pages.shape[-1]).index_select(0, blocks)
+        return dequantize_pages(picked, self.kv_format.name, self.block_size, torch.float32)
 
 
 def _remap_blocks(table: np.ndarray, seq_lens: list[int], block_size: int

@@ -3,10 +3,12 @@
 Cache layout per layer: K and V each `[num_blocks, KVH, block_size, D]`, so a block is one
 contiguous page (what kvtransfer ships). Viewed as rows `[num_blocks * KVH * block_size, D]`,
 the row of (block b, kv head h, offset o) is `(b * KVH + h) * block_size + o`; every gather
-and scatter index is built once per step and shared by all layers. With a quantized KV
-cache (`kv_cache/quant.py`) a row is D + 2 uint8 (codes + float16 scale): new K/V are
-quantized on write, and every gathered context (the new tokens' own K/V included, so a
-token's attention never depends on how its prompt was chunked) is dequantized on read.
+and scatter index is built once per step and shared by all layers. A quantized KV cache
+(`kv_cache/quant.py`) is uint8 pages `[num_blocks, KVH, block_size * (D + 2)]` (a page's
+codes, then its float16 scales), viewed as `[num_blocks * KVH, page]`: row r is offset
+`r % block_size` of page `r // block_size`. New K/V are quantized on write, and every
+gathered context (the new tokens' own K/V included, so a token's attention never depends on
+how its prompt was chunked) is dequantized on read.
 
 Other backends compose this one (no inheritance): `write_rows` and `prefill_seqs` build
 their metadata, and `write_then_attend` runs a layer from three steps, `write_quantized`,
@@ -27,7 +29,12 @@ from tandem.engine.attention.base import (
     BatchLayout,
     register_backend,
 )
-from tandem.engine.kv_cache.quant import KVCacheFormat, dequantize_rows, quantize_rows
+from tandem.engine.kv_cache.quant import (
+    KVCacheFormat,
+    dequantize_rows,
+    page_parts,
+    quantize_rows,
+)
 
 
 @dataclass
@@ -99,7 +106,8 @@ def write_then_attend(steps: PagedSteps, q: torch.Tensor, k: torch.Tensor, v: to
                       meta: TorchAttentionMetadata) -> torch.Tensor:
     """One layer's paged attention: the new tokens' K/V into the cache at `meta.write_rows`
     (quantized by `steps.write_quantized` when the cache is), then `steps.decode` for the
-    first `meta.num_decodes` rows and `steps.prefill` for the rest -> out [T, H, D]."""
+    first `meta.num_decodes` rows and `steps.prefill` for the rest -> out [T, H, D]. The
+    steps get each cache flattened to rows `[N, D]`, or quantized to pages `[N, page]`."""
     width = kv_cache[0].shape[-1]
     k_rows = kv_cache[0].view(-1, width)
     v_rows = kv_cache[1].view(-1, width)
@@ -124,11 +132,14 @@ class TorchAttentionBackend(AttentionBackend):
         return self._zero_kv_cache(num_blocks)
 
     def _gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Cache rows [N, width] at `index` -> [len(index), D] in the model dtype."""
-        picked = rows.index_select(0, index)
+        """Cache rows [N, D] (quantized: pages [N, page]) at row `index` -> [len(index), D]
+        in the model dtype."""
         if self.kv_format.quantized:
-            return dequantize_rows(picked, self.kv_format.name, self.dtype)
-        return picked
+            codes, scales = page_parts(rows, self.block_size)
+            page, off = index // self.block_size, index % self.block_size
+            return dequantize_rows(codes[page, off], scales[page, off], self.kv_format.name,
+                                   self.dtype)
+        return rows.index_select(0, index)
 
     def _rows(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """[B, max_blocks] block ids -> [B, KVH, length] cache rows for positions 0..length-1."""
@@ -207,16 +218,20 @@ class TorchAttentionBackend(AttentionBackend):
     def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize k/v [T, KVH, D] into the cache rows; returns them as the cache now holds
-        them (dequantized) where a torch prefill reads them, else k/v unchanged."""
-        name, width = self.kv_format.name, k_rows.shape[-1]
-        kq, vq = quantize_rows(k, name), quantize_rows(v, name)
-        k_rows.index_copy_(0, meta.write_rows, kq.view(-1, width))
-        v_rows.index_copy_(0, meta.write_rows, vq.view(-1, width))
+        """Quantize k/v [T, KVH, D] into the cache pages [N, page] at rows `meta.write_rows`;
+        returns them as the cache now holds them (dequantized) where a torch prefill reads
+        them, else k/v unchanged."""
+        name, bs, d = self.kv_format.name, self.block_size, self.spec.head_dim
+        page, off = meta.write_rows // bs, meta.write_rows % bs
+        (kc, ks), (vc, vs) = quantize_rows(k, name), quantize_rows(v, name)
+        for pages, c, s in ((k_rows, kc, ks), (v_rows, vc, vs)):
+            codes, scales = page_parts(pages, bs)
+            codes[page, off] = c.reshape(-1, d)
+            scales[page, off] = s.reshape(-1)
         if not meta.prefills:
             return k, v
         # prefill chunks attend to their own tokens as the cache holds them
-        return dequantize_rows(kq, name, k.dtype), dequantize_rows(vq, name, v.dtype)
+        return dequantize_rows(kc, ks, name, k.dtype), dequantize_rows(vc, vs, name, v.dtype)
 
     def decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                meta: TorchAttentionMetadata, out: torch.Tensor) -> None:

@@ -2,8 +2,9 @@
 CPU under Triton's interpreter, for tests).
 
 Same cache layout as the torch backend (K and V each `[num_blocks, KVH, block_size, D]`, a
-block one contiguous page; `[.., D + 2]` uint8 rows with kv_cache_dtype "fp8" / "int8",
-quantized by `reshape_and_cache` and dequantized in the attention kernels). Per step,
+block one contiguous page; with kv_cache_dtype "fp8" / "int8" uint8 pages
+`[num_blocks, KVH, block_size * (D + 2)]` of codes then float16 scales, quantized by
+`reshape_and_cache` and read as aligned code tiles in the attention kernels). Per step,
 `build_metadata` packs the batch's int32 indices (block tables, context lengths, query
 offsets, KV slots) into one host buffer, pinned and reused on CUDA, and uploads it with one
 non-blocking copy; every layer then runs
@@ -198,8 +199,8 @@ class TritonAttentionBackend(AttentionBackend):
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TritonAttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        fmt = self.kv_format.name
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache_dtype=fmt)
+        fmt, bs = self.kv_format.name, self.block_size
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache_dtype=fmt, block_size=bs)
         # padding rows are never attended: zero them, so no garbage flows through the layer
         alloc = torch.zeros if meta.padded else torch.empty
         out = alloc(q.shape, dtype=q.dtype, device=q.device)
@@ -208,11 +209,11 @@ class TritonAttentionBackend(AttentionBackend):
             self._attn.paged_decode_attention(
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale=scale,
                 sliding_window=self.window, num_splits=meta.num_splits,
-                workspace=meta.workspace, kv_cache_dtype=fmt)
+                workspace=meta.workspace, kv_cache_dtype=fmt, block_size=bs)
         else:
             self._attn.paged_attention(
                 q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start,
                 scale=scale, max_query_len=meta.max_query_len, sliding_window=self.window,
-                kv_cache_dtype=fmt)
+                kv_cache_dtype=fmt, block_size=bs)
         return out
 

@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) const float *row_and_prefetch(
     return cache + (int64_t)table[t / block_size] * page + in_block;
 }
 
-int tandem_paged_attention_abi(void) { return 5; }  /* ABI of the whole library */
+int tandem_paged_attention_abi(void) { return 6; }  /* ABI of the whole library */
 
 /* One (sequence, KV head) item; D is a compile-time constant in the specialised copies. */
 /* Each of the G score rows `scores[g * n ...]` (row maxima `mx`) -> its softmax, in place;
@@ -165,12 +165,14 @@ int tandem_paged_attention_decode_f32(
 }
 
 /*
- * The same decode attention over a quantized KV cache (engine/kv_cache/quant.py): each row
- * of k_cache / v_cache [NB, KVH, BS, D + 2] uint8 is D codes (fmt 1: int8, fmt 2: fp8
- * e4m3fn) and the row's float16 scale s (little-endian), x = code * s. Rows are read as
- * they are stored (D + 2 bytes instead of 4 D): each row's codes are converted to float
- * once into a D-float buffer shared by the G query heads, and the scale is folded in per
- * row: score = (scale * s_k) * dot(q, codes), acc += (p * s_v) * codes. fp8 codes convert
+ * The same decode attention over a quantized KV cache (engine/kv_cache/quant.py):
+ * k_cache / v_cache are uint8 [NB, KVH, BS * (D + 2)]; each (block, KV head) page holds
+ * its BS rows' D codes (fmt 1: int8, fmt 2: fp8 e4m3fn), row o at byte o * D, then their
+ * float16 scales s (little-endian), row o's at byte BS * D + 2 * o; x = code * s. Rows are
+ * read as they are stored (D + 2 bytes instead of 4 D; with D % 16 == 0 and BS % 8 == 0
+ * every code row is 16-byte aligned): each row's codes are converted to float once into a
+ * D-float buffer shared by the G query heads, and the scale is folded in per row:
+ * score = (scale * s_k) * dot(q, codes), acc += (p * s_v) * codes. fp8 codes convert
  * exactly with the bit trick bits = (b & 0x7F) << 20 | (b & 0x80) << 24, times 2^120
  * (subnormal codes land on float32 subnormals, exact without flush-to-zero). Returns 0,
  * -1 (out of memory), -2 (unsupported group or fmt).
@@ -239,18 +241,22 @@ static inline __attribute__((always_inline)) void codes_to_float(
         dst[d] = fmt == 1 ? (float)(int8_t)src[d] : fp8_to_float(src[d]);
 }
 
+/* Row t's codes in a quantized cache (its scale's two bytes at *scale), and a prefetch
+ * of the same row and scale one block ahead (`page`: bytes per block, all KV heads). */
 static inline __attribute__((always_inline)) const uint8_t *qrow_and_prefetch(
     const uint8_t *cache, const int32_t *table, int64_t t, int64_t len, int64_t kvh,
-    int64_t block_size, int64_t page, int64_t R)
+    int64_t block_size, int64_t page, int64_t D, const uint8_t **scale)
 {
-    const int64_t in_block = (kvh * block_size + t % block_size) * R;
+    const int64_t o = t % block_size, head = kvh * block_size * (D + 2);
     if (t + block_size < len) {
         const char *next = (const char *)(cache + (int64_t)table[t / block_size + 1] * page
-                                          + in_block);
-        for (int64_t c = 0; c < R; c += 64) __builtin_prefetch(next + c);
-        __builtin_prefetch(next + R - 1);
+                                          + head);
+        for (int64_t c = 0; c < D; c += 64) __builtin_prefetch(next + o * D + c);
+        __builtin_prefetch(next + block_size * D + 2 * o);
     }
-    return cache + (int64_t)table[t / block_size] * page + in_block;
+    const uint8_t *base = cache + (int64_t)table[t / block_size] * page + head;
+    *scale = base + block_size * D + 2 * o;
+    return base + o * D;
 }
 
 /* One (sequence, KV head) item over quantized rows; D and fmt constant in the copies. */
@@ -260,13 +266,15 @@ static inline __attribute__((always_inline)) void attend_q8(
     int64_t len, int64_t G, const int64_t D, const int fmt, int64_t kvh, int64_t block_size,
     int64_t page, float scale, float *restrict scores, float *restrict row)
 {
-    const int64_t n = len - first, R = D + 2;
+    const int64_t n = len - first;
+    const uint8_t *sp;
     float mx[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
 
     for (int64_t t = first; t < len; t++) {
-        const uint8_t *kr = qrow_and_prefetch(k_cache, table, t, len, kvh, block_size, page, R);
-        const float sk = scale * half_to_float(kr + D);
+        const uint8_t *kr =
+            qrow_and_prefetch(k_cache, table, t, len, kvh, block_size, page, D, &sp);
+        const float sk = scale * half_to_float(sp);
         codes_to_float(row, kr, D, fmt);
         for (int64_t g = 0; g < G; g++) {
             const float *restrict qg = qh + g * D;
@@ -280,8 +288,9 @@ static inline __attribute__((always_inline)) void attend_q8(
     }
     softmax_and_clear(scores, mx, G, n, oh, D);
     for (int64_t t = first; t < len; t++) {
-        const uint8_t *vr = qrow_and_prefetch(v_cache, table, t, len, kvh, block_size, page, R);
-        const float sv = half_to_float(vr + D);
+        const uint8_t *vr =
+            qrow_and_prefetch(v_cache, table, t, len, kvh, block_size, page, D, &sp);
+        const float sv = half_to_float(sp);
         codes_to_float(row, vr, D, fmt);
         for (int64_t g = 0; g < G; g++) {
             const float p = scores[g * n + (t - first)] * sv;
@@ -391,21 +400,25 @@ static inline uint8_t float_to_fp8(float y)
 /*
  * Quantize rows into a quantized cache (engine/kv_cache/quant.py, the same bytes as its
  * torch reference): src row r (of T * KVH rows: token r / KVH, head r % KVH) is at
- * src + (r / KVH) * src_stride + (r % KVH) * D floats; it goes to cache row dst_rows[r] of
- * `cache` viewed as [rows, D + 2] uint8. fmt 1 int8, 2 fp8. Returns 0, or -2 for a bad fmt.
+ * src + (r / KVH) * src_stride + (r % KVH) * D floats; it goes to cache row dst_rows[r],
+ * i.e. offset o = dst_rows[r] % BS of page dst_rows[r] / BS of `cache` viewed as pages
+ * [NB * KVH, BS * (D + 2)] uint8: codes at o * D, scale at BS * D + 2 * o. fmt 1 int8,
+ * 2 fp8. Returns 0, or -2 for a bad fmt.
  */
 int tandem_kv_quantize_write(
     uint8_t *cache, const float *src, const int64_t *dst_rows, int64_t num_tokens,
-    int64_t num_kv_heads, int64_t head_dim, int64_t src_stride, int64_t fmt,
-    int64_t num_threads)
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t src_stride,
+    int64_t fmt, int64_t num_threads)
 {
-    const int64_t D = head_dim, R = D + 2, n = num_tokens * num_kv_heads;
+    const int64_t D = head_dim, P = block_size * (D + 2), n = num_tokens * num_kv_heads;
     if (fmt != 1 && fmt != 2) return -2;
     const float qmax = fmt == 1 ? 127.0f : 448.0f;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= 256)
     for (int64_t r = 0; r < n; r++) {
         const float *x = src + (r / num_kv_heads) * src_stride + (r % num_kv_heads) * D;
-        uint8_t *dst = cache + dst_rows[r] * R;
+        const int64_t o = dst_rows[r] % block_size;
+        uint8_t *page = cache + (dst_rows[r] / block_size) * P;
+        uint8_t *dst = page + o * D, *sdst = page + block_size * D + 2 * o;
         float amax = 0.0f;
         for (int64_t d = 0; d < D; d++) {
             const float a = fabsf(x[d]);
@@ -428,8 +441,8 @@ int tandem_kv_quantize_write(
                 dst[d] = float_to_fp8(y);
             }
         }
-        dst[D] = (uint8_t)(h & 0xFF);
-        dst[D + 1] = (uint8_t)(h >> 8);
+        sdst[0] = (uint8_t)(h & 0xFF);
+        sdst[1] = (uint8_t)(h >> 8);
     }
     return 0;
 }

@@ -12,10 +12,13 @@ per-sequence lengths are read in-kernel, so none of these calls syncs with the d
 CUDA graph captured with fixed shapes stays valid for any lengths.
 
 A quantized cache (`kv_cache_dtype` "int8" / "fp8", `kv_cache/quant.py`) is uint8
-`[num_blocks, KVH, block_size, D + 2]`: each row's D codes, then its float16 scale's two
-bytes (combined into a uint16 and bitcast). The kernels (constexpr KV_FMT: 0 float, 1 int8,
-2 fp8) convert the codes exactly (fp8 in integer arithmetic, so no GPU fp8 support is
-needed) and fold the scales in per key: scores = (q . codes) * s_k, acc += (p * s_v) codes.
+`[num_blocks, KVH, block_size * (D + 2)]`: each (block, KV head) page holds its rows' codes
+`[block_size, D]`, then their float16 scales `[block_size]`, which the kernels read through
+a float16 view of the same cache. With D a multiple of 16 and block_size of 8 every code
+row is 16-byte aligned, so a `[BLOCK_N, D]` tile of codes is one vectorized load. The
+kernels (constexpr KV_FMT: 0 float, 1 int8, 2 fp8) convert the codes exactly (fp8 in
+integer arithmetic, so no GPU fp8 support is needed) and fold the scales in per key:
+scores = (q . codes) * s_k, acc += (p * s_v) codes.
 
 Under `TRITON_INTERPRET=1` (CPU tensors) tiles are upcast to float32 before `tl.dot` (the
 interpreter's bfloat16 dot is wrong); on CUDA, 16-bit tiles feed the tensor cores directly
@@ -52,32 +55,29 @@ def _codes_to_float(b, KV_FMT: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(ptr, mask):
-    """The float16 scales whose two bytes start at ptr [N] -> float32 [N] (0 where masked)."""
-    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, pos, row_ok,
-                 window, scale_log2, stride_kb, stride_ks, offs_d, d_ok,
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, start, key_lo,
+                 key_hi, pos, row_ok, window, scale_log2, stride_kb, stride_ks, offs_d, d_ok,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                  PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, KV_FMT: tl.constexpr):
     """One online-softmax update of (m_i, l_i, acc) with keys [start, start + BLOCK_N) that
-    lie in [key_lo, key_hi); query row r sits at position pos[r] (causal + window masks)."""
+    lie in [key_lo, key_hi); query row r sits at position pos[r] (causal + window masks).
+    k_ptr / v_ptr: this KV head's page in block 0; ks_ptr / vs_ptr: the same as float16
+    (quantized caches: their scales are read through it)."""
     n = start + tl.arange(0, BLOCK_N)
     n_ok = (n >= key_lo) & (n < key_hi)
     blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    kv_off = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
     kv_mask = n_ok[:, None] & d_ok[None, :]
     if KV_FMT == 0:
+        kv_off = blk * stride_kb + (n % BLOCK_SIZE) * stride_ks
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     else:
+        # a page: BLOCK_SIZE rows of HEAD_DIM codes (16-byte aligned rows), then the scales
+        kv_off = blk * stride_kb + (n % BLOCK_SIZE) * HEAD_DIM
+        s_off = blk * (stride_kb // 2) + (BLOCK_SIZE * HEAD_DIM // 2) + n % BLOCK_SIZE
         k = _codes_to_float(tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask,
                                     other=0), KV_FMT).to(DOT)
-        k_scale = _row_scales(k_ptr + kv_off + HEAD_DIM, n_ok) * scale_log2
+        k_scale = tl.load(ks_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32) * scale_log2
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
     keep = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= pos[:, None])
     keep = keep & ((window == 0) | (n[None, :] > pos[:, None] - window))
@@ -92,7 +92,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, 
     else:
         v = _codes_to_float(tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask,
                                     other=0), KV_FMT).to(DOT)
-        p_v = p * _row_scales(v_ptr + kv_off + HEAD_DIM, n_ok)[None, :]
+        p_v = p * tl.load(vs_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         pv = tl.dot(p_v.to(DOT), v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
@@ -103,7 +103,8 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_row, start, key_lo, key_hi, 
 # variants mid-serving as those change. Only loop/launch-shaping constexprs pick a kernel.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
             do_not_specialize_on_alignment=["seq_lens_ptr", "qs_ptr"])
-def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num_seqs,
+def _varlen_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr,
+                   num_seqs,
                    scale_log2, window, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kb, stride_kh, stride_ks,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -152,11 +153,13 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     kv_head = kvh.to(tl.int64) * stride_kh
+    s_head = kvh.to(tl.int64) * (stride_kh // 2)
     for start in range((key_lo // BLOCK_N) * BLOCK_N, key_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
-                                     start, key_lo, key_hi, pos, row_ok, window, scale_log2,
-                                     stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
-                                     DOT, PRECISION, HEAD_DIM, KV_FMT)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head,
+                                     ks_ptr + s_head, vs_ptr + s_head, bt_row, start, key_lo,
+                                     key_hi, pos, row_ok, window, scale_log2, stride_kb,
+                                     stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT,
+                                     PRECISION, HEAD_DIM, KV_FMT)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + t64[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
@@ -164,9 +167,9 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qs_ptr, num
 
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["seq_lens_ptr"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, bt_ptr,
-                   seq_lens_ptr, scale_log2, window, stride_qb, stride_qh, stride_ob, stride_oh,
-                   stride_bt, stride_kb, stride_kh, stride_ks, stride_wb, stride_wh,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                   bt_ptr, seq_lens_ptr, scale_log2, window, stride_qb, stride_qh, stride_ob,
+                   stride_oh, stride_bt, stride_kb, stride_kh, stride_ks, stride_wb, stride_wh,
                    stride_ab, stride_ah, stride_as,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -202,11 +205,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr, b
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = bt_ptr + b64 * stride_bt
     kv_head = kvh.to(tl.int64) * stride_kh
+    s_head = kvh.to(tl.int64) * (stride_kh // 2)
     for tile_start in range(start, stop, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head, bt_row,
-                                     tile_start, key_lo, stop, pos, row_ok, window, scale_log2,
-                                     stride_kb, stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N,
-                                     DOT, PRECISION, HEAD_DIM, KV_FMT)
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr + kv_head, v_ptr + kv_head,
+                                     ks_ptr + s_head, vs_ptr + s_head, bt_row, tile_start,
+                                     key_lo, stop, pos, row_ok, window, scale_log2, stride_kb,
+                                     stride_ks, offs_d, d_ok, BLOCK_SIZE, BLOCK_N, DOT,
+                                     PRECISION, HEAD_DIM, KV_FMT)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
@@ -288,24 +293,32 @@ def _dot_config(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-           block_tables: torch.Tensor, seq_lens: torch.Tensor, kv_cache_dtype: str) -> int:
-    """Validate shapes/dtypes shared by both entry points; returns the GQA group size."""
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, kv_cache_dtype: str,
+           block_size: int | None) -> tuple[int, int]:
+    """Validate shapes/dtypes shared by both entry points; returns the GQA group size and
+    the block size (a float cache's shape[2]; a quantized cache's must be given)."""
     fmt = kv_format(kv_cache_dtype)
     if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError(f"q and out must be [T, H, D] of one dtype, got {tuple(q.shape)} "
                          f"{q.dtype} and {tuple(out.shape)} {out.dtype}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if fmt.quantized and block_size is None:
+        raise ValueError(f"a {fmt.name} KV cache needs its block_size")
+    bs = k_cache.shape[2] if block_size is None else block_size
+    want_shape = fmt.cache_shape(k_cache.shape[0], k_cache.shape[1], bs, head_dim)
+    if k_cache.shape != want_shape or k_cache.shape != v_cache.shape or not (
             k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous [num_blocks, KVH, block_size, D]")
+        raise ValueError(f"{num_heads} query heads of dim {head_dim} need contiguous "
+                         f"k_cache and v_cache {list(want_shape)} ([num_blocks, KV heads, "
+                         f"...]), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     want = fmt.cache_dtype(q.dtype)
     if k_cache.dtype != want or v_cache.dtype != want:
         raise ValueError(f"cache dtype {k_cache.dtype} is not {want} (q {q.dtype}, "
                          f"kv_cache_dtype {fmt.name!r})")
-    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
-    if k_cache.shape[3] != fmt.row_width(head_dim) or num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads of dim {head_dim} do not fit a cache of "
-                         f"{num_kv_heads} KV heads of dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not fit a cache of {num_kv_heads} KV "
+                         "heads")
     for t in (q, out):
         if t.shape[0] and (t.stride(2) != 1 or t.stride(1) != head_dim):
             raise ValueError("q/out heads and head_dim must be contiguous")
@@ -314,7 +327,21 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     if block_tables.dim() != 2 or block_tables.stride(1) != 1 or seq_lens.dim() != 1 or (
             block_tables.shape[0] != seq_lens.shape[0]):
         raise ValueError("block_tables must be [B, W] (rows contiguous) and seq_lens [B]")
-    return num_heads // num_kv_heads
+    return num_heads // num_kv_heads, bs
+
+
+def _row_stride(k_cache: torch.Tensor) -> int:
+    """A float cache's row stride (stride_ks); quantized pages' rows are HEAD_DIM apart."""
+    return k_cache.stride(2) if k_cache.dim() == 4 else 0
+
+
+def _scale_views(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels' ks_ptr / vs_ptr point at: a quantized cache as float16 (its scales
+    are read through it), a float cache itself (unused)."""
+    if kv_format(kv_cache_dtype).quantized:
+        return k_cache.view(torch.float16), v_cache.view(torch.float16)
+    return k_cache, v_cache
 
 
 def _check_window(sliding_window: int) -> None:
@@ -364,13 +391,16 @@ def _shared_memory_limit(device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, *, scale: float, max_query_len: int,
-                    sliding_window: int = 0, kv_cache_dtype: str = "auto") -> None:
+                    sliding_window: int = 0, kv_cache_dtype: str = "auto",
+                    block_size: int | None = None) -> None:
     """Varlen causal attention of a mixed batch into `out` (q/out `[T, H, D]`). Sequence b's
     new tokens are q rows [query_start[b], query_start[b + 1]), its last positions of
     `seq_lens[b]` (their K/V already cached). `max_query_len` (a host int, an upper bound is
     fine) only picks the tile size. Rows past query_start[B] and qlen-0 sequences are untouched.
-    kv_cache_dtype "int8" / "fp8": the caches hold quantized uint8 rows [.., D + 2]."""
-    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype)
+    kv_cache_dtype "int8" / "fp8": the caches are quantized uint8 pages
+    [num_blocks, KVH, block_size * (D + 2)] and `block_size` must be given."""
+    group, bs = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype,
+                       block_size)
     _check_window(sliding_window)
     num_seqs = seq_lens.shape[0]
     if query_start.dtype != torch.int32 or query_start.shape != (num_seqs + 1,):
@@ -385,10 +415,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // group
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[1])
     _varlen_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start, num_seqs,
+        q, k_cache, v_cache, *_scale_views(k_cache, v_cache, kv_cache_dtype), out,
+        block_tables, seq_lens, query_start, num_seqs,
         scale * _LOG2E, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim,
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), _row_stride(k_cache),
+        GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=_VARLEN_BLOCK_N, DOT=dot, PRECISION=precision,
         KV_FMT=kv_format(kv_cache_dtype).code, num_warps=8 if block_m >= 128 else 4,
@@ -427,15 +458,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            *, scale: float, sliding_window: int = 0, num_splits: int = 1,
                            workspace: DecodeWorkspace | None = None,
-                           kv_cache_dtype: str = "auto",
+                           kv_cache_dtype: str = "auto", block_size: int | None = None,
                            config: DecodeConfig | None = None) -> None:
     """Decode attention (one new token per sequence, q/out `[B, H, D]`) into `out`; rows with
     seq_lens[b] == 0 are untouched. num_splits > 1 splits each context into that many key
     ranges (computed in-kernel) reduced by a second kernel through `workspace` (allocated
-    per call when None, which a CUDA graph must not rely on). kv_cache_dtype as
-    `paged_attention`'s; `config` the launch parameters (default `DECODE_CONFIG`)."""
+    per call when None, which a CUDA graph must not rely on). kv_cache_dtype and block_size
+    as `paged_attention`'s; `config` the launch parameters (default `DECODE_CONFIG`)."""
     cfg = DECODE_CONFIG if config is None else config
-    group = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype)
+    group, bs = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype,
+                       block_size)
     _check_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
@@ -459,11 +491,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ws_strides = ((ws.m.stride(0), ws.m.stride(1), ws.acc.stride(0), ws.acc.stride(1),
                    ws.acc.stride(2)) if ws else (0, 0, 0, 0, 0))
     _decode_kernel[(batch, k_cache.shape[1], num_splits)](
-        q, k_cache, v_cache, out, ws_m, ws_l, ws_acc, block_tables, seq_lens,
+        q, k_cache, v_cache, *_scale_views(k_cache, v_cache, kv_cache_dtype), out, ws_m, ws_l,
+        ws_acc, block_tables, seq_lens,
         scale * _LOG2E, sliding_window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), _row_stride(k_cache),
         *ws_strides,
-        GROUP=group, BLOCK_SIZE=k_cache.shape[2], HEAD_DIM=head_dim, D_PAD=d_pad,
+        GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=head_dim, D_PAD=d_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         NUM_SPLITS=num_splits, DOT=dot, PRECISION=precision,
         KV_FMT=kv_format(kv_cache_dtype).code, num_warps=cfg.num_warps,

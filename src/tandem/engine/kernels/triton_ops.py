@@ -235,7 +235,7 @@ def _div_rn(x, y):
 
 @triton.jit
 def _quantize_rows(x, FMT: tl.constexpr):
-    """x [R, H, D] float32 -> (codes [R, H, D] uint8, scale bits [R, H] uint16): the
+    """x [R, H, D] float32 -> (codes [R, H, D] uint8, scales [R, H] float16): the
     reference `kv_cache/quant.py` (FMT 1 int8, 2 fp8 e4m3fn), bit for bit."""
     amax = tl.max(tl.abs(x), axis=2)
     s = _div_rn(amax, 127.0 if FMT == 1 else 448.0)
@@ -256,16 +256,18 @@ def _quantize_rows(x, FMT: tl.constexpr):
         # subnormal: |y| + 2^14 rounds |y| to a multiple of 2^-9 (the low mantissa bits)
         sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
         codes = (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
-    return codes, s16.to(tl.uint16, bitcast=True)
+    return codes, s16
 
 
 @triton.jit(do_not_specialize=["n_tokens"], do_not_specialize_on_alignment=["slot_ptr"])
-def _reshape_and_quantize_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, n_tokens,
-                                 n_heads, head_dim, block_size, k_stride, v_stride,
-                                 cache_block_stride, cache_head_stride, FMT: tl.constexpr,
-                                 ROWS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                                 BLOCK_D: tl.constexpr):
-    """reshape_and_cache into uint8 rows [.., D + 2]: codes, then the fp16 scale's bytes."""
+def _reshape_and_quantize_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, ks_ptr, vs_ptr,
+                                 slot_ptr, n_tokens, n_heads, head_dim, block_size, k_stride,
+                                 v_stride, cache_block_stride, cache_head_stride,
+                                 FMT: tl.constexpr, ROWS: tl.constexpr,
+                                 BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """reshape_and_cache into quantized pages [.., block_size * (D + 2)]: a row's codes at
+    offset * D of its page, its float16 scale (through ks_ptr / vs_ptr, the caches as
+    float16) at block_size * D + 2 * offset bytes."""
     tok = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=tok < n_tokens, other=-1).to(tl.int64)
     valid = (tok < n_tokens) & (slot >= 0)
@@ -274,32 +276,37 @@ def _reshape_and_quantize_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_pt
     d = tl.arange(0, BLOCK_D)
     row_ok = valid[:, None] & (heads < n_heads)[None, :]
     mask = row_ok[:, :, None] & (d < head_dim)[None, None, :]
-    row = ((slot // block_size) * cache_block_stride + (slot % block_size) * (head_dim + 2))
-    row = row[:, None] + heads[None, :] * cache_head_stride  # [ROWS, BLOCK_HEADS]
+    off = slot % block_size
+    page = (slot // block_size) * cache_block_stride
+    page = page[:, None] + heads[None, :] * cache_head_stride  # [ROWS, BLOCK_HEADS] bytes
+    row = page + (off * head_dim)[:, None]
+    scale = page // 2 + (block_size * head_dim // 2 + off)[:, None]  # float16 elements
     head_off = heads[None, :, None] * head_dim + d[None, None, :]
-    _quantize_store(k_ptr + tok[:, None, None] * k_stride + head_off, k_cache_ptr, row, d,
-                    head_dim, mask, row_ok, FMT)
-    _quantize_store(v_ptr + tok[:, None, None] * v_stride + head_off, v_cache_ptr, row, d,
-                    head_dim, mask, row_ok, FMT)
+    _quantize_store(k_ptr + tok[:, None, None] * k_stride + head_off, k_cache_ptr, ks_ptr, row,
+                    scale, d, mask, row_ok, FMT)
+    _quantize_store(v_ptr + tok[:, None, None] * v_stride + head_off, v_cache_ptr, vs_ptr, row,
+                    scale, d, mask, row_ok, FMT)
 
 
 @triton.jit
-def _quantize_store(src_ptrs, cache_ptr, row, d, head_dim, mask, row_ok, FMT: tl.constexpr):
-    """Quantize the rows at src_ptrs [R, H, D] into cache rows starting at `row` [R, H]."""
+def _quantize_store(src_ptrs, cache_ptr, scale_ptr, row, scale, d, mask, row_ok,
+                    FMT: tl.constexpr):
+    """Quantize the rows at src_ptrs [R, H, D] into codes at byte `row` [R, H] of the cache
+    and scales at float16 element `scale` [R, H]."""
     x = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)
-    codes, sbits = _quantize_rows(x, FMT)
+    codes, s16 = _quantize_rows(x, FMT)
     tl.store(cache_ptr + row[:, :, None] + d[None, None, :], codes, mask=mask)
-    tl.store(cache_ptr + row + head_dim, (sbits & 0xFF).to(tl.uint8), mask=row_ok)
-    tl.store(cache_ptr + row + head_dim + 1, (sbits >> 8).to(tl.uint8), mask=row_ok)
+    tl.store(scale_ptr + scale, s16, mask=row_ok)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                      kv_cache_dtype: str = "auto") -> None:
+                      kv_cache_dtype: str = "auto", block_size: int | None = None) -> None:
     """Write k/v [T, KVH, D] (rows may be strided) into caches [num_blocks, KVH, block_size,
     D] at slot_mapping [T] (int32/int64, block * block_size + offset); slot < 0 is skipped.
-    kv_cache_dtype "fp8" / "int8": the caches are uint8 [.., D + 2] and each row is
-    quantized as `kv_cache/quant.py` does (the same bytes)."""
+    kv_cache_dtype "fp8" / "int8": the caches are uint8 pages [num_blocks, KVH,
+    block_size * (D + 2)] (`block_size` must be given) and each row is quantized as
+    `kv_cache/quant.py` does (the same bytes)."""
     from tandem.engine.kv_cache.quant import kv_format
 
     fmt = kv_format(kv_cache_dtype)
@@ -308,10 +315,14 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     t, heads, d = k.shape
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    width = fmt.row_width(d)
-    if k_cache.dim() != 4 or k_cache.shape[1] != heads or k_cache.shape[3] != width:
-        raise ValueError(f"k_cache must be [num_blocks, {heads}, block_size, {width}], got "
-                         f"{tuple(k_cache.shape)}")
+    if fmt.quantized and block_size is None:
+        raise ValueError(f"a {fmt.name} KV cache needs its block_size")
+    bs = block_size if fmt.quantized else (k_cache.shape[2] if k_cache.dim() == 4 else 0)
+    nb = k_cache.shape[0] if k_cache.dim() else 0
+    if tuple(k_cache.shape) != fmt.cache_shape(nb, heads, bs, d):
+        want = ("[num_blocks, {heads}, {bs} * ({d} + 2)] uint8" if fmt.quantized
+                else "[num_blocks, {heads}, block_size, {d}]").format(heads=heads, bs=bs, d=d)
+        raise ValueError(f"k_cache must be {want}, got {tuple(k_cache.shape)}")
     if fmt.quantized and k_cache.dtype != torch.uint8:
         raise ValueError(f"a {fmt.name} KV cache must be uint8, got {k_cache.dtype}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous()
@@ -326,7 +337,8 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     rows = _rows_per_program(t, block_heads * block_d)
     if fmt.quantized:
         _reshape_and_quantize_kernel[(triton.cdiv(t, rows),)](
-            k, v, k_cache, v_cache, slot_mapping.contiguous(), t, heads, d, k_cache.shape[2],
+            k, v, k_cache, v_cache, k_cache.view(torch.float16), v_cache.view(torch.float16),
+            slot_mapping.contiguous(), t, heads, d, bs,
             k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), FMT=fmt.code,
             ROWS=rows, BLOCK_HEADS=block_heads, BLOCK_D=block_d,
             num_warps=_warps(rows * block_heads * block_d))

@@ -1,6 +1,8 @@
 """Copies of whole KV pages out of and into a paged cache (P/D transfers, tensor-parallel
-page moves). A layer's cache is a (K, V) pair of `[num_blocks, kvh, block_size, row]`
-tensors; a layer's pages travel as one `[2, n, kvh, bs, row]` tensor in the cache's dtype.
+page moves). A layer's cache is a (K, V) pair of `[num_blocks, kvh, *page]` tensors (page
+`[block_size, head_dim]`, or quantized `[block_size * (head_dim + 2)]` uint8: codes, then
+scales, `kv_cache/quant.py`); a layer's pages travel as one `[2, n, kvh, *page]` tensor in
+the cache's dtype (`PageLayout.layer_shape`), opaque here: any format moves the same way.
 `index`: `block_ids` already as an int64 tensor on the cache's device (build it once when
 many layers move the same blocks)."""
 
@@ -17,7 +19,7 @@ def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
 
 def gather_layer(kv_caches: Caches, layer: int, block_ids: list[int],
                  index: torch.Tensor | None = None) -> torch.Tensor:
-    """`[2, n, kvh, bs, row]` copy of `block_ids` in `layer`, on the cache's device (the
+    """`[2, n, kvh, *page]` copy of `block_ids` in `layer`, on the cache's device (the
     blocks must be pinned)."""
     k, v = kv_caches[layer]
     idx = block_index(block_ids, k.device) if index is None else index
@@ -29,7 +31,7 @@ def gather_layer(kv_caches: Caches, layer: int, block_ids: list[int],
 
 def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor,
                   index: torch.Tensor | None = None) -> None:
-    """Write `[2, n, kvh, bs, row]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
+    """Write `[2, n, kvh, *page]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
     k, v = kv_caches[layer]
     idx = block_index(block_ids, k.device) if index is None else index
     k.index_copy_(0, idx, pages[0].to(k.device))
