@@ -9,6 +9,7 @@ NaN-filled outputs, so a read outside the context or an unwritten element shows 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -287,6 +288,70 @@ def test_bad_inputs_are_rejected():
                                batch.seq_lens, scale=1.0, num_splits=4, workspace=small)
 
 
+# --- quantized pages: written and read on the kernels' device ------------------------------
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_pages_written_and_attended_on_the_device(name):
+    """On the kernels' device (a GPU, or the CPU under the interpreter), over pages
+    `[num_blocks, KVH, bs * (D + 2)]` poisoned with 0xFF (a NaN scale) wherever nothing was
+    written: `reshape_and_cache` writes exactly the torch reference's codes and scales at
+    shuffled slots, and the split-KV decode and varlen kernels over those pages match the
+    float64 reference over the dequantized rows."""
+    from tandem.engine.kernels.triton_ops import reshape_and_cache
+    from tandem.engine.kv_cache.quant import dequantize_rows, page_parts, quantize_rows
+
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    bs, d, kvh, h = 16, 64, 2, 4
+    lens, qlens = [1, 19, 40, 33], [1, 5, 12, 33]
+    needed = [-(-n // bs) for n in lens]
+    num_blocks = sum(needed) + 2  # a spare block, and the poison block the padding points at
+    ids = list(range(num_blocks - 1))
+    rng.shuffle(ids)
+    tables = torch.full((len(lens), max(needed) + 1), num_blocks - 1, dtype=torch.int32)
+    slots = []
+    for b, (n, w) in enumerate(zip(lens, needed, strict=True)):
+        blocks = [ids.pop() for _ in range(w)]
+        tables[b, :w] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(n)]
+    t = sum(lens)
+    k, v = (torch.randn(t, kvh, d, generator=gen) * torch.exp(torch.randn(t, kvh, 1,
+                                                                          generator=gen))
+            for _ in range(2))
+    caches = [torch.full((num_blocks, kvh, bs * (d + 2)), 0xFF, dtype=torch.uint8,
+                         device=DEVICE) for _ in range(2)]
+    reshape_and_cache(k.to(DEVICE), v.to(DEVICE), *caches, torch.tensor(slots, device=DEVICE),
+                      kv_cache_dtype=name, block_size=bs)
+    slot = torch.tensor(slots)
+    deq = []
+    for cache, x in zip(caches, (k, v), strict=True):
+        codes, scales = page_parts(cache.cpu(), bs)
+        want_codes, want_scales = quantize_rows(x, name)
+        assert torch.equal(codes[slot // bs, :, slot % bs], want_codes)
+        assert torch.equal(scales[slot // bs, :, slot % bs], want_scales)
+        deq.append(dequantize_rows(want_codes, want_scales, name, torch.float64).split(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    tables, scale = tables.to(DEVICE), d ** -0.5
+    q = torch.randn(len(lens), h, d, generator=gen)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    paged_decode_attention(q.to(DEVICE), *caches, out, tables, seq_lens, scale=scale,
+                           num_splits=2, kv_cache_dtype=name, block_size=bs)
+    for b, n in enumerate(lens):
+        ref = reference(q[b:b + 1], deq[0][b], deq[1][b], torch.tensor([n - 1]), scale, 0)
+        assert_close(out[b:b + 1], ref, torch.float32)
+    starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), h, d, generator=gen)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    paged_attention(q.to(DEVICE), *caches, out, tables, seq_lens, starts.to(DEVICE),
+                    scale=scale, max_query_len=max(qlens), kv_cache_dtype=name, block_size=bs)
+    for b, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
+        rows = slice(int(starts[b]), int(starts[b + 1]))
+        ref = reference(q[rows], deq[0][b], deq[1][b], torch.arange(n - ql, n), scale, 0)
+        assert_close(out[rows], ref, torch.float32)
+    with pytest.raises(ValueError, match="needs its block_size"):
+        paged_decode_attention(q[:4].to(DEVICE), *caches, out[:4], tables, seq_lens,
+                               scale=scale, kv_cache_dtype=name)
+
+
 _COMPILE_SCRIPT = textwrap.dedent("""
     import collections, inspect, json, re
     import triton, triton.language as tl
@@ -310,7 +375,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         ops = collections.Counter(m.split(".f32")[0] for m in OPS.findall(c.asm["ptx"]))
         report[name] = {"shared": c.metadata.shared, "ops": dict(ops)}
 
-    io = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+    io = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "o_ptr")}
     tables = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qs_ptr": "*i32"}
     ws = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32"}
     common = dict(BLOCK_SIZE=16, HEAD_DIM=128, D_PAD=128, BLOCK_N=64, DOT=tl.bfloat16,
