@@ -1,7 +1,9 @@
 """The step plan's wire form (`engine/parallel/plan.py`): random plans of every kind
 round-trip exactly (dtypes included: the block table stays int32 for the attention
-kernels), and malformed arrays (bad magic, unknown kind, negative or oversized counts, a
-payload shorter or longer than its header says) are a ValueError, never a plan."""
+kernels; the forward's decisions too: LoRA slots per token, graphs, hidden states), and
+malformed arrays (bad magic, unknown kind, negative or oversized counts, unknown flags, a
+LoRA slot count other than 0 or T, a payload shorter or longer than its header says) are
+a ValueError, never a plan."""
 
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ def _random_plan(rng: random.Random) -> StepPlan:
         logits_idx=ints(rng.randrange(0, t + 1)), query_lens=np.array(q, dtype=np.int64),
         seq_lens=ints(b), block_table=ints(b * w, 1 << 30).astype(np.int32).reshape(b, w),
         table_lens=ints(b, w + 1).astype(np.int32), num_decode=rng.randrange(0, t + 1),
-        return_hidden=rng.random() < 0.5, block_ids=ints(rng.randrange(0, 5)))
+        return_hidden=rng.random() < 0.5, block_ids=ints(rng.randrange(0, 5)),
+        lora_slots=(np.array([rng.randrange(-1, 4) for _ in range(t)], dtype=np.int64)
+                    if rng.random() < 0.5 else np.empty(0, np.int64)),
+        graphs=rng.random() < 0.5)
 
 
 def test_random_plans_round_trip() -> None:
@@ -34,9 +39,9 @@ def test_random_plans_round_trip() -> None:
         plan = _random_plan(rng)
         got = StepPlan.decode(plan.encode())
         assert got.kind == plan.kind and got.num_decode == plan.num_decode
-        assert got.return_hidden == plan.return_hidden
+        assert got.return_hidden == plan.return_hidden and got.graphs == plan.graphs
         for name in ("tokens", "positions", "slots", "logits_idx", "query_lens", "seq_lens",
-                     "block_table", "table_lens", "block_ids"):
+                     "block_table", "table_lens", "block_ids", "lora_slots"):
             a, b = getattr(got, name), getattr(plan, name)
             assert a.shape == b.shape and np.array_equal(a, b), name
         assert got.block_table.dtype == np.int32 and got.block_table.flags.c_contiguous
@@ -49,7 +54,7 @@ def _header(**over: int) -> np.ndarray:
                     seq_lens=np.array([3]), block_table=np.array([[1]], np.int32),
                     table_lens=np.array([1], np.int32))
     data = plan.encode()
-    names = ["magic", "kind", "t", "l", "b", "w", "nd", "flags", "p"]
+    names = ["magic", "kind", "t", "l", "b", "w", "nd", "flags", "p", "s"]
     for k, v in over.items():
         data[names.index(k)] = v
     return data
@@ -60,13 +65,23 @@ def _header(**over: int) -> np.ndarray:
     (dict(kind=9), "is not a valid PlanKind"),
     (dict(t=-1), "out of range"),
     (dict(nd=4), "out of range"),
-    (dict(flags=2), "out of range"),
+    (dict(flags=4), "out of range"),
+    (dict(s=2), "out of range"),  # LoRA slots for some tokens only
+    (dict(s=-3), "out of range"),
+    (dict(magic=0x7A4E_0001), "bad magic"),  # the format before LoRA slots and graphs
     (dict(t=MAX_ELEMENTS), "too large"),
     (dict(b=2), "payload"),
 ])
 def test_malformed_plans_are_refused(over: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StepPlan.decode(_header(**over))
+
+
+def test_lora_slots_for_some_tokens_only_do_not_encode() -> None:
+    plan = StepPlan(tokens=np.arange(3), positions=np.arange(3), slots=np.arange(3),
+                    lora_slots=np.array([0, -1]))
+    with pytest.raises(ValueError, match="2 LoRA slots for 3 tokens"):
+        plan.encode()
 
 
 def test_truncated_and_padded_payloads_are_refused() -> None:

@@ -29,7 +29,7 @@ def apply_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, backend: object) -> 
     local.load_weights(shard_weights(
         ((n, t.detach()) for n, t in model._weight_targets().items()), arch, plan))
     local.rope.compute(weight.device)
-    wrap_tp(local, plan, comm)
+    wrap_tp(local, plan, comm, logits_to_all=True)  # every rank checks its logits
     return local.eval()
 
 

@@ -211,9 +211,6 @@ class EngineConfig:
             raise ConfigError("quantization 'gguf' keeps the file's compressed tensors, which "
                               f"cannot be sliced: with tensor_parallel_size {tp} use int8, "
                               "int4, w8a8 or fp8 (each rank quantizes its slice)")
-        if self.enable_lora:
-            raise ConfigError("LoRA adapters are not sharded yet: tensor_parallel_size "
-                              f"{tp} needs enable_lora off")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -9,8 +9,12 @@ its inputs into those buffers, padding the batch to the next captured size (padd
 have context length 0 and KV slot -1, so attention and the cache write skip them), replays,
 and hands the real rows' logits to the sampler, which runs outside the graph.
 
-Not applicable (the caller runs eagerly): a step with prefill tokens, prompt logprobs or a
-layer observer, a batch above the largest size, a backend without `supports_cuda_graphs`.
+Not applicable (the caller runs eagerly): a step with prefill tokens, prompt logprobs, a
+layer observer, LoRA adapters or hidden states for a proposer, a batch above the largest
+size (`padded_size` None), a backend without `supports_cuda_graphs`. Rank 0 decides and the
+step's plan says so (`StepPlan.graphs`), so with tensor parallelism every rank replays its
+own graphs in the same step (their collectives captured with them: NCCL on CUDA); ranks
+> 0 hold no logits (gathered to rank 0) and `run` returns None there.
 `capture=False` runs the same static-buffer forward eagerly: the path tests check on the
 CPU. `build_decode_graphs` decides at engine start: graphs on CUDA unless
 `enforce_eager`; on other devices none, unless the environment sets `TANDEM_STATIC_DECODE=1`
@@ -81,15 +85,18 @@ class DecodeGraphRunner:
         shared pool is reused by every capture after the first (largest)."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            out = self._forward(size)
-            if self.logits is None:
+            out = self._forward(size)  # None on tensor-parallel ranks > 0
+            if self.logits is None and out is not None:
                 self.logits = torch.empty(self.sizes[-1], out.shape[-1], dtype=out.dtype,
                                           device=self.device)
             del out
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[:size].copy_(self._forward(size))
+                out = self._forward(size)
+                if self.logits is not None:
+                    self.logits[:size].copy_(out)
+                del out
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
@@ -101,22 +108,24 @@ class DecodeGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             layout: BatchLayout) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step whose every row samples (input_ids and
-        positions [B] on the device), or None when the static path does not apply. The
-        tensor is only valid until the next `run`."""
+        positions [B] on the device; None on tensor-parallel ranks > 0). The tensor is only
+        valid until the next `run`. ValueError when the step is not one the static path
+        holds (prefill rows, or more rows than `padded_size` takes)."""
         b = len(layout.seq_lens)
         size = self.padded_size(b) if layout.num_decodes == b else None
         if size is None:
-            return None
+            raise ValueError(f"a step of {b} rows ({layout.num_decodes} decodes) is not a "
+                             f"decode batch of at most {self.sizes[-1]}")
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.backend.build_metadata(layout, out=self.metas[size])
         self.runs[size] += 1
         graph = self.graphs.get(size)
         if graph is None:
-            return self._forward(size)[:b]
+            out = self._forward(size)
+            return None if out is None else out[:b]
         graph.replay()
-        assert self.logits is not None
-        return self.logits[:b]
+        return None if self.logits is None else self.logits[:b]
 
 
 def build_decode_graphs(config: EngineConfig, model: LlamaForCausalLM,

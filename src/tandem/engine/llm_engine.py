@@ -25,8 +25,9 @@ from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
 from tandem.engine.kv_pages import PageLayout
 from tandem.engine.lora.manager import LoRAConfig, LoRAManager
+from tandem.engine.lora.peft import LoRAAdapter
 from tandem.engine.lora.request import LoRARequest
-from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.lora.slots import adapter_data, adapter_ids
 from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
     Shard,
@@ -36,7 +37,7 @@ from tandem.engine.model_build import (
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.parallel.comm import Groups
+from tandem.engine.parallel.comm import Groups, broadcast
 from tandem.engine.parallel.executor import build_executor
 from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind, StepPlan
@@ -91,7 +92,7 @@ class LLMEngine(EngineCore):
         self.arch = arch = shard.arch  # the whole model's (model.config: this rank's share)
         tokenizer = Tokenizer.load(path)
         weight_bytes, per_block = shard.weight_bytes, shard.per_block
-        lora = self._lora_manager(arch, shard.ops.lib) if config.enable_lora else None
+        lora = self._lora_manager(shard) if config.enable_lora else None
         name = config.model_name
         state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
                             per_block, arch.vocab_size, weight_bytes, config.quantization,
@@ -101,10 +102,11 @@ class LLMEngine(EngineCore):
                             enable_events=config.enable_kv_events)
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
-        # decode graphs replay fixed buffers: a LoRA engine runs eagerly (its slot plan
-        # changes every step), so does a tensor-parallel one (its collectives)
-        runner.graphs = None if lora or groups else build_decode_graphs(
-            config, self.model, backend, caches, max_len, device)
+        # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly (their
+        # slot plan changes every step); every tensor-parallel rank builds the same graphs
+        # (parallel/worker.py) and replays them in the steps whose plan says so
+        runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len,
+                                            device)
         runner.lora = lora
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold,
@@ -124,18 +126,34 @@ class LLMEngine(EngineCore):
                     num_blocks * per_block / 2**20, config.kv_cache_dtype, max_len,
                     backend.name)
 
-    def _lora_manager(self, arch: ModelArchConfig, native: object | None) -> LoRAManager:
-        """Slot stacks in every decoder linear, the configured adapters registered."""
+    def _lora_manager(self, shard: Shard) -> LoRAManager:
+        """Slot stacks in every decoder linear (this rank's shard of them), the configured
+        adapters registered; with tensor parallelism each load into a slot is sent to the
+        other ranks too (`_send_adapter`)."""
         cfg = self.config
-        manager = LoRAManager(self.model, arch, LoRAConfig(
+        manager = LoRAManager(self.model, shard.arch, LoRAConfig(
             cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, tuple(cfg.lora_dirs)),
-            self.device, self.dtype, native)
+            self.device, self.dtype, shard.ops.lib, shard.tp)
+        if self.executor.world > 1:
+            manager.on_load = self._send_adapter
         for i, (name, path) in enumerate((cfg.lora_modules or {}).items(), start=1):
             manager.add(LoRARequest(name, i, path), trusted=True)
         logger.info("LoRA: %d slots of rank %d (%.1f MiB), %d adapters at start",
                     cfg.max_loras, cfg.max_lora_rank, manager.slot_bytes / 2**20,
                     len(manager.registered))
         return manager
+
+    def _send_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Engine thread: the other ranks load `adapter` into `slot` (a LORA_LOAD plan, then
+        its weights as one float32 broadcast; each rank keeps its shard)."""
+        ex = self.executor
+        ex.send(StepPlan.control(PlanKind.LORA_LOAD, adapter_ids(slot, adapter.weights)))
+        data = adapter_data(adapter.weights)
+        try:
+            if data.numel():
+                broadcast(ex.groups.ctrl, data)
+        except Exception as exc:  # the ranks are out of step: the engine's end
+            raise ex.failure(exc) from exc
 
     def _proposer(self, spec: SpeculativeConfig, path: Path, shard: Shard) -> Proposer:
         """The proposer `spec` configures, for the target model in `shard`. It runs on rank 0

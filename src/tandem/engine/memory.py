@@ -157,13 +157,15 @@ def prompt_logprobs_work(logits: torch.Tensor, k: int = 20) -> torch.Tensor:
 def dummy_step(model: torch.nn.Module, backend: AttentionBackend,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: BatchLayout,
                num_logits: int, device: torch.device,
-               sampler: Sampler | None = None, prompt_logprob_rows: int = 0) -> torch.Tensor:
+               sampler: Sampler | None = None, prompt_logprob_rows: int = 0
+               ) -> torch.Tensor | None:
     """One forward over `layout` with logits for its last `num_logits + prompt_logprob_rows`
     tokens (at most all of them): with a `sampler`, the real sampler over the first
     `num_logits` rows in its costliest mode (`worst_case_rows`; its penalty state released
     after, its storage kept, as it would be under load), then `prompt_logprobs_work` over
     the rest, the logits all live meanwhile as in a real step. Returns the logits. Any
-    device; the engine profiles it on CUDA."""
+    device; the engine profiles it on CUDA (None on tensor-parallel ranks > 0, which hold
+    no logits)."""
     positions = torch.cat([torch.arange(s - q, s) for q, s in
                            zip(layout.query_lens, layout.seq_lens, strict=True)])
     t = layout.num_tokens
@@ -171,6 +173,8 @@ def dummy_step(model: torch.nn.Module, backend: AttentionBackend,
     n = min(num_logits + prompt_logprob_rows, t)
     rows = torch.arange(t - n, t, device=device)
     logits = model(ids, positions.to(device), kv_caches, backend.build_metadata(layout), rows)
+    if logits is None:  # a tensor-parallel rank > 0: the logits are gathered to rank 0
+        return None
     ns = min(num_logits, n)
     if sampler is not None:
         sample_rows = worst_case_rows(ns, min(t, 64))

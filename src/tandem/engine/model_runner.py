@@ -1,7 +1,17 @@
 """Turns a `SchedulerOutput` into model inputs, runs the forward pass and samples.
 
-Each step is first a `parallel.plan.StepPlan` (the flat inputs and the batch layout), which
-the other tensor-parallel ranks receive before rank 0 runs its own share; rank 0 samples.
+Two layers, as vLLM's driver worker and its other workers:
+- `RankRunner` (every tensor-parallel rank): `forward(plan)` runs one step's forward from
+  its `parallel.plan.StepPlan` alone: one upload of the inputs, the LoRA slot plan, the
+  decode graphs or the eager path as the plan says, hidden states when asked. Every rank
+  runs the same code on the same plan, so every feature (LoRA, graphs, hidden states for
+  EAGLE-style proposers) composes with tensor parallelism; the logits are gathered to rank
+  0 only (None on the others).
+- `ModelRunner` (rank 0, or the only rank): `execute(sched)` builds the step's plan from
+  the `SchedulerOutput` (every decision that changes the forward made here, once), sends
+  it to the other ranks, runs its own `forward` and samples, verifies drafts and computes
+  prompt logprobs.
+
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
 and for prompt positions whose logprobs were requested. Python work per step is
@@ -9,16 +19,18 @@ O(tokens scheduled): the block tables are one numpy copy out of the KV manager's
 `BlockTable` (no per-request lists), inputs are filled into numpy arrays and reach the
 device as one int64 buffer (pinned, non-blocking on CUDA); results come back with one
 device-to-host copy each (sampled tokens with their logprobs, prompt logprobs).
+`ModelRunner.timings` accumulates the host seconds of each part of a step.
 
 A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
 the step that completes its prompt: its block table before the forward, then each layer
 once that layer's K/V are written, so a KV transfer can send finished layers while later
-ones compute.
+ones compute (rank 0 only: its layer signal does not change the forward).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,23 +38,63 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.core import RunnerOutput
 from tandem.engine.kv_cache.manager import KVCacheManager
-from tandem.engine.lora.layers import LoRABatch
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.parallel.plan import PlanKind, StepPlan
-from tandem.engine.parallel.worker import plan_inputs
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec_decode.rejection import VerifyRequest, verify
-from tandem.engine.staging import download
+from tandem.engine.staging import download, upload
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
     from tandem.engine.lora.manager import LoRAManager
+    from tandem.engine.lora.slots import LoRASlots
     from tandem.engine.parallel.executor import Executor
+
+
+def plan_inputs(plan: StepPlan, device: torch.device, block_size: int,
+                extra: np.ndarray | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout]:
+    """One upload of tokens | positions | logits rows (| `extra`, rank 0's prompt-logprob
+    targets) and the plan's `BatchLayout`: (input_ids, positions, logits_idx, extra,
+    layout)."""
+    extra = np.empty(0, np.int64) if extra is None else extra
+    t, n = len(plan.tokens), len(plan.logits_idx)
+    flat = upload(np.concatenate([plan.tokens, plan.positions, plan.logits_idx, extra]),
+                  torch.int64, device)
+    ids, pos, idx, rest = flat.split([t, t, n, len(extra)])
+    layout = BatchLayout(plan.query_lens.tolist(), plan.seq_lens.tolist(), None,
+                         torch.from_numpy(plan.slots), plan.num_decode, block_size,
+                         block_table=plan.block_table, table_lens=plan.table_lens)
+    return ids, pos, idx, rest, layout
+
+
+@dataclass
+class ForwardResult:
+    """One forward's outputs: `logits` [L, V] (None on ranks > 0), `hidden` [L, H] when the
+    plan asked for them, `extra` the device copy of `forward`'s `extra`."""
+
+    logits: torch.Tensor | None
+    hidden: torch.Tensor | None
+    extra: torch.Tensor
+
+
+@dataclass
+class RunnerTimings:
+    """Cumulative host wall seconds of rank 0's steps (`time.perf_counter`, no device
+    sync added: on a GPU, `forward_s` is the launch time unless a copy waits):
+    `prepare_s` building the step's plan (and sending it to the other ranks), `forward_s`
+    uploading its inputs and running the forward pass, `sample_s` sampling, verification
+    and prompt logprobs with their device-to-host copies; `steps` executed."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    steps: int = 0
 
 
 class LayerObserver(Protocol):
@@ -56,46 +108,75 @@ class LayerObserver(Protocol):
         a CUDA event to wait on before reading them on another stream, None on the CPU."""
 
 
-@dataclass
-class RunnerTimings:
-    """Cumulative host wall seconds of rank 0's steps (`time.perf_counter`, no device
-    sync added: on a GPU, `forward_s` is the launch time unless a copy waits):
-    `prepare_s` building the step's plan and inputs (and sending it to the other ranks),
-    `forward_s` the forward pass, `sample_s` sampling, verification and prompt logprobs
-    with their device-to-host copies; `steps` executed."""
+class RankRunner:
+    """The forward of one rank (every rank alike) over its share of the model and KV cache.
+    `graphs`: its decode graphs (None: every step eager); `adapters`: its LoRA slots (None
+    without LoRA)."""
 
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    steps: int = 0
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 block_size: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.device = device
+        self.block_size = block_size
+        self.graphs: DecodeGraphRunner | None = None
+        self.adapters: LoRASlots | None = None
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, extra: np.ndarray | None = None,
+                on_layer: Callable[[int], None] | None = None) -> ForwardResult:
+        """Run `plan`'s forward as the plan decides (graphs, LoRA slots, hidden states);
+        `extra`: int64 values uploaded with the inputs (`ForwardResult.extra`); `on_layer`:
+        called after each layer's K/V are written (eager steps)."""
+        ids, pos, idx, extra_t, layout = plan_inputs(plan, self.device, self.block_size,
+                                                     extra)
+        if plan.graphs and self.graphs is not None:
+            return ForwardResult(self.graphs.run(ids, pos, layout), None, extra_t)
+        lora = None
+        if len(plan.lora_slots) and self.adapters is not None:
+            lora = self.adapters.batch(plan.lora_slots)
+        meta = self.backend.build_metadata(layout)
+        with self.adapters.ctx.use(lora) if lora is not None else nullcontext():
+            out = self.model(ids, pos, self.kv_caches, meta, idx, on_layer=on_layer,
+                             **({"return_hidden": True} if plan.return_hidden else {}))
+        if plan.return_hidden:
+            return ForwardResult(out[0], out[1], extra_t)
+        return ForwardResult(out, None, extra_t)
 
 
-class ModelRunner:
+class ModelRunner(RankRunner):
+    """Rank 0's runner: plans each step, hands the plan to the other ranks, runs its own
+    forward and samples."""
+
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
                  sampler: Sampler, device: torch.device,
                  executor: Executor | None = None) -> None:
-        self.model = model
+        super().__init__(model, backend, kv_caches, device, kv.block_size)
         # the other tensor-parallel ranks: each step's plan is sent to them first
         self.executor = executor if executor is not None and executor.world > 1 else None
-        self.backend = backend
-        self.kv_caches = kv_caches
         self.kv = kv
         self.sampler = sampler
-        self.device = device
-        self.block_size = kv.block_size
         self.generators: dict[str, torch.Generator] = {}
         # request id -> observer; set from other threads (one dict operation each)
         self.observers: dict[str, LayerObserver] = {}
-        # decode steps over static buffers / CUDA graphs (engine/cuda_graphs.py), set by
-        # LLMEngine; None = every step eager
-        self.graphs: DecodeGraphRunner | None = None
         # deliver last-layer hidden states (`RunnerOutput.hidden_states`) for a proposer that
         # reads them (EAGLE-style heads); set by LLMEngine
         self.return_hidden = False
-        # multi-LoRA adapters (engine/lora), set by LLMEngine with enable_lora; None = none
-        self.lora: LoRAManager | None = None
+        self._lora: LoRAManager | None = None
         self.timings = RunnerTimings()
+
+    @property
+    def lora(self) -> LoRAManager | None:
+        """Multi-LoRA adapters (engine/lora), set by LLMEngine with enable_lora."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, manager: LoRAManager | None) -> None:
+        self._lora = manager
+        self.adapters = None if manager is None else manager.slots
 
     def observe(self, request_id: str, observer: LayerObserver) -> None:
         """Register before the request is added; `unobserve` when done with it."""
@@ -134,6 +215,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Plan, forward (every rank), then sample, verify and compute prompt logprobs."""
         t_start = time.perf_counter()
         bs = self.block_size
         # one-token rows first, sorted by context length so the attention backend can group
@@ -214,39 +296,30 @@ class ModelRunner:
             np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
         targets = [t for req, first, _, count in plp
                    for t in req.prompt_token_ids[first + 1 : first + 1 + count]]
+        lora_slots = self._lora_slots(scheduled, rows, nd, len(single))
+        # every decision that changes the forward is made here and travels in the plan
+        graphs = (self.graphs is not None and lora_slots is None and not watching
+                  and not plp and not self.return_hidden and not spec
+                  and len(sample_reqs) == nd == len(scheduled)  # decodes only
+                  and self.graphs.padded_size(nd) is not None)
         plan = StepPlan(PlanKind.FORWARD, tokens, positions, slots, logits_idx,
                         np.asarray(query_lens, dtype=np.int64),
                         np.asarray(seq_lens, dtype=np.int64), table, table_lens, nd,
-                        self.return_hidden)
+                        self.return_hidden,
+                        lora_slots=np.empty(0, np.int64) if lora_slots is None else lora_slots,
+                        graphs=graphs)
         if self.executor is not None:  # the other ranks run the same forward
             self.executor.send(plan)
-        # one upload: tokens | positions | logits rows | prompt-logprob targets
-        input_ids, pos_t, idx_t, targets_t, layout = plan_inputs(
-            plan, self.device, bs, np.array(targets, dtype=np.int64))
-        lora = self._lora_batch(scheduled, rows, nd, len(single))
         t_forward = time.perf_counter()
-        logits = None
-        if (self.graphs is not None and lora is None and not watching and not plp
-                and not self.return_hidden and not spec
-                and len(sample_reqs) == nd == len(scheduled)):  # decodes only
-            logits = self.graphs.run(input_ids, pos_t, layout)  # None: batch too big
-        if logits is None:
-            meta = self.backend.build_metadata(layout)
-            try:
-                with self.lora.ctx.use(lora) if self.lora is not None else nullcontext():
-                    logits = self.model(
-                        input_ids, pos_t, self.kv_caches, meta, idx_t,
-                        on_layer=self._layer_signal(watching) if watching else None,
-                        **({"return_hidden": True} if self.return_hidden else {}),
-                    )
-            except Exception as exc:  # a peer died, or this rank left its peers mid-step
-                if self.executor is None:
-                    raise
-                raise self.executor.failure(exc) from exc
+        try:  # one upload: tokens | positions | logits rows | prompt-logprob targets
+            res = self.forward(plan, np.array(targets, dtype=np.int64),
+                               self._layer_signal(watching) if watching else None)
+        except Exception as exc:  # a peer died, or this rank left its peers mid-step
+            if self.executor is None:
+                raise
+            raise self.executor.failure(exc) from exc
         t_sample = time.perf_counter()
-        hidden = None
-        if self.return_hidden:
-            logits, hidden = logits
+        logits, hidden, targets_t = res.logits, res.hidden, res.extra
         out = RunnerOutput()
         ns, nv = len(sample_reqs), len(spec_idx)
         if sample_reqs:
@@ -268,11 +341,11 @@ class ModelRunner:
         t.steps += 1
         return out
 
-    def _lora_batch(self, scheduled: list[ScheduledRequest], rows: list[int], nd: int,
-                    num_single: int) -> LoRABatch | None:
-        """The step's token -> adapter slot plan (the step's adapters made resident), in
-        the flat order: the `nd` one-token rows (`rows[:nd]` their scheduled index), then
-        each chunk's tokens. None without adapters in the step."""
+    def _lora_slots(self, scheduled: list[ScheduledRequest], rows: list[int], nd: int,
+                    num_single: int) -> np.ndarray | None:
+        """Each token's adapter slot (-1: none; the step's adapters made resident, on every
+        rank), in the flat order: the `nd` one-token rows (`rows[:nd]` their scheduled
+        index), then each chunk's tokens. None without adapters in the step."""
         if self.lora is None:
             return None
         names = {s.request.lora_name for s in scheduled if s.request.lora_name is not None}
@@ -282,10 +355,8 @@ class ModelRunner:
         per = np.array([-1 if s.request.lora_name is None else slot_of[s.request.lora_name]
                         for s in scheduled], dtype=np.int64)
         chunk_lens = [s.num_new_tokens for s in scheduled[num_single:]]
-        token_slots = np.concatenate([per[np.asarray(rows[:nd], dtype=np.int64)],
-                                      np.repeat(per[num_single:], chunk_lens)])
-        return LoRABatch.build(token_slots, self.lora.num_slots, self.device,
-                               self.lora.native, self.lora.config.max_lora_rank)
+        return np.concatenate([per[np.asarray(rows[:nd], dtype=np.int64)],
+                               np.repeat(per[num_single:], chunk_lens)])
 
     def _verify(self, logits: torch.Tensor, spec: list[tuple[ScheduledRequest, int]],
                 out: RunnerOutput) -> None:

@@ -290,12 +290,6 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         log_level=parse_log_level(spec, "spec"))
     for name in model.served_names:
         check_served_name(out.lora, name)
-    for pool, _, p in out.worker_pools() if out.lora is not None else ():
-        if p.parallelism.tensor > 1:
-            where = "decode" if pool == "worker" else pool
-            raise SpecError(f"spec.lora: LoRA adapters are not sharded yet, and "
-                            f"{where}.parallelism.tensor is {p.parallelism.tensor} (the "
-                            "workers refuse tensor parallelism with LoRA)")
     if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:
         raise SpecError("kvTransfer.tlsIssuerRef needs kvTransfer.tlsSecret (the Secret "
                         "cert-manager writes)")

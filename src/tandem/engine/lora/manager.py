@@ -4,10 +4,13 @@
   the files are read, so a bad adapter fails its load call, not a later request).
 - Host cache: up to `max_cpu_loras` loaded `LoRAAdapter`s, least recently used evicted
   (re-read from disk, sha256 checked again, when needed later).
-- Device slots: `max_loras` slots of `ModuleSlots` stacks in every wrapped linear;
+- Device slots: `max_loras` slots of `ModuleSlots` stacks in every wrapped linear
+  (`slots.LoRASlots`: with tensor parallelism this rank's shard of each);
   `prepare(names)` makes a step's adapters resident (loading into free or least recently
   used slots not needed by this step) and returns each name's slot. The scheduler keeps
   the running requests' distinct adapters at most `max_loras`, so a step always fits.
+  `on_load` (set by the engine with tensor parallelism) hands each load to the other
+  ranks, which keep their shard of it in the same slot.
 - Unloading under traffic (`retire`): the name stops resolving at once (new requests get
   404), the adapter's queued and running requests finish with it, and `reap` frees it
   once none is left.
@@ -23,24 +26,21 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.errors import ConfigError, UnknownAdapterError
-from tandem.engine.lora.layers import LoRAContext, LoRALinear, ModuleSlots
 from tandem.engine.lora.paths import resolve_adapter
 from tandem.engine.lora.peft import LoRAAdapter, load_adapter
 from tandem.engine.lora.request import LoRARequest, LoRAState
+from tandem.engine.lora.slots import FUSED, LoRASlots
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.parallel.tp import TPPlan
 
+__all__ = ["FUSED", "LoRAConfig", "LoRAManager"]
 logger = logging.getLogger(__name__)
-
-# fused module -> its sub-targets, in output order
-FUSED: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
-}
 
 
 @dataclass(frozen=True)
@@ -62,45 +62,32 @@ class LoRAConfig:
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, config: LoRAConfig,
-                 device: torch.device, dtype: torch.dtype, native: object | None = None
-                 ) -> None:
+                 device: torch.device, dtype: torch.dtype, native: object | None = None,
+                 tp: TPPlan | None = None) -> None:
+        """`arch`: the whole model's (adapters are checked against it); `model`: this
+        rank's shard of it when `tp` is set."""
         self.arch, self.config, self.device = arch, config, device
-        # the C kernel library for CPU float32 steps (`layers` module doc); None: torch plans
-        self.native = native if device.type == "cpu" and dtype == torch.float32 else None
-        self.ctx = LoRAContext()
+        self.slots = LoRASlots(model, arch, config.max_loras, config.max_lora_rank, device,
+                               dtype, native, tp)
+        self.native, self.ctx, self.modules = self.slots.native, self.slots.ctx, (
+            self.slots.modules)
         self.num_slots = config.max_loras
+        # called with (slot, adapter) after each load into a slot (the other ranks')
+        self.on_load: Callable[[int, LoRAAdapter], None] | None = None
         self.max_cpu = config.max_cpu_loras or config.max_loras
         self.registered: dict[str, LoRARequest] = {}
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident, LRU first
-        self.modules: dict[tuple[int, str], ModuleSlots] = {}
         self.retiring: set[str] = set()  # unloaded names whose requests still run
         self.digests: dict[str, str] = {}  # registered name -> its adapter's digest
         self._roots: dict[str, str | None] = {}  # name -> the root it was confined to
         self.state = LoRAState(uuid.uuid4().hex, 0)
-        self._wrap(model, dtype)
         self.num_loads = 0  # adapters copied into a slot (diagnostics)
-
-    def _wrap(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        a = self.arch
-        q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, (
-            a.intermediate_size)
-        layout = {"qkv_proj": ("self_attn", a.hidden_size, [(0, q), (q, kv), (q + kv, kv)]),
-                  "o_proj": ("self_attn", q, [(0, a.hidden_size)]),
-                  "gate_up_proj": ("mlp", a.hidden_size, [(0, inter), (inter, inter)]),
-                  "down_proj": ("mlp", inter, [(0, a.hidden_size)])}
-        for i, layer in enumerate(model.layers):
-            for name, (group, n_in, outs) in layout.items():
-                parent = getattr(layer, group)
-                slots = ModuleSlots.allocate(self.num_slots, self.config.max_lora_rank, n_in,
-                                             outs, self.device, dtype)
-                self.modules[(i, name)] = slots
-                setattr(parent, name, LoRALinear(getattr(parent, name), slots, self.ctx))
 
     @property
     def slot_bytes(self) -> int:
         """Device bytes of every slot stack (allocated up front)."""
-        return sum(m.nbytes for m in self.modules.values())
+        return self.slots.nbytes
 
     # -- registry ---------------------------------------------------------------------------
     def read(self, req: LoRARequest, trusted: bool = False) -> LoRAAdapter:
@@ -147,9 +134,8 @@ class LoRAManager:
         self._roots.pop(name, None)
         self.host.pop(name, None)
         slot = self.slot_of.pop(name, None)
-        if slot is not None:
-            for m in self.modules.values():
-                m.clear(slot)
+        if slot is not None:  # (the other ranks' copy is overwritten by the next load)
+            self.slots.clear(slot)
         self._publish()
 
     def retire(self, name: str) -> None:
@@ -240,13 +226,9 @@ class LoRAManager:
 
     def _load(self, name: str, slot: int) -> None:
         adapter = self._host(name)
-        for (layer, fused), m in self.modules.items():
-            m.clear(slot)
-            for sub, target in enumerate(FUSED[fused]):
-                w = adapter.weights.get((layer, target))
-                if w is not None:
-                    m.set(slot, sub, w[0].to(m.a.device, m.a.dtype), w[1].to(m.a.device,
-                                                                             m.a.dtype))
+        if self.on_load is not None:
+            self.on_load(slot, adapter)
+        self.slots.load(slot, adapter.weights)
         self.slot_of[name] = slot
         self.num_loads += 1
 

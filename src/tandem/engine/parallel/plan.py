@@ -1,17 +1,23 @@
 """The step plan rank 0 broadcasts to the other tensor-parallel ranks, and its wire form.
 
 A `StepPlan` is self-contained: the flat inputs of one forward (tokens, positions, KV slots,
-the logits rows), the batch layout (query and sequence lengths, block tables) and the number
-of one-token rows first in it. Ranks > 0 never see the scheduler, the KV manager or a
-`Request`: they run the forward the plan describes over their own share of the KV cache,
-join its collectives, and drop the logits (rank 0 samples, as vLLM's driver worker does, so
-sampling state stays with rank 0's sampler). `kind` also carries the control messages: stop,
-and the KV page moves of P/D transfers (`block_ids` then names the pages).
+the logits rows), the batch layout (query and sequence lengths, block tables), the number
+of one-token rows first in it, and every decision that changes the forward, so that all
+ranks take the same path through the same `RankRunner.forward`: each token's LoRA slot
+(`lora_slots`, empty when no token has an adapter), whether the step replays the decode
+graphs (`graphs`) and whether it returns hidden states (`return_hidden`). Ranks > 0 never
+see the scheduler, the KV manager or a `Request`; the logits are gathered to rank 0 only
+(rank 0 samples, as vLLM's driver worker does, so sampling state stays with rank 0's
+sampler). `kind` also carries the control messages: stop, the KV page moves of P/D
+transfers (`block_ids` then names the pages) and an adapter's load into a LoRA slot
+(`block_ids` then holds the slot and the adapter's modules, `lora.slots.adapter_ids`; its
+weights follow as one float32 broadcast).
 
 Wire form (`encode` / `decode`, no pickle): one little-endian int64 array, a fixed header
-`[MAGIC, kind, T, L, B, W, num_decode, flags, P]` then tokens [T] | positions [T] |
-slots [T] | logits_idx [L] | query_lens [B] | seq_lens [B] | block_table [B * W] |
-table_lens [B] | block_ids [P]. `decode` checks every size against the payload's length.
+`[MAGIC, kind, T, L, B, W, num_decode, flags, P, S]` (flags: 1 return_hidden, 2 graphs;
+S is 0 or T) then tokens [T] | positions [T] | slots [T] | logits_idx [L] | query_lens [B]
+| seq_lens [B] | block_table [B * W] | table_lens [B] | lora_slots [S] | block_ids [P].
+`decode` checks every size against the payload's length.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from enum import IntEnum
 
 import numpy as np
 
-MAGIC = 0x7A4E_0001  # format version 1
-HEADER = 9
+MAGIC = 0x7A4E_0002  # format version 2
+HEADER = 10
+RETURN_HIDDEN, GRAPHS = 1, 2  # flag bits
 MAX_ELEMENTS = 1 << 28  # a plan past this is a bug, not a batch
 
 
@@ -31,6 +38,7 @@ class PlanKind(IntEnum):
     STOP = 1
     KV_GATHER = 2  # each rank hands rank 0 its heads of `block_ids` (a P/D send)
     KV_SCATTER = 3  # rank 0 hands each rank its heads of `block_ids` (a P/D receive)
+    LORA_LOAD = 4  # an adapter into a LoRA slot on every rank (each keeps its shard)
 
 
 def _i64(a: object) -> np.ndarray:
@@ -54,6 +62,9 @@ class StepPlan:
     num_decode: int = 0  # the first rows, one token each
     return_hidden: bool = False
     block_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # each token's LoRA slot (-1: the base model); empty when no token has an adapter
+    lora_slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    graphs: bool = False  # a decode step over the static buffers / CUDA graphs
 
     @classmethod
     def control(cls, kind: PlanKind, block_ids: list[int] | None = None) -> StepPlan:
@@ -63,12 +74,15 @@ class StepPlan:
         """The plan as one int64 array (header + payload)."""
         t, b = len(self.tokens), len(self.query_lens)
         w = self.block_table.shape[1] if self.block_table.ndim == 2 and b else 0
+        if len(self.lora_slots) not in (0, t):
+            raise ValueError(f"{len(self.lora_slots)} LoRA slots for {t} tokens")
+        flags = RETURN_HIDDEN * bool(self.return_hidden) + GRAPHS * bool(self.graphs)
         head = np.array([MAGIC, int(self.kind), t, len(self.logits_idx), b, w,
-                         self.num_decode, int(self.return_hidden), len(self.block_ids)],
+                         self.num_decode, flags, len(self.block_ids), len(self.lora_slots)],
                         dtype=np.int64)
         parts = [head, self.tokens, self.positions, self.slots, self.logits_idx,
                  self.query_lens, self.seq_lens, self.block_table, self.table_lens,
-                 self.block_ids]
+                 self.lora_slots, self.block_ids]
         return np.concatenate([_i64(p) for p in parts])
 
     @staticmethod
@@ -76,11 +90,12 @@ class StepPlan:
         """Elements after the header that `header` announces; ValueError when malformed."""
         if len(header) != HEADER or int(header[0]) != MAGIC:
             raise ValueError("not a step plan (bad magic)")
-        _, kind, t, n_logits, b, w, nd, flags, p = (int(x) for x in header)
+        _, kind, t, n_logits, b, w, nd, flags, p, s = (int(x) for x in header)
         PlanKind(kind)  # ValueError for an unknown kind
-        if min(t, n_logits, b, w, nd, p) < 0 or flags not in (0, 1) or nd > t:
+        if (min(t, n_logits, b, w, nd, p) < 0 or not 0 <= flags <= RETURN_HIDDEN | GRAPHS
+                or nd > t or s not in (0, t)):
             raise ValueError("step plan header out of range")
-        size = 3 * t + n_logits + 3 * b + b * w + p
+        size = 3 * t + n_logits + 3 * b + b * w + s + p
         if size > MAX_ELEMENTS:
             raise ValueError(f"step plan of {size} elements is too large")
         return size
@@ -95,12 +110,13 @@ class StepPlan:
         if len(data) != HEADER + size:
             raise ValueError(f"step plan payload of {len(data) - HEADER} elements, its "
                              f"header says {size}")
-        _, kind, t, n_logits, b, w, nd, flags, p = (int(x) for x in data[:HEADER])
+        _, kind, t, n_logits, b, w, nd, flags, p, s = (int(x) for x in data[:HEADER])
         out, at = [], HEADER
-        for n in (t, t, t, n_logits, b, b, b * w, b, p):
+        for n in (t, t, t, n_logits, b, b, b * w, b, s, p):
             out.append(data[at : at + n].copy())
             at += n
-        tokens, positions, slots, logits_idx, qlens, slens, table, tlens, ids = out
+        tokens, positions, slots, logits_idx, qlens, slens, table, tlens, lora, ids = out
         table = np.ascontiguousarray(table.reshape(b, w), dtype=np.int32)
         return cls(PlanKind(kind), tokens, positions, slots, logits_idx, qlens, slens,
-                   table, tlens.astype(np.int32), nd, bool(flags), ids)
+                   table, tlens.astype(np.int32), nd, bool(flags & RETURN_HIDDEN), ids,
+                   lora, bool(flags & GRAPHS))

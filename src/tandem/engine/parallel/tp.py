@@ -10,7 +10,8 @@ Per rank r of N (`TPPlan`, plain values, checked up front):
   columns (row-parallel, all-reduced).
 - vocabulary: the embedding and the LM head keep rows [r V'/N, (r+1) V'/N) of the vocabulary
   padded to V' (a multiple of N): a token outside the shard embeds to 0 before the
-  all-reduce; each rank's logits are all-gathered and the padding cut.
+  all-reduce; the ranks' logits are gathered to rank 0 (which alone samples; the others
+  get None) and the padding cut.
 Each rank's KV cache holds its own KV heads only (its attention backend is built for the
 local `AttentionSpec`). Collectives go through `TPGroup` (torch.distributed: NCCL on GPU,
 gloo on CPU); with N = 1 nothing changes.
@@ -98,6 +99,10 @@ class TPGroup:
     def __init__(self, world: int, group: dist.ProcessGroup | None = None,
                  backend: dist.Backend | None = None) -> None:
         self.world, self.group, self.backend = world, group, backend
+        if world == 1:
+            self.rank = 0
+        else:
+            self.rank = backend.rank() if backend is not None else dist.get_rank(group)
         # with `timed` (bench/tp.py): wall seconds spent in collectives, and their count
         self.timed, self.seconds, self.calls = False, 0.0, 0
 
@@ -131,6 +136,27 @@ class TPGroup:
         return out
 
 
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[..., n] on every rank -> [..., world * n] (rank order) on rank 0, None on the
+        others (vLLM's logits gather: only rank 0 samples)."""
+        if self.world == 1:
+            return x
+        t0 = time.perf_counter() if self.timed else 0.0
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else []
+        if self.backend is not None:
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            self.backend.gather([parts] if parts else [], [x], opts).wait()
+        else:
+            dist.gather(x, parts or None, dst=dist.get_global_rank(self.group, 0)
+                        if self.group is not None else 0, group=self.group)
+        if self.timed:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+        return torch.cat(parts, dim=-1) if parts else None
+
+
 class RowParallel(nn.Module):
     """A linear holding some input columns: its partial output summed over the ranks."""
 
@@ -160,14 +186,19 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """The logits of this rank's vocabulary rows (`inner`: float or quantized linear),
-    all-gathered and cut to the vocabulary."""
+    gathered to rank 0 and cut to the vocabulary: None on the other ranks (`to_all`:
+    all-gathered to every rank instead)."""
 
-    def __init__(self, inner: nn.Module, vocab: int, comm: TPGroup) -> None:
+    def __init__(self, inner: nn.Module, vocab: int, comm: TPGroup,
+                 to_all: bool = False) -> None:
         super().__init__()
-        self.inner, self.vocab, self.comm = inner, vocab, comm
+        self.inner, self.vocab, self.comm, self.to_all = inner, vocab, comm, to_all
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(self.inner(h))[..., : self.vocab]
+    def forward(self, h: torch.Tensor) -> torch.Tensor | None:
+        local = self.inner(h)
+        logits = (self.comm.all_gather_last(local) if self.to_all
+                  else self.comm.gather_last(local))
+        return None if logits is None else logits[..., : self.vocab]
 
 
 def local_arch(arch: ModelArchConfig, plan: TPPlan) -> ModelArchConfig:
@@ -219,10 +250,12 @@ def _vocab_rows(weight: torch.Tensor, plan: TPPlan) -> torch.Tensor:
     return shard
 
 
-def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup) -> None:
+def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, logits_to_all: bool = False
+            ) -> None:
     """The collectives around a loaded (packed or quantized) `local_arch` model, in place,
     no weight copied: `o_proj` / `down_proj` all-reduce their partial sums, the embedding
-    masks tokens outside its rows and all-reduces, the LM head all-gathers the logits and
+    masks tokens outside its rows and all-reduces, the LM head gathers the logits to rank
+    0 (every rank with `logits_to_all`; the model returns None for logits elsewhere) and
     cuts the padding. A tied embedding and head keep sharing their one matrix."""
     if plan.world == 1:
         return
@@ -231,5 +264,5 @@ def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup) -> None:
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.vocab_start,
                                                 plan.vocab_size, comm)
-    model.lm_head = ParallelLMHead(model.lm_head, plan.vocab, comm)
+    model.lm_head = ParallelLMHead(model.lm_head, plan.vocab, comm, logits_to_all)
 

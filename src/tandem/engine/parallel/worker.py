@@ -1,7 +1,14 @@
 """A tensor-parallel rank > 0: build this rank's shard, size the KV cache with the others,
 then run every plan rank 0 sends until a STOP (or rank 0 vanishes: the next receive fails
 and the process exits). Started by the `mp` executor as a process and by the `ray`
-executor inside an actor; either way it touches no scheduler, only plans."""
+executor inside an actor; either way it touches no scheduler, only plans.
+
+The rank builds what rank 0 builds of the forward (its LoRA slots when LoRA is on, then its
+decode graphs: CUDA graphs on CUDA, captured at the same time as the other ranks', the
+static buffers when `TANDEM_STATIC_DECODE=1`) and runs each FORWARD plan through the same
+`RankRunner.forward` as rank 0; the logits stay on rank 0. Control plans: STOP, the KV page
+moves of P/D transfers, and LORA_LOAD (an adapter's weights follow as one float32
+broadcast; the rank keeps its shard in the slot rank 0 chose)."""
 
 from __future__ import annotations
 
@@ -11,40 +18,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.engine.attention.base import BatchLayout
+from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_dtype
+from tandem.engine.lora.slots import LoRASlots, adapter_from_wire, wire_size
 from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
-    Shard,
     build_shard,
     kv_blocks,
     prepare_process,
 )
-from tandem.engine.parallel.comm import PlanChannel, close_groups, connect
+from tandem.engine.model_runner import RankRunner
+from tandem.engine.parallel.comm import PlanChannel, broadcast, close_groups, connect
 from tandem.engine.parallel.executor import RankSpec
 from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
-from tandem.engine.parallel.plan import PlanKind, StepPlan
+from tandem.engine.parallel.plan import PlanKind
 from tandem.engine.sampler import Sampler
-from tandem.engine.staging import upload
 
 logger = logging.getLogger(__name__)
-
-
-def plan_inputs(plan: StepPlan, device: torch.device, block_size: int,
-                extra: np.ndarray | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout]:
-    """One upload of tokens | positions | logits rows (| `extra`, rank 0's prompt-logprob
-    targets) and the plan's `BatchLayout`: (input_ids, positions, logits_idx, extra,
-    layout)."""
-    extra = np.empty(0, np.int64) if extra is None else extra
-    t, n = len(plan.tokens), len(plan.logits_idx)
-    flat = upload(np.concatenate([plan.tokens, plan.positions, plan.logits_idx, extra]),
-                  torch.int64, device)
-    ids, pos, idx, rest = flat.split([t, t, n, len(extra)])
-    layout = BatchLayout(plan.query_lens.tolist(), plan.seq_lens.tolist(), None,
-                         torch.from_numpy(plan.slots), plan.num_decode, block_size,
-                         block_table=plan.block_table, table_lens=plan.table_lens)
-    return ids, pos, idx, rest, layout
 
 
 def run_rank(spec: RankSpec) -> None:
@@ -61,17 +51,25 @@ def run_rank(spec: RankSpec) -> None:
     sampler = Sampler(config.seed)
     num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
     caches = [shard.backend.allocate_kv_cache(num_blocks) for _ in range(shard.arch.num_layers)]
+    runner = RankRunner(shard.model, shard.backend, caches, device, config.block_size)
+    if config.enable_lora:  # before the graphs: they capture the wrapped linears
+        runner.adapters = LoRASlots(shard.model, shard.arch, config.max_loras,
+                                    config.max_lora_rank, device, dtype, shard.ops.lib,
+                                    shard.tp)
+    runner.graphs = build_decode_graphs(config, shard.model, shard.backend, caches,
+                                        shard.max_len, device)
     logger.info("rank %d of %d ready: %d KV heads, %d KV blocks", spec.rank, spec.world,
                 shard.tp.num_kv_heads, num_blocks)
     try:
-        serve(shard, caches, PlanChannel(groups.ctrl), device, config.block_size)
+        serve(runner, PlanChannel(groups.ctrl))
     finally:
         close_groups(groups)
 
 
 @torch.inference_mode()
-def serve(shard: Shard, caches: list[tuple[torch.Tensor, torch.Tensor]],
-          channel: PlanChannel, device: torch.device, block_size: int) -> None:
+def serve(runner: RankRunner, channel: PlanChannel) -> None:
+    """Run rank 0's plans in order until a STOP."""
+    caches = runner.kv_caches
     while True:
         plan = channel.recv()
         if plan.kind == PlanKind.STOP:
@@ -81,8 +79,20 @@ def serve(shard: Shard, caches: list[tuple[torch.Tensor, torch.Tensor]],
             gather_pages(channel.ctrl, caches, plan.block_ids.tolist())
         elif plan.kind == PlanKind.KV_SCATTER:
             scatter_pages(channel.ctrl, caches, plan.block_ids.tolist())
+        elif plan.kind == PlanKind.LORA_LOAD:
+            load_adapter(runner, channel, plan.block_ids)
         else:
-            ids, pos, idx, _, layout = plan_inputs(plan, device, block_size)
-            meta = shard.backend.build_metadata(layout)
-            shard.model(ids, pos, caches, meta, idx,
-                        **({"return_hidden": True} if plan.return_hidden else {}))
+            runner.forward(plan)
+
+
+def load_adapter(runner: RankRunner, channel: PlanChannel, ids: np.ndarray) -> None:
+    """Receive a LORA_LOAD's weights and keep this rank's shard in its slot."""
+    slots = runner.adapters
+    if slots is None:
+        raise RuntimeError("a LoRA load on a rank without LoRA slots")
+    data = torch.empty(wire_size(ids, slots.arch, slots.num_slots, slots.max_rank),
+                       dtype=torch.float32)
+    if data.numel():
+        broadcast(channel.ctrl, data)
+    slot, weights = adapter_from_wire(ids, data, slots.arch, slots.num_slots, slots.max_rank)
+    slots.load(slot, weights)
