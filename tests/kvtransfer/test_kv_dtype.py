@@ -115,6 +115,7 @@ def test_the_header_carries_the_kv_cache_dtype_through_the_wire(cache_dtype):
     sent = header_for(lay, 1, HASHES[:2], "lease", 7, tail_tokens=3)
     got = worker_pb2.PageHeader.FromString(sent.SerializeToString())
     assert got.kv_cache_dtype == cache_dtype
+    assert got.kv_page_format == (0 if cache_dtype == "auto" else 1)  # codes, then scales
     assert got.head_dim == HD  # the model's, whatever the row format
     assert got.dtype == ("float32" if cache_dtype == "auto" else "uint8")
     row_bytes = HD * 4 if cache_dtype == "auto" else HD + 2
@@ -148,6 +149,21 @@ def test_a_header_without_the_field_is_an_auto_cache():
     header.ClearField("kv_cache_dtype")
     with pytest.raises(KVTransferError, match="kv cache dtype auto on the sender, fp8 here"):
         check_header(header, layout("fp8"), 0, HASHES)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_quantized_pages_of_an_older_sender_are_refused(cache_dtype):
+    """An older sender's quantized pages had each row's scale inline (no kv_page_format):
+    the same sizes, other bytes, so the receiver refuses them before reading any."""
+    header = header_for(layout(cache_dtype), 0, HASHES, "lease", 0)
+    header.ClearField("kv_page_format")
+    old = worker_pb2.PageHeader.FromString(header.SerializeToString())
+    with pytest.raises(KVTransferError, match=f"{cache_dtype} pages in format 0 on the sender "
+                       r"\(0: rows with their scale inline, an older version\), 1 here"):
+        check_header(old, layout(cache_dtype), 0, HASHES)
+    header.kv_page_format = 2
+    with pytest.raises(KVTransferError, match="pages in format 2 on the sender"):
+        check_header(header, layout(cache_dtype), 0, HASHES)
 
 
 # -- pages ---------------------------------------------------------------------------------------

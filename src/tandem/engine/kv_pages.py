@@ -19,6 +19,9 @@ from tandem.engine.kv_cache.block_pool import KVBlock
 from tandem.engine.kv_cache.quant import KV_FORMATS, SCALE_BYTES
 from tandem.protocol.block_hash import BlockHash
 
+# `PageHeader.kv_page_format` of quantized pages: a block's rows' codes, then their scales
+QUANTIZED_PAGE_FORMAT = 1
+
 
 @dataclass(frozen=True)
 class PageLayout:
@@ -74,6 +77,12 @@ class PageLayout:
         return self.code_bytes + self.scale_bytes
 
     @property
+    def page_format(self) -> int:
+        """The wire's `kv_page_format`: 1 for quantized pages (codes, then scales), 0 for
+        "auto" pages."""
+        return QUANTIZED_PAGE_FORMAT if self.quantized else 0
+
+    @property
     def row_bytes(self) -> int:
         """Bytes one token of one KV head costs (quantized: its codes and its scale)."""
         return self.page_bytes // self.block_size
@@ -82,6 +91,20 @@ class PageLayout:
     def block_layer_bytes(self) -> int:
         """K + V bytes of one block in one layer."""
         return 2 * self.num_kv_heads * self.page_bytes
+
+    def rank_heads(self, rank: int, world: int) -> range:
+        """The KV heads tensor-parallel rank `rank` of `world` caches (`tp.kv_heads`)."""
+        from tandem.engine.parallel.tp import kv_heads
+
+        return kv_heads(self.num_kv_heads, world, rank)
+
+    def kv_heads_per_rank(self, world: int) -> int:
+        """KV heads each of `world` ranks caches (every rank holds as many)."""
+        return len(self.rank_heads(0, world))
+
+    def rank_layout(self, rank: int, world: int) -> PageLayout:
+        """The layout of rank `rank`'s share of these pages (its KV heads only)."""
+        return dataclasses.replace(self, num_kv_heads=len(self.rank_heads(rank, world)))
 
     def layer_shape(self, n: int) -> tuple[int, ...]:
         """The shape of `n` blocks' pages of one layer (K's, then V's), in `dtype`."""

@@ -3,14 +3,16 @@
 A transfer moves `n` blocks of every layer: full blocks of the prompt, named by their hashes,
 and optionally the prompt's partial last block after them (`tail_tokens`: the tokens up to
 the prompt's last one, so the receiver computes only that token). Per layer the payload is
-one tensor `[2, n, num_kv_heads, block_size, row]` (K of the n blocks, then V), contiguous,
-in the cache's storage dtype: `layer_bytes = 2 * n * num_kv_heads * block_size * row_bytes`.
-With `kv_cache_dtype` "auto" a row is one token's head in the engine's float dtype (`row =
-head_dim` elements, `row_bytes = head_dim * itemsize`). With "fp8" or "int8" the cache is
-uint8 and a row is `head_dim` code bytes (e4m3fn or signed int8 two's complement) followed by
-that row's scale as float16 little-endian (`row = row_bytes = head_dim + 2`; the value is
-`code * scale`), so the pages carry their codes and scales together and no scale travels
-apart. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
+one tensor `[2, n, num_kv_heads, *page]` (K of the n blocks, then V; `PageLayout.layer_shape`),
+contiguous, in the cache's storage dtype: `layer_bytes = 2 * n * num_kv_heads * page_bytes`.
+With `kv_cache_dtype` "auto" a page is `[block_size, head_dim]` in the engine's float dtype.
+With "fp8" or "int8" the cache is uint8 and a page is `block_size * (head_dim + 2)` bytes:
+the block's rows' `head_dim` code bytes each (e4m3fn or signed int8 two's complement), then
+their scales as float16 little-endian (row o's codes at byte `o * head_dim`, its scale at
+`block_size * head_dim + 2 * o`; the value is `code * scale`), so the pages carry their
+codes and scales together and no scale travels apart. The header names that format
+(`kv_page_format` 1); quantized pages of an older sender (0: rows with their scale inline)
+are refused. Layers go in order 0..num_layers-1. Each layer's bytes have an XXH3-64 digest
 (seed 0, `PageChecksum`); the trailer's checksum is XXH3-64 over those digests, 8 bytes
 little-endian each, in layer order (`transfer_digest`). Each layer's digest travels right
 after its bytes (`PageLayerEnd`), so a receiver validates the layer at once and can write it
@@ -106,7 +108,7 @@ def header_for(layout: PageLayout, first_block: int, hashes: list[BlockHash], le
         head_dim=layout.head_dim, dtype=layout.dtype_name, first_block=first_block,
         block_hashes=hashes, layer_bytes=n * layout.block_layer_bytes,
         lease_id=lease_id, first_token=first_token, tail_tokens=tail_tokens,
-        kv_cache_dtype=layout.cache_dtype)
+        kv_cache_dtype=layout.cache_dtype, kv_page_format=layout.page_format)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,10 @@ def check_header(header: worker_pb2.PageHeader, layout: PageLayout, first_block:
     theirs_kv = header.kv_cache_dtype or "auto"
     if theirs_kv != layout.cache_dtype:
         raise bad(f"kv cache dtype {theirs_kv[:32]} on the sender, {layout.cache_dtype} here")
+    if header.kv_page_format != layout.page_format:
+        raise bad(f"{layout.cache_dtype} pages in format {header.kv_page_format} on the sender "
+                  f"(0: rows with their scale inline, an older version), {layout.page_format} "
+                  "here")
 
     mine = (layout.model_id, layout.num_layers, layout.num_kv_heads, layout.block_size,
             layout.head_dim, layout.dtype_name)

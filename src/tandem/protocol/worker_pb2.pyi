@@ -166,7 +166,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class PageHeader(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype", "kv_page_format")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class PageHeader(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
@@ -193,7 +194,8 @@ class PageHeader(_message.Message):
     first_token: int
     tail_tokens: int
     kv_cache_dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    kv_page_format: int
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_format: _Optional[int] = ...) -> None: ...
 
 class PageData(_message.Message):
     __slots__ = ("layer", "offset", "data")
