@@ -104,10 +104,11 @@ def _trace(rng: random.Random, tok: Tokenizer, vocab: list[int], vocab_text: lis
                     status = proc.process_token(child, token, None if lp is None else dict(lp))
                     if status is not None:
                         child.status = status
-        for mode in procs:
+        for mode, proc in procs.items():
             for child in kids[mode]:
                 if abort and not child.is_finished:
                     child.status = RequestStatus.FINISHED_ABORTED
+                    proc.end(child, RequestStatus.FINISHED_ABORTED)
         deltas.append(procs["delta"].make_output("r"))
         cumulative.append(procs["cumulative"].make_output("r"))
         if cumulative[-1].finished:

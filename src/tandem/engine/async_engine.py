@@ -137,6 +137,8 @@ class AsyncLLMEngine(EngineAPI):
         # KV events (when the engine records them) are drained every step and fanned out
         self.kv_hub = KVEventHub() if engine.config.enable_kv_events else None
         self.dead: BaseException | None = None  # set if the loop itself ever crashes
+        if engine.async_scheduling:  # the output thread hands each step's outputs over
+            engine.output_sink = self._deliver
         executor = getattr(engine, "executor", None)
         if executor is not None:  # a rank's death wakes an idle loop at once
             executor.on_dead = self._wake.set
@@ -218,10 +220,9 @@ class AsyncLLMEngine(EngineAPI):
                                                    priority=r.priority,
                                                    cache_salt=r.cache_salt,
                                                    keep_blocks=r.keep_blocks,
-                                                   lora_request=r.lora_name))
+                                                   lora_request=r.lora_name,
+                                                   delta=r.delta))
                 added.append(r.request_id)
-                if r.delta:
-                    self.engine.outputs.use_deltas(r.request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             for rid in added:
                 self.engine.abort_request(rid)

@@ -110,6 +110,10 @@ class EngineConfig:
     # placement group, "uni" one rank; None = "uni" for 1, else "mp" (vLLM's names)
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # overlap each step's output processing (detokenization, stop strings, logprobs,
+    # RequestOutputs) with the next step's forward on an output thread (vLLM's flag);
+    # outputs are the same either way
+    async_scheduling: bool = False
 
     @property
     def model_name(self) -> str:

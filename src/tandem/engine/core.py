@@ -8,13 +8,26 @@ One step: schedule → `runner.execute` → on success `update_after_step` (prog
 completed blocks join the prefix cache) → sampled tokens, stop checks, outputs. A step whose
 forward raises fails exactly the requests it ran (finish reason "error"); nothing it was
 about to compute reaches the cache, and the engine goes on with the others.
+
+With `async_scheduling` (vLLM's flag) the engine thread keeps only what decides the next
+schedule: it commits token ids, applies the token-id stops (EOS, stop tokens, `max_tokens`,
+`min_tokens`) and frees blocks, then hands the step's `OutputOp`s to an output thread that
+detokenizes, checks stop strings and assembles the `RequestOutput`s while the next step
+runs (torch releases the GIL in its kernels). A stop string found there ends its sample in
+the outputs at once and in the engine at the next step boundary; the tokens computed past
+it are dropped. Outputs equal the serial loop's, token for token; `step()` returns the
+previous step's outputs (or hands them to `output_sink` as soon as they are made).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,7 +39,17 @@ from tandem.engine.errors import (
 )
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.lora.request import LoRARequest, LoRAState
-from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.output_processor import (
+    Applied,
+    Emit,
+    Ended,
+    Failed,
+    OutputOp,
+    OutputProcessor,
+    PromptLogprobs,
+    Tokens,
+    token_stop,
+)
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
@@ -115,7 +138,8 @@ class EngineStats:
 class EngineCore:
     def __init__(self, state: EngineState, scheduler: Scheduler, runner: Runner,
                  outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = (),
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, async_scheduling: bool = False
+                 ) -> None:
         self.state = state
         self.speculator = speculator  # None: no speculative decoding
         self.scheduler = scheduler
@@ -126,7 +150,16 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self._pending: list[RequestOutput] = []  # outputs of aborted requests
         self._prompt_tokens = 0
-        self._generation_tokens = 0
+        # user request id -> its samples, while one runs in the engine
+        self._live: dict[str, list[Request]] = {}
+        self.async_scheduling = async_scheduling
+        self._ops: list[OutputOp] = []  # the output side's work of the coming step
+        self._inflight: concurrent.futures.Future[Applied] | None = None
+        self._out_lock = threading.Lock()  # the output processor: one thread at a time
+        self._out_queue: queue.SimpleQueue | None = None  # the output thread's inbox
+        # async_scheduling: where the output thread hands outputs as soon as they are made
+        # (any thread may call it); None: the next `step()` returns them
+        self.output_sink: Callable[[list[RequestOutput]], None] | None = None
         # True when the latest `step` could schedule nothing: only a command (an abort, a
         # release of pinned blocks, a new request) can change that, so callers wait for one
         self.last_step_idle = False
@@ -211,17 +244,19 @@ class EngineCore:
     def add_request(self, request_id: str, prompt: str | list[int] | TokenizedPrompt,
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None, keep_blocks: bool = False,
-                    lora_request: LoRARequest | str | None = None) -> list[int]:
+                    lora_request: LoRARequest | str | None = None,
+                    delta: bool = False) -> list[int]:
         """Validate and queue a request; returns its prompt token ids. `keep_blocks`: when it
         finishes normally its KV blocks stay pinned until `kv.release_kept(request_id)` (the
         source of a KV transfer). A `TokenizedPrompt` (from `process_prompt`) is not
-        tokenized or checked again.
+        tokenized or checked again. `delta`: its outputs carry only what is new
+        (`OutputProcessor.use_deltas`).
 
         Raises `InvalidRequestError` (bad input) or `QueueFullError` (back-pressure).
         """
         params = params or SamplingParams()
         params.validate()
-        if self.outputs.has(request_id):
+        if request_id in self._live or self.outputs.has(request_id):
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         tokenized = self.process_prompt(prompt)
         ids = tokenized.token_ids
@@ -258,22 +293,49 @@ class EngineCore:
             children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
                                     keys, lora, priority=priority, parent_id=request_id,
                                     sample_index=i, keep_kv=keep_blocks))
-        self.outputs.add(request_id, tokenized.text, children)
+        with self._out_lock:
+            if self.outputs.has(request_id):  # its last output is still being made
+                raise InvalidRequestError(f"duplicate request id {request_id!r}",
+                                          "request_id")
+            self.outputs.add(request_id, tokenized.text, children)
+            if delta:
+                self.outputs.use_deltas(request_id)
+        self._live[request_id] = children
         for child in children:
             self.scheduler.add_request(child)
         return ids
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a user request (all its samples) and free its blocks at once."""
-        if not self.outputs.has(request_id):
+        children = self._live.get(request_id)
+        if children is None:
             return False
-        for child in self.outputs.children(request_id):
+        for child in children:
             if not child.is_finished:
                 self._finish(child, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(self.outputs.make_output(request_id))
+                self._end(child, RequestStatus.FINISHED_ABORTED)
+        self._emit(request_id)
         return True
 
+    def _end(self, child: Request, status: RequestStatus) -> None:
+        """Tell the output side the engine ended `child` without a token."""
+        if self.async_scheduling:
+            self._ops.append(Ended(child, status))
+        else:
+            self.outputs.end(child, status)
+
+    def _emit(self, request_id: str) -> None:
+        """The request's output is due: made now (serial) or by the output thread."""
+        if self.async_scheduling:
+            self._ops.append(Emit(request_id))
+        elif self.outputs.has(request_id):
+            self._pending.append(self.outputs.make_output(request_id))
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        pid = req.parent_id or req.request_id
+        children = self._live.get(pid)
+        if children is not None and all(c is req or c.is_finished for c in children):
+            del self._live[pid]
         self.scheduler.finish(req, status)
         self.runner.release(req.request_id)
         if self.speculator is not None:
@@ -281,35 +343,50 @@ class EngineCore:
         if self.lora is not None and req.lora_name in self.lora.retiring:
             self._reap_loras()  # its last request may just have ended
 
-    def _fail(self, parent_ids: dict[str, None], message: str) -> list[RequestOutput]:
-        """End every sample of the given user requests with an error; their outputs."""
-        outs = []
+    def _fail(self, parent_ids: dict[str, None], message: str) -> None:
+        """End every sample of the given user requests with an error; their outputs are
+        due."""
         for pid in parent_ids:
-            for child in self.outputs.children(pid):
+            for child in self._live.get(pid, ()):
                 if not child.is_finished:
                     self._finish(child, RequestStatus.FINISHED_ERROR)
-            self.outputs.fail(pid, message)
-            outs.append(self.outputs.make_output(pid))
-        return outs
+                    self._end(child, RequestStatus.FINISHED_ERROR)
+            if self.async_scheduling:
+                self._ops.append(Failed(pid, message))
+            elif self.outputs.has(pid):
+                self.outputs.fail(pid, message)
+            self._emit(pid)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with an error (the engine cannot go on)."""
+        outs = self._drain() if self.async_scheduling else []
         parents = {(r.parent_id or r.request_id): None
                    for r in [*self.scheduler.running, *self.scheduler.waiting_requests()]}
-        outs, self._pending = self._pending, []
-        return outs + self._fail(parents, message)
+        self._fail(parents, message)
+        if self.async_scheduling:
+            outs += self._apply(self._take_ops())
+        outs += self._pending
+        self._pending = []
+        return outs
 
     # -- stepping ----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._ops)
+                or self._inflight is not None)
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return outputs of requests that progressed, finished or aborted."""
-        outputs, self._pending = self._pending, []
+        """Run one batch; return outputs of requests that progressed, finished or aborted
+        (with `async_scheduling`: those of the previous step, made while this one ran)."""
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:
-            return outputs
+            if not self.async_scheduling:
+                outputs, self._pending = self._pending, []
+                return outputs
+            # nothing to overlap with: finish the output side's work here (its stop strings
+            # may free blocks, so the caller should not sleep on this step)
+            self.last_step_idle = self._inflight is None and not self._ops
+            return self._drain()
         try:
             t0 = time.perf_counter()
             result = self.runner.execute(sched)
@@ -320,24 +397,27 @@ class EngineCore:
             logger.exception("step failed; failing %d requests", len(sched.scheduled))
             parents = {(s.request.parent_id or s.request.request_id): None
                        for s in sched.scheduled}
-            outputs.extend(self._fail(parents, f"internal error: {type(exc).__name__}"))
-            return outputs
+            self._fail(parents, f"internal error: {type(exc).__name__}")
+            return self._end_step()
         self.scheduler.update_after_step(sched, result.accepted)
         touched: dict[str, None] = {}
         failed: dict[str, None] = {}
         now = time.monotonic()
+        commit = self._commit_tokens if self.async_scheduling else self._commit_outputs
         for s in sched.scheduled:
             pid = s.request.parent_id or s.request.request_id
             if pid in failed:
                 continue
             try:
-                if self._commit_outputs(s, result, now):
+                if commit(s, result, now):
                     touched[pid] = None
             except Exception:  # a bug in one request's output path fails that request only
                 logger.exception("[%s] output processing failed", s.request.request_id)
                 failed[pid] = None
-        outputs.extend(self.outputs.make_output(pid) for pid in touched if pid not in failed)
-        outputs.extend(self._fail(failed, "internal error while processing outputs"))
+        for pid in touched:
+            if pid not in failed:
+                self._emit(pid)
+        self._fail(failed, "internal error while processing outputs")
         if self.speculator is not None:
             try:
                 self.speculator.observe_step(took, sched.num_batched_tokens)
@@ -346,7 +426,106 @@ class EngineCore:
                 logger.exception("speculative proposal failed; this step proposes nothing")
                 for req in self.scheduler.running:
                     req.spec_token_ids, req.spec_draft_probs = [], None
-        return outputs
+        return self._end_step()
+
+    def _end_step(self) -> list[RequestOutput]:
+        """Serial: this step's outputs. Overlapped: hand this step's ops to the output
+        thread, then take the previous step's result (made while this step ran): its stop
+        strings end their samples here, before the next schedule."""
+        if not self.async_scheduling:
+            outputs, self._pending = self._pending, []
+            return outputs
+        previous, self._inflight = self._inflight, self._submit(self._take_ops())
+        return [] if previous is None else self._settle(previous.result())
+
+    def _take_ops(self) -> list[OutputOp]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    def _drain(self) -> list[RequestOutput]:
+        """Overlapped loop: wait for the output thread, then run what is queued here."""
+        outs: list[RequestOutput] = []
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            outs = self._settle(previous.result())
+        if self._ops:
+            outs += self._apply(self._take_ops())
+        outs += self._pending
+        self._pending = []
+        return outs
+
+    def _apply(self, ops: list[OutputOp]) -> list[RequestOutput]:
+        """Run `ops` on this thread; their outputs."""
+        with self._out_lock:
+            done = self.outputs.apply(ops)
+        return self._settle(done)
+
+    def _settle(self, done: Applied) -> list[RequestOutput]:
+        """End in the engine the samples the output side finished (a stop string; an
+        error in their output path): the tokens computed past a stop are dropped."""
+        for child, status in done.finished:
+            if not child.is_finished:
+                self._finish(child, status)
+        return done.outputs
+
+    def _submit(self, ops: list[OutputOp]) -> concurrent.futures.Future[Applied]:
+        fut: concurrent.futures.Future[Applied] = concurrent.futures.Future()
+        if self._out_queue is None:
+            self._out_queue = queue.SimpleQueue()
+            threading.Thread(target=self._output_thread, args=(self._out_queue,),
+                             name="tandem-outputs", daemon=True).start()
+        self._out_queue.put((ops, fut))
+        return fut
+
+    def _output_thread(self, inbox: queue.SimpleQueue) -> None:
+        """The overlapped loop's output side: one step's ops at a time, in order."""
+        while True:
+            ops, fut = inbox.get()
+            try:
+                with self._out_lock:
+                    done = self.outputs.apply(ops)
+                sink = self.output_sink
+                if sink is not None and done.outputs:
+                    outs, done.outputs = done.outputs, []
+                    sink(outs)
+            except BaseException as exc:  # noqa: BLE001 - raised on the engine thread
+                fut.set_exception(exc)
+            else:
+                fut.set_result(done)
+
+    def _commit_tokens(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
+        """The overlapped loop's commit: one scheduled request's tokens and token-id stops
+        here, the rest (text, stop strings, logprobs, outputs) queued for the output
+        thread. True when it has an output to report."""
+        req = s.request
+        entries = result.prompt_logprobs.get(req.request_id)
+        if entries:
+            self._ops.append(PromptLogprobs(req, entries))
+            req.advance_prompt_logprobs(len(entries))
+        if not s.samples:
+            return False
+        rid = req.request_id
+        drafts = result.accepted.get(rid, [])
+        if s.spec_token_ids and self.speculator is not None:
+            self.speculator.record(rid, len(s.spec_token_ids), len(drafts))
+        draft_lps = result.accepted_logprobs.get(rid)
+        tokens: list[int] = []
+        lps: list[dict[int, float] | None] = []
+        for i, token in enumerate([*drafts, result.sampled[rid]]):
+            tokens.append(token)
+            lps.append(result.logprobs.get(rid) if i == len(drafts)
+                       else draft_lps[i] if draft_lps else None)
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self._prompt_tokens += req.num_prompt_tokens
+            status, stop_token = token_stop(req, token, req.num_output_tokens)
+            if status is not None:
+                req.stop_reason = stop_token
+                self._finish(req, status)
+                break
+        self._ops.append(Tokens(req, tokens, lps))
+        return True
 
     def _commit_outputs(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
         """Take one scheduled request's results; True when it has an output to report."""
@@ -367,7 +546,6 @@ class EngineCore:
             lp = (result.logprobs.get(rid) if i == len(drafts)
                   else draft_lps[i] if draft_lps else None)
             req.append_output_token(token)
-            self._generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += req.num_prompt_tokens
@@ -384,7 +562,7 @@ class EngineCore:
             kv_cache_usage=self.kv.usage(), num_free_blocks=self.kv.pool.num_free_blocks(),
             prefix_cache_queries=self.kv.prefix_queries, prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
+            generation_tokens=self.outputs.generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
             in_flight_tokens=self.scheduler.num_unfinished_tokens(), **self._spec_stats(),
             **self._lora_stats())

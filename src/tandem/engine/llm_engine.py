@@ -116,7 +116,8 @@ class LLMEngine(EngineCore):
             runner.return_hidden = proposer.needs_hidden_states
             speculator = Speculator(spec, proposer, max_len,
                                     config.max_num_batched_tokens)
-        super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator)
+        super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator,
+                         async_scheduling=config.async_scheduling)
         self.lora = lora
         logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
                     "%s), %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, "

@@ -1,7 +1,17 @@
-"""Per-sample detokenization and stop checks; assembles `RequestOutput`s per user request."""
+"""Per-sample detokenization and stop checks; assembles `RequestOutput`s per user request.
+
+The processor keeps its own view of every sample (its token ids, its finish status), fed
+token by token, so it never reads what the engine thread mutates: the serial loop feeds it
+inline, the overlapped loop (`async_scheduling`) feeds it a step's `OutputOp`s on the
+output thread while the next step runs (`apply`). Token-id stops (EOS, `stop_token_ids`,
+`max_tokens`) are decided here and by the engine alike (`token_stop`); a stop string only
+here: `apply` reports it so the engine ends that sample at its next step boundary, and the
+tokens the engine computed past it are dropped (never counted, never shown).
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,11 +21,83 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.protocol.detokenizer import IncrementalDetokenizer
 from tandem.protocol.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
+
+def token_stop(child: Request, token_id: int, num_output_tokens: int
+               ) -> tuple[RequestStatus | None, int | None]:
+    """The finish a token-id rule gives `child` after its `num_output_tokens`-th output
+    token `token_id`, and the stop token id that matched (vLLM's rules: EOS and stop
+    tokens count from the `min_tokens`-th output token on; then `max_tokens`). Stop strings
+    are the output processor's."""
+    params = child.sampling_params
+    if num_output_tokens >= params.min_tokens:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        if not params.ignore_eos and token_id in child.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+    if num_output_tokens >= child.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None
+
+
+# -- what the engine thread hands the output side, in order (the overlapped loop) ---------------
+@dataclass(frozen=True)
+class Tokens:
+    """Output tokens of one sample from one step (verified drafts, then the sampled token),
+    with their logprob entries (None each when not asked for)."""
+
+    child: Request
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    child: Request
+    entries: list[dict[int, float]]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The engine ended a sample without a token (abort, error)."""
+
+    child: Request
+    status: RequestStatus
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Assemble the user request's output (if anything changed since the last one)."""
+
+    request_id: str
+
+
+OutputOp = Tokens | PromptLogprobs | Ended | Failed | Emit
+
+
+@dataclass
+class Applied:
+    """What `apply` made: outputs in order, and the samples it finished itself (a stop
+    string, or an error in their output path) with their status, for the engine to end."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finished: list[tuple[Request, RequestStatus]] = field(default_factory=list)
+
 
 @dataclass
 class _SampleState:
     request: Request
     detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # output ids taken (this side's view)
+    status: RequestStatus | None = None  # this side's finish (None: running)
+    stop_reason: str | int | None = None
     text: str = ""
     sent_len: int = 0  # chars of text already reported as delta
     sent_tok: int = 0  # output ids already handed out (delta outputs)
@@ -35,6 +117,7 @@ class _ParentState:
     hold_back: int = 0  # chars withheld while running: a stop string may still complete
     new_token_ids: list[int] = field(default_factory=list)
     delta: bool = False  # outputs carry only what is new (`use_deltas`)
+    dirty: bool = True  # changed since its last output
 
 
 class OutputProcessor:
@@ -44,6 +127,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _ParentState] = {}
         self._child_parent: dict[str, str] = {}
+        self.generation_tokens = 0  # output tokens taken, over all requests (cumulative)
 
     def add(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         params = children[0].sampling_params
@@ -81,33 +165,89 @@ class OutputProcessor:
 
     def process_token(self, child: Request, token_id: int,
                       logprobs: dict[int, float] | None) -> RequestStatus | None:
-        """Account for a token already appended to `child`; return a finish status or None."""
+        """Take `child`'s next output token; its finish status, or None while it runs. A
+        sample already finished here (a stop string the engine has not yet seen) drops the
+        token and returns that status."""
         parent = self._parents[self._child_parent[child.request_id]]
         state = parent.samples[child.sample_index]
+        if state.status is not None:
+            return state.status
+        parent.dirty = True
+        state.token_ids.append(token_id)
+        self.generation_tokens += 1
         params = child.sampling_params
         if child.sample_index == 0:
             parent.new_token_ids.append(token_id)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(logprobs)
             state.cumulative_logprob = (state.cumulative_logprob or 0.0) + logprobs[token_id]
-        # vLLM's rule: stops count from the min_tokens-th output token on (the sampler bans
-        # EOS and stop tokens before it)
-        may_stop = child.num_output_tokens >= params.min_tokens
-        if may_stop and params.stop_token_ids and token_id in params.stop_token_ids:
-            child.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if may_stop and not params.ignore_eos and token_id in child.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+        n = len(state.token_ids)
+        status, stop_token = token_stop(child, token_id, n)
+        if status is RequestStatus.FINISHED_STOPPED:  # EOS or a stop token: not in the text
+            state.status, state.stop_reason = status, stop_token
+            return status
         delta = state.detok.push([token_id])
         if delta:
             state.text += delta
-            if may_stop and params.stop_strings:
-                status = self._check_stop_strings(state, len(delta))
-                if status is not None:
-                    return status
-        if child.num_output_tokens >= child.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            if n >= params.min_tokens and params.stop_strings:
+                status = self._check_stop_strings(state, len(delta)) or status
+        state.status = status
+        return status
+
+    def end(self, child: Request, status: RequestStatus) -> None:
+        """The engine ended `child` without a token (abort, error); a sample finished here
+        already keeps its own status."""
+        parent = self._parents.get(self._child_parent.get(child.request_id, ""))
+        if parent is None:
+            return
+        state = parent.samples[child.sample_index]
+        if state.status is None:
+            state.status = status
+            parent.dirty = True
+
+    def apply(self, ops: Sequence[OutputOp]) -> Applied:
+        """Run one step's ops in order (the overlapped loop's output thread). Ops of a
+        request that already finished here are dropped; an error in one request's output
+        path fails that request only."""
+        done = Applied()
+        failed: dict[str, None] = {}
+        for op in ops:
+            pid = (op.request_id if isinstance(op, (Failed, Emit))
+                   else self._child_parent.get(op.child.request_id))
+            if pid is None or pid not in self._parents or pid in failed:
+                continue
+            try:
+                if isinstance(op, Tokens):
+                    state = self._state(op.child)
+                    if state.status is not None:  # tokens past a stop string: dropped
+                        continue
+                    for token, lp in zip(op.token_ids, op.logprobs, strict=True):
+                        if self.process_token(op.child, token, lp) is not None:
+                            break
+                    if isinstance(state.stop_reason, str):  # the engine cannot know it
+                        done.finished.append((op.child, RequestStatus.FINISHED_STOPPED))
+                elif isinstance(op, PromptLogprobs):
+                    self.add_prompt_logprobs(op.child, op.entries)
+                elif isinstance(op, Ended):
+                    self.end(op.child, op.status)
+                elif isinstance(op, Failed):
+                    self.fail(op.request_id, op.message)
+                elif self._parents[pid].dirty:
+                    done.outputs.append(self.make_output(pid))
+            except Exception:  # a bug in one request's output path fails that request only
+                logger.exception("[%s] output processing failed", pid)
+                failed[pid] = None
+        for pid in failed:
+            for s in self._parents[pid].samples:
+                if s.status is None:
+                    s.status = RequestStatus.FINISHED_ERROR
+                    done.finished.append((s.request, RequestStatus.FINISHED_ERROR))
+            self.fail(pid, "internal error while processing outputs")
+            done.outputs.append(self.make_output(pid))
+        return done
+
+    def _state(self, child: Request) -> _SampleState:
+        return self._parents[self._child_parent[child.request_id]].samples[child.sample_index]
 
     @staticmethod
     def _check_stop_strings(state: _SampleState, delta_len: int) -> RequestStatus | None:
@@ -118,26 +258,31 @@ class OutputProcessor:
             if idx >= 0:
                 end = idx + len(stop) if params.include_stop_str_in_output else idx
                 state.text = state.text[:end]
-                state.request.stop_reason = stop
+                state.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
         return None
 
     def fail(self, request_id: str, message: str) -> None:
-        self._parents[request_id].error = message
+        """End the request's unfinished samples with an error carrying `message`."""
+        parent = self._parents[request_id]
+        parent.error = message
+        parent.dirty = True
+        for s in parent.samples:
+            if s.status is None:
+                s.status = RequestStatus.FINISHED_ERROR
 
     def make_output(self, request_id: str) -> RequestOutput:
         """The request's output (cumulative, or a delta after `use_deltas`); removes the
         request once every sample has finished."""
         parent = self._parents[request_id]
         outputs = []
-        finished = all(s.request.is_finished for s in parent.samples)
+        finished = all(s.status is not None for s in parent.samples)
         delta_text = ""
         for i, s in enumerate(parent.samples):
-            req = s.request
-            done = req.is_finished
+            done = s.status is not None
             if done and not s.flushed:
                 s.flushed = True
-                if not isinstance(req.stop_reason, str):  # a stop string already cut the text
+                if not isinstance(s.stop_reason, str):  # a stop string already cut the text
                     s.text += s.detok.flush()
             visible = len(s.text) if done else max(s.sent_len, len(s.text) - parent.hold_back)
             new_text = s.text[s.sent_len:visible]
@@ -146,18 +291,20 @@ class OutputProcessor:
             s.sent_len = visible
             ids: Sequence[int]
             if parent.delta:
-                text, ids, logprobs = new_text, req.output_token_ids[s.sent_tok:], s.logprobs
-                s.sent_tok = len(req.output_token_ids)
+                text, ids, logprobs = new_text, s.token_ids[s.sent_tok:], s.logprobs
+                s.sent_tok = len(s.token_ids)
                 if logprobs is not None:
                     s.logprobs = []  # handed over, not copied
             else:
                 text, logprobs = s.text[:visible], s.logprobs
-                ids = (list(req.output_token_ids) if done else
-                       TokenPrefix(req.output_token_ids, len(req.output_token_ids)))
+                if logprobs is not None and not done:  # the list grows on: a stable view
+                    logprobs = TokenPrefix(logprobs, len(logprobs))  # type: ignore[arg-type]
+                ids = (list(s.token_ids) if done else
+                       TokenPrefix(s.token_ids, len(s.token_ids)))
             outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=ids,
-                finish_reason=req.status.value if done else None,
-                stop_reason=req.stop_reason, logprobs=logprobs,
+                finish_reason=s.status.value if s.status is not None else None,
+                stop_reason=s.stop_reason, logprobs=logprobs,
                 cumulative_logprob=s.cumulative_logprob))
         first = parent.samples[0].request
         queued = (None if first.first_scheduled_time is None
@@ -171,6 +318,7 @@ class OutputProcessor:
             engine_time=time.monotonic() - first.arrival_time, delta_text=delta_text,
             delta_token_ids=parent.new_token_ids)
         parent.new_token_ids = []
+        parent.dirty = False
         if finished:
             del self._parents[request_id]
             for s in parent.samples:

@@ -12,10 +12,12 @@ LogprobsList = list[dict[int, float]]
 
 
 class TokenPrefix(Sequence[int]):
-    """The first `n` ids of an append-only list, made in O(1): a running request's output
-    ids in each step's `RequestOutput`, so a step costs no copy of every request's whole
-    output. Stable while the list only grows; `==` compares with any list or tuple;
-    `list(view)` copies. Finished outputs carry a plain list."""
+    """The first `n` items of an append-only list, made in O(1): a running request's output
+    ids (and logprob entries) in each step's `RequestOutput`, so a step costs no copy of
+    every request's whole output. Stable while the list only grows (on another thread too:
+    the overlapped loop's output thread appends while readers hold earlier views); `==`
+    compares with any list or tuple; `list(view)` copies. Finished outputs carry a plain
+    list."""
 
     __slots__ = ("_ids", "_n")
 
