@@ -211,10 +211,6 @@ class EngineConfig:
                               f"'ray' for tensor_parallel_size {tp}")
         if tp == 1:
             return
-        if self.quantization == "gguf":
-            raise ConfigError("quantization 'gguf' keeps the file's compressed tensors, which "
-                              f"cannot be sliced: with tensor_parallel_size {tp} use int8, "
-                              "int4, w8a8 or fp8 (each rank quantizes its slice)")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -5,7 +5,8 @@ every rank builds, shards and sizes its share the same way.
 The model is built on meta (quantized layers swapped in there), allocated once on the
 device and filled tensor by tensor; with tensor parallelism a rank builds the model of its
 share (`parallel/tp.local_arch`), loads each checkpoint tensor's slice as it streams in
-(`shard_weights`; quantized layers quantize their slice), is packed for the CPU like any
+(`shard_weights`; quantized layers hold the unsharded model's codes, sliced: a GGUF's
+compressed blocks as they are), is packed for the CPU like any
 model, and then gets the collectives wrapped around it (`wrap_tp`). KV blocks: an
 explicit count, else host RAM (`kv_cache_memory`, shared by the ranks of one machine), else
 on CUDA what `gpu_memory_utilization` leaves after a profiling step run by every rank at
@@ -39,6 +40,7 @@ from tandem.engine.quant.apply import (
     model_memory_bytes,
     plan_quantization,
     prepare_model,
+    row_scaled_weights,
 )
 from tandem.engine.quant.float_methods import PackedMethod
 from tandem.engine.sampler import Sampler
@@ -65,11 +67,10 @@ class Shard:
 def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
                 groups: Groups | None = None) -> Shard:
     """Rank `groups.rank` of `groups.world` (None: the whole model on one device)."""
-    # a GGUF's Q4/Q8 tensors stay compressed when quantizing anyway, but a tensor-parallel
-    # rank slices float tensors (and quantizes its slice)
+    # a GGUF's Q4/Q8 tensors stay compressed when quantizing anyway (a tensor-parallel
+    # rank slices their blocks)
     world = groups.world if groups is not None else 1
-    source = open_model(path, dtype,
-                        keep_quantized=config.quantization is not None and world == 1)
+    source = open_model(path, dtype, keep_quantized=config.quantization is not None)
     arch = source.config
     max_len = min(config.max_model_len or arch.max_position_embeddings,
                   arch.max_position_embeddings)
@@ -87,10 +88,18 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     # tensor is sliced as it streams in, so only the shard is ever allocated
     with torch.device("meta"):
         model = LlamaForCausalLM(model_arch, backend, max_positions=max_len, ops=ops)
-        prepare_model(model, plan, dtype)
+        try:
+            prepare_model(model, plan, dtype)
+        except ConfigError as e:
+            if tp is None:
+                raise
+            raise ConfigError(f"tensor_parallel_size {world} (each rank's share of the "
+                              f"model): {e}") from None
     model.materialize(device, dtype)
     weights = source.tensors(progress=groups is None or groups.rank == 0)  # vLLM: always
-    model.load_weights(shard_weights(weights, arch, tp) if tp else weights)
+    if tp is not None:  # per-channel layers scale by their whole rows (ColumnSlice)
+        weights = shard_weights(weights, arch, tp, row_scaled_weights(plan, model_arch))
+    model.load_weights(weights)
     model.eval()
     if config.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU

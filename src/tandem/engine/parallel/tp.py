@@ -17,18 +17,20 @@ local `AttentionSpec`). Collectives go through `TPGroup` (torch.distributed: NCC
 gloo on CPU); with N = 1 nothing changes.
 
 A rank builds the single-device model of `local_arch` (its heads, columns and vocabulary
-rows), loads `shard_weights` of the checkpoint into it (each float tensor sliced as it
-streams in: only the shard is ever allocated on the device; quantized layers quantize their
-slice), packs or quantizes it as one device would, and `wrap_tp` adds the collectives;
-biases follow their rows. Group-wise quantization needs each rank's input columns to be
-whole groups.
+rows), loads `shard_weights` of the checkpoint into it (each tensor sliced as it streams
+in: only the shard is ever allocated on the device; a GGUF's compressed Q4_0 / Q4_1 / Q8_0
+blocks are sliced as they are), packs or quantizes it as one device would, and `wrap_tp`
+adds the collectives; biases follow their rows. Quantized layers hold exactly the unsharded
+model's codes and scales, sliced: group-wise formats (and GGUF blocks) need each rank's
+input columns to be whole groups, and per-channel ones (int8, w8a8, fp8) scale a
+row-parallel rank's columns by the whole row's range (`ColumnSlice`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.quant.base import ColumnSlice, GroupedWeight, QuantLinear, WeightRows
 
 
 def kv_heads(num_kv_heads: int, world: int, rank: int) -> range:
@@ -114,6 +117,22 @@ class TPGroup:
             self.backend.allreduce([x]).wait()
         else:
             dist.all_reduce(x, group=self.group)
+        if self.timed:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """x, in place: its elementwise maximum over the ranks."""
+        if self.world == 1:
+            return x
+        t0 = time.perf_counter() if self.timed else 0.0
+        if self.backend is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.backend.allreduce([x], opts).wait()
+        else:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         if self.timed:
             self.seconds += time.perf_counter() - t0
             self.calls += 1
@@ -213,41 +232,77 @@ _ROWS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter",
 _COLS = {"o_proj": "q", "down_proj": "inter"}  # row-parallel: input columns
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArchConfig,
-                  plan: TPPlan) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named float weights -> this rank's slice of each (views where they can be), for
-    `local_arch`'s model: q/k/v and gate/up rows, o/down input columns, the embedding's and
-    LM head's vocabulary rows (zero rows past the vocabulary). Norms pass whole."""
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor | GroupedWeight]],
+                  arch: ModelArchConfig, plan: TPPlan, whole_rows: Container[str] = ()
+                  ) -> Iterator[tuple[str, WeightRows]]:
+    """HF-named weights (float tensors, or `GroupedWeight`s a GGUF keeps compressed) ->
+    this rank's slice of each (views where they can be), for `local_arch`'s model: q/k/v
+    and gate/up rows, o/down input columns, the embedding's and LM head's vocabulary rows
+    (zero rows past the vocabulary; a compressed padding row has scale and min 0, so it
+    dequantizes to 0). Norms pass whole.
+
+    A compressed weight's columns are sliced in whole blocks: ConfigError naming the layer
+    unless the rank's span starts and ends on a block boundary. A row-parallel weight named
+    in `whole_rows` (its layer's scale spans whole input rows: `quant.apply.
+    row_scaled_weights`) comes as a `ColumnSlice` of the whole weight, so the rank's codes
+    and scales are exactly the unsharded layer's."""
     d = arch.head_dim
     spans = {"q": (plan.q_head_start * d, plan.num_heads * d),
              "kv": (plan.kv_head_start * d, plan.num_kv_heads * d),
              "inter": (plan.inter_start, plan.inter_size)}
     for name, t in weights:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ConfigError(f"tensor parallelism shards float weights; {name!r} is "
-                              f"{type(t).__name__}")
+        grouped = isinstance(t, GroupedWeight)
+        if not grouped and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ConfigError(f"tensor parallelism shards float or grouped-integer weights; "
+                              f"{name!r} is {type(t).__name__}")
         parts = name.split(".")
         proj = parts[-2] if len(parts) >= 2 else ""
+        out: WeightRows = t
         if proj in _ROWS:
             start, n = spans[_ROWS[proj]]
-            t = t[start:start + n]
+            out = t.rows(start, start + n) if grouped else t[start:start + n]
         elif proj in _COLS and parts[-1] == "weight":
             start, n = spans[_COLS[proj]]
-            t = t[:, start:start + n]
+            if name in whole_rows:
+                out = ColumnSlice(t, start, n)
+            elif grouped:
+                if start % t.group_size or n % t.group_size:
+                    raise ConfigError(
+                        f"tensor_parallel_size {plan.world}: {name} keeps {t.group_size}-"
+                        f"column blocks, but each rank holds {n} of its {t.shape[1]} input "
+                        f"columns (rank {plan.rank} from column {start}); pick a size that "
+                        f"splits them into whole blocks")
+                out = t.columns(start, start + n)
+            else:
+                out = t[:, start:start + n]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            t = _vocab_rows(t, plan)
-        yield name, t
+            out = _vocab_rows(t, plan)
+        yield name, out
 
 
-def _vocab_rows(weight: torch.Tensor, plan: TPPlan) -> torch.Tensor:
+def _vocab_rows(weight: torch.Tensor | GroupedWeight, plan: TPPlan
+                ) -> torch.Tensor | GroupedWeight:
     """This rank's vocabulary rows (a view), zero-padded past the vocabulary (a copy)."""
-    end = min(plan.vocab_start + plan.vocab_size, plan.vocab)
-    rows = weight[plan.vocab_start:max(end, plan.vocab_start)]
+    end = max(min(plan.vocab_start + plan.vocab_size, plan.vocab), plan.vocab_start)
+    if isinstance(weight, GroupedWeight):
+        rows = weight.rows(plan.vocab_start, end)
+        return rows if rows.shape[0] == plan.vocab_size else rows.padded_rows(plan.vocab_size)
+    rows = weight[plan.vocab_start:end]
     if len(rows) == plan.vocab_size:
         return rows
     shard = weight.new_zeros(plan.vocab_size, weight.shape[1])
     shard[: len(rows)] = rows
     return shard
+
+
+def share_input_ranges(row_parallel: nn.Module, comm: TPGroup) -> None:
+    """The quantized linears of a row-parallel layer take each input row's max |x| over
+    every rank's columns (`QuantLinear.input_amax`: one all-reduce max), so a method that
+    quantizes its input per token (w8a8, fp8 on FP8 tensor cores) picks the unsharded
+    layer's activation scales."""
+    for module in row_parallel.modules():
+        if isinstance(module, QuantLinear):
+            module.input_amax = comm.all_reduce_max
 
 
 def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, logits_to_all: bool = False
@@ -262,6 +317,8 @@ def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, logits_to_all: bool =
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
+        share_input_ranges(layer.self_attn.o_proj, comm)
+        share_input_ranges(layer.mlp.down_proj, comm)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.vocab_start,
                                                 plan.vocab_size, comm)
     model.lm_head = ParallelLMHead(model.lm_head, plan.vocab, comm, logits_to_all)

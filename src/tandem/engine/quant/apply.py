@@ -158,6 +158,14 @@ def plan_quantization(name: str | None, arch: ModelArchConfig,
     return plan
 
 
+def row_scaled_weights(plan: QuantPlan, arch: ModelArchConfig) -> frozenset[str]:
+    """The HF weight names whose layer's method scales whole input rows (`row_scaled`:
+    per-channel): a tensor-parallel rank hands it their columns as `ColumnSlice`s."""
+    paths = _linear_paths(arch)
+    return frozenset(name for path, method in plan.methods.items() if method.row_scaled
+                     for name in paths.get(path, ()))
+
+
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
@@ -179,8 +187,12 @@ def prepare_model(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> int:
                 model.lm_head = storage
             continue
         old = model.get_submodule(path)
-        _set(model, path, QuantLinear(method, old.in_features, old.out_features,
-                                      old.bias is not None, dtype))
+        try:
+            layer = QuantLinear(method, old.in_features, old.out_features,
+                                old.bias is not None, dtype)
+        except ConfigError as e:  # name the layer (a tensor-parallel rank's share, say)
+            raise ConfigError(f"{path} [{old.out_features} x {old.in_features}]: {e}") from None
+        _set(model, path, layer)
         count += 1
     if plan.name:
         logger.info("quantization %s: %d linear layers%s", plan.name, count,

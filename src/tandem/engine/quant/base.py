@@ -8,7 +8,8 @@ model never holds its float weights.
 
 Life of a layer: `create` registers empty buffers (shapes only, on meta) -> the model is
 materialised (`to_empty`) -> `load` fills row ranges, once each, from float rows or
-`GroupedWeight` rows (fused q/k/v and gate/up parts arrive separately) -> `finish` turns
+`GroupedWeight` rows (fused q/k/v and gate/up parts arrive separately; a tensor-parallel
+rank's columns of a per-channel layer as a `ColumnSlice`) -> `finish` turns
 them into the kernel's layout -> `apply(x)` per step. `dequantize` returns the exact
 float weight the layer computes with (tests compare kernels against it in float64).
 """
@@ -61,6 +62,29 @@ class GroupedWeight:
                              None if self.mins is None else self.mins[start:stop],
                              self.bits, self.group_size)
 
+    def columns(self, start: int, stop: int) -> GroupedWeight:
+        """Input columns [start, stop) (views): whole groups only (ConfigError otherwise)."""
+        g = self.group_size
+        if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
+            raise ConfigError(f"columns [{start}, {stop}) of a grouped weight of K="
+                              f"{self.shape[1]} are not whole groups of {g}")
+        return GroupedWeight(self.codes[:, start:stop], self.scales[:, start // g:stop // g],
+                             None if self.mins is None else self.mins[:, start // g:stop // g],
+                             self.bits, g)
+
+    def padded_rows(self, rows: int) -> GroupedWeight:
+        """These rows followed by zero rows up to `rows` (codes, scales and mins 0: each
+        padding row dequantizes to 0)."""
+        n, k = self.shape
+        extra = rows - n
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(extra, t.shape[1])])
+
+        return GroupedWeight(pad(self.codes), pad(self.scales),
+                             None if self.mins is None else pad(self.mins), self.bits,
+                             self.group_size)
+
     def permute_rows(self, index: torch.Tensor) -> GroupedWeight:
         """Rows reordered by `index` (llama.cpp's Q/K un-permutation acts on whole rows)."""
         return GroupedWeight(self.codes[index], self.scales[index],
@@ -79,8 +103,41 @@ class GroupedWeight:
         return w.view(n, k).to(dtype)
 
 
+@dataclass(frozen=True)
+class ColumnSlice:
+    """Input columns [start, start + size) of a whole weight `full` [N, K]: a
+    tensor-parallel rank's share of a row-parallel layer (o_proj, down_proj), handed to a
+    method whose scale spans a whole input row (`LinearMethod.row_scaled`). Such a method
+    scales each row by the full row's range (`float_rows`), so every rank's codes and
+    scales are exactly the unsharded layer's, sliced."""
+
+    full: torch.Tensor | GroupedWeight
+    start: int
+    size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.full.shape[0]), self.size)
+
+    def part(self) -> torch.Tensor | GroupedWeight:
+        """The rank's columns as stored (views; a `GroupedWeight` in whole groups only)."""
+        if isinstance(self.full, GroupedWeight):
+            return self.full.columns(self.start, self.start + self.size)
+        return self.full[:, self.start:self.start + self.size]
+
+    def float_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rank's columns in float32 [N, size], each whole row's max |w| [N] float32:
+        the same values the unsharded layer's quantization sees)."""
+        stop = self.start + self.size
+        if isinstance(self.full, GroupedWeight):
+            full = self.full.dequantize(torch.float32)
+            return full[:, self.start:stop], full.abs().amax(-1)
+        amax = self.full.detach().abs().amax(-1).to(torch.float32)  # exact in any dtype
+        return self.full[:, self.start:stop].detach().to(torch.float32), amax
+
+
 def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int,
-                     symmetric: bool) -> GroupedWeight:
+                     symmetric: bool, row_amax: torch.Tensor | None = None) -> GroupedWeight:
     """Round-to-nearest quantization of float rows `weight` [N, K] (K % group_size == 0).
 
     bits=8, symmetric: codes in [-127, 127], scale = amax / 127 (mins None).
@@ -88,15 +145,20 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int,
     (GGUF Q4_1 style); bits=4 symmetric: Q4_0 style, scale = -amax_signed / 8 with min
     = -8 * scale. Scales/mins are rounded to float16 first and codes computed against the
     rounded values, so `dequantize` is exactly what the kernels see.
+    `row_amax` [N] (per-channel 8-bit symmetric only: group_size == K): each row's max |w|
+    over its whole row when `weight` holds some of its columns (`ColumnSlice`).
     """
     n, k = weight.shape
     if k % group_size:
         raise ConfigError(f"K={k} is not a multiple of group_size {group_size}")
+    if row_amax is not None and not (bits == 8 and symmetric and group_size == k):
+        raise ConfigError("a whole row's range scales per-channel symmetric int8 only")
     w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
     tiny = torch.finfo(torch.float16).tiny
     mins = None
     if bits == 8 and symmetric:
-        scales = (w.abs().amax(-1) / 127).clamp(min=tiny).to(torch.float16)
+        amax = w.abs().amax(-1) if row_amax is None else row_amax.to(torch.float32).view(n, 1)
+        scales = (amax / 127).clamp(min=tiny).to(torch.float16)
         codes = torch.round(w / scales.float()[..., None]).clamp(-127, 127)
     elif bits == 4 and not symmetric:
         lo, hi = w.amin(-1), w.amax(-1)
@@ -118,7 +180,8 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int,
     return GroupedWeight(codes.to(torch.int8).reshape(n, k), scales, mins, bits, group_size)
 
 
-WeightRows = torch.Tensor | GroupedWeight  # what `LinearMethod.load` accepts
+# what `LinearMethod.load` accepts (a `ColumnSlice` only where `row_scaled`)
+WeightRows = torch.Tensor | GroupedWeight | ColumnSlice
 
 
 class QuantLinear(nn.Module):
@@ -132,6 +195,10 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dtype = dtype  # activation / output dtype
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        # a row-parallel rank's layer (`parallel.tp.share_input_ranges`): turns, in place,
+        # each input row's max |x| over this rank's columns into the whole row's, for
+        # methods that quantize their input per token; None: the input is the whole row
+        self.input_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
         method.create(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +214,9 @@ class LinearMethod(ABC):
     layers (it holds configuration, not tensors)."""
 
     name: ClassVar[str] = ""
+    # whether one scale spans a layer's whole input row (per-channel): a row-parallel
+    # shard then arrives as a `ColumnSlice`, so it is scaled by the full row's range
+    row_scaled: bool = False
 
     @abstractmethod
     def create(self, layer: QuantLinear) -> None:

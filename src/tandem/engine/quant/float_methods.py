@@ -16,6 +16,7 @@ from tandem.engine.model.cpu_linear import (
     pack_panels,
 )
 from tandem.engine.quant.base import (
+    ColumnSlice,
     GroupedWeight,
     LinearMethod,
     QuantLinear,
@@ -25,7 +26,9 @@ from tandem.engine.quant.base import (
 
 
 def float_rows(rows: WeightRows, dtype: torch.dtype) -> torch.Tensor:
-    """Float rows `[r, K]` in `dtype` from float or grouped rows."""
+    """Float rows `[r, K]` in `dtype` from float or grouped rows (or a column slice)."""
+    if isinstance(rows, ColumnSlice):
+        rows = rows.part()
     if isinstance(rows, GroupedWeight):
         return rows.dequantize(dtype)
     return rows.to(dtype)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.quant.base import (
+    ColumnSlice,
     GroupedWeight,
     LinearMethod,
     QuantLinear,
@@ -45,12 +46,15 @@ BLOCK_ELEMENTS = 1 << 20  # weight elements decoded at a time by the "torch" mod
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(t: torch.Tensor, row_amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float rows [R, K] -> (float8_e4m3fn codes [R, K], float32 scales [R]) with
     scale = amax(|row|) / 448 (at least float32's smallest normal, so a zero row is zeros)
-    and codes = round-to-nearest(row / scale) clamped to [-448, 448]."""
+    and codes = round-to-nearest(row / scale) clamped to [-448, 448]. `row_amax` [R]:
+    each row's max |w| over its whole row when `t` holds some of its columns."""
     t = t.float()
-    scale = (t.abs().amax(-1) / E4M3_MAX).clamp(min=_TINY)
+    amax = t.abs().amax(-1) if row_amax is None else row_amax.to(t.device, torch.float32)
+    scale = (amax / E4M3_MAX).clamp(min=_TINY)
     codes = (t / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return codes, scale
 
@@ -93,6 +97,7 @@ class Fp8Method(LinearMethod):
     """FP8 e4m3 weights, per-output-channel float32 scales (see the module docstring)."""
 
     embeds_cheaply = True  # rows decode from the same storage (a tied LM head's)
+    row_scaled = True  # one scale per output row, over its whole input row
 
     def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None,
                  mode: str | None = None) -> None:
@@ -117,12 +122,18 @@ class Fp8Method(LinearMethod):
                               persistent=False)
 
     def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
-        rows = weight.dequantize(torch.float32) if isinstance(weight, GroupedWeight) else weight
+        amax = None
+        if isinstance(weight, ColumnSlice):  # scaled by the whole rows' range
+            rows, amax = weight.float_rows()
+        elif isinstance(weight, GroupedWeight):
+            rows = weight.dequantize(torch.float32)
+        else:
+            rows = weight
         if rows.dim() != 2 or rows.shape[1] != layer.in_features or (
                 start + rows.shape[0] > layer.out_features):
             raise ConfigError(f"fp8 load of rows {tuple(rows.shape)} at {start} into a "
                               f"[{layer.out_features}, {layer.in_features}] layer")
-        codes, scale = quantize_rows(rows.to(layer.weight.device))
+        codes, scale = quantize_rows(rows.to(layer.weight.device), amax)
         layer.weight[start:start + rows.shape[0]].copy_(codes)
         layer.weight_scale[start:start + rows.shape[0]].copy_(scale)
 
@@ -139,7 +150,10 @@ class Fp8Method(LinearMethod):
 
     def _scaled_mm(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         n = layer.out_features
-        xq, sx = quantize_rows(x)
+        amax = None
+        if layer.input_amax is not None:  # a row-parallel rank's columns: the whole rows'
+            amax = layer.input_amax(x.float().abs().amax(-1))
+        xq, sx = quantize_rows(x, amax)
         xq = _pad16(xq, (1,))
         wq = _pad16(layer.weight, (0, 1))
         bias = layer.bias

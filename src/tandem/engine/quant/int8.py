@@ -27,6 +27,7 @@ import torch
 from tandem.engine.errors import ConfigError
 from tandem.engine.quant import cpu_kernels, torch_ref
 from tandem.engine.quant.base import (
+    ColumnSlice,
     GroupedWeight,
     LinearMethod,
     QuantLinear,
@@ -57,6 +58,7 @@ class GroupedIntMethod(LinearMethod):
         self.native = native
         self.group_size = group_size
         self.has_mins = has_mins
+        self.row_scaled = group_size is None  # per-channel: one scale per whole row
         self.panels = native is not None and self.device.type == "cpu"
 
     def group(self, layer: QuantLinear) -> int:
@@ -82,8 +84,22 @@ class GroupedIntMethod(LinearMethod):
                               persistent=False)
 
     def _convert(self, layer: QuantLinear, rows: WeightRows) -> GroupedWeight:
-        """Rows in this layer's format (bits, group size, mins or not)."""
+        """Rows in this layer's format (bits, group size, mins or not). A `ColumnSlice`
+        of a per-channel layer is scaled by its whole rows' range (the unsharded layer's
+        codes and scales, sliced); of a group-wise one, its groups are converted as they
+        are (whole groups: its columns start and end on group boundaries)."""
         k, g = layer.in_features, self.group(layer)
+        if isinstance(rows, ColumnSlice):
+            if rows.shape[1] != k:
+                raise ConfigError(f"{self.name}: a column slice of K={rows.shape[1]}, layer "
+                                  f"expects {k}")
+            if not (self.row_scaled and self.bits == 8 and self.symmetric):
+                return self._convert(layer, rows.part())
+            part, amax = rows.float_rows()
+            out = quantize_grouped(part, self.bits, g, self.symmetric, row_amax=amax)
+            if self.has_mins:
+                out.mins = torch.zeros_like(out.scales)
+            return out
         if isinstance(rows, GroupedWeight):
             if rows.shape[1] != k:
                 raise ConfigError(f"{self.name}: grouped rows have K={rows.shape[1]}, layer "

@@ -55,15 +55,22 @@ MAX_K = 65536  # int32 sums cannot overflow (VNNI sums (a + 128) * w before corr
 DEFAULT_MIN_ROWS = 16  # rows from which the int8 GEMM runs (measured: module docstring)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 quantization (the reference): x [M, K] float32 ->
-    (codes [M, K] int8, scales [M, 1] float32)."""
+    (codes [M, K] int8, scales [M, 1] float32). `amax` [M, 1]: each row's max |x| when
+    x holds only some of its columns (a row-parallel rank's)."""
     x = x.to(torch.float32)
-    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    scale = (x.abs().amax(dim=1, keepdim=True) if amax is None else amax) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(x / safe).clamp(-127, 127)
     codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
     return codes.to(torch.int8), torch.where(scale > 0, scale, torch.zeros_like(scale))
+
+
+def _row_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's max |x| [M, 1] float32 (a new tensor: collectives reduce it in place)."""
+    return x.to(torch.float32).abs().amax(dim=1, keepdim=True)
 
 
 def native_quantize_rows(x: torch.Tensor, native: ctypes.CDLL) -> tuple[torch.Tensor,
@@ -180,7 +187,14 @@ class W8A8Method(Int8Method):
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         if self.panels:
             xf = x.to(torch.float32).contiguous()
-            if x.shape[0] >= self.min_rows:
+            gemm = x.shape[0] >= self.min_rows or not self._weight_only
+            if gemm and layer.input_amax is not None:  # a row-parallel rank's columns
+                xq, xs = quantize_rows(xf, layer.input_amax(_row_amax(xf)))
+                y = panel_gemm_i32(xq, layer.codes, n, self.native).float() * xs
+                y = y * layer.scales.reshape(-1)[:n].float()
+                if bias is not None:
+                    y = y + bias
+            elif x.shape[0] >= self.min_rows:
                 y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
             elif self._weight_only:
                 y = cpu_kernels.int8_panel_linear(xf, layer.codes, layer.scales, None,
@@ -188,7 +202,8 @@ class W8A8Method(Int8Method):
             else:  # weight-only kernel not built: the int8 GEMM serves every row count
                 y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
             return y.to(layer.dtype)
-        xq, xs = quantize_rows(x)
+        amax = None if layer.input_amax is None else layer.input_amax(_row_amax(x))
+        xq, xs = quantize_rows(x, amax)
         y = int_mm(xq, layer.codes).float() * xs * layer.scales.float().view(1, n)
         if bias is not None:
             y = y + bias
