@@ -56,9 +56,6 @@ SPEC_ERRORS = [  # (path, value, the message's words)
     ("decode", pool(4, 4, engine={"device": "cpu"}), "decode.engine.device cpu with "
                                                      "decode.resources.limits.nvidia.com/gpu: 4"),
     # what the workers' engine refuses with tensor_parallel_size > 1 (EngineConfig)
-    ("decode", pool(2, 2, engine={"quantization": "gguf"}),
-     "decode.engine.quantization: 'gguf' keeps the file's compressed tensors, which cannot be "
-     "sliced: with decode.parallelism.tensor 2 use int8, int4, w8a8 or fp8"),
     ("decode", pool(2, 2, engine={"speculative": {"method": "draft", "model": "self",
                                                   "draft_tensor_parallel_size": 2}}),
      "decode.engine.speculative.draft_tensor_parallel_size: 2 is not 1 (draft models run "
@@ -74,15 +71,14 @@ def test_spec_errors_name_the_field(path, value, message):
     assert message in str(e.value)
 
 
-def test_what_the_engine_refuses_with_tensor_parallelism_is_refused_at_parse_time():
-    """The engine's own refusals (tested against EngineConfig here), as spec errors."""
+def test_what_the_engine_accepts_with_tensor_parallelism_parses():
+    """The engine shards every feature at TP > 1 (tested against EngineConfig here), so the
+    operator refuses none of them."""
     from tandem.engine.config import EngineConfig
-    from tandem.engine.errors import ConfigError
 
-    for kw in ({"quantization": "gguf"},):
-        with pytest.raises(ConfigError):
-            EngineConfig(tensor_parallel_size=2, **kw)
-        EngineConfig(tensor_parallel_size=1, **kw)  # accepted at TP = 1
+    # a GGUF's compressed blocks are sliced per rank: both sides accept them at TP > 1
+    EngineConfig(tensor_parallel_size=2, quantization="gguf")
+    parse_spec(aggregated(2, 2, engine={"quantization": "gguf"}))
     lora = {"adapters": [{"name": "a", "uri": "pvc://claim/a"}]}
     EngineConfig(tensor_parallel_size=2, enable_lora=True)  # each rank holds its shard
     assert parse_spec({**aggregated(2, 2), "lora": lora}).lora is not None

@@ -48,7 +48,6 @@ from tandem.operator.spec_parallel import (
     ParallelismSpec,
     check_group_strategy,
     check_parallelism,
-    check_tensor_parallel_engine,
     parse_parallelism,
 )
 from tandem.operator.spec_router import RateLimit, RouterSpec, parse_router
@@ -201,7 +200,6 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
     check_pool_device(engine, gpus, where)
     parallelism = parse_parallelism(d.get("parallelism"), where)
     layout = check_parallelism(parallelism, gpus, where)
-    check_tensor_parallel_engine(parallelism, engine, where)
     pool = PoolSpec(
         replicas=get_int(d, "replicas", replicas, where, 0, 1000),
         resources=res,

@@ -21,7 +21,6 @@ from tandem.operator.model_uri import SpecError
 
 if TYPE_CHECKING:
     from tandem.operator.pod_settings import Strategy
-    from tandem.operator.spec_engine import EngineArgs
 
 MAX_TENSOR = 64  # the CRD's maximum and the engine's (EngineConfig refuses more)
 KEYS = ("tensor",)  # pipeline, data, expert parallelism: not yet
@@ -84,18 +83,6 @@ def check_parallelism(par: ParallelismSpec, gpus: int, where: str) -> Layout:
                         f"pods (set tensor to {gpus * (t // gpus + 1)}, or the GPUs per pod "
                         f"to a divisor of {t})")
     return Layout(tensor=t, gpus_per_pod=gpus, nodes=t // gpus if gpus else 1)
-
-
-def check_tensor_parallel_engine(par: ParallelismSpec, engine: EngineArgs, where: str) -> None:
-    """What the engine refuses with tensor_parallel_size > 1 (`EngineConfig`), refused here
-    so the workers do not crash-loop on it."""
-    t = par.tensor
-    if t == 1:
-        return
-    if engine.quantization == "gguf":
-        raise SpecError(f"{where}.engine.quantization: 'gguf' keeps the file's compressed "
-                        f"tensors, which cannot be sliced: with {where}.parallelism.tensor {t} "
-                        "use int8, int4, w8a8 or fp8 (each rank quantizes its slice)")
 
 
 def _groups(value: int | str, replicas: int, up: bool) -> int:
