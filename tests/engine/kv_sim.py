@@ -619,7 +619,8 @@ class Sim:
             self._fail(f"{self.num_blocks - pool.num_free_blocks()} blocks still referenced")
         if any(b.ref_cnt for b in pool.blocks):
             self._fail("a block kept a reference")
-        if self.sched.requests or self.kv._blocks or self.kv._kept or self.kv._tails:
+        if (self.sched.requests or self.kv._blocks or self.kv.lease_stats().active
+                or self.kv._tails):
             self._fail("the scheduler or KV manager still tracks a request")
 
 

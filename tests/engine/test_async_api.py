@@ -279,8 +279,8 @@ def test_layers_are_saved_through_the_connectors_worker_side(engine):
     kv.unsave_layers("r")
     sched.update_state_after_alloc(req, [4, 5], 0)  # no longer saved: nothing to do
     assert sched.build_connector_meta().empty
-    assert sched.request_finished(req, [4, 5]) == FinishAction(False, 600.0)
     req.keep_kv = True
     assert sched.request_finished(req, [4, 5]) == FinishAction(True, 600.0)
+    assert engine.engine.kv.connector is sched  # the manager asks it from now on
     with pytest.raises(ValueError, match="before admission"):
         kv.worker.start_load_kv(ConnectorMetadata({"r": (1,)}, {}))

@@ -15,6 +15,12 @@ import pytest
 
 from tandem.engine.kv_cache.leases import LeaseError, LeaseStats, PageLease
 from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_connector.base import (
+    ConnectorMetadata,
+    ExternalMatch,
+    FinishAction,
+    KVConnectorScheduler,
+)
 from tandem.engine.request import RequestStatus
 from tandem.engine.scheduler import Scheduler
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
@@ -254,3 +260,44 @@ def test_a_lease_that_ended_is_refused_by_name_and_a_late_release_is_harmless():
         kv.lease_blocks("nope")
     assert kv.pool.num_free_blocks() == 8
     assert kv.lease_stats() == LeaseStats(active=0, released=1, expired=1)
+
+
+class Deciding(KVConnectorScheduler):
+    """A connector scheduler side that records allocations and keeps finished `keep_kv`
+    requests' blocks for 2 s, except request "drop"'s."""
+
+    def __init__(self) -> None:
+        self.allocs: list[tuple[str, list[int]]] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens) -> ExternalMatch:
+        return ExternalMatch()
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        self.allocs.append((request.request_id, list(block_ids)))
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        return ConnectorMetadata()
+
+    def request_finished(self, request, block_ids) -> FinishAction:
+        return FinishAction(request.request_id != "drop", 2.0)
+
+
+def test_the_connector_is_told_of_allocations_and_decides_what_a_finish_keeps():
+    kv = KVCacheManager(16, BS)
+    kv.clock = clock = Clock()
+    kv.connector = side = Deciding()
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    for rid in ("keep", "drop"):
+        req = make_request(list(range(20, 27)), max_tokens=3, request_id=rid)
+        req.keep_kv = True
+        sched.add_request(req)
+    while sched.requests:
+        finish_step(sched, sched.schedule())
+    # each allocation that added blocks: the prompt's 2, then the one its 8th token opened
+    assert [(rid, len(ids)) for rid, ids in side.allocs] == [
+        ("keep", 2), ("drop", 2), ("keep", 1), ("drop", 1)]
+    lease = kv.leases.of_owner("keep")
+    assert lease is not None and lease.expires == clock.now + 2.0
+    assert kv.kept_blocks("drop") is None and kv.pool.num_free_blocks() == 13
+    clock.now += 2.0
+    assert kv.expire_leases() == [lease] and kv.pool.num_free_blocks() == 16

@@ -17,7 +17,10 @@ gathers its rows without per-request lists.
 Blocks held for a reader outside the engine are leased (`leases`, `kv_cache/leases.py`): a
 finished `keep_kv` request's blocks under its id for `keep_lease_s`, which its reader
 shortens or extends (`lease_kept`), and prefix-cached runs for a reader (`lease_cached`).
-A lease nobody releases ends at `expire_leases`, which the engine thread calls.
+A lease nobody releases ends at `expire_leases`, which the engine thread calls. The
+engine's KV connector, scheduler side (`connector`, `engine/kv_connector`), is told of each
+allocation that adds blocks and decides how long a finished `keep_kv` request's blocks are
+kept.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tandem.engine.kv_cache.block_table import BlockTable
 from tandem.engine.kv_cache.leases import MAX_LEASE_S, LeaseBook, LeaseStats, PageLease
 from tandem.engine.request import Request
 from tandem.protocol.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from tandem.engine.kv_connector.base import KVConnectorScheduler
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,6 +75,8 @@ class KVCacheManager:
         self.leases = LeaseBook(self.pool)
         self.clock: Callable[[], float] = time.monotonic
         self.keep_lease_s = MAX_LEASE_S  # until the reader sets its own (`lease_kept`)
+        # the engine's KV connector, scheduler side; None: none built
+        self.connector: KVConnectorScheduler | None = None
         # blocks staged for a prompt's last block, by request id (or the user request's)
         self._tails: dict[str, StagedTail] = {}
         # hashes of full blocks this step's scheduled chunks complete (until the commit)
@@ -206,7 +215,10 @@ class KVCacheManager:
             self._num_cached[req.request_id] = len(full)
         new = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new)
-        self.block_table.append(req.request_id, [b.block_id for b in computed + new])
+        added = [b.block_id for b in computed + new]
+        self.block_table.append(req.request_id, added)
+        if added and self.connector is not None:
+            self.connector.update_state_after_alloc(req, added, 0)
         if self.enable_caching:  # the full blocks this chunk completes: cached after the step
             end = min(total, req.num_tokens) // self.block_size
             start = self._num_cached[req.request_id]
@@ -244,17 +256,22 @@ class KVCacheManager:
 
     def free(self, req: Request, keep: bool = False) -> None:
         """Release every block of `req` (tail first, so the tail is evicted first); with
-        `keep` they stay pinned under a lease owned by the request id (`keep_lease_s`)
-        until `release_kept`, or its expiry."""
+        `keep` (a normal finish of a `keep_kv` request) they stay pinned under a lease
+        owned by the request id, for `keep_lease_s` or what the connector's
+        `request_finished` answers, until `release_kept` or its expiry."""
         self.drop_tail(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
         self.block_table.drop(req.request_id)
         self._num_cached.pop(req.request_id, None)
+        lease_s = self.keep_lease_s
+        if blocks and keep and self.connector is not None:
+            action = self.connector.request_finished(req, [b.block_id for b in blocks])
+            keep, lease_s = action.keep, action.lease_s
         if blocks and keep:
             stale = self.leases.of_owner(req.request_id)  # an earlier request of that id's
             if stale is not None:
                 self.leases.release(stale.lease_id)
-            self.leases.add(req.request_id, blocks, self.keep_lease_s, self.clock())
+            self.leases.add(req.request_id, blocks, lease_s, self.clock())
         elif blocks:
             self.pool.free_blocks(reversed(blocks))
 

@@ -102,8 +102,9 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
-        """The blocks allocated for `request`, the first `num_external_tokens` tokens after
-        its computed ones to be loaded into them (0: nothing to load)."""
+        """An allocation added `block_ids` to `request` (prefix hits, then fresh blocks;
+        `KVCacheManager.allocate_slots`); the first `num_external_tokens` tokens after its
+        computed ones are to be loaded into them (0: nothing to load)."""
 
     @abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata:
@@ -111,7 +112,9 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
-        """`request` has finished (normally) holding `block_ids`: keep them or free them."""
+        """`request`, which asked to keep its blocks (`keep_kv`), has finished normally
+        holding `block_ids` (`KVCacheManager.free`): keep them, for how long, or free
+        them."""
 
 
 class LayerSaver(Protocol):

@@ -65,15 +65,19 @@ class PDScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
-        if request.request_id in self._saving:
-            self._saves[request.request_id] = tuple(block_ids)
+        rid = request.request_id
+        if rid in self._saving:
+            self._saves[rid] = self._saves.get(rid, ()) + tuple(block_ids)
+        if len(self._saves) > len(self._saving):  # some are no longer saved: forget them
+            self._saves = {r: ids for r, ids in self._saves.items() if r in self._saving}
 
     def build_connector_meta(self) -> ConnectorMetadata:
         saves, self._saves = self._saves, {}
         return ConnectorMetadata({}, saves)
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
-        return FinishAction(request.keep_kv, self.kv.keep_lease_s)
+        """Asked for normal finishes of `keep_kv` requests: kept for their reader."""
+        return FinishAction(True, self.kv.keep_lease_s)
 
 
 class PDWorker(KVConnectorWorker):
@@ -129,6 +133,7 @@ class PDConnector(KVConnector):
         core: LLMEngine = engine.engine
         self._saving: dict[str, LayerSaver] = {}
         self.scheduler = PDScheduler(core.kv, self._saving)
+        core.kv.connector = self.scheduler  # told of allocations and finishes from now on
         self.worker = PDWorker(self._saving)
         self.worker.register_kv_caches(engine.kv_caches, core.page_layout(""))
         self._sweeper: asyncio.Task | None = None
