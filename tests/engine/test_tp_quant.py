@@ -171,3 +171,37 @@ def test_bundled_gguf_tp3_keeps_the_compressed_blocks(gguf_tp1: LLM) -> None:
     assert got == ref
     whole, mine = gguf_tp1.model_memory_bytes(), llm.model_memory_bytes()
     assert whole / 3 <= mine < whole / 3 * 1.01, (whole, mine)
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "fp8"])
+def test_row_parallel_activation_scales_span_the_whole_row(kind: str) -> None:
+    """A method that quantizes its input per token (w8a8; fp8 on FP8 tensor cores, run
+    here as `scaled_mm` on the CPU) takes each token's range over every rank's columns
+    (`input_amax`, the all-reduce max a rank's `share_input_ranges` installs): the ranks'
+    partial outputs add up to TP = 1's output up to float rounding; each rank's own range
+    (no `input_amax`) moves it by a quantization step."""
+    method = (get_linear_method("fp8", device=CPU, mode="scaled_mm") if kind == "fp8"
+              else _method(kind))
+    n, k, world, rows = 24, 192, 3, 20  # 20 rows: w8a8's int8 GEMM (not weight-only)
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    x[:, 7] *= 30  # an outlier channel in rank 0's columns
+    one = QuantLinear(method, k, n, False, torch.float32)
+    method.load(one, 0, w)
+    method.finish(one)
+    ref = one(x)
+    amax = x.abs().amax(1, keepdim=True)
+    size = k // world
+    sums = {}
+    for shared in (True, False):
+        total = torch.zeros_like(ref)
+        for r in range(world):
+            mine = QuantLinear(method, size, n, False, torch.float32)
+            method.load(mine, 0, ColumnSlice(w, r * size, size))
+            method.finish(mine)
+            if shared:  # what the all-reduce max hands every rank
+                mine.input_amax = lambda t: t.copy_(amax.view(t.shape))
+            total += mine(x[:, r * size:(r + 1) * size])
+        sums[shared] = (total - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert sums[True] < 1e-5 * scale < sums[False], (sums, scale)

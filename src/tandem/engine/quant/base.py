@@ -226,7 +226,8 @@ class LinearMethod(ABC):
     @abstractmethod
     def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
         """Fill output rows [start, start + rows) from float rows [rows, K] or a
-        `GroupedWeight`; every row is loaded exactly once before `finish`."""
+        `GroupedWeight` (or, where `row_scaled`, a `ColumnSlice`: scaled by its whole
+        rows' range); every row is loaded exactly once before `finish`."""
 
     def finish(self, layer: QuantLinear) -> None:  # noqa: B027 - optional hook
         """After every row is loaded: convert to the kernel layout, drop staging buffers."""
