@@ -11,14 +11,22 @@ bytes per rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.llm import LLM
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.parallel.tp import TPPlan, shard_weights
-from tandem.engine.quant.apply import QuantPlan, row_scaled_weights
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.parallel.tp import TPPlan, local_arch, shard_weights
+from tandem.engine.quant.apply import (
+    QuantPlan,
+    plan_quantization,
+    prepare_model,
+    row_scaled_weights,
+)
 from tandem.engine.quant.base import (
     ColumnSlice,
     GroupedWeight,
@@ -94,6 +102,17 @@ def test_compressed_columns_split_off_a_block_boundary_are_refused() -> None:
         f"tensor_parallel_size 2: {name} keeps 32-column blocks, but each rank holds 48 of "
         "its 96 input columns (rank 1 from column 48); pick a size that splits them into "
         "whole blocks")
+
+
+def test_a_rank_whose_columns_split_a_group_is_refused_naming_the_layer() -> None:
+    """int4's 32-column groups: an MLP of 160 gives each of 2 ranks 80 down_proj columns."""
+    arch = dataclasses.replace(ARCH, intermediate_size=160)
+    local = local_arch(arch, TPPlan.build(arch, 0, 2))
+    plan = plan_quantization("int4", local, {}, CPU, None)
+    with torch.device("meta"), pytest.raises(ConfigError) as e:
+        prepare_model(LlamaForCausalLM(local, None), plan, torch.float32)  # type: ignore[arg-type]
+    assert str(e.value) == ("layers.0.mlp.down_proj [192 x 80]: int4: in_features 80 is not a "
+                            "multiple of group_size 32")
 
 
 def _method(kind: str):  # noqa: ANN202 - a LinearMethod
