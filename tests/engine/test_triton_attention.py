@@ -290,13 +290,13 @@ def test_bad_inputs_are_rejected():
 
 # --- quantized pages: written and read on the kernels' device ------------------------------
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_quantized_pages_written_and_attended_on_the_device(name):
+@pytest.mark.parametrize(("name", "dtype"), [("int8", torch.float32), ("fp8", torch.bfloat16)])
+def test_quantized_pages_written_and_attended_on_the_device(name, dtype):
     """On the kernels' device (a GPU, or the CPU under the interpreter), over pages
     `[num_blocks, KVH, bs * (D + 2)]` poisoned with 0xFF (a NaN scale) wherever nothing was
     written: `reshape_and_cache` writes exactly the torch reference's codes and scales at
     shuffled slots, and the split-KV decode and varlen kernels over those pages match the
-    float64 reference over the dequantized rows."""
+    float64 reference over the dequantized rows (float32, and bfloat16 queries as served)."""
     from tandem.engine.kernels.triton_ops import reshape_and_cache
     from tandem.engine.kv_cache.quant import dequantize_rows, page_parts, quantize_rows
 
@@ -331,22 +331,22 @@ def test_quantized_pages_written_and_attended_on_the_device(name):
         deq.append(dequantize_rows(want_codes, want_scales, name, torch.float64).split(lens))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     tables, scale = tables.to(DEVICE), d ** -0.5
-    q = torch.randn(len(lens), h, d, generator=gen)
+    q = torch.randn(len(lens), h, d, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"), device=DEVICE)
     paged_decode_attention(q.to(DEVICE), *caches, out, tables, seq_lens, scale=scale,
                            num_splits=2, kv_cache_dtype=name, block_size=bs)
     for b, n in enumerate(lens):
         ref = reference(q[b:b + 1], deq[0][b], deq[1][b], torch.tensor([n - 1]), scale, 0)
-        assert_close(out[b:b + 1], ref, torch.float32)
+        assert_close(out[b:b + 1], ref, dtype)
     starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
-    q = torch.randn(int(starts[-1]), h, d, generator=gen)
+    q = torch.randn(int(starts[-1]), h, d, generator=gen).to(dtype)
     out = torch.full_like(q, float("nan"), device=DEVICE)
     paged_attention(q.to(DEVICE), *caches, out, tables, seq_lens, starts.to(DEVICE),
                     scale=scale, max_query_len=max(qlens), kv_cache_dtype=name, block_size=bs)
     for b, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
         rows = slice(int(starts[b]), int(starts[b + 1]))
         ref = reference(q[rows], deq[0][b], deq[1][b], torch.arange(n - ql, n), scale, 0)
-        assert_close(out[rows], ref, torch.float32)
+        assert_close(out[rows], ref, dtype)
     with pytest.raises(ValueError, match="needs its block_size"):
         paged_decode_attention(q[:4].to(DEVICE), *caches, out[:4], tables, seq_lens,
                                scale=scale, kv_cache_dtype=name)
