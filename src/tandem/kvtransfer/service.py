@@ -269,8 +269,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                 kv.unsave_layers(rid)
             if not run.done():
                 run.cancel()  # aborts the request; its kept blocks are released after it
-            elif not run.cancelled():
-                run.exception()  # retrieved: a failed run ended the stream above
+            elif not run.cancelled() and run.exception() is None and lease is None:
+                await kv.release_kept(rid)  # kept, but the stream ended before it was sent
             if not sent and lease is not None:  # nobody will acknowledge these pages
                 await leases.release(lease.lease_id, "stream not completed")
 

@@ -144,7 +144,7 @@ class PDConnector(KVConnector):
 
     @property
     def device(self) -> torch.device:
-        return self._engine.kv_caches[0][0].device
+        return self._engine.device  # the KV cache's
 
     @property
     def prefix_caching(self) -> bool:
@@ -171,6 +171,7 @@ class PDConnector(KVConnector):
         return await self._engine._call(lambda e: e.kv.release_lease(lease_id))
 
     async def release_kept(self, request_id: str) -> bool:
+        self._sweep_leases()
         return await self._engine.release_kept(request_id)
 
     async def page_source(self, lease: PageLease, start: int = 0,
