@@ -262,6 +262,13 @@ def test_layers_are_saved_through_the_connectors_worker_side(engine):
         with pytest.raises(ValueError, match="are not being saved"):
             await kv.saved_page_source("saved", ids)
         assert await kv.release_kept("saved")
+        # a cached run leased for a reader (a peer pulling pages): pinned until released
+        cached = engine.engine.kv.pool.cached_hashes()[:1]
+        free = engine.engine.kv.pool.num_free_blocks()
+        lease = await kv.lease_cached("peer", cached, 5.0)
+        assert len(lease.block_ids) == 1 and engine.engine.kv.pool.num_free_blocks() == free - 1
+        assert await kv.release(lease.lease_id) and not await kv.release(lease)
+        assert engine.engine.kv.pool.num_free_blocks() == free
 
     asyncio.run(main())
     layers = len(engine.kv_caches)
