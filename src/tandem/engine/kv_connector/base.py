@@ -16,6 +16,14 @@ Modelled on vLLM's `KVConnectorBase_V1`, a connector has three faces:
   sinks. Pages cross it with every KV head (`PageLayout`), whatever the tensor-parallel
   size: a transport never learns how many ranks there are.
 
+Where the engine calls them: the KV manager calls `update_state_after_alloc` on each
+allocation that adds blocks and `request_finished` on each normal finish of a `keep_kv`
+request; the model runner's layer observers reach `save_kv_layer`. A connector that loads
+pages during a step (a host or disk tier, pulling from a peer replica) also needs the
+scheduler to ask `get_num_new_matched_tokens` at admission and pass `build_connector_meta`
+to the runner, which calls `start_load_kv` and `wait_for_layer_load`: the P/D connector
+loads nothing in a step, so it answers 0 and has nothing to start.
+
 Every pin a transport holds for a reader outside the process is a `PageLease`: it ends when
 released, or `lease_s` after its last renewal (expired on the engine thread, counted in
 `lease_stats`), so a reader that dies cannot hold the pool. Connectors register by name
