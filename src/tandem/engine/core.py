@@ -109,6 +109,19 @@ class EngineState:
 
 
 @dataclass(frozen=True)
+class StepPathCount:
+    """Rank 0's forward steps of one path (cumulative): `path` "graph" (the decode graphs
+    replayed, or their static buffers without capture; `reason` "decode") or "eager"
+    (`reason` why: model_runner.EAGER_REASONS); `seconds` the runner's host wall time of
+    those steps (on a GPU it waits for the device when the step's tokens are copied back)."""
+
+    path: str
+    reason: str
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -133,6 +146,7 @@ class EngineStats:
     lora_adapters: tuple[str, ...] = ()  # every adapter a request may name
     max_loras: int = 0  # 0: LoRA off
     lora_state: LoRAState | None = None  # the adapters' digests and version (None: LoRA off)
+    step_paths: tuple[StepPathCount, ...] = ()  # graph vs eager steps (a model runner's)
 
 
 class EngineCore:
@@ -387,6 +401,8 @@ class EngineCore:
             # may free blocks, so the caller should not sleep on this step)
             self.last_step_idle = self._inflight is None and not self._ops
             return self._drain()
+        if self.async_scheduling and self._ops:  # made while this step's forward runs
+            self._inflight = self._submit(self._take_ops())
         try:
             t0 = time.perf_counter()
             result = self.runner.execute(sched)
@@ -429,13 +445,13 @@ class EngineCore:
         return self._end_step()
 
     def _end_step(self) -> list[RequestOutput]:
-        """Serial: this step's outputs. Overlapped: hand this step's ops to the output
-        thread, then take the previous step's result (made while this step ran): its stop
-        strings end their samples here, before the next schedule."""
+        """Serial: this step's outputs. Overlapped: the previous step's result, made by the
+        output thread while this step ran (its stop strings end their samples here, before
+        the next schedule); this step's ops wait for the next step's forward."""
         if not self.async_scheduling:
             outputs, self._pending = self._pending, []
             return outputs
-        previous, self._inflight = self._inflight, self._submit(self._take_ops())
+        previous, self._inflight = self._inflight, None
         return [] if previous is None else self._settle(previous.result())
 
     def _take_ops(self) -> list[OutputOp]:
