@@ -344,13 +344,14 @@ def registry_metrics(registry: Any) -> list[Metric]:
 
 
 def _worker_registry(memory: bool = False, spec: bool = False, lora: bool = False) -> Any:
-    from tandem.engine.core import EngineStats
+    from tandem.engine.core import EngineStats, StepPathCount
     from tandem.serving.metrics import ServerMetrics
 
     zero = {f.name: 0 for f in dataclasses.fields(EngineStats)
             if f.default is dataclasses.MISSING}
     stats = EngineStats(**zero, spec_accepted_per_pos=(1,) if spec else (),
-                        lora_running=("a",) if lora else (), max_loras=1 if lora else 0)
+                        lora_running=("a",) if lora else (), max_loras=1 if lora else 0,
+                        step_paths=(StepPathCount("graph", "decode", 0, 0.0),))
     m = ServerMetrics("MODEL", lambda: stats)
     m.attach(16, 1, model_memory_bytes=1 if memory else None,
              num_speculative_tokens=1 if spec else 0)

@@ -234,3 +234,7 @@ class LLMEngine(EngineCore):
     def model_memory_bytes(self) -> int:
         """Resident bytes of the model's weights (every parameter and quantized buffer)."""
         return self.state.model_memory_bytes
+
+    def stats(self) -> EngineStats:
+        """The core's stats, with the model runner's graph vs eager step counts."""
+        return dataclasses.replace(super().stats(), step_paths=self.runner.step_paths())

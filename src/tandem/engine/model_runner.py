@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
-from tandem.engine.core import RunnerOutput
+from tandem.engine.core import RunnerOutput, StepPathCount
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.parallel.plan import PlanKind, StepPlan
@@ -95,6 +95,34 @@ class RunnerTimings:
     forward_s: float = 0.0
     sample_s: float = 0.0
     steps: int = 0
+
+
+GRAPH_REASON = "decode"  # the reason label of graph-replayed steps
+# why a step ran eagerly, in the order checked (a step counts under the first that applies):
+# the engine has no decode graphs; hidden states for a proposer (every step of an EAGLE
+# engine); a LoRA adapter's token; speculative verification; prompt logprobs; a layer
+# observer (KV streamed layer by layer); a prefill chunk in the batch (what capturing mixed
+# batches would turn into graph steps); more decode rows than the largest captured size
+EAGER_REASONS = ("disabled", "hidden_states", "lora", "spec_verify", "prompt_logprobs",
+                 "layer_stream", "mixed", "too_large")
+
+
+class StepPathCounter:
+    """Cumulative steps and runner wall seconds per (path, reason); written by the engine
+    thread, read by `snapshot` (a copy)."""
+
+    def __init__(self) -> None:
+        keys = [("graph", GRAPH_REASON)] + [("eager", r) for r in EAGER_REASONS]
+        self.steps: dict[tuple[str, str], int] = dict.fromkeys(keys, 0)
+        self.seconds: dict[tuple[str, str], float] = dict.fromkeys(keys, 0.0)
+
+    def add(self, path: str, reason: str, seconds: float) -> None:
+        self.steps[(path, reason)] += 1
+        self.seconds[(path, reason)] += seconds
+
+    def snapshot(self) -> tuple[StepPathCount, ...]:
+        return tuple(StepPathCount(p, r, n, self.seconds[(p, r)])
+                     for (p, r), n in list(self.steps.items()))
 
 
 class LayerObserver(Protocol):
@@ -167,6 +195,7 @@ class ModelRunner(RankRunner):
         self.return_hidden = False
         self._lora: LoRAManager | None = None
         self.timings = RunnerTimings()
+        self.paths = StepPathCounter()  # graph-replayed vs eager steps, by reason
 
     @property
     def lora(self) -> LoRAManager | None:
@@ -298,10 +327,11 @@ class ModelRunner(RankRunner):
                    for t in req.prompt_token_ids[first + 1 : first + 1 + count]]
         lora_slots = self._lora_slots(scheduled, rows, nd, len(single))
         # every decision that changes the forward is made here and travels in the plan
-        graphs = (self.graphs is not None and lora_slots is None and not watching
-                  and not plp and not self.return_hidden and not spec
-                  and len(sample_reqs) == nd == len(scheduled)  # decodes only
-                  and self.graphs.padded_size(nd) is not None)
+        eager = self._eager_reason(
+            mixed=len(sample_reqs) + len(spec) < len(scheduled) or bool(chunks),
+            lora=lora_slots is not None, spec=bool(spec), plp=bool(plp),
+            watching=bool(watching), nd=nd)
+        graphs = eager is None
         plan = StepPlan(PlanKind.FORWARD, tokens, positions, slots, logits_idx,
                         np.asarray(query_lens, dtype=np.int64),
                         np.asarray(seq_lens, dtype=np.int64), table, table_lens, nd,
@@ -335,11 +365,31 @@ class ModelRunner(RankRunner):
         if plp:
             self._prompt_logprobs(logits[ns + nv :].float(), plp, targets, targets_t, out)
         t = self.timings
+        t_end = time.perf_counter()
         t.prepare_s += t_forward - t_start
         t.forward_s += t_sample - t_forward
-        t.sample_s += time.perf_counter() - t_sample
+        t.sample_s += t_end - t_sample
         t.steps += 1
+        self.paths.add("graph" if eager is None else "eager", eager or GRAPH_REASON,
+                       t_end - t_start)
         return out
+
+    def _eager_reason(self, *, mixed: bool, lora: bool, spec: bool, plp: bool,
+                      watching: bool, nd: int) -> str | None:
+        """None when the step replays the decode graphs, else the first reason (in
+        `EAGER_REASONS` order) it runs eagerly."""
+        if self.graphs is None:
+            return "disabled"
+        for reason, applies in (("hidden_states", self.return_hidden), ("lora", lora),
+                                ("spec_verify", spec), ("prompt_logprobs", plp),
+                                ("layer_stream", watching), ("mixed", mixed)):
+            if applies:
+                return reason
+        return "too_large" if self.graphs.padded_size(nd) is None else None
+
+    def step_paths(self) -> tuple[StepPathCount, ...]:
+        """Rank 0's steps so far by path and reason (every path and reason, 0 included)."""
+        return self.paths.snapshot()
 
     def _lora_slots(self, scheduled: list[ScheduledRequest], rows: list[int], nd: int,
                     num_single: int) -> np.ndarray | None:

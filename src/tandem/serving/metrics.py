@@ -73,6 +73,24 @@ class _EngineCollector(Collector):
             yield from self._spec_decode(s, counter)
         if s.max_loras:
             yield self._lora_info(s)
+        if s.step_paths:
+            yield from self._step_paths(s)
+
+    def _step_paths(self, s: EngineStats) -> Iterator[CounterMetricFamily]:
+        """Forward steps replayed from the decode graphs vs run eagerly, by reason."""
+        labels = ["model_name", "path", "reason"]
+        steps = CounterMetricFamily(
+            "tandem_engine_steps", "Forward steps by path: graph (decode graphs replayed) or "
+            "eager, and why (disabled, mixed, lora, spec_verify, prompt_logprobs, "
+            "layer_stream, hidden_states, too_large; decode for graph steps).", labels=labels)
+        seconds = CounterMetricFamily(
+            "tandem_engine_step_seconds", "Model runner wall seconds of those steps, by path "
+            "and reason.", labels=labels)
+        for p in s.step_paths:
+            steps.add_metric([self.model_name, p.path, p.reason], p.steps)
+            seconds.add_metric([self.model_name, p.path, p.reason], p.seconds)
+        yield steps
+        yield seconds
 
     @staticmethod
     def _lora_info(s: EngineStats) -> GaugeMetricFamily:

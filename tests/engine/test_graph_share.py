@@ -1,0 +1,69 @@
+"""Which steps replay the decode graphs and which run eagerly, and why: rank 0's per-reason
+step counts (`EngineStats.step_paths`) for a scripted workload on a tiny model with the
+static-buffer decode path (TANDEM_STATIC_DECODE=1, the CPU stand-in for CUDA graphs), and
+their `tandem_engine_steps_total` / `tandem_engine_step_seconds_total` series on the worker's
+/metrics registry."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from tandem import LLM, SamplingParams
+from tandem.engine.cuda_graphs import STATIC_DECODE_ENV
+from tandem.engine.model_runner import EAGER_REASONS
+from tandem.serving.metrics import ServerMetrics
+from tests.engine.utils import make_tiny_model_dir
+
+SIZES = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model_dir(path, "llama", seed=3, tokenizer="trained")
+    return str(path)
+
+
+def _params(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def _counts(llm: LLM) -> dict[tuple[str, str], int]:
+    return {(p.path, p.reason): p.steps for p in llm.engine.stats().step_paths}
+
+
+def test_steps_are_counted_by_path_and_reason(tiny_model, monkeypatch):
+    monkeypatch.setenv(STATIC_DECODE_ENV, "1")
+    llm = LLM(tiny_model, attention_backend="triton", dtype="float32", num_kv_blocks=64,
+              max_num_seqs=8, cuda_graph_sizes=SIZES, enable_prefix_caching=False)
+    zero = {("graph", "decode"): 0} | {("eager", r): 0 for r in EAGER_REASONS}
+    assert _counts(llm) == zero  # every series exists before the first step
+    # both prompts in one step (prompt logprobs: eager), then 2 decode steps of 2 rows and
+    # 2 of 1 row (graphs)
+    llm.generate([[5] * 4, [6] * 6], [_params(3), _params(5, prompt_logprobs=1)])
+    # a prefill step without prompt logprobs (mixed), then 1 decode step of 2 rows
+    llm.generate([[7] * 5, [8] * 3], [_params(2), _params(2)])
+    # 5 rows: one prefill step, then a decode of 5 rows, above the largest size 4
+    llm.generate([[9 + i] * 3 for i in range(5)], [_params(2)] * 5)
+    graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None
+    llm.generate([[4] * 3], [_params(3)])  # the engine without graphs: 3 steps
+    llm.engine.runner.graphs = graphs
+    assert _counts(llm) == zero | {
+        ("graph", "decode"): 5, ("eager", "prompt_logprobs"): 1, ("eager", "mixed"): 2,
+        ("eager", "too_large"): 1, ("eager", "disabled"): 3}
+    assert sum(_counts(llm).values()) == llm.engine.runner.timings.steps == 12
+    ran = {(p.path, p.reason): p.seconds for p in llm.engine.stats().step_paths}
+    assert all((ran[k] > 0) == (n > 0) for k, n in _counts(llm).items())
+
+    # on /metrics (the worker's registry, read at scrape time from the engine's stats)
+    metrics = ServerMetrics("tiny", llm.engine.stats)
+    text = generate_latest(metrics.registry).decode()
+    for (path, reason), n in _counts(llm).items():
+        assert (f'tandem_engine_steps_total{{model_name="tiny",path="{path}",'
+                f'reason="{reason}"}} {float(n)}') in text.splitlines()
+    seconds = [line for line in text.splitlines()
+               if line.startswith("tandem_engine_step_seconds_total{")]
+    assert len(seconds) == len(EAGER_REASONS) + 1
+    assert ('tandem_engine_step_seconds_total{model_name="tiny",path="eager",'
+            'reason="lora"} 0.0') in seconds
