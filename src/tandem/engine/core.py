@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from tandem.engine.output_processor import (
     Failed,
     OutputOp,
     OutputProcessor,
+    OutputThread,
     PromptLogprobs,
     Tokens,
     token_stop,
@@ -170,7 +170,7 @@ class EngineCore:
         self._ops: list[OutputOp] = []  # the output side's work of the coming step
         self._inflight: concurrent.futures.Future[Applied] | None = None
         self._out_lock = threading.Lock()  # the output processor: one thread at a time
-        self._out_queue: queue.SimpleQueue | None = None  # the output thread's inbox
+        self._out_thread = OutputThread(outputs, self._out_lock)
         # async_scheduling: where the output thread hands outputs as soon as they are made
         # (any thread may call it); None: the next `step()` returns them
         self.output_sink: Callable[[list[RequestOutput]], None] | None = None
@@ -402,7 +402,7 @@ class EngineCore:
             self.last_step_idle = self._inflight is None and not self._ops
             return self._drain()
         if self.async_scheduling and self._ops:  # made while this step's forward runs
-            self._inflight = self._submit(self._take_ops())
+            self._inflight = self._out_thread.submit(self._take_ops(), self.output_sink)
         try:
             t0 = time.perf_counter()
             result = self.runner.execute(sched)
@@ -483,31 +483,6 @@ class EngineCore:
             if not child.is_finished:
                 self._finish(child, status)
         return done.outputs
-
-    def _submit(self, ops: list[OutputOp]) -> concurrent.futures.Future[Applied]:
-        fut: concurrent.futures.Future[Applied] = concurrent.futures.Future()
-        if self._out_queue is None:
-            self._out_queue = queue.SimpleQueue()
-            threading.Thread(target=self._output_thread, args=(self._out_queue,),
-                             name="tandem-outputs", daemon=True).start()
-        self._out_queue.put((ops, fut))
-        return fut
-
-    def _output_thread(self, inbox: queue.SimpleQueue) -> None:
-        """The overlapped loop's output side: one step's ops at a time, in order."""
-        while True:
-            ops, fut = inbox.get()
-            try:
-                with self._out_lock:
-                    done = self.outputs.apply(ops)
-                sink = self.output_sink
-                if sink is not None and done.outputs:
-                    outs, done.outputs = done.outputs, []
-                    sink(outs)
-            except BaseException as exc:  # noqa: BLE001 - raised on the engine thread
-                fut.set_exception(exc)
-            else:
-                fut.set_result(done)
 
     def _commit_tokens(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
         """The overlapped loop's commit: one scheduled request's tokens and token-id stops

@@ -11,9 +11,12 @@ tokens the engine computed past it are dropped (never counted, never shown).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.outputs import CompletionOutput, RequestOutput, TokenPrefix
@@ -324,3 +327,39 @@ class OutputProcessor:
             for s in parent.samples:
                 self._child_parent.pop(s.request.request_id, None)
         return out
+
+
+class OutputThread:
+    """The overlapped loop's output side: `OutputProcessor.apply` of each submitted step's
+    ops, in order, on one daemon thread (started on first use) under `lock`; a step's
+    outputs go to `sink` when one is given (from this thread), else into its `Applied`."""
+
+    def __init__(self, outputs: OutputProcessor, lock: threading.Lock) -> None:
+        self.outputs = outputs
+        self.lock = lock
+        self._inbox: queue.SimpleQueue | None = None
+
+    def submit(self, ops: list[OutputOp],
+               sink: Callable[[list[RequestOutput]], None] | None = None
+               ) -> concurrent.futures.Future[Applied]:
+        fut: concurrent.futures.Future[Applied] = concurrent.futures.Future()
+        if self._inbox is None:
+            self._inbox = queue.SimpleQueue()
+            threading.Thread(target=self._run, args=(self._inbox,), name="tandem-outputs",
+                             daemon=True).start()
+        self._inbox.put((ops, sink, fut))
+        return fut
+
+    def _run(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            ops, sink, fut = inbox.get()
+            try:
+                with self.lock:
+                    done = self.outputs.apply(ops)
+                if sink is not None and done.outputs:
+                    outs, done.outputs = done.outputs, []
+                    sink(outs)
+            except BaseException as exc:  # noqa: BLE001 - raised on the engine thread
+                fut.set_exception(exc)
+            else:
+                fut.set_result(done)
