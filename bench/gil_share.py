@@ -471,6 +471,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     ap.add_argument("--switch-intervals", type=float, nargs="*", default=[],
                     help="extra http configs with sys.setswitchinterval(S) (seconds)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine's overlapped step loop (outputs on their own thread)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -494,8 +496,9 @@ def main() -> int:
     wp = argparse.ArgumentParser()
     add_engine_args(wp)
     add_server_args(wp)
-    config = engine_config(wp.parse_args(["--num-threads", str(args.threads)]
-                                         if args.threads else []), serving=True)
+    config = engine_config(wp.parse_args(
+        (["--num-threads", str(args.threads)] if args.threads else [])
+        + [f"--{'' if args.async_scheduling else 'no-'}async-scheduling"]), serving=True)
     engine = LLMEngine(config)
     rec = StepRecorder(engine)  # wrapped before the engine thread starts
     aeng = AsyncLLMEngine(engine)

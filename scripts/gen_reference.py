@@ -213,6 +213,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "always on: a prompt longer than the step's token budget "
              "(`--max-num-batched-tokens`) is prefilled in chunks"),
     _same("--enforce-eager"),
+    _same("--async-scheduling", "overlaps output processing (detokenization, stop strings, "
+          "responses) with the next step's forward; off by default"),
     _same("--quantization", "Tandem's own schemes: int8, w8a8, int4, fp8, gguf (it quantizes "
           "float checkpoints at load; no AWQ/GPTQ checkpoints)"),
     _same("--kv-cache-dtype", "auto, fp8, fp8_e4m3, int8 (no fp8_e5m2)"),

@@ -227,3 +227,17 @@ def test_async_engine_and_llm_stream_the_serial_outputs(tiny_model):
         _same(_result([_view(a)], False), _result([_view(c)], False))
         _same(_result([_view(b)], False)[:3] + ("", []),
               _result([_view(c)], False)[:3] + ("", []))
+
+
+def test_worker_flag_sets_async_scheduling():
+    import argparse
+
+    from tandem.engine.config import EngineConfig
+    from tandem.serving.worker import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--async-scheduling"])).async_scheduling is True
+    assert engine_config(p.parse_args(["--no-async-scheduling"])).async_scheduling is False
+    assert (engine_config(p.parse_args([])).async_scheduling
+            is EngineConfig.async_scheduling)

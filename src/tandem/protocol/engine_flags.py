@@ -28,6 +28,7 @@ LONG_PREFILL_TOKEN_THRESHOLD = "--long-prefill-token-threshold"
 MAX_MODEL_LEN = "--max-model-len"
 MAX_WAITING = "--max-waiting"
 NO_PREFIX_CACHING = "--no-prefix-caching"
+ASYNC_SCHEDULING = "--async-scheduling"  # and --no-async-scheduling
 # quantization and speculation
 QUANTIZATION = "--quantization"
 QUANTIZATION_GROUP_SIZE = "--quantization-group-size"

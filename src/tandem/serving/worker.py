@@ -78,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(flags.MAX_WAITING, type=int, default=4096,
                    help="bound on queued requests; beyond it requests get 429")
     p.add_argument(flags.NO_PREFIX_CACHING, action="store_true")
+    p.add_argument(flags.ASYNC_SCHEDULING, action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.async_scheduling,
+                   help="overlap each step's output processing (detokenization, stop "
+                        "strings, logprobs, responses) with the next step's forward on an "
+                        "output thread (vLLM's flag); the outputs are the same either way")
     p.add_argument(flags.NUM_THREADS, type=int, default=None)
     p.add_argument(flags.ENFORCE_EAGER, action="store_true",
                    help="never capture CUDA graphs of decode steps (vLLM's flag; they are "
@@ -178,6 +183,7 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         long_prefill_token_threshold=_chunk_cap(args),
         kv_cache_memory=int(mem) if mem > 1 else float(mem), num_kv_blocks=args.num_kv_blocks,
         max_waiting=args.max_waiting, enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=args.async_scheduling,
         num_threads=args.num_threads, enforce_eager=args.enforce_eager,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
