@@ -14,7 +14,9 @@ layer observer, LoRA adapters or hidden states for a proposer, a batch above the
 size (`padded_size` None), a backend without `supports_cuda_graphs`. Rank 0 decides and the
 step's plan says so (`StepPlan.graphs`), so with tensor parallelism every rank replays its
 own graphs in the same step (their collectives captured with them: NCCL on CUDA); ranks
-> 0 hold no logits (gathered to rank 0) and `run` returns None there.
+> 0 hold no logits (gathered to rank 0) and `run` returns None there. Rank 0 counts each
+step's path and, for eager ones, why (`model_runner.EAGER_REASONS`;
+`tandem_engine_steps_total{path, reason}` on the worker's /metrics).
 `capture=False` runs the same static-buffer forward eagerly: the path tests check on the
 CPU. `build_decode_graphs` decides at engine start: graphs on CUDA unless
 `enforce_eager`; on other devices none, unless the environment sets `TANDEM_STATIC_DECODE=1`

@@ -19,7 +19,9 @@ O(tokens scheduled): the block tables are one numpy copy out of the KV manager's
 `BlockTable` (no per-request lists), inputs are filled into numpy arrays and reach the
 device as one int64 buffer (pinned, non-blocking on CUDA); results come back with one
 device-to-host copy each (sampled tokens with their logprobs, prompt logprobs).
-`ModelRunner.timings` accumulates the host seconds of each part of a step.
+`ModelRunner.timings` accumulates the host seconds of each part of a step; `paths` counts
+the steps replayed from the decode graphs and those run eagerly, by the first reason in
+`EAGER_REASONS` that applies (`step_paths()`, exported as `tandem_engine_steps_total`).
 
 A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
 the step that completes its prompt: its block table before the forward, then each layer
