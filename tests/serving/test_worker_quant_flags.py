@@ -64,7 +64,8 @@ def _ports():
 
 def test_serve_passes_the_flags_to_every_worker_of_every_role(monkeypatch):
     seen = []
-    monkeypatch.setattr("tandem.cli._serve", lambda args, extra: seen.append((args, extra)))
+    monkeypatch.setattr("tandem.cli._serve",
+                        lambda args, extra, config: seen.append((args, extra)))
     main(["serve", "--workers", "1", "--prefill", "1", "--decode", "1", "--quantization",
           "int4", "--quantization-group-size", "64", "--kv-cache-dtype", "fp8_e4m3"])
     ((args, extra),) = seen

@@ -57,7 +57,8 @@ def test_bad_values_are_usage_errors(value, words, capsys):
 
 def test_serve_passes_it_to_the_workers_that_decode(monkeypatch):
     seen = []
-    monkeypatch.setattr("tandem.cli._serve", lambda args, extra: seen.append((args, extra)))
+    monkeypatch.setattr("tandem.cli._serve",
+                        lambda args, extra, config: seen.append((args, extra)))
     main(["serve", "--workers", "1", "--prefill", "1", "--decode", "1",
           "--speculative-config", json.dumps(NGRAM)])
     ((args, extra),) = seen
