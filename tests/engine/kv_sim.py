@@ -31,12 +31,18 @@ Traces mix small pools, chunk caps, budgets, priorities, shared prefixes, cache 
 n > 1, prompt logprobs, aborts, forwards that fail part-way (after writing poison), imports
 with a staged partial block (written over later steps, committed or failed), P/D local
 prefix pins and kept blocks released later.
+
+With `connector` (a factory of an object with both sides of a KV connector, one "layer"),
+it is the KV manager's connector and the fake forward loads the step's pages first
+(`start_load_kv`, `wait_for_layer_load(0)`), as the model runner does before layer 0.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.engine.core import EngineCore, EngineState, RunnerOutput
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
@@ -135,6 +141,10 @@ class TrackingForward:
                 sim._fail(f"{req.request_id}: table of {len(table)} blocks for "
                           f"{start + n} tokens")
             plan.append((s, table))
+        conn = sim.connector
+        if conn is not None and sched.kv_connector_meta is not None:  # loads come first
+            conn.start_load_kv(sched.kv_connector_meta)
+            conn.wait_for_layer_load(0)
         if self.fail_next:  # a forward that dies part-way: some slots hold garbage
             self.fail_next = False
             sim.failed_steps += 1
@@ -240,7 +250,8 @@ class Expected:
 class Sim:
     """One random trace (`run`) over a fresh engine core; `SimViolation` on any breach."""
 
-    def __init__(self, seed: int, tokenizer) -> None:  # noqa: ANN001 - a Tokenizer
+    def __init__(self, seed: int, tokenizer,  # noqa: ANN001 - a Tokenizer
+                 connector: Callable[[Sim], Any] | None = None) -> None:
         self.seed = seed
         rng = self.rng = random.Random(seed)
         self.block_size = rng.choice([1, 2, 4, 4, 4])
@@ -292,6 +303,9 @@ class Sim:
             return out
 
         self.sched.schedule = schedule  # type: ignore[method-assign]
+        self.connector = None if connector is None else connector(self)
+        if self.connector is not None:
+            self.kv.connector = self.connector
 
     # -- checks ------------------------------------------------------------------------------
     def _fail(self, msg: str) -> None:
@@ -624,7 +638,8 @@ class Sim:
             self._fail("the scheduler or KV manager still tracks a request")
 
 
-def run_trace(seed: int, tokenizer, num_ops: int = 40) -> Sim:  # noqa: ANN001
-    sim = Sim(seed, tokenizer)
+def run_trace(seed: int, tokenizer, num_ops: int = 40,  # noqa: ANN001
+              connector: Callable[[Sim], Any] | None = None) -> Sim:
+    sim = Sim(seed, tokenizer, connector)
     sim.run(num_ops)
     return sim

@@ -391,6 +391,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of requests that progressed, finished or aborted
         (with `async_scheduling`: those of the previous step, made while this one ran)."""
+        for lease in self.kv.expire_leases():  # a reader that died: its pins end here
+            logger.info("[%s] lease expired: %d pages unpinned", lease.owner,
+                        len(lease.block_ids))
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:

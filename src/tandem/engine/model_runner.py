@@ -27,6 +27,11 @@ A `LayerObserver` registered for a request (`observe`) hears, on the engine thre
 the step that completes its prompt: its block table before the forward, then each layer
 once that layer's K/V are written, so a KV transfer can send finished layers while later
 ones compute (rank 0 only: its layer signal does not change the forward).
+
+The KV connector's worker side (`kv_connector`, `engine/kv_connector`) is called around every
+step's forward: `start_load_kv` with the step's `ConnectorMetadata` before it,
+`wait_for_layer_load(i)` before layer i attends in steps that load pages (every layer up
+front when the step replays the decode graphs), `wait_for_save` after it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 
 from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.core import RunnerOutput, StepPathCount
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.parallel.plan import PlanKind, StepPlan
@@ -53,6 +59,7 @@ from tandem.engine.staging import download, upload
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
+    from tandem.engine.kv_connector.base import KVConnectorWorker
     from tandem.engine.lora.manager import LoRAManager
     from tandem.engine.lora.slots import LoRASlots
     from tandem.engine.parallel.executor import Executor
@@ -192,6 +199,9 @@ class ModelRunner(RankRunner):
         self.generators: dict[str, torch.Generator] = {}
         # request id -> observer; set from other threads (one dict operation each)
         self.observers: dict[str, LayerObserver] = {}
+        # the KV connector's worker side (`KVConnector.attach`): loads before each layer
+        # attends, saves after the forward; None: no connector
+        self.kv_connector: KVConnectorWorker | None = None
         # deliver last-layer hidden states (`RunnerOutput.hidden_states`) for a proposer that
         # reads them (EAGLE-style heads); set by LLMEngine
         self.return_hidden = False
@@ -340,16 +350,25 @@ class ModelRunner(RankRunner):
                         self.return_hidden,
                         lora_slots=np.empty(0, np.int64) if lora_slots is None else lora_slots,
                         graphs=graphs)
+        on_layer = self._layer_signal(watching) if watching else None
+        connector, meta = self.kv_connector, sched.kv_connector_meta
+        if connector is not None and meta is not None:
+            if meta.loads and self.executor is not None:
+                raise ConfigError("KV connector loads need tensor_parallel_size 1")
+            connector.start_load_kv(meta)
+            if meta.loads:
+                on_layer = self._load_waits(connector, on_layer, plan.graphs)
         if self.executor is not None:  # the other ranks run the same forward
             self.executor.send(plan)
         t_forward = time.perf_counter()
         try:  # one upload: tokens | positions | logits rows | prompt-logprob targets
-            res = self.forward(plan, np.array(targets, dtype=np.int64),
-                               self._layer_signal(watching) if watching else None)
+            res = self.forward(plan, np.array(targets, dtype=np.int64), on_layer)
         except Exception as exc:  # a peer died, or this rank left its peers mid-step
             if self.executor is None:
                 raise
             raise self.executor.failure(exc) from exc
+        if connector is not None and meta is not None:
+            connector.wait_for_save()
         t_sample = time.perf_counter()
         logits, hidden, targets_t = res.logits, res.hidden, res.extra
         out = RunnerOutput()
@@ -443,6 +462,26 @@ class ModelRunner(RankRunner):
             rid = s.request.request_id
             n = len(out.accepted[rid]) + 1
             out.hidden_states[rid] = hidden[ns + first : ns + first + n]
+
+    def _load_waits(self, connector: KVConnectorWorker,
+                    signal: Callable[[int], None] | None,
+                    graphs: bool) -> Callable[[int], None] | None:
+        """A step with connector loads: layer 0's pages are waited for now, layer i + 1's
+        after layer i (so before it attends), chained after `signal`; a step replaying
+        the decode graphs (no layer hook) waits for every layer now."""
+        num_layers = len(self.kv_caches)
+        if graphs and self.graphs is not None:
+            for layer in range(num_layers):
+                connector.wait_for_layer_load(layer)
+            return signal
+        connector.wait_for_layer_load(0)
+
+        def on_layer(layer: int) -> None:
+            if signal is not None:
+                signal(layer)
+            if layer + 1 < num_layers:
+                connector.wait_for_layer_load(layer + 1)
+        return on_layer
 
     def _layer_signal(self, observers: list[LayerObserver]):  # noqa: ANN202 - Callable
         cuda = self.device.type == "cuda"

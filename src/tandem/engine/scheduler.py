@@ -28,7 +28,17 @@ Admission stops at the first waiting request that does not fit, except for P/D r
 whose imported blocks are pinned with a block for their last token (they need no free one);
 a step that would run nothing admits the first request that fits.
 
-Blocks join the prefix cache in `update_after_step`, after the forward that computed them.
+With a KV connector (`kv.connector`, `engine/kv_connector`), an admission asks it how many
+tokens after the local prefix hit it can load (`get_num_new_matched_tokens`), at most up to
+the last prompt token (and no position whose prompt logprobs are due): one token is always
+computed, so the request samples. Those tokens take blocks (the connector is told which:
+`update_state_after_alloc`) but no budget; they count as computed from admission on and are
+loaded in the same step, before each layer attends (the step's `ConnectorMetadata`, built
+once per step into `SchedulerOutput.kv_connector_meta`). Asynchronous loads are refused.
+`tokens_loaded` and `tokens_computed` count the tokens of completed steps.
+
+Blocks join the prefix cache in `update_after_step`, after the forward that computed (or
+loaded) them.
 A waiting request whose prefix continues into blocks this step computes for another
 request (n > 1 samples, a burst sharing a system prompt) waits a step and then hits them
 instead of computing them twice, when they are at least half of its chunk.
@@ -43,9 +53,14 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tandem.engine.kv_connector.base import ConnectorMetadata
 
 STALL_LOOKAHEAD = 64  # waiting requests a stalled step looks at
 PROMPT_LOGPROBS_MIN_ROWS = 256
@@ -61,13 +76,15 @@ def prompt_logprobs_rows(max_num_seqs: int, max_num_batched_tokens: int) -> int:
 class ScheduledRequest:
     """`num_new_tokens` tokens of `request` starting at position `start` run this step; the
     last `len(spec_token_ids)` of them are proposed tokens to verify (speculative decoding:
-    the request's last known token, then its drafts)."""
+    the request's last known token, then its drafts). `num_external_tokens`: the tokens
+    just before `start` that the KV connector loads in this step (its admission)."""
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
     draft_probs: object | None = None  # [len(spec_token_ids), V] or None (point masses)
+    num_external_tokens: int = 0
 
     @property
     def samples(self) -> bool:
@@ -83,6 +100,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # the KV connector's work for this step (None: no connector)
+    kv_connector_meta: ConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -113,6 +132,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._yielded: dict[str, int] = {}  # request id -> tokens of steps it sat out
+        # tokens of completed steps: loaded by the KV connector, computed by the forward
+        self.tokens_loaded = 0
+        self.tokens_computed = 0
 
     # -- queue management ------------------------------------------------------------------
     @property
@@ -159,9 +181,8 @@ class Scheduler:
         else:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)
-        keep = req.keep_kv and status in (RequestStatus.FINISHED_STOPPED,
-                                          RequestStatus.FINISHED_LENGTH)
-        self.kv.free(req, keep=keep)
+        normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        self.kv.free(req, keep=req.keep_kv and normal, finished=normal)
 
     # -- scheduling --------------------------------------------------------------------------
     def _chunk(self, remaining: int, budget: int, req: Request | None = None) -> int:
@@ -306,7 +327,39 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:  # not preempted later in this step
                 self._yielded[req.request_id] = (self._yielded.get(req.request_id, 0)
                                                  + out.num_batched_tokens)
+        if self.kv.connector is not None:
+            out.kv_connector_meta = self.kv.connector.build_connector_meta()
         return out
+
+    def _external(self, req: Request, num_hit: int) -> int:
+        """Tokens of waiting `req` after its `num_hit` local ones that the KV connector
+        loads on admission: its answer, cut to leave the last token (and the positions whose
+        prompt logprobs are due) to compute. Asked only at a block boundary (a staged P/D
+        tail ends the hit inside the prompt's last block)."""
+        conn = self.kv.connector
+        if conn is None or num_hit % self.kv.block_size:
+            return 0
+        limit = req.num_tokens - 1
+        if req.prompt_logprobs_pos is not None:
+            limit = min(limit, req.prompt_logprobs_pos)
+        if limit <= num_hit:
+            return 0
+        match = conn.get_num_new_matched_tokens(req, num_hit)
+        if match.num_tokens and match.load_async:
+            raise ConfigError(
+                f"the KV connector answered load_async for {req.request_id!r}: this engine "
+                "loads external KV synchronously only (in the step that admits a request)")
+        return min(match.num_tokens, limit - num_hit)
+
+    def _with_external(self, req: Request, num_hit: int, num_new: int,
+                       budget: int) -> tuple[int, int]:
+        """(tokens the connector loads, tokens to compute) for admitting `req` this step."""
+        ext = self._external(req, num_hit)
+        if ext:
+            n = self._chunk(req.num_tokens - num_hit - ext, budget, req)
+            if n:
+                return ext, n
+        return 0, num_new
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Admit waiting requests in (priority, arrival) order while budget, seats and blocks
@@ -334,11 +387,13 @@ class Scheduler:
                                                        ) >= num_new:
                 passed.append(heapq.heappop(self._waiting))  # half its chunk is being computed
                 continue
-            if self.kv.allocate_slots(req, num_new, computed) is None:
+            ext, num_new = self._with_external(req, num_hit, num_new, budget)
+            if self.kv.allocate_slots(req, ext + num_new, computed,
+                                      num_external_tokens=ext) is None:
                 blocked = True
                 break
             heapq.heappop(self._waiting)
-            budget = self._start(req, num_hit, num_new, scheduled, budget)
+            budget = self._start(req, num_hit, num_new, scheduled, budget, ext)
         for entry in passed:
             heapq.heappush(self._waiting, entry)
         if blocked:
@@ -361,11 +416,14 @@ class Scheduler:
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, budget, req)
-            if num_new == 0 or self.kv.allocate_slots(req, num_new, computed,
-                                                      max_free=0) is None:
+            if num_new == 0:
+                continue
+            ext, num_new = self._with_external(req, num_hit, num_new, budget)
+            if self.kv.allocate_slots(req, ext + num_new, computed, max_free=0,
+                                      num_external_tokens=ext) is None:
                 continue
             admitted.append(req)
-            budget = self._start(req, num_hit, num_new, scheduled, budget)
+            budget = self._start(req, num_hit, num_new, scheduled, budget, ext)
         if admitted:
             gone = set(map(id, admitted))
             self._waiting = [e for e in self._waiting if id(e[2]) not in gone]
@@ -384,24 +442,32 @@ class Scheduler:
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens, req)
-            if num_new and self.kv.allocate_slots(req, num_new, computed) is not None:
+            if not num_new:
+                continue
+            ext, num_new = self._with_external(req, num_hit, num_new,
+                                               self.max_num_batched_tokens)
+            if self.kv.allocate_slots(req, ext + num_new, computed,
+                                      num_external_tokens=ext) is not None:
                 self._waiting = [e for e in self._waiting if e[2] is not req]
                 heapq.heapify(self._waiting)
-                self._start(req, num_hit, num_new, scheduled, 0)
+                self._start(req, num_hit, num_new, scheduled, 0, ext)
                 return
 
     def _start(self, req: Request, num_hit: int, num_new: int,
-               scheduled: list[ScheduledRequest], budget: int) -> int:
-        """`req` (its blocks allocated) leaves the waiting queue for `running`."""
+               scheduled: list[ScheduledRequest], budget: int, ext: int = 0) -> int:
+        """`req` (its blocks allocated) leaves the waiting queue for `running`: `num_hit`
+        tokens hit locally, then `ext` loaded by the connector in this step count as
+        computed; `num_new` run."""
         self.kv.record_admission(req, num_hit)
-        req.note_admitted(num_hit)
+        req.note_admitted(num_hit + ext)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        req.num_computed_tokens = num_hit
+        start = num_hit + ext
+        req.num_computed_tokens = start
         req.status = RequestStatus.RUNNING
         self._admit(req)
-        self._take_rows(req, num_hit, num_new)
-        scheduled.append(ScheduledRequest(req, num_hit, num_new))
+        self._take_rows(req, start, num_new)
+        scheduled.append(ScheduledRequest(req, start, num_new, num_external_tokens=ext))
         return budget - num_new
 
     def _schedule_deferred(self, deferred: list[Request], scheduled: list[ScheduledRequest],
@@ -460,6 +526,8 @@ class Scheduler:
         rolled back (not computed: overwritten by a later step, never cached)."""
         for s in out.scheduled:
             req = s.request
+            self.tokens_loaded += s.num_external_tokens
+            self.tokens_computed += s.num_new_tokens
             rejected = len(s.spec_token_ids) - len((accepted or {}).get(req.request_id, ()))
             req.num_computed_tokens = s.start + s.num_new_tokens - rejected
             req.note_computed(s.start, req.num_computed_tokens)

@@ -19,8 +19,10 @@ finished `keep_kv` request's blocks under its id for `keep_lease_s`, which its r
 shortens or extends (`lease_kept`), and prefix-cached runs for a reader (`lease_cached`).
 A lease nobody releases ends at `expire_leases`, which the engine thread calls. The
 engine's KV connector, scheduler side (`connector`, `engine/kv_connector`), is told of each
-allocation that adds blocks and decides how long a finished `keep_kv` request's blocks are
-kept.
+allocation that adds blocks (with the tokens to load into them from outside, on an
+admission: `allocate_slots`' `num_external_tokens`, which count as computed: the scheduler
+commits them with the step that loads them) and decides what becomes of each normally
+finished request's blocks (kept under a lease, or freed).
 """
 
 from __future__ import annotations
@@ -181,13 +183,15 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: list[KVBlock] | None = None,
-                       max_free: int | None = None) -> list[KVBlock] | None:
+                       max_free: int | None = None,
+                       num_external_tokens: int = 0) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `computed` are prefix-hit blocks from `get_computed_blocks` (first scheduling only).
         Returns the newly allocated blocks, or None (nothing changed) if the pool is short or
         the allocation would take more than `max_free` blocks out of the free queue (fresh
-        ones and revived cached ones).
+        ones and revived cached ones). `num_external_tokens`: the first that many of the
+        new tokens are loaded by the connector (told with the blocks), not computed.
         """
         computed = computed or []
         tail_key = self._tail_key(req)
@@ -218,7 +222,7 @@ class KVCacheManager:
         added = [b.block_id for b in computed + new]
         self.block_table.append(req.request_id, added)
         if added and self.connector is not None:
-            self.connector.update_state_after_alloc(req, added, 0)
+            self.connector.update_state_after_alloc(req, added, num_external_tokens)
         if self.enable_caching:  # the full blocks this chunk completes: cached after the step
             end = min(total, req.num_tokens) // self.block_size
             start = self._num_cached[req.request_id]
@@ -254,17 +258,18 @@ class KVCacheManager:
         self.pool.touch(pinned)
         return pinned
 
-    def free(self, req: Request, keep: bool = False) -> None:
+    def free(self, req: Request, keep: bool = False, finished: bool = False) -> None:
         """Release every block of `req` (tail first, so the tail is evicted first); with
         `keep` (a normal finish of a `keep_kv` request) they stay pinned under a lease
-        owned by the request id, for `keep_lease_s` or what the connector's
-        `request_finished` answers, until `release_kept` or its expiry."""
+        owned by the request id, for `keep_lease_s`, until `release_kept` or its expiry.
+        With `finished` (a normal finish) the connector's `request_finished` decides
+        instead whether and how long they are kept."""
         self.drop_tail(req.request_id)
         blocks = self._blocks.pop(req.request_id, None)
         self.block_table.drop(req.request_id)
         self._num_cached.pop(req.request_id, None)
         lease_s = self.keep_lease_s
-        if blocks and keep and self.connector is not None:
+        if blocks and finished and self.connector is not None:
             action = self.connector.request_finished(req, [b.block_id for b in blocks])
             keep, lease_s = action.keep, action.lease_s
         if blocks and keep:

@@ -3,12 +3,12 @@
 Modelled on vLLM's `KVConnectorBase_V1`, a connector has three faces:
 
 * a **scheduler side** (`KVConnectorScheduler`, rank 0's engine thread): how many tokens of
-  a request after its locally computed ones can be loaded from outside, and whether over
-  later steps (`get_num_new_matched_tokens`); the blocks allocated for them
+  a request after its locally computed ones can be loaded from outside
+  (`get_num_new_matched_tokens`); the blocks allocated for them
   (`update_state_after_alloc`); the step's `ConnectorMetadata` (`build_connector_meta`);
   and what becomes of a finished request's blocks (`request_finished`: kept for a reader
   under a lease, or freed);
-* a **worker side** (`KVConnectorWorker`, every rank's forward): start loading a step's
+* a **worker side** (`KVConnectorWorker`, rank 0's forward): start loading a step's
   pages (`start_load_kv`), wait for one layer's (`wait_for_layer_load`), save each layer's
   pages as soon as it is computed (`save_kv_layer`), wait for the saves (`wait_for_save`);
 * a **page API** for the connector's transport (`KVConnector`'s coroutines): the page
@@ -16,13 +16,23 @@ Modelled on vLLM's `KVConnectorBase_V1`, a connector has three faces:
   sinks. Pages cross it with every KV head (`PageLayout`), whatever the tensor-parallel
   size: a transport never learns how many ranks there are.
 
-Where the engine calls them: the KV manager calls `update_state_after_alloc` on each
-allocation that adds blocks and `request_finished` on each normal finish of a `keep_kv`
-request; the model runner's layer observers reach `save_kv_layer`. A connector that loads
-pages during a step (a host or disk tier, pulling from a peer replica) also needs the
-scheduler to ask `get_num_new_matched_tokens` at admission and pass `build_connector_meta`
-to the runner, which calls `start_load_kv` and `wait_for_layer_load`: the P/D connector
-loads nothing in a step, so it answers 0 and has nothing to start.
+Where the engine calls them (`KVConnector.attach` hands the sides to the engine): the
+scheduler asks `get_num_new_matched_tokens` when it admits a waiting request (after the local
+prefix hit; asked only while at least one prompt token is left to compute, and its answer is
+cut so that one is); the KV manager calls `update_state_after_alloc` on each allocation that
+adds blocks (on an admission with external tokens: all the request's blocks, in position
+order, and how many tokens load into them) and `request_finished` on each normal finish
+(stopped or length; keep or free its blocks); the scheduler builds the step's
+`ConnectorMetadata` (`build_connector_meta`, once per step, in `SchedulerOutput`) and rank
+0's model runner calls `start_load_kv` with it before the forward, `wait_for_layer_load(i)`
+before layer i attends (every layer before the forward when the step replays decode graphs;
+only in steps with loads) and `wait_for_save` after the forward; the runner's layer
+observers reach `save_kv_layer`. Loads are synchronous: the loaded tokens count as computed
+from admission on, the step that loads them computes the rest, and the blocks join the
+prefix cache only after that step's forward (a failed step caches nothing). An answer with
+`load_async` is refused (ConfigError), and a connector that loads (`loads_kv`) is refused
+with tensor parallelism: its worker side writes only rank 0's cache. The P/D connector loads
+nothing in a step (its imports land before the request is added): it answers 0.
 
 Every pin a transport holds for a reader outside the process is a `PageLease`: it ends when
 released, or `lease_s` after its last renewal (expired on the engine thread, counted in
@@ -47,6 +57,7 @@ if TYPE_CHECKING:
     from tandem.engine.async_api import EngineAPI
     from tandem.engine.kv_cache.block_pool import KVBlock
     from tandem.engine.kv_pages import ImportCommit, ImportPins, PageLayout
+    from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.request import Request
     from tandem.protocol.block_hash import BlockHash
 
@@ -64,8 +75,9 @@ class KVConnectorRole(Enum):
 @dataclass(frozen=True)
 class ExternalMatch:
     """`get_num_new_matched_tokens`' answer: `num_tokens` after the request's computed
-    ones can be loaded from outside; with `load_async` they arrive over later steps and the
-    request is not scheduled until they have (`KVConnectorWorker.get_finished`)."""
+    ones can be loaded from outside, in the step that admits it (the worker side writes
+    them before each layer attends). `load_async` (they would arrive over later steps) is
+    refused by the scheduler with a ConfigError: the engine loads synchronously only."""
 
     num_tokens: int = 0
     load_async: bool = False
@@ -104,15 +116,20 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> ExternalMatch:
-        """Tokens of `request` after its first `num_computed_tokens` (local prefix hits)
-        that can be loaded from outside instead of computed."""
+        """Tokens of `request` after its first `num_computed_tokens` (local prefix hits,
+        block-aligned) that can be loaded from outside instead of computed. Asked at each
+        admission from the waiting queue (again after a preemption); may be asked for a
+        request that then does not fit this step. The scheduler loads at most up to the
+        last prompt token (and none of the positions whose prompt logprobs are due)."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         """An allocation added `block_ids` to `request` (prefix hits, then fresh blocks;
-        `KVCacheManager.allocate_slots`); the first `num_external_tokens` tokens after its
-        computed ones are to be loaded into them (0: nothing to load)."""
+        `KVCacheManager.allocate_slots`). With `num_external_tokens` > 0 (its admission):
+        they are all its blocks in position order, and that many tokens from the
+        `num_computed_tokens` it was last asked with are to be loaded in this step (put them
+        in the step's `ConnectorMetadata.loads`)."""
 
     @abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata:
@@ -120,9 +137,11 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
-        """`request`, which asked to keep its blocks (`keep_kv`), has finished normally
-        holding `block_ids` (`KVCacheManager.free`): keep them, for how long, or free
-        them."""
+        """`request` has finished normally (stopped or length; `keep_kv` or not) holding
+        `block_ids`, whose full blocks up to its computed tokens hold its KV
+        (`KVCacheManager.free`): keep them (for a reader, or until the connector has saved
+        them), for how long, or free them. Aborted, failed and preempted requests are not
+        asked."""
 
 
 class LayerSaver(Protocol):
@@ -136,7 +155,8 @@ class LayerSaver(Protocol):
 
 
 class KVConnectorWorker(ABC):
-    """The worker side (every rank, on its engine thread, during the forward)."""
+    """The worker side (rank 0's model runner, on the engine thread, around the
+    forward)."""
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -146,11 +166,13 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Before the forward: begin writing the step's `loads` into the cache."""
+        """Before the forward (every step): begin writing the step's `loads` into the
+        cache."""
 
     @abstractmethod
     def wait_for_layer_load(self, layer: int) -> None:
-        """Before `layer`'s attention: its pages for this step are in the cache."""
+        """Before `layer`'s attention, in steps with `loads`: its pages for this step are
+        in the cache when this returns (each layer once, in order)."""
 
     @abstractmethod
     def save_kv_layer(self, request_id: str, layer: int, event: Any | None) -> None:
@@ -158,12 +180,8 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def wait_for_save(self) -> None:
-        """After the forward: every save of the step is done with the cache."""
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """(request ids whose saves, whose asynchronous loads have finished since the last
-        call)."""
-        return set(), set()
+        """After the forward (every step): every save of the step is done with the
+        cache."""
 
 
 class PageSourceAPI(Protocol):
@@ -191,8 +209,23 @@ class KVConnector(ABC):
     transport calls (coroutines run on the engine thread between steps)."""
 
     name = ""
+    # whether `get_num_new_matched_tokens` may answer tokens to load in a step (refused
+    # with tensor parallelism: the worker side writes one process's cache)
+    loads_kv = False
     scheduler: KVConnectorScheduler
     worker: KVConnectorWorker
+
+    def attach(self, core: LLMEngine) -> None:
+        """Hand this connector's sides to `core`: the KV manager and scheduler ask the
+        scheduler side from now on, rank 0's model runner calls the worker side, which gets
+        the caches. ConfigError for a connector that loads pages under tensor parallelism."""
+        if self.loads_kv and not core.kv_in_place:
+            raise ConfigError(
+                f"KV connector {self.name!r} loads pages during steps, which needs "
+                f"tensor_parallel_size 1 (its worker side writes one process's cache)")
+        core.kv.connector = self.scheduler
+        core.runner.kv_connector = self.worker
+        self.worker.register_kv_caches(core.runner.kv_caches, core.page_layout(""))
 
     # -- what both ends share --------------------------------------------------------------
     @abstractmethod

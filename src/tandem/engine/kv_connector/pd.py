@@ -76,8 +76,8 @@ class PDScheduler(KVConnectorScheduler):
         return ConnectorMetadata({}, saves)
 
     def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
-        """Asked for normal finishes of `keep_kv` requests: kept for their reader."""
-        return FinishAction(True, self.kv.keep_lease_s)
+        """A `keep_kv` request's blocks are kept for their reader; others are freed."""
+        return FinishAction(request.keep_kv, self.kv.keep_lease_s)
 
 
 class PDWorker(KVConnectorWorker):
@@ -133,9 +133,8 @@ class PDConnector(KVConnector):
         core: LLMEngine = engine.engine
         self._saving: dict[str, LayerSaver] = {}
         self.scheduler = PDScheduler(core.kv, self._saving)
-        core.kv.connector = self.scheduler  # told of allocations and finishes from now on
         self.worker = PDWorker(self._saving)
-        self.worker.register_kv_caches(engine.kv_caches, core.page_layout(""))
+        self.attach(core)  # told of allocations, finishes and steps from now on
         self._sweeper: asyncio.Task | None = None
 
     # -- what both ends share --------------------------------------------------------------
