@@ -241,3 +241,40 @@ def test_worker_flag_sets_async_scheduling():
     assert engine_config(p.parse_args(["--no-async-scheduling"])).async_scheduling is False
     assert (engine_config(p.parse_args([])).async_scheduling
             is EngineConfig.async_scheduling)
+
+
+def test_overlapped_loop_fails_only_what_broke(tiny_model):
+    """A step whose forward raises fails the requests it ran; an output path that raises
+    (on the output thread) fails its request only, which the engine then ends at the next
+    step boundary; the others finish as the serial loop finishes them."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    eng = LLMEngine(_config(tiny_model, True))
+    finals: dict[str, object] = {}
+
+    def run() -> None:
+        while eng.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in eng.step() if o.finished)
+
+    execute = eng.runner.execute
+    eng.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("boom"))
+    eng.add_request("forward", [5, 6, 7], params)
+    eng.step()
+    eng.runner.execute = execute
+    process = eng.outputs.process_token
+
+    def broken(child, token, lp):
+        if child.request_id == "output":
+            raise ValueError("bad token")
+        return process(child, token, lp)
+    eng.outputs.process_token = broken
+    eng.add_request("output", [8, 9, 10], params)
+    eng.add_request("fine", [8, 9, 11], params)
+    run()
+    assert finals["forward"].outputs[0].finish_reason == "error"
+    assert finals["forward"].error == "internal error: RuntimeError"
+    assert finals["output"].outputs[0].finish_reason == "error"
+    assert finals["output"].error == "internal error while processing outputs"
+    assert finals["fine"].outputs[0].finish_reason == "length"
+    assert len(finals["fine"].outputs[0].token_ids) == 6
+    assert eng.scheduler.requests == {} and eng.kv.usage() == 0.0
+    assert eng.outputs._parents == {}
