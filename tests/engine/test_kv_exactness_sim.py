@@ -86,7 +86,7 @@ def _eager_caching(monkeypatch) -> None:
 
     real = KVCacheManager.allocate_slots
 
-    def eager(self, req, num_new, computed=None, max_free=None):
+    def eager(self, req, num_new, computed=None, max_free=None, num_external_tokens=0):
         computed = computed or []
         key = self._tail_key(req)
         tail = self._tails.get(key) if key else None
@@ -94,7 +94,7 @@ def _eager_caching(monkeypatch) -> None:
         full = computed[:-1] if takes else computed
         base = (req.num_computed_tokens + len(full) * self.block_size
                 + (len(tail.token_ids) if takes else 0))
-        new = real(self, req, num_new, computed, max_free)
+        new = real(self, req, num_new, computed, max_free, num_external_tokens)
         if new is not None:
             saved = req.num_computed_tokens
             req.num_computed_tokens = min(base + num_new, req.num_tokens)
