@@ -137,7 +137,7 @@ class AsyncLLMEngine(EngineAPI):
         # KV events (when the engine records them) are drained every step and fanned out
         self.kv_hub = KVEventHub() if engine.config.enable_kv_events else None
         self.dead: BaseException | None = None  # set if the loop itself ever crashes
-        if engine.async_scheduling:  # the output thread hands each step's outputs over
+        if getattr(engine, "async_scheduling", False):  # the output thread delivers
             engine.output_sink = self._deliver
         executor = getattr(engine, "executor", None)
         if executor is not None:  # a rank's death wakes an idle loop at once
