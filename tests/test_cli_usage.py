@@ -76,6 +76,7 @@ def test_port_number_bounds():
     (["worker", "--max-n", "0"], "argument --max-n: an integer >= 1"),
     (["worker", "--kv-cache-memory", "inf"], "argument --kv-cache-memory: a finite number"),
     (["worker", "--kv-lease", "nan"], "argument --kv-lease: a number of seconds > 0"),
+    (["worker", "--kv-lease", "601"], "argument --kv-lease: at most 600 seconds, not '601'"),
     (["worker", "--stream-send-timeout", "0"], "argument --stream-send-timeout: a number of "
                                                "seconds > 0"),
     (["worker", "--max-pending-tokenize", "0"], "argument --max-pending-tokenize: an integer"),

@@ -22,6 +22,7 @@ from typing import Any
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import limit_malloc_arenas
 from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.leases import MAX_LEASE_S
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.protocol import engine_flags as flags
 from tandem.protocol.cli_args import (
@@ -142,6 +143,14 @@ def _finite(text: str) -> float:
     return value
 
 
+def lease_seconds(text: str) -> float:
+    """argparse type of `--kv-lease`: seconds in (0, MAX_LEASE_S] (600)."""
+    value = positive_seconds(text)
+    if value > MAX_LEASE_S:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LEASE_S:g} seconds, not {text!r}")
+    return value
+
+
 def speculative_config(text: str) -> SpeculativeConfig:
     """`--speculative-config`: a JSON object (json.loads, never eval) of vLLM's keys,
     validated at once, so a bad value is a usage error naming the key."""
@@ -240,7 +249,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="when a remote prefill fails: compute locally, or fail the request")
     p.add_argument(flags.KV_TRANSFER_TIMEOUT, type=positive_seconds, default=30.0,
                    help="seconds for a whole remote prefill (compute, transfer, import)")
-    p.add_argument("--kv-lease", type=positive_seconds, default=30.0,
+    p.add_argument("--kv-lease", type=lease_seconds, default=30.0,
                    help="seconds a prefill worker keeps sent pages pinned unless released")
     p.add_argument(flags.KV_STREAM_LAYERS, action="store_true",
                    help="prefill side of P/D: send each layer's pages as soon as the "
