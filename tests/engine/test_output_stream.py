@@ -170,11 +170,12 @@ def test_a_stream_holds_only_what_its_reader_has_not_read(tok):
             stream.get_nowait()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["serial", "overlapped"])
+def tiny(tmp_path_factory, request):
     path = tmp_path_factory.mktemp("llama-stream")
     make_tiny_model_dir(path, "llama", seed=5)
-    engine = AsyncLLMEngine.from_args(str(path), block_size=4, kv_cache_memory=16 << 20)
+    engine = AsyncLLMEngine.from_args(str(path), block_size=4, kv_cache_memory=16 << 20,
+                                      async_scheduling=request.param)
     yield engine
     engine.shutdown()
 
