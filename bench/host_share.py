@@ -164,6 +164,7 @@ def http_share(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the bundled model")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -183,12 +184,14 @@ def main() -> int:
     from tandem.serving.worker import SERVING_MAX_BATCHED_TOKENS
 
     t_start = time.time()
-    config = EngineConfig(num_threads=args.threads or None,
+    config = EngineConfig(model=args.model, num_threads=args.threads or None,
                           max_num_batched_tokens=SERVING_MAX_BATCHED_TOKENS)
     engine = LLMEngine(config)
     rec = Recorder(engine)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
+    hi = min(20000, engine.state.vocab_size)
+    lo = min(1000, hi // 4)
+    prompts = [[rng.randrange(lo, hi) for _ in range(args.prompt_tokens)]
                for _ in range(args.streams)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     run_once(rec, prompts, params, False, "warm")
