@@ -230,6 +230,12 @@ def test_a_lease_nobody_releases_expires_on_the_engine_thread(engine):
         assert core.kv.pool.num_free_blocks() == free
         assert kv.lease_stats() == LeaseStats(before.active - 1, before.released,
                                               before.expired + 1)
+        stats = core.stats()  # what the worker's /metrics exports
+        assert (stats.kv_leases_active, stats.kv_leases_expired) == (before.active - 1,
+                                                                     before.expired + 1)
+        text = _metrics_text(stats)
+        assert f'tandem_kv_leases_expired_total{{model_name="m"}} {before.expired + 1}.0' in text
+        assert f'tandem_kv_leases_active{{model_name="m"}} {before.active - 1}.0' in text
         with pytest.raises(LeaseError, match="expired"):
             await kv.page_source(lease)
         assert await kv.release(lease) is False and await kv.release_kept("lease-src") is False
@@ -291,3 +297,12 @@ def test_layers_are_saved_through_the_connectors_worker_side(engine):
     assert engine.engine.kv.connector is sched  # the manager asks it from now on
     with pytest.raises(ValueError, match="before admission"):
         kv.worker.start_load_kv(ConnectorMetadata({"r": (1,)}, {}))
+
+
+def _metrics_text(stats) -> str:  # noqa: ANN001 - an EngineStats
+    """The worker's engine series for `stats`, as /metrics writes them."""
+    from prometheus_client import generate_latest
+
+    from tandem.serving.metrics import ServerMetrics
+
+    return generate_latest(ServerMetrics("m", lambda: stats).registry).decode()

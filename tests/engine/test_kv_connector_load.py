@@ -297,6 +297,8 @@ def _rounds(path, connector: str | None) -> dict:
                                      sched.tokens_computed - computed, core.kv.prefix_hits - hits)
         if connector is not None:
             out["connector"] = eng.kv_connector
+        # the worker's /metrics count what was loaded
+        assert core.stats().kv_connector_loaded_tokens == sched.tokens_loaded
         return out
     finally:
         eng.shutdown()

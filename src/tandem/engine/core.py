@@ -147,6 +147,13 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA off
     lora_state: LoRAState | None = None  # the adapters' digests and version (None: LoRA off)
     step_paths: tuple[StepPathCount, ...] = ()  # graph vs eager steps (a model runner's)
+    # KV pages held for readers outside the engine (kv_cache/leases.py): live leases, and
+    # how the ended ones ended (cumulative)
+    kv_leases_active: int = 0
+    kv_leases_released: int = 0
+    kv_leases_expired: int = 0
+    # prompt tokens a KV connector loaded instead of computing them (cumulative)
+    kv_connector_loaded_tokens: int = 0
 
 
 class EngineCore:
@@ -551,6 +558,7 @@ class EngineCore:
 
     # -- introspection ---------------------------------------------------------------------
     def stats(self) -> EngineStats:
+        leases = self.kv.lease_stats()
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv.usage(), num_free_blocks=self.kv.pool.num_free_blocks(),
@@ -558,7 +566,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self._prompt_tokens,
             generation_tokens=self.outputs.generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
-            in_flight_tokens=self.scheduler.num_unfinished_tokens(), **self._spec_stats(),
+            in_flight_tokens=self.scheduler.num_unfinished_tokens(),
+            kv_leases_active=leases.active, kv_leases_released=leases.released,
+            kv_leases_expired=leases.expired,
+            kv_connector_loaded_tokens=self.scheduler.tokens_loaded, **self._spec_stats(),
             **self._lora_stats())
 
     def _lora_stats(self) -> dict[str, object]:

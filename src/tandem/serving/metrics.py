@@ -65,6 +65,15 @@ class _EngineCollector(Collector):
         yield gauge("tandem_kv_free_blocks", "Free (or evictable) KV blocks.", s.num_free_blocks)
         yield gauge("tandem_kv_total_blocks", "KV blocks in the pool.", self.num_blocks)
         yield gauge("tandem_kv_block_size", "Tokens per KV block.", self.block_size)
+        yield gauge("tandem_kv_leases_active", "KV page leases held for readers outside the "
+                    "engine (P/D sends not yet acknowledged).", s.kv_leases_active)
+        yield counter("tandem_kv_leases_released", "KV page leases ended by their reader's "
+                      "release.", s.kv_leases_released)
+        yield counter("tandem_kv_leases_expired", "KV page leases that expired unreleased "
+                      "(a reader that never came back); their pages were unpinned.",
+                      s.kv_leases_expired)
+        yield counter("tandem_kv_connector_loaded_tokens", "Prompt tokens a KV connector "
+                      "loaded instead of computing them.", s.kv_connector_loaded_tokens)
         if self.model_memory_bytes is not None:
             yield gauge("tandem_model_memory_bytes", "Resident weight bytes (every tensor of "
                         "the model as stored: quantized codes, scales and float weights).",
