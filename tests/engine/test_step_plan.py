@@ -1,9 +1,11 @@
 """The step plan's wire form (`engine/parallel/plan.py`): random plans of every kind
 round-trip exactly (dtypes included: the block table stays int32 for the attention
-kernels; the forward's decisions too: LoRA slots per token, graphs, hidden states), and
-malformed arrays (bad magic, unknown kind, negative or oversized counts, unknown flags, a
-LoRA slot count other than 0 or T, a payload shorter or longer than its header says) are
-a ValueError, never a plan."""
+kernels; the forward's decisions too: LoRA slots per token, graphs, hidden states, the
+blocks whose layers are gathered as they are written), and malformed arrays (bad magic,
+unknown kind, negative or oversized counts, unknown flags, a LoRA slot count other than 0
+or T, a payload shorter or longer than its header says, `save_layers` outside an eager
+FORWARD plan with blocks, a FORWARD plan naming blocks without it) are a ValueError, never
+a plan."""
 
 from __future__ import annotations
 
@@ -22,15 +24,21 @@ def _random_plan(rng: random.Random) -> StepPlan:
     w = rng.randrange(1, 7) if b else 0
     ints = lambda n, hi=1 << 40: np.array([rng.randrange(hi) for _ in range(n)],  # noqa: E731
                                           dtype=np.int64)
+    kind = rng.choice(list(PlanKind))
+    graphs = rng.random() < 0.5
+    # a FORWARD plan names blocks only to gather their layers, which an eager step does
+    save = kind == PlanKind.FORWARD and not graphs and rng.random() < 0.5
+    n_ids = rng.randrange(1, 5) if save else (
+        0 if kind == PlanKind.FORWARD else rng.randrange(0, 5))
     return StepPlan(
-        kind=rng.choice(list(PlanKind)), tokens=ints(t), positions=ints(t), slots=ints(t),
+        kind=kind, tokens=ints(t), positions=ints(t), slots=ints(t),
         logits_idx=ints(rng.randrange(0, t + 1)), query_lens=np.array(q, dtype=np.int64),
         seq_lens=ints(b), block_table=ints(b * w, 1 << 30).astype(np.int32).reshape(b, w),
         table_lens=ints(b, w + 1).astype(np.int32), num_decode=rng.randrange(0, t + 1),
-        return_hidden=rng.random() < 0.5, block_ids=ints(rng.randrange(0, 5)),
+        return_hidden=rng.random() < 0.5, block_ids=ints(n_ids),
         lora_slots=(np.array([rng.randrange(-1, 4) for _ in range(t)], dtype=np.int64)
                     if rng.random() < 0.5 else np.empty(0, np.int64)),
-        graphs=rng.random() < 0.5)
+        graphs=graphs, save_layers=save)
 
 
 def test_random_plans_round_trip() -> None:
@@ -40,6 +48,7 @@ def test_random_plans_round_trip() -> None:
         got = StepPlan.decode(plan.encode())
         assert got.kind == plan.kind and got.num_decode == plan.num_decode
         assert got.return_hidden == plan.return_hidden and got.graphs == plan.graphs
+        assert got.save_layers == plan.save_layers
         for name in ("tokens", "positions", "slots", "logits_idx", "query_lens", "seq_lens",
                      "block_table", "table_lens", "block_ids", "lora_slots"):
             a, b = getattr(got, name), getattr(plan, name)
@@ -65,7 +74,10 @@ def _header(**over: int) -> np.ndarray:
     (dict(kind=9), "is not a valid PlanKind"),
     (dict(t=-1), "out of range"),
     (dict(nd=4), "out of range"),
-    (dict(flags=4), "out of range"),
+    (dict(flags=8), "out of range"),
+    (dict(flags=4), "save_layers needs"),  # no blocks to gather
+    (dict(flags=6), "save_layers needs"),  # a graph step has no layer hook
+    (dict(magic=0x7A4E_0002), "bad magic"),  # the format before save_layers
     (dict(s=2), "out of range"),  # LoRA slots for some tokens only
     (dict(s=-3), "out of range"),
     (dict(magic=0x7A4E_0001), "bad magic"),  # the format before LoRA slots and graphs
@@ -82,6 +94,23 @@ def test_lora_slots_for_some_tokens_only_do_not_encode() -> None:
                     lora_slots=np.array([0, -1]))
     with pytest.raises(ValueError, match="2 LoRA slots for 3 tokens"):
         plan.encode()
+
+
+def test_blocks_travel_in_a_forward_plan_only_to_gather_their_layers() -> None:
+    ids = np.array([5, 2, 9], dtype=np.int64)
+    plan = StepPlan(tokens=np.arange(3), positions=np.arange(3), slots=np.arange(3),
+                    block_ids=ids, save_layers=True)
+    got = StepPlan.decode(plan.encode())
+    assert got.save_layers and np.array_equal(got.block_ids, ids)
+    with pytest.raises(ValueError, match="names blocks only with save_layers"):
+        StepPlan(tokens=np.arange(3), positions=np.arange(3), slots=np.arange(3),
+                 block_ids=ids).encode()
+    with pytest.raises(ValueError, match="save_layers needs"):
+        StepPlan(kind=PlanKind.KV_GATHER, block_ids=ids, save_layers=True).encode()
+    data = plan.encode()
+    data[1] = int(PlanKind.KV_SCATTER)  # a control plan with the flag: refused on decode
+    with pytest.raises(ValueError, match="save_layers needs"):
+        StepPlan.decode(data)
 
 
 def test_truncated_and_padded_payloads_are_refused() -> None:

@@ -4,19 +4,26 @@ them from its ranks (`LLMEngine.export_kv`) and a TP decode engine hands each ra
 heads (`import_kv`). Prefill at TP = 2 -> decode at TP = 1, the reverse, and TP = 3 -> 2
 (12 query heads, 6 KV heads: 3 per rank vs 2) each give the aggregated TP = 1 engine's
 greedy tokens, with the prompt's pages imported (the decode side computes only the last
-prompt token)."""
+prompt token). A TP = 2 prefill worker with `stream_layers` sends each layer as soon as its
+ranks have written it (rank 0 gathers the heads layer by layer in the prompt's last step)
+and gives the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import random
 
 import pytest
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_connector.pd import PDWorker
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer.service import KVTransferService
 from tests.engine.utils import make_tiny_model_dir
+from tests.kvtransfer import test_lora_pd
 from tests.kvtransfer.test_lora_pd import MODEL, disaggregated, greedy
 
 SHAPE = dict(hidden_size=96, intermediate_size=192, num_attention_heads=12,
@@ -53,6 +60,46 @@ def test_prefill_and_decode_at_different_tp_sizes(tiny: str, prefill_tp: int,
 
     try:
         asyncio.run(main())
+    finally:
+        for e in made:
+            e.shutdown()
+
+
+def test_a_tp_prefill_worker_streams_layer_by_layer(tiny: str, monkeypatch, caplog) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (6, 17, 29)]
+    monkeypatch.setattr(test_lora_pd, "KVTransferService",
+                        functools.partial(KVTransferService, stream_layers=True))
+    saved: list[tuple[int, tuple[int, ...] | None]] = []  # (layer, gathered pages' shape)
+    save = PDWorker.save_kv_layer
+
+    def record(self, request_id, layer, event, pages=None) -> None:
+        saved.append((layer, None if pages is None else tuple(pages.shape)))
+        save(self, request_id, layer, event, pages)
+
+    monkeypatch.setattr(PDWorker, "save_kv_layer", record)
+    made = [_engine(tiny, 1), _engine(tiny, 2), _engine(tiny, 1)]
+    ref, prefill, decode = made
+
+    async def main() -> None:
+        with caplog.at_level(logging.INFO, logger="tandem.kvtransfer.service"):
+            results, _ = await disaggregated(prefill, decode, [(p, None) for p in prompts])
+        sent = [r.getMessage() for r in caplog.records if " sent " in r.getMessage()]
+        assert len(sent) == len(prompts) and all("layer by layer" in m for m in sent), sent
+        for i, (got, nbytes) in enumerate(results):
+            want = await greedy(ref, prompts[i], f"ref-{i}")
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, i
+            assert nbytes > 0 and got.num_cached_tokens == len(prompts[i]) - 1, i
+
+    try:
+        asyncio.run(main())
+        # every layer of each prompt's last step, in order, with all 6 KV heads of each of its
+        # blocks gathered from the two ranks (3 heads each)
+        layers = prefill.engine.arch.num_layers
+        assert [layer for layer, _ in saved] == list(range(layers)) * len(prompts)
+        blocks = [-(-len(p) // 4) for p in prompts]  # its block table: the prompt's blocks
+        assert [shape[:3] for _, shape in saved] == [
+            (2, n, 6) for n in blocks for _ in range(layers)]
     finally:
         for e in made:
             e.shutdown()

@@ -115,13 +115,14 @@ class EngineAPI:
 
     @property
     def layer_streaming(self) -> bool:
-        """Whether a send can follow a running step layer by layer (`observe_layers`): one
-        rank; with tensor parallelism a send starts once the prompt has run."""
-        return self.engine.kv_in_place
+        """Whether a send can follow a running step layer by layer (`observe_layers`): any
+        tensor-parallel size (with several, each layer's pages are gathered from the ranks
+        as soon as it is written)."""
+        return True
 
     def observe_layers(self, request_id: str, observer: LayerObserver) -> None:
-        """Tell `observer` as each layer of `request_id`'s steps is written
-        (`ModelRunner.observe`; one rank)."""
+        """Tell `observer` as each layer of `request_id`'s prompt step is written
+        (`ModelRunner.observe`; with tensor parallelism it gets the gathered pages too)."""
         self.engine.runner.observe(request_id, observer)
 
     def unobserve_layers(self, request_id: str) -> None:

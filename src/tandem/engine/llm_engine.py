@@ -108,6 +108,7 @@ class LLMEngine(EngineCore):
         runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len,
                                             device)
         runner.lora = lora
+        runner.arch = arch  # which KV heads each rank holds (pages gathered layer by layer)
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold,
                               max_loras=config.max_loras if lora else 0)

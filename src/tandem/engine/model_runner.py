@@ -26,7 +26,10 @@ the steps replayed from the decode graphs and those run eagerly, by the first re
 A `LayerObserver` registered for a request (`observe`) hears, on the engine thread, about
 the step that completes its prompt: its block table before the forward, then each layer
 once that layer's K/V are written, so a KV transfer can send finished layers while later
-ones compute (rank 0 only: its layer signal does not change the forward).
+ones compute. With one rank the observer reads the layer from the cache; with tensor
+parallelism the step's plan says `save_layers` with the observed block tables, every rank
+hands rank 0 its heads of those blocks right after writing each layer (one gloo gather per
+layer, `kv_moves.LayerGather`) and the observer gets the assembled full-head pages.
 
 The KV connector's worker side (`kv_connector`, `engine/kv_connector`) is called around every
 step's forward: `start_load_kv` with the step's `ConnectorMetadata` before it,
@@ -49,7 +52,9 @@ from tandem.engine.attention.base import AttentionBackend, BatchLayout
 from tandem.engine.core import RunnerOutput, StepPathCount
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.parallel.kv_moves import LayerGather
 from tandem.engine.parallel.plan import PlanKind, StepPlan
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
@@ -140,9 +145,13 @@ class LayerObserver(Protocol):
     def begin(self, block_ids: list[int]) -> None:
         """Before the forward: the request's whole block table (a copy)."""
 
-    def layer_done(self, layer: int, event: Any | None) -> None:
+    def layer_done(self, layer: int, event: Any | None,
+                   pages: torch.Tensor | None = None) -> None:
         """`layer`'s K/V for the step are written (in order, every layer once); `event` is
-        a CUDA event to wait on before reading them on another stream, None on the CPU."""
+        a CUDA event to wait on before reading them on another stream, None on the CPU.
+        With tensor parallelism `pages` (passed by keyword, `event` None) holds the layer's
+        `[2, n, KVH, bs, row]` pages of the `begin` blocks with every KV head, gathered from
+        the ranks onto the host (the cache here holds only rank 0's heads)."""
 
 
 class RankRunner:
@@ -194,6 +203,8 @@ class ModelRunner(RankRunner):
         super().__init__(model, backend, kv_caches, device, kv.block_size)
         # the other tensor-parallel ranks: each step's plan is sent to them first
         self.executor = executor if executor is not None and executor.world > 1 else None
+        # the whole model's architecture (LLMEngine sets it): which KV heads each rank holds
+        self.arch: ModelArchConfig | None = None
         self.kv = kv
         self.sampler = sampler
         self.generators: dict[str, torch.Generator] = {}
@@ -295,6 +306,7 @@ class ModelRunner(RankRunner):
         spec_idx: list[int] = []
         plp: list[tuple[Request, int, int, int]] = []  # (request, first position, flat, count)
         watching: list[LayerObserver] = []
+        watched_tables: list[list[int]] = []  # each watched request's block table
         offset = nd
         for i, s in enumerate(scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
@@ -318,8 +330,10 @@ class ModelRunner(RankRunner):
                 sample_reqs.append(req)
                 observer = self.observers.get(req.request_id) if self.observers else None
                 if observer is not None and req.num_output_tokens == 0:  # the prompt's end
-                    observer.begin(table[i, : table_lens[i]].tolist())
+                    ids = table[i, : table_lens[i]].tolist()
+                    observer.begin(list(ids))
                     watching.append(observer)
+                    watched_tables.append(ids)
             if req.prompt_logprobs_pos is not None:
                 # position p predicts prompt token p + 1; positions whose logprobs were
                 # emitted before a preemption are recomputed but not emitted again
@@ -344,13 +358,16 @@ class ModelRunner(RankRunner):
             lora=lora_slots is not None, spec=bool(spec), plp=bool(plp),
             watching=bool(watching), nd=nd)
         graphs = eager is None
+        # with tensor parallelism the observed blocks' layers are gathered from the ranks
+        saved = [b for ids in watched_tables for b in ids] if self.executor is not None else []
         plan = StepPlan(PlanKind.FORWARD, tokens, positions, slots, logits_idx,
                         np.asarray(query_lens, dtype=np.int64),
                         np.asarray(seq_lens, dtype=np.int64), table, table_lens, nd,
                         self.return_hidden,
                         lora_slots=np.empty(0, np.int64) if lora_slots is None else lora_slots,
-                        graphs=graphs)
-        on_layer = self._layer_signal(watching) if watching else None
+                        graphs=graphs, block_ids=np.asarray(saved, dtype=np.int64),
+                        save_layers=bool(saved))
+        on_layer = self._layer_signal(watching, watched_tables) if watching else None
         connector, meta = self.kv_connector, sched.kv_connector_meta
         if connector is not None and meta is not None:
             if meta.loads and self.executor is not None:
@@ -483,7 +500,26 @@ class ModelRunner(RankRunner):
                 connector.wait_for_layer_load(layer + 1)
         return on_layer
 
-    def _layer_signal(self, observers: list[LayerObserver]):  # noqa: ANN202 - Callable
+    def _layer_signal(self, observers: list[LayerObserver],  # noqa: ANN202 - Callable
+                      tables: list[list[int]]):
+        """The step's layer hook for `observers` (their block `tables`): with one rank, each
+        hears of each layer (and a CUDA event); with tensor parallelism, each layer's pages of
+        every table are first gathered from the ranks (the plan's `save_layers`) and each
+        observer gets its own."""
+        if self.executor is not None:
+            groups = self.executor.groups
+            assert groups is not None and self.arch is not None
+            gather = LayerGather(groups.ctrl, self.kv_caches, [b for t in tables for b in t],
+                                 self.arch, self.executor.world)
+            sizes = [len(t) for t in tables]
+
+            def gathered(layer: int) -> None:
+                full = gather.gather(layer)
+                at = 0
+                for observer, n in zip(observers, sizes, strict=True):
+                    observer.layer_done(layer, None, pages=full[:, at:at + n])
+                    at += n
+            return gathered
         cuda = self.device.type == "cuda"
 
         def signal(layer: int) -> None:

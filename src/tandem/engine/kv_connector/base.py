@@ -175,8 +175,12 @@ class KVConnectorWorker(ABC):
         in the cache when this returns (each layer once, in order)."""
 
     @abstractmethod
-    def save_kv_layer(self, request_id: str, layer: int, event: Any | None) -> None:
-        """`layer`'s K/V of `request_id`'s step are written: save (or send) them."""
+    def save_kv_layer(self, request_id: str, layer: int, event: Any | None,
+                      pages: torch.Tensor | None = None) -> None:
+        """`layer`'s K/V of `request_id`'s step are written: save (or send) them. With one
+        rank read them from the cache (after `event`, on a GPU); with tensor parallelism
+        `pages` holds them, `[2, n, KVH, bs, row]` with every KV head for the blocks the save
+        began with, gathered from the ranks onto rank 0's host (`event` is None)."""
 
     @abstractmethod
     def wait_for_save(self) -> None:
@@ -279,12 +283,14 @@ class KVConnector(ABC):
     async def saved_page_source(self, request_id: str,
                                 block_ids: list[int]) -> PageSourceAPI:
         """The pages of `block_ids` of request `request_id` while its layers are saved
-        (`save_layers`; the ids its saver's `begin` gave); read each layer once saved."""
+        (`save_layers`; some of the ids its saver's `begin` gave); read each layer once
+        saved. The same reader whatever the tensor-parallel size."""
 
     @abstractmethod
     def save_layers(self, request_id: str, saver: LayerSaver) -> bool:
         """Stream `request_id`'s pages to `saver` layer by layer while its last prompt step
-        runs; False (nothing registered) where the engine cannot. `unsave_layers` ends it."""
+        runs (any tensor-parallel size); False (nothing registered) where the connector
+        cannot. `unsave_layers` ends it."""
 
     @abstractmethod
     def unsave_layers(self, request_id: str) -> None: ...

@@ -7,7 +7,10 @@ transport sets to the decode worker's `lease_s` (`lease_kept`), reads through `p
 and ends with `release` on the decode worker's acknowledgement, or leaves to expire (the
 engine thread unpins it; `lease_stats` counts it). With `save_layers`, each layer's pages
 are handed to the transport as soon as the prompt's last step has written them
-(`save_kv_layer`), one rank; with tensor parallelism a send starts once the prompt has run.
+(`save_kv_layer`), whatever the tensor-parallel size: with one rank the transport reads each
+layer from the cache, with several every rank hands rank 0 its heads of the prompt's blocks
+right after writing the layer and the transport reads the assembled full-head pages
+(`saved_page_source` is the same `PageSource`-like reader either way).
 
 Receiving (decode worker): pages land before the request is added (`import_blocks`,
 `page_sink`, `commit_import`, which stages the prompt's last block), so the scheduler's
@@ -81,10 +84,14 @@ class PDScheduler(KVConnectorScheduler):
 
 
 class PDWorker(KVConnectorWorker):
-    """Hands each written layer of a saved request to its transport's `LayerSaver`."""
+    """Hands each written layer of a saved request to its transport's `LayerSaver`; with
+    tensor parallelism it keeps the layer's full-head pages gathered from the ranks until
+    the save ends (`saved_layer`)."""
 
     def __init__(self, saving: dict[str, LayerSaver]) -> None:
         self._saving = saving
+        # request id -> (its block table at `begin`, layer -> gathered pages); TP only
+        self._gathered: dict[str, tuple[list[int], dict[int, torch.Tensor]]] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.layout: PageLayout | None = None
 
@@ -101,13 +108,38 @@ class PDWorker(KVConnectorWorker):
 
     def begin_save(self, request_id: str, block_ids: list[int]) -> None:
         saver = self._saving.get(request_id)
-        if saver is not None:
+        if saver is not None:  # a rerun (after a preemption) starts afresh
+            self._gathered[request_id] = (list(block_ids), {})
             saver.begin(block_ids)
 
-    def save_kv_layer(self, request_id: str, layer: int, event: Any | None) -> None:
+    def save_kv_layer(self, request_id: str, layer: int, event: Any | None,
+                      pages: torch.Tensor | None = None) -> None:
         saver = self._saving.get(request_id)
-        if saver is not None:
-            saver.layer_done(layer, event)
+        if saver is None:
+            return
+        entry = self._gathered.get(request_id)
+        if pages is not None and entry is not None:  # TP: the layer gathered from the ranks
+            entry[1][layer] = pages
+        saver.layer_done(layer, event)
+
+    def saved_layer(self, request_id: str, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """Layer `layer`'s gathered pages of `block_ids` (some of the request's blocks at
+        `begin`), `[2, n, KVH, bs, row]` on the host; ValueError before it is saved."""
+        table, layers = self._gathered.get(request_id, ([], {}))
+        if layer not in layers:
+            raise ValueError(f"layer {layer} of {request_id!r} has not been saved")
+        pos = {b: i for i, b in enumerate(table)}
+        if any(b not in pos for b in block_ids):
+            raise ValueError(f"blocks {block_ids} are not all among {request_id!r}'s saved "
+                             "ones")
+        at = [pos[b] for b in block_ids]
+        pages = layers[layer]
+        if at and at == list(range(at[0], at[0] + len(at))):  # a run: a view, no copy
+            return pages[:, at[0]:at[0] + len(at)]
+        return pages[:, at]
+
+    def end_save(self, request_id: str) -> None:
+        self._gathered.pop(request_id, None)
 
     def wait_for_save(self) -> None:
         return None  # the transport reads each layer on its own stream once `event` is done
@@ -122,8 +154,25 @@ class _SaveObserver:
     def begin(self, block_ids: list[int]) -> None:
         self.worker.begin_save(self.request_id, block_ids)
 
-    def layer_done(self, layer: int, event: Any | None) -> None:
-        self.worker.save_kv_layer(self.request_id, layer, event)
+    def layer_done(self, layer: int, event: Any | None,
+                   pages: torch.Tensor | None = None) -> None:
+        self.worker.save_kv_layer(self.request_id, layer, event, pages)
+
+
+class _GatheredSource:
+    """`PageSource`'s reader over a saved request's layers as gathered from the tensor-parallel
+    ranks (`PDWorker.saved_layer`): `layer(i)` once layer i is saved; nothing to read in
+    place."""
+
+    def __init__(self, worker: PDWorker, request_id: str, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+        self._worker, self._request_id = worker, request_id
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self._worker.saved_layer(self._request_id, layer, self.block_ids)
+
+    def views(self, layer: int) -> list[memoryview] | None:
+        return None
 
 
 @register("pd")
@@ -185,14 +234,14 @@ class PDConnector(KVConnector):
         return await self._engine.page_source(await self._engine._call(ids))
 
     async def saved_page_source(self, request_id: str,
-                                block_ids: list[int]) -> PageSource:
+                                block_ids: list[int]) -> PageSource | _GatheredSource:
         if request_id not in self._saving:
             raise ValueError(f"{request_id!r}'s layers are not being saved")
-        return await self._engine.page_source(block_ids)
+        if self._engine.kv_in_place:  # one rank: each layer read from the cache once saved
+            return await self._engine.page_source(block_ids)
+        return _GatheredSource(self.worker, request_id, block_ids)
 
     def save_layers(self, request_id: str, saver: LayerSaver) -> bool:
-        if not self._engine.layer_streaming:
-            return False
         self._saving[request_id] = saver
         self._engine.observe_layers(request_id, _SaveObserver(self.worker, request_id))
         return True
@@ -200,6 +249,7 @@ class PDConnector(KVConnector):
     def unsave_layers(self, request_id: str) -> None:
         self._engine.unobserve_layers(request_id)
         self._saving.pop(request_id, None)
+        self.worker.end_save(request_id)
 
     def lease_stats(self) -> LeaseStats:
         return self._engine.engine.kv.lease_stats()

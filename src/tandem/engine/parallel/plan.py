@@ -11,13 +11,18 @@ see the scheduler, the KV manager or a `Request`; the logits are gathered to ran
 sampler). `kind` also carries the control messages: stop, the KV page moves of P/D
 transfers (`block_ids` then names the pages) and an adapter's load into a LoRA slot
 (`block_ids` then holds the slot and the adapter's modules, `lora.slots.adapter_ids`; its
-weights follow as one float32 broadcast).
+weights follow as one float32 broadcast). A FORWARD plan with `save_layers` (the step that
+completes a prompt whose pages are sent layer by layer) names in `block_ids` the blocks
+whose layers every rank hands rank 0 right after writing each layer (`kv_moves.LayerGather`,
+from the forward's layer hook); a FORWARD plan without it has no `block_ids`.
 
 Wire form (`encode` / `decode`, no pickle): one little-endian int64 array, a fixed header
-`[MAGIC, kind, T, L, B, W, num_decode, flags, P, S]` (flags: 1 return_hidden, 2 graphs;
-S is 0 or T) then tokens [T] | positions [T] | slots [T] | logits_idx [L] | query_lens [B]
-| seq_lens [B] | block_table [B * W] | table_lens [B] | lora_slots [S] | block_ids [P].
-`decode` checks every size against the payload's length.
+`[MAGIC, kind, T, L, B, W, num_decode, flags, P, S]` (flags: 1 return_hidden, 2 graphs,
+4 save_layers; S is 0 or T) then tokens [T] | positions [T] | slots [T] | logits_idx [L]
+| query_lens [B] | seq_lens [B] | block_table [B * W] | table_lens [B] | lora_slots [S]
+| block_ids [P].
+`decode` checks every size against the payload's length, and that `save_layers` comes
+only in an eager FORWARD plan with blocks to gather.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from enum import IntEnum
 
 import numpy as np
 
-MAGIC = 0x7A4E_0002  # format version 2
+MAGIC = 0x7A4E_0003  # format version 3
 HEADER = 10
-RETURN_HIDDEN, GRAPHS = 1, 2  # flag bits
+RETURN_HIDDEN, GRAPHS, SAVE_LAYERS = 1, 2, 4  # flag bits
+ALL_FLAGS = RETURN_HIDDEN | GRAPHS | SAVE_LAYERS
 MAX_ELEMENTS = 1 << 28  # a plan past this is a bug, not a batch
 
 
@@ -65,6 +71,8 @@ class StepPlan:
     # each token's LoRA slot (-1: the base model); empty when no token has an adapter
     lora_slots: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     graphs: bool = False  # a decode step over the static buffers / CUDA graphs
+    # FORWARD: after each layer, every rank hands rank 0 its heads of `block_ids`
+    save_layers: bool = False
 
     @classmethod
     def control(cls, kind: PlanKind, block_ids: list[int] | None = None) -> StepPlan:
@@ -76,7 +84,9 @@ class StepPlan:
         w = self.block_table.shape[1] if self.block_table.ndim == 2 and b else 0
         if len(self.lora_slots) not in (0, t):
             raise ValueError(f"{len(self.lora_slots)} LoRA slots for {t} tokens")
-        flags = RETURN_HIDDEN * bool(self.return_hidden) + GRAPHS * bool(self.graphs)
+        flags = (RETURN_HIDDEN * bool(self.return_hidden) + GRAPHS * bool(self.graphs)
+                 + SAVE_LAYERS * bool(self.save_layers))
+        _check_blocks(int(self.kind), flags, len(self.block_ids))
         head = np.array([MAGIC, int(self.kind), t, len(self.logits_idx), b, w,
                          self.num_decode, flags, len(self.block_ids), len(self.lora_slots)],
                         dtype=np.int64)
@@ -92,9 +102,10 @@ class StepPlan:
             raise ValueError("not a step plan (bad magic)")
         _, kind, t, n_logits, b, w, nd, flags, p, s = (int(x) for x in header)
         PlanKind(kind)  # ValueError for an unknown kind
-        if (min(t, n_logits, b, w, nd, p) < 0 or not 0 <= flags <= RETURN_HIDDEN | GRAPHS
+        if (min(t, n_logits, b, w, nd, p) < 0 or not 0 <= flags <= ALL_FLAGS
                 or nd > t or s not in (0, t)):
             raise ValueError("step plan header out of range")
+        _check_blocks(kind, flags, p)
         size = 3 * t + n_logits + 3 * b + b * w + s + p
         if size > MAX_ELEMENTS:
             raise ValueError(f"step plan of {size} elements is too large")
@@ -119,4 +130,14 @@ class StepPlan:
         table = np.ascontiguousarray(table.reshape(b, w), dtype=np.int32)
         return cls(PlanKind(kind), tokens, positions, slots, logits_idx, qlens, slens,
                    table, tlens.astype(np.int32), nd, bool(flags & RETURN_HIDDEN), ids,
-                   lora, bool(flags & GRAPHS))
+                   lora, bool(flags & GRAPHS), bool(flags & SAVE_LAYERS))
+
+
+def _check_blocks(kind: int, flags: int, num_blocks: int) -> None:
+    """ValueError unless `save_layers` is on an eager FORWARD plan with blocks to gather and
+    a FORWARD plan without it names no blocks."""
+    if flags & SAVE_LAYERS:
+        if kind != PlanKind.FORWARD or flags & GRAPHS or not num_blocks:
+            raise ValueError("save_layers needs an eager FORWARD plan with blocks to gather")
+    elif kind == PlanKind.FORWARD and num_blocks:
+        raise ValueError("a FORWARD plan names blocks only with save_layers")

@@ -6,7 +6,9 @@ executor inside an actor; either way it touches no scheduler, only plans.
 The rank builds what rank 0 builds of the forward (its LoRA slots when LoRA is on, then its
 decode graphs: CUDA graphs on CUDA, captured at the same time as the other ranks', the
 static buffers when `TANDEM_STATIC_DECODE=1`) and runs each FORWARD plan through the same
-`RankRunner.forward` as rank 0; the logits stay on rank 0. Control plans: STOP, the KV page
+`RankRunner.forward` as rank 0; the logits stay on rank 0. A FORWARD plan with
+`save_layers` has the rank hand rank 0 its heads of the plan's blocks after each layer
+(`kv_moves.LayerGather`, from the forward's layer hook). Control plans: STOP, the KV page
 moves of P/D transfers, and LORA_LOAD (an adapter's weights follow as one float32
 broadcast; the rank keeps its shard in the slot rank 0 chose)."""
 
@@ -30,7 +32,7 @@ from tandem.engine.model_build import (
 from tandem.engine.model_runner import RankRunner
 from tandem.engine.parallel.comm import PlanChannel, broadcast, close_groups, connect
 from tandem.engine.parallel.executor import RankSpec
-from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
+from tandem.engine.parallel.kv_moves import LayerGather, gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind
 from tandem.engine.sampler import Sampler
 
@@ -81,6 +83,9 @@ def serve(runner: RankRunner, channel: PlanChannel) -> None:
             scatter_pages(channel.ctrl, caches, plan.block_ids.tolist())
         elif plan.kind == PlanKind.LORA_LOAD:
             load_adapter(runner, channel, plan.block_ids)
+        elif plan.save_layers:  # a prompt's pages leave layer by layer: hand rank 0 ours
+            gather = LayerGather(channel.ctrl, caches, plan.block_ids.tolist())
+            runner.forward(plan, on_layer=gather.gather)
         else:
             runner.forward(plan)
 
