@@ -9,13 +9,13 @@ and the requested blocks' pages (the full blocks, then the prompt's partial last
 through its KV connector (`engine.kv_connector`): the finished prompt's blocks are the
 connector's lease (`lease_kept`, set to the request's `lease_s`), read through its
 `page_source`. With `stream_layers`, where the connector can save a step layer by layer
-(`save_layers`, whatever the engine's tensor-parallel size), the header goes out when the prompt's last step starts and each
-layer's pages as soon as that step has written the layer (`layer_stream.LayerStream`), so the
-transfer overlaps the compute; the trailer waits for the run to finish with those blocks
-kept. The pages stay pinned until `ReleasePages`, the lease's expiry (the engine unpins
-them), or a failed or cancelled stream, so a decode worker that dies cannot hold prefill
-memory for longer than the lease. The header's lease id is this service's: it names the
-prompt's request, whose engine lease it releases.
+(`save_layers`, whatever the engine's tensor-parallel size), the header goes out when the
+prompt's last step starts and each layer's pages as soon as that step has written the layer
+(`layer_stream.LayerStream`), so the transfer overlaps the compute; the trailer waits for
+the run to finish with those blocks kept. The pages stay pinned until `ReleasePages`, the
+lease's expiry (the engine unpins them), or a failed or cancelled stream, so a decode
+worker that dies cannot hold prefill memory for longer than the lease. The header's lease
+id is this service's: it names the prompt's request, whose engine lease it releases.
 """
 
 from __future__ import annotations
