@@ -248,3 +248,25 @@ def test_tandem_render_shows_the_device_flags_and_images(tmp_path):
     assert "decode.resources.limits.nvidia.com/gpu: 2 needs parallelism.tensor 2" in proc.stderr
     assert proc.stdout == ""
 
+
+
+def test_async_scheduling_reaches_the_workers_that_ask_for_it():
+    """`engine.asyncScheduling` (CRD and operator): the pool's workers get
+    `--async-scheduling`, which their own parser reads as the engine's option; a pool
+    without it gets no flag (the worker's default); a non-boolean is refused by name."""
+    from tests.operator.test_render_content import worker_parser
+
+    raw = mixed()
+    raw["decode"]["engine"]["asyncScheduling"] = True
+    assert _errors(resource(raw)) == [] and failed_rules(resource(raw)) == []
+    d = deployments(raw, worker_image=CPU_IMG, worker_cuda_image=CUDA_IMG)
+    dec, pre = container(d["demo-decode"])["args"], container(d["demo-prefill"])["args"]
+    assert "--async-scheduling" in dec and "--async-scheduling" not in pre
+    from tandem.serving.worker import engine_config
+
+    parsed = worker_parser().parse_args(dec[1:])  # after the `worker` subcommand
+    assert engine_config(parsed, serving=True).async_scheduling is True
+    raw["decode"]["engine"]["asyncScheduling"] = "yes"
+    with pytest.raises(SpecError, match=r"decode\.engine\.asyncScheduling: expected bool"):
+        parse_spec(raw)
+    assert _errors(resource(raw)) != []

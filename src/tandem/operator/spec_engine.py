@@ -42,6 +42,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     gpu_memory_utilization: float | None = None  # GPU pools only; None: the worker's 0.9
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = False  # `--async-scheduling`: outputs made during the next step
     quantization: str | None = None  # None: float weights in model.dtype
     quantization_group_size: int | None = None  # int4 / int8 only; None: the worker's
     kv_cache_dtype: str = "auto"
@@ -87,6 +88,7 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
         attention_backend=get_enum(d, "attentionBackend", "auto", w, ATTENTION_BACKENDS),
         gpu_memory_utilization=util,
         enforce_eager=get(d, "enforceEager", bool, False, w),
+        async_scheduling=get(d, "asyncScheduling", bool, False, w),
         quantization=quant, quantization_group_size=group,
         kv_cache_dtype=get_enum(d, "kvCacheDtype", "auto", w, KV_CACHE_DTYPES),
         speculative=parse_speculative(get(d, "speculative", dict, None, w), w))

@@ -120,6 +120,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         args.append(flags.NO_PREFIX_CACHING)
     if e.enforce_eager:
         args.append(flags.ENFORCE_EAGER)
+    if e.async_scheduling:
+        args.append(flags.ASYNC_SCHEDULING)
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
         args.append(flags.KV_STREAM_LAYERS)
     return args + lora_args(spec.lora)  # every role: prefill computes with the adapter too
