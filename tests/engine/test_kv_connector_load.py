@@ -4,7 +4,9 @@ that admits the request, and the model runner loads them before each layer atten
 (`start_load_kv`, `wait_for_layer_load`); loaded blocks join the prefix cache only after
 that step. Proven with a real host-memory page store on a tiny model (tokens and logprobs
 equal a run that computes everything) and with the write-tracking simulation (`kv_sim`) over
-thousands of random traces whose connector answers random external matches."""
+thousands of random traces whose connector answers random external matches. The same
+store at tensor_parallel_size 2 (its worker side reads and writes full-head pages through
+`KVConnectorWorker.pages`, which hands every rank its heads) gives the same tokens."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from tandem.engine.async_engine import AddRequest, AsyncLLMEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv
-from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
 from tandem.engine.kv_connector.base import (
     ConnectorMetadata,
     ExternalMatch,
@@ -189,13 +190,15 @@ class StoreScheduler(KVConnectorScheduler):
                          {r: hashes for r, (_, hashes) in loads.items()})
 
     def request_finished(self, request, block_ids) -> FinishAction:
-        """Save the computed full blocks' pages (every layer) the store does not hold."""
+        """Save the computed full blocks' pages (every layer, every KV head) the store does
+        not hold."""
         hashes = request.update_block_hashes(self.bs)
-        caches = self.conn.worker.kv_caches
-        for i in range(min(request.num_computed_tokens // self.bs, len(hashes))):
-            if hashes[i] not in self.conn.store:
-                self.conn.store[hashes[i]] = [gather_layer(caches, layer, [block_ids[i]]).cpu()
-                                              for layer in range(len(caches))]
+        new = [i for i in range(min(request.num_computed_tokens // self.bs, len(hashes)))
+               if hashes[i] not in self.conn.store]
+        if new:
+            pages = self.conn.worker.pages.read([block_ids[i] for i in new])
+            for j, i in enumerate(new):
+                self.conn.store[hashes[i]] = [p[:, j:j + 1].clone() for p in pages]
         return FinishAction(request.keep_kv)
 
 
@@ -222,7 +225,7 @@ class StoreWorker(KVConnectorWorker):
         self.waits[-1].append(layer)
         for ids, hashes in self._step:
             pages = torch.cat([self.conn.store[h][layer] for h in hashes], dim=1)
-            scatter_layer(self.kv_caches, layer, ids, pages)
+            self.pages.write(layer, ids, pages)
 
     def save_kv_layer(self, request_id, layer, event) -> None:
         pass
@@ -270,17 +273,20 @@ def _serve(eng: AsyncLLMEngine, prompts: list[list[int]], tag: str) -> list[tupl
 
 
 def _scramble(core: LLMEngine) -> None:
-    for k, v in core.runner.kv_caches:
-        k.normal_()
-        v.normal_()
+    """Random pages into every block of every rank's cache."""
+    k = core.runner.kv_caches[0][0]
+    shape = (2, k.shape[0], core.num_kv_heads, *k.shape[2:])
+    core.import_kv(list(range(k.shape[0])), [torch.randn(shape, dtype=k.dtype)
+                                             for _ in core.runner.kv_caches])
 
 
-def _rounds(path, connector: str | None) -> dict:
+def _rounds(path, connector: str | None, tp: int = 1) -> dict:
     """Round 1; with the connector the prefix cache is then reset, so round 2 (prefixes of
     round 1's prompts) and round 3 (D again) find nothing locally and load from the store;
     without it they hit the local cache. Round 4 shares A with round 2."""
     eng = AsyncLLMEngine(LLMEngine(EngineConfig(model=str(path), block_size=BS,
-                                                num_kv_blocks=24, num_threads=1)))
+                                                num_kv_blocks=24, num_threads=1,
+                                                tensor_parallel_size=tp)))
     try:
         core, sched = eng.engine, eng.engine.scheduler
         if connector is not None:
@@ -311,8 +317,15 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_loaded_prefixes_equal_cached_ones_and_only_the_last_token_is_computed(model_dir):
-    got, ref = _rounds(model_dir, "test-host-store"), _rounds(model_dir, None)
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict:
+    """The rounds without a connector (the prefix cache serves what it holds)."""
+    return _rounds(model_dir, None)
+
+
+def test_loaded_prefixes_equal_cached_ones_and_only_the_last_token_is_computed(model_dir,
+                                                                               reference):
+    got, ref = _rounds(model_dir, "test-host-store"), reference
     # round 2 loads A's 3 blocks, B's 2 and C's 4 (16 tokens: its 17th is computed) and
     # computes the rest of each prompt and 5 decode steps each; without the connector the
     # same tokens hit the local cache
@@ -417,14 +430,32 @@ def test_asynchronous_loads_are_refused():
         sched.schedule()
 
 
-def test_a_loading_connector_is_refused_with_tensor_parallelism():
-    class Core:  # what `attach` reads of an engine with tensor parallelism
-        kv_in_place = False
+def _close(got: list[tuple], want: list[tuple]) -> None:
+    """Equal greedy tokens and logprob keys; logprobs equal up to float noise."""
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, lps), (_, ref_lps) in zip(got, want, strict=True):
+        for row, ref_row in zip(lps, ref_lps, strict=True):
+            assert row.keys() == ref_row.keys()
+            assert all(abs(row[t] - ref_row[t]) < 1e-4 for t in row)
 
-    conn = HostStoreConnector.__new__(HostStoreConnector)
-    with pytest.raises(ConfigError, match="'test-host-store' loads pages during steps, "
-                                          "which needs tensor_parallel_size 1"):
-        conn.attach(Core())
+
+def test_a_loading_connector_at_tensor_parallel_size_2_gives_the_same_tokens(model_dir,
+                                                                            reference):
+    """Every rank's cache is scrambled after round 1; the loads reach each rank's heads
+    (one KV head each), so the loaded rounds give the tokens of a run that computes or
+    hits everything."""
+    got, ref = _rounds(model_dir, "test-host-store", tp=2), reference
+    assert got["second_counts"] == (12 + 8 + 16, 5 + 3 + 1 + 3 * 5, 0)
+    assert got["third_counts"] == (15, 1 + 5, 0)
+    assert got["fourth_counts"] == ref["fourth_counts"] == (0, 2 + 5, 12)
+    for name in ("first", "second", "third", "fourth"):
+        _close(got[name], ref[name])
+    conn = got["connector"]
+    assert len(conn.worker.waits) == 2
+    assert all(w == list(range(len(conn.worker.kv_caches))) for w in conn.worker.waits)
+    assert len(conn.store) == 5 + 3 + 5 + 5 + 2 + 2 + 1
+    (page,) = {tuple(p.shape) for pages in conn.store.values() for p in pages}
+    assert page[:3] == (2, 1, 2)  # stored with both KV heads, gathered from the two ranks
 
 
 def test_leases_past_their_time_end_at_the_next_step_boundary(model_dir):

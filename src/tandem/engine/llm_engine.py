@@ -52,7 +52,7 @@ from tandem.engine.spec_decode import (
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.protocol.tokenizer import Tokenizer
 
-__all__ = ["EngineState", "EngineStats", "LLMEngine"]
+__all__ = ["EngineState", "EngineStats", "KVPageIO", "LLMEngine"]
 logger = logging.getLogger(__name__)
 
 
@@ -109,6 +109,7 @@ class LLMEngine(EngineCore):
                                             device)
         runner.lora = lora
         runner.arch = arch  # which KV heads each rank holds (pages gathered layer by layer)
+        runner.kv_pages = KVPageIO(self)
         scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                               config.max_waiting, config.long_prefill_token_threshold,
                               max_loras=config.max_loras if lora else 0)
@@ -239,3 +240,41 @@ class LLMEngine(EngineCore):
     def stats(self) -> EngineStats:
         """The core's stats, with the model runner's graph vs eager step counts."""
         return dataclasses.replace(super().stats(), step_paths=self.runner.step_paths())
+
+
+class KVPageIO:
+    """Full-head KV pages (`[2, n, KVH, bs, row]` per layer) in and out of an engine's cache,
+    the same whatever the tensor-parallel size: a connector's worker side reads and writes
+    through it (`KVConnectorWorker.pages`), on the engine thread only. `read` exports pinned
+    blocks (`LLMEngine.export_kv`); `write` puts one layer of a load into the cache at once
+    with one rank, and with several keeps it until the model runner's `flush`, which hands
+    every rank its heads (`LLMEngine.import_kv`: a KV_SCATTER plan) before the step's
+    forward plan goes out."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._staged: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
+
+    def read(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Every layer's pages of pinned `block_ids`, on the host."""
+        return self._engine.export_kv(block_ids)
+
+    def write(self, layer: int, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Layer `layer`'s pages of `block_ids` (the cache's dtype, any device)."""
+        caches = self._engine.runner.kv_caches
+        if self._engine.kv_in_place:
+            scatter_layer(caches, layer, block_ids, pages)
+        else:
+            self._staged.setdefault(tuple(block_ids), {})[layer] = pages.detach().clone()
+
+    def flush(self) -> None:
+        """Hand what `write` kept to the ranks (nothing to do with one rank). RuntimeError
+        when a block set was written for some layers only (nothing of it is written)."""
+        staged, self._staged = self._staged, {}
+        num_layers = len(self._engine.runner.kv_caches)
+        for ids, layers in staged.items():
+            if len(layers) != num_layers:
+                raise RuntimeError(f"pages of blocks {list(ids)} were written for "
+                                   f"{len(layers)} of {num_layers} layers")
+        for ids, layers in staged.items():
+            self._engine.import_kv(list(ids), [layers[i] for i in range(num_layers)])

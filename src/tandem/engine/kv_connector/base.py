@@ -11,6 +11,8 @@ Modelled on vLLM's `KVConnectorBase_V1`, a connector has three faces:
 * a **worker side** (`KVConnectorWorker`, rank 0's forward): start loading a step's
   pages (`start_load_kv`), wait for one layer's (`wait_for_layer_load`), save each layer's
   pages as soon as it is computed (`save_kv_layer`), wait for the saves (`wait_for_save`);
+  it reads and writes full-head pages through `pages` (`PageIO`), the same for one rank or
+  many;
 * a **page API** for the connector's transport (`KVConnector`'s coroutines): the page
   layout, leases on kept or cached blocks, import pins and commits, and page sources and
   sinks. Pages cross it with every KV head (`PageLayout`), whatever the tensor-parallel
@@ -25,14 +27,17 @@ order, and how many tokens load into them) and `request_finished` on each normal
 (stopped or length; keep or free its blocks); the scheduler builds the step's
 `ConnectorMetadata` (`build_connector_meta`, once per step, in `SchedulerOutput`) and rank
 0's model runner calls `start_load_kv` with it before the forward, `wait_for_layer_load(i)`
-before layer i attends (every layer before the forward when the step replays decode graphs;
-only in steps with loads) and `wait_for_save` after the forward; the runner's layer
-observers reach `save_kv_layer`. Loads are synchronous: the loaded tokens count as computed
-from admission on, the step that loads them computes the rest, and the blocks join the
-prefix cache only after that step's forward (a failed step caches nothing). An answer with
-`load_async` is refused (ConfigError), and a connector that loads (`loads_kv`) is refused
-with tensor parallelism: its worker side writes only rank 0's cache. The P/D connector loads
-nothing in a step (its imports land before the request is added): it answers 0.
+before layer i attends (every layer before the forward when the step replays decode graphs
+or runs on several tensor-parallel ranks; only in steps with loads) and `wait_for_save`
+after the forward; the runner's layer observers reach `save_kv_layer`. Loads are
+synchronous: the loaded tokens count as computed from admission on, the step that loads
+them computes the rest, and the blocks join the prefix cache only after that step's forward
+(a failed step caches nothing). An answer with `load_async` is refused (ConfigError). With
+tensor parallelism a loading worker side writes through `pages.write` (kept until every
+layer is waited for, then handed to every rank, each its own heads, before the step's
+forward plan); writing into `kv_caches` directly reaches rank 0's heads only. The P/D
+connector loads nothing in a step (its imports land before the request is added): it
+answers 0.
 
 Every pin a transport holds for a reader outside the process is a `PageLease`: it ends when
 released, or `lease_s` after its last renewal (expired on the engine thread, counted in
@@ -63,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["KV_CONNECTORS", "ConnectorMetadata", "ExternalMatch", "FinishAction",
            "KVConnector", "KVConnectorRole", "KVConnectorScheduler", "KVConnectorWorker",
-           "LayerSaver", "LeaseError", "LeaseStats", "PageLease", "PageSinkAPI",
+           "LayerSaver", "LeaseError", "LeaseStats", "PageIO", "PageLease", "PageSinkAPI",
            "PageSourceAPI", "make_connector", "register"]
 
 
@@ -154,9 +159,27 @@ class LayerSaver(Protocol):
     def layer_done(self, layer: int, event: Any | None) -> None: ...
 
 
+class PageIO(Protocol):
+    """Full-head pages (`[2, n, KVH, bs, row]` per layer) in and out of the engine's cache,
+    whatever the tensor-parallel size; engine thread only (`llm_engine.KVPageIO`)."""
+
+    def read(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Every layer's pages of pinned `block_ids`, on the host (gathered from the ranks
+        with tensor parallelism)."""
+        ...
+
+    def write(self, layer: int, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Load layer `layer`'s pages into `block_ids`: in the cache on return with one
+        rank; with several, on every rank before the step's forward (written for every
+        layer of the step's loads, from `wait_for_layer_load`)."""
+        ...
+
+
 class KVConnectorWorker(ABC):
     """The worker side (rank 0's model runner, on the engine thread, around the
-    forward)."""
+    forward). `pages`: full-head page reads and writes (set by `KVConnector.attach`)."""
+
+    pages: PageIO | None = None
 
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -213,8 +236,7 @@ class KVConnector(ABC):
     transport calls (coroutines run on the engine thread between steps)."""
 
     name = ""
-    # whether `get_num_new_matched_tokens` may answer tokens to load in a step (refused
-    # with tensor parallelism: the worker side writes one process's cache)
+    # whether `get_num_new_matched_tokens` may answer tokens to load in a step
     loads_kv = False
     scheduler: KVConnectorScheduler
     worker: KVConnectorWorker
@@ -222,13 +244,10 @@ class KVConnector(ABC):
     def attach(self, core: LLMEngine) -> None:
         """Hand this connector's sides to `core`: the KV manager and scheduler ask the
         scheduler side from now on, rank 0's model runner calls the worker side, which gets
-        the caches. ConfigError for a connector that loads pages under tensor parallelism."""
-        if self.loads_kv and not core.kv_in_place:
-            raise ConfigError(
-                f"KV connector {self.name!r} loads pages during steps, which needs "
-                f"tensor_parallel_size 1 (its worker side writes one process's cache)")
+        the caches and the full-head page reader and writer (`pages`)."""
         core.kv.connector = self.scheduler
         core.runner.kv_connector = self.worker
+        self.worker.pages = core.runner.kv_pages
         self.worker.register_kv_caches(core.runner.kv_caches, core.page_layout(""))
 
     # -- what both ends share --------------------------------------------------------------
