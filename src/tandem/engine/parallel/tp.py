@@ -102,12 +102,17 @@ class TPGroup:
     def __init__(self, world: int, group: dist.ProcessGroup | None = None,
                  backend: dist.Backend | None = None) -> None:
         self.world, self.group, self.backend = world, group, backend
-        if world == 1:
-            self.rank = 0
-        else:
-            self.rank = backend.rank() if backend is not None else dist.get_rank(group)
+        self._rank: int | None = 0 if world == 1 else None  # asked of the group when read
         # with `timed` (bench/tp.py): wall seconds spent in collectives, and their count
         self.timed, self.seconds, self.calls = False, 0.0, 0
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (asked of the group the first time)."""
+        if self._rank is None:
+            self._rank = (self.backend.rank() if self.backend is not None
+                          else dist.get_rank(self.group))
+        return self._rank
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
