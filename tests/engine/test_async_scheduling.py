@@ -2,7 +2,10 @@
 output: a seeded random workload (stop strings drawn from what the serial run produced, stop
 token ids, EOS, min/max tokens, n > 1, logprobs, prompt logprobs, delta outputs, aborts,
 preemption by a small KV cache, n-gram speculation) on a tiny random model, run serially
-and overlapped, every output compared; then the same through `AsyncLLMEngine` and `LLM`."""
+and overlapped, every output compared; then the same through `AsyncLLMEngine` and `LLM`.
+The optimistic path (steps launched before the previous step's ids reach the host) is
+asserted taken, with tokens dropped behind stops, and the KV manager's invariants checked
+after every step of it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from tandem.engine.async_engine import AddRequest, AsyncLLMEngine
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
+from tandem.protocol.block_hash import hash_block
+from tandem.protocol.kv_events import AllBlocksCleared, BlockStored
 from tests.engine.utils import make_tiny_model_dir
 
 ENGINE_ARGS = dict(block_size=4, max_num_seqs=16, max_num_batched_tokens=96, seed=3,
@@ -117,10 +122,13 @@ def _same(a: tuple, b: tuple) -> None:
     assert va == pytest.approx(vb, rel=1e-5, abs=1e-5)
 
 
-def _drive(engine: LLMEngine, plan: list[Planned]) -> dict[str, list[tuple]]:
-    """Add, abort and step as planned; every output of every request, in order."""
+def _drive(engine: LLMEngine, plan: list[Planned], after_step=None,  # noqa: ANN001
+           reset: bool = True) -> dict[str, list[tuple]]:
+    """Add, abort and step as planned; every output of every request, in order.
+    `after_step(engine)` runs after every step."""
     seen: dict[str, list[tuple]] = {p.request_id: [] for p in plan}
-    assert engine.reset_prefix_cache()
+    if reset:
+        assert engine.reset_prefix_cache()
     step = 0
     while step <= 20 or engine.has_unfinished_requests():
         for p in plan:
@@ -130,6 +138,8 @@ def _drive(engine: LLMEngine, plan: list[Planned]) -> dict[str, list[tuple]]:
                 engine.abort_request(p.request_id)
         for out in engine.step():
             seen[out.request_id].append(_view(out))
+        if after_step is not None:
+            after_step(engine)
         step += 1
     assert engine.scheduler.requests == {} and engine.kv.usage() == 0.0
     assert engine.outputs._parents == {}
@@ -186,13 +196,18 @@ def test_overlapped_loop_equals_the_serial_loop(tiny_model, spec):
     assert engines[True].stats().num_preemptions > 0
     if spec is not None:
         assert engines[True].stats().spec_num_accepted_tokens > 0
+        assert engines[True].optimistic_steps == 0  # speculation resolves every step
+    else:  # steps without logprobs ran optimistically
+        assert engines[True].optimistic_steps > 0
+    assert engines[False].optimistic_steps == 0
 
 
-def _config(model: str, overlapped: bool, spec: dict | None = None) -> dict:
+def _config(model: str, overlapped: bool, spec: dict | None = None,
+            events: bool = False) -> dict:
     from tandem.engine.config import EngineConfig
 
     return EngineConfig(model=model, num_kv_blocks=48, async_scheduling=overlapped,
-                        speculative_config=spec, **ENGINE_ARGS)
+                        speculative_config=spec, enable_kv_events=events, **ENGINE_ARGS)
 
 
 def test_async_engine_and_llm_stream_the_serial_outputs(tiny_model):
@@ -255,11 +270,10 @@ def test_overlapped_loop_fails_only_what_broke(tiny_model):
         while eng.has_unfinished_requests():
             finals.update((o.request_id, o) for o in eng.step() if o.finished)
 
-    execute = eng.runner.execute
-    eng.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("boom"))
+    eng.runner.execute_async = lambda sched: (_ for _ in ()).throw(RuntimeError("boom"))
     eng.add_request("forward", [5, 6, 7], params)
     eng.step()
-    eng.runner.execute = execute
+    del eng.runner.execute_async
     process = eng.outputs.process_token
 
     def broken(child, token, lp):
@@ -278,3 +292,114 @@ def test_overlapped_loop_fails_only_what_broke(tiny_model):
     assert len(finals["fine"].outputs[0].token_ids) == 6
     assert eng.scheduler.requests == {} and eng.kv.usage() == 0.0
     assert eng.outputs._parents == {}
+
+
+class KVInvariants:
+    """After every step: the persistent block table mirrors the manager's block lists; a
+    request with a placeholder has computed exactly its known tokens and holds blocks for
+    them; every block the prefix cache stored (its `BlockStored` events, replayed) hashes
+    to its tokens, a prefix of some sample's final token ids (no placeholder, no dropped
+    token is ever hashed)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.prefix: dict[bytes, tuple[int, ...]] = {}  # stored hash -> token prefix
+        self.placeholder_steps = 0
+        self.requests = []  # every sample the engine was given
+        add = engine.scheduler.add_request
+        engine.scheduler.add_request = lambda req: (self.requests.append(req), add(req))[1]
+
+    def __call__(self, engine: LLMEngine) -> None:
+        kv = engine.kv
+        blocks, rows = kv._blocks, kv.block_table.row_of
+        assert rows.keys() == blocks.keys()
+        if blocks:
+            table, lens = kv.block_table.gather(blocks)
+            want = [[b.block_id for b in bl] for bl in blocks.values()]
+            assert table.tolist() == [w + [0] * (table.shape[1] - len(w)) for w in want]
+            assert lens.tolist() == [len(w) for w in want]
+        for req in engine.scheduler.requests.values():
+            assert req.num_placeholders in (0, 1)
+            assert req.num_computed_tokens <= req.num_tokens
+            if req.num_placeholders:
+                self.placeholder_steps += 1
+                assert req.num_computed_tokens in (0, len(req.all_token_ids))
+                assert len(blocks.get(req.request_id, ())) * kv.block_size >= \
+                    req.num_computed_tokens
+        for ev in engine.take_kv_events():
+            if isinstance(ev, AllBlocksCleared):
+                continue
+            if not isinstance(ev, BlockStored):
+                continue
+            parent, bs = ev.parent_hash, ev.block_size
+            prefix = self.prefix.get(parent, ())
+            for j, h in enumerate(ev.block_hashes):
+                toks = tuple(ev.token_ids[j * bs:(j + 1) * bs])
+                assert hash_block(parent, list(toks)) == h
+                prefix = prefix + toks
+                self.prefix[h] = prefix
+                parent = h
+
+    def check_tokens(self) -> None:
+        """Every stored prefix starts some sample's final token ids, which are its prompt
+        and output ids (a dropped token is in neither)."""
+        assert self.prefix
+        seqs = []
+        for req in self.requests:
+            assert req.is_finished and req.num_placeholders == 0
+            assert req.all_token_ids == req.prompt_token_ids + req.output_token_ids
+            seqs.append(tuple(req.all_token_ids))
+        for prefix in self.prefix.values():
+            assert any(seq[:len(prefix)] == prefix for seq in seqs), prefix
+
+
+def test_optimistic_steps_are_exact_and_keep_the_kv_invariants(tiny_model):
+    """Plain sampling (no logprobs, no penalties) runs almost every step optimistically:
+    outputs equal the serial loop's; tokens sampled past a stop (EOS, stop ids, max tokens
+    never scheduled past, stop strings, aborts) never reach an output or
+    `generation_tokens`; then a second turn whose prompts extend the first turn's outputs
+    hits the prefix cache blocks written through device-side inputs and still equals the
+    serial loop."""
+    rng = random.Random(11)
+    plan = _plan(rng, 40)
+    for p in plan:
+        p.params = SamplingParams(**{**p.params._fields(), "logprobs": None})
+    engines = {mode: LLMEngine(_config(tiny_model, mode, events=mode)) for mode in (False, True)}
+    stops = _stop_strings(rng, _drive(engines[False], plan))
+    for p in plan:
+        p.params = SamplingParams(**{**p.params._fields(), "stop": stops.get(p.request_id)})
+    check = KVInvariants(engines[True])
+    results: dict[bool, dict[str, tuple]] = {}
+    for mode, eng in engines.items():
+        before = eng.stats().generation_tokens
+        outs = _drive(eng, plan, check if mode else None)
+        results[mode] = {p.request_id: _result(outs[p.request_id], p.delta) for p in plan}
+        assert eng.stats().generation_tokens - before == sum(
+            len(c[1]) for r in results[mode].values() for c in r[2])
+    for p in plan:
+        if p.abort_at is None:
+            _same(results[True][p.request_id], results[False][p.request_id])
+    # a sample ended by a token (EOS, stop ids, length) holds in the engine exactly the
+    # tokens it emitted: none computed after it was committed
+    samples = {r.request_id: r for r in check.requests}
+    for p in plan:
+        for i, c in enumerate(results[True][p.request_id][2]):
+            if p.abort_at is None and not isinstance(c[3], str):
+                sid = p.request_id if p.params.n == 1 else f"{p.request_id}#{i}"
+                assert samples[sid].output_token_ids == c[1]
+    opt = engines[True]
+    assert opt.optimistic_steps > 20 and opt.optimistic_dropped > 0
+    assert check.placeholder_steps > 0
+    check.check_tokens()
+    # turn two: prompts continue turn one's samples; the prefix cache is kept
+    turn2 = [Planned(f"t2-{p.request_id}", p.prompt + results[False][p.request_id][2][0][1],
+                     SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                     rng.randint(0, 10), None, False)
+             for p in plan if p.abort_at is None and len(p.prompt) + len(
+                 results[False][p.request_id][2][0][1]) + 6 <= 120][:20]
+    second = {mode: _drive(eng, turn2, check if mode else None, reset=False)
+              for mode, eng in engines.items()}
+    assert opt.stats().prefix_cache_hits > 0
+    for p in turn2:
+        _same(_result(second[True][p.request_id], False),
+              _result(second[False][p.request_id], False))
+    check.check_tokens()

@@ -17,6 +17,17 @@ runs (torch releases the GIL in its kernels). A stop string found there ends its
 the outputs at once and in the engine at the next step boundary; the tokens computed past
 it are dropped. Outputs equal the serial loop's, token for token; `step()` returns the
 previous step's outputs (or hands them to `output_sink` as soon as they are made).
+
+With a runner that has `execute_async` (the model runner) and no speculator, the overlapped
+loop is also optimistic, as vLLM's async scheduling: a step whose sampled ids can stay on the
+device (no logprobs, no penalties, no hidden states, one rank: `ModelRunner.execute_async`)
+is committed at the next step. Its sampling requests that may go on get a placeholder token
+(`Request.num_placeholders`; none for one whose in-flight token is its `max_tokens`-th), so
+the next step is scheduled and launched (its input ids gathered on the device) before they
+are known; then they are committed and their token-id stops applied. A request that
+stopped there has the next step's token dropped: never emitted or counted, its blocks freed
+at once. Steps with speculative decoding, logprobs or penalties resolve at once (their
+requests get no placeholder), as vLLM's first version does.
 """
 
 from __future__ import annotations
@@ -27,9 +38,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from tandem.engine.core_types import (  # re-exported: the core's contracts
+    EngineState,
+    EngineStats,
+    Runner,
+    RunnerOutput,
+    StepPathCount,
+)
 from tandem.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -37,7 +54,7 @@ from tandem.engine.errors import (
     UnknownAdapterError,
 )
 from tandem.engine.kv_cache.manager import cdiv
-from tandem.engine.lora.request import LoRARequest, LoRAState
+from tandem.engine.lora.request import LoRARequest
 from tandem.engine.output_processor import (
     Applied,
     Emit,
@@ -61,99 +78,12 @@ from tandem.protocol.kv_events import KVEvent
 if TYPE_CHECKING:
     from tandem.engine.lora.manager import LoRAManager
     from tandem.engine.lora.peft import LoRAAdapter
+    from tandem.engine.staging import PendingOutput
 
+__all__ = ["EngineCore", "EngineState", "EngineStats", "Runner", "RunnerOutput",
+           "StepPathCount"]
 logger = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before model limits
-
-
-@dataclass
-class RunnerOutput:
-    """What one forward produced, by engine request id."""
-
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    # request id -> logprob entries for the prompt tokens this step covered, in order from
-    # the request's `prompt_logprobs_pos`
-    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    # speculative decoding: request id -> the verified drafts that precede `sampled[rid]`
-    # (emitted in order before it), and their logprob entries when logprobs are wanted
-    accepted: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    # request id -> [n, H] hidden states of the positions that gave its tokens (only when a
-    # proposer reads them): torch tensors, opaque here
-    hidden_states: dict[str, object] = field(default_factory=dict)
-
-
-class Runner(Protocol):
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step's forward and sample; raise to fail the step."""
-
-    def release(self, request_id: str) -> None:
-        """Forget per-request state (its generator) once the request is finished."""
-
-
-@dataclass(frozen=True)
-class EngineState:
-    """Values discovered at start-up (never written back into `EngineConfig`)."""
-
-    model_path: str
-    model_name: str  # served name; also the model key of every block hash
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    kv_bytes_per_block: int  # all layers, K and V
-    vocab_size: int
-    model_memory_bytes: int = 0  # resident weight bytes (quant.apply.model_memory_bytes)
-    quantization: str | None = None  # EngineConfig.quantization
-    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
-
-
-@dataclass(frozen=True)
-class StepPathCount:
-    """Rank 0's forward steps of one path (cumulative): `path` "graph" (the decode graphs
-    replayed, or their static buffers without capture; `reason` "decode") or "eager"
-    (`reason` why: model_runner.EAGER_REASONS); `seconds` the runner's host wall time of
-    those steps (on a GPU it waits for the device when the step's tokens are copied back)."""
-
-    path: str
-    reason: str
-    steps: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks in use
-    num_free_blocks: int
-    prefix_cache_queries: int  # tokens looked up at first admissions (cumulative)
-    prefix_cache_hits: int  # of which hit (cumulative)
-    num_preemptions: int  # cumulative
-    prompt_tokens: int  # prompt tokens of requests that produced a token (cumulative)
-    generation_tokens: int  # tokens sampled (cumulative)
-    kv_unused_slots: int  # slots held by running requests beyond their computed tokens
-    in_flight_tokens: int  # prompt + generated tokens of running and waiting requests
-    # speculative decoding (cumulative; vLLM's vllm:spec_decode_* counters)
-    spec_num_drafts: int = 0  # verifications: requests x steps that carried drafts
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts at position 0 .. k-1
-    # multi-LoRA (vLLM's vllm:lora_requests_info): adapters of running / waiting requests
-    lora_running: tuple[str, ...] = ()
-    lora_waiting: tuple[str, ...] = ()
-    lora_resident: tuple[str, ...] = ()  # in device slots, least recently used first
-    lora_adapters: tuple[str, ...] = ()  # every adapter a request may name
-    max_loras: int = 0  # 0: LoRA off
-    lora_state: LoRAState | None = None  # the adapters' digests and version (None: LoRA off)
-    step_paths: tuple[StepPathCount, ...] = ()  # graph vs eager steps (a model runner's)
-    # KV pages held for readers outside the engine (kv_cache/leases.py): live leases, and
-    # how the ended ones ended (cumulative)
-    kv_leases_active: int = 0
-    kv_leases_released: int = 0
-    kv_leases_expired: int = 0
-    # prompt tokens a KV connector loaded instead of computing them (cumulative)
-    kv_connector_loaded_tokens: int = 0
 
 
 class EngineCore:
@@ -185,6 +115,13 @@ class EngineCore:
         # release of pinned blocks, a new request) can change that, so callers wait for one
         self.last_step_idle = False
         self.lora: LoRAManager | None = None  # set by LLMEngine with enable_lora
+        # optimistic: the launched step whose sampled ids are still on the device, and the
+        # requests of it that sample (None: none)
+        self._optimistic = (async_scheduling and speculator is None
+                            and hasattr(runner, "execute_async"))
+        self._deferred: tuple[SchedulerOutput, PendingOutput, list[bool]] | None = None
+        self.optimistic_steps = 0  # steps committed after the next one was launched
+        self.optimistic_dropped = 0  # their tokens dropped: the request had ended
 
     def resolve_lora(self, lora: LoRARequest | str | None) -> str | None:
         """The adapter name a request runs with: a loaded adapter's name, or a
@@ -380,6 +317,7 @@ class EngineCore:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with an error (the engine cannot go on)."""
+        self._deferred = None  # its tokens are never emitted
         outs = self._drain() if self.async_scheduling else []
         parents = {(r.parent_id or r.request_id): None
                    for r in [*self.scheduler.running, *self.scheduler.waiting_requests()]}
@@ -393,7 +331,7 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._ops)
-                or self._inflight is not None)
+                or self._inflight is not None or self._deferred is not None)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of requests that progressed, finished or aborted
@@ -409,22 +347,36 @@ class EngineCore:
                 return outputs
             # nothing to overlap with: finish the output side's work here (its stop strings
             # may free blocks, so the caller should not sleep on this step)
-            self.last_step_idle = self._inflight is None and not self._ops
+            self.last_step_idle = (self._inflight is None and not self._ops
+                                   and self._deferred is None)
+            self._commit_deferred()
             return self._drain()
         if self.async_scheduling and self._ops:  # made while this step's forward runs
             self._inflight = self._out_thread.submit(self._take_ops(), self.output_sink)
+        pending: PendingOutput | None = None
         try:
             t0 = time.perf_counter()
-            result = self.runner.execute(sched)
+            if self._optimistic:
+                pending = self.runner.execute_async(sched)  # type: ignore[attr-defined]
+            else:
+                result = self.runner.execute(sched)
             took = time.perf_counter() - t0
         except EngineDeadError:  # nothing can run any more: the caller fails everything
             raise
         except Exception as exc:  # one bad batch must not kill the loop
             logger.exception("step failed; failing %d requests", len(sched.scheduled))
+            self._commit_deferred()  # the previous step's forward did complete
             parents = {(s.request.parent_id or s.request.request_id): None
                        for s in sched.scheduled}
             self._fail(parents, f"internal error: {type(exc).__name__}")
             return self._end_step()
+        if pending is not None:
+            self._commit_deferred()  # the previous step's ids, while this step runs
+            if pending.deferred:
+                self.scheduler.update_after_step(sched)
+                self._defer(sched, pending)
+                return self._end_step()
+            result = pending.resolve()
         self.scheduler.update_after_step(sched, result.accepted)
         touched: dict[str, None] = {}
         failed: dict[str, None] = {}
@@ -432,7 +384,7 @@ class EngineCore:
         commit = self._commit_tokens if self.async_scheduling else self._commit_outputs
         for s in sched.scheduled:
             pid = s.request.parent_id or s.request.request_id
-            if pid in failed:
+            if pid in failed or s.request.is_finished:  # ended by the previous step's tokens
                 continue
             try:
                 if commit(s, result, now):
@@ -453,6 +405,49 @@ class EngineCore:
                 for req in self.scheduler.running:
                     req.spec_token_ids, req.spec_draft_probs = [], None
         return self._end_step()
+
+    def _defer(self, sched: SchedulerOutput, pending: PendingOutput) -> None:
+        """`sched` ran with its sampled ids left on the device: each sampling request that
+        may go on gets a placeholder, so the next step computes its token before it is
+        known; the ids are committed in the next step (`_commit_deferred`)."""
+        samples = [s.samples for s in sched.scheduled]
+        for s, sampled in zip(sched.scheduled, samples, strict=True):
+            req = s.request
+            if (sampled and not req.is_finished and req.status is RequestStatus.RUNNING
+                    and req.num_output_tokens + 1 < req.max_tokens):
+                req.num_placeholders = 1
+        self._deferred = (sched, pending, samples)
+
+    def _commit_deferred(self) -> None:
+        """Commit the deferred step's tokens (waiting for their copy only): placeholders are
+        replaced, token-id stops end their requests; the tokens of requests finished since
+        (an abort, a stop string, a stop in this commit) are dropped."""
+        if self._deferred is None:
+            return
+        sched, pending, samples = self._deferred
+        self._deferred = None
+        result = pending.resolve()
+        self.optimistic_steps += 1
+        for s in sched.scheduled:
+            s.request.num_placeholders = 0
+        touched: dict[str, None] = {}
+        failed: dict[str, None] = {}
+        now = time.monotonic()
+        for s, sampled in zip(sched.scheduled, samples, strict=True):
+            pid = s.request.parent_id or s.request.request_id
+            if s.request.is_finished or pid in failed:
+                self.optimistic_dropped += sampled and s.request.request_id in result.sampled
+                continue
+            try:
+                if self._commit_tokens(s, result, now, sampled):
+                    touched[pid] = None
+            except Exception:
+                logger.exception("[%s] output processing failed", s.request.request_id)
+                failed[pid] = None
+        for pid in touched:
+            if pid not in failed:
+                self._emit(pid)
+        self._fail(failed, "internal error while processing outputs")
 
     def _end_step(self) -> list[RequestOutput]:
         """Serial: this step's outputs. Overlapped: the previous step's result, made by the
@@ -494,16 +489,18 @@ class EngineCore:
                 self._finish(child, status)
         return done.outputs
 
-    def _commit_tokens(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
+    def _commit_tokens(self, s: ScheduledRequest, result: RunnerOutput, now: float,
+                       samples: bool | None = None) -> bool:
         """The overlapped loop's commit: one scheduled request's tokens and token-id stops
         here, the rest (text, stop strings, logprobs, outputs) queued for the output
-        thread. True when it has an output to report."""
+        thread. True when it has an output to report. `samples`: whether it sampled (as
+        scheduled; default `s.samples`, which holds only until it gets a placeholder)."""
         req = s.request
         entries = result.prompt_logprobs.get(req.request_id)
         if entries:
             self._ops.append(PromptLogprobs(req, entries))
             req.advance_prompt_logprobs(len(entries))
-        if not s.samples:
+        if not (s.samples if samples is None else samples):
             return False
         rid = req.request_id
         drafts = result.accepted.get(rid, [])

@@ -62,7 +62,7 @@ from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec_decode.rejection import VerifyRequest, verify
-from tandem.engine.staging import download, upload
+from tandem.engine.staging import PendingOutput, download, start_download, upload
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
@@ -172,6 +172,9 @@ class RankRunner:
         self.block_size = block_size
         self.graphs: DecodeGraphRunner | None = None
         self.adapters: LoRASlots | None = None
+        # (flat rows, device ids) written into the step's input ids after the upload: the
+        # decode inputs still on the device (async scheduling); None: none
+        self.device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, extra: np.ndarray | None = None,
@@ -181,6 +184,8 @@ class RankRunner:
         called after each layer's K/V are written (eager steps)."""
         ids, pos, idx, extra_t, layout = plan_inputs(plan, self.device, self.block_size,
                                                      extra)
+        if self.device_tokens is not None:
+            ids.index_copy_(0, *self.device_tokens)
         if plan.graphs and self.graphs is not None:
             return ForwardResult(self.graphs.run(ids, pos, layout), None, extra_t)
         lora = None
@@ -223,6 +228,7 @@ class ModelRunner(RankRunner):
         self.return_hidden = False
         self._lora: LoRAManager | None = None
         self.timings = RunnerTimings()
+        self._last: PendingOutput | None = None  # the latest step whose ids stay on the device
         self.paths = StepPathCounter()  # graph-replayed vs eager steps, by reason
 
     @property
@@ -259,7 +265,7 @@ class ModelRunner(RankRunner):
     def _row(self, req: Request) -> SamplingRow:
         sp = req.sampling_params
         banned: tuple[int, ...] = ()
-        if req.num_output_tokens < sp.min_tokens:
+        if req.num_output_tokens + req.num_placeholders < sp.min_tokens:
             banned = tuple(req.eos_token_ids) + tuple(sp.stop_token_ids or ())
         return SamplingRow(
             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
@@ -270,9 +276,35 @@ class ModelRunner(RankRunner):
             key=req.request_id,
         )
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Plan, forward (every rank), then sample, verify and compute prompt logprobs."""
+        return self._execute(sched, defer=False).resolve()
+
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """As `execute`, but the sampled ids may stay on the device (their copy to the host
+        started, not waited for): only when every sampling row is plain (no logprobs, no
+        penalties that read output ids, no verification, no hidden states) and there is one
+        rank; otherwise the output is complete at once. The next step's input for a request
+        whose last token is such a pending id (`Request.num_placeholders`) is gathered on
+        the device from this step's ids."""
+        pending = self._execute(sched, defer=True)
+        self._last = pending if pending.deferred else None
+        return pending
+
+    def _device_inputs(self, on_device: list[tuple[int, int]]) -> tuple[torch.Tensor,
+                                                                       torch.Tensor]:
+        """(flat input rows, their ids gathered from the last step's sampled ids on the
+        device) for `on_device`'s (flat row, row in the last step's ids)."""
+        last = self._last
+        if last is None or last.sampled is None:
+            raise RuntimeError("a decode input is pending but no step's ids are on the device")
+        idx = upload([f for f, _ in on_device] + [r for _, r in on_device], torch.int64,
+                     self.device)
+        n = len(on_device)
+        return idx[:n], last.sampled.index_select(0, idx[n:])
+
+    @torch.inference_mode()
+    def _execute(self, sched: SchedulerOutput, defer: bool) -> PendingOutput:
         t_start = time.perf_counter()
         bs = self.block_size
         # one-token rows first, sorted by context length so the attention backend can group
@@ -290,12 +322,20 @@ class ModelRunner(RankRunner):
         # the batch's block tables, gathered from the persistent one: [B, W] zero-padded
         table, table_lens = self.kv.block_table.gather(s.request.request_id for s in scheduled)
         units: list[tuple[int, int, int]] = []  # (position, scheduled index, token)
+        pending_in: list[tuple[int, int]] = []  # (scheduled index, row in the last step's ids)
         for i, s in enumerate(single):
-            toks = s.request.all_token_ids[s.start : s.start + 1] + s.spec_token_ids
+            known = s.request.all_token_ids[s.start : s.start + 1]
+            if not known:  # its last token is still on the device (async scheduling)
+                assert self._last is not None
+                pending_in.append((i, self._last.rows[s.request.request_id]))
+                known = [0]  # written on the device after the upload
+            toks = known + s.spec_token_ids
             units.extend((s.start + j, i, t) for j, t in enumerate(toks))
         units.sort()
         nd = len(units)
         flat_of: dict[tuple[int, int], int] = {(i, p): f for f, (p, i, _) in enumerate(units)}
+        self.device_tokens = None if not pending_in else self._device_inputs(
+            [(flat_of[(i, single[i].start)], r) for i, r in pending_in])
         rows = [i for _, i, _ in units] + list(range(len(single), len(scheduled)))
         query_lens = [1] * nd + [s.num_new_tokens for s in chunks]
         seq_lens = [p + 1 for p, _, _ in units] + [s.start + s.num_new_tokens for s in chunks]
@@ -389,18 +429,28 @@ class ModelRunner(RankRunner):
             if self.executor is None:
                 raise
             raise self.executor.failure(exc) from exc
+        finally:
+            self.device_tokens = None
         if connector is not None and meta is not None:
             connector.wait_for_save()
         t_sample = time.perf_counter()
         logits, hidden, targets_t = res.logits, res.hidden, res.extra
         out = RunnerOutput()
+        pending = PendingOutput(out)
         ns, nv = len(sample_reqs), len(spec_idx)
         if sample_reqs:
-            result = self.sampler(logits[:ns], [self._row(r) for r in sample_reqs])
-            for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs, strict=True):
-                out.sampled[req.request_id] = tok
-                if lp is not None:
-                    out.logprobs[req.request_id] = lp
+            sampling_rows = [self._row(r) for r in sample_reqs]
+            if defer and self._deferrable(sampling_rows, spec, hidden):
+                ids, _ = self.sampler.sample(logits[:ns], sampling_rows)
+                pending = PendingOutput(out, ids, {r.request_id: i for i, r in enumerate(
+                    sample_reqs)}, start_download(ids))
+            else:
+                result = self.sampler(logits[:ns], sampling_rows)
+                for req, tok, lp in zip(sample_reqs, result.token_ids, result.logprobs,
+                                        strict=True):
+                    out.sampled[req.request_id] = tok
+                    if lp is not None:
+                        out.logprobs[req.request_id] = lp
         if spec:
             self._verify(logits[ns : ns + nv], spec, out)
         if hidden is not None:
@@ -415,7 +465,15 @@ class ModelRunner(RankRunner):
         t.steps += 1
         self.paths.add("graph" if eager is None else "eager", eager or GRAPH_REASON,
                        t_end - t_start)
-        return out
+        return pending
+
+    def _deferrable(self, rows: list[SamplingRow], spec: list, hidden: object) -> bool:
+        """Whether this step's sampled ids may stay on the device: nothing read on the host
+        before the next step needs them (one rank, no verification, no hidden states, no
+        logprobs, no penalty that counts output ids)."""
+        return (self.executor is None and not spec and hidden is None
+                and all(r.num_logprobs is None and r.repetition_penalty == 1.0
+                        and not r.presence_penalty and not r.frequency_penalty for r in rows))
 
     def _eager_reason(self, *, mixed: bool, lora: bool, spec: bool, plp: bool,
                       watching: bool, nd: int) -> str | None:

@@ -39,6 +39,9 @@ class Request:
 
     `num_computed_tokens` counts tokens whose KV is in the cache (advanced by the
     scheduler after each step); `all_token_ids` = prompt + generated tokens.
+    `num_placeholders` (0 or 1, `async_scheduling`): a sampled token still on the device;
+    it counts in `num_tokens` (the next step computes it) but is in no token list until
+    the engine commits it.
     """
 
     request_id: str
@@ -71,6 +74,7 @@ class Request:
     # it); None when none are wanted: not asked for, sample > 0 of n, or all emitted. A
     # preempted request that recomputes its prompt emits none twice.
     prompt_logprobs_pos: int | None = None
+    num_placeholders: int = 0
     _root: BlockHash | None = field(default=None, repr=False)
     _max_hit: int = field(default=-1, repr=False)  # largest prompt prefix hit; -1: none yet
     _own: list[list[int]] = field(default_factory=list, repr=False)  # computed [start, end)
@@ -125,7 +129,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -123,6 +123,13 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [N, V] (any float dtype) -> one token per row."""
+        tokens, raw_logprobs = self.sample(logits, rows)
+        return self._finish(tokens, raw_logprobs, rows)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [N, V] -> the [N] int64 sampled ids, left on the device, and the raw
+        logprobs [N, V] when a row wants logprobs (else None)."""
         n, vocab = logits.shape
         device = logits.device
         logits = logits.float()
@@ -162,7 +169,7 @@ class Sampler:
             sampled = self._sample(logits.index_select(0, order), params.index_select(1, order),
                                    [rows[i] for i in unseeded + seeded], len(unseeded))
             tokens.index_copy_(0, order, sampled)
-        return self._finish(tokens, raw_logprobs, rows)
+        return tokens, raw_logprobs
 
     def _sample(self, logits: torch.Tensor, params: torch.Tensor, rows: list[SamplingRow],
                 num_unseeded: int) -> torch.Tensor:

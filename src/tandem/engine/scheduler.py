@@ -523,9 +523,12 @@ class Scheduler:
         """The step's forward completed: advance every scheduled request's progress (before
         sampled tokens are appended) and register the blocks it completed in the prefix
         cache. `accepted`: request id -> its verified drafts; the KV of the rejected ones is
-        rolled back (not computed: overwritten by a later step, never cached)."""
+        rolled back (not computed: overwritten by a later step, never cached). Requests
+        finished since the step was scheduled are skipped (their blocks are freed)."""
         for s in out.scheduled:
             req = s.request
+            if req.is_finished:  # async_scheduling: ended by the previous step's tokens
+                continue
             self.tokens_loaded += s.num_external_tokens
             self.tokens_computed += s.num_new_tokens
             rejected = len(s.spec_token_ids) - len((accepted or {}).get(req.request_id, ()))
