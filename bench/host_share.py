@@ -14,7 +14,13 @@ output thread's time (overlapped runs), and tokens/s. `--http` also runs `gil_sh
 (the HTTP loop's share of a step at 64 streams, both loops, one round each) and keeps its
 verdict.
 
-    .venv/bin/python bench/host_share.py [--rounds 2] [--http]
+The overlapped loop is optimistic (sampled ids stay on the device; the next step is
+scheduled and launched before they are committed: `engine/core.py`). `--compare-optimistic`
+adds a third run per round, the overlapped loop with that path off ("overlapped_host_ids":
+each step's ids reach the host before the next schedule), so one run gives the host share
+before and after it; the order rotates each round.
+
+    .venv/bin/python bench/host_share.py [--rounds 2] [--http] [--compare-optimistic]
 
 JSON: bench/results/host_share-<date>.json (raw per-step rows of every run).
 """
@@ -57,6 +63,8 @@ class Recorder:
         sched.schedule = self._timed("schedule", sched.schedule)
         sched.update_after_step = self._timed("update", sched.update_after_step)
         runner.execute = self._timed("execute", runner.execute)
+        if hasattr(runner, "execute_async"):  # the optimistic loop's launch
+            runner.execute_async = self._timed("execute", runner.execute_async)
         runner.model.forward = self._timed("forward", runner.model.forward)
         runner.sampler = _TimedCall(runner.sampler, self._timed("sample", runner.sampler))
         apply = outputs.apply
@@ -97,10 +105,12 @@ class Recorder:
 
 
 def run_once(rec: Recorder, prompts: list[list[int]], params: Any, overlapped: bool,
-             tag: str) -> dict[str, Any]:
+             tag: str, optimistic: bool = True) -> dict[str, Any]:
     eng = rec.engine
     assert not eng.has_unfinished_requests()
     eng.async_scheduling = overlapped  # idle: nothing in flight
+    eng.optimistic = optimistic
+    steps0 = eng.optimistic_steps
     eng.reset_prefix_cache()
     rec.rows, rec.output_thread_s, rec.output_thread_cpu_s = [], 0.0, 0.0
     c0, t0 = time.thread_time(), time.perf_counter()
@@ -114,10 +124,19 @@ def run_once(rec: Recorder, prompts: list[list[int]], params: Any, overlapped: b
     wall = time.perf_counter() - t0
     if tokens != len(prompts) * params.max_tokens:
         raise RuntimeError(f"{tokens} tokens, expected {len(prompts) * params.max_tokens}")
-    return {"overlapped": overlapped, "wall_s": wall, "engine_thread_cpu_s": time.thread_time()
-            - c0, "tokens": tokens, "tokens_per_s": tokens / wall,
+    return {"overlapped": overlapped, "optimistic": overlapped and optimistic,
+            "optimistic_steps": eng.optimistic_steps - steps0, "wall_s": wall,
+            "engine_thread_cpu_s": time.thread_time() - c0, "tokens": tokens,
+            "tokens_per_s": tokens / wall,
             "output_thread_s": rec.output_thread_s,
             "output_thread_cpu_s": rec.output_thread_cpu_s, "steps": rec.rows}
+
+
+def _mode(overlapped: bool, optimistic: bool) -> str:
+    """A run's mode name: serial, overlapped (optimistic) or overlapped_host_ids."""
+    if not overlapped:
+        return "serial"
+    return "overlapped" if optimistic else "overlapped_host_ids"
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +192,8 @@ def main() -> int:
     ap.add_argument("--http", action="store_true", help="also run gil_share.py, both loops")
     ap.add_argument("--http-max-tokens", type=int, default=32,
                     help="output tokens per stream in the gil_share.py runs")
+    ap.add_argument("--compare-optimistic", action="store_true",
+                    help="also run the overlapped loop with the optimistic path off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -196,14 +217,20 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     run_once(rec, prompts, params, False, "warm")
     runs = []
+    # (overlapped, optimistic) per mode; the order rotates each round
+    modes = [(False, True), (True, True)] + ([(True, False)] if args.compare_optimistic else [])
     for r in range(args.rounds):
-        for overlapped in ((False, True) if r % 2 == 0 else (True, False)):
-            run = run_once(rec, prompts, params, overlapped, f"r{r}-{int(overlapped)}")
+        order = modes[r % len(modes):] + modes[:r % len(modes)] if args.compare_optimistic \
+            else (modes if r % 2 == 0 else modes[::-1])
+        for overlapped, optimistic in order:
+            run = run_once(rec, prompts, params, overlapped,
+                           f"r{r}-{int(overlapped)}{int(optimistic)}", optimistic)
             run["round"] = r
+            run["mode"] = _mode(overlapped, optimistic)
             run["summary"] = summarize(run)
             runs.append(run)
             s = run["summary"]
-            print(f"round {r} {'overlapped' if overlapped else 'serial    '}: "
+            print(f"round {r} {run['mode']:>19}: "
                   f"{s['step_ms']:.1f} ms/step, host {s['host_ms']:.1f} ms "
                   f"({s['host_share']:.1%}: schedule {s['schedule_share']:.1%}, build "
                   f"{s['build_share']:.1%}, output {s['output_share']:.1%}), output thread "
@@ -213,16 +240,16 @@ def main() -> int:
             "schedule_ms", "build_ms", "output_ms", "schedule_share", "build_share",
             "output_share", "output_thread_ms_per_step", "tokens_per_s")
     table: dict[str, Any] = {}
-    for mode in (False, True):
-        sums = [r["summary"] for r in runs if r["overlapped"] is mode]
-        table["overlapped" if mode else "serial"] = {
+    for overlapped, optimistic in modes:
+        sums = [r["summary"] for r in runs if r["mode"] == _mode(overlapped, optimistic)]
+        table[_mode(overlapped, optimistic)] = {
             k: {"median": statistics.median(s[k] for s in sums),
                 "values": [s[k] for s in sums]} for k in keys}
-    ser, ovl = table["serial"], table["overlapped"]
-    ratios = {"tokens_per_s": ovl["tokens_per_s"]["median"] / ser["tokens_per_s"]["median"],
-              "step_ms": ovl["step_ms"]["median"] / ser["step_ms"]["median"],
-              "host_ms": ovl["host_ms"]["median"] / ser["host_ms"]["median"],
-              "output_ms": ovl["output_ms"]["median"] / ser["output_ms"]["median"]}
+
+    def ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+        return {k: a[k]["median"] / b[k]["median"]
+                for k in ("tokens_per_s", "step_ms", "host_ms", "output_ms")}
+    ratios = ratio(table["overlapped"], table["serial"])
     print("\nmode | step ms | host ms/step (share) | schedule | build | output | "
           "output thread ms | tok/s")
     for mode, t in table.items():
@@ -231,6 +258,10 @@ def main() -> int:
               f"{m['schedule_share']:.1%} | {m['build_share']:.1%} | {m['output_share']:.1%} "
               f"| {m['output_thread_ms_per_step']:.1f} | {m['tokens_per_s']:.0f}")
     print("overlapped / serial: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    if args.compare_optimistic:
+        opt = ratio(table["overlapped"], table["overlapped_host_ids"])
+        print("overlapped / overlapped_host_ids: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in opt.items()))
     report: dict[str, Any] = {
         "bench": "host_share", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                      time.gmtime(t_start)),
@@ -249,6 +280,8 @@ def main() -> int:
                     "note": "shared 2-core machine: other jobs may run concurrently; "
                             "compare within this run only"},
         "table": table, "ratios": ratios,
+        "ratios_optimistic": (ratio(table["overlapped"], table["overlapped_host_ids"])
+                              if args.compare_optimistic else None),
         "runs": [{k: v for k, v in r.items()} for r in runs],
     }
     if args.http:

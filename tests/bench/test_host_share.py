@@ -47,3 +47,23 @@ def test_a_run_measures_both_loops(tmp_path, monkeypatch, capsys):
         assert (run["output_thread_s"] > 0) is run["overlapped"]
     assert set(report["table"]) == {"serial", "overlapped"}
     assert "overlapped / serial: tokens_per_s" in capsys.readouterr().out
+
+
+def test_compare_optimistic_runs_the_three_loops(tmp_path, monkeypatch):
+    make_tiny_model_dir(tmp_path / "m", "llama", seed=3, tokenizer="trained")
+    out = tmp_path / "hs.json"
+    monkeypatch.setattr(sys, "argv", [
+        "host_share.py", "--model", str(tmp_path / "m"), "--streams", "4", "--prompt-tokens",
+        "8", "--max-tokens", "5", "--rounds", "2", "--compare-optimistic", "--out", str(out)])
+    assert host_share.main() == 0
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["runs"]] == [
+        "serial", "overlapped", "overlapped_host_ids",
+        "overlapped", "overlapped_host_ids", "serial"]
+    for run in report["runs"]:
+        assert run["tokens"] == 20
+        # only the optimistic loop commits steps after launching the next one
+        assert (run["optimistic_steps"] > 0) is (run["mode"] == "overlapped")
+    assert set(report["table"]) == {"serial", "overlapped", "overlapped_host_ids"}
+    assert set(report["ratios_optimistic"]) == {"tokens_per_s", "step_ms", "host_ms",
+                                                "output_ms"}

@@ -117,8 +117,9 @@ class EngineCore:
         self.lora: LoRAManager | None = None  # set by LLMEngine with enable_lora
         # optimistic: the launched step whose sampled ids are still on the device, and the
         # requests of it that sample (None: none)
-        self._optimistic = (async_scheduling and speculator is None
-                            and hasattr(runner, "execute_async"))
+        # async_scheduling's optimistic path (on unless a benchmark turns it off to time
+        # the output thread alone)
+        self.optimistic = True
         self._deferred: tuple[SchedulerOutput, PendingOutput, list[bool]] | None = None
         self.optimistic_steps = 0  # steps committed after the next one was launched
         self.optimistic_dropped = 0  # their tokens dropped: the request had ended
@@ -169,6 +170,11 @@ class EngineCore:
         if self.lora is None or not self.lora.retiring:
             return []
         return self.lora.reap({r.lora_name for r in self.scheduler.requests.values()})
+
+    @property
+    def _optimistic(self) -> bool:
+        return (self.async_scheduling and self.optimistic and self.speculator is None
+                and hasattr(self.runner, "execute_async"))
 
     # -- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
