@@ -57,6 +57,7 @@ class Recorder:
         self.rows: list[dict[str, float]] = []
         self._acc: dict[str, float] = defaultdict(float)
         self._lock = threading.Lock()
+        self._active: set[str] = set()  # parts being timed now (the engine thread's)
         self.output_thread_s = 0.0  # the output thread's `apply` time (wall)
         self.output_thread_cpu_s = 0.0
         sched, runner, outputs = engine.scheduler, engine.runner, engine.outputs
@@ -66,7 +67,11 @@ class Recorder:
         if hasattr(runner, "execute_async"):  # the optimistic loop's launch
             runner.execute_async = self._timed("execute", runner.execute_async)
         runner.model.forward = self._timed("forward", runner.model.forward)
-        runner.sampler = _TimedCall(runner.sampler, self._timed("sample", runner.sampler))
+        sampler = runner.sampler
+        # the optimistic loop samples through `sample` (ids left on the device); the
+        # serial one through `__call__`, which calls it: timed once, the outer call
+        sampler.sample = self._timed("sample", sampler.sample)
+        runner.sampler = _TimedCall(sampler, self._timed("sample", sampler))
         apply = outputs.apply
 
         def timed_apply(ops: Any) -> Any:
@@ -82,11 +87,15 @@ class Recorder:
 
     def _timed(self, name: str, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name in self._active:  # inside a timed call of the same part
+                return fn(*args, **kwargs)
+            self._active.add(name)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._acc[name] += time.perf_counter() - t0
+                self._active.discard(name)
         return wrapped
 
     def step(self) -> list[Any]:

@@ -18,16 +18,19 @@ the outputs at once and in the engine at the next step boundary; the tokens comp
 it are dropped. Outputs equal the serial loop's, token for token; `step()` returns the
 previous step's outputs (or hands them to `output_sink` as soon as they are made).
 
-With a runner that has `execute_async` (the model runner) and no speculator, the overlapped
-loop is also optimistic, as vLLM's async scheduling: a step whose sampled ids can stay on the
-device (no logprobs, no penalties, no hidden states, one rank: `ModelRunner.execute_async`)
-is committed at the next step. Its sampling requests that may go on get a placeholder token
+With a runner that has `execute_async` (the model runner) the overlapped loop is also
+optimistic, as vLLM's async scheduling: a step whose sampled ids can stay on the device is
+committed at the next step. Its sampling requests that may go on get a placeholder token
 (`Request.num_placeholders`; none for one whose in-flight token is its `max_tokens`-th), so
 the next step is scheduled and launched (its input ids gathered on the device) before they
 are known; then they are committed and their token-id stops applied. A request that
-stopped there has the next step's token dropped: never emitted or counted, its blocks freed
-at once. Steps with speculative decoding, logprobs or penalties resolve at once (their
-requests get no placeholder), as vLLM's first version does.
+stopped there (EOS, stop ids, a stop string, an abort) has the next step's token dropped:
+never emitted or counted, its blocks freed at once. Prompt logprobs, LoRA, `min_tokens`,
+seeds and preemption run optimistically. A step resolves at once (its requests get no
+placeholder) when any sampling row wants logprobs or a repetition, presence or frequency
+penalty (they read output ids on the host), or under tensor parallelism; an engine with
+speculative decoding (drafts and hidden states are read on the host) never runs
+optimistically, as in vLLM's first version.
 """
 
 from __future__ import annotations
