@@ -16,7 +16,7 @@ tokens each). Each round runs every workload on both engines in turn; medians ov
 
 Reported per (workload, engine): wall seconds, output tokens/s and the TP engine's ratio to
 TP = 1, steps and seconds per step, and for TP > 1 the communication share of the wall as
-rank 0 sees it: seconds inside the model's all-reduces / all-gathers (`TPGroup.seconds`:
+rank 0 sees it: seconds inside the model's all-reduces and its logits gather (`TPGroup.seconds`:
 transfer plus waiting for the slowest rank) and inside the plan broadcasts
 (`Executor.send_seconds`). Greedy tokens must equal TP = 1's (exit code 1 otherwise).
 Writes the raw results with machine details to one JSON file under bench/results/.
