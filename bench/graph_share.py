@@ -31,7 +31,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -78,16 +77,6 @@ def serve_worker(argv: list[str]) -> int:
 
     llm_engine.build_decode_graphs = build
     return main(argv) or 0
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_paths(url: str) -> dict[tuple[str, str], dict[str, float]]:
@@ -186,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     today = dt.date.today().isoformat()
     out = Path(args.out or BENCH_DIR / "results" / f"graph_share-{today}.json")
+    from offline_throughput import cpu_model
+
     res = {"date": today, "machine": f"{cpu_model()}, {os.cpu_count()} CPUs",
            "command": "bench/graph_share.py " + " ".join(argv),
            "dataset": "mixed" + (" (quick)" if args.quick else ""),
