@@ -68,6 +68,21 @@ class SimViolation(AssertionError):
 _HASHES: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
 
 
+_TOKENIZER = None
+
+
+def sim_tokenizer():  # noqa: ANN201 - the bundled model's Tokenizer, loaded once
+    """The tokenizer the simulations detokenize with (the bundled model's, loaded once per
+    process)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from tandem.engine.model.loader import bundled_model_path
+        from tandem.protocol.tokenizer import Tokenizer
+
+        _TOKENIZER = Tokenizer.load(bundled_model_path())
+    return _TOKENIZER
+
+
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     """`hash_block`, memoized (traces share prefixes)."""
     key = (parent, tuple(tokens))

@@ -35,21 +35,10 @@ from tandem.engine.kv_connector.pd import PDConnector
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.scheduler import Scheduler
 
-from .kv_sim import Sim, SimViolation, run_trace
+from .kv_sim import Sim, SimViolation, run_trace, sim_tokenizer
 from .utils import make_request, make_tiny_model_dir
 
 SIM_TRACES = 3000
-_TOKENIZER = None
-
-
-def _tokenizer():
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from tandem.engine.model.loader import bundled_model_path
-        from tandem.protocol.tokenizer import Tokenizer
-
-        _TOKENIZER = Tokenizer.load(bundled_model_path())
-    return _TOKENIZER
 
 
 class SimConnector(KVConnectorScheduler, KVConnectorWorker):
@@ -142,7 +131,7 @@ def _run_sims(seeds: range, connector=_sim_connector) -> dict:
     try:
         for seed in seeds:
             try:
-                sim = run_trace(seed, _tokenizer(), connector=connector)
+                sim = run_trace(seed, sim_tokenizer(), connector=connector)
             except SimViolation as exc:
                 stats["violations"].append(str(exc))
                 continue

@@ -11,26 +11,15 @@ import logging
 import multiprocessing
 import os
 
-from .kv_sim import SimViolation, run_trace
+from .kv_sim import SimViolation, run_trace, sim_tokenizer
 
 NUM_TRACES = 20_000
-_TOKENIZER = None
-
-
-def _tokenizer():
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from tandem.engine.model.loader import bundled_model_path
-        from tandem.protocol.tokenizer import Tokenizer
-
-        _TOKENIZER = Tokenizer.load(bundled_model_path())
-    return _TOKENIZER
 
 
 def _run_seeds(seeds: range) -> dict:
     """Traces for `seeds`: the first violations and what the traces exercised."""
     logging.disable(logging.CRITICAL)  # injected faults log a traceback each
-    tok = _tokenizer()
+    tok = sim_tokenizer()
     stats = dict(traces=0, steps=0, finished=0, preemptions=0, errors=0, draft_tokens=0,
                  accepted=0, violations=[])
     for seed in seeds:
@@ -111,7 +100,7 @@ def _count_flagged(seeds: range) -> int:
     try:
         for seed in seeds:
             try:
-                run_trace(seed, _tokenizer())
+                run_trace(seed, sim_tokenizer())
             except SimViolation:
                 flagged += 1
     finally:
