@@ -387,24 +387,7 @@ class EngineCore:
                 return self._end_step()
             result = pending.resolve()
         self.scheduler.update_after_step(sched, result.accepted)
-        touched: dict[str, None] = {}
-        failed: dict[str, None] = {}
-        now = time.monotonic()
-        commit = self._commit_tokens if self.async_scheduling else self._commit_outputs
-        for s in sched.scheduled:
-            pid = s.request.parent_id or s.request.request_id
-            if pid in failed or s.request.is_finished:  # ended by the previous step's tokens
-                continue
-            try:
-                if commit(s, result, now):
-                    touched[pid] = None
-            except Exception:  # a bug in one request's output path fails that request only
-                logger.exception("[%s] output processing failed", s.request.request_id)
-                failed[pid] = None
-        for pid in touched:
-            if pid not in failed:
-                self._emit(pid)
-        self._fail(failed, "internal error while processing outputs")
+        self._commit_step(sched, result)
         if self.speculator is not None:
             try:
                 self.speculator.observe_step(took, sched.num_batched_tokens)
@@ -439,18 +422,33 @@ class EngineCore:
         self.optimistic_steps += 1
         for s in sched.scheduled:
             s.request.num_placeholders = 0
+        self._commit_step(sched, result, samples)
+
+    def _commit_step(self, sched: SchedulerOutput, result: RunnerOutput,
+                     samples: list[bool] | None = None) -> None:
+        """Each scheduled request's results (`_commit_outputs`; overlapped: `_commit_tokens`),
+        then the outputs of the parents that progressed. A request finished since it was
+        scheduled (an abort, a stop in an earlier commit) is skipped, its token dropped;
+        a request whose output path raises fails alone. `samples`: a deferred step's
+        sampling flags as scheduled (None: a step committed as it ends)."""
         touched: dict[str, None] = {}
         failed: dict[str, None] = {}
         now = time.monotonic()
-        for s, sampled in zip(sched.scheduled, samples, strict=True):
+        for i, s in enumerate(sched.scheduled):
             pid = s.request.parent_id or s.request.request_id
-            if s.request.is_finished or pid in failed:
-                self.optimistic_dropped += sampled and s.request.request_id in result.sampled
+            sampled = None if samples is None else samples[i]
+            if pid in failed or s.request.is_finished:  # ended since it was scheduled
+                if sampled:
+                    self.optimistic_dropped += s.request.request_id in result.sampled
                 continue
             try:
-                if self._commit_tokens(s, result, now, sampled):
+                if not self.async_scheduling:
+                    done = self._commit_outputs(s, result, now)
+                else:
+                    done = self._commit_tokens(s, result, now, sampled)
+                if done:
                     touched[pid] = None
-            except Exception:
+            except Exception:  # a bug in one request's output path fails that request only
                 logger.exception("[%s] output processing failed", s.request.request_id)
                 failed[pid] = None
         for pid in touched:
