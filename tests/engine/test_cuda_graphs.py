@@ -10,20 +10,12 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.cuda_graphs import STATIC_DECODE_ENV
-from tests.engine.utils import make_tiny_model_dir
 
 # decode steps after the shared prefill step, with these max_tokens: 5 rows (above the
 # largest size: eager), 4 (size 4), 3, 3 (padded to 4), 2 (size 2), 1, 1 (size 1)
 MAX_TOKENS = [2, 3, 5, 6, 8]
 SIZES = (1, 2, 4)
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model_dir(path, "llama", seed=3, tokenizer="trained")
-    return str(path)
 
 
 def _llm(model: str, **kw) -> LLM:

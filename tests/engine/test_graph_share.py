@@ -10,26 +10,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 from prometheus_client import generate_latest
 
 from tandem import LLM, SamplingParams
 from tandem.engine.cuda_graphs import STATIC_DECODE_ENV
 from tandem.engine.model_runner import EAGER_REASONS
 from tandem.serving.metrics import ServerMetrics
-from tests.engine.utils import make_tiny_model_dir
 
 SIZES = (1, 2, 4)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import graph_share  # noqa: E402 - bench/graph_share.py
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model_dir(path, "llama", seed=3, tokenizer="trained")
-    return str(path)
 
 
 def _params(max_tokens: int, **kw) -> SamplingParams:

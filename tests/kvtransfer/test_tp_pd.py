@@ -53,16 +53,22 @@ def test_prefill_and_decode_at_different_tp_sizes(tiny: str, prefill_tp: int,
 
     async def main() -> None:
         results, _ = await disaggregated(prefill, decode, [(p, None) for p in prompts])
-        for i, (got, nbytes) in enumerate(results):
-            want = await greedy(ref, prompts[i], f"ref-{i}")
-            assert got.outputs[0].token_ids == want.outputs[0].token_ids, i
-            assert nbytes > 0 and got.num_cached_tokens == len(prompts[i]) - 1, i
+        await _equal_to_aggregated(ref, prompts, results)
 
     try:
         asyncio.run(main())
     finally:
         for e in made:
             e.shutdown()
+
+
+async def _equal_to_aggregated(ref, prompts: list[list[int]], results: list) -> None:  # noqa: ANN001
+    """Each disaggregated answer has the aggregated engine `ref`'s greedy tokens, with pages
+    shipped and every prompt token but the last taken from them."""
+    for i, (got, nbytes) in enumerate(results):
+        want = await greedy(ref, prompts[i], f"ref-{i}")
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids, i
+        assert nbytes > 0 and got.num_cached_tokens == len(prompts[i]) - 1, i
 
 
 def test_a_tp_prefill_worker_streams_layer_by_layer(tiny: str, monkeypatch, caplog) -> None:
@@ -86,10 +92,7 @@ def test_a_tp_prefill_worker_streams_layer_by_layer(tiny: str, monkeypatch, capl
             results, _ = await disaggregated(prefill, decode, [(p, None) for p in prompts])
         sent = [r.getMessage() for r in caplog.records if " sent " in r.getMessage()]
         assert len(sent) == len(prompts) and all("layer by layer" in m for m in sent), sent
-        for i, (got, nbytes) in enumerate(results):
-            want = await greedy(ref, prompts[i], f"ref-{i}")
-            assert got.outputs[0].token_ids == want.outputs[0].token_ids, i
-            assert nbytes > 0 and got.num_cached_tokens == len(prompts[i]) - 1, i
+        await _equal_to_aggregated(ref, prompts, results)
 
     try:
         asyncio.run(main())
