@@ -426,8 +426,8 @@ class EngineCore:
 
     def _commit_step(self, sched: SchedulerOutput, result: RunnerOutput,
                      samples: list[bool] | None = None) -> None:
-        """Each scheduled request's results (`_commit_outputs`; overlapped: `_commit_tokens`),
-        then the outputs of the parents that progressed. A request finished since it was
+        """Each scheduled request's results (`_commit`), then the outputs of the parents
+        that progressed. A request finished since it was
         scheduled (an abort, a stop in an earlier commit) is skipped, its token dropped;
         a request whose output path raises fails alone. `samples`: a deferred step's
         sampling flags as scheduled (None: a step committed as it ends)."""
@@ -442,11 +442,7 @@ class EngineCore:
                     self.optimistic_dropped += s.request.request_id in result.sampled
                 continue
             try:
-                if not self.async_scheduling:
-                    done = self._commit_outputs(s, result, now)
-                else:
-                    done = self._commit_tokens(s, result, now, sampled)
-                if done:
+                if self._commit(s, result, now, sampled):
                     touched[pid] = None
             except Exception:  # a bug in one request's output path fails that request only
                 logger.exception("[%s] output processing failed", s.request.request_id)
@@ -496,16 +492,20 @@ class EngineCore:
                 self._finish(child, status)
         return done.outputs
 
-    def _commit_tokens(self, s: ScheduledRequest, result: RunnerOutput, now: float,
-                       samples: bool | None = None) -> bool:
-        """The overlapped loop's commit: one scheduled request's tokens and token-id stops
-        here, the rest (text, stop strings, logprobs, outputs) queued for the output
-        thread. True when it has an output to report. `samples`: whether it sampled (as
+    def _commit(self, s: ScheduledRequest, result: RunnerOutput, now: float,
+                samples: bool | None = None) -> bool:
+        """Take one scheduled request's results; True when it has an output to report.
+        Serial: every token goes through the output processor here (text, stop strings,
+        logprobs). Overlapped: only token ids and token-id stops here, the rest queued for
+        the output thread (`Tokens`, `PromptLogprobs`). `samples`: whether it sampled (as
         scheduled; default `s.samples`, which holds only until it gets a placeholder)."""
-        req = s.request
+        req, overlapped = s.request, self.async_scheduling
         entries = result.prompt_logprobs.get(req.request_id)
         if entries:
-            self._ops.append(PromptLogprobs(req, entries))
+            if overlapped:
+                self._ops.append(PromptLogprobs(req, entries))
+            else:
+                self.outputs.add_prompt_logprobs(req, entries)
             req.advance_prompt_logprobs(len(entries))
         if not (s.samples if samples is None else samples):
             return False
@@ -516,36 +516,6 @@ class EngineCore:
         draft_lps = result.accepted_logprobs.get(rid)
         tokens: list[int] = []
         lps: list[dict[int, float] | None] = []
-        for i, token in enumerate([*drafts, result.sampled[rid]]):
-            tokens.append(token)
-            lps.append(result.logprobs.get(rid) if i == len(drafts)
-                       else draft_lps[i] if draft_lps else None)
-            req.append_output_token(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self._prompt_tokens += req.num_prompt_tokens
-            status, stop_token = token_stop(req, token, req.num_output_tokens)
-            if status is not None:
-                req.stop_reason = stop_token
-                self._finish(req, status)
-                break
-        self._ops.append(Tokens(req, tokens, lps))
-        return True
-
-    def _commit_outputs(self, s: ScheduledRequest, result: RunnerOutput, now: float) -> bool:
-        """Take one scheduled request's results; True when it has an output to report."""
-        req = s.request
-        entries = result.prompt_logprobs.get(req.request_id)
-        if entries:
-            self.outputs.add_prompt_logprobs(req, entries)
-            req.advance_prompt_logprobs(len(entries))
-        if not s.samples:
-            return False
-        rid = req.request_id
-        drafts = result.accepted.get(rid, [])
-        if s.spec_token_ids and self.speculator is not None:
-            self.speculator.record(rid, len(s.spec_token_ids), len(drafts))
-        draft_lps = result.accepted_logprobs.get(rid)
         # verified drafts, then the sampled token; a stop inside the run drops the rest
         for i, token in enumerate([*drafts, result.sampled[rid]]):
             lp = (result.logprobs.get(rid) if i == len(drafts)
@@ -554,10 +524,19 @@ class EngineCore:
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += req.num_prompt_tokens
-            status = self.outputs.process_token(req, token, lp)
+            if overlapped:
+                tokens.append(token)
+                lps.append(lp)
+                status, stop_token = token_stop(req, token, req.num_output_tokens)
+                if status is not None:
+                    req.stop_reason = stop_token
+            else:
+                status = self.outputs.process_token(req, token, lp)
             if status is not None:
                 self._finish(req, status)
                 break
+        if overlapped:
+            self._ops.append(Tokens(req, tokens, lps))
         return True
 
     # -- introspection ---------------------------------------------------------------------
