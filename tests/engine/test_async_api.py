@@ -223,7 +223,7 @@ def test_a_lease_nobody_releases_expires_on_the_engine_thread(engine):
                                                          list(lease.block_ids[1:3])))
         renewed = await kv.renew(lease, 0.3)
         assert renewed.expires > lease.expires
-        for _ in range(100):  # the sweeper runs every 0.25 s
+        for _ in range(100):  # an idle engine thread expires leases every 0.25 s
             if core.kv.pool.num_free_blocks() == free:
                 break
             await asyncio.sleep(0.05)

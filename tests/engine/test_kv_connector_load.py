@@ -448,7 +448,7 @@ def test_a_loading_connector_at_tensor_parallel_size_2_gives_the_same_tokens(mod
 
 
 def test_leases_past_their_time_end_at_the_next_step_boundary(model_dir):
-    """Without any transport's sweeper: the engine thread expires them between steps."""
+    """The engine thread expires them between steps."""
     core = LLMEngine(EngineConfig(model=str(model_dir), block_size=BS, num_kv_blocks=16,
                                   num_threads=1))
     now = [1000.0]

@@ -197,6 +197,9 @@ def test_a_cancelled_caller_cannot_kill_the_engine_thread():
         def step(self):
             return []
 
+        def expire_leases(self):
+            return False
+
     engine = AsyncLLMEngine(FakeEngine())  # type: ignore[arg-type]
     try:
         ran = threading.Event()
@@ -237,6 +240,9 @@ def test_requests_taken_in_count_in_the_load_before_the_next_step_ends():
             stepping.set()
             assert release.wait(10)  # a long step
             return []
+
+        def expire_leases(self):
+            return False
 
     fake = FakeEngine()
     engine = AsyncLLMEngine(fake)  # type: ignore[arg-type]

@@ -40,6 +40,7 @@ from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 IDLE_WAKE_S = 1.0  # an idle engine thread also wakes this often (a safety net, not a poll)
+LEASE_WAKE_S = 0.25  # ... and this often while page leases may expire
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,9 @@ class AsyncLLMEngine(EngineAPI):
             if not busy or (self.engine.last_step_idle and not outputs):
                 # nothing can run until a command arrives (a new request, an abort, a
                 # release of pinned blocks): sleep until one does instead of spinning
-                self._wake.wait(timeout=IDLE_WAKE_S)
+                # (page leases end while idle too: a step ends them otherwise)
+                leased = self.engine.expire_leases()
+                self._wake.wait(timeout=LEASE_WAKE_S if leased else IDLE_WAKE_S)
                 self._wake.clear()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -342,12 +342,19 @@ class EngineCore:
         return (self.scheduler.has_unfinished() or bool(self._pending) or bool(self._ops)
                 or self._inflight is not None or self._deferred is not None)
 
+    def expire_leases(self) -> bool:
+        """End the page leases past their time (a reader that died: its pins end here); at
+        every step, and by `AsyncLLMEngine` while the engine idles. True while leases
+        remain."""
+        for lease in self.kv.expire_leases():
+            logger.info("[%s] lease expired: %d pages unpinned", lease.owner,
+                        len(lease.block_ids))
+        return self.kv.lease_stats().active > 0
+
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of requests that progressed, finished or aborted
         (with `async_scheduling`: those of the previous step, made while this one ran)."""
-        for lease in self.kv.expire_leases():  # a reader that died: its pins end here
-            logger.info("[%s] lease expired: %d pages unpinned", lease.owner,
-                        len(lease.block_ids))
+        self.expire_leases()
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
         if sched.is_empty:

@@ -341,7 +341,7 @@ class KVConnector(ABC):
         """Drop pins of `pin_cached` / `import_blocks` (and a staged tail)."""
 
     async def close(self) -> None:
-        """Stop background work (lease expiry); leases stay until the engine goes."""
+        """Stop background work the connector started; leases stay until the engine goes."""
         return None
 
 

@@ -20,8 +20,6 @@ prefix lookup finds them: nothing loads during a step (`get_num_new_matched_toke
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,7 +48,6 @@ if TYPE_CHECKING:
     from tandem.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
-SWEEP_S = 0.25  # how often leases past their time are unpinned
 
 
 class PDScheduler(KVConnectorScheduler):
@@ -184,7 +181,6 @@ class PDConnector(KVConnector):
         self.scheduler = PDScheduler(core.kv, self._saving)
         self.worker = PDWorker(self._saving)
         self.attach(core)  # told of allocations, finishes and steps from now on
-        self._sweeper: asyncio.Task | None = None
 
     # -- what both ends share --------------------------------------------------------------
     def layout(self, model_id: str) -> PageLayout:
@@ -203,12 +199,10 @@ class PDConnector(KVConnector):
 
     # -- sending ---------------------------------------------------------------------------
     async def lease_kept(self, request_id: str, lease_s: float) -> PageLease | None:
-        self._sweep_leases()
         return await self._engine._call(lambda e: e.kv.lease_kept(request_id, lease_s))
 
     async def lease_cached(self, owner: str, hashes: list[BlockHash],
                            lease_s: float) -> PageLease:
-        self._sweep_leases()
         return await self._engine._call(lambda e: e.kv.lease_cached(owner, hashes, lease_s))
 
     async def renew(self, lease: PageLease, lease_s: float) -> PageLease:
@@ -219,7 +213,6 @@ class PDConnector(KVConnector):
         return await self._engine._call(lambda e: e.kv.release_lease(lease_id))
 
     async def release_kept(self, request_id: str) -> bool:
-        self._sweep_leases()
         return await self._engine.release_kept(request_id)
 
     async def page_source(self, lease: PageLease, start: int = 0,
@@ -270,31 +263,3 @@ class PDConnector(KVConnector):
     async def unpin(self, blocks: Sequence[KVBlock], *, limit: int | None = None,
                     drop_tail: str | None = None) -> None:
         await self._engine.unpin(blocks, limit=limit, drop_tail=drop_tail)
-
-    # -- lease expiry ----------------------------------------------------------------------
-    def _sweep_leases(self) -> None:
-        """Start unpinning expired leases on the engine thread every `SWEEP_S` (once)."""
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.ensure_future(self._sweep())
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            if not self._engine.engine.kv.leases.stats().active:
-                continue
-            try:
-                gone = await self._engine._call(lambda e: e.kv.expire_leases())
-            except Exception:  # noqa: BLE001 - the sweeper must outlive one failure
-                if not self._engine.alive():
-                    return
-                logger.exception("KV lease expiry failed")
-                continue
-            for lease in gone:
-                logger.info("[%s] lease expired: %d pages unpinned", lease.owner,
-                            len(lease.block_ids))
-
-    async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
