@@ -3,10 +3,16 @@
 A step's batch is flattened: `T` new tokens from `B` sequences, decodes (one new token)
 first. Each backend turns a `BatchLayout` into its own metadata once per step, then per layer
 writes the new K/V into the paged cache and attends over each sequence's whole context.
+
+Layers may differ in their scale, sliding window and score soft cap (Gemma 3 alternates
+windowed and global layers): `backend.for_layer(spec)` is a view of the backend with that
+layer's spec, sharing its cache layout and state, that reads the same per-step metadata
+(built once by the backend, for every window its views registered).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -92,7 +98,8 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     scale: float
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys within this many positions of the query
+    logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
 
 
 class AttentionBackend(ABC):
@@ -112,6 +119,36 @@ class AttentionBackend(ABC):
         # "auto": K/V rows in `dtype`; "fp8" / "int8": uint8 pages of codes, then float16
         # scales (`kv_cache/quant.py`)
         self.kv_format = kv_format(kv_cache_dtype)
+        # the sliding window of every layer (`for_layer`), shared with the views: the
+        # metadata `build_metadata` returns serves each
+        self.layer_windows: list[int | None] = [spec.sliding_window]
+
+    def for_layer(self, spec: AttentionSpec) -> AttentionBackend:
+        """This backend for a layer whose `spec` differs from the backend's own only in
+        `scale`, `sliding_window` or `logit_softcap` (heads and head size, hence the cache
+        layout, are shared): `self` for an equal spec, else a view sharing this backend's
+        state whose `forward` reads the metadata of this backend's `build_metadata`. Make the
+        views before building metadata. ConfigError for a spec it cannot share."""
+        if spec == self.spec:
+            return self
+        own = self.spec
+        if (spec.num_heads, spec.num_kv_heads, spec.head_dim) != (
+                own.num_heads, own.num_kv_heads, own.head_dim):
+            raise ConfigError(
+                f"attention layers of one backend share heads and head size: "
+                f"({spec.num_heads}, {spec.num_kv_heads}, {spec.head_dim}) against "
+                f"({own.num_heads}, {own.num_kv_heads}, {own.head_dim})")
+        view = self._view(spec)
+        if spec.sliding_window not in self.layer_windows:
+            self.layer_windows.append(spec.sliding_window)
+        return view
+
+    def _view(self, spec: AttentionSpec) -> AttentionBackend:
+        """A shallow copy with `spec`; backends whose state depends on the spec extend it
+        (or raise ConfigError for a spec they cannot run)."""
+        view = copy.copy(self)
+        view.spec = spec
+        return view
 
     def bytes_per_block(self) -> int:
         """KV bytes one block costs in one layer (K and V)."""
@@ -139,7 +176,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout) -> Any:
-        """Precompute per-step indices shared by every layer."""
+        """Precompute per-step indices shared by every layer (and every `for_layer` view)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,11 +220,15 @@ def resolve_backend(name: str, spec: AttentionSpec, dtype: torch.dtype,
     """`name`'s class for `device`, or a ConfigError saying why it cannot run there.
 
     "auto": "triton" on CUDA (torch, with a warning, where Triton cannot run); on the CPU the
-    native kernel where it builds (and `native` kernels are allowed), else "torch". Triton's
-    interpreter is a test tool, so "auto" never picks it on the CPU."""
+    native kernel where it builds (and `native` kernels are allowed), else "torch"; "torch"
+    for a model whose attention scores are soft-capped (`spec.logit_softcap`), which only
+    the torch backend runs. Triton's interpreter is a test tool, so "auto" never picks it on
+    the CPU."""
     from tandem.engine.kernels import triton_unavailable_reason
 
     if name == "auto":
+        if spec.logit_softcap is not None:
+            return get_backend("torch")
         if device.type == "cuda":
             reason = triton_unavailable_reason(device)
             if reason is None:

@@ -16,12 +16,16 @@ new K/V are quantized straight into them (`tandem_kv_quantize_write`); a prefill
 context blocks are dequantized into a float32 scratch of just those blocks (remapped
 tables) for the float prefill kernel, which costs one pass over the context per layer
 against the chunk's attention over it.
+
+The kernels take the sliding window and scale per call, so one step's metadata serves layers
+of any window (`for_layer`); only the torch prefill path, without AVX2, builds masks per
+window. Score soft caps are not in the kernels: such models use the torch backend.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +39,8 @@ from tandem.engine.attention.base import (
 from tandem.engine.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
+    biting_window,
+    per_window,
     write_then_attend,
 )
 from tandem.engine.errors import ConfigError
@@ -69,7 +75,7 @@ def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.devi
     """Whether the `cpu` backend can run this model here (else use `torch`)."""
     return (device.type == "cpu" and dtype == torch.float32
             and 1 <= spec.num_heads // spec.num_kv_heads <= MAX_GROUP
-            and load_native() is not None)
+            and spec.logit_softcap is None and load_native() is not None)
 
 
 @register_backend("cpu")
@@ -82,7 +88,8 @@ class CpuAttentionBackend(AttentionBackend):
         super().__init__(spec, block_size, dtype, device, kv_cache_dtype)
         if not native_available(spec, dtype, device):
             raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
-                              "compiler, and at most 64 query heads per KV head")
+                              "compiler, at most 64 query heads per KV head, and no "
+                              "attention logit soft cap")
         self._torch = TorchAttentionBackend(spec, block_size, dtype, device, kv_cache_dtype)
         lib = load_native()
         self._kernel = lib.tandem_paged_attention_decode_f32
@@ -96,6 +103,15 @@ class CpuAttentionBackend(AttentionBackend):
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._zero_kv_cache(num_blocks)
 
+    def _view(self, spec: AttentionSpec) -> CpuAttentionBackend:
+        if spec.logit_softcap is not None:
+            raise ConfigError("attention backend 'cpu' has no attention logit soft cap; use "
+                              "'torch'")
+        view = super()._view(spec)
+        assert isinstance(view, CpuAttentionBackend)
+        view._torch = self._torch.for_layer(spec)
+        return view
+
     def build_metadata(self, layout: BatchLayout) -> CpuAttentionMetadata:
         nd = layout.num_decodes
         tables = lens = None
@@ -103,8 +119,16 @@ class CpuAttentionBackend(AttentionBackend):
             tables = torch.from_numpy(layout.block_table[:nd])  # rows contiguous
             lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int32)
         if self._prefill_kernel is None or nd == len(layout.query_lens):
-            return CpuAttentionMetadata(self._torch.write_rows(layout), nd, [],
-                                        self._torch.prefill_seqs(layout), tables, lens)
+            # torch prefills (if any): masks per window; the decode kernel takes the window
+            windows, seq_lens = self.layer_windows, layout.seq_lens
+            meta = CpuAttentionMetadata(
+                self._torch.write_rows(layout), nd, [],
+                self._torch.prefill_seqs(layout, biting_window(windows[0], seq_lens)),
+                decode_tables=tables, decode_lens=lens)
+            if not meta.prefills:
+                return meta
+            return per_window(meta, windows, seq_lens, lambda w: replace(
+                meta, prefills=self._torch.prefill_seqs(layout, w), by_window={}))
         q_lens = layout.query_lens[nd:]
         starts = list(itertools.accumulate(q_lens[:-1], initial=nd))  # decodes: 1 row each
         table = layout.block_table[nd:]
@@ -115,13 +139,15 @@ class CpuAttentionBackend(AttentionBackend):
                                 torch.tensor(starts, dtype=torch.int32),
                                 torch.tensor(q_lens, dtype=torch.int32),
                                 torch.tensor(layout.seq_lens[nd:], dtype=torch.int32))
-        return CpuAttentionMetadata(self._torch.write_rows(layout), nd, [], [], tables, lens,
-                                    native, blocks)
+        return CpuAttentionMetadata(self._torch.write_rows(layout), nd, [], [],
+                                    decode_tables=tables, decode_lens=lens,
+                                    native_prefills=native, prefill_blocks=blocks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: CpuAttentionMetadata) -> torch.Tensor:
-        return write_then_attend(self, q, k, v, kv_cache, meta)
+        return write_then_attend(self, q, k, v, kv_cache,
+                                 meta.for_window(self.spec.sliding_window))
 
     def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
                         v_rows: torch.Tensor, meta: TorchAttentionMetadata

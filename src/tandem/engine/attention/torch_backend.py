@@ -13,11 +13,17 @@ how its prompt was chunked) is dequantized on read.
 Other backends compose this one (no inheritance): `write_rows` and `prefill_seqs` build
 their metadata, and `write_then_attend` runs a layer from three steps, `write_quantized`,
 `decode` and `prefill`, that a backend implements or delegates to an owned instance.
+
+The masks depend on the sliding window, so a step's metadata holds one set per window of the
+backend's layers (`layer_windows`, one shared set where no sequence is longer than a
+window); each layer's view reads its own (`TorchAttentionMetadata.for_window`). A score soft
+cap (`AttentionSpec.logit_softcap`) runs the attention as explicit matmuls (SDPA has none).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +35,7 @@ from tandem.engine.attention.base import (
     BatchLayout,
     register_backend,
 )
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.quant import (
     KVCacheFormat,
     dequantize_rows,
@@ -67,6 +74,61 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSeq]
+    # layer sliding window -> the metadata its layers read (this one, or a copy with that
+    # window's decode groups and prefills); empty: this one serves every window
+    by_window: dict[int | None, TorchAttentionMetadata] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> TorchAttentionMetadata:
+        """The metadata of layers with sliding window `window`."""
+        if not self.by_window:
+            return self
+        try:
+            return self.by_window[window]
+        except KeyError:
+            raise ConfigError(
+                f"attention metadata has no masks for sliding window {window} (windows "
+                f"{sorted(self.by_window, key=str)}): make every layer's view "
+                "(for_layer) before building metadata") from None
+
+
+def biting_window(window: int | None, seq_lens: list[int]) -> int | None:
+    """`window`, or None where no context of the step is longer than it (the masks are the
+    causal ones then)."""
+    return window if window is not None and max(seq_lens, default=0) > window else None
+
+
+def per_window(meta: TorchAttentionMetadata, windows: list[int | None], seq_lens: list[int],
+               build: Callable[[int | None], TorchAttentionMetadata]
+               ) -> TorchAttentionMetadata:
+    """`meta` (built for windows[0]) with `by_window` covering every window of `windows`:
+    `build(w)` for each distinct biting window other than windows[0]'s."""
+    built = {biting_window(windows[0], seq_lens): meta}
+    for w in windows:
+        eff = biting_window(w, seq_lens)
+        if eff not in built:
+            built[eff] = build(eff)
+        meta.by_window[w] = built[eff]
+    return meta
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, softcap: float | None, gqa: bool = False) -> torch.Tensor:
+    """SDPA over [..., Tq, D] queries and [..., L, D] keys/values, `mask` True = attend (None:
+    causal, the queries being the last Tq positions); with `softcap`, explicit float32
+    matmuls with the scores capped as cap * tanh(score / cap) before masking (HF eager)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=gqa)
+    if gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        tq, tk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def group_by_length(lens: list[int], slack: float = 1.25, min_len: int = 64) -> list[
@@ -149,8 +211,8 @@ class TorchAttentionBackend(AttentionBackend):
         head = torch.arange(kvh) * bs
         return blocks[:, None, :] * (kvh * bs) + head[None, :, None] + (pos % bs)[None, None, :]
 
-    def _window_ok(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        w = self.spec.sliding_window
+    @staticmethod
+    def _window_ok(q_pos: torch.Tensor, k_pos: torch.Tensor, w: int | None) -> torch.Tensor:
         return k_pos > q_pos - w if w else torch.ones((), dtype=torch.bool)
 
     def write_rows(self, layout: BatchLayout) -> torch.Tensor:
@@ -160,7 +222,7 @@ class TorchAttentionBackend(AttentionBackend):
         write_rows = ((slots // bs) * (kvh * bs))[:, None] + (torch.arange(kvh) * bs)[None, :]
         return (write_rows + (slots % bs)[:, None]).reshape(-1).to(self.device)
 
-    def _decode_groups(self, layout: BatchLayout) -> list[DecodeGroup]:
+    def _decode_groups(self, layout: BatchLayout, window: int | None) -> list[DecodeGroup]:
         bs, nd = self.block_size, layout.num_decodes
         groups: list[DecodeGroup] = []
         lens_all = layout.seq_lens[:nd]
@@ -174,14 +236,14 @@ class TorchAttentionBackend(AttentionBackend):
             rows = self._rows(table, length).reshape(-1).to(self.device)
             k_pos = torch.arange(length)[None, :]
             q_pos = (lens - 1)[:, None]
-            mask = (k_pos <= q_pos) & self._window_ok(q_pos, k_pos)
+            mask = (k_pos <= q_pos) & self._window_ok(q_pos, k_pos, window)
             groups.append(DecodeGroup(lo, hi, length, rows, mask[:, None, None, :].to(self.device)))
         return groups
 
-    def prefill_seqs(self, layout: BatchLayout) -> list[PrefillSeq]:
-        """How each prefill chunk of the batch (after the decodes) reads its context."""
+    def prefill_seqs(self, layout: BatchLayout, window: int | None) -> list[PrefillSeq]:
+        """How each prefill chunk of the batch (after the decodes) reads its context, under
+        sliding window `window`."""
         bs, nd = self.block_size, layout.num_decodes
-        window = self.spec.sliding_window
         prefills: list[PrefillSeq] = []
         start = nd
         for i in range(nd, len(layout.query_lens)):
@@ -200,20 +262,28 @@ class TorchAttentionBackend(AttentionBackend):
                         seq.rows = self._rows(table, slen).reshape(-1).to(self.device)
                     q_pos = torch.arange(slen - qlen, slen)[:, None]
                     k_pos = torch.arange(slen)[None, :]
-                    seq.mask = ((k_pos <= q_pos) & self._window_ok(q_pos, k_pos)).to(
+                    seq.mask = ((k_pos <= q_pos) & self._window_ok(q_pos, k_pos, window)).to(
                         self.device)
             prefills.append(seq)
             start += qlen
         return prefills
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(self.write_rows(layout), layout.num_decodes,
-                                      self._decode_groups(layout), self.prefill_seqs(layout))
+        windows, lens = self.layer_windows, layout.seq_lens
+
+        def build(window: int | None) -> TorchAttentionMetadata:
+            return TorchAttentionMetadata(write_rows, layout.num_decodes,
+                                          self._decode_groups(layout, window),
+                                          self.prefill_seqs(layout, window))
+
+        write_rows = self.write_rows(layout)
+        return per_window(build(biting_window(windows[0], lens)), windows, lens, build)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: TorchAttentionMetadata) -> torch.Tensor:
-        return write_then_attend(self, q, k, v, kv_cache, meta)
+        return write_then_attend(self, q, k, v, kv_cache,
+                                 meta.for_window(self.spec.sliding_window))
 
     def write_quantized(self, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
                         v_rows: torch.Tensor, meta: TorchAttentionMetadata
@@ -246,7 +316,7 @@ class TorchAttentionBackend(AttentionBackend):
             kd = self._gather(k_rows, grp.rows).view(shape)
             vd = self._gather(v_rows, grp.rows).view(shape)
             qd = q[grp.lo : grp.hi].reshape(b, kvh, g, d)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=grp.mask, scale=s.scale)
+            od = attention(qd, kd, vd, grp.mask, s.scale, s.logit_softcap)
             out[grp.lo : grp.hi] = od.reshape(b, s.num_heads, d)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -258,19 +328,22 @@ class TorchAttentionBackend(AttentionBackend):
         for p in meta.prefills:
             sl = slice(p.token_start, p.token_start + p.query_len)
             qp = q[sl].transpose(0, 1)[None]  # [1, H, Tq, D]
-            if p.split:
+            if p.split and s.logit_softcap is None:
                 out[sl] = self._prefix_split(qp, k[sl], v[sl], k_rows, v_rows, p)
                 continue
             if p.rows is None:
                 kp = k[sl].transpose(0, 1)[None]  # [1, KVH, Tq, D]
                 vp = v[sl].transpose(0, 1)[None]
+            elif p.split:  # rows of the prefix only; the new tokens follow it causally
+                plen = p.seq_len - p.query_len
+                kp = torch.cat([self._gather(k_rows, p.rows).view(1, kvh, plen, d),
+                                k[sl].transpose(0, 1)[None]], dim=2)
+                vp = torch.cat([self._gather(v_rows, p.rows).view(1, kvh, plen, d),
+                                v[sl].transpose(0, 1)[None]], dim=2)
             else:
                 kp = self._gather(k_rows, p.rows).view(1, kvh, p.seq_len, d)
                 vp = self._gather(v_rows, p.rows).view(1, kvh, p.seq_len, d)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=s.scale,
-                enable_gqa=True,
-            )
+            op = attention(qp, kp, vp, p.mask, s.scale, s.logit_softcap, gqa=True)
             out[sl] = op[0].transpose(0, 1)
 
     def _prefix_split(self, qp: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -12,6 +12,10 @@ non-blocking copy; every layer then runs
 prefill, or the decode kernel (split-KV when `choose_num_splits` says the batch is too small
 to fill the GPU) for a decode-only one. `forward` does no host work, so a decode step over
 the fixed buffers of `static_decode_metadata` can be captured as a CUDA graph.
+
+The metadata holds no window or scale (the launches take them), so layers of different
+windows and scales (`for_layer` views) share it. Score soft caps are not in the kernels:
+"auto" serves such models with the torch backend.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class TritonAttentionBackend(AttentionBackend):
         reason = triton_unavailable_reason(device)
         if reason is not None:
             raise ConfigError(f"attention backend 'triton' cannot run on {device}: {reason}")
+        _check_softcap(spec)
         from tandem.engine.kernels import triton_attention, triton_ops
 
         self._attn = triton_attention
@@ -78,6 +83,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._zero_kv_cache(num_blocks)
+
+    def _view(self, spec: AttentionSpec) -> TritonAttentionBackend:
+        _check_softcap(spec)
+        view = super()._view(spec)
+        assert isinstance(view, TritonAttentionBackend)
+        view.window = spec.sliding_window or 0
+        return view
 
     # host staging --------------------------------------------------------------------------
 
@@ -217,3 +229,9 @@ class TritonAttentionBackend(AttentionBackend):
                 kv_cache_dtype=fmt, block_size=bs)
         return out
 
+
+
+def _check_softcap(spec: AttentionSpec) -> None:
+    if spec.logit_softcap is not None:
+        raise ConfigError("attention backend 'triton' has no attention logit soft cap; use "
+                          "'torch'")
