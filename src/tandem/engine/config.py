@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from tandem.engine.errors import ConfigError
+from tandem.engine.quant.checkpoint import canonical_name
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.protocol.cli_args import default_served_name
 from tandem.protocol.engine_flags import DTYPES as _DTYPES
@@ -75,7 +76,10 @@ class EngineConfig:
     # "w8a8" int8 weights + per-token int8 activations (o_proj, gate_up; the rest weight-only),
     # "int4" group-wise weight-only, "fp8"
     # (W8A8 e4m3 with torch._scaled_mm on Hopper/Ada; weight-only elsewhere), "gguf" the
-    # file's own Q4_0/Q4_1/Q8_0 tensors as they are; None = float weights in `dtype`
+    # file's own Q4_0/Q4_1/Q8_0 tensors as they are. A pre-quantized checkpoint
+    # (quantization_config: "gptq", "awq", "fp8", "compressed-tensors"; vLLM's "gptq_marlin"
+    # and "awq_marlin" are read as gptq / awq) is served with its own method when this is
+    # unset or names it (engine/quant/checkpoint.py); None = float weights in `dtype`
     quantization: str | None = None
     # K columns per scale for "int4" (32, 64 or 128; None = 32) and "int8" (None = per channel)
     quantization_group_size: int | None = None
@@ -245,6 +249,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS} or None, got "
                               f"{self.quantization!r}")
+        object.__setattr__(self, "quantization", canonical_name(self.quantization))
         g = self.quantization_group_size
         if g is not None and (isinstance(g, bool) or g not in (32, 64, 128)):
             raise ConfigError(f"quantization_group_size must be 32, 64 or 128, got {g!r}")

@@ -65,7 +65,10 @@ REQUIRE_SIGNED_REQUESTS = "--require-signed-requests"
 # the values the worker accepts (argparse choices) and the CRD's enums
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
-QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf")
+# int8 .. gguf quantize at load (gguf: a .gguf file's own blocks); gptq .. awq_marlin name a
+# pre-quantized checkpoint's method (vLLM's names; the *_marlin ones are aliases)
+QUANTIZATIONS = ("int8", "w8a8", "int4", "fp8", "gguf", "gptq", "awq", "compressed-tensors",
+                 "gptq_marlin", "awq_marlin")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 GROUPED_QUANTIZATIONS = ("int4", "int8")  # the quantizations with a group size
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")

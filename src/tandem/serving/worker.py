@@ -92,7 +92,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keep the weights compressed and compute with them: int8 (weight-only, "
                         "per channel), w8a8 (int8 weights and per-token int8 activations), "
                         "int4 (group-wise), fp8 (e4m3), gguf (the file's own Q4_0/Q4_1/Q8_0 "
-                        "tensors as they are); default: float weights in --dtype")
+                        "tensors as they are); gptq, awq, fp8, compressed-tensors (gptq_marlin, "
+                        "awq_marlin: aliases) serve a pre-quantized checkpoint's own codes, "
+                        "which is also what an unset flag does for one; default: float "
+                        "weights in --dtype")
     p.add_argument(flags.QUANTIZATION_GROUP_SIZE, type=int, default=None,
                    choices=flags.QUANTIZATION_GROUP_SIZES,
                    help="input columns per scale for int4 (default 32) and int8 (default: "

@@ -26,6 +26,7 @@ from torch import nn
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.quant.base import LinearMethod, QuantLinear, get_linear_method
+from tandem.engine.quant.checkpoint import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,18 @@ logger = logging.getLogger(__name__)
 class SourceFormat:
     """How a checkpoint tensor is stored: `bits`-bit codes in groups of `group_size` with
     (`has_mins`) or without per-group mins (GGUF Q4_0 / Q4_1: 4, 32, True; Q8_0: 8, 32,
-    False). Tensors absent from `ModelSource.formats` are float."""
+    False). Tensors absent from `ModelSource.formats` are float.
+
+    A pre-quantized Hugging Face checkpoint's (`quant/checkpoint.py`) also names its
+    `method` (gptq, awq, fp8, compressed-tensors); `kind` "fp8": e4m3 codes with a scale
+    per row (an `Fp8Weight`); `act_order`: its codes come with an input permutation."""
 
     bits: int
     group_size: int
     has_mins: bool
+    kind: str = "int"
+    act_order: bool = False
+    method: str | None = None
 
 
 class QuantEmbedding(nn.Module):
@@ -106,11 +114,49 @@ def _gguf_method(parts: list[SourceFormat | None], device: torch.device,
                              has_mins=mins)
 
 
+def _checkpoint_plan(plan: QuantPlan, paths: Mapping[str, list[str]],
+                     formats: Mapping[str, SourceFormat], device: torch.device,
+                     native: ctypes.CDLL | None, source: str) -> QuantPlan:
+    """A pre-quantized checkpoint's plan: each linear whose parts are stored quantized gets
+    the method that holds their codes exactly (4-bit: int4 in the format's group size,
+    8-bit: int8 with mins, fp8: fp8; act-order ones permute their input); the rest (the
+    checkpoint's ignored modules) stay float."""
+    made: dict[SourceFormat, LinearMethod] = {}
+    for path, names in paths.items():
+        parts = [formats.get(n) for n in names]
+        if all(p is None for p in parts):
+            continue
+        if len(set(parts)) != 1:
+            kinds = ", ".join(f"{n}: {'float' if p is None else p.kind}"
+                              f"{'' if p is None else f' {p.bits}-bit g{p.group_size}'}"
+                              for n, p in zip(names, parts, strict=True))
+            raise ConfigError(f"{source or 'the model'}: the parts of the fused layer {path} "
+                              f"are stored differently ({kinds}); they must share a format")
+        fmt = parts[0]
+        if fmt not in made:
+            if fmt.kind == "fp8":
+                made[fmt] = get_linear_method("fp8", device=device, native=native)
+            elif fmt.bits == 4:
+                made[fmt] = get_linear_method("int4", device=device, native=native,
+                                              group_size=fmt.group_size,
+                                              act_order=fmt.act_order)
+            else:
+                made[fmt] = get_linear_method("int8", device=device, native=native,
+                                              group_size=fmt.group_size, has_mins=True,
+                                              act_order=fmt.act_order)
+        plan.methods[path] = made[fmt]
+    return plan
+
+
 def plan_quantization(name: str | None, arch: ModelArchConfig,
                       formats: Mapping[str, SourceFormat], device: torch.device,
                       native: ctypes.CDLL | None, group_size: int | None = None,
                       source: str = "") -> QuantPlan:
     """The plan for `EngineConfig.quantization` `name` (see config.py for the modes).
+
+    A pre-quantized checkpoint (`formats` naming a method: quant/checkpoint.py) is served
+    with its own method whether `name` is unset or names it (a vLLM alias too); another
+    `name` is a ConfigError, as is a checkpoint-only method for a float checkpoint.
 
     int8 / int4 / w8a8 / fp8 quantize every linear; the embedding (and the tied or untied
     LM head) gets per-channel weight-only int8 under int8 / int4 / w8a8 (a 4-bit vocabulary
@@ -119,10 +165,14 @@ def plan_quantization(name: str | None, arch: ModelArchConfig,
     activations, the rest keep the same int8 weights weight-only. "gguf" keeps each
     tensor's file format (`formats`; ConfigError for a checkpoint without quantized
     tensors)."""
+    checkpoint = next((f.method for f in formats.values() if f.method is not None), None)
+    name = resolve_quantization(name, checkpoint, source)
     plan = QuantPlan(name)
     if name is None:
         return plan
     paths = _linear_paths(arch)
+    if checkpoint is not None:
+        return _checkpoint_plan(plan, paths, formats, device, native, source)
     if name == "gguf":
         if not formats:
             raise ConfigError(f"quantization 'gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 "

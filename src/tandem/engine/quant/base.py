@@ -36,6 +36,10 @@ class GroupedWeight:
     codes: [N, K] int8 -- signed -128..127 for `bits=8`, unsigned 0..15 for `bits=4`
     (GGUF's Q4_0 / Q4_1 convention: Q4_0 is mins = -8 * scales). scales / mins: [N, K // g]
     float16 (GGUF's own block scales, bit for bit). K % g == 0; g == K is per-channel.
+
+    `perm` [K] int64 (act-order checkpoints, GPTQ's desc_act): the codes' columns are the
+    layer's input columns reordered so that groups are contiguous; code column j holds input
+    column perm[j] (`dequantize` returns the input order; a layer multiplies x[:, perm]).
     """
 
     codes: torch.Tensor
@@ -43,6 +47,7 @@ class GroupedWeight:
     mins: torch.Tensor | None
     bits: int
     group_size: int
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -60,11 +65,15 @@ class GroupedWeight:
     def rows(self, start: int, stop: int) -> GroupedWeight:
         return GroupedWeight(self.codes[start:stop], self.scales[start:stop],
                              None if self.mins is None else self.mins[start:stop],
-                             self.bits, self.group_size)
+                             self.bits, self.group_size, self.perm)
 
     def columns(self, start: int, stop: int) -> GroupedWeight:
         """Input columns [start, stop) (views): whole groups only (ConfigError otherwise)."""
         g = self.group_size
+        if self.perm is not None:
+            raise ConfigError(f"an act-order (desc_act) weight's input columns [{start}, {stop})"
+                              " are scattered over its groups: it cannot be split by input "
+                              "columns (tensor parallelism of o_proj / down_proj)")
         if start % g or stop % g or not 0 <= start < stop <= self.shape[1]:
             raise ConfigError(f"columns [{start}, {stop}) of a grouped weight of K="
                               f"{self.shape[1]} are not whole groups of {g}")
@@ -83,24 +92,78 @@ class GroupedWeight:
 
         return GroupedWeight(pad(self.codes), pad(self.scales),
                              None if self.mins is None else pad(self.mins), self.bits,
-                             self.group_size)
+                             self.group_size, self.perm)
 
     def permute_rows(self, index: torch.Tensor) -> GroupedWeight:
         """Rows reordered by `index` (llama.cpp's Q/K un-permutation acts on whole rows)."""
         return GroupedWeight(self.codes[index], self.scales[index],
                              None if self.mins is None else self.mins[index],
-                             self.bits, self.group_size)
+                             self.bits, self.group_size, self.perm)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`, computed as `codes * scale + min` in float32 (GGUF's order:
-        two roundings, no FMA), then cast; float64 computes in float64."""
+        two roundings, no FMA), then cast; float64 computes in float64. Columns in input
+        order (an act-order weight's codes are put back where `perm` says)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         n, k = self.shape
         g = self.group_size
         w = self.codes.to(work).view(n, k // g, g) * self.scales.to(work)[..., None]
         if self.mins is not None:
             w = w + self.mins.to(work)[..., None]
-        return w.view(n, k).to(dtype)
+        w = w.view(n, k)
+        if self.perm is not None:
+            out = torch.empty_like(w)
+            out[:, self.perm.to(w.device)] = w
+            w = out
+        return w.to(dtype)
+
+
+@dataclass
+class Fp8Weight:
+    """Rows of a float8_e4m3fn weight as an FP8 checkpoint stores it: w[n, k] = codes[n, k]
+    * scales[n] (a per-tensor scale arrives repeated per row, exactly).
+
+    codes: [N, K] float8_e4m3fn; scales: [N] float32. `input_scale`: the checkpoint's
+    static activation scale (a float32 scalar tensor) or None."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    input_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.codes.dtype != torch.float8_e4m3fn or self.codes.dim() != 2:
+            raise ConfigError(f"fp8 weight codes must be [N, K] float8_e4m3fn, got "
+                              f"{tuple(self.codes.shape)} {self.codes.dtype}")
+        if tuple(self.scales.shape) != (self.codes.shape[0],):
+            raise ConfigError(f"fp8 weight scales {tuple(self.scales.shape)} do not match "
+                              f"{self.codes.shape[0]} rows")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.codes.shape[0]), int(self.codes.shape[1]))
+
+    def rows(self, start: int, stop: int) -> Fp8Weight:
+        return Fp8Weight(self.codes[start:stop], self.scales[start:stop], self.input_scale)
+
+    def columns(self, start: int, stop: int) -> Fp8Weight:
+        """Input columns [start, stop) (views; each row keeps its scale)."""
+        return Fp8Weight(self.codes[:, start:stop], self.scales, self.input_scale)
+
+    def padded_rows(self, rows: int) -> Fp8Weight:
+        """These rows followed by zero rows (scale 0) up to `rows`."""
+        extra = rows - self.shape[0]
+        pad = torch.zeros(extra, self.shape[1], dtype=torch.uint8, device=self.codes.device)
+        codes = torch.cat([self.codes.view(torch.uint8), pad]).view(torch.float8_e4m3fn)
+        return Fp8Weight(codes, torch.cat([self.scales, self.scales.new_zeros(extra)]),
+                         self.input_scale)
+
+    def permute_rows(self, index: torch.Tensor) -> Fp8Weight:
+        return Fp8Weight(self.codes[index], self.scales[index], self.input_scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: codes * scale computed in float32 (float64 for float64)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.codes.to(work) * self.scales.to(work)[:, None]).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -111,7 +174,7 @@ class ColumnSlice:
     scales each row by the full row's range (`float_rows`), so every rank's codes and
     scales are exactly the unsharded layer's, sliced."""
 
-    full: torch.Tensor | GroupedWeight
+    full: torch.Tensor | GroupedWeight | Fp8Weight
     start: int
     size: int
 
@@ -119,9 +182,9 @@ class ColumnSlice:
     def shape(self) -> tuple[int, int]:
         return (int(self.full.shape[0]), self.size)
 
-    def part(self) -> torch.Tensor | GroupedWeight:
+    def part(self) -> torch.Tensor | GroupedWeight | Fp8Weight:
         """The rank's columns as stored (views; a `GroupedWeight` in whole groups only)."""
-        if isinstance(self.full, GroupedWeight):
+        if not isinstance(self.full, torch.Tensor):
             return self.full.columns(self.start, self.start + self.size)
         return self.full[:, self.start:self.start + self.size]
 
@@ -129,7 +192,7 @@ class ColumnSlice:
         """(the rank's columns in float32 [N, size], each whole row's max |w| [N] float32:
         the same values the unsharded layer's quantization sees)."""
         stop = self.start + self.size
-        if isinstance(self.full, GroupedWeight):
+        if not isinstance(self.full, torch.Tensor):
             full = self.full.dequantize(torch.float32)
             return full[:, self.start:stop], full.abs().amax(-1)
         amax = self.full.detach().abs().amax(-1).to(torch.float32)  # exact in any dtype
@@ -181,7 +244,7 @@ def quantize_grouped(weight: torch.Tensor, bits: int, group_size: int,
 
 
 # what `LinearMethod.load` accepts (a `ColumnSlice` only where `row_scaled`)
-WeightRows = torch.Tensor | GroupedWeight | ColumnSlice
+WeightRows = torch.Tensor | GroupedWeight | Fp8Weight | ColumnSlice
 
 
 class QuantLinear(nn.Module):
@@ -225,9 +288,11 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
-        """Fill output rows [start, start + rows) from float rows [rows, K] or a
-        `GroupedWeight` (or, where `row_scaled`, a `ColumnSlice`: scaled by its whole
-        rows' range); every row is loaded exactly once before `finish`."""
+        """Fill output rows [start, start + rows) from float rows [rows, K], a
+        `GroupedWeight` or an `Fp8Weight` (a pre-quantized checkpoint's codes, kept exactly
+        where the method's format can hold them), or, where `row_scaled`, a `ColumnSlice`
+        (scaled by its whole rows' range); every row is loaded exactly once before
+        `finish`."""
 
     def finish(self, layer: QuantLinear) -> None:  # noqa: B027 - optional hook
         """After every row is loaded: convert to the kernel layout, drop staging buffers."""

@@ -3,6 +3,9 @@
 Storage: `weight` [N, K] float8_e4m3fn, `weight_scale` [N] float32; row n's scale is
 amax(|w[n]|) / 448 (e4m3's largest finite value), so codes = w / scale lie in [-448, 448]
 (clamped: never NaN). `GroupedWeight` rows are dequantized to float32, then quantized.
+An `Fp8Weight` (an FP8 checkpoint's e4m3 codes with per-tensor or per-channel scales) is
+stored as it is: its codes and scales, bit for bit. Its static `input_scale` is not used:
+activations are scaled per token at run time.
 
 Execution (`mode`, picked from the device unless given):
 * "scaled_mm" (CUDA compute capability >= 8.9, Ada / Hopper): W8A8. Each activation row is
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from tandem.engine.errors import ConfigError
 from tandem.engine.quant.base import (
     ColumnSlice,
+    Fp8Weight,
     GroupedWeight,
     LinearMethod,
     QuantLinear,
@@ -122,6 +126,16 @@ class Fp8Method(LinearMethod):
                               persistent=False)
 
     def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
+        if isinstance(weight, ColumnSlice) and isinstance(weight.full, Fp8Weight):
+            weight = weight.part()  # the rank's columns, each row with its own scale
+        if isinstance(weight, Fp8Weight):
+            n, k = weight.shape
+            if k != layer.in_features or start < 0 or start + n > layer.out_features:
+                raise ConfigError(f"fp8 load of rows {(n, k)} at {start} into a "
+                                  f"[{layer.out_features}, {layer.in_features}] layer")
+            layer.weight[start:start + n].copy_(weight.codes)
+            layer.weight_scale[start:start + n].copy_(weight.scales)
+            return
         amax = None
         if isinstance(weight, ColumnSlice):  # scaled by the whole rows' range
             rows, amax = weight.float_rows()

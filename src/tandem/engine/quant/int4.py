@@ -25,8 +25,9 @@ class Int4Method(GroupedIntMethod):
     symmetric = False
 
     def __init__(self, *, device: torch.device | str, native: ctypes.CDLL | None = None,
-                 group_size: int = 32) -> None:
+                 group_size: int = 32, act_order: bool = False) -> None:
         if group_size not in GROUP_SIZES or isinstance(group_size, bool):
             raise ConfigError(f"int4 group_size must be one of {GROUP_SIZES}, got "
                               f"{group_size!r}")
-        super().__init__(device=device, native=native, group_size=group_size, has_mins=True)
+        super().__init__(device=device, native=native, group_size=group_size, has_mins=True,
+                         act_order=act_order)

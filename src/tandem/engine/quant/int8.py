@@ -15,6 +15,11 @@ into a layer without them) is dequantized and re-quantized, which rounds again.
 
 "int8": signed codes in [-127, 127], scale = amax / 127 per group (`group_size=None`: per
 output channel, g = K); `has_mins=True` adds a min buffer (0 for quantized float rows).
+
+`act_order=True` (act-order GPTQ / compressed-tensors checkpoints): the layer also holds
+`perm` [K], the input column of each code column (`GroupedWeight.perm`, the same for every
+fused part), and multiplies x[:, perm] (vLLM's exllama / Marlin shuffle), so the kernels
+see contiguous groups.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.quant import cpu_kernels, torch_ref
 from tandem.engine.quant.base import (
     ColumnSlice,
+    Fp8Weight,
     GroupedWeight,
     LinearMethod,
     QuantLinear,
@@ -47,7 +53,7 @@ class GroupedIntMethod(LinearMethod):
     embeds_cheaply = True  # `embed` reads only the looked-up rows (a tied embedding shares it)
 
     def __init__(self, *, device: torch.device | str, native: ctypes.CDLL | None,
-                 group_size: int | None, has_mins: bool) -> None:
+                 group_size: int | None, has_mins: bool, act_order: bool = False) -> None:
         if group_size is not None and (isinstance(group_size, bool)
                                        or not isinstance(group_size, int) or group_size < 1
                                        or group_size % (8 // self.bits)):
@@ -58,6 +64,7 @@ class GroupedIntMethod(LinearMethod):
         self.native = native
         self.group_size = group_size
         self.has_mins = has_mins
+        self.act_order = act_order
         self.row_scaled = group_size is None  # per-channel: one scale per whole row
         self.panels = native is not None and self.device.type == "cpu"
 
@@ -82,6 +89,9 @@ class GroupedIntMethod(LinearMethod):
         layer.register_buffer("scales", scales, persistent=False)
         layer.register_buffer("mins", torch.empty_like(scales) if self.has_mins else None,
                               persistent=False)
+        if self.act_order:
+            layer.register_buffer("perm", torch.empty(k, dtype=torch.long), persistent=False)
+            layer.perm_loaded = False
 
     def _convert(self, layer: QuantLinear, rows: WeightRows) -> GroupedWeight:
         """Rows in this layer's format (bits, group size, mins or not). A `ColumnSlice`
@@ -117,6 +127,8 @@ class GroupedIntMethod(LinearMethod):
             logger.debug("%s: re-quantizing %d-bit g%d rows to g%d", self.name, rows.bits,
                          rows.group_size, g)
             rows = rows.dequantize(torch.float32)
+        if isinstance(rows, Fp8Weight):
+            rows = rows.dequantize(torch.float32)
         if rows.dim() != 2 or rows.shape[1] != k or not rows.is_floating_point():
             raise ConfigError(f"{self.name}: expected float rows [r, {k}], got "
                               f"{tuple(rows.shape)} {rows.dtype}")
@@ -125,8 +137,31 @@ class GroupedIntMethod(LinearMethod):
             out.mins = torch.zeros_like(out.scales)
         return out
 
+    def _load_perm(self, layer: QuantLinear, weight: WeightRows) -> WeightRows:
+        """Keep an act-order part's input permutation (the same for every part of the
+        layer) and return the part without it (its codes stay in group order)."""
+        perm = weight.perm if isinstance(weight, GroupedWeight) else None
+        if not self.act_order:
+            if perm is not None:
+                raise ConfigError(f"{self.name}: an act-order weight needs a layer planned "
+                                  "with act_order")
+            return weight
+        if perm is None:
+            perm = torch.arange(layer.in_features)
+        perm = perm.to(device=layer.perm.device, dtype=torch.long)
+        if not layer.perm_loaded:
+            layer.perm.copy_(perm)
+            layer.perm_loaded = True
+        elif not torch.equal(layer.perm, perm):
+            raise ConfigError(f"{self.name}: the fused parts of one layer have different "
+                              "act-order permutations (g_idx)")
+        if isinstance(weight, GroupedWeight):
+            weight = GroupedWeight(weight.codes, weight.scales, weight.mins, weight.bits,
+                                   weight.group_size)
+        return weight
+
     def load(self, layer: QuantLinear, start: int, weight: WeightRows) -> None:
-        rows = self._convert(layer, weight)
+        rows = self._convert(layer, self._load_perm(layer, weight))
         n, stop = layer.out_features, start + rows.shape[0]
         if start < 0 or stop > n:
             raise ConfigError(f"{self.name}: rows [{start}, {stop}) outside [0, {n})")
@@ -143,16 +178,22 @@ class GroupedIntMethod(LinearMethod):
             mins[start:stop] = rows.mins.to(device=mins.device, dtype=torch.float16)
 
     def grouped(self, layer: QuantLinear, ids: torch.Tensor | None = None) -> GroupedWeight:
-        """Rows `ids` (default all) as a row-major `GroupedWeight` (bit-exact storage)."""
+        """Rows `ids` (default all) as a row-major `GroupedWeight` (bit-exact storage; an
+        act-order layer's with its `perm`)."""
         g = self.group(layer)
         if self.panels:
             if ids is None:
                 ids = torch.arange(layer.out_features)
-            return cpu_kernels.read_panel_rows(layer.codes, layer.scales, layer.mins,
-                                               self.bits, g, ids)
-        sel = slice(None) if ids is None else ids.to(layer.codes.device)
-        mins = None if layer.mins is None else layer.mins[sel]
-        return torch_ref.grouped_rows(layer.codes[sel], layer.scales[sel], mins, self.bits, g)
+            out = cpu_kernels.read_panel_rows(layer.codes, layer.scales, layer.mins,
+                                              self.bits, g, ids)
+        else:
+            sel = slice(None) if ids is None else ids.to(layer.codes.device)
+            mins = None if layer.mins is None else layer.mins[sel]
+            out = torch_ref.grouped_rows(layer.codes[sel], layer.scales[sel], mins, self.bits,
+                                         g)
+        if self.act_order:
+            out.perm = layer.perm
+        return out
 
     def dequantize(self, layer: QuantLinear) -> torch.Tensor:
         return self.grouped(layer).dequantize(torch.float32)
@@ -162,6 +203,8 @@ class GroupedIntMethod(LinearMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         bias, g = layer.bias, self.group(layer)
+        if self.act_order:  # the code columns' order
+            x = x.index_select(-1, layer.perm)
         if self.panels:
             fn = (cpu_kernels.int8_panel_linear if self.bits == 8
                   else cpu_kernels.int4_panel_linear)
@@ -191,6 +234,7 @@ class Int8Method(GroupedIntMethod):
     symmetric = True
 
     def __init__(self, *, device: torch.device | str, native: ctypes.CDLL | None = None,
-                 group_size: int | None = None, has_mins: bool = False) -> None:
+                 group_size: int | None = None, has_mins: bool = False,
+                 act_order: bool = False) -> None:
         super().__init__(device=device, native=native, group_size=group_size,
-                         has_mins=has_mins)
+                         has_mins=has_mins, act_order=act_order)

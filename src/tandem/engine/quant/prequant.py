@@ -1,0 +1,325 @@
+"""A pre-quantized checkpoint's tensors as the engine's compressed weights (no float round
+trip): each quantized linear's stored parts become one logical `<prefix>.weight` of shape
+[N, K] (out, in), yielded as a `GroupedWeight` (integer codes, float16 scales and mins) or
+an `Fp8Weight` (e4m3 codes, float32 scale per row); every other tensor passes as float.
+
+Layouts (the reference packers: AutoGPTQ's `QuantLinear.pack`, AutoAWQ's
+`WQLinear_GEMM.from_linear`, compressed-tensors' `pack_to_int32`), w = (q - z) * s:
+- GPTQ: `qweight` int32 [K * bits / 32, N] (32 / bits codes per word along K, the first in
+  the lowest bits), `qzeros` int32 [K / g, N * bits / 32] (along N; stored minus one in the
+  "gptq" checkpoint_format, as they are in "gptq_v2"), `scales` [K / g, N], `g_idx` [K] (the
+  group of each input column: act-order when it is not k // g).
+- AWQ GEMM: `qweight` int32 [K, N / 8] and `qzeros` [K / g, N / 8], packed along N in the
+  nibble order 0, 2, 4, 6, 1, 3, 5, 7; `scales` [K / g, N].
+- compressed-tensors pack-quantized: `weight_packed` int32 [N, K * bits / 32] (along K) of
+  q + 2^(bits-1); `weight_scale` [N, K / g]; `weight_zero_point` (asymmetric: int8
+  [N, K / g], or int32 packed along N); `weight_shape` [2]; `weight_g_idx` [K] (act-order).
+- FP8 (vLLM's "fp8" and compressed-tensors' float-quantized): `weight` float8_e4m3fn
+  [N, K], `weight_scale` per tensor ([] or [1]) or per channel ([N] or [N, 1]),
+  `input_scale` (static activation scale; kept on the weight, unused by the kernels).
+
+Codes keep their exact values (4-bit: 0..15 with mins = -z * s; 8-bit: q - 128 with mins =
+(128 - z) * s); scales become float16 (exact for float16 checkpoints, and for bfloat16
+scales within float16's range), a min is z * s rounded once to float16 (exact when z is a
+power of two, e.g. symmetric checkpoints' 8). An act-order weight's code columns are put
+in group order with the permutation kept (`GroupedWeight.perm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.quant.apply import SourceFormat
+from tandem.engine.quant.base import Fp8Weight, GroupedWeight
+from tandem.engine.quant.checkpoint import CheckpointQuant, kernel_group, read_quant_config
+
+_PARTS = {
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "gptq_v2": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "pack": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+             "weight_g_idx"),
+    "fp8": ("weight", "weight_scale", "input_scale", "weight_zero_point"),
+}
+_MAIN = {"gptq": "qweight", "gptq_v2": "qweight", "awq": "qweight", "pack": "weight_packed",
+         "fp8": "weight"}
+_REQUIRED = {"gptq": ("qzeros", "scales"), "gptq_v2": ("qzeros", "scales"),
+             "awq": ("qzeros", "scales"), "pack": ("weight_scale", "weight_shape"),
+             "fp8": ("weight_scale",)}
+# AutoAWQ's order: nibble i of a word holds column 8c + _AWQ_ORDER[i]
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_FLOATS = ("F16", "BF16", "F32")
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words of 32 // bits codes each (the first in the lowest bits) packed along
+    `dim` (0 or 1) of a 2-D tensor -> the unsigned codes (int32), that dim 32 // bits times
+    longer."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    p = packed.to(torch.int32)
+    r, c = p.shape
+    if dim == 0:
+        return ((p[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, c)
+    return ((p[:, :, None] >> shifts) & mask).reshape(r, -1)
+
+
+def _awq_columns(q: torch.Tensor) -> torch.Tensor:
+    """Unpacked AWQ columns (nibble order) -> column order."""
+    inverse = torch.tensor([_AWQ_ORDER.index(j) for j in range(8)])
+    n = q.shape[1]
+    return q[:, (torch.arange(n) // 8) * 8 + inverse.repeat(n // 8)]
+
+
+def act_order_perm(g_idx: torch.Tensor | None, k: int, g: int, where: str
+                   ) -> torch.Tensor | None:
+    """The input permutation that puts `g_idx`'s groups in order (None when it already is,
+    or is absent); ConfigError unless every group holds exactly `g` columns."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.to(torch.long).view(-1)
+    plain = torch.arange(k) // g
+    if g_idx.numel() != k:
+        raise ConfigError(f"{where}: g_idx has {g_idx.numel()} entries for {k} input columns")
+    if torch.equal(g_idx, plain):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], plain):
+        raise ConfigError(f"{where}: g_idx does not assign {g} input columns to each group")
+    return perm
+
+
+def grouped_from_codes(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int,
+                       group: int, perm: torch.Tensor | None, where: str) -> GroupedWeight:
+    """Unsigned codes q [N, K], unsigned zero points [N, K / group] and scales [N, K / group]
+    (w = (q - z) * s; input columns in checkpoint order) -> GroupedWeight rows in the
+    kernel's group size (`kernel_group`), code columns in group order when `perm`."""
+    s = scales.to(torch.float16)
+    zf = zeros.to(torch.float32)
+    if bits == 4:
+        codes, mins = q, -(zf * s.float())
+    else:
+        codes, mins = q - 128, (128 - zf) * s.float()
+    mins = mins.to(torch.float16)
+    g = kernel_group(group, bits, where)
+    if g != group:
+        s = s.repeat_interleave(group // g, dim=1)
+        mins = mins.repeat_interleave(group // g, dim=1)
+    codes = codes.to(torch.int8)
+    if perm is not None:
+        codes = codes[:, perm]
+    return GroupedWeight(codes.contiguous(), s.contiguous(), mins.contiguous(), bits, g, perm)
+
+
+@dataclass
+class _Linear:
+    """One quantized linear: its stored parts (suffix -> tensor name), logical [N, K]."""
+
+    prefix: str
+    parts: dict[str, str]
+    n: int
+    k: int
+    group: int  # the checkpoint's group (K: per channel)
+    fmt: SourceFormat
+
+
+class _Files:
+    """Open safetensors files by tensor name (each file opened once)."""
+
+    def __init__(self, files: Mapping[str, Path], stack: ExitStack) -> None:
+        self.files, self.stack, self.open = files, stack, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.open:
+            self.open[path] = self.stack.enter_context(safe_open(path, framework="pt"))
+        return self.open[path].get_tensor(name)
+
+
+class PrequantCheckpoint:
+    """The tensors of a pre-quantized checkpoint directory, validated against its layout:
+    `shapes` (logical name -> shape, quantized linears as `<prefix>.weight` [N, K]),
+    `formats` (logical name -> SourceFormat of each quantized linear) and `tensors(dtype)`
+    (streamed once). A quantized linear's `bias` that the model lacks (`expected` names)
+    is dropped when zero (AutoGPTQ writes them), kept (and so reported) otherwise."""
+
+    def __init__(self, quant: CheckpointQuant, source: str, files: Mapping[str, Path],
+                 expected: Container[str]) -> None:
+        self.quant, self.source, self.files = quant, source, dict(files)
+        meta: dict[str, tuple[tuple[int, ...], str]] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name, path in self.files.items():
+            by_file.setdefault(path, []).append(name)
+        for path, names in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    sl = f.get_slice(name)
+                    meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+        layout = quant.layout
+        blockwise = [n for n in meta if n.endswith(".weight_scale_inv")]
+        if blockwise:
+            raise ConfigError(f"{source}: {blockwise[0]} is a block-wise FP8 scale; "
+                              "block-wise FP8 checkpoints are not supported")
+        main = _MAIN[layout]
+        prefixes = [n.removesuffix("." + main) for n, (_, dt) in meta.items()
+                    if n.endswith("." + main) and (layout != "fp8" or dt.startswith("F8"))]
+        if not prefixes:
+            raise ConfigError(f"{source}: quantization_config says {quant.method}, but no "
+                              f"tensor is stored in its layout (no *.{main})")
+        self.linears: dict[str, _Linear] = {}
+        used: set[str] = set()
+        with ExitStack() as stack:
+            reader = _Files(self.files, stack)
+            for prefix in prefixes:
+                parts = {s: f"{prefix}.{s}" for s in _PARTS[layout] if f"{prefix}.{s}" in meta}
+                used.update(parts.values())
+                lin = self._check(prefix, parts, meta, reader)
+                self.linears[prefix + ".weight"] = lin
+                bias = prefix + ".bias"
+                if bias in meta and bias not in expected and not reader.get(bias).any():
+                    used.add(bias)
+        self.floats = [n for n in self.files if n not in used]
+        self.shapes = {n: meta[n][0] for n in self.floats}
+        self.shapes.update({name: (lin.n, lin.k) for name, lin in self.linears.items()})
+        self.formats = {name: lin.fmt for name, lin in self.linears.items()}
+
+    def _fail(self, what: str) -> ConfigError:
+        q = self.quant
+        return ConfigError(f"{self.source}: {what} (a {q.method} checkpoint, {q.bits}-bit, "
+                           f"group_size {q.group_size or 'per channel'})")
+
+    def _expect(self, name: str, meta: Mapping, shape: tuple[int, ...],
+                dtypes: tuple[str, ...]) -> None:
+        got, dt = meta[name]
+        if tuple(got) != shape or dt not in dtypes:
+            raise self._fail(f"{name} is {list(got)} {dt}, the layout needs {list(shape)} "
+                             f"{'/'.join(dtypes)}")
+
+    def _check(self, prefix: str, parts: dict[str, str], meta: Mapping,
+               reader: _Files) -> _Linear:
+        q, layout = self.quant, self.quant.layout
+        missing = [s for s in _REQUIRED[layout] if s not in parts]
+        if missing:
+            raise self._fail(f"{prefix} has no {missing[0]}")
+        main_shape, main_dt = meta[parts[_MAIN[layout]]]
+        if len(main_shape) != 2:
+            raise self._fail(f"{parts[_MAIN[layout]]} is {list(main_shape)}, not 2-D")
+        pf = 32 // q.bits
+        if layout == "fp8":
+            if main_dt != "F8_E4M3":
+                raise self._fail(f"{parts['weight']} is {main_dt}; float8_e4m3fn is served")
+            n, k = main_shape
+            scale_shape = meta[parts["weight_scale"]][0]
+            if tuple(scale_shape) not in ((), (1,), (n,), (n, 1)):
+                raise self._fail(f"{parts['weight_scale']} is {list(scale_shape)}; per-tensor "
+                                 f"([] or [1]) or per-channel ([{n}] or [{n}, 1]) is served")
+            fmt = SourceFormat(8, 0, False, kind="fp8", method=q.method)
+            return _Linear(prefix, parts, n, k, k, fmt)
+        if layout == "pack":
+            n, k = (int(v) for v in reader.get(parts["weight_shape"]).view(-1).tolist())
+            self._expect(parts["weight_packed"], meta, (n, -(-k // pf)), ("I32",))
+        elif layout == "awq":
+            k, n = main_shape[0], main_shape[1] * pf
+            self._expect(parts["qweight"], meta, (k, n // pf), ("I32",))
+        else:
+            k, n = main_shape[0] * pf, main_shape[1]
+            self._expect(parts["qweight"], meta, (k // pf, n), ("I32",))
+        group = q.group_size or k
+        if k % group:
+            raise self._fail(f"{prefix}: {k} input columns are not whole groups of {group}")
+        groups = k // group
+        perm = None
+        if layout == "pack":
+            self._expect(parts["weight_scale"], meta, (n, groups), _FLOATS)
+            if "weight_zero_point" in parts:
+                zshape, zdt = meta[parts["weight_zero_point"]]
+                if tuple(zshape) not in ((n, groups), (-(-n // pf), groups)):
+                    raise self._fail(f"{parts['weight_zero_point']} is {list(zshape)}, the "
+                                     f"layout needs [{n}, {groups}] (or packed along N)")
+            if "weight_g_idx" in parts:
+                perm = act_order_perm(reader.get(parts["weight_g_idx"]), k, group, prefix)
+        else:
+            if n % pf:
+                raise self._fail(f"{prefix}: {n} output rows do not pack {pf} to a word")
+            self._expect(parts["qzeros"], meta, (groups, n // pf), ("I32",))
+            self._expect(parts["scales"], meta, (groups, n), _FLOATS)
+            if "g_idx" in parts:
+                self._expect(parts["g_idx"], meta, (k,), ("I32", "I64"))
+                perm = act_order_perm(reader.get(parts["g_idx"]), k, group, prefix)
+        where = f"{self.source}: {prefix}"
+        fmt = SourceFormat(q.bits, kernel_group(group, q.bits, where), True,
+                           act_order=perm is not None, method=q.method)
+        return _Linear(prefix, parts, n, k, group, fmt)
+
+    def _weight(self, lin: _Linear, reader: _Files) -> GroupedWeight | Fp8Weight:
+        q, layout, p = self.quant, self.quant.layout, lin.parts
+        where = f"{self.source}: {lin.prefix}"
+        if layout == "fp8":
+            if "weight_zero_point" in p and reader.get(p["weight_zero_point"]).any():
+                raise self._fail(f"{lin.prefix} has non-zero FP8 zero points")
+            scale = reader.get(p["weight_scale"]).to(torch.float32).reshape(-1)
+            scales = scale.expand(lin.n).clone() if scale.numel() == 1 else scale
+            inp = p.get("input_scale")
+            return Fp8Weight(reader.get(p["weight"]), scales,
+                             None if inp is None else reader.get(inp).float().reshape(()))
+        bits, g = q.bits, lin.group
+        if layout == "pack":
+            codes = unpack_int32(reader.get(p["weight_packed"]), bits, 1)[:, :lin.k]
+            offset = 1 << (bits - 1)  # stored q + offset
+            zeros = torch.full((lin.n, lin.k // g), offset, dtype=torch.int32)
+            if "weight_zero_point" in p:
+                zp = reader.get(p["weight_zero_point"])
+                if zp.dtype == torch.int32 and zp.shape[0] != lin.n:  # packed along N
+                    zp = unpack_int32(zp, bits, 0)[:lin.n] - offset
+                zeros = zeros + zp.to(torch.int32)
+            perm = None
+            if "weight_g_idx" in p:
+                perm = act_order_perm(reader.get(p["weight_g_idx"]), lin.k, g, where)
+            return grouped_from_codes(codes, zeros, reader.get(p["weight_scale"]), bits, g,
+                                      perm, where)
+        if layout == "awq":
+            codes = _awq_columns(unpack_int32(reader.get(p["qweight"]), 4, 1))
+            zeros = _awq_columns(unpack_int32(reader.get(p["qzeros"]), 4, 1))
+        else:
+            codes = unpack_int32(reader.get(p["qweight"]), bits, 0)
+            zeros = unpack_int32(reader.get(p["qzeros"]), bits, 1)
+            if layout == "gptq":  # stored minus one (vLLM adds it back)
+                zeros = zeros + 1
+        perm = None
+        if "g_idx" in p:
+            perm = act_order_perm(reader.get(p["g_idx"]), lin.k, g, where)
+        return grouped_from_codes(codes.T, zeros.T, reader.get(p["scales"]).T, bits, g, perm,
+                                  where)
+
+    def tensors(self, dtype: torch.dtype
+                ) -> Iterator[tuple[str, torch.Tensor | GroupedWeight | Fp8Weight]]:
+        """(name, tensor) pairs, once: float tensors cast to `dtype`, quantized linears as
+        compressed weights; in the order the files hold them."""
+        order = sorted(list(self.floats) + list(self.linears),
+                       key=lambda n: str(self.files[self.linears[n].parts[
+                           _MAIN[self.quant.layout]]] if n in self.linears else self.files[n]))
+        with ExitStack() as stack:
+            reader = _Files(self.files, stack)
+            for name in order:
+                lin = self.linears.get(name)
+                if lin is None:
+                    yield name, reader.get(name).to(dtype).contiguous()
+                else:
+                    yield name, self._weight(lin, reader)
+
+
+def open_prequantized(model_dir: Path, files: Mapping[str, Path],
+                      expected: Container[str]) -> PrequantCheckpoint | None:
+    """The checkpoint in `model_dir` (tensor name -> file in `files`) read through its
+    `quantization_config`, or None for a float checkpoint (no quantization_config)."""
+    quant = read_quant_config(model_dir)
+    if quant is None:
+        return None
+    return PrequantCheckpoint(quant, str(model_dir), files, expected)
