@@ -117,7 +117,8 @@ def test_serve_help_lists_every_worker_and_router_flag_it_forwards(capsys):
         assert f"{flag} " in text or f"{flag}," in text or f"{flag}\n" in text, flag
     managed = (set(MANAGED_WORKER_FLAGS) | set(MANAGED_ROUTER_FLAGS)) - {
         "--host", "--port", "--workers", "--api-key",  # serve's own meaning of these
-        "--grpc-tls-dir", "--grpc-tls-server-name"}  # the workers' flags, the router's too
+        "--grpc-tls-dir", "--grpc-tls-server-name",  # the workers' flags, the router's too
+        "--tokenizer"}  # the workers' flag; the router gets the workers' tokenizer
     assert not managed & serve
     for title in ("deployment:", "engine (every worker):", "worker server (every worker):",
                   "router (see `tandem router --help`):", "examples:"):
@@ -130,8 +131,8 @@ def test_serve_help_lists_every_worker_and_router_flag_it_forwards(capsys):
     (["--max-num-seq", "8"], "tandem serve: error: unrecognized arguments: --max-num-seq"),
     (["--role", "prefill"], "tandem serve: error: argument --role: tandem serve sets it "
                             "itself (see `tandem serve --help`)"),
-    (["--tokenizer=x"], "tandem serve: error: argument --tokenizer: tandem serve sets it "
-                        "itself (see `tandem serve --help`)"),
+    (["--worker-auth-key-file=x"], "tandem serve: error: argument --worker-auth-key-file: "
+                                   "tandem serve sets it itself (see `tandem serve --help`)"),
     (["--discovery", "kubernetes"], "tandem serve: error: argument --discovery: only for "
                                     "`tandem router` run alone (tandem serve starts its own "
                                     "workers)"),

@@ -2,8 +2,9 @@
 
 * `tandem serve [MODEL]` - the embedded default: a local deployment as separate processes
   (the router in front of `--workers N` workers, or of `--prefill N` prefill and
-  `--decode M` decode workers for P/D; `tandem.serving.embedded`). MODEL (or `--model`)
-  defaults to the bundled model; every worker flag and the embedded router's flags are
+  `--decode M` decode workers for P/D; `tandem.serving.embedded`). MODEL (or `--model`: a
+  path or a Hugging Face repository id, `protocol/hub.py`) defaults to the bundled model;
+  every worker flag and the embedded router's flags are
   accepted and forwarded. Prints the URL and a curl example; Ctrl-C stops every process.
 * `tandem worker`   - one worker process (`--role both|prefill|decode`).
 * `tandem router`   - the KV-cache-aware router in front of workers.
@@ -58,6 +59,7 @@ EXAMPLES = {
   tandem serve --api-keys keys.txt --policy cache-aware --workers 2""",
     "worker": """\
   tandem worker --port 8001
+  tandem worker --model Qwen/Qwen2.5-0.5B-Instruct --revision main --port 8001
   tandem worker --model ./models/model.gguf --role prefill --grpc-port 50051
   tandem worker --api-key sk-local --log-level DEBUG""",
     "router": """\
@@ -155,8 +157,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> dict[int, str]:
     from tandem.serving.worker import API_KEY_ENV, add_engine_args, add_server_args
 
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model: a .gguf file or an HF directory (as --model; default: "
-                        "the bundled model)")
+                   help="the model: a .gguf file, an HF directory or a Hugging Face "
+                        "repository id ORG/NAME (as --model; default: the bundled model)")
     own = p.add_argument_group("deployment")
     own.add_argument("--host", default="127.0.0.1", help="the address every process binds")
     own.add_argument("--port", type=port_number, default=8000, help="the router's port")

@@ -38,7 +38,15 @@ class EngineConfig:
     `tandem.engine.llm_engine.EngineState`, never written back here.
     """
 
-    model: str | None = None  # .gguf file or HF directory; None = bundled SmolLM2-135M
+    # .gguf file, HF directory, or Hugging Face repository id (ORG/NAME, ORG/NAME/FILE.gguf:
+    # protocol/hub.py, through the hub cache); None = bundled SmolLM2-135M
+    model: str | None = None
+    revision: str | None = None  # of a repository id: branch, tag or commit (None: main)
+    tokenizer: str | None = None  # tokenizer path or repository id; None = the model's
+    tokenizer_revision: str | None = None
+    # sampling defaults for requests that leave them unset (vLLM's --generation-config):
+    # "auto" the model's generation_config.json, "vllm" none, or a directory holding one
+    generation_config: str = "auto"
     # "auto" (cuda:0 if torch sees a GPU, else cpu) | "cpu" | "cuda" | "cuda:N"; an explicit
     # CUDA device that cannot be used is a ConfigError (engine/devices.py)
     device: str = "auto"

@@ -1,27 +1,61 @@
-"""Offline API modelled on vLLM's: `LLM(model=None, **engine_args).generate(prompts, params)`."""
+"""Offline API modelled on vLLM's: `LLM(model=None, **engine_args).generate(prompts, params)`.
+
+`model` (and `tokenizer`) may be Hugging Face repository ids, resolved through the hub cache
+(`resolve_config`, `protocol/hub.py`); `generate` without SamplingParams uses the model's
+generation_config.json defaults (`generation_config`, vLLM's `get_default_sampling_params`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ConfigError
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.lora.request import LoRARequest
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.protocol.hub import ModelSourceError, generation_defaults, resolve_model
 
 Prompt = str | list[int]
 Message = dict[str, Any]
 
 
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """`config` with `model` and `tokenizer` as local paths (repository ids downloaded, or
+    found in the hub cache offline) and the served names pinned to the names as given (a
+    repository id is served as `ORG/NAME`); `generation_config` checked. ConfigError names
+    what cannot be resolved. A config already resolved comes back unchanged."""
+    try:
+        model = config.model and str(resolve_model(config.model, config.revision))
+        tokenizer = config.tokenizer and str(resolve_model(
+            config.tokenizer, config.tokenizer_revision, tokenizer_only=True))
+        generation_defaults(model, config.generation_config)
+    except ModelSourceError as exc:
+        raise ConfigError(str(exc)) from None
+    if model == config.model and tokenizer == config.tokenizer:
+        return config
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer,
+                               served_model_name=config.served_model_names)
+
+
 class LLM:
-    """Batch generation on one engine. `model=None` uses the bundled SmolLM2-135M-Instruct."""
+    """Batch generation on one engine. `model=None` uses the bundled SmolLM2-135M-Instruct;
+    a path, or a Hugging Face id (`revision=`, `tokenizer=`, `tokenizer_revision=`)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(resolve_config(EngineConfig(model=model, **engine_args)))
+        config = self.engine.config
+        self._defaults = generation_defaults(config.model, config.generation_config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without SamplingParams: the model's
+        generation_config.json values (`generation_config="auto"`), else SamplingParams()."""
+        return SamplingParams(**self._defaults)
 
     def model_memory_bytes(self) -> int:
         """Resident bytes of the model's weights, each storage once (quantized buffers,
@@ -43,7 +77,7 @@ class LLM:
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -60,7 +60,9 @@ class LLMEngine(EngineCore):
     runner: ModelRunner
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        from tandem.engine.llm import resolve_config  # repository ids -> the hub cache
+
+        self.config = config = resolve_config(config)
         path = Path(config.model) if config.model else bundled_model_path()
         self.device = device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, device)
@@ -90,7 +92,7 @@ class LLMEngine(EngineCore):
         num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
         self.model, backend, max_len = shard.model, shard.backend, shard.max_len
         self.arch = arch = shard.arch  # the whole model's (model.config: this rank's share)
-        tokenizer = Tokenizer.load(path)
+        tokenizer = Tokenizer.load(config.tokenizer or path)
         weight_bytes, per_block = shard.weight_bytes, shard.per_block
         lora = self._lora_manager(shard) if config.enable_lora else None
         name = config.model_name

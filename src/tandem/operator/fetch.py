@@ -4,7 +4,9 @@
     tokenizer (--repo ORG/REPO [--revision REV] [--path P] | --local PATH | --bundled) --dest DIR
     adapters JSON...
 
-`model` downloads a Hugging Face repository (or one file or folder of it) into DIR. With
+`model` downloads a Hugging Face repository (or one file or folder of it) into DIR: of a
+repository or folder only the files the engine reads (`protocol.hub.MODEL_PATTERNS`, the
+patterns `tandem worker --model ORG/NAME` fetches into the hub cache), of a file that file. With
 `--shared`, DIR lies on a ReadWriteMany cache volume that many pods fill at once: the first
 to take the advisory lock (`DIR.lock`, `fcntl.lockf`, which NFS carries) downloads into a
 private `DIR.partial-*` directory, writes the completion marker last and renames it to DIR
@@ -39,11 +41,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from tandem.protocol.file_digest import file_sha256
+from tandem.protocol.hub import MODEL_PATTERNS, TOKENIZER_PATTERNS, HubRef, ModelSourceError
+from tandem.protocol.hub import download as hub_download
 
 logger = logging.getLogger(__name__)
 MARKER = ".tandem-complete"  # written last: a cache directory without it is not used
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = TOKENIZER_PATTERNS  # the router's (and `tandem router --tokenizer ORG/NAME`)
 FIRST_PREFIX = 8 << 20  # bytes of a GGUF first fetched for its metadata; x4 until it parses
 MAX_PREFIX = 1 << 30
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what the engine reads
@@ -87,14 +90,24 @@ def fill_once(dest: Path, download: Callable[[Path], None]) -> bool:
     return True
 
 
+def model_patterns(path: str) -> list[str]:
+    """What `model` fetches of PATH in a repository: the engine's files (`MODEL_PATTERNS`)
+    of the repository's root, or PATH itself (a file) and the engine's files of PATH (a
+    folder)."""
+    if not path:
+        return list(MODEL_PATTERNS)
+    return [path, *(f"{path}/{n}" for n in MODEL_PATTERNS)]
+
+
 def hf_download(repo: str, revision: str, path: str, dest: Path,
                 patterns: list[str] | None = None) -> None:
-    from huggingface_hub import snapshot_download
-
-    if patterns is None:
-        patterns = [path, path + "/*"] if path else None
-    snapshot_download(repo, revision=revision or None, local_dir=str(dest),
-                      allow_patterns=patterns)
+    """`patterns` of the repository (None: `model_patterns(path)`) into `dest`; SystemExit
+    with the hub's error in one line (`protocol.hub.download`)."""
+    try:
+        hub_download(HubRef(repo, revision or None), patterns or model_patterns(path),
+                     local_dir=dest)
+    except ModelSourceError as exc:
+        raise SystemExit(f"fetch: {exc}") from None
 
 
 def gguf_tokenizer(read_prefix: Callable[[int], bytes], dest: Path) -> int:

@@ -38,8 +38,10 @@ The front door (`add_front_door_args`): answers name no worker unless `--debug-h
 `--send-timeout-seconds` is cut; at most `--max-connections` connections per process.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
-tokenizer. By default the bundled model's served name maps to the bundled GGUF; other
-models without a configured tokenizer are routed on text hashes (approximate mode).
+tokenizer (a path, or a Hugging Face repository id `ORG/NAME[@REVISION]` whose tokenizer
+files come through the hub cache, `protocol/hub.py`). By default the bundled model's served
+name maps to the bundled GGUF; other models without a configured tokenizer are routed on
+text hashes (approximate mode).
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, choices=POLICIES)
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
-                   help="PATH for every model, or MODEL=PATH (repeatable)")
+                   help="PATH for every model, or MODEL=PATH (repeatable); PATH may be a "
+                        "Hugging Face repository id, ORG/NAME[@REVISION] (its tokenizer "
+                        "files, through the hub cache)")
     p.add_argument("--api-keys", default=None,
                    help="file of 'KEY TENANT' lines; re-read every "
                         f"{API_KEYS_RELOAD_S:g} s, so a removed key stops working within "
@@ -271,9 +275,11 @@ class TokenizerResolver:
     def _load(self, path: str) -> Tokenizer:
         tok = self._loaded.get(path)
         if tok is None:
+            from tandem.protocol.hub import resolve_model
             from tandem.protocol.tokenizer import Tokenizer
 
-            tok = self._loaded[path] = Tokenizer.load(path)
+            # a repository id (ORG/NAME[@REV]): its tokenizer files, from the hub cache
+            tok = self._loaded[path] = Tokenizer.load(resolve_model(path, tokenizer_only=True))
         return tok
 
     def __call__(self, model: str) -> Tokenizer | None:

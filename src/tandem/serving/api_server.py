@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Depends, FastAPI
 
@@ -77,6 +78,9 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     # the status line's period under load (stats_logger); None: --disable-log-stats
     log_stats_interval_s: float | None = DEFAULT_INTERVAL_S
+    # the model's generation_config.json sampling defaults (--generation-config; see
+    # `convert.sampling_params`): used where a request leaves a field unset
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 # the routes that check the router's signature: a signed request may come without an API key

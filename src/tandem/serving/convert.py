@@ -5,6 +5,9 @@ Pure functions over plain values (no server, no engine thread), unit-testable al
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -20,8 +23,19 @@ from tandem.protocol.openai_api import (
 from tandem.protocol.tokenizer import Tokenizer
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) -> SamplingParams:
-    """Map the request's sampling fields; raises `InvalidRequestError` naming the field."""
+def _pick(value: Any, defaults: Mapping[str, Any], key: str, neutral: Any) -> Any:
+    """The request's value; unset (None): the model's default, else the neutral one."""
+    return value if value is not None else defaults.get(key, neutral)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """Map the request's sampling fields; raises `InvalidRequestError` naming the field.
+    `defaults` (`protocol.hub.generation_defaults`, the model's generation_config.json) fill
+    temperature, top_p, top_k, min_p and repetition_penalty where the request leaves them
+    unset; their `max_tokens` caps the request's (vLLM's `get_max_tokens`: the smaller of
+    the two; a chat request without one gets it)."""
+    defaults = defaults or {}
     if not 1 <= req.n <= max_n:
         raise InvalidRequestError(f"n must be in [1, {max_n}], got {req.n}", "n")
     prompt_logprobs = None
@@ -47,15 +61,18 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int) 
                     raise InvalidRequestError("min_tokens must be 0 with echo and "
                                               "max_tokens 0", "min_tokens")
                 max_tokens = 1
+    cap = defaults.get("max_tokens")
+    if cap is not None and (max_tokens is None or max_tokens > cap) and cap > 0:
+        max_tokens = cap
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=_pick(req.temperature, defaults, "temperature", 1.0),
+        top_p=_pick(req.top_p, defaults, "top_p", 1.0),
+        top_k=_pick(req.top_k, defaults, "top_k", 0),
+        min_p=_pick(req.min_p, defaults, "min_p", 0.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_pick(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
         seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,

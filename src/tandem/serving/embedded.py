@@ -8,7 +8,10 @@ requests the router signed. `serve` starts them, prints the URL and a curl examp
 Ctrl-C stops every process it started.
 
 The router gets the worker's tokenizer for every name the model is served under
-(`router_tokenizers`), so it hashes prompts exactly as the workers do.
+(`router_tokenizers`), so it hashes prompts exactly as the workers do. A Hugging Face
+repository id (`tandem serve ORG/NAME`) is resolved once, here, before anything starts
+(downloaded into the hub cache, or found there offline); the workers then read that cache
+with `HF_HUB_OFFLINE=1`, and the router's tokenizer is the same snapshot's.
 """
 
 from __future__ import annotations
@@ -150,17 +153,29 @@ def router_tokenizers(config: EngineConfig) -> list[str]:
             return []
         path = str(bundled)
     else:
-        path = str(Path(config.model).expanduser().resolve())
+        path = str(Path(config.tokenizer or config.model).expanduser().resolve())
     names = [*config.served_model_names, *(config.lora_modules or {})]
     return [arg for name in names for arg in ("--tokenizer", f"{name}={path}")]
 
 
 def check_worker_flags(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration every worker will build from the parsed flags (as
-    `tandem worker` does); ConfigError when it is invalid."""
+    `tandem worker` does), its model and tokenizer resolved to local paths (a repository id
+    downloaded now); ConfigError when it is invalid or cannot be resolved."""
+    from tandem.engine.llm import resolve_config
     from tandem.serving.worker import engine_config
 
-    return engine_config(args, serving=True)
+    return resolve_config(engine_config(args, serving=True))
+
+
+def hub_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' extra environment: `HF_HUB_OFFLINE=1` when the model or tokenizer is a
+    repository id (resolved into the cache by `check_worker_flags`: each worker finds the
+    same snapshot there without a network call)."""
+    from tandem.protocol.hub import looks_local
+
+    names = [n for n in (args.model, getattr(args, "tokenizer", None)) if n]
+    return {"HF_HUB_OFFLINE": "1"} if any(not looks_local(n) for n in names) else {}
 
 
 def serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfig) -> int:
@@ -176,6 +191,7 @@ def serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfig
     try:
         flags = router_flags(args, config, temp_files)
         deployment = plan(args, passthrough, auth_key_file=temp_files[0], router_flags=flags)
+        deployment.envs = [{**hub_env(args), **env} for env in deployment.envs]
     except ValueError as exc:  # e.g. fewer GPUs than --tensor-parallel-size
         _unlink(temp_files)
         print(f"tandem serve: error: {exc}", file=sys.stderr)

@@ -50,7 +50,8 @@ class Responder(ABC):
                  settings: Any, request_id: str, lora_name: str | None = None) -> None:
         self.req = req
         self.tok = tok
-        self.params = convert.sampling_params(req, settings.max_n)
+        self.params = convert.sampling_params(req, settings.max_n,
+                                              settings.sampling_defaults)
         self.n = req.n
         self.stream = req.stream
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -41,7 +41,22 @@ logger = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(flags.MODEL, default=None, help=".gguf file or HF directory (default: bundled)")
+    p.add_argument(flags.MODEL, default=None,
+                   help="a .gguf file, an HF directory, or a Hugging Face repository id "
+                        "(ORG/NAME, or ORG/NAME/FILE.gguf for one GGUF file of it), fetched "
+                        "into the hub cache ($HF_HOME, $HF_TOKEN; $HF_HUB_OFFLINE=1: the cache "
+                        "only) (default: the bundled model)")
+    p.add_argument("--revision", default=None,
+                   help="of a repository id: branch, tag or commit (default: main)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer path or repository id (default: the model's)")
+    p.add_argument("--tokenizer-revision", default=None, metavar="REVISION",
+                   help="of a --tokenizer repository id (default: main)")
+    p.add_argument("--generation-config", default="auto", metavar="SOURCE",
+                   help="sampling defaults for requests that leave them unset (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens as the "
+                        "max_tokens cap): auto (the model's generation_config.json), vllm "
+                        "(none), or a directory holding a generation_config.json")
     p.add_argument(flags.SERVED_MODEL_NAME, nargs="+", default=None, metavar="NAME",
                    help="the names requests may use for the model (the first names it in "
                         "answers and metrics); default: --model as given, a path's last "
@@ -188,6 +203,8 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         budget = SERVING_MAX_BATCHED_TOKENS if serving else EngineConfig.max_num_batched_tokens
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+        revision=args.revision, tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision, generation_config=args.generation_config,
         device=args.device, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -362,9 +379,13 @@ def run(args: argparse.Namespace) -> int:
                           "the router signs requests with)")
     keys = api_keys(args.api_key)
     limit_malloc_arenas()  # before any of the server's threads start
+    from tandem.engine.llm import resolve_config
+    from tandem.protocol.hub import generation_defaults
+
+    # a repository id: downloaded (or found in the cache offline) before anything else
+    config = resolve_config(engine_config(args, serving=True))
     if args.model_sha256:
-        check_model_digest(args.model, args.model_sha256)
-    config = engine_config(args, serving=True)
+        check_model_digest(config.model, args.model_sha256)
     if args.speculative_config is not None and config.speculative_config is None:
         logger.info("--speculative-config ignored: a prefill worker does not decode")
     try:
@@ -402,7 +423,9 @@ def run(args: argparse.Namespace) -> int:
                               max_kv_event_subscribers=args.max_kv_event_subscribers,
                               api_keys=keys,
                               log_stats_interval_s=None if args.disable_log_stats
-                              else args.log_stats_interval)
+                              else args.log_stats_interval,
+                              sampling_defaults=generation_defaults(
+                                  config.model, config.generation_config))
     config = dataclasses.replace(config, served_model_name=names,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []
