@@ -30,9 +30,10 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.cpu_linear import packing_available
-from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.loader import open_model
 from tandem.engine.model.ops import Ops
+from tandem.engine.model.registry import build_model
 from tandem.engine.parallel.comm import Groups, all_reduce_min
 from tandem.engine.parallel.tp import TPPlan, local_arch, shard_weights, wrap_tp
 from tandem.engine.quant.apply import (
@@ -54,7 +55,7 @@ class Shard:
     share); `per_block`: bytes of one KV block over all layers on this rank (its KV heads
     only)."""
 
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     backend: AttentionBackend
     arch: ModelArchConfig
     ops: Ops
@@ -76,8 +77,7 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
                   arch.max_position_embeddings)
     tp = TPPlan.build(arch, groups.rank, world) if groups is not None else None
     model_arch = local_arch(arch, tp) if tp else arch
-    spec = AttentionSpec(model_arch.num_heads, model_arch.num_kv_heads, arch.head_dim,
-                         arch.head_dim ** -0.5, arch.sliding_window)
+    spec = attention_spec(model_arch)
     backend = resolve_backend(config.attention_backend, spec, dtype, device,
                               native=config.native_kernels)(
         spec, config.block_size, dtype, device, kv_cache_dtype=config.kv_cache_dtype)
@@ -87,7 +87,7 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     # a rank's model is the single-device model of its share (local_arch); each checkpoint
     # tensor is sliced as it streams in, so only the shard is ever allocated
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_arch, backend, max_positions=max_len, ops=ops)
+        model = build_model(model_arch, backend, max_positions=max_len, ops=ops)
         try:
             prepare_model(model, plan, dtype)
         except ConfigError as e:
@@ -109,6 +109,18 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
         wrap_tp(model, tp, groups.tp)
     return Shard(model, backend, arch, ops, max_len, model_memory_bytes(model),
                  backend.bytes_per_block() * arch.num_layers, tp)
+
+
+def attention_spec(arch: ModelArchConfig) -> AttentionSpec:
+    """The attention backend's spec for a model (or a rank's share) of `arch`: its heads,
+    head size, softmax scale and sliding window. ConfigError for layers with different
+    windows (the backends apply one window to every layer)."""
+    windows = set(arch.layer_windows)
+    if len(windows) > 1:
+        raise ConfigError(f"{arch.architecture}: layers with different sliding windows "
+                          f"({sorted(windows, key=str)}) are not supported")
+    return AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                         arch.softmax_scale, windows.pop())
 
 
 def prepare_process(config: EngineConfig, device: torch.device) -> memory.MemorySnapshot | None:

@@ -1,10 +1,12 @@
-"""Hugging Face checkpoint directories: config.json <-> `ModelArchConfig`, safetensors weights.
+"""Hugging Face checkpoint directories: config.json <-> `ModelArchConfig` (through the family
+registry), safetensors weights (sharded with an index or not), read one tensor at a time.
 
 Also owns the parameter naming contract shared by every loader (`expected_weight_shapes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -15,47 +17,43 @@ import torch
 from safetensors import safe_open
 
 from tandem.engine.errors import ConfigError
+from tandem.engine.model import registry
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.decoder import weight_shapes
+from tandem.engine.model.hf_config import as_ids
+from tandem.engine.model.registry import Part
+from tandem.engine.model.rope import check_rope
 
 logger = logging.getLogger(__name__)
 
-# HF `architectures[0]` / `model_type` -> our architecture name, and back.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-ARCH_TO_HF_CLASS = {v: k for k, v in HF_ARCHITECTURES.items()}
-
 # Tensors some checkpoints carry that are derived buffers, never parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# families `config_to_hf` can write (the export path of `tandem convert`)
+_EXPORTABLE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
+
+
+def __getattr__(name: str) -> Any:
+    """`HF_ARCHITECTURES` (HF class -> family) and `HF_MODEL_TYPES` (model_type -> family),
+    read from the registry."""
+    if name == "HF_ARCHITECTURES":
+        return registry.hf_architectures()
+    if name == "HF_MODEL_TYPES":
+        return registry.hf_model_types()
+    raise AttributeError(name)
 
 
 def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter a model with `config` has, by HF name, with its torch shape."""
-    h, hd = config.hidden_size, config.head_dim
-    q_rows, kv_rows = config.num_heads * hd, config.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_rows, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_rows, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
-        if config.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
+    """Every parameter a model with `config` has, by HF name (standard names: after the
+    family's normaliser), with its torch shape: the embedding, the layers, the final norm,
+    the LM head (unless tied)."""
+    shapes = weight_shapes(registry.model_class(config), config)
+    head = ("model.embed_tokens.weight",)
+    tail = ("model.norm.weight", "lm_head.weight")
+    ordered = {n: shapes[n] for n in head}
+    ordered.update((n, s) for n, s in shapes.items() if n not in head + tail)
+    ordered.update((n, shapes[n]) for n in tail if n in shapes)
+    return ordered
 
 
 def check_weight_names(
@@ -94,98 +92,25 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, HF rope_scaling or None) from legacy keys or transformers-5 rope_parameters."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling")
-    if scaling is None and params:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if scaling:
-        scaling = dict(scaling)
-        rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
-        scaling["rope_type"] = rope_type
-        if rope_type == "default":
-            scaling = None
-    return theta, scaling or None
-
-
-def _sliding_window(arch: str, cfg: dict[str, Any], num_layers: int) -> int | None:
-    window = cfg.get("sliding_window")
-    if arch == "llama" or window is None:
-        return None
-    if arch == "mistral":
-        return int(window)
-    # qwen2: sliding only when use_sliding_window, and only for layers >= max_window_layers.
-    layer_types = cfg.get("layer_types")
-    if layer_types is None:
-        if not cfg.get("use_sliding_window", False):
-            return None
-        first = int(cfg.get("max_window_layers", num_layers))
-        layer_types = ["full_attention"] * first + ["sliding_attention"] * (num_layers - first)
-    kinds = set(layer_types[:num_layers])
-    if kinds <= {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return int(window)
-    raise ConfigError("per-layer mixed sliding-window attention is not supported")
-
-
 def config_from_hf(model_dir: Path) -> ModelArchConfig:
-    """Parse `model_dir/config.json` (+ generation_config.json eos ids) into a ModelArchConfig."""
+    """Parse `model_dir/config.json` (+ generation_config.json eos ids) into a
+    ModelArchConfig through the family registered for its `architectures`."""
+    where = f"{model_dir}/config.json"
     cfg = _read_json(model_dir / "config.json")
-    archs = cfg.get("architectures") or []
-    arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
-    if arch is None:
-        arch = HF_MODEL_TYPES.get(str(cfg.get("model_type")))
-    if arch is None:
-        raise ConfigError(
-            f"{model_dir}/config.json: unsupported architecture "
-            f"{archs or cfg.get('model_type')!r}; supported: {', '.join(HF_ARCHITECTURES)}"
-        )
+    fam = registry.family_for_hf(cfg, where)
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        theta, scaling = _rope(cfg)
-        eos = _as_ids(cfg.get("eos_token_id"))
+        config = fam.parse(cfg)
+        eos = list(config.eos_token_ids)
         gen_path = model_dir / "generation_config.json"
         if gen_path.is_file():
-            eos += _as_ids(_read_json(gen_path).get("eos_token_id"))
-        bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
-        if arch == "llama" and bias:
-            raise ConfigError("llama attention_bias=true (o_proj bias) is not supported")
-        return ModelArchConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bias,
-            sliding_window=_sliding_window(arch, cfg, layers),
-            rope_scaling=scaling,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-        )
+            eos += as_ids(_read_json(gen_path).get("eos_token_id"))
+        config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
+        check_rope(config)
+        return config
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{model_dir}/config.json: bad or missing field: {e!r}") from e
+        raise ConfigError(f"{where}: bad or missing field: {e!r}") from e
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -209,32 +134,60 @@ def read_hf(
 ) -> tuple[ModelArchConfig, int, Iterator[tuple[str, torch.Tensor]]]:
     """Validate an HF directory; return (config, tensor count, lazy (name, tensor) iterator).
 
-    Tensors are cast to `dtype`; `lm_head.weight` is skipped when embeddings are tied.
+    Tensors are cast to `dtype` and come under standard names (the family's normaliser
+    splits fused checkpoint tensors into row views); `lm_head.weight` is skipped when
+    embeddings are tied.
     """
     config = config_from_hf(model_dir)
+    split = registry.family(config.architecture).split
     files = _tensor_files(model_dir)
     shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path, list[tuple[str, list[Part] | None]]] = {}
     for name, file in files.items():
         if name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings
                                                 and name == "lm_head.weight"):
             continue
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
+        by_file.setdefault(file, []).append((name, split(config, name) if split else None))
+    for file, entries in by_file.items():
         if not file.is_file():
             raise ConfigError(f"{model_dir}: shard {file.name} listed in the index is missing")
         with safe_open(file, framework="pt") as f:
-            for name in names:
-                shapes[name] = tuple(f.get_slice(name).get_shape())
+            for name, parts in entries:
+                shape = tuple(f.get_slice(name).get_shape())
+                if parts is None:
+                    shapes[name] = shape
+                    continue
+                _check_split(name, shape, parts, str(model_dir))
+                for part in parts:
+                    shapes[part.name] = shape if part.start is None else (
+                        (part.rows, *shape[1:]))
     check_weight_names(config, shapes, str(model_dir))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for file, names in by_file.items():
+        for file, entries in by_file.items():
             with safe_open(file, framework="pt") as f:
-                for name in names:
-                    yield name, f.get_tensor(name).to(dtype).contiguous()
+                for name, parts in entries:
+                    tensor = f.get_tensor(name).to(dtype).contiguous()
+                    if parts is None:
+                        yield name, tensor
+                        continue
+                    for part in parts:  # row views of the fused tensor
+                        yield part.name, (tensor if part.start is None
+                                          else tensor[part.start:part.start + part.rows])
+                    del tensor
 
     return config, len(shapes), tensors()
+
+
+def _check_split(name: str, shape: tuple[int, ...], parts: list[Part], source: str) -> None:
+    """A fused tensor's row parts must cover its rows exactly."""
+    rows = [p for p in parts if p.start is not None]
+    if not rows:
+        return
+    want = sum(p.rows for p in rows)
+    if not shape or shape[0] != want:
+        raise ConfigError(f"{source}: tensor {name} has shape {shape}, config implies "
+                          f"{want} rows ({', '.join(p.name.rsplit('.', 2)[-2] for p in rows)})")
 
 
 def config_to_hf(config: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -243,8 +196,11 @@ def config_to_hf(config: ModelArchConfig, dtype: torch.dtype) -> dict[str, Any]:
         raise ConfigError("per-dimension rope frequency factors (a GGUF rope_freqs.weight) "
                           "have no HF config form; export from the original HF checkpoint")
     arch = config.architecture
+    if arch not in _EXPORTABLE or config.layer_types is not None:
+        raise ConfigError(f"exporting a {arch} model to a Hugging Face directory is not "
+                          f"supported (only {', '.join(_EXPORTABLE)} with uniform layers)")
     out: dict[str, Any] = {
-        "architectures": [ARCH_TO_HF_CLASS[arch]],
+        "architectures": [_EXPORTABLE[arch]],
         "model_type": arch,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,

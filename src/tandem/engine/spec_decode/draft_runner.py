@@ -11,7 +11,6 @@ p % block_size`; a `DraftKV` keeps, per request, the tokens whose KV is written 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ import torch
 
 from tandem.engine.attention.base import (
     AttentionBackend,
-    AttentionSpec,
     BatchLayout,
     resolve_backend,
 )
@@ -31,15 +29,17 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.block_pool import BlockPool, KVBlock
 from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.model.cpu_linear import packing_available
-from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.loader import open_model
 from tandem.engine.model.ops import Ops
+from tandem.engine.model.registry import build_model
+from tandem.engine.model_build import attention_spec
 from tandem.engine.quant.apply import convert_linears, plan_quantization, prepare_model
 from tandem.engine.quant.float_methods import PackedMethod
 from tandem.engine.staging import upload
 
 
-def truncated_view(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+def truncated_view(model: DecoderForCausalLM, num_layers: int) -> DecoderForCausalLM:
     """`model` with only its first `num_layers` decoder layers (final norm, LM head, RoPE
     tables and every weight shared, not copied)."""
     if not 1 <= num_layers <= len(model.layers):
@@ -49,7 +49,7 @@ def truncated_view(model: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM
     view._modules = dict(model._modules)  # own registry: the swap below stays local
     view._parameters, view._buffers = dict(model._parameters), dict(model._buffers)
     view.layers = model.layers[:num_layers]
-    view.config = dataclasses.replace(model.config, num_layers=num_layers)
+    view.config = model.config.with_layers(num_layers)
     return view
 
 
@@ -63,7 +63,7 @@ def _first_layers(items: Iterable[tuple[str, Any]], n: int) -> Iterator[tuple[st
 
 def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype: torch.dtype,
                max_positions: int, block_size: int, num_layers: int | None = None,
-               quantization: str | None = None) -> tuple[LlamaForCausalLM, AttentionBackend]:
+               quantization: str | None = None) -> tuple[DecoderForCausalLM, AttentionBackend]:
     """A model from `path` as `LLMEngine` builds its target (same attention backend choice,
     KV cache dtype, CPU linear packing), optionally truncated to its first `num_layers`
     layers and quantized by `quantization` (an `EngineConfig.quantization` mode)."""
@@ -75,9 +75,8 @@ def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype
         if not 1 <= num_layers <= arch.num_layers:
             raise ConfigError(f"speculative_config.draft_num_layers must be in [1, "
                               f"{arch.num_layers}] for {path}, got {num_layers}")
-        arch = dataclasses.replace(arch, num_layers=num_layers)
-    spec = AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                         arch.head_dim ** -0.5, arch.sliding_window)
+        arch = arch.with_layers(num_layers)
+    spec = attention_spec(arch)
     backend = resolve_backend(cfg.attention_backend, spec, dtype, device,
                               native=cfg.native_kernels)(
         spec, block_size, dtype, device, kv_cache_dtype=cfg.kv_cache_dtype)
@@ -85,7 +84,7 @@ def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype
     plan = plan_quantization(quantization, arch, source.formats, device, ops.lib,
                              cfg.quantization_group_size, str(path))
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions=max_positions, ops=ops)
+        model = build_model(arch, backend, max_positions=max_positions, ops=ops)
         prepare_model(model, plan, dtype)
     model.materialize(device, dtype)
     model.load_weights(_first_layers(source.tensors(progress=False), arch.num_layers))
@@ -179,7 +178,7 @@ class DraftKV:
             self.pool.free_blocks(reversed(seq.blocks))
 
     @torch.inference_mode()
-    def forward(self, model: LlamaForCausalLM, device: torch.device,
+    def forward(self, model: DecoderForCausalLM, device: torch.device,
                 rows: list[tuple[DraftSeq, list[int]]]) -> torch.Tensor:
         """Append each row's tokens to its sequence through the draft (blocks reserved
         beforehand) and return the logits [len(rows), V] at each row's last token, in
