@@ -219,3 +219,40 @@ def test_hub_gguf_tokenizer_over_http_reads_only_ranges_of_the_prefix(gguf, tmp_
     read = max(int(r["range"].removeprefix("bytes=0-")) + 1 for r in hub.requests)
     assert read < len(data) // 4  # the weights never came
     _same_tokenizer(Tokenizer.load(tmp_path / "tok"), Tokenizer.from_gguf(gguf, use_cache=False))
+
+
+def test_model_fetches_the_files_the_worker_reads_as_tandem_worker_does(tmp_path, monkeypatch):
+    """`fetch model --repo R` downloads what `tandem worker --model R` would put in the hub
+    cache (`protocol.hub.MODEL_PATTERNS`), of a folder the same files under it, of a file
+    that file; a refusal of the Hub is one line, not a traceback."""
+    from types import SimpleNamespace
+
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    from tandem.protocol.hub import MODEL_PATTERNS
+
+    calls = []
+
+    def fake(repo, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append((repo, kw["revision"], kw["allow_patterns"], kw["local_dir"]))
+        if repo == "org/gated":
+            raise errors.GatedRepoError("403", response=SimpleNamespace(
+                headers={}, status_code=403, request=None))
+        return kw["local_dir"]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    dest = tmp_path / "models"
+    assert fetch.main(["model", "--repo", "org/m", "--revision", "v1", "--dest", str(dest)]) == 0
+    fetch.main(["model", "--repo", "org/m", "--path", "sub", "--dest", str(dest)])
+    fetch.main(["model", "--repo", "org/m", "--path", "m.Q4_0.gguf", "--dest", str(dest)])
+    assert calls[0] == ("org/m", "v1", list(MODEL_PATTERNS), str(dest))
+    assert calls[1][1:3] == (None, ["sub", *(f"sub/{p}" for p in MODEL_PATTERNS)])
+    assert calls[2][2][0] == "m.Q4_0.gguf"
+    with pytest.raises(SystemExit) as exit_:
+        fetch.main(["model", "--repo", "org/gated", "--dest", str(dest)])
+    assert str(exit_.value.code) == (
+        "fetch: org/gated is a gated repository: accept its terms on huggingface.co and set "
+        "HF_TOKEN to a token of that account")
