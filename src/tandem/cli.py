@@ -322,13 +322,20 @@ def _serve(args: argparse.Namespace, passthrough: list[str], config: EngineConfi
 
 
 def _check_router_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A bad `--config` router.yaml is a usage error (exit 2), before anything starts."""
+    """A bad `--config` router.yaml, or a `--tokenizer` repository id that cannot be
+    resolved, is a usage error (exit 2), before anything starts."""
+    from tandem.protocol.hub import ModelSourceError
     from tandem.router.config import RouterConfigError, load_config
+    from tandem.router.main import fetch_tokenizers
 
     try:
-        load_config(getattr(args, "config", None))
+        cfg = load_config(getattr(args, "config", None))
     except RouterConfigError as exc:
         parser.error(str(exc))
+    try:
+        fetch_tokenizers(args.tokenizer, cfg.get("tokenizers") or {})
+    except ModelSourceError as exc:
+        parser.error(f"argument --tokenizer: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

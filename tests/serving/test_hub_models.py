@@ -115,18 +115,21 @@ def test_tandem_worker_parses_an_id_and_revision_into_a_local_engine_config(offl
     assert resolve_config(resolved) is resolved  # already local: unchanged
 
 
-@pytest.mark.parametrize("command", ["worker", "serve", "generate"])
+@pytest.mark.parametrize("command", ["worker", "serve", "generate", "router"])
 def test_a_model_missing_offline_is_a_one_line_usage_error(offline, command, capsys):
     argv = {"worker": ["worker", "--model", "org/absent", "--port", str(free_port())],
             "serve": ["serve", "org/absent", "--port", str(free_port())],
-            "generate": ["generate", "--model", "org/absent", "hi"]}[command]
+            "generate": ["generate", "--model", "org/absent", "hi"],
+            "router": ["router", "--tokenizer", "m=org/absent", "--port", str(free_port())],
+            }[command]
     with no_network(), pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
+    flag = "argument --tokenizer: " if command == "router" else ""
     assert err.strip().splitlines()[-1] == (
-        f"tandem {command}: error: org/absent (revision main) is not in the Hugging Face "
+        f"tandem {command}: error: {flag}org/absent (revision main) is not in the Hugging Face "
         f"cache {offline / 'hub'} and HF_HUB_OFFLINE=1 forbids downloading it: download it "
         "once online, or point HF_HUB_CACHE / HF_HOME at a cache that holds it")
 

@@ -313,6 +313,18 @@ class TokenizerResolver:
             self._load(path)
 
 
+def fetch_tokenizers(specs: list[str], from_file: dict[str, str]) -> None:
+    """Before the router starts: every tokenizer named by a repository id (`--tokenizer`,
+    router.yaml `tokenizers`) downloaded, or found in the hub cache offline, so a bad or
+    missing one is an error now (`protocol.hub.ModelSourceError`), not at the first request."""
+    from tandem.protocol.hub import looks_local, resolve_model
+
+    paths = [spec.partition("=")[2] or spec for spec in specs] + list(from_file.values())
+    for path in dict.fromkeys(paths):
+        if path and not looks_local(path):
+            resolve_model(path, tokenizer_only=True)
+
+
 def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
                    workers: list[str]) -> Discovery:
     """The worker discovery that the flags (first) and router.yaml ask for."""
