@@ -31,6 +31,7 @@ from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.cpu_linear import packing_available
 from tandem.engine.model.decoder import DecoderForCausalLM
+from tandem.engine.model.layers import layer_attention_spec
 from tandem.engine.model.loader import open_model
 from tandem.engine.model.ops import Ops
 from tandem.engine.model.registry import build_model
@@ -112,15 +113,10 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
 
 
 def attention_spec(arch: ModelArchConfig) -> AttentionSpec:
-    """The attention backend's spec for a model (or a rank's share) of `arch`: its heads,
-    head size, softmax scale and sliding window. ConfigError for layers with different
-    windows (the backends apply one window to every layer)."""
-    windows = set(arch.layer_windows)
-    if len(windows) > 1:
-        raise ConfigError(f"{arch.architecture}: layers with different sliding windows "
-                          f"({sorted(windows, key=str)}) are not supported")
-    return AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                         arch.softmax_scale, windows.pop())
+    """The attention backend's spec for a model (or a rank's share) of `arch`: its first
+    layer's (heads, head size, softmax scale, sliding window, score soft cap); layers that
+    differ get their own view of the backend (`AttentionBackend.for_layer`)."""
+    return layer_attention_spec(arch, 0)
 
 
 def prepare_process(config: EngineConfig, device: torch.device) -> memory.MemorySnapshot | None:

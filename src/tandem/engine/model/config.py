@@ -59,6 +59,9 @@ class ModelArchConfig:
     # sliding layers' RoPE (Gemma 3's local layers): None = the global one
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    # cap * tanh(x / cap) on the attention scores / the logits (Gemma 2 style); None: none
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     # --- mixture of experts (num_experts 0: dense) ---
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.attention.base import AttentionBackend, AttentionSpec
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.ops import Ops, rms_norm
 from tandem.engine.quant.base import QuantLinear
@@ -65,6 +65,13 @@ class RMSNorm(nn.Module):
         return (r * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def layer_attention_spec(cfg: ModelArchConfig, layer: int) -> AttentionSpec:
+    """Layer `layer`'s attention: heads, head size, softmax scale, sliding window, score
+    soft cap (a backend serves layers that differ in the last three through `for_layer`)."""
+    return AttentionSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.softmax_scale,
+                         cfg.layer_window(layer), cfg.attn_logit_softcap)
+
+
 class Attention(nn.Module):
     """Self-attention of layer `layer`: fused q/k/v projection, optional per-head q/k norm,
     RoPE on the first `rotary_dim` dims of each head, the backend's paged attention
@@ -87,7 +94,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.backend = backend
+        # this layer's view of the shared backend (its window, scale and soft cap)
+        self.backend = (backend.for_layer(layer_attention_spec(cfg, layer))
+                        if backend is not None else None)
         self.ops = ops
 
     def _rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
