@@ -23,6 +23,9 @@ from tandem.engine.model.decoder import weight_shapes
 from tandem.engine.model.hf_config import as_ids
 from tandem.engine.model.registry import Part
 from tandem.engine.model.rope import check_rope
+from tandem.engine.quant.apply import SourceFormat
+from tandem.engine.quant.base import WeightRows
+from tandem.engine.quant.prequant import open_prequantized
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +134,15 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 
 def read_hf(
     model_dir: Path, dtype: torch.dtype
-) -> tuple[ModelArchConfig, int, Iterator[tuple[str, torch.Tensor]]]:
-    """Validate an HF directory; return (config, tensor count, lazy (name, tensor) iterator).
+) -> tuple[ModelArchConfig, int, Iterator[tuple[str, torch.Tensor | WeightRows]],
+           dict[str, SourceFormat]]:
+    """Validate an HF directory; return (config, tensor count, lazy (name, tensor) iterator,
+    the formats of the tensors that come out compressed).
 
     Tensors are cast to `dtype` and come under standard names (the family's normaliser
     splits fused checkpoint tensors into row views); `lm_head.weight` is skipped when
-    embeddings are tied.
+    embeddings are tied. A pre-quantized checkpoint (`quantization_config`) yields its
+    quantized linears as `GroupedWeight` / `Fp8Weight` (`quant/prequant.py`).
     """
     config = config_from_hf(model_dir)
     split = registry.family(config.architecture).split
@@ -148,6 +154,12 @@ def read_hf(
                                                 and name == "lm_head.weight"):
             continue
         by_file.setdefault(file, []).append((name, split(config, name) if split else None))
+    prequant = open_prequantized(model_dir, {n: f for f, es in by_file.items() for n, _ in es},
+                                 expected_weight_shapes(config),
+                                 (lambda n: split(config, n)) if split else None)
+    if prequant is not None:
+        check_weight_names(config, prequant.shapes, str(model_dir))
+        return config, len(prequant.shapes), prequant.tensors(dtype), prequant.formats
     for file, entries in by_file.items():
         if not file.is_file():
             raise ConfigError(f"{model_dir}: shard {file.name} listed in the index is missing")
@@ -176,7 +188,7 @@ def read_hf(
                                           else tensor[part.start:part.start + part.rows])
                     del tensor
 
-    return config, len(shapes), tensors()
+    return config, len(shapes), tensors(), {}
 
 
 def _check_split(name: str, shape: tuple[int, ...], parts: list[Part], source: str) -> None:

@@ -174,8 +174,7 @@ def open_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32,
                 f"{p} is a directory without config.json; expected a Hugging Face model "
                 "directory (config.json + *.safetensors) or a .gguf file"
             )
-        config, total, items = read_hf(p, dtype)
-        formats: dict[str, SourceFormat] = {}
+        config, total, items, formats = read_hf(p, dtype)
     elif p.suffix.lower() == ".gguf":
         config, total, items, formats = _read_gguf(p, dtype, keep_quantized)
     else:

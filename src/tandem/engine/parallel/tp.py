@@ -39,7 +39,13 @@ from torch import nn
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.quant.base import ColumnSlice, GroupedWeight, QuantLinear, WeightRows
+from tandem.engine.quant.base import (
+    ColumnSlice,
+    Fp8Weight,
+    GroupedWeight,
+    QuantLinear,
+    WeightRows,
+)
 
 
 def kv_heads(num_kv_heads: int, world: int, rank: int) -> range:
@@ -256,7 +262,7 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | GroupedWeight]],
              "kv": (plan.kv_head_start * d, plan.num_kv_heads * d),
              "inter": (plan.inter_start, plan.inter_size)}
     for name, t in weights:
-        grouped = isinstance(t, GroupedWeight)
+        grouped = isinstance(t, (GroupedWeight, Fp8Weight))  # (a checkpoint's FP8 codes too)
         if not grouped and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
             raise ConfigError(f"tensor parallelism shards float or grouped-integer weights; "
                               f"{name!r} is {type(t).__name__}")
@@ -271,6 +277,12 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | GroupedWeight]],
             if name in whole_rows:
                 out = ColumnSlice(t, start, n)
             elif grouped:
+                if getattr(t, "perm", None) is not None:
+                    raise ConfigError(
+                        f"tensor_parallel_size {plan.world}: {name} is an act-order (desc_act "
+                        "/ g_idx) weight whose groups span all its input columns; a "
+                        "row-parallel layer cannot split them (serve it at "
+                        "tensor_parallel_size 1, or use a checkpoint without act-order)")
                 if start % t.group_size or n % t.group_size:
                     raise ConfigError(
                         f"tensor_parallel_size {plan.world}: {name} keeps {t.group_size}-"
@@ -285,11 +297,11 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | GroupedWeight]],
         yield name, out
 
 
-def _vocab_rows(weight: torch.Tensor | GroupedWeight, plan: TPPlan
-                ) -> torch.Tensor | GroupedWeight:
+def _vocab_rows(weight: torch.Tensor | GroupedWeight | Fp8Weight, plan: TPPlan
+                ) -> torch.Tensor | GroupedWeight | Fp8Weight:
     """This rank's vocabulary rows (a view), zero-padded past the vocabulary (a copy)."""
     end = max(min(plan.vocab_start + plan.vocab_size, plan.vocab), plan.vocab_start)
-    if isinstance(weight, GroupedWeight):
+    if isinstance(weight, (GroupedWeight, Fp8Weight)):
         rows = weight.rows(plan.vocab_start, end)
         return rows if rows.shape[0] == plan.vocab_size else rows.padded_rows(plan.vocab_size)
     rows = weight[plan.vocab_start:end]

@@ -27,7 +27,7 @@ in group order with the permutation kept (`GroupedWeight.perm`).
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,16 +148,22 @@ class PrequantCheckpoint:
     `shapes` (logical name -> shape, quantized linears as `<prefix>.weight` [N, K]),
     `formats` (logical name -> SourceFormat of each quantized linear) and `tensors(dtype)`
     (streamed once). A quantized linear's `bias` that the model lacks (`expected` names)
-    is dropped when zero (AutoGPTQ writes them), kept (and so reported) otherwise."""
+    is dropped when zero (AutoGPTQ writes them), kept (and so reported) otherwise.
+    `split(name)`: the family's normaliser (a fused checkpoint tensor's row parts under
+    standard names, `model.registry.Part`s, or None), applied to every logical tensor."""
 
     def __init__(self, quant: CheckpointQuant, source: str, files: Mapping[str, Path],
-                 expected: Container[str]) -> None:
+                 expected: Container[str],
+                 split: Callable[[str], list | None] | None = None) -> None:
         self.quant, self.source, self.files = quant, source, dict(files)
+        self.split = split
         meta: dict[str, tuple[tuple[int, ...], str]] = {}
         by_file: dict[Path, list[str]] = {}
         for name, path in self.files.items():
             by_file.setdefault(path, []).append(name)
         for path, names in by_file.items():
+            if not path.is_file():
+                raise ConfigError(f"{source}: shard {path.name} listed in the index is missing")
             with safe_open(path, framework="pt") as f:
                 for name in names:
                     sl = f.get_slice(name)
@@ -186,9 +192,22 @@ class PrequantCheckpoint:
                 if bias in meta and bias not in expected and not reader.get(bias).any():
                     used.add(bias)
         self.floats = [n for n in self.files if n not in used]
-        self.shapes = {n: meta[n][0] for n in self.floats}
-        self.shapes.update({name: (lin.n, lin.k) for name, lin in self.linears.items()})
-        self.formats = {name: lin.fmt for name, lin in self.linears.items()}
+        logical = {n: meta[n][0] for n in self.floats}
+        logical.update({name: (lin.n, lin.k) for name, lin in self.linears.items()})
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.formats: dict[str, SourceFormat] = {}
+        for name, shape in logical.items():
+            for part, start, rows in self._parts(name):
+                self.shapes[part] = shape if start is None else (rows, *shape[1:])
+                if name in self.linears:
+                    self.formats[part] = self.linears[name].fmt
+
+    def _parts(self, name: str) -> list[tuple[str, int | None, int | None]]:
+        """(standard name, first row or None, rows) of each part of logical tensor `name`."""
+        parts = self.split(name) if self.split else None
+        if parts is None:
+            return [(name, None, None)]
+        return [(p.name, p.start, p.rows) for p in parts]
 
     def _fail(self, what: str) -> ConfigError:
         q = self.quant
@@ -309,17 +328,24 @@ class PrequantCheckpoint:
             reader = _Files(self.files, stack)
             for name in order:
                 lin = self.linears.get(name)
-                if lin is None:
-                    yield name, reader.get(name).to(dtype).contiguous()
-                else:
-                    yield name, self._weight(lin, reader)
+                t = (reader.get(name).to(dtype).contiguous() if lin is None
+                     else self._weight(lin, reader))
+                for part, start, rows in self._parts(name):
+                    if start is None:
+                        yield part, t
+                    elif isinstance(t, torch.Tensor):
+                        yield part, t[start:start + rows]
+                    else:
+                        yield part, t.rows(start, start + rows)
+                del t
 
 
-def open_prequantized(model_dir: Path, files: Mapping[str, Path],
-                      expected: Container[str]) -> PrequantCheckpoint | None:
+def open_prequantized(model_dir: Path, files: Mapping[str, Path], expected: Container[str],
+                      split: Callable[[str], list | None] | None = None
+                      ) -> PrequantCheckpoint | None:
     """The checkpoint in `model_dir` (tensor name -> file in `files`) read through its
     `quantization_config`, or None for a float checkpoint (no quantization_config)."""
     quant = read_quant_config(model_dir)
     if quant is None:
         return None
-    return PrequantCheckpoint(quant, str(model_dir), files, expected)
+    return PrequantCheckpoint(quant, str(model_dir), files, expected, split)

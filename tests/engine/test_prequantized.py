@@ -1,0 +1,523 @@
+"""Pre-quantized checkpoints (GPTQ, AWQ, FP8, compressed-tensors) written here in each
+format's documented layout (packed by the reference packers' rules: AutoGPTQ's
+`QuantLinear.pack`, AutoAWQ's `WQLinear_GEMM.from_linear`, compressed-tensors'
+`pack_to_int32`), from random codes, zero points and scales, on a tiny Llama: they load
+without a float round trip (each layer computes with exactly the format's dequantization,
+w = (q - z) * s, up to a zero point's product rounded once to float16) and generate what
+the engine generates from a float checkpoint of those dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.errors import ConfigError
+from tandem.engine.llm import LLM
+from tandem.engine.model.loader import open_model
+from tandem.engine.model_build import build_shard
+from tandem.engine.parallel.tp import TPPlan, shard_weights
+from tandem.engine.quant.apply import plan_quantization, row_scaled_weights
+from tandem.engine.quant.base import QuantLinear
+from tandem.engine.quant.checkpoint import resolve_quantization
+from tandem.engine.sampling_params import SamplingParams
+from tests.engine.utils import TINY_VOCAB, write_tiny_tokenizer
+
+CPU = torch.device("cpu")
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 128, 256, 2, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+# HF linear -> (out N, in K)
+SHAPES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+          "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
+          "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN),
+          "mlp.down_proj": (HIDDEN, INTER)}
+# the engine's fused modules and the HF linears whose rows they hold, in order
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "self_attn.o_proj": ("self_attn.o_proj",),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "mlp.down_proj": ("mlp.down_proj",)}
+FLOAT_LINEAR = "model.layers.1.mlp.down_proj"  # left float (a checkpoint's ignore list)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+# ---- the reference packers ---------------------------------------------------------------
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """uint32 values held in int64 -> the int32 with the same bits (numpy's astype)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def gptq_pack(q_kn: torch.Tensor, zeros_gn: torch.Tensor, bits: int, v1: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ `QuantLinear.pack`: intweight [K, N] -> qweight [K * bits / 32, N], row r
+    word |= intweight[r * pf + j] << (bits * j); zeros [G, N] (minus one: the "gptq"
+    checkpoint_format) -> qzeros [G, N * bits / 32], column c |= zeros[:, c * pf + j] <<
+    (bits * j)."""
+    pf = 32 // bits
+    k, n = q_kn.shape
+    qweight = torch.zeros(k // pf, n, dtype=torch.int64)
+    for j in range(pf):
+        qweight |= q_kn[j::pf].to(torch.int64) << (bits * j)
+    z = zeros_gn.to(torch.int64) - (1 if v1 else 0)
+    qzeros = torch.zeros(z.shape[0], n // pf, dtype=torch.int64)
+    for j in range(pf):
+        qzeros |= z[:, j::pf] << (bits * j)
+    return _int32(qweight), _int32(qzeros)
+
+
+def awq_pack(int_kn: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ `WQLinear_GEMM.from_linear`: [K, N] (or zeros [G, N]) -> [K, N / 8] int32,
+    column c |= x[:, c * 8 + order_map[i]] << (4 * i), order_map = [0, 2, 4, 6, 1, 3, 5, 7]."""
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    out = torch.zeros(int_kn.shape[0], int_kn.shape[1] // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= int_kn[:, order_map[i]::8].to(torch.int64) << (4 * i)
+    return _int32(out)
+
+
+def pack_to_int32(value: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
+    """compressed-tensors `pack_to_int32`: signed int8 values + 2^(bits-1), 32 / bits to a
+    word along `packed_dim`, the first in the lowest bits."""
+    assert value.dtype == torch.int8
+    value = (value.to(torch.int64) + (1 << (num_bits - 1)))
+    if packed_dim == 0:
+        value = value.T
+    rows, cols = value.shape
+    pf = 32 // num_bits
+    value = torch.nn.functional.pad(value, (0, -cols % pf))
+    shifts = torch.arange(pf, dtype=torch.int64) * num_bits
+    packed = (value.view(rows, -1, pf) << shifts).sum(dim=2)
+    packed = _int32(packed)
+    return packed.T.contiguous() if packed_dim == 0 else packed
+
+
+# ---- random quantized layers and their float reference ------------------------------------
+
+@dataclass
+class IntLinear:
+    """Unsigned codes q [N, K] (0..2^bits-1), zero points z [N, G], float16 scales s [N, G]
+    and the group of each input column g_idx [K]: w = (q - z[:, g_idx]) * s[:, g_idx]."""
+
+    q: torch.Tensor
+    z: torch.Tensor
+    s: torch.Tensor
+    g_idx: torch.Tensor
+    bits: int
+
+    def dequant(self) -> torch.Tensor:
+        z, s = self.z[:, self.g_idx], self.s[:, self.g_idx].double()
+        return ((self.q - z).double() * s).float()
+
+
+def int_linear(gen: torch.Generator, n: int, k: int, group: int, bits: int, sym: bool,
+               g_idx: torch.Tensor | None = None) -> IntLinear:
+    top = 1 << bits
+    q = torch.randint(0, top, (n, k), generator=gen)
+    groups = k // group
+    z = (torch.full((n, groups), top // 2) if sym
+         else torch.randint(1, top, (n, groups), generator=gen))
+    s = (torch.rand(n, groups, generator=gen) * 0.02 + 0.004).to(torch.float16)
+    return IntLinear(q, z, s, torch.arange(k) // group if g_idx is None else g_idx, bits)
+
+
+def act_order_g_idx(gen: torch.Generator, k: int, group: int) -> torch.Tensor:
+    """AutoGPTQ's act-order groups: g_idx = (i // group)[invperm] for its column order (one
+    per layer input: q / k / v share it, as gate / up do)."""
+    return (torch.arange(k) // group)[torch.argsort(torch.randperm(k, generator=gen))]
+
+
+def fp8_linear(gen: torch.Generator, n: int, k: int, per_channel: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n if per_channel else 1, generator=gen) * 4e-4 + 1e-4
+    return codes, scale
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(config dict, the float tensors that stay float, the tokenizer's directory)."""
+    import transformers
+
+    tok = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(tok, TINY_VOCAB)
+    cfg = transformers.LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, rope_theta=10000.0)
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    keep = {n: t.detach().float().contiguous() for n, t in model.state_dict().items()
+            if not any(n.endswith(f"{lin}.weight") for lin in SHAPES) and n != "lm_head.weight"}
+    with torch.no_grad():
+        for n, t in keep.items():
+            if n.endswith("norm.weight"):
+                t.uniform_(0.8, 1.2)
+    return cfg.to_dict(), keep, tok
+
+
+def write_checkpoint(out: Path, base, tensors: dict[str, torch.Tensor],
+                     quantization_config: dict | None) -> Path:
+    """A sharded HF directory (two files, an index; one layer's parts split over both)."""
+    cfg, keep, tok = base
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(cfg)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(config))
+    everything = {**keep, **tensors}
+    names = sorted(everything)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    weight_map = {}
+    for fname, part in shards.items():
+        save_file({n: everything[n].contiguous() for n in part}, str(out / fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for f in tok.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def _prefixes():
+    for i in range(LAYERS):
+        for lin, (n, k) in SHAPES.items():
+            yield f"model.layers.{i}.{lin}", n, k
+
+
+def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: bool = False,
+             act_order: bool = False, seed: int = 0) -> tuple[Path, Path, dict]:
+    """(the quantized checkpoint, the float one of its dequantized weights, {HF linear
+    prefix: reference float weight})."""
+    gen = torch.Generator().manual_seed(seed)
+    qt: dict[str, torch.Tensor] = {}
+    ft: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    orders: dict[tuple[str, str], torch.Tensor] = {}  # act-order g_idx per fused layer
+    for prefix, n, k in _prefixes():
+        if prefix == FLOAT_LINEAR:  # kept float by both checkpoints
+            w = torch.randn(n, k, generator=gen) * 0.05
+            qt[prefix + ".weight"] = ft[prefix + ".weight"] = ref[prefix] = w
+            continue
+        g = k if group == -1 else group
+        _, _, index, linear = prefix.split(".", 3)
+        key = (index, next(f for f, parts in FUSED.items() if linear in parts))
+        if act_order and key not in orders:
+            orders[key] = act_order_g_idx(gen, k, g)
+        lin = int_linear(gen, n, k, g, bits, sym, orders.get(key))
+        ref[prefix] = ft[prefix + ".weight"] = lin.dequant()
+        if fmt == "gptq":
+            g_z = lin.z.T.contiguous()  # [G, N]
+            qweight, qzeros = gptq_pack(lin.q.T.contiguous(), g_z, bits)
+            qt.update({prefix + ".qweight": qweight, prefix + ".qzeros": qzeros,
+                       prefix + ".scales": lin.s.T.contiguous(),
+                       prefix + ".g_idx": lin.g_idx.to(torch.int32),
+                       prefix + ".bias": torch.zeros(n, dtype=torch.float16)})
+        elif fmt == "awq":
+            qt.update({prefix + ".qweight": awq_pack(lin.q.T.contiguous()),
+                       prefix + ".qzeros": awq_pack(lin.z.T.contiguous()),
+                       prefix + ".scales": lin.s.T.contiguous()})
+        else:  # compressed-tensors pack-quantized: signed values, signed zero points
+            off = 1 << (bits - 1)
+            qt.update({prefix + ".weight_packed": pack_to_int32((lin.q - off).to(torch.int8),
+                                                                bits),
+                       prefix + ".weight_scale": lin.s.clone(),
+                       prefix + ".weight_shape": torch.tensor([n, k], dtype=torch.int64)})
+            if not sym:
+                qt[prefix + ".weight_zero_point"] = (lin.z - off).to(torch.int8)
+            if act_order:
+                qt[prefix + ".weight_g_idx"] = lin.g_idx.to(torch.int32)
+    if fmt == "gptq":
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+              "sym": sym, "checkpoint_format": "gptq"}
+    elif fmt == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": ["down_proj"]}
+    else:
+        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+              "quantization_status": "compressed", "ignore": ["lm_head", FLOAT_LINEAR],
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"], "input_activations": None,
+                  "weights": {"num_bits": bits, "type": "int", "strategy": "group",
+                              "group_size": group, "symmetric": sym, "dynamic": False,
+                              "actorder": "group" if act_order else None}}}}
+    name = f"{fmt}{bits}g{group}{'sym' if sym else ''}{'act' if act_order else ''}{seed}"
+    return (write_checkpoint(tmp / name, base, qt, qc),
+            write_checkpoint(tmp / (name + "-float"), base, ft, None), ref)
+
+
+def make_fp8(tmp: Path, base, fmt: str, *, per_channel: bool, seed: int = 0
+             ) -> tuple[Path, Path, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    qt, ft, ref = {}, {}, {}
+    for prefix, n, k in _prefixes():
+        if prefix == FLOAT_LINEAR:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            qt[prefix + ".weight"] = ft[prefix + ".weight"] = ref[prefix] = w
+            continue
+        codes, scale = fp8_linear(gen, n, k, per_channel)
+        ref[prefix] = ft[prefix + ".weight"] = (codes.double() * scale.double()[:, None]
+                                                if per_channel else
+                                                codes.double() * scale.double()).float()
+        if fmt == "fp8":  # vLLM's: a scalar per-tensor scale, or [N, 1] per channel
+            stored = scale.view(n, 1) if per_channel else scale.view(())
+        else:  # compressed-tensors: [1] per tensor, [N, 1] per channel
+            stored = scale.view(n, 1) if per_channel else scale.view(1)
+        qt.update({prefix + ".weight": codes, prefix + ".weight_scale": stored,
+                   prefix + ".input_scale": torch.tensor([0.02])})
+    if fmt == "fp8":
+        qc = {"quant_method": "fp8", "activation_scheme": "static",
+              "ignored_layers": ["lm_head", FLOAT_LINEAR]}
+    else:
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "ignore": ["lm_head", FLOAT_LINEAR], "config_groups": {"group_0": {
+                  "targets": ["Linear"],
+                  "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "channel" if per_channel else "tensor"},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                        "dynamic": False, "symmetric": True}}}}
+    name = f"{fmt}-{'channel' if per_channel else 'tensor'}{seed}"
+    return (write_checkpoint(tmp / name, base, qt, qc),
+            write_checkpoint(tmp / (name + "-float"), base, ft, None), ref)
+
+
+FORMATS = {
+    "gptq4-sym": lambda t, b: make_int(t, b, "gptq", sym=True, group=64),
+    "gptq4-asym": lambda t, b: make_int(t, b, "gptq", group=32),
+    "gptq4-act-order": lambda t, b: make_int(t, b, "gptq", sym=True, group=32,
+                                             act_order=True),
+    "gptq8-per-channel": lambda t, b: make_int(t, b, "gptq", bits=8, group=-1, sym=True),
+    "awq": lambda t, b: make_int(t, b, "awq", group=32),
+    "ct-int4-asym": lambda t, b: make_int(t, b, "ct", group=32),
+    "ct-int4-act-order": lambda t, b: make_int(t, b, "ct", group=64, sym=True,
+                                               act_order=True),
+    "fp8-tensor": lambda t, b: make_fp8(t, b, "fp8", per_channel=False),
+    "fp8-channel": lambda t, b: make_fp8(t, b, "fp8", per_channel=True),
+    "ct-fp8-channel": lambda t, b: make_fp8(t, b, "ct", per_channel=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, base):
+    """Each format's (quantized dir, float reference dir, reference weights), made once."""
+    made: dict[str, tuple[Path, Path, dict]] = {}
+
+    def get(fmt: str) -> tuple[Path, Path, dict]:
+        if fmt not in made:
+            made[fmt] = FORMATS[fmt](tmp_path_factory.mktemp(fmt), base)
+        return made[fmt]
+
+    return get
+
+
+EXACT = {"gptq4-sym", "gptq4-act-order", "gptq8-per-channel", "ct-int4-act-order",
+         "fp8-tensor", "fp8-channel", "ct-fp8-channel"}
+
+
+def _method(fmt: str) -> str:
+    return "fp8" if "fp8" in fmt else "int8" if "gptq8" in fmt else "int4"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_each_layer_computes_with_the_formats_dequantization(checkpoints, fmt):
+    """Every quantized layer holds the format's codes as they are: its dequantized weight is
+    w = (q - z) * s bit for bit (symmetric and FP8 formats) or up to the zero point's z * s
+    rounded once to float16 (asymmetric), and its output is x @ w.T; the ignored layer
+    stays float."""
+    qdir, _, ref = checkpoints(fmt)
+    cfg = EngineConfig(model=str(qdir), device="cpu", dtype="float32")
+    model = build_shard(cfg, qdir, CPU, torch.float32).model
+    x = torch.randn(3, INTER, generator=torch.Generator().manual_seed(1))
+    for i in range(LAYERS):
+        for fused, parts in FUSED.items():
+            layer = model.get_submodule(f"layers.{i}.{fused}")
+            want = torch.cat([ref[f"model.layers.{i}.{p}"] for p in parts])
+            if f"model.layers.{i}.{parts[0]}" == FLOAT_LINEAR:  # float (CPU-packed)
+                assert not isinstance(layer, QuantLinear) or layer.method.name == "packed"
+                got = (layer.method.dequantize(layer) if isinstance(layer, QuantLinear)
+                       else layer.weight)
+                assert torch.equal(got, want)
+                continue
+            assert isinstance(layer, QuantLinear), (fmt, i, fused)
+            assert layer.method.name == _method(fmt)
+            assert getattr(layer.method, "act_order", False) == ("act-order" in fmt)
+            got = layer.method.dequantize(layer)
+            if fmt in EXACT:
+                assert torch.equal(got, want), (fmt, i, fused)
+            else:  # |z * s| <= 15 * 0.024, rounded to float16: within 2^-11 of it
+                assert (got - want).abs().max() <= 15 * 0.024 * 2**-11, (fmt, i, fused)
+                assert (got - want).abs().max() > 0  # (the mins are rounded)
+            xi = x[:, :layer.in_features]
+            torch.testing.assert_close(layer(xi), xi @ got.T, rtol=1e-4, atol=1e-4)
+
+
+E2E = ["gptq4-asym", "gptq4-act-order", "awq", "ct-int4-asym", "fp8-tensor", "ct-fp8-channel"]
+
+
+@pytest.mark.parametrize("fmt", E2E)
+def test_greedy_tokens_and_prompt_logprobs_match_the_float_checkpoint(checkpoints, fmt):
+    """The engine on the quantized checkpoint (its method detected from
+    quantization_config) generates the float checkpoint's greedy tokens, its prompt
+    logprobs within float rounding, in one batch; a prompt sharing a cached prefix
+    (prefix hits) generates the same tokens again."""
+    qdir, fdir, _ = checkpoints(fmt)
+    gen = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, TINY_VOCAB, (32,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist()
+               for n in (5, 11)] + [torch.randint(3, TINY_VOCAB, (20,), generator=gen).tolist()]
+    params = SamplingParams(max_tokens=8, prompt_logprobs=1, **GREEDY)
+
+    def run(path: Path):
+        llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                  max_model_len=256)
+        scored = llm.generate(prompts, params)
+        again = llm.generate(prompts[1], SamplingParams(max_tokens=8, **GREEDY))[0]
+        return llm, scored, again
+
+    qllm, got, again = run(qdir)
+    _, ref, _ = run(fdir)
+    # exact formats: float32 rounding; asymmetric ones: each min z * s rounded to float16
+    tol = 1e-4 if fmt in EXACT else 5e-3
+    assert qllm.engine.config.quantization in (None, "gptq", "awq", "fp8",
+                                               "compressed-tensors")
+    for g, r in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert set(a) == set(b)
+            assert all(a[t] == pytest.approx(b[t], abs=tol) for t in a)
+    assert again.num_cached_tokens == 32  # the shared prefix's two blocks
+    assert again.outputs[0].token_ids == ref[1].outputs[0].token_ids
+
+
+def _build(path: Path, **engine_args):
+    cfg = EngineConfig(model=str(path), device="cpu", dtype="float32", **engine_args)
+    return build_shard(cfg, path, CPU, torch.float32).model
+
+
+def test_the_flag_may_name_the_checkpoints_method_or_a_vllm_alias(checkpoints):
+    """--quantization gptq / gptq_marlin on a GPTQ checkpoint, fp8 on an FP8 one: its own
+    codes, exactly (fp8 does not re-quantize them)."""
+    assert EngineConfig(quantization="gptq_marlin").quantization == "gptq"
+    assert EngineConfig(quantization="awq_marlin").quantization == "awq"
+    qdir, _, ref = checkpoints("gptq4-sym")
+    want = torch.cat([ref[f"model.layers.0.{p}"] for p in FUSED["self_attn.qkv_proj"]])
+    for flag in ("gptq", "gptq_marlin"):
+        layer = _build(qdir, quantization=flag).layers[0].self_attn.qkv_proj
+        assert torch.equal(layer.method.dequantize(layer), want)
+    qdir, _, ref = checkpoints("fp8-channel")
+    layer = _build(qdir, quantization="fp8").layers[0].mlp.down_proj
+    assert torch.equal(layer.method.dequantize(layer), ref["model.layers.0.mlp.down_proj"])
+
+
+def test_a_conflicting_flag_and_a_checkpoint_method_for_float_weights_are_errors(checkpoints):
+    qdir, fdir, _ = checkpoints("gptq4-sym")
+    with pytest.raises(ConfigError, match=rf"^{qdir} is a gptq checkpoint \(quantization_config"
+                                          r"\), but quantization 'int8' was asked; leave "
+                                          r"--quantization unset or pass gptq$"):
+        _build(qdir, quantization="int8")
+    with pytest.raises(ConfigError, match=r"but quantization 'awq' was asked"):
+        _build(qdir, quantization="awq_marlin")
+    with pytest.raises(ConfigError, match=rf"^quantization 'gptq' serves a gptq checkpoint, but "
+                                          rf"{fdir} has no quantization_config \(its weights are "
+                                          r"float\); use int8, int4 or fp8"):
+        _build(fdir, quantization="gptq")
+    ct, _, _ = checkpoints("ct-fp8-channel")
+    with pytest.raises(ConfigError, match=r"is a compressed-tensors checkpoint"):
+        _build(ct, quantization="fp8")
+    assert resolve_quantization("fp8", None, "m") == "fp8"  # float weights: on the fly
+
+
+def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of checkpoint `src` with its quantization_config updated by `config` and the
+    tensors in `tensors` replaced (by name, in whichever shard holds them)."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"].update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    for f in dst.glob("*.safetensors"):
+        data = load_file(str(f))
+        hit = {n: t for n, t in (tensors or {}).items() if n in data}
+        if hit:
+            save_file({**data, **hit}, str(f))
+    return dst
+
+
+@pytest.mark.parametrize(("fmt", "config", "tensors", "message"), [
+    ("gptq4-asym", {"bits": 3}, None, "GPTQ with 3-bit weights is not supported (4 and 8 are)"),
+    ("awq", {"version": "gemv"}, None, "AWQ version 'gemv' is not supported"),
+    ("fp8-channel", {"weight_block_size": [128, 128]}, None,
+     "block-wise FP8 (weight_block_size [128, 128]) is not supported"),
+    ("ct-int4-asym", {"format": "int-quantized"}, None,
+     "compressed-tensors format 'int-quantized' with no activation quantization is not "
+     "supported"),
+    ("gptq4-asym", {"quant_method": "bitsandbytes"}, None,
+     "quant_method 'bitsandbytes' is not supported; supported: gptq, awq, fp8, "
+     "compressed-tensors"),
+    ("gptq4-asym", None, {"model.layers.0.self_attn.q_proj.scales":
+                          torch.ones(3, HIDDEN, dtype=torch.float16)},
+     r"model.layers.0.self_attn.q_proj.scales is [3, 128] F16, the layout needs [4, 128] "
+     "F16/BF16/F32 (a gptq checkpoint, 4-bit, group_size 32)"),
+    ("awq", None, {"model.layers.1.mlp.up_proj.qzeros": torch.zeros(8, 32, dtype=torch.int32)},
+     "model.layers.1.mlp.up_proj.qzeros is [8, 32] I32, the layout needs [4, 32] I32"),
+    ("ct-int4-act-order", None, {"model.layers.0.mlp.gate_proj.weight_g_idx":
+                                 torch.zeros(HIDDEN, dtype=torch.int32)},
+     "model.layers.0.mlp.gate_proj: g_idx does not assign 64 input columns to each group"),
+])
+def test_a_bad_checkpoint_is_a_clear_error(checkpoints, tmp_path, fmt, config, tensors,
+                                           message):
+    qdir, _, _ = checkpoints(fmt)
+    bad = _rewrite(qdir, tmp_path / "bad", config, tensors)
+    with pytest.raises(ConfigError) as e:
+        _build(bad)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["gptq4-asym", "fp8-channel"])
+def test_tensor_parallel_ranks_hold_slices_of_the_checkpoints_codes(checkpoints, fmt):
+    """At tensor_parallel_size 2 each rank's q rows and o_proj columns (whole groups; FP8
+    rows keep their scales) dequantize to exactly its slice of the unsharded layer."""
+    qdir, _, _ = checkpoints(fmt)
+    src = open_model(qdir, torch.float32)
+    items = list(src.tensors(progress=False))
+    plan = plan_quantization(None, src.config, src.formats, CPU, None, None, str(qdir))
+    whole_rows = row_scaled_weights(plan, src.config)
+    d = src.config.head_dim
+    for name, path, rows in (("model.layers.0.self_attn.o_proj.weight",
+                              "layers.0.self_attn.o_proj", False),
+                             ("model.layers.0.self_attn.q_proj.weight",
+                              "layers.0.self_attn.qkv_proj", True)):
+        method = plan.methods[path]
+        weight = dict(items)[name]
+
+        def dequant(w, method=method):
+            n, k = w.shape
+            layer = QuantLinear(method, k, n, False, torch.float32)
+            method.load(layer, 0, w)
+            method.finish(layer)
+            return method.dequantize(layer)
+
+        full = dequant(weight)
+        for rank in range(2):
+            tp = TPPlan.build(src.config, rank, 2)
+            (_, part), = shard_weights([(name, weight)], src.config, tp, whole_rows)
+            span = slice(tp.q_head_start * d, (tp.q_head_start + tp.num_heads) * d)
+            want = full[span] if rows else full[:, span]
+            assert torch.equal(dequant(part), want), (fmt, name, rank)
+
+
+def test_act_order_row_parallel_layers_are_refused_under_tensor_parallelism(checkpoints):
+    qdir, _, _ = checkpoints("gptq4-act-order")
+    src = open_model(qdir, torch.float32)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    weight = dict(src.tensors(progress=False))[name]
+    with pytest.raises(ConfigError, match=rf"^tensor_parallel_size 2: {name} is an act-order "
+                                          r"\(desc_act / g_idx\) weight"):
+        list(shard_weights([(name, weight)], src.config, TPPlan.build(src.config, 1, 2)))
