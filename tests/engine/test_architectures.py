@@ -135,6 +135,26 @@ def _make_gemma3() -> tuple[transformers.PreTrainedModel, dict]:
     return transformers.Gemma3ForCausalLM(cfg), legacy
 
 
+def _make_mixtral() -> tuple[transformers.PreTrainedModel, dict]:
+    """Mixtral: every layer a mixture of 4 experts of 96, top-2 renormalised; checkpoint
+    names `block_sparse_moe.experts.{e}.w1 / w2 / w3`."""
+    cfg = transformers.MixtralConfig(**SHAPE, max_position_embeddings=256, num_local_experts=4,
+                                     num_experts_per_tok=2, tie_word_embeddings=False)
+    return transformers.MixtralForCausalLM(cfg), {}
+
+
+def _make_qwen3_moe() -> tuple[transformers.PreTrainedModel, dict]:
+    """Qwen3-MoE: q/k norms, 4 experts of 32, top-2 without renormalisation
+    (`norm_topk_prob` false), layer 1 of 3 dense (`mlp_only_layers`); config.json says
+    `num_experts` as hub checkpoints do."""
+    cfg = transformers.Qwen3MoeConfig(**{**SHAPE, "num_hidden_layers": 3}, head_dim=16,
+                                      max_position_embeddings=256, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32,
+                                      norm_topk_prob=False, mlp_only_layers=[1],
+                                      tie_word_embeddings=False)
+    return transformers.Qwen3MoeForCausalLM(cfg), {"num_experts": 4, "rope_theta": 10000.0}
+
+
 @dataclass(frozen=True)
 class Arch:
     """`make()` -> (transformers model, keys to overwrite in its saved config.json);
@@ -153,6 +173,8 @@ CASES: dict[str, Arch] = {
     "phi3": Arch(_make_phi3, tp=False),
     "phi4-mini": Arch(_make_phi4_mini),
     "gemma3": Arch(_make_gemma3),
+    "mixtral": Arch(_make_mixtral, tp=False),
+    "qwen3-moe": Arch(_make_qwen3_moe),
 }
 
 

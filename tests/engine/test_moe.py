@@ -259,3 +259,140 @@ def test_triton_backend_layer_and_skipped_experts():
         tri.load_state_dict(m.state_dict())
         with torch.no_grad():
             torch.testing.assert_close(tri(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+# --- the MoE families in the engine (greedy / logprob parity with transformers, alone,
+# preempted, prefix-cached and at TP = 2: tests/engine/test_architectures.py) ---
+
+def _qwen3_moe_dir(path, **overrides):
+    """A tiny Qwen3-MoE checkpoint (2 MoE layers of 4 experts, top-2) with the test
+    tokenizer in `path`; returns the transformers model."""
+    import transformers
+
+    from tests.engine.utils import TINY_VOCAB, write_tiny_tokenizer
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        initializer_range=0.1, max_position_embeddings=128, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **overrides)
+    torch.manual_seed(5)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    write_tiny_tokenizer(path, TINY_VOCAB)
+    return model
+
+
+def test_qwen3_moe_sparse_layers_follow_transformers_rule():
+    from tandem.engine.model.qwen3_moe import parse_qwen3_moe, sparse_layers
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32)
+    assert sparse_layers({"decoder_sparse_step": 2, "mlp_only_layers": [3]}, 6) == (1, 5)
+    cfg = parse_qwen3_moe({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert cfg.norm_topk_prob is False  # transformers' default for Qwen3-MoE
+    every = parse_qwen3_moe({**base, "norm_topk_prob": True})
+    assert every.moe_layers is None and every.num_experts == 8 and every.norm_topk_prob
+    # transformers 5 writes num_experts as num_local_experts
+    v5 = {k: v for k, v in base.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert parse_qwen3_moe(v5).num_experts == 8
+
+
+def test_mixtral_checkpoint_names_become_the_standard_moe_names():
+    from tandem.engine.model.mixtral import rename_experts
+
+    p = "model.layers.3.block_sparse_moe."
+    assert [x.name for x in rename_experts(None, p + "experts.5.w1.weight")] == [
+        "model.layers.3.mlp.experts.5.gate_proj.weight"]
+    assert [x.name for x in rename_experts(None, p + "experts.5.w3.weight")] == [
+        "model.layers.3.mlp.experts.5.up_proj.weight"]
+    assert [x.name for x in rename_experts(None, p + "experts.0.w2.weight")] == [
+        "model.layers.3.mlp.experts.0.down_proj.weight"]
+    assert [x.name for x in rename_experts(None, p + "gate.weight")] == [
+        "model.layers.3.mlp.gate.weight"]
+    assert rename_experts(None, "model.layers.3.self_attn.q_proj.weight") is None
+
+
+def test_experts_must_split_evenly_across_tensor_parallel_ranks():
+    import dataclasses
+
+    from tandem.engine.model.qwen3_moe import parse_qwen3_moe
+    from tandem.engine.parallel.tp import TPPlan, local_arch
+
+    arch = parse_qwen3_moe(dict(vocab_size=64, hidden_size=96, intermediate_size=96,
+                                num_hidden_layers=2, num_attention_heads=6,
+                                num_key_value_heads=3, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32))
+    with pytest.raises(ConfigError, match="must divide the model's 4 experts"):
+        TPPlan.build(arch, 0, 3)
+    arch = dataclasses.replace(arch, num_heads=4, num_kv_heads=2, hidden_size=64)
+    assert local_arch(arch, TPPlan.build(arch, 1, 2)).expert_shard == (2, 4)
+
+
+def test_quantized_moe_model_serves_its_experts_quantized(tmp_path):
+    """`--quantization int8` on a MoE checkpoint: every expert is an int8 `QuantLinear`
+    pair (the router stays float), and the prompt logprobs stay near the float model's."""
+    from tandem import LLM, SamplingParams
+
+    model = _qwen3_moe_dir(tmp_path)
+    ids = [5, 17, 33, 90, 12, 7, 8, 100, 4, 61, 22]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids) if i]
+    llm = LLM(str(tmp_path), dtype="float32", quantization="int8", num_threads=1)
+    moe = llm.engine.model.layers[0].mlp
+    assert isinstance(moe, FusedMoE) and moe.quantized
+    assert {m.gate_up_proj.method.name for m in moe.experts} == {"int8"}
+    assert not isinstance(moe.gate, QuantLinear) or moe.gate.method.name == "packed"
+    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = [d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+    assert got == pytest.approx(want, abs=0.05)
+    assert got != pytest.approx(want, abs=1e-5)  # (really quantized)
+
+
+def test_lora_on_a_moe_model_adapts_attention_and_refuses_experts(tmp_path):
+    """An attention-only PEFT adapter on a MoE base gives transformers' greedy tokens on
+    the merged weights; an adapter of the experts (or the router, or a sparse layer's MLP)
+    is refused naming what it adapts."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tandem import LLM, LoRARequest, SamplingParams
+    from tandem.engine.lora.peft import load_adapter
+    from tandem.engine.model.hf_loader import config_from_hf
+    from tests.engine.utils import make_peft_adapter, merge_adapter
+
+    base, adapter, merged = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
+    _qwen3_moe_dir(base)
+    import transformers
+
+    weights = make_peft_adapter(adapter, json.loads((base / "config.json").read_text()),
+                                rank=4, alpha=8.0, std=0.2,
+                                targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    merge_adapter(base, merged, weights, 8.0 / 4)
+    prompts = [[5, 17, 33, 90, 12, 7, 8, 100, 4], [9, 9, 30, 41, 77]]
+    ref = transformers.Qwen3MoeForCausalLM.from_pretrained(merged).eval()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_threads=1)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = llm.generate(prompts, params, lora_request=LoRARequest("attn", 1, str(adapter)))
+    assert [o.outputs[0].token_ids for o in got] == want
+
+    arch = config_from_hf(base)
+    for module in ("mlp.experts.0.gate_proj", "mlp.gate", "mlp.gate_proj"):
+        bad = tmp_path / module.replace(".", "_")
+        bad.mkdir()
+        key = f"base_model.model.model.layers.0.{module}"
+        save_file({f"{key}.lora_A.weight": torch.zeros(4, 64),
+                   f"{key}.lora_B.weight": torch.zeros(64, 4)},
+                  str(bad / "adapter_model.safetensors"))
+        (bad / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "bias": "none",
+             "target_modules": [module.rsplit(".", 1)[-1]]}))
+        with pytest.raises(ConfigError, match="adapts a mixture-of-experts MLP"):
+            load_adapter(bad, "bad", 2, arch, max_rank=4)

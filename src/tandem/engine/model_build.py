@@ -33,6 +33,7 @@ from tandem.engine.model.cpu_linear import packing_available
 from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.layers import layer_attention_spec
 from tandem.engine.model.loader import open_model
+from tandem.engine.model.moe import convert_all_experts
 from tandem.engine.model.ops import Ops
 from tandem.engine.model.registry import build_model
 from tandem.engine.parallel.comm import Groups, all_reduce_min
@@ -104,7 +105,10 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     model.eval()
     if config.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU
-        count = convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
+        def packed() -> PackedMethod:
+            return PackedMethod(device=device, native=ops.lib)
+
+        count = convert_linears(model, packed) + convert_all_experts(model, packed)
         logger.info("packed %d float linear layers", count)
     if tp is not None:  # the collectives, around whatever the layers became
         wrap_tp(model, tp, groups.tp)

@@ -225,6 +225,12 @@ def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchC
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for key, entry in entries.items():
         m = _KEY.match(key)
+        if ".experts." in key or (m is not None and m.group(2) == "mlp"
+                                  and arch.is_moe_layer(int(m.group(1)))):
+            raise ConfigError(f"{weights_file}: {key[:256]!r} adapts a mixture-of-experts "
+                              "MLP (its router or experts), which LoRA does not support; "
+                              "adapt the attention projections (q_proj, k_proj, v_proj, "
+                              "o_proj)")
         if m is None:
             raise ConfigError(f"{weights_file}: unexpected tensor {key[:256]!r} (only LoRA "
                               "A/B matrices of decoder layers are supported)")

@@ -148,6 +148,8 @@ class LoRASlots:
         for i, layer in enumerate(model.layers):
             for name, (group, n_in, outs) in layout.items():
                 parent = getattr(layer, group)
+                if not hasattr(parent, name):  # a mixture of experts: attention-only LoRA
+                    continue
                 slots = ModuleSlots.allocate(self.num_slots, self.max_rank, n_in, outs,
                                              self.device, dtype)
                 self.modules[(i, name)] = slots

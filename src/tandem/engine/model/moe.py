@@ -30,15 +30,17 @@ expert's full size, and a rank reads 1/N of the expert weights.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.errors import ConfigError
+from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.layers import RowTarget, rows
 from tandem.engine.model.ops import Ops
 from tandem.engine.quant.base import LinearMethod, QuantLinear
@@ -189,6 +191,8 @@ class FusedMoE(nn.Module):
 
     @property
     def quantized(self) -> bool:
+        """Whether the experts are `QuantLinear` pairs (quantized, or packed for the CPU)
+        rather than the float stacks."""
         return self.experts is not None
 
     def quantize(self, method: LinearMethod, dtype: torch.dtype) -> None:
@@ -305,7 +309,18 @@ class FusedMoE(nn.Module):
         s = self.spec
         return (f"experts={s.num_experts} (held {self.local.start}..{self.local.stop - 1}), "
                 f"top_k={s.top_k}, hidden={s.hidden_size}, inter={s.intermediate_size}, "
-                f"backend={self.backend}, quantized={self.quantized}")
+                f"backend={self.backend}, stored={'linears' if self.quantized else 'stacked'}")
+
+
+def convert_all_experts(model: nn.Module, make: Callable[[], LinearMethod]) -> int:
+    """`FusedMoE.convert_experts(make())` for every MoE layer of a loaded model whose
+    experts are still float stacks; returns how many linears were converted."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and not module.quantized:
+            module.convert_experts(make())
+            count += 2 * len(module.local)
+    return count
 
 
 _FUSED = re.compile(r"^(?P<prefix>.+\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
@@ -330,3 +345,29 @@ def unfuse_experts(weights: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
                 i = t.shape[1] // 2
                 yield p + f"{gate}.weight", t[e, :i]
                 yield p + f"{up}.weight", t[e, i:]
+
+
+class MoEDecoderForCausalLM(DecoderForCausalLM):
+    """The shared decoder whose sparse layers (`ModelArchConfig.is_moe_layer`) hold a
+    `FusedMoE` (the rest the dense gated MLP): routing renormalised under `norm_topk_prob`,
+    this model's experts `expert_shard`. Checkpoints may store the experts per expert (hub
+    checkpoints) or fused ([E, 2I, H] / [E, H, I], `unfuse_experts`)."""
+
+    weights_in_act_dtype: ClassVar[bool] = False  # the family's routing-weight dtype rule
+
+    def make_mlp(self, cfg: ModelArchConfig, layer: int, ops: Ops) -> nn.Module | None:
+        if not cfg.is_moe_layer(layer):
+            return None
+        if cfg.hidden_act != "silu":
+            raise ConfigError(f"mixture-of-experts layers run SwiGLU experts; "
+                              f"hidden_act {cfg.hidden_act!r} is not supported")
+        spec = MoESpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                       cfg.moe_intermediate_size, renormalize=cfg.norm_topk_prob,
+                       weights_in_act_dtype=self.weights_in_act_dtype)
+        held = None if cfg.expert_shard is None else range(*cfg.expert_shard)
+        return FusedMoE(spec, ops, experts=held)
+
+    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
+        """`DecoderForCausalLM.load_weights`, fused expert tensors split per expert first."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        super().load_weights(unfuse_experts(items))

@@ -8,6 +8,8 @@ Per rank r of N (`TPPlan`, plain values, checked up front):
   columns (row-parallel: its partial outputs are summed by an all-reduce).
 - MLP: `gate_up_proj` keeps rows [r I/N, (r+1) I/N) of both halves, `down_proj` those input
   columns (row-parallel, all-reduced).
+- mixture of experts (`model/moe.py`): each rank holds experts [r E/N, (r+1) E/N) whole and
+  the whole router; its experts' partial sum is all-reduced like `down_proj`'s.
 - vocabulary: the embedding and the LM head keep rows [r V'/N, (r+1) V'/N) of the vocabulary
   padded to V' (a multiple of N): a token outside the shard embeds to 0 before the
   all-reduce; the ranks' logits are gathered to rank 0 (which alone samples; the others
@@ -92,6 +94,9 @@ class TPPlan:
         if inter % world:
             raise ConfigError(f"tensor_parallel_size {world} must divide the MLP's "
                               f"{inter} intermediate size")
+        if arch.num_experts % world:
+            raise ConfigError(f"tensor_parallel_size {world} must divide the model's "
+                              f"{arch.num_experts} experts (each rank holds whole experts)")
         local_h = h // world
         mine = kv_heads(kvh, world, rank)  # ConfigError unless one divides the other
         shard = -(-arch.vocab_size // world)
@@ -234,8 +239,13 @@ class ParallelLMHead(nn.Module):
 def local_arch(arch: ModelArchConfig, plan: TPPlan) -> ModelArchConfig:
     """The single-device model one rank builds: its heads, MLP columns and vocabulary rows
     (the head size, layers and everything else unchanged)."""
+    experts = None
+    if arch.num_experts:  # whole experts per rank (`model.moe`: expert parallelism)
+        n = arch.num_experts // plan.world
+        experts = (plan.rank * n, (plan.rank + 1) * n)
     return dataclasses.replace(arch, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
-                               intermediate_size=plan.inter_size, vocab_size=plan.vocab_size)
+                               intermediate_size=plan.inter_size, vocab_size=plan.vocab_size,
+                               expert_shard=experts)
 
 
 _ROWS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "inter",
@@ -266,6 +276,9 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | GroupedWeight]],
         if not grouped and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
             raise ConfigError(f"tensor parallelism shards float or grouped-integer weights; "
                               f"{name!r} is {type(t).__name__}")
+        if ".mlp.experts." in name:  # whole experts: the model keeps its own, skips others
+            yield name, t
+            continue
         parts = name.split(".")
         proj = parts[-2] if len(parts) >= 2 else ""
         out: WeightRows = t
@@ -333,8 +346,11 @@ def wrap_tp(model: nn.Module, plan: TPPlan, comm: TPGroup, logits_to_all: bool =
         return
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
         share_input_ranges(layer.self_attn.o_proj, comm)
+        if not hasattr(layer.mlp, "down_proj"):  # a mixture of experts: its experts' sum
+            layer.mlp = RowParallel(layer.mlp, comm)
+            continue
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
         share_input_ranges(layer.mlp.down_proj, comm)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.vocab_start,
                                                 plan.vocab_size, comm)

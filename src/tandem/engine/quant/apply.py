@@ -89,7 +89,13 @@ _PARTS: dict[str, tuple[str, ...]] = {
 def _linear_paths(arch: ModelArchConfig) -> dict[str, list[str]]:
     """Module path -> HF weight names of its rows (embedding and head included)."""
     out = {f"layers.{i}.{mod}": [f"model.layers.{i}.{p}.weight" for p in parts]
-           for i in range(arch.num_layers) for mod, parts in _PARTS.items()}
+           for i in range(arch.num_layers) for mod, parts in _PARTS.items()
+           if not (mod.startswith("mlp.") and arch.is_moe_layer(i))}
+    for i in range(arch.num_layers):  # a mixture of experts: all its experts, one method
+        if arch.is_moe_layer(i):
+            out[f"layers.{i}.mlp.experts"] = [
+                f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for e in range(arch.num_experts)
+                for p in ("gate_proj", "up_proj", "down_proj")]
     out["embed_tokens"] = ["model.embed_tokens.weight"]
     if not arch.tie_word_embeddings:
         out["lm_head"] = ["lm_head.weight"]
@@ -235,6 +241,11 @@ def prepare_model(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> int:
             model.embed_tokens = QuantEmbedding(storage)
             if tied:
                 model.lm_head = storage
+            continue
+        if path.endswith(".mlp.experts"):  # `model.moe.FusedMoE`: a QuantLinear pair each
+            moe = model.get_submodule(path.removesuffix(".experts"))
+            moe.quantize(method, dtype)
+            count += 2 * len(moe.local)
             continue
         old = model.get_submodule(path)
         try:
