@@ -191,7 +191,8 @@ def _prefixes():
 
 
 def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: bool = False,
-             act_order: bool = False, seed: int = 0) -> tuple[Path, Path, dict]:
+             act_order: bool = False, v2: bool = False, packed_zp: bool = False,
+             seed: int = 0) -> tuple[Path, Path, dict]:
     """(the quantized checkpoint, the float one of its dequantized weights, {HF linear
     prefix: reference float weight})."""
     gen = torch.Generator().manual_seed(seed)
@@ -213,7 +214,7 @@ def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: 
         ref[prefix] = ft[prefix + ".weight"] = lin.dequant()
         if fmt == "gptq":
             g_z = lin.z.T.contiguous()  # [G, N]
-            qweight, qzeros = gptq_pack(lin.q.T.contiguous(), g_z, bits)
+            qweight, qzeros = gptq_pack(lin.q.T.contiguous(), g_z, bits, v1=not v2)
             qt.update({prefix + ".qweight": qweight, prefix + ".qzeros": qzeros,
                        prefix + ".scales": lin.s.T.contiguous(),
                        prefix + ".g_idx": lin.g_idx.to(torch.int32),
@@ -228,13 +229,15 @@ def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: 
                                                                 bits),
                        prefix + ".weight_scale": lin.s.clone(),
                        prefix + ".weight_shape": torch.tensor([n, k], dtype=torch.int64)})
-            if not sym:
-                qt[prefix + ".weight_zero_point"] = (lin.z - off).to(torch.int8)
+            if not sym:  # int8 [N, G], or (newer releases) packed along N
+                zp = (lin.z - off).to(torch.int8)
+                qt[prefix + ".weight_zero_point"] = (pack_to_int32(zp, bits, packed_dim=0)
+                                                     if packed_zp else zp)
             if act_order:
                 qt[prefix + ".weight_g_idx"] = lin.g_idx.to(torch.int32)
     if fmt == "gptq":
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-              "sym": sym, "checkpoint_format": "gptq"}
+              "sym": sym, "checkpoint_format": "gptq_v2" if v2 else "gptq"}
     elif fmt == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
               "version": "gemm", "modules_to_not_convert": ["down_proj"]}
@@ -246,7 +249,8 @@ def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: 
                   "weights": {"num_bits": bits, "type": "int", "strategy": "group",
                               "group_size": group, "symmetric": sym, "dynamic": False,
                               "actorder": "group" if act_order else None}}}}
-    name = f"{fmt}{bits}g{group}{'sym' if sym else ''}{'act' if act_order else ''}{seed}"
+    name = (f"{fmt}{bits}g{group}{'sym' if sym else ''}{'act' if act_order else ''}"
+            f"{'v2' if v2 else ''}{'pz' if packed_zp else ''}{seed}")
     return (write_checkpoint(tmp / name, base, qt, qc),
             write_checkpoint(tmp / (name + "-float"), base, ft, None), ref)
 
@@ -292,8 +296,10 @@ FORMATS = {
     "gptq4-act-order": lambda t, b: make_int(t, b, "gptq", sym=True, group=32,
                                              act_order=True),
     "gptq8-per-channel": lambda t, b: make_int(t, b, "gptq", bits=8, group=-1, sym=True),
+    "gptq4-v2-g128": lambda t, b: make_int(t, b, "gptq", group=128, v2=True),
     "awq": lambda t, b: make_int(t, b, "awq", group=32),
     "ct-int4-asym": lambda t, b: make_int(t, b, "ct", group=32),
+    "ct-int4-asym-packed-zp": lambda t, b: make_int(t, b, "ct", group=32, packed_zp=True),
     "ct-int4-act-order": lambda t, b: make_int(t, b, "ct", group=64, sym=True,
                                                act_order=True),
     "fp8-tensor": lambda t, b: make_fp8(t, b, "fp8", per_channel=False),
