@@ -346,6 +346,7 @@ def test_quantized_moe_model_serves_its_experts_quantized(tmp_path):
     moe = llm.engine.model.layers[0].mlp
     assert isinstance(moe, FusedMoE) and moe.quantized
     assert {m.gate_up_proj.method.name for m in moe.experts} == {"int8"}
+    assert llm.engine.model.cuda_graph_safe is False  # (on a GPU: decoded eagerly)
     assert not isinstance(moe.gate, QuantLinear) or moe.gate.method.name == "packed"
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     got = [d[t] for d, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
@@ -396,3 +397,24 @@ def test_lora_on_a_moe_model_adapts_attention_and_refuses_experts(tmp_path):
              "target_modules": [module.rsplit(".", 1)[-1]]}))
         with pytest.raises(ConfigError, match="adapts a mixture-of-experts MLP"):
             load_adapter(bad, "bad", 2, arch, max_rank=4)
+
+
+def test_cuda_graphs_stay_off_for_moe_layers_that_sync_with_the_host():
+    """Only float experts on the Triton kernels are capturable; a model with quantized
+    (grouped, host-synchronising) experts decodes eagerly instead of failing its capture."""
+    from types import SimpleNamespace
+
+    from tandem.engine.cuda_graphs import build_decode_graphs
+
+    spec = MoESpec(E, K, H, I)
+    assert FusedMoE(spec, backend="triton").capturable
+    assert not FusedMoE(spec).capturable  # the torch path reads each expert's count
+    quantized = FusedMoE(spec, backend="triton")
+    with torch.device("meta"):
+        quantized.quantize(get_linear_method("int8", device=CPU, group_size=None),
+                           torch.float32)
+    assert not quantized.capturable
+    config = SimpleNamespace(enforce_eager=False, cuda_graph_sizes=[1], max_num_seqs=1)
+    model = SimpleNamespace(cuda_graph_safe=False)
+    backend = SimpleNamespace(supports_cuda_graphs=True, name="triton")
+    assert build_decode_graphs(config, model, backend, [], 64, torch.device("cuda")) is None

@@ -143,6 +143,10 @@ def build_decode_graphs(config: EngineConfig, model: LlamaForCausalLM,
         return None
     sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
     capture = device.type == "cuda" and not static
+    if capture and not getattr(model, "cuda_graph_safe", True):
+        logger.info("CUDA graphs off: the model's mixture-of-experts layers run grouped "
+                    "through quantized experts, which reads token counts back to the host")
+        return None
     t0 = time.perf_counter()
     try:
         runner = DecodeGraphRunner(model, backend, kv_caches, sizes, max_model_len, device,

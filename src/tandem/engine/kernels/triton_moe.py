@@ -8,7 +8,8 @@ experts' float weights stacked: `w13 [E, 2I, H]` (gate rows, then up rows), `w2 
    sorted by expert, each expert's run padded to a multiple of BLOCK_M (`sorted_ids`,
    padding = T*k), and the expert of every BLOCK_M block (`block_expert`; blocks past the
    end, or of the "skip" bucket E, carry an id >= E). Sized to the worst case,
-   T*k + E * (BLOCK_M - 1) rows, so nothing is read back to the host.
+   T*k + (E + 1) * (BLOCK_M - 1) rows, so nothing is read back to the host (a CUDA graph
+   captures it).
 2. `_gate_up_kernel`: one launch, a program per (block, column tile of I): rows x[token]
    of the block's assignments times the gate and up rows of its expert, SiLU-and-mul fused
    in the epilogue -> `inter [T*k, I]` at each assignment's row.
@@ -48,7 +49,8 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     n = flat.numel()
     dev = flat.device
     rows = triton.cdiv(n + (num_experts + 1) * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts + 1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))  # (bincount would read its size back from the GPU)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = torch.argsort(flat, stable=True)

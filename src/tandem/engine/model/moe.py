@@ -195,6 +195,13 @@ class FusedMoE(nn.Module):
         rather than the float stacks."""
         return self.experts is not None
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a forward runs without reading anything back to the host (a CUDA graph
+        can capture it): the Triton kernels over float experts; the grouped torch path
+        reads each expert's token count."""
+        return self.backend == "triton" and not self.quantized
+
     def quantize(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Store the experts as `QuantLinear` pairs of `method` (activations in `dtype`)
         instead of the stacked float weights. Call on the meta device, before the model is
@@ -366,6 +373,11 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
                        weights_in_act_dtype=self.weights_in_act_dtype)
         held = None if cfg.expert_shard is None else range(*cfg.expert_shard)
         return FusedMoE(spec, ops, experts=held)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether every MoE layer can be captured in a CUDA graph (`FusedMoE.capturable`)."""
+        return all(m.capturable for m in self.modules() if isinstance(m, FusedMoE))
 
     def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
         """`DecoderForCausalLM.load_weights`, fused expert tensors split per expert first."""
