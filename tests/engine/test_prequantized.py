@@ -545,3 +545,39 @@ def test_preempted_requests_of_a_quantized_checkpoint_generate_the_same_tokens(c
     llm, got = run(num_kv_blocks=32, max_num_batched_tokens=24)
     assert llm.engine.stats().num_preemptions > 0
     assert got == ref
+
+
+def test_a_phi3_gptq_checkpoints_fused_layers_split_into_their_parts(tmp_path, base):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: an act-order GPTQ checkpoint's fused
+    codes are split into q / k / v and gate / up rows (one g_idx each), exactly."""
+    import transformers
+
+    cfg = transformers.Phi3Config(
+        vocab_size=TINY_VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = transformers.Phi3ForCausalLM(cfg).eval()
+    fused = {"self_attn.qkv_proj": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN),
+             "self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.gate_up_proj": (2 * INTER, HIDDEN),
+             "mlp.down_proj": (HIDDEN, INTER)}
+    keep = {n: t.detach().float().contiguous() for n, t in model.state_dict().items()
+            if not any(n.endswith(f"{m}.weight") for m in fused)}
+    gen = torch.Generator().manual_seed(2)
+    qt, ref = {}, {}
+    for module, (n, k) in fused.items():
+        prefix = f"model.layers.0.{module}"
+        lin = int_linear(gen, n, k, 32, 4, True, act_order_g_idx(gen, k, 32))
+        ref[module] = lin.dequant()
+        qweight, qzeros = gptq_pack(lin.q.T.contiguous(), lin.z.T.contiguous(), 4)
+        qt.update({prefix + ".qweight": qweight, prefix + ".qzeros": qzeros,
+                   prefix + ".scales": lin.s.T.contiguous(),
+                   prefix + ".g_idx": lin.g_idx.to(torch.int32)})
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True}
+    qdir = write_checkpoint(tmp_path / "phi3", (cfg.to_dict(), keep, base[2]), qt, qc)
+    built = _build(qdir)
+    for module in fused:  # the engine's fused modules hold the parts in checkpoint order
+        layer = built.get_submodule(f"layers.0.{module}")
+        assert layer.method.name == "int4" and layer.method.act_order
+        assert torch.equal(layer.method.dequantize(layer), ref[module]), module
