@@ -418,3 +418,22 @@ def test_cuda_graphs_stay_off_for_moe_layers_that_sync_with_the_host():
     model = SimpleNamespace(cuda_graph_safe=False)
     backend = SimpleNamespace(supports_cuda_graphs=True, name="triton")
     assert build_decode_graphs(config, model, backend, [], 64, torch.device("cuda")) is None
+
+
+def test_triton_engine_runs_moe_layers_through_the_fused_kernels(tmp_path):
+    """With the Triton attention backend (under the interpreter here, as on a GPU) the MoE
+    layers run `fused_moe` and the engine's greedy tokens are transformers'."""
+    pytest.importorskip("triton")
+    from tandem import LLM, SamplingParams
+
+    model = _qwen3_moe_dir(tmp_path)
+    prompt = [5, 17, 33, 90, 12, 7, 8, 100, 4]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tmp_path), dtype="float32", attention_backend="triton", cpu_linear="torch",
+              num_kv_blocks=16, enforce_eager=True, num_threads=1)
+    moe = llm.engine.model.layers[0].mlp
+    assert moe.backend == "triton" and moe.capturable and llm.engine.model.cuda_graph_safe
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0,
+                                                ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want
