@@ -41,6 +41,7 @@ from tandem.engine.parallel.comm import Groups, broadcast
 from tandem.engine.parallel.executor import build_executor
 from tandem.engine.parallel.kv_moves import gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind, StepPlan
+from tandem.engine.quant.checkpoint import with_checkpoint_quantization
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode import (
@@ -62,7 +63,8 @@ class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
         from tandem.engine.llm import resolve_config  # repository ids -> the hub cache
 
-        self.config = config = resolve_config(config)
+        # a pre-quantized checkpoint's method when unset (quant/checkpoint.py)
+        self.config = config = with_checkpoint_quantization(resolve_config(config))
         path = Path(config.model) if config.model else bundled_model_path()
         self.device = device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, device)

@@ -22,13 +22,17 @@ other is a ConfigError, as is a checkpoint method asked of a float checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tandem.engine.config import EngineConfig
 
 CHECKPOINT_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # vLLM's kernel-specific names for the same checkpoints
@@ -235,3 +239,24 @@ def resolve_quantization(flag: str | None, checkpoint: str | None, source: str) 
     raise ConfigError(f"{source or 'the model'} is a {checkpoint} checkpoint "
                       f"(quantization_config), but quantization {flag!r} was asked; leave "
                       f"--quantization unset or pass {checkpoint}")
+
+
+def checkpoint_method(model: str | None) -> str | None:
+    """The quantization method of the Hugging Face checkpoint directory `model` (its
+    quantization_config), or None: float weights, a GGUF file, the bundled model."""
+    path = Path(model) if model else None
+    if path is None or not (path / "config.json").is_file():
+        return None
+    quant = read_quant_config(path)
+    return None if quant is None else quant.method
+
+
+def with_checkpoint_quantization(config: EngineConfig) -> EngineConfig:
+    """`config` with `quantization` set to what is served (`resolve_quantization` against
+    its local model directory): a pre-quantized checkpoint's method when unset, so the
+    engine's state and /ready report it. ConfigError for a conflict."""
+    served = resolve_quantization(config.quantization, checkpoint_method(config.model),
+                                  config.model or "")
+    if served == config.quantization:
+        return config
+    return dataclasses.replace(config, quantization=served)
