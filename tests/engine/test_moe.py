@@ -437,3 +437,55 @@ def test_triton_engine_runs_moe_layers_through_the_fused_kernels(tmp_path):
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0,
                                                 ignore_eos=True))[0]
     assert out.outputs[0].token_ids == want
+
+
+def test_gptq_moe_checkpoint_serves_its_experts_codes(tmp_path):
+    """A Qwen3-MoE checkpoint in AutoGPTQ's 4-bit layout (every attention and expert linear;
+    the router float, as GPTQ MoE checkpoints keep it) loads its codes onto int4 experts and
+    generates the tokens, and prompt logprobs, of a float checkpoint of the dequantized
+    weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tandem import LLM, SamplingParams
+    from tests.engine.test_prequantized import gptq_pack, int_linear
+
+    model = _qwen3_moe_dir(tmp_path / "float")
+    gen = torch.Generator().manual_seed(1)
+    state = load_file(str(tmp_path / "float" / "model.safetensors"))
+    quant, floats = {}, {}
+    for name, t in state.items():
+        if name.endswith("proj.weight"):  # q/k/v/o and the experts' gate/up/down
+            prefix = name.removesuffix(".weight")
+            lin = int_linear(gen, t.shape[0], t.shape[1], 32, 4, sym=True)
+            qweight, qzeros = gptq_pack(lin.q.T.contiguous(), lin.z.T.contiguous(), 4)
+            quant.update({prefix + ".qweight": qweight, prefix + ".qzeros": qzeros,
+                          prefix + ".scales": lin.s.T.contiguous(),
+                          prefix + ".g_idx": lin.g_idx.to(torch.int32)})
+            floats[name] = lin.dequant()
+        else:
+            quant[name] = floats[name] = t
+    assert any(".mlp.experts.3.down_proj.qweight" in n for n in quant)
+    cfg = json.loads((tmp_path / "float" / "config.json").read_text())
+    for sub, tensors, qc in (("q", quant, {"quant_method": "gptq", "bits": 4,
+                                           "group_size": 32, "desc_act": False, "sym": True}),
+                             ("f", floats, None)):
+        d = tmp_path / sub
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(cfg | ({"quantization_config": qc}
+                                                         if qc else {})))
+        for f in (tmp_path / "float").glob("tok*"):
+            (d / f.name).write_bytes(f.read_bytes())
+    del model
+    prompts = [[5, 17, 33, 90, 12, 7, 8, 100, 4], [9, 9, 30, 41, 77, 3]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    got, want = (LLM(str(tmp_path / s), dtype="float32", num_threads=1) for s in "qf")
+    moe = got.engine.model.layers[1].mlp
+    assert {m.down_proj.method.name for m in moe.experts} == {"int4"}
+    for g, w in zip(got.generate(prompts, params), want.generate(prompts, params),
+                    strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+            assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
