@@ -32,6 +32,11 @@ n > 1, prompt logprobs, aborts, forwards that fail part-way (after writing poiso
 with a staged partial block (written over later steps, committed or failed), P/D local
 prefix pins and kept blocks released later.
 
+With `window` W (a sliding-window model: every query reads only its last W positions) the
+KV manager frees blocks behind the window: a chunk's reads are checked from W - 1 before its
+first query on, the null block must never be written, and a request's resident blocks stay
+within `Scheduler.max_blocks` (prompts longer than the pool run).
+
 With `connector` (a factory of an object with both sides of a KV connector, one "layer"),
 it is the KV manager's connector and the fake forward loads the step's pages first
 (`start_load_kv`, `wait_for_layer_load(0)`), as the model runner does before layer 0.
@@ -181,6 +186,8 @@ class TrackingForward:
             vals = []
             for p in range(start, start + n):
                 prev = ident(prev, toks[p])
+                if sim.window and table[p // bs] == 0:
+                    sim._fail(f"{req.request_id} writes position {p} into the null block")
                 cache[table[p // bs]][p % bs] = prev
                 vals.append(prev)
             written.append(vals)
@@ -188,7 +195,7 @@ class TrackingForward:
             req = s.request
             k = len(s.spec_token_ids)
             end = s.start + s.num_new_tokens - k  # the drafts' slots were just written
-            sim.check_reads(req, table, end)
+            sim.check_reads(req, table, end, s.start)
             sim.learn_request(req, end)
             if k:  # greedy verification: drafts hold while they equal the target's token
                 i, row = 0, vals[len(vals) - 1 - k]
@@ -266,7 +273,8 @@ class Sim:
     """One random trace (`run`) over a fresh engine core; `SimViolation` on any breach."""
 
     def __init__(self, seed: int, tokenizer,  # noqa: ANN001 - a Tokenizer
-                 connector: Callable[[Sim], Any] | None = None) -> None:
+                 connector: Callable[[Sim], Any] | None = None,
+                 window: bool = False) -> None:
         self.seed = seed
         rng = self.rng = random.Random(seed)
         self.block_size = rng.choice([1, 2, 4, 4, 4])
@@ -274,8 +282,10 @@ class Sim:
         self.num_blocks = rng.randint(5, 14) * (4 // bs if bs < 4 else 1)
         self.cap = rng.choice([0, 4, 8])
         budget = rng.randint(8, 16)
+        # own generator: the windowless traces are unchanged
+        self.window = random.Random(seed * 31 + 7).randint(2, 12) if window else None
         self.kv = KVCacheManager(self.num_blocks, bs, enable_caching=rng.random() < 0.9,
-                                 enable_events=True)
+                                 enable_events=True, sliding_window=self.window)
         self.sched = Scheduler(self.kv, rng.randint(2, 6), budget,
                                long_prefill_token_threshold=self.cap)
         state = EngineState("sim", MODEL, 10_000, bs, self.num_blocks, 0, 50_000)
@@ -306,6 +316,7 @@ class Sim:
         self._final: dict[str, list[int]] = {}  # kept requests' output tokens
         self.steps = 0
         self.done = 0
+        self.long_done = 0  # finished requests longer than the pool (window traces)
         families = rng.randint(1, 3)
         self.prefixes = [[rng.randrange(1000, 40000) for _ in range(rng.randint(2, 14))]
                          for _ in range(families)]
@@ -330,16 +341,20 @@ class Sim:
             self.violation = f"seed {self.seed}, step {self.steps}: {msg}"
         raise SimViolation(self.violation)
 
-    def check_reads(self, req: Request, table: list[int], end: int) -> None:
+    def check_reads(self, req: Request, table: list[int], end: int, start: int = 0) -> None:
+        """Positions [0, end) hold what was written for `req`'s tokens; with a window only
+        those the chunk's queries (from `start` on) read: from W - 1 before `start`."""
         bs = self.block_size
         want = self._idents(req, end)
-        for b in range(cdiv(end, bs)):
-            lo, hi = b * bs, min(end, (b + 1) * bs)
-            got = self.cache[table[b]][: hi - lo]
+        first = max(0, start - self.window + 1) if self.window else 0
+        for b in range(first // bs, cdiv(end, bs)):
+            lo, hi = max(first, b * bs), min(end, (b + 1) * bs)
+            got = self.cache[table[b]][lo - b * bs: hi - b * bs]
             if got != want[lo:hi]:
                 bad = next(i for i in range(hi - lo) if got[i] != want[lo + i])
                 self._fail(f"{req.request_id} read position {lo + bad} from block {table[b]} "
-                           f"slot {bad}: {got[bad]!r} is not what was written for its token")
+                           f"slot {lo - b * bs + bad}: {got[bad]!r} is not what was written "
+                           "for its token")
 
     def _idents(self, req: Request, end: int) -> list[int]:
         """The identities `req`'s positions [0, end) must hold (extended incrementally)."""
@@ -438,6 +453,25 @@ class Sim:
                 lens.tolist() != [len(w) for w in want]):
             self._fail(f"block table rows {table.tolist()} != the requests' blocks {want}")
 
+    def check_window(self) -> None:
+        """Window traces: the null block is never written, nor referenced, nor free; a
+        request holds no block behind its next query's window, and at most `max_blocks`."""
+        null = self.kv.null_block
+        if null is None or null.block_id != 0 or null.ref_cnt or 0 in self.kv.pool._free:
+            self._fail("the null block is not block 0, out of circulation")
+        if any(v is not None for v in self.cache[0]):
+            self._fail("the null block was written")
+        bs, w = self.block_size, self.window
+        for req in self.sched.running:
+            blocks = self.kv._blocks.get(req.request_id, [])
+            resident = sum(b is not null for b in blocks)
+            bound = self.sched.max_blocks(req.num_prompt_tokens + req.max_tokens, req.keep_kv)
+            if resident > bound:
+                self._fail(f"{req.request_id} holds {resident} blocks, more than {bound}")
+            behind = max(0, req.num_computed_tokens - w + 1) // bs
+            if not req.keep_kv and any(b is not null for b in blocks[:behind]):
+                self._fail(f"{req.request_id} holds a block behind its window")
+
     def after_schedule(self, out: SchedulerOutput) -> None:
         ran = {id(s.request) for s in out.scheduled}
         for victim in out.preempted:
@@ -446,18 +480,25 @@ class Sim:
         for s in out.scheduled:
             if s.start != s.request.num_computed_tokens or s.num_new_tokens < 1:
                 self._fail(f"{s.request.request_id} scheduled from {s.start}")
+        if self.window:
+            self.check_window()
         self.check_cache()
         self.check_events()
 
     # -- operations --------------------------------------------------------------------------
     def _new_prompt(self) -> tuple[list[int], str]:
         rng = self.rng
-        body = [rng.randrange(1000, 40000) for _ in range(rng.randint(1, 16))]
+        size = rng.randint(1, 16)
+        if self.window and rng.random() < 0.3:  # longer than most pools
+            size = rng.randint(16, 80)
+        body = [rng.randrange(1000, 40000) for _ in range(size)]
         prompt = (rng.choice(self.prefixes) + body) if rng.random() < 0.7 else body
         salt = "" if rng.random() < 0.8 else rng.choice(["t1", "t2"])
         return prompt, salt
 
-    def _fits(self, prompt: list[int], max_tokens: int) -> bool:
+    def _fits(self, prompt: list[int], max_tokens: int, keep: bool = False) -> bool:
+        if self.window:
+            return self.sched.max_blocks(len(prompt) + max_tokens, keep) < self.num_blocks
         return cdiv(len(prompt) + max_tokens, self.block_size) <= self.num_blocks
 
     def add(self, rid: str | None = None, prompt: list[int] | None = None,
@@ -476,6 +517,8 @@ class Sim:
         n = 1 if rng.random() < 0.85 else rng.randint(2, 3)
         plp = not imported and rng.random() < 0.1
         keep = not imported and n == 1 and rng.random() < 0.1
+        if keep and not self._fits(prompt, max_tokens, keep=True):
+            keep = False  # a kept request holds every block
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n,
                                 prompt_logprobs=0 if plp else None)
         self.engine.add_request(rid, prompt, params, priority=rng.randint(0, 2),
@@ -549,6 +592,8 @@ class Sim:
             self.engine.abort_request(rid)
 
     def step(self) -> None:
+        for req in self.sched.running:  # accepted drafts joined their tokens: learn them
+            self.learn_request(req, min(req.num_computed_tokens, req.num_tokens))
         if self.rng.random() < 0.03:
             self.forward.fail_next = True
         outs = self.engine.step()
@@ -594,6 +639,8 @@ class Sim:
         self.live.discard(rid)
         self.done += 1
         exp = self.expected[rid]
+        if cdiv(len(exp.prompt) + exp.max_tokens, self.block_size) >= self.num_blocks:
+            self.long_done += all(c.finish_reason == "length" for c in out.outputs)
         for c in out.outputs:
             if c.finish_reason == "length":
                 want = reference_tokens(exp.prompt, exp.salt, exp.max_tokens, c.index)
@@ -644,7 +691,7 @@ class Sim:
         if self.import_pins:
             self._fail(f"import pins never released: {sorted(self.import_pins)}")
         pool = self.kv.pool
-        if pool.num_free_blocks() != self.num_blocks:
+        if pool.num_free_blocks() != pool.num_usable_blocks:
             self._fail(f"{self.num_blocks - pool.num_free_blocks()} blocks still referenced")
         if any(b.ref_cnt for b in pool.blocks):
             self._fail("a block kept a reference")
@@ -654,7 +701,7 @@ class Sim:
 
 
 def run_trace(seed: int, tokenizer, num_ops: int = 40,  # noqa: ANN001
-              connector: Callable[[Sim], Any] | None = None) -> Sim:
-    sim = Sim(seed, tokenizer, connector)
+              connector: Callable[[Sim], Any] | None = None, window: bool = False) -> Sim:
+    sim = Sim(seed, tokenizer, connector, window)
     sim.run(num_ops)
     return sim

@@ -3,10 +3,12 @@ ever reads a KV slot that was not written with its token, nothing uncomputed rea
 prefix cache or a `BlockStored` event, every pin is released, outputs are exact.
 
 The traces run in two processes (CI has two cores), each over its own share of the seeds.
+A second set runs a sliding-window model: blocks behind every query's window are freed.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -14,17 +16,20 @@ import os
 from .kv_sim import SimViolation, run_trace, sim_tokenizer
 
 NUM_TRACES = 20_000
+NUM_WINDOW_TRACES = 2_000
+COUNTS = ("traces", "steps", "finished", "preemptions", "errors", "draft_tokens", "accepted",
+          "window_freed", "long_finished")
 
 
-def _run_seeds(seeds: range) -> dict:
+def _run_seeds(seeds: range, window: bool = False) -> dict:
     """Traces for `seeds`: the first violations and what the traces exercised."""
     logging.disable(logging.CRITICAL)  # injected faults log a traceback each
     tok = sim_tokenizer()
-    stats = dict(traces=0, steps=0, finished=0, preemptions=0, errors=0, draft_tokens=0,
-                 accepted=0, violations=[])
+    stats: dict = dict.fromkeys(COUNTS, 0)
+    stats["violations"] = []
     for seed in seeds:
         try:
-            sim = run_trace(seed, tok)
+            sim = run_trace(seed, tok, window=window)
         except SimViolation as exc:
             stats["violations"].append(str(exc))
             if len(stats["violations"]) >= 5:
@@ -35,6 +40,8 @@ def _run_seeds(seeds: range) -> dict:
         stats["finished"] += sim.done
         stats["preemptions"] += sim.sched.num_preemptions
         stats["errors"] += sim.failed_steps
+        stats["window_freed"] += sim.kv.window_freed_blocks
+        stats["long_finished"] += sim.long_done
         if sim.engine.speculator is not None:
             spec = sim.engine.speculator.stats()
             stats["draft_tokens"] += spec.num_draft_tokens
@@ -42,15 +49,13 @@ def _run_seeds(seeds: range) -> dict:
     return stats
 
 
-def _run_parallel(num: int, procs: int = 2) -> dict:
+def _run_parallel(num: int, procs: int = 2, window: bool = False) -> dict:
     share = -(-num // procs)
     chunks = [range(i * share, min(num, (i + 1) * share)) for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")  # no fork under torch's and tokenizers' threads
     with ctx.Pool(procs) as pool:
-        parts = pool.map(_run_seeds, chunks)
-    total = {k: sum(p[k] for p in parts) for k in ("traces", "steps", "finished",
-                                                 "preemptions", "errors", "draft_tokens",
-                                                 "accepted")}
+        parts = pool.map(functools.partial(_run_seeds, window=window), chunks)
+    total = {k: sum(p[k] for p in parts) for k in COUNTS}
     total["violations"] = [v for p in parts for v in p["violations"]]
     return total
 
@@ -94,13 +99,13 @@ def _eager_caching(monkeypatch) -> None:
     monkeypatch.setattr(KVCacheManager, "allocate_slots", eager)
 
 
-def _count_flagged(seeds: range) -> int:
+def _count_flagged(seeds: range, window: bool = False) -> int:
     flagged = 0
     logging.disable(logging.CRITICAL)
     try:
         for seed in seeds:
             try:
-                run_trace(seed, sim_tokenizer())
+                run_trace(seed, sim_tokenizer(), window=window)
             except SimViolation:
                 flagged += 1
     finally:
@@ -139,3 +144,42 @@ def test_the_simulation_flags_drafts_committed_without_rollback(monkeypatch):
 
     monkeypatch.setattr(Scheduler, "update_after_step", no_rollback)
     assert _count_flagged(range(200)) >= 50
+
+
+def test_sliding_window_traces_free_what_no_query_reads_and_stay_within_the_bound():
+    """Every layer slides (window 2..12): chunks read only written KV inside their window,
+    the null block is never written, every block is released once, a running request holds
+    no block behind its window and at most `max_blocks`, and prompts longer than the pool
+    finish with the reference's tokens (chunked prefill, preemption, prefix hits, imports,
+    speculation with rollbacks)."""
+    stats = _run_parallel(NUM_WINDOW_TRACES, procs=min(2, os.cpu_count() or 1), window=True)
+    assert stats["violations"] == []
+    assert stats["traces"] == NUM_WINDOW_TRACES
+    assert stats["window_freed"] > 30 * NUM_WINDOW_TRACES
+    assert stats["long_finished"] > NUM_WINDOW_TRACES
+    assert stats["preemptions"] > NUM_WINDOW_TRACES
+    assert stats["errors"] > NUM_WINDOW_TRACES // 10
+    assert 0.2 * stats["draft_tokens"] < stats["accepted"] < 0.9 * stats["draft_tokens"]
+
+
+def test_the_window_simulation_flags_a_block_freed_one_position_early(monkeypatch):
+    """Freeing a block while the oldest query of the next step still reads its last slot
+    is caught by the read check."""
+    from tandem.engine.kv_cache.manager import KVCacheManager
+
+    def early(self, req, num_computed):
+        w = self.sliding_window
+        if w is None or req.keep_kv:
+            return 0
+        return max(0, num_computed - w + 2) // self.block_size
+
+    monkeypatch.setattr(KVCacheManager, "_out_of_window", early)
+    assert _count_flagged(range(50), window=True) >= 40
+
+
+def test_the_window_simulation_flags_blocks_kept_behind_the_window(monkeypatch):
+    """Without freeing (today's behaviour) the bound check flags most window traces."""
+    from tandem.engine.kv_cache.manager import KVCacheManager
+
+    monkeypatch.setattr(KVCacheManager, "free_out_of_window", lambda self, req: 0)
+    assert _count_flagged(range(50), window=True) >= 40

@@ -56,7 +56,6 @@ from tandem.engine.errors import (
     QueueFullError,
     UnknownAdapterError,
 )
-from tandem.engine.kv_cache.manager import cdiv
 from tandem.engine.lora.request import LoRARequest
 from tandem.engine.output_processor import (
     Applied,
@@ -240,11 +239,12 @@ class EngineCore:
                 f"context window of {limit} tokens", "max_tokens")
         else:
             max_tokens = params.max_tokens
-        if cdiv(len(ids) + max_tokens, self.state.block_size) > self.state.num_kv_blocks:
+        # a sliding-window model holds a bounded window of a request's blocks at once
+        usable = self.kv.pool.num_usable_blocks
+        if self.scheduler.max_blocks(len(ids) + max_tokens, keep_blocks) > usable:
             raise InvalidRequestError(
                 f"prompt + max_tokens ({len(ids) + max_tokens} tokens) exceeds the KV cache "
-                f"capacity of {self.state.num_kv_blocks * self.state.block_size} tokens",
-                "max_tokens")
+                f"capacity of {usable * self.state.block_size} tokens", "max_tokens")
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError("the waiting queue is full; retry later")
         lora = self.resolve_lora(lora_request)
@@ -559,7 +559,8 @@ class EngineCore:
             in_flight_tokens=self.scheduler.num_unfinished_tokens(),
             kv_leases_active=leases.active, kv_leases_released=leases.released,
             kv_leases_expired=leases.expired,
-            kv_connector_loaded_tokens=self.scheduler.tokens_loaded, **self._spec_stats(),
+            kv_connector_loaded_tokens=self.scheduler.tokens_loaded,
+            kv_window_freed_blocks=self.kv.window_freed_blocks, **self._spec_stats(),
             **self._lora_stats())
 
     def _lora_stats(self) -> dict[str, object]:

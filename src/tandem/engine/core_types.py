@@ -101,3 +101,6 @@ class EngineStats:
     kv_leases_expired: int = 0
     # prompt tokens a KV connector loaded instead of computing them (cumulative)
     kv_connector_loaded_tokens: int = 0
+    # KV blocks a sliding-window model released as they left every query's window
+    # (cumulative; kv_cache/manager.py `free_out_of_window`)
+    kv_window_freed_blocks: int = 0

@@ -21,7 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, EngineState, EngineStats
 from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
-from tandem.engine.kv_cache.manager import KVCacheManager
+from tandem.engine.kv_cache.manager import KVCacheManager, uniform_window
 from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
 from tandem.engine.kv_pages import PageLayout
 from tandem.engine.lora.manager import LoRAConfig, LoRAManager
@@ -102,8 +102,11 @@ class LLMEngine(EngineCore):
                             per_block, arch.vocab_size, weight_bytes, config.quantization,
                             config.kv_cache_dtype)
         eos = tuple(dict.fromkeys(tuple(arch.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
+        # every layer slides with one window: blocks behind it are freed (null block 0)
+        windows = getattr(arch, "layer_windows", None) or (arch.sliding_window,) * arch.num_layers
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            enable_events=config.enable_kv_events)
+                            enable_events=config.enable_kv_events,
+                            sliding_window=uniform_window(windows))
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
         # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly (their

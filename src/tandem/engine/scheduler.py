@@ -39,6 +39,11 @@ once per step into `SchedulerOutput.kv_connector_meta`). Asynchronous loads are 
 
 Blocks join the prefix cache in `update_after_step`, after the forward that computed (or
 loaded) them.
+
+With a sliding-window model (`KVCacheManager.sliding_window`) each step's scheduling begins
+by releasing the running requests' blocks that no future query reads
+(`KVCacheManager.free_out_of_window`), so a request holds a bounded number of blocks
+(`max_blocks`) however long it grows: a prompt longer than the pool runs in chunks.
 A waiting request whose prefix continues into blocks this step computes for another
 request (n > 1 samples, a burst sharing a system prompt) waits a step and then hits them
 instead of computing them twice, when they are at least half of its chunk.
@@ -282,9 +287,18 @@ class Scheduler:
         if req.lora_name is not None:
             self.running_loras[req.lora_name] += 1
 
+    def max_blocks(self, num_tokens: int, keep: bool = False) -> int:
+        """The most KV blocks a request of `num_tokens` tokens (prompt + max_tokens) holds at
+        once (`keep`: a `keep_kv` request): all of them, or fewer with a sliding window
+        (`KVCacheManager.max_blocks`, a step running at most `max_num_batched_tokens`)."""
+        return self.kv.max_blocks(num_tokens, self.max_num_batched_tokens, keep)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.kv.new_step()
+        if self.kv.sliding_window is not None:  # before anything is allocated this step
+            for req in self.running:
+                self.kv.free_out_of_window(req)
         cap = self.long_prefill_token_threshold
         scheduled: list[ScheduledRequest] = []
         deferred: list[Request] = []  # long prefills: their chunk comes after waiting prompts

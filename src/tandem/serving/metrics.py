@@ -74,6 +74,8 @@ class _EngineCollector(Collector):
                       s.kv_leases_expired)
         yield counter("tandem_kv_connector_loaded_tokens", "Prompt tokens a KV connector "
                       "loaded instead of computing them.", s.kv_connector_loaded_tokens)
+        yield counter("tandem_kv_window_freed_blocks", "KV blocks a sliding-window model "
+                      "released once they left every query's window.", s.kv_window_freed_blocks)
         if self.model_memory_bytes is not None:
             yield gauge("tandem_model_memory_bytes", "Resident weight bytes (every tensor of "
                         "the model as stored: quantized codes, scales and float weights).",

@@ -3,6 +3,9 @@
 Plain Python values only (no torch): block ids index the per-layer KV tensors elsewhere.
 A block with ``ref_cnt == 0`` sits in the free queue; if it still carries a hash it can be
 revived by a prefix hit (`touch`) until `get_new_blocks` evicts it from the queue's head.
+With a sliding-window model block 0 is the reserved null block (`reserve_null`): never in
+the free queue, never allocated, referenced or written; block tables point out-of-window
+positions at it.
 """
 
 from __future__ import annotations
@@ -43,14 +46,31 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        self.null_block: KVBlock | None = None  # `reserve_null`
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block, if reserved."""
+        return self.num_blocks - (self.null_block is not None)
+
+    def reserve_null(self) -> KVBlock:
+        """Take block 0 out of circulation for good as the null block (before any use):
+        it is never allocated, and `touch` / `free_blocks` of it raise."""
+        if self.null_block is not None:
+            return self.null_block
+        if self.num_blocks < 2 or len(self._free) != self.num_blocks:
+            raise ValueError("the null block needs an unused pool of at least 2 blocks")
+        del self._free[0]
+        self.null_block = self.blocks[0]
+        return self.null_block
 
     # -- queries -------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def usage(self) -> float:
-        """Fraction of blocks referenced by live requests, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of usable blocks referenced by live requests, in [0, 1]."""
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -85,6 +105,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on (cached) blocks, reviving free ones out of the queue."""
         for block in blocks:
+            if block is self.null_block:
+                raise ValueError("the null block cannot be referenced")
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -133,7 +155,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if len(self._free) != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

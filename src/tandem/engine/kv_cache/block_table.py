@@ -7,7 +7,8 @@ request's blocks do (`append` of newly allocated blocks, `drop` when it frees th
 vLLM. `gather` copies a batch's rows out with one numpy fancy index.
 
 Invariant: `table[r, lens[r]:]` is zero for every row (live or free), so gathered rows are
-zero-padded without a per-row fill.
+zero-padded without a per-row fill. Zero is also the null block's id (a sliding-window
+model's out-of-window entries, `clear`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ class BlockTable:
         if end > start:
             self.table[r, start:end] = ids
         self.lens[r] = end
+
+    def clear(self, request_id: str, start: int, end: int) -> None:
+        """Point entries [start, end) of `request_id`'s row at the null block (id 0)."""
+        r = self.row_of[request_id]
+        if not 0 <= start <= end <= self.lens[r]:
+            raise ValueError(f"entries [{start}, {end}) outside a row of {self.lens[r]}")
+        self.table[r, start:end] = 0
 
     def drop(self, request_id: str) -> None:
         """Free `request_id`'s row (zeroed, for reuse); idempotent."""

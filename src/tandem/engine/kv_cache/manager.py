@@ -23,12 +23,24 @@ allocation that adds blocks (with the tokens to load into them from outside, on 
 admission: `allocate_slots`' `num_external_tokens`, which count as computed: the scheduler
 commits them with the step that loads them) and decides what becomes of each normally
 finished request's blocks (kept under a lease, or freed).
+
+Sliding window (`sliding_window` W: every layer of the model attends only to the last W
+positions, `uniform_window`): a query at position p reads keys (p - W, p], so once a
+request has computed `c` tokens no future query (this step's chunk starts at `c`; drafts
+come after it) reads a block whose positions are all < c - W + 1. `free_out_of_window`
+releases such leading blocks (after registering them in the prefix cache: they stay
+hittable until evicted) and points their entries at the pool's null block (block 0, never
+written: the backends mask those positions out). A prefix hit takes no reference on the
+hit blocks that are already out of the window of its first query. A request then holds at
+most `max_blocks` blocks at once. `keep_kv` requests (a KV transfer's source) keep every
+block. With mixed sliding and full-attention layers (Gemma 3) nothing is freed: one block
+table serves every layer.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,6 +56,16 @@ if TYPE_CHECKING:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def uniform_window(layer_windows: Sequence[int | None]) -> int | None:
+    """The window at which a model's KV blocks can be freed: W when every layer slides with
+    the same window W; None with any full-attention layer or windows that differ."""
+    windows = set(layer_windows)
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    return window
 
 
 @dataclass(frozen=True)
@@ -64,10 +86,17 @@ class KVCacheManager:
     a batch `block_table.gather(ids)`."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, enable_events)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        # every layer's window (None: some layer reads the whole context: nothing is freed)
+        self.sliding_window = sliding_window
+        self.null_block = None if sliding_window is None else self.pool.reserve_null()
+        self._num_freed: dict[str, int] = {}  # leading entries pointing at the null block
+        self.window_freed_blocks = 0  # blocks released by `free_out_of_window`, in all
         self._blocks: dict[str, list[KVBlock]] = {}
         # the ids of `_blocks`, row per request id: changed only with `_blocks`
         self.block_table = BlockTable()
@@ -203,16 +232,22 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(req.request_id, [])
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(computed)
-        revived = sum(1 for b in full if b.ref_cnt == 0)
+        # hit blocks already out of the first query's window: not taken (null entries)
+        skip = min(len(full), self._out_of_window(req, num_computed)) if full else 0
+        taken = full[skip:]
+        revived = sum(1 for b in taken if b.ref_cnt == 0)
         free = self.pool.num_free_blocks()
         if need + revived > (free if max_free is None else min(free, max_free)):
             if not blocks:
                 del self._blocks[req.request_id]
                 self.block_table.drop(req.request_id)
             return None
-        self.pool.touch(full)
+        self.pool.touch(taken)
         if takes_tail:  # the staged tail's pin becomes the request's reference
             del self._tails[tail_key]
+        if skip:
+            computed = [self.null_block] * skip + computed[skip:]  # type: ignore[list-item]
+            self._num_freed[req.request_id] = skip
         blocks.extend(computed)
         self._num_cached.setdefault(req.request_id, 0)
         if full:
@@ -229,6 +264,56 @@ class KVCacheManager:
             if end > start:
                 self._pending.update(req.update_block_hashes(self.block_size)[start:end])
         return new
+
+    def _out_of_window(self, req: Request, num_computed: int) -> int:
+        """How many leading blocks of `req` no query from position `num_computed` on reads
+        (0 without a window, and for `keep_kv` requests, whose blocks all stay)."""
+        w = self.sliding_window
+        if w is None or req.keep_kv:
+            return 0
+        return max(0, num_computed - w + 1) // self.block_size
+
+    def free_out_of_window(self, req: Request) -> int:
+        """Release `req`'s leading blocks that lie wholly before the window of its next
+        query (position `num_computed_tokens`), once they are in the prefix cache; their
+        entries become the null block. Call between steps (the scheduler does, as each
+        step's scheduling begins). Returns how many were released."""
+        rid = req.request_id
+        blocks = self._blocks.get(rid)
+        if not blocks:
+            return 0
+        start = self._num_freed.get(rid, 0)
+        end = min(len(blocks), self._out_of_window(req, req.num_computed_tokens))
+        if end <= start:
+            return 0
+        if self.enable_caching:  # cached first: a freed block stays hittable until evicted
+            self.commit_computed(req)
+            end = min(end, self._num_cached[rid])
+            if end <= start:
+                return 0
+        freed = blocks[start:end]
+        blocks[start:end] = [self.null_block] * (end - start)  # type: ignore[list-item]
+        self.block_table.clear(rid, start, end)
+        self._num_freed[rid] = end
+        self.pool.free_blocks(reversed(freed))  # the earliest is evicted last
+        self.window_freed_blocks += end - start
+        return end - start
+
+    def max_blocks(self, num_tokens: int, step_tokens: int, keep: bool = False) -> int:
+        """The most blocks a request of `num_tokens` tokens (prompt + max_tokens) holds at
+        once when a step runs at most `step_tokens` of its tokens: all of them, or with a
+        window W (not `keep`: a `keep_kv` request) at most cdiv(W + step_tokens - 2,
+        block_size) + 1: a step's positions back to W - 1 before its first query, one block
+        more where they start mid-block."""
+        full = cdiv(num_tokens, self.block_size)
+        w = self.sliding_window
+        if w is None or keep:
+            return full
+        return min(full, cdiv(w + step_tokens - 2, self.block_size) + 1)
+
+    def resident_blocks(self, request_id: str) -> int:
+        """Blocks `request_id` holds (its entries that are not the null block)."""
+        return len(self._blocks.get(request_id, ())) - self._num_freed.get(request_id, 0)
 
     def commit_computed(self, req: Request) -> None:
         """Register `req`'s full blocks up to `req.num_computed_tokens` in the prefix cache
@@ -272,6 +357,8 @@ class KVCacheManager:
         if blocks and finished and self.connector is not None:
             action = self.connector.request_finished(req, [b.block_id for b in blocks])
             keep, lease_s = action.keep, action.lease_s
+        if self._num_freed.pop(req.request_id, 0) and blocks:
+            blocks = [b for b in blocks if b is not self.null_block]
         if blocks and keep:
             stale = self.leases.of_owner(req.request_id)  # an earlier request of that id's
             if stale is not None:
