@@ -146,7 +146,8 @@ def make_peft_adapter(out_dir, base_config: dict, rank: int = 8, alpha: float = 
     hd = base_config.get("head_dim") or h // heads
     shapes = {"q_proj": (heads * hd, h), "k_proj": (kv * hd, h), "v_proj": (kv * hd, h),
               "o_proj": (h, heads * hd), "gate_proj": (inter, h), "up_proj": (inter, h),
-              "down_proj": (h, inter)}
+              "down_proj": (h, inter), "qkv_proj": ((heads + 2 * kv) * hd, h),
+              "gate_up_proj": (2 * inter, h)}  # (the last two: Phi-3's fused modules)
     gen = torch.Generator().manual_seed(seed)
     weights, tensors = {}, {}
     for i in layers if layers is not None else range(base_config["num_hidden_layers"]):
@@ -154,7 +155,7 @@ def make_peft_adapter(out_dir, base_config: dict, rank: int = 8, alpha: float = 
             n_out, n_in = shapes[t]
             a = torch.randn(rank, n_in, generator=gen) * std
             b = torch.randn(n_out, rank, generator=gen) * std
-            group = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            group = "mlp" if "gate" in t or t in ("up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{i}.{group}.{t}"
             tensors[f"{key}.lora_A.weight"] = a.contiguous()
             tensors[f"{key}.lora_B.weight"] = b.contiguous()
@@ -181,7 +182,7 @@ def merge_adapter(base_dir, out_dir, weights: dict, scale) -> None:
     for file in base.glob("*.safetensors"):
         state = load_file(str(file))
         for (i, t), (a, b) in weights.items():
-            group = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            group = "mlp" if "gate" in t or t in ("up_proj", "down_proj") else "self_attn"
             name = f"model.layers.{i}.{group}.{t}.weight"
             if name in state:
                 k = scale[t] if isinstance(scale, dict) else scale

@@ -5,7 +5,9 @@ Supported: `peft_type` LORA, `r`, `lora_alpha`, `use_rslora` (scale alpha / sqrt
 of alpha / r), `rank_pattern` / `alpha_pattern` (per-module overrides), `target_modules` as
 a list of module names, a regular expression over full module names (PEFT's rule) or
 "all-linear", `layers_to_transform`, `fan_in_fan_out`. Targets are the decoder's linears:
-q/k/v/o_proj and gate/up/down_proj. Refused with a clear error: DoRA (`use_dora`), trained
+q/k/v/o_proj and gate/up/down_proj; for families whose checkpoints fuse them (Phi-3's
+`qkv_proj`, `gate_up_proj`) the fused modules, each split on load into its parts (the same A,
+its rows of B). Refused with a clear error: DoRA (`use_dora`), trained
 biases (`bias` other than "none"), `modules_to_save` (full copies of modules), embeddings or
 LM-head adapters, a rank above `max_lora_rank` or below 1 (`rank_pattern` too), and any
 tensor whose shape does not match the base model (checked from the safetensors header,
@@ -30,6 +32,7 @@ from tandem.engine.errors import ConfigError
 from tandem.engine.lora.paths import CONFIG_FILE, WEIGHTS_FILE, AdapterDir, open_confined
 from tandem.engine.lora.safetensors_io import TensorEntry, json_object, read_header
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.registry import family
 
 # target module -> (fused module of the decoder layer, its group)
 TARGETS: dict[str, tuple[str, str]] = {
@@ -37,7 +40,12 @@ TARGETS: dict[str, tuple[str, str]] = {
     "v_proj": ("qkv_proj", "self_attn"), "o_proj": ("o_proj", "self_attn"),
     "gate_proj": ("gate_up_proj", "mlp"), "up_proj": ("gate_up_proj", "mlp"),
     "down_proj": ("down_proj", "mlp"),
+    # fused in the checkpoints (and adapters) of some families (Phi-3): split on load into
+    # the targets above, each part with the same A and its rows of B
+    "qkv_proj": ("qkv_proj", "self_attn"), "gate_up_proj": ("gate_up_proj", "mlp"),
 }
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 MAX_CONFIG_BYTES = 1 << 20
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"([a-z_]+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -48,7 +56,22 @@ def target_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     h, i = arch.hidden_size, arch.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
+
+
+def _split_fused(target: str, a: torch.Tensor, b: torch.Tensor, arch: ModelArchConfig
+                 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A fused target's (A, B) as its parts' (target, A, rows of B); others as they are."""
+    if target not in FUSED_TARGETS:
+        return [(target, a, b)]
+    shapes = target_shapes(arch)
+    out, start = [], 0
+    for part in FUSED_TARGETS[target]:
+        rows = shapes[part][0]
+        out.append((part, a, b[start:start + rows]))
+        start += rows
+    return out
 
 
 @dataclass
@@ -193,7 +216,11 @@ def load_adapter(path: Path, name: str, int_id: int, arch: ModelArchConfig,
         alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module,
                                      cfg.get("lora_alpha", cfg["r"])))
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        out[(layer, target)] = (a.contiguous(), (b * scale).contiguous())
+        for part, a_part, b_part in _split_fused(target, a, b * scale, arch):
+            if (layer, part) in out:
+                raise ConfigError(f"{weights_file}: layer {layer}'s {part} is adapted twice "
+                                  f"(by {target} and on its own)")
+            out[(layer, part)] = (a_part.contiguous(), b_part.contiguous())
         top = max(top, r)
     return LoRAAdapter(name, int_id, str(path), top, out, sha, adapter_digest(out), root)
 
@@ -222,6 +249,7 @@ def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchC
     if isinstance(layers, int):
         layers = [layers]
     ranks = cfg.get("rank_pattern") or {}
+    fused = family(arch.architecture).fused_modules
     pairs: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for key, entry in entries.items():
         m = _KEY.match(key)
@@ -235,9 +263,11 @@ def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchC
             raise ConfigError(f"{weights_file}: unexpected tensor {key[:256]!r} (only LoRA "
                               "A/B matrices of decoder layers are supported)")
         layer, target, ab = int(m.group(1)), m.group(3), m.group(4)
-        if target not in TARGETS or TARGETS[target][1] != m.group(2):
+        if target not in TARGETS or TARGETS[target][1] != m.group(2) or (
+                target in FUSED_TARGETS and target not in fused):
+            supported = [t for t in TARGETS if t not in FUSED_TARGETS or t in fused]
             raise ConfigError(f"{weights_file}: {key!r} targets an unsupported module "
-                              f"(supported: {', '.join(TARGETS)})")
+                              f"(supported for {arch.architecture}: {', '.join(supported)})")
         if layer >= arch.num_layers:
             raise ConfigError(f"{weights_file}: {key!r} names layer {layer}; the base model "
                               f"has {arch.num_layers}")

@@ -48,4 +48,4 @@ def parse_phi3(cfg: dict[str, Any]) -> ModelArchConfig:
 
 
 register(Family("phi3", ("Phi3ForCausalLM",), ("phi3",), parse_phi3, Phi3ForCausalLM,
-                split=split_fused))
+                split=split_fused, fused_modules=("qkv_proj", "gate_up_proj")))

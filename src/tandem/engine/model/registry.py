@@ -51,6 +51,9 @@ class Family:
     # from generation_config.json: the loader adds them)
     model_class: type[DecoderForCausalLM]
     split: Splitter | None = None
+    # modules fused in its checkpoints (and in PEFT adapters trained on them), which `split`
+    # turns into the standard ones ("qkv_proj", "gate_up_proj")
+    fused_modules: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, Family] = {}
