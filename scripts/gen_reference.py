@@ -215,8 +215,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _same("--enforce-eager"),
     _same("--async-scheduling", "overlaps output processing (detokenization, stop strings, "
           "responses) with the next step's forward; off by default"),
-    _same("--quantization", "Tandem's own schemes: int8, w8a8, int4, fp8, gguf (it quantizes "
-          "float checkpoints at load; no AWQ/GPTQ checkpoints)"),
+    _same("--quantization", "gptq, awq, fp8, compressed-tensors (gptq_marlin, awq_marlin: "
+          "aliases) serve pre-quantized checkpoints, detected when unset; Tandem's own int8, "
+          "w8a8, int4, fp8, gguf quantize float weights at load"),
     _same("--kv-cache-dtype", "auto, fp8, fp8_e4m3, int8 (no fp8_e5m2)"),
     _same("--speculative-config", "methods ngram, draft, eagle"),
     _same("--enable-lora"),
