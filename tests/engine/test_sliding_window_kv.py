@@ -35,6 +35,22 @@ def test_uniform_window_only_when_every_layer_slides_alike():
     assert uniform_window([8, 16]) is None
 
 
+def test_models_free_only_when_every_layer_slides():
+    """Mistral (every layer slides) frees; Gemma 3's local/global mix keeps every block (one
+    block table serves all layers); so does full attention."""
+    from tandem.engine.model.config import ModelArchConfig
+
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                num_heads=4, num_kv_heads=2, head_dim=8)
+    mistral = ModelArchConfig("mistral", sliding_window=16, **dims)
+    gemma = ModelArchConfig("mistral", sliding_window=16, layer_types=(
+        "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"),
+        **dims)
+    assert uniform_window(mistral.layer_windows) == 16
+    assert uniform_window(gemma.layer_windows) is None
+    assert uniform_window(ModelArchConfig("llama", **dims).layer_windows) is None
+
+
 def test_the_null_block_is_block_0_out_of_circulation():
     kv = KVCacheManager(6, BS, sliding_window=5)
     assert kv.null_block is kv.pool.blocks[0]

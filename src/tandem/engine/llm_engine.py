@@ -103,10 +103,9 @@ class LLMEngine(EngineCore):
                             config.kv_cache_dtype)
         eos = tuple(dict.fromkeys(tuple(arch.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
         # every layer slides with one window: blocks behind it are freed (null block 0)
-        windows = getattr(arch, "layer_windows", None) or (arch.sliding_window,) * arch.num_layers
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             enable_events=config.enable_kv_events,
-                            sliding_window=uniform_window(windows))
+                            sliding_window=uniform_window(arch.layer_windows))
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
         # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly (their
