@@ -582,3 +582,15 @@ def test_a_phi3_gptq_checkpoints_fused_layers_split_into_their_parts(tmp_path, b
         layer = built.get_submodule(f"layers.0.{module}")
         assert layer.method.name == "int4" and layer.method.act_order
         assert torch.equal(layer.method.dequantize(layer), ref[module]), module
+
+
+def test_a_float_model_takes_a_checkpoints_codes_dequantized(checkpoints):
+    """A float layer handed a checkpoint's FP8 or GPTQ codes (a layer no method holds)
+    gets their dequantized weight."""
+    for fmt in ("fp8-channel", "gptq4-sym"):
+        qdir, fdir, ref = checkpoints(fmt)
+        model = _build(fdir, cpu_linear="torch")
+        model.load_weights(open_model(qdir, torch.float32).tensors(progress=False))
+        qkv = model.layers[1].self_attn.qkv_proj.weight
+        want = torch.cat([ref[f"model.layers.1.{p}"] for p in FUSED["self_attn.qkv_proj"]])
+        assert torch.equal(qkv, want), fmt

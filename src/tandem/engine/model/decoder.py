@@ -150,8 +150,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(dst, RowTarget):
                 dst.layer.method.load(dst.layer, dst.start, tensor)
             else:
-                dst.copy_(tensor.dequantize(dst.dtype) if isinstance(tensor, GroupedWeight)
-                          else tensor)
+                dst.copy_(tensor if isinstance(tensor, torch.Tensor)  # (or a checkpoint's
+                          else tensor.dequantize(dst.dtype))  # codes: GroupedWeight, Fp8Weight)
             done.add(name)
             del tensor, dst  # nothing held while the loader reads the next tensor
         if unexpected:
