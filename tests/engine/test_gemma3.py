@@ -1,8 +1,10 @@
 """Gemma 3 text beyond the shared architecture tests (test_architectures.py): its config.json
-read as transformers reads it in each form checkpoints use, and the optional logit soft cap
-against transformers."""
+read as transformers reads it in each form checkpoints use, the optional logit soft cap, and
+the text model of a multimodal checkpoint, against transformers."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -79,6 +81,29 @@ def test_config_reads_as_transformers_does(form: str) -> None:
         assert factor == pytest.approx(ref_factor, rel=1e-12)
 
 
+def test_sparse_multimodal_config_reads_as_transformers_does() -> None:
+    """gemma-3-4b-it's config.json: a text_config of five fields over transformers'
+    defaults, eos ids at the top level."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "eos_token_id": [1, 106], "text_config": text}
+    hf = transformers.Gemma3Config(text_config=text).text_config
+    arch = parse_gemma3(raw)
+    assert (arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_layers,
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.max_position_embeddings,
+            arch.rms_norm_eps) == (
+        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
+        hf.max_position_embeddings, hf.rms_norm_eps)
+    assert list(arch.layer_windows) == [1024 if k == SLIDING else None for k in hf.layer_types]
+    assert arch.softmax_scale == hf.query_pre_attn_scalar ** -0.5
+    assert (arch.rope_theta, arch.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert (arch.local_rope_theta, arch.local_rope_scaling) == (1e4, None)
+    assert arch.tie_word_embeddings and arch.eos_token_ids == (1, 106)
+
+
 def test_config_refusals() -> None:
     with pytest.raises(ConfigError, match="bidirectional attention"):
         parse_gemma3({**BASE, "use_bidirectional_attention": True})
@@ -113,6 +138,54 @@ def test_final_logit_soft_cap_matches_transformers(tmp_path, caplog) -> None:
     assert llm.engine.model.config.final_logit_softcap == 3.0
     assert {layer.self_attn.backend.spec.logit_softcap
             for layer in llm.engine.model.layers} == {None}
+    outs = llm.generate(prompts, _params(prompt_logprobs=True))
+    assert [o.outputs[0].token_ids for o in outs] == greedy
+    for out, ids, ref in zip(outs, prompts, logprobs, strict=True):
+        _check_prompt_logprobs(out, ids, ref)
+
+
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path) -> None:
+    """A `Gemma3ForConditionalGeneration` checkpoint (language model under
+    `language_model.model.*`, a SigLIP vision tower, a projector; top-level eos ids) serves
+    text as transformers' multimodal model does on text alone; the vision tensors are
+    skipped."""
+    from safetensors import safe_open
+
+    torch.manual_seed(9)
+    text = transformers.Gemma3TextConfig(
+        **{**SHAPE, "num_hidden_layers": 3}, head_dim=16, max_position_embeddings=128,
+        sliding_window=5, layer_types=[SLIDING, FULL, SLIDING], pad_token_id=0,
+        query_pre_attn_scalar=12)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=4, image_token_index=TINY_VOCAB - 1,
+                                    boi_token_index=TINY_VOCAB - 3,
+                                    eoi_token_index=TINY_VOCAB - 2)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    saved = {}
+    for file in tmp_path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            saved.update(dict.fromkeys(f.keys()))
+    assert any(n.startswith("vision_tower.") for n in saved)
+    assert any(n.startswith("language_model.model.layers.2.") for n in saved)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 106]}))
+    write_tiny_tokenizer(tmp_path, TINY_VOCAB)
+    prompts = _prompts(4)
+    greedy, logprobs = _reference(model, prompts)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=BLOCK, num_kv_blocks=64,
+              num_threads=1)
+    arch = llm.engine.model.config
+    # the text config's eos id, then the top-level ones
+    assert (arch.architecture, arch.num_layers, arch.eos_token_ids) == ("gemma3", 3,
+                                                                        (2, 1, 106))
     outs = llm.generate(prompts, _params(prompt_logprobs=True))
     assert [o.outputs[0].token_ids for o in outs] == greedy
     for out, ids, ref in zip(outs, prompts, logprobs, strict=True):

@@ -15,7 +15,10 @@ parts switched on through its config.
   `attn_logit_softcapping` is ignored, as transformers' and vLLM's Gemma 3 ignore it (Gemma
   2 capped its attention scores; Gemma 3 replaced that with the q/k norms).
 
-The multimodal `Gemma3ForConditionalGeneration` checkpoints are not served.
+The multimodal checkpoints (`Gemma3ForConditionalGeneration`: Gemma 3 4B, 12B, 27B) are
+served as text models: their `text_config` (sparse on the hub: transformers' defaults fill
+it) and their language model's weights (`language_model.model.*`), the vision tower and
+projector skipped unread (`split_multimodal`). Images are not supported.
 """
 
 from __future__ import annotations
@@ -28,12 +31,24 @@ import torch
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
 from tandem.engine.model.decoder import DecoderForCausalLM
-from tandem.engine.model.hf_config import common_fields, rope_params
-from tandem.engine.model.registry import Family, register
+from tandem.engine.model.hf_config import as_ids, common_fields, rope_params
+from tandem.engine.model.registry import Family, Part, register
 
 logger = logging.getLogger(__name__)
 
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig defaults
+# the rest of its defaults (hub text_configs of the multimodal checkpoints list few fields)
+TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072, rms_norm_eps=1e-6,
+    bos_token_id=2, eos_token_id=1, tie_word_embeddings=True, query_pre_attn_scalar=256,
+    sliding_window=4096)
+# multimodal checkpoint names: the language model's prefixes -> the standard ones; the rest
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
@@ -96,15 +111,41 @@ def _cap(value: Any) -> float | None:
     return float(value)
 
 
+def split_multimodal(cfg: ModelArchConfig, name: str) -> list[Part] | None:
+    """A multimodal checkpoint's language-model tensor under its standard name; [] (skipped)
+    for the vision tower, the projector and a tied LM head; None (as it is) otherwise."""
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            renamed = new + name[len(old):]
+            if renamed == "lm_head.weight" and cfg.tie_word_embeddings:
+                return []
+            return [Part(renamed)]
+    if name.startswith(_VISION_PREFIXES):
+        return []
+    return None
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config.json fields over transformers' defaults: a multimodal
+    config's `text_config` (its top-level eos ids and embedding tie added), else `cfg`."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return {**TEXT_DEFAULTS, **cfg}
+    out = {**TEXT_DEFAULTS, **text}
+    out["eos_token_id"] = [*as_ids(out["eos_token_id"]), *as_ids(cfg.get("eos_token_id"))]
+    if "tie_word_embeddings" in cfg:
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return out
+
+
 def parse_gemma3(cfg: dict[str, Any]) -> ModelArchConfig:
+    cfg = _text_config(cfg)
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError("gemma3: bidirectional attention (embedding models) is not "
                           "supported")
     if cfg.get("attn_logit_softcapping") is not None:
         logger.warning("gemma3: attn_logit_softcapping %s is ignored (as transformers and "
                        "vLLM ignore it for Gemma 3)", cfg["attn_logit_softcapping"])
-    cfg = {"tie_word_embeddings": True, "head_dim": 256,
-           "hidden_activation": "gelu_pytorch_tanh", **cfg}
     fields = common_fields(cfg)
     (theta, scaling), (local_theta, local_scaling) = _rope(cfg)
     fields.update(rope_theta=theta, rope_scaling=scaling)
@@ -120,11 +161,12 @@ def parse_gemma3(cfg: dict[str, Any]) -> ModelArchConfig:
         sliding_window=window,
         qk_norm=True, norm_unit_offset=True, sandwich_norms=True,
         embedding_multiplier=fields["hidden_size"] ** 0.5,
-        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attention_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5,
         attention_bias=bool(cfg.get("attention_bias", False)),
         local_rope_theta=local_theta, local_rope_scaling=local_scaling,
         final_logit_softcap=_cap(cfg.get("final_logit_softcapping")))
 
 
-register(Family("gemma3", ("Gemma3ForCausalLM", "Gemma3TextForCausalLM"), ("gemma3_text",),
-                parse_gemma3, Gemma3ForCausalLM))
+register(Family("gemma3", ("Gemma3ForCausalLM", "Gemma3TextForCausalLM",
+                           "Gemma3ForConditionalGeneration"), ("gemma3_text", "gemma3"),
+                parse_gemma3, Gemma3ForCausalLM, split=split_multimodal))

@@ -179,6 +179,8 @@ def read_hf(
         for file, entries in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name, parts in entries:
+                    if parts == []:  # a tensor the family skips (never read)
+                        continue
                     tensor = f.get_tensor(name).to(dtype).contiguous()
                     if parts is None:
                         yield name, tensor
