@@ -60,15 +60,19 @@ _FLOATS = ("F16", "BF16", "F32")
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words of 32 // bits codes each (the first in the lowest bits) packed along
-    `dim` (0 or 1) of a 2-D tensor -> the unsigned codes (int32), that dim 32 // bits times
-    longer."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    mask = (1 << bits) - 1
+    `dim` (0 or 1) of a 2-D tensor -> the unsigned codes (uint8), that dim 32 // bits times
+    longer. One code position at a time (a byte per code, not four, held at once)."""
+    pf, mask = 32 // bits, (1 << bits) - 1
     p = packed.to(torch.int32)
     r, c = p.shape
-    if dim == 0:
-        return ((p[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, c)
-    return ((p[:, :, None] >> shifts) & mask).reshape(r, -1)
+    out = torch.empty((r, pf, c) if dim == 0 else (r, c, pf), dtype=torch.uint8)
+    for i in range(pf):
+        code = ((p >> (bits * i)) & mask).to(torch.uint8)
+        if dim == 0:
+            out[:, i, :] = code
+        else:
+            out[:, :, i] = code
+    return out.view(r * pf, c) if dim == 0 else out.view(r, c * pf)
 
 
 def _awq_columns(q: torch.Tensor) -> torch.Tensor:
@@ -104,15 +108,14 @@ def grouped_from_codes(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     s = scales.to(torch.float16)
     zf = zeros.to(torch.float32)
     if bits == 4:
-        codes, mins = q, -(zf * s.float())
-    else:
-        codes, mins = q - 128, (128 - zf) * s.float()
+        codes, mins = q.to(torch.int8), -(zf * s.float())
+    else:  # 0..255 -> -128..127
+        codes, mins = (q.to(torch.int16) - 128).to(torch.int8), (128 - zf) * s.float()
     mins = mins.to(torch.float16)
     g = kernel_group(group, bits, where)
     if g != group:
         s = s.repeat_interleave(group // g, dim=1)
         mins = mins.repeat_interleave(group // g, dim=1)
-    codes = codes.to(torch.int8)
     if perm is not None:
         codes = codes[:, perm]
     return GroupedWeight(codes.contiguous(), s.contiguous(), mins.contiguous(), bits, g, perm)
@@ -296,7 +299,7 @@ class PrequantCheckpoint:
             if "weight_zero_point" in p:
                 zp = reader.get(p["weight_zero_point"])
                 if zp.dtype == torch.int32 and zp.shape[0] != lin.n:  # packed along N
-                    zp = unpack_int32(zp, bits, 0)[:lin.n] - offset
+                    zp = unpack_int32(zp, bits, 0)[:lin.n].to(torch.int32) - offset
                 zeros = zeros + zp.to(torch.int32)
             perm = None
             if "weight_g_idx" in p:
@@ -308,7 +311,7 @@ class PrequantCheckpoint:
             zeros = _awq_columns(unpack_int32(reader.get(p["qzeros"]), 4, 1))
         else:
             codes = unpack_int32(reader.get(p["qweight"]), bits, 0)
-            zeros = unpack_int32(reader.get(p["qzeros"]), bits, 1)
+            zeros = unpack_int32(reader.get(p["qzeros"]), bits, 1).to(torch.int32)
             if layout == "gptq":  # stored minus one (vLLM adds it back)
                 zeros = zeros + 1
         perm = None
