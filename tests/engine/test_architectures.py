@@ -261,9 +261,8 @@ def test_matches_transformers_alone_and_in_a_preempted_prefix_cached_batch(case:
     assert stats.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("case", [n for n, a in CASES.items() if a.tp], indirect=True)
 def test_tensor_parallel_with_ngram_speculation_matches_transformers(case: Case) -> None:
-    if not CASES[case.name].tp:
-        return  # its family runs tensor-parallel in another case
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     llm = LLM(case.path, dtype="float32", block_size=BLOCK, num_kv_blocks=64,
               tensor_parallel_size=2, speculative_config=spec, num_threads=2)
