@@ -162,19 +162,24 @@ def test_a_prompt_longer_than_the_pool_runs_in_chunks(window):
 
 
 # -- the attention backends -----------------------------------------------------------------
-def _null_table_outputs(backend_name: str, window: int, bs: int) -> tuple:
+MIXED = [(40, 1), (75, 1), (130, 1), (61, 9), (100, 28)]  # decodes, then chunks
+DECODES = [(300, 1), (700, 1), (1100, 1)]  # long enough to split
+
+
+def _null_table_outputs(backend_name: str, window: int, bs: int, shapes: list,
+                        num_sms: int = 1) -> tuple:
     """The same batch through `backend_name` twice: with full block tables, and with every
     entry wholly before the window of its sequence's first query pointed at the null block
     0 (the freed blocks then hold NaN, as reused blocks hold others' KV)."""
     torch.manual_seed(0)
     rng = random.Random(0)
-    h, kvh, d, nblocks = 6, 2, 32, 96
+    h, kvh, d, nblocks = 6, 2, 32, 160
     spec = AttentionSpec(h, kvh, d, d ** -0.5, window)
     backend = get_backend(backend_name)(spec, bs, torch.float32, torch.device("cpu"))
+    backend.num_sms = num_sms  # triton: decode-only batches split the KV over the SMs
     cache = backend.allocate_kv_cache(nblocks)
     free = list(range(1, nblocks))  # 0: the null block, never written
     rng.shuffle(free)
-    shapes = [(40, 1), (75, 1), (130, 1), (61, 9), (100, 28)]  # decodes, then chunks
     tables, nulled, slots, q, k, v = [], [], [], [], [], []
     for cached, new in shapes:
         total = cached + new
@@ -201,15 +206,24 @@ def _null_table_outputs(backend_name: str, window: int, bs: int) -> tuple:
                     if n == 0:
                         c[0][b], c[1][b] = float("nan"), float("nan")
         layout = BatchLayout([n for _, n in shapes], [a + n for a, n in shapes],
-                             [list(t) for t in which], torch.tensor(slots), 3, bs)
-        outs.append(backend.forward(q, k, v, c, backend.build_metadata(layout)))
+                             [list(t) for t in which], torch.tensor(slots),
+                             sum(n == 1 for _, n in shapes), bs)
+        meta = backend.build_metadata(layout)
+        assert getattr(meta, "num_splits", 1) == (1 if num_sms == 1 else 4)
+        outs.append(backend.forward(q, k, v, c, meta))
         assert torch.count_nonzero(c[0][0]) == 0 and torch.count_nonzero(c[1][0]) == 0
     return outs
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
 def test_backends_read_null_entries_outside_the_window_as_masked(backend_name):
-    full, nulled = _null_table_outputs(backend_name, window=21, bs=16)
+    full, nulled = _null_table_outputs(backend_name, 21, 16, MIXED)
+    assert torch.isfinite(nulled).all()
+    torch.testing.assert_close(nulled, full, atol=1e-6, rtol=1e-6)
+
+
+def test_triton_split_kv_decode_reads_null_entries_as_masked():
+    full, nulled = _null_table_outputs("triton", 21, 16, DECODES, num_sms=132)
     assert torch.isfinite(nulled).all()
     torch.testing.assert_close(nulled, full, atol=1e-6, rtol=1e-6)
 
