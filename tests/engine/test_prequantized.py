@@ -357,3 +357,17 @@ def test_a_float_model_takes_a_checkpoints_codes_dequantized(checkpoints):
         qkv = model.layers[1].self_attn.qkv_proj.weight
         want = torch.cat([ref[f"model.layers.1.{p}"] for p in FUSED["self_attn.qkv_proj"]])
         assert torch.equal(qkv, want), fmt
+
+
+def test_load_model_dequantizes_a_checkpoint_for_export(checkpoints, tmp_path):
+    """`load_model` (tandem convert's reader) gives a pre-quantized checkpoint's weights
+    dequantized, so `export_hf` writes the float checkpoint."""
+    from tandem.engine.model.loader import export_hf, load_model
+
+    qdir, _, ref = checkpoints("gptq4-act-order")
+    loaded = load_model(qdir)
+    assert all(isinstance(t, torch.Tensor) for t in loaded.weights.values())
+    for prefix, w in ref.items():
+        assert torch.equal(loaded.weights[prefix + ".weight"], w), prefix
+    export_hf(loaded, tmp_path / "float")
+    assert "quantization_config" not in json.loads((tmp_path / "float/config.json").read_text())

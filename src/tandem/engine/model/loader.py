@@ -190,9 +190,12 @@ def load_model(
     progress: bool | None = None,
 ) -> LoadedModel:
     """`open_model` with every tensor read into a dict (export and tests; the engine
-    streams instead). `progress=None` shows a tqdm bar only when stderr is a terminal."""
+    streams instead). `progress=None` shows a tqdm bar only when stderr is a terminal. A
+    pre-quantized checkpoint's codes come dequantized to `dtype` (`tandem convert` writes
+    a float checkpoint)."""
     src = open_model(path, dtype)
-    weights = dict(src.tensors(progress))
+    weights = {name: t if isinstance(t, torch.Tensor) else t.dequantize(dtype)
+               for name, t in src.tensors(progress)}
     return LoadedModel(config=src.config, weights=weights, source=src.source)
 
 
