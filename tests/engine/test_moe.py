@@ -18,7 +18,6 @@ from tandem.engine.model.moe import (
     group_by_expert,
     loop_experts,
     route,
-    unfuse_experts,
 )
 from tandem.engine.native import load_native
 from tandem.engine.quant.base import QuantLinear, get_linear_method
@@ -98,7 +97,8 @@ def test_grouped_matches_per_expert_loop(t, kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_matches_transformers_sparse_block(family, dtype):
     """The whole layer (router + grouped experts), loaded through `weight_targets` from the
-    transformers block's own fused expert tensors (`unfuse_experts`), against its output."""
+    transformers block's own expert tensors (held fused in memory: [E, 2I, H] gate then up
+    rows, [E, H, I] down), against its output."""
     from transformers import MixtralConfig, Qwen3MoeConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -120,8 +120,13 @@ def test_layer_matches_transformers_sparse_block(family, dtype):
     block = block.to(dtype)
     moe = FusedMoE(spec).to(dtype)
     targets = moe.weight_targets("l.mlp.")
-    # transformers holds the experts fused: experts.gate_up_proj [E, 2I, H], down_proj
-    loaded = dict(unfuse_experts((f"l.mlp.{n}", t) for n, t in block.state_dict().items()))
+    state = block.state_dict()
+    loaded = {"l.mlp.gate.weight": state["gate.weight"]}
+    for e in range(E):
+        gate_up, down = state["experts.gate_up_proj"][e], state["experts.down_proj"][e]
+        loaded |= {f"l.mlp.experts.{e}.gate_proj.weight": gate_up[:I],
+                   f"l.mlp.experts.{e}.up_proj.weight": gate_up[I:],
+                   f"l.mlp.experts.{e}.down_proj.weight": down}
     assert sorted(loaded) == sorted(targets)
     with torch.no_grad():
         for name, t in loaded.items():

@@ -12,12 +12,20 @@ contiguous segment of gathered rows; the outputs are weighted, put back in (toke
 order and summed over each token's k slots. Backends:
 - torch (any device): float experts stacked as `w13 [E, 2I, H]` (gate rows then up rows)
   and `w2 [E, H, I]`, one matmul pair per expert that got tokens; quantized experts
-  (`quantize`) are one `QuantLinear` pair per expert, so every linear method
-  (int8 / int4 / fp8 / w8a8) serves them with its own kernels.
-- triton (CUDA, float experts): `kernels/triton_moe.fused_moe`: two grouped-GEMM launches
-  over the stacked weights, no host synchronisation.
+  (`quantize`, or a pre-quantized checkpoint's codes) are one `QuantLinear` pair per
+  expert, so every linear method (int8 / int4 / fp8 / w8a8, GPTQ / AWQ / FP8 layouts)
+  serves them with its own kernels; on the CPU, float32 experts are packed the same way
+  (`convert_all_experts`, the "packed" panels). This path reads each expert's token count
+  back to the host, so a CUDA graph cannot capture it (`capturable`).
+- triton (the Triton attention backend's engines, float experts):
+  `kernels/triton_moe.fused_moe`: two grouped-GEMM launches over the stacked weights, no
+  host synchronisation.
 `loop_experts` is transformers' per-expert loop (mask, index, compute, index_add): the
 reference the grouped paths are tested and benchmarked against.
+
+`MoEDecoderForCausalLM` is the decoder of the MoE families (`mixtral.py`, `qwen3_moe.py`):
+its sparse layers' MLP is a `FusedMoE` whose checkpoint tensors are `mlp.gate.weight` and
+`mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`. LoRA adapts their attention only.
 
 Tensor parallelism is expert parallelism: rank r of N holds experts
 [r E/N, (r+1) E/N) whole (`experts` range) and computes the replicated router over all E;
@@ -29,10 +37,9 @@ expert's full size, and a rank reads 1/N of the expert weights.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +51,6 @@ from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.layers import RowTarget, rows
 from tandem.engine.model.ops import Ops
 from tandem.engine.quant.base import LinearMethod, QuantLinear
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -330,35 +335,11 @@ def convert_all_experts(model: nn.Module, make: Callable[[], LinearMethod]) -> i
     return count
 
 
-_FUSED = re.compile(r"^(?P<prefix>.+\.experts\.)(?P<kind>gate_up_proj|down_proj)$")
-
-
-def unfuse_experts(weights: Iterable[tuple[str, T]]) -> Iterator[tuple[str, T]]:
-    """Checkpoint tensors with the experts stored fused, as transformers v5 holds them in
-    memory (`...mlp.experts.gate_up_proj` [E, 2I, H], `...mlp.experts.down_proj`
-    [E, H, I]), -> the per-expert names hub checkpoints use (views, one expert at a time);
-    every other tensor passes unchanged."""
-    gate, up, down = EXPERT_LINEARS
-    for name, t in weights:
-        m = _FUSED.match(name)
-        if m is None or not isinstance(t, torch.Tensor) or t.dim() != 3:
-            yield name, t
-            continue
-        for e in range(t.shape[0]):
-            p = f"{m['prefix']}{e}."
-            if m["kind"] == "down_proj":
-                yield p + f"{down}.weight", t[e]
-            else:
-                i = t.shape[1] // 2
-                yield p + f"{gate}.weight", t[e, :i]
-                yield p + f"{up}.weight", t[e, i:]
-
-
 class MoEDecoderForCausalLM(DecoderForCausalLM):
     """The shared decoder whose sparse layers (`ModelArchConfig.is_moe_layer`) hold a
     `FusedMoE` (the rest the dense gated MLP): routing renormalised under `norm_topk_prob`,
-    this model's experts `expert_shard`. Checkpoints may store the experts per expert (hub
-    checkpoints) or fused ([E, 2I, H] / [E, H, I], `unfuse_experts`)."""
+    this model's experts `expert_shard`. Checkpoints store the experts one by one, as hub
+    checkpoints and transformers' `save_pretrained` do."""
 
     weights_in_act_dtype: ClassVar[bool] = False  # the family's routing-weight dtype rule
 
@@ -378,8 +359,3 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
     def cuda_graph_safe(self) -> bool:
         """Whether every MoE layer can be captured in a CUDA graph (`FusedMoE.capturable`)."""
         return all(m.capturable for m in self.modules() if isinstance(m, FusedMoE))
-
-    def load_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> None:
-        """`DecoderForCausalLM.load_weights`, fused expert tensors split per expert first."""
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        super().load_weights(unfuse_experts(items))
