@@ -233,12 +233,19 @@ def make_fp8(tmp: Path, base, fmt: str, *, per_channel: bool, seed: int = 0
             stored = scale.view(n, 1) if per_channel else scale.view(1)
         qt.update({prefix + ".weight": codes, prefix + ".weight_scale": stored,
                    prefix + ".input_scale": torch.tensor([0.02])})
+        if fmt != "fp8" and prefix.endswith("q_proj"):  # its kv_cache_scheme's scales
+            attn = prefix.removesuffix(".q_proj")
+            qt.update({attn + ".k_scale": torch.tensor(0.05), attn + ".v_scale":
+                       torch.tensor(0.07)})
     if fmt == "fp8":
         qc = {"quant_method": "fp8", "activation_scheme": "static",
               "ignored_layers": ["lm_head", FLOAT_LINEAR]}
     else:
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
-              "ignore": ["lm_head", FLOAT_LINEAR], "config_groups": {"group_0": {
+              "ignore": ["lm_head", FLOAT_LINEAR],
+              "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                  "dynamic": False, "symmetric": True},
+              "config_groups": {"group_0": {
                   "targets": ["Linear"],
                   "weights": {"num_bits": 8, "type": "float", "symmetric": True,
                               "strategy": "channel" if per_channel else "tensor"},

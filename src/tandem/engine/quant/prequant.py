@@ -17,6 +17,8 @@ Layouts (the reference packers: AutoGPTQ's `QuantLinear.pack`, AutoAWQ's
 - FP8 (vLLM's "fp8" and compressed-tensors' float-quantized): `weight` float8_e4m3fn
   [N, K], `weight_scale` per tensor ([] or [1]) or per channel ([N] or [N, 1]),
   `input_scale` (static activation scale; kept on the weight, unused by the kernels).
+  Static KV cache scales (`k_scale`, `v_scale`, ... of a kv_cache_scheme) are skipped: the
+  engine's FP8 / INT8 KV cache scales each token (`--kv-cache-dtype`).
 
 Codes keep their exact values (4-bit: 0..15 with mins = -z * s; 8-bit: q - 128 with mins =
 (128 - z) * s); scales become float16 (exact for float16 checkpoints, and for bfloat16
@@ -56,6 +58,9 @@ _REQUIRED = {"gptq": ("qzeros", "scales"), "gptq_v2": ("qzeros", "scales"),
 # AutoAWQ's order: nibble i of a word holds column 8c + _AWQ_ORDER[i]
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _FLOATS = ("F16", "BF16", "F32")
+# static attention / KV cache scales a checkpoint may carry (vLLM's names); not parameters
+_KV_SCALES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale",
+              "k_proj.output_scale", "v_proj.output_scale")
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -194,6 +199,7 @@ class PrequantCheckpoint:
                 bias = prefix + ".bias"
                 if bias in meta and bias not in expected and not reader.get(bias).any():
                     used.add(bias)
+        used.update(n for n in meta if n.endswith(_KV_SCALES))
         self.floats = [n for n in self.files if n not in used]
         logical = {n: meta[n][0] for n in self.floats}
         logical.update({name: (lin.n, lin.k) for name, lin in self.linears.items()})
