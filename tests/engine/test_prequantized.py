@@ -371,3 +371,22 @@ def test_load_model_dequantizes_a_checkpoint_for_export(checkpoints, tmp_path):
         assert torch.equal(loaded.weights[prefix + ".weight"], w), prefix
     export_hf(loaded, tmp_path / "float")
     assert "quantization_config" not in json.loads((tmp_path / "float/config.json").read_text())
+
+
+def test_the_worker_takes_vllms_quantization_names(capsys):
+    """`tandem worker --quantization awq` (and gptq, compressed-tensors, the *_marlin
+    aliases) parse into the engine's config; an unknown name is argparse's usage error."""
+    import argparse
+
+    from tandem.serving.worker import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser(prog="tandem worker")
+    add_engine_args(parser)
+    for name, want in (("awq", "awq"), ("gptq", "gptq"), ("compressed-tensors",
+                                                          "compressed-tensors"),
+                       ("gptq_marlin", "gptq"), ("awq_marlin", "awq"), ("fp8", "fp8")):
+        assert engine_config(parser.parse_args(["--quantization", name])).quantization == want
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--quantization", "bitsandbytes"])
+    assert e.value.code == 2
+    assert "argument --quantization/-q: invalid choice: 'bitsandbytes'" in capsys.readouterr().err
