@@ -235,12 +235,14 @@ SMALL = dict(block_size=BS, num_kv_blocks=10, max_num_batched_tokens=8)  # 9 usa
 
 @pytest.fixture(scope="module")
 def tiny_mistral(tmp_path_factory):
-    """A 2-layer random Mistral whose window (12) is far shorter than the prompts."""
+    """A 2-layer random Mistral whose window (12) is far shorter than the prompts: its path,
+    4 prompts (two share a 20-token prefix) and transformers' 12 greedy tokens for each."""
     from tests.engine.utils import make_tiny_model_dir
 
     path = tmp_path_factory.mktemp("mistral-w12")
     model = make_tiny_model_dir(path, "mistral", seed=5, sliding_window=WINDOW)
-    return str(path), model
+    prompts = _window_prompts(4)
+    return str(path), prompts, [_hf_greedy(model, p, 12) for p in prompts]
 
 
 def _window_prompts(n: int) -> list[list[int]]:
@@ -266,10 +268,8 @@ def test_tiny_mistral_matches_transformers_on_a_pool_smaller_than_its_prompts(ti
     engine refuses these requests (they exceed the KV cache)."""
     from tandem import LLM, SamplingParams
 
-    path, model = tiny_mistral
-    prompts = _window_prompts(4)
+    path, prompts, refs = tiny_mistral
     assert all(cdiv(len(p) + 12, BS) > 9 for p in prompts)
-    refs = [_hf_greedy(model, p, 12) for p in prompts]
     llm = LLM(path, dtype="float32", **SMALL)
     assert llm.engine.kv.sliding_window == WINDOW
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -289,6 +289,20 @@ def test_tiny_mistral_matches_transformers_on_a_pool_smaller_than_its_prompts(ti
     second = llm.generate([prompts[3]], params)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 20)
     assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == [refs[1], refs[3]]
+
+
+def test_tiny_mistral_overlapped_loop_on_the_torch_backend(tiny_mistral):
+    """The overlapped loop (the next step scheduled, and blocks freed, before the previous
+    one's tokens are committed) on the pure-torch backend, which reads null entries: the
+    same tokens."""
+    from tandem import LLM, SamplingParams
+
+    path, prompts, refs = tiny_mistral
+    llm = LLM(path, dtype="float32", async_scheduling=True, native_kernels=False, **SMALL)
+    out = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                               ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == refs
+    assert llm.engine.optimistic_steps > 0 and llm.engine.stats().kv_window_freed_blocks > 0
 
 
 def test_the_window_freed_counter_is_exported():
