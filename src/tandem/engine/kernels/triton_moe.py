@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.engine.kernels.triton_attention import _dot_config
+from tandem.engine.kernels.triton_attention import _dot_config, _shared_memory_limit
 from tandem.engine.kernels.triton_ops import _cast
 
 
@@ -143,16 +143,22 @@ class MoETiles(NamedTuple):
     stages: int
 
 
-def moe_tiles(assignments: int, device: torch.device) -> MoETiles:
-    """Tile sizes for `assignments` = T*k rows (few rows: small BLOCK_M, so an expert's
-    padding stays small)."""
+def moe_tiles(assignments: int, device: torch.device, elt: int = 2) -> MoETiles:
+    """Tile sizes for `assignments` = T*k rows of `elt`-byte activations (few rows: a small
+    BLOCK_M, so an expert's padding stays small); pipeline stages cut to the device's shared
+    memory (the gate_up kernel holds an x tile and two weight tiles per stage)."""
     if device.type != "cuda":  # the interpreter: few, large programs
         return MoETiles(16, 64, 64, 4, 1)
     if assignments <= 64:
-        return MoETiles(16, 64, 128, 4, 4)
-    if assignments <= 1024:
-        return MoETiles(32, 64, 64, 4, 4)
-    return MoETiles(64, 128, 64, 8, 3)
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif assignments <= 1024:
+        bm, bn, bk, warps, stages = 32, 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 64, 128, 64, 8, 3
+    per_stage = (bm * bk + 2 * bk * bn) * elt
+    while stages > 1 and stages * per_stage > _shared_memory_limit(device):
+        stages -= 1
+    return MoETiles(bm, bn, bk, warps, stages)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -176,7 +182,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return torch.zeros_like(x)
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    p = tiles or moe_tiles(t * k, x.device)
+    p = tiles or moe_tiles(t * k, x.device, x.element_size())
     al = align_block_size(ids.clamp(max=e), e, p.block_m)
     dot, precision = _dot_config(x.dtype, x.device)
     blocks = al.block_expert.numel()
