@@ -140,6 +140,25 @@ def test_layer_matches_transformers_sparse_block(family, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def _quantized(ref: FusedMoE, method, experts: range | None = None) -> FusedMoE:
+    """A `FusedMoE` with `ref`'s router and its experts (those in `experts`) loaded into
+    `QuantLinear` pairs of `method`, as the engine loads a checkpoint."""
+    with torch.device("meta"):
+        moe = FusedMoE(ref.spec, experts=experts)
+        moe.quantize(method, torch.float32)
+    moe.to_empty(device=CPU)
+    moe.gate.weight.data.copy_(ref.gate.weight)
+    targets = moe.weight_targets("p.")
+    for n, t in ref.weight_targets("p.").items():
+        dst = targets[n]
+        if n != "p.gate.weight" and not isinstance(dst, SkipWeight):
+            dst.layer.method.load(dst.layer, dst.start, t.detach())
+    for layer in moe.modules():
+        if isinstance(layer, QuantLinear):
+            layer.method.finish(layer)
+    return moe
+
+
 @pytest.mark.parametrize(("name", "opts"), [("int8", {"group_size": None}),
                                             ("int4", {"group_size": 32}), ("fp8", {})])
 def test_quantized_experts_match_dequantized_reference(name, opts):
@@ -147,20 +166,7 @@ def test_quantized_experts_match_dequantized_reference(name, opts):
     over their dequantized weights (the method's kernels: native panels on the CPU)."""
     spec = MoESpec(E, K, H, I)
     ref = _filled(spec, seed=5)
-    method = get_linear_method(name, device=CPU, native=load_native(), **opts)
-    with torch.device("meta"):
-        moe = FusedMoE(spec)
-        moe.quantize(method, torch.float32)
-    moe.to_empty(device=CPU)
-    moe.gate.weight.data.copy_(ref.gate.weight)
-    targets = moe.weight_targets("p.")
-    for n, t in ref.weight_targets("p.").items():
-        if n != "p.gate.weight":
-            dst = targets[n]
-            dst.layer.method.load(dst.layer, dst.start, t.detach())
-    for layer in moe.modules():
-        if isinstance(layer, QuantLinear):
-            layer.method.finish(layer)
+    moe = _quantized(ref, get_linear_method(name, device=CPU, native=load_native(), **opts))
     w13, w2 = moe.dequantized()
     assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I)
     assert not torch.equal(w13, ref.w13.detach())  # really quantized
@@ -184,6 +190,20 @@ def test_packed_experts_compute_the_float_layer():
         got = moe(x)
     assert moe.w13 is None and moe.experts[0].gate_up_proj.method.name == "packed"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_expert_parallel_shards_hold_the_whole_layers_codes():
+    """Under expert parallelism each rank quantizes its whole experts, so the ranks' int4
+    partial sums add up to the unsharded quantized layer."""
+    spec = MoESpec(E, K, H, I)
+    ref = _filled(spec, seed=8)
+    method = get_linear_method("int4", device=CPU, native=load_native(), group_size=32)
+    whole = _quantized(ref, method)
+    parts = [_quantized(ref, method, expert_range(E, r, 2)) for r in range(2)]
+    x = torch.randn(7, H)
+    with torch.no_grad():
+        torch.testing.assert_close(parts[0](x) + parts[1](x), whole(x), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_expert_parallel_shards_sum_to_the_layer():
