@@ -39,6 +39,8 @@ def _filled(spec: MoESpec, seed: int, experts: range | None = None,
 def _routing(t: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [t, K] float32 summing to 1, ids [t, K]) of one routing pattern."""
     g = torch.Generator().manual_seed(seed)
+    if t == 0:  # an empty step
+        return torch.empty(0, K), torch.empty(0, K, dtype=torch.int64)
     if kind == "all_to_one":  # every token's first choice is expert 2
         ids = torch.stack([torch.full((t,), 2), torch.randint(0, 2, (t,), generator=g)], 1)
     elif kind == "expert_3_idle":
@@ -83,7 +85,7 @@ def test_group_by_expert_sorts_once_and_counts():
 
 
 @pytest.mark.parametrize(("t", "kind"), [(7, "random"), (6, "expert_3_idle"),
-                                         (5, "all_to_one"), (1, "random")])
+                                         (5, "all_to_one"), (1, "random"), (0, "random")])
 def test_grouped_matches_per_expert_loop(t, kind):
     m = _filled(MoESpec(E, K, H, I), seed=t)
     x = torch.randn(t, H)

@@ -298,7 +298,7 @@ class FusedMoE(nn.Module):
         # repeated tokens is a slow scatter on the CPU), then each token's k rows summed
         slots = x.new_zeros(t * k, x.shape[1]) if kept < t * k else torch.empty_like(xs)
         slots.index_copy_(0, groups.order[:kept], _weighted(ys[:kept], w, False))
-        return slots.view(t, k, -1).sum(dim=1)
+        return slots.view(t, k, x.shape[1]).sum(dim=1)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert e over rows x [n, H] -> [n, H]."""
