@@ -382,34 +382,41 @@ def test_quantized_moe_model_serves_its_experts_quantized(tmp_path):
 
 
 def test_lora_on_a_moe_model_adapts_attention_and_refuses_experts(tmp_path):
-    """An attention-only PEFT adapter on a MoE base gives transformers' greedy tokens on
-    the merged weights; an adapter of the experts (or the router, or a sparse layer's MLP)
-    is refused naming what it adapts."""
+    """On a MoE base (layer 0 sparse, layer 1 dense) a PEFT adapter of the attention
+    projections, and one of every projection of the dense layer, give transformers' greedy
+    tokens on the merged weights; an adapter of the experts, the router or a sparse layer's
+    MLP is refused naming what it adapts."""
     import json
 
+    import transformers
     from safetensors.torch import save_file
 
     from tandem import LLM, LoRARequest, SamplingParams
     from tandem.engine.lora.peft import load_adapter
     from tandem.engine.model.hf_loader import config_from_hf
-    from tests.engine.utils import make_peft_adapter, merge_adapter
+    from tests.engine.utils import LORA_TARGETS, make_peft_adapter, merge_adapter
 
-    base, adapter, merged = tmp_path / "base", tmp_path / "adapter", tmp_path / "merged"
-    _qwen3_moe_dir(base)
-    import transformers
-
-    weights = make_peft_adapter(adapter, json.loads((base / "config.json").read_text()),
-                                rank=4, alpha=8.0, std=0.2,
-                                targets=("q_proj", "k_proj", "v_proj", "o_proj"))
-    merge_adapter(base, merged, weights, 8.0 / 4)
+    base = tmp_path / "base"
+    _qwen3_moe_dir(base, mlp_only_layers=[1])
+    base_cfg = json.loads((base / "config.json").read_text())
     prompts = [[5, 17, 33, 90, 12, 7, 8, 100, 4], [9, 9, 30, 41, 77]]
-    ref = transformers.Qwen3MoeForCausalLM.from_pretrained(merged).eval()
-    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
-                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_threads=1)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got = llm.generate(prompts, params, lora_request=LoRARequest("attn", 1, str(adapter)))
-    assert [o.outputs[0].token_ids for o in got] == want
+    llm = LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=4, num_threads=1)
+    adapters = {"attn": dict(targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+                "dense": dict(targets=LORA_TARGETS, layers=[1])}
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for i, (name, kw) in enumerate(adapters.items()):
+        adapter, merged = tmp_path / name, tmp_path / f"{name}-merged"
+        weights = make_peft_adapter(adapter, base_cfg, rank=4, alpha=8.0, std=0.2, seed=i,
+                                    **kw)
+        merge_adapter(base, merged, weights, 8.0 / 4)
+        ref = transformers.Qwen3MoeForCausalLM.from_pretrained(merged).eval()
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        got = llm.generate(prompts, params,
+                           lora_request=LoRARequest(name, i + 1, str(adapter)))
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert want != plain  # (the adapter changes the output)
 
     arch = config_from_hf(base)
     for module in ("mlp.experts.0.gate_proj", "mlp.gate", "mlp.gate_proj"):
