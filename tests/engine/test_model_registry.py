@@ -181,3 +181,28 @@ def test_export_refuses_families_it_cannot_write(tmp_path: Path) -> None:
         config_to_hf(cfg, torch.float32)
     assert config_to_hf(_config(tmp_path, architectures=["Qwen2ForCausalLM"]),
                         torch.float32)["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_fused_lora_targets_only_for_families_with_fused_checkpoints(tmp_path: Path) -> None:
+    """Phi-3 adapters name `qkv_proj` / `gate_up_proj`; a loaded adapter holds their
+    q/k/v and gate/up parts (same A, B's rows). A Llama has no such module."""
+    from tandem.engine.lora.peft import load_adapter
+    from tests.engine.utils import make_peft_adapter
+
+    base = {**BASE, "num_hidden_layers": 1}
+    weights = make_peft_adapter(tmp_path, base, rank=2, targets=("qkv_proj", "gate_up_proj"))
+    (tmp_path / "base").mkdir()
+    phi3 = _config(tmp_path / "base", architectures=["Phi3ForCausalLM"], num_hidden_layers=1)
+    adapter = load_adapter(tmp_path, "a", 1, phi3, max_rank=4)
+    a, b = weights[(0, "qkv_proj")]
+    scale = 16.0 / 2
+    assert sorted(adapter.weights) == [(0, t) for t in ("gate_proj", "k_proj", "q_proj",
+                                                        "up_proj", "v_proj")]
+    for target, rows in (("q_proj", slice(0, 64)), ("k_proj", slice(64, 96)),
+                         ("v_proj", slice(96, 128))):
+        got_a, got_b = adapter.weights[(0, target)]
+        assert torch.equal(got_a, a) and torch.allclose(got_b, b[rows] * scale)
+    llama = _config(tmp_path / "base", architectures=["LlamaForCausalLM"], num_hidden_layers=1)
+    with pytest.raises(ConfigError, match=r"_proj.lora_A.weight' targets an unsupported "
+                                          r"module \(supported for llama: q_proj, k_proj"):
+        load_adapter(tmp_path, "a", 1, llama, max_rank=4)

@@ -22,6 +22,7 @@ import io
 import math
 import os
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,13 @@ TARGETS: dict[str, tuple[str, str]] = {
     "v_proj": ("qkv_proj", "self_attn"), "o_proj": ("o_proj", "self_attn"),
     "gate_proj": ("gate_up_proj", "mlp"), "up_proj": ("gate_up_proj", "mlp"),
     "down_proj": ("down_proj", "mlp"),
-    # fused in the checkpoints (and adapters) of some families (Phi-3): split on load into
-    # the targets above, each part with the same A and its rows of B
-    "qkv_proj": ("qkv_proj", "self_attn"), "gate_up_proj": ("gate_up_proj", "mlp"),
 }
-FUSED_TARGETS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# modules fused in the checkpoints (and adapters) of some families (Phi-3) -> their group
+# and parts: split on load into the targets above, each part with the same A and its rows
+# of B (a loaded adapter only ever holds TARGETS)
+FUSED_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 MAX_CONFIG_BYTES = 1 << 20
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"([a-z_]+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -60,6 +62,14 @@ def target_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
             "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
 
 
+def _group(target: str, fused: Container[str]) -> str | None:
+    """The decoder-layer group ("self_attn" / "mlp") of a target (fused ones only when in
+    `fused`), None for an unsupported module."""
+    if target in TARGETS:
+        return TARGETS[target][1]
+    return FUSED_TARGETS[target][0] if target in FUSED_TARGETS and target in fused else None
+
+
 def _split_fused(target: str, a: torch.Tensor, b: torch.Tensor, arch: ModelArchConfig
                  ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """A fused target's (A, B) as its parts' (target, A, rows of B); others as they are."""
@@ -67,7 +77,7 @@ def _split_fused(target: str, a: torch.Tensor, b: torch.Tensor, arch: ModelArchC
         return [(target, a, b)]
     shapes = target_shapes(arch)
     out, start = [], 0
-    for part in FUSED_TARGETS[target]:
+    for part in FUSED_TARGETS[target][1]:
         rows = shapes[part][0]
         out.append((part, a, b[start:start + rows]))
         start += rows
@@ -110,7 +120,7 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 def _targets(spec: Any, module: str) -> bool:
     short = module.rsplit(".", 1)[-1]
     if spec == "all-linear":
-        return short in TARGETS
+        return short in TARGETS or short in FUSED_TARGETS
     if isinstance(spec, str):
         return re.fullmatch(spec, module) is not None
     return short in spec or module in spec
@@ -207,7 +217,7 @@ def load_adapter(path: Path, name: str, int_id: int, arch: ModelArchConfig,
     out: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     top = 0
     for (layer, target), (a_entry, b_entry, r) in sorted(plan.items()):
-        module = f"model.layers.{layer}.{TARGETS[target][1]}.{target}"
+        module = f"model.layers.{layer}.{_group(target, FUSED_TARGETS)}.{target}"
         a, b = a_entry.tensor(data), b_entry.tensor(data)
         if cfg.get("fan_in_fan_out"):
             a, b = a.T, b.T
@@ -263,9 +273,8 @@ def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchC
             raise ConfigError(f"{weights_file}: unexpected tensor {key[:256]!r} (only LoRA "
                               "A/B matrices of decoder layers are supported)")
         layer, target, ab = int(m.group(1)), m.group(3), m.group(4)
-        if target not in TARGETS or TARGETS[target][1] != m.group(2) or (
-                target in FUSED_TARGETS and target not in fused):
-            supported = [t for t in TARGETS if t not in FUSED_TARGETS or t in fused]
+        if _group(target, fused) != m.group(2):
+            supported = [*TARGETS, *fused]
             raise ConfigError(f"{weights_file}: {key!r} targets an unsupported module "
                               f"(supported for {arch.architecture}: {', '.join(supported)})")
         if layer >= arch.num_layers:
@@ -279,7 +288,7 @@ def _plan(entries: dict[str, TensorEntry], cfg: dict[str, Any], arch: ModelArchC
         raise ConfigError(f"{weights_file} holds no LoRA weights")
     plan = {}
     for (layer, target), ab in sorted(pairs.items()):
-        module = f"model.layers.{layer}.{TARGETS[target][1]}.{target}"
+        module = f"model.layers.{layer}.{_group(target, fused)}.{target}"
         if "A" not in ab or "B" not in ab:
             raise ConfigError(f"{weights_file}: {module} has lora_A without lora_B or the "
                               "reverse")
