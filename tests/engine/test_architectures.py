@@ -301,3 +301,18 @@ def test_phi3_lora_adapter_on_fused_modules_matches_the_merged_model(tmp_path) -
     assert [o.outputs[0].token_ids for o in got] == want
     assert want != plain  # the adapter changes the output; without it, the base model's
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, _params())] == plain
+
+
+@pytest.mark.parametrize("case", ["qwen3", "phi4-mini"], indirect=True)
+def test_draft_model_speculation_matches_transformers(case: Case) -> None:
+    """The draft model is built through the registry too (here the model drafts for
+    itself: every draft accepted)."""
+    spec = {"method": "draft", "model": case.path, "num_speculative_tokens": 3,
+            "adaptive": False}
+    llm = LLM(case.path, dtype="float32", block_size=BLOCK, speculative_config=spec,
+              num_threads=1)
+    outs = llm.generate(case.prompts, _params())
+    assert [o.outputs[0].token_ids for o in outs] == case.greedy
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
