@@ -67,8 +67,9 @@ def test_family_settings_from_config_json(tmp_path: Path) -> None:
                    use_sliding_window=False).layer_windows == (None, None)
     mistral = _config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=16)
     assert mistral.layer_windows == (16, 16)
-    phi4 = _config(tmp_path, architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75)
-    assert (phi4.rotary_dim, phi4.head_dim) == (12, 16)
+    phi4 = _config(tmp_path, architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.75,
+                   sliding_window=262144)  # (Phi-4-mini's: past the context, so none)
+    assert (phi4.rotary_dim, phi4.head_dim, phi4.layer_windows) == (12, 16, (None, None))
 
 
 def test_legacy_and_transformers5_rope_keys_parse_alike(tmp_path: Path) -> None:

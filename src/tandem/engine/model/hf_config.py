@@ -51,9 +51,12 @@ def layer_types(cfg: dict[str, Any], num_layers: int, window_layers: bool = True
 
     `layer_types` when the config lists them; else with `window_layers` (Qwen2 / Qwen3)
     sliding only under `use_sliding_window`, for layers >= `max_window_layers`; else (Mistral,
-    Phi-3) every layer slides when `sliding_window` is set."""
+    Phi-3) every layer slides when `sliding_window` is set. A window that spans
+    `max_position_embeddings` is full attention (Phi-4-mini's 262144)."""
     window = cfg.get("sliding_window")
     window = int(window) if window else None
+    if window is not None and window >= int(cfg.get("max_position_embeddings", 2048)):
+        return None, None
     kinds = cfg.get("layer_types")
     if kinds is None and window_layers:
         if not cfg.get("use_sliding_window", False) or window is None:
