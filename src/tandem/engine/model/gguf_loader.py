@@ -27,6 +27,9 @@ from tandem.engine.model.hf_loader import check_weight_names
 from tandem.engine.quant.apply import SourceFormat
 from tandem.engine.quant.base import GroupedWeight
 
+# the GGUF `general.architecture`s read (llama.cpp writes Mistral as llama, named so)
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
 logger = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
@@ -244,7 +247,7 @@ def config_from_gguf(reader: GGUFReader, source: str) -> ModelArchConfig:
         arch = gguf_arch
     else:
         raise ConfigError(f"{source}: unsupported GGUF architecture {gguf_arch!r}; "
-                          "supported: llama, mistral, qwen2")
+                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
 
     def get(key: str, default: Any = None) -> Any:
         return field_value(reader, f"{gguf_arch}.{key}", default)
