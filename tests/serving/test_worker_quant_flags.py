@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 
 import pytest
 from prometheus_client import generate_latest
@@ -13,6 +14,7 @@ from prometheus_client import generate_latest
 from tandem.cli import main
 from tandem.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from tandem.engine.llm_engine import EngineStats
+from tandem.engine.quant.checkpoint import ALIASES
 from tandem.serving.embedded import plan as _plan
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.worker import add_engine_args, add_server_args, engine_config
@@ -38,10 +40,10 @@ def test_flags_reach_the_engine_config():
                   "--kv-cache-dtype", "int8"]) == ("int4", 128, "int8")
     assert quant(["-q", "int8", "--quantization-group-size", "32"]) == ("int8", 32, "auto")
     assert quant(["--kv-cache-dtype", "fp8_e4m3"]) == (None, None, "fp8")  # vLLM's alias
-    for q in QUANTIZATIONS:
+    for q in QUANTIZATIONS:  # vLLM's kernel aliases (gptq_marlin) name their checkpoints
         for kv in KV_CACHE_DTYPES:
             assert quant(["--quantization", q, "--kv-cache-dtype", kv]) == (
-                q, None, "fp8" if kv == "fp8_e4m3" else kv)
+                ALIASES.get(q, q), None, "fp8" if kv == "fp8_e4m3" else kv)
 
 
 @pytest.mark.parametrize(("argv", "words"), [
@@ -167,3 +169,27 @@ def test_a_quantized_worker_answers_through_the_openai_client(tmp_path):
         assert per_pos == sorted(per_pos, reverse=True)  # position i needs 0 .. i-1 accepted
     finally:
         assert w.stop() == 0, w.log()
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+
+
+def test_the_start_up_line_and_an_early_error_name_the_checkpoints_method(tmp_path, capsys):
+    """`preflight` (the worker's start-up line) names a pre-quantized checkpoint's method when
+    --quantization is unset; a conflicting flag is a usage error before anything starts."""
+    from tandem.engine.config import EngineConfig
+    from tandem.serving.worker import preflight
+    from tests.serving.helpers import free_port
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": GPTQ}))
+    words = preflight(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32"))
+    assert words == "device cpu, dtype float32, gptq weights"
+    assert preflight(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
+                                  quantization="gptq_marlin")).endswith(", gptq weights")
+    with pytest.raises(SystemExit) as e:
+        main(["worker", "--model", str(tmp_path), "--quantization", "int8", "--port",
+              str(free_port())])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"tandem worker: error: {tmp_path} is a gptq checkpoint (quantization_config), but "
+        "quantization 'int8' was asked; leave --quantization unset or pass gptq")

@@ -342,10 +342,14 @@ def check_model_digest(model: str | None, expected: str) -> None:
 
 def preflight(config: EngineConfig) -> str:
     """Before the server starts: resolve the device and dtype as the engine will
-    (ConfigError naming the reason when the device cannot be used); returns them in words.
-    The attention backend is resolved with the model (an unusable one fails the load)."""
+    (ConfigError naming the reason when the device cannot be used) and the quantization it
+    serves (a pre-quantized checkpoint's method when `--quantization` is unset; ConfigError
+    for a conflict); returns them in words. The attention backend is resolved with the
+    model (an unusable one fails the load)."""
     from tandem.engine.devices import resolve_device, resolve_dtype
+    from tandem.engine.quant.checkpoint import with_checkpoint_quantization
 
+    config = with_checkpoint_quantization(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     words = f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
@@ -380,10 +384,12 @@ def run(args: argparse.Namespace) -> int:
     keys = api_keys(args.api_key)
     limit_malloc_arenas()  # before any of the server's threads start
     from tandem.engine.llm import resolve_config
+    from tandem.engine.quant.checkpoint import with_checkpoint_quantization
     from tandem.protocol.hub import generation_defaults
 
-    # a repository id: downloaded (or found in the cache offline) before anything else
-    config = resolve_config(engine_config(args, serving=True))
+    # a repository id: downloaded (or found in the cache offline) before anything else;
+    # a pre-quantized checkpoint's method named (a conflicting --quantization: exit 2)
+    config = with_checkpoint_quantization(resolve_config(engine_config(args, serving=True)))
     if args.model_sha256:
         check_model_digest(config.model, args.model_sha256)
     if args.speculative_config is not None and config.speculative_config is None:
