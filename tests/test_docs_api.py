@@ -225,12 +225,13 @@ def _listed_architectures() -> dict[str, set[str]]:
 
 def test_supported_architectures_match_the_loaders() -> None:
     from tandem.engine.model.config import SUPPORTED_ARCHITECTURES
+    from tandem.engine.model.gguf_loader import GGUF_ARCHITECTURES
     from tandem.engine.model.hf_loader import HF_ARCHITECTURES, HF_MODEL_TYPES
 
     listed = _listed_architectures()
     assert listed["engine"] == set(SUPPORTED_ARCHITECTURES)
     assert listed["hf"] == set(HF_ARCHITECTURES) | {f"model_type: {t}" for t in HF_MODEL_TYPES}
-    assert listed["gguf"] == set(SUPPORTED_ARCHITECTURES)
+    assert listed["gguf"] == set(GGUF_ARCHITECTURES)
 
 
 def test_unsupported_architecture_message_is_the_documented_one(tmp_path: Path) -> None:
