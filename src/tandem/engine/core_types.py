@@ -53,6 +53,13 @@ class EngineState:
     model_memory_bytes: int = 0  # resident weight bytes (quant.apply.model_memory_bytes)
     quantization: str | None = None  # EngineConfig.quantization
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype
+    kv_null_blocks: int = 0  # of num_kv_blocks, never held (a sliding window's null block)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """KV blocks requests can hold: `num_kv_blocks` less the null block (the totals the
+        router's load reports and /metrics give)."""
+        return self.num_kv_blocks - self.kv_null_blocks
 
 
 @dataclass(frozen=True)

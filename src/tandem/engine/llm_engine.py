@@ -98,14 +98,15 @@ class LLMEngine(EngineCore):
         weight_bytes, per_block = shard.weight_bytes, shard.per_block
         lora = self._lora_manager(shard) if config.enable_lora else None
         name = config.model_name
-        state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
-                            per_block, arch.vocab_size, weight_bytes, config.quantization,
-                            config.kv_cache_dtype)
         eos = tuple(dict.fromkeys(tuple(arch.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
         # every layer slides with one window: blocks behind it are freed (null block 0)
         kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                             enable_events=config.enable_kv_events,
                             sliding_window=uniform_window(arch.layer_windows))
+        state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
+                            per_block, arch.vocab_size, weight_bytes, config.quantization,
+                            config.kv_cache_dtype,
+                            kv_null_blocks=num_blocks - kv.pool.num_usable_blocks)
         caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
         # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly (their

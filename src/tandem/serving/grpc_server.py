@@ -85,7 +85,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.Load(
             worker_id=self.worker_id, model=self.model, role=self.role,
             num_running=s.num_running, num_waiting=s.num_waiting,
-            num_free_blocks=s.num_free_blocks, num_total_blocks=state.num_kv_blocks,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=state.num_usable_blocks,
             block_size=state.block_size, in_flight_tokens=s.in_flight_tokens,
             kv_cache_usage=s.kv_cache_usage, running_loras=s.lora_running,
             waiting_loras=s.lora_waiting, resident_loras=s.lora_resident,

@@ -170,7 +170,7 @@ class WorkerApp:
         holder.engine = t.result()
         state = holder.engine.state
         spec = holder.engine.config.speculative_config
-        metrics.attach(state.block_size, state.num_kv_blocks,
+        metrics.attach(state.block_size, state.num_usable_blocks,
                        getattr(state, "model_memory_bytes", None),
                        spec.num_speculative_tokens if spec is not None else 0)
         holder.remote = RemotePrefill(
