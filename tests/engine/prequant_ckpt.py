@@ -121,6 +121,17 @@ def fp8_linear(gen: torch.Generator, n: int, k: int, per_channel: bool
     return codes, scale
 
 
+def fp8_block_linear(gen: torch.Generator, n: int, k: int, block: tuple[int, int]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [N, K], float32 block scales [ceil(N / bn), ceil(K / bk)], the float
+    weight w[n, k] = q[n, k] * s[n // bn, k // bk]): DeepSeek-V3's block-wise layout."""
+    bn, bk = block
+    codes = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 4e-4 + 1e-4
+    full = scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return codes, scale, (codes.double() * full).float()
+
+
 def write_checkpoint(out: Path, base, tensors: dict[str, torch.Tensor],
                      quantization_config: dict | None) -> Path:
     """A sharded HF directory (two files, an index; one layer's parts split over both)."""
@@ -214,6 +225,41 @@ def make_int(tmp: Path, base, fmt: str, *, bits: int = 4, group: int = 32, sym: 
             write_checkpoint(tmp / (name + "-float"), base, ft, None), ref)
 
 
+def make_fp8_block(tmp: Path, base, fmt: str, block: tuple[int, int], seed: int = 0
+                   ) -> tuple[Path, Path, dict]:
+    """Block-wise FP8: vLLM's "fp8" with `weight_block_size` and `weight_scale_inv` (the
+    DeepSeek-V3 / Qwen3 -FP8 layout, dynamic activations) or compressed-tensors' FP8
+    `strategy: block` with its `block_structure` and `weight_scale`."""
+    gen = torch.Generator().manual_seed(seed)
+    qt, ft, ref = {}, {}, {}
+    for prefix, n, k in _prefixes():
+        if prefix == FLOAT_LINEAR:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            qt[prefix + ".weight"] = ft[prefix + ".weight"] = ref[prefix] = w
+            continue
+        codes, scale, w = fp8_block_linear(gen, n, k, block)
+        ref[prefix] = ft[prefix + ".weight"] = w
+        qt[prefix + ".weight"] = codes
+        qt[prefix + (".weight_scale_inv" if fmt == "fp8" else ".weight_scale")] = scale
+    if fmt == "fp8":
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+              "weight_block_size": list(block), "ignored_layers": ["lm_head", FLOAT_LINEAR]}
+    else:
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "ignore": ["lm_head", FLOAT_LINEAR],
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"],
+                  "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "block", "block_structure": list(block),
+                              "dynamic": False},
+                  "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                        "group_size": 128, "dynamic": True,
+                                        "symmetric": True}}}}
+    name = f"{fmt}-block{block[0]}x{block[1]}-{seed}"
+    return (write_checkpoint(tmp / name, base, qt, qc),
+            write_checkpoint(tmp / (name + "-float"), base, ft, None), ref)
+
+
 def make_fp8(tmp: Path, base, fmt: str, *, per_channel: bool, seed: int = 0
              ) -> tuple[Path, Path, dict]:
     gen = torch.Generator().manual_seed(seed)
@@ -271,4 +317,8 @@ FORMATS = {
     "fp8-tensor": lambda t, b: make_fp8(t, b, "fp8", per_channel=False),
     "fp8-channel": lambda t, b: make_fp8(t, b, "fp8", per_channel=True),
     "ct-fp8-channel": lambda t, b: make_fp8(t, b, "ct", per_channel=True),
+    # partial last blocks: N 128 = 48 + 48 + 32 (k/v: 64 = 48 + 16), K 128 = 96 + 32,
+    # down_proj's K 256 = 96 + 96 + 64
+    "fp8-block": lambda t, b: make_fp8_block(t, b, "fp8", (48, 96)),
+    "ct-fp8-block": lambda t, b: make_fp8_block(t, b, "ct", (128, 32)),
 }

@@ -85,7 +85,7 @@ def checkpoints(tmp_path_factory, base):
 
 
 EXACT = {"gptq4-sym", "gptq4-act-order", "gptq8-per-channel", "ct-int4-act-order",
-         "fp8-tensor", "fp8-channel", "ct-fp8-channel"}
+         "fp8-tensor", "fp8-channel", "ct-fp8-channel", "fp8-block", "ct-fp8-block"}
 
 
 def _method(fmt: str) -> str:
@@ -125,7 +125,7 @@ def test_each_layer_computes_with_the_formats_dequantization(checkpoints, fmt):
             torch.testing.assert_close(layer(xi), xi @ got.T, rtol=1e-4, atol=1e-4)
 
 
-E2E = ["gptq4-asym", "gptq4-act-order", "awq", "ct-fp8-channel"]
+E2E = ["gptq4-asym", "gptq4-act-order", "awq", "ct-fp8-channel", "fp8-block"]
 
 
 @pytest.mark.parametrize("fmt", E2E)
@@ -224,7 +224,17 @@ def _rewrite(src: Path, dst: Path, config=None, tensors=None) -> Path:
     ("gptq4-asym", {"bits": 3}, None, "GPTQ with 3-bit weights is not supported (4 and 8 are)"),
     ("awq", {"version": "gemv"}, None, "AWQ version 'gemv' is not supported"),
     ("fp8-channel", {"weight_block_size": [128, 128]}, None,
-     "block-wise FP8 (weight_block_size [128, 128]) is not supported"),
+     "model.layers.0.mlp.gate_proj.weight_scale is [256, 1] F32, the layout needs [2, 1] "
+     "F16/BF16/F32 (a fp8 checkpoint, 8-bit, blocks of 128x128)"),
+    ("fp8-block", {"weight_block_size": [128]}, None,
+     "weight_block_size must be two positive integers [rows, columns], got [128]"),
+    ("fp8-block", {"weight_block_size": None}, None,
+     "weight_scale_inv is a block-wise FP8 scale, but quantization_config names no block "
+     "(weight_block_size)"),
+    ("fp8-block", None, {"model.layers.0.self_attn.q_proj.weight_scale_inv":
+                         torch.ones(2, 2)},
+     "model.layers.0.self_attn.q_proj.weight_scale_inv is [2, 2] F32, the layout needs "
+     "[3, 2] F16/BF16/F32 (a fp8 checkpoint, 8-bit, blocks of 48x96)"),
     ("ct-int4-asym", {"format": "int-quantized"}, None,
      "compressed-tensors format 'int-quantized' with no activation quantization is not "
      "supported"),
@@ -250,10 +260,11 @@ def test_a_bad_checkpoint_is_a_clear_error(checkpoints, tmp_path, fmt, config, t
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("fmt", ["gptq4-asym", "fp8-channel"])
+@pytest.mark.parametrize("fmt", ["gptq4-asym", "fp8-channel", "ct-fp8-block"])
 def test_tensor_parallel_ranks_hold_slices_of_the_checkpoints_codes(checkpoints, fmt):
     """At tensor_parallel_size 2 each rank's q rows and o_proj columns (whole groups; FP8
-    rows keep their scales) dequantize to exactly its slice of the unsharded layer."""
+    rows keep their scales, block-wise FP8 its blocks' scales) dequantize to exactly its
+    slice of the unsharded layer."""
     qdir, _, _ = checkpoints(fmt)
     src = open_model(qdir, torch.float32)
     items = list(src.tensors(progress=False))
@@ -281,6 +292,21 @@ def test_tensor_parallel_ranks_hold_slices_of_the_checkpoints_codes(checkpoints,
             span = slice(tp.q_head_start * d, (tp.q_head_start + tp.num_heads) * d)
             want = full[span] if rows else full[:, span]
             assert torch.equal(dequant(part), want), (fmt, name, rank)
+
+
+def test_blockwise_fp8_columns_that_split_a_block_are_refused_under_tp(checkpoints):
+    """96-column FP8 blocks: each of 2 ranks holds 64 of o_proj's 128 input columns, which
+    cuts a block; a clear error naming the layer and the block width."""
+    qdir, _, _ = checkpoints("fp8-block")
+    src = open_model(qdir, torch.float32)
+    plan = plan_quantization(None, src.config, src.formats, CPU, None, None, str(qdir))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    weight = dict(src.tensors(progress=False))[name]
+    with pytest.raises(ConfigError, match=rf"^tensor_parallel_size 2: {name} keeps 96-column "
+                                          r"blocks, but each rank holds 64 of its 128 input "
+                                          r"columns \(rank 1 from column 64\)"):
+        list(shard_weights([(name, weight)], src.config, TPPlan.build(src.config, 1, 2),
+                           row_scaled_weights(plan, src.config)))
 
 
 def test_act_order_row_parallel_layers_are_refused_under_tensor_parallelism(checkpoints):

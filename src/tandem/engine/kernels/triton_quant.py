@@ -5,7 +5,9 @@
 int8 codes `[N, K]` int8; int4 codes `[N, K // 2]` uint8 (low nibble = even k, high nibble
 = odd k); scales / mins `[N, K // g]` (float16; any float dtype is read as float32);
 `w = code * scale + min`. `fp8_linear` is the same kernel over float8_e4m3fn codes `[N, K]`
-with one float32 scale per output row (weight-only FP8 for GPUs without FP8 tensor cores).
+with one float32 scale per output row, or per row and group of `group_size` columns
+(block-wise FP8 checkpoints: scales `[N, ceil(K / g)]`, the last group may be partial):
+weight-only FP8 for GPUs without FP8 tensor cores, and for block-wise weights on any GPU.
 
 A program computes a `BLOCK_M x BLOCK_N` output tile, walking K in `BLOCK_K` steps: codes
 are loaded as bytes, dequantized in registers in float32 and fed to `tl.dot` in the
@@ -282,17 +284,23 @@ def grouped_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None, *, split_k: int | None = None
-               ) -> torch.Tensor:
-    """x [M, K] @ (weight * scale[:, None]).T + bias -> [M, N] in x.dtype, weight [N, K]
-    float8_e4m3fn (decoded with integer ops), scale [N] float32 (one per output row)."""
+               bias: torch.Tensor | None = None, *, group_size: int | None = None,
+               split_k: int | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T + bias -> [M, N] in x.dtype, weight [N, K] float8_e4m3fn (decoded
+    with integer ops). `group_size` None: scale [N] float32, W = weight * scale[:, None];
+    g: scale [N, ceil(K / g)] float32, W[n, k] = weight[n, k] * scale[n, k // g]."""
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"weight must be 2-D float8_e4m3fn, got {tuple(weight.shape)} "
                          f"{weight.dtype}")
     n, k = weight.shape
-    if tuple(scale.shape) != (n,):
-        raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
-    scales = scale.reshape(n, 1)
-    _check(x, weight, scales, None, bias, n, k, 1)
-    return _launch(x, weight.view(torch.uint8), scales, None, _FP8, max(k, 1), bias, n, k,
+    if group_size is None:
+        if tuple(scale.shape) != (n,):
+            raise ValueError(f"scale must be [{n}], got {tuple(scale.shape)}")
+        scales, group_size, groups = scale.reshape(n, 1), max(k, 1), 1
+    else:
+        if group_size < 1:
+            raise ValueError(f"group_size must be positive, got {group_size}")
+        scales, groups = scale, triton.cdiv(k, group_size)
+    _check(x, weight, scales, None, bias, n, k, groups)
+    return _launch(x, weight.view(torch.uint8), scales, None, _FP8, group_size, bias, n, k,
                    split_k)

@@ -39,7 +39,8 @@ class SourceFormat:
 
     A pre-quantized Hugging Face checkpoint's (`quant/checkpoint.py`) also names its
     `method` (gptq, awq, fp8, compressed-tensors); `kind` "fp8": e4m3 codes with a scale
-    per row (an `Fp8Weight`); `act_order`: its codes come with an input permutation."""
+    per row (an `Fp8Weight`; `group_size` 0), or per row and `group_size` input columns
+    (block-wise); `act_order`: its codes come with an input permutation."""
 
     bits: int
     group_size: int
@@ -140,8 +141,9 @@ def _checkpoint_plan(plan: QuantPlan, paths: Mapping[str, list[str]],
                               f"are stored differently ({kinds}); they must share a format")
         fmt = parts[0]
         if fmt not in made:
-            if fmt.kind == "fp8":
-                made[fmt] = get_linear_method("fp8", device=device, native=native)
+            if fmt.kind == "fp8":  # group_size: a block-wise checkpoint's block columns
+                made[fmt] = get_linear_method("fp8", device=device, native=native,
+                                              block_k=fmt.group_size or None)
             elif fmt.bits == 4:
                 made[fmt] = get_linear_method("int4", device=device, native=native,
                                               group_size=fmt.group_size,

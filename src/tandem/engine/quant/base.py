@@ -120,50 +120,81 @@ class GroupedWeight:
 
 @dataclass
 class Fp8Weight:
-    """Rows of a float8_e4m3fn weight as an FP8 checkpoint stores it: w[n, k] = codes[n, k]
-    * scales[n] (a per-tensor scale arrives repeated per row, exactly).
+    """Rows of a float8_e4m3fn weight as an FP8 checkpoint stores it.
 
-    codes: [N, K] float8_e4m3fn; scales: [N] float32. `input_scale`: the checkpoint's
-    static activation scale (a float32 scalar tensor) or None."""
+    Per row (`group_size` None): w[n, k] = codes[n, k] * scales[n] (a per-tensor scale
+    arrives repeated per row, exactly); scales [N] float32.
+    Block-wise (`group_size` g): w[n, k] = codes[n, k] * scales[n, k // g]; scales
+    [N, ceil(K / g)] float32 (a checkpoint's [bn, bk] block scale repeated over its bn
+    rows; the last group may be partial).
+
+    codes: [N, K] float8_e4m3fn. `input_scale`: the checkpoint's static activation scale
+    (a float32 scalar tensor) or None."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     input_scale: torch.Tensor | None = None
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.float8_e4m3fn or self.codes.dim() != 2:
             raise ConfigError(f"fp8 weight codes must be [N, K] float8_e4m3fn, got "
                               f"{tuple(self.codes.shape)} {self.codes.dtype}")
-        if tuple(self.scales.shape) != (self.codes.shape[0],):
+        n, k = self.codes.shape
+        if self.group_size is None:
+            want: tuple[int, ...] = (n,)
+        elif self.group_size < 1:
+            raise ConfigError(f"fp8 weight group_size must be positive, got {self.group_size}")
+        else:
+            want = (n, -(-k // self.group_size))
+        if tuple(self.scales.shape) != want:
             raise ConfigError(f"fp8 weight scales {tuple(self.scales.shape)} do not match "
-                              f"{self.codes.shape[0]} rows")
+                              f"codes {(n, k)}" + ("" if self.group_size is None else
+                                                   f" with group_size {self.group_size}"))
 
     @property
     def shape(self) -> tuple[int, int]:
         return (int(self.codes.shape[0]), int(self.codes.shape[1]))
 
     def rows(self, start: int, stop: int) -> Fp8Weight:
-        return Fp8Weight(self.codes[start:stop], self.scales[start:stop], self.input_scale)
+        return Fp8Weight(self.codes[start:stop], self.scales[start:stop], self.input_scale,
+                         self.group_size)
 
     def columns(self, start: int, stop: int) -> Fp8Weight:
-        """Input columns [start, stop) (views; each row keeps its scale)."""
-        return Fp8Weight(self.codes[:, start:stop], self.scales, self.input_scale)
+        """Input columns [start, stop) (views; each row keeps its scale). Block-wise: whole
+        groups only (the last may end at K), ConfigError otherwise."""
+        g, k = self.group_size, self.shape[1]
+        if g is None:
+            return Fp8Weight(self.codes[:, start:stop], self.scales, self.input_scale)
+        if start % g or (stop % g and stop != k) or not 0 <= start < stop <= k:
+            raise ConfigError(f"columns [{start}, {stop}) of a block-wise FP8 weight of K={k} "
+                              f"are not whole groups of {g}")
+        return Fp8Weight(self.codes[:, start:stop], self.scales[:, start // g:-(-stop // g)],
+                         self.input_scale, g)
 
     def padded_rows(self, rows: int) -> Fp8Weight:
         """These rows followed by zero rows (scale 0) up to `rows`."""
         extra = rows - self.shape[0]
         pad = torch.zeros(extra, self.shape[1], dtype=torch.uint8, device=self.codes.device)
         codes = torch.cat([self.codes.view(torch.uint8), pad]).view(torch.float8_e4m3fn)
-        return Fp8Weight(codes, torch.cat([self.scales, self.scales.new_zeros(extra)]),
-                         self.input_scale)
+        zeros = self.scales.new_zeros(extra, *self.scales.shape[1:])
+        return Fp8Weight(codes, torch.cat([self.scales, zeros]), self.input_scale,
+                         self.group_size)
 
     def permute_rows(self, index: torch.Tensor) -> Fp8Weight:
-        return Fp8Weight(self.codes[index], self.scales[index], self.input_scale)
+        return Fp8Weight(self.codes[index], self.scales[index], self.input_scale,
+                         self.group_size)
+
+    def column_scales(self) -> torch.Tensor:
+        """The scale of each element's group [N, K] (block-wise) or of each row [N, 1]."""
+        if self.group_size is None:
+            return self.scales[:, None]
+        return self.scales.repeat_interleave(self.group_size, 1)[:, :self.shape[1]]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: codes * scale computed in float32 (float64 for float64)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        return (self.codes.to(work) * self.scales.to(work)[:, None]).to(dtype)
+        return (self.codes.to(work) * self.column_scales().to(work)).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ round trip. Methods (vLLM's names):
   points stored minus one) or "gptq_v2".
 - "awq": AutoAWQ's GEMM layout, 4-bit with zero points.
 - "fp8": float8_e4m3fn weights with a per-tensor or per-channel scale (vLLM's and
-  llm-compressor's FP8); block-wise scales (`weight_block_size`) are refused.
-- "compressed-tensors": `float-quantized` FP8 weights (strategy tensor or channel) or
+  llm-compressor's FP8), or block-wise (`weight_block_size` [bn, bk]: DeepSeek-V3's and the
+  Qwen3 -FP8 checkpoints' `weight_scale_inv`, one float32 scale per bn x bk block).
+- "compressed-tensors": `float-quantized` FP8 weights (strategy tensor, channel or block
+  with its `block_structure`) or
   `pack-quantized` 4- / 8-bit integer weights (group or channel, with or without zero
   points, act-order `weight_g_idx`), one weight scheme per checkpoint; its `ignore`d modules
   are float in the checkpoint and stay float.
@@ -48,9 +50,9 @@ KERNEL_GROUPS = (128, 64, 32)
 class CheckpointQuant:
     """A checkpoint's weight quantization. `kind` "int": `bits`-bit integer codes with a
     float scale per `group_size` input columns (None: per output channel), zero points
-    unless `symmetric`; "fp8": e4m3 codes with a per-tensor or per-channel scale. `layout`:
-    how the tensors are stored ("gptq", "gptq_v2", "awq", "pack" for compressed-tensors'
-    pack-quantized, "fp8")."""
+    unless `symmetric`; "fp8": e4m3 codes with a per-tensor or per-channel scale, or one
+    per `block` (rows, input columns) when block-wise. `layout`: how the tensors are stored
+    ("gptq", "gptq_v2", "awq", "pack" for compressed-tensors' pack-quantized, "fp8")."""
 
     method: str
     kind: str
@@ -58,6 +60,7 @@ class CheckpointQuant:
     group_size: int | None
     symmetric: bool
     layout: str
+    block: tuple[int, int] | None = None
 
 
 def canonical_name(name: str | None) -> str | None:
@@ -111,14 +114,28 @@ def _awq(qc: Mapping[str, Any], where: str) -> CheckpointQuant:
     return CheckpointQuant("awq", "int", 4, group, False, "awq")
 
 
+def _block(value: Any, key: str, where: str) -> tuple[int, int]:
+    """A block shape [rows, columns] (a list, or compressed-tensors' older "RxC" string)."""
+    if isinstance(value, str) and "x" in value:
+        value = value.split("x")
+    try:
+        block = tuple(int(v) for v in value)
+        ok = len(block) == 2 and all(b > 0 for b in block) and not any(
+            isinstance(v, (bool, float)) for v in value)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{where}: {key} must be two positive integers [rows, columns], "
+                          f"got {value!r}")
+    return block  # type: ignore[return-value]
+
+
 def _fp8(qc: Mapping[str, Any], where: str) -> CheckpointQuant:
-    if qc.get("weight_block_size"):
-        raise ConfigError(f"{where}: block-wise FP8 (weight_block_size "
-                          f"{qc['weight_block_size']}) is not supported; per-tensor and "
-                          "per-channel FP8 checkpoints are")
     if not str(qc.get("fmt", "e4m3")).startswith("e4m3"):
         raise ConfigError(f"{where}: FP8 format {qc.get('fmt')!r} is not supported (e4m3 is)")
-    return CheckpointQuant("fp8", "fp8", 8, None, True, "fp8")
+    block = qc.get("weight_block_size")
+    block = None if block is None else _block(block, "weight_block_size", where)
+    return CheckpointQuant("fp8", "fp8", 8, None, True, "fp8", block)
 
 
 def _compressed_tensors(qc: Mapping[str, Any], where: str) -> CheckpointQuant:
@@ -133,21 +150,27 @@ def _compressed_tensors(qc: Mapping[str, Any], where: str) -> CheckpointQuant:
                               "weights (activation-only schemes are not supported)")
         fmt = group.get("format") or qc.get("format")
         acts = group.get("input_activations")
+        block = w.get("block_structure")
         schemes.add((fmt, w.get("type", "int"), w.get("num_bits"), w.get("strategy"),
                      w.get("group_size"), bool(w.get("symmetric", True)),
-                     None if not acts else acts.get("type", "int")))
+                     None if not acts else acts.get("type", "int"),
+                     None if block is None else _block(block, "block_structure", where)))
     if len(schemes) != 1:
         raise ConfigError(f"{where}: compressed-tensors with {len(schemes)} different weight "
                           "schemes is not supported (one scheme for every quantized layer is)")
-    fmt, kind, bits, strategy, group, sym, acts = schemes.pop()
+    fmt, kind, bits, strategy, group, sym, acts, block = schemes.pop()
     if kind == "float":
         if fmt not in ("float-quantized", "naive-quantized") or bits != 8:
             raise ConfigError(f"{where}: compressed-tensors {bits}-bit float weights in "
                               f"format {fmt!r} are not supported (8-bit float-quantized is)")
-        if strategy not in ("tensor", "channel"):
+        if strategy not in ("tensor", "channel", "block"):
             raise ConfigError(f"{where}: compressed-tensors FP8 strategy {strategy!r} is not "
-                              "supported (tensor and channel are)")
-        return CheckpointQuant("compressed-tensors", "fp8", 8, None, True, "fp8")
+                              "supported (tensor, channel and block are)")
+        if strategy == "block" and block is None:
+            raise ConfigError(f"{where}: compressed-tensors FP8 strategy 'block' without a "
+                              "block_structure")
+        return CheckpointQuant("compressed-tensors", "fp8", 8, None, True, "fp8",
+                               block if strategy == "block" else None)
     if fmt != "pack-quantized" or acts is not None:
         raise ConfigError(f"{where}: compressed-tensors format {fmt!r} with "
                           f"{acts or 'no'} activation quantization is not supported "

@@ -1,7 +1,8 @@
 """A pre-quantized checkpoint's tensors as the engine's compressed weights (no float round
 trip): each quantized linear's stored parts become one logical `<prefix>.weight` of shape
 [N, K] (out, in), yielded as a `GroupedWeight` (integer codes, float16 scales and mins) or
-an `Fp8Weight` (e4m3 codes, float32 scale per row); every other tensor passes as float.
+an `Fp8Weight` (e4m3 codes, float32 scale per row, or per row and K-group when
+block-wise); every other tensor passes as float.
 
 Layouts (the reference packers: AutoGPTQ's `QuantLinear.pack`, AutoAWQ's
 `WQLinear_GEMM.from_linear`, compressed-tensors' `pack_to_int32`), w = (q - z) * s:
@@ -17,6 +18,11 @@ Layouts (the reference packers: AutoGPTQ's `QuantLinear.pack`, AutoAWQ's
 - FP8 (vLLM's "fp8" and compressed-tensors' float-quantized): `weight` float8_e4m3fn
   [N, K], `weight_scale` per tensor ([] or [1]) or per channel ([N] or [N, 1]),
   `input_scale` (static activation scale; kept on the weight, unused by the kernels).
+  Block-wise ([bn, bk]: vLLM's `weight_block_size`, compressed-tensors' `block_structure`):
+  `weight_scale_inv` (vLLM / DeepSeek-V3 naming; multiplied, despite the name) or
+  `weight_scale` [ceil(N / bn), ceil(K / bk)], w[n, k] = q[n, k] * s[n // bn, k // bk]
+  (partial last blocks included); served as an `Fp8Weight` of group bk, each block's scale
+  repeated over its bn rows.
   Static KV cache scales (`k_scale`, `v_scale`, ... of a kv_cache_scheme) are skipped: the
   engine's FP8 / INT8 KV cache scales each token (`--kv-cache-dtype`).
 
@@ -48,13 +54,13 @@ _PARTS = {
     "awq": ("qweight", "qzeros", "scales"),
     "pack": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
              "weight_g_idx"),
-    "fp8": ("weight", "weight_scale", "input_scale", "weight_zero_point"),
+    "fp8": ("weight", "weight_scale", "weight_scale_inv", "input_scale", "weight_zero_point"),
 }
 _MAIN = {"gptq": "qweight", "gptq_v2": "qweight", "awq": "qweight", "pack": "weight_packed",
          "fp8": "weight"}
 _REQUIRED = {"gptq": ("qzeros", "scales"), "gptq_v2": ("qzeros", "scales"),
              "awq": ("qzeros", "scales"), "pack": ("weight_scale", "weight_shape"),
-             "fp8": ("weight_scale",)}
+             "fp8": ()}
 # AutoAWQ's order: nibble i of a word holds column 8c + _AWQ_ORDER[i]
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _FLOATS = ("F16", "BF16", "F32")
@@ -126,6 +132,12 @@ def grouped_from_codes(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     return GroupedWeight(codes.contiguous(), s.contiguous(), mins.contiguous(), bits, g, perm)
 
 
+def _fp8_scale(parts: Mapping[str, str]) -> str | None:
+    """The suffix of an FP8 linear's weight scale: `weight_scale_inv` (block-wise, vLLM's
+    naming) or `weight_scale`."""
+    return next((s for s in ("weight_scale_inv", "weight_scale") if s in parts), None)
+
+
 @dataclass
 class _Linear:
     """One quantized linear: its stored parts (suffix -> tensor name), logical [N, K]."""
@@ -178,9 +190,9 @@ class PrequantCheckpoint:
                     meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
         layout = quant.layout
         blockwise = [n for n in meta if n.endswith(".weight_scale_inv")]
-        if blockwise:
-            raise ConfigError(f"{source}: {blockwise[0]} is a block-wise FP8 scale; "
-                              "block-wise FP8 checkpoints are not supported")
+        if blockwise and quant.block is None:
+            raise ConfigError(f"{source}: {blockwise[0]} is a block-wise FP8 scale, but "
+                              "quantization_config names no block (weight_block_size)")
         main = _MAIN[layout]
         prefixes = [n.removesuffix("." + main) for n, (_, dt) in meta.items()
                     if n.endswith("." + main) and (layout != "fp8" or dt.startswith("F8"))]
@@ -220,8 +232,10 @@ class PrequantCheckpoint:
 
     def _fail(self, what: str) -> ConfigError:
         q = self.quant
+        grain = (f"blocks of {q.block[0]}x{q.block[1]}" if q.block is not None
+                 else f"group_size {q.group_size or 'per channel'}")
         return ConfigError(f"{self.source}: {what} (a {q.method} checkpoint, {q.bits}-bit, "
-                           f"group_size {q.group_size or 'per channel'})")
+                           f"{grain})")
 
     def _expect(self, name: str, meta: Mapping, shape: tuple[int, ...],
                 dtypes: tuple[str, ...]) -> None:
@@ -244,9 +258,17 @@ class PrequantCheckpoint:
             if main_dt != "F8_E4M3":
                 raise self._fail(f"{parts['weight']} is {main_dt}; float8_e4m3fn is served")
             n, k = main_shape
-            scale_shape = meta[parts["weight_scale"]][0]
+            scale = _fp8_scale(parts)
+            if scale is None:
+                raise self._fail(f"{prefix} has no weight_scale")
+            scale_shape = meta[parts[scale]][0]
+            if q.block is not None:
+                bn, bk = q.block
+                self._expect(parts[scale], meta, (-(-n // bn), -(-k // bk)), _FLOATS)
+                fmt = SourceFormat(8, bk, False, kind="fp8", method=q.method)
+                return _Linear(prefix, parts, n, k, bk, fmt)
             if tuple(scale_shape) not in ((), (1,), (n,), (n, 1)):
-                raise self._fail(f"{parts['weight_scale']} is {list(scale_shape)}; per-tensor "
+                raise self._fail(f"{parts[scale]} is {list(scale_shape)}; per-tensor "
                                  f"([] or [1]) or per-channel ([{n}] or [{n}, 1]) is served")
             fmt = SourceFormat(8, 0, False, kind="fp8", method=q.method)
             return _Linear(prefix, parts, n, k, k, fmt)
@@ -292,11 +314,15 @@ class PrequantCheckpoint:
         if layout == "fp8":
             if "weight_zero_point" in p and reader.get(p["weight_zero_point"]).any():
                 raise self._fail(f"{lin.prefix} has non-zero FP8 zero points")
-            scale = reader.get(p["weight_scale"]).to(torch.float32).reshape(-1)
-            scales = scale.expand(lin.n).clone() if scale.numel() == 1 else scale
             inp = p.get("input_scale")
-            return Fp8Weight(reader.get(p["weight"]), scales,
-                             None if inp is None else reader.get(inp).float().reshape(()))
+            inp = None if inp is None else reader.get(inp).float().reshape(())
+            scale = reader.get(p[_fp8_scale(p)]).to(torch.float32)
+            if q.block is not None:  # each block's scale over its bn rows
+                rows = scale.repeat_interleave(q.block[0], 0)[:lin.n].contiguous()
+                return Fp8Weight(reader.get(p["weight"]), rows, inp, q.block[1])
+            scale = scale.reshape(-1)
+            scales = scale.expand(lin.n).clone() if scale.numel() == 1 else scale
+            return Fp8Weight(reader.get(p["weight"]), scales, inp)
         bits, g = q.bits, lin.group
         if layout == "pack":
             codes = unpack_int32(reader.get(p["weight_packed"]), bits, 1)[:, :lin.k]
