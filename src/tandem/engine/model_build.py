@@ -27,7 +27,7 @@ from tandem.engine.attention.base import AttentionBackend, AttentionSpec, resolv
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import tune_malloc, usable_cores
 from tandem.engine.errors import ConfigError
-from tandem.engine.kv_cache.manager import cdiv
+from tandem.engine.kv_cache.manager import uniform_window, window_blocks
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.cpu_linear import packing_available
 from tandem.engine.model.decoder import DecoderForCausalLM
@@ -173,15 +173,42 @@ def kv_blocks(config: EngineConfig, shard: Shard, device: torch.device,
     else:
         mem = config.kv_cache_memory
         budget = int(_total_memory() * mem) if isinstance(mem, float) else int(mem)
-        useful = config.max_num_seqs * cdiv(shard.max_len, config.block_size)
-        blocks = max(1, min(budget // world // shard.per_block, useful))
+        need, null = sequence_blocks(shard.arch, shard.max_len, config.block_size,
+                                 config.max_num_batched_tokens)
+        useful = config.max_num_seqs * need + null  # no more can ever be held at once
+        blocks = max(1 + null, min(budget // world // shard.per_block, useful))
     return blocks if groups is None else all_reduce_min(groups.ctrl, blocks)
+
+
+def sequence_blocks(arch: ModelArchConfig, max_len: int, block_size: int,
+                    step_tokens: int) -> tuple[int, int]:
+    """(the most KV blocks one `max_len`-token sequence holds at once, the pool's null
+    blocks): all of its blocks, or for a model whose every layer slides with one window W
+    the window's bound (`kv_cache/manager.window_blocks`, a step running at most
+    `step_tokens`) and the null block the window reserves."""
+    window = uniform_window(arch.layer_windows)
+    return window_blocks(max_len, block_size, window, step_tokens), int(window is not None)
+
+
+def check_sequence_fits(num_blocks: int, need: int, null: int, block_size: int, max_len: int,
+                        budget: int) -> None:
+    """ConfigError unless a pool of `num_blocks` (`budget` bytes, `null` of them reserved)
+    holds the `need` blocks one max_model_len (`max_len`) sequence holds at once."""
+    usable = num_blocks - null
+    if usable >= need:
+        return
+    raise ConfigError(
+        f"the KV cache holds {max(0, usable) * block_size} tokens ({budget / 2**30:.2f} GiB), "
+        f"less than one max_model_len ({max_len}) sequence needs; raise "
+        "gpu_memory_utilization (or kv_cache_memory bytes) or lower max_model_len to at "
+        f"most {max(0, usable) * block_size}")
 
 
 def _blocks_on_gpu(config: EngineConfig, shard: Shard, device: torch.device,
                    start: memory.MemorySnapshot, sampler: Sampler) -> int:
     """`kv_cache_memory` bytes when given as an int, else what gpu_memory_utilization
-    leaves after a profiling step (engine/memory.py). One max_model_len sequence must fit."""
+    leaves after a profiling step (engine/memory.py). One max_model_len sequence must fit
+    (`check_sequence_fits`: a sliding-window model's, the blocks its window holds)."""
     if gpu_profiled(config):
         weights = memory.snapshot(device).allocated - start.allocated
         prof = memory.profile_steps(shard.model, shard.backend, shard.arch.num_layers,
@@ -197,11 +224,7 @@ def _blocks_on_gpu(config: EngineConfig, shard: Shard, device: torch.device,
     else:
         budget = int(config.kv_cache_memory)
     num_blocks = budget // shard.per_block
-    needed = cdiv(shard.max_len, config.block_size)
-    if num_blocks < needed:
-        raise ConfigError(
-            f"the KV cache holds {num_blocks * config.block_size} tokens "
-            f"({budget / 2**30:.2f} GiB), less than one max_model_len ({shard.max_len}) "
-            "sequence needs; raise gpu_memory_utilization (or kv_cache_memory bytes) or "
-            f"lower max_model_len to at most {num_blocks * config.block_size}")
+    need, null = sequence_blocks(shard.arch, shard.max_len, config.block_size,
+                                 config.max_num_batched_tokens)
+    check_sequence_fits(num_blocks, need, null, config.block_size, shard.max_len, budget)
     return num_blocks

@@ -68,6 +68,18 @@ def uniform_window(layer_windows: Sequence[int | None]) -> int | None:
     return window
 
 
+def window_blocks(num_tokens: int, block_size: int, window: int | None,
+                  step_tokens: int) -> int:
+    """The most blocks a request of `num_tokens` tokens holds at once when a step runs at
+    most `step_tokens` of its tokens: all of them, or with a window W on every layer at most
+    cdiv(W + step_tokens - 2, block_size) + 1: a step's positions back to W - 1 before its
+    first query, one block more where they start mid-block."""
+    full = cdiv(num_tokens, block_size)
+    if window is None:
+        return full
+    return min(full, cdiv(window + step_tokens - 2, block_size) + 1)
+
+
 @dataclass(frozen=True)
 class StagedTail:
     """A prompt's last block, pinned for one request (`stage_tail`): slots
@@ -301,15 +313,10 @@ class KVCacheManager:
 
     def max_blocks(self, num_tokens: int, step_tokens: int, keep: bool = False) -> int:
         """The most blocks a request of `num_tokens` tokens (prompt + max_tokens) holds at
-        once when a step runs at most `step_tokens` of its tokens: all of them, or with a
-        window W (not `keep`: a `keep_kv` request) at most cdiv(W + step_tokens - 2,
-        block_size) + 1: a step's positions back to W - 1 before its first query, one block
-        more where they start mid-block."""
-        full = cdiv(num_tokens, self.block_size)
-        w = self.sliding_window
-        if w is None or keep:
-            return full
-        return min(full, cdiv(w + step_tokens - 2, self.block_size) + 1)
+        once when a step runs at most `step_tokens` of its tokens (`window_blocks`; a
+        `keep` request, a `keep_kv` one, holds all of them)."""
+        return window_blocks(num_tokens, self.block_size,
+                             None if keep else self.sliding_window, step_tokens)
 
     def resident_blocks(self, request_id: str) -> int:
         """Blocks `request_id` holds (its entries that are not the null block)."""
