@@ -162,17 +162,20 @@ class Arch:
 
     make: Callable[[], tuple[transformers.PreTrainedModel, dict]]
     tp: bool = True
+    # how its tokenizer adds BOS (`_bos_tokenizer`): "" never, "config" `add_bos_token` in
+    # tokenizer_config.json (Gemma's), "post_processor" tokenizer.json's (Llama 3's)
+    bos: str = ""
 
 
 CASES: dict[str, Arch] = {
-    "llama3": Arch(_make_llama3),
+    "llama3": Arch(_make_llama3, bos="post_processor"),
     "llama-yarn": Arch(_make_llama_yarn, tp=False),
     "mistral": Arch(_make_mistral),
     "qwen2": Arch(_make_qwen2),
     "qwen3": Arch(_make_qwen3),
     "phi3": Arch(_make_phi3, tp=False),
     "phi4-mini": Arch(_make_phi4_mini),
-    "gemma3": Arch(_make_gemma3),
+    "gemma3": Arch(_make_gemma3, bos="config"),
     "mixtral": Arch(_make_mixtral, tp=False),
     "qwen3-moe": Arch(_make_qwen3_moe),
 }
@@ -214,9 +217,44 @@ def _reference(model: transformers.PreTrainedModel, prompts: list[list[int]]
     return greedy, logprobs
 
 
+def _bos_tokenizer(path, how: str) -> None:
+    """Make the tiny tokenizer add BOS (id 1) to a text prompt as the family's hub
+    tokenizers do (tokenizer.json's post-processor; Gemma's tokenizer_config.json also says
+    `add_bos_token`, Llama 3's has no such key), and its chat template open with
+    `bos_token` as theirs do."""
+    if not how:
+        return
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ bos_token }}" + config["chat_template"]
+    if how == "config":
+        config["add_bos_token"] = True
+    else:
+        del config["add_bos_token"], config["add_eos_token"]
+    tok = json.loads((path / "tokenizer.json").read_text())
+    bos, a, b = config["bos_token"], {"id": "A", "type_id": 0}, {"id": "B", "type_id": 1}
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": a}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": a},
+                 {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": b}],
+        "special_tokens": {bos: {"id": bos, "ids": [1], "tokens": [bos]}}}
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+_BUILT: dict[str, Case] = {}
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory) -> Case:
-    name = request.param
+    return build_case(request.param, tmp_path_factory)
+
+
+def build_case(name: str, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    """The family's checkpoint and transformers' outputs, built once per session (other
+    modules' tests of every family reuse them)."""
+    if name in _BUILT:
+        return _BUILT[name]
     torch.manual_seed(7)
     model, config_keys = CASES[name].make()
     model = model.eval()
@@ -229,8 +267,10 @@ def case(request, tmp_path_factory) -> Case:
         cfg.pop("rope_parameters", None)
         (path / "config.json").write_text(json.dumps({**cfg, **config_keys}))
     write_tiny_tokenizer(path, TINY_VOCAB)
+    _bos_tokenizer(path, CASES[name].bos)
     prompts = _prompts(len(name))
-    return Case(name, str(path), prompts, *_reference(model, prompts))
+    _BUILT[name] = Case(name, str(path), prompts, *_reference(model, prompts))
+    return _BUILT[name]
 
 
 def _params(prompt_logprobs: bool = False) -> SamplingParams:
