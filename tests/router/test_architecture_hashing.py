@@ -41,15 +41,16 @@ def test_the_router_hashes_each_familys_prompts_as_its_worker(name, tmp_path_fac
     model = f"org/tiny-{name}"
     config = EngineConfig(model=case.path, dtype="float32", block_size=BLOCK,
                           num_kv_blocks=64, num_threads=1, served_model_name=model)
-    served = Served(build_app(ServerSettings(served_model_name=model),
-                              lambda: AsyncLLMEngine(LLMEngine(config))), lean=False)
+    app = build_app(ServerSettings(served_model_name=model),
+                    lambda: AsyncLLMEngine(LLMEngine(config)))
+    served = Served(app, lean=False)
     try:
         deadline = time.monotonic() + 60
         while (ready := httpx.get(served.url + "/ready", timeout=5)).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         block_size = ready.json()["block_size"]
-        engine = served.server.config.app.state.holder.get()
+        engine = app.state.holder.get()
         flags = router_tokenizers(config)
         resolver = TokenizerResolver(flags[1::2], {})
         router = Router(RouterSettings(seed=0), resolver)
