@@ -7,6 +7,10 @@ the other ranks join only inside a step rank 0 planned; a proposer runs on rank 
 calling them would leave rank 0 waiting for peers that never come. There the proposer gets
 unsharded copies read from the checkpoint (`load_heads`, on rank 0's device), and
 `ProposerContext` refuses a model with collectives inside (`check_whole`).
+
+Either way they compute what the target's forward does around its layers: a model's
+`embedding_multiplier` scales the embedding (Gemma 3: sqrt(hidden), in the model dtype) and
+its `final_logit_softcap` caps the logits (cap * tanh(logits / cap)).
 """
 
 from __future__ import annotations
@@ -26,12 +30,48 @@ _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 @dataclass(frozen=True)
 class TargetHeads:
     """The target's whole-vocabulary embedding `embed_tokens(ids [N]) -> [N, H]` and LM head
-    `lm_head(h [N, H]) -> logits [N, V]` (V = `config.vocab_size`), and the whole target's
-    architecture (not a rank's share)."""
+    `lm_head(h [N, H]) -> logits [N, V]` (V = `config.vocab_size`), as the target's forward
+    applies them (`with_target_scaling`), and the whole target's architecture (not a rank's
+    share)."""
 
     config: ModelArchConfig
     embed_tokens: nn.Module
     lm_head: nn.Module
+
+
+class ScaledEmbedding(nn.Module):
+    """`embedding(ids) * multiplier`, the multiplier in the embedding's dtype (as HF)."""
+
+    def __init__(self, embedding: nn.Module, multiplier: float) -> None:
+        super().__init__()
+        self.embedding, self.multiplier = embedding, multiplier
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(ids)
+        return x * torch.tensor(self.multiplier, dtype=x.dtype)
+
+
+class SoftCappedHead(nn.Module):
+    """`cap * tanh(lm_head(h) / cap)`: the logits of a model with a final soft cap."""
+
+    def __init__(self, lm_head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.lm_head, self.cap = lm_head, cap
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lm_head(h) / self.cap) * self.cap
+
+
+def with_target_scaling(config: ModelArchConfig, embed_tokens: nn.Module,
+                        lm_head: nn.Module) -> TargetHeads:
+    """TargetHeads over the raw embedding and LM head, wrapped where the model's forward
+    scales the embedding (`embedding_multiplier` != 1) or caps the logits
+    (`final_logit_softcap`); the modules as they are otherwise."""
+    if config.embedding_multiplier != 1.0:
+        embed_tokens = ScaledEmbedding(embed_tokens, config.embedding_multiplier)
+    if config.final_logit_softcap is not None:
+        lm_head = SoftCappedHead(lm_head, config.final_logit_softcap)
+    return TargetHeads(config, embed_tokens, lm_head)
 
 
 def sharded_modules(model: nn.Module) -> list[str]:
@@ -59,7 +99,7 @@ def check_whole(model: nn.Module) -> None:
 def heads_of(model: nn.Module) -> TargetHeads:
     """A whole (one-rank) target's own embedding and LM head, shared, not copied."""
     check_whole(model)
-    return TargetHeads(model.config, model.embed_tokens, model.lm_head)
+    return with_target_scaling(model.config, model.embed_tokens, model.lm_head)
 
 
 def load_heads(path: str | Path, device: torch.device, dtype: torch.dtype) -> TargetHeads:
@@ -91,4 +131,4 @@ def load_heads(path: str | Path, device: torch.device, dtype: torch.dtype) -> Ta
     lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
     lm_head.weight = embed.weight if head is found[_EMBED] else nn.Parameter(
         head, requires_grad=False)
-    return TargetHeads(arch, embed.eval(), lm_head.eval())
+    return with_target_scaling(arch, embed.eval(), lm_head.eval())
