@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from tandem.engine import llm as llm_module
@@ -65,7 +67,12 @@ def test_bad_values_are_config_errors_naming_the_key(raw, words):
 
 def test_llm_hands_speculative_config_to_the_engine(monkeypatch):
     seen = []
-    monkeypatch.setattr(llm_module, "LLMEngine", seen.append)
+
+    def engine(config):  # noqa: ANN001, ANN202 - what LLM reads of the engine it built
+        seen.append(config)
+        return types.SimpleNamespace(config=config)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", engine)
     llm_module.LLM(speculative_config=dict(NGRAM), max_num_seqs=8)
     (cfg,) = seen
     assert cfg.speculative_config == SpeculativeConfig(**NGRAM) and cfg.max_num_seqs == 8

@@ -25,7 +25,8 @@ Message = dict[str, Any]
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
-    """`config` with `model` and `tokenizer` as local paths (repository ids downloaded, or
+    """`config` with `model`, `tokenizer` and a draft model (`speculative_config.model` of
+    method "draft", at its own `revision`) as local paths (repository ids downloaded, or
     found in the hub cache offline) and the served names pinned to the names as given (a
     repository id is served as `ORG/NAME`); `generation_config` checked. ConfigError names
     what cannot be resolved. A config already resolved comes back unchanged."""
@@ -36,10 +37,20 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         generation_defaults(model, config.generation_config)
     except ModelSourceError as exc:
         raise ConfigError(str(exc)) from None
-    if model == config.model and tokenizer == config.tokenizer:
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft" and spec.model not in (None, "self"):
+        try:  # "self" is the target's weights
+            draft = str(resolve_model(spec.model, spec.revision))
+        except ModelSourceError as exc:
+            raise ConfigError(f"speculative_config.model: {exc}") from None
+        if draft != spec.model:
+            spec = dataclasses.replace(spec, model=draft)
+    if (model, tokenizer, spec) == (config.model, config.tokenizer,
+                                     config.speculative_config):
         return config
     return dataclasses.replace(config, model=model, tokenizer=tokenizer,
-                               served_model_name=config.served_model_names)
+                               served_model_name=config.served_model_names,
+                               speculative_config=spec)
 
 
 class LLM:

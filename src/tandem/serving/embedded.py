@@ -169,12 +169,15 @@ def check_worker_flags(args: argparse.Namespace) -> EngineConfig:
 
 
 def hub_env(args: argparse.Namespace) -> dict[str, str]:
-    """The workers' extra environment: `HF_HUB_OFFLINE=1` when the model or tokenizer is a
-    repository id (resolved into the cache by `check_worker_flags`: each worker finds the
-    same snapshot there without a network call)."""
+    """The workers' extra environment: `HF_HUB_OFFLINE=1` when the model, tokenizer or
+    draft model is a repository id (resolved into the cache by `check_worker_flags`: each
+    worker finds the same snapshot there without a network call)."""
     from tandem.protocol.hub import looks_local
 
     names = [n for n in (args.model, getattr(args, "tokenizer", None)) if n]
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None and spec.method == "draft" and spec.model not in (None, "self"):
+        names.append(spec.model)
     return {"HF_HUB_OFFLINE": "1"} if any(not looks_local(n) for n in names) else {}
 
 

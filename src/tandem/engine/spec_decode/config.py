@@ -20,10 +20,12 @@ class SpeculativeConfig:
     - `method`: a registered proposer ("ngram", "draft", "eagle").
     - `num_speculative_tokens`: the most tokens proposed per request and step (k).
     - `prompt_lookup_min` / `prompt_lookup_max`: n-gram sizes tried, longest first ("ngram").
-    - `model`: the draft model ("draft": a .gguf file or HF directory, or "self" for the
+    - `model`: the draft model ("draft": a .gguf file or HF directory, a Hugging Face
+      repository id resolved through the hub cache as the target's is, or "self" for the
       target model itself, quantized by `draft_quantization` and/or truncated to its first
       `draft_num_layers` layers); "eagle": an optional safetensors file of the head's
       weights (`eagle.py`), null = a small randomly initialised head (tests, demos).
+    - `revision`: the draft repository's branch, tag or commit (vLLM's key; null: main).
     - `adaptive`: the number of proposed tokens follows the measured acceptance rate and
       the batch size (`policy.py`); False = always k (where a proposal exists).
     - `draft_tensor_parallel_size`: the proposer's tensor-parallel size, null or 1 (the
@@ -41,6 +43,7 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     adaptive: bool = True
     draft_tensor_parallel_size: int | None = None
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         from tandem.engine.config import QUANTIZATIONS
@@ -66,6 +69,13 @@ class SpeculativeConfig:
         if dtp is not None and (isinstance(dtp, bool) or not isinstance(dtp, int) or dtp != 1):
             raise ConfigError(f"speculative_config.draft_tensor_parallel_size must be 1 or "
                               f"null, got {dtp!r}: draft models run unsharded on rank 0")
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not self.revision):
+            raise ConfigError(f"speculative_config.revision must be a non-empty string or "
+                              f"null, got {self.revision!r}")
+        if self.revision is not None and self.method != "draft":
+            raise ConfigError("speculative_config.revision applies to method 'draft' (a "
+                              "draft model's repository) only")
         if self.method == "draft":
             if not isinstance(self.model, str) or not self.model:
                 raise ConfigError("speculative_config.model is required for method 'draft' "
