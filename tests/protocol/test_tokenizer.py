@@ -278,8 +278,16 @@ def test_from_dir_variants(tmp_path: Path) -> None:
     assert loaded.bos_token_id == 1 and loaded.eos_token_ids == (2, 0)
     assert not loaded.add_bos  # no flag in the config: follows tokenizer.json (adds nothing)
     assert loaded.apply_chat_template(USER) == "D1"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(USER) == "D1"  # the tokenizer's
     (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}")
     assert Tokenizer.from_dir(tmp_path).apply_chat_template(USER) == "J" + "hello"
+    # a multimodal checkpoint whose template is only the processor's (chat_template.json)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps(
+        {"chat_template": "P{{ messages[0].content }}"}))
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template(USER) == "P" + "hello"
 
 
 def test_chat_template_via_tokenizer(tiny_gguf: Path) -> None:

@@ -262,7 +262,10 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: PathLike) -> Tokenizer:
         """From an HF directory: tokenizer.json and tokenizer_config.json, plus optional
-        special_tokens_map.json, generation_config.json (eos ids) and chat_template.jinja."""
+        special_tokens_map.json, generation_config.json (eos ids) and the chat template:
+        chat_template.jinja (wins, as in transformers), else tokenizer_config.json's, else a
+        multimodal checkpoint's processor template (chat_template.json, as vLLM falls back
+        to)."""
         root = Path(path)
         backend = _Backend.from_file(str(root / "tokenizer.json"))
         config = {**_read_json(root / "special_tokens_map.json"),
@@ -273,6 +276,9 @@ class Tokenizer:
                             None)
         if (root / "chat_template.jinja").is_file():
             template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        elif not template:
+            processor = _read_json(root / "chat_template.json").get("chat_template")
+            template = processor if isinstance(processor, str) else None
 
         def tid(name: str) -> int | None:
             text = config.get(name)
