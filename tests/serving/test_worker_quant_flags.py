@@ -193,3 +193,16 @@ def test_the_start_up_line_and_an_early_error_name_the_checkpoints_method(tmp_pa
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"tandem worker: error: {tmp_path} is a gptq checkpoint (quantization_config), but "
         "quantization 'int8' was asked; leave --quantization unset or pass gptq")
+
+
+def test_serve_refuses_another_quantization_of_a_checkpoint_before_starting(tmp_path, capsys,
+                                                                          monkeypatch):
+    started = []
+    monkeypatch.setattr("tandem.serving.embedded.worker_auth_key_file", lambda: started.append(1))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": GPTQ}))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path), "--workers", "2", "--quantization", "awq"])
+    assert e.value.code == 2 and started == []
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"tandem serve: error: {tmp_path} is a gptq checkpoint (quantization_config), but "
+        "quantization 'awq' was asked; leave --quantization unset or pass gptq")

@@ -161,11 +161,13 @@ def router_tokenizers(config: EngineConfig) -> list[str]:
 def check_worker_flags(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration every worker will build from the parsed flags (as
     `tandem worker` does), its model and tokenizer resolved to local paths (a repository id
-    downloaded now); ConfigError when it is invalid or cannot be resolved."""
+    downloaded now) and a pre-quantized checkpoint's method named; ConfigError when it is
+    invalid, cannot be resolved, or asks another quantization of such a checkpoint."""
     from tandem.engine.llm import resolve_config
+    from tandem.engine.quant.checkpoint import with_checkpoint_quantization
     from tandem.serving.worker import engine_config
 
-    return resolve_config(engine_config(args, serving=True))
+    return with_checkpoint_quantization(resolve_config(engine_config(args, serving=True)))
 
 
 def hub_env(args: argparse.Namespace) -> dict[str, str]:
