@@ -20,6 +20,10 @@ kernels (constexpr KV_FMT: 0 float, 1 int8, 2 fp8) convert the codes exactly (fp
 integer arithmetic, so no GPU fp8 support is needed) and fold the scales in per key:
 scores = (q . codes) * s_k, acc += (p * s_v) codes.
 
+Tiles fit the device's opt-in shared memory per block (`varlen_tiles`, `decode_tiles`
+over `attention_shared_bytes`): large head dims (Gemma 3's 256) take narrower key tiles on
+99 KiB GPUs (sm_86 / sm_89) instead of failing to launch.
+
 Under `TRITON_INTERPRET=1` (CPU tensors) tiles are upcast to float32 before `tl.dot` (the
 interpreter's bfloat16 dot is wrong); on CUDA, 16-bit tiles feed the tensor cores directly
 and float32 uses IEEE (not TF32) dots.
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -349,43 +354,120 @@ def _check_window(sliding_window: int) -> None:
         raise ValueError(f"sliding_window must be >= 0 (0 = none), got {sliding_window}")
 
 
-_VARLEN_BLOCK_N = 64
-_VARLEN_STAGES = 2
+# opt-in shared memory per block where the device cannot be asked: the smallest of the
+# GPUs Triton serves (sm_86 / sm_89: A10, L4, RTX 30x0 / 40x0; 99 KiB)
+DEFAULT_SHARED_LIMIT = 99 * 1024
 
 
-def _varlen_shared_bytes(block_m: int, d_pad: int, elt: int) -> int:
-    """Shared memory the varlen kernel's tiles need: the Q tile, `_VARLEN_STAGES` buffered
-    K and V tiles, and the P tile fed to the second dot."""
-    n = _VARLEN_BLOCK_N
-    return elt * (block_m * d_pad + _VARLEN_STAGES * 2 * n * d_pad + block_m * n)
+class TilePlan(NamedTuple):
+    """An attention launch's tile: BLOCK_M query rows, BLOCK_N keys, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+
+def attention_shared_bytes(block_m: int, block_n: int, stages: int, d_pad: int, elt: int,
+                           wgmma: bool = False) -> int:
+    """An upper bound on the shared memory (bytes) of a varlen or decode launch: the Q
+    tile, the buffered K / V tiles and the P tile fed to the second dot, in `elt`-byte
+    elements, plus 1 KiB of barriers. Measured from the kernels Triton 3.9 compiles for
+    sm_80 / sm_86 / sm_89 / sm_90 at head dims 64-256 (`tests/engine/test_attention_tiles.
+    py` checks it): with mma.sync (compute capability < 9, or tiles under 64 rows) the
+    pipeliner keeps one K and one V buffer from 2 stages on (1 tile at 1 stage, two each
+    from 5); Hopper's wgmma tiles (`wgmma`, 64+ rows) keep `stages` of each."""
+    if wgmma and block_m >= 64:
+        kv = 2 * stages
+    else:
+        kv = 1 if stages == 1 else 2 if stages <= 4 else 2 * (stages - 3)
+    return elt * (block_m * d_pad + kv * block_n * d_pad + block_m * block_n) + 1024
+
+
+def _halvings(top: int, floor: int) -> list[int]:
+    out = [top]
+    while out[-1] // 2 >= floor:
+        out.append(out[-1] // 2)
+    return out
+
+
+def varlen_tiles(max_query_len: int, group: int, d_pad: int, elt: int, shared_limit: int,
+                 wgmma: bool = False) -> TilePlan:
+    """The varlen kernel's tile. BLOCK_M (query tokens × the GQA group's heads): a power
+    of two from 16 to 128 covering the longest chunk, at most 64 in fp32, never under the
+    group. It is the first that fits `shared_limit` (`attention_shared_bytes`) in this
+    order: 64 keys and 2 stages with BLOCK_M halved down to 64; 32 keys (FlashAttention's
+    head-dim-256 tile on 99 KiB GPUs: 64 x 32); then BLOCK_M under 64 with 64 and 32 keys;
+    then 16 keys, 2 stages and 1. Nothing fitting: the smallest (Triton then names the
+    shortfall). bf16 at D 128: 128 x 64 everywhere; D 256: 128 x 64 on an H100 / H200,
+    64 x 32 on sm_86 / sm_89."""
+    top = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
+    if elt == 4:  # fp32 tiles are twice the shared memory
+        top = min(top, 64)
+    floor = max(16, triton.next_power_of_2(group))
+    top = max(top, floor)
+    rows = _halvings(top, floor)
+    big = [m for m in rows if m >= min(top, 64)]
+    small = [m for m in rows if m < min(top, 64)]
+    order = ([(m, 64, 2) for m in big] + [(m, 32, 2) for m in big]
+             + [(m, 64, 2) for m in small] + [(m, 32, 2) for m in small]
+             + [(floor, 16, 2), (floor, 16, 1)])
+    for m, n, stages in order:
+        if attention_shared_bytes(m, n, stages, d_pad, elt, wgmma) <= shared_limit:
+            return TilePlan(m, n, stages)
+    return TilePlan(*order[-1])
 
 
 def varlen_block_m(max_query_len: int, group: int, d_pad: int, elt: int,
-                   shared_limit: int) -> int:
-    """Rows of the varlen kernel's tile (query tokens × the GQA group's heads): a power of
-    two from 16 to 128 covering the longest chunk, at most 64 in fp32, halved while its
-    tiles exceed the device's shared memory (128-row bf16 tiles at D 128 need ~112 KiB: an
-    H100/H200 or A100 has it, an sm_86 / sm_89 GPU (99 KiB) gets 64), never under the group."""
-    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group)))
-    if elt == 4:  # fp32 tiles are twice the shared memory
-        block_m = min(block_m, 64)
-    while block_m > 16 and _varlen_shared_bytes(block_m, d_pad, elt) > shared_limit:
-        block_m //= 2
-    return max(block_m, triton.next_power_of_2(group))
+                   shared_limit: int, wgmma: bool = False) -> int:
+    """`varlen_tiles`' BLOCK_M."""
+    return varlen_tiles(max_query_len, group, d_pad, elt, shared_limit, wgmma).block_m
+
+
+def decode_tiles(config: DecodeConfig, group: int, d_pad: int, elt: int, shared_limit: int,
+                 wgmma: bool = False) -> DecodeConfig:
+    """`config` cut to fit `shared_limit`: stages down to 3 (one K / V buffer), then
+    BLOCK_N halved (to 16), then 1 stage; unchanged when it fits (bf16 at every head dim
+    up to 256 on a 99 KiB GPU; float32 at D 256 there takes 32 keys)."""
+    block_m = max(16, triton.next_power_of_2(group))
+
+    def fits(c: DecodeConfig) -> bool:
+        return attention_shared_bytes(block_m, c.block_n, c.num_stages, d_pad, elt,
+                                      wgmma) <= shared_limit
+
+    if fits(config):
+        return config
+    if config.num_stages > 3:
+        config = replace(config, num_stages=3)
+    while not fits(config) and config.block_n > 16:
+        config = replace(config, block_n=config.block_n // 2)
+    if not fits(config):
+        config = replace(config, num_stages=1)
+    return config
 
 
 @functools.cache
 def _shared_memory_limit(device: torch.device) -> int:
-    """Opt-in shared memory per block on a CUDA device (bytes); unbounded elsewhere (the
-    interpreter)."""
+    """Opt-in shared memory per block on a CUDA device (bytes; `DEFAULT_SHARED_LIMIT` when
+    neither torch nor Triton's driver says); unbounded elsewhere (the interpreter)."""
     if device.type != "cuda":
         return 1 << 62
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", None)
     if limit is None:  # older torch: ask Triton's driver
         index = device.index if device.index is not None else torch.cuda.current_device()
-        limit = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+        try:
+            limit = triton.runtime.driver.active.utils.get_device_properties(
+                index)["max_shared_mem"]
+        except Exception:  # noqa: BLE001 - any driver failure: the conservative default
+            limit = DEFAULT_SHARED_LIMIT
     return int(limit)
+
+
+@functools.cache
+def _wgmma(device: torch.device) -> bool:
+    """Whether Triton may compile 64-row tiles to Hopper's wgmma (compute capability 9+),
+    whose K / V buffers are deeper (`attention_shared_bytes`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -410,8 +492,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     dot, precision = _dot_config(q.dtype, q.device)
     head_dim = q.shape[2]
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m = varlen_block_m(max_query_len, group, d_pad, q.element_size(),
-                             _shared_memory_limit(q.device))
+    block_m, block_n, stages = varlen_tiles(max_query_len, group, d_pad, q.element_size(),
+                                            _shared_memory_limit(q.device), _wgmma(q.device))
     block_q = block_m // group
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[1])
     _varlen_kernel[grid](
@@ -421,9 +503,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), _row_stride(k_cache),
         GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=_VARLEN_BLOCK_N, DOT=dot, PRECISION=precision,
+        BLOCK_N=block_n, DOT=dot, PRECISION=precision,
         KV_FMT=kv_format(kv_cache_dtype).code, num_warps=8 if block_m >= 128 else 4,
-        num_stages=_VARLEN_STAGES)
+        num_stages=stages)
 
 
 @dataclass(frozen=True)
@@ -464,10 +546,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens[b] == 0 are untouched. num_splits > 1 splits each context into that many key
     ranges (computed in-kernel) reduced by a second kernel through `workspace` (allocated
     per call when None, which a CUDA graph must not rely on). kv_cache_dtype and block_size
-    as `paged_attention`'s; `config` the launch parameters (default `DECODE_CONFIG`)."""
-    cfg = DECODE_CONFIG if config is None else config
+    as `paged_attention`'s; `config` the launch parameters (default `DECODE_CONFIG`), cut
+    to the device's shared memory (`decode_tiles`)."""
     group, bs = _check(q, k_cache, v_cache, out, block_tables, seq_lens, kv_cache_dtype,
                        block_size)
+    d_pad = max(16, triton.next_power_of_2(q.shape[2]))
+    cfg = decode_tiles(DECODE_CONFIG if config is None else config, group, d_pad,
+                       q.element_size(), _shared_memory_limit(q.device), _wgmma(q.device))
     _check_window(sliding_window)
     batch, num_heads, head_dim = q.shape
     if seq_lens.shape[0] != batch:
@@ -487,7 +572,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ws = workspace if num_splits > 1 else None
     ws_m, ws_l, ws_acc = (ws.m, ws.l, ws.acc) if ws else (out, out, out)  # unused when 1 split
     dot, precision = _dot_config(q.dtype, q.device)
-    d_pad = max(16, triton.next_power_of_2(head_dim))
     ws_strides = ((ws.m.stride(0), ws.m.stride(1), ws.acc.stride(0), ws.acc.stride(1),
                    ws.acc.stride(2)) if ws else (0, 0, 0, 0, 0))
     _decode_kernel[(batch, k_cache.shape[1], num_splits)](
