@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 128, 256, 2, 4, 2
+E4M3_MAX = 448.0
 HEAD_DIM = HIDDEN // HEADS
 # HF linear -> (out N, in K)
 SHAPES = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),

@@ -373,6 +373,58 @@ def test_a_phi3_gptq_checkpoints_fused_layers_split_into_their_parts(tmp_path, b
         assert torch.equal(layer.method.dequantize(layer), ref[module]), module
 
 
+def test_a_blockwise_fp8_qwen3_checkpoint_matches_its_dequantized_weights(tmp_path, base):
+    """A Qwen3 (q/k norms, head_dim 24 apart from hidden / heads) stored as its -FP8
+    releases are (128 x 128 blocks, `weight_scale_inv`, here 32 x 64 so that blocks are
+    partial): the engine's greedy tokens and prompt logprobs equal the float checkpoint's
+    of the dequantized weights, and each layer holds the checkpoint's codes exactly."""
+    import transformers
+
+    from tests.engine.prequant_ckpt import E4M3_MAX
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=80, intermediate_size=144, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(9)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    bn, bk = 32, 64
+    keep, qt, ft = {}, {}, {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float().contiguous()
+        if name.startswith("model.layers.") and t.dim() == 2:
+            n, k = t.shape
+            blocks = torch.nn.functional.pad(t, (0, -k % bk, 0, -n % bn))
+            blocks = blocks.view(-(-n // bn), bn, -1, bk)
+            scale = blocks.abs().amax((1, 3)) / E4M3_MAX
+            full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            codes = (t / full).to(torch.float8_e4m3fn)
+            qt[name], qt[name.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+            ft[name] = (codes.double() * full.double()).float()
+        elif name != "lm_head.weight":
+            keep[name] = t
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+          "weight_block_size": [bn, bk]}
+    base_q = (cfg.to_dict(), keep, base[2])
+    qdir = write_checkpoint(tmp_path / "qwen3-fp8", base_q, qt, qc)
+    fdir = write_checkpoint(tmp_path / "qwen3-float", base_q, ft, None)
+    layer = _build(qdir).layers[1].self_attn.qkv_proj
+    assert layer.method.name == "fp8" and layer.method.block_k == bk
+    want = torch.cat([ft[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(layer.method.dequantize(layer), want)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 23)]
+    params = SamplingParams(max_tokens=6, prompt_logprobs=1, **GREEDY)
+    got, ref = (LLM(str(d), device="cpu", dtype="float32", num_kv_blocks=32,
+                    max_model_len=128).generate(prompts, params) for d in (qdir, fdir))
+    for g, r in zip(got, ref, strict=True):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(g.prompt_logprobs[1:], r.prompt_logprobs[1:], strict=True):
+            assert set(a) == set(b)
+            assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+
+
 def test_a_float_model_takes_a_checkpoints_codes_dequantized(checkpoints):
     """A float layer handed a checkpoint's FP8 or GPTQ codes (a layer no method holds)
     gets their dequantized weight."""
