@@ -373,27 +373,53 @@ def test_a_phi3_gptq_checkpoints_fused_layers_split_into_their_parts(tmp_path, b
         assert torch.equal(layer.method.dequantize(layer), ref[module]), module
 
 
-def test_a_blockwise_fp8_qwen3_checkpoint_matches_its_dequantized_weights(tmp_path, base):
-    """A Qwen3 (q/k norms, head_dim 24 apart from hidden / heads) stored as its -FP8
-    releases are (128 x 128 blocks, `weight_scale_inv`, here 32 x 64 so that blocks are
-    partial): the engine's greedy tokens and prompt logprobs equal the float checkpoint's
-    of the dequantized weights, and each layer holds the checkpoint's codes exactly."""
+def _hf_tensors(model) -> dict[str, torch.Tensor]:
+    """A transformers model's tensors under checkpoint names: fused MoE expert stacks
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as each expert's gate / up / down."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().float()
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{name.removesuffix('down_proj')}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
+def test_a_blockwise_fp8_qwen3_checkpoint_matches_its_dequantized_weights(tmp_path, base,
+                                                                          arch):
+    """A Qwen3 (q/k norms, head_dim 24 apart from hidden / heads) and a Qwen3-MoE (its
+    experts block-wise too, the router float) stored as their -FP8 releases are (128 x 128
+    blocks, `weight_scale_inv`; here 32 x 64 so that blocks are partial): the engine's
+    greedy tokens and prompt logprobs equal the float checkpoint's of the dequantized
+    weights, and each layer holds the checkpoint's codes exactly."""
     import transformers
 
     from tests.engine.prequant_ckpt import E4M3_MAX
 
-    cfg = transformers.Qwen3Config(
-        vocab_size=TINY_VOCAB, hidden_size=80, intermediate_size=144, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=1,
-        eos_token_id=2)
+    shape = dict(vocab_size=TINY_VOCAB, hidden_size=80, intermediate_size=144,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=24, max_position_embeddings=256, tie_word_embeddings=True,
+                 bos_token_id=1, eos_token_id=2)
     torch.manual_seed(9)
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**shape)
+        model = transformers.Qwen3ForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.Qwen3MoeConfig(**shape, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=48, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg).eval()
     bn, bk = 32, 64
     keep, qt, ft = {}, {}, {}
-    for name, t in model.state_dict().items():
-        t = t.detach().float().contiguous()
-        if name.startswith("model.layers.") and t.dim() == 2:
+    for name, t in _hf_tensors(model).items():
+        if name.startswith("model.layers.") and t.dim() == 2 and ".mlp.gate." not in name:
             n, k = t.shape
             blocks = torch.nn.functional.pad(t, (0, -k % bk, 0, -n % bn))
             blocks = blocks.view(-(-n // bn), bn, -1, bk)
@@ -409,10 +435,16 @@ def test_a_blockwise_fp8_qwen3_checkpoint_matches_its_dequantized_weights(tmp_pa
     base_q = (cfg.to_dict(), keep, base[2])
     qdir = write_checkpoint(tmp_path / "qwen3-fp8", base_q, qt, qc)
     fdir = write_checkpoint(tmp_path / "qwen3-float", base_q, ft, None)
-    layer = _build(qdir).layers[1].self_attn.qkv_proj
+    built = _build(qdir)
+    layer = built.layers[1].self_attn.qkv_proj
     assert layer.method.name == "fp8" and layer.method.block_k == bk
     want = torch.cat([ft[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(layer.method.dequantize(layer), want)
+    if arch == "qwen3-moe":
+        w13, w2 = built.layers[0].mlp.dequantized()
+        assert torch.equal(w2[3], ft["model.layers.0.mlp.experts.3.down_proj.weight"])
+        assert torch.equal(w13[1], torch.cat([ft[f"model.layers.0.mlp.experts.1.{p}.weight"]
+                                              for p in ("gate_proj", "up_proj")]))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in (9, 23)]
     params = SamplingParams(max_tokens=6, prompt_logprobs=1, **GREEDY)
