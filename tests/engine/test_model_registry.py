@@ -207,3 +207,15 @@ def test_fused_lora_targets_only_for_families_with_fused_checkpoints(tmp_path: P
     with pytest.raises(ConfigError, match=r"_proj.lora_A.weight' targets an unsupported "
                                           r"module \(supported for llama: q_proj, k_proj"):
         load_adapter(tmp_path, "a", 1, llama, max_rank=4)
+
+
+def test_family_order_does_not_depend_on_which_module_was_imported_first(monkeypatch) -> None:
+    """The supported list (and so the unsupported-architecture message) is the same whether
+    a test imported `gemma3` before `qwen3` or not."""
+    from tandem.engine.model import registry
+
+    canonical = list(registry.families())
+    shuffled = dict(reversed(list(registry._FAMILIES.items())))
+    monkeypatch.setattr(registry, "_FAMILIES", shuffled)
+    assert list(registry.families()) == canonical
+    assert canonical[:5] == ["llama", "mistral", "qwen2", "qwen3", "phi3"]

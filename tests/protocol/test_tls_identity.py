@@ -51,7 +51,8 @@ class FakeEngine:
             num_running=num_running, num_waiting=1, kv_cache_usage=0.25, num_free_blocks=200,
             prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, prompt_tokens=0,
             generation_tokens=0, kv_unused_slots=0, in_flight_tokens=77)
-        self.state = SimpleNamespace(num_kv_blocks=256, block_size=16)  # AsyncLLMEngine.state
+        self.state = SimpleNamespace(num_kv_blocks=256, num_usable_blocks=256,  # engine state
+                                     block_size=16)
 
     async def subscribe_kv_events(self):  # noqa: ANN201 - the engine's signature
         return self.kv_hub.subscribe(list(self.held), asyncio.get_running_loop())

@@ -57,6 +57,7 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}
+_SEQ: dict[str, int] = {}  # family name -> when it first registered (a module's own order)
 _loaded = False
 
 
@@ -68,6 +69,7 @@ def register(family: Family) -> None:
     if taken & set(family.hf_classes):
         raise ValueError(f"HF classes {sorted(taken & set(family.hf_classes))} registered twice")
     _FAMILIES[family.name] = family
+    _SEQ.setdefault(family.name, len(_SEQ))
 
 
 def _load() -> None:
@@ -85,9 +87,18 @@ def _load() -> None:
 
 
 def families() -> dict[str, Family]:
-    """Every registered family by name, in registration order."""
+    """Every registered family by name: the built-in ones in `_FAMILY_MODULES` order (and
+    each module's own order), whatever was imported first, then any others as registered."""
     _load()
-    return dict(_FAMILIES)
+    prefix = f"{__package__}."
+
+    def rank(f: Family) -> tuple[int, int]:
+        module = f.model_class.__module__.removeprefix(prefix)
+        place = (_FAMILY_MODULES.index(module) if module in _FAMILY_MODULES
+                 else len(_FAMILY_MODULES))
+        return place, _SEQ[f.name]
+
+    return {f.name: f for f in sorted(_FAMILIES.values(), key=rank)}
 
 
 def supported_architectures() -> tuple[str, ...]:
