@@ -238,8 +238,9 @@ def test_a_lease_that_ended_is_refused_by_name_and_a_late_release_is_harmless():
     assert kept is not None and len(kept.block_ids) == 3 and kv.pool.num_free_blocks() == 5
     clock.now += 1.0
     assert kv.expire_leases() == [kept] and kv.pool.num_free_blocks() == 8
-    with pytest.raises(LeaseError, match=f"lease {kept.lease_id} expired"):
+    with pytest.raises(LeaseError, match=f"lease {kept.lease_id} expired") as err:
         kv.lease_blocks(kept.lease_id)
+    assert err.value.expired  # a transport answers it as a deadline (DEADLINE_EXCEEDED)
     with pytest.raises(LeaseError, match="expired"):
         kv.renew_lease(kept.lease_id, 5.0)
     assert kv.release_lease(kept.lease_id) is False  # a late acknowledgement
@@ -254,10 +255,12 @@ def test_a_lease_that_ended_is_refused_by_name_and_a_late_release_is_harmless():
     with pytest.raises(ValueError, match=r"lease_s must be in \(0, 600\]"):
         kv.renew_lease(lease.lease_id, 601.0)
     assert kv.release_lease(lease.lease_id) and not kv.release_lease(lease.lease_id)
-    with pytest.raises(LeaseError, match="was released"):
+    with pytest.raises(LeaseError, match="was released") as err:
         kv.lease_blocks(lease.lease_id)
-    with pytest.raises(LeaseError, match="is unknown"):
+    assert not err.value.expired
+    with pytest.raises(LeaseError, match="is unknown") as err:
         kv.lease_blocks("nope")
+    assert not err.value.expired
     assert kv.pool.num_free_blocks() == 8
     assert kv.lease_stats() == LeaseStats(active=0, released=1, expired=1)
 

@@ -32,7 +32,7 @@ import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
-from tandem.engine.kv_cache.leases import MAX_LEASE_S
+from tandem.engine.kv_cache.leases import MAX_LEASE_S, LeaseError
 from tandem.engine.kv_connector.base import KVConnector
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_backend
@@ -264,6 +264,9 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED
                                 if exc.reason == "expired" else grpc.StatusCode.INTERNAL,
                                 str(exc))
+        except LeaseError as exc:  # the kept pages' lease ended before they were sent
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if exc.expired
+                                else grpc.StatusCode.INTERNAL, str(exc))
         finally:
             if stream is not None:
                 kv.unsave_layers(rid)

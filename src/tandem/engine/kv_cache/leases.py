@@ -22,7 +22,12 @@ MAX_LEASE_S = 600.0  # the longest lease anyone may ask for
 
 
 class LeaseError(ValueError):
-    """A lease handle that is unknown, released or expired was used."""
+    """A lease handle that is unknown, released or expired was used. `expired`: it ran out
+    of time (a transport reports that as a deadline, the others as its own error)."""
+
+    def __init__(self, message: str, expired: bool = False) -> None:
+        super().__init__(message)
+        self.expired = expired
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,8 @@ class LeaseBook:
         held = self._leases.get(lease_id)
         if held is None:
             why = self._ended.get(lease_id, "is unknown")
-            raise LeaseError(f"lease {lease_id[:32]} {why}: its pages are no longer pinned")
+            raise LeaseError(f"lease {lease_id[:32]} {why}: its pages are no longer pinned",
+                             expired=why == "expired")
         return held
 
     def _end(self, lease_id: str, why: str) -> None:
