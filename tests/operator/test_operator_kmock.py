@@ -521,9 +521,11 @@ def test_autoscaler_scales_up_at_once_and_down_after_the_window(env: Env) -> Non
     env.create("theta", spec)
     wait_for(lambda: env.status("theta").get("observedGeneration") == 1)
     env.metrics.set("theta-worker", a={metric: 12.0})
-    wait_for(lambda: env.get("Deployment", "theta-worker")["spec"]["replicas"] == 3)
+    # generous timeouts: on a loaded 2-core CI box the operator's first scrape can lag
+    wait_for(lambda: env.get("Deployment", "theta-worker")["spec"]["replicas"] == 3,
+             timeout=30)
     st = wait_for(lambda: env.status("theta")["decode"].get("desiredReplicas") == 3
-                  and env.status("theta"))
+                  and env.status("theta"), timeout=30)
     assert st["decode"]["lastScaleTime"]
     env.patch("theta", {"model": {"sha256": SHA}})  # a rollout keeps the scaled count
     wait_for(lambda: env.status("theta").get("observedGeneration") == 2)
