@@ -148,6 +148,7 @@ class _Linear:
     k: int
     group: int  # the checkpoint's group (K: per channel)
     fmt: SourceFormat
+    perm: torch.Tensor | None = None  # act-order: from g_idx, checked once by `_check`
 
 
 class _Files:
@@ -306,7 +307,7 @@ class PrequantCheckpoint:
         where = f"{self.source}: {prefix}"
         fmt = SourceFormat(q.bits, kernel_group(group, q.bits, where), True,
                            act_order=perm is not None, method=q.method)
-        return _Linear(prefix, parts, n, k, group, fmt)
+        return _Linear(prefix, parts, n, k, group, fmt, perm)
 
     def _weight(self, lin: _Linear, reader: _Files) -> GroupedWeight | Fp8Weight:
         q, layout, p = self.quant, self.quant.layout, lin.parts
@@ -333,11 +334,8 @@ class PrequantCheckpoint:
                 if zp.dtype == torch.int32 and zp.shape[0] != lin.n:  # packed along N
                     zp = unpack_int32(zp, bits, 0)[:lin.n].to(torch.int32) - offset
                 zeros = zeros + zp.to(torch.int32)
-            perm = None
-            if "weight_g_idx" in p:
-                perm = act_order_perm(reader.get(p["weight_g_idx"]), lin.k, g, where)
             return grouped_from_codes(codes, zeros, reader.get(p["weight_scale"]), bits, g,
-                                      perm, where)
+                                      lin.perm, where)
         if layout == "awq":
             codes = _awq_columns(unpack_int32(reader.get(p["qweight"]), 4, 1))
             zeros = _awq_columns(unpack_int32(reader.get(p["qzeros"]), 4, 1))
@@ -346,11 +344,8 @@ class PrequantCheckpoint:
             zeros = unpack_int32(reader.get(p["qzeros"]), bits, 1).to(torch.int32)
             if layout == "gptq":  # stored minus one (vLLM adds it back)
                 zeros = zeros + 1
-        perm = None
-        if "g_idx" in p:
-            perm = act_order_perm(reader.get(p["g_idx"]), lin.k, g, where)
-        return grouped_from_codes(codes.T, zeros.T, reader.get(p["scales"]).T, bits, g, perm,
-                                  where)
+        return grouped_from_codes(codes.T, zeros.T, reader.get(p["scales"]).T, bits, g,
+                                  lin.perm, where)
 
     def tensors(self, dtype: torch.dtype
                 ) -> Iterator[tuple[str, torch.Tensor | GroupedWeight | Fp8Weight]]:
