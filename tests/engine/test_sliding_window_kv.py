@@ -13,6 +13,7 @@ import torch
 from tandem.engine.attention.base import AttentionSpec, BatchLayout, get_backend
 from tandem.engine.kv_cache.manager import KVCacheManager, cdiv, uniform_window
 from tandem.engine.scheduler import Scheduler
+from tests.engine.test_engine import _hf_greedy
 from tests.engine.utils import finish_step, make_request
 
 BS = 4
@@ -251,14 +252,6 @@ def _window_prompts(n: int) -> list[list[int]]:
     return [(shared if i % 2 else []) + [rng.randrange(100, 40000)
                                          for _ in range(rng.randint(30, 50))]
             for i in range(n)]
-
-
-def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_tiny_mistral_matches_transformers_on_a_pool_smaller_than_its_prompts(tiny_mistral):
