@@ -58,7 +58,8 @@ class LLM:
     a path, or a Hugging Face id (`revision=`, `tokenizer=`, `tokenizer_revision=`)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(resolve_config(EngineConfig(model=model, **engine_args)))
+        # LLMEngine resolves repository ids (resolve_config) once
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         config = self.engine.config
         self._defaults = generation_defaults(config.model, config.generation_config)
         self._ids = itertools.count()
