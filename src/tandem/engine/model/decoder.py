@@ -18,7 +18,7 @@ from torch import nn
 from tandem.engine.attention.base import AttentionBackend
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
-from tandem.engine.model.layers import DecoderLayer, RMSNorm, RowTarget, rows
+from tandem.engine.model.layers import DecoderLayer, RMSNorm, RowTarget, rows, scale_embedding
 from tandem.engine.model.ops import Ops
 from tandem.engine.model.rope import RotaryEmbedding
 from tandem.engine.quant.apply import QuantEmbedding
@@ -63,7 +63,7 @@ class DecoderForCausalLM(nn.Module):
         cfg = self.config
         residual = self.embed_tokens(input_ids)
         if cfg.embedding_multiplier != 1.0:  # in the model dtype, as HF
-            residual = residual * torch.tensor(cfg.embedding_multiplier, dtype=residual.dtype)
+            residual = scale_embedding(residual, cfg.embedding_multiplier)
         x = None
         rope = (positions, self.rope.cos, self.rope.sin)
         local = (positions, self.rope_local.cos, self.rope_local.sin) if (

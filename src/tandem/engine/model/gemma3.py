@@ -26,12 +26,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelArchConfig
 from tandem.engine.model.decoder import DecoderForCausalLM
 from tandem.engine.model.hf_config import as_ids, common_fields, rope_params
+from tandem.engine.model.layers import soft_cap
 from tandem.engine.model.registry import Family, Part, register
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             return out
         logits, hidden = out if isinstance(out, tuple) else (out, None)
         if logits is not None:  # (tensor-parallel ranks other than 0 get no logits)
-            logits = torch.tanh(logits / cap) * cap
+            logits = soft_cap(logits, cap)
         return (logits, hidden) if isinstance(out, tuple) else logits
 
 

@@ -47,6 +47,17 @@ def rows(linear: nn.Module, kind: str, start: int, size: int) -> torch.Tensor | 
     return getattr(linear, kind)[start:start + size]
 
 
+def scale_embedding(x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """Embeddings times `multiplier`, rounded to their dtype first (as HF: Gemma's
+    sqrt(hidden)); the decoder and a proposer's copy of the target's embedding both use it."""
+    return x * torch.tensor(multiplier, dtype=x.dtype)
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(logits / cap)`: a final logit soft cap."""
+    return torch.tanh(logits / cap) * cap
+
+
 class RMSNorm(nn.Module):
     """HF-exact RMSNorm: normalise in float32, scale in the model dtype (Llama); with
     `unit_offset`, Gemma's: scale by (1 + w) in float32, then cast. The decoder calls the

@@ -23,6 +23,7 @@ from torch import nn
 
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
+from tandem.engine.model.layers import scale_embedding, soft_cap
 
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -47,8 +48,7 @@ class ScaledEmbedding(nn.Module):
         self.embedding, self.multiplier = embedding, multiplier
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(ids)
-        return x * torch.tensor(self.multiplier, dtype=x.dtype)
+        return scale_embedding(self.embedding(ids), self.multiplier)
 
 
 class SoftCappedHead(nn.Module):
@@ -59,7 +59,7 @@ class SoftCappedHead(nn.Module):
         self.lm_head, self.cap = lm_head, cap
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lm_head(h) / self.cap) * self.cap
+        return soft_cap(self.lm_head(h), self.cap)
 
 
 def with_target_scaling(config: ModelArchConfig, embed_tokens: nn.Module,
