@@ -404,7 +404,13 @@ def varlen_tiles(max_query_len: int, group: int, d_pad: int, elt: int, shared_li
     if elt == 4:  # fp32 tiles are twice the shared memory
         top = min(top, 64)
     floor = max(16, triton.next_power_of_2(group))
-    top = max(top, floor)
+    return _varlen_plan(max(top, floor), floor, d_pad, elt, shared_limit, wgmma)
+
+
+@functools.cache  # called per layer per step; its keys are powers of two and device facts
+def _varlen_plan(top: int, floor: int, d_pad: int, elt: int, shared_limit: int,
+                 wgmma: bool) -> TilePlan:
+    """`varlen_tiles`' search, BLOCK_M from `top` halved down to `floor`."""
     rows = _halvings(top, floor)
     big = [m for m in rows if m >= min(top, 64)]
     small = [m for m in rows if m < min(top, 64)]
