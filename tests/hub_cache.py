@@ -36,6 +36,20 @@ def add_snapshot(cache: Path, repo: str, files: Mapping[str, bytes | Path],
     return snapshot
 
 
+def snapshot_of(hub_home: Path, repo: str, ref: str) -> str:
+    """The snapshot directory `ref` of `repo` points at in the cache under `hub_home`
+    (`HF_HOME`: its `hub` folder)."""
+    root = hub_home / "hub" / ("models--" + repo.replace("/", "--"))
+    return str(root / "snapshots" / (root / "refs" / ref).read_text())
+
+
+def go_offline(monkeypatch, hub_home: Path) -> None:
+    """This test's hub cache is `hub_home` (`HF_HOME`) and `HF_HUB_OFFLINE=1`."""
+    monkeypatch.setenv("HF_HOME", str(hub_home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 def add_model_dir(cache: Path, repo: str, model_dir: Path, **kwargs) -> Path:
     """Every file of `model_dir` as a snapshot of `repo` (see `add_snapshot`)."""
     files = {str(p.relative_to(model_dir)): p for p in sorted(model_dir.rglob("*"))

@@ -18,7 +18,7 @@ from tandem.engine.llm import resolve_config
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.serving.embedded import hub_env
 from tests.engine.utils import make_tiny_model_dir
-from tests.hub_cache import add_model_dir, no_network
+from tests.hub_cache import add_model_dir, go_offline, no_network, snapshot_of
 from tests.serving.helpers import free_port
 
 DRAFT = "org/tiny-draft"
@@ -40,15 +40,12 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture
 def offline(models, monkeypatch) -> tuple[Path, Path]:
-    monkeypatch.setenv("HF_HOME", str(models[1]))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    go_offline(monkeypatch, models[1])
     return models
 
 
 def snapshot(hub_home: Path, ref: str) -> str:
-    root = hub_home / "hub" / ("models--" + DRAFT.replace("/", "--"))
-    return str(root / "snapshots" / (root / "refs" / ref).read_text())
+    return snapshot_of(hub_home, DRAFT, ref)
 
 
 def _draft(**keys) -> dict:

@@ -21,7 +21,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from tandem.serving.convert import sampling_params
 from tests.engine.utils import make_tiny_model_dir
-from tests.hub_cache import add_model_dir, no_network
+from tests.hub_cache import add_model_dir, go_offline, no_network, snapshot_of
 from tests.serving.helpers import free_port
 
 REPO = "org/tiny-chat"
@@ -48,15 +48,12 @@ def hub_home(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def offline(hub_home, monkeypatch) -> Path:
-    monkeypatch.setenv("HF_HOME", str(hub_home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    go_offline(monkeypatch, hub_home)
     return hub_home
 
 
 def snapshot(hub_home: Path, ref: str) -> str:
-    root = hub_home / "hub" / ("models--" + REPO.replace("/", "--"))
-    return str(root / "snapshots" / (root / "refs" / ref).read_text())
+    return snapshot_of(hub_home, REPO, ref)
 
 
 def test_unset_fields_get_the_models_defaults_and_set_ones_win():
