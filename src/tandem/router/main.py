@@ -254,7 +254,11 @@ class TokenizerResolver:
     """model name -> Tokenizer | None (`__call__`), each file loaded once."""
 
     def __init__(self, specs: list[str], from_file: dict[str, str]) -> None:
+        """A repository id among the paths is resolved here, at start-up (its tokenizer
+        files through the hub cache; `protocol.hub.ModelSourceError`), never on a request's
+        path."""
         from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
+        from tandem.protocol.hub import resolve_model
 
         self.per_model: dict[str, str] = dict(from_file)
         self.default: str | None = None
@@ -264,6 +268,10 @@ class TokenizerResolver:
                 self.per_model[name] = path
             else:
                 self.default = spec
+        local = {p: str(resolve_model(p, tokenizer_only=True))
+                 for p in dict.fromkeys([*self.per_model.values(), self.default]) if p}
+        self.per_model = {name: local[p] if p else p for name, p in self.per_model.items()}
+        self.default = self.default and local[self.default]
         self.configured = bool(self.per_model) or self.default is not None
         bundled = find_bundled_gguf()
         if bundled is not None:
@@ -275,11 +283,9 @@ class TokenizerResolver:
     def _load(self, path: str) -> Tokenizer:
         tok = self._loaded.get(path)
         if tok is None:
-            from tandem.protocol.hub import resolve_model
             from tandem.protocol.tokenizer import Tokenizer
 
-            # a repository id (ORG/NAME[@REV]): its tokenizer files, from the hub cache
-            tok = self._loaded[path] = Tokenizer.load(resolve_model(path, tokenizer_only=True))
+            tok = self._loaded[path] = Tokenizer.load(path)  # local (resolved at start-up)
         return tok
 
     def __call__(self, model: str) -> Tokenizer | None:
@@ -317,12 +323,7 @@ def fetch_tokenizers(specs: list[str], from_file: dict[str, str]) -> None:
     """Before the router starts: every tokenizer named by a repository id (`--tokenizer`,
     router.yaml `tokenizers`) downloaded, or found in the hub cache offline, so a bad or
     missing one is an error now (`protocol.hub.ModelSourceError`), not at the first request."""
-    from tandem.protocol.hub import looks_local, resolve_model
-
-    paths = [spec.partition("=")[2] or spec for spec in specs] + list(from_file.values())
-    for path in dict.fromkeys(paths):
-        if path and not looks_local(path):
-            resolve_model(path, tokenizer_only=True)
+    TokenizerResolver(specs, from_file)
 
 
 def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
