@@ -24,16 +24,25 @@ def _refused(model: type, body: dict) -> tuple[str, str | None]:
 
 
 @pytest.mark.parametrize("model,body,param", [
-    (api.ChatCompletionRequest, {**CHAT, "tool_choice": "auto"}, "tool_choice"),
-    (api.ChatCompletionRequest, {**CHAT, "guided_json": {}}, "guided_json"),  # {} is a schema
-    (api.ChatCompletionRequest, {**CHAT, "response_format": {}}, "response_format"),
+    (api.ChatCompletionRequest, {**CHAT, "function_call": "auto"}, "function_call"),
+    (api.ChatCompletionRequest, {**CHAT, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern"),
+    (api.ChatCompletionRequest, {**CHAT, "structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
+    (api.CompletionRequest, {**COMPLETION, "tools": [{"type": "function"}]}, "tools"),
+    (api.CompletionRequest, {**COMPLETION, "tool_choice": "auto"}, "tool_choice"),
     (api.ChatCompletionRequest, {**CHAT, "echo": True}, "echo"),  # completions only
     (api.CompletionRequest, {**COMPLETION, "max_completion_tokens": 4}, "max_completion_tokens"),
     (api.CompletionRequest, {**COMPLETION, "add_generation_prompt": False},
      "add_generation_prompt"),
     (api.ChatCompletionRequest, {**CHAT, "messages": [
         {"role": "assistant", "content": "x",
-         "tool_calls": [{"id": "1", "type": "function"}]}]}, "messages.0.tool_calls"),
+         "function_call": {"name": "f", "arguments": "{}"}}]}, "messages.0.function_call"),
+    (api.ChatCompletionRequest, {**CHAT, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}",
+                                                         "x": 1}}]}]},
+     "messages.0.tool_calls.0.function.x"),
     (api.ChatCompletionRequest, {**CHAT, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi",
                                       "cache_control": {"type": "ephemeral"}}]}]},
@@ -92,8 +101,9 @@ def test_empty_means_not_sent_only_for_tools_functions_and_logit_bias() -> None:
     assert {"tools", "functions", "logit_bias"} == api.EMPTY_MEANS_UNUSED
     api.ChatCompletionRequest.model_validate({**CHAT, "tools": [], "functions": [],
                                               "logit_bias": {}})
-    for field, empty in (("tool_choice", ""), ("stop_sequences", []), ("response_format", {})):
-        assert _refused(api.ChatCompletionRequest, {**CHAT, field: empty})[1] == field
+    for field, empty in (("tool_choice", ""), ("stop_sequences", []),
+                         ("response_format", {}), ("guided_choice", [])):
+        assert _refused(api.ChatCompletionRequest, {**CHAT, field: empty})[1].startswith(field)
 
 
 def test_validation_leaves_the_callers_body_alone() -> None:

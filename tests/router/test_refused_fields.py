@@ -37,8 +37,9 @@ def test_documented_unsupported_fields_get_the_workers_400(routed) -> None:
     for field in fields:
         for path, base in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
             assert _post(url, path, {**base, field: [{"x": 1}]}) == unsupported(field), field
-    nested = {**CHAT, "messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]}
-    assert _post(url, "/v1/chat/completions", nested) == unsupported("messages.0.tool_call_id")
+    nested = {**CHAT, "messages": [{"role": "assistant", "content": "42",
+                                    "function_call": {"name": "f", "arguments": "{}"}}]}
+    assert _post(url, "/v1/chat/completions", nested) == unsupported("messages.0.function_call")
     assert _post(url, "/v1/chat/completions", {**CHAT, "store": True})[1]["error"] == {
         "message": "store=true is not supported: completions are not stored",
         "type": "invalid_request_error", "param": "store", "code": 400}

@@ -253,8 +253,8 @@ def test_unsupported_fields_are_refused_and_allow_listed_ones_accepted(client, w
     fields (and nulls) are accepted, as the openai client sends them."""
     chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for kw in ({"tools": [tool]}, {"response_format": {"type": "json_object"}},
-               {"logit_bias": {"1": 5}}, {"extra_body": {"guided_json": {"type": "object"}}}):
+    for kw in ({"functions": [tool["function"]]}, {"logit_bias": {"1": 5}},
+               {"extra_body": {"guided_whitespace_pattern": " "}}):
         field = next(iter(kw.get("extra_body", kw)))
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(**chat, **kw)

@@ -2,8 +2,12 @@
 
 Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `cache_salt`,
-`priority`) and Tandem's `speculative` (false: this request never speculates). Every
-client-controlled size is bounded here, before anything is tokenized.
+`priority`, `structured_outputs` and the older `guided_*`) and Tandem's `speculative`
+(false: this request never speculates). Every client-controlled size is bounded here, before
+anything is tokenized. Structured outputs (`response_format`, `structured_outputs`,
+`guided_*`) and tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages)
+are parsed here; `serving.convert` and `serving.tool_choice` turn them into the engine's
+constraint (at most one per request).
 
 A field a model does not declare is refused (pydantic's `extra_forbidden`, which
 `protocol.web` answers as 400 `<field> is not supported`), never silently ignored. A null
@@ -14,11 +18,20 @@ effect are declared, each with its reason (docs/openai-api.md lists them).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from tandem.protocol.signing import TENANT_SALT_PREFIX
@@ -45,8 +58,18 @@ NOT_SUPPORTED = "not_supported"
 # declared fields that change nothing, accepted so that clients sending them work (each
 # with its reason where it is declared; docs/openai-api.md "Accepted without effect")
 ACCEPTED_WITHOUT_EFFECT = frozenset({"user", "safety_identifier", "store", "metadata", "name"})
-# undeclared fields whose empty list or object means "not used", as some clients send them
+# fields whose empty list or object means "not used", as some clients send them (`tools` on
+# chat: no tools)
 EMPTY_MEANS_UNUSED = frozenset({"tools", "functions", "logit_bias"})
+MAX_TOOLS = 128  # OpenAI's bound on `tools`
+MAX_TOOL_NAME = 256
+MAX_TOOL_DESCRIPTION = 100_000
+MAX_TOOL_SCHEMA_CHARS = 200_000  # one function's `parameters`, serialized
+MAX_TOOL_CALLS = 128  # in one history message
+MAX_CHOICES = 1024  # `guided_choice` / `structured_outputs.choice` entries (the engine's
+# own bounds on choices, schemas, regexes and grammars apply on top)
+# vLLM's per-request backend names; the request's must be the server's (or "auto")
+GUIDED_BACKENDS = frozenset({"auto", "xgrammar", "llguidance", "guidance"})
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value characters
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
                           Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)]
@@ -63,9 +86,108 @@ class _Model(BaseModel):
     def _drop_unused(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
         return {k: v for k, v in data.items() if v is not None and not (
-            k in EMPTY_MEANS_UNUSED and k not in fields and v in ([], {}))}
+            k in EMPTY_MEANS_UNUSED and v in ([], {}))}
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    """A value error whose message is `message` as is (`protocol.web`: `<field>: message`)."""
+    return PydanticCustomError("value_error", message)
+
+
+def _schema_size(schema: dict[str, Any], limit: int) -> dict[str, Any]:
+    if len(json.dumps(schema, separators=(",", ":"))) > limit:
+        raise _invalid(f"the schema is larger than {limit} characters")
+    return schema
+
+
+# -- structured outputs ------------------------------------------------------------------
+class JsonSchemaFormat(_Model):
+    """`response_format.json_schema`, as the openai client's `parse()` sends it."""
+
+    name: str = Field(default="response", max_length=MAX_TOOL_NAME)
+    description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION)
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Model):
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in ("text", "json_object", "json_schema"):
+            raise PydanticCustomError(
+                NOT_SUPPORTED, f"response_format type {v[:64]!r} is not supported "
+                "(text, json_object and json_schema are)")
+        return v
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _invalid("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsParams(_Model):
+    """vLLM's `structured_outputs` object: one of `json`, `regex`, `choice`, `grammar`,
+    `json_object`; `disable_any_whitespace` shapes JSON output."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
+                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# -- tools -------------------------------------------------------------------------------
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
+    description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION)
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # forced calls (required / named) always follow the schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if v is None else _schema_size(v, MAX_TOOL_SCHEMA_CHARS)
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Model):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Model):
+    name: str = Field(max_length=MAX_TOOL_NAME)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS)  # JSON, as the model wrote it
+
+
+class ToolCall(_Model):
+    """A tool call in a history message, or in a response (`AssistantMessage.tool_calls`)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ErrorDetail(BaseModel):
@@ -114,6 +236,23 @@ class _SamplingRequest(_Model):
     speculative: StrictBool = True  # false: no speculative decoding for this request
     # accepted without effect: an end user's id, for the provider's abuse monitoring
     user: str | None = Field(default=None, max_length=256)
+    # structured outputs: at most one constraint per request (`serving.convert`)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
+                             Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = Field(default=None, max_length=64)
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _backend_name(cls, v: str | None) -> str | None:
+        if v is not None and v not in GUIDED_BACKENDS:
+            raise _invalid(f"unknown backend {v[:64]!r}; one of "
+                           f"{', '.join(sorted(GUIDED_BACKENDS))}")
+        return v
 
     @field_validator("cache_salt")
     @classmethod
@@ -138,14 +277,53 @@ class TextPart(_Model):
 
 
 class ChatMessage(_Model):
+    """A history message. An assistant's may carry `tool_calls` (its content then may be
+    null) and `reasoning_content` (for templates that render it); a `tool` message answers
+    one call, named by `tool_call_id`."""
+
     role: Annotated[str, Field(max_length=64)]
     content: PromptText | Annotated[list[TextPart], Field(max_length=1024)] | None = None
     name: str | None = Field(default=None, max_length=256)  # accepted without effect
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
+    reasoning_content: PromptText | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _invalid("tool_calls are only for assistant messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise _invalid("a tool message needs tool_call_id, and only a tool message "
+                           "has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention, as vLLM
+        passes it): a tool call's arguments as an object where they are JSON."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """JSON arguments as an object (what tool-use templates expect), else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -160,6 +338,55 @@ class ChatCompletionRequest(_SamplingRequest):
     safety_identifier: str | None = Field(default=None, max_length=256)
     store: bool = False
     metadata: Metadata | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: at most one call
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise _invalid("two functions have the same name")
+        return v
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise _invalid(f"{v[:64]!r} is not one of none, auto, required, or "
+                           '{"type": "function", "function": {"name": ...}}')
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_a_tool(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v == "none":
+            return v
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if not names:
+            raise _invalid(f"{_choice_name(v)} needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise _invalid(f"the function {v.function.name[:256]!r} is not in tools")
+        return v
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """`tool_choice` as it applies: unset means "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (worker and router alike)."""
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's shape); None: no tools. With
+        `tool_choice` "none" the model still sees them (as OpenAI's and vLLM's)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @field_validator("store")
     @classmethod
@@ -168,6 +395,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise PydanticCustomError(
                 NOT_SUPPORTED, "store=true is not supported: completions are not stored")
         return v
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else "a named function"
 
 
 class TokenizeRequest(_Model):
@@ -203,6 +434,11 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def new_tool_call_id() -> str:
+    """A tool call's id, as vLLM makes them."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 class Usage(BaseModel):
@@ -251,8 +487,12 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """`content` is null when the answer is tool calls only."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # the thinking part (`--reasoning-parser`)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -272,9 +512,26 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first chunk
+    arguments: str | None = None  # a fragment: a call's fragments concatenate to its JSON
+
+
+class DeltaToolCall(BaseModel):
+    """One streamed piece of tool call `index`: its first carries `id`, `type` and the
+    function's name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
