@@ -398,6 +398,13 @@ class WorkerApp:
         await self.authenticate(request, req.cache_salt, req.priority)
         engine, lora = self.engine_for(req.model)
         responder = self.chat_responder(req, engine, lora)
+        return await self.serve(request, engine, responder,
+                                [await self.off_thread(self.chat_prompt(req, engine))])
+
+    def chat_prompt(self, req: ChatCompletionRequest,
+                    engine: AsyncLLMEngine) -> Callable[[], TokenizedPrompt]:
+        """The job (for `off_thread`) that renders `req`'s messages with the chat template
+        and tokenizes them; the Responses API (`responses_api`) renders through it too."""
         tok = engine.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
 
@@ -406,7 +413,7 @@ class WorkerApp:
                                            add_generation_prompt=req.add_generation_prompt)
             return engine.process_prompt(tok.encode(text, add_special_tokens=False))
 
-        return await self.serve(request, engine, responder, [await self.off_thread(render)])
+        return render
 
 
 @dataclass
