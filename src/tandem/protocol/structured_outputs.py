@@ -7,8 +7,9 @@ Lark grammar). `disable_any_whitespace` forbids whitespace between JSON tokens.
 
 `validate()` enforces the bounds below before anything is compiled and raises
 `StructuredOutputsError` (a ValueError; the API answers it with a 400) naming the problem.
-`key()` is the canonical cache key of the compiled grammar (the same constraint, however the
-request spelled it, gives the same key). The grammar engines live in
+`key()` is the cache key of the compiled grammar: equal constraints give equal keys, and a
+schema built with `from_json_schema` is keyed the same whatever whitespace its text had (its
+key order is kept: it orders the generated object's keys). The grammar engines live in
 `tandem.engine.structured`.
 """
 
@@ -34,16 +35,17 @@ class StructuredOutputsError(ValueError):
 
 
 def canonical_schema(schema: Mapping[str, Any] | str) -> str:
-    """The canonical serialization of a JSON schema (sorted keys, no spaces). A string is
-    parsed first; raises StructuredOutputsError if it is not JSON."""
+    """The canonical serialization of a JSON schema: no spaces, keys in the order given (NOT
+    sorted: a schema's property order is the order the generated object's keys follow, as
+    with OpenAI's structured outputs). A string is parsed first; raises StructuredOutputsError
+    if it is not JSON."""
     if isinstance(schema, str):
         try:
             schema = _json.loads(schema)
         except ValueError as exc:
             raise StructuredOutputsError(f"the JSON schema is not valid JSON: {exc}") from None
     try:
-        return _json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                           allow_nan=False)
+        return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise StructuredOutputsError(f"the JSON schema is not serializable: {exc}") from None
 
@@ -52,7 +54,7 @@ def canonical_schema(schema: Mapping[str, Any] | str) -> str:
 class StructuredOutputs:
     """Exactly one constraint. Mirrors vLLM's StructuredOutputsParams."""
 
-    json: str | None = None  # a JSON schema, canonical (see `canonical_schema`)
+    json: str | None = None  # a JSON schema, canonical (`canonical_schema`: key order kept)
     json_object: bool = False  # any JSON object (response_format json_object)
     regex: str | None = None
     choice: tuple[str, ...] | None = None
