@@ -2,7 +2,8 @@
 
 `build_app(settings, load_engine)` returns the app. The engine loads in a thread at start-up:
 `/health` answers at once, `/ready` and the API say 503 until it is up. Routes:
-`/v1/completions`, `/v1/chat/completions` (both with SSE streaming), `/v1/models`,
+`/v1/completions`, `/v1/chat/completions`, `/v1/responses` (all with SSE streaming; stored
+responses: `GET` / `DELETE /v1/responses/{id}`, `responses_api`), `/v1/models`,
 `/tokenize`, `/detokenize`, `/health` (process alive), `/ready` (model loaded, engine loop
 alive, not draining), `/metrics` (Prometheus). Every log line carries the request id. A POST
 body without a JSON Content-Type is a 400 (`web.require_json`).
@@ -34,6 +35,8 @@ from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.web import BodyLimit, InFlight, install_error_handlers, require_json
 from tandem.serving.lora_api import LOAD_PATH, UNLOAD_PATH, install_lora_routes
+from tandem.serving.response_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, ResponseStore
+from tandem.serving.responses_api import ResponsesAPI
 from tandem.serving.routes import DEATH_POLL_S, WorkerApp
 from tandem.serving.stats_logger import DEFAULT_INTERVAL_S
 from tandem.serving.worker_auth import ApiKeyAuth
@@ -81,11 +84,16 @@ class ServerSettings:
     # the model's generation_config.json sampling defaults (--generation-config; see
     # `convert.sampling_params`): used where a request leaves a field unset
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # the Responses API's stored responses (--responses-store-max, --responses-store-ttl):
+    # at most this many (0: none stored), each for at most this long
+    responses_store_max: int = DEFAULT_MAX_ENTRIES
+    responses_store_ttl_s: float = DEFAULT_TTL_S
 
 
 # the routes that check the router's signature: a signed request may come without an API key
-SIGNED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                 LOAD_PATH, UNLOAD_PATH)
+# (a path ending in "/": every path under it)
+SIGNED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/",
+                 "/tokenize", "/detokenize", LOAD_PATH, UNLOAD_PATH)
 
 
 def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine],
@@ -122,4 +130,10 @@ def build_app(settings: ServerSettings, load_engine: Callable[[], AsyncLLMEngine
     app.post("/detokenize")(wa.detokenize)
     app.post("/v1/completions")(wa.completions)
     app.post("/v1/chat/completions")(wa.chat)
+    responses = ResponsesAPI(wa, ResponseStore(settings.responses_store_max,
+                                               settings.responses_store_ttl_s))
+    app.state.responses = responses
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.retrieve)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
     return app

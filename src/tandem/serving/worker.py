@@ -35,6 +35,7 @@ from tandem.protocol.cli_args import (
 )
 from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
+from tandem.serving.response_store import add_responses_store_args
 from tandem.serving.stats_logger import DEFAULT_INTERVAL_S
 
 logger = logging.getLogger(__name__)
@@ -286,6 +287,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="KV event streams (gRPC SubscribeKVEvents) served at "
                                      "once; more are refused (RESOURCE_EXHAUSTED)")
     add_api_key_arg(p)
+    add_responses_store_args(p)
     p.add_argument("--log-stats-interval", type=positive_seconds, default=DEFAULT_INTERVAL_S,
                    metavar="SECONDS",
                    help="under load, log throughput, running and waiting requests and KV "
@@ -431,7 +433,9 @@ def run(args: argparse.Namespace) -> int:
                               log_stats_interval_s=None if args.disable_log_stats
                               else args.log_stats_interval,
                               sampling_defaults=generation_defaults(
-                                  config.model, config.generation_config))
+                                  config.model, config.generation_config),
+                              responses_store_max=args.responses_store_max,
+                              responses_store_ttl_s=args.responses_store_ttl)
     config = dataclasses.replace(config, served_model_name=names,
                                  enable_kv_events=args.grpc_port is not None)
     failed: list[BaseException] = []

@@ -175,7 +175,8 @@ def _digest(token: str | bytes) -> bytes:
 class ApiKeyAuth:
     """ASGI middleware: the API for holders of `keys` only (module doc). `signed_paths`:
     the routes that verify a router signature, where a signed request may come without a
-    key (`accept_signed`: the worker has a signing key). Probes (`OPEN_PATHS`) are open."""
+    key (`accept_signed`: the worker has a signing key); one ending in "/" covers every
+    path under it. Probes (`OPEN_PATHS`) are open."""
 
     def __init__(self, app: Any, keys: Sequence[str], signed_paths: Iterable[str] = (),
                  accept_signed: bool = False) -> None:
@@ -184,6 +185,7 @@ class ApiKeyAuth:
         self.app = app
         self.digests = [_digest(k) for k in keys]
         self.signed_paths = frozenset(signed_paths) if accept_signed else frozenset()
+        self.signed_prefixes = tuple(p for p in self.signed_paths if p.endswith("/"))
 
     def valid(self, authorization: bytes | None) -> bool:
         """`Authorization: Bearer <one of the keys>` (constant time in the key list)."""
@@ -203,7 +205,9 @@ class ApiKeyAuth:
         headers = dict(scope.get("headers") or ())
         if self.valid(headers.get(b"authorization")):
             return await self.app(scope, receive, send)
-        if scope["path"] in self.signed_paths and SIGNATURE_HEADER.encode() in headers:
+        path = scope["path"]
+        if (path in self.signed_paths or path.startswith(self.signed_prefixes)) \
+                and SIGNATURE_HEADER.encode() in headers:
             scope[_SIGNED_INSTEAD] = True  # the route verifies it (check_signature)
             return await self.app(scope, receive, send)
         message = ("invalid API key" if headers.get(b"authorization")

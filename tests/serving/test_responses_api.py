@@ -1,0 +1,262 @@
+"""The worker's Responses API (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`)
+with the official openai client against a real worker app on a real port (a tiny random
+model): text and message-list input, instructions, OpenAI's streaming event sequence,
+`previous_response_id` over the tenant-isolated, bounded store, and the named 400s."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.protocol.responses_api import TENANT_HEADER, tenant_target
+from tandem.protocol.signing import WorkerKey, sign
+from tandem.serving.api_server import ServerSettings, build_app
+from tandem.serving.response_store import ResponseStore
+from tests.engine.utils import make_tiny_model_dir
+from tests.router.test_router_app import Served
+from tests.serving.helpers import WORKER_KEY, signed, worker_key_file
+
+NAME = "tiny"
+BASE = {"model": NAME, "temperature": 0, "max_output_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-responses")
+    make_tiny_model_dir(path, "llama", seed=11)
+    key = WorkerKey(worker_key_file(path))
+
+    def load() -> AsyncLLMEngine:
+        return AsyncLLMEngine.from_args(str(path), served_model_name=NAME, block_size=4,
+                                        kv_cache_memory=32 << 20)
+
+    app = build_app(ServerSettings(served_model_name=NAME, auth_key=key), load)
+    server = Served(app, lean=False)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield server, app
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key="none", max_retries=0)
+
+
+def _chat(served, messages: list[dict], **extra) -> dict:
+    r = httpx.post(f"{served[0].url}/v1/chat/completions",
+                   json={"model": NAME, "temperature": 0, "max_tokens": 6,
+                         "messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_text_input_is_a_user_message_and_the_answer_a_response(served, client):
+    resp = client.responses.create(input="Say hello", **BASE)
+    chat = _chat(served, [{"role": "user", "content": "Say hello"}])
+    assert resp.id.startswith("resp_") and resp.object == "response"
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.model == NAME and resp.store is True
+    [item] = resp.output
+    assert item.type == "message" and item.role == "assistant"
+    assert item.content[0].type == "output_text"
+    assert resp.output_text == chat["choices"][0]["message"]["content"]
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert resp.usage.output_tokens == 6
+    assert resp.usage.total_tokens == resp.usage.input_tokens + 6
+
+
+def test_instructions_and_message_items_render_as_chat_messages(served, client):
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]},
+             {"role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Count to 3"}]}]
+    resp = client.responses.create(input=items, instructions="You are a bot.", **BASE)
+    chat = _chat(served, [{"role": "system", "content": "You are a bot."},
+                          {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello!"},
+                          {"role": "system", "content": "Be terse."},
+                          {"role": "user", "content": "Count to 3"}])
+    assert resp.output_text == chat["choices"][0]["message"]["content"]
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert resp.instructions == "You are a bot."
+
+
+EXPECTED = ["response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added"]
+CLOSING = ["response.output_text.done", "response.content_part.done",
+           "response.output_item.done", "response.completed"]
+
+
+def test_stream_follows_the_openai_event_sequence(served, client):
+    whole = client.responses.create(input="Tell me a story", **{**BASE, "max_output_tokens": 8})
+    events = list(client.responses.create(input="Tell me a story", stream=True,
+                                          **{**BASE, "max_output_tokens": 8}))
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == EXPECTED + ["response.output_text.delta"] * len(deltas) + CLOSING, kinds
+    assert len(deltas) >= 2
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in deltas)
+    assert text == whole.output_text
+    done = events[-1].response
+    assert done.output_text == text and done.id == events[0].response.id
+    assert done.usage.output_tokens == 8 and done.status == "incomplete"
+    item_ids = {e.item_id for e in deltas} | {events[2].item.id, events[-2].item.id}
+    assert len(item_ids) == 1
+    # the raw wire: an SSE `event:` line naming each `data:` line's type, no [DONE]
+    with httpx.stream("POST", f"{served[0].url}/v1/responses",
+                      json={**BASE, "input": "Tell me a story", "stream": True}) as r:
+        raw = r.read().decode()
+    blocks = [b for b in raw.split("\n\n") if b]
+    assert all(b.split("\n")[0] == f"event: {json.loads(b.split(chr(10))[1][6:])['type']}"
+               for b in blocks), raw[:500]
+    assert "[DONE]" not in raw
+
+
+def test_stream_helper_accumulates_the_final_response(client):
+    with client.responses.stream(input="Name a color", **BASE) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == text and final.usage.output_tokens == 6
+
+
+def test_previous_response_id_continues_the_stored_conversation(served, client):
+    first = client.responses.create(input="My name is Ada.", instructions="Old rules.", **BASE)
+    second = client.responses.create(input="What is my name?", instructions="New rules.",
+                                     previous_response_id=first.id, **BASE)
+    # the previous instructions are not carried over (as OpenAI's); the first exchange is
+    chat = _chat(served, [{"role": "system", "content": "New rules."},
+                          {"role": "user", "content": "My name is Ada."},
+                          {"role": "assistant", "content": first.output_text},
+                          {"role": "user", "content": "What is my name?"}])
+    assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert second.output_text == chat["choices"][0]["message"]["content"]
+    assert second.previous_response_id == first.id
+    # a streamed response is stored too, and retrieval returns what was answered
+    events = list(client.responses.create(input="And now?", previous_response_id=second.id,
+                                          stream=True, **BASE))
+    third = events[-1].response
+    got = client.responses.retrieve(third.id)
+    assert got.output_text == third.output_text and got.usage == third.usage
+    client.responses.delete(third.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(third.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(third.id)
+
+
+def test_store_false_keeps_nothing_and_unknown_ids_are_404(client):
+    resp = client.responses.create(input="Hi", store=False, **BASE)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(input="Hi", previous_response_id=resp.id, **BASE)
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_another_tenants_response_is_404_like_an_unknown_id(served):
+    url = served[0].url
+    salt_a = "tenant=alice;ns=0123456789abcdef0123456789abcdef"
+    salt_b = "tenant=bob;ns=fedcba9876543210fedcba9876543210"
+    body, headers = signed({**BASE, "input": "Secret plan", "cache_salt": salt_a})
+    r = httpx.post(f"{url}/v1/responses", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+
+    def follow_up(salt: str) -> httpx.Response:
+        body, headers = signed({**BASE, "input": "more", "cache_salt": salt,
+                                "previous_response_id": rid})
+        return httpx.post(f"{url}/v1/responses", content=body, headers=headers)
+
+    def get(tenant: str | None, method: str = "GET") -> httpx.Response:
+        headers = {} if tenant is None else {
+            TENANT_HEADER: tenant, "x-tandem-signature": sign(WORKER_KEY, b"",
+                                                               tenant_target(tenant))}
+        return httpx.request(method, f"{url}/v1/responses/{rid}", headers=headers)
+
+    other = follow_up(salt_b)
+    assert other.status_code == 404, other.text
+    unknown = httpx.post(f"{url}/v1/responses", json={**BASE, "input": "x",
+                                                      "previous_response_id": "resp_nope"})
+    assert other.json()["error"]["message"].replace(rid, "X") == \
+        unknown.json()["error"]["message"].replace("resp_nope", "X")
+    assert get("bob").status_code == 404 and get(None).status_code == 404
+    assert get("bob", "DELETE").status_code == 404
+    # the tenant header is honoured only signed by the router
+    forged = httpx.get(f"{url}/v1/responses/{rid}", headers={TENANT_HEADER: "alice"})
+    assert forged.status_code == 403
+    assert get("alice").status_code == 200 and get("alice").json()["id"] == rid
+    assert follow_up(salt_a).status_code == 200
+    assert get("alice", "DELETE").status_code == 200
+    assert get("alice").status_code == 404
+
+
+@pytest.mark.parametrize(("extra", "param", "message"), [
+    ({"frequency_penalty": 1}, "frequency_penalty", "frequency_penalty is not supported"),
+    ({"background": True}, "background", "background=true is not supported"),
+    ({"truncation": "auto"}, "truncation", "truncation='auto' is not supported"),
+    ({"include": ["reasoning.encrypted_content"]}, "include",
+     "include 'reasoning.encrypted_content' is not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0", "tools of type 'web_search'"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0",
+     "input items of this type are not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input.0.content.0", "content parts of type 'input_file' are not supported"),
+    ({"input": [{"role": "user", "content": "x", "foo": 1}]}, "input.0.foo",
+     "input.0.foo is not supported"),
+    ({"temperature": 3}, "temperature", "temperature: Input should be less than"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens: Input should be"),
+    ({"input": []}, "input", "input must not be empty"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning", "reasoning.summary is not supported"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
+     "needs a name and a schema"),
+    ({"model": "other"}, None, "other"),
+])
+def test_bad_requests_are_named_400s(served, extra, param, message):
+    r = httpx.post(f"{served[0].url}/v1/responses", json={**BASE, "input": "hi", **extra})
+    status = 404 if extra.get("model") == "other" else 400
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and (param is None or err["param"] == param), err
+
+
+def test_store_bounds_evict_by_count_and_by_age():
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl_s=10, clock=lambda: now[0])
+    for rid in ("a", "b"):
+        assert store.put("t", rid, {"id": rid}, [])
+    assert store.get("t", "a") is not None  # now the most recently used
+    store.put("t", "c", {"id": "c"}, [])
+    assert [store.get("t", r) is not None for r in "abc"] == [True, False, True]
+    assert store.get("u", "a") is None  # another tenant
+    now[0] = 9.5
+    store.put("t", "d", {"id": "d"}, [])  # evicts c (least recent), a got touched
+    now[0] = 10.0  # a is 10 s old: expired; d is not
+    assert store.get("t", "a") is None and store.get("t", "d") is not None
+    assert len(store) == 1
+    tiny = ResponseStore(max_entries=5, max_bytes=60)
+    assert not tiny.put("t", "big", {"text": "x" * 100}, [])
+    assert tiny.put("t", "s1", {"x": 1}, []) and tiny.put("t", "s2", {"x": 2}, [])
+    assert tiny.bytes <= 60 and not ResponseStore(max_entries=0).put("t", "x", {}, [])
+
+
+def test_store_flags_reach_the_worker(tmp_path):
+    from tandem.cli import build_parser
+
+    args = build_parser().parse_args(["worker", "--responses-store-max", "0",
+                                      "--responses-store-ttl", "5"])
+    assert (args.responses_store_max, args.responses_store_ttl) == (0, 5.0)
+    args = build_parser().parse_args(["worker"])
+    assert (args.responses_store_max, args.responses_store_ttl) == (1000, 3600.0)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["worker", "--responses-store-ttl", "0"])
+    assert exc.value.code == 2
