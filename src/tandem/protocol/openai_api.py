@@ -381,6 +381,12 @@ class ChatCompletionRequest(_SamplingRequest):
         """The messages as the chat template takes them (worker and router alike)."""
         return [m.template_dict() for m in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables (worker and router alike): `tools` when
+        the request has some."""
+        tools = self.template_tools()
+        return {} if tools is None else {"tools": tools}
+
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (OpenAI's shape); None: no tools. With
         `tool_choice` "none" the model still sees them (as OpenAI's and vLLM's)."""

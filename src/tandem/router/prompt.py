@@ -42,13 +42,14 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
     prompt_logits = False
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if tokenizer is not None:
+        messages, extra = req.template_messages(), req.template_kwargs()
+        if tokenizer is not None:  # as the worker renders it (serving/routes.py `chat_prompt`)
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
+                messages, add_generation_prompt=req.add_generation_prompt, **extra)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
-            text, ids = json.dumps(messages, sort_keys=True), None
+            text = json.dumps([messages, extra] if extra else messages, sort_keys=True)
+            ids = None
     else:
         req = CompletionRequest.model_validate(body)
         prompt_logits = req.echo and req.logprobs is not None

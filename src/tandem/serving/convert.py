@@ -20,7 +20,12 @@ from tandem.protocol.openai_api import (
     TopLogprob,
     Usage,
 )
+from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
 from tandem.protocol.tokenizer import Tokenizer
+from tandem.serving.tool_choice import ToolCallPlan
+
+# vLLM's per-request backend names -> the engine's
+_BACKEND_NAMES = {"guidance": "llguidance"}
 
 
 def _pick(value: Any, defaults: Mapping[str, Any], key: str, neutral: Any) -> Any:
@@ -61,6 +66,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
                     raise InvalidRequestError("min_tokens must be 0 with echo and "
                                               "max_tokens 0", "min_tokens")
                 max_tokens = 1
+    spec, _ = structured_outputs(req)
     cap = defaults.get("max_tokens")
     if cap is not None and (max_tokens is None or max_tokens > cap) and cap > 0:
         max_tokens = cap
@@ -78,7 +84,86 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         prompt_logprobs=prompt_logprobs, speculative=req.speculative,
+        structured_outputs=spec,
     )
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+                       ) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's one output constraint and the field that set it: `response_format`
+    (json_object, json_schema), `structured_outputs.<kind>`, `guided_json` / `_regex` /
+    `_choice` / `_grammar`, or `tool_choice` ("required" or a named function:
+    `serving.tool_choice`). (None, None) without one. Raises InvalidRequestError naming the
+    field for two constraints, an empty `structured_outputs` or a constraint over the
+    engine's bounds (`StructuredOutputs.validate`)."""
+    found: list[tuple[str, StructuredOutputs]] = []
+
+    def add(param: str, make: Any) -> None:
+        try:
+            found.append((param, make()))
+        except StructuredOutputsError as exc:
+            raise InvalidRequestError(f"{param}: {exc}", param) from None
+
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        add("response_format", lambda: StructuredOutputs(json_object=True))
+    elif rf is not None and rf.json_schema is not None:
+        schema = rf.json_schema.json_schema
+        add("response_format", lambda: StructuredOutputs.from_json_schema(schema))
+    so = req.structured_outputs
+    if so is not None:
+        kinds = {"json": so.json_, "regex": so.regex,
+                 "choice": tuple(so.choice) if so.choice is not None else None,
+                 "grammar": so.grammar, "json_object": True if so.json_object else None}
+        given = {k: v for k, v in kinds.items() if v is not None}
+        if not given:
+            raise InvalidRequestError("structured_outputs: give one of json, regex, choice, "
+                                      "grammar or json_object", "structured_outputs")
+        ws = so.disable_any_whitespace
+        for kind, value in given.items():
+            if kind == "json":
+                add("structured_outputs.json",
+                    lambda v=value: StructuredOutputs.from_json_schema(v, ws))
+            else:
+                add(f"structured_outputs.{kind}",
+                    lambda k=kind, v=value: StructuredOutputs(**{k: v},
+                                                              disable_any_whitespace=ws))
+    if req.guided_json is not None:
+        add("guided_json", lambda: StructuredOutputs.from_json_schema(req.guided_json))
+    if req.guided_regex is not None:
+        add("guided_regex", lambda: StructuredOutputs(regex=req.guided_regex))
+    if req.guided_choice is not None:
+        add("guided_choice", lambda: StructuredOutputs(choice=tuple(req.guided_choice)))
+    if req.guided_grammar is not None:
+        add("guided_grammar", lambda: StructuredOutputs(grammar=req.guided_grammar))
+    if isinstance(req, ChatCompletionRequest):
+        plan = ToolCallPlan.for_request(req)
+        if plan is not None:
+            found.append(("tool_choice", plan.spec))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        (first, _), (second, _) = found[:2]
+        raise InvalidRequestError(f"{first} and {second} cannot be used together: give at "
+                                  "most one output constraint", second)
+    param, spec = found[0]
+    try:
+        spec.validate()
+    except StructuredOutputsError as exc:
+        raise InvalidRequestError(f"{param}: {exc}", param) from None
+    return spec, param
+
+
+def check_backend(req: CompletionRequest | ChatCompletionRequest, backend: str) -> None:
+    """vLLM's `guided_decoding_backend`: "auto" or the server's own (`backend`), else a
+    400 (the backend is chosen per server, as in vLLM)."""
+    asked = req.guided_decoding_backend
+    if asked is None or asked == "auto":
+        return
+    if _BACKEND_NAMES.get(asked, asked) != backend:
+        raise InvalidRequestError(f"guided_decoding_backend {asked!r}: this server decodes "
+                                  f"with {backend!r} (--structured-outputs-backend); give "
+                                  "that, auto, or none", "guided_decoding_backend")
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

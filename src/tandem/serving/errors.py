@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tandem.engine.errors import InvalidRequestError, QueueFullError, UnknownAdapterError
 from tandem.protocol.chat_template import ChatTemplateError
+from tandem.protocol.structured_outputs import StructuredOutputsError
 from tandem.protocol.web import APIError, error_body, install_error_handlers
 
 __all__ = ["APIError", "error_body", "from_engine_error", "install_error_handlers"]
@@ -14,6 +15,8 @@ def from_engine_error(exc: Exception, retry_after_s: int = 1) -> APIError:
         return APIError(404, f"The model `{exc.name[:256]}` does not exist.", "model")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), exc.param)
+    if isinstance(exc, StructuredOutputsError):  # a constraint the grammar library refused
+        return APIError(400, str(exc), "structured_outputs")
     if isinstance(exc, ChatTemplateError):
         return APIError(400, f"chat template: {exc}", "messages")
     if isinstance(exc, QueueFullError):

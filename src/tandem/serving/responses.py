@@ -33,6 +33,7 @@ from tandem.protocol.openai_api import (
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.serving import convert
 from tandem.serving.errors import APIError, error_body
+from tandem.serving.tool_choice import ToolCallPlan, ToolCallStream
 
 Stream = AsyncGenerator[tuple[int, RequestOutput], None]
 
@@ -238,7 +239,38 @@ def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None
 
 
 class ChatResponder(Responder):
+    """`tool_plan` (`serving.tool_choice`): with tool_choice "required" or a named
+    function, each choice's output becomes its `tool_calls`."""
+
     req: ChatCompletionRequest
+
+    def __init__(self, req: ChatCompletionRequest, tok: Tokenizer, settings: Any,
+                 request_id: str, lora_name: str | None = None) -> None:
+        super().__init__(req, tok, settings, request_id, lora_name)
+        self.tool_plan = ToolCallPlan.for_request(req)
+        self._tool_streams: dict[int, ToolCallStream] = {}
+
+    def _message(self, c: CompletionOutput) -> tuple[AssistantMessage, str | None]:
+        """A whole choice's message and finish reason."""
+        plan = self.tool_plan
+        calls = plan.tool_calls(c.text) if plan is not None else None
+        if plan is None or calls is None:
+            return AssistantMessage(content=c.text), c.finish_reason
+        return (AssistantMessage(content=None, tool_calls=calls),
+                plan.finish_reason(c.finish_reason, True))
+
+    def _delta(self, idx: int, c: CompletionOutput, done: bool
+               ) -> tuple[DeltaMessage, str | None]:
+        """A streamed choice's delta and (when `done`) finish reason."""
+        plan = self.tool_plan
+        if plan is None:
+            return DeltaMessage(content=c.text or None), c.finish_reason if done else None
+        stream = self._tool_streams.setdefault(idx, plan.stream())
+        content, calls = stream.feed(c.text)
+        if done:
+            content += stream.finish()[0]
+        finish = plan.finish_reason(c.finish_reason, stream.called) if done else None
+        return DeltaMessage(content=content or None, tool_calls=calls or None), finish
 
     def _logprobs(self, c: CompletionOutput):
         if self.params.logprobs is None:
@@ -246,12 +278,13 @@ class ChatResponder(Responder):
         return convert.chat_logprobs(self.tok, c, 0, len(c.token_ids), self.params.logprobs)
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [
-            ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                       logprobs=self._logprobs(c),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for out in outs for c in out.outputs
-        ]
+        choices = []
+        for out in outs:
+            for c in out.outputs:
+                message, finish = self._message(c)
+                choices.append(ChatChoice(index=c.index, message=message,
+                                          logprobs=self._logprobs(c), finish_reason=finish,
+                                          stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created,
                                       model=self.model, choices=choices,
                                       usage=convert.usage(outs)).model_dump()
@@ -264,14 +297,13 @@ class ChatResponder(Responder):
         """A chunk as OpenAI sends it: no usage key, and only the delta fields that are set."""
         body = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[choice]).model_dump(exclude={"usage"})
-        delta = body["choices"][0]["delta"]
-        body["choices"][0]["delta"] = {k: v for k, v in delta.items() if v is not None}
+        body["choices"][0]["delta"] = choice.delta.model_dump(exclude_none=True)
         return body
 
     def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
-        choice = ChatChunkChoice(index=idx, delta=DeltaMessage(content=c.text or None),
-                                 logprobs=self._logprobs(c),
-                                 finish_reason=c.finish_reason if done else None,
+        delta, finish = self._delta(idx, c, done)
+        choice = ChatChunkChoice(index=idx, delta=delta, logprobs=self._logprobs(c),
+                                 finish_reason=finish,
                                  stop_reason=c.stop_reason if done else None)
         return self._chunk_dict(choice)
 

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tandem.engine.async_engine import AddRequest, AsyncLLMEngine, OutputStream
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.llm_engine import EngineStats
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import TokenizedPrompt
@@ -45,6 +46,7 @@ from tandem.protocol.openai_api import (
     now,
 )
 from tandem.protocol.web import cancel_on_disconnect, plain_request_id
+from tandem.serving import convert
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, start_grpc_server
@@ -216,6 +218,7 @@ class WorkerApp:
                              lora: Any) -> tuple[CompletionResponder, list]:
         """The responder (its `SamplingParams`) and the prompts, unencoded; 400."""
         try:
+            _check_backend(req, engine)
             return (CompletionResponder(req, engine.tokenizer, self.settings, new_id("cmpl"),
                                         lora), completion_prompts(req))
         except ValueError as exc:
@@ -225,6 +228,7 @@ class WorkerApp:
                        lora: Any) -> ChatResponder:
         """The responder (its `SamplingParams`); 400."""
         try:
+            _check_backend(req, engine)
             return ChatResponder(req, engine.tokenizer, self.settings, new_id("chatcmpl"),
                                  lora)
         except ValueError as exc:
@@ -256,6 +260,8 @@ class WorkerApp:
             raise APIError(503, "the worker is draining; retry on another replica")
         if not engine.alive:
             raise APIError(503, "the engine is not running")
+        if responder.params.structured_outputs is not None:
+            await self.off_thread(lambda: _compile(engine, responder))
         rid = responder.request_id
         arrival = time.monotonic()
         # prompt logprobs need every prompt position's logits: imported pages would go unused
@@ -370,7 +376,7 @@ class WorkerApp:
             if req.messages is None:
                 return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
             text = tok.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
+                [m.template_dict() for m in req.messages],
                 add_generation_prompt=req.add_generation_prompt)
             return tok.encode(text, add_special_tokens=False)
 
@@ -406,14 +412,36 @@ class WorkerApp:
         """The job (for `off_thread`) that renders `req`'s messages with the chat template
         and tokenizes them; the Responses API (`responses_api`) renders through it too."""
         tok = engine.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages, extra = req.template_messages(), req.template_kwargs()
 
         def render() -> TokenizedPrompt:
             text = tok.apply_chat_template(messages,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           **extra)
             return engine.process_prompt(tok.encode(text, add_special_tokens=False))
 
         return render
+
+
+def _check_backend(req: CompletionRequest | ChatCompletionRequest,
+                   engine: AsyncLLMEngine) -> None:
+    """`guided_decoding_backend` names the server's grammar backend (or "auto"); 400."""
+    if req.guided_decoding_backend is not None:
+        convert.check_backend(req, engine.config.structured_outputs_backend)
+
+
+def _compile(engine: AsyncLLMEngine, responder: Responder) -> None:
+    """Compile the request's grammar before admission (in the tokenizer pool; the engine's
+    own compile is then a cache hit): one the grammar library cannot compile is a 400
+    naming the field that gave it, never a failed request."""
+    try:
+        engine.check_structured_outputs(responder.params)
+    except InvalidRequestError as exc:
+        req = responder.req
+        param = exc.param
+        if isinstance(req, CompletionRequest | ChatCompletionRequest):
+            param = convert.structured_outputs(req)[1] or param
+        raise InvalidRequestError(f"{param}: {exc}", param) from None
 
 
 @dataclass
