@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from tandem.engine.lora.request import LoRARequest
     from tandem.engine.model_runner import LayerObserver
     from tandem.engine.request import TokenizedPrompt
+    from tandem.engine.sampling_params import SamplingParams
     from tandem.protocol.block_hash import BlockHash
     from tandem.protocol.tokenizer import Tokenizer
 
@@ -87,6 +88,12 @@ class EngineAPI:
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
         """Tokenize and check a prompt as `add` would (any thread: it reads no state)."""
         return self.engine.process_prompt(prompt)
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile `params`' structured-output grammar now (any thread; it blocks for the
+        compile, so not the event loop): `InvalidRequestError(param="structured_outputs")`
+        when the engine cannot compile it. The engine's own compile is then a cache hit."""
+        self.engine.check_structured_outputs(params)
 
     @property
     def prefix_caching(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tandem.engine.errors import ConfigError
 from tandem.engine.quant.checkpoint import canonical_name
 from tandem.engine.spec_decode.config import SpeculativeConfig
+from tandem.engine.structured.base import DEFAULT_BACKEND, available_backends
 from tandem.protocol.cli_args import default_served_name
 from tandem.protocol.engine_flags import DTYPES as _DTYPES
 from tandem.protocol.engine_flags import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
@@ -126,6 +127,9 @@ class EngineConfig:
     # RequestOutputs) with the next step's forward on an output thread (vLLM's flag);
     # outputs are the same either way
     async_scheduling: bool = False
+    # the grammar library of structured outputs (engine/structured: "xgrammar" or
+    # "llguidance", vLLM's names; the default is the one measured faster on the CPU)
+    structured_outputs_backend: str = DEFAULT_BACKEND
 
     @property
     def model_name(self) -> str:
@@ -209,6 +213,9 @@ class EngineConfig:
                                SpeculativeConfig.from_dict(self.speculative_config))
         self._check_lora()
         self._check_parallel()
+        if self.structured_outputs_backend not in available_backends():
+            raise ConfigError(f"structured_outputs_backend must be one of "
+                              f"{available_backends()}, got {self.structured_outputs_backend!r}")
 
     def _check_parallel(self) -> None:
         tp = self.tensor_parallel_size

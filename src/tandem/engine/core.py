@@ -74,6 +74,7 @@ from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.spec_decode.speculator import Speculator
+from tandem.engine.structured_manager import StructuredOutputManager, accept_token
 from tandem.protocol.block_hash import request_hash_keys
 from tandem.protocol.kv_events import KVEvent
 
@@ -86,13 +87,14 @@ __all__ = ["EngineCore", "EngineState", "EngineStats", "Runner", "RunnerOutput",
            "StepPathCount"]
 logger = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before model limits
+GRAMMAR_WAIT_S = 0.005  # an otherwise idle step waits this long for a compiling grammar
 
 
 class EngineCore:
     def __init__(self, state: EngineState, scheduler: Scheduler, runner: Runner,
                  outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = (),
-                 speculator: Speculator | None = None, async_scheduling: bool = False
-                 ) -> None:
+                 speculator: Speculator | None = None, async_scheduling: bool = False,
+                 structured_outputs_backend: str | None = None) -> None:
         self.state = state
         self.speculator = speculator  # None: no speculative decoding
         self.scheduler = scheduler
@@ -125,6 +127,9 @@ class EngineCore:
         self._deferred: tuple[SchedulerOutput, PendingOutput, list[bool]] | None = None
         self.optimistic_steps = 0  # steps committed after the next one was launched
         self.optimistic_dropped = 0  # their tokens dropped: the request had ended
+        # structured outputs: grammars compile off this thread (built on first use)
+        self._structured: StructuredOutputManager | None = None
+        self.structured_outputs_backend = structured_outputs_backend  # None: the default
 
     def resolve_lora(self, lora: LoRARequest | str | None) -> str | None:
         """The adapter name a request runs with: a loaded adapter's name, or a
@@ -177,6 +182,22 @@ class EngineCore:
     def _optimistic(self) -> bool:
         return (self.async_scheduling and self.optimistic and self.speculator is None
                 and hasattr(self.runner, "execute_async"))
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The engine's grammars (`structured_manager.py`), built on first use."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.state.vocab_size, self.structured_outputs_backend)
+        return self._structured
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile `params`' grammar now, if it has one, so a grammar the engine cannot
+        compile is an `InvalidRequestError(param="structured_outputs")` before the request
+        is queued (the engine's own compile is then a cache hit). Blocks for the compile:
+        servers call it off the engine thread and the event loop, as `process_prompt`."""
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)
 
     # -- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
@@ -260,8 +281,13 @@ class EngineCore:
             children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
                                     keys, lora, priority=priority, parent_id=request_id,
                                     sample_index=i, keep_kv=keep_blocks))
+        if params.structured_outputs is not None:  # compiled off this thread; cached
+            self.structured.add(children)
         with self._out_lock:
             if self.outputs.has(request_id):  # its last output is still being made
+                if self._structured is not None:
+                    for child in children:
+                        self._structured.forget(child)
                 raise InvalidRequestError(f"duplicate request id {request_id!r}",
                                           "request_id")
             self.outputs.add(request_id, tokenized.text, children)
@@ -304,6 +330,8 @@ class EngineCore:
         if children is not None and all(c is req or c.is_finished for c in children):
             del self._live[pid]
         self.scheduler.finish(req, status)
+        if req.grammar is not None and self._structured is not None:
+            self._structured.forget(req)
         self.runner.release(req.request_id)
         if self.speculator is not None:
             self.speculator.release(req.request_id)
@@ -355,8 +383,14 @@ class EngineCore:
         """Run one batch; return outputs of requests that progressed, finished or aborted
         (with `async_scheduling`: those of the previous step, made while this one ran)."""
         self.expire_leases()
+        grammars = self._poll_grammars()
         sched = self.scheduler.schedule()
         self.last_step_idle = sched.is_empty
+        if sched.is_empty and grammars:
+            # only compiling grammars can change that: wait a moment for one (a command
+            # arriving meanwhile waits at most this long), then let the caller step again
+            self._structured.wait(GRAMMAR_WAIT_S)  # type: ignore[union-attr]
+            self.last_step_idle = False
         if sched.is_empty:
             if not self.async_scheduling:
                 outputs, self._pending = self._pending, []
@@ -404,6 +438,19 @@ class EngineCore:
                 for req in self.scheduler.running:
                     req.spec_token_ids, req.spec_draft_probs = [], None
         return self._end_step()
+
+    def _poll_grammars(self) -> bool:
+        """Matchers for the requests whose grammar compiled since the last step; a compile
+        that failed fails its request alone. True while grammars still compile."""
+        manager = self._structured
+        if manager is None or not manager.has_pending:
+            return False
+        failed: dict[str, str] = {}
+        for req, message in manager.poll():
+            failed.setdefault(req.parent_id or req.request_id, message)
+        for pid, message in failed.items():
+            self._fail({pid: None}, message)
+        return manager.has_pending
 
     def _defer(self, sched: SchedulerOutput, pending: PendingOutput) -> None:
         """`sched` ran with its sampled ids left on the device: each sampling request that
@@ -528,6 +575,8 @@ class EngineCore:
             lp = (result.logprobs.get(rid) if i == len(drafts)
                   else draft_lps[i] if draft_lps else None)
             req.append_output_token(token)
+            if req.grammar is not None:  # its matcher follows the committed tokens
+                accept_token(req, token)
             if req.first_token_time is None:
                 req.first_token_time = now
                 self._prompt_tokens += req.num_prompt_tokens

@@ -125,8 +125,10 @@ class LLMEngine(EngineCore):
             runner.return_hidden = proposer.needs_hidden_states
             speculator = Speculator(spec, proposer, max_len,
                                     config.max_num_batched_tokens)
+        runner.bitmask.vocab_size = arch.vocab_size  # the logits' width (every rank's)
         super().__init__(state, scheduler, runner, OutputProcessor(tokenizer), eos, speculator,
-                         async_scheduling=config.async_scheduling)
+                         async_scheduling=config.async_scheduling,
+                         structured_outputs_backend=config.structured_outputs_backend)
         self.lora = lora
         logger.info("engine ready in %.1fs: %s on %s in %s (weights %.0f MiB, quantization "
                     "%s), %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, "

@@ -63,6 +63,8 @@ from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec_decode.rejection import VerifyRequest, verify
 from tandem.engine.staging import PendingOutput, download, start_download, upload
+from tandem.engine.structured.bitmask import apply_bitmask
+from tandem.engine.structured_manager import BitmaskFiller, mask_rows
 
 if TYPE_CHECKING:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
@@ -230,6 +232,9 @@ class ModelRunner(RankRunner):
         self.timings = RunnerTimings()
         self._last: PendingOutput | None = None  # the latest step whose ids stay on the device
         self.paths = StepPathCounter()  # graph-replayed vs eager steps, by reason
+        # structured outputs: the step's grammar bitmask, filled while the forward runs
+        # (the logits width: LLMEngine sets the whole model's)
+        self.bitmask = BitmaskFiller(model.config.vocab_size)
 
     @property
     def lora(self) -> LoRAManager | None:
@@ -265,7 +270,8 @@ class ModelRunner(RankRunner):
     def _row(self, req: Request) -> SamplingRow:
         sp = req.sampling_params
         banned: tuple[int, ...] = ()
-        if req.num_output_tokens + req.num_placeholders < sp.min_tokens:
+        # a grammar decides where a structured output may end (min_tokens bans nothing)
+        if req.grammar is None and req.num_output_tokens + req.num_placeholders < sp.min_tokens:
             banned = tuple(req.eos_token_ids) + tuple(sp.stop_token_ids or ())
         return SamplingRow(
             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
@@ -413,6 +419,7 @@ class ModelRunner(RankRunner):
                         graphs=graphs, block_ids=np.asarray(saved, dtype=np.int64),
                         save_layers=bool(saved))
         on_layer = self._layer_signal(watching, watched_tables) if watching else None
+        mask = mask_rows(sample_reqs, spec)
         connector, meta = self.kv_connector, sched.kv_connector_meta
         if connector is not None and meta is not None:
             connector.start_load_kv(meta)
@@ -423,6 +430,8 @@ class ModelRunner(RankRunner):
         if self.executor is not None:  # the other ranks run the same forward
             self.executor.send(plan)
         t_forward = time.perf_counter()
+        # the grammar bitmask is filled on its own thread while the forward runs
+        fill = None if mask is None else self.bitmask.start(mask)
         try:  # one upload: tokens | positions | logits rows | prompt-logprob targets
             res = self.forward(plan, np.array(targets, dtype=np.int64), on_layer)
         except Exception as exc:  # a peer died, or this rank left its peers mid-step
@@ -431,16 +440,20 @@ class ModelRunner(RankRunner):
             raise self.executor.failure(exc) from exc
         finally:
             self.device_tokens = None
+            if fill is not None:
+                fill.exception()  # the matchers are this thread's again
         if connector is not None and meta is not None:
             connector.wait_for_save()
         t_sample = time.perf_counter()
         logits, hidden, targets_t = res.logits, res.hidden, res.extra
+        if fill is not None:  # before sampling and verification, on the logits' device
+            apply_bitmask(logits, fill.result(), mask.rows)
         out = RunnerOutput()
         pending = PendingOutput(out)
         ns, nv = len(sample_reqs), len(spec_idx)
         if sample_reqs:
             sampling_rows = [self._row(r) for r in sample_reqs]
-            if defer and self._deferrable(sampling_rows, spec, hidden):
+            if defer and mask is None and self._deferrable(sampling_rows, spec, hidden):
                 ids, _ = self.sampler.sample(logits[:ns], sampling_rows)
                 pending = PendingOutput(out, ids, {r.request_id: i for i, r in enumerate(
                     sample_reqs)}, start_download(ids))
@@ -520,8 +533,8 @@ class ModelRunner(RankRunner):
             row = self._row(req)
             row.key = None  # penalised requests never speculate: no penalty state here
             reqs.append(VerifyRequest(row, s.spec_token_ids, s.draft_probs, [
-                banned if req.num_output_tokens + j < sp.min_tokens else ()
-                for j in range(k + 1)]))
+                banned if req.grammar is None and req.num_output_tokens + j < sp.min_tokens
+                else () for j in range(k + 1)]))
         results = verify(logits, reqs, self.sampler.generator(logits.device))
         for (s, _), res in zip(spec, results, strict=True):
             rid = s.request.request_id
@@ -628,3 +641,4 @@ class ModelRunner(RankRunner):
                 entries.append(entry)
             out.prompt_logprobs[req.request_id] = entries
             row += count
+

@@ -31,7 +31,9 @@ def token_stop(child: Request, token_id: int, num_output_tokens: int
                ) -> tuple[RequestStatus | None, int | None]:
     """The finish a token-id rule gives `child` after its `num_output_tokens`-th output
     token `token_id`, and the stop token id that matched (vLLM's rules: EOS and stop
-    tokens count from the `min_tokens`-th output token on; then `max_tokens`). Stop strings
+    tokens count from the `min_tokens`-th output token on; then `max_tokens`). A structured
+    output ends ("stop") at the token that terminated its grammar (a stop token the grammar
+    allowed: never in the text), whatever `min_tokens` and `ignore_eos` say. Stop strings
     are the output processor's."""
     params = child.sampling_params
     if num_output_tokens >= params.min_tokens:
@@ -39,6 +41,9 @@ def token_stop(child: Request, token_id: int, num_output_tokens: int
             return RequestStatus.FINISHED_STOPPED, token_id
         if not params.ignore_eos and token_id in child.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
+    done_at = None if child.grammar is None else child.grammar.done_at
+    if done_at is not None and num_output_tokens >= done_at:
+        return RequestStatus.FINISHED_STOPPED, None
     if num_output_tokens >= child.max_tokens:
         return RequestStatus.FINISHED_LENGTH, None
     return None, None

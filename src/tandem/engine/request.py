@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.protocol.block_hash import BlockHash, HashKeys, hash_block, root_hash
+
+if TYPE_CHECKING:
+    from tandem.engine.structured_manager import RequestGrammar
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class Request:
     # preempted request that recomputes its prompt emits none twice.
     prompt_logprobs_pos: int | None = None
     num_placeholders: int = 0
+    # structured outputs: this sample's grammar (compile future, then its matcher); None:
+    # unconstrained. Not scheduled while its grammar compiles (structured_manager.py)
+    grammar: RequestGrammar | None = field(default=None, repr=False)
     _root: BlockHash | None = field(default=None, repr=False)
     _max_hit: int = field(default=-1, repr=False)  # largest prompt prefix hit; -1: none yet
     _own: list[list[int]] = field(default_factory=list, repr=False)  # computed [start, end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -36,6 +37,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: this request never speculates (speculative_config)
+    # grammar-constrained decoding (vLLM's `structured_outputs`): every sampled token is one
+    # the grammar allows (engine/structured_manager.py); None: unconstrained
+    structured_outputs: StructuredOutputs | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +103,15 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be at most 256 non-negative integers")
         if not isinstance(self.speculative, bool):
             raise bad("speculative", f"must be true or false, got {self.speculative!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputs):
+                raise bad("structured_outputs", "must be a StructuredOutputs, got "
+                          f"{type(so).__name__}")
+            try:
+                so.validate()
+            except StructuredOutputsError as exc:
+                raise InvalidRequestError(str(exc), param="structured_outputs") from None
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Params for the `index`-th of n samples: n=1 and a derived seed when seeded."""

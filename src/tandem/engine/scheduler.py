@@ -17,7 +17,9 @@ order victims are taken from the back, and the deferred pass takes none that ran
 
 With LoRA (`max_loras` > 0) the running requests use at most `max_loras` distinct adapters:
 a waiting request whose adapter would exceed it is passed over (the requests behind it
-may start) until a running adapter's last request leaves.
+may start) until a running adapter's last request leaves. A request whose structured-output
+grammar still compiles is passed over the same way until it is ready
+(`structured_manager.waiting_for_grammar`).
 
 A step computes prompt logprobs (`[rows, vocab]` float32 logits) for at most
 `prompt_logprobs_rows` prompt positions, over all its requests: a request asking for them
@@ -63,6 +65,7 @@ from typing import TYPE_CHECKING
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.structured_manager import waiting_for_grammar
 
 if TYPE_CHECKING:
     from tandem.engine.kv_connector.base import ConnectorMetadata
@@ -392,7 +395,8 @@ class Scheduler:
         blocked = False
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._waiting[0][2]
-            if self._lora_blocked(req):  # its adapter waits for a slot: others go ahead
+            # its adapter waits for a slot, or its grammar compiles: others go ahead
+            if self._lora_blocked(req) or waiting_for_grammar(req):
                 passed.append(heapq.heappop(self._waiting))
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
@@ -426,7 +430,7 @@ class Scheduler:
         for _, _, req in staged:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if self._lora_blocked(req):
+            if self._lora_blocked(req) or waiting_for_grammar(req):
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, budget, req)
@@ -452,7 +456,7 @@ class Scheduler:
         pages, imports still in flight) must not idle the engine while some request could
         run."""
         for _, _, req in heapq.nsmallest(STALL_LOOKAHEAD, self._waiting):
-            if req in preempted or self._lora_blocked(req):
+            if req in preempted or self._lora_blocked(req) or waiting_for_grammar(req):
                 continue
             computed, num_hit = self.kv.get_computed_blocks(req)
             num_new = self._chunk(req.num_tokens - num_hit, self.max_num_batched_tokens, req)

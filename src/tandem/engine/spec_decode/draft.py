@@ -20,7 +20,10 @@ forward for all the call's requests. A request the pool cannot serve takes the b
 least-recently proposed requests outside the call (their draft KV is recomputed when they
 come back); if that is not enough it gets no proposal this time. Nothing else is evicted.
 
-Greedy requests get the draft's argmax and `draft_probs` None; random ones a sample of the
+A request with a structured-output grammar drafts under it: each draft position's logits
+are masked with its matcher's state after the drafts before it (accepted into the matcher
+as they are chosen, rolled back at the end of `propose`), so its drafts are ones the grammar
+allows. Greedy requests get the draft's argmax and `draft_probs` None; random ones a sample of the
 draft's distribution after the request's temperature / top-k / top-p / min-p, with that
 distribution as `draft_probs` [k, V] float32 (what rejection sampling needs for exactness).
 """
@@ -47,6 +50,7 @@ from tandem.engine.spec_decode.base import (
 from tandem.engine.spec_decode.draft_runner import DraftKV, DraftSeq, load_model, truncated_view
 from tandem.engine.spec_decode.policy import StepCostFit
 from tandem.engine.staging import download
+from tandem.engine.structured_manager import mask_logits
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
@@ -72,6 +76,7 @@ class _Row:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    grammar_steps: int = 0  # drafts its grammar's matcher accepted (rolled back after)
 
 
 @register_proposer("draft")
@@ -204,8 +209,17 @@ class DraftProposer(Proposer):
 
     def propose(self, requests: list[Request], num_tokens: list[int],
                 hidden_states: dict[str, Any] | None = None) -> list[Proposal | None]:
-        protected = {r.request_id for r in requests}
         rows: list[_Row | None] = []
+        try:
+            return self._propose(requests, num_tokens, rows)
+        finally:  # a grammar's matcher is back where the request's own tokens left it
+            for r in rows:
+                if r is not None and r.grammar_steps:
+                    r.req.grammar.matcher.rollback(r.grammar_steps)  # type: ignore[union-attr]
+
+    def _propose(self, requests: list[Request], num_tokens: list[int],
+                 rows: list[_Row | None]) -> list[Proposal | None]:
+        protected = {r.request_id for r in requests}
         for req, want in zip(requests, num_tokens, strict=True):
             ids = req.all_token_ids
             k = min(want, self.max_len - len(ids))
@@ -271,6 +285,11 @@ class DraftProposer(Proposer):
             at = torch.tensor(bans, dtype=torch.int64, device=device)
             logits = logits.index_put((at[:, 0], at[:, 1]),
                                       torch.tensor(float("-inf"), device=device))
+        grammars = [(i, r.req.grammar.matcher) for i, r in enumerate(rows)
+                    if r.req.grammar is not None and r.req.grammar.matcher is not None]
+        if grammars:  # drafts the request's grammar allows (the target's mask rejects others)
+            logits = logits.clone()
+            mask_logits(logits, grammars)
         rand = [i for i, r in enumerate(rows) if r.row is not None]
         tokens = logits.argmax(dim=-1)
         if rand:
@@ -288,3 +307,7 @@ class DraftProposer(Proposer):
                 rows[i].probs.append(probs[j])
         for r, t in zip(rows, download(tokens).tolist(), strict=True):
             r.tokens.append(int(t))
+            grammar = r.req.grammar
+            if grammar is not None and grammar.matcher is not None and (
+                    r.grammar_steps == step and grammar.matcher.accept_tokens([int(t)])):
+                r.grammar_steps += 1

@@ -6,6 +6,15 @@ true, it uses no repetition/presence/frequency penalty (their counts would have 
 every draft position), no prompt logprobs are pending, and it is decode-ready (its prompt is
 computed). Drafts never exceed what the request may still emit: k <= max_tokens − outputs − 1
 and its last draft's position stays inside the context window.
+
+A request with a structured-output grammar speculates too: the model runner masks each
+verified position with the grammar state after the drafts before it, so a draft the
+grammar forbids is always rejected (its target probability is 0) and the token drawn there
+is one the grammar allows; greedy outputs equal those without speculation. Point-mass
+drafts (n-gram, greedy draft models) are also cut here to the longest prefix the grammar
+allows (`GrammarMatcher.validate_tokens`), which changes nothing but the wasted positions
+(a point mass's rejection draws from the target's own distribution). Drafts with
+probabilities are never cut: that would bias rejection sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec_decode.base import Proposer
 from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.engine.spec_decode.policy import SpecPolicy
+from tandem.engine.structured_manager import valid_drafts
 
 
 @dataclass(frozen=True)
@@ -91,8 +101,11 @@ class Speculator:
         proposals = self.proposer.propose([r for r, _ in asks], [k for _, k in asks], hidden)
         for (r, k), p in zip(asks, proposals, strict=True):
             if p is not None and p.token_ids:
-                r.spec_token_ids = list(p.token_ids[:k])
+                drafts = list(p.token_ids[:k])
                 probs = p.draft_probs
+                if probs is None:  # point masses: a draft the grammar refuses is cut here
+                    drafts = drafts[:valid_drafts(r, drafts)]  # (all without a grammar)
+                r.spec_token_ids = drafts
                 r.spec_draft_probs = (None if probs is None
                                       else probs[: len(r.spec_token_ids)])
 
