@@ -40,6 +40,7 @@ CHOICES = {
     flags.ROLE: flags.ROLES,
     flags.KV_TRANSFER_BACKEND: flags.KV_TRANSFER_BACKENDS,
     flags.KV_TRANSFER_POLICY: flags.KV_TRANSFER_POLICIES,
+    flags.STRUCTURED_OUTPUTS_BACKEND: flags.STRUCTURED_OUTPUTS_BACKENDS,
 }
 
 
@@ -49,7 +50,7 @@ def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def test_every_flag_is_a_worker_option_with_the_modules_choices():
     opts = options(worker_parser())
-    assert len(flags.all_flags()) == 45  # (guards the module scan itself)
+    assert len(flags.all_flags()) == 46  # (guards the module scan itself)
     assert sorted(set(flags.all_flags().values()) - set(opts)) == []
     for flag, values in CHOICES.items():
         assert tuple(opts[flag].choices) == values, flag

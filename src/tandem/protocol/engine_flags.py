@@ -34,6 +34,7 @@ QUANTIZATION = "--quantization"
 QUANTIZATION_GROUP_SIZE = "--quantization-group-size"
 KV_CACHE_DTYPE = "--kv-cache-dtype"
 SPECULATIVE_CONFIG = "--speculative-config"
+STRUCTURED_OUTPUTS_BACKEND = "--structured-outputs-backend"
 # LoRA
 ENABLE_LORA = "--enable-lora"
 MAX_LORAS = "--max-loras"
@@ -76,6 +77,7 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
 ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("grpc", "torch")
 KV_TRANSFER_POLICIES = ("recompute", "fail")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")  # engine/structured's built-in ones
 
 
 def all_flags() -> dict[str, str]:

@@ -126,6 +126,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or "
                         "'{\"method\": \"draft\", \"model\": \"self\", "
                         "\"draft_quantization\": \"int4\"}' (default: off)")
+    p.add_argument(flags.STRUCTURED_OUTPUTS_BACKEND,
+                   default=EngineConfig.structured_outputs_backend,
+                   choices=flags.STRUCTURED_OUTPUTS_BACKENDS,
+                   help="the grammar library of structured outputs (response_format, "
+                        "guided_json, tool_choice required; vLLM's names; default: "
+                        f"{EngineConfig.structured_outputs_backend}, measured faster here)")
     p.add_argument(flags.ENABLE_LORA, action="store_true",
                    help="serve LoRA adapters on the base model; a request picks one by its "
                         "name in the OpenAI `model` field")
@@ -226,6 +232,8 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         lora_dirs=tuple(args.lora_dir),
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        structured_outputs_backend=getattr(args, "structured_outputs_backend",
+                                           EngineConfig.structured_outputs_backend),
         speculative_config=None if getattr(args, "role", None) == "prefill"
         else getattr(args, "speculative_config", None))
 
