@@ -49,7 +49,7 @@ def test_build_app_serves_the_router_app_methods() -> None:
     ra = app.state.router_app
     assert isinstance(ra, RouterApp)
     assert app.routes == {"/v1/completions": ra.completions,
-                          "/v1/chat/completions": ra.chat}
+                          "/v1/chat/completions": ra.chat, "/v1/responses": ra.responses}
     assert app.state.monitors is ra.membership.monitors
 
 

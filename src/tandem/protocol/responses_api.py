@@ -42,6 +42,7 @@ from tandem.protocol.openai_api import (
     MAX_PROMPT_CHARS,
     MAX_TENANT_SALT_PREFIX,
     NOT_SUPPORTED,
+    ChatCompletionRequest,
     Metadata,
     PromptText,
     _Model,
@@ -410,3 +411,21 @@ def tenant_of(cache_salt: str | None) -> str:
 def tenant_target(tenant: str) -> str:
     """The signature target naming `tenant` on a GET or DELETE by id."""
     return f"tenant:{tenant}"
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
+                 ) -> ChatCompletionRequest:
+    """The chat completion request that serves `req` (`chat_body`); APIError 400 naming the
+    Responses API's field for what chat completions refuse."""
+    try:
+        return ChatCompletionRequest.model_validate(chat_body(req, conversation))
+    except ValidationError as exc:
+        raise APIError(400, *chat_error(exc)) from exc
+
+
+def as_chat(data: Any) -> dict[str, Any]:
+    """A Responses API body as the chat completion body that serves it, without any stored
+    conversation (what the router renders and hashes); APIError 400 when it is invalid."""
+    req = parse_request(data)
+    chat_request(req, input_messages(req.input))
+    return chat_body(req, input_messages(req.input))

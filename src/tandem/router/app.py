@@ -101,7 +101,7 @@ class RouterServerSettings:
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
-    """The ASGI app: the two OpenAI POST routes on `FastPaths`, the rest on FastAPI, all of
+    """The ASGI app: the three OpenAI POST routes on `FastPaths`, the rest on FastAPI, all of
     them `RouterApp` methods (`app.state.router_app`). ValueError when API keys are
     configured without a worker key (workers would refuse every tenant's salt)."""
     if settings.api_keys.configured and settings.worker_key is None:
@@ -148,8 +148,12 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
                        settings.worker_key, ra.client)
     app.post("/v1/completions")(ra.completions)
     app.post("/v1/chat/completions")(ra.chat)
+    app.post("/v1/responses")(ra.responses)
+    app.get("/v1/responses/{response_id}")(ra.get_response)
+    app.delete("/v1/responses/{response_id}")(ra.delete_response)
     return FastPaths(app, {"/v1/completions": ra.completions,
-                           "/v1/chat/completions": ra.chat}, settings.max_body_bytes)
+                           "/v1/chat/completions": ra.chat, "/v1/responses": ra.responses},
+                     settings.max_body_bytes)
 
 
 def metrics_app(app: FastPaths) -> FastPaths | None:

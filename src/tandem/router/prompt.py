@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from tandem.protocol.responses_api import as_chat
 from tandem.protocol.tokenizer import Tokenizer
 
 TEXT_CHUNK_CHARS = 256  # approximate mode: one pseudo-block per this many characters
@@ -37,8 +38,12 @@ class ParsedPrompt:
 
 
 def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> ParsedPrompt:
-    """`kind` is "completions" or "chat". Raises pydantic.ValidationError / ValueError on a
-    malformed body (the caller answers 400), as the worker would."""
+    """`kind` is "completions", "chat" or "responses" (rendered as the chat completion
+    that serves it, without the stored conversation of a `previous_response_id`, which the
+    router does not have). Raises pydantic.ValidationError / ValueError on a malformed body,
+    APIError for a Responses API body (the caller answers 400), as the worker would."""
+    if kind == "responses":
+        body, kind = as_chat(body), "chat"
     prompt_logits = False
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body)

@@ -3,8 +3,10 @@
 Routes: `GET /health` (the process), `GET /ready` (200 while a worker is routable, else
 503), `GET /v1/models` (what the ready workers serve; 503 while they may be starting),
 `GET /metrics` (Prometheus, behind a key when `metrics_auth`), `GET /openapi.json` (when
-`openapi`), and the two OpenAI POSTs, served stage by stage by `stages.handle`. Route
-methods carry no docstring: FastAPI would publish it in /openapi.json.
+`openapi`), and the three OpenAI POSTs (completions, chat, responses), served stage by
+stage by `stages.handle`, and `GET` / `DELETE /v1/responses/{id}` (relayed to the worker
+holding it, `responses`). Route methods carry no docstring: FastAPI would publish it in
+/openapi.json.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tandem.router import stages
+from tandem.router import responses, stages
 from tandem.router.core import Router
 from tandem.router.discovery import StaticDiscovery
 from tandem.router.lora_admin import check_admin
 from tandem.router.membership import Membership
 from tandem.router.metrics import RouterMetrics
 from tandem.router.proxy import upstream_session
+from tandem.router.responses import ResponseLocations
 from tandem.router.startup import StartupState
 from tandem.router.upstream import UpstreamPool
 
@@ -50,6 +53,8 @@ class RouterApp:
     membership: Membership = field(init=False)
     http: httpx.AsyncClient | None = None
     upstream: UpstreamPool | None = None
+    # which worker stored each Responses API response this router relayed
+    locations: ResponseLocations = field(default_factory=ResponseLocations)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -164,3 +169,12 @@ class RouterApp:
 
     async def chat(self, request: Request) -> Response:
         return await stages.handle(self, "chat", "/v1/chat/completions", request)
+
+    async def responses(self, request: Request) -> Response:
+        return await stages.handle(self, "responses", "/v1/responses", request)
+
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        return await responses.by_id(self, request, response_id, "GET")
+
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await responses.by_id(self, request, response_id, "DELETE")

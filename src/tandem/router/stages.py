@@ -1,4 +1,5 @@
-"""The router's OpenAI POST (`/v1/completions`, `/v1/chat/completions`) in named stages.
+"""The router's OpenAI POST (`/v1/completions`, `/v1/chat/completions`, `/v1/responses`) in
+named stages.
 
 `handle` runs them in order, each raising `APIError` (an OpenAI error answer) to stop:
 `authenticate` (API key -> tenant; 401) -> `parse_body` (JSON object, tenant cache salt,
@@ -7,7 +8,10 @@ priority range, max_tokens cap, model, prompt tokenized as the worker will; 400)
 (the tenant's rate limit at the worst case; 429) -> `shared_matches` (the shared prefix
 index) -> `forward` with a `Routing` (pick a worker, and a prefill worker for P/D; count
 each attempt) -> `relay` (the answer; a token charge settled from the usage it reports).
-Every stop counts in `tandem_router_rejected_total` with its status.
+Every stop counts in `tandem_router_rejected_total` with its status. A Responses API
+request is tokenized and hashed as the chat completion that serves it; one continuing a
+stored response (`previous_response_id`) goes to the worker holding it (`responses`), and
+the worker each answer came from is remembered.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from tandem.protocol.web import (
     require_json,
 )
 from tandem.router import prompt as prompts
-from tandem.router import usage
+from tandem.router import responses, usage
 from tandem.router.auth import tenant_cache_salt
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
@@ -89,9 +93,9 @@ def authenticate(ra: RouterApp, request: Request) -> str | None:
 
 
 async def parse_body(ra: RouterApp, kind: str, request: Request, tenant: str | None) -> Body:
-    """The body read, bounded and parsed (`kind`: "completions" or "chat"): 400 for a body
-    that is not a JSON object (sent as JSON), a max_tokens over the cap, no model while
-    several are served, or a prompt the tokenizer refuses; a tenant's cache salt and
+    """The body read, bounded and parsed (`kind`: "completions", "chat" or "responses"): 400
+    for a body that is not a JSON object (sent as JSON), a max_tokens over the cap, no model
+    while several are served, or a prompt the tokenizer refuses; a tenant's cache salt and
     priority are applied (400 / 403 outside their rules)."""
     settings, metrics, router = ra.settings, ra.metrics, ra.router
     body = await request.body()
@@ -124,9 +128,10 @@ async def parse_body(ra: RouterApp, kind: str, request: Request, tenant: str | N
 
 
 def check_bounds(ra: RouterApp, data: dict) -> None:
-    """ValueError when max_tokens or max_completion_tokens exceeds `max_tokens_cap`."""
+    """ValueError when max_tokens, max_completion_tokens or max_output_tokens exceeds
+    `max_tokens_cap`."""
     cap = ra.settings.max_tokens_cap
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = data.get(key)
         if cap is not None and isinstance(v, int) and v > cap:
             raise ValueError(f"{key}: at most {cap}")
@@ -181,7 +186,8 @@ async def charge(ra: RouterApp, kind: str, req: Body) -> Charge | None:
     if not verdict.charged:
         return None
     bill = Charge(usage.Settlement(limiter, req.tenant or "anonymous", verdict, prompt_share))
-    if parsed.stream:  # the worker's usage chunk settles the charge
+    if parsed.stream and kind != "responses":  # the worker's usage chunk settles the charge
+        # (a Responses API stream always reports its usage, in `response.completed`)
         opts = data.get("stream_options")
         opts = dict(opts) if isinstance(opts, dict) else {}
         bill.strip_usage = not opts.get("include_usage")
@@ -224,14 +230,18 @@ class Routing:
         self.first = True
         self.prefill = None  # a retry may keep the first attempt's prefill worker
         self.attempts = 0
+        self.pinned: str | None = None  # the worker holding a previous response, if any
+        self.answered: str | None = None  # the worker whose answer the client gets
 
     def pick(self, tried: set[str]) -> Route | None:
         """The next attempt's route (None: no worker left); the first observes routing
         latency since `t0`."""
-        ra, metrics, router = self.ra, self.ra.metrics, self.ra.router
-        route, ctx = plan(router, self.req.parsed, self.req.model, time.monotonic(),
-                          exclude=tried, keep_prefill=self.prefill, hashes=self.hashes,
-                          external=self.external, signed=ra.settings.worker_key is not None)
+        metrics, router = self.ra.metrics, self.ra.router
+        route = ctx = None
+        if self.pinned is not None and self.pinned not in tried:  # only there, if routable
+            route, ctx = self.plan(tried | {w for w in router.workers if w != self.pinned})
+        if route is None:
+            route, ctx = self.plan(tried)
         if self.first:
             metrics.routing_seconds.observe(time.perf_counter() - self.t0)
             self.first = False
@@ -250,6 +260,12 @@ class Routing:
                             else "")
         return route
 
+    def plan(self, exclude: set[str]) -> tuple[Route | None, Any]:
+        """`pd.plan` for this request, `exclude` left out."""
+        return plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
+                    exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
+                    external=self.external, signed=self.ra.settings.worker_key is not None)
+
     def on_attempt(self, a: Attempt) -> None:
         """Count one attempt; one that never reached its worker is retracted from the
         index, so the retry routes without it."""
@@ -260,6 +276,8 @@ class Routing:
         if self.attempts > 1:
             metrics.child(metrics.retries, str(a.status or "connect")).inc()
         metrics.child(metrics.requests, a.decision.worker.id, str(a.status or "error")).inc()
+        if a.final:
+            self.answered = a.decision.worker.id
         if a.final and a.route.prefill is not None:
             metrics.child(metrics.disaggregated,
                           a.route.worker.kv_transfer_backend or "unknown").inc()
@@ -306,8 +324,8 @@ async def settled(request: Request, work: Awaitable[Response], bill: usage.Settl
 
 
 async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Response:
-    """One OpenAI POST (`kind` "completions" or "chat", forwarded to `path`), stage by stage
-    (module doc)."""
+    """One OpenAI POST (`kind` "completions", "chat" or "responses", forwarded to `path`),
+    stage by stage (module doc)."""
     rid = request_id(request.headers.get("x-request-id"))
     tenant = authenticate(ra, request)
     t0 = time.perf_counter()
@@ -318,6 +336,13 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
     hashes, external = await shared_matches(ra, req.parsed, req.model)
     routing = Routing(ra, rid, req, t0, hashes, external)
+    previous = req.data.get("previous_response_id") if kind == "responses" else None
+    if isinstance(previous, str):
+        holder = await responses.locate(ra, tenant, previous)
+        routing.pinned = holder.id if holder is not None else None
     work = forward(ra.upstream, path, payload, rid, routing.pick, req.parsed.stream,
                    ra.settings.proxy, routing.on_attempt, ra.settings.worker_key)
-    return await relay(request, work, req.parsed.stream, bill)
+    answer = await relay(request, work, req.parsed.stream, bill)
+    if kind == "responses" and req.data.get("store") is not False:
+        return responses.track(ra, tenant, answer, lambda: routing.answered)
+    return answer

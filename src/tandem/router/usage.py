@@ -13,6 +13,7 @@ at least one byte; + BOS/EOS), an upper bound since only the first prompt is tok
 * a JSON answer: its `usage.total_tokens`; without usage, the prompt share of the charge plus
   an upper bound of the text it holds; a non-2xx answer or no answer at all: everything
   (nothing was generated);
+* a Responses API answer: its usage likewise, a stream's in its `response.completed` event;
 * a stream: the router asks the worker for the usage chunk (`stream_options.include_usage`,
   removed again before the client when it did not ask for it); without one (a server that
   ignores the option, or a stream cut short) the prompt share plus an upper bound of what
@@ -59,7 +60,8 @@ def worst_case(kind: str, data: Mapping[str, Any], prompt_tokens: int,
     if isinstance(batch, list) and batch and not isinstance(batch[0], int):
         prompts += [_prompt_bound(p) for p in batch[1:]]
     seqs = max(_count(data.get("n")), _count(data.get("best_of")))
-    asked = data.get("max_completion_tokens") if kind == "chat" else None
+    asked = data.get("max_completion_tokens") if kind == "chat" else \
+        data.get("max_output_tokens") if kind == "responses" else None
     asked = _count(asked if asked is not None else data.get("max_tokens"), 0) or None
     total = prompt_share = 0
     for p in prompts:
@@ -73,7 +75,8 @@ def worst_case(kind: str, data: Mapping[str, Any], prompt_tokens: int,
 
 def answer_usage(body: bytes) -> tuple[int | None, int]:
     """(`usage.total_tokens` or None, an upper bound of the completion tokens from the
-    choices' text: UTF-8 bytes + 1 each) of a JSON answer."""
+    choices' text: UTF-8 bytes + 1 each) of a JSON answer; a Responses API answer or event
+    (`response.completed`) has its usage under `response`."""
     try:
         doc = json.loads(body)
     except ValueError:
@@ -81,6 +84,8 @@ def answer_usage(body: bytes) -> tuple[int | None, int]:
     if not isinstance(doc, dict):
         return None, len(body)
     usage = doc.get("usage")
+    if usage is None and isinstance(doc.get("response"), dict):
+        usage = doc["response"].get("usage")
     total = usage.get("total_tokens") if isinstance(usage, dict) else None
     if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
         return total, 0

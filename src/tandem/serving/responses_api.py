@@ -30,19 +30,17 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from pydantic import ValidationError
 
-from tandem.protocol.openai_api import ChatCompletionRequest
 from tandem.protocol.responses_api import (
     TENANT_HEADER,
     ResponsesRequest,
-    chat_body,
-    chat_error,
+    chat_request,
     input_messages,
     parse_request,
     tenant_of,
@@ -347,6 +345,24 @@ class StreamEvents:
         return out
 
 
+_CHAT_NAMES = re.compile(r"\b(max_completion_tokens|max_tokens|response_format|messages)\b")
+_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+          "response_format": "text.format", "messages": "input"}
+
+
+def _renamed(exc: APIError) -> APIError:
+    """`exc` with the chat request's field names (param and message) as the Responses
+    API's."""
+    if exc.status != 400:
+        return exc
+    param = exc.param
+    if param is not None:
+        head, dot, rest = param.partition(".")
+        param = _NAMES.get(head, head) + dot + rest
+    message = _CHAT_NAMES.sub(lambda m: _NAMES[m.group(1)], exc.message)
+    return APIError(exc.status, message, param, exc.headers, exc.type)
+
+
 class ResponsesAPI:
     """The routes (`api_server.build_app` registers them) over a `WorkerApp` and a store."""
 
@@ -354,6 +370,12 @@ class ResponsesAPI:
         self.wa, self.store = wa, store
 
     async def create(self, request: Request) -> Any:
+        try:
+            return await self._create(request)
+        except APIError as exc:  # chat's field names, as the Responses API names them
+            raise _renamed(exc) from exc
+
+    async def _create(self, request: Request) -> Any:
         wa = self.wa
         try:
             data = json.loads(await request.body())
@@ -370,10 +392,7 @@ class ResponsesAPI:
                                "previous_response_id")
             previous = entry.conversation
         conversation = [*previous, *input_messages(req.input)]
-        try:
-            chat_req = ChatCompletionRequest.model_validate(chat_body(req, conversation))
-        except ValidationError as exc:
-            raise APIError(400, *chat_error(exc)) from exc
+        chat_req = chat_request(req, conversation)
         engine, lora = wa.engine_for(chat_req.model)
         chat = wa.chat_responder(chat_req, engine, lora)
         chat.request_id = new_response_id()

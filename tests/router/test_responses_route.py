@@ -1,0 +1,171 @@
+"""The router's Responses API: `POST /v1/responses` routed like chat (same rendering, same
+block hashes), a `previous_response_id` followed to the worker that stored it (even by a
+router that did not relay it), `GET` / `DELETE` by id relayed there, each tenant seeing
+only its own responses; with the official openai client, over real sockets, in front of two
+real worker apps (a tiny random model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.protocol.signing import WorkerKey
+from tandem.protocol.tokenizer import Tokenizer
+from tandem.router import prompt as prompts
+from tandem.router import usage
+from tandem.router.core import Router, RouterSettings
+from tandem.serving.api_server import ServerSettings, build_app
+from tests.engine.utils import make_tiny_model_dir
+from tests.router.test_router_app import Served, _wait_ready, router_app
+from tests.serving.helpers import worker_key_file
+
+NAME = "tiny"
+BLOCK = 4
+KEYS = {"key-alice": "alice", "key-bob": "bob"}
+BASE = {"model": NAME, "temperature": 0, "max_output_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two worker apps; `route(**settings)` starts a router (round-robin, so a request that
+    is not pinned to a worker goes to the other one) in front of both."""
+    path = tmp_path_factory.mktemp("tiny-responses-route")
+    make_tiny_model_dir(path, "llama", seed=3)
+    key_file = worker_key_file(path)
+    workers, apps = [], []
+    for _ in range(2):
+        def load() -> AsyncLLMEngine:
+            return AsyncLLMEngine.from_args(str(path), served_model_name=NAME,
+                                            block_size=BLOCK, kv_cache_memory=32 << 20)
+
+        app = build_app(ServerSettings(served_model_name=NAME, auth_key=WorkerKey(key_file)),
+                        load)
+        apps.append(app)
+        workers.append(Served(app, lean=False))
+    for w in workers:
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{w.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    tok = Tokenizer.load(path)
+    routers: list[Served] = []
+
+    def route(keys: dict[str, str] | None = KEYS) -> Served:
+        router = Router(RouterSettings(policy="round-robin", seed=0), lambda model: tok)
+        served = router_app([w.url for w in workers], keys, router=router,
+                            worker_key=WorkerKey(key_file), debug_headers=True)
+        _wait_ready(served.url, 2)
+        routers.append(served)
+        return served
+
+    yield workers, apps, tok, route
+    for s in [*routers, *workers]:
+        s.stop()
+
+
+def _client(router: Served, key: str = "key-alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=key, max_retries=0)
+
+
+def test_a_conversation_follows_its_stored_response_to_its_worker(cluster):
+    workers, _, _, route = cluster
+    router = route()
+    alice = _client(router)
+    raw = alice.responses.with_raw_response.create(input="My name is Ada.", **BASE)
+    first, holder = raw.parse(), raw.headers["x-tandem-worker"]
+    assert first.status == "incomplete" and first.output_text
+    # round-robin would send the next request to the other worker: it goes to the holder
+    for _ in range(2):
+        raw = alice.responses.with_raw_response.create(input="What is my name?",
+                                                       previous_response_id=first.id, **BASE)
+        assert raw.headers["x-tandem-worker"] == holder
+    second = raw.parse()
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    # streamed through the router: the OpenAI event sequence, and the stream is located too
+    events = list(alice.responses.create(input="And now?", previous_response_id=second.id,
+                                         stream=True, **BASE))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    third = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        third.output_text
+    assert alice.responses.retrieve(third.id).output_text == third.output_text
+    # another router replica (it relayed none of them) finds the worker holding each
+    other = _client(route())
+    assert other.responses.retrieve(first.id).id == first.id
+    raw = other.responses.with_raw_response.create(input="Again?",
+                                                   previous_response_id=third.id, **BASE)
+    assert raw.headers["x-tandem-worker"] == holder and raw.parse().status == "incomplete"
+    other.responses.delete(first.id)
+    for client in (alice, other):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+
+
+def test_each_tenant_sees_only_its_own_responses(cluster):
+    *_, route = cluster
+    router = route()
+    alice, bob = _client(router), _client(router, "key-bob")
+    mine = alice.responses.create(input="A secret", **BASE)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        bob.responses.create(input="Tell me", previous_response_id=mine.id, **BASE)
+    assert err.value.body["param"] == "previous_response_id"
+    assert alice.responses.retrieve(mine.id).id == mine.id  # bob's delete did nothing
+    with pytest.raises(openai.AuthenticationError):
+        _client(router, "key-nobody").responses.retrieve(mine.id)
+
+
+def test_responses_and_chat_of_one_conversation_share_cached_blocks(cluster):
+    workers, apps, tok, route = cluster
+    router = route(keys=None)
+    system = "You answer in one short sentence, in English, and never more than that."
+    question = "Which river runs through the old town of Prague, and where does it end?"
+    body = {**BASE, "instructions": system, "input": question}
+    raw = httpx.post(f"{router.url}/v1/responses", json=body, timeout=60)
+    assert raw.status_code == 200, raw.text
+    engine = apps[[w.url for w in workers].index(raw.headers["x-tandem-worker"])] \
+        .state.holder.get()
+    parsed = prompts.parse("responses", body, tok)
+    chat = prompts.parse("chat", {"model": NAME, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}, tok)
+    assert parsed.token_ids == chat.token_ids
+    assert raw.json()["usage"]["input_tokens"] == len(parsed.token_ids)
+    chain = prompts.block_hashes(parsed, NAME, BLOCK)
+    assert len(chain) >= 8 and engine.cached_prefix_len(chain) == len(chain)
+
+
+@pytest.mark.parametrize(("extra", "param", "at_router"), [
+    ({"background": True}, "background", True), ({"seed": 1}, "seed", True),
+    ({"tools": [{"type": "file_search"}]}, "tools.0", True),
+    ({"max_output_tokens": 10**6}, "max_output_tokens", False),  # the worker's context check
+])
+def test_bad_bodies_are_named_400s(cluster, extra, param, at_router):
+    *_, route = cluster
+    router = route()
+    r = httpx.post(f"{router.url}/v1/responses", json={**BASE, "input": "x", **extra},
+                   headers={"Authorization": "Bearer key-alice"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert ("x-tandem-worker" not in r.headers) == at_router  # refused before any worker
+    missing = httpx.get(f"{router.url}/v1/responses/resp_unknown",
+                        headers={"Authorization": "Bearer key-alice"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "response_id"
+
+
+def test_token_accounting_reads_the_responses_usage():
+    completed = {"type": "response.completed", "sequence_number": 9,
+                 "response": {"id": "resp_x", "usage": {"input_tokens": 5, "output_tokens": 2,
+                                                        "total_tokens": 7}}}
+    assert usage.answer_usage(json.dumps(completed).encode()) == (7, 0)
+    assert usage.answer_usage(json.dumps(completed["response"]).encode()) == (7, 0)
+    assert usage.worst_case("responses", {"max_output_tokens": 5}, 10, 100) == (15, 10)
