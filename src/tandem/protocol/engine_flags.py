@@ -35,6 +35,10 @@ QUANTIZATION_GROUP_SIZE = "--quantization-group-size"
 KV_CACHE_DTYPE = "--kv-cache-dtype"
 SPECULATIVE_CONFIG = "--speculative-config"
 STRUCTURED_OUTPUTS_BACKEND = "--structured-outputs-backend"
+# tool calling and reasoning output (the chat API's parsing of the model's own formats)
+TOOL_CALL_PARSER = "--tool-call-parser"
+ENABLE_AUTO_TOOL_CHOICE = "--enable-auto-tool-choice"
+REASONING_PARSER = "--reasoning-parser"
 # LoRA
 ENABLE_LORA = "--enable-lora"
 MAX_LORAS = "--max-loras"
@@ -78,6 +82,10 @@ ROLES = ("both", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("grpc", "torch")
 KV_TRANSFER_POLICIES = ("recompute", "fail")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")  # engine/structured's built-in ones
+# serving/tool_parsers' and serving/reasoning's registries (vLLM's names)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral", "qwen3_coder",
+                     "qwen3_xml")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def all_flags() -> dict[str, str]:

@@ -39,6 +39,7 @@ from tandem.serving.response_store import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, Re
 from tandem.serving.responses_api import ResponsesAPI
 from tandem.serving.routes import DEATH_POLL_S, WorkerApp
 from tandem.serving.stats_logger import DEFAULT_INTERVAL_S
+from tandem.serving.tool_parsers.options import ChatParsing
 from tandem.serving.worker_auth import ApiKeyAuth
 
 __all__ = ["DEATH_POLL_S", "SIGNED_ROUTES", "ServerSettings", "WorkerApp", "build_app"]
@@ -84,6 +85,8 @@ class ServerSettings:
     # the model's generation_config.json sampling defaults (--generation-config; see
     # `convert.sampling_params`): used where a request leaves a field unset
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # --tool-call-parser, --enable-auto-tool-choice, --reasoning-parser (chat outputs)
+    chat_parsing: ChatParsing = field(default_factory=ChatParsing)
     # the Responses API's stored responses (--responses-store-max, --responses-store-ttl):
     # at most this many (0: none stored), each for at most this long
     responses_store_max: int = DEFAULT_MAX_ENTRIES

@@ -37,6 +37,7 @@ from tandem.protocol.signing import add_worker_auth_arg
 from tandem.protocol.tls import add_tls_arg
 from tandem.serving.response_store import add_responses_store_args
 from tandem.serving.stats_logger import DEFAULT_INTERVAL_S
+from tandem.serving.tool_parsers.options import add_chat_parsing_args, chat_parsing
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="KV event streams (gRPC SubscribeKVEvents) served at "
                                      "once; more are refused (RESOURCE_EXHAUSTED)")
     add_api_key_arg(p)
+    add_chat_parsing_args(p)
     add_responses_store_args(p)
     p.add_argument("--log-stats-interval", type=positive_seconds, default=DEFAULT_INTERVAL_S,
                    metavar="SECONDS",
@@ -392,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--require-signed-requests needs --worker-auth-key-file (the key "
                           "the router signs requests with)")
     keys = api_keys(args.api_key)
+    parsing = chat_parsing(args)  # a usage error before anything loads
     limit_malloc_arenas()  # before any of the server's threads start
     from tandem.engine.llm import resolve_config
     from tandem.engine.quant.checkpoint import with_checkpoint_quantization
@@ -442,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
                               else args.log_stats_interval,
                               sampling_defaults=generation_defaults(
                                   config.model, config.generation_config),
+                              chat_parsing=parsing,
                               responses_store_max=args.responses_store_max,
                               responses_store_ttl_s=args.responses_store_ttl)
     config = dataclasses.replace(config, served_model_name=names,

@@ -1,0 +1,150 @@
+"""Mistral calls (vLLM's `mistral`): `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`
+(tokenizer v3 and older, a JSON array) or `[TOOL_CALLS]f[ARGS]{...}` (v11 and newer, one
+marker per call), with plain text before them. Ids are 9 alphanumeric characters, which
+Mistral's chat templates require."""
+
+from __future__ import annotations
+
+import random
+import string
+
+from tandem.serving.tool_parsers.base import (
+    MAX_NAME_CHARS,
+    ArgsObject,
+    CallObject,
+    Content,
+    IdFactory,
+    StreamingToolParser,
+    ToolParser,
+    _Out,
+    _partial_suffix,
+    register_tool_parser,
+)
+
+BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ID_CHARS = string.ascii_letters + string.digits
+_NAME_CHARS = frozenset(_ID_CHARS + "_-.")
+
+
+def mistral_tool_call_id() -> str:
+    return "".join(random.choices(_ID_CHARS, k=9))
+
+
+class MistralStream(StreamingToolParser):
+    def __init__(self, make_id: IdFactory = mistral_tool_call_id) -> None:
+        super().__init__(make_id)
+        self.content = Content([BOT])
+        # content | after_bot | array | array_sep | object | name | args
+        self.state = "content"
+        self.held = ""  # text since the marker while it is not yet a call
+        self.call: CallObject | ArgsObject | None = None
+
+    def _fail(self, out: _Out) -> None:
+        """What followed the marker is not a call: it is content."""
+        call = self.call
+        if call is None or not call.emitted:
+            raw = call.raw() if isinstance(call, CallObject) else ""
+            out.text(self.content.before + BOT + self.held + raw)
+        self.state, self.held, self.call = "content", "", None
+
+    def _run(self, text: str, out: _Out) -> None:
+        i = 0
+        while i < len(text):
+            s = self.state
+            if s == "content":
+                marker, i = self.content.scan(text, i, out)
+                if marker is not None:
+                    self.state, self.held = "after_bot", ""
+                continue
+            ch = text[i]
+            if s in ("after_bot", "array_sep") and ch.isspace():
+                self.held += ch
+                i += 1
+            elif s == "after_bot":
+                if ch == "[":
+                    self.held += ch
+                    i += 1
+                    self.state = "array"
+                elif ch == "{":
+                    self._object()
+                elif ch in _NAME_CHARS:
+                    self.state = "name"
+                else:
+                    self._fail(out)
+            elif s == "array":
+                if ch.isspace():
+                    self.held += ch
+                    i += 1
+                elif ch == "{":
+                    self._object()
+                else:
+                    self._fail(out)
+            elif s == "array_sep":
+                i += 1
+                if ch == ",":
+                    self.state = "array"
+                elif ch == "]":
+                    self._done()
+                else:
+                    self.state, self.call = "content", None  # junk after calls: dropped
+            elif s == "name":
+                i = self._name(text, i, out)
+            elif s in ("object", "args"):
+                assert self.call is not None
+                i = self.call.feed(text, i, out)
+                if self.call.emitted and self.call.index == self.num_calls:
+                    self.num_calls += 1
+                if self.call.status == "error":
+                    self._fail(out)
+                elif self.call.status == "done":
+                    in_array = self.held.lstrip().startswith("[")
+                    self.held, self.call = self.held if in_array else "", None
+                    if in_array:
+                        self.state = "array_sep"
+                    else:
+                        self._done()
+
+    def _object(self) -> None:
+        self.state = "object"
+        self.call = CallObject(self.num_calls, self.make_id)
+
+    def _done(self) -> None:
+        self.state, self.held = "content", ""
+        self.content.lstrip = True
+
+    def _name(self, text: str, i: int, out: _Out) -> int:
+        buf = self.held + text[i:]
+        start = len(self.held)
+        p = buf.find(ARGS)
+        name = (buf[:p] if p >= 0 else buf[:len(buf) - _partial_suffix(buf, [ARGS])]).strip()
+        if (not all(c in _NAME_CHARS for c in name) or len(name) > MAX_NAME_CHARS
+                or (p >= 0 and not name)):
+            self.held = buf if p < 0 else buf[:p + len(ARGS)]
+            self._fail(out)
+            return len(text) if p < 0 else i + p + len(ARGS) - start
+        if p < 0:
+            self.held = buf
+            return len(text)
+        self.state, self.held = "args", buf[:p + len(ARGS)]  # content if no call follows
+        self.call = ArgsObject(self.num_calls, name, self.make_id)
+        return i + p + len(ARGS) - start
+
+    def _end(self, out: _Out) -> None:
+        if self.state == "content":
+            self.content.flush(out)
+        elif self.state != "array_sep":
+            call = self.call
+            if call is None or not call.emitted:
+                self._fail(out)
+        self.state = "content"
+
+
+@register_tool_parser("mistral")
+class MistralToolParser(ToolParser):
+    needs_special_tokens = True  # [TOOL_CALLS] and [ARGS] are control tokens
+
+    def streaming(self, make_id: IdFactory = mistral_tool_call_id) -> StreamingToolParser:
+        return MistralStream(make_id)
+
+    def extract(self, text: str, make_id: IdFactory = mistral_tool_call_id):
+        return super().extract(text, make_id)
