@@ -5,6 +5,7 @@ Pure functions over plain values (no server, no engine thread), unit-testable al
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,9 +94,11 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest
     """The request's one output constraint and the field that set it: `response_format`
     (json_object, json_schema), `structured_outputs.<kind>`, `guided_json` / `_regex` /
     `_choice` / `_grammar`, or `tool_choice` ("required" or a named function:
-    `serving.tool_choice`). (None, None) without one. Raises InvalidRequestError naming the
-    field for two constraints, an empty `structured_outputs` or a constraint over the
-    engine's bounds (`StructuredOutputs.validate`)."""
+    `serving.tool_choice`). (None, None) without one. A `structured_outputs` with options
+    only (`disable_any_whitespace`) applies them to the constraint another field gives, as
+    vLLM's. Raises InvalidRequestError naming the field for two constraints, options
+    without a constraint, or a constraint over the engine's bounds
+    (`StructuredOutputs.validate`)."""
     found: list[tuple[str, StructuredOutputs]] = []
 
     def add(param: str, make: Any) -> None:
@@ -116,9 +119,6 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest
                  "choice": tuple(so.choice) if so.choice is not None else None,
                  "grammar": so.grammar, "json_object": True if so.json_object else None}
         given = {k: v for k, v in kinds.items() if v is not None}
-        if not given:
-            raise InvalidRequestError("structured_outputs: give one of json, regex, choice, "
-                                      "grammar or json_object", "structured_outputs")
         ws = so.disable_any_whitespace
         for kind, value in given.items():
             if kind == "json":
@@ -140,6 +140,10 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest
         plan = ToolCallPlan.for_request(req)
         if plan is not None:
             found.append(("tool_choice", plan.spec))
+    if so is not None and not found:
+        raise InvalidRequestError("structured_outputs: give one of json, regex, choice, "
+                                  "grammar or json_object, or a constraint in another field "
+                                  "for its options", "structured_outputs")
     if not found:
         return None, None
     if len(found) > 1:
@@ -147,6 +151,10 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest
         raise InvalidRequestError(f"{first} and {second} cannot be used together: give at "
                                   "most one output constraint", second)
     param, spec = found[0]
+    if so is not None and so.disable_any_whitespace and (spec.json is not None
+                                                         or spec.json_object):
+        # options alone (as vLLM's): they shape the constraint another field gives
+        spec = dataclasses.replace(spec, disable_any_whitespace=True)
     try:
         spec.validate()
     except StructuredOutputsError as exc:
