@@ -40,29 +40,29 @@ class LLGuidanceMatcher(GrammarMatcher):
         tokens = [int(t) for t in tokens]
         if self._terminated:
             return not tokens
-        body, stop = self._split(tokens)
-        if stop is not None and len(body) != len(tokens) - 1:
-            return False  # tokens after a stop token
+        body, end = self._split(tokens)
+        if end is not None and (end not in self._g.backend.stop_set
+                                or len(body) != len(tokens) - 1):
+            return False  # an id outside the vocabulary, or tokens after a stop token
         if body and self._m.validate_tokens(body) < len(body):
             return False
         if body and not self._m.consume_tokens(body):  # validated: cannot happen
             raise RuntimeError(f"llguidance rejected validated tokens: {self._m.get_error()}")
-        if stop is not None and not self._m.is_accepting():
+        if end is not None and not self._m.is_accepting():
             if body:
                 self._m.rollback(len(body))
             return False
         self._n += len(tokens)
         # the stop token is recorded here, not consumed by llguidance (rollback stays exact)
-        self._terminated = stop is not None
+        self._terminated = end is not None
         return True
 
     def validate_tokens(self, tokens: Sequence[int]) -> int:
         if self._terminated or not tokens:
             return 0
-        tokens = [int(t) for t in tokens]
-        body, stop = self._split(tokens)
+        body, end = self._split([int(t) for t in tokens])
         n = self._m.validate_tokens(body) if body else 0
-        if n < len(body) or stop is None:
+        if n < len(body) or end not in self._g.backend.stop_set:
             return n
         if body:
             self._m.consume_tokens(body)
@@ -72,10 +72,11 @@ class LLGuidanceMatcher(GrammarMatcher):
         return n + 1 if ok else n
 
     def _split(self, tokens: list[int]) -> tuple[list[int], int | None]:
-        """(tokens before the first stop token, that stop token or None)."""
-        stops = self._g.backend.stop_set
+        """(the tokens before the first stop token or id outside the tokenizer's vocabulary,
+        that token or None). Outside ids are never allowed (the library would raise)."""
+        stops, limit = self._g.backend.stop_set, self._g.backend.tokenizer_vocab_size
         for i, t in enumerate(tokens):
-            if t in stops:
+            if t in stops or not 0 <= t < limit:
                 return tokens[:i], t
         return tokens, None
 

@@ -42,11 +42,11 @@ class XGrammarMatcher(GrammarMatcher):
         self._n = 0
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
-        forbidden = self._g.backend.never
+        forbidden, limit = self._g.backend.never, self._g.backend.tokenizer_vocab_size
         done = 0
         for t in tokens:
             t = int(t)
-            if t in forbidden or not self._m.accept_token(t):
+            if t in forbidden or not 0 <= t < limit or not self._m.accept_token(t):
                 if done:
                     self._m.rollback(done)
                 return False
@@ -55,11 +55,11 @@ class XGrammarMatcher(GrammarMatcher):
         return True
 
     def validate_tokens(self, tokens: Sequence[int]) -> int:
-        forbidden = self._g.backend.never
+        forbidden, limit = self._g.backend.never, self._g.backend.tokenizer_vocab_size
         done = 0
         for t in tokens:
             t = int(t)
-            if t in forbidden or not self._m.accept_token(t):
+            if t in forbidden or not 0 <= t < limit or not self._m.accept_token(t):
                 break
             done += 1
         if done:

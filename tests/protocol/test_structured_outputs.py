@@ -1,0 +1,89 @@
+"""The structured-output constraint spec: bounds, canonical keys, the wire form, torch-free."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tandem.protocol.structured_outputs as so
+from tandem.protocol.structured_outputs import StructuredOutputs as S
+from tandem.protocol.structured_outputs import StructuredOutputsError
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("spec, message", [
+    (S(), "exactly one of json, json_object, regex, choice, grammar \\(got none\\)"),
+    (S(regex="a", grammar='root ::= "a"'), "exactly one of .* \\(got regex, grammar\\)"),
+    (S(json="[]"), "the JSON schema must be a JSON object, not list"),
+    (S(json="{"), "the JSON schema is not valid JSON"),
+    (S(json='{"description":"' + "x" * so.MAX_SCHEMA_CHARS + '"}'),
+     f"the JSON schema has {so.MAX_SCHEMA_CHARS + 18} characters, more than the limit of "
+     f"{so.MAX_SCHEMA_CHARS}"),
+    (S(json='{"properties":{"a":{"$ref":"https://example.com/a.json"}}}'),
+     "the JSON schema's \\$ref 'https://example.com/a.json' at #/properties/a is not local"),
+    (S(json="[" * 2000 + "]" * 2000), "the JSON schema nests deeper than 32 levels"),
+    (S.from_json_schema(nested(so.MAX_SCHEMA_DEPTH)), "nests deeper than 32 levels"),
+    (S(regex=""), "the regex is empty"),
+    (S(regex="a" * (so.MAX_REGEX_CHARS + 1)), "the regex has 8193 characters"),
+    (S(grammar=" \n"), "the grammar is empty"),
+    (S(grammar="x" * (so.MAX_GRAMMAR_CHARS + 1)), "the grammar has 65537 characters"),
+    (S(choice=()), "choice is empty"),
+    (S(choice=("a",) * (so.MAX_CHOICES + 1)), "choice has 257 entries, more than the limit"),
+    (S(choice=("a", "")), "choice\\[1\\] is an empty string"),
+    (S(choice=("a", 3)), "choice\\[1\\] is not a string"),
+    (S(choice=("x" * (so.MAX_CHOICE_CHARS + 1),)), "choice\\[0\\] has 1025 characters"),
+])
+def test_validate_names_the_problem(spec, message) -> None:
+    with pytest.raises(StructuredOutputsError, match=message):
+        spec.validate()
+
+
+def test_within_bounds_validates() -> None:
+    S.from_json_schema(nested(so.MAX_SCHEMA_DEPTH // 2 - 1)).validate()
+    S.from_json_schema({"$defs": {"p": {"type": "integer"}},
+                        "properties": {"x": {"$ref": "#/$defs/p"}}}).validate()
+    S(choice=("a",) * so.MAX_CHOICES).validate()
+    S(json_object=True, disable_any_whitespace=True).validate()
+    assert issubclass(StructuredOutputsError, ValueError)
+
+
+def test_keys_are_canonical_and_keep_the_property_order() -> None:
+    a = S.from_json_schema('{ "type": "object",\n "properties": {"b": {}, "a": {}} }')
+    b = S.from_json_schema({"type": "object", "properties": {"b": {}, "a": {}}})
+    assert a == b and a.key() == b.key()
+    assert a.json == '{"type":"object","properties":{"b":{},"a":{}}}'
+    swapped = S.from_json_schema({"type": "object", "properties": {"a": {}, "b": {}}})
+    assert swapped.key() != a.key()  # the order of the generated keys differs
+    assert S(regex="a").key() != S(grammar="a").key()
+    assert S(json_object=True).key() != S(json_object=True, disable_any_whitespace=True).key()
+    with pytest.raises(StructuredOutputsError, match="not valid JSON"):
+        S.from_json_schema("{'a': 1}")
+
+
+def test_the_wire_form_round_trips() -> None:
+    for spec in (S(choice=("é", "b")), S.from_json_schema({"type": "object"}),
+                 S(json_object=True, disable_any_whitespace=True), S(grammar='root ::= "a"')):
+        data = json.loads(json.dumps(spec.to_dict()))
+        assert S.from_dict(data) == spec and S.from_dict(data).key() == spec.key()
+    assert S(choice=("a",)).kind == "choice" and S().kind == ""
+    with pytest.raises(StructuredOutputsError, match="unknown structured outputs field 'jsn'"):
+        S.from_dict({"jsn": "{}"})
+
+
+def test_module_is_torch_free() -> None:
+    code = ("import sys, tandem.protocol.structured_outputs; "
+            "bad = [m for m in sys.modules if m in ('torch', 'xgrammar', 'llguidance') "
+            "or m.startswith('tandem.engine')]; assert not bad, bad")
+    env = {**os.environ, "PYTHONPATH": str(Path(so.__file__).parents[2])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
