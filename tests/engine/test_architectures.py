@@ -165,6 +165,9 @@ class Arch:
     # how its tokenizer adds BOS (`_bos_tokenizer`): "" never, "config" `add_bos_token` in
     # tokenizer_config.json (Gemma's), "post_processor" tokenizer.json's (Llama 3's)
     bos: str = ""
+    # blocks of the same KV memory as one block of every layer: a hybrid model's block
+    # (`kv_cache/groups.py`) covers `group_size` of its layers (Gemma 3 here: 1 of 4)
+    pool_scale: int = 1
 
 
 CASES: dict[str, Arch] = {
@@ -175,7 +178,7 @@ CASES: dict[str, Arch] = {
     "qwen3": Arch(_make_qwen3),
     "phi3": Arch(_make_phi3, tp=False),
     "phi4-mini": Arch(_make_phi4_mini),
-    "gemma3": Arch(_make_gemma3, bos="config"),
+    "gemma3": Arch(_make_gemma3, bos="config", pool_scale=4),
     "mixtral": Arch(_make_mixtral, tp=False),
     "qwen3-moe": Arch(_make_qwen3_moe),
 }
@@ -285,7 +288,8 @@ def _check_prompt_logprobs(out, ids: list[int], ref: list[float]) -> None:
 
 def test_matches_transformers_alone_and_in_a_preempted_prefix_cached_batch(case: Case) -> None:
     longest = max(cdiv(len(p) + MAX_NEW, BLOCK) for p in case.prompts)
-    llm = LLM(case.path, dtype="float32", block_size=BLOCK, num_kv_blocks=longest + 2,
+    llm = LLM(case.path, dtype="float32", block_size=BLOCK,
+              num_kv_blocks=(longest + 2) * CASES[case.name].pool_scale,
               max_num_batched_tokens=16, max_num_seqs=8, num_threads=1)
     for ids, ref, ref_lp in zip(case.prompts, case.greedy, case.prompt_logprobs, strict=True):
         out = llm.generate([ids], _params(prompt_logprobs=True))[0]

@@ -31,10 +31,12 @@ FAMILIES = [n for n in CASES if n not in ("llama-yarn", "phi4-mini")]  # their k
 
 def _engine(path: str, tp: int = 1) -> AsyncLLMEngine:
     """Prompts run in chunks of 8 tokens: a sliding model's prefill side passes its window
-    before the prompt ends (and must keep the blocks it sends)."""
+    before the prompt ends (and must keep the blocks it sends). Page transfer runs on one
+    block table (`kv_cache_groups=False`, as P/D workers set it: Gemma 3's layers)."""
     return AsyncLLMEngine(LLMEngine(EngineConfig(
         model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=48, num_threads=1,
-        max_num_batched_tokens=8, served_model_name=MODEL, tensor_parallel_size=tp)))
+        max_num_batched_tokens=8, served_model_name=MODEL, tensor_parallel_size=tp,
+        kv_cache_groups=False)))
 
 
 async def _greedy(engine: AsyncLLMEngine, prompt: list[int], rid: str) -> RequestOutput:

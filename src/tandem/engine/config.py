@@ -69,6 +69,10 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # context window; None = the model's
     enable_prefix_caching: bool = True
+    # a model whose layers mix attention windows (Gemma 3) keeps one block table per KV
+    # group, its sliding layers freeing blocks behind the window (kv_cache/groups.py);
+    # False: one table for all layers, every block kept (what P/D page transfer needs)
+    kv_cache_groups: bool = True
     enable_kv_events: bool = False  # queue BlockStored/BlockRemoved for routers (drain them!)
     attention_backend: str = "auto"  # "auto": native CPU kernel if it builds, else "torch"
     # CUDA graphs of decode steps (Triton backend): False = capture them at startup, at the

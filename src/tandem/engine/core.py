@@ -260,12 +260,16 @@ class EngineCore:
                 f"context window of {limit} tokens", "max_tokens")
         else:
             max_tokens = params.max_tokens
+        if keep_blocks and not self.kv.supports_keep:
+            raise InvalidRequestError("this model's KV blocks cannot be kept for a transfer "
+                                      "(its layers mix attention windows)", "kv_transfer")
         # a sliding-window model holds a bounded window of a request's blocks at once
         usable = self.kv.pool.num_usable_blocks
         if self.scheduler.max_blocks(len(ids) + max_tokens, keep_blocks) > usable:
             raise InvalidRequestError(
                 f"prompt + max_tokens ({len(ids) + max_tokens} tokens) exceeds the KV cache "
-                f"capacity of {usable * self.state.block_size} tokens", "max_tokens")
+                f"capacity of {self.kv.capacity_tokens(self.scheduler.max_num_batched_tokens)}"
+                " tokens", "max_tokens")
         if not self.scheduler.can_admit(params.n):
             raise QueueFullError("the waiting queue is full; retry later")
         lora = self.resolve_lora(lora_request)

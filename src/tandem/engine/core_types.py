@@ -48,7 +48,7 @@ class EngineState:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
-    kv_bytes_per_block: int  # all layers, K and V
+    kv_bytes_per_block: int  # all layers (a hybrid model: group_size layers), K and V
     vocab_size: int
     model_memory_bytes: int = 0  # resident weight bytes (quant.apply.model_memory_bytes)
     quantization: str | None = None  # EngineConfig.quantization

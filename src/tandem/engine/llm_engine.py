@@ -21,6 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, EngineState, EngineStats
 from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
+from tandem.engine.kv_cache.hybrid import HybridKVCacheManager
 from tandem.engine.kv_cache.manager import KVCacheManager, uniform_window
 from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
 from tandem.engine.kv_pages import PageLayout
@@ -99,21 +100,39 @@ class LLMEngine(EngineCore):
         lora = self._lora_manager(shard) if config.enable_lora else None
         name = config.model_name
         eos = tuple(dict.fromkeys(tuple(arch.eos_token_ids) + tuple(tokenizer.eos_token_ids)))
-        # every layer slides with one window: blocks behind it are freed (null block 0)
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                            enable_events=config.enable_kv_events,
-                            sliding_window=uniform_window(arch.layer_windows))
+        # every layer slides with one window: blocks behind it are freed (null block 0);
+        # layers of different windows: one block table per KV group (kv_cache/hybrid.py)
+        groups_layout = shard.kv_groups
+        kv: KVCacheManager
+        if groups_layout is None:
+            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                enable_events=config.enable_kv_events,
+                                sliding_window=uniform_window(arch.layer_windows))
+        else:
+            kv = HybridKVCacheManager(num_blocks, config.block_size, groups_layout.windows,
+                                      config.enable_prefix_caching)
         state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
                             per_block, arch.vocab_size, weight_bytes, config.quantization,
                             config.kv_cache_dtype,
                             kv_null_blocks=num_blocks - kv.pool.num_usable_blocks)
-        caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
+        if groups_layout is None:
+            caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
+        else:  # layer j of every group shares physical tensor j
+            caches = groups_layout.tensors_of([backend.allocate_kv_cache(num_blocks)
+                                               for _ in range(groups_layout.group_size)])
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
-        # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly (their
-        # slot plan changes every step); every tensor-parallel rank builds the same graphs
-        # (parallel/worker.py) and replays them in the steps whose plan says so
-        runner.graphs = build_decode_graphs(config, self.model, backend, caches, max_len,
-                                            device)
+        if groups_layout is not None:
+            runner.use_groups(groups_layout)
+            if not config.enforce_eager and device.type == "cuda":
+                logger.warning("CUDA graphs off: a model whose layers mix attention windows "
+                               "runs eagerly (per-group KV block tables)")
+        else:
+            # decode graphs replay fixed buffers: steps with LoRA adapters run eagerly
+            # (their slot plan changes every step); every tensor-parallel rank builds the
+            # same graphs (parallel/worker.py) and replays them in the steps whose plan
+            # says so
+            runner.graphs = build_decode_graphs(config, self.model, backend, caches,
+                                                max_len, device)
         runner.lora = lora
         runner.arch = arch  # which KV heads each rank holds (pages gathered layer by layer)
         runner.kv_pages = KVPageIO(self)

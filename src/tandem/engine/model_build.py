@@ -27,6 +27,7 @@ from tandem.engine.attention.base import AttentionBackend, AttentionSpec, resolv
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_tuning import tune_malloc, usable_cores
 from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.groups import KVGroupLayout, kv_group_layout
 from tandem.engine.kv_cache.manager import uniform_window, window_blocks
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.cpu_linear import packing_available
@@ -65,6 +66,9 @@ class Shard:
     weight_bytes: int
     per_block: int
     tp: TPPlan | None
+    # a hybrid model's KV groups (layers of different windows: `kv_cache/groups.py`):
+    # `group_size` physical K/V tensors instead of one per layer; None: one per layer
+    kv_groups: KVGroupLayout | None = None
 
 
 def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: torch.dtype,
@@ -75,6 +79,11 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     world = groups.world if groups is not None else 1
     source = open_model(path, dtype, keep_quantized=config.quantization is not None)
     arch = source.config
+    kv_groups = kv_group_layout(arch.layer_windows)
+    if kv_groups is not None and (why := groups_unsupported(config, world)):
+        logger.warning("KV cache groups off (%s): every layer keeps every block of its "
+                       "sequences, as one block table serves them all", why)
+        kv_groups = None
     max_len = min(config.max_model_len or arch.max_position_embeddings,
                   arch.max_position_embeddings)
     tp = TPPlan.build(arch, groups.rank, world) if groups is not None else None
@@ -112,8 +121,21 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
         logger.info("packed %d float linear layers", count)
     if tp is not None:  # the collectives, around whatever the layers became
         wrap_tp(model, tp, groups.tp)
+    tensors = arch.num_layers if kv_groups is None else kv_groups.group_size
     return Shard(model, backend, arch, ops, max_len, model_memory_bytes(model),
-                 backend.bytes_per_block() * arch.num_layers, tp)
+                 backend.bytes_per_block() * tensors, tp, kv_groups)
+
+
+def groups_unsupported(config: EngineConfig, world: int) -> str:
+    """What in `config` a hybrid model's KV groups (`kv_cache/groups.py`) do not run with
+    on this branch ("" for nothing): turned off, tensor parallelism, speculative decoding,
+    KV events.
+    With any of them the model runs on one block table, freeing nothing."""
+    what = {"kv_cache_groups=False": not config.kv_cache_groups,
+            "tensor_parallel_size > 1": world > 1,
+            "speculative decoding": config.speculative_config is not None,
+            "enable_kv_events": config.enable_kv_events}
+    return ", ".join(k for k, v in what.items() if v)
 
 
 def attention_spec(arch: ModelArchConfig) -> AttentionSpec:
@@ -174,18 +196,23 @@ def kv_blocks(config: EngineConfig, shard: Shard, device: torch.device,
         mem = config.kv_cache_memory
         budget = int(_total_memory() * mem) if isinstance(mem, float) else int(mem)
         need, null = sequence_blocks(shard.arch, shard.max_len, config.block_size,
-                                 config.max_num_batched_tokens)
+                                     config.max_num_batched_tokens, shard.kv_groups)
         useful = config.max_num_seqs * need + null  # no more can ever be held at once
         blocks = max(1 + null, min(budget // world // shard.per_block, useful))
     return blocks if groups is None else all_reduce_min(groups.ctrl, blocks)
 
 
 def sequence_blocks(arch: ModelArchConfig, max_len: int, block_size: int,
-                    step_tokens: int) -> tuple[int, int]:
+                    step_tokens: int, kv_groups: KVGroupLayout | None = None
+                    ) -> tuple[int, int]:
     """(the most KV blocks one `max_len`-token sequence holds at once, the pool's null
     blocks): all of its blocks, or for a model whose every layer slides with one window W
     the window's bound (`kv_cache/manager.window_blocks`, a step running at most
-    `step_tokens`) and the null block the window reserves."""
+    `step_tokens`) and the null block the window reserves; for a hybrid model the sum of
+    its KV groups' (`kv_groups`) bounds, a block covering `group_size` layers."""
+    if kv_groups is not None:  # a hybrid model's: each group's bound (one null block)
+        return sum(window_blocks(max_len, block_size, w, step_tokens)
+                   for w in kv_groups.windows), 1
     window = uniform_window(arch.layer_windows)
     return window_blocks(max_len, block_size, window, step_tokens), int(window is not None)
 
@@ -225,6 +252,6 @@ def _blocks_on_gpu(config: EngineConfig, shard: Shard, device: torch.device,
         budget = int(config.kv_cache_memory)
     num_blocks = budget // shard.per_block
     need, null = sequence_blocks(shard.arch, shard.max_len, config.block_size,
-                                 config.max_num_batched_tokens)
+                                 config.max_num_batched_tokens, shard.kv_groups)
     check_sequence_fits(num_blocks, need, null, config.block_size, shard.max_len, budget)
     return num_blocks

@@ -51,8 +51,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from tandem.engine.attention.base import AttentionBackend, BatchLayout
+from tandem.engine.attention.base import (
+    AttentionBackend,
+    BatchLayout,
+    GroupedMetadata,
+    group_builders,
+)
 from tandem.engine.core import RunnerOutput, StepPathCount
+from tandem.engine.kv_cache.groups import KVGroupLayout, group_tables
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -174,9 +180,18 @@ class RankRunner:
         self.block_size = block_size
         self.graphs: DecodeGraphRunner | None = None
         self.adapters: LoRASlots | None = None
+        # a hybrid model's KV groups (`use_groups`): each layer's group and each group's
+        # metadata builder; empty: one block table serves every layer
+        self.layer_group: tuple[int, ...] = ()
+        self.group_builders: list[AttentionBackend] = []
         # (flat rows, device ids) written into the step's input ids after the upload: the
         # decode inputs still on the device (async scheduling); None: none
         self.device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def use_groups(self, groups: KVGroupLayout) -> None:
+        """Run a hybrid model: plans carry each KV group's tables (`StepPlan.groups`)."""
+        self.layer_group = groups.layer_group
+        self.group_builders = group_builders(self.backend, groups.windows)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, extra: np.ndarray | None = None,
@@ -193,7 +208,13 @@ class RankRunner:
         lora = None
         if len(plan.lora_slots) and self.adapters is not None:
             lora = self.adapters.batch(plan.lora_slots)
-        meta = self.backend.build_metadata(layout)
+        if plan.groups:  # a hybrid model: each KV group's tables and slots
+            meta = GroupedMetadata(self.layer_group, tuple(
+                b.build_metadata(layout.with_tables(torch.from_numpy(g.slots), g.block_table,
+                                                    g.table_lens))
+                for b, g in zip(self.group_builders, plan.groups, strict=True)))
+        else:
+            meta = self.backend.build_metadata(layout)
         with self.adapters.ctx.use(lora) if lora is not None else nullcontext():
             out = self.model(ids, pos, self.kv_caches, meta, idx, on_layer=on_layer,
                              **({"return_hidden": True} if plan.return_hidden else {}))
@@ -397,6 +418,10 @@ class ModelRunner(RankRunner):
                 offset += n
         row_idx = np.array(rows, dtype=np.int64)
         table, table_lens = table[row_idx], table_lens[row_idx]
+        tables = getattr(self.kv, "tables", None)
+        groups = () if tables is None else group_tables(
+            tables, [s.request.request_id for s in scheduled], row_idx, positions,
+            np.repeat(row_idx, np.asarray(query_lens, dtype=np.int64)), bs)
 
         logits_idx = np.concatenate([np.array(sample_idx + spec_idx, dtype=np.int64)] + [
             np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
@@ -417,7 +442,7 @@ class ModelRunner(RankRunner):
                         self.return_hidden,
                         lora_slots=np.empty(0, np.int64) if lora_slots is None else lora_slots,
                         graphs=graphs, block_ids=np.asarray(saved, dtype=np.int64),
-                        save_layers=bool(saved))
+                        save_layers=bool(saved), groups=groups)
         on_layer = self._layer_signal(watching, watched_tables) if watching else None
         mask = mask_rows(sample_reqs, spec)
         connector, meta = self.kv_connector, sched.kv_connector_meta

@@ -299,7 +299,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.kv.new_step()
-        if self.kv.sliding_window is not None:  # before anything is allocated this step
+        if self.kv.frees_blocks:  # before anything is allocated this step
             for req in self.running:
                 self.kv.free_out_of_window(req)
         cap = self.long_prefill_token_threshold

@@ -235,6 +235,8 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         distributed_executor_backend=args.distributed_executor_backend,
         structured_outputs_backend=getattr(args, "structured_outputs_backend",
                                            EngineConfig.structured_outputs_backend),
+        # P/D page transfer runs on one block table (kv_cache/hybrid.py refuses it)
+        kv_cache_groups=getattr(args, "role", None) not in ("prefill", "decode"),
         speculative_config=None if getattr(args, "role", None) == "prefill"
         else getattr(args, "speculative_config", None))
 

@@ -54,6 +54,14 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    def with_tables(self, slot_mapping: torch.Tensor, block_table: np.ndarray,
+                    table_lens: np.ndarray) -> BatchLayout:
+        """This step's layout over other block tables and slots (a hybrid model's KV
+        group: `kv_cache/groups.py`)."""
+        return BatchLayout(self.query_lens, self.seq_lens, None, slot_mapping,
+                           self.num_decodes, self.block_size, block_table=block_table,
+                           table_lens=table_lens)
+
     @property
     def block_tables(self) -> list[list[int]]:
         """Block ids per sequence, covering seq_lens."""
@@ -100,6 +108,30 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None  # keys within this many positions of the query
     logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
+
+
+@dataclass(frozen=True)
+class GroupedMetadata:
+    """A hybrid model's step metadata (`kv_cache/groups.py`): `metas[g]` was built from KV
+    group g's block tables and slots; layer i reads `metas[layer_group[i]]`."""
+
+    layer_group: tuple[int, ...]
+    metas: tuple[Any, ...]
+
+    def of_layer(self, layer: int) -> Any:
+        return self.metas[self.layer_group[layer]]
+
+
+def group_builders(backend: AttentionBackend, windows: Sequence[int | None]
+                   ) -> list[AttentionBackend]:
+    """Per KV group, `backend` building the metadata of that group's window only (the
+    views of its layers read it: `for_window` of their own window)."""
+    builders = []
+    for w in windows:
+        b = copy.copy(backend)
+        b.layer_windows = [w]
+        builders.append(b)
+    return builders
 
 
 class AttentionBackend(ABC):

@@ -33,8 +33,8 @@ hittable until evicted) and points their entries at the pool's null block (block
 written: the backends mask those positions out). A prefix hit takes no reference on the
 hit blocks that are already out of the window of its first query. A request then holds at
 most `max_blocks` blocks at once. `keep_kv` requests (a KV transfer's source) keep every
-block. With mixed sliding and full-attention layers (Gemma 3) nothing is freed: one block
-table serves every layer.
+block. Mixed sliding and full-attention layers (Gemma 3) have one block table per KV group
+(`kv_cache/hybrid.py`).
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ class KVCacheManager:
     """Maps requests to their blocks; the block table of a request is `block_ids(req)`, of
     a batch `block_table.gather(ids)`."""
 
+    supports_keep = True  # finished requests' blocks can be kept (`free(keep=True)`)
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  enable_events: bool = False, sliding_window: int | None = None) -> None:
         self.block_size = block_size
@@ -126,6 +128,11 @@ class KVCacheManager:
         self._pending: set[BlockHash] = set()
         self.prefix_queries = 0  # tokens looked up at first admissions
         self.prefix_hits = 0  # of which served from the cache
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether `free_out_of_window` can release anything (some layer slides)."""
+        return self.sliding_window is not None
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.block_table.row(request_id).tolist()
@@ -317,6 +324,10 @@ class KVCacheManager:
         `keep` request, a `keep_kv` one, holds all of them)."""
         return window_blocks(num_tokens, self.block_size,
                              None if keep else self.sliding_window, step_tokens)
+
+    def capacity_tokens(self, step_tokens: int) -> int:
+        """The tokens the pool's usable blocks hold (what error messages quote)."""
+        return self.pool.num_usable_blocks * self.block_size
 
     def resident_blocks(self, request_id: str) -> int:
         """Blocks `request_id` holds (its entries that are not the null block)."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.engine.attention.base import AttentionBackend
+from tandem.engine.attention.base import AttentionBackend, GroupedMetadata
 from tandem.engine.errors import ConfigError
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.layers import DecoderLayer, RMSNorm, RowTarget, rows, scale_embedding
@@ -68,8 +68,10 @@ class DecoderForCausalLM(nn.Module):
         rope = (positions, self.rope.cos, self.rope.sin)
         local = (positions, self.rope_local.cos, self.rope_local.sin) if (
             self.rope_local is not None) else rope
+        grouped = isinstance(meta, GroupedMetadata)  # hybrid: each layer its group's
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer(x, residual, local if self._local[i] else rope, cache, meta)
+            x, residual = layer(x, residual, local if self._local[i] else rope, cache,
+                                meta.of_layer(i) if grouped else meta)
             if on_layer is not None:
                 on_layer(i)
         if not cfg.norm_unit_offset:

@@ -51,6 +51,16 @@ def _i64(a: object) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
 
+@dataclass(frozen=True)
+class GroupTables:
+    """One KV group's share of a FORWARD plan: its KV slot per token [T] int64, block
+    tables [B, W] int32 (zero-padded) and their lengths [B] int32, rows as the plan's."""
+
+    slots: np.ndarray
+    block_table: np.ndarray
+    table_lens: np.ndarray
+
+
 @dataclass
 class StepPlan:
     """One step for every rank. Arrays are int64 but for `block_table` ([B, W]
@@ -73,6 +83,9 @@ class StepPlan:
     graphs: bool = False  # a decode step over the static buffers / CUDA graphs
     # FORWARD: after each layer, every rank hands rank 0 its heads of `block_ids`
     save_layers: bool = False
+    # a hybrid model's KV groups (`kv_cache/groups.py`), group 0 first (the plan's own
+    # `slots` / `block_table` / `table_lens` are group 0's); one rank only: not on the wire
+    groups: tuple[GroupTables, ...] = ()
 
     @classmethod
     def control(cls, kind: PlanKind, block_ids: list[int] | None = None) -> StepPlan:
