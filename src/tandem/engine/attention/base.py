@@ -126,12 +126,7 @@ def group_builders(backend: AttentionBackend, windows: Sequence[int | None]
                    ) -> list[AttentionBackend]:
     """Per KV group, `backend` building the metadata of that group's window only (the
     views of its layers read it: `for_window` of their own window)."""
-    builders = []
-    for w in windows:
-        b = copy.copy(backend)
-        b.layer_windows = [w]
-        builders.append(b)
-    return builders
+    return [backend.metadata_builder(w) for w in windows]
 
 
 class AttentionBackend(ABC):
@@ -181,6 +176,14 @@ class AttentionBackend(ABC):
         view = copy.copy(self)
         view.spec = spec
         return view
+
+    def metadata_builder(self, window: int | None) -> AttentionBackend:
+        """A copy of this backend whose `build_metadata` serves the layers of `window` only
+        (a hybrid model's KV group); backends with per-step staging state give each copy
+        its own."""
+        builder = copy.copy(self)
+        builder.layer_windows = [window]
+        return builder
 
     def bytes_per_block(self) -> int:
         """KV bytes one block costs in one layer (K and V)."""

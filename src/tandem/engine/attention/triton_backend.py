@@ -91,6 +91,14 @@ class TritonAttentionBackend(AttentionBackend):
         view.window = spec.sliding_window or 0
         return view
 
+    def metadata_builder(self, window: int | None) -> TritonAttentionBackend:
+        """As the base's, with its own pinned staging buffer: the groups' uploads of one
+        step must not overwrite each other's (the kernels take the window per launch)."""
+        builder = super().metadata_builder(window)
+        assert isinstance(builder, TritonAttentionBackend)
+        builder._host, builder._uploaded = None, None
+        return builder
+
     # host staging --------------------------------------------------------------------------
 
     def _staging(self, n: int) -> torch.Tensor:
