@@ -14,7 +14,8 @@ Checked on every step (`SimViolation` names the rule):
 - the entries a step writes or reads are not the null block and are referenced;
 - each block's reference count equals its entries in live requests' tables, and a block
   appears in the tables of one group only; free blocks are exactly those unreferenced;
-- every prefix-cached block holds its group's identities of its hash's tokens;
+- every prefix-cached block holds its group's identities of its hash's tokens, and the
+  KV events replayed give exactly the plain group's cached hashes;
 - a request's resident blocks in each group stay within that group's `window_blocks`;
 - at the end every block is free (each released exactly once: a double free raises).
 """
@@ -30,6 +31,7 @@ from tandem.engine.kv_cache.manager import cdiv, window_blocks
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.protocol.kv_events import BlockRemoved, BlockStored
 
 
 class SimViolation(AssertionError):
@@ -66,7 +68,9 @@ class HybridSim:
         probe = HybridKVCacheManager(2, bs, layout.windows)
         need = probe.max_blocks(self.max_len, self.budget)
         self.kv = HybridKVCacheManager(need + 1 + rng.randint(0, 2 * need), bs,
-                                       layout.windows, enable_caching=caching)
+                                       layout.windows, enable_caching=caching,
+                                       enable_events=True)
+        self.mirror: set[bytes] = set()  # the hashes the events say are cached
         self.sched = Scheduler(self.kv, rng.randint(1, 4), self.budget,
                                long_prefill_token_threshold=rng.choice([0, 0, 4]))
         # per physical tensor: (block, offset) -> (group, identity)
@@ -167,7 +171,7 @@ class HybridSim:
         if pool.num_free_blocks() != sum(1 for b in pool.blocks[1:] if b.ref_cnt == 0):
             self._fail("the free queue does not hold exactly the unreferenced blocks")
         for key, block in pool._cached.items():
-            g, h = (key[0], key[1:]) if len(key) == 33 else (0, key)
+            g, h = (key[0], key[1:]) if len(key) == 33 else (kv.plain, key)
             want = self.hash_idents.get(h)
             if want is None:
                 self._fail(f"cached hash of group {g} was never computed")
@@ -175,6 +179,22 @@ class HybridSim:
                 got = [self.cache[slot].get((block.block_id, o)) for o in range(self.bs)]
                 if got != [(g, i) for i in want]:
                     self._fail(f"cached block {block.block_id} of group {g} holds {got}")
+
+    def check_events(self) -> None:
+        """Replayed KV events give exactly the plain group's cached hashes."""
+        for event in self.kv.pool.take_events():
+            if isinstance(event, BlockStored):
+                self.mirror.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.mirror.difference_update(event.block_hashes)
+            else:
+                self.mirror.clear()
+        plain = set(self.kv.pool.cached_hashes())
+        if self.mirror != plain or any(len(h) != 32 for h in plain):
+            self._fail("KV events do not give the plain group's cached hashes")
+        if any(self.kv.pool.get_cached_block(self.kv.key(self.kv.plain, h)) is None
+               for h in plain):
+            self._fail("a reported hash is not the plain group's")
 
     def step(self) -> None:
         self.steps += 1
@@ -191,6 +211,7 @@ class HybridSim:
             del self.live[rid]
             self.finished += 1
         self.check_pool()
+        self.check_events()
 
     def run(self, num_ops: int) -> None:
         rng = self.rng

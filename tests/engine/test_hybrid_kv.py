@@ -84,9 +84,11 @@ def test_sliding_groups_free_behind_the_window_and_a_hit_needs_only_their_window
     hit, num_hit = kv.get_computed_blocks(again)
     assert num_hit == 36
     full_hashes = again.update_block_hashes(BS)[:9]
-    assert [b.block_hash for b in hit.groups[1]] == [group_key(1, h) for h in full_hashes]
+    assert kv.plain == 1  # the full group's keys are the hashes, the sliding one's tagged
+    assert [b.block_hash for b in hit.groups[1]] == full_hashes
     assert [b.block_id for b in hit.groups[0][:7]] == [0] * 7
-    assert [b.block_hash for b in hit.groups[0][7:]] == full_hashes[7:]
+    assert [b.block_hash for b in hit.groups[0][7:]] == [group_key(0, h, 1)
+                                                        for h in full_hashes[7:]]
     sched.add_request(again)
     out = sched.schedule()
     assert kv.group_block_ids(again.request_id)[0][:7] == [0] * 7
@@ -108,13 +110,14 @@ def test_a_hit_stops_where_a_sliding_groups_window_was_evicted():
     _run(sched)
     hashes = req.update_block_hashes(BS)
     assert kv.get_computed_blocks(make_request(list(range(100, 145))))[1] == 44
-    block = kv.pool.get_cached_block(hashes[10])
-    del kv.pool._cached[hashes[10]]
+    block = kv.pool.get_cached_block(kv.key(0, hashes[10]))
+    del kv.pool._cached[block.block_hash]
     block.block_hash = None
     hit, num_hit = kv.get_computed_blocks(make_request(list(range(100, 145))))
     assert num_hit == 10 * BS
-    assert [b.block_hash for b in hit.groups[0]] == [None] * 8 + hashes[8:10]
-    assert [b.block_hash for b in hit.groups[1]] == [group_key(1, h) for h in hashes[:10]]
+    assert [b.block_hash for b in hit.groups[0]] == [None] * 8 + [kv.key(0, h)
+                                                                  for h in hashes[8:10]]
+    assert [b.block_hash for b in hit.groups[1]] == hashes[:10]
 
 
 @pytest.mark.parametrize("start", range(0, 240, 60))
@@ -191,15 +194,22 @@ def test_tiny_gemma3_frees_its_sliding_layers_blocks_and_matches_transformers(ge
 
 def test_tiny_gemma3_prefix_hit_reads_only_the_sliding_groups_window(gemma3):
     """Prompt 2 twice on a roomy pool: the second hits 24 of its 27 tokens although its
-    sliding groups' early blocks were freed (and may be evicted), same tokens."""
+    sliding groups' early blocks were freed (and may be evicted), same tokens. KV events
+    name the full-attention group's blocks: the prompt's 9 full blocks (6 of the prompt,
+    3 of its output), under their plain hashes."""
     from tandem import LLM, SamplingParams
+    from tandem.protocol.kv_events import BlockStored
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(gemma3.path, dtype="float32", block_size=BS, num_kv_blocks=64,
-              max_num_batched_tokens=4, num_threads=1)
+              max_num_batched_tokens=4, num_threads=1, enable_kv_events=True)
     a, b = (llm.generate([gemma3.prompts[2]], params)[0] for _ in range(2))
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 24)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == gemma3.greedy[2]
+    stored = [h for e in llm.engine.take_kv_events() if isinstance(e, BlockStored)
+              for h in e.block_hashes]
+    assert len(stored) == (27 + 12 - 1) // BS and all(len(h) == 32 for h in stored)
+    assert sorted(stored) == sorted(llm.engine.kv.pool.cached_hashes())
 
 
 def test_keep_kv_requests_are_refused_on_hybrid_groups(gemma3):

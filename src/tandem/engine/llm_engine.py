@@ -110,7 +110,7 @@ class LLMEngine(EngineCore):
                                 sliding_window=uniform_window(arch.layer_windows))
         else:
             kv = HybridKVCacheManager(num_blocks, config.block_size, groups_layout.windows,
-                                      config.enable_prefix_caching)
+                                      config.enable_prefix_caching, config.enable_kv_events)
         state = EngineState(str(path), name, max_len, config.block_size, num_blocks,
                             per_block, arch.vocab_size, weight_bytes, config.quantization,
                             config.kv_cache_dtype,

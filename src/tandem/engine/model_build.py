@@ -128,13 +128,11 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
 
 def groups_unsupported(config: EngineConfig, world: int) -> str:
     """What in `config` a hybrid model's KV groups (`kv_cache/groups.py`) do not run with
-    on this branch ("" for nothing): turned off, tensor parallelism, speculative decoding,
-    KV events.
+    on this branch ("" for nothing): turned off, tensor parallelism, speculative decoding.
     With any of them the model runs on one block table, freeing nothing."""
     what = {"kv_cache_groups=False": not config.kv_cache_groups,
             "tensor_parallel_size > 1": world > 1,
-            "speculative decoding": config.speculative_config is not None,
-            "enable_kv_events": config.enable_kv_events}
+            "speculative decoding": config.speculative_config is not None}
     return ", ".join(k for k, v in what.items() if v)
 
 

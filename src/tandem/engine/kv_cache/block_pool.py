@@ -11,7 +11,7 @@ positions at it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -47,6 +47,9 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         self.null_block: KVBlock | None = None  # `reserve_null`
+        # which cached keys events and `cached_hashes` report (None: all); a hybrid model's
+        # pool reports one KV group's (`kv_cache/hybrid.py`)
+        self.reported: Callable[[BlockHash], bool] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -77,6 +80,8 @@ class BlockPool:
 
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash currently hittable (a snapshot for routers that (re)connect)."""
+        if self.reported is not None:
+            return [h for h in self._cached if self.reported(h)]
         return list(self._cached)
 
     # -- mutations -----------------------------------------------------------------------
@@ -98,6 +103,8 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.enable_events and self.reported is not None:
+            evicted = [h for h in evicted if self.reported(h)]
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
@@ -140,6 +147,8 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
             stored.append(block_hash)
+        if stored and self.reported is not None and not all(map(self.reported, hashes)):
+            stored = []  # a chain of another group's keys: not reported
         if stored and self.enable_events:
             if len(stored) == len(hashes):
                 self._events.append(BlockStored(tuple(stored), parent_hash, tuple(token_ids),

@@ -6,15 +6,15 @@ number of blocks in every group; a group with a window W frees its leading block
 future query reads them (as `KVCacheManager.free_out_of_window` does for a uniform window),
 a full-attention group keeps them. Freed entries point at the null block (block 0).
 
-Prefix caching: group g's block of hash h is cached under `group_key(g, h)` (group 0 under
-h itself), so a block id holds one group's KV of one hash. A hit of L blocks needs every
+Prefix caching: group g's block of hash h is cached under `group_key(g, h)` (the first
+full-attention group's under h itself: the only keys KV events and the routers' snapshot
+report), so a block id holds one group's KV of one hash. A hit of L blocks needs every
 full group's blocks [0, L) and each sliding group's blocks from the first one a query at
 position L * block_size reads (vLLM: each manager's `find_longest_cache_hit`, the longest
 length that all accept). Entries before that are the null block.
 
 Not supported here (refused by the engine for hybrid models): `keep_kv` requests, leases,
-imports and staged tails (P/D page transfer), a KV connector, KV events, speculative
-decoding.
+imports and staged tails (P/D page transfer), a KV connector, speculative decoding.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ from tandem.engine.kv_cache.manager import KVCacheManager, cdiv, window_blocks
 from tandem.engine.request import Request
 from tandem.protocol.block_hash import BlockHash
 
+HASH_LEN = 32  # a plain block hash's bytes (a group's key prefixes its group's)
+
 if TYPE_CHECKING:
     from tandem.engine.kv_connector.base import KVConnectorScheduler
 
 
-def group_key(group: int, block_hash: BlockHash) -> BlockHash:
-    """The prefix-cache key of group `group`'s block of `block_hash`."""
-    return block_hash if group == 0 else bytes((group,)) + block_hash
+def group_key(group: int, block_hash: BlockHash, plain: int = 0) -> BlockHash:
+    """The prefix-cache key of group `group`'s block of `block_hash` (the `plain` group's
+    is the hash itself)."""
+    return block_hash if group == plain else bytes((group,)) + block_hash
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,17 @@ class HybridKVCacheManager(KVCacheManager):
     0's. `windows[g]`: group g's window (None: full attention)."""
 
     def __init__(self, num_blocks: int, block_size: int, windows: Sequence[int | None],
-                 enable_caching: bool = True) -> None:
+                 enable_caching: bool = True, enable_events: bool = False) -> None:
         if len(windows) > 255:
             raise ConfigError(f"{len(windows)} KV cache groups: at most 255")
         if any(w is not None and w < 1 for w in windows):
             raise ValueError(f"windows must be >= 1, got {list(windows)}")
-        super().__init__(num_blocks, block_size, enable_caching)
+        super().__init__(num_blocks, block_size, enable_caching, enable_events)
         self.windows = tuple(windows)
+        # the group whose keys are the plain hashes, the only ones KV events and
+        # `cached_hashes` report: the first full-attention group (it holds a whole prefix)
+        self.plain = next((g for g, w in enumerate(self.windows) if w is None), 0)
+        self.pool.reported = lambda key: len(key) == HASH_LEN
         self.null_block = self.pool.reserve_null()
         self.tables = [BlockTable() for _ in self.windows]
         self.block_table = self.tables[0]
@@ -76,6 +83,10 @@ class HybridKVCacheManager(KVCacheManager):
         self._freed: dict[str, list[int]] = {}
 
     supports_keep = False
+
+    def key(self, group: int, block_hash: BlockHash) -> BlockHash:
+        """Group `group`'s prefix-cache key of `block_hash` (`group_key`)."""
+        return group_key(group, block_hash, self.plain)
 
     @property
     def frees_blocks(self) -> bool:
@@ -110,10 +121,10 @@ class HybridKVCacheManager(KVCacheManager):
         for g, w in enumerate(self.windows):  # full groups: the leading run
             if w is None:
                 run = 0
-                while run < n and get(group_key(g, hashes[run])) is not None:
+                while run < n and get(self.key(g, hashes[run])) is not None:
                     run += 1
                 n = run
-        found = {g: [get(group_key(g, h)) for h in hashes[:n]]
+        found = {g: [get(self.key(g, h)) for h in hashes[:n]]
                  for g, w in enumerate(self.windows) if w is not None}
         # per sliding group, how many cached blocks end at each index (a run)
         runs: dict[int, list[int]] = {}
@@ -132,7 +143,7 @@ class HybridKVCacheManager(KVCacheManager):
         groups = []
         for g, w in enumerate(self.windows):
             if w is None:
-                groups.append([get(group_key(g, h)) for h in hashes[:n]])
+                groups.append([get(self.key(g, h)) for h in hashes[:n]])
             else:
                 skip = self._out_of_window_in(w, n * self.block_size)
                 groups.append([self.null_block] * skip + found[g][skip:n])
@@ -255,8 +266,9 @@ class HybridKVCacheManager(KVCacheManager):
         bs = self.block_size
         tokens = req.all_token_ids[start * bs: end * bs]
         for g, blocks in enumerate(self._groups[rid]):
-            self.pool.cache_full_blocks(blocks[start:end], [group_key(g, h) for h in hashes],
-                                        req.parent_hash(start), tokens, bs)
+            self.pool.cache_full_blocks(blocks[start:end], [self.key(g, h) for h in hashes],
+                                        req.parent_hash(start), tokens, bs,
+                                        req.lora_name or "", req.hash_keys.adapter_id)
         self._num_cached[rid] = end
 
     def free(self, req: Request, keep: bool = False, finished: bool = False) -> None:
