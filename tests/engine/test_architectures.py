@@ -166,7 +166,9 @@ class Arch:
     # tokenizer_config.json (Gemma's), "post_processor" tokenizer.json's (Llama 3's)
     bos: str = ""
     # blocks of the same KV memory as one block of every layer: a hybrid model's block
-    # (`kv_cache/groups.py`) covers `group_size` of its layers (Gemma 3 here: 1 of 4)
+    # (`kv_cache/groups.py`) covers `group_size` of its layers (Gemma 3 here: 1 of 4;
+    # Qwen2's 1 of 2, plus a table's worth: its batch would evict every prefix a hit
+    # needs in both groups)
     pool_scale: int = 1
 
 
@@ -174,7 +176,7 @@ CASES: dict[str, Arch] = {
     "llama3": Arch(_make_llama3, bos="post_processor"),
     "llama-yarn": Arch(_make_llama_yarn, tp=False),
     "mistral": Arch(_make_mistral),
-    "qwen2": Arch(_make_qwen2),
+    "qwen2": Arch(_make_qwen2, pool_scale=3),
     "qwen3": Arch(_make_qwen3),
     "phi3": Arch(_make_phi3, tp=False),
     "phi4-mini": Arch(_make_phi4_mini),

@@ -213,16 +213,14 @@ def test_tiny_gemma3_prefix_hit_reads_only_the_sliding_groups_window(gemma3):
 
 
 def test_keep_kv_requests_are_refused_on_hybrid_groups(gemma3):
+    """A KV transfer's source keeps its blocks: not on KV groups (P/D workers run one
+    table, `--disable-hybrid-kv-cache-manager` as the flag spells it)."""
     from tandem import LLM, SamplingParams
 
     llm = LLM(gemma3.path, dtype="float32", block_size=BS, num_kv_blocks=64, num_threads=1)
     with pytest.raises(InvalidRequestError, match="cannot be kept"):
         llm.engine.add_request("k", gemma3.prompts[0], SamplingParams(max_tokens=2),
                                keep_blocks=True)
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    plain = LLM(gemma3.path, dtype="float32", block_size=BS, num_kv_blocks=64,
-                num_threads=1, speculative_config=spec)
-    assert type(plain.engine.kv) is KVCacheManager  # speculation: one table, as before
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -243,3 +241,40 @@ def test_tiny_gemma3_overlapped_loop_frees_blocks_on_torch_and_triton(gemma3, ba
     stats = llm.engine.stats()
     assert llm.engine.optimistic_steps > 0 and stats.kv_window_freed_blocks > 0
     assert stats.num_preemptions > 0
+
+
+def test_tensor_parallel_ngram_speculation_on_kv_groups_matches_transformers(gemma3):
+    """TP = 2 (each rank's plan carries every group's tables) with n-gram drafts verified
+    over the groups' tables, on a pool (24 blocks, 6 of all four layers) that preempts:
+    transformers' greedy tokens, twice, blocks freed
+    behind the window, every block back in the pool."""
+    from tandem import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(gemma3.path, dtype="float32", block_size=BS, num_kv_blocks=24,
+              max_num_batched_tokens=8, tensor_parallel_size=2, speculative_config=spec,
+              num_threads=2)
+    try:
+        assert isinstance(llm.engine.kv, HybridKVCacheManager)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for _ in range(2):
+            outs = llm.generate(gemma3.prompts, params)
+            assert [o.outputs[0].token_ids for o in outs] == gemma3.greedy
+        stats = llm.engine.stats()
+        free = llm.engine.kv.pool.num_free_blocks()
+    finally:
+        llm.engine.shutdown()
+    assert stats.kv_window_freed_blocks > 0 and stats.spec_num_draft_tokens > 0
+    assert stats.num_preemptions > 0 and free == 23
+
+
+def test_the_flag_and_p_d_roles_turn_kv_groups_off():
+    from tandem.serving.worker import engine_config
+    from tests.operator.test_render_content import worker_parser
+
+    p = worker_parser()
+    assert engine_config(p.parse_args([])).kv_cache_groups
+    assert not engine_config(p.parse_args(["--disable-hybrid-kv-cache-manager"])
+                             ).kv_cache_groups
+    for role in ("prefill", "decode"):
+        assert not engine_config(p.parse_args(["--role", role])).kv_cache_groups

@@ -4,8 +4,9 @@ kernels; the forward's decisions too: LoRA slots per token, graphs, hidden state
 blocks whose layers are gathered as they are written), and malformed arrays (bad magic,
 unknown kind, negative or oversized counts, unknown flags, a LoRA slot count other than 0
 or T, a payload shorter or longer than its header says, `save_layers` outside an eager
-FORWARD plan with blocks, a FORWARD plan naming blocks without it) are a ValueError, never
-a plan."""
+FORWARD plan with blocks, a FORWARD plan naming blocks without it, KV group tables outside
+a FORWARD plan) are a ValueError, never a plan. A hybrid model's FORWARD plan carries each
+KV group's slots and tables (padded to the widest)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import random
 import numpy as np
 import pytest
 
-from tandem.engine.parallel.plan import HEADER, MAX_ELEMENTS, PlanKind, StepPlan
+from tandem.engine.parallel.plan import (
+    HEADER,
+    MAX_ELEMENTS,
+    GroupTables,
+    PlanKind,
+    StepPlan,
+)
 
 
 def _random_plan(rng: random.Random) -> StepPlan:
@@ -38,7 +45,11 @@ def _random_plan(rng: random.Random) -> StepPlan:
         return_hidden=rng.random() < 0.5, block_ids=ints(n_ids),
         lora_slots=(np.array([rng.randrange(-1, 4) for _ in range(t)], dtype=np.int64)
                     if rng.random() < 0.5 else np.empty(0, np.int64)),
-        graphs=graphs, save_layers=save)
+        graphs=graphs, save_layers=save, groups=tuple(
+            GroupTables(ints(t), ints(b * gw, 1 << 30).astype(np.int32).reshape(b, gw),
+                        ints(b, gw + 1).astype(np.int32))
+            for gw in ([rng.randrange(1, 7) if b else 0 for _ in range(rng.randrange(5))]
+                       if kind == PlanKind.FORWARD else ())))
 
 
 def test_random_plans_round_trip() -> None:
@@ -55,6 +66,13 @@ def test_random_plans_round_trip() -> None:
             assert a.shape == b.shape and np.array_equal(a, b), name
         assert got.block_table.dtype == np.int32 and got.block_table.flags.c_contiguous
         assert got.table_lens.dtype == np.int32 and got.tokens.dtype == np.int64
+        assert len(got.groups) == len(plan.groups)
+        for a, b in zip(got.groups, plan.groups, strict=True):  # tables padded with zeros
+            w = b.block_table.shape[1]
+            assert np.array_equal(a.slots, b.slots) and np.array_equal(a.table_lens,
+                                                                       b.table_lens)
+            assert np.array_equal(a.block_table[:, :w], b.block_table)
+            assert not a.block_table[:, w:].any() and a.block_table.dtype == np.int32
 
 
 def _header(**over: int) -> np.ndarray:
@@ -63,7 +81,7 @@ def _header(**over: int) -> np.ndarray:
                     seq_lens=np.array([3]), block_table=np.array([[1]], np.int32),
                     table_lens=np.array([1], np.int32))
     data = plan.encode()
-    names = ["magic", "kind", "t", "l", "b", "w", "nd", "flags", "p", "s"]
+    names = ["magic", "kind", "t", "l", "b", "w", "nd", "flags", "p", "s", "g", "gw"]
     for k, v in over.items():
         data[names.index(k)] = v
     return data
@@ -78,6 +96,10 @@ def _header(**over: int) -> np.ndarray:
     (dict(flags=4), "save_layers needs"),  # no blocks to gather
     (dict(flags=6), "save_layers needs"),  # a graph step has no layer hook
     (dict(magic=0x7A4E_0002), "bad magic"),  # the format before save_layers
+    (dict(magic=0x7A4E_0003), "bad magic"),  # the format before KV group tables
+    (dict(kind=int(PlanKind.STOP), g=1), "out of range"),  # group tables: FORWARD only
+    (dict(g=256), "out of range"),
+    (dict(gw=-1), "out of range"),
     (dict(s=2), "out of range"),  # LoRA slots for some tokens only
     (dict(s=-3), "out of range"),
     (dict(magic=0x7A4E_0001), "bad magic"),  # the format before LoRA slots and graphs

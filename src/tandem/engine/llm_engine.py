@@ -32,6 +32,7 @@ from tandem.engine.lora.slots import adapter_data, adapter_ids
 from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
     Shard,
+    allocate_kv_caches,
     build_shard,
     kv_blocks,
     prepare_process,
@@ -115,11 +116,7 @@ class LLMEngine(EngineCore):
                             per_block, arch.vocab_size, weight_bytes, config.quantization,
                             config.kv_cache_dtype,
                             kv_null_blocks=num_blocks - kv.pool.num_usable_blocks)
-        if groups_layout is None:
-            caches = [backend.allocate_kv_cache(num_blocks) for _ in range(arch.num_layers)]
-        else:  # layer j of every group shares physical tensor j
-            caches = groups_layout.tensors_of([backend.allocate_kv_cache(num_blocks)
-                                               for _ in range(groups_layout.group_size)])
+        caches = allocate_kv_caches(shard, num_blocks)
         runner = ModelRunner(self.model, backend, caches, kv, sampler, device, executor)
         if groups_layout is not None:
             runner.use_groups(groups_layout)

@@ -127,13 +127,21 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
 
 
 def groups_unsupported(config: EngineConfig, world: int) -> str:
-    """What in `config` a hybrid model's KV groups (`kv_cache/groups.py`) do not run with
-    on this branch ("" for nothing): turned off, tensor parallelism, speculative decoding.
-    With any of them the model runs on one block table, freeing nothing."""
-    what = {"kv_cache_groups=False": not config.kv_cache_groups,
-            "tensor_parallel_size > 1": world > 1,
-            "speculative decoding": config.speculative_config is not None}
-    return ", ".join(k for k, v in what.items() if v)
+    """Why a hybrid model's KV groups (`kv_cache/groups.py`) are off ("" for on): turned
+    off (`kv_cache_groups=False`, which P/D roles set). The model then runs on one block
+    table, freeing nothing."""
+    return "" if config.kv_cache_groups else "kv_cache_groups=False"
+
+
+def allocate_kv_caches(shard: Shard, num_blocks: int) -> list[tuple[torch.Tensor,
+                                                                     torch.Tensor]]:
+    """Each layer's (K, V) cache of `num_blocks` blocks: a pair per layer, or for a hybrid
+    model `group_size` pairs, layer j of every KV group sharing pair j."""
+    if shard.kv_groups is None:
+        return [shard.backend.allocate_kv_cache(num_blocks)
+                for _ in range(shard.arch.num_layers)]
+    return shard.kv_groups.tensors_of([shard.backend.allocate_kv_cache(num_blocks)
+                                       for _ in range(shard.kv_groups.group_size)])
 
 
 def attention_spec(arch: ModelArchConfig) -> AttentionSpec:

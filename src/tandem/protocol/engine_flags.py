@@ -28,6 +28,8 @@ LONG_PREFILL_TOKEN_THRESHOLD = "--long-prefill-token-threshold"
 MAX_MODEL_LEN = "--max-model-len"
 MAX_WAITING = "--max-waiting"
 NO_PREFIX_CACHING = "--no-prefix-caching"
+# vLLM's name: one block table for every layer of a hybrid model (no KV groups)
+DISABLE_HYBRID_KV_CACHE_MANAGER = "--disable-hybrid-kv-cache-manager"
 ASYNC_SCHEDULING = "--async-scheduling"  # and --no-async-scheduling
 # quantization and speculation
 QUANTIZATION = "--quantization"

@@ -96,6 +96,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(flags.MAX_WAITING, type=int, default=4096,
                    help="bound on queued requests; beyond it requests get 429")
     p.add_argument(flags.NO_PREFIX_CACHING, action="store_true")
+    p.add_argument(flags.DISABLE_HYBRID_KV_CACHE_MANAGER, action="store_true",
+                   help="a model whose layers mix attention windows (Gemma 3) keeps every "
+                        "block in every layer on one block table, instead of one table per "
+                        "KV group whose sliding layers free blocks behind the window (P/D "
+                        "roles always run on one table)")
     p.add_argument(flags.ASYNC_SCHEDULING, action=argparse.BooleanOptionalAction,
                    default=EngineConfig.async_scheduling,
                    help="overlap each step's output processing (detokenization, stop "
@@ -236,7 +241,8 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         structured_outputs_backend=getattr(args, "structured_outputs_backend",
                                            EngineConfig.structured_outputs_backend),
         # P/D page transfer runs on one block table (kv_cache/hybrid.py refuses it)
-        kv_cache_groups=getattr(args, "role", None) not in ("prefill", "decode"),
+        kv_cache_groups=not args.disable_hybrid_kv_cache_manager
+        and getattr(args, "role", None) not in ("prefill", "decode"),
         speculative_config=None if getattr(args, "role", None) == "prefill"
         else getattr(args, "speculative_config", None))
 

@@ -14,7 +14,8 @@ position L * block_size reads (vLLM: each manager's `find_longest_cache_hit`, th
 length that all accept). Entries before that are the null block.
 
 Not supported here (refused by the engine for hybrid models): `keep_kv` requests, leases,
-imports and staged tails (P/D page transfer), a KV connector, speculative decoding.
+imports and staged tails (P/D page transfer), a KV connector: P/D workers run hybrid models
+on one block table (`kv_cache_groups=False`).
 """
 
 from __future__ import annotations

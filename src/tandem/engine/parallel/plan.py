@@ -16,11 +16,15 @@ completes a prompt whose pages are sent layer by layer) names in `block_ids` the
 whose layers every rank hands rank 0 right after writing each layer (`kv_moves.LayerGather`,
 from the forward's layer hook); a FORWARD plan without it has no `block_ids`.
 
+A hybrid model's FORWARD plan also carries each KV group's slots and block tables
+(`groups`, `kv_cache/groups.py`).
+
 Wire form (`encode` / `decode`, no pickle): one little-endian int64 array, a fixed header
-`[MAGIC, kind, T, L, B, W, num_decode, flags, P, S]` (flags: 1 return_hidden, 2 graphs,
-4 save_layers; S is 0 or T) then tokens [T] | positions [T] | slots [T] | logits_idx [L]
-| query_lens [B] | seq_lens [B] | block_table [B * W] | table_lens [B] | lora_slots [S]
-| block_ids [P].
+`[MAGIC, kind, T, L, B, W, num_decode, flags, P, S, G, GW]` (flags: 1 return_hidden,
+2 graphs, 4 save_layers; S is 0 or T; G KV groups, their tables GW wide) then tokens [T]
+| positions [T] | slots [T] | logits_idx [L] | query_lens [B] | seq_lens [B]
+| block_table [B * W] | table_lens [B] | lora_slots [S] | block_ids [P], then per group
+slots [T] | block_table [B * GW] | table_lens [B].
 `decode` checks every size against the payload's length, and that `save_layers` comes
 only in an eager FORWARD plan with blocks to gather.
 """
@@ -32,8 +36,9 @@ from enum import IntEnum
 
 import numpy as np
 
-MAGIC = 0x7A4E_0003  # format version 3
-HEADER = 10
+MAGIC = 0x7A4E_0004  # format version 4
+HEADER = 12
+MAX_GROUPS = 255  # KV groups (kv_cache/hybrid.py caps them)
 RETURN_HIDDEN, GRAPHS, SAVE_LAYERS = 1, 2, 4  # flag bits
 ALL_FLAGS = RETURN_HIDDEN | GRAPHS | SAVE_LAYERS
 MAX_ELEMENTS = 1 << 28  # a plan past this is a bug, not a batch
@@ -84,7 +89,7 @@ class StepPlan:
     # FORWARD: after each layer, every rank hands rank 0 its heads of `block_ids`
     save_layers: bool = False
     # a hybrid model's KV groups (`kv_cache/groups.py`), group 0 first (the plan's own
-    # `slots` / `block_table` / `table_lens` are group 0's); one rank only: not on the wire
+    # `slots` / `block_table` / `table_lens` are group 0's)
     groups: tuple[GroupTables, ...] = ()
 
     @classmethod
@@ -100,12 +105,20 @@ class StepPlan:
         flags = (RETURN_HIDDEN * bool(self.return_hidden) + GRAPHS * bool(self.graphs)
                  + SAVE_LAYERS * bool(self.save_layers))
         _check_blocks(int(self.kind), flags, len(self.block_ids))
+        g = len(self.groups)
+        gw = max((x.block_table.shape[1] for x in self.groups if x.block_table.ndim == 2),
+                 default=0) if b else 0
         head = np.array([MAGIC, int(self.kind), t, len(self.logits_idx), b, w,
-                         self.num_decode, flags, len(self.block_ids), len(self.lora_slots)],
-                        dtype=np.int64)
+                         self.num_decode, flags, len(self.block_ids), len(self.lora_slots),
+                         g, gw], dtype=np.int64)
         parts = [head, self.tokens, self.positions, self.slots, self.logits_idx,
                  self.query_lens, self.seq_lens, self.block_table, self.table_lens,
                  self.lora_slots, self.block_ids]
+        for x in self.groups:  # each group's table zero-padded to the widest
+            table = np.zeros((b, gw), dtype=np.int64)
+            if b:
+                table[:, :x.block_table.shape[1]] = x.block_table
+            parts += [x.slots, table, x.table_lens]
         return np.concatenate([_i64(p) for p in parts])
 
     @staticmethod
@@ -113,13 +126,14 @@ class StepPlan:
         """Elements after the header that `header` announces; ValueError when malformed."""
         if len(header) != HEADER or int(header[0]) != MAGIC:
             raise ValueError("not a step plan (bad magic)")
-        _, kind, t, n_logits, b, w, nd, flags, p, s = (int(x) for x in header)
+        _, kind, t, n_logits, b, w, nd, flags, p, s, g, gw = (int(x) for x in header)
         PlanKind(kind)  # ValueError for an unknown kind
-        if (min(t, n_logits, b, w, nd, p) < 0 or not 0 <= flags <= ALL_FLAGS
-                or nd > t or s not in (0, t)):
+        if (min(t, n_logits, b, w, nd, p, g, gw) < 0 or not 0 <= flags <= ALL_FLAGS
+                or nd > t or s not in (0, t) or g > MAX_GROUPS
+                or (g and kind != PlanKind.FORWARD)):
             raise ValueError("step plan header out of range")
         _check_blocks(kind, flags, p)
-        size = 3 * t + n_logits + 3 * b + b * w + s + p
+        size = 3 * t + n_logits + 3 * b + b * w + s + p + g * (t + b * gw + b)
         if size > MAX_ELEMENTS:
             raise ValueError(f"step plan of {size} elements is too large")
         return size
@@ -134,16 +148,20 @@ class StepPlan:
         if len(data) != HEADER + size:
             raise ValueError(f"step plan payload of {len(data) - HEADER} elements, its "
                              f"header says {size}")
-        _, kind, t, n_logits, b, w, nd, flags, p, s = (int(x) for x in data[:HEADER])
+        _, kind, t, n_logits, b, w, nd, flags, p, s, g, gw = (
+            int(x) for x in data[:HEADER])
         out, at = [], HEADER
-        for n in (t, t, t, n_logits, b, b, b * w, b, s, p):
+        for n in (t, t, t, n_logits, b, b, b * w, b, s, p, *(t, b * gw, b) * g):
             out.append(data[at : at + n].copy())
             at += n
-        tokens, positions, slots, logits_idx, qlens, slens, table, tlens, lora, ids = out
+        tokens, positions, slots, logits_idx, qlens, slens, table, tlens, lora, ids = out[:10]
         table = np.ascontiguousarray(table.reshape(b, w), dtype=np.int32)
+        groups = tuple(GroupTables(out[i], np.ascontiguousarray(
+            out[i + 1].reshape(b, gw), dtype=np.int32), out[i + 2].astype(np.int32))
+            for i in range(10, 10 + 3 * g, 3))
         return cls(PlanKind(kind), tokens, positions, slots, logits_idx, qlens, slens,
                    table, tlens.astype(np.int32), nd, bool(flags & RETURN_HIDDEN), ids,
-                   lora, bool(flags & GRAPHS), bool(flags & SAVE_LAYERS))
+                   lora, bool(flags & GRAPHS), bool(flags & SAVE_LAYERS), groups)
 
 
 def _check_blocks(kind: int, flags: int, num_blocks: int) -> None:

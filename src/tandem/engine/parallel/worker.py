@@ -25,6 +25,7 @@ from tandem.engine.devices import resolve_dtype
 from tandem.engine.lora.slots import LoRASlots, adapter_from_wire, wire_size
 from tandem.engine.model.loader import bundled_model_path
 from tandem.engine.model_build import (
+    allocate_kv_caches,
     build_shard,
     kv_blocks,
     prepare_process,
@@ -52,14 +53,17 @@ def run_rank(spec: RankSpec) -> None:
     shard = build_shard(config, path, device, dtype, groups)
     sampler = Sampler(config.seed)
     num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
-    caches = [shard.backend.allocate_kv_cache(num_blocks) for _ in range(shard.arch.num_layers)]
+    caches = allocate_kv_caches(shard, num_blocks)
     runner = RankRunner(shard.model, shard.backend, caches, device, config.block_size)
     if config.enable_lora:  # before the graphs: they capture the wrapped linears
         runner.adapters = LoRASlots(shard.model, shard.arch, config.max_loras,
                                     config.max_lora_rank, device, dtype, shard.ops.lib,
                                     shard.tp)
-    runner.graphs = build_decode_graphs(config, shard.model, shard.backend, caches,
-                                        shard.max_len, device)
+    if shard.kv_groups is not None:  # a hybrid model: per-group tables, eager (as rank 0)
+        runner.use_groups(shard.kv_groups)
+    else:
+        runner.graphs = build_decode_graphs(config, shard.model, shard.backend, caches,
+                                            shard.max_len, device)
     logger.info("rank %d of %d ready: %d KV heads, %d KV blocks", spec.rank, spec.world,
                 shard.tp.num_kv_heads, num_blocks)
     try:
