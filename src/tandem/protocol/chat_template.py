@@ -148,13 +148,40 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+# the variables a render sets itself, which `chat_template_kwargs` may not replace
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                    "bos_token", "eos_token", "raise_exception",
+                                    "strftime_now"})
+MAX_TEMPLATE_KWARGS = 64
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` (vLLM's: extra template variables such as Qwen3's
+    `enable_thinking`) as a dict; ChatTemplateError for a variable the render sets itself
+    (`messages`, `tools`, ...), a name that is not an identifier, or too many of them."""
+    out = dict(kwargs or {})
+    if len(out) > MAX_TEMPLATE_KWARGS:
+        raise ChatTemplateError(f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} keys")
+    for key in out:
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ChatTemplateError(f"chat_template_kwargs: {str(key)[:64]!r} is not a "
+                                    "template variable name")
+        if key in RESERVED_TEMPLATE_VARS:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {key!r} (the request "
+                                    "sets it)")
+    return out
+
+
 def render_chat(template: str, messages: Sequence[Mapping[str, Any]],
                 add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "",
                 *, max_output_chars: int = MAX_OUTPUT_CHARS, **extra: Any) -> str:
     """Render `messages` through `template` in the sandbox; raises ChatTemplateError on bad
     messages, template errors, sandbox violations or output over `max_output_chars`."""
     compiled, template_globals = _compiled(template)
-    context = {**template_globals, **extra, "messages": normalize_messages(messages),
+    # as transformers' apply_chat_template: `tools` and `documents` are defined (None unless
+    # given), so that templates testing `tools is not none` see no tools
+    context = {**template_globals, "tools": None, "documents": None, **extra,
+               "messages": normalize_messages(messages),
                "bos_token": bos_token, "eos_token": eos_token,
                "add_generation_prompt": add_generation_prompt}
     chunks: list[str] = []

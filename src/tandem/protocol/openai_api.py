@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tandem.protocol.chat_template import check_template_kwargs
 from tandem.protocol.signing import TENANT_SALT_PREFIX
 
 MAX_PROMPT_CHARS = 4_000_000
@@ -342,6 +343,20 @@ class ChatCompletionRequest(_SamplingRequest):
     # None: "auto" with tools, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: at most one call
+    # vLLM's: extra chat-template variables (e.g. Qwen3's `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_vars(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        try:
+            checked = check_template_kwargs(v)
+        except ValueError as exc:
+            raise _invalid(str(exc).removeprefix("chat_template_kwargs: ")) from None
+        _schema_size(checked, MAX_TOOL_SCHEMA_CHARS)
+        return checked
 
     @field_validator("tools")
     @classmethod
@@ -382,10 +397,11 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.template_dict() for m in self.messages]
 
     def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's extra variables (worker and router alike): `tools` when
-        the request has some."""
+        """The chat template's extra variables (worker and router alike): the request's
+        `chat_template_kwargs`, and `tools` when it has some."""
         tools = self.template_tools()
-        return {} if tools is None else {"tools": tools}
+        extra = dict(self.chat_template_kwargs or {})
+        return extra if tools is None else {**extra, "tools": tools}
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (OpenAI's shape); None: no tools. With

@@ -9,11 +9,13 @@ once, an optional usage chunk (`stream_options.include_usage`) and `data: [DONE]
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tandem.protocol.openai_api import (
     AssistantMessage,
@@ -26,14 +28,21 @@ from tandem.protocol.openai_api import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
     Usage,
     now,
 )
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.serving import convert
 from tandem.serving.errors import APIError, error_body
+from tandem.serving.reasoning import ReasoningParser, StreamingReasoningParser, get_reasoning_parser
 from tandem.serving.tool_choice import ToolCallPlan, ToolCallStream
+from tandem.serving.tool_parsers import StreamingToolParser, ToolParser, get_tool_parser
+from tandem.serving.tool_parsers.options import ChatParsing
 
 Stream = AsyncGenerator[tuple[int, RequestOutput], None]
 
@@ -110,7 +119,9 @@ class Responder(ABC):
                 sent_text[idx] = offset + len(c.text)
                 if done:
                     finished.add(idx)
-                yield _sse(self.chunk(idx, c, offset, done))
+                body = self.chunk(idx, c, offset, done)
+                if body is not None:  # None: nothing to send yet (held by a parser)
+                    yield _sse(body)
             if out.finished:
                 finals[i] = out
         else:
@@ -134,9 +145,10 @@ class Responder(ABC):
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
 
     @abstractmethod
-    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
+    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool
+              ) -> dict[str, Any] | None:
         """Choice `idx`'s chunk for the delta `c`, whose text starts at character `offset`
-        of the choice's generated text."""
+        of the choice's generated text; None when there is nothing to send yet."""
 
     @abstractmethod
     def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
@@ -239,38 +251,78 @@ def _joined(a: CompletionLogprobs | None, b: CompletionLogprobs | None
 
 
 class ChatResponder(Responder):
-    """`tool_plan` (`serving.tool_choice`): with tool_choice "required" or a named
-    function, each choice's output becomes its `tool_calls`."""
+    """Each choice's text is split, in this order, by the reasoning parser
+    (`--reasoning-parser`: `reasoning_content`) and then, from its content, into tool
+    calls: by `tool_plan` (`serving.tool_choice`) for tool_choice "required" or a named
+    function, or by the model's own format (`--tool-call-parser`) for "auto" (the default
+    with tools; a 400 without `--enable-auto-tool-choice`, as in vLLM). Calls found make
+    the finish reason "tool_calls" where the model stopped ("required" and "auto"); a
+    stream sends `delta.reasoning_content`, `delta.content` and `delta.tool_calls`, each
+    choice with its own parsers' state."""
 
     req: ChatCompletionRequest
 
     def __init__(self, req: ChatCompletionRequest, tok: Tokenizer, settings: Any,
                  request_id: str, lora_name: str | None = None) -> None:
         super().__init__(req, tok, settings, request_id, lora_name)
+        parsing: ChatParsing = getattr(settings, "chat_parsing", None) or ChatParsing()
         self.tool_plan = ToolCallPlan.for_request(req)
-        self._tool_streams: dict[int, ToolCallStream] = {}
+        self.reasoning: ReasoningParser | None = None
+        if parsing.reasoning_parser is not None:
+            self.reasoning = get_reasoning_parser(parsing.reasoning_parser)(tok)
+        self.tool_parser: ToolParser | None = None
+        if self.tool_plan is None and req.effective_tool_choice() == "auto":
+            if not parsing.auto_tools:
+                raise InvalidRequestError(
+                    '"auto" tool choice requires --enable-auto-tool-choice and '
+                    "--tool-call-parser to be set", "tool_choice")
+            assert parsing.tool_call_parser is not None
+            self.tool_parser = get_tool_parser(parsing.tool_call_parser)(req.template_tools())
+            if self.tool_parser.needs_special_tokens:  # the format's markers must stay
+                self.params = dataclasses.replace(self.params, skip_special_tokens=False)
+        self._streams: dict[int, _ChoiceStream] = {}
 
     def _message(self, c: CompletionOutput) -> tuple[AssistantMessage, str | None]:
         """A whole choice's message and finish reason."""
-        plan = self.tool_plan
-        calls = plan.tool_calls(c.text) if plan is not None else None
-        if plan is None or calls is None:
-            return AssistantMessage(content=c.text), c.finish_reason
-        return (AssistantMessage(content=None, tool_calls=calls),
-                plan.finish_reason(c.finish_reason, True))
+        reasoning, content = None, c.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(c.text)
+        plan, parser = self.tool_plan, self.tool_parser
+        if plan is not None:
+            calls = plan.tool_calls(content or "")
+            if calls is not None:
+                return (AssistantMessage(content=None, reasoning_content=reasoning,
+                                         tool_calls=calls),
+                        plan.finish_reason(c.finish_reason, True))
+        elif parser is not None:
+            found = parser.extract(content or "")
+            if found.tools_called:
+                calls = [ToolCall(id=t.id, function=FunctionCall(
+                    name=t.name, arguments=t.arguments)) for t in found.tool_calls]
+                return (AssistantMessage(content=found.content, reasoning_content=reasoning,
+                                         tool_calls=calls),
+                        _tool_finish(c.finish_reason))
+        return AssistantMessage(content=content, reasoning_content=reasoning), c.finish_reason
 
     def _delta(self, idx: int, c: CompletionOutput, done: bool
                ) -> tuple[DeltaMessage, str | None]:
         """A streamed choice's delta and (when `done`) finish reason."""
-        plan = self.tool_plan
-        if plan is None:
+        if self.tool_plan is None and self.tool_parser is None and self.reasoning is None:
             return DeltaMessage(content=c.text or None), c.finish_reason if done else None
-        stream = self._tool_streams.setdefault(idx, plan.stream())
-        content, calls = stream.feed(c.text)
+        stream = self._streams.get(idx)
+        if stream is None:
+            stream = self._streams[idx] = _ChoiceStream(self.reasoning, self.tool_parser,
+                                                        self.tool_plan)
+        reasoning, content, calls = stream.feed(c.text, done)
+        finish = None
         if done:
-            content += stream.finish()[0]
-        finish = plan.finish_reason(c.finish_reason, stream.called) if done else None
-        return DeltaMessage(content=content or None, tool_calls=calls or None), finish
+            finish = c.finish_reason
+            if self.tool_plan is not None:
+                finish = self.tool_plan.finish_reason(finish, stream.called)
+            elif stream.called:
+                finish = _tool_finish(finish)
+        return DeltaMessage(reasoning_content=reasoning or None, content=content or None,
+                            tool_calls=calls or None), finish
 
     def _logprobs(self, c: CompletionOutput):
         if self.params.logprobs is None:
@@ -300,8 +352,12 @@ class ChatResponder(Responder):
         body["choices"][0]["delta"] = choice.delta.model_dump(exclude_none=True)
         return body
 
-    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool) -> dict[str, Any]:
+    def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool
+              ) -> dict[str, Any] | None:
         delta, finish = self._delta(idx, c, done)
+        if not done and not delta.model_dump(exclude_none=True) and (
+                self.params.logprobs is None or not c.token_ids):
+            return None  # all of it held back by a parser, for now
         choice = ChatChunkChoice(index=idx, delta=delta, logprobs=self._logprobs(c),
                                  finish_reason=finish,
                                  stop_reason=c.stop_reason if done else None)
@@ -310,3 +366,52 @@ class ChatResponder(Responder):
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
                                    choices=[], usage=usage).model_dump()
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A choice that called tools and stopped finishes with "tool_calls" (vLLM's)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+class _ChoiceStream:
+    """One streamed choice's parsers: thinking first, then tool calls in the content."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 plan: ToolCallPlan | None) -> None:
+        self.think: StreamingReasoningParser | None = (
+            reasoning.streaming() if reasoning is not None else None)
+        self.tools: StreamingToolParser | None = tools.streaming() if tools is not None \
+            else None
+        self.plan: ToolCallStream | None = plan.stream() if plan is not None else None
+
+    @property
+    def called(self) -> bool:
+        if self.plan is not None:
+            return self.plan.called
+        return self.tools is not None and self.tools.tools_called
+
+    def feed(self, text: str, done: bool) -> tuple[str, str, list[DeltaToolCall]]:
+        """(reasoning, content, tool-call deltas) for the choice's next `text`; `done`:
+        its last, so everything held back comes out."""
+        reasoning, content = "", text
+        if self.think is not None:
+            reasoning, content = self.think.feed(text)
+            if done:
+                more_reasoning, more_content = self.think.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[DeltaToolCall] = []
+        if self.plan is not None:
+            content, calls = self.plan.feed(content)
+            if done:
+                content += self.plan.finish()[0]
+        elif self.tools is not None:
+            deltas = [self.tools.feed(content)]
+            if done:
+                deltas.append(self.tools.finish())
+            content = "".join(d.content for d in deltas)
+            calls = [DeltaToolCall(index=t.index, id=t.id,
+                                   type="function" if t.id is not None else None,
+                                   function=DeltaFunctionCall(name=t.name,
+                                                              arguments=t.arguments))
+                     for d in deltas for t in d.tool_calls]
+        return reasoning, content, calls
