@@ -301,6 +301,8 @@ def test_the_flags_are_usage_errors_when_wrong(capsys):
     for argv, message in (
             (["worker", "--enable-auto-tool-choice"],
              "--enable-auto-tool-choice needs --tool-call-parser"),
+            (["serve", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"],
+             "--enable-auto-tool-choice needs --tool-call-parser"),
             (["worker", "--tool-call-parser", "nope"],
              "argument --tool-call-parser: invalid choice: 'nope'"),
             (["worker", "--reasoning-parser", "r2"],

@@ -165,8 +165,10 @@ def check_worker_flags(args: argparse.Namespace) -> EngineConfig:
     invalid, cannot be resolved, or asks another quantization of such a checkpoint."""
     from tandem.engine.llm import resolve_config
     from tandem.engine.quant.checkpoint import with_checkpoint_quantization
+    from tandem.serving.tool_parsers.options import chat_parsing
     from tandem.serving.worker import engine_config
 
+    chat_parsing(args)  # --enable-auto-tool-choice without --tool-call-parser: refused now
     return with_checkpoint_quantization(resolve_config(engine_config(args, serving=True)))
 
 
