@@ -7,7 +7,8 @@ A completion runs in named stages: `authenticate` (the router's signature; 403) 
 by `BodyLimit` and parsed by FastAPI before the route) -> the responder, which converts the
 request to `SamplingParams` (`completion_responder` / `chat_responder`; 400) -> `off_thread`
 (tokenize or render the chat template in the tokenizer pool; 429 when it is full) ->
-`serve` (draining / dead engine: 503; pages of a prefill worker imported) -> `submit` (one
+`serve` (draining / dead engine: 503; a structured-output grammar compiled in the tokenizer
+pool, 400 when it cannot be; pages of a prefill worker imported) -> `submit` (one
 engine command for all prompts) -> `respond` (an SSE stream, or one JSON body; 504 on
 timeout, 499 on a disconnect). Route methods carry no docstring (FastAPI would publish it
 in /openapi.json), but for `/health`, whose docstring the document has always carried.
