@@ -200,6 +200,63 @@ def test_another_tenants_response_is_404_like_an_unknown_id(served):
     assert get("alice").status_code == 404
 
 
+YES_NO = {"type": "json_schema", "name": "answer", "strict": True,
+          "schema": {"type": "string", "enum": ["yes", "no"]}}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "strict": True, "parameters": {
+               "type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "maxLength": 8}}}}
+
+
+def test_text_format_is_structured_output_and_a_bad_schema_a_named_400(served, client):
+    body = {**BASE, "temperature": 1, "max_output_tokens": 16, "text": {"format": YES_NO}}
+    for _ in range(3):
+        resp = client.responses.create(input="Is it raining?", **body)
+        assert resp.output_text in ('"yes"', '"no"') and resp.status == "completed"
+        assert resp.text.format.type == "json_schema"
+    events = list(client.responses.create(input="Is it raining?", stream=True, **body))
+    assert events[-1].response.output_text in ('"yes"', '"no"')
+    bad = {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}
+    r = httpx.post(f"{served[0].url}/v1/responses",
+                   json={**BASE, "input": "hi", "text": {"format": bad}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
+def test_a_named_function_is_called_and_its_output_continues_the_conversation(served,
+                                                                              client):
+    body = {**BASE, "max_output_tokens": 40, "tools": [WEATHER]}
+    first = client.responses.create(input="weather in Paris?", **body,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    assert set(json.loads(call.arguments)) == {"city"} and first.status == "completed"
+    events = list(client.responses.create(
+        input="weather in Paris?", stream=True, **body,
+        tool_choice={"type": "function", "name": "get_weather"}))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * len(deltas),
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"], kinds
+    streamed = events[-1].response.output[0]
+    assert "".join(deltas) == events[-3].arguments == streamed.arguments
+    assert streamed.call_id and events[2].item.type == "function_call"
+    # the tool loop: the function's output continues the stored conversation
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = client.responses.create(input=[result], previous_response_id=first.id, **body,
+                                     tool_choice="none")
+    chat = _chat(served, [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                 if k != "type"}}], tool_choice="none")
+    assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize(("extra", "param", "message"), [
     ({"frequency_penalty": 1}, "frequency_penalty", "frequency_penalty is not supported"),
     ({"background": True}, "background", "background=true is not supported"),

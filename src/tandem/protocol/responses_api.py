@@ -64,7 +64,7 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 TENANT_HEADER = "x-tandem-tenant"
 # the chat body's fields that the Responses API names otherwise (for error messages)
 CHAT_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "response_format": "text.format"}
+                    "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def _text_or_list(v: Any) -> str:
@@ -225,8 +225,8 @@ class TextConfig(_Model):
 
 
 class ReasoningConfig(_Model):
-    """`effort` goes to the chat template as `reasoning_effort` (as vLLM's); no summaries
-    are generated."""
+    """`effort` is served as chat completions' `reasoning_effort` (refused, naming
+    `reasoning.effort`, where chat completions refuse that); no summaries are generated."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: None = None

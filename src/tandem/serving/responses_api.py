@@ -109,7 +109,8 @@ class ResponsesResponder:
 
     def __init__(self, api: ResponsesAPI, req: ResponsesRequest, chat: Responder,
                  tenant: str, conversation: list[dict[str, Any]], created_at: int) -> None:
-        self.api, self.req, self.chat = api, req, chat
+        # `req` stays the chat request's (the stages of `serve` read it): this is `request`
+        self.api, self.request, self.chat = api, req, chat
         self.tenant, self.conversation = tenant, conversation
         self.response_id = chat.request_id
         self.created_at = created_at
@@ -122,7 +123,7 @@ class ResponsesResponder:
     def response(self, status: str, output: list[dict[str, Any]],
                  usage: dict[str, Any] | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
-        req = self.req
+        req = self.request
         fmt = req.text.format if req.text is not None and req.text.format is not None else None
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at,
@@ -149,7 +150,7 @@ class ResponsesResponder:
     def finish(self, body: dict[str, Any], content: str | None,
                calls: list[dict[str, Any]]) -> None:
         """Store a complete response (when asked) with its conversation continued."""
-        if not (self.req.store and self.api.store.enabled):
+        if not (self.request.store and self.api.store.enabled):
             return
         turn: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
@@ -345,9 +346,11 @@ class StreamEvents:
         return out
 
 
-_CHAT_NAMES = re.compile(r"\b(max_completion_tokens|max_tokens|response_format|messages)\b")
+_CHAT_NAMES = re.compile(r"\b(max_completion_tokens|max_tokens|response_format|messages|"
+                         r"reasoning_effort)\b")
 _NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-          "response_format": "text.format", "messages": "input"}
+          "response_format": "text.format", "messages": "input",
+          "reasoning_effort": "reasoning.effort"}
 
 
 def _renamed(exc: APIError) -> APIError:
