@@ -255,6 +255,22 @@ def test_whole_choices_split_into_reasoning_content_and_tool_calls(tok):
     assert plain["choices"][0]["message"]["content"] == CALL_TEXT
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(tok):
+    two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>')
+    for parallel, cities in ((True, ["A", "B"]), (False, ["A"])):
+        r = responder(tok, HERMES_QWEN3, parallel_tool_calls=parallel)
+        calls = r.body([out([two])])["choices"][0]["message"]["tool_calls"]
+        assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
+        r = responder(tok, HERMES_QWEN3, parallel_tool_calls=parallel, stream=True)
+        steps = [(0, out([two[k:k + 9]], finished=k + 9 >= len(two)))
+                 for k in range(0, len(two), 9)]
+        chunks = asyncio.run(_sse_chunks(r, steps))
+        indexes = {d["index"] for c in chunks for d in c["choices"][0]["delta"].get(
+            "tool_calls", ())}
+        assert indexes == set(range(len(cities)))
+
+
 async def _sse_chunks(r: ChatResponder, outputs: list[tuple[int, RequestOutput]]) -> list:
     async def gen():
         for item in outputs:

@@ -256,9 +256,10 @@ class ChatResponder(Responder):
     calls: by `tool_plan` (`serving.tool_choice`) for tool_choice "required" or a named
     function, or by the model's own format (`--tool-call-parser`) for "auto" (the default
     with tools; a 400 without `--enable-auto-tool-choice`, as in vLLM). Calls found make
-    the finish reason "tool_calls" where the model stopped ("required" and "auto"); a
-    stream sends `delta.reasoning_content`, `delta.content` and `delta.tool_calls`, each
-    choice with its own parsers' state."""
+    the finish reason "tool_calls" where the model stopped ("required" and "auto"); with
+    `parallel_tool_calls` false, "auto" keeps the first call only. A stream sends
+    `delta.reasoning_content`, `delta.content` and `delta.tool_calls`, each choice with its
+    own parsers' state."""
 
     req: ChatCompletionRequest
 
@@ -299,6 +300,8 @@ class ChatResponder(Responder):
             if found.tools_called:
                 calls = [ToolCall(id=t.id, function=FunctionCall(
                     name=t.name, arguments=t.arguments)) for t in found.tool_calls]
+                if not self.req.parallel_tool_calls:
+                    calls = calls[:1]
                 return (AssistantMessage(content=found.content, reasoning_content=reasoning,
                                          tool_calls=calls),
                         _tool_finish(c.finish_reason))
@@ -312,7 +315,8 @@ class ChatResponder(Responder):
         stream = self._streams.get(idx)
         if stream is None:
             stream = self._streams[idx] = _ChoiceStream(self.reasoning, self.tool_parser,
-                                                        self.tool_plan)
+                                                        self.tool_plan,
+                                                        self.req.parallel_tool_calls)
         reasoning, content, calls = stream.feed(c.text, done)
         finish = None
         if done:
@@ -377,7 +381,8 @@ class _ChoiceStream:
     """One streamed choice's parsers: thinking first, then tool calls in the content."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
-                 plan: ToolCallPlan | None) -> None:
+                 plan: ToolCallPlan | None, parallel: bool = True) -> None:
+        self.parallel = parallel  # False: calls after the first are dropped
         self.think: StreamingReasoningParser | None = (
             reasoning.streaming() if reasoning is not None else None)
         self.tools: StreamingToolParser | None = tools.streaming() if tools is not None \
@@ -413,5 +418,5 @@ class _ChoiceStream:
                                    type="function" if t.id is not None else None,
                                    function=DeltaFunctionCall(name=t.name,
                                                               arguments=t.arguments))
-                     for d in deltas for t in d.tool_calls]
+                     for d in deltas for t in d.tool_calls if self.parallel or t.index == 0]
         return reasoning, content, calls
