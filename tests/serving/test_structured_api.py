@@ -124,6 +124,18 @@ def test_parse_returns_the_pydantic_object(client) -> None:
     assert got.choices[0].finish_reason == "stop"
 
 
+def test_parse_with_a_strict_function_tool(client) -> None:
+    """The openai client's tool helper: the forced call's arguments parse into the model."""
+    got = client.beta.chat.completions.parse(
+        model=NAME, messages=MSG, max_tokens=120, temperature=0, extra_body=TIGHT,
+        tools=[openai.pydantic_function_tool(Weather)], tool_choice="required",
+        parallel_tool_calls=False)
+    [call] = got.choices[0].message.tool_calls
+    assert call.function.name == "Weather" and isinstance(call.function.parsed_arguments,
+                                                          Weather)
+    assert got.choices[0].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("seed", [3, 11])
 def test_random_schemas_give_valid_json(client, seed: int) -> None:
     """Seeded random schemas at temperature 0 and 1, streamed and not: valid JSON."""
