@@ -5,18 +5,23 @@ model): text and message-list input, instructions, OpenAI's streaming event sequ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from tandem.engine.async_engine import AsyncLLMEngine
-from tandem.protocol.responses_api import TENANT_HEADER, tenant_target
+from tandem.protocol.responses_api import TENANT_HEADER, ResponsesRequest, tenant_target
 from tandem.protocol.signing import WorkerKey, sign
 from tandem.serving.api_server import ServerSettings, build_app
 from tandem.serving.response_store import ResponseStore
+from tandem.serving.responses_api import ResponsesResponder
 from tests.engine.utils import make_tiny_model_dir
 from tests.router.test_router_app import Served
 from tests.serving.helpers import WORKER_KEY, signed, worker_key_file
@@ -120,6 +125,10 @@ def test_stream_follows_the_openai_event_sequence(served, client):
     assert all(b.split("\n")[0] == f"event: {json.loads(b.split(chr(10))[1][6:])['type']}"
                for b in blocks), raw[:500]
     assert "[DONE]" not in raw
+    for b in blocks:  # each event as strict as the openai client's own types
+        TypeAdapter(ResponseStreamEvent).validate_python(json.loads(b.split("\n")[1][6:]))
+    r = httpx.post(f"{served[0].url}/v1/responses", json={**BASE, "input": "Hi"})
+    assert Response.model_validate(r.json()).output_text
 
 
 def test_stream_helper_accumulates_the_final_response(client):
@@ -317,3 +326,95 @@ def test_store_flags_reach_the_worker(tmp_path):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["worker", "--responses-store-ttl", "0"])
     assert exc.value.code == 2
+
+
+class _Chat:
+    """A chat responder's answer, given: its SSE chunks and its whole body."""
+
+    def __init__(self, chunks: list[dict], body: dict | None = None) -> None:
+        self.chunks, self.body = chunks, body
+        self.request_id, self.model, self.created = "resp_" + "0" * 32, NAME, 1
+        self.params = SimpleNamespace(temperature=1.0, top_p=1.0)
+
+    async def sse(self, stream):  # noqa: ANN001, ANN201
+        for c in self.chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def collect(self, stream) -> dict:  # noqa: ANN001
+        return self.body
+
+
+def _delta(**delta) -> dict:
+    finish = delta.pop("finish_reason", None)
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def _call(index: int, arguments: str, **head) -> dict:
+    return {"index": index, **({"id": head["id"], "type": "function"} if head else {}),
+            "function": {**({"name": head["name"]} if head else {}), "arguments": arguments}}
+
+
+USAGE = {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+         "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_reasoning_text_and_calls_become_items_in_openais_shapes():
+    """Thinking, text and two tool calls, streamed and whole: each event and the response
+    validate against the openai client's own types; the conversation stored goes on with
+    the text and the calls (not the thinking)."""
+    chunks = [_delta(role="assistant", content=""), _delta(reasoning_content="Let me"),
+              _delta(reasoning_content=" think"), _delta(content="Hi"), _delta(content=" there"),
+              _delta(tool_calls=[_call(0, '{"a"', id="call_1", name="f")]),
+              _delta(tool_calls=[_call(0, ":1}")]),
+              _delta(tool_calls=[_call(1, "{}", id="call_2", name="g")]),
+              _delta(finish_reason="tool_calls"), {"choices": [], "usage": USAGE}]
+    store = ResponseStore()
+    req = ResponsesRequest(input="hi", stream=True)
+    responder = ResponsesResponder(SimpleNamespace(store=store), req, _Chat(chunks), "t",
+                                   [{"role": "user", "content": "hi"}], 1)
+
+    async def run() -> list[str]:
+        return [e async for e in responder.sse(None)]
+
+    raw = asyncio.run(run())
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(
+        json.loads(e.split("\n")[1][len("data: "):])) for e in raw]
+    item = ["response.output_item.added", "response.content_part.added"]
+    closing = ["response.content_part.done", "response.output_item.done"]
+    call = ["response.output_item.added", "response.function_call_arguments.delta"]
+    call_done = ["response.function_call_arguments.done", "response.output_item.done"]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress",
+        *item, "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", *closing,
+        *item, "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", *closing,
+        *call, "response.function_call_arguments.delta", *call_done,
+        *call, *call_done, "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.output_index for e in events[2:-1]] == \
+        [0] * 7 + [1] * 7 + [2] * 5 + [3] * 4
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call",
+                                              "function_call"]
+    assert final.output[0].content[0].text == "Let me think"
+    assert final.output_text == "Hi there" and final.status == "completed"
+    assert [(c.call_id, c.name, c.arguments) for c in final.output[2:]] == \
+        [("call_1", "f", '{"a":1}'), ("call_2", "g", "{}")]
+    assert (final.usage.input_tokens, final.usage.output_tokens,
+            final.usage.input_tokens_details.cached_tokens) == (5, 9, 4)
+    stored = store.get("t", final.id)
+    assert stored.conversation[-1] == {"role": "assistant", "content": "Hi there", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+    # the same answer whole
+    body = {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": "Hi there", "reasoning_content": "Let me think",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "f", "arguments": '{"a":1}'}}]}}],
+        "usage": USAGE}
+    whole = ResponsesResponder(SimpleNamespace(store=store), req, _Chat([], body), "t", [], 1)
+    answer = Response.model_validate(asyncio.run(whole.collect(None)))
+    assert [i.type for i in answer.output] == ["reasoning", "message", "function_call"]
+    assert answer.output_text == "Hi there" and answer.output[2].call_id == "call_1"

@@ -76,7 +76,7 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": cached},
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
