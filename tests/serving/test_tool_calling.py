@@ -232,8 +232,12 @@ def test_auto_tool_choice_needs_the_flags_as_in_vllm(tok):
             responder(tok, parsing)
         assert e.value.param == "tool_choice"
         responder(tok, parsing, tool_choice="none")  # "none": no parsing, no error
-    assert responder(tok, ChatParsing("mistral", True)).params.skip_special_tokens is False
-    assert responder(tok, HERMES_QWEN3).params.skip_special_tokens is True
+    for name, keep in (("mistral", True), ("llama3_json", True), ("hermes", True),
+                       ("qwen3_coder", False)):
+        params = responder(tok, ChatParsing(name, True)).params
+        assert params.skip_special_tokens is not keep, name
+        assert responder(tok, ChatParsing(name, True), tool_choice="none").params \
+            .skip_special_tokens is True
 
 
 def test_whole_choices_split_into_reasoning_content_and_tool_calls(tok):

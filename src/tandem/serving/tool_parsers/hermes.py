@@ -68,5 +68,8 @@ class HermesStream(StreamingToolParser):
 
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
+    # some models' tags are special tokens (Hermes 2 Pro); vLLM keeps special tokens too
+    needs_special_tokens = True
+
     def streaming(self, make_id: IdFactory = random_tool_call_id) -> StreamingToolParser:
         return HermesStream(make_id)
