@@ -36,6 +36,8 @@ __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "StructuredOut
 DEFAULT_BACKEND = "llguidance"
 _BUILTIN = {"xgrammar": "tandem.engine.structured.xgrammar_backend:XGrammarBackend",
             "llguidance": "tandem.engine.structured.llguidance_backend:LLGuidanceBackend"}
+# llguidance is a dependency; xgrammar is optional (it needs transformers, and triton on Linux)
+_PACKAGES = {"xgrammar": "xgrammar>=0.2.9,<0.3", "llguidance": "llguidance>=1.9.1,<2"}
 _REGISTRY: dict[str, type[GrammarBackend]] = {}
 _LOCK = threading.Lock()
 
@@ -101,14 +103,18 @@ class GrammarBackend(ABC):
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         """`tokenizer`: a `tandem.protocol.tokenizer.Tokenizer`, an HF fast tokenizer or a
         `tokenizers.Tokenizer` (see `tokenizer_parts`); `vocab_size`: the model's logits
-        width (>= the tokenizer's vocabulary; the extra ids are never allowed)."""
+        width (>= the tokenizer's vocabulary; the extra ids are never allowed). Raises
+        StructuredOutputsError ("structured outputs are unavailable: ...") for a tokenizer
+        the library cannot use, or one without EOS."""
         self.backend_tokenizer, self.stop_token_ids = tokenizer_parts(tokenizer)
         self.tokenizer_vocab_size = self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab_size < self.tokenizer_vocab_size:
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's "
-                             f"vocabulary ({self.tokenizer_vocab_size} ids)")
+            raise StructuredOutputsError(
+                f"structured outputs are unavailable: the model's vocab_size {vocab_size} is "
+                f"smaller than its tokenizer's vocabulary ({self.tokenizer_vocab_size} ids)")
         if not self.stop_token_ids:
-            raise ValueError("the tokenizer has no EOS token: a grammar could never end")
+            raise StructuredOutputsError("structured outputs are unavailable: the tokenizer "
+                                         "has no EOS token, so a grammar could never end")
         self.vocab_size = vocab_size
 
     @abstractmethod
@@ -121,7 +127,9 @@ def tokenizer_parts(tokenizer: Any) -> tuple[Any, tuple[int, ...]]:
     """(`tokenizers.Tokenizer`, stop token ids) of a Tandem tokenizer (its `backend` and
     `eos_token_ids`), an HF fast tokenizer (`backend_tokenizer`, `eos_token_id`) or a bare
     `tokenizers.Tokenizer` (no stop tokens known: the caller must refuse it)."""
-    if hasattr(tokenizer, "eos_token_ids") and hasattr(tokenizer, "backend"):
+    from tandem.protocol.tokenizer import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
         return tokenizer.backend, tuple(tokenizer.eos_token_ids)
     if hasattr(tokenizer, "backend_tokenizer"):
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -149,7 +157,8 @@ def default_backend() -> str:
 
 def get_backend(name: str) -> type[GrammarBackend]:
     """The backend class registered as `name` (built-ins are imported on first use);
-    ValueError naming the choices for an unknown name."""
+    ValueError naming the choices for an unknown name; StructuredOutputsError naming the
+    package to install for a built-in whose library (or a library it needs) is missing."""
     with _LOCK:
         cls = _REGISTRY.get(name)
     if cls is not None:
@@ -159,6 +168,11 @@ def get_backend(name: str) -> type[GrammarBackend]:
         raise ValueError(f"unknown structured outputs backend {name!r} (choose from "
                          f"{', '.join(available_backends())})")
     module, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise StructuredOutputsError(
+            f"the structured outputs backend {name!r} is not installed ({exc}): "
+            f"pip install '{_PACKAGES[name]}'") from None
     register_backend(name, cls)
     return cls

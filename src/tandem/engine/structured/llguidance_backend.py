@@ -130,9 +130,14 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
-        self.tokenizer = llg.LLTokenizer(self.backend_tokenizer.to_str(),
-                                         n_vocab=self.tokenizer_vocab_size,
-                                         eos_token=list(self.stop_token_ids))
+        try:
+            self.tokenizer = llg.LLTokenizer(self.backend_tokenizer.to_str(),
+                                             n_vocab=self.tokenizer_vocab_size,
+                                             eos_token=list(self.stop_token_ids))
+        except Exception as exc:
+            raise StructuredOutputsError(
+                f"structured outputs are unavailable: llguidance cannot use the model's "
+                f"tokenizer ({exc})") from None
         self.stop_set = frozenset(self.stop_token_ids)
         # the library fills the words of the tokenizer's ids; padded logits ids are cleared
         self.mask_bytes = ((self.tokenizer_vocab_size + 31) // 32) * 4

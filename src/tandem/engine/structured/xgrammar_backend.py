@@ -108,14 +108,19 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_threads: int | None = None) -> None:
         super().__init__(tokenizer, vocab_size)
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(self.backend_tokenizer.to_str())
         encoded: list[str] = [""] * vocab_size
         for text, i in self.backend_tokenizer.get_vocab(with_added_tokens=True).items():
             if i < vocab_size:
                 encoded[i] = text
-        self.info = xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
-                                      stop_token_ids=list(self.stop_token_ids),
-                                      add_prefix_space=meta["add_prefix_space"])
+        try:
+            meta = xgr.TokenizerInfo._detect_metadata_from_hf(self.backend_tokenizer.to_str())
+            self.info = xgr.TokenizerInfo(encoded, meta["vocab_type"], vocab_size=vocab_size,
+                                          stop_token_ids=list(self.stop_token_ids),
+                                          add_prefix_space=meta["add_prefix_space"])
+        except Exception as exc:
+            raise StructuredOutputsError(
+                f"structured outputs are unavailable: xgrammar cannot use the model's "
+                f"tokenizer ({_message(exc)})") from None
         self.never = special_token_ids(self.backend_tokenizer) - set(self.stop_token_ids)
         self.forbidden_row = forbidden_row(vocab_size, self.tokenizer_vocab_size, self.never)
         self.stop_row = only_row(vocab_size, self.stop_token_ids)
