@@ -161,6 +161,9 @@ def test_streamed_calls_equal_the_whole_output_however_split() -> None:
         assert content == "" and [(n, json.loads(a)) for n, a in calls] == whole
     assert plan.finish_reason("stop", True) == "tool_calls"
     assert plan.finish_reason("length", True) == "length"
+    cut = '[{"name": "move", "parameters": {"p": [1'  # max_tokens: the call begun is kept
+    assert [(c.function.name, c.function.arguments) for c in plan.tool_calls(cut)] == [
+        ("move", '{"p": [1')] and _replay(plan, cut, rng) == ("", [("move", '{"p": [1')])
     # not the expected shape: all of it is content, and no tool_calls
     for other in ("Sure! [1, 2]", '{"name": "move"}', "[1, 2]"):
         assert plan.tool_calls(other) is None

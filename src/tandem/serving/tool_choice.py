@@ -11,11 +11,12 @@ output must follow (vLLM's shapes) and turns that output back into OpenAI `tool_
   the parameters following that tool's schema (`$defs` of every tool hoisted to the root).
   `finish_reason` "tool_calls" once the model stopped (as vLLM's).
 
-A tool call's id is `chatcmpl-tool-<hex>` (as vLLM's). An output that is not the expected
-JSON (cut short by `max_tokens`) is returned as `content`, without `tool_calls`.
-`ToolCallStream` does the same for a stream: each call's first `delta.tool_calls` chunk
-carries its index, id, type and name; later ones carry fragments of its arguments, which
-concatenate to the JSON the model wrote.
+A tool call's id is `chatcmpl-tool-<hex>` (as vLLM's) and its arguments are the JSON the
+model wrote. `ToolCallStream` scans the output as it comes: each call's first
+`delta.tool_calls` chunk carries its index, id, type and name; later ones carry fragments
+of its arguments, which concatenate to that JSON. A whole output gets the same calls. An
+output where no call is recognised is returned as `content`, without `tool_calls`; one cut
+short by `max_tokens` keeps the calls begun (finish reason "length").
 """
 
 from __future__ import annotations
@@ -107,20 +108,24 @@ class ToolCallPlan:
         return cls(spec, name, req.parallel_tool_calls)
 
     def tool_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls in a whole output; None when it is not the expected JSON."""
+        """The calls in a whole output, as a stream of it sends them (each call's arguments
+        as the model wrote them; a call cut short keeps what was written); None when no
+        call was recognised."""
         if self.name is not None:
             return [ToolCall(id=new_tool_call_id(),
                              function=FunctionCall(name=self.name, arguments=text))]
-        try:
-            calls = json.loads(text)
-        except ValueError:
+        stream = self.stream()
+        _, deltas = stream.feed(text)
+        if not stream.called:
             return None
-        if not isinstance(calls, list) or not calls or not all(
-                isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            return None
-        return [ToolCall(id=new_tool_call_id(), function=FunctionCall(
-            name=c["name"], arguments=json.dumps(c.get("parameters", {}), ensure_ascii=False)))
-            for c in calls]
+        calls: dict[int, ToolCall] = {}
+        for d in deltas:
+            assert d.function is not None
+            if d.id is not None:
+                calls[d.index] = ToolCall(id=d.id, function=FunctionCall(
+                    name=d.function.name or "", arguments=""))
+            calls[d.index].function.arguments += d.function.arguments or ""
+        return [calls[i] for i in sorted(calls)]
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """The choice's finish reason: "tool_calls" for "required" calls the model ended."""
