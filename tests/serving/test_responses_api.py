@@ -418,3 +418,36 @@ def test_reasoning_text_and_calls_become_items_in_openais_shapes():
     answer = Response.model_validate(asyncio.run(whole.collect(None)))
     assert [i.type for i in answer.output] == ["reasoning", "message", "function_call"]
     assert answer.output_text == "Hi there" and answer.output[2].call_id == "call_1"
+
+
+def test_a_signed_get_by_id_needs_no_api_key_on_a_keyed_worker():
+    """`ApiKeyAuth` lets a signed request through to the routes under `/v1/responses/` (the
+    route then checks the signature), as to the other signed routes; nothing else."""
+    from tandem.serving.api_server import SIGNED_ROUTES
+    from tandem.serving.worker_auth import ApiKeyAuth
+
+    reached: list[str] = []
+
+    async def inner(scope, receive, send) -> None:  # noqa: ANN001
+        reached.append(scope["path"])
+
+    auth = ApiKeyAuth(inner, ["k"], signed_paths=SIGNED_ROUTES, accept_signed=True)
+    sent: list[dict] = []
+
+    async def call(path: str, headers: list[tuple[bytes, bytes]]) -> None:
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await auth({"type": "http", "path": path, "method": "GET", "headers": headers,
+                    "query_string": b""}, receive, send)
+
+    signature = [(b"x-tandem-signature", b"t=1,n=0,v1=0")]
+    for path in ("/v1/responses/resp_1", "/v1/responses"):
+        asyncio.run(call(path, signature))
+    asyncio.run(call("/v1/models/x", signature))
+    asyncio.run(call("/v1/responses/resp_1", []))
+    assert reached == ["/v1/responses/resp_1", "/v1/responses"]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [401, 401]
