@@ -220,6 +220,8 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
           "w8a8, int4, fp8, gguf quantize float weights at load"),
     _same("--kv-cache-dtype", "auto, fp8, fp8_e4m3, int8 (no fp8_e5m2)"),
     _same("--speculative-config", "methods ngram, draft, eagle"),
+    VllmFlag("--structured-outputs-config", "worker", ("--structured-outputs-backend",),
+             "its `backend` key: xgrammar or llguidance (no `auto` or `guidance` aliases)"),
     _same("--enable-lora"),
     _same("--max-loras"),
     _same("--max-lora-rank"),
