@@ -293,3 +293,18 @@ def test_speculation_with_a_grammar_gives_the_greedy_tokens(tiny_model, llm, cas
     for out, spec in zip(sampled, specs, strict=True):
         assert out.outputs[0].finish_reason == "stop"
         assert _allowed(spec_llm, spec, _ids(out))
+
+
+def test_tensor_parallel_ranks_give_the_one_rank_tokens(tiny_model, llm):
+    """Rank 0 alone samples (the logits are gathered to it), so it alone applies the
+    bitmask: two ranks give one rank's greedy constrained tokens."""
+    prompts = _prompts(4, seed=12)
+    params = [_params(_json(SCHEMAS[i])) for i in range(4)]
+    want = [_ids(o) for o in llm.generate(prompts, params)]
+    tp = LLM(model=tiny_model, num_threads=1, seed=0, max_num_batched_tokens=256,
+             tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        got = [_ids(o) for o in tp.generate(prompts, params)]
+    finally:
+        tp.engine.shutdown()
+    assert got == want

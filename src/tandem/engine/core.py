@@ -30,7 +30,13 @@ seeds and preemption run optimistically. A step resolves at once (its requests g
 placeholder) when any sampling row wants logprobs or a repetition, presence or frequency
 penalty (they read output ids on the host), or under tensor parallelism; an engine with
 speculative decoding (drafts and hidden states are read on the host) never runs
-optimistically, as in vLLM's first version.
+optimistically, as in vLLM's first version. A step whose sampling rows include one under
+a structured-output grammar also resolves at once (its matchers advance on the host).
+
+Structured outputs (`structured_manager.py`): a request's grammar compiles off this thread;
+it waits unscheduled meanwhile (`_poll_grammars` at every step boundary hands out matchers
+and fails the requests whose grammar cannot compile), each committed token advances its
+sample's matcher, and a terminated grammar ends the sample ("stop").
 """
 
 from __future__ import annotations
@@ -74,7 +80,11 @@ from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.spec_decode.speculator import Speculator
-from tandem.engine.structured_manager import StructuredOutputManager, accept_token
+from tandem.engine.structured_manager import (
+    StructuredOutputManager,
+    StructuredOutputsCore,
+    accept_token,
+)
 from tandem.protocol.block_hash import request_hash_keys
 from tandem.protocol.kv_events import KVEvent
 
@@ -90,7 +100,7 @@ MAX_PROMPT_TOKENS = 1 << 20  # hard bound on what a client can hand us, before m
 GRAMMAR_WAIT_S = 0.005  # an otherwise idle step waits this long for a compiling grammar
 
 
-class EngineCore:
+class EngineCore(StructuredOutputsCore):
     def __init__(self, state: EngineState, scheduler: Scheduler, runner: Runner,
                  outputs: OutputProcessor, eos_token_ids: tuple[int, ...] = (),
                  speculator: Speculator | None = None, async_scheduling: bool = False,
@@ -182,22 +192,6 @@ class EngineCore:
     def _optimistic(self) -> bool:
         return (self.async_scheduling and self.optimistic and self.speculator is None
                 and hasattr(self.runner, "execute_async"))
-
-    @property
-    def structured(self) -> StructuredOutputManager:
-        """The engine's grammars (`structured_manager.py`), built on first use."""
-        if self._structured is None:
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self.state.vocab_size, self.structured_outputs_backend)
-        return self._structured
-
-    def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile `params`' grammar now, if it has one, so a grammar the engine cannot
-        compile is an `InvalidRequestError(param="structured_outputs")` before the request
-        is queued (the engine's own compile is then a cache hit). Blocks for the compile:
-        servers call it off the engine thread and the event loop, as `process_prompt`."""
-        if params.structured_outputs is not None:
-            self.structured.check(params.structured_outputs)
 
     # -- requests ----------------------------------------------------------------------------
     def process_prompt(self, prompt: str | list[int] | TokenizedPrompt) -> TokenizedPrompt:
@@ -442,19 +436,6 @@ class EngineCore:
                 for req in self.scheduler.running:
                     req.spec_token_ids, req.spec_draft_probs = [], None
         return self._end_step()
-
-    def _poll_grammars(self) -> bool:
-        """Matchers for the requests whose grammar compiled since the last step; a compile
-        that failed fails its request alone. True while grammars still compile."""
-        manager = self._structured
-        if manager is None or not manager.has_pending:
-            return False
-        failed: dict[str, str] = {}
-        for req, message in manager.poll():
-            failed.setdefault(req.parent_id or req.request_id, message)
-        for pid, message in failed.items():
-            self._fail({pid: None}, message)
-        return manager.has_pending
 
     def _defer(self, sched: SchedulerOutput, pending: PendingOutput) -> None:
         """`sched` ran with its sampled ids left on the device: each sampling request that

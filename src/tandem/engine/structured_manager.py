@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.engine.request import Request
+    from tandem.engine.sampling_params import SamplingParams
     from tandem.engine.scheduler import ScheduledRequest
     from tandem.engine.structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
 
@@ -76,28 +78,39 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.backend_name = backend
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
         self._pending: dict[str, Request] = {}  # sample id -> request whose grammar compiles
 
     @property
     def compiler(self) -> GrammarCompiler:
         """Built on first use (a backend reads the whole vocabulary)."""
-        if self._compiler is None:
-            from tandem.engine.structured import GrammarCompiler, default_backend, get_backend
+        with self._lock:  # `check` may come first, off the engine thread
+            if self._compiler is None:
+                from tandem.engine.structured import (
+                    GrammarCompiler,
+                    default_backend,
+                    get_backend,
+                )
 
-            name = self.backend_name or default_backend()
-            backend = get_backend(name)(_hf_tokenizer(self.tokenizer), self.vocab_size)
-            self._compiler = GrammarCompiler(backend)
-            self.backend_name = name
-        return self._compiler
+                name = self.backend_name or default_backend()
+                self._compiler = GrammarCompiler(get_backend(name)(self.tokenizer,
+                                                                   self.vocab_size))
+                self.backend_name = name
+            return self._compiler
 
     def check(self, spec: StructuredOutputs) -> None:
         """Compile `spec` now (cached: the engine's compile of it is then a cache hit);
-        `InvalidRequestError(param="structured_outputs")` when it cannot be compiled."""
+        `InvalidRequestError(param="structured_outputs")` when it cannot be compiled,
+        `QueueFullError` when too many distinct grammars compile already."""
+        from tandem.engine.structured import CompileQueueFull
+
         try:
             spec.validate()
             self.compiler.compile_now(spec)
         except StructuredOutputsError as exc:
             raise InvalidRequestError(str(exc), param="structured_outputs") from None
+        except CompileQueueFull as exc:
+            raise QueueFullError(str(exc)) from None
 
     def add(self, children: Sequence[Request]) -> None:
         """Submit the samples' grammar (one compile for all of them; `QueueFullError` when
@@ -152,6 +165,52 @@ class StructuredOutputManager:
         if futures:
             concurrent.futures.wait(futures, timeout=timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+class StructuredOutputsCore:
+    """`EngineCore`'s structured-output part (mixed in): the manager, built on first use,
+    the off-thread compile check, and the per-step poll of compiling grammars."""
+
+    _structured: StructuredOutputManager | None
+    structured_outputs_backend: str | None
+    _out_lock: threading.Lock
+    tokenizer: Any
+    state: Any
+
+    def _fail(self, parent_ids: dict[str, None], message: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        """The engine's grammars, built on first use."""
+        if self._structured is None:
+            with self._out_lock:  # `check_structured_outputs` may come first, off-thread
+                if self._structured is None:
+                    self._structured = StructuredOutputManager(
+                        self.tokenizer, self.state.vocab_size,
+                        self.structured_outputs_backend)
+        return self._structured
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile `params`' grammar now, if it has one, so a grammar the engine cannot
+        compile is an `InvalidRequestError(param="structured_outputs")` before the request
+        is queued (the engine's own compile is then a cache hit). Blocks for the compile:
+        servers call it off the engine thread and the event loop, as `process_prompt`."""
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)
+
+    def _poll_grammars(self) -> bool:
+        """Matchers for the requests whose grammar compiled since the last step; a compile
+        that failed fails its request alone. True while grammars still compile."""
+        manager = self._structured
+        if manager is None or not manager.has_pending:
+            return False
+        failed: dict[str, str] = {}
+        for req, message in manager.poll():
+            failed.setdefault(req.parent_id or req.request_id, message)
+        for pid, message in failed.items():
+            self._fail({pid: None}, message)
+        return manager.has_pending
 
 
 def accept_token(req: Request, token: int) -> None:
@@ -256,8 +315,3 @@ class BitmaskFiller:
                 1, thread_name_prefix="tandem-bitmask")
         return self._pool.submit(fill_bitmask, mask.entries, self.vocab_size)
 
-
-def _hf_tokenizer(tokenizer: Any) -> Any:
-    """What a grammar backend reads the vocabulary from: the engine's tokenizer as given
-    (the backends accept `protocol.tokenizer.Tokenizer`)."""
-    return tokenizer
