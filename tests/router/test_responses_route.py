@@ -6,8 +6,10 @@ real worker apps (a tiny random model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,8 +19,10 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
-from tandem.router import usage
+from tandem.router import responses, usage
 from tandem.router.core import Router, RouterSettings
+from tandem.router.responses import ResponseLocations
+from tandem.router.workers import Worker
 from tandem.serving.api_server import ServerSettings, build_app
 from tests.engine.utils import make_tiny_model_dir
 from tests.router.test_router_app import Served, _wait_ready, router_app
@@ -169,3 +173,21 @@ def test_token_accounting_reads_the_responses_usage():
     assert usage.answer_usage(json.dumps(completed).encode()) == (7, 0)
     assert usage.answer_usage(json.dumps(completed["response"]).encode()) == (7, 0)
     assert usage.worst_case("responses", {"max_output_tokens": 5}, 10, 100) == (15, 10)
+
+
+def test_locations_are_bounded_and_foreign_ids_are_looked_for_nowhere():
+    where = ResponseLocations(capacity=2)
+    where.record("alice", "resp_a", "w1")
+    where.record(None, "resp_b", "w2")
+    assert where.get("alice", "resp_a") == "w1"  # now the most recently used
+    where.record("alice", "resp_c", "w1")
+    assert (where.get(None, "resp_b"), where.get("bob", "resp_a"), len(where)) == (None, None, 2)
+
+    def no_client() -> None:
+        raise AssertionError("asked the workers")
+
+    worker = Worker(id="http://w", model=NAME, ready=True)
+    ra = SimpleNamespace(router=SimpleNamespace(workers={worker.id: worker}),
+                         locations=where, client=no_client,
+                         settings=SimpleNamespace(worker_key=None))
+    assert asyncio.run(responses.locate(ra, "alice", "resp_unknown")) is None

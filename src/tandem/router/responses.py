@@ -6,7 +6,8 @@ A stored response (`store: true`) lives on the worker that answered it (its
 responses it relayed, (tenant, response id) -> worker (`ResponseLocations`, bounded, least
 recently used out first). An id it does not know (another router replica relayed it, this
 router restarted, or it was forgotten) is looked for on every ready worker (a signed `GET`
-naming the tenant, in parallel, `LOCATE_TIMEOUT_S`), and remembered when found. A request
+naming the tenant, in parallel, `LOCATE_TIMEOUT_S`), and remembered when found; one not
+shaped as a worker issues them (`resp_` + 32 hex digits) is looked for nowhere. A request
 whose response is found nowhere, or whose worker is no longer routable, is routed as usual
 (and answered 404 by its worker, as an unknown id); a `GET` or `DELETE` is answered 404 by
 the router. Responses are read and deleted only in the caller's tenant: the router names
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 MAX_TRACKED = 100_000  # (tenant, response id) -> worker entries kept
 LOCATE_TIMEOUT_S = 2.0
 SCAN_BYTES = 64 << 10  # a stream's response id is looked for in its first bytes only
-_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z_-]{1,64})"')
+_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')
+_ISSUED = re.compile(r"resp_[0-9a-f]{32}")  # the ids workers issue (`serving.responses_api`)
 
 
 class ResponseLocations:
@@ -85,6 +87,8 @@ def _candidates(ra: RouterApp) -> list[Worker]:
 async def locate(ra: RouterApp, tenant: str | None, response_id: str) -> Worker | None:
     """The worker holding the tenant's response (module doc), or None."""
     workers = ra.router.workers
+    if not _ISSUED.fullmatch(response_id):  # no worker issues such an id: ask none
+        return None
     known = ra.locations.get(tenant, response_id)
     if known is not None and known in workers:
         return workers[known]
