@@ -191,3 +191,12 @@ def test_locations_are_bounded_and_foreign_ids_are_looked_for_nowhere():
                          locations=where, client=no_client,
                          settings=SimpleNamespace(worker_key=None))
     assert asyncio.run(responses.locate(ra, "alice", "resp_unknown")) is None
+
+
+def test_the_routers_max_tokens_cap_bounds_max_output_tokens():
+    from tandem.router.stages import check_bounds
+
+    ra = SimpleNamespace(settings=SimpleNamespace(max_tokens_cap=10))
+    check_bounds(ra, {"max_output_tokens": 10})
+    with pytest.raises(ValueError, match="max_output_tokens: at most 10"):
+        check_bounds(ra, {"max_output_tokens": 11})
