@@ -29,7 +29,6 @@ target `tenant:<T>`; without the header: the anonymous tenant.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -58,9 +57,6 @@ from tandem.serving.worker_auth import (
 
 if TYPE_CHECKING:
     from tandem.serving.routes import WorkerApp
-
-logger = logging.getLogger("tandem.serving.api_server")
-
 
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
@@ -165,8 +161,9 @@ class ResponsesResponder:
         choice = chat["choices"][0]
         msg = choice["message"]
         output: list[dict[str, Any]] = []
-        if msg.get("reasoning_content"):
-            output.append(reasoning_item(_item_id("rs"), msg["reasoning_content"], "completed"))
+        thinking = msg.get("reasoning_content") or msg.get("reasoning")
+        if thinking:
+            output.append(reasoning_item(_item_id("rs"), thinking, "completed"))
         calls = [call_item(_item_id("fc"), tc["id"], tc["function"]["name"],
                            tc["function"]["arguments"], "completed")
                  for tc in msg.get("tool_calls") or ()]
@@ -240,8 +237,9 @@ class StreamEvents:
             self.usage = doc["usage"]
         for choice in doc.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                out += self.reasoning(delta["reasoning_content"])
+            thinking = delta.get("reasoning_content") or delta.get("reasoning")
+            if thinking:
+                out += self.reasoning(thinking)
             if delta.get("content"):
                 out += self.text_delta(delta["content"])
             for tc in delta.get("tool_calls") or ():
