@@ -58,6 +58,7 @@ from tandem.serving.worker_auth import (
 if TYPE_CHECKING:
     from tandem.serving.routes import WorkerApp
 
+
 def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
