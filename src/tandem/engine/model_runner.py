@@ -18,7 +18,10 @@ and for prompt positions whose logprobs were requested. Python work per step is
 O(tokens scheduled): the block tables are one numpy copy out of the KV manager's persistent
 `BlockTable` (no per-request lists), inputs are filled into numpy arrays and reach the
 device as one int64 buffer (pinned, non-blocking on CUDA); results come back with one
-device-to-host copy each (sampled tokens with their logprobs, prompt logprobs).
+device-to-host copy each (sampled tokens with their logprobs, prompt logprobs). Rows under
+a structured-output grammar get their bitmask filled on another thread while the forward
+runs (`structured_manager.BitmaskFiller`) and applied to the logits on their device before
+sampling and verification; logprobs are then those of the masked logits, as in vLLM.
 `ModelRunner.timings` accumulates the host seconds of each part of a step; `paths` counts
 the steps replayed from the decode graphs and those run eagerly, by the first reason in
 `EAGER_REASONS` that applies (`step_paths()`, exported as `tandem_engine_steps_total`).

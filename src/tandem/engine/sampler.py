@@ -3,7 +3,8 @@
 Rows are sequences that sample this step. Random rows draw with the exponential race
 (`argmax(p / E)`, `E ~ Exp(1)`), which equals sampling from `p`; a seeded request draws its
 noise from its own `torch.Generator`, so its tokens do not depend on the batch around it.
-Logprobs are those of the raw model distribution (before any processing), as in vLLM.
+Logprobs are those of the raw model distribution (before any processing), as in vLLM; a
+structured-output row's logits arrive with its grammar's mask applied (vLLM's order too).
 
 Every tensor lives on the logits' device. A step uploads its parameters as one float
 buffer and its indices as one int buffer (pinned, non-blocking on CUDA), draws the noise of
