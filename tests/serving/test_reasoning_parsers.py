@@ -91,3 +91,9 @@ def test_is_reasoning_end_finds_the_end_tag_in_token_ids(tmp_path):
     assert not parser.is_reasoning_end(thinking)
     assert parser.is_reasoning_end([*thinking, *end, *tok.encode("ok", add_special_tokens=False)])
     assert not parser.is_reasoning_end([*thinking, *end[:-1]])
+    start = tuple(tok.encode("<think>", add_special_tokens=False))
+    # a prompt that closed an empty block (Qwen3's enable_thinking false): over already;
+    # one that opens the thinking after an earlier turn's block: not over
+    assert parser.is_reasoning_end([*thinking, *start, *end, *thinking])
+    assert not parser.is_reasoning_end([*start, *thinking, *end, *thinking, *start])
+    assert parser.reasoning_end_token_ids(tok) == end

@@ -91,7 +91,7 @@ class ReasoningParser:
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
-        self._end_ids: tuple[int, ...] | None = None
+        self._ids: dict[str, tuple[int, ...]] = {}  # a tag's ids in `tokenizer`
 
     def streaming(self) -> StreamingReasoningParser:
         return StreamingReasoningParser(self.in_reasoning_at_start)
@@ -106,25 +106,41 @@ class ReasoningParser:
         return (reasoning if stream.thought else None), (content or None)
 
     def reasoning_end_token_ids(self, tokenizer: Any = None) -> tuple[int, ...]:
-        """The ids of `</think>` in `tokenizer` (default: the one given at construction)."""
+        """The ids of `</think>` in `tokenizer` (default: the one given at construction;
+        one id in thinking models, whose tags are added tokens)."""
+        return self._tag_ids(END, tokenizer)
+
+    def _tag_ids(self, tag: str, tokenizer: Any = None) -> tuple[int, ...]:
         tok = tokenizer if tokenizer is not None else self.tokenizer
         if tok is None:
             raise ValueError("reasoning_end_token_ids needs a tokenizer")
-        ids = tuple(tok.encode(END, add_special_tokens=False))
+        if tokenizer is None and tag in self._ids:
+            return self._ids[tag]
+        ids = tuple(tok.encode(tag, add_special_tokens=False))
         if tokenizer is None:
-            self._end_ids = ids
+            self._ids[tag] = ids
         return ids
 
     def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
-        """True when `token_ids` contain `</think>` (as its token ids): the thinking ended,
-        so structured outputs apply from the next token."""
-        end = self._end_ids if self._end_ids is not None else self.reasoning_end_token_ids()
-        if not end:
-            return False
-        ids = list(token_ids)
-        if len(end) == 1:
-            return end[0] in ids
-        return any(ids[i:i + len(end)] == list(end) for i in range(len(ids) - len(end) + 1))
+        """True when the thinking is over at the end of `token_ids`: they hold `</think>`
+        after the last `<think>` (a prompt whose template closed an empty block, or an
+        output that closed its thinking), so structured outputs apply from the next token.
+        A prompt that opens `<think>` after earlier turns' blocks is not over."""
+        end = _last(token_ids, self._tag_ids(END))
+        return end >= 0 and end > _last(token_ids, self._tag_ids(START))
+
+
+def _last(ids: Sequence[int], seq: Sequence[int]) -> int:
+    """Where the last occurrence of `seq` in `ids` starts; -1 if none."""
+    n = len(seq)
+    if not n:
+        return -1
+    ids = list(ids)
+    seq = list(seq)
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == seq[0] and ids[i:i + n] == seq:
+            return i
+    return -1
 
 
 _REGISTRY: dict[str, type[ReasoningParser]] = {}
