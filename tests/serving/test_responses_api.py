@@ -451,3 +451,30 @@ def test_a_signed_get_by_id_needs_no_api_key_on_a_keyed_worker():
     asyncio.run(call("/v1/responses/resp_1", []))
     assert reached == ["/v1/responses/resp_1", "/v1/responses"]
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [401, 401]
+
+
+def test_a_reasoning_parser_splits_the_thinking_into_a_reasoning_item(served, client,
+                                                                      monkeypatch):
+    """With `--reasoning-parser deepseek_r1` (the template opens the thinking), a model that
+    never closes it thinks all along: the text is a reasoning item (and no message), whole
+    and streamed."""
+    import dataclasses
+
+    from tandem.serving.tool_parsers.options import ChatParsing
+
+    wa = served[1].state.worker_app
+    monkeypatch.setattr(wa, "settings", dataclasses.replace(
+        wa.settings, chat_parsing=ChatParsing(reasoning_parser="deepseek_r1")))
+    plain = _chat(served, [{"role": "user", "content": "Think"}])["choices"][0]["message"]
+    resp = client.responses.create(input="Think", **BASE)
+    assert [i.type for i in resp.output] == ["reasoning"]  # no text: no message item
+    assert resp.output[0].content[0].text == plain["reasoning_content"] != ""
+    assert resp.output_text == "" and plain["content"] in (None, "")
+    events = list(client.responses.create(input="Think", stream=True, **BASE))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == plain["reasoning_content"]
+    assert [i.type for i in events[-1].response.output] == ["reasoning"]
+    after = client.responses.create(input="Go on", previous_response_id=resp.id, **BASE)
+    assert after.usage.input_tokens == _chat(served, [
+        {"role": "user", "content": "Think"}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Go on"}])["usage"]["prompt_tokens"]

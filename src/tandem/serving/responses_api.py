@@ -149,7 +149,8 @@ class ResponsesResponder:
         """Store a complete response (when asked) with its conversation continued."""
         if not (self.request.store and self.api.store.enabled):
             return
-        turn: dict[str, Any] = {"role": "assistant", "content": content}
+        turn: dict[str, Any] = {"role": "assistant",
+                                "content": (content or None) if calls else content or ""}
         if calls:
             turn["tool_calls"] = [{"id": c["call_id"], "type": "function",
                                    "function": {"name": c["name"],
@@ -169,7 +170,7 @@ class ResponsesResponder:
                            tc["function"]["arguments"], "completed")
                  for tc in msg.get("tool_calls") or ()]
         content = msg.get("content")
-        if content or not calls:
+        if content or not (calls or output):  # nothing at all: one empty message
             output.append(message_item(_item_id("msg"), content or "", "completed"))
         output.extend(calls)
         status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
