@@ -5,7 +5,8 @@ describes, through the chat route's own stages (signature, engine, `chat_respond
 chat template render `WorkerApp.chat_prompt`, `serve`), so sampling, structured outputs,
 tool calls and reasoning behave as on chat completions. The chat answer is then reshaped:
 `reasoning_content` -> a `reasoning` item, `content` -> a `message` item with one
-`output_text` part, `tool_calls` -> `function_call` items (`call_id`, `name`, `arguments`);
+`output_text` part (an answer of nothing at all: one empty message), `tool_calls` ->
+`function_call` items (`call_id`, `name`, `arguments`);
 finish reason `length` -> status `incomplete` (`incomplete_details.reason`
 `max_output_tokens`); usage -> `input_tokens` / `output_tokens`. A stream is OpenAI's event
 sequence, each an SSE `event:` + `data:` pair with an increasing `sequence_number`:
