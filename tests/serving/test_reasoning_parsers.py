@@ -97,3 +97,13 @@ def test_is_reasoning_end_finds_the_end_tag_in_token_ids(tmp_path):
     assert parser.is_reasoning_end([*thinking, *start, *end, *thinking])
     assert not parser.is_reasoning_end([*start, *thinking, *end, *thinking, *start])
     assert parser.reasoning_end_token_ids(tok) == end
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_leading_whitespace_is_not_held_without_bound(name):
+    s = get_reasoning_parser(name)().streaming()
+    sent = 0
+    for _ in range(10):
+        reasoning, content = s.feed(" " * 10_000)
+        sent += len(reasoning) + len(content)
+    assert sent >= 100_000 - 4096 and len(s.held) <= 4096

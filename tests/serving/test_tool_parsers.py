@@ -349,3 +349,39 @@ def test_random_fragments_never_raise_and_what_is_not_a_call_is_content(fmt):
         content, calls = streamed_calls(stream(parser, random_pieces(rng, text)))
         if not calls:
             assert content == text, text
+
+
+def _held_chars(obj, seen=None) -> int:
+    """Characters a parser (and the parts it owns) holds: its strings and lists of them."""
+    seen = seen if seen is not None else set()
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):
+            total += sum(len(v) for v in value if isinstance(v, str))
+        elif hasattr(value, "__dict__") and type(value).__module__.startswith("tandem"):
+            total += _held_chars(value, seen)
+    return total
+
+
+@pytest.mark.parametrize("fmt,start", [
+    ("hermes", "<tool_call>"), ("hermes", 'x <tool_call>{"name": "f", "k": "'),
+    ("llama3_json", ""), ("llama3_json", '{"name": "f", "parameters": {"a": 1}};'),
+    ("mistral", "[TOOL_CALLS]"), ("mistral", "[TOOL_CALLS]["), ("mistral", "[TOOL_CALLS]f"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}},'),
+    ("qwen3_coder", "<tool_call>"), ("qwen3_coder", "<tool_call><function=f>"),
+    ("qwen3_coder", "<tool_call><function=f><parameter=n>")])
+@pytest.mark.parametrize("filler", [" ", "\n", "a"])
+def test_no_output_makes_a_parser_hold_more_than_its_bound(fmt, start, filler):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}}}]
+    s = get_tool_parser(fmt)(tools).streaming()
+    s.feed(start)
+    for _ in range(20):
+        s.feed(filler * 10_000)
+        assert _held_chars(s) <= MAX_HELD_CHARS + 2 * 4096 + 256, (fmt, start, filler)
+    s.finish()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 START, END = "<think>", "</think>"
+MAX_HELD_WHITESPACE = 4096  # leading whitespace held while a <think> may follow
 
 
 def _partial(text: str, tag: str) -> int:
@@ -49,7 +50,7 @@ class StreamingReasoningParser:
             body = buf.lstrip()
             if body.startswith(START):
                 buf, self.state, self.thought = body[len(START):], "reasoning", True
-            elif START.startswith(body):
+            elif START.startswith(body) and len(buf) <= MAX_HELD_WHITESPACE:
                 self.held = buf  # maybe <think>: wait
                 return "", ""
             else:

@@ -9,6 +9,7 @@ import random
 import string
 
 from tandem.serving.tool_parsers.base import (
+    MAX_HELD_WHITESPACE,
     MAX_NAME_CHARS,
     ArgsObject,
     CallObject,
@@ -38,14 +39,26 @@ class MistralStream(StreamingToolParser):
         self.state = "content"
         self.held = ""  # text since the marker while it is not yet a call
         self.call: CallObject | ArgsObject | None = None
+        self.in_array = False  # the marker's calls are a JSON array
+        self.array_calls = 0  # calls of that array done
 
     def _fail(self, out: _Out) -> None:
-        """What followed the marker is not a call: it is content."""
+        """What followed the marker is not a call: it is content (after calls of the same
+        array, only the broken part)."""
         call = self.call
-        if call is None or not call.emitted:
-            raw = call.raw() if isinstance(call, CallObject) else ""
+        raw = call.raw() if isinstance(call, CallObject) and not call.emitted else ""
+        if self.array_calls == 0 and (call is None or not call.emitted):
             out.text(self.content.before + BOT + self.held + raw)
+        else:
+            out.text(raw)
         self.state, self.held, self.call = "content", "", None
+        self.in_array, self.array_calls = False, 0
+
+    def _hold(self, ch: str, out: _Out) -> None:
+        """Whitespace (or the array's `[`) before a marker's first call, bounded."""
+        self.held += ch
+        if len(self.held) > MAX_HELD_WHITESPACE:
+            self._fail(out)
 
     def _run(self, text: str, out: _Out) -> None:
         i = 0
@@ -57,14 +70,15 @@ class MistralStream(StreamingToolParser):
                     self.state, self.held = "after_bot", ""
                 continue
             ch = text[i]
-            if s in ("after_bot", "array_sep") and ch.isspace():
-                self.held += ch
+            if s in ("after_bot", "array", "array_sep") and ch.isspace():
                 i += 1
+                if not self.array_calls:  # (content again if no call follows)
+                    self._hold(ch, out)
             elif s == "after_bot":
                 if ch == "[":
-                    self.held += ch
                     i += 1
-                    self.state = "array"
+                    self.state, self.in_array = "array", True
+                    self._hold(ch, out)
                 elif ch == "{":
                     self._object()
                 elif ch in _NAME_CHARS:
@@ -72,10 +86,7 @@ class MistralStream(StreamingToolParser):
                 else:
                     self._fail(out)
             elif s == "array":
-                if ch.isspace():
-                    self.held += ch
-                    i += 1
-                elif ch == "{":
+                if ch == "{":
                     self._object()
                 else:
                     self._fail(out)
@@ -86,7 +97,8 @@ class MistralStream(StreamingToolParser):
                 elif ch == "]":
                     self._done()
                 else:
-                    self.state, self.call = "content", None  # junk after calls: dropped
+                    self._done()  # junk after an array's calls: dropped
+                    self.content.lstrip = False
             elif s == "name":
                 i = self._name(text, i, out)
             elif s in ("object", "args"):
@@ -97,10 +109,9 @@ class MistralStream(StreamingToolParser):
                 if self.call.status == "error":
                     self._fail(out)
                 elif self.call.status == "done":
-                    in_array = self.held.lstrip().startswith("[")
-                    self.held, self.call = self.held if in_array else "", None
-                    if in_array:
-                        self.state = "array_sep"
+                    self.call = None
+                    if self.in_array:
+                        self.state, self.array_calls = "array_sep", self.array_calls + 1
                     else:
                         self._done()
 
@@ -110,6 +121,7 @@ class MistralStream(StreamingToolParser):
 
     def _done(self) -> None:
         self.state, self.held = "content", ""
+        self.in_array, self.array_calls = False, 0
         self.content.lstrip = True
 
     def _name(self, text: str, i: int, out: _Out) -> int:
@@ -117,7 +129,8 @@ class MistralStream(StreamingToolParser):
         start = len(self.held)
         p = buf.find(ARGS)
         name = (buf[:p] if p >= 0 else buf[:len(buf) - _partial_suffix(buf, [ARGS])]).strip()
-        if (not all(c in _NAME_CHARS for c in name) or len(name) > MAX_NAME_CHARS
+        if (not all(c in _NAME_CHARS for c in name)
+                or len(buf) > MAX_NAME_CHARS + MAX_HELD_WHITESPACE
                 or (p >= 0 and not name)):
             self.held = buf if p < 0 else buf[:p + len(ARGS)]
             self._fail(out)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tandem.serving.tool_parsers.base import (
     MAX_HELD_CHARS,
+    MAX_HELD_WHITESPACE,
     MAX_NAME_CHARS,
     Content,
     IdFactory,
@@ -133,7 +134,7 @@ class Qwen3CoderStream(StreamingToolParser):
 
     def _fn(self, buf: str, base: int, text: str, out: _Out) -> int:
         body = buf.lstrip()
-        if not FN.startswith(body[:len(FN)]):
+        if not FN.startswith(body[:len(FN)]) or len(buf) - len(body) > MAX_HELD_WHITESPACE:
             self.held = buf
             self._fail(out)
             return len(text)
@@ -189,7 +190,7 @@ class Qwen3CoderStream(StreamingToolParser):
             self.state, self.held, self.value_started = "value", "", False
             return base + skip + close + 1
         if any(m.startswith(body) for m in (FN_END, END, PARAM)):
-            self.held = buf  # a marker's start: wait for more
+            self.held = body  # a marker's start (whitespace between markers is dropped)
             return len(text)
         self._close(out)  # junk where a parameter should be: end the call there
         self._broken()
