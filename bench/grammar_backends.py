@@ -1,7 +1,8 @@
 """Grammar backends on this CPU: xgrammar vs llguidance, compile and mask times.
 
     .venv/bin/python bench/grammar_backends.py [--schemas 24] [--seed 0] [--rounds 3]
-        [--backends xgrammar,llguidance] [--out bench/results/grammar-backends-DATE.json]
+        [--repeat 3] [--backends xgrammar,llguidance]
+        [--out bench/results/grammar-backends-DATE.json]
 
 With the bundled model's tokenizer (SmolLM2, 49,152 ids), through Tandem's own backend
 classes (`tandem.engine.structured`), for `--schemas` seeded random JSON schemas
@@ -24,7 +25,9 @@ ranges, required fields), a regex, a choice and `json_object`:
 * `gil`: how much a pure-Python loop keeps running while another thread compiles (1.0: the
   compile released the GIL all along).
 
-Prints a table and writes the raw numbers with machine details to one JSON file. The
+The whole measurement runs `--repeat` times per backend, the backends alternating (so a
+shared machine's load drift spreads over both); each number reported is the median of the
+runs. Prints a table and writes the numbers with machine details to one JSON file. The
 default backend (`tandem.engine.structured.base.DEFAULT_BACKEND`) is the one this run finds
 faster where it counts: per-token masking (paid every step) before compiling (once per
 schema, then cached), with correctness (`refused`) first.
@@ -214,11 +217,25 @@ def bench_backend(name: str, tok, all_cases, rounds: int) -> dict:
     }
 
 
+def merge(runs: list[dict]) -> dict:
+    """One backend's runs: the median of each number, every refused case, the first run's
+    per-case detail."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["refused"] = sorted({c for r in runs for c in r["refused"]})
+    out["runs"] = len(runs)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemas", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="whole runs per backend, alternating; each number is their median")
     p.add_argument("--backends", default="xgrammar,llguidance")
     p.add_argument("--out", type=Path,
                    default=BENCH / "results" / f"grammar-backends-{dt.date.today()}.json")
@@ -227,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--schemas must be at least 16 (the batch-16 measurement uses 16)")
     tok = load_tokenizer()
     all_cases = cases(args.schemas, args.seed)
-    results = [bench_backend(b, tok, all_cases, args.rounds) for b in args.backends.split(",")]
+    names = args.backends.split(",")
+    runs: dict[str, list[dict]] = {b: [] for b in names}
+    for i in range(args.repeat):  # the backends alternate, so load drift spreads over both
+        for b in names[i % len(names):] + names[:i % len(names)]:
+            runs[b].append(bench_backend(b, tok, all_cases, args.rounds))
+    results = [merge(runs[b]) for b in names]
     cols = ("init_s", "compile_ms_median", "compile_ms_p90", "fill_us_mean", "fill_us_p99",
             "fill_warm_us_mean", "fill_warm_us_p99", "batch16_step_ms_mean", "batch16_us_per_row",
             "gil_share_during_compile")
@@ -241,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "date": str(dt.date.today()), "machine": machine, "vocab": tok.vocab_size,
         "schemas": args.schemas, "seed": args.seed, "rounds": args.rounds,
+        "repeat": args.repeat,
         "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
