@@ -308,3 +308,23 @@ def test_tensor_parallel_ranks_give_the_one_rank_tokens(tiny_model, llm):
     finally:
         tp.engine.shutdown()
     assert got == want
+
+
+def test_the_grammar_applies_after_the_reasoning_end_tag(llm):
+    """`reasoning_end_token_ids`: the output is free up to and including the end tag, then
+    follows the grammar."""
+    regex = StructuredOutputs(regex=r"[0-9]{2,5}")
+    prompt = _prompts(1, seed=13)[0]
+    free = _ids(llm.generate([prompt], _params(None, max_tokens=24))[0])
+    # two of the model's own tokens, first seen after a few others, stand for `</think>`
+    at = next(i for i in range(2, 22) if not any(
+        free[j:j + 2] == free[i:i + 2] for j in range(i)))
+    end = tuple(free[at:at + 2])
+    out = llm.generate([prompt], _params(regex, reasoning_end_token_ids=end))[0]
+    ids = _ids(out)
+    assert ids[:at + 2] == free[:at + 2]  # thinking: unconstrained (the same greedy tokens)
+    answer = llm.get_tokenizer().decode(ids[at + 2:], skip_special_tokens=True)
+    assert re.fullmatch(regex.regex, answer), answer
+    assert out.outputs[0].finish_reason == "stop"
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(reasoning_end_token_ids=())

@@ -40,6 +40,11 @@ class SamplingParams:
     # grammar-constrained decoding (vLLM's `structured_outputs`): every sampled token is one
     # the grammar allows (engine/structured_manager.py); None: unconstrained
     structured_outputs: StructuredOutputs | None = None
+    # with structured outputs and a reasoning model: the grammar applies only after these
+    # ids (the reasoning parser's end tag, e.g. `</think>`) appear in the output (vLLM's
+    # reasoning-aware structured outputs); None: from the first token (also when the
+    # prompt already closed the thinking)
+    reasoning_end_token_ids: tuple[int, ...] | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +117,12 @@ class SamplingParams:
                 so.validate()
             except StructuredOutputsError as exc:
                 raise InvalidRequestError(str(exc), param="structured_outputs") from None
+        end = self.reasoning_end_token_ids
+        if end is not None:
+            if (not isinstance(end, (tuple, list)) or not 1 <= len(end) <= 16
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in end)):
+                raise bad("reasoning_end_token_ids", "must be 1 to 16 non-negative integers")
+            self.reasoning_end_token_ids = tuple(end)
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Params for the `index`-th of n samples: n=1 and a derived seed when seeded."""

@@ -16,6 +16,12 @@ step's bitmask on its own thread while the forward runs; the runner waits for it
 applies it to the logits on their device before sampling or verification. After the step
 the engine thread advances each matcher with the request's committed tokens (`accept`); a
 matcher that terminates (it accepted a stop token) ends the request ("stop").
+
+With `SamplingParams.reasoning_end_token_ids` (a reasoning model's end tag) the grammar
+applies only after those ids appear in the output, as vLLM's reasoning-aware structured
+outputs: until then the sample's tokens are neither masked nor fed to its matcher, and the
+token completing the tag is the last one free. (The caller leaves the field unset when the
+prompt already closed the thinking.)
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class RequestGrammar:
     future: concurrent.futures.Future
     matcher: GrammarMatcher | None = None
     done_at: int | None = None
+    # False while the sample still reasons (`SamplingParams.reasoning_end_token_ids` not
+    # yet seen): its tokens are neither masked nor fed to the matcher
+    active: bool = True
 
     @property
     def ready(self) -> bool:
@@ -124,8 +133,9 @@ class StructuredOutputManager:
             future = self.compiler.submit(spec)
         except CompileQueueFull as exc:
             raise QueueFullError(str(exc)) from None
+        active = not children[0].sampling_params.reasoning_end_token_ids
         for child in children:
-            child.grammar = RequestGrammar(spec, future)
+            child.grammar = RequestGrammar(spec, future, active=active)
             self._pending[child.request_id] = child
 
     @property
@@ -213,11 +223,21 @@ class StructuredOutputsCore:
         return manager.has_pending
 
 
+def constrained(req: Request) -> bool:
+    """Whether `req`'s next token is masked by its grammar (compiled, past any reasoning)."""
+    grammar = req.grammar
+    return grammar is not None and grammar.matcher is not None and grammar.active
+
+
 def accept_token(req: Request, token: int) -> None:
     """Advance `req`'s matcher by its newly committed output `token` (appended already);
     marks `done_at` when the grammar terminates. GrammarRejectedError if not allowed."""
     grammar = req.grammar
     if grammar is None or grammar.matcher is None or grammar.done_at is not None:
+        return
+    if not grammar.active:  # still reasoning: the grammar starts after the end tag
+        end = req.sampling_params.reasoning_end_token_ids or ()
+        grammar.active = req.output_token_ids[-len(end):] == list(end)
         return
     if not grammar.matcher.accept_tokens([token]):
         raise GrammarRejectedError(
@@ -230,7 +250,7 @@ def valid_drafts(req: Request, drafts: list[int]) -> int:
     """How many of `drafts` (proposed after `req`'s tokens) its grammar allows in a row
     (all of them without a grammar)."""
     grammar = req.grammar
-    if grammar is None or grammar.matcher is None or not drafts:
+    if grammar is None or grammar.matcher is None or not grammar.active or not drafts:
         return len(drafts)
     if grammar.done_at is not None:
         return 0
@@ -278,13 +298,13 @@ def mask_rows(sample_reqs: list[Request],
     entries: list = []
     rows: list[int] = []
     for i, req in enumerate(sample_reqs):
-        if req.grammar is not None and req.grammar.matcher is not None:
-            entries.append((req.grammar.matcher, []))
+        if constrained(req):
+            entries.append((req.grammar.matcher, []))  # type: ignore[union-attr]
             rows.append(i)
     ns = len(sample_reqs)
     for s, first in spec:
         grammar = s.request.grammar
-        if grammar is not None and grammar.matcher is not None:
+        if grammar is not None and constrained(s.request):
             entries.append((grammar.matcher, list(s.spec_token_ids)))
             rows.extend(range(ns + first, ns + first + len(s.spec_token_ids) + 1))
     return MaskRows(entries, rows) if entries else None

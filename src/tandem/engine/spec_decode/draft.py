@@ -50,7 +50,7 @@ from tandem.engine.spec_decode.base import (
 from tandem.engine.spec_decode.draft_runner import DraftKV, DraftSeq, load_model, truncated_view
 from tandem.engine.spec_decode.policy import StepCostFit
 from tandem.engine.staging import download
-from tandem.engine.structured_manager import mask_logits
+from tandem.engine.structured_manager import constrained, mask_logits
 
 if TYPE_CHECKING:
     from tandem.engine.request import Request
@@ -286,7 +286,7 @@ class DraftProposer(Proposer):
             logits = logits.index_put((at[:, 0], at[:, 1]),
                                       torch.tensor(float("-inf"), device=device))
         grammars = [(i, r.req.grammar.matcher) for i, r in enumerate(rows)
-                    if r.req.grammar is not None and r.req.grammar.matcher is not None]
+                    if constrained(r.req)]
         if grammars:  # drafts the request's grammar allows (the target's mask rejects others)
             logits = logits.clone()
             mask_logits(logits, grammars)
@@ -307,7 +307,6 @@ class DraftProposer(Proposer):
                 rows[i].probs.append(probs[j])
         for r, t in zip(rows, download(tokens).tolist(), strict=True):
             r.tokens.append(int(t))
-            grammar = r.req.grammar
-            if grammar is not None and grammar.matcher is not None and (
-                    r.grammar_steps == step and grammar.matcher.accept_tokens([int(t)])):
+            if constrained(r.req) and r.grammar_steps == step and (
+                    r.req.grammar.matcher.accept_tokens([int(t)])):  # type: ignore[union-attr]
                 r.grammar_steps += 1

@@ -14,7 +14,8 @@ is one the grammar allows; greedy outputs equal those without speculation. Point
 drafts (n-gram, greedy draft models) are also cut here to the longest prefix the grammar
 allows (`GrammarMatcher.validate_tokens`), which changes nothing but the wasted positions
 (a point mass's rejection draws from the target's own distribution). Drafts with
-probabilities are never cut: that would bias rejection sampling.
+probabilities are never cut: that would bias rejection sampling. A request still reasoning
+before its grammar applies (`SamplingParams.reasoning_end_token_ids`) does not speculate.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def may_speculate(req: Request) -> bool:
     sp = req.sampling_params
     return (sp.speculative and req.prompt_logprobs_pos is None
             and sp.repetition_penalty == 1.0 and not sp.presence_penalty
-            and not sp.frequency_penalty)
+            and not sp.frequency_penalty
+            and (req.grammar is None or req.grammar.active))  # not while it still reasons
 
 
 class Speculator:
