@@ -53,6 +53,9 @@ def test_within_bounds_validates() -> None:
     S.from_json_schema(nested(so.MAX_SCHEMA_DEPTH // 2 - 1)).validate()
     S.from_json_schema({"$defs": {"p": {"type": "integer"}},
                         "properties": {"x": {"$ref": "#/$defs/p"}}}).validate()
+    S.from_json_schema({"properties": {"$ref": {"type": "string"}},  # a property so named
+                        "default": {"$ref": "https://example.com"},  # data, not a schema
+                        "enum": [{"$ref": "x"}]}).validate()
     S(choice=("a",) * so.MAX_CHOICES).validate()
     S(json_object=True, disable_any_whitespace=True).validate()
     assert issubclass(StructuredOutputsError, ValueError)

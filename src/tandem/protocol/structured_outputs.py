@@ -174,21 +174,28 @@ def _check_schema(text: Any) -> None:
     _walk_schema(schema, "#", 1)
 
 
-def _walk_schema(node: Any, where: str, depth: int) -> None:
-    """Depth and `$ref` checks, iterating each level (the depth bound keeps it shallow)."""
+# keywords whose values are JSON data, not schemas: a "$ref" key inside is not a reference
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _walk_schema(node: Any, where: str, depth: int, data: bool = False) -> None:
+    """Depth and `$ref` checks (the depth bound keeps the recursion shallow). A `$ref` is
+    checked where it is a string in a schema, not in data (`enum`, `const`, ...) nor as the
+    name of a property."""
     if depth > MAX_SCHEMA_DEPTH:
         raise StructuredOutputsError(
             f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {where})")
     if isinstance(node, dict):
         ref = node.get("$ref")
-        if ref is not None and (not isinstance(ref, str) or not ref.startswith("#")):
+        if not data and isinstance(ref, str) and not ref.startswith("#"):
             raise StructuredOutputsError(
                 f"the JSON schema's $ref {ref!r} at {where} is not local: only references "
                 "into the schema itself (\"#/...\") are supported")
         for name, child in node.items():
             if isinstance(child, dict | list):
-                _walk_schema(child, f"{where}/{name}", depth + 1)
+                _walk_schema(child, f"{where}/{name}", depth + 1,
+                             data or name in _DATA_KEYWORDS)
     elif isinstance(node, list):
         for i, child in enumerate(node):
             if isinstance(child, dict | list):
-                _walk_schema(child, f"{where}/{i}", depth + 1)
+                _walk_schema(child, f"{where}/{i}", depth + 1, data)
