@@ -74,7 +74,6 @@ def test_each_field_gives_its_constraint() -> None:
     ({"guided_json": "{not json"}, "guided_json", "guided_json: the JSON schema is not valid"),
     ({"guided_json": "[1]"}, "guided_json",
      "guided_json: the JSON schema must be a JSON object"),
-    ({"guided_choice": ["a"] * 257}, "guided_choice", "guided_choice: choice has 257 entries"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "response_format and tool_choice cannot be used together"),
 ])
@@ -90,6 +89,8 @@ def test_tool_choice_and_tool_messages_are_checked_by_the_schema() -> None:
            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
             "tool_choice"),
            ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+           ({"guided_choice": ["a"] * 257}, "guided_choice"),
+           ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice.1"),
            ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
            ({"messages": [{"role": "tool", "content": "1"}]}, "messages.0"),
            ({"messages": [{"role": "user", "content": "1", "tool_call_id": "c"}]},

@@ -36,6 +36,7 @@ from pydantic_core import PydanticCustomError
 
 from tandem.protocol.chat_template import check_template_kwargs
 from tandem.protocol.signing import TENANT_SALT_PREFIX
+from tandem.protocol.structured_outputs import MAX_CHOICE_CHARS, MAX_CHOICES
 
 MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1_000_000
@@ -51,6 +52,9 @@ MAX_PRIORITY = 2**31 - 1  # |priority|
 
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]
+# `guided_choice` / `structured_outputs.choice`: the engine's bounds (protocol.structured_outputs)
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+                    Field(min_length=1, max_length=MAX_CHOICES)]
 
 
 # the error type of a declared field's value Tandem refuses; its message names the field
@@ -67,8 +71,6 @@ MAX_TOOL_NAME = 256
 MAX_TOOL_DESCRIPTION = 100_000
 MAX_TOOL_SCHEMA_CHARS = 200_000  # one function's `parameters`, serialized
 MAX_TOOL_CALLS = 128  # in one history message
-MAX_CHOICES = 1024  # `guided_choice` / `structured_outputs.choice` entries (the engine's
-# own bounds on choices, schemas, regexes and grammars apply on top)
 # vLLM's per-request backend names; the request's must be the server's (or "auto")
 GUIDED_BACKENDS = frozenset({"auto", "xgrammar", "llguidance", "guidance"})
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value characters
@@ -142,8 +144,7 @@ class StructuredOutputsParams(_Model):
 
     json_: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
-                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    choice: Choices | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
@@ -242,8 +243,7 @@ class _SamplingRequest(_Model):
     structured_outputs: StructuredOutputsParams | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: Annotated[list[Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]],
-                             Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = Field(default=None, max_length=64)
 
