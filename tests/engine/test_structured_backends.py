@@ -178,6 +178,19 @@ def test_each_kind_constrains(backend, tok, spec, good, bad, unfinished) -> None
     assert not allowed(backend, m)[list(tok.eos_token_ids)].any()
 
 
+def test_listed_properties_are_the_only_ones_unless_the_schema_says(backend, tok) -> None:
+    """As xgrammar's strict mode and OpenAI's strict schemas: both backends agree."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+              "b": {"type": "object"}}, "required": ["a"]}
+    spec = S.from_json_schema(schema)
+    for text, ok in (('{"a":1,"z":2}', False), ('{"a":1,"b":{"z":1}}', True), ('{"a":1}', True),
+                     ('{"b":{},"a":1}', False)):  # the schema's order, too
+        m = backend.compile(spec).matcher()
+        assert (m.accept_tokens(ids(tok, text)) and m.can_terminate()) is ok, text
+    m = backend.compile(S.from_json_schema({**schema, "additionalProperties": True})).matcher()
+    assert m.accept_tokens(ids(tok, '{"a":1,"z":2}')) and m.can_terminate()
+
+
 @pytest.mark.parametrize("spec, words", [
     (S(regex="[a-"), ["unclosed"]),
     (S(json='{"type":"foo"}'), ["foo"]),

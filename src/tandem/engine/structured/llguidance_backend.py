@@ -1,7 +1,9 @@
 """The llguidance backend (https://github.com/guidance-ai/llguidance).
 
 `json` compiles with `LLMatcher.grammar_from_json_schema` (whitespace between tokens unless
-`disable_any_whitespace`; unknown schema keywords are refused), `json_object` as the schema
+`disable_any_whitespace`; unknown schema keywords are refused; an object schema with
+`properties` and no `additionalProperties` gets `additionalProperties: false`, as xgrammar's
+strict mode and OpenAI's strict schemas have it), `json_object` as the schema
 `{"type": "object"}`, `regex` with `grammar_from_regex`, `choice` as a Lark alternation of the
 quoted strings, `grammar` as Lark when it is Lark (`start: ...`) and converted from GBNF /
 EBNF (`root ::= ...`) by llguidance's own converter otherwise; a grammar it cannot convert is
@@ -12,6 +14,7 @@ are never allowed, the stop tokens only where the grammar can end. Needs no `tra
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +26,28 @@ from tandem.engine.structured.common import choice_literal, forbidden_row, is_gb
 from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
 
 OBJECT_SCHEMA = '{"type":"object"}'
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def strict_objects(node: Any, data: bool = False) -> Any:
+    """`node` (a parsed schema) with `additionalProperties: false` added to every schema
+    object that lists `properties` and says nothing about additional ones (in place)."""
+    if isinstance(node, dict):
+        if not data and isinstance(node.get("properties"), dict) \
+                and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for key, child in node.items():
+            # the values under "properties" / "$defs" are schemas even where a key is "enum"
+            named = key in ("properties", "$defs", "definitions", "patternProperties")
+            if isinstance(child, dict) and named and not data:
+                for sub in child.values():
+                    strict_objects(sub)
+            else:
+                strict_objects(child, data or key in _DATA_KEYWORDS)
+    elif isinstance(node, list):
+        for child in node:
+            strict_objects(child, data)
+    return node
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -151,8 +176,9 @@ class LLGuidanceBackend(GrammarBackend):
         any_ws = not spec.disable_any_whitespace
         try:
             if spec.json is not None or spec.json_object:
+                schema = strict_objects(json.loads(spec.json)) if spec.json else OBJECT_SCHEMA
                 return llg.LLMatcher.grammar_from_json_schema(
-                    spec.json or OBJECT_SCHEMA, overrides={"whitespace_flexible": any_ws})
+                    schema, overrides={"whitespace_flexible": any_ws})
             if spec.regex is not None:
                 return llg.LLMatcher.grammar_from_regex(spec.regex)
             if spec.choice is not None:
