@@ -328,3 +328,28 @@ def test_the_grammar_applies_after_the_reasoning_end_tag(llm):
     assert out.outputs[0].finish_reason == "stop"
     with pytest.raises(InvalidRequestError):
         SamplingParams(reasoning_end_token_ids=())
+
+
+def test_the_backend_is_chosen_by_config_and_flag(tiny_model):
+    import argparse
+
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.errors import ConfigError
+    from tandem.serving.worker import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(p)
+    assert engine_config(p.parse_args([])).structured_outputs_backend == "llguidance"
+    args = p.parse_args(["--structured-outputs-backend", "xgrammar"])
+    assert engine_config(args).structured_outputs_backend == "xgrammar"
+    with pytest.raises(argparse.ArgumentError, match="invalid choice: 'outlines'"):
+        p.parse_args(["--structured-outputs-backend", "outlines"])
+    with pytest.raises(ConfigError, match="structured_outputs_backend"):
+        EngineConfig(structured_outputs_backend="outlines")
+    xg = LLM(model=tiny_model, num_threads=1, seed=0, structured_outputs_backend="xgrammar")
+    outs = xg.generate(_prompts(2, seed=14), [_params(_json(SCHEMAS[2])),
+                                               _params(StructuredOutputs(regex=r"[a-c]{3}"))])
+    assert xg.engine.structured.backend_name == "xgrammar"
+    assert type(xg.engine.structured.compiler.backend).__name__ == "XGrammarBackend"
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS[2])
+    assert re.fullmatch("[a-c]{3}", outs[1].outputs[0].text)
