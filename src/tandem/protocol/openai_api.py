@@ -25,9 +25,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -105,6 +107,16 @@ def _schema_size(schema: dict[str, Any], limit: int) -> dict[str, Any]:
 
 
 # -- structured outputs ------------------------------------------------------------------
+def _schema_shape(v: Any) -> Any:
+    if v is not None and not isinstance(v, str | dict):
+        raise _invalid("must be a JSON schema: an object, or its JSON text")
+    return v
+
+
+# a JSON schema given as an object or as its JSON text (vLLM's `guided_json`)
+JsonSchema = Annotated[str | dict[str, Any], BeforeValidator(_schema_shape)]
+
+
 class JsonSchemaFormat(_Model):
     """`response_format.json_schema`, as the openai client's `parse()` sends it."""
 
@@ -142,7 +154,7 @@ class StructuredOutputsParams(_Model):
     """vLLM's `structured_outputs` object: one of `json`, `regex`, `choice`, `grammar`,
     `json_object`; `disable_any_whitespace` shapes JSON output."""
 
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_: JsonSchema | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: Choices | None = None
     grammar: str | None = None
@@ -241,7 +253,7 @@ class _SamplingRequest(_Model):
     # structured outputs: at most one constraint per request (`serving.convert`)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    guided_json: str | dict[str, Any] | None = None
+    guided_json: JsonSchema | None = None
     guided_regex: str | None = None
     guided_choice: Choices | None = None
     guided_grammar: str | None = None
@@ -369,8 +381,19 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice_shape(cls, v: Any) -> Any:
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise _invalid(f"{v[:64]!r} is not one of none, auto, required, or "
+        """One clear error for every wrong shape (not one per branch of the union)."""
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    raise PydanticCustomError(
+                        NOT_SUPPORTED, f"tool_choice.{where} is not supported") from None
+                raise _invalid(f"{where}: {err['msg']}") from None
+        if v is not None and v not in ("none", "auto", "required"):
+            raise _invalid(f"{str(v)[:64]!r} is not one of none, auto, required, or "
                            '{"type": "function", "function": {"name": ...}}')
         return v
 
