@@ -353,3 +353,15 @@ def test_the_backend_is_chosen_by_config_and_flag(tiny_model):
     assert type(xg.engine.structured.compiler.backend).__name__ == "XGrammarBackend"
     jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMAS[2])
     assert re.fullmatch("[a-c]{3}", outs[1].outputs[0].text)
+
+
+def test_a_missing_grammar_library_stops_the_engine_at_start(tiny_model, monkeypatch):
+    import sys
+
+    from tandem.engine.errors import ConfigError
+    from tandem.engine.structured import base
+
+    monkeypatch.delitem(base._REGISTRY, "llguidance", raising=False)
+    monkeypatch.setitem(sys.modules, "tandem.engine.structured.llguidance_backend", None)
+    with pytest.raises(ConfigError, match="'llguidance' is not installed"):
+        LLM(model=tiny_model, num_threads=1)

@@ -21,6 +21,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore, EngineState, EngineStats
 from tandem.engine.cuda_graphs import build_decode_graphs
 from tandem.engine.devices import resolve_device, resolve_dtype
+from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.hybrid import HybridKVCacheManager
 from tandem.engine.kv_cache.manager import KVCacheManager, uniform_window
 from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
@@ -53,6 +54,8 @@ from tandem.engine.spec_decode import (
     build_proposer,
 )
 from tandem.engine.spec_decode.speculator import Speculator
+from tandem.engine.structured import get_backend
+from tandem.protocol.structured_outputs import StructuredOutputsError
 from tandem.protocol.tokenizer import Tokenizer
 
 __all__ = ["EngineState", "EngineStats", "KVPageIO", "LLMEngine"]
@@ -87,6 +90,10 @@ class LLMEngine(EngineCore):
         `start`: the CUDA memory snapshot before anything was allocated)."""
         config, device, dtype = self.config, self.device, self.dtype
         executor = self.executor
+        try:  # the grammar library loads now: a missing one is a start-up error
+            get_backend(config.structured_outputs_backend)
+        except StructuredOutputsError as exc:
+            raise ConfigError(str(exc)) from None
         shard = build_shard(config, path, device, dtype, groups)
         # before the KV pool is sized: on CUDA, a draft model's weights and KV cache are
         # then allocated, so gpu_memory_utilization counts them (as vLLM's profiling does)
