@@ -6,8 +6,9 @@ Field names follow the OpenAI API plus vLLM's extensions (`top_k`, `min_p`,
 (false: this request never speculates). Every client-controlled size is bounded here, before
 anything is tokenized. Structured outputs (`response_format`, `structured_outputs`,
 `guided_*`) and tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, tool messages)
-are parsed here; `serving.convert` and `serving.tool_choice` turn them into the engine's
-constraint (at most one per request).
+are declared here, their values' models in `protocol.openai_tools` (the base of every
+request model in `protocol.openai_base`); `serving.convert` and `serving.tool_choice` turn
+them into the engine's constraint (at most one per request).
 
 A field a model does not declare is refused (pydantic's `extra_forbidden`, which
 `protocol.web` answers as 400 `<field> is not supported`), never silently ignored. A null
@@ -25,8 +26,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     StrictBool,
     ValidationError,
@@ -37,10 +36,34 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tandem.protocol.chat_template import check_template_kwargs
+from tandem.protocol.openai_base import (  # noqa: F401 (re-exported: the API's names)
+    EMPTY_MEANS_UNUSED,
+    MAX_PROMPT_CHARS,
+    NOT_SUPPORTED,
+    RequestModel,
+    invalid,
+)
+from tandem.protocol.openai_tools import (  # noqa: F401 (re-exported: the API's names)
+    GUIDED_BACKENDS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_SCHEMA_CHARS,
+    MAX_TOOLS,
+    Choices,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchema,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsParams,
+    Tool,
+    ToolCall,
+    schema_size,
+)
 from tandem.protocol.signing import TENANT_SALT_PREFIX
-from tandem.protocol.structured_outputs import MAX_CHOICE_CHARS, MAX_CHOICES
 
-MAX_PROMPT_CHARS = 4_000_000
+_Model = RequestModel  # the request models' base (`protocol.openai_base`)
+_invalid = invalid
+
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_BATCH_PROMPTS = 256
 MAX_MESSAGES = 4096
@@ -54,154 +77,14 @@ MAX_PRIORITY = 2**31 - 1  # |priority|
 
 PromptText = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS)]
-# `guided_choice` / `structured_outputs.choice`: the engine's bounds (protocol.structured_outputs)
-Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]],
-                    Field(min_length=1, max_length=MAX_CHOICES)]
 
 
-# the error type of a declared field's value Tandem refuses; its message names the field
-# (`protocol.web` sends it as is, with the field as `param`)
-NOT_SUPPORTED = "not_supported"
 # declared fields that change nothing, accepted so that clients sending them work (each
 # with its reason where it is declared; docs/openai-api.md "Accepted without effect")
 ACCEPTED_WITHOUT_EFFECT = frozenset({"user", "safety_identifier", "store", "metadata", "name"})
-# fields whose empty list or object means "not used", as some clients send them (`tools` on
-# chat: no tools)
-EMPTY_MEANS_UNUSED = frozenset({"tools", "functions", "logit_bias"})
-MAX_TOOLS = 128  # OpenAI's bound on `tools`
-MAX_TOOL_NAME = 256
-MAX_TOOL_DESCRIPTION = 100_000
-MAX_TOOL_SCHEMA_CHARS = 200_000  # one function's `parameters`, serialized
-MAX_TOOL_CALLS = 128  # in one history message
-# vLLM's per-request backend names; the request's must be the server's (or "auto")
-GUIDED_BACKENDS = frozenset({"auto", "xgrammar", "llguidance", "guidance"})
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value characters
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
                           Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)]
-
-
-class _Model(BaseModel):
-    """A request object: undeclared fields are refused; null values are dropped first (the
-    default applies), as are empty `EMPTY_MEANS_UNUSED` fields."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unused(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None and not (
-            k in EMPTY_MEANS_UNUSED and v in ([], {}))}
-
-
-def _invalid(message: str) -> PydanticCustomError:
-    """A value error whose message is `message` as is (`protocol.web`: `<field>: message`)."""
-    return PydanticCustomError("value_error", message)
-
-
-def _schema_size(schema: dict[str, Any], limit: int) -> dict[str, Any]:
-    if len(json.dumps(schema, separators=(",", ":"))) > limit:
-        raise _invalid(f"the schema is larger than {limit} characters")
-    return schema
-
-
-# -- structured outputs ------------------------------------------------------------------
-def _schema_shape(v: Any) -> Any:
-    if v is not None and not isinstance(v, str | dict):
-        raise _invalid("must be a JSON schema: an object, or its JSON text")
-    return v
-
-
-# a JSON schema given as an object or as its JSON text (vLLM's `guided_json`)
-JsonSchema = Annotated[str | dict[str, Any], BeforeValidator(_schema_shape)]
-
-
-class JsonSchemaFormat(_Model):
-    """`response_format.json_schema`, as the openai client's `parse()` sends it."""
-
-    name: str = Field(default="response", max_length=MAX_TOOL_NAME)
-    description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION)
-    json_schema: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the schema is always enforced
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class ResponseFormat(_Model):
-    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`."""
-
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in ("text", "json_object", "json_schema"):
-            raise PydanticCustomError(
-                NOT_SUPPORTED, f"response_format type {v[:64]!r} is not supported "
-                "(text, json_object and json_schema are)")
-        return v
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise _invalid("json_schema is required with type json_schema, and only then")
-        return self
-
-
-class StructuredOutputsParams(_Model):
-    """vLLM's `structured_outputs` object: one of `json`, `regex`, `choice`, `grammar`,
-    `json_object`; `disable_any_whitespace` shapes JSON output."""
-
-    json_: JsonSchema | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: Choices | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-# -- tools -------------------------------------------------------------------------------
-class FunctionDefinition(_Model):
-    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
-    description: str | None = Field(default=None, max_length=MAX_TOOL_DESCRIPTION)
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
-    strict: bool | None = None  # forced calls (required / named) always follow the schema
-
-    @field_validator("parameters")
-    @classmethod
-    def _bounded(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return None if v is None else _schema_size(v, MAX_TOOL_SCHEMA_CHARS)
-
-
-class Tool(_Model):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Model):
-    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(_Model):
-    name: str = Field(max_length=MAX_TOOL_NAME)
-    arguments: str = Field(max_length=MAX_PROMPT_CHARS)  # JSON, as the model wrote it
-
-
-class ToolCall(_Model):
-    """A tool call in a history message, or in a response (`AssistantMessage.tool_calls`)."""
-
-    id: str = Field(max_length=256)
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ErrorDetail(BaseModel):
@@ -367,7 +250,7 @@ class ChatCompletionRequest(_SamplingRequest):
             checked = check_template_kwargs(v)
         except ValueError as exc:
             raise _invalid(str(exc).removeprefix("chat_template_kwargs: ")) from None
-        _schema_size(checked, MAX_TOOL_SCHEMA_CHARS)
+        schema_size(checked, MAX_TOOL_SCHEMA_CHARS)
         return checked
 
     @field_validator("tools")
