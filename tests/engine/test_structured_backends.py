@@ -229,9 +229,22 @@ def test_apply_bitmask_masks_exactly_the_disallowed_logits() -> None:
         assert torch.equal(logits[row], expect)
     for row in (0, 2, 4):
         assert torch.equal(logits[row], before[row])
+    block = before.clone()  # rows in one contiguous block take the batched path
+    apply_bitmask(block, bitmask, [1, 2])
+    for row, r in ((1, 0), (2, 1)):
+        assert torch.equal(block[row], torch.where(allow[r, :vocab], before[row],
+                                                   torch.tensor(float("-inf"))))
+    assert torch.equal(block[[0, 3, 4]], before[[0, 3, 4]])
     wide = torch.zeros(1, 100)  # logits wider than the bitmask: the excess ids are masked
     apply_bitmask(wide, allocate_bitmask(1, 64), torch.tensor([0]))
     assert torch.isinf(wide[0, 64:]).all() and (wide[0, :64] == 0).all()
+    # the unpacking off the CPU (torch's shifts on the logits' device) agrees with numpy's
+    from tandem.engine.structured.bitmask import _unpack
+
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
+    for vocab, invert in ((150, False), (150, True), (170, True)):
+        assert torch.equal(_unpack(words, vocab, invert, use_numpy=False),
+                           _unpack(words, vocab, invert, use_numpy=True))
 
 
 class Counting(GrammarBackend):
