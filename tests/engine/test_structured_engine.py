@@ -365,3 +365,68 @@ def test_a_missing_grammar_library_stops_the_engine_at_start(tiny_model, monkeyp
     monkeypatch.setitem(sys.modules, "tandem.engine.structured.llguidance_backend", None)
     with pytest.raises(ConfigError, match="'llguidance' is not installed"):
         LLM(model=tiny_model, num_threads=1)
+
+
+def test_disaggregated_prefill_leaves_the_grammar_to_the_decode_side(tiny_model, llm):
+    """P/D: the prefill worker computes the prompt's pages with a throwaway greedy token and
+    no grammar (it never builds one); the decode worker imports them, computes the prompt's
+    last token and samples every output token under its grammar: the aggregated tokens."""
+    import asyncio
+
+    import grpc
+
+    from tandem.engine.async_engine import AsyncLLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings
+    from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
+    from tandem.protocol.web import PREFILL_HEADER
+    from tandem.serving.metrics import ServerMetrics
+    from tandem.serving.pd import PrefillImports
+    from tests.kvtransfer.fake_prefill import CHANNEL_OPTIONS
+
+    name = "tiny-pd"
+    prompt = _prompts(1, seed=15)[0] * 3
+    sp = _params(_json(SCHEMAS[6]))
+    want = _ids(llm.generate([prompt], sp)[0])
+
+    def engine() -> AsyncLLMEngine:
+        return AsyncLLMEngine(LLMEngine(EngineConfig(
+            model=tiny_model, block_size=4, num_kv_blocks=64, num_threads=1,
+            served_model_name=name)))
+
+    async def main(prefill: AsyncLLMEngine, decode: AsyncLLMEngine) -> tuple[list, int]:
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        service = KVTransferService(lambda: prefill, name, "prefill")
+        add_kv_transfer_service(server, service)
+        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        settings = RemotePrefillSettings(backend="grpc", timeout_s=30)
+        remote = RemotePrefill(decode, name, settings)
+        imports = PrefillImports(lambda: remote, settings, ServerMetrics(name, lambda: None),
+                                 name)
+        try:
+            imported = await imports.fetch({PREFILL_HEADER: target}, decode, "pd", [prompt], "")
+            nbytes = sum(x.bytes for x in imported)
+            try:
+                _, q = await decode.add(prompt, sp, "pd-0")
+                while not (out := await q.get()).finished:
+                    pass
+            finally:
+                imports.unpin(imported)
+        finally:
+            await remote.close()
+            await service.close()
+            await server.stop(0)
+        return out, nbytes
+
+    prefill, decode = engine(), engine()
+    try:
+        out, nbytes = asyncio.run(main(prefill, decode))
+        assert nbytes > 0 and out.num_cached_tokens >= 8  # the prompt's pages came over
+        assert _ids(out) == want
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS[6])
+        assert prefill.engine._structured is None  # no grammar on the prefill side
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
