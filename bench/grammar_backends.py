@@ -24,6 +24,8 @@ ranges, required fields), a regex, a choice and `json_object`:
   cost a batch-16 decode step pays on the engine's CPU side (one thread).
 * `gil`: how much a pure-Python loop keeps running while another thread compiles (1.0: the
   compile released the GIL all along).
+* `apply_bitmask`: applying a 16-row bitmask to float32 logits [16, 49152] on the CPU (the
+  engine's part after the fill, the same for both backends).
 
 The whole measurement runs `--repeat` times per backend, the backends alternating (so a
 shared machine's load drift spreads over both); each number reported is the median of the
@@ -153,6 +155,25 @@ def gil_share(backend, specs) -> float:
     return during / alone
 
 
+def apply_cost(vocab: int, rows: int = 16, reps: int = 50) -> float:
+    """Median seconds of `apply_bitmask` on float32 logits [rows, vocab] (CPU, this
+    process's torch threads), random bitmask rows."""
+    import torch
+
+    from tandem.engine.structured import apply_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32,
+                            generator=gen)
+    logits = torch.randn(rows, vocab, generator=gen)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        apply_bitmask(logits, bitmask, range(rows))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -257,13 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     for c in cols:
         print(f"{c:<22}" + "".join(f"{r[c]:>14.3f}" for r in results))
     print(f"{'refused':<22}" + "".join(f"{', '.join(r['refused']) or '-':>14}" for r in results))
+    apply_ms = apply_cost(tok.vocab_size) * 1e3
+    print(f"apply_bitmask, 16 rows of {tok.vocab_size} float32 logits: {apply_ms:.3f} ms")
     machine = {"cpus": os.cpu_count(), "processor": platform.processor(),
                "python": platform.python_version(), "loadavg": os.getloadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": str(dt.date.today()), "machine": machine, "vocab": tok.vocab_size,
         "schemas": args.schemas, "seed": args.seed, "rounds": args.rounds,
-        "repeat": args.repeat,
+        "repeat": args.repeat, "apply_bitmask_batch16_ms": apply_ms,
         "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
