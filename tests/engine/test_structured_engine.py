@@ -430,3 +430,22 @@ def test_disaggregated_prefill_leaves_the_grammar_to_the_decode_side(tiny_model,
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_logprobs_are_those_of_the_masked_logits_and_finite(llm):
+    """As vLLM: logprobs come from the logits after the grammar's mask, so a forced token's
+    logprob is 0 and a forbidden one's -inf, reported as LOGPROB_FLOOR (finite JSON)."""
+    from tandem.engine.sampler import LOGPROB_FLOOR
+
+    spec = StructuredOutputs(choice=("aaa", "ab"))
+    out = llm.generate(_prompts(1, seed=16), _params(spec, logprobs=5))[0].outputs[0]
+    assert out.text in spec.choice and len(out.logprobs) == len(out.token_ids)
+    forced = 0
+    for tid, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert all(LOGPROB_FLOOR <= v <= 0.0 for v in entry.values())
+        allowed = [v for v in entry.values() if v > LOGPROB_FLOOR]
+        if len(allowed) == 1:  # the grammar allowed one token: it has all the mass
+            forced += 1
+            assert entry[tid] == pytest.approx(0.0, abs=1e-5)
+            assert list(entry.values()).count(LOGPROB_FLOOR) == len(entry) - 1
+    assert forced >= 1

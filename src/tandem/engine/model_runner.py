@@ -257,8 +257,8 @@ class ModelRunner(RankRunner):
         self._last: PendingOutput | None = None  # the latest step whose ids stay on the device
         self.paths = StepPathCounter()  # graph-replayed vs eager steps, by reason
         # structured outputs: the step's grammar bitmask, filled while the forward runs
-        # (the logits width: LLMEngine sets the whole model's)
-        self.bitmask = BitmaskFiller(model.config.vocab_size)
+        # (its width, the model's logits', is set by LLMEngine)
+        self.bitmask = BitmaskFiller()
 
     @property
     def lora(self) -> LoRAManager | None:

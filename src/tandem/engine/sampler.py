@@ -4,7 +4,9 @@ Rows are sequences that sample this step. Random rows draw with the exponential 
 (`argmax(p / E)`, `E ~ Exp(1)`), which equals sampling from `p`; a seeded request draws its
 noise from its own `torch.Generator`, so its tokens do not depend on the batch around it.
 Logprobs are those of the raw model distribution (before any processing), as in vLLM; a
-structured-output row's logits arrive with its grammar's mask applied (vLLM's order too).
+structured-output row's logits arrive with its grammar's mask applied (vLLM's order too),
+so its disallowed tokens' logprobs are -inf, reported as `LOGPROB_FLOOR` (vLLM's -9999.0: an
+API answer must stay finite JSON).
 
 Every tensor lives on the logits' device. A step uploads its parameters as one float
 buffer and its indices as one int buffer (pinned, non-blocking on CUDA), draws the noise of
@@ -26,6 +28,7 @@ from tandem.engine.penalties import TokenCounts, penalise
 from tandem.engine.staging import IndexUploads, download, upload
 
 _NEG_INF = float("-inf")
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob (a token a grammar forbids) is reported as
 _GREEDY_BELOW = 1e-5  # temperature under which a row is greedy (SamplingParams.greedy)
 # rows of the per-step float parameter buffer
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _PRES, _FREQ = range(7)
@@ -54,6 +57,11 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]  # [N]
     logprobs: list[dict[int, float] | None]  # per row: sampled + top-k tokens, or None
+
+
+def raw_logprobs_of(logits: torch.Tensor) -> torch.Tensor:
+    """Logprobs of float32 `logits` [N, V], at least `LOGPROB_FLOOR` (finite)."""
+    return logits.log_softmax(dim=-1).clamp_(min=LOGPROB_FLOOR)
 
 
 def _penalised(r: SamplingRow) -> bool:
@@ -135,7 +143,7 @@ class Sampler:
         device = logits.device
         logits = logits.float()
         want_lp = any(r.num_logprobs is not None for r in rows)
-        raw_logprobs = logits.log_softmax(dim=-1) if want_lp else None
+        raw_logprobs = raw_logprobs_of(logits) if want_lp else None
         greedy = any(r.temperature < _GREEDY_BELOW for r in rows)
         unseeded = [i for i, r in enumerate(rows)
                     if r.temperature >= _GREEDY_BELOW and r.generator is None]

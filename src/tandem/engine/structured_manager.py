@@ -325,11 +325,13 @@ class BitmaskFiller:
     """Fills a step's bitmask on its own thread while the forward runs (matchers are only
     touched by it between `start` and the `result` the runner waits for)."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int = 0) -> None:
+        self.vocab_size = vocab_size  # the logits' width (set before the first `start`)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self, mask: MaskRows) -> concurrent.futures.Future:
+        if self.vocab_size <= 0:
+            raise RuntimeError("BitmaskFiller.vocab_size is not set")
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="tandem-bitmask")

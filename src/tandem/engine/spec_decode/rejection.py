@@ -26,7 +26,13 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tandem.engine.sampler import _GREEDY_BELOW, SamplingRow, processed_probs, sampling_params
+from tandem.engine.sampler import (
+    _GREEDY_BELOW,
+    SamplingRow,
+    processed_probs,
+    raw_logprobs_of,
+    sampling_params,
+)
 from tandem.engine.staging import download, upload
 
 
@@ -131,7 +137,7 @@ def verify(logits: torch.Tensor, requests: list[VerifyRequest],
     plan = _Plan(logits, requests)
     t, device, (total, vocab), n_req = plan.t, logits.device, logits.shape, len(requests)
     logits = logits.float()
-    raw = logits.index_select(0, t["lp_rows"]).log_softmax(dim=-1) if len(plan.lp) else None
+    raw = raw_logprobs_of(logits.index_select(0, t["lp_rows"])) if len(plan.lp) else None
     if plan.bans:  # after the raw logprobs, as in the sampler
         logits = logits.index_put((t["ban_rows"], t["ban_tok"]),
                                   torch.full((), float("-inf"), device=device))
