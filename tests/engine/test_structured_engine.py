@@ -16,11 +16,10 @@ import threading
 import jsonschema
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, StructuredOutputs
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.spec_decode import Proposal, Proposer, register_proposer
 from tandem.engine.structured_manager import COMPILE_ERROR_PREFIX
-from tandem.protocol.structured_outputs import StructuredOutputs
 from tests.structured_schemas import random_schema
 
 VOCAB = 512  # the tiny model's (tests/engine/utils.py TINY_VOCAB)
