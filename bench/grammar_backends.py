@@ -24,8 +24,8 @@ ranges, required fields), a regex, a choice and `json_object`:
   cost a batch-16 decode step pays on the engine's CPU side (one thread).
 * `gil`: how much a pure-Python loop keeps running while another thread compiles (1.0: the
   compile released the GIL all along).
-* `apply_bitmask`: applying a 16-row bitmask to float32 logits [16, 49152] on the CPU (the
-  engine's part after the fill, the same for both backends).
+* `apply_batch16`: applying one of those steps' 16-row bitmask to float32 logits
+  [16, 49152] on the CPU (the engine's part after the fill).
 
 The whole measurement runs `--repeat` times per backend, the backends alternating (so a
 shared machine's load drift spreads over both); each number reported is the median of the
@@ -103,9 +103,10 @@ def walk(backend, compiled, ids: list[int], bitmask) -> tuple[list[float], bool]
     return times, m.is_terminated()
 
 
-def batch_steps(backend, specs, texts, tok, bitmask) -> tuple[list[float], int]:
-    """Wall time per step of filling every active row of a len(specs)-row bitmask, and the
-    number of rows filled in all."""
+def batch_steps(backend, specs, texts, tok, bitmask) -> tuple[list[float], int, object]:
+    """Wall time per step of filling every active row of a len(specs)-row bitmask, the
+    number of rows filled in all, and a copy of the bitmask at the fourth step (real masks:
+    mostly allowed inside strings, mostly banned elsewhere)."""
     compiled = [backend.compile(s) for s in specs]
     for c, t in zip(compiled, texts, strict=True):  # earlier requests warmed these grammars
         m = c.matcher()
@@ -115,17 +116,19 @@ def batch_steps(backend, specs, texts, tok, bitmask) -> tuple[list[float], int]:
     matchers = [c.matcher() for c in compiled]
     streams = [tok.encode(t, add_special_tokens=False) + [backend.stop_token_ids[0]]
                for t in texts]
-    steps, rows = [], 0
+    steps, rows, snapshot = [], 0, None
     for i in range(max(len(s) for s in streams)):
         active = [r for r, s in enumerate(streams) if i < len(s)]
         t0 = time.perf_counter()
         for r in active:
             matchers[r].fill_bitmask(bitmask, r)
         steps.append(time.perf_counter() - t0)
+        if i == 3:
+            snapshot = bitmask.clone()
         rows += len(active)
         for r in active:
             matchers[r].accept_tokens([streams[r][i]])
-    return steps, rows
+    return steps, rows, snapshot
 
 
 def gil_share(backend, specs) -> float:
@@ -155,21 +158,18 @@ def gil_share(backend, specs) -> float:
     return during / alone
 
 
-def apply_cost(vocab: int, rows: int = 16, reps: int = 50) -> float:
-    """Median seconds of `apply_bitmask` on float32 logits [rows, vocab] (CPU, this
-    process's torch threads), random bitmask rows."""
+def apply_cost(bitmask, vocab: int, reps: int = 50) -> float:
+    """Median seconds of `apply_bitmask` of `bitmask` on float32 logits [rows, vocab] (CPU,
+    this process's torch threads)."""
     import torch
 
     from tandem.engine.structured import apply_bitmask
 
-    gen = torch.Generator().manual_seed(0)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32,
-                            generator=gen)
-    logits = torch.randn(rows, vocab, generator=gen)
+    logits = torch.randn(bitmask.shape[0], vocab, generator=torch.Generator().manual_seed(0))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        apply_bitmask(logits, bitmask, range(rows))
+        apply_bitmask(logits, bitmask, range(bitmask.shape[0]))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -214,8 +214,8 @@ def bench_backend(name: str, tok, all_cases, rounds: int) -> dict:
     schema_cases = [c for c in all_cases if c[0].startswith("schema-")][:16]
     step_means, row_costs = [], []
     for _ in range(rounds):
-        steps, rows = batch_steps(backend, [c[1] for c in schema_cases],
-                                  [c[2] for c in schema_cases], tok, bitmask)
+        steps, rows, snapshot = batch_steps(backend, [c[1] for c in schema_cases],
+                                            [c[2] for c in schema_cases], tok, bitmask)
         step_means.append(statistics.fmean(steps))
         row_costs.append(sum(steps) / rows)
     schema_compiles = [statistics.median(compiles[c[0]]) for c in all_cases
@@ -233,6 +233,7 @@ def bench_backend(name: str, tok, all_cases, rounds: int) -> dict:
         "fill_warm_us_p99": pct(warm_fills, 0.99) * 1e6,
         "batch16_step_ms_mean": statistics.median(step_means) * 1e3,
         "batch16_us_per_row": statistics.median(row_costs) * 1e6,
+        "apply_batch16_ms": apply_cost(snapshot, backend.vocab_size) * 1e3,
         "gil_share_during_compile": gil_share(backend, [c[1] for c in schema_cases]),
         "refused": refused, "cases": per_case,
     }
@@ -273,20 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     results = [merge(runs[b]) for b in names]
     cols = ("init_s", "compile_ms_median", "compile_ms_p90", "fill_us_mean", "fill_us_p99",
             "fill_warm_us_mean", "fill_warm_us_p99", "batch16_step_ms_mean", "batch16_us_per_row",
+            "apply_batch16_ms",
             "gil_share_during_compile")
     print(f"{'':<22}" + "".join(f"{r['backend']:>14}" for r in results))
     for c in cols:
         print(f"{c:<22}" + "".join(f"{r[c]:>14.3f}" for r in results))
     print(f"{'refused':<22}" + "".join(f"{', '.join(r['refused']) or '-':>14}" for r in results))
-    apply_ms = apply_cost(tok.vocab_size) * 1e3
-    print(f"apply_bitmask, 16 rows of {tok.vocab_size} float32 logits: {apply_ms:.3f} ms")
     machine = {"cpus": os.cpu_count(), "processor": platform.processor(),
                "python": platform.python_version(), "loadavg": os.getloadavg()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "date": str(dt.date.today()), "machine": machine, "vocab": tok.vocab_size,
         "schemas": args.schemas, "seed": args.seed, "rounds": args.rounds,
-        "repeat": args.repeat, "apply_bitmask_batch16_ms": apply_ms,
+        "repeat": args.repeat,
         "results": results}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
