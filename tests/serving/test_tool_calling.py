@@ -19,6 +19,7 @@ from tandem.cli import main as cli_main
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.request import TokenizedPrompt
 from tandem.protocol.chat_template import ChatTemplateError, render_chat
 from tandem.protocol.openai_api import ChatCompletionRequest
 from tandem.protocol.tokenizer import Tokenizer
@@ -259,6 +260,24 @@ def test_whole_choices_split_into_reasoning_content_and_tool_calls(tok):
     assert plain["choices"][0]["message"]["content"] == CALL_TEXT
 
 
+def test_a_constraint_waits_for_the_thinking_unless_the_prompt_closed_it(tok):
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    thinking = tok.encode("<think>\nhm", add_special_tokens=False)
+    closed = tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    regex = {"guided_regex": "[ab]+"}
+    for parsing, body, prompt, want in (
+            (HERMES_QWEN3, regex, thinking, end),
+            (ChatParsing(reasoning_parser="deepseek_r1"), {**regex, "tool_choice": "none"},
+             [1, 2], end),
+            (HERMES_QWEN3, regex, closed, None),  # enable_thinking false: constrained at once
+            (HERMES_QWEN3, {"tool_choice": "required"}, thinking, end),  # a forced call too
+            (HERMES_QWEN3, {}, thinking, None),  # nothing to constrain
+            (ChatParsing("hermes", True), regex, thinking, None)):  # no reasoning parser
+        r = responder(tok, parsing, **body)
+        r.prepare([TokenizedPrompt(list(prompt))])
+        assert r.params.reasoning_end_token_ids == want, (parsing, body)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(tok):
     two = ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
            '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>')
@@ -334,8 +353,8 @@ def test_the_flags_are_usage_errors_when_wrong(capsys):
 
 
 # -- a real worker, the openai client ----------------------------------------------------
-CALL_REGEX = (r'<think>(hmm|ok)</think>\n\n<tool_call>\n\{"name": "get_weather", "arguments": '
-              r'\{"city": "(Paris|Rome)"\}\}\n</tool_call>')
+CALL_REGEX = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}'
+              r'\n</tool_call>')
 
 
 @pytest.fixture(scope="module")
@@ -358,12 +377,14 @@ def client(tmp_path_factory):
 
 
 def test_a_tool_calling_loop_with_the_openai_client(client):
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    """The prompt closes the thinking (as Qwen3's template does with enable_thinking
+    false), so the regex forces the model's call from its first token."""
+    messages = [{"role": "user", "content": "Weather in Paris?</think>"}]
     kw = dict(model="tiny", tools=TOOLS, max_tokens=80, temperature=1.0, seed=3,
               extra_body={"guided_regex": CALL_REGEX})
     got = client.chat.completions.create(messages=messages, **kw).choices[0]
     assert got.finish_reason == "tool_calls" and got.message.content is None
-    assert got.message.reasoning_content in ("hmm", "ok")
+    assert got.message.reasoning_content is None  # (Qwen3's parser: no <think>, no thinking)
     [call] = got.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
@@ -378,7 +399,7 @@ def test_a_tool_calling_loop_with_the_openai_client(client):
                 if d.id is not None:
                     calls[d.index] = [d.function.name, ""]
                 calls[d.index][1] += d.function.arguments or ""
-    assert (content, reasoning, finish) == ("", got.message.reasoning_content, "tool_calls")
+    assert (content, reasoning, finish) == ("", "", "tool_calls")
     assert [(n, json.loads(a)) for n, a in calls.values()] == [
         (call.function.name, json.loads(call.function.arguments))]
     # the loop goes on: the call and its result in the history, a plain answer back
@@ -390,3 +411,16 @@ def test_a_tool_calling_loop_with_the_openai_client(client):
     assert answer.finish_reason == "stop" and answer.message.tool_calls is None
     assert answer.message.content in ("It is sunny.", "It is warm.")
     assert answer.message.reasoning_content is None
+
+
+def test_a_constraint_applies_after_the_thinking_on_a_real_worker(client):
+    """The random model never closes a thinking it never opens: its output stays free
+    unless the prompt already closed the thinking (then the choice is forced at once)."""
+    kw = dict(model="tiny", max_tokens=12, temperature=0, tool_choice="none", tools=TOOLS,
+              extra_body={"guided_choice": ["yes", "no"]})
+    free = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Answer."}], **kw).choices[0]
+    assert free.finish_reason == "length" and free.message.content not in ("yes", "no")
+    forced = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Answer.</think>"}], **kw).choices[0]
+    assert forced.finish_reason == "stop" and forced.message.content in ("yes", "no")

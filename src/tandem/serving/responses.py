@@ -17,6 +17,7 @@ from typing import Any
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
+from tandem.engine.request import TokenizedPrompt
 from tandem.protocol.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -129,6 +130,9 @@ class Responder(ABC):
                 ordered = [finals[i] for i in sorted(finals)]
                 yield _sse(self.usage_chunk(self.stream_usage(ordered, generated)))
         yield "data: [DONE]\n\n"
+
+    def prepare(self, prompts: list[TokenizedPrompt]) -> None:  # noqa: B027 (a hook)
+        """Once the prompts are tokenized, before admission: adjust what depends on them."""
 
     def stream_usage(self, finals: list[RequestOutput], generated: int) -> Usage:
         """A stream's usage: its prompts' from their final outputs, `generated` tokens."""
@@ -282,6 +286,19 @@ class ChatResponder(Responder):
             if self.tool_parser.needs_special_tokens:  # the format's markers must stay
                 self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self._streams: dict[int, _ChoiceStream] = {}
+
+    def prepare(self, prompts: list[TokenizedPrompt]) -> None:
+        """With a reasoning parser, a constrained output (a schema, a regex, a forced tool
+        call) is constrained only after the thinking: unless the prompt already closed it
+        (`is_reasoning_end`), the engine gets the end tag's ids
+        (`SamplingParams.reasoning_end_token_ids`)."""
+        reasoning = self.reasoning
+        if (reasoning is None or self.params.structured_outputs is None
+                or reasoning.is_reasoning_end(prompts[0].token_ids)):
+            return
+        end = reasoning.reasoning_end_token_ids()
+        if end:
+            self.params = dataclasses.replace(self.params, reasoning_end_token_ids=end)
 
     def _message(self, c: CompletionOutput) -> tuple[AssistantMessage, str | None]:
         """A whole choice's message and finish reason."""

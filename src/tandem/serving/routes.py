@@ -261,6 +261,7 @@ class WorkerApp:
             raise APIError(503, "the worker is draining; retry on another replica")
         if not engine.alive:
             raise APIError(503, "the engine is not running")
+        responder.prepare(prompts)  # what depends on the prompts' tokens (reasoning)
         if responder.params.structured_outputs is not None:
             await self.off_thread(lambda: _compile(engine, responder))
         rid = responder.request_id
