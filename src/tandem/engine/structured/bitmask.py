@@ -58,26 +58,32 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return _unpack(bitmask, vocab_size, invert=False)
 
 
+def _penalty(banned: torch.Tensor) -> torch.Tensor:
+    """float32 of `banned`'s shape: -inf where banned, 0 elsewhere, without branches (the
+    int32 0xFF800000 is float32 -inf; a masked_fill over a scattered mask mispredicts: ~10x
+    slower on a CPU)."""
+    return banned.to(torch.int32).mul_(-8388608).view(torch.float32)
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                   rows: Sequence[int] | torch.Tensor) -> None:
     """In place: for each i, the logits of row `rows[i]` whose bit in `bitmask[i]` is 0 become
-    -inf (on the logits' device; the bitmask is copied there). Other rows are untouched.
-    `bitmask` has len(rows) rows (or more: the first len(rows) are used)."""
+    -inf (on the logits' device; the bitmask is copied there); the allowed ones keep their
+    value (finite logits: -inf is added to the banned ones, 0 to the rest). Other rows are
+    untouched. `bitmask` has len(rows) rows (or more: the first len(rows) are used)."""
     index = rows.tolist() if isinstance(rows, torch.Tensor) else [int(r) for r in rows]
     n = len(index)
     if n == 0:
         return
     vocab = logits.shape[-1]
     if logits.device.type == "cpu":
-        banned = _unpack(bitmask[:n], vocab, invert=True)
+        penalty = _penalty(_unpack(bitmask[:n], vocab, invert=True)).to(logits.dtype)
         if index == list(range(index[0], index[0] + n)):  # one contiguous block of rows
-            logits[index[0]:index[0] + n].masked_fill_(banned, float("-inf"))
+            logits[index[0]:index[0] + n].add_(penalty)
         else:
             for i, row in enumerate(index):
-                logits[row].masked_fill_(banned[i], float("-inf"))
+                logits[row].add_(penalty[i])
         return
     banned = _unpack(bitmask[:n].to(logits.device, non_blocking=True), vocab, invert=True)
     at = torch.tensor(index, dtype=torch.long).to(logits.device, non_blocking=True)
-    picked = logits.index_select(0, at)
-    picked.masked_fill_(banned, float("-inf"))
-    logits.index_copy_(0, at, picked)
+    logits.index_add_(0, at, _penalty(banned).to(logits.dtype))
