@@ -448,3 +448,25 @@ def test_logprobs_are_those_of_the_masked_logits_and_finite(llm):
             assert entry[tid] == pytest.approx(0.0, abs=1e-5)
             assert list(entry.values()).count(LOGPROB_FLOOR) == len(entry) - 1
     assert forced >= 1
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_a_step_waiting_only_for_a_grammar_is_not_idle(tiny_model, monkeypatch, overlapped):
+    """The serving loop sleeps after an idle step until a command arrives: a step that ran
+    nothing because a grammar compiles must not count as idle, or the request would wait
+    for the loop's safety wake-up."""
+    eng = LLM(model=tiny_model, num_threads=1, seed=0, async_scheduling=overlapped).engine
+    backend = eng.structured.compiler.backend
+    release = threading.Event()
+    compile_ = backend.compile
+    monkeypatch.setattr(backend, "compile",
+                        lambda spec: (release.wait(30), compile_(spec))[1])
+    eng.add_request("r", _prompts(1, seed=17)[0], _params(StructuredOutputs(regex="[xy]{4}")))
+    for _ in range(3):
+        assert eng.step() == [] and not eng.last_step_idle
+    release.set()
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += eng.step()
+    assert re.fullmatch("[xy]{4}", outs[-1].outputs[0].text)
+    assert eng.step() == [] and eng.last_step_idle  # nothing left: idle again

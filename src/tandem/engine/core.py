@@ -396,7 +396,7 @@ class EngineCore(StructuredOutputsCore):
             # nothing to overlap with: finish the output side's work here (its stop strings
             # may free blocks, so the caller should not sleep on this step)
             self.last_step_idle = (self._inflight is None and not self._ops
-                                   and self._deferred is None)
+                                   and self._deferred is None and not grammars)
             self._commit_deferred()
             return self._drain()
         if self.async_scheduling and self._ops:  # made while this step's forward runs
