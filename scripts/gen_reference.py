@@ -259,8 +259,13 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "of the router (Ingress, Gateway); the gRPC links use `--grpc-tls-dir`"),
     VllmFlag("--allowed-origins", note="not supported (no CORS)"),
     VllmFlag("--root-path", note="not supported"),
-    VllmFlag("--enable-auto-tool-choice, --tool-call-parser", note="not supported"),
-    VllmFlag("--reasoning-parser", note="not supported"),
+    _same("--enable-auto-tool-choice", "`tool_choice: auto` parses the model's calls; needs "
+          "`--tool-call-parser`"),
+    _same("--tool-call-parser", "hermes, llama3_json, llama4_json, mistral, qwen3_coder, "
+          "qwen3_xml"),
+    _same("--reasoning-parser", "deepseek_r1, qwen3"),
+    _same("--disable-hybrid-kv-cache-manager", "one block table for every layer of a model "
+          "that mixes attention windows"),
 )
 
 
