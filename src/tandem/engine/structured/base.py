@@ -32,11 +32,12 @@ __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarMatcher", "StructuredOut
            "tokenizer_parts"]
 
 # Measured on the 2-core CPU with SmolLM2's 49k vocabulary (bench/grammar_backends.py,
-# bench/results/grammar-backends-2026-12-05.json): llguidance compiles a schema ~15x faster
-# (median 0.85 ms vs 14 ms: a cold grammar's time to first token) and masks ~2x slower (46 vs
-# 24 us per row at batch 16: 0.25 ms of a ~74 ms batch-16 step, filled during the forward);
-# xgrammar 0.2.9 also refuses valid JSON escapes in length-bounded strings, and needs
-# transformers. Compile time and correctness decide: llguidance.
+# bench/results/grammar-backends-2026-12-05.json): llguidance compiles a schema ~9x faster
+# (median 0.8 ms vs 6.9 ms, p90 3.7 vs 12.7 ms: a cold grammar's time to first token) and
+# masks ~3x slower (27 vs 8 us per row at batch 16: 0.4 ms of a ~74 ms batch-16 decode step,
+# filled while the forward runs); xgrammar 0.2.9 also refuses valid JSON escapes inside
+# length-bounded strings (2 of 24 random schemas' instances), and needs transformers.
+# Compile time and correctness decide: llguidance.
 DEFAULT_BACKEND = "llguidance"
 _BUILTIN = {"xgrammar": "tandem.engine.structured.xgrammar_backend:XGrammarBackend",
             "llguidance": "tandem.engine.structured.llguidance_backend:LLGuidanceBackend"}
