@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import signal
@@ -161,8 +162,9 @@ def test_ctrl_c_while_the_workers_load_stops_everything_at_once():
 @pytest.mark.slow
 def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
     """One real `tandem serve MODEL`: P/D end to end, the router's key required
-    (`--api-key`), and the router given the workers' tokenizer for the served name (no
-    approximate routing)."""
+    (`--api-key`), the router given the workers' tokenizer for the served name (no
+    approximate routing), and the openai client's structured-output, tool-calling and
+    Responses calls unchanged."""
     from tandem.protocol.bundled import find_bundled_gguf
 
     port = free_port()
@@ -198,12 +200,62 @@ def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
                 in metrics), metrics
         assert 'tandem_router_disaggregated_requests_total{backend="grpc"} 1.0' in metrics
         assert 'tandem_router_approximate_routing{model="smol"}' not in metrics
+        _openai_client_calls(url)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
         assert "routed approximately" not in text + proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _openai_client_calls(url: str) -> None:
+    """What applications do with the openai client, through `tandem serve`'s router to P/D
+    workers (a long prompt: the decode worker owns the grammar): `parse()` into a pydantic
+    model, a tool-calling loop (`tool_choice` required, the result sent back), and a
+    Responses conversation through `previous_response_id`."""
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        population: int = Field(ge=0, le=10**8)
+
+    client = OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=120)
+    long = "Tell me about rivers. " * 20  # past --pd-threshold
+    tight = {"structured_outputs": {"disable_any_whitespace": True}}
+    done = client.beta.chat.completions.parse(
+        model="smol", response_format=City, max_tokens=64, temperature=0, extra_body=tight,
+        messages=[{"role": "user", "content": long + "Name a city, as JSON."}])
+    assert isinstance(done.choices[0].message.parsed, City)
+
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 16}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": long + "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="smol", messages=messages, tools=tools,
+                                       tool_choice="required", max_tokens=48, temperature=0,
+                                       parallel_tool_calls=False, extra_body=tight)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    again = client.chat.completions.create(model="smol", messages=messages, tools=tools,
+                                           tool_choice="none", max_tokens=8)
+    assert again.choices[0].message.content and not again.choices[0].message.tool_calls
+
+    first = client.responses.create(model="smol", input="Name a river.",
+                                    max_output_tokens=8)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    second = client.responses.create(model="smol", input="Another one.", max_output_tokens=8,
+                                     previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).id == first.id
 
 
 def test_children_do_not_inherit_the_api_key_variable(monkeypatch):
