@@ -12,8 +12,11 @@ that want the error as an `InvalidRequestError` before the request is queued.
 Each step, rank 0's model runner collects the matchers of its sampling rows (and, for a
 speculative request, one row per draft position: the drafts are accepted one by one into
 the matcher, a row filled after each, then rolled back) and `BitmaskFiller.start` fills the
-step's bitmask on its own thread while the forward runs; the runner waits for it and
-applies it to the logits on their device before sampling or verification. After the step
+step's bitmask on its own thread while the forward runs (it starts right before the
+forward's launch: on CUDA it overlaps the queued kernels, on the CPU torch's kernels, which
+release the GIL); the runner waits for it after the forward and applies it to the logits
+on their device before sampling or verification (rank 0 alone samples, so with tensor
+parallelism only rank 0 masks). After the step
 the engine thread advances each matcher with the request's committed tokens (`accept`); a
 matcher that terminates (it accepted a stop token) ends the request ("stop").
 
