@@ -1,4 +1,4 @@
-"""One `ModelRunner` forward on every tensor-parallel rank (`model_runner.RankRunner`):
+"""One `ModelRunner` forward on every tensor-parallel rank (`rank_runner.RankRunner`):
 ranks > 0 run the same forward from the step plan alone, so LoRA adapters and the decode
 graphs compose with tensor parallelism, and the logits are gathered to rank 0 only.
 

@@ -1,16 +1,10 @@
 """Turns a `SchedulerOutput` into model inputs, runs the forward pass and samples.
 
-Two layers, as vLLM's driver worker and its other workers:
-- `RankRunner` (every tensor-parallel rank): `forward(plan)` runs one step's forward from
-  its `parallel.plan.StepPlan` alone: one upload of the inputs, the LoRA slot plan, the
-  decode graphs or the eager path as the plan says, hidden states when asked. Every rank
-  runs the same code on the same plan, so every feature (LoRA, graphs, hidden states for
-  EAGLE-style proposers) composes with tensor parallelism; the logits are gathered to rank
-  0 only (None on the others).
-- `ModelRunner` (rank 0, or the only rank): `execute(sched)` builds the step's plan from
-  the `SchedulerOutput` (every decision that changes the forward made here, once), sends
-  it to the other ranks, runs its own `forward` and samples, verifies drafts and computes
-  prompt logprobs.
+Two layers, as vLLM's driver worker and its other workers: `rank_runner.RankRunner` (every
+tensor-parallel rank runs a step's forward from its plan alone) and `ModelRunner` (rank 0,
+or the only rank): `execute(sched)` builds the step's plan from the `SchedulerOutput`
+(every decision that changes the forward made here, once), sends it to the other ranks,
+runs its own `forward` and samples, verifies drafts and computes prompt logprobs.
 
 Inputs are flattened: the new tokens of every scheduled request back to back (decodes
 first), with their positions and KV slots. Logits are computed only for rows that sample
@@ -47,7 +41,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,17 +49,15 @@ import torch
 
 from tandem.engine.attention.base import (
     AttentionBackend,
-    BatchLayout,
-    GroupedMetadata,
-    group_builders,
 )
 from tandem.engine.core import RunnerOutput, StepPathCount
-from tandem.engine.kv_cache.groups import KVGroupLayout, group_tables
+from tandem.engine.kv_cache.groups import group_tables
 from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.parallel.kv_moves import LayerGather
 from tandem.engine.parallel.plan import PlanKind, StepPlan
+from tandem.engine.rank_runner import RankRunner
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -76,39 +67,10 @@ from tandem.engine.structured.bitmask import apply_bitmask
 from tandem.engine.structured_manager import BitmaskFiller, mask_rows
 
 if TYPE_CHECKING:
-    from tandem.engine.cuda_graphs import DecodeGraphRunner
     from tandem.engine.kv_connector.base import KVConnectorWorker
     from tandem.engine.llm_engine import KVPageIO
     from tandem.engine.lora.manager import LoRAManager
-    from tandem.engine.lora.slots import LoRASlots
     from tandem.engine.parallel.executor import Executor
-
-
-def plan_inputs(plan: StepPlan, device: torch.device, block_size: int,
-                extra: np.ndarray | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, BatchLayout]:
-    """One upload of tokens | positions | logits rows (| `extra`, rank 0's prompt-logprob
-    targets) and the plan's `BatchLayout`: (input_ids, positions, logits_idx, extra,
-    layout)."""
-    extra = np.empty(0, np.int64) if extra is None else extra
-    t, n = len(plan.tokens), len(plan.logits_idx)
-    flat = upload(np.concatenate([plan.tokens, plan.positions, plan.logits_idx, extra]),
-                  torch.int64, device)
-    ids, pos, idx, rest = flat.split([t, t, n, len(extra)])
-    layout = BatchLayout(plan.query_lens.tolist(), plan.seq_lens.tolist(), None,
-                         torch.from_numpy(plan.slots), plan.num_decode, block_size,
-                         block_table=plan.block_table, table_lens=plan.table_lens)
-    return ids, pos, idx, rest, layout
-
-
-@dataclass
-class ForwardResult:
-    """One forward's outputs: `logits` [L, V] (None on ranks > 0), `hidden` [L, H] when the
-    plan asked for them, `extra` the device copy of `forward`'s `extra`."""
-
-    logits: torch.Tensor | None
-    hidden: torch.Tensor | None
-    extra: torch.Tensor
 
 
 @dataclass
@@ -166,64 +128,6 @@ class LayerObserver(Protocol):
         With tensor parallelism `pages` (passed by keyword, `event` None) holds the layer's
         `[2, n, KVH, bs, row]` pages of the `begin` blocks with every KV head, gathered from
         the ranks onto the host (the cache here holds only rank 0's heads)."""
-
-
-class RankRunner:
-    """The forward of one rank (every rank alike) over its share of the model and KV cache.
-    `graphs`: its decode graphs (None: every step eager); `adapters`: its LoRA slots (None
-    without LoRA)."""
-
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 block_size: int) -> None:
-        self.model = model
-        self.backend = backend
-        self.kv_caches = kv_caches
-        self.device = device
-        self.block_size = block_size
-        self.graphs: DecodeGraphRunner | None = None
-        self.adapters: LoRASlots | None = None
-        # a hybrid model's KV groups (`use_groups`): each layer's group and each group's
-        # metadata builder; empty: one block table serves every layer
-        self.layer_group: tuple[int, ...] = ()
-        self.group_builders: list[AttentionBackend] = []
-        # (flat rows, device ids) written into the step's input ids after the upload: the
-        # decode inputs still on the device (async scheduling); None: none
-        self.device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def use_groups(self, groups: KVGroupLayout) -> None:
-        """Run a hybrid model: plans carry each KV group's tables (`StepPlan.groups`)."""
-        self.layer_group = groups.layer_group
-        self.group_builders = group_builders(self.backend, groups.windows)
-
-    @torch.inference_mode()
-    def forward(self, plan: StepPlan, extra: np.ndarray | None = None,
-                on_layer: Callable[[int], None] | None = None) -> ForwardResult:
-        """Run `plan`'s forward as the plan decides (graphs, LoRA slots, hidden states);
-        `extra`: int64 values uploaded with the inputs (`ForwardResult.extra`); `on_layer`:
-        called after each layer's K/V are written (eager steps)."""
-        ids, pos, idx, extra_t, layout = plan_inputs(plan, self.device, self.block_size,
-                                                     extra)
-        if self.device_tokens is not None:
-            ids.index_copy_(0, *self.device_tokens)
-        if plan.graphs and self.graphs is not None:
-            return ForwardResult(self.graphs.run(ids, pos, layout), None, extra_t)
-        lora = None
-        if len(plan.lora_slots) and self.adapters is not None:
-            lora = self.adapters.batch(plan.lora_slots)
-        if plan.groups:  # a hybrid model: each KV group's tables and slots
-            meta = GroupedMetadata(self.layer_group, tuple(
-                b.build_metadata(layout.with_tables(torch.from_numpy(g.slots), g.block_table,
-                                                    g.table_lens))
-                for b, g in zip(self.group_builders, plan.groups, strict=True)))
-        else:
-            meta = self.backend.build_metadata(layout)
-        with self.adapters.ctx.use(lora) if lora is not None else nullcontext():
-            out = self.model(ids, pos, self.kv_caches, meta, idx, on_layer=on_layer,
-                             **({"return_hidden": True} if plan.return_hidden else {}))
-        if plan.return_hidden:
-            return ForwardResult(out[0], out[1], extra_t)
-        return ForwardResult(out, None, extra_t)
 
 
 class ModelRunner(RankRunner):

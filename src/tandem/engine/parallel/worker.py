@@ -30,11 +30,11 @@ from tandem.engine.model_build import (
     kv_blocks,
     prepare_process,
 )
-from tandem.engine.model_runner import RankRunner
 from tandem.engine.parallel.comm import PlanChannel, broadcast, close_groups, connect
 from tandem.engine.parallel.executor import RankSpec
 from tandem.engine.parallel.kv_moves import LayerGather, gather_pages, scatter_pages
 from tandem.engine.parallel.plan import PlanKind
+from tandem.engine.rank_runner import RankRunner
 from tandem.engine.sampler import Sampler
 
 logger = logging.getLogger(__name__)
