@@ -243,6 +243,8 @@ def summarize(outs: list[Outcome], wall: float, timer: Timer) -> dict[str, Any]:
         s["truncated"] = len(checked) - len(done)
         s["invalid"] = [{"reason": o.invalid_reason, "text": o.text[:300]}
                         for o in done if not o.valid][:5]
+        s["truncated_tails"] = [o.text[-120:] for o in checked
+                                if o.finish_reason == "length"][:5]
     s["per_request"] = [[o.output_tokens, o.ttft and round(o.ttft, 4),
                          o.e2e and round(o.e2e, 4), o.finish_reason, o.valid] for o in outs]
     return s
