@@ -386,8 +386,10 @@ def print_table(results: dict[str, Any], rat: dict[str, Any]) -> None:
           f"{'tok/s':>7} {'tpot p50':>8} {'other cpu':>9}")
     for name, res in results.items():
         for p in res["throughput"]:
+            # the round whose json tok/s is the median, both modes (their lengths match)
+            order = sorted(range(len(p["json"])), key=lambda k: p["json"][k]["output_tok_s"] or 0)
             for mode in ("none", "json"):
-                s = sorted(p[mode], key=lambda x: x["output_tok_s"] or 0)[len(p[mode]) // 2]
+                s = p[mode][order[len(order) // 2]]
                 valid = f"{s['valid']}/{s['finished']}" if "valid" in s else "-"
                 trunc = s.get("truncated", "-")
                 tpot = f"{s['tpot_p50_s'] * 1e3:.1f}ms" if s["tpot_p50_s"] else "-"
