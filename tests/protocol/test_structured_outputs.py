@@ -90,3 +90,19 @@ def test_module_is_torch_free() -> None:
             "or m.startswith('tandem.engine')]; assert not bad, bad")
     env = {**os.environ, "PYTHONPATH": str(Path(so.__file__).parents[2])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_nesting_is_bounded_whatever_the_recursion_limit() -> None:
+    """The depth bound holds before parsing: with a recursion limit high enough for
+    `json.loads` to parse 2,000 levels (some libraries raise it), still the named refusal;
+    brackets inside strings do not count."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(50_000)
+    try:
+        with pytest.raises(StructuredOutputsError, match="nests deeper than 32 levels"):
+            S(json="[" * 2000 + "]" * 2000).validate()
+    finally:
+        sys.setrecursionlimit(limit)
+    S(json='{"description": "' + "[{" * 100 + '\\"", "type": "string"}').validate()

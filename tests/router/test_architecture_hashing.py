@@ -40,7 +40,8 @@ def test_the_router_hashes_each_familys_prompts_as_its_worker(name, tmp_path_fac
     case = build_case(name, tmp_path_factory)
     model = f"org/tiny-{name}"
     config = EngineConfig(model=case.path, dtype="float32", block_size=BLOCK,
-                          num_kv_blocks=64, num_threads=1, served_model_name=model)
+                          num_kv_blocks=64 * CASES[name].pool_scale,  # (a KV group's block)
+                          num_threads=1, served_model_name=model)
     app = build_app(ServerSettings(served_model_name=model),
                     lambda: AsyncLLMEngine(LLMEngine(config)))
     served = Served(app, lean=False)

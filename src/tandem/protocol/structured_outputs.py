@@ -16,8 +16,10 @@ key order is kept: it orders the generated object's keys). The grammar engines l
 from __future__ import annotations
 
 import json as _json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from itertools import accumulate
 from typing import Any
 
 MAX_SCHEMA_CHARS = 65_536  # canonical JSON of one schema
@@ -161,6 +163,9 @@ def _check_schema(text: Any) -> None:
         raise StructuredOutputsError(
             f"the JSON schema has {len(text)} characters, more than the limit of "
             f"{MAX_SCHEMA_CHARS}")
+    if _nesting(text) > MAX_SCHEMA_DEPTH:  # before parsing: not bounded by the recursion limit
+        raise StructuredOutputsError(
+            f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         schema = _json.loads(text)
     except RecursionError:
@@ -172,6 +177,16 @@ def _check_schema(text: Any) -> None:
         raise StructuredOutputsError(
             f"the JSON schema must be a JSON object, not {type(schema).__name__}")
     _walk_schema(schema, "#", 1)
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _nesting(text: str) -> int:
+    """The deepest nesting of arrays and objects in JSON `text` (strings skipped): linear
+    in the text, whatever the interpreter's recursion limit."""
+    steps = (1 if c in "[{" else -1 for c in _JSON_STRING.sub("", text) if c in "[]{}")
+    return max(accumulate(steps), default=0)
 
 
 # keywords whose values are JSON data, not schemas: a "$ref" key inside is not a reference
