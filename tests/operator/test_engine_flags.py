@@ -52,7 +52,7 @@ def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def test_every_flag_is_a_worker_option_with_the_modules_choices():
     opts = options(worker_parser())
-    assert len(flags.all_flags()) == 50  # (guards the module scan itself)
+    assert len(flags.all_flags()) == 52  # (guards the module scan itself)
     assert sorted(set(flags.all_flags().values()) - set(opts)) == []
     for flag, values in CHOICES.items():
         assert tuple(opts[flag].choices) == values, flag

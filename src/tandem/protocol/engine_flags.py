@@ -41,6 +41,9 @@ STRUCTURED_OUTPUTS_BACKEND = "--structured-outputs-backend"
 TOOL_CALL_PARSER = "--tool-call-parser"
 ENABLE_AUTO_TOOL_CHOICE = "--enable-auto-tool-choice"
 REASONING_PARSER = "--reasoning-parser"
+# the Responses API's stored responses (store: true)
+RESPONSES_STORE_MAX = "--responses-store-max"
+RESPONSES_STORE_TTL = "--responses-store-ttl"
 # LoRA
 ENABLE_LORA = "--enable-lora"
 MAX_LORAS = "--max-loras"

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.protocol import engine_flags as flags
+
 DEFAULT_MAX_ENTRIES = 1000
 DEFAULT_TTL_S = 3600.0
 DEFAULT_MAX_BYTES = 256 << 20
@@ -132,11 +134,11 @@ def _ttl(text: str) -> float:
 
 def add_responses_store_args(p: argparse.ArgumentParser) -> None:
     """`--responses-store-max` and `--responses-store-ttl` (the worker's flags)."""
-    p.add_argument("--responses-store-max", type=_entries, default=DEFAULT_MAX_ENTRIES,
+    p.add_argument(flags.RESPONSES_STORE_MAX, type=_entries, default=DEFAULT_MAX_ENTRIES,
                    metavar="N",
                    help="keep at most N Responses API responses (store: true) for "
                         "previous_response_id and GET /v1/responses/{id}, least recently "
                         "used out first; 0: store none")
-    p.add_argument("--responses-store-ttl", type=_ttl, default=DEFAULT_TTL_S,
+    p.add_argument(flags.RESPONSES_STORE_TTL, type=_ttl, default=DEFAULT_TTL_S,
                    metavar="SECONDS",
                    help="forget a stored response SECONDS after it was stored")
