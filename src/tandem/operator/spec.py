@@ -310,6 +310,9 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if out.disaggregated and out.prefill.engine.speculative is not None:
         raise SpecError("prefill.engine.speculative: prefill workers do not decode; set "
                         "decode.engine.speculative")
+    if out.disaggregated and out.prefill.engine.client_output_fields:
+        raise SpecError(f"prefill.engine.{', '.join(out.prefill.engine.client_output_fields)}: "
+                        "prefill workers serve no client requests; set them on decode.engine")
     if out.prefill.autoscaling is not None and not out.disaggregated:
         raise SpecError("prefill.autoscaling needs prefill.replicas >= 1 (0 = aggregated)")
     return out

@@ -10,13 +10,20 @@ may hold is `spec_parallel`'s: one per tensor-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tandem.operator.fields import GPU, get, get_enum, get_int, get_num, kv_memory
 from tandem.operator.model_uri import SpecError
 from tandem.operator.spec_speculative import SpeculativeSpec, parse_speculative
-from tandem.protocol.engine_flags import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
+from tandem.protocol.engine_flags import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    REASONING_PARSERS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+    TOOL_CALL_PARSERS,
+)
 from tandem.protocol.engine_flags import GROUPED_QUANTIZATIONS as GROUPED
 from tandem.protocol.engine_flags import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 
@@ -47,11 +54,47 @@ class EngineArgs:
     quantization_group_size: int | None = None  # int4 / int8 only; None: the worker's
     kv_cache_dtype: str = "auto"
     speculative: SpeculativeSpec | None = None  # decode and aggregated pools; None: off
+    # what the chat and Responses APIs make of outputs (decode and aggregated pools: prefill
+    # workers serve no client requests); None / False: the worker's default
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False  # needs tool_call_parser
+    reasoning_parser: str | None = None
+    structured_outputs_backend: str | None = None  # None: the worker's (llguidance)
+    responses_store_max: int | None = None  # None: the worker's 1000
+    responses_store_ttl_seconds: int | None = None  # None: the worker's 3600
 
     @property
     def kv_dtype(self) -> str:
         """kvCacheDtype with vLLM's alias fp8_e4m3 read as fp8 (what the KV pages carry)."""
         return "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
+
+    @property
+    def client_output_fields(self) -> list[str]:
+        """The CRD names of the set fields that only a pool serving clients uses (refused on a
+        deployed prefill pool); `responsesStoreMax: 0` is set (store none)."""
+        return [name for name, attr in CLIENT_OUTPUT_FIELDS.items()
+                if getattr(self, attr) is not None and getattr(self, attr) is not False]
+
+    def hash_view(self) -> dict[str, Any]:
+        """The fields a pool's config hash covers: all, less the client-output ones left
+        unset, so pools that do not use them keep the hash they had before they existed."""
+        unset = set(CLIENT_OUTPUT_FIELDS.values()) - {CLIENT_OUTPUT_FIELDS[n]
+                                                      for n in self.client_output_fields}
+        return {k: v for k, v in asdict(self).items() if k not in unset}
+
+
+# CRD name -> EngineArgs field of what the chat and Responses APIs make of outputs
+CLIENT_OUTPUT_FIELDS: dict[str, str] = {
+    "toolCallParser": "tool_call_parser", "enableAutoToolChoice": "enable_auto_tool_choice",
+    "reasoningParser": "reasoning_parser",
+    "structuredOutputsBackend": "structured_outputs_backend",
+    "responsesStoreMax": "responses_store_max",
+    "responsesStoreTtlSeconds": "responses_store_ttl_seconds"}
+
+
+def _optional_enum(d: dict[str, Any], key: str, where: str,
+                   allowed: tuple[str, ...]) -> str | None:
+    return None if d.get(key) is None else get_enum(d, key, "", where, allowed)
 
 
 def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
@@ -72,6 +115,11 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
         if quant not in GROUPED:
             raise SpecError(f"{w}.quantizationGroupSize applies to quantization int4 or int8 "
                             f"(this pool's quantization: {quant or 'unset'})")
+    tool_parser = _optional_enum(d, "toolCallParser", w, TOOL_CALL_PARSERS)
+    auto_tools = get(d, "enableAutoToolChoice", bool, False, w)
+    if auto_tools and tool_parser is None:
+        raise SpecError(f"{w}.enableAutoToolChoice needs {w}.toolCallParser (the model's "
+                        "tool-call format)")
     return EngineArgs(
         block_size=get_int(d, "blockSize", 16, w, 1, 256),
         max_num_seqs=get_int(d, "maxNumSeqs", 128, w, 1, 4096),
@@ -91,7 +139,13 @@ def parse_engine(d: dict[str, Any], where: str) -> EngineArgs:
         async_scheduling=get(d, "asyncScheduling", bool, False, w),
         quantization=quant, quantization_group_size=group,
         kv_cache_dtype=get_enum(d, "kvCacheDtype", "auto", w, KV_CACHE_DTYPES),
-        speculative=parse_speculative(get(d, "speculative", dict, None, w), w))
+        speculative=parse_speculative(get(d, "speculative", dict, None, w), w),
+        tool_call_parser=tool_parser, enable_auto_tool_choice=auto_tools,
+        reasoning_parser=_optional_enum(d, "reasoningParser", w, REASONING_PARSERS),
+        structured_outputs_backend=_optional_enum(d, "structuredOutputsBackend", w,
+                                                  STRUCTURED_OUTPUTS_BACKENDS),
+        responses_store_max=get_int(d, "responsesStoreMax", None, w, 0),
+        responses_store_ttl_seconds=get_int(d, "responsesStoreTtlSeconds", None, w, 1))
 
 
 def gpu_count(resources: dict[str, dict[str, int | str]], where: str) -> int:

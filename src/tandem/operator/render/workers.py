@@ -98,7 +98,12 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         (flags.GPU_MEMORY_UTILIZATION, e.gpu_memory_utilization),
         (flags.QUANTIZATION, e.quantization),
         (flags.QUANTIZATION_GROUP_SIZE, e.quantization_group_size),
-        (flags.KV_CACHE_DTYPE, None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype)]
+        (flags.KV_CACHE_DTYPE, None if e.kv_cache_dtype == "auto" else e.kv_cache_dtype),
+        # (refused on prefill pools: they serve no client requests)
+        (flags.TOOL_CALL_PARSER, e.tool_call_parser), (flags.REASONING_PARSER, e.reasoning_parser),
+        (flags.STRUCTURED_OUTPUTS_BACKEND, e.structured_outputs_backend),
+        (flags.RESPONSES_STORE_MAX, e.responses_store_max),
+        (flags.RESPONSES_STORE_TTL, e.responses_store_ttl_seconds)]
     layout = pool.spec.layout
     if layout.tensor > 1:  # (1: the worker's default; unset keeps older renders as they were)
         optional += [(flags.TENSOR_PARALLEL_SIZE, layout.tensor),
@@ -122,6 +127,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         args.append(flags.ENFORCE_EAGER)
     if e.async_scheduling:
         args.append(flags.ASYNC_SCHEDULING)
+    if e.enable_auto_tool_choice:
+        args.append(flags.ENABLE_AUTO_TOOL_CHOICE)
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
         args.append(flags.KV_STREAM_LAYERS)
     return args + lora_args(spec.lora)  # every role: prefill computes with the adapter too
@@ -133,8 +140,8 @@ def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
     kv = spec.kv_transfer if pool.role == "decode" else None
     lora = [spec.lora] if spec.lora is not None else []  # (unset: the hash it always had)
     tp = [pool.spec.parallelism] if pool.spec.parallelism.tensor > 1 else []  # (likewise)
-    return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret,
-                       *lora, *tp)
+    return config_hash(spec.model, pool.spec.engine.hash_view(), pool.role, kv,
+                       spec.kv_transfer.tls_secret, *lora, *tp)
 
 
 def shm_size(pool: PoolSpec) -> str:
