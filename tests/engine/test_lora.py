@@ -390,7 +390,7 @@ def test_bundled_model_adapters_equal_merged_weights(bundled_gguf, tmp_path):
     batch with the base model: greedy tokens equal an engine whose linears have W + s B A
     merged in place, logprobs within float32 tolerance."""
     llm = LLM(device="cpu", dtype="float32", cpu_linear="torch", enable_lora=True,
-              max_loras=2, max_lora_rank=8)
+              max_loras=2, max_lora_rank=8, num_kv_blocks=64)  # (not a tenth of RAM)
     arch = llm.engine.model.config
     cfg = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
            "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
@@ -409,7 +409,7 @@ def test_bundled_model_adapters_equal_merged_weights(bundled_gguf, tmp_path):
     assert got[0].outputs[0].token_ids != got[2].outputs[0].token_ids  # the adapter matters
     del llm
 
-    ref = LLM(device="cpu", dtype="float32", cpu_linear="torch")
+    ref = LLM(device="cpu", dtype="float32", cpu_linear="torch", num_kv_blocks=64)
     model = ref.engine.model
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     inter = arch.intermediate_size

@@ -65,7 +65,9 @@ def _chat_ids(llm: LLM, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def base() -> LLM:
-    return LLM(max_num_batched_tokens=64, seed=0)
+    # 256 blocks (4,096 tokens) hold every batch here; the default pool (a tenth of RAM,
+    # zero-filled) would cost the test worker gigabytes
+    return LLM(max_num_batched_tokens=64, num_kv_blocks=256, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +182,7 @@ def test_opt_out_and_penalties_do_not_speculate(oracle, prompts, reference):
 
 
 def test_ngram_greedy_equality_and_acceptance(base, prompts, reference):
-    llm = LLM(max_num_batched_tokens=64, seed=0,
+    llm = LLM(max_num_batched_tokens=64, num_kv_blocks=256, seed=0,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                   "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     outs = llm.generate(prompts, _greedy())
