@@ -48,6 +48,9 @@ def _opt(cmd: list[str], name: str) -> str | None:
 def test_default_is_one_aggregated_worker():
     d = _plan(_args(), [], _ports())
     assert [role for role, _, _ in d.workers] == ["both"]
+    # the bundled model answers tools with the default tool_choice (auto)
+    assert _opt(d.workers[0][2], "--tool-call-parser") == "hermes"
+    assert "--enable-auto-tool-choice" in d.workers[0][2]
     assert _opt(d.workers[0][2], "--num-threads") is None  # one worker: all cores
     assert _opt(d.router, "--workers") == "http://127.0.0.1:9000"
     assert "--pd-threshold" not in d.router and d.describe() == "1 worker(s)"
@@ -79,6 +82,17 @@ def test_aggregated_workers_may_join_a_pd_deployment():
     assert [role for role, _, _ in d.workers] == ["both", "prefill", "decode"]
     assert all(cmd.count("--num-threads") == 1 for _, _, cmd in d.workers)  # the user's
     assert d.describe() == "1 aggregated + 1 prefill + 1 decode workers"
+
+
+@pytest.mark.parametrize("given", [["--model", "org/m"], ["--tool-call-parser", "mistral"],
+                                   ["--tool-call-parser=llama3_json"],
+                                   ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]])
+def test_default_tool_parsing_only_for_the_bundled_model_and_never_over_given_flags(given):
+    def named(args: list[str]) -> int:
+        return sum(a.split("=")[0] in ("--tool-call-parser", "--enable-auto-tool-choice")
+                   for a in args)
+
+    assert named(_plan(_args(), given, _ports()).workers[0][2]) == named(given)
 
 
 def test_every_process_shares_the_runs_worker_auth_key():

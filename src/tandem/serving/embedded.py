@@ -111,6 +111,7 @@ def plan(args: argparse.Namespace, passthrough: list[str],
         from tandem.engine.cpu_tuning import usable_cores
 
         passthrough = [*passthrough, "--num-threads", str(max(1, usable_cores() // len(wanted)))]
+    passthrough = with_default_tool_parsing(passthrough)
     auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
     signed_only = ["--require-signed-requests"] if auth_key_file else []  # the router's only
     workers = []
@@ -124,6 +125,19 @@ def plan(args: argparse.Namespace, passthrough: list[str],
               "--workers", ",".join(url for _, url, _ in workers), *auth,
               *tls_flags(passthrough), *router_flags]
     return Deployment(workers, router, envs, waves)
+
+
+def with_default_tool_parsing(passthrough: list[str]) -> list[str]:
+    """The embedded default (the bundled model, no `--model`) answers `tools` with
+    `tool_choice: auto`, the openai client's default, as well as forced calls: its workers
+    get `--enable-auto-tool-choice --tool-call-parser hermes` unless either flag is given.
+    A model given by name keeps vLLM's rule (auto tool choice only when asked)."""
+    from tandem.protocol import engine_flags as flags
+
+    given = {a.split("=", 1)[0] for a in passthrough}
+    if flags.MODEL in given or given & {flags.TOOL_CALL_PARSER, flags.ENABLE_AUTO_TOOL_CHOICE}:
+        return passthrough
+    return [*passthrough, flags.ENABLE_AUTO_TOOL_CHOICE, flags.TOOL_CALL_PARSER, "hermes"]
 
 
 def tls_flags(passthrough: list[str]) -> list[str]:
