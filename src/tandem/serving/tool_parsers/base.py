@@ -12,12 +12,12 @@ while a call's start is undecided is bounded (`MAX_HELD_CHARS`), as is JSON nest
 from __future__ import annotations
 
 import json
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.protocol.openai_api import new_tool_call_id
 from tandem.serving.tool_parsers.json_stream import Event, JsonScanner
 
 MAX_HELD_CHARS = 1 << 16  # text held while deciding what a call's start is
@@ -27,9 +27,7 @@ MAX_NAME_CHARS = 256
 IdFactory = Callable[[], str]
 
 
-def random_tool_call_id() -> str:
-    """vLLM's tool-call id format."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+random_tool_call_id: IdFactory = new_tool_call_id  # vLLM's tool-call id format
 
 
 @dataclass(frozen=True)
