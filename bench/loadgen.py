@@ -22,7 +22,7 @@ import http.client
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -129,6 +129,47 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
     )
 
 
+class StreamError(Exception):
+    """A streamed answer that failed: its HTTP status, an error chunk or no `[DONE]`."""
+
+
+async def sse_chunks(client: httpx.AsyncClient, url: str,
+                     body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST `body` to `url` and yield each `data:` chunk of the event stream up to `[DONE]`;
+    StreamError for a status other than 200, an error chunk or a stream ending early."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise StreamError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                err = chunk["error"]
+                text = err.get("message", "") if isinstance(err, dict) else str(err)
+                raise StreamError(f"stream error: {text[:200]}")
+            yield chunk
+    raise StreamError("stream ended without [DONE]")
+
+
+# what a request's stream can fail with (stream_error words it for a result's `error`)
+STREAM_ERRORS = (StreamError, httpx.HTTPError, json.JSONDecodeError)
+
+
+def stream_error(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, StreamError) else f"{type(exc).__name__}: {exc}"[:200]
+
+
+def bench_client(timeout_s: float) -> httpx.AsyncClient:
+    """The client a run's concurrent streams share (no cap on connections)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
+
+
 async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                    t0: float, extra: Mapping[str, Any] | None = None) -> RequestResult:
     """Stream one greedy completion of exactly `req.max_tokens` tokens; `extra` adds body
@@ -140,40 +181,22 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRe
     res = RequestResult(ok=False, sent_at=start - t0, prompt_tokens=len(req.prompt_token_ids),
                         max_tokens=req.max_tokens)
     last: float | None = None
-    done = False
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                res.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
-                    return res
-                now = time.monotonic()
-                if chunk.get("choices"):
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    res.output_tokens = int(chunk["usage"]["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"[:200]
+        async for chunk in sse_chunks(client, f"{url}/v1/completions", body):
+            now = time.monotonic()
+            if chunk.get("choices"):
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+            if chunk.get("usage"):
+                res.output_tokens = int(chunk["usage"]["completion_tokens"])
+    except STREAM_ERRORS as exc:
+        res.error = stream_error(exc)
         return res
     res.e2e = time.monotonic() - start
-    if not done:
-        res.error = "stream ended without [DONE]"
-    elif res.ttft is None:
+    if res.ttft is None:
         res.error = "no token chunk"
     elif res.output_tokens != req.max_tokens:
         res.error = f"got {res.output_tokens} tokens, asked for {req.max_tokens}"
@@ -190,8 +213,7 @@ async def run_rate(url: str, model: str, requests: Sequence[BenchRequest], rate:
     seconds); return results in request order."""
     if offsets is None:
         offsets = arrival_times(len(requests), rate, seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with bench_client(timeout_s) as client:
         t0 = time.monotonic()
 
         async def later(req: BenchRequest, at: float) -> RequestResult:

@@ -69,6 +69,7 @@ from _common import Timer  # noqa: E402
 from tests.structured_schemas import random_schema  # noqa: E402
 
 import servers  # noqa: E402
+from loadgen import STREAM_ERRORS, bench_client, served_model, sse_chunks, stream_error  # noqa: E402
 
 TOPICS = ("a library book", "a weather station", "a customer order", "a hiking trail",
           "a concert", "a laptop", "a city park", "a recipe", "a football match", "a museum",
@@ -151,43 +152,24 @@ async def send(client: httpx.AsyncClient, url: str, model: str, job: Job,
     start = time.monotonic()
     out = Outcome(ok=False, sent_at=start - t0)
     parts: list[str] = []
-    done = False
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions",
-                                 json=job.body(model)) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                out.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out.error = f"stream error: {str(chunk['error'])[:200]}"
-                    return out
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        if out.ttft is None:
-                            out.ttft = time.monotonic() - start
-                        parts.append(text)
-                    if choice.get("finish_reason"):
-                        out.finish_reason = choice["finish_reason"]
-                if chunk.get("usage"):
-                    out.output_tokens = int(chunk["usage"]["completion_tokens"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"[:200]
+        async for chunk in sse_chunks(client, f"{url}/v1/chat/completions", job.body(model)):
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if out.ttft is None:
+                        out.ttft = time.monotonic() - start
+                    parts.append(text)
+                if choice.get("finish_reason"):
+                    out.finish_reason = choice["finish_reason"]
+            if chunk.get("usage"):
+                out.output_tokens = int(chunk["usage"]["completion_tokens"])
+    except STREAM_ERRORS as exc:
+        out.error = stream_error(exc)
         return out
     out.e2e = time.monotonic() - start
     out.text = "".join(parts)
-    if not done:
-        out.error = "stream ended without [DONE]"
-    elif out.ttft is None:
+    if out.ttft is None:
         out.error = "no content chunk"
     elif job.ignore_eos and out.output_tokens != job.max_tokens:
         out.error = f"got {out.output_tokens} tokens, asked for {job.max_tokens}"
@@ -204,8 +186,7 @@ async def run_closed(url: str, model: str, jobs: list[Job], concurrency: int,
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(len(jobs)):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+    async with bench_client(timeout_s) as client:
         t0 = time.monotonic()
 
         async def stream() -> None:
@@ -330,13 +311,6 @@ def ttft_run(url: str, model: str, base: dict[str, Any], repeats: int, seed: int
         f"{k} {v['p50_s'] * 1e3:.0f} ms" if v["p50_s"] is not None else f"{k} n/a"
         for k, v in out.items()), file=sys.stderr, flush=True)
     return out
-
-
-async def served_model(url: str) -> str:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        resp = await client.get(f"{url}/v1/models")
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
 
 
 def bench_server(name: str, url: str, args: argparse.Namespace,
