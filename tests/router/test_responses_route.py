@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
-from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
@@ -23,13 +21,14 @@ from tandem.router import responses, usage
 from tandem.router.core import Router, RouterSettings
 from tandem.router.responses import ResponseLocations
 from tandem.router.workers import Worker
-from tandem.serving.api_server import ServerSettings, build_app
+from tandem.serving.api_server import ServerSettings
 from tests.engine.utils import make_tiny_model_dir
 from tests.router.test_router_app import Served, _wait_ready, router_app
 from tests.serving.helpers import worker_key_file
+from tests.serving.tiny_worker import TINY_BLOCK, tiny_worker
 
 NAME = "tiny"
-BLOCK = 4
+BLOCK = TINY_BLOCK
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 BASE = {"model": NAME, "temperature": 0, "max_output_tokens": 4}
 
@@ -43,19 +42,10 @@ def cluster(tmp_path_factory):
     key_file = worker_key_file(path)
     workers, apps = [], []
     for _ in range(2):
-        def load() -> AsyncLLMEngine:
-            return AsyncLLMEngine.from_args(str(path), served_model_name=NAME,
-                                            block_size=BLOCK, kv_cache_memory=32 << 20)
-
-        app = build_app(ServerSettings(served_model_name=NAME, auth_key=WorkerKey(key_file)),
-                        load)
+        worker, app = tiny_worker(path, ServerSettings(served_model_name=NAME,
+                                                       auth_key=WorkerKey(key_file)))
+        workers.append(worker)
         apps.append(app)
-        workers.append(Served(app, lean=False))
-    for w in workers:
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{w.url}/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
     tok = Tokenizer.load(path)
     routers: list[Served] = []
 

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as router_prompt
-from tandem.serving.api_server import ServerSettings, build_app
+from tandem.serving.api_server import ServerSettings
 from tests.engine.utils import make_tiny_model_dir
-from tests.router.test_router_app import Served, _wait_ready, router_app
+from tests.router.test_router_app import _wait_ready, router_app
+from tests.serving.tiny_worker import tiny_worker
 from tests.structured_schemas import is_valid, random_schema
 
 NAME = "tiny"
@@ -65,16 +64,7 @@ def _bounded(schema: dict) -> dict:
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-structured")
     make_tiny_model_dir(path, "llama", seed=5)
-
-    def load() -> AsyncLLMEngine:
-        return AsyncLLMEngine.from_args(str(path), served_model_name=NAME, block_size=4,
-                                        kv_cache_memory=32 << 20)
-
-    server = Served(build_app(ServerSettings(served_model_name=NAME), load), lean=False)
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{server.url}/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server, _ = tiny_worker(path, ServerSettings(served_model_name=NAME))
     yield server, path
     server.stop()
 

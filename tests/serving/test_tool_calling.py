@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
-import httpx
 import openai
 import pytest
 
 from tandem.cli import main as cli_main
-from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.request import TokenizedPrompt
 from tandem.protocol.chat_template import ChatTemplateError, render_chat
 from tandem.protocol.openai_api import ChatCompletionRequest
 from tandem.protocol.tokenizer import Tokenizer
-from tandem.serving.api_server import ServerSettings, build_app
+from tandem.serving.api_server import ServerSettings
 from tandem.serving.responses import ChatResponder
 from tandem.serving.tool_parsers.options import ChatParsing
 from tests.engine.utils import make_tiny_model_dir, write_tiny_tokenizer
-from tests.router.test_router_app import Served
+from tests.serving.tiny_worker import tiny_worker
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},
            "required": ["city"]}
@@ -361,17 +358,8 @@ CALL_REGEX = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(P
 def client(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-tools")
     make_tiny_model_dir(path, "llama", seed=5)
-
-    def load() -> AsyncLLMEngine:
-        return AsyncLLMEngine.from_args(str(path), served_model_name="tiny", block_size=4,
-                                        kv_cache_memory=32 << 20)
-
-    settings = ServerSettings(served_model_name="tiny", chat_parsing=HERMES_QWEN3)
-    server = Served(build_app(settings, load), lean=False)
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{server.url}/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server, _ = tiny_worker(path, ServerSettings(served_model_name="tiny",
+                                                 chat_parsing=HERMES_QWEN3))
     yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     server.stop()
 
