@@ -55,6 +55,10 @@ class GrammarMatcher(ABC):
     was before the call and returns False. Accepting a stop token terminates the matcher; a
     terminated matcher accepts nothing more (`rollback` past the stop token revives it)."""
 
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self._g = grammar
+        self._n = 0  # tokens accepted, net of rollbacks
+
     @abstractmethod
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advance over `tokens` (all or none, see the class doc)."""
@@ -64,10 +68,19 @@ class GrammarMatcher(ABC):
         """How many leading `tokens` the grammar allows from here, without advancing (for
         speculative drafts: the matcher is unchanged afterwards)."""
 
-    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (0 <= num_tokens <= num_accepted, else
         ValueError)."""
+        if not 0 <= num_tokens <= self._n:
+            raise ValueError(f"cannot roll back {num_tokens} of {self._n} accepted tokens")
+        if num_tokens:
+            self._rollback(num_tokens)
+            self._n -= num_tokens
+
+    @abstractmethod
+    def _rollback(self, num_tokens: int) -> None:
+        """The library's rollback of 1 <= `num_tokens` <= num_accepted tokens (`_n` is not
+        yet reduced)."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -85,19 +98,24 @@ class GrammarMatcher(ABC):
         """True when the text so far is a complete match (a stop token is allowed now)."""
 
     @property
-    @abstractmethod
     def num_accepted(self) -> int:
         """Tokens accepted so far (the stop token included), net of rollbacks."""
+        return self._n
 
 
-class CompiledGrammar(ABC):
-    """A compiled constraint: immutable, shared by all requests with the same spec key."""
+class CompiledGrammar:
+    """A compiled constraint: immutable, shared by all requests with the same spec key.
+    `grammar` is the library's compiled form; a backend's subclass names its matcher
+    class (built from this object)."""
 
-    spec: StructuredOutputs
+    matcher_class: type[GrammarMatcher]
 
-    @abstractmethod
+    def __init__(self, backend: GrammarBackend, spec: StructuredOutputs, grammar: Any) -> None:
+        self.backend, self.spec, self.grammar = backend, spec, grammar
+
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
+        return self.matcher_class(self)
 
 
 class GrammarBackend(ABC):

@@ -11,6 +11,7 @@ import torch
 
 from tandem.engine.structured.bitmask import bitmask_words
 
+OBJECT_SCHEMA = '{"type":"object"}'  # what `json_object` compiles as
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
 

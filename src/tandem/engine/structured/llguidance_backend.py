@@ -22,10 +22,15 @@ import llguidance as llg
 import torch
 
 from tandem.engine.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher
-from tandem.engine.structured.common import choice_literal, forbidden_row, is_gbnf, only_row
+from tandem.engine.structured.common import (
+    OBJECT_SCHEMA,
+    choice_literal,
+    forbidden_row,
+    is_gbnf,
+    only_row,
+)
 from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
 
-OBJECT_SCHEMA = '{"type":"object"}'
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
@@ -55,10 +60,11 @@ class LLGuidanceMatcher(GrammarMatcher):
     library's matcher enters a permanent error state on a rejected token, so every token is
     validated before it is consumed."""
 
+    _g: LLGuidanceCompiled
+
     def __init__(self, grammar: LLGuidanceCompiled) -> None:
-        self._g = grammar
-        self._m = grammar.template.deep_copy()
-        self._n = 0
+        super().__init__(grammar)
+        self._m = grammar.grammar.deep_copy()
         self._terminated = False
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
@@ -105,15 +111,10 @@ class LLGuidanceMatcher(GrammarMatcher):
                 return tokens[:i], t
         return tokens, None
 
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._n:
-            raise ValueError(f"cannot roll back {num_tokens} of {self._n} accepted tokens")
-        if not num_tokens:
-            return
+    def _rollback(self, num_tokens: int) -> None:
         inner = num_tokens - 1 if self._terminated else num_tokens
         if inner and not self._m.rollback(inner):
             raise RuntimeError(f"llguidance cannot roll back: {self._m.get_error()}")
-        self._n -= num_tokens
         self._terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -134,18 +135,12 @@ class LLGuidanceMatcher(GrammarMatcher):
     def can_terminate(self) -> bool:
         return not self._terminated and self._m.is_accepting()
 
-    @property
-    def num_accepted(self) -> int:
-        return self._n
-
 
 class LLGuidanceCompiled(CompiledGrammar):
-    def __init__(self, backend: LLGuidanceBackend, spec: StructuredOutputs,
-                 template: llg.LLMatcher) -> None:
-        self.backend, self.spec, self.template = backend, spec, template
+    """`grammar`: the template `llg.LLMatcher` each request's matcher deep-copies."""
 
-    def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self)
+    backend: LLGuidanceBackend
+    matcher_class = LLGuidanceMatcher
 
 
 class LLGuidanceBackend(GrammarBackend):

@@ -21,6 +21,7 @@ import xgrammar as xgr
 
 from tandem.engine.structured.base import CompiledGrammar, GrammarBackend, GrammarMatcher
 from tandem.engine.structured.common import (
+    OBJECT_SCHEMA,
     choice_literal,
     forbidden_row,
     is_gbnf,
@@ -29,17 +30,16 @@ from tandem.engine.structured.common import (
 )
 from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
 
-OBJECT_SCHEMA = '{"type":"object"}'
-
 
 class XGrammarMatcher(GrammarMatcher):
     """A matcher over one `xgr.GrammarMatcher` (see GrammarMatcher for the contract)."""
 
+    _g: XGrammarCompiled
+
     def __init__(self, grammar: XGrammarCompiled) -> None:
-        self._g = grammar
-        self._m = xgr.GrammarMatcher(grammar.compiled, override_stop_tokens=list(
+        super().__init__(grammar)
+        self._m = xgr.GrammarMatcher(grammar.grammar, override_stop_tokens=list(
             grammar.backend.stop_token_ids))
-        self._n = 0
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         forbidden, limit = self._g.backend.never, self._g.backend.tokenizer_vocab_size
@@ -66,12 +66,8 @@ class XGrammarMatcher(GrammarMatcher):
             self._m.rollback(done)
         return done
 
-    def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._n:
-            raise ValueError(f"cannot roll back {num_tokens} of {self._n} accepted tokens")
-        if num_tokens:
-            self._m.rollback(num_tokens)
-            self._n -= num_tokens
+    def _rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         backend = self._g.backend
@@ -87,18 +83,12 @@ class XGrammarMatcher(GrammarMatcher):
     def can_terminate(self) -> bool:
         return not self._m.is_terminated() and self._m.is_completed()
 
-    @property
-    def num_accepted(self) -> int:
-        return self._n
-
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, backend: XGrammarBackend, spec: StructuredOutputs,
-                 compiled: xgr.CompiledGrammar) -> None:
-        self.backend, self.spec, self.compiled = backend, spec, compiled
+    """`grammar`: the `xgr.CompiledGrammar`."""
 
-    def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self)
+    backend: XGrammarBackend
+    matcher_class = XGrammarMatcher
 
 
 class XGrammarBackend(GrammarBackend):
