@@ -106,3 +106,25 @@ def test_nesting_is_bounded_whatever_the_recursion_limit() -> None:
     finally:
         sys.setrecursionlimit(limit)
     S(json='{"description": "' + "[{" * 100 + '\\"", "type": "string"}').validate()
+
+
+def test_a_constraint_is_validated_once(monkeypatch) -> None:
+    """A request's n samples, its compile check and the backend validate one instance: the
+    schema is parsed once (a large one costs milliseconds on the engine thread)."""
+    from tandem.engine.sampling_params import SamplingParams
+
+    parses = []
+    real = so._check_schema
+    monkeypatch.setattr(so, "_check_schema", lambda text: (parses.append(text), real(text)))
+    spec = S.from_json_schema(nested(3))
+    params = SamplingParams(n=8, structured_outputs=spec)
+    for i in range(8):
+        assert params.clone_for_sample(i).structured_outputs is spec
+    spec.validate()
+    assert len(parses) == 1
+    assert spec == S(json=spec.json) and spec.key() == S(json=spec.json).key()
+    assert spec.to_dict() == {"json": spec.json}
+    bad = S(json="[]")
+    for _ in range(2):  # a failure is not remembered as a pass
+        with pytest.raises(StructuredOutputsError, match="must be a JSON object"):
+            bad.validate()

@@ -111,7 +111,12 @@ class StructuredOutputs:
         bounds: schema text <= MAX_SCHEMA_CHARS, a JSON object, nesting <= MAX_SCHEMA_DEPTH,
         every `$ref` local ("#..."); grammar <= MAX_GRAMMAR_CHARS and regex <=
         MAX_REGEX_CHARS, neither empty; 1..MAX_CHOICES choices, each a non-empty string of
-        <= MAX_CHOICE_CHARS."""
+        <= MAX_CHOICE_CHARS. Checked once per instance (it is immutable): the request's
+        SamplingParams, each of its n samples' copies, the compile check and the backend
+        all validate it, and a large schema's parse costs milliseconds on the engine
+        thread."""
+        if self.__dict__.get("_valid"):
+            return
         chosen = [k for k in KINDS if self._is_set(k)]
         if len(chosen) != 1:
             names = ", ".join(chosen) if chosen else "none"
@@ -125,6 +130,7 @@ class StructuredOutputs:
             _check_text("grammar", self.grammar, MAX_GRAMMAR_CHARS)
         if self.choice is not None:
             _check_choice(self.choice)
+        object.__setattr__(self, "_valid", True)  # not a field: not in eq, key or to_dict
 
 
 def _check_text(name: str, text: Any, limit: int) -> None:
