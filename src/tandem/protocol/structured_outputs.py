@@ -196,7 +196,7 @@ def _nesting(text: str) -> int:
 
 
 # keywords whose values are JSON data, not schemas: a "$ref" key inside is not a reference
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
 
 def _walk_schema(node: Any, where: str, depth: int, data: bool = False) -> None:
@@ -215,7 +215,7 @@ def _walk_schema(node: Any, where: str, depth: int, data: bool = False) -> None:
         for name, child in node.items():
             if isinstance(child, dict | list):
                 _walk_schema(child, f"{where}/{name}", depth + 1,
-                             data or name in _DATA_KEYWORDS)
+                             data or name in DATA_KEYWORDS)
     elif isinstance(node, list):
         for i, child in enumerate(node):
             if isinstance(child, dict | list):

@@ -29,9 +29,11 @@ from tandem.engine.structured.common import (
     is_gbnf,
     only_row,
 )
-from tandem.protocol.structured_outputs import StructuredOutputs, StructuredOutputsError
-
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+from tandem.protocol.structured_outputs import (
+    DATA_KEYWORDS,
+    StructuredOutputs,
+    StructuredOutputsError,
+)
 
 
 def strict_objects(node: Any, data: bool = False) -> Any:
@@ -48,7 +50,7 @@ def strict_objects(node: Any, data: bool = False) -> Any:
                 for sub in child.values():
                     strict_objects(sub)
             else:
-                strict_objects(child, data or key in _DATA_KEYWORDS)
+                strict_objects(child, data or key in DATA_KEYWORDS)
     elif isinstance(node, list):
         for child in node:
             strict_objects(child, data)
