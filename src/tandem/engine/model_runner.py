@@ -56,7 +56,7 @@ from tandem.engine.kv_cache.manager import KVCacheManager
 from tandem.engine.model.config import ModelArchConfig
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.parallel.kv_moves import LayerGather
-from tandem.engine.parallel.plan import PlanKind, StepPlan
+from tandem.engine.parallel.plan import GroupTables, PlanKind, StepPlan
 from tandem.engine.rank_runner import RankRunner
 from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler, SamplingRow
@@ -326,9 +326,10 @@ class ModelRunner(RankRunner):
         row_idx = np.array(rows, dtype=np.int64)
         table, table_lens = table[row_idx], table_lens[row_idx]
         tables = getattr(self.kv, "tables", None)
-        groups = () if tables is None else group_tables(
-            tables, [s.request.request_id for s in scheduled], row_idx, positions,
-            np.repeat(row_idx, np.asarray(query_lens, dtype=np.int64)), bs)
+        # a hybrid model: group 0's are the tables and slots above (`block_table` is its)
+        groups = () if tables is None else (GroupTables(slots, table, table_lens), *group_tables(
+            tables[1:], [s.request.request_id for s in scheduled], row_idx, positions,
+            np.repeat(row_idx, np.asarray(query_lens, dtype=np.int64)), bs))
 
         logits_idx = np.concatenate([np.array(sample_idx + spec_idx, dtype=np.int64)] + [
             np.arange(flat, flat + count, dtype=np.int64) for _, _, flat, count in plp])
