@@ -376,8 +376,8 @@ class ChatResponder(Responder):
     def chunk(self, idx: int, c: CompletionOutput, offset: int, done: bool
               ) -> dict[str, Any] | None:
         delta, finish = self._delta(idx, c, done)
-        if not done and c.text and not delta.model_dump(exclude_none=True) and (
-                self.params.logprobs is None):
+        if not done and c.text and not (delta.reasoning_content or delta.content
+                                        or delta.tool_calls) and self.params.logprobs is None:
             return None  # all of it held back by a parser, for now
         choice = ChatChunkChoice(index=idx, delta=delta, logprobs=self._logprobs(c),
                                  finish_reason=finish,
