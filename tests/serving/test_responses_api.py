@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -16,15 +15,14 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.protocol.responses_api import TENANT_HEADER, ResponsesRequest, tenant_target
 from tandem.protocol.signing import WorkerKey, sign
-from tandem.serving.api_server import ServerSettings, build_app
+from tandem.serving.api_server import ServerSettings
 from tandem.serving.response_store import ResponseStore
 from tandem.serving.responses_api import ResponsesResponder
 from tests.engine.utils import make_tiny_model_dir
-from tests.router.test_router_app import Served
 from tests.serving.helpers import WORKER_KEY, signed, worker_key_file
+from tests.serving.tiny_worker import tiny_worker
 
 NAME = "tiny"
 BASE = {"model": NAME, "temperature": 0, "max_output_tokens": 6}
@@ -35,17 +33,7 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-responses")
     make_tiny_model_dir(path, "llama", seed=11)
     key = WorkerKey(worker_key_file(path))
-
-    def load() -> AsyncLLMEngine:
-        return AsyncLLMEngine.from_args(str(path), served_model_name=NAME, block_size=4,
-                                        kv_cache_memory=32 << 20)
-
-    app = build_app(ServerSettings(served_model_name=NAME, auth_key=key), load)
-    server = Served(app, lean=False)
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{server.url}/ready").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server, app = tiny_worker(path, ServerSettings(served_model_name=NAME, auth_key=key))
     yield server, app
     server.stop()
 
@@ -329,17 +317,16 @@ def test_store_flags_reach_the_worker(tmp_path):
 
 
 class _Chat:
-    """A chat responder's answer, given: its SSE chunks and its whole body."""
+    """A chat responder's answer, given: its stream's chunks and its whole body."""
 
     def __init__(self, chunks: list[dict], body: dict | None = None) -> None:
-        self.chunks, self.body = chunks, body
+        self.given, self.body = chunks, body
         self.request_id, self.model, self.created = "resp_" + "0" * 32, NAME, 1
         self.params = SimpleNamespace(temperature=1.0, top_p=1.0)
 
-    async def sse(self, stream):  # noqa: ANN001, ANN201
-        for c in self.chunks:
-            yield f"data: {json.dumps(c)}\n\n"
-        yield "data: [DONE]\n\n"
+    async def chunks(self, stream):  # noqa: ANN001, ANN201
+        for c in self.given:
+            yield c
 
     async def collect(self, stream) -> dict:  # noqa: ANN001
         return self.body

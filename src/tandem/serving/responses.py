@@ -89,13 +89,20 @@ class Responder(ABC):
         return self.body(ordered)
 
     async def sse(self, stream: Stream) -> AsyncIterator[str]:
+        async for chunk in self.chunks(stream):
+            yield _sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self, stream: Stream) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks as objects, each one SSE `data:` event (`sse`), before the
+        closing `[DONE]`; an error ends them with an error body."""
         try:
-            async for chunk in self._sse(stream):
+            async for chunk in self._chunks(stream):
                 yield chunk
         finally:
             await stream.aclose()  # aborts unfinished sub-requests at once (disconnect)
 
-    async def _sse(self, stream: Stream) -> AsyncIterator[str]:
+    async def _chunks(self, stream: Stream) -> AsyncIterator[dict[str, Any]]:
         sent_text: dict[int, int] = {}  # per choice: characters sent (the text offset)
         finished: set[int] = set()
         finals: dict[int, RequestOutput] = {}
@@ -103,7 +110,7 @@ class Responder(ABC):
         generated = 0  # tokens over every choice, for the usage chunk
         async for i, out in stream:
             if out.error:
-                yield sse_error(500, out.error)
+                yield error_body(500, out.error)
                 break
             for c in out.outputs:
                 idx = i * self.n + c.index
@@ -111,7 +118,7 @@ class Responder(ABC):
                     started.add(idx)
                     first = self.first_chunk(idx, i, out)
                     if first is not None:
-                        yield _sse(first)
+                        yield first
                 generated += len(c.token_ids)
                 done = c.finish_reason is not None and idx not in finished
                 if not c.text and not done and not c.token_ids:
@@ -122,14 +129,13 @@ class Responder(ABC):
                     finished.add(idx)
                 body = self.chunk(idx, c, offset, done)
                 if body is not None:  # None: nothing to send yet (held by a parser)
-                    yield _sse(body)
+                    yield body
             if out.finished:
                 finals[i] = out
         else:
             if self.include_usage:
                 ordered = [finals[i] for i in sorted(finals)]
-                yield _sse(self.usage_chunk(self.stream_usage(ordered, generated)))
-        yield "data: [DONE]\n\n"
+                yield self.usage_chunk(self.stream_usage(ordered, generated))
 
     def prepare(self, prompts: list[TokenizedPrompt]) -> None:  # noqa: B027 (a hook)
         """Once the prompts are tokenized, before admission: adjust what depends on them."""

@@ -182,8 +182,8 @@ class ResponsesResponder:
     # -- streamed ---------------------------------------------------------------------------
     async def sse(self, stream: Stream) -> AsyncIterator[str]:
         events = StreamEvents(self)
-        async for line in self.chat.sse(stream):
-            for event in events.feed(line):
+        async for chunk in self.chat.chunks(stream):  # the chat chunks as objects, unparsed
+            for event in events.feed(chunk):
                 yield event
         for event in events.end():
             yield event
@@ -194,7 +194,7 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 class StreamEvents:
-    """Chat SSE chunks in, Responses API events out (module doc)."""
+    """Chat stream chunks in, Responses API events out (module doc)."""
 
     def __init__(self, responder: ResponsesResponder) -> None:
         self.r = responder
@@ -221,14 +221,11 @@ class StreamEvents:
         return [self.emit("response.created", response=body),
                 self.emit("response.in_progress", response=body)]
 
-    def feed(self, line: str) -> list[str]:
+    def feed(self, doc: dict[str, Any]) -> list[str]:
+        """One chat chunk (`Responder.chunks`): its events."""
         out = [] if self.started else self.start()
-        if self.failed is not None or not line.startswith("data: "):
+        if self.failed is not None:
             return out
-        data = line[len("data: "):].strip()
-        if data == "[DONE]":
-            return out
-        doc = json.loads(data)
         if "error" in doc:
             err = doc["error"]
             self.failed = {"code": "server_error" if err.get("code") in (500, None)
