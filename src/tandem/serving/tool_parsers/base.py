@@ -90,12 +90,14 @@ class _Out:
     def __init__(self) -> None:
         self.content: list[str] = []
         self.calls: list[ToolCallDelta] = []
+        self.headers = 0  # calls started over the whole stream
 
     def text(self, s: str) -> None:
         if s:
             self.content.append(s)
 
     def header(self, index: int, call_id: str, name: str) -> None:
+        self.headers += 1
         self.calls.append(ToolCallDelta(index, call_id, name))
 
     def args(self, index: int, fragment: str) -> None:
@@ -118,8 +120,12 @@ class StreamingToolParser(ABC):
 
     def __init__(self, make_id: IdFactory = random_tool_call_id) -> None:
         self.make_id = make_id
-        self.num_calls = 0  # calls started (their headers sent)
         self._out = _Out()
+
+    @property
+    def num_calls(self) -> int:
+        """Calls started (their headers sent): also the next call's index."""
+        return self._out.headers
 
     @property
     def tools_called(self) -> bool:

@@ -38,8 +38,6 @@ class Llama3JsonStream(StreamingToolParser):
             elif self.state == "call":
                 assert self.call is not None
                 i = self.call.feed(text, i, out)
-                if self.call.emitted and self.call.index == self.num_calls:
-                    self.num_calls += 1
                 if self.call.status == "done":
                     self.state = "sep"
                 elif self.call.status == "error":

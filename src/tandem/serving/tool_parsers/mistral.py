@@ -104,8 +104,6 @@ class MistralStream(StreamingToolParser):
             elif s in ("object", "args"):
                 assert self.call is not None
                 i = self.call.feed(text, i, out)
-                if self.call.emitted and self.call.index == self.num_calls:
-                    self.num_calls += 1
                 if self.call.status == "error":
                     self._fail(out)
                 elif self.call.status == "done":

@@ -150,7 +150,6 @@ class Qwen3CoderStream(StreamingToolParser):
         self.name = name.strip()
         self.kinds = self.types.get(self.name, {})
         self.index, self.params = self.num_calls, 0
-        self.num_calls += 1
         out.header(self.index, self.make_id(), self.name)
         out.args(self.index, "{")
         self.state, self.held = "params", ""
