@@ -35,12 +35,14 @@ def _pick(value: Any, defaults: Mapping[str, Any], key: str, neutral: Any) -> An
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
-                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, Any] | None = None,
+                    tool_plan: ToolCallPlan | None = None) -> SamplingParams:
     """Map the request's sampling fields; raises `InvalidRequestError` naming the field.
     `defaults` (`protocol.hub.generation_defaults`, the model's generation_config.json) fill
     temperature, top_p, top_k, min_p and repetition_penalty where the request leaves them
     unset; their `max_tokens` caps the request's (vLLM's `get_max_tokens`: the smaller of
-    the two; a chat request without one gets it)."""
+    the two; a chat request without one gets it). `tool_plan`: the chat request's forced tool
+    call, when the caller built it already (`structured_outputs`)."""
     defaults = defaults or {}
     if not 1 <= req.n <= max_n:
         raise InvalidRequestError(f"n must be in [1, {max_n}], got {req.n}", "n")
@@ -67,7 +69,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
                     raise InvalidRequestError("min_tokens must be 0 with echo and "
                                               "max_tokens 0", "min_tokens")
                 max_tokens = 1
-    spec, _ = structured_outputs(req)
+    spec, _ = structured_outputs(req, tool_plan)
     cap = defaults.get("max_tokens")
     if cap is not None and (max_tokens is None or max_tokens > cap) and cap > 0:
         max_tokens = cap
@@ -89,7 +91,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_n: int,
     )
 
 
-def structured_outputs(req: CompletionRequest | ChatCompletionRequest
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest,
+                       tool_plan: ToolCallPlan | None = None
                        ) -> tuple[StructuredOutputs | None, str | None]:
     """The request's one output constraint and the field that set it: `response_format`
     (json_object, json_schema), `structured_outputs.<kind>`, `guided_json` / `_regex` /
@@ -136,8 +139,8 @@ def structured_outputs(req: CompletionRequest | ChatCompletionRequest
         add("guided_choice", lambda: StructuredOutputs(choice=tuple(req.guided_choice)))
     if req.guided_grammar is not None:
         add("guided_grammar", lambda: StructuredOutputs(grammar=req.guided_grammar))
-    if isinstance(req, ChatCompletionRequest):
-        plan = ToolCallPlan.for_request(req)
+    if isinstance(req, ChatCompletionRequest):  # `tool_plan`: the request's, built already
+        plan = tool_plan if tool_plan is not None else ToolCallPlan.for_request(req)
         if plan is not None:
             found.append(("tool_choice", plan.spec))
     if so is not None and not found:

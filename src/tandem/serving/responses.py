@@ -58,11 +58,12 @@ def sse_error(status: int, message: str) -> str:
 
 class Responder(ABC):
     def __init__(self, req: CompletionRequest | ChatCompletionRequest, tok: Tokenizer,
-                 settings: Any, request_id: str, lora_name: str | None = None) -> None:
+                 settings: Any, request_id: str, lora_name: str | None = None,
+                 tool_plan: ToolCallPlan | None = None) -> None:
         self.req = req
         self.tok = tok
         self.params = convert.sampling_params(req, settings.max_n,
-                                              settings.sampling_defaults)
+                                              settings.sampling_defaults, tool_plan)
         self.n = req.n
         self.stream = req.stream
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -275,9 +276,9 @@ class ChatResponder(Responder):
 
     def __init__(self, req: ChatCompletionRequest, tok: Tokenizer, settings: Any,
                  request_id: str, lora_name: str | None = None) -> None:
-        super().__init__(req, tok, settings, request_id, lora_name)
+        self.tool_plan = ToolCallPlan.for_request(req)  # built once: its schema is the spec's
+        super().__init__(req, tok, settings, request_id, lora_name, self.tool_plan)
         parsing: ChatParsing = getattr(settings, "chat_parsing", None) or ChatParsing()
-        self.tool_plan = ToolCallPlan.for_request(req)
         self.reasoning: ReasoningParser | None = None
         if parsing.reasoning_parser is not None:
             self.reasoning = get_reasoning_parser(parsing.reasoning_parser)(tok)
