@@ -427,8 +427,8 @@ def test_services_without_lora_keep_their_config_hash():
     s = parse_spec(spec("disaggregated"))
     for p in pools(s):
         kv = s.kv_transfer if p.role == "decode" else None
-        assert pool_config_hash(s, p) == config_hash(s.model, p.spec.engine.hash_view(),
-                                                     p.role, kv, s.kv_transfer.tls_secret)
+        assert pool_config_hash(s, p) == config_hash(s.model, p.spec.engine, p.role, kv,
+                                                     s.kv_transfer.tls_secret)
     assert isinstance(pools(s)[0], Pool)
 
 

@@ -8,6 +8,10 @@ from typing import Any
 from tandem.operator.model_uri import SpecError
 
 GPU = "nvidia.com/gpu"
+# dataclass field metadata: `config_hash` leaves the field out while it holds its default (a
+# field added after pools were deployed keeps their hash, so an operator upgrade rolls none)
+HASH_IF_SET_KEY = "hash_if_set"
+HASH_IF_SET: dict[str, bool] = {HASH_IF_SET_KEY: True}
 _KV_MEMORY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|"
                        r"[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?$")

@@ -10,10 +10,10 @@ may hold is `spec_parallel`'s: one per tensor-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.operator.fields import GPU, get, get_enum, get_int, get_num, kv_memory
+from tandem.operator.fields import GPU, HASH_IF_SET, get, get_enum, get_int, get_num, kv_memory
 from tandem.operator.model_uri import SpecError
 from tandem.operator.spec_speculative import SpeculativeSpec, parse_speculative
 from tandem.protocol.engine_flags import (
@@ -55,13 +55,16 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     speculative: SpeculativeSpec | None = None  # decode and aggregated pools; None: off
     # what the chat and Responses APIs make of outputs (decode and aggregated pools: prefill
-    # workers serve no client requests); None / False: the worker's default
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False  # needs tool_call_parser
-    reasoning_parser: str | None = None
-    structured_outputs_backend: str | None = None  # None: the worker's (llguidance)
-    responses_store_max: int | None = None  # None: the worker's 1000
-    responses_store_ttl_seconds: int | None = None  # None: the worker's 3600
+    # workers serve no client requests); None / False: the worker's default, and no part
+    # of the config hash (pools deployed before the fields existed keep theirs)
+    tool_call_parser: str | None = field(default=None, metadata=HASH_IF_SET)
+    enable_auto_tool_choice: bool = field(default=False, metadata=HASH_IF_SET)  # needs the parser
+    reasoning_parser: str | None = field(default=None, metadata=HASH_IF_SET)
+    # None: the worker's (llguidance)
+    structured_outputs_backend: str | None = field(default=None, metadata=HASH_IF_SET)
+    responses_store_max: int | None = field(default=None, metadata=HASH_IF_SET)  # None: 1000
+    # None: the worker's 3600
+    responses_store_ttl_seconds: int | None = field(default=None, metadata=HASH_IF_SET)
 
     @property
     def kv_dtype(self) -> str:
@@ -74,13 +77,6 @@ class EngineArgs:
         deployed prefill pool); `responsesStoreMax: 0` is set (store none)."""
         return [name for name, attr in CLIENT_OUTPUT_FIELDS.items()
                 if getattr(self, attr) is not None and getattr(self, attr) is not False]
-
-    def hash_view(self) -> dict[str, Any]:
-        """The fields a pool's config hash covers: all, less the client-output ones left
-        unset, so pools that do not use them keep the hash they had before they existed."""
-        unset = set(CLIENT_OUTPUT_FIELDS.values()) - {CLIENT_OUTPUT_FIELDS[n]
-                                                      for n in self.client_output_fields}
-        return {k: v for k, v in asdict(self).items() if k not in unset}
 
 
 # CRD name -> EngineArgs field of what the chat and Responses APIs make of outputs

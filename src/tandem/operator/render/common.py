@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.operator.fields import HASH_IF_SET_KEY
 from tandem.protocol.labels import (
     COMPONENT_LABEL,
     GROUP,
@@ -102,9 +103,21 @@ def log_level_args(level: str | None) -> list[str]:
     return ["--log-level", level] if level else []
 
 
+def _hashed(part: Any) -> Any:
+    """A dataclass as a dict, less its `HASH_IF_SET` fields at their defaults."""
+    if not dataclasses.is_dataclass(part) or isinstance(part, type):
+        return part
+    out = dataclasses.asdict(part)
+    for f in dataclasses.fields(part):
+        if f.metadata.get(HASH_IF_SET_KEY) and getattr(part, f.name) == f.default:
+            del out[f.name]
+    return out
+
+
 def config_hash(*parts: Any) -> str:
-    """A short, stable digest of dataclasses / JSON-able values."""
-    data = [dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts]
+    """A short, stable digest of dataclasses / JSON-able values (a part's `HASH_IF_SET`
+    fields count only when set)."""
+    data = [_hashed(p) for p in parts]
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

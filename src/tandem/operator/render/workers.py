@@ -140,8 +140,8 @@ def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
     kv = spec.kv_transfer if pool.role == "decode" else None
     lora = [spec.lora] if spec.lora is not None else []  # (unset: the hash it always had)
     tp = [pool.spec.parallelism] if pool.spec.parallelism.tensor > 1 else []  # (likewise)
-    return config_hash(spec.model, pool.spec.engine.hash_view(), pool.role, kv,
-                       spec.kv_transfer.tls_secret, *lora, *tp)
+    return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret,
+                       *lora, *tp)
 
 
 def shm_size(pool: PoolSpec) -> str:
