@@ -16,6 +16,7 @@ import pytest
 
 from tandem.protocol.signing import WorkerKey
 from tandem.protocol.tokenizer import Tokenizer
+from tandem.protocol.web import APIError
 from tandem.router import prompt as prompts
 from tandem.router import responses, usage
 from tandem.router.core import Router, RouterSettings
@@ -181,6 +182,42 @@ def test_locations_are_bounded_and_foreign_ids_are_looked_for_nowhere():
                          locations=where, client=no_client,
                          settings=SimpleNamespace(worker_key=None))
     assert asyncio.run(responses.locate(ra, "alice", "resp_unknown")) is None
+
+
+def test_searches_for_unknown_ids_are_bounded():
+    """At most `max_searches` searches of the workers at once: the next is a 429 that asks
+    no worker; a finished search frees its place."""
+    where = ResponseLocations(max_searches=1)
+    asked: list[str] = []
+    release = asyncio.Event()
+
+    class Client:
+        async def get(self, url: str, **_: object) -> SimpleNamespace:
+            asked.append(url)
+            await release.wait()
+            return SimpleNamespace(status_code=404)
+
+    worker = Worker(id="http://w", model=NAME, ready=True)
+    ra = SimpleNamespace(router=SimpleNamespace(workers={worker.id: worker}),
+                         locations=where, client=Client,
+                         settings=SimpleNamespace(worker_key=None))
+    rid = "resp_" + "0" * 32
+
+    async def run() -> None:
+        first = asyncio.create_task(responses.locate(ra, "alice", rid))
+        await asyncio.sleep(0)
+        assert where.searching == 1
+        with pytest.raises(APIError) as refused:
+            await responses.locate(ra, "bob", rid)
+        assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+        for _ in range(5):  # the first search reaches its worker; the refused one never does
+            await asyncio.sleep(0)
+        assert len(asked) == 1
+        release.set()
+        assert await first is None and where.searching == 0
+        assert await responses.locate(ra, "bob", rid) is None and len(asked) == 2
+
+    asyncio.run(run())
 
 
 def test_the_routers_max_tokens_cap_bounds_max_output_tokens():

@@ -6,7 +6,9 @@ A stored response (`store: true`) lives on the worker that answered it (its
 responses it relayed, (tenant, response id) -> worker (`ResponseLocations`, bounded, least
 recently used out first). An id it does not know (another router replica relayed it, this
 router restarted, or it was forgotten) is looked for on every ready worker (a signed `GET`
-naming the tenant, in parallel, `LOCATE_TIMEOUT_S`), and remembered when found; one not
+naming the tenant, in parallel, `LOCATE_TIMEOUT_S`; at most `MAX_SEARCHES` such searches at
+once, a 429 beyond them, so unknown ids cannot multiply load on the workers), and
+remembered when found; one not
 shaped as a worker issues them (`resp_` + 32 hex digits) is looked for nowhere. A request
 whose response is found nowhere, or whose worker is no longer routable, is routed as usual
 (and answered 404 by its worker, as an unknown id); a `GET` or `DELETE` is answered 404 by
@@ -38,16 +40,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 MAX_TRACKED = 100_000  # (tenant, response id) -> worker entries kept
 LOCATE_TIMEOUT_S = 2.0
+MAX_SEARCHES = 16  # searches of the workers for unknown ids running at once
 SCAN_BYTES = 64 << 10  # a stream's response id is looked for in its first bytes only
 _ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')
 _ISSUED = re.compile(r"resp_[0-9a-f]{32}")  # the ids workers issue (`serving.responses_api`)
 
 
 class ResponseLocations:
-    """(tenant, response id) -> the worker id that stored it; at most `capacity`."""
+    """(tenant, response id) -> the worker id that stored it; at most `capacity`.
+    `searching`: searches of the workers running now (at most `max_searches`)."""
 
-    def __init__(self, capacity: int = MAX_TRACKED) -> None:
+    def __init__(self, capacity: int = MAX_TRACKED, max_searches: int = MAX_SEARCHES) -> None:
         self.capacity = capacity
+        self.max_searches = max_searches
+        self.searching = 0
         self._where: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def __len__(self) -> int:
@@ -95,6 +101,10 @@ async def locate(ra: RouterApp, tenant: str | None, response_id: str) -> Worker 
     candidates = _candidates(ra)
     if not candidates:
         return None
+    where = ra.locations
+    if where.searching >= where.max_searches:
+        raise APIError(429, "too many lookups of unknown response ids in flight; retry later",
+                       "previous_response_id", headers={"Retry-After": "1"})
     key, http = ra.settings.worker_key, ra.client()
 
     async def ask(w: Worker) -> Worker | None:
@@ -105,9 +115,14 @@ async def locate(ra: RouterApp, tenant: str | None, response_id: str) -> Worker 
             return None
         return w if r.status_code == 200 else None
 
-    for found in await asyncio.gather(*(ask(w) for w in candidates)):
+    where.searching += 1
+    try:
+        results = await asyncio.gather(*(ask(w) for w in candidates))
+    finally:
+        where.searching -= 1
+    for found in results:
         if found is not None:
-            ra.locations.record(tenant, response_id, found.id)
+            where.record(tenant, response_id, found.id)
             return found
     return None
 
