@@ -106,9 +106,14 @@ def require_json(request: Request) -> None:
     (`application/json` or `application/*+json`), or missing: such a body is never parsed
     as JSON, so a browser's cross-site form or text/plain POST cannot reach a model (as
     FastAPI's strict content type), and the client is told why."""
-    if request.method != "POST":
-        return
-    media = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
+    if request.method == "POST":
+        require_json_type(request.headers.get("content-type"))
+
+
+def require_json_type(content_type: str | None) -> None:
+    """`require_json` on a POST's Content-Type header value (None: absent), for front doors
+    that are not an HTTP request (the gateway's ext_proc stream)."""
+    media = (content_type or "").partition(";")[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/")
                                             and media.endswith("+json")):
         raise APIError(400, NOT_JSON)

@@ -32,6 +32,7 @@ from tandem.protocol.web import BodyLimit, FastPaths, install_error_handlers
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
 from tandem.router.discovery import Discovery
+from tandem.router.flowcontrol.base import FlowControl
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.lora_admin import install_lora_admin
 from tandem.router.metrics import RouterMetrics
@@ -81,6 +82,9 @@ class RouterServerSettings:
     api_keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
     rate_limiter: RateLimiter | None = None
     index_store: RedisIndexStore | None = None  # shared prefix index (`--index redis://`)
+    # the queue in front of saturated workers (`flowcontrol`); None: flow control is off,
+    # every request is routed at once
+    flow_control: FlowControl | None = None
     preload_tokenizers: Callable[[], None] | None = None  # run once at start-up
     on_metrics: Callable[[RouterMetrics], None] | None = None  # given the metrics at build
     proxy: ProxySettings = field(default_factory=ProxySettings)

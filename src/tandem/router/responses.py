@@ -132,7 +132,7 @@ async def by_id(ra: RouterApp, request: Request, response_id: str, method: str) 
     none does)."""
     from tandem.router.stages import authenticate
 
-    tenant = authenticate(ra, request)
+    tenant = authenticate(ra, request.headers.get("authorization"))
     w = await locate(ra, tenant, response_id)
     if w is None:
         raise APIError(404, f"no response with id {response_id!r}", "response_id")

@@ -35,7 +35,7 @@ from tandem.protocol.web import (
     bad_body,
     cancel_on_disconnect,
     plain_request_id,
-    require_json,
+    require_json_type,
 )
 from tandem.router import prompt as prompts
 from tandem.router import responses, usage
@@ -83,24 +83,27 @@ def request_id(supplied: str | None) -> str:
     return plain_request_id(supplied) or f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
-def authenticate(ra: RouterApp, request: Request) -> str | None:
-    """The caller's tenant (None: auth is off); 401 without a valid API key."""
+def authenticate(ra: RouterApp, authorization: str | None) -> str | None:
+    """The caller's tenant from its Authorization header value (None: auth is off); 401
+    without a valid API key."""
     try:
-        return ra.settings.api_keys.tenant(request.headers.get("authorization"))
+        return ra.settings.api_keys.tenant(authorization)
     except APIError:
         ra.metrics.child(ra.metrics.rejected, "401").inc()
         raise
 
 
-async def parse_body(ra: RouterApp, kind: str, request: Request, tenant: str | None) -> Body:
-    """The body read, bounded and parsed (`kind`: "completions", "chat" or "responses"): 400
-    for a body that is not a JSON object (sent as JSON), a max_tokens over the cap, no model
-    while several are served, or a prompt the tokenizer refuses; a tenant's cache salt and
-    priority are applied (400 / 403 outside their rules)."""
+async def parse_body(ra: RouterApp, kind: str, body: bytes, content_type: str | None,
+                     tenant: str | None) -> Body:
+    """The body (read and bounded by the front door) parsed (`kind`: "completions", "chat"
+    or "responses"; `content_type`: its Content-Type header value): 400 for a body that is
+    not a JSON object (sent as JSON), a max_tokens over the cap, no model while several are
+    served, or a prompt the tokenizer refuses; a tenant's cache salt and priority are
+    applied (400 / 403 outside their rules). Transport-free: the HTTP router and the
+    gateway's endpoint picker both call it."""
     settings, metrics, router = ra.settings, ra.metrics, ra.router
-    body = await request.body()
     try:
-        require_json(request)  # 400 for a body not sent as JSON, as at the worker
+        require_json_type(content_type)  # 400 for a body not sent as JSON, as at the worker
         data = json.loads(body)
         if not isinstance(data, dict):
             raise ValueError("the body must be a JSON object")
@@ -327,9 +330,10 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     """One OpenAI POST (`kind` "completions", "chat" or "responses", forwarded to `path`),
     stage by stage (module doc)."""
     rid = request_id(request.headers.get("x-request-id"))
-    tenant = authenticate(ra, request)
+    tenant = authenticate(ra, request.headers.get("authorization"))
     t0 = time.perf_counter()
-    req = await parse_body(ra, kind, request, tenant)
+    req = await parse_body(ra, kind, await request.body(), request.headers.get("content-type"),
+                           tenant)
     admit(ra, req)
     bill = await charge(ra, kind, req)
     req.data["model"] = req.model
