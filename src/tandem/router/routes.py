@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -55,6 +55,7 @@ class RouterApp:
     upstream: UpstreamPool | None = None
     # which worker stored each Responses API response this router relayed
     locations: ResponseLocations = field(default_factory=ResponseLocations)
+    epp: Any = None  # the endpoint picker's gRPC server while it runs (`extproc.server`)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -90,7 +91,13 @@ class RouterApp:
         if settings.index_store is not None:
             settings.index_store.start(
                 lambda wid: monitors[wid].index_view() if wid in monitors else None)
+        if settings.ext_proc is not None:  # the gateway's endpoint picker, same loop and core
+            from tandem.router.extproc.server import start as start_epp
+
+            self.epp = await start_epp(self, settings.ext_proc)
         yield
+        if self.epp is not None:
+            await self.epp.stop()
         janitor.cancel()
         await self.membership.stop(watcher)
         await http.aclose()
