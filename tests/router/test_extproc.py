@@ -48,7 +48,8 @@ def workers():
 
 @pytest.fixture(scope="module")
 def epp(workers):
-    r = EppRouter([w.url for w in workers])
+    r = EppRouter([w.url for w in workers],
+                  ext=ExtProcSettings(port=0, host="127.0.0.1", fallbacks=2))
     r.wait_routable(3)
     yield r
     r.stop()

@@ -114,6 +114,7 @@ class RouterConfig(_Strict):
     # InferenceObjective's priority (its flow-control band; higher is served first)
     ext_proc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     ext_proc_host: str | None = None
+    ext_proc_fallbacks: Count | None = None
     objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
 
 

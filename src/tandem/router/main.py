@@ -26,8 +26,9 @@ defaults: a scorer left out keeps its default, 0 switches it off),
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
-`max_connections`, `ext_proc_port`, `ext_proc_host`, `objectives` (InferenceObjective name ->
-priority), `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
+`max_connections`, `ext_proc_port`, `ext_proc_host`, `ext_proc_fallbacks` (endpoints listed
+after the pick; default 0), `objectives` (InferenceObjective name -> priority),
+`priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
 burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
@@ -204,7 +205,7 @@ def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: A
         return ExtProcSettings(
             port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
             or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
-            fallbacks=args.retries if args.retries is not None else int(cfg.get("retries", 2)))
+            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)))
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
 

@@ -16,15 +16,17 @@ class ExtProcSettings:
     PEM files to serve TLS with (both or neither; neither: plaintext). `objectives`:
     InferenceObjective name -> priority (higher is more important), the flow-control band of a
     request naming it in `x-gateway-inference-objective` (unknown names and requests naming
-    none: the tenant's band). `fallbacks`: endpoints listed after the pick for the gateway's
-    retries (the router's `retries`)."""
+    none: the tenant's band). `fallbacks`: endpoints listed after the pick, in order, for a
+    gateway that retries down the list (0, the default: the pick alone; Envoy's
+    ORIGINAL_DST cluster, which the extension's chart routes by the header, takes a single
+    `ip:port` and refuses a list)."""
 
     port: int
     host: str = "0.0.0.0"
     tls_cert: str | None = None
     tls_key: str | None = None
     objectives: Mapping[str, int] = field(default_factory=dict)
-    fallbacks: int = 2
+    fallbacks: int = 0
     grace_s: float = GRACE_S
 
     def __post_init__(self) -> None:
