@@ -282,3 +282,138 @@ def test_ext_proc_port_with_several_processes_is_a_usage_error() -> None:
                           "--processes", "2", "--workers", "http://127.0.0.1:9"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--ext-proc-port runs in one router process" in out.stderr
+
+
+def test_pd_the_decode_worker_gets_the_signed_prefill_target(tmp_path) -> None:
+    from tests.router.test_pd_app import LONG, stub_worker
+    from tests.router.test_router_app import Served
+
+    seen: list = []
+    (decode, _), (prefill, target) = (stub_worker("decode", "decode", seen),
+                                      stub_worker("p1", "prefill", seen))
+    servers = [Served(decode), Served(prefill)]
+    r = EppRouter([s.url for s in servers], worker_key=WorkerKey(worker_key_file(tmp_path)))
+    try:
+        r.wait_routable(2)
+        ex = r.envoy.request("/v1/completions", _body(LONG))
+        assert ex.endpoints == [servers[0].url.removeprefix("http://")]  # never the prefill
+        assert ex.set_headers[PREFILL_HEADER] == target and ex.status == 200
+        assert seen == [("decode", target)]  # the stub verified it: 403 otherwise
+        assert json.loads(ex.body)["choices"][0]["text"] == "decode"
+        assert r.metric("tandem_router_disaggregated_requests_total", {"backend": "grpc"}) == 1
+    finally:
+        r.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_a_streams_usage_settles_the_rate_limit_and_is_not_relayed(workers) -> None:
+    from tandem.router.ratelimit import Limits, RateLimiter
+
+    limiter = RateLimiter(Limits(tokens_per_min=600))  # 10 tokens/s back
+    w = StubWorker(free_port(), max_model_len=400)
+    r = EppRouter([w.url], rate_limiter=limiter)
+    try:
+        r.wait_routable(1)
+        body = json.dumps({"model": MODEL, "prompt": list(range(1, 101)), "stream": True})
+        for _ in range(2):  # each charged 400 (100 + the 300 left): the 2nd fits only refunded
+            ex = r.envoy.request("/v1/completions", body.encode())
+            assert ex.status == 200, ex.immediate
+            assert w.bodies[-1]["stream_options"] == {"include_usage": True}
+            assert b'"usage"' not in ex.body and ex.body.endswith(b"data: [DONE]\n\n")
+            assert int(ex.set_headers["content-length"]) == len(ex.forwarded_body)
+            time.sleep(0.2)
+        ex = r.envoy.request("/v1/completions", body.replace('"stream": true',
+                                                             '"max_tokens": 600').encode())
+        assert ex.immediate.status.code == 429  # larger than a minute's tokens
+    finally:
+        r.stop()
+        w.stop()
+
+
+def test_tandem_router_serves_the_endpoint_picker(workers) -> None:
+    port, epp_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router", "--port", str(port),
+                             "--ext-proc-port", str(epp_port), "--workers", workers[0].url],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    target = f"127.0.0.1:{epp_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if _health(target, "readiness") == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "the endpoint picker did not become ready"
+            time.sleep(0.2)
+        from tests.router.extproc_client import Envoy
+
+        envoy = Envoy(target)
+        ex = envoy.request("/v1/completions", _body("a process"))
+        envoy.close()
+        assert ex.endpoints == [_ep(workers[0])] and ex.status == 200
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'tandem_router_extproc_picks_total{outcome="routed"} 1.0' in metrics
+        assert "tandem_router_extproc_streams_total 1.0" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_router_yaml_and_flags_configure_the_picker(tmp_path) -> None:
+    import argparse
+
+    import yaml
+
+    from tandem.router.config import RouterConfigError, check_config
+    from tandem.router.main import add_router_args, ext_proc_settings
+
+    for bad, named in (({"ext_proc_port": 0}, "ext_proc_port"),
+                       ({"objectives": {"gold": "high"}}, "objectives.gold"),
+                       ({"ext_proc_fallbacks": -1}, "ext_proc_fallbacks"),
+                       ({"ext_proc": 1}, 'unknown key "ext_proc"')):
+        with pytest.raises(RouterConfigError, match=named):
+            check_config(bad)
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    cfg = check_config(yaml.safe_load(
+        "ext_proc_port: 9002\nobjectives: {critical: 10, batch: -1}\next_proc_fallbacks: 1\n"))
+    got = ext_proc_settings(p.parse_args(["--host", "0.0.0.0"]), cfg)
+    assert (got.port, got.host, dict(got.objectives), got.fallbacks, got.tls_cert) == \
+        (9002, "0.0.0.0", {"critical": 10, "batch": -1}, 1, None)
+    assert ext_proc_settings(p.parse_args([]), {}) is None
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    for argv, message in ((["--ext-proc-port", "8000"], "must differ"),
+                          (["--ext-proc-port", "9002", "--ext-proc-tls-cert", str(cert)],
+                           "go together"),
+                          (["--ext-proc-port", "9002", "--ext-proc-tls-cert", str(cert),
+                            "--ext-proc-tls-key", str(tmp_path / "none")], "cannot read"),
+                          (["--ext-proc-tls-cert", str(cert)], "need --ext-proc-port")):
+        with pytest.raises(SystemExit, match=message):
+            ext_proc_settings(p.parse_args(argv), {})
+
+
+def test_the_picker_serves_tls_with_a_certificate(tmp_path, workers) -> None:
+    from tests.protocol.certs import CA
+
+    ca = CA("epp-test-ca")
+    cert, key = ca.issue("epp")
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    r = EppRouter([workers[0].url], ext=ExtProcSettings(
+        port=0, host="127.0.0.1", tls_cert=str(tmp_path / "tls.crt"),
+        tls_key=str(tmp_path / "tls.key")))
+    try:
+        r.wait_routable(1)
+        creds = grpc.ssl_channel_credentials(root_certificates=ca.pem)
+        with grpc.secure_channel(r.target, creds) as ch:
+            got = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError):  # plaintext is not served
+            _health(r.target, "liveness")
+    finally:
+        r.stop()
