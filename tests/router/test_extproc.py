@@ -417,3 +417,30 @@ def test_the_picker_serves_tls_with_a_certificate(tmp_path, workers) -> None:
             _health(r.target, "liveness")
     finally:
         r.stop()
+
+
+def test_a_broken_stream_releases_the_flow_ticket(workers) -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tests.router.extproc_client import Stream, _headers
+
+    flow = FlowDouble(shed=False)
+    r = EppRouter([workers[0].url], flow_control=flow)
+    try:
+        r.wait_routable(1)
+        s = Stream(r.envoy.stub)
+        s.send(pb.ProcessingRequest(request_headers=_headers(
+            {":method": "POST", ":path": "/v1/completions",
+             "content-type": "application/json"}, eos=False)))
+        s.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=_body("gone"),
+                                                             end_of_stream=True)))
+        assert s.recv().WhichOneof("response") == "request_headers" and flow.released == []
+        s.call.cancel()  # the gateway went away before any response
+        deadline = time.monotonic() + 5
+        while flow.released != [None]:  # released once, its use unknown
+            assert time.monotonic() < deadline, flow.released
+            time.sleep(0.02)
+        assert r.metric("tandem_router_extproc_served_total", {"outcome": "unreported"}) == 1
+        assert r.ra.router.workers[workers[0].url].local_in_flight == 0
+    finally:
+        r.stop()
