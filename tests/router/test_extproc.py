@@ -276,12 +276,17 @@ def test_health_follows_worker_readiness() -> None:
         worker.stop()
 
 
-def test_ext_proc_port_with_several_processes_is_a_usage_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "router", "--port",
-                          str(free_port()), "--ext-proc-port", str(free_port()),
-                          "--processes", "2", "--workers", "http://127.0.0.1:9"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--ext-proc-port runs in one router process" in out.stderr
+def test_ext_proc_port_with_several_processes_is_a_usage_error(capsys) -> None:
+    import argparse
+
+    from tandem.router.main import add_router_args, run
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = p.parse_args(["--port", str(free_port()), "--ext-proc-port", str(free_port()),
+                         "--processes", "2", "--workers", "http://127.0.0.1:9"])
+    assert run(args) == 2  # before anything binds or loads
+    assert "--ext-proc-port runs in one router process" in capsys.readouterr().err
 
 
 def test_pd_the_decode_worker_gets_the_signed_prefill_target(tmp_path) -> None:
@@ -444,3 +449,35 @@ def test_a_broken_stream_releases_the_flow_ticket(workers) -> None:
         assert r.ra.router.workers[workers[0].url].local_in_flight == 0
     finally:
         r.stop()
+
+
+class ResponsesStub(StubWorker):
+    RID = "resp_" + "ab" * 16
+
+    def app(self):  # noqa: ANN201
+        app = super().app()
+
+        @app.post("/v1/responses")
+        async def create(request: Request) -> JSONResponse:
+            self.bodies.append(await request.json())
+            return JSONResponse({"id": self.RID, "object": "response", "status": "completed",
+                                 "output": [], "usage": {"total_tokens": 3}})
+
+        return app
+
+
+def test_a_stored_response_is_remembered_with_the_worker_that_served_it() -> None:
+    worker = ResponsesStub(free_port())
+    r = EppRouter([worker.url])
+    try:
+        r.wait_routable(1)
+        ex = r.envoy.request("/v1/responses", json.dumps({"model": MODEL, "input": "hi"})
+                             .encode())
+        assert ex.status == 200 and json.loads(ex.body)["id"] == ResponsesStub.RID
+        assert r.ra.locations.get(None, ResponsesStub.RID) == worker.url
+        ex = r.envoy.request("/v1/responses", json.dumps(
+            {"model": MODEL, "input": "x", "store": False}).encode())
+        assert ex.status == 200 and len(r.ra.locations) == 1
+    finally:
+        r.stop()
+        worker.stop()

@@ -205,7 +205,7 @@ def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: A
         return ExtProcSettings(
             port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
             or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
-            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)))
+            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg))
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
 

@@ -53,6 +53,8 @@ class Pick:
     bill: stages.Charge | None = None
     ticket: FlowTicket | None = None
     stream: bool = False
+    tenant: str | None = None
+    track: bool = False  # a stored Responses API answer: remember the worker holding it
     in_flight: object = None  # the worker whose local_in_flight this request holds
 
     def hold(self, route: Route) -> None:
@@ -115,7 +117,8 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
                            (" among the gateway's subset" if subset is not None else "") +
                            "; retry later", headers={"Retry-After": "1"})
         pick = Pick(rid, [endpoint(route.worker.id)], {}, payload, route, routing,
-                    bill=bill, ticket=ticket, stream=req.parsed.stream)
+                    bill=bill, ticket=ticket, stream=req.parsed.stream, tenant=tenant,
+                    track=kind == "responses" and req.data.get("store") is not False)
         pick.by_endpoint[pick.endpoints[0]] = route
         tried = excluded | {route.worker.id}
         for _ in range(settings.fallbacks):  # ranked by the same policy, not charged

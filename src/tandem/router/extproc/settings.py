@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the InferenceObjective a request names
-GRACE_S = 5.0  # streams still open at shutdown get this long, after the HTTP drain
+GRACE_S = 25.0  # streams open at shutdown get this long (the router's drain_seconds)
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class ExtProcSettings:
     none: the tenant's band). `fallbacks`: endpoints listed after the pick, in order, for a
     gateway that retries down the list (0, the default: the pick alone; Envoy's
     ORIGINAL_DST cluster, which the extension's chart routes by the header, takes a single
-    `ip:port` and refuses a list)."""
+    `ip:port` and refuses a list). `grace_s`: at shutdown (after the HTTP front door's
+    drain) new streams are refused and open ones get this long to finish."""
 
     port: int
     host: str = "0.0.0.0"

@@ -13,7 +13,8 @@ request header mode SEND and both bodies FULL_DUPLEX_STREAMED; answers go back i
    on unchanged. Response body chunks pass on in order (SSE events whole, so the usage chunk
    the router asked for alone is dropped), their usage read; at the end of the body (or of
    the stream, however it ends) the rate-limit charge is settled and the flow ticket
-   released, once.
+   released, once; a stored Responses API answer's id is remembered with the worker that
+   served it (`responses.track`'s bookkeeping).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from tandem.protocol.web import APIError
-from tandem.router import usage
+from tandem.router import responses, usage
 from tandem.router.extproc import encode
 from tandem.router.extproc.picker import KINDS, STRIPPED, Pick, decide, served
 from tandem.router.extproc.settings import ExtProcSettings
@@ -62,6 +63,7 @@ class ExtProcStream:
         self.answer = bytearray()  # a JSON answer, for its usage
         self.served_booked = False
         self.settled = False
+        self.scanned = bytearray()  # a stored response's first bytes, for its id
 
     async def on_message(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")
@@ -177,6 +179,8 @@ class ExtProcStream:
         if self.pick is not None and not self.served_booked:  # headers came without it
             self._book(encode.served_endpoint(req))
         chunk, eos = msg.body, msg.end_of_stream
+        if self.pick is not None and self.pick.track and self.status == 200:
+            self._track(chunk)
         if self.reader is not None:
             out = self.reader.feed(chunk)
             if eos:
@@ -190,6 +194,20 @@ class ExtProcStream:
         if not out and not eos:
             return []
         return encode.body_responses(out, request=False, end_of_stream=eos)
+
+    def _track(self, chunk: bytes) -> None:
+        """Remember which worker stored this Responses API answer (its id, in the first
+        `responses.SCAN_BYTES`), as the HTTP front door does (`responses.track`)."""
+        pick = self.pick
+        assert pick is not None
+        self.scanned += chunk
+        found = responses.RESPONSE_ID.search(self.scanned)
+        wid = pick.routing.answered
+        if found is not None and wid is not None:
+            self.ra.locations.record(pick.tenant, found.group(1).decode(), wid)
+        if found is not None or len(self.scanned) >= responses.SCAN_BYTES:
+            pick.track = False
+            self.scanned = bytearray()
 
     def _settle(self) -> None:
         """The answer is over: settle the charge from its usage, release the ticket."""
