@@ -21,9 +21,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from tandem.protocol.web import APIError
 from tandem.router.app import RouterServerSettings, build_app
 from tandem.router.core import Router, RouterSettings
 from tandem.router.extproc.settings import ExtProcSettings
+from tandem.router.flowcontrol.base import REASON_HEADER, FlowControl, FlowRequest, FlowTicket
 from tandem.router.monitor import MonitorSettings
 from tests.router.test_router_app import Served
 
@@ -239,3 +241,31 @@ class EppRouter:
     def stop(self) -> None:
         self.envoy.close()
         self.served.stop()
+
+
+class Recorded(FlowTicket):
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def release(self, used_tokens: int | None = None) -> None:
+        self.log.append(used_tokens)
+
+
+class FlowDouble(FlowControl):
+    """Admits, or sheds with flow control's 429, and records what it saw."""
+
+    def __init__(self, shed: bool) -> None:
+        self.shed, self.seen, self.released = shed, [], []
+
+    async def acquire(self, req: FlowRequest) -> FlowTicket:
+        self.seen.append(req)
+        if self.shed:
+            raise APIError(429, "band 3 is full; retry later",
+                           headers={"Retry-After": "2", REASON_HEADER: "band-full"})
+        return Recorded(self.released)
+
+    def kick(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

@@ -20,14 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import PREFILL_HEADER, APIError
 from tandem.router.extproc.settings import ExtProcSettings
-from tandem.router.flowcontrol.base import (
-    REASON_HEADER,
-    FlowControl,
-    FlowRequest,
-    FlowTicket,
-)
+from tandem.router.flowcontrol.base import REASON_HEADER
 from tandem.serving.worker_auth import check_signature
-from tests.router.extproc_client import EppRouter
+from tests.router.extproc_client import EppRouter, FlowDouble
 from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker, slow_stream
 from tests.serving.helpers import free_port, worker_key_file
 
@@ -138,34 +133,6 @@ def test_sse_is_relayed_in_order_as_it_streams(epp) -> None:
     assert texts == [f"t{i}" for i in range(6)] and events[-1] == b"data: [DONE]"
     # streamed, not buffered: the first event reached the client before the last was sent
     assert ex.received_at[0] < ex.sent_at[-1] - 0.2
-
-
-class Recorded(FlowTicket):
-    def __init__(self, log: list) -> None:
-        self.log = log
-
-    def release(self, used_tokens: int | None = None) -> None:
-        self.log.append(used_tokens)
-
-
-class FlowDouble(FlowControl):
-    """Admits, or sheds with flow control's 429, and records what it saw."""
-
-    def __init__(self, shed: bool) -> None:
-        self.shed, self.seen, self.released = shed, [], []
-
-    async def acquire(self, req: FlowRequest) -> FlowTicket:
-        self.seen.append(req)
-        if self.shed:
-            raise APIError(429, "band 3 is full; retry later",
-                           headers={"Retry-After": "2", REASON_HEADER: "band-full"})
-        return Recorded(self.released)
-
-    def kick(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
 
 def test_flow_control_sheds_with_429_and_bands_come_from_objectives(workers) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.router.extproc_client import EppRouter
+from tests.router.extproc_client import EppRouter, FlowDouble
 from tests.router.stub_worker import StubWorker, slow_stream
 from tests.serving.helpers import free_port
 
@@ -114,7 +114,7 @@ def envoy_bin() -> Path:
 @pytest.fixture(scope="module")
 def gateway(envoy_bin, tmp_path_factory):
     workers = [StubWorker(free_port()) for _ in range(2)]
-    router = EppRouter([w.url for w in workers])
+    router = EppRouter([w.url for w in workers], flow_control=FlowDouble(shed=False))
     router.wait_routable(2)
     listen = free_port()
     path = tmp_path_factory.mktemp("envoy") / "envoy.yaml"
@@ -177,9 +177,23 @@ def test_envoy_relays_the_stream_and_the_pickers_own_answers(gateway) -> None:
     events = [e for e in body.split(b"\n\n") if e]
     assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == \
         ["t0", "t1", "t2", "t3"] and events[-1] == b"data: [DONE]"
-    resp = _post(url, {"model": "stub-model", "prompt": "x", "max_tokens": -5})
     resp = httpx.post(f"{url}/v1/completions", content=b'{"model": ', timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
     resp = httpx.get(f"{url}/v1/models", timeout=30)
     assert resp.status_code == 200 and resp.json()["data"][0]["id"] == "stub-model"
+
+
+def test_envoy_answers_the_pickers_429_with_its_headers(gateway) -> None:
+    url, _workers, router = gateway
+    flow = router.ra.settings.flow_control
+    flow.shed = True
+    try:
+        resp = _post(url, {"model": "stub-model", "prompt": "shed me", "max_tokens": 5})
+    finally:
+        flow.shed = False
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "2"
+    assert resp.headers["x-tandem-flow-reason"] == "band-full"
+    assert resp.json()["error"]["code"] == 429
+    assert _post(url, {"model": "stub-model", "prompt": "fine", "max_tokens": 5}
+                 ).status_code == 200
