@@ -151,6 +151,12 @@ def test_flow_control_sheds_with_429_and_bands_come_from_objectives(workers) -> 
         r.envoy.request("/v1/completions", _body("shed"),  # unknown objective: the tenant's
                         headers={"x-gateway-inference-objective": "nope"})
         assert flow.seen[-1].band == 0 and flow.seen[-1].model == MODEL
+        r.envoy.request("/v1/completions", _body("shed"),  # no API keys: the gateway's flow
+                        headers={"x-gateway-inference-fairness-id": "team-7"})
+        assert flow.seen[-1].tenant == "team-7"
+        ex = r.envoy.request("/v1/completions", _body("rewrite"),  # not supported: refused
+                             headers={"x-gateway-model-name-rewrite": "other"})
+        assert ex.immediate.status.code == 400 and len(flow.seen) == 3
         flow.shed = False
         ex = r.envoy.request("/v1/completions", _body("admitted"))
         assert ex.status == 200 and flow.released == [1 + COMPLETION_TOKENS]  # its usage
@@ -448,3 +454,13 @@ def test_a_stored_response_is_remembered_with_the_worker_that_served_it() -> Non
     finally:
         r.stop()
         worker.stop()
+
+
+def test_the_flow_is_the_tenant_before_the_gateways_fairness_id() -> None:
+    from tandem.router.extproc.picker import flow_id
+
+    header = "x-gateway-inference-fairness-id"
+    assert flow_id("gold", {header: "team-7"}) == "gold"  # API keys: the caller's tenant
+    assert flow_id(None, {header: "team-7"}) == "team-7"
+    assert flow_id(None, {header: "no spaces allowed"}) == "anonymous"
+    assert flow_id(None, {header: "x" * 129}) == "anonymous" and flow_id(None, {}) == "anonymous"

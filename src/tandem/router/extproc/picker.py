@@ -19,10 +19,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.protocol.signing import SIGNATURE_HEADER
-from tandem.protocol.web import PREFILL_HEADER, APIError
+from tandem.protocol.web import PREFILL_HEADER, APIError, plain_request_id
 from tandem.router import responses, stages, usage
 from tandem.router.extproc.encode import endpoint, in_subset
-from tandem.router.extproc.settings import OBJECTIVE_HEADER, ExtProcSettings
+from tandem.router.extproc.settings import (
+    FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+    REWRITE_HEADER,
+    ExtProcSettings,
+)
 from tandem.router.flowcontrol.base import FlowRequest, FlowTicket
 from tandem.router.pd import Route
 from tandem.router.proxy import Attempt
@@ -80,11 +85,23 @@ def band(ra: RouterApp, settings: ExtProcSettings, headers: dict[str, str],
     return -p if isinstance(p, int) and not isinstance(p, bool) else 0
 
 
+def flow_id(tenant: str | None, headers: dict[str, str]) -> str:
+    """The flow a request is queued fairly in: its tenant (API keys), else the gateway's
+    `x-gateway-inference-fairness-id` (short and plain), else "anonymous"."""
+    if tenant is not None:
+        return tenant
+    return plain_request_id(headers.get(FAIRNESS_HEADER)) or "anonymous"
+
+
 async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
                  headers: dict[str, str], body: bytes, subset: list[str] | None) -> Pick:
     """Route one request (module doc); APIError to answer it instead."""
     rid = stages.request_id(headers.get("x-request-id"))
     tenant = stages.authenticate(ra, headers.get("authorization"))
+    if REWRITE_HEADER in headers:  # a model rewrite would be silently lost: refused
+        ra.metrics.child(ra.metrics.rejected, "400").inc()
+        raise APIError(400, f"{REWRITE_HEADER} is not supported: the body's model is routed "
+                            "as sent", REWRITE_HEADER)
     t0 = time.perf_counter()
     req = await stages.parse_body(ra, kind, body, headers.get("content-type"), tenant)
     stages.admit(ra, req)
@@ -100,8 +117,8 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
             cost = usage.worst_case(kind, req.data, tokens,
                                     ra.router.max_model_len(req.model))[0]
             ticket = await flow.acquire(FlowRequest(
-                rid, tenant or "anonymous", req.model, band(ra, settings, headers, req.data),
-                cost, len(payload)))
+                rid, flow_id(tenant, headers), req.model,
+                band(ra, settings, headers, req.data), cost, len(payload)))
         hashes, external = await stages.shared_matches(ra, req.parsed, req.model)
         routing = stages.Routing(ra, rid, req, t0, hashes, external)
         previous = req.data.get("previous_response_id") if kind == "responses" else None

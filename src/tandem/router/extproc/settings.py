@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the InferenceObjective a request names
+# the flow a request is queued fairly in when the router has no API keys (the gateway sets it)
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+REWRITE_HEADER = "x-gateway-model-name-rewrite"  # not supported: refused (400)
 GRACE_S = 25.0  # streams open at shutdown get this long (the router's drain_seconds)
 
 
