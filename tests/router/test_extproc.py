@@ -464,3 +464,21 @@ def test_the_flow_is_the_tenant_before_the_gateways_fairness_id() -> None:
     assert flow_id(None, {header: "team-7"}) == "team-7"
     assert flow_id(None, {header: "no spaces allowed"}) == "anonymous"
     assert flow_id(None, {header: "x" * 129}) == "anonymous" and flow_id(None, {}) == "anonymous"
+
+
+def test_request_trailers_end_the_body(epp) -> None:
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tests.router.extproc_client import Stream, _headers
+
+    s = Stream(epp.envoy.stub)
+    try:
+        s.send(pb.ProcessingRequest(request_headers=_headers(
+            {":method": "POST", ":path": "/v1/completions",
+             "content-type": "application/json"}, eos=False)))
+        s.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=_body("trailed"))))
+        s.send(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        kinds = [s.recv().WhichOneof("response") for _ in range(3)]
+        assert kinds == ["request_headers", "request_body", "request_trailers"]
+    finally:
+        s.close()

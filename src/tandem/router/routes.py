@@ -6,7 +6,8 @@ Routes: `GET /health` (the process), `GET /ready` (200 while a worker is routabl
 `openapi`), and the three OpenAI POSTs (completions, chat, responses), served stage by
 stage by `stages.handle`, and `GET` / `DELETE /v1/responses/{id}` (relayed to the worker
 holding it, `responses`). Route methods carry no docstring: FastAPI would publish it in
-/openapi.json.
+/openapi.json. With `ext_proc` set, `lifespan` also serves the gateway's endpoint picker
+(`extproc`) on the same loop, over this `RouterApp`.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class RouterApp:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         """Start: the clients, tokenizers preloaded, discovery watched (one that cannot
-        work fails start-up), the speculative-entry janitor, the shared index store. Stop:
-        all of it, in reverse."""
+        work fails start-up), the speculative-entry janitor, the shared index store, the
+        endpoint picker's gRPC server (`ext_proc`). Stop: all of it, in reverse."""
         settings, monitors = self.settings, self.membership.monitors
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,

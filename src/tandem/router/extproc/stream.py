@@ -71,8 +71,13 @@ class ExtProcStream:
             return await self._request_headers(req)
         if which == "request_body":
             return await self._request_body(req.request_body)
-        if which == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if which == "request_trailers":  # they end the body: decide now if not yet done
+            out = []
+            if self.kind is not None and self.pick is None and not self.finished:
+                out = await self._decide(trailers=True)
+                if self.finished:
+                    return out
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if which == "response_headers":
             return self._response_headers(req)
         if which == "response_body":
@@ -123,7 +128,9 @@ class ExtProcStream:
             return []
         return await self._decide()
 
-    async def _decide(self) -> list[pb.ProcessingResponse]:
+    async def _decide(self, trailers: bool = False) -> list[pb.ProcessingResponse]:
+        """The pick and the body (its last chunk ends the stream unless `trailers` follow),
+        or an immediate response."""
         assert self.kind is not None
         body, self.body = bytes(self.body), bytearray()
         try:
@@ -137,7 +144,7 @@ class ExtProcStream:
         self.ra.metrics.child(self.ra.metrics.extproc_picks, "routed").inc()
         remove = [h for h in STRIPPED if h in self.headers and h not in pick.headers]
         return [encode.pick_response(pick.endpoints, pick.headers, remove),
-                *encode.body_responses(pick.body, request=True)]
+                *encode.body_responses(pick.body, request=True, end_of_stream=not trailers)]
 
     def _stop(self, exc: APIError, outcome: str) -> list[pb.ProcessingResponse]:
         """Answer the client with `exc` and end the stream."""
