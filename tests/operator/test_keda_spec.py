@@ -46,36 +46,23 @@ def _agg(autoscaling: dict) -> dict:
     return {"model": {"uri": "pvc://m"}, "decode": {"autoscaling": autoscaling}}
 
 
-# (spec, what the CEL rule's message says, what parse_spec's error says)
+# (spec, what the CEL rule's message says, what parse_spec's error says); every rule of the
+# autoscaling block is also held to parse_autoscaling over random blocks below
 INVALID = [
     (_agg({**KEDA0, "mode": "operator"}), "minReplicas 0 (scale to zero) needs mode keda",
      "decode.autoscaling.minReplicas 0 (scale to zero) needs decode.autoscaling.mode keda"),
-    (_agg({**KEDA0, "mode": "hpa"}), "minReplicas 0 (scale to zero) needs mode keda",
-     "minReplicas 0 (scale to zero) needs decode.autoscaling.mode keda"),
     (_agg({"maxReplicas": 2, "target": 1, "signal": "demand"}),
      "signal demand (the router's queued, running and waiting requests) needs mode keda",
      "decode.autoscaling.signal demand (the router's queued, running and waiting requests) "
      "needs decode.autoscaling.mode keda"),
-    (_agg({**KEDA0, "minReplicas": 1, "signal": "tokensPerSecond"}),
-     "with mode keda one of demand, waitingRequests, kvUtilization",
-     "with mode keda one of demand, waitingRequests, kvUtilization"),
-    (_agg({"maxReplicas": 2, "target": 1, "keda": {"pollingIntervalSeconds": 5}}),
-     "autoscaling.keda needs mode keda",
-     "decode.autoscaling.keda needs decode.autoscaling.mode keda"),
     (_agg({**KEDA0, "keda": {"idleReplicas": 0}}), "idleReplicas needs minReplicas >= 1",
      "keda.idleReplicas needs decode.autoscaling.minReplicas >= 1"),
-    (_agg({**KEDA0, "signal": "waitingRequests"}),
-     "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand",
-     "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand"),
-    (_agg({**KEDA0, "minReplicas": 1, "signal": "kvUtilization", "target": 0.5,
-           "keda": {"idleReplicas": 0}}),
+    ({"model": {"uri": "pvc://m"}, "prefill": {"replicas": 1, "autoscaling": {
+        **KEDA0, "minReplicas": 1, "signal": "kvUtilization", "target": 0.5,
+        "keda": {"idleReplicas": 0}}}},
      "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand",
      "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand"),
     ({**_agg(KEDA0), "router": {"flowControl": {"enabled": False}}},
-     "router.flowControl.enabled false: a pool scales to zero",
-     "router.flowControl.enabled false: a pool scales to zero"),
-    ({"model": {"uri": "pvc://m"}, "prefill": {"replicas": 1, "autoscaling": KEDA0},
-      "router": {"flowControl": {"enabled": False}}},
      "router.flowControl.enabled false: a pool scales to zero",
      "router.flowControl.enabled false: a pool scales to zero"),
     ({"model": {"uri": "pvc://m"}, "router": {"flowControl": {"shared": True}}},
@@ -139,3 +126,64 @@ def test_parsed_values():
         "waitingRequests")
     off = parse_spec(_agg({"maxReplicas": 2, "target": 1}))
     assert not off.scales_to_zero and not off.flow_control_enabled and off.keda is None
+
+
+# ---- the CRD's autoscaling block and parse_autoscaling agree, over random blocks ---------
+
+def _autoscaling_schema() -> dict:
+    return schema()["properties"]["spec"]["properties"]["decode"]["properties"]["autoscaling"]
+
+
+def _random_block(rng) -> dict:
+    d: dict = {"maxReplicas": rng.choice([1, 2, 4]), "target": rng.choice([0.5, 1, 3])}
+    pick = {"mode": ["operator", "hpa", "keda"], "minReplicas": [0, 1, 2, 5],
+            "signal": ["waitingRequests", "kvUtilization", "tokensPerSecond", "demand"],
+            "scaleDownStabilizationSeconds": [0, 60]}
+    for key, values in pick.items():
+        if rng.random() < 0.6:
+            d[key] = rng.choice(values)
+    if rng.random() < 0.4:
+        keda = {}
+        for key, values in {"pollingIntervalSeconds": [1, 30], "cooldownPeriodSeconds": [0, 60],
+                            "idleReplicas": [0], "kvUtilizationTarget": [0.5, 1]}.items():
+            if rng.random() < 0.5:
+                keda[key] = rng.choice(values)
+        d["keda"] = keda
+    return d
+
+
+def test_random_autoscaling_blocks_cel_and_parse_agree():
+    """600 seeded random blocks (every mode, minReplicas 0..5, every signal, keda fields):
+    the CRD (schema after defaulting + the block's CEL rules) accepts exactly what
+    `parse_autoscaling` accepts, and an accepted block's ScaledObject passes KEDA's CRD."""
+    import random
+
+    from openapi_schema_validator import OAS30Validator
+
+    from tandem.operator.render.keda import scaled_object
+    from tandem.operator.render.workload import Pool, Workload
+    from tandem.operator.spec import PoolSpec
+    from tandem.operator.spec_autoscaling import parse_autoscaling
+    from tests.operator.crd_validate import cel_failures, crd_errors
+    from tests.operator.manifests import OWNER
+
+    node, rng = _autoscaling_schema(), random.Random(41)
+    validator, seen = OAS30Validator(node), {True: 0, False: 0}
+    model = parse_spec({"model": {"uri": "pvc://m"}})
+    for _ in range(600):
+        block = _random_block(rng)
+        defaulted = apply_defaults(node, copy.deepcopy(block))
+        crd_ok = not list(validator.iter_errors(defaulted)) and not cel_failures(node, block)
+        try:
+            auto = parse_autoscaling(copy.deepcopy(block), "decode")
+        except SpecError:
+            auto = None
+        assert crd_ok == (auto is not None), block
+        assert auto is None or parse_autoscaling(defaulted, "decode") == auto, block
+        seen[crd_ok] += 1
+        if auto is not None and auto.mode == "keda":
+            pool = Pool("worker", "both", PoolSpec(replicas=1, autoscaling=auto))
+            so = scaled_object(model, OWNER, Workload.of(OWNER, pool))
+            assert crd_errors(so) == [], (block, crd_errors(so))
+            assert so["spec"]["minReplicaCount"] == auto.min_replicas
+    assert min(seen.values()) > 120, seen  # both outcomes well covered
