@@ -222,3 +222,23 @@ def test_render_all_is_what_tandem_render_prints():
     docs = render_all(parse_spec(PD), OWNER, image="tandem:test")
     assert [d["metadata"]["name"] for d in by_kind(docs, "ScaledObject")] == [
         "demo-prefill", "demo-decode"]
+
+
+def test_a_pool_moving_to_keda_keeps_its_count_until_keda_scales_it():
+    """As for an HPA: the operator's applied replicas are handed over (a second field owner)
+    before the first apply without them, so the switch does not reset the pool to 1."""
+    from tandem.operator.kube import FIELD_MANAGER
+    from tandem.operator.reconcile import HANDOVER, OperatorConfig, apply
+    from tests.operator.test_handover import FIXED, OWNER, RecordingKube, live_children, managed
+
+    keda = copy.deepcopy(FIXED) | {"decode": {"replicas": 5, "autoscaling": {
+        "mode": "keda", "minReplicas": 0, "maxReplicas": 8, "target": 4}}}
+    kube = RecordingKube(live_children(FIXED, [managed(FIELD_MANAGER)]))
+    kube.delete = lambda *a: None  # (nothing is removed: a ScaledObject is added)
+    apply(kube, parse_spec(keda), OWNER, OperatorConfig(image="img"))
+    handed = [(i, doc) for i, (m, doc) in enumerate(kube.applied) if m == HANDOVER]
+    assert [doc["spec"] for _, doc in handed] == [{"replicas": 5}]
+    names = [(m, d["kind"], d["metadata"]["name"]) for m, d in kube.applied]
+    main = names.index((FIELD_MANAGER, "Deployment", "svc-decode"))
+    assert handed[0][0] < main and "replicas" not in kube.applied[main][1]["spec"]
+    assert (FIELD_MANAGER, "ScaledObject", "svc-decode") in names

@@ -561,37 +561,38 @@ def test_a_keda_pool_is_left_to_its_scaled_object(env: Env) -> None:
     spec = {"model": {"uri": "pvc://models/llama", "sha256": SHA},
             "prefill": {"replicas": 1, "autoscaling": dict(keda)},
             "decode": {"replicas": 1, "autoscaling": dict(keda)}}
-    env.create("kappa", spec)
+    env.create("kedapd", spec)
     want = {(d["kind"], d["metadata"]["name"]): d for d in wait_for(
-        lambda: env.isvc("kappa")["metadata"]["uid"] and expected(env, "kappa", spec))}
+        lambda: env.isvc("kedapd")["metadata"]["uid"] and expected(env, "kedapd", spec))}
     for pool in ("prefill", "decode"):
-        got = wait_for(lambda pool=pool: env.get("ScaledObject", f"kappa-{pool}"),
-                       what=f"ScaledObject kappa-{pool}")
-        assert server_side(got) == want[("ScaledObject", f"kappa-{pool}")]
-        assert "replicas" not in env.get("Deployment", f"kappa-{pool}")["spec"]
-    wait_for(lambda: env.status("kappa").get("observedGeneration") == 1)
+        got = wait_for(lambda pool=pool: env.get("ScaledObject", f"kedapd-{pool}"),
+                       what=f"ScaledObject kedapd-{pool}")
+        assert server_side(got) == want[("ScaledObject", f"kedapd-{pool}")]
+        assert "replicas" not in env.get("Deployment", f"kedapd-{pool}")["spec"]
+    wait_for(lambda: env.status("kedapd").get("observedGeneration") == 1)
     load = {"vllm:num_requests_waiting": 50.0}
-    env.metrics.set("kappa-decode", a=load)
-    env.metrics.set("kappa-prefill", a=load)
+    env.metrics.set("kedapd-decode", a=load)
+    env.metrics.set("kedapd-prefill", a=load)
     time.sleep(1.5)  # over seven autoscaler intervals (0.2 s here)
-    assert not [s for _, s in env.metrics.calls if s.startswith("kappa-")]
+    assert not [s for _, s in env.metrics.calls if s.startswith("kedapd-")]
     for pool in ("prefill", "decode"):
-        assert all("replicas" not in v["spec"]
-                   for v in env.history("Deployment", f"kappa-{pool}") if v)
-    env.patch("kappa", {"decode": {"autoscaling": {"mode": "operator", "minReplicas": 1}}})
-    wait_for(lambda: env.get("ScaledObject", "kappa-decode") is None,
+        counts = [v["spec"].get("replicas") for v in env.history("Deployment", f"kedapd-{pool}")
+                  if v]
+        assert counts and set(counts) == {None}, (pool, counts)
+    env.patch("kedapd", {"decode": {"autoscaling": {"mode": "operator", "minReplicas": 1}}})
+    wait_for(lambda: env.get("ScaledObject", "kedapd-decode") is None,
              what="the decode ScaledObject removed")
-    assert env.get("ScaledObject", "kappa-prefill") is not None
-    dep = wait_for(lambda: env.get("Deployment", "kappa-decode")["spec"].get("replicas")
-                   and env.get("Deployment", "kappa-decode"))
+    assert env.get("ScaledObject", "kedapd-prefill") is not None
+    dep = wait_for(lambda: env.get("Deployment", "kedapd-decode")["spec"].get("replicas")
+                   and env.get("Deployment", "kedapd-decode"))
     assert dep["spec"]["replicas"] >= 1
     wait_for(lambda: [e for e in env.cluster.objects("v1/events") if e.get("reason") ==
-                      "Removed" and "ScaledObject/kappa-decode" in e["message"]],
+                      "Removed" and "ScaledObject/kedapd-decode" in e["message"]],
              what="a Removed event")
     # now the operator's: its autoscaler reads the decode pool (50 waiting → 4, the max)
-    wait_for(lambda: env.get("Deployment", "kappa-decode")["spec"]["replicas"] == 4,
+    wait_for(lambda: env.get("Deployment", "kedapd-decode")["spec"]["replicas"] == 4,
              timeout=30, what="the operator scaling decode")
-    assert not [s for _, s in env.metrics.calls if s == "kappa-prefill"]
+    assert not [s for _, s in env.metrics.calls if s == "kedapd-prefill"]
 
 
 def test_the_tandem_operator_process(tmp_path) -> None:
