@@ -53,7 +53,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
     the pods' user settings (`render.pod`) are merged last. A multi-node tensor-parallel pool
     is a LeaderWorkerSet (`render.multinode`) where the others are Deployments: each pool's
-    `Workload`, decided once here, is what every renderer reads."""
+    `Workload`, decided once here, is what every renderer reads. Pools in
+    `autoscaling.mode: hpa` get a HorizontalPodAutoscaler, in `keda` a KEDA ScaledObject
+    (`render.keda`, with the routers' metrics Service it reads /scaling through)."""
     check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
