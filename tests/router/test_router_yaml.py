@@ -37,8 +37,8 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(("data", "message"), [
     ({"polcy": "random"},
      f'unknown key "polcy" (did you mean "policy"? known: {TOP})'),
-    ({"weights": {"foo": 1}}, 'unknown key "weights.foo" (known: cache_churn, '
-     "inflight_tokens, kv_usage, lora_affinity, prefix, queue)"),
+    ({"weights": {"foo": 1}}, 'unknown key "weights.foo" (known: cache_churn, cost, '
+     "inflight_tokens, kv_usage, lora_affinity, prefix, queue, session_affinity)"),
     ({"rate_limits": {"tenant": {}}},
      'unknown key "rate_limits.tenant" (did you mean "tenants"? known: default, tenants)'),
     ({"rate_limits": {"tenants": {"batch": {"rps": 1}}}},
@@ -46,7 +46,7 @@ def _args(*argv: str) -> argparse.Namespace:
      "tokens_per_min)"),
     ({"priority": {"default": {"mni": 0}}},
      'unknown key "priority.default.mni" (did you mean "min"? known: default, max, min)'),
-    ({"policy": "fastest"}, "policy: input should be 'cache-aware', 'least-loaded', "
+    ({"policy": "fastest"}, "policy: input should be 'cache-aware', 'cost', 'least-loaded', "
      "'random' or 'round-robin', not 'fastest'"),
     ({"weights": {"prefix": -1}},
      "weights.prefix: input should be greater than or equal to 0, not -1"),
@@ -117,7 +117,8 @@ def test_the_cli_refuses_a_bad_router_yaml_as_a_usage_error_before_binding(tmp_p
     assert proc.stderr.splitlines() == [
         f"usage: {usage[command]}",
         f'tandem {command}: error: {cfg}: unknown key "weights.astrology" (known: '
-        "cache_churn, inflight_tokens, kv_usage, lora_affinity, prefix, queue)"]
+        "cache_churn, cost, inflight_tokens, kv_usage, lora_affinity, prefix, queue, "
+        "session_affinity)"]
     assert proc.stdout == ""
 
 

@@ -54,7 +54,7 @@ class Router:
         self.churn = ChurnTracker(settings.churn_half_life_s)
         rng = random.Random(settings.seed)
         kwargs: dict = {"rng": rng}
-        if settings.policy == "cache-aware":
+        if settings.policy in ("cache-aware", "cost"):
             kwargs.update(weights=settings.weights, saturation_queue=settings.saturation_queue,
                           saturation_kv=settings.saturation_kv)
         self.policy = make_policy(settings.policy, **kwargs)
@@ -155,11 +155,12 @@ class Router:
     def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
               exclude: Iterable[str] = (), role: str = "decode",
               hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
-              external: Mapping[HashGroup, Mapping[str, int]] | None = None
-              ) -> tuple[Decision | None, RoutingContext]:
+              external: Mapping[HashGroup, Mapping[str, int]] | None = None,
+              session: str | None = None) -> tuple[Decision | None, RoutingContext]:
         """Pick a worker (None if no candidate passes the filters), record the routed
         blocks as speculatively present on it and charge its uncached prompt tokens
-        (`prompt_tokens - matched_tokens`) to its cache churn."""
+        (`prompt_tokens - matched_tokens`) to its cache churn. `session`: the worker id a
+        session token named (`scorers.session`), favoured while it is a candidate."""
         skip = set(exclude)
         probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now,
                                lora=self.base_model(model)[1])
@@ -167,6 +168,7 @@ class Router:
                       if w.id not in skip and all(f.keep(probe, w) for f in self.filters)]
         ctx = self.context(parsed, model, now, candidates, hashes, external)
         ctx.role = role
+        ctx.session_worker = session
         if not candidates:
             return None, ctx
         decision = self.policy.pick(ctx, candidates)

@@ -72,13 +72,14 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
          exclude: Iterable[str] = (), keep_prefill: Decision | None = None,
          hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
          external: Mapping[HashGroup, Mapping[str, int]] | None = None, signed: bool = True,
-         ) -> tuple[Route | None, RoutingContext]:
+         session: str | None = None) -> tuple[Route | None, RoutingContext]:
     """The decode worker (None if none passes the filters), and a prefill worker when the
     decode worker lacks at least `pd_threshold` prompt tokens. `keep_prefill` (an earlier
     attempt's prefill pick) is reused while it is still routable. Unless `signed` (the
-    request will carry the router's signature) there is no prefill worker."""
+    request will carry the router's signature) there is no prefill worker. `session`: the
+    worker a session token named (decode side only)."""
     decision, ctx = router.route(parsed, model, now, exclude=exclude, role="decode",
-                                 hashes=hashes, external=external)
+                                 hashes=hashes, external=external, session=session)
     if decision is None:
         return None, ctx
     route = Route(decision, uncached_tokens=uncached_tokens(ctx, decision,

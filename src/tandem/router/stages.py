@@ -43,6 +43,7 @@ from tandem.router.auth import tenant_cache_salt
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
 from tandem.router.ratelimit import retry_after_header
+from tandem.router.scorers.session import SESSION_HEADER, SessionTokens, tokens_for
 from tandem.router.workers import HashGroup
 
 if TYPE_CHECKING:
@@ -75,6 +76,12 @@ class Charge:
 
     bill: usage.Settlement
     strip_usage: bool = False
+
+
+def session_tokens(ra: RouterApp) -> SessionTokens:
+    """The session-token codec (`scorers.session`), keyed by the worker auth key if set."""
+    key = ra.settings.worker_key
+    return tokens_for(None if key is None else key.signing_key())
 
 
 def request_id(supplied: str | None) -> str:
@@ -235,6 +242,7 @@ class Routing:
         self.attempts = 0
         self.pinned: str | None = None  # the worker holding a previous response, if any
         self.answered: str | None = None  # the worker whose answer the client gets
+        self.session: str | None = None  # the worker the request's session token names
 
     def pick(self, tried: set[str]) -> Route | None:
         """The next attempt's route (None: no worker left); the first observes routing
@@ -267,7 +275,8 @@ class Routing:
         """`pd.plan` for this request, `exclude` left out."""
         return plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
                     exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
-                    external=self.external, signed=self.ra.settings.worker_key is not None)
+                    external=self.external, signed=self.ra.settings.worker_key is not None,
+                    session=self.session)
 
     def on_attempt(self, a: Attempt) -> None:
         """Count one attempt; one that never reached its worker is retracted from the
@@ -340,6 +349,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
     hashes, external = await shared_matches(ra, req.parsed, req.model)
     routing = Routing(ra, rid, req, t0, hashes, external)
+    tokens = session_tokens(ra)
+    routing.session = tokens.worker(request.headers.get(SESSION_HEADER), ra.router.workers)
     previous = req.data.get("previous_response_id") if kind == "responses" else None
     if isinstance(previous, str):
         holder = await responses.locate(ra, tenant, previous)
@@ -347,6 +358,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     work = forward(ra.upstream, path, payload, rid, routing.pick, req.parsed.stream,
                    ra.settings.proxy, routing.on_attempt, ra.settings.worker_key)
     answer = await relay(request, work, req.parsed.stream, bill)
+    if routing.answered is not None and 200 <= answer.status_code < 300:
+        answer.headers[SESSION_HEADER] = tokens.token(routing.answered)
     if kind == "responses" and req.data.get("store") is not False:
         return responses.track(ra, tenant, answer, lambda: routing.answered)
     return answer

@@ -1,0 +1,65 @@
+"""Measured step costs, for the router's cost-based pick (`GetLoad`'s `prefill_s_per_token`,
+`decode_step_s`).
+
+An EWMA over recent engine steps (plain values, no torch): a step that ran only decodes
+updates the decode step time with its seconds; a step that ran prefill tokens updates the
+seconds per prefill token with what the step took beyond one decode step, divided by its
+prefill tokens. Both read 0.0 until a step of their kind was seen. A step's time is the
+engine loop's wall time from one busy step's start to the next's (so an overlapped step,
+whose forward ends in the next step, is still counted once, in steady state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tandem.engine.request import Request
+
+ALPHA = 0.2  # weight of the newest step
+MAX_STEP_S = 60.0  # a step longer than this (a stall, a debugger) is not a cost sample
+
+
+@dataclass
+class StepCosts:
+    """The EWMAs (seconds per prefill token, seconds per decode-only step; 0.0: unmeasured)."""
+
+    prefill_s_per_token: float = 0.0
+    decode_step_s: float = 0.0
+
+    def observe(self, seconds: float, prefill_tokens: int, decodes: int) -> None:
+        """One busy step: `seconds` of wall time, `prefill_tokens` prompt tokens computed and
+        `decodes` requests that decoded one token (plus drafts) in it."""
+        if not 0.0 < seconds <= MAX_STEP_S:
+            return
+        if prefill_tokens <= 0:
+            if decodes > 0:
+                self.decode_step_s = _ewma(self.decode_step_s, seconds)
+            return
+        per_token = max(seconds - self.decode_step_s, seconds / 2) / prefill_tokens
+        self.prefill_s_per_token = _ewma(self.prefill_s_per_token, per_token)
+
+
+def _ewma(old: float, sample: float) -> float:
+    return sample if old <= 0.0 else old + ALPHA * (sample - old)
+
+
+def split_tokens(scheduled: Iterable[object]) -> tuple[int, int]:
+    """(prefill tokens, decoding requests) of a step's `ScheduledRequest`s: a prompt chunk
+    (or a recomputation after preemption) is prefill, one new token plus drafts a decode."""
+    prefill = decodes = 0
+    for s in scheduled:
+        fresh = s.num_new_tokens - len(s.spec_token_ids)  # type: ignore[attr-defined]
+        req: Request = s.request  # type: ignore[attr-defined]
+        if fresh > 1 or s.start < req.num_prompt_tokens:  # type: ignore[attr-defined]
+            prefill += max(fresh, 0)
+        else:
+            decodes += 1
+    return prefill, decodes
+
+
+def pending_prefill_tokens(running: Iterable[Request], waiting: Iterable[Request]) -> int:
+    """Prompt tokens still to compute: all of a waiting request's tokens (its cached prefix
+    is unknown before admission), a running request's prompt tokens not yet computed."""
+    return (sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+            + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running))

@@ -1,0 +1,163 @@
+"""The cost-based pick (`scorers.cost`, `policy.CostPolicy`) on constructed loads: exact costs
+and exact winners, the rate fallbacks, LoRA residency and the session boost folded in, and
+a worker's reported costs bounded."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tandem.router.policy import CacheAwarePolicy, CostPolicy, make_policy
+from tandem.router.scorers import SCORERS, RoutingContext
+from tandem.router.scorers.cost import DEFAULT_DECODE_STEP_S, DEFAULT_PREFILL_S_PER_TOKEN, costs
+from tandem.router.workers import (
+    MAX_DECODE_STEP_S,
+    MAX_PENDING_PREFILL_TOKENS,
+    MAX_PREFILL_S_PER_TOKEN,
+    Worker,
+    WorkerLoad,
+    bounded_costs,
+)
+
+RATE = 1e-4  # s per prefill token: 10,000 tokens/s
+STEP = 0.02  # s per decode step
+
+
+def worker(wid: str, running: int = 0, waiting: int = 0, pending: int = 0,
+           rate: float = RATE, step: float = STEP, **load: object) -> Worker:
+    return Worker(id=wid, model="m", ready=True, block_size=16, load=WorkerLoad(
+        num_running=running, num_waiting=waiting, pending_prefill_tokens=pending,
+        prefill_s_per_token=rate, decode_step_s=step, **load))
+
+
+def ctx(prompt: int, matched: dict[str, int] | None = None, **kw: object) -> RoutingContext:
+    return RoutingContext(model="m", prompt_tokens=prompt, matched_tokens=matched or {}, **kw)
+
+
+def pick(c: RoutingContext, workers: list[Worker], **kw: object) -> str:
+    return CostPolicy(rng=random.Random(0), **kw).pick(c, workers).worker.id
+
+
+def test_a_short_shared_prefix_does_not_outweigh_a_long_queue():
+    # 1,000-token prompt; "hot" holds 256 of it but runs 12 and queues 4 (3,000 prompt
+    # tokens still to prefill); "idle" holds nothing and runs nothing
+    hot = worker("hot", running=12, waiting=4, pending=3000)
+    idle = worker("idle")
+    c = ctx(1000, {"hot": 256})
+    assert costs(c, [hot, idle]) == pytest.approx([RATE * (744 + 3000) + STEP * 16,
+                                                    RATE * 1000])  # 0.6944 vs 0.1
+    assert pick(c, [hot, idle]) == "idle"
+    # below the saturation depth of 8 cache-aware's prefix credit holds, and a half-prompt
+    # hit outweighs six queued requests; the cost still says idle (0.3488 + 0.12 vs 0.1)
+    hot.load.num_running, hot.load.num_waiting = 6, 0
+    c = ctx(1000, {"hot": 512})
+    assert CacheAwarePolicy(rng=random.Random(0)).pick(c, [hot, idle]).worker.id == "hot"
+    assert pick(c, [hot, idle]) == "idle"
+
+
+def test_a_long_cached_prefix_wins_over_a_short_idle_queue():
+    # 8,000-token prompt: "warm" holds 7,680 tokens and runs 3; "idle" holds none
+    warm, idle = worker("warm", running=3, pending=200), worker("idle")
+    c = ctx(8000, {"warm": 7680})
+    assert costs(c, [warm, idle]) == pytest.approx([RATE * (320 + 200) + STEP * 3,
+                                                    RATE * 8000])  # 0.112 vs 0.8
+    assert pick(c, [warm, idle]) == "warm"
+
+
+def test_a_slower_worker_loses_the_same_work():
+    fast, slow = worker("fast", running=2, rate=5e-5), worker("slow", running=2, rate=4e-4)
+    c = ctx(2000)
+    assert costs(c, [fast, slow]) == pytest.approx([0.1 + 0.04, 0.8 + 0.04])
+    assert pick(c, [slow, fast]) == "fast"
+
+
+def test_unreported_rates_fall_back_to_the_fleet_median_then_the_default():
+    a, b, c_ = worker("a", rate=1e-4), worker("b", rate=3e-4), worker("c", rate=2e-4)
+    new = worker("new", rate=0.0, step=0.0, running=1)
+    got = costs(ctx(1000), [a, b, c_, new])
+    assert got[3] == pytest.approx(2e-4 * 1000 + STEP * 1)  # the median rate and step
+    alone = costs(ctx(1000), [worker("x", rate=0.0, step=0.0, running=2)])
+    assert alone == pytest.approx([DEFAULT_PREFILL_S_PER_TOKEN * 1000
+                                   + DEFAULT_DECODE_STEP_S * 2])
+
+
+def test_requests_sent_since_the_last_report_count_as_queued_prompts():
+    a, b = worker("a", running=1), worker("b", running=1)
+    a.local_in_flight = 4  # 3 more than its last report shows
+    c = ctx(500)
+    assert costs(c, [a, b]) == pytest.approx([RATE * (500 + 3 * 500) + STEP * 4,
+                                              RATE * 500 + STEP * 1])
+    assert pick(c, [a, b]) == "b"
+
+
+def test_lora_residency_is_folded_in():
+    # every slot of "busy" holds other adapters: it must swap one in (a miss of
+    # saturation_queue decode steps); "holder" already runs the adapter
+    holder = worker("holder", running=2, running_loras=frozenset({"sql"}), max_loras=2)
+    busy = worker("busy", running_loras=frozenset({"x", "y"}), max_loras=2)
+    free = worker("free", running=1, running_loras=frozenset({"x"}), max_loras=2)
+    c = ctx(100, lora="sql")
+    assert costs(c, [holder, busy, free]) == pytest.approx(
+        [RATE * 100 + STEP * 2, RATE * 100 + 8 * STEP, RATE * 100 + STEP + 0.5 * 8 * STEP])
+    assert pick(c, [busy, free, holder]) == "holder"
+    base = ctx(100)  # a base-model request pays no miss anywhere
+    assert costs(base, [busy]) == pytest.approx([RATE * 100])
+
+
+def test_the_session_worker_counts_at_cost_over_one_plus_its_weight():
+    a, b = worker("a", running=3), worker("b", running=1)
+    c = ctx(100, session_worker="a")  # a: 0.07, b: 0.03
+    assert pick(c, [a, b], weights={"session_affinity": 2.0}) == "a"  # 0.0233 < 0.03
+    assert pick(c, [a, b]) == "b"  # the default weight 1: 0.035 > 0.03
+    assert pick(c, [a, b], weights={"session_affinity": 0.0}) == "b"
+    a.load.num_running = 2  # a: 0.05 / 2 = 0.025 < 0.03
+    assert pick(c, [a, b]) == "a"
+    gone = ctx(100, session_worker="http://gone")  # names no candidate: ignored
+    assert pick(gone, [a, b]) == "b"
+
+
+def test_ties_break_at_random_with_the_seed():
+    ws = [worker(f"w{i}") for i in range(4)]
+    first = [CostPolicy(rng=random.Random(7)).pick(ctx(10), ws).worker.id for _ in range(3)]
+    assert len(set(first)) == 1  # the same seed, the same pick
+    seen = {pick_ for pick_ in (CostPolicy(rng=random.Random(s)).pick(ctx(10), ws).worker.id
+                                for s in range(40))}
+    assert seen == {"w0", "w1", "w2", "w3"}
+
+
+def test_the_policy_and_scorer_are_registered():
+    policy = make_policy("cost", weights={"session_affinity": 2.0}, saturation_queue=4)
+    assert isinstance(policy, CostPolicy) and policy.session_boost == 2.0
+    assert policy.limits.saturation_queue == 4
+    with pytest.raises(ValueError, match="session_affinity"):
+        CostPolicy(weights={"session_affinity": -1.0})
+    # the scorer (for cache-aware weights): min cost / cost
+    got = SCORERS["cost"]().score(ctx(1000), [worker("a"), worker("b", running=5)])
+    assert got == pytest.approx([1.0, 0.1 / (0.1 + 5 * STEP)])
+    d = CostPolicy(rng=random.Random(0)).pick(ctx(1000, {"a": 512}), [worker("a")])
+    assert (d.reason, d.matched_tokens, d.scores) == ("prefix_hit", 512,
+                                                      {"cost": pytest.approx(488 * RATE)})
+
+
+@pytest.mark.parametrize(("reported", "want"), [
+    ((1e-4, 0.02, 300), (1e-4, 0.02, 300)),
+    ((math.nan, math.inf, 0), (0.0, 0.0, 0)),
+    ((-1.0, -0.5, 0), (0.0, 0.0, 0)),
+    ((5.0, 1e9, 1 << 60), (MAX_PREFILL_S_PER_TOKEN, MAX_DECODE_STEP_S,
+                           MAX_PENDING_PREFILL_TOKENS)),
+])
+def test_reported_costs_are_bounded(reported, want):
+    assert bounded_costs(*reported) == want
+
+
+def test_bounded_costs_keep_every_cost_finite():
+    rng = random.Random(41)
+    specials = [math.nan, math.inf, -math.inf, -1.0, 0.0, 1e-30, 1e30]
+    for _ in range(2000):
+        vals = [rng.choice(specials + [rng.uniform(0, 1)]) for _ in range(2)]
+        rate, step, pending = bounded_costs(vals[0], vals[1], rng.choice([0, 1 << 63, 77]))
+        w = worker("w", rate=rate, step=step, pending=pending, running=rng.randrange(1000))
+        (c,) = costs(ctx(rng.randrange(1, 100_000)), [w])
+        assert math.isfinite(c) and c >= 0.0
