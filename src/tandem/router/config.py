@@ -82,6 +82,7 @@ class RouterConfig(_Strict):
     namespace: str | None = None
     label_selector: str | None = None
     inference_service: str | None = None
+    router_group: str | None = None
     worker_port_name: str | None = None
     policy: Literal[_POLICIES] | None = None  # type: ignore[valid-type]
     weights: Weights | None = None  # type: ignore[valid-type]

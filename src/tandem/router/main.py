@@ -112,7 +112,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"kubernetes: which EndpointSlices (default: {worker_selector()}, "
                         "plus the --inference-service label)")
     p.add_argument("--inference-service", default=None,
-                   help="kubernetes: only the workers of this InferenceService")
+                   help="kubernetes: only the workers of this InferenceService (several: "
+                        "comma-separated names)")
+    p.add_argument("--router-group", default=None,
+                   help="kubernetes: only the workers of InferenceServices whose worker "
+                        "Services carry the label tandem.dev/router-group=NAME")
     p.add_argument("--worker-port-name", default=None,
                    help="kubernetes: the name of the workers' HTTP port (default: http)")
     p.add_argument("--policy", default=None, choices=POLICIES)
@@ -383,12 +387,16 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
     kind = args.discovery or cfg.get("discovery", "static")
     if kind != "static" and workers:
         raise SystemExit(f"worker URLs are for --discovery static, not {kind}")
-    return make_discovery(kind, DiscoveryConfig(
-        urls=tuple(workers),
-        namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
-        label_selector=args.label_selector or cfg.get("label_selector"),
-        inference_service=args.inference_service or cfg.get("inference_service"),
-        port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    try:
+        return make_discovery(kind, DiscoveryConfig(
+            urls=tuple(workers),
+            namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
+            label_selector=args.label_selector or cfg.get("label_selector"),
+            inference_service=args.inference_service or cfg.get("inference_service"),
+            router_group=args.router_group or cfg.get("router_group"),
+            port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    except ValueError as exc:  # a name that is no label value
+        raise SystemExit(f"--inference-service / --router-group: {exc}") from None
 
 
 def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int,

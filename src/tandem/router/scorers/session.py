@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
 from tandem.router.workers import Worker
@@ -49,7 +49,7 @@ class SessionTokens:
             self._by_token[tok] = worker_id
         return tok
 
-    def worker(self, token: str | None, worker_ids: Iterable[str]) -> str | None:
+    def worker(self, token: str | None, worker_ids: Collection[str]) -> str | None:
         """The worker among `worker_ids` that `token` names; None for none (or a token that
         is not a string of at most MAX_TOKEN_CHARS starting `v1.`)."""
         if not token or len(token) > MAX_TOKEN_CHARS or not token.startswith(_PREFIX):
@@ -60,7 +60,7 @@ class SessionTokens:
                 if other not in self._by_worker:
                     self.token(other)
             wid = self._by_token.get(token)
-        return wid
+        return wid if wid is not None and wid in worker_ids else None
 
 
 _TOKENS: dict[bytes, SessionTokens] = {}
