@@ -1,16 +1,17 @@
 """`tandem router`: arguments, the optional YAML config, tokenizers, the HTTP server.
 
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
-        [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
+        [--policy cache-aware|cost|round-robin|random|least-loaded] [--config router.yaml] \\
         [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N] \\
         [--http-server lean|uvicorn]
-    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
-        [--label-selector SELECTOR] [--worker-port-name http] ...
+    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME[,NAME]] \\
+        [--router-group GROUP] [--label-selector SELECTOR] [--worker-port-name http] ...
 
 Workers come from `--workers` (`--discovery static`, the default) or, with `--discovery
 kubernetes`, from the EndpointSlices of the worker Services in `--namespace` (default: the
 pod's own) matching `--label-selector` (default `app.kubernetes.io/component=worker`, plus
-`tandem.dev/inference-service=NAME` with `--inference-service`): each address on the port
+`tandem.dev/inference-service=NAME` with `--inference-service`, `... in (A,B)` for several,
+and `tandem.dev/router-group=GROUP` with `--router-group`): each address on the port
 named `--worker-port-name` is a worker, with the role of its slice's `tandem.dev/role` label.
 Workers join, leave and turn unready as the slices change.
 
@@ -19,8 +20,8 @@ Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (r
 tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
-`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight, over the
-defaults: a scorer left out keeps its default, 0 switches it off),
+`inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
+weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
