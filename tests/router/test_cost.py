@@ -107,15 +107,27 @@ def test_lora_residency_is_folded_in():
 
 
 def test_the_session_worker_counts_at_cost_over_one_plus_its_weight():
-    a, b = worker("a", running=3), worker("b", running=1)
-    c = ctx(100, session_worker="a")  # a: 0.07, b: 0.03
-    assert pick(c, [a, b], weights={"session_affinity": 2.0}) == "a"  # 0.0233 < 0.03
-    assert pick(c, [a, b]) == "b"  # the default weight 1: 0.035 > 0.03
+    a, b = worker("a", running=3), worker("b")
+    c = ctx(100, session_worker="a")  # a: 0.07, b: 0.01
+    assert pick(c, [a, b]) == "b"  # the default weight 1: 0.035
+    assert pick(c, [a, b], weights={"session_affinity": 6.0}) == "a"  # 0.01: a tie it wins
+    assert pick(c, [a, b], weights={"session_affinity": 5.0}) == "a"  # 0.0117: within 20 %
+    assert pick(c, [a, b], weights={"session_affinity": 4.0}) == "b"  # 0.014: beyond
     assert pick(c, [a, b], weights={"session_affinity": 0.0}) == "b"
-    a.load.num_running = 2  # a: 0.05 / 2 = 0.025 < 0.03
-    assert pick(c, [a, b]) == "a"
     gone = ctx(100, session_worker="http://gone")  # names no candidate: ignored
-    assert pick(gone, [a, b]) == "b"
+    assert pick(gone, [a, b], weights={"session_affinity": 6.0}) == "b"
+
+
+def test_near_equal_costs_go_to_the_least_churned_worker():
+    # 0.1, 0.11 and 0.119 are within 20 % of the lowest; 0.13 is not
+    ws = [worker("a"), worker("b", rate=1.1e-4), worker("c", rate=1.19e-4),
+          worker("d", rate=1.3e-4)]
+    for w in ws:
+        w.load.num_total_blocks = 100  # 1,600 tokens of KV
+    churn = {"a": 1200.0, "b": 800.0, "c": 400.0, "d": 0.0}
+    assert pick(ctx(1000, churn_tokens=churn), ws) == "c"
+    assert pick(ctx(1000, churn_tokens={**churn, "c": 1600.0}), ws) == "b"
+    assert CostPolicy().uses("cache_churn")  # so the router fills the churn in
 
 
 def test_ties_break_at_random_with_the_seed():
@@ -161,3 +173,30 @@ def test_bounded_costs_keep_every_cost_finite():
         w = worker("w", rate=rate, step=step, pending=pending, running=rng.randrange(1000))
         (c,) = costs(ctx(rng.randrange(1, 100_000)), [w])
         assert math.isfinite(c) and c >= 0.0
+
+
+def test_tandem_router_offers_every_policy(tmp_path):
+    from tandem.router import main
+    from tandem.router.policy import POLICIES
+    from tests.router.test_discovery import _args
+
+    assert set(main.POLICIES) == set(POLICIES)
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("policy: cost\nweights: {session_affinity: 3.0}\nsaturation_queue: 5\n")
+    _, router, _ = main.build(_args("--config", str(cfg), "--workers", "http://a:1"))
+    assert isinstance(router.policy, CostPolicy) and router.policy.session_boost == 3.0
+    assert router.policy.limits.saturation_queue == 5
+    _, router, _ = main.build(_args("--policy", "cost", "--workers", "http://a:1"))
+    assert isinstance(router.policy, CostPolicy) and router.policy.session_boost == 1.0
+
+
+def test_cache_aware_adds_the_session_weight_to_the_tokens_worker():
+    from tandem.router.policy import DEFAULT_WEIGHTS
+
+    a, b = worker("a", running=2), worker("b")  # queue scores 0.75 and 1.0, the rest equal
+    c = ctx(100, session_worker="a")
+    assert CacheAwarePolicy(rng=random.Random(0)).pick(c, [a, b]).worker.id == "a"  # +1.0
+    weak = CacheAwarePolicy({**DEFAULT_WEIGHTS, "session_affinity": 0.2}, rng=random.Random(0))
+    assert weak.pick(c, [a, b]).worker.id == "b"  # 0.95 < 1.0
+    assert CacheAwarePolicy(rng=random.Random(0)).pick(ctx(100), [a, b]).worker.id == "b"
+    assert not CacheAwarePolicy().uses("session_affinity")  # no scorer column of its own

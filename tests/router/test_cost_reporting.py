@@ -63,6 +63,22 @@ def test_prefill_chunks_decodes_and_pending_prompt_tokens():
         == 36 + 0 + 40 + 15
 
 
+def test_waiting_requests_count_only_what_is_neither_cached_nor_computed_ahead():
+    # block size 4: two waiting requests share their first 3 blocks (12 tokens); a third's
+    # first 2 blocks are cached
+    group = list(range(10, 22))
+    first, second = _req(0), _req(0)
+    first.prompt_token_ids[:] = first.all_token_ids[:] = [*group, 1, 2, 3, 4, 5]  # 17
+    second.prompt_token_ids[:] = second.all_token_ids[:] = [*group, 6, 7, 8, 9, 40, 41]  # 18
+    warm = _req(0)
+    warm.prompt_token_ids[:] = warm.all_token_ids[:] = list(range(50, 61))  # 11
+    cached = set(warm.update_block_hashes(4)[:2])
+    got = pending_prefill_tokens([], [first, second, warm], 4, cached.__contains__)
+    assert got == 17 + (18 - 12) + (11 - 8)
+    # without a prefix cache every waiting token counts
+    assert pending_prefill_tokens([], [first, second, warm]) == 17 + 18 + 11
+
+
 @pytest.fixture(scope="module")
 def grpc_tiny_worker(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-costs")

@@ -607,13 +607,22 @@ class EngineCore(StructuredOutputsCore):
             in_flight_tokens=self.scheduler.num_unfinished_tokens(),
             prefill_s_per_token=self.step_costs.prefill_s_per_token,
             decode_step_s=self.step_costs.decode_step_s,
-            pending_prefill_tokens=pending_prefill_tokens(
-                self.scheduler.running, self.scheduler.waiting_requests()),
+            pending_prefill_tokens=self._pending_prefill(),
             kv_leases_active=leases.active, kv_leases_released=leases.released,
             kv_leases_expired=leases.expired,
             kv_connector_loaded_tokens=self.scheduler.tokens_loaded,
             kv_window_freed_blocks=self.kv.window_freed_blocks, **self._spec_stats(),
             **self._lora_stats())
+
+    def _pending_prefill(self) -> int:
+        """`step_costs.pending_prefill_tokens`, waiting requests' cached prefixes looked up
+        in the prefix cache (when the KV pool has one)."""
+        lookup = getattr(self.kv.pool, "get_cached_block", None)
+        caching = lookup is not None and getattr(self.kv, "enable_caching", False)
+        return pending_prefill_tokens(
+            self.scheduler.running, self.scheduler.waiting_requests(),
+            getattr(self.kv, "block_size", 0),
+            (lambda h: lookup(h) is not None) if caching else None)
 
     def _lora_stats(self) -> dict[str, object]:
         if self.lora is None:

@@ -11,13 +11,15 @@ whose forward ends in the next step, is still counted once, in steady state).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.engine.request import Request
+from tandem.protocol.block_hash import BlockHash
 
 ALPHA = 0.2  # weight of the newest step
 MAX_STEP_S = 60.0  # a step longer than this (a stall, a debugger) is not a cost sample
+MAX_WAITING_PROBED = 128  # waiting requests whose cached prefix is looked up per report
 
 
 @dataclass
@@ -58,8 +60,27 @@ def split_tokens(scheduled: Iterable[object]) -> tuple[int, int]:
     return prefill, decodes
 
 
-def pending_prefill_tokens(running: Iterable[Request], waiting: Iterable[Request]) -> int:
-    """Prompt tokens still to compute: all of a waiting request's tokens (its cached prefix
-    is unknown before admission), a running request's prompt tokens not yet computed."""
-    return (sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-            + sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running))
+def pending_prefill_tokens(running: Iterable[Request], waiting: Iterable[Request],
+                           block_size: int = 0,
+                           is_cached: Callable[[BlockHash], bool] | None = None) -> int:
+    """Prompt tokens still to compute: a running request's prompt tokens not yet computed,
+    and a waiting request's tokens less its leading full blocks that are cached, or that a
+    waiting request ahead of it will compute (requests of one prefix group share them).
+    Without `is_cached`, and past the first MAX_WAITING_PROBED waiting requests, all of a
+    waiting request's tokens count."""
+    total = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in running)
+    seen: set[BlockHash] = set()
+    for i, r in enumerate(waiting):
+        todo = max(r.num_tokens - r.num_computed_tokens, 0)
+        if is_cached is None or block_size <= 0 or i >= MAX_WAITING_PROBED:
+            total += todo
+            continue
+        hashes = r.update_block_hashes(block_size)[:max(r.num_tokens - 1, 0) // block_size]
+        shared = 0
+        for h in hashes:
+            if h not in seen and not is_cached(h):
+                break
+            shared += block_size
+        seen.update(hashes)
+        total += max(todo - shared, 0)
+    return total

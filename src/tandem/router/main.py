@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
-POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
+POLICIES = ("cache-aware", "cost", "round-robin", "random", "least-loaded")
 MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
 DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
 CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL

@@ -18,7 +18,9 @@
 * `cost` — the lowest cost in seconds (`scorers.cost`: uncached prefill tokens x the
   worker's measured prefill rate + the queued prefill and decode work ahead of it + a LoRA
   miss), as Dynamo's KV router; the session token's worker counts at
-  `cost / (1 + weights.session_affinity)`.
+  `cost / (1 + weights.session_affinity)`. Costs within COST_TIE_BAND (20 %) of the lowest
+  count as equal: among them the session token's worker, else the one with the least
+  cache churn (`cache_churn`), wins.
 * `least-loaded` — lowest queue depth, then fewest in-flight tokens.
 * `round-robin`, `random` — baselines.
 
@@ -34,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
+from tandem.router.scorers.base import share_free
 from tandem.router.scorers.cost import costs
 from tandem.router.workers import Worker
 
@@ -42,6 +45,10 @@ DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_token
 # the `session_affinity` weight when router.yaml sets none (both policies; not in
 # DEFAULT_WEIGHTS: it adds nothing to a request without a session token)
 SESSION_WEIGHT = 1.0
+# the cost policy takes costs within this share of the lowest as equal (measured rates are
+# noisy) and picks among them the worker with the least cache churn, as cache-aware spreads
+# cold prefix groups
+COST_TIE_BAND = 0.2
 
 
 @dataclass
@@ -161,11 +168,24 @@ class CostPolicy(Policy):
         if ctx.session_worker is not None and self.session_boost > 0:
             values = [v / (1.0 + self.session_boost) if w.id == ctx.session_worker else v
                       for w, v in zip(candidates, values, strict=True)]
-        i = _argmax([-v for v in values], self.rng)
+        lo = min(values)
+        near = [i for i, v in enumerate(values) if v <= lo * (1.0 + COST_TIE_BAND) + 1e-12]
+        home = [i for i in near if candidates[i].id == ctx.session_worker]
+        if home:  # the session's worker among the near-equal: it stays there
+            near = home
+        if len(near) > 1:  # near-equal costs: the one that took the least new text lately
+            fresh = [share_free(ctx.churn_tokens.get(candidates[i].id, 0.0), candidates[i])
+                     for i in near]
+            i = near[_argmax(fresh, self.rng)]
+        else:
+            i = near[0]
         winner = candidates[i]
         matched = ctx.matched_tokens.get(winner.id, 0)
         return Decision(winner, "prefix_hit" if matched else "load", matched,
                         {"cost": values[i]})
+
+    def uses(self, scorer: str) -> bool:
+        return scorer == "cache_churn"  # the tie-break among near-equal costs
 
 
 @register_policy
