@@ -11,7 +11,12 @@ import pytest
 
 from tandem.router.policy import CacheAwarePolicy, CostPolicy, make_policy
 from tandem.router.scorers import SCORERS, RoutingContext
-from tandem.router.scorers.cost import DEFAULT_DECODE_STEP_S, DEFAULT_PREFILL_S_PER_TOKEN, costs
+from tandem.router.scorers.cost import (
+    CHUNK_TOKENS,
+    DEFAULT_DECODE_STEP_S,
+    DEFAULT_PREFILL_S_PER_TOKEN,
+    costs,
+)
 from tandem.router.workers import (
     MAX_DECODE_STEP_S,
     MAX_PENDING_PREFILL_TOKENS,
@@ -40,17 +45,24 @@ def pick(c: RoutingContext, workers: list[Worker], **kw: object) -> str:
     return CostPolicy(rng=random.Random(0), **kw).pick(c, workers).worker.id
 
 
+def cost(uncached: float, queued: float = 0, rate: float = RATE, step: float = STEP) -> float:
+    """The cost of `uncached` prompt tokens behind `queued` ones: their prefill, the cached
+    tokens the uncached ones displace, and one decode step of the worker's batch per
+    CHUNK_TOKENS of work (at least one)."""
+    work = uncached + queued
+    return rate * (work + uncached) + step * (1 + work / CHUNK_TOKENS)
+
+
 def test_a_short_shared_prefix_does_not_outweigh_a_long_queue():
-    # 1,000-token prompt; "hot" holds 256 of it but runs 12 and queues 4 (3,000 prompt
-    # tokens still to prefill); "idle" holds nothing and runs nothing
+    # 1,000-token prompt; "hot" holds 256 of it but queues 4 requests whose prompts still
+    # need 3,000 tokens of prefill; "idle" holds nothing and runs nothing
     hot = worker("hot", running=12, waiting=4, pending=3000)
     idle = worker("idle")
     c = ctx(1000, {"hot": 256})
-    assert costs(c, [hot, idle]) == pytest.approx([RATE * (744 + 3000) + STEP * 16,
-                                                    RATE * 1000])  # 0.6944 vs 0.1
-    assert pick(c, [hot, idle]) == "idle"
+    assert costs(c, [hot, idle]) == pytest.approx([cost(744, 3000), cost(1000)])
+    assert pick(c, [hot, idle]) == "idle"  # 0.5419 vs 0.2395
     # below the saturation depth of 8 cache-aware's prefix credit holds, and a half-prompt
-    # hit outweighs six queued requests; the cost still says idle (0.3488 + 0.12 vs 0.1)
+    # hit outweighs six queued requests; the cost still says idle (0.4857 vs 0.2395)
     hot.load.num_running, hot.load.num_waiting = 6, 0
     c = ctx(1000, {"hot": 512})
     assert CacheAwarePolicy(rng=random.Random(0)).pick(c, [hot, idle]).worker.id == "hot"
@@ -58,37 +70,40 @@ def test_a_short_shared_prefix_does_not_outweigh_a_long_queue():
 
 
 def test_a_long_cached_prefix_wins_over_a_short_idle_queue():
-    # 8,000-token prompt: "warm" holds 7,680 tokens and runs 3; "idle" holds none
+    # 8,000-token prompt: "warm" holds 7,680 tokens, runs 3 and has 200 tokens queued;
+    # "idle" holds none
     warm, idle = worker("warm", running=3, pending=200), worker("idle")
     c = ctx(8000, {"warm": 7680})
-    assert costs(c, [warm, idle]) == pytest.approx([RATE * (320 + 200) + STEP * 3,
-                                                    RATE * 8000])  # 0.112 vs 0.8
-    assert pick(c, [warm, idle]) == "warm"
+    assert costs(c, [warm, idle]) == pytest.approx([cost(320, 200), cost(8000)])
+    assert pick(c, [warm, idle]) == "warm"  # 0.114 vs 1.776
 
 
-def test_a_slower_worker_loses_the_same_work():
-    fast, slow = worker("fast", running=2, rate=5e-5), worker("slow", running=2, rate=4e-4)
+def test_a_busier_batch_or_a_slower_prefill_loses_the_same_work():
+    fast, slow = worker("fast", rate=5e-5), worker("slow", rate=4e-4)
     c = ctx(2000)
-    assert costs(c, [fast, slow]) == pytest.approx([0.1 + 0.04, 0.8 + 0.04])
+    assert costs(c, [fast, slow]) == pytest.approx([cost(2000, rate=5e-5),
+                                                    cost(2000, rate=4e-4)])
     assert pick(c, [slow, fast]) == "fast"
+    light, heavy = worker("light", running=2, step=0.02), worker("heavy", running=40, step=0.2)
+    assert costs(c, [light, heavy]) == pytest.approx([cost(2000), cost(2000, step=0.2)])
+    assert pick(c, [heavy, light]) == "light"
 
 
 def test_unreported_rates_fall_back_to_the_fleet_median_then_the_default():
     a, b, c_ = worker("a", rate=1e-4), worker("b", rate=3e-4), worker("c", rate=2e-4)
     new = worker("new", rate=0.0, step=0.0, running=1)
     got = costs(ctx(1000), [a, b, c_, new])
-    assert got[3] == pytest.approx(2e-4 * 1000 + STEP * 1)  # the median rate and step
+    assert got[3] == pytest.approx(cost(1000, rate=2e-4))  # the median rate and step
     alone = costs(ctx(1000), [worker("x", rate=0.0, step=0.0, running=2)])
-    assert alone == pytest.approx([DEFAULT_PREFILL_S_PER_TOKEN * 1000
-                                   + DEFAULT_DECODE_STEP_S * 2])
+    assert alone == pytest.approx([cost(1000, rate=DEFAULT_PREFILL_S_PER_TOKEN,
+                                        step=DEFAULT_DECODE_STEP_S)])
 
 
 def test_requests_sent_since_the_last_report_count_as_queued_prompts():
     a, b = worker("a", running=1), worker("b", running=1)
     a.local_in_flight = 4  # 3 more than its last report shows
     c = ctx(500)
-    assert costs(c, [a, b]) == pytest.approx([RATE * (500 + 3 * 500) + STEP * 4,
-                                              RATE * 500 + STEP * 1])
+    assert costs(c, [a, b]) == pytest.approx([cost(500, 3 * 500), cost(500)])
     assert pick(c, [a, b]) == "b"
 
 
@@ -100,26 +115,27 @@ def test_lora_residency_is_folded_in():
     free = worker("free", running=1, running_loras=frozenset({"x"}), max_loras=2)
     c = ctx(100, lora="sql")
     assert costs(c, [holder, busy, free]) == pytest.approx(
-        [RATE * 100 + STEP * 2, RATE * 100 + 8 * STEP, RATE * 100 + STEP + 0.5 * 8 * STEP])
+        [cost(100), cost(100) + 8 * STEP, cost(100) + 0.5 * 8 * STEP])
     assert pick(c, [busy, free, holder]) == "holder"
     base = ctx(100)  # a base-model request pays no miss anywhere
-    assert costs(base, [busy]) == pytest.approx([RATE * 100])
+    assert costs(base, [busy]) == pytest.approx([cost(100)])
 
 
 def test_the_session_worker_counts_at_cost_over_one_plus_its_weight():
-    a, b = worker("a", running=3), worker("b")
-    c = ctx(100, session_worker="a")  # a: 0.07, b: 0.01
-    assert pick(c, [a, b]) == "b"  # the default weight 1: 0.035
-    assert pick(c, [a, b], weights={"session_affinity": 6.0}) == "a"  # 0.01: a tie it wins
-    assert pick(c, [a, b], weights={"session_affinity": 5.0}) == "a"  # 0.0117: within 20 %
-    assert pick(c, [a, b], weights={"session_affinity": 4.0}) == "b"  # 0.014: beyond
+    a, b = worker("a", pending=600), worker("b")
+    c = ctx(100, session_worker="a")  # a: 0.1137, b: 0.0420
+    assert costs(c, [a, b]) == pytest.approx([cost(100, 600), cost(100)])
+    assert pick(c, [a, b]) == "b"  # the default weight 1: 0.0568
+    assert pick(c, [a, b], weights={"session_affinity": 2.0}) == "a"  # 0.0379: cheapest
+    assert pick(c, [a, b], weights={"session_affinity": 1.5}) == "a"  # 0.0455: within 20 %
+    assert pick(c, [a, b], weights={"session_affinity": 1.2}) == "b"  # 0.0517: beyond
     assert pick(c, [a, b], weights={"session_affinity": 0.0}) == "b"
     gone = ctx(100, session_worker="http://gone")  # names no candidate: ignored
-    assert pick(gone, [a, b], weights={"session_affinity": 6.0}) == "b"
+    assert pick(gone, [a, b], weights={"session_affinity": 2.0}) == "b"
 
 
 def test_near_equal_costs_go_to_the_least_churned_worker():
-    # 0.1, 0.11 and 0.119 are within 20 % of the lowest; 0.13 is not
+    # 0.2395, 0.2595 and 0.2775 are within 20 % of the lowest; 0.2995 is not
     ws = [worker("a"), worker("b", rate=1.1e-4), worker("c", rate=1.19e-4),
           worker("d", rate=1.3e-4)]
     for w in ws:
@@ -146,11 +162,11 @@ def test_the_policy_and_scorer_are_registered():
     with pytest.raises(ValueError, match="session_affinity"):
         CostPolicy(weights={"session_affinity": -1.0})
     # the scorer (for cache-aware weights): min cost / cost
-    got = SCORERS["cost"]().score(ctx(1000), [worker("a"), worker("b", running=5)])
-    assert got == pytest.approx([1.0, 0.1 / (0.1 + 5 * STEP)])
+    got = SCORERS["cost"]().score(ctx(1000), [worker("a"), worker("b", pending=500)])
+    assert got == pytest.approx([1.0, cost(1000) / cost(1000, 500)])
     d = CostPolicy(rng=random.Random(0)).pick(ctx(1000, {"a": 512}), [worker("a")])
     assert (d.reason, d.matched_tokens, d.scores) == ("prefix_hit", 512,
-                                                      {"cost": pytest.approx(488 * RATE)})
+                                                      {"cost": pytest.approx(cost(488))})
 
 
 @pytest.mark.parametrize(("reported", "want"), [

@@ -40,12 +40,14 @@ def test_step_costs_are_an_ewma_by_step_kind():
     c.observe(0.02, 0, 8)
     c.observe(0.04, 0, 8)
     assert c.decode_step_s == pytest.approx(0.02 + 0.2 * 0.02)  # 0.024
-    c.observe(0.224, 200, 4)  # (0.224 - 0.024) / 200 = 1e-3 -> 5e-4 + 0.2 * 5e-4
-    assert c.prefill_s_per_token == pytest.approx(6e-4)
+    # 0.224 - 0.024 = 0.2 s beyond the decodes for 200 tokens: the EWMAs of seconds and
+    # tokens move to 0.44 s and 840 tokens (token-weighted, not 1e-3 s a token's weight)
+    c.observe(0.224, 200, 4)
+    assert c.prefill_s_per_token == pytest.approx((0.5 - 0.2 * 0.3) / (1000 - 0.2 * 800))
     for bad in (0.0, -1.0, 61.0, float("nan")):
         c.observe(bad, 100, 1)
         c.observe(bad, 0, 1)
-    assert (c.prefill_s_per_token, c.decode_step_s) == pytest.approx((6e-4, 0.024))
+    assert (c.prefill_s_per_token, c.decode_step_s) == pytest.approx((0.44 / 840, 0.024))
     c.observe(0.5, 0, 0)  # no work: nothing to learn
     assert c.decode_step_s == pytest.approx(0.024)
 
@@ -121,3 +123,43 @@ def test_a_real_workers_measured_costs_reach_the_routers_worker_load(grpc_tiny_w
     # float32 on the wire, the same values on both sides (the engine is idle: unchanged)
     assert (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens) \
         == (load.prefill_s_per_token, load.decode_step_s, 0)
+
+
+class _AbsurdWorker(worker_pb2_grpc.WorkerServicer):
+    """A gRPC Worker whose load report states impossible costs."""
+
+    def __init__(self, costs: tuple[float, float, int]) -> None:
+        self.costs = costs
+
+    async def GetLoad(self, request, context):  # noqa: N802, ANN001, ANN201
+        rate, step, pending = self.costs
+        return worker_pb2.Load(num_running=2, prefill_s_per_token=rate, decode_step_s=step,
+                               pending_prefill_tokens=pending)
+
+
+@pytest.mark.parametrize(("reported", "want"), [
+    ((float("nan"), float("-inf"), 0), (0.0, 0.0, 0)),
+    ((-3.0, 1e30, (1 << 64) - 1), (0.0, 10.0, 1 << 32)),
+    ((0.25, 0.5, 77), (0.1, 0.5, 77)),
+])
+def test_the_monitor_bounds_what_a_worker_reports(reported, want):
+    async def scenario() -> Worker:
+        server = grpc.aio.server()
+        servicer = _AbsurdWorker(reported)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        w = Worker(id="http://127.0.0.1:1", grpc_target=f"127.0.0.1:{port}")
+        mon = WorkerMonitor(w, PrefixIndex(), None, MonitorSettings(load_interval_s=0.02))
+        mon._start_grpc_loops()  # as a probe does once it learns the gRPC port
+        deadline = time.monotonic() + 10
+        while w.load.num_running != 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await mon.stop()
+        await server.stop(None)
+        return w
+
+    w = asyncio.run(scenario())
+    got = (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens)
+    assert got == pytest.approx(want)

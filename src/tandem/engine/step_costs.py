@@ -1,10 +1,11 @@
 """Measured step costs, for the router's cost-based pick (`GetLoad`'s `prefill_s_per_token`,
 `decode_step_s`).
 
-An EWMA over recent engine steps (plain values, no torch): a step that ran only decodes
-updates the decode step time with its seconds; a step that ran prefill tokens updates the
-seconds per prefill token with what the step took beyond one decode step, divided by its
-prefill tokens. Both read 0.0 until a step of their kind was seen. A step's time is the
+EWMAs over recent engine steps (plain values, no torch): a step that ran only decodes
+updates the decode step time with its seconds; a step that ran prefill tokens updates two
+EWMAs, of the seconds it took beyond one decode step and of its prefill tokens, whose ratio
+is the seconds per prefill token (token-weighted: a short chunk's fixed overheads do not
+pass for a slow prefill). Both read 0.0 until a step of their kind was seen. A step's time is the
 engine loop's wall time from one busy step's start to the next's (so an overlapped step,
 whose forward ends in the next step, is still counted once, in steady state).
 """
@@ -28,6 +29,8 @@ class StepCosts:
 
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
+    _prefill_s: float = 0.0  # EWMA of a prefill step's seconds beyond its decodes
+    _prefill_tokens: float = 0.0  # EWMA of a prefill step's prefill tokens
 
     def observe(self, seconds: float, prefill_tokens: int, decodes: int) -> None:
         """One busy step: `seconds` of wall time, `prefill_tokens` prompt tokens computed and
@@ -38,8 +41,10 @@ class StepCosts:
             if decodes > 0:
                 self.decode_step_s = _ewma(self.decode_step_s, seconds)
             return
-        per_token = max(seconds - self.decode_step_s, seconds / 2) / prefill_tokens
-        self.prefill_s_per_token = _ewma(self.prefill_s_per_token, per_token)
+        beyond = max(seconds - self.decode_step_s, seconds / 2)
+        self._prefill_s = _ewma(self._prefill_s, beyond)
+        self._prefill_tokens = _ewma(self._prefill_tokens, float(prefill_tokens))
+        self.prefill_s_per_token = self._prefill_s / self._prefill_tokens
 
 
 def _ewma(old: float, sample: float) -> float:

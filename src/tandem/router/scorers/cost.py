@@ -1,19 +1,25 @@
 """Cost scorer (as Dynamo's KV router): the work a request would cost on each candidate,
-in seconds, lowest best.
+in seconds (about its time to first token there), lowest best.
 
-`cost = rate x (uncached + queued_prefill) + step x depth + lora_miss`, where
+`cost = rate x (P + uncached) + step x (1 + P / CHUNK_TOKENS) + lora_miss`, with `P =
+uncached + queued`, where
 
 * `rate` is the worker's measured prefill seconds per token (`WorkerLoad.
   prefill_s_per_token`, an EWMA over its engine steps) and `step` its measured decode-only
-  step seconds (`decode_step_s`);
+  step seconds (`decode_step_s`, with its current batch): its running decode load, paid
+  once per engine step the prefill takes (CHUNK_TOKENS prefill tokens a step, the engine's
+  default `max_num_batched_tokens`);
 * `uncached` is the request's prompt tokens the worker lacks (`prompt_tokens -
-  matched_tokens`); `queued_prefill` the prompt tokens its waiting and partly prefilled
-  running requests still need (`pending_prefill_tokens`), plus one prompt of this
-  request's length per request this router sent it since its last load report
+  matched_tokens`); `queued` the prompt tokens its waiting and partly prefilled running
+  requests still need (`pending_prefill_tokens`: the work ahead of it), plus `uncached`
+  again for each request this router sent it since its last load report
   (`local_in_flight` above its reported running + waiting);
-* `depth` its running + waiting requests (`Worker.queue_depth`): the decode work ahead;
+* the second `uncached` is the cost of the cached blocks the new ones displace (a warm
+  worker's cache is full: each token computed there evicts one some later request would
+  have hit), so a prefix group stays where it is cached until the queue ahead costs more
+  than recomputing it elsewhere twice;
 * `lora_miss` is `(1 - lora_affinity) x saturation_queue x step`: an adapter that must be
-  loaded (no slot free) weighs as much as `saturation_queue` queued requests, as in the
+  loaded (no slot free) weighs as much as `saturation_queue` decode steps, as in the
   cache-aware policy.
 
 So a short shared prefix never outweighs a long queue, and a long cached prefix wins over
@@ -36,6 +42,7 @@ from tandem.router.workers import Worker
 
 DEFAULT_PREFILL_S_PER_TOKEN = 2e-4  # 5,000 tokens/s: a small GPU or a fast CPU's slower side
 DEFAULT_DECODE_STEP_S = 0.03
+CHUNK_TOKENS = 1024  # prefill tokens per engine step (the engine's max_num_batched_tokens)
 
 
 def fleet_rate(values: Sequence[float], default: float) -> float:
@@ -59,8 +66,8 @@ def costs(ctx: RoutingContext, workers: Sequence[Worker],
         step = load.decode_step_s or step0
         uncached = max(ctx.prompt_tokens - ctx.matched_tokens.get(w.id, 0), 0)
         unseen = max(w.local_in_flight - load.num_running - load.num_waiting, 0)
-        queued = load.pending_prefill_tokens + unseen * ctx.prompt_tokens
-        cost = rate * (uncached + queued) + step * w.queue_depth
+        work = uncached * (1 + unseen) + load.pending_prefill_tokens
+        cost = rate * (work + uncached) + step * (1.0 + work / CHUNK_TOKENS)
         if lora is not None:
             cost += (1.0 - lora[i]) * limits.saturation_queue * step
         out.append(cost)
