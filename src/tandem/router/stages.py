@@ -11,7 +11,9 @@ each attempt) -> `relay` (the answer; a token charge settled from the usage it r
 Every stop counts in `tandem_router_rejected_total` with its status. A Responses API
 request is tokenized and hashed as the chat completion that serves it; one continuing a
 stored response (`previous_response_id`) goes to the worker holding it (`responses`), and
-the worker each answer came from is remembered.
+the worker each answer came from is remembered. A request's `x-session-token` favours the
+worker it names (`scorers.session`); a 2xx answer carries the token of the worker that
+served it.
 """
 
 from __future__ import annotations
