@@ -202,8 +202,9 @@ def test_tandem_router_offers_every_policy(tmp_path):
     _, router, _ = main.build(_args("--config", str(cfg), "--workers", "http://a:1"))
     assert isinstance(router.policy, CostPolicy) and router.policy.session_boost == 3.0
     assert router.policy.limits.saturation_queue == 5
-    _, router, _ = main.build(_args("--policy", "cost", "--workers", "http://a:1"))
+    _, router, _ = main.build(_args("--workers", "http://a:1"))  # the default policy
     assert isinstance(router.policy, CostPolicy) and router.policy.session_boost == 1.0
+    assert router.settings.policy == main.DEFAULT_POLICY == "cost"
 
 
 def test_cache_aware_adds_the_session_weight_to_the_tokens_worker():

@@ -85,13 +85,15 @@ def test_unreadable_files_and_empty_values(tmp_path):
 
 def test_partial_weights_keep_the_other_defaults_and_zero_switches_one_off(tmp_path):
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("workers: [http://a:8000]\nweights: {prefix: 4, queue: 0}\n")
+    cfg.write_text("workers: [http://a:8000]\npolicy: cache-aware\n"
+                   "weights: {prefix: 4, queue: 0}\n")
     _, router, _ = build(_args("--config", str(cfg)))
     assert router.settings.weights == {**DEFAULT_WEIGHTS, "prefix": 4.0, "queue": 0.0}
     assert [(s.name, w) for s, w in router.policy.scorers] == [
         (name, 4.0 if name == "prefix" else w) for name, w in DEFAULT_WEIGHTS.items()
         if name != "queue"]
-    _, router, _ = build(_args("--workers", "http://a:8000"))  # no weights: the defaults
+    _, router, _ = build(_args("--workers", "http://a:8000", "--policy", "cache-aware"))
+    # no weights: the defaults
     assert [(s.name, w) for s, w in router.policy.scorers] == list(DEFAULT_WEIGHTS.items())
 
 

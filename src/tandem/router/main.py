@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 POLICIES = ("cache-aware", "cost", "round-robin", "random", "least-loaded")
+DEFAULT_POLICY = "cost"  # at least as good as cache-aware in bench/routing.py (bench/results)
 MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
 DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
 CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL
@@ -120,7 +121,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "Services carry the label tandem.dev/router-group=NAME")
     p.add_argument("--worker-port-name", default=None,
                    help="kubernetes: the name of the workers' HTTP port (default: http)")
-    p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help=f"how a worker is picked (default: {DEFAULT_POLICY})")
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
                    help="PATH for every model, or MODEL=PATH (repeatable); PATH may be a "
@@ -437,7 +439,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
                if u]
     discovery = discovery_from(args, cfg, workers)
     settings = RouterSettings(
-        policy=args.policy or cfg.get("policy", "cache-aware"),
+        policy=args.policy or cfg.get("policy", DEFAULT_POLICY),
         weights=merged_weights(cfg.get("weights")),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
