@@ -55,8 +55,10 @@ def costs(ctx: RoutingContext, workers: Sequence[Worker],
           limits: LoadLimits = LoadLimits()) -> list[float]:  # noqa: B008 - frozen
     """Each worker's cost in seconds for this request (module doc), in order."""
     loads = [w.load for w in workers]
-    rate0 = fleet_rate([x.prefill_s_per_token for x in loads], DEFAULT_PREFILL_S_PER_TOKEN)
-    step0 = fleet_rate([x.decode_step_s for x in loads], DEFAULT_DECODE_STEP_S)
+    rates, steps = [x.prefill_s_per_token for x in loads], [x.decode_step_s for x in loads]
+    # the fallbacks (a median: only when some worker has not reported)
+    rate0 = 0.0 if all(rates) else fleet_rate(rates, DEFAULT_PREFILL_S_PER_TOKEN)
+    step0 = 0.0 if all(steps) else fleet_rate(steps, DEFAULT_DECODE_STEP_S)
     lora = (LoRAAffinityScorer.score_one(ctx.lora, workers) if ctx.lora is not None
             else None)
     out = []
