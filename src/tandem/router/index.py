@@ -19,10 +19,14 @@ of its own (callers pass `now`), unit-tested alone.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from tandem.protocol.block_hash import BlockHash
+from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_keys
 
 
 def block_key(h: BlockHash) -> int:
@@ -31,13 +35,17 @@ def block_key(h: BlockHash) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, speculative_ttl_s: float = 2.0) -> None:
+    def __init__(self, speculative_ttl_s: float = 2.0, capacity: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
         self._slot: dict[str, int] = {}  # worker -> bit position
         self._names: dict[int, str] = {}  # bit position -> worker
         self._free: list[int] = []  # released slots, reused first
-        self._holders: dict[int, int] = {}  # block key -> bitmask of confirmed holders
-        self._blocks: dict[str, set[int]] = {}  # worker -> its confirmed block keys
+        self._all = 0  # bitmask of every slot in use
+        self._table = BlockTable(capacity)  # block key -> its confirmed holders
+        self._over: dict[int, int] = {}  # key -> bitmask, for keys marked OVER in the table
+        self._count: dict[str, int] = {}  # worker -> how many blocks it has confirmed
+        # worker -> keys it stored (some since removed; `cleared` and `keys` check)
+        self._log: dict[str, array] = {}
         # block key -> {slot: expiry}; only for blocks the worker has not (yet) confirmed
         self._speculative: dict[int, dict[int, float]] = {}
 
@@ -47,7 +55,20 @@ class PrefixIndex:
             slot = self._free.pop() if self._free else len(self._slot)
             self._slot[worker] = slot
             self._names[slot] = worker
+            self._all |= 1 << slot
+            self._count.setdefault(worker, 0)
+            self._log.setdefault(worker, array("Q"))
         return slot
+
+    def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int) -> np.ndarray:
+        """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent)."""
+        rows = self._table.rows[pos]
+        held = (pos >= 0) & (rows == slot).any(1)
+        over = (pos >= 0) & (rows[:, 0] == OVER)
+        if over.any():
+            bit, table = 1 << slot, self._over
+            held[over] = [bool(table[k] & bit) for k in keys[over].tolist()]
+        return held
 
     # -- fed by KV events ------------------------------------------------------------------
     def reset(self, worker: str, hashes: Iterable[BlockHash]) -> None:
@@ -57,50 +78,109 @@ class PrefixIndex:
 
     def stored(self, worker: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot_of(worker)
+        keys = np.unique(as_keys(list(hashes)))
+        if not keys.size:
+            return
+        table = self._table
+        pos = table.find(keys)
+        new = pos < 0
+        if new.any():
+            table.insert(keys[new])
+            pos = table.find(keys)  # an insert may rehash
+        rows = table.rows[pos]
+        over = rows[:, 0] == OVER
+        add = ~over & ~(rows == slot).any(1)
+        free = rows == NONE
+        inline = add & free.any(1)
+        if inline.any():
+            at = pos[inline]
+            rows[inline, free[inline].argmax(1)] = slot
+            table.rows[at] = np.sort(rows[inline], axis=1)
+        added = inline
+        full = add & ~inline
         bit = 1 << slot
-        blocks = self._blocks.setdefault(worker, set())
-        holders, spec = self._holders, self._speculative
-        for h in hashes:
-            k = block_key(h)
-            blocks.add(k)
-            holders[k] = holders.get(k, 0) | bit
-            if spec:
+        for p, k, row in zip(pos[full].tolist(), keys[full].tolist(), rows[full].tolist(),
+                             strict=True):  # a popular block: its holders move to `over`
+            self._over[k] = sum(1 << s for s in row) | bit
+            table.rows[p] = OVER
+        added = added | full
+        if over.any():
+            got = []
+            for k in keys[over].tolist():
+                bits = self._over[k]
+                got.append(not bits & bit)
+                self._over[k] = bits | bit
+            added[over] = got
+        new_keys = keys[added]
+        self._count[worker] += len(new_keys)
+        log = self._log[worker]
+        log.frombytes(new_keys.tobytes())
+        if len(log) > 2 * self._count[worker] + 4096:
+            self._compact(worker, slot)
+        spec = self._speculative
+        if spec:
+            for k in keys.tolist():
                 entry = spec.get(k)
                 if entry is not None and entry.pop(slot, None) is not None and not entry:
                     del spec[k]
 
-    def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
-        blocks = self._blocks.get(worker)
-        if blocks is None:
-            return
-        self._remove_keys(self._slot[worker], blocks, [block_key(h) for h in hashes])
+    def _compact(self, worker: str, slot: int) -> None:
+        keys = np.unique(np.frombuffer(self._log[worker], np.uint64))
+        keys = keys[self._held(keys, self._table.find(keys), slot)]
+        self._log[worker] = array("Q", keys.tobytes())
 
-    def _remove_keys(self, slot: int, blocks: set[int], keys: Iterable[int]) -> None:
-        clear = ~(1 << slot)
-        holders = self._holders
-        for k in keys:
-            blocks.discard(k)
-            bits = holders.get(k)
-            if bits is not None:
-                bits &= clear
-                if bits:
-                    holders[k] = bits
-                else:
-                    del holders[k]
+    def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
+        slot = self._slot.get(worker)
+        if slot is not None:
+            self._remove(worker, slot, np.unique(as_keys(list(hashes))))
+
+    def _remove(self, worker: str, slot: int, keys: np.ndarray) -> None:
+        table = self._table
+        pos = table.find(keys)
+        keys, pos = keys[pos >= 0], pos[pos >= 0]
+        rows = table.rows[pos]
+        cells = rows == slot
+        mine = cells.any(1)
+        removed = int(mine.sum())
+        emptied = []
+        if removed:
+            rows[cells] = NONE
+            table.rows[pos[mine]] = np.sort(rows[mine], axis=1)
+            emptied.append(pos[mine & (rows == NONE).all(1)])
+        over = rows[:, 0] == OVER
+        if over.any():
+            clear, gone = ~(1 << slot), []
+            for p, k in zip(pos[over].tolist(), keys[over].tolist(), strict=True):
+                bits = self._over[k]
+                if bits & ~clear:
+                    removed += 1
+                    bits &= clear
+                    if bits:
+                        self._over[k] = bits
+                    else:
+                        del self._over[k]
+                        gone.append(p)
+            emptied.append(np.array(gone, np.int64))
+        if emptied:
+            table.delete(np.concatenate(emptied))
+        self._count[worker] -= removed
 
     def cleared(self, worker: str) -> None:
-        blocks = self._blocks.get(worker)
-        if blocks:
-            self._remove_keys(self._slot[worker], blocks, list(blocks))
+        slot = self._slot.get(worker)
+        if slot is not None and self._log[worker]:
+            if self._count[worker]:
+                self._remove(worker, slot,
+                             np.unique(np.frombuffer(self._log[worker], np.uint64)))
+            self._log[worker] = array("Q")
 
     def drop(self, worker: str) -> None:
         """Forget `worker` (its stream broke, or it left); its slot is reused later."""
         self.cleared(worker)
-        self._blocks.pop(worker, None)
         slot = self._slot.pop(worker, None)
         if slot is None:
             return
-        del self._names[slot]
+        del self._count[worker], self._log[worker], self._names[slot]
+        self._all &= ~(1 << slot)
         for k in [k for k, entry in self._speculative.items() if slot in entry]:
             entry = self._speculative[k]
             del entry[slot]
@@ -113,12 +193,16 @@ class PrefixIndex:
         """Count `hashes` as held by `worker` until `now` + the TTL (blocks it has confirmed
         are left alone); returns that expiry, which `retract_speculative` takes."""
         slot = self._slot_of(worker)
-        self._blocks.setdefault(worker, set())
-        bit, expiry = 1 << slot, now + self.speculative_ttl_s
-        for h in hashes:
-            k = block_key(h)
-            if not self._holders.get(k, 0) & bit:
-                self._speculative.setdefault(k, {})[slot] = expiry
+        expiry = now + self.speculative_ttl_s
+        keys = as_keys(hashes)
+        if keys.size:
+            spec = self._speculative
+            for k in keys[~self._held(keys, self._table.find(keys), slot)].tolist():
+                entry = spec.get(k)
+                if entry is None:
+                    spec[k] = {slot: expiry}
+                else:
+                    entry[slot] = expiry
         return expiry
 
     def retract_speculative(self, worker: str, hashes: Sequence[BlockHash],
@@ -129,8 +213,7 @@ class PrefixIndex:
         if slot is None:
             return
         spec = self._speculative
-        for h in hashes:
-            k = block_key(h)
+        for k in as_keys(hashes).tolist():
             entry = spec.get(k)
             if entry is not None and entry.get(slot) == expiry:
                 del entry[slot]
@@ -140,9 +223,13 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockHash], now: float,
               workers: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds (confirmed or speculative, unexpired);
-        only workers in `workers` when given. Workers with no hit are absent."""
+        only workers in `workers` when given. Workers with no hit are absent.
+
+        Vectorized: the chain's entries are found at once, and the walk visits only the
+        blocks where the holder set changes (a speculative entry or a popular block counts
+        as a change), so a long prefix on a few workers costs a handful of steps."""
         if workers is None:
-            mask = sum(1 << s for s in self._names)
+            mask = self._all
         else:
             slots = self._slot
             mask = 0
@@ -150,29 +237,50 @@ class PrefixIndex:
                 s = slots.get(w)
                 if s is not None:
                     mask |= 1 << s
+        if not mask or not hashes:
+            return {}
+        keys = as_keys(hashes)
+        pos = self._table.find(keys)
+        rows = self._table.rows[pos]
+        rows[pos < 0] = NONE
+        special = rows[:, 0] == OVER
+        spec = self._speculative
+        if spec:
+            special |= np.fromiter(map(spec.__contains__, keys.tolist()), bool, len(keys))
+        blank = np.flatnonzero((rows[:, INLINE - 1] == NONE) & ~special)
+        n = int(blank[0]) if blank.size else len(keys)
+        if not n:
+            return {}
+        rows, special = rows[:n], special[:n]
+        change = np.empty(n, bool)
+        change[0] = True
+        change[1:] = (rows[1:] != rows[:-1]).any(1) | special[1:] | special[:-1]
+        at = np.flatnonzero(change)
         result: dict[str, int] = {}
-        holders, spec = self._holders, self._speculative
-        n = 0
-        for h in hashes:
-            if not mask:
-                break
-            k = int.from_bytes(h[:8], "little")
-            bits = holders.get(k, 0)
-            if spec:
+        over = self._over
+        for i, k, row, sp in zip(at.tolist(), keys[at].tolist(), rows[at].tolist(),
+                                 special[at].tolist(), strict=True):
+            if row[0] == OVER:
+                bits = over[k]
+            else:
+                bits = 0
+                for s in row:
+                    if s >= 0:
+                        bits |= 1 << s
+            if sp:
                 entry = spec.get(k)
                 if entry:
                     for s, exp in entry.items():
                         if exp > now:
                             bits |= 1 << s
             kept = mask & bits
-            if kept != mask and n:
-                self._record(mask & ~kept, n, result)
+            if kept != mask and i:
+                self._record(mask & ~kept, i, result)
             mask = kept
-            n += 1
-        if mask and n:
-            self._record(mask, n, result)
+            if not mask:
+                return result
+        self._record(mask, n, result)
         return result
-
     def _record(self, bits: int, n: int, result: dict[str, int]) -> None:
         names = self._names
         while bits:
@@ -195,15 +303,23 @@ class PrefixIndex:
     # -- introspection ---------------------------------------------------------------------
     def num_blocks(self, worker: str | None = None) -> int:
         if worker is None:
-            return len(self._holders)
-        return len(self._blocks.get(worker, ()))
+            return self._table.live
+        return self._count.get(worker, 0)
 
     def workers(self) -> list[str]:
-        return sorted(self._blocks)
+        return sorted(self._count)
 
     def keys(self, worker: str) -> set[int]:
         """A copy of the block keys confirmed for `worker`."""
-        return set(self._blocks.get(worker, ()))
+        slot = self._slot.get(worker)
+        if slot is None:
+            return set()
+        self._compact(worker, slot)
+        return set(np.frombuffer(self._log[worker], np.uint64).tolist())
+
+    def nbytes(self) -> int:
+        """Bytes the confirmed index holds in arrays (the table and the per-worker logs)."""
+        return self._table.nbytes() + sum(a.itemsize * len(a) for a in self._log.values())
 
 
 class ApproximateIndex:

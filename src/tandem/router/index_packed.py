@@ -1,0 +1,126 @@
+"""A packed hash table from 64-bit block keys to small holder sets, for `index.PrefixIndex`.
+
+Two numpy arrays and no Python object per block: `keys` (uint64, open addressing with
+linear probing) and `rows` (int32, `INLINE` holder slots per key, sorted, `NONE` = empty
+cell). A key held by more than `INLINE` workers is marked `OVER` in every cell and its
+holders live in `over` (key -> bitmask of slots): only popular blocks (a shared system
+prompt) pay for a Python int. 16 + 8 bytes per table entry, at most `MAX_LOAD` full: 10M
+blocks take 2^24 entries, ~400 MB, and the garbage collector never walks them.
+
+Every operation takes a batch of keys (numpy, vectorized). The home position is a
+multiply-shift hash with a random odd multiplier, so prompts crafted to collide in the low
+bits of their block hashes cannot build long probe chains. `EMPTY` (0) and `TOMB` (1) mark
+free entries; a real key of 0 or 1 is stored as 2 or 3 (`as_keys`: a 2^-63 chance of two
+blocks sharing a key, which can only mis-score a route, like any 8-byte key collision).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+
+EMPTY, TOMB = 0, 1
+NONE, OVER = -1, -2
+INLINE = 4  # holders stored in the row itself
+MAX_LOAD = 0.7  # live + tombstones, as a share of the entries, before a rehash
+WINDOW = 8  # entries probed per vectorized step
+_SPAN = np.arange(WINDOW, dtype=np.int64)
+
+
+def as_keys(hashes: Sequence[bytes]) -> np.ndarray:
+    """The index keys of block hashes (uint64): each hash's first 8 bytes, little-endian
+    (`index.block_key`), 0 and 1 moved to 2 and 3."""
+    n = len(hashes)
+    if not n:
+        return np.empty(0, np.uint64)
+    if set(map(len, hashes)) == {32}:
+        keys = np.frombuffer(b"".join(hashes), dtype="<u8")[::4].astype(np.uint64)
+    else:
+        keys = np.fromiter((int.from_bytes(h[:8], "little") for h in hashes), np.uint64, n)
+    low = keys <= TOMB
+    if low.any():
+        keys[low] += np.uint64(2)
+    return keys
+
+
+class BlockTable:
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.live = 0  # keys held
+        self._alloc(max(1 << 10, 1 << (capacity - 1).bit_length()))
+
+    def _alloc(self, cap: int) -> None:
+        self.cap, self.mask, self.used = cap, cap - 1, 0  # used = live + tombstones
+        self.keys = np.zeros(cap, np.uint64)
+        self.rows = np.full((cap, INLINE), NONE, np.int32)
+        self._mult = np.uint64(secrets.randbits(64) | 1)
+        self._shift = np.uint64(64 - cap.bit_length() + 1)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * self._mult) >> self._shift).astype(np.int64)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Entry of each key (int64), -1 where absent."""
+        out = np.full(len(keys), -1, np.int64)
+        idx = np.arange(len(keys))
+        pos = self._home(keys)
+        while idx.size:
+            win = (pos[:, None] + _SPAN) & self.mask
+            tk = self.keys[win]
+            hit = tk == keys[idx, None]
+            stop = hit | (tk == EMPTY)
+            first = stop.argmax(1)
+            r = np.arange(idx.size)
+            found = hit[r, first]
+            out[idx[found]] = win[r, first][found]
+            cont = ~stop[r, first]
+            idx, pos = idx[cont], (pos[cont] + WINDOW) & self.mask
+        return out
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Entries for distinct keys known to be absent (rows all `NONE`); may rehash, so
+        positions found before are stale afterwards."""
+        if self.used + len(keys) > MAX_LOAD * self.cap:
+            self._rehash(len(keys))
+        out = np.empty(len(keys), np.int64)
+        idx = np.arange(len(keys))
+        pos = self._home(keys)
+        while idx.size:
+            win = (pos[:, None] + _SPAN) & self.mask
+            free = self.keys[win] <= TOMB
+            anyf = free.any(1)
+            cand = win[np.arange(idx.size), free.argmax(1)]
+            sel = np.flatnonzero(anyf)
+            slots, first = np.unique(cand[sel], return_index=True)
+            won = sel[first]
+            self.used += int((self.keys[slots] == EMPTY).sum())
+            self.keys[slots] = keys[idx[won]]
+            out[idx[won]] = slots
+            lost = np.ones(idx.size, bool)
+            lost[won] = False
+            # losers retry from the entry just taken, rows with no free entry move on
+            pos = np.where(anyf, cand, (pos + WINDOW) & self.mask)[lost]
+            idx = idx[lost]
+        self.live += len(keys)
+        return out
+
+    def delete(self, entries: np.ndarray) -> None:
+        """Free entries whose key holds no worker any more."""
+        self.keys[entries] = TOMB
+        self.rows[entries] = NONE
+        self.live -= len(entries)
+
+    def _rehash(self, extra: int) -> None:
+        held = np.flatnonzero(self.keys > TOMB)
+        keys, rows = self.keys[held], self.rows[held]
+        cap = self.cap
+        while (len(held) + extra) > MAX_LOAD * cap / 2 and cap < (1 << 40):
+            cap *= 2  # at most half full after a rehash
+        self._alloc(cap)
+        self.live = 0
+        pos = self.insert(keys)
+        self.rows[pos] = rows
