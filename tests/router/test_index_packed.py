@@ -106,9 +106,9 @@ def run_trace(seed: int, steps: int) -> None:
             idx.reset(w, snap)
             ref.cleared(w)
             ref.stored(w, snap)
-        elif op < 0.75:
+        elif op < 0.75:  # the whole chain object at times: `match` saw it last
             c = rng.choice(chains)
-            hs = c[:rng.randint(1, len(c))]
+            hs = c if rng.random() < 0.5 else c[:rng.randint(1, len(c))]
             e1 = idx.add_speculative(w, hs, now)
             e2 = ref.add_speculative(w, hs, now)
             assert e1 == e2

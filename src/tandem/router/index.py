@@ -48,6 +48,18 @@ class PrefixIndex:
         self._log: dict[str, array] = {}
         # block key -> {slot: expiry}; only for blocks the worker has not (yet) confirmed
         self._speculative: dict[int, dict[int, float]] = {}
+        self._last: tuple = (None, 0, None, None)  # (chain, table version, keys, entries)
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, table entries) of a routing chain; the last chain's are kept while the
+        table's layout is unchanged, so `add_speculative` after `match` on the same chain
+        (one routing decision) finds its blocks once."""
+        chain, version, keys, pos = self._last
+        if chain is not hashes or version != self._table.version or len(keys) != len(hashes):
+            keys = as_keys(hashes)
+            pos = self._table.find(keys)
+            self._last = (hashes, self._table.version, keys, pos)
+        return keys, pos
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -194,10 +206,10 @@ class PrefixIndex:
         are left alone); returns that expiry, which `retract_speculative` takes."""
         slot = self._slot_of(worker)
         expiry = now + self.speculative_ttl_s
-        keys = as_keys(hashes)
+        keys, pos = self._lookup(hashes)
         if keys.size:
             spec = self._speculative
-            for k in keys[~self._held(keys, self._table.find(keys), slot)].tolist():
+            for k in keys[~self._held(keys, pos, slot)].tolist():
                 entry = spec.get(k)
                 if entry is None:
                     spec[k] = {slot: expiry}
@@ -239,8 +251,7 @@ class PrefixIndex:
                     mask |= 1 << s
         if not mask or not hashes:
             return {}
-        keys = as_keys(hashes)
-        pos = self._table.find(keys)
+        keys, pos = self._lookup(hashes)
         rows = self._table.rows[pos]
         rows[pos < 0] = NONE
         special = rows[:, 0] == OVER

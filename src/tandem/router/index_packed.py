@@ -48,6 +48,7 @@ def as_keys(hashes: Sequence[bytes]) -> np.ndarray:
 class BlockTable:
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.live = 0  # keys held
+        self.version = 0  # changes whenever an entry's key does (entries found go stale)
         self._alloc(max(1 << 10, 1 << (capacity - 1).bit_length()))
 
     def _alloc(self, cap: int) -> None:
@@ -64,10 +65,14 @@ class BlockTable:
         return ((keys * self._mult) >> self._shift).astype(np.int64)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
-        """Entry of each key (int64), -1 where absent."""
-        out = np.full(len(keys), -1, np.int64)
-        idx = np.arange(len(keys))
+        """Entry of each key (int64), -1 where absent. Most keys are settled by their home
+        entry (found there, or it is empty); the rest probe `WINDOW` entries at a time."""
         pos = self._home(keys)
+        tk = self.keys[pos]
+        hit = tk == keys
+        out = np.where(hit, pos, -1)
+        idx = np.flatnonzero(~hit & (tk != EMPTY))
+        pos = (pos[idx] + 1) & self.mask
         while idx.size:
             win = (pos[:, None] + _SPAN) & self.mask
             tk = self.keys[win]
@@ -106,6 +111,7 @@ class BlockTable:
             pos = np.where(anyf, cand, (pos + WINDOW) & self.mask)[lost]
             idx = idx[lost]
         self.live += len(keys)
+        self.version += 1
         return out
 
     def delete(self, entries: np.ndarray) -> None:
@@ -113,6 +119,7 @@ class BlockTable:
         self.keys[entries] = TOMB
         self.rows[entries] = NONE
         self.live -= len(entries)
+        self.version += 1
 
     def _rehash(self, extra: int) -> None:
         held = np.flatnonzero(self.keys > TOMB)

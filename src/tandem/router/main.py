@@ -549,6 +549,9 @@ def run(args: argparse.Namespace) -> int:
         return processes.supervise(n, sys.argv[1:],
                                    grace_s=drain_seconds(args, cfg) + CHILD_EXIT_SLACK_S)
     app, router, server = build(args, cfg)
+    from tandem.router import gcpolicy
+
+    gcpolicy.settle()  # startup's objects leave the collector's walks
     limiter = server.rate_limiter
     if processes.is_child() and limiter is not None and not limiter.shared:
         logger.warning("rate limits without --redis: each of the %d router processes enforces "

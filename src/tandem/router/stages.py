@@ -274,11 +274,16 @@ class Routing:
         return route
 
     def plan(self, exclude: set[str]) -> tuple[Route | None, Any]:
-        """`pd.plan` for this request, `exclude` left out."""
-        return plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
-                    exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
-                    external=self.external, signed=self.ra.settings.worker_key is not None,
-                    session=self.session)
+        """`pd.plan` for this request, `exclude` left out; the chains hashed for the first
+        attempt serve the retries."""
+        route, ctx = plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
+                          exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
+                          external=self.external,
+                          signed=self.ra.settings.worker_key is not None,
+                          session=self.session)
+        if ctx is not None and ctx.hashes:
+            self.hashes = ctx.hashes
+        return route, ctx
 
     def on_attempt(self, a: Attempt) -> None:
         """Count one attempt; one that never reached its worker is retracted from the
