@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from tandem.router import index as index_module
 from tandem.router.index import PrefixIndex, block_key
 from tandem.router.index_packed import INLINE, BlockTable, as_keys
 
@@ -131,8 +132,16 @@ def run_trace(seed: int, steps: int) -> None:
         assert idx.keys(w) == {block_key(h) for h in held}
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_traces_match_the_reference(seed):
+@pytest.fixture(params=["vectorized", "scalar"])
+def path(request, monkeypatch):
+    """Every chain through the numpy path, or every one block by block."""
+    monkeypatch.setattr(index_module, "SCALAR_UP_TO", 0 if request.param == "vectorized"
+                        else 10**9)
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traces_match_the_reference(seed, path):
     run_trace(seed, 600)
 
 
@@ -174,6 +183,6 @@ def test_keys_are_the_first_eight_bytes_and_short_hashes_work():
     assert as_keys(hs).tolist() == [block_key(hs[0]), 5, 2]  # 0 is stored as 2
 
 
-def test_thousands_of_short_traces_match_the_reference():
+def test_thousands_of_short_traces_match_the_reference(path):
     for seed in range(100, 1100):
         run_trace(seed, 25)

@@ -26,7 +26,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
-from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_keys
+from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_key, as_keys
+
+SCALAR_UP_TO = 64  # chains this short are matched block by block (numpy's fixed cost is more)
 
 
 def block_key(h: BlockHash) -> int:
@@ -72,6 +74,21 @@ class PrefixIndex:
             self._log.setdefault(worker, array("Q"))
         return slot
 
+    def _bits_one(self, k: int) -> int:
+        """The confirmed holders of key `k` as a bitmask of slots."""
+        table = self._table
+        p = table.find_one(k)
+        if p < 0:
+            return 0
+        cells = table.row_view[p * INLINE:(p + 1) * INLINE].tolist()
+        if cells[0] == OVER:
+            return self._over[k]
+        bits = 0
+        for s in cells:
+            if s >= 0:
+                bits |= 1 << s
+        return bits
+
     def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int) -> np.ndarray:
         """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent)."""
         rows = self._table.rows[pos]
@@ -90,7 +107,11 @@ class PrefixIndex:
 
     def stored(self, worker: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot_of(worker)
-        keys = np.unique(as_keys(list(hashes)))
+        hashes = list(hashes)
+        if len(hashes) <= SCALAR_UP_TO:
+            self._stored_scalar(worker, slot, hashes)
+            return
+        keys = np.unique(as_keys(hashes))
         if not keys.size:
             return
         table = self._table
@@ -136,6 +157,41 @@ class PrefixIndex:
                 if entry is not None and entry.pop(slot, None) is not None and not entry:
                     del spec[k]
 
+    def _stored_scalar(self, worker: str, slot: int, hashes: list[BlockHash]) -> None:
+        """`stored` block by block, for a short batch (one request's new blocks)."""
+        table, over, spec, bit = self._table, self._over, self._speculative, 1 << slot
+        log, added = self._log[worker], 0
+        for k in {as_key(h) for h in hashes}:
+            p = table.find_one(k)
+            if p < 0:
+                p = table.insert_one(k)
+            view = table.row_view
+            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            if cells[0] == OVER:
+                bits = over[k]
+                if bits & bit:
+                    continue
+                over[k] = bits | bit
+            elif slot in cells:
+                continue
+            elif NONE in cells:
+                cells[cells.index(NONE)] = slot
+                view[p * INLINE:(p + 1) * INLINE] = array("i", sorted(cells))
+            else:  # a popular block: its holders move to `over`
+                over[k] = sum(1 << s for s in cells) | bit
+                view[p * INLINE:(p + 1) * INLINE] = array("i", [OVER] * INLINE)
+            added += 1
+            log.append(k)
+        self._count[worker] += added
+        if len(log) > 2 * self._count[worker] + 4096:
+            self._compact(worker, slot)
+        if spec:
+            for h in hashes:
+                k = as_key(h)
+                entry = spec.get(k)
+                if entry is not None and entry.pop(slot, None) is not None and not entry:
+                    del spec[k]
+
     def _compact(self, worker: str, slot: int) -> None:
         keys = np.unique(np.frombuffer(self._log[worker], np.uint64))
         keys = keys[self._held(keys, self._table.find(keys), slot)]
@@ -143,8 +199,42 @@ class PrefixIndex:
 
     def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot.get(worker)
-        if slot is not None:
-            self._remove(worker, slot, np.unique(as_keys(list(hashes))))
+        if slot is None:
+            return
+        hashes = list(hashes)
+        if len(hashes) <= SCALAR_UP_TO:
+            self._removed_scalar(worker, slot, hashes)
+        else:
+            self._remove(worker, slot, np.unique(as_keys(hashes)))
+
+    def _removed_scalar(self, worker: str, slot: int, hashes: list[BlockHash]) -> None:
+        """`removed` block by block, for a short batch."""
+        table, over, bit, removed = self._table, self._over, 1 << slot, 0
+        for k in {as_key(h) for h in hashes}:
+            p = table.find_one(k)
+            if p < 0:
+                continue
+            view = table.row_view
+            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            if cells[0] == OVER:
+                bits = over[k]
+                if not bits & bit:
+                    continue
+                if bits == bit:
+                    del over[k]
+                    table.delete(np.array([p], np.int64))
+                else:
+                    over[k] = bits & ~bit
+            elif slot in cells:
+                if cells.count(NONE) == INLINE - 1:
+                    table.delete(np.array([p], np.int64))
+                else:
+                    cells[cells.index(slot)] = NONE
+                    view[p * INLINE:(p + 1) * INLINE] = array("i", sorted(cells))
+            else:
+                continue
+            removed += 1
+        self._count[worker] -= removed
 
     def _remove(self, worker: str, slot: int, keys: np.ndarray) -> None:
         table = self._table
@@ -206,6 +296,17 @@ class PrefixIndex:
         are left alone); returns that expiry, which `retract_speculative` takes."""
         slot = self._slot_of(worker)
         expiry = now + self.speculative_ttl_s
+        if len(hashes) <= SCALAR_UP_TO:
+            bit, spec = 1 << slot, self._speculative
+            for h in hashes:
+                k = as_key(h)
+                if not self._bits_one(k) & bit:
+                    entry = spec.get(k)
+                    if entry is None:
+                        spec[k] = {slot: expiry}
+                    else:
+                        entry[slot] = expiry
+            return expiry
         keys, pos = self._lookup(hashes)
         if keys.size:
             spec = self._speculative
@@ -251,6 +352,8 @@ class PrefixIndex:
                     mask |= 1 << s
         if not mask or not hashes:
             return {}
+        if len(hashes) <= SCALAR_UP_TO:
+            return self._match_scalar(hashes, now, mask)
         keys, pos = self._lookup(hashes)
         rows = self._table.rows[pos]
         rows[pos < 0] = NONE
@@ -292,6 +395,31 @@ class PrefixIndex:
                 return result
         self._record(mask, n, result)
         return result
+    def _match_scalar(self, hashes: Sequence[BlockHash], now: float,
+                      mask: int) -> dict[str, int]:
+        """`match` block by block, for short chains."""
+        result: dict[str, int] = {}
+        spec = self._speculative
+        n = 0
+        for h in hashes:
+            k = as_key(h)
+            bits = self._bits_one(k)
+            if spec:
+                entry = spec.get(k)
+                if entry:
+                    for s, exp in entry.items():
+                        if exp > now:
+                            bits |= 1 << s
+            kept = mask & bits
+            if kept != mask and n:
+                self._record(mask & ~kept, n, result)
+            mask = kept
+            if not mask:
+                return result
+            n += 1
+        self._record(mask, n, result)
+        return result
+
     def _record(self, bits: int, n: int, result: dict[str, int]) -> None:
         names = self._names
         while bits:

@@ -27,6 +27,13 @@ INLINE = 4  # holders stored in the row itself
 MAX_LOAD = 0.7  # live + tombstones, as a share of the entries, before a rehash
 WINDOW = 8  # entries probed per vectorized step
 _SPAN = np.arange(WINDOW, dtype=np.int64)
+_M64 = (1 << 64) - 1
+
+
+def as_key(h: bytes) -> int:
+    """`as_keys` for one hash, as a Python int."""
+    k = int.from_bytes(h[:8], "little")
+    return k + 2 if k <= TOMB else k
 
 
 def as_keys(hashes: Sequence[bytes]) -> np.ndarray:
@@ -57,12 +64,42 @@ class BlockTable:
         self.rows = np.full((cap, INLINE), NONE, np.int32)
         self._mult = np.uint64(secrets.randbits(64) | 1)
         self._shift = np.uint64(64 - cap.bit_length() + 1)
+        # flat views for one-key lookups (`find_one`, `holders_one`): plain ints, no numpy
+        # scalar per access
+        self.key_view = memoryview(self.keys)
+        self.row_view = memoryview(self.rows.reshape(-1))
 
     def nbytes(self) -> int:
         return self.keys.nbytes + self.rows.nbytes
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * self._mult) >> self._shift).astype(np.int64)
+
+    def find_one(self, k: int) -> int:
+        """`find` for one key (a Python int from `as_key`)."""
+        view, mask = self.key_view, self.mask
+        pos = ((k * int(self._mult)) & _M64) >> int(self._shift)
+        while True:
+            t = view[pos]
+            if t == k:
+                return pos
+            if t == EMPTY:
+                return -1
+            pos = (pos + 1) & mask
+
+    def insert_one(self, k: int) -> int:
+        """`insert` for one key known to be absent."""
+        if self.used + 1 > MAX_LOAD * self.cap:
+            self._rehash(1)
+        view, mask = self.key_view, self.mask
+        pos = ((k * int(self._mult)) & _M64) >> int(self._shift)
+        while view[pos] > TOMB:
+            pos = (pos + 1) & mask
+        self.used += view[pos] == EMPTY
+        view[pos] = k
+        self.live += 1
+        self.version += 1
+        return pos
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Entry of each key (int64), -1 where absent. Most keys are settled by their home
