@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -107,6 +108,7 @@ def fill_index(router: Router, ids: list[str], n_blocks: int, rng: random.Random
     index = router.index
     gen_s = insert_s = 0.0
     done = chains = placements = 0
+    longest = 0.0  # the longest single `stored` call: an event-loop stall (a table rehash)
     next_report = perf() + 10
     while done < n_blocks:
         length = min(rng.randint(64, 256), n_blocks - done)
@@ -116,7 +118,9 @@ def fill_index(router: Router, ids: list[str], n_blocks: int, rng: random.Random
         holders = rng.sample(ids, rng.randint(1, min(3, len(ids))))
         t1 = perf()
         for wid in holders:
+            t = perf()
             index.stored(wid, chain)
+            longest = max(longest, perf() - t)
         t2 = perf()
         gen_s += t1 - t
         insert_s += t2 - t1
@@ -128,7 +132,7 @@ def fill_index(router: Router, ids: list[str], n_blocks: int, rng: random.Random
                 f"RSS {rss_mib()['VmRSS']:,.0f} MiB)")
             next_report = t2 + 10
     return {"chains": chains, "block_placements": placements, "hash_gen_s": gen_s,
-            "insert_s": insert_s}
+            "insert_s": insert_s, "longest_insert_s": longest}
 
 
 def probe(router: Router, depth: int, decisions: int, rng: random.Random,
@@ -216,7 +220,8 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
     gc_full_s = perf() - t
     log(f"sim: built in {build['total_s']:.1f}s ({build['insert_s']:.1f}s inserts), "
         f"{build['indexed_blocks']:,} blocks, RSS {rss1['VmRSS']:,.0f} MiB "
-        f"(+{rss1['VmRSS'] - rss0['VmRSS']:,.0f}), full gc {gc_full_s * 1e3:.0f} ms")
+        f"(+{rss1['VmRSS'] - rss0['VmRSS']:,.0f}), full gc {gc_full_s * 1e3:.0f} ms, longest "
+        f"insert {build['longest_insert_s'] * 1e3:.0f} ms")
     probes = []
     now0 = time.monotonic()
     policy = router.policy
@@ -234,6 +239,7 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
             f"p99 {r['p99'] * 1e3:.3f} ms (cold hash p50 {res['hash_cold_s']['p50'] * 1e3:.3f}, "
             f"match p50 {res['match_s']['p50'] * 1e3:.3f})")
     res = {"workers": n_workers, "blocks_requested": n_blocks, "seed": seed,
+           "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
            "build": build, "rss_mib_before": rss0, "rss_mib_after_build": rss1,
            "rss_growth_mib": round(rss1["VmRSS"] - rss0["VmRSS"], 1),
            "index_array_bytes": router.index.nbytes(), "gc_frozen_at_start": frozen,

@@ -186,3 +186,21 @@ def test_keys_are_the_first_eight_bytes_and_short_hashes_work():
 def test_thousands_of_short_traces_match_the_reference(path):
     for seed in range(100, 1100):
         run_trace(seed, 25)
+
+
+def test_stored_after_a_rehash_that_keeps_the_size():
+    """Tombstones fill the table until a rehash of the same size clears them, in the
+    middle of a `stored` batch: every block stays findable."""
+    idx = PrefixIndex(capacity=1024)
+    rng = random.Random(5)
+    held = [rng.randbytes(32) for _ in range(50)]  # found before the batch's inserts
+    idx.stored("b", held)
+    for _ in range(30):
+        chain = [rng.randbytes(32) for _ in range(300)]
+        idx.stored("a", held + chain)
+        idx.stored("b", chain[:150])
+        assert idx.match(held + chain, 0) == {"a": 350, "b": 200}
+        assert idx.match(chain, 0) == {"a": 300, "b": 150}
+        idx.removed("a", held + chain)
+        idx.removed("b", chain)
+    assert idx._table.cap == 1024 and idx._table.rehashes > 0

@@ -118,8 +118,12 @@ class PrefixIndex:
         pos = table.find(keys)
         new = pos < 0
         if new.any():
-            table.insert(keys[new])
-            pos = table.find(keys)  # an insert may rehash
+            rehashes = table.rehashes
+            at = table.insert(keys[new])
+            if table.rehashes == rehashes:
+                pos[new] = at
+            else:  # it rehashed: every entry moved
+                pos = table.find(keys)
         rows = table.rows[pos]
         over = rows[:, 0] == OVER
         add = ~over & ~(rows == slot).any(1)

@@ -55,7 +55,9 @@ def as_keys(hashes: Sequence[bytes]) -> np.ndarray:
 class BlockTable:
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.live = 0  # keys held
-        self.version = 0  # changes whenever an entry's key does (entries found go stale)
+        # `version` changes whenever an entry's key does (entries found before go stale)
+        self.version = 0
+        self.rehashes = 0  # entries found before a rehash are stale
         self._alloc(max(1 << 10, 1 << (capacity - 1).bit_length()))
 
     def _alloc(self, cap: int) -> None:
@@ -159,12 +161,27 @@ class BlockTable:
         self.version += 1
 
     def _rehash(self, extra: int) -> None:
+        """Move every live key to a table at most half full after `extra` more: sorted by
+        their new home, each run of keys lands in one vectorized pass (a key's entry is its
+        home or the one after its predecessor's, whichever is later); the few that would
+        run past the end wrap around through `insert`."""
         held = np.flatnonzero(self.keys > TOMB)
         keys, rows = self.keys[held], self.rows[held]
         cap = self.cap
         while (len(held) + extra) > MAX_LOAD * cap / 2 and cap < (1 << 40):
-            cap *= 2  # at most half full after a rehash
+            cap *= 2
         self._alloc(cap)
-        self.live = 0
-        pos = self.insert(keys)
-        self.rows[pos] = rows
+        home = self._home(keys)
+        order = np.argsort(home, kind="stable")
+        step = np.arange(len(order))
+        pos = np.maximum.accumulate(home[order] - step) + step
+        fits = pos < cap
+        at, placed = pos[fits], order[fits]
+        self.keys[at] = keys[placed]
+        self.rows[at] = rows[placed]
+        self.used = self.live = len(at)
+        rest = order[~fits]
+        if rest.size:
+            self.rows[self.insert(keys[rest])] = rows[rest]
+        self.version += 1
+        self.rehashes += 1
