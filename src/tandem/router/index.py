@@ -26,7 +26,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
-from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_key, as_keys
+from tandem.router import index_packed
+from tandem.router.index_packed import INLINE, NONE, OVER, ROW_CODE, BlockTable, as_key, as_keys
 
 SCALAR_UP_TO = 64  # chains this short are matched block by block (numpy's fixed cost is more)
 
@@ -128,7 +129,7 @@ class PrefixIndex:
         over = rows[:, 0] == OVER
         add = ~over & ~(rows == slot).any(1)
         free = rows == NONE
-        inline = add & free.any(1)
+        inline = add & free.any(1) & (slot < index_packed.CELL_MAX)
         if inline.any():
             at = pos[inline]
             rows[inline, free[inline].argmax(1)] = slot
@@ -138,7 +139,7 @@ class PrefixIndex:
         bit = 1 << slot
         for p, k, row in zip(pos[full].tolist(), keys[full].tolist(), rows[full].tolist(),
                              strict=True):  # a popular block: its holders move to `over`
-            self._over[k] = sum(1 << s for s in row) | bit
+            self._over[k] = sum(1 << s for s in row if s >= 0) | bit
             table.rows[p] = OVER
         added = added | full
         if over.any():
@@ -178,12 +179,12 @@ class PrefixIndex:
                 over[k] = bits | bit
             elif slot in cells:
                 continue
-            elif NONE in cells:
+            elif NONE in cells and slot < index_packed.CELL_MAX:
                 cells[cells.index(NONE)] = slot
-                view[p * INLINE:(p + 1) * INLINE] = array("i", sorted(cells))
+                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
             else:  # a popular block: its holders move to `over`
-                over[k] = sum(1 << s for s in cells) | bit
-                view[p * INLINE:(p + 1) * INLINE] = array("i", [OVER] * INLINE)
+                over[k] = sum(1 << s for s in cells if s >= 0) | bit
+                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [OVER] * INLINE)
             added += 1
             log.append(k)
         self._count[worker] += added
@@ -234,7 +235,7 @@ class PrefixIndex:
                     table.delete(np.array([p], np.int64))
                 else:
                     cells[cells.index(slot)] = NONE
-                    view[p * INLINE:(p + 1) * INLINE] = array("i", sorted(cells))
+                    view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
             else:
                 continue
             removed += 1

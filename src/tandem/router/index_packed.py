@@ -1,11 +1,12 @@
 """A packed hash table from 64-bit block keys to small holder sets, for `index.PrefixIndex`.
 
 Two numpy arrays and no Python object per block: `keys` (uint64, open addressing with
-linear probing) and `rows` (int32, `INLINE` holder slots per key, sorted, `NONE` = empty
-cell). A key held by more than `INLINE` workers is marked `OVER` in every cell and its
-holders live in `over` (key -> bitmask of slots): only popular blocks (a shared system
-prompt) pay for a Python int. 16 + 8 bytes per table entry, at most `MAX_LOAD` full: 10M
-blocks take 2^24 entries, ~400 MB, and the garbage collector never walks them.
+linear probing) and `rows` (int16, `INLINE` holder slots per key, sorted, `NONE` = empty
+cell). A key held by more than `INLINE` workers, or by a worker whose slot is `CELL_MAX` or
+more, is marked `OVER` in every cell and its holders live in the caller's `over` (key ->
+bitmask of slots): only popular blocks (a shared system prompt) pay for a Python int.
+8 + 8 bytes per table entry, at most `MAX_LOAD` full: 10M blocks take 2^24 entries,
+~270 MB, and the garbage collector never walks them.
 
 Every operation takes a batch of keys (numpy, vectorized). The home position is a
 multiply-shift hash with a random odd multiplier, so prompts crafted to collide in the low
@@ -24,6 +25,8 @@ import numpy as np
 EMPTY, TOMB = 0, 1
 NONE, OVER = -1, -2
 INLINE = 4  # holders stored in the row itself
+CELL_MAX = (1 << 15) - 1  # slots from this one up are never stored inline (int16 cells)
+ROW_CODE = "h"  # `array` type code of a row cell
 MAX_LOAD = 0.7  # live + tombstones, as a share of the entries, before a rehash
 WINDOW = 8  # entries probed per vectorized step
 _SPAN = np.arange(WINDOW, dtype=np.int64)
@@ -63,7 +66,7 @@ class BlockTable:
     def _alloc(self, cap: int) -> None:
         self.cap, self.mask, self.used = cap, cap - 1, 0  # used = live + tombstones
         self.keys = np.zeros(cap, np.uint64)
-        self.rows = np.full((cap, INLINE), NONE, np.int32)
+        self.rows = np.full((cap, INLINE), NONE, np.int16)
         self._mult = np.uint64(secrets.randbits(64) | 1)
         self._shift = np.uint64(64 - cap.bit_length() + 1)
         # flat views for one-key lookups (`find_one`, `holders_one`): plain ints, no numpy
