@@ -29,6 +29,8 @@ from tandem.protocol.block_hash import BlockHash
 from tandem.router import index_packed
 from tandem.router.index_packed import INLINE, NONE, OVER, ROW_CODE, BlockTable, as_key, as_keys
 
+_BLANK_ROW = int(np.full(INLINE, NONE, np.int16).view(np.int64)[0])  # every cell NONE
+_OVER_ROW = int(np.full(INLINE, OVER, np.int16).view(np.int64)[0])
 SCALAR_UP_TO = 64  # chains this short are matched block by block (numpy's fixed cost is more)
 
 
@@ -59,7 +61,7 @@ class PrefixIndex:
         (one routing decision) finds its blocks once."""
         chain, version, keys, pos = self._last
         if chain is not hashes or version != self._table.version or len(keys) != len(hashes):
-            keys = as_keys(hashes)
+            keys = as_keys(hashes, digests=True)
             pos = self._table.find(keys)
             self._last = (hashes, self._table.version, keys, pos)
         return keys, pos
@@ -331,7 +333,7 @@ class PrefixIndex:
         if slot is None:
             return
         spec = self._speculative
-        for k in as_keys(hashes).tolist():
+        for k in as_keys(hashes, digests=True).tolist():
             entry = spec.get(k)
             if entry is not None and entry.get(slot) == expiry:
                 del entry[slot]
@@ -341,7 +343,9 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockHash], now: float,
               workers: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds (confirmed or speculative, unexpired);
-        only workers in `workers` when given. Workers with no hit are absent.
+        only workers in `workers` when given. Workers with no hit are absent. `hashes` is a
+        routing chain (`add_speculative` and `retract_speculative` take one too): 32-byte
+        digests, as `prompt.block_hashes` makes them (`index_packed.as_keys`' `digests`).
 
         Vectorized: the chain's entries are found at once, and the walk visits only the
         blocks where the holder set changes (a speculative entry or a popular block counts
@@ -361,19 +365,20 @@ class PrefixIndex:
             return self._match_scalar(hashes, now, mask)
         keys, pos = self._lookup(hashes)
         rows = self._table.rows[pos]
-        rows[pos < 0] = NONE
-        special = rows[:, 0] == OVER
+        whole = rows.view(np.int64).ravel()  # a row's 4 int16 cells as one number
+        whole[pos < 0] = _BLANK_ROW
+        special = whole == _OVER_ROW
         spec = self._speculative
         if spec:
             special |= np.fromiter(map(spec.__contains__, keys.tolist()), bool, len(keys))
-        blank = np.flatnonzero((rows[:, INLINE - 1] == NONE) & ~special)
+        blank = np.flatnonzero((whole == _BLANK_ROW) & ~special)
         n = int(blank[0]) if blank.size else len(keys)
         if not n:
             return {}
-        rows, special = rows[:n], special[:n]
+        whole, special = whole[:n], special[:n]
         change = np.empty(n, bool)
         change[0] = True
-        change[1:] = (rows[1:] != rows[:-1]).any(1) | special[1:] | special[:-1]
+        change[1:] = (whole[1:] != whole[:-1]) | special[1:] | special[:-1]
         at = np.flatnonzero(change)
         result: dict[str, int] = {}
         over = self._over

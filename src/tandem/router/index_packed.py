@@ -39,14 +39,17 @@ def as_key(h: bytes) -> int:
     return k + 2 if k <= TOMB else k
 
 
-def as_keys(hashes: Sequence[bytes]) -> np.ndarray:
+def as_keys(hashes: Sequence[bytes], digests: bool = False) -> np.ndarray:
     """The index keys of block hashes (uint64): each hash's first 8 bytes, little-endian
-    (`index.block_key`), 0 and 1 moved to 2 and 3."""
+    (`index.block_key`), 0 and 1 moved to 2 and 3. `digests`: the caller vouches that every
+    hash is a 32-byte digest when they total 32 bytes each (a routing chain, which the
+    router hashed itself), so their lengths are not checked one by one."""
     n = len(hashes)
     if not n:
         return np.empty(0, np.uint64)
-    if set(map(len, hashes)) == {32}:
-        keys = np.frombuffer(b"".join(hashes), dtype="<u8")[::4].astype(np.uint64)
+    raw = b"".join(hashes)
+    if len(raw) == 32 * n and (digests or set(map(len, hashes)) == {32}):
+        keys = np.frombuffer(raw, dtype="<u8").reshape(n, 4)[:, 0].astype(np.uint64)
     else:
         keys = np.fromiter((int.from_bytes(h[:8], "little") for h in hashes), np.uint64, n)
     low = keys <= TOMB
