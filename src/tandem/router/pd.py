@@ -97,6 +97,8 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
     elif keep_prefill is not None and _usable(router, keep_prefill.worker, now) \
             and kv_compatible(keep_prefill.worker, decision.worker):
         route.prefill = keep_prefill
+    elif not any(w.role == "prefill" for w in router.workers.values()):
+        route.reason = "no_prefill_worker"  # aggregated: no scans of the fleet below
     else:
         settings = router.settings
         bound = settings.pd_max_prefill_queue
