@@ -17,6 +17,7 @@ blocks sharing a key, which can only mis-score a route, like any 8-byte key coll
 
 from __future__ import annotations
 
+import mmap
 import secrets
 from collections.abc import Sequence
 
@@ -37,6 +38,19 @@ def as_key(h: bytes) -> int:
     """`as_keys` for one hash, as a Python int."""
     k = int.from_bytes(h[:8], "little")
     return k + 2 if k <= TOMB else k
+
+
+def _zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A zeroed array, large ones on anonymous memory without transparent huge pages: numpy
+    asks for huge pages on large arrays, and where the kernel compacts memory to find them
+    (THP defrag "madvise"), first touching a fresh 2^25-entry table took seconds (0.3 s
+    without)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < (1 << 22) or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.zeros(shape, dtype)
+    buf = mmap.mmap(-1, size)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype).reshape(shape)
 
 
 def as_keys(hashes: Sequence[bytes], digests: bool = False) -> np.ndarray:
@@ -68,12 +82,13 @@ class BlockTable:
 
     def _alloc(self, cap: int) -> None:
         self.cap, self.mask, self.used = cap, cap - 1, 0  # used = live + tombstones
-        self.keys = np.zeros(cap, np.uint64)
-        self.rows = np.full((cap, INLINE), NONE, np.int16)
+        self.keys = _zeros((cap,), np.uint64)  # all EMPTY
+        self.rows = _zeros((cap, INLINE), np.int16)
+        self.rows.fill(NONE)
         self._mult = np.uint64(secrets.randbits(64) | 1)
         self._shift = np.uint64(64 - cap.bit_length() + 1)
-        # flat views for one-key lookups (`find_one`, `holders_one`): plain ints, no numpy
-        # scalar per access
+        # flat views for one-key lookups (`find_one` and the index's scalar paths): plain
+        # ints, no numpy scalar per access
         self.key_view = memoryview(self.keys)
         self.row_view = memoryview(self.rows.reshape(-1))
 
@@ -178,7 +193,7 @@ class BlockTable:
             cap *= 2
         self._alloc(cap)
         home = self._home(keys)
-        order = np.argsort(home, kind="stable")
+        order = np.argsort(home)
         step = np.arange(len(order))
         pos = np.maximum.accumulate(home[order] - step) + step
         fits = pos < cap
