@@ -96,6 +96,16 @@ def test_an_idle_worker_in_a_busy_fleet_is_found_at_once():
     assert decision.worker.id == "http://w77:8000"
 
 
+def test_a_session_tokens_worker_is_always_a_candidate():
+    router = fleet(depth=2)
+    rng = random.Random(3)
+    for d in range(20):
+        decision, _ = router.route(prompt([rng.randrange(1000) for _ in range(48)]), "m",
+                                   100.0 + d * 0.002, session="http://w150:8000")
+        assert decision.worker.id == "http://w150:8000"
+        router.retract(decision, 100.0 + d * 0.002)
+
+
 def test_cold_load_spreads_evenly_over_a_uniform_fleet():
     router = fleet(depth=0)
     rng = random.Random(2)

@@ -203,7 +203,7 @@ class Router:
                                lora=self.base_model(model)[1])
         sampled = None
         if len(self.workers) > FULL_SCAN_UP_TO:
-            sampled = self._sample(parsed, model, probe, skip, hashes, external)
+            sampled = self._sample(parsed, model, probe, skip, hashes, external, session)
         if sampled is not None:
             candidates, hashes, found = sampled
         else:
@@ -240,11 +240,12 @@ class Router:
 
     def _sample(self, parsed: prompts.ParsedPrompt, model: str, probe: RoutingContext,
                 skip: set[str], hashes: Mapping[HashGroup, list[BlockHash]] | None,
-                external: Mapping[HashGroup, Mapping[str, int]] | None
-                ) -> tuple[list[Worker], dict, dict] | None:
-        """A large fleet's candidates (module doc), filtered now, with the chains hashed
-        and the index's matches over every worker; None when none passes (the caller then
-        filters the whole fleet, so "no candidate" is never a sampling accident)."""
+                external: Mapping[HashGroup, Mapping[str, int]] | None,
+                session: str | None = None) -> tuple[list[Worker], dict, dict] | None:
+        """A large fleet's candidates (module doc; the worker a session token names is
+        always drawn), filtered now, with the chains hashed and the index's matches over
+        every worker; None when none passes (the caller then filters the whole fleet, so "no
+        candidate" is never a sampling accident)."""
         pool, lora, now = self._pool(probe), probe.lora, probe.now
         base = self.base_model(model)[0]
         chains = dict(hashes or {})
@@ -273,7 +274,8 @@ class Router:
         members = pool.members
         drawn = self._rng.sample(members, min(SAMPLE, len(members)))
         chosen = {w.id: w for _, _, w in hits[:MAX_HITS]}
-        for w in (*pool.least_loaded, *drawn):
+        named = self.workers.get(session) if session is not None else None
+        for w in (*pool.least_loaded, *drawn, *((named,) if named is not None else ())):
             chosen.setdefault(w.id, w)
         candidates = [w for w in chosen.values() if w.id not in skip
                       and self.workers.get(w.id) is w
