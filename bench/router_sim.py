@@ -29,7 +29,8 @@ on a shared machine the wall time's tail is mostly other processes' turns on the
 
 Targets (`TARGETS`, checked in `targets`, on wall time): per decision p50 <= 1 ms and
 p99 <= 3 ms at every depth, no collector pause over 50 ms (a full `gc.collect()` after the
-build included), the process's growth over the build (the index, mostly) <= 1 GiB.
+build included), the process's growth over the build (the index, mostly) <= 1 GiB, no
+single index write (`stored`) over 50 ms (the table grows incrementally).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ HIT_DEPTHS = (0, 32, 256, 2048)
 FRESH_BLOCKS = 32
 STEP_S = 0.002  # clock advance per decision
 TARGETS = {"route_p50_s": 0.001, "route_p99_s": 0.003, "gc_pause_max_s": 0.05,
-           "rss_growth_mib": 1024.0}
+           "rss_growth_mib": 1024.0, "index_write_max_s": 0.05}
 VOCAB = 49152
 perf = time.perf_counter
 cpu = time.thread_time  # this thread's CPU: a decision's own cost, whatever else runs
@@ -265,7 +266,9 @@ def check_targets(res: dict) -> dict:
                  + [g["max_s"] for g in res["gc_during_probes"].values()])
     checks = {"gc_pause_max_s": {"value": gc_max, "limit": TARGETS["gc_pause_max_s"]},
               "rss_growth_mib": {"value": res["rss_growth_mib"],
-                                 "limit": TARGETS["rss_growth_mib"]}}
+                                 "limit": TARGETS["rss_growth_mib"]},
+              "index_write_max_s": {"value": res["build"]["longest_insert_s"],
+                                    "limit": TARGETS["index_write_max_s"]}}
     for p in res["probes"]:
         for q in ("p50", "p99"):
             checks[f"route_{q}_s@{p['hit_blocks']}"] = {

@@ -136,7 +136,11 @@ def run_trace(seed: int, steps: int) -> None:
 @pytest.fixture(params=["vectorized", "scalar", "narrow-vectorized", "narrow-scalar"])
 def path(request, monkeypatch):
     """Every chain and batch through the numpy path, or every one block by block; "narrow":
-    only slots 0-4 stored inline (the others always go to `over`)."""
+    only slots 0-4 stored inline (the others always go to `over`). Tables start at 8 entries
+    and migrate a few entries per insert, so traces run across many incremental growths."""
+    monkeypatch.setattr(index_packed, "MIN_CAP", 8)
+    monkeypatch.setattr(index_packed, "MIGRATE_MIN", 3)
+    monkeypatch.setattr(index_packed, "MIGRATE_PER_KEY", 2)
     if request.param.startswith("narrow"):
         monkeypatch.setattr(index_packed, "CELL_MAX", 5)
     monkeypatch.setattr(index_module, "SCALAR_UP_TO", 0 if request.param.endswith("vectorized")
@@ -178,8 +182,45 @@ def test_table_finds_every_key_after_rehashes_and_tombstones():
         probe = np.concatenate([np.array(sorted(live), np.uint64), gone])
         found = table.find(probe)
         assert (found[:len(live)] >= 0).all() and (found[len(live):] < 0).all()
-        assert (table.keys[found[:len(live)]] == probe[:len(live)]).all()
+        assert (table.key_of(found[:len(live)]) == probe[:len(live)]).all()
         assert table.live == len(live) and table.used <= 0.7 * table.cap
+
+
+def test_growth_moves_a_bounded_number_of_entries_per_write():
+    """Growing from 1,024 entries to 2^18 through single inserts, batches and deletes: no
+    write moves more than `MIGRATE_PER_KEY` old entries per key it inserts (at least
+    `MIGRATE_MIN`), yet each old table is drained before the next growth, and every key
+    stays findable throughout (lookups consult both tables)."""
+    rng = np.random.default_rng(7)
+    table, live, growths = BlockTable(1024), [], 0
+    for step in range(400):
+        if step % 3:
+            n = int(rng.integers(1, 64))
+            keys = rng.integers(2, 1 << 62, n, dtype=np.uint64)
+            for k in keys.tolist():
+                rehashes = table.rehashes
+                table.insert_one(k)
+                assert table.moved <= index_packed.MIGRATE_MIN
+                growths += table.cap > 1024 and table.rehashes != rehashes and table.moved
+        else:
+            n = int(rng.integers(64, 2000))
+            keys = rng.integers(2, 1 << 62, n, dtype=np.uint64)
+            table.insert(keys)
+            assert table.moved <= max(index_packed.MIGRATE_MIN,
+                                      index_packed.MIGRATE_PER_KEY * n)
+        live.extend(keys.tolist())
+        if step % 7 == 0:
+            gone = np.array(live[-50:], np.uint64)
+            table.delete(table.find(gone))
+            del live[-50:]
+            assert (table.find(gone) < 0).all()
+        if step % 25 == 0:
+            probe = np.array(live, np.uint64)
+            found = table.find(probe)
+            assert (found >= 0).all() and (table.key_of(found) == probe).all()
+        assert table.used <= index_packed.MAX_LOAD * table.cap
+    assert table.cap >= 1 << 18 and table.live == len(live) and growths
+    assert (table.key_of(table.find(np.array(live, np.uint64))) == np.array(live)).all()
 
 
 def test_keys_are_the_first_eight_bytes_and_short_hashes_work():

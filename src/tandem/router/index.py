@@ -27,7 +27,7 @@ import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.router import index_packed
-from tandem.router.index_packed import INLINE, NONE, OVER, ROW_CODE, BlockTable, as_key, as_keys
+from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_key, as_keys
 
 _BLANK_ROW = int(np.full(INLINE, NONE, np.int16).view(np.int64)[0])  # every cell NONE
 _OVER_ROW = int(np.full(INLINE, OVER, np.int16).view(np.int64)[0])
@@ -83,7 +83,7 @@ class PrefixIndex:
         p = table.find_one(k)
         if p < 0:
             return 0
-        cells = table.row_view[p * INLINE:(p + 1) * INLINE].tolist()
+        cells = table.row(p)
         if cells[0] == OVER:
             return self._over[k]
         bits = 0
@@ -94,7 +94,7 @@ class PrefixIndex:
 
     def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int) -> np.ndarray:
         """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent)."""
-        rows = self._table.rows[pos]
+        rows = self._table.rows(pos)
         held = (pos >= 0) & (rows == slot).any(1)
         over = (pos >= 0) & (rows[:, 0] == OVER)
         if over.any():
@@ -127,7 +127,7 @@ class PrefixIndex:
                 pos[new] = at
             else:  # it rehashed: every entry moved
                 pos = table.find(keys)
-        rows = table.rows[pos]
+        rows = table.rows(pos)
         over = rows[:, 0] == OVER
         add = ~over & ~(rows == slot).any(1)
         free = rows == NONE
@@ -135,14 +135,14 @@ class PrefixIndex:
         if inline.any():
             at = pos[inline]
             rows[inline, free[inline].argmax(1)] = slot
-            table.rows[at] = np.sort(rows[inline], axis=1)
+            table.set_rows(at, np.sort(rows[inline], axis=1))
         added = inline
         full = add & ~inline
         bit = 1 << slot
         for p, k, row in zip(pos[full].tolist(), keys[full].tolist(), rows[full].tolist(),
                              strict=True):  # a popular block: its holders move to `over`
             self._over[k] = sum(1 << s for s in row if s >= 0) | bit
-            table.rows[p] = OVER
+            table.set_row(p, [OVER] * INLINE)
         added = added | full
         if over.any():
             got = []
@@ -172,8 +172,7 @@ class PrefixIndex:
             p = table.find_one(k)
             if p < 0:
                 p = table.insert_one(k)
-            view = table.row_view
-            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            cells = table.row(p)
             if cells[0] == OVER:
                 bits = over[k]
                 if bits & bit:
@@ -183,10 +182,10 @@ class PrefixIndex:
                 continue
             elif NONE in cells and slot < index_packed.CELL_MAX:
                 cells[cells.index(NONE)] = slot
-                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
+                table.set_row(p, sorted(cells))
             else:  # a popular block: its holders move to `over`
                 over[k] = sum(1 << s for s in cells if s >= 0) | bit
-                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [OVER] * INLINE)
+                table.set_row(p, [OVER] * INLINE)
             added += 1
             log.append(k)
         self._count[worker] += added
@@ -221,8 +220,7 @@ class PrefixIndex:
             p = table.find_one(k)
             if p < 0:
                 continue
-            view = table.row_view
-            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            cells = table.row(p)
             if cells[0] == OVER:
                 bits = over[k]
                 if not bits & bit:
@@ -237,7 +235,7 @@ class PrefixIndex:
                     table.delete(np.array([p], np.int64))
                 else:
                     cells[cells.index(slot)] = NONE
-                    view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
+                    table.set_row(p, sorted(cells))
             else:
                 continue
             removed += 1
@@ -247,14 +245,14 @@ class PrefixIndex:
         table = self._table
         pos = table.find(keys)
         keys, pos = keys[pos >= 0], pos[pos >= 0]
-        rows = table.rows[pos]
+        rows = table.rows(pos)
         cells = rows == slot
         mine = cells.any(1)
         removed = int(mine.sum())
         emptied = []
         if removed:
             rows[cells] = NONE
-            table.rows[pos[mine]] = np.sort(rows[mine], axis=1)
+            table.set_rows(pos[mine], np.sort(rows[mine], axis=1))
             emptied.append(pos[mine & (rows == NONE).all(1)])
         over = rows[:, 0] == OVER
         if over.any():
@@ -364,7 +362,7 @@ class PrefixIndex:
         if len(hashes) <= SCALAR_UP_TO:
             return self._match_scalar(hashes, now, mask)
         keys, pos = self._lookup(hashes)
-        rows = self._table.rows[pos]
+        rows = self._table.rows(pos)
         whole = rows.view(np.int64).ravel()  # a row's 4 int16 cells as one number
         whole[pos < 0] = _BLANK_ROW
         special = whole == _OVER_ROW

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import secrets
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +31,9 @@ CELL_MAX = (1 << 15) - 1  # slots from this one up are never stored inline (int1
 ROW_CODE = "h"  # `array` type code of a row cell
 MAX_LOAD = 0.7  # live + tombstones, as a share of the entries, before a rehash
 WINDOW = 8  # entries probed per vectorized step
+MIN_CAP = 1 << 10  # the smallest table
+MIGRATE_PER_KEY = 4  # old entries moved per inserted key while a growth drains
+MIGRATE_MIN = 4096  # ... and at least this many per insert (`insert_one`s pooled)
 _SPAN = np.arange(WINDOW, dtype=np.int64)
 _M64 = (1 << 64) - 1
 
@@ -72,36 +76,28 @@ def as_keys(hashes: Sequence[bytes], digests: bool = False) -> np.ndarray:
     return keys
 
 
-class BlockTable:
-    def __init__(self, capacity: int = 1 << 16) -> None:
-        self.live = 0  # keys held
-        # `version` changes whenever an entry's key does (entries found before go stale)
-        self.version = 0
-        self.rehashes = 0  # entries found before a rehash are stale
-        self._alloc(max(1 << 10, 1 << (capacity - 1).bit_length()))
+class _Slab:
+    """One open-addressing table: `keys` (uint64) and `rows` (int16, `INLINE` cells per
+    key, stored complemented so that a zero page reads as all `NONE`: a fresh table costs
+    nothing until its pages are touched)."""
 
-    def _alloc(self, cap: int) -> None:
+    def __init__(self, cap: int) -> None:
         self.cap, self.mask, self.used = cap, cap - 1, 0  # used = live + tombstones
         self.keys = _zeros((cap,), np.uint64)  # all EMPTY
-        self.rows = _zeros((cap, INLINE), np.int16)
-        self.rows.fill(NONE)
-        self._mult = np.uint64(secrets.randbits(64) | 1)
-        self._shift = np.uint64(64 - cap.bit_length() + 1)
-        # flat views for one-key lookups (`find_one` and the index's scalar paths): plain
-        # ints, no numpy scalar per access
+        self.rows = _zeros((cap, INLINE), np.int16)  # ~cell; 0 = NONE
+        self.mult = np.uint64(secrets.randbits(64) | 1)
+        self.shift = np.uint64(64 - cap.bit_length() + 1)
+        self.imult, self.ishift = int(self.mult), int(self.shift)
+        # flat views for one-key access: plain ints, no numpy scalar per access
         self.key_view = memoryview(self.keys)
         self.row_view = memoryview(self.rows.reshape(-1))
 
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.rows.nbytes
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys * self._mult) >> self._shift).astype(np.int64)
+    def home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * self.mult) >> self.shift).astype(np.int64)
 
     def find_one(self, k: int) -> int:
-        """`find` for one key (a Python int from `as_key`)."""
         view, mask = self.key_view, self.mask
-        pos = ((k * int(self._mult)) & _M64) >> int(self._shift)
+        pos = ((k * self.imult) & _M64) >> self.ishift
         while True:
             t = view[pos]
             if t == k:
@@ -111,23 +107,18 @@ class BlockTable:
             pos = (pos + 1) & mask
 
     def insert_one(self, k: int) -> int:
-        """`insert` for one key known to be absent."""
-        if self.used + 1 > MAX_LOAD * self.cap:
-            self._rehash(1)
         view, mask = self.key_view, self.mask
-        pos = ((k * int(self._mult)) & _M64) >> int(self._shift)
+        pos = ((k * self.imult) & _M64) >> self.ishift
         while view[pos] > TOMB:
             pos = (pos + 1) & mask
         self.used += view[pos] == EMPTY
         view[pos] = k
-        self.live += 1
-        self.version += 1
         return pos
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Entry of each key (int64), -1 where absent. Most keys are settled by their home
         entry (found there, or it is empty); the rest probe `WINDOW` entries at a time."""
-        pos = self._home(keys)
+        pos = self.home(keys)
         tk = self.keys[pos]
         hit = tk == keys
         out = np.where(hit, pos, -1)
@@ -147,13 +138,10 @@ class BlockTable:
         return out
 
     def insert(self, keys: np.ndarray) -> np.ndarray:
-        """Entries for distinct keys known to be absent (rows all `NONE`); may rehash, so
-        positions found before are stale afterwards."""
-        if self.used + len(keys) > MAX_LOAD * self.cap:
-            self._rehash(len(keys))
+        """Entries for distinct absent keys (the caller keeps the load under `MAX_LOAD`)."""
         out = np.empty(len(keys), np.int64)
         idx = np.arange(len(keys))
-        pos = self._home(keys)
+        pos = self.home(keys)
         while idx.size:
             win = (pos[:, None] + _SPAN) & self.mask
             free = self.keys[win] <= TOMB
@@ -170,39 +158,179 @@ class BlockTable:
             # losers retry from the entry just taken, rows with no free entry move on
             pos = np.where(anyf, cand, (pos + WINDOW) & self.mask)[lost]
             idx = idx[lost]
+        return out
+
+
+class BlockTable:
+    """Block key -> entry (an int) whose `INLINE` holder cells `rows` / `set_rows` (batches)
+    and `row` / `set_row` (one) read and write, in logical form (`NONE`, `OVER`, slots).
+
+    Growth is incremental: when the table passes `MAX_LOAD` a new one (at most half full
+    after the pending inserts) takes every insert, and each insert first moves `MIGRATE_PER_KEY`
+    entries per inserted key (at least `MIGRATE_MIN`, `insert_one`s pooled) from the old one,
+    so no write moves more than a bounded multiple of its own keys and the old table is
+    drained before the new one fills. Lookups consult both meanwhile; an entry of the old
+    table is numbered after the new table's (`cap` + its position)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.live = 0  # keys held
+        # `version` changes whenever an entry's key does (entries found before go stale)
+        self.version = 0
+        self.rehashes = 0  # bumped whenever keys move between entries (found ones go stale)
+        self.moved = 0  # entries migrated by the last write (a bound the tests check)
+        self._debt = 0  # entries owed to the migration by `insert_one`s
+        self._cur = _Slab(max(MIN_CAP, 1 << (capacity - 1).bit_length()))
+        self._old: _Slab | None = None
+        self._cursor = 0  # the next old entry to migrate
+
+    @property
+    def cap(self) -> int:
+        return self._cur.cap
+
+    @property
+    def used(self) -> int:
+        return self._cur.used
+
+    def nbytes(self) -> int:
+        slabs = [self._cur] if self._old is None else [self._cur, self._old]
+        return sum(s.keys.nbytes + s.rows.nbytes for s in slabs)
+
+    # -- lookups ---------------------------------------------------------------------------
+    def find_one(self, k: int) -> int:
+        """`find` for one key (a Python int from `as_key`)."""
+        p = self._cur.find_one(k)
+        if p < 0 and self._old is not None:
+            p = self._old.find_one(k)
+            if p >= 0:
+                p += self._cur.cap
+        return p
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Entry of each key (int64), -1 where absent."""
+        out = self._cur.find(keys)
+        if self._old is not None:
+            miss = np.flatnonzero(out < 0)
+            if miss.size:
+                po = self._old.find(keys[miss])
+                out[miss] = np.where(po >= 0, po + self._cur.cap, -1)
+        return out
+
+    def key_of(self, entries: np.ndarray) -> np.ndarray:
+        """The key at each entry (uint64)."""
+        cap, out = self._cur.cap, self._cur.keys[np.minimum(entries, self._cur.cap - 1)]
+        if self._old is not None:
+            o = entries >= cap
+            out[o] = self._old.keys[entries[o] - cap]
+        return out
+
+    def rows(self, entries: np.ndarray) -> np.ndarray:
+        """The holder cells of each entry ((n, INLINE) int16, a copy); -1 reads as blank."""
+        cur = self._cur
+        if self._old is None:
+            return ~cur.rows[entries]
+        o = entries >= cur.cap
+        out = ~cur.rows[np.where(o, -1, entries)]
+        if o.any():
+            out[o] = ~self._old.rows[entries[o] - cur.cap]
+        return out
+
+    def set_rows(self, entries: np.ndarray, rows: np.ndarray) -> None:
+        """Write holder cells (logical) at existing entries; `rows` is one row or one per
+        entry."""
+        cur, stored = self._cur, ~np.asarray(rows, np.int16)
+        if self._old is None:
+            cur.rows[entries] = stored
+            return
+        o = entries >= cur.cap
+        if stored.ndim == 2:
+            cur.rows[entries[~o]] = stored[~o]
+            self._old.rows[entries[o] - cur.cap] = stored[o]
+        else:
+            cur.rows[entries[~o]] = stored
+            self._old.rows[entries[o] - cur.cap] = stored
+
+    def row(self, p: int) -> list[int]:
+        """`rows` for one entry, as a list."""
+        slab = self._cur
+        if p >= slab.cap:
+            p, slab = p - slab.cap, self._old
+        return [~c for c in slab.row_view[p * INLINE:(p + 1) * INLINE].tolist()]
+
+    def set_row(self, p: int, cells: list[int]) -> None:
+        slab = self._cur
+        if p >= slab.cap:
+            p, slab = p - slab.cap, self._old
+        slab.row_view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [~c for c in cells])
+
+    # -- writes ----------------------------------------------------------------------------
+    def insert_one(self, k: int) -> int:
+        """`insert` for one key known to be absent."""
+        self.moved = 0
+        if self._cur.used + 1 > MAX_LOAD * self._cur.cap:
+            self._grow(1)
+        elif self._old is not None:
+            self._debt += MIGRATE_PER_KEY
+            if self._debt >= MIGRATE_MIN:
+                self._migrate(self._debt)
+                self._debt = 0
+        p = self._cur.insert_one(k)
+        self.live += 1
+        self.version += 1
+        return p
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Entries for distinct keys known to be absent (rows all `NONE`); keys may move
+        (`rehashes` changes), so entries found before are stale afterwards when it does."""
+        self.moved = 0
+        if self._cur.used + len(keys) > MAX_LOAD * self._cur.cap:
+            self._grow(len(keys))
+        elif self._old is not None:
+            self._migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * len(keys)))
+        out = self._cur.insert(keys)
         self.live += len(keys)
         self.version += 1
         return out
 
     def delete(self, entries: np.ndarray) -> None:
         """Free entries whose key holds no worker any more."""
-        self.keys[entries] = TOMB
-        self.rows[entries] = NONE
+        cur = self._cur
+        if self._old is None:
+            cur.keys[entries], cur.rows[entries] = TOMB, 0
+        else:
+            o = entries >= cur.cap
+            cur.keys[entries[~o]], cur.rows[entries[~o]] = TOMB, 0
+            at = entries[o] - cur.cap
+            self._old.keys[at], self._old.rows[at] = TOMB, 0
         self.live -= len(entries)
         self.version += 1
 
-    def _rehash(self, extra: int) -> None:
-        """Move every live key to a table at most half full after `extra` more: sorted by
-        their new home, each run of keys lands in one vectorized pass (a key's entry is its
-        home or the one after its predecessor's, whichever is later); the few that would
-        run past the end wrap around through `insert`."""
-        held = np.flatnonzero(self.keys > TOMB)
-        keys, rows = self.keys[held], self.rows[held]
-        cap = self.cap
-        while (len(held) + extra) > MAX_LOAD * cap / 2 and cap < (1 << 40):
+    def _grow(self, extra: int) -> None:
+        """Start moving into a table at most half full after `extra` more keys (the same
+        size when tombstones made up the load). An old table still draining (only a batch
+        far past the growth rate gets here) is finished first."""
+        if self._old is not None:
+            self._migrate(self._old.cap)
+        cap = self._cur.cap
+        while (self.live + extra) > MAX_LOAD * cap / 2 and cap < (1 << 40):
             cap *= 2
-        self._alloc(cap)
-        home = self._home(keys)
-        order = np.argsort(home)
-        step = np.arange(len(order))
-        pos = np.maximum.accumulate(home[order] - step) + step
-        fits = pos < cap
-        at, placed = pos[fits], order[fits]
-        self.keys[at] = keys[placed]
-        self.rows[at] = rows[placed]
-        self.used = self.live = len(at)
-        rest = order[~fits]
-        if rest.size:
-            self.rows[self.insert(keys[rest])] = rows[rest]
+        self._old, self._cur, self._cursor = self._cur, _Slab(cap), 0
         self.version += 1
         self.rehashes += 1
+        self._migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * extra))
+
+    def _migrate(self, n: int) -> None:
+        """Move the live keys of the old table's next `n` entries into the current one."""
+        old, start = self._old, self._cursor
+        assert old is not None
+        end = min(old.cap, start + n)
+        held = start + np.flatnonzero(old.keys[start:end] > TOMB)
+        if held.size:
+            at = self._cur.insert(old.keys[held])
+            self._cur.rows[at] = old.rows[held]
+            old.keys[held] = TOMB
+        self.moved += end - start
+        self._cursor = end
+        self.version += 1
+        self.rehashes += 1
+        if end == old.cap:
+            self._old = None
