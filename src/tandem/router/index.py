@@ -53,18 +53,26 @@ class PrefixIndex:
         self._log: dict[str, array] = {}
         # block key -> {slot: expiry}; only for blocks the worker has not (yet) confirmed
         self._speculative: dict[int, dict[int, float]] = {}
-        self._last: tuple = (None, 0, None, None)  # (chain, table version, keys, entries)
+        # (slot, expiry) -> the keys `add_speculative` set for it: a retraction visits only
+        # those, not the whole chain (dropped with the entries by `expire` and `drop`)
+        self._added: dict[tuple[int, float], set[int]] = {}
+        # (chain, table stamp, keys, entries, rows) of the last chain looked up
+        self._last: tuple = (None, 0, None, None, None)
 
-    def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, table entries) of a routing chain; the last chain's are kept while the
-        table's layout is unchanged, so `add_speculative` after `match` on the same chain
-        (one routing decision) finds its blocks once."""
-        chain, version, keys, pos = self._last
-        if chain is not hashes or version != self._table.version or len(keys) != len(hashes):
+    def _lookup(self, hashes: Sequence[BlockHash]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, table entries, holder rows: blank where absent) of a routing chain; the
+        last chain's are kept while the table is unwritten, so `add_speculative` after
+        `match` on the same chain (one routing decision) finds and reads its blocks once.
+        Callers must not modify them."""
+        chain, stamp, keys, pos, rows = self._last
+        if chain is not hashes or stamp != self._table.stamp or len(keys) != len(hashes):
             keys = as_keys(hashes, digests=True)
             pos = self._table.find(keys)
-            self._last = (hashes, self._table.version, keys, pos)
-        return keys, pos
+            rows = self._table.rows(pos)
+            rows[pos < 0] = NONE
+            self._last = (hashes, self._table.stamp, keys, pos, rows)
+        return keys, pos, rows
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -92,9 +100,12 @@ class PrefixIndex:
                 bits |= 1 << s
         return bits
 
-    def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int) -> np.ndarray:
-        """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent)."""
-        rows = self._table.rows(pos)
+    def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int,
+              rows: np.ndarray | None = None) -> np.ndarray:
+        """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent; `rows`: their
+        holder cells when already read)."""
+        if rows is None:
+            rows = self._table.rows(pos)
         held = (pos >= 0) & (rows == slot).any(1)
         over = (pos >= 0) & (rows[:, 0] == OVER)
         if over.any():
@@ -293,6 +304,8 @@ class PrefixIndex:
             del entry[slot]
             if not entry:
                 del self._speculative[k]
+        for key in [key for key in self._added if key[0] == slot]:
+            del self._added[key]
         self._free.append(slot)
 
     # -- routing ---------------------------------------------------------------------------
@@ -302,41 +315,55 @@ class PrefixIndex:
         slot = self._slot_of(worker)
         expiry = now + self.speculative_ttl_s
         if len(hashes) <= SCALAR_UP_TO:
-            bit, spec = 1 << slot, self._speculative
-            for h in hashes:
-                k = as_key(h)
-                if not self._bits_one(k) & bit:
-                    entry = spec.get(k)
-                    if entry is None:
-                        spec[k] = {slot: expiry}
-                    else:
-                        entry[slot] = expiry
-            return expiry
-        keys, pos = self._lookup(hashes)
-        if keys.size:
+            bit = 1 << slot
+            new = [k for k in map(as_key, hashes) if not self._bits_one(k) & bit]
+        else:
+            keys, pos, rows = self._lookup(hashes)
+            new = keys[~self._held(keys, pos, slot, rows)].tolist() if keys.size else []
+        if new:
             spec = self._speculative
-            for k in keys[~self._held(keys, pos, slot)].tolist():
+            for k in new:
                 entry = spec.get(k)
                 if entry is None:
                     spec[k] = {slot: expiry}
                 else:
                     entry[slot] = expiry
+            added = self._added.get((slot, expiry))
+            if added is None:
+                self._added[(slot, expiry)] = set(new)
+            else:
+                added.update(new)
         return expiry
 
     def retract_speculative(self, worker: str, hashes: Sequence[BlockHash],
                             expiry: float) -> None:
         """Undo `add_speculative(worker, hashes, ...)` that returned `expiry` (the request
-        never reached the worker); entries a later routing refreshed stay."""
+        never reached the worker); entries a later routing refreshed stay. Visits only the
+        keys that adds with this expiry set, not the whole chain."""
         slot = self._slot.get(worker)
-        if slot is None:
+        added = self._added.get((slot, expiry)) if slot is not None else None
+        if not added:
             return
+        if len(hashes) <= SCALAR_UP_TO or len(added) * 8 > len(hashes):
+            keys = as_keys(hashes, digests=True).tolist()
+        else:  # the chain's keys among those added
+            chain, stamp, last, _, _ = self._last
+            keys = last if chain is hashes and len(last) == len(hashes) else \
+                as_keys(hashes, digests=True)
+            mine = np.fromiter(added, np.uint64, len(added))
+            keys = mine[np.isin(mine, keys)].tolist()
         spec = self._speculative
-        for k in as_keys(hashes, digests=True).tolist():
+        for k in keys:
+            if k not in added:
+                continue
+            added.discard(k)
             entry = spec.get(k)
             if entry is not None and entry.get(slot) == expiry:
                 del entry[slot]
                 if not entry:
                     del spec[k]
+        if not added:
+            del self._added[(slot, expiry)]
 
     def match(self, hashes: Sequence[BlockHash], now: float,
               workers: Iterable[str] | None = None) -> dict[str, int]:
@@ -361,10 +388,8 @@ class PrefixIndex:
             return {}
         if len(hashes) <= SCALAR_UP_TO:
             return self._match_scalar(hashes, now, mask)
-        keys, pos = self._lookup(hashes)
-        rows = self._table.rows(pos)
+        keys, pos, rows = self._lookup(hashes)
         whole = rows.view(np.int64).ravel()  # a row's 4 int16 cells as one number
-        whole[pos < 0] = _BLANK_ROW
         special = whole == _OVER_ROW
         spec = self._speculative
         if spec:
@@ -445,6 +470,8 @@ class PrefixIndex:
                 count += 1
             if not entry:
                 del self._speculative[k]
+        for key in [key for key in self._added if key[1] <= now]:
+            del self._added[key]
         return count
 
     # -- introspection ---------------------------------------------------------------------

@@ -177,6 +177,7 @@ class BlockTable:
         # `version` changes whenever an entry's key does (entries found before go stale)
         self.version = 0
         self.rehashes = 0  # bumped whenever keys move between entries (found ones go stale)
+        self.stamp = 0  # bumped by every write, rows included (rows read before go stale)
         self.moved = 0  # entries migrated by the last write (a bound the tests check)
         self._debt = 0  # entries owed to the migration by `insert_one`s
         self._cur = _Slab(max(MIN_CAP, 1 << (capacity - 1).bit_length()))
@@ -238,6 +239,7 @@ class BlockTable:
         """Write holder cells (logical) at existing entries; `rows` is one row or one per
         entry."""
         cur, stored = self._cur, ~np.asarray(rows, np.int16)
+        self.stamp += 1
         if self._old is None:
             cur.rows[entries] = stored
             return
@@ -258,6 +260,7 @@ class BlockTable:
 
     def set_row(self, p: int, cells: list[int]) -> None:
         slab = self._cur
+        self.stamp += 1
         if p >= slab.cap:
             p, slab = p - slab.cap, self._old
         slab.row_view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [~c for c in cells])
@@ -276,6 +279,7 @@ class BlockTable:
         p = self._cur.insert_one(k)
         self.live += 1
         self.version += 1
+        self.stamp += 1
         return p
 
     def insert(self, keys: np.ndarray) -> np.ndarray:
@@ -289,6 +293,7 @@ class BlockTable:
         out = self._cur.insert(keys)
         self.live += len(keys)
         self.version += 1
+        self.stamp += 1
         return out
 
     def delete(self, entries: np.ndarray) -> None:
@@ -303,6 +308,7 @@ class BlockTable:
             self._old.keys[at], self._old.rows[at] = TOMB, 0
         self.live -= len(entries)
         self.version += 1
+        self.stamp += 1
 
     def _grow(self, extra: int) -> None:
         """Start moving into a table at most half full after `extra` more keys (the same
@@ -315,6 +321,7 @@ class BlockTable:
             cap *= 2
         self._old, self._cur, self._cursor = self._cur, _Slab(cap), 0
         self.version += 1
+        self.stamp += 1
         self.rehashes += 1
         self._migrate(max(MIGRATE_MIN, MIGRATE_PER_KEY * extra))
 
@@ -331,6 +338,7 @@ class BlockTable:
         self.moved += end - start
         self._cursor = end
         self.version += 1
+        self.stamp += 1
         self.rehashes += 1
         if end == old.cap:
             self._old = None
