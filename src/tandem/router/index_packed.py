@@ -1,12 +1,13 @@
 """A packed hash table from 64-bit block keys to small holder sets, for `index.PrefixIndex`.
 
-Two numpy arrays and no Python object per block: `keys` (uint64, open addressing with
-linear probing) and `rows` (int16, `INLINE` holder slots per key, sorted, `NONE` = empty
-cell). A key held by more than `INLINE` workers, or by a worker whose slot is `CELL_MAX` or
-more, is marked `OVER` in every cell and its holders live in the caller's `over` (key ->
-bitmask of slots): only popular blocks (a shared system prompt) pay for a Python int.
-8 + 8 bytes per table entry, at most `MAX_LOAD` full: 10M blocks take 2^24 entries,
-~270 MB, and the garbage collector never walks them.
+One numpy array of 16-byte entries and no Python object per block: a key (uint64, open
+addressing with linear probing) beside its row (`INLINE` int16 holder slots, sorted, `NONE`
+= empty cell; one 8-byte word, so a lookup touches one cache line). A key held by more
+than `INLINE` workers, or by a worker whose slot is `CELL_MAX` or more, is marked `OVER`
+in every cell and its holders live in the caller's `over` (key -> bitmask of slots): only
+popular blocks (a shared system prompt) pay for a Python int. 8 + 8 bytes per table
+entry, at most `MAX_LOAD` full: 10M blocks take 2^24 entries, ~270 MB, and the garbage
+collector never walks them. While the table grows the old one drains (`BlockTable`).
 
 Every operation takes a batch of keys (numpy, vectorized). The home position is a
 multiply-shift hash with a random odd multiplier, so prompts crafted to collide in the low
@@ -26,7 +27,7 @@ import numpy as np
 
 EMPTY, TOMB = 0, 1
 NONE, OVER = -1, -2
-INLINE = 4  # holders stored in the row itself
+INLINE = 4  # holders stored in the row itself (4 int16 cells: one 8-byte word)
 CELL_MAX = (1 << 15) - 1  # slots from this one up are never stored inline (int16 cells)
 ROW_CODE = "h"  # `array` type code of a row cell
 MAX_LOAD = 0.7  # live + tombstones, as a share of the entries, before a rehash
@@ -83,14 +84,17 @@ class _Slab:
 
     def __init__(self, cap: int) -> None:
         self.cap, self.mask, self.used = cap, cap - 1, 0  # used = live + tombstones
-        self.keys = _zeros((cap,), np.uint64)  # all EMPTY
-        self.rows = _zeros((cap, INLINE), np.int16)  # ~cell; 0 = NONE
+        # an entry's key and its row side by side (one cache line, one page per lookup)
+        self.data = _zeros((cap, 2), np.uint64)  # all EMPTY, every cell NONE
+        self.keys = self.data[:, 0]
+        self.rows = self.data.view(np.int16).reshape(cap, 2 * INLINE)[:, INLINE:]
         self.mult = np.uint64(secrets.randbits(64) | 1)
         self.shift = np.uint64(64 - cap.bit_length() + 1)
         self.imult, self.ishift = int(self.mult), int(self.shift)
-        # flat views for one-key access: plain ints, no numpy scalar per access
-        self.key_view = memoryview(self.keys)
-        self.row_view = memoryview(self.rows.reshape(-1))
+        # flat views for one-key access: plain ints, no numpy scalar per access (entry p's
+        # key at 2p, its cells at 8p + 4 ... 8p + 7)
+        self.key_view = memoryview(self.data.reshape(-1))
+        self.row_view = memoryview(self.data.view(np.int16).reshape(-1))
 
     def home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * self.mult) >> self.shift).astype(np.int64)
@@ -99,7 +103,7 @@ class _Slab:
         view, mask = self.key_view, self.mask
         pos = ((k * self.imult) & _M64) >> self.ishift
         while True:
-            t = view[pos]
+            t = view[2 * pos]
             if t == k:
                 return pos
             if t == EMPTY:
@@ -109,10 +113,10 @@ class _Slab:
     def insert_one(self, k: int) -> int:
         view, mask = self.key_view, self.mask
         pos = ((k * self.imult) & _M64) >> self.ishift
-        while view[pos] > TOMB:
+        while view[2 * pos] > TOMB:
             pos = (pos + 1) & mask
-        self.used += view[pos] == EMPTY
-        view[pos] = k
+        self.used += view[2 * pos] == EMPTY
+        view[2 * pos] = k
         return pos
 
     def find(self, keys: np.ndarray) -> np.ndarray:
@@ -194,7 +198,7 @@ class BlockTable:
 
     def nbytes(self) -> int:
         slabs = [self._cur] if self._old is None else [self._cur, self._old]
-        return sum(s.keys.nbytes + s.rows.nbytes for s in slabs)
+        return sum(s.data.nbytes for s in slabs)
 
     # -- lookups ---------------------------------------------------------------------------
     def find_one(self, k: int) -> int:
@@ -256,14 +260,16 @@ class BlockTable:
         slab = self._cur
         if p >= slab.cap:
             p, slab = p - slab.cap, self._old
-        return [~c for c in slab.row_view[p * INLINE:(p + 1) * INLINE].tolist()]
+        at = (2 * p + 1) * INLINE
+        return [~c for c in slab.row_view[at:at + INLINE].tolist()]
 
     def set_row(self, p: int, cells: list[int]) -> None:
         slab = self._cur
         self.stamp += 1
         if p >= slab.cap:
             p, slab = p - slab.cap, self._old
-        slab.row_view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [~c for c in cells])
+        at = (2 * p + 1) * INLINE
+        slab.row_view[at:at + INLINE] = array(ROW_CODE, [~c for c in cells])
 
     # -- writes ----------------------------------------------------------------------------
     def insert_one(self, k: int) -> int:
