@@ -9,6 +9,7 @@ chains, with enough workers on some blocks to move them out of the inline holder
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -127,6 +128,10 @@ def run_trace(seed: int, steps: int) -> None:
             else None
         assert idx.match(probe, now, subset) == ref.match(probe, now, subset)
     assert idx.workers() == sorted(ref.held)
+    # the speculative keys' bucket counters (match's vectorized test) agree with the entries
+    want = Counter(k & (index_module.SPEC_BUCKETS - 1) for k in idx._speculative)
+    got = np.flatnonzero(idx._spec_count)
+    assert dict(zip(got.tolist(), idx._spec_count[got].tolist(), strict=True)) == want
     assert idx.num_blocks() == len(set().union(*ref.held.values()) if ref.held else set())
     for w, held in ref.held.items():
         assert idx.num_blocks(w) == len(held)

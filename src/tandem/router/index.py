@@ -32,6 +32,7 @@ from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_key, a
 _BLANK_ROW = int(np.full(INLINE, NONE, np.int16).view(np.int64)[0])  # every cell NONE
 _OVER_ROW = int(np.full(INLINE, OVER, np.int16).view(np.int64)[0])
 SCALAR_UP_TO = 64  # chains this short are matched block by block (numpy's fixed cost is more)
+SPEC_BUCKETS = 1 << 20  # counters of speculative keys by their low bits (a vectorized test)
 
 
 def block_key(h: BlockHash) -> int:
@@ -56,6 +57,10 @@ class PrefixIndex:
         # (slot, expiry) -> the keys `add_speculative` set for it: a retraction visits only
         # those, not the whole chain (dropped with the entries by `expire` and `drop`)
         self._added: dict[tuple[int, float], set[int]] = {}
+        # per bucket of key & (SPEC_BUCKETS - 1): how many keys `_speculative` holds there;
+        # `match` reads it for a whole chain at once (a false positive only costs a step)
+        self._spec_count = np.zeros(SPEC_BUCKETS, np.uint32)
+        self._spec_view = memoryview(self._spec_count)
         # (chain, table stamp, keys, entries, rows) of the last chain looked up
         self._last: tuple = (None, 0, None, None, None)
 
@@ -174,6 +179,7 @@ class PrefixIndex:
                 entry = spec.get(k)
                 if entry is not None and entry.pop(slot, None) is not None and not entry:
                     del spec[k]
+                    self._spec_view[k & (SPEC_BUCKETS - 1)] -= 1
 
     def _stored_scalar(self, worker: str, slot: int, hashes: list[BlockHash]) -> None:
         """`stored` block by block, for a short batch (one request's new blocks)."""
@@ -208,6 +214,7 @@ class PrefixIndex:
                 entry = spec.get(k)
                 if entry is not None and entry.pop(slot, None) is not None and not entry:
                     del spec[k]
+                    self._spec_view[k & (SPEC_BUCKETS - 1)] -= 1
 
     def _compact(self, worker: str, slot: int) -> None:
         keys = np.unique(np.frombuffer(self._log[worker], np.uint64))
@@ -304,6 +311,7 @@ class PrefixIndex:
             del entry[slot]
             if not entry:
                 del self._speculative[k]
+                self._spec_view[k & (SPEC_BUCKETS - 1)] -= 1
         for key in [key for key in self._added if key[0] == slot]:
             del self._added[key]
         self._free.append(slot)
@@ -321,11 +329,12 @@ class PrefixIndex:
             keys, pos, rows = self._lookup(hashes)
             new = keys[~self._held(keys, pos, slot, rows)].tolist() if keys.size else []
         if new:
-            spec = self._speculative
+            spec, counts = self._speculative, self._spec_view
             for k in new:
                 entry = spec.get(k)
                 if entry is None:
                     spec[k] = {slot: expiry}
+                    counts[k & (SPEC_BUCKETS - 1)] += 1
                 else:
                     entry[slot] = expiry
             added = self._added.get((slot, expiry))
@@ -362,6 +371,7 @@ class PrefixIndex:
                 del entry[slot]
                 if not entry:
                     del spec[k]
+                    self._spec_view[k & (SPEC_BUCKETS - 1)] -= 1
         if not added:
             del self._added[(slot, expiry)]
 
@@ -393,7 +403,7 @@ class PrefixIndex:
         special = whole == _OVER_ROW
         spec = self._speculative
         if spec:
-            special |= np.fromiter(map(spec.__contains__, keys.tolist()), bool, len(keys))
+            special |= self._spec_count[keys & np.uint64(SPEC_BUCKETS - 1)] > 0
         blank = np.flatnonzero((whole == _BLANK_ROW) & ~special)
         n = int(blank[0]) if blank.size else len(keys)
         if not n:
@@ -470,6 +480,7 @@ class PrefixIndex:
                 count += 1
             if not entry:
                 del self._speculative[k]
+                self._spec_view[k & (SPEC_BUCKETS - 1)] -= 1
         for key in [key for key in self._added if key[1] <= now]:
             del self._added[key]
         return count
