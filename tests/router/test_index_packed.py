@@ -132,6 +132,9 @@ def run_trace(seed: int, steps: int) -> None:
     want = Counter(k & (index_module.SPEC_BUCKETS - 1) for k in idx._speculative)
     got = np.flatnonzero(idx._spec_count)
     assert dict(zip(got.tolist(), idx._spec_count[got].tolist(), strict=True)) == want
+    # past every TTL nothing speculative is left: entries, retraction records, counters
+    assert idx.expire(now + 10 * ttl) == ref.expire(now + 10 * ttl)
+    assert not idx._speculative and not idx._added and not idx._spec_count.any()
     assert idx.num_blocks() == len(set().union(*ref.held.values()) if ref.held else set())
     for w, held in ref.held.items():
         assert idx.num_blocks(w) == len(held)
