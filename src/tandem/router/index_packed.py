@@ -36,6 +36,7 @@ MIN_CAP = 1 << 10  # the smallest table
 MIGRATE_PER_KEY = 4  # old entries moved per inserted key while a growth drains
 MIGRATE_MIN = 4096  # ... and at least this many per insert (`insert_one`s pooled)
 _SPAN = np.arange(WINDOW, dtype=np.int64)
+SCALAR_TAIL = 32  # `find` probes this few remaining keys one by one (numpy's fixed cost)
 _M64 = (1 << 64) - 1
 
 
@@ -121,7 +122,8 @@ class _Slab:
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Entry of each key (int64), -1 where absent. Most keys are settled by their home
-        entry (found there, or it is empty); the rest probe `WINDOW` entries at a time."""
+        entry (found there, or it is empty); the rest probe `WINDOW` entries at a time, the
+        last `SCALAR_TAIL` one by one."""
         pos = self.home(keys)
         tk = self.keys[pos]
         hit = tk == keys
@@ -129,6 +131,15 @@ class _Slab:
         idx = np.flatnonzero(~hit & (tk != EMPTY))
         pos = (pos[idx] + 1) & self.mask
         while idx.size:
+            if idx.size <= SCALAR_TAIL:  # the last few long probes, one by one
+                view, mask = self.key_view, self.mask
+                for i, p, k in zip(idx.tolist(), pos.tolist(), keys[idx].tolist(),
+                                   strict=True):
+                    while (t := view[2 * p]) != k and t != EMPTY:
+                        p = (p + 1) & mask
+                    if t == k:
+                        out[i] = p
+                break
             win = (pos[:, None] + _SPAN) & self.mask
             tk = self.keys[win]
             hit = tk == keys[idx, None]
