@@ -13,7 +13,7 @@ import yaml
 from tandem.operator.render import render_all
 from tandem.operator.render.common import CONFIG_HASH
 from tandem.operator.spec import parse_spec
-from tandem.protocol.labels import SERVICE_LABEL
+from tandem.protocol.labels import ROUTER_GROUP_LABEL
 from tests.operator.manifests import OWNER, arg, by_kind, container, one, render
 from tests.operator.samples import SHA, SPECS, spec
 
@@ -150,7 +150,10 @@ def test_router_deployment_config_and_least_privilege_rbac():
     args = container(d)["args"]
     assert args[:1] == ["router"]
     assert arg(args, "--discovery") == "kubernetes"
-    assert arg(args, "--inference-service") == "demo"
+    # its router group: its own workers' Services and those of InferenceServices attached
+    assert arg(args, "--label-selector") == ("app.kubernetes.io/component=worker,"
+                                             "tandem.dev/router-group=demo")
+    assert "--inference-service" not in args
     assert arg(args, "--worker-port-name") == "http"
     assert arg(args, "--api-keys") == "/etc/tandem/auth/api-keys"
     assert arg(args, "--admin-api-keys") == "/etc/tandem/admin-auth/admin-api-keys"
@@ -204,7 +207,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, m
     assert router.settings.pd_max_local_prefill == 2048
     assert server.discovery.name == "kubernetes"
     assert server.admin_keys is not None and server.admin_keys.tenant("Bearer sk-admin") == "ops"
-    assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
+    assert server.discovery.label_selector.endswith(f"{ROUTER_GROUP_LABEL}=demo")
     assert server.rate_limiter is not None
     assert server.rate_limiter.shared  # the Redis URL reached it, through the env var
     assert server.rate_limiter._redis.connection_pool.connection_kwargs["password"] == "s3cret"

@@ -9,6 +9,13 @@ from typing import Any
 from tandem.operator.fields import get, get_enum, get_int, get_num, get_obj, resources
 from tandem.operator.model_uri import SpecError
 from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_gateway import (
+    MODES,
+    GatewaySpec,
+    check_attached,
+    parse_attach_to,
+    parse_gateway,
+)
 from tandem.operator.spec_security import SecretKeyRef, peers, secret_key_ref
 
 
@@ -42,7 +49,9 @@ class RouterSpec:
     service_type: str = "ClusterIP"
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
     pod: PodSettings = PodSettings()
-
+    mode: str = "router"  # or "gateway": the EPP of a Gateway API gateway (`spec_gateway`)
+    gateway: GatewaySpec | None = None  # mode gateway only
+    attach_to: str | None = None  # served by this other InferenceService's router / EPP
 
 
 def _rate(d: dict, where: str) -> RateLimit:
@@ -91,7 +100,10 @@ def parse_router(d: dict) -> RouterSpec:
                            ("ClusterIP", "NodePort", "LoadBalancer")),
         allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
         resources=resources(get_obj(d, "resources", w), "router.resources"),
-        pod=parse_pod_settings(d, w, scheduling=True))
+        pod=parse_pod_settings(d, w, scheduling=True),
+        mode=(mode := get_enum(d, "mode", "router", w, MODES)),
+        gateway=parse_gateway(d, mode),
+        attach_to=parse_attach_to(d))
     if weights is not None and set(weights) - set(_WEIGHTS):
         raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
     if r.shared_index and not (r.redis_url_secret or r.managed_redis):
@@ -106,4 +118,5 @@ def parse_router(d: dict) -> RouterSpec:
     if r.admin_api_keys_secret and not r.api_keys_secret:
         raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
                         "keys the admin endpoints are open)")
+    check_attached(r, RouterSpec(), d)
     return r

@@ -7,10 +7,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
+from tandem.operator.render.gateway import attached, gateway_children, label_group
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
-from tandem.operator.render.router import render_router, router_endpoint, router_name
+from tandem.operator.render.router import (
+    front_door_name,
+    render_router,
+    router_endpoint,
+    router_name,
+)
 from tandem.operator.render.security import OperatorPeer, certificates, network_policies
 from tandem.operator.render.workers import (
     pool_config_hash,
@@ -30,7 +36,7 @@ from tandem.protocol.labels import ROUTER_COMPONENT
 
 __all__ = ["DEFAULT_IMAGE", "OperatorPeer", "Owner", "Pool", "Workload", "image_from_env",
            "pool_config_hash", "pool_name", "pool_selector", "pool_workloads", "pools",
-           "render_all", "router_endpoint", "router_name"]
+           "render_all", "router_endpoint", "router_name", "front_door_name"]
 
 
 def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = None,
@@ -59,12 +65,17 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     cuda_img = spec.image or worker_cuda_image or img
     workloads = pool_workloads(spec, owner)
     out = network_policies(spec, owner, operator, workloads) + certificates(spec, owner)
-    out += render_router(spec, owner, spec.image or router_image or img, operator,
-                         worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img))
-    out += render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
+    if not attached(spec):  # (attached: served by another InferenceService's router)
+        out += render_router(spec, owner, spec.image or router_image or img, operator,
+                             worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img))
+        out += gateway_children(spec, owner)  # mode gateway: InferencePool, HTTPRoute
+    workers = render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
+    label_group(workers, spec, owner, workloads)
+    out += workers
     # (kind, name) -> pod settings, their spec field, every pod the workload runs
-    settings = {("Deployment", router_name(owner)): (
-        spec.router.pod, "router", labels(owner, ROUTER_COMPONENT))}
+    front = front_door_name(spec, owner)
+    settings = {("Deployment", front): (spec.router.pod, "router",
+                                        labels(owner, ROUTER_COMPONENT))} if front else {}
     settings |= {(w.kind, w.name): (w.pool.spec.pod, "prefill" if w.role == "prefill" else
                                     "decode", w.pod_selector) for w in workloads}
     running = [d for d in out if (d["kind"], d["metadata"]["name"]) in settings]
@@ -82,5 +93,6 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, w, auto))
     if spec.service_monitor:
-        out += [router_metrics_service(owner), service_monitor(spec, owner)]
+        out += [*([router_metrics_service(owner)] if front else []),
+                service_monitor(spec, owner)]
     return out

@@ -34,6 +34,14 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
+from tandem.operator.render.gateway import (
+    discovery_selector,
+    epp_args,
+    epp_name,
+    epp_pod,
+    epp_service,
+    gateway_mode,
+)
 from tandem.operator.render.model import TOKENIZER_DIR, router_model
 from tandem.operator.render.security import (
     OperatorPeer,
@@ -64,6 +72,14 @@ def router_name(owner: Owner) -> str:
     return f"{owner.name}-router"
 
 
+def front_door_name(spec: InferenceServiceSpec, owner: Owner) -> str | None:
+    """The Deployment that runs this InferenceService's routers: NAME-router, or NAME-epp in
+    gateway mode; None when attached to another's (`router.attachTo`)."""
+    if spec.router.attach_to is not None:
+        return None
+    return epp_name(owner) if gateway_mode(spec) else router_name(owner)
+
+
 def router_endpoint(owner: Owner) -> str:
     """The URL clients inside the cluster use (`status.endpoint`)."""
     return f"http://{router_name(owner)}.{owner.namespace}.svc:{HTTP_PORT}"
@@ -90,6 +106,8 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
                               "tenants": {t: _limits(v)
                                           for t, v in r.tenant_rate_limits.items()}}
     cfg.update(redis_config(spec, owner))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
+    if r.gateway is not None and r.gateway.objectives:  # InferenceObjective -> priority
+        cfg["objectives"] = dict(r.gateway.objectives)
     return cfg
 
 
@@ -97,7 +115,7 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     args = [*log_level_args(spec.router.pod.log_level or spec.log_level),
             "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)",
-            "--inference-service", owner.name, "--worker-port-name", HTTP_PORT_NAME,
+            "--label-selector", discovery_selector(owner), "--worker-port-name", HTTP_PORT_NAME,
             "--config", f"{CONFIG_DIR}/router.yaml", "--metrics-port", str(METRICS_PORT),
             "--drain-seconds", str(TERMINATION_GRACE_SECONDS - PRE_STOP_SECONDS
                                    - EXIT_SLACK_SECONDS)]
@@ -107,15 +125,16 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
         args += ["--admin-api-keys", f"{ADMIN_AUTH_DIR}/admin-api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
-    return args + security_args(spec, owner)
+    return args + epp_args(spec) + security_args(spec, owner)
 
 
 def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                   operator: OperatorPeer | None = None,
                   worker_image: str | None = None) -> list[dict[str, Any]]:
     """`image`: the router's (`router.image` wins); `worker_image`: the decode pool's, which
-    holds a `file://` or the bundled model for the tokenizer init container."""
-    name = router_name(owner)
+    holds a `file://` or the bundled model for the tokenizer init container. In gateway mode
+    the same objects are the endpoint picker's, named NAME-epp (`render.gateway`)."""
+    name = epp_name(owner) if gateway_mode(spec) else router_name(owner)
     worker_image = worker_image or image
     image = spec.router.pod.image or image
     text = yaml.safe_dump(router_config(spec, owner), sort_keys=True)
@@ -171,6 +190,8 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
         "volumeMounts": mounts, "terminationMessagePolicy": "FallbackToLogsOnError"}
     if spec.router.resources:
         container["resources"] = copy.deepcopy(spec.router.resources)
+    if gateway_mode(spec):
+        epp_pod(spec, container, volumes)
     meta = metadata(owner, name, ROUTER_COMPONENT)
     # a new router.yaml or key Secret rolls the routers (both are read at start)
     admin = ((spec.router.admin_api_keys_secret, spec.router.admin_api_keys_key)
@@ -198,5 +219,7 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                         "selector": labels(owner, ROUTER_COMPONENT),
                         "ports": [{"name": HTTP_PORT_NAME, "port": HTTP_PORT,
                                    "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]}}
+    if gateway_mode(spec):
+        service = epp_service(spec, owner)
     return [account, role, binding, config_map, deployment, service,
             pdb(owner, name, ROUTER_COMPONENT)]
