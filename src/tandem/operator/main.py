@@ -34,7 +34,7 @@ from kubernetes.client import ApiClient
 from tandem.operator import kube, reconcile
 from tandem.operator.metrics import HttpMetricsSource
 from tandem.operator.redis_acl import RedisAclError
-from tandem.operator.render import Owner, pool_name, pools, router_name
+from tandem.operator.render import Owner, front_door_name, pool_name, pools
 from tandem.operator.render.common import API_VERSION
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
@@ -105,7 +105,8 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     try:
         spec = _admitted(body, memo)
         live = reconcile.workloads(memo.kube, owner)
-        names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
+        front = front_door_name(spec, owner)  # NAME-router, NAME-epp; none when attached
+        names = [pool_name(owner, p) for p in pools(spec)] + ([front] if front else [])
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
             _reapply(memo, spec, owner, generation)
