@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tandem.operator.render import Owner, render_all
+from tandem.operator.render.common import CONFIG_HASH as CONFIG_HASH_KEY
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.spec import SpecError, parse_spec
 from tandem.operator.status import observed
@@ -400,3 +401,93 @@ def test_attached_to_itself_is_refused():
     raw = with_router(AGG, {"attachTo": "demo"})
     with pytest.raises(SpecError, match="names this InferenceService itself"):
         render(raw)
+
+
+# ---- the router fetches its members' tokenizers ------------------------------------------
+
+HF = {"model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main",
+                "hfTokenSecretRef": {"name": "hf"}}, "router": {"attachTo": "alpha"}}
+FILE = {"image": "registry.example/own:1", "model": {"uri": "file:///opt/m", "name": "own"},
+        "router": {"attachTo": "alpha"}}
+
+
+def test_the_router_fetches_every_members_tokenizer():
+    members = [("zeta", parse_spec(FILE)), ("beta", parse_spec(HF))]  # (any order: by name)
+    for raw in (PD, gateway(PD)):
+        docs = render_all(parse_spec(raw), A, image="tandem:test", members=members)
+        front = next(d for d in by_kind(docs, "Deployment")
+                     if d["metadata"]["name"] in ("alpha-router", "alpha-epp"))
+        validate(front)
+        config = next(d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] in (
+            "alpha-router-config", "alpha-epp-config"))
+        assert yaml.safe_load(config["data"]["router.yaml"])["tokenizers"] == {
+            "llama": "/tokenizer", "SmolLM2-135M-Instruct": "/tokenizer-1",
+            "HuggingFaceTB/SmolLM2-135M-Instruct": "/tokenizer-1", "own": "/tokenizer-2"}
+        pod = front["spec"]["template"]["spec"]
+        inits = {c["name"]: c for c in pod["initContainers"]}
+        assert list(inits) == ["fetch-tokenizer", "fetch-tokenizer-1", "fetch-tokenizer-2"]
+        hf, own = inits["fetch-tokenizer-1"], inits["fetch-tokenizer-2"]
+        assert hf["command"][-2:] == ["--dest", "/tokenizer-1"]
+        assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "hf", "key": "token"}}} in hf["env"]
+        assert own["image"] == "registry.example/own:1"  # the member's image holds its file
+        assert own["command"][-4:] == ["--local", "/opt/m", "--dest", "/tokenizer-2"]
+        mounts = container(front)["volumeMounts"]
+        for i in (1, 2):
+            assert {"name": f"tokenizer-{i}", "mountPath": f"/tokenizer-{i}",
+                    "readOnly": True} in mounts
+    alone = one(render(PD, A), "Deployment", "alpha-router")
+    assert CONFIG_HASH_KEY in alone["spec"]["template"]["metadata"]["annotations"]
+    assert (alone["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_KEY]
+            != one(render_all(parse_spec(PD), A, image="tandem:test", members=members),
+                   "Deployment", "alpha-router")["spec"]["template"]["metadata"][
+                "annotations"][CONFIG_HASH_KEY])  # a new member rolls the router
+
+
+def test_tandem_render_of_a_group_gives_the_router_its_members(tmp_path):
+    """`tandem render -f` of several documents: an owner's router learns the attached ones
+    in the same input."""
+    import argparse
+
+    from tandem.operator.dryrun import add_render_args
+    from tandem.operator.dryrun import render as dry_render
+
+    text = yaml.safe_dump_all([
+        {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+         "metadata": {"name": "alpha"}, "spec": PD},
+        {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferenceService",
+         "metadata": {"name": "beta"}, "spec": HF}])
+    p = argparse.ArgumentParser()
+    add_render_args(p)
+    out = [d for d in yaml.safe_load_all(dry_render(p.parse_args(["-f", "-", "-n", "ml"]),
+                                                    text, {})) if d]
+    config = next(d for d in out if d["metadata"]["name"] == "alpha-router-config")
+    assert yaml.safe_load(config["data"]["router.yaml"])["tokenizers"][
+        "SmolLM2-135M-Instruct"] == "/tokenizer-1"
+    assert not [d for d in out if d["metadata"]["name"].startswith("beta-router")]
+
+
+def test_connectivity_of_a_gateway_group():
+    """NetworkPolicy semantics (`netpol.connects`) over an EPP owner (P/D) and an attached
+    aggregated service: the picker reaches every worker of both on http and grpc; the
+    gateway's proxies (their namespace) reach the picker's gRPC port and the pool pods'
+    http, never a prefill pod nor the picker's http; a stranger pod reaches no worker."""
+    from tests.operator.netpol import Pod, connects, pods_of
+
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateways"}}}
+    a = render(gateway(PD, allowedClients=[peer]), A)
+    b = render(with_router(AGG, {"attachTo": "alpha"}), B)
+    policies = by_kind(a + b, "NetworkPolicy")
+    pods = {p.name.split("/")[1]: p for p in pods_of(a + b, "ml")}
+    epp = pods["alpha-epp"]
+    for name in ("alpha-prefill", "alpha-decode", "beta-worker"):
+        for port in (8000, 50051):
+            assert connects(policies, epp, pods[name], port), (name, port)
+    proxy = Pod("gateways/envoy", "gateways", {"app": "envoy"})
+    assert connects(policies, proxy, epp, 9002)
+    assert not connects(policies, proxy, epp, 8000)
+    for name, ok in (("alpha-decode", True), ("beta-worker", True), ("alpha-prefill", False)):
+        assert connects(policies, proxy, pods[name], 8000) == ok, name
+    stranger = Pod("ml/stranger", "ml", {"app": "x"})
+    for name in ("alpha-prefill", "alpha-decode", "beta-worker"):
+        assert not connects(policies, stranger, pods[name], 8000), name

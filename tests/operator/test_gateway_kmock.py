@@ -2,7 +2,8 @@
 kmock's API emulator, `test_operator_kmock`'s fixtures): gateway mode creates the
 InferencePool, the endpoint picker's Deployment and Service and the HTTPRoute with exactly
 the rendered content; switching back to `router` deletes them and brings the router back;
-an attached InferenceService runs no router and its status names the one that serves it."""
+an attached InferenceService runs no router, its status names the one that serves it, and
+that router fetches its tokenizer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import yaml
 
 from tests.operator import test_operator_kmock as km
 from tests.operator.harness import condition, wait_for
@@ -61,7 +63,8 @@ def test_gateway_mode_applies_the_pool_and_switching_back_deletes_it(
 
 def test_an_attached_service_runs_no_router_and_names_its_own(env: Env) -> None:
     env.create("host", AGG)
-    env.create("guest", {**AGG, "router": {"attachTo": "host"}})
+    env.create("guest", {"model": {**AGG["model"], "name": "guest-model"},
+                         "router": {"attachTo": "host"}})
     svc = wait_for(lambda: env.get("Service", "guest-worker"), what="guest's workers")
     assert svc["metadata"]["labels"]["tandem.dev/router-group"] == "host"
     st = wait_for(lambda: env.status("guest").get("observedGeneration") == 1
@@ -71,5 +74,10 @@ def test_an_attached_service_runs_no_router_and_names_its_own(env: Env) -> None:
     assert env.get("Deployment", "guest-epp") is None
     host = wait_for(lambda: env.get("Service", "host-worker"))
     assert host["metadata"]["labels"]["tandem.dev/router-group"] == "host"
+    # the host's router fetches the guest's tokenizer from its next re-apply (resync) on
+    config = wait_for(lambda: "/tokenizer-1" in str(env.get("ConfigMap", "host-router-config"))
+                      and env.get("ConfigMap", "host-router-config"), what="guest's tokenizer")
+    assert yaml.safe_load(config["data"]["router.yaml"])["tokenizers"] == {
+        "m": "/tokenizer", "guest-model": "/tokenizer-1"}
     env.roll_out("guest-worker")
     wait_for(lambda: condition(env.isvc("guest"), "Ready")["status"] == "True", what="Ready")

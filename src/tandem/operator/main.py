@@ -69,7 +69,31 @@ def _admitted(body: kopf.Body, memo: kopf.Memo) -> InferenceServiceSpec:
     return spec
 
 
-def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+def attached_to(body: kopf.Body, **_: Any) -> dict[tuple[str, str], tuple[str, dict]] | None:
+    """kopf index `members`: (namespace, router.attachTo) -> (name, spec) of every
+    InferenceService attached to another's router."""
+    spec = body.get("spec")
+    to = (spec.get("router") or {}).get("attachTo") if isinstance(spec, dict) else None
+    if not isinstance(to, str):
+        return None
+    return {(body["metadata"]["namespace"], to): (body["metadata"]["name"], dict(spec))}
+
+
+def _members(index: Any, owner: Owner) -> list[tuple[str, InferenceServiceSpec]]:
+    """The valid InferenceServices attached to `owner` (an invalid one's own handler says
+    why), whose tokenizers its router fetches; a new one reaches it on the next re-apply
+    (the resync timer)."""
+    out = []
+    for name, raw in (index or {}).get((owner.namespace, owner.name), []):
+        try:
+            out.append((name, parse_spec(raw)))
+        except SpecError:
+            continue
+    return out
+
+
+def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
+          members: Any = None, **_: Any) -> None:
     owner, now = reconcile.owner_of(body), now_iso()
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
@@ -81,7 +105,8 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     try:
         with _writer(memo, owner, generation, newest=True):
-            removed = reconcile.apply(memo.kube, spec, owner, memo.config).removed
+            removed = reconcile.apply(memo.kube, spec, owner, memo.config,
+                                      _members(members, owner)).removed
         live = reconcile.workloads(memo.kube, owner)
     except (*kube.KubeError, RedisAclError) as exc:
         reason = kube.describe(exc)
@@ -96,7 +121,8 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
                    message=f"no longer rendered: {', '.join(removed)}")
 
 
-def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, members: Any = None,
+            **_: Any) -> None:
     """Status from the workloads; one deleted by hand is applied again."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     status = dict(body.get("status") or {})
@@ -109,7 +135,7 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
         names = [pool_name(owner, p) for p in pools(spec)] + ([front] if front else [])
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
-            _reapply(memo, spec, owner, generation)
+            _reapply(memo, spec, owner, generation, _members(members, owner))
             live = reconcile.workloads(memo.kube, owner)
     except SpecError:
         return
@@ -121,13 +147,14 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
                                                      now_iso())))
 
 
-def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def resync(body: kopf.Body, memo: kopf.Memo, members: Any = None, **_: Any) -> None:
     """Apply the current generation's children again; report what that had to write."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     if (body.get("status") or {}).get("observedGeneration") != generation:
         return  # the change handler owns this generation until it has applied it
     try:
-        done = _reapply(memo, _admitted(body, memo), owner, generation)
+        done = _reapply(memo, _admitted(body, memo), owner, generation,
+                        _members(members, owner))
     except SpecError:
         return
     except (*kube.KubeError, RedisAclError) as exc:
@@ -141,14 +168,15 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
                    message=f"re-applied after a change outside the spec: {', '.join(repaired)}")
 
 
-def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner,
-             generation: int) -> reconcile.Applied | None:
+def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner, generation: int,
+             members: list[tuple[str, InferenceServiceSpec]] | None = None,
+             ) -> reconcile.Applied | None:
     """A timer's apply of `generation`'s children; None when the change handler has taken
     up a newer generation meanwhile (nothing written)."""
     with _writer(memo, owner, generation) as current:
         if not current:
             return None
-        return reconcile.apply(memo.kube, spec, owner, memo.config)
+        return reconcile.apply(memo.kube, spec, owner, memo.config, members or ())
 
 
 def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -218,6 +246,7 @@ def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
     reg = kopf.OperatorRegistry()
     kopf.on.login(registry=reg)(login)
     kopf.on.startup(registry=reg)(startup)
+    kopf.index(*RESOURCE, registry=reg, id="members")(attached_to)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*RESOURCE, registry=reg, id="apply")(apply)
     if config.redis is not None:

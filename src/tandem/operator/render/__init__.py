@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
-from tandem.operator.render.gateway import attached, gateway_children, label_group
+from tandem.operator.render.gateway import Member, attached, gateway_children, label_group
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
@@ -45,7 +45,8 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
                operator: OperatorPeer | None = None,
                image_pull_secrets: Sequence[str] = (),
                router_image: str | None = None, worker_image: str | None = None,
-               worker_cuda_image: str | None = None) -> list[dict[str, Any]]:
+               worker_cuda_image: str | None = None,
+               members: Sequence[tuple[str, InferenceServiceSpec]] = ()) -> list[dict[str, Any]]:
     """Every child manifest, in an order that can be applied front to back (RBAC and config
     before the pods that use them). `image` is the operator's default (spec.image wins; see
     `image_from_env`), `router_image` the routers' (the torch-free control image; default
@@ -58,7 +59,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
     the pods' user settings (`render.pod`) are merged last. A multi-node tensor-parallel pool
     is a LeaderWorkerSet (`render.multinode`) where the others are Deployments: each pool's
-    `Workload`, decided once here, is what every renderer reads."""
+    `Workload`, decided once here, is what every renderer reads. `members` (name, spec):
+    the InferenceServices attached to this one (`router.attachTo`), by name, whose
+    tokenizers its router fetches too."""
     check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
@@ -66,8 +69,12 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     workloads = pool_workloads(spec, owner)
     out = network_policies(spec, owner, operator, workloads) + certificates(spec, owner)
     if not attached(spec):  # (attached: served by another InferenceService's router)
+        group = [Member(name, m, pool_image(pools(m)[-1], m.image or worker_image or img,
+                                            m.image or worker_cuda_image or img))
+                 for name, m in sorted(members, key=lambda x: x[0])]
         out += render_router(spec, owner, spec.image or router_image or img, operator,
-                             worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img))
+                             worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img),
+                             members=group)
         out += gateway_children(spec, owner)  # mode gateway: InferencePool, HTTPRoute
     workers = render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
     label_group(workers, spec, owner, workloads)

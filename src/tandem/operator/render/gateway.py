@@ -23,6 +23,7 @@ gateway mode).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.render.common import (
@@ -54,6 +55,16 @@ EXT_PROC_SERVICE_PORT_NAME = "grpc-ext-proc"  # its Service port (Istio: protoco
 EXT_PROC_APP_PROTOCOL = "http2"
 EXT_PROC_TLS_DIR = "/etc/tandem/ext-proc-tls"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service
+
+
+@dataclass(frozen=True)
+class Member:
+    """An InferenceService attached to this one's router (`router.attachTo`): the router
+    fetches its model's tokenizer too."""
+
+    name: str
+    spec: InferenceServiceSpec
+    worker_image: str | None = None  # its decode pool's (a file:// or bundled tokenizer)
 
 
 def gateway_mode(spec: InferenceServiceSpec) -> bool:

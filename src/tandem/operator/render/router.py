@@ -8,6 +8,7 @@ would need an API key; the pod's `prometheus.io/port` names it."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -35,6 +36,7 @@ from tandem.operator.render.common import (
     scratch_volumes,
 )
 from tandem.operator.render.gateway import (
+    Member,
     discovery_selector,
     epp_args,
     epp_name,
@@ -90,8 +92,10 @@ def _limits(r: RateLimit) -> dict[str, float]:
             "tokens_per_min": r.tokens_per_minute}
 
 
-def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
-    """router.yaml as a dict (keys of `tandem.router.main`)."""
+def router_config(spec: InferenceServiceSpec, owner: Owner,
+                  members: Sequence[Member] = ()) -> dict[str, Any]:
+    """router.yaml as a dict (keys of `tandem.router.main`); `members`: the InferenceServices
+    attached to this router, whose models' tokenizers are at /tokenizer-N (N from 1)."""
     r = spec.router
     cfg: dict[str, Any] = {"policy": r.policy, "pd_threshold": r.pd_threshold,
                            "pd_max_prefill_queue": r.pd_max_prefill_queue,
@@ -101,6 +105,9 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
     # the tokenizer init container's output (`render.model.router_model`), for every source
     cfg["tokenizers"] = {name: TOKENIZER_DIR for name in spec.model.served_names}
+    for i, m in enumerate(members, 1):  # (a name this service serves keeps its own)
+        for name in m.spec.model.served_names:
+            cfg["tokenizers"].setdefault(name, f"{TOKENIZER_DIR}-{i}")
     if r.rate_limit is not None or r.tenant_rate_limits:
         cfg["rate_limits"] = {"default": _limits(r.rate_limit or RateLimit()),
                               "tenants": {t: _limits(v)
@@ -130,14 +137,16 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
 
 def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                   operator: OperatorPeer | None = None,
-                  worker_image: str | None = None) -> list[dict[str, Any]]:
+                  worker_image: str | None = None,
+                  members: Sequence[Member] = ()) -> list[dict[str, Any]]:
     """`image`: the router's (`router.image` wins); `worker_image`: the decode pool's, which
-    holds a `file://` or the bundled model for the tokenizer init container. In gateway mode
+    holds a `file://` or the bundled model for the tokenizer init container; `members`: the
+    InferenceServices attached to it, a tokenizer init container each. In gateway mode
     the same objects are the endpoint picker's, named NAME-epp (`render.gateway`)."""
     name = epp_name(owner) if gateway_mode(spec) else router_name(owner)
     worker_image = worker_image or image
     image = spec.router.pod.image or image
-    text = yaml.safe_dump(router_config(spec, owner), sort_keys=True)
+    text = yaml.safe_dump(router_config(spec, owner, members), sort_keys=True)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": metadata(owner, f"{name}-config", ROUTER_COMPONENT),
                   "data": {"router.yaml": text}}
@@ -154,7 +163,14 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                "subjects": [{"kind": "ServiceAccount", "name": name,
                              "namespace": owner.namespace}]}
     volumes, mounts = scratch_volumes()
+    scratch = list(mounts)
     model = router_model(spec.model, image, worker_image, mounts)
+    for i, m in enumerate(members, 1):
+        more = router_model(m.spec.model, image, m.worker_image or worker_image, scratch,
+                            f"-{i}")
+        model.volumes += more.volumes
+        model.mounts += more.mounts
+        model.init_containers += more.init_containers
     volumes.append({"name": "config", "configMap": {"name": f"{name}-config"}})
     mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
     volumes += model.volumes

@@ -26,16 +26,23 @@
   /metrics without a key; no one else, the operator included, which scrapes workers
   only). Kubelet probes come from the node, which policies do not
   govern on the common CNIs.
+* Router groups and gateway mode (`render.gateway`): an attached InferenceService renders
+  no router policy, and its workers admit the routers of `router.attachTo`; in gateway mode
+  the routers (the endpoint picker, NAME-epp) admit the gateway's proxies
+  (`router.gateway.allowedClients`, else anyone) on their gRPC port only, no http, and
+  NAME-inference-pool admits them on http to the InferencePool's pods (Ingress only).
 * Egress (the same policies, `policyTypes: [Ingress, Egress]`): every pod may reach DNS
   (kube-system's kube-dns pods, UDP and TCP 53); workers their own peers (grpc; every port
   with the torch backend; a multi-node group every port within the group), and HTTPS (443)
   anywhere but `METADATA_RANGES` only when an init container downloads (`hf://` model or
   adapters); routers their own workers (http, grpc), the Kubernetes API (443 and 6443: their
   EndpointSlice discovery; the Hub's tokenizer files on 443 too) anywhere but
-  `METADATA_RANGES`, and their Redis: the chart's Redis pods (`router.managedRedis`, the port
-  from `TANDEM_REDIS_ADDRESS`) or, for `redisUrlSecretRef`, TCP 6379 anywhere but
-  `METADATA_RANGES`. Nothing ever reaches the cloud metadata services (169.254.169.254,
-  fd00:ec2::254, 100.100.100.200) nor link-local addresses.
+  `METADATA_RANGES`, the workers of the InferenceServices attached to them (pods labelled
+  `tandem.dev/router-group=NAME`: http, grpc), and their Redis: the chart's Redis pods
+  (`router.managedRedis`, the port from `TANDEM_REDIS_ADDRESS`) or, for
+  `redisUrlSecretRef`, TCP 6379 anywhere but `METADATA_RANGES`. Nothing ever reaches the
+  cloud metadata services (169.254.169.254, fd00:ec2::254, 100.100.100.200) nor link-local
+  addresses.
 """
 
 from __future__ import annotations
