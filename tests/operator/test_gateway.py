@@ -491,3 +491,20 @@ def test_connectivity_of_a_gateway_group():
     stranger = Pod("ml/stranger", "ml", {"app": "x"})
     for name in ("alpha-prefill", "alpha-decode", "beta-worker"):
         assert not connects(policies, stranger, pods[name], 8000), name
+
+
+def test_the_pickers_pod_takes_the_routers_pod_settings():
+    raw = with_router(AGG, {"mode": "gateway", "gateway": {}, "replicas": 3,
+                            "nodeSelector": {"pool": "cpu"}, "podLabels": {"team": "ml"},
+                            "resources": {"limits": {"memory": "1Gi"}}})
+    docs = render_all(parse_spec(raw), OWNER, image="tandem:test", image_pull_policy="Always",
+                      image_pull_secrets=["regcred"])
+    epp = one(docs, "Deployment", "demo-epp")
+    pod = epp["spec"]["template"]
+    assert epp["spec"]["replicas"] == 3
+    assert pod["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert pod["metadata"]["labels"]["team"] == "ml"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert container(epp)["imagePullPolicy"] == "Always"
+    assert container(epp)["resources"] == {"limits": {"memory": "1Gi"}}
+    validate(epp)
