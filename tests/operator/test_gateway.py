@@ -344,6 +344,10 @@ def cel(raw: dict[str, Any]) -> list[str]:
 
 REFUSED = [
     (with_router(AGG, {"gateway": {}}), "router.gateway needs router.mode: gateway"),
+    (with_router(AGG, {"mode": "gateway", "serviceType": "LoadBalancer"}),
+     "router.mode gateway"),
+    (with_router(AGG, {"mode": "gateway", "allowedClients": [{"podSelector": {}}]}),
+     "router.mode gateway"),
     (with_router(AGG, {"attachTo": "alpha", "replicas": 2}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "apiKeysSecret": {"name": "k"}}),
      "router.attachTo"),

@@ -107,6 +107,17 @@ def parse_gateway(d: dict[str, Any], mode: str) -> GatewaySpec | None:
         request_timeout_seconds=get_int(g, "requestTimeoutSeconds", 300, w, 1, 86400))
 
 
+def check_gateway(router: Any) -> None:
+    """Gateway mode: the router fields of a front door it does not have are refused."""
+    if router.mode != "gateway":
+        return
+    if router.service_type != "ClusterIP" or router.allowed_clients:
+        raise SpecError("router.mode gateway: the gateway is the front door (the endpoint "
+                        "picker's Service is ClusterIP, its http port closed); set "
+                        "router.gateway.allowedClients, not router.serviceType or "
+                        "router.allowedClients")
+
+
 def parse_attach_to(d: dict[str, Any]) -> str | None:
     name = get(d, "attachTo", str, None, "router")
     if name is not None and (not _DNS_LABEL.match(name) or len(name) > 63):

@@ -13,6 +13,7 @@ from tandem.operator.spec_gateway import (
     MODES,
     GatewaySpec,
     check_attached,
+    check_gateway,
     parse_attach_to,
     parse_gateway,
 )
@@ -119,4 +120,5 @@ def parse_router(d: dict) -> RouterSpec:
         raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
                         "keys the admin endpoints are open)")
     check_attached(r, RouterSpec(), d)
+    check_gateway(r)
     return r
