@@ -167,6 +167,8 @@ def test_ext_proc_tls_mounts_the_secret_and_probes_over_http():
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     validate(one(docs, "Deployment", "demo-epp"))
+    grpc = one(docs, "Service", "demo-epp")["spec"]["ports"][0]
+    assert grpc["name"] == "grpc-ext-proc" and "appProtocol" not in grpc
 
 
 def test_pd_pool_selects_decode_pods_never_prefill():

@@ -5,20 +5,23 @@ its endpoint picker (EPP): `tandem router --ext-proc-port PORT`, the router Depl
 `render.router` under the name NAME-epp (same config, keys, security, discovery), its pods
 probed through the gRPC health services (`liveness`, `readiness`; HTTP `/health`, `/ready`
 when ext_proc is TLS: kubelet gRPC probes have none), its Service NAME-epp exposing only the
-gRPC port (`grpc-ext-proc`, appProtocol `http2`) and the metrics port. The `InferencePool`
-NAME (`inference.networking.k8s.io/v1`) selects `INFERENCE_POOL_LABEL=NAME`: the decode or
-aggregated pods (a multi-node pool's leaders) of NAME and of every InferenceService attached
-to it. Prefill pods are never in the pool: the EPP names them itself, and a gateway falling
-open must not send a client request to one. `endpointPickerRef` names NAME-epp's gRPC port
-with `failureMode`. With `router.gateway.parentRefs`, an example `HTTPRoute` NAME
-(`gateway.networking.k8s.io/v1`) routes `/` of those Gateways to the pool.
+gRPC port (`grpc-ext-proc`, appProtocol `http2` unless ext_proc is TLS) and the metrics
+port. The `InferencePool` NAME (`inference.networking.k8s.io/v1`) selects
+`INFERENCE_POOL_LABEL=NAME`: the decode or aggregated pods (a multi-node pool's leaders) of
+NAME and of every InferenceService attached to it. Prefill pods are never in the pool: the
+EPP names them itself, and a gateway falling open must not send a client request to one.
+`endpointPickerRef` names NAME-epp's gRPC port with `failureMode`. With
+`router.gateway.parentRefs`, an example `HTTPRoute` NAME (`gateway.networking.k8s.io/v1`)
+routes `/` of those Gateways to the pool.
 
 Router groups: every worker Service carries `ROUTER_GROUP_LABEL` = the InferenceService whose
 router serves it (its own name, or `router.attachTo`), and that router's discovery selects
 `app.kubernetes.io/component=worker,tandem.dev/router-group=NAME`. An attached
 InferenceService's worker pods carry the label too (its router's NetworkPolicy egress selects
 it), and its decode or aggregated pods `INFERENCE_POOL_LABEL` (inert unless its router is in
-gateway mode).
+gateway mode). The router fetches each attached model's tokenizer (`Member`, from the
+operator's index of `router.attachTo`). An attachTo chain (attached to a service that is
+itself attached) is not followed: nothing serves the end of it.
 """
 
 from __future__ import annotations
@@ -140,14 +143,15 @@ def epp_service(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
     """ClusterIP: the gRPC port the InferencePool names, and /metrics (/scaling)."""
     g = spec.router.gateway
     assert g is not None
+    grpc: dict[str, Any] = {"name": EXT_PROC_SERVICE_PORT_NAME, "port": g.ext_proc_port,
+                            "targetPort": EXT_PROC_PORT_NAME, "protocol": "TCP"}
+    if not g.tls_secret:  # cleartext HTTP/2; with TLS the gateway's own settings say so
+        grpc["appProtocol"] = EXT_PROC_APP_PROTOCOL
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": metadata(owner, epp_name(owner), ROUTER_COMPONENT),
             "spec": {"type": "ClusterIP", "selector": labels(owner, ROUTER_COMPONENT),
-                     "ports": [{"name": EXT_PROC_SERVICE_PORT_NAME, "port": g.ext_proc_port,
-                                "targetPort": EXT_PROC_PORT_NAME, "protocol": "TCP",
-                                "appProtocol": EXT_PROC_APP_PROTOCOL},
-                               {"name": METRICS_PORT_NAME, "port": METRICS_PORT,
-                                "targetPort": METRICS_PORT_NAME, "protocol": "TCP"}]}}
+                     "ports": [grpc, {"name": METRICS_PORT_NAME, "port": METRICS_PORT,
+                                      "targetPort": METRICS_PORT_NAME, "protocol": "TCP"}]}}
 
 
 def inference_pool(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
