@@ -81,3 +81,23 @@ def test_an_attached_service_runs_no_router_and_names_its_own(env: Env) -> None:
         "m": "/tokenizer", "guest-model": "/tokenizer-1"}
     env.roll_out("guest-worker")
     wait_for(lambda: condition(env.isvc("guest"), "Ready")["status"] == "True", what="Ready")
+
+
+def test_an_attached_service_without_a_router_says_so_until_one_exists(env: Env) -> None:
+    """attachTo a name no InferenceService has: Ready False, reason RouterNotFound, the
+    workers deployed; attached to one that is itself attached: the same, naming the end of
+    the chain; once its router's InferenceService exists, Ready (the status timer)."""
+    env.create("orphan", {**AGG, "router": {"attachTo": "later"}})
+    wait_for(lambda: env.get("Deployment", "orphan-worker"), what="its workers")
+    env.roll_out("orphan-worker")
+    message = "router.attachTo later: no InferenceService later in ml; nothing routes to this one"
+    ready = wait_for(lambda: (c := condition(env.isvc("orphan"), "Ready"))
+                     and c["message"] == message and c, what="RouterNotFound alone")
+    assert (ready["status"], ready["reason"]) == ("False", "RouterNotFound")
+    env.create("chained", {**AGG, "router": {"attachTo": "orphan"}})
+    chained = wait_for(lambda: (c := condition(env.isvc("chained"), "Ready"))
+                       and c["reason"] == "RouterNotFound" and c, what="the chain")
+    assert "orphan is itself attached to later (attach to later)" in chained["message"]
+    env.create("later", AGG)
+    wait_for(lambda: condition(env.isvc("orphan"), "Ready")["status"] == "True",
+             what="Ready once its router's InferenceService exists")

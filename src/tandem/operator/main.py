@@ -79,6 +79,32 @@ def attached_to(body: kopf.Body, **_: Any) -> dict[tuple[str, str], tuple[str, d
     return {(body["metadata"]["namespace"], to): (body["metadata"]["name"], dict(spec))}
 
 
+def routed_by(body: kopf.Body, **_: Any) -> dict[tuple[str, str], str]:
+    """kopf index `services`: (namespace, name) -> its router.attachTo ("" for none) of
+    every InferenceService."""
+    spec = body.get("spec")
+    to = (spec.get("router") or {}).get("attachTo") if isinstance(spec, dict) else None
+    return {(body["metadata"]["namespace"], body["metadata"]["name"]):
+            to if isinstance(to, str) else ""}
+
+
+def router_problem(spec: InferenceServiceSpec, owner: Owner, services: Any) -> str | None:
+    """Why nothing routes to an attached InferenceService (None: its router exists, or it
+    is not attached): its router.attachTo names no InferenceService, or one that is itself
+    attached (a chain is not followed)."""
+    to = spec.router.attach_to
+    if to is None or services is None:
+        return None
+    found = list(services.get((owner.namespace, to), []))
+    if not found:
+        return (f"router.attachTo {to}: no InferenceService {to} in {owner.namespace}; "
+                "nothing routes to this one")
+    if found[0]:
+        return (f"router.attachTo {to}: {to} is itself attached to {found[0]} (attach to "
+                f"{found[0]}); nothing routes to this one")
+    return None
+
+
 def _members(index: Any, owner: Owner) -> list[tuple[str, InferenceServiceSpec]]:
     """The valid InferenceServices attached to `owner` (an invalid one's own handler says
     why), whose tokenizers its router fetches; a new one reaches it on the next re-apply
@@ -93,7 +119,7 @@ def _members(index: Any, owner: Owner) -> list[tuple[str, InferenceServiceSpec]]
 
 
 def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
-          members: Any = None, **_: Any) -> None:
+          members: Any = None, services: Any = None, **_: Any) -> None:
     owner, now = reconcile.owner_of(body), now_iso()
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
@@ -114,7 +140,8 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
                                                        reason, now)))
         delay = min(memo.config.backoff_s * 2**retry, 300.0)
         raise kopf.TemporaryError(f"apply failed: {reason}", delay=delay) from exc
-    new = observed(spec, owner, status, live, generation, now)
+    new = observed(spec, owner, status, live, generation, now,
+                   router_problem(spec, owner, services))
     patch.status.update(merge_patch(status, new | {"observedGeneration": generation}))
     if removed:
         kopf.event(body, type="Normal", reason="Removed",
@@ -122,7 +149,7 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
 
 
 def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, members: Any = None,
-            **_: Any) -> None:
+            services: Any = None, **_: Any) -> None:
     """Status from the workloads; one deleted by hand is applied again."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     status = dict(body.get("status") or {})
@@ -143,8 +170,8 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, members: Any = 
         log.warning("%s/%s: status not refreshed: %s", owner.namespace, owner.name,
                     kube.describe(exc))
         return
-    patch.status.update(merge_patch(status, observed(spec, owner, status, live, generation,
-                                                     now_iso())))
+    patch.status.update(merge_patch(status, observed(
+        spec, owner, status, live, generation, now_iso(), router_problem(spec, owner, services))))
 
 
 def resync(body: kopf.Body, memo: kopf.Memo, members: Any = None, **_: Any) -> None:
@@ -247,6 +274,7 @@ def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
     kopf.on.login(registry=reg)(login)
     kopf.on.startup(registry=reg)(startup)
     kopf.index(*RESOURCE, registry=reg, id="members")(attached_to)
+    kopf.index(*RESOURCE, registry=reg, id="services")(routed_by)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*RESOURCE, registry=reg, id="apply")(apply)
     if config.redis is not None:

@@ -113,9 +113,10 @@ def failed(current: Mapping[str, Any], generation: int, reason: str, message: st
 
 def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any],
              deployments: Mapping[str, Mapping[str, Any]], generation: int,
-             now: str) -> dict[str, Any]:
+             now: str, router_problem: str | None = None) -> dict[str, Any]:
     """Status from the children's workloads (name -> Deployment or LeaderWorkerSet, with
-    its `kind`, as `reconcile.workloads` reads them)."""
+    its `kind`, as `reconcile.workloads` reads them); `router_problem`: why nothing routes
+    to this attached service (not Ready, reason RouterNotFound)."""
     front = front_door_name(spec, owner)  # None: attached; NAME-epp: gateway mode
     # the router's URL; none for an EPP (clients use the gateway) or an attached service,
     # whose `router` names the InferenceService that serves it
@@ -147,9 +148,12 @@ def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any
             waiting.append(f"{front}: {ready}/{wanted} ready")
     else:
         out["routerReadyReplicas"] = None
+    if router_problem:
+        waiting.insert(0, router_problem)
     out["conditions"] = conditions(
         current.get("conditions") or [], generation, now, ready=not waiting,
-        progressing=bool(waiting), degraded=False, reason="ReplicasNotReady",
+        progressing=bool(waiting), degraded=False,
+        reason="RouterNotFound" if router_problem else "ReplicasNotReady",
         message="; ".join(waiting))
     adapter = adapter_condition(spec, owner, current.get("conditions") or [], generation, now)
     if adapter is not None:
