@@ -59,6 +59,7 @@ OPERATOR_RULES = {
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): CHILD,  # multi-node pools
     ("inference.networking.k8s.io", "inferencepools"): CHILD,  # router.mode gateway
     ("gateway.networking.k8s.io", "httproutes"): CHILD,  # its example route
+    ("keda.sh", "scaledobjects"): CHILD,  # autoscaling.mode: keda
     ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},
 }
@@ -233,6 +234,7 @@ def test_rbac_covers_every_custom_kind_the_operator_applies() -> None:
 
     custom = {(k.group, k.plural) for k in KINDS.values() if k.group}
     assert ("leaderworkerset.x-k8s.io", "leaderworkersets") in custom
+    assert ("keda.sh", "scaledobjects") in custom
     assert {key: OPERATOR_RULES.get(key) for key in custom} == dict.fromkeys(custom, CHILD)
 
 

@@ -21,10 +21,10 @@ from tandem.operator.render.multinode import pod_templates
 from tandem.operator.spec import SpecError, parse_spec
 from tandem.operator.status import observed
 from tandem.protocol.labels import INFERENCE_POOL_LABEL, ROUTER_GROUP_LABEL
-from tests.operator.crd_validate import cel_errors, crd_errors
+from tests.operator.crd_validate import cel_failures, crd_errors
 from tests.operator.lws import validate
 from tests.operator.manifests import OWNER, arg, by_kind, container, matches, one, set_path
-from tests.operator.samples import SHA, apply_defaults, resource, schema
+from tests.operator.samples import SHA, resource, schema
 
 GATEWAY = {"name": "inference-gateway", "namespace": "gateways", "sectionName": "http"}
 AGG = {"model": {"uri": "pvc://models/m.gguf", "sha256": SHA}, "decode": {"replicas": 2}}
@@ -340,8 +340,7 @@ def test_random_groups_keep_selectors_exact():
 # ---- refused specs --------------------------------------------------------------------------
 
 def cel(raw: dict[str, Any]) -> list[str]:
-    s = schema()
-    return cel_errors(s, apply_defaults(s, resource(raw)))
+    return cel_failures(schema(), resource(raw))
 
 
 REFUSED = [
@@ -356,6 +355,8 @@ REFUSED = [
     (with_router(AGG, {"attachTo": "alpha", "mode": "gateway"}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "nodeSelector": {"a": "b"}}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "strategy": {"maxSurge": 2}}), "router.attachTo"),
+    (with_router(AGG, {"attachTo": "alpha", "flowControl": {"enabled": True}}),
+     "router.attachTo"),
 ]
 
 
@@ -514,3 +515,32 @@ def test_the_pickers_pod_takes_the_routers_pod_settings():
     assert container(epp)["imagePullPolicy"] == "Always"
     assert container(epp)["resources"] == {"limits": {"memory": "1Gi"}}
     validate(epp)
+
+
+def test_the_rendered_picker_is_accepted_by_the_router(tmp_path):
+    """The real `tandem router` parser and config loader take the picker's flags and
+    router.yaml: ext_proc on the rendered port, TLS files, the objectives' priorities, the
+    group's discovery selector."""
+    import argparse
+
+    from tandem.router.main import add_router_args, build
+
+    (tmp_path / "key").write_bytes(b"k" * 32)
+    for name in ("tls.crt", "tls.key"):
+        (tmp_path / name).write_text("pem")
+    docs = render(gateway(tls={"secretName": "t"}, objectives={"chat": 7}, extProcPort=9500))
+    (tmp_path / "router.yaml").write_text(
+        one(docs, "ConfigMap", "demo-epp-config")["data"]["router.yaml"])
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = [str(tmp_path / "router.yaml") if a.endswith("router.yaml") else
+            str(tmp_path / "key") if a.endswith("/worker-auth/key") else
+            str(tmp_path / a.rsplit("/", 1)[1]) if a.startswith("/etc/tandem/ext-proc-tls/")
+            else "ml" if a == "$(POD_NAMESPACE)" else a
+            for a in container(one(docs, "Deployment", "demo-epp"))["args"][1:]]
+    _, _, server = build(p.parse_args(args))
+    ext = server.ext_proc
+    assert (ext.port, dict(ext.objectives)) == (9500, {"chat": 7})
+    assert (ext.tls_cert, ext.tls_key) == (str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
+    assert server.discovery.label_selector == (
+        f"app.kubernetes.io/component=worker,{ROUTER_GROUP_LABEL}=demo")

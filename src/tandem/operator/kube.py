@@ -64,6 +64,9 @@ KINDS = {
                           "inference.networking.k8s.io", "v1", "inferencepools"),
     "HTTPRoute": Kind(client.CustomObjectsApi, "custom_object", "gateway.networking.k8s.io",
                       "v1", "httproutes"),
+    # autoscaling.mode: keda (render.keda); needs KEDA's CRDs and operator
+    "ScaledObject": Kind(client.CustomObjectsApi, "custom_object", "keda.sh", "v1alpha1",
+                         "scaledobjects"),
 }
 WORKLOADS = ("Deployment", "LeaderWorkerSet")  # what runs a pool (status, scaling)
 # created once, never applied, listed or read (the worker-auth key: RBAC `create` only)

@@ -110,6 +110,12 @@ class RouterConfig(_Strict):
     max_connections: Positive | None = None
     priority: Priority | None = None
     rate_limits: RateLimits | None = None
+    # the gateway's endpoint picker (`extproc`): its port and address, and each
+    # InferenceObjective's priority (its flow-control band; higher is served first)
+    ext_proc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    ext_proc_host: str | None = None
+    ext_proc_fallbacks: Count | None = None
+    objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
 
 
 def check_config(data: Any, source: str = "router.yaml") -> dict[str, Any]:

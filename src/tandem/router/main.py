@@ -26,7 +26,9 @@ defaults: a scorer left out keeps its default, 0 switches it off),
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
-`max_connections`, `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
+`max_connections`, `ext_proc_port`, `ext_proc_host`, `ext_proc_fallbacks` (endpoints listed
+after the pick; default 0), `objectives` (InferenceObjective name -> priority),
+`priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
 burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
@@ -36,6 +38,12 @@ The front door (`add_front_door_args`): answers name no worker unless `--debug-h
 `/metrics` needs a key on `--port` when `--api-keys` is set, or moves to `--metrics-port`;
 `/openapi.json` only with `--openapi`; a client that takes no bytes for
 `--send-timeout-seconds` is cut; at most `--max-connections` connections per process.
+
+The gateway's endpoint picker (`extproc`): with `--ext-proc-port N` the same process also
+serves Envoy's External Processing gRPC service there (on `--ext-proc-host`, default
+`--host`), as a Gateway API Inference Extension endpoint picker over the same routing core;
+TLS with `--ext-proc-tls-cert` and `--ext-proc-tls-key`, plaintext without. It runs in one
+process: with `--processes` above 1 it is a usage error (exit 2); scale it with replicas.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer (a path, or a Hugging Face repository id `ORG/NAME[@REVISION]` whose tokenizer
@@ -48,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -157,6 +166,48 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, in-flight requests and streams get up to S seconds to "
                         f"finish (default {DRAIN_SECONDS:g}; router.yaml drain_seconds)")
     add_front_door_args(p)
+    add_ext_proc_args(p)
+
+
+def add_ext_proc_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's endpoint picker (`extproc`; router.yaml `ext_proc_port`, `ext_proc_host`,
+    `objectives`)."""
+    p.add_argument("--ext-proc-port", type=port_number, default=None, metavar="PORT",
+                   help="also serve Envoy's External Processing (ext_proc) gRPC service on "
+                        "this port: Tandem as a Gateway API Inference Extension endpoint "
+                        "picker for an existing gateway (default: off)")
+    p.add_argument("--ext-proc-host", default=None, metavar="HOST",
+                   help="the endpoint picker's address (default: --host)")
+    p.add_argument("--ext-proc-tls-cert", default=None, metavar="PEM",
+                   help="serve the endpoint picker over TLS with this certificate (with "
+                        "--ext-proc-tls-key; default: plaintext)")
+    p.add_argument("--ext-proc-tls-key", default=None, metavar="PEM",
+                   help="the private key of --ext-proc-tls-cert")
+
+
+def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: ANN201
+    """The endpoint picker's settings (`ExtProcSettings`), or None when it is off; SystemExit
+    naming a bad combination."""
+    from tandem.router.extproc.settings import ExtProcSettings
+
+    port = getattr(args, "ext_proc_port", None) or cfg.get("ext_proc_port")
+    cert, key = getattr(args, "ext_proc_tls_cert", None), getattr(args, "ext_proc_tls_key", None)
+    if port is None:
+        if cert or key or getattr(args, "ext_proc_host", None):
+            raise SystemExit("--ext-proc-host / --ext-proc-tls-*: need --ext-proc-port")
+        return None
+    if port == args.port or port == (args.metrics_port or cfg.get("metrics_port")):
+        raise SystemExit("ext_proc_port: must differ from --port and --metrics-port")
+    for flag, path in (("--ext-proc-tls-cert", cert), ("--ext-proc-tls-key", key)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise SystemExit(f"{flag}: cannot read {path}")
+    try:
+        return ExtProcSettings(
+            port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
+            or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
+            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def add_front_door_args(p: argparse.ArgumentParser) -> None:
@@ -455,7 +506,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         monitor=MonitorSettings(tls=tls),
         metrics_port=door.metrics_port,
         metrics_auth=door.metrics_auth,
-        openapi=door.openapi)
+        openapi=door.openapi,
+        ext_proc=ext_proc_settings(args, cfg))
     return build_app(router, server), router, server
 
 
@@ -468,8 +520,15 @@ def run(args: argparse.Namespace) -> int:
     door = front_door(args, cfg)
     if door.metrics_port is not None and args.http_server != "lean":
         raise SystemExit("--metrics-port needs the lean HTTP server")
+    epp = ext_proc_settings(args, cfg)
+    if epp is not None and n > 1:  # a gateway's few long-lived streams would not spread
+        print("tandem router: error: --ext-proc-port runs in one router process, not with "
+              f"--processes {n} (run router replicas instead)", file=sys.stderr)
+        return 2
     busy = [] if processes.is_child() else busy_ports(  # a child's siblings share the port
         args.host, [("--port", args.port), ("--metrics-port", door.metrics_port)])
+    if epp is not None and not busy:
+        busy = busy_ports(epp.host, [("--ext-proc-port", epp.port)])
     if busy:  # one line, before the tokenizers load, not a bind traceback
         print(busy_message("tandem router", busy), file=sys.stderr)
         return 1
