@@ -544,3 +544,37 @@ def test_the_rendered_picker_is_accepted_by_the_router(tmp_path):
     assert (ext.tls_cert, ext.tls_key) == (str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
     assert server.discovery.label_selector == (
         f"app.kubernetes.io/component=worker,{ROUTER_GROUP_LABEL}=demo")
+
+
+def test_an_attached_service_scaled_by_keda_from_zero():
+    """An attached P/D service whose pools KEDA scales to zero: its ScaledObjects read the
+    group router's /scaling (NAME-metrics of attachTo), which the group's owner renders and
+    opens to KEDA; the owner's router lists the attached model and holds its requests in
+    flow control while its pool starts."""
+    zero = {"model": {"uri": "pvc://models/z.gguf", "name": "zero"},
+            "router": {"attachTo": "alpha"}, "prefill": {"replicas": 1, "autoscaling": {
+                "mode": "keda", "minReplicas": 0, "maxReplicas": 2, "target": 4}},
+            "decode": {"replicas": 1, "autoscaling": {"mode": "keda", "minReplicas": 0,
+                                                      "maxReplicas": 2, "target": 4}}}
+    member = parse_spec(zero)
+    b = render_all(member, B, image="tandem:test")
+    assert not [d for d in b if d["metadata"]["name"] == "beta-metrics"]
+    urls = {t["metadata"]["url"] for so in by_kind(b, "ScaledObject")
+            for t in so["spec"]["triggers"]}
+    assert urls == {"http://alpha-metrics.ml.svc:9090/scaling?model=zero&role=prefill",
+                    "http://alpha-metrics.ml.svc:9090/scaling?model=zero&role=decode"}
+    for doc in by_kind(b, "ScaledObject"):
+        validate(doc)
+    a = render_all(parse_spec(PD), A, image="tandem:test", members=[("beta", member)])
+    metrics = one(a, "Service", "alpha-metrics")
+    router = one(a, "Deployment", "alpha-router")["spec"]["template"]["metadata"]["labels"]
+    assert matches(metrics["spec"]["selector"], router)
+    cfg = yaml.safe_load(one(a, "ConfigMap", "alpha-router-config")["data"]["router.yaml"])
+    assert cfg["flow_control"] == {"enabled": True}
+    assert cfg["served_models"] == [{"name": "zero", "start_timeout_s": 300}]
+    ingress = one(a, "NetworkPolicy", "alpha-router")["spec"]["ingress"]
+    assert {"from": [member.keda], "ports": [{"port": "metrics", "protocol": "TCP"}]} in ingress
+    alone = render(PD, A)
+    assert not [d for d in alone if d["metadata"]["name"] == "alpha-metrics"]
+    assert "served_models" not in yaml.safe_load(
+        one(alone, "ConfigMap", "alpha-router-config")["data"]["router.yaml"])

@@ -70,7 +70,8 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     cpu_img = spec.image or worker_image or img
     cuda_img = spec.image or worker_cuda_image or img
     workloads = pool_workloads(spec, owner)
-    out = network_policies(spec, owner, operator, workloads) + certificates(spec, owner)
+    out = network_policies(spec, owner, operator, workloads,
+                           [m for _, m in members]) + certificates(spec, owner)
     if not attached(spec):  # (attached: served by another InferenceService's router)
         group = [Member(name, m, pool_image(pools(m)[-1], m.image or worker_image or img,
                                             m.image or worker_cuda_image or img))
@@ -103,7 +104,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, w, auto))
     out += scaled_objects(spec, owner, workloads)  # autoscaling.mode: keda
-    if front and (spec.service_monitor or keda_workloads(workloads)):  # (KEDA: /scaling)
+    keda_members = any(keda_workloads(pool_workloads(m, Owner(n, owner.namespace, "")))
+                       for n, m in members)  # (their ScaledObjects read this router's)
+    if front and (spec.service_monitor or keda_workloads(workloads) or keda_members):
         out.append(router_metrics_service(owner))
     if spec.service_monitor:
         out.append(service_monitor(spec, owner))

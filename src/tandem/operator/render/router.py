@@ -117,6 +117,12 @@ def router_config(spec: InferenceServiceSpec, owner: Owner,
     if r.gateway is not None and r.gateway.objectives:  # InferenceObjective -> priority
         cfg["objectives"] = dict(r.gateway.objectives)
     cfg.update(flow_control_config(spec))
+    held = [m for m in members if m.spec.scales_to_zero]  # members' pools that may be at 0
+    if held:  # ... whose requests this router holds while they start (attached: defaults)
+        cfg.setdefault("flow_control", {"enabled": True})
+        cfg.setdefault("served_models", []).extend(
+            {"name": name, "start_timeout_s": m.spec.router.flow_control.start_timeout_seconds}
+            for m in held for name in m.spec.model.served_names)
     return cfg
 
 

@@ -317,7 +317,8 @@ def redis_egress(spec: InferenceServiceSpec,
 
 def network_policies(spec: InferenceServiceSpec, owner: Owner,
                      operator: OperatorPeer | None = None,
-                     workloads: Sequence[Workload] | None = None) -> list[dict[str, Any]]:
+                     workloads: Sequence[Workload] | None = None,
+                     members: Sequence[InferenceServiceSpec] = ()) -> list[dict[str, Any]]:
     """The workers' and the router's policies, then one per LeaderWorkerSet pool
     (`group_policy`); `workloads` default `pool_workloads`."""
     if not spec.security.network_policy:
@@ -346,7 +347,11 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
               else [{"ports": [http]}])  # the front door: anyone, on http only
     if gateway_mode(spec):  # the EPP: the gateway's proxies on gRPC, no http front door
         router = gateway_ingress(spec, _port(EXT_PROC_PORT_NAME))
-    keda = [spec.keda] if spec.keda is not None else []  # its metrics-api scaler: /scaling
+    # its metrics-api scaler reads /scaling; an attached service's KEDA reads this router's
+    keda: list[dict[str, Any]] = []
+    for s in (spec, *members):
+        if s.keda is not None and s.keda not in keda:
+            keda.append(s.keda)
     if prom or keda:  # /metrics and /scaling without a key: Prometheus and KEDA only
         router.append({"from": prom + keda, "ports": [_port(METRICS_PORT_NAME)]})
     groups = [group_policy(owner, w)
