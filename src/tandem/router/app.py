@@ -139,11 +139,13 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     app.get("/ready")(ra.ready)
     if settings.metrics_port is None:
         app.get("/metrics")(ra.prometheus)
+        app.get("/scaling")(ra.scaling)
     else:
         side = FastAPI(title="Tandem router metrics", docs_url=None, redoc_url=None,
                        openapi_url=None)
         install_error_handlers(side)
         side.get("/metrics")(ra.prometheus)
+        side.get("/scaling")(ra.scaling)
         app.state.metrics_app = FastPaths(side, {}, settings.max_body_bytes)
     if settings.openapi:
         app.get("/openapi.json", include_in_schema=False)(ra.openapi)

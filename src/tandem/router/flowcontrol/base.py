@@ -79,3 +79,7 @@ class FlowControl(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop: requests still queued are answered 503."""
+
+    def queued(self, model: str) -> int:
+        """Requests of `model` waiting in the queue now (the scaling signal's share)."""
+        return 0
