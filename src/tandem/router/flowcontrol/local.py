@@ -132,11 +132,12 @@ class QueueFlowControl(FlowControl):
             raise shed(503, "no-endpoint", f"no worker serves model {req.model!r}")
         if cap is ModelCapacity.AVAILABLE and not self._ahead(req):
             return self._ticket(req, 0.0)
+        seq = next(self._seq)  # its place in arrival order, before any Redis round trip
         if not await self._admit(req):
             self._count_shed(req, "band-full")
             raise shed(429, "band-full", f"too many requests queued at priority band "
                        f"{req.band}; retry later")
-        entry = Entry(req, next(self._seq), now, asyncio.get_running_loop().create_future(),
+        entry = Entry(req, seq, now, asyncio.get_running_loop().create_future(),
                       ttl_from=None if cap is ModelCapacity.STARTING
                       and req.model in self.settings.served_models else now)
         self._push(entry)
@@ -345,7 +346,8 @@ class QueueFlowControl(FlowControl):
                 for heap in flows.values() for _, e in heap]
 
     def _snapshot(self) -> list[tuple[int, str, str, int, int]]:
-        """(band, model, tenant, requests, bytes) queued here, for the shared heartbeat."""
+        """(band, model, tenant, requests, bytes) queued here, for the shared ledger's
+        resync."""
         return [(band, model, tenant, len(heap), sum(e.req.size_bytes for _, e in heap))
                 for model, bands in self.flows.items() for band, flows in bands.items()
                 for tenant, heap in flows.items()]

@@ -6,8 +6,8 @@ order the shared state says, through Lua scripts that read and write it atomical
 * `{prefix}fc:replicas`: a sorted set of live replicas by last heartbeat (Redis clock); one
   silent for `lease_s` is pruned, and its keys expire, so a replica that dies leaks nothing;
 * `{prefix}fc:r:{replica}`: what that replica has queued, per band (requests, bytes) and per
-  (band, model, tenant); rewritten whole by its heartbeat every `heartbeat_s`, so counts a
-  lost write left wrong heal within one heartbeat;
+  (band, model, tenant), kept by the scripts below; its heartbeat renews it every
+  `heartbeat_s`, and rewrites it whole after Redis failed to take a write;
 * `{prefix}fc:vt:{band}\\x1f{model}`: each tenant's virtual time (`policies`), shared.
 
 `enqueue` admits a request only while its band holds fewer than `max_requests` requests and
@@ -145,15 +145,20 @@ end
 return 1
 """
 
-# ARGV: prefix, replica, lease, then (band, model, tenant, requests, bytes) per flow
+# ARGV: prefix, replica, lease, rewrite (1: the counts follow, replacing what Redis holds;
+# 0: only the lease is renewed), then (band, model, tenant, requests, bytes) per flow
 _HEARTBEAT = _COMMON + """
+if ARGV[4] == '0' then
+  redis.call('EXPIRE', rk, math.ceil(lease * 2))
+  return 1
+end
 redis.call('DEL', rk)
 local n, b = {}, {}
-for i = 4, #ARGV, 5 do
+for i = 5, #ARGV, 5 do
   local band = ARGV[i]
   n[band] = (n[band] or 0) + tonumber(ARGV[i + 3])
   b[band] = (b[band] or 0) + tonumber(ARGV[i + 4])
-  redis.call('HSET', rk, 'f\\31' .. band .. '\\31' .. ARGV[i + 1] .. '\\31' .. ARGV[i + 2],
+  redis.call('HINCRBY', rk, 'f\\31' .. band .. '\\31' .. ARGV[i + 1] .. '\\31' .. ARGV[i + 2],
              ARGV[i + 3])
 end
 for band, v in pairs(n) do
@@ -219,10 +224,13 @@ class RedisLedger:
     def settle(self, band: int, model: str, tenant: str, delta: float) -> None:
         self._background("settle", band, model, tenant, repr(delta))
 
-    async def heartbeat(self) -> bool:
-        """Rewrite this replica's queued counts; True when Redis took them."""
-        flows = self._snapshot() if self._snapshot is not None else []
-        return await self._call("heartbeat", *[x for f in flows for x in f],
+    async def heartbeat(self, rewrite: bool = False) -> bool:
+        """Renew this replica's lease; with `rewrite` (or when Redis is back after a
+        failure) replace its counts there by what it holds. True when Redis answered."""
+        if self.down:
+            rewrite = True  # what changed meanwhile never reached Redis
+        flows = self._snapshot() if rewrite and self._snapshot is not None else []
+        return await self._call("heartbeat", int(rewrite), *[x for f in flows for x in f],
                                 force=True) is not None
 
     async def close(self) -> None:
@@ -266,7 +274,7 @@ class RedisLedger:
             self._gauge(1)
             logger.info("flow control: Redis answers again; the queue is shared again")
             if name != "heartbeat":
-                self._pending_task(self.heartbeat())
+                self._pending_task(self.heartbeat(rewrite=True))
         return got
 
     def _background(self, name: str, *args: Any) -> None:
