@@ -120,6 +120,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     metrics = RouterMetrics()
     if settings.on_metrics is not None:
         settings.on_metrics(metrics)
+    if settings.flow_control is not None:
+        settings.flow_control.bind_metrics(metrics)
     if settings.metrics_port is None:
         auth = (settings.api_keys.configured if settings.metrics_auth is None
                 else settings.metrics_auth)

@@ -458,15 +458,10 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
 
-    def on_metrics(metrics: RouterMetrics) -> None:
-        tokenizers.bind_metrics(metrics)
-        if flow_control is not None:
-            flow_control.bind_metrics(metrics)  # type: ignore[attr-defined]
-
     server = RouterServerSettings(
         priority=priority,
         preload_tokenizers=tokenizers.preload,
-        on_metrics=on_metrics,
+        on_metrics=tokenizers.bind_metrics,
         flow_control=flow_control,
         worker_urls=workers,
         discovery=discovery,
