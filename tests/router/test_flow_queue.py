@@ -339,7 +339,9 @@ def test_router_capacity_follows_waiting_kv_in_flight_starting_and_served_models
     assert router.capacity("m", now) is ModelCapacity.AVAILABLE
     w.local_in_flight = 5
     assert router.capacity("m", now) is ModelCapacity.SATURATED
+    assert router.saturated("m") == {"http://a"}
     router.add_worker(Worker("http://b", model="m", ready=True))
     assert router.capacity("m", now) is ModelCapacity.AVAILABLE
+    assert router.saturated("m") == {"http://a"}  # a request goes to b, where there is room
     router.add_worker(Worker("http://p", model="p", role="prefill", ready=True))
     assert router.capacity("p", now) is ModelCapacity.NONE  # no decode side

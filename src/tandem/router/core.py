@@ -111,7 +111,6 @@ class Router:
         SATURATED when all are at or past it; STARTING when none is routable yet but one
         is known (starting, draining, failing probes) or the model is a `served_models`
         one; else NONE."""
-        s = self.settings
         known = False
         saturated = False
         for w in self.workers.values():
@@ -120,16 +119,26 @@ class Router:
             known = True
             if not w.routable(now):
                 continue
-            load = w.load
-            waiting = max(load.num_waiting, w.local_in_flight - load.num_running)
-            if waiting < s.flow_saturation_waiting and load.kv_cache_usage < s.flow_saturation_kv:
+            if not self.is_saturated(w):
                 return ModelCapacity.AVAILABLE
             saturated = True
         if saturated:
             return ModelCapacity.SATURATED
-        if known or model in s.served_models:
+        if known or model in self.settings.served_models:
             return ModelCapacity.STARTING
         return ModelCapacity.NONE
+
+    def is_saturated(self, w: Worker) -> bool:
+        """`w` is at or past flow control's thresholds (`capacity`)."""
+        load, s = w.load, self.settings
+        waiting = max(load.num_waiting, w.local_in_flight - load.num_running)
+        return waiting >= s.flow_saturation_waiting or load.kv_cache_usage >= s.flow_saturation_kv
+
+    def saturated(self, model: str) -> set[str]:
+        """`model`'s decode-side workers at or past flow control's thresholds: with flow
+        control on, a request goes to one of the others while there is one."""
+        return {w.id for w in self.workers.values()
+                if w.serves(model) and w.role != "prefill" and self.is_saturated(w)}
 
     # -- routing ---------------------------------------------------------------------------
     @staticmethod

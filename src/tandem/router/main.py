@@ -28,7 +28,10 @@ defaults: a scorer left out keeps its default, 0 switches it off),
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
 `max_connections`, `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
-burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
+burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
+fairness, ordering, ttl_s, saturation: {waiting, kv}, bands: {N|default: {max_requests,
+max_bytes}}, tenant_weights: {NAME: w}, shared}` (`flowcontrol/`; `--flow-control` turns it
+on with defaults) and `served_models: [{name, start_timeout_s}]`; flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
 line naming it (`config.py`; `tandem router` reports it as a usage error, exit 2).
 

@@ -271,7 +271,17 @@ class Routing:
         return route
 
     def plan(self, exclude: set[str]) -> tuple[Route | None, Any]:
-        """`pd.plan` for this request, `exclude` left out."""
+        """`pd.plan` for this request, `exclude` left out; with flow control on, the
+        saturated workers too while another can take it (where flow control saw room)."""
+        if self.ra.settings.flow_control is not None:
+            full = self.ra.router.saturated(self.req.model)
+            if full - exclude:
+                route, ctx = self.plan_without(exclude | full)
+                if route is not None:
+                    return route, ctx
+        return self.plan_without(exclude)
+
+    def plan_without(self, exclude: set[str]) -> tuple[Route | None, Any]:
         return plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
                     exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
                     external=self.external, signed=self.ra.settings.worker_key is not None)
