@@ -16,7 +16,7 @@ are its service, and its share of the total is compared with its fairness weight
 * `one-router`: one router, `flow_control: {enabled: true, fairness: least-attained}`;
 * `two-replicas`: two routers sharing one fair queue through Redis (`shared: true`), each
   request sent to either at random, as a load balancer would;
-* `weighted`: one router, `tenant_weights: {light: 2}` (light's share should be 2/3).
+* `weighted`: one router, `tenant_weights: {heavy: 2}` (heavy's share should be 2/3).
 
 Writes `bench/results/fairness-<date>.json` (`--quick`: shorter runs,
 `fairness-quick-<date>.json`).
@@ -275,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     if opts.worker:
         serve_worker(opts.port, opts.grpc_port, opts.max_running, opts.service_ms / 1000)
         return 0
-    opts.warmup = opts.warmup if opts.warmup is not None else (4.0 if opts.quick else 6.0)
+    opts.warmup = opts.warmup if opts.warmup is not None else (3.0 if opts.quick else 6.0)
     opts.duration = opts.duration if opts.duration is not None else (
-        16.0 if opts.quick else 60.0)
+        12.0 if opts.quick else 60.0)
     workdir = Path(tempfile.mkdtemp(prefix="fairness-"))
     (workdir / "keys").write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
     key = workdir / "worker.key"
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             "saturation": {"waiting": 1}}
     configs = [("no-flow-control", None, 1), ("one-router", base, 1),
                ("two-replicas", {**base, "shared": True}, 2),
-               ("weighted", {**base, "tenant_weights": {"light": 2.0}}, 1)]
+               ("weighted", {**base, "tenant_weights": {"heavy": 2.0}}, 1)]
     results = []
     try:
         for name, flow, replicas in configs:

@@ -70,9 +70,9 @@ def test_a_saturated_worker_answers_the_queue_in_arrival_order(worker):
         results: dict = {}
         threads = [post(served.url, "first", results, slow_stream(4, 0.2), stream=True)]
         wait_for(lambda: len(worker.bodies) == 1)
-        for p in ("second", "third", "fourth"):
+        for n, p in enumerate(("second", "third", "fourth"), 1):
             threads.append(post(served.url, p, results))
-            wait_for(lambda n=len(threads) - 1: fc.queued("stub-model") == n)
+            wait_for(lambda n=n: fc.queued("stub-model") == n)
         signal = httpx.get(served.url + "/scaling", timeout=5,
                            params={"model": "stub-model", "role": "decode"}).json()
         assert signal == {"model": "stub-model", "role": "decode", "demand": 4.0,
@@ -188,3 +188,45 @@ def test_flow_settings_from_router_yaml():
         FlowSettings.from_config(None, [{"name": "m"}, {"name": "m"}])
     assert not FlowSettings.from_config(None, None).enabled
     assert FlowSettings.from_config(None, None, flag=True).enabled
+
+
+def test_the_request_flow_control_sees_band_cost_size_and_deadline():
+    from tandem.protocol.web import APIError
+    from tandem.router.flowcontrol.front import flow_request, parse_deadline
+
+    r = flow_request("id", None, "m", {"priority": -3, "max_tokens": 50, "n": 2}, 10, 123,
+                     None)
+    assert (r.tenant, r.band, r.cost, r.size_bytes) == ("anonymous", 3, 110, 123)
+    r = flow_request("id", "t", "m", {"max_completion_tokens": 7}, 10, 1, 5.0)
+    assert (r.tenant, r.band, r.cost, r.deadline) == ("t", 0, 17, 5.0)
+    assert flow_request("id", "t", "m", {}, 10, 1, None).cost == 10 + 256
+    assert parse_deadline(None, 100.0) is None
+    assert parse_deadline("2500", 100.0) == 102.5
+    for bad in ("0", "-5", "1.5", "abc", "3600001"):
+        with pytest.raises(APIError) as err:
+            parse_deadline(bad, 100.0)
+        assert err.value.status == 400 and "x-tandem-deadline-ms" in err.value.message
+
+
+def test_the_cli_builds_flow_control_from_the_flag_and_refuses_what_cannot_work():
+    import argparse
+
+    from tandem.router.main import add_router_args, build
+
+    def args(*argv: str) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_router_args(p)
+        return p.parse_args(["--workers", "http://127.0.0.1:9", *argv])
+
+    _, router, server = build(args("--flow-control"), {})
+    assert isinstance(server.flow_control, QueueFlowControl)
+    assert router.settings.flow_saturation_waiting == 4
+    _, router, server = build(args(), {"served_models": [{"name": "m"}],
+                                       "flow_control": {"saturation": {"kv": 0.5}}})
+    assert server.flow_control is not None and router.settings.served_models == {"m": 120.0}
+    assert router.settings.flow_saturation_kv == 0.5
+    assert build(args(), {})[2].flow_control is None
+    with pytest.raises(SystemExit, match="needs the router's Redis"):
+        build(args(), {"flow_control": {"enabled": True, "shared": True}})
+    with pytest.raises(SystemExit, match="served_models needs flow control"):
+        build(args(), {"flow_control": {"enabled": False}, "served_models": [{"name": "m"}]})

@@ -13,6 +13,8 @@ port, or with `metrics_port` only on a port of its own (`metrics_app`). It needs
 the metrics port (reach it through a NetworkPolicy). The key is an admin key when admin keys
 are configured, else any API key. FastAPI's `/docs` and `/redoc` are never served;
 `/openapi.json` only with `openapi` (behind the API keys when configured).
+`GET /scaling` (the demand an autoscaler reads, `flowcontrol.scaling`) is served where
+/metrics is, behind the same key.
 
 Logging: each routed request gets one INFO line (`[id] -> worker (...)`); the workers'
 probes (`GET /ready`, `/health`, `/v1/models`, `/metrics`, every `probe_interval_s`) are

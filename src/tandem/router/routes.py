@@ -7,9 +7,6 @@ Routes: `GET /health` (the process), `GET /ready` (200 while a worker is routabl
 stage by `stages.handle`, and `GET` / `DELETE /v1/responses/{id}` (relayed to the worker
 holding it, `responses`). Route methods carry no docstring: FastAPI would publish it in
 /openapi.json.
-
-`GET /scaling` (the demand an autoscaler reads, `flowcontrol.scaling`) is served where
-/metrics is, behind the same key.
 """
 
 from __future__ import annotations
