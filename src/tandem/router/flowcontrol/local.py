@@ -25,24 +25,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.protocol.web import APIError
 from tandem.router.flowcontrol.base import (
-    REASON_HEADER,
     Capacity,
     FlowControl,
     FlowRequest,
     FlowTicket,
     ModelCapacity,
 )
+from tandem.router.flowcontrol.flows import START_RETRY_AFTER_S, Entry, FlowQueues, Ticket, shed
 from tandem.router.flowcontrol.policies import FAIRNESS, ORDERINGS, LocalLedger
 from tandem.router.flowcontrol.settings import FlowSettings
 
@@ -52,47 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 TICK_S = 0.05  # the dispatch pass's safety-net period (and TTL resolution)
-RETRY_AFTER_S = 1
-START_RETRY_AFTER_S = 5
-
-
-def shed(status: int, reason: str, message: str, retry_after: int = RETRY_AFTER_S) -> APIError:
-    return APIError(status, message, headers={"Retry-After": str(retry_after),
-                                              REASON_HEADER: reason})
-
-
-@dataclass(eq=False)
-class Entry:
-    """A queued request; `state`: queued -> dispatched | shed | cancelled (exactly once)."""
-
-    req: FlowRequest
-    seq: int
-    enqueued: float
-    future: asyncio.Future
-    state: str = "queued"
-    # when its TTL started: its arrival, or when its model's workers stopped starting
-    ttl_from: float | None = None
-
-    @property
-    def deadline(self) -> float | None:
-        return self.req.deadline
-
-
-@dataclass(eq=False)
-class Ticket(FlowTicket):
-    fc: QueueFlowControl
-    req: FlowRequest
-    released: bool = field(default=False)
-    # the ledger generation it was charged in (None: let through at once, never charged)
-    charged: int | None = None
-
-    def release(self, used_tokens: int | None = None) -> None:
-        if self.released:
-            return
-        self.released = True
-        self.fc.on_release(self, used_tokens)
-
-
 class QueueFlowControl(FlowControl):
     """`FlowControl` with priority bands, fair flows and bounds (module doc). `clock`:
     monotonic seconds (tests pass their own); `autostart`: run the dispatch loop as a task
@@ -107,11 +64,9 @@ class QueueFlowControl(FlowControl):
         self.ledger = LocalLedger()
         self.shared = shared
         self.clock, self.autostart = clock, autostart
-        # model -> band -> tenant -> heap of (ordering key, Entry)
-        self.flows: dict[str, dict[int, dict[str, list]]] = {}
-        self.band_count: Counter[int] = Counter()
-        self.band_bytes: Counter[int] = Counter()
-        self.model_count: Counter[str] = Counter()
+        self.queues = FlowQueues(self.ordering)
+        q = self.queues  # its state, by the names the dispatch reads
+        self.flows, self.band_count, self.band_bytes = q.flows, q.band_count, q.band_bytes
         self.transit: Counter[str] = Counter()  # dispatched from the queue, not yet out
         self.outstanding = 0  # tickets not released
         self.stats: Counter[str] = Counter()  # dispatched, shed:<reason>, cancelled
@@ -140,7 +95,7 @@ class QueueFlowControl(FlowControl):
         entry = Entry(req, seq, now, asyncio.get_running_loop().create_future(),
                       ttl_from=None if cap is ModelCapacity.STARTING
                       and req.model in self.settings.served_models else now)
-        self._push(entry)
+        self.queues.push(entry)
         self.kick()
         try:
             return await entry.future
@@ -164,7 +119,7 @@ class QueueFlowControl(FlowControl):
 
     async def close(self) -> None:
         self.closed = True
-        for entry in list(self._entries()):
+        for entry in list(self.queues.entries()):
             self._fail(entry, shed(503, "closing", "the router is shutting down"), "closing")
         if self._task is not None:
             self._task.cancel()
@@ -174,11 +129,11 @@ class QueueFlowControl(FlowControl):
             await self.shared.close()
 
     def queued(self, model: str) -> int:
-        return self.model_count.get(model, 0)
+        return self.queues.model_count.get(model, 0)
 
     def bind_metrics(self, metrics: RouterMetrics) -> None:
         """Count into `metrics` from now on (the app builds them after this object)."""
-        self.metrics = metrics
+        self.metrics = self.queues.metrics = metrics
         if self.shared is not None:
             self.shared.metrics = metrics
             metrics.flow_shared.set(0 if self.shared.down else 1)
@@ -190,7 +145,7 @@ class QueueFlowControl(FlowControl):
             if self.autostart:
                 self._task = asyncio.create_task(self._run())
             if self.shared is not None:
-                self.shared.start(self._snapshot)
+                self.shared.start(self.queues.snapshot)
 
     async def _run(self) -> None:
         assert self._wake is not None
@@ -215,7 +170,7 @@ class QueueFlowControl(FlowControl):
             if model not in self.flows or self.transit.get(model):
                 continue
             if cap is ModelCapacity.NONE:
-                for entry in [e for e in self._entries() if e.req.model == model]:
+                for entry in [e for e in self.queues.entries() if e.req.model == model]:
                     self._fail(entry, shed(503, "no-endpoint", f"no worker serves model "
                                            f"{model!r}"), "no-endpoint")
                 continue
@@ -223,15 +178,11 @@ class QueueFlowControl(FlowControl):
                 await self._dispatch_one(model)
 
     async def _dispatch_one(self, model: str) -> None:
-        bands = self.flows[model]
-        band = max(bands)
-        flows = bands[band]
-        heads = {t: heap[0][1] for t, heap in flows.items()}
-        tenant = await self._choose(band, model, heads)
-        if tenant is None or tenant not in flows:
+        band = max(self.flows[model])
+        tenant = await self._choose(band, model, self.queues.heads(model, band))
+        if tenant is None or tenant not in self.queues.tenants(model, band):
             return
-        _, entry = heapq.heappop(flows[tenant])
-        self._remove(entry)
+        entry = self.queues.pop(model, band, tenant)
         entry.state = "dispatched"
         self.transit[model] += 1
         self.ledger.mark_served(band, model, entry.req.tenant)
@@ -254,7 +205,7 @@ class QueueFlowControl(FlowControl):
 
     def _expire(self, now: float, caps: dict[str, ModelCapacity]) -> None:
         s = self.settings
-        for entry in list(self._entries()):
+        for entry in list(self.queues.entries()):
             req = entry.req
             start = s.served_models.get(req.model)
             starting = caps.get(req.model) is ModelCapacity.STARTING
@@ -275,17 +226,16 @@ class QueueFlowControl(FlowControl):
     # -- bookkeeping -----------------------------------------------------------------------
     def _ahead(self, req: FlowRequest) -> bool:
         """Something of `req`'s model waits in its band or a higher one, or is on its way."""
-        bands = self.flows.get(req.model)
-        return bool(self.transit.get(req.model)) or bool(
-            bands and any(b >= req.band for b in bands))
+        return bool(self.transit.get(req.model)) or self.queues.waiting_at_or_above(
+            req.model, req.band)
 
     async def _admit(self, req: FlowRequest) -> bool:
         """Room in `req`'s band: fleet-wide through the shared ledger while Redis answers,
         else on this replica; the fairness ledger learns the tenant is backlogged."""
         limits = self.settings.limits(req.band)
-        flows = self.flows.get(req.model, {}).get(req.band, {})
-        if req.tenant not in flows:
-            self.ledger.backlogged(req.band, req.model, req.tenant, set(flows))
+        others = self.queues.tenants(req.model, req.band)
+        if req.tenant not in others:
+            self.ledger.backlogged(req.band, req.model, req.tenant, others)
         if self.shared is not None:
             verdict = await self.shared.enqueue(req.band, req.model, req.tenant,
                                                 req.size_bytes, limits)
@@ -294,43 +244,10 @@ class QueueFlowControl(FlowControl):
         return (self.band_count[req.band] < limits.max_requests
                 and self.band_bytes[req.band] + req.size_bytes <= limits.max_bytes)
 
-    def _push(self, entry: Entry) -> None:
-        req = entry.req
-        flow = self.flows.setdefault(req.model, {}).setdefault(req.band, {}).setdefault(
-            req.tenant, [])
-        heapq.heappush(flow, (self.ordering.key(entry), entry))
-        self.band_count[req.band] += 1
-        self.band_bytes[req.band] += req.size_bytes
-        self.model_count[req.model] += 1
-        if self.metrics is not None:
-            self.metrics.child(self.metrics.flow_queued, str(req.band), req.tenant).inc()
-
-    def _remove(self, entry: Entry) -> None:
-        """Counts down for a request leaving the queue (its heap entry already popped)."""
-        req = entry.req
-        bands = self.flows[req.model]
-        if not bands[req.band][req.tenant]:
-            del bands[req.band][req.tenant]
-            if not bands[req.band]:
-                del bands[req.band]
-                if not bands:
-                    del self.flows[req.model]
-        for counter, key, n in ((self.band_count, req.band, 1),
-                                (self.band_bytes, req.band, req.size_bytes),
-                                (self.model_count, req.model, 1)):
-            counter[key] -= n
-            if counter[key] <= 0:
-                del counter[key]
-        if self.metrics is not None:
-            self.metrics.child(self.metrics.flow_queued, str(req.band), req.tenant).dec()
-
     def _leave(self, entry: Entry, reason: str) -> None:
         """`entry` leaves the queue undispatched (shed or cancelled)."""
         req = entry.req
-        flow = self.flows[req.model][req.band][req.tenant]
-        flow.remove((self.ordering.key(entry), entry))
-        heapq.heapify(flow)
-        self._remove(entry)
+        self.queues.discard(entry)
         entry.state = "cancelled" if reason == "cancelled" else "shed"
         self._count_shed(req, reason)
         if self.shared is not None:
@@ -340,17 +257,6 @@ class QueueFlowControl(FlowControl):
         self._leave(entry, reason)
         if not entry.future.done():
             entry.future.set_exception(error)
-
-    def _entries(self) -> list[Entry]:
-        return [e for bands in self.flows.values() for flows in bands.values()
-                for heap in flows.values() for _, e in heap]
-
-    def _snapshot(self) -> list[tuple[int, str, str, int, int]]:
-        """(band, model, tenant, requests, bytes) queued here, for the shared ledger's
-        resync."""
-        return [(band, model, tenant, len(heap), sum(e.req.size_bytes for _, e in heap))
-                for model, bands in self.flows.items() for band, flows in bands.items()
-                for tenant, heap in flows.items()]
 
     def _charge(self, req: FlowRequest) -> float:
         return self.fairness.charge(req.cost, self.settings.weight(req.tenant))
