@@ -57,6 +57,7 @@ OPERATOR_RULES = {
     ("cert-manager.io", "certificates"): CHILD,
     ("cert-manager.io", "issuers"): CHILD,  # kvTransfer.tlsOwnCA
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): CHILD,  # multi-node pools
+    ("keda.sh", "scaledobjects"): CHILD,  # autoscaling.mode: keda
     ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},
 }
@@ -231,6 +232,7 @@ def test_rbac_covers_every_custom_kind_the_operator_applies() -> None:
 
     custom = {(k.group, k.plural) for k in KINDS.values() if k.group}
     assert ("leaderworkerset.x-k8s.io", "leaderworkersets") in custom
+    assert ("keda.sh", "scaledobjects") in custom
     assert {key: OPERATOR_RULES.get(key) for key in custom} == dict.fromkeys(custom, CHILD)
 
 

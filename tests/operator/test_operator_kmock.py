@@ -68,6 +68,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/secrets": dict(kind="Secret", namespaced=True, verbs=RW),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": dict(
         kind="LeaderWorkerSet", namespaced=True, verbs=RW, subresources={"status", "scale"}),
+    "keda.sh/v1alpha1/scaledobjects": dict(kind="ScaledObject", namespaced=True, verbs=RW),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}),
 }
@@ -77,7 +78,8 @@ PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
            "Role": "rbac.authorization.k8s.io/v1/roles",
            "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
            "NetworkPolicy": "networking.k8s.io/v1/networkpolicies", "Secret": "v1/secrets",
-           "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets"}
+           "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets",
+           "ScaledObject": "keda.sh/v1alpha1/scaledobjects"}
 ISVC = "tandem.dev/v1alpha1/inferenceservices"
 
 
@@ -547,6 +549,50 @@ def test_autoscaler_scales_up_at_once_and_down_after_the_window(env: Env) -> Non
                                if e.get("reason") == "Scaled" and "theta" in e["message"]])
     assert scaled[0] == ("theta-worker: 1 -> 3 replicas (waitingRequests 12 per replica, "
                          "target 4)"), scaled
+
+
+def test_a_keda_pool_is_left_to_its_scaled_object(env: Env) -> None:
+    """P/D, both pools in autoscaling.mode keda from zero: a ScaledObject per pool with
+    exactly the rendered content, workloads without replicas, and the operator's own
+    autoscaler never reads (nor patches) them, whatever their load; switching decode to
+    operator mode deletes its ScaledObject (a Removed event) and the operator sets its count
+    again, while prefill stays KEDA's."""
+    keda = {"mode": "keda", "minReplicas": 0, "maxReplicas": 4, "target": 4}
+    spec = {"model": {"uri": "pvc://models/llama", "sha256": SHA},
+            "prefill": {"replicas": 1, "autoscaling": dict(keda)},
+            "decode": {"replicas": 1, "autoscaling": dict(keda)}}
+    env.create("kedapd", spec)
+    want = {(d["kind"], d["metadata"]["name"]): d for d in wait_for(
+        lambda: env.isvc("kedapd")["metadata"]["uid"] and expected(env, "kedapd", spec))}
+    for pool in ("prefill", "decode"):
+        got = wait_for(lambda pool=pool: env.get("ScaledObject", f"kedapd-{pool}"),
+                       what=f"ScaledObject kedapd-{pool}")
+        assert server_side(got) == want[("ScaledObject", f"kedapd-{pool}")]
+        assert "replicas" not in env.get("Deployment", f"kedapd-{pool}")["spec"]
+    wait_for(lambda: env.status("kedapd").get("observedGeneration") == 1)
+    load = {"vllm:num_requests_waiting": 50.0}
+    env.metrics.set("kedapd-decode", a=load)
+    env.metrics.set("kedapd-prefill", a=load)
+    time.sleep(1.5)  # over seven autoscaler intervals (0.2 s here)
+    assert not [s for _, s in env.metrics.calls if s.startswith("kedapd-")]
+    for pool in ("prefill", "decode"):
+        counts = [v["spec"].get("replicas") for v in env.history("Deployment", f"kedapd-{pool}")
+                  if v]
+        assert counts and set(counts) == {None}, (pool, counts)
+    env.patch("kedapd", {"decode": {"autoscaling": {"mode": "operator", "minReplicas": 1}}})
+    wait_for(lambda: env.get("ScaledObject", "kedapd-decode") is None,
+             what="the decode ScaledObject removed")
+    assert env.get("ScaledObject", "kedapd-prefill") is not None
+    dep = wait_for(lambda: env.get("Deployment", "kedapd-decode")["spec"].get("replicas")
+                   and env.get("Deployment", "kedapd-decode"))
+    assert dep["spec"]["replicas"] >= 1
+    wait_for(lambda: [e for e in env.cluster.objects("v1/events") if e.get("reason") ==
+                      "Removed" and "ScaledObject/kedapd-decode" in e["message"]],
+             what="a Removed event")
+    # now the operator's: its autoscaler reads the decode pool (50 waiting → 4, the max)
+    wait_for(lambda: env.get("Deployment", "kedapd-decode")["spec"]["replicas"] == 4,
+             timeout=30, what="the operator scaling decode")
+    assert not [s for _, s in env.metrics.calls if s == "kedapd-prefill"]
 
 
 def test_the_tandem_operator_process(tmp_path) -> None:

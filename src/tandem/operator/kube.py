@@ -58,6 +58,9 @@ KINDS = {
     # multi-node tensor-parallel pools (render.multinode); needs the LWS controller's CRD
     "LeaderWorkerSet": Kind(client.CustomObjectsApi, "custom_object", "leaderworkerset.x-k8s.io",
                             "v1", "leaderworkersets"),
+    # autoscaling.mode: keda (render.keda); needs KEDA's CRDs and operator
+    "ScaledObject": Kind(client.CustomObjectsApi, "custom_object", "keda.sh", "v1alpha1",
+                         "scaledobjects"),
 }
 WORKLOADS = ("Deployment", "LeaderWorkerSet")  # what runs a pool (status, scaling)
 # created once, never applied, listed or read (the worker-auth key: RBAC `create` only)

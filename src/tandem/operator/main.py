@@ -12,7 +12,8 @@
   ConfigMap, a Deployment's image...) is back to its rendered form within the interval; a
   `Repaired` Warning Event names each child it had to write. Unchanged children cost one
   no-op apply each (the API server keeps them as they are).
-* autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`).
+* autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`); pools in
+  `hpa` or `keda` mode are their HorizontalPodAutoscaler's (KEDA's), never touched here.
 
 Deletion needs no handler for the children: every child carries a controller owner reference,
 so the garbage collector removes them with the InferenceService (kopf's finalizer, there for

@@ -186,7 +186,8 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
 
 def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
                        live: Mapping[str, Mapping[str, Any]]) -> None:
-    """Before a pool's first apply under an HPA (which renders no replicas): where this
+    """Before a pool's first apply under an HPA (which renders no replicas; KEDA's
+    ScaledObject drives one too, `autoscaling.mode: keda`): where this
     operator's apply still owns the live Deployment's replicas, apply that count under
     `HANDOVER` first. Dropping a field its only applier owned would reset the pool to one
     replica; with a second owner the count stays until the HPA's first scale takes it
@@ -194,7 +195,7 @@ def hand_over_replicas(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     for w in pool_workloads(spec, owner):
         auto = w.pool.spec.autoscaling
         dep = live.get(w.name)
-        if auto is None or auto.mode != "hpa" or dep is None:
+        if auto is None or auto.mode not in ("hpa", "keda") or dep is None:
             continue
         replicas = dep.get("spec", {}).get("replicas")
         if replicas is None or not applies_field(dep, FIELD_MANAGER, "spec", "replicas"):

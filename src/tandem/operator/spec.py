@@ -8,6 +8,8 @@ never ran them. Field names follow the CRD (camelCase) in messages.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,7 @@ from tandem.operator.spec_security import (
     SecuritySpec,
     issuer_ref,
     parse_security,
+    peer,
     prometheus_peer,
     secret_key_ref,
 )
@@ -163,10 +166,27 @@ class InferenceServiceSpec:
     prometheus: dict[str, Any] | None = None  # a NetworkPolicy peer admitted to /metrics
     lora: LoRASpec | None = None  # adapters every pool serves; None: no LoRA
     log_level: str | None = None  # routers' and workers' (`tandem --log-level`); None: INFO
+    # a NetworkPolicy peer admitted to the routers' metrics port (/scaling): KEDA's operator
+    keda: dict[str, Any] | None = None
 
     @property
     def disaggregated(self) -> bool:
+        """P/D: `prefill.replicas >= 1` (with prefill.autoscaling the live count may still
+        reach minReplicas, 0 included; the service stays P/D)."""
         return self.prefill.replicas > 0
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """Some pool may run no worker (`autoscaling.mode: keda`, minReplicas or
+        keda.idleReplicas 0): the router must list and hold the model meanwhile."""
+        return any(p.autoscaling is not None and p.autoscaling.scales_to_zero
+                   for _, _, p in self.worker_pools())
+
+    @property
+    def flow_control_enabled(self) -> bool:
+        """router.flowControl.enabled, or unset: on exactly when a pool scales to zero."""
+        enabled = self.router.flow_control.enabled
+        return self.scales_to_zero if enabled is None else enabled
 
     def worker_pools(self) -> list[tuple[str, str, PoolSpec]]:
         """(name, role, spec) per worker pool: prefill + decode, or one aggregated `worker`
@@ -211,7 +231,8 @@ def _pool(d: dict, where: str, replicas: int) -> PoolSpec:
         parallelism=parallelism)
     if layout.multinode:  # the LeaderWorkerSet's rollout, at the fewest replicas it runs
         a = pool.autoscaling  # (an HPA's LWS is created without a count: the webhook's 1)
-        fewest = pool.replicas if a is None else 1 if a.mode == "hpa" else a.min_replicas
+        fewest = (pool.replicas if a is None else 1 if a.mode in ("hpa", "keda")
+                  else a.min_replicas)
         check_group_strategy(pool.pod.strategy, fewest, where)
     return pool
 
@@ -315,4 +336,29 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
                         "prefill workers serve no client requests; set them on decode.engine")
     if out.prefill.autoscaling is not None and not out.disaggregated:
         raise SpecError("prefill.autoscaling needs prefill.replicas >= 1 (0 = aggregated)")
+    if out.scales_to_zero and out.router.flow_control.enabled is False:
+        raise SpecError("router.flowControl.enabled false: a pool scales to zero "
+                        "(autoscaling.minReplicas or keda.idleReplicas 0), and the router "
+                        "holds its requests in the flow-control queue while it starts")
+    if any(p.autoscaling is not None and p.autoscaling.mode == "keda"
+           for _, _, p in out.worker_pools()):
+        out = dataclasses.replace(out, keda=_keda_peer(mon))
+    elif mon.get("keda") is not None:
+        raise SpecError("monitoring.keda: no pool has autoscaling.mode keda")
     return out
+
+
+# KEDA's operator pods as its chart and manifests install them (namespace keda): what reads
+# the routers' /scaling (the metrics-api scaler runs in keda-operator)
+KEDA_NAMESPACE = "keda"
+DEFAULT_KEDA = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": KEDA_NAMESPACE}},
+    "podSelector": {"matchLabels": {"app": "keda-operator"}}}
+
+
+def _keda_peer(mon: dict[str, Any]) -> dict[str, Any] | None:
+    """`monitoring.keda` (a NetworkPolicy peer; `DEFAULT_KEDA` unset). Used only when a pool
+    has autoscaling.mode keda (`render.security`)."""
+    d = get(mon, "keda", dict, None, "monitoring")
+    return copy.deepcopy(DEFAULT_KEDA) if d is None else peer(d, "monitoring.keda",
+                                                               ip_block=False)

@@ -3,6 +3,7 @@ thresholds, API keys, rate limits, the shared index's Redis, clients and pod set
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,79 @@ class RouterSpec:
     service_type: str = "ClusterIP"
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
     pod: PodSettings = PodSettings()
+    flow_control: FlowControlSpec = field(default_factory=lambda: FlowControlSpec())
 
+
+
+# ---- flowControl: the router's queue in front of saturated (or not yet started) workers ----
+BAND_KEY = re.compile(r"^(default|-?[0-9]{1,9})$")
+MAX_BANDS = MAX_TENANT_WEIGHTS = 1000
+DEFAULT_START_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class BandLimit:
+    max_requests: int | None = None  # None: the router's default
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class FlowControlSpec:
+    """`router.flowControl` -> router.yaml `flow_control` (`render.router`); None: unset (the
+    router's default). `enabled` None: on exactly when a pool may scale to zero
+    (`InferenceServiceSpec.flow_control_enabled`). `start_timeout_seconds`: how long the
+    router holds a model's requests for its first worker (router.yaml `served_models`)."""
+
+    enabled: bool | None = None
+    fairness: str | None = None  # least-attained | round-robin
+    ordering: str | None = None  # fcfs | edf
+    ttl_seconds: float | None = None
+    saturation_waiting: int | None = None
+    saturation_kv: float | None = None
+    bands: tuple[tuple[str, BandLimit], ...] = ()  # ("default" or a band number, bounds)
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    shared: bool | None = None
+    start_timeout_seconds: int = DEFAULT_START_TIMEOUT_S
+
+
+def parse_flow_control(d: dict[str, Any], w: str = "router.flowControl") -> FlowControlSpec:
+    sat, bands = get_obj(d, "saturation", w), get_obj(d, "bands", w)
+    weights = get_obj(d, "tenantWeights", w)
+    if len(bands) > MAX_BANDS or len(weights) > MAX_TENANT_WEIGHTS:
+        raise SpecError(f"{w}: at most {MAX_BANDS} bands and {MAX_TENANT_WEIGHTS} "
+                        "tenantWeights")
+    for k, v in bands.items():
+        if not BAND_KEY.match(k):
+            raise SpecError(f"{w}.bands.{k}: a band number (higher is served first) or "
+                            "'default'")
+        if not isinstance(v, dict) or not v or set(v) - {"maxRequests", "maxBytes"}:
+            raise SpecError(f"{w}.bands.{k}: an object of maxRequests and/or maxBytes")
+    for t in weights:
+        if not 0 < (get_num(weights, t, None, f"{w}.tenantWeights") or 0) <= 1e6:
+            raise SpecError(f"{w}.tenantWeights.{t}: a weight in (0, 1e6]")
+    ttl = get_num(d, "ttlSeconds", None, w)
+    kv = get_num(sat, "kv", None, f"{w}.saturation")
+    if ttl is not None and not 0 < ttl <= 3600:
+        raise SpecError(f"{w}.ttlSeconds {ttl:g}: in (0, 3600]")
+    if kv is not None and not 0 < kv <= 1:
+        raise SpecError(f"{w}.saturation.kv {kv:g}: a fraction in (0, 1]")
+    return FlowControlSpec(
+        enabled=get(d, "enabled", bool, None, w),
+        fairness=None if "fairness" not in d else get_enum(
+            d, "fairness", "", w, ("least-attained", "round-robin")),
+        ordering=None if "ordering" not in d else get_enum(d, "ordering", "", w,
+                                                           ("fcfs", "edf")),
+        ttl_seconds=ttl,
+        saturation_waiting=get_int(sat, "waiting", None, f"{w}.saturation", 1, 1 << 20),
+        saturation_kv=kv,
+        bands=tuple((k, BandLimit(
+            get_int(v, "maxRequests", None, f"{w}.bands.{k}", 1, 1 << 24),
+            get_int(v, "maxBytes", None, f"{w}.bands.{k}", 1, 1 << 40)))
+            for k, v in sorted(bands.items())),
+        tenant_weights=tuple(sorted((t, float(v)) for t, v in weights.items())),
+        shared=get(d, "shared", bool, None, w),
+        start_timeout_seconds=get_int(d, "startTimeoutSeconds", DEFAULT_START_TIMEOUT_S, w,
+                                      1, 3600))
 
 
 def _rate(d: dict, where: str) -> RateLimit:
@@ -91,7 +164,11 @@ def parse_router(d: dict) -> RouterSpec:
                            ("ClusterIP", "NodePort", "LoadBalancer")),
         allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
         resources=resources(get_obj(d, "resources", w), "router.resources"),
-        pod=parse_pod_settings(d, w, scheduling=True))
+        pod=parse_pod_settings(d, w, scheduling=True),
+        flow_control=parse_flow_control(get_obj(d, "flowControl", w)))
+    if r.flow_control.shared and not (r.redis_url_secret or r.managed_redis):
+        raise SpecError("router.flowControl.shared needs router.redisUrlSecretRef or "
+                        "router.managedRedis (the fleet's queue lives in Redis)")
     if weights is not None and set(weights) - set(_WEIGHTS):
         raise SpecError(f"router.weights: unknown scorers {sorted(set(weights) - set(_WEIGHTS))}")
     if r.shared_index and not (r.redis_url_secret or r.managed_redis):

@@ -34,6 +34,7 @@ from tandem.protocol.web import BodyLimit, FastPaths, install_error_handlers
 from tandem.router.auth import ApiKeys
 from tandem.router.core import Router
 from tandem.router.discovery import Discovery
+from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import FlowControl
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.lora_admin import install_lora_admin
@@ -104,6 +105,9 @@ class RouterServerSettings:
     metrics_port: int | None = None  # /metrics there (`metrics_app`), not on the main port
     metrics_auth: bool | None = None  # None: on the main port iff API keys are configured
     openapi: bool = False  # serve /openapi.json (behind the API keys when configured)
+    # the gateway's endpoint picker (ext_proc gRPC, `extproc`) beside the HTTP front door;
+    # None: not served (`--ext-proc-port`)
+    ext_proc: ExtProcSettings | None = None
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:

@@ -119,6 +119,7 @@ class RouterConfig(_Strict):
     namespace: str | None = None
     label_selector: str | None = None
     inference_service: str | None = None
+    router_group: str | None = None
     worker_port_name: str | None = None
     policy: Literal[_POLICIES] | None = None  # type: ignore[valid-type]
     weights: Weights | None = None  # type: ignore[valid-type]
@@ -149,6 +150,12 @@ class RouterConfig(_Strict):
     rate_limits: RateLimits | None = None
     flow_control: FlowControlConfig | None = None
     served_models: list[ServedModel] | None = None
+    # the gateway's endpoint picker (`extproc`): its port and address, and each
+    # InferenceObjective's priority (its flow-control band; higher is served first)
+    ext_proc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    ext_proc_host: str | None = None
+    ext_proc_fallbacks: Count | None = None
+    objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
 
 
 def check_config(data: Any, source: str = "router.yaml") -> dict[str, Any]:

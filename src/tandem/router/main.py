@@ -1,16 +1,17 @@
 """`tandem router`: arguments, the optional YAML config, tokenizers, the HTTP server.
 
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
-        [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
+        [--policy cache-aware|cost|round-robin|random|least-loaded] [--config router.yaml] \\
         [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N] \\
         [--http-server lean|uvicorn]
-    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
-        [--label-selector SELECTOR] [--worker-port-name http] ...
+    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME[,NAME]] \\
+        [--router-group GROUP] [--label-selector SELECTOR] [--worker-port-name http] ...
 
 Workers come from `--workers` (`--discovery static`, the default) or, with `--discovery
 kubernetes`, from the EndpointSlices of the worker Services in `--namespace` (default: the
 pod's own) matching `--label-selector` (default `app.kubernetes.io/component=worker`, plus
-`tandem.dev/inference-service=NAME` with `--inference-service`): each address on the port
+`tandem.dev/inference-service=NAME` with `--inference-service`, `... in (A,B)` for several,
+and `tandem.dev/router-group=GROUP` with `--router-group`): each address on the port
 named `--worker-port-name` is a worker, with the role of its slice's `tandem.dev/role` label.
 Workers join, leave and turn unready as the slices change.
 
@@ -19,14 +20,16 @@ Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (r
 tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
-`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight, over the
-defaults: a scorer left out keeps its default, 0 switches it off),
+`inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
+weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
-`max_connections`, `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
+`max_connections`, `ext_proc_port`, `ext_proc_host`, `ext_proc_fallbacks` (endpoints listed
+after the pick; default 0), `objectives` (InferenceObjective name -> priority),
+`priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
 burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
 fairness, ordering, ttl_s, saturation: {waiting, kv}, bands: {N|default: {max_requests,
@@ -40,6 +43,12 @@ The front door (`add_front_door_args`): answers name no worker unless `--debug-h
 `/openapi.json` only with `--openapi`; a client that takes no bytes for
 `--send-timeout-seconds` is cut; at most `--max-connections` connections per process.
 
+The gateway's endpoint picker (`extproc`): with `--ext-proc-port N` the same process also
+serves Envoy's External Processing gRPC service there (on `--ext-proc-host`, default
+`--host`), as a Gateway API Inference Extension endpoint picker over the same routing core;
+TLS with `--ext-proc-tls-cert` and `--ext-proc-tls-key`, plaintext without. It runs in one
+process: with `--processes` above 1 it is a usage error (exit 2); scale it with replicas.
+
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer (a path, or a Hugging Face repository id `ORG/NAME[@REVISION]` whose tokenizer
 files come through the hub cache, `protocol/hub.py`). By default the bundled model's served
@@ -51,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -73,7 +83,8 @@ if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
-POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
+POLICIES = ("cache-aware", "cost", "round-robin", "random", "least-loaded")
+DEFAULT_POLICY = "cost"  # at least as good as cache-aware in bench/routing.py (bench/results)
 MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
 DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
 CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL
@@ -106,10 +117,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"kubernetes: which EndpointSlices (default: {worker_selector()}, "
                         "plus the --inference-service label)")
     p.add_argument("--inference-service", default=None,
-                   help="kubernetes: only the workers of this InferenceService")
+                   help="kubernetes: only the workers of this InferenceService (several: "
+                        "comma-separated names)")
+    p.add_argument("--router-group", default=None,
+                   help="kubernetes: only the workers of InferenceServices whose worker "
+                        "Services carry the label tandem.dev/router-group=NAME")
     p.add_argument("--worker-port-name", default=None,
                    help="kubernetes: the name of the workers' HTTP port (default: http)")
-    p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help=f"how a worker is picked (default: {DEFAULT_POLICY})")
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
                    help="PATH for every model, or MODEL=PATH (repeatable); PATH may be a "
@@ -164,6 +180,48 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, in-flight requests and streams get up to S seconds to "
                         f"finish (default {DRAIN_SECONDS:g}; router.yaml drain_seconds)")
     add_front_door_args(p)
+    add_ext_proc_args(p)
+
+
+def add_ext_proc_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's endpoint picker (`extproc`; router.yaml `ext_proc_port`, `ext_proc_host`,
+    `objectives`)."""
+    p.add_argument("--ext-proc-port", type=port_number, default=None, metavar="PORT",
+                   help="also serve Envoy's External Processing (ext_proc) gRPC service on "
+                        "this port: Tandem as a Gateway API Inference Extension endpoint "
+                        "picker for an existing gateway (default: off)")
+    p.add_argument("--ext-proc-host", default=None, metavar="HOST",
+                   help="the endpoint picker's address (default: --host)")
+    p.add_argument("--ext-proc-tls-cert", default=None, metavar="PEM",
+                   help="serve the endpoint picker over TLS with this certificate (with "
+                        "--ext-proc-tls-key; default: plaintext)")
+    p.add_argument("--ext-proc-tls-key", default=None, metavar="PEM",
+                   help="the private key of --ext-proc-tls-cert")
+
+
+def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: ANN201
+    """The endpoint picker's settings (`ExtProcSettings`), or None when it is off; SystemExit
+    naming a bad combination."""
+    from tandem.router.extproc.settings import ExtProcSettings
+
+    port = getattr(args, "ext_proc_port", None) or cfg.get("ext_proc_port")
+    cert, key = getattr(args, "ext_proc_tls_cert", None), getattr(args, "ext_proc_tls_key", None)
+    if port is None:
+        if cert or key or getattr(args, "ext_proc_host", None):
+            raise SystemExit("--ext-proc-host / --ext-proc-tls-*: need --ext-proc-port")
+        return None
+    if port == args.port or port == (args.metrics_port or cfg.get("metrics_port")):
+        raise SystemExit("ext_proc_port: must differ from --port and --metrics-port")
+    for flag, path in (("--ext-proc-tls-cert", cert), ("--ext-proc-tls-key", key)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise SystemExit(f"{flag}: cannot read {path}")
+    try:
+        return ExtProcSettings(
+            port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
+            or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
+            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def add_front_door_args(p: argparse.ArgumentParser) -> None:
@@ -339,12 +397,16 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
     kind = args.discovery or cfg.get("discovery", "static")
     if kind != "static" and workers:
         raise SystemExit(f"worker URLs are for --discovery static, not {kind}")
-    return make_discovery(kind, DiscoveryConfig(
-        urls=tuple(workers),
-        namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
-        label_selector=args.label_selector or cfg.get("label_selector"),
-        inference_service=args.inference_service or cfg.get("inference_service"),
-        port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    try:
+        return make_discovery(kind, DiscoveryConfig(
+            urls=tuple(workers),
+            namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
+            label_selector=args.label_selector or cfg.get("label_selector"),
+            inference_service=args.inference_service or cfg.get("inference_service"),
+            router_group=args.router_group or cfg.get("router_group"),
+            port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    except ValueError as exc:  # a name that is no label value
+        raise SystemExit(f"--inference-service / --router-group: {exc}") from None
 
 
 def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int,
@@ -384,7 +446,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
                if u]
     discovery = discovery_from(args, cfg, workers)
     settings = RouterSettings(
-        policy=args.policy or cfg.get("policy", "cache-aware"),
+        policy=args.policy or cfg.get("policy", DEFAULT_POLICY),
         weights=merged_weights(cfg.get("weights")),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
@@ -481,7 +543,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         monitor=MonitorSettings(tls=tls),
         metrics_port=door.metrics_port,
         metrics_auth=door.metrics_auth,
-        openapi=door.openapi)
+        openapi=door.openapi,
+        ext_proc=ext_proc_settings(args, cfg))
     return build_app(router, server), router, server
 
 
@@ -494,8 +557,15 @@ def run(args: argparse.Namespace) -> int:
     door = front_door(args, cfg)
     if door.metrics_port is not None and args.http_server != "lean":
         raise SystemExit("--metrics-port needs the lean HTTP server")
+    epp = ext_proc_settings(args, cfg)
+    if epp is not None and n > 1:  # a gateway's few long-lived streams would not spread
+        print("tandem router: error: --ext-proc-port runs in one router process, not with "
+              f"--processes {n} (run router replicas instead)", file=sys.stderr)
+        return 2
     busy = [] if processes.is_child() else busy_ports(  # a child's siblings share the port
         args.host, [("--port", args.port), ("--metrics-port", door.metrics_port)])
+    if epp is not None and not busy:
+        busy = busy_ports(epp.host, [("--ext-proc-port", epp.port)])
     if busy:  # one line, before the tokenizers load, not a bind traceback
         print(busy_message("tandem router", busy), file=sys.stderr)
         return 1
@@ -505,6 +575,9 @@ def run(args: argparse.Namespace) -> int:
         return processes.supervise(n, sys.argv[1:],
                                    grace_s=drain_seconds(args, cfg) + CHILD_EXIT_SLACK_S)
     app, router, server = build(args, cfg)
+    from tandem.router import gcpolicy
+
+    gcpolicy.settle()  # startup's objects leave the collector's walks
     limiter = server.rate_limiter
     if processes.is_child() and limiter is not None and not limiter.shared:
         logger.warning("rate limits without --redis: each of the %d router processes enforces "

@@ -94,6 +94,23 @@ class RouterMetrics:
                                  "1 while flow control shares its queue state through Redis, "
                                  "0 while this replica decides alone (Redis unavailable)",
                                  registry=r, multiprocess_mode="min")
+        # the gateway's endpoint picker (`extproc`, `--ext-proc-port`)
+        self.extproc_streams = Counter("tandem_router_extproc_streams_total",
+                                       "ext_proc streams (one per request through the "
+                                       "gateway)", registry=r)
+        self.extproc_picks = Counter("tandem_router_extproc_picks_total",
+                                     "Endpoint picker outcomes: routed, no_endpoint (503), "
+                                     "shed (429 from flow control), rejected (another "
+                                     "error answer), models (GET /v1/models answered)",
+                                     ["outcome"], registry=r)
+        self.extproc_immediate = Counter("tandem_router_extproc_immediate_responses_total",
+                                         "Answers the endpoint picker gave itself "
+                                         "(ImmediateResponse), by HTTP status", ["status"],
+                                         registry=r)
+        self.extproc_served = Counter("tandem_router_extproc_served_total",
+                                      "The endpoint that served a picked request, as the "
+                                      "gateway reports it: pick, fallback, other (not in the "
+                                      "list), unreported", ["outcome"], registry=r)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: the per-request path skips the library's

@@ -38,7 +38,7 @@ from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
-from tandem.router.workers import LoRAReport, Worker, WorkerLoad
+from tandem.router.workers import LoRAReport, Worker, WorkerLoad, bounded_costs
 
 logger = logging.getLogger(__name__)
 MAX_GRPC_MESSAGE = 64 << 20
@@ -233,6 +233,9 @@ class WorkerMonitor:
                     running_loras=frozenset(load.running_loras),
                     waiting_loras=frozenset(load.waiting_loras),
                     resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)
+                (self.worker.load.prefill_s_per_token, self.worker.load.decode_step_s,
+                 self.worker.load.pending_prefill_tokens) = bounded_costs(
+                    load.prefill_s_per_token, load.decode_step_s, load.pending_prefill_tokens)
                 if load.max_loras:  # applied unless older than the set held
                     versioned = bool(load.lora_instance)
                     self.worker.apply_lora_report(LoRAReport.reported(

@@ -43,6 +43,7 @@ LOCATE_TIMEOUT_S = 2.0
 MAX_SEARCHES = 16  # searches of the workers for unknown ids running at once
 SCAN_BYTES = 64 << 10  # a stream's response id is looked for in its first bytes only
 _ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')
+RESPONSE_ID = _ID  # a response id in an answer's first bytes (the endpoint picker reads it)
 _ISSUED = re.compile(r"resp_[0-9a-f]{32}")  # the ids workers issue (`serving.responses_api`)
 
 

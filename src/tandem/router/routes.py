@@ -6,7 +6,8 @@ Routes: `GET /health` (the process), `GET /ready` (200 while a worker is routabl
 `openapi`), and the three OpenAI POSTs (completions, chat, responses), served stage by
 stage by `stages.handle`, and `GET` / `DELETE /v1/responses/{id}` (relayed to the worker
 holding it, `responses`). Route methods carry no docstring: FastAPI would publish it in
-/openapi.json.
+/openapi.json. With `ext_proc` set, `lifespan` also serves the gateway's endpoint picker
+(`extproc`) on the same loop, over this `RouterApp`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -56,6 +57,7 @@ class RouterApp:
     upstream: UpstreamPool | None = None
     # which worker stored each Responses API response this router relayed
     locations: ResponseLocations = field(default_factory=ResponseLocations)
+    epp: Any = None  # the endpoint picker's gRPC server while it runs (`extproc.server`)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -72,8 +74,8 @@ class RouterApp:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         """Start: the clients, tokenizers preloaded, discovery watched (one that cannot
-        work fails start-up), the speculative-entry janitor, the shared index store. Stop:
-        all of it, in reverse."""
+        work fails start-up), the speculative-entry janitor, the shared index store, the
+        endpoint picker's gRPC server (`ext_proc`). Stop: all of it, in reverse."""
         settings, monitors = self.settings, self.membership.monitors
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,
@@ -92,7 +94,13 @@ class RouterApp:
         if settings.index_store is not None:
             settings.index_store.start(
                 lambda wid: monitors[wid].index_view() if wid in monitors else None)
+        if settings.ext_proc is not None:  # the gateway's endpoint picker, same loop and core
+            from tandem.router.extproc.server import start as start_epp
+
+            self.epp = await start_epp(self, settings.ext_proc)
         yield
+        if self.epp is not None:
+            await self.epp.stop()
         janitor.cancel()
         await self.membership.stop(watcher)
         await http.aclose()

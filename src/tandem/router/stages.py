@@ -11,7 +11,9 @@ each attempt) -> `relay` (the answer; a token charge settled from the usage it r
 Every stop counts in `tandem_router_rejected_total` with its status. A Responses API
 request is tokenized and hashed as the chat completion that serves it; one continuing a
 stored response (`previous_response_id`) goes to the worker holding it (`responses`), and
-the worker each answer came from is remembered.
+the worker each answer came from is remembered. A request's `x-session-token` favours the
+worker it names (`scorers.session`); a 2xx answer carries the token of the worker that
+served it.
 
 With flow control on, `hold` runs between `charge` and `shared_matches`: the request waits
 while every worker of its model is saturated (429 / 503 when shed, `flowcontrol`).
@@ -48,6 +50,7 @@ from tandem.router.flowcontrol.base import FlowTicket
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
 from tandem.router.ratelimit import retry_after_header
+from tandem.router.scorers.session import SESSION_HEADER, SessionTokens, tokens_for
 from tandem.router.workers import HashGroup
 
 if TYPE_CHECKING:
@@ -80,6 +83,12 @@ class Charge:
 
     bill: usage.Settlement
     strip_usage: bool = False
+
+
+def session_tokens(ra: RouterApp) -> SessionTokens:
+    """The session-token codec (`scorers.session`), keyed by the worker auth key if set."""
+    key = ra.settings.worker_key
+    return tokens_for(None if key is None else key.signing_key())
 
 
 def request_id(supplied: str | None) -> str:
@@ -242,6 +251,7 @@ class Routing:
         self.attempts = 0
         self.pinned: str | None = None  # the worker holding a previous response, if any
         self.answered: str | None = None  # the worker whose answer the client gets
+        self.session: str | None = None  # the worker the request's session token names
 
     def pick(self, tried: set[str]) -> Route | None:
         """The next attempt's route (None: no worker left); the first observes routing
@@ -282,9 +292,16 @@ class Routing:
         return self.plan_without(exclude)
 
     def plan_without(self, exclude: set[str]) -> tuple[Route | None, Any]:
-        return plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
-                    exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
-                    external=self.external, signed=self.ra.settings.worker_key is not None)
+        """`pd.plan` for this request, `exclude` left out; the chains hashed for the first
+        attempt serve the retries."""
+        route, ctx = plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
+                          exclude=exclude, keep_prefill=self.prefill, hashes=self.hashes,
+                          external=self.external,
+                          signed=self.ra.settings.worker_key is not None,
+                          session=self.session)
+        if ctx is not None and ctx.hashes:
+            self.hashes = ctx.hashes
+        return route, ctx
 
     def on_attempt(self, a: Attempt) -> None:
         """Count one attempt; one that never reached its worker is retracted from the
@@ -387,6 +404,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
     hashes, external = await shared_matches(ra, req.parsed, req.model)
     routing = Routing(ra, rid, req, t0, hashes, external)
+    tokens = session_tokens(ra)
+    routing.session = tokens.worker(request.headers.get(SESSION_HEADER), ra.router.workers)
     previous = req.data.get("previous_response_id") if kind == "responses" else None
     if isinstance(previous, str):
         holder = await responses.locate(ra, tenant, previous)
@@ -402,6 +421,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
             raise
     else:
         answer = await relay(request, work, req.parsed.stream, bill)
+    if routing.answered is not None and 200 <= answer.status_code < 300:
+        answer.headers[SESSION_HEADER] = tokens.token(routing.answered)
     if kind == "responses" and req.data.get("store") is not False:
         return responses.track(ra, tenant, answer, lambda: routing.answered)
     return answer

@@ -140,33 +140,53 @@ class Settlement:
                   ) -> AsyncIterator[bytes]:
         """Relay an SSE stream, reading its usage chunk (dropped when `strip_usage`); on its
         end, however it ends, settle from that chunk or from the bound of what it sent."""
-        total: int | None = None
-        bound = 0
-        tail = b""
+        reader = StreamUsage(strip_usage)
         try:
             async for chunk in chunks:
-                data = tail + chunk
-                end = data.rfind(b"\n\n")
-                if end < 0:  # no complete event yet
-                    tail = data
-                    continue
-                tail, ready = data[end + 2:], data[:end + 2]
-                out = []
-                for event in ready.split(b"\n\n")[:-1]:
-                    if _USAGE.search(event):
-                        seen = _stream_usage(event)
-                        if seen is not None:
-                            total = seen
-                            if strip_usage and b'"choices":[]' in event.replace(b" ", b""):
-                                continue
-                    bound += len(event) + 1
-                    out.append(event + b"\n\n")
+                out = reader.feed(chunk)
                 if out:
-                    yield b"".join(out)
+                    yield out
+            tail = reader.finish()
             if tail:
                 yield tail
         finally:
-            self.settle(total, bound)
+            self.settle(reader.total, reader.bound)
+
+
+class StreamUsage:
+    """An SSE stream's usage, read as its chunks pass (`feed` returns what to relay: whole
+    events only, the usage-only chunk dropped when `strip_usage`; `finish` the unterminated
+    tail). `total`: the usage chunk's total_tokens (None: none seen); `bound`: an upper
+    bound of the tokens streamed (one per byte of each event, + 1)."""
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage
+        self.total: int | None = None
+        self.bound = 0
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.tail + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:  # no complete event yet
+            self.tail = data
+            return b""
+        self.tail, ready = data[end + 2:], data[:end + 2]
+        out = []
+        for event in ready.split(b"\n\n")[:-1]:
+            if _USAGE.search(event):
+                seen = _stream_usage(event)
+                if seen is not None:
+                    self.total = seen
+                    if self.strip_usage and b'"choices":[]' in event.replace(b" ", b""):
+                        continue
+            self.bound += len(event) + 1
+            out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        tail, self.tail = self.tail, b""
+        return tail
 
 
 def _stream_usage(event: bytes) -> int | None:

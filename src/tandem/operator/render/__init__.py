@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
+from tandem.operator.render.keda import keda_workloads, scaled_objects
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
@@ -52,7 +53,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     exists. `image_pull_secrets` (the operator's) go to every pod, ahead of each pool's own;
     the pods' user settings (`render.pod`) are merged last. A multi-node tensor-parallel pool
     is a LeaderWorkerSet (`render.multinode`) where the others are Deployments: each pool's
-    `Workload`, decided once here, is what every renderer reads."""
+    `Workload`, decided once here, is what every renderer reads. Pools in
+    `autoscaling.mode: hpa` get a HorizontalPodAutoscaler, in `keda` a KEDA ScaledObject
+    (`render.keda`, with the routers' metrics Service it reads /scaling through)."""
     check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
@@ -81,6 +84,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         auto = w.pool.spec.autoscaling
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, w, auto))
+    out += scaled_objects(spec, owner, workloads)  # autoscaling.mode: keda
+    if spec.service_monitor or keda_workloads(workloads):  # (KEDA reads /scaling there)
+        out.append(router_metrics_service(owner))
     if spec.service_monitor:
-        out += [router_metrics_service(owner), service_monitor(spec, owner)]
+        out.append(service_monitor(spec, owner))
     return out

@@ -44,6 +44,7 @@ from tandem.operator.render.security import (
     worker_auth_mount,
 )
 from tandem.operator.spec import InferenceServiceSpec, RateLimit
+from tandem.operator.spec_router import FlowControlSpec
 from tandem.protocol.labels import ROUTER_COMPONENT
 
 CONFIG_DIR = "/etc/tandem/router"
@@ -90,7 +91,36 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
                               "tenants": {t: _limits(v)
                                           for t, v in r.tenant_rate_limits.items()}}
     cfg.update(redis_config(spec, owner))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
+    cfg.update(flow_control_config(spec))
     return cfg
+
+
+def flow_control_config(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """router.yaml `flow_control` (the fields `router.flowControl` sets; the router's defaults
+    for the rest) and, when a pool may scale to zero, `served_models`: every served name,
+    listed and held with no worker up for `startTimeoutSeconds`. Nothing when flow control
+    is off and unset (router.yaml as before)."""
+    f, out = spec.router.flow_control, {}
+    if spec.flow_control_enabled or f != FlowControlSpec():
+        fc: dict[str, Any] = {"enabled": spec.flow_control_enabled}
+        optional = {"fairness": f.fairness, "ordering": f.ordering, "ttl_s": f.ttl_seconds,
+                    "shared": f.shared}
+        fc.update({k: v for k, v in optional.items() if v is not None})
+        saturation = {"waiting": f.saturation_waiting, "kv": f.saturation_kv}
+        if any(v is not None for v in saturation.values()):
+            fc["saturation"] = {k: v for k, v in saturation.items() if v is not None}
+        if f.bands:
+            fc["bands"] = {k if k == "default" else int(k): {
+                key: v for key, v in (("max_requests", b.max_requests),
+                                      ("max_bytes", b.max_bytes)) if v is not None}
+                for k, b in f.bands}
+        if f.tenant_weights:
+            fc["tenant_weights"] = dict(f.tenant_weights)
+        out["flow_control"] = fc
+    if spec.scales_to_zero:
+        out["served_models"] = [{"name": name, "start_timeout_s": f.start_timeout_seconds}
+                                for name in spec.model.served_names]
+    return out
 
 
 def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:

@@ -323,8 +323,9 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     clients = list(spec.router.allowed_clients)
     router = ([{"from": clients + prom, "ports": [http]}] if clients
               else [{"ports": [http]}])  # the front door: anyone, on http only
-    if prom:  # /metrics without a key: Prometheus only
-        router.append({"from": prom, "ports": [_port(METRICS_PORT_NAME)]})
+    keda = [spec.keda] if spec.keda is not None else []  # its metrics-api scaler: /scaling
+    if prom or keda:  # /metrics and /scaling without a key: Prometheus and KEDA only
+        router.append({"from": prom + keda, "ports": [_port(METRICS_PORT_NAME)]})
     groups = [group_policy(owner, w)
               for w in (pool_workloads(spec, owner) if workloads is None else workloads)
               if w.multinode]

@@ -263,10 +263,10 @@ def worker_service(owner: Owner, workload: Workload) -> dict[str, Any]:
 
 
 def desired_replicas(pool: Pool, override: Mapping[str, int] | None) -> int | None:
-    """The count to render: None under an HPA; an autoscaler's choice (`override`, by pool
-    name) or the spec's, kept within the autoscaling bounds."""
+    """The count to render: None under an HPA (KEDA's too); an autoscaler's choice
+    (`override`, by pool name) or the spec's, kept within the autoscaling bounds."""
     auto = pool.spec.autoscaling
-    if auto is not None and auto.mode == "hpa":
+    if auto is not None and auto.mode in ("hpa", "keda"):
         return None
     n = (override or {}).get(pool.name, pool.spec.replicas)
     return n if auto is None else min(max(n, auto.min_replicas), auto.max_replicas)

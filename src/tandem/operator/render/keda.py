@@ -1,0 +1,113 @@
+"""KEDA autoscaling (`autoscaling.mode: keda`): a `ScaledObject` (`keda.sh/v1alpha1`) per
+pool, on the router's own signal for the pool's role.
+
+* `scaleTargetRef`: the pool's workload (`Workload.target`: a Deployment, or a multi-node
+  pool's LeaderWorkerSet, whose scale subresource counts groups), rendered without
+  `replicas` (KEDA's HPA owns the count, as for `mode: hpa`).
+* The trigger: KEDA's `metrics-api` scaler reads `GET /scaling?model=<served name>&role=<role>`
+  on the routers' metrics port (`METRICS_PORT`, no key; the NetworkPolicy admits
+  `monitoring.keda` there) through the headless Service NAME-metrics. The role is `prefill`
+  for a prefill pool and `decode` for decode and aggregated pools. `valueLocation` is the
+  signal's field (`demand` by default: requests queued in the router's flow control plus
+  those running and waiting on the role's workers), `metricType: AverageValue` with
+  `targetValue` = `autoscaling.target` per replica (kvUtilization: `Value`, the role's mean),
+  and `activationTargetValue: 0`: the first queued request wakes a pool at zero.
+* `keda.kvUtilizationTarget`: a second trigger on `kv_utilization` (`metricType: Value`); its
+  activation threshold (above 1, never reached) leaves waking to the first trigger, so KV
+  pages cached by idle workers never hold a pool above zero.
+* `minReplicaCount` (0: scale to zero), `maxReplicaCount`, `idleReplicaCount`,
+  `pollingInterval`, `cooldownPeriod` (idle this long before 0) and the scale-down
+  stabilization window of KEDA's HPA from the pool's `autoscaling`.
+
+No TriggerAuthentication: the routers' metrics port never asks for a key (the operator
+starts them with `--metrics-port` and without `metrics_auth`); the NetworkPolicy is its gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+from tandem.operator.render.common import METRICS_PORT, Owner, metadata
+from tandem.operator.render.workload import Workload
+from tandem.operator.spec import InferenceServiceSpec
+from tandem.operator.spec_autoscaling import KEDA_VALUES, AutoscalingSpec
+from tandem.protocol.labels import WORKER_COMPONENT
+
+API_VERSION = "keda.sh/v1alpha1"
+KIND = "ScaledObject"
+TRIGGER = "metrics-api"
+NEVER_ACTIVE = "1.01"  # above any KV utilization (a fraction): a trigger that never wakes
+
+
+def scaling_role(role: str) -> str:
+    """The `/scaling` role of a pool's role: aggregated workers serve decode."""
+    return "prefill" if role == "prefill" else "decode"
+
+
+def metrics_host(owner: Owner) -> str:
+    """The routers' metrics port through the headless Service NAME-metrics
+    (`render.monitoring.router_metrics_service`)."""
+    return f"http://{owner.name}-metrics.{owner.namespace}.svc:{METRICS_PORT}"
+
+
+def scaling_url(spec: InferenceServiceSpec, owner: Owner, role: str) -> str:
+    """The router's `/scaling` answer for the model's served name and `role`."""
+    query = urlencode({"model": spec.model.served_name, "role": scaling_role(role)})
+    return f"{metrics_host(owner)}/scaling?{query}"
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def _trigger(name: str, url: str, location: str, metric_type: str, target: float,
+             activation: str) -> dict[str, Any]:
+    return {"type": TRIGGER, "name": name, "metricType": metric_type, "metadata": {
+        "url": url, "format": "json", "valueLocation": location,
+        "targetValue": _number(target), "activationTargetValue": activation}}
+
+
+def triggers(spec: InferenceServiceSpec, owner: Owner, role: str,
+             auto: AutoscalingSpec) -> list[dict[str, Any]]:
+    url = scaling_url(spec, owner, role)
+    kind = "Value" if auto.signal == "kvUtilization" else "AverageValue"
+    out = [_trigger(auto.signal.lower(), url, KEDA_VALUES[auto.signal], kind, auto.target,
+                    "0")]
+    kv = auto.keda.kv_utilization_target
+    if kv is not None and auto.signal != "kvUtilization":
+        out.append(_trigger("kvutilization", url, KEDA_VALUES["kvUtilization"], "Value", kv,
+                            NEVER_ACTIVE))
+    return out
+
+
+def scaled_object(spec: InferenceServiceSpec, owner: Owner,
+                  workload: Workload) -> dict[str, Any]:
+    """The ScaledObject of one pool in keda mode, named as its workload (NAME-POOL)."""
+    auto = workload.pool.spec.autoscaling
+    assert auto is not None and auto.mode == "keda"
+    so: dict[str, Any] = {
+        "scaleTargetRef": workload.target,
+        "pollingInterval": auto.keda.polling_interval_seconds,
+        "cooldownPeriod": auto.keda.cooldown_period_seconds,
+        "minReplicaCount": auto.min_replicas,
+        "maxReplicaCount": auto.max_replicas,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
+            "stabilizationWindowSeconds": auto.scale_down_stabilization_seconds}}}},
+        "triggers": triggers(spec, owner, workload.role, auto)}
+    if auto.keda.idle_replicas is not None:
+        so["idleReplicaCount"] = auto.keda.idle_replicas
+    return {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": metadata(owner, workload.name, WORKER_COMPONENT, workload.role),
+            "spec": so}
+
+
+def keda_workloads(workloads: Sequence[Workload]) -> list[Workload]:
+    return [w for w in workloads
+            if w.pool.spec.autoscaling is not None and w.pool.spec.autoscaling.mode == "keda"]
+
+
+def scaled_objects(spec: InferenceServiceSpec, owner: Owner,
+                   workloads: Sequence[Workload]) -> list[dict[str, Any]]:
+    return [scaled_object(spec, owner, w) for w in keda_workloads(workloads)]
