@@ -158,7 +158,7 @@ def test_the_sources_cover_every_key_the_operator_renders():
         keys |= set(cfg) | {f"rate_limits.{k}" for k in cfg.get("rate_limits", {})}
     assert {"weights", "rate_limits.default", "rate_limits.tenants", "redis", "index",
             "redis_key_prefix", "tokenizers", "policy", "pd_threshold",
-            "worker_port_name"} <= keys
+            "worker_port_name", "flow_control", "served_models"} <= keys
     assert len(EXAMPLES) >= 5
 
 
