@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(args))
     else:
         result = uvloop.run(run(args))
-    sys.stdout.write(json.dumps(result) + "\n")
+    os.set_blocking(sys.stdout.fileno(), True)  # the event loop may have left it non-blocking:
+    sys.stdout.write(json.dumps(result) + "\n")  # a >64 KiB line would then be cut short
     sys.stdout.flush()
     return 0
 

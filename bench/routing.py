@@ -42,7 +42,7 @@ import loadgen  # noqa: E402
 import servers  # noqa: E402
 from workload import make_workload  # noqa: E402
 
-POLICIES = ("round-robin", "random", "least-loaded", "cache-aware")
+POLICIES = ("round-robin", "random", "least-loaded", "cache-aware", "cost")
 
 
 def cluster_counters(urls: list[str]) -> tuple[float, float]:

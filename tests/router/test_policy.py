@@ -162,7 +162,7 @@ def test_baseline_policies():
     assert make_policy("least-loaded", rng=random.Random(0)).pick(ctx(), ws).worker.id == "b"
     rnd = make_policy("random", rng=random.Random(0))
     assert {rnd.pick(ctx(), ws).worker.id for _ in range(50)} == {"a", "b", "c"}
-    assert set(POLICIES) == {"cache-aware", "round-robin", "random", "least-loaded"}
+    assert set(POLICIES) == {"cache-aware", "cost", "round-robin", "random", "least-loaded"}
 
 
 def test_circuit_breaker_opens_half_opens_and_closes():

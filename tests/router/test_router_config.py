@@ -43,8 +43,8 @@ def test_unknown_scorer_in_config_fails_at_start(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("weights: {prefix: 1.0, astrology: 1.0}\n")
     with pytest.raises(RouterConfigError, match=f'^{cfg}: unknown key "weights.astrology" '
-                       r"\(known: cache_churn, inflight_tokens, kv_usage, lora_affinity, "
-                       r"prefix, queue\)$"):
+                       r"\(known: cache_churn, cost, inflight_tokens, kv_usage, "
+                       r"lora_affinity, prefix, queue, session_affinity\)$"):
         build(_args("--config", str(cfg)))
 
 

@@ -37,8 +37,8 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(("data", "message"), [
     ({"polcy": "random"},
      f'unknown key "polcy" (did you mean "policy"? known: {TOP})'),
-    ({"weights": {"foo": 1}}, 'unknown key "weights.foo" (known: cache_churn, '
-     "inflight_tokens, kv_usage, lora_affinity, prefix, queue)"),
+    ({"weights": {"foo": 1}}, 'unknown key "weights.foo" (known: cache_churn, cost, '
+     "inflight_tokens, kv_usage, lora_affinity, prefix, queue, session_affinity)"),
     ({"rate_limits": {"tenant": {}}},
      'unknown key "rate_limits.tenant" (did you mean "tenants"? known: default, tenants)'),
     ({"rate_limits": {"tenants": {"batch": {"rps": 1}}}},
@@ -46,7 +46,7 @@ def _args(*argv: str) -> argparse.Namespace:
      "tokens_per_min)"),
     ({"priority": {"default": {"mni": 0}}},
      'unknown key "priority.default.mni" (did you mean "min"? known: default, max, min)'),
-    ({"policy": "fastest"}, "policy: input should be 'cache-aware', 'least-loaded', "
+    ({"policy": "fastest"}, "policy: input should be 'cache-aware', 'cost', 'least-loaded', "
      "'random' or 'round-robin', not 'fastest'"),
     ({"weights": {"prefix": -1}},
      "weights.prefix: input should be greater than or equal to 0, not -1"),
@@ -85,13 +85,15 @@ def test_unreadable_files_and_empty_values(tmp_path):
 
 def test_partial_weights_keep_the_other_defaults_and_zero_switches_one_off(tmp_path):
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("workers: [http://a:8000]\nweights: {prefix: 4, queue: 0}\n")
+    cfg.write_text("workers: [http://a:8000]\npolicy: cache-aware\n"
+                   "weights: {prefix: 4, queue: 0}\n")
     _, router, _ = build(_args("--config", str(cfg)))
     assert router.settings.weights == {**DEFAULT_WEIGHTS, "prefix": 4.0, "queue": 0.0}
     assert [(s.name, w) for s, w in router.policy.scorers] == [
         (name, 4.0 if name == "prefix" else w) for name, w in DEFAULT_WEIGHTS.items()
         if name != "queue"]
-    _, router, _ = build(_args("--workers", "http://a:8000"))  # no weights: the defaults
+    _, router, _ = build(_args("--workers", "http://a:8000", "--policy", "cache-aware"))
+    # no weights: the defaults
     assert [(s.name, w) for s, w in router.policy.scorers] == list(DEFAULT_WEIGHTS.items())
 
 
@@ -117,7 +119,8 @@ def test_the_cli_refuses_a_bad_router_yaml_as_a_usage_error_before_binding(tmp_p
     assert proc.stderr.splitlines() == [
         f"usage: {usage[command]}",
         f'tandem {command}: error: {cfg}: unknown key "weights.astrology" (known: '
-        "cache_churn, inflight_tokens, kv_usage, lora_affinity, prefix, queue)"]
+        "cache_churn, cost, inflight_tokens, kv_usage, lora_affinity, prefix, queue, "
+        "session_affinity)"]
     assert proc.stdout == ""
 
 
@@ -155,7 +158,7 @@ def test_the_sources_cover_every_key_the_operator_renders():
         keys |= set(cfg) | {f"rate_limits.{k}" for k in cfg.get("rate_limits", {})}
     assert {"weights", "rate_limits.default", "rate_limits.tenants", "redis", "index",
             "redis_key_prefix", "tokenizers", "policy", "pd_threshold",
-            "worker_port_name"} <= keys
+            "worker_port_name", "flow_control", "served_models"} <= keys
     assert len(EXAMPLES) >= 5
 
 

@@ -80,6 +80,7 @@ from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.spec_decode.speculator import Speculator
+from tandem.engine.step_costs import StepCosts, pending_prefill_tokens, split_tokens
 from tandem.engine.structured_manager import (
     StructuredOutputManager,
     StructuredOutputsCore,
@@ -115,6 +116,8 @@ class EngineCore(StructuredOutputsCore):
         self.eos_token_ids = eos_token_ids
         self._pending: list[RequestOutput] = []  # outputs of aborted requests
         self._prompt_tokens = 0
+        self.step_costs = StepCosts()  # measured step costs (GetLoad, the router's pick)
+        self._step_split: tuple[int, int] | None = None  # the running step's work
         # user request id -> its samples, while one runs in the engine
         self._live: dict[str, list[Request]] = {}
         self.async_scheduling = async_scheduling
@@ -379,10 +382,21 @@ class EngineCore(StructuredOutputsCore):
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of requests that progressed, finished or aborted
-        (with `async_scheduling`: those of the previous step, made while this one ran)."""
+        (with `async_scheduling`: those of the previous step, made while this one ran). A
+        step that ran work feeds `step_costs` with its wall time."""
+        t0 = time.perf_counter()
+        self._step_split = None
+        outputs = self._step()
+        if self._step_split is not None:
+            self.step_costs.observe(time.perf_counter() - t0, *self._step_split)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self.expire_leases()
         grammars = self._poll_grammars()
         sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self._step_split = split_tokens(sched.scheduled)
         self.last_step_idle = sched.is_empty
         if sched.is_empty and grammars:
             # only compiling grammars can change that: wait a moment for one (a command
@@ -591,11 +605,24 @@ class EngineCore(StructuredOutputsCore):
             generation_tokens=self.outputs.generation_tokens,
             kv_unused_slots=self.kv.unused_slots(self.scheduler.running),
             in_flight_tokens=self.scheduler.num_unfinished_tokens(),
+            prefill_s_per_token=self.step_costs.prefill_s_per_token,
+            decode_step_s=self.step_costs.decode_step_s,
+            pending_prefill_tokens=self._pending_prefill(),
             kv_leases_active=leases.active, kv_leases_released=leases.released,
             kv_leases_expired=leases.expired,
             kv_connector_loaded_tokens=self.scheduler.tokens_loaded,
             kv_window_freed_blocks=self.kv.window_freed_blocks, **self._spec_stats(),
             **self._lora_stats())
+
+    def _pending_prefill(self) -> int:
+        """`step_costs.pending_prefill_tokens`, waiting requests' cached prefixes looked up
+        in the prefix cache (when the KV pool has one)."""
+        lookup = getattr(self.kv.pool, "get_cached_block", None)
+        caching = lookup is not None and getattr(self.kv, "enable_caching", False)
+        return pending_prefill_tokens(
+            self.scheduler.running, self.scheduler.waiting_requests(),
+            getattr(self.kv, "block_size", 0),
+            (lambda h: lookup(h) is not None) if caching else None)
 
     def _lora_stats(self) -> dict[str, object]:
         if self.lora is None:

@@ -111,3 +111,8 @@ class EngineStats:
     # KV blocks a sliding-window model released as they left every query's window
     # (cumulative; kv_cache/manager.py `free_out_of_window`)
     kv_window_freed_blocks: int = 0
+    # measured costs (engine/step_costs.py; 0.0: not measured yet) and the prompt tokens its
+    # waiting and partly prefilled running requests still need computed
+    prefill_s_per_token: float = 0.0
+    decode_step_s: float = 0.0
+    pending_prefill_tokens: int = 0

@@ -105,12 +105,22 @@ def hash_block_chain(
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
-    # the same bytes as hash_block, one concatenation and one C call per block
-    data = _token_bytes(token_ids[: n_full * block_size])
+    return hash_block_bytes(token_bytes(token_ids[: n_full * block_size]), block_size, prev)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the chain hashes them: u32 little-endian each."""
+    return _token_bytes(token_ids)
+
+
+def hash_block_bytes(data: bytes, block_size: int, parent: BlockHash) -> list[BlockHash]:
+    """The chain over `data` (`token_bytes` of whole blocks) continuing from `parent`:
+    the same bytes as hash_block, one concatenation and one C call per block."""
     head, step, sha = _BLOCK_TAG, block_size * 4, hashlib.sha256
     size = _U32.pack(block_size)
     out: list[BlockHash] = []
-    for off in range(0, n_full * step, step):
+    prev = parent
+    for off in range(0, len(data) - step + 1, step):
         prev = sha(head + prev + size + data[off : off + step]).digest()
         out.append(prev)
     return out

@@ -6,6 +6,9 @@ from __future__ import annotations
 GROUP = "tandem.dev"
 # the InferenceService a pod / Service / EndpointSlice belongs to (value: its name)
 SERVICE_LABEL = f"{GROUP}/inference-service"
+# the router group an InferenceService's worker Services join (value: the group's name):
+# one router (`--router-group NAME`) serves every InferenceService of that group
+ROUTER_GROUP_LABEL = f"{GROUP}/router-group"
 # the worker pool's role: "prefill", "decode" or "both"
 ROLE_LABEL = f"{GROUP}/role"
 # what the object is: "worker", "router" (app.kubernetes.io/component is the common key)

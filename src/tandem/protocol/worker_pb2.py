@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protocol/worker.proto\x12\ttandem.v1\"\x1a\n\x18SubscribeKVEventsRequest\"\x85\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x13\n\x0blora_digest\x18\x06 \x01(\tJ\x04\x08\x03\x10\x04R\ttoken_ids\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa5\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"B\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x8f\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12%\n\x08snapshot\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Snapshot\x12\"\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x12.tandem.v1.KVEvent\"\x10\n\x0eGetLoadRequest\"\xe2\x03\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10in_flight_tokens\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rrunning_loras\x18\x0b \x03(\t\x12\x15\n\rwaiting_loras\x18\x0c \x03(\t\x12\x16\n\x0eresident_loras\x18\r \x03(\t\x12\x11\n\tmax_loras\x18\x0e \x01(\r\x12\x15\n\rlora_adapters\x18\x0f \x03(\t\x12\x36\n\x0clora_digests\x18\x10 \x03(\x0b\x32 .tandem.v1.Load.LoraDigestsEntry\x12\x15\n\rlora_instance\x18\x11 \x01(\t\x12\x14\n\x0clora_version\x18\x12 \x01(\x04\x1a\x32\n\x10LoraDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x0cTorchChannel\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"\xb9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12&\n\x05torch\x18\t \x01(\x0b\x32\x17.tandem.v1.TorchChannel\x12\x0f\n\x07lease_s\x18\n \x01(\x02\x12\x13\n\x0btail_tokens\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x11\n\tlora_name\x18\r \x01(\t\x12\x13\n\x0blora_digest\x18\x0e \x01(\t\"\xa9\x02\n\nPageHeader\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x13\n\x0blayer_bytes\x18\t \x01(\x04\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x0b \x01(\r\x12\x13\n\x0btail_tokens\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\x12\x16\n\x0ekv_page_format\x18\x0e \x01(\r\"7\n\x08PageData\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\x0cPageLayerEnd\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\"\x1e\n\x0bPageTrailer\x12\x0f\n\x07xxh3_64\x18\x01 \x01(\x04\"\xba\x01\n\tPageChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.tandem.v1.PageHeaderH\x00\x12#\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x13.tandem.v1.PageDataH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.tandem.v1.PageTrailerH\x00\x12,\n\tlayer_end\x18\x04 \x01(\x0b\x32\x17.tandem.v1.PageLayerEndH\x00\x42\x06\n\x04kind\"\'\n\x13ReleasePagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleasePagesResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x94\x01\n\x06Worker\x12S\n\x11SubscribeKVEvents\x12#.tandem.v1.SubscribeKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\x9b\x01\n\nKVTransfer\x12<\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x14.tandem.v1.PageChunk0\x01\x12O\n\x0cReleasePages\x12\x1e.tandem.v1.ReleasePagesRequest\x1a\x1f.tandem.v1.ReleasePagesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/protocol/worker.proto\x12\ttandem.v1\"\x1a\n\x18SubscribeKVEventsRequest\"\x85\x01\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x13\n\x0blora_digest\x18\x06 \x01(\tJ\x04\x08\x03\x10\x04R\ttoken_ids\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x12\n\x10\x41llBlocksCleared\"\xa5\x01\n\x07KVEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x06stored\x18\x02 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x03 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"B\n\x08Snapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x13\n\x0binstance_id\x18\x03 \x01(\t\"\x8f\x01\n\x0cKVEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12%\n\x08snapshot\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Snapshot\x12\"\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x12.tandem.v1.KVEvent\"\x10\n\x0eGetLoadRequest\"\xb6\x04\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x18\n\x10in_flight_tokens\x18\t \x01(\x04\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x15\n\rrunning_loras\x18\x0b \x03(\t\x12\x15\n\rwaiting_loras\x18\x0c \x03(\t\x12\x16\n\x0eresident_loras\x18\r \x03(\t\x12\x11\n\tmax_loras\x18\x0e \x01(\r\x12\x15\n\rlora_adapters\x18\x0f \x03(\t\x12\x36\n\x0clora_digests\x18\x10 \x03(\x0b\x32 .tandem.v1.Load.LoraDigestsEntry\x12\x15\n\rlora_instance\x18\x11 \x01(\t\x12\x14\n\x0clora_version\x18\x12 \x01(\x04\x12\x1b\n\x13prefill_s_per_token\x18\x13 \x01(\x02\x12\x15\n\rdecode_step_s\x18\x14 \x01(\x02\x12\x1e\n\x16pending_prefill_tokens\x18\x15 \x01(\x04\x1a\x32\n\x10LoraDigestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"U\n\x0cTorchChannel\x12\x12\n\nstore_host\x18\x01 \x01(\t\x12\x12\n\nstore_port\x18\x02 \x01(\r\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x0b\n\x03tag\x18\x04 \x01(\x04\"\xb9\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12&\n\x05torch\x18\t \x01(\x0b\x32\x17.tandem.v1.TorchChannel\x12\x0f\n\x07lease_s\x18\n \x01(\x02\x12\x13\n\x0btail_tokens\x18\x0b \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x11\n\tlora_name\x18\r \x01(\t\x12\x13\n\x0blora_digest\x18\x0e \x01(\t\"\xa9\x02\n\nPageHeader\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x13\n\x0blayer_bytes\x18\t \x01(\x04\x12\x10\n\x08lease_id\x18\n \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x0b \x01(\r\x12\x13\n\x0btail_tokens\x18\x0c \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\r \x01(\t\x12\x16\n\x0ekv_page_format\x18\x0e \x01(\r\"7\n\x08PageData\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\".\n\x0cPageLayerEnd\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07xxh3_64\x18\x02 \x01(\x04\"\x1e\n\x0bPageTrailer\x12\x0f\n\x07xxh3_64\x18\x01 \x01(\x04\"\xba\x01\n\tPageChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.tandem.v1.PageHeaderH\x00\x12#\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x13.tandem.v1.PageDataH\x00\x12)\n\x07trailer\x18\x03 \x01(\x0b\x32\x16.tandem.v1.PageTrailerH\x00\x12,\n\tlayer_end\x18\x04 \x01(\x0b\x32\x17.tandem.v1.PageLayerEndH\x00\x42\x06\n\x04kind\"\'\n\x13ReleasePagesRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14ReleasePagesResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x94\x01\n\x06Worker\x12S\n\x11SubscribeKVEvents\x12#.tandem.v1.SubscribeKVEventsRequest\x1a\x17.tandem.v1.KVEventBatch0\x01\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Load2\x9b\x01\n\nKVTransfer\x12<\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x14.tandem.v1.PageChunk0\x01\x12O\n\x0cReleasePages\x12\x1e.tandem.v1.ReleasePagesRequest\x1a\x1f.tandem.v1.ReleasePagesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,29 +50,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=647
   _globals['_GETLOADREQUEST']._serialized_end=663
   _globals['_LOAD']._serialized_start=666
-  _globals['_LOAD']._serialized_end=1148
-  _globals['_LOAD_LORADIGESTSENTRY']._serialized_start=1098
-  _globals['_LOAD_LORADIGESTSENTRY']._serialized_end=1148
-  _globals['_TORCHCHANNEL']._serialized_start=1150
-  _globals['_TORCHCHANNEL']._serialized_end=1235
-  _globals['_PREFILLREQUEST']._serialized_start=1238
-  _globals['_PREFILLREQUEST']._serialized_end=1551
-  _globals['_PAGEHEADER']._serialized_start=1554
-  _globals['_PAGEHEADER']._serialized_end=1851
-  _globals['_PAGEDATA']._serialized_start=1853
-  _globals['_PAGEDATA']._serialized_end=1908
-  _globals['_PAGELAYEREND']._serialized_start=1910
-  _globals['_PAGELAYEREND']._serialized_end=1956
-  _globals['_PAGETRAILER']._serialized_start=1958
-  _globals['_PAGETRAILER']._serialized_end=1988
-  _globals['_PAGECHUNK']._serialized_start=1991
-  _globals['_PAGECHUNK']._serialized_end=2177
-  _globals['_RELEASEPAGESREQUEST']._serialized_start=2179
-  _globals['_RELEASEPAGESREQUEST']._serialized_end=2218
-  _globals['_RELEASEPAGESRESPONSE']._serialized_start=2220
-  _globals['_RELEASEPAGESRESPONSE']._serialized_end=2260
-  _globals['_WORKER']._serialized_start=2263
-  _globals['_WORKER']._serialized_end=2411
-  _globals['_KVTRANSFER']._serialized_start=2414
-  _globals['_KVTRANSFER']._serialized_end=2569
+  _globals['_LOAD']._serialized_end=1232
+  _globals['_LOAD_LORADIGESTSENTRY']._serialized_start=1182
+  _globals['_LOAD_LORADIGESTSENTRY']._serialized_end=1232
+  _globals['_TORCHCHANNEL']._serialized_start=1234
+  _globals['_TORCHCHANNEL']._serialized_end=1319
+  _globals['_PREFILLREQUEST']._serialized_start=1322
+  _globals['_PREFILLREQUEST']._serialized_end=1635
+  _globals['_PAGEHEADER']._serialized_start=1638
+  _globals['_PAGEHEADER']._serialized_end=1935
+  _globals['_PAGEDATA']._serialized_start=1937
+  _globals['_PAGEDATA']._serialized_end=1992
+  _globals['_PAGELAYEREND']._serialized_start=1994
+  _globals['_PAGELAYEREND']._serialized_end=2040
+  _globals['_PAGETRAILER']._serialized_start=2042
+  _globals['_PAGETRAILER']._serialized_end=2072
+  _globals['_PAGECHUNK']._serialized_start=2075
+  _globals['_PAGECHUNK']._serialized_end=2261
+  _globals['_RELEASEPAGESREQUEST']._serialized_start=2263
+  _globals['_RELEASEPAGESREQUEST']._serialized_end=2302
+  _globals['_RELEASEPAGESRESPONSE']._serialized_start=2304
+  _globals['_RELEASEPAGESRESPONSE']._serialized_end=2344
+  _globals['_WORKER']._serialized_start=2347
+  _globals['_WORKER']._serialized_end=2495
+  _globals['_KVTRANSFER']._serialized_start=2498
+  _globals['_KVTRANSFER']._serialized_end=2653
 # @@protoc_insertion_point(module_scope)

@@ -75,7 +75,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version")
+    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version", "prefill_s_per_token", "decode_step_s", "pending_prefill_tokens")
     class LoraDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,9 @@ class Load(_message.Message):
     LORA_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     LORA_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     LORA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     role: str
@@ -119,7 +122,10 @@ class Load(_message.Message):
     lora_digests: _containers.ScalarMap[str, str]
     lora_instance: str
     lora_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ...) -> None: ...
+    prefill_s_per_token: float
+    decode_step_s: float
+    pending_prefill_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class TorchChannel(_message.Message):
     __slots__ = ("store_host", "store_port", "group_id", "tag")

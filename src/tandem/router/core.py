@@ -5,22 +5,51 @@ proxies, the monitor keeps `workers` and the index current. `route()` is synchro
 cheap: one tokenization happens before it (in `prompt.parse`), then one hash chain per
 block size in use and one index walk. Each decision also charges the winner's uncached
 prompt tokens to its cache churn (`churn.ChurnTracker`, read by the `cache_churn` scorer).
+
+Large fleets (more than `FULL_SCAN_UP_TO` workers) are not filtered and scored whole: the
+candidates are the workers the index (or the shared store) finds holding the prompt's first
+block, the `MAX_HITS` longest matches, plus a uniform random sample of `SAMPLE` workers of
+the model and role, plus the `LEAST_LOADED` least loaded of them (fewest running + waiting
+requests, then in-flight tokens) as of a snapshot taken at most `POOL_TTL_S` ago. Filters
+and scorers then run on those (~70 workers) only, with the workers' current state. On a
+uniformly loaded fleet the winner is the best of 40 by load (the best of d random
+choices keeps the load gap at O(log log n / log d): d = 32 puts the pick in the least
+loaded ~3 %), the least-loaded few catch idle workers (a new replica) at once, and no prefix
+hit is ever sampled away. Smaller fleets are scored whole, as before.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
 from tandem.router.churn import ChurnTracker
+from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
 from tandem.router.scorers import FILTERS, RoutingContext
 from tandem.router.workers import HashGroup, Worker
+
+FULL_SCAN_UP_TO = 64  # workers; above this a decision scores a bounded candidate set
+SAMPLE = 32  # random candidates of the model and role per decision
+LEAST_LOADED = 8  # ... plus the least loaded at the last snapshot
+MAX_HITS = 32  # ... plus at most this many prefix holders, longest match first
+POOL_TTL_S = 1.0  # how long a (model, role, adapter) snapshot of the candidates is used
+
+
+@dataclass
+class Pool:
+    """The workers that passed the filters for one (model, role, adapter) at `built`."""
+
+    built: float
+    members: list[Worker]
+    least_loaded: list[Worker]
+    groups: set[HashGroup]
+    guessed: list[Worker]  # members with no KV event stream (the approximate index)
 
 
 @dataclass
@@ -41,6 +70,11 @@ class RouterSettings:
     # stall every stream on the decode worker, so they queue on a prefill worker; 0 = no cap
     pd_max_local_prefill: int = 1024
     seed: int | None = None
+    # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests
+    # or this KV-cache use; `served_models` (model -> start timeout, s) may have no worker
+    flow_saturation_waiting: int = 4
+    flow_saturation_kv: float = 0.9
+    served_models: Mapping[str, float] = field(default_factory=dict)
 
 
 class Router:
@@ -52,9 +86,10 @@ class Router:
         self.index = PrefixIndex(settings.speculative_ttl_s)
         self.approx = ApproximateIndex(settings.approx_capacity)
         self.churn = ChurnTracker(settings.churn_half_life_s)
-        rng = random.Random(settings.seed)
+        rng = self._rng = random.Random(settings.seed)
+        self._pools: dict[tuple[str, str, str | None], Pool] = {}
         kwargs: dict = {"rng": rng}
-        if settings.policy == "cache-aware":
+        if settings.policy in ("cache-aware", "cost"):
             kwargs.update(weights=settings.weights, saturation_queue=settings.saturation_queue,
                           saturation_kv=settings.saturation_kv)
         self.policy = make_policy(settings.policy, **kwargs)
@@ -64,9 +99,11 @@ class Router:
     # -- membership ------------------------------------------------------------------------
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.id] = worker
+        self._pools.clear()
 
     def remove_worker(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
+        self._pools.clear()
         self.index.drop(worker_id)
         self.approx.drop(worker_id)
         self.churn.drop(worker_id)
@@ -97,6 +134,43 @@ class Router:
                    if w.serves(model) and w.ready and w.max_model_len]
         return min(lengths) if lengths else None
 
+    def capacity(self, model: str, now: float) -> ModelCapacity:
+        """Whether `model`'s decode-side workers can take one more request (flow control's
+        `Capacity`): AVAILABLE when a routable one is below `flow_saturation_waiting`
+        waiting requests (its report, or this router's own open requests beyond the
+        running ones it reported, as the report lags) and `flow_saturation_kv` KV use;
+        SATURATED when all are at or past it; STARTING when none is routable yet but one
+        is known (starting, draining, failing probes) or the model is a `served_models`
+        one; else NONE."""
+        known = False
+        saturated = False
+        for w in self.workers.values():
+            if not w.serves(model) or w.role == "prefill":
+                continue
+            known = True
+            if not w.routable(now):
+                continue
+            if not self.is_saturated(w):
+                return ModelCapacity.AVAILABLE
+            saturated = True
+        if saturated:
+            return ModelCapacity.SATURATED
+        if known or model in self.settings.served_models:
+            return ModelCapacity.STARTING
+        return ModelCapacity.NONE
+
+    def is_saturated(self, w: Worker) -> bool:
+        """`w` is at or past flow control's thresholds (`capacity`)."""
+        load, s = w.load, self.settings
+        waiting = max(load.num_waiting, w.local_in_flight - load.num_running)
+        return waiting >= s.flow_saturation_waiting or load.kv_cache_usage >= s.flow_saturation_kv
+
+    def saturated(self, model: str) -> set[str]:
+        """`model`'s decode-side workers at or past flow control's thresholds: with flow
+        control on, a request goes to one of the others while there is one."""
+        return {w.id for w in self.workers.values()
+                if w.serves(model) and w.role != "prefill" and self.is_saturated(w)}
+
     # -- routing ---------------------------------------------------------------------------
     @staticmethod
     def hash_groups(candidates: Iterable[Worker], lora: str | None
@@ -119,11 +193,13 @@ class Router:
     def context(self, parsed: prompts.ParsedPrompt, model: str, now: float,
                 candidates: Iterable[Worker],
                 hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
-                external: Mapping[HashGroup, Mapping[str, int]] | None = None
+                external: Mapping[HashGroup, Mapping[str, int]] | None = None,
+                found: Mapping[HashGroup, Mapping[str, int]] | None = None
                 ) -> RoutingContext:
         """Hash the prompt once per hash group (block size, adapter digest) in use (unless
         `hashes` has them) and look up every candidate; `external` adds per-group matches
-        from a shared index store. Also
+        from a shared index store, `found` the in-memory index's over every worker (so it
+        is not walked again). Also
         fills each candidate's cache churn as of `now` when the policy scores it."""
         candidates = list(candidates)
         base, lora = self.base_model(model)
@@ -140,7 +216,11 @@ class Router:
             precise = [w.id for w in group if w.events_connected]
             guessed = [w.id for w in group if not w.events_connected]
             unit = size if parsed.token_ids is not None else prompts.TEXT_CHUNK_CHARS
-            matched = self.index.match(chain, now, precise)
+            if found is not None and key in found:
+                hits = found[key]
+                matched = {wid: hits[wid] for wid in precise if wid in hits}
+            else:
+                matched = self.index.match(chain, now, precise)
             if external and key in external:  # the shared store knows every worker
                 keep = {w.id for w in group}
                 for wid, n in external[key].items():
@@ -155,18 +235,27 @@ class Router:
     def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
               exclude: Iterable[str] = (), role: str = "decode",
               hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
-              external: Mapping[HashGroup, Mapping[str, int]] | None = None
-              ) -> tuple[Decision | None, RoutingContext]:
+              external: Mapping[HashGroup, Mapping[str, int]] | None = None,
+              session: str | None = None) -> tuple[Decision | None, RoutingContext]:
         """Pick a worker (None if no candidate passes the filters), record the routed
         blocks as speculatively present on it and charge its uncached prompt tokens
-        (`prompt_tokens - matched_tokens`) to its cache churn."""
+        (`prompt_tokens - matched_tokens`) to its cache churn. `session`: the worker id a
+        session token named (`scorers.session`), favoured while it is a candidate."""
         skip = set(exclude)
         probe = RoutingContext(model=model, prompt_tokens=0, role=role, now=now,
                                lora=self.base_model(model)[1])
-        candidates = [w for w in self.workers.values()
-                      if w.id not in skip and all(f.keep(probe, w) for f in self.filters)]
-        ctx = self.context(parsed, model, now, candidates, hashes, external)
+        sampled = None
+        if len(self.workers) > FULL_SCAN_UP_TO:
+            sampled = self._sample(parsed, model, probe, skip, hashes, external, session)
+        if sampled is not None:
+            candidates, hashes, found = sampled
+        else:
+            candidates = [w for w in self.workers.values() if w.id not in skip
+                          and all(f.keep(probe, w) for f in self.filters)]
+            found = None
+        ctx = self.context(parsed, model, now, candidates, hashes, external, found)
         ctx.role = role
+        ctx.session_worker = session
         if not candidates:
             return None, ctx
         decision = self.policy.pick(ctx, candidates)
@@ -179,6 +268,62 @@ class Router:
         decision.charged_tokens = max(ctx.prompt_tokens - decision.matched_tokens, 0)
         self.churn.add(w.id, decision.charged_tokens, now)
         return decision, ctx
+
+    def _pool(self, probe: RoutingContext) -> Pool:
+        key = (probe.model, probe.role, probe.lora)
+        pool = self._pools.get(key)
+        if pool is None or not 0 <= probe.now - pool.built < POOL_TTL_S:
+            members = [w for w in self.workers.values()
+                       if all(f.keep(probe, w) for f in self.filters)]
+            least = sorted(members, key=lambda w: (w.queue_depth, w.load.in_flight_tokens))
+            pool = self._pools[key] = Pool(probe.now, members, least[:LEAST_LOADED],
+                                           {w.hash_group(probe.lora) for w in members},
+                                           [w for w in members if not w.events_connected])
+        return pool
+
+    def _sample(self, parsed: prompts.ParsedPrompt, model: str, probe: RoutingContext,
+                skip: set[str], hashes: Mapping[HashGroup, list[BlockHash]] | None,
+                external: Mapping[HashGroup, Mapping[str, int]] | None,
+                session: str | None = None) -> tuple[list[Worker], dict, dict] | None:
+        """A large fleet's candidates (module doc; the worker a session token names is
+        always drawn), filtered now, with the chains hashed and the index's matches over
+        every worker; None when none passes (the caller then filters the whole fleet, so "no
+        candidate" is never a sampling accident)."""
+        pool, lora, now = self._pool(probe), probe.lora, probe.now
+        base = self.base_model(model)[0]
+        chains = dict(hashes or {})
+        found: dict[HashGroup, dict[str, int]] = {}
+        hits: list[tuple[int, float, Worker]] = []
+        rand = self._rng.random
+        for key in sorted(pool.groups):
+            chain = chains.get(key)
+            if chain is None:
+                chain = chains[key] = prompts.block_hashes(parsed, base, *key)
+            matched = found[key] = self.index.match(chain, now)
+            if external and key in external:
+                for wid, n in external[key].items():
+                    if n > matched.get(wid, 0):
+                        matched[wid] = n
+            for wid, n in matched.items():
+                w = self.workers.get(wid)
+                if w is not None and w.hash_group(lora) == key:
+                    hits.append((n, rand(), w))
+        for w in pool.guessed:  # no KV events: the approximate index, by worker
+            chain = chains.get(w.hash_group(lora))
+            n = self.approx.match(chain, [w.id]).get(w.id, 0) if chain else 0
+            if n:
+                hits.append((n, rand(), w))
+        hits.sort(key=lambda h: (-h[0], h[1]))
+        members = pool.members
+        drawn = self._rng.sample(members, min(SAMPLE, len(members)))
+        chosen = {w.id: w for _, _, w in hits[:MAX_HITS]}
+        named = self.workers.get(session) if session is not None else None
+        for w in (*pool.least_loaded, *drawn, *((named,) if named is not None else ())):
+            chosen.setdefault(w.id, w)
+        candidates = [w for w in chosen.values() if w.id not in skip
+                      and self.workers.get(w.id) is w
+                      and all(f.keep(probe, w) for f in self.filters)]
+        return (candidates, chains, found) if candidates else None
 
     def retract(self, decision: Decision, now: float) -> None:
         """The attempt `decision` routed failed before any byte (no connection, no answer in

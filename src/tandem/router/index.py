@@ -19,10 +19,19 @@ of its own (callers pass `now`), unit-tested alone.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from tandem.protocol.block_hash import BlockHash
+from tandem.router import index_packed
+from tandem.router.index_packed import INLINE, NONE, OVER, ROW_CODE, BlockTable, as_key, as_keys
+
+_BLANK_ROW = int(np.full(INLINE, NONE, np.int16).view(np.int64)[0])  # every cell NONE
+_OVER_ROW = int(np.full(INLINE, OVER, np.int16).view(np.int64)[0])
+SCALAR_UP_TO = 64  # chains this short are matched block by block (numpy's fixed cost is more)
 
 
 def block_key(h: BlockHash) -> int:
@@ -31,15 +40,31 @@ def block_key(h: BlockHash) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, speculative_ttl_s: float = 2.0) -> None:
+    def __init__(self, speculative_ttl_s: float = 2.0, capacity: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
         self._slot: dict[str, int] = {}  # worker -> bit position
         self._names: dict[int, str] = {}  # bit position -> worker
         self._free: list[int] = []  # released slots, reused first
-        self._holders: dict[int, int] = {}  # block key -> bitmask of confirmed holders
-        self._blocks: dict[str, set[int]] = {}  # worker -> its confirmed block keys
+        self._all = 0  # bitmask of every slot in use
+        self._table = BlockTable(capacity)  # block key -> its confirmed holders
+        self._over: dict[int, int] = {}  # key -> bitmask, for keys marked OVER in the table
+        self._count: dict[str, int] = {}  # worker -> how many blocks it has confirmed
+        # worker -> keys it stored (some since removed; `cleared` and `keys` check)
+        self._log: dict[str, array] = {}
         # block key -> {slot: expiry}; only for blocks the worker has not (yet) confirmed
         self._speculative: dict[int, dict[int, float]] = {}
+        self._last: tuple = (None, 0, None, None)  # (chain, table version, keys, entries)
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, table entries) of a routing chain; the last chain's are kept while the
+        table's layout is unchanged, so `add_speculative` after `match` on the same chain
+        (one routing decision) finds its blocks once."""
+        chain, version, keys, pos = self._last
+        if chain is not hashes or version != self._table.version or len(keys) != len(hashes):
+            keys = as_keys(hashes, digests=True)
+            pos = self._table.find(keys)
+            self._last = (hashes, self._table.version, keys, pos)
+        return keys, pos
 
     def _slot_of(self, worker: str) -> int:
         slot = self._slot.get(worker)
@@ -47,7 +72,35 @@ class PrefixIndex:
             slot = self._free.pop() if self._free else len(self._slot)
             self._slot[worker] = slot
             self._names[slot] = worker
+            self._all |= 1 << slot
+            self._count.setdefault(worker, 0)
+            self._log.setdefault(worker, array("Q"))
         return slot
+
+    def _bits_one(self, k: int) -> int:
+        """The confirmed holders of key `k` as a bitmask of slots."""
+        table = self._table
+        p = table.find_one(k)
+        if p < 0:
+            return 0
+        cells = table.row_view[p * INLINE:(p + 1) * INLINE].tolist()
+        if cells[0] == OVER:
+            return self._over[k]
+        bits = 0
+        for s in cells:
+            if s >= 0:
+                bits |= 1 << s
+        return bits
+
+    def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int) -> np.ndarray:
+        """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent)."""
+        rows = self._table.rows[pos]
+        held = (pos >= 0) & (rows == slot).any(1)
+        over = (pos >= 0) & (rows[:, 0] == OVER)
+        if over.any():
+            bit, table = 1 << slot, self._over
+            held[over] = [bool(table[k] & bit) for k in keys[over].tolist()]
+        return held
 
     # -- fed by KV events ------------------------------------------------------------------
     def reset(self, worker: str, hashes: Iterable[BlockHash]) -> None:
@@ -57,50 +110,186 @@ class PrefixIndex:
 
     def stored(self, worker: str, hashes: Iterable[BlockHash]) -> None:
         slot = self._slot_of(worker)
+        hashes = list(hashes)
+        if len(hashes) <= SCALAR_UP_TO:
+            self._stored_scalar(worker, slot, hashes)
+            return
+        keys = np.unique(as_keys(hashes))
+        if not keys.size:
+            return
+        table = self._table
+        pos = table.find(keys)
+        new = pos < 0
+        if new.any():
+            rehashes = table.rehashes
+            at = table.insert(keys[new])
+            if table.rehashes == rehashes:
+                pos[new] = at
+            else:  # it rehashed: every entry moved
+                pos = table.find(keys)
+        rows = table.rows[pos]
+        over = rows[:, 0] == OVER
+        add = ~over & ~(rows == slot).any(1)
+        free = rows == NONE
+        inline = add & free.any(1) & (slot < index_packed.CELL_MAX)
+        if inline.any():
+            at = pos[inline]
+            rows[inline, free[inline].argmax(1)] = slot
+            table.rows[at] = np.sort(rows[inline], axis=1)
+        added = inline
+        full = add & ~inline
         bit = 1 << slot
-        blocks = self._blocks.setdefault(worker, set())
-        holders, spec = self._holders, self._speculative
-        for h in hashes:
-            k = block_key(h)
-            blocks.add(k)
-            holders[k] = holders.get(k, 0) | bit
-            if spec:
+        for p, k, row in zip(pos[full].tolist(), keys[full].tolist(), rows[full].tolist(),
+                             strict=True):  # a popular block: its holders move to `over`
+            self._over[k] = sum(1 << s for s in row if s >= 0) | bit
+            table.rows[p] = OVER
+        added = added | full
+        if over.any():
+            got = []
+            for k in keys[over].tolist():
+                bits = self._over[k]
+                got.append(not bits & bit)
+                self._over[k] = bits | bit
+            added[over] = got
+        new_keys = keys[added]
+        self._count[worker] += len(new_keys)
+        log = self._log[worker]
+        log.frombytes(new_keys.tobytes())
+        if len(log) > 2 * self._count[worker] + 4096:
+            self._compact(worker, slot)
+        spec = self._speculative
+        if spec:
+            for k in keys.tolist():
                 entry = spec.get(k)
                 if entry is not None and entry.pop(slot, None) is not None and not entry:
                     del spec[k]
 
-    def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
-        blocks = self._blocks.get(worker)
-        if blocks is None:
-            return
-        self._remove_keys(self._slot[worker], blocks, [block_key(h) for h in hashes])
+    def _stored_scalar(self, worker: str, slot: int, hashes: list[BlockHash]) -> None:
+        """`stored` block by block, for a short batch (one request's new blocks)."""
+        table, over, spec, bit = self._table, self._over, self._speculative, 1 << slot
+        log, added = self._log[worker], 0
+        for k in {as_key(h) for h in hashes}:
+            p = table.find_one(k)
+            if p < 0:
+                p = table.insert_one(k)
+            view = table.row_view
+            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            if cells[0] == OVER:
+                bits = over[k]
+                if bits & bit:
+                    continue
+                over[k] = bits | bit
+            elif slot in cells:
+                continue
+            elif NONE in cells and slot < index_packed.CELL_MAX:
+                cells[cells.index(NONE)] = slot
+                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
+            else:  # a popular block: its holders move to `over`
+                over[k] = sum(1 << s for s in cells if s >= 0) | bit
+                view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, [OVER] * INLINE)
+            added += 1
+            log.append(k)
+        self._count[worker] += added
+        if len(log) > 2 * self._count[worker] + 4096:
+            self._compact(worker, slot)
+        if spec:
+            for h in hashes:
+                k = as_key(h)
+                entry = spec.get(k)
+                if entry is not None and entry.pop(slot, None) is not None and not entry:
+                    del spec[k]
 
-    def _remove_keys(self, slot: int, blocks: set[int], keys: Iterable[int]) -> None:
-        clear = ~(1 << slot)
-        holders = self._holders
-        for k in keys:
-            blocks.discard(k)
-            bits = holders.get(k)
-            if bits is not None:
-                bits &= clear
-                if bits:
-                    holders[k] = bits
+    def _compact(self, worker: str, slot: int) -> None:
+        keys = np.unique(np.frombuffer(self._log[worker], np.uint64))
+        keys = keys[self._held(keys, self._table.find(keys), slot)]
+        self._log[worker] = array("Q", keys.tobytes())
+
+    def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
+        slot = self._slot.get(worker)
+        if slot is None:
+            return
+        hashes = list(hashes)
+        if len(hashes) <= SCALAR_UP_TO:
+            self._removed_scalar(worker, slot, hashes)
+        else:
+            self._remove(worker, slot, np.unique(as_keys(hashes)))
+
+    def _removed_scalar(self, worker: str, slot: int, hashes: list[BlockHash]) -> None:
+        """`removed` block by block, for a short batch."""
+        table, over, bit, removed = self._table, self._over, 1 << slot, 0
+        for k in {as_key(h) for h in hashes}:
+            p = table.find_one(k)
+            if p < 0:
+                continue
+            view = table.row_view
+            cells = view[p * INLINE:(p + 1) * INLINE].tolist()
+            if cells[0] == OVER:
+                bits = over[k]
+                if not bits & bit:
+                    continue
+                if bits == bit:
+                    del over[k]
+                    table.delete(np.array([p], np.int64))
                 else:
-                    del holders[k]
+                    over[k] = bits & ~bit
+            elif slot in cells:
+                if cells.count(NONE) == INLINE - 1:
+                    table.delete(np.array([p], np.int64))
+                else:
+                    cells[cells.index(slot)] = NONE
+                    view[p * INLINE:(p + 1) * INLINE] = array(ROW_CODE, sorted(cells))
+            else:
+                continue
+            removed += 1
+        self._count[worker] -= removed
+
+    def _remove(self, worker: str, slot: int, keys: np.ndarray) -> None:
+        table = self._table
+        pos = table.find(keys)
+        keys, pos = keys[pos >= 0], pos[pos >= 0]
+        rows = table.rows[pos]
+        cells = rows == slot
+        mine = cells.any(1)
+        removed = int(mine.sum())
+        emptied = []
+        if removed:
+            rows[cells] = NONE
+            table.rows[pos[mine]] = np.sort(rows[mine], axis=1)
+            emptied.append(pos[mine & (rows == NONE).all(1)])
+        over = rows[:, 0] == OVER
+        if over.any():
+            clear, gone = ~(1 << slot), []
+            for p, k in zip(pos[over].tolist(), keys[over].tolist(), strict=True):
+                bits = self._over[k]
+                if bits & ~clear:
+                    removed += 1
+                    bits &= clear
+                    if bits:
+                        self._over[k] = bits
+                    else:
+                        del self._over[k]
+                        gone.append(p)
+            emptied.append(np.array(gone, np.int64))
+        if emptied:
+            table.delete(np.concatenate(emptied))
+        self._count[worker] -= removed
 
     def cleared(self, worker: str) -> None:
-        blocks = self._blocks.get(worker)
-        if blocks:
-            self._remove_keys(self._slot[worker], blocks, list(blocks))
+        slot = self._slot.get(worker)
+        if slot is not None and self._log[worker]:
+            if self._count[worker]:
+                self._remove(worker, slot,
+                             np.unique(np.frombuffer(self._log[worker], np.uint64)))
+            self._log[worker] = array("Q")
 
     def drop(self, worker: str) -> None:
         """Forget `worker` (its stream broke, or it left); its slot is reused later."""
         self.cleared(worker)
-        self._blocks.pop(worker, None)
         slot = self._slot.pop(worker, None)
         if slot is None:
             return
-        del self._names[slot]
+        del self._count[worker], self._log[worker], self._names[slot]
+        self._all &= ~(1 << slot)
         for k in [k for k, entry in self._speculative.items() if slot in entry]:
             entry = self._speculative[k]
             del entry[slot]
@@ -113,12 +302,27 @@ class PrefixIndex:
         """Count `hashes` as held by `worker` until `now` + the TTL (blocks it has confirmed
         are left alone); returns that expiry, which `retract_speculative` takes."""
         slot = self._slot_of(worker)
-        self._blocks.setdefault(worker, set())
-        bit, expiry = 1 << slot, now + self.speculative_ttl_s
-        for h in hashes:
-            k = block_key(h)
-            if not self._holders.get(k, 0) & bit:
-                self._speculative.setdefault(k, {})[slot] = expiry
+        expiry = now + self.speculative_ttl_s
+        if len(hashes) <= SCALAR_UP_TO:
+            bit, spec = 1 << slot, self._speculative
+            for h in hashes:
+                k = as_key(h)
+                if not self._bits_one(k) & bit:
+                    entry = spec.get(k)
+                    if entry is None:
+                        spec[k] = {slot: expiry}
+                    else:
+                        entry[slot] = expiry
+            return expiry
+        keys, pos = self._lookup(hashes)
+        if keys.size:
+            spec = self._speculative
+            for k in keys[~self._held(keys, pos, slot)].tolist():
+                entry = spec.get(k)
+                if entry is None:
+                    spec[k] = {slot: expiry}
+                else:
+                    entry[slot] = expiry
         return expiry
 
     def retract_speculative(self, worker: str, hashes: Sequence[BlockHash],
@@ -129,8 +333,7 @@ class PrefixIndex:
         if slot is None:
             return
         spec = self._speculative
-        for h in hashes:
-            k = block_key(h)
+        for k in as_keys(hashes, digests=True).tolist():
             entry = spec.get(k)
             if entry is not None and entry.get(slot) == expiry:
                 del entry[slot]
@@ -140,9 +343,15 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockHash], now: float,
               workers: Iterable[str] | None = None) -> dict[str, int]:
         """Leading blocks of `hashes` each worker holds (confirmed or speculative, unexpired);
-        only workers in `workers` when given. Workers with no hit are absent."""
+        only workers in `workers` when given. Workers with no hit are absent. `hashes` is a
+        routing chain (`add_speculative` and `retract_speculative` take one too): 32-byte
+        digests, as `prompt.block_hashes` makes them (`index_packed.as_keys`' `digests`).
+
+        Vectorized: the chain's entries are found at once, and the walk visits only the
+        blocks where the holder set changes (a speculative entry or a popular block counts
+        as a change), so a long prefix on a few workers costs a handful of steps."""
         if workers is None:
-            mask = sum(1 << s for s in self._names)
+            mask = self._all
         else:
             slots = self._slot
             mask = 0
@@ -150,14 +359,61 @@ class PrefixIndex:
                 s = slots.get(w)
                 if s is not None:
                     mask |= 1 << s
+        if not mask or not hashes:
+            return {}
+        if len(hashes) <= SCALAR_UP_TO:
+            return self._match_scalar(hashes, now, mask)
+        keys, pos = self._lookup(hashes)
+        rows = self._table.rows[pos]
+        whole = rows.view(np.int64).ravel()  # a row's 4 int16 cells as one number
+        whole[pos < 0] = _BLANK_ROW
+        special = whole == _OVER_ROW
+        spec = self._speculative
+        if spec:
+            special |= np.fromiter(map(spec.__contains__, keys.tolist()), bool, len(keys))
+        blank = np.flatnonzero((whole == _BLANK_ROW) & ~special)
+        n = int(blank[0]) if blank.size else len(keys)
+        if not n:
+            return {}
+        whole, special = whole[:n], special[:n]
+        change = np.empty(n, bool)
+        change[0] = True
+        change[1:] = (whole[1:] != whole[:-1]) | special[1:] | special[:-1]
+        at = np.flatnonzero(change)
         result: dict[str, int] = {}
-        holders, spec = self._holders, self._speculative
+        over = self._over
+        for i, k, row, sp in zip(at.tolist(), keys[at].tolist(), rows[at].tolist(),
+                                 special[at].tolist(), strict=True):
+            if row[0] == OVER:
+                bits = over[k]
+            else:
+                bits = 0
+                for s in row:
+                    if s >= 0:
+                        bits |= 1 << s
+            if sp:
+                entry = spec.get(k)
+                if entry:
+                    for s, exp in entry.items():
+                        if exp > now:
+                            bits |= 1 << s
+            kept = mask & bits
+            if kept != mask and i:
+                self._record(mask & ~kept, i, result)
+            mask = kept
+            if not mask:
+                return result
+        self._record(mask, n, result)
+        return result
+    def _match_scalar(self, hashes: Sequence[BlockHash], now: float,
+                      mask: int) -> dict[str, int]:
+        """`match` block by block, for short chains."""
+        result: dict[str, int] = {}
+        spec = self._speculative
         n = 0
         for h in hashes:
-            if not mask:
-                break
-            k = int.from_bytes(h[:8], "little")
-            bits = holders.get(k, 0)
+            k = as_key(h)
+            bits = self._bits_one(k)
             if spec:
                 entry = spec.get(k)
                 if entry:
@@ -168,9 +424,10 @@ class PrefixIndex:
             if kept != mask and n:
                 self._record(mask & ~kept, n, result)
             mask = kept
+            if not mask:
+                return result
             n += 1
-        if mask and n:
-            self._record(mask, n, result)
+        self._record(mask, n, result)
         return result
 
     def _record(self, bits: int, n: int, result: dict[str, int]) -> None:
@@ -195,15 +452,23 @@ class PrefixIndex:
     # -- introspection ---------------------------------------------------------------------
     def num_blocks(self, worker: str | None = None) -> int:
         if worker is None:
-            return len(self._holders)
-        return len(self._blocks.get(worker, ()))
+            return self._table.live
+        return self._count.get(worker, 0)
 
     def workers(self) -> list[str]:
-        return sorted(self._blocks)
+        return sorted(self._count)
 
     def keys(self, worker: str) -> set[int]:
         """A copy of the block keys confirmed for `worker`."""
-        return set(self._blocks.get(worker, ()))
+        slot = self._slot.get(worker)
+        if slot is None:
+            return set()
+        self._compact(worker, slot)
+        return set(np.frombuffer(self._log[worker], np.uint64).tolist())
+
+    def nbytes(self) -> int:
+        """Bytes the confirmed index holds in arrays (the table and the per-worker logs)."""
+        return self._table.nbytes() + sum(a.itemsize * len(a) for a in self._log.values())
 
 
 class ApproximateIndex:

@@ -1,16 +1,17 @@
 """`tandem router`: arguments, the optional YAML config, tokenizers, the HTTP server.
 
     tandem router --port 8000 --workers http://w1:8000,http://w2:8000 \\
-        [--policy cache-aware|round-robin|random|least-loaded] [--config router.yaml] \\
+        [--policy cache-aware|cost|round-robin|random|least-loaded] [--config router.yaml] \\
         [--tokenizer PATH | --tokenizer MODEL=PATH ...] [--api-keys FILE] [--pd-threshold N] \\
         [--http-server lean|uvicorn]
-    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME] \\
-        [--label-selector SELECTOR] [--worker-port-name http] ...
+    tandem router --discovery kubernetes [--namespace NS] [--inference-service NAME[,NAME]] \\
+        [--router-group GROUP] [--label-selector SELECTOR] [--worker-port-name http] ...
 
 Workers come from `--workers` (`--discovery static`, the default) or, with `--discovery
 kubernetes`, from the EndpointSlices of the worker Services in `--namespace` (default: the
 pod's own) matching `--label-selector` (default `app.kubernetes.io/component=worker`, plus
-`tandem.dev/inference-service=NAME` with `--inference-service`): each address on the port
+`tandem.dev/inference-service=NAME` with `--inference-service`, `... in (A,B)` for several,
+and `tandem.dev/router-group=GROUP` with `--router-group`): each address on the port
 named `--worker-port-name` is a worker, with the role of its slice's `tandem.dev/role` label.
 Workers join, leave and turn unready as the slices change.
 
@@ -19,8 +20,8 @@ Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (r
 tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
-`inference_service`, `worker_port_name`, `policy`, `weights` (scorer -> weight, over the
-defaults: a scorer left out keeps its default, 0 switches it off),
+`inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
+weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
 `pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
@@ -30,7 +31,10 @@ defaults: a scorer left out keeps its default, 0 switches it off),
 after the pick; default 0), `objectives` (InferenceObjective name -> priority),
 `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
-burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
+burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
+fairness, ordering, ttl_s, saturation: {waiting, kv}, bands: {N|default: {max_requests,
+max_bytes}}, tenant_weights: {NAME: w}, shared}` (`flowcontrol/`; `--flow-control` turns it
+on with defaults) and `served_models: [{name, start_timeout_s}]`; flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
 line naming it (`config.py`; `tandem router` reports it as a usage error, exit 2).
 
@@ -79,7 +83,8 @@ if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
-POLICIES = ("cache-aware", "round-robin", "random", "least-loaded")
+POLICIES = ("cache-aware", "cost", "round-robin", "random", "least-loaded")
+DEFAULT_POLICY = "cost"  # at least as good as cache-aware in bench/routing.py (bench/results)
 MAX_APPROXIMATE_MODELS = 64  # model names logged / labelled as approximate (client-chosen)
 DRAIN_SECONDS = 25.0  # the operator renders terminationGracePeriodSeconds around it
 CHILD_EXIT_SLACK_S = 5.0  # --processes: a child's shutdown after its drain, before SIGKILL
@@ -112,10 +117,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"kubernetes: which EndpointSlices (default: {worker_selector()}, "
                         "plus the --inference-service label)")
     p.add_argument("--inference-service", default=None,
-                   help="kubernetes: only the workers of this InferenceService")
+                   help="kubernetes: only the workers of this InferenceService (several: "
+                        "comma-separated names)")
+    p.add_argument("--router-group", default=None,
+                   help="kubernetes: only the workers of InferenceServices whose worker "
+                        "Services carry the label tandem.dev/router-group=NAME")
     p.add_argument("--worker-port-name", default=None,
                    help="kubernetes: the name of the workers' HTTP port (default: http)")
-    p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help=f"how a worker is picked (default: {DEFAULT_POLICY})")
     p.add_argument("--config", default=None, help="router.yaml")
     p.add_argument("--tokenizer", action="append", default=[],
                    help="PATH for every model, or MODEL=PATH (repeatable); PATH may be a "
@@ -156,6 +166,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "tandem:NAMESPACE:INFERENCESERVICE:)")
     add_tls_arg(p)  # the workers' gRPC: KV events and load
     add_worker_auth_arg(p)  # signs every request forwarded to a worker
+    p.add_argument("--flow-control", action="store_true", default=False,
+                   help="queue requests while every worker of their model is saturated "
+                        "(fair between tenants, by priority band; router.yaml flow_control "
+                        "sets its policies; default off)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
     p.add_argument("--processes", type=int, default=None,
                    help="router processes sharing the port (SO_REUSEPORT; default 1)")
@@ -383,12 +397,16 @@ def discovery_from(args: argparse.Namespace, cfg: dict[str, Any],
     kind = args.discovery or cfg.get("discovery", "static")
     if kind != "static" and workers:
         raise SystemExit(f"worker URLs are for --discovery static, not {kind}")
-    return make_discovery(kind, DiscoveryConfig(
-        urls=tuple(workers),
-        namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
-        label_selector=args.label_selector or cfg.get("label_selector"),
-        inference_service=args.inference_service or cfg.get("inference_service"),
-        port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    try:
+        return make_discovery(kind, DiscoveryConfig(
+            urls=tuple(workers),
+            namespace=args.namespace or cfg.get("namespace") or pod_namespace(),
+            label_selector=args.label_selector or cfg.get("label_selector"),
+            inference_service=args.inference_service or cfg.get("inference_service"),
+            router_group=args.router_group or cfg.get("router_group"),
+            port_name=args.worker_port_name or cfg.get("worker_port_name") or "http"))
+    except ValueError as exc:  # a name that is no label value
+        raise SystemExit(f"--inference-service / --router-group: {exc}") from None
 
 
 def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int,
@@ -428,7 +446,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
                if u]
     discovery = discovery_from(args, cfg, workers)
     settings = RouterSettings(
-        policy=args.policy or cfg.get("policy", "cache-aware"),
+        policy=args.policy or cfg.get("policy", DEFAULT_POLICY),
         weights=merged_weights(cfg.get("weights")),
         saturation_queue=int(cfg.get("saturation_queue", 8)),
         saturation_kv=float(cfg.get("saturation_kv", 0.9)),
@@ -437,6 +455,16 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"))
+    from tandem.router.flowcontrol.settings import FlowSettings
+
+    try:
+        flow = FlowSettings.from_config(cfg.get("flow_control"), cfg.get("served_models"),
+                                        bool(getattr(args, "flow_control", False)))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    settings.flow_saturation_waiting = flow.saturation_waiting
+    settings.flow_saturation_kv = flow.saturation_kv
+    settings.served_models = dict(flow.served_models)
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}
@@ -456,7 +484,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
             raise SystemExit(f"rate_limits / --redis: {exc}") from exc
         if redis_url:
             logger.info("rate limits shared through Redis at %s", masked(redis_url))
-    elif redis_url:
+    elif redis_url and not (flow.enabled and flow.shared):
         logger.warning("--redis is for shared rate limits, and router.yaml sets none; unused "
                        "(the shared prefix index takes --index)")
     store = None
@@ -487,10 +515,19 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     from tandem.router.priority import PriorityPolicy
 
     priority = PriorityPolicy.from_dict(cfg.get("priority"))  # checked by check_config
+    from tandem.router.flowcontrol import make_flow_control
+
+    try:
+        flow_control = make_flow_control(flow, router, redis_url=redis_url,
+                                         prefix=key_prefix)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+
     server = RouterServerSettings(
         priority=priority,
         preload_tokenizers=tokenizers.preload,
         on_metrics=tokenizers.bind_metrics,
+        flow_control=flow_control,
         worker_urls=workers,
         discovery=discovery,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),
@@ -538,6 +575,9 @@ def run(args: argparse.Namespace) -> int:
         return processes.supervise(n, sys.argv[1:],
                                    grace_s=drain_seconds(args, cfg) + CHILD_EXIT_SLACK_S)
     app, router, server = build(args, cfg)
+    from tandem.router import gcpolicy
+
+    gcpolicy.settle()  # startup's objects leave the collector's walks
     limiter = server.rate_limiter
     if processes.is_child() and limiter is not None and not limiter.shared:
         logger.warning("rate limits without --redis: each of the %d router processes enforces "

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -37,7 +38,7 @@ from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
-from tandem.router.workers import LoRAReport, Worker, WorkerLoad
+from tandem.router.workers import LoRAReport, Worker, WorkerLoad, bounded_costs
 
 logger = logging.getLogger(__name__)
 MAX_GRPC_MESSAGE = 64 << 20
@@ -59,8 +60,10 @@ class MonitorSettings:
 class WorkerMonitor:
     def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
                  settings: MonitorSettings, store: RedisIndexStore | None = None,
-                 key: WorkerKey | None = None) -> None:
+                 key: WorkerKey | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.worker = worker
+        self.on_change = on_change  # its readiness or load was updated (flow control's kick)
         self.key = key  # signs the gRPC calls
         self.index = index
         self.store = store  # shared index store the events are mirrored to, if any
@@ -134,6 +137,8 @@ class WorkerMonitor:
     async def _probe_loop(self) -> None:
         while True:
             await self.probe()
+            if self.on_change is not None:
+                self.on_change()
             await asyncio.sleep(self.settings.probe_interval_s)
 
     # -- gRPC: KV events and load ----------------------------------------------------------
@@ -228,6 +233,9 @@ class WorkerMonitor:
                     running_loras=frozenset(load.running_loras),
                     waiting_loras=frozenset(load.waiting_loras),
                     resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)
+                (self.worker.load.prefill_s_per_token, self.worker.load.decode_step_s,
+                 self.worker.load.pending_prefill_tokens) = bounded_costs(
+                    load.prefill_s_per_token, load.decode_step_s, load.pending_prefill_tokens)
                 if load.max_loras:  # applied unless older than the set held
                     versioned = bool(load.lora_instance)
                     self.worker.apply_lora_report(LoRAReport.reported(
@@ -236,6 +244,9 @@ class WorkerMonitor:
                         load.lora_instance, load.lora_version if versioned else None))
             except grpc.aio.AioRpcError:
                 pass  # the probe loop owns readiness
+            else:
+                if self.on_change is not None:
+                    self.on_change()
             await asyncio.sleep(self.settings.load_interval_s)
 
 

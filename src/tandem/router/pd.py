@@ -72,13 +72,14 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
          exclude: Iterable[str] = (), keep_prefill: Decision | None = None,
          hashes: Mapping[HashGroup, list[BlockHash]] | None = None,
          external: Mapping[HashGroup, Mapping[str, int]] | None = None, signed: bool = True,
-         ) -> tuple[Route | None, RoutingContext]:
+         session: str | None = None) -> tuple[Route | None, RoutingContext]:
     """The decode worker (None if none passes the filters), and a prefill worker when the
     decode worker lacks at least `pd_threshold` prompt tokens. `keep_prefill` (an earlier
     attempt's prefill pick) is reused while it is still routable. Unless `signed` (the
-    request will carry the router's signature) there is no prefill worker."""
+    request will carry the router's signature) there is no prefill worker. `session`: the
+    worker a session token named (decode side only)."""
     decision, ctx = router.route(parsed, model, now, exclude=exclude, role="decode",
-                                 hashes=hashes, external=external)
+                                 hashes=hashes, external=external, session=session)
     if decision is None:
         return None, ctx
     route = Route(decision, uncached_tokens=uncached_tokens(ctx, decision,
@@ -96,6 +97,8 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
     elif keep_prefill is not None and _usable(router, keep_prefill.worker, now) \
             and kv_compatible(keep_prefill.worker, decision.worker):
         route.prefill = keep_prefill
+    elif not any(w.role == "prefill" for w in router.workers.values()):
+        route.reason = "no_prefill_worker"  # aggregated: no scans of the fleet below
     else:
         settings = router.settings
         bound = settings.pd_max_prefill_queue

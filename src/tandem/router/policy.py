@@ -13,6 +13,14 @@
   gap, like vllm-router's 50% match threshold), and a full churn gap weighs as much as
   `saturation_queue` requests of queue depth. `lora_affinity` prefers replicas running the
   requested adapter, then those with a free adapter slot (constant for base-model requests).
+  `session_affinity` (default SESSION_WEIGHT) adds its weight to the worker a request's
+  session token names.
+* `cost` — the lowest cost in seconds (`scorers.cost`: uncached prefill tokens x the
+  worker's measured prefill rate + the queued prefill and decode work ahead of it + a LoRA
+  miss), as Dynamo's KV router; the session token's worker counts at
+  `cost / (1 + weights.session_affinity)`. Costs within COST_TIE_BAND (20 %) of the lowest
+  count as equal: among them the session token's worker, else the one with the least
+  cache churn (`cache_churn`), wins.
 * `least-loaded` — lowest queue depth, then fewest in-flight tokens.
 * `round-robin`, `random` — baselines.
 
@@ -28,10 +36,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
+from tandem.router.scorers.base import share_free
+from tandem.router.scorers.cost import costs
 from tandem.router.workers import Worker
 
 DEFAULT_WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kv_usage": 0.5, "inflight_tokens": 0.5,
                    "cache_churn": 1.0, "lora_affinity": 1.0}
+# the `session_affinity` weight when router.yaml sets none (both policies; not in
+# DEFAULT_WEIGHTS: it adds nothing to a request without a session token)
+SESSION_WEIGHT = 1.0
+# the cost policy takes costs within this share of the lowest as equal (measured rates are
+# noisy) and picks among them the worker with the least cache churn, as cache-aware spreads
+# cold prefix groups
+COST_TIE_BAND = 0.2
 
 
 @dataclass
@@ -84,6 +101,7 @@ class CacheAwarePolicy(Policy):
         router.yaml's `weights` reach here merged over the defaults, `config.merged_weights`);
         ValueError for an unknown scorer or a negative weight."""
         weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        self.session_weight = _session_weight(weights.pop("session_affinity", SESSION_WEIGHT))
         unknown = set(weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorers {sorted(unknown)}; known: {sorted(SCORERS)}")
@@ -109,6 +127,9 @@ class CacheAwarePolicy(Policy):
                                                     strict=True)]
         totals = [sum(wt * per_scorer[s.name][i] for s, wt in self.scorers)
                   for i in range(len(candidates))]
+        if ctx.session_worker is not None and self.session_weight > 0:
+            totals = [t + self.session_weight if w.id == ctx.session_worker else t
+                      for w, t in zip(candidates, totals, strict=True)]
         i = _argmax(totals, self.rng)
         winner = candidates[i]
         matched = ctx.matched_tokens.get(winner.id, 0)
@@ -120,6 +141,51 @@ class CacheAwarePolicy(Policy):
         else:
             reason = "load"
         return Decision(winner, reason, matched, {k: v[i] for k, v in per_scorer.items()})
+
+
+def _session_weight(value: float) -> float:
+    if not value >= 0:
+        raise ValueError(f"scorer weights must be >= 0: ['session_affinity'] ({value})")
+    return float(value)
+
+
+@register_policy
+class CostPolicy(Policy):
+    name = "cost"
+
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 saturation_queue: int = 8, saturation_kv: float = 0.9,
+                 rng: random.Random | None = None) -> None:
+        """Reads `weights["session_affinity"]` only (default SESSION_WEIGHT);
+        `saturation_queue` scales the LoRA miss (`scorers.cost`)."""
+        self.session_boost = _session_weight((weights or {}).get("session_affinity",
+                                                                 SESSION_WEIGHT))
+        self.limits = LoadLimits(saturation_queue, saturation_kv)
+        self.rng = rng or random.Random()
+
+    def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        values = costs(ctx, candidates, self.limits)
+        if ctx.session_worker is not None and self.session_boost > 0:
+            values = [v / (1.0 + self.session_boost) if w.id == ctx.session_worker else v
+                      for w, v in zip(candidates, values, strict=True)]
+        lo = min(values)
+        near = [i for i, v in enumerate(values) if v <= lo * (1.0 + COST_TIE_BAND) + 1e-12]
+        home = [i for i in near if candidates[i].id == ctx.session_worker]
+        if home:  # the session's worker among the near-equal: it stays there
+            near = home
+        if len(near) > 1:  # near-equal costs: the one that took the least new text lately
+            fresh = [share_free(ctx.churn_tokens.get(candidates[i].id, 0.0), candidates[i])
+                     for i in near]
+            i = near[_argmax(fresh, self.rng)]
+        else:
+            i = near[0]
+        winner = candidates[i]
+        matched = ctx.matched_tokens.get(winner.id, 0)
+        return Decision(winner, "prefix_hit" if matched else "load", matched,
+                        {"cost": values[i]})
+
+    def uses(self, scorer: str) -> bool:
+        return scorer == "cache_churn"  # the tie-break among near-equal costs
 
 
 @register_policy

@@ -11,16 +11,61 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys
+from tandem.protocol.block_hash import (
+    BlockHash,
+    hash_block_bytes,
+    hash_block_chain,
+    request_hash_keys,
+    root_hash,
+    token_bytes,
+)
 from tandem.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from tandem.protocol.responses_api import as_chat
 from tandem.protocol.tokenizer import Tokenizer
 
 TEXT_CHUNK_CHARS = 256  # approximate mode: one pseudo-block per this many characters
+SEGMENT_BLOCKS = 32  # blocks per memoized stretch of a hash chain
+MEMO_BYTES = 32 << 20  # token bytes the chain memo keeps (about as much again in hashes)
+
+
+class ChainMemo:
+    """Stretches of hash chains already computed, keyed by (parent hash, the stretch's
+    token bytes, block size): a prompt that repeats an earlier prefix (a shared system
+    prompt, the next turn of a conversation) hashes only its new blocks. Exact: the key
+    holds every input of the stretch's hashes. LRU, bounded by `MEMO_BYTES` of keys."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._lru: OrderedDict[tuple[bytes, bytes, int], list[BlockHash]] = OrderedDict()
+
+    def chain(self, data: bytes, block_size: int, parent: BlockHash) -> list[BlockHash]:
+        """`hash_block_bytes(data, block_size, parent)`, memoized by stretch."""
+        step = SEGMENT_BLOCKS * block_size * 4
+        whole = len(data) // step * step
+        out: list[BlockHash] = []
+        lru = self._lru
+        for off in range(0, whole, step):
+            key = (parent, data[off:off + step], block_size)
+            got = lru.get(key)
+            if got is None:
+                got = lru[key] = hash_block_bytes(key[1], block_size, parent)
+                self.bytes += step
+                while self.bytes > self.max_bytes and lru:
+                    self.bytes -= len(lru.popitem(last=False)[0][1])
+            else:
+                lru.move_to_end(key)
+            out += got
+            parent = got[-1]
+        out += hash_block_bytes(data[whole:], block_size, parent)
+        return out
+
+
+MEMO = ChainMemo()
 
 
 @dataclass
@@ -80,7 +125,12 @@ def block_hashes(prompt: ParsedPrompt, model: str, block_size: int,
         return text_hashes(prompt.text, f"{model}\0lora:{adapter_digest}" if adapter_digest
                            else model, prompt.cache_salt)
     keys = request_hash_keys(model, adapter_digest or None, prompt.cache_salt)
-    return hash_block_chain(prompt.token_ids, block_size, keys)
+    ids = prompt.token_ids
+    if len(ids) < SEGMENT_BLOCKS * block_size or block_size <= 0:
+        return hash_block_chain(ids, block_size, keys)
+    whole = len(ids) // block_size * block_size
+    data = token_bytes(ids if whole == len(ids) else ids[:whole])
+    return MEMO.chain(data, block_size, root_hash(keys))
 
 
 def text_hashes(text: str, model: str, cache_salt: str = "") -> list[BlockHash]:

@@ -6,6 +6,7 @@ Plain state, mutated only on the router's event loop. `Worker.id` is the worker'
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import KeysView, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -72,6 +73,31 @@ class WorkerLoad:
     waiting_loras: frozenset[str] = frozenset()
     resident_loras: frozenset[str] = frozenset()
     max_loras: int = 0
+    # measured costs (0.0: not reported yet; `bounded_costs` clamps what a worker states):
+    # seconds of compute per prefill token, seconds of one decode-only step, and the prompt
+    # tokens its waiting and partly prefilled running requests still need computed
+    prefill_s_per_token: float = 0.0
+    decode_step_s: float = 0.0
+    pending_prefill_tokens: int = 0
+
+
+MAX_PREFILL_S_PER_TOKEN = 0.1  # 10 tokens/s: slower than any real prefill
+MAX_DECODE_STEP_S = 10.0
+MAX_PENDING_PREFILL_TOKENS = 1 << 32
+
+
+def bounded_costs(prefill_s_per_token: float, decode_step_s: float,
+                  pending_prefill_tokens: int) -> tuple[float, float, int]:
+    """A worker's reported costs made safe to compute with: NaN, infinite or negative -> 0.0
+    (unmeasured), the rest clamped to MAX_PREFILL_S_PER_TOKEN, MAX_DECODE_STEP_S and
+    MAX_PENDING_PREFILL_TOKENS."""
+    return (_clamp(prefill_s_per_token, MAX_PREFILL_S_PER_TOKEN),
+            _clamp(decode_step_s, MAX_DECODE_STEP_S),
+            int(_clamp(float(pending_prefill_tokens), MAX_PENDING_PREFILL_TOKENS)))
+
+
+def _clamp(value: float, hi: float) -> float:
+    return min(value, hi) if math.isfinite(value) and value > 0.0 else 0.0
 
 
 class BreakerState(enum.Enum):

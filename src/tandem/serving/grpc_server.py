@@ -90,6 +90,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_cache_usage=s.kv_cache_usage, running_loras=s.lora_running,
             waiting_loras=s.lora_waiting, resident_loras=s.lora_resident,
             max_loras=s.max_loras, lora_adapters=s.lora_adapters,
+            prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
+            pending_prefill_tokens=s.pending_prefill_tokens,
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name

@@ -35,7 +35,9 @@ class DiscoveryConfig:
     urls: tuple[str, ...] = ()  # static
     namespace: str = "default"  # kubernetes: where the worker EndpointSlices are
     label_selector: str | None = None  # kubernetes: None = the default worker selector
-    inference_service: str | None = None  # kubernetes: only this InferenceService's workers
+    # kubernetes: only these InferenceServices' workers (one name, or several comma-separated)
+    inference_service: str | None = None
+    router_group: str | None = None  # kubernetes: only worker Services of this router group
     port_name: str = "http"  # kubernetes: the named port that serves HTTP
     scheme: str = "http"
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from tandem.protocol.labels import (
     COMPONENT_LABEL,
     ROLE_LABEL,
     ROLES,
+    ROUTER_GROUP_LABEL,
     SERVICE_LABEL,
     WORKER_COMPONENT,
 )
@@ -53,10 +55,28 @@ def pod_namespace(default: str = "default") -> str:
         return default
 
 
-def worker_selector(inference_service: str | None = None) -> str:
-    """Every Tandem worker's slices, or only those of one InferenceService."""
-    selector = f"{COMPONENT_LABEL}={WORKER_COMPONENT}"
-    return f"{selector},{SERVICE_LABEL}={inference_service}" if inference_service else selector
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+def worker_selector(inference_service: str | None = None,
+                    router_group: str | None = None) -> str:
+    """Every Tandem worker's slices; only those of the InferenceServices named in
+    `inference_service` (one name, or several comma-separated: `in (a,b)`); only those of
+    the worker Services labelled `tandem.dev/router-group=<router_group>`. ValueError for a
+    name that is not a Kubernetes label value."""
+    parts = [f"{COMPONENT_LABEL}={WORKER_COMPONENT}"]
+    names = sorted({n.strip() for n in (inference_service or "").split(",") if n.strip()})
+    for name in [*names, *([router_group] if router_group else [])]:
+        if not _LABEL_VALUE.fullmatch(name):
+            raise ValueError(f"{name!r} is not a Kubernetes label value (at most 63 letters, "
+                             "digits, '-', '_' or '.', starting and ending alphanumeric)")
+    if len(names) == 1:
+        parts.append(f"{SERVICE_LABEL}={names[0]}")
+    elif names:
+        parts.append(f"{SERVICE_LABEL} in ({','.join(names)})")
+    if router_group:
+        parts.append(f"{ROUTER_GROUP_LABEL}={router_group}")
+    return ",".join(parts)
 
 
 def slice_endpoints(obj: dict[str, Any], port_name: str = "http",
@@ -119,7 +139,8 @@ class KubernetesDiscovery(Discovery):
 
     @classmethod
     def from_config(cls, cfg: DiscoveryConfig) -> Self:
-        selector = cfg.label_selector or worker_selector(cfg.inference_service)
+        selector = cfg.label_selector or worker_selector(cfg.inference_service,
+                                                         cfg.router_group)
         return cls(cfg.namespace, selector, cfg.port_name, cfg.scheme)
 
     async def run(self, on_change: OnChange) -> None:

@@ -2,12 +2,14 @@
 
 from tandem.router.scorers import (  # noqa: F401
     churn,
+    cost,
     filters,
     inflight,
     kv_usage,
     lora,
     prefix,
     queue,
+    session,
 )
 from tandem.router.scorers.base import (
     FILTERS,

@@ -30,6 +30,7 @@ class RoutingContext:
     churn_tokens: dict[str, float] = field(default_factory=dict)
     now: float = 0.0
     lora: str | None = None  # the adapter `model` names (None: a base model)
+    session_worker: str | None = None  # the worker the request's session token names
 
     def chain(self, w: Worker) -> list[BlockHash]:
         """The prompt's hash chain as worker `w` hashes it ([] when not computed)."""

@@ -31,6 +31,11 @@ class LoRAAffinityScorer(Scorer):
             return [1.0] * len(workers)
         return [self._one(ctx.lora, w) for w in workers]
 
+    @classmethod
+    def score_one(cls, lora: str, workers: Sequence[Worker]) -> list[float]:
+        """The scores for adapter `lora` (not None), as `score` gives them."""
+        return [cls._one(lora, w) for w in workers]
+
     @staticmethod
     def _one(lora: str, w: Worker) -> float:
         load = w.load
