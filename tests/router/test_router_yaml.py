@@ -127,8 +127,8 @@ def test_the_cli_refuses_a_bad_router_yaml_as_a_usage_error_before_binding(tmp_p
 def _rendered_router_yaml(name: str, spec: dict) -> str:
     owner = Owner(name, "ml", "6f1c2b0e-7a55-4d8e-9b21-0c3d4e5f6a7b")
     docs = render_all(parse_spec(spec), owner, image="registry.example/tandem:1.0")
-    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"
-                     and d["metadata"]["name"] == f"{name}-router-config"]
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"  # the picker's in gateway mode
+                     and d["metadata"]["name"] in (f"{name}-router-config", f"{name}-epp-config")]
     return config_map["data"]["router.yaml"]
 
 
