@@ -167,7 +167,8 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert cfg["pd_threshold"] == 64 and cfg["pd_max_prefill_queue"] == 3
     assert cfg["pd_max_local_prefill"] == 2048
     assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
-                              "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0}
+                              "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0,
+                              "cost": 0.0, "session_affinity": 1.0}
     assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
                                              "tokens_per_min": 0.0}
     assert cfg["index"] == cfg["redis"] == "env:TANDEM_REDIS_URL"  # from the URL Secret

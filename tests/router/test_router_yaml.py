@@ -146,8 +146,8 @@ def test_the_operators_router_yaml_loads_with_the_routers_loader(tmp_path, name,
     path.write_text(text)
     raw = yaml.safe_load(text)
     assert load_config(str(path)) == raw
-    if "weights" in raw:
-        assert set(raw["weights"]) == set(DEFAULT_WEIGHTS)
+    if "weights" in raw:  # the cache-aware scorers', the cost scorer's and the session weight
+        assert set(raw["weights"]) == set(DEFAULT_WEIGHTS) | {"cost", "session_affinity"}
 
 
 def test_the_sources_cover_every_key_the_operator_renders():

@@ -31,7 +31,7 @@ class RateLimit:
 @dataclass(frozen=True)
 class RouterSpec:
     replicas: int = 1
-    policy: str = "cache-aware"
+    policy: str = "cost"
     weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
@@ -136,7 +136,7 @@ def _rate(d: dict, where: str) -> RateLimit:
 
 
 _WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
-            "cacheChurn": 1.0, "loraAffinity": 1.0}
+            "cacheChurn": 1.0, "loraAffinity": 1.0, "cost": 0.0, "sessionAffinity": 1.0}
 
 
 def parse_router(d: dict) -> RouterSpec:
@@ -151,8 +151,8 @@ def parse_router(d: dict) -> RouterSpec:
     admin = get_obj(d, "adminApiKeysSecret", w)
     r = RouterSpec(
         replicas=get_int(d, "replicas", 1, w, 1, 100),
-        policy=get_enum(d, "policy", "cache-aware", w,
-                     ("cache-aware", "least-loaded", "round-robin", "random")),
+        policy=get_enum(d, "policy", "cost", w,
+                     ("cost", "cache-aware", "least-loaded", "round-robin", "random")),
         weights=None if weights is None else {
             k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),

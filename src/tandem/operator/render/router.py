@@ -68,7 +68,7 @@ ADMIN_AUTH_DIR = "/etc/tandem/admin-auth"
 # CRD weight names -> the router's scorer names
 SCORERS = {"prefix": "prefix", "queue": "queue", "kvUsage": "kv_usage",
            "inflightTokens": "inflight_tokens", "cacheChurn": "cache_churn",
-           "loraAffinity": "lora_affinity"}
+           "loraAffinity": "lora_affinity", "cost": "cost", "sessionAffinity": "session_affinity"}
 
 
 def router_name(owner: Owner) -> str:
