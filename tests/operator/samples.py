@@ -123,6 +123,22 @@ SPECS: dict[str, dict[str, Any]] = {
                                "name": "team", "key": "token"}}}],
                    "strategy": {"maxSurge": 0, "maxUnavailable": "50%"}},
     },
+    # P/D scaling to zero and back through KEDA, with the router's flow control in full
+    "keda": {
+        "model": {"uri": "pvc://models/llama", "sha256": SHA, "name": "Acme/llama:v2"},
+        "router": {"flowControl": {"fairness": "round-robin", "ordering": "edf",
+                                   "ttlSeconds": 45, "saturation": {"waiting": 2, "kv": 0.85},
+                                   "bands": {"default": {"maxRequests": 512},
+                                             "10": {"maxRequests": 64, "maxBytes": 1048576}},
+                                   "tenantWeights": {"gold": 4}, "shared": True,
+                                   "startTimeoutSeconds": 240},
+                   "redisUrlSecretRef": {"name": "tandem-redis-url"}},
+        "prefill": {"replicas": 1, "autoscaling": {
+            "mode": "keda", "minReplicas": 0, "maxReplicas": 4, "target": 2}},
+        "decode": {"replicas": 2, "autoscaling": {
+            "mode": "keda", "minReplicas": 0, "maxReplicas": 10, "target": 16,
+            "keda": {"kvUtilizationTarget": 0.85}}},
+    },
     # multi-LoRA on P/D pools: adapters on the model's claim, on another claim (pinned), on
     # the Hub (one pinned, one in a folder of a repository) and in the image
     "lora": {

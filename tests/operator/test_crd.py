@@ -306,8 +306,10 @@ def test_crd_defaults_and_parse_spec_defaults_agree(name):
 
 def test_weight_defaults_are_the_routers():
     from tandem.operator.render.router import SCORERS
-    from tandem.router.policy import DEFAULT_WEIGHTS
+    from tandem.router.policy import DEFAULT_WEIGHTS, SESSION_WEIGHT
 
     weights = schema()["properties"]["spec"]["properties"]["router"]["properties"]["weights"]
+    # the router's: its scorers' defaults (a scorer it leaves out, `cost`, is off: 0) and
+    # the session-affinity weight both policies read
     assert {SCORERS[k]: v["default"] for k, v in weights["properties"].items()} == (
-        DEFAULT_WEIGHTS)
+        {**DEFAULT_WEIGHTS, "cost": 0.0, "session_affinity": SESSION_WEIGHT})

@@ -71,6 +71,11 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "keda.sh/v1alpha1/scaledobjects": dict(kind="ScaledObject", namespaced=True, verbs=RW),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"}),
+    # router.mode gateway
+    "inference.networking.k8s.io/v1/inferencepools": dict(kind="InferencePool",
+                                                          namespaced=True, verbs=RW),
+    "gateway.networking.k8s.io/v1/httproutes": dict(kind="HTTPRoute", namespaced=True,
+                                                    verbs=RW),
 }
 PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
            "ConfigMap": "v1/configmaps", "ServiceAccount": "v1/serviceaccounts",
@@ -79,6 +84,8 @@ PLURALS = {"Deployment": "apps/v1/deployments", "Service": "v1/services",
            "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
            "NetworkPolicy": "networking.k8s.io/v1/networkpolicies", "Secret": "v1/secrets",
            "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets",
+           "InferencePool": "inference.networking.k8s.io/v1/inferencepools",
+           "HTTPRoute": "gateway.networking.k8s.io/v1/httproutes",
            "ScaledObject": "keda.sh/v1alpha1/scaledobjects"}
 ISVC = "tandem.dev/v1alpha1/inferenceservices"
 

@@ -10,6 +10,7 @@ import pytest
 from tandem.operator.render import pool_selector, pools
 from tandem.operator.spec import parse_spec
 from tandem.protocol.labels import COMPONENT_LABEL, ROLE_LABEL, SERVICE_LABEL
+from tests.operator import crd_validate
 from tests.operator.manifests import K8S, OWNER, arg, by_kind, container, matches, one, render
 from tests.operator.samples import SPECS, spec
 
@@ -23,6 +24,9 @@ def test_every_manifest_validates_against_kubernetes_1_32_strict(name):
             # and cert-manager: no schema here (test_render_security checks the Certificate)
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
                 kubernetes_validate.validate(doc, K8S, strict=True)
+            continue
+        if crd_validate.crd_for(doc) is not None:  # a vendored CRD (ScaledObject, ...)
+            crd_validate.validate(doc, K8S)
             continue
         kubernetes_validate.validate(doc, K8S, strict=True)
 
@@ -58,9 +62,9 @@ def test_selectors_select_exactly_their_own_pods(name):
     selectors = [(s, s["spec"]["selector"]) for s in by_kind(docs, "Service")]
     selectors += [(p, p["spec"]["selector"]["matchLabels"])
                   for p in by_kind(docs, "PodDisruptionBudget")]
-    # one Service and one PDB per workload, and with a ServiceMonitor the routers' metrics
-    # Service (demo-metrics), which selects the routers
-    monitored = bool(by_kind(docs, "ServiceMonitor"))
+    # one Service and one PDB per workload, and with a ServiceMonitor or a KEDA ScaledObject
+    # the routers' metrics Service (demo-metrics), which selects the routers
+    monitored = bool(by_kind(docs, "ServiceMonitor") or by_kind(docs, "ScaledObject"))
     assert len(selectors) == 2 * len(deployments) + monitored
     for doc, selector in selectors:
         hits = [n for n, labels in templates.items() if matches(selector, labels)]
@@ -130,5 +134,7 @@ def test_every_manifest_validates_against_kubernetes_1_30_the_charts_floor(name)
               if (h := c.get("lifecycle"))]
     assert sleeps, "no preStop sleep rendered: the 1.30 floor may be lowered"
     for doc in docs:
-        if doc["apiVersion"].split("/")[0] not in ("monitoring.coreos.com", "cert-manager.io"):
+        if crd_validate.crd_for(doc) is not None:  # a vendored CRD: its own schema
+            crd_validate.validate(doc, "1.30")
+        elif doc["apiVersion"].split("/")[0] not in crd_validate.NO_SCHEMA:
             kubernetes_validate.validate(doc, "1.30", strict=True)  # (CRDs: no schema here)

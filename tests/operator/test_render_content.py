@@ -13,7 +13,7 @@ import yaml
 from tandem.operator.render import render_all
 from tandem.operator.render.common import CONFIG_HASH
 from tandem.operator.spec import parse_spec
-from tandem.protocol.labels import SERVICE_LABEL
+from tandem.protocol.labels import ROUTER_GROUP_LABEL
 from tests.operator.manifests import OWNER, arg, by_kind, container, one, render
 from tests.operator.samples import SHA, SPECS, spec
 
@@ -150,7 +150,10 @@ def test_router_deployment_config_and_least_privilege_rbac():
     args = container(d)["args"]
     assert args[:1] == ["router"]
     assert arg(args, "--discovery") == "kubernetes"
-    assert arg(args, "--inference-service") == "demo"
+    # its router group: its own workers' Services and those of InferenceServices attached
+    assert arg(args, "--label-selector") == ("app.kubernetes.io/component=worker,"
+                                             "tandem.dev/router-group=demo")
+    assert "--inference-service" not in args
     assert arg(args, "--worker-port-name") == "http"
     assert arg(args, "--api-keys") == "/etc/tandem/auth/api-keys"
     assert arg(args, "--admin-api-keys") == "/etc/tandem/admin-auth/admin-api-keys"
@@ -164,7 +167,8 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert cfg["pd_threshold"] == 64 and cfg["pd_max_prefill_queue"] == 3
     assert cfg["pd_max_local_prefill"] == 2048
     assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
-                              "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0}
+                              "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0,
+                              "cost": 0.0, "session_affinity": 1.0}
     assert cfg["rate_limits"]["default"] == {"requests_per_s": 10.0, "burst_requests": 20.0,
                                              "tokens_per_min": 0.0}
     assert cfg["index"] == cfg["redis"] == "env:TANDEM_REDIS_URL"  # from the URL Secret
@@ -204,7 +208,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, m
     assert router.settings.pd_max_local_prefill == 2048
     assert server.discovery.name == "kubernetes"
     assert server.admin_keys is not None and server.admin_keys.tenant("Bearer sk-admin") == "ops"
-    assert server.discovery.label_selector.endswith(f"{SERVICE_LABEL}=demo")
+    assert server.discovery.label_selector.endswith(f"{ROUTER_GROUP_LABEL}=demo")
     assert server.rate_limiter is not None
     assert server.rate_limiter.shared  # the Redis URL reached it, through the env var
     assert server.rate_limiter._redis.connection_pool.connection_kwargs["password"] == "s3cret"

@@ -24,7 +24,7 @@ def test_defaults_of_the_smallest_spec():
     assert not s.disaggregated
     assert s.prefill.replicas == 0 and s.decode.replicas == 1
     assert s.decode.engine == EngineArgs()
-    assert s.router.replicas == 1 and s.router.policy == "cache-aware"
+    assert s.router.replicas == 1 and s.router.policy == "cost"
     assert s.router.pd_threshold == 16 and s.router.weights is None
     assert s.router.pd_max_prefill_queue == 0 and s.router.pd_max_local_prefill == 1024
     assert s.kv_transfer.backend == "grpc" and s.kv_transfer.tls_secret is None

@@ -61,6 +61,8 @@ class Exchange:
     forwarded_body: bytes = b""
     status: int | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
+    # headers the picker set on the response (raw_value), as the client gets them
+    response_set: dict[str, str] = field(default_factory=dict)
     body_chunks: list[bytes] = field(default_factory=list)  # as the client received them
     served_by: str | None = None
     sent_at: list[float] = field(default_factory=list)  # response chunks into the picker
@@ -189,6 +191,9 @@ class Envoy:
             s.send(msg)
             answer = s.recv()
             assert answer.WhichOneof("response") == "response_headers", answer
+            for opt in answer.response_headers.response.header_mutation.set_headers:
+                ex.set_both |= bool(opt.header.value) and bool(opt.header.raw_value)
+                ex.response_set[opt.header.key.lower()] = opt.header.raw_value.decode()
             ex.response_headers = {k.lower(): v for k, v in resp.headers.items()}
             for piece in resp.iter_raw():
                 s.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=piece)))

@@ -21,6 +21,7 @@ from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import PREFILL_HEADER, APIError
 from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import REASON_HEADER
+from tandem.router.scorers.session import SESSION_HEADER
 from tandem.serving.worker_auth import check_signature
 from tests.router.extproc_client import EppRouter, FlowDouble
 from tests.router.stub_worker import COMPLETION_TOKENS, StubWorker, slow_stream
@@ -88,6 +89,23 @@ def test_the_subset_hint_is_honoured(epp, workers) -> None:
         assert ex.immediate is not None and ex.immediate.status.code == 503
         err = json.loads(ex.immediate.body)["error"]
         assert err["code"] == 503 and "subset" in err["message"]
+
+
+def test_session_tokens_work_on_the_gateway_path(epp, workers) -> None:
+    """The answer carries the serving worker's `x-session-token` (as the HTTP router's); a
+    request sending it back is picked onto that worker; a forged one is ignored."""
+    eps = [_ep(w) for w in workers]
+    first = epp.envoy.request("/v1/completions", _body("session opener"), subset=[eps[2]])
+    token = first.response_set[SESSION_HEADER]
+    assert first.status == 200 and token.startswith("v1.") and not first.set_both
+    for i in range(6):  # fresh prompts: no prefix pulls them anywhere
+        ex = epp.envoy.request("/v1/completions", _body(f"session turn {i} " * 3),
+                               headers={SESSION_HEADER: token})
+        assert ex.endpoints[0] == eps[2] and ex.response_set[SESSION_HEADER] == token
+    seen = {epp.envoy.request("/v1/completions", _body(f"forged {i} " * 3),
+                              headers={SESSION_HEADER: "v1.AAAAAAAAAAAAAAAAAAAAAA"}
+                              ).endpoints[0] for i in range(12)}
+    assert len(seen) > 1  # a forged token names no worker: the load spreads as usual
 
 
 def test_bad_requests_are_answered_by_the_picker(epp) -> None:

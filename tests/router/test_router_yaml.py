@@ -127,8 +127,8 @@ def test_the_cli_refuses_a_bad_router_yaml_as_a_usage_error_before_binding(tmp_p
 def _rendered_router_yaml(name: str, spec: dict) -> str:
     owner = Owner(name, "ml", "6f1c2b0e-7a55-4d8e-9b21-0c3d4e5f6a7b")
     docs = render_all(parse_spec(spec), owner, image="registry.example/tandem:1.0")
-    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"
-                     and d["metadata"]["name"] == f"{name}-router-config"]
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"  # the picker's in gateway mode
+                     and d["metadata"]["name"] in (f"{name}-router-config", f"{name}-epp-config")]
     return config_map["data"]["router.yaml"]
 
 
@@ -146,8 +146,8 @@ def test_the_operators_router_yaml_loads_with_the_routers_loader(tmp_path, name,
     path.write_text(text)
     raw = yaml.safe_load(text)
     assert load_config(str(path)) == raw
-    if "weights" in raw:
-        assert set(raw["weights"]) == set(DEFAULT_WEIGHTS)
+    if "weights" in raw:  # the cache-aware scorers', the cost scorer's and the session weight
+        assert set(raw["weights"]) == set(DEFAULT_WEIGHTS) | {"cost", "session_affinity"}
 
 
 def test_the_sources_cover_every_key_the_operator_renders():
@@ -158,7 +158,7 @@ def test_the_sources_cover_every_key_the_operator_renders():
         keys |= set(cfg) | {f"rate_limits.{k}" for k in cfg.get("rate_limits", {})}
     assert {"weights", "rate_limits.default", "rate_limits.tenants", "redis", "index",
             "redis_key_prefix", "tokenizers", "policy", "pd_threshold",
-            "worker_port_name"} <= keys
+            "worker_port_name", "flow_control", "served_models"} <= keys
     assert len(EXAMPLES) >= 5
 
 

@@ -284,9 +284,11 @@ def placeholder(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "data": dict.fromkeys(doc.get("data") or {}, PLACEHOLDER_VALUE)}
 
 
-def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[str, dict]]:
+def writes(svc: Service, config: Any, replicas: dict[str, int],
+           members: list[tuple[str, Any]] | None = None) -> list[tuple[str, dict]]:
     """What `reconcile.apply` writes for `svc`, in order, on a cluster without its children
-    (operator-scaled pools at `replicas`, as their live Deployments would be)."""
+    (operator-scaled pools at `replicas`, as their live Deployments would be); `members`:
+    the input's InferenceServices attached to it (`router.attachTo`)."""
     from tandem.operator.reconcile import apply
     from tandem.operator.render import pool_workloads
 
@@ -295,7 +297,7 @@ def writes(svc: Service, config: Any, replicas: dict[str, int]) -> list[tuple[st
              "spec": {"replicas": replicas[w.pool.name]}}
             for w in pool_workloads(svc.spec, svc.owner) if w.pool.name in replicas]
     recorder = Recorder(live)
-    apply(recorder, svc.spec, svc.owner, config)  # type: ignore[arg-type]
+    apply(recorder, svc.spec, svc.owner, config, members or ())  # type: ignore[arg-type]
     return recorder.writes
 
 
@@ -347,10 +349,13 @@ def render(args: argparse.Namespace, text: str, environ: Mapping[str, str],
         raise UsageError(str(exc.code).removeprefix("tandem operator: ")) from None
     dry = dry_redis(config)
     out = []
-    for doc in docs:
-        svc = parse(doc, args.namespace, args.uid)
+    services = [parse(doc, args.namespace, args.uid) for doc in docs]
+    for svc in services:
         admit(svc, config)
-        done = writes(svc, dry, replica_overrides(args.replicas, svc.spec))
+        members = [(m.owner.name, m.spec) for m in services
+                   if m.spec.router.attach_to == svc.owner.name
+                   and m.owner.namespace == svc.owner.namespace]
+        done = writes(svc, dry, replica_overrides(args.replicas, svc.spec), members)
         head = [f"# InferenceService {svc.owner.namespace}/{svc.owner.name}: the "
                 f"{len(done)} objects the operator writes, in order"]
         if svc.placeholder_uid:

@@ -58,6 +58,12 @@ KINDS = {
     # multi-node tensor-parallel pools (render.multinode); needs the LWS controller's CRD
     "LeaderWorkerSet": Kind(client.CustomObjectsApi, "custom_object", "leaderworkerset.x-k8s.io",
                             "v1", "leaderworkersets"),
+    # router.mode gateway (render.gateway); need the Gateway API Inference Extension's and
+    # the Gateway API's CRDs
+    "InferencePool": Kind(client.CustomObjectsApi, "custom_object",
+                          "inference.networking.k8s.io", "v1", "inferencepools"),
+    "HTTPRoute": Kind(client.CustomObjectsApi, "custom_object", "gateway.networking.k8s.io",
+                      "v1", "httproutes"),
     # autoscaling.mode: keda (render.keda); needs KEDA's CRDs and operator
     "ScaledObject": Kind(client.CustomObjectsApi, "custom_object", "keda.sh", "v1alpha1",
                          "scaledobjects"),

@@ -35,7 +35,7 @@ from kubernetes.client import ApiClient
 from tandem.operator import kube, reconcile
 from tandem.operator.metrics import HttpMetricsSource
 from tandem.operator.redis_acl import RedisAclError
-from tandem.operator.render import Owner, pool_name, pools, router_name
+from tandem.operator.render import Owner, front_door_name, pool_name, pools
 from tandem.operator.render.common import API_VERSION
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
@@ -70,7 +70,57 @@ def _admitted(body: kopf.Body, memo: kopf.Memo) -> InferenceServiceSpec:
     return spec
 
 
-def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+def attached_to(body: kopf.Body, **_: Any) -> dict[tuple[str, str], tuple[str, dict]] | None:
+    """kopf index `members`: (namespace, router.attachTo) -> (name, spec) of every
+    InferenceService attached to another's router."""
+    spec = body.get("spec")
+    to = (spec.get("router") or {}).get("attachTo") if isinstance(spec, dict) else None
+    if not isinstance(to, str):
+        return None
+    return {(body["metadata"]["namespace"], to): (body["metadata"]["name"], dict(spec))}
+
+
+def routed_by(body: kopf.Body, **_: Any) -> dict[tuple[str, str], str]:
+    """kopf index `services`: (namespace, name) -> its router.attachTo ("" for none) of
+    every InferenceService."""
+    spec = body.get("spec")
+    to = (spec.get("router") or {}).get("attachTo") if isinstance(spec, dict) else None
+    return {(body["metadata"]["namespace"], body["metadata"]["name"]):
+            to if isinstance(to, str) else ""}
+
+
+def router_problem(spec: InferenceServiceSpec, owner: Owner, services: Any) -> str | None:
+    """Why nothing routes to an attached InferenceService (None: its router exists, or it
+    is not attached): its router.attachTo names no InferenceService, or one that is itself
+    attached (a chain is not followed)."""
+    to = spec.router.attach_to
+    if to is None or services is None:
+        return None
+    found = list(services.get((owner.namespace, to), []))
+    if not found:
+        return (f"router.attachTo {to}: no InferenceService {to} in {owner.namespace}; "
+                "nothing routes to this one")
+    if found[0]:
+        return (f"router.attachTo {to}: {to} is itself attached to {found[0]} (attach to "
+                f"{found[0]}); nothing routes to this one")
+    return None
+
+
+def _members(index: Any, owner: Owner) -> list[tuple[str, InferenceServiceSpec]]:
+    """The valid InferenceServices attached to `owner` (an invalid one's own handler says
+    why), whose tokenizers its router fetches; a new one reaches it on the next re-apply
+    (the resync timer)."""
+    out = []
+    for name, raw in (index or {}).get((owner.namespace, owner.name), []):
+        try:
+            out.append((name, parse_spec(raw)))
+        except SpecError:
+            continue
+    return out
+
+
+def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int,
+          members: Any = None, services: Any = None, **_: Any) -> None:
     owner, now = reconcile.owner_of(body), now_iso()
     generation, status = body["metadata"].get("generation", 0), dict(body.get("status") or {})
     try:
@@ -82,7 +132,8 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
     try:
         with _writer(memo, owner, generation, newest=True):
-            removed = reconcile.apply(memo.kube, spec, owner, memo.config).removed
+            removed = reconcile.apply(memo.kube, spec, owner, memo.config,
+                                      _members(members, owner)).removed
         live = reconcile.workloads(memo.kube, owner)
     except (*kube.KubeError, RedisAclError) as exc:
         reason = kube.describe(exc)
@@ -90,14 +141,16 @@ def apply(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: 
                                                        reason, now)))
         delay = min(memo.config.backoff_s * 2**retry, 300.0)
         raise kopf.TemporaryError(f"apply failed: {reason}", delay=delay) from exc
-    new = observed(spec, owner, status, live, generation, now)
+    new = observed(spec, owner, status, live, generation, now,
+                   router_problem(spec, owner, services))
     patch.status.update(merge_patch(status, new | {"observedGeneration": generation}))
     if removed:
         kopf.event(body, type="Normal", reason="Removed",
                    message=f"no longer rendered: {', '.join(removed)}")
 
 
-def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, members: Any = None,
+            services: Any = None, **_: Any) -> None:
     """Status from the workloads; one deleted by hand is applied again."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     status = dict(body.get("status") or {})
@@ -106,10 +159,11 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
     try:
         spec = _admitted(body, memo)
         live = reconcile.workloads(memo.kube, owner)
-        names = [pool_name(owner, p) for p in pools(spec)] + [router_name(owner)]
+        front = front_door_name(spec, owner)  # NAME-router, NAME-epp; none when attached
+        names = [pool_name(owner, p) for p in pools(spec)] + ([front] if front else [])
         if missing := [n for n in names if n not in live]:
             log.warning("%s/%s: re-applying, missing %s", owner.namespace, owner.name, missing)
-            _reapply(memo, spec, owner, generation)
+            _reapply(memo, spec, owner, generation, _members(members, owner))
             live = reconcile.workloads(memo.kube, owner)
     except SpecError:
         return
@@ -117,17 +171,18 @@ def refresh(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> No
         log.warning("%s/%s: status not refreshed: %s", owner.namespace, owner.name,
                     kube.describe(exc))
         return
-    patch.status.update(merge_patch(status, observed(spec, owner, status, live, generation,
-                                                     now_iso())))
+    patch.status.update(merge_patch(status, observed(
+        spec, owner, status, live, generation, now_iso(), router_problem(spec, owner, services))))
 
 
-def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def resync(body: kopf.Body, memo: kopf.Memo, members: Any = None, **_: Any) -> None:
     """Apply the current generation's children again; report what that had to write."""
     owner, generation = reconcile.owner_of(body), body["metadata"].get("generation", 0)
     if (body.get("status") or {}).get("observedGeneration") != generation:
         return  # the change handler owns this generation until it has applied it
     try:
-        done = _reapply(memo, _admitted(body, memo), owner, generation)
+        done = _reapply(memo, _admitted(body, memo), owner, generation,
+                        _members(members, owner))
     except SpecError:
         return
     except (*kube.KubeError, RedisAclError) as exc:
@@ -141,14 +196,15 @@ def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
                    message=f"re-applied after a change outside the spec: {', '.join(repaired)}")
 
 
-def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner,
-             generation: int) -> reconcile.Applied | None:
+def _reapply(memo: kopf.Memo, spec: InferenceServiceSpec, owner: Owner, generation: int,
+             members: list[tuple[str, InferenceServiceSpec]] | None = None,
+             ) -> reconcile.Applied | None:
     """A timer's apply of `generation`'s children; None when the change handler has taken
     up a newer generation meanwhile (nothing written)."""
     with _writer(memo, owner, generation) as current:
         if not current:
             return None
-        return reconcile.apply(memo.kube, spec, owner, memo.config)
+        return reconcile.apply(memo.kube, spec, owner, memo.config, members or ())
 
 
 def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
@@ -218,6 +274,8 @@ def registry(config: reconcile.OperatorConfig) -> kopf.OperatorRegistry:
     reg = kopf.OperatorRegistry()
     kopf.on.login(registry=reg)(login)
     kopf.on.startup(registry=reg)(startup)
+    kopf.index(*RESOURCE, registry=reg, id="members")(attached_to)
+    kopf.index(*RESOURCE, registry=reg, id="services")(routed_by)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(*RESOURCE, registry=reg, id="apply")(apply)
     if config.redis is not None:

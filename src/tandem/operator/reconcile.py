@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,14 +103,17 @@ class Applied:
 
 
 def manifests(spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
-              replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+              replicas: Mapping[str, int] | None = None,
+              members: Sequence[tuple[str, InferenceServiceSpec]] = ()) -> list[dict[str, Any]]:
     """Every child `apply` writes, in apply order: the one list both the operator and
-    `tandem render` (`dryrun`) use. `replicas`: the live counts of operator-scaled pools."""
+    `tandem render` (`dryrun`) use. `replicas`: the live counts of operator-scaled pools;
+    `members`: the InferenceServices attached to this one's router."""
     return render_all(spec, owner, image=config.image, router_image=config.router_image,
                       worker_image=config.worker_image,
                       worker_cuda_image=config.worker_cuda_image,
                       image_pull_policy=config.image_pull_policy, replicas=replicas,
-                      operator=config.operator, image_pull_secrets=config.image_pull_secrets)
+                      operator=config.operator, image_pull_secrets=config.image_pull_secrets,
+                      members=members)
 
 
 def ensure_worker_auth(kube: Kube, spec: InferenceServiceSpec, owner: Owner) -> bool:
@@ -150,8 +153,8 @@ def ensure_redis_user(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     config.redis.ensure_user(owner)
 
 
-def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
-          config: OperatorConfig) -> Applied:
+def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner, config: OperatorConfig,
+          members: Sequence[tuple[str, InferenceServiceSpec]] = ()) -> Applied:
     """Apply every child (server-side apply), then delete owned children the spec no longer
     renders (e.g. the prefill pool when prefill.replicas drops to 0, or the Deployment of a
     pool that became multi-node). One list per kind,
@@ -166,7 +169,7 @@ def apply(kube: Kube, spec: InferenceServiceSpec, owner: Owner,
     scaled = {p.name for p in operator_scaled(spec)}
     keep = {w.pool.name: live[w.name]["spec"]["replicas"] for w in pool_workloads(spec, owner)
             if w.pool.name in scaled and "replicas" in (live.get(w.name) or {}).get("spec", {})}
-    docs = manifests(spec, owner, config, keep)
+    docs = manifests(spec, owner, config, keep, members)
     ensure_worker_auth(kube, spec, owner)  # before the pods that mount it
     ensure_redis_user(kube, spec, owner, config)
     hand_over_replicas(kube, spec, owner, live)

@@ -202,6 +202,8 @@ def check_name(name: str, spec: InferenceServiceSpec | None = None) -> None:
     if not _DNS_LABEL.match(name) or len(name) > MAX_NAME:
         raise SpecError(f"name {name!r}: a DNS label of at most {MAX_NAME} characters "
                         "(children are named NAME-prefill, NAME-decode, NAME-router)")
+    if spec is not None and spec.router.attach_to == name:
+        raise SpecError(f"router.attachTo {name!r} names this InferenceService itself")
     for pool, _, p in spec.worker_pools() if spec is not None else ():
         if p.layout.multinode and len(f"{name}-{pool}") > MAX_MULTINODE_NAME:
             where = "decode" if pool == "worker" else pool

@@ -10,6 +10,14 @@ from typing import Any
 from tandem.operator.fields import get, get_enum, get_int, get_num, get_obj, resources
 from tandem.operator.model_uri import SpecError
 from tandem.operator.pod_settings import PodSettings, parse_pod_settings
+from tandem.operator.spec_gateway import (
+    MODES,
+    GatewaySpec,
+    check_attached,
+    check_gateway,
+    parse_attach_to,
+    parse_gateway,
+)
 from tandem.operator.spec_security import SecretKeyRef, peers, secret_key_ref
 
 
@@ -23,7 +31,7 @@ class RateLimit:
 @dataclass(frozen=True)
 class RouterSpec:
     replicas: int = 1
-    policy: str = "cache-aware"
+    policy: str = "cost"
     weights: dict[str, float] | None = None  # cache-aware scorer weights (CRD names)
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
@@ -43,6 +51,9 @@ class RouterSpec:
     service_type: str = "ClusterIP"
     resources: dict[str, dict[str, int | str]] = field(default_factory=dict)
     pod: PodSettings = PodSettings()
+    mode: str = "router"  # or "gateway": the EPP of a Gateway API gateway (`spec_gateway`)
+    gateway: GatewaySpec | None = None  # mode gateway only
+    attach_to: str | None = None  # served by this other InferenceService's router / EPP
     flow_control: FlowControlSpec = field(default_factory=lambda: FlowControlSpec())
 
 
@@ -125,7 +136,7 @@ def _rate(d: dict, where: str) -> RateLimit:
 
 
 _WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
-            "cacheChurn": 1.0, "loraAffinity": 1.0}
+            "cacheChurn": 1.0, "loraAffinity": 1.0, "cost": 0.0, "sessionAffinity": 1.0}
 
 
 def parse_router(d: dict) -> RouterSpec:
@@ -140,8 +151,8 @@ def parse_router(d: dict) -> RouterSpec:
     admin = get_obj(d, "adminApiKeysSecret", w)
     r = RouterSpec(
         replicas=get_int(d, "replicas", 1, w, 1, 100),
-        policy=get_enum(d, "policy", "cache-aware", w,
-                     ("cache-aware", "least-loaded", "round-robin", "random")),
+        policy=get_enum(d, "policy", "cost", w,
+                     ("cost", "cache-aware", "least-loaded", "round-robin", "random")),
         weights=None if weights is None else {
             k: get_num(weights, k, v, "router.weights") for k, v in _WEIGHTS.items()},
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
@@ -165,6 +176,9 @@ def parse_router(d: dict) -> RouterSpec:
         allowed_clients=peers(d.get("allowedClients"), "router.allowedClients"),
         resources=resources(get_obj(d, "resources", w), "router.resources"),
         pod=parse_pod_settings(d, w, scheduling=True),
+        mode=(mode := get_enum(d, "mode", "router", w, MODES)),
+        gateway=parse_gateway(d, mode),
+        attach_to=parse_attach_to(d),
         flow_control=parse_flow_control(get_obj(d, "flowControl", w)))
     if r.flow_control.shared and not (r.redis_url_secret or r.managed_redis):
         raise SpecError("router.flowControl.shared needs router.redisUrlSecretRef or "
@@ -183,4 +197,6 @@ def parse_router(d: dict) -> RouterSpec:
     if r.admin_api_keys_secret and not r.api_keys_secret:
         raise SpecError("router.adminApiKeysSecret needs router.apiKeysSecret (without API "
                         "keys the admin endpoints are open)")
+    check_attached(r, RouterSpec(), d)
+    check_gateway(r)
     return r

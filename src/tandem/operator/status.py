@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem.operator.render import (
     Owner,
+    front_door_name,
     pool_name,
     pool_selector,
     pools,
@@ -112,10 +113,16 @@ def failed(current: Mapping[str, Any], generation: int, reason: str, message: st
 
 def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any],
              deployments: Mapping[str, Mapping[str, Any]], generation: int,
-             now: str) -> dict[str, Any]:
+             now: str, router_problem: str | None = None) -> dict[str, Any]:
     """Status from the children's workloads (name -> Deployment or LeaderWorkerSet, with
-    its `kind`, as `reconcile.workloads` reads them)."""
-    out: dict[str, Any] = {"endpoint": router_endpoint(owner), "modelDigest": spec.model.sha256,
+    its `kind`, as `reconcile.workloads` reads them); `router_problem`: why nothing routes
+    to this attached service (not Ready, reason RouterNotFound)."""
+    front = front_door_name(spec, owner)  # None: attached; NAME-epp: gateway mode
+    # the router's URL; none for an EPP (clients use the gateway) or an attached service,
+    # whose `router` names the InferenceService that serves it
+    endpoint = router_endpoint(owner) if front == router_name(owner) else None
+    out: dict[str, Any] = {"endpoint": endpoint, "router": spec.router.attach_to or owner.name,
+                           "modelDigest": spec.model.sha256,
                            "prefill": {"replicas": 0, "readyReplicas": 0, "selector": None,
                                        "desiredReplicas": None, "lastScaleTime": None}}
     waiting = []
@@ -134,13 +141,19 @@ def observed(spec: InferenceServiceSpec, owner: Owner, current: Mapping[str, Any
         out[STATUS_KEY[pool.name]] = entry
         if not done:
             waiting.append(f"{name}: {ready}/{wanted} ready")
-    wanted, ready, done = rollout(deployments.get(router_name(owner)))
-    out["routerReadyReplicas"] = ready
-    if not done:
-        waiting.append(f"{router_name(owner)}: {ready}/{wanted} ready")
+    if front is not None:
+        wanted, ready, done = rollout(deployments.get(front))
+        out["routerReadyReplicas"] = ready
+        if not done:
+            waiting.append(f"{front}: {ready}/{wanted} ready")
+    else:
+        out["routerReadyReplicas"] = None
+    if router_problem:
+        waiting.insert(0, router_problem)
     out["conditions"] = conditions(
         current.get("conditions") or [], generation, now, ready=not waiting,
-        progressing=bool(waiting), degraded=False, reason="ReplicasNotReady",
+        progressing=bool(waiting), degraded=False,
+        reason="RouterNotFound" if router_problem else "ReplicasNotReady",
         message="; ".join(waiting))
     adapter = adapter_condition(spec, owner, current.get("conditions") or [], generation, now)
     if adapter is not None:

@@ -17,3 +17,9 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 WORKER_COMPONENT = "worker"
 ROUTER_COMPONENT = "router"
 ROLES = ("both", "prefill", "decode")
+# every worker Service one router (or endpoint picker) serves: the InferenceService that runs
+# it, and each InferenceService attached to it (`router.attachTo`); its discovery selects it
+ROUTER_GROUP_LABEL = f"{GROUP}/router-group"
+# the worker pods an InferencePool (`router.mode: gateway`) selects: the decode or aggregated
+# pods (a multi-node pool's leaders) of its InferenceService and of those attached to it
+INFERENCE_POOL_LABEL = f"{GROUP}/inference-pool"

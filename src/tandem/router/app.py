@@ -13,6 +13,8 @@ port, or with `metrics_port` only on a port of its own (`metrics_app`). It needs
 the metrics port (reach it through a NetworkPolicy). The key is an admin key when admin keys
 are configured, else any API key. FastAPI's `/docs` and `/redoc` are never served;
 `/openapi.json` only with `openapi` (behind the API keys when configured).
+`GET /scaling` (the demand an autoscaler reads, `flowcontrol.scaling`) is served where
+/metrics is, behind the same key.
 
 Logging: each routed request gets one INFO line (`[id] -> worker (...)`); the workers'
 probes (`GET /ready`, `/health`, `/v1/models`, `/metrics`, every `probe_interval_s`) are
@@ -124,6 +126,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     metrics = RouterMetrics()
     if settings.on_metrics is not None:
         settings.on_metrics(metrics)
+    if settings.flow_control is not None:
+        settings.flow_control.bind_metrics(metrics)
     if settings.metrics_port is None:
         auth = (settings.api_keys.configured if settings.metrics_auth is None
                 else settings.metrics_auth)
@@ -143,11 +147,13 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
     app.get("/ready")(ra.ready)
     if settings.metrics_port is None:
         app.get("/metrics")(ra.prometheus)
+        app.get("/scaling")(ra.scaling)
     else:
         side = FastAPI(title="Tandem router metrics", docs_url=None, redoc_url=None,
                        openapi_url=None)
         install_error_handlers(side)
         side.get("/metrics")(ra.prometheus)
+        side.get("/scaling")(ra.scaling)
         app.state.metrics_app = FastPaths(side, {}, settings.max_body_bytes)
     if settings.openapi:
         app.get("/openapi.json", include_in_schema=False)(ra.openapi)

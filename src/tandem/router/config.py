@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from tandem.router.flowcontrol.policies import FAIRNESS, ORDERINGS
 from tandem.router.policy import DEFAULT_WEIGHTS, POLICIES
 from tandem.router.scorers import SCORERS
 
@@ -73,6 +74,42 @@ class Priority(_Strict):
     tenants: dict[str, PriorityRange] | None = None
 
 
+class Saturation(_Strict):
+    """A worker is saturated at >= `waiting` waiting requests or `kv` KV-cache use."""
+
+    waiting: Positive | None = None
+    kv: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+
+
+class BandLimit(_Strict):
+    max_requests: Positive | None = None
+    max_bytes: Positive | None = None
+
+
+Band = Annotated[int, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+
+
+class FlowControlConfig(_Strict):
+    """`flowcontrol.settings.FlowSettings`: the queue in front of saturated workers."""
+
+    enabled: bool | None = None
+    fairness: Literal[tuple(sorted(FAIRNESS))] | None = None  # type: ignore[valid-type]
+    ordering: Literal[tuple(sorted(ORDERINGS))] | None = None  # type: ignore[valid-type]
+    ttl_s: Seconds | None = None
+    saturation: Saturation | None = None
+    bands: dict[Band | Literal["default"], BandLimit] | None = None
+    tenant_weights: dict[str, Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)]
+                         ] | None = None
+    shared: bool | None = None
+
+
+class ServedModel(_Strict):
+    """A model listed and held (its requests queued) even with no worker: scale from zero."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    start_timeout_s: Seconds | None = None
+
+
 class RouterConfig(_Strict):
     """Every router.yaml key (`tandem.router.main`'s docstring says what each does); the
     flags of the same names (dashes for underscores) win over them."""
@@ -111,6 +148,8 @@ class RouterConfig(_Strict):
     max_connections: Positive | None = None
     priority: Priority | None = None
     rate_limits: RateLimits | None = None
+    flow_control: FlowControlConfig | None = None
+    served_models: list[ServedModel] | None = None
     # the gateway's endpoint picker (`extproc`): its port and address, and each
     # InferenceObjective's priority (its flow-control band; higher is served first)
     ext_proc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
@@ -184,6 +223,8 @@ def _known(loc: tuple[Any, ...]) -> list[str]:
             model = _unwrap(model.model_fields[str(part)].annotation)
         elif typing.get_origin(model) is dict:  # a tenant's name
             model = _unwrap(typing.get_args(model)[1])
+        elif typing.get_origin(model) is list:  # an item's index
+            model = _unwrap(typing.get_args(model)[0])
     if isinstance(model, type) and issubclass(model, BaseModel):
         return sorted(model.model_fields)
     return []

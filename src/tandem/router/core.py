@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
 from tandem.router.churn import ChurnTracker
+from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
 from tandem.router.scorers import FILTERS, RoutingContext
@@ -69,6 +70,11 @@ class RouterSettings:
     # stall every stream on the decode worker, so they queue on a prefill worker; 0 = no cap
     pd_max_local_prefill: int = 1024
     seed: int | None = None
+    # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests
+    # or this KV-cache use; `served_models` (model -> start timeout, s) may have no worker
+    flow_saturation_waiting: int = 4
+    flow_saturation_kv: float = 0.9
+    served_models: Mapping[str, float] = field(default_factory=dict)
 
 
 class Router:
@@ -127,6 +133,43 @@ class Router:
         lengths = [w.max_model_len for w in self.workers.values()
                    if w.serves(model) and w.ready and w.max_model_len]
         return min(lengths) if lengths else None
+
+    def capacity(self, model: str, now: float) -> ModelCapacity:
+        """Whether `model`'s decode-side workers can take one more request (flow control's
+        `Capacity`): AVAILABLE when a routable one is below `flow_saturation_waiting`
+        waiting requests (its report, or this router's own open requests beyond the
+        running ones it reported, as the report lags) and `flow_saturation_kv` KV use;
+        SATURATED when all are at or past it; STARTING when none is routable yet but one
+        is known (starting, draining, failing probes) or the model is a `served_models`
+        one; else NONE."""
+        known = False
+        saturated = False
+        for w in self.workers.values():
+            if not w.serves(model) or w.role == "prefill":
+                continue
+            known = True
+            if not w.routable(now):
+                continue
+            if not self.is_saturated(w):
+                return ModelCapacity.AVAILABLE
+            saturated = True
+        if saturated:
+            return ModelCapacity.SATURATED
+        if known or model in self.settings.served_models:
+            return ModelCapacity.STARTING
+        return ModelCapacity.NONE
+
+    def is_saturated(self, w: Worker) -> bool:
+        """`w` is at or past flow control's thresholds (`capacity`)."""
+        load, s = w.load, self.settings
+        waiting = max(load.num_waiting, w.local_in_flight - load.num_running)
+        return waiting >= s.flow_saturation_waiting or load.kv_cache_usage >= s.flow_saturation_kv
+
+    def saturated(self, model: str) -> set[str]:
+        """`model`'s decode-side workers at or past flow control's thresholds: with flow
+        control on, a request goes to one of the others while there is one."""
+        return {w.id for w in self.workers.values()
+                if w.serves(model) and w.role != "prefill" and self.is_saturated(w)}
 
     # -- routing ---------------------------------------------------------------------------
     @staticmethod

@@ -31,7 +31,10 @@ weight, over the defaults: a scorer left out keeps its default, 0 switches it of
 after the pick; default 0), `objectives` (InferenceObjective name -> priority),
 `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
-burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`; flags win over the file. An
+burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
+fairness, ordering, ttl_s, saturation: {waiting, kv}, bands: {N|default: {max_requests,
+max_bytes}}, tenant_weights: {NAME: w}, shared}` (`flowcontrol/`; `--flow-control` turns it
+on with defaults) and `served_models: [{name, start_timeout_s}]`; flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
 line naming it (`config.py`; `tandem router` reports it as a usage error, exit 2).
 
@@ -163,6 +166,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "tandem:NAMESPACE:INFERENCESERVICE:)")
     add_tls_arg(p)  # the workers' gRPC: KV events and load
     add_worker_auth_arg(p)  # signs every request forwarded to a worker
+    p.add_argument("--flow-control", action="store_true", default=False,
+                   help="queue requests while every worker of their model is saturated "
+                        "(fair between tenants, by priority band; router.yaml flow_control "
+                        "sets its policies; default off)")
     p.add_argument("--seed", type=int, default=None, help="seed tie-breaking (tests)")
     p.add_argument("--processes", type=int, default=None,
                    help="router processes sharing the port (SO_REUSEPORT; default 1)")
@@ -448,6 +455,16 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"))
+    from tandem.router.flowcontrol.settings import FlowSettings
+
+    try:
+        flow = FlowSettings.from_config(cfg.get("flow_control"), cfg.get("served_models"),
+                                        bool(getattr(args, "flow_control", False)))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    settings.flow_saturation_waiting = flow.saturation_waiting
+    settings.flow_saturation_kv = flow.saturation_kv
+    settings.served_models = dict(flow.served_models)
     tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}
@@ -467,7 +484,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
             raise SystemExit(f"rate_limits / --redis: {exc}") from exc
         if redis_url:
             logger.info("rate limits shared through Redis at %s", masked(redis_url))
-    elif redis_url:
+    elif redis_url and not (flow.enabled and flow.shared):
         logger.warning("--redis is for shared rate limits, and router.yaml sets none; unused "
                        "(the shared prefix index takes --index)")
     store = None
@@ -498,10 +515,19 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     from tandem.router.priority import PriorityPolicy
 
     priority = PriorityPolicy.from_dict(cfg.get("priority"))  # checked by check_config
+    from tandem.router.flowcontrol import make_flow_control
+
+    try:
+        flow_control = make_flow_control(flow, router, redis_url=redis_url,
+                                         prefix=key_prefix)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+
     server = RouterServerSettings(
         priority=priority,
         preload_tokenizers=tokenizers.preload,
         on_metrics=tokenizers.bind_metrics,
+        flow_control=flow_control,
         worker_urls=workers,
         discovery=discovery,
         max_body_bytes=int(cfg.get("max_body_bytes", 8 << 20)),

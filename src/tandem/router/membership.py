@@ -29,8 +29,10 @@ class Membership:
 
     def __init__(self, router: Router, startup: StartupState, monitor: MonitorSettings,
                  http: Callable[[], httpx.AsyncClient], index_store: RedisIndexStore | None,
-                 worker_key: WorkerKey | None) -> None:
+                 worker_key: WorkerKey | None,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.router = router
+        self.on_change = on_change  # workers or their state changed (flow control's kick)
         self.startup = startup
         self.monitor = monitor
         self.http = http
@@ -47,7 +49,7 @@ class Membership:
         if monitored:
             self.monitors[w.id] = m = WorkerMonitor(w, self.router.index, self.http(),
                                                     self.monitor, self.index_store,
-                                                    self.worker_key)
+                                                    self.worker_key, self.on_change)
             m.start()
 
     async def remove_worker(self, worker_id: str) -> None:
@@ -89,6 +91,8 @@ class Membership:
                     await monitors.pop(wid).stop()
                     w.ready = False  # a probe may have answered meanwhile
             self.startup.synced = True
+        if self.on_change is not None:
+            self.on_change()
 
     async def stop(self, watcher: asyncio.Task) -> None:
         """Cancel discovery's `watcher` and any pending sync, then stop every monitor."""

@@ -15,6 +15,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 1.0)
+FLOW_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                     120.0)
 
 
 class RouterMetrics:
@@ -73,6 +75,25 @@ class RouterMetrics:
                                          "index); model \"*\": no default tokenizer",
                                          ["model"], registry=r, multiprocess_mode="max")
 
+        # flow control (`flowcontrol`): labels are the priority band and the tenant
+        self.flow_queued = Gauge("tandem_router_flow_queued",
+                                 "Requests waiting in flow control's queue, by band and tenant",
+                                 ["band", "tenant"], registry=r, multiprocess_mode="livesum")
+        self.flow_dispatched = Counter("tandem_router_flow_dispatched_total",
+                                       "Requests flow control let through to routing, by band "
+                                       "and tenant", ["band", "tenant"], registry=r)
+        self.flow_shed = Counter("tandem_router_flow_shed_total",
+                                 "Requests flow control answered itself or lost, by band, "
+                                 "tenant and reason (band-full, ttl, deadline, no-endpoint, "
+                                 "start-timeout, closing, cancelled)",
+                                 ["band", "tenant", "reason"], registry=r)
+        self.flow_wait = Histogram("tandem_router_flow_wait_seconds",
+                                   "Time a request waited in flow control before routing, "
+                                   "by band", ["band"], buckets=FLOW_WAIT_BUCKETS, registry=r)
+        self.flow_shared = Gauge("tandem_router_flow_shared",
+                                 "1 while flow control shares its queue state through Redis, "
+                                 "0 while this replica decides alone (Redis unavailable)",
+                                 registry=r, multiprocess_mode="min")
         # the gateway's endpoint picker (`extproc`, `--ext-proc-port`)
         self.extproc_streams = Counter("tandem_router_extproc_streams_total",
                                        "ext_proc streams (one per request through the "

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -59,8 +60,10 @@ class MonitorSettings:
 class WorkerMonitor:
     def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
                  settings: MonitorSettings, store: RedisIndexStore | None = None,
-                 key: WorkerKey | None = None) -> None:
+                 key: WorkerKey | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.worker = worker
+        self.on_change = on_change  # its readiness or load was updated (flow control's kick)
         self.key = key  # signs the gRPC calls
         self.index = index
         self.store = store  # shared index store the events are mirrored to, if any
@@ -134,6 +137,8 @@ class WorkerMonitor:
     async def _probe_loop(self) -> None:
         while True:
             await self.probe()
+            if self.on_change is not None:
+                self.on_change()
             await asyncio.sleep(self.settings.probe_interval_s)
 
     # -- gRPC: KV events and load ----------------------------------------------------------
@@ -239,6 +244,9 @@ class WorkerMonitor:
                         load.lora_instance, load.lora_version if versioned else None))
             except grpc.aio.AioRpcError:
                 pass  # the probe loop owns readiness
+            else:
+                if self.on_change is not None:
+                    self.on_change()
             await asyncio.sleep(self.settings.load_interval_s)
 
 

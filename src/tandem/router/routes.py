@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tandem.router import responses, stages
 from tandem.router.core import Router
 from tandem.router.discovery import StaticDiscovery
+from tandem.router.flowcontrol.scaling import scaling_signal
 from tandem.router.lora_admin import check_admin
 from tandem.router.membership import Membership
 from tandem.router.metrics import RouterMetrics
@@ -62,7 +63,8 @@ class RouterApp:
         s = self.settings
         self.startup = StartupState(s.startup_window_s)
         self.membership = Membership(self.router, self.startup, s.monitor, self.client,
-                                     s.index_store, s.worker_key)
+                                     s.index_store, s.worker_key,
+                                     s.flow_control.kick if s.flow_control else None)
 
     def client(self) -> httpx.AsyncClient:
         """The probes' client (the app has started)."""
@@ -107,6 +109,8 @@ class RouterApp:
             await settings.rate_limiter.close()
         if settings.index_store is not None:
             await settings.index_store.close()
+        if settings.flow_control is not None:
+            await settings.flow_control.close()
 
     async def expire_speculative(self) -> None:
         """Free speculative index entries once their TTL is over (matching skips them)."""
@@ -152,7 +156,9 @@ class RouterApp:
     async def models(self, request: Request) -> dict:
         router = self.router
         self.settings.api_keys.tenant(request.headers.get("authorization"))
-        served = router.models()
+        ready = router.models()
+        # served_models are listed even with no worker (their requests wait: scale from zero)
+        served = sorted({*ready, *router.settings.served_models})
         if not served:  # none ready: 503 while workers may be starting, else an empty list
             err = self.startup.models_unavailable(router.workers.values(), time.monotonic())
             if err is not None:
@@ -167,6 +173,12 @@ class RouterApp:
         if self.metrics_auth:
             self.check_metrics_key(request)
         return self.exposition()
+
+    async def scaling(self, request: Request, model: str | None = None,
+                      role: str | None = None) -> dict:
+        if self.metrics_auth:
+            self.check_metrics_key(request)
+        return scaling_signal(self, model, role, set(request.query_params))
 
     async def openapi(self, request: Request) -> JSONResponse:
         self.settings.api_keys.tenant(request.headers.get("authorization"))

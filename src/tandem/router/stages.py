@@ -14,6 +14,9 @@ stored response (`previous_response_id`) goes to the worker holding it (`respons
 the worker each answer came from is remembered. A request's `x-session-token` favours the
 worker it names (`scorers.session`); a 2xx answer carries the token of the worker that
 served it.
+
+With flow control on, `hold` runs between `charge` and `shared_matches`: the request waits
+while every worker of its model is saturated (429 / 503 when shed, `flowcontrol`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from tandem.protocol.web import (
 from tandem.router import prompt as prompts
 from tandem.router import responses, usage
 from tandem.router.auth import tenant_cache_salt
+from tandem.router.flowcontrol import front as flow_front
+from tandem.router.flowcontrol.base import FlowTicket
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
 from tandem.router.ratelimit import retry_after_header
@@ -151,7 +156,7 @@ def check_bounds(ra: RouterApp, data: dict) -> None:
 
 def default_model(ra: RouterApp) -> str:
     """The one model served; "" when none is (yet: `startup.check` answers)."""
-    served = ra.router.models()
+    served = sorted({*ra.router.models(), *ra.router.settings.served_models})
     if len(served) <= 1:
         return served[0] if served else ""
     raise ValueError("the request must name a model (this router serves several)")
@@ -166,6 +171,8 @@ def admit(ra: RouterApp, req: Body) -> None:
         metrics.child(metrics.rejected, "400").inc()
         raise APIError(400, f"prompt has {len(token_ids)} tokens; the limit is {limit}",
                        "prompt")
+    if ra.settings.flow_control is not None and req.model in ra.router.settings.served_models:
+        return  # held in flow control's queue while its workers start (scale from zero)
     unavailable = ra.startup.check(req.model, ra.router.workers.values(), time.monotonic())
     if unavailable is not None:
         metrics.child(metrics.rejected, str(unavailable.status)).inc()
@@ -274,6 +281,17 @@ class Routing:
         return route
 
     def plan(self, exclude: set[str]) -> tuple[Route | None, Any]:
+        """`pd.plan` for this request, `exclude` left out; with flow control on, the
+        saturated workers too while another can take it (where flow control saw room)."""
+        if self.ra.settings.flow_control is not None:
+            full = self.ra.router.saturated(self.req.model)
+            if full - exclude:
+                route, ctx = self.plan_without(exclude | full)
+                if route is not None:
+                    return route, ctx
+        return self.plan_without(exclude)
+
+    def plan_without(self, exclude: set[str]) -> tuple[Route | None, Any]:
         """`pd.plan` for this request, `exclude` left out; the chains hashed for the first
         attempt serve the retries."""
         route, ctx = plan(self.ra.router, self.req.parsed, self.req.model, time.monotonic(),
@@ -342,6 +360,31 @@ async def settled(request: Request, work: Awaitable[Response], bill: usage.Settl
     return response
 
 
+async def hold(ra: RouterApp, request: Request, rid: str, req: Body,
+               bill: Charge | None) -> FlowTicket | None:
+    """Flow control's ticket for `req` (`flowcontrol.front`: band, cost, deadline); None
+    when the client left while it waited. A shed request (429 / 503) settles its charge."""
+    flow = ra.settings.flow_control
+    assert flow is not None
+    try:
+        deadline = flow_front.parse_deadline(request.headers.get(flow_front.DEADLINE_HEADER),
+                                             time.monotonic())
+        token_ids = req.parsed.token_ids
+        freq = flow_front.flow_request(
+            rid, req.tenant, req.model, req.data,
+            len(token_ids) if token_ids is not None else len(req.parsed.text.encode()) // 4,
+            len(req.raw), deadline)
+        completed, ticket = await cancel_on_disconnect(request, flow.acquire(freq))
+    except APIError as exc:
+        ra.metrics.child(ra.metrics.rejected, str(exc.status)).inc()
+        if bill is not None:
+            bill.bill.settle()
+        raise
+    if not completed and bill is not None:
+        bill.bill.settle()  # nothing was generated
+    return ticket if completed else None
+
+
 async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Response:
     """One OpenAI POST (`kind` "completions", "chat" or "responses", forwarded to `path`),
     stage by stage (module doc)."""
@@ -352,6 +395,11 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
                            tenant)
     admit(ra, req)
     bill = await charge(ra, kind, req)
+    ticket = None
+    if ra.settings.flow_control is not None:  # wait while every worker is saturated
+        ticket = await hold(ra, request, rid, req, bill)
+        if ticket is None:  # the client left while it waited
+            return Response(status_code=499)
     req.data["model"] = req.model
     payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
     hashes, external = await shared_matches(ra, req.parsed, req.model)
@@ -364,7 +412,15 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
         routing.pinned = holder.id if holder is not None else None
     work = forward(ra.upstream, path, payload, rid, routing.pick, req.parsed.stream,
                    ra.settings.proxy, routing.on_attempt, ra.settings.worker_key)
-    answer = await relay(request, work, req.parsed.stream, bill)
+    if ticket is not None:
+        try:
+            answer = flow_front.release_after(
+                await relay(request, work, req.parsed.stream, bill), ticket)
+        except BaseException:
+            ticket.release(0)
+            raise
+    else:
+        answer = await relay(request, work, req.parsed.stream, bill)
     if routing.answered is not None and 200 <= answer.status_code < 300:
         answer.headers[SESSION_HEADER] = tokens.token(routing.answered)
     if kind == "responses" and req.data.get("store") is not False:

@@ -7,11 +7,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
+from tandem.operator.render.gateway import Member, attached, gateway_children, label_group
 from tandem.operator.render.keda import keda_workloads, scaled_objects
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
-from tandem.operator.render.router import render_router, router_endpoint, router_name
+from tandem.operator.render.router import (
+    front_door_name,
+    render_router,
+    router_endpoint,
+    router_name,
+)
 from tandem.operator.render.security import OperatorPeer, certificates, network_policies
 from tandem.operator.render.workers import (
     pool_config_hash,
@@ -31,7 +37,7 @@ from tandem.protocol.labels import ROUTER_COMPONENT
 
 __all__ = ["DEFAULT_IMAGE", "OperatorPeer", "Owner", "Pool", "Workload", "image_from_env",
            "pool_config_hash", "pool_name", "pool_selector", "pool_workloads", "pools",
-           "render_all", "router_endpoint", "router_name"]
+           "render_all", "router_endpoint", "router_name", "front_door_name"]
 
 
 def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = None,
@@ -40,7 +46,8 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
                operator: OperatorPeer | None = None,
                image_pull_secrets: Sequence[str] = (),
                router_image: str | None = None, worker_image: str | None = None,
-               worker_cuda_image: str | None = None) -> list[dict[str, Any]]:
+               worker_cuda_image: str | None = None,
+               members: Sequence[tuple[str, InferenceServiceSpec]] = ()) -> list[dict[str, Any]]:
     """Every child manifest, in an order that can be applied front to back (RBAC and config
     before the pods that use them). `image` is the operator's default (spec.image wins; see
     `image_from_env`), `router_image` the routers' (the torch-free control image; default
@@ -55,19 +62,31 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
     is a LeaderWorkerSet (`render.multinode`) where the others are Deployments: each pool's
     `Workload`, decided once here, is what every renderer reads. Pools in
     `autoscaling.mode: hpa` get a HorizontalPodAutoscaler, in `keda` a KEDA ScaledObject
-    (`render.keda`, with the routers' metrics Service it reads /scaling through)."""
+    (`render.keda`, with the routers' metrics Service it reads /scaling through).
+    `members` (name, spec): the InferenceServices attached to this one
+    (`router.attachTo`), by name, whose tokenizers its router fetches too."""
     check_name(owner.name, spec)
     img = spec.image or image or DEFAULT_IMAGE
     cpu_img = spec.image or worker_image or img
     cuda_img = spec.image or worker_cuda_image or img
     workloads = pool_workloads(spec, owner)
-    out = network_policies(spec, owner, operator, workloads) + certificates(spec, owner)
-    out += render_router(spec, owner, spec.image or router_image or img, operator,
-                         worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img))
-    out += render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
+    out = network_policies(spec, owner, operator, workloads,
+                           [m for _, m in members]) + certificates(spec, owner)
+    if not attached(spec):  # (attached: served by another InferenceService's router)
+        group = [Member(name, m, pool_image(pools(m)[-1], m.image or worker_image or img,
+                                            m.image or worker_cuda_image or img))
+                 for name, m in sorted(members, key=lambda x: x[0])]
+        out += render_router(spec, owner, spec.image or router_image or img, operator,
+                             worker_image=pool_image(workloads[-1].pool, cpu_img, cuda_img),
+                             members=group)
+        out += gateway_children(spec, owner)  # mode gateway: InferencePool, HTTPRoute
+    workers = render_workers(spec, owner, cpu_img, replicas, cuda_img, workloads)
+    label_group(workers, spec, owner, workloads)
+    out += workers
     # (kind, name) -> pod settings, their spec field, every pod the workload runs
-    settings = {("Deployment", router_name(owner)): (
-        spec.router.pod, "router", labels(owner, ROUTER_COMPONENT))}
+    front = front_door_name(spec, owner)
+    settings = {("Deployment", front): (spec.router.pod, "router",
+                                        labels(owner, ROUTER_COMPONENT))} if front else {}
     settings |= {(w.kind, w.name): (w.pool.spec.pod, "prefill" if w.role == "prefill" else
                                     "decode", w.pod_selector) for w in workloads}
     running = [d for d in out if (d["kind"], d["metadata"]["name"]) in settings]
@@ -85,7 +104,9 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, w, auto))
     out += scaled_objects(spec, owner, workloads)  # autoscaling.mode: keda
-    if spec.service_monitor or keda_workloads(workloads):  # (KEDA reads /scaling there)
+    keda_members = any(keda_workloads(pool_workloads(m, Owner(n, owner.namespace, "")))
+                       for n, m in members)  # (their ScaledObjects read this router's)
+    if front and (spec.service_monitor or keda_workloads(workloads) or keda_members):
         out.append(router_metrics_service(owner))
     if spec.service_monitor:
         out.append(service_monitor(spec, owner))

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from tandem.operator.render.common import METRICS_PORT, Owner, metadata
+from tandem.operator.render.gateway import router_owner
 from tandem.operator.render.workload import Workload
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.operator.spec_autoscaling import KEDA_VALUES, AutoscalingSpec
@@ -55,7 +56,8 @@ def metrics_host(owner: Owner) -> str:
 def scaling_url(spec: InferenceServiceSpec, owner: Owner, role: str) -> str:
     """The router's `/scaling` answer for the model's served name and `role`."""
     query = urlencode({"model": spec.model.served_name, "role": scaling_role(role)})
-    return f"{metrics_host(owner)}/scaling?{query}"
+    # (an attached InferenceService: the routers of `router.attachTo`, which serve its model)
+    return f"{metrics_host(router_owner(spec, owner))}/scaling?{query}"
 
 
 def _number(value: float) -> str:

@@ -49,8 +49,8 @@ class ModelMount:
     ephemeral_storage: str | None = None  # the download's size, for the pod's request
 
 
-def _read_only_mount(sub_path: str | None = None) -> dict[str, Any]:
-    m = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+def _read_only_mount(sub_path: str | None = None, volume: str = "model") -> dict[str, Any]:
+    m = {"name": volume, "mountPath": MODEL_DIR, "readOnly": True}
     return {**m, "subPath": sub_path} if sub_path else m
 
 
@@ -134,28 +134,32 @@ def draft_model(model: ModelSpec, spec: SpeculativeSpec | None) -> ModelMount:
 
 
 def router_model(model: ModelSpec, image: str, worker_image: str,
-                 scratch_mounts: list[dict[str, Any]]) -> ModelMount:
+                 scratch_mounts: list[dict[str, Any]], key: str = "") -> ModelMount:
     """The tokenizer init container, its emptyDir and the router container's read-only mount
-    of it; `path` is the directory router.yaml names for the served model."""
+    of it; `path` is the directory router.yaml names for the served model. `key` ("-N")
+    names a further model's (an InferenceService attached to this router): volumes
+    tokenizer-N (and model-N), init container fetch-tokenizer-N, directory /tokenizer-N."""
     src = model.source
-    volumes: list[dict[str, Any]] = [{"name": "tokenizer",
+    name, vol, where = f"tokenizer{key}", f"model{key}", f"{TOKENIZER_DIR}{key}"
+    volumes: list[dict[str, Any]] = [{"name": name,
                                       "emptyDir": {"sizeLimit": TOKENIZER_STORAGE}}]
-    mounts = [{"name": "tokenizer", "mountPath": TOKENIZER_DIR}, *map(dict, scratch_mounts)]
-    dest = ["--dest", TOKENIZER_DIR]
+    mounts = [{"name": name, "mountPath": where}, *map(dict, scratch_mounts)]
+    dest = ["--dest", where]
+    container = f"fetch-tokenizer{key}"
     if src.kind == "hf":
-        init = _init("fetch-tokenizer", image, ["tokenizer", *_hf_args(src), *dest],
+        init = _init(container, image, ["tokenizer", *_hf_args(src), *dest],
                      fetch_env(model.hf_token), mounts)
     elif src.kind == "pvc":
-        volumes.append({"name": "model", "persistentVolumeClaim": {
+        volumes.append({"name": vol, "persistentVolumeClaim": {
             "claimName": src.claim, "readOnly": True}})
-        init = _init("fetch-tokenizer", image,
+        init = _init(container, image,
                      ["tokenizer", "--local", src.worker_path or MODEL_DIR, *dest],
-                     base_env()[:3], [*mounts, _read_only_mount()])
+                     base_env()[:3], [*mounts, _read_only_mount(volume=vol)])
     elif src.kind == "file":
-        init = _init("fetch-tokenizer", worker_image, ["tokenizer", "--local", src.path, *dest],
+        init = _init(container, worker_image, ["tokenizer", "--local", src.path, *dest],
                      base_env()[:3], mounts)
     else:
-        init = _init("fetch-tokenizer", worker_image, ["tokenizer", "--bundled", *dest],
+        init = _init(container, worker_image, ["tokenizer", "--bundled", *dest],
                      base_env()[:3], mounts)
-    return ModelMount(volumes, [{"name": "tokenizer", "mountPath": TOKENIZER_DIR,
-                                 "readOnly": True}], [init], TOKENIZER_DIR)
+    return ModelMount(volumes, [{"name": name, "mountPath": where, "readOnly": True}], [init],
+                      where)

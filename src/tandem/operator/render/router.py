@@ -8,6 +8,7 @@ would need an API key; the pod's `prometheus.io/port` names it."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -34,6 +35,15 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
+from tandem.operator.render.gateway import (
+    Member,
+    discovery_selector,
+    epp_args,
+    epp_name,
+    epp_pod,
+    epp_service,
+    gateway_mode,
+)
 from tandem.operator.render.model import TOKENIZER_DIR, router_model
 from tandem.operator.render.security import (
     OperatorPeer,
@@ -58,11 +68,19 @@ ADMIN_AUTH_DIR = "/etc/tandem/admin-auth"
 # CRD weight names -> the router's scorer names
 SCORERS = {"prefix": "prefix", "queue": "queue", "kvUsage": "kv_usage",
            "inflightTokens": "inflight_tokens", "cacheChurn": "cache_churn",
-           "loraAffinity": "lora_affinity"}
+           "loraAffinity": "lora_affinity", "cost": "cost", "sessionAffinity": "session_affinity"}
 
 
 def router_name(owner: Owner) -> str:
     return f"{owner.name}-router"
+
+
+def front_door_name(spec: InferenceServiceSpec, owner: Owner) -> str | None:
+    """The Deployment that runs this InferenceService's routers: NAME-router, or NAME-epp in
+    gateway mode; None when attached to another's (`router.attachTo`)."""
+    if spec.router.attach_to is not None:
+        return None
+    return epp_name(owner) if gateway_mode(spec) else router_name(owner)
 
 
 def router_endpoint(owner: Owner) -> str:
@@ -75,8 +93,10 @@ def _limits(r: RateLimit) -> dict[str, float]:
             "tokens_per_min": r.tokens_per_minute}
 
 
-def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
-    """router.yaml as a dict (keys of `tandem.router.main`)."""
+def router_config(spec: InferenceServiceSpec, owner: Owner,
+                  members: Sequence[Member] = ()) -> dict[str, Any]:
+    """router.yaml as a dict (keys of `tandem.router.main`); `members`: the InferenceServices
+    attached to this router, whose models' tokenizers are at /tokenizer-N (N from 1)."""
     r = spec.router
     cfg: dict[str, Any] = {"policy": r.policy, "pd_threshold": r.pd_threshold,
                            "pd_max_prefill_queue": r.pd_max_prefill_queue,
@@ -86,12 +106,23 @@ def router_config(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
     # the tokenizer init container's output (`render.model.router_model`), for every source
     cfg["tokenizers"] = {name: TOKENIZER_DIR for name in spec.model.served_names}
+    for i, m in enumerate(members, 1):  # (a name this service serves keeps its own)
+        for name in m.spec.model.served_names:
+            cfg["tokenizers"].setdefault(name, f"{TOKENIZER_DIR}-{i}")
     if r.rate_limit is not None or r.tenant_rate_limits:
         cfg["rate_limits"] = {"default": _limits(r.rate_limit or RateLimit()),
                               "tenants": {t: _limits(v)
                                           for t, v in r.tenant_rate_limits.items()}}
     cfg.update(redis_config(spec, owner))  # `env:TANDEM_REDIS_URL`: the URL stays in its Secret
+    if r.gateway is not None and r.gateway.objectives:  # InferenceObjective -> priority
+        cfg["objectives"] = dict(r.gateway.objectives)
     cfg.update(flow_control_config(spec))
+    held = [m for m in members if m.spec.scales_to_zero]  # members' pools that may be at 0
+    if held:  # ... whose requests this router holds while they start (attached: defaults)
+        cfg.setdefault("flow_control", {"enabled": True})
+        cfg.setdefault("served_models", []).extend(
+            {"name": name, "start_timeout_s": m.spec.router.flow_control.start_timeout_seconds}
+            for m in held for name in m.spec.model.served_names)
     return cfg
 
 
@@ -127,7 +158,7 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     args = [*log_level_args(spec.router.pod.log_level or spec.log_level),
             "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--discovery", "kubernetes", "--namespace", "$(POD_NAMESPACE)",
-            "--inference-service", owner.name, "--worker-port-name", HTTP_PORT_NAME,
+            "--label-selector", discovery_selector(owner), "--worker-port-name", HTTP_PORT_NAME,
             "--config", f"{CONFIG_DIR}/router.yaml", "--metrics-port", str(METRICS_PORT),
             "--drain-seconds", str(TERMINATION_GRACE_SECONDS - PRE_STOP_SECONDS
                                    - EXIT_SLACK_SECONDS)]
@@ -137,18 +168,21 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
         args += ["--admin-api-keys", f"{ADMIN_AUTH_DIR}/admin-api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
-    return args + security_args(spec, owner)
+    return args + epp_args(spec) + security_args(spec, owner)
 
 
 def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                   operator: OperatorPeer | None = None,
-                  worker_image: str | None = None) -> list[dict[str, Any]]:
+                  worker_image: str | None = None,
+                  members: Sequence[Member] = ()) -> list[dict[str, Any]]:
     """`image`: the router's (`router.image` wins); `worker_image`: the decode pool's, which
-    holds a `file://` or the bundled model for the tokenizer init container."""
-    name = router_name(owner)
+    holds a `file://` or the bundled model for the tokenizer init container; `members`: the
+    InferenceServices attached to it, a tokenizer init container each. In gateway mode
+    the same objects are the endpoint picker's, named NAME-epp (`render.gateway`)."""
+    name = epp_name(owner) if gateway_mode(spec) else router_name(owner)
     worker_image = worker_image or image
     image = spec.router.pod.image or image
-    text = yaml.safe_dump(router_config(spec, owner), sort_keys=True)
+    text = yaml.safe_dump(router_config(spec, owner, members), sort_keys=True)
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": metadata(owner, f"{name}-config", ROUTER_COMPONENT),
                   "data": {"router.yaml": text}}
@@ -165,7 +199,14 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                "subjects": [{"kind": "ServiceAccount", "name": name,
                              "namespace": owner.namespace}]}
     volumes, mounts = scratch_volumes()
+    scratch = list(mounts)
     model = router_model(spec.model, image, worker_image, mounts)
+    for i, m in enumerate(members, 1):
+        more = router_model(m.spec.model, image, m.worker_image or worker_image, scratch,
+                            f"-{i}")
+        model.volumes += more.volumes
+        model.mounts += more.mounts
+        model.init_containers += more.init_containers
     volumes.append({"name": "config", "configMap": {"name": f"{name}-config"}})
     mounts.append({"name": "config", "mountPath": CONFIG_DIR, "readOnly": True})
     volumes += model.volumes
@@ -201,6 +242,8 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
         "volumeMounts": mounts, "terminationMessagePolicy": "FallbackToLogsOnError"}
     if spec.router.resources:
         container["resources"] = copy.deepcopy(spec.router.resources)
+    if gateway_mode(spec):
+        epp_pod(spec, container, volumes)
     meta = metadata(owner, name, ROUTER_COMPONENT)
     # a new router.yaml or key Secret rolls the routers (both are read at start)
     admin = ((spec.router.admin_api_keys_secret, spec.router.admin_api_keys_key)
@@ -228,5 +271,7 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
                         "selector": labels(owner, ROUTER_COMPONENT),
                         "ports": [{"name": HTTP_PORT_NAME, "port": HTTP_PORT,
                                    "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]}}
+    if gateway_mode(spec):
+        service = epp_service(spec, owner)
     return [account, role, binding, config_map, deployment, service,
             pdb(owner, name, ROUTER_COMPONENT)]

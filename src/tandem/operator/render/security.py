@@ -26,16 +26,23 @@
   /metrics without a key; no one else, the operator included, which scrapes workers
   only). Kubelet probes come from the node, which policies do not
   govern on the common CNIs.
+* Router groups and gateway mode (`render.gateway`): an attached InferenceService renders
+  no router policy, and its workers admit the routers of `router.attachTo`; in gateway mode
+  the routers (the endpoint picker, NAME-epp) admit the gateway's proxies
+  (`router.gateway.allowedClients`, else anyone) on their gRPC port only, no http, and
+  NAME-inference-pool admits them on http to the InferencePool's pods (Ingress only).
 * Egress (the same policies, `policyTypes: [Ingress, Egress]`): every pod may reach DNS
   (kube-system's kube-dns pods, UDP and TCP 53); workers their own peers (grpc; every port
   with the torch backend; a multi-node group every port within the group), and HTTPS (443)
   anywhere but `METADATA_RANGES` only when an init container downloads (`hf://` model or
   adapters); routers their own workers (http, grpc), the Kubernetes API (443 and 6443: their
   EndpointSlice discovery; the Hub's tokenizer files on 443 too) anywhere but
-  `METADATA_RANGES`, and their Redis: the chart's Redis pods (`router.managedRedis`, the port
-  from `TANDEM_REDIS_ADDRESS`) or, for `redisUrlSecretRef`, TCP 6379 anywhere but
-  `METADATA_RANGES`. Nothing ever reaches the cloud metadata services (169.254.169.254,
-  fd00:ec2::254, 100.100.100.200) nor link-local addresses.
+  `METADATA_RANGES`, the workers of the InferenceServices attached to them (pods labelled
+  `tandem.dev/router-group=NAME`: http, grpc), and their Redis: the chart's Redis pods
+  (`router.managedRedis`, the port from `TANDEM_REDIS_ADDRESS`) or, for
+  `redisUrlSecretRef`, TCP 6379 anywhere but `METADATA_RANGES`. Nothing ever reaches the
+  cloud metadata services (169.254.169.254, fd00:ec2::254, 100.100.100.200) nor link-local
+  addresses.
 """
 
 from __future__ import annotations
@@ -54,11 +61,24 @@ from tandem.operator.render.common import (
     labels,
     metadata,
 )
+from tandem.operator.render.gateway import (
+    EXT_PROC_PORT_NAME,
+    attached,
+    gateway_mode,
+    router_owner,
+)
 from tandem.operator.render.workload import Workload, pool_workloads
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.operator.spec_security import IssuerRef, SecretKeyRef
 from tandem.protocol import engine_flags as flags
-from tandem.protocol.labels import COMPONENT_LABEL, GROUP, ROUTER_COMPONENT, WORKER_COMPONENT
+from tandem.protocol.labels import (
+    COMPONENT_LABEL,
+    GROUP,
+    INFERENCE_POOL_LABEL,
+    ROUTER_COMPONENT,
+    ROUTER_GROUP_LABEL,
+    WORKER_COMPONENT,
+)
 from tandem.protocol.tls import peer_identity
 
 WORKER_AUTH_DIR = "/etc/tandem/worker-auth"
@@ -297,7 +317,8 @@ def redis_egress(spec: InferenceServiceSpec,
 
 def network_policies(spec: InferenceServiceSpec, owner: Owner,
                      operator: OperatorPeer | None = None,
-                     workloads: Sequence[Workload] | None = None) -> list[dict[str, Any]]:
+                     workloads: Sequence[Workload] | None = None,
+                     members: Sequence[InferenceServiceSpec] = ()) -> list[dict[str, Any]]:
     """The workers' and the router's policies, then one per LeaderWorkerSet pool
     (`group_policy`); `workloads` default `pool_workloads`."""
     if not spec.security.network_policy:
@@ -306,8 +327,8 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     prom = [spec.prometheus] if spec.prometheus is not None else []
     peers = [_pods(owner, WORKER_COMPONENT)]
     torch_peers = spec.kv_transfer.backend == "torch" and spec.disaggregated
-    workers: list[dict[str, Any]] = [
-        {"from": [_pods(owner, ROUTER_COMPONENT)], "ports": [http, grpc]},
+    workers: list[dict[str, Any]] = [  # (attached: the routers of router.attachTo)
+        {"from": [_pods(router_owner(spec, owner), ROUTER_COMPONENT)], "ports": [http, grpc]},
         # decode -> prefill gRPC (KV transfer); the torch backend's TCPStore (decode side)
         # and gloo/NCCL pair sockets listen on ephemeral ports, in both directions
         {"from": peers} if torch_peers else {"from": peers, "ports": [grpc]}]
@@ -316,22 +337,56 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     if downloads(spec):  # the init containers' Hub download (a policy governs the whole pod)
         workers_out.append(outside(443))
     router_out = [dns_egress(), {"to": peers, "ports": [http, grpc]},
-                  outside(*KUBE_API_PORTS), *redis_egress(spec, operator)]
+                  outside(*KUBE_API_PORTS), *redis_egress(spec, operator),
+                  group_egress(owner)]
     scrapers = [p for p in (operator_peer(operator), *prom) if p is not None]
     if scrapers:
         workers.append({"from": scrapers, "ports": [http]})
     clients = list(spec.router.allowed_clients)
     router = ([{"from": clients + prom, "ports": [http]}] if clients
               else [{"ports": [http]}])  # the front door: anyone, on http only
-    keda = [spec.keda] if spec.keda is not None else []  # its metrics-api scaler: /scaling
+    if gateway_mode(spec):  # the EPP: the gateway's proxies on gRPC, no http front door
+        router = gateway_ingress(spec, _port(EXT_PROC_PORT_NAME))
+    # its metrics-api scaler reads /scaling; an attached service's KEDA reads this router's
+    keda: list[dict[str, Any]] = []
+    for s in (spec, *members):
+        if s.keda is not None and s.keda not in keda:
+            keda.append(s.keda)
     if prom or keda:  # /metrics and /scaling without a key: Prometheus and KEDA only
         router.append({"from": prom + keda, "ports": [_port(METRICS_PORT_NAME)]})
     groups = [group_policy(owner, w)
               for w in (pool_workloads(spec, owner) if workloads is None else workloads)
               if w.multinode]
+    front = ([] if attached(spec) else
+             [_policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router, router_out)])
+    pool = [inference_pool_policy(spec, owner)] if gateway_mode(spec) else []
     return [_policy(owner, f"{owner.name}-workers", WORKER_COMPONENT, workers, workers_out),
-            _policy(owner, f"{owner.name}-router", ROUTER_COMPONENT, router, router_out),
-            *groups]
+            *front, *pool, *groups]
+
+
+def group_egress(owner: Owner) -> dict[str, Any]:
+    """A router reaches the workers of the InferenceServices attached to it (http, grpc)."""
+    return {"to": [{"podSelector": {"matchLabels": {COMPONENT_LABEL: WORKER_COMPONENT,
+                                                    ROUTER_GROUP_LABEL: owner.name}}}],
+            "ports": [_port(HTTP_PORT_NAME), _port(GRPC_PORT_NAME)]}
+
+
+def gateway_ingress(spec: InferenceServiceSpec, port: dict[str, Any]) -> list[dict[str, Any]]:
+    """`port` from `router.gateway.allowedClients`, or from anyone when unset."""
+    assert spec.router.gateway is not None
+    clients = list(spec.router.gateway.allowed_clients)
+    return [{"from": clients, "ports": [port]}] if clients else [{"ports": [port]}]
+
+
+def inference_pool_policy(spec: InferenceServiceSpec, owner: Owner) -> dict[str, Any]:
+    """Gateway mode: the InferencePool's pods (this service's and attached ones' decode or
+    aggregated workers) admit the gateway's proxies on http (NAME-inference-pool; Ingress
+    only: their own policies keep governing the rest)."""
+    pods = {"podSelector": {"matchLabels": {INFERENCE_POOL_LABEL: owner.name}}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(owner, f"{owner.name}-inference-pool", WORKER_COMPONENT),
+            "spec": {**pods, "policyTypes": ["Ingress"],
+                     "ingress": gateway_ingress(spec, _port(HTTP_PORT_NAME))}}
 
 
 def group_policy(owner: Owner, workload: Workload) -> dict[str, Any]:

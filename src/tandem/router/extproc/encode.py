@@ -93,9 +93,15 @@ def body_responses(body: bytes, request: bool, end_of_stream: bool = True
     return out
 
 
-def pass_headers(request: bool) -> pb.ProcessingResponse:
-    """Headers passed on unchanged (`request`: the request's, else the response's)."""
-    answer = pb.HeadersResponse(response=pb.CommonResponse())
+def pass_headers(request: bool, headers: Mapping[str, str] | None = None
+                 ) -> pb.ProcessingResponse:
+    """Headers passed on (`request`: the request's, else the response's), unchanged but for
+    `headers` set (`raw_value` only)."""
+    common = pb.CommonResponse()
+    if headers:
+        common.header_mutation.set_headers.extend(header_option(k, v)
+                                                  for k, v in headers.items())
+    answer = pb.HeadersResponse(response=common)
     return (pb.ProcessingResponse(request_headers=answer) if request
             else pb.ProcessingResponse(response_headers=answer))
 

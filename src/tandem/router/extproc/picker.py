@@ -31,6 +31,7 @@ from tandem.router.extproc.settings import (
 from tandem.router.flowcontrol.base import FlowRequest, FlowTicket
 from tandem.router.pd import Route
 from tandem.router.proxy import Attempt
+from tandem.router.scorers.session import SESSION_HEADER
 
 if TYPE_CHECKING:
     from tandem.router.routes import RouterApp
@@ -121,6 +122,8 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
                 band(ra, settings, headers, req.data), cost, len(payload)))
         hashes, external = await stages.shared_matches(ra, req.parsed, req.model)
         routing = stages.Routing(ra, rid, req, t0, hashes, external)
+        routing.session = stages.session_tokens(ra).worker(headers.get(SESSION_HEADER),
+                                                           ra.router.workers)
         previous = req.data.get("previous_response_id") if kind == "responses" else None
         if isinstance(previous, str):
             holder = await responses.locate(ra, tenant, previous)

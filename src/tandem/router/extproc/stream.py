@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from tandem.protocol.web import APIError
-from tandem.router import responses, usage
+from tandem.router import responses, stages, usage
 from tandem.router.extproc import encode
 from tandem.router.extproc.picker import KINDS, STRIPPED, Pick, decide, served
 from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import REASON_HEADER
+from tandem.router.scorers.session import SESSION_HEADER
 
 if TYPE_CHECKING:
     from tandem.router.routes import RouterApp
@@ -167,14 +168,17 @@ class ExtProcStream:
             self.status = int(headers.get(":status", "0")) or None
         except ValueError:
             self.status = None
-        pick = self.pick
+        pick, extra = self.pick, {}
         if pick is not None:
             self._book(encode.served_endpoint(req))
             if "text/event-stream" in headers.get("content-type", ""):
                 self.reader = usage.StreamUsage(pick.bill.strip_usage if pick.bill else False)
+            worker = pick.in_flight  # the worker that serves it (None: not one of ours)
+            if worker is not None and self.status is not None and 200 <= self.status < 300:
+                extra[SESSION_HEADER] = stages.session_tokens(self.ra).token(worker.id)
         if req.response_headers.end_of_stream:
             self._settle()
-        return [encode.pass_headers(request=False)]
+        return [encode.pass_headers(request=False, headers=extra)]
 
     def _book(self, ep: str | None) -> None:
         if self.pick is not None and not self.served_booked:

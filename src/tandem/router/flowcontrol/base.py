@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 REASON_HEADER = "x-tandem-flow-reason"  # why a request was shed: "band-full", "ttl", ...
 
@@ -79,3 +79,10 @@ class FlowControl(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop: requests still queued are answered 503."""
+
+    def bind_metrics(self, metrics: Any) -> None:  # noqa: B027 - optional, a no-op here
+        """Count into the router's `RouterMetrics` (the app calls it once it has them)."""
+
+    def queued(self, model: str) -> int:
+        """Requests of `model` waiting in the queue now (the scaling signal's share)."""
+        return 0
