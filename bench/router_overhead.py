@@ -112,11 +112,13 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], ours: list[str]) -> dict
 
 # -- processes -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def spawned(name: str, argv: list[str]) -> Iterator[subprocess.Popen]:
-    """A server process in a session of its own, logging to bench/.cache/logs; stopped after."""
+def spawned(name: str, argv: list[str], src: str | None = None
+            ) -> Iterator[subprocess.Popen]:
+    """A server process in a session of its own, logging to bench/.cache/logs; stopped after.
+    `src`: run the `tandem` package found there (another checkout's src/) instead."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep
-           + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": src or (str(REPO / "src") + os.pathsep
+                                                + os.environ.get("PYTHONPATH", ""))}
     with open(LOG_DIR / f"router-overhead-{name}.log", "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -510,7 +512,7 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
     tokenizer = Tokenizer.load(gguf)
     # unique user turns for every request of the run (the router caches chat messages and
     # words, as in production; `--repeat-bodies N` cycles N bodies instead)
-    modes = 2 + len(args.also) + int(args.vllm_router)
+    modes = 2 + len(args.also) + len(args.also_src) + int(args.vllm_router)
     per_mode = (args.rate * (args.duration + args.rounds * args.warmup) * 1.2
                 + 16 * args.rounds)
     bodies = short_bodies(args.repeat_bodies or int(per_mode * modes), args.seed)
@@ -557,6 +559,16 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
                     sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
                     "router", "--port", str(port), "--workers", stub_url,
                     *shlex.split(extra)]))
+                url = f"http://127.0.0.1:{port}"
+                wait_until(lambda u=url: get(u + "/ready")[0] == 200, proc, f"{name} ready")
+                targets[name], pids[name] = url, proc.pid
+            for spec in args.also_src:
+                name, _, src = spec.partition("=")
+                port = free_port()
+                proc = stack.enter_context(spawned(name, [
+                    sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
+                    "router", "--port", str(port), "--workers", stub_url,
+                    *shlex.split(args.router_args)], src=str(Path(src).resolve())))
                 url = f"http://127.0.0.1:{port}"
                 wait_until(lambda u=url: get(u + "/ready")[0] == 200, proc, f"{name} ready")
                 targets[name], pids[name] = url, proc.pid
@@ -611,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                          "arguments (e.g. '2proc=--processes 2'); repeatable")
     ap.add_argument("--repeat-bodies", type=int, default=0, metavar="N",
                     help="cycle N request bodies (default: a new user turn per request)")
+    ap.add_argument("--also-src", action="append", default=[], metavar="NAME=SRC",
+                    help="add `tandem router` as the checkout at SRC (its src/ folder) "
+                         "runs it, e.g. base=/tmp/base/src: old and new code in one run")
     ap.add_argument("--vllm-router", action="store_true",
                     help="vllm-router (cache_aware) in the same rounds, when installed")
     ap.add_argument("--seed", type=int, default=0)

@@ -6,7 +6,15 @@ import hashlib
 import random
 import struct
 
-from tandem.protocol.block_hash import HashKeys, hash_block, hash_block_chain, root_hash
+import pytest
+
+from tandem.protocol.block_hash import (
+    HashKeys,
+    hash_block,
+    hash_block_chain,
+    root_hash,
+    token_bytes,
+)
 
 
 def test_chain_equals_iterated_blocks_and_the_documented_layout():
@@ -27,3 +35,17 @@ def test_chain_equals_iterated_blocks_and_the_documented_layout():
         assert chain == want
         if want:  # continuing from a parent gives the tail of the same chain
             assert hash_block_chain(tokens[size:], size, parent=want[0]) == want[1:]
+
+
+def test_token_bytes_is_the_u32_layout_for_any_sequence_and_refuses_what_it_cannot_pack():
+    rng = random.Random(1)
+    for _ in range(200):
+        tokens = [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 64))]
+        want = struct.pack(f"<{len(tokens)}I", *tokens)
+        assert token_bytes(tokens) == token_bytes(tuple(tokens)) == want
+    assert token_bytes(range(3)) == struct.pack("<3I", 0, 1, 2)
+    for bad, error in (([1, -1], OverflowError), ([1 << 32], OverflowError),
+                       ([1, 2.0], TypeError), (["1"], TypeError)):
+        for seq in (bad, tuple(bad)):
+            with pytest.raises(error):
+                token_bytes(seq)

@@ -74,7 +74,11 @@ def root_hash(keys: HashKeys) -> BlockHash:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    arr = array("I", token_ids)
+    if type(token_ids) is list:  # fromlist: the same checks, ~1.5-2x faster than array(, list)
+        arr = array("I")
+        arr.fromlist(token_ids)
+    else:
+        arr = array("I", token_ids)
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()

@@ -125,8 +125,9 @@ class CacheAwarePolicy(Policy):
             per_scorer["prefix"] = [0.0 if self.saturated(w) else v
                                     for w, v in zip(candidates, per_scorer["prefix"],
                                                     strict=True)]
-        totals = [sum(wt * per_scorer[s.name][i] for s, wt in self.scorers)
-                  for i in range(len(candidates))]
+        totals: list[float] = [0] * len(candidates)  # type: ignore[list-item]
+        for s, wt in self.scorers:  # summed in scorer order, as sum() over each candidate's
+            totals = [t + wt * v for t, v in zip(totals, per_scorer[s.name], strict=True)]
         if ctx.session_worker is not None and self.session_weight > 0:
             totals = [t + self.session_weight if w.id == ctx.session_worker else t
                       for w, t in zip(candidates, totals, strict=True)]

@@ -107,7 +107,7 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch goes to one worker; route on its first prompt
         if isinstance(prompt, list):
-            text, ids = "", [int(t) for t in prompt]
+            text, ids = "", prompt  # validated: a fresh list of ints >= 0 (TokenIds)
         else:
             text = prompt or ""
             ids = tokenizer.encode(text) if tokenizer is not None else None
