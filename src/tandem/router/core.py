@@ -250,8 +250,9 @@ class Router:
         if sampled is not None:
             candidates, hashes, found = sampled
         else:
+            keep = self._keep
             candidates = [w for w in self.workers.values() if w.id not in skip
-                          and all(f.keep(probe, w) for f in self.filters)]
+                          and keep(probe, w)]
             found = None
         ctx = self.context(parsed, model, now, candidates, hashes, external, found)
         ctx.role = role
@@ -268,6 +269,13 @@ class Router:
         decision.charged_tokens = max(ctx.prompt_tokens - decision.matched_tokens, 0)
         self.churn.add(w.id, decision.charged_tokens, now)
         return decision, ctx
+
+    def _keep(self, probe: RoutingContext, w: Worker) -> bool:
+        """`w` passes every filter (as `all(...)`, without a generator per worker)."""
+        for f in self.filters:  # noqa: SIM110 - the generator costs ~0.3 us per worker
+            if not f.keep(probe, w):
+                return False
+        return True
 
     def _pool(self, probe: RoutingContext) -> Pool:
         key = (probe.model, probe.role, probe.lora)
@@ -320,9 +328,9 @@ class Router:
         named = self.workers.get(session) if session is not None else None
         for w in (*pool.least_loaded, *drawn, *((named,) if named is not None else ())):
             chosen.setdefault(w.id, w)
+        workers, keep = self.workers, self._keep
         candidates = [w for w in chosen.values() if w.id not in skip
-                      and self.workers.get(w.id) is w
-                      and all(f.keep(probe, w) for f in self.filters)]
+                      and workers.get(w.id) is w and keep(probe, w)]
         return (candidates, chains, found) if candidates else None
 
     def retract(self, decision: Decision, now: float) -> None:
