@@ -109,9 +109,11 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
     bill = await stages.charge(ra, kind, req)
     ticket = None
     try:
+        flow = ra.settings.flow_control
+        if flow is not None and req.parsed.stream and kind != "responses":
+            stages.ask_usage(req)  # its usage chunk settles the flow ticket
         req.data["model"] = req.model
         payload = json.dumps(req.data).encode() if req.changed else req.raw
-        flow = ra.settings.flow_control
         if flow is not None:
             tokens = len(req.parsed.token_ids) if req.parsed.token_ids is not None \
                 else len(req.parsed.text.encode()) + 2
