@@ -6,6 +6,7 @@ ask for it), not its up-front cost; a stream cut short counts what it streamed s
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -109,3 +110,21 @@ def test_a_stream_cut_short_counts_what_it_streamed() -> None:
                       b"data: [DONE]\n\n")
     assert b"usage" not in out and reader.events == 3
     assert stream_used(reader, 3, 1003) == 9  # the usage chunk, once seen
+
+
+def test_with_a_rate_limit_too_both_settle_and_the_client_gets_no_usage(worker) -> None:
+    from tandem.router.ratelimit import Limits, RateLimiter
+
+    fc = Recording()
+    limiter = RateLimiter(Limits(tokens_per_min=600))  # each stream is charged 400 up front
+    served = router_app([worker.url], flow_control=fc, rate_limiter=limiter)
+    try:
+        _wait_ready(served.url, 1)
+        for _ in range(2):  # the 2nd fits only once the 1st was refunded to what it used
+            r = httpx.post(served.url + "/v1/completions", json=_body(True), timeout=10)
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            assert '"usage"' not in r.text
+            time.sleep(0.1)  # the refund runs in the background
+        assert fc.released == [("anonymous", 1003, USED)] * 2
+    finally:
+        served.stop()
