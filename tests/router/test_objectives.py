@@ -223,3 +223,34 @@ def test_the_flag_and_router_yaml_name_the_pool():
             ext_proc_settings(p.parse_args(argv), {})
     with pytest.raises(RouterConfigError, match="inference_pool"):
         check_config({"inference_pool": "x" * 254})
+
+
+def test_random_event_traces_leave_exactly_this_pools_objectives():
+    """Seeded random traces of watch events (adds, changes, moves between pools, deletes,
+    bookmarks, no priority) applied one by one hold exactly what a fresh list would."""
+    import random
+
+    for seed in range(2000):
+        rng = random.Random(seed)
+        cluster: dict[str, dict] = {}  # name -> the object as the API server holds it
+        held: dict[str, int] = {}
+        for _ in range(rng.randrange(1, 30)):
+            name = f"o{rng.randrange(6)}"
+            kind = rng.choice(["ADDED", "MODIFIED", "DELETED", "BOOKMARK"])
+            if kind == "DELETED":
+                if name not in cluster:
+                    continue
+                obj = cluster.pop(name)
+            elif kind == "BOOKMARK":
+                obj = {"metadata": {"resourceVersion": str(seed)}}
+            else:
+                if (kind == "ADDED") == (name in cluster):
+                    kind = "MODIFIED" if name in cluster else "ADDED"
+                spec: dict[str, Any] = {"poolRef": {"name": rng.choice([POOL, "other"])}}
+                if rng.random() < 0.8:
+                    spec["priority"] = rng.randrange(-20, 20)
+                obj = cluster[name] = {"metadata": {"name": name}, "spec": spec}
+            obj_mod.apply(held, kind, obj, POOL)
+        fresh = {n: p for n, o in cluster.items()
+                 if (p := pool_priority(o, POOL)) is not None}
+        assert held == fresh, seed

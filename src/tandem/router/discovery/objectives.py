@@ -71,6 +71,31 @@ def pool_priority(obj: dict[str, Any], pool: str) -> int | None:
     return p
 
 
+def entry(obj: dict[str, Any], pool: str) -> tuple[str, int | None]:
+    """(name, priority) of one InferenceObjective; priority None: not held (another pool's,
+    malformed, or a name longer than `MAX_NAME`)."""
+    name = (obj.get("metadata") or {}).get("name") or ""
+    if not 0 < len(name) <= MAX_NAME:
+        return name, None
+    return name, pool_priority(obj, pool)
+
+
+def apply(held: Objectives, kind: str, obj: dict[str, Any], pool: str) -> bool:
+    """One watch event (`ADDED`, `MODIFIED`, `DELETED`; others, e.g. `BOOKMARK`, change
+    nothing) applied to `held` in place; True when it may have changed."""
+    if kind in ("ADDED", "MODIFIED"):
+        name, priority = entry(obj, pool)
+        if priority is None:
+            held.pop(name, None)  # moved to another pool
+        else:
+            held[name] = priority
+        return True
+    if kind == "DELETED":
+        held.pop((obj.get("metadata") or {}).get("name"), None)
+        return True
+    return False
+
+
 def bounded(objectives: Objectives) -> Objectives:
     """At most `MAX_OBJECTIVES`, the first by name."""
     if len(objectives) <= MAX_OBJECTIVES:
@@ -135,10 +160,7 @@ class ObjectiveWatch:
         return client.CustomObjectsApi(api_client)
 
     def _entry(self, obj: dict[str, Any]) -> tuple[str, int | None]:
-        name = (obj.get("metadata") or {}).get("name") or ""
-        if not 0 < len(name) <= MAX_NAME:
-            return name, None
-        return name, pool_priority(obj, self.pool)
+        return entry(obj, self.pool)
 
     def _follow(self, api: CustomObjectsApi, publish: OnObjectives,
                 stop: threading.Event) -> None:
@@ -225,17 +247,8 @@ class ObjectiveWatch:
                         raise ApiException(status=HTTP_GONE, reason="Gone")
                     raise RuntimeError(f"watch error: {obj.get('message')}")
                 version = (obj.get("metadata") or {}).get("resourceVersion") or version
-                if event["type"] in ("ADDED", "MODIFIED"):
-                    name, priority = self._entry(obj)
-                    if priority is None:
-                        held.pop(name, None)  # moved to another pool
-                    else:
-                        held[name] = priority
-                elif event["type"] == "DELETED":
-                    held.pop((obj.get("metadata") or {}).get("name"), None)
-                else:  # BOOKMARK
-                    continue
-                changed()
+                if apply(held, event["type"], obj, self.pool):
+                    changed()
         except ReadTimeoutError:
             pass
         finally:
