@@ -254,3 +254,15 @@ def test_random_event_traces_leave_exactly_this_pools_objectives():
         fresh = {n: p for n, o in cluster.items()
                  if (p := pool_priority(o, POOL)) is not None}
         assert held == fresh, seed
+
+
+def test_the_watch_imports_kubernetes_only_when_it_runs():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import tandem.router.discovery.objectives, tandem.router.extproc.settings\n"
+            "from tandem.router.discovery.objectives import ObjectiveWatch\n"
+            "ObjectiveWatch('ns', 'pool')\n"
+            "assert 'kubernetes' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
