@@ -77,11 +77,12 @@ class Pick:
 
 def band(ra: RouterApp, settings: ExtProcSettings, headers: dict[str, str],
          data: dict) -> int:
-    """The flow-control band: the named InferenceObjective's priority (higher first), else
-    the tenant's (`-priority`: a lower vLLM priority is more urgent)."""
+    """The flow-control band: the named InferenceObjective's priority (higher first; a
+    watched one wins over router.yaml `objectives`), else the tenant's (`-priority`: a lower
+    vLLM priority is more urgent)."""
     objective = headers.get(OBJECTIVE_HEADER)
-    if objective is not None and objective in settings.objectives:
-        return settings.objectives[objective]
+    if objective is not None and (known := settings.priority(objective)) is not None:
+        return known
     p = data.get("priority", 0)
     return -p if isinstance(p, int) and not isinstance(p, bool) else 0
 
