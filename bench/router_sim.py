@@ -124,10 +124,10 @@ def fill_index(router: Router, ids: list[str], n_blocks: int, rng: random.Random
         holders = rng.sample(ids, rng.randint(1, min(3, len(ids))))
         t1 = perf()
         for wid in holders:
-            t, c = perf(), cpu()
+            w0, c0 = perf(), cpu()
             index.stored(wid, chain)
-            longest = max(longest, perf() - t)
-            longest_cpu = max(longest_cpu, cpu() - c)
+            longest = max(longest, perf() - w0)
+            longest_cpu = max(longest_cpu, cpu() - c0)
         t2 = perf()
         gen_s += t1 - t
         insert_s += t2 - t1

@@ -51,6 +51,8 @@ OPERATOR_RULES = {
     ("rbac.authorization.k8s.io", "roles"): CHILD,
     ("rbac.authorization.k8s.io", "rolebindings"): CHILD,
     ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
+    # what the endpoint picker's Role grants (gateway mode): its pool's InferenceObjectives
+    ("inference.networking.x-k8s.io", "inferenceobjectives"): {"list", "watch"},
     ("autoscaling", "horizontalpodautoscalers"): CHILD,
     ("monitoring.coreos.com", "servicemonitors"): CHILD,
     ("networking.k8s.io", "networkpolicies"): CHILD,

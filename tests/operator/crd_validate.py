@@ -9,7 +9,8 @@ vendored here (plus its controller's webhook checks, `EXTRA`), a CRD without a s
 Vendored: LeaderWorkerSet (kubernetes-sigs/lws v0.9.0, see lws.py for its webhook and pod
 templates), KEDA's ScaledObject (kedacore/keda v2.20.2, `keda_errors`: its webhook's
 replica bounds and the metrics-api scaler's metadata parsing), the Gateway API Inference
-Extension's InferencePool (v1.6.0) and the Gateway API's HTTPRoute (standard, v1.6.1).
+Extension's InferencePool (v1.6.0) and InferenceObjective (v1alpha2, from v1.5.0: the last
+release publishing it) and the Gateway API's HTTPRoute (standard, v1.6.1).
 Transition rules (`oldSelf`) need an old object and are not evaluated; a rule whose
 evaluation errs counts as broken."""
 
@@ -37,7 +38,9 @@ VENDORED = {("leaderworkerset.x-k8s.io", "LeaderWorkerSet"):
             ("inference.networking.k8s.io", "InferencePool"):
             "inference.networking.k8s.io_inferencepools.yaml",
             ("gateway.networking.k8s.io", "HTTPRoute"):
-            "gateway.networking.k8s.io_httproutes.yaml"}
+            "gateway.networking.k8s.io_httproutes.yaml",
+            ("inference.networking.x-k8s.io", "InferenceObjective"):
+            "inference.networking.x-k8s.io_inferenceobjectives.yaml"}
 NO_SCHEMA = ("monitoring.coreos.com", "cert-manager.io")  # CRDs without a schema here
 
 

@@ -154,6 +154,29 @@ def test_port_failure_mode_timeout_and_objectives():
     assert "--ext-proc-port" not in container(one(plain, "Deployment", "demo-router"))["args"]
 
 
+def test_the_picker_follows_its_pools_objectives_and_may_read_them():
+    """The picker names its InferencePool (`--inference-pool`, as the pool is named) and its
+    Role may list and watch InferenceObjectives, which the chart's operator ClusterRole holds
+    too (RBAC lets the operator grant only what it holds); the router's Role does not."""
+    from tests.chart.test_chart import OPERATOR_RULES, rule_table
+
+    docs = render(gateway())
+    assert arg(container(one(docs, "Deployment", "demo-epp"))["args"],
+               "--inference-pool") == "demo" == one(docs, "InferencePool", "demo")[
+                   "metadata"]["name"]
+    role = one(docs, "Role", "demo-epp")
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "verbs": ["list", "watch"]},
+        {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
+         "verbs": ["list", "watch"]}]
+    for key, verbs in rule_table(role["rules"]).items():
+        assert verbs <= OPERATOR_RULES[key], key
+    plain = render(AGG)
+    assert one(plain, "Role", "demo-router")["rules"] == role["rules"][:1]
+    assert "--inference-pool" not in container(one(plain, "Deployment", "demo-router"))["args"]
+
+
 def test_ext_proc_tls_mounts_the_secret_and_probes_over_http():
     docs = render(gateway(tls={"secretName": "epp-tls"}))
     c = container(one(docs, "Deployment", "demo-epp"))
@@ -541,6 +564,7 @@ def test_the_rendered_picker_is_accepted_by_the_router(tmp_path):
     _, _, server = build(p.parse_args(args))
     ext = server.ext_proc
     assert (ext.port, dict(ext.objectives)) == (9500, {"chat": 7})
+    assert (ext.inference_pool, ext.watch.namespace, ext.watch.pool) == ("demo", "ml", "demo")
     assert (ext.tls_cert, ext.tls_key) == (str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"))
     assert server.discovery.label_selector == (
         f"app.kubernetes.io/component=worker,{ROUTER_GROUP_LABEL}=demo")

@@ -156,6 +156,7 @@ class RouterConfig(_Strict):
     ext_proc_host: str | None = None
     ext_proc_fallbacks: Count | None = None
     objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
+    inference_pool: Annotated[str, Field(min_length=1, max_length=253)] | None = None
 
 
 def check_config(data: Any, source: str = "router.yaml") -> dict[str, Any]:

@@ -31,6 +31,7 @@ from tandem.router.churn import ChurnTracker
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
+from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
 from tandem.router.workers import HashGroup, Worker
 
@@ -95,15 +96,21 @@ class Router:
         self.policy = make_policy(settings.policy, **kwargs)
         self._churn_scored = self.policy.uses("cache_churn")  # else no per-request churn reads
         self.filters = [FILTERS[name]() for name in settings.filters]
+        self.book = SaturationBook(self.is_saturated)  # flow control's capacity, kept current
 
     # -- membership ------------------------------------------------------------------------
     def add_worker(self, worker: Worker) -> None:
         self.workers[worker.id] = worker
         self._pools.clear()
+        worker.watcher = self.book.refresh
+        self.book.refresh(worker)
 
     def remove_worker(self, worker_id: str) -> None:
-        self.workers.pop(worker_id, None)
+        gone = self.workers.pop(worker_id, None)
         self._pools.clear()
+        self.book.drop(worker_id)
+        if gone is not None and gone.watcher == self.book.refresh:
+            gone.watcher = None
         self.index.drop(worker_id)
         self.approx.drop(worker_id)
         self.churn.drop(worker_id)
@@ -141,23 +148,8 @@ class Router:
         running ones it reported, as the report lags) and `flow_saturation_kv` KV use;
         SATURATED when all are at or past it; STARTING when none is routable yet but one
         is known (starting, draining, failing probes) or the model is a `served_models`
-        one; else NONE."""
-        known = False
-        saturated = False
-        for w in self.workers.values():
-            if not w.serves(model) or w.role == "prefill":
-                continue
-            known = True
-            if not w.routable(now):
-                continue
-            if not self.is_saturated(w):
-                return ModelCapacity.AVAILABLE
-            saturated = True
-        if saturated:
-            return ModelCapacity.SATURATED
-        if known or model in self.settings.served_models:
-            return ModelCapacity.STARTING
-        return ModelCapacity.NONE
+        one; else NONE. O(1): read from `book`, kept current as workers change."""
+        return self.book.capacity(model, now, model in self.settings.served_models)
 
     def is_saturated(self, w: Worker) -> bool:
         """`w` is at or past flow control's thresholds (`capacity`)."""
@@ -167,9 +159,9 @@ class Router:
 
     def saturated(self, model: str) -> set[str]:
         """`model`'s decode-side workers at or past flow control's thresholds: with flow
-        control on, a request goes to one of the others while there is one."""
-        return {w.id for w in self.workers.values()
-                if w.serves(model) and w.role != "prefill" and self.is_saturated(w)}
+        control on, a request goes to one of the others while there is one. The set `book`
+        maintains (read it, do not change it)."""
+        return self.book.saturated(model)
 
     # -- routing ---------------------------------------------------------------------------
     @staticmethod

@@ -29,6 +29,7 @@ weight, over the defaults: a scorer left out keeps its default, 0 switches it of
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
 `max_connections`, `ext_proc_port`, `ext_proc_host`, `ext_proc_fallbacks` (endpoints listed
 after the pick; default 0), `objectives` (InferenceObjective name -> priority),
+`inference_pool` (the InferencePool whose InferenceObjectives are watched),
 `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
 burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
@@ -197,6 +198,11 @@ def add_ext_proc_args(p: argparse.ArgumentParser) -> None:
                         "--ext-proc-tls-key; default: plaintext)")
     p.add_argument("--ext-proc-tls-key", default=None, metavar="PEM",
                    help="the private key of --ext-proc-tls-cert")
+    p.add_argument("--inference-pool", default=None, metavar="NAME",
+                   help="the InferencePool this endpoint picker serves: with --discovery "
+                        "kubernetes, watch the namespace's InferenceObjectives whose poolRef "
+                        "names it (their priorities win over router.yaml objectives; "
+                        "default: none watched)")
 
 
 def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: ANN201
@@ -206,9 +212,11 @@ def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: A
 
     port = getattr(args, "ext_proc_port", None) or cfg.get("ext_proc_port")
     cert, key = getattr(args, "ext_proc_tls_cert", None), getattr(args, "ext_proc_tls_key", None)
+    pool = getattr(args, "inference_pool", None) or cfg.get("inference_pool")
     if port is None:
-        if cert or key or getattr(args, "ext_proc_host", None):
-            raise SystemExit("--ext-proc-host / --ext-proc-tls-*: need --ext-proc-port")
+        if cert or key or getattr(args, "ext_proc_host", None) or pool:
+            raise SystemExit("--ext-proc-host / --ext-proc-tls-* / --inference-pool: need "
+                             "--ext-proc-port")
         return None
     if port == args.port or port == (args.metrics_port or cfg.get("metrics_port")):
         raise SystemExit("ext_proc_port: must differ from --port and --metrics-port")
@@ -219,9 +227,26 @@ def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: A
         return ExtProcSettings(
             port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
             or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
-            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg))
+            fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg),
+            inference_pool=pool, watch=objective_watch(args, cfg, pool))
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
+
+
+def objective_watch(args: argparse.Namespace, cfg: dict[str, Any], pool: str | None):  # noqa: ANN201
+    """The InferenceObjective watch of `pool` (`ObjectiveWatch`; None without a pool);
+    SystemExit for a pool name that is no Kubernetes name or without Kubernetes discovery."""
+    if pool is None:
+        return None
+    from tandem.router.discovery.objectives import ObjectiveWatch, valid_pool_name
+
+    if (args.discovery or cfg.get("discovery", "static")) != "kubernetes":
+        raise SystemExit("--inference-pool: needs --discovery kubernetes (the "
+                         "InferenceObjectives are read from the cluster)")
+    if not valid_pool_name(pool):
+        raise SystemExit(f"--inference-pool: {pool!r} is not a Kubernetes object name "
+                         "(at most 253 lower-case letters, digits, '-' or '.')")
+    return ObjectiveWatch(args.namespace or cfg.get("namespace") or pod_namespace(), pool)
 
 
 def add_front_door_args(p: argparse.ArgumentParser) -> None:

@@ -111,6 +111,10 @@ class RouterMetrics:
                                       "The endpoint that served a picked request, as the "
                                       "gateway reports it: pick, fallback, other (not in the "
                                       "list), unreported", ["outcome"], registry=r)
+        self.extproc_objectives = Gauge("tandem_router_extproc_objectives",
+                                        "InferenceObjectives of the endpoint picker's "
+                                        "InferencePool known from the cluster (watched)",
+                                        registry=r, multiprocess_mode="max")
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: the per-request path skips the library's

@@ -73,6 +73,8 @@ class Body:
     parsed: prompts.ParsedPrompt
     model: str
     changed: bool
+    usage_asked: bool = False  # the worker was asked for a stream's usage chunk (`ask_usage`)
+    strip_usage: bool = False  # ... by the router only: the client does not get it
 
 
 @dataclass
@@ -206,13 +208,22 @@ async def charge(ra: RouterApp, kind: str, req: Body) -> Charge | None:
         return None
     bill = Charge(usage.Settlement(limiter, req.tenant or "anonymous", verdict, prompt_share))
     if parsed.stream and kind != "responses":  # the worker's usage chunk settles the charge
-        # (a Responses API stream always reports its usage, in `response.completed`)
-        opts = data.get("stream_options")
-        opts = dict(opts) if isinstance(opts, dict) else {}
-        bill.strip_usage = not opts.get("include_usage")
-        data["stream_options"] = {**opts, "include_usage": True}
-        req.changed = True
+        bill.strip_usage = ask_usage(req)
     return bill
+
+
+def ask_usage(req: Body) -> bool:
+    """Make a streamed chat/completions request report its usage in a last chunk
+    (`stream_options.include_usage`; a Responses API stream always reports it, in
+    `response.completed`); True when the client did not ask for it (the router strips it).
+    Idempotent."""
+    if not req.usage_asked:
+        opts = req.data.get("stream_options")
+        opts = dict(opts) if isinstance(opts, dict) else {}
+        req.strip_usage = not opts.get("include_usage")
+        req.data["stream_options"] = {**opts, "include_usage": True}
+        req.changed = req.usage_asked = True
+    return req.strip_usage
 
 
 async def shared_matches(ra: RouterApp, parsed: prompts.ParsedPrompt, model: str
@@ -360,6 +371,12 @@ async def settled(request: Request, work: Awaitable[Response], bill: usage.Settl
     return response
 
 
+def prompt_tokens(req: Body) -> int:
+    """The prompt's tokens (an estimate, 4 bytes a token, for a prompt not tokenized)."""
+    token_ids = req.parsed.token_ids
+    return len(token_ids) if token_ids is not None else len(req.parsed.text.encode()) // 4
+
+
 async def hold(ra: RouterApp, request: Request, rid: str, req: Body,
                bill: Charge | None) -> FlowTicket | None:
     """Flow control's ticket for `req` (`flowcontrol.front`: band, cost, deadline); None
@@ -369,11 +386,8 @@ async def hold(ra: RouterApp, request: Request, rid: str, req: Body,
     try:
         deadline = flow_front.parse_deadline(request.headers.get(flow_front.DEADLINE_HEADER),
                                              time.monotonic())
-        token_ids = req.parsed.token_ids
-        freq = flow_front.flow_request(
-            rid, req.tenant, req.model, req.data,
-            len(token_ids) if token_ids is not None else len(req.parsed.text.encode()) // 4,
-            len(req.raw), deadline)
+        freq = flow_front.flow_request(rid, req.tenant, req.model, req.data,
+                                       prompt_tokens(req), len(req.raw), deadline)
         completed, ticket = await cancel_on_disconnect(request, flow.acquire(freq))
     except APIError as exc:
         ra.metrics.child(ra.metrics.rejected, str(exc.status)).inc()
@@ -400,6 +414,10 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
         ticket = await hold(ra, request, rid, req, bill)
         if ticket is None:  # the client left while it waited
             return Response(status_code=499)
+        if req.parsed.stream and kind != "responses":  # its usage chunk settles the ticket
+            ask_usage(req)
+            if bill is not None:
+                bill.strip_usage = False  # the ticket's reader strips it (after the bill's)
     req.data["model"] = req.model
     payload = json.dumps(req.data).encode() if req.changed else req.raw  # as sent, if unchanged
     hashes, external = await shared_matches(ra, req.parsed, req.model)
@@ -415,7 +433,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     if ticket is not None:
         try:
             answer = flow_front.release_after(
-                await relay(request, work, req.parsed.stream, bill), ticket)
+                await relay(request, work, req.parsed.stream, bill), ticket,
+                req.strip_usage, prompt_tokens(req))
         except BaseException:
             ticket.release(0)
             raise

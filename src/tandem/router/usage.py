@@ -157,12 +157,15 @@ class StreamUsage:
     """An SSE stream's usage, read as its chunks pass (`feed` returns what to relay: whole
     events only, the usage-only chunk dropped when `strip_usage`; `finish` the unterminated
     tail). `total`: the usage chunk's total_tokens (None: none seen); `bound`: an upper
-    bound of the tokens streamed (one per byte of each event, + 1)."""
+    bound of the tokens streamed (one per byte of each event, + 1); `events`: the data
+    events relayed other than `[DONE]` and the usage chunk (a server streams at least one
+    token per event: a lower bound of the tokens streamed)."""
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage
         self.total: int | None = None
         self.bound = 0
+        self.events = 0
         self.tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -174,12 +177,16 @@ class StreamUsage:
         self.tail, ready = data[end + 2:], data[:end + 2]
         out = []
         for event in ready.split(b"\n\n")[:-1]:
+            usage_only = False
             if _USAGE.search(event):
                 seen = _stream_usage(event)
                 if seen is not None:
                     self.total = seen
-                    if self.strip_usage and b'"choices":[]' in event.replace(b" ", b""):
+                    usage_only = b'"choices":[]' in event.replace(b" ", b"")
+                    if self.strip_usage and usage_only:
                         continue
+            if not usage_only and event.startswith(b"data:") and b"[DONE]" not in event[:16]:
+                self.events += 1
             self.bound += len(event) + 1
             out.append(event + b"\n\n")
         return b"".join(out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import KeysView, Mapping
+from collections.abc import Callable, KeysView, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
@@ -151,6 +151,11 @@ class CircuitBreaker:
             self.reopen_at = now + self.cooldown_s
 
 
+# the fields flow control's saturation answer depends on (`Worker.watcher`)
+WATCHED = frozenset({"model", "aliases", "role", "ready", "load", "local_in_flight",
+                     "lora_digests"})
+
+
 @dataclass
 class Worker:
     id: str  # base URL, e.g. http://10.0.0.7:8000
@@ -176,6 +181,16 @@ class Worker:
     # (engine instance, version) of the adapter set applied; None: none versioned yet
     lora_version: tuple[str, int] | None = None
     retired_instances: tuple[str, ...] = ()  # its engines' earlier instances, newest last
+    # called with the worker after a field in `WATCHED` is assigned (the router's
+    # `saturation.SaturationBook` re-files it); None: nobody watches
+    watcher: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name in WATCHED:
+            watcher = self.__dict__.get("watcher")
+            if watcher is not None:
+                watcher(self)
 
     def apply_lora_report(self, report: LoRAReport) -> bool:
         """Take a report's adapters unless it is older than the set held: a lower version

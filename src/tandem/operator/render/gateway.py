@@ -10,7 +10,10 @@ port. The `InferencePool` NAME (`inference.networking.k8s.io/v1`) selects
 `INFERENCE_POOL_LABEL=NAME`: the decode or aggregated pods (a multi-node pool's leaders) of
 NAME and of every InferenceService attached to it. Prefill pods are never in the pool: the
 EPP names them itself, and a gateway falling open must not send a client request to one.
-`endpointPickerRef` names NAME-epp's gRPC port with `failureMode`. With
+`endpointPickerRef` names NAME-epp's gRPC port with `failureMode`. The picker runs with
+`--inference-pool NAME` and its Role may also list and watch `inferenceobjectives`
+(`inference.networking.x-k8s.io`): it follows the InferenceObjectives whose poolRef is NAME
+(their priorities win over `router.gateway.objectives`). With
 `router.gateway.parentRefs`, an example `HTTPRoute` NAME (`gateway.networking.k8s.io/v1`)
 routes `/` of those Gateways to the pool.
 
@@ -58,6 +61,10 @@ EXT_PROC_SERVICE_PORT_NAME = "grpc-ext-proc"  # its Service port (Istio: protoco
 EXT_PROC_APP_PROTOCOL = "http2"
 EXT_PROC_TLS_DIR = "/etc/tandem/ext-proc-tls"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service
+# what the picker's Role adds: following its pool's InferenceObjectives (the chart's
+# operator ClusterRole holds the same, as RBAC lets an operator grant only what it holds)
+EPP_RULES = [{"apiGroups": ["inference.networking.x-k8s.io"],
+              "resources": ["inferenceobjectives"], "verbs": ["list", "watch"]}]
 
 
 @dataclass(frozen=True)
@@ -99,16 +106,22 @@ def discovery_selector(owner: Owner) -> str:
     return f"{COMPONENT_LABEL}={WORKER_COMPONENT},{ROUTER_GROUP_LABEL}={owner.name}"
 
 
-def epp_args(spec: InferenceServiceSpec) -> list[str]:
-    """`tandem router` flags of the endpoint picker (none in mode router)."""
+def epp_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
+    """`tandem router` flags of the endpoint picker (none in mode router): its port, the
+    InferencePool it serves (named as the InferenceService), TLS."""
     g = spec.router.gateway
     if g is None:
         return []
-    args = ["--ext-proc-port", str(g.ext_proc_port)]
+    args = ["--ext-proc-port", str(g.ext_proc_port), "--inference-pool", owner.name]
     if g.tls_secret:
         args += ["--ext-proc-tls-cert", f"{EXT_PROC_TLS_DIR}/tls.crt",
                  "--ext-proc-tls-key", f"{EXT_PROC_TLS_DIR}/tls.key"]
     return args
+
+
+def epp_rules(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    """The rules the picker's Role adds to the router's (none in mode router)."""
+    return [dict(r) for r in EPP_RULES] if gateway_mode(spec) else []
 
 
 def grpc_probe(port: int, service: str, period: int, failures: int,

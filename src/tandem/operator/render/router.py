@@ -41,6 +41,7 @@ from tandem.operator.render.gateway import (
     epp_args,
     epp_name,
     epp_pod,
+    epp_rules,
     epp_service,
     gateway_mode,
 )
@@ -168,7 +169,7 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
         args += ["--admin-api-keys", f"{ADMIN_AUTH_DIR}/admin-api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
-    return args + epp_args(spec) + security_args(spec, owner)
+    return args + epp_args(spec, owner) + security_args(spec, owner)
 
 
 def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
@@ -191,7 +192,7 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
             "metadata": metadata(owner, name, ROUTER_COMPONENT),
             "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                       "verbs": ["list", "watch"]}]}
+                       "verbs": ["list", "watch"]}, *epp_rules(spec)]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": metadata(owner, name, ROUTER_COMPONENT),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",

@@ -77,11 +77,12 @@ class Pick:
 
 def band(ra: RouterApp, settings: ExtProcSettings, headers: dict[str, str],
          data: dict) -> int:
-    """The flow-control band: the named InferenceObjective's priority (higher first), else
-    the tenant's (`-priority`: a lower vLLM priority is more urgent)."""
+    """The flow-control band: the named InferenceObjective's priority (higher first; a
+    watched one wins over router.yaml `objectives`), else the tenant's (`-priority`: a lower
+    vLLM priority is more urgent)."""
     objective = headers.get(OBJECTIVE_HEADER)
-    if objective is not None and objective in settings.objectives:
-        return settings.objectives[objective]
+    if objective is not None and (known := settings.priority(objective)) is not None:
+        return known
     p = data.get("priority", 0)
     return -p if isinstance(p, int) and not isinstance(p, bool) else 0
 
@@ -109,9 +110,11 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
     bill = await stages.charge(ra, kind, req)
     ticket = None
     try:
+        flow = ra.settings.flow_control
+        if flow is not None and req.parsed.stream and kind != "responses":
+            stages.ask_usage(req)  # its usage chunk settles the flow ticket
         req.data["model"] = req.model
         payload = json.dumps(req.data).encode() if req.changed else req.raw
-        flow = ra.settings.flow_control
         if flow is not None:
             tokens = len(req.parsed.token_ids) if req.parsed.token_ids is not None \
                 else len(req.parsed.text.encode()) + 2

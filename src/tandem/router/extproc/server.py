@@ -7,6 +7,8 @@ splitting streams."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +36,7 @@ class ExtProcServer:
         self.health = Health(ra)
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.objectives: asyncio.Task | None = None  # the InferenceObjective watch
 
     async def start(self) -> int:
         s = self.settings
@@ -56,6 +59,13 @@ class ExtProcServer:
         if not self.port:
             raise OSError(f"ext_proc: cannot listen on {address}")
         await self.health.start()
+        if s.watch is not None:  # configuration errors raise here, before serving
+            gauge = self.ra.metrics.extproc_objectives
+            s.watched.on_change.append(gauge.set)
+            self.objectives = asyncio.create_task(s.watch.run(s.watched.replace))
+            await asyncio.sleep(0)
+            if self.objectives.done():
+                self.objectives.result()
         await server.start()
         self.server = server
         logger.info("endpoint picker (ext_proc%s) on %s:%d",
@@ -63,6 +73,11 @@ class ExtProcServer:
         return self.port
 
     async def stop(self) -> None:
+        if (task := self.objectives) is not None:
+            self.objectives = None
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.health.stop()
         if self.server is not None:
             await self.server.stop(self.settings.grace_s)

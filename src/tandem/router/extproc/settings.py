@@ -1,16 +1,35 @@
 """What the endpoint picker serves (`tandem router --ext-proc-port`; router.yaml `ext_proc_port`,
-`ext_proc_host`, `objectives`). Imports nothing gRPC: `RouterServerSettings` holds one."""
+`ext_proc_host`, `objectives`, `inference_pool`). Imports nothing gRPC: `RouterServerSettings`
+holds one."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.router.discovery.objectives import ObjectiveWatch
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"  # the InferenceObjective a request names
 # the flow a request is queued fairly in when the router has no API keys (the gateway sets it)
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 REWRITE_HEADER = "x-gateway-model-name-rewrite"  # not supported: refused (400)
 GRACE_S = 25.0  # streams open at shutdown get this long (the router's drain_seconds)
+
+
+class WatchedObjectives:
+    """The InferenceObjectives of the router's pool as last watched (name -> priority);
+    `replace` takes each complete map (on the event loop)."""
+
+    def __init__(self) -> None:
+        self.priorities: dict[str, int] = {}
+        self.on_change: list[Callable[[int], None]] = []  # given the count (a gauge)
+
+    def replace(self, priorities: dict[str, int]) -> None:
+        self.priorities = dict(priorities)
+        for fn in self.on_change:
+            fn(len(self.priorities))
 
 
 @dataclass(frozen=True)
@@ -23,7 +42,11 @@ class ExtProcSettings:
     gateway that retries down the list (0, the default: the pick alone; Envoy's
     ORIGINAL_DST cluster, which the extension's chart routes by the header, takes a single
     `ip:port` and refuses a list). `grace_s`: at shutdown (after the HTTP front door's
-    drain) new streams are refused and open ones get this long to finish."""
+    drain) new streams are refused and open ones get this long to finish. `watch`: with
+    `--discovery kubernetes` and `inference_pool`, the InferenceObjectives of that
+    InferencePool, followed while the picker serves; `watched` holds them. A watched
+    objective's priority wins over the static `objectives` entry of the same name; static
+    entries the cluster does not name still count."""
 
     port: int
     host: str = "0.0.0.0"
@@ -32,6 +55,9 @@ class ExtProcSettings:
     objectives: Mapping[str, int] = field(default_factory=dict)
     fallbacks: int = 0
     grace_s: float = GRACE_S
+    inference_pool: str | None = None
+    watch: ObjectiveWatch | None = field(default=None, compare=False)
+    watched: WatchedObjectives = field(default_factory=WatchedObjectives, compare=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -40,3 +66,9 @@ class ExtProcSettings:
             raise ValueError(f"ext_proc_port: a port in 0-65535, not {self.port}")
         if self.fallbacks < 0:
             raise ValueError(f"fallbacks: at least 0, not {self.fallbacks}")
+
+    def priority(self, objective: str) -> int | None:
+        """The priority of the InferenceObjective `objective` (watched, else static), None
+        when neither knows it."""
+        p = self.watched.priorities.get(objective)
+        return p if p is not None else self.objectives.get(objective)

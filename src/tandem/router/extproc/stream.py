@@ -13,8 +13,9 @@ request header mode SEND and both bodies FULL_DUPLEX_STREAMED; answers go back i
    on unchanged. Response body chunks pass on in order (SSE events whole, so the usage chunk
    the router asked for alone is dropped), their usage read; at the end of the body (or of
    the stream, however it ends) the rate-limit charge is settled and the flow ticket
-   released, once; a stored Responses API answer's id is remembered with the worker that
-   served it (`responses.track`'s bookkeeping).
+   released, once, with the tokens used (a stream's usage chunk, asked for with flow control
+   on too; cut short: `flowcontrol.front.stream_used`); a stored Responses API answer's id
+   is remembered with the worker that served it (`responses.track`'s bookkeeping).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tandem.router.extproc import encode
 from tandem.router.extproc.picker import KINDS, STRIPPED, Pick, decide, served
 from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import REASON_HEADER
+from tandem.router.flowcontrol.front import stream_used, ticket_cost
 from tandem.router.scorers.session import SESSION_HEADER
 
 if TYPE_CHECKING:
@@ -172,7 +174,7 @@ class ExtProcStream:
         if pick is not None:
             self._book(encode.served_endpoint(req))
             if "text/event-stream" in headers.get("content-type", ""):
-                self.reader = usage.StreamUsage(pick.bill.strip_usage if pick.bill else False)
+                self.reader = usage.StreamUsage(pick.routing.req.strip_usage)
             worker = pick.in_flight  # the worker that serves it (None: not one of ours)
             if worker is not None and self.status is not None and 200 <= self.status < 300:
                 extra[SESSION_HEADER] = stages.session_tokens(self.ra).token(worker.id)
@@ -236,8 +238,16 @@ class ExtProcStream:
         if pick.bill is not None:
             pick.bill.bill.settle(total, bound) if ok else pick.bill.bill.settle()
         if pick.ticket is not None:
-            pick.ticket.release(total if ok else 0)
+            pick.ticket.release(self._used() if ok and self.reader is not None
+                                else total if ok else 0)
         pick.drop()
+
+    def _used(self) -> int | None:
+        """The tokens a stream used as far as it was read (`flowcontrol.front.stream_used`)."""
+        assert self.pick is not None and self.reader is not None
+        req, ticket = self.pick.routing.req, self.pick.ticket
+        assert ticket is not None
+        return stream_used(self.reader, stages.prompt_tokens(req), ticket_cost(ticket))
 
     def close(self) -> None:
         """The stream ended (or broke): whatever was not settled is, conservatively."""
@@ -250,8 +260,8 @@ class ExtProcStream:
                 pick.bill.bill.settle(self.reader.total, self.reader.bound)
             else:
                 pick.bill.bill.keep()  # no answer seen: what it used is unknown
-        if pick.ticket is not None:
-            pick.ticket.release(None)
+        if pick.ticket is not None:  # a stream cut short: what it streamed so far
+            pick.ticket.release(self._used() if self.reader is not None else None)
         if not self.served_booked:
             self.served_booked = True
             self.ra.metrics.child(self.ra.metrics.extproc_served, "unreported").inc()

@@ -9,9 +9,13 @@
   which the request must leave the queue (1 to `MAX_DEADLINE_MS`; else 400): EDF ordering
   serves the earliest first, and one still queued at its deadline gets 429 "deadline".
 
-The ticket is released when the answer is over: a JSON answer with its `usage.total_tokens`
-(least-attained fairness charges what was used), a stream when its last byte is sent or its
-client leaves (its up-front cost counts), a failure with 0 tokens.
+The ticket is released when the answer is over with the tokens it used (least-attained
+fairness charges them): a JSON answer with its `usage.total_tokens`; a stream with its usage
+chunk's (the router asks the worker for it, `stages.ask_usage`, and strips it when the client
+did not ask), read when its last byte is sent; a stream that ends without one (its client
+left, the worker broke off) with the prompt's tokens + one per event streamed so far, at
+most the up-front cost, or the up-front cost when nothing was streamed (`stream_used`); a
+failure with 0 tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.protocol.web import APIError
 from tandem.router.flowcontrol.base import FlowRequest, FlowTicket
-from tandem.router.usage import answer_usage
+from tandem.router.usage import StreamUsage, answer_usage
 
 DEADLINE_HEADER = "x-tandem-deadline-ms"
 MAX_DEADLINE_MS = 3_600_000
@@ -58,10 +62,13 @@ def flow_request(rid: str, tenant: str | None, model: str, data: dict[str, Any],
                        deadline=deadline)
 
 
-def release_after(response: Response, ticket: FlowTicket) -> Response:
-    """`response` with `ticket` released when it is over (module doc)."""
+def release_after(response: Response, ticket: FlowTicket, strip_usage: bool = False,
+                  prompt_tokens: int = 0) -> Response:
+    """`response` with `ticket` released when it is over (module doc); a stream's usage
+    chunk is dropped when `strip_usage` (the router asked for it, not the client)."""
     if isinstance(response, StreamingResponse):
-        response.body_iterator = _released(response.body_iterator, ticket)
+        response.body_iterator = _released(response.body_iterator, ticket,
+                                           StreamUsage(strip_usage), prompt_tokens)
         return response
     used = None
     if 200 <= response.status_code < 300:
@@ -70,9 +77,32 @@ def release_after(response: Response, ticket: FlowTicket) -> Response:
     return response
 
 
-async def _released(chunks: AsyncIterator[Any], ticket: FlowTicket) -> AsyncIterator[Any]:
+def stream_used(reader: StreamUsage, prompt_tokens: int, cost: int | None) -> int | None:
+    """The tokens a stream used, as far as `reader` saw it (module doc); None: unknown (the
+    up-front cost counts)."""
+    if reader.total is not None:
+        return reader.total
+    if not reader.events:
+        return None
+    used = max(prompt_tokens, 0) + reader.events
+    return min(used, cost) if cost is not None else used
+
+
+async def _released(chunks: AsyncIterator[Any], ticket: FlowTicket, reader: StreamUsage,
+                    prompt_tokens: int) -> AsyncIterator[Any]:
     try:
         async for chunk in chunks:
-            yield chunk
+            out = reader.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode())
+            if out:
+                yield out
+        tail = reader.finish()
+        if tail:
+            yield tail
     finally:
-        ticket.release()
+        ticket.release(stream_used(reader, prompt_tokens, ticket_cost(ticket)))
+
+
+def ticket_cost(ticket: FlowTicket) -> int | None:
+    """The up-front cost `ticket` was dispatched with (None: not known)."""
+    req = getattr(ticket, "req", None)
+    return req.cost if isinstance(req, FlowRequest) else None
