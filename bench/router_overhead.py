@@ -552,23 +552,17 @@ def http_parts(args: argparse.Namespace, report: dict) -> None:
                 f"(pid {router.pid}), KV stream connected")
             pids = {"stub": stub.pid, "router": router.pid}
             targets = {"router": router_url}
-            for spec in args.also:
-                name, _, extra = spec.partition("=")
+            # --also: this checkout with other flags; --also-src: another checkout's src/
+            others = [(n, extra, None) for n, _, extra in
+                      (spec.partition("=") for spec in args.also)]
+            others += [(n, args.router_args, str(Path(src).resolve())) for n, _, src in
+                       (spec.partition("=") for spec in args.also_src)]
+            for name, extra, src in others:
                 port = free_port()
                 proc = stack.enter_context(spawned(name, [
                     sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
                     "router", "--port", str(port), "--workers", stub_url,
-                    *shlex.split(extra)]))
-                url = f"http://127.0.0.1:{port}"
-                wait_until(lambda u=url: get(u + "/ready")[0] == 200, proc, f"{name} ready")
-                targets[name], pids[name] = url, proc.pid
-            for spec in args.also_src:
-                name, _, src = spec.partition("=")
-                port = free_port()
-                proc = stack.enter_context(spawned(name, [
-                    sys.executable, "-m", "tandem.cli", "--log-level", args.router_log_level,
-                    "router", "--port", str(port), "--workers", stub_url,
-                    *shlex.split(args.router_args)], src=str(Path(src).resolve())))
+                    *shlex.split(extra)], src=src))
                 url = f"http://127.0.0.1:{port}"
                 wait_until(lambda u=url: get(u + "/ready")[0] == 200, proc, f"{name} ready")
                 targets[name], pids[name] = url, proc.pid

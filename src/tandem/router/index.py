@@ -40,6 +40,16 @@ def block_key(h: BlockHash) -> int:
     return int.from_bytes(h[:8], "little")
 
 
+
+def _live_bits(entry: dict[int, float] | None, now: float) -> int:
+    """The holder bits of a block's speculative `entry` (slot -> expiry) unexpired at `now`."""
+    bits = 0
+    if entry:
+        for slot, exp in entry.items():
+            if exp > now:
+                bits |= 1 << slot
+    return bits
+
 class PrefixIndex:
     def __init__(self, speculative_ttl_s: float = 2.0, capacity: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
@@ -425,11 +435,7 @@ class PrefixIndex:
                     if s >= 0:
                         bits |= 1 << s
             if sp:
-                entry = spec.get(k)
-                if entry:
-                    for s, exp in entry.items():
-                        if exp > now:
-                            bits |= 1 << s
+                bits |= _live_bits(spec.get(k), now)
             kept = mask & bits
             if kept != mask and i:
                 self._record(mask & ~kept, i, result)
@@ -448,11 +454,7 @@ class PrefixIndex:
             k = as_key(h)
             bits = self._bits_one(k)
             if spec:
-                entry = spec.get(k)
-                if entry:
-                    for s, exp in entry.items():
-                        if exp > now:
-                            bits |= 1 << s
+                bits |= _live_bits(spec.get(k), now)
             kept = mask & bits
             if kept != mask and n:
                 self._record(mask & ~kept, n, result)

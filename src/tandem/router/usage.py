@@ -142,13 +142,8 @@ class Settlement:
         end, however it ends, settle from that chunk or from the bound of what it sent."""
         reader = StreamUsage(strip_usage)
         try:
-            async for chunk in chunks:
-                out = reader.feed(chunk)
-                if out:
-                    yield out
-            tail = reader.finish()
-            if tail:
-                yield tail
+            async for out in reader.relay(chunks):
+                yield out
         finally:
             self.settle(reader.total, reader.bound)
 
@@ -167,6 +162,17 @@ class StreamUsage:
         self.bound = 0
         self.events = 0
         self.tail = b""
+
+    async def relay(self, chunks: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:
+        """`chunks` as they pass this reader: `feed` on each (a str chunk as UTF-8), then
+        `finish`; only what is to be relayed is yielded."""
+        async for chunk in chunks:
+            out = self.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode())
+            if out:
+                yield out
+        tail = self.finish()
+        if tail:
+            yield tail
 
     def feed(self, chunk: bytes) -> bytes:
         data = self.tail + chunk

@@ -91,13 +91,8 @@ def stream_used(reader: StreamUsage, prompt_tokens: int, cost: int | None) -> in
 async def _released(chunks: AsyncIterator[Any], ticket: FlowTicket, reader: StreamUsage,
                     prompt_tokens: int) -> AsyncIterator[Any]:
     try:
-        async for chunk in chunks:
-            out = reader.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode())
-            if out:
-                yield out
-        tail = reader.finish()
-        if tail:
-            yield tail
+        async for out in reader.relay(chunks):
+            yield out
     finally:
         ticket.release(stream_used(reader, prompt_tokens, ticket_cost(ticket)))
 
