@@ -113,6 +113,60 @@ def merge(slices: Slices) -> dict[str, WorkerEndpoint]:
     return out
 
 
+def follow(list_once: Callable[[], tuple[str, dict]],
+           watch_once: Callable[[str, dict, Callable[[], None]], str],
+           merge: Callable[[dict], Any], publish: Callable[[Any], None],
+           stop: threading.Event, backoff_min_s: float, backoff_max_s: float,
+           what: str, items: str) -> None:
+    """A list-then-watch loop for a daemon thread, until `stop`: `list_once()` -> (resource
+    version, held objects), then `watch_once(version, held, changed)` (updates `held` in place,
+    calls `changed()` after each event, returns the version to resume from); publishes
+    `merge(held)` whenever it changes. A 410 Gone re-lists at once; any other failure retries
+    after a jittered, doubling backoff while the last published value stands (`what` and
+    `items` name them in the log). Imports `kubernetes` itself."""
+    from kubernetes.client.exceptions import ApiException
+
+    held: dict = {}
+    version: str | None = None  # None: list first
+    last: Any = None
+    delay = backoff_min_s
+
+    def changed() -> None:
+        nonlocal last
+        now = merge(held)
+        if now != last:
+            last = now
+            publish(now)
+
+    while not stop.is_set():
+        try:
+            if version is None:
+                version, listed = list_once()
+                held.clear()
+                held.update(listed)
+                changed()
+            if stop.is_set():
+                return
+            version = watch_once(version, held, changed)
+            delay = backoff_min_s
+            continue
+        except ApiException as exc:
+            if exc.status == HTTP_GONE:
+                logger.info("%s: the watch expired (410); re-listing", what)
+                version = None
+                continue
+            error = f"HTTP {exc.status} {exc.reason}"
+        except Exception as exc:  # the thread outlives any failure
+            error = repr(exc)
+        if stop.is_set():
+            return
+        pause = delay * (0.5 + random.random())
+        logger.warning("%s failed (%s); retrying in %.2fs, keeping the last %d %s", what,
+                       error, pause, len(last or {}), items)
+        stop.wait(pause)
+        delay = min(delay * 2, backoff_max_s)
+
+
 @register_discovery
 class KubernetesDiscovery(Discovery):
     """`discovery.k8s.io/v1` EndpointSlices matching `label_selector` in `namespace`. The
@@ -183,47 +237,11 @@ class KubernetesDiscovery(Discovery):
 
     def _follow(self, api: DiscoveryV1Api, publish: OnChange, stop: threading.Event) -> None:
         """The thread: list, watch, repeat; publishes each new complete set."""
-        from kubernetes.client.exceptions import ApiException
-
-        slices: Slices = {}
-        version: str | None = None  # None: list first
-        last: dict[str, WorkerEndpoint] | None = None
-        delay = self.backoff_min_s
-
-        def changed() -> None:
-            nonlocal last
-            now = merge(slices)
-            if now != last:
-                last = now
-                publish(now)
-
-        while not stop.is_set():
-            try:
-                if version is None:
-                    version, slices = self._list(api)
-                    changed()
-                if stop.is_set():
-                    return
-                version = self._watch_once(api, version, slices, changed, stop)
-                delay = self.backoff_min_s
-                continue
-            except ApiException as exc:
-                if exc.status == HTTP_GONE:
-                    logger.info("EndpointSlice watch in %s expired (410): re-listing",
-                                self.namespace)
-                    version = None
-                    continue
-                error = f"HTTP {exc.status} {exc.reason}"
-            except Exception as exc:  # the thread outlives any failure
-                error = repr(exc)
-            if stop.is_set():
-                return
-            pause = delay * (0.5 + random.random())
-            logger.warning("EndpointSlice discovery in %s failed (%s); retrying in %.2fs, "
-                           "keeping the last %d worker(s)", self.namespace, error, pause,
-                           len(last or {}))
-            stop.wait(pause)
-            delay = min(delay * 2, self.backoff_max_s)
+        follow(lambda: self._list(api),
+               lambda version, held, changed: self._watch_once(api, version, held, changed,
+                                                                stop),
+               merge, publish, stop, self.backoff_min_s, self.backoff_max_s,
+               f"EndpointSlice discovery in {self.namespace}", "worker(s)")
 
     def _endpoints(self, obj: dict[str, Any]) -> list[WorkerEndpoint]:
         return slice_endpoints(obj, self.port_name, self.scheme)

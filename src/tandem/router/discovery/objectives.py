@@ -28,6 +28,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tandem.router.discovery.k8s import follow
+
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient, CustomObjectsApi
 
@@ -164,47 +166,12 @@ class ObjectiveWatch:
 
     def _follow(self, api: CustomObjectsApi, publish: OnObjectives,
                 stop: threading.Event) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        held: Objectives = {}
-        version: str | None = None
-        last: Objectives | None = None
-        delay = self.backoff_min_s
-
-        def changed() -> None:
-            nonlocal last
-            now = bounded(held)
-            if now != last:
-                last = now
-                publish(now)
-
-        while not stop.is_set():
-            try:
-                if version is None:
-                    version, held = self._list(api)
-                    changed()
-                if stop.is_set():
-                    return
-                version = self._watch_once(api, version, held, changed, stop)
-                delay = self.backoff_min_s
-                continue
-            except ApiException as exc:
-                if exc.status == HTTP_GONE:
-                    logger.info("InferenceObjective watch in %s expired (410): re-listing",
-                                self.namespace)
-                    version = None
-                    continue
-                error = f"HTTP {exc.status} {exc.reason}"
-            except Exception as exc:  # the thread outlives any failure
-                error = repr(exc)
-            if stop.is_set():
-                return
-            pause = delay * (0.5 + random.random())
-            logger.warning("InferenceObjective watch in %s failed (%s); retrying in %.2fs, "
-                           "keeping the last %d objective(s)", self.namespace, error, pause,
-                           len(last or {}))
-            stop.wait(pause)
-            delay = min(delay * 2, self.backoff_max_s)
+        """The thread: list, watch, repeat (`k8s.follow`); publishes each new bounded map."""
+        follow(lambda: self._list(api),
+               lambda version, held, changed: self._watch_once(api, version, held, changed,
+                                                                stop),
+               bounded, publish, stop, self.backoff_min_s, self.backoff_max_s,
+               f"InferenceObjective watch in {self.namespace}", "objective(s)")
 
     def _list(self, api: CustomObjectsApi) -> tuple[str, Objectives]:
         resp = api.list_namespaced_custom_object(
