@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import PREFILL_HEADER, APIError
-from tandem.router.extproc.settings import ExtProcSettings
+from tandem.router.extproc.settings import ExtProcSettings, FairnessIds
 from tandem.router.flowcontrol.base import REASON_HEADER
 from tandem.router.scorers.session import SESSION_HEADER
 from tandem.serving.worker_auth import check_signature
@@ -482,6 +482,11 @@ def test_the_flow_is_the_tenant_before_the_gateways_fairness_id() -> None:
     assert flow_id(None, {header: "team-7"}) == "team-7"
     assert flow_id(None, {header: "no spaces allowed"}) == "anonymous"
     assert flow_id(None, {header: "x" * 129}) == "anonymous" and flow_id(None, {}) == "anonymous"
+    known = FairnessIds(limit=2)  # client-chosen ids: a bounded number get flows of their own
+    flows = [flow_id(None, {header: f"team-{i}"}, known) for i in (1, 2, 3, 1, 4, 2)]
+    assert flows == ["team-1", "team-2", "other", "team-1", "other", "team-2"]
+    assert known.known == {"team-1", "team-2"}
+    assert flow_id("gold", {header: "team-9"}, known) == "gold" and len(known.known) == 2
 
 
 def test_request_trailers_end_the_body(epp) -> None:

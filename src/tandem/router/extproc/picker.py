@@ -27,6 +27,7 @@ from tandem.router.extproc.settings import (
     OBJECTIVE_HEADER,
     REWRITE_HEADER,
     ExtProcSettings,
+    FairnessIds,
 )
 from tandem.router.flowcontrol.base import FlowRequest, FlowTicket
 from tandem.router.pd import Route
@@ -87,12 +88,17 @@ def band(ra: RouterApp, settings: ExtProcSettings, headers: dict[str, str],
     return -p if isinstance(p, int) and not isinstance(p, bool) else 0
 
 
-def flow_id(tenant: str | None, headers: dict[str, str]) -> str:
+def flow_id(tenant: str | None, headers: dict[str, str],
+            known: FairnessIds | None = None) -> str:
     """The flow a request is queued fairly in: its tenant (API keys), else the gateway's
-    `x-gateway-inference-fairness-id` (short and plain), else "anonymous"."""
+    `x-gateway-inference-fairness-id` (short and plain; beyond `known`'s bound of distinct
+    ids, "other"), else "anonymous"."""
     if tenant is not None:
         return tenant
-    return plain_request_id(headers.get(FAIRNESS_HEADER)) or "anonymous"
+    fairness_id = plain_request_id(headers.get(FAIRNESS_HEADER))
+    if not fairness_id:
+        return "anonymous"
+    return fairness_id if known is None else known.flow(fairness_id)
 
 
 async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
@@ -121,7 +127,7 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
             cost = usage.worst_case(kind, req.data, tokens,
                                     ra.router.max_model_len(req.model))[0]
             ticket = await flow.acquire(FlowRequest(
-                rid, flow_id(tenant, headers), req.model,
+                rid, flow_id(tenant, headers, settings.fairness_ids), req.model,
                 band(ra, settings, headers, req.data), cost, len(payload)))
         hashes, external = await stages.shared_matches(ra, req.parsed, req.model)
         routing = stages.Routing(ra, rid, req, t0, hashes, external)

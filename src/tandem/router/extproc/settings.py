@@ -18,6 +18,28 @@ REWRITE_HEADER = "x-gateway-model-name-rewrite"  # not supported: refused (400)
 GRACE_S = 25.0  # streams open at shutdown get this long (the router's drain_seconds)
 
 
+MAX_FAIRNESS_IDS = 256  # distinct gateway fairness ids with a flow of their own
+
+
+class FairnessIds:
+    """The gateway's `x-gateway-inference-fairness-id` values given a flow of their own: the
+    first MAX_FAIRNESS_IDS distinct ones a process sees; later new ids share the flow
+    "other". A client chooses these strings, and each flow is fairness state and metric
+    series, so they are bounded."""
+
+    def __init__(self, limit: int = MAX_FAIRNESS_IDS) -> None:
+        self.limit = limit
+        self.known: set[str] = set()
+
+    def flow(self, fairness_id: str) -> str:
+        if fairness_id in self.known:
+            return fairness_id
+        if len(self.known) < self.limit:
+            self.known.add(fairness_id)
+            return fairness_id
+        return "other"
+
+
 class WatchedObjectives:
     """The InferenceObjectives of the router's pool as last watched (name -> priority);
     `replace` takes each complete map (on the event loop)."""
@@ -58,6 +80,7 @@ class ExtProcSettings:
     inference_pool: str | None = None
     watch: ObjectiveWatch | None = field(default=None, compare=False)
     watched: WatchedObjectives = field(default_factory=WatchedObjectives, compare=False)
+    fairness_ids: FairnessIds = field(default_factory=FairnessIds, compare=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
