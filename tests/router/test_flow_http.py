@@ -77,10 +77,11 @@ def test_a_saturated_worker_answers_the_queue_in_arrival_order(worker):
                            params={"model": "stub-model", "role": "decode"}).json()
         assert signal == {"model": "stub-model", "role": "decode", "demand": 4.0,
                           "queued": 3, "running": 1, "waiting": 0, "kv_utilization": 0.0,
-                          "ready_workers": 1}
+                          "ready_workers": 1, "queued_by_band": {"0": 3}}
         prefill = httpx.get(served.url + "/scaling", timeout=5,
                             params={"model": "stub-model", "role": "prefill"}).json()
         assert prefill["demand"] == 3.0 and prefill["ready_workers"] == 0
+        assert prefill["queued_by_band"] == {"0": 3}
         for t in threads:
             t.join()
         assert [b["prompt"] for b in worker.bodies] == ["first", "second", "third", "fourth"]
@@ -131,10 +132,12 @@ def test_ttl_and_a_full_band_answer_429_with_retry_after_and_the_reason(worker):
 
 
 def test_scaling_refuses_what_it_does_not_know(worker):
-    served, _ = flow_router(worker)
+    served, _ = flow_router(worker, bands={-1: BandLimits(), 4: BandLimits()})
     try:
         get = lambda **q: httpx.get(served.url + "/scaling", params=q, timeout=5)  # noqa: E731
-        assert get(model="stub-model", role="decode").status_code == 200
+        ok = get(model="stub-model", role="decode")
+        # a bounded band is always there (0 when empty): a KEDA trigger on it never misses
+        assert ok.status_code == 200 and ok.json()["queued_by_band"] == {"-1": 0, "4": 0}
         assert get(role="decode").status_code == 400
         bad = get(model="stub-model", role="both")
         assert bad.status_code == 400 and "role" in bad.json()["error"]["message"]

@@ -93,6 +93,32 @@ def test_a_higher_band_goes_first_and_a_newcomer_never_overtakes_its_band():
     run(go())
 
 
+def test_queued_by_band_counts_each_band_of_the_model_and_every_configured_band():
+    """Per band, per model (another model's queue apart); the bands router.yaml bounds are
+    always there (0 when empty, so a KEDA trigger on one finds it), others only non-empty."""
+    async def go() -> None:
+        slots = Slots(m=1, other=1)
+        fc = make(slots, bands={3: BandLimits(), -2: BandLimits()})
+        c = Client(fc, slots)
+        assert fc.queued_by_band("m") == {3: 0, -2: 0}
+        c.send(req("busy"))
+        c.send(req("busy-other", model="other"))
+        await settle(fc)
+        for rid, band in (("a", 0), ("b", 5), ("c", 5), ("d", -1)):
+            c.send(req(rid, band=band, tenant=rid))
+        c.send(req("o", model="other", band=7))
+        await settle(fc)
+        assert fc.queued_by_band("m") == {3: 0, -2: 0, 0: 1, 5: 2, -1: 1}
+        assert sum(fc.queued_by_band("m").values()) == fc.queued("m") == 4
+        assert fc.queued_by_band("other") == {3: 0, -2: 0, 7: 1}
+        c.finish("busy")
+        await settle(fc)  # band 5 first: one of its two out
+        assert fc.queued_by_band("m") == {3: 0, -2: 0, 0: 1, 5: 1, -1: 1}
+        assert fc.queued_by_band("nobody") == {3: 0, -2: 0}
+
+    run(go())
+
+
 @pytest.mark.parametrize("fairness", ["round-robin", "least-attained"])
 def test_a_heavy_tenant_does_not_starve_a_light_one(fairness):
     async def go() -> list[str]:

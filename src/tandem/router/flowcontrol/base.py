@@ -86,3 +86,9 @@ class FlowControl(ABC):
     def queued(self, model: str) -> int:
         """Requests of `model` waiting in the queue now (the scaling signal's share)."""
         return 0
+
+    def queued_by_band(self, model: str) -> dict[int, int]:
+        """`queued(model)` per priority band: every band with bounds of its own in the
+        settings (0 when empty, so a reader of one band always finds it) and every other band
+        holding a request of `model`."""
+        return {}

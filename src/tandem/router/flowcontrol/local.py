@@ -131,6 +131,13 @@ class QueueFlowControl(FlowControl):
     def queued(self, model: str) -> int:
         return self.queues.model_count.get(model, 0)
 
+    def queued_by_band(self, model: str) -> dict[int, int]:
+        """This replica's queue (with `shared`, too: Redis keeps per-replica counts)."""
+        out = dict.fromkeys(self.settings.bands, 0)
+        for band, flows in self.flows.get(model, {}).items():
+            out[band] = sum(len(heap) for heap in flows.values())
+        return out
+
     def bind_metrics(self, metrics: RouterMetrics) -> None:
         """Count into `metrics` from now on (the app builds them after this object)."""
         self.metrics = self.queues.metrics = metrics

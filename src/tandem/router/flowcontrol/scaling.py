@@ -2,11 +2,16 @@
 `metrics-api` trigger) scales one pool of a model on.
 
     {"model": ..., "role": ..., "demand": float, "queued": int, "running": int,
-     "waiting": int, "kv_utilization": float, "ready_workers": int}
+     "waiting": int, "kv_utilization": float, "ready_workers": int,
+     "queued_by_band": {"<band>": int}}
 
 `queued`: the model's requests waiting in flow control (each needs a prefill, so it counts
-for both roles); `running` / `waiting`: the sums over the role's workers (`decode`: decode
-and aggregated workers; `prefill`: prefill workers) of their reported load, `running` at
+for both roles); `queued_by_band`: the same per priority band (flow control's numbers as
+string keys): every band router.yaml `flow_control.bands` names, 0 when empty (a KEDA
+`metrics-api` trigger errors on a missing key), and any other band holding a request; empty
+with flow control off. Both are this replica's queue (with `shared: true` as well).
+`running` / `waiting`: the sums over the role's workers (`decode`: decode and aggregated
+workers; `prefill`: prefill workers) of their reported load, `running` at
 least this router's own open requests on a worker beyond its reported waiting ones (the
 report lags); `demand` = queued + running + waiting; `kv_utilization`: the mean KV use of
 its ready workers (0 without any); `ready_workers`: its routable workers. 400 for a missing
@@ -46,6 +51,7 @@ def scaling_signal(ra: RouterApp, model: str | None, role: str | None,
         raise APIError(404, f"model {model!r} is not known here", "model")
     flow = ra.settings.flow_control
     queued = flow.queued(model) if flow is not None else 0
+    bands = flow.queued_by_band(model) if flow is not None else {}
     pool = [w for w in workers if w.serves(model)
             and (w.role == "prefill") == (role == "prefill")]
     now = time.monotonic()
@@ -56,4 +62,5 @@ def scaling_signal(ra: RouterApp, model: str | None, role: str | None,
     kv = sum(w.load.kv_cache_usage for w in ready) / len(ready) if ready else 0.0
     return {"model": model, "role": role, "demand": float(queued + running + waiting),
             "queued": queued, "running": running, "waiting": waiting,
-            "kv_utilization": kv, "ready_workers": len(ready)}
+            "kv_utilization": kv, "ready_workers": len(ready),
+            "queued_by_band": {str(b): n for b, n in sorted(bands.items())}}
