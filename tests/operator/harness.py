@@ -4,10 +4,13 @@ thread with its own event loop, against whatever $KUBECONFIG points at; and poll
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
 
 from tandem.operator.cli import operator
 from tandem.operator.metrics import Samples
@@ -57,6 +60,67 @@ class FakeMetrics:
         with self._lock:
             self.calls.append((time.monotonic(), service))
             return {p: dict(m) for p, m in self.samples.get(service, {}).items()}
+
+
+class FakeRouter:
+    """A real HTTP server answering the router's `GET /scaling?model=&role=` as the test
+    programs it: (model, role) -> a demand (the body's other fields 0), or an HTTP status
+    to fail with. `requests`: (monotonic time, path, query) of every request. Not
+    programmed: 404, as the router answers for a model it does not know."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple[str, str], float | int] = {}
+        self.failing: int | None = None  # every request answered with this status
+        self.requests: list[tuple[float, str, dict[str, list[str]]]] = []
+        self._lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                parts = urlsplit(self.path)
+                query = parse_qs(parts.query)
+                with outer._lock:
+                    outer.requests.append((time.monotonic(), parts.path, query))
+                    key = (query.get("model", [""])[0], query.get("role", [""])[0])
+                    status, demand = outer.failing, outer.answers.get(key)
+                if status is None and demand is None:
+                    status = 404
+                if status is not None:
+                    self.send_response(status)
+                    self.end_headers()
+                    return
+                body = json.dumps({"model": key[0], "role": key[1], "demand": demand,
+                                   "queued": 0, "running": 0, "waiting": 0,
+                                   "kv_utilization": 0.0, "ready_workers": 0,
+                                   "queued_by_band": {}}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def set(self, model: str, role: str, demand: float) -> None:
+        with self._lock:
+            self.answers[(model, role)] = demand
+
+    def fail(self, status: int | None) -> None:
+        with self._lock:
+            self.failing = status
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.requests)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def wait_for(fn: Callable[[], T], timeout: float = 10.0, what: str = "",

@@ -137,7 +137,7 @@ SPECS: dict[str, dict[str, Any]] = {
             "mode": "keda", "minReplicas": 0, "maxReplicas": 4, "target": 2}},
         "decode": {"replicas": 2, "autoscaling": {
             "mode": "keda", "minReplicas": 0, "maxReplicas": 10, "target": 16,
-            "keda": {"kvUtilizationTarget": 0.85}}},
+            "keda": {"kvUtilizationTarget": 0.85, "bandTargets": {"1": 8}}}},
     },
     # multi-LoRA on P/D pools: adapters on the model's claim, on another claim (pinned), on
     # the Hub (one pinned, one in a folder of a repository) and in the image

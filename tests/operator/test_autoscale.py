@@ -23,6 +23,10 @@ RECOMMEND = [
     pytest.param(1, 1, 10, 0.85, 0.8, 1, id="kv utilization inside the band"),
     pytest.param(5, 1, 10, 3.0, 4.0, 4, id="ceil, not round: 3.75 -> 4"),
     pytest.param(0, 0, 10, 2.0, 4.0, 1, id="a pool at zero with load: one replica"),
+    pytest.param(0, 0, 10, 20.0, 4.0, 5, id="a pool at zero wakes to its whole demand"),
+    pytest.param(0, 0, 3, 20.0, 4.0, 3, id="a pool at zero wakes to at most max"),
+    pytest.param(0, 0, 10, 0.0, 4.0, 0, id="a pool at zero without demand stays there"),
+    pytest.param(3, 0, 10, 0.0, 4.0, 0, id="idle with min 0: zero"),
     pytest.param(10, 1, 10, 4.0, 4.0, 10, id="at max, on target"),
     pytest.param(12, 1, 10, 4.0, 4.0, 10, id="above a lowered max: max"),
 ]

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.operator.spec import SpecError, parse_spec
 from tests.operator.manifests import set_path
-from tests.operator.samples import apply_defaults, resource, schema
+from tests.operator.samples import SHA, apply_defaults, resource, schema
 from tests.operator.test_crd import _errors, failed_rules
 from tests.operator.test_keda_render import AGGREGATED, PD
 
@@ -21,6 +21,10 @@ FLOW = {"enabled": True, "fairness": "round-robin", "ordering": "edf", "ttlSecon
         "bands": {"default": {"maxRequests": 100, "maxBytes": 1 << 20}, "2": {"maxRequests": 5},
                   "-1": {"maxBytes": 4096}},
         "tenantWeights": {"gold": 4, "free": 0.5}, "shared": True, "startTimeoutSeconds": 60}
+def _agg(autoscaling: dict) -> dict:
+    return {"model": {"uri": "pvc://m"}, "decode": {"autoscaling": autoscaling}}
+
+
 VALID = {
     "aggregated-keda": AGGREGATED,
     "pd-keda": PD,
@@ -30,6 +34,12 @@ VALID = {
         "podSelector": {"matchLabels": {"app": "keda-operator"}}}}},
     "idle": {"model": {"uri": "pvc://m"}, "decode": {"autoscaling": {
         "mode": "keda", "maxReplicas": 3, "target": 2, "keda": {"idleReplicas": 0}}}},
+    "operator-zero": {"model": {"uri": "pvc://m", "sha256": SHA},
+                      "prefill": {"replicas": 1, "autoscaling": {**KEDA0, "mode": "operator"}},
+                      "decode": {"replicas": 0, "autoscaling": {
+                          **KEDA0, "mode": "operator", "signal": "demand"}}},
+    "operator-demand": _agg({"maxReplicas": 2, "target": 1, "signal": "demand"}),
+    "band-targets": _agg({**KEDA0, "keda": {"bandTargets": {"2": 4, "-1": 16.5}}}),
 }
 
 
@@ -42,19 +52,33 @@ def test_valid_specs_pass_schema_cel_and_parse(name):
     assert parse_spec(defaulted) == parse_spec(raw)
 
 
-def _agg(autoscaling: dict) -> dict:
-    return {"model": {"uri": "pvc://m"}, "decode": {"autoscaling": autoscaling}}
-
-
 # (spec, what the CEL rule's message says, what parse_spec's error says); every rule of the
 # autoscaling block is also held to parse_autoscaling over random blocks below
 INVALID = [
-    (_agg({**KEDA0, "mode": "operator"}), "minReplicas 0 (scale to zero) needs mode keda",
-     "decode.autoscaling.minReplicas 0 (scale to zero) needs decode.autoscaling.mode keda"),
-    (_agg({"maxReplicas": 2, "target": 1, "signal": "demand"}),
-     "signal demand (the router's queued, running and waiting requests) needs mode keda",
+    (_agg({**KEDA0, "mode": "hpa"}),
+     "minReplicas 0 (scale to zero) needs mode operator or keda: an HPA cannot scale from zero",
+     "decode.autoscaling.minReplicas 0 (scale to zero) needs decode.autoscaling.mode operator "
+     "or keda: an HPA cannot scale from zero"),
+    (_agg({"mode": "hpa", "maxReplicas": 2, "target": 1, "signal": "demand"}),
+     "signal demand (the router's queued, running and waiting requests) needs mode operator "
+     "or keda",
      "decode.autoscaling.signal demand (the router's queued, running and waiting requests) "
-     "needs decode.autoscaling.mode keda"),
+     "needs decode.autoscaling.mode operator or keda"),
+    (_agg({**KEDA0, "mode": "operator", "signal": "waitingRequests"}),
+     "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand",
+     "scaling to zero (minReplicas or keda.idleReplicas 0) needs signal demand"),
+    ({**_agg({**KEDA0, "mode": "operator"}), "router": {"flowControl": {"enabled": False}}},
+     "router.flowControl.enabled false: a pool scales to zero",
+     "router.flowControl.enabled false: a pool scales to zero"),
+    ({**_agg({**KEDA0, "minReplicas": 1, "keda": {"bandTargets": {"2": 4}}}),
+      "router": {"flowControl": {"enabled": False}}},
+     "router.flowControl.enabled false: autoscaling.keda.bandTargets scales on the "
+     "flow-control queue's bands",
+     "router.flowControl.enabled false: autoscaling.keda.bandTargets scales on the "
+     "flow-control queue's bands"),
+    (_agg({**KEDA0, "keda": {"bandTargets": {"gold": 4}}}),
+     "autoscaling.keda.bandTargets: keys are band numbers",
+     "decode.autoscaling.keda.bandTargets.gold: a band number"),
     (_agg({**KEDA0, "keda": {"idleReplicas": 0}}), "idleReplicas needs minReplicas >= 1",
      "keda.idleReplicas needs decode.autoscaling.minReplicas >= 1"),
     ({"model": {"uri": "pvc://m"}, "prefill": {"replicas": 1, "autoscaling": {
@@ -99,6 +123,8 @@ def test_cel_and_parse_spec_refuse_alike(raw, cel, parsed):
     ("decode.autoscaling.keda.idleReplicas", 1),
     ("decode.autoscaling.keda.kvUtilizationTarget", 1.5),
     ("decode.autoscaling.keda.pollingIntervalSeconds", 0),
+    ("decode.autoscaling.keda.bandTargets.2", 0),
+    ("decode.autoscaling.keda.bandTargets", {str(b): 1 for b in range(9)}),
     ("router.flowControl.fairness", "lottery"),
     ("router.flowControl.ordering", "lifo"),
     ("router.flowControl.ttlSeconds", 0),
@@ -126,6 +152,14 @@ def test_parsed_values():
         "waitingRequests")
     off = parse_spec(_agg({"maxReplicas": 2, "target": 1}))
     assert not off.scales_to_zero and not off.flow_control_enabled and off.keda is None
+    # operator mode from zero: signal demand by default, the router holds the model
+    zero = parse_spec(_agg({**KEDA0, "mode": "operator"}))
+    assert (zero.decode.autoscaling.signal, zero.scales_to_zero, zero.flow_control_enabled,
+            zero.keda) == ("demand", True, True, None)
+    bands = parse_spec(_agg({**KEDA0, "minReplicas": 1,
+                             "keda": {"bandTargets": {"2": 4, "-1": 16.5}}}))
+    assert bands.decode.autoscaling.keda.band_targets == (("-1", 16.5), ("2", 4.0))
+    assert bands.band_targets == ["-1", "2"] and bands.flow_control_enabled
 
 
 # ---- the CRD's autoscaling block and parse_autoscaling agree, over random blocks ---------
@@ -145,7 +179,8 @@ def _random_block(rng) -> dict:
     if rng.random() < 0.4:
         keda = {}
         for key, values in {"pollingIntervalSeconds": [1, 30], "cooldownPeriodSeconds": [0, 60],
-                            "idleReplicas": [0], "kvUtilizationTarget": [0.5, 1]}.items():
+                            "idleReplicas": [0], "kvUtilizationTarget": [0.5, 1],
+                            "bandTargets": [{"3": 2}, {"-7": 0.5, "0": 8}]}.items():
             if rng.random() < 0.5:
                 keda[key] = rng.choice(values)
         d["keda"] = keda

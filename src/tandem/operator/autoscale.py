@@ -1,7 +1,8 @@
 """The autoscaler's decision rule (pure): the HPA's algorithm on one per-replica signal.
 
     recommendation = ceil(current * value / target), or current while value / target is
-                     within the tolerance band (hysteresis), clamped to [min, max]
+                     within the tolerance band (hysteresis), clamped to [min, max]; a pool
+                     at zero: ceil(value / target) (`value` then is its whole load)
     scale up       at once, to the recommendation
     scale down     only to the highest recommendation of the stabilization window (so one
                    quiet sample after a burst does not remove replicas), never below it
@@ -28,8 +29,8 @@ def recommend(current: int, value: float, target: float, lo: int, hi: int,
     if target <= 0:
         raise ValueError(f"target {target} must be > 0")
     ratio = value / target
-    if current < 1:  # a pool at zero has no per-replica value: start one if there is load
-        return clamp(1 if value > 0 else 0, lo, hi)
+    if current < 1:  # a pool at zero: `value` is its whole load (the router's demand)
+        return clamp(math.ceil(value / target - 1e-9) if value > 0 else 0, lo, hi)
     if abs(ratio - 1.0) <= tolerance:
         return clamp(current, lo, hi)
     return clamp(math.ceil(current * ratio - 1e-9), lo, hi)

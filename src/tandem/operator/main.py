@@ -12,7 +12,8 @@
   ConfigMap, a Deployment's image...) is back to its rendered form within the interval; a
   `Repaired` Warning Event names each child it had to write. Unchanged children cost one
   no-op apply each (the API server keeps them as they are).
-* autoscale timer: pools with `autoscaling.mode: operator` (metrics → `autoscale`); pools in
+* autoscale timer: pools with `autoscaling.mode: operator` (the workers' metrics, or the
+  router's `/scaling` on `signal: demand`, → `autoscale`); pools in
   `hpa` or `keda` mode are their HorizontalPodAutoscaler's (KEDA's), never touched here.
 
 Deletion needs no handler for the children: every child carries a controller owner reference,
@@ -33,10 +34,11 @@ import kopf
 from kubernetes.client import ApiClient
 
 from tandem.operator import kube, reconcile
-from tandem.operator.metrics import HttpMetricsSource
+from tandem.operator.metrics import HttpMetricsSource, HttpScalingSource
 from tandem.operator.redis_acl import RedisAclError
 from tandem.operator.render import Owner, front_door_name, pool_name, pools
 from tandem.operator.render.common import API_VERSION
+from tandem.operator.render.keda import scaling_url
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
 
@@ -53,6 +55,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 def startup(memo: kopf.Memo, **_: Any) -> None:
     memo.kube = kube.Kube(ApiClient(kube.load_config()), fence=memo.config.fence)
     memo.metrics = memo.config.metrics or HttpMetricsSource(memo.kube.api_client)
+    memo.scaling = memo.config.scaling or HttpScalingSource()
 
 
 def _spec(body: kopf.Body) -> InferenceServiceSpec:
@@ -225,7 +228,9 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
             with _writer(memo, owner, generation):  # it patches the replicas it reads
                 live = reconcile.workloads(memo.kube, owner)
                 done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
-                                            live.get(pool_name(owner, pool)), state)
+                                            live.get(pool_name(owner, pool)), state,
+                                            scaling=memo.scaling,
+                                            url=scaling_url(spec, owner, pool.role))
             if done is not None:
                 patch.status[STATUS_KEY[pool.name]] = {"desiredReplicas": done.desired,
                                                        "lastScaleTime": now_iso()}

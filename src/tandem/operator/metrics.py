@@ -4,15 +4,23 @@ replica (gauges as they are, `_total` counters as rates between two scrapes).
 
 `HttpMetricsSource` lists the pool Service's EndpointSlices (what the routers watch too) and
 scrapes each ready address's `http` port in parallel; tests use a fake source instead.
+
+A pool on `signal: demand` scales on the router's own answer instead: a `ScalingSource`
+reads `GET /scaling?model=&role=` (`render.keda.scaling_url`, the URL KEDA's trigger reads)
+into a `Scaling`; `HttpScalingSource` over HTTP, without a key, as KEDA does (the routers'
+metrics port asks for none; their NetworkPolicy admits the operator there).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -109,3 +117,79 @@ def counters(signal: Signal, samples: Samples, now: float) -> dict[str, tuple[fl
         return {}
     return {pod: (now, m[signal.worker_metric]) for pod, m in samples.items()
             if signal.worker_metric in m}
+
+
+# ---- the router's /scaling ---------------------------------------------------------------
+
+MAX_SCALING_BYTES = 1 << 16  # a /scaling answer is a few hundred bytes; more is refused
+
+
+class ScalingError(Exception):
+    """The router's `/scaling` could not be read or made no sense (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """The router's `/scaling` answer for one model and role (`router.flowcontrol.scaling`):
+    requests queued in its flow control (in total and per band), running and waiting on the
+    role's workers, `demand` their sum; the role's mean KV use and its routable workers."""
+
+    demand: float
+    queued: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_utilization: float = 0.0
+    ready_workers: int = 0
+    queued_by_band: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Any) -> Scaling:
+        """`ScalingError` unless `body` is an object with a finite, non-negative `demand`."""
+        if not isinstance(body, dict):
+            raise ScalingError(f"not a JSON object: {str(body)[:80]!r}")
+        demand = body.get("demand")
+        if (not isinstance(demand, int | float) or isinstance(demand, bool)
+                or not math.isfinite(demand) or demand < 0):
+            raise ScalingError(f"demand {demand!r}: not a number >= 0")
+
+        def count(key: str) -> int:
+            v = body.get(key, 0)
+            return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+        bands = body.get("queued_by_band")
+        return cls(float(demand), count("queued"), count("running"), count("waiting"),
+                   float(body.get("kv_utilization") or 0.0), count("ready_workers"),
+                   {str(k): v for k, v in bands.items() if isinstance(v, int)}
+                   if isinstance(bands, dict) else {})
+
+
+class ScalingSource(Protocol):
+    def read(self, url: str) -> Scaling:
+        """The answer at `url` (a `render.keda.scaling_url`); `ScalingError` on failure."""
+        ...
+
+
+class HttpScalingSource:
+    """Reads `/scaling` over HTTP. `base`: another scheme://host:port to send the request
+    to (the operator run outside the cluster, e.g. through `kubectl port-forward`)."""
+
+    def __init__(self, timeout_s: float = 2.0, base: str | None = None) -> None:
+        self.timeout_s, self.base = timeout_s, base
+
+    def read(self, url: str) -> Scaling:
+        if self.base is not None:
+            parts = urlsplit(url)
+            url = f"{self.base.rstrip('/')}{parts.path}?{parts.query}"
+        try:
+            with httpx.stream("GET", url, timeout=self.timeout_s) as resp:
+                resp.raise_for_status()
+                body = b""
+                for chunk in resp.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_SCALING_BYTES:
+                        raise ScalingError(f"{url}: answer over {MAX_SCALING_BYTES} bytes")
+            return Scaling.from_json(json.loads(body))
+        except httpx.HTTPError as exc:
+            raise ScalingError(f"{url}: {exc}") from exc
+        except ValueError as exc:
+            raise ScalingError(f"{url}: not JSON ({exc})") from exc

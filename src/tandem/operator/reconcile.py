@@ -14,7 +14,13 @@ from typing import Any
 from tandem.operator import autoscale
 from tandem.operator.admission import AdmissionPolicy, admit
 from tandem.operator.kube import FIELD_MANAGER, KINDS, WORKLOADS, Kube, applies_field
-from tandem.operator.metrics import MetricsSource, counters, per_replica
+from tandem.operator.metrics import (
+    MetricsSource,
+    ScalingError,
+    ScalingSource,
+    counters,
+    per_replica,
+)
 from tandem.operator.redis_acl import RedisAcl, url_secret
 from tandem.operator.render import (
     DEFAULT_IMAGE,
@@ -28,6 +34,7 @@ from tandem.operator.render import (
 )
 from tandem.operator.render.security import worker_auth_secret
 from tandem.operator.spec import InferenceServiceSpec, SpecError, signal_for
+from tandem.operator.spec_autoscaling import DEMAND
 
 logger = logging.getLogger(__name__)
 AUTOSCALER = "tandem-autoscaler"  # the field manager of the replicas the autoscaler sets
@@ -49,6 +56,7 @@ class OperatorConfig:
     autoscale_interval_s: float = 15.0
     backoff_s: float = 5.0  # the first retry after an API failure; doubles up to 300 s
     metrics: MetricsSource | None = None  # None: HttpMetricsSource on the operator's client
+    scaling: ScalingSource | None = None  # the routers' /scaling; None: HttpScalingSource
     operator: OperatorPeer | None = None  # TANDEM_OPERATOR_NAMESPACE / TANDEM_OPERATOR_RELEASE
     fence: Callable[[], None] | None = None  # leader election: raises unless still leading
     # the chart's Redis (TANDEM_REDIS_ADDRESS + admin password file): `router.managedRedis`
@@ -222,26 +230,37 @@ class Scaled:
 
 def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
                dep: Mapping[str, Any] | None, state: PoolState,
-               now: float | None = None) -> Scaled | None:
+               now: float | None = None, scaling: ScalingSource | None = None,
+               url: str | None = None) -> Scaled | None:
     """One autoscaler tick for one pool: read the signal, decide, and patch the workload's
     replicas (nothing else: a Deployment's pods, a LeaderWorkerSet's groups, whose leaders
     report) when the decision differs from what runs. None: no change. `dep` is the live
-    workload named by the pool's `Workload` (`workloads`), patched as the kind it is."""
+    workload named by the pool's `Workload` (`workloads`), patched as the kind it is.
+    `signal: demand` reads the router's answer at `url` (`render.keda.scaling_url`) from
+    `scaling` instead of the workers: its demand per running replica (all of it at zero,
+    which wakes the pool), 0 only when nothing is queued, running or waiting, so a pool
+    reaches zero once idle for the whole stabilization window; a failed read changes
+    nothing (logged) and counts as a recommendation of what runs, so a scale-down (to zero
+    too) needs a whole window of readings after it."""
     auto = pool.spec.autoscaling
     if auto is None or dep is None:
         return None
     now = time.time() if now is None else now
-    signal = signal_for(auto.signal, pool.role)
     name = Workload.of(owner, pool).name
     current = int(dep["spec"].get("replicas", 1))
-    samples = source.scrape(owner.namespace, name)
-    value = per_replica(signal, samples, current, now, state.previous)
-    state.previous = counters(signal, samples, now)
+    if auto.signal == DEMAND:
+        value = router_demand(scaling, url, name, current)
+    else:
+        signal = signal_for(auto.signal, pool.role)
+        samples = source.scrape(owner.namespace, name)
+        value = per_replica(signal, samples, current, now, state.previous)
+        state.previous = counters(signal, samples, now)
     if not state.history:  # after a (re)start, the window begins at what runs
         state.history = ((now, current),)
-    if value is None:
-        return None
     window = auto.scale_down_stabilization_seconds
+    if value is None:  # no data counts as what runs: a scale-down needs a whole window of
+        state.history = autoscale.remember(state.history, now, current, window)  # readings
+        return None
     desired = autoscale.desired_replicas(current, auto.min_replicas, auto.max_replicas, value,
                                          auto.target, state.history, window, now)
     rec = autoscale.recommend(current, value, auto.target, auto.min_replicas,
@@ -254,3 +273,19 @@ def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
     logger.info("%s: %d -> %d replicas (%s %.3g per replica, target %g)", name, current,
                 desired, auto.signal, value, auto.target)
     return Scaled(pool, current, desired, value)
+
+
+def router_demand(scaling: ScalingSource | None, url: str | None, name: str,
+                  current: int) -> float | None:
+    """The router's demand for the pool per running replica (the whole demand at zero);
+    None when it cannot be read."""
+    if scaling is None or url is None:
+        logger.warning("%s: signal demand without a /scaling source", name)
+        return None
+    try:
+        answer = scaling.read(url)
+    except ScalingError as exc:
+        logger.warning("%s: no autoscaling decision, the router's /scaling unread: %s", name,
+                       exc)
+        return None
+    return answer.demand / max(current, 1)

@@ -177,16 +177,23 @@ class InferenceServiceSpec:
 
     @property
     def scales_to_zero(self) -> bool:
-        """Some pool may run no worker (`autoscaling.mode: keda`, minReplicas or
+        """Some pool may run no worker (`autoscaling.mode: operator` or `keda`, minReplicas or
         keda.idleReplicas 0): the router must list and hold the model meanwhile."""
         return any(p.autoscaling is not None and p.autoscaling.scales_to_zero
                    for _, _, p in self.worker_pools())
 
     @property
+    def band_targets(self) -> list[str]:
+        """The bands whose queue some pool's KEDA trigger reads (`keda.bandTargets`)."""
+        return sorted({b for _, _, p in self.worker_pools() if p.autoscaling is not None
+                       for b, _ in p.autoscaling.keda.band_targets})
+
+    @property
     def flow_control_enabled(self) -> bool:
-        """router.flowControl.enabled, or unset: on exactly when a pool scales to zero."""
+        """router.flowControl.enabled, or unset: on exactly when a pool scales to zero or
+        scales on a band's queue."""
         enabled = self.router.flow_control.enabled
-        return self.scales_to_zero if enabled is None else enabled
+        return (self.scales_to_zero or bool(self.band_targets)) if enabled is None else enabled
 
     def worker_pools(self) -> list[tuple[str, str, PoolSpec]]:
         """(name, role, spec) per worker pool: prefill + decode, or one aggregated `worker`
@@ -342,6 +349,9 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         raise SpecError("router.flowControl.enabled false: a pool scales to zero "
                         "(autoscaling.minReplicas or keda.idleReplicas 0), and the router "
                         "holds its requests in the flow-control queue while it starts")
+    if out.band_targets and out.router.flow_control.enabled is False:
+        raise SpecError("router.flowControl.enabled false: autoscaling.keda.bandTargets "
+                        "scales on the flow-control queue's bands")
     if any(p.autoscaling is not None and p.autoscaling.mode == "keda"
            for _, _, p in out.worker_pools()):
         out = dataclasses.replace(out, keda=_keda_peer(mon))

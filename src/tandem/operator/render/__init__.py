@@ -8,7 +8,7 @@ from typing import Any
 
 from tandem.operator.render.common import DEFAULT_IMAGE, Owner, image_from_env, labels
 from tandem.operator.render.gateway import Member, attached, gateway_children, label_group
-from tandem.operator.render.keda import keda_workloads, scaled_objects
+from tandem.operator.render.keda import scaled_objects, scaling_workloads
 from tandem.operator.render.monitoring import hpa, router_metrics_service, service_monitor
 from tandem.operator.render.multinode import pod_templates
 from tandem.operator.render.pod import apply_pod_settings
@@ -104,9 +104,11 @@ def render_all(spec: InferenceServiceSpec, owner: Owner, *, image: str | None = 
         if auto is not None and auto.mode == "hpa":
             out.append(hpa(owner, w, auto))
     out += scaled_objects(spec, owner, workloads)  # autoscaling.mode: keda
-    keda_members = any(keda_workloads(pool_workloads(m, Owner(n, owner.namespace, "")))
-                       for n, m in members)  # (their ScaledObjects read this router's)
-    if front and (spec.service_monitor or keda_workloads(workloads) or keda_members):
+    # KEDA and the operator's autoscaler (on demand) read /scaling through it; members'
+    # pools read this router's
+    readers = any(scaling_workloads(pool_workloads(m, Owner(n, owner.namespace, "")))
+                  for n, m in members)
+    if front and (spec.service_monitor or scaling_workloads(workloads) or readers):
         out.append(router_metrics_service(owner))
     if spec.service_monitor:
         out.append(service_monitor(spec, owner))

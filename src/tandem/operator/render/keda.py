@@ -15,12 +15,19 @@ pool, on the router's own signal for the pool's role.
 * `keda.kvUtilizationTarget`: a second trigger on `kv_utilization` (`metricType: Value`); its
   activation threshold (above 1, never reached) leaves waking to the first trigger, so KV
   pages cached by idle workers never hold a pool above zero.
+* `keda.bandTargets` (band -> target): one more trigger per band on the band's queue,
+  `valueLocation: queued_by_band.<band>` (`AverageValue`, activation 0), named `band<n>`
+  (`bandm<n>` for a negative band). KEDA's metrics-api scaler errors on a missing key, so
+  router.yaml lists each such band under `flow_control.bands` (`render.router`), which the
+  router always reports, 0 when empty.
 * `minReplicaCount` (0: scale to zero), `maxReplicaCount`, `idleReplicaCount`,
   `pollingInterval`, `cooldownPeriod` (idle this long before 0) and the scale-down
   stabilization window of KEDA's HPA from the pool's `autoscaling`.
 
 No TriggerAuthentication: the routers' metrics port never asks for a key (the operator
 starts them with `--metrics-port` and without `metrics_auth`); the NetworkPolicy is its gate.
+The operator's own autoscaler reads the same URL for a pool in `mode: operator` with
+`signal: demand` (`reads_scaling`), through the same Service, admitted the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from tandem.operator.render.common import METRICS_PORT, Owner, metadata
 from tandem.operator.render.gateway import router_owner
 from tandem.operator.render.workload import Workload
 from tandem.operator.spec import InferenceServiceSpec
-from tandem.operator.spec_autoscaling import KEDA_VALUES, AutoscalingSpec
+from tandem.operator.spec_autoscaling import DEMAND, KEDA_VALUES, AutoscalingSpec
 from tandem.protocol.labels import WORKER_COMPONENT
 
 API_VERSION = "keda.sh/v1alpha1"
@@ -81,6 +88,9 @@ def triggers(spec: InferenceServiceSpec, owner: Owner, role: str,
     if kv is not None and auto.signal != "kvUtilization":
         out.append(_trigger("kvutilization", url, KEDA_VALUES["kvUtilization"], "Value", kv,
                             NEVER_ACTIVE))
+    for band, target in auto.keda.band_targets:
+        out.append(_trigger(f"band{band.replace('-', 'm')}", url, f"queued_by_band.{band}",
+                            "AverageValue", target, "0"))
     return out
 
 
@@ -103,6 +113,17 @@ def scaled_object(spec: InferenceServiceSpec, owner: Owner,
     return {"apiVersion": API_VERSION, "kind": KIND,
             "metadata": metadata(owner, workload.name, WORKER_COMPONENT, workload.role),
             "spec": so}
+
+
+def reads_scaling(auto: AutoscalingSpec | None) -> bool:
+    """Does the pool's autoscaler read the router's `/scaling` (keda; operator on demand)?"""
+    return auto is not None and (auto.mode == "keda" or (
+        auto.mode == "operator" and auto.signal == DEMAND))
+
+
+def scaling_workloads(workloads: Sequence[Workload]) -> list[Workload]:
+    """The pools whose autoscaler reads the router's `/scaling` (`reads_scaling`)."""
+    return [w for w in workloads if reads_scaling(w.pool.spec.autoscaling)]
 
 
 def keda_workloads(workloads: Sequence[Workload]) -> list[Workload]:

@@ -124,6 +124,10 @@ def router_config(spec: InferenceServiceSpec, owner: Owner,
         cfg.setdefault("served_models", []).extend(
             {"name": name, "start_timeout_s": m.spec.router.flow_control.start_timeout_seconds}
             for m in held for name in m.spec.model.served_names)
+    for m in members:  # members' KEDA triggers on a band read this router's /scaling
+        if m.spec.band_targets:
+            fc = cfg.setdefault("flow_control", {"enabled": True})
+            fc["bands"] = {int(b): {} for b in m.spec.band_targets} | fc.get("bands", {})
     return cfg
 
 
@@ -148,6 +152,11 @@ def flow_control_config(spec: InferenceServiceSpec) -> dict[str, Any]:
                 for k, b in f.bands}
         if f.tenant_weights:
             fc["tenant_weights"] = dict(f.tenant_weights)
+        # a band a KEDA trigger reads: listed (no bounds of its own: the default's), so the
+        # router's /scaling always reports it, 0 when empty
+        unlisted = [b for b in spec.band_targets if b not in dict(f.bands)]
+        if unlisted:
+            fc["bands"] = {int(b): {} for b in unlisted} | fc.get("bands", {})
         out["flow_control"] = fc
     if spec.scales_to_zero:
         out["served_models"] = [{"name": name, "start_timeout_s": f.start_timeout_seconds}

@@ -67,6 +67,7 @@ from tandem.operator.render.gateway import (
     gateway_mode,
     router_owner,
 )
+from tandem.operator.render.keda import reads_scaling
 from tandem.operator.render.workload import Workload, pool_workloads
 from tandem.operator.spec import InferenceServiceSpec
 from tandem.operator.spec_security import IssuerRef, SecretKeyRef
@@ -352,7 +353,12 @@ def network_policies(spec: InferenceServiceSpec, owner: Owner,
     for s in (spec, *members):
         if s.keda is not None and s.keda not in keda:
             keda.append(s.keda)
-    if prom or keda:  # /metrics and /scaling without a key: Prometheus and KEDA only
+    # the operator's autoscaler reads /scaling for a pool in mode operator on demand
+    me = operator_peer(operator)
+    if me is not None and any(reads_scaling(p.autoscaling) and p.autoscaling.mode == "operator"
+                              for s in (spec, *members) for _, _, p in s.worker_pools()):
+        keda.append(me)
+    if prom or keda:  # /metrics and /scaling without a key: Prometheus, KEDA, the operator
         router.append({"from": prom + keda, "ports": [_port(METRICS_PORT_NAME)]})
     groups = [group_policy(owner, w)
               for w in (pool_workloads(spec, owner) if workloads is None else workloads)

@@ -1,0 +1,112 @@
+"""What a pool scaled from zero by the operator's own autoscaler renders (`mode: operator`,
+`minReplicas: 0`, signal demand): no ScaledObject, the workload keeps a count of its own, the
+router holds the model exactly as in keda mode (served_models, flow control on), and the
+routers' metrics Service with a NetworkPolicy rule that lets the operator read /scaling; and
+`keda.bandTargets`: one metrics-api trigger per band on `queued_by_band.<band>`, each band
+listed in router.yaml's flow control so the router always reports it. Every object validates
+against the vendored schemas."""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from tandem.operator.render import OperatorPeer
+from tandem.operator.render.common import METRICS_PORT
+from tests.operator.crd_validate import crd_errors
+from tests.operator.lws import validate
+from tests.operator.manifests import by_kind, one, render
+from tests.operator.test_keda_render import AGGREGATED, PD, router_yaml, trigger
+
+OPERATOR = OperatorPeer("tandem-system", "tandem")
+PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "tandem-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator",
+                                        "tandem.dev/operator-release": "tandem"}}}
+METRICS_RULE = {"from": [PEER], "ports": [{"port": "metrics", "protocol": "TCP"}]}
+
+
+def operator_mode(raw: dict) -> dict:
+    raw = copy.deepcopy(raw)
+    for pool in ("prefill", "decode"):
+        auto = raw.get(pool, {}).get("autoscaling")
+        if auto is not None:
+            auto["mode"] = "operator"
+            auto.pop("keda", None)
+    return raw
+
+
+def test_operator_mode_from_zero_renders_what_keda_mode_does_for_the_router():
+    keda_cfg = router_yaml(render(AGGREGATED))
+    docs = render(operator_mode(AGGREGATED), operator=OPERATOR)
+    assert by_kind(docs, "ScaledObject") == [] and by_kind(docs, "HorizontalPodAutoscaler") == []
+    assert one(docs, "Deployment", "demo-worker")["spec"]["replicas"] == 1  # the operator's
+    cfg = router_yaml(docs)
+    assert {k: cfg[k] for k in ("served_models", "flow_control")} == {
+        k: keda_cfg[k] for k in ("served_models", "flow_control")} == {
+        "served_models": [{"name": "llama", "start_timeout_s": 300}],
+        "flow_control": {"enabled": True}}
+    service = one(docs, "Service", "demo-metrics")
+    assert service["spec"]["ports"][0]["port"] == METRICS_PORT
+    assert METRICS_RULE in one(docs, "NetworkPolicy", "demo-router")["spec"]["ingress"]
+    for doc in docs:
+        validate(doc)
+
+
+def test_pd_both_roles_from_zero_in_operator_mode():
+    raw = operator_mode(PD)
+    raw["prefill"]["replicas"] = 1  # P/D (prefill's live count may still reach 0)
+    raw["decode"]["replicas"] = 0  # starts at zero
+    docs = render(raw, operator=OPERATOR)
+    assert one(docs, "Deployment", "demo-prefill")["spec"]["replicas"] == 1
+    assert one(docs, "Deployment", "demo-decode")["spec"]["replicas"] == 0
+    assert router_yaml(docs)["served_models"] == [
+        {"name": "Acme/llama:v2", "start_timeout_s": 300}]
+    assert METRICS_RULE in one(docs, "NetworkPolicy", "demo-router")["spec"]["ingress"]
+    for doc in docs:
+        validate(doc)
+
+
+def test_a_worker_signal_in_operator_mode_reads_no_scaling():
+    """Operator mode on the workers' metrics: nothing new (no metrics Service, no rule)."""
+    raw = copy.deepcopy(AGGREGATED)
+    raw["decode"]["autoscaling"] = {"maxReplicas": 6, "target": 8}
+    docs = render(raw, operator=OPERATOR)
+    assert [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "demo-metrics"] == []
+    assert METRICS_RULE not in one(docs, "NetworkPolicy", "demo-router")["spec"]["ingress"]
+
+
+def test_band_targets_render_one_trigger_per_band_and_list_the_bands():
+    raw = copy.deepcopy(PD)
+    raw["decode"]["autoscaling"]["keda"]["bandTargets"] = {"2": 4, "-1": 16.5}
+    raw["router"] = {"flowControl": {"bands": {"2": {"maxRequests": 50}}}}
+    docs = render(raw)
+    model = "Acme%2Fllama%3Av2"
+    so = one(docs, "ScaledObject", "demo-decode")
+    assert so["spec"]["triggers"] == [
+        trigger("demand", "decode", "demand", "AverageValue", "16", model=model),
+        trigger("kvutilization", "decode", "kv_utilization", "Value", "0.85", "1.01",
+                model=model),
+        trigger("bandm1", "decode", "queued_by_band.-1", "AverageValue", "16.5", model=model),
+        trigger("band2", "decode", "queued_by_band.2", "AverageValue", "4", model=model)]
+    assert crd_errors(so) == []
+    assert len(one(docs, "ScaledObject", "demo-prefill")["spec"]["triggers"]) == 1
+    # the router lists each band (its own bounds kept; a new one with the default's), so
+    # /scaling always has the key KEDA's trigger reads
+    fc = router_yaml(docs)["flow_control"]
+    assert fc == {"enabled": True, "bands": {-1: {}, 2: {"max_requests": 50}}}
+    text = one(docs, "ConfigMap", "demo-router-config")["data"]["router.yaml"]
+    assert yaml.safe_load(text)["flow_control"]["bands"] == {-1: {}, 2: {"max_requests": 50}}
+    for doc in docs:
+        validate(doc)
+
+
+def test_band_targets_turn_flow_control_on_without_scaling_to_zero():
+    raw = copy.deepcopy(AGGREGATED)
+    raw["decode"]["autoscaling"] |= {"minReplicas": 1, "keda": {"bandTargets": {"0": 3}}}
+    docs = render(raw)
+    cfg = router_yaml(docs)
+    assert cfg["flow_control"] == {"enabled": True, "bands": {0: {}}}
+    assert "served_models" not in cfg  # never at zero: nothing held for a start
+    assert one(docs, "ScaledObject", "demo-worker")["spec"]["triggers"][-1] == trigger(
+        "band0", "decode", "queued_by_band.0", "AverageValue", "3")
