@@ -64,12 +64,12 @@ class FakeMetrics:
 
 class FakeRouter:
     """A real HTTP server answering the router's `GET /scaling?model=&role=` as the test
-    programs it: (model, role) -> a demand (the body's other fields 0), or an HTTP status
+    programs it: (model, role) -> a demand and the body's other fields, or an HTTP status
     to fail with. `requests`: (monotonic time, path, query) of every request. Not
     programmed: 404, as the router answers for a model it does not know."""
 
     def __init__(self) -> None:
-        self.answers: dict[tuple[str, str], float | int] = {}
+        self.answers: dict[tuple[str, str], dict[str, Any]] = {}
         self.failing: int | None = None  # every request answered with this status
         self.requests: list[tuple[float, str, dict[str, list[str]]]] = []
         self._lock = threading.Lock()
@@ -82,17 +82,14 @@ class FakeRouter:
                 with outer._lock:
                     outer.requests.append((time.monotonic(), parts.path, query))
                     key = (query.get("model", [""])[0], query.get("role", [""])[0])
-                    status, demand = outer.failing, outer.answers.get(key)
-                if status is None and demand is None:
+                    status, answer = outer.failing, outer.answers.get(key)
+                if status is None and answer is None:
                     status = 404
                 if status is not None:
                     self.send_response(status)
                     self.end_headers()
                     return
-                body = json.dumps({"model": key[0], "role": key[1], "demand": demand,
-                                   "queued": 0, "running": 0, "waiting": 0,
-                                   "kv_utilization": 0.0, "ready_workers": 0,
-                                   "queued_by_band": {}}).encode()
+                body = json.dumps({"model": key[0], "role": key[1], **answer}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(body)))
@@ -106,9 +103,12 @@ class FakeRouter:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def set(self, model: str, role: str, demand: float) -> None:
+    def set(self, model: str, role: str, demand: float, **fields: Any) -> None:
+        """Answer `demand` for (model, role); `fields`: the body's others (default 0)."""
         with self._lock:
-            self.answers[(model, role)] = demand
+            self.answers[(model, role)] = {
+                "demand": demand, "queued": 0, "running": 0, "waiting": 0,
+                "kv_utilization": 0.0, "ready_workers": 0, "queued_by_band": {}, **fields}
 
     def fail(self, status: int | None) -> None:
         with self._lock:

@@ -1,12 +1,19 @@
 """The operator's read of the router's `/scaling` (`metrics.HttpScalingSource`): the answer
-as a `Scaling`, over real HTTP (`FakeRouter`); every failure is a `ScalingError` naming the
-URL (refused connection, an error status, a body that is not the answer), never a value."""
+as a `Scaling`, over real HTTP (`FakeRouter`), from every router replica and combined (each
+counts only its own queue); every failure is a `ScalingError` naming the URL (refused
+connection, an error status, a body that is not the answer), never a value."""
 
 from __future__ import annotations
 
 import pytest
 
-from tandem.operator.metrics import HttpScalingSource, Scaling, ScalingError
+from tandem.operator.metrics import (
+    HttpScalingSource,
+    Scaling,
+    ScalingError,
+    combine,
+    dns_endpoints,
+)
 from tandem.serving.ports import free_port
 from tests.operator.harness import FakeRouter
 
@@ -47,3 +54,32 @@ def test_every_field_is_read():
             "waiting": 2, "kv_utilization": 0.5, "ready_workers": 2,
             "queued_by_band": {"-1": 1, "2": 3}}
     assert Scaling.from_json(body) == Scaling(9.0, 4, 3, 2, 0.5, 2, {"-1": 1, "2": 3})
+
+
+def test_every_router_replica_is_read_and_their_queues_add_up():
+    """Two replicas: one holds 2 queued (band 1), the other 1 (band 1) and 3 (band 0) and
+    sees 3 running + 1 waiting on the workers (the first sees only 2 running): demand
+    2 + 4 + (3 + 1) = 10, not either replica's own answer; one replica down fails the read."""
+    a, b = FakeRouter(), FakeRouter()
+    try:
+        a.set("m", "decode", 4, queued=2, running=2, queued_by_band={"1": 2})
+        b.set("m", "decode", 8, queued=4, running=3, waiting=1, kv_utilization=0.5,
+              ready_workers=2, queued_by_band={"0": 3, "1": 1})
+        source = HttpScalingSource(endpoints=lambda url: [a.url, b.url])
+        got = source.read("http://demo-metrics.ml.svc:9091/scaling?model=m&role=decode")
+        assert got == Scaling(10.0, 6, 3, 1, 0.5, 2, {"0": 3, "1": 3})
+        assert [len(r.requests) for r in (a, b)] == [1, 1]
+        b.fail(503)
+        with pytest.raises(ScalingError, match="503"):
+            source.read("http://demo-metrics.ml.svc:9091/scaling?model=m&role=decode")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_combine_of_one_is_that_one_and_dns_finds_every_address():
+    one = Scaling(3.0, 1, 1, 1)
+    assert combine([one]) is one
+    assert "http://127.0.0.1:9091" in dns_endpoints("http://localhost:9091/scaling?model=m")
+    with pytest.raises(ScalingError):
+        dns_endpoints("http://no-such-host.invalid:9091/scaling")

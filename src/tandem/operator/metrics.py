@@ -8,7 +8,8 @@ scrapes each ready address's `http` port in parallel; tests use a fake source in
 A pool on `signal: demand` scales on the router's own answer instead: a `ScalingSource`
 reads `GET /scaling?model=&role=` (`render.keda.scaling_url`, the URL KEDA's trigger reads)
 into a `Scaling`; `HttpScalingSource` over HTTP, without a key, as KEDA does (the routers'
-metrics port asks for none; their NetworkPolicy admits the operator there).
+metrics port asks for none; their NetworkPolicy admits the operator there), from every
+router replica behind the URL's headless Service (each counts only its own queue).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+import socket
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -122,6 +125,7 @@ def counters(signal: Signal, samples: Samples, now: float) -> dict[str, tuple[fl
 # ---- the router's /scaling ---------------------------------------------------------------
 
 MAX_SCALING_BYTES = 1 << 16  # a /scaling answer is a few hundred bytes; more is refused
+MAX_ROUTERS = 128  # router replicas read per answer (the CRD allows 100)
 
 
 class ScalingError(Exception):
@@ -156,9 +160,10 @@ class Scaling:
             v = body.get(key, 0)
             return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
-        bands = body.get("queued_by_band")
+        bands, kv = body.get("queued_by_band"), body.get("kv_utilization")
+        kv = float(kv) if isinstance(kv, int | float) and not isinstance(kv, bool) else 0.0
         return cls(float(demand), count("queued"), count("running"), count("waiting"),
-                   float(body.get("kv_utilization") or 0.0), count("ready_workers"),
+                   kv, count("ready_workers"),
                    {str(k): v for k, v in bands.items() if isinstance(v, int)}
                    if isinstance(bands, dict) else {})
 
@@ -169,17 +174,56 @@ class ScalingSource(Protocol):
         ...
 
 
-class HttpScalingSource:
-    """Reads `/scaling` over HTTP. `base`: another scheme://host:port to send the request
-    to (the operator run outside the cluster, e.g. through `kubectl port-forward`)."""
+def combine(answers: Sequence[Scaling]) -> Scaling:
+    """One answer for a fleet of router replicas, each of which counts only its own queue
+    while all see the same workers' load: the queued shares (demand - running - waiting)
+    and the bands summed, running + waiting of the replica that sees the most."""
+    if len(answers) == 1:
+        return answers[0]
+    busiest = max(answers, key=lambda a: a.running + a.waiting)
+    held = sum(max(a.demand - a.running - a.waiting, 0.0) for a in answers)
+    bands: Counter[str] = Counter()
+    for a in answers:
+        bands.update(a.queued_by_band)
+    return Scaling(held + busiest.running + busiest.waiting, sum(a.queued for a in answers),
+                   busiest.running, busiest.waiting,
+                   max(a.kv_utilization for a in answers),
+                   max(a.ready_workers for a in answers), dict(bands))
 
-    def __init__(self, timeout_s: float = 2.0, base: str | None = None) -> None:
-        self.timeout_s, self.base = timeout_s, base
+
+def dns_endpoints(url: str) -> list[str]:
+    """scheme://address:port for every address `url`'s host resolves to: through a headless
+    Service (the routers' NAME-metrics), every ready router replica."""
+    parts = urlsplit(url)
+    try:
+        infos = socket.getaddrinfo(parts.hostname, parts.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ScalingError(f"{parts.hostname}: {exc}") from exc
+    addresses = sorted({str(info[4][0]) for info in infos})[:MAX_ROUTERS]
+    return [f"{parts.scheme}://{f'[{a}]' if ':' in a else a}:{parts.port}" for a in addresses]
+
+
+class HttpScalingSource:
+    """Reads `/scaling` over HTTP from every router replica (`endpoints`: the base URLs a
+    URL's host stands for, `dns_endpoints` by default) in parallel and `combine`s their
+    answers; any replica unread fails the read. `base`: one scheme://host:port to send
+    every request to instead (the operator run outside the cluster, e.g. through
+    `kubectl port-forward`)."""
+
+    def __init__(self, timeout_s: float = 2.0, base: str | None = None,
+                 endpoints: Callable[[str], list[str]] = dns_endpoints) -> None:
+        self.timeout_s = timeout_s
+        self.endpoints = endpoints if base is None else (lambda _url: [base])
 
     def read(self, url: str) -> Scaling:
-        if self.base is not None:
-            parts = urlsplit(url)
-            url = f"{self.base.rstrip('/')}{parts.path}?{parts.query}"
+        parts = urlsplit(url)
+        urls = [f"{b.rstrip('/')}{parts.path}?{parts.query}" for b in self.endpoints(url)]
+        if not urls:
+            raise ScalingError(f"{url}: no router answers there")
+        with ThreadPoolExecutor(min(16, len(urls))) as pool:
+            return combine(list(pool.map(self._read_one, urls)))
+
+    def _read_one(self, url: str) -> Scaling:
         try:
             with httpx.stream("GET", url, timeout=self.timeout_s) as resp:
                 resp.raise_for_status()
