@@ -12,11 +12,13 @@ import copy
 
 import yaml
 
-from tandem.operator.render import OperatorPeer
+from tandem.operator.render import OperatorPeer, Owner, render_all
 from tandem.operator.render.common import METRICS_PORT
+from tandem.operator.spec import parse_spec
 from tests.operator.crd_validate import crd_errors
 from tests.operator.lws import validate
 from tests.operator.manifests import by_kind, one, render
+from tests.operator.test_gateway import PD as OWNER_PD
 from tests.operator.test_keda_render import AGGREGATED, PD, router_yaml, trigger
 
 OPERATOR = OperatorPeer("tandem-system", "tandem")
@@ -110,3 +112,28 @@ def test_band_targets_turn_flow_control_on_without_scaling_to_zero():
     assert "served_models" not in cfg  # never at zero: nothing held for a start
     assert one(docs, "ScaledObject", "demo-worker")["spec"]["triggers"][-1] == trigger(
         "band0", "decode", "queued_by_band.0", "AverageValue", "3")
+
+
+def test_an_attached_service_scaled_from_zero_by_the_operator():
+    """An attached service whose decode pool the operator scales from zero and whose other
+    pool KEDA scales on a band: the group's owner renders the metrics Service, lets the
+    operator (and KEDA) read /scaling, lists the attached model, holds its requests and
+    lists the band its trigger reads."""
+    alpha = Owner("alpha", "ml", "uid-a")
+    zero = {"model": {"uri": "pvc://models/z.gguf", "name": "zero"},
+            "router": {"attachTo": "alpha"},
+            "prefill": {"replicas": 1, "autoscaling": {
+                "mode": "keda", "minReplicas": 1, "maxReplicas": 2, "target": 4,
+                "keda": {"bandTargets": {"3": 2}}}},
+            "decode": {"replicas": 0, "autoscaling": {
+                "mode": "operator", "minReplicas": 0, "maxReplicas": 2, "target": 4}}}
+    member = parse_spec(zero)
+    docs = render_all(parse_spec(OWNER_PD), alpha, image="tandem:test",
+                      members=[("beta", member)], operator=OPERATOR)
+    one(docs, "Service", "alpha-metrics")
+    ingress = one(docs, "NetworkPolicy", "alpha-router")["spec"]["ingress"]
+    assert {"from": [member.keda, PEER], "ports": [{"port": "metrics", "protocol": "TCP"}]} in (
+        ingress)
+    cfg = yaml.safe_load(one(docs, "ConfigMap", "alpha-router-config")["data"]["router.yaml"])
+    assert cfg["flow_control"] == {"enabled": True, "bands": {3: {}}}
+    assert cfg["served_models"] == [{"name": "zero", "start_timeout_s": 300}]
