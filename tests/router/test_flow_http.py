@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tandem.operator.metrics import HttpScalingSource, Scaling
 from tandem.router.config import RouterConfigError, check_config
 from tandem.router.core import Router, RouterSettings
 from tandem.router.flowcontrol.local import QueueFlowControl
@@ -78,6 +79,11 @@ def test_a_saturated_worker_answers_the_queue_in_arrival_order(worker):
         assert signal == {"model": "stub-model", "role": "decode", "demand": 4.0,
                           "queued": 3, "running": 1, "waiting": 0, "kv_utilization": 0.0,
                           "ready_workers": 1, "queued_by_band": {"0": 3}}
+        # what the operator's autoscaler reads of it (the same contract)
+        url = "http://demo-metrics.ml.svc:9091/scaling?model=stub-model&role=decode"
+        assert HttpScalingSource(base=served.url).read(url) == Scaling(
+            4.0, queued=3, running=1, waiting=0, kv_utilization=0.0, ready_workers=1,
+            queued_by_band={"0": 3})
         prefill = httpx.get(served.url + "/scaling", timeout=5,
                             params={"model": "stub-model", "role": "prefill"}).json()
         assert prefill["demand"] == 3.0 and prefill["ready_workers"] == 0
