@@ -29,10 +29,8 @@ from urllib.error import URLError
 from urllib.request import urlopen
 
 import pytest
-import yaml
 from kubernetes.client import ApiClient, AppsV1Api, Configuration, CoreV1Api, CustomObjectsApi
 
-from tandem.operator.metrics import HttpScalingSource
 from tandem.operator.reconcile import OperatorConfig
 from tandem.operator.render import Owner, render_all
 from tandem.operator.render.common import CONFIG_HASH
@@ -95,7 +93,7 @@ ISVC = "tandem.dev/v1alpha1/inferenceservices"
 class Env:
     def __init__(self, cluster: FakeCluster, metrics: FakeMetrics,
                  router: FakeRouter | None = None) -> None:
-        self.cluster, self.metrics, self.router = cluster, metrics, router
+        self.cluster, self.metrics, self.router = cluster, metrics, router  # router: /scaling
         client = ApiClient(Configuration(host=cluster.url))
         self.api, self.apps = CustomObjectsApi(client), AppsV1Api(client)
         self.core = CoreV1Api(client)
@@ -183,15 +181,10 @@ def operator_with_redis(tmp_path_factory: pytest.TempPathFactory, admin_password
 @pytest.fixture(scope="module")
 def kube_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     metrics = FakeMetrics()  # the chart's Redis: the examples' router.managedRedis
-    router = FakeRouter()  # every router's /scaling (the operator's reads sent here)
-    try:
-        with operator_with_redis(tmp_path_factory, "adm", image_pull_policy="IfNotPresent",
-                                 status_interval_s=0.3, autoscale_interval_s=0.2,
-                                 backoff_s=0.2, resync_interval_s=1.0, metrics=metrics,
-                                 scaling=HttpScalingSource(base=router.url)) as (cluster, _):
-            yield Env(cluster, metrics, router)
-    finally:
-        router.stop()
+    with operator_with_redis(tmp_path_factory, "adm", image_pull_policy="IfNotPresent",
+                             status_interval_s=0.3, autoscale_interval_s=0.2, backoff_s=0.2,
+                             resync_interval_s=1.0, metrics=metrics) as (cluster, _):
+        yield Env(cluster, metrics)
 
 
 @pytest.fixture()
@@ -608,60 +601,6 @@ def test_a_keda_pool_is_left_to_its_scaled_object(env: Env) -> None:
     wait_for(lambda: env.get("Deployment", "kedapd-decode")["spec"]["replicas"] == 4,
              timeout=30, what="the operator scaling decode")
     assert not [s for _, s in env.metrics.calls if s == "kedapd-prefill"]
-
-
-def test_operator_mode_scales_both_pd_roles_from_zero_and_back_on_the_routers_demand(
-        env: Env, caplog: pytest.LogCaptureFixture) -> None:
-    """P/D, both pools in the operator's own mode with minReplicas 0 (decode starting at 0),
-    on the router's /scaling for their role (a real HTTP server answering for the router):
-    no demand keeps decode at 0 and takes prefill there after the window; demand wakes
-    each to ceil(demand / target) at once; a /scaling that fails changes nothing, however
-    long (no scale to zero on a read error, logged); demand gone → 0 only after the
-    scale-down window. Replica history: decode 0, 3, 0; prefill 1, 0, 2, 0."""
-    zero = {"mode": "operator", "minReplicas": 0, "maxReplicas": 4, "target": 2,
-            "scaleDownStabilizationSeconds": 1}
-    spec = {"model": {"uri": "pvc://models/llama", "sha256": SHA, "name": "Acme/llama"},
-            "prefill": {"replicas": 1, "autoscaling": dict(zero)},
-            "decode": {"replicas": 0, "autoscaling": dict(zero)}}
-    router, model = env.router, "Acme/llama"
-    router.set(model, "decode", 0)
-    router.set(model, "prefill", 0)
-    env.create("zeta", spec)
-    wait_for(lambda: env.status("zeta").get("observedGeneration") == 1)
-    replicas = lambda pool: env.get("Deployment", f"zeta-{pool}")["spec"]["replicas"]  # noqa: E731
-    # the URL KEDA would read: the routers' metrics Service, the served name and the role
-    wait_for(lambda: {(p, q["role"][0]) for _, p, q in router.requests
-                      if q.get("model") == [model]} == {("/scaling", "decode"),
-                                                        ("/scaling", "prefill")})
-    wait_for(lambda: replicas("prefill") == 0, timeout=10, what="idle prefill to zero")
-    assert replicas("decode") == 0
-    t_wake = time.monotonic()
-    router.set(model, "decode", 5)  # e.g. five held in the router's queue
-    router.set(model, "prefill", 3)
-    wait_for(lambda: replicas("decode") == 3 and replicas("prefill") == 2, timeout=10,
-             what="both woken")
-    assert time.monotonic() - t_wake < 5  # at once, not after a window
-    router.fail(503)  # the router unreadable: whatever the window, nothing changes
-    n = router.count()
-    wait_for(lambda: router.count() > n + 10, timeout=10)  # > 1 s: past the window
-    assert (replicas("decode"), replicas("prefill")) == (3, 2)
-    assert any("/scaling unread" in r.getMessage() and "zeta-decode" in r.getMessage()
-               for r in caplog.records)
-    router.fail(None)
-    quiet = time.monotonic()
-    router.set(model, "decode", 0)
-    router.set(model, "prefill", 0)
-    wait_for(lambda: replicas("decode") == 0 and replicas("prefill") == 0, timeout=10,
-             what="both back to zero")
-    assert time.monotonic() - quiet >= 0.9, "scaled to zero inside the window"
-    for pool, want in (("decode", [0, 3, 0]), ("prefill", [1, 0, 2, 0])):
-        counts = [v["spec"]["replicas"] for v in env.history("Deployment", f"zeta-{pool}")
-                  if v]
-        assert [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]] == want
-    st = env.status("zeta")
-    assert st["decode"]["desiredReplicas"] == 0 and st["prefill"]["desiredReplicas"] == 0
-    cfg = yaml.safe_load(env.get("ConfigMap", "zeta-router-config")["data"]["router.yaml"])
-    assert cfg["served_models"] == [{"name": model, "start_timeout_s": 300}]
 
 
 def test_the_tandem_operator_process(tmp_path) -> None:
