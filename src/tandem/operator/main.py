@@ -38,7 +38,7 @@ from tandem.operator.metrics import HttpMetricsSource, HttpScalingSource
 from tandem.operator.redis_acl import RedisAclError
 from tandem.operator.render import Owner, front_door_name, pool_name, pools
 from tandem.operator.render.common import API_VERSION
-from tandem.operator.render.keda import scaling_url
+from tandem.operator.render.keda import scaling_urls
 from tandem.operator.spec import InferenceServiceSpec, SpecError, check_name, parse_spec
 from tandem.operator.status import STATUS_KEY, failed, merge_patch, now_iso, observed
 
@@ -230,7 +230,7 @@ def autoscale(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> 
                 done = reconcile.scale_pool(memo.kube, memo.metrics, owner, pool,
                                             live.get(pool_name(owner, pool)), state,
                                             scaling=memo.scaling,
-                                            url=scaling_url(spec, owner, pool.role))
+                                            urls=scaling_urls(spec, owner, pool.role))
             if done is not None:
                 patch.status[STATUS_KEY[pool.name]] = {"desiredReplicas": done.desired,
                                                        "lastScaleTime": now_iso()}

@@ -18,6 +18,7 @@ from tandem.operator.metrics import (
     MetricsSource,
     ScalingError,
     ScalingSource,
+    combine,
     counters,
     per_replica,
 )
@@ -231,13 +232,14 @@ class Scaled:
 def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
                dep: Mapping[str, Any] | None, state: PoolState,
                now: float | None = None, scaling: ScalingSource | None = None,
-               url: str | None = None) -> Scaled | None:
+               urls: Sequence[str] = ()) -> Scaled | None:
     """One autoscaler tick for one pool: read the signal, decide, and patch the workload's
     replicas (nothing else: a Deployment's pods, a LeaderWorkerSet's groups, whose leaders
     report) when the decision differs from what runs. None: no change. `dep` is the live
     workload named by the pool's `Workload` (`workloads`), patched as the kind it is.
-    `signal: demand` reads the router's answer at `url` (`render.keda.scaling_url`) from
-    `scaling` instead of the workers: its demand per running replica (all of it at zero,
+    `signal: demand` reads the router's answers at `urls` (`render.keda.scaling_urls`: one
+    per served name) from `scaling` instead of the workers, `combine`d: their demand per
+    running replica (all of it at zero,
     which wakes the pool), 0 only when nothing is queued, running or waiting, so a pool
     reaches zero once idle for the whole stabilization window; a failed read changes
     nothing (logged) and counts as a recommendation of what runs, so a scale-down (to zero
@@ -249,7 +251,7 @@ def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
     name = Workload.of(owner, pool).name
     current = int(dep["spec"].get("replicas", 1))
     if auto.signal == DEMAND:
-        value = router_demand(scaling, url, name, current)
+        value = router_demand(scaling, urls, name, current)
     else:
         signal = signal_for(auto.signal, pool.role)
         samples = source.scrape(owner.namespace, name)
@@ -275,15 +277,16 @@ def scale_pool(kube: Kube, source: MetricsSource, owner: Owner, pool: Pool,
     return Scaled(pool, current, desired, value)
 
 
-def router_demand(scaling: ScalingSource | None, url: str | None, name: str,
+def router_demand(scaling: ScalingSource | None, urls: Sequence[str], name: str,
                   current: int) -> float | None:
-    """The router's demand for the pool per running replica (the whole demand at zero);
-    None when it cannot be read."""
-    if scaling is None or url is None:
+    """The router's demand for the pool per running replica (the whole demand at zero), its
+    answers for each served name `combine`d (each name's queue apart, the same workers);
+    None when one cannot be read."""
+    if scaling is None or not urls:
         logger.warning("%s: signal demand without a /scaling source", name)
         return None
     try:
-        answer = scaling.read(url)
+        answer = combine([scaling.read(url) for url in urls])
     except ScalingError as exc:
         logger.warning("%s: no autoscaling decision, the router's /scaling unread: %s", name,
                        exc)

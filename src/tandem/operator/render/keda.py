@@ -60,11 +60,19 @@ def metrics_host(owner: Owner) -> str:
     return f"http://{owner.name}-metrics.{owner.namespace}.svc:{METRICS_PORT}"
 
 
-def scaling_url(spec: InferenceServiceSpec, owner: Owner, role: str) -> str:
-    """The router's `/scaling` answer for the model's served name and `role`."""
-    query = urlencode({"model": spec.model.served_name, "role": scaling_role(role)})
+def scaling_url(spec: InferenceServiceSpec, owner: Owner, role: str,
+                model: str | None = None) -> str:
+    """The router's `/scaling` answer for `model` (default: the model's served name) and
+    `role`."""
+    query = urlencode({"model": model or spec.model.served_name, "role": scaling_role(role)})
     # (an attached InferenceService: the routers of `router.attachTo`, which serve its model)
     return f"{metrics_host(router_owner(spec, owner))}/scaling?{query}"
+
+
+def scaling_urls(spec: InferenceServiceSpec, owner: Owner, role: str) -> list[str]:
+    """`scaling_url` for every name the model is served under (an `hf://ORG/NAME` model is
+    NAME and ORG/NAME too): with no worker up the router queues each name apart."""
+    return [scaling_url(spec, owner, role, name) for name in spec.model.served_names]
 
 
 def _number(value: float) -> str:
