@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import socket
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -182,13 +181,14 @@ def combine(answers: Sequence[Scaling]) -> Scaling:
         return answers[0]
     busiest = max(answers, key=lambda a: a.running + a.waiting)
     held = sum(max(a.demand - a.running - a.waiting, 0.0) for a in answers)
-    bands: Counter[str] = Counter()
+    bands: dict[str, int] = {}
     for a in answers:
-        bands.update(a.queued_by_band)
+        for band, n in a.queued_by_band.items():
+            bands[band] = bands.get(band, 0) + n
     return Scaling(held + busiest.running + busiest.waiting, sum(a.queued for a in answers),
                    busiest.running, busiest.waiting,
                    max(a.kv_utilization for a in answers),
-                   max(a.ready_workers for a in answers), dict(bands))
+                   max(a.ready_workers for a in answers), bands)
 
 
 def dns_endpoints(url: str) -> list[str]:
@@ -220,6 +220,8 @@ class HttpScalingSource:
         urls = [f"{b.rstrip('/')}{parts.path}?{parts.query}" for b in self.endpoints(url)]
         if not urls:
             raise ScalingError(f"{url}: no router answers there")
+        if len(urls) == 1:
+            return self._read_one(urls[0])
         with ThreadPoolExecutor(min(16, len(urls))) as pool:
             return combine(list(pool.map(self._read_one, urls)))
 
