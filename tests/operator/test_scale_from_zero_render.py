@@ -137,3 +137,15 @@ def test_an_attached_service_scaled_from_zero_by_the_operator():
     cfg = yaml.safe_load(one(docs, "ConfigMap", "alpha-router-config")["data"]["router.yaml"])
     assert cfg["flow_control"] == {"enabled": True, "bands": {3: {}}}
     assert cfg["served_models"] == [{"name": "zero", "start_timeout_s": 300}]
+
+
+def test_a_model_served_under_two_names_wakes_on_either():
+    """hf://Org/Model-7B is served as Model-7B and Org/Model-7B; with no worker up the
+    router queues each name apart, so KEDA reads both (a request for either wakes it)."""
+    raw = copy.deepcopy(AGGREGATED)
+    raw["model"] = {"uri": "hf://Org/Model-7B@main"}
+    so = one(render(raw), "ScaledObject", "demo-worker")
+    assert so["spec"]["triggers"] == [
+        trigger("demand", "decode", "demand", "AverageValue", "8", model="Model-7B"),
+        trigger("demand1", "decode", "demand", "AverageValue", "8", model="Org%2FModel-7B")]
+    assert crd_errors(so) == []

@@ -12,6 +12,9 @@ pool, on the router's own signal for the pool's role.
   those running and waiting on the role's workers), `metricType: AverageValue` with
   `targetValue` = `autoscaling.target` per replica (kvUtilization: `Value`, the role's mean),
   and `activationTargetValue: 0`: the first queued request wakes a pool at zero.
+* A model served under more than one name (`hf://ORG/NAME`: NAME and ORG/NAME) gets one
+  more `demand` trigger per other name (`demand1`, ...): with no worker up the router
+  queues each name apart, and a request for any of them wakes the pool.
 * `keda.kvUtilizationTarget`: a second trigger on `kv_utilization` (`metricType: Value`); its
   activation threshold (above 1, never reached) leaves waking to the first trigger, so KV
   pages cached by idle workers never hold a pool above zero.
@@ -92,6 +95,9 @@ def triggers(spec: InferenceServiceSpec, owner: Owner, role: str,
     kind = "Value" if auto.signal == "kvUtilization" else "AverageValue"
     out = [_trigger(auto.signal.lower(), url, KEDA_VALUES[auto.signal], kind, auto.target,
                     "0")]
+    if auto.signal == DEMAND:  # with no worker up the router queues an alias apart
+        out += [_trigger(f"demand{i}", alias, "demand", kind, auto.target, "0")
+                for i, alias in enumerate(scaling_urls(spec, owner, role)[1:], 1)]
     kv = auto.keda.kv_utilization_target
     if kv is not None and auto.signal != "kvUtilization":
         out.append(_trigger("kvutilization", url, KEDA_VALUES["kvUtilization"], "Value", kv,
