@@ -179,3 +179,40 @@ def test_word_cache_gives_the_library_tokens_over_random_chat_prompts(tok):
         assert enc.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids, text
         assert enc._cached_chars == sum(map(len, enc._cache)) <= 4000
     assert enc.word_hits > 1000 and enc.hits > 9000  # words and template pieces reused
+
+
+def test_a_new_number_comes_from_cached_digits(tok):
+    """The bundled tokenizer isolates digits first: a new order number reaches the
+    tokenizer as digits already cached, so nothing is encoded anew."""
+    enc = ChunkedEncoder(tok.backend)
+    assert enc.digit_cuts
+    first, second = "Order 12345: where is it?", "Order 54321: where is it, then?"
+    assert enc.encode(first) == tok.backend.encode(first, add_special_tokens=False).ids
+    sent: list[str] = []
+    batch = enc._encode_batch
+    enc._encode_batch = lambda texts: sent.extend(texts) or batch(texts)
+    assert enc.encode(second) == tok.backend.encode(second, add_special_tokens=False).ids
+    assert sent == [" it,", " then?"]  # the only new words
+
+
+def test_digits_are_cut_only_where_the_pre_tokenizer_isolates_them():
+    """A byte-level BPE that merges digits ("12", " 1") without a `Digits` step: no digit
+    cuts, and the tokens match the library; digit cuts there would not."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from tandem.protocol.long_text import digits_isolated
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("1", "2"), ("Ġ", "1"), ("Ġ1", "2"), ("2", "3")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Backend(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert chunkable(bpe) and not digits_isolated(bpe)
+    texts = ["a 123 b", "x12 y 1223", "12 12 23", "no 1 2 3 here 123123"]
+    plain, forced = ChunkedEncoder(bpe), ChunkedEncoder(bpe)
+    forced.digit_cuts = True
+    assert all(plain.encode(t) == bpe.encode(t, add_special_tokens=False).ids for t in texts)
+    assert any(forced.encode(t) != bpe.encode(t, add_special_tokens=False).ids for t in texts)

@@ -23,9 +23,11 @@ per message, and a system prompt or an earlier turn is tokenized once, not per r
 ~130 us with the system message cached). A stretch never seen whole (a new user turn) is
 looked up again word by word, cut at every safe space, so only its new words reach the
 tokenizer (at the safe spaces of `split_words`, which also cut after ASCII digits and
-punctuation and before digits: "Order 12000: my" is three words; ~35 us instead of ~75 for
-a new ~140-character user turn). Added tokens that strip neighbouring spaces or match only
-as single words move the boundaries; such tokenizers are not split.
+punctuation and before digits: "Order 12000: my" is three words; where the pre-tokenizer
+isolates every digit first, `digits_isolated`, each ASCII digit is a word of its own, so a
+new number is cached digits. A new ~140-character user turn costs ~22 us instead of ~75.)
+Added tokens that strip neighbouring spaces or match only as single words move the
+boundaries; such tokenizers are not split.
 
 Only tokenizers whose normalizer is empty and whose pre-tokenizer is byte-level (regex
 split and/or digits, then ByteLevel) qualify, and none of their added tokens may contain a
@@ -65,6 +67,21 @@ def chunkable(backend: _Backend) -> bool:
     if any(s.get("type") == "ByteLevel" and s.get("add_prefix_space") for s in steps):
         return False
     return not any(" " in t.content for t in backend.get_added_tokens_decoder().values())
+
+
+def digits_isolated(backend: _Backend) -> bool:
+    """True when the pre-tokenizer's first step isolates every digit (`Digits` with
+    `individual_digits`): no pre-token then spans an ASCII digit and its neighbours, so a
+    text may also be cut before and after each ASCII digit (`ChunkedEncoder`'s words)."""
+    if backend.pre_tokenizer is None:
+        return False
+    pre = json.loads(backend.pre_tokenizer.__getstate__())
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    return bool(steps) and steps[0].get("type") == "Digits" and bool(
+        steps[0].get("individual_digits"))
+
+
+_DIGIT = re.compile(r"([0-9])")
 
 
 def cut_points(text: str, chunk_chars: int) -> list[int]:
@@ -174,6 +191,8 @@ class ChunkedEncoder:
         self.word_hits = 0
         self.cache_chars = cache_chars  # bound on the cached pieces' total length
         self.splitter = added_token_splitter(backend)
+        # ASCII digits cut words too (`digits_isolated`): a new number is cached digits
+        self.digit_cuts = digits_isolated(backend)
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # the router tokenizes long bodies in worker threads
@@ -219,7 +238,13 @@ class ChunkedEncoder:
             hits = 0
             for i in missed:  # second level: the missed piece's words may be known
                 piece = pieces[i]  # type: ignore[assignment]
-                words = split_words(piece) if len(piece) <= self.word_chars else [piece]
+                if len(piece) > self.word_chars:
+                    words = [piece]
+                elif self.digit_cuts:
+                    words = [w for part in _DIGIT.split(piece) if part
+                             for w in (split_words(part) if len(part) > 1 else (part,))]
+                else:
+                    words = split_words(piece)
                 words_of[i] = words
                 several = len(words) > 1
                 for w in words:
