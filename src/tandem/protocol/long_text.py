@@ -238,15 +238,21 @@ class ChunkedEncoder:
             hits = 0
             for i in missed:  # second level: the missed piece's words may be known
                 piece = pieces[i]  # type: ignore[assignment]
-                if len(piece) > self.word_chars:
-                    words = [piece]
-                elif self.digit_cuts:
-                    words = [w for part in _DIGIT.split(piece) if part
-                             for w in (split_words(part) if len(part) > 1 else (part,))]
-                else:
-                    words = split_words(piece)
-                words_of[i] = words
+                words = words_of[i] = self.words(piece)  # type: ignore[arg-type]
                 several = len(words) > 1
+                if several:  # every word known (the common case): the ids at once
+                    ids = []
+                    for w in words:
+                        got = get(w)
+                        if got is None:
+                            break
+                        touch(w)
+                        ids += got
+                    else:
+                        found[i] = ids
+                        hits += len(words)
+                        self._remember(piece, ids)  # type: ignore[arg-type]
+                        continue
                 for w in words:
                     if w in known or w in todo:
                         continue
@@ -268,6 +274,8 @@ class ChunkedEncoder:
         if missed:
             with self._lock:
                 for i in missed:
+                    if found[i]:
+                        continue  # all its words were known
                     words = words_of[i]
                     if len(words) == 1:
                         found[i] = known[words[0]]
@@ -278,6 +286,16 @@ class ChunkedEncoder:
         for ids in found:
             out += ids
         return out
+
+    def words(self, piece: str) -> list[str]:
+        """`piece` cut at every safe place (`split_words`, and at digits where
+        `digit_cuts`); uncut when longer than `word_chars`."""
+        if len(piece) > self.word_chars:
+            return [piece]
+        if self.digit_cuts:
+            return [w for part in _DIGIT.split(piece) if part
+                    for w in (split_words(part) if len(part) > 1 else (part,))]
+        return split_words(piece)
 
     def _encode_batch(self, texts: list[str]) -> list:
         if sum(map(len, texts)) <= SERIAL_CHARS:  # a few new words: no thread pool round trip
