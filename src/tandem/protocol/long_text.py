@@ -214,7 +214,7 @@ class ChunkedEncoder:
         pieces = self.pieces(text)
         found: list[Sequence[int]] = []  # per piece; () for a missed one until it is known
         missed: list[int] = []
-        words_of: dict[int, list[str]] = {}
+        words_of: dict[int, list[str]] = {}  # a missed piece's words, unless all were known
         known: dict[str, Sequence[int]] = {}
         todo: dict[str, None] = {}  # distinct texts to encode, in order
         cache = self._cache
@@ -238,7 +238,7 @@ class ChunkedEncoder:
             hits = 0
             for i in missed:  # second level: the missed piece's words may be known
                 piece = pieces[i]  # type: ignore[assignment]
-                words = words_of[i] = self.words(piece)  # type: ignore[arg-type]
+                words = self.words(piece)  # type: ignore[arg-type]
                 several = len(words) > 1
                 if several:  # every word known (the common case): the ids at once
                     ids = []
@@ -253,6 +253,7 @@ class ChunkedEncoder:
                         hits += len(words)
                         self._remember(piece, ids)  # type: ignore[arg-type]
                         continue
+                words_of[i] = words
                 for w in words:
                     if w in known or w in todo:
                         continue
@@ -271,12 +272,9 @@ class ChunkedEncoder:
                 for w, enc in zip(texts, encoded, strict=True):
                     known[w] = enc.ids
                     self._remember(w, enc.ids)
-        if missed:
+        if words_of:
             with self._lock:
-                for i in missed:
-                    if found[i]:
-                        continue  # all its words were known
-                    words = words_of[i]
+                for i, words in words_of.items():
                     if len(words) == 1:
                         found[i] = known[words[0]]
                         continue
