@@ -83,9 +83,8 @@ class PrefixIndex:
         chain, stamp, keys, pos, rows = self._last
         if chain is not hashes or stamp != self._table.stamp or len(keys) != len(hashes):
             keys = as_keys(hashes, digests=True)
-            pos = self._table.find(keys)
-            rows = self._table.rows(pos)
-            rows[pos < 0] = NONE
+            pos, words = self._table.lookup(keys)
+            rows = words.view(np.int16).reshape(-1, INLINE)
             self._last = (hashes, self._table.stamp, keys, pos, rows)
         return keys, pos, rows
 
