@@ -10,9 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.router.workers import HashGroup, Worker
+
+if TYPE_CHECKING:
+    from tandem.router.scorers.columns import Columns
 
 
 @dataclass
@@ -56,6 +62,11 @@ class Scorer(ABC):
     @abstractmethod
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         """One value in [0, 1] per worker, in order."""
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray | None:
+        """`score` as a float64 array over `cols.workers`, exactly equal to it; None (the
+        default) when the scorer has no vectorized form (the policy then calls `score`)."""
+        return None
 
 
 class Filter(ABC):
