@@ -41,6 +41,13 @@ def block_key(h: BlockHash) -> int:
 
 
 
+def _any_cell(cells: np.ndarray) -> np.ndarray:
+    """`cells.any(1)` for an (n, INLINE) bool array, reading each row's cells as one word."""
+    if INLINE != 4:
+        return cells.any(1)
+    return np.ascontiguousarray(cells).view(np.uint32).ravel() != 0
+
+
 def _live_bits(entry: dict[int, float] | None, now: float) -> int:
     """The holder bits of a block's speculative `entry` (slot -> expiry) unexpired at `now`."""
     bits = 0
@@ -120,7 +127,7 @@ class PrefixIndex:
         holder cells when already read)."""
         if rows is None:
             rows = self._table.rows(pos)
-        held = (pos >= 0) & (rows == slot).any(1)
+        held = (pos >= 0) & _any_cell(rows == slot)
         over = (pos >= 0) & (rows[:, 0] == OVER)
         if over.any():
             bit, table = 1 << slot, self._over
