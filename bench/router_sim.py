@@ -239,10 +239,10 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0,
         f"{build['longest_insert_cpu_s'] * 1e3:.1f} ms)")
     probes = []
     now0 = time.monotonic()
-    policy = router.policy
+    picker = router.policy
     # probe prefixes sit on workers that are not saturated, so their prefix hits count
     unsaturated = [w.id for w in workers
-                   if not (hasattr(policy, "saturated") and policy.saturated(w))]
+                   if not (hasattr(picker, "saturated") and picker.saturated(w))]
     pauses = GcPauses()
     for i, depth in enumerate(HIT_DEPTHS):
         holders = rng.sample(unsaturated if len(unsaturated) >= 3 else ids, 3)
