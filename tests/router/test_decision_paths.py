@@ -53,3 +53,18 @@ def test_the_churn_view_reads_the_trackers_values_for_its_workers_only():
     assert view == {w: tracker.value(w, now) for w in some}
     assert view.get(next(w for w in ids if w not in some), -1.0) == -1.0
     assert len(view) == len(some) and set(view) == some
+
+
+def test_hash_groups_for_a_base_model_request_are_the_workers_own_groups():
+    rng = random.Random(3)
+    for _ in range(300):
+        ws = [Worker(id=f"w{i}", model="m", block_size=rng.choice((None, 16, 32)),
+                     lora_digests=rng.choice(({}, {"ad": "d1"})))
+              for i in range(rng.randint(0, 12))]
+        want: dict = {}
+        for w in ws:
+            want.setdefault(w.hash_group(None), []).append(w)
+        assert Router.hash_groups(ws, None) == want
+        assert Router.hash_groups(ws, "ad") == {
+            g: [w for w in ws if w.hash_group("ad") == g] for g in
+            dict.fromkeys(w.hash_group("ad") for w in ws)}

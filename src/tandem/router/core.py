@@ -34,7 +34,7 @@ from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
 from tandem.router.scorers.filters import SERVES, HealthFilter, ModelFilter, RoleFilter
-from tandem.router.workers import HashGroup, Worker
+from tandem.router.workers import DEFAULT_BLOCK_SIZE, HashGroup, Worker
 
 FULL_SCAN_UP_TO = 64  # workers; above this a decision scores a bounded candidate set
 SAMPLE = 32  # random candidates of the model and role per decision
@@ -175,6 +175,10 @@ class Router:
         """Candidates by how they hash a prompt for adapter `lora`: block size and the
         adapter's weight digest there (workers may hold other weights under one name)."""
         groups: dict[HashGroup, list[Worker]] = {}
+        if lora is None:  # `Worker.hash_group(None)`, without two calls per candidate
+            for w in candidates:
+                groups.setdefault((w.block_size or DEFAULT_BLOCK_SIZE, ""), []).append(w)
+            return groups
         for w in candidates:
             groups.setdefault(w.hash_group(lora), []).append(w)
         return groups
