@@ -121,6 +121,17 @@ class PrefixIndex:
                 bits |= 1 << s
         return bits
 
+    def _holds_one(self, k: int, slot: int) -> bool:
+        """`_bits_one(k)` has `slot`'s bit (without building the whole mask)."""
+        table = self._table
+        p = table.find_one(k)
+        if p < 0:
+            return False
+        cells = table.row(p)
+        if cells[0] == OVER:
+            return bool(self._over[k] >> slot & 1)
+        return slot in cells
+
     def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int,
               rows: np.ndarray | None = None) -> np.ndarray:
         """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent; `rows`: their
@@ -339,8 +350,8 @@ class PrefixIndex:
         slot = self._slot_of(worker)
         expiry = now + self.speculative_ttl_s
         if len(hashes) <= SCALAR_UP_TO:
-            bit = 1 << slot
-            new = [k for k in map(as_key, hashes) if not self._bits_one(k) & bit]
+            holds = self._holds_one
+            new = [k for k in map(as_key, hashes) if not holds(k, slot)]
         else:
             keys, pos, rows = self._lookup(hashes)
             new = keys[~self._held(keys, pos, slot, rows)].tolist() if keys.size else []
