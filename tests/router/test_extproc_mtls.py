@@ -57,7 +57,9 @@ def _creds(ca: CA, client: tuple[bytes, bytes] | None) -> grpc.ChannelCredential
 
 
 def _health(target: str, creds: grpc.ChannelCredentials, service: str = "liveness") -> int:
-    with grpc.secure_channel(target, creds) as ch:
+    """One Check on a new connection (a handshake of its own)."""
+    with grpc.secure_channel(target, creds,
+                             options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
@@ -167,3 +169,52 @@ def test_a_client_ca_without_a_server_certificate_is_a_usage_error(pki) -> None:
         capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "--ext-proc-tls-client-ca: needs --ext-proc-tls-cert" in proc.stderr
+
+
+def test_a_rotated_client_ca_applies_to_new_connections_without_a_restart(
+        tmp_path, monkeypatch) -> None:
+    """Mounted as Kubernetes mounts Secrets (kubelet's atomic `..data` swap): after the
+    client CA is rotated, new connections need a certificate of the new CA."""
+    from tandem.router.extproc import clientauth
+    from tests.protocol.certs import SecretVolume
+
+    monkeypatch.setattr(clientauth, "RECHECK_S", 0.0)
+    old, new = CA("old-gateway-ca"), CA("new-gateway-ca")
+    server_ca = CA("epp-server-ca")
+    cert, key = server_ca.issue("epp")
+    tls = SecretVolume(tmp_path / "tls", {"tls.crt": cert, "tls.key": key})
+    client_ca = SecretVolume(tmp_path / "client-ca", {"ca.crt": old.pem})
+    worker = StubWorker(free_port())
+    r = EppRouter([worker.url], ext=ExtProcSettings(
+        port=0, host="127.0.0.1", tls_cert=str(tls.path / "tls.crt"),
+        tls_key=str(tls.path / "tls.key"), tls_client_ca=str(client_ca.path / "ca.crt")))
+    serving = health_pb2.HealthCheckResponse.SERVING
+    try:
+        r.wait_routable(1)
+        by_old = _creds(server_ca, old.issue("gw"))
+        by_new = _creds(server_ca, new.issue("gw"))
+        assert _health(r.target, by_old) == serving
+        client_ca.update({"ca.crt": new.pem})
+        assert _health(r.target, by_new) == serving
+        with pytest.raises(grpc.RpcError) as err:
+            _health(r.target, by_old)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        client_ca.update({"ca.crt": b"not a certificate"})  # a bad update: the last good kept
+        assert _health(r.target, by_new) == serving
+    finally:
+        r.stop()
+        worker.stop()
+
+
+def test_mismatched_files_stop_the_picker_at_start(tmp_path, pki) -> None:
+    from tandem.router.extproc.clientauth import credentials
+
+    d, ca, _ = pki
+    _, other_key = ca.issue("someone-else")
+    (tmp_path / "other.key").write_bytes(other_key)
+    (tmp_path / "empty.crt").write_bytes(b"")
+    for key, client_ca, message in ((tmp_path / "other.key", d / "ca.crt", "not the private key"),
+                                    (d / "tls.key", tmp_path / "empty.crt", "no PEM certificate")):
+        with pytest.raises(OSError, match=f"ext_proc mutual TLS: .*{message}"):
+            credentials(ExtProcSettings(port=0, tls_cert=str(d / "tls.crt"), tls_key=str(key),
+                                        tls_client_ca=str(client_ca)))
