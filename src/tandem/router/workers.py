@@ -143,6 +143,12 @@ class CircuitBreaker:
         self.failures = 0
         self.trial_in_flight = False
 
+    def on_abandon(self) -> None:
+        """A request was sent but its outcome will never be known (a gateway answered it
+        elsewhere, or the stream broke): a half-open trial ends undecided, the next request
+        may be the trial."""
+        self.trial_in_flight = False
+
     def on_failure(self, now: float) -> None:
         self.failures += 1
         self.trial_in_flight = False
