@@ -123,3 +123,24 @@ def test_large_candidate_sets_take_the_vectorized_path(monkeypatch):
     pol.pick(ctx, [random_worker(rng, i) for i in range(policy_module.VECTOR_FROM)])
     pol.pick(ctx, [random_worker(rng, i) for i in range(policy_module.VECTOR_FROM - 1)])
     assert calls == [policy_module.VECTOR_FROM]
+
+
+def test_reported_kv_use_is_bounded_so_no_report_breaks_a_pick():
+    """A worker's KV use as the monitor stores it (`bounded_kv_usage`): whatever a worker
+    reports (NaN included), both paths pick a worker."""
+    from tandem.router.workers import bounded_kv_usage
+
+    assert [bounded_kv_usage(v) for v in (math.nan, -0.5, 0.3, 1.5, math.inf, -math.inf)] == \
+        [1.0, 0.0, 0.3, 1.0, 1.0, 0.0]
+    rng = random.Random(7)
+    for case in range(1000):
+        pol, ctx, workers = random_case(rng)
+        for w in workers:
+            w.load = WorkerLoad(**{**vars(w.load),
+                                   "kv_cache_usage": bounded_kv_usage(w.load.kv_cache_usage)})
+        seed = rng.random()
+        pol.rng = random.Random(seed)
+        want = pol.pick_scalar(ctx, workers)
+        pol.rng = random.Random(seed)
+        got = pol.pick_vector(ctx, workers)
+        assert got.worker.id == want.worker.id, case
