@@ -2,8 +2,9 @@
 `FlowControl.acquire` for every request) plus `Router.saturated` (asked by every pick with
 flow control on) plus the pick itself (`Router.route`, an empty prefix index), at N workers,
 with a given share of them saturated. `--mode scan` times the per-request scan of every
-worker that capacity and saturation were answered by before (reproduced here), `--mode
-book` the maintained answer the router keeps now (`saturation.SaturationBook`).
+worker that capacity and saturation were answered by before (`sim_fleet`, also the test's
+oracle), `--mode book` the maintained answer the router keeps now
+(`saturation.SaturationBook`).
 
     python bench/flow_capacity.py --workers 1000 --saturated 0.9 --json
 """
@@ -17,48 +18,13 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from tandem.router import prompt as prompts
-from tandem.router.core import Router, RouterSettings
-from tandem.router.flowcontrol.base import ModelCapacity
-from tandem.router.workers import Worker, WorkerLoad
+from tandem.router.workers import WorkerLoad
 
-MODEL = "m"
-
-
-def scan_capacity(router: Router, model: str, now: float) -> ModelCapacity:
-    """The previous implementation: every worker looked at per request."""
-    known = saturated = False
-    for w in router.workers.values():
-        if not w.serves(model) or w.role == "prefill":
-            continue
-        known = True
-        if not w.routable(now):
-            continue
-        if not router.is_saturated(w):
-            return ModelCapacity.AVAILABLE
-        saturated = True
-    if saturated:
-        return ModelCapacity.SATURATED
-    if known or model in router.settings.served_models:
-        return ModelCapacity.STARTING
-    return ModelCapacity.NONE
-
-
-def scan_saturated(router: Router, model: str) -> set[str]:
-    return {w.id for w in router.workers.values()
-            if w.serves(model) and w.role != "prefill" and router.is_saturated(w)}
-
-
-def fleet(n: int, saturated: float, rng: random.Random) -> Router:
-    router = Router(RouterSettings(seed=0, flow_saturation_waiting=4), lambda m: None)
-    for i in range(n):
-        full = rng.random() < saturated
-        router.add_worker(Worker(f"http://10.0.{i // 256}.{i % 256}:8000", model=MODEL,
-                                 ready=True, load=WorkerLoad(
-                                     num_running=8, num_waiting=6 if full else 1,
-                                     kv_cache_usage=0.5)))
-    return router
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_fleet import MODEL, fleet, scan_capacity, scan_saturated  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:

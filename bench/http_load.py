@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import random
+import select
 import sys
 import time
 from collections import Counter, deque
@@ -293,10 +294,22 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run(args))
     else:
         result = uvloop.run(run(args))
-    os.set_blocking(sys.stdout.fileno(), True)  # the event loop may have left it non-blocking:
-    sys.stdout.write(json.dumps(result) + "\n")  # a >64 KiB line would then be cut short
-    sys.stdout.flush()
+    write_all(sys.stdout.fileno(), (json.dumps(result) + "\n").encode())
     return 0
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd`, blocking or not (the event loop may have left it
+    non-blocking), through partial writes: a >64 KiB result line was cut short under load."""
+    sys.stdout.flush()
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except BlockingIOError:
+            select.select([], [fd], [])
+            continue
+        view = view[n:]
 
 
 if __name__ == "__main__":

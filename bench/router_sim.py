@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/router_sim.py [--workers 1000] [--blocks 10000000] [--decisions 300]
 
-In one process, no sockets: a `tandem.router.core.Router` (default settings: cache-aware
-policy, model/role/health filters) with N simulated workers - ready, KV event stream
+In one process, no sockets: a `tandem.router.core.Router` (default settings but the
+policy: `--policy`, by default the one `tandem router` uses, `cost`; model/role/health
+filters) with N simulated workers - ready, KV event stream
 connected, block size 16, the bundled model's name, random but plausible load (running and
 waiting requests, KV use 0.2-0.95, in-flight tokens). The prefix index is filled through its
 public event API (`PrefixIndex.stored`, as the KV event streams would) with `--blocks`
@@ -50,6 +51,8 @@ from tandem.protocol.bundled import BUNDLED_NAME
 from tandem.router import gcpolicy
 from tandem.router import prompt as prompts
 from tandem.router.core import Router, RouterSettings
+from tandem.router.main import DEFAULT_POLICY
+from tandem.router.policy import POLICIES
 from tandem.router.workers import Worker, WorkerLoad
 
 BLOCK_SIZE = 16
@@ -208,10 +211,11 @@ class GcPauses:
                 for g, v in self.stats.items()}
 
 
-def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
+def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0,
+        policy: str = DEFAULT_POLICY) -> dict:
     rng = random.Random(seed)
     rss0 = rss_mib()
-    router = Router(RouterSettings(seed=seed), lambda model: None)
+    router = Router(RouterSettings(seed=seed, policy=policy), lambda model: None)
     workers = make_workers(n_workers, rng)
     for w in workers:
         router.add_worker(w)
@@ -235,10 +239,10 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
         f"{build['longest_insert_cpu_s'] * 1e3:.1f} ms)")
     probes = []
     now0 = time.monotonic()
-    policy = router.policy
+    picker = router.policy
     # probe prefixes sit on workers that are not saturated, so their prefix hits count
     unsaturated = [w.id for w in workers
-                   if not (hasattr(policy, "saturated") and policy.saturated(w))]
+                   if not (hasattr(picker, "saturated") and picker.saturated(w))]
     pauses = GcPauses()
     for i, depth in enumerate(HIT_DEPTHS):
         holders = rng.sample(unsaturated if len(unsaturated) >= 3 else ids, 3)
@@ -251,7 +255,7 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0) -> dict:
             f"p99 {res['route_cpu_s']['p99'] * 1e3:.3f} ms "
             f"(cold hash p50 {res['hash_cold_s']['p50'] * 1e3:.3f}, "
             f"match p50 {res['match_s']['p50'] * 1e3:.3f})")
-    res = {"workers": n_workers, "blocks_requested": n_blocks, "seed": seed,
+    res = {"workers": n_workers, "blocks_requested": n_blocks, "seed": seed, "policy": policy,
            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
            "build": build, "rss_mib_before": rss0, "rss_mib_after_build": rss1,
            "rss_growth_mib": round(rss1["VmRSS"] - rss0["VmRSS"], 1),
@@ -288,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=10_000_000)
     ap.add_argument("--decisions", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                    help=f"the routing policy (default: {DEFAULT_POLICY}, as `tandem router`)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON line")
     args = ap.parse_args(argv)
-    res = run(args.workers, args.blocks, args.decisions, args.seed)
+    res = run(args.workers, args.blocks, args.decisions, args.seed, args.policy)
     if args.json:
         print(json.dumps(res))
     return 0

@@ -21,10 +21,10 @@ from tandem.operator.render.multinode import pod_templates
 from tandem.operator.spec import SpecError, parse_spec
 from tandem.operator.status import observed
 from tandem.protocol.labels import INFERENCE_POOL_LABEL, ROUTER_GROUP_LABEL
-from tests.operator.crd_validate import cel_failures, crd_errors
+from tests.operator.crd_validate import cel_failures, crd_errors, schema_errors
 from tests.operator.lws import validate
 from tests.operator.manifests import OWNER, arg, by_kind, container, matches, one, set_path
-from tests.operator.samples import SHA, resource, schema
+from tests.operator.samples import SHA, resource, schema, unknown_fields
 
 GATEWAY = {"name": "inference-gateway", "namespace": "gateways", "sectionName": "http"}
 AGG = {"model": {"uri": "pvc://models/m.gguf", "sha256": SHA}, "decode": {"replicas": 2}}
@@ -192,6 +192,58 @@ def test_ext_proc_tls_mounts_the_secret_and_probes_over_http():
     validate(one(docs, "Deployment", "demo-epp"))
     grpc = one(docs, "Service", "demo-epp")["spec"]["ports"][0]
     assert grpc["name"] == "grpc-ext-proc" and "appProtocol" not in grpc
+
+
+def test_ext_proc_client_ca_renders_mutual_tls_on_the_picker():
+    spiffe = "spiffe://cluster.local/ns/gateways/sa/inference-gateway"
+    tls = {"secretName": "epp-tls", "clientAuth": {
+        "caSecretName": "gateway-ca", "allowedNames": ["gateway.example", spiffe]}}
+    raw = gateway(tls=tls)
+    res = resource(raw)
+    assert cel(raw) == [] and schema_errors(schema(), res) == []
+    assert unknown_fields(schema(), res) == []
+    docs = render(raw)
+    epp = one(docs, "Deployment", "demo-epp")
+    c = container(epp)
+    assert arg(c["args"], "--ext-proc-tls-client-ca") == "/etc/tandem/ext-proc-client-ca/ca.crt"
+    allowed = [c["args"][i + 1] for i, a in enumerate(c["args"])
+               if a == "--ext-proc-allowed-client"]
+    assert allowed == ["gateway.example", spiffe]
+    vol = next(v for v in epp["spec"]["template"]["spec"]["volumes"]
+               if v["name"] == "ext-proc-client-ca")
+    assert vol["secret"] == {"secretName": "gateway-ca", "defaultMode": 0o440,
+                             "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert {"name": "ext-proc-client-ca", "mountPath": "/etc/tandem/ext-proc-client-ca",
+            "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    validate(epp)
+    # the flags the router parses: the same settings a hand-run picker gets
+    import argparse
+
+    from tandem.router.main import add_router_args
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args, _ = p.parse_known_args(c["args"][c["args"].index("router") + 1:])
+    assert args.ext_proc_tls_client_ca == "/etc/tandem/ext-proc-client-ca/ca.crt"
+    assert args.ext_proc_allowed_client == ["gateway.example", spiffe]
+    plain = container(one(render(gateway(tls={"secretName": "epp-tls"})), "Deployment",
+                          "demo-epp"))
+    assert "--ext-proc-tls-client-ca" not in plain["args"]
+    assert all(m["name"] != "ext-proc-client-ca" for m in plain["volumeMounts"])
+
+
+def test_ext_proc_client_auth_is_checked_by_the_schema_and_parse_spec():
+    for tls, message in (
+            ({"secretName": "t", "clientAuth": {"allowedNames": ["gw"]}}, "caSecretName"),
+            ({"secretName": "t", "clientAuth": {"caSecretName": ""}}, "caSecretName"),
+            ({"secretName": "t", "clientAuth": {"caSecretName": "ca", "allowedNames": [""]}},
+             "allowedNames"),
+            ({"secretName": "t", "clientAuth": {"caSecretName": "ca",
+                                                "allowedNames": ["n"] * 65}}, "allowedNames")):
+        assert schema_errors(schema(), resource(gateway(tls=tls))) != [], tls
+        with pytest.raises(SpecError, match=f"router.gateway.tls.clientAuth.{message}"):
+            parse_spec(gateway(tls=tls))
 
 
 def test_pd_pool_selects_decode_pods_never_prefill():

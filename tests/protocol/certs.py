@@ -44,7 +44,7 @@ class CA:
 
     def issue(self, name: str, sans: tuple[str, ...] = LOCAL_SANS) -> tuple[bytes, bytes]:
         """(certificate, key) PEM with common name `name`, valid as server and client for
-        the subject alternative names `sans` (IP addresses or DNS names)."""
+        the subject alternative names `sans` (IP addresses, URIs or DNS names)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
@@ -79,6 +79,8 @@ class CA:
 
 
 def _san(value: str) -> x509.GeneralName:
+    if "://" in value:  # a URI SAN, e.g. a SPIFFE id
+        return x509.UniformResourceIdentifier(value)
     try:
         return x509.IPAddress(ipaddress.ip_address(value))
     except ValueError:

@@ -48,11 +48,12 @@ def test_a_new_message_reuses_known_words(tok):
     a = "Where is my parcel with the blue book, ordered on Monday?"
     b = "Where is my order with the red book, shipped on Friday?"
     assert split_words(b) == ["Where", " is", " my", " order", " with", " the", " red",
-                              " book, shipped", " on", " Friday?"]
+                              " book,", " shipped", " on", " Friday?"]
     assert enc.encode(a) == tok.backend.encode(a, add_special_tokens=False).ids
     assert enc.word_hits == 0
     assert enc.encode(b) == tok.backend.encode(b, add_special_tokens=False).ids
-    assert enc.word_hits == 6  # Where, is, my, with, the, on: only the rest was encoded
+    # Where, is, my, with, the, book, and on: only the rest was encoded
+    assert enc.word_hits == 7
     hits = enc.hits
     assert enc.encode(b) == tok.backend.encode(b, add_special_tokens=False).ids
     assert enc.hits == hits + 1  # the whole message is cached now
@@ -156,3 +157,62 @@ def test_tokens_that_strip_spaces_turn_the_split_off():
     assert added_token_splitter(bpe) is None
     text = "a <mask> the<a>b"
     assert ChunkedEncoder(bpe).encode(text) == bpe.encode(text, add_special_tokens=False).ids
+
+
+WORDS = ["Order", "order", "12000:", "3.5", "1,000", "42", "x", "naïve", "日本", "½", "²", "١٢",
+         "«quoted»", "(see", "below)", "it's", "don't", "e.g.", "--", "'", '"', "...", "?", "!",
+         "a\u0301", "Ⅷ", "İ", "foo_bar", "#1", "$5", "50%", "\u00a0", "。", "—", "🚀", "\t"]
+
+
+def test_word_cache_gives_the_library_tokens_over_random_chat_prompts(tok):
+    """Seeded: 3,000 random chat prompts (digits, ASCII and other punctuation, marks, non-ASCII
+    numbers next to spaces) through one encoder whose small cache keeps evicting: every
+    prompt's ids are exactly the library's, and the cache stays within its bound."""
+    rng = random.Random(7)
+    enc = ChunkedEncoder(tok.backend, cache_chars=4000)
+    system = "You are a helpful assistant. Answer briefly, in plain English."
+    for _ in range(3000):
+        user = "".join(rng.choice(WORDS) + rng.choice([" ", " ", " ", "", "  ", ", ", "\n"])
+                       for _ in range(rng.randrange(1, 30)))
+        text = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                "<|im_start|>assistant\n")
+        assert enc.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids, text
+        assert enc._cached_chars == sum(map(len, enc._cache)) <= 4000
+    assert enc.word_hits > 1000 and enc.hits > 9000  # words and template pieces reused
+
+
+def test_a_new_number_comes_from_cached_digits(tok):
+    """The bundled tokenizer isolates digits first: a new order number reaches the
+    tokenizer as digits already cached, so nothing is encoded anew."""
+    enc = ChunkedEncoder(tok.backend)
+    assert enc.digit_cuts
+    first, second = "Order 12345: where is it?", "Order 54321: where is it, then?"
+    assert enc.encode(first) == tok.backend.encode(first, add_special_tokens=False).ids
+    sent: list[str] = []
+    batch = enc._encode_batch
+    enc._encode_batch = lambda texts: sent.extend(texts) or batch(texts)
+    assert enc.encode(second) == tok.backend.encode(second, add_special_tokens=False).ids
+    assert sent == [" it,", " then?"]  # the only new words
+
+
+def test_digits_are_cut_only_where_the_pre_tokenizer_isolates_them():
+    """A byte-level BPE that merges digits ("12", " 1") without a `Digits` step: no digit
+    cuts, and the tokens match the library; digit cuts there would not."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from tandem.protocol.long_text import digits_isolated
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    merges = [("1", "2"), ("Ġ", "1"), ("Ġ1", "2"), ("2", "3")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    bpe = Backend(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    assert chunkable(bpe) and not digits_isolated(bpe)
+    texts = ["a 123 b", "x12 y 1223", "12 12 23", "no 1 2 3 here 123123"]
+    plain, forced = ChunkedEncoder(bpe), ChunkedEncoder(bpe)
+    forced.digit_cuts = True
+    assert all(plain.encode(t) == bpe.encode(t, add_special_tokens=False).ids for t in texts)
+    assert any(forced.encode(t) != bpe.encode(t, add_special_tokens=False).ids for t in texts)

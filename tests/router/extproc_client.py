@@ -112,10 +112,12 @@ class Stream:
 
 
 class Envoy:
-    """Plays Envoy against an endpoint picker at `target` (plaintext)."""
+    """Plays Envoy against an endpoint picker at `target` (plaintext, or over TLS with
+    `credentials`)."""
 
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.channel = (grpc.insecure_channel(target) if credentials is None
+                        else grpc.secure_channel(target, credentials))
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     def close(self) -> None:

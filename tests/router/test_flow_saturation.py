@@ -6,6 +6,8 @@ the straightforward scan of every worker answers."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,31 +15,10 @@ from tandem.router.core import Router, RouterSettings
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.workers import LoRAReport, Worker, WorkerLoad
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from sim_fleet import scan_capacity, scan_saturated  # noqa: E402  (the oracle)
+
 NAMES = ("m", "n", "alias", "lora-a", "cold", "absent")
-
-
-def scan_capacity(router: Router, model: str, now: float) -> ModelCapacity:
-    """The oracle: every worker looked at (the capacity rule as first written)."""
-    known = saturated = False
-    for w in router.workers.values():
-        if not w.serves(model) or w.role == "prefill":
-            continue
-        known = True
-        if not w.routable(now):
-            continue
-        if not router.is_saturated(w):
-            return ModelCapacity.AVAILABLE
-        saturated = True
-    if saturated:
-        return ModelCapacity.SATURATED
-    if known or model in router.settings.served_models:
-        return ModelCapacity.STARTING
-    return ModelCapacity.NONE
-
-
-def scan_saturated(router: Router, model: str) -> set[str]:
-    return {w.id for w in router.workers.values()
-            if w.serves(model) and w.role != "prefill" and router.is_saturated(w)}
 
 
 def step(router: Router, rng: random.Random, now: float) -> None:

@@ -257,3 +257,38 @@ def test_stored_after_a_rehash_that_keeps_the_size():
         idx.removed("a", held + chain)
         idx.removed("b", chain)
     assert idx._table.cap == 1024 and idx._table.rehashes > 0
+
+
+def test_lookup_hints_agree_with_find_through_deletes_reuse_and_growth(monkeypatch):
+    """`BlockTable.lookup` (position hints, then `find`) answers exactly `find` and `rows`
+    while keys are deleted, their entries reused by others and the table grows and drains,
+    with few hint slots so hints collide and go stale all the time."""
+    monkeypatch.setattr(index_packed, "HINT_BITS", 4)
+    monkeypatch.setattr(index_packed, "MIGRATE_MIN", 3)
+    monkeypatch.setattr(index_packed, "MIGRATE_PER_KEY", 2)
+    rng = np.random.default_rng(11)
+    table, live = BlockTable(8), []
+    hinted = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.4 or not live:
+            keys = np.setdiff1d(rng.integers(2, 1 << 40, rng.integers(1, 20), dtype=np.uint64),
+                                np.array(live, np.uint64))
+            at = table.insert(keys)
+            table.set_rows(at, np.sort(rng.integers(-1, 9, (len(keys), INLINE)), axis=1)
+                           .astype(np.int16))
+            live += keys.tolist()
+        elif op < 0.6:
+            gone = rng.choice(live, min(len(live), int(rng.integers(1, 10))), replace=False)
+            table.delete(table.find(np.array(gone, np.uint64)))
+            live = [k for k in live if k not in set(gone.tolist())]
+        probe = np.array(rng.choice(live + [5, 7, 1 << 41], int(rng.integers(1, 40))),
+                         np.uint64)
+        pos, words = table.lookup(probe)
+        want = table.find(probe)
+        assert (pos == want).all()
+        rows = table.rows(want)
+        rows[want < 0] = index_packed.NONE
+        assert (words.view(np.int16).reshape(-1, INLINE) == rows).all()
+        hinted += int((table._hint_pos[(probe & np.uint64(15)).view(np.int64)] == pos).sum())
+    assert hinted > 0

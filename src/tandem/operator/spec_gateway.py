@@ -23,6 +23,7 @@ FAILURE_MODES = ("FailClose", "FailOpen")  # InferencePool endpointPickerRef.fai
 DEFAULT_EXT_PROC_PORT = 9002  # the Gateway API Inference Extension's EPP port
 MAX_PARENT_REFS = 32  # HTTPRoute spec.parentRefs maxItems
 MAX_OBJECTIVES = 256
+MAX_CLIENT_NAMES = 64  # router.gateway.tls.clientAuth.allowedNames
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _KIND = re.compile(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
@@ -39,6 +40,10 @@ class GatewaySpec:
     ext_proc_port: int = DEFAULT_EXT_PROC_PORT  # the EPP's gRPC port (its Service's too)
     failure_mode: str = "FailClose"  # what the gateway does when the EPP does not answer
     tls_secret: str | None = None  # kubernetes.io/tls Secret: ext_proc over TLS
+    # tls.clientAuth (mutual TLS): a Secret holding ca.crt, the CA of the gateway's client
+    # certificates, and the identities (SAN DNS / URI or CN) served; () = any of that CA
+    client_ca_secret: str | None = None
+    client_names: tuple[str, ...] = ()
     # NetworkPolicy peers of the gateway's proxies (the EPP's gRPC port and the workers'
     # http port); () = any
     allowed_clients: tuple[dict[str, Any], ...] = ()
@@ -82,6 +87,23 @@ def _objectives(d: dict[str, Any], where: str) -> dict[str, int]:
     return out
 
 
+def _client_auth(tls: dict[str, Any], where: str) -> tuple[str | None, list[str]]:
+    """`tls.clientAuth`: (the client CA's Secret, the allowed names), (None, []) unset."""
+    if "clientAuth" not in tls:
+        return None, []
+    auth = get_obj(tls, "clientAuth", where)
+    w = f"{where}.clientAuth"
+    ca = get(auth, "caSecretName", str, None, w)
+    if not ca or len(ca) > 253:
+        raise SpecError(f"{w}.caSecretName is required (a Secret name)")
+    names = get(auth, "allowedNames", list, [], w)
+    if len(names) > MAX_CLIENT_NAMES or not all(
+            isinstance(n, str) and 0 < len(n) <= 2048 for n in names):
+        raise SpecError(f"{w}.allowedNames: at most {MAX_CLIENT_NAMES} names of 1-2048 "
+                        "characters")
+    return ca, names
+
+
 def parse_gateway(d: dict[str, Any], mode: str) -> GatewaySpec | None:
     """`router.gateway`: None in mode `router`, which refuses the field."""
     w = "router.gateway"
@@ -97,11 +119,14 @@ def parse_gateway(d: dict[str, Any], mode: str) -> GatewaySpec | None:
     secret = get(tls, "secretName", str, None, f"{w}.tls")
     if "tls" in g and not secret:
         raise SpecError(f"{w}.tls.secretName is required")
+    client_ca, client_names = _client_auth(tls, f"{w}.tls")
     return GatewaySpec(
         parent_refs=tuple(_parent_ref(r, f"{w}.parentRefs[{i}]") for i, r in enumerate(refs)),
         ext_proc_port=get_int(g, "extProcPort", DEFAULT_EXT_PROC_PORT, w, 1024, 65535),
         failure_mode=get_enum(g, "failureMode", "FailClose", w, FAILURE_MODES),
         tls_secret=secret,
+        client_ca_secret=client_ca,
+        client_names=tuple(client_names),
         allowed_clients=peers(g.get("allowedClients"), f"{w}.allowedClients"),
         objectives=_objectives(g, w),
         request_timeout_seconds=get_int(g, "requestTimeoutSeconds", 300, w, 1, 86400))

@@ -299,6 +299,7 @@ class _Connection(asyncio.Protocol):
             body = b"".join(req.parts)
             scope = self._scope(req, path, query, {DISCONNECT_CANCELS: {}})
             request = Request(scope, self._receiver(body))
+            request._body = body  # `body()` answers at once (no receive-stream generator)
             response = await serve_route(handler, request)
             await self._respond(req, response)
         else:

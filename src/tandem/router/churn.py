@@ -15,6 +15,8 @@ seconds), unit-tested alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Set
+
 
 class ChurnTracker:
     """Decayed uncached-token totals per worker (tokens, or characters in approximate mode)."""
@@ -57,3 +59,28 @@ class ChurnTracker:
 
     def workers(self) -> list[str]:
         return sorted(self._state)
+
+
+class ChurnView(Mapping[str, float]):
+    """`tracker`'s values at `now` for `workers`, each computed when read (a policy may read
+    a few of them: the cost policy only to break near-equal costs)."""
+
+    def __init__(self, tracker: ChurnTracker, now: float, workers: Set[str]) -> None:
+        self._tracker, self._now, self._workers = tracker, now, workers
+
+    def __getitem__(self, worker: str) -> float:
+        if worker not in self._workers:
+            raise KeyError(worker)
+        return self._tracker.value(worker, self._now)
+
+    def get(self, worker: str, default: float | None = None) -> float | None:
+        """`Mapping.get` without its two extra calls (read once per candidate)."""
+        if worker in self._workers:
+            return self._tracker.value(worker, self._now)
+        return default
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)

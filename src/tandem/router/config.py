@@ -155,6 +155,11 @@ class RouterConfig(_Strict):
     ext_proc_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     ext_proc_host: str | None = None
     ext_proc_fallbacks: Count | None = None
+    # mutual TLS on the picker's port: the client CA (PEM path) and the client names served
+    ext_proc_tls_client_ca: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    ext_proc_allowed_clients: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=2048)]],
+        Field(min_length=1, max_length=64)] | None = None
     objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
     inference_pool: Annotated[str, Field(min_length=1, max_length=253)] | None = None
 

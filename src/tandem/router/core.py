@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
 from tandem.router import prompt as prompts
-from tandem.router.churn import ChurnTracker
+from tandem.router.churn import ChurnTracker, ChurnView
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
-from tandem.router.workers import HashGroup, Worker
+from tandem.router.scorers.filters import SERVES, HealthFilter, ModelFilter, RoleFilter
+from tandem.router.workers import DEFAULT_BLOCK_SIZE, HashGroup, Worker
 
 FULL_SCAN_UP_TO = 64  # workers; above this a decision scores a bounded candidate set
 SAMPLE = 32  # random candidates of the model and role per decision
@@ -96,6 +97,10 @@ class Router:
         self.policy = make_policy(settings.policy, **kwargs)
         self._churn_scored = self.policy.uses("cache_churn")  # else no per-request churn reads
         self.filters = [FILTERS[name]() for name in settings.filters]
+        # the built-in model, role and health filters, in that order: `_keep` checks them
+        # inline (the same checks in the same order, without three calls per candidate)
+        self._builtin_filters = [type(f) for f in self.filters] == [
+            ModelFilter, RoleFilter, HealthFilter]
         self.book = SaturationBook(self.is_saturated)  # flow control's capacity, kept current
 
     # -- membership ------------------------------------------------------------------------
@@ -170,6 +175,10 @@ class Router:
         """Candidates by how they hash a prompt for adapter `lora`: block size and the
         adapter's weight digest there (workers may hold other weights under one name)."""
         groups: dict[HashGroup, list[Worker]] = {}
+        if lora is None:  # `Worker.hash_group(None)`, without two calls per candidate
+            for w in candidates:
+                groups.setdefault((w.block_size or DEFAULT_BLOCK_SIZE, ""), []).append(w)
+            return groups
         for w in candidates:
             groups.setdefault(w.hash_group(lora), []).append(w)
         return groups
@@ -198,7 +207,7 @@ class Router:
         ctx = RoutingContext(model=model, prompt_tokens=len(parsed.token_ids or parsed.text),
                              now=now, lora=lora)
         if self._churn_scored:
-            ctx.churn_tokens = {w.id: self.churn.value(w.id, now) for w in candidates}
+            ctx.churn_tokens = ChurnView(self.churn, now, {w.id for w in candidates})
         for key, group in self.hash_groups(candidates, lora).items():
             size = key[0]
             chain = hashes.get(key) if hashes else None
@@ -264,6 +273,9 @@ class Router:
 
     def _keep(self, probe: RoutingContext, w: Worker) -> bool:
         """`w` passes every filter (as `all(...)`, without a generator per worker)."""
+        if self._builtin_filters:
+            return (w.serves(probe.model) and w.role in SERVES.get(probe.role, (probe.role,))
+                    and w.ready and w.breaker.allows(probe.now))
         for f in self.filters:  # noqa: SIM110 - the generator costs ~0.3 us per worker
             if not f.keep(probe, w):
                 return False

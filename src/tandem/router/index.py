@@ -41,6 +41,13 @@ def block_key(h: BlockHash) -> int:
 
 
 
+def _any_cell(cells: np.ndarray) -> np.ndarray:
+    """`cells.any(1)` for an (n, INLINE) bool array, reading each row's cells as one word."""
+    if INLINE != 4:
+        return cells.any(1)
+    return np.ascontiguousarray(cells).view(np.uint32).ravel() != 0
+
+
 def _live_bits(entry: dict[int, float] | None, now: float) -> int:
     """The holder bits of a block's speculative `entry` (slot -> expiry) unexpired at `now`."""
     bits = 0
@@ -83,9 +90,8 @@ class PrefixIndex:
         chain, stamp, keys, pos, rows = self._last
         if chain is not hashes or stamp != self._table.stamp or len(keys) != len(hashes):
             keys = as_keys(hashes, digests=True)
-            pos = self._table.find(keys)
-            rows = self._table.rows(pos)
-            rows[pos < 0] = NONE
+            pos, words = self._table.lookup(keys)
+            rows = words.view(np.int16).reshape(-1, INLINE)
             self._last = (hashes, self._table.stamp, keys, pos, rows)
         return keys, pos, rows
 
@@ -115,13 +121,24 @@ class PrefixIndex:
                 bits |= 1 << s
         return bits
 
+    def _holds_one(self, k: int, slot: int) -> bool:
+        """`_bits_one(k)` has `slot`'s bit (without building the whole mask)."""
+        table = self._table
+        p = table.find_one(k)
+        if p < 0:
+            return False
+        cells = table.row(p)
+        if cells[0] == OVER:
+            return bool(self._over[k] >> slot & 1)
+        return slot in cells
+
     def _held(self, keys: np.ndarray, pos: np.ndarray, slot: int,
               rows: np.ndarray | None = None) -> np.ndarray:
         """Per key: is it confirmed on `slot` (`pos`: its entries, -1 absent; `rows`: their
         holder cells when already read)."""
         if rows is None:
             rows = self._table.rows(pos)
-        held = (pos >= 0) & (rows == slot).any(1)
+        held = (pos >= 0) & _any_cell(rows == slot)
         over = (pos >= 0) & (rows[:, 0] == OVER)
         if over.any():
             bit, table = 1 << slot, self._over
@@ -333,8 +350,8 @@ class PrefixIndex:
         slot = self._slot_of(worker)
         expiry = now + self.speculative_ttl_s
         if len(hashes) <= SCALAR_UP_TO:
-            bit = 1 << slot
-            new = [k for k in map(as_key, hashes) if not self._bits_one(k) & bit]
+            holds = self._holds_one
+            new = [k for k in map(as_key, hashes) if not holds(k, slot)]
         else:
             keys, pos, rows = self._lookup(hashes)
             new = keys[~self._held(keys, pos, slot, rows)].tolist() if keys.size else []

@@ -28,7 +28,8 @@ weight, over the defaults: a scorer left out keeps its default, 0 switches it of
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
 `max_connections`, `ext_proc_port`, `ext_proc_host`, `ext_proc_fallbacks` (endpoints listed
-after the pick; default 0), `objectives` (InferenceObjective name -> priority),
+after the pick; default 0), `ext_proc_tls_client_ca`, `ext_proc_allowed_clients` (list),
+`objectives` (InferenceObjective name -> priority),
 `inference_pool` (the InferencePool whose InferenceObjectives are watched),
 `priority: {default: {min, max, default}, tenants: {NAME: {...}}}` (each
 tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requests_per_s,
@@ -47,8 +48,9 @@ The front door (`add_front_door_args`): answers name no worker unless `--debug-h
 The gateway's endpoint picker (`extproc`): with `--ext-proc-port N` the same process also
 serves Envoy's External Processing gRPC service there (on `--ext-proc-host`, default
 `--host`), as a Gateway API Inference Extension endpoint picker over the same routing core;
-TLS with `--ext-proc-tls-cert` and `--ext-proc-tls-key`, plaintext without. It runs in one
-process: with `--processes` above 1 it is a usage error (exit 2); scale it with replicas.
+TLS with `--ext-proc-tls-cert` and `--ext-proc-tls-key`, plaintext without; mutual TLS with
+`--ext-proc-tls-client-ca`, only the named clients with `--ext-proc-allowed-client`. It runs
+in one process: with `--processes` above 1 it is a usage error (exit 2); scale it with replicas.
 
 Tokenizers: the router hashes prompts exactly as a worker does only with the worker's
 tokenizer (a path, or a Hugging Face repository id `ORG/NAME[@REVISION]` whose tokenizer
@@ -198,6 +200,15 @@ def add_ext_proc_args(p: argparse.ArgumentParser) -> None:
                         "--ext-proc-tls-key; default: plaintext)")
     p.add_argument("--ext-proc-tls-key", default=None, metavar="PEM",
                    help="the private key of --ext-proc-tls-cert")
+    p.add_argument("--ext-proc-tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: every client of the endpoint picker's port (ext_proc and "
+                        "its gRPC health services) must present a certificate this CA issued "
+                        "(needs --ext-proc-tls-cert; router.yaml ext_proc_tls_client_ca)")
+    p.add_argument("--ext-proc-allowed-client", action="append", default=None, metavar="NAME",
+                   help="with --ext-proc-tls-client-ca: serve only client certificates naming "
+                        "NAME (a SAN DNS name or URI, or the subject CN); others get "
+                        "PERMISSION_DENIED. Repeatable (router.yaml ext_proc_allowed_clients; "
+                        "default: any certificate of the CA)")
     p.add_argument("--inference-pool", default=None, metavar="NAME",
                    help="the InferencePool this endpoint picker serves: with --discovery "
                         "kubernetes, watch the namespace's InferenceObjectives whose poolRef "
@@ -213,20 +224,25 @@ def ext_proc_settings(args: argparse.Namespace, cfg: dict[str, Any]):  # noqa: A
     port = getattr(args, "ext_proc_port", None) or cfg.get("ext_proc_port")
     cert, key = getattr(args, "ext_proc_tls_cert", None), getattr(args, "ext_proc_tls_key", None)
     pool = getattr(args, "inference_pool", None) or cfg.get("inference_pool")
+    client_ca = getattr(args, "ext_proc_tls_client_ca", None) or cfg.get("ext_proc_tls_client_ca")
+    allowed = tuple(getattr(args, "ext_proc_allowed_client", None)
+                    or cfg.get("ext_proc_allowed_clients") or ())
     if port is None:
-        if cert or key or getattr(args, "ext_proc_host", None) or pool:
+        if cert or key or client_ca or allowed or getattr(args, "ext_proc_host", None) or pool:
             raise SystemExit("--ext-proc-host / --ext-proc-tls-* / --inference-pool: need "
                              "--ext-proc-port")
         return None
     if port == args.port or port == (args.metrics_port or cfg.get("metrics_port")):
         raise SystemExit("ext_proc_port: must differ from --port and --metrics-port")
-    for flag, path in (("--ext-proc-tls-cert", cert), ("--ext-proc-tls-key", key)):
+    for flag, path in (("--ext-proc-tls-cert", cert), ("--ext-proc-tls-key", key),
+                       ("--ext-proc-tls-client-ca", client_ca)):
         if path is not None and not os.access(path, os.R_OK):
             raise SystemExit(f"{flag}: cannot read {path}")
     try:
         return ExtProcSettings(
             port=port, host=getattr(args, "ext_proc_host", None) or cfg.get("ext_proc_host")
-            or args.host, tls_cert=cert, tls_key=key, objectives=cfg.get("objectives") or {},
+            or args.host, tls_cert=cert, tls_key=key, tls_client_ca=client_ca,
+            allowed_clients=allowed, objectives=cfg.get("objectives") or {},
             fallbacks=int(cfg.get("ext_proc_fallbacks", 0)), grace_s=drain_seconds(args, cfg),
             inference_pool=pool, watch=objective_watch(args, cfg, pool))
     except ValueError as exc:
@@ -582,7 +598,11 @@ def run(args: argparse.Namespace) -> int:
     door = front_door(args, cfg)
     if door.metrics_port is not None and args.http_server != "lean":
         raise SystemExit("--metrics-port needs the lean HTTP server")
-    epp = ext_proc_settings(args, cfg)
+    try:
+        epp = ext_proc_settings(args, cfg)
+    except SystemExit as exc:  # a bad endpoint-picker flag: a usage error
+        print(f"tandem router: error: {exc}", file=sys.stderr)
+        return 2
     if epp is not None and n > 1:  # a gateway's few long-lived streams would not spread
         print("tandem router: error: --ext-proc-port runs in one router process, not with "
               f"--processes {n} (run router replicas instead)", file=sys.stderr)

@@ -38,7 +38,13 @@ from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
-from tandem.router.workers import LoRAReport, Worker, WorkerLoad, bounded_costs
+from tandem.router.workers import (
+    LoRAReport,
+    Worker,
+    WorkerLoad,
+    bounded_costs,
+    bounded_kv_usage,
+)
 
 logger = logging.getLogger(__name__)
 MAX_GRPC_MESSAGE = 64 << 20
@@ -229,7 +235,8 @@ class WorkerMonitor:
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,
                     num_total_blocks=load.num_total_blocks,
-                    kv_cache_usage=load.kv_cache_usage, in_flight_tokens=load.in_flight_tokens,
+                    kv_cache_usage=bounded_kv_usage(load.kv_cache_usage),
+                    in_flight_tokens=load.in_flight_tokens,
                     running_loras=frozenset(load.running_loras),
                     waiting_loras=frozenset(load.waiting_loras),
                     resident_loras=frozenset(load.resident_loras), max_loras=load.max_loras)

@@ -35,8 +35,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tandem.router.scorers import SCORERS, LoadLimits, RoutingContext
 from tandem.router.scorers.base import share_free
+from tandem.router.scorers.columns import Columns
 from tandem.router.scorers.cost import costs
 from tandem.router.workers import Worker
 
@@ -49,6 +52,9 @@ SESSION_WEIGHT = 1.0
 # noisy) and picks among them the worker with the least cache churn, as cache-aware spreads
 # cold prefix groups
 COST_TIE_BAND = 0.2
+# candidates from which the cache-aware policy scores with numpy (`pick_vector`); fewer are
+# scored list by list (numpy's fixed cost per call is more there)
+VECTOR_FROM = 16
 
 
 @dataclass
@@ -120,6 +126,37 @@ class CacheAwarePolicy(Policy):
                 or w.load.kv_cache_usage >= self.limits.saturation_kv)
 
     def pick(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        if len(candidates) >= VECTOR_FROM:
+            return self.pick_vector(ctx, candidates)
+        return self.pick_scalar(ctx, candidates)
+
+    def pick_vector(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
+        """`pick_scalar`'s decision (the same floats, the same tie-break draw), scored with
+        each scorer's `vector` form over candidate columns (`scorers.columns`); a scorer
+        without one is scored through `score`."""
+        cols = Columns(ctx, candidates)
+        per_scorer: dict[str, np.ndarray] = {}
+        for s, _ in self.scorers:
+            v = s.vector(ctx, cols)
+            per_scorer[s.name] = np.array(s.score(ctx, candidates), np.float64) \
+                if v is None else v
+        if "prefix" in per_scorer:
+            saturated = ((cols.queue_depth >= self.limits.saturation_queue)
+                         | (cols.kv_usage >= self.limits.saturation_kv))
+            per_scorer["prefix"] = np.where(saturated, 0.0, per_scorer["prefix"])
+        totals = np.zeros(len(candidates))
+        for s, wt in self.scorers:  # summed in scorer order, as `pick_scalar`
+            totals = totals + wt * per_scorer[s.name]
+        if ctx.session_worker is not None and self.session_weight > 0:
+            home = [i for i, w in enumerate(candidates) if w.id == ctx.session_worker]
+            totals[home] = totals[home] + self.session_weight
+        best = max(totals.tolist())  # Python's max: NaN handled as `_argmax` does
+        i = self.rng.choice(np.flatnonzero(totals >= best - 1e-12).tolist())
+        prefix = per_scorer.get("prefix")
+        return self._decision(ctx, candidates, i, prefix is not None and prefix[i] > 0,
+                              {k: float(v[i]) for k, v in per_scorer.items()})
+
+    def pick_scalar(self, ctx: RoutingContext, candidates: Sequence[Worker]) -> Decision:
         per_scorer = {s.name: s.score(ctx, candidates) for s, _ in self.scorers}
         if "prefix" in per_scorer:
             per_scorer["prefix"] = [0.0 if self.saturated(w) else v
@@ -132,16 +169,23 @@ class CacheAwarePolicy(Policy):
             totals = [t + self.session_weight if w.id == ctx.session_worker else t
                       for w, t in zip(candidates, totals, strict=True)]
         i = _argmax(totals, self.rng)
+        prefix = per_scorer.get("prefix")
+        return self._decision(ctx, candidates, i, prefix is not None and prefix[i] > 0,
+                              {k: v[i] for k, v in per_scorer.items()})
+
+    def _decision(self, ctx: RoutingContext, candidates: Sequence[Worker], i: int,
+                  prefix_credit: bool, scores: dict[str, float]) -> Decision:
+        """Candidate `i` won (`prefix_credit`: its prefix score is above 0): the reason."""
         winner = candidates[i]
         matched = ctx.matched_tokens.get(winner.id, 0)
-        if matched and per_scorer.get("prefix", [0.0] * len(candidates))[i] > 0:
+        if matched and prefix_credit:
             reason = "prefix_hit"
         elif any(ctx.matched_tokens.get(w.id) for w in candidates):
             reason = "saturated" if any(self.saturated(w) for w in candidates
                                         if ctx.matched_tokens.get(w.id)) else "load"
         else:
             reason = "load"
-        return Decision(winner, reason, matched, {k: v[i] for k, v in per_scorer.items()})
+        return Decision(winner, reason, matched, scores)
 
 
 def _session_weight(value: float) -> float:

@@ -6,7 +6,9 @@ as *free* (ready, below the saturation thresholds), *full* (at or past them; rea
 or neither; prefill-only workers are not filed. A worker is re-filed when a field the answer
 depends on is assigned (`Worker.watcher`: its model, aliases, role, adapters, readiness,
 load report or this router's open requests on it) and when it joins or leaves. So a
-worker's `load` must be replaced, never mutated in place (the monitor replaces it).
+worker's `load`, `aliases` and `lora_digests` must be replaced, never mutated in place (the
+monitor replaces them); while they are the same objects, a re-filing (twice per request,
+as its open requests change) reuses the names it filed under.
 
 The circuit breaker depends on the clock, so it is checked when asked: `capacity` walks the
 free workers until one whose breaker lets a request through (the first, unless breakers are
@@ -17,7 +19,7 @@ and each change O(names the worker serves).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.workers import Worker
@@ -32,6 +34,9 @@ class Filed:
     names: frozenset[str]
     free: bool
     full: bool
+    # the (model, aliases, lora_digests) objects `names` was made from: while the worker
+    # holds the same ones, its names are unchanged (its fields are replaced, never mutated)
+    source: tuple = field(default=(), compare=False)
 
 
 class SaturationBook:
@@ -48,14 +53,24 @@ class SaturationBook:
 
     def refresh(self, w: Worker) -> None:
         """File `w` as it is now (a watched field changed, or it joined)."""
+        old = self.filed.get(w.id)
         if w.role == "prefill":
             filed = Filed(_NONE, False, False)
         else:
-            names = frozenset(n for n in (w.model, *w.aliases, *w.lora_adapters) if n)
             full = self.is_saturated(w)
-            filed = Filed(names, w.ready and not full, full)
-        old = self.filed.get(w.id)
+            free = w.ready and not full
+            source = (w.model, w.aliases, w.lora_digests)
+            was = old.source if old is not None else ()
+            if was and was[0] is source[0] and was[1] is source[1] and was[2] is source[2]:
+                if old.free == free and old.full == full:  # type: ignore[union-attr]
+                    return  # the per-request case: only its open requests changed
+                names = old.names  # type: ignore[union-attr]
+            else:
+                names = frozenset(n for n in (w.model, *w.aliases, *w.lora_adapters) if n)
+            filed = Filed(names, free, full, source)
         if old == filed:
+            if old is not None and filed.source:
+                self.filed[w.id] = filed  # the same answer from new objects: remember them
             return
         if old is not None:
             self._unfile(w.id, old)

@@ -96,6 +96,12 @@ def bounded_costs(prefill_s_per_token: float, decode_step_s: float,
             int(_clamp(float(pending_prefill_tokens), MAX_PENDING_PREFILL_TOKENS)))
 
 
+def bounded_kv_usage(reported: float) -> float:
+    """A worker's reported KV-cache use (a fraction) made safe to score and compare: clamped
+    to [0, 1]; NaN (an unknown use) counts as full."""
+    return min(max(reported, 0.0), 1.0) if not math.isnan(reported) else 1.0
+
+
 def _clamp(value: float, hi: float) -> float:
     return min(value, hi) if math.isfinite(value) and value > 0.0 else 0.0
 
@@ -141,6 +147,12 @@ class CircuitBreaker:
     def on_success(self) -> None:
         self.state = BreakerState.CLOSED
         self.failures = 0
+        self.trial_in_flight = False
+
+    def on_abandon(self) -> None:
+        """A request was sent but its outcome will never be known (a gateway answered it
+        elsewhere, or the stream broke): a half-open trial ends undecided, the next request
+        may be the trial."""
         self.trial_in_flight = False
 
     def on_failure(self, now: float) -> None:

@@ -4,7 +4,9 @@ Gateway mode: an existing Gateway API gateway is the front door and Tandem's rou
 its endpoint picker (EPP): `tandem router --ext-proc-port PORT`, the router Deployment of
 `render.router` under the name NAME-epp (same config, keys, security, discovery), its pods
 probed through the gRPC health services (`liveness`, `readiness`; HTTP `/health`, `/ready`
-when ext_proc is TLS: kubelet gRPC probes have none), its Service NAME-epp exposing only the
+when ext_proc is TLS: kubelet gRPC probes have none; with `tls.clientAuth` mutual TLS: the
+`caSecretName` Secret's `ca.crt` mounted for `--ext-proc-tls-client-ca`, each of
+`allowedNames` an `--ext-proc-allowed-client`), its Service NAME-epp exposing only the
 gRPC port (`grpc-ext-proc`, appProtocol `http2` unless ext_proc is TLS) and the metrics
 port. The `InferencePool` NAME (`inference.networking.k8s.io/v1`) selects
 `INFERENCE_POOL_LABEL=NAME`: the decode or aggregated pods (a multi-node pool's leaders) of
@@ -60,6 +62,7 @@ EXT_PROC_PORT_NAME = "ext-proc"  # the EPP container's port
 EXT_PROC_SERVICE_PORT_NAME = "grpc-ext-proc"  # its Service port (Istio: protocol by prefix)
 EXT_PROC_APP_PROTOCOL = "http2"
 EXT_PROC_TLS_DIR = "/etc/tandem/ext-proc-tls"
+EXT_PROC_CLIENT_CA_DIR = "/etc/tandem/ext-proc-client-ca"  # tls.clientAuth.caSecretName
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # also a health service
 # what the picker's Role adds: following its pool's InferenceObjectives (the chart's
 # operator ClusterRole holds the same, as RBAC lets an operator grant only what it holds)
@@ -116,6 +119,10 @@ def epp_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
     if g.tls_secret:
         args += ["--ext-proc-tls-cert", f"{EXT_PROC_TLS_DIR}/tls.crt",
                  "--ext-proc-tls-key", f"{EXT_PROC_TLS_DIR}/tls.key"]
+    if g.client_ca_secret:
+        args += ["--ext-proc-tls-client-ca", f"{EXT_PROC_CLIENT_CA_DIR}/ca.crt"]
+        for name in g.client_names:
+            args += ["--ext-proc-allowed-client", name]
     return args
 
 
@@ -145,6 +152,12 @@ def epp_pod(spec: InferenceServiceSpec, container: dict[str, Any],
                       {"key": "tls.key", "path": "tls.key"}]}})
         container["volumeMounts"].append({"name": "ext-proc-tls",
                                           "mountPath": EXT_PROC_TLS_DIR, "readOnly": True})
+        if g.client_ca_secret:  # mutual TLS: the gateway's client CA
+            volumes.append({"name": "ext-proc-client-ca", "secret": {
+                "secretName": g.client_ca_secret, "defaultMode": 0o440,
+                "items": [{"key": "ca.crt", "path": "ca.crt"}]}})
+            container["volumeMounts"].append({"name": "ext-proc-client-ca", "readOnly": True,
+                                              "mountPath": EXT_PROC_CLIENT_CA_DIR})
         container["readinessProbe"] = http_probe("/ready", period=5, failures=2)
         container["livenessProbe"] = http_probe("/health", period=10, failures=3, timeout=5)
         return

@@ -33,6 +33,7 @@ from tandem.router.flowcontrol.base import FlowRequest, FlowTicket
 from tandem.router.pd import Route
 from tandem.router.proxy import Attempt
 from tandem.router.scorers.session import SESSION_HEADER
+from tandem.router.workers import Worker
 
 if TYPE_CHECKING:
     from tandem.router.routes import RouterApp
@@ -43,6 +44,9 @@ KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
 # request headers the upstream must not get from the client: the router's own (signed) ones,
 # and the client's API key (a worker never sees it, as behind the HTTP router)
 STRIPPED = (PREFILL_HEADER, SIGNATURE_HEADER, "authorization")
+# response headers Envoy sets on an answer it made itself without reaching the worker: its own
+# circuit breaker or overload manager (503), its local rate limit (429)
+GATEWAY_LOCAL = ("x-envoy-overloaded", "x-envoy-ratelimited")
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Pick:
     tenant: str | None = None
     track: bool = False  # a stored Responses API answer: remember the worker holding it
     in_flight: object = None  # the worker whose local_in_flight this request holds
+    attempted: Worker | None = None  # the worker whose breaker counts this request sent
+    judged: bool = False  # its breaker was given the outcome (or the trial given up)
 
     def hold(self, route: Route) -> None:
         """Count the request in flight on `route`'s worker (moved when another serves)."""
@@ -166,6 +172,8 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
         raise
     pick.headers = upstream_headers(ra, pick)
     pick.hold(route)
+    route.worker.breaker.on_attempt(time.monotonic())  # past its cooldown: the trial
+    pick.attempted = route.worker
     return pick
 
 
@@ -215,3 +223,38 @@ def served(ra: RouterApp, pick: Pick, ep: str | None, status: int | None) -> str
     if chosen is not None:  # requests by worker and status, aggregated / disaggregated
         pick.routing.on_attempt(Attempt(chosen, status=status, final=True))
     return outcome
+
+
+def judge(pick: Pick, status: int | None, headers: dict[str, str]) -> None:
+    """Feed the circuit breaker of the worker that served `pick` (`pick.in_flight` once
+    `served` booked it) from the answer's status, as the HTTP front door does per attempt: a
+    5xx is a failure (the worker's own, or the one Envoy answers for it: 503 for a refused or
+    reset connection, 504 for a timeout), any other status a success. An answer Envoy made
+    without reaching the worker (`GATEWAY_LOCAL`), an unknown status or an endpoint that is
+    not one of ours judges nothing; a breaker whose half-open trial went elsewhere or was not
+    judged is freed for the next one (`CircuitBreaker.on_abandon`). Once per pick."""
+    if pick.judged:
+        return
+    pick.judged = True
+    now = time.monotonic()
+    served = pick.in_flight if isinstance(pick.in_flight, Worker) else None
+    if pick.attempted is not None and pick.attempted is not served:
+        pick.attempted.breaker.on_abandon()
+    if served is None or status is None or any(h in headers for h in GATEWAY_LOCAL):
+        if served is not None:
+            served.breaker.on_abandon()
+        return
+    if status >= 500:
+        served.breaker.on_failure(now)
+        logger.info("[%s] %s answered %d through the gateway: a breaker failure", pick.rid,
+                    served.id, status)
+    else:
+        served.breaker.on_success()
+
+
+def abandon(pick: Pick) -> None:
+    """The stream ended with no answer seen: nothing to judge, the trial (if any) freed."""
+    if not pick.judged:
+        pick.judged = True
+        if pick.attempted is not None:
+            pick.attempted.breaker.on_abandon()

@@ -1,22 +1,23 @@
 """Start and stop the endpoint picker's gRPC server on the router's event loop
 (`RouterApp.lifespan` calls `start` after the rest of the router is up, `stop` before it
 stops). Plaintext unless `tls_cert` / `tls_key` are set (then TLS with that PEM pair, as the
-reference EPP serves by default; gateways are configured to match). The port is not shared
-(`grpc.so_reuseport` off): a second process binding it fails start-up instead of silently
-splitting streams."""
+reference EPP serves by default; gateways are configured to match), mutual TLS with
+`tls_client_ca`, and only named clients with `allowed_clients` (`clientauth`). The port is
+not shared (`grpc.so_reuseport` off): a second process binding it fails start-up instead of
+silently splitting streams."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
+from tandem.router.extproc.clientauth import AllowedClients, credentials
 from tandem.router.extproc.service import ExtProcService, Health
 from tandem.router.extproc.settings import ExtProcSettings
 
@@ -41,16 +42,16 @@ class ExtProcServer:
     async def start(self) -> int:
         s = self.settings
         limit = self.ra.settings.max_body_bytes + MESSAGE_SLACK
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+        interceptors = [AllowedClients(s.allowed_clients)] if s.allowed_clients else []
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", limit),
                                           ("grpc.max_send_message_length", limit)])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcService(self.ra, s), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
         try:
-            if s.tls_cert is not None and s.tls_key is not None:
-                creds = grpc.ssl_server_credentials(
-                    [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())])
+            if (creds := credentials(s)) is not None:
                 self.port = server.add_secure_port(address, creds)
             else:
                 self.port = server.add_insecure_port(address)
@@ -69,7 +70,8 @@ class ExtProcServer:
         await server.start()
         self.server = server
         logger.info("endpoint picker (ext_proc%s) on %s:%d",
-                    " over TLS" if s.tls_cert else "", s.host, self.port)
+                    " over mutual TLS" if s.tls_client_ca else " over TLS" if s.tls_cert
+                    else "", s.host, self.port)
         return self.port
 
     async def stop(self) -> None:

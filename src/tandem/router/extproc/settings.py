@@ -19,6 +19,8 @@ GRACE_S = 25.0  # streams open at shutdown get this long (the router's drain_sec
 
 
 MAX_FAIRNESS_IDS = 256  # distinct gateway fairness ids with a flow of their own
+MAX_ALLOWED_CLIENTS = 64  # --ext-proc-allowed-client names
+MAX_CLIENT_NAME = 2048  # characters in one (a SAN URI's length)
 
 
 class FairnessIds:
@@ -57,7 +59,12 @@ class WatchedObjectives:
 @dataclass(frozen=True)
 class ExtProcSettings:
     """`port`: the ext_proc gRPC port (0: any free one, for tests); `tls_cert` / `tls_key`:
-    PEM files to serve TLS with (both or neither; neither: plaintext). `objectives`:
+    PEM files to serve TLS with (both or neither; neither: plaintext). `tls_client_ca`: a PEM
+    CA bundle; with it every connection to the port (ext_proc and the health services) must
+    present a client certificate that CA issued, or the TLS handshake fails (needs
+    `tls_cert`). `allowed_clients`: with a client CA, only certificates naming one of these
+    (a SAN DNS name or URI, e.g. a SPIFFE id, or the subject CN; exact match) are served;
+    others get PERMISSION_DENIED (empty: any certificate of the CA). `objectives`:
     InferenceObjective name -> priority (higher is more important), the flow-control band of a
     request naming it in `x-gateway-inference-objective` (unknown names and requests naming
     none: the tenant's band). `fallbacks`: endpoints listed after the pick, in order, for a
@@ -74,6 +81,8 @@ class ExtProcSettings:
     host: str = "0.0.0.0"
     tls_cert: str | None = None
     tls_key: str | None = None
+    tls_client_ca: str | None = None
+    allowed_clients: tuple[str, ...] = ()
     objectives: Mapping[str, int] = field(default_factory=dict)
     fallbacks: int = 0
     grace_s: float = GRACE_S
@@ -85,6 +94,16 @@ class ExtProcSettings:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--ext-proc-tls-cert and --ext-proc-tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--ext-proc-tls-client-ca: needs --ext-proc-tls-cert and "
+                             "--ext-proc-tls-key (client certificates are asked for in TLS)")
+        if self.allowed_clients and self.tls_client_ca is None:
+            raise ValueError("--ext-proc-allowed-client: needs --ext-proc-tls-client-ca (the "
+                             "names are read from verified client certificates)")
+        if len(self.allowed_clients) > MAX_ALLOWED_CLIENTS or any(
+                not 0 < len(n) <= MAX_CLIENT_NAME for n in self.allowed_clients):
+            raise ValueError(f"--ext-proc-allowed-client: at most {MAX_ALLOWED_CLIENTS} names "
+                             f"of 1-{MAX_CLIENT_NAME} characters")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"ext_proc_port: a port in 0-65535, not {self.port}")
         if self.fallbacks < 0:

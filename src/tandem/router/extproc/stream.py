@@ -9,13 +9,15 @@ request header mode SEND and both bodies FULL_DUPLEX_STREAMED; answers go back i
    message naming the endpoints, then the (possibly rewritten) body streamed back. A stop is
    an immediate response (the stage's status and OpenAI error body; 429 from flow control
    with its `Retry-After` and `x-tandem-flow-reason`) and the stream ends.
-3. Response headers: the served endpoint is read back (`picker.served`) and the headers pass
-   on unchanged. Response body chunks pass on in order (SSE events whole, so the usage chunk
-   the router asked for alone is dropped), their usage read; at the end of the body (or of
-   the stream, however it ends) the rate-limit charge is settled and the flow ticket
-   released, once, with the tokens used (a stream's usage chunk, asked for with flow control
-   on too; cut short: `flowcontrol.front.stream_used`); a stored Responses API answer's id
-   is remembered with the worker that served it (`responses.track`'s bookkeeping).
+3. Response headers: the served endpoint is read back (`picker.served`), the answer's status
+   feeds that worker's circuit breaker (`picker.judge`: 5xx a failure, as on the HTTP front
+   door) and the headers pass on unchanged. Response body chunks pass on in order (SSE
+   events whole, so the usage chunk the router asked for alone is dropped), their usage
+   read; at the end of the body (or of the stream, however it ends) the rate-limit charge
+   is settled and the flow ticket released, once, with the tokens used (a stream's usage
+   chunk, asked for with flow control on too; cut short: `flowcontrol.front.stream_used`);
+   a stored Responses API answer's id is remembered with the worker that served it
+   (`responses.track`'s bookkeeping).
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from tandem.protocol.web import APIError
 from tandem.router import responses, stages, usage
 from tandem.router.extproc import encode
-from tandem.router.extproc.picker import KINDS, STRIPPED, Pick, decide, served
+from tandem.router.extproc.picker import (
+    KINDS,
+    STRIPPED,
+    Pick,
+    abandon,
+    decide,
+    judge,
+    served,
+)
 from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import REASON_HEADER
 from tandem.router.flowcontrol.front import stream_used, ticket_cost
@@ -173,6 +183,7 @@ class ExtProcStream:
         pick, extra = self.pick, {}
         if pick is not None:
             self._book(encode.served_endpoint(req))
+            judge(pick, self.status, headers)  # the serving worker's circuit breaker
             if "text/event-stream" in headers.get("content-type", ""):
                 self.reader = usage.StreamUsage(pick.routing.req.strip_usage)
             worker = pick.in_flight  # the worker that serves it (None: not one of ours)
@@ -265,4 +276,5 @@ class ExtProcStream:
         if not self.served_booked:
             self.served_booked = True
             self.ra.metrics.child(self.ra.metrics.extproc_served, "unreported").inc()
+        abandon(pick)  # no answer seen: no breaker outcome
         pick.drop()

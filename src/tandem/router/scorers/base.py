@@ -8,11 +8,17 @@ outright. Both see the same `RoutingContext`, computed once per request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.router.workers import HashGroup, Worker
+
+if TYPE_CHECKING:
+    from tandem.router.scorers.columns import Columns
 
 
 @dataclass
@@ -27,7 +33,7 @@ class RoutingContext:
     role: str = "decode"  # the role that must serve it: "decode" (aggregated or P/D decode)
     matched_tokens: dict[str, int] = field(default_factory=dict)  # worker id -> cached prefix
     # worker id -> decayed uncached prompt tokens the router sent it lately (ChurnTracker)
-    churn_tokens: dict[str, float] = field(default_factory=dict)
+    churn_tokens: Mapping[str, float] = field(default_factory=dict)
     now: float = 0.0
     lora: str | None = None  # the adapter `model` names (None: a base model)
     session_worker: str | None = None  # the worker the request's session token names
@@ -56,6 +62,11 @@ class Scorer(ABC):
     @abstractmethod
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         """One value in [0, 1] per worker, in order."""
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray | None:
+        """`score` as a float64 array over `cols.workers`, exactly equal to it; None (the
+        default) when the scorer has no vectorized form (the policy then calls `score`)."""
+        return None
 
 
 class Filter(ABC):

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer, share_free
+from tandem.router.scorers.columns import Columns
 from tandem.router.workers import Worker
 
 
@@ -24,3 +27,6 @@ class CacheChurnScorer(Scorer):
 
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         return [share_free(ctx.churn_tokens.get(w.id, 0.0), w) for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        return cols.share_free(cols.churn_tokens)

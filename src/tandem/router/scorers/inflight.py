@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer, share_free
+from tandem.router.scorers.columns import Columns
 from tandem.router.workers import Worker
 
 
@@ -16,3 +19,6 @@ class InFlightTokensScorer(Scorer):
 
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         return [share_free(w.load.in_flight_tokens, w) for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        return cols.share_free(cols.in_flight_tokens)

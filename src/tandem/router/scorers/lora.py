@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.columns import Columns
 from tandem.router.workers import Worker
 
 RESIDENT = 0.8
@@ -30,6 +33,11 @@ class LoRAAffinityScorer(Scorer):
         if ctx.lora is None:
             return [1.0] * len(workers)
         return [self._one(ctx.lora, w) for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        if ctx.lora is None:
+            return np.ones(cols.n)
+        return np.array(self.score_one(ctx.lora, cols.workers), np.float64)
 
     @classmethod
     def score_one(cls, lora: str, workers: Sequence[Worker]) -> list[float]:

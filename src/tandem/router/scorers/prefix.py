@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.columns import Columns, pmin
 from tandem.router.workers import Worker
 
 
@@ -17,3 +20,8 @@ class PrefixScorer(Scorer):
         if ctx.prompt_tokens <= 0:
             return [0.0] * len(workers)
         return [min(ctx.matched_tokens.get(w.id, 0) / ctx.prompt_tokens, 1.0) for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        if ctx.prompt_tokens <= 0:
+            return np.zeros(cols.n)
+        return pmin(cols.matched_tokens / ctx.prompt_tokens, 1.0)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.columns import Columns, pmax
 from tandem.router.workers import Worker
 
 
@@ -21,3 +24,6 @@ class QueueScorer(Scorer):
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         scale = max(self.limits.saturation_queue, 1)
         return [max(0.0, 1.0 - w.queue_depth / scale) for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        return pmax(0.0, 1.0 - cols.queue_depth / max(self.limits.saturation_queue, 1))

@@ -18,7 +18,10 @@ import hashlib
 import hmac
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 from tandem.router.scorers.base import RoutingContext, Scorer, register_scorer
+from tandem.router.scorers.columns import Columns
 from tandem.router.workers import Worker
 
 SESSION_HEADER = "x-session-token"
@@ -85,3 +88,6 @@ class SessionAffinityScorer(Scorer):
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         target = ctx.session_worker
         return [1.0 if target is not None and w.id == target else 0.0 for w in workers]
+
+    def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
+        return np.array(self.score(ctx, cols.workers), np.float64)
