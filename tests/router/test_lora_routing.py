@@ -159,7 +159,15 @@ def test_affinity_to_the_replica_running_the_adapter(lora_cluster):
             hold = [asyncio.ensure_future(client.post(workers[0].url + "/v1/completions", json={
                 "model": "w", "prompt": [rng.randrange(3, 49152) for _ in range(8)],
                 "max_tokens": 480, "ignore_eos": True})) for _ in range(2)]
-            await asyncio.sleep(0.5)  # the router's load poll (every 0.2 s) sees them
+            # until the router's load poll (every 0.2 s) has seen both on worker 0
+            async with asyncio.timeout(30):
+                while True:
+                    seen = (await client.get(router.url + "/scaling",
+                                             params={"model": "w", "role": "decode"})).json()
+                    if seen["running"] + seen["waiting"] >= 2:
+                        break
+                    assert not any(h.done() for h in hold), "a held request ended early"
+                    await asyncio.sleep(0.05)
             before = [_routed(router, w) for w in workers]
             for name in ("w", "x", "w", "x"):
                 r = await client.post(router.url + "/v1/completions", headers=headers, json={
