@@ -11,7 +11,13 @@ import pytest
 
 from tandem.router.ratelimit import Limits, LocalBuckets, RateLimiter
 from tandem.router.redis_url import masked, resolve
-from tandem.router.usage import UNKNOWN_CONTEXT_OUTPUT, Settlement, answer_usage, worst_case
+from tandem.router.usage import (
+    UNKNOWN_CONTEXT_OUTPUT,
+    Settlement,
+    answer_usage,
+    drain_refunds,
+    worst_case,
+)
 
 
 def test_worst_case_counts_every_token_the_request_allows():
@@ -101,7 +107,7 @@ def test_stream_tap_settles_from_the_usage_chunk_and_strips_it():
                 yield c
 
         out = b"".join([c async for c in bill.tap(source(), strip)])
-        await asyncio.sleep(0.01)  # the refund runs in the background
+        await drain_refunds()  # the refund runs in the background
         return out, limiter.local.level("t", limiter.default, __import__("time").monotonic())
 
     usage = {"id": "x", "choices": [], "usage": {"total_tokens": 130}}
@@ -136,3 +142,25 @@ def test_env_redis_urls_are_resolved_and_masked():
     assert masked("rediss://user:pw@h:6380/1?password=pw2&db=1") == (
         "rediss://***@h:6380/1?password=***&db=1")
     assert masked("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_a_stopping_limiter_waits_for_the_refunds_in_flight(redis_url):
+    """A refund settled just before shutdown still reaches Redis: `drain_refunds` (which the
+    router's shutdown runs before closing its limiter) waits for it, leaving nothing pending."""
+    import time
+
+    import redis
+
+    async def run() -> None:
+        limiter = RateLimiter(Limits(tokens_per_min=1000), redis_url=redis_url,
+                              timeout_s=2.0, prefix=f"drain{time.monotonic_ns()}")
+        v = await limiter.acquire("t", 600)
+        assert v.shared and v.charged == 600
+        Settlement(limiter, "t", v, prompt_share=100).settle(total=130)
+        await drain_refunds()
+        await limiter.close()
+        level = float(redis.Redis.from_url(redis_url).hget(
+            f"{limiter.prefix}:t:tokens", "level"))
+        assert level == pytest.approx(870, abs=2)
+
+    asyncio.run(run())

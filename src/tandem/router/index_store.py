@@ -269,6 +269,7 @@ class RedisIndexStore:
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)  # its call ends first
         await self._redis.aclose()
 
 

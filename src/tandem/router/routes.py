@@ -35,6 +35,7 @@ from tandem.router.proxy import upstream_session
 from tandem.router.responses import ResponseLocations
 from tandem.router.startup import StartupState
 from tandem.router.upstream import UpstreamPool
+from tandem.router.usage import drain_refunds
 
 if TYPE_CHECKING:
     from tandem.router.app import RouterServerSettings
@@ -106,6 +107,7 @@ class RouterApp:
         await http.aclose()
         await upstream.close()
         if settings.rate_limiter is not None:
+            await drain_refunds()
             await settings.rate_limiter.close()
         if settings.index_store is not None:
             await settings.index_store.close()

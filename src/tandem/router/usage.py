@@ -98,6 +98,20 @@ def answer_usage(body: bytes) -> tuple[int | None, int]:
     return None, bound
 
 
+async def drain_refunds(timeout_s: float = 5.0) -> None:
+    """Wait (at most `timeout_s` seconds) for this loop's refunds still in flight, then
+    cancel and reap what is left: a stopping router closes its limiter only after this, so
+    no refund is cut off mid-call or left pending."""
+    loop = asyncio.get_running_loop()
+    mine = [t for t in _TASKS if t.get_loop() is loop]
+    if not mine:
+        return
+    _, late = await asyncio.wait(mine, timeout=timeout_s)
+    for t in late:
+        t.cancel()
+    await asyncio.gather(*mine, return_exceptions=True)
+
+
 @dataclass
 class Settlement:
     """One charged request's refund, applied once (`settle`)."""

@@ -238,8 +238,10 @@ class RedisLedger:
             self._beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beat
-        for task in list(self._pending):
+        pending = list(self._pending)
+        for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # none left unawaited
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.redis.delete(f"{self.prefix}fc:r:{self.replica}"),
                                    self.timeout_s)
