@@ -45,6 +45,15 @@ def level(r: redis.Redis) -> float:
     return min(TPM, float(got[0]) + max(0.0, sec + usec / 1e6 - float(got[1])) * TPM / 60)
 
 
+def settled(r: redis.Redis, at_least: float, timeout: float = 10.0) -> float:
+    """The bucket's level once a background refund has lifted it to `at_least` (or the
+    deadline passed: the caller's assertion then reports the level)."""
+    deadline = time.monotonic() + timeout
+    while (now := level(r)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
+
+
 def post(url: str, **body) -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=30,
                       json={"model": "stub-model", "prompt": PROMPT, **body})
@@ -85,8 +94,7 @@ def test_worst_case_charge_then_settle_through_shared_redis(tmp_path, secret_red
         assert TPM - CONTEXT <= level(r) <= TPM - CONTEXT + drift
         t.join(timeout=30)
         used = len(PROMPT) + COMPLETION_TOKENS
-        time.sleep(0.2)  # the refund lands in the background
-        after_a = level(r)
+        after_a = settled(r, TPM - used)  # the refund lands in the background
         assert TPM - used <= after_a <= TPM - used + drift
         assert worker.bodies[-1]["stream_options"] == {"include_usage": True}
         assert out["events"][-1] == "[DONE]" and len(out["events"]) == 3  # no usage chunk
@@ -95,8 +103,7 @@ def test_worst_case_charge_then_settle_through_shared_redis(tmp_path, secret_red
         # B: the same again fits (400 <= ~495) only because A's unused tokens came back
         resp = post(router.url)
         assert resp.status_code == 200, resp.text
-        time.sleep(0.2)
-        after_b = level(r)
+        after_b = settled(r, after_a - used - 1)
         assert after_a - used - 1 <= after_b <= after_a - used + drift
 
         # n multiplies the charge: 2 x (100 + 300) exceeds the whole budget
@@ -108,8 +115,7 @@ def test_worst_case_charge_then_settle_through_shared_redis(tmp_path, secret_red
         resp = post(router.url, n=2, max_tokens=50)
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["total_tokens"] == 110
-        time.sleep(0.2)
-        after_c = level(r)
+        after_c = settled(r, after_b - 110 - 1)
         assert after_b - 110 - 1 <= after_c <= after_b - 110 + drift
 
         # a worst case above what is left waits: 429 with Retry-After, never sent on
