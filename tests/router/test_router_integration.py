@@ -173,10 +173,19 @@ def test_two_router_replicas_agree_on_routing(cluster, redis_url, tmp_path):
         for round_ in range(4):
             for g, system in enumerate(systems):
                 via = (router_a, router_b)[(round_ + g) % 2]
+                held = [_metric(x.url, "tandem_router_worker_indexed_blocks")
+                        for x in (router_a, router_b)]
                 r = _chat(via.url, system, f"Round {round_}?")
                 assert r.status_code == 200, r.text
                 placement.setdefault(g, set()).add(r.headers["x-tandem-worker"])
-                time.sleep(0.1)  # the worker's BlockStored reaches both replicas
+                # the worker's BlockStored reaches both replicas (a new group's blocks first)
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    a, b = (_metric(x.url, "tandem_router_worker_indexed_blocks") - h
+                            for x, h in zip((router_a, router_b), held, strict=True))
+                    if a == b and (round_ > 0 or a > 0):
+                        break
+                    time.sleep(0.02)
         assert all(len(v) == 1 for v in placement.values()), placement
         router_c = RouterProcess(tmp_path, [w.url for w in workers], "--index", redis_url)
         router_c.wait_events(3)

@@ -140,8 +140,10 @@ def test_sigterm_drains_a_stream_to_done_and_refuses_new_work(tmp_path, worker):
         assert out["first"].wait(10)
         t_term = time.monotonic()
         router.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        r = httpx.get(router.url + "/ready", timeout=5)  # a new connection, mid-drain
+        deadline = time.monotonic() + 1.5  # until the signal is handled (well within the stream)
+        while (r := httpx.get(router.url + "/ready", timeout=5)).status_code == 200 \
+                and time.monotonic() < deadline:  # each a new connection, mid-drain
+            time.sleep(0.02)
         assert r.status_code == 503 and r.json() == {"status": "draining"}
         assert httpx.get(router.url + "/health", timeout=5).status_code == 200  # liveness
         r = completion(router.url)

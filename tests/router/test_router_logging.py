@@ -50,10 +50,14 @@ def test_probes_are_debug_and_routed_requests_info(caplog: pytest.LogCaptureFixt
         # --log-level debug: the probes are there, at DEBUG
         caplog.clear()
         caplog.set_level(logging.DEBUG, logger="httpx")
-        time.sleep(0.3)
-        probes = {r.getMessage().split()[3].removeprefix(stub.url)
-                  for r in httpx_records(caplog) if r.levelno == logging.DEBUG
-                  and r.getMessage().startswith("HTTP Request: GET ")}
+        deadline = time.monotonic() + 10  # until a probe round of each kind has run
+        while True:
+            probes = {r.getMessage().split()[3].removeprefix(stub.url)
+                      for r in httpx_records(caplog) if r.levelno == logging.DEBUG
+                      and r.getMessage().startswith("HTTP Request: GET ")}
+            if len(probes) >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert probes == {"/ready", "/health", "/v1/models"}, probes
     finally:
         if router is not None:

@@ -82,9 +82,15 @@ def test_two_processes_share_the_port_and_the_metrics(tmp_path):
             assert requests_total(url) == n
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        time.sleep(0.2)
-        assert not any(Path(f"/proc/{k}").exists() and "zombie" not in
-                       Path(f"/proc/{k}/status").read_text().lower() for k in kids)
+        deadline = time.monotonic() + 10  # the worker processes exit after their parent
+
+        def alive() -> list[int]:
+            return [k for k in kids if Path(f"/proc/{k}").exists() and "zombie" not in
+                    Path(f"/proc/{k}/status").read_text().lower()]
+
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive()
     finally:
         if proc.poll() is None:
             proc.kill()
