@@ -45,8 +45,11 @@ def lora_cluster(tmp_path_factory):
                                         "--max-loras", "1", "--max-lora-rank", "4",
                                         "--max-cpu-loras", "4", "--lora-dir", str(allowed),
                                         "--grpc-port", str(free_port()), "--block-size", "8"))
+        # cache-aware: its load term counts requests; `cost` weighs measured step times,
+        # which a loaded machine skews (affinity is then a timing outcome, not a rule)
         router = RouterProcess(root, [w.url for w in workers], "--api-keys",
-                               str(root / "keys"), "--admin-api-keys", str(root / "admins"))
+                               str(root / "keys"), "--admin-api-keys", str(root / "admins"),
+                               "--policy", "cache-aware")
         router.wait_events(2)
         yield router, workers, root
     finally:
