@@ -31,6 +31,7 @@ from tandem.router.flowcontrol.scaling import scaling_signal
 from tandem.router.lora_admin import check_admin
 from tandem.router.membership import Membership
 from tandem.router.metrics import RouterMetrics
+from tandem.router.probe import UpstreamProbe
 from tandem.router.proxy import upstream_session
 from tandem.router.responses import ResponseLocations
 from tandem.router.startup import StartupState
@@ -62,7 +63,7 @@ class RouterApp:
     def __post_init__(self) -> None:
         s = self.settings
         self.startup = StartupState(s.startup_window_s)
-        self.membership = Membership(self.router, self.startup, s.monitor, self.client,
+        self.membership = Membership(self.router, self.startup, s.monitor, self.prober,
                                      s.index_store, s.worker_key,
                                      s.flow_control.kick if s.flow_control else None)
 
@@ -70,6 +71,12 @@ class RouterApp:
         """The probes' client (the app has started)."""
         assert self.http is not None, "the router app has not started"
         return self.http
+
+    def prober(self) -> UpstreamProbe:
+        """The readiness probes' client: GETs over the forwarding pool (the app has
+        started)."""
+        assert self.upstream is not None, "the router app has not started"
+        return UpstreamProbe(self.upstream)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
