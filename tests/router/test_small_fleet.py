@@ -113,3 +113,18 @@ def test_costs_equal_the_formula_bit_for_bit():
         limits = LoadLimits(saturation_queue=rng.choice([1, 8, 3]))
         assert costs(ctx, workers, limits) == reference_costs(
             ctx, workers, limits.saturation_queue), trace
+
+
+def test_hash_groups_equal_each_workers_own_group():
+    rng = random.Random(3)
+    for trace in range(2000):
+        sizes = rng.choice([[16], [0, 16], [16, 32], [0], [8, 16, 32]])
+        workers = [Worker(id=f"w{i}", model="m", block_size=rng.choice(sizes),
+                          lora_digests={"a": rng.choice(["d1", "d2"])})
+                   for i in range(rng.randint(0, 64))]
+        for lora in (None, "a", "b"):
+            want: dict = {}
+            for w in workers:
+                want.setdefault(w.hash_group(lora), []).append(w)
+            got = Router.hash_groups(iter(workers) if trace % 2 else workers, lora)
+            assert list(got.items()) == list(want.items()), (trace, lora)

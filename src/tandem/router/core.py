@@ -177,6 +177,10 @@ class Router:
         adapter's weight digest there (workers may hold other weights under one name)."""
         groups: dict[HashGroup, list[Worker]] = {}
         if lora is None:  # `Worker.hash_group(None)`, without two calls per candidate
+            candidates = candidates if isinstance(candidates, list) else list(candidates)
+            sizes = {w.block_size for w in candidates}
+            if len(sizes) == 1:  # the usual fleet: one block size, one group
+                return {(sizes.pop() or DEFAULT_BLOCK_SIZE, ""): list(candidates)}
             for w in candidates:
                 groups.setdefault((w.block_size or DEFAULT_BLOCK_SIZE, ""), []).append(w)
             return groups
