@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 class RouterApp:
     """What the router's routes share: the routing core, the server settings, the metrics,
     the start-up state and the worker membership; `metrics_auth`: /metrics needs a key
-    (resolved from the settings). `http` (probes, LoRA admin calls) and `upstream`
+    (resolved from the settings). `http` (LoRA admin and Responses calls) and `upstream`
     (forwarding) exist between the app's start and stop (`lifespan`)."""
 
     router: Router
@@ -68,7 +68,7 @@ class RouterApp:
                                      s.flow_control.kick if s.flow_control else None)
 
     def client(self) -> httpx.AsyncClient:
-        """The probes' client (the app has started)."""
+        """The httpx client for LoRA admin and Responses calls (the app has started)."""
         assert self.http is not None, "the router app has not started"
         return self.http
 
@@ -87,7 +87,7 @@ class RouterApp:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,
                                 connect=settings.proxy.connect_timeout_s)
-        self.http = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
+        self.http = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # admin calls
         self.upstream = upstream = upstream_session(settings.proxy)  # forwarding
         self.startup.started_at = time.monotonic()
         if settings.preload_tokenizers is not None:  # ~0.4 s each: now, not on a request
