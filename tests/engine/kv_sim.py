@@ -174,7 +174,7 @@ class TrackingForward:
                         cache[table[p // bs]][p % bs] = POISON
             raise RuntimeError("injected fault")
         # every layer writes the new K/V of the whole batch, then attends: writes first
-        written = []
+        written, window = [], sim.window
         for s, table in plan:
             req, start, n = s.request, s.start, s.num_new_tokens
             if start:
@@ -185,10 +185,11 @@ class TrackingForward:
             toks = req.all_token_ids[: start + n - len(s.spec_token_ids)] + s.spec_token_ids
             vals = []
             for p in range(start, start + n):
-                prev = ident(prev, toks[p])
-                if sim.window and table[p // bs] == 0:
+                prev = hash((prev, toks[p]))  # ident(prev, toks[p]), inlined (hot)
+                block = table[p // bs]
+                if window and block == 0:
                     sim._fail(f"{req.request_id} writes position {p} into the null block")
-                cache[table[p // bs]][p % bs] = prev
+                cache[block][p % bs] = prev
                 vals.append(prev)
             written.append(vals)
         for (s, table), vals in zip(plan, written, strict=True):
@@ -231,7 +232,8 @@ class SimProposer(Proposer):
             if self.rng.random() < 0.2:
                 out.append(None)
                 continue
-            prev = identities(req.all_token_ids, self.sim.salt_of[req.request_id])[-1]
+            n = len(req.all_token_ids)  # the identity at its last token (the sim's memo)
+            prev = self.sim._idents(req, n)[n - 1]
             drafts = []
             for _ in range(k):
                 t = sample(prev, req.sample_index)
@@ -302,7 +304,7 @@ class Sim:
         self.cache: list[list[int | None]] = [[None] * bs for _ in range(self.num_blocks)]
         self.salt_of: dict[str, str] = {}
         self.expected: dict[str, Expected] = {}
-        self.hash_ident: dict[bytes, tuple[int, ...]] = {}
+        self.hash_ident: dict[bytes, list[int | None]] = {}  # hash -> what its block holds
         self._req_idents: dict[str, list[int]] = {}
         self._req_chain: dict[str, list[bytes]] = {}
         self.mirror: set[bytes] = set()
@@ -364,15 +366,17 @@ class Sim:
         toks = req.all_token_ids
         prev = ids[-1] if ids else root_ident(self.salt_of[req.request_id])
         for p in range(len(ids), end):
-            prev = ident(prev, toks[p])
+            prev = hash((prev, toks[p]))  # ident(prev, toks[p]), inlined (hot)
             ids.append(prev)
         return ids
 
     def learn_request(self, req: Request, end: int) -> None:
         """Remember what `req`'s full blocks within [0, end) must hold, by their hashes."""
         rid, bs = req.request_id, self.block_size
-        chain = self._req_chain.setdefault(rid, [])
-        if len(chain) >= end // bs:
+        chain = self._req_chain.get(rid)
+        if chain is None:
+            chain = self._req_chain[rid] = []
+        elif len(chain) >= end // bs:
             return
         ids = self._idents(req, end)
         parent = chain[-1] if chain else root_hash(HashKeys(MODEL, "", self.salt_of[rid]))
@@ -380,7 +384,7 @@ class Sim:
         for b in range(len(chain), end // bs):
             parent = chain_hash(parent, toks[b * bs:(b + 1) * bs])
             chain.append(parent)
-            self.hash_ident.setdefault(parent, tuple(ids[b * bs:(b + 1) * bs]))
+            self.hash_ident.setdefault(parent, ids[b * bs:(b + 1) * bs])
 
     def _learn(self, tokens: list[int], salt: str) -> list[bytes]:
         """Remember what each full block of `tokens` must hold, by its hash (blocks an
@@ -391,20 +395,26 @@ class Sim:
         for b in range(len(tokens) // bs):
             parent = chain_hash(parent, tokens[b * bs:(b + 1) * bs])
             chain.append(parent)
-            self.hash_ident.setdefault(parent, tuple(ids[b * bs:(b + 1) * bs]))
+            self.hash_ident.setdefault(parent, ids[b * bs:(b + 1) * bs])
         return chain
 
     def check_cache(self) -> None:
+        cache, known = self.cache, self.hash_ident
         for h, block in self.kv.pool._cached.items():
-            want = self.hash_ident.get(h)
+            want = known.get(h)
             if want is None:
                 self._fail(f"cached hash {h.hex()[:8]} of no known token chain")
-            if tuple(self.cache[block.block_id]) != want:
+            if cache[block.block_id] != want:
                 self._fail(f"block {block.block_id} is in the prefix cache but its slots do "
                            "not hold what its hash says (it was never computed)")
 
     def check_events(self) -> None:
         events = self.kv.pool.take_events()
+        last_removed: dict[bytes, int] = {}  # hash -> index of the last BlockRemoved naming it
+        for i, ev in enumerate(events):
+            if isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    last_removed[h] = i
         for i, ev in enumerate(events):
             if isinstance(ev, BlockStored):
                 parent = ev.parent_hash
@@ -413,12 +423,11 @@ class Sim:
                     if chain_hash(parent, list(toks)) != h:
                         self._fail("a BlockStored event's chain does not hash to its hashes")
                     parent = h
-                    removed_later = any(isinstance(e, BlockRemoved) and h in e.block_hashes
-                                        for e in events[i + 1:])
+                    removed_later = last_removed.get(h, -1) > i
                     block = self.kv.pool.get_cached_block(h)
                     if block is None and not removed_later:
                         self._fail("BlockStored for a hash the cache does not hold")
-                    if block is not None and tuple(self.cache[block.block_id]) != \
+                    if block is not None and self.cache[block.block_id] != \
                             self.hash_ident.get(h):
                         self._fail("BlockStored for a block whose slots are not all written")
                     self.mirror.add(h)
@@ -426,7 +435,7 @@ class Sim:
                 self.mirror.difference_update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.mirror.clear()
-        if self.mirror != set(self.kv.pool._cached):
+        if self.mirror != self.kv.pool._cached.keys():  # set-like equality, no copy
             self._fail("the events replayed do not give the prefix cache's hash set")
 
     def check_pins(self) -> None:

@@ -96,7 +96,7 @@ class SimConnector(KVConnectorScheduler, KVConnectorWorker):
                 sim._fail(f"{request.request_id} finished with block {block_ids[i]} not "
                           "holding its computed tokens")
             self.store.setdefault(hashes[i], held)
-            sim.hash_ident.setdefault(hashes[i], held)  # (accepted drafts' blocks too)
+            sim.hash_ident.setdefault(hashes[i], list(held))  # (accepted drafts' blocks too)
         return FinishAction(request.keep_kv)
 
     # -- worker side ---------------------------------------------------------------------

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import multiprocessing
-import os
+from collections.abc import Iterator
+from multiprocessing.pool import Pool
+
+import pytest
 
 from .kv_sim import SimViolation, run_trace, sim_tokenizer
+from .sim_pool import num_procs, split, start_pool
 
 NUM_TRACES = 20_000
 NUM_WINDOW_TRACES = 2_000
@@ -49,19 +52,22 @@ def _run_seeds(seeds: range, window: bool = False) -> dict:
     return stats
 
 
-def _run_parallel(num: int, procs: int = 2, window: bool = False) -> dict:
-    share = -(-num // procs)
-    chunks = [range(i * share, min(num, (i + 1) * share)) for i in range(procs)]
-    ctx = multiprocessing.get_context("spawn")  # no fork under torch's and tokenizers' threads
-    with ctx.Pool(procs) as pool:
-        parts = pool.map(functools.partial(_run_seeds, window=window), chunks)
+@pytest.fixture(scope="module")
+def sim_pool() -> Iterator[Pool]:
+    """The worker processes, spawned once for both sets of traces."""
+    with start_pool() as pool:
+        yield pool
+
+
+def _run_parallel(pool: Pool, num: int, window: bool = False) -> dict:
+    parts = pool.map(functools.partial(_run_seeds, window=window), split(num, num_procs()))
     total = {k: sum(p[k] for p in parts) for k in COUNTS}
     total["violations"] = [v for p in parts for v in p["violations"]]
     return total
 
 
-def test_random_traces_read_only_written_kv_and_cache_only_computed_blocks():
-    stats = _run_parallel(NUM_TRACES, procs=min(2, os.cpu_count() or 1))
+def test_random_traces_read_only_written_kv_and_cache_only_computed_blocks(sim_pool):
+    stats = _run_parallel(sim_pool, NUM_TRACES)
     assert stats["violations"] == []
     assert stats["traces"] == NUM_TRACES
     # the traces exercised what they are meant to (not vacuous)
@@ -146,13 +152,13 @@ def test_the_simulation_flags_drafts_committed_without_rollback(monkeypatch):
     assert _count_flagged(range(200)) >= 50
 
 
-def test_sliding_window_traces_free_what_no_query_reads_and_stay_within_the_bound():
+def test_sliding_window_traces_free_what_no_query_reads_and_stay_within_the_bound(sim_pool):
     """Every layer slides (window 2..12): chunks read only written KV inside their window,
     the null block is never written, every block is released once, a running request holds
     no block behind its window and at most `max_blocks`, and prompts longer than the pool
     finish with the reference's tokens (chunked prefill, preemption, prefix hits, imports,
     speculation with rollbacks)."""
-    stats = _run_parallel(NUM_WINDOW_TRACES, procs=min(2, os.cpu_count() or 1), window=True)
+    stats = _run_parallel(sim_pool, NUM_WINDOW_TRACES, window=True)
     assert stats["violations"] == []
     assert stats["traces"] == NUM_WINDOW_TRACES
     assert stats["window_freed"] > 30 * NUM_WINDOW_TRACES

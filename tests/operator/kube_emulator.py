@@ -106,6 +106,7 @@ class Emulator(kmock.KubernetesEmulator):
         self._rv = 0  # the last resourceVersion handed out (one counter for all objects)
         self.faults: dict[str, int] = {}  # plural -> HTTP status every write gets (tests)
         self.writes: list[Write] = []  # every write request, in arrival order
+        self._in_flight: dict[int, kmock.Request] = {}  # id -> a request not yet answered
 
     def _next_rv(self) -> str:
         self._rv += 1
@@ -115,6 +116,17 @@ class Emulator(kmock.KubernetesEmulator):
         return resource in self.resources and "status" in self.resources[resource].subresources
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        """Serve `request`. kmock logs every request for its DSL's assertions (none here) and
+        matches each new one to its reactions by scanning that whole log (quadratic over a
+        module's tests): the log keeps only the requests in flight, those being matched."""
+        self._in_flight[id(request)] = request
+        self._requests[:] = [r for r in self._requests if id(r) in self._in_flight]
+        try:
+            return await self._answer(request)
+        finally:
+            del self._in_flight[id(request)]
+
+    async def _answer(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         writes = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
         put = request.method == kmock.method.PUT and request.name is not None
         if request.resource is None or (request.action not in writes and not put):

@@ -1,6 +1,7 @@
-"""The router's log under probes: the workers' readiness probes (every `probe_interval_s`)
-are DEBUG records, while a routed request keeps its INFO line, on both front-door HTTP
-servers; other httpx requests keep their INFO line."""
+"""The router's log under probes: the workers' readiness probes (every `probe_interval_s`,
+over the router's upstream pool, logged by `tandem.router.probe`) are DEBUG records, while
+a routed request keeps its INFO line, on both front-door HTTP servers; httpx requests keep
+their INFO line."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def test_probes_are_debug_and_routed_requests_info(caplog: pytest.LogCaptureFixt
             ("INFO", f'HTTP Request: POST {stub.url}/v1/completions "HTTP/1.1 200 OK"')]
         # --log-level debug: the probes are there, at DEBUG
         caplog.clear()
-        caplog.set_level(logging.DEBUG, logger="httpx")
+        caplog.set_level(logging.DEBUG, logger="tandem.router.probe")
         deadline = time.monotonic() + 10  # until a probe round of each kind has run
         while True:
             probes = {r.getMessage().split()[3].removeprefix(stub.url)
-                      for r in httpx_records(caplog) if r.levelno == logging.DEBUG
+                      for r in caplog.records if r.name == "tandem.router.probe"
+                      and r.levelno == logging.DEBUG
                       and r.getMessage().startswith("HTTP Request: GET ")}
             if len(probes) >= 3 or time.monotonic() > deadline:
                 break

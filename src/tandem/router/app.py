@@ -17,8 +17,9 @@ are configured, else any API key. FastAPI's `/docs` and `/redoc` are never serve
 /metrics is, behind the same key.
 
 Logging: each routed request gets one INFO line (`[id] -> worker (...)`); the workers'
-probes (`GET /ready`, `/health`, `/v1/models`, `/metrics`, every `probe_interval_s`) are
-logged at DEBUG only (`ProbeLogFilter` on httpx's request log).
+probes (`GET /ready`, `/health`, `/v1/models`, every `probe_interval_s`, over the router's
+own upstream pool) are logged at DEBUG only (`tandem.router.probe`), and so are the GETs of
+those paths the router still makes through httpx (`ProbeLogFilter` on httpx's request log).
 """
 
 from __future__ import annotations

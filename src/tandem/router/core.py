@@ -34,13 +34,14 @@ from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
 from tandem.router.scorers.filters import SERVES, HealthFilter, ModelFilter, RoleFilter
-from tandem.router.workers import DEFAULT_BLOCK_SIZE, HashGroup, Worker
+from tandem.router.workers import DEFAULT_BLOCK_SIZE, BreakerState, HashGroup, Worker
 
 FULL_SCAN_UP_TO = 64  # workers; above this a decision scores a bounded candidate set
 SAMPLE = 32  # random candidates of the model and role per decision
 LEAST_LOADED = 8  # ... plus the least loaded at the last snapshot
 MAX_HITS = 32  # ... plus at most this many prefix holders, longest match first
 POOL_TTL_S = 1.0  # how long a (model, role, adapter) snapshot of the candidates is used
+_CLOSED = BreakerState.CLOSED
 
 
 @dataclass
@@ -176,6 +177,10 @@ class Router:
         adapter's weight digest there (workers may hold other weights under one name)."""
         groups: dict[HashGroup, list[Worker]] = {}
         if lora is None:  # `Worker.hash_group(None)`, without two calls per candidate
+            candidates = candidates if isinstance(candidates, list) else list(candidates)
+            sizes = {w.block_size for w in candidates}
+            if len(sizes) == 1:  # the usual fleet: one block size, one group
+                return {(sizes.pop() or DEFAULT_BLOCK_SIZE, ""): list(candidates)}
             for w in candidates:
                 groups.setdefault((w.block_size or DEFAULT_BLOCK_SIZE, ""), []).append(w)
             return groups
@@ -251,9 +256,7 @@ class Router:
         if sampled is not None:
             candidates, hashes, found = sampled
         else:
-            keep = self._keep
-            candidates = [w for w in self.workers.values() if w.id not in skip
-                          and keep(probe, w)]
+            candidates = self._candidates(probe, skip)
             found = None
         ctx = self.context(parsed, model, now, candidates, hashes, external, found)
         ctx.role = role
@@ -270,6 +273,23 @@ class Router:
         decision.charged_tokens = max(ctx.prompt_tokens - decision.matched_tokens, 0)
         self.churn.add(w.id, decision.charged_tokens, now)
         return decision, ctx
+
+    def _candidates(self, probe: RoutingContext, skip: set[str]) -> list[Worker]:
+        """The workers passing every filter, not in `skip`, in fleet order. With the built-in
+        filters, their checks in one pass (`Worker.serves`, the role, `ready`, the breaker
+        as `CircuitBreaker.allows`, a closed one without a call): ~0.6 us a worker less."""
+        if not self._builtin_filters:
+            keep = self._keep
+            return [w for w in self.workers.values() if w.id not in skip and keep(probe, w)]
+        model, now = probe.model, probe.now
+        if not model:  # `Worker.serves("")` is False
+            return []
+        roles = SERVES.get(probe.role, (probe.role,))
+        return [w for w in self.workers.values()
+                if w.ready and w.role in roles
+                and (model == w.model or model in w.aliases or model in w.lora_digests)
+                and (w.breaker.state is _CLOSED or w.breaker.allows(now))
+                and w.id not in skip]
 
     def _keep(self, probe: RoutingContext, w: Worker) -> bool:
         """`w` passes every filter (as `all(...)`, without a generator per worker)."""

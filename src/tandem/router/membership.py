@@ -17,6 +17,7 @@ from tandem.router.core import Router
 from tandem.router.discovery import WorkerEndpoint
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.monitor import MonitorSettings, WorkerMonitor
+from tandem.router.probe import UpstreamProbe
 from tandem.router.startup import StartupState
 from tandem.router.workers import Worker
 
@@ -28,7 +29,8 @@ class Membership:
     worker id to its monitor (only workers discovery reports ready are monitored)."""
 
     def __init__(self, router: Router, startup: StartupState, monitor: MonitorSettings,
-                 http: Callable[[], httpx.AsyncClient], index_store: RedisIndexStore | None,
+                 http: Callable[[], httpx.AsyncClient | UpstreamProbe],
+                 index_store: RedisIndexStore | None,
                  worker_key: WorkerKey | None,
                  on_change: Callable[[], None] | None = None) -> None:
         self.router = router

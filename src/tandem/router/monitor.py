@@ -3,9 +3,11 @@
 Per worker, three loops on the router's event loop:
 
 * readiness: `GET /ready` every `probe_interval_s` (Tandem workers answer with their model,
-  role, block size, gRPC port and KV transfer backend); servers without `/ready` (stock
-  vLLM) are probed with `/health` + `/v1/models` and routed in approximate mode. A failed
-  probe marks the worker unready at once; it rejoins on the next good probe.
+  role, block size, gRPC port and KV transfer backend; the router probes over its own
+  upstream pool, `probe.UpstreamProbe`, and an `httpx.AsyncClient` works too); servers
+  without `/ready` (stock vLLM) are probed with `/health` + `/v1/models` and routed in
+  approximate mode. A failed probe marks the worker unready at once; it rejoins on the next
+  good probe.
 * KV events (Tandem workers with a gRPC port): `SubscribeKVEvents` - the snapshot resets the
   worker's entries in the index, live events update them; a sequence gap or a broken stream
   drops its entries and resubscribes after a jittered backoff.
@@ -38,6 +40,8 @@ from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
 from tandem.router.index import PrefixIndex
 from tandem.router.index_store import IndexEvent, IndexView, KVWrite, RedisIndexStore
+from tandem.router.probe import UpstreamProbe
+from tandem.router.upstream import UpstreamError
 from tandem.router.workers import (
     LoRAReport,
     Worker,
@@ -64,7 +68,8 @@ class MonitorSettings:
 
 
 class WorkerMonitor:
-    def __init__(self, worker: Worker, index: PrefixIndex, http: httpx.AsyncClient,
+    def __init__(self, worker: Worker, index: PrefixIndex,
+                 http: httpx.AsyncClient | UpstreamProbe,
                  settings: MonitorSettings, store: RedisIndexStore | None = None,
                  key: WorkerKey | None = None,
                  on_change: Callable[[], None] | None = None) -> None:
@@ -135,7 +140,7 @@ class WorkerMonitor:
                 if port and w.grpc_target is None:
                     w.grpc_target = f"{urlsplit(w.id).hostname}:{port}"
                     self._start_grpc_loops()
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        except (httpx.HTTPError, UpstreamError, ValueError, KeyError, IndexError) as exc:
             if w.ready:
                 logger.warning("worker %s failed its probe: %s", w.id, exc)
             w.ready = False

@@ -213,8 +213,8 @@ class CostPolicy(Policy):
         if ctx.session_worker is not None and self.session_boost > 0:
             values = [v / (1.0 + self.session_boost) if w.id == ctx.session_worker else v
                       for w, v in zip(candidates, values, strict=True)]
-        lo = min(values)
-        near = [i for i, v in enumerate(values) if v <= lo * (1.0 + COST_TIE_BAND) + 1e-12]
+        bound = min(values) * (1.0 + COST_TIE_BAND) + 1e-12  # once, not per candidate
+        near = [i for i, v in enumerate(values) if v <= bound]
         home = [i for i in near if candidates[i].id == ctx.session_worker]
         if home:  # the session's worker among the near-equal: it stays there
             near = home

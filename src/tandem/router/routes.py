@@ -31,6 +31,7 @@ from tandem.router.flowcontrol.scaling import scaling_signal
 from tandem.router.lora_admin import check_admin
 from tandem.router.membership import Membership
 from tandem.router.metrics import RouterMetrics
+from tandem.router.probe import UpstreamProbe
 from tandem.router.proxy import upstream_session
 from tandem.router.responses import ResponseLocations
 from tandem.router.startup import StartupState
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 class RouterApp:
     """What the router's routes share: the routing core, the server settings, the metrics,
     the start-up state and the worker membership; `metrics_auth`: /metrics needs a key
-    (resolved from the settings). `http` (probes, LoRA admin calls) and `upstream`
+    (resolved from the settings). `http` (LoRA admin and Responses calls) and `upstream`
     (forwarding) exist between the app's start and stop (`lifespan`)."""
 
     router: Router
@@ -63,14 +64,20 @@ class RouterApp:
     def __post_init__(self) -> None:
         s = self.settings
         self.startup = StartupState(s.startup_window_s)
-        self.membership = Membership(self.router, self.startup, s.monitor, self.client,
+        self.membership = Membership(self.router, self.startup, s.monitor, self.prober,
                                      s.index_store, s.worker_key,
                                      s.flow_control.kick if s.flow_control else None)
 
     def client(self) -> httpx.AsyncClient:
-        """The probes' client (the app has started)."""
+        """The httpx client for LoRA admin and Responses calls (the app has started)."""
         assert self.http is not None, "the router app has not started"
         return self.http
+
+    def prober(self) -> UpstreamProbe:
+        """The readiness probes' client: GETs over the forwarding pool (the app has
+        started)."""
+        assert self.upstream is not None, "the router app has not started"
+        return UpstreamProbe(self.upstream)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -81,7 +88,7 @@ class RouterApp:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(settings.proxy.read_timeout_s,
                                 connect=settings.proxy.connect_timeout_s)
-        self.http = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # probes
+        self.http = http = httpx.AsyncClient(limits=limits, timeout=timeout)  # admin calls
         self.upstream = upstream = upstream_session(settings.proxy)  # forwarding
         self.startup.started_at = time.monotonic()
         if settings.preload_tokenizers is not None:  # ~0.4 s each: now, not on a request

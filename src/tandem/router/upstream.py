@@ -290,13 +290,14 @@ class UpstreamPool:
             idle.append(conn)
 
     async def post(self, base_url: str, path: str, body: bytes,
-                   headers: Mapping[str, str]) -> UpstreamResponse:
-        """POST `body` to `base_url + path`; see the module doc. Header values must be
-        single-line (the caller sanitizes anything a client sent)."""
+                   headers: Mapping[str, str], method: bytes = b"POST") -> UpstreamResponse:
+        """POST `body` to `base_url + path` (`method` GET for a probe, with an empty body);
+        see the module doc. Header values must be single-line (the caller sanitizes anything
+        a client sent)."""
         host, port, host_header = self._target(base_url)
         conn = self._take_idle((host, port)) or await self._connect(host, port)
         resp = conn.response = UpstreamResponse(conn, self)
-        head = [b"POST ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", host_header,
+        head = [method, b" ", path.encode("ascii"), b" HTTP/1.1\r\nHost: ", host_header,
                 b"\r\nContent-Length: ", str(len(body)).encode("ascii"), b"\r\n"]
         for k, v in headers.items():
             head += [k.encode("latin-1"), b": ", v.encode("latin-1"), b"\r\n"]
