@@ -4,11 +4,14 @@ thread with its own event loop, against whatever $KUBECONFIG points at; and poll
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
@@ -17,6 +20,22 @@ from tandem.operator.metrics import Samples
 from tandem.operator.reconcile import OperatorConfig
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def operator_at(kubeconfig: Path, config: OperatorConfig) -> Iterator[OperatorThread]:
+    """The operator running (`OperatorThread`) with $KUBECONFIG at `kubeconfig`, restored
+    after it stops."""
+    old = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(kubeconfig)
+    try:
+        with OperatorThread(config) as op:
+            yield op
+    finally:
+        if old is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = old
 
 
 class OperatorThread:

@@ -36,7 +36,13 @@ from tandem.operator.render import Owner, render_all
 from tandem.operator.render.common import CONFIG_HASH
 from tandem.operator.spec import parse_spec
 from tandem.serving.ports import free_port
-from tests.operator.harness import FakeMetrics, FakeRouter, OperatorThread, condition, wait_for
+from tests.operator.harness import (
+    FakeMetrics,
+    FakeRouter,
+    condition,
+    operator_at,
+    wait_for,
+)
 from tests.operator.kube_emulator import SERVER_META, FakeCluster
 from tests.operator.samples import SHA
 
@@ -163,16 +169,10 @@ def operator_with_redis(tmp_path_factory: pytest.TempPathFactory, admin_password
     password_file.write_text(admin_password)
     operator_config = OperatorConfig(image=IMAGE, redis=RedisAcl(ManagedRedis(
         "127.0.0.1", redis_port, str(password_file))), **config)
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     try:
-        with OperatorThread(operator_config):
+        with operator_at(cluster.kubeconfig, operator_config):
             yield cluster, redis_port
     finally:
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
         cluster.stop()
         redis_proc.terminate()
         redis_proc.wait(timeout=10)

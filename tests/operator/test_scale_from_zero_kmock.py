@@ -5,7 +5,6 @@ a real local HTTP server (`harness.FakeRouter`)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -14,7 +13,7 @@ import yaml
 
 from tandem.operator.metrics import HttpScalingSource
 from tandem.operator.reconcile import OperatorConfig
-from tests.operator.harness import FakeMetrics, FakeRouter, OperatorThread, wait_for
+from tests.operator.harness import FakeMetrics, FakeRouter, operator_at, wait_for
 from tests.operator.kube_emulator import FakeCluster
 from tests.operator.samples import SHA
 from tests.operator.test_operator_kmock import IMAGE, RESOURCES, Env
@@ -24,19 +23,13 @@ from tests.operator.test_operator_kmock import IMAGE, RESOURCES, Env
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     cluster = FakeCluster(RESOURCES, tmp_path_factory.mktemp("kube"))
     router, metrics = FakeRouter(), FakeMetrics()
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
     config = OperatorConfig(image=IMAGE, status_interval_s=0.3, autoscale_interval_s=0.2,
                             backoff_s=0.2, resync_interval_s=30.0, metrics=metrics,
                             scaling=HttpScalingSource(base=router.url))
     try:
-        with OperatorThread(config):
+        with operator_at(cluster.kubeconfig, config):
             yield Env(cluster, metrics, router)
     finally:
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
         cluster.stop()
         router.stop()
 

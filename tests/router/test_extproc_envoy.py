@@ -10,11 +10,13 @@ failed fetch fails the tests with the script's own message."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -111,15 +113,10 @@ def envoy_bin() -> Path:
     return ENVOY
 
 
-@pytest.fixture(scope="module")
-def gateway(envoy_bin, tmp_path_factory):
-    workers = [StubWorker(free_port()) for _ in range(2)]
-    router = EppRouter([w.url for w in workers], flow_control=FlowDouble(shed=False))
-    router.wait_routable(2)
-    listen = free_port()
-    path = tmp_path_factory.mktemp("envoy") / "envoy.yaml"
-    path.write_text(CONFIG.format(listen=listen, epp=router.port, types=TYPES))
-    proc = subprocess.Popen([str(envoy_bin), "-c", str(path), "--concurrency", "1",
+@contextlib.contextmanager
+def running_envoy(envoy_bin: Path, config: Path, listen: int) -> Iterator[str]:
+    """Envoy on `config`, once it accepts connections on `listen`: its URL; stopped after."""
+    proc = subprocess.Popen([str(envoy_bin), "-c", str(config), "--concurrency", "1",
                              "--log-level", "warning", "--base-id", str(listen)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -132,10 +129,24 @@ def gateway(envoy_bin, tmp_path_factory):
             except OSError:
                 assert time.monotonic() < deadline, "envoy did not listen"
                 time.sleep(0.1)
-        yield f"http://127.0.0.1:{listen}", workers, router
+        yield f"http://127.0.0.1:{listen}"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(envoy_bin, tmp_path_factory):
+    workers = [StubWorker(free_port()) for _ in range(2)]
+    router = EppRouter([w.url for w in workers], flow_control=FlowDouble(shed=False))
+    router.wait_routable(2)
+    listen = free_port()
+    path = tmp_path_factory.mktemp("envoy") / "envoy.yaml"
+    path.write_text(CONFIG.format(listen=listen, epp=router.port, types=TYPES))
+    try:
+        with running_envoy(envoy_bin, path, listen) as url:
+            yield url, workers, router
+    finally:
         router.stop()
         for w in workers:
             w.stop()

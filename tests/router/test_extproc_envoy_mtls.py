@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import subprocess
 import threading
 import time
 
@@ -25,7 +23,12 @@ from tandem.router.workers import BreakerState
 from tests.protocol.certs import CA
 from tests.router.extproc_client import EppRouter
 from tests.router.stub_worker import StubWorker
-from tests.router.test_extproc_envoy import CONFIG, TYPES, envoy_bin  # noqa: F401 (a fixture)
+from tests.router.test_extproc_envoy import (  # noqa: F401 (envoy_bin: a fixture)
+    CONFIG,
+    TYPES,
+    envoy_bin,
+    running_envoy,
+)
 from tests.serving.helpers import free_port
 
 ENVOY_ID = "spiffe://cluster.local/ns/gateway/sa/envoy"
@@ -107,23 +110,10 @@ def mtls_gateway(envoy_bin, tmp_path_factory):  # noqa: F811
     path.write_text(_config(listen, router.port, {"cert": str(d / "envoy.crt"),
                                                   "key": str(d / "envoy.key"),
                                                   "ca": str(d / "ca.crt")}))
-    proc = subprocess.Popen([str(envoy_bin), "-c", str(path), "--concurrency", "1",
-                             "--log-level", "warning", "--base-id", str(listen)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", listen), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "envoy did not listen"
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{listen}", good, dropping, router
+        with running_envoy(envoy_bin, path, listen) as url:
+            yield url, good, dropping, router
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
         router.stop()
         good.stop()
         dropping.stop()
