@@ -167,6 +167,61 @@ def follow(list_once: Callable[[], tuple[str, dict]],
         delay = min(delay * 2, backoff_max_s)
 
 
+def kube_client(given: ApiClient | None) -> ApiClient:
+    """`given`, else a client from the in-cluster config, else from $KUBECONFIG (read now,
+    not at import)."""
+    from kubernetes import client, config
+
+    if given is not None:
+        return given
+    cfg = client.Configuration()
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=cfg)
+    return client.ApiClient(cfg)
+
+
+def raise_watch_error(event: dict[str, Any]) -> None:
+    """An ERROR event inside a watch stream as the exception `follow` acts on: a 410 Gone
+    (the version expired: re-list) as `ApiException`, anything else as RuntimeError."""
+    if event["type"] != "ERROR":
+        return
+    obj = event["raw_object"] or {}
+    if obj.get("code") == HTTP_GONE:
+        from kubernetes.client.exceptions import ApiException
+        raise ApiException(status=HTTP_GONE, reason="Gone")
+    raise RuntimeError(f"watch error: {obj.get('message')}")
+
+
+async def follow_in_thread(target: Callable[[Callable[[Any], None], threading.Event], None],
+                           name: str, on_change: Callable[[Any], None],
+                           current_watch: Callable[[], Any]) -> None:
+    """Run `target(publish, stop)` (a `follow` loop) in a daemon thread named `name`, calling
+    `on_change` on this event loop with what it publishes, until cancelled; then stops it
+    (`current_watch()`: the live `kubernetes.watch.Watch`, stopped to unblock its read)."""
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+
+    def deliver(value: Any) -> None:  # on the loop
+        if not stop.is_set():
+            on_change(value)
+
+    def publish(value: Any) -> None:  # from the thread
+        try:
+            loop.call_soon_threadsafe(deliver, value)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            stop.set()
+
+    threading.Thread(target=target, args=(publish, stop), daemon=True, name=name).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        stop.set()
+        if (w := current_watch()) is not None:
+            w.stop()
+
+
 @register_discovery
 class KubernetesDiscovery(Discovery):
     """`discovery.k8s.io/v1` EndpointSlices matching `label_selector` in `namespace`. The
@@ -199,41 +254,13 @@ class KubernetesDiscovery(Discovery):
 
     async def run(self, on_change: OnChange) -> None:
         api = self._api()  # configuration errors raise here, before the first await
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-
-        def deliver(endpoints: dict[str, WorkerEndpoint]) -> None:  # on the loop
-            if not stop.is_set():
-                on_change(endpoints)
-
-        def publish(endpoints: dict[str, WorkerEndpoint]) -> None:  # from the thread
-            try:
-                loop.call_soon_threadsafe(deliver, endpoints)
-            except RuntimeError:  # the loop is closed: nobody listens any more
-                stop.set()
-
-        threading.Thread(target=self._follow, args=(api, publish, stop), daemon=True,
-                         name=f"discovery-{self.namespace}").start()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            stop.set()
-            if (w := self._watch) is not None:
-                w.stop()  # unblocks the thread's read
+        await follow_in_thread(lambda publish, stop: self._follow(api, publish, stop),
+                               f"discovery-{self.namespace}", on_change, lambda: self._watch)
 
     def _api(self) -> DiscoveryV1Api:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        api_client = self.api_client
-        if api_client is None:
-            cfg = client.Configuration()
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                config.load_kube_config(os.environ.get("KUBECONFIG"),  # read now, not at import
-                                        client_configuration=cfg)
-            api_client = client.ApiClient(cfg)
-        return client.DiscoveryV1Api(api_client)
+        return client.DiscoveryV1Api(kube_client(self.api_client))
 
     def _follow(self, api: DiscoveryV1Api, publish: OnChange, stop: threading.Event) -> None:
         """The thread: list, watch, repeat; publishes each new complete set."""
@@ -278,6 +305,7 @@ class KubernetesDiscovery(Discovery):
                                   **kwargs):
                 if stop.is_set():
                     break
+                raise_watch_error(event)
                 obj = event["raw_object"]
                 meta = obj.get("metadata") or {}
                 version = meta.get("resourceVersion") or version

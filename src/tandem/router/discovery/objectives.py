@@ -18,17 +18,15 @@ rest are dropped with a warning, by name order); names are Kubernetes object nam
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import random
 import re
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tandem.router.discovery.k8s import follow
+from tandem.router.discovery.k8s import follow, follow_in_thread, kube_client, raise_watch_error
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient, CustomObjectsApi
@@ -42,7 +40,6 @@ POOL_KIND = "InferencePool"
 MAX_OBJECTIVES = 4096  # held per router; more are dropped (by name order) with a warning
 MAX_NAME = 253  # a Kubernetes object name
 PRIORITY_BOUND = 1 << 31  # an int32, as router.yaml `objectives` bounds it
-HTTP_GONE = 410
 Objectives = dict[str, int]  # InferenceObjective name -> priority
 OnObjectives = Callable[[Objectives], None]
 
@@ -126,40 +123,13 @@ class ObjectiveWatch:
         """Call `on_change` on the running loop with the complete map: once listed, then on
         every change. Runs until cancelled."""
         api = self._api()
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-
-        def deliver(objectives: Objectives) -> None:
-            if not stop.is_set():
-                on_change(objectives)
-
-        def publish(objectives: Objectives) -> None:  # from the thread
-            try:
-                loop.call_soon_threadsafe(deliver, objectives)
-            except RuntimeError:
-                stop.set()
-
-        threading.Thread(target=self._follow, args=(api, publish, stop), daemon=True,
-                         name=f"objectives-{self.namespace}").start()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            stop.set()
-            if (w := self._watch) is not None:
-                w.stop()
+        await follow_in_thread(lambda publish, stop: self._follow(api, publish, stop),
+                               f"objectives-{self.namespace}", on_change, lambda: self._watch)
 
     def _api(self) -> CustomObjectsApi:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        api_client = self.api_client
-        if api_client is None:
-            cfg = client.Configuration()
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=cfg)
-            else:
-                config.load_kube_config(os.environ.get("KUBECONFIG"), client_configuration=cfg)
-            api_client = client.ApiClient(cfg)
-        return client.CustomObjectsApi(api_client)
+        return client.CustomObjectsApi(kube_client(self.api_client))
 
     def _entry(self, obj: dict[str, Any]) -> tuple[str, int | None]:
         return entry(obj, self.pool)
@@ -207,12 +177,8 @@ class ObjectiveWatch:
                                   self.namespace, PLURAL, **kwargs):
                 if stop.is_set():
                     break
+                raise_watch_error(event)  # a 410 inside the stream re-lists
                 obj = event["raw_object"]
-                if event["type"] == "ERROR":  # a 410 inside the stream
-                    if obj.get("code") == HTTP_GONE:
-                        from kubernetes.client.exceptions import ApiException
-                        raise ApiException(status=HTTP_GONE, reason="Gone")
-                    raise RuntimeError(f"watch error: {obj.get('message')}")
                 version = (obj.get("metadata") or {}).get("resourceVersion") or version
                 if apply(held, event["type"], obj, self.pool):
                     changed()
