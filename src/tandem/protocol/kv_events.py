@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 from tandem.protocol.block_hash import BlockHash
 
+# where a worker holds a block: its device pool (a hit costs nothing to load), its host-memory
+# tier or its disk tier (a hit loads the pages first); a block may be held in several
+MEDIUM_DEVICE = "device"
+MEDIUM_HOST = "host"
+MEDIUM_DISK = "disk"
+MEDIA = (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_DISK)
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -19,6 +26,7 @@ class BlockStored:
     block_size: int
     lora_name: str = ""  # the LoRA adapter that computed them; "": none
     lora_digest: str = ""  # that adapter's weight digest: what their hashes key it by
+    medium: str = MEDIUM_DEVICE  # where they are now stored (one of MEDIA)
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,7 @@ class BlockRemoved:
     """Blocks were evicted and can no longer be hit."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: str = MEDIUM_DEVICE  # the medium they left (one of MEDIA)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@
 * `FastPaths`: hot POST routes served straight from ASGI, in front of the FastAPI app.
 * `cancel_on_disconnect`: run a coroutine, cancel it when the client goes away.
 * `serve_route`: a hot route's handler with the endpoint contract (errors, 413, 500).
-* `PREFILL_HEADER`: how the router tells a decode worker where its prefill runs (P/D).
+* `PREFILL_HEADER`: how the router tells a decode worker where its prefill runs (P/D);
+  `PEER_HEADER`: a peer holding KV blocks to pull; `forward_target`: what the router signs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ logger = logging.getLogger(__name__)
 # P/D: the router names the prefill worker (gRPC host:port) a decode worker fetches from;
 # workers act on it only under the router's signature (`signing.SIGNATURE_HEADER`)
 PREFILL_HEADER = "x-tandem-prefill"
+# peer pull: the router names a worker (gRPC host:port) holding prompt blocks the chosen
+# worker lacks; the chosen worker may pull them over KV transfer instead of recomputing
+PEER_HEADER = "x-tandem-kv-peer"
+
+
+def forward_target(prefill: str | None, peer: str | None) -> str | None:
+    """The target a router signs a forwarded request for (`signing.sign`), binding the P/D
+    prefill worker and the KV peer it names (None: neither)."""
+    if peer is None:
+        return prefill
+    return f"{prefill or ''}|peer:{peer}"
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 

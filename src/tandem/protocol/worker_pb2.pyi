@@ -11,24 +11,28 @@ class SubscribeKVEventsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_hash", "block_size", "lora_name", "lora_digest")
+    __slots__ = ("block_hashes", "parent_hash", "block_size", "lora_name", "lora_digest", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_hash: bytes
     block_size: int
     lora_name: str
     lora_digest: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
@@ -47,14 +51,18 @@ class KVEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("seq", "block_hashes", "instance_id")
+    __slots__ = ("seq", "block_hashes", "instance_id", "host_block_hashes", "disk_block_hashes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     instance_id: str
-    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    host_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    disk_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., instance_id: _Optional[str] = ..., host_block_hashes: _Optional[_Iterable[bytes]] = ..., disk_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("worker_id", "model", "block_size", "snapshot", "events")
@@ -75,7 +83,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version", "prefill_s_per_token", "decode_step_s", "pending_prefill_tokens")
+    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version", "prefill_s_per_token", "decode_step_s", "pending_prefill_tokens", "host_load_s_per_block", "disk_load_s_per_block", "peer_pull_s_per_block", "kv_block_bytes")
     class LoraDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +112,10 @@ class Load(_message.Message):
     PREFILL_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LOAD_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOAD_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PEER_PULL_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     role: str
@@ -125,7 +137,11 @@ class Load(_message.Message):
     prefill_s_per_token: float
     decode_step_s: float
     pending_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ...) -> None: ...
+    host_load_s_per_block: float
+    disk_load_s_per_block: float
+    peer_pull_s_per_block: float
+    kv_block_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., host_load_s_per_block: _Optional[float] = ..., disk_load_s_per_block: _Optional[float] = ..., peer_pull_s_per_block: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
 
 class TorchChannel(_message.Message):
     __slots__ = ("store_host", "store_port", "group_id", "tag")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, body_digest
-from tandem.protocol.web import PREFILL_HEADER, APIError, error_body
+from tandem.protocol.web import PEER_HEADER, PREFILL_HEADER, APIError, error_body, forward_target
 from tandem.router.pd import Route
 from tandem.router.policy import Decision
 from tandem.router.upstream import (
@@ -110,8 +110,8 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
             headers = {"Content-Type": "application/json", "X-Request-Id": rid,
                        **route.headers()}
             if signer is not None:
-                headers[SIGNATURE_HEADER] = signer.sign(body, headers.get(PREFILL_HEADER),
-                                                        digest)
+                target = forward_target(headers.get(PREFILL_HEADER), headers.get(PEER_HEADER))
+                headers[SIGNATURE_HEADER] = signer.sign(body, target, digest)
             resp = await http.post(w.id, path, body, headers)
         except UpstreamError as exc:
             release()

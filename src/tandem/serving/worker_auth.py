@@ -41,7 +41,13 @@ from tandem.protocol.signing import (
     metadata_signature,
     rpc_body,
 )
-from tandem.protocol.web import PREFILL_HEADER, error_response, plain_request_id
+from tandem.protocol.web import (
+    PEER_HEADER,
+    PREFILL_HEADER,
+    error_response,
+    forward_target,
+    plain_request_id,
+)
 from tandem.serving.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -77,7 +83,7 @@ def needs_signature(target: str | None, cache_salt: str | None, key: WorkerKey |
                     priority: int = 0, required: bool = False) -> str | None:
     """What makes a request need the router's signature (for the error), or None."""
     if target is not None:
-        return PREFILL_HEADER
+        return PEER_HEADER if target.rpartition("|peer:")[1] else PREFILL_HEADER
     if (cache_salt or "").startswith(TENANT_SALT_PREFIX):
         return "a tenant cache_salt"
     if required and key is not None:
@@ -94,7 +100,8 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     valid one; APIError(401) when it came without an API key (`ApiKeyAuth`) and its
     signature is not valid. `on_reject(reason)` is called first (a metric). `required`:
     the worker's --require-signed-requests."""
-    target = request.headers.get(PREFILL_HEADER)
+    target = forward_target(request.headers.get(PREFILL_HEADER),
+                            request.headers.get(PEER_HEADER))
     if signature_instead_of_key(request):
         await require_signature(request, key, target, WITHOUT_KEY, on_reject)
         return
