@@ -35,6 +35,11 @@ PREFILL_HEADER = "x-tandem-prefill"
 # worker lacks; the chosen worker may pull them over KV transfer instead of recomputing
 PEER_HEADER = "x-tandem-kv-peer"
 
+# the `code` of the error a worker ends a request or stream with when it stops before finishing
+# it (a drain that ran out of time, an engine shutting down): the router resumes the request on
+# another worker (token replay for a stream that already sent tokens)
+DRAINING_CODE = "worker_draining"
+
 
 def forward_target(prefill: str | None, peer: str | None) -> str | None:
     """The target a router signs a forwarded request for (`signing.sign`), binding the P/D
