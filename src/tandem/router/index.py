@@ -9,6 +9,14 @@ prefix follows the first one instead of scattering.
 `match(hashes)` returns, per worker, how many *leading* blocks of the chain it holds: a
 block only helps if every block before it is there too.
 
+Media (`BlockStored.medium` / `BlockRemoved.medium`): a block may be held in the device
+pool, the host tier and the disk tier at once. The device pool's blocks live in this table;
+each tier's in an index of its own (`TierIndex`, made on its first block, sharing this
+index's worker slots), so a fleet without tiers pays nothing for them and an entry costs
+the same 16 bytes in each medium that holds it. Removing a block from one medium leaves the
+others; `cleared`, `reset` and `drop` cover every medium. `match` counts device blocks only;
+`match_media` walks the chain in every medium (`Hit`).
+
 Layout, sized for thousands of workers and tens of millions of blocks: each worker gets a bit
 slot, each block maps to the bitmask of its holders, keyed by the first 8 bytes of its
 SHA-256 (`block_key`; a collision can only mis-score a route, never corrupt a result, and is
@@ -26,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from tandem.protocol.block_hash import BlockHash
+from tandem.protocol.kv_events import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
 from tandem.router import index_packed
 from tandem.router.index_packed import INLINE, NONE, OVER, BlockTable, as_key, as_keys
 
@@ -57,6 +66,37 @@ def _live_bits(entry: dict[int, float] | None, now: float) -> int:
                 bits |= 1 << slot
     return bits
 
+class Hit(tuple):
+    """A worker's leading run of a chain by medium: `device` blocks, then `host` blocks
+    (held in the host tier, or in the device pool after the run left it), then `disk`
+    blocks (held anywhere after the run reached the disk tier). A block counts in the
+    slowest medium the run has reached, so a run is device*, host*, disk*."""
+
+    __slots__ = ()
+
+    def __new__(cls, device: int, host: int = 0, disk: int = 0) -> Hit:
+        return tuple.__new__(cls, (device, host, disk))
+
+    @property
+    def device(self) -> int:
+        return self[0]
+
+    @property
+    def host(self) -> int:
+        return self[1]
+
+    @property
+    def disk(self) -> int:
+        return self[2]
+
+    @property
+    def total(self) -> int:
+        return self[0] + self[1] + self[2]
+
+
+TIERS = (MEDIUM_HOST, MEDIUM_DISK)
+
+
 class PrefixIndex:
     def __init__(self, speculative_ttl_s: float = 2.0, capacity: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
@@ -80,6 +120,20 @@ class PrefixIndex:
         self._spec_view = memoryview(self._spec_count)
         # (chain, table stamp, keys, entries, rows) of the last chain looked up
         self._last: tuple = (None, 0, None, None, None)
+        self._tiers: dict[str, TierIndex] = {}  # medium -> its blocks (made on first use)
+
+    def _tier(self, medium: str) -> TierIndex:
+        """The index of `medium` (host or disk); ValueError for another name."""
+        tier = self._tiers.get(medium)
+        if tier is None:
+            if medium not in TIERS:
+                raise ValueError(f"unknown KV medium {medium!r}")
+            tier = self._tiers[medium] = TierIndex(self)
+        return tier
+
+    def has_tiers(self) -> bool:
+        """Whether any host or disk block is held (else `match_media` is `match`)."""
+        return any(t._table.live for t in self._tiers.values())
 
     def _lookup(self, hashes: Sequence[BlockHash]
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -146,12 +200,23 @@ class PrefixIndex:
         return held
 
     # -- fed by KV events ------------------------------------------------------------------
-    def reset(self, worker: str, hashes: Iterable[BlockHash]) -> None:
-        """Replace everything known about `worker` with a snapshot."""
+    def reset(self, worker: str, hashes: Iterable[BlockHash],
+              host: Iterable[BlockHash] = (), disk: Iterable[BlockHash] = ()) -> None:
+        """Replace everything known about `worker` with a snapshot (device pool, host and
+        disk tiers)."""
         self.cleared(worker)
         self.stored(worker, hashes)
+        for medium, tier_hashes in ((MEDIUM_HOST, host), (MEDIUM_DISK, disk)):
+            tier_hashes = list(tier_hashes)
+            if tier_hashes:
+                self._tier(medium).stored(worker, tier_hashes)
 
-    def stored(self, worker: str, hashes: Iterable[BlockHash]) -> None:
+    def stored(self, worker: str, hashes: Iterable[BlockHash],
+               medium: str = MEDIUM_DEVICE) -> None:
+        """`hashes` are now held by `worker` in `medium` ("" or device, host, disk)."""
+        if medium and medium != MEDIUM_DEVICE:
+            self._tier(medium).stored(worker, hashes)
+            return
         slot = self._slot_of(worker)
         hashes = list(hashes)
         if len(hashes) <= SCALAR_UP_TO:
@@ -248,7 +313,16 @@ class PrefixIndex:
         keys = keys[self._held(keys, self._table.find(keys), slot)]
         self._log[worker] = array("Q", keys.tobytes())
 
-    def removed(self, worker: str, hashes: Iterable[BlockHash]) -> None:
+    def removed(self, worker: str, hashes: Iterable[BlockHash],
+                medium: str = MEDIUM_DEVICE) -> None:
+        """`hashes` left `worker`'s `medium`; the other media keep theirs."""
+        if medium and medium != MEDIUM_DEVICE:
+            tier = self._tiers.get(medium)
+            if tier is None and medium not in TIERS:
+                raise ValueError(f"unknown KV medium {medium!r}")
+            if tier is not None:
+                tier.removed(worker, hashes)
+            return
         slot = self._slot.get(worker)
         if slot is None:
             return
@@ -318,6 +392,9 @@ class PrefixIndex:
         self._count[worker] -= removed
 
     def cleared(self, worker: str) -> None:
+        """Forget every block `worker` holds, in every medium."""
+        for tier in self._tiers.values():
+            tier.cleared(worker)
         slot = self._slot.get(worker)
         if slot is not None and self._log[worker]:
             if self._count[worker]:
@@ -327,6 +404,8 @@ class PrefixIndex:
 
     def drop(self, worker: str) -> None:
         """Forget `worker` (its stream broke, or it left); its slot is reused later."""
+        for tier in self._tiers.values():
+            tier.drop(worker)
         self.cleared(worker)
         slot = self._slot.pop(worker, None)
         if slot is None:
@@ -489,6 +568,93 @@ class PrefixIndex:
             result[names[low.bit_length() - 1]] = n
             bits ^= low
 
+    def _runs(self, hashes: Sequence[BlockHash], now: float
+              ) -> tuple[list[int], list[int], int]:
+        """(positions where the chain's holder set may change, the holder bits from each,
+        n): the holders of every block (confirmed, or speculative unexpired at `now`); none
+        from block `n` on."""
+        if not hashes:
+            return [], [], 0
+        keys, pos, rows = self._lookup(hashes)
+        whole = rows.view(np.int64).ravel()
+        special = whole == _OVER_ROW
+        spec = self._speculative
+        if spec:
+            special |= self._spec_count[keys & np.uint64(SPEC_BUCKETS - 1)] > 0
+        held = np.flatnonzero((whole != _BLANK_ROW) | special)
+        n = int(held[-1]) + 1 if held.size else 0
+        if not n:
+            return [], [], 0
+        whole, special = whole[:n], special[:n]
+        change = np.empty(n, bool)
+        change[0] = True
+        change[1:] = (whole[1:] != whole[:-1]) | special[1:] | special[:-1]
+        at = np.flatnonzero(change)
+        out, over = [], self._over
+        for k, row, sp in zip(keys[at].tolist(), rows[at].tolist(), special[at].tolist(),
+                              strict=True):
+            if row[0] == OVER:
+                bits = over[k]
+            else:
+                bits = 0
+                for s in row:
+                    if s >= 0:
+                        bits |= 1 << s
+            if sp:
+                bits |= _live_bits(spec.get(k), now)
+            out.append(bits)
+        return at.tolist(), out, n
+
+    def match_media(self, hashes: Sequence[BlockHash], now: float,
+                    workers: Iterable[str] | None = None) -> dict[str, Hit]:
+        """Each worker's leading run of `hashes` by medium (`Hit`), over the device pool
+        (speculative entries included, as `match`) and the host and disk tiers; workers with
+        no hit are absent. Without tier blocks it is `match`'s answer as device hits."""
+        tiers = [self._tiers.get(MEDIUM_HOST), self._tiers.get(MEDIUM_DISK)]
+        if not any(t is not None and t._table.live for t in tiers):
+            return {w: Hit(n) for w, n in self.match(hashes, now, workers).items()}
+        if workers is None:
+            mask = self._all
+        else:
+            mask = 0
+            for w in workers:
+                s = self._slot.get(w)
+                if s is not None:
+                    mask |= 1 << s
+        if not mask or not hashes:
+            return {}
+        runs = [self._runs(hashes, now)] + [
+            t._runs(hashes, now) if t is not None and t._table.live else ([], [], 0)
+            for t in tiers]
+        points = sorted({p for at, _, n in runs for p in (*at, n) if p < len(hashes)})
+        cur, nxt = [0, 0, 0], [0, 0, 0]
+        dev = hd = alive = mask
+        ends: tuple[dict[str, int], dict[str, int], dict[str, int]] = ({}, {}, {})
+        for i in points:
+            for m, (at, bits, n) in enumerate(runs):
+                if nxt[m] < len(at) and at[nxt[m]] == i:
+                    cur[m] = bits[nxt[m]]
+                    nxt[m] += 1
+                if i >= n:
+                    cur[m] = 0
+            held = cur[0] | cur[1]
+            for m, (before, now_held) in enumerate(((dev, dev & cur[0]), (hd, hd & held),
+                                                    (alive, alive & (held | cur[2])))):
+                if before != now_held and i:
+                    self._record(before & ~now_held, i, ends[m])
+            dev, hd, alive = dev & cur[0], hd & held, alive & (held | cur[2])
+            if not alive:
+                break
+        for m, bits in enumerate((dev, hd, alive)):
+            self._record(bits, len(hashes), ends[m])
+        d_end, hd_end = ends[0], ends[1]
+        result = {}
+        for w, total in ends[2].items():
+            d = d_end.get(w, 0)
+            h = hd_end.get(w, 0)
+            result[w] = Hit(d, h - d, total - h)
+        return result
+
     def expire(self, now: float) -> int:
         """Drop expired speculative entries; returns how many."""
         count = 0
@@ -524,6 +690,30 @@ class PrefixIndex:
     def nbytes(self) -> int:
         """Bytes the confirmed index holds in arrays (the table and the per-worker logs)."""
         return self._table.nbytes() + sum(a.itemsize * len(a) for a in self._log.values())
+
+
+class TierIndex(PrefixIndex):
+    """The blocks of one tier (host or disk): a `PrefixIndex` whose worker slots are its
+    owner's (one bit per worker across media, so `match_media` combines them directly)."""
+
+    def __init__(self, owner: PrefixIndex) -> None:
+        super().__init__(0.0, index_packed.MIN_CAP)
+        self._owner = owner
+
+    def _slot_of(self, worker: str) -> int:
+        slot = self._slot.get(worker)
+        if slot is None:
+            slot = self._owner._slot_of(worker)
+            self._slot[worker] = slot
+            self._names[slot] = worker
+            self._all |= 1 << slot
+            self._count.setdefault(worker, 0)
+            self._log.setdefault(worker, array("Q"))
+        return slot
+
+    def drop(self, worker: str) -> None:
+        super().drop(worker)
+        self._free.clear()  # the owner hands out slots
 
 
 class ApproximateIndex:
