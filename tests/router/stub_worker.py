@@ -2,16 +2,22 @@
 process tests: `/ready` as a worker answers it (503 while `loading`, naming its model as a
 loading Tandem worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow
 stream on request: `slow_stream(chunks, delay)`'s X-Request-Id (the router passes a
-client's id through; a field the body does not declare it refuses)."""
+client's id through; a field the body does not declare it refuses). `StubKV`: its gRPC side
+(KV events with media, load reports)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import threading
+from concurrent import futures
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tests.router.test_router_app import Served
 
 COMPLETION_TOKENS = 5  # per sequence, in every answer's usage
@@ -92,3 +98,58 @@ class StubWorker:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         return app
+
+
+class StubKV(worker_pb2_grpc.WorkerServicer):
+    """A stub worker's gRPC side on a real port (a thread-pool server): `SubscribeKVEvents`
+    sends a snapshot (device, host-only and disk-only block lists) and then whatever `send`
+    queues (`stored` / `removed` with a medium, `cleared`), numbered in order; `GetLoad`
+    answers `load` (a `worker_pb2.Load`, the measured tier and peer costs included)."""
+
+    def __init__(self, load: worker_pb2.Load | None = None, block_size: int = 16,
+                 device: list[bytes] | None = None, host: list[bytes] | None = None,
+                 disk: list[bytes] | None = None) -> None:
+        self.load = load or worker_pb2.Load()
+        self.block_size = block_size
+        self.snapshot = (device or [], host or [], disk or [])
+        self._queue: queue.Queue[worker_pb2.KVEvent] = queue.Queue()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.target = f"127.0.0.1:{self.port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(None)
+
+    def send(self, kind: str, hashes: list[bytes] = (), medium: str = "") -> None:
+        with self._lock:
+            self._seq += 1
+            ev = worker_pb2.KVEvent(seq=self._seq)
+            if kind == "stored":
+                ev.stored.CopyFrom(worker_pb2.BlockStored(block_hashes=hashes, medium=medium,
+                                                          block_size=self.block_size))
+            elif kind == "removed":
+                ev.removed.CopyFrom(worker_pb2.BlockRemoved(block_hashes=hashes, medium=medium))
+            else:
+                ev.cleared.CopyFrom(worker_pb2.AllBlocksCleared())
+            self._queue.put(ev)
+
+    def SubscribeKVEvents(self, request, context):  # noqa: N802, ANN001, ANN201
+        device, host, disk = self.snapshot
+        with self._lock:
+            seq = self._seq
+        yield worker_pb2.KVEventBatch(block_size=self.block_size, snapshot=worker_pb2.Snapshot(
+            seq=seq, instance_id="stub", block_hashes=device, host_block_hashes=host,
+            disk_block_hashes=disk))
+        while context.is_active():
+            try:
+                ev = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            yield worker_pb2.KVEventBatch(events=[ev])
+
+    def GetLoad(self, request, context):  # noqa: N802, ANN001, ANN201
+        return self.load

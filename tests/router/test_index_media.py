@@ -108,6 +108,7 @@ def test_index_with_media_matches_a_reference_model(seed: int) -> None:
                 want = {x: reference_hit(ref[x], chain) for x in subset}
                 want = {x: hit for x, hit in want.items() if hit is not None}
                 assert idx.match_media(chain, 0.0, subset) == want
+                assert idx.match_media(chain, 0.0, subset, speculative=False) == want
                 dev = {x: hit.device for x, hit in want.items() if hit.device}
                 assert idx.match(chain, 0.0, subset) == dev
         for w in workers:

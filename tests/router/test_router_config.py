@@ -107,3 +107,22 @@ def test_churn_half_life_and_processes_are_checked_at_start(tmp_path):
         run(_args("--config", str(cfg)))
     with pytest.raises(SystemExit, match="needs the lean HTTP server"):
         run(_args("--workers", "http://a:1", "--processes", "2", "--http-server", "uvicorn"))
+
+
+def test_peer_pull_is_on_by_default_only_with_a_worker_key(tmp_path):
+    from tests.serving.helpers import worker_key_file
+
+    key = worker_key_file(tmp_path)
+    base = ("--workers", "http://a:1")
+    assert build(_args(*base))[1].settings.peer_pull is False  # nothing signs the peer
+    assert build(_args(*base, "--worker-auth-key-file", key))[1].settings.peer_pull is True
+    assert build(_args(*base, "--worker-auth-key-file", key, "--no-peer-pull")
+                 )[1].settings.peer_pull is False
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:1]\npeer_pull: false\n")
+    keyed = ("--config", str(cfg), "--worker-auth-key-file", key)
+    assert build(_args(*keyed))[1].settings.peer_pull is False
+    assert build(_args(*keyed, "--peer-pull"))[1].settings.peer_pull is True
+    cfg.write_text("workers: [http://a:1]\npeer_pull: 3\n")
+    with pytest.raises(RouterConfigError, match="peer_pull"):
+        build(_args("--config", str(cfg)))

@@ -34,6 +34,9 @@ PREFILL_HEADER = "x-tandem-prefill"
 # peer pull: the router names a worker (gRPC host:port) holding prompt blocks the chosen
 # worker lacks; the chosen worker may pull them over KV transfer instead of recomputing
 PEER_HEADER = "x-tandem-kv-peer"
+# ... and how many leading prompt blocks the router believes that peer holds (a decimal count;
+# a hint only: the holder's answer is what counts)
+PEER_BLOCKS_HEADER = "x-tandem-kv-peer-blocks"
 
 # the `code` of the error a worker ends a request or stream with when it stops before finishing
 # it (a drain that ran out of time, an engine shutting down): the router resumes the request on

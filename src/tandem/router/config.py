@@ -130,6 +130,7 @@ class RouterConfig(_Strict):
     pd_threshold: Count | None = None
     pd_max_prefill_queue: Count | None = None
     pd_max_local_prefill: Count | None = None
+    peer_pull: bool | None = None
     retries: Count | None = None
     max_prompt_tokens: Positive | None = None
     max_tokens_cap: Positive | None = None

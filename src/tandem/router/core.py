@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.tokenizer import Tokenizer
+from tandem.router import peer
 from tandem.router import prompt as prompts
 from tandem.router.churn import ChurnTracker, ChurnView
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
+from tandem.router.kvcredit import add_tier_credits
 from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
@@ -78,6 +80,9 @@ class RouterSettings:
     flow_saturation_waiting: int = 4
     flow_saturation_kv: float = 0.9
     served_models: Mapping[str, float] = field(default_factory=dict)
+    # peer pulls (`peer`): name a KV peer holding more of the prompt than the chosen worker
+    # (the router must sign requests: main sets this only with a worker auth key)
+    peer_pull: bool = False
 
 
 class Router:
@@ -213,6 +218,7 @@ class Router:
                              now=now, lora=lora)
         if self._churn_scored:
             ctx.churn_tokens = ChurnView(self.churn, now, {w.id for w in candidates})
+        units: dict[str, int] = {}
         for key, group in self.hash_groups(candidates, lora).items():
             size = key[0]
             chain = hashes.get(key) if hashes else None
@@ -234,8 +240,15 @@ class Router:
                         matched[wid] = n
             for wid, n in matched.items():
                 ctx.matched_tokens[wid] = n * unit
+            if precise and self.index.has_tiers():  # host / disk tier blocks: credits
+                for wid, hit in self.index.match_media(chain, now, precise).items():
+                    if hit.host or hit.disk:
+                        ctx.tier_hits[wid] = hit
+                        units[wid] = unit
             for wid, n in self.approx.match(chain, guessed).items():
                 ctx.matched_tokens[wid] = max(n * unit, ctx.matched_tokens.get(wid, 0))
+        if ctx.tier_hits:
+            add_tier_credits(ctx, candidates, units)
         return ctx
 
     def route(self, parsed: prompts.ParsedPrompt, model: str, now: float,
@@ -263,6 +276,8 @@ class Router:
         ctx.session_worker = session
         if not candidates:
             return None, ctx
+        if self.settings.peer_pull and role == "decode" and parsed.token_ids is not None:
+            peer.annotate(self.index, self.workers, ctx, candidates, now)
         decision = self.policy.pick(ctx, candidates)
         w = decision.worker
         hashes = ctx.chain(w)

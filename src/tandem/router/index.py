@@ -568,17 +568,17 @@ class PrefixIndex:
             result[names[low.bit_length() - 1]] = n
             bits ^= low
 
-    def _runs(self, hashes: Sequence[BlockHash], now: float
+    def _runs(self, hashes: Sequence[BlockHash], now: float, speculative: bool = True
               ) -> tuple[list[int], list[int], int]:
         """(positions where the chain's holder set may change, the holder bits from each,
-        n): the holders of every block (confirmed, or speculative unexpired at `now`); none
-        from block `n` on."""
+        n): the holders of every block (confirmed, or with `speculative` also speculative
+        unexpired at `now`); none from block `n` on."""
         if not hashes:
             return [], [], 0
         keys, pos, rows = self._lookup(hashes)
         whole = rows.view(np.int64).ravel()
         special = whole == _OVER_ROW
-        spec = self._speculative
+        spec = self._speculative if speculative else None
         if spec:
             special |= self._spec_count[keys & np.uint64(SPEC_BUCKETS - 1)] > 0
         held = np.flatnonzero((whole != _BLANK_ROW) | special)
@@ -606,12 +606,14 @@ class PrefixIndex:
         return at.tolist(), out, n
 
     def match_media(self, hashes: Sequence[BlockHash], now: float,
-                    workers: Iterable[str] | None = None) -> dict[str, Hit]:
+                    workers: Iterable[str] | None = None,
+                    speculative: bool = True) -> dict[str, Hit]:
         """Each worker's leading run of `hashes` by medium (`Hit`), over the device pool
-        (speculative entries included, as `match`) and the host and disk tiers; workers with
-        no hit are absent. Without tier blocks it is `match`'s answer as device hits."""
+        (with `speculative`, its speculative entries too, as `match`) and the host and disk
+        tiers; workers with no hit are absent. Without tier blocks (and with `speculative`)
+        it is `match`'s answer as device hits."""
         tiers = [self._tiers.get(MEDIUM_HOST), self._tiers.get(MEDIUM_DISK)]
-        if not any(t is not None and t._table.live for t in tiers):
+        if speculative and not any(t is not None and t._table.live for t in tiers):
             return {w: Hit(n) for w, n in self.match(hashes, now, workers).items()}
         if workers is None:
             mask = self._all
@@ -623,7 +625,7 @@ class PrefixIndex:
                     mask |= 1 << s
         if not mask or not hashes:
             return {}
-        runs = [self._runs(hashes, now)] + [
+        runs = [self._runs(hashes, now, speculative)] + [
             t._runs(hashes, now) if t is not None and t._table.live else ([], [], 0)
             for t in tiers]
         points = sorted({p for at, _, n in runs for p in (*at, n) if p < len(hashes)})

@@ -23,7 +23,7 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
 weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
-`pd_max_prefill_queue`, `pd_max_local_prefill`, `retries`, `max_prompt_tokens`,
+`pd_max_prefill_queue`, `pd_max_local_prefill`, `peer_pull`, `retries`, `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
@@ -156,6 +156,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with --pd-max-prefill-queue: a prompt lacking more than this many "
                         "tokens still queues on a prefill worker rather than prefilling on "
                         "the decode worker (default 1024; 0: no cap)")
+    p.add_argument("--peer-pull", action=argparse.BooleanOptionalAction, default=None,
+                   help="name a KV peer holding more of the prompt than the chosen worker "
+                        "when pulling it is faster than computing it (default on; acts only "
+                        "with --worker-auth-key-file: the peer header is signed)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits "
                         "(env:VAR: the URL from environment variable VAR)")
@@ -495,7 +499,9 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         churn_half_life_s=_seconds(cfg, "churn_half_life_s", 30.0), seed=args.seed,
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
-        pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"))
+        pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"),
+        peer_pull=(args.peer_pull if args.peer_pull is not None
+                   else cfg.get("peer_pull", True)))
     from tandem.router.flowcontrol.settings import FlowSettings
 
     try:
@@ -539,6 +545,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         logger.info("prefix index shared through Redis at %s", masked(index_url))
     tls = tls_from_args(args.grpc_tls_dir, args.grpc_tls_server_name)
     worker_key = load_worker_key(args.worker_auth_key_file)
+    # a worker acts on a KV peer only under the router's signature
+    settings.peer_pull = settings.peer_pull and worker_key is not None
     if args.api_keys and worker_key is None:
         raise SystemExit("--api-keys needs --worker-auth-key-file: workers refuse tenant "
                          "cache salts that the router has not signed")

@@ -51,6 +51,11 @@ class RouterMetrics:
                                   "by reason (below_threshold, prompt_logprobs, "
                                   "decode_not_capable, unsigned, no_prefill_worker, "
                                   "prefill_busy)", ["reason"], registry=r)
+        self.peer_pulls = Counter("tandem_router_peer_pulls_total",
+                                  "Requests answered by a worker told to pull the prompt's "
+                                  "prefix from a KV peer, by the slowest medium the peer "
+                                  "holds the pulled blocks in (device, host, disk)",
+                                  ["medium"], registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
                                   ["worker"], registry=r, multiprocess_mode="mostrecent")

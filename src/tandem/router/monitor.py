@@ -9,8 +9,9 @@ Per worker, three loops on the router's event loop:
   approximate mode. A failed probe marks the worker unready at once; it rejoins on the next
   good probe.
 * KV events (Tandem workers with a gRPC port): `SubscribeKVEvents` - the snapshot resets the
-  worker's entries in the index, live events update them; a sequence gap or a broken stream
-  drops its entries and resubscribes after a jittered backoff.
+  worker's entries in the index (device pool, host and disk tiers), live events update them
+  in the medium they name (the shared index store mirrors device blocks only); a sequence
+  gap or a broken stream drops its entries and resubscribes after a jittered backoff.
 * load: gRPC `GetLoad` every `load_interval_s`.
 
 With the worker auth key (`key`) each call is signed (`protocol.signing`, a fresh signature
@@ -35,6 +36,7 @@ import grpc
 import httpx
 
 from tandem.protocol import worker_pb2, worker_pb2_grpc
+from tandem.protocol.kv_events import MEDIA, MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
 from tandem.protocol.signing import GET_LOAD_RPC, SUBSCRIBE_RPC, WorkerKey, rpc_metadata
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import PeerChannel
@@ -48,6 +50,7 @@ from tandem.router.workers import (
     WorkerLoad,
     bounded_costs,
     bounded_kv_usage,
+    bounded_load_costs,
 )
 
 logger = logging.getLogger(__name__)
@@ -195,6 +198,11 @@ class WorkerMonitor:
                 for i in range(SNAPSHOT_SLICE, len(hashes), SNAPSHOT_SLICE):
                     await asyncio.sleep(0)  # other requests route between slices
                     self.index.stored(w.id, hashes[i:i + SNAPSHOT_SLICE])
+                for medium, tier in ((MEDIUM_HOST, snap.host_block_hashes),
+                                     (MEDIUM_DISK, snap.disk_block_hashes)):
+                    for i in range(0, len(tier), SNAPSHOT_SLICE):
+                        await asyncio.sleep(0)
+                        self.index.stored(w.id, tier[i:i + SNAPSHOT_SLICE], medium)
                 self.instance_id, self.seq = snap.instance_id, snap.seq
                 w.block_size = batch.block_size or w.block_size
                 w.events_connected = True
@@ -212,14 +220,21 @@ class WorkerMonitor:
                 kind = ev.WhichOneof("event")
                 hashes = (ev.stored.block_hashes if kind == "stored"
                           else ev.removed.block_hashes if kind == "removed" else ())
+                medium = (ev.stored.medium if kind == "stored"
+                          else ev.removed.medium if kind == "removed" else "")
+                if medium not in MEDIA and medium:
+                    raise _SequenceGap(f"event {ev.seq}: unknown KV medium {medium[:32]!r}")
                 if kind == "stored":
-                    self.index.stored(w.id, hashes)
+                    self.index.stored(w.id, hashes, medium)
                 elif kind == "removed":
-                    self.index.removed(w.id, hashes)
+                    self.index.removed(w.id, hashes, medium)
                 elif kind == "cleared":
                     self.index.cleared(w.id)
-                if mirror:  # copies only when a shared store wants them
+                if mirror and medium in ("", MEDIUM_DEVICE):  # the store holds device
+                    # blocks only; copies only when a shared store wants them
                     applied.append(IndexEvent(ev.seq, kind, list(hashes)))
+                elif mirror:  # a tier event: the store's seq still advances past it
+                    applied.append(IndexEvent(ev.seq, "stored", []))
             if applied:
                 self.store.publish(KVWrite(w.id, self.instance_id, self.seq, events=applied))
 
@@ -248,6 +263,12 @@ class WorkerMonitor:
                 (self.worker.load.prefill_s_per_token, self.worker.load.decode_step_s,
                  self.worker.load.pending_prefill_tokens) = bounded_costs(
                     load.prefill_s_per_token, load.decode_step_s, load.pending_prefill_tokens)
+                (self.worker.load.host_load_s_per_block,
+                 self.worker.load.disk_load_s_per_block,
+                 self.worker.load.peer_pull_s_per_block,
+                 self.worker.load.kv_block_bytes) = bounded_load_costs(
+                    load.host_load_s_per_block, load.disk_load_s_per_block,
+                    load.peer_pull_s_per_block, load.kv_block_bytes)
                 if load.max_loras:  # applied unless older than the set held
                     versioned = bool(load.lora_instance)
                     self.worker.apply_lora_report(LoRAReport.reported(

@@ -27,9 +27,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tandem.protocol.block_hash import BlockHash
-from tandem.protocol.web import PREFILL_HEADER
+from tandem.protocol.web import PEER_BLOCKS_HEADER, PEER_HEADER, PREFILL_HEADER
 from tandem.router import prompt as prompts
 from tandem.router.core import Router
+from tandem.router.peer import PeerPull
 from tandem.router.policy import Decision
 from tandem.router.scorers import RoutingContext
 from tandem.router.workers import HashGroup, Worker
@@ -49,16 +50,24 @@ class Route:
     # unsigned (the router has no worker auth key, and workers act on no unsigned
     # prefill target), no_prefill_worker or prefill_busy
     reason: str = ""
+    # set: aggregated, and the worker pulls the prefix it lacks from this peer (`peer`)
+    peer: PeerPull | None = None
 
     @property
     def worker(self) -> Worker:
         return self.decision.worker
 
     def headers(self) -> dict[str, str]:
-        """Extra request headers for the decode worker."""
-        if self.prefill is None or self.prefill.worker.grpc_target is None:
-            return {}
-        return {PREFILL_HEADER: self.prefill.worker.grpc_target}
+        """Extra request headers for the decode worker: its P/D prefill worker, else the KV
+        peer it pulls from (never both)."""
+        if self.prefill is not None:
+            if self.prefill.worker.grpc_target is None:
+                return {}
+            return {PREFILL_HEADER: self.prefill.worker.grpc_target}
+        if self.peer is not None and self.peer.holder.grpc_target is not None:
+            return {PEER_HEADER: self.peer.holder.grpc_target,
+                    PEER_BLOCKS_HEADER: str(self.peer.blocks)}
+        return {}
 
 
 def uncached_tokens(ctx: RoutingContext, decision: Decision, text_mode: bool) -> int:

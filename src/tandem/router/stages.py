@@ -288,6 +288,9 @@ class Routing:
                             decision.worker.id, decision.reason, decision.matched_tokens,
                             ctx.prompt_tokens, chain[0][:4].hex() or "-",
                             f", prefill on {route.prefill.worker.id}" if route.prefill
+                            else f", pulling {route.peer.extra} blocks from "
+                            f"{route.peer.holder.id} ({route.peer.pull_s:.4f}s < "
+                            f"{route.peer.recompute_s:.4f}s to compute)" if route.peer
                             else "")
         return route
 
@@ -312,6 +315,8 @@ class Routing:
                           session=self.session)
         if ctx is not None and ctx.hashes:
             self.hashes = ctx.hashes
+        if route is not None and route.prefill is None:  # P/D takes precedence over a pull
+            route.peer = ctx.peers.get(route.worker.id)
         return route, ctx
 
     def on_attempt(self, a: Attempt) -> None:
@@ -331,6 +336,8 @@ class Routing:
                           a.route.worker.kv_transfer_backend or "unknown").inc()
         elif a.final:
             metrics.child(metrics.aggregated, a.route.reason).inc()
+        if a.final and a.route.peer is not None:
+            metrics.child(metrics.peer_pulls, a.route.peer.medium).inc()
 
 
 async def relay(request: Request, work: Awaitable[Response], stream: bool,

@@ -79,6 +79,27 @@ class WorkerLoad:
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
     pending_prefill_tokens: int = 0
+    # measured KV load costs, seconds per block of every layer (0.0: not measured yet;
+    # `bounded_load_costs`): from its host tier, its disk tier, pulled from a peer; and the
+    # bytes of one such block (0: not reported)
+    host_load_s_per_block: float = 0.0
+    disk_load_s_per_block: float = 0.0
+    peer_pull_s_per_block: float = 0.0
+    kv_block_bytes: int = 0
+
+
+MAX_LOAD_S_PER_BLOCK = 10.0  # slower than any real load of one block
+MAX_KV_BLOCK_BYTES = 1 << 34
+
+
+def bounded_load_costs(host: float, disk: float, peer: float, block_bytes: int
+                       ) -> tuple[float, float, float, int]:
+    """A worker's reported KV load costs made safe to compute with: NaN, infinite or
+    negative -> 0 (unmeasured), the rest clamped to MAX_LOAD_S_PER_BLOCK and
+    MAX_KV_BLOCK_BYTES."""
+    return (_clamp(host, MAX_LOAD_S_PER_BLOCK), _clamp(disk, MAX_LOAD_S_PER_BLOCK),
+            _clamp(peer, MAX_LOAD_S_PER_BLOCK),
+            int(_clamp(float(block_bytes), MAX_KV_BLOCK_BYTES)))
 
 
 MAX_PREFILL_S_PER_TOKEN = 0.1  # 10 tokens/s: slower than any real prefill

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.protocol.signing import SIGNATURE_HEADER
-from tandem.protocol.web import PREFILL_HEADER, APIError, plain_request_id
+from tandem.protocol.web import (
+    PEER_BLOCKS_HEADER,
+    PEER_HEADER,
+    PREFILL_HEADER,
+    APIError,
+    forward_target,
+    plain_request_id,
+)
 from tandem.router import responses, stages, usage
 from tandem.router.extproc.encode import endpoint, in_subset
 from tandem.router.extproc.settings import (
@@ -43,7 +50,7 @@ KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
          "/v1/responses": "responses"}
 # request headers the upstream must not get from the client: the router's own (signed) ones,
 # and the client's API key (a worker never sees it, as behind the HTTP router)
-STRIPPED = (PREFILL_HEADER, SIGNATURE_HEADER, "authorization")
+STRIPPED = (PREFILL_HEADER, PEER_HEADER, PEER_BLOCKS_HEADER, SIGNATURE_HEADER, "authorization")
 # response headers Envoy sets on an answer it made itself without reaching the worker: its own
 # circuit breaker or overload manager (503), its local rate limit (429)
 GATEWAY_LOCAL = ("x-envoy-overloaded", "x-envoy-ratelimited")
@@ -179,12 +186,14 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
 
 def upstream_headers(ra: RouterApp, pick: Pick) -> dict[str, str]:
     """What the upstream request carries beyond the client's headers: its request id, the
-    body's length, the P/D target and the router's signature, as `proxy.forward` signs."""
+    body's length, the P/D target or KV peer and the router's signature, as `proxy.forward`
+    signs."""
     out = {"x-request-id": pick.rid, "content-length": str(len(pick.body)),
            **pick.route.headers()}
     signer = ra.settings.worker_key
     if signer is not None:
-        out[SIGNATURE_HEADER] = signer.sign(pick.body, out.get(PREFILL_HEADER))
+        out[SIGNATURE_HEADER] = signer.sign(
+            pick.body, forward_target(out.get(PREFILL_HEADER), out.get(PEER_HEADER)))
     return out
 
 

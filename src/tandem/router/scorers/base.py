@@ -18,6 +18,8 @@ from tandem.protocol.block_hash import BlockHash
 from tandem.router.workers import HashGroup, Worker
 
 if TYPE_CHECKING:
+    from tandem.router.index import Hit
+    from tandem.router.peer import PeerPull
     from tandem.router.scorers.columns import Columns
 
 
@@ -37,6 +39,14 @@ class RoutingContext:
     now: float = 0.0
     lora: str | None = None  # the adapter `model` names (None: a base model)
     session_worker: str | None = None  # the worker the request's session token names
+    # KV held outside a worker's device pool (`kvcredit`): worker id -> its leading run by
+    # medium (only while some worker reports host or disk tier blocks); worker id -> the
+    # prompt tokens that run's tier blocks and a peer pull save beyond `matched_tokens`
+    # (measured load time taken off; what the prefix and cost scorers add to the match);
+    # worker id -> the peer it would pull the rest of the prefix from (`peer`)
+    tier_hits: dict[str, Hit] = field(default_factory=dict)
+    credit_tokens: dict[str, float] = field(default_factory=dict)
+    peers: dict[str, PeerPull] = field(default_factory=dict)
 
     def chain(self, w: Worker) -> list[BlockHash]:
         """The prompt's hash chain as worker `w` hashes it ([] when not computed)."""

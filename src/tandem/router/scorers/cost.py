@@ -18,6 +18,9 @@ uncached + queued`, where
   worker's cache is full: each token computed there evicts one some later request would
   have hit), so a prefix group stays where it is cached until the queue ahead costs more
   than recomputing it elsewhere twice;
+* a block held in the worker's host or disk tier, or one it would pull from a peer, counts
+  as cached for the prefill it saves net of its measured load time
+  (`RoutingContext.credit_tokens`, `kvcredit`: uncached drops by that many tokens);
 * `lora_miss` is `(1 - lora_affinity) x saturation_queue x step`: an adapter that must be
   loaded (no slot free) weighs as much as `saturation_queue` decode steps, as in the
   cache-aware policy.
@@ -63,12 +66,15 @@ def costs(ctx: RoutingContext, workers: Sequence[Worker],
             else None)
     out = []
     prompt, matched, chunk = ctx.prompt_tokens, ctx.matched_tokens.get, CHUNK_TOKENS
+    credit = ctx.credit_tokens.get if ctx.credit_tokens else None
     for w, load, rate, step in zip(workers, loads, rates, steps, strict=True):
         # the same arithmetic, in the same order, as one expression per term (no call to
         # `max` per worker: a fleet of 64 costs ~40 % less)
         rate = rate or rate0
         step = step or step0
         uncached = prompt - matched(w.id, 0)
+        if credit is not None:
+            uncached -= credit(w.id, 0.0)
         if uncached < 0:
             uncached = 0
         unseen = w.local_in_flight - load.num_running - load.num_waiting

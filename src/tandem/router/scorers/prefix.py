@@ -1,5 +1,6 @@
 """Prefix-hit scorer: the share of the prompt a worker already holds in its KV cache
-(leading full blocks only)."""
+(leading full blocks only), host/disk tier blocks and a peer pull counting for the prefill
+time they save (`RoutingContext.credit_tokens`, `kvcredit`)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ class PrefixScorer(Scorer):
     def score(self, ctx: RoutingContext, workers: Sequence[Worker]) -> list[float]:
         if ctx.prompt_tokens <= 0:
             return [0.0] * len(workers)
+        if ctx.credit_tokens:
+            credit = ctx.credit_tokens.get
+            return [min((ctx.matched_tokens.get(w.id, 0) + credit(w.id, 0.0))
+                        / ctx.prompt_tokens, 1.0) for w in workers]
         return [min(ctx.matched_tokens.get(w.id, 0) / ctx.prompt_tokens, 1.0) for w in workers]
 
     def vector(self, ctx: RoutingContext, cols: Columns) -> np.ndarray:
         if ctx.prompt_tokens <= 0:
             return np.zeros(cols.n)
-        return pmin(cols.matched_tokens / ctx.prompt_tokens, 1.0)
+        matched = cols.matched_tokens
+        if ctx.credit_tokens:
+            credit = ctx.credit_tokens.get
+            matched = matched + np.array([credit(w.id, 0.0) for w in cols.workers], np.float64)
+        return pmin(matched / ctx.prompt_tokens, 1.0)
