@@ -154,6 +154,9 @@ def test_no_peer_without_a_block_size_a_signature_or_a_compatible_dtype():
     r.settings.peer_pull = False  # no worker key (main) or --no-peer-pull
     assert not routed(r, parsed)[1].peers
     r.settings.peer_pull = True
+    b.kv_transfer_backend = c.kv_transfer_backend = None  # stock servers: they cannot pull
+    assert not routed(r, parsed)[1].peers
+    b.kv_transfer_backend = c.kv_transfer_backend = "grpc"
     holder.grpc_target = None
     assert not routed(r, parsed)[1].peers
 
@@ -170,3 +173,22 @@ def test_a_host_held_peer_block_adds_the_holders_load_and_p_d_takes_precedence()
     assert pull.pull_s == pytest.approx(BLOCKS * 1e-3 * 1.048576 + 8 * 5e-3)
     prefill = Route(decision, prefill=decision, peer=pull)  # P/D: the prefill header only
     assert set(prefill.headers()) == {PREFILL_HEADER}
+
+
+def test_the_endpoint_picker_signs_the_peer_and_strips_a_clients_own(tmp_path):
+    from types import SimpleNamespace
+
+    from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, verify
+    from tandem.protocol.web import forward_target
+    from tandem.router.extproc.picker import STRIPPED, upstream_headers
+    from tests.serving.helpers import WORKER_KEY, worker_key_file
+
+    r, (_holder, _b, _c), parsed = _peer_fleet(kv_block_bytes=1 << 20)
+    decision, ctx = routed(r, parsed)
+    route = Route(decision, peer=ctx.peers[decision.worker.id])
+    ra = SimpleNamespace(settings=SimpleNamespace(worker_key=WorkerKey(worker_key_file(tmp_path))))
+    pick = SimpleNamespace(rid="r1", body=b'{"prompt": [1]}', route=route)
+    out = upstream_headers(ra, pick)
+    assert (out[PEER_HEADER], out[PEER_BLOCKS_HEADER]) == ("w0:50051", str(BLOCKS))
+    verify([WORKER_KEY], out[SIGNATURE_HEADER], pick.body, forward_target(None, "w0:50051"))
+    assert {PEER_HEADER, PEER_BLOCKS_HEADER} <= set(STRIPPED)

@@ -193,3 +193,21 @@ def test_settle_freezes_startup_objects():
         assert gc.get_freeze_count() > 1000
     finally:
         gc.unfreeze()
+
+
+def test_a_host_tier_holder_is_never_sampled_away():
+    from tandem.protocol.kv_events import MEDIUM_HOST
+
+    router = fleet()
+    for w in router.workers.values():
+        w.load.prefill_s_per_token, w.load.host_load_s_per_block = 1e-3, 1e-3
+    rng = random.Random(2)
+    shared = [rng.randrange(1000) for _ in range(8 * 16)]
+    holder = "http://w101:8000"
+    router.index.stored(holder, hash_block_chain(shared, 16, request_hash_keys("m")),
+                        MEDIUM_HOST)
+    for d in range(50):
+        decision, ctx = router.route(prompt(shared + [rng.randrange(1000) for _ in range(64)]),
+                                     "m", 100.0 + d * 0.002)
+        assert decision.worker.id == holder and tuple(ctx.tier_hits[holder]) == (0, 8, 0)
+        router.retract(decision, 100.0 + d * 0.002)

@@ -355,6 +355,11 @@ class Router:
                 w = self.workers.get(wid)
                 if w is not None and w.hash_group(lora) == key:
                     hits.append((n, rand(), w))
+            if self.index.has_tiers():  # holders in host / disk tiers are candidates too
+                for wid, hit in self.index.match_media(chain, now).items():
+                    w = self.workers.get(wid)
+                    if (hit.host or hit.disk) and w is not None and w.hash_group(lora) == key:
+                        hits.append((hit.total, rand(), w))
         for w in pool.guessed:  # no KV events: the approximate index, by worker
             chain = chains.get(w.hash_group(lora))
             n = self.approx.match(chain, [w.id]).get(w.id, 0) if chain else 0

@@ -1,7 +1,8 @@
 """Peer pulls: a worker that lacks a prefix another replica holds pulls the blocks over KV
 transfer instead of recomputing them, when the router's cost model says the pull is faster.
 
-For each decode-side candidate `c` (`annotate`, before the pick), the holder is the routable
+For each decode-side candidate `c` that can pull (its /ready names a KV transfer backend;
+`annotate`, before the pick), the holder is the routable
 worker (any role) with the longest leading run of the prompt's blocks in any medium
 (`index.Hit`), longer than `c`'s own, that hashes the prompt as `c` does, has a known gRPC
 address and a KV cache dtype `c` can take (`pd.kv_compatible`'s rule). For the `extra`
@@ -24,7 +25,7 @@ signed with the router's key (`web.forward_target`); never with a P/D prefill wo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.protocol.block_hash import BlockHash
@@ -61,19 +62,22 @@ def _compatible(a: Worker, b: Worker) -> bool:
     return x is None or y is None or x == y
 
 
-def holders(index: PrefixIndex, workers: Iterable[Worker], chain: Sequence[BlockHash],
+def holders(index: PrefixIndex, workers: Mapping[str, Worker], chain: Sequence[BlockHash],
             group: HashGroup, lora: str | None, model: str, now: float
             ) -> list[tuple[Worker, Hit]]:
     """The eligible holders of `chain` among `workers` (those hashing as `group`), longest
     run of confirmed blocks first (a block only routed there may not be computed yet), at
-    most HOLDERS_TRIED."""
-    ids = {w.id: w for w in workers
-           if _eligible_holder(w, model, now) and w.hash_group(lora) == group}
-    if not ids:
-        return []
-    hits = index.match_media(chain, now, ids, speculative=False)  # blocks it has computed
-    ranked = sorted(hits.items(), key=lambda kv: -kv[1].total)[:HOLDERS_TRIED]
-    return [(ids[wid], hit) for wid, hit in ranked]
+    most HOLDERS_TRIED. One index walk; only the workers holding its first block are
+    checked."""
+    hits = index.match_media(chain, now, speculative=False)
+    out: list[tuple[Worker, Hit]] = []
+    for wid, hit in sorted(hits.items(), key=lambda kv: -kv[1].total):
+        w = workers.get(wid)
+        if w is not None and _eligible_holder(w, model, now) and w.hash_group(lora) == group:
+            out.append((w, hit))
+            if len(out) == HOLDERS_TRIED:
+                break
+    return out
 
 
 def offer(c: Worker, own: int, holder: Worker, hit: Hit, rate: float) -> PeerPull | None:
@@ -111,13 +115,14 @@ def annotate(index: PrefixIndex, workers: Mapping[str, Worker], ctx: RoutingCont
     per_token = None
     by_group: dict[HashGroup, list[tuple[Worker, Hit]]] = {}
     for c in candidates:
+        if c.kv_transfer_backend is None:  # not a Tandem worker: it cannot pull
+            continue
         group = c.hash_group(ctx.lora)
         found = by_group.get(group)
         if found is None:
             chain = ctx.hashes.get(group)
             found = by_group[group] = holders(
-                index, workers.values(), chain, group, ctx.lora, ctx.model,
-                now) if chain else []
+                index, workers, chain, group, ctx.lora, ctx.model, now) if chain else []
         if not found:
             continue
         size = c.kv_block_size

@@ -284,9 +284,11 @@ class Routing:
             metrics.matched_tokens.inc(decision.matched_tokens)
             if logger.isEnabledFor(logging.INFO):  # prefix: the first block's hash
                 chain = ctx.chain(decision.worker) or [b""]
-                logger.info("[%s] -> %s (%s, %d of %d tokens cached, prefix %s)%s", self.rid,
+                tier = ctx.tier_hits.get(decision.worker.id)
+                logger.info("[%s] -> %s (%s, %d of %d tokens cached%s, prefix %s)%s", self.rid,
                             decision.worker.id, decision.reason, decision.matched_tokens,
-                            ctx.prompt_tokens, chain[0][:4].hex() or "-",
+                            ctx.prompt_tokens, f"; then {tier.host} host + {tier.disk} disk "
+                            "blocks" if tier else "", chain[0][:4].hex() or "-",
                             f", prefill on {route.prefill.worker.id}" if route.prefill
                             else f", pulling {route.peer.extra} blocks from "
                             f"{route.peer.holder.id} ({route.peer.pull_s:.4f}s < "
