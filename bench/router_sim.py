@@ -93,7 +93,9 @@ def pct(values: list[float]) -> dict[str, float]:
             "mean": sum(s) / n}
 
 
-def make_workers(n: int, rng: random.Random) -> list[Worker]:
+def make_workers(n: int, rng: random.Random, peer_pull: bool = False) -> list[Worker]:
+    """`peer_pull`: workers that can pull KV from a peer (a KV transfer backend, a measured
+    prefill rate and a block size in bytes), so every decision weighs a pull."""
     workers = []
     for i in range(n):
         total = rng.choice((4096, 8192, 16384))
@@ -107,7 +109,10 @@ def make_workers(n: int, rng: random.Random) -> list[Worker]:
                             num_waiting=rng.choice((0, 0, 0, 0, 1, 2, 4, 8)),
                             num_free_blocks=int(total * (1 - usage)), num_total_blocks=total,
                             kv_cache_usage=usage,
-                            in_flight_tokens=running * rng.randint(200, 4000))))
+                            in_flight_tokens=running * rng.randint(200, 4000),
+                            prefill_s_per_token=2e-4 if peer_pull else 0.0,
+                            kv_block_bytes=(1 << 20) if peer_pull else 0),
+            kv_transfer_backend="grpc" if peer_pull else None))
     return workers
 
 
@@ -212,11 +217,12 @@ class GcPauses:
 
 
 def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0,
-        policy: str = DEFAULT_POLICY) -> dict:
+        policy: str = DEFAULT_POLICY, peer_pull: bool = False) -> dict:
     rng = random.Random(seed)
     rss0 = rss_mib()
-    router = Router(RouterSettings(seed=seed, policy=policy), lambda model: None)
-    workers = make_workers(n_workers, rng)
+    router = Router(RouterSettings(seed=seed, policy=policy, peer_pull=peer_pull),
+                    lambda model: None)
+    workers = make_workers(n_workers, rng, peer_pull)
     for w in workers:
         router.add_worker(w)
     ids = [w.id for w in workers]
@@ -256,6 +262,7 @@ def run(n_workers: int, n_blocks: int, decisions: int, seed: int = 0,
             f"(cold hash p50 {res['hash_cold_s']['p50'] * 1e3:.3f}, "
             f"match p50 {res['match_s']['p50'] * 1e3:.3f})")
     res = {"workers": n_workers, "blocks_requested": n_blocks, "seed": seed, "policy": policy,
+           "peer_pull": peer_pull,
            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
            "build": build, "rss_mib_before": rss0, "rss_mib_after_build": rss1,
            "rss_growth_mib": round(rss1["VmRSS"] - rss0["VmRSS"], 1),
@@ -294,9 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                     help=f"the routing policy (default: {DEFAULT_POLICY}, as `tandem router`)")
+    ap.add_argument("--peer-pull", action="store_true",
+                    help="weigh a KV peer pull in every decision (as a router with a worker "
+                         "key does by default; workers that can pull, `make_workers`)")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON line")
     args = ap.parse_args(argv)
-    res = run(args.workers, args.blocks, args.decisions, args.seed, args.policy)
+    res = run(args.workers, args.blocks, args.decisions, args.seed, args.policy,
+              args.peer_pull)
     if args.json:
         print(json.dumps(res))
     return 0

@@ -68,8 +68,8 @@ def test_speculative_blocks_count_on_device_ahead_of_tier_blocks() -> None:
 def test_index_with_media_matches_a_reference_model(seed: int) -> None:
     rng = random.Random(seed)
     universe = [_h(seed * 1000 + i) for i in range(90)]
+    idx = PrefixIndex()  # reused: each trace ends by dropping its workers (slots reused)
     for _trace in range(500):
-        idx = PrefixIndex()
         workers = [f"w{i}" for i in range(rng.randint(1, 7))]
         ref = {w: {m: set() for m in MEDIA} for w in workers}
         for _op in range(rng.randint(3, 14)):
@@ -115,6 +115,9 @@ def test_index_with_media_matches_a_reference_model(seed: int) -> None:
             assert idx.keys(w) == {int.from_bytes(h[:8], "little")
                                    for h in ref[w][MEDIUM_DEVICE]}
         assert idx.has_tiers() == any(ref[w][m] for w in workers for m in TIER_MEDIA)
+        for w in workers:
+            idx.drop(w)
+        assert not idx.has_tiers() and idx.num_blocks() == 0 and not idx.workers()
 
 
 TIER_MEDIA = (MEDIUM_HOST, MEDIUM_DISK)

@@ -98,6 +98,8 @@ TIERS = (MEDIUM_HOST, MEDIUM_DISK)
 
 
 class PrefixIndex:
+    speculates = True  # holds speculative entries (`add_speculative`); a tier holds none
+
     def __init__(self, speculative_ttl_s: float = 2.0, capacity: int = 1 << 16) -> None:
         self.speculative_ttl_s = speculative_ttl_s
         self._slot: dict[str, int] = {}  # worker -> bit position
@@ -116,7 +118,7 @@ class PrefixIndex:
         self._added: dict[tuple[int, float], set[int]] = {}
         # per bucket of key & (SPEC_BUCKETS - 1): how many keys `_speculative` holds there;
         # `match` reads it for a whole chain at once (a false positive only costs a step)
-        self._spec_count = np.zeros(SPEC_BUCKETS, np.uint32)
+        self._spec_count = np.zeros(SPEC_BUCKETS if self.speculates else 1, np.uint32)
         self._spec_view = memoryview(self._spec_count)
         # (chain, table stamp, keys, entries, rows) of the last chain looked up
         self._last: tuple = (None, 0, None, None, None)
@@ -696,7 +698,10 @@ class PrefixIndex:
 
 class TierIndex(PrefixIndex):
     """The blocks of one tier (host or disk): a `PrefixIndex` whose worker slots are its
-    owner's (one bit per worker across media, so `match_media` combines them directly)."""
+    owner's (one bit per worker across media, so `match_media` combines them directly).
+    It holds no speculative entries."""
+
+    speculates = False
 
     def __init__(self, owner: PrefixIndex) -> None:
         super().__init__(0.0, index_packed.MIN_CAP)
@@ -716,6 +721,9 @@ class TierIndex(PrefixIndex):
     def drop(self, worker: str) -> None:
         super().drop(worker)
         self._free.clear()  # the owner hands out slots
+
+    def add_speculative(self, worker: str, hashes: Sequence[BlockHash], now: float) -> float:
+        raise TypeError("a tier index holds no speculative entries")
 
 
 class ApproximateIndex:
