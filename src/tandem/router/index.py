@@ -612,10 +612,11 @@ class PrefixIndex:
                     speculative: bool = True) -> dict[str, Hit]:
         """Each worker's leading run of `hashes` by medium (`Hit`), over the device pool
         (with `speculative`, its speculative entries too, as `match`) and the host and disk
-        tiers; workers with no hit are absent. Without tier blocks (and with `speculative`)
-        it is `match`'s answer as device hits."""
+        tiers; workers with no hit are absent. Without tier blocks (and with `speculative`
+        or no speculative entry) it is `match`'s answer as device hits."""
         tiers = [self._tiers.get(MEDIUM_HOST), self._tiers.get(MEDIUM_DISK)]
-        if speculative and not any(t is not None and t._table.live for t in tiers):
+        if (speculative or not self._speculative) and not any(
+                t is not None and t._table.live for t in tiers):
             return {w: Hit(n) for w, n in self.match(hashes, now, workers).items()}
         if workers is None:
             mask = self._all
