@@ -164,6 +164,14 @@ class ServerMetrics:
                                           "Remote prefill + transfer + import, per prompt", lbl,
                                           buckets=LATENCY_BUCKETS, registry=reg
                                           ).labels(model_name)
+        self.kv_peer_pulls = Counter("tandem_kv_peer_pulls",
+                                     "Peer pulls of prompt blocks another worker holds, by "
+                                     "result (pulled, partial, none_held, failed, timeout, "
+                                     "no_room, ignored: the request also named a prefill "
+                                     "worker)", ["model_name", "result"], registry=reg)
+        self.kv_peer_pulled_blocks = Counter("tandem_kv_peer_pulled_blocks",
+                                             "KV blocks (every layer) received by peer pulls",
+                                             lbl, registry=reg).labels(model_name)
         self.auth_rejected = Counter("tandem_worker_auth_rejected",
                                      "Requests and gRPC calls refused for want of a valid "
                                      "router signature, by reason (no_key, missing, "
