@@ -65,6 +65,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.subscribers = 0  # KV event streams open now
         # measured seconds per block a peer pull brought (`serving.peer_pull.PullCosts`)
         self.peer_pull_s_per_block: Callable[[], float] = lambda: 0.0
+        # bytes of one KV block of every layer (`kv_block_bytes`); 0: not reported
+        self.kv_block_bytes: Callable[[AsyncLLMEngine], int] = lambda engine: 0
 
     async def _authorize(self, request: object, context: grpc.aio.ServicerContext,
                          target: str) -> None:
@@ -95,7 +97,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
             pending_prefill_tokens=s.pending_prefill_tokens,
             peer_pull_s_per_block=self.peer_pull_s_per_block(),
-            kv_block_bytes=kv_block_bytes(engine, self.model),
+            kv_block_bytes=self.kv_block_bytes(engine),
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name

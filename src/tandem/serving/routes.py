@@ -139,6 +139,7 @@ class WorkerApp:
                                     settings.auth_key, settings.max_kv_event_subscribers,
                                     self.refused)
             service.peer_pull_s_per_block = lambda: self.pd.peer.costs.s_per_block
+            service.kv_block_bytes = lambda e: kv_block_bytes(e, settings.served_model_name)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
                                            settings.auth_key, self.refused)
