@@ -193,11 +193,21 @@ def test_part_held_none_held_and_a_local_head_start(engines):
             assert got.outputs[0].token_ids == want.outputs[0].token_ids
             assert got.num_cached_tokens == 10 * BS
             assert peers.pulled_blocks() == blocks + 6  # blocks 4..9 only
+            # a router hint: as many blocks as it said is a full pull, not a partial one
+            doc2 = ids(35, 8 * BS)
+            await generate(peers.holder, doc2[: 5 * BS] + [7], "warm-hint")
+            prompt = doc2 + ids(36, 5)
+            want = await generate(engines["cold"], prompt, "cold-hint")
+            got = await peers.run(prompt, "hint", {PEER_HEADER: peers.target,
+                                                   PEER_BLOCKS_HEADER: "5"})
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.num_cached_tokens == 5 * BS
+            assert peers.pulls("pulled") == 2 and peers.pulls("partial") == 1
             # a router hint that the peer holds no more than here skips the call
             prompt = head[: 4 * BS] + ids(42, 30)
             await peers.run(prompt, "hinted", {PEER_HEADER: peers.target,
                                                PEER_BLOCKS_HEADER: "3"})
-            assert peers.pulls("pulled") == 1 and peers.pulls("none_held") == 1
+            assert peers.pulls("pulled") == 2 and peers.pulls("none_held") == 1
             await peers.settled()
 
     asyncio.run(main())

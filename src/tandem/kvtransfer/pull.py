@@ -48,19 +48,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Pulled:
-    """A pull's outcome: `asked` full blocks were missing here; the holder sent `got` of
-    them (`imported` holds their pins, None when it held none)."""
+    """A pull's outcome: `asked` full blocks were missing here, of which the holder was
+    `expected` to have the first ones (all without a router hint); it sent `got` of them
+    (`imported` holds their pins, None when it held none)."""
 
     asked: int
     got: int
     imported: Imported | None
+    expected: int = 0  # 0: all `asked`
 
     @property
     def result(self) -> str:
-        """The `tandem_kv_peer_pulls_total` label: pulled, partial or none_held."""
+        """The `tandem_kv_peer_pulls_total` label: none_held, pulled (at least what was
+        expected) or partial."""
         if self.got == 0:
             return "none_held"
-        return "pulled" if self.got == self.asked else "partial"
+        return "pulled" if self.got >= (self.expected or self.asked) else "partial"
 
 
 class PeerPull:
@@ -87,6 +90,9 @@ class PeerPull:
         chain, first = plan.chain, plan.first
         if plan.num <= 0 or (hint is not None and hint <= first):
             return None
+        # every missing block is asked for (the holder may have more than the router
+        # knows); the hint only sets what counts as a full pull
+        expected = plan.num if hint is None else min(plan.num, hint - first)
         local_pin = asyncio.ensure_future(kv.pin_cached(chain[:first]))
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=remote.model_id, token_ids=token_ids,
@@ -141,7 +147,7 @@ class PeerPull:
                     await remote._backend.release(req)
                 if not held:
                     remote._release_later(local_pin)
-                    return Pulled(plan.num, 0, None)
+                    return Pulled(plan.num, 0, None, expected)
                 assert writer is not None
                 await writer.flush()
                 n = offer.num_full
@@ -168,4 +174,4 @@ class PeerPull:
         asyncio.ensure_future(remote._ack(target, header.lease_id))
         return Pulled(plan.num, n, Imported(
             request_id, full, local, n, 0, 0,
-            n * layout.num_layers * layout.block_layer_bytes))
+            n * layout.num_layers * layout.block_layer_bytes), expected)

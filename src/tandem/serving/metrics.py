@@ -166,9 +166,10 @@ class ServerMetrics:
                                           ).labels(model_name)
         self.kv_peer_pulls = Counter("tandem_kv_peer_pulls",
                                      "Peer pulls of prompt blocks another worker holds, by "
-                                     "result (pulled, partial, none_held, failed, timeout, "
-                                     "no_room, ignored: the request also named a prefill "
-                                     "worker)", ["model_name", "result"], registry=reg)
+                                     "result (pulled: all missing blocks, or as many as the "
+                                     "router's hint; partial: fewer; none_held, failed, "
+                                     "timeout, no_room; ignored: the request also named a "
+                                     "prefill worker)", ["model_name", "result"], registry=reg)
         self.kv_peer_pulled_blocks = Counter("tandem_kv_peer_pulled_blocks",
                                              "KV blocks (every layer) received by peer pulls",
                                              lbl, registry=reg).labels(model_name)
