@@ -17,7 +17,8 @@ the target for its prefix. Modes:
 * peer: the target is named the holder as its KV peer and pulls the prefix's blocks over
   kvtransfer (gRPC) before computing the suffix. Through `tandem router --peer-pull` when the
   router has that flag (the router names the holder); otherwise the bench signs
-  `x-tandem-kv-peer` itself with the run's worker key, as the router would;
+  `x-tandem-kv-peer` itself with the run's worker key, as the router would, and adds
+  `x-tandem-kv-peer-blocks` (the prefix's blocks);
 * host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`) or a disk tier
   (`--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts:
   it prefilled every prefix first (so they were evicted from the device pool to the tier),
@@ -58,6 +59,7 @@ from servers import LOG_DIR, ServerSpec, free_port, launched  # noqa: E402
 from tandem.protocol.bundled import BUNDLED_NAME  # noqa: E402
 from tandem.protocol.signing import SIGNATURE_HEADER, sign  # noqa: E402
 from tandem.protocol.web import PEER_HEADER, forward_target  # noqa: E402
+from tandem.serving.peer_pull import PEER_BLOCKS_HEADER  # noqa: E402
 
 MODES = ("recompute", "peer", "host", "disk")
 TARGET_TTFT_RATIO = 0.5
@@ -278,8 +280,11 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
                 peer, key = f"127.0.0.1:{hgrpc}", worker_auth_key()[1]
                 signed_for = forward_target(None, peer)
 
+                held = str(args.prefix_tokens // BLOCK)  # the router's hint
+
                 def headers_for(body: bytes) -> dict[str, str]:
-                    return {PEER_HEADER: peer, SIGNATURE_HEADER: sign(key, body, signed_for)}
+                    return {PEER_HEADER: peer, PEER_BLOCKS_HEADER: held,
+                            SIGNATURE_HEADER: sign(key, body, signed_for)}
                 run.via = "signed x-tandem-kv-peer (as the router sends it)"
             run.results = asyncio.run(with_holder_load(
                 holder, args.holder_load, open_loop(url, work, headers_for)))
