@@ -66,7 +66,7 @@ class _EngineCollector(Collector):
         yield gauge("tandem_kv_total_blocks", "KV blocks in the pool.", self.num_blocks)
         yield gauge("tandem_kv_block_size", "Tokens per KV block.", self.block_size)
         yield gauge("tandem_kv_leases_active", "KV page leases held for readers outside the "
-                    "engine (P/D sends not yet acknowledged).", s.kv_leases_active)
+                    "engine (P/D sends and peer pulls not yet acknowledged).", s.kv_leases_active)
         yield counter("tandem_kv_leases_released", "KV page leases ended by their reader's "
                       "release.", s.kv_leases_released)
         yield counter("tandem_kv_leases_expired", "KV page leases that expired unreleased "
