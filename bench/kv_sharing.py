@@ -261,7 +261,7 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
     run = ModeRun(mode)
     c0, c1 = cores[0], cores[-1]
     blocks_per_prompt = -(-(args.prefix_tokens + SUFFIX + OUTPUT) // BLOCK)
-    big = blocks_per_prompt * (len(work.prompts) + 2) + 256
+    big = blocks_per_prompt * (len(work.prompts) + 1) + 128  # every prefix, and room to work
     with contextlib.ExitStack() as stack:
         if mode in ("recompute", "peer"):
             hgrpc = free_port()
