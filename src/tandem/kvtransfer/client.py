@@ -348,12 +348,13 @@ class _PageWriter:
         self._select: torch.Tensor | None = None
         self._writes: list[concurrent.futures.Future] = []
 
-    async def pin(self, kv: KVConnector, hashes: list[BlockHash]) -> None:
+    async def pin(self, kv: KVConnector, hashes: list[BlockHash], tail: bool = True) -> None:
         """Pin blocks for `hashes` (every full block up to the prompt's last one) and one for
         the last block (engine thread), all or none: `pins` stays empty when the pool
-        cannot supply them. The positions to write are the fresh ones among those the offer
-        has pages for (the last block has none without a partial block in the offer)."""
-        self._pin = asyncio.ensure_future(kv.import_blocks(hashes, tail=True))
+        cannot supply them (without `tail`: the full blocks only, as a peer pull pins). The
+        positions to write are the fresh ones among those the offer has pages for (the last
+        block has none without a partial block in the offer)."""
+        self._pin = asyncio.ensure_future(kv.import_blocks(hashes, tail=tail))
         self.pins = await asyncio.shield(self._pin)
         fresh = [i for i in self.pins.fresh if i < self.offer.num_blocks]
         self._ids = [self.pins.blocks[i].block_id for i in fresh]

@@ -16,6 +16,8 @@ the run to finish with those blocks kept. The pages stay pinned until `ReleasePa
 lease's expiry (the engine unpins them), or a failed or cancelled stream, so a decode
 worker that dies cannot hold prefill memory for longer than the lease. The header's lease
 id is this service's: it names the prompt's request, whose engine lease it releases.
+A `cached_only` call (a peer pull) computes nothing and sends only blocks already cached
+(`pull_service`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_back
 from tandem.kvtransfer.grpc_backend import serialize_chunk
 from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import KVTransferError, Offer, header_for
+from tandem.kvtransfer.pull_service import DeviceHeld, HeldBlocks, send_cached
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.protocol.signing import (
@@ -66,6 +69,7 @@ class Lease:
     lease_id: str  # the header's
     request_id: str  # the engine request whose kept blocks are the connector's lease
     expires: float  # time.monotonic(): forgotten here after it (the engine expires it)
+    engine_lease: str = ""  # a cached-only send's: the connector lease on cached blocks
 
 
 class LeaseTable:
@@ -77,11 +81,11 @@ class LeaseTable:
         self.kv = kv
         self.leases: dict[str, Lease] = {}
 
-    def add(self, request_id: str, lease_s: float) -> Lease:
+    def add(self, request_id: str, lease_s: float, engine_lease: str = "") -> Lease:
         now = time.monotonic()
         for lid in [lid for lid, lease in self.leases.items() if lease.expires < now]:
             del self.leases[lid]
-        lease = Lease(uuid.uuid4().hex, request_id, now + lease_s)
+        lease = Lease(uuid.uuid4().hex, request_id, now + lease_s, engine_lease)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -91,7 +95,8 @@ class LeaseTable:
             return False
         rid = lease.request_id
         # an engine call runs even if this coroutine is cancelled while it waits
-        released = await self.kv.release_kept(rid)
+        released = await (self.kv.release(lease.engine_lease) if lease.engine_lease
+                          else self.kv.release_kept(rid))
         if released:
             logger.info("[%s] pages unpinned (%s)", rid, why)
         return released
@@ -117,6 +122,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         self.backends: dict[str, TransferBackend] = {}
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
+        self.held_blocks: HeldBlocks = DeviceHeld()  # what a cached-only send offers
 
     def leases(self, kv: KVConnector) -> LeaseTable:
         if self._leases is None:
@@ -191,6 +197,10 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         engine = self.get_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
+        if request.cached_only:  # a peer pull: any role, nothing computed (`pull_service`)
+            async for chunk in send_cached(self, request, context, engine):
+                yield chunk
+            return
         if self.role == "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker's role is decode; it does not prefill")

@@ -156,7 +156,7 @@ class TorchChannel(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest", "cached_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class PrefillRequest(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -185,7 +186,8 @@ class PrefillRequest(_message.Message):
     kv_cache_dtype: str
     lora_name: str
     lora_digest: str
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
+    cached_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., cached_only: _Optional[bool] = ...) -> None: ...
 
 class PageHeader(_message.Message):
     __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype", "kv_page_format")

@@ -63,6 +63,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.max_subscribers = max_subscribers
         self.on_reject = on_reject
         self.subscribers = 0  # KV event streams open now
+        # measured seconds per block a peer pull brought (`serving.peer_pull.PullCosts`)
+        self.peer_pull_s_per_block: Callable[[], float] = lambda: 0.0
+        # bytes of one KV block of every layer (`kv_block_bytes`); 0: not reported
+        self.kv_block_bytes: Callable[[AsyncLLMEngine], int] = lambda engine: 0
 
     async def _authorize(self, request: object, context: grpc.aio.ServicerContext,
                          target: str) -> None:
@@ -92,6 +96,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_loras=s.max_loras, lora_adapters=s.lora_adapters,
             prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
             pending_prefill_tokens=s.pending_prefill_tokens,
+            peer_pull_s_per_block=self.peer_pull_s_per_block(),
+            kv_block_bytes=self.kv_block_bytes(engine),
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
@@ -162,6 +168,12 @@ async def start_grpc_server(service: WorkerService, host: str, port: int,
     await server.start()
     logger.info("gRPC Worker service on %s:%d", host, bound)
     return server
+
+
+def kv_block_bytes(engine: AsyncLLMEngine, model: str) -> int:
+    """Bytes of one KV block of every layer, as pages travel (`PageLayout`)."""
+    layout = engine.kv_connector.layout(model)
+    return layout.num_layers * layout.block_layer_bytes
 
 
 def _lora_version(state: LoRAState | None) -> dict[str, object]:

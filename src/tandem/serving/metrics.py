@@ -66,7 +66,7 @@ class _EngineCollector(Collector):
         yield gauge("tandem_kv_total_blocks", "KV blocks in the pool.", self.num_blocks)
         yield gauge("tandem_kv_block_size", "Tokens per KV block.", self.block_size)
         yield gauge("tandem_kv_leases_active", "KV page leases held for readers outside the "
-                    "engine (P/D sends not yet acknowledged).", s.kv_leases_active)
+                    "engine (P/D sends and peer pulls not yet acknowledged).", s.kv_leases_active)
         yield counter("tandem_kv_leases_released", "KV page leases ended by their reader's "
                       "release.", s.kv_leases_released)
         yield counter("tandem_kv_leases_expired", "KV page leases that expired unreleased "
@@ -164,6 +164,15 @@ class ServerMetrics:
                                           "Remote prefill + transfer + import, per prompt", lbl,
                                           buckets=LATENCY_BUCKETS, registry=reg
                                           ).labels(model_name)
+        self.kv_peer_pulls = Counter("tandem_kv_peer_pulls",
+                                     "Peer pulls of prompt blocks another worker holds, by "
+                                     "result (pulled: all missing blocks, or as many as the "
+                                     "router's hint; partial: fewer; none_held, failed, "
+                                     "timeout, no_room; ignored: the request also named a "
+                                     "prefill worker)", ["model_name", "result"], registry=reg)
+        self.kv_peer_pulled_blocks = Counter("tandem_kv_peer_pulled_blocks",
+                                             "KV blocks (every layer) received by peer pulls",
+                                             lbl, registry=reg).labels(model_name)
         self.auth_rejected = Counter("tandem_worker_auth_rejected",
                                      "Requests and gRPC calls refused for want of a valid "
                                      "router signature, by reason (no_key, missing, "

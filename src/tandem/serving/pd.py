@@ -6,7 +6,9 @@ prompt's missing KV pages from that prefill worker (`kvtransfer.client.RemotePre
 runs as usual, computing only the prompt's last token. The imports stay pinned until the
 request's own block references hold them (its first output) or it ends; `unpin` drops them,
 and a partial block the request never took over, on the engine thread. On a failed fetch
-the `recompute` policy serves the prompt locally and `fail` answers 502.
+the `recompute` policy serves the prompt locally and `fail` answers 502. A request naming a
+KV peer instead (`x-tandem-kv-peer`) pulls the blocks that peer holds (`peer_pull`); naming
+both, P/D wins and the peer is ignored (counted).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from tandem.kvtransfer.client import (
     RemotePrefillSettings,
 )
 from tandem.kvtransfer.pages import KVTransferError
-from tandem.protocol.web import PREFILL_HEADER
+from tandem.protocol.web import PEER_HEADER, PREFILL_HEADER
 from tandem.serving.errors import APIError
 from tandem.serving.metrics import ServerMetrics
+from tandem.serving.peer_pull import PeerPulls
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class PrefillImports:
         self.settings = settings
         self.metrics = metrics
         self.model_name = model_name
+        self.peer = PeerPulls(get_remote, metrics, model_name)
 
     def unpin(self, imported: list[Imported]) -> None:
         """Drop the import pins (scheduled on the engine thread, not awaited); idempotent."""
@@ -59,11 +63,15 @@ class PrefillImports:
                     ) -> list[Imported]:
         """Import every prompt's missing pages (prompts as token ids) when the request names
         a prefill worker; [] when it does not. Raises APIError (400 bad header, 502 under
-        `fail`)."""
+        `fail`). Naming a KV peer and no prefill worker: that peer's blocks are pulled."""
         target = headers.get(PREFILL_HEADER)
         remote = self.get_remote()
+        if not target and headers.get(PEER_HEADER):
+            return await self.peer.fetch(headers, rid, prompts, salt, lora_name)
         if not target or remote is None:
             return []
+        if headers.get(PEER_HEADER):
+            self.peer.count("ignored")
         if not valid_target(target):
             raise APIError(400, f"{PREFILL_HEADER} must be host:port", PREFILL_HEADER)
         imported: list[Imported] = []

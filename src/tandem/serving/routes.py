@@ -50,7 +50,7 @@ from tandem.protocol.web import cancel_on_disconnect, plain_request_id
 from tandem.serving import convert
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
-from tandem.serving.grpc_server import WorkerService, start_grpc_server
+from tandem.serving.grpc_server import WorkerService, kv_block_bytes, start_grpc_server
 from tandem.serving.lora_api import model_cards, resolve
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
@@ -138,6 +138,8 @@ class WorkerApp:
                                     settings.served_model_name, settings.role,
                                     settings.auth_key, settings.max_kv_event_subscribers,
                                     self.refused)
+            service.peer_pull_s_per_block = lambda: self.pd.peer.costs.s_per_block
+            service.kv_block_bytes = lambda e: kv_block_bytes(e, settings.served_model_name)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
                                            settings.auth_key, self.refused)
@@ -349,7 +351,9 @@ class WorkerApp:
             body.update(block_size=engine.state.block_size,
                         max_model_len=engine.state.max_model_len,
                         kv_cache_dtype=engine.config.kv_cache_dtype,
-                        quantization=engine.config.quantization)
+                        quantization=engine.config.quantization,
+                        peer_pull_s_per_block=self.pd.peer.costs.s_per_block,
+                        kv_block_bytes=kv_block_bytes(engine, settings.served_model_name))
             lora = engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
                 state = lora.state  # one consistent version (digests: how to hash prompts)
