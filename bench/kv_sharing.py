@@ -58,8 +58,11 @@ from loadgen import arrival_times, percentiles  # noqa: E402
 from servers import LOG_DIR, ServerSpec, free_port, launched  # noqa: E402
 from tandem.protocol.bundled import BUNDLED_NAME  # noqa: E402
 from tandem.protocol.signing import SIGNATURE_HEADER, sign  # noqa: E402
-from tandem.protocol.web import PEER_HEADER, forward_target  # noqa: E402
-from tandem.serving.peer_pull import PEER_BLOCKS_HEADER  # noqa: E402
+from tandem.protocol.web import (  # noqa: E402
+    PEER_BLOCKS_HEADER,  # noqa: E402
+    PEER_HEADER,
+    forward_target,
+)
 
 MODES = ("recompute", "peer", "host", "disk")
 TARGET_TTFT_RATIO = 0.5

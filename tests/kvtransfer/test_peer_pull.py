@@ -25,11 +25,11 @@ from tandem.kvtransfer.pages import engine_layout, header_for
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import HashKeys, hash_block_chain
-from tandem.protocol.web import PEER_HEADER, PREFILL_HEADER
+from tandem.protocol.web import PEER_BLOCKS_HEADER, PEER_HEADER, PREFILL_HEADER
 from tandem.serving.errors import APIError
 from tandem.serving.metrics import ServerMetrics
 from tandem.serving.pd import PrefillImports
-from tandem.serving.peer_pull import PEER_BLOCKS_HEADER, PullCosts, peer_hint
+from tandem.serving.peer_pull import PullCosts, peer_hint
 from tests.engine.utils import make_tiny_model_dir
 from tests.kvtransfer.fake_prefill import CHANNEL_OPTIONS, FakePrefillServer
 from tests.serving.helpers import free_port

@@ -25,13 +25,11 @@ from tandem.engine.step_costs import ALPHA, MAX_STEP_S
 from tandem.kvtransfer.client import Imported, RemotePrefill
 from tandem.kvtransfer.pages import KVTransferError
 from tandem.kvtransfer.pull import PeerPull
-from tandem.protocol.web import PEER_HEADER
+from tandem.protocol.web import PEER_BLOCKS_HEADER, PEER_HEADER
 from tandem.serving.errors import APIError
 from tandem.serving.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
-# the router's hint of how many leading prompt blocks the peer holds
-PEER_BLOCKS_HEADER = "x-tandem-kv-peer-blocks"
 _FAILURES = {"timeout": "timeout", "no_room": "no_room"}  # any other reason: "failed"
 
 
