@@ -143,6 +143,9 @@ class AsyncLLMEngine(EngineAPI):
         executor = getattr(engine, "executor", None)
         if executor is not None:  # a rank's death wakes an idle loop at once
             executor.on_dead = self._wake.set
+        if engine.config.kv_offload_host_bytes:  # the tiers hear of evictions from the start
+            self.kv_connector_name = "offload"
+            _ = self.kv_connector
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -360,6 +363,9 @@ class AsyncLLMEngine(EngineAPI):
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        tiers = getattr(self.engine, "kv_tiers", None)
+        if tiers is not None:  # the offload thread
+            tiers.close()
         stop = getattr(self.engine, "shutdown", None)
         if stop is not None:  # the tensor-parallel ranks
             stop()
