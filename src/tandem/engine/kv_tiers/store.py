@@ -185,8 +185,10 @@ class TierStore:
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every saved block is encoded (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.001)
+        q = self._queue
+        with q.all_tasks_done:
+            while q.unfinished_tasks and (left := deadline - time.monotonic()) > 0:
+                q.all_tasks_done.wait(left)
 
     def close(self) -> None:
         self._queue.put(None)
