@@ -10,13 +10,17 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from tandem import SamplingParams
-from tandem.engine.async_engine import AddRequest, AsyncLLMEngine
+from tandem.engine.async_engine import AddRequest, AsyncLLMEngine, _tier_snapshot
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_connector.offload import OffloadConnector
 from tandem.engine.llm_engine import LLMEngine
+from tandem.protocol import worker_pb2
+from tandem.serving.metrics import ServerMetrics
+from tandem.serving.worker import byte_size
 
 from .utils import make_tiny_model_dir
 
@@ -46,13 +50,14 @@ def _run(model_dir: Path, num_kv_blocks: int, corrupt=None, second=ROUND_2,
          **offload) -> dict:
     eng = AsyncLLMEngine(LLMEngine(EngineConfig(
         model=str(model_dir), block_size=BS, num_kv_blocks=num_kv_blocks, num_threads=1,
-        **offload)))
+        enable_kv_events=True, **offload)))
     try:
         core, sched = eng.engine, eng.engine.scheduler
         out = {"first": _serve(eng, ROUND_1, "a")}
         tiers = core.kv_tiers
         if tiers is not None:
             tiers.flush()
+            out["snapshot"] = asyncio.run(eng._call(_tier_snapshot))
             if corrupt is not None:
                 corrupt(tiers)
         loaded, hits = sched.tokens_loaded, core.kv.prefix_hits
@@ -101,6 +106,18 @@ def test_evicted_prefixes_reload_from_the_host_tier_with_exact_tokens(model_dir,
     s = got["stats"]
     assert s.kv_block_bytes == _block_bytes(model_dir)
     assert s.host_load_s_per_block > 0 and s.disk_load_s_per_block == 0
+    # the KV event snapshot after round 1: the 3 evicted prefixes' 9 blocks (and the
+    # evicted parts of the last two requests) are held in host memory only
+    host_only, disk_only = got["snapshot"]
+    assert len(host_only) >= 9 and disk_only == []
+    # GetLoad and /metrics report them
+    load = worker_pb2.Load(host_load_s_per_block=s.host_load_s_per_block,
+                           kv_block_bytes=s.kv_block_bytes)
+    assert load.kv_block_bytes == _block_bytes(model_dir)
+    text = generate_latest(ServerMetrics("m", lambda: s).registry).decode()
+    assert f'tandem_kv_tier_loads_total{{model_name="m",tier="host"}} {host.loads}.0' in text
+    assert 'tandem_kv_tier_capacity_bytes{model_name="m",tier="host"} 1.048576e+06' in text
+    assert 'tandem_kv_tier_validation_failures_total{model_name="m",tier="host"} 0.0' in text
 
 
 def test_host_evictions_spill_to_disk_and_reload_exactly(model_dir, reference, tmp_path):
@@ -165,3 +182,24 @@ def test_corrupt_records_are_recomputed_never_served(model_dir, reference, tmp_p
 def test_bad_offload_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_byte_sizes_of_the_offload_flags():
+    assert [byte_size(t) for t in ("0", "4096", "4Gi", "4GiB", "512Mi", "2G", "1.5k")] == [
+        0, 4096, 4 << 30, 4 << 30, 512 << 20, 2 * 10**9, 1500]
+    for bad in ("-1", "4Gx", "", "nan", "1e30Ti"):
+        with pytest.raises(Exception, match="bytes like 4Gi"):
+            byte_size(bad)
+
+
+def test_the_worker_refuses_a_disk_tier_without_the_host_tier(tmp_path, capsys):
+    from tandem.cli import main
+    from tests.serving.helpers import free_port
+
+    with pytest.raises(SystemExit) as e:
+        main(["worker", "--model", str(tmp_path), "--kv-offload-disk-path", str(tmp_path),
+              "--kv-offload-disk-bytes", "1Gi", "--port", str(free_port())])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "tandem worker: error: a KV disk tier needs the host tier (kv_offload_host_bytes > "
+        "0): blocks reach disk from host memory")

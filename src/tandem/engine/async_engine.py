@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.async_api import EngineAPI
 from tandem.engine.config import EngineConfig
@@ -37,6 +37,9 @@ from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import DeltaAccumulator, RequestOutput, output_size
 from tandem.engine.request import TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 IDLE_WAKE_S = 1.0  # an idle engine thread also wakes this often (a safety net, not a poll)
@@ -348,7 +351,8 @@ class AsyncLLMEngine(EngineAPI):
         if self.kv_hub is None:
             raise RuntimeError("the engine was started without enable_kv_events")
         hub, loop = self.kv_hub, asyncio.get_running_loop()
-        return await self._call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop))
+        return await self._call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop,
+                                                          *_tier_snapshot(eng)))
 
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary (safe from any thread)."""
@@ -369,6 +373,17 @@ class AsyncLLMEngine(EngineAPI):
         stop = getattr(self.engine, "shutdown", None)
         if stop is not None:  # the tensor-parallel ranks
             stop()
+
+
+def _tier_snapshot(eng: LLMEngine) -> tuple[list[BlockHash], list[BlockHash]]:
+    """The blocks held only in the KV host tier, and only on disk (none without tiers)."""
+    tiers = getattr(eng, "kv_tiers", None)
+    if tiers is None:
+        return [], []
+    device = set(eng.kv.pool.cached_hashes())
+    host = [h for h in tiers.host_hashes() if h not in device]
+    seen = device | set(host)
+    return host, [h for h in tiers.disk_hashes() if h not in seen]
 
 
 def _settle(done: concurrent.futures.Future, result: Any = None,

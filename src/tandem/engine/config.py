@@ -136,11 +136,12 @@ class EngineConfig:
     structured_outputs_backend: str = DEFAULT_BACKEND
     # KV offload tiers (engine/kv_tiers; vLLM's --kv-offloading-size): blocks the device pool
     # evicts are saved to host memory (bytes; 0 = off) and what that pushes out to disk
-    # (a directory and its byte cap); "zlib" compresses records losslessly (shuffled bytes)
+    # (a directory and its byte cap); "zlib" compresses records losslessly (shuffled bytes),
+    # "auto": zlib on the CPU, none on a GPU
     kv_offload_host_bytes: int = 0
     kv_offload_disk_path: str | None = None
     kv_offload_disk_bytes: int = 0
-    kv_offload_compression: str = "none"
+    kv_offload_compression: str = "auto"
 
     @property
     def model_name(self) -> str:
@@ -183,7 +184,7 @@ class EngineConfig:
                               f"{self.cpu_linear!r}")
 
     def _check_offload(self) -> None:
-        from tandem.engine.kv_tiers.codec import COMPRESSIONS
+        from tandem.protocol.engine_flags import KV_OFFLOAD_COMPRESSIONS as COMPRESSIONS
 
         host, disk = self.kv_offload_host_bytes, self.kv_offload_disk_bytes
         for name, v in (("kv_offload_host_bytes", host), ("kv_offload_disk_bytes", disk)):

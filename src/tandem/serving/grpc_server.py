@@ -92,6 +92,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_loras=s.max_loras, lora_adapters=s.lora_adapters,
             prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
             pending_prefill_tokens=s.pending_prefill_tokens,
+            host_load_s_per_block=s.host_load_s_per_block,
+            disk_load_s_per_block=s.disk_load_s_per_block, kv_block_bytes=s.kv_block_bytes,
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
@@ -126,7 +128,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 worker_id=self.worker_id, model=self.model, block_size=block_size,
                 snapshot=worker_pb2.Snapshot(seq=sub.snapshot_seq,
                                              block_hashes=sub.snapshot,
-                                             instance_id=hub.instance_id))
+                                             instance_id=hub.instance_id,
+                                             host_block_hashes=sub.snapshot_host,
+                                             disk_block_hashes=sub.snapshot_disk))
             while True:
                 batch = await hub.next_batch(sub)
                 if batch is None:

@@ -350,6 +350,11 @@ class WorkerApp:
                         max_model_len=engine.state.max_model_len,
                         kv_cache_dtype=engine.config.kv_cache_dtype,
                         quantization=engine.config.quantization)
+            snap = engine.snapshot
+            if snap.kv_tiers:  # measured KV tier load costs (as GetLoad's)
+                body.update(host_load_s_per_block=snap.host_load_s_per_block,
+                            disk_load_s_per_block=snap.disk_load_s_per_block,
+                            kv_block_bytes=snap.kv_block_bytes)
             lora = engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
                 state = lora.state  # one consistent version (digests: how to hash prompts)
