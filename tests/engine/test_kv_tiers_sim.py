@@ -215,3 +215,5 @@ def test_tier_events_carry_the_medium(tmp_path):
     assert all(e.parent_hash == b"p" * 8 and e.block_size == 4 for e in stored)
     assert isinstance(events[2], BlockRemoved)
     assert store.host_hashes() == [c] and store.disk_hashes() == [b]
+    # a peer's pull asks for the leading run the tiers hold
+    assert store.lookup([c, b, a]) == 2 and store.lookup([a, c]) == 0

@@ -136,12 +136,12 @@ class EngineConfig:
     structured_outputs_backend: str = DEFAULT_BACKEND
     # KV offload tiers (engine/kv_tiers; vLLM's --kv-offloading-size): blocks the device pool
     # evicts are saved to host memory (bytes; 0 = off) and what that pushes out to disk
-    # (a directory and its byte cap); "zlib" compresses records losslessly (shuffled bytes),
-    # "auto": zlib on the CPU, none on a GPU
+    # (a directory and its byte cap); "zlib" compresses records losslessly (shuffled bytes:
+    # bench/kv_tiers.py measured float32 pages at 1.16x for a ~25x slower save, so off)
     kv_offload_host_bytes: int = 0
     kv_offload_disk_path: str | None = None
     kv_offload_disk_bytes: int = 0
-    kv_offload_compression: str = "auto"
+    kv_offload_compression: str = "none"
 
     @property
     def model_name(self) -> str:

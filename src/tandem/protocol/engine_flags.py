@@ -56,8 +56,8 @@ KV_OFFLOAD_HOST_BYTES = "--kv-offload-host-bytes"
 KV_OFFLOAD_DISK_PATH = "--kv-offload-disk-path"
 KV_OFFLOAD_DISK_BYTES = "--kv-offload-disk-bytes"
 KV_OFFLOAD_COMPRESSION = "--kv-offload-compression"
-# auto: zlib (lossless, shuffled bytes) on a CPU worker, none on a GPU
-KV_OFFLOAD_COMPRESSIONS = ("auto", "none", "zlib")
+# zlib: lossless (bytes shuffled, zlib level 1); float KV pages gain little from it
+KV_OFFLOAD_COMPRESSIONS = ("none", "zlib")
 # tensor parallelism
 TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
 DISTRIBUTED_EXECUTOR_BACKEND = "--distributed-executor-backend"

@@ -163,8 +163,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the disk KV tier's size cap (bytes or 20Gi)")
     p.add_argument(flags.KV_OFFLOAD_COMPRESSION, default=EngineConfig.kv_offload_compression,
                    choices=flags.KV_OFFLOAD_COMPRESSIONS,
-                   help="KV tier records: zlib (lossless, bytes shuffled), none, or auto "
-                        "(zlib on the CPU, none on a GPU)")
+                   help="KV tier records: none (the default) or zlib (lossless, bytes "
+                        "shuffled; float pages compress little)")
     p.add_argument(flags.TENSOR_PARALLEL_SIZE, "-tp", type=int, default=1,
                    help="ranks sharing every layer (heads, MLP columns, vocabulary), one "
                         "GPU each on CUDA (this worker's GPU and the next N-1), local "
@@ -272,7 +272,7 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         kv_offload_host_bytes=getattr(args, "kv_offload_host_bytes", 0),
         kv_offload_disk_path=getattr(args, "kv_offload_disk_path", None),
         kv_offload_disk_bytes=getattr(args, "kv_offload_disk_bytes", 0),
-        kv_offload_compression=getattr(args, "kv_offload_compression", "auto"),
+        kv_offload_compression=getattr(args, "kv_offload_compression", "none"),
         structured_outputs_backend=getattr(args, "structured_outputs_backend",
                                            EngineConfig.structured_outputs_backend),
         # P/D page transfer runs on one block table (kv_cache/hybrid.py refuses it)

@@ -165,11 +165,8 @@ class OffloadConnector(PDConnector):
         layout = core.page_layout("")
         self.page_shape = (layout.num_layers, 2, 1, layout.num_kv_heads,
                            *core.runner.kv_caches[0][0].shape[2:])
-        compression = cfg.kv_offload_compression
-        if compression == "auto":  # host memory is the device's on a CPU worker: compress
-            compression = "zlib" if self.device.type == "cpu" else "none"
         self.store = TierStore(cfg.kv_offload_host_bytes, cfg.kv_offload_disk_path,
-                               cfg.kv_offload_disk_bytes, compression,
+                               cfg.kv_offload_disk_bytes, cfg.kv_offload_compression,
                                events_enabled=cfg.enable_kv_events)
         self.block_size = core.kv.block_size
         self.pd_scheduler, self.pd_worker = self.scheduler, self.worker
