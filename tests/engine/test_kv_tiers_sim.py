@@ -217,3 +217,15 @@ def test_tier_events_carry_the_medium(tmp_path):
     assert store.host_hashes() == [c] and store.disk_hashes() == [b]
     # a peer's pull asks for the leading run the tiers hold
     assert store.lookup([c, b, a]) == 2 and store.lookup([a, c]) == 0
+
+
+def test_the_medium_goes_on_the_wire_and_the_device_stays_as_it_was():
+    from tandem.serving.grpc_server import event_to_proto
+
+    host = event_to_proto(1, BlockStored((KEYS[0],), b"p" * 8, (), 4, medium="host"))
+    disk = event_to_proto(2, BlockRemoved((KEYS[0],), medium="disk"))
+    device = event_to_proto(3, BlockRemoved((KEYS[0],)))
+    assert (host.stored.medium, disk.removed.medium, device.removed.medium) == (
+        "host", "disk", "")
+    assert device.SerializeToString() == event_to_proto(3, BlockRemoved(
+        (KEYS[0],), medium="device")).SerializeToString()

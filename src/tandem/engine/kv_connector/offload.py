@@ -160,6 +160,9 @@ class OffloadConnector(PDConnector):
         if type(pool) is not BlockPool or pool.reported is not None:
             raise ConfigError("KV offload needs one KV block table (a hybrid model's "
                               "cache groups are not offloaded)")
+        if pool.null_block is not None:
+            raise ConfigError("KV offload does not serve sliding-window models (their block "
+                              "tables point out-of-window positions at a shared null block)")
         if not core.kv.enable_caching:
             raise ConfigError("KV offload needs prefix caching")
         layout = core.page_layout("")
