@@ -134,10 +134,12 @@ def run_trace(seed: int) -> dict:
             else:
                 store.flush()
             assert store.host.used <= host_cap
+            assert store._pending_bytes <= host_cap  # saves wait once the thread is behind
             if store.disk is not None:
                 assert store.disk.used <= disk_cap
         store.flush()
         assert not store._pending and not store._spilling  # nothing left pinned
+        assert store._pending_bytes == 0
         if store.disk is not None:
             # every file is indexed and no other (the test's corruptions change sizes)
             on_disk = {p.name for p in Path(root).iterdir()}

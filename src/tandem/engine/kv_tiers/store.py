@@ -67,6 +67,7 @@ class TierStore:
             self.counters[MEDIUM_DISK].validation_failures = self.disk.dropped_on_start
         self.block_bytes = 0  # one block's pages, every layer (0: none saved yet)
         self._pending: dict[bytes, _Pending] = {}
+        self._pending_bytes = 0  # bounded by host_bytes: `save` waits for the thread beyond
         # records the host tier pushed out, until the disk tier has them (still served)
         self._spilling: dict[bytes, bytes] = {}
         self._info: dict[bytes, EventInfo] = {}  # held blocks' event fields
@@ -106,12 +107,16 @@ class TierStore:
                     continue
                 # a host copy is replaced: these pages were just computed (or verified)
                 self._pending[h] = _Pending(pages, meta)
+                self._pending_bytes += self.block_bytes
                 self._info[h] = info
                 self.counters[MEDIUM_HOST].stores += 1
                 stored.append(h)
                 self._queue.put(h)
             for h in stored:
                 self._stored(h, MEDIUM_HOST)
+            behind = self._pending_bytes > self.host_bytes
+        if behind:  # the offload thread fell behind: hold the engine until it catches up
+            self.flush()
 
     def fetch(self, block_hash: bytes, shape: tuple[int, ...], dtype: torch.dtype,
               lora_digest: str) -> torch.Tensor | None:
@@ -156,7 +161,7 @@ class TierStore:
     def drop(self, block_hash: bytes, medium: str) -> None:
         with self._lock:
             if medium == MEDIUM_HOST:
-                gone = self._pending.pop(block_hash, None) is not None
+                gone = self._unpend(block_hash)
                 gone = self._spilling.pop(block_hash, None) is not None or gone
                 gone = self.host.drop(block_hash) or gone
             else:
@@ -195,6 +200,13 @@ class TierStore:
         self._thread.join(timeout=30)
 
     # -- bookkeeping (under the lock) ------------------------------------------------------
+    def _unpend(self, h: bytes) -> bool:
+        pending = self._pending.pop(h, None)
+        if pending is None:
+            return False
+        self._pending_bytes -= pending.pages.numel() * pending.pages.element_size()
+        return True
+
     def _stored(self, h: bytes, medium: str) -> None:
         info = self._info.get(h)
         if self.events_enabled and info is not None:
@@ -230,7 +242,7 @@ class TierStore:
             return
         record = encode(pending.pages, pending.meta, self.compression)
         with self._lock:
-            if self._pending.pop(h, None) is None:
+            if not self._unpend(h):
                 return
             spilled = self.host.put(h, record)
             if self.disk is not None:
