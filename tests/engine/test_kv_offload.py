@@ -203,3 +203,10 @@ def test_the_worker_refuses_a_disk_tier_without_the_host_tier(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "tandem worker: error: a KV disk tier needs the host tier (kv_offload_host_bytes > "
         "0): blocks reach disk from host memory")
+
+
+def test_the_offline_llm_refuses_offload_tiers():
+    from tandem import LLM
+
+    with pytest.raises(ConfigError, match="KV offload tiers .* run in a served worker"):
+        LLM(model="/nonexistent", kv_offload_host_bytes=1 << 20)
