@@ -105,3 +105,12 @@ def test_the_crd_refuses_a_disk_path_without_its_size():
     assert failed_rules(bad) == [
         "kvCache.offload.diskPath and diskClaimName need kvCache.offload.diskBytes"]
     assert _errors(resource(_with({"offload": {"hostBytes": "8Gx"}}))) != []
+
+
+def test_setting_offload_rolls_the_pools():
+    from tandem.operator.render.workers import pool_config_hash, pools
+
+    plain = parse_spec(copy.deepcopy(BASE))
+    tiered = parse_spec(_with({"offload": {"hostBytes": "1Gi"}}))
+    for p, q in zip(pools(plain), pools(tiered), strict=True):
+        assert pool_config_hash(plain, p) != pool_config_hash(tiered, q)
