@@ -38,16 +38,16 @@ def test_pd_imports_and_tier_loads_compose(engines):
     decode = engines["decode"]
     assert isinstance(decode.kv_connector, OffloadConnector)
     tiers = decode.engine.kv_tiers
-    first, middle, last = prompts(7)  # 5, 28 and 45 tokens
+    _, middle, last = prompts(7)  # 28 and 45 tokens
 
     async def main() -> None:
         async with PD(engines["prefill"], decode) as pd:
-            for i, prompt in enumerate((first, middle, last)):
+            for i, prompt in enumerate((middle, last)):
                 want = await greedy(engines["single"], prompt, f"ref-{i}")
                 got, nbytes = await pd.run(prompt, f"pd-{i}")
                 assert got.outputs[0].token_ids == want.outputs[0].token_ids, i
                 assert nbytes > 0 and got.num_cached_tokens == len(prompt) - 1
-            assert pd.fetches("ok") == 3
+            assert pd.fetches("ok") == 2
         # the last request's 14 blocks evicted most of the middle prompt's from the 16-block
         # pool: they come back from the host tier (int8 codes and scales as they were)
         tiers.flush()
