@@ -232,6 +232,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag("--pipeline-parallel-size", note="not supported (tensor parallelism only)"),
     VllmFlag("--data-parallel-size", note="not supported: scale with `tandem serve "
              "--workers N` or more pool replicas behind the router"),
+    VllmFlag("--kv-offloading-size", "worker", ("--kv-offload-host-bytes",),
+             "bytes (or 4Gi) rather than GiB; a disk tier under it: `--kv-offload-disk-path`, "
+             "`--kv-offload-disk-bytes`; `--kv-offloading-backend` has no counterpart (one "
+             "built-in tier)"),
     VllmFlag("--kv-transfer-config", "worker", ("--role", "--kv-transfer-backend"),
              "P/D: `--role prefill|decode`; `tandem serve --prefill N --decode M`"),
     VllmFlag("--seed", "generate", ("--seed",),
@@ -353,15 +357,18 @@ def registry_metrics(registry: Any) -> list[Metric]:
     return list(out.values())
 
 
-def _worker_registry(memory: bool = False, spec: bool = False, lora: bool = False) -> Any:
+def _worker_registry(memory: bool = False, spec: bool = False, lora: bool = False,
+                     tiers: bool = False) -> Any:
     from tandem.engine.core import EngineStats, StepPathCount
+    from tandem.engine.kv_tiers.counters import TierCounters
     from tandem.serving.metrics import ServerMetrics
 
     zero = {f.name: 0 for f in dataclasses.fields(EngineStats)
             if f.default is dataclasses.MISSING}
     stats = EngineStats(**zero, spec_accepted_per_pos=(1,) if spec else (),
                         lora_running=("a",) if lora else (), max_loras=1 if lora else 0,
-                        step_paths=(StepPathCount("graph", "decode", 0, 0.0),))
+                        step_paths=(StepPathCount("graph", "decode", 0, 0.0),),
+                        kv_tiers=(TierCounters("host"),) if tiers else ())
     m = ServerMetrics("MODEL", lambda: stats)
     m.attach(16, 1, model_memory_bytes=1 if memory else None,
              num_speculative_tokens=1 if spec else 0)
@@ -372,6 +379,7 @@ WORKER_CONDITIONS = {  # (variant of `_worker_registry`, when its extra metrics 
     "memory": "once the model is loaded",
     "spec": "with `--speculative-config`",
     "lora": "with `--enable-lora`",
+    "tiers": "with `--kv-offload-host-bytes`",
 }
 
 

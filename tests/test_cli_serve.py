@@ -306,3 +306,13 @@ def test_serve_builds_the_engine_config_once_and_starts_with_it(monkeypatch):
                         lambda args, extra, config: started.append(config) or 0)
     assert main(["serve", "--num-kv-blocks", "64"]) == 0
     assert len(built) == 1 and started == built and built[0].num_kv_blocks == 64
+
+
+def test_each_worker_gets_its_own_kv_disk_tier_directory():
+    tiers = ["--kv-offload-host-bytes", "1Gi", "--kv-offload-disk-path", "/kv",
+             "--kv-offload-disk-bytes", "10Gi"]
+    d = _plan(_args(prefill=1, decode=2), tiers, _ports())
+    for i, (_, _, cmd) in enumerate(d.workers):  # argparse: the last flag wins
+        assert cmd[len(cmd) - cmd[::-1].index("--kv-offload-disk-path")] == f"/kv/worker-{i}"
+    (_, _, cmd), = _plan(_args(), ["--kv-offload-disk-path=/kv"], _ports()).workers
+    assert cmd.count("--kv-offload-disk-path") == 0  # one worker: the directory as given

@@ -99,7 +99,7 @@ def _exported_samples(gen: ModuleType) -> dict[str, set[str]]:
     from tandem.router.metrics import RouterMetrics
 
     out: dict[str, set[str]] = {"worker": set(), "router": set()}
-    worker = gen._worker_registry(memory=True, spec=True, lora=True)
+    worker = gen._worker_registry(memory=True, spec=True, lora=True, tiers=True)
     for process, registry in (("worker", worker), ("router", RouterMetrics().registry)):
         for family in registry.collect():
             out[process].update(family.name + s for s in gen.SUFFIXES[family.type])

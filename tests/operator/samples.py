@@ -156,6 +156,12 @@ SPECS: dict[str, dict[str, Any]] = {
         "decode": {"replicas": 2},
     },
     # one GGUF file of a gated Hub repository, downloaded into a sized emptyDir
+    # KV tiers under every worker's device pool (an emptyDir for the disk tier)
+    "kv-tiers": {
+        "model": {"uri": "pvc://models", "sha256": SHA},
+        "kvCache": {"offload": {"hostBytes": "8Gi", "diskBytes": "20Gi"},
+                    "peerPull": {"enabled": True}},
+    },
     "hf-gguf": {
         "model": {"uri": "hf://bartowski/Meta-Llama-3.1-8B-Instruct-GGUF@main/"
                          "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",

@@ -43,6 +43,7 @@ CHOICES = {
     flags.STRUCTURED_OUTPUTS_BACKEND: flags.STRUCTURED_OUTPUTS_BACKENDS,
     flags.TOOL_CALL_PARSER: flags.TOOL_CALL_PARSERS,
     flags.REASONING_PARSER: flags.REASONING_PARSERS,
+    flags.KV_OFFLOAD_COMPRESSION: flags.KV_OFFLOAD_COMPRESSIONS,
 }
 
 
@@ -52,7 +53,7 @@ def options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 def test_every_flag_is_a_worker_option_with_the_modules_choices():
     opts = options(worker_parser())
-    assert len(flags.all_flags()) == 52  # (guards the module scan itself)
+    assert len(flags.all_flags()) == 56  # (guards the module scan itself)
     assert sorted(set(flags.all_flags().values()) - set(opts)) == []
     for flag, values in CHOICES.items():
         assert tuple(opts[flag].choices) == values, flag

@@ -114,8 +114,9 @@ def test_services_without_them_render_as_before(name):
         kv = s.kv_transfer if p.role == "decode" else None
         lora = [s.lora] if s.lora is not None else []
         tp = [p.spec.parallelism] if p.spec.parallelism.tensor > 1 else []
+        tiers = [s.kv_cache.offload] if s.kv_cache.offload is not None else []
         assert pool_config_hash(s, p) == config_hash(
-            s.model, old_engine, p.role, kv, s.kv_transfer.tls_secret, *lora, *tp)
+            s.model, old_engine, p.role, kv, s.kv_transfer.tls_secret, *lora, *tp, *tiers)
 
 
 @pytest.mark.parametrize("field", sorted(CHAT))

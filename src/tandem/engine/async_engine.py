@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.engine.async_api import EngineAPI
 from tandem.engine.config import EngineConfig
@@ -37,6 +37,9 @@ from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import DeltaAccumulator, RequestOutput, output_size
 from tandem.engine.request import TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 IDLE_WAKE_S = 1.0  # an idle engine thread also wakes this often (a safety net, not a poll)
@@ -143,6 +146,9 @@ class AsyncLLMEngine(EngineAPI):
         executor = getattr(engine, "executor", None)
         if executor is not None:  # a rank's death wakes an idle loop at once
             executor.on_dead = self._wake.set
+        if engine.config.kv_offload_host_bytes:  # the tiers hear of evictions from the start
+            self.kv_connector_name = "offload"
+            _ = self.kv_connector
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -345,7 +351,8 @@ class AsyncLLMEngine(EngineAPI):
         if self.kv_hub is None:
             raise RuntimeError("the engine was started without enable_kv_events")
         hub, loop = self.kv_hub, asyncio.get_running_loop()
-        return await self._call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop))
+        return await self._call(lambda eng: hub.subscribe(eng.kv.pool.cached_hashes(), loop,
+                                                          *_tier_snapshot(eng)))
 
     def abort(self, request_id: str) -> None:
         """Abort at the next step boundary (safe from any thread)."""
@@ -360,9 +367,23 @@ class AsyncLLMEngine(EngineAPI):
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=30)
+        tiers = getattr(self.engine, "kv_tiers", None)
+        if tiers is not None:  # the offload thread
+            tiers.close()
         stop = getattr(self.engine, "shutdown", None)
         if stop is not None:  # the tensor-parallel ranks
             stop()
+
+
+def _tier_snapshot(eng: LLMEngine) -> tuple[list[BlockHash], list[BlockHash]]:
+    """The blocks held only in the KV host tier, and only on disk (none without tiers)."""
+    tiers = getattr(eng, "kv_tiers", None)
+    if tiers is None:
+        return [], []
+    device = set(eng.kv.pool.cached_hashes())
+    host = [h for h in tiers.host_hashes() if h not in device]
+    seen = device | set(host)
+    return host, [h for h in tiers.disk_hashes() if h not in seen]
 
 
 def _settle(done: concurrent.futures.Future, result: Any = None,

@@ -134,6 +134,14 @@ class EngineConfig:
     # the grammar library of structured outputs (engine/structured: "xgrammar" or
     # "llguidance", vLLM's names; the default is the one measured faster on the CPU)
     structured_outputs_backend: str = DEFAULT_BACKEND
+    # KV offload tiers (engine/kv_tiers; vLLM's --kv-offloading-size): blocks the device pool
+    # evicts are saved to host memory (bytes; 0 = off) and what that pushes out to disk
+    # (a directory and its byte cap); "zlib" compresses records losslessly (shuffled bytes:
+    # bench/kv_tiers.py measured float32 pages at 1.16x for a ~25x slower save, so off)
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_bytes: int = 0
+    kv_offload_compression: str = "none"
 
     @property
     def model_name(self) -> str:
@@ -175,8 +183,30 @@ class EngineConfig:
             raise ConfigError(f"cpu_linear must be one of {CPU_LINEARS}, got "
                               f"{self.cpu_linear!r}")
 
+    def _check_offload(self) -> None:
+        from tandem.protocol.engine_flags import KV_OFFLOAD_COMPRESSIONS as COMPRESSIONS
+
+        host, disk = self.kv_offload_host_bytes, self.kv_offload_disk_bytes
+        for name, v in (("kv_offload_host_bytes", host), ("kv_offload_disk_bytes", disk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be bytes >= 0, got {v!r}")
+        if self.kv_offload_compression not in COMPRESSIONS:
+            raise ConfigError(f"kv_offload_compression must be one of {COMPRESSIONS}, got "
+                              f"{self.kv_offload_compression!r}")
+        if bool(self.kv_offload_disk_path) != bool(disk):
+            raise ConfigError("kv_offload_disk_path and kv_offload_disk_bytes go together "
+                              f"(got {self.kv_offload_disk_path!r} and {disk})")
+        if disk and not host:
+            raise ConfigError("a KV disk tier needs the host tier (kv_offload_host_bytes > 0): "
+                              "blocks reach disk from host memory")
+        if host and not self.enable_prefix_caching:
+            raise ConfigError("KV offload needs prefix caching")
+        if host and self.async_scheduling:
+            raise ConfigError("KV offload does not combine with async_scheduling")
+
     def __post_init__(self) -> None:
         self._check_names()
+        self._check_offload()
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         check_device_name(self.device)

@@ -90,6 +90,7 @@ from tandem.protocol.block_hash import request_hash_keys
 from tandem.protocol.kv_events import KVEvent
 
 if TYPE_CHECKING:
+    from tandem.engine.kv_tiers.store import TierStore
     from tandem.engine.lora.manager import LoRAManager
     from tandem.engine.lora.peft import LoRAAdapter
     from tandem.engine.staging import PendingOutput
@@ -117,6 +118,7 @@ class EngineCore(StructuredOutputsCore):
         self._pending: list[RequestOutput] = []  # outputs of aborted requests
         self._prompt_tokens = 0
         self.step_costs = StepCosts()  # measured step costs (GetLoad, the router's pick)
+        self.kv_tiers: TierStore | None = None  # the KV offload connector's host/disk tiers
         self._step_split: tuple[int, int] | None = None  # the running step's work
         # user request id -> its samples, while one runs in the engine
         self._live: dict[str, list[Request]] = {}
@@ -612,7 +614,15 @@ class EngineCore(StructuredOutputsCore):
             kv_leases_expired=leases.expired,
             kv_connector_loaded_tokens=self.scheduler.tokens_loaded,
             kv_window_freed_blocks=self.kv.window_freed_blocks, **self._spec_stats(),
-            **self._lora_stats())
+            **self._lora_stats(), **self._tier_stats())
+
+    def _tier_stats(self) -> dict[str, object]:
+        tiers = self.kv_tiers
+        if tiers is None:
+            return {}
+        return {"kv_tiers": tuple(tiers.stats()), "kv_block_bytes": tiers.block_bytes,
+                "host_load_s_per_block": tiers.load_s_per_block.get("host", 0.0),
+                "disk_load_s_per_block": tiers.load_s_per_block.get("disk", 0.0)}
 
     def _pending_prefill(self) -> int:
         """`step_costs.pending_prefill_tokens`, waiting requests' cached prefixes looked up
@@ -644,7 +654,10 @@ class EngineCore(StructuredOutputsCore):
                 "spec_accepted_per_pos": st.accepted_per_pos}
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.take_events()
+        events = self.kv.pool.take_events()
+        if self.kv_tiers is not None:  # after the device's: an eviction, then its save
+            events += self.kv_tiers.take_events()
+        return events
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()

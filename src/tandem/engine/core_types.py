@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 from tandem.engine.lora.request import LoRAState
 
 if TYPE_CHECKING:
+    from tandem.engine.kv_tiers.counters import TierCounters
     from tandem.engine.scheduler import SchedulerOutput
 
 
@@ -116,3 +117,10 @@ class EngineStats:
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
     pending_prefill_tokens: int = 0
+    # KV offload tiers (engine/kv_tiers; empty: off): each tier's bytes and counts, measured
+    # EWMA seconds to load one block (every layer) from host memory / disk (0.0: not yet),
+    # and one block's bytes (every layer, every KV head)
+    kv_tiers: tuple[TierCounters, ...] = ()
+    host_load_s_per_block: float = 0.0
+    disk_load_s_per_block: float = 0.0
+    kv_block_bytes: int = 0

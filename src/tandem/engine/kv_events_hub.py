@@ -27,6 +27,9 @@ class Subscription:
     queue: asyncio.Queue  # items: list[tuple[int, KVEvent]], or None when cut off
     snapshot_seq: int = 0
     snapshot: list[BlockHash] = field(default_factory=list)
+    # blocks held only in the host / disk KV tiers at `snapshot_seq` (engine/kv_tiers)
+    snapshot_host: list[BlockHash] = field(default_factory=list)
+    snapshot_disk: list[BlockHash] = field(default_factory=list)
     backlog: int = 0  # events handed over but not yet taken (guarded by the hub's lock)
 
 
@@ -39,10 +42,13 @@ class KVEventHub:
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
-    def subscribe(self, held: list[BlockHash], loop: asyncio.AbstractEventLoop) -> tuple[
-            int, Subscription]:
-        """Engine thread: register a subscriber whose snapshot is `held` at the current seq."""
-        sub = Subscription(loop, asyncio.Queue(), self.seq, held)
+    def subscribe(self, held: list[BlockHash], loop: asyncio.AbstractEventLoop,
+                  held_host: list[BlockHash] | None = None,
+                  held_disk: list[BlockHash] | None = None) -> tuple[int, Subscription]:
+        """Engine thread: register a subscriber whose snapshot is `held` (and the tiers'
+        `held_host` / `held_disk`) at the current seq."""
+        sub = Subscription(loop, asyncio.Queue(), self.seq, held, held_host or [],
+                           held_disk or [])
         sid = next(self._ids)
         self._subs[sid] = sub
         return sid, sub

@@ -58,8 +58,12 @@ class LLM:
     a path, or a Hugging Face id (`revision=`, `tokenizer=`, `tokenizer_revision=`)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        config = EngineConfig(model=model, **engine_args)
+        if config.kv_offload_host_bytes:  # the offload connector needs the serving engine
+            raise ConfigError("KV offload tiers (kv_offload_host_bytes) run in a served "
+                              "worker (tandem worker / tandem serve), not in offline LLM")
         # LLMEngine resolves repository ids (resolve_config) once
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(config)
         config = self.engine.config
         self._defaults = generation_defaults(config.model, config.generation_config)
         self._ids = itertools.count()

@@ -44,6 +44,7 @@ from tandem.operator.spec_engine import (
     parse_engine,
     pool_device,
 )
+from tandem.operator.spec_kvcache import KVCacheSpec, parse_kv_cache
 from tandem.operator.spec_lora import LoRASpec, check_served_name, parse_lora
 from tandem.operator.spec_parallel import (
     Layout,
@@ -168,6 +169,7 @@ class InferenceServiceSpec:
     log_level: str | None = None  # routers' and workers' (`tandem --log-level`); None: INFO
     # a NetworkPolicy peer admitted to the routers' metrics port (/scaling): KEDA's operator
     keda: dict[str, Any] | None = None
+    kv_cache: KVCacheSpec = KVCacheSpec()  # KV tiers and peer pulls (spec_kvcache)
 
     @property
     def disaggregated(self) -> bool:
@@ -315,7 +317,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         prometheus=prometheus_peer(get(mon, "prometheus", dict, None, "monitoring"),
                                    get(mon, "serviceMonitor", bool, False, "monitoring")),
         lora=parse_lora(get(spec, "lora", dict, None, "spec")),
-        log_level=parse_log_level(spec, "spec"))
+        log_level=parse_log_level(spec, "spec"),
+        kv_cache=parse_kv_cache(get(spec, "kvCache", dict, None, "spec")))
     for name in model.served_names:
         check_served_name(out.lora, name)
     if out.kv_transfer.tls_issuer is not None and not out.kv_transfer.tls_secret:

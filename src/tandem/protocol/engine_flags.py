@@ -51,6 +51,13 @@ MAX_LORA_RANK = "--max-lora-rank"
 MAX_CPU_LORAS = "--max-cpu-loras"
 LORA_MODULES = "--lora-modules"
 LORA_DIR = "--lora-dir"
+# KV offload tiers (vLLM: --kv-offloading-size GiB of host memory)
+KV_OFFLOAD_HOST_BYTES = "--kv-offload-host-bytes"
+KV_OFFLOAD_DISK_PATH = "--kv-offload-disk-path"
+KV_OFFLOAD_DISK_BYTES = "--kv-offload-disk-bytes"
+KV_OFFLOAD_COMPRESSION = "--kv-offload-compression"
+# zlib: lossless (bytes shuffled, zlib level 1); float KV pages gain little from it
+KV_OFFLOAD_COMPRESSIONS = ("none", "zlib")
 # tensor parallelism
 TENSOR_PARALLEL_SIZE = "--tensor-parallel-size"
 DISTRIBUTED_EXECUTOR_BACKEND = "--distributed-executor-backend"

@@ -115,16 +115,30 @@ def plan(args: argparse.Namespace, passthrough: list[str],
     auth = ["--worker-auth-key-file", auth_key_file] if auth_key_file else []
     signed_only = ["--require-signed-requests"] if auth_key_file else []  # the router's only
     workers = []
-    for role, extra in zip(wanted, gpu_flags, strict=True):
+    for i, (role, extra) in enumerate(zip(wanted, gpu_flags, strict=True)):
         port = free_port(args.host)
         workers.append((role, f"http://{args.host}:{port}", [
             *base, "worker", "--host", args.host, "--port", str(port),
             "--grpc-port", str(free_port(args.host)), "--role", role, *auth, *signed_only,
-            *passthrough, *extra]))
+            *passthrough, *extra, *own_disk_tier(passthrough, i, len(wanted))]))
     router = [*base, "router", "--host", args.host, "--port", str(args.port),
               "--workers", ",".join(url for _, url, _ in workers), *auth,
               *tls_flags(passthrough), *router_flags]
     return Deployment(workers, router, envs, waves)
+
+
+def own_disk_tier(passthrough: list[str], index: int, count: int) -> list[str]:
+    """With several workers, each its own directory under `--kv-offload-disk-path`
+    (`worker-INDEX`): a disk tier's index is one process's (the last flag wins)."""
+    path = None
+    for i, a in enumerate(passthrough):
+        if a == "--kv-offload-disk-path" and i + 1 < len(passthrough):
+            path = passthrough[i + 1]
+        elif a.startswith("--kv-offload-disk-path="):
+            path = a.split("=", 1)[1]
+    if path is None or count < 2:
+        return []
+    return ["--kv-offload-disk-path", os.path.join(path, f"worker-{index}")]
 
 
 def with_default_tool_parsing(passthrough: list[str]) -> list[str]:

@@ -23,7 +23,13 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.lora.request import LoRAState
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
-from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.protocol.kv_events import (
+    MEDIUM_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 from tandem.protocol.signing import GET_LOAD_RPC, SUBSCRIBE_RPC, WorkerKey
 from tandem.protocol.tls import TLSFiles
 from tandem.protocol.tls_peers import server_interceptors
@@ -34,15 +40,20 @@ MAX_EVENTS_PER_MESSAGE = 1024
 MAX_SUBSCRIBERS = 16  # KV event streams at once (each router process holds one per worker)
 
 
+def _medium(medium: str) -> str:
+    """On the wire "" is the device (what events before media carried)."""
+    return "" if medium == MEDIUM_DEVICE else medium
+
+
 def event_to_proto(seq: int, event: KVEvent) -> worker_pb2.KVEvent:
     if isinstance(event, BlockStored):
         return worker_pb2.KVEvent(seq=seq, stored=worker_pb2.BlockStored(
             block_hashes=list(event.block_hashes), parent_hash=event.parent_hash,
             block_size=event.block_size, lora_name=event.lora_name,
-            lora_digest=event.lora_digest))  # no token ids
+            lora_digest=event.lora_digest, medium=_medium(event.medium)))  # no token ids
     if isinstance(event, BlockRemoved):
         return worker_pb2.KVEvent(seq=seq, removed=worker_pb2.BlockRemoved(
-            block_hashes=list(event.block_hashes)))
+            block_hashes=list(event.block_hashes), medium=_medium(event.medium)))
     if isinstance(event, AllBlocksCleared):
         return worker_pb2.KVEvent(seq=seq, cleared=worker_pb2.AllBlocksCleared())
     raise TypeError(f"unknown KV event {event!r}")
@@ -98,6 +109,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             pending_prefill_tokens=s.pending_prefill_tokens,
             peer_pull_s_per_block=self.peer_pull_s_per_block(),
             kv_block_bytes=self.kv_block_bytes(engine),
+            host_load_s_per_block=s.host_load_s_per_block,
+            disk_load_s_per_block=s.disk_load_s_per_block,
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
@@ -132,7 +145,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 worker_id=self.worker_id, model=self.model, block_size=block_size,
                 snapshot=worker_pb2.Snapshot(seq=sub.snapshot_seq,
                                              block_hashes=sub.snapshot,
-                                             instance_id=hub.instance_id))
+                                             instance_id=hub.instance_id,
+                                             host_block_hashes=sub.snapshot_host,
+                                             disk_block_hashes=sub.snapshot_disk))
             while True:
                 batch = await hub.next_batch(sub)
                 if batch is None:

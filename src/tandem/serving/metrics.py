@@ -24,6 +24,31 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+_TIER_SERIES = (  # (name, kind, field, help) of each tandem_kv_tier_* series, label tier
+    ("tandem_kv_tier_capacity_bytes", "gauge", "capacity_bytes", "Bytes the KV tier may hold."),
+    ("tandem_kv_tier_used_bytes", "gauge", "used_bytes", "Bytes the KV tier holds."),
+    ("tandem_kv_tier_stores", "counter", "stores", "KV blocks the tier stored."),
+    ("tandem_kv_tier_loads", "counter", "loads", "KV blocks loaded from the tier into the "
+     "device pool instead of computed."),
+    ("tandem_kv_tier_hits", "counter", "hits", "Lookups that found the block in the tier."),
+    ("tandem_kv_tier_evictions", "counter", "evictions", "KV blocks the tier pushed out (to "
+     "the next tier, or dropped)."),
+    ("tandem_kv_tier_validation_failures", "counter", "validation_failures", "KV records "
+     "that failed verification (hash, digest, layout, dtype or adapter): dropped and "
+     "recomputed, never served."),
+)
+
+
+def _tiers(s: EngineStats, model_name: str) -> Iterator:
+    """The KV offload tiers' series (engine/kv_tiers), one sample per tier."""
+    for name, kind, attr, doc in _TIER_SERIES:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=["model_name", "tier"])
+        for c in s.kv_tiers:
+            family.add_metric([model_name, c.tier], getattr(c, attr))
+        yield family
+
+
 class _EngineCollector(Collector):
     def __init__(self, model_name: str, snapshot: Callable[[], EngineStats | None]) -> None:
         self.model_name = model_name
@@ -76,6 +101,8 @@ class _EngineCollector(Collector):
                       "loaded instead of computing them.", s.kv_connector_loaded_tokens)
         yield counter("tandem_kv_window_freed_blocks", "KV blocks a sliding-window model "
                       "released once they left every query's window.", s.kv_window_freed_blocks)
+        if s.kv_tiers:
+            yield from _tiers(s, self.model_name)
         if self.model_memory_bytes is not None:
             yield gauge("tandem_model_memory_bytes", "Resident weight bytes (every tensor of "
                         "the model as stored: quantized codes, scales and float weights).",

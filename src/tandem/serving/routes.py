@@ -354,6 +354,10 @@ class WorkerApp:
                         quantization=engine.config.quantization,
                         peer_pull_s_per_block=self.pd.peer.costs.s_per_block,
                         kv_block_bytes=kv_block_bytes(engine, settings.served_model_name))
+            snap = engine.snapshot
+            if snap.kv_tiers:  # measured KV tier load costs (as GetLoad's)
+                body.update(host_load_s_per_block=snap.host_load_s_per_block,
+                            disk_load_s_per_block=snap.disk_load_s_per_block)
             lora = engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
                 state = lora.state  # one consistent version (digests: how to hash prompts)

@@ -152,6 +152,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(flags.LORA_DIR, action="append", default=[], metavar="DIR",
                    help="a root `POST /v1/load_lora_adapter` may load adapters from "
                         "(repeatable; none: loading by path is refused)")
+    p.add_argument(flags.KV_OFFLOAD_HOST_BYTES, type=byte_size, default=0, metavar="BYTES",
+                   help="host-memory KV tier: blocks the device pool evicts are kept here and "
+                        "loaded back on a prefix hit instead of recomputed (bytes, or 4Gi / "
+                        "512Mi / 4GiB; 0: off; vLLM's --kv-offloading-size)")
+    p.add_argument(flags.KV_OFFLOAD_DISK_PATH, default=None, metavar="DIR",
+                   help="disk KV tier under the host tier: blocks it evicts are written here "
+                        "(needs --kv-offload-host-bytes and --kv-offload-disk-bytes)")
+    p.add_argument(flags.KV_OFFLOAD_DISK_BYTES, type=byte_size, default=0, metavar="BYTES",
+                   help="the disk KV tier's size cap (bytes or 20Gi)")
+    p.add_argument(flags.KV_OFFLOAD_COMPRESSION, default=EngineConfig.kv_offload_compression,
+                   choices=flags.KV_OFFLOAD_COMPRESSIONS,
+                   help="KV tier records: none (the default) or zlib (lossless, bytes "
+                        "shuffled; float pages compress little)")
     p.add_argument(flags.TENSOR_PARALLEL_SIZE, "-tp", type=int, default=1,
                    help="ranks sharing every layer (heads, MLP columns, vocabulary), one "
                         "GPU each on CUDA (this worker's GPU and the next N-1), local "
@@ -172,6 +185,24 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"a finite number, not {text!r}")
     return value
+
+
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10,
+               "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: whole bytes >= 0, or with a unit: 4Gi / 4GiB (binary), 4G / 4GB."""
+    t = text.strip().lower().removesuffix("b")
+    number = t.rstrip("kmgti")
+    unit = t[len(number):]
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or value >= 1 << 62:
+        raise argparse.ArgumentTypeError(f"bytes like 4Gi, 512Mi or 1000000, not {text!r}")
+    return int(value)
 
 
 def lease_seconds(text: str) -> float:
@@ -238,6 +269,10 @@ def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConf
         lora_dirs=tuple(args.lora_dir),
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        kv_offload_host_bytes=getattr(args, "kv_offload_host_bytes", 0),
+        kv_offload_disk_path=getattr(args, "kv_offload_disk_path", None),
+        kv_offload_disk_bytes=getattr(args, "kv_offload_disk_bytes", 0),
+        kv_offload_compression=getattr(args, "kv_offload_compression", "none"),
         structured_outputs_backend=getattr(args, "structured_outputs_backend",
                                            EngineConfig.structured_outputs_backend),
         # P/D page transfer runs on one block table (kv_cache/hybrid.py refuses it)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -32,6 +33,19 @@ class KVBlock:
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A cached block `get_new_blocks` is about to reuse (its pages still intact), as
+    handed to `BlockPool.on_evict`: its hash, chain parent, tokens and adapter."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    token_ids: tuple[int, ...]
+    lora_name: str = ""
+    lora_digest: str = ""
+
+
 class BlockPool:
     """Owns all blocks, the free queue (LRU order: head is evicted first) and cached hashes."""
 
@@ -50,6 +64,17 @@ class BlockPool:
         # which cached keys events and `cached_hashes` report (None: all); a hybrid model's
         # pool reports one KV group's (`kv_cache/hybrid.py`)
         self.reported: Callable[[BlockHash], bool] | None = None
+        # told of cached blocks as they are evicted, before their memory is reused (the KV
+        # offload connector saves them); `track_evictions` turns it on
+        self.on_evict: Callable[[list[EvictedBlock]], None] | None = None
+        self._meta: dict[int, tuple[BlockHash, tuple[int, ...], str, str]] | None = None
+
+    def track_evictions(self, on_evict: Callable[[list[EvictedBlock]], None]) -> None:
+        """Call `on_evict` with each batch of cached blocks `get_new_blocks` evicts (their
+        parent hash, tokens and adapter are kept per cached block from now on)."""
+        self.on_evict = on_evict
+        if self._meta is None:
+            self._meta = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -94,12 +119,16 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} free")
         out: list[KVBlock] = []
         evicted: list[BlockHash] = []
+        saved: list[EvictedBlock] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
+                meta = self._meta.pop(block_id, None) if self._meta is not None else None
+                if meta is not None:
+                    saved.append(EvictedBlock(block_id, block.block_hash, *meta))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -107,6 +136,8 @@ class BlockPool:
             evicted = [h for h in evicted if self.reported(h)]
         if evicted and self.enable_events:
             self._events.append(BlockRemoved(tuple(evicted)))
+        if saved and self.on_evict is not None:
+            self.on_evict(saved)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -141,12 +172,18 @@ class BlockPool:
         if not self.enable_caching:
             return
         stored: list[BlockHash] = []
-        for block, block_hash in zip(blocks, hashes, strict=True):
+        prev = parent_hash
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=True)):
+            parent, prev = prev, block_hash
             if block.block_hash is not None or block_hash in self._cached:
                 continue
             block.block_hash = block_hash
             self._cached[block_hash] = block
             stored.append(block_hash)
+            if self._meta is not None:
+                self._meta[block.block_id] = (
+                    parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), lora_name,
+                    lora_digest)
         if stored and self.reported is not None and not all(map(self.reported, hashes)):
             stored = []  # a chain of another group's keys: not reported
         if stored and self.enable_events:
@@ -169,6 +206,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self._meta is not None:
+            self._meta.clear()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -359,7 +359,7 @@ def register(name: str):  # noqa: ANN201 - a class decorator
 
 def make_connector(name: str, engine: EngineAPI) -> KVConnector:
     """Build connector `name` for `engine`; ConfigError naming the known ones otherwise."""
-    from tandem.engine.kv_connector import pd  # noqa: F401 - the built-in registers itself
+    from tandem.engine.kv_connector import offload, pd  # noqa: F401 - built-ins register
 
     if name not in KV_CONNECTORS:
         raise ConfigError(f"unknown KV connector {name!r}; available: "

@@ -45,6 +45,7 @@ from tandem.operator.render.gateway import (
     epp_service,
     gateway_mode,
 )
+from tandem.operator.render.kvcache import router_peer_pull_args
 from tandem.operator.render.model import TOKENIZER_DIR, router_model
 from tandem.operator.render.security import (
     OperatorPeer,
@@ -178,6 +179,7 @@ def router_args(spec: InferenceServiceSpec, owner: Owner) -> list[str]:
         args += ["--admin-api-keys", f"{ADMIN_AUTH_DIR}/admin-api-keys"]
     if spec.kv_transfer.tls_secret:  # the workers' gRPC requires client certificates
         args += ["--grpc-tls-dir", TLS_DIR]
+    args += router_peer_pull_args(spec.kv_cache)
     return args + epp_args(spec, owner) + security_args(spec, owner)
 
 

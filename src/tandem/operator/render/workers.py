@@ -36,6 +36,7 @@ from tandem.operator.render.common import (
     scrape_annotations,
     scratch_volumes,
 )
+from tandem.operator.render.kvcache import worker_kv_cache
 from tandem.operator.render.lora import lora_args, worker_lora
 from tandem.operator.render.model import draft_model, worker_model
 from tandem.operator.render.multinode import leader_worker_set
@@ -131,7 +132,8 @@ def worker_args(spec: InferenceServiceSpec, pool: Pool, model_path: str | None) 
         args.append(flags.ENABLE_AUTO_TOOL_CHOICE)
     if kv.stream_layers and pool.role in ("prefill", "both"):  # the sides that serve Prefill
         args.append(flags.KV_STREAM_LAYERS)
-    return args + lora_args(spec.lora)  # every role: prefill computes with the adapter too
+    # every role: prefill computes with the adapter too; every role keeps KV tiers
+    return args + lora_args(spec.lora) + worker_kv_cache(spec.kv_cache).args
 
 
 def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
@@ -140,8 +142,9 @@ def pool_config_hash(spec: InferenceServiceSpec, pool: Pool) -> str:
     kv = spec.kv_transfer if pool.role == "decode" else None
     lora = [spec.lora] if spec.lora is not None else []  # (unset: the hash it always had)
     tp = [pool.spec.parallelism] if pool.spec.parallelism.tensor > 1 else []  # (likewise)
+    tiers = [spec.kv_cache.offload] if spec.kv_cache.offload is not None else []  # (likewise)
     return config_hash(spec.model, pool.spec.engine, pool.role, kv, spec.kv_transfer.tls_secret,
-                       *lora, *tp)
+                       *lora, *tp, *tiers)
 
 
 def shm_size(pool: PoolSpec) -> str:
@@ -160,7 +163,9 @@ def worker_template(spec: InferenceServiceSpec, owner: Owner, pool: Pool,
     volumes += model.volumes + draft.volumes
     lora = worker_lora(spec.lora, image, mounts, volumes)
     volumes += lora.volumes
-    mounts = mounts + model.mounts + draft.mounts + lora.mounts
+    tiers = worker_kv_cache(spec.kv_cache)
+    volumes += tiers.volumes
+    mounts = mounts + model.mounts + draft.mounts + lora.mounts + tiers.mounts
     if spec.kv_transfer.tls_secret:
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})

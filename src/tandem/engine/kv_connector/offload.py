@@ -1,0 +1,197 @@
+"""The KV offload connector ("offload"): host-memory and disk tiers (`engine/kv_tiers`)
+under the device pool, composed with the P/D connector (its page API, sends and imports
+work unchanged, so a prefill or decode worker can have tiers too).
+
+Saving: the device pool tells the connector of every cached block it evicts, before the
+block's memory is reused (`BlockPool.track_evictions`); the connector copies the blocks'
+pages (every layer, every KV head: `PageIO.read`) and hands them to the tier store, whose
+offload thread encodes them (digest, compression) and spills to disk what the host tier
+pushes out. So every block the pool evicts is saved, and blocks that are never evicted cost
+nothing. (vLLM's offloading connector stores blocks as they are computed instead.)
+
+Loading: at admission, after the local prefix hit, `get_num_new_matched_tokens` fetches the
+leading run of the request's next blocks from the tiers, each verified against the request's
+own chain hash at its position, the layout, dtype and adapter digest (`TierStore.fetch`);
+the run stops at the first block not held or not verifying (dropped from its tier), so what
+the answer counts is exactly what loads, and the rest is computed. The fetched pages are
+staged for the step: `wait_for_layer_load(i)` writes layer i's into the request's blocks
+before layer i attends. Stages not taken by the step (the request did not fit) are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tandem.engine.errors import ConfigError
+from tandem.engine.kv_cache.block_pool import BlockPool, EvictedBlock
+from tandem.engine.kv_connector.base import (
+    ConnectorMetadata,
+    ExternalMatch,
+    FinishAction,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    register,
+)
+from tandem.engine.kv_connector.pd import PDConnector, PDScheduler, PDWorker
+from tandem.engine.kv_tiers.codec import BlockMeta
+from tandem.engine.kv_tiers.store import EventInfo, TierStore
+
+if TYPE_CHECKING:
+    from tandem.engine.async_api import EngineAPI
+    from tandem.engine.kv_pages import PageLayout
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadMeta(ConnectorMetadata):
+    """The step's loads with their verified pages (`[L, 2, 1, KVH, bs, row]` per block, in
+    the order of the block ids)."""
+
+    pages: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+class OffloadScheduler(KVConnectorScheduler):
+    def __init__(self, pd: PDScheduler, store: TierStore, block_size: int,
+                 page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.pd, self.store, self.bs = pd, store, block_size
+        self.page_shape, self.dtype = page_shape, dtype
+        self._staged: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._loads: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
+
+    @property
+    def staged_blocks(self) -> int:
+        """Blocks fetched and not yet handed to a step (0 between steps: no pin leaks)."""
+        return sum(len(p) for _, p in self._staged.values())
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> ExternalMatch:
+        self._staged.pop(request.request_id, None)
+        if num_computed_tokens % self.bs:
+            return ExternalMatch(0)
+        hashes = request.update_block_hashes(self.bs)
+        first = num_computed_tokens // self.bs
+        # the scheduler loads at most up to the last prompt token: fetch no further
+        end = min(len(hashes), -(-(len(request.all_token_ids) - 1) // self.bs))
+        lora = request.hash_keys.adapter_id
+        pages: list[torch.Tensor] = []
+        for i in range(first, end):
+            got = self.store.fetch(hashes[i], self.page_shape, self.dtype, lora)
+            if got is None:
+                break
+            pages.append(got)
+        if not pages:
+            return ExternalMatch(0)
+        self._staged[request.request_id] = (first, pages)
+        return ExternalMatch(len(pages) * self.bs)
+
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        self.pd.update_state_after_alloc(request, block_ids, num_external_tokens)
+        staged = self._staged.pop(request.request_id, None)
+        if num_external_tokens and staged is not None:
+            first, pages = staged
+            n = -(-num_external_tokens // self.bs)
+            self._loads[request.request_id] = (tuple(block_ids[first:first + n]),
+                                               tuple(pages[:n]))
+
+    def build_connector_meta(self) -> OffloadMeta:
+        saves = self.pd.build_connector_meta().saves
+        loads, self._loads = self._loads, {}
+        self._staged.clear()  # asked, but not admitted this step
+        return OffloadMeta({r: ids for r, (ids, _) in loads.items()}, saves,
+                           {r: pages for r, (_, pages) in loads.items()})
+
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> FinishAction:
+        return self.pd.request_finished(request, block_ids)
+
+
+class OffloadWorker(KVConnectorWorker):
+    """Writes a step's loaded pages layer by layer; saves and sends go to the P/D side."""
+
+    def __init__(self, pd: PDWorker) -> None:
+        self.pd = pd
+        self._step: list[tuple[list[int], tuple[torch.Tensor, ...]]] = []
+
+    def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                           layout: PageLayout) -> None:
+        self.pd.pages = self.pages
+        self.pd.register_kv_caches(kv_caches, layout)
+
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        self.pd.start_load_kv(ConnectorMetadata({}, metadata.saves))
+        pages = getattr(metadata, "pages", {})
+        self._step = [(list(ids), pages[r]) for r, ids in metadata.loads.items()]
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        assert self.pages is not None
+        for ids, pages in self._step:
+            self.pages.write(layer, ids, torch.cat([p[layer] for p in pages], dim=1))
+
+    def save_kv_layer(self, request_id: str, layer: int, event: Any | None,
+                      pages: torch.Tensor | None = None) -> None:
+        self.pd.save_kv_layer(request_id, layer, event, pages)
+
+    def wait_for_save(self) -> None:
+        self._step = []
+        self.pd.wait_for_save()
+
+
+@register("offload")
+class OffloadConnector(PDConnector):
+    """The P/D connector's page API, with the KV tiers as its scheduler and worker sides'
+    loads and the device pool's evictions as their saves. The engine's config gives the
+    tiers (`kv_offload_*`)."""
+
+    loads_kv = True
+
+    def __init__(self, engine: EngineAPI) -> None:
+        super().__init__(engine)
+        core: LLMEngine = engine.engine
+        cfg = core.config
+        pool = core.kv.pool
+        if type(pool) is not BlockPool or pool.reported is not None:
+            raise ConfigError("KV offload needs one KV block table (a hybrid model's "
+                              "cache groups are not offloaded)")
+        if pool.null_block is not None:
+            raise ConfigError("KV offload does not serve sliding-window models (their block "
+                              "tables point out-of-window positions at a shared null block)")
+        if not core.kv.enable_caching:
+            raise ConfigError("KV offload needs prefix caching")
+        layout = core.page_layout("")
+        self.page_shape = (layout.num_layers, 2, 1, layout.num_kv_heads,
+                           *core.runner.kv_caches[0][0].shape[2:])
+        self.store = TierStore(cfg.kv_offload_host_bytes, cfg.kv_offload_disk_path,
+                               cfg.kv_offload_disk_bytes, cfg.kv_offload_compression,
+                               events_enabled=cfg.enable_kv_events)
+        self.block_size = core.kv.block_size
+        self.pd_scheduler, self.pd_worker = self.scheduler, self.worker
+        self.scheduler = OffloadScheduler(self.pd_scheduler, self.store, self.block_size,
+                                          self.page_shape, layout.dtype)
+        self.worker = OffloadWorker(self.pd_worker)
+        self.attach(core)
+        core.kv_tiers = self.store
+        pool.track_evictions(self._save)
+
+    def _save(self, blocks: list[EvictedBlock]) -> None:
+        """Engine thread, inside the allocation that evicts `blocks`: copy their pages out
+        before the memory is reused; the store encodes them on its own thread."""
+        assert self.worker.pages is not None
+        layers = self.worker.pages.read([b.block_id for b in blocks])
+        saved = []
+        for j, b in enumerate(blocks):
+            pages = torch.stack([p[:, j:j + 1] for p in layers]).cpu()
+            saved.append((BlockMeta(b.block_hash, b.parent_hash, b.lora_digest),
+                          EventInfo(b.parent_hash, b.token_ids, self.block_size, b.lora_name,
+                                    b.lora_digest), pages))
+        self.store.save(saved)
+
+    async def close(self) -> None:
+        self.store.close()
