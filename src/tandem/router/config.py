@@ -131,6 +131,7 @@ class RouterConfig(_Strict):
     pd_max_prefill_queue: Count | None = None
     pd_max_local_prefill: Count | None = None
     retries: Count | None = None
+    max_migrations: Count | None = None
     max_prompt_tokens: Positive | None = None
     max_tokens_cap: Positive | None = None
     max_body_bytes: Positive | None = None
