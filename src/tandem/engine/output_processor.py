@@ -161,8 +161,9 @@ class OutputProcessor:
         state = self._parents[request_id].samples[0]
         state.token_ids.extend(resume.token_ids)
         state.sent_tok = len(state.token_ids)
-        state.text = state.detok.push(resume.token_ids)
-        # the one-push decode holds back at most what the client's pushes did: sent <= text
+        # one push per token, as they were made: the same text to the character, even where
+        # a decoder renders invalid UTF-8 differently in other chunkings
+        state.text = "".join(state.detok.push([t]) for t in resume.token_ids)
         sent = len(state.text) if resume.sent_chars is None else resume.sent_chars
         state.sent_len = min(sent, len(state.text))
 

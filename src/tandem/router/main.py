@@ -147,7 +147,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "/v1/load_lora_adapter and /v1/unload_lora_adapter while --api-keys "
                         "is on (without --api-keys those are open)")
     p.add_argument("--retries", type=int, default=None)
-    p.add_argument("--max-migrations", type=_count, default=None, metavar="N",
+    p.add_argument("--max-migrations", type=int, default=None, metavar="N",
                    help="workers a completions or chat request whose worker breaks mid-way "
                         "may move to, resumed by token replay (default 3; 0: off; needs "
                         "--worker-auth-key-file)")
@@ -321,12 +321,6 @@ def front_door(args: argparse.Namespace, cfg: dict[str, Any]) -> FrontDoor:
     if door.max_connections < 1:
         raise SystemExit(f"max_connections: at least 1, not {door.max_connections}")
     return door
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return int(text)
 
 
 def _drain_seconds(text: str) -> float:
@@ -592,8 +586,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
                             else int(cfg.get("retries", 2)), debug_headers=door.debug_headers,
-                            max_migrations=args.max_migrations if args.max_migrations is not None
-                            else int(cfg.get("max_migrations", 3))),
+                            max_migrations=_count(args, cfg, "max_migrations", 3,
+                                                  "a number of migrations")),
         monitor=MonitorSettings(tls=tls),
         metrics_port=door.metrics_port,
         metrics_auth=door.metrics_auth,

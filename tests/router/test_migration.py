@@ -1,0 +1,221 @@
+"""Request migration through a real router process and real worker processes (a tiny random
+model): a worker killed with SIGKILL mid-stream, and its streams go on on another worker,
+token for token as an undisturbed run (greedy and seeded; logprobs, a stop string, usage),
+for completions and chat; the bound (`--max-migrations`) and a stream that cannot be
+migrated (n > 1) end with one clean error event."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.engine.utils import make_tiny_model_dir
+from tests.router.test_router_integration import RouterProcess, _metric
+from tests.serving.helpers import start_worker, wait_for
+
+MIGRATIONS = "tandem_router_migrations_total"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migration")
+    model = tmp / "model"
+    make_tiny_model_dir(model, "llama", seed=5, tokenizer="trained",
+                        max_position_embeddings=1024)
+    common = ("--model", str(model), "--served-model-name", "tiny", "--num-threads", "1",
+              "--num-kv-blocks", "512", "--block-size", "16")
+    workers = [start_worker(tmp, *common, wait_ready=False) for _ in range(3)]
+    router = None
+    try:
+        for w in workers:
+            wait_for(w, "/ready", 200, timeout=240)
+        router = RouterProcess(tmp, [w.url for w in workers], "--policy", "round-robin",
+                               "--max-migrations", "1")
+        wait_for(router, "/ready", 200, timeout=60)
+        yield router, {w.url: w for w in workers}
+    finally:
+        if router is not None:
+            router.stop()
+        for w in workers:
+            if w.proc.poll() is None:
+                w.stop(signal.SIGKILL)
+
+
+class Stream:
+    """One SSE stream read on a thread: its events as they come."""
+
+    def __init__(self, url: str, path: str, body: dict) -> None:
+        self.events: list[dict | str] = []
+        self.raw: list[str] = []
+        self.worker: str | None = None
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url + path, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                self.worker = r.headers.get("x-tandem-worker")
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    self.raw.append(line)
+                    if line.startswith("data: "):
+                        data = line[6:]
+                        self.events.append(data if data == "[DONE]" else json.loads(data))
+                        if self.tokens_seen() >= 1:
+                            self.started.set()
+        finally:
+            self.started.set()
+            self.done.set()
+
+    def tokens_seen(self) -> int:
+        n = 0
+        for e in self.events:
+            if isinstance(e, dict) and e.get("choices"):
+                c = e["choices"][0]
+                n += bool(c.get("text") or (c.get("delta") or {}).get("content"))
+        return n
+
+    def result(self) -> dict:
+        assert self.done.wait(60)
+        return joined(self.events, self.raw)
+
+
+def joined(events: list, raw: list[str]) -> dict:
+    """What a client makes of a stream: text, logprobs, usage, ids, roles, errors."""
+    out = {"text": "", "ids": set(), "created": set(), "roles": 0, "errors": [], "finish": None,
+           "usage": None, "lp": [], "done": events[-1:] == ["[DONE]"],
+           "comments": [r for r in raw if r.startswith(":")]}
+    for e in events:
+        if e == "[DONE]":
+            continue
+        if "error" in e:
+            out["errors"].append(e["error"])
+            continue
+        out["ids"].add(e["id"])
+        out["created"].add(e["created"])
+        if e.get("usage"):
+            out["usage"] = {k: e["usage"][k] for k in ("prompt_tokens", "completion_tokens",
+                                                       "total_tokens")}
+        for c in e["choices"]:
+            delta = c.get("delta")
+            if delta is not None:
+                out["roles"] += "role" in delta
+                out["text"] += delta.get("content") or ""
+                lp = (c.get("logprobs") or {}).get("content") or []
+                out["lp"] += [(t["token"], round(t["logprob"], 3)) for t in lp]
+            else:
+                out["text"] += c["text"]
+                lp = c.get("logprobs")
+                if lp:  # (text_offset depends on how the engine's deltas were chunked)
+                    out["lp"] += list(zip(lp["tokens"], [round(x, 3) for x in
+                                                         lp["token_logprobs"]], strict=True))
+            out["finish"] = c.get("finish_reason") or out["finish"]
+    return out
+
+
+def direct(url: str, path: str, body: dict) -> dict:
+    """An undisturbed run, straight to a worker."""
+    return Stream(url, path, body).result()
+
+
+def direct_all(url: str, plan: list[tuple[str, dict]]) -> list[dict]:
+    """Undisturbed runs of every (path, body), at once."""
+    return [s.result() for s in [Stream(url, path, body) for path, body in plan]]
+
+
+def late_stop(text: str) -> str:
+    """A 3-character stop string that first occurs in the last third of `text`."""
+    for i in range(len(text) * 2 // 3, len(text) - 3):
+        cand = text[i:i + 3]
+        if cand.strip() and text.find(cand) == i:
+            return cand
+    raise AssertionError("no late stop string in " + repr(text))
+
+
+COMPLETION = {"model": "tiny", "prompt": "The river flows", "max_tokens": 600,
+              "ignore_eos": True}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something long."}],
+        "max_tokens": 600, "ignore_eos": True}
+
+
+def kill_mid_stream(victim) -> None:
+    """Freeze the worker at once (its streams stop where they are), then SIGKILL it."""
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    time.sleep(0.2)  # what it had written reaches the router
+    victim.stop(signal.SIGKILL)
+
+
+def test_streams_of_a_killed_worker_go_on_elsewhere_token_for_token(fleet):
+    router, workers = fleet
+    spare = next(iter(workers.values())).url
+    greedy = {**COMPLETION, "temperature": 0, "logprobs": 2,
+              "stream_options": {"include_usage": True}}
+    seeded_chat = {**CHAT, "temperature": 0.9, "seed": 1234, "logprobs": True}
+    seeded_chat["stop"] = late_stop(direct(spare, "/v1/chat/completions", seeded_chat)["text"])
+    seeded_chat["stream_options"] = {"include_usage": True}
+    greedy_chat = {**CHAT, "temperature": 0}
+    seeded = {**COMPLETION, "temperature": 1.0, "seed": 7, "top_k": 20}
+    two = {**COMPLETION, "temperature": 1.0, "seed": 7, "n": 2}
+    # round-robin over 3 workers: requests 1, 4 and 7 land on the same one
+    plan = [("/v1/completions", greedy), ("/v1/chat/completions", greedy_chat),
+            ("/v1/completions", seeded), ("/v1/chat/completions", seeded_chat),
+            ("/v1/completions", seeded), ("/v1/chat/completions", greedy_chat),
+            ("/v1/completions", two)]
+    want = direct_all(spare, plan)
+    before = _metric(router.url, MIGRATIONS, 'result="resumed"')
+    streams = []
+    for path, body in plan:  # one at a time: the round-robin order is the plan's
+        streams.append(Stream(router.url, path, body))
+        while streams[-1].worker is None and not streams[-1].done.is_set():
+            time.sleep(0.001)
+    assert all(s.started.wait(30) for s in streams)
+    assert not any(s.done.is_set() for s in streams)
+    victim = workers[streams[0].worker]
+    assert streams[3].worker == streams[6].worker == victim.url
+    kill_mid_stream(victim)
+    got = [s.result() for s in streams]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if i == 6:
+            continue
+        assert g["errors"] == [] and g["done"], (i, g["errors"])
+        assert g["text"] == w["text"] and g["finish"] == w["finish"], i
+        assert g["lp"] == w["lp"] and g["usage"] == w["usage"], i
+        assert len(g["ids"]) == len(g["created"]) == 1 and g["comments"] == [], i
+        assert g["roles"] == w["roles"], i
+    assert got[3]["finish"] == "stop"
+    # n > 1 cannot be replayed: the text so far, then one clean error event and [DONE]
+    bad = got[6]
+    assert bad["done"] and len(bad["errors"]) == 1 and bad["errors"][0]["code"] == 502
+    assert _metric(router.url, MIGRATIONS, 'result="resumed"') == before + 2
+    assert _metric(router.url, MIGRATIONS, 'result="not_replayable"') == 1
+
+
+def test_the_migration_bound_ends_the_stream_with_a_clean_error(fleet):
+    router, workers = fleet
+    alive = [w for w in workers.values() if w.proc.poll() is None]
+    assert len(alive) == 2
+    body = {**COMPLETION, "temperature": 0}
+    want = direct(alive[0].url, "/v1/completions", body)
+    s = Stream(router.url, "/v1/completions", body)
+    assert s.started.wait(30)
+    first = workers[s.worker]
+    kill_mid_stream(first)
+    # it moved to the last worker (one migration: the bound); kill that one too
+    deadline = time.monotonic() + 30
+    while _metric(router.url, MIGRATIONS, 'result="resumed"') < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    last = next(w for w in alive if w is not first)
+    kill_mid_stream(last)
+    got = s.result()
+    assert got["done"] and len(got["errors"]) == 1, got["errors"]
+    assert want["text"].startswith(got["text"]) and len(got["text"]) < len(want["text"])
+    assert _metric(router.url, MIGRATIONS, 'result="limit"') == 1
