@@ -15,9 +15,11 @@ import time
 import httpx
 import pytest
 
+from tandem.protocol.migration import RESUME_HEADER, TOKENS_HEADER, Resume, signed_target
+from tandem.protocol.signing import SIGNATURE_HEADER, sign
 from tests.engine.utils import make_tiny_model_dir
 from tests.router.test_router_integration import RouterProcess, _metric
-from tests.serving.helpers import start_worker, wait_for
+from tests.serving.helpers import WORKER_KEY, start_worker, wait_for
 
 MIGRATIONS = "tandem_router_migrations_total"
 
@@ -140,10 +142,10 @@ def late_stop(text: str) -> str:
     raise AssertionError("no late stop string in " + repr(text))
 
 
-COMPLETION = {"model": "tiny", "prompt": "The river flows", "max_tokens": 600,
+COMPLETION = {"model": "tiny", "prompt": "The river flows", "max_tokens": 300,
               "ignore_eos": True}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something long."}],
-        "max_tokens": 600, "ignore_eos": True}
+        "max_tokens": 300, "ignore_eos": True}
 
 
 def kill_mid_stream(victim) -> None:
@@ -151,6 +153,39 @@ def kill_mid_stream(victim) -> None:
     os.kill(victim.proc.pid, signal.SIGSTOP)
     time.sleep(0.2)  # what it had written reaches the router
     victim.stop(signal.SIGKILL)
+
+
+def test_token_ids_and_resumes_need_the_routers_signature(fleet):
+    _, workers = fleet
+    url = next(iter(workers)) + "/v1/completions"
+    body = json.dumps({**COMPLETION, "max_tokens": 4, "stream": True}).encode()
+    resume = Resume("cmpl-x", 5, 0, [40, 41]).encode()
+
+    def post(headers: dict, content: bytes = body) -> httpx.Response:
+        return httpx.post(url, content=content, timeout=60,
+                          headers={"Content-Type": "application/json", **headers})
+
+    for headers in ({TOKENS_HEADER: "1"}, {RESUME_HEADER: resume},
+                    {RESUME_HEADER: resume,  # signed without the header: another target
+                     SIGNATURE_HEADER: sign(WORKER_KEY, body, None)}):
+        r = post(headers)
+        assert r.status_code == 403 and r.json()["error"]["param"] == SIGNATURE_HEADER, r.text
+        assert "tandem-tokens" not in r.text
+
+    def signed(headers: dict, content: bytes = body) -> httpx.Response:
+        return post({**headers, SIGNATURE_HEADER: sign(WORKER_KEY, content,
+                                                       signed_target(None, headers))}, content)
+
+    r = signed({TOKENS_HEADER: "1"})
+    assert r.status_code == 200 and r.text.startswith(": tandem-tokens "), r.text
+    r = signed({RESUME_HEADER: resume})  # no token ids asked: none sent
+    assert r.status_code == 200 and "tandem-tokens" not in r.text
+    assert {json.loads(line[6:])["id"] for line in r.text.splitlines()
+            if line.startswith("data: {")} == {"cmpl-x"}
+    assert signed({RESUME_HEADER: "cmpl-x;5;0;!!"}).status_code == 400
+    two = json.dumps({**COMPLETION, "max_tokens": 4, "stream": True, "n": 2}).encode()
+    r = signed({RESUME_HEADER: resume}, two)
+    assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
 
 
 def test_streams_of_a_killed_worker_go_on_elsewhere_token_for_token(fleet):
