@@ -5,11 +5,12 @@ min_tokens, logprobs), on a tiny random llama, in process."""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 import pytest
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, StructuredOutputs
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.request import ResumeState
 from tandem.protocol.detokenizer import IncrementalDetokenizer
@@ -146,3 +147,35 @@ def test_bad_resumes_are_refused(llm):
     with pytest.raises(InvalidRequestError, match="n == 1"):
         engine.add_request("x3", p, SamplingParams(max_tokens=8, n=2), resume=ResumeState([1]))
     assert not engine.has_unfinished_requests()
+
+
+def test_a_resumed_structured_output_continues_its_grammar(llm):
+    """The matcher accepts the replayed tokens before the first new one is masked: the
+    resumed output is the undisturbed one's tail, and a replayed token the grammar refuses
+    fails the request instead of being served."""
+    rng = random.Random(5)
+    vocab = llm.engine.state.vocab_size
+    regex = StructuredOutputs(regex=r"[0-9]{4}-[a-z]{6,12}")
+    cases, resumed, expect = {}, {}, {}
+    for i in range(8):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 12))]
+        params = SamplingParams(max_tokens=40, temperature=rng.choice([0.0, 1.0]), seed=i,
+                                structured_outputs=regex)
+        cases[f"g-{i}"] = (prompt, params, None)
+    full = _run(llm, cases)
+    for rid, (prompt, params, _) in cases.items():
+        out = full[rid]
+        assert re.fullmatch(r"[0-9]{4}-[a-z]{6,12}", out.text), out.text
+        k = rng.randint(1, len(out.token_ids) - 1)
+        sent = _streamed_chars(llm, out.token_ids[:k])
+        resumed["r" + rid] = (prompt, params, ResumeState(list(out.token_ids[:k]), sent))
+        expect["r" + rid] = (out, k, sent)
+    got = _run(llm, resumed)
+    for rid, (out, k, sent) in expect.items():
+        assert got[rid].token_ids == list(out.token_ids[k:]), rid
+        assert got[rid].text == out.text[sent:] and got[rid].finish_reason == "stop", rid
+    tok = llm.get_tokenizer()
+    letters = tok.encode("abc", add_special_tokens=False)  # the regex starts with digits
+    params = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=regex)
+    bad = _run(llm, {"bad": ([7, 8, 9], params, ResumeState(letters))})["bad"]
+    assert bad.finish_reason == "error" and bad.text == ""
