@@ -24,6 +24,12 @@ def llm(tiny_model):
     return LLM(tiny_model, num_kv_blocks=256, **ENGINE_ARGS)
 
 
+@pytest.fixture(scope="module")
+def overlapped(tiny_model):
+    """The overlapped loop (`async_scheduling`, optimistic placeholders)."""
+    return LLM(tiny_model, num_kv_blocks=256, async_scheduling=True, **ENGINE_ARGS)
+
+
 def _run(llm: LLM, reqs: dict[str, tuple[list[int], SamplingParams, ResumeState | None]]):
     """Final outputs, from delta outputs (as the server streams them) joined."""
     engine = llm.engine
@@ -82,7 +88,9 @@ def _params(rng: random.Random, text_pieces: list[str]) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def test_resumed_requests_continue_the_undisturbed_output_exactly(llm):
+@pytest.mark.parametrize("loop", ["serial", "overlapped"])
+def test_resumed_requests_continue_the_undisturbed_output_exactly(loop, request):
+    llm = request.getfixturevalue("llm" if loop == "serial" else "overlapped")
     rng = random.Random(42)
     vocab = llm.engine.state.vocab_size
     cases = {}
