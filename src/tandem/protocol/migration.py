@@ -16,9 +16,12 @@ When the stream breaks, the router sends the same body to another worker with
 that worker answers as the original stream would have gone on (same `id` and `created`, no
 second role chunk, text from character `sent_chars`, usage counting every token).
 
-Both headers act only under the router's signature: the signed target is the forward target
-plus `|tokens` and `|resume:<sha256 of the header>` (`signed_target`), so a client can
-neither ask for internal fields nor forge a resume.
+Both headers act only under the router's valid signature (a request carrying either needs
+one: 403 otherwise), so a client can neither ask for internal fields nor forge a resume; the
+resume is bound into the signed target (`signed_target`: the forward target plus
+`|resume:<sha256 of the header>`). The token-ids header is not bound: a worker that does not
+know it verifies the same target and sends no token ids (its streams are then not migrated),
+so routers and workers can be upgraded in either order.
 """
 
 from __future__ import annotations
@@ -78,17 +81,11 @@ class Resume:
 
 def signed_target(target: str | None, headers: Mapping[str, str]) -> str | None:
     """The signed target of a forwarded request: `target` (`web.forward_target`) bound to
-    its migration headers, if any (module doc)."""
-    tokens = headers.get(TOKENS_HEADER)
+    its resume header, if any (module doc)."""
     resume = headers.get(RESUME_HEADER)
-    if tokens is None and resume is None:
+    if resume is None:
         return target
-    out = target or ""
-    if tokens is not None:
-        out += f"|tokens:{tokens}"
-    if resume is not None:
-        out += "|resume:" + hashlib.sha256(resume.encode("latin-1")).hexdigest()
-    return out
+    return f"{target or ''}|resume:{hashlib.sha256(resume.encode('latin-1')).hexdigest()}"
 
 
 def wants_signature(headers: Mapping[str, str]) -> str | None:
