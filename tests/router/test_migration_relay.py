@@ -204,3 +204,12 @@ def test_the_resume_header_round_trips_and_refuses_bad_values():
                 too_many):
         with pytest.raises(ValueError):
             Resume.decode(bad)
+
+
+def test_a_stream_cut_after_its_finish_reason_just_ends(key):
+    last = chunk("!") | {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]}
+    a = Script([[event(chunk("a"), 1, [1]), event(last, 2, [2]), "drop"]])
+    out, results = run([a, Script([])], key)
+    assert out.decode() == (f"data: {json.dumps(chunk('a'))}\n\ndata: {json.dumps(last)}\n\n"
+                            "data: [DONE]\n\n")
+    assert results == [("finished", "connection")]

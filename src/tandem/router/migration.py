@@ -17,13 +17,16 @@ cannot be migrated (the bound, no other worker, its worker sent no token ids: n 
 prompt logprobs, a tool or reasoning parser; more than `MAX_RESUME_TOKENS` tokens) ends
 with the error event as before, then `data: [DONE]`. Each decision is counted:
 `tandem_router_migrations_total{result,reason}` (result: resumed, limit, no_worker,
-not_replayable, failed; reason: connection, draining, error).
+not_replayable, failed; finished: the client had the whole output and its finish reason,
+only `[DONE]` was missing, so the stream just ends; retried: a non-streamed request sent
+again (`proxy`); reason: connection, draining, error).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ from tandem.router.workers import Worker
 logger = logging.getLogger(__name__)
 MIGRATABLE_CODES = frozenset({DRAINING_CODE, 500, 502, 503})  # error events that migrate
 _DONE = b"data: [DONE]"
+_FINISHED = re.compile(rb'"finish_reason":\s*"')  # a choice with a finish reason
 
 
 @dataclass
@@ -65,6 +69,7 @@ class StreamState:
     sent_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     replayable: bool = True  # every data event so far came with its token ids
+    finished: bool = False  # a finish reason was relayed (n == 1: the output is complete)
     done: bool = False  # `data: [DONE]` relayed
 
     def resume(self) -> Resume | None:
@@ -111,6 +116,8 @@ def take_event(event: bytes, state: StreamState) -> tuple[bytes, dict | None]:
     elif data:
         if not tokens:
             state.replayable = False
+        if _FINISHED.search(data):
+            state.finished = True
         if state.response_id is None:
             try:
                 body = json.loads(data)
@@ -178,6 +185,11 @@ class Migrator:
                     failure = _error_event(f"the worker failed mid-stream ({type(exc).__name__})")
                 leg.resp.close()
                 leg.release()
+                if self.state.finished and self.state.replayable and not self._wants_usage():
+                    # the client has the whole output: only [DONE] was missing
+                    self.migration.on_result("finished", reason)
+                    yield _DONE + b"\n\n"
+                    return
                 nxt = await self._resume(reason)
                 if nxt is None:
                     yield failure + _DONE + b"\n\n"
@@ -186,6 +198,14 @@ class Migrator:
         finally:
             leg.resp.close()  # no-op once released; a client gone aborts the worker's request
             leg.release()
+
+    def _wants_usage(self) -> bool:
+        """The request asked for a usage chunk (which only a worker can make)."""
+        try:
+            options = json.loads(self.body).get("stream_options") or {}
+            return bool(options.get("include_usage"))
+        except (ValueError, AttributeError):
+            return True
 
     async def _resume(self, reason: str) -> Leg | None:
         """The next worker's response to the resumed request, or None (counted)."""
