@@ -213,3 +213,26 @@ def test_a_stream_cut_after_its_finish_reason_just_ends(key):
     assert out.decode() == (f"data: {json.dumps(chunk('a'))}\n\ndata: {json.dumps(last)}\n\n"
                             "data: [DONE]\n\n")
     assert results == [("finished", "connection")]
+
+
+def test_max_migrations_from_flags_and_router_yaml(tmp_path):
+    import argparse
+
+    from tandem.router.config import RouterConfigError
+    from tandem.router.main import add_router_args, build
+
+    def settings(*argv: str) -> int:
+        p = argparse.ArgumentParser()
+        add_router_args(p)
+        return build(p.parse_args(["--workers", "http://a:1", *argv]))[2].proxy.max_migrations
+
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("max_migrations: 5\n")
+    assert settings() == 3
+    assert settings("--config", str(cfg)) == 5
+    assert settings("--config", str(cfg), "--max-migrations", "0") == 0
+    with pytest.raises(SystemExit, match="max_migrations: a number of migrations >= 0"):
+        settings("--max-migrations", "-1")
+    cfg.write_text("max_migrations: -1\n")
+    with pytest.raises(RouterConfigError, match="max_migrations"):
+        settings("--config", str(cfg))
