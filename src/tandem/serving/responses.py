@@ -141,7 +141,8 @@ class Responder(ABC):
                     continue
                 offset = sent_text.get(idx, 0)
                 sent_text[idx] = self._sent_out = offset + len(c.text)
-                self._tokens_out.extend(c.token_ids)
+                if self.return_tokens:
+                    self._tokens_out.extend(c.token_ids)
                 if done:
                     finished.add(idx)
                 body = self.chunk(idx, c, offset, done)
