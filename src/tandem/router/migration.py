@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from tandem.protocol.migration import (
     MAX_RESUME_TOKENS,
     RESUME_HEADER,
+    TOKENS_COMMENT,
     TOKENS_HEADER,
     Resume,
-    parse_tokens_comment,
     signed_target,
 )
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
@@ -48,6 +48,7 @@ from tandem.router.workers import Worker
 logger = logging.getLogger(__name__)
 MIGRATABLE_CODES = frozenset({DRAINING_CODE, 500, 502, 503})  # error events that migrate
 _DONE = b"data: [DONE]"
+_COMMENT = TOKENS_COMMENT.encode()
 _FINISHED = re.compile(rb'"finish_reason":\s*"')  # a choice with a finish reason
 
 
@@ -66,16 +67,29 @@ class StreamState:
 
     response_id: str | None = None
     created: int | None = None
-    sent_chars: int = 0
-    token_ids: list[int] = field(default_factory=list)
+    sent_raw: bytes = b"0"  # the last token comment's sent_chars, as sent
+    id_chunks: list[bytes] = field(default_factory=list)  # its "<id>,<id>" parts, as sent
     replayable: bool = True  # every data event so far came with its token ids
     finished: bool = False  # a finish reason was relayed (n == 1: the output is complete)
     done: bool = False  # `data: [DONE]` relayed
 
+    @property
+    def sent_chars(self) -> int:
+        return int(self.sent_raw)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output token ids sent so far (parsed now: per event, only bytes are kept)."""
+        return [int(t) for chunk in self.id_chunks for t in chunk.split(b",")]
+
     def resume(self) -> Resume | None:
+        """What the next worker continues (ValueError for malformed token comments)."""
         if self.response_id is None or self.created is None:
             return None  # nothing of the response reached the client: send it afresh
-        return Resume(self.response_id, self.created, self.sent_chars, self.token_ids)
+        ids = self.token_ids
+        if any(not 0 <= t < 1 << 32 for t in ids) or self.sent_chars < 0:
+            raise ValueError("token ids outside uint32, or negative sent_chars")
+        return Resume(self.response_id, self.created, self.sent_chars, ids)
 
 
 def split_events(buffer: bytearray, chunk: bytes) -> list[bytes]:
@@ -92,15 +106,18 @@ def split_events(buffer: bytearray, chunk: bytes) -> list[bytes]:
 def take_event(event: bytes, state: StreamState) -> tuple[bytes, dict | None]:
     """The event as the client gets it (token comments stripped, blank line added) and its
     error object, if it is an error event; `state` follows it."""
-    kept = []
     tokens = False
+    if event.startswith(_COMMENT):  # the worker's shape: the comment, then one data line
+        comment, _, rest = event.partition(b"\n")
+        tokens = _note_tokens(comment, state)
+        lines = [rest]
+    else:
+        lines = event.split(b"\n")
+    kept = []
     data = b""
-    for line in event.split(b"\n"):
-        parsed = parse_tokens_comment(line)
-        if parsed is not None:
-            state.sent_chars = parsed[0]
-            state.token_ids.extend(parsed[1])
-            tokens = True
+    for line in lines:
+        if line.startswith(_COMMENT):
+            tokens = _note_tokens(line, state) or tokens
             continue
         if line.startswith(b"data:"):
             data = line[5:].strip()
@@ -125,6 +142,15 @@ def take_event(event: bytes, state: StreamState) -> tuple[bytes, dict | None]:
             except (ValueError, KeyError, TypeError):
                 state.replayable = False
     return out, None
+
+
+def _note_tokens(comment: bytes, state: StreamState) -> bool:
+    """Keep a token comment's ids (parsed only if the stream is resumed)."""
+    sent, _, ids = comment[len(_COMMENT):].partition(b" ")
+    state.sent_raw = sent
+    if ids:
+        state.id_chunks.append(ids)
+    return True
 
 
 def _error_event(message: str) -> bytes:
@@ -154,6 +180,7 @@ class Migrator:
     migration: Migration
     state: StreamState = field(default_factory=StreamState)
     migrations: int = 0
+    resume: Resume | None = None  # what the next worker continues (set on a break)
 
     async def relay(self, leg: Leg) -> AsyncIterator[bytes]:
         try:
@@ -211,7 +238,12 @@ class Migrator:
         """The next worker's response to the resumed request, or None (counted)."""
         st, m = self.state, self.migration
         result = None
-        if not st.replayable or len(st.token_ids) > MAX_RESUME_TOKENS:
+        try:
+            self.resume = st.resume() if st.replayable else None
+        except ValueError:
+            st.replayable = False
+        if not st.replayable or (self.resume is not None
+                                 and len(self.resume.token_ids) > MAX_RESUME_TOKENS):
             result = "not_replayable"
         elif self.migrations >= m.max_migrations:
             result = "limit"
@@ -227,7 +259,8 @@ class Migrator:
             if leg is not None:
                 m.on_result("resumed", reason)
                 logger.info("[%s] migrated after %d tokens (%s) to %s", self.rid,
-                            len(st.token_ids), reason, route.worker.id)
+                            len(self.resume.token_ids) if self.resume else 0, reason,
+                            route.worker.id)
                 return leg
         m.on_result(result, reason)
         logger.warning("[%s] not migrated (%s, %s)", self.rid, reason, result)
@@ -239,9 +272,8 @@ class Migrator:
         self.migrations += 1
         headers = {"Content-Type": "application/json", "X-Request-Id": self.rid,
                    TOKENS_HEADER: "1"}  # aggregated: the new worker prefills itself
-        resume = self.state.resume()
-        if resume is not None:
-            headers[RESUME_HEADER] = resume.encode()
+        if self.resume is not None:
+            headers[RESUME_HEADER] = self.resume.encode()
         headers[SIGNATURE_HEADER] = self.signer.sign(self.body, signed_target(None, headers))
         w.breaker.on_attempt(time.monotonic())
         w.local_in_flight += 1
