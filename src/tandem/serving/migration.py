@@ -2,10 +2,10 @@
 stream's events, and resuming a stream another worker began.
 
 Applied to a completions or chat responder after the router's signature was checked
-(`worker_auth.check_signature` binds both headers to it). A stream is replayable when it is
-streamed, has one choice (n == 1), no echo, no prompt logprobs and, for chat, no tool or
-reasoning parser (they hold text back across events): only those get token ids, and a
-resume of anything else is a 400.
+(`worker_auth.check_signature`: either header needs a valid one; the resume is bound to
+it). A stream is replayable when it is streamed, has one choice (n == 1), no echo, no
+prompt logprobs and, for chat, no tool or reasoning parser (they hold text back across
+events): only those get token ids, and a resume of anything else is a 400.
 """
 
 from __future__ import annotations
