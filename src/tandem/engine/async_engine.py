@@ -35,7 +35,7 @@ from tandem.engine.errors import EngineDeadError
 from tandem.engine.kv_events_hub import KVEventHub, Subscription
 from tandem.engine.llm_engine import EngineStats, LLMEngine
 from tandem.engine.outputs import DeltaAccumulator, RequestOutput, output_size
-from tandem.engine.request import TokenizedPrompt
+from tandem.engine.request import ResumeState, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class AddRequest:
     lora_name: str | None = None  # a loaded adapter's name; None: the base model
     # outputs carry only what is new since the previous one (`OutputProcessor.use_deltas`)
     delta: bool = False
+    resume: ResumeState | None = None  # output already produced elsewhere (token replay)
 
 
 class OutputStream:
@@ -228,7 +229,7 @@ class AsyncLLMEngine(EngineAPI):
                                                    cache_salt=r.cache_salt,
                                                    keep_blocks=r.keep_blocks,
                                                    lora_request=r.lora_name,
-                                                   delta=r.delta))
+                                                   delta=r.delta, resume=r.resume))
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             for rid in added:

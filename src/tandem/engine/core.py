@@ -76,7 +76,7 @@ from tandem.engine.output_processor import (
     token_stop,
 )
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.request import Request, RequestStatus, TokenizedPrompt
+from tandem.engine.request import Request, RequestStatus, ResumeState, TokenizedPrompt
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.spec_decode.speculator import Speculator
@@ -231,7 +231,7 @@ class EngineCore(StructuredOutputsCore):
                     params: SamplingParams | None = None, *, priority: int = 0,
                     cache_salt: str | None = None, keep_blocks: bool = False,
                     lora_request: LoRARequest | str | None = None,
-                    delta: bool = False) -> list[int]:
+                    delta: bool = False, resume: ResumeState | None = None) -> list[int]:
         """Validate and queue a request; returns its prompt token ids. `keep_blocks`: when it
         finishes normally its KV blocks stay pinned until `kv.release_kept(request_id)` (the
         source of a KV transfer). A `TokenizedPrompt` (from `process_prompt`) is not
@@ -259,6 +259,8 @@ class EngineCore(StructuredOutputsCore):
                 f"context window of {limit} tokens", "max_tokens")
         else:
             max_tokens = params.max_tokens
+        if resume is not None:
+            self._check_resume(resume, params, len(ids), max_tokens)
         if keep_blocks and not self.kv.supports_keep:
             raise InvalidRequestError("this model's KV blocks cannot be kept for a transfer "
                                       "(its layers mix attention windows)", "kv_transfer")
@@ -284,6 +286,10 @@ class EngineCore(StructuredOutputsCore):
             children.append(Request(child_id, ids, child_params, max_tokens, self.eos_token_ids,
                                     keys, lora, priority=priority, parent_id=request_id,
                                     sample_index=i, keep_kv=keep_blocks))
+        if resume is not None:
+            for t in resume.token_ids:
+                children[0].append_output_token(t)
+            children[0].num_replayed = len(resume.token_ids)
         if params.structured_outputs is not None:  # compiled off this thread; cached
             self.structured.add(children)
         with self._out_lock:
@@ -294,12 +300,33 @@ class EngineCore(StructuredOutputsCore):
                 raise InvalidRequestError(f"duplicate request id {request_id!r}",
                                           "request_id")
             self.outputs.add(request_id, tokenized.text, children)
+            if resume is not None:
+                self.outputs.resume(request_id, resume)
             if delta:
                 self.outputs.use_deltas(request_id)
         self._live[request_id] = children
         for child in children:
             self.scheduler.add_request(child)
         return ids
+
+    def _check_resume(self, resume: ResumeState, params: SamplingParams, num_prompt: int,
+                      max_tokens: int) -> None:
+        """A resumed request (`ResumeState`) continues one sample's output; InvalidRequestError
+        naming `resume` otherwise."""
+        k = len(resume.token_ids)
+        vocab = self.state.vocab_size
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise InvalidRequestError("a resumed request has n == 1 and no prompt logprobs",
+                                      "resume")
+        if not 0 < k < max_tokens or num_prompt + k >= self.state.max_model_len:
+            raise InvalidRequestError(f"{k} replayed tokens leave nothing to generate within "
+                                      f"max_tokens ({max_tokens})", "resume")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+               for t in resume.token_ids):
+            raise InvalidRequestError(f"replayed token ids must be integers in [0, {vocab})",
+                                      "resume")
+        if resume.sent_chars is not None and resume.sent_chars < 0:
+            raise InvalidRequestError("sent_chars must be >= 0", "resume")
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a user request (all its samples) and free its blocks at once."""

@@ -192,6 +192,12 @@ class ModelRunner(RankRunner):
         gen = self.generators.get(req.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
+            # a resumed request (`ResumeState`): the draws its replayed tokens took, as the
+            # sampler makes them (one [vocab] exponential_ per sampled token)
+            if req.num_replayed and self.bitmask.vocab_size:
+                noise = torch.empty(self.bitmask.vocab_size, device=self.device)
+                for _ in range(req.num_replayed):
+                    noise.exponential_(generator=gen)
             self.generators[req.request_id] = gen
         return gen
 

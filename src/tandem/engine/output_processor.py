@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.engine.outputs import CompletionOutput, RequestOutput, TokenPrefix
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Request, RequestStatus, ResumeState
 from tandem.protocol.detokenizer import IncrementalDetokenizer
 from tandem.protocol.tokenizer import Tokenizer
 
@@ -152,6 +152,20 @@ class OutputProcessor:
             request_id, prompt, list(children[0].prompt_token_ids), samples,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             hold_back=max((len(s) for s in stops), default=1) - 1)
+
+    def resume(self, request_id: str, resume: ResumeState) -> None:
+        """Sample 0 of `request_id` continues after `resume.token_ids` (added to its
+        request already): they are its first output tokens (stop checks count them), the
+        detokenizer continues from their text, and outputs start after the
+        `resume.sent_chars` characters the client already has."""
+        state = self._parents[request_id].samples[0]
+        state.token_ids.extend(resume.token_ids)
+        state.sent_tok = len(state.token_ids)
+        # one push per token, as they were made: the same text to the character, even where
+        # a decoder renders invalid UTF-8 differently in other chunkings
+        state.text = "".join(state.detok.push([t]) for t in resume.token_ids)
+        sent = len(state.text) if resume.sent_chars is None else resume.sent_chars
+        state.sent_len = min(sent, len(state.text))
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents

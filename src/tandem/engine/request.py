@@ -23,6 +23,19 @@ class TokenizedPrompt:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class ResumeState:
+    """Output a request already produced on another worker (request migration by token
+    replay): `token_ids` are its first output tokens, taken as generated (penalties,
+    `max_tokens`/`min_tokens`, stop checks, a seeded generator, a grammar and the
+    detokenizer all continue after them); `sent_chars` of their text (characters) the client
+    already has (None: all of it). Delta outputs (`use_deltas`, as servers stream) carry
+    only what comes after; cumulative ones include the replayed part."""
+
+    token_ids: list[int]
+    sent_chars: int | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -82,6 +95,9 @@ class Request:
     # structured outputs: this sample's grammar (compile future, then its matcher); None:
     # unconstrained. Not scheduled while its grammar compiles (structured_manager.py)
     grammar: RequestGrammar | None = field(default=None, repr=False)
+    # leading output tokens replayed from another worker (`ResumeState`), not sampled here:
+    # a seeded generator skips their draws, a grammar accepts them once compiled
+    num_replayed: int = 0
     _root: BlockHash | None = field(default=None, repr=False)
     _max_hit: int = field(default=-1, repr=False)  # largest prompt prefix hit; -1: none yet
     _own: list[list[int]] = field(default_factory=list, repr=False)  # computed [start, end)

@@ -163,6 +163,7 @@ class StructuredOutputManager:
             try:
                 compiled: CompiledGrammar = grammar.future.result()
                 grammar.matcher = compiled.matcher()
+                _replay(req)
             except StructuredOutputsError as exc:
                 failed.append((req, f"{COMPILE_ERROR_PREFIX}{exc}"))
             except Exception as exc:  # a backend bug fails this request, never the loop
@@ -247,6 +248,26 @@ def accept_token(req: Request, token: int) -> None:
             f"token {token} is not allowed by the request's grammar")
     if grammar.matcher.is_terminated():
         grammar.done_at = req.num_output_tokens
+
+
+def _replay(req: Request) -> None:
+    """A resumed request's matcher accepts its replayed output tokens (`ResumeState`), as
+    `accept_token` did for each on the worker that generated them. A token the grammar
+    refuses fails the request (StructuredOutputsError)."""
+    grammar = req.grammar
+    assert grammar is not None and grammar.matcher is not None
+    end = list(req.sampling_params.reasoning_end_token_ids or ())
+    for n, token in enumerate(req.output_token_ids[:req.num_replayed], start=1):
+        if grammar.done_at is not None:
+            return
+        if not grammar.active:
+            grammar.active = req.output_token_ids[max(0, n - len(end)):n] == end
+            continue
+        if not grammar.matcher.accept_tokens([token]):
+            raise StructuredOutputsError(f"replayed token {token} is not allowed by the "
+                                         "request's grammar")
+        if grammar.matcher.is_terminated():
+            grammar.done_at = n
 
 
 def valid_drafts(req: Request, drafts: list[int]) -> int:

@@ -132,6 +132,7 @@ class RouterConfig(_Strict):
     pd_max_local_prefill: Count | None = None
     peer_pull: bool | None = None
     retries: Count | None = None
+    max_migrations: Count | None = None
     max_prompt_tokens: Positive | None = None
     max_tokens_cap: Positive | None = None
     max_body_bytes: Positive | None = None

@@ -23,7 +23,8 @@ tokens (default 16) has its prefill run on one of them; without, every request i
 `inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
 weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
-`pd_max_prefill_queue`, `pd_max_local_prefill`, `peer_pull`, `retries`, `max_prompt_tokens`,
+`pd_max_prefill_queue`, `pd_max_local_prefill`, `peer_pull`, `retries`, `max_migrations`,
+`max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
 `debug_headers`, `metrics_port`, `metrics_auth`, `openapi`, `send_timeout_seconds`,
@@ -146,6 +147,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "/v1/load_lora_adapter and /v1/unload_lora_adapter while --api-keys "
                         "is on (without --api-keys those are open)")
     p.add_argument("--retries", type=int, default=None)
+    p.add_argument("--max-migrations", type=int, default=None, metavar="N",
+                   help="workers a completions or chat request whose worker breaks mid-way "
+                        "may move to, resumed by token replay (default 3; 0: off; needs "
+                        "--worker-auth-key-file)")
     p.add_argument("--pd-threshold", type=int, default=None, metavar="TOKENS",
                    help="prefill on a prefill worker when the decode worker lacks at least "
                         "this many prompt tokens (default 16; only with prefill workers)")
@@ -588,7 +593,9 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         rate_limiter=limiter,
         index_store=store,
         proxy=ProxySettings(retries=args.retries if args.retries is not None
-                            else int(cfg.get("retries", 2)), debug_headers=door.debug_headers),
+                            else int(cfg.get("retries", 2)), debug_headers=door.debug_headers,
+                            max_migrations=_count(args, cfg, "max_migrations", 3,
+                                                  "a number of migrations")),
         monitor=MonitorSettings(tls=tls),
         metrics_port=door.metrics_port,
         metrics_auth=door.metrics_auth,

@@ -36,6 +36,11 @@ class RouterMetrics:
                                          buckets=ROUTING_BUCKETS, registry=r)
         self.retries = Counter("tandem_router_retries_total",
                                "Attempts beyond the first, by cause", ["cause"], registry=r)
+        self.migrations = Counter("tandem_router_migrations_total",
+                                  "Broken requests: moved to another worker (result resumed, "
+                                  "retried) or not (limit, no_worker, not_replayable, failed), "
+                                  "by what broke them (connection, draining, error)",
+                                  ["result", "reason"], registry=r)
         self.rejected = Counter("tandem_router_rejected_total",
                                 "Requests answered by the router itself, by status",
                                 ["status"], registry=r)

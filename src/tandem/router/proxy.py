@@ -6,8 +6,11 @@
   the attempt goes to the decode worker with the prefill worker in its headers
   (`pd.Route`); a retry picks a new decode worker and may keep the prefill worker.
 * Streams (SSE) pass through chunk by chunk, unbuffered. If the worker dies mid-stream the
-  client gets an SSE error event and `data: [DONE]`, not a hang. Non-streamed bodies are
-  read whole first, so a worker failure becomes a clean 502.
+  client gets an SSE error event and `data: [DONE]`, not a hang; with `migration` (a
+  completions or chat stream, signed) the stream is relayed event by event and goes on on
+  another worker instead (`router.migration`). Non-streamed bodies are read whole first,
+  so a worker failure becomes a clean 502, or, with `migration`, a retry elsewhere within
+  both bounds (`retries`, `max_migrations`).
 * A client disconnect closes the upstream connection, which aborts the request on the worker.
 * Upstream HTTP is `upstream.UpstreamPool` (pooled keep-alive HTTP/1.1 on httptools):
   ~0.07 ms of CPU per forwarded request, against ~0.26 ms for aiohttp and 1.5-2.8 ms for
@@ -33,8 +36,10 @@ from dataclasses import dataclass
 
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.protocol.migration import TOKENS_HEADER, signed_target
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey, body_digest
 from tandem.protocol.web import PEER_HEADER, PREFILL_HEADER, APIError, error_body, forward_target
+from tandem.router.migration import Leg, Migration, Migrator
 from tandem.router.pd import Route
 from tandem.router.policy import Decision
 from tandem.router.upstream import (
@@ -60,6 +65,7 @@ class ProxySettings:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     debug_headers: bool = False  # name the worker in answers (module doc); off: no pod address
+    max_migrations: int = 3  # new workers a broken completions/chat request may move to; 0: off
 
 
 @dataclass
@@ -84,9 +90,14 @@ def upstream_session(settings: ProxySettings) -> UpstreamPool:
 async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                   pick: Callable[[set[str]], Route | None], stream: bool,
                   settings: ProxySettings, on_attempt: Callable[[Attempt], None],
-                  signer: WorkerKey | None = None) -> Response:
-    """Send `body` to `path` on the worker `pick(tried)` chooses; see the module doc."""
+                  signer: WorkerKey | None = None,
+                  migration: Migration | None = None) -> Response:
+    """Send `body` to `path` on the worker `pick(tried)` chooses; see the module doc.
+    `migration`: a completions or chat request, migrated if its worker breaks
+    (`router.migration`; needs `signer`)."""
     tried: set[str] = set()
+    if migration is not None and (migration.max_migrations <= 0 or signer is None):
+        migration = None
     digest = body_digest(body) if signer is not None else None
     last: Attempt | None = None
     for n in range(settings.retries + 1):
@@ -109,8 +120,11 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
         try:
             headers = {"Content-Type": "application/json", "X-Request-Id": rid,
                        **route.headers()}
+            if migration is not None and stream:
+                headers[TOKENS_HEADER] = "1"  # the stream's token ids, to resume it
             if signer is not None:
-                target = forward_target(headers.get(PREFILL_HEADER), headers.get(PEER_HEADER))
+                target = signed_target(forward_target(headers.get(PREFILL_HEADER),
+                                                      headers.get(PEER_HEADER)), headers)
                 headers[SIGNATURE_HEADER] = signer.sign(body, target, digest)
             resp = await http.post(w.id, path, body, headers)
         except UpstreamError as exc:
@@ -141,6 +155,11 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                 if settings.debug_headers:
                     headers[WORKER_HEADER] = w.id
                 if stream and resp.status == 200:
+                    if migration is not None:
+                        assert signer is not None
+                        relay = Migrator(http, path, body, rid, pick, tried, signer,
+                                         migration).relay(Leg(resp, w, release))
+                        return StreamingResponse(relay, status_code=200, headers=headers)
                     return StreamingResponse(_relay(resp, rid, w, release),
                                              status_code=200, headers=headers)
                 done = False
@@ -149,12 +168,21 @@ async def forward(http: UpstreamPool, path: str, body: bytes, rid: str,
                     done = True
                 except UpstreamError as exc:
                     w.breaker.on_failure(time.monotonic())
-                    raise APIError(502, f"worker failed mid-response: {type(exc).__name__}",
-                                   type_="server_error") from exc
+                    if migration is None or n >= min(settings.retries, migration.max_migrations):
+                        raise APIError(502, "worker failed mid-response: "
+                                       f"{type(exc).__name__}", type_="server_error") from exc
+                    # nothing reached the client yet: the whole request goes elsewhere
+                    migration.on_result("retried", "connection")
+                    logger.warning("[%s] %s failed mid-response; retrying elsewhere", rid, w.id)
                 finally:
                     _finish(resp, done)
                     release()
-                return Response(content, status_code=resp.status, headers=headers)
+                if done:
+                    return Response(content, status_code=resp.status, headers=headers)
+                attempt.failure = attempt.error = "the worker failed mid-response"
+                last = attempt
+                await asyncio.sleep(settings.backoff_s * (2 ** n) * (0.5 + random.random()))
+                continue
         on_attempt(attempt)
         last = attempt
         if n < settings.retries:

@@ -47,6 +47,7 @@ from tandem.router import responses, usage
 from tandem.router.auth import tenant_cache_salt
 from tandem.router.flowcontrol import front as flow_front
 from tandem.router.flowcontrol.base import FlowTicket
+from tandem.router.migration import Migration
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
 from tandem.router.ratelimit import retry_after_header
@@ -342,6 +343,17 @@ class Routing:
             metrics.child(metrics.peer_pulls, a.route.peer.medium).inc()
 
 
+def migration(ra: RouterApp, kind: str) -> Migration | None:
+    """Completions and chat requests migrate when their worker breaks (`router.migration`);
+    the Responses API does not."""
+    if kind == "responses" or ra.settings.proxy.max_migrations <= 0:
+        return None
+    metrics = ra.metrics
+    return Migration(ra.settings.proxy.max_migrations,
+                     lambda result, reason: metrics.child(metrics.migrations, result,
+                                                          reason).inc())
+
+
 async def relay(request: Request, work: Awaitable[Response], stream: bool,
                 bill: Charge | None) -> Response:
     """`work`'s answer; 499 when a non-streaming client left first. With `bill`, its charge
@@ -438,7 +450,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
         holder = await responses.locate(ra, tenant, previous)
         routing.pinned = holder.id if holder is not None else None
     work = forward(ra.upstream, path, payload, rid, routing.pick, req.parsed.stream,
-                   ra.settings.proxy, routing.on_attempt, ra.settings.worker_key)
+                   ra.settings.proxy, routing.on_attempt, ra.settings.worker_key,
+                   migration(ra, kind))
     if ticket is not None:
         try:
             answer = flow_front.release_after(

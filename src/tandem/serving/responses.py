@@ -17,7 +17,8 @@ from typing import Any
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
-from tandem.engine.request import TokenizedPrompt
+from tandem.engine.request import ResumeState, TokenizedPrompt
+from tandem.protocol.migration import tokens_comment
 from tandem.protocol.openai_api import (
     AssistantMessage,
     ChatChoice,
@@ -73,6 +74,12 @@ class Responder(ABC):
         self.lora_name = lora_name  # the adapter `model` named; None: the base model
         self.model = lora_name or settings.served_model_name
         self.created = now()
+        # request migration (`serving.migration`): token ids in each SSE event, and the
+        # output this stream resumes after (another worker's)
+        self.return_tokens = False
+        self.resume: ResumeState | None = None
+        self._tokens_out: list[int] = []  # ids of the chunk being made
+        self._sent_out = 0  # generated characters sent, after it
 
     async def collect(self, stream: Stream) -> dict[str, Any]:
         """The whole response: each prompt's delta outputs merged into its result."""
@@ -91,7 +98,11 @@ class Responder(ABC):
 
     async def sse(self, stream: Stream) -> AsyncIterator[str]:
         async for chunk in self.chunks(stream):
-            yield _sse(chunk)
+            if self.return_tokens:
+                yield tokens_comment(self._sent_out, self._tokens_out) + _sse(chunk)
+                self._tokens_out = []
+            else:
+                yield _sse(chunk)
         yield "data: [DONE]\n\n"
 
     async def chunks(self, stream: Stream) -> AsyncIterator[dict[str, Any]]:
@@ -109,6 +120,10 @@ class Responder(ABC):
         finals: dict[int, RequestOutput] = {}
         started: set[int] = set()
         generated = 0  # tokens over every choice, for the usage chunk
+        if self.resume is not None:  # n == 1: choice 0 goes on where another worker stopped
+            sent_text[0] = self._sent_out = self.resume.sent_chars
+            started.add(0)
+            generated = len(self.resume.token_ids)
         async for i, out in stream:
             if out.error:
                 yield error_body(500, out.error)
@@ -125,7 +140,9 @@ class Responder(ABC):
                 if not c.text and not done and not c.token_ids:
                     continue
                 offset = sent_text.get(idx, 0)
-                sent_text[idx] = offset + len(c.text)
+                sent_text[idx] = self._sent_out = offset + len(c.text)
+                if self.return_tokens:
+                    self._tokens_out.extend(c.token_ids)
                 if done:
                     finished.add(idx)
                 body = self.chunk(idx, c, offset, done)

@@ -47,7 +47,7 @@ from tandem.protocol.openai_api import (
     now,
 )
 from tandem.protocol.web import cancel_on_disconnect, plain_request_id
-from tandem.serving import convert
+from tandem.serving import convert, migration
 from tandem.serving.convert import completion_prompts
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, kv_block_bytes, start_grpc_server
@@ -284,7 +284,8 @@ class WorkerApp:
         """Admit every prompt in one engine command (`{rid}-{i}`); their output queues."""
         rid = responder.request_id
         adds = [AddRequest(f"{rid}-{i}", prompt, responder.params, responder.priority,
-                           responder.cache_salt, lora_name=responder.lora_name, delta=True)
+                           responder.cache_salt, lora_name=responder.lora_name, delta=True,
+                           resume=responder.resume)
                 for i, prompt in enumerate(prompts)]
         try:
             queues = [q for _, q in await engine.add_many(adds)]
@@ -407,6 +408,7 @@ class WorkerApp:
         await self.authenticate(request, req.cache_salt, req.priority)
         engine, lora = self.engine_for(req.model)
         responder, prompts = self.completion_responder(req, engine, lora)
+        migration.apply(request, responder)
         tokenized = await self.off_thread(lambda: [engine.process_prompt(p) for p in prompts])
         return await self.serve(request, engine, responder, tokenized)
 
@@ -414,6 +416,7 @@ class WorkerApp:
         await self.authenticate(request, req.cache_salt, req.priority)
         engine, lora = self.engine_for(req.model)
         responder = self.chat_responder(req, engine, lora)
+        migration.apply(request, responder)
         return await self.serve(request, engine, responder,
                                 [await self.off_thread(self.chat_prompt(req, engine))])
 

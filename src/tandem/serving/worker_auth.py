@@ -33,6 +33,7 @@ from typing import Any
 
 from fastapi import Request
 
+from tandem.protocol.migration import signed_target, wants_signature
 from tandem.protocol.signing import (
     SIGNATURE_HEADER,
     TENANT_SALT_PREFIX,
@@ -100,12 +101,13 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     valid one; APIError(401) when it came without an API key (`ApiKeyAuth`) and its
     signature is not valid. `on_reject(reason)` is called first (a metric). `required`:
     the worker's --require-signed-requests."""
-    target = forward_target(request.headers.get(PREFILL_HEADER),
-                            request.headers.get(PEER_HEADER))
+    target = signed_target(forward_target(request.headers.get(PREFILL_HEADER),
+                                          request.headers.get(PEER_HEADER)), request.headers)
     if signature_instead_of_key(request):
         await require_signature(request, key, target, WITHOUT_KEY, on_reject)
         return
-    what = needs_signature(target, cache_salt, key, priority, required)
+    what = (wants_signature(request.headers)  # migration: the router's only
+            or needs_signature(target, cache_salt, key, priority, required))
     if what is None:
         return
     await require_signature(request, key, target, what, on_reject)
