@@ -238,13 +238,17 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
             block_ids = table[first:first + sent_blocks]
-            yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
-                                                         first_token, tail))
+            header = header_for(layout, first, hashes, lease.lease_id, first_token, tail)
+            transport = self.backend(request.backend).transport(
+                request, sent_blocks * layout.block_layer_bytes)
+            if transport != request.backend:
+                header.transport = transport
+            yield worker_pb2.PageChunk(header=header)
             source = (await kv.page_source(kept, first, sent_blocks) if kept is not None
                       else await kv.saved_page_source(rid, block_ids))  # every KV head
             job = SendJob(request, layout, block_ids, source.layer, loop.time() + lease_s,
                           source.views, stream)
-            async for chunk in self.backend(request.backend).send(job):
+            async for chunk in self.backend(transport).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks
                     await run
