@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import torch
@@ -45,13 +48,18 @@ from tandem.kvtransfer.shm_segments import (
     Segment,
     node_identity,
     open_segment,
+    path_of,
     unlink,
 )
 from tandem.protocol import worker_pb2
 
 logger = logging.getLogger(__name__)
 SLOTS = 2
-HASH_IN_THREAD = 1 << 20  # hash larger layers off the event loop
+IDLE_PER_PEER = 2  # receiver: segments kept per prefill worker between transfers
+IDLE_S = 30.0  # ... for at most this long
+MAPPED = 8  # sender: receivers' segments kept mapped
+GRPC_PEER_S = 300.0  # receiver: how long a peer that answered by grpc is asked for grpc
+HASH_IN_THREAD = 16 << 20  # hash larger layers off the event loop (~0.5 ms and more)
 
 
 def _digest(view: memoryview) -> int:
@@ -81,8 +89,12 @@ class ShmBackend(TransferBackend):
         self.node = node_identity()
         self.layout: PageLayout | None = None
         self._instance: Instance | None = None
-        self._segments: dict[str, Segment] = {}  # request's segment name -> its segment
+        self._segments: dict[str, Segment] = {}  # leased: request's segment name -> it
+        self._clean: set[str] = set()  # leased segments whose transfer succeeded
+        self._idle: dict[str, list[Segment]] = {}  # peer -> segments kept for its next ones
+        self._maps: OrderedDict[str, Segment] = OrderedDict()  # sender: mapped segments
         self._grpc = GrpcBackend()
+        self._grpc_peers: dict[str, float] = {}  # peer -> when it last answered by grpc
 
     # -- receiver --------------------------------------------------------------------------
     def configure(self, *, device: torch.device, advertise_host: str,
@@ -94,22 +106,50 @@ class ShmBackend(TransferBackend):
     async def prepare(self, request: worker_pb2.PrefillRequest, peer: str) -> None:
         """Create the transfer's segment (two slots of the requested layer size) and name it
         in `request`; without a layout or a node identity, ask for `grpc`."""
-        if self.layout is None or not self.node:
-            request.backend = "grpc"
+        grpc_since = self._grpc_peers.get(peer)
+        if (self.layout is None or not self.node
+                or (grpc_since is not None and time.monotonic() - grpc_since < GRPC_PEER_S)):
+            request.backend = "grpc"  # no segment for a peer known to be on another node
             return
         if self._instance is None:
             self._instance = Instance()
         self._instance.maybe_sweep()
         blocks = request.num_blocks + (1 if request.tail_tokens else 0)
-        slots = min(SLOTS, self.layout.num_layers)
-        seg = self._instance.create(slots, blocks * self.layout.block_layer_bytes)
+        need = blocks * self.layout.block_layer_bytes
+        seg = self._reuse(peer, need)
+        if seg is None:
+            seg = self._instance.create(min(SLOTS, self.layout.num_layers), need)
+            seg.peer = peer
+        seg.consumed = 0
         self._segments[seg.name] = seg
         request.shm_node, request.shm_segment = self.node, seg.name
         request.shm_slots, request.shm_slot_bytes = seg.slots, seg.slot_bytes
 
+    def _reuse(self, peer: str, need: int) -> Segment | None:
+        """An idle segment kept for `peer` that fits `need` bytes per slot without holding
+        more than four times that; drops the idle ones past `IDLE_S`."""
+        now = time.monotonic()
+        for key in list(self._idle):
+            keep = []
+            for seg in self._idle[key]:
+                if now - seg.idle_since > IDLE_S:
+                    self._discard(seg)
+                else:
+                    keep.append(seg)
+            self._idle[key] = keep
+        pool = self._idle.get(peer, [])
+        for i, seg in enumerate(pool):
+            if need <= seg.slot_bytes <= 4 * need + (1 << 16):
+                return pool.pop(i)
+        return None
+
+    def _discard(self, seg: Segment) -> None:
+        unlink(seg.name)
+        seg.close()
+
     def for_transport(self, transport: str) -> TransferBackend:
         if transport == "grpc":
-            return self._grpc
+            return _Fallback(self)
         return super().for_transport(transport)
 
     async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
@@ -142,6 +182,7 @@ class ShmBackend(TransferBackend):
                     if chunk.trailer.xxh3_64 != transfer_digest(digests):
                         raise KVTransferError("invalid", "page checksum mismatch")
                     await asyncio.gather(*calls)
+                    self._clean.add(seg.name)
                     return
                 if kind != "layer_end":
                     raise KVTransferError("invalid", f"unexpected {kind or 'data'} message on "
@@ -154,8 +195,6 @@ class ShmBackend(TransferBackend):
                 if seg.consumed + seg.slots <= layer:  # it wrote a slot still in use
                     raise KVTransferError("invalid", f"layer {layer} overwrote a slot "
                                                      "still in use")
-                if layer == 0:  # mapped by the sender: nothing needs the name any more
-                    self._unlink(seg)
                 view = seg.slot(layer % seg.slots, size)
                 got = (await asyncio.to_thread(_digest, view) if size > HASH_IN_THREAD
                        else _digest(view))
@@ -173,21 +212,30 @@ class ShmBackend(TransferBackend):
                 abandon(call)
         raise KVTransferError("incomplete", "the page stream ended before its trailer")
 
-    @staticmethod
-    def _unlink(seg: Segment) -> None:
-        unlink(seg.name)
-
     async def release(self, request: worker_pb2.PrefillRequest) -> None:
+        """After a clean transfer the segment is kept for the same peer's next one (at most
+        `IDLE_PER_PEER`, for `IDLE_S`); after any failure it is unlinked at once."""
         seg = self._segments.pop(request.shm_segment, None)
-        if seg is not None:
-            self._unlink(seg)
-            seg.close()
+        if seg is None:
+            return
+        if request.shm_segment not in self._clean:
+            self._discard(seg)
+            return
+        self._clean.discard(seg.name)
+        pool = self._idle.setdefault(seg.peer, [])
+        seg.idle_since = time.monotonic()
+        pool.append(seg)
+        while len(pool) > IDLE_PER_PEER:
+            self._discard(pool.pop(0))
 
     async def close(self) -> None:
-        for seg in self._segments.values():
-            self._unlink(seg)
-            seg.close()
+        for seg in [*self._segments.values(), *(s for p in self._idle.values() for s in p)]:
+            self._discard(seg)  # this receiver's own
+        for seg in self._maps.values():
+            seg.close()  # the receivers'
         self._segments.clear()
+        self._idle.clear()
+        self._maps.clear()
         if self._instance is not None:
             self._instance.close()
         await self._grpc.close()
@@ -201,8 +249,7 @@ class ShmBackend(TransferBackend):
         if request.shm_slot_bytes < layer_bytes:
             return "grpc"
         try:
-            open_segment(request.shm_segment, request.shm_slots,
-                         request.shm_slot_bytes).close()
+            self._mapped(request)
         except (OSError, ValueError) as exc:
             logger.warning("[%s] shared-memory segment unusable (%s); sending by grpc",
                            request.request_id[:64], exc)
@@ -214,7 +261,7 @@ class ShmBackend(TransferBackend):
         digest; the trailer last. Stops at the lease's end (`job.deadline`)."""
         req = job.request
         loop = asyncio.get_running_loop()
-        seg = open_segment(req.shm_segment, req.shm_slots, req.shm_slot_bytes)
+        seg = self._mapped(req)
         size = len(job.block_ids) * job.layout.block_layer_bytes
         digests: list[int] = []
 
@@ -226,24 +273,59 @@ class ShmBackend(TransferBackend):
                     pages = job.gather(layer)
             return _copy_in(seg.slot(layer % seg.slots, size), pieces, pages)
 
-        try:
-            for layer in range(job.layout.num_layers):
-                if job.layers is not None:
-                    await job.layers.wait(layer)
-                delay = 0.0
-                while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
-                    if loop.time() > job.deadline:
-                        raise KVTransferError("expired", "the lease ended before the pages "
-                                                         "were sent")
-                    await asyncio.sleep(delay)
-                    delay = min(0.002, delay * 2 or 5e-5)
-                digests.append(await asyncio.to_thread(fill, layer))
-                yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
-                    layer=layer, xxh3_64=digests[-1]))
-        finally:
-            seg.close()
+        for layer in range(job.layout.num_layers):
+            if job.layers is not None:
+                await job.layers.wait(layer)
+            delay = 0.0
+            while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
+                if loop.time() > job.deadline:
+                    raise KVTransferError("expired", "the lease ended before the pages "
+                                                     "were sent")
+                await asyncio.sleep(delay)
+                delay = min(5e-4, delay * 2 or 5e-5)
+            digests.append(await asyncio.to_thread(fill, layer))
+            yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+                layer=layer, xxh3_64=digests[-1]))
         yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
             xxh3_64=transfer_digest(digests)))
+
+    def _mapped(self, request: worker_pb2.PrefillRequest) -> Segment:
+        """Sender: the request's segment, mapped (kept for the receiver's next transfers
+        through it; mappings of segments unlinked since are dropped here, and at most
+        `MAPPED` stay)."""
+        for name in [n for n in self._maps if not os.path.exists(path_of(n))]:
+            self._maps.pop(name).close()
+        seg = self._maps.get(request.shm_segment)
+        if seg is not None and (seg.slots, seg.slot_bytes) == (request.shm_slots,
+                                                               request.shm_slot_bytes):
+            self._maps.move_to_end(seg.name)
+            return seg
+        seg = open_segment(request.shm_segment, request.shm_slots, request.shm_slot_bytes)
+        self._maps[seg.name] = seg
+        while len(self._maps) > MAPPED:
+            self._maps.popitem(last=False)[1].close()
+        return seg
+
+
+class _Fallback(TransferBackend):
+    """Receives a `shm` request's pages sent by grpc, and remembers the peer as one on
+    another node for `GRPC_PEER_S` (its next requests ask for grpc, with no segment)."""
+
+    name = "grpc"
+
+    def __init__(self, shm: ShmBackend) -> None:
+        self.shm = shm
+
+    def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
+        raise NotImplementedError
+
+    async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
+                      sink: LayerSink) -> None:
+        seg = self.shm._segments.get(request.shm_segment)
+        if seg is not None:
+            self.shm._grpc_peers[seg.peer] = time.monotonic()
+        await self.shm._grpc.receive(request, layout, num_blocks, stream, sink)
 
 
 BACKENDS["auto"] = ShmBackend  # the flag's default: shared memory on one node, else grpc
