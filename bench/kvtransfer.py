@@ -139,7 +139,8 @@ async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
             nonlocal nbytes  # the receive path only, as before pages had a sink
             nbytes += pages.numel() * pages.element_size()
 
-        await backend.for_transport(header.transport).receive(req, layout, got, it, count)
+        await backend.for_transport(header.transport or req.backend).receive(req, layout, got, it,
+                                                                        count)
     finally:
         await backend.release(req)
     dt_s = time.perf_counter() - t0

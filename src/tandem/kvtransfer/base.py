@@ -78,7 +78,8 @@ class TransferBackend(ABC):
 
     def for_transport(self, transport: str) -> TransferBackend:
         """Receiver: the backend that receives pages the header says travel by `transport`
-        ("": this one); raises KVTransferError("invalid") for one it did not offer."""
+        (the header's, else the request's `backend`, which `prepare` may have changed);
+        raises KVTransferError("invalid") for one it did not offer."""
         if transport in ("", self.name):
             return self
         raise KVTransferError("invalid", f"pages offered by {transport[:32]!r}, asked for "

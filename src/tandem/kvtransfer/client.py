@@ -220,7 +220,7 @@ class RemotePrefill:
                         await writer.pin(self.kv, hashes)
                         if not writer.pins.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
-                        backend = self._backend.for_transport(header.transport)
+                        backend = self._backend.for_transport(header.transport or req.backend)
                         await backend.receive(req, self.layout, offer.num_blocks, it,
                                               writer.write)
                     finally:
