@@ -1,6 +1,6 @@
 """KV transfer benchmark: page throughput per backend, and what disaggregation adds to TTFT.
 
-    .venv/bin/python bench/kvtransfer.py [--quick] [--backends grpc,torch,shm] [--no-ttft]
+    .venv/bin/python bench/kvtransfer.py [--quick] [--backends grpc,grpc/4,torch,shm] [--no-ttft]
                                          [--no-throughput]
 
 1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
@@ -62,7 +62,7 @@ def serve_pages(port: int, max_blocks: int) -> None:
     from tandem.engine.cpu_tuning import tune_malloc
     from tandem.engine.kv_cache.pages import gather_layer
     from tandem.kvtransfer.base import SendJob, make_backend
-    from tandem.kvtransfer.pages import PageLayout, header_for, layer_page_views
+    from tandem.kvtransfer.pages import SEND_CHUNK, PageLayout, header_for, layer_page_views
     from tandem.kvtransfer.service import add_kv_transfer_service
     from tandem.protocol import worker_pb2
 
@@ -79,12 +79,15 @@ def serve_pages(port: int, max_blocks: int) -> None:
             ids = list(range(n))
             hashes = [i.to_bytes(32, "little") for i in range(n)]
             header = header_for(layout, 0, hashes, "bench", 0)
+            chunk = int(request.request_id.rpartition("-")[2] or 0)  # grpc: bytes a message
             chosen = backends.setdefault(request.backend, make_backend(request.backend))
             transport = chosen.transport(request, n * layout.block_layer_bytes)
             if transport != request.backend:  # shm across nodes: grpc
                 header.transport = transport
             yield worker_pb2.PageChunk(header=header)
             backend = backends.setdefault(transport, make_backend(transport))
+            if transport == "grpc":  # calls come one at a time
+                backend.chunk = chunk or SEND_CHUNK
             loop = asyncio.get_running_loop()
             job = SendJob(request, layout, ids, lambda layer: gather_layer(caches, layer, ids),
                           loop.time() + 600, lambda layer: layer_page_views(caches, layer, ids))
@@ -119,11 +122,13 @@ def serve_pages(port: int, max_blocks: int) -> None:
 
 
 # -- throughput --------------------------------------------------------------------------------
-async def receive_once(stub, backend, layout, n: int) -> tuple[float, int]:
+async def receive_once(stub, backend, layout, n: int, chunk: int = 0) -> tuple[float, int]:
+    """One transfer of `n` blocks; `chunk`: the grpc sender's message payload size (0: its
+    default)."""
     from tandem.kvtransfer.pages import check_header
     from tandem.protocol import worker_pb2
 
-    req = worker_pb2.PrefillRequest(request_id="bench", model_id=MODEL, num_blocks=n,
+    req = worker_pb2.PrefillRequest(request_id=f"bench-{chunk}", model_id=MODEL, num_blocks=n,
                                     block_size=BLOCK, backend=backend.name)
     t0 = time.perf_counter()
     await backend.prepare(req, "bench")
@@ -202,27 +207,29 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                                 "gbps": got / (time.perf_counter() - t0) / 1e9})
             log(f"[throughput] raw gRPC stream ceiling (1 MiB messages, no processing): "
                 f"{max(c['gbps'] for c in ceiling):.2f} GB/s")
-            for name in backends:
+            for label in backends:
+                name, _, mib = label.partition("/")  # grpc/4: 4 MiB data messages
+                chunk = int(float(mib) * (1 << 20)) if mib else 0
                 if name not in BACKENDS:
                     log(f"[throughput] backend {name} is not available; skipped")
                     continue
                 backend = make_backend(name)
                 backend.configure(device=torch.device("cpu"), advertise_host="127.0.0.1",
                                   layout=layout)
-                await receive_once(stub, backend, layout, 1)  # connections, process group
+                await receive_once(stub, backend, layout, 1, chunk)  # connections, groups
                 for n in sizes:
                     times = []
                     for _ in range(reps):
-                        dt_s, nbytes = await receive_once(stub, backend, layout, n)
+                        dt_s, nbytes = await receive_once(stub, backend, layout, n, chunk)
                         times.append(dt_s)
                     best = min(times)
                     base = memcpy_gbps(nbytes)
-                    row = {"backend": name, "blocks": n, "bytes": nbytes,
+                    row = {"backend": label, "blocks": n, "bytes": nbytes,
                            "seconds_best": best, "seconds_all": times,
                            "gbps": nbytes / best / 1e9, "memcpy_gbps": base,
                            "share_of_memcpy": nbytes / best / 1e9 / base}
                     rows.append(row)
-                    log(f"[throughput] {name:5s} {n:5d} blocks {nbytes / 2**20:9.1f} MiB: "
+                    log(f"[throughput] {label:7s} {n:5d} blocks {nbytes / 2**20:9.1f} MiB: "
                         f"{row['gbps']:.2f} GB/s ({row['share_of_memcpy']:.1%} of memcpy "
                         f"{base:.1f} GB/s)")
                 await backend.close()
@@ -397,7 +404,8 @@ async def exposed_transfer(targets: dict[str, str], prompt_tokens: int, trials: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--backends", default="grpc,torch,shm")
+    ap.add_argument("--backends", default="grpc,grpc/4,torch,shm",
+                    help="comma-separated; grpc/4: grpc with 4 MiB data messages")
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--ttft-trials", type=int, default=None)
