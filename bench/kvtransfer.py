@@ -80,7 +80,9 @@ def serve_pages(port: int, max_blocks: int) -> None:
             hashes = [i.to_bytes(32, "little") for i in range(n)]
             header = header_for(layout, 0, hashes, "bench", 0)
             chunk = int(request.request_id.rpartition("-")[2] or 0)  # grpc: bytes a message
-            chosen = backends.setdefault(request.backend, make_backend(request.backend))
+            name = "shm" if request.shm_segment and request.backend == "grpc" else (
+                request.backend)  # as the service: a grpc request offering shared memory
+            chosen = backends.setdefault(name, make_backend(name))
             transport = chosen.transport(request, n * layout.block_layer_bytes)
             if transport != request.backend:  # shm across nodes: grpc
                 header.transport = transport

@@ -21,6 +21,7 @@ from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
 from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer import shm_segments
 from tandem.kvtransfer.base import SendJob
 from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings
 from tandem.kvtransfer.grpc_backend import decode_chunk, serialize_chunk
@@ -66,8 +67,11 @@ async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[
     n = len(src_ids)
     req = worker_pb2.PrefillRequest(request_id="t", num_blocks=n, backend="shm")
     await receiver.prepare(req, "peer")
-    try:
-        transport = sender.transport(req, n * layout.block_layer_bytes)
+    assert req.backend == "grpc"  # what a sender without shm sends by
+    try:  # as the service decides
+        offered = "shm" if req.shm_segment else req.backend
+        transport = sender.backend(offered).transport(req, n * layout.block_layer_bytes)
+        header_transport = transport if transport != req.backend else ""
         job = SendJob(req, layout, src_ids, lambda layer: gather_layer(src, layer, src_ids),
                       1e18, (lambda layer: layer_page_views(src, layer, src_ids))
                       if in_place else None)
@@ -79,7 +83,7 @@ async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[
                     damage(req)
                 yield decode_chunk(serialize_chunk(msg))  # as off the wire
 
-        await receiver.for_transport("" if transport == "shm" else transport).receive(
+        await receiver.for_transport(header_transport or req.backend).receive(
             req, layout, n, stream(), sink)
     finally:
         await receiver.release(req)
@@ -217,14 +221,14 @@ def test_a_receiver_on_another_node_gets_grpc():
 
 def test_a_header_naming_a_transport_not_offered_is_invalid():
     receiver, _, _ = backends(3)
-    assert receiver.for_transport("") is receiver
+    assert receiver.for_transport("shm") is receiver
     with pytest.raises(KVTransferError, match="pages offered by 'torch', asked for shm"):
         receiver.for_transport("torch")
 
 
 def test_a_stream_that_fails_midway_leaves_no_segment():
-    """The sender's stream breaks after one layer (a killed prefill worker): the receive
-    fails and `release` unlinks the segment."""
+    """The sender's stream breaks after one layer (a killed prefill worker), or the sink
+    fails writing a layer: the receive fails at once and `release` unlinks the segment."""
     receiver, sender, src = backends(4)
 
     async def sink(layer, pages):
@@ -235,10 +239,19 @@ def test_a_stream_that_fails_midway_leaves_no_segment():
         if at[0] == 2:
             raise ConnectionResetError("the prefill worker is gone")
 
+    async def failing(layer, pages):
+        if layer == 1:
+            raise OSError("the cache write failed")
+
     async def main() -> None:
         before = data_segments()
         with pytest.raises(ConnectionResetError):
             await transfer(receiver, sender, src, [0, 1, 2], sink, damage=die)
+        assert data_segments() == before
+        # a sink that fails: the transfer ends with its error, not at the fetch's timeout
+        async with asyncio.timeout(10):
+            with pytest.raises(OSError, match="the cache write failed"):
+                await transfer(receiver, sender, src, [0, 1, 2], failing)
         assert data_segments() == before
         await receiver.close()
 
@@ -246,9 +259,11 @@ def test_a_stream_that_fails_midway_leaves_no_segment():
 
 
 KILLED_RECEIVER = """
-import sys, time
-from tandem.kvtransfer.shm_segments import Instance
-inst = Instance()
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("segments", sys.argv[1])  # stdlib only: fast
+segments = sys.modules["segments"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(segments)
+inst = segments.Instance()
 seg = inst.create(2, 1 << 16)
 print(inst.id, seg.name, flush=True)
 time.sleep(600)
@@ -260,8 +275,8 @@ def test_a_killed_receivers_segment_is_swept():
     sweep, which removes it and the instance's lock; a live instance's are kept."""
     live = Instance()
     kept = live.create(1, 4096)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RECEIVER], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RECEIVER, shm_segments.__file__],
+                            stdout=subprocess.PIPE, text=True)
     try:
         inst, name = proc.stdout.readline().split()
         assert name in segments() and f"{PREFIX}{inst}.lock" in segments()

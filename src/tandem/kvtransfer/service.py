@@ -239,7 +239,9 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                                       keys)[first:]
             block_ids = table[first:first + sent_blocks]
             header = header_for(layout, first, hashes, lease.lease_id, first_token, tail)
-            transport = self.backend(request.backend).transport(
+            # a grpc request offering a shared-memory segment: taken when on this node
+            offered = "shm" if request.shm_segment and request.backend == "grpc" else None
+            transport = self.backend(offered or request.backend).transport(
                 request, sent_blocks * layout.block_layer_bytes)
             if transport != request.backend:
                 header.transport = transport
@@ -260,7 +262,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             sent = True
             logger.info("[%s] sent %d blocks%s x %d layers (%s%s), lease %.0f s", rid, num,
                         f" + a {tail}-token tail" if tail else "", layout.num_layers,
-                        request.backend, ", layer by layer" if stream is not None else "",
+                        transport, ", layer by layer" if stream is not None else "",
                         lease_s)
         except _Refused as exc:
             await context.abort(exc.code, exc.message)

@@ -1,11 +1,12 @@
 """`shm` backend: page bytes through a shared-memory segment between workers on one node.
 
-The receiver (decode worker) creates a segment of two layer slots (`shm_segments`) in
-`prepare` and names it, with its node identity, in the request (`shm_*` fields). A sender
-whose node identity differs, or that cannot open the segment, sends by `grpc` instead and
-says so in the header (`transport`), so a cross-node request never fails for it: `shm` is
-safe as a default wherever workers may or may not share a node (as NIXL/UCX pick shared
-memory by themselves on one node).
+The receiver (decode worker) asks for `grpc` and offers a segment of two layer slots
+(`shm_segments`), created in `prepare` and named, with its node identity, in the request
+(`shm_*` fields). A sender on the same node (same identity, segment opened) answers with the
+header's `transport` "shm"; any other sender (another node, another /dev/shm, a version
+without shm) sends by grpc, so no request fails for the offer: `auto` is safe as a default
+wherever workers may or may not share a node (as NIXL/UCX pick shared memory by themselves
+on one node).
 
 Per layer L the sender waits until the receiver is done with slot L % 2's previous layer
 (the control page's `consumed` counter), copies the layer's pages into that slot (from the
@@ -104,13 +105,16 @@ class ShmBackend(TransferBackend):
         self._instance.maybe_sweep()  # what killed receivers on this node left behind
 
     async def prepare(self, request: worker_pb2.PrefillRequest, peer: str) -> None:
-        """Create the transfer's segment (two slots of the requested layer size) and name it
-        in `request`; without a layout or a node identity, ask for `grpc`."""
+        """Ask for `grpc`, offering a segment (two slots of the requested layer size) named
+        in `request`'s `shm_*` fields: a sender on this node answers with the header's
+        `transport` "shm"; one elsewhere (or one that knows no shm) sends by grpc. No
+        segment without a layout or a node identity, or for a peer that answered by grpc in
+        the last `GRPC_PEER_S`."""
+        request.backend = "grpc"  # what a sender that knows no shm sends by
         grpc_since = self._grpc_peers.get(peer)
         if (self.layout is None or not self.node
                 or (grpc_since is not None and time.monotonic() - grpc_since < GRPC_PEER_S)):
-            request.backend = "grpc"  # no segment for a peer known to be on another node
-            return
+            return  # no segment for a peer known to be on another node
         if self._instance is None:
             self._instance = Instance()
         self._instance.maybe_sweep()
@@ -148,7 +152,7 @@ class ShmBackend(TransferBackend):
         seg.close()
 
     def for_transport(self, transport: str) -> TransferBackend:
-        if transport == "grpc":
+        if transport == "grpc":  # the request's backend: the sender did not take the offer
             return _Fallback(self)
         return super().for_transport(transport)
 
@@ -165,7 +169,7 @@ class ShmBackend(TransferBackend):
         digests: list[int] = []
 
         def finished(layer: int) -> None:
-            done[layer] = True
+            done[layer] = True  # failed too: the sender goes on, the failure is raised here
             n = seg.consumed
             while n < len(done) and done[n]:
                 n += 1
@@ -173,6 +177,9 @@ class ShmBackend(TransferBackend):
 
         try:
             async for chunk in stream:
+                for call in calls:  # a failed sink call ends the transfer
+                    if call.done() and not call.cancelled() and call.exception() is not None:
+                        raise call.exception()  # type: ignore[misc]
                 kind = chunk.WhichOneof("kind") if isinstance(chunk, worker_pb2.PageChunk) \
                     else None
                 if kind == "trailer":
@@ -204,8 +211,7 @@ class ShmBackend(TransferBackend):
                 done.append(False)
                 pages = torch.frombuffer(view, dtype=torch.uint8).view(layout.dtype).view(shape)
                 call = asyncio.ensure_future(sink(layer, pages))
-                call.add_done_callback(lambda f, n=layer: f.cancelled() or f.exception()
-                                       or finished(n))
+                call.add_done_callback(lambda f, n=layer: finished(n))
                 calls.append(call)
         finally:
             for call in calls:

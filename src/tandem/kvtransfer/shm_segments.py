@@ -72,7 +72,8 @@ class Segment:
 
     @consumed.setter
     def consumed(self, n: int) -> None:
-        struct.pack_into("<Q", self.map, 8, n)
+        with contextlib.suppress(ValueError):  # unmapped: the transfer is over
+            struct.pack_into("<Q", self.map, 8, n)
 
     def close(self) -> None:
         """Unmap (left to the garbage collector while a view of it is still alive)."""
