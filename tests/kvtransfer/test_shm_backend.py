@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer import shm_segments
 from tandem.kvtransfer.base import SendJob
-from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings
+from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings, prefill_method
 from tandem.kvtransfer.grpc_backend import decode_chunk, serialize_chunk
 from tandem.kvtransfer.pages import KVTransferError, PageLayout, layer_page_views
 from tandem.kvtransfer.shm_backend import IDLE_PER_PEER, ShmBackend
@@ -37,6 +38,8 @@ from tandem.kvtransfer.shm_segments import (
 )
 from tandem.protocol import worker_pb2
 from tests.engine.utils import make_tiny_model_dir
+from tests.kvtransfer.fake_prefill import LAYOUT as FAKE_LAYOUT
+from tests.serving.helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -376,3 +379,50 @@ def test_disaggregated_tokens_over_shared_memory_equal_aggregated(pair):
         assert data_segments() == before
 
     asyncio.run(main())
+
+
+def test_a_sender_killed_mid_transfer_leaves_no_segment():
+    """A prefill process that took the offer, wrote layer 0 and stalls is killed -9: the
+    receive fails at once, `release` unlinks the segment, and with the sender's mapping gone
+    with its process nothing of the transfer is left in shared memory."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvtransfer.fake_prefill", str(port),
+                             "shm"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    receiver = ShmBackend()
+    receiver.configure(device=torch.device("cpu"), advertise_host="", layout=FAKE_LAYOUT)
+    bs = FAKE_LAYOUT.block_size
+
+    async def main() -> None:
+        before = data_segments()
+        req = worker_pb2.PrefillRequest(request_id="killed", model_id=FAKE_LAYOUT.model_id,
+                                        token_ids=list(range(100, 100 + 3 * bs + 1)),
+                                        block_size=bs, num_blocks=3, backend="shm")
+        await receiver.prepare(req, f"127.0.0.1:{port}")
+        assert data_segments() - before == {req.shm_segment}
+        seen: list[int] = []
+
+        async def sink(layer, pages):
+            seen.append(layer)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            it = prefill_method(channel)(req, timeout=60).__aiter__()
+            header = (await it.__anext__()).header
+            backend = receiver.for_transport(header.transport or req.backend)
+            assert backend is receiver
+            receiving = asyncio.ensure_future(backend.receive(req, FAKE_LAYOUT, 3, it, sink))
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line.strip() == "stalled"
+            proc.send_signal(signal.SIGKILL)
+            async with asyncio.timeout(30):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await receiving
+            await receiver.release(req)
+        assert seen == [0] and data_segments() == before
+        await receiver.close()
+
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
