@@ -222,6 +222,27 @@ def test_a_receiver_on_another_node_gets_grpc():
         assert torch.equal(got[layer], gather_layer(src, layer, [5, 2]))
 
 
+def test_no_room_in_shared_memory_asks_for_grpc(monkeypatch):
+    """Shared memory that cannot hold the segment (a container's small /dev/shm): the
+    request asks for grpc with no offer, and no file is left."""
+    receiver, _, _ = backends(5)
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+
+    async def main() -> None:
+        before = data_segments()
+        req = worker_pb2.PrefillRequest(request_id="full", num_blocks=2, backend="shm")
+        await receiver.prepare(req, "peer")
+        assert req.backend == "grpc" and not req.shm_segment
+        assert data_segments() == before
+        await receiver.close()
+
+    asyncio.run(main())
+
+
 def test_a_header_naming_a_transport_not_offered_is_invalid():
     receiver, _, _ = backends(3)
     assert receiver.for_transport("shm") is receiver

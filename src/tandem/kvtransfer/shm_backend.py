@@ -122,7 +122,12 @@ class ShmBackend(TransferBackend):
         need = blocks * self.layout.block_layer_bytes
         seg = self._reuse(peer, need)
         if seg is None:
-            seg = self._instance.create(min(SLOTS, self.layout.num_layers), need)
+            try:
+                seg = self._instance.create(min(SLOTS, self.layout.num_layers), need)
+            except OSError as exc:  # shared memory full or missing: no offer
+                logger.warning("[%s] no shared-memory segment of 2 x %d bytes (%s); asking "
+                               "for grpc", request.request_id[:64], need, exc)
+                return
             seg.peer = peer
         seg.consumed = 0
         self._segments[seg.name] = seg

@@ -105,14 +105,17 @@ class Instance:
             self._lock_fd = fd
 
     def create(self, slots: int, slot_bytes: int) -> Segment:
-        """A fresh segment of `slots` slots of at least `slot_bytes` each."""
+        """A fresh segment of `slots` slots of at least `slot_bytes` each, its memory
+        allocated; OSError (e.g. ENOSPC) when shared memory cannot hold it."""
         self._lock()
         slot_bytes = -(-max(slot_bytes, 1) // 4096) * 4096
         name = f"{PREFIX}{self.id}-{secrets.token_hex(16)}"
         fd = os.open(path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             size = CONTROL_BYTES + slots * slot_bytes
-            os.ftruncate(fd, size)
+            # the memory now, or ENOSPC now (a full /dev/shm, e.g. a container's 64 MiB):
+            # never a SIGBUS at first touch
+            os.posix_fallocate(fd, 0, size)
             m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
             os.close(fd)
