@@ -212,7 +212,8 @@ def test_tandem_serve_prefill_decode_disaggregates_long_prompts(tmp_path):
         metrics = httpx.get(url + "/metrics", timeout=10, headers=key).text
         assert ('tandem_router_aggregated_requests_total{reason="below_threshold"} 1.0'
                 in metrics), metrics
-        assert 'tandem_router_disaggregated_requests_total{backend="grpc"} 1.0' in metrics
+        # the decode worker's --kv-transfer-backend (auto: shared memory on one node)
+        assert 'tandem_router_disaggregated_requests_total{backend="auto"} 1.0' in metrics
         assert 'tandem_router_approximate_routing{model="smol"}' not in metrics
         _openai_client_calls(url)
         proc.send_signal(signal.SIGINT)

@@ -6,9 +6,10 @@ In-process: `FakePrefillServer(port)` runs a grpc.aio server on its own event lo
 daemon thread; set `.behaviour` to an async generator function `(request, context) ->
 chunks`.
 
-As a process (`python -m tests.kvtransfer.fake_prefill PORT`): answers every Prefill with a
-header that passes the receiver's checks and one chunk of page data, prints "stalled" and
-waits, so a test can SIGKILL a prefill server in the middle of a page stream.
+As a process (`python -m tests.kvtransfer.fake_prefill PORT [shm]`): answers every Prefill
+with a header that passes the receiver's checks and one chunk of page data (with `shm`: its
+first layer through the receiver's shared-memory segment), prints "stalled" and waits, so a
+test can SIGKILL a prefill server in the middle of a page stream.
 """
 
 from __future__ import annotations
@@ -111,13 +112,34 @@ async def header_data_then_stall(request: worker_pb2.PrefillRequest,
     await asyncio.Event().wait()
 
 
-async def _main(port: int) -> None:
+async def shm_layer_then_stall(request: worker_pb2.PrefillRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> AsyncIterator[worker_pb2.PageChunk]:
+    """Takes the receiver's shared-memory offer: writes layer 0 into its segment, sends its
+    digest, then stalls (the segment mapped here)."""
+    from tandem.kvtransfer.base import SendJob
+    from tandem.kvtransfer.shm_backend import ShmBackend
+
+    first = header(request)
+    first.header.transport = "shm"
+    yield first
+    n = request.num_blocks
+    job = SendJob(request, LAYOUT, list(range(n)),
+                  lambda layer: torch.zeros(LAYOUT.layer_shape(n)), 1e18)
+    async for chunk in ShmBackend().send(job):
+        yield chunk
+        print("stalled", flush=True)
+        await asyncio.Event().wait()
+
+
+async def _main(port: int, behaviour: str) -> None:
     servicer = FakePrefill()
-    servicer.behaviour = header_data_then_stall
+    servicer.behaviour = (shm_layer_then_stall if behaviour == "shm"
+                          else header_data_then_stall)
     server = await _serve(servicer, port)
     print("serving", flush=True)
     await server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1])))
+    asyncio.run(_main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""))

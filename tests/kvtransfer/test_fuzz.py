@@ -611,11 +611,17 @@ ANY_FIELD = {  # a random value for each PrefillRequest field, in or out of rang
     "block_size": st.sampled_from([0, 1, 8, 32]) | U32,
     "first_block": st.integers(0, 8) | U32,
     "num_blocks": st.integers(0, 8) | U32,
-    "backend": st.sampled_from(["", "GRPC", "nope", "grpc "]) | st.text(max_size=10),
+    "backend": st.sampled_from(["", "GRPC", "nope", "grpc ", "shm", "auto"])
+    | st.text(max_size=10),
     "torch": st.builds(worker_pb2.TorchChannel, store_host=st.text(max_size=20),
                        store_port=U32, group_id=st.text(max_size=20), tag=U64),
     "lease_s": st.floats(width=32),
     "tail_tokens": st.integers(0, 20) | U32,
+    "shm_node": st.text(max_size=60),
+    "shm_segment": st.sampled_from(["tandem-kv-" + "0" * 16 + "-" + "0" * 32, "../etc/passwd",
+                                    "/dev/zero"]) | st.text(max_size=80),
+    "shm_slot_bytes": U64,
+    "shm_slots": st.integers(0, 5) | U32,
 }
 
 
@@ -646,7 +652,8 @@ def is_valid(req: worker_pb2.PrefillRequest) -> bool:
     """The protocol's rules for a request a prefill worker must serve (this worker: 256
     blocks of 16 tokens, the bundled model)."""
     n = len(req.token_ids)
-    return (req.model_id == BUNDLED_NAME and req.block_size == BS and req.backend == "grpc"
+    return (req.model_id == BUNDLED_NAME and req.block_size == BS
+            and req.backend in ("grpc", "shm", "auto")  # shm: by grpc unless on this node
             and 0 < n < MAX_LEN and -(-(n + 1) // BS) * BS <= KV_TOKENS
             and all(t < VOCAB for t in req.token_ids)
             and req.num_blocks >= 1 and req.first_block + req.num_blocks <= n // BS

@@ -38,8 +38,8 @@ def pd(tmp_path_factory):
     common = ("--num-threads", "1", "--num-kv-blocks", "256")
     prefill = start_worker(tmp, "--role", "prefill", "--grpc-port", str(grpc_port), *common,
                            wait_ready=False)
-    decode = start_worker(tmp, "--role", "decode", "--grpc-port", str(free_port()), *common,
-                          wait_ready=False)
+    decode = start_worker(tmp, "--role", "decode", "--grpc-port", str(free_port()),
+                          "--kv-transfer-backend", "grpc", *common, wait_ready=False)
     single = start_worker(tmp, "--role", "both", *common, wait_ready=False)
     torch_decode = start_worker(tmp, "--role", "decode", "--kv-transfer-backend", "torch",
                                 "--kv-transfer-host", "127.0.0.1", *common, wait_ready=False)

@@ -55,12 +55,12 @@ def text(r: httpx.Response) -> str:
 def test_a_long_prompt_is_disaggregated_with_the_same_tokens(pd):
     router, prefill, decode, single = pd
     prompt = ids(31, 300)
-    before = (_metric(router.url, DISAGG, 'backend="grpc"'), _metric(router.url, AGG),
+    before = (_metric(router.url, DISAGG, 'backend="auto"'), _metric(router.url, AGG),
               fetches(decode.url, "ok"))
     r = complete(router.url, prompt)
     assert r.headers["x-tandem-worker"] == decode.url
     assert text(r) == text(complete(single.url, prompt))
-    assert _metric(router.url, DISAGG, 'backend="grpc"') == before[0] + 1
+    assert _metric(router.url, DISAGG, 'backend="auto"') == before[0] + 1
     assert _metric(router.url, AGG) == before[1]
     assert fetches(decode.url, "ok") == before[2] + 1
     assert "prefill on " + prefill.url in router.log()
@@ -138,7 +138,7 @@ def test_a_tenant_request_through_a_keyed_router_is_signed_and_disaggregated(pd,
                              "temperature": 0, "ignore_eos": True, "cache_salt": "mine"})
         assert r.status_code == 200, r.text
         assert text(r) == text(complete(single.url, prompt))
-        assert _metric(router.url, DISAGG, 'backend="grpc"') == 1
+        assert _metric(router.url, DISAGG, 'backend="auto"') == 1
         assert fetches(decode.url, "ok") == before + 1
         assert _metric(decode.url, "tandem_worker_auth_rejected_total") == 0
     finally:

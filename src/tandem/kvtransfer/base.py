@@ -10,6 +10,8 @@ between:
 * `torch` (`torch_backend.py`): torch.distributed point-to-point send/recv of one tensor per
   layer in a pair process group (NCCL between GPUs, gloo on CPU); each layer's
   `PageLayerEnd` still comes on the stream.
+* `shm` (`shm_backend.py`): through a shared-memory segment the receiver creates, when both
+  run on one node; `grpc` otherwise (the header's `transport` says so).
 
 Sender side (prefill worker): `send(job)` yields the stream messages after the header.
 Receiver side (decode worker): `configure(...)` once, then per transfer `prepare(request,
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.kvtransfer.pages import LayerSink, PageLayout
+from tandem.kvtransfer.pages import KVTransferError, LayerSink, PageLayout
 from tandem.protocol import worker_pb2
 
 if TYPE_CHECKING:
@@ -62,9 +64,26 @@ class SendJob:
 class TransferBackend(ABC):
     name: str
 
-    def configure(self, *, device: torch.device, advertise_host: str) -> None:
-        """Receiver: where its KV cache lives and the address its peers reach it at."""
+    def configure(self, *, device: torch.device, advertise_host: str,
+                  layout: PageLayout | None = None) -> None:
+        """Receiver: where its KV cache lives, the address its peers reach it at, and its
+        page layout."""
         return None
+
+    def transport(self, request: worker_pb2.PrefillRequest, layer_bytes: int) -> str:
+        """Sender: the backend that carries this request's pages of `layer_bytes` per layer
+        (named in the header's `transport` when not this one: e.g. `shm` across nodes sends
+        by `grpc`)."""
+        return self.name
+
+    def for_transport(self, transport: str) -> TransferBackend:
+        """Receiver: the backend that receives pages the header says travel by `transport`
+        (the header's, else the request's `backend`, which `prepare` may have changed);
+        raises KVTransferError("invalid") for one it did not offer."""
+        if transport in ("", self.name):
+            return self
+        raise KVTransferError("invalid", f"pages offered by {transport[:32]!r}, asked for "
+                                         f"{self.name}")
 
     async def prepare(self, request: worker_pb2.PrefillRequest, peer: str) -> None:
         """Receiver: fill the backend's fields of `request` before calling Prefill on `peer`

@@ -138,7 +138,8 @@ class RemotePrefill:
         self._channels: dict[str, PeerChannel] = {}
         self._backend: TransferBackend = make_backend(self.settings.backend)
         self._backend.configure(device=self.kv.device,
-                                advertise_host=self.settings.advertise_host)
+                                advertise_host=self.settings.advertise_host,
+                                layout=self.layout)
         self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
         self._releases: set[asyncio.Task] = set()  # unpins of failed imports, in flight
 
@@ -187,7 +188,7 @@ class RemotePrefill:
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=self.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=self.layout.block_size, first_block=first,
-            num_blocks=plan.num, backend=self.settings.backend, lease_s=self.settings.lease_s,
+            num_blocks=plan.num, backend=self._backend.name, lease_s=self.settings.lease_s,
             tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype,
             lora_name=lora_name or "", lora_digest=digest or "")
         writer: _PageWriter | None = None
@@ -219,8 +220,9 @@ class RemotePrefill:
                         await writer.pin(self.kv, hashes)
                         if not writer.pins.pinned:
                             raise NoRoomForImport(request_id, offer.num_blocks)
-                        await self._backend.receive(req, self.layout, offer.num_blocks, it,
-                                                    writer.write)
+                        backend = self._backend.for_transport(header.transport or req.backend)
+                        await backend.receive(req, self.layout, offer.num_blocks, it,
+                                              writer.write)
                     finally:
                         call.cancel()  # a no-op once complete; frees the stream otherwise
                 finally:

@@ -136,6 +136,7 @@ def serialize_chunk(message: worker_pb2.PageChunk | bytes) -> bytes:
 @register_backend
 class GrpcBackend(TransferBackend):
     name = "grpc"
+    chunk = SEND_CHUNK  # sender: payload bytes per data message (at most MAX_DATA_CHUNK)
 
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk | bytes]:
         """Layer by layer, each closed by its digest; the next layer is gathered, hashed and
@@ -150,9 +151,9 @@ class GrpcBackend(TransferBackend):
             if pieces is None:
                 with job.device_context():
                     data = tensor_bytes(job.gather(layer).cpu())
-                pieces = [data[off:off + SEND_CHUNK] for off in range(0, len(data), SEND_CHUNK)]
+                pieces = [data[off:off + self.chunk] for off in range(0, len(data), self.chunk)]
             checksum = PageChecksum()
-            return encode_pages(layer, pieces, SEND_CHUNK, checksum), checksum.digest()
+            return encode_pages(layer, pieces, self.chunk, checksum), checksum.digest()
 
         async def ready_then_prepare(layer: int) -> tuple[list[bytes], int]:
             if job.layers is not None:

@@ -248,13 +248,19 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             hashes = hash_block_chain(tokens[: (first + num) * block_size], block_size,
                                       keys)[first:]
             block_ids = table[first:first + sent_blocks]
-            yield worker_pb2.PageChunk(header=header_for(layout, first, hashes, lease.lease_id,
-                                                         first_token, tail))
+            header = header_for(layout, first, hashes, lease.lease_id, first_token, tail)
+            # a grpc request offering a shared-memory segment: taken when on this node
+            offered = "shm" if request.shm_segment and request.backend == "grpc" else None
+            transport = self.backend(offered or request.backend).transport(
+                request, sent_blocks * layout.block_layer_bytes)
+            if transport != request.backend:
+                header.transport = transport
+            yield worker_pb2.PageChunk(header=header)
             source = (await kv.page_source(kept, first, sent_blocks) if kept is not None
                       else await kv.saved_page_source(rid, block_ids))  # every KV head
             job = SendJob(request, layout, block_ids, source.layer, loop.time() + lease_s,
                           source.views, stream)
-            async for chunk in self.backend(request.backend).send(job):
+            async for chunk in self.backend(transport).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks
                     await run
@@ -266,7 +272,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             sent = True
             logger.info("[%s] sent %d blocks%s x %d layers (%s%s), lease %.0f s", rid, num,
                         f" + a {tail}-token tail" if tail else "", layout.num_layers,
-                        request.backend, ", layer by layer" if stream is not None else "",
+                        transport, ", layer by layer" if stream is not None else "",
                         lease_s)
         except _Refused as exc:
             await context.abort(exc.code, exc.message)

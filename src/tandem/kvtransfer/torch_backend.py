@@ -155,7 +155,8 @@ class TorchBackend(TransferBackend):
         self._tags = itertools.count(1)
         self._sweeper: asyncio.Task | None = None
 
-    def configure(self, *, device: torch.device, advertise_host: str) -> None:
+    def configure(self, *, device: torch.device, advertise_host: str,
+                  layout: PageLayout | None = None) -> None:
         self.device, self.advertise_host = torch.device(device), advertise_host
 
     async def _run(self, fn: Any, *args: Any) -> Any:

@@ -91,7 +91,7 @@ GROUPED_QUANTIZATIONS = ("int4", "int8")  # the quantizations with a group size
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")  # engine/parallel/executor.py
 ROLES = ("both", "prefill", "decode")
-KV_TRANSFER_BACKENDS = ("grpc", "torch")
+KV_TRANSFER_BACKENDS = ("grpc", "torch", "shm", "auto")
 KV_TRANSFER_POLICIES = ("recompute", "fail")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")  # engine/structured's built-in ones
 # serving/tool_parsers' and serving/reasoning's registries (vLLM's names)

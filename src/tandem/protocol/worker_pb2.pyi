@@ -156,7 +156,7 @@ class TorchChannel(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest", "cached_only")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest", "cached_only", "shm_node", "shm_segment", "shm_slot_bytes", "shm_slots")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,10 @@ class PrefillRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CACHED_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SHM_NODE_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -187,10 +191,14 @@ class PrefillRequest(_message.Message):
     lora_name: str
     lora_digest: str
     cached_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., cached_only: _Optional[bool] = ...) -> None: ...
+    shm_node: str
+    shm_segment: str
+    shm_slot_bytes: int
+    shm_slots: int
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., cached_only: _Optional[bool] = ..., shm_node: _Optional[str] = ..., shm_segment: _Optional[str] = ..., shm_slot_bytes: _Optional[int] = ..., shm_slots: _Optional[int] = ...) -> None: ...
 
 class PageHeader(_message.Message):
-    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype", "kv_page_format")
+    __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype", "kv_page_format", "transport")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +213,7 @@ class PageHeader(_message.Message):
     TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_layers: int
     num_kv_heads: int
@@ -219,7 +228,8 @@ class PageHeader(_message.Message):
     tail_tokens: int
     kv_cache_dtype: str
     kv_page_format: int
-    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_format: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., block_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layer_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., first_token: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_format: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PageData(_message.Message):
     __slots__ = ("layer", "offset", "data")

@@ -312,8 +312,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
     p.add_argument(flags.DRAIN_TIMEOUT, type=non_negative_seconds, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM")
-    p.add_argument(flags.KV_TRANSFER_BACKEND, default="grpc", choices=flags.KV_TRANSFER_BACKENDS,
-                   help="decode side of P/D: how pages come from prefill workers")
+    p.add_argument(flags.KV_TRANSFER_BACKEND, default="auto", choices=flags.KV_TRANSFER_BACKENDS,
+                   help="decode side of P/D: how pages come from prefill workers (auto, shm: "
+                        "shared memory from a prefill worker on this node, else grpc)")
     p.add_argument(flags.KV_TRANSFER_HOST, default="127.0.0.1",
                    help="torch backend: the address prefill workers reach this decode "
                         "worker's torch.distributed store at")

@@ -1,0 +1,342 @@
+"""`shm` backend: page bytes through a shared-memory segment between workers on one node.
+
+The receiver (decode worker) asks for `grpc` and offers a segment of two layer slots
+(`shm_segments`), created in `prepare` and named, with its node identity, in the request
+(`shm_*` fields). A sender on the same node (same identity, segment opened) answers with the
+header's `transport` "shm"; any other sender (another node, another /dev/shm, a version
+without shm) sends by grpc, so no request fails for the offer: `auto` is safe as a default
+wherever workers may or may not share a node (as NIXL/UCX pick shared memory by themselves
+on one node).
+
+Per layer L the sender waits until the receiver is done with slot L % 2's previous layer
+(the control page's `consumed` counter), copies the layer's pages into that slot (from the
+cache's page views or its gathered copy), hashes them and sends the layer's `PageLayerEnd`
+(XXH3-64) on the Prefill stream; the trailer follows the last layer, as with `grpc`. The
+receiver, on each `PageLayerEnd`, checks the order and the slot's digest before the sink
+sees the bytes (which it reads from the slot into the engine's pinned blocks), and bumps
+`consumed` once the sink is done. So the receiver never holds more than two layers, the
+bytes cross memory once on each side, and a layer's validation is exactly the `grpc`
+backend's. Any `PageData` on a `shm` stream is refused.
+
+Lifetime: the receiver unlinks the segment as soon as the first layer arrives (the sender
+has it mapped by then) and in `release`, which always runs (success, failure, timeout,
+cancellation); the sender unmaps when its stream ends (its lease's end bounds it). A killed
+receiver's segment goes at the next sweep on the node (`shm_segments.sweep`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+import torch
+
+from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, register_backend
+from tandem.kvtransfer.grpc_backend import GrpcBackend
+from tandem.kvtransfer.pages import (
+    KVTransferError,
+    LayerSink,
+    PageChecksum,
+    PageLayout,
+    transfer_digest,
+)
+from tandem.kvtransfer.shm_segments import (
+    Instance,
+    Segment,
+    node_identity,
+    open_segment,
+    path_of,
+    unlink,
+)
+from tandem.protocol import worker_pb2
+
+logger = logging.getLogger(__name__)
+SLOTS = 2
+IDLE_PER_PEER = 2  # receiver: segments kept per prefill worker between transfers
+IDLE_S = 30.0  # ... for at most this long
+MAPPED = 8  # sender: receivers' segments kept mapped
+GRPC_PEER_S = 300.0  # receiver: how long a peer that answered by grpc is asked for grpc
+HASH_IN_THREAD = 16 << 20  # hash larger layers off the event loop (~0.5 ms and more)
+
+
+def _digest(view: memoryview) -> int:
+    return PageChecksum().update(view).digest()
+
+
+def _copy_in(slot: memoryview, pieces: list[memoryview] | None, pages: torch.Tensor | None
+             ) -> int:
+    """Write a layer's bytes into `slot`; their XXH3-64."""
+    if pieces is None:
+        assert pages is not None
+        src = pages.contiguous().view(torch.uint8).reshape(-1)
+        torch.frombuffer(slot, dtype=torch.uint8).copy_(src)
+    else:
+        off = 0
+        for p in pieces:
+            slot[off:off + len(p)] = p
+            off += len(p)
+    return _digest(slot)
+
+
+@register_backend
+class ShmBackend(TransferBackend):
+    name = "shm"
+
+    def __init__(self) -> None:
+        self.node = node_identity()
+        self.layout: PageLayout | None = None
+        self._instance: Instance | None = None
+        self._segments: dict[str, Segment] = {}  # leased: request's segment name -> it
+        self._clean: set[str] = set()  # leased segments whose transfer succeeded
+        self._idle: dict[str, list[Segment]] = {}  # peer -> segments kept for its next ones
+        self._maps: OrderedDict[str, Segment] = OrderedDict()  # sender: mapped segments
+        self._grpc = GrpcBackend()
+        self._grpc_peers: dict[str, float] = {}  # peer -> when it last answered by grpc
+
+    # -- receiver --------------------------------------------------------------------------
+    def configure(self, *, device: torch.device, advertise_host: str,
+                  layout: PageLayout | None = None) -> None:
+        self.layout = layout
+        self._instance = Instance()
+        self._instance.maybe_sweep()  # what killed receivers on this node left behind
+
+    async def prepare(self, request: worker_pb2.PrefillRequest, peer: str) -> None:
+        """Ask for `grpc`, offering a segment (two slots of the requested layer size) named
+        in `request`'s `shm_*` fields: a sender on this node answers with the header's
+        `transport` "shm"; one elsewhere (or one that knows no shm) sends by grpc. No
+        segment without a layout or a node identity, or for a peer that answered by grpc in
+        the last `GRPC_PEER_S`."""
+        request.backend = "grpc"  # what a sender that knows no shm sends by
+        grpc_since = self._grpc_peers.get(peer)
+        if (self.layout is None or not self.node
+                or (grpc_since is not None and time.monotonic() - grpc_since < GRPC_PEER_S)):
+            return  # no segment for a peer known to be on another node
+        if self._instance is None:
+            self._instance = Instance()
+        self._instance.maybe_sweep()
+        blocks = request.num_blocks + (1 if request.tail_tokens else 0)
+        need = blocks * self.layout.block_layer_bytes
+        seg = self._reuse(peer, need)
+        if seg is None:
+            try:
+                seg = self._instance.create(min(SLOTS, self.layout.num_layers), need)
+            except OSError as exc:  # shared memory full or missing: no offer
+                logger.warning("[%s] no shared-memory segment of 2 x %d bytes (%s); asking "
+                               "for grpc", request.request_id[:64], need, exc)
+                return
+            seg.peer = peer
+        seg.consumed = 0
+        self._segments[seg.name] = seg
+        request.shm_node, request.shm_segment = self.node, seg.name
+        request.shm_slots, request.shm_slot_bytes = seg.slots, seg.slot_bytes
+
+    def _reuse(self, peer: str, need: int) -> Segment | None:
+        """An idle segment kept for `peer` that fits `need` bytes per slot without holding
+        more than four times that; drops the idle ones past `IDLE_S`."""
+        now = time.monotonic()
+        for key in list(self._idle):
+            keep = []
+            for seg in self._idle[key]:
+                if now - seg.idle_since > IDLE_S:
+                    self._discard(seg)
+                else:
+                    keep.append(seg)
+            self._idle[key] = keep
+        pool = self._idle.get(peer, [])
+        for i, seg in enumerate(pool):
+            if need <= seg.slot_bytes <= 4 * need + (1 << 16):
+                return pool.pop(i)
+        return None
+
+    def _discard(self, seg: Segment) -> None:
+        unlink(seg.name)
+        seg.close()
+
+    def for_transport(self, transport: str) -> TransferBackend:
+        if transport == "grpc":  # the request's backend: the sender did not take the offer
+            return _Fallback(self)
+        return super().for_transport(transport)
+
+    async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
+                      sink: LayerSink) -> None:
+        seg = self._segments.get(request.shm_segment)
+        size = num_blocks * layout.block_layer_bytes
+        if seg is None or size > seg.slot_bytes:
+            raise KVTransferError("invalid", "no shared-memory segment fits this transfer")
+        shape = layout.layer_shape(num_blocks)
+        calls: list[asyncio.Future] = []
+        done: list[bool] = []
+        digests: list[int] = []
+
+        def finished(layer: int) -> None:
+            done[layer] = True  # failed too: the sender goes on, the failure is raised here
+            n = seg.consumed
+            while n < len(done) and done[n]:
+                n += 1
+            seg.consumed = n
+
+        try:
+            async for chunk in stream:
+                for call in calls:  # a failed sink call ends the transfer
+                    if call.done() and not call.cancelled() and call.exception() is not None:
+                        raise call.exception()  # type: ignore[misc]
+                kind = chunk.WhichOneof("kind") if isinstance(chunk, worker_pb2.PageChunk) \
+                    else None
+                if kind == "trailer":
+                    if len(digests) != layout.num_layers:
+                        raise KVTransferError("invalid", f"trailer after {len(digests)} of "
+                                                         f"{layout.num_layers} layers")
+                    if chunk.trailer.xxh3_64 != transfer_digest(digests):
+                        raise KVTransferError("invalid", "page checksum mismatch")
+                    await asyncio.gather(*calls)
+                    self._clean.add(seg.name)
+                    return
+                if kind != "layer_end":
+                    raise KVTransferError("invalid", f"unexpected {kind or 'data'} message on "
+                                                     "a shared-memory page stream")
+                layer = len(digests)
+                end = chunk.layer_end
+                if end.layer != layer or layer >= layout.num_layers:
+                    raise KVTransferError("invalid", f"layer {end.layer} ended; expected "
+                                                     f"layer {layer}")
+                if seg.consumed + seg.slots <= layer:  # it wrote a slot still in use
+                    raise KVTransferError("invalid", f"layer {layer} overwrote a slot "
+                                                     "still in use")
+                view = seg.slot(layer % seg.slots, size)
+                got = (await asyncio.to_thread(_digest, view) if size > HASH_IN_THREAD
+                       else _digest(view))
+                if end.xxh3_64 != got:
+                    raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+                digests.append(got)
+                done.append(False)
+                pages = torch.frombuffer(view, dtype=torch.uint8).view(layout.dtype).view(shape)
+                call = asyncio.ensure_future(sink(layer, pages))
+                call.add_done_callback(lambda f, n=layer: finished(n))
+                calls.append(call)
+        finally:
+            for call in calls:
+                abandon(call)
+        raise KVTransferError("incomplete", "the page stream ended before its trailer")
+
+    async def release(self, request: worker_pb2.PrefillRequest) -> None:
+        """After a clean transfer the segment is kept for the same peer's next one (at most
+        `IDLE_PER_PEER`, for `IDLE_S`); after any failure it is unlinked at once."""
+        seg = self._segments.pop(request.shm_segment, None)
+        if seg is None:
+            return
+        if request.shm_segment not in self._clean:
+            self._discard(seg)
+            return
+        self._clean.discard(seg.name)
+        pool = self._idle.setdefault(seg.peer, [])
+        seg.idle_since = time.monotonic()
+        pool.append(seg)
+        while len(pool) > IDLE_PER_PEER:
+            self._discard(pool.pop(0))
+
+    async def close(self) -> None:
+        for seg in [*self._segments.values(), *(s for p in self._idle.values() for s in p)]:
+            self._discard(seg)  # this receiver's own
+        for seg in self._maps.values():
+            seg.close()  # the receivers'
+        self._segments.clear()
+        self._idle.clear()
+        self._maps.clear()
+        if self._instance is not None:
+            self._instance.close()
+        await self._grpc.close()
+
+    # -- sender ----------------------------------------------------------------------------
+    def transport(self, request: worker_pb2.PrefillRequest, layer_bytes: int) -> str:
+        """`shm` when the receiver shares this node's shared memory and its segment fits
+        `layer_bytes`, else `grpc`."""
+        if not request.shm_node or request.shm_node != self.node:
+            return "grpc"
+        if request.shm_slot_bytes < layer_bytes:
+            return "grpc"
+        try:
+            self._mapped(request)
+        except (OSError, ValueError) as exc:
+            logger.warning("[%s] shared-memory segment unusable (%s); sending by grpc",
+                           request.request_id[:64], exc)
+            return "grpc"
+        return "shm"
+
+    async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
+        """Each layer into its slot once the receiver is done with the slot, then its
+        digest; the trailer last. Stops at the lease's end (`job.deadline`)."""
+        req = job.request
+        loop = asyncio.get_running_loop()
+        seg = self._mapped(req)
+        size = len(job.block_ids) * job.layout.block_layer_bytes
+        digests: list[int] = []
+
+        def fill(layer: int) -> int:
+            pieces = job.views(layer) if job.views is not None else None
+            pages = None
+            if pieces is None:
+                with job.device_context():
+                    pages = job.gather(layer)
+            return _copy_in(seg.slot(layer % seg.slots, size), pieces, pages)
+
+        for layer in range(job.layout.num_layers):
+            if job.layers is not None:
+                await job.layers.wait(layer)
+            delay = 0.0
+            while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
+                if loop.time() > job.deadline:
+                    raise KVTransferError("expired", "the lease ended before the pages "
+                                                     "were sent")
+                await asyncio.sleep(delay)
+                delay = min(5e-4, delay * 2 or 5e-5)
+            digests.append(await asyncio.to_thread(fill, layer))
+            yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+                layer=layer, xxh3_64=digests[-1]))
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
+            xxh3_64=transfer_digest(digests)))
+
+    def _mapped(self, request: worker_pb2.PrefillRequest) -> Segment:
+        """Sender: the request's segment, mapped (kept for the receiver's next transfers
+        through it; mappings of segments unlinked since are dropped here, and at most
+        `MAPPED` stay)."""
+        for name in [n for n in self._maps if not os.path.exists(path_of(n))]:
+            self._maps.pop(name).close()
+        seg = self._maps.get(request.shm_segment)
+        if seg is not None and (seg.slots, seg.slot_bytes) == (request.shm_slots,
+                                                               request.shm_slot_bytes):
+            self._maps.move_to_end(seg.name)
+            return seg
+        seg = open_segment(request.shm_segment, request.shm_slots, request.shm_slot_bytes)
+        self._maps[seg.name] = seg
+        while len(self._maps) > MAPPED:
+            self._maps.popitem(last=False)[1].close()
+        return seg
+
+
+class _Fallback(TransferBackend):
+    """Receives a `shm` request's pages sent by grpc, and remembers the peer as one on
+    another node for `GRPC_PEER_S` (its next requests ask for grpc, with no segment)."""
+
+    name = "grpc"
+
+    def __init__(self, shm: ShmBackend) -> None:
+        self.shm = shm
+
+    def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
+        raise NotImplementedError
+
+    async def receive(self, request: worker_pb2.PrefillRequest, layout: PageLayout,
+                      num_blocks: int, stream: AsyncIterator[worker_pb2.PageChunk],
+                      sink: LayerSink) -> None:
+        seg = self.shm._segments.get(request.shm_segment)
+        if seg is not None:
+            self.shm._grpc_peers[seg.peer] = time.monotonic()
+        await self.shm._grpc.receive(request, layout, num_blocks, stream, sink)
+
+
+BACKENDS["auto"] = ShmBackend  # the flag's default: shared memory on one node, else grpc

@@ -1,0 +1,449 @@
+"""The `shm` backend's page path: exact pages through a real shared-memory segment (read in
+place or gathered, any sink speed), at most two layers mapped on the receiver, a damaged slot
+rejected before the sink sees it, the grpc fallback across nodes, and no segment left behind
+by a failed transfer or a killed receiver (after the node's sweep)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem import SamplingParams
+from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
+from tandem.engine.llm_engine import LLMEngine
+from tandem.kvtransfer import shm_segments
+from tandem.kvtransfer.base import SendJob
+from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings, prefill_method
+from tandem.kvtransfer.grpc_backend import decode_chunk, serialize_chunk
+from tandem.kvtransfer.pages import KVTransferError, PageLayout, layer_page_views
+from tandem.kvtransfer.shm_backend import IDLE_PER_PEER, ShmBackend
+from tandem.kvtransfer.shm_segments import (
+    CONTROL_BYTES,
+    PREFIX,
+    SHM_DIR,
+    Instance,
+    node_identity,
+    sweep,
+)
+from tandem.protocol import worker_pb2
+from tests.engine.utils import make_tiny_model_dir
+from tests.kvtransfer.fake_prefill import LAYOUT as FAKE_LAYOUT
+from tests.serving.helpers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+KVH, BS, HD, LAYERS, BLOCKS = 2, 4, 8, 5, 16
+
+
+def caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BLOCKS, KVH, BS, HD, generator=g),
+             torch.randn(BLOCKS, KVH, BS, HD, generator=g)) for _ in range(LAYERS)]
+
+
+def segments() -> set[str]:
+    """The KV segments and instance locks in shared memory."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+
+
+def data_segments() -> set[str]:
+    return {n for n in segments() if not n.endswith(".lock")}
+
+
+async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[int],
+                   sink, *, in_place: bool = True, damage=None) -> str:
+    """One transfer of `src_ids` through `prepare` -> sender `transport`/`send` -> receiver
+    `for_transport`/`receive` -> `release`; the transport used. `damage(segment)` runs on
+    the sender's side after each layer is written."""
+    layout = receiver.layout
+    n = len(src_ids)
+    req = worker_pb2.PrefillRequest(request_id="t", num_blocks=n, backend="shm")
+    await receiver.prepare(req, "peer")
+    assert req.backend == "grpc"  # what a sender without shm sends by
+    try:  # as the service decides
+        offered = "shm" if req.shm_segment else req.backend
+        transport = sender.backend(offered).transport(req, n * layout.block_layer_bytes)
+        header_transport = transport if transport != req.backend else ""
+        job = SendJob(req, layout, src_ids, lambda layer: gather_layer(src, layer, src_ids),
+                      1e18, (lambda layer: layer_page_views(src, layer, src_ids))
+                      if in_place else None)
+
+        async def stream():
+            async for msg in sender.backend(transport).send(job):
+                if (damage is not None and isinstance(msg, worker_pb2.PageChunk)
+                        and msg.WhichOneof("kind") == "layer_end"):
+                    damage(req)
+                yield decode_chunk(serialize_chunk(msg))  # as off the wire
+
+        await receiver.for_transport(header_transport or req.backend).receive(
+            req, layout, n, stream(), sink)
+    finally:
+        await receiver.release(req)
+    return transport
+
+
+class Sender(ShmBackend):
+    """A sender with the grpc fallback at hand (as the service's backend table is)."""
+
+    def backend(self, name: str):
+        return self if name == "shm" else self._grpc
+
+
+def backends(seed: int) -> tuple[ShmBackend, Sender, list]:
+    src = caches(seed)
+    layout = PageLayout.of("m", src)
+    receiver = ShmBackend()
+    receiver.configure(device=torch.device("cpu"), advertise_host="", layout=layout)
+    return receiver, Sender(), src
+
+
+def test_pages_arrive_exactly_whatever_the_sink_speed():
+    """Seeded random block sets, read in place or gathered, with a sink that is fast or slow
+    (a slow one makes the sender wait for its slot): every page lands as it was sent, and
+    the receiver's segment is two slots of one layer each."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        receiver, sender, src = backends(seed)
+        n = rng.randint(1, 6)
+        src_ids, dst_ids = rng.sample(range(BLOCKS), n), rng.sample(range(BLOCKS), n)
+        dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+        slow = seed % 2 == 1
+
+        async def sink(layer, pages, dst=dst, ids=dst_ids, slow=slow):
+            if slow:
+                await asyncio.sleep(0.01)
+            scatter_layer(dst, layer, ids, pages.clone() if slow else pages)
+
+        async def main(receiver=receiver, sender=sender, src=src, src_ids=src_ids,
+                       sink=sink, seed=seed, n=n) -> str:
+            before = data_segments()
+            sizes_seen: list[int] = []
+            orig = receiver._instance.create
+
+            def create(slots, slot_bytes):
+                seg = orig(slots, slot_bytes)
+                sizes_seen.append(os.path.getsize(os.path.join(SHM_DIR, seg.name)))
+                return seg
+
+            receiver._instance.create = create
+            used = await transfer(receiver, sender, src, src_ids, sink,
+                                  in_place=seed % 3 != 0)
+            layer_bytes = n * receiver.layout.block_layer_bytes
+            assert sizes_seen == [CONTROL_BYTES + 2 * (-(-layer_bytes // 4096) * 4096)]
+            kept = data_segments() - before
+            assert len(kept) == 1  # kept for this peer's next transfer: reused
+            assert await transfer(receiver, sender, src, src_ids, sink) == "shm"
+            assert data_segments() - before == kept and len(sizes_seen) == 1
+            await receiver.close()
+            await sender.close()
+            assert data_segments() == before
+            return used
+
+        assert asyncio.run(main()) == "shm"
+        for layer in range(LAYERS):
+            for kv in range(2):
+                assert torch.equal(dst[layer][kv][dst_ids], src[layer][kv][src_ids]), seed
+                others = [b for b in range(BLOCKS) if b not in dst_ids]
+                assert not dst[layer][kv][others].any()
+
+
+def test_a_damaged_slot_is_refused_before_the_sink_sees_it():
+    """A byte flipped in the slot after the sender hashed it: the layer is refused
+    (`invalid`), no sink call gets it, and the segment is gone afterwards."""
+    receiver, sender, src = backends(1)
+    seen: list[int] = []
+
+    async def sink(layer, pages):
+        seen.append(layer)
+
+    def damage(req, at=[0]):  # noqa: B006 - flips layer 2's first byte only
+        at[0] += 1
+        if at[0] == 3:
+            seg = receiver._segments[req.shm_segment]
+            view = seg.slot(2 % seg.slots, 1)
+            view[0] ^= 0xFF
+
+    async def main() -> None:
+        before = data_segments()
+        with pytest.raises(KVTransferError, match="page checksum mismatch in layer 2") as err:
+            await transfer(receiver, sender, src, [3, 1, 4], sink, damage=damage)
+        assert err.value.reason == "invalid"
+        assert seen == [0, 1] and data_segments() == before
+        await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_receiver_on_another_node_gets_grpc():
+    """Node identities that differ, or a segment the sender cannot open: the pages travel by
+    grpc (the header's transport) and arrive exactly; nothing is left in shared memory."""
+    receiver, sender, src = backends(2)
+    got: dict[int, torch.Tensor] = {}
+
+    async def sink(layer, pages):
+        got[layer] = pages.clone()
+
+    async def main() -> list[str]:
+        before = data_segments()
+        used = []
+        receiver.node = "another-boot-id/1"
+        used.append(await transfer(receiver, sender, src, [5, 2], sink))
+        assert data_segments() == before
+        # that peer is known to be elsewhere now: asked for grpc, with no segment
+        req = worker_pb2.PrefillRequest(num_blocks=2, backend="shm")
+        await receiver.prepare(req, "peer")
+        assert req.backend == "grpc" and not req.shm_segment
+        receiver._grpc_peers.clear()
+        receiver.node = node_identity()
+        orig = receiver.prepare
+
+        async def unopenable(req, peer):
+            await orig(req, peer)
+            req.shm_slots = 3  # not the segment's size: the sender cannot use it
+        receiver.prepare = unopenable
+        used.append(await transfer(receiver, sender, src, [5, 2], sink))
+        assert data_segments() == before
+        await receiver.close()
+        return used
+
+    assert asyncio.run(main()) == ["grpc", "grpc"]
+    for layer in range(LAYERS):
+        assert torch.equal(got[layer], gather_layer(src, layer, [5, 2]))
+
+
+def test_no_room_in_shared_memory_asks_for_grpc(monkeypatch):
+    """Shared memory that cannot hold the segment (a container's small /dev/shm): the
+    request asks for grpc with no offer, and no file is left."""
+    receiver, _, _ = backends(5)
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+
+    async def main() -> None:
+        before = data_segments()
+        req = worker_pb2.PrefillRequest(request_id="full", num_blocks=2, backend="shm")
+        await receiver.prepare(req, "peer")
+        assert req.backend == "grpc" and not req.shm_segment
+        assert data_segments() == before
+        await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_header_naming_a_transport_not_offered_is_invalid():
+    receiver, _, _ = backends(3)
+    assert receiver.for_transport("shm") is receiver
+    with pytest.raises(KVTransferError, match="pages offered by 'torch', asked for shm"):
+        receiver.for_transport("torch")
+
+
+def test_a_stream_that_fails_midway_leaves_no_segment():
+    """The sender's stream breaks after one layer (a killed prefill worker), or the sink
+    fails writing a layer: the receive fails at once and `release` unlinks the segment."""
+    receiver, sender, src = backends(4)
+
+    async def sink(layer, pages):
+        pass
+
+    def die(req, at=[0]):  # noqa: B006
+        at[0] += 1
+        if at[0] == 2:
+            raise ConnectionResetError("the prefill worker is gone")
+
+    async def failing(layer, pages):
+        if layer == 1:
+            raise OSError("the cache write failed")
+
+    async def main() -> None:
+        before = data_segments()
+        with pytest.raises(ConnectionResetError):
+            await transfer(receiver, sender, src, [0, 1, 2], sink, damage=die)
+        assert data_segments() == before
+        # a sink that fails: the transfer ends with its error, not at the fetch's timeout
+        async with asyncio.timeout(10):
+            with pytest.raises(OSError, match="the cache write failed"):
+                await transfer(receiver, sender, src, [0, 1, 2], failing)
+        assert data_segments() == before
+        await receiver.close()
+
+    asyncio.run(main())
+
+
+KILLED_RECEIVER = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("segments", sys.argv[1])  # stdlib only: fast
+segments = sys.modules["segments"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(segments)
+inst = segments.Instance()
+seg = inst.create(2, 1 << 16)
+print(inst.id, seg.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_receivers_segment_is_swept():
+    """kill -9 of a receiver holding a segment: the segment stays until the node's next
+    sweep, which removes it and the instance's lock; a live instance's are kept."""
+    live = Instance()
+    kept = live.create(1, 4096)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RECEIVER, shm_segments.__file__],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        inst, name = proc.stdout.readline().split()
+        assert name in segments() and f"{PREFIX}{inst}.lock" in segments()
+        assert name not in sweep()  # alive: its lock is held
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert name in segments()
+        assert sweep(keep=live.id) == [name]
+        assert not {n for n in segments() if inst in n}
+        assert kept.name in segments()
+    finally:
+        proc.kill()
+        proc.wait()
+        os.unlink(os.path.join(SHM_DIR, kept.name))
+        kept.close()
+        live.close()
+
+
+# -- between two processes -----------------------------------------------------------------------
+
+MODEL, EBS = "tiny-shm", 4
+LENGTHS = (EBS + 1, 9, 23, 49)  # 1 to 12 full blocks, with or without a partial one
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A prefill process (plain and layer-streaming services) and, here, a decode engine and
+    an aggregated one of the same tiny model."""
+    path = tmp_path_factory.mktemp("shm-pd")
+    make_tiny_model_dir(path, "llama", seed=11)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvtransfer.shm_prefill_process",
+                             str(path), MODEL, str(EBS)], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    engines = []
+    try:
+        for _ in range(2):
+            engines.append(AsyncLLMEngine(LLMEngine(EngineConfig(
+                model=str(path), block_size=EBS, num_kv_blocks=128, num_threads=1,
+                served_model_name=MODEL))))
+        ready, *ports = proc.stdout.readline().split()
+        assert ready == "READY"
+        yield [f"127.0.0.1:{p}" for p in ports], engines[0], engines[1]
+    finally:
+        proc.kill()
+        proc.wait()
+        for e in engines:
+            e.shutdown()
+
+
+async def greedy(engine: AsyncLLMEngine, prompt: list[int], rid: str) -> list[int]:
+    _, q = await engine.add(prompt, GREEDY, rid)
+    while not (out := await q.get()).finished:
+        pass
+    assert out.outputs[0].finish_reason == "length", out.error
+    return out.outputs[0].token_ids
+
+
+def test_disaggregated_tokens_over_shared_memory_equal_aggregated(pair):
+    """Prompts of 1..12 blocks (and a partial one) prefilled in the other process, their
+    pages through shared memory (with and without layer streaming), decoded here: the
+    aggregated engine's greedy tokens, every page imported by `shm`, none by grpc, and no
+    segment left once it closes; the same decode worker made to look like another node gets
+    them by grpc."""
+    targets, decode, single = pair
+    rng = random.Random(5)
+
+    async def main() -> None:
+        before = data_segments()
+        remote = RemotePrefill(decode, MODEL, RemotePrefillSettings(backend="auto"))
+        used = {"shm": 0, "grpc": 0}
+        shm, grpc_ = remote._backend, remote._backend._grpc
+        for name, backend in (("shm", shm), ("grpc", grpc_)):
+            def counted(*a, name=name, orig=backend.receive, **kw):
+                used[name] += 1
+                return orig(*a, **kw)
+            backend.receive = counted
+        try:
+            for node in (shm.node, "another-node/1"):
+                shm.node = node
+                for t, target in enumerate(targets):
+                    for i, n in enumerate(LENGTHS):
+                        prompt = [rng.randrange(100, 40000) for _ in range(n)]  # fresh
+                        rid = f"{node[:7]}-{i}-{t}"
+                        want = await greedy(single, prompt, f"ref-{rid}")
+                        imported = await remote.fetch(target, rid, prompt)
+                        assert imported is not None and imported.bytes > 0
+                        try:
+                            assert await greedy(decode, prompt, rid) == want, (node, i, t)
+                        finally:
+                            await remote.unpin(imported)
+                assert len(data_segments() - before) <= 2 * IDLE_PER_PEER  # kept per peer
+                assert used == {"shm": 2 * len(LENGTHS),
+                                "grpc": 0 if node != "another-node/1" else 2 * len(LENGTHS)}
+        finally:
+            await remote.close()
+        assert data_segments() == before
+
+    asyncio.run(main())
+
+
+def test_a_sender_killed_mid_transfer_leaves_no_segment():
+    """A prefill process that took the offer, wrote layer 0 and stalls is killed -9: the
+    receive fails at once, `release` unlinks the segment, and with the sender's mapping gone
+    with its process nothing of the transfer is left in shared memory."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.kvtransfer.fake_prefill", str(port),
+                             "shm"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    receiver = ShmBackend()
+    receiver.configure(device=torch.device("cpu"), advertise_host="", layout=FAKE_LAYOUT)
+    bs = FAKE_LAYOUT.block_size
+
+    async def main() -> None:
+        before = data_segments()
+        req = worker_pb2.PrefillRequest(request_id="killed", model_id=FAKE_LAYOUT.model_id,
+                                        token_ids=list(range(100, 100 + 3 * bs + 1)),
+                                        block_size=bs, num_blocks=3, backend="shm")
+        await receiver.prepare(req, f"127.0.0.1:{port}")
+        assert data_segments() - before == {req.shm_segment}
+        seen: list[int] = []
+
+        async def sink(layer, pages):
+            seen.append(layer)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            it = prefill_method(channel)(req, timeout=60).__aiter__()
+            header = (await it.__anext__()).header
+            backend = receiver.for_transport(header.transport or req.backend)
+            assert backend is receiver
+            receiving = asyncio.ensure_future(backend.receive(req, FAKE_LAYOUT, 3, it, sink))
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line.strip() == "stalled"
+            proc.send_signal(signal.SIGKILL)
+            async with asyncio.timeout(30):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await receiving
+            await receiver.release(req)
+        assert seen == [0] and data_segments() == before
+        await receiver.close()
+
+    try:
+        assert proc.stdout.readline().strip() == "serving"
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()
