@@ -9,6 +9,7 @@ and no block left pinned on either side."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 
@@ -83,9 +84,10 @@ class Peers:
     """The holder's KVTransfer on a local port; the receiver's request path
     (`serving.pd.PrefillImports`, which hands peer headers to `PeerPulls`)."""
 
-    def __init__(self, engines: dict, timeout_s: float = 30.0) -> None:
+    def __init__(self, engines: dict, timeout_s: float = 30.0, backend: str = "grpc") -> None:
         self.holder, self.receiver = engines["holder"], engines["receiver"]
         self.timeout_s = timeout_s
+        self.backend = backend
 
     async def __aenter__(self) -> Peers:
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
@@ -94,7 +96,7 @@ class Peers:
         add_kv_transfer_service(self.server, self.service)
         self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
-        settings = RemotePrefillSettings(timeout_s=self.timeout_s)
+        settings = RemotePrefillSettings(timeout_s=self.timeout_s, backend=self.backend)
         self.remote = RemotePrefill(self.receiver, MODEL, settings)
         self.metrics = ServerMetrics(MODEL, lambda: None)
         self.imports = PrefillImports(lambda: self.remote, settings, self.metrics, MODEL)
@@ -132,15 +134,19 @@ class Peers:
             await asyncio.sleep(0.02)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_pulled_prefix_gives_the_cold_tokens_and_the_holder_computes_nothing(engines,
-                                                                               params):
-    seed = 10 if params is GREEDY else 20
+@pytest.mark.parametrize(("params", "backend"),
+                         [(GREEDY, "grpc"), (SEEDED, "grpc"), (GREEDY, "shm")],
+                         ids=["greedy", "seeded", "greedy-shm"])
+def test_a_pulled_prefix_gives_the_cold_tokens_and_the_holder_computes_nothing(
+        engines, params, backend, caplog):
+    """Over gRPC, and over shared memory (holder and puller share this node)."""
+    seed = (10 if params is GREEDY else 20) + (100 if backend == "shm" else 0)
     doc = ids(seed, 13 * BS)
     prompt = doc + ids(seed + 1, 3)  # 13 full blocks + 2 tokens before the last one
+    caplog.set_level(logging.INFO, logger="tandem.kvtransfer.pull_service")
 
     async def main() -> None:
-        async with Peers(engines) as peers:
+        async with Peers(engines, backend=backend) as peers:
             await generate(peers.holder, doc + ids(seed + 2, 3), f"warm-{seed}")  # holds doc
             want = await generate(engines["cold"], prompt, f"cold-{seed}", params)
             before = await stats(peers.holder)
@@ -163,6 +169,8 @@ def test_a_pulled_prefix_gives_the_cold_tokens_and_the_holder_computes_nothing(e
             assert peers.pulls("pulled") == 1  # no peer named: nothing asked
 
     asyncio.run(main())
+    sent = [r.getMessage() for r in caplog.records if "peer pull: sent" in r.getMessage()]
+    assert len(sent) == 1 and f"({backend})" in sent[0], sent
 
 
 def test_part_held_none_held_and_a_local_head_start(engines):

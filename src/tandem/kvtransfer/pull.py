@@ -97,7 +97,7 @@ class PeerPull:
         req = worker_pb2.PrefillRequest(
             request_id=request_id, model_id=remote.model_id, token_ids=token_ids,
             cache_salt=cache_salt, block_size=layout.block_size, first_block=first,
-            num_blocks=plan.num, backend=settings.backend, lease_s=settings.lease_s,
+            num_blocks=plan.num, backend=remote._backend.name, lease_s=settings.lease_s,
             kv_cache_dtype=layout.cache_dtype, lora_name=lora_name or "",
             lora_digest=digest or "", cached_only=True)
         writer: _PageWriter | None = None
@@ -139,8 +139,10 @@ class PeerPull:
                             await writer.pin(kv, hashes, tail=False)
                             if not writer.pins.pinned:
                                 raise NoRoomForImport(request_id, offer.num_blocks)
-                            await remote._backend.receive(req, layout, offer.num_blocks, it,
-                                                          writer.write)
+                            backend = remote._backend.for_transport(header.transport
+                                                                    or req.backend)
+                            await backend.receive(req, layout, offer.num_blocks, it,
+                                                  writer.write)
                     finally:
                         call.cancel()
                 finally:

@@ -87,16 +87,22 @@ async def send_cached(service: KVTransferService, request: worker_pb2.PrefillReq
     sent = False
     try:
         source = await kv.page_source(held)
-        yield worker_pb2.PageChunk(header=header_for(layout, first, hashes[:n], lease.lease_id,
-                                                     0))
+        header = header_for(layout, first, hashes[:n], lease.lease_id, 0)
+        # a grpc request offering a shared-memory segment: taken when on this node (as P/D)
+        offered = "shm" if request.shm_segment and request.backend == "grpc" else None
+        transport = service.backend(offered or request.backend).transport(
+            request, n * layout.block_layer_bytes)
+        if transport != request.backend:
+            header.transport = transport
+        yield worker_pb2.PageChunk(header=header)
         loop = asyncio.get_running_loop()
         job = SendJob(request, layout, list(source.block_ids), source.layer,
                       loop.time() + lease_s, source.views)
-        async for chunk in service.backend(request.backend).send(job):
+        async for chunk in service.backend(transport).send(job):
             yield chunk
         sent = True
         logger.info("[%s] peer pull: sent %d of %d blocks x %d layers (%s), lease %.0f s",
-                    owner, n, num, layout.num_layers, request.backend, lease_s)
+                    owner, n, num, layout.num_layers, transport, lease_s)
     except KVTransferError as exc:
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if exc.reason == "expired"
                             else grpc.StatusCode.INTERNAL, str(exc))
