@@ -11,7 +11,8 @@ Per worker, three loops on the router's event loop:
 * KV events (Tandem workers with a gRPC port): `SubscribeKVEvents` - the snapshot resets the
   worker's entries in the index, live events update them; a sequence gap or a broken stream
   drops its entries and resubscribes after a jittered backoff.
-* load: gRPC `GetLoad` every `load_interval_s`.
+* load: gRPC `GetLoad` every `load_interval_s`. A report that the worker is draining
+  (`Load.draining`: it got SIGTERM) marks it unready at once, before its next probe.
 
 With the worker auth key (`key`) each call is signed (`protocol.signing`, a fresh signature
 per call): a worker with a key serves these RPCs to no one else.
@@ -236,6 +237,9 @@ class WorkerMonitor:
                 load = await self._stub().GetLoad(
                     req, timeout=self.settings.probe_timeout_s,
                     metadata=rpc_metadata(self.key, req, GET_LOAD_RPC))
+                if load.draining and self.worker.ready:  # its /ready says so too, later
+                    logger.info("worker %s is draining: no longer routed to", self.worker.id)
+                    self.worker.ready = False
                 self.worker.load = WorkerLoad(
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,

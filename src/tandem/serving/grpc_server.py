@@ -52,9 +52,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], worker_id: str,
                  model: str, role: str, key: WorkerKey | None = None,
                  max_subscribers: int = MAX_SUBSCRIBERS,
-                 on_reject: Callable[[str], None] | None = None) -> None:
+                 on_reject: Callable[[str], None] | None = None,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         """`key`: calls must be signed with it (module doc); `on_reject(reason)` counts
-        refused calls."""
+        refused calls; `draining()`: the worker is stopping (`Load.draining`)."""
+        self.draining = draining
         self.get_engine = get_engine
         self.worker_id = worker_id
         self.model = model
@@ -91,7 +93,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             waiting_loras=s.lora_waiting, resident_loras=s.lora_resident,
             max_loras=s.max_loras, lora_adapters=s.lora_adapters,
             prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
-            pending_prefill_tokens=s.pending_prefill_tokens,
+            pending_prefill_tokens=s.pending_prefill_tokens, draining=self.draining(),
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name
