@@ -306,3 +306,12 @@ def test_serve_builds_the_engine_config_once_and_starts_with_it(monkeypatch):
                         lambda args, extra, config: started.append(config) or 0)
     assert main(["serve", "--num-kv-blocks", "64"]) == 0
     assert len(built) == 1 and started == built and built[0].num_kv_blocks == 64
+
+
+@pytest.mark.parametrize(("given", "grace"), [
+    ([], 45.0), (["--drain-timeout", "5"], 40.0), (["--drain-timeout", "90"], 105.0),
+    (["--drain-timeout=120"], 135.0), (["--drain-timeout", "inf"], 40.0),
+])
+def test_stopping_waits_out_the_workers_drain_before_killing_them(given, grace):
+    """Ctrl-C: SIGTERM, then SIGKILL only after the workers' drain and its slack."""
+    assert _plan(_args(), given, _ports()).stop_grace_s == grace

@@ -278,7 +278,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-tokenize", type=positive_int, default=256, metavar="N",
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
     p.add_argument(flags.DRAIN_TIMEOUT, type=non_negative_seconds, default=30.0,
-                   help="seconds running requests may take to finish after SIGTERM")
+                   help="after SIGTERM: seconds running requests may take to finish (and "
+                        "pages leased to decode workers stay served until released); then "
+                        "what still runs ends with error code worker_draining, which the "
+                        "router resumes on another worker")
     p.add_argument(flags.KV_TRANSFER_BACKEND, default="grpc", choices=flags.KV_TRANSFER_BACKENDS,
                    help="decode side of P/D: how pages come from prefill workers")
     p.add_argument(flags.KV_TRANSFER_HOST, default="127.0.0.1",
