@@ -7,6 +7,7 @@ process exits soon after."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -16,11 +17,60 @@ import grpc
 import httpx
 import pytest
 
+from tandem.engine.async_engine import OutputStream
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.web import DRAINING_CODE
+from tandem.serving.drain import WorkerDraining, _waiting_ids
 from tests.engine.utils import make_tiny_model_dir
 
 from .helpers import WorkerProcess, metric, signing_channel, start_worker, wait_for
+
+
+def _child(rid: str, parent: str, outputs: int = 0) -> Request:
+    r = Request(rid, [5, 6, 7], SamplingParams(max_tokens=8), max_tokens=8, parent_id=parent)
+    for t in range(outputs):
+        r.append_output_token(100 + t)
+    return r
+
+
+def test_only_requests_whose_every_sample_waits_without_a_token_are_handed_back():
+    class Scheduler:
+        running = [_child("c-0", "running-0", outputs=1), _child("m-0", "mixed-0")]
+        waiting = [_child("q-0", "queued-0"), _child("q-1", "queued-0"),
+                   _child("p-0", "preempted-0", outputs=3), _child("m-1", "mixed-0"),
+                   _child("h-0", "half-0"), _child("h-1", "half-0", outputs=2)]
+
+        def waiting_requests(self) -> list[Request]:
+            return self.waiting
+
+    class Engine:
+        scheduler = Scheduler()
+
+    assert _waiting_ids(Engine()) == {"queued-0"}  # type: ignore[arg-type]
+
+
+def test_a_failed_output_stream_hands_over_what_is_pending_once_then_raises():
+    async def scenario() -> None:
+        q = OutputStream(delta=True)
+        out = RequestOutput("r-0", None, [1, 2], [CompletionOutput(0, "a", [7])])
+        q.put(out)
+        q.fail(WorkerDraining("stop"))
+        q.fail(WorkerDraining("second"))  # the first counts
+        assert (await q.get()).outputs[0].token_ids == [7]
+        q.put(out)  # arrived after the cut: not handed over
+        with pytest.raises(WorkerDraining, match="stop"):
+            await q.get()
+        idle = OutputStream()
+        waiter = asyncio.ensure_future(idle.get())
+        await asyncio.sleep(0)
+        idle.fail(WorkerDraining("idle"))  # wakes a reader waiting with nothing pending
+        with pytest.raises(WorkerDraining, match="idle"):
+            await waiter
+
+    asyncio.run(scenario())
 
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 3000, "temperature": 0,
         "ignore_eos": True}  # ~12 s of decoding on this machine, far beyond the drains below

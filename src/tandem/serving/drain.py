@@ -23,6 +23,7 @@ A request is cut through its engine output streams (`OutputStream.fail` with
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -49,17 +50,18 @@ def draining_error(retry_after_s: int, message: str = DRAINING_MESSAGE) -> APIEr
 
 def draining_event(message: str) -> str:
     """The SSE error event a stream ends with when the drain cuts it (then `[DONE]`)."""
-    import json
-
     body = error_body(503, message, code=DRAINING_CODE)
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 def _waiting_ids(eng: LLMEngine) -> set[str]:
-    """On the engine thread: the ids of the user requests (`{rid}-{i}`) waiting with no
-    token generated (never started, or preempted before their first token)."""
-    return {r.parent_id or r.request_id for r in eng.scheduler.waiting_requests()
-            if not r.output_token_ids}
+    """On the engine thread: the ids of the user requests (`{rid}-{i}`) whose every sample
+    waits with no token generated (never started, or preempted before its first token)."""
+    waiting, started = set(), set()
+    for r in eng.scheduler.waiting_requests():
+        (started if r.output_token_ids else waiting).add(r.parent_id or r.request_id)
+    started.update(r.parent_id or r.request_id for r in eng.scheduler.running)
+    return waiting - started
 
 
 class Drain:
