@@ -311,6 +311,7 @@ def test_serve_builds_the_engine_config_once_and_starts_with_it(monkeypatch):
 @pytest.mark.parametrize(("given", "grace"), [
     ([], 45.0), (["--drain-timeout", "5"], 40.0), (["--drain-timeout", "90"], 105.0),
     (["--drain-timeout=120"], 135.0), (["--drain-timeout", "inf"], 40.0),
+    (["--shutdown-timeout", "60"], 75.0),
 ])
 def test_stopping_waits_out_the_workers_drain_before_killing_them(given, grace):
     """Ctrl-C: SIGTERM, then SIGKILL only after the workers' drain and its slack."""

@@ -227,3 +227,12 @@ def test_a_long_drain_finishes_running_streams_and_serves_leased_pages_until_rel
         assert released.released
     assert w.proc.wait(timeout=20) == 0, w.log()
     assert time.monotonic() - sigterm < 20  # released: not the lease's 30 s nor the drain's 60
+
+
+def test_vllms_shutdown_timeout_flag_is_the_drain_timeout():
+    from tandem.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["worker", "--shutdown-timeout", "7"]).drain_timeout == 7.0
+    assert parse(["worker", "--drain-timeout", "9"]).drain_timeout == 9.0
+    assert parse(["worker"]).drain_timeout == 30.0

@@ -137,13 +137,15 @@ def plan(args: argparse.Namespace, passthrough: list[str],
 
 def stop_grace(passthrough: Sequence[str]) -> float:
     """Seconds from SIGTERM to SIGKILL when `tandem serve` stops: the workers' drain
-    (`--drain-timeout` in `passthrough`, default 30) plus STOP_SLACK_S, at least
-    STOP_GRACE_S (a value the worker would refuse is left to it)."""
+    (`--drain-timeout` or its alias `--shutdown-timeout` in `passthrough`, default 30) plus
+    STOP_SLACK_S, at least STOP_GRACE_S (a value the worker would refuse is left to it)."""
     drain = 30.0
     for i, flag in enumerate(passthrough):
-        text = (passthrough[i + 1] if flag == "--drain-timeout" and i + 1 < len(passthrough)
-                else flag.removeprefix("--drain-timeout=")
-                if flag.startswith("--drain-timeout=") else None)
+        name, _, value = flag.partition("=")
+        if name not in ("--drain-timeout", "--shutdown-timeout"):
+            continue
+        text = value if "=" in flag else (
+            passthrough[i + 1] if i + 1 < len(passthrough) else None)
         if text is not None:
             with contextlib.suppress(ValueError):  # the worker refuses it itself
                 drain = float(text)

@@ -277,7 +277,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "then the request is aborted and the connection closed")
     p.add_argument("--max-pending-tokenize", type=positive_int, default=256, metavar="N",
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
-    p.add_argument(flags.DRAIN_TIMEOUT, type=non_negative_seconds, default=30.0,
+    p.add_argument(flags.DRAIN_TIMEOUT, "--shutdown-timeout", type=non_negative_seconds,
+                   default=30.0, dest="drain_timeout",
                    help="after SIGTERM: seconds running requests may take to finish (and "
                         "pages leased to decode workers stay served until released); then "
                         "what still runs ends with error code worker_draining, which the "
