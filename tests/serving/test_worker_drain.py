@@ -74,7 +74,7 @@ def test_a_failed_output_stream_hands_over_what_is_pending_once_then_raises():
 
 LONG = {"prompt": "Count from one to a thousand:", "max_tokens": 3000, "temperature": 0,
         "ignore_eos": True}  # ~12 s of decoding on this machine, far beyond the drains below
-CUT_DRAIN_S = 1.5
+CUT_DRAIN_S = 2.5
 GRPC = {"cut": 0, "long": 0}
 
 

@@ -83,14 +83,15 @@ class Drain:
             self.streams.pop(sub, None)
 
     def cut(self, ids: Iterable[str], why: str) -> int:
-        """End these engine requests' readers with `WorkerDraining(why)`; how many."""
-        n = 0
+        """End these engine requests' (`{rid}-{i}`) readers with `WorkerDraining(why)`; how
+        many HTTP requests (`rid`) that ends."""
+        cut = set()
         for sub in list(ids):
             q = self.streams.pop(sub, None)
             if q is not None:
                 q.fail(WorkerDraining(why))
-                n += 1
-        return n
+                cut.add(sub.rsplit("-", 1)[0])
+        return len(cut)
 
     async def guard(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """A stream's SSE chunks; a cut ends them with `draining_event` and `[DONE]`."""
