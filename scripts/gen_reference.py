@@ -268,6 +268,10 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _same("--tool-call-parser", "hermes, llama3_json, llama4_json, mistral, qwen3_coder, "
           "qwen3_xml"),
     _same("--reasoning-parser", "deepseek_r1, qwen3"),
+    VllmFlag("--shutdown-timeout", "worker", ("--shutdown-timeout", "--drain-timeout"),
+             "an alias of `--drain-timeout`: seconds running requests may take to finish "
+             "after SIGTERM, default 30 (vLLM's: 0); then they end with error code "
+             "worker_draining, which the router resumes on another worker"),
     _same("--disable-hybrid-kv-cache-manager", "one block table for every layer of a model "
           "that mixes attention windows"),
 )

@@ -317,3 +317,13 @@ def test_each_worker_gets_its_own_kv_disk_tier_directory():
         assert cmd[len(cmd) - cmd[::-1].index("--kv-offload-disk-path")] == f"/kv/worker-{i}"
     (_, _, cmd), = _plan(_args(), ["--kv-offload-disk-path=/kv"], _ports()).workers
     assert cmd.count("--kv-offload-disk-path") == 0  # one worker: the directory as given
+
+
+@pytest.mark.parametrize(("given", "grace"), [
+    ([], 45.0), (["--drain-timeout", "5"], 40.0), (["--drain-timeout", "90"], 105.0),
+    (["--drain-timeout=120"], 135.0), (["--drain-timeout", "inf"], 40.0),
+    (["--shutdown-timeout", "60"], 75.0),
+])
+def test_stopping_waits_out_the_workers_drain_before_killing_them(given, grace):
+    """Ctrl-C: SIGTERM, then SIGKILL only after the workers' drain and its slack."""
+    assert _plan(_args(), given, _ports()).stop_grace_s == grace

@@ -68,13 +68,16 @@ class OutputStream:
     another waits merges into it. Delta outputs are appended (the pending one is what the
     reader has not read); a cumulative output supersedes the older (whose `delta_*` fields
     it takes over). Read with `get` (a cancelled `get` loses nothing); filled on the
-    reader's event loop."""
+    reader's event loop. `fail(exc)` ends the reading: `get` hands over what is pending
+    once, then raises `exc` (the engine request is the reader's to abort)."""
 
     def __init__(self, delta: bool = False) -> None:
         self.delta = delta
         self._acc = DeltaAccumulator()  # delta outputs
         self._latest: RequestOutput | None = None  # cumulative outputs
         self._ready = asyncio.Event()
+        self._failed: BaseException | None = None
+        self._flushed = False  # the output pending at `fail` was handed over
 
     def put(self, out: RequestOutput) -> None:
         if self.delta:
@@ -108,8 +111,20 @@ class OutputStream:
 
     async def get(self) -> RequestOutput:
         while self.empty():
+            if self._failed is not None:
+                raise self._failed
             await self._ready.wait()
+        if self._failed is not None:
+            if self._flushed:
+                raise self._failed
+            self._flushed = True
         return self.get_nowait()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the reading with `exc` (on the reader's event loop; the first call counts)."""
+        if self._failed is None:
+            self._failed = exc
+            self._ready.set()
 
 
 @dataclass

@@ -18,6 +18,8 @@ worker that dies cannot hold prefill memory for longer than the lease. The heade
 id is this service's: it names the prompt's request, whose engine lease it releases.
 A `cached_only` call (a peer pull) computes nothing and sends only blocks already cached
 (`pull_service`).
+A draining worker (`draining()`) refuses new Prefill calls (UNAVAILABLE) and keeps serving
+those under way and ReleasePages; `held()` counts what it must wait for before it exits.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class LeaseTable:
         self.kv = kv
         self.leases: dict[str, Lease] = {}
 
+    def active(self) -> int:
+        """Leases neither released nor past their time."""
+        now = time.monotonic()
+        return sum(1 for lease in self.leases.values() if lease.expires >= now)
+
     def add(self, request_id: str, lease_s: float, engine_lease: str = "") -> Lease:
         now = time.monotonic()
         for lid in [lid for lid, lease in self.leases.items() if lease.expires < now]:
@@ -107,12 +114,16 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
 
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], model_id: str,
                  role: str, stream_layers: bool = False, key: WorkerKey | None = None,
-                 on_reject: Callable[[str], None] | None = None) -> None:
+                 on_reject: Callable[[str], None] | None = None,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         """`stream_layers`: send each layer's pages as soon as the prompt's last step has
         written it (`LayerStream`), instead of after the whole prompt. `key` (the worker
         auth key): every Prefill and ReleasePages call must be signed with it
         (`protocol.signing`, PERMISSION_DENIED otherwise; `on_reject(reason)` counts
-        refusals); without one, a Prefill call for a tenant's `cache_salt` is refused."""
+        refusals); without one, a Prefill call for a tenant's `cache_salt` is refused.
+        `draining()`: the worker is stopping (module doc)."""
+        self.draining = draining
+        self.calls = 0  # Prefill calls under way
         self.key = key
         self.on_reject = on_reject
         self.get_engine = get_engine
@@ -123,6 +134,11 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
         self.held_blocks: HeldBlocks = DeviceHeld()  # what a cached-only send offers
+
+    def held(self) -> int:
+        """What a draining worker waits for: Prefill calls under way and unexpired leases
+        of pages sent."""
+        return self.calls + (0 if self._leases is None else self._leases.active())
 
     def leases(self, kv: KVConnector) -> LeaseTable:
         if self._leases is None:
@@ -194,6 +210,8 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             logger.warning("[kv-%s] Prefill refused: %s", request.request_id[:64] or "anon",
                            refused)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+        if self.draining():  # the decode worker prefills locally (or fails, by its policy)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is draining")
         engine = self.get_engine()
         if engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
@@ -227,6 +245,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         lease_s = request.lease_s or DEFAULT_LEASE_S
         lease: Lease | None = None
         sent = False
+        self.calls += 1
         try:
             first, num = request.first_block, request.num_blocks
             tail = request.tail_tokens
@@ -284,6 +303,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if exc.expired
                                 else grpc.StatusCode.INTERNAL, str(exc))
         finally:
+            self.calls -= 1
             if stream is not None:
                 kv.unsave_layers(rid)
             if not run.done():

@@ -68,20 +68,25 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 
 class APIError(Exception):
+    """An OpenAI error answer; `code` is the body's `code` (default: the status, as a
+    number; e.g. `DRAINING_CODE` names why a worker stopped)."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None, type_: str | None = None) -> None:
+                 headers: dict[str, str] | None = None, type_: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.headers = headers or {}
         self.type = type_ or _TYPES.get(status, "server_error")
+        self.code = code
 
 
 def error_body(status: int, message: str, param: str | None = None,
-               type_: str | None = None) -> dict:
+               type_: str | None = None, code: str | None = None) -> dict:
     detail = ErrorDetail(message=message, type=type_ or _TYPES.get(status, "server_error"),
-                         param=param, code=status)
+                         param=param, code=status if code is None else code)
     return ErrorResponse(error=detail).model_dump()
 
 
@@ -140,7 +145,7 @@ def require_json_type(content_type: str | None) -> None:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.type),
+    return JSONResponse(error_body(err.status, err.message, err.param, err.type, err.code),
                         status_code=err.status, headers=err.headers)
 
 

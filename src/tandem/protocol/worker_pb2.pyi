@@ -83,7 +83,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version", "prefill_s_per_token", "decode_step_s", "pending_prefill_tokens", "host_load_s_per_block", "disk_load_s_per_block", "peer_pull_s_per_block", "kv_block_bytes")
+    __slots__ = ("worker_id", "model", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "in_flight_tokens", "kv_cache_usage", "running_loras", "waiting_loras", "resident_loras", "max_loras", "lora_adapters", "lora_digests", "lora_instance", "lora_version", "prefill_s_per_token", "decode_step_s", "pending_prefill_tokens", "host_load_s_per_block", "disk_load_s_per_block", "peer_pull_s_per_block", "kv_block_bytes", "draining")
     class LoraDigestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Load(_message.Message):
     DISK_LOAD_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PEER_PULL_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     role: str
@@ -141,7 +142,8 @@ class Load(_message.Message):
     disk_load_s_per_block: float
     peer_pull_s_per_block: float
     kv_block_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., host_load_s_per_block: _Optional[float] = ..., disk_load_s_per_block: _Optional[float] = ..., peer_pull_s_per_block: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., in_flight_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., resident_loras: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_digests: _Optional[_Mapping[str, str]] = ..., lora_instance: _Optional[str] = ..., lora_version: _Optional[int] = ..., prefill_s_per_token: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., pending_prefill_tokens: _Optional[int] = ..., host_load_s_per_block: _Optional[float] = ..., disk_load_s_per_block: _Optional[float] = ..., peer_pull_s_per_block: _Optional[float] = ..., kv_block_bytes: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class TorchChannel(_message.Message):
     __slots__ = ("store_host", "store_port", "group_id", "tag")

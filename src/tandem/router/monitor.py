@@ -12,7 +12,8 @@ Per worker, three loops on the router's event loop:
   worker's entries in the index (device pool, host and disk tiers), live events update them
   in the medium they name (the shared index store mirrors device blocks only); a sequence
   gap or a broken stream drops its entries and resubscribes after a jittered backoff.
-* load: gRPC `GetLoad` every `load_interval_s`.
+* load: gRPC `GetLoad` every `load_interval_s`. A report that the worker is draining
+  (`Load.draining`: it got SIGTERM) marks it unready at once, before its next probe.
 
 With the worker auth key (`key`) each call is signed (`protocol.signing`, a fresh signature
 per call): a worker with a key serves these RPCs to no one else.
@@ -251,6 +252,9 @@ class WorkerMonitor:
                 load = await self._stub().GetLoad(
                     req, timeout=self.settings.probe_timeout_s,
                     metadata=rpc_metadata(self.key, req, GET_LOAD_RPC))
+                if load.draining and self.worker.ready:  # its /ready says so too, later
+                    logger.info("worker %s is draining: no longer routed to", self.worker.id)
+                    self.worker.ready = False
                 self.worker.load = WorkerLoad(
                     num_running=load.num_running, num_waiting=load.num_waiting,
                     num_free_blocks=load.num_free_blocks,

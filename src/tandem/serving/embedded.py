@@ -17,7 +17,9 @@ with `HF_HUB_OFFLINE=1`, and the router's tokenizer is the same snapshot's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -48,6 +50,11 @@ MANAGED_ROUTER_FLAGS = ("--host", "--port", "--workers", "--worker-auth-key-file
                         *ROUTER_ONLY_FLAGS)
 TLS_FLAGS = ("--grpc-tls-dir", "--grpc-tls-server-name")
 API_KEY_TENANT = "default"  # the tenant of `tandem serve --api-key` keys
+# on Ctrl-C every child gets SIGTERM, then SIGKILL once this has passed: at least
+# STOP_GRACE_S, and the workers' --drain-timeout plus STOP_SLACK_S (their cut requests'
+# answers, uvicorn's stop, the engine's shutdown)
+STOP_GRACE_S = 40.0
+STOP_SLACK_S = 15.0
 
 
 @dataclass
@@ -60,6 +67,7 @@ class Deployment:
     router: list[str]
     envs: list[dict[str, str]]
     waves: list[int]
+    stop_grace_s: float = STOP_GRACE_S  # SIGTERM -> SIGKILL on stop (`stop_grace`)
 
     def describe(self) -> str:
         counts = Counter(role for role, _, _ in self.workers)
@@ -124,7 +132,24 @@ def plan(args: argparse.Namespace, passthrough: list[str],
     router = [*base, "router", "--host", args.host, "--port", str(args.port),
               "--workers", ",".join(url for _, url, _ in workers), *auth,
               *tls_flags(passthrough), *router_flags]
-    return Deployment(workers, router, envs, waves)
+    return Deployment(workers, router, envs, waves, stop_grace(passthrough))
+
+
+def stop_grace(passthrough: Sequence[str]) -> float:
+    """Seconds from SIGTERM to SIGKILL when `tandem serve` stops: the workers' drain
+    (`--drain-timeout` or its alias `--shutdown-timeout` in `passthrough`, default 30) plus
+    STOP_SLACK_S, at least STOP_GRACE_S (a value the worker would refuse is left to it)."""
+    drain = 30.0
+    for i, flag in enumerate(passthrough):
+        name, _, value = flag.partition("=")
+        if name not in ("--drain-timeout", "--shutdown-timeout"):
+            continue
+        text = value if "=" in flag else (
+            passthrough[i + 1] if i + 1 < len(passthrough) else None)
+        if text is not None:
+            with contextlib.suppress(ValueError):  # the worker refuses it itself
+                drain = float(text)
+    return max(STOP_GRACE_S, drain + STOP_SLACK_S) if math.isfinite(drain) else STOP_GRACE_S
 
 
 def own_disk_tier(passthrough: list[str], index: int, count: int) -> list[str]:
@@ -314,7 +339,7 @@ def _supervise(deployment: Deployment, url: str, served: str, keyed: bool) -> in
             return dead.returncode or 1
         return 0
     finally:
-        stop_all(procs)
+        stop_all(procs, deployment.stop_grace_s)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float, workers: int = 0,
@@ -357,12 +382,12 @@ def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen
                             env={**base, **(env or {})})
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process group (workers drain), then SIGKILL what outlives the grace."""
+def stop_all(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process group (workers drain), then SIGKILL what outlives `grace_s`."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.1))

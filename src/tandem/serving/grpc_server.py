@@ -63,9 +63,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, get_engine: Callable[[], AsyncLLMEngine | None], worker_id: str,
                  model: str, role: str, key: WorkerKey | None = None,
                  max_subscribers: int = MAX_SUBSCRIBERS,
-                 on_reject: Callable[[str], None] | None = None) -> None:
+                 on_reject: Callable[[str], None] | None = None,
+                 draining: Callable[[], bool] = lambda: False) -> None:
         """`key`: calls must be signed with it (module doc); `on_reject(reason)` counts
-        refused calls."""
+        refused calls; `draining()`: the worker is stopping (`Load.draining`)."""
+        self.draining = draining
         self.get_engine = get_engine
         self.worker_id = worker_id
         self.model = model
@@ -111,6 +113,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             kv_block_bytes=self.kv_block_bytes(engine),
             host_load_s_per_block=s.host_load_s_per_block,
             disk_load_s_per_block=s.disk_load_s_per_block,
+            draining=self.draining(),
             **_lora_version(s.lora_state))
 
     async def SubscribeKVEvents(  # noqa: N802 - gRPC name

@@ -49,6 +49,7 @@ from tandem.protocol.openai_api import (
 from tandem.protocol.web import cancel_on_disconnect, plain_request_id
 from tandem.serving import convert, migration
 from tandem.serving.convert import completion_prompts
+from tandem.serving.drain import Drain, WorkerDraining, draining_error
 from tandem.serving.errors import APIError, from_engine_error
 from tandem.serving.grpc_server import WorkerService, kv_block_bytes, start_grpc_server
 from tandem.serving.lora_api import model_cards, resolve
@@ -107,6 +108,8 @@ class WorkerApp:
     # caller stops waiting: a cancelled caller's job may still run)
     tokenize_slots: threading.Semaphore = field(init=False)
     pd: PrefillImports = field(init=False)
+    drain: Drain = field(default_factory=Drain)  # the requests in flight, the SIGTERM stop
+    kv_service: KVTransferService | None = None  # the gRPC KVTransfer service, once started
     created: int = field(default_factory=now)
     app_state: Any = None  # the FastAPI app's `state` (`build_app` sets it)
 
@@ -121,7 +124,8 @@ class WorkerApp:
 
     @property
     def draining(self) -> bool:
-        return bool(self.app_state is not None and self.app_state.draining)
+        return bool(self.app_state is not None and self.app_state.draining
+                     or self.drain.active)
 
     # -- start and stop ------------------------------------------------------------------
     @asynccontextmanager
@@ -137,12 +141,14 @@ class WorkerApp:
             service = WorkerService(lambda: holder.engine, settings.worker_id,
                                     settings.served_model_name, settings.role,
                                     settings.auth_key, settings.max_kv_event_subscribers,
-                                    self.refused)
+                                    self.refused, draining=lambda: self.draining)
             service.peer_pull_s_per_block = lambda: self.pd.peer.costs.s_per_block
             service.kv_block_bytes = lambda e: kv_block_bytes(e, settings.served_model_name)
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
-                                           settings.auth_key, self.refused)
+                                           settings.auth_key, self.refused,
+                                           draining=lambda: self.draining)
+            self.kv_service = kv_service
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
                 settings.tls)
@@ -260,7 +266,7 @@ class WorkerApp:
         """503 while draining or with the engine stopped; import a prefill worker's pages
         (P/D), then `submit` and `respond` (the imports unpinned however it ends)."""
         if self.draining:
-            raise APIError(503, "the worker is draining; retry on another replica")
+            raise draining_error(self.settings.retry_after_s)
         if not engine.alive:
             raise APIError(503, "the engine is not running")
         responder.prepare(prompts)  # what depends on the prompts' tokens (reasoning)
@@ -273,6 +279,8 @@ class WorkerApp:
             request.headers, engine, rid, [p.token_ids for p in prompts],
             responder.cache_salt or "", responder.lora_name)
         try:
+            if self.draining:  # it stopped while the pages came: this one is not started
+                raise draining_error(self.settings.retry_after_s)
             queues = await self.submit(request, engine, responder, prompts)
             return await self.respond(request, engine, responder, queues, arrival, imported)
         except BaseException:
@@ -305,10 +313,10 @@ class WorkerApp:
         rid = responder.request_id
         timing = Timing()
         stream = merge(engine, rid, queues, self.metrics, arrival, timing,
-                       on_end=lambda: pd.unpin(imported))
+                       on_end=lambda: pd.unpin(imported), drain=self.drain)
         deadline = arrival + settings.request_timeout_s
         if responder.stream:
-            return SSEResponse(responder.sse(stream), deadline=deadline,
+            return SSEResponse(self.drain.guard(responder.sse(stream)), deadline=deadline,
                                send_timeout_s=settings.stream_send_timeout_s, request_id=rid,
                                on_timeout=[sse_error(504, "request timed out"),
                                            "data: [DONE]\n\n"])
@@ -322,6 +330,8 @@ class WorkerApp:
         except TimeoutError as exc:
             raise APIError(504, f"request timed out after {settings.request_timeout_s}s") \
                 from exc
+        except WorkerDraining as exc:  # the drain cut it: the router retries it elsewhere
+            raise draining_error(settings.retry_after_s, str(exc)) from exc
         finally:
             pd.unpin(imported)
         if not completed:
@@ -467,12 +477,16 @@ class Timing:
 
 async def merge(engine: AsyncLLMEngine, rid: str, queues: list[OutputStream],
                  metrics: ServerMetrics, arrival: float, timing: Timing,
-                 on_end: Callable[[], None] = lambda: None
+                 on_end: Callable[[], None] = lambda: None, drain: Drain | None = None
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (prompt index, output) from every sub-request until all finish; abort what is
-    left if the consumer stops early (disconnect, timeout). `on_end` runs at the first
-    output (the requests hold their own block references by then) or at the end."""
+    left if the consumer stops early (disconnect, timeout) or the drain cuts it (`drain`
+    tracks the sub-requests meanwhile; its `WorkerDraining` is raised). `on_end` runs at
+    the first output (the requests hold their own block references by then) or at the end."""
     tokens = TokenClock(metrics, arrival)
+    subs = [f"{rid}-{i}" for i in range(len(queues))]
+    if drain is not None:
+        drain.track(subs, queues)
     unfinished = set(range(len(queues)))
     ended = False
     try:
@@ -503,6 +517,8 @@ async def merge(engine: AsyncLLMEngine, rid: str, queues: list[OutputStream],
                     f.cancel()
         metrics.e2e.observe(time.monotonic() - arrival)
     finally:
+        if drain is not None:
+            drain.untrack(subs)
         on_end()
         for i in unfinished:
             engine.abort(f"{rid}-{i}")

@@ -1,8 +1,10 @@
 """`tandem worker`: one engine behind the OpenAI HTTP API, under uvicorn.
 
-SIGTERM drains: readiness fails and new requests get 503 at once, running requests may
-finish for up to `--drain-timeout` seconds, then the process exits 0. SIGINT (Ctrl-C) does
-the same with no grace period.
+SIGTERM drains (`serving.drain`): readiness fails and new requests get 503 `worker_draining`
+at once, queued ones are handed back the same way, running requests may finish (and pages
+sent to decode workers stay leased) for up to `--drain-timeout` seconds, then what still
+runs ends with `worker_draining` (the router resumes it elsewhere) and the process exits 0.
+SIGINT (Ctrl-C) stops with no grace period.
 """
 
 from __future__ import annotations
@@ -310,8 +312,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "then the request is aborted and the connection closed")
     p.add_argument("--max-pending-tokenize", type=positive_int, default=256, metavar="N",
                    help="prompts queued for the tokenizer pool; more get 429 + Retry-After")
-    p.add_argument(flags.DRAIN_TIMEOUT, type=non_negative_seconds, default=30.0,
-                   help="seconds running requests may take to finish after SIGTERM")
+    p.add_argument(flags.DRAIN_TIMEOUT, "--shutdown-timeout", type=non_negative_seconds,
+                   default=30.0, dest="drain_timeout",
+                   help="after SIGTERM: seconds running requests may take to finish (and "
+                        "pages leased to decode workers stay served until released); then "
+                        "what still runs ends with error code worker_draining, which the "
+                        "router resumes on another worker")
     p.add_argument(flags.KV_TRANSFER_BACKEND, default="auto", choices=flags.KV_TRANSFER_BACKENDS,
                    help="decode side of P/D: how pages come from prefill workers (auto, shm: "
                         "shared memory from a prefill worker on this node, else grpc)")
@@ -549,11 +555,15 @@ class _DrainingServer:
         asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        while self.app.state.in_flight[0] > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        logger.info("drained (%d still in flight); exiting", self.app.state.in_flight[0])
-        self.server.should_exit = True
+        state = self.app.state
+        wa = state.worker_app
+        kv = wa.kv_service
+        try:
+            await wa.drain.run(wa.holder.engine, self.drain_timeout, lambda: state.in_flight[0],
+                               (lambda: 0) if kv is None else kv.held)
+        finally:
+            logger.info("drained (%d still in flight); exiting", state.in_flight[0])
+            self.server.should_exit = True
 
     def run(self) -> None:
         self.server.run()
