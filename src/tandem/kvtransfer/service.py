@@ -117,6 +117,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         self.backends: dict[str, TransferBackend] = {}
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
+        self.active = 0  # Prefill calls being served (past the checks, not yet ended)
 
     def leases(self, kv: KVConnector) -> LeaseTable:
         if self._leases is None:
@@ -217,6 +218,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         lease_s = request.lease_s or DEFAULT_LEASE_S
         lease: Lease | None = None
         sent = False
+        self.active += 1
         try:
             first, num = request.first_block, request.num_blocks
             tail = request.tail_tokens
@@ -268,6 +270,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if exc.expired
                                 else grpc.StatusCode.INTERNAL, str(exc))
         finally:
+            self.active -= 1
             if stream is not None:
                 kv.unsave_layers(rid)
             if not run.done():

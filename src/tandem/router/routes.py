@@ -146,6 +146,10 @@ class RouterApp:
             metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
             metrics.worker_indexed_blocks.labels(w.id).set(router.index.num_blocks(w.id))
             metrics.worker_events_connected.labels(w.id).set(1 if w.events_connected else 0)
+            metrics.worker_in_flight.labels(w.id).set(w.local_in_flight)
+        active, idle = self.upstream.connections()
+        metrics.upstream_connections.labels("active").set(active)
+        metrics.upstream_connections.labels("idle").set(idle)
         metrics.reload_errors.labels("api_keys").set(settings.api_keys.reload_errors)
         if settings.worker_key is not None:
             metrics.reload_errors.labels("worker_auth_key").set(

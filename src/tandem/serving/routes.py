@@ -141,6 +141,7 @@ class WorkerApp:
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
                                            settings.auth_key, self.refused)
+            self.metrics.kv_sending = lambda: kv_service.active  # type: ignore[union-attr]
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
                 settings.tls)
@@ -171,6 +172,7 @@ class WorkerApp:
                 self.on_load_failure(holder.error)
             return
         holder.engine = t.result()
+        metrics.open_streams = lambda engine=holder.engine: engine.open_streams
         state = holder.engine.state
         spec = holder.engine.config.speculative_config
         metrics.attach(state.block_size, state.num_usable_blocks,
