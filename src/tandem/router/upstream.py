@@ -275,7 +275,7 @@ class UpstreamPool:
         """(in use, idle) connections now open: one in use carries a request whose response
         is not finished; once every request has ended, a pool leaks none when in use is 0."""
         self._open = {c for c in self._open if not c.lost}
-        idle = sum(len(v) for v in self._idle.values())
+        idle = sum(not c.lost for v in self._idle.values() for c in v)  # lost: pruned on use
         return len(self._open) - idle, idle
 
     def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
