@@ -17,8 +17,10 @@ The workload is one seeded Poisson schedule of `--rate` requests/s over `--durat
 mix of completions (token-id prompts) and chat (text), streamed and not, greedy and seeded
 sampling, short prompts and long ones (which the routers send through the prefill worker).
 It runs once undisturbed (the reference), then once per fault, the same schedule, with
-that fault's kill -9 at `--kill-at` of the way in (the prefill worker's right after a
-long prompt was sent, while its pages are computed and in flight). Each request ends as:
+that fault's kill -9 at `--kill-at` of the way in, once its target is busy (the prefill
+worker's while a prompt's pages are computed or in flight). Each phase's requests carry a
+`cache_salt` of its own, so no phase finds the prefixes an earlier one cached (the answers
+are the same: a salt only keys the cache). Each request ends as:
 
 * exact: completed with exactly the reference's text and finish reason;
 * differing: completed with other text: a bug;
@@ -276,7 +278,7 @@ class RouterDown(Exception):
 
 
 async def send(client: httpx.AsyncClient, routers: list[str], req: Req, t0: float,
-               timeout: float) -> Outcome:
+               timeout: float, salt: str) -> Outcome:
     out = Outcome(req.index, "lost")
     first = req.index % len(routers)
     path = "/v1/completions" if req.api == "completions" else "/v1/chat/completions"
@@ -286,7 +288,7 @@ async def send(client: httpx.AsyncClient, routers: list[str], req: Req, t0: floa
             for attempt in range(len(routers) * 3):
                 out.router = (first + attempt) % len(routers)
                 try:
-                    await _exchange(client, routers[out.router] + path, req, out)
+                    await _exchange(client, routers[out.router] + path, req, out, salt)
                     break
                 except httpx.ConnectError:  # nothing sent: a Service picks another endpoint
                     out.failovers += 1
@@ -301,8 +303,9 @@ async def send(client: httpx.AsyncClient, routers: list[str], req: Req, t0: floa
     return out
 
 
-async def _exchange(client: httpx.AsyncClient, url: str, req: Req, out: Outcome) -> None:
-    async with client.stream("POST", url, json=req.body) as resp:
+async def _exchange(client: httpx.AsyncClient, url: str, req: Req, out: Outcome,
+                    salt: str) -> None:
+    async with client.stream("POST", url, json={**req.body, "cache_salt": salt}) as resp:
         if resp.status_code != 200 or not req.stream:
             raw = await resp.aread()
             try:
@@ -371,7 +374,7 @@ async def run_phase(fleet: Fleet, reqs: list[Req], fault: str | None, kill_frac:
         await asyncio.sleep(max(0.0, req.at - (time.monotonic() - t0)))
         open_reqs[req.index] = req.index % len(routers)
         try:
-            return await send(client, routers, req, t0, timeout)
+            return await send(client, routers, req, t0, timeout, f"chaos-{fault or 'reference'}")
         finally:
             open_reqs.pop(req.index, None)
 
