@@ -6,8 +6,8 @@ hits, in turn, a decode worker, a prefill worker mid-transfer, a router replica 
 
 The fleet is what `tandem serve --prefill 1 --decode 2` starts (its own plan,
 `serving.embedded.plan`: the same worker and router command lines, one worker-auth key),
-plus a second router replica over the same workers, both routers sharing one
-`redis-server` (`--redis` rate limits, `--index` the shared prefix index). This script is
+plus a second router replica over the same workers, both routers keeping their prefix index
+in one `redis-server` (`--index`). This script is
 the supervisor that Kubernetes would be: a killed process is started again on the same
 ports (`tandem serve` itself stops the whole deployment when a child dies, so it cannot
 host the run). The client spreads requests over both router URLs and, as a Service would,
@@ -181,7 +181,7 @@ def plan_fleet(model: str | None, logs: Path, worker_flags: list[str]) -> Fleet:
     args = argparse.Namespace(host="127.0.0.1", port=free_port(), log_level="WARNING",
                               workers=None, prefill=1, decode=2)
     passthrough = [*worker_flags]
-    router_flags = ["--redis", redis_url, "--index", redis_url]
+    router_flags = ["--index", redis_url]  # the shared prefix index (no rate limits: --redis)
     if model is not None:
         passthrough += ["--model", model, "--served-model-name", MODEL_NAME]
         router_flags += ["--tokenizer", f"{MODEL_NAME}={model}"]
@@ -427,12 +427,15 @@ async def run_phase(fleet: Fleet, reqs: list[Req], fault: str | None, kill_frac:
 
 
 def judge(outcomes: list[Outcome], reference: list[Outcome]) -> dict:
-    """Per-phase counts: exact, differing, clean errors by code, router_cut, lost, hung."""
+    """Per-phase counts: exact, differing, clean errors by code, router_cut, lost, hung, and
+    unreferenced (completed, but the undisturbed run failed it)."""
     counts: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     bad: list[dict] = []
     for o, ref in zip(outcomes, reference, strict=True):
-        if o.kind == "ok":
+        if o.kind == "ok" and ref.kind != "ok":
+            counts["unreferenced"] += 1  # the undisturbed run failed it: nothing to compare
+        elif o.kind == "ok":
             same = (o.text, o.finish) == (ref.text, ref.finish)
             counts["exact" if same else "differing"] += 1
             if not same:
@@ -449,6 +452,7 @@ def judge(outcomes: list[Outcome], reference: list[Outcome]) -> dict:
             "differing": counts["differing"], "clean_error": counts["clean_error"],
             "clean_error_by_code": dict(errors), "router_cut": counts["router_cut"],
             "lost": counts["lost"], "hung": counts["hung"],
+            "unreferenced": counts["unreferenced"],
             "failovers": sum(o.failovers for o in outcomes), "problems": bad[:20]}
 
 

@@ -29,15 +29,17 @@ def test_only_well_formed_openai_errors_are_clean():
 
 def test_judge_compares_each_request_with_the_undisturbed_run():
     ref = [chaos.Outcome(i, "ok", text=f"t{i}", finish="length") for i in range(6)]
+    ref.append(chaos.Outcome(6, "hung"))
     got = [chaos.Outcome(0, "ok", text="t0", finish="length"),
            chaos.Outcome(1, "ok", text="tX", finish="length"),
            chaos.Outcome(2, "clean_error", code="502"),
            chaos.Outcome(3, "router_cut"),
            chaos.Outcome(4, "lost", detail="the stream ended without [DONE]"),
-           chaos.Outcome(5, "hung")]
+           chaos.Outcome(5, "hung"),
+           chaos.Outcome(6, "ok", text="t6", finish="length")]
     j = chaos.judge(got, ref)
     assert (j["exact"], j["differing"], j["clean_error"], j["router_cut"], j["lost"],
-            j["hung"]) == (1, 1, 1, 1, 1, 1)
+            j["hung"], j["unreferenced"]) == (1, 1, 1, 1, 1, 1, 1)
     assert j["clean_error_by_code"] == {"502": 1}
     assert [p["index"] for p in j["problems"]] == [1, 4, 5]
 
