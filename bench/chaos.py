@@ -515,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="CI size: 8 s of arrivals at 3 requests/s, short outputs")
-    ap.add_argument("--model", default=None, help="a model directory (default: the bundled "
-                    "model)")
+    ap.add_argument("--model", default=None, help="a model directory, or `tiny`: a tiny random "
+                    "Llama made for the run (the tests' `make_tiny_model_dir`; default: the "
+                    "bundled model)")
     ap.add_argument("--rate", type=float, default=None, help="requests/s (default 2; quick 3)")
     ap.add_argument("--duration", type=float, default=None,
                     help="seconds of arrivals per phase (default 30; quick 8)")
@@ -545,14 +546,21 @@ def main(argv: list[str] | None = None) -> int:
     duration = args.duration or (8.0 if args.quick else 30.0)
     long_tokens = args.long_tokens or (320 if args.quick else 1024)
     max_tokens = args.max_tokens or (64 if args.quick else 48)
-    model = str(Path(args.model).resolve()) if args.model else None
+    logs = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
+    if args.model == "tiny":
+        sys.path.insert(0, str(REPO))
+        from tests.engine.utils import make_tiny_model_dir
+
+        make_tiny_model_dir(logs / "tiny")
+        model: str | None = str(logs / "tiny")
+    else:
+        model = str(Path(args.model).resolve()) if args.model else None
     if model is None:
         from tandem.protocol.bundled import BUNDLED_NAME
         served = BUNDLED_NAME
     else:
         served = MODEL_NAME
     reqs = workload(served, rate, duration, args.seed, long_tokens, max_tokens)
-    logs = Path(tempfile.mkdtemp(prefix="tandem-chaos-"))
     worker_flags = ["--num-threads", "1", "--max-model-len", str(long_tokens + max_tokens + 64),
                     "--kv-cache-memory", str((128 if args.quick else 512) << 20)]
     fleet = plan_fleet(model, logs, worker_flags)
