@@ -252,3 +252,28 @@ def test_stale_idle_connections_are_not_reused():
             await pool.close()
 
     run(main())
+
+
+def test_connections_counts_those_in_use_and_idle_and_forgets_closed_ones():
+    async def answer_once(reader, writer):  # then the worker goes (a kill closes the socket)
+        await read_request(reader)
+        await asyncio.sleep(0.2)
+        writer.write(json_answer({}))
+        await writer.drain()
+
+    async def main():
+        async with serve(answer_once) as (url, _):
+            pool = UpstreamPool()
+            assert pool.connections() == (0, 0)
+            asks = [asyncio.ensure_future(pool.post(url, "/", b"", {})) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            assert pool.connections() == (2, 0)  # both waiting for their answers
+            for ask in asks:
+                resp = await ask
+                await resp.read()
+                resp.release()
+            await asyncio.sleep(0.1)  # the server has closed both idle connections
+            assert pool.connections() == (0, 0)  # never negative: closed idle ones drop out
+            await pool.close()
+
+    run(main())

@@ -375,6 +375,11 @@ class AsyncLLMEngine(EngineAPI):
         self._send(_Abort(request_id))
 
     @property
+    def open_streams(self) -> int:
+        """Requests whose outputs a caller is still reading (submitted, not yet ended)."""
+        return len(self._streams)
+
+    @property
     def alive(self) -> bool:
         return (self._thread.is_alive() and self.dead is None
                 and self.executor_dead() is None)

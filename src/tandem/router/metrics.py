@@ -67,6 +67,14 @@ class RouterMetrics:
         self.worker_indexed_blocks = Gauge("tandem_router_worker_indexed_blocks",
                                            "Blocks the index holds for the worker",
                                            ["worker"], registry=r, multiprocess_mode="mostrecent")
+        self.worker_in_flight = Gauge("tandem_router_worker_requests_in_flight",
+                                      "Requests this router has open on the worker (sent, "
+                                      "response not finished)", ["worker"], registry=r,
+                                      multiprocess_mode="mostrecent")
+        self.upstream_connections = Gauge("tandem_router_upstream_connections",
+                                          "Open HTTP connections to workers, by state: active "
+                                          "(carrying a request) or idle (kept alive)",
+                                          ["state"], registry=r, multiprocess_mode="mostrecent")
         self.worker_events_connected = Gauge("tandem_router_worker_kv_events_connected",
                                              "1 while the worker's KV event stream is live",
                                              ["worker"], registry=r, multiprocess_mode="mostrecent")
@@ -88,7 +96,7 @@ class RouterMetrics:
         # flow control (`flowcontrol`): labels are the priority band and the tenant
         self.flow_queued = Gauge("tandem_router_flow_queued",
                                  "Requests waiting in flow control's queue, by band and tenant",
-                                 ["band", "tenant"], registry=r, multiprocess_mode="livesum")
+                                 ["band", "tenant"], registry=r, multiprocess_mode="mostrecent")
         self.flow_dispatched = Counter("tandem_router_flow_dispatched_total",
                                        "Requests flow control let through to routing, by band "
                                        "and tenant", ["band", "tenant"], registry=r)

@@ -30,6 +30,7 @@ from tandem.protocol.tokenizer import Tokenizer
 
 TEXT_CHUNK_CHARS = 256  # approximate mode: one pseudo-block per this many characters
 SEGMENT_BLOCKS = 32  # blocks per memoized stretch of a hash chain
+MAX_TOKEN_ID = 2**32 - 1  # token ids hash as uint32 (`token_bytes`); no vocabulary is larger
 MEMO_BYTES = 32 << 20  # token bytes the chain memo keeps (about as much again in hashes)
 
 
@@ -108,6 +109,8 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
             prompt = prompt[0]  # a batch goes to one worker; route on its first prompt
         if isinstance(prompt, list):
             text, ids = "", prompt  # validated: a fresh list of ints >= 0 (TokenIds)
+            if ids and max(ids) > MAX_TOKEN_ID:  # beyond any vocabulary: nothing to hash;
+                ids = None  # the worker refuses it (400, naming its vocabulary's bound)
         else:
             text = prompt or ""
             ids = tokenizer.encode(text) if tokenizer is not None else None

@@ -60,6 +60,7 @@ class RouterApp:
     # which worker stored each Responses API response this router relayed
     locations: ResponseLocations = field(default_factory=ResponseLocations)
     epp: Any = None  # the endpoint picker's gRPC server while it runs (`extproc.server`)
+    _openapi: dict | None = None  # /openapi.json, made on its first request
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -146,6 +147,11 @@ class RouterApp:
             metrics.worker_ready.labels(w.id).set(1 if w.routable(now) else 0)
             metrics.worker_indexed_blocks.labels(w.id).set(router.index.num_blocks(w.id))
             metrics.worker_events_connected.labels(w.id).set(1 if w.events_connected else 0)
+            metrics.worker_in_flight.labels(w.id).set(w.local_in_flight)
+        if self.upstream is not None:
+            active, idle = self.upstream.connections()
+            metrics.upstream_connections.labels("active").set(active)
+            metrics.upstream_connections.labels("idle").set(idle)
         metrics.reload_errors.labels("api_keys").set(settings.api_keys.reload_errors)
         if settings.worker_key is not None:
             metrics.reload_errors.labels("worker_auth_key").set(
@@ -191,7 +197,11 @@ class RouterApp:
 
     async def openapi(self, request: Request) -> JSONResponse:
         self.settings.api_keys.tenant(request.headers.get("authorization"))
-        return JSONResponse(request.app.openapi())
+        if self._openapi is None:
+            from tandem.router.openapi import with_bodies
+
+            self._openapi = with_bodies(request.app.openapi())
+        return JSONResponse(self._openapi)
 
     async def completions(self, request: Request) -> Response:
         return await stages.handle(self, "completions", "/v1/completions", request)

@@ -243,6 +243,7 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, bytes]] = {}  # base URL -> host, port, Host
         self.opened = 0  # connections opened so far (for tests and metrics)
+        self._open: set[_Connection] = set()  # every connection not known to be closed
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
         t = self._targets.get(base_url)
@@ -267,7 +268,15 @@ class UpstreamPool:
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {host}:{port}: {exc}") from exc
         self.opened += 1
+        self._open.add(conn)
         return conn
+
+    def connections(self) -> tuple[int, int]:
+        """(in use, idle) connections now open: one in use carries a request whose response
+        is not finished; once every request has ended, a pool leaks none when in use is 0."""
+        self._open = {c for c in self._open if not c.lost}
+        idle = sum(not c.lost for v in self._idle.values() for c in v)  # lost: pruned on use
+        return len(self._open) - idle, idle
 
     def _take_idle(self, key: tuple[str, int]) -> _Connection | None:
         idle = self._idle.get(key)

@@ -8,7 +8,7 @@ A worker with a key (`--worker-auth-key-file`) serves both only when the call is
 `tandem_worker_auth_rejected_total`), and at most `max_subscribers` streams at once
 (RESOURCE_EXHAUSTED beyond; a stream that ends frees its slot). Runs on grpc.aio in the
 same event loop as the HTTP server. Messages are protobuf only: nothing received is
-unpickled or evaluated.
+unpickled or evaluated; bytes that do not parse end INVALID_ARGUMENT (`MalformedRequests`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -166,6 +167,42 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             logger.info("KV subscriber %d left", sid)
 
 
+class MalformedRequests(grpc.aio.ServerInterceptor):
+    """Request bytes that do not parse as the method's message end INVALID_ARGUMENT (grpc.aio
+    would answer UNKNOWN and log the parser's traceback as a server error): each unary-request
+    handler gets the raw bytes and parses them itself."""
+
+    async def intercept_service(self, continuation: Any,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        kw = {"request_deserializer": None, "response_serializer": handler.response_serializer}
+
+        async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except Exception as exc:  # noqa: BLE001 - whatever the parser refuses
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"malformed request message ({type(exc).__name__})")
+
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await inner(await parsed(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        streamed = handler.unary_stream
+
+        async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            async for message in streamed(await parsed(raw, context), context):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(stream, **kw)
+
+
 async def start_grpc_server(service: WorkerService, host: str, port: int,
                             kv_transfer: KVTransferService | None = None,
                             tls: TLSFiles | None = None) -> grpc.aio.Server:
@@ -174,7 +211,7 @@ async def start_grpc_server(service: WorkerService, host: str, port: int,
     it names a server name, only clients whose certificate carries that identity."""
     # a Prefill request carries a whole prompt's token ids (4 bytes each at most)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)],
-                             interceptors=server_interceptors(tls))
+                             interceptors=[MalformedRequests(), *server_interceptors(tls)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     if kv_transfer is not None:
         add_kv_transfer_service(server, kv_transfer)

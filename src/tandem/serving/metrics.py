@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -200,6 +200,20 @@ class ServerMetrics:
         self.kv_peer_pulled_blocks = Counter("tandem_kv_peer_pulled_blocks",
                                              "KV blocks (every layer) received by peer pulls",
                                              lbl, registry=reg).labels(model_name)
+        self.kv_streams = Gauge("tandem_kvtransfer_streams_active",
+                                "KV page transfers in progress, by direction: send (Prefill "
+                                "calls this prefill worker is serving) or receive (remote "
+                                "prefills this decode worker is fetching)",
+                                ["model_name", "direction"], registry=reg)
+        self.kv_streams.labels(model_name, "send").set_function(lambda: self.kv_sending())
+        self.kv_receiving = self.kv_streams.labels(model_name, "receive")
+        self.kv_sending: Callable[[], int] = lambda: 0  # the KV transfer service's count
+        self.in_flight = Gauge("tandem_worker_requests_in_flight",
+                               "Generation requests submitted to the engine whose outputs are "
+                               "still being read (each ends when its answer or stream does)",
+                               lbl, registry=reg)
+        self.open_streams: Callable[[], int] = lambda: 0  # the engine's, once it is loaded
+        self.in_flight.labels(model_name).set_function(lambda: self.open_streams())
         self.auth_rejected = Counter("tandem_worker_auth_rejected",
                                      "Requests and gRPC calls refused for want of a valid "
                                      "router signature, by reason (no_key, missing, "

@@ -90,7 +90,8 @@ class PrefillImports:
         backend = self.settings.backend
         t0 = time.monotonic()
         try:
-            imp = await remote.fetch(target, sub_id, ids, salt, lora_name)
+            with self.metrics.kv_receiving.track_inprogress():
+                imp = await remote.fetch(target, sub_id, ids, salt, lora_name)
         except NoRoomForImport as exc:  # memory pressure here, not a failed transfer
             self.metrics.kv_fetches.labels(self.model_name, exc.reason, backend).inc()
             logger.info("%s; computing the prompt here", exc)

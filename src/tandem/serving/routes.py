@@ -149,6 +149,7 @@ class WorkerApp:
                                            settings.auth_key, self.refused,
                                            draining=lambda: self.draining)
             self.kv_service = kv_service
+            self.metrics.kv_sending = lambda: kv_service.calls  # type: ignore[union-attr]
             grpc_server = await start_grpc_server(
                 service, settings.grpc_host, settings.grpc_port, kv_service,
                 settings.tls)
@@ -179,6 +180,7 @@ class WorkerApp:
                 self.on_load_failure(holder.error)
             return
         holder.engine = t.result()
+        metrics.open_streams = lambda engine=holder.engine: engine.open_streams
         state = holder.engine.state
         spec = holder.engine.config.speculative_config
         metrics.attach(state.block_size, state.num_usable_blocks,
