@@ -50,7 +50,8 @@ class RouterMetrics:
                                   "Requests answered with prefill and decode on one worker, "
                                   "by reason (below_threshold, prompt_logprobs, "
                                   "decode_not_capable, unsigned, no_prefill_worker, "
-                                  "prefill_busy)", ["reason"], registry=r)
+                                  "prefill_busy, prefill_backlog, local_faster)", ["reason"],
+                                  registry=r)
         self.worker_ready = Gauge("tandem_router_worker_ready",
                                   "1 if the worker passes readiness and its breaker is closed",
                                   ["worker"], registry=r, multiprocess_mode="mostrecent")

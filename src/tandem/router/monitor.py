@@ -48,6 +48,7 @@ from tandem.router.workers import (
     WorkerLoad,
     bounded_costs,
     bounded_kv_usage,
+    bounded_transfer,
 )
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ class WorkerMonitor:
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
                 w.kv_cache_dtype = info.get("kv_cache_dtype") or w.kv_cache_dtype
                 w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
+                w.prefill_chunk_cap = _count(info.get("long_prefill_token_threshold"),
+                                             w.prefill_chunk_cap)
+                w.max_batched_tokens = _length(info.get("max_num_batched_tokens")) \
+                    or w.max_batched_tokens
                 report = LoRAReport.from_json(info.get("lora"),
                                               _length(info.get("max_loras")) or 0,
                                               info.get("lora_adapters"))
@@ -248,6 +253,9 @@ class WorkerMonitor:
                 (self.worker.load.prefill_s_per_token, self.worker.load.decode_step_s,
                  self.worker.load.pending_prefill_tokens) = bounded_costs(
                     load.prefill_s_per_token, load.decode_step_s, load.pending_prefill_tokens)
+                (self.worker.load.peer_pull_s_per_block,
+                 self.worker.load.kv_block_bytes) = bounded_transfer(
+                    load.peer_pull_s_per_block, load.kv_block_bytes)
                 if load.max_loras:  # applied unless older than the set held
                     versioned = bool(load.lora_instance)
                     self.worker.apply_lora_report(LoRAReport.reported(
@@ -269,6 +277,12 @@ class _SequenceGap(Exception):
 def _length(value: object) -> int | None:
     """A context length a worker reported, if it is a positive int."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _count(value: object, held: int | None) -> int | None:
+    """A non-negative int a worker reported, else `held`."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+    return value if ok else held  # type: ignore[return-value]
 
 
 MAX_SERVED_NAMES = 64  # served names taken from one readiness report

@@ -79,6 +79,10 @@ class WorkerLoad:
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
     pending_prefill_tokens: int = 0
+    # measured seconds to pull one KV block (every layer) from a peer (0.0: not measured),
+    # and the bytes of one block (0: not reported); `bounded_transfer` clamps them
+    peer_pull_s_per_block: float = 0.0
+    kv_block_bytes: int = 0
 
 
 MAX_PREFILL_S_PER_TOKEN = 0.1  # 10 tokens/s: slower than any real prefill
@@ -94,6 +98,16 @@ def bounded_costs(prefill_s_per_token: float, decode_step_s: float,
     return (_clamp(prefill_s_per_token, MAX_PREFILL_S_PER_TOKEN),
             _clamp(decode_step_s, MAX_DECODE_STEP_S),
             int(_clamp(float(pending_prefill_tokens), MAX_PENDING_PREFILL_TOKENS)))
+
+
+MAX_PULL_S_PER_BLOCK = 10.0
+MAX_KV_BLOCK_BYTES = 1 << 34
+
+
+def bounded_transfer(peer_pull_s_per_block: float, kv_block_bytes: int) -> tuple[float, int]:
+    """A worker's reported transfer costs made safe to compute with (as `bounded_costs`)."""
+    return (_clamp(peer_pull_s_per_block, MAX_PULL_S_PER_BLOCK),
+            int(_clamp(float(kv_block_bytes), MAX_KV_BLOCK_BYTES)))
 
 
 def bounded_kv_usage(reported: float) -> float:
@@ -196,6 +210,10 @@ class Worker:
     # called with the worker after a field in `WATCHED` is assigned (the router's
     # `saturation.SaturationBook` re-files it); None: nobody watches
     watcher: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
+    # its scheduler's per-request prefill chunk cap (--long-prefill-token-threshold; 0: none)
+    # and per-step token budget (--max-num-batched-tokens), from /ready; None: not known
+    prefill_chunk_cap: int | None = None
+    max_batched_tokens: int | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

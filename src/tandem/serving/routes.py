@@ -349,7 +349,10 @@ class WorkerApp:
             body.update(block_size=engine.state.block_size,
                         max_model_len=engine.state.max_model_len,
                         kv_cache_dtype=engine.config.kv_cache_dtype,
-                        quantization=engine.config.quantization)
+                        quantization=engine.config.quantization,
+                        # how its scheduler shares steps (the router's P/D cost estimate)
+                        long_prefill_token_threshold=engine.config.long_prefill_token_threshold,
+                        max_num_batched_tokens=engine.config.max_num_batched_tokens)
             lora = engine.lora
             if lora is not None:  # the router's LoRA affinity learns residency from here
                 state = lora.state  # one consistent version (digests: how to hash prompts)
