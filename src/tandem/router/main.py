@@ -517,8 +517,9 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"),
-        pd_decision=args.pd_decision or cfg.get("pd_decision", "cost"),
-        pd_itl_weight=_weight(args.pd_itl_weight, cfg.get("pd_itl_weight", 1.0)))
+        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "cost"),
+        pd_itl_weight=_weight(getattr(args, "pd_itl_weight", None),
+                              cfg.get("pd_itl_weight", 1.0)))
     from tandem.router.flowcontrol.settings import FlowSettings
 
     try:
