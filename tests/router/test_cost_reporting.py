@@ -140,15 +140,21 @@ class _AbsurdWorker(worker_pb2_grpc.WorkerServicer):
         self.costs = costs
 
     async def GetLoad(self, request, context):  # noqa: N802, ANN001, ANN201
-        rate, step, pending = self.costs
+        rate, step, pending, *transfer = self.costs
+        pull, block_bytes = transfer or (0.0, 0)
         return worker_pb2.Load(num_running=2, prefill_s_per_token=rate, decode_step_s=step,
-                               pending_prefill_tokens=pending)
+                               pending_prefill_tokens=pending, peer_pull_s_per_block=pull,
+                               kv_block_bytes=block_bytes)
 
 
 @pytest.mark.parametrize(("reported", "want"), [
     ((float("nan"), float("-inf"), 0), (0.0, 0.0, 0)),
     ((-3.0, 1e30, (1 << 64) - 1), (0.0, 10.0, 1 << 32)),
     ((0.25, 0.5, 77), (0.1, 0.5, 77)),
+    # the transfer costs the P/D cost decision reads (peer pull s per block, block bytes)
+    ((0.0, 0.0, 0, float("nan"), 0), (0.0, 0.0, 0, 0.0, 0)),
+    ((0.0, 0.0, 0, 1e9, (1 << 64) - 1), (0.0, 0.0, 0, 10.0, 1 << 34)),
+    ((0.0, 0.0, 0, 0.002, 737_280), (0.0, 0.0, 0, 0.002, 737_280)),
 ])
 def test_the_monitor_bounds_what_a_worker_reports(reported, want):
     async def scenario() -> Worker:
@@ -169,5 +175,6 @@ def test_the_monitor_bounds_what_a_worker_reports(reported, want):
         return w
 
     w = asyncio.run(scenario())
-    got = (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens)
-    assert got == pytest.approx(want)
+    got = (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens,
+           w.load.peer_pull_s_per_block, w.load.kv_block_bytes)
+    assert got[:len(want)] == pytest.approx(want)
