@@ -134,6 +134,7 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
 
     cores = sorted(os.sched_getaffinity(0))
     c0, c1 = cores[0], cores[-1]
+    load_before = os.getloadavg()[0]  # other processes on the cores make a run noisy
     with contextlib.ExitStack() as stack:
         if name == "aggregated":
             urls = [stack.enter_context(launched(worker("both0", c0, "both", free_port()))),
@@ -149,7 +150,8 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
         results = asyncio.run(run_rate(url, BUNDLED_NAME, [r for _, r in reqs], 1.0, seed,
                                        offsets=offsets))
         routed = pd_counts(url)
-    out: dict = {"setup": name, "routed": routed, "by_class": {}}
+    out: dict = {"setup": name, "routed": routed,
+                 "loadavg_1m": [load_before, os.getloadavg()[0]], "by_class": {}}
     log(f"[{name}] routed: {routed}")
     for cls in ("short", "long"):
         rs = [res for (c, _), res in zip(reqs, results, strict=True) if c == cls]
