@@ -40,6 +40,7 @@ def setup(prompt_tokens: int = 64, *, p: dict | None = None, d: dict | None = No
     p1's chunk cap `cap`; `settings`: RouterSettings fields."""
     prompt = parsed(prompt_tokens)
     router = build([W("d", role="decode"), W("p1")], prompt, threshold=16)
+    router.settings.pd_decision = "cost"
     for k, v in settings.items():
         setattr(router.settings, k, v)
     loaded(router, "d", **(d if d is not None else {"prefill_s_per_token": R,
@@ -217,7 +218,8 @@ def test_randomized_margins_and_monotonicity():
             assert estimate(d, p, u_d, u_p, unseen, weight, max_local).disaggregate
 
 
-@pytest.mark.parametrize("cluster", [{"pd_threshold": 16}], indirect=True)
+@pytest.mark.parametrize("cluster", [{"pd_threshold": 16, "pd_decision": "cost"}],
+                         indirect=True)
 def test_the_cost_reasons_reach_the_metric(cluster):  # noqa: F811 - the fixture
     router, seen, targets = cluster
     core = router.core

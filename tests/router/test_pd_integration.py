@@ -30,9 +30,9 @@ def pd(tmp_path_factory):
     try:
         for w in (*workers, single):
             wait_for(w, "/ready", 200, timeout=240)
-        # the threshold rule: these tests are about P/D's mechanics, and the cost decision
-        # (the default; `test_pd_cost`) prefills on an idle decode worker, which has no
-        # streams to spare
+        # the threshold rule, stated: these tests are about P/D's mechanics, and the cost
+        # decision (`test_pd_cost`) prefills on an idle decode worker, which has no streams
+        # to spare
         router = RouterProcess(tmp, [w.url for w in workers], "--pd-decision", "threshold")
         router.wait_events(2)
         yield router, *workers, single

@@ -36,7 +36,7 @@ class RouterSpec:
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
     pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
-    pd_decision: str = "cost"  # cost | threshold (the router's --pd-decision)
+    pd_decision: str = "threshold"  # threshold | cost (the router's --pd-decision)
     pd_itl_weight: float = 1.0  # the cost decision's weight of the decode streams' stall
     api_keys_secret: str | None = None
     api_keys_key: str = "api-keys"
@@ -166,7 +166,7 @@ def parse_router(d: dict) -> RouterSpec:
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
         pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
         pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
-        pd_decision=get_enum(d, "pdDecision", "cost", w, ("cost", "threshold")),
+        pd_decision=get_enum(d, "pdDecision", "threshold", w, ("threshold", "cost")),
         pd_itl_weight=_itl_weight(get_num(d, "pdItlWeight", 1.0, w)),
         api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
         api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),

@@ -73,10 +73,10 @@ class RouterSettings:
     # ... except for prompts lacking more than this many tokens: a long local prefill would
     # stall every stream on the decode worker, so they queue on a prefill worker; 0 = no cap
     pd_max_local_prefill: int = 1024
-    # how the P/D decision is made (`pd`): "cost" (`pd_cost`: measured rates and backlogs;
-    # the threshold rule while a prefill worker is unmeasured) or "threshold"; and the weight
+    # how the P/D decision is made (`pd`): "threshold" or "cost" (`pd_cost`: measured rates
+    # and backlogs; the threshold rule while a prefill worker is unmeasured); and the weight
     # of a local prefill's stall of the decode worker's running streams in "cost"
-    pd_decision: str = "cost"
+    pd_decision: str = "threshold"
     pd_itl_weight: float = 1.0
     seed: int | None = None
     # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests

@@ -17,8 +17,8 @@ Workers join, leave and turn unready as the slices change.
 
 Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (role
 `prefill`) for a model, a request whose decode worker lacks at least `--pd-threshold` prompt
-tokens (default 16) has its prefill run on one of them when `--pd-decision cost` (the
-default) estimates that beats prefilling it where it decodes; without, every request is
+tokens (default 16) has its prefill run on one of them (with `--pd-decision cost`, only
+when that is estimated to beat prefilling it where it decodes); without, every request is
 aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
@@ -160,11 +160,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "tokens still queues on a prefill worker rather than prefilling on "
                         "the decode worker (default 1024; 0: no cap)")
     p.add_argument("--pd-decision", choices=("cost", "threshold"), default=None,
-                   help="cost (default): disaggregate when the prefill worker's backlog, "
-                        "prefill and page transfer beat prefilling on the decode worker plus "
-                        "the stall that costs its running streams (measured rates; the "
-                        "threshold rule until a prefill worker has measured its rate); "
-                        "threshold: whenever --pd-threshold tokens are missing")
+                   help="threshold (default): disaggregate whenever --pd-threshold tokens are "
+                        "missing; cost: when the prefill worker's backlog, prefill and page "
+                        "transfer beat prefilling on the decode worker plus the stall that "
+                        "costs its running streams (measured rates; the threshold rule until "
+                        "a prefill worker has measured its rate)")
     p.add_argument("--pd-itl-weight", type=float, default=None, metavar="W",
                    help="with --pd-decision cost: seconds of TTFT a local prefill may save "
                         "per second it stalls each running stream on the decode worker "
@@ -517,7 +517,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"),
-        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "cost"),
+        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "threshold"),
         pd_itl_weight=_weight(getattr(args, "pd_itl_weight", None),
                               cfg.get("pd_itl_weight", 1.0)))
     from tandem.router.flowcontrol.settings import FlowSettings

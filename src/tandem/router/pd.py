@@ -20,7 +20,7 @@ Only up to a point: a prompt lacking more than `pd_max_local_prefill` tokens (as
 max local prefill length) would stall every stream on the decode worker for its whole
 prefill, so it still goes to the best prefill worker and queues there.
 
-Cost-based decision (`RouterSettings.pd_decision` "cost", the default): once a prefill
+Cost-based decision (`RouterSettings.pd_decision` "cost"; default "threshold"): once a prefill
 worker is picked, `pd_cost.estimate` weighs its backlog, rate and the transfer against
 prefilling on the decode worker (and the stall that costs its running streams); the request
 is aggregated when local wins, with reason `prefill_backlog` or `local_faster`. While the
