@@ -23,7 +23,7 @@ two machines, and a `tandem router` in front:
 Those P/D setups use the threshold rule (`--pd-decision threshold`); two more decide per
 request:
 
-* adaptive: the router's cost decision (`--pd-decision cost`, the product's default): the
+* adaptive: the router's cost decision (`--pd-decision cost`; the default is threshold): the
   prefill worker only when its backlog, the prompt's prefill there and the page transfer
   beat prefilling on the decode worker plus the stall that costs its running streams;
 * dynamo: NVIDIA Dynamo's conditional disaggregation as the baseline: remote only when the
