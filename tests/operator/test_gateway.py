@@ -432,6 +432,8 @@ REFUSED = [
     (with_router(AGG, {"attachTo": "alpha", "strategy": {"maxSurge": 2}}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "flowControl": {"enabled": True}}),
      "router.attachTo"),
+    (with_router(AGG, {"attachTo": "alpha", "pdDecision": "cost"}), "router.attachTo"),
+    (with_router(AGG, {"attachTo": "alpha", "pdItlWeight": 2}), "router.attachTo"),
 ]
 
 
@@ -452,6 +454,9 @@ def test_attached_error_names_the_fields():
     # defaults spelled out are not settings
     assert cel(with_router(AGG, {"attachTo": "alpha", "replicas": 1})) == []
     parse_spec(with_router(AGG, {"attachTo": "alpha", "replicas": 1}))
+    same = {"attachTo": "alpha", "pdDecision": "threshold", "pdItlWeight": 1}
+    assert cel(with_router(AGG, same)) == []
+    parse_spec(with_router(AGG, same))
 
 
 def test_accepted_specs_pass_cel():

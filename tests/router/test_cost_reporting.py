@@ -59,6 +59,11 @@ def test_prefill_chunks_decodes_and_pending_prompt_tokens():
     assert split_tokens(steps) == (32 + 36, 2)
     recompute = _req(10, outputs=5)  # preempted: prompt and outputs recomputed at once
     assert split_tokens([ScheduledRequest(recompute, 0, 15)]) == (15, 0)
+    # a prompt imported from a prefill worker (or all cached) computes only its last token:
+    # a decode's cost, not a 1-token prefill (which would read as one step per token)
+    imported = _req(96, computed=95)
+    assert split_tokens([ScheduledRequest(imported, 95, 1), ScheduledRequest(decoding, 12, 1)]
+                        ) == (0, 2)
     # waiting: every token (their cache hits are unknown until admission); running: the
     # prompt tokens not computed yet
     assert pending_prefill_tokens(running=[chunked, decoding], waiting=[fresh, recompute]) \
@@ -123,6 +128,9 @@ def test_a_real_workers_measured_costs_reach_the_routers_worker_load(grpc_tiny_w
     # float32 on the wire, the same values on both sides (the engine is idle: unchanged)
     assert (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens) \
         == (load.prefill_s_per_token, load.decode_step_s, 0)
+    # how its scheduler shares a step (/ready), for the P/D cost estimate: no per-request
+    # chunk cap on a CPU "both" worker, vLLM's default budget
+    assert (w.prefill_chunk_cap, w.max_batched_tokens) == (0, 1024)
 
 
 class _AbsurdWorker(worker_pb2_grpc.WorkerServicer):
@@ -132,15 +140,21 @@ class _AbsurdWorker(worker_pb2_grpc.WorkerServicer):
         self.costs = costs
 
     async def GetLoad(self, request, context):  # noqa: N802, ANN001, ANN201
-        rate, step, pending = self.costs
+        rate, step, pending, *transfer = self.costs
+        pull, block_bytes = transfer or (0.0, 0)
         return worker_pb2.Load(num_running=2, prefill_s_per_token=rate, decode_step_s=step,
-                               pending_prefill_tokens=pending)
+                               pending_prefill_tokens=pending, peer_pull_s_per_block=pull,
+                               kv_block_bytes=block_bytes)
 
 
 @pytest.mark.parametrize(("reported", "want"), [
     ((float("nan"), float("-inf"), 0), (0.0, 0.0, 0)),
     ((-3.0, 1e30, (1 << 64) - 1), (0.0, 10.0, 1 << 32)),
     ((0.25, 0.5, 77), (0.1, 0.5, 77)),
+    # the transfer costs the P/D cost decision reads (peer pull s per block, block bytes)
+    ((0.0, 0.0, 0, float("nan"), 0), (0.0, 0.0, 0, 0.0, 0)),
+    ((0.0, 0.0, 0, 1e9, (1 << 64) - 1), (0.0, 0.0, 0, 10.0, 1 << 34)),
+    ((0.0, 0.0, 0, 0.002, 737_280), (0.0, 0.0, 0, 0.002, 737_280)),
 ])
 def test_the_monitor_bounds_what_a_worker_reports(reported, want):
     async def scenario() -> Worker:
@@ -161,5 +175,6 @@ def test_the_monitor_bounds_what_a_worker_reports(reported, want):
         return w
 
     w = asyncio.run(scenario())
-    got = (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens)
-    assert got == pytest.approx(want)
+    got = (w.load.prefill_s_per_token, w.load.decode_step_s, w.load.pending_prefill_tokens,
+           w.load.peer_pull_s_per_block, w.load.kv_block_bytes)
+    assert got[:len(want)] == pytest.approx(want)

@@ -30,7 +30,10 @@ def pd(tmp_path_factory):
     try:
         for w in (*workers, single):
             wait_for(w, "/ready", 200, timeout=240)
-        router = RouterProcess(tmp, [w.url for w in workers])
+        # the threshold rule, stated: these tests are about P/D's mechanics, and the cost
+        # decision (`test_pd_cost`) prefills on an idle decode worker, which has no streams
+        # to spare
+        router = RouterProcess(tmp, [w.url for w in workers], "--pd-decision", "threshold")
         router.wait_events(2)
         yield router, *workers, single
     finally:

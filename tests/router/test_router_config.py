@@ -79,6 +79,29 @@ def test_pd_bounds_from_yaml_and_flag(tmp_path, key, default, in_yaml, by_flag):
         build(_args("--workers", "http://a:1", flag_name, "-1"))
 
 
+def test_pd_decision_and_itl_weight_from_yaml_and_flag(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\npd_decision: cost\npd_itl_weight: 2.5\n")
+    settings = build(_args("--workers", "http://a:1"))[1].settings
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("threshold", 1.0)
+    settings = build(_args("--config", str(cfg)))[1].settings
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("cost", 2.5)
+    settings = build(_args("--config", str(cfg), "--pd-decision", "threshold",
+                           "--pd-itl-weight", "0"))[1].settings
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("threshold", 0.0)
+    for bad in ("-1", "nan", "1001"):
+        with pytest.raises(SystemExit, match="pd_itl_weight: a number in"):
+            build(_args("--workers", "http://a:1", "--pd-itl-weight", bad))
+    with pytest.raises(SystemExit):  # argparse: exit 2
+        build(_args("--workers", "http://a:1", "--pd-decision", "sometimes"))
+    cfg.write_text("workers: [http://a:8000]\npd_decision: sometimes\n")
+    with pytest.raises(RouterConfigError, match="pd_decision"):
+        build(_args("--config", str(cfg)))
+    cfg.write_text("workers: [http://a:8000]\npd_itl_weight: -1\n")
+    with pytest.raises(RouterConfigError, match="pd_itl_weight"):
+        build(_args("--config", str(cfg)))
+
+
 def test_pd_threshold_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\npd_threshold: 128\n")

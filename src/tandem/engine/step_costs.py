@@ -53,13 +53,15 @@ def _ewma(old: float, sample: float) -> float:
 
 def split_tokens(scheduled: Iterable[object]) -> tuple[int, int]:
     """(prefill tokens, decoding requests) of a step's `ScheduledRequest`s: a prompt chunk
-    (or a recomputation after preemption) is prefill, one new token plus drafts a decode."""
+    (or a recomputation after preemption) is prefill, one new token plus drafts a decode.
+    A prompt's only computed token (the rest cached, or imported from a prefill worker)
+    costs what a decode does, so it counts as one: as a 1-token prefill it would make a P/D
+    decode worker's prefill rate read one step per token."""
     prefill = decodes = 0
     for s in scheduled:
         fresh = s.num_new_tokens - len(s.spec_token_ids)  # type: ignore[attr-defined]
-        req: Request = s.request  # type: ignore[attr-defined]
-        if fresh > 1 or s.start < req.num_prompt_tokens:  # type: ignore[attr-defined]
-            prefill += max(fresh, 0)
+        if fresh > 1:
+            prefill += fresh
         else:
             decodes += 1
     return prefill, decodes

@@ -153,7 +153,8 @@ def parse_attach_to(d: dict[str, Any]) -> str | None:
 # the CRD's router defaults: a defaulted field is not one the user set
 _CRD_DEFAULTS: dict[str, Any] = {
     "replicas": 1, "policy": "cost", "pdThreshold": 16, "pdMaxPrefillQueue": 0,
-    "pdMaxLocalPrefill": 1024, "managedRedis": False, "sharedIndex": False,
+    "pdMaxLocalPrefill": 1024, "pdDecision": "threshold", "pdItlWeight": 1.0,
+    "managedRedis": False, "sharedIndex": False,
     "serviceType": "ClusterIP", "strategy": {}, "mode": "router"}
 
 

@@ -36,6 +36,8 @@ class RouterSpec:
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
     pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
+    pd_decision: str = "threshold"  # threshold | cost (the router's --pd-decision)
+    pd_itl_weight: float = 1.0  # the cost decision's weight of the decode streams' stall
     api_keys_secret: str | None = None
     api_keys_key: str = "api-keys"
     # keys that may load / unload LoRA adapters through the router (needs api_keys_secret)
@@ -139,6 +141,12 @@ _WEIGHTS = {"prefix": 2.0, "queue": 1.0, "kvUsage": 0.5, "inflightTokens": 0.5,
             "cacheChurn": 1.0, "loraAffinity": 1.0, "cost": 0.0, "sessionAffinity": 1.0}
 
 
+def _itl_weight(value: float | None) -> float:
+    if value is None or not value <= 1000:  # NaN fails too
+        raise SpecError(f"router.pdItlWeight: {value} is not in [0, 1000]")
+    return value
+
+
 def parse_router(d: dict) -> RouterSpec:
     """`spec.router` with the CRD's defaults; `SpecError` names the field."""
     w = "router"
@@ -158,6 +166,8 @@ def parse_router(d: dict) -> RouterSpec:
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
         pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
         pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
+        pd_decision=get_enum(d, "pdDecision", "threshold", w, ("threshold", "cost")),
+        pd_itl_weight=_itl_weight(get_num(d, "pdItlWeight", 1.0, w)),
         api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
         api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
         admin_api_keys_secret=get(admin, "name", str, None, "router.adminApiKeysSecret"),

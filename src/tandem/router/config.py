@@ -131,6 +131,8 @@ class RouterConfig(_Strict):
     pd_max_prefill_queue: Count | None = None
     pd_max_local_prefill: Count | None = None
     peer_pull: bool | None = None
+    pd_decision: Literal["cost", "threshold"] | None = None
+    pd_itl_weight: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] | None = None
     retries: Count | None = None
     max_migrations: Count | None = None
     max_prompt_tokens: Positive | None = None

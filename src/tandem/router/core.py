@@ -32,6 +32,7 @@ from tandem.router.churn import ChurnTracker, ChurnView
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.kvcredit import add_tier_credits
+from tandem.router.pd_cost import PrefillLedger
 from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
@@ -74,6 +75,11 @@ class RouterSettings:
     # ... except for prompts lacking more than this many tokens: a long local prefill would
     # stall every stream on the decode worker, so they queue on a prefill worker; 0 = no cap
     pd_max_local_prefill: int = 1024
+    # how the P/D decision is made (`pd`): "threshold" or "cost" (`pd_cost`: measured rates
+    # and backlogs; the threshold rule while a prefill worker is unmeasured); and the weight
+    # of a local prefill's stall of the decode worker's running streams in "cost"
+    pd_decision: str = "threshold"
+    pd_itl_weight: float = 1.0
     seed: int | None = None
     # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests
     # or this KV-cache use; `served_models` (model -> start timeout, s) may have no worker
@@ -94,6 +100,7 @@ class Router:
         self.index = PrefixIndex(settings.speculative_ttl_s)
         self.approx = ApproximateIndex(settings.approx_capacity)
         self.churn = ChurnTracker(settings.churn_half_life_s)
+        self.pd_ledger = PrefillLedger()  # prompt tokens sent to prefill workers (`pd_cost`)
         rng = self._rng = random.Random(settings.seed)
         self._pools: dict[tuple[str, str, str | None], Pool] = {}
         kwargs: dict = {"rng": rng}
@@ -125,6 +132,7 @@ class Router:
         self.index.drop(worker_id)
         self.approx.drop(worker_id)
         self.churn.drop(worker_id)
+        self.pd_ledger.forget(worker_id)
 
     def models(self) -> list[str]:
         """Models and LoRA adapters served by ready workers (for the others

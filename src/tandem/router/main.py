@@ -17,13 +17,16 @@ Workers join, leave and turn unready as the slices change.
 
 Prefill/decode disaggregation (`pd.py`) needs no switch: with prefill workers (role
 `prefill`) for a model, a request whose decode worker lacks at least `--pd-threshold` prompt
-tokens (default 16) has its prefill run on one of them; without, every request is aggregated.
+tokens (default 16) has its prefill run on one of them (with `--pd-decision cost`, only
+when that is estimated to beat prefilling it where it decodes); without, every request is
+aggregated.
 
 `router.yaml` may set any of: `workers` (list), `discovery`, `namespace`, `label_selector`,
 `inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
 weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
-`pd_max_prefill_queue`, `pd_max_local_prefill`, `peer_pull`, `retries`, `max_migrations`,
+`pd_max_prefill_queue`, `pd_max_local_prefill`, `pd_decision`, `pd_itl_weight`, `peer_pull`,
+`retries`, `max_migrations`,
 `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
 `redis` (URL or env:VAR), `index` (URL or env:VAR), `redis_key_prefix`, `drain_seconds`,
@@ -165,6 +168,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="name a KV peer holding more of the prompt than the chosen worker "
                         "when pulling it is faster than computing it (default on; acts only "
                         "with --worker-auth-key-file: the peer header is signed)")
+    p.add_argument("--pd-decision", choices=("cost", "threshold"), default=None,
+                   help="threshold (default): disaggregate whenever --pd-threshold tokens are "
+                        "missing; cost: when the prefill worker's backlog, prefill and page "
+                        "transfer beat prefilling on the decode worker plus the stall that "
+                        "costs its running streams (measured rates; the threshold rule until "
+                        "a prefill worker has measured its rate)")
+    p.add_argument("--pd-itl-weight", type=float, default=None, metavar="W",
+                   help="with --pd-decision cost: seconds of TTFT a local prefill may save "
+                        "per second it stalls each running stream on the decode worker "
+                        "(default 1; 0: TTFT alone)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits "
                         "(env:VAR: the URL from environment variable VAR)")
@@ -469,6 +482,14 @@ def _count(args: argparse.Namespace, cfg: dict[str, Any], key: str, default: int
     return value
 
 
+def _weight(flag: float | None, value: float) -> float:
+    """--pd-itl-weight (else router.yaml's): a finite number in [0, 1000]."""
+    value = flag if flag is not None else value
+    if not 0 <= value <= 1000:  # NaN fails too
+        raise SystemExit(f"pd_itl_weight: a number in [0, 1000], not {value!r}")
+    return float(value)
+
+
 def _seconds(cfg: dict[str, Any], key: str, default: float) -> float:
     """A positive number of seconds from router.yaml, else `default`."""
     value = cfg.get(key, default)
@@ -505,6 +526,9 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"),
+        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "threshold"),
+        pd_itl_weight=_weight(getattr(args, "pd_itl_weight", None),
+                              cfg.get("pd_itl_weight", 1.0)),
         peer_pull=(args.peer_pull if args.peer_pull is not None
                    else cfg.get("peer_pull", True)))
     from tandem.router.flowcontrol.settings import FlowSettings

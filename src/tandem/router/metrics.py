@@ -55,7 +55,8 @@ class RouterMetrics:
                                   "Requests answered with prefill and decode on one worker, "
                                   "by reason (below_threshold, prompt_logprobs, "
                                   "decode_not_capable, unsigned, no_prefill_worker, "
-                                  "prefill_busy)", ["reason"], registry=r)
+                                  "prefill_busy, prefill_backlog, local_faster)", ["reason"],
+                                  registry=r)
         self.peer_pulls = Counter("tandem_router_peer_pulls_total",
                                   "Requests answered by a worker told to pull the prompt's "
                                   "prefix from a KV peer, by the slowest medium the peer "

@@ -135,6 +135,10 @@ class WorkerMonitor:
                 w.kv_transfer_backend = info.get("kv_transfer_backend") or w.kv_transfer_backend
                 w.kv_cache_dtype = info.get("kv_cache_dtype") or w.kv_cache_dtype
                 w.max_model_len = _length(info.get("max_model_len")) or w.max_model_len
+                w.prefill_chunk_cap = _count(info.get("long_prefill_token_threshold"),
+                                             w.prefill_chunk_cap)
+                w.max_batched_tokens = _length(info.get("max_num_batched_tokens")) \
+                    or w.max_batched_tokens
                 report = LoRAReport.from_json(info.get("lora"),
                                               _length(info.get("max_loras")) or 0,
                                               info.get("lora_adapters"))
@@ -294,6 +298,12 @@ class _SequenceGap(Exception):
 def _length(value: object) -> int | None:
     """A context length a worker reported, if it is a positive int."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _count(value: object, held: int | None) -> int | None:
+    """A non-negative int a worker reported, else `held`."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
+    return value if ok else held  # type: ignore[return-value]
 
 
 MAX_SERVED_NAMES = 64  # served names taken from one readiness report

@@ -19,6 +19,14 @@ latency, not unbounded TTFT (and remote prefills that time out and are recompute
 Only up to a point: a prompt lacking more than `pd_max_local_prefill` tokens (as Dynamo's
 max local prefill length) would stall every stream on the decode worker for its whole
 prefill, so it still goes to the best prefill worker and queues there.
+
+Cost-based decision (`RouterSettings.pd_decision` "cost"; default "threshold"): once a prefill
+worker is picked, `pd_cost.estimate` weighs its backlog, rate and the transfer against
+prefilling on the decode worker (and the stall that costs its running streams); the request
+is aggregated when local wins, with reason `prefill_backlog` or `local_faster`. While the
+prefill worker has not measured its prefill rate, the threshold rule above decides. The
+prompt tokens sent to each prefill worker are recorded (`Router.pd_ledger`) until its next
+load report counts them.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.web import PEER_BLOCKS_HEADER, PEER_HEADER, PREFILL_HEADER
 from tandem.router import prompt as prompts
 from tandem.router.core import Router
+from tandem.router.pd_cost import Estimate, estimate
 from tandem.router.peer import PeerPull
 from tandem.router.policy import Decision
 from tandem.router.scorers import RoutingContext
@@ -48,10 +57,13 @@ class Route:
     # why it is aggregated (prefill None): below_threshold, prompt_logprobs (echo with
     # logprobs: the decode worker computes the prompt anyway), decode_not_capable,
     # unsigned (the router has no worker auth key, and workers act on no unsigned
-    # prefill target), no_prefill_worker or prefill_busy
+    # prefill target), no_prefill_worker, prefill_busy, or (the cost decision)
+    # prefill_backlog or local_faster
     reason: str = ""
     # set: aggregated, and the worker pulls the prefix it lacks from this peer (`peer`)
     peer: PeerPull | None = None
+    # the cost decision's estimates (`pd_cost`), when it decided
+    estimate: Estimate | None = None
 
     @property
     def worker(self) -> Worker:
@@ -123,7 +135,29 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
             route.prefill = pick_prefill(router, parsed, model, now, ctx, external, other_kv)
         if route.prefill is None:
             route.reason = "prefill_busy" if busy else "no_prefill_worker"
+        elif settings.pd_decision == "cost":
+            decide(router, route, ctx, parsed.token_ids is None, now)
+        if route.prefill is not None:
+            router.pd_ledger.record(route.prefill.worker,
+                                    uncached_tokens(ctx, route.prefill, parsed.token_ids is None),
+                                    now)
     return route, ctx
+
+
+def decide(router: Router, route: Route, ctx: RoutingContext, text_mode: bool,
+           now: float) -> None:
+    """The cost decision on a route with a prefill pick: keeps it, or drops it (its
+    speculative blocks retracted) with the reason, as `pd_cost.estimate` says; no
+    estimate (an unmeasured prefill worker) keeps it, as the threshold rule does."""
+    assert route.prefill is not None
+    settings, prefill = router.settings, route.prefill
+    route.estimate = est = estimate(
+        route.worker, prefill.worker, route.uncached_tokens,
+        uncached_tokens(ctx, prefill, text_mode), router.pd_ledger.unseen(prefill.worker, now),
+        settings.pd_itl_weight, settings.pd_max_local_prefill)
+    if est is not None and not est.disaggregate:
+        router.retract(prefill, now)
+        route.prefill, route.reason = None, est.reason
 
 
 def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,

@@ -217,6 +217,10 @@ class Worker:
     # called with the worker after a field in `WATCHED` is assigned (the router's
     # `saturation.SaturationBook` re-files it); None: nobody watches
     watcher: Callable[[Worker], None] | None = field(default=None, repr=False, compare=False)
+    # its scheduler's per-request prefill chunk cap (--long-prefill-token-threshold; 0: none)
+    # and per-step token budget (--max-num-batched-tokens), from /ready; None: not known
+    prefill_chunk_cap: int | None = None
+    max_batched_tokens: int | None = None
 
     def __setattr__(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)

@@ -366,7 +366,10 @@ class WorkerApp:
                         kv_cache_dtype=engine.config.kv_cache_dtype,
                         quantization=engine.config.quantization,
                         peer_pull_s_per_block=self.pd.peer.costs.s_per_block,
-                        kv_block_bytes=kv_block_bytes(engine, settings.served_model_name))
+                        kv_block_bytes=kv_block_bytes(engine, settings.served_model_name),
+                        # how its scheduler shares steps (the router's P/D cost estimate)
+                        long_prefill_token_threshold=engine.config.long_prefill_token_threshold,
+                        max_num_batched_tokens=engine.config.max_num_batched_tokens)
             snap = engine.snapshot
             if snap.kv_tiers:  # measured KV tier load costs (as GetLoad's)
                 body.update(host_load_s_per_block=snap.host_load_s_per_block,
