@@ -19,11 +19,12 @@ the target for its prefix. Modes:
   router has that flag (the router names the holder); otherwise the bench signs
   `x-tandem-kv-peer` itself with the run's worker key, as the router would, and adds
   `x-tandem-kv-peer-blocks` (the prefix's blocks);
-* host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`) or a disk tier
-  (`--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts:
-  it prefilled every prefix first (so they were evicted from the device pool to the tier),
-  then serves the requests, loading each prefix from the tier. A worker that refuses those
-  flags makes the mode skipped, with the reason recorded.
+* host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`; disk: a
+  `HOST_FOR_DISK` host tier, far smaller than one prefix, spilling to a disk tier of
+  `--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts: it
+  prefilled every prefix, then three unrelated prompts (so every prefix was evicted from the
+  device pool to the tier), then serves the requests, loading each prefix from the tier. A
+  worker that refuses those flags makes the mode skipped, with the reason recorded.
 
 Reports TTFT p50/p99 per mode, each mode's p50 ratio to recompute (target: at most 0.5 for
 prefixes of 2k tokens or more), whether each mode's greedy tokens equal recompute's, and the
@@ -70,6 +71,7 @@ SUFFIX = 32
 OUTPUT = 4
 BLOCK = 16  # the worker's default block size
 HOLDER_DECODE = (64, 256)  # the holder's background streams: prompt, output tokens
+HOST_FOR_DISK = 16 << 20  # the disk mode's host tier: about 20 blocks, so prefixes spill
 
 
 def log(*a: object) -> None:
@@ -151,6 +153,7 @@ class ModeRun:
     skipped: str | None = None
     via: str = ""
     target_metrics: dict[str, float] = field(default_factory=dict)
+    holder_metrics: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         ok = [r for r in self.results if r.error is None and r.ttft is not None]
@@ -161,7 +164,8 @@ class ModeRun:
                 "cached_tokens": percentiles([float(r.cached_tokens) for r in ok]),
                 "ttfts": [r.ttft for r in self.results],
                 "texts": [r.text for r in self.results],
-                "target_metrics": self.target_metrics}
+                "target_metrics": self.target_metrics,
+                "holder_metrics": self.holder_metrics}
 
 
 def payload(prompt: list[int], max_tokens: int = OUTPUT) -> bytes:
@@ -256,7 +260,8 @@ def scrape(url: str, prefixes: tuple[str, ...]) -> dict[str, float]:
 
 
 METRICS = ("tandem_kv_peer_pulls_total", "tandem_kv_peer_pulled_blocks_total",
-           "vllm:prefix_cache_hits", "vllm:prompt_tokens_total")
+           "vllm:prefix_cache_hits", "vllm:prompt_tokens_total", "tandem_kv_tier_loads_total",
+           "tandem_kv_tier_validation_failures_total")
 
 
 def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[int],
@@ -291,11 +296,13 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
                 run.via = "signed x-tandem-kv-peer (as the router sends it)"
             run.results = asyncio.run(with_holder_load(
                 holder, args.holder_load, open_loop(url, work, headers_for)))
+            run.holder_metrics = scrape(holder, METRICS)  # the router may pick the holder
         else:
             tier = tempfile.mkdtemp(prefix="kv-sharing-disk-")
             flags = (("--kv-offload-host-bytes", str(args.tier_bytes)) if mode == "host"
                      else ("--kv-offload-disk-path", tier, "--kv-offload-disk-bytes",
-                           str(args.tier_bytes)))
+                           str(args.tier_bytes), "--kv-offload-host-bytes",
+                           str(HOST_FOR_DISK)))
             try:
                 target = stack.enter_context(launched(worker(
                     mode, c1, blocks_per_prompt * 3, None, flags)))
@@ -306,7 +313,10 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
                 log(f"[{mode}] skipped: {run.skipped}")
                 return run
             log(f"[{mode}] warming the target (evicting into the {mode} tier)")
-            warm(target, work.prefixes)
+            rng = random.Random(args.seed + 1)
+            fillers = [[rng.randrange(100, 40000) for _ in range(args.prefix_tokens)]
+                       for _ in range(3)]  # the device pool's worth: every prefix evicted
+            warm(target, work.prefixes + fillers)
             run.results = asyncio.run(open_loop(target, work, lambda body: {}))
         run.target_metrics = scrape(target, METRICS)
     ok = [r.ttft for r in run.results if r.error is None and r.ttft is not None]
