@@ -93,18 +93,21 @@ class TierHeld:
             # pin the device run first: the tier load's fresh blocks must not evict it
             head = e.kv.lease_cached(owner, run.hashes, lease_s)
             n = len(head.block_ids)
-            if n < len(run.hashes):
-                try:
-                    kv.load_into_cache(e, run.hashes[n:],
-                                       run.hashes[n - 1] if n else run.parent_hash,
-                                       run.token_ids[n * bs:], run.lora_name,
-                                       run.lora_digest)
-                except Exception:  # noqa: BLE001 - a failed load serves the device run
-                    logger.exception("[%s] peer pull: loading tier blocks failed", owner)
-                    return head
-                e.kv.release_lease(head.lease_id)
-                return e.kv.lease_cached(owner, run.hashes, lease_s)
-            return head
+            if n == len(run.hashes) or kv.store.holds(run.hashes[n]) is None:
+                return head
+            try:
+                loaded = kv.load_into_cache(e, run.hashes[n:],
+                                            run.hashes[n - 1] if n else run.parent_hash,
+                                            run.token_ids[n * bs:], run.lora_name,
+                                            run.lora_digest)
+            except Exception:  # noqa: BLE001 - a failed load serves the device run
+                logger.exception("[%s] peer pull: loading tier blocks failed", owner)
+                return head
+            if not loaded:
+                return head
+            logger.info("[%s] peer pull: %d blocks loaded from the KV tiers", owner, loaded)
+            e.kv.release_lease(head.lease_id)
+            return e.kv.lease_cached(owner, run.hashes, lease_s)
 
         return await kv._engine._call(load_and_lease)
 
