@@ -14,11 +14,14 @@ Each request is its prefix plus a fresh 32-token suffix, 4 output tokens, arrivi
 the target for its prefix. Modes:
 
 * recompute: the target computes the whole prompt;
-* peer: the target is named the holder as its KV peer and pulls the prefix's blocks over
-  kvtransfer (gRPC) before computing the suffix. Through `tandem router --peer-pull` when the
-  router has that flag (the router names the holder); otherwise the bench signs
-  `x-tandem-kv-peer` itself with the run's worker key, as the router would, and adds
+* peer: every request goes to the target, named the holder as its KV peer: it pulls the
+  prefix's blocks over kvtransfer (gRPC) before computing the suffix. The bench signs
+  `x-tandem-kv-peer` itself with the run's worker key, exactly as the router does, and adds
   `x-tandem-kv-peer-blocks` (the prefix's blocks);
+* peer-router: the same workers behind `tandem router --peer-pull` (with the worker key): the
+  router picks the worker and names the holder itself. Its TTFT mixes the router's picks (the
+  holder itself, when its cost model finds it cheaper, or the target with a pull); `routed`
+  counts how many requests went which way;
 * host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`; disk: a
   `HOST_FOR_DISK` host tier, far smaller than one prefix, spilling to a disk tier of
   `--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts: it
@@ -65,7 +68,7 @@ from tandem.protocol.web import (  # noqa: E402
     forward_target,
 )
 
-MODES = ("recompute", "peer", "host", "disk")
+MODES = ("recompute", "peer", "peer-router", "host", "disk")
 TARGET_TTFT_RATIO = 0.5
 SUFFIX = 32
 OUTPUT = 4
@@ -154,6 +157,7 @@ class ModeRun:
     via: str = ""
     target_metrics: dict[str, float] = field(default_factory=dict)
     holder_metrics: dict[str, float] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         ok = [r for r in self.results if r.error is None and r.ttft is not None]
@@ -165,7 +169,7 @@ class ModeRun:
                 "ttfts": [r.ttft for r in self.results],
                 "texts": [r.text for r in self.results],
                 "target_metrics": self.target_metrics,
-                "holder_metrics": self.holder_metrics}
+                "holder_metrics": self.holder_metrics, "routed": self.routed}
 
 
 def payload(prompt: list[int], max_tokens: int = OUTPUT) -> bytes:
@@ -271,14 +275,17 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
     blocks_per_prompt = -(-(args.prefix_tokens + SUFFIX + OUTPUT) // BLOCK)
     big = blocks_per_prompt * (len(work.prompts) + 1) + 128  # every prefix, and room to work
     with contextlib.ExitStack() as stack:
-        if mode in ("recompute", "peer"):
+        if mode in ("recompute", "peer", "peer-router"):
+            if mode == "peer-router" and not via_router:
+                run.skipped = "tandem router has no --peer-pull"
+                return run
             hgrpc = free_port()
             holder = stack.enter_context(launched(worker("holder", c0, big, hgrpc)))
             target = stack.enter_context(launched(worker("target", c1, big, free_port())))
             log(f"[{mode}] warming the holder with {len(work.prefixes)} prefixes")
             warm(holder, work.prefixes)
             url, headers_for = target, (lambda body: {})
-            if mode == "peer" and via_router:
+            if mode == "peer-router":
                 url = stack.enter_context(launched(ServerSpec(
                     "kv-sharing-router", cli("router", "--port", "{port}", "--workers",
                                              f"{holder},{target}", "--peer-pull"),
@@ -297,6 +304,13 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
             run.results = asyncio.run(with_holder_load(
                 holder, args.holder_load, open_loop(url, work, headers_for)))
             run.holder_metrics = scrape(holder, METRICS)  # the router may pick the holder
+            if mode == "peer-router":
+                pulls = sum(v for k, v in scrape(target, METRICS).items()
+                            if k.startswith("tandem_kv_peer_pulls_total"))
+                hits = sum(v for k, v in run.holder_metrics.items()
+                           if k.startswith("vllm:prefix_cache_hits"))
+                run.routed = {"target_with_pull": int(pulls),
+                              "holder_prefix_hit": int(hits) // args.prefix_tokens}
         else:
             tier = tempfile.mkdtemp(prefix="kv-sharing-disk-")
             flags = (("--kv-offload-host-bytes", str(args.tier_bytes)) if mode == "host"
@@ -378,17 +392,20 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"\n{args.requests} requests, {args.prefix_tokens}-token prefixes, {args.rate:g}/s, "
           f"holder busy with {args.holder_load} streams")
-    print(f"{'mode':10s} {'ok':>5s} {'ttft p50':>9s} {'ttft p99':>9s} {'p50/recompute':>14s}")
+    print(f"{'mode':12s} {'ok':>5s} {'ttft p50':>9s} {'ttft p99':>9s} {'p50/recompute':>14s}")
     for m in report["modes"]:
         if m["skipped"]:
-            print(f"{m['mode']:10s} skipped: {m['skipped'][:200]}")
+            print(f"{m['mode']:12s} skipped: {m['skipped'][:200]}")
             continue
         ratio = m["ttft_p50_ratio_to_recompute"]
-        print(f"{m['mode']:10s} {m['ok']:5d} {m['ttft']['p50']:9.3f} {m['ttft']['p99']:9.3f} "
+        print(f"{m['mode']:12s} {m['ok']:5d} {m['ttft']['p50']:9.3f} {m['ttft']['p99']:9.3f} "
               f"{'' if ratio is None else f'{ratio:14.2f}'}")
     for m in report["modes"]:
         ratio = m["ttft_p50_ratio_to_recompute"]
-        if m["mode"] != "recompute" and ratio is not None:
+        if m["mode"] == "peer-router" and ratio is not None:
+            print(f"peer-router: TTFT p50 {1 / ratio:.2f}x lower than recompute, routed "
+                  f"{m['routed']}; same text as recompute: {m['texts_equal_recompute']}")
+        elif m["mode"] != "recompute" and ratio is not None:
             verdict = "met" if ratio <= TARGET_TTFT_RATIO else "MISSED"
             print(f"{m['mode']}: TTFT p50 {1 / ratio:.2f}x lower than recompute (target >= "
                   f"{1 / TARGET_TTFT_RATIO:g}x): {verdict}; same text as recompute: "
