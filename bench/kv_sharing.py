@@ -14,16 +14,20 @@ Each request is its prefix plus a fresh 32-token suffix, 4 output tokens, arrivi
 the target for its prefix. Modes:
 
 * recompute: the target computes the whole prompt;
-* peer: the target is named the holder as its KV peer and pulls the prefix's blocks over
-  kvtransfer (gRPC) before computing the suffix. Through `tandem router --peer-pull` when the
-  router has that flag (the router names the holder); otherwise the bench signs
-  `x-tandem-kv-peer` itself with the run's worker key, as the router would, and adds
+* peer: every request goes to the target, named the holder as its KV peer: it pulls the
+  prefix's blocks over kvtransfer (gRPC) before computing the suffix. The bench signs
+  `x-tandem-kv-peer` itself with the run's worker key, exactly as the router does, and adds
   `x-tandem-kv-peer-blocks` (the prefix's blocks);
-* host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`) or a disk tier
-  (`--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts:
-  it prefilled every prefix first (so they were evicted from the device pool to the tier),
-  then serves the requests, loading each prefix from the tier. A worker that refuses those
-  flags makes the mode skipped, with the reason recorded.
+* peer-router: the same workers behind `tandem router --peer-pull` (with the worker key): the
+  router picks the worker and names the holder itself. Its TTFT mixes the router's picks (the
+  holder itself, when its cost model finds it cheaper, or the target with a pull); `routed`
+  counts how many requests went which way;
+* host / disk: the target alone, with a host tier (`--kv-offload-host-bytes`; disk: a
+  `HOST_FOR_DISK` host tier, far smaller than one prefix, spilling to a disk tier of
+  `--kv-offload-disk-path`, `--kv-offload-disk-bytes`) and a device pool of three prompts: it
+  prefilled every prefix, then three unrelated prompts (so every prefix was evicted from the
+  device pool to the tier), then serves the requests, loading each prefix from the tier. A
+  worker that refuses those flags makes the mode skipped, with the reason recorded.
 
 Reports TTFT p50/p99 per mode, each mode's p50 ratio to recompute (target: at most 0.5 for
 prefixes of 2k tokens or more), whether each mode's greedy tokens equal recompute's, and the
@@ -64,12 +68,13 @@ from tandem.protocol.web import (  # noqa: E402
     forward_target,
 )
 
-MODES = ("recompute", "peer", "host", "disk")
+MODES = ("recompute", "peer", "peer-router", "host", "disk")
 TARGET_TTFT_RATIO = 0.5
 SUFFIX = 32
 OUTPUT = 4
 BLOCK = 16  # the worker's default block size
 HOLDER_DECODE = (64, 256)  # the holder's background streams: prompt, output tokens
+HOST_FOR_DISK = 16 << 20  # the disk mode's host tier: about 20 blocks, so prefixes spill
 
 
 def log(*a: object) -> None:
@@ -151,6 +156,8 @@ class ModeRun:
     skipped: str | None = None
     via: str = ""
     target_metrics: dict[str, float] = field(default_factory=dict)
+    holder_metrics: dict[str, float] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         ok = [r for r in self.results if r.error is None and r.ttft is not None]
@@ -161,7 +168,8 @@ class ModeRun:
                 "cached_tokens": percentiles([float(r.cached_tokens) for r in ok]),
                 "ttfts": [r.ttft for r in self.results],
                 "texts": [r.text for r in self.results],
-                "target_metrics": self.target_metrics}
+                "target_metrics": self.target_metrics,
+                "holder_metrics": self.holder_metrics, "routed": self.routed}
 
 
 def payload(prompt: list[int], max_tokens: int = OUTPUT) -> bytes:
@@ -256,7 +264,8 @@ def scrape(url: str, prefixes: tuple[str, ...]) -> dict[str, float]:
 
 
 METRICS = ("tandem_kv_peer_pulls_total", "tandem_kv_peer_pulled_blocks_total",
-           "vllm:prefix_cache_hits", "vllm:prompt_tokens_total")
+           "vllm:prefix_cache_hits", "vllm:prompt_tokens_total", "tandem_kv_tier_loads_total",
+           "tandem_kv_tier_validation_failures_total")
 
 
 def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[int],
@@ -266,14 +275,17 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
     blocks_per_prompt = -(-(args.prefix_tokens + SUFFIX + OUTPUT) // BLOCK)
     big = blocks_per_prompt * (len(work.prompts) + 1) + 128  # every prefix, and room to work
     with contextlib.ExitStack() as stack:
-        if mode in ("recompute", "peer"):
+        if mode in ("recompute", "peer", "peer-router"):
+            if mode == "peer-router" and not via_router:
+                run.skipped = "tandem router has no --peer-pull"
+                return run
             hgrpc = free_port()
             holder = stack.enter_context(launched(worker("holder", c0, big, hgrpc)))
             target = stack.enter_context(launched(worker("target", c1, big, free_port())))
             log(f"[{mode}] warming the holder with {len(work.prefixes)} prefixes")
             warm(holder, work.prefixes)
             url, headers_for = target, (lambda body: {})
-            if mode == "peer" and via_router:
+            if mode == "peer-router":
                 url = stack.enter_context(launched(ServerSpec(
                     "kv-sharing-router", cli("router", "--port", "{port}", "--workers",
                                              f"{holder},{target}", "--peer-pull"),
@@ -291,11 +303,20 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
                 run.via = "signed x-tandem-kv-peer (as the router sends it)"
             run.results = asyncio.run(with_holder_load(
                 holder, args.holder_load, open_loop(url, work, headers_for)))
+            run.holder_metrics = scrape(holder, METRICS)  # the router may pick the holder
+            if mode == "peer-router":
+                pulls = sum(v for k, v in scrape(target, METRICS).items()
+                            if k.startswith("tandem_kv_peer_pulls_total"))
+                hits = sum(v for k, v in run.holder_metrics.items()
+                           if k.startswith("vllm:prefix_cache_hits"))
+                run.routed = {"target_with_pull": int(pulls),
+                              "holder_prefix_hit": int(hits) // args.prefix_tokens}
         else:
             tier = tempfile.mkdtemp(prefix="kv-sharing-disk-")
             flags = (("--kv-offload-host-bytes", str(args.tier_bytes)) if mode == "host"
                      else ("--kv-offload-disk-path", tier, "--kv-offload-disk-bytes",
-                           str(args.tier_bytes)))
+                           str(args.tier_bytes), "--kv-offload-host-bytes",
+                           str(HOST_FOR_DISK)))
             try:
                 target = stack.enter_context(launched(worker(
                     mode, c1, blocks_per_prompt * 3, None, flags)))
@@ -306,7 +327,10 @@ def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[in
                 log(f"[{mode}] skipped: {run.skipped}")
                 return run
             log(f"[{mode}] warming the target (evicting into the {mode} tier)")
-            warm(target, work.prefixes)
+            rng = random.Random(args.seed + 1)
+            fillers = [[rng.randrange(100, 40000) for _ in range(args.prefix_tokens)]
+                       for _ in range(3)]  # the device pool's worth: every prefix evicted
+            warm(target, work.prefixes + fillers)
             run.results = asyncio.run(open_loop(target, work, lambda body: {}))
         run.target_metrics = scrape(target, METRICS)
     ok = [r.ttft for r in run.results if r.error is None and r.ttft is not None]
@@ -368,17 +392,20 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(f"\n{args.requests} requests, {args.prefix_tokens}-token prefixes, {args.rate:g}/s, "
           f"holder busy with {args.holder_load} streams")
-    print(f"{'mode':10s} {'ok':>5s} {'ttft p50':>9s} {'ttft p99':>9s} {'p50/recompute':>14s}")
+    print(f"{'mode':12s} {'ok':>5s} {'ttft p50':>9s} {'ttft p99':>9s} {'p50/recompute':>14s}")
     for m in report["modes"]:
         if m["skipped"]:
-            print(f"{m['mode']:10s} skipped: {m['skipped'][:200]}")
+            print(f"{m['mode']:12s} skipped: {m['skipped'][:200]}")
             continue
         ratio = m["ttft_p50_ratio_to_recompute"]
-        print(f"{m['mode']:10s} {m['ok']:5d} {m['ttft']['p50']:9.3f} {m['ttft']['p99']:9.3f} "
+        print(f"{m['mode']:12s} {m['ok']:5d} {m['ttft']['p50']:9.3f} {m['ttft']['p99']:9.3f} "
               f"{'' if ratio is None else f'{ratio:14.2f}'}")
     for m in report["modes"]:
         ratio = m["ttft_p50_ratio_to_recompute"]
-        if m["mode"] != "recompute" and ratio is not None:
+        if m["mode"] == "peer-router" and ratio is not None:
+            print(f"peer-router: TTFT p50 {1 / ratio:.2f}x lower than recompute, routed "
+                  f"{m['routed']}; same text as recompute: {m['texts_equal_recompute']}")
+        elif m["mode"] != "recompute" and ratio is not None:
             verdict = "met" if ratio <= TARGET_TTFT_RATIO else "MISSED"
             print(f"{m['mode']}: TTFT p50 {1 / ratio:.2f}x lower than recompute (target >= "
                   f"{1 / TARGET_TTFT_RATIO:g}x): {verdict}; same text as recompute: "

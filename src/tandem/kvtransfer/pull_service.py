@@ -2,7 +2,8 @@
 
 A worker that holds a prompt's blocks serves another worker's pull of them without computing
 anything: it leases the leading run of the asked blocks its cache holds (`HeldBlocks`; the
-device pool's prefix cache by default, `KVConnector.lease_cached`), sends the header naming
+device pool's prefix cache, then, on a worker with KV tiers, the host and disk tiers' blocks
+loaded into the pool: `TierHeld`), sends the header naming
 exactly those blocks (possibly none: then the stream ends after the header) and their pages
 through the asked backend, with the same per-layer digests and trailer as a P/D send. The
 pins are one connector `PageLease` under the service's lease table: released by
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -26,31 +28,93 @@ from tandem.engine.kv_connector.base import KVConnector
 from tandem.kvtransfer.base import SendJob
 from tandem.kvtransfer.pages import KVTransferError, header_for
 from tandem.protocol import worker_pb2
-from tandem.protocol.block_hash import BlockHash, hash_block_chain, request_hash_keys
+from tandem.protocol.block_hash import (
+    BlockHash,
+    hash_block_chain,
+    request_hash_keys,
+    root_hash,
+)
 
 if TYPE_CHECKING:
     from tandem.engine.async_engine import AsyncLLMEngine
+    from tandem.engine.llm_engine import LLMEngine
     from tandem.kvtransfer.service import KVTransferService
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class BlockRun:
+    """The blocks a cached-only call asks for: `hashes` (a chain after `parent_hash`),
+    `token_ids` (the blocks' tokens, `len(hashes)` full blocks), the adapter they were
+    computed with ("": the base model)."""
+
+    hashes: list[BlockHash]
+    parent_hash: BlockHash
+    token_ids: list[int]
+    lora_name: str = ""
+    lora_digest: str = ""
+
+
 class HeldBlocks(Protocol):
     """Where a cached-only send finds the blocks it offers: `lease` pins, in the device
-    pool, the leading run of `hashes` this worker can serve and returns the lease on them
-    (possibly on none). A tiered cache's version loads host or disk blocks into device
-    blocks first (validated on the way in) and then leases the run the same way."""
+    pool, the leading run of `run.hashes` this worker can serve and returns the lease on
+    them (possibly on none)."""
 
-    async def lease(self, kv: KVConnector, owner: str, hashes: list[BlockHash],
+    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
                     lease_s: float) -> PageLease: ...
 
 
 class DeviceHeld:
     """The device pool's prefix cache only (`KVConnector.lease_cached`)."""
 
-    async def lease(self, kv: KVConnector, owner: str, hashes: list[BlockHash],
+    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
                     lease_s: float) -> PageLease:
-        return await kv.lease_cached(owner, hashes, lease_s)
+        return await kv.lease_cached(owner, run.hashes, lease_s)
+
+
+class TierHeld:
+    """The device pool's prefix cache, then the KV tiers (`engine/kv_tiers`) under it: the
+    blocks after the device-held run that the host or disk tier holds are loaded into
+    device blocks and cached as computed, verified on the way in exactly as an admission's
+    tier load (`OffloadConnector.load_into_cache`), and the whole run is leased. A tier
+    block that is missing or fails verification ends the run there; with no room in the
+    pool, the device run alone is served. One engine-thread call, between two steps."""
+
+    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
+                    lease_s: float) -> PageLease:
+        from tandem.engine.kv_connector.offload import OffloadConnector
+
+        if not isinstance(kv, OffloadConnector):
+            return await kv.lease_cached(owner, run.hashes, lease_s)
+        bs = kv.block_size
+
+        def load_and_lease(e: LLMEngine) -> PageLease:
+            # pin the device run first: the tier load's fresh blocks must not evict it
+            head = e.kv.lease_cached(owner, run.hashes, lease_s)
+            n = len(head.block_ids)
+            if n == len(run.hashes) or kv.store.holds(run.hashes[n]) is None:
+                return head
+            try:
+                loaded = kv.load_into_cache(e, run.hashes[n:],
+                                            run.hashes[n - 1] if n else run.parent_hash,
+                                            run.token_ids[n * bs:], run.lora_name,
+                                            run.lora_digest)
+            except Exception:  # noqa: BLE001 - a failed load serves the device run
+                logger.exception("[%s] peer pull: loading tier blocks failed", owner)
+                return head
+            if not loaded:
+                return head
+            logger.info("[%s] peer pull: %d blocks loaded from the KV tiers", owner, loaded)
+            e.kv.release_lease(head.lease_id)
+            return e.kv.lease_cached(owner, run.hashes, lease_s)
+
+        return await kv._engine._call(load_and_lease)
+
+
+def held_blocks_for(engine: AsyncLLMEngine) -> HeldBlocks:
+    """The source a worker's cached-only sends use: its tiers too when it has them."""
+    return TierHeld() if engine.engine.kv_tiers is not None else DeviceHeld()
 
 
 async def send_cached(service: KVTransferService, request: worker_pb2.PrefillRequest,
@@ -72,10 +136,15 @@ async def send_cached(service: KVTransferService, request: worker_pb2.PrefillReq
     bs = engine.state.block_size
     first, num = request.first_block, request.num_blocks
     keys = request_hash_keys(service.model_id, digest, request.cache_salt)
-    hashes = hash_block_chain(list(request.token_ids[: (first + num) * bs]), bs, keys)[first:]
+    chain = hash_block_chain(list(request.token_ids[: (first + num) * bs]), bs, keys)
+    hashes = chain[first:]
     owner = f"pull-{request.request_id[:64] or 'anon'}-{next(service._ids)}"
     lease_s = request.lease_s or DEFAULT_LEASE_S
-    held = await service.held_blocks.lease(kv, owner, hashes, lease_s)
+    parent = chain[first - 1] if first else root_hash(keys)
+    run = BlockRun(hashes, parent, list(request.token_ids[first * bs: (first + num) * bs]),
+                   request.lora_name if digest else "", digest or "")
+    source_of = service.held_blocks or held_blocks_for(engine)
+    held = await source_of.lease(kv, owner, run, lease_s)
     n = len(held.block_ids)
     if n == 0:  # nothing to pin: say so and end cleanly
         await kv.release(held)

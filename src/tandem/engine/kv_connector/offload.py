@@ -80,17 +80,22 @@ class OffloadScheduler(KVConnectorScheduler):
         first = num_computed_tokens // self.bs
         # the scheduler loads at most up to the last prompt token: fetch no further
         end = min(len(hashes), -(-(len(request.all_token_ids) - 1) // self.bs))
-        lora = request.hash_keys.adapter_id
-        pages: list[torch.Tensor] = []
-        for i in range(first, end):
-            got = self.store.fetch(hashes[i], self.page_shape, self.dtype, lora)
-            if got is None:
-                break
-            pages.append(got)
+        pages = self.fetch_run(hashes[first:end], request.hash_keys.adapter_id)
         if not pages:
             return ExternalMatch(0)
         self._staged[request.request_id] = (first, pages)
         return ExternalMatch(len(pages) * self.bs)
+
+    def fetch_run(self, hashes: Sequence[bytes], lora_digest: str) -> list[torch.Tensor]:
+        """The verified pages of the leading run of `hashes` the tiers hold (engine thread;
+        stops at the first block not held or not verifying, which is dropped)."""
+        pages: list[torch.Tensor] = []
+        for h in hashes:
+            got = self.store.fetch(h, self.page_shape, self.dtype, lora_digest)
+            if got is None:
+                break
+            pages.append(got)
+        return pages
 
     def update_state_after_alloc(self, request: Request, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -179,6 +184,38 @@ class OffloadConnector(PDConnector):
         self.attach(core)
         core.kv_tiers = self.store
         pool.track_evictions(self._save)
+
+    def load_into_cache(self, core: LLMEngine, hashes: list[bytes], parent_hash: bytes,
+                        token_ids: list[int], lora_name: str = "",
+                        lora_digest: str = "") -> int:
+        """Engine thread: load the leading run of `hashes` (a chain after `parent_hash`,
+        holding `token_ids`, one block's worth each) the tiers hold into fresh device
+        blocks, registered in the prefix cache as computed, as an admission's tier load
+        would (`fetch_run`'s verification). Returns how many blocks now sit in the device
+        pool's cache (0 when none is held or the pool has no room for the run); the blocks
+        are left unpinned: the caller pins them before anything else runs."""
+        pages = self.scheduler.fetch_run(hashes, lora_digest)
+        if not pages:
+            return 0
+        n = len(pages)
+        pinned, fresh = core.kv.import_blocks(hashes[:n])
+        if not pinned:
+            return 0
+        try:
+            io = self.worker.pages
+            assert io is not None
+            if fresh:
+                ids = [pinned[i].block_id for i in fresh]
+                for layer in range(self.page_shape[0]):
+                    io.write(layer, ids, torch.cat([pages[i][layer] for i in fresh], dim=1))
+                flush = getattr(io, "flush", None)
+                if flush is not None:
+                    flush()
+            core.kv.commit_import(pinned, hashes[:n], parent_hash,
+                                  token_ids[: n * self.block_size], lora_name, lora_digest)
+        finally:
+            core.kv.unpin(pinned)
+        return n
 
     def _save(self, blocks: list[EvictedBlock]) -> None:
         """Engine thread, inside the allocation that evicts `blocks`: copy their pages out
