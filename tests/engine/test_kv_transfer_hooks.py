@@ -185,7 +185,7 @@ def test_a_cancelled_caller_cannot_kill_the_engine_thread():
     from tandem.engine.async_engine import AsyncLLMEngine, _Call
 
     class FakeEngine:
-        config = type("C", (), {"enable_kv_events": False})()
+        config = type("C", (), {"enable_kv_events": False, "kv_offload_host_bytes": 0})()
         last_step_idle = False
 
         def stats(self):
@@ -226,7 +226,7 @@ def test_requests_taken_in_count_in_the_load_before_the_next_step_ends():
     stepping = threading.Event()
 
     class FakeEngine:
-        config = type("C", (), {"enable_kv_events": False})()
+        config = type("C", (), {"enable_kv_events": False, "kv_offload_host_bytes": 0})()
         last_step_idle = False
         queued = 0
 

@@ -17,13 +17,14 @@ import grpc
 import httpx
 import pytest
 
+from tandem.engine.async_api import unstarted_ids
 from tandem.engine.async_engine import OutputStream
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.web import DRAINING_CODE
-from tandem.serving.drain import WorkerDraining, _waiting_ids
+from tandem.serving.drain import WorkerDraining
 from tests.engine.utils import make_tiny_model_dir
 
 from .helpers import WorkerProcess, metric, signing_channel, start_worker, wait_for
@@ -49,7 +50,7 @@ def test_only_requests_whose_every_sample_waits_without_a_token_are_handed_back(
     class Engine:
         scheduler = Scheduler()
 
-    assert _waiting_ids(Engine()) == {"queued-0"}  # type: ignore[arg-type]
+    assert unstarted_ids(Engine()) == {"queued-0"}  # type: ignore[arg-type]
 
 
 def test_a_failed_output_stream_hands_over_what_is_pending_once_then_raises():

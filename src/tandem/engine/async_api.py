@@ -44,6 +44,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def unstarted_ids(e: LLMEngine) -> set[str]:
+    """Engine thread: `unstarted_request_ids`."""
+    waiting, started = set(), set()
+    for r in e.scheduler.waiting_requests():
+        (started if r.output_token_ids else waiting).add(r.parent_id or r.request_id)
+    started.update(r.parent_id or r.request_id for r in e.scheduler.running)
+    return waiting - started
+
+
 class EngineAPI:
     """Mixed into `AsyncLLMEngine`, which provides `engine` and `_call`."""
 
@@ -144,6 +153,12 @@ class EngineAPI:
 
             self._kv_connector = make_connector(self.kv_connector_name, self)
         return self._kv_connector
+
+    async def unstarted_request_ids(self) -> set[str]:
+        """The ids of the user requests (`{rid}-{i}` share the parent `rid`) whose every
+        sample waits with no token generated (never started, or preempted before its first
+        token): what a draining worker hands back."""
+        return await self._call(unstarted_ids)
 
     # -- pages and pins (engine thread) ----------------------------------------------------
     async def pin_cached(self, hashes: list[BlockHash]) -> list[KVBlock]:

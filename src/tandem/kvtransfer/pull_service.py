@@ -37,7 +37,6 @@ from tandem.protocol.block_hash import (
 
 if TYPE_CHECKING:
     from tandem.engine.async_engine import AsyncLLMEngine
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.kvtransfer.service import KVTransferService
 
 logger = logging.getLogger(__name__)
@@ -87,34 +86,15 @@ class TierHeld:
 
         if not isinstance(kv, OffloadConnector):
             return await kv.lease_cached(owner, run.hashes, lease_s)
-        bs = kv.block_size
-
-        def load_and_lease(e: LLMEngine) -> PageLease:
-            # pin the device run first: the tier load's fresh blocks must not evict it
-            head = e.kv.lease_cached(owner, run.hashes, lease_s)
-            n = len(head.block_ids)
-            if n == len(run.hashes) or kv.store.holds(run.hashes[n]) is None:
-                return head
-            try:
-                loaded = kv.load_into_cache(e, run.hashes[n:],
-                                            run.hashes[n - 1] if n else run.parent_hash,
-                                            run.token_ids[n * bs:], run.lora_name,
-                                            run.lora_digest)
-            except Exception:  # noqa: BLE001 - a failed load serves the device run
-                logger.exception("[%s] peer pull: loading tier blocks failed", owner)
-                return head
-            if not loaded:
-                return head
-            logger.info("[%s] peer pull: %d blocks loaded from the KV tiers", owner, loaded)
-            e.kv.release_lease(head.lease_id)
-            return e.kv.lease_cached(owner, run.hashes, lease_s)
-
-        return await kv._engine._call(load_and_lease)
+        return await kv.lease_with_tiers(owner, run.hashes, run.parent_hash, run.token_ids,
+                                         run.lora_name, run.lora_digest, lease_s)
 
 
 def held_blocks_for(engine: AsyncLLMEngine) -> HeldBlocks:
     """The source a worker's cached-only sends use: its tiers too when it has them."""
-    return TierHeld() if engine.engine.kv_tiers is not None else DeviceHeld()
+    from tandem.engine.kv_connector.offload import OffloadConnector
+
+    return TierHeld() if isinstance(engine.kv_connector, OffloadConnector) else DeviceHeld()
 
 
 async def send_cached(service: KVTransferService, request: worker_pb2.PrefillRequest,

@@ -97,7 +97,7 @@ class RouterMetrics:
         # flow control (`flowcontrol`): labels are the priority band and the tenant
         self.flow_queued = Gauge("tandem_router_flow_queued",
                                  "Requests waiting in flow control's queue, by band and tenant",
-                                 ["band", "tenant"], registry=r, multiprocess_mode="mostrecent")
+                                 ["band", "tenant"], registry=r, multiprocess_mode="livesum")
         self.flow_dispatched = Counter("tandem_router_flow_dispatched_total",
                                        "Requests flow control let through to routing, by band "
                                        "and tenant", ["band", "tenant"], registry=r)

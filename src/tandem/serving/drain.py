@@ -29,7 +29,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from tandem.engine.async_engine import AsyncLLMEngine, OutputStream
-from tandem.engine.llm_engine import LLMEngine
 from tandem.protocol.web import DRAINING_CODE, APIError, error_body
 
 logger = logging.getLogger("tandem.serving.api_server")
@@ -52,16 +51,6 @@ def draining_event(message: str) -> str:
     """The SSE error event a stream ends with when the drain cuts it (then `[DONE]`)."""
     body = error_body(503, message, code=DRAINING_CODE)
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-def _waiting_ids(eng: LLMEngine) -> set[str]:
-    """On the engine thread: the ids of the user requests (`{rid}-{i}`) whose every sample
-    waits with no token generated (never started, or preempted before its first token)."""
-    waiting, started = set(), set()
-    for r in eng.scheduler.waiting_requests():
-        (started if r.output_token_ids else waiting).add(r.parent_id or r.request_id)
-    started.update(r.parent_id or r.request_id for r in eng.scheduler.running)
-    return waiting - started
 
 
 class Drain:
@@ -111,7 +100,7 @@ class Drain:
         deadline = time.monotonic() + timeout_s
         if engine is not None and engine.alive:
             try:
-                waiting = await engine._call(_waiting_ids)
+                waiting = await engine.unstarted_request_ids()
             except Exception as exc:  # noqa: BLE001 - the engine died: the timeout still runs
                 logger.warning("drain: the engine's queue could not be read (%s)", exc)
             else:

@@ -35,6 +35,7 @@ from tandem.engine.kv_connector.base import (
     FinishAction,
     KVConnectorScheduler,
     KVConnectorWorker,
+    PageLease,
     register,
 )
 from tandem.engine.kv_connector.pd import PDConnector, PDScheduler, PDWorker
@@ -216,6 +217,36 @@ class OffloadConnector(PDConnector):
         finally:
             core.kv.unpin(pinned)
         return n
+
+    async def lease_with_tiers(self, owner: str, hashes: list[bytes], parent_hash: bytes,
+                               token_ids: list[int], lora_name: str, lora_digest: str,
+                               lease_s: float) -> PageLease:
+        """A lease on the leading run of `hashes` (a chain after `parent_hash`) this worker
+        can serve: the device pool's cached run, then the blocks after it the tiers hold,
+        loaded into the cache first (`load_into_cache`). A tier block that is missing or
+        fails verification ends the run there; with no room in the pool the device run alone
+        is leased. One engine-thread call, between two steps."""
+        bs = self.block_size
+
+        def load_and_lease(e: LLMEngine) -> PageLease:
+            # pin the device run first: the tier load's fresh blocks must not evict it
+            head = e.kv.lease_cached(owner, hashes, lease_s)
+            n = len(head.block_ids)
+            if n == len(hashes) or self.store.holds(hashes[n]) is None:
+                return head
+            try:
+                loaded = self.load_into_cache(e, hashes[n:], hashes[n - 1] if n else parent_hash,
+                                              token_ids[n * bs:], lora_name, lora_digest)
+            except Exception:  # noqa: BLE001 - a failed load serves the device run
+                logger.exception("[%s] loading KV tier blocks into the cache failed", owner)
+                return head
+            if not loaded:
+                return head
+            logger.info("[%s] %d blocks loaded from the KV tiers", owner, loaded)
+            e.kv.release_lease(head.lease_id)
+            return e.kv.lease_cached(owner, hashes, lease_s)
+
+        return await self._engine._call(load_and_lease)
 
     def _save(self, blocks: list[EvictedBlock]) -> None:
         """Engine thread, inside the allocation that evicts `blocks`: copy their pages out
