@@ -15,9 +15,10 @@ blocks the holder has beyond `c`'s run:
                   (its measured host/disk_load_s_per_block; unmeasured: one more pull time)
     recompute_s = extra x block tokens x c's prefill_s_per_token (`kvcredit.rates`)
 
-The pull is offered when `pull_s < recompute_s`; the scorers then count the pulled blocks as
-cached for the time they save (`kvcredit.saved_tokens`), so a non-holder is not penalised for
-prefill it will pull. After the pick the winner's offer becomes the request's `x-tandem-kv-peer`
+The pull is offered when `pull_s < recompute_s`. The ranking does not credit it: a holder
+keeps the prompt unless its load makes another worker cheaper even at full recompute
+(pulled copies on every replica would churn their caches). After the pick the winner's
+offer becomes the request's `x-tandem-kv-peer`
 (the holder's gRPC target) and `x-tandem-kv-peer-blocks` (the holder's run, a hint) headers,
 signed with the router's key (`web.forward_target`); never with a P/D prefill worker
 (`pd.Route`), and only where the router signs requests (`RouterSettings.peer_pull`).
@@ -109,9 +110,11 @@ def offer(c: Worker, own: int, holder: Worker, hit: Hit, rate: float) -> PeerPul
 
 def annotate(index: PrefixIndex, workers: Mapping[str, Worker], ctx: RoutingContext,
              candidates: Sequence[Worker], now: float) -> None:
-    """Fill `ctx.peers` (each candidate's best pull) and add what each saves to
-    `ctx.credit_tokens`. Reads the whole fleet's holders of the prompt, not only the
-    candidates (the holder may be saturated or filtered out)."""
+    """Fill `ctx.peers` (each candidate's best pull). The ranking does not credit a pull:
+    a holder that is not busier than the pull saves keeps the prompt (pulled copies would
+    churn every replica's cache), and a pick that lacks the prefix pulls it. Reads the whole
+    fleet's holders of the prompt, not only the candidates (the holder may be saturated or
+    filtered out)."""
     per_token = None
     by_group: dict[HashGroup, list[tuple[Worker, Hit]]] = {}
     for c in candidates:
@@ -136,9 +139,6 @@ def annotate(index: PrefixIndex, workers: Mapping[str, Worker], ctx: RoutingCont
             if hit.total <= own:
                 break
             pull = offer(c, own, holder, hit, per_token[c.id])
-            if pull is not None:
-                ctx.peers[c.id] = pull
-                if pull.saved_tokens > 0.0:
-                    ctx.credit_tokens[c.id] = ctx.credit_tokens.get(c.id, 0.0) \
-                        + pull.saved_tokens
+            if pull is not None:  # not credited in the ranking: the holder keeps its
+                ctx.peers[c.id] = pull  # affinity; a pick that lacks the prefix pulls it
                 break

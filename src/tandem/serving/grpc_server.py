@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from tandem.engine.async_engine import AsyncLLMEngine
+from tandem.engine.errors import ConfigError
 from tandem.engine.lora.request import LoRAState
 from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
 from tandem.protocol import worker_pb2, worker_pb2_grpc
@@ -226,8 +227,12 @@ async def start_grpc_server(service: WorkerService, host: str, port: int,
 
 
 def kv_block_bytes(engine: AsyncLLMEngine, model: str) -> int:
-    """Bytes of one KV block of every layer, as pages travel (`PageLayout`)."""
-    layout = engine.kv_connector.layout(model)
+    """Bytes of one KV block of every layer, as pages travel (`PageLayout`); 0 for an engine
+    whose pages do not travel (a hybrid or sliding-window model's KV groups)."""
+    try:
+        layout = engine.kv_connector.layout(model)
+    except ConfigError:
+        return 0
     return layout.num_layers * layout.block_layer_bytes
 
 
