@@ -245,14 +245,7 @@ class RemotePrefill:
             if writer is not None:  # after the commit (if sent) and every running write
                 writer.release(self.kv, self._releases, request_id)
             self._release_later(local_pin)
-            if isinstance(exc, TimeoutError):
-                raise KVTransferError("timeout", f"remote prefill from {target} took over "
-                                                 f"{self.settings.timeout_s:g} s") from exc
-            if isinstance(exc, grpc.RpcError):
-                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-                raise KVTransferError("unavailable" if code == grpc.StatusCode.UNAVAILABLE
-                                      else "rpc", f"remote prefill from {target} failed: "
-                                                  f"{code}: {_details(exc)}") from exc
+            raise_transfer_error(exc, f"remote prefill from {target}", self.settings.timeout_s)
             raise
         asyncio.ensure_future(self._ack(target, header.lease_id))
         return Imported(request_id, full, local, n,
@@ -425,3 +418,14 @@ class _PageWriter:
 
 def _details(exc: grpc.RpcError) -> str:
     return exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+
+
+def raise_transfer_error(exc: BaseException, what: str, timeout_s: float) -> None:
+    """Raise the `KVTransferError` a fetch's timeout or RPC failure `exc` stands for (`what`
+    names the fetch: "remote prefill from HOST:PORT"); return for any other exception."""
+    if isinstance(exc, TimeoutError):
+        raise KVTransferError("timeout", f"{what} took over {timeout_s:g} s") from exc
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        raise KVTransferError("unavailable" if code == grpc.StatusCode.UNAVAILABLE else "rpc",
+                              f"{what} failed: {code}: {_details(exc)}") from exc

@@ -27,16 +27,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import grpc
-
 from tandem.engine.kv_pages import ImportCommit
 from tandem.kvtransfer.client import (
     Imported,
     NoRoomForImport,
     RemotePrefill,
-    _details,
     _PageWriter,
     prefill_method,
+    raise_transfer_error,
 )
 from tandem.kvtransfer.pages import KVTransferError, check_header
 from tandem.protocol import worker_pb2
@@ -164,14 +162,7 @@ class PeerPull:
             if writer is not None:
                 writer.release(kv, remote._releases, request_id)
             remote._release_later(local_pin)
-            if isinstance(exc, TimeoutError):
-                raise KVTransferError("timeout", f"peer pull from {target} took over "
-                                                 f"{settings.timeout_s:g} s") from exc
-            if isinstance(exc, grpc.RpcError):
-                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-                raise KVTransferError("unavailable" if code == grpc.StatusCode.UNAVAILABLE
-                                      else "rpc", f"peer pull from {target} failed: "
-                                                  f"{code}: {_details(exc)}") from exc
+            raise_transfer_error(exc, f"peer pull from {target}", settings.timeout_s)
             raise
         asyncio.ensure_future(remote._ack(target, header.lease_id))
         return Pulled(plan.num, n, Imported(

@@ -137,12 +137,7 @@ async def send_cached(service: KVTransferService, request: worker_pb2.PrefillReq
     try:
         source = await kv.page_source(held)
         header = header_for(layout, first, hashes[:n], lease.lease_id, 0)
-        # a grpc request offering a shared-memory segment: taken when on this node (as P/D)
-        offered = "shm" if request.shm_segment and request.backend == "grpc" else None
-        transport = service.backend(offered or request.backend).transport(
-            request, n * layout.block_layer_bytes)
-        if transport != request.backend:
-            header.transport = transport
+        transport = service.transport(request, header, n * layout.block_layer_bytes)
         yield worker_pb2.PageChunk(header=header)
         loop = asyncio.get_running_loop()
         job = SendJob(request, layout, list(source.block_ids), source.layer,

@@ -146,6 +146,17 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             self._leases = LeaseTable(kv)
         return self._leases
 
+    def transport(self, request: worker_pb2.PrefillRequest, header: worker_pb2.PageHeader,
+                  layer_bytes: int) -> str:
+        """The backend that carries this send's pages of `layer_bytes` per layer, named in
+        `header.transport` when it is not the request's: a grpc request offering a
+        shared-memory segment gets `shm` when on this node."""
+        offered = "shm" if request.shm_segment and request.backend == "grpc" else None
+        transport = self.backend(offered or request.backend).transport(request, layer_bytes)
+        if transport != request.backend:
+            header.transport = transport
+        return transport
+
     def backend(self, name: str) -> TransferBackend:
         if name not in self.backends:
             self.backends[name] = make_backend(name)
@@ -269,12 +280,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
                                       keys)[first:]
             block_ids = table[first:first + sent_blocks]
             header = header_for(layout, first, hashes, lease.lease_id, first_token, tail)
-            # a grpc request offering a shared-memory segment: taken when on this node
-            offered = "shm" if request.shm_segment and request.backend == "grpc" else None
-            transport = self.backend(offered or request.backend).transport(
-                request, sent_blocks * layout.block_layer_bytes)
-            if transport != request.backend:
-                header.transport = transport
+            transport = self.transport(request, header, sent_blocks * layout.block_layer_bytes)
             yield worker_pb2.PageChunk(header=header)
             source = (await kv.page_source(kept, first, sent_blocks) if kept is not None
                       else await kv.saved_page_source(rid, block_ids))  # every KV head
