@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -50,6 +52,24 @@ def caches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(BLOCKS, KVH, BS, HD, generator=g),
              torch.randn(BLOCKS, KVH, BS, HD, generator=g)) for _ in range(LAYERS)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_shm_dir():
+    """This module's segments in a directory of their own (on the same shared-memory
+    filesystem, so the node identity is the same), inherited by the processes it starts:
+    test files running beside it (P/D and peer-pull tests, whose decode workers use shared
+    memory by default) must not change the sets these tests compare."""
+    d = tempfile.mkdtemp(prefix="tandem-test-", dir=SHM_DIR)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(shm_segments, "SHM_DIR", d)
+    mp.setattr(sys.modules[__name__], "SHM_DIR", d)
+    mp.setenv("TANDEM_SHM_DIR", d)
+    try:
+        yield d
+    finally:
+        mp.undo()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def segments() -> set[str]:
