@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.protocol.migration import RESUME_HEADER, TOKENS_HEADER
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import PREFILL_HEADER, APIError
 from tandem.router.extproc.settings import ExtProcSettings, FairnessIds
@@ -214,10 +215,12 @@ def test_the_forwarded_request_carries_the_routers_signature(tmp_path) -> None:
         r.wait_routable(1)
         ex = r.envoy.request("/v1/completions", _body("signed"), headers={
             PREFILL_HEADER: "10.0.0.1:50051", SIGNATURE_HEADER: "t=1,n=0,v1=00",
-            "authorization": "Bearer sk-client"})
+            "authorization": "Bearer sk-client", TOKENS_HEADER: "1",
+            RESUME_HEADER: "cmpl-1;1;0;AQAAAA=="})
         assert ex.status == 200 and worker.refused == [], worker.refused
-        # the client's own P/D target, signature and API key never reach the worker
-        assert set(ex.removed) == {PREFILL_HEADER, "authorization"}
+        # the client's own P/D target, migration headers, signature and API key never reach
+        # the worker
+        assert set(ex.removed) == {PREFILL_HEADER, "authorization", TOKENS_HEADER, RESUME_HEADER}
         assert ex.set_headers[SIGNATURE_HEADER] != "t=1,n=0,v1=00"
         assert int(ex.set_headers["content-length"]) == len(ex.forwarded_body)
         # the check is real: the same signature over another body is refused

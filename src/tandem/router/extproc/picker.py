@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandem.protocol.migration import RESUME_HEADER, TOKENS_HEADER
 from tandem.protocol.signing import SIGNATURE_HEADER
 from tandem.protocol.web import (
     PEER_BLOCKS_HEADER,
@@ -49,8 +50,10 @@ logger = logging.getLogger("tandem.router.extproc")
 KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
          "/v1/responses": "responses"}
 # request headers the upstream must not get from the client: the router's own (signed) ones,
-# and the client's API key (a worker never sees it, as behind the HTTP router)
-STRIPPED = (PREFILL_HEADER, PEER_HEADER, PEER_BLOCKS_HEADER, SIGNATURE_HEADER, "authorization")
+# the migration ones (token ids, resume: the endpoint picker does not migrate), and the
+# client's API key (a worker never sees it, as behind the HTTP router)
+STRIPPED = (PREFILL_HEADER, PEER_HEADER, PEER_BLOCKS_HEADER, TOKENS_HEADER, RESUME_HEADER,
+            SIGNATURE_HEADER, "authorization")
 # response headers Envoy sets on an answer it made itself without reaching the worker: its own
 # circuit breaker or overload manager (503), its local rate limit (429)
 GATEWAY_LOCAL = ("x-envoy-overloaded", "x-envoy-ratelimited")
