@@ -233,41 +233,36 @@ def constrained(req: Request) -> bool:
     return grammar is not None and grammar.matcher is not None and grammar.active
 
 
-def accept_token(req: Request, token: int) -> None:
-    """Advance `req`'s matcher by its newly committed output `token` (appended already);
-    marks `done_at` when the grammar terminates. GrammarRejectedError if not allowed."""
+def accept_token(req: Request, token: int, n: int | None = None) -> None:
+    """Advance `req`'s matcher by its committed output `token` (appended already), the
+    `n`-th output token (default: the last); marks `done_at` when the grammar terminates.
+    GrammarRejectedError if not allowed."""
     grammar = req.grammar
     if grammar is None or grammar.matcher is None or grammar.done_at is not None:
         return
+    if n is None:
+        n = req.num_output_tokens
     if not grammar.active:  # still reasoning: the grammar starts after the end tag
         end = req.sampling_params.reasoning_end_token_ids or ()
-        grammar.active = req.output_token_ids[-len(end):] == list(end)
+        grammar.active = req.output_token_ids[max(0, n - len(end)):n] == list(end)
         return
     if not grammar.matcher.accept_tokens([token]):
         raise GrammarRejectedError(
             f"token {token} is not allowed by the request's grammar")
     if grammar.matcher.is_terminated():
-        grammar.done_at = req.num_output_tokens
+        grammar.done_at = n
 
 
 def _replay(req: Request) -> None:
     """A resumed request's matcher accepts its replayed output tokens (`ResumeState`), as
     `accept_token` did for each on the worker that generated them. A token the grammar
     refuses fails the request (StructuredOutputsError)."""
-    grammar = req.grammar
-    assert grammar is not None and grammar.matcher is not None
-    end = list(req.sampling_params.reasoning_end_token_ids or ())
     for n, token in enumerate(req.output_token_ids[:req.num_replayed], start=1):
-        if grammar.done_at is not None:
-            return
-        if not grammar.active:
-            grammar.active = req.output_token_ids[max(0, n - len(end)):n] == end
-            continue
-        if not grammar.matcher.accept_tokens([token]):
+        try:
+            accept_token(req, token, n)
+        except GrammarRejectedError:
             raise StructuredOutputsError(f"replayed token {token} is not allowed by the "
-                                         "request's grammar")
-        if grammar.matcher.is_terminated():
-            grammar.done_at = n
+                                         "request's grammar") from None
 
 
 def valid_drafts(req: Request, drafts: list[int]) -> int:
