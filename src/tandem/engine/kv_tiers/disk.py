@@ -14,30 +14,31 @@ import contextlib
 import logging
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 from tandem.engine.kv_tiers.codec import CorruptBlock, verify
+from tandem.engine.kv_tiers.lru import ByteLRU
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 
 
-class DiskTier:
+class DiskTier(ByteLRU[int]):
+    """`_records`: block hash -> its file's bytes."""
+
     medium = "disk"
 
     def __init__(self, path: str | os.PathLike[str], capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"disk tier capacity must be > 0 bytes, got {capacity}")
+        super().__init__(capacity)
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
-        self.used = 0
         self.dropped_on_start = 0  # files that did not verify when the index was rebuilt
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
-        self._lock = threading.Lock()
         self._rebuild()
+
+    @staticmethod
+    def _size(entry: int) -> int:
+        return entry
 
     def _file(self, block_hash: bytes) -> Path:
         return self.path / (block_hash.hex() + SUFFIX)
@@ -64,33 +65,13 @@ class DiskTier:
                 continue
             found.append((entry.stat().st_mtime, block_hash, len(data)))
         for _, block_hash, size in sorted(found):
-            self._index[block_hash] = size
-            self.used += size
-        for block_hash in self._trim(0):
+            self._insert(block_hash, size)
+        for block_hash, _ in self._trim(0):
             self._remove(block_hash)
-
-    def _trim(self, incoming: int) -> list[bytes]:
-        """Take least recently used entries out of the index until `incoming` fits."""
-        out = []
-        while self._index and self.used + incoming > self.capacity:
-            h, size = self._index.popitem(last=False)
-            self.used -= size
-            out.append(h)
-        return out
 
     def _remove(self, block_hash: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(block_hash))
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        return block_hash in self._index
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def hashes(self) -> list[bytes]:
-        with self._lock:
-            return list(self._index)
 
     def put(self, block_hash: bytes, record: bytes) -> list[bytes]:
         """Store `record` durably; answers the hashes it evicted (and `block_hash` itself if
@@ -104,13 +85,10 @@ class DiskTier:
             f.flush()
             os.fsync(f.fileno())
         with self._lock:
-            old = self._index.pop(block_hash, None)
-            if old is not None:
-                self.used -= old
-            evicted = self._trim(len(record))
+            self._pop(block_hash)
+            evicted = [h for h, _ in self._trim(len(record))]
             os.replace(tmp, final)
-            self._index[block_hash] = len(record)
-            self.used += len(record)
+            self._insert(block_hash, len(record))
             for h in evicted:
                 self._remove(h)
         dir_fd = os.open(self.path, os.O_RDONLY)
@@ -122,9 +100,8 @@ class DiskTier:
 
     def get(self, block_hash: bytes) -> bytes | None:
         with self._lock:
-            if block_hash not in self._index:
+            if self._touch(block_hash) is None:
                 return None
-            self._index.move_to_end(block_hash)
         try:
             return self._file(block_hash).read_bytes()
         except OSError:
@@ -133,9 +110,7 @@ class DiskTier:
 
     def drop(self, block_hash: bytes) -> bool:
         with self._lock:
-            size = self._index.pop(block_hash, None)
-            if size is None:
+            if self._pop(block_hash) is None:
                 return False
-            self.used -= size
             self._remove(block_hash)
             return True
