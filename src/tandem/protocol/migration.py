@@ -39,7 +39,9 @@ RESUME_HEADER = "x-tandem-resume"
 TOKENS_COMMENT = ": tandem-tokens "
 MAX_RESUME_TOKENS = 8192  # ~44 KB of header: within the worker's 64 KiB of headers
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_COUNT = re.compile(r"[0-9]{1,13}")  # created (seconds) and sent_chars: ASCII digits
 _MAX_CREATED = 1 << 40
+_MAX_PACKED = (4 * MAX_RESUME_TOKENS + 2) // 3 * 4  # base64 characters of the most ids
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,11 @@ class Resume:
         rid, created, sent, packed = parts
         if not _ID.fullmatch(rid):
             raise ValueError("bad response id")
-        if not (created.isdigit() and sent.isdigit()) or int(created) >= _MAX_CREATED:
+        if not (_COUNT.fullmatch(created) and _COUNT.fullmatch(sent)) \
+                or int(created) >= _MAX_CREATED:
             raise ValueError("created and sent_chars must be non-negative integers")
+        if len(packed) > _MAX_PACKED:  # refused before it is decoded
+            raise ValueError(f"at most {MAX_RESUME_TOKENS} token ids")
         try:
             raw = base64.b64decode(packed, validate=True)
         except (binascii.Error, ValueError) as exc:
