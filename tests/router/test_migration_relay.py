@@ -23,7 +23,8 @@ from tandem.protocol.migration import (
 )
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import DRAINING_CODE, error_body
-from tandem.router.migration import Migration, StreamState, split_events, take_event
+from tandem.router import migration
+from tandem.router.migration import Events, Migration, StreamState, take_event
 from tandem.router.pd import Route
 from tandem.router.policy import Decision
 from tandem.router.proxy import ProxySettings, forward, upstream_session
@@ -184,14 +185,57 @@ def test_take_event_and_split_events_follow_random_chunkings():
         wire += "data: [DONE]\n\n"
         raw = wire.encode()
         cuts = sorted(rng.sample(range(1, len(raw)), 6))
-        state, buffer, out = StreamState(), bytearray(), b""
+        state, events, out = StreamState(), Events(), b""
         for lo, hi in zip([0, *cuts], [*cuts, len(raw)], strict=True):
-            for ev in split_events(buffer, raw[lo:hi]):
+            for ev, whole in events.feed(raw[lo:hi]):
+                assert whole
                 out += take_event(ev, state)[0]
         assert state.token_ids == [t for ts in ids for t in ts] and state.done
         assert state.sent_chars == sent and state.replayable
         assert (state.response_id, state.created) == ("c", 9)
         assert b"tandem-tokens" not in out and out.count(b"data: ") == 6
+
+
+def test_an_overlong_event_passes_unparsed_and_memory_stays_bounded(monkeypatch):
+    monkeypatch.setattr(migration, "MAX_EVENT_BYTES", 400)
+    rng = random.Random(5)
+    passed = 0
+    for _ in range(200):
+        small = [event(chunk("a") | {"id": "c", "created": 9}, 1, [1]) for _ in range(2)]
+        big = "data: " + "x" * rng.randint(400, 1500) + "\n\n"  # over the bound
+        raw = (small[0] + big + small[1]).encode()
+        cuts = sorted(rng.sample(range(1, len(raw)), 5))
+        events, pieces = Events(), []
+        for lo, hi in zip([0, *cuts], [*cuts, len(raw)], strict=True):
+            pieces += events.feed(raw[lo:hi])
+            assert len(events.buffer) <= 400
+        state, out = StreamState(), b""
+        for piece, whole in pieces:
+            out += take_event(piece, state)[0] if whole else piece
+        # the overlong event reaches the client whole, the others as before
+        assert out == (f"data: {json.dumps(chunk('a') | {'id': 'c', 'created': 9})}\n\n"
+                       + big + f"data: {json.dumps(chunk('a') | {'id': 'c', 'created': 9})}"
+                       "\n\n").encode()
+        assert not events.overlong and not events.buffer
+        passed += not all(whole for _, whole in pieces)
+    assert passed > 50  # most runs cut the overlong event where it had to be passed on
+
+
+def test_token_ids_past_the_resume_bound_are_not_kept():
+    state = StreamState()
+    per = [1] * 1000
+    for n in range(MAX_RESUME_TOKENS // 1000):
+        take_event(event(chunk("x"), n, per).encode()[:-2], state)
+    assert state.replayable and len(state.token_ids) == MAX_RESUME_TOKENS // 1000 * 1000
+    take_event(event(chunk("x"), 1, per).encode()[:-2], state)  # past MAX_RESUME_TOKENS
+    assert not state.replayable and state.id_chunks == []
+    take_event(event(chunk("x"), 1, per).encode()[:-2], state)
+    assert state.id_chunks == []  # nothing kept once the stream cannot be resumed
+    for bad in (tokens_comment(1, [1]).replace("1 1", "1 " + "9" * 11),  # an 11-digit id
+                tokens_comment(1, [1]).replace(" 1 ", " " + "1" * 11 + " ")):  # sent_chars
+        state = StreamState()
+        take_event(f"{bad}data: {json.dumps(chunk('x'))}".encode(), state)
+        assert not state.replayable and state.id_chunks == []
 
 
 def test_the_resume_header_round_trips_and_refuses_bad_values():

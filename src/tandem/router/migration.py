@@ -15,7 +15,13 @@ counting every token. Greedy and seeded requests continue token for token.
 Bounded: at most `max_migrations` new workers per request (each try counts). A stream that
 cannot be migrated (the bound, no other worker, its worker sent no token ids: n > 1, echo,
 prompt logprobs, a tool or reasoning parser; more than `MAX_RESUME_TOKENS` tokens) ends
-with the error event as before, then `data: [DONE]`. Each decision is counted:
+with the error event as before, then `data: [DONE]`.
+
+Bounded memory whatever the worker sends: at most `MAX_EVENT_BYTES` of an unfinished event
+are held (a longer event, e.g. an echoed long prompt's logprobs, is passed on unparsed, and
+its stream is no longer replayable), and at most `MAX_RESUME_TOKENS` token ids of
+`MAX_ID_BYTES` digits a token are kept (more: the stream cannot be resumed, and none are kept).
+Each decision is counted:
 `tandem_router_migrations_total{result,reason}` (result: resumed, limit, no_worker,
 not_replayable, failed; finished: the client had the whole output and its finish reason,
 only `[DONE]` was missing, so the stream just ends; retried: a non-streamed request sent
@@ -50,6 +56,8 @@ MIGRATABLE_CODES = frozenset({DRAINING_CODE, 500, 502, 503})  # error events tha
 _DONE = b"data: [DONE]"
 _COMMENT = TOKENS_COMMENT.encode()
 _FINISHED = re.compile(rb'"finish_reason":\s*"')  # a choice with a finish reason
+MAX_EVENT_BYTES = 1 << 20  # of an unfinished event held; a longer one passes unparsed
+MAX_ID_BYTES = 10  # digits of a uint32 token id, or of sent_chars
 
 
 @dataclass
@@ -69,6 +77,7 @@ class StreamState:
     created: int | None = None
     sent_raw: bytes = b"0"  # the last token comment's sent_chars, as sent
     id_chunks: list[bytes] = field(default_factory=list)  # its "<id>,<id>" parts, as sent
+    id_count: int = 0  # token ids in `id_chunks`
     replayable: bool = True  # every data event so far came with its token ids
     finished: bool = False  # a finish reason was relayed (n == 1: the output is complete)
     done: bool = False  # `data: [DONE]` relayed
@@ -92,15 +101,32 @@ class StreamState:
         return Resume(self.response_id, self.created, self.sent_chars, ids)
 
 
-def split_events(buffer: bytearray, chunk: bytes) -> list[bytes]:
-    """Append `chunk` to `buffer`; take out the complete SSE events (without their blank
-    line)."""
-    buffer += chunk
-    events = []
-    while (end := buffer.find(b"\n\n")) >= 0:
-        events.append(bytes(buffer[:end]))
-        del buffer[:end + 2]
-    return events
+@dataclass
+class Events:
+    """A worker's stream cut into SSE events, holding at most MAX_EVENT_BYTES of an
+    unfinished one (module doc)."""
+
+    buffer: bytearray = field(default_factory=bytearray)
+    overlong: bool = False  # inside an event longer than MAX_EVENT_BYTES: passed on as is
+
+    def feed(self, chunk: bytes) -> list[tuple[bytes, bool]]:
+        """`chunk`'s complete events, in order: (an event without its blank line, True), or
+        (a part of an overlong event, with its blank line if it ends it, False) to pass on
+        unparsed."""
+        buf = self.buffer
+        start = max(len(buf) - 1, 0)  # the event end may straddle the chunks
+        buf += chunk
+        out = []
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            out.append((bytes(buf[:end + 2]), False) if self.overlong
+                       else (bytes(buf[:end]), True))
+            del buf[:end + 2]
+            self.overlong, start = False, 0
+        if len(buf) > MAX_EVENT_BYTES:  # keep the last byte: it may start the blank line
+            self.overlong = True
+            out.append((bytes(buf[:-1]), False))
+            del buf[:-1]
+        return out
 
 
 def take_event(event: bytes, state: StreamState) -> tuple[bytes, dict | None]:
@@ -145,8 +171,18 @@ def take_event(event: bytes, state: StreamState) -> tuple[bytes, dict | None]:
 
 
 def _note_tokens(comment: bytes, state: StreamState) -> bool:
-    """Keep a token comment's ids (parsed only if the stream is resumed)."""
+    """Keep a token comment's ids (parsed only if the stream is resumed; at most
+    MAX_RESUME_TOKENS of MAX_ID_BYTES digits a token, else the stream is not replayable)."""
+    if not state.replayable:
+        return True  # never resumed: nothing to keep
     sent, _, ids = comment[len(_COMMENT):].partition(b" ")
+    count = ids.count(b",") + 1 if ids else 0
+    state.id_count += count
+    if (state.id_count > MAX_RESUME_TOKENS or len(sent) > MAX_ID_BYTES
+            or len(ids) >= max(count, 1) * (MAX_ID_BYTES + 1)):
+        state.replayable = False
+        state.id_chunks.clear()
+        return True
     state.sent_raw = sent
     if ids:
         state.id_chunks.append(ids)
@@ -186,10 +222,14 @@ class Migrator:
         try:
             while True:
                 reason, failure = None, b""
-                buffer = bytearray()
+                events = Events()
                 try:
                     async for chunk in leg.resp.chunks():
-                        for event in split_events(buffer, chunk):
+                        for event, whole in events.feed(chunk):
+                            if not whole:  # a part of an overlong event (`Events`)
+                                self.state.replayable = False
+                                yield event
+                                continue
                             out, err = take_event(event, self.state)
                             if err is not None and err.get("code") in MIGRATABLE_CODES:
                                 reason = ("draining" if err.get("code") == DRAINING_CODE
@@ -242,8 +282,7 @@ class Migrator:
             self.resume = st.resume() if st.replayable else None
         except ValueError:
             st.replayable = False
-        if not st.replayable or (self.resume is not None
-                                 and len(self.resume.token_ids) > MAX_RESUME_TOKENS):
+        if not st.replayable:  # more than MAX_RESUME_TOKENS included (`_note_tokens`)
             result = "not_replayable"
         elif self.migrations >= m.max_migrations:
             result = "limit"
