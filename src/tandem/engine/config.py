@@ -12,7 +12,12 @@ from tandem.engine.spec_decode.config import SpeculativeConfig
 from tandem.engine.structured.base import DEFAULT_BACKEND, available_backends
 from tandem.protocol.cli_args import default_served_name
 from tandem.protocol.engine_flags import DTYPES as _DTYPES
-from tandem.protocol.engine_flags import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
+from tandem.protocol.engine_flags import (
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    KV_OFFLOAD_COMPRESSIONS,
+    QUANTIZATIONS,
+)
 
 logger = logging.getLogger(__name__)
 # The value sets are `tandem worker`'s choices and the operator's enums (protocol/engine_flags).
@@ -184,14 +189,13 @@ class EngineConfig:
                               f"{self.cpu_linear!r}")
 
     def _check_offload(self) -> None:
-        from tandem.protocol.engine_flags import KV_OFFLOAD_COMPRESSIONS as COMPRESSIONS
-
         host, disk = self.kv_offload_host_bytes, self.kv_offload_disk_bytes
         for name, v in (("kv_offload_host_bytes", host), ("kv_offload_disk_bytes", disk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be bytes >= 0, got {v!r}")
-        if self.kv_offload_compression not in COMPRESSIONS:
-            raise ConfigError(f"kv_offload_compression must be one of {COMPRESSIONS}, got "
+        if self.kv_offload_compression not in KV_OFFLOAD_COMPRESSIONS:
+            raise ConfigError("kv_offload_compression must be one of "
+                              f"{KV_OFFLOAD_COMPRESSIONS}, got "
                               f"{self.kv_offload_compression!r}")
         if bool(self.kv_offload_disk_path) != bool(disk):
             raise ConfigError("kv_offload_disk_path and kv_offload_disk_bytes go together "

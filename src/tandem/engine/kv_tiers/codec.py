@@ -25,8 +25,9 @@ import numpy as np
 import torch
 import xxhash
 
+from tandem.protocol.engine_flags import KV_OFFLOAD_COMPRESSIONS as COMPRESSIONS
+
 MAGIC = b"TKVB1\n"
-COMPRESSIONS = ("none", "zlib")
 _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
 
