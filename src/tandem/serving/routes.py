@@ -423,7 +423,7 @@ class WorkerApp:
         await self.authenticate(request, req.cache_salt, req.priority)
         engine, lora = self.engine_for(req.model)
         responder, prompts = self.completion_responder(req, engine, lora)
-        migration.apply(request, responder)
+        migration.apply(request, responder, len(prompts))
         tokenized = await self.off_thread(lambda: [engine.process_prompt(p) for p in prompts])
         return await self.serve(request, engine, responder, tokenized)
 
