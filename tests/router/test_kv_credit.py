@@ -143,21 +143,26 @@ def test_the_peer_is_named_when_pulling_beats_recomputing():
 
 
 def test_no_peer_without_a_block_size_a_signature_or_a_compatible_dtype():
+    def peers(r: Router, parsed: prompts.ParsedPrompt) -> dict:
+        decision, ctx = routed(r, parsed)
+        r.retract(decision, 1.0)  # each pick starts from the confirmed blocks
+        return ctx.peers
+
     r, (_holder, b, c), parsed = _peer_fleet()  # no kv_block_bytes, no measured pull
-    assert not routed(r, parsed)[1].peers
+    assert not peers(r, parsed)
     r, (holder, b, c), parsed = _peer_fleet(kv_block_bytes=1 << 20)
     holder.kv_cache_dtype = "fp8"  # its pages would be refused
-    assert not routed(r, parsed)[1].peers
+    assert not peers(r, parsed)
     holder.kv_cache_dtype = None  # not known: allowed (a mismatch is refused and recomputed)
-    assert routed(r, parsed)[1].peers
+    assert peers(r, parsed)
     r.settings.peer_pull = False  # no worker key (main) or --no-peer-pull
-    assert not routed(r, parsed)[1].peers
+    assert not peers(r, parsed)
     r.settings.peer_pull = True
     b.kv_transfer_backend = c.kv_transfer_backend = None  # stock servers: they cannot pull
-    assert not routed(r, parsed)[1].peers
+    assert not peers(r, parsed)
     b.kv_transfer_backend = c.kv_transfer_backend = "grpc"
     holder.grpc_target = None
-    assert not routed(r, parsed)[1].peers
+    assert not peers(r, parsed)
 
 
 def test_a_host_held_peer_block_adds_the_holders_load_and_p_d_takes_precedence():

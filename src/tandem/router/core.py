@@ -284,10 +284,10 @@ class Router:
         ctx.session_worker = session
         if not candidates:
             return None, ctx
-        if self.settings.peer_pull and role == "decode" and parsed.token_ids is not None:
-            peer.annotate(self.index, self.workers, ctx, candidates, now)
         decision = self.policy.pick(ctx, candidates)
         w = decision.worker
+        if self.settings.peer_pull and role == "decode" and parsed.token_ids is not None:
+            peer.annotate(self.index, self.workers, ctx, w, candidates, now)
         hashes = ctx.chain(w)
         if w.events_connected:
             decision.speculative = (hashes, self.index.add_speculative(w.id, hashes, now))

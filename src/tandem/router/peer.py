@@ -1,8 +1,8 @@
 """Peer pulls: a worker that lacks a prefix another replica holds pulls the blocks over KV
 transfer instead of recomputing them, when the router's cost model says the pull is faster.
 
-For each decode-side candidate `c` that can pull (its /ready names a KV transfer backend;
-`annotate`, before the pick), the holder is the routable
+For the picked decode-side worker `c`, if it can pull (its /ready names a KV transfer backend;
+`annotate`, after the pick), the holder is the routable
 worker (any role) with the longest leading run of the prompt's blocks in any medium
 (`index.Hit`), longer than `c`'s own, that hashes the prompt as `c` does, has a known gRPC
 address and a KV cache dtype `c` can take (`pd.kv_compatible`'s rule). For the `extra`
@@ -17,8 +17,9 @@ blocks the holder has beyond `c`'s run:
 
 The pull is offered when `pull_s < recompute_s`. The ranking does not credit it: a holder
 keeps the prompt unless its load makes another worker cheaper even at full recompute
-(pulled copies on every replica would churn their caches). After the pick the winner's
-offer becomes the request's `x-tandem-kv-peer`
+(pulled copies on every replica would churn their caches), so only the winner is costed,
+and only when it lacks part of the prompt. Its offer becomes the request's
+`x-tandem-kv-peer`
 (the holder's gRPC target) and `x-tandem-kv-peer-blocks` (the holder's run, a hint) headers,
 signed with the router's key (`web.forward_target`); never with a P/D prefill worker
 (`pd.Route`), and only where the router signs requests (`RouterSettings.peer_pull`).
@@ -109,36 +110,29 @@ def offer(c: Worker, own: int, holder: Worker, hit: Hit, rate: float) -> PeerPul
 
 
 def annotate(index: PrefixIndex, workers: Mapping[str, Worker], ctx: RoutingContext,
-             candidates: Sequence[Worker], now: float) -> None:
-    """Fill `ctx.peers` (each candidate's best pull). The ranking does not credit a pull:
-    a holder that is not busier than the pull saves keeps the prompt (pulled copies would
-    churn every replica's cache), and a pick that lacks the prefix pulls it. Reads the whole
-    fleet's holders of the prompt, not only the candidates (the holder may be saturated or
-    filtered out)."""
-    per_token = None
-    by_group: dict[HashGroup, list[tuple[Worker, Hit]]] = {}
-    for c in candidates:
-        if c.kv_transfer_backend is None:  # not a Tandem worker: it cannot pull
-            continue
-        group = c.hash_group(ctx.lora)
-        found = by_group.get(group)
-        if found is None:
-            chain = ctx.hashes.get(group)
-            found = by_group[group] = holders(
-                index, workers, chain, group, ctx.lora, ctx.model, now) if chain else []
-        if not found:
-            continue
-        size = c.kv_block_size
-        tier = ctx.tier_hits.get(c.id)
-        own = tier.total if tier is not None else ctx.matched_tokens.get(c.id, 0) // size
-        if found[0][1].total <= own:
-            continue
-        if per_token is None:
-            per_token = rates(candidates)
-        for holder, hit in found:
-            if hit.total <= own:
-                break
-            pull = offer(c, own, holder, hit, per_token[c.id])
-            if pull is not None:  # not credited in the ranking: the holder keeps its
-                ctx.peers[c.id] = pull  # affinity; a pick that lacks the prefix pulls it
-                break
+             c: Worker, candidates: Sequence[Worker], now: float) -> None:
+    """Set `ctx.peers[c.id]` to the picked worker `c`'s best pull, if any (module doc; the
+    candidates give the fleet's prefill rate when `c` has not measured its own). Reads the
+    whole fleet's holders of the prompt, not only the candidates (the holder may be
+    saturated or filtered out)."""
+    if c.kv_transfer_backend is None:  # not a Tandem worker: it cannot pull
+        return
+    group = c.hash_group(ctx.lora)
+    chain = ctx.hashes.get(group)
+    if not chain:
+        return
+    tier = ctx.tier_hits.get(c.id)
+    own = tier.total if tier is not None else ctx.matched_tokens.get(c.id, 0) // c.kv_block_size
+    if own >= len(chain):  # it holds the whole chain: nothing to pull
+        return
+    found = holders(index, workers, chain, group, ctx.lora, ctx.model, now)
+    if not found or found[0][1].total <= own:
+        return
+    rate = c.load.prefill_s_per_token or rates(candidates)[c.id]
+    for holder, hit in found:
+        if hit.total <= own:
+            break
+        pull = offer(c, own, holder, hit, rate)
+        if pull is not None:
+            ctx.peers[c.id] = pull
+            break
