@@ -26,7 +26,7 @@ prefilling on the decode worker (and the stall that costs its running streams); 
 is aggregated when local wins, with reason `prefill_backlog` or `local_faster`. While the
 prefill worker has not measured its prefill rate, the threshold rule above decides. The
 prompt tokens sent to each prefill worker are recorded (`Router.pd_ledger`) until its next
-load report counts them.
+load report counts them (only under the cost decision, their only reader).
 """
 
 from __future__ import annotations
@@ -137,10 +137,6 @@ def plan(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
             route.reason = "prefill_busy" if busy else "no_prefill_worker"
         elif settings.pd_decision == "cost":
             decide(router, route, ctx, parsed.token_ids is None, now)
-        if route.prefill is not None:
-            router.pd_ledger.record(route.prefill.worker,
-                                    uncached_tokens(ctx, route.prefill, parsed.token_ids is None),
-                                    now)
     return route, ctx
 
 
@@ -148,16 +144,20 @@ def decide(router: Router, route: Route, ctx: RoutingContext, text_mode: bool,
            now: float) -> None:
     """The cost decision on a route with a prefill pick: keeps it, or drops it (its
     speculative blocks retracted) with the reason, as `pd_cost.estimate` says; no
-    estimate (an unmeasured prefill worker) keeps it, as the threshold rule does."""
+    estimate (an unmeasured prefill worker) keeps it, as the threshold rule does. A kept
+    prefill's prompt tokens go into `Router.pd_ledger` (which only this decision reads)."""
     assert route.prefill is not None
     settings, prefill = router.settings, route.prefill
+    uncached = uncached_tokens(ctx, prefill, text_mode)
     route.estimate = est = estimate(
-        route.worker, prefill.worker, route.uncached_tokens,
-        uncached_tokens(ctx, prefill, text_mode), router.pd_ledger.unseen(prefill.worker, now),
-        settings.pd_itl_weight, settings.pd_max_local_prefill)
+        route.worker, prefill.worker, route.uncached_tokens, uncached,
+        router.pd_ledger.unseen(prefill.worker, now), settings.pd_itl_weight,
+        settings.pd_max_local_prefill)
     if est is not None and not est.disaggregate:
         router.retract(prefill, now)
         route.prefill, route.reason = None, est.reason
+    else:
+        router.pd_ledger.record(prefill.worker, uncached, now)
 
 
 def pick_prefill(router: Router, parsed: prompts.ParsedPrompt, model: str, now: float,
