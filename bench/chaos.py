@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import datetime as dt
 import json
 import os
@@ -61,6 +62,10 @@ import httpx
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from servers import stop_group  # noqa: E402
+
 FAULTS = ("decode", "prefill", "router", "redis")
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")
@@ -104,13 +109,8 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
+        if self.popen is not None:
+            stop_group(self.popen, timeout_s=30)
 
     def wait_ready(self, timeout: float, workers: int = 0) -> None:
         deadline = time.monotonic() + timeout
@@ -186,15 +186,14 @@ def plan_fleet(model: str | None, logs: Path, worker_flags: list[str]) -> Fleet:
         passthrough += ["--model", model, "--served-model-name", MODEL_NAME]
         router_flags += ["--tokenizer", f"{MODEL_NAME}={model}"]
     key = worker_auth_key_file()
+    atexit.register(Path(key).unlink, missing_ok=True)
     deployment = plan(args, passthrough, auth_key_file=key, gpus=[], router_flags=router_flags)
     env = {"PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
     prefill, decode = [], []
-    for i, ((role, url, cmd), wenv) in enumerate(zip(deployment.workers, deployment.envs,
-                                                     strict=True)):
+    for (role, url, cmd), wenv in zip(deployment.workers, deployment.envs, strict=True):
         group = prefill if role == "prefill" else decode
         name = f"{role}{len(group)}"
         group.append(Proc(name, cmd, url, logs / f"{name}.log", {**env, **wenv}))
-        del i
     routers = []
     for i in range(2):
         port = args.port if i == 0 else free_port()

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import datetime as dt
+import functools
 import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +59,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(REPO / "src"))
 
-from loadgen import arrival_times, percentiles  # noqa: E402
+from loadgen import arrival_times, bench_client, percentiles  # noqa: E402
 from servers import LOG_DIR, ServerSpec, free_port, launched  # noqa: E402
 from tandem.protocol.bundled import BUNDLED_NAME  # noqa: E402
 from tandem.protocol.signing import SIGNATURE_HEADER, sign  # noqa: E402
@@ -67,6 +68,7 @@ from tandem.protocol.web import (  # noqa: E402
     PEER_HEADER,
     forward_target,
 )
+from tandem.serving.embedded import worker_auth_key_file  # noqa: E402
 
 MODES = ("recompute", "peer", "peer-router", "host", "disk")
 TARGET_TTFT_RATIO = 0.5
@@ -81,21 +83,13 @@ def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-_KEY: list[tuple[str, bytes]] = []
-
-
+@functools.cache
 def worker_auth_key() -> tuple[str, bytes]:
-    """(path, key): this run's own worker-auth key, in a 0600 file of a private directory
-    (a shared bench cache may be rewritten by another run meanwhile)."""
-    if not _KEY:
-        import secrets
-
-        path = Path(tempfile.mkdtemp(prefix="kv-sharing-key-")) / "worker-auth.key"
-        key = secrets.token_bytes(32)
-        path.touch(mode=0o600)
-        path.write_bytes(key)
-        _KEY.append((str(path), key))
-    return _KEY[0]
+    """(path, key): this run's own worker-auth key, in a private 0600 file (as `tandem
+    serve` makes it; a shared bench cache may be rewritten by another run meanwhile)."""
+    path = worker_auth_key_file()
+    atexit.register(Path(path).unlink, missing_ok=True)
+    return path, Path(path).read_bytes()
 
 
 def cli(command: str, *args: str) -> list[str]:
@@ -113,14 +107,6 @@ def worker(name: str, core: int, blocks: int, grpc_port: int | None,
     spec = ServerSpec(f"kv-sharing-{name}", argv, {"PYTHONPATH": str(REPO / "src")})
     spec.start_timeout_s = 300.0
     return spec
-
-
-def router_has_peer_pull() -> bool:
-    """Whether `tandem router` can name a KV peer itself (`--peer-pull`)."""
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "router", "--help"],
-                         capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
-    return "--peer-pull" in out.stdout
 
 
 @dataclass
@@ -211,8 +197,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: bytes,
 
 
 async def open_loop(url: str, work: Workload, headers_for) -> list[Result]:  # noqa: ANN001
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with bench_client(600.0) as client:
         t0 = time.monotonic()
 
         async def later(prompt: list[int], at: float) -> Result:
@@ -268,17 +253,14 @@ METRICS = ("tandem_kv_peer_pulls_total", "tandem_kv_peer_pulled_blocks_total",
            "tandem_kv_tier_validation_failures_total")
 
 
-def run_mode(mode: str, work: Workload, args: argparse.Namespace, cores: list[int],
-             via_router: bool) -> ModeRun:
+def run_mode(mode: str, work: Workload, args: argparse.Namespace,
+             cores: list[int]) -> ModeRun:
     run = ModeRun(mode)
     c0, c1 = cores[0], cores[-1]
     blocks_per_prompt = -(-(args.prefix_tokens + SUFFIX + OUTPUT) // BLOCK)
     big = blocks_per_prompt * (len(work.prompts) + 1) + 128  # every prefix, and room to work
     with contextlib.ExitStack() as stack:
         if mode in ("recompute", "peer", "peer-router"):
-            if mode == "peer-router" and not via_router:
-                run.skipped = "tandem router has no --peer-pull"
-                return run
             hgrpc = free_port()
             holder = stack.enter_context(launched(worker("holder", c0, big, hgrpc)))
             target = stack.enter_context(launched(worker("target", c1, big, free_port())))
@@ -369,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.rate, args.holder_load = 4, 0.05, 2
     work = Workload.make(args.requests, args.prefix_tokens, args.rate, args.seed)
     cores = sorted(os.sched_getaffinity(0))
-    via_router = router_has_peer_pull()
     report: dict = {
         "benchmark": "kv_sharing", "date": dt.date.today().isoformat(), "quick": args.quick,
         "model": BUNDLED_NAME, "requests": args.requests, "prefix_tokens": args.prefix_tokens,
@@ -379,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                     "platform": platform.platform(), "loadavg": os.getloadavg()},
         "modes": []}
     for mode in args.modes:
-        report["modes"].append(run_mode(mode, work, args, cores, via_router).to_json())
+        report["modes"].append(run_mode(mode, work, args, cores).to_json())
     base = next((m for m in report["modes"] if m["mode"] == "recompute" and m["ok"]), None)
     for m in report["modes"]:
         m["ttft_p50_ratio_to_recompute"] = (m["ttft"]["p50"] / base["ttft"]["p50"]
