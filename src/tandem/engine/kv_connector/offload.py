@@ -250,16 +250,14 @@ class OffloadConnector(PDConnector):
 
     def _save(self, blocks: list[EvictedBlock]) -> None:
         """Engine thread, inside the allocation that evicts `blocks`: copy their pages out
-        before the memory is reused; the store encodes them on its own thread."""
+        (one host copy) before the memory is reused; the store holds each block as views
+        into it by layer and stacks and encodes them on its own thread."""
         assert self.worker.pages is not None
         layers = self.worker.pages.read([b.block_id for b in blocks])
-        saved = []
-        for j, b in enumerate(blocks):
-            pages = torch.stack([p[:, j:j + 1] for p in layers]).cpu()
-            saved.append((BlockMeta(b.block_hash, b.parent_hash, b.lora_digest),
+        self.store.save([(BlockMeta(b.block_hash, b.parent_hash, b.lora_digest),
                           EventInfo(b.parent_hash, b.token_ids, self.block_size, b.lora_name,
-                                    b.lora_digest), pages))
-        self.store.save(saved)
+                                    b.lora_digest), [p[:, j:j + 1] for p in layers])
+                         for j, b in enumerate(blocks)])
 
     async def close(self) -> None:
         self.store.close()

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +46,21 @@ class EventInfo:
 
 @dataclass
 class _Pending:
-    pages: torch.Tensor
+    """A saved block until the offload thread encodes it: its pages, every layer's
+    `[2, 1, KVH, bs, row]` (one `[L, ...]` tensor, or one tensor per layer: views into the
+    eviction's copy, stacked off the engine thread)."""
+
+    pages: torch.Tensor | Sequence[torch.Tensor]
     meta: BlockMeta
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pages)
+
+    def stacked(self) -> torch.Tensor:
+        """`[L, 2, 1, KVH, bs, row]`."""
+        pages = self.pages
+        return pages if isinstance(pages, torch.Tensor) else torch.stack(list(pages))
 
 
 @dataclass
@@ -95,18 +109,21 @@ class TierStore:
             n += 1
         return n
 
-    def save(self, blocks: list[tuple[BlockMeta, EventInfo, torch.Tensor]]) -> None:
-        """Copies of evicted blocks' pages (`[L, 2, 1, KVH, bs, row]` each, the caller's to
-        give): held at once, encoded on the offload thread (replacing a host copy)."""
+    def save(self, blocks: list[tuple[BlockMeta, EventInfo,
+                                      torch.Tensor | Sequence[torch.Tensor]]]) -> None:
+        """Copies of evicted blocks' pages (`[L, 2, 1, KVH, bs, row]` each, or its L layers,
+        the caller's to give): held at once, encoded on the offload thread (replacing a host
+        copy)."""
         stored = []
         with self._lock:
             for meta, info, pages in blocks:
                 h = meta.block_hash
-                self.block_bytes = pages.numel() * pages.element_size()
+                pending = _Pending(pages, meta)
+                self.block_bytes = pending.nbytes
                 if h in self._pending:
                     continue
                 # a host copy is replaced: these pages were just computed (or verified)
-                self._pending[h] = _Pending(pages, meta)
+                self._pending[h] = pending
                 self._pending_bytes += self.block_bytes
                 self._info[h] = info
                 self.counters[MEDIUM_HOST].stores += 1
@@ -133,12 +150,12 @@ class TierStore:
             spilling = self._spilling.get(block_hash)
         try:
             if pending is not None:  # saved and not encoded yet: the very pages saved
-                m = pending.meta
+                m, first = pending.meta, pending.pages[0]
                 if (m.block_hash != block_hash or m.lora_digest != lora_digest
-                        or tuple(pending.pages.shape) != tuple(shape)
-                        or pending.pages.dtype != dtype):
+                        or (len(pending.pages), *first.shape) != tuple(shape)
+                        or first.dtype != dtype):
                     raise CorruptBlock("pending block does not match")
-                pages = pending.pages
+                pages = pending.stacked()
             else:
                 tier = self.host if medium == MEDIUM_HOST else self.disk
                 record = spilling if spilling is not None else tier.get(block_hash)
@@ -204,7 +221,7 @@ class TierStore:
         pending = self._pending.pop(h, None)
         if pending is None:
             return False
-        self._pending_bytes -= pending.pages.numel() * pending.pages.element_size()
+        self._pending_bytes -= pending.nbytes
         return True
 
     def _stored(self, h: bytes, medium: str) -> None:
@@ -240,7 +257,7 @@ class TierStore:
             pending = self._pending.get(h)
         if pending is None:  # dropped meanwhile
             return
-        record = encode(pending.pages, pending.meta, self.compression)
+        record = encode(pending.stacked(), pending.meta, self.compression)
         with self._lock:
             if not self._unpend(h):
                 return
