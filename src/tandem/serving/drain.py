@@ -23,13 +23,13 @@ A request is cut through its engine output streams (`OutputStream.fail` with
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 from tandem.engine.async_engine import AsyncLLMEngine, OutputStream
-from tandem.protocol.web import DRAINING_CODE, APIError, error_body
+from tandem.protocol.web import DRAINING_CODE, APIError
+from tandem.serving.responses import sse_error
 
 logger = logging.getLogger("tandem.serving.api_server")
 POLL_S = 0.05  # how often the drain looks at what is left
@@ -47,48 +47,45 @@ def draining_error(retry_after_s: int, message: str = DRAINING_MESSAGE) -> APIEr
                     code=DRAINING_CODE)
 
 
-def draining_event(message: str) -> str:
-    """The SSE error event a stream ends with when the drain cuts it (then `[DONE]`)."""
-    body = error_body(503, message, code=DRAINING_CODE)
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
 class Drain:
-    """The requests in flight (their engine output streams, by engine request id) and the
-    stop sequence (module doc). One per app; `active` once the stop began."""
+    """The requests in flight (each HTTP request's engine output streams, by its id `rid`:
+    the engine requests `{rid}-{i}`) and the stop sequence (module doc). One per app;
+    `active` once the stop began."""
 
     def __init__(self) -> None:
         self.active = False
-        self.streams: dict[str, OutputStream] = {}
-        self.cut_waiting = 0  # requests ended before they started (step 2)
-        self.cut_running = 0  # requests ended at the timeout (step 4)
+        self.requests: dict[str, list[OutputStream]] = {}
 
-    def track(self, ids: Iterable[str], queues: Iterable[OutputStream]) -> None:
-        for sub, q in zip(ids, queues, strict=True):
-            self.streams[sub] = q
+    def track(self, rid: str, queues: list[OutputStream]) -> None:
+        self.requests[rid] = queues
 
-    def untrack(self, ids: Iterable[str]) -> None:
-        for sub in ids:
-            self.streams.pop(sub, None)
+    def untrack(self, rid: str) -> None:
+        self.requests.pop(rid, None)
 
-    def cut(self, ids: Iterable[str], why: str) -> int:
-        """End these engine requests' (`{rid}-{i}`) readers with `WorkerDraining(why)`; how
-        many HTTP requests (`rid`) that ends."""
-        cut = set()
-        for sub in list(ids):
-            q = self.streams.pop(sub, None)
-            if q is not None:
-                q.fail(WorkerDraining(why))
-                cut.add(sub.rsplit("-", 1)[0])
-        return len(cut)
+    def unstarted(self, waiting: set[str]) -> list[str]:
+        """The requests whose every engine request is in `waiting` (none started)."""
+        return [rid for rid, queues in self.requests.items()
+                if all(f"{rid}-{i}" in waiting for i in range(len(queues)))]
+
+    def cut(self, rids: Iterable[str], why: str) -> int:
+        """End these requests' readers with `WorkerDraining(why)` (each once); how many."""
+        cut = 0
+        for rid in list(rids):
+            queues = self.requests.pop(rid, None)
+            if queues is not None:
+                for q in queues:
+                    q.fail(WorkerDraining(why))
+                cut += 1
+        return cut
 
     async def guard(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """A stream's SSE chunks; a cut ends them with `draining_event` and `[DONE]`."""
+        """A stream's SSE chunks; a cut ends them with an error event of code
+        `DRAINING_CODE` and `[DONE]`."""
         try:
             async for chunk in chunks:
                 yield chunk
         except WorkerDraining as exc:
-            yield draining_event(str(exc))
+            yield sse_error(503, str(exc), DRAINING_CODE)
             yield "data: [DONE]\n\n"
 
     async def run(self, engine: AsyncLLMEngine | None, timeout_s: float,
@@ -104,20 +101,20 @@ class Drain:
             except Exception as exc:  # noqa: BLE001 - the engine died: the timeout still runs
                 logger.warning("drain: the engine's queue could not be read (%s)", exc)
             else:
-                self.cut_waiting = self.cut(waiting, "the worker is draining: this queued "
-                                                     "request was not started; retry on "
-                                                     "another replica")
-                if self.cut_waiting:
-                    logger.info("drain: %d queued requests handed back (%s)",
-                                self.cut_waiting, DRAINING_CODE)
+                handed_back = self.cut(self.unstarted(waiting), "the worker is draining: "
+                                       "this queued request was not started; retry on "
+                                       "another replica")
+                if handed_back:
+                    logger.info("drain: %d queued requests handed back (%s)", handed_back,
+                                DRAINING_CODE)
         while (in_flight() > 0 or kv_busy() > 0) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        if self.streams:
-            self.cut_running = self.cut(list(self.streams), "the worker stopped (drain "
-                                        f"timeout {timeout_s:g}s) before this request "
-                                        "finished; retry on another replica")
+        if self.requests:
+            cut = self.cut(list(self.requests), "the worker stopped (drain timeout "
+                           f"{timeout_s:g}s) before this request finished; retry on "
+                           "another replica")
             logger.warning("drain timeout (%gs): %d running requests ended with %s",
-                           timeout_s, self.cut_running, DRAINING_CODE)
+                           timeout_s, cut, DRAINING_CODE)
             end = time.monotonic() + CUT_GRACE_S
             while in_flight() > 0 and time.monotonic() < end:
                 await asyncio.sleep(POLL_S)

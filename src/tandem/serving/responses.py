@@ -53,8 +53,8 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def sse_error(status: int, message: str) -> str:
-    return _sse(error_body(status, message))
+def sse_error(status: int, message: str, code: str | None = None) -> str:
+    return _sse(error_body(status, message, code=code))
 
 
 class Responder(ABC):

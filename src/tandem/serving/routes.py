@@ -489,9 +489,8 @@ async def merge(engine: AsyncLLMEngine, rid: str, queues: list[OutputStream],
     tracks the sub-requests meanwhile; its `WorkerDraining` is raised). `on_end` runs at
     the first output (the requests hold their own block references by then) or at the end."""
     tokens = TokenClock(metrics, arrival)
-    subs = [f"{rid}-{i}" for i in range(len(queues))]
     if drain is not None:
-        drain.track(subs, queues)
+        drain.track(rid, queues)
     unfinished = set(range(len(queues)))
     ended = False
     try:
@@ -523,7 +522,7 @@ async def merge(engine: AsyncLLMEngine, rid: str, queues: list[OutputStream],
         metrics.e2e.observe(time.monotonic() - arrival)
     finally:
         if drain is not None:
-            drain.untrack(subs)
+            drain.untrack(rid)
         on_end()
         for i in unfinished:
             engine.abort(f"{rid}-{i}")
