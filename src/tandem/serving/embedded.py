@@ -135,32 +135,31 @@ def plan(args: argparse.Namespace, passthrough: list[str],
     return Deployment(workers, router, envs, waves, stop_grace(passthrough))
 
 
+def last_flag_value(argv: Sequence[str], *names: str) -> str | None:
+    """The value argparse takes for the flag `names` spell (`--x v` or `--x=v`; the last
+    one given wins), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, text = arg.partition("=")
+        if name in names:
+            value = text if eq else (argv[i + 1] if i + 1 < len(argv) else value)
+    return value
+
+
 def stop_grace(passthrough: Sequence[str]) -> float:
     """Seconds from SIGTERM to SIGKILL when `tandem serve` stops: the workers' drain
     (`--drain-timeout` or its alias `--shutdown-timeout` in `passthrough`, default 30) plus
     STOP_SLACK_S, at least STOP_GRACE_S (a value the worker would refuse is left to it)."""
     drain = 30.0
-    for i, flag in enumerate(passthrough):
-        name, _, value = flag.partition("=")
-        if name not in ("--drain-timeout", "--shutdown-timeout"):
-            continue
-        text = value if "=" in flag else (
-            passthrough[i + 1] if i + 1 < len(passthrough) else None)
-        if text is not None:
-            with contextlib.suppress(ValueError):  # the worker refuses it itself
-                drain = float(text)
+    with contextlib.suppress(ValueError, TypeError):  # the worker refuses it itself
+        drain = float(last_flag_value(passthrough, "--drain-timeout", "--shutdown-timeout"))
     return max(STOP_GRACE_S, drain + STOP_SLACK_S) if math.isfinite(drain) else STOP_GRACE_S
 
 
 def own_disk_tier(passthrough: list[str], index: int, count: int) -> list[str]:
     """With several workers, each its own directory under `--kv-offload-disk-path`
     (`worker-INDEX`): a disk tier's index is one process's (the last flag wins)."""
-    path = None
-    for i, a in enumerate(passthrough):
-        if a == "--kv-offload-disk-path" and i + 1 < len(passthrough):
-            path = passthrough[i + 1]
-        elif a.startswith("--kv-offload-disk-path="):
-            path = a.split("=", 1)[1]
+    path = last_flag_value(passthrough, "--kv-offload-disk-path")
     if path is None or count < 2:
         return []
     return ["--kv-offload-disk-path", os.path.join(path, f"worker-{index}")]
