@@ -1,9 +1,9 @@
 """Holder side of a peer pull: `KVTransfer.Prefill` with `cached_only`.
 
 A worker that holds a prompt's blocks serves another worker's pull of them without computing
-anything: it leases the leading run of the asked blocks its cache holds (`HeldBlocks`; the
+anything: it leases the leading run of the asked blocks its cache holds (`_lease_held`: the
 device pool's prefix cache, then, on a worker with KV tiers, the host and disk tiers' blocks
-loaded into the pool: `TierHeld`), sends the header naming
+loaded into the pool), sends the header naming
 exactly those blocks (possibly none: then the stream ends after the header) and their pages
 through the asked backend, with the same per-layer digests and trailer as a P/D send. The
 pins are one connector `PageLease` under the service's lease table: released by
@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -42,59 +41,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class BlockRun:
-    """The blocks a cached-only call asks for: `hashes` (a chain after `parent_hash`),
-    `token_ids` (the blocks' tokens, `len(hashes)` full blocks), the adapter they were
-    computed with ("": the base model)."""
-
-    hashes: list[BlockHash]
-    parent_hash: BlockHash
-    token_ids: list[int]
-    lora_name: str = ""
-    lora_digest: str = ""
-
-
-class HeldBlocks(Protocol):
-    """Where a cached-only send finds the blocks it offers: `lease` pins, in the device
-    pool, the leading run of `run.hashes` this worker can serve and returns the lease on
-    them (possibly on none)."""
-
-    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
-                    lease_s: float) -> PageLease: ...
-
-
-class DeviceHeld:
-    """The device pool's prefix cache only (`KVConnector.lease_cached`)."""
-
-    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
-                    lease_s: float) -> PageLease:
-        return await kv.lease_cached(owner, run.hashes, lease_s)
-
-
-class TierHeld:
-    """The device pool's prefix cache, then the KV tiers (`engine/kv_tiers`) under it: the
-    blocks after the device-held run that the host or disk tier holds are loaded into
-    device blocks and cached as computed, verified on the way in exactly as an admission's
-    tier load (`OffloadConnector.load_into_cache`), and the whole run is leased. A tier
-    block that is missing or fails verification ends the run there; with no room in the
-    pool, the device run alone is served. One engine-thread call, between two steps."""
-
-    async def lease(self, kv: KVConnector, owner: str, run: BlockRun,
-                    lease_s: float) -> PageLease:
-        from tandem.engine.kv_connector.offload import OffloadConnector
-
-        if not isinstance(kv, OffloadConnector):
-            return await kv.lease_cached(owner, run.hashes, lease_s)
-        return await kv.lease_with_tiers(owner, run.hashes, run.parent_hash, run.token_ids,
-                                         run.lora_name, run.lora_digest, lease_s)
-
-
-def held_blocks_for(engine: AsyncLLMEngine) -> HeldBlocks:
-    """The source a worker's cached-only sends use: its tiers too when it has them."""
+async def _lease_held(kv: KVConnector, owner: str, hashes: list[BlockHash],
+                      parent: BlockHash, token_ids: list[int], lora_name: str,
+                      lora_digest: str, lease_s: float) -> PageLease:
+    """A lease on the leading run of `hashes` (a chain after `parent`, of `token_ids`) this
+    worker can serve (possibly on none): the device pool's prefix cache, then, on a worker
+    with KV tiers, the blocks after it the host or disk tier holds, loaded into device
+    blocks and verified on the way in exactly as an admission's tier load
+    (`OffloadConnector.lease_with_tiers`: a tier block missing or failing verification ends
+    the run there; with no room in the pool the device run alone is served). One
+    engine-thread call, between two steps."""
     from tandem.engine.kv_connector.offload import OffloadConnector
 
-    return TierHeld() if isinstance(engine.kv_connector, OffloadConnector) else DeviceHeld()
+    if isinstance(kv, OffloadConnector):
+        return await kv.lease_with_tiers(owner, hashes, parent, token_ids, lora_name,
+                                         lora_digest, lease_s)
+    return await kv.lease_cached(owner, hashes, lease_s)
+
+
+_releases: set[asyncio.Task] = set()  # leases of cancelled calls, ended once made
+
+
+def _release_once_made(kv: KVConnector, leasing: asyncio.Future) -> None:
+    async def run() -> None:
+        try:
+            held = await leasing
+        except BaseException:  # noqa: BLE001 - nothing was leased
+            return
+        await kv.release(held)
+
+    task = asyncio.ensure_future(run())
+    _releases.add(task)
+    task.add_done_callback(_releases.discard)
 
 
 async def send_cached(service: KVTransferService, request: worker_pb2.PrefillRequest,
@@ -121,10 +99,14 @@ async def send_cached(service: KVTransferService, request: worker_pb2.PrefillReq
     owner = f"pull-{request.request_id[:64] or 'anon'}-{next(service._ids)}"
     lease_s = request.lease_s or DEFAULT_LEASE_S
     parent = chain[first - 1] if first else root_hash(keys)
-    run = BlockRun(hashes, parent, list(request.token_ids[first * bs: (first + num) * bs]),
-                   request.lora_name if digest else "", digest or "")
-    source_of = service.held_blocks or held_blocks_for(engine)
-    held = await source_of.lease(kv, owner, run, lease_s)
+    leasing = asyncio.ensure_future(_lease_held(
+        kv, owner, hashes, parent, list(request.token_ids[first * bs: (first + num) * bs]),
+        request.lora_name if digest else "", digest or "", lease_s))
+    try:
+        held = await asyncio.shield(leasing)
+    except asyncio.CancelledError:  # the engine leases all the same: end it once made
+        _release_once_made(kv, leasing)
+        raise
     n = len(held.block_ids)
     if n == 0:  # nothing to pin: say so and end cleanly
         await kv.release(held)

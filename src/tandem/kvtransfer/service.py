@@ -43,7 +43,7 @@ from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, make_back
 from tandem.kvtransfer.grpc_backend import serialize_chunk
 from tandem.kvtransfer.layer_stream import LayerStream
 from tandem.kvtransfer.pages import KVTransferError, Offer, header_for
-from tandem.kvtransfer.pull_service import HeldBlocks, send_cached
+from tandem.kvtransfer.pull_service import send_cached
 from tandem.protocol import worker_pb2, worker_pb2_grpc
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys
 from tandem.protocol.signing import (
@@ -133,8 +133,6 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
         self.backends: dict[str, TransferBackend] = {}
         self._leases: LeaseTable | None = None
         self._ids = itertools.count()
-        # what a cached-only send offers (None: the engine's cache, tiers included)
-        self.held_blocks: HeldBlocks | None = None
 
     def held(self) -> int:
         """What a draining worker waits for: Prefill calls under way and unexpired leases
