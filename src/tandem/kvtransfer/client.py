@@ -194,39 +194,22 @@ class RemotePrefill:
         writer: _PageWriter | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
-                await self._backend.prepare(req, target)
-                try:
-                    raw = rpc_body(req)  # encoded once: signed, and sent as is
-                    metadata = None if self.key is None else (
-                        (SIGNATURE_HEADER, self.key.sign(raw, PREFILL_RPC)),)
-                    call = prefill_method(self._channel(target))(raw, metadata=metadata)
-                    try:
-                        it = call.__aiter__()
-                        header, offer = await self._header(it, chain[first:], first,
-                                                           plan.tail_tokens)
-                        if offer.num_full < plan.num:
-                            # its pins would hold blocks while the request still needs free
-                            # ones for the rest of the prompt: that can wedge the pool
-                            raise KVTransferError(
-                                "partial", f"the prefill worker offered {offer.num_full} of "
-                                           f"the {plan.num} blocks asked for")
-                        local = await asyncio.shield(local_pin)
-                        if len(local) < first:
-                            logger.warning("[%s] local blocks %d..%d were evicted before they "
-                                           "were pinned; they will be recomputed", request_id,
-                                           len(local), first - 1)
-                        hashes = chain[first:first + offer.num_full]
-                        writer = _PageWriter(self._writer_pool, offer)
-                        await writer.pin(self.kv, hashes)
-                        if not writer.pins.pinned:
-                            raise NoRoomForImport(request_id, offer.num_blocks)
-                        backend = self._backend.for_transport(header.transport or req.backend)
-                        await backend.receive(req, self.layout, offer.num_blocks, it,
-                                              writer.write)
-                    finally:
-                        call.cancel()  # a no-op once complete; frees the stream otherwise
-                finally:
-                    await self._backend.release(req)
+                async with self._prefill_call(req, target) as it:
+                    header, offer = await self._header(it, chain[first:], first,
+                                                       plan.tail_tokens)
+                    if offer.num_full < plan.num:
+                        # its pins would hold blocks while the request still needs free
+                        # ones for the rest of the prompt: that can wedge the pool
+                        raise KVTransferError(
+                            "partial", f"the prefill worker offered {offer.num_full} of "
+                                       f"the {plan.num} blocks asked for")
+                    local = await self.pin_local(local_pin, request_id, first)
+                    hashes = chain[first:first + offer.num_full]
+                    writer = _PageWriter(self._writer_pool, offer)
+                    await writer.pin(self.kv, hashes)
+                    if not writer.pins.pinned:
+                        raise NoRoomForImport(request_id, offer.num_blocks)
+                    await self.receive(req, header, offer, it, writer)
                 await writer.flush()
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
@@ -253,20 +236,58 @@ class RemotePrefill:
                         header.first_token,
                         offer.num_blocks * self.layout.num_layers * self.layout.block_layer_bytes)
 
+    @contextlib.asynccontextmanager
+    async def _prefill_call(self, req: worker_pb2.PrefillRequest, target: str
+                            ) -> AsyncIterator[AsyncIterator[Any]]:
+        """The signed Prefill call for `req` on `target`, as its reply stream; the backend
+        prepares `req` first and is released after, whatever happens."""
+        await self._backend.prepare(req, target)
+        try:
+            raw = rpc_body(req)  # encoded once: signed, and sent as is
+            metadata = None if self.key is None else (
+                (SIGNATURE_HEADER, self.key.sign(raw, PREFILL_RPC)),)
+            call = prefill_method(self._channel(target))(raw, metadata=metadata)
+            try:
+                yield call.__aiter__()
+            finally:
+                call.cancel()  # a no-op once complete; frees the stream otherwise
+        finally:
+            await self._backend.release(req)
+
     async def _header(self, it: AsyncIterator[Any], expected: list[BlockHash], first: int,
-                      tail_tokens: int) -> tuple[worker_pb2.PageHeader, Offer]:
-        """The stream's header, checked; and what it offers (at least one full block)."""
+                      tail_tokens: int, sender: str = "prefill worker", none_ok: bool = False
+                      ) -> tuple[worker_pb2.PageHeader, Offer]:
+        """The stream's header from `sender`, checked; and what it offers (at least one full
+        block unless `none_ok`)."""
         try:
             msg = await it.__anext__()
         except StopAsyncIteration as exc:
-            raise KVTransferError("incomplete", "the prefill stream ended at once") from exc
+            raise KVTransferError("incomplete", f"the {sender}'s stream ended at once") from exc
         if not isinstance(msg, worker_pb2.PageChunk) or msg.WhichOneof("kind") != "header":
-            raise KVTransferError("invalid", "the prefill stream did not start with a header")
+            raise KVTransferError("invalid", f"the {sender}'s stream did not start with a "
+                                             "header")
         header = msg.header
         offer = check_header(header, self.layout, first, expected, tail_tokens)
-        if offer.num_full == 0:
-            raise KVTransferError("invalid", "the prefill worker offered no blocks")
+        if offer.num_full == 0 and not none_ok:
+            raise KVTransferError("invalid", f"the {sender} offered no blocks")
         return header, offer
+
+    async def pin_local(self, local_pin: asyncio.Future, request_id: str,
+                        first: int) -> list[KVBlock]:
+        """The pins of the `first` local blocks (`local_pin`'s), warning of any evicted
+        before they were pinned."""
+        local = await asyncio.shield(local_pin)
+        if len(local) < first:
+            logger.warning("[%s] local blocks %d..%d were evicted before they were pinned; "
+                           "they will be recomputed", request_id, len(local), first - 1)
+        return local
+
+    async def receive(self, req: worker_pb2.PrefillRequest, header: worker_pb2.PageHeader,
+                      offer: Offer, it: AsyncIterator[Any], writer: _PageWriter) -> None:
+        """The offered pages from `it` into `writer`'s pinned blocks, through the backend
+        the header names (else the request's)."""
+        backend = self._backend.for_transport(header.transport or req.backend)
+        await backend.receive(req, self.layout, offer.num_blocks, it, writer.write)
 
     async def _ack(self, target: str, lease_id: str) -> None:
         try:

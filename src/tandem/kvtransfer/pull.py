@@ -33,13 +33,10 @@ from tandem.kvtransfer.client import (
     NoRoomForImport,
     RemotePrefill,
     _PageWriter,
-    prefill_method,
     raise_transfer_error,
 )
-from tandem.kvtransfer.pages import KVTransferError, check_header
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import request_hash_keys, root_hash
-from tandem.protocol.signing import PREFILL_RPC, SIGNATURE_HEADER, rpc_body
 
 logger = logging.getLogger(__name__)
 
@@ -98,57 +95,23 @@ class PeerPull:
             num_blocks=plan.num, backend=remote._backend.name, lease_s=settings.lease_s,
             kv_cache_dtype=layout.cache_dtype, lora_name=lora_name or "",
             lora_digest=digest or "", cached_only=True)
-        writer: _PageWriter | None = None
-        held = False
+        writer: _PageWriter | None = None  # set once the holder offers blocks
         try:
             async with asyncio.timeout(settings.timeout_s):
-                await remote._backend.prepare(req, target)
-                try:
-                    raw = rpc_body(req)  # encoded once: signed, and sent as is
-                    metadata = None if remote.key is None else (
-                        (SIGNATURE_HEADER, remote.key.sign(raw, PREFILL_RPC)),)
-                    call = prefill_method(remote._channel(target))(raw, metadata=metadata)
-                    try:
-                        it = call.__aiter__()
-                        try:
-                            msg = await it.__anext__()
-                        except StopAsyncIteration as exc:
-                            raise KVTransferError("incomplete",
-                                                  "the holder's stream ended at once") from exc
-                        if not isinstance(msg, worker_pb2.PageChunk) or \
-                                msg.WhichOneof("kind") != "header":
-                            raise KVTransferError("invalid",
-                                                  "the holder's stream did not start with a "
-                                                  "header")
-                        header = msg.header
-                        offer = check_header(header, layout, first, chain[first:])
-                        if offer.tail_tokens:
-                            raise KVTransferError("invalid", "a peer pull takes full blocks "
-                                                             "only")
-                        if offer.num_full:
-                            held = True
-                            local = await asyncio.shield(local_pin)
-                            if len(local) < first:
-                                logger.warning("[%s] local blocks %d..%d were evicted before "
-                                               "they were pinned; they will be recomputed",
-                                               request_id, len(local), first - 1)
-                            hashes = chain[first:first + offer.num_full]
-                            writer = _PageWriter(remote._writer_pool, offer)
-                            await writer.pin(kv, hashes, tail=False)
-                            if not writer.pins.pinned:
-                                raise NoRoomForImport(request_id, offer.num_blocks)
-                            backend = remote._backend.for_transport(header.transport
-                                                                    or req.backend)
-                            await backend.receive(req, layout, offer.num_blocks, it,
-                                                  writer.write)
-                    finally:
-                        call.cancel()
-                finally:
-                    await remote._backend.release(req)
-                if not held:
+                async with remote._prefill_call(req, target) as it:
+                    header, offer = await remote._header(it, chain[first:], first, 0,
+                                                         "holder", none_ok=True)
+                    if offer.num_full:
+                        local = await remote.pin_local(local_pin, request_id, first)
+                        hashes = chain[first:first + offer.num_full]
+                        writer = _PageWriter(remote._writer_pool, offer)
+                        await writer.pin(kv, hashes, tail=False)
+                        if not writer.pins.pinned:
+                            raise NoRoomForImport(request_id, offer.num_blocks)
+                        await remote.receive(req, header, offer, it, writer)
+                if writer is None:
                     remote._release_later(local_pin)
                     return Pulled(plan.num, 0, None, expected)
-                assert writer is not None
                 await writer.flush()
                 n = offer.num_full
                 parent = chain[first - 1] if first else root_hash(
