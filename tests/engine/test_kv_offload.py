@@ -12,14 +12,19 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from tandem import SamplingParams
 from tandem.engine.async_engine import AddRequest, AsyncLLMEngine, _tier_snapshot
 from tandem.engine.config import EngineConfig
 from tandem.engine.errors import ConfigError
-from tandem.engine.kv_connector.offload import OffloadConnector
+from tandem.engine.kv_connector.base import ConnectorMetadata
+from tandem.engine.kv_connector.offload import OffloadConnector, OffloadScheduler
+from tandem.engine.kv_tiers.codec import BlockMeta
+from tandem.engine.kv_tiers.store import EventInfo, TierStore
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import Request
 from tandem.protocol import worker_pb2
 from tandem.protocol.block_hash import hash_block_chain, request_hash_keys, root_hash
 from tandem.serving.metrics import ServerMetrics
@@ -291,3 +296,47 @@ def test_random_batches_over_the_tiers_serve_exact_tokens_and_leave_nothing_pinn
         assert c.validation_failures == 0, f"seed {seed}: {c}"
     # not vacuous: blocks were saved and served from the tiers
     assert sum(c.loads for c in got["stats"].values()) > 0, f"seed {seed}: nothing loaded"
+
+
+class _PDStub:
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens) -> None:
+        pass
+
+    def build_connector_meta(self):
+        return ConnectorMetadata({}, {})
+
+
+def test_a_request_waiting_for_room_is_not_read_from_the_tiers_again_each_step():
+    shape = (2, 2, 1, 2, BS, 16)
+    store = TierStore(1 << 20)
+    try:
+        req = Request("w", list(range(100, 100 + 3 * BS + 2)), GREEDY, 5)
+        hashes = req.update_block_hashes(BS)
+        parent = root_hash(req.hash_keys)
+        store.save([(BlockMeta(h, parent, ""), EventInfo(parent, (), BS),
+                     torch.full(shape, float(i))) for i, h in enumerate(hashes)])
+        store.flush()
+        sched = OffloadScheduler(_PDStub(), store, BS, shape, torch.float32)
+        host = store.counters["host"]
+        for step in range(3):  # asked each step, never admitted: read once
+            assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 3 * BS
+            sched.build_connector_meta()
+            assert host.loads == 3 and sched.staged_blocks == 3, step
+        # asked at another position: read again (that run only)
+        assert sched.get_num_new_matched_tokens(req, BS).num_tokens == 2 * BS
+        assert host.loads == 5
+        sched.build_connector_meta()
+        # not asked in a step: dropped
+        sched.build_connector_meta()
+        assert sched.staged_blocks == 0
+        # admitted: the step loads the pages fetched while it waited
+        sched.get_num_new_matched_tokens(req, 0)
+        sched.build_connector_meta()
+        assert sched.get_num_new_matched_tokens(req, 0).num_tokens == 3 * BS
+        sched.update_state_after_alloc(req, [7, 8, 9, 10], 3 * BS)
+        meta = sched.build_connector_meta()
+        assert meta.loads == {"w": (7, 8, 9)} and sched.staged_blocks == 0
+        assert [float(p[0, 0, 0, 0, 0, 0]) for p in meta.pages["w"]] == [0.0, 1.0, 2.0]
+        assert host.loads == 8
+    finally:
+        store.close()

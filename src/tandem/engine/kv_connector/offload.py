@@ -15,7 +15,9 @@ own chain hash at its position, the layout, dtype and adapter digest (`TierStore
 the run stops at the first block not held or not verifying (dropped from its tier), so what
 the answer counts is exactly what loads, and the rest is computed. The fetched pages are
 staged for the step: `wait_for_layer_load(i)` writes layer i's into the request's blocks
-before layer i attends. Stages not taken by the step (the request did not fit) are dropped.
+before layer i attends. A request asked and not admitted (it did not fit) keeps its stage
+for the next step, where it is asked again at the same position (no tier read while it
+waits at the head of the queue); a stage not asked for again in a step is dropped.
 """
 
 from __future__ import annotations
@@ -64,27 +66,35 @@ class OffloadScheduler(KVConnectorScheduler):
                  page_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.pd, self.store, self.bs = pd, store, block_size
         self.page_shape, self.dtype = page_shape, dtype
-        self._staged: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # request id -> (first block, end block, the run's verified pages)
+        self._staged: dict[str, tuple[int, int, list[torch.Tensor]]] = {}
+        self._asked: set[str] = set()  # this step's
         self._loads: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
 
     @property
     def staged_blocks(self) -> int:
-        """Blocks fetched and not yet handed to a step (0 between steps: no pin leaks)."""
-        return sum(len(p) for _, p in self._staged.values())
+        """Blocks fetched and not yet handed to a step: a request asked and not admitted
+        keeps its run until the next step's build, no longer."""
+        return sum(len(p) for _, _, p in self._staged.values())
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> ExternalMatch:
-        self._staged.pop(request.request_id, None)
+        rid = request.request_id
+        staged = self._staged.pop(rid, None)
         if num_computed_tokens % self.bs:
             return ExternalMatch(0)
         hashes = request.update_block_hashes(self.bs)
         first = num_computed_tokens // self.bs
         # the scheduler loads at most up to the last prompt token: fetch no further
         end = min(len(hashes), -(-(len(request.all_token_ids) - 1) // self.bs))
-        pages = self.fetch_run(hashes[first:end], request.hash_keys.adapter_id)
+        if staged is not None and staged[:2] == (first, end):  # not admitted last step
+            pages = staged[2]
+        else:
+            pages = self.fetch_run(hashes[first:end], request.hash_keys.adapter_id)
         if not pages:
             return ExternalMatch(0)
-        self._staged[request.request_id] = (first, pages)
+        self._staged[rid] = (first, end, pages)
+        self._asked.add(rid)
         return ExternalMatch(len(pages) * self.bs)
 
     def fetch_run(self, hashes: Sequence[bytes], lora_digest: str) -> list[torch.Tensor]:
@@ -103,7 +113,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self.pd.update_state_after_alloc(request, block_ids, num_external_tokens)
         staged = self._staged.pop(request.request_id, None)
         if num_external_tokens and staged is not None:
-            first, pages = staged
+            first, _, pages = staged
             n = -(-num_external_tokens // self.bs)
             self._loads[request.request_id] = (tuple(block_ids[first:first + n]),
                                                tuple(pages[:n]))
@@ -111,7 +121,9 @@ class OffloadScheduler(KVConnectorScheduler):
     def build_connector_meta(self) -> OffloadMeta:
         saves = self.pd.build_connector_meta().saves
         loads, self._loads = self._loads, {}
-        self._staged.clear()  # asked, but not admitted this step
+        # asked and not admitted this step: kept for the next; older stages dropped
+        self._staged = {r: s for r, s in self._staged.items() if r in self._asked}
+        self._asked = set()
         return OffloadMeta({r: ids for r, (ids, _) in loads.items()}, saves,
                            {r: pages for r, (_, pages) in loads.items()})
 
