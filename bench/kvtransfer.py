@@ -61,9 +61,9 @@ def serve_pages(port: int, max_blocks: int) -> None:
     import tandem.kvtransfer  # noqa: F401 - registers the backends
     from tandem.engine.cpu_tuning import tune_malloc
     from tandem.engine.kv_cache.pages import gather_layer
-    from tandem.kvtransfer.base import SendJob, make_backend
+    from tandem.kvtransfer.base import SendJob
     from tandem.kvtransfer.pages import SEND_CHUNK, PageLayout, header_for, layer_page_views
-    from tandem.kvtransfer.service import add_kv_transfer_service
+    from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
     from tandem.protocol import worker_pb2
 
     tune_malloc()  # as in a worker: big buffers from the heap, not fresh mmaps
@@ -71,7 +71,7 @@ def serve_pages(port: int, max_blocks: int) -> None:
     caches = [(torch.randn(max_blocks, KV_HEADS, BLOCK, HEAD_DIM),
                torch.randn(max_blocks, KV_HEADS, BLOCK, HEAD_DIM)) for _ in range(LAYERS)]
     layout = PageLayout.of(MODEL, caches)
-    backends: dict = {}
+    service = KVTransferService(lambda: None, MODEL, "prefill")  # its backends, no engine
 
     class Pages:
         async def Prefill(self, request, context):  # noqa: N802
@@ -80,14 +80,10 @@ def serve_pages(port: int, max_blocks: int) -> None:
             hashes = [i.to_bytes(32, "little") for i in range(n)]
             header = header_for(layout, 0, hashes, "bench", 0)
             chunk = int(request.request_id.rpartition("-")[2] or 0)  # grpc: bytes a message
-            name = "shm" if request.shm_segment and request.backend == "grpc" else (
-                request.backend)  # as the service: a grpc request offering shared memory
-            chosen = backends.setdefault(name, make_backend(name))
-            transport = chosen.transport(request, n * layout.block_layer_bytes)
-            if transport != request.backend:  # shm across nodes: grpc
-                header.transport = transport
+            # the service's own choice (a grpc request offering shared memory: shm on one node)
+            transport = service.transport(request, header, n * layout.block_layer_bytes)
             yield worker_pb2.PageChunk(header=header)
-            backend = backends.setdefault(transport, make_backend(transport))
+            backend = service.backend(transport)
             if transport == "grpc":  # calls come one at a time
                 backend.chunk = chunk or SEND_CHUNK
             loop = asyncio.get_running_loop()
