@@ -168,7 +168,10 @@ class PrefixIndex:
         p = table.find_one(k)
         if p < 0:
             return 0
-        cells = table.row(p)
+        return self._row_bits(k, table.row(p))
+
+    def _row_bits(self, k: int, cells: Sequence[int]) -> int:
+        """The confirmed holders of key `k` as a bitmask of slots, from its row's cells."""
         if cells[0] == OVER:
             return self._over[k]
         bits = 0
@@ -522,16 +525,10 @@ class PrefixIndex:
         change[1:] = (whole[1:] != whole[:-1]) | special[1:] | special[:-1]
         at = np.flatnonzero(change)
         result: dict[str, int] = {}
-        over = self._over
+        row_bits = self._row_bits
         for i, k, row, sp in zip(at.tolist(), keys[at].tolist(), rows[at].tolist(),
                                  special[at].tolist(), strict=True):
-            if row[0] == OVER:
-                bits = over[k]
-            else:
-                bits = 0
-                for s in row:
-                    if s >= 0:
-                        bits |= 1 << s
+            bits = row_bits(k, row)
             if sp:
                 bits |= _live_bits(spec.get(k), now)
             kept = mask & bits
@@ -592,16 +589,10 @@ class PrefixIndex:
         change[0] = True
         change[1:] = (whole[1:] != whole[:-1]) | special[1:] | special[:-1]
         at = np.flatnonzero(change)
-        out, over = [], self._over
+        out, row_bits = [], self._row_bits
         for k, row, sp in zip(keys[at].tolist(), rows[at].tolist(), special[at].tolist(),
                               strict=True):
-            if row[0] == OVER:
-                bits = over[k]
-            else:
-                bits = 0
-                for s in row:
-                    if s >= 0:
-                        bits |= 1 << s
+            bits = row_bits(k, row)
             if sp:
                 bits |= _live_bits(spec.get(k), now)
             out.append(bits)
