@@ -167,7 +167,8 @@ def parses(cls, raw: bytes) -> bool:
 def call(channel: grpc.Channel, method: str, raw: bytes,
          md: list[tuple[str, str]]) -> tuple[grpc.StatusCode, list]:
     """(status, answers) of one call of `method` with the request bytes `raw`: a streaming
-    answer is read for at most 2 s (a KV event subscription stays open: cancelled then)."""
+    answer is read until it ends, or a KV event subscription (which stays open) for 0.3 s and
+    then cancelled."""
     cls, resp, streaming = METHODS[method]
     ident = lambda b: b  # noqa: E731 - send the bytes exactly
     if not streaming:

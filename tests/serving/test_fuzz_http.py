@@ -7,6 +7,7 @@ an event stream of JSON events ending `[DONE]`); both servers serve afterwards."
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -36,11 +37,9 @@ def servers(tmp_path_factory):
     make_tiny_model_dir(path, max_position_embeddings=128)  # bounds every generation
     worker, _ = tiny_worker(path, ServerSettings(served_model_name=MODEL))
     router = router_app([worker.url], openapi=True)
-    deadline = 100
-    while httpx.get(router.url + "/ready", timeout=5).status_code != 200 and deadline:
-        deadline -= 1
-        import time
-
+    deadline = time.monotonic() + 10
+    while httpx.get(router.url + "/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the router did not see its worker ready"
         time.sleep(0.1)
     yield worker.url, router.url
     router.stop()
