@@ -273,6 +273,7 @@ def test_connections_counts_those_in_use_and_idle_and_forgets_closed_ones():
                 await resp.read()
                 resp.release()
             await asyncio.sleep(0.1)  # the server has closed both idle connections
+            assert not pool._open  # forgotten when lost, whether or not anyone counts them
             assert pool.connections() == (0, 0)  # never negative: closed idle ones drop out
             await pool.close()
 

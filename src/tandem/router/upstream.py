@@ -54,8 +54,9 @@ class UpstreamSettings:
 class _Connection(asyncio.Protocol):
     """One TCP connection; carries one request at a time."""
 
-    def __init__(self, key: tuple[str, int]) -> None:
+    def __init__(self, key: tuple[str, int], open_set: set[_Connection]) -> None:
         self.key = key
+        self._open = open_set  # the pool's open connections: left when lost or closed
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -78,6 +79,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._open.discard(self)
         r = self.response
         if r is None or r.complete:
             return
@@ -113,6 +115,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.lost = True
+        self._open.discard(self)
         if self.transport is not None:
             self.transport.close()
 
@@ -243,7 +246,7 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._targets: dict[str, tuple[str, int, bytes]] = {}  # base URL -> host, port, Host
         self.opened = 0  # connections opened so far (for tests and metrics)
-        self._open: set[_Connection] = set()  # every connection not known to be closed
+        self._open: set[_Connection] = set()  # every connection not lost nor closed
 
     def _target(self, base_url: str) -> tuple[str, int, bytes]:
         t = self._targets.get(base_url)
@@ -257,7 +260,7 @@ class UpstreamPool:
 
     async def _connect(self, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
-        conn = _Connection((host, port))
+        conn = _Connection((host, port), self._open)
         try:
             async with asyncio.timeout(self.settings.connect_timeout_s):
                 await loop.create_connection(lambda: conn, host, port)
@@ -268,13 +271,13 @@ class UpstreamPool:
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {host}:{port}: {exc}") from exc
         self.opened += 1
-        self._open.add(conn)
+        if not conn.lost:  # (a connection lost at once has left already)
+            self._open.add(conn)
         return conn
 
     def connections(self) -> tuple[int, int]:
         """(in use, idle) connections now open: one in use carries a request whose response
         is not finished; once every request has ended, a pool leaks none when in use is 0."""
-        self._open = {c for c in self._open if not c.lost}
         idle = sum(not c.lost for v in self._idle.values() for c in v)  # lost: pruned on use
         return len(self._open) - idle, idle
 
