@@ -93,14 +93,6 @@ def signed_target(target: str | None, headers: Mapping[str, str]) -> str | None:
     return f"{target or ''}|resume:{hashlib.sha256(resume.encode('latin-1')).hexdigest()}"
 
 
-def wants_signature(headers: Mapping[str, str]) -> str | None:
-    """The migration header a request carries (it needs the router's signature), or None."""
-    for name in (RESUME_HEADER, TOKENS_HEADER):
-        if headers.get(name) is not None:
-            return name
-    return None
-
-
 def tokens_comment(sent_chars: int, token_ids: list[int]) -> str:
     """The comment line a worker puts before an event's `data:` line."""
     return f"{TOKENS_COMMENT}{sent_chars} {','.join(map(str, token_ids))}\n"

@@ -1,6 +1,7 @@
 """The worker's check of the router's signature (`protocol.signing`).
 
-HTTP: a request that names a prefill worker (`x-tandem-prefill`), carries a tenant's
+HTTP: a request that carries a header only the router sends (`ROUTER_HEADERS`: a prefill
+worker, a KV peer, migration's token ids or resume), carries a tenant's
 `cache_salt` (`tenant=...`), asks for a nonzero `priority` (on a worker with a key), or
 reaches a worker with `--require-signed-requests` (every route that runs the model or the
 tokenizer on client input) is acted on only with a valid, fresh, unused signature over its
@@ -28,12 +29,12 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fastapi import Request
 
-from tandem.protocol.migration import signed_target, wants_signature
+from tandem.protocol.migration import RESUME_HEADER, TOKENS_HEADER, signed_target
 from tandem.protocol.signing import (
     SIGNATURE_HEADER,
     TENANT_SALT_PREFIX,
@@ -80,11 +81,17 @@ _LOG_LIMIT = _Throttle()
 REQUIRED = "every request to this worker (--require-signed-requests)"
 
 
-def needs_signature(target: str | None, cache_salt: str | None, key: WorkerKey | None = None,
-                    priority: int = 0, required: bool = False) -> str | None:
+# headers only the router sends (P/D, peer pulls, migration): each needs its signature
+ROUTER_HEADERS = (RESUME_HEADER, TOKENS_HEADER, PEER_HEADER, PREFILL_HEADER)
+
+
+def needs_signature(headers: Mapping[str, str], cache_salt: str | None,
+                    key: WorkerKey | None = None, priority: int = 0,
+                    required: bool = False) -> str | None:
     """What makes a request need the router's signature (for the error), or None."""
-    if target is not None:
-        return PEER_HEADER if target.rpartition("|peer:")[1] else PREFILL_HEADER
+    for name in ROUTER_HEADERS:
+        if headers.get(name) is not None:
+            return name
     if (cache_salt or "").startswith(TENANT_SALT_PREFIX):
         return "a tenant cache_salt"
     if required and key is not None:
@@ -106,8 +113,7 @@ async def check_signature(request: Request, key: WorkerKey | None, cache_salt: s
     if signature_instead_of_key(request):
         await require_signature(request, key, target, WITHOUT_KEY, on_reject)
         return
-    what = (wants_signature(request.headers)  # migration: the router's only
-            or needs_signature(target, cache_salt, key, priority, required))
+    what = needs_signature(request.headers, cache_salt, key, priority, required)
     if what is None:
         return
     await require_signature(request, key, target, what, on_reject)
