@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [(0.64, 0.16)] if args.quick else args.loads
     duration = 20.0 if args.quick else args.duration
     report: dict = {"benchmark": "disagg", "date": dt.date.today().isoformat(),
-                    "quick": args.quick, "duration_s": duration,
+                    "quick": args.quick, "duration_s": duration, "seed": args.seed,
                     "pd_threshold": args.pd_threshold,
                     "pd_max_prefill_queue": args.pd_max_prefill_queue,
                     "short": {"prompt_tokens": SHORT[0], "max_tokens": SHORT[1]},
