@@ -44,12 +44,12 @@ def tier_credit(hit: Hit, w: Worker, rate: float, unit: int) -> float:
     return credit
 
 
-def rates(workers: Sequence[Worker]) -> dict[str, float]:
-    """Each worker's prefill seconds per token: its measured one, else the median of the
-    measured ones, else DEFAULT_PREFILL_S_PER_TOKEN."""
-    measured = [w.load.prefill_s_per_token for w in workers]
-    fallback = fleet_rate(measured, DEFAULT_PREFILL_S_PER_TOKEN)
-    return {w.id: r or fallback for w, r in zip(workers, measured, strict=True)}
+def fallback_rate(workers: Sequence[Worker]) -> float:
+    """The prefill seconds per token of a worker that has not measured its own: the median
+    of `workers`' measured ones, else DEFAULT_PREFILL_S_PER_TOKEN (read only when needed:
+    a median over the fleet)."""
+    return fleet_rate([w.load.prefill_s_per_token for w in workers],
+                      DEFAULT_PREFILL_S_PER_TOKEN)
 
 
 def add_tier_credits(ctx: RoutingContext, candidates: Sequence[Worker],
@@ -58,10 +58,15 @@ def add_tier_credits(ctx: RoutingContext, candidates: Sequence[Worker],
     candidate, as its match counts them)."""
     if not ctx.tier_hits:
         return
-    per_token = rates(candidates)
+    fallback = None
     for w in candidates:
         hit = ctx.tier_hits.get(w.id)
         if hit is not None and (hit.host or hit.disk):
-            credit = tier_credit(hit, w, per_token[w.id], units.get(w.id, w.kv_block_size))
+            rate = w.load.prefill_s_per_token
+            if not rate:
+                if fallback is None:
+                    fallback = fallback_rate(candidates)
+                rate = fallback
+            credit = tier_credit(hit, w, rate, units.get(w.id, w.kv_block_size))
             if credit > 0.0:
                 ctx.credit_tokens[w.id] = ctx.credit_tokens.get(w.id, 0.0) + credit

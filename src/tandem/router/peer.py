@@ -13,7 +13,8 @@ blocks the holder has beyond `c`'s run:
                   transfer rate; no block size known either: no pull)
                   + the holder's load of those blocks it holds only in its host or disk tier
                   (its measured host/disk_load_s_per_block; unmeasured: one more pull time)
-    recompute_s = extra x block tokens x c's prefill_s_per_token (`kvcredit.rates`)
+    recompute_s = extra x block tokens x c's prefill_s_per_token (`kvcredit.fallback_rate`
+                  when unmeasured)
 
 The pull is offered when `pull_s < recompute_s`. The ranking does not credit it: a holder
 keeps the prompt unless its load makes another worker cheaper even at full recompute
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from tandem.protocol.block_hash import BlockHash
 from tandem.protocol.kv_events import MEDIUM_DEVICE, MEDIUM_DISK, MEDIUM_HOST
 from tandem.router.index import Hit, PrefixIndex
-from tandem.router.kvcredit import rates, saved_tokens
+from tandem.router.kvcredit import fallback_rate, saved_tokens
 from tandem.router.scorers.base import RoutingContext
 from tandem.router.workers import HashGroup, Worker
 
@@ -128,7 +129,7 @@ def annotate(index: PrefixIndex, workers: Mapping[str, Worker], ctx: RoutingCont
     found = holders(index, workers, chain, group, ctx.lora, ctx.model, now)
     if not found or found[0][1].total <= own:
         return
-    rate = c.load.prefill_s_per_token or rates(candidates)[c.id]
+    rate = c.load.prefill_s_per_token or fallback_rate(candidates)
     for holder, hit in found:
         if hit.total <= own:
             break
