@@ -6,9 +6,10 @@
    the kubelet stop sending; a new request is answered 503 with the OpenAI error code
    `protocol.web.DRAINING_CODE` and `Retry-After` (`draining_error`), which a router retries
    on another worker at once; a new KV-transfer `Prefill` call is refused (UNAVAILABLE).
-2. At once: requests admitted but still queued in the engine (waiting, no token generated)
-   are ended the same way (non-streamed: that 503; streamed: an SSE error event with that
-   code, then `[DONE]`) rather than started here.
+2. At once: requests admitted but still queued in the engine (no prompt of theirs has a
+   token yet; one partly started runs on as in step 3) are ended the same way
+   (non-streamed: that 503; streamed: an SSE error event with that code, then `[DONE]`)
+   rather than started here.
 3. Running requests finish, and KV pages a prefill worker sent under a lease stay pinned and
    served until their decode worker releases them or the lease expires (`busy`), for up to
    the drain timeout (`--drain-timeout`).
@@ -49,11 +50,9 @@ def draining_error(retry_after_s: int, message: str = DRAINING_MESSAGE) -> APIEr
 
 class Drain:
     """The requests in flight (each HTTP request's engine output streams, by its id `rid`:
-    the engine requests `{rid}-{i}`) and the stop sequence (module doc). One per app;
-    `active` once the stop began."""
+    the engine requests `{rid}-{i}`) and the stop sequence (module doc). One per app."""
 
     def __init__(self) -> None:
-        self.active = False
         self.requests: dict[str, list[OutputStream]] = {}
 
     def track(self, rid: str, queues: list[OutputStream]) -> None:
@@ -90,10 +89,10 @@ class Drain:
 
     async def run(self, engine: AsyncLLMEngine | None, timeout_s: float,
                   in_flight: Callable[[], int], kv_busy: Callable[[], int]) -> None:
-        """Steps 2-4 (step 1 is `active`, which this sets too); returns once nothing is left
-        (`in_flight()`: HTTP requests being answered; `kv_busy()`: KV leases and Prefill
-        calls held here), or once the timeout has passed and the cut requests answered."""
-        self.active = True
+        """Steps 2-4 (step 1, the app's `draining` flag, is set before); returns once nothing
+        is left (`in_flight()`: HTTP requests being answered; `kv_busy()`: KV leases and
+        Prefill calls held here), or once the timeout has passed and the cut requests
+        answered."""
         deadline = time.monotonic() + timeout_s
         if engine is not None and engine.alive:
             try:

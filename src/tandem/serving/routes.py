@@ -124,8 +124,7 @@ class WorkerApp:
 
     @property
     def draining(self) -> bool:
-        return bool(self.app_state is not None and self.app_state.draining
-                     or self.drain.active)
+        return bool(self.app_state is not None and self.app_state.draining)
 
     # -- start and stop ------------------------------------------------------------------
     @asynccontextmanager
