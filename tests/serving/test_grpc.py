@@ -223,3 +223,22 @@ def test_kv_event_subscribers_are_bounded_and_freed(grpc_worker):
     assert got.HasField("snapshot")
     for call, _ in streams:
         call.cancel()
+
+
+def test_kv_block_bytes_is_zero_for_an_engine_whose_pages_do_not_travel():
+    """`kv_block_bytes` (read once when the engine loads): a layout's bytes per block of every
+    layer; 0 where the engine has no page connector (a hybrid model's KV groups)."""
+    from types import SimpleNamespace
+
+    from tandem.engine.errors import ConfigError
+    from tandem.serving.grpc_server import kv_block_bytes
+
+    class Hybrid:
+        @property
+        def kv_connector(self):
+            raise ConfigError("a KV connector cannot load into a hybrid model's KV groups")
+
+    layout = SimpleNamespace(num_layers=3, block_layer_bytes=4096)
+    plain = SimpleNamespace(kv_connector=SimpleNamespace(layout=lambda model: layout))
+    assert kv_block_bytes(plain, "m") == 3 * 4096  # type: ignore[arg-type]
+    assert kv_block_bytes(Hybrid(), "m") == 0  # type: ignore[arg-type]

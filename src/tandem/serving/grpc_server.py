@@ -81,7 +81,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # measured seconds per block a peer pull brought (`serving.peer_pull.PullCosts`)
         self.peer_pull_s_per_block: Callable[[], float] = lambda: 0.0
         # bytes of one KV block of every layer (`kv_block_bytes`); 0: not reported
-        self.kv_block_bytes: Callable[[AsyncLLMEngine], int] = lambda engine: 0
+        self.kv_block_bytes: Callable[[], int] = lambda: 0
 
     async def _authorize(self, request: object, context: grpc.aio.ServicerContext,
                          target: str) -> None:
@@ -112,7 +112,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prefill_s_per_token=s.prefill_s_per_token, decode_step_s=s.decode_step_s,
             pending_prefill_tokens=s.pending_prefill_tokens,
             peer_pull_s_per_block=self.peer_pull_s_per_block(),
-            kv_block_bytes=self.kv_block_bytes(engine),
+            kv_block_bytes=self.kv_block_bytes(),
             host_load_s_per_block=s.host_load_s_per_block,
             disk_load_s_per_block=s.disk_load_s_per_block,
             draining=self.draining(),

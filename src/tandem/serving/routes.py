@@ -110,6 +110,8 @@ class WorkerApp:
     pd: PrefillImports = field(init=False)
     drain: Drain = field(default_factory=Drain)  # the requests in flight, the SIGTERM stop
     kv_service: KVTransferService | None = None  # the gRPC KVTransfer service, once started
+    # bytes of one KV block of every layer as pages travel (`kv_block_bytes`), once loaded
+    block_bytes: int = 0
     created: int = field(default_factory=now)
     app_state: Any = None  # the FastAPI app's `state` (`build_app` sets it)
 
@@ -142,7 +144,7 @@ class WorkerApp:
                                     settings.auth_key, settings.max_kv_event_subscribers,
                                     self.refused, draining=lambda: self.draining)
             service.peer_pull_s_per_block = lambda: self.pd.peer.costs.s_per_block
-            service.kv_block_bytes = lambda e: kv_block_bytes(e, settings.served_model_name)
+            service.kv_block_bytes = lambda: self.block_bytes
             kv_service = KVTransferService(lambda: holder.engine, settings.served_model_name,
                                            settings.role, settings.kv_stream_layers,
                                            settings.auth_key, self.refused,
@@ -180,6 +182,7 @@ class WorkerApp:
             return
         holder.engine = t.result()
         metrics.open_streams = lambda engine=holder.engine: engine.open_streams
+        self.block_bytes = kv_block_bytes(holder.engine, settings.served_model_name)
         state = holder.engine.state
         spec = holder.engine.config.speculative_config
         metrics.attach(state.block_size, state.num_usable_blocks,
@@ -365,7 +368,7 @@ class WorkerApp:
                         kv_cache_dtype=engine.config.kv_cache_dtype,
                         quantization=engine.config.quantization,
                         peer_pull_s_per_block=self.pd.peer.costs.s_per_block,
-                        kv_block_bytes=kv_block_bytes(engine, settings.served_model_name),
+                        kv_block_bytes=self.block_bytes,
                         # how its scheduler shares steps (the router's P/D cost estimate)
                         long_prefill_token_threshold=engine.config.long_prefill_token_threshold,
                         max_num_batched_tokens=engine.config.max_num_batched_tokens)
