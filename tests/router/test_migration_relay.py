@@ -218,7 +218,20 @@ def test_an_overlong_event_passes_unparsed_and_memory_stays_bounded(monkeypatch)
                        "\n\n").encode()
         assert not events.overlong and not events.buffer
         passed += not all(whole for _, whole in pieces)
-    assert passed > 50  # most runs cut the overlong event where it had to be passed on
+    assert passed == 200  # however it was cut, the overlong event was passed on unparsed
+
+
+def test_a_stream_with_an_overlong_event_passes_it_on_and_is_not_migrated(key, monkeypatch):
+    monkeypatch.setattr(migration, "MAX_EVENT_BYTES", 400)
+    big = event(chunk("y" * 1000), 1001, [3])  # one event over the bound
+    a = Script([[event(chunk("x"), 1, [2]), big[:500], big[500:], "drop"]])
+    b = Script([])
+    out, results = run([a, b], key)
+    events = out.decode().split("\n\n")
+    assert events[0] == f"data: {json.dumps(chunk('x'))}"
+    assert events[1] + "\n\n" == big  # as the worker sent it: not parsed
+    assert json.loads(events[2][6:])["error"]["code"] == 502 and events[3] == "data: [DONE]"
+    assert results == [("not_replayable", "connection")] and b.seen == []
 
 
 def test_token_ids_past_the_resume_bound_are_not_kept():

@@ -104,7 +104,8 @@ class StreamState:
 @dataclass
 class Events:
     """A worker's stream cut into SSE events, holding at most MAX_EVENT_BYTES of an
-    unfinished one (module doc)."""
+    unfinished one; an event longer than that, however it arrives, is passed on unparsed
+    (module doc)."""
 
     buffer: bytearray = field(default_factory=bytearray)
     overlong: bool = False  # inside an event longer than MAX_EVENT_BYTES: passed on as is
@@ -118,7 +119,7 @@ class Events:
         buf += chunk
         out = []
         while (end := buf.find(b"\n\n", start)) >= 0:
-            out.append((bytes(buf[:end + 2]), False) if self.overlong
+            out.append((bytes(buf[:end + 2]), False) if self.overlong or end > MAX_EVENT_BYTES
                        else (bytes(buf[:end]), True))
             del buf[:end + 2]
             self.overlong, start = False, 0
