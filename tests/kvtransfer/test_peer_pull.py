@@ -9,6 +9,7 @@ and no block left pinned on either side."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -259,6 +260,46 @@ def test_dead_stalled_and_damaging_peers_are_computed_locally(engines):
                 await peers.settled()
             assert (peers.pulls("failed"), peers.pulls("timeout")) == (2, 1)
             assert peers.pulled_blocks() == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        fake.stop()
+
+
+def test_random_pulls_and_cancellations_leave_no_lease_or_pin(engines):
+    """Seeded: pulls that succeed, find nothing held, hit a dead or a stalling peer, or whose
+    request is cancelled at a random point (in the pull or after it): after each, no lease is
+    left on the holder and no block in use on the receiver."""
+    fake = FakePrefillServer(free_port())
+
+    async def stalls(request, context):
+        await asyncio.Event().wait()
+        yield worker_pb2.PageChunk()  # pragma: no cover
+
+    fake.behaviour = stalls
+    dead = f"127.0.0.1:{free_port()}"
+
+    async def main() -> None:
+        rng = random.Random(2042)
+        async with Peers(engines, timeout_s=0.5) as peers:
+            for i in range(14):
+                kind = rng.choice(["held", "none", "dead", "stall", "cancel", "cancel"])
+                doc = ids(900 + i, rng.randrange(3, 9) * BS)
+                if kind != "none":
+                    await generate(peers.holder, doc + [7], f"warm-rnd-{i}")
+                prompt = doc + ids(2000 + i, rng.randrange(2, 6))
+                target = {"dead": dead, "stall": fake.target}.get(kind, peers.target)
+                task = asyncio.ensure_future(peers.run(prompt, f"rnd-{i}",
+                                                       {PEER_HEADER: target}))
+                if kind == "cancel":
+                    await asyncio.sleep(rng.uniform(0.0, 0.04))
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    got = await task  # a cancel that came too late: a whole pull
+                    pulled = kind in ("held", "cancel")
+                    assert got.num_cached_tokens == (len(doc) if pulled else 0), (i, kind)
+                await peers.settled()
 
     try:
         asyncio.run(main())

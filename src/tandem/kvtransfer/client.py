@@ -141,7 +141,7 @@ class RemotePrefill:
                                 advertise_host=self.settings.advertise_host,
                                 layout=self.layout)
         self._writer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
-        self._releases: set[asyncio.Task] = set()  # unpins of failed imports, in flight
+        self._releases: set[asyncio.Task] = set()  # unpins and lease releases, in flight
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         ch = self._channels.get(target)
@@ -192,6 +192,7 @@ class RemotePrefill:
             tail_tokens=plan.tail_tokens, kv_cache_dtype=self.layout.cache_dtype,
             lora_name=lora_name or "", lora_digest=digest or "")
         writer: _PageWriter | None = None
+        header: worker_pb2.PageHeader | None = None
         try:
             async with asyncio.timeout(self.settings.timeout_s):
                 async with self._prefill_call(req, target) as it:
@@ -228,9 +229,11 @@ class RemotePrefill:
             if writer is not None:  # after the commit (if sent) and every running write
                 writer.release(self.kv, self._releases, request_id)
             self._release_later(local_pin)
+            if header is not None:  # its pages may all be sent: the lease is not waited out
+                self._ack_later(target, header.lease_id)
             raise_transfer_error(exc, f"remote prefill from {target}", self.settings.timeout_s)
             raise
-        asyncio.ensure_future(self._ack(target, header.lease_id))
+        self._ack_later(target, header.lease_id)
         return Imported(request_id, full, local, n,
                         offer.tail_tokens if tail is not None else 0,
                         header.first_token,
@@ -288,6 +291,14 @@ class RemotePrefill:
         the header names (else the request's)."""
         backend = self._backend.for_transport(header.transport or req.backend)
         await backend.receive(req, self.layout, offer.num_blocks, it, writer.write)
+
+    def _ack_later(self, target: str, lease_id: str) -> None:
+        """Release the sender's lease `lease_id` (none: "") in the background: after an
+        import, or a fetch that failed once the header named it."""
+        if lease_id:
+            task = asyncio.ensure_future(self._ack(target, lease_id))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     async def _ack(self, target: str, lease_id: str) -> None:
         try:

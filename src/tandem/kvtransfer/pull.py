@@ -96,6 +96,7 @@ class PeerPull:
             kv_cache_dtype=layout.cache_dtype, lora_name=lora_name or "",
             lora_digest=digest or "", cached_only=True)
         writer: _PageWriter | None = None  # set once the holder offers blocks
+        header: worker_pb2.PageHeader | None = None
         try:
             async with asyncio.timeout(settings.timeout_s):
                 async with remote._prefill_call(req, target) as it:
@@ -125,9 +126,11 @@ class PeerPull:
             if writer is not None:
                 writer.release(kv, remote._releases, request_id)
             remote._release_later(local_pin)
+            if header is not None:  # its pages may all be sent: the lease is not waited out
+                remote._ack_later(target, header.lease_id)
             raise_transfer_error(exc, f"peer pull from {target}", settings.timeout_s)
             raise
-        asyncio.ensure_future(remote._ack(target, header.lease_id))
+        remote._ack_later(target, header.lease_id)
         return Pulled(plan.num, n, Imported(
             request_id, full, local, n, 0, 0,
             n * layout.num_layers * layout.block_layer_bytes), expected)
