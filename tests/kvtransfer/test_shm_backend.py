@@ -36,6 +36,7 @@ from tandem.kvtransfer.shm_segments import (
     SHM_DIR,
     Instance,
     node_identity,
+    open_segment,
     sweep,
 )
 from tandem.protocol import worker_pb2
@@ -240,6 +241,40 @@ def test_a_receiver_on_another_node_gets_grpc():
     assert asyncio.run(main()) == ["grpc", "grpc"]
     for layer in range(LAYERS):
         assert torch.equal(got[layer], gather_layer(src, layer, [5, 2]))
+
+
+def test_a_sender_opens_only_a_real_segment_by_its_exact_name_and_size():
+    """The name, slots and slot size a (signed) request names: no path outside the segment
+    directory, no symlink, no size but the file's, at most 4 slots, and the magic first."""
+    inst = Instance()
+    seg = inst.create(2, 4096)
+    try:
+        bad_names = ["../" + seg.name, seg.name + "/x", "/dev/zero", f"{PREFIX}x",
+                     seg.name.upper(), seg.name + ".lock", "tandem-kv-../../etc/passwd"]
+        for name in bad_names:
+            with pytest.raises(ValueError):
+                open_segment(name, 2, seg.slot_bytes)
+        for slots, slot_bytes in [(0, 4096), (5, 4096), (2, 0), (1, 4096), (2, 8192),
+                                  (2, 1 << 62)]:
+            with pytest.raises(ValueError):
+                open_segment(seg.name, slots, slot_bytes)
+        link = f"{PREFIX}{'1' * 16}-{'2' * 32}"
+        os.symlink(os.path.join(SHM_DIR, seg.name), os.path.join(SHM_DIR, link))
+        with pytest.raises(OSError):  # ELOOP: a link is never followed
+            open_segment(link, 2, seg.slot_bytes)
+        plain = f"{PREFIX}{'3' * 16}-{'4' * 32}"  # the right size, not a segment
+        with open(os.path.join(SHM_DIR, plain), "wb") as f:
+            f.truncate(CONTROL_BYTES + 2 * seg.slot_bytes)
+        with pytest.raises(ValueError):
+            open_segment(plain, 2, seg.slot_bytes)
+        opened = open_segment(seg.name, 2, seg.slot_bytes)
+        assert (opened.slots, opened.consumed) == (2, 0)
+        opened.close()
+    finally:
+        for name in (seg.name, f"{PREFIX}{'1' * 16}-{'2' * 32}", f"{PREFIX}{'3' * 16}-{'4' * 32}"):
+            shm_segments.unlink(name)
+        seg.close()
+        inst.close()
 
 
 def test_no_room_in_shared_memory_asks_for_grpc(monkeypatch):
