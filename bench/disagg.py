@@ -26,6 +26,10 @@ request:
 * adaptive: the router's cost decision (`--pd-decision cost`; the default is threshold): the
   prefill worker only when its backlog, the prompt's prefill there and the page transfer
   beat prefilling on the decode worker plus the stall that costs its running streams;
+* adaptive-wN: the same with the stall weighted N times (`--pd-itl-weight N`, default 1);
+  adaptive-dcapN: the same with the decode worker's per-request chunk cap at N tokens
+  (`--long-prefill-token-threshold N`), so a local prefill stalls each decode step for at
+  most N tokens' compute;
 * dynamo: NVIDIA Dynamo's conditional disaggregation as the baseline: remote only when the
   uncached prompt reaches `DYNAMO_MAX_LOCAL` tokens and the prefill worker holds fewer than
   `DYNAMO_MAX_QUEUE` requests, else local (`--pd-threshold 1000 --pd-max-prefill-queue 2
@@ -144,7 +148,8 @@ def run_setup(name: str, reqs: list[tuple[str, BenchRequest]], offsets: list[flo
             cap = prefill_flags(name) or ()
             urls = [stack.enter_context(launched(worker("prefill", c0, "prefill",
                                                         free_port(), cap))),
-                    stack.enter_context(launched(worker("decode", c1, "decode", free_port())))]
+                    stack.enter_context(launched(worker("decode", c1, "decode", free_port(),
+                                                        decode_flags(name))))]
             extra = router_flags(name, pd_threshold, pd_max_prefill_queue)
         url = stack.enter_context(launched(router(name, urls, extra)))
         results = asyncio.run(run_rate(url, BUNDLED_NAME, [r for _, r in reqs], 1.0, seed,
@@ -207,16 +212,19 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
-SETUPS = ("aggregated", "disaggregated", "adaptive", "dynamo", "disaggregated-fcfs",
-          "disaggregated-capN", "disaggregated-qN")
+SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive-wN", "adaptive-dcapN", "dynamo",
+          "disaggregated-fcfs", "disaggregated-capN", "disaggregated-qN")
+ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?)|-dcap([1-9][0-9]{0,4}))?")
 
 
 def router_flags(setup: str, pd_threshold: int, pd_max_prefill_queue: int) -> list[str]:
     """The router's P/D flags in P/D setup `setup` (the run's threshold and queue bound
     unless the setup names its own)."""
-    if setup == "adaptive":
+    m = ADAPTIVE.fullmatch(setup)
+    if m:
         return ["--pd-decision", "cost", "--pd-threshold", str(pd_threshold),
-                "--pd-max-prefill-queue", str(pd_max_prefill_queue)]
+                "--pd-max-prefill-queue", str(pd_max_prefill_queue),
+                *(["--pd-itl-weight", m[1]] if m[1] else [])]
     if setup == "dynamo":
         return ["--pd-decision", "threshold", "--pd-threshold", str(DYNAMO_MAX_LOCAL),
                 "--pd-max-prefill-queue", str(DYNAMO_MAX_QUEUE), "--pd-max-local-prefill", "0"]
@@ -234,13 +242,20 @@ def router_queue(setup: str) -> int | None:
 def prefill_flags(setup: str) -> tuple[str, ...] | None:
     """The prefill worker's extra flags in `setup` (None: not a setup): disaggregated-fcfs
     turns its per-request chunk cap off, disaggregated-capN sets it to N tokens."""
-    if setup in ("aggregated", "disaggregated", "adaptive", "dynamo") \
+    if setup in ("aggregated", "disaggregated", "dynamo") or ADAPTIVE.fullmatch(setup) \
             or router_queue(setup) is not None:
         return ()
     if setup == "disaggregated-fcfs":
         return ("--long-prefill-token-threshold", "0")
     m = re.fullmatch(r"disaggregated-cap([1-9][0-9]{0,5})", setup)
     return ("--long-prefill-token-threshold", m[1]) if m else None
+
+
+def decode_flags(setup: str) -> tuple[str, ...]:
+    """The decode worker's extra flags in `setup`: adaptive-dcapN caps its per-request
+    chunk at N tokens."""
+    m = ADAPTIVE.fullmatch(setup)
+    return ("--long-prefill-token-threshold", m[2]) if m and m[2] else ()
 
 
 def parse_setups(text: str) -> list[str]:

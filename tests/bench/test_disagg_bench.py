@@ -31,6 +31,17 @@ def test_each_setup_names_its_decision_rule():
         disagg.parse_setups("adaptive,sometimes")
 
 
+def test_adaptive_variants_weigh_the_stall_or_cap_the_decode_chunk():
+    assert disagg.router_flags("adaptive-w2.5", 16, 0)[-2:] == ["--pd-itl-weight", "2.5"]
+    assert disagg.decode_flags("adaptive-w2.5") == ()
+    assert disagg.decode_flags("adaptive-dcap32") == ("--long-prefill-token-threshold", "32")
+    assert "--pd-itl-weight" not in disagg.router_flags("adaptive-dcap32", 16, 0)
+    assert disagg.decode_flags("disaggregated") == ()
+    for bad in ("adaptive-w", "adaptive-dcap0", "adaptive-w1e9", "adaptive-w2-dcap3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            disagg.parse_setups(bad)
+
+
 def _run(setup: str, itl_p99: float, ttft_p50: float) -> dict:
     return {"setup": setup, "by_class": {"short": {"itl": {"p99": itl_p99},
                                                    "ttft": {"p50": ttft_p50}}}}
