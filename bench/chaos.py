@@ -484,6 +484,38 @@ def gauges(url: str, wanted: tuple[str, ...]) -> dict[str, float | None]:
     return out
 
 
+def migrations(fleet: Fleet) -> dict[str, dict[str, float]]:
+    """`tandem_router_migrations_total` by result, per live router replica: {replica:
+    {result: count}} (a killed replica's count is lost with it)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in fleet.routers:
+        if not (r.url and r.alive):
+            continue
+        try:
+            text = httpx.get(f"{r.url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue
+        counts = out.setdefault(r.name, {})
+        for line in text.splitlines():
+            if line.startswith("tandem_router_migrations_total{"):
+                result = line.split('result="', 1)[1].split('"', 1)[0] \
+                    if 'result="' in line else "?"
+                counts[result] = counts.get(result, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def migrated(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+             ) -> dict[str, float]:
+    """What the replicas alive at both readings counted in between, by result."""
+    out: dict[str, float] = {}
+    for name, counts in after.items():
+        for result, v in counts.items():
+            d = v - before.get(name, {}).get(result, 0.0)
+            if d > 0:
+                out[result] = out.get(result, 0.0) + d
+    return out
+
+
 def busy(url: str, names: tuple[str, ...]) -> bool:
     """Whether any of the gauges `names` reads above 0 at `url` now."""
     try:
@@ -589,8 +621,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"the undisturbed run itself failed {len(reqs) - len(ref_ok)} requests")
         for fault in faults:
             log(f"fault: {fault}")
+            before = migrations(fleet)
             outcomes, kill = asyncio.run(run_phase(fleet, reqs, fault, args.kill_at,
                                                    args.request_timeout))
+            after = migrations(fleet)  # the routers that lived through the phase
+            moved = migrated(before, after)
             killed = next(p for p in fleet.all if kill and p.name == kill.target)
             t = time.monotonic()
             if not args.no_restart:
@@ -598,11 +633,13 @@ def main(argv: list[str] | None = None) -> int:
                 killed.wait_ready(600)
             fleet.ready(600)  # the routers see the restarted worker again (or its loss)
             phase = {"fault": fault, "kill": asdict(kill) if kill else None,
-                     "restart_s": round(time.monotonic() - t, 2), **judge(outcomes, reference)}
+                     "restart_s": round(time.monotonic() - t, 2),
+                     "migrations": moved, **judge(outcomes, reference)}
             report["phases"].append(phase)
             log(f"  {phase['exact']} exact, {phase['differing']} differing, "
                 f"{phase['clean_error']} clean errors {phase['clean_error_by_code']}, "
-                f"{phase['router_cut']} router cut, {phase['lost']} lost, {phase['hung']} hung")
+                f"{phase['router_cut']} router cut, {phase['lost']} lost, {phase['hung']} hung, "
+                f"migrations {moved}")
         report["leaks"] = leaks(fleet, args.settle)
     finally:
         fleet.stop()

@@ -44,6 +44,13 @@ def test_judge_compares_each_request_with_the_undisturbed_run():
     assert [p["index"] for p in j["problems"]] == [1, 4, 5]
 
 
+def test_migrations_count_only_what_replicas_alive_at_both_readings_saw():
+    before = {"router0": {"resumed": 2.0}, "router1": {"resumed": 5.0, "limit": 1.0}}
+    after = {"router0": {"resumed": 4.0, "no_worker": 1.0}}  # router1 was killed
+    assert chaos.migrated(before, after) == {"resumed": 2.0, "no_worker": 1.0}
+    assert chaos.migrated(after, after) == {}
+
+
 def test_a_quick_chaos_run_loses_nothing_and_leaves_nothing(tmp_path):
     model = tmp_path / "tiny"
     make_tiny_model_dir(model)
@@ -63,6 +70,7 @@ def test_a_quick_chaos_run_loses_nothing_and_leaves_nothing(tmp_path):
             phase["fault"], phase["fault"])
         assert (phase["differing"], phase["lost"], phase["hung"]) == (0, 0, 0), phase
         assert phase["exact"] + phase["clean_error"] + phase["router_cut"] == phase["requests"]
+        assert all(v > 0 for v in phase["migrations"].values()), phase["migrations"]
     # every gauge of every survivor was exported and read 0: no request, pin, lease,
     # transfer or upstream connection left behind
     readings = report["leaks"]["gauges"]
