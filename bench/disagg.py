@@ -27,9 +27,10 @@ request:
   prefill worker only when its backlog, the prompt's prefill there and the page transfer
   beat prefilling on the decode worker plus the stall that costs its running streams;
 * adaptive-wN: the same with the stall weighted N times (`--pd-itl-weight N`, default 1);
-  adaptive-dcapN: the same with the decode worker's per-request chunk cap at N tokens
-  (`--long-prefill-token-threshold N`), so a local prefill stalls each decode step for at
-  most N tokens' compute;
+  adaptive-pcapN / adaptive-dcapN: the same with the prefill / decode worker's per-request
+  chunk cap at N tokens (`--long-prefill-token-threshold N`; a decode worker's cap bounds
+  how long a local prefill stalls each decode step); suffixes combine in that order
+  (adaptive-w2-pcap64-dcap32);
 * dynamo: NVIDIA Dynamo's conditional disaggregation as the baseline: remote only when the
   uncached prompt reaches `DYNAMO_MAX_LOCAL` tokens and the prefill worker holds fewer than
   `DYNAMO_MAX_QUEUE` requests, else local (`--pd-threshold 1000 --pd-max-prefill-queue 2
@@ -212,9 +213,10 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
-SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive-wN", "adaptive-dcapN", "dynamo",
+SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive[-wN][-pcapN][-dcapN]", "dynamo",
           "disaggregated-fcfs", "disaggregated-capN", "disaggregated-qN")
-ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?)|-dcap([1-9][0-9]{0,4}))?")
+ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?))?(?:-pcap([1-9][0-9]{0,4}))?"
+                      r"(?:-dcap([1-9][0-9]{0,4}))?")
 
 
 def router_flags(setup: str, pd_threshold: int, pd_max_prefill_queue: int) -> list[str]:
@@ -242,8 +244,10 @@ def router_queue(setup: str) -> int | None:
 def prefill_flags(setup: str) -> tuple[str, ...] | None:
     """The prefill worker's extra flags in `setup` (None: not a setup): disaggregated-fcfs
     turns its per-request chunk cap off, disaggregated-capN sets it to N tokens."""
-    if setup in ("aggregated", "disaggregated", "dynamo") or ADAPTIVE.fullmatch(setup) \
-            or router_queue(setup) is not None:
+    m = ADAPTIVE.fullmatch(setup)
+    if m:
+        return ("--long-prefill-token-threshold", m[2]) if m[2] else ()
+    if setup in ("aggregated", "disaggregated", "dynamo") or router_queue(setup) is not None:
         return ()
     if setup == "disaggregated-fcfs":
         return ("--long-prefill-token-threshold", "0")
@@ -255,7 +259,7 @@ def decode_flags(setup: str) -> tuple[str, ...]:
     """The decode worker's extra flags in `setup`: adaptive-dcapN caps its per-request
     chunk at N tokens."""
     m = ADAPTIVE.fullmatch(setup)
-    return ("--long-prefill-token-threshold", m[2]) if m and m[2] else ()
+    return ("--long-prefill-token-threshold", m[3]) if m and m[3] else ()
 
 
 def parse_setups(text: str) -> list[str]:

@@ -37,7 +37,12 @@ def test_adaptive_variants_weigh_the_stall_or_cap_the_decode_chunk():
     assert disagg.decode_flags("adaptive-dcap32") == ("--long-prefill-token-threshold", "32")
     assert "--pd-itl-weight" not in disagg.router_flags("adaptive-dcap32", 16, 0)
     assert disagg.decode_flags("disaggregated") == ()
-    for bad in ("adaptive-w", "adaptive-dcap0", "adaptive-w1e9", "adaptive-w2-dcap3"):
+    assert disagg.prefill_flags("adaptive-w2-pcap64-dcap16") == (
+        "--long-prefill-token-threshold", "64")
+    assert disagg.decode_flags("adaptive-w2-pcap64-dcap16") == (
+        "--long-prefill-token-threshold", "16")
+    assert disagg.router_flags("adaptive-pcap64", 16, 0)[-1] == "0"
+    for bad in ("adaptive-w", "adaptive-dcap0", "adaptive-w1e9", "adaptive-dcap3-w2"):
         with pytest.raises(argparse.ArgumentTypeError):
             disagg.parse_setups(bad)
 
