@@ -27,10 +27,11 @@ request:
   prefill worker only when its backlog, the prompt's prefill there and the page transfer
   beat prefilling on the decode worker plus the stall that costs its running streams;
 * adaptive-wN: the same with the stall weighted N times (`--pd-itl-weight N`, default 1);
+  adaptive-bS: with the stall budget S (`--pd-stall-budget S`, a share such as 0.005);
   adaptive-pcapN / adaptive-dcapN: the same with the prefill / decode worker's per-request
   chunk cap at N tokens (`--long-prefill-token-threshold N`; a decode worker's cap bounds
   how long a local prefill stalls each decode step); suffixes combine in that order
-  (adaptive-w2-pcap64-dcap32);
+  (adaptive-w2-b0.01-pcap64-dcap32);
 * dynamo: NVIDIA Dynamo's conditional disaggregation as the baseline: remote only when the
   uncached prompt reaches `DYNAMO_MAX_LOCAL` tokens and the prefill worker holds fewer than
   `DYNAMO_MAX_QUEUE` requests, else local (`--pd-threshold 1000 --pd-max-prefill-queue 2
@@ -213,10 +214,10 @@ def tail(gaps: list[float]) -> dict:
             "stalls": int(stalls.size), "stall_s": float(stalls.sum())}
 
 
-SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive[-wN][-pcapN][-dcapN]", "dynamo",
+SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive[-wN][-bS][-pcapN][-dcapN]", "dynamo",
           "disaggregated-fcfs", "disaggregated-capN", "disaggregated-qN")
-ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?))?(?:-pcap([1-9][0-9]{0,4}))?"
-                      r"(?:-dcap([1-9][0-9]{0,4}))?")
+ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?))?(?:-b(0\.[0-9]{1,4}))?"
+                      r"(?:-pcap([1-9][0-9]{0,4}))?(?:-dcap([1-9][0-9]{0,4}))?")
 
 
 def router_flags(setup: str, pd_threshold: int, pd_max_prefill_queue: int) -> list[str]:
@@ -226,7 +227,8 @@ def router_flags(setup: str, pd_threshold: int, pd_max_prefill_queue: int) -> li
     if m:
         return ["--pd-decision", "cost", "--pd-threshold", str(pd_threshold),
                 "--pd-max-prefill-queue", str(pd_max_prefill_queue),
-                *(["--pd-itl-weight", m[1]] if m[1] else [])]
+                *(["--pd-itl-weight", m[1]] if m[1] else []),
+                *(["--pd-stall-budget", m[2]] if m[2] else [])]
     if setup == "dynamo":
         return ["--pd-decision", "threshold", "--pd-threshold", str(DYNAMO_MAX_LOCAL),
                 "--pd-max-prefill-queue", str(DYNAMO_MAX_QUEUE), "--pd-max-local-prefill", "0"]
@@ -246,7 +248,7 @@ def prefill_flags(setup: str) -> tuple[str, ...] | None:
     turns its per-request chunk cap off, disaggregated-capN sets it to N tokens."""
     m = ADAPTIVE.fullmatch(setup)
     if m:
-        return ("--long-prefill-token-threshold", m[2]) if m[2] else ()
+        return ("--long-prefill-token-threshold", m[3]) if m[3] else ()
     if setup in ("aggregated", "disaggregated", "dynamo") or router_queue(setup) is not None:
         return ()
     if setup == "disaggregated-fcfs":
@@ -259,7 +261,7 @@ def decode_flags(setup: str) -> tuple[str, ...]:
     """The decode worker's extra flags in `setup`: adaptive-dcapN caps its per-request
     chunk at N tokens."""
     m = ADAPTIVE.fullmatch(setup)
-    return ("--long-prefill-token-threshold", m[3]) if m and m[3] else ()
+    return ("--long-prefill-token-threshold", m[4]) if m and m[4] else ()
 
 
 def parse_setups(text: str) -> list[str]:

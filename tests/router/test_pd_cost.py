@@ -15,10 +15,13 @@ from tandem.router.pd import plan
 from tandem.router.pd_cost import (
     LEDGER_TTL_S,
     PRIOR_BLOCK_S,
+    STALL_WINDOW_S,
     TRANSFER_BYTES_PER_S,
     PrefillLedger,
+    StallLedger,
     ahead_tokens,
     estimate,
+    stalled_steps,
 )
 from tandem.router.workers import Worker, WorkerLoad
 from tests.router.test_pd_app import LONG, cluster, counter, post  # noqa: F401 - fixture
@@ -248,3 +251,86 @@ def test_the_cost_reasons_reach_the_metric(cluster):  # noqa: F811 - the fixture
     assert post(router, f"c {LONG}").status_code == 200
     assert {h for _, h in seen} <= {targets["p1"], targets["p2"]} and seen[-1][1] is not None
     assert counter(router.url, "tandem_router_disaggregated_requests_total") == 1
+
+
+BACKLOGGED = {"p": {"prefill_s_per_token": R, "pending_prefill_tokens": 1536, "num_running": 1},
+              "d": {"prefill_s_per_token": R, "decode_step_s": STEP, "num_running": 2}}
+
+
+def test_the_stall_budget_overrules_local_prefills_once_spent():
+    """Budget 1 % of the steps over the 30 s window at a 50 ms step: 6 stalled steps. Each
+    64-token local prefill stalls one step; the seventh goes to the prefill worker."""
+    router, _ = setup(pd_stall_budget=0.01, **BACKLOGGED)
+    verdicts = []
+    for i in range(8):  # a new prompt each time: none is cached anywhere
+        route, _ = plan(router, parsed(64, seed=i + 1), MODEL, now=1.0 + i * 0.01)
+        verdicts.append(route.prefill is None)
+        if route.prefill is None:
+            assert route.reason == "prefill_backlog" and route.estimate.stalled_steps == 1
+        else:
+            assert route.estimate.over_budget and route.estimate.disaggregate
+    assert verdicts == [True] * 6 + [False] * 2
+    assert router.pd_stalls.share(router.workers["http://d:8000"], 2.0) == \
+        pytest.approx(6 * STEP / STALL_WINDOW_S)
+    # the window slides: 30 s on, the budget is whole again
+    route, _ = plan(router, parsed(64, seed=99), MODEL, now=1.1 + STALL_WINDOW_S)
+    assert route.prefill is None
+
+
+def fresh(n: int, tokens: int = 64) -> list:
+    return [parsed(tokens, seed=1000 + i) for i in range(n)]
+
+
+def test_no_budget_an_idle_decode_worker_or_an_unmeasured_step_keeps_local():
+    router, _ = setup(**BACKLOGGED)  # pd_stall_budget 0: no budget
+    assert all(plan(router, p, MODEL, now=1.0)[0].prefill is None for p in fresh(20))
+    idle = {"p": BACKLOGGED["p"], "d": {"prefill_s_per_token": R, "decode_step_s": STEP}}
+    router, _ = setup(pd_stall_budget=0.001, **idle)  # no stream to stall
+    assert all(plan(router, p, MODEL, now=1.0)[0].prefill is None for p in fresh(20))
+    unmeasured = {"p": BACKLOGGED["p"], "d": {"prefill_s_per_token": R, "num_running": 3}}
+    router, _ = setup(pd_stall_budget=0.001, **unmeasured)
+    assert all(plan(router, p, MODEL, now=1.0)[0].prefill is None for p in fresh(20))
+
+
+def test_stalled_steps_follow_the_decode_workers_chunk():
+    w = Worker(id="d", block_size=BS)
+    assert [stalled_steps(w, n) for n in (0, 1, 64, 5000)] == [0, 1, 1, 1]
+    w.max_batched_tokens = 2048
+    assert stalled_steps(w, 5000) == 3
+    w.prefill_chunk_cap = 32
+    assert [stalled_steps(w, n) for n in (32, 33, 64, 65)] == [1, 2, 2, 3]
+
+
+def test_the_stall_budget_bounds_the_stalled_share_on_random_traces():
+    """Seeded traces of local verdicts at random times, step times and prompt sizes: the
+    share of a decode worker's steps that recorded local prefills stall, over any window,
+    never exceeds the budget (plus nothing: a verdict past it is overruled)."""
+    rng = random.Random(7)
+    seen = {"local": 0, "over_budget": 0}
+    for _ in range(300):
+        budget = rng.choice([0.005, 0.01, 0.05, 0.2])
+        step = rng.uniform(0.01, 0.2)
+        tokens = rng.randint(17, 300)
+        router, _ = setup(tokens, pd_stall_budget=budget,
+                               p={"prefill_s_per_token": R,
+                                  "pending_prefill_tokens": 100_000},
+                               d={"prefill_s_per_token": R, "decode_step_s": step,
+                                  "num_running": rng.randint(1, 40)},
+                               pd_max_local_prefill=0)
+        decode = router.workers["http://d:8000"]
+        decode.prefill_chunk_cap = rng.choice([None, 16, 64])
+        decode.max_batched_tokens = rng.choice([None, 256])
+        now, local = 1.0, []
+        for prompt in fresh(rng.randint(1, 60), tokens):
+            now += rng.expovariate(2.0)
+            route, _ = plan(router, prompt, MODEL, now=now)
+            if route.prefill is None:
+                local.append((now, route.estimate.stalled_steps))
+                seen["local"] += 1
+            else:
+                assert route.estimate.over_budget
+                seen["over_budget"] += 1
+            held = sum(n for t, n in local if now - t <= STALL_WINDOW_S)
+            assert held * step / STALL_WINDOW_S <= budget + 1e-12
+        assert StallLedger().share(decode, now) == 0.0
+    assert min(seen.values()) > 500, seen  # both verdicts, many times

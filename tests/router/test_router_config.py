@@ -79,6 +79,20 @@ def test_pd_bounds_from_yaml_and_flag(tmp_path, key, default, in_yaml, by_flag):
         build(_args("--workers", "http://a:1", flag_name, "-1"))
 
 
+def test_pd_stall_budget_from_yaml_and_flag(tmp_path):
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text("workers: [http://a:8000]\npd_stall_budget: 0.02\n")
+    assert build(_args("--config", str(cfg)))[1].settings.pd_stall_budget == 0.02
+    settings = build(_args("--config", str(cfg), "--pd-stall-budget", "0"))[1].settings
+    assert settings.pd_stall_budget == 0.0
+    for bad in ("-0.1", "1", "nan"):
+        with pytest.raises(SystemExit, match="pd_stall_budget: a share in"):
+            build(_args("--workers", "http://a:1", "--pd-stall-budget", bad))
+    cfg.write_text("workers: [http://a:8000]\npd_stall_budget: 1.5\n")
+    with pytest.raises(RouterConfigError, match="pd_stall_budget"):
+        build(_args("--config", str(cfg)))
+
+
 def test_pd_decision_and_itl_weight_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\npd_decision: cost\npd_itl_weight: 2.5\n")

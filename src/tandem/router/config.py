@@ -133,6 +133,7 @@ class RouterConfig(_Strict):
     peer_pull: bool | None = None
     pd_decision: Literal["cost", "threshold"] | None = None
     pd_itl_weight: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] | None = None
+    pd_stall_budget: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] | None = None
     retries: Count | None = None
     max_migrations: Count | None = None
     max_prompt_tokens: Positive | None = None

@@ -32,7 +32,7 @@ from tandem.router.churn import ChurnTracker, ChurnView
 from tandem.router.flowcontrol.base import ModelCapacity
 from tandem.router.index import ApproximateIndex, PrefixIndex
 from tandem.router.kvcredit import add_tier_credits
-from tandem.router.pd_cost import PrefillLedger
+from tandem.router.pd_cost import PrefillLedger, StallLedger
 from tandem.router.policy import Decision, make_policy
 from tandem.router.saturation import SaturationBook
 from tandem.router.scorers import FILTERS, RoutingContext
@@ -80,6 +80,9 @@ class RouterSettings:
     # of a local prefill's stall of the decode worker's running streams in "cost"
     pd_decision: str = "threshold"
     pd_itl_weight: float = 1.0
+    # ... and the share of a decode worker's steps its local prefills may stall while it has
+    # running streams (`pd_cost` stall budget; 0: no budget)
+    pd_stall_budget: float = 0.0
     seed: int | None = None
     # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests
     # or this KV-cache use; `served_models` (model -> start timeout, s) may have no worker
@@ -101,6 +104,7 @@ class Router:
         self.approx = ApproximateIndex(settings.approx_capacity)
         self.churn = ChurnTracker(settings.churn_half_life_s)
         self.pd_ledger = PrefillLedger()  # prompt tokens sent to prefill workers (`pd_cost`)
+        self.pd_stalls = StallLedger()  # decode steps stalled by local prefills (`pd_cost`)
         rng = self._rng = random.Random(settings.seed)
         self._pools: dict[tuple[str, str, str | None], Pool] = {}
         kwargs: dict = {"rng": rng}
@@ -133,6 +137,7 @@ class Router:
         self.approx.drop(worker_id)
         self.churn.drop(worker_id)
         self.pd_ledger.forget(worker_id)
+        self.pd_stalls.forget(worker_id)
 
     def models(self) -> list[str]:
         """Models and LoRA adapters served by ready workers (for the others

@@ -25,7 +25,8 @@ aggregated.
 `inference_service`, `router_group`, `worker_port_name`, `policy`, `weights` (scorer ->
 weight, over the defaults: a scorer left out keeps its default, 0 switches it off),
 `saturation_queue`, `saturation_kv`, `speculative_ttl_s`, `churn_half_life_s`, `pd_threshold`,
-`pd_max_prefill_queue`, `pd_max_local_prefill`, `pd_decision`, `pd_itl_weight`, `peer_pull`,
+`pd_max_prefill_queue`, `pd_max_local_prefill`, `pd_decision`, `pd_itl_weight`,
+`pd_stall_budget`, `peer_pull`,
 `retries`, `max_migrations`,
 `max_prompt_tokens`,
 `max_tokens_cap`, `max_body_bytes`, `tokenizers` (model -> path), `processes`,
@@ -178,6 +179,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with --pd-decision cost: seconds of TTFT a local prefill may save "
                         "per second it stalls each running stream on the decode worker "
                         "(default 1; 0: TTFT alone)")
+    p.add_argument("--pd-stall-budget", type=float, default=None, metavar="SHARE",
+                   help="with --pd-decision cost: the most a decode worker's steps that its "
+                        "local prefills may stall while it has running streams, as a share "
+                        "in [0, 1) over the last 30 s; past it, prompts go to a prefill "
+                        "worker (protects the inter-token latency percentiles above 1 - "
+                        "SHARE; default 0: no budget)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits "
                         "(env:VAR: the URL from environment variable VAR)")
@@ -490,6 +497,14 @@ def _weight(flag: float | None, value: float) -> float:
     return float(value)
 
 
+def _share(flag: float | None, value: float) -> float:
+    """--pd-stall-budget (else router.yaml's): a number in [0, 1)."""
+    value = flag if flag is not None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SystemExit(f"pd_stall_budget: a share in [0, 1), not {value!r}")
+    return float(value)
+
+
 def _seconds(cfg: dict[str, Any], key: str, default: float) -> float:
     """A positive number of seconds from router.yaml, else `default`."""
     value = cfg.get(key, default)
@@ -529,6 +544,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "threshold"),
         pd_itl_weight=_weight(getattr(args, "pd_itl_weight", None),
                               cfg.get("pd_itl_weight", 1.0)),
+        pd_stall_budget=_share(getattr(args, "pd_stall_budget", None),
+                               cfg.get("pd_stall_budget", 0.0)),
         peer_pull=(args.peer_pull if args.peer_pull is not None
                    else cfg.get("peer_pull", True)))
     from tandem.router.flowcontrol.settings import FlowSettings

@@ -26,7 +26,8 @@ prefilling on the decode worker (and the stall that costs its running streams); 
 is aggregated when local wins, with reason `prefill_backlog` or `local_faster`. While the
 prefill worker has not measured its prefill rate, the threshold rule above decides. The
 prompt tokens sent to each prefill worker are recorded (`Router.pd_ledger`) until its next
-load report counts them (only under the cost decision, their only reader).
+load report counts them (only under the cost decision, their only reader), and the decode
+steps each decode worker's local prefills stall (`Router.pd_stalls`, the stall budget's).
 """
 
 from __future__ import annotations
@@ -152,10 +153,12 @@ def decide(router: Router, route: Route, ctx: RoutingContext, text_mode: bool,
     route.estimate = est = estimate(
         route.worker, prefill.worker, route.uncached_tokens, uncached,
         router.pd_ledger.unseen(prefill.worker, now), settings.pd_itl_weight,
-        settings.pd_max_local_prefill)
+        settings.pd_max_local_prefill, router.pd_stalls.share(route.worker, now),
+        settings.pd_stall_budget)
     if est is not None and not est.disaggregate:
         router.retract(prefill, now)
         route.prefill, route.reason = None, est.reason
+        router.pd_stalls.record(route.worker, est.stalled_steps, now)
     else:
         router.pd_ledger.record(prefill.worker, uncached, now)
 

@@ -21,9 +21,22 @@ chosen only when its TTFT plus that stall is lower. Aggregated, the reason names
 `prefill_backlog` (P's queue alone makes the difference: without it the request would be
 disaggregated) or `local_faster` (even an idle P would not win, e.g. a slow transfer or a
 slower P). A prompt lacking more than `pd_max_local_prefill` tokens is never prefilled
-locally. A prefill worker that has not measured its rate yet: no verdict (the caller uses
-the threshold rule); a decode worker that has prefilled nothing yet is costed at P's rate
-(the same model). All inputs are bounded (`workers.bounded_costs`).
+locally.
+
+The stall budget (`pd_stall_budget` b > 0): each local prefill stalls the decode worker's
+next `ceil(u_D / chunk)` steps (chunk: its per-request cap, else its step's token budget,
+else the whole prompt), and every stream running then gets one long gap per stalled step.
+Whatever the number of streams, the share of the decode worker's inter-token gaps that are
+stalls is the share of its steps that carry a local prefill, so the gap percentiles above
+`1 - b` are protected exactly when that share stays at most b. `StallLedger` keeps, per
+decode worker, the steps its local prefills stalled in the last `STALL_WINDOW_S` (x its
+measured `decode_step_s`, over the window); a local verdict that would take the share past
+b while the worker has running streams is overruled (disaggregated, `over_budget`). An
+idle decode worker (no stream to stall) prefills locally whatever its budget.
+
+A prefill worker that has not measured its rate yet: no verdict (the caller uses the
+threshold rule); a decode worker that has prefilled nothing yet is costed at P's rate (the
+same model). All inputs are bounded (`workers.bounded_costs`).
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ TRANSFER_BYTES_PER_S = 1.0e9  # prior: gRPC pages measured at 1.07-2.13 GB/s (be
 PRIOR_BLOCK_S = 1e-3  # prior per block when its size is not reported: ~1 MiB at 1 GB/s
 LEDGER_TTL_S = 5.0  # a send not seen in a load report within this long is forgotten
 LEDGER_MAX = 1024  # sends remembered per prefill worker
+STALL_WINDOW_S = 30.0  # the stall budget's window
+STALL_MAX = 4096  # local prefills remembered per decode worker
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,8 @@ class Estimate:
     backlog_s: float  # the part of remote_s spent waiting for the prefill worker's queue
     disaggregate: bool
     reason: str = ""  # aggregated: prefill_backlog | local_faster; disaggregated: ""
+    over_budget: bool = False  # disaggregated although local won: the stall budget is spent
+    stalled_steps: int = 0  # decode steps a local prefill would stall
 
 
 class PrefillLedger:
@@ -81,6 +98,48 @@ class PrefillLedger:
         self._sent.pop(worker_id, None)
 
 
+class StallLedger:
+    """Per decode worker, the local prefills this router sent it (their stalled steps) in
+    the last STALL_WINDOW_S, at most STALL_MAX: the share of its steps they stall."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+
+    def record(self, worker: Worker, steps: int, now: float) -> None:
+        self._entries(worker.id, now).append((now, max(steps, 0)))
+
+    def share(self, worker: Worker, now: float) -> float:
+        """The share of `worker`'s steps (at its measured step time; none measured: 0) that
+        the recorded local prefills stall over the window."""
+        step = worker.load.decode_step_s
+        if step <= 0:
+            return 0.0
+        steps = sum(n for _, n in self._entries(worker.id, now))
+        return steps * step / STALL_WINDOW_S
+
+    def _entries(self, worker_id: str, now: float) -> deque[tuple[float, int]]:
+        sends = self._sent.get(worker_id)
+        if sends is None:
+            sends = self._sent[worker_id] = deque(maxlen=STALL_MAX)
+        while sends and now - sends[0][0] > STALL_WINDOW_S:
+            sends.popleft()
+        return sends
+
+    def forget(self, worker_id: str) -> None:
+        self._sent.pop(worker_id, None)
+
+
+def stalled_steps(decode: Worker, tokens: int) -> int:
+    """Decode steps a local prefill of `tokens` stalls: one per chunk (the worker's
+    per-request cap, else its step's token budget, else the whole prompt in one)."""
+    if tokens <= 0:
+        return 0
+    chunk = decode.prefill_chunk_cap or decode.max_batched_tokens or tokens
+    if decode.max_batched_tokens:
+        chunk = min(chunk, decode.max_batched_tokens)
+    return math.ceil(tokens / max(chunk, 1))
+
+
 def ahead_tokens(backlog: int, others: int, own: int, chunk_cap: int | None,
                  batch_tokens: int | None) -> int:
     """Tokens a worker computes for the requests ahead before a prompt of `own` tokens is
@@ -109,12 +168,14 @@ def transfer_s(decode: Worker, blocks: int) -> float:
 
 
 def estimate(decode: Worker, prefill: Worker, uncached_decode: int, uncached_prefill: int,
-             unseen: tuple[int, int], itl_weight: float, max_local: int = 0
-             ) -> Estimate | None:
+             unseen: tuple[int, int], itl_weight: float, max_local: int = 0,
+             stall_share: float = 0.0, stall_budget: float = 0.0) -> Estimate | None:
     """The costed options for one request (module doc); None while the prefill worker has
     not measured its prefill rate. `uncached_*`: prompt tokens each worker lacks; `unseen`:
     (tokens, requests) sent to `prefill` since its last load report; `max_local` > 0: a
-    prompt lacking more tokens than that is never prefilled locally."""
+    prompt lacking more tokens than that is never prefilled locally; `stall_budget` > 0:
+    the share of the decode worker's steps local prefills may stall while it has streams,
+    of which `stall_share` is spent (`StallLedger.share`)."""
     p, d = prefill.load, decode.load
     r_p = p.prefill_s_per_token
     if r_p <= 0:
@@ -134,8 +195,14 @@ def estimate(decode: Worker, prefill: Worker, uncached_decode: int, uncached_pre
                                decode.max_batched_tokens)
     stall = uncached_decode * r_d
     local = local_ahead * r_d + stall + step_d
-    itl_cost = itl_weight * (d.num_running + unseen_d) * stall
+    streams = d.num_running + unseen_d
+    itl_cost = itl_weight * streams * stall
+    steps = stalled_steps(decode, uncached_decode)
     if remote <= local + itl_cost or 0 < max_local < uncached_decode:
-        return Estimate(remote, local, itl_cost, backlog_s, True)
+        return Estimate(remote, local, itl_cost, backlog_s, True, stalled_steps=steps)
+    if stall_budget > 0 and streams > 0 and d.decode_step_s > 0 \
+            and stall_share + steps * d.decode_step_s / STALL_WINDOW_S > stall_budget:
+        return Estimate(remote, local, itl_cost, backlog_s, True, over_budget=True,
+                        stalled_steps=steps)
     reason = "prefill_backlog" if remote - backlog_s <= local + itl_cost else "local_faster"
-    return Estimate(remote, local, itl_cost, backlog_s, False, reason)
+    return Estimate(remote, local, itl_cost, backlog_s, False, reason, stalled_steps=steps)
