@@ -190,6 +190,34 @@ def test_token_ids_and_resumes_need_the_routers_signature(fleet):
     assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"]
 
 
+def test_a_stream_of_a_frozen_worker_goes_on_elsewhere_long_before_the_read_timeout(fleet):
+    """SIGSTOP, not a kill: the connection stays open, so only the router's stall check (the
+    stream silent `FROZEN_SILENT_S` while the worker's probes get no answer) ends the leg;
+    the stream goes on on the other worker, token for token, in seconds (the read timeout
+    is 600 s)."""
+    router, first, second = fleet
+    ready_in_router(router, second, 0)
+    body = {**COMPLETION, "temperature": 0, "max_tokens": 300}
+    want = direct(first.url, "/v1/completions", body)
+    before = _metric(router.url, MIGRATIONS, 'reason="stalled",result="resumed"')
+    stream = Stream(router.url, "/v1/completions", body)
+    try:
+        assert stream.started.wait(60)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(second.proc.pid, signal.SIGCONT)
+        got = stream.result()
+        took = time.monotonic() - t0
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
+    assert got["errors"] == [] and got["done"] and got["text"] == want["text"]
+    assert took < 60, took
+    assert _metric(router.url, MIGRATIONS, 'reason="stalled",result="resumed"') == before + 1
+    ready_in_router(router, first, 1)  # as the next test expects: the second one frozen
+    os.kill(second.proc.pid, signal.SIGSTOP)
+    ready_in_router(router, second, 0)
+
+
 def test_streams_of_a_killed_worker_go_on_elsewhere_token_for_token(fleet):
     router, first, second = fleet
     ready_in_router(router, second, 0)  # frozen: every stream starts on the first

@@ -123,9 +123,20 @@ def test_the_monitor_probes_through_the_upstream_pool():
 
         async with serve(hang) as (url, _):
             w = Worker(id=url, ready=True)
-            await WorkerMonitor(w, PrefixIndex(), UpstreamProbe(pool),
-                                MonitorSettings(probe_timeout_s=0.2)).probe()
+            mon = WorkerMonitor(w, PrefixIndex(), UpstreamProbe(pool),
+                                MonitorSettings(probe_timeout_s=0.2))
+            await mon.probe()
             assert not w.ready  # a probe that timed out marks it unready
+            since = w.unreachable_since  # ... and unreachable (no answer at all), from then
+            assert since is not None
+            await mon.probe()
+            assert w.unreachable_since == since
+        # a draining worker answers (503): unready, but reachable
+        draining = answer("503 Service Unavailable", {"status": "draining", "model": "m"})
+        async with serve(routes({"/ready": draining}, seen)) as (url, _):
+            w = Worker(id=url, ready=True, unreachable_since=1.0)
+            await WorkerMonitor(w, PrefixIndex(), UpstreamProbe(pool), MonitorSettings()).probe()
+            assert not w.ready and w.unreachable_since is None
         await pool.close()
 
     asyncio.run(main())

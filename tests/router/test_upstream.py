@@ -11,9 +11,11 @@ import os
 import pytest
 
 from tandem.router.upstream import (
+    WATCH_S,
     UpstreamError,
     UpstreamPool,
     UpstreamSettings,
+    UpstreamStalled,
     UpstreamTimeout,
 )
 
@@ -198,6 +200,58 @@ def test_failures_raise_upstream_errors():
             await pool.post(url, "/", b"", {})
         with pytest.raises(UpstreamError, match="unsupported"):
             await pool.post("https://example.invalid", "/", b"", {})
+        await pool.close()
+
+    run(main())
+
+
+def test_a_watched_stream_fails_as_stalled_only_when_the_check_says_so():
+    """A worker that sends one chunk and freezes: a `stalled` check that says so after 0.6 s
+    of silence ends the read then (not at the read timeout); one that never says so keeps
+    reading, through silences longer than WATCH_S, to the end or the read timeout."""
+    async def freezes(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(3 * WATCH_S)
+        writer.write(b"3\r\ndef\r\n")  # alive again, slowly, then done
+        await writer.drain()
+        await asyncio.sleep(3 * WATCH_S)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main():
+        pool = UpstreamPool(UpstreamSettings(read_timeout_s=30))
+        async with serve(freezes) as (url, _):
+            resp = await pool.post(url, "/", b"", {})
+            seen: list[float] = []
+            got = []
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+
+            def stalled(silent: float) -> bool:
+                seen.append(silent)
+                return silent >= 0.6
+
+            with pytest.raises(UpstreamStalled, match="no response bytes for"):
+                async for chunk in resp.chunks(stalled=stalled):
+                    got.append(chunk)
+            assert got == [b"abc"] and 0.6 <= loop.time() - t0 < 1.5
+            assert seen and max(seen) >= 0.6
+            resp.close()
+
+            resp = await pool.post(url, "/", b"", {})  # a fresh connection
+            body = b"".join([c async for c in resp.chunks(stalled=lambda s: False)])
+            assert body == b"abcdef"
+            resp.release()
+        pool = UpstreamPool(UpstreamSettings(read_timeout_s=0.8))
+        async with serve(freezes) as (url, _):
+            resp = await pool.post(url, "/", b"", {})
+            with pytest.raises(UpstreamTimeout, match="within 0.8 s"):
+                async for _ in resp.chunks(stalled=lambda s: False):
+                    pass
+            resp.close()
         await pool.close()
 
     run(main())

@@ -39,7 +39,7 @@ class RouterMetrics:
         self.migrations = Counter("tandem_router_migrations_total",
                                   "Broken requests: moved to another worker (result resumed, "
                                   "retried) or not (limit, no_worker, not_replayable, failed), "
-                                  "by what broke them (connection, draining, error)",
+                                  "by what broke them (connection, stalled, draining, error)",
                                   ["result", "reason"], registry=r)
         self.rejected = Counter("tandem_router_rejected_total",
                                 "Requests answered by the router itself, by status",

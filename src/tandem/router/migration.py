@@ -6,11 +6,12 @@ relays the stream event by event, stripping those comments and keeping what the 
 has: the response `id` and `created`, the characters of generated text sent and the token
 ids. When the stream breaks (the connection resets or ends without `data: [DONE]`, or an
 error event says the worker stopped: code `worker_draining`, or a 500/502/503 server
-error), the router sends the same body to another worker (the routing stages pick it,
-excluding every worker tried; a disaggregated request resumes aggregated) with the resume
-header: that worker prefills prompt + tokens and continues the stream (token replay). The
-client sees one stream: same id, no second role chunk, no text lost or repeated, usage
-counting every token. Greedy and seeded requests continue token for token.
+error, or the stream goes silent while the worker stops answering its probes: a frozen
+worker, `FROZEN_SILENT_S`), the router sends the same body to another worker (the routing
+stages pick it, excluding every worker tried; a disaggregated request resumes aggregated)
+with the resume header: that worker prefills prompt + tokens and continues the stream
+(token replay). The client sees one stream: same id, no second role chunk, no text lost or
+repeated, usage counting every token. Greedy and seeded requests continue token for token.
 
 Bounded: at most `max_migrations` new workers per request (each try counts). A stream that
 cannot be migrated (the bound, no other worker, its worker sent no token ids: n > 1, echo,
@@ -25,7 +26,7 @@ Each decision is counted:
 `tandem_router_migrations_total{result,reason}` (result: resumed, limit, no_worker,
 not_replayable, failed; finished: the client had the whole output and its finish reason,
 only `[DONE]` was missing, so the stream just ends; retried: a non-streamed request sent
-again (`proxy`); reason: connection, draining, error).
+again (`proxy`); reason: connection, stalled, draining, error).
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ from tandem.protocol.migration import (
 from tandem.protocol.signing import SIGNATURE_HEADER, WorkerKey
 from tandem.protocol.web import DRAINING_CODE, error_body
 from tandem.router.pd import Route
-from tandem.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from tandem.router.upstream import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamStalled,
+)
 from tandem.router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -58,6 +64,7 @@ _COMMENT = TOKENS_COMMENT.encode()
 _FINISHED = re.compile(rb'"finish_reason":\s*"')  # a choice with a finish reason
 MAX_EVENT_BYTES = 1 << 20  # of an unfinished event held; a longer one passes unparsed
 MAX_ID_BYTES = 10  # digits of a uint32 token id, or of sent_chars
+FROZEN_SILENT_S = 5.0  # a stream this silent whose worker stopped answering probes: frozen
 
 
 @dataclass
@@ -190,6 +197,16 @@ def _note_tokens(comment: bytes, state: StreamState) -> bool:
     return True
 
 
+def _frozen(worker: Worker) -> Callable[[float], bool]:
+    """The stall check for a stream on `worker`: silent for `FROZEN_SILENT_S` while its
+    probes get no answer at all (`Worker.unreachable_since`: a frozen, partitioned or
+    swapped-out worker, whose connection may stay open for the read timeout). A draining,
+    loading or merely slow worker answers its probes and is never cut."""
+    def stalled(silent_s: float) -> bool:
+        return silent_s >= FROZEN_SILENT_S and worker.unreachable_since is not None
+    return stalled
+
+
 def _error_event(message: str) -> bytes:
     return f"data: {json.dumps(error_body(502, message))}\n\n".encode()
 
@@ -225,7 +242,7 @@ class Migrator:
                 reason, failure = None, b""
                 events = Events()
                 try:
-                    async for chunk in leg.resp.chunks():
+                    async for chunk in leg.resp.chunks(stalled=_frozen(leg.worker)):
                         for event, whole in events.feed(chunk):
                             if not whole:  # a part of an overlong event (`Events`)
                                 self.state.replayable = False
@@ -249,7 +266,7 @@ class Migrator:
                 except UpstreamError as exc:
                     leg.worker.breaker.on_failure(time.monotonic())
                     logger.warning("[%s] %s failed mid-stream: %s", self.rid, leg.worker.id, exc)
-                    reason = "connection"
+                    reason = "stalled" if isinstance(exc, UpstreamStalled) else "connection"
                     failure = _error_event(f"the worker failed mid-stream ({type(exc).__name__})")
                 leg.resp.close()
                 leg.release()

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -108,6 +109,7 @@ class WorkerMonitor:
         w = self.worker
         try:
             r = await self.http.get(f"{w.id}/ready", timeout=self.settings.probe_timeout_s)
+            w.unreachable_since = None  # it answered (a draining or loading worker too)
             if r.status_code == 404:  # not a Tandem worker: approximate mode
                 h = await self.http.get(f"{w.id}/health", timeout=self.settings.probe_timeout_s)
                 m = await self.http.get(f"{w.id}/v1/models",
@@ -152,6 +154,9 @@ class WorkerMonitor:
             if w.ready:
                 logger.warning("worker %s failed its probe: %s", w.id, exc)
             w.ready = False
+            if isinstance(exc, httpx.TransportError | UpstreamError) \
+                    and w.unreachable_since is None:  # no answer at all
+                w.unreachable_since = time.monotonic()
 
     async def _probe_loop(self) -> None:
         while True:

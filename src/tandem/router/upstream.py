@@ -12,7 +12,8 @@ Contract:
   (`UpstreamResponse`), or raises `UpstreamError` (connect failure, connection lost, bad
   HTTP) / `UpstreamTimeout` (connect or header wait over its limit).
 * The body is then read whole (`read()`) or chunk by chunk as it arrives (`chunks()`); a gap
-  longer than `read_timeout_s` between bytes raises `UpstreamTimeout`.
+  longer than `read_timeout_s` between bytes raises `UpstreamTimeout`; a caller's `stalled`
+  check (a frozen worker: silent, and failing its probes) raises `UpstreamStalled` sooner.
 * `release()` returns a fully read keep-alive connection to the pool; `close()` (or release
   of an unfinished response) closes it, which is how a client disconnect aborts the request
   on the worker. Idle connections older than `max_idle_s` are not reused (a server may have
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -33,6 +34,7 @@ import httptools
 
 HIGH_WATER = 1 << 20  # buffered body bytes at which reading pauses
 LOW_WATER = 1 << 18  # ... and resumes
+WATCH_S = 0.5  # how often a watched body wait asks whether its worker is stalled
 
 
 class UpstreamError(Exception):
@@ -41,6 +43,10 @@ class UpstreamError(Exception):
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """Connect, headers or the next body bytes took longer than allowed."""
+
+
+class UpstreamStalled(UpstreamError):
+    """No body bytes for a while, and the caller's check says the worker is frozen."""
 
 
 @dataclass
@@ -185,8 +191,37 @@ class UpstreamResponse:
         if not self.status:
             raise self._error  # type: ignore[misc]
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive; raises UpstreamError / UpstreamTimeout on failure."""
+    async def _wait_watched(self, timeout_s: float, stalled: Callable[[float], bool]) -> None:
+        """`_wait` for body bytes, checking `stalled(seconds silent)` every `WATCH_S`: when
+        it says so, the response fails with `UpstreamStalled`."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            silent = loop.time() - start
+            if silent >= timeout_s:
+                self._fail(UpstreamTimeout(f"no response bytes from the worker within "
+                                           f"{timeout_s:g} s"))
+                return
+            self._waiter = fut = loop.create_future()
+            timer = loop.call_later(min(WATCH_S, timeout_s - silent), self._wake)
+            try:
+                await fut
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if self._chunks or self.complete or self._error is not None:
+                return
+            silent = loop.time() - start
+            if stalled(silent):
+                self._fail(UpstreamStalled(f"no response bytes for {silent:.1f} s and the "
+                                           "worker stopped answering its probes"))
+                return
+
+    async def chunks(self, stalled: Callable[[float], bool] | None = None
+                     ) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; raises UpstreamError / UpstreamTimeout on failure.
+        `stalled(seconds silent)`, checked every `WATCH_S` while no byte comes: True
+        fails the response (`UpstreamStalled`) before the read timeout."""
         timeout_s = self._pool.settings.read_timeout_s
         while True:
             if self._chunks:
@@ -199,6 +234,8 @@ class UpstreamResponse:
                 return
             elif self._error is not None:
                 raise self._error
+            elif stalled is not None:
+                await self._wait_watched(timeout_s, stalled)
             else:
                 await self._wait(timeout_s, "response bytes")
 

@@ -203,6 +203,9 @@ class Worker:
     max_model_len: int | None = None  # its context length (from /ready or /v1/models)
     block_size: int | None = None  # from its KV event stream
     ready: bool = False  # last readiness probe answered 200
+    # when its probes started failing to get any answer (timeout, refused, reset): a frozen
+    # or unreachable worker, not a draining or loading one (those answer); None: answering
+    unreachable_since: float | None = None
     events_connected: bool = False  # its KV event stream is live (precise routing)
     load: WorkerLoad = field(default_factory=WorkerLoad)
     local_in_flight: int = 0  # requests this router has open on it
