@@ -20,6 +20,7 @@ SPECS: dict[str, dict[str, Any]] = {
         "router": {"replicas": 2, "policy": "cache-aware", "weights": {"prefix": 3.0},
                    "pdThreshold": 64, "pdMaxPrefillQueue": 3,
                    "pdMaxLocalPrefill": 2048, "pdDecision": "cost", "pdItlWeight": 0.5,
+                   "pdStallBudget": 0.01,
                    "apiKeysSecret": {"name": "tandem-keys"},
                    "adminApiKeysSecret": {"name": "tandem-admin-keys"},
                    "rateLimits": {"default": {"requestsPerSecond": 10, "burstRequests": 20},

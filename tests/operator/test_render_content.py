@@ -167,6 +167,7 @@ def test_router_deployment_config_and_least_privilege_rbac():
     assert cfg["pd_threshold"] == 64 and cfg["pd_max_prefill_queue"] == 3
     assert cfg["pd_max_local_prefill"] == 2048
     assert cfg["pd_decision"] == "cost" and cfg["pd_itl_weight"] == 0.5
+    assert cfg["pd_stall_budget"] == 0.01
     assert cfg["weights"] == {"prefix": 3.0, "queue": 1.0, "kv_usage": 0.5,
                               "inflight_tokens": 0.5, "cache_churn": 1.0, "lora_affinity": 1.0,
                               "cost": 0.0, "session_affinity": 1.0}
@@ -208,6 +209,7 @@ def test_rendered_router_config_and_flags_are_accepted_by_the_router(tmp_path, m
     assert router.settings.pd_max_prefill_queue == 3
     assert router.settings.pd_max_local_prefill == 2048
     assert (router.settings.pd_decision, router.settings.pd_itl_weight) == ("cost", 0.5)
+    assert router.settings.pd_stall_budget == 0.01
     assert server.discovery.name == "kubernetes"
     assert server.admin_keys is not None and server.admin_keys.tenant("Bearer sk-admin") == "ops"
     assert server.discovery.label_selector.endswith(f"{ROUTER_GROUP_LABEL}=demo")

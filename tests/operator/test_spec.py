@@ -28,6 +28,7 @@ def test_defaults_of_the_smallest_spec():
     assert s.router.pd_threshold == 16 and s.router.weights is None
     assert s.router.pd_max_prefill_queue == 0 and s.router.pd_max_local_prefill == 1024
     assert (s.router.pd_decision, s.router.pd_itl_weight) == ("threshold", 1.0)
+    assert s.router.pd_stall_budget == 0.0
     assert s.kv_transfer.backend == "grpc" and s.kv_transfer.tls_secret is None
     assert s.model.served_name == "SmolLM2-135M-Instruct"
     assert s.model.source.worker_path is None
@@ -133,6 +134,8 @@ def _mutate(name: str, path: str, value) -> dict:
     ("aggregated", "router.pdItlWeight", 1001,
      r"router\.pdItlWeight: 1001.0 is not in \[0, 1000\]"),
     ("aggregated", "router.pdItlWeight", -1, r"router\.pdItlWeight: -1 is negative"),
+    ("aggregated", "router.pdStallBudget", 1, r"router\.pdStallBudget: 1.0 is not in \[0, 1\)"),
+    ("aggregated", "router.pdStallBudget", -0.1, r"router\.pdStallBudget: -0.1 is negative"),
     ("disaggregated", "prefill.engine.longPrefillTokenThreshold", -1,
      r"prefill\.engine\.longPrefillTokenThreshold: -1 is not in \[0, "),
     ("aggregated", "decode.replicas", "3", "expected int"),

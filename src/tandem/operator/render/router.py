@@ -104,6 +104,7 @@ def router_config(spec: InferenceServiceSpec, owner: Owner,
                            "pd_max_prefill_queue": r.pd_max_prefill_queue,
                            "pd_max_local_prefill": r.pd_max_local_prefill,
                            "pd_decision": r.pd_decision, "pd_itl_weight": r.pd_itl_weight,
+                           "pd_stall_budget": r.pd_stall_budget,
                            "worker_port_name": HTTP_PORT_NAME}
     if r.weights is not None:
         cfg["weights"] = {SCORERS[k]: v for k, v in r.weights.items()}
