@@ -6,6 +6,7 @@ by a failed transfer or a killed receiver (after the node's sweep)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -330,6 +331,45 @@ def test_a_sender_waiting_for_a_slot_stops_at_the_leases_end_or_when_closed():
         await asyncio.sleep(0.05)  # its writer now waits for slot 0
         assert len(writer_threads()) == 1
         await stream.aclose()
+        await no_writer_left()
+        await receiver.release(req)
+        await receiver.close()
+        await sender.close()
+
+    asyncio.run(main())
+
+
+def test_a_layer_that_fails_to_compute_ends_the_stream_after_the_layers_before_it():
+    """Layer-by-layer sending (`job.layers`) whose wait for layer 1 fails: layer 0's digest
+    goes out, then the stream raises that error (it does not wait for the lease's end), and
+    no writer thread is left."""
+    receiver, sender, src = backends(7)
+    ids = [2, 3]
+
+    class Layers:
+        async def wait(self, layer: int) -> None:
+            if layer == 1:
+                await asyncio.sleep(0.05)
+                raise KVTransferError("failed", "the prefill failed")
+
+        def device_context(self):
+            return contextlib.nullcontext()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        req = worker_pb2.PrefillRequest(request_id="fails", num_blocks=len(ids), backend="shm")
+        await receiver.prepare(req, "peer")
+        layout = receiver.layout
+        assert sender.transport(req, len(ids) * layout.block_layer_bytes) == "shm"
+        job = SendJob(req, layout, ids, lambda layer: gather_layer(src, layer, ids),
+                      loop.time() + 600, lambda layer: layer_page_views(src, layer, ids),
+                      Layers())  # type: ignore[arg-type]
+        stream = sender.send(job)
+        first = await anext(stream)
+        assert first.layer_end.layer == 0
+        async with asyncio.timeout(5):
+            with pytest.raises(KVTransferError, match="the prefill failed"):
+                await anext(stream)
         await no_writer_left()
         await receiver.release(req)
         await receiver.close()

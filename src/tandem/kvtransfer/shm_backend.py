@@ -341,9 +341,16 @@ class _Writer:
         threading.Thread(target=self._run, name="kv-shm-send", daemon=True).start()
 
     async def _feed(self, layers: LayerStream) -> None:
-        for layer in range(self.job.layout.num_layers):
-            await layers.wait(layer)
-            self._ready.release()  # type: ignore[union-attr]
+        """Hand the thread each computed layer; a failed wait (the prefill failed, the lease
+        ended) is raised on the stream after the layers already written."""
+        try:
+            for layer in range(self.job.layout.num_layers):
+                await layers.wait(layer)
+                self._ready.release()  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised on the stream
+            self._posted.put_nowait(exc)
 
     async def digest(self, layer: int) -> int:
         """Layer `layer`'s digest once it is in its slot (layers come in order)."""
