@@ -1,7 +1,8 @@
 """KV transfer benchmark: page throughput per backend, and what disaggregation adds to TTFT.
 
     .venv/bin/python bench/kvtransfer.py [--quick] [--backends grpc,grpc/4,torch,shm] [--no-ttft]
-                                         [--no-throughput]
+                                         [--no-throughput] [--sizes 256,1024] [--reps N]
+                                         [--sink count|cache]
 
 1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
    the bundled model's geometry (30 layers x K/V x 3 heads x 16 tokens x 64 dims, float32:
@@ -9,7 +10,8 @@
    page views or gather, chunking, XXH3-64, protobuf); this process receives with the real
    receiver code (validation, XXH3-64, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and
    the ratio to a plain in-memory copy of the same bytes into an already-mapped buffer
-   (`memcpy_gbps`) measured in the same run.
+   (`memcpy_gbps`) measured in the same run. The receiver's sink counts the bytes, or with
+   `--sink cache` writes them into a KV cache as a decode worker does (`CacheSink`).
 2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
    (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
    overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
@@ -120,9 +122,11 @@ def serve_pages(port: int, max_blocks: int) -> None:
 
 
 # -- throughput --------------------------------------------------------------------------------
-async def receive_once(stub, backend, layout, n: int, chunk: int = 0) -> tuple[float, int]:
+async def receive_once(stub, backend, layout, n: int, chunk: int = 0, sink=None  # noqa: ANN001
+                       ) -> tuple[float, int]:
     """One transfer of `n` blocks; `chunk`: the grpc sender's message payload size (0: its
-    default)."""
+    default); `sink`: a `CacheSink` that writes the pages into a KV cache (None: count the
+    bytes only)."""
     from tandem.kvtransfer.pages import check_header
     from tandem.protocol import worker_pb2
 
@@ -142,12 +146,58 @@ async def receive_once(stub, backend, layout, n: int, chunk: int = 0) -> tuple[f
             nonlocal nbytes  # the receive path only, as before pages had a sink
             nbytes += pages.numel() * pages.element_size()
 
-        await backend.for_transport(header.transport or req.backend).receive(req, layout, got, it,
-                                                                        count)
+        await backend.for_transport(header.transport or req.backend).receive(
+            req, layout, got, it, count if sink is None else sink.bind(got, count))
     finally:
         await backend.release(req)
     dt_s = time.perf_counter() - t0
     return dt_s, nbytes
+
+
+class CacheSink:
+    """A decode worker's sink: each layer's pages into blocks of a preallocated KV cache
+    (`scatter_layer`, as the engine's page sink does) on one writer thread; `check` compares
+    the cache with the sender's (same seed) after a transfer."""
+
+    def __init__(self, max_blocks: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        self.caches = [(torch.empty(max_blocks, KV_HEADS, BLOCK, HEAD_DIM),
+                        torch.empty(max_blocks, KV_HEADS, BLOCK, HEAD_DIM))
+                       for _ in range(LAYERS)]
+        for k, v in self.caches:  # mapped before any timing
+            k.zero_(), v.zero_()
+        self.executor = ThreadPoolExecutor(1)
+        self.max_blocks = max_blocks
+
+    def bind(self, n: int, count):  # noqa: ANN001, ANN201 - the bytes counter; a LayerSink
+        """A sink for a transfer of `n` blocks, written into cache blocks in reverse order
+        (not one contiguous run, as after a real pool's churn)."""
+        from tandem.engine.kv_cache.pages import block_index, scatter_layer
+
+        ids = list(range(self.max_blocks - 1, self.max_blocks - 1 - n, -1))
+        index = block_index(ids, self.caches[0][0].device)
+
+        async def write(layer: int, pages) -> None:  # noqa: ANN001 - a torch.Tensor
+            await asyncio.wrap_future(self.executor.submit(
+                scatter_layer, self.caches, layer, ids, pages, index))
+            await count(layer, pages)
+        return write
+
+    def check(self, n: int) -> None:
+        import torch
+
+        torch.manual_seed(0)  # the sender's caches (serve_pages)
+        for layer, (k, v) in enumerate(self.caches):
+            want = (torch.randn(self.max_blocks, KV_HEADS, BLOCK, HEAD_DIM),
+                    torch.randn(self.max_blocks, KV_HEADS, BLOCK, HEAD_DIM))
+            ids = list(range(self.max_blocks - 1, self.max_blocks - 1 - n, -1))
+            for got, exp in zip((k, v), want, strict=True):
+                if not torch.equal(got[ids], exp[:n]):
+                    raise AssertionError(f"layer {layer}: the cache holds other bytes than "
+                                         "the sender's")
 
 
 def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
@@ -166,7 +216,7 @@ def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def throughput(backends: list[str], sizes: list[int], reps: int
+def throughput(backends: list[str], sizes: list[int], reps: int, sink: str = "count"
                ) -> tuple[list[dict], list[dict]]:
     import grpc
 
@@ -215,14 +265,18 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                 backend.configure(device=torch.device("cpu"), advertise_host="127.0.0.1",
                                   layout=layout)
                 await receive_once(stub, backend, layout, 1, chunk)  # connections, groups
+                cache = CacheSink(max(sizes)) if sink == "cache" else None
                 for n in sizes:
                     times = []
                     for _ in range(reps):
-                        dt_s, nbytes = await receive_once(stub, backend, layout, n, chunk)
+                        dt_s, nbytes = await receive_once(stub, backend, layout, n, chunk,
+                                                          cache)
                         times.append(dt_s)
+                    if cache is not None:
+                        cache.check(n)
                     best = min(times)
                     base = memcpy_gbps(nbytes)
-                    row = {"backend": label, "blocks": n, "bytes": nbytes,
+                    row = {"backend": label, "blocks": n, "bytes": nbytes, "sink": sink,
                            "seconds_best": best, "seconds_all": times,
                            "gbps": nbytes / best / 1e9, "memcpy_gbps": base,
                            "share_of_memcpy": nbytes / best / 1e9 / base}
@@ -407,6 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--ttft-trials", type=int, default=None)
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated transfer sizes in blocks (default 1,16,256 with "
+                         "--quick, else 1,16,256,4096)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="transfers per size, the best one counts (default 2 with --quick, "
+                         "else 3)")
+    ap.add_argument("--sink", choices=("count", "cache"), default="count",
+                    help="what the receiver does with each validated layer: count its bytes, "
+                         "or write it into blocks of a KV cache as a decode worker does (and "
+                         "check the bytes after each size)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--serve-pages", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--max-blocks", type=int, default=4096, help=argparse.SUPPRESS)
@@ -414,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_pages is not None:
         serve_pages(args.serve_pages, args.max_blocks)
         return 0
-    sizes = [1, 16, 256] if args.quick else [1, 16, 256, 4096]
+    sizes = ([int(x) for x in args.sizes.split(",")] if args.sizes
+             else [1, 16, 256] if args.quick else [1, 16, 256, 4096])
     report: dict = {"benchmark": "kvtransfer", "date": dt.date.today().isoformat(),
                     "quick": args.quick, "targets": TARGETS,
                     "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
@@ -423,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "head_dim": HEAD_DIM, "dtype": "float32",
                                  "bytes_per_block": LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 4}}
     report["throughput"], report["grpc_ceiling"] = ([], []) if args.no_throughput else \
-        throughput(args.backends.split(","), sizes, 2 if args.quick else 3)
+        throughput(args.backends.split(","), sizes, args.reps or (2 if args.quick else 3),
+                   args.sink)
     if not args.no_ttft:
         report["ttft"] = ttft_overhead(1024, args.ttft_trials or (3 if args.quick else 7))
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (

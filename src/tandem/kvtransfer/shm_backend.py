@@ -8,10 +8,11 @@ without shm) sends by grpc, so no request fails for the offer: `auto` is safe as
 wherever workers may or may not share a node (as NIXL/UCX pick shared memory by themselves
 on one node).
 
-Per layer L the sender waits until the receiver is done with slot L % 2's previous layer
-(the control page's `consumed` counter), copies the layer's pages into that slot (from the
-cache's page views or its gathered copy), hashes them and sends the layer's `PageLayerEnd`
-(XXH3-64) on the Prefill stream; the trailer follows the last layer, as with `grpc`. The
+Per layer L the sender's writer thread waits until the receiver is done with slot L % 2's
+previous layer (the control page's `consumed` counter), copies the layer's pages into that
+slot (from the cache's page views or its gathered copy) and hashes them, and the stream sends
+the layer's `PageLayerEnd` (XXH3-64) on the Prefill stream while the thread goes on with the
+next layer; the trailer follows the last layer, as with `grpc`. The
 receiver, on each `PageLayerEnd`, checks the order and the slot's digest before the sink
 sees the bytes (which it reads from the slot into the engine's pinned blocks), and bumps
 `consumed` once the sink is done. So the receiver never holds more than two layers, the
@@ -27,21 +28,26 @@ receiver's segment goes at the next sweep on the node (`shm_segments.sweep`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, register_backend
+from tandem.kvtransfer.fastcopy import CHUNK, copy_digest
 from tandem.kvtransfer.grpc_backend import GrpcBackend
 from tandem.kvtransfer.pages import (
     KVTransferError,
     LayerSink,
     PageChecksum,
     PageLayout,
+    tensor_bytes,
     transfer_digest,
 )
 from tandem.kvtransfer.shm_segments import (
@@ -54,6 +60,9 @@ from tandem.kvtransfer.shm_segments import (
 )
 from tandem.protocol import worker_pb2
 
+if TYPE_CHECKING:
+    from tandem.kvtransfer.layer_stream import LayerStream
+
 logger = logging.getLogger(__name__)
 SLOTS = 2
 IDLE_PER_PEER = 2  # receiver: segments kept per prefill worker between transfers
@@ -61,6 +70,10 @@ IDLE_S = 30.0  # ... for at most this long
 MAPPED = 8  # sender: receivers' segments kept mapped
 GRPC_PEER_S = 300.0  # receiver: how long a peer that answered by grpc is asked for grpc
 HASH_IN_THREAD = 16 << 20  # hash larger layers off the event loop (~0.5 ms and more)
+# layers up to this size are copied, then hashed: the copy is still in the last-level
+# cache; larger ones are hashed chunk by chunk as they are copied (`copy_digest`)
+FUSE_ABOVE = 8 << 20
+POLL_MIN_S, POLL_MAX_S = 2e-5, 5e-4  # sender: sleeps while its next slot is still in use
 
 
 def _digest(view: memoryview) -> int:
@@ -69,17 +82,18 @@ def _digest(view: memoryview) -> int:
 
 def _copy_in(slot: memoryview, pieces: list[memoryview] | None, pages: torch.Tensor | None
              ) -> int:
-    """Write a layer's bytes into `slot`; their XXH3-64."""
+    """Write a layer's bytes into `slot`; their XXH3-64. Host bytes of a layer over
+    `FUSE_ABOVE` are hashed as they are copied (`copy_digest`: they cross memory once); a
+    device tensor is copied, then hashed."""
     if pieces is None:
         assert pages is not None
         src = pages.contiguous().view(torch.uint8).reshape(-1)
+        if src.device.type == "cpu":
+            return copy_digest(slot, [tensor_bytes(src)],
+                               CHUNK if len(slot) > FUSE_ABOVE else len(slot))
         torch.frombuffer(slot, dtype=torch.uint8).copy_(src)
-    else:
-        off = 0
-        for p in pieces:
-            slot[off:off + len(p)] = p
-            off += len(p)
-    return _digest(slot)
+        return _digest(slot)
+    return copy_digest(slot, pieces, CHUNK if len(slot) > FUSE_ABOVE else len(slot))
 
 
 @register_backend
@@ -269,34 +283,21 @@ class ShmBackend(TransferBackend):
 
     async def send(self, job: SendJob) -> AsyncIterator[worker_pb2.PageChunk]:
         """Each layer into its slot once the receiver is done with the slot, then its
-        digest; the trailer last. Stops at the lease's end (`job.deadline`)."""
-        req = job.request
-        loop = asyncio.get_running_loop()
-        seg = self._mapped(req)
-        size = len(job.block_ids) * job.layout.block_layer_bytes
+        digest; the trailer last. Stops at the lease's end (`job.deadline`).
+
+        One thread per send writes the layers (`_Writer`): it waits for each slot itself
+        and goes on with the next layer while this coroutine sends the last one's digest,
+        so neither the stream nor a thread hand-off per layer holds the copies up."""
+        seg = self._mapped(job.request)
+        writer = _Writer(seg, job, asyncio.get_running_loop())
         digests: list[int] = []
-
-        def fill(layer: int) -> int:
-            pieces = job.views(layer) if job.views is not None else None
-            pages = None
-            if pieces is None:
-                with job.device_context():
-                    pages = job.gather(layer)
-            return _copy_in(seg.slot(layer % seg.slots, size), pieces, pages)
-
-        for layer in range(job.layout.num_layers):
-            if job.layers is not None:
-                await job.layers.wait(layer)
-            delay = 0.0
-            while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
-                if loop.time() > job.deadline:
-                    raise KVTransferError("expired", "the lease ended before the pages "
-                                                     "were sent")
-                await asyncio.sleep(delay)
-                delay = min(5e-4, delay * 2 or 5e-5)
-            digests.append(await asyncio.to_thread(fill, layer))
-            yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
-                layer=layer, xxh3_64=digests[-1]))
+        try:
+            for layer in range(job.layout.num_layers):
+                digests.append(await writer.digest(layer))
+                yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
+                    layer=layer, xxh3_64=digests[-1]))
+        finally:
+            writer.stop()
         yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
             xxh3_64=transfer_digest(digests)))
 
@@ -316,6 +317,89 @@ class ShmBackend(TransferBackend):
         while len(self._maps) > MAPPED:
             self._maps.popitem(last=False)[1].close()
         return seg
+
+
+class _Writer:
+    """A send's writer thread: layer by layer, in order, it waits until the layer is computed
+    (`job.layers`, forwarded from the event loop) and its slot is free (the receiver's
+    `consumed`, polled: a short sleep that doubles up to `POLL_MAX_S`), then copies and
+    hashes the layer into the slot and posts the digest to `digest`. Any error, or the
+    lease's end while waiting for a slot (KVTransferError "expired"), is posted instead.
+    `stop` ends it after at most the layer it is writing."""
+
+    def __init__(self, seg: Segment, job: SendJob, loop: asyncio.AbstractEventLoop) -> None:
+        self.seg, self.job, self.loop = seg, job, loop
+        self.size = len(job.block_ids) * job.layout.block_layer_bytes
+        self.deadline = time.monotonic() + (job.deadline - loop.time())
+        self._posted: asyncio.Queue[int | BaseException] = asyncio.Queue()
+        self._stop = threading.Event()
+        self._ready: threading.Semaphore | None = None
+        self._feeder: asyncio.Future | None = None
+        if job.layers is not None:
+            self._ready = threading.Semaphore(0)
+            self._feeder = asyncio.ensure_future(self._feed(job.layers))
+        threading.Thread(target=self._run, name="kv-shm-send", daemon=True).start()
+
+    async def _feed(self, layers: LayerStream) -> None:
+        """Hand the thread each computed layer; a failed wait (the prefill failed, the lease
+        ended) is raised on the stream after the layers already written."""
+        try:
+            for layer in range(self.job.layout.num_layers):
+                await layers.wait(layer)
+                self._ready.release()  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised on the stream
+            self._posted.put_nowait(exc)
+
+    async def digest(self, layer: int) -> int:
+        """Layer `layer`'s digest once it is in its slot (layers come in order)."""
+        got = await self._posted.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._feeder is not None:
+            self._feeder.cancel()
+
+    def _run(self) -> None:
+        try:
+            for layer in range(self.job.layout.num_layers):
+                if not self._wait(layer):
+                    return
+                self._post(self._fill(layer))
+        except BaseException as exc:  # noqa: BLE001 - handed to the stream, raised there
+            self._post(exc)
+
+    def _post(self, item: int | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(self._posted.put_nowait, item)
+
+    def _wait(self, layer: int) -> bool:
+        """Until `layer` is computed and its slot is free; False once stopped."""
+        while self._ready is not None and not self._ready.acquire(timeout=0.05):
+            if self._stop.is_set():
+                return False
+        seg, delay = self.seg, 0.0
+        while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
+            if self._stop.is_set():
+                return False
+            if time.monotonic() > self.deadline:
+                raise KVTransferError("expired", "the lease ended before the pages were sent")
+            time.sleep(delay)
+            delay = min(POLL_MAX_S, delay * 2 or POLL_MIN_S)
+        return not self._stop.is_set()
+
+    def _fill(self, layer: int) -> int:
+        job = self.job
+        pieces = job.views(layer) if job.views is not None else None
+        pages = None
+        if pieces is None:
+            with job.device_context():
+                pages = job.gather(layer)
+        return _copy_in(self.seg.slot(layer % self.seg.slots, self.size), pieces, pages)
 
 
 class _Fallback(TransferBackend):

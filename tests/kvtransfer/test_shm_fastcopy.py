@@ -1,0 +1,66 @@
+"""The `shm` backend's copies: `copy_digest` writes exactly the pieces and returns the XXH3-64
+of those bytes whatever the chunk size (tails included), and the host path of
+`scatter_layer` writes exactly what torch's `index_copy_` writes, in every cache dtype."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import xxhash
+
+from tandem.engine.kv_cache.pages import scatter_layer
+from tandem.kvtransfer.fastcopy import CHUNK, copy_digest
+
+
+def test_copy_digest_equals_a_copy_then_its_xxh3():
+    """Seeded random pieces (empty, tiny, larger than a chunk, sizes no multiple of
+    anything) and chunk sizes: the destination holds the pieces back to back, the bytes
+    after them are untouched, and the digest is XXH3-64 of what was copied."""
+    rng = random.Random(0)
+    for trial in range(60):
+        sizes = [rng.choice([0, 1, 7, 4095, 4096, 12288, 70001, 300_000])
+                 for _ in range(rng.randint(1, 12))]
+        pieces = [memoryview(rng.randbytes(s)) for s in sizes]
+        total = sum(sizes)
+        chunk = rng.choice([1, 4096, 65536, 100_003, CHUNK, total or 1])
+        dst = bytearray(b"\xa5" * (total + rng.randint(0, 5000)))
+        got = copy_digest(memoryview(dst), pieces, chunk)
+        want = b"".join(bytes(p) for p in pieces)
+        assert bytes(dst[:total]) == want, trial
+        assert set(dst[total:]) <= {0xA5}, trial
+        assert got == xxhash.xxh3_64_intdigest(want), trial
+
+
+def test_copy_digest_refuses_pieces_that_do_not_fit():
+    dst = bytearray(10)
+    with pytest.raises(ValueError, match="11 bytes do not fit a 10-byte buffer"):
+        copy_digest(memoryview(dst), [memoryview(b"x" * 6), memoryview(b"y" * 5)])
+    assert dst == bytearray(10)  # nothing written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
+def test_host_scatter_writes_what_index_copy_writes(dtype):
+    """Random block ids (any order), every cache dtype: the same cache bytes as torch's
+    `index_copy_`; ids outside the cache still raise, as with torch."""
+    g = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    shape = (12, 2, 4, 8) if dtype != torch.uint8 else (12, 2, 40)
+    for _ in range(5):
+        n = rng.randint(1, 12)
+        ids = rng.sample(range(12), n)
+        pages = torch.randint(0, 255, (2, n, *shape[1:]), generator=g,
+                              dtype=torch.uint8).to(dtype)
+        caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
+        want = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
+        scatter_layer(caches, 0, ids, pages)
+        idx = torch.tensor(ids)
+        want[0][0].index_copy_(0, idx, pages[0])
+        want[0][1].index_copy_(0, idx, pages[1])
+        for got, exp in zip(caches[0], want[0], strict=True):
+            assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
+    for bad in ([12], [-1]):
+        with pytest.raises((IndexError, RuntimeError)):
+            scatter_layer(caches, 0, bad, torch.zeros((2, 1, *shape[1:]), dtype=dtype))
