@@ -13,7 +13,10 @@
    (`memcpy_gbps`) measured in the same run. `grpc*2`: each size split over 2 concurrent
    transfers on 2 connections (aggregate GB/s: what striping one transfer could reach).
    The raw gRPC ceiling (pre-built 1 MiB messages, no processing) is measured on 1, 2 and 4
-   streams, on as many connections and on one.
+   streams, on as many connections and on one. Each row also gives the CPU seconds per GB
+   of each side over all its transfers (threads included; unlike GB/s, little skewed by a
+   busy machine; the sender's from /proc in 10 ms ticks, so use --reps/--sizes for a second
+   or more of transfer).
 2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
    (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
    overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
@@ -170,7 +173,7 @@ def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-async def raw_ceiling(channels: list, mib: int, reps: int = 5) -> dict:
+async def raw_ceiling(channels: list, mib: int, sender_pid: int, reps: int = 5) -> dict:
     """The raw gRPC ceiling: `mib` MiB of pre-built 1 MiB messages, no processing, split
     over one stream per entry of `channels` (the same channel repeated: streams sharing one
     connection); best of `reps`."""
@@ -185,14 +188,22 @@ async def raw_ceiling(channels: list, mib: int, reps: int = 5) -> dict:
                 got += len(m)
             return got
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), (process_cpu_s(sender_pid), time.process_time())
         got = sum(await asyncio.gather(*(one(ch) for ch in channels)))
         row = {"streams": len(channels), "connections": len(set(map(id, channels))),
-               "bytes": got, "seconds": time.perf_counter() - t0}
+               "bytes": got, "seconds": time.perf_counter() - t0,
+               "sender_cpu_s_per_gb": (process_cpu_s(sender_pid) - cpu0[0]) / (got / 1e9),
+               "receiver_cpu_s_per_gb": (time.process_time() - cpu0[1]) / (got / 1e9)}
         row["gbps"] = got / row["seconds"] / 1e9
         if best is None or row["gbps"] > best["gbps"]:
             best = row
     return best  # type: ignore[return-value]
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its threads so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def throughput(backends: list[str], sizes: list[int], reps: int
@@ -234,7 +245,7 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                             ("grpc.use_local_subchannel_pool", 1)])
                         for _ in range(streams)]
                     try:
-                        ceiling.append(await raw_ceiling(chans, mib))
+                        ceiling.append(await raw_ceiling(chans, mib, proc.pid))
                     finally:
                         if not shared:
                             for c in chans:
@@ -242,7 +253,9 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                     c = ceiling[-1]
                     log(f"[throughput] raw gRPC ceiling, {streams} stream(s) on "
                         f"{'one connection' if shared else f'{streams} connections'} "
-                        f"(1 MiB messages, no processing): {c['gbps']:.2f} GB/s")
+                        f"(1 MiB messages, no processing): {c['gbps']:.2f} GB/s; CPU s/GB "
+                        f"sender {c['sender_cpu_s_per_gb']:.3f}, receiver "
+                        f"{c['receiver_cpu_s_per_gb']:.3f}")
             for label in backends:
                 # grpc/4: 4 MiB data messages; grpc*2: the blocks split over 2 concurrent
                 # transfers on 2 connections (what striping one transfer could reach)
@@ -266,6 +279,7 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                     if n < ways:
                         continue
                     times = []
+                    cpu0 = (process_cpu_s(proc.pid), time.process_time())
                     for _ in range(reps):
                         t0 = time.perf_counter()
                         done = await asyncio.gather(*(
@@ -273,16 +287,21 @@ def throughput(backends: list[str], sizes: list[int], reps: int
                             for i, s in enumerate(stubs)))
                         times.append(time.perf_counter() - t0)
                         nbytes = sum(b for _, b in done)
+                    # CPU seconds per GB on each side: unlike GB/s, robust to a busy machine
+                    cpu = [(process_cpu_s(proc.pid) - cpu0[0]) / (nbytes * reps / 1e9),
+                           (time.process_time() - cpu0[1]) / (nbytes * reps / 1e9)]
                     best = min(times)
                     base = memcpy_gbps(nbytes)
                     row = {"backend": label, "blocks": n, "bytes": nbytes,
                            "seconds_best": best, "seconds_all": times,
                            "gbps": nbytes / best / 1e9, "memcpy_gbps": base,
-                           "share_of_memcpy": nbytes / best / 1e9 / base}
+                           "share_of_memcpy": nbytes / best / 1e9 / base,
+                           "sender_cpu_s_per_gb": cpu[0], "receiver_cpu_s_per_gb": cpu[1]}
                     rows.append(row)
                     log(f"[throughput] {label:7s} {n:5d} blocks {nbytes / 2**20:9.1f} MiB: "
                         f"{row['gbps']:.2f} GB/s ({row['share_of_memcpy']:.1%} of memcpy "
-                        f"{base:.1f} GB/s)")
+                        f"{base:.1f} GB/s); CPU s/GB sender {cpu[0]:.3f}, receiver "
+                        f"{cpu[1]:.3f}")
                 await backend.close()
                 for c in extra:
                     await c.close()
@@ -492,14 +511,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (
         f"kvtransfer{'-quick' if args.quick else ''}-{report['date']}.json")
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'backend':8s} {'blocks':>6s} {'MiB':>9s} {'GB/s':>7s} {'memcpy':>7s} {'share':>7s}")
+    print(f"\n{'backend':8s} {'blocks':>6s} {'MiB':>9s} {'GB/s':>7s} {'memcpy':>7s} {'share':>7s}"
+          f" {'CPU s/GB send':>13s} {'recv':>6s}")
     for r in report["throughput"]:
         print(f"{r['backend']:8s} {r['blocks']:6d} {r['bytes'] / 2**20:9.1f} {r['gbps']:7.2f} "
-              f"{r['memcpy_gbps']:7.2f} {r['share_of_memcpy']:7.1%}")
+              f"{r['memcpy_gbps']:7.2f} {r['share_of_memcpy']:7.1%} "
+              f"{r['sender_cpu_s_per_gb']:13.3f} {r['receiver_cpu_s_per_gb']:6.3f}")
     if report["grpc_ceiling"]:
         for c in report["grpc_ceiling"]:
             print(f"raw gRPC ceiling (this machine, same run), {c['streams']} stream(s) on "
-                  f"{c['connections']} connection(s): {c['gbps']:.2f} GB/s")
+                  f"{c['connections']} connection(s): {c['gbps']:.2f} GB/s; CPU s/GB "
+                  f"sender {c['sender_cpu_s_per_gb']:.3f}, receiver "
+                  f"{c['receiver_cpu_s_per_gb']:.3f}")
     large = [r["gbps"] for r in report["throughput"] if r["backend"] == "grpc"
              and r["blocks"] >= 256]
     if large:
