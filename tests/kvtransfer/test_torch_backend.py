@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tandem.engine.kv_cache.pages import gather_layer
 from tandem.kvtransfer import BACKENDS, KVTransferError, PageLayout
 from tandem.kvtransfer.base import SendJob
-from tandem.kvtransfer.pages import tensor_bytes
+from tandem.kvtransfer.pages import layer_page_views, tensor_bytes
 from tandem.kvtransfer.torch_backend import TorchBackend
 from tandem.protocol import worker_pb2
 
@@ -75,6 +76,7 @@ def pipe(sender: TorchBackend, job: SendJob,
 async def transfer(receiver: TorchBackend, sender: TorchBackend, pages: list[torch.Tensor],
                    edit=lambda c: c, layout: PageLayout = LAYOUT, lease_s: float = 30.0,
                    gather: Callable[[int], torch.Tensor] | None = None,
+                   views: Callable[[int], list[memoryview] | None] | None = None,
                    errors: list[Exception] | None = None,
                    prepared: Callable[[worker_pb2.PrefillRequest], object] = lambda r: None,
                    ) -> tuple[list[torch.Tensor], str]:
@@ -87,7 +89,7 @@ async def transfer(receiver: TorchBackend, sender: TorchBackend, pages: list[tor
     try:
         wire = worker_pb2.PrefillRequest.FromString(req.SerializeToString())
         job = SendJob(wire, layout, list(range(n)), gather or (lambda layer: pages[layer]),
-                      asyncio.get_running_loop().time() + lease_s)
+                      asyncio.get_running_loop().time() + lease_s, views)
         started: list[int] = []
         written: dict[int, torch.Tensor] = {}
 
@@ -113,6 +115,35 @@ def run(coro_fn: Callable[[TorchBackend, TorchBackend], object], timeout_s: floa
             await receiver.close()
             await sender.close()
     return asyncio.run(main())
+
+
+def test_a_host_cache_is_sent_from_its_page_views():
+    """A host cache's layers go out joined from its page views (no gather), scattered block
+    ids in chain order: the receiver gets exactly what gathering them would give; a layer
+    without views (None) is gathered."""
+    layout = PageLayout("m", 4, 2, 4, 8, torch.float32)
+    g = torch.Generator().manual_seed(7)
+    caches = [tuple(torch.randn(12, 2, 4, 8, generator=g) for _ in range(2))
+              for _ in range(layout.num_layers)]
+    ids = [9, 2, 11, 0, 5]
+    want = [gather_layer(caches, layer, ids) for layer in range(layout.num_layers)]
+    gathered: list[int] = []
+
+    def gather(layer: int) -> torch.Tensor:
+        gathered.append(layer)
+        return gather_layer(caches, layer, ids)
+
+    def views(layer: int) -> list[memoryview] | None:
+        return None if layer == 2 else layer_page_views(caches, layer, ids)
+
+    async def body(receiver, sender):
+        return await transfer(receiver, sender, want, layout=layout, gather=gather,
+                              views=views)
+
+    got, _ = run(body)
+    assert gathered == [2]
+    for w, h in zip(want, got, strict=True):
+        assert bytes(tensor_bytes(h)) == bytes(tensor_bytes(w))
 
 
 def test_registered():

@@ -358,31 +358,53 @@ class TorchBackend(TransferBackend):
     def _send_all(self, pair: _Pair, job: SendJob, tag: int, deadline: float,
                   report: Callable[[int, int], None]) -> None:
         """Blocking: gather and send every layer in order, `report`ing each one's digest once
-        it is on its way."""
-        for layer in range(job.layout.num_layers):
+        it is on its way. Over gloo the next layer is assembled while this one travels (two
+        layers' bytes in host memory at most); over NCCL one layer at a time (GPU memory)."""
+        num_layers = job.layout.num_layers
+        ahead = not pair.nccl
+
+        def prepare(layer: int) -> torch.Tensor:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KVTransferError("expired", "the lease ended before the pages were sent")
             if job.layers is not None:  # still computing: wait for this layer
                 job.layers.wait_sync(layer, left)
-                left = deadline - time.monotonic()
             with job.device_context():
-                pages = job.gather(layer).contiguous()
-                if not pair.nccl:
-                    pages = pages.cpu()
-                elif not pages.is_cuda:
-                    pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
-                flat = pages.view(-1).view(torch.uint8)
+                return self._layer_tensor(job, layer, pair.nccl)
+
+        flat = prepare(0)
+        for layer in range(num_layers):
+            last = layer + 1 == num_layers
+            with job.device_context():
                 work = pair.post("send", flat, RECEIVER, tag)
                 # hashed while the bytes travel
                 report(layer, PageChecksum().update(tensor_bytes(flat.cpu())).digest())
-            try:
-                pair.wait(work, min(self.timeout_s, left))
+            nxt = prepare(layer + 1) if ahead and not last else None
+            try:  # (a zero timeout would mean none to gloo)
+                pair.wait(work, min(self.timeout_s, max(deadline - time.monotonic(), 1e-3)))
             except Exception as exc:
                 if time.monotonic() >= deadline:
                     raise KVTransferError("expired", "the lease ended before the pages "
                                                      "were sent") from exc
                 raise
+            if not last:
+                flat = nxt if nxt is not None else prepare(layer + 1)
+
+    @staticmethod
+    def _layer_tensor(job: SendJob, layer: int, nccl: bool) -> torch.Tensor:
+        """`layer`'s `[2, n, kvh, bs, row]` pages as one flat uint8 tensor where the pair's
+        group sends from: from a host cache over gloo, its page views joined (one copy at
+        memory speed: ~0.05 CPU s/GB against ~0.25 for a gathering `index_select`); else
+        gathered (and moved to the GPU for NCCL)."""
+        views = job.views(layer) if job.views is not None and not nccl else None
+        if views:
+            return torch.frombuffer(bytearray().join(views), dtype=torch.uint8)
+        pages = job.gather(layer).contiguous()
+        if not nccl:
+            pages = pages.cpu()
+        elif not pages.is_cuda:
+            pages = pages.to(torch.device("cuda", torch.cuda.current_device()))
+        return pages.view(-1).view(torch.uint8)
 
     async def close(self) -> None:
         if self._sweeper is not None:
