@@ -23,11 +23,14 @@ two machines, and a `tandem router` in front:
 Those P/D setups use the threshold rule (`--pd-decision threshold`); two more decide per
 request:
 
-* adaptive: the router's cost decision (`--pd-decision cost`; the default is threshold): the
-  prefill worker only when its backlog, the prompt's prefill there and the page transfer
-  beat prefilling on the decode worker plus the stall that costs its running streams;
+* adaptive: the router's default, the cost decision (`--pd-decision cost`) with its stall
+  budget: the prefill worker only when its backlog, the prompt's prefill there and the page
+  transfer beat prefilling on the decode worker plus the stall that costs its running
+  streams, and a local prefill only while the decode worker's steps stalled by them stay
+  within the budget;
 * adaptive-wN: the same with the stall weighted N times (`--pd-itl-weight N`, default 1);
-  adaptive-bS: with the stall budget S (`--pd-stall-budget S`, a share such as 0.005);
+  adaptive-bS: with the stall budget S (`--pd-stall-budget S`, a share such as 0.005; 0:
+  none);
   adaptive-pcapN / adaptive-dcapN: the same with the prefill / decode worker's per-request
   chunk cap at N tokens (`--long-prefill-token-threshold N`; a decode worker's cap bounds
   how long a local prefill stalls each decode step); suffixes combine in that order
@@ -216,7 +219,7 @@ def tail(gaps: list[float]) -> dict:
 
 SETUPS = ("aggregated", "disaggregated", "adaptive", "adaptive[-wN][-bS][-pcapN][-dcapN]", "dynamo",
           "disaggregated-fcfs", "disaggregated-capN", "disaggregated-qN")
-ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?))?(?:-b(0\.[0-9]{1,4}))?"
+ADAPTIVE = re.compile(r"adaptive(?:-w([0-9]{1,3}(?:\.[0-9]{1,3})?))?(?:-b(0|0\.[0-9]{1,4}))?"
                       r"(?:-pcap([1-9][0-9]{0,4}))?(?:-dcap([1-9][0-9]{0,4}))?")
 
 

@@ -45,6 +45,7 @@ def test_adaptive_variants_weigh_the_stall_or_cap_the_decode_chunk():
     assert disagg.router_flags("adaptive-b0.005-pcap64", 16, 0)[-2:] == [
         "--pd-stall-budget", "0.005"]
     assert disagg.prefill_flags("adaptive-b0.005-pcap64")[-1] == "64"
+    assert disagg.router_flags("adaptive-b0", 16, 0)[-2:] == ["--pd-stall-budget", "0"]
     for bad in ("adaptive-w", "adaptive-dcap0", "adaptive-w1e9", "adaptive-dcap3-w2",
                 "adaptive-b1"):
         with pytest.raises(argparse.ArgumentTypeError):

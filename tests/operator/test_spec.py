@@ -27,8 +27,8 @@ def test_defaults_of_the_smallest_spec():
     assert s.router.replicas == 1 and s.router.policy == "cost"
     assert s.router.pd_threshold == 16 and s.router.weights is None
     assert s.router.pd_max_prefill_queue == 0 and s.router.pd_max_local_prefill == 1024
-    assert (s.router.pd_decision, s.router.pd_itl_weight) == ("threshold", 1.0)
-    assert s.router.pd_stall_budget == 0.0
+    assert (s.router.pd_decision, s.router.pd_itl_weight) == ("cost", 1.0)
+    assert s.router.pd_stall_budget == 0.005
     assert s.kv_transfer.backend == "grpc" and s.kv_transfer.tls_secret is None
     assert s.model.served_name == "SmolLM2-135M-Instruct"
     assert s.model.source.worker_path is None

@@ -282,7 +282,7 @@ def fresh(n: int, tokens: int = 64) -> list:
 
 
 def test_no_budget_an_idle_decode_worker_or_an_unmeasured_step_keeps_local():
-    router, _ = setup(**BACKLOGGED)  # pd_stall_budget 0: no budget
+    router, _ = setup(pd_stall_budget=0.0, **BACKLOGGED)  # no budget
     assert all(plan(router, p, MODEL, now=1.0)[0].prefill is None for p in fresh(20))
     idle = {"p": BACKLOGGED["p"], "d": {"prefill_s_per_token": R, "decode_step_s": STEP}}
     router, _ = setup(pd_stall_budget=0.001, **idle)  # no stream to stall

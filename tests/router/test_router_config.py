@@ -82,6 +82,7 @@ def test_pd_bounds_from_yaml_and_flag(tmp_path, key, default, in_yaml, by_flag):
 def test_pd_stall_budget_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
     cfg.write_text("workers: [http://a:8000]\npd_stall_budget: 0.02\n")
+    assert build(_args("--workers", "http://a:1"))[1].settings.pd_stall_budget == 0.005
     assert build(_args("--config", str(cfg)))[1].settings.pd_stall_budget == 0.02
     settings = build(_args("--config", str(cfg), "--pd-stall-budget", "0"))[1].settings
     assert settings.pd_stall_budget == 0.0
@@ -95,14 +96,14 @@ def test_pd_stall_budget_from_yaml_and_flag(tmp_path):
 
 def test_pd_decision_and_itl_weight_from_yaml_and_flag(tmp_path):
     cfg = tmp_path / "router.yaml"
-    cfg.write_text("workers: [http://a:8000]\npd_decision: cost\npd_itl_weight: 2.5\n")
+    cfg.write_text("workers: [http://a:8000]\npd_decision: threshold\npd_itl_weight: 2.5\n")
     settings = build(_args("--workers", "http://a:1"))[1].settings
-    assert (settings.pd_decision, settings.pd_itl_weight) == ("threshold", 1.0)
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("cost", 1.0)
     settings = build(_args("--config", str(cfg)))[1].settings
-    assert (settings.pd_decision, settings.pd_itl_weight) == ("cost", 2.5)
-    settings = build(_args("--config", str(cfg), "--pd-decision", "threshold",
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("threshold", 2.5)
+    settings = build(_args("--config", str(cfg), "--pd-decision", "cost",
                            "--pd-itl-weight", "0"))[1].settings
-    assert (settings.pd_decision, settings.pd_itl_weight) == ("threshold", 0.0)
+    assert (settings.pd_decision, settings.pd_itl_weight) == ("cost", 0.0)
     for bad in ("-1", "nan", "1001"):
         with pytest.raises(SystemExit, match="pd_itl_weight: a number in"):
             build(_args("--workers", "http://a:1", "--pd-itl-weight", bad))

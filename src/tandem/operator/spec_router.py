@@ -36,9 +36,9 @@ class RouterSpec:
     pd_threshold: int = 16
     pd_max_prefill_queue: int = 0  # conditional disaggregation bound; 0 = none
     pd_max_local_prefill: int = 1024  # longer uncached prompts never fall back; 0 = no cap
-    pd_decision: str = "threshold"  # threshold | cost (the router's --pd-decision)
+    pd_decision: str = "cost"  # cost | threshold (the router's --pd-decision)
     pd_itl_weight: float = 1.0  # the cost decision's weight of the decode streams' stall
-    pd_stall_budget: float = 0.0  # ... and the share of decode steps local prefills may stall
+    pd_stall_budget: float = 0.005  # ... and the share of decode steps local prefills may stall
     api_keys_secret: str | None = None
     api_keys_key: str = "api-keys"
     # keys that may load / unload LoRA adapters through the router (needs api_keys_secret)
@@ -173,9 +173,9 @@ def parse_router(d: dict) -> RouterSpec:
         pd_threshold=get_int(d, "pdThreshold", 16, w, 0),
         pd_max_prefill_queue=get_int(d, "pdMaxPrefillQueue", 0, w, 0),
         pd_max_local_prefill=get_int(d, "pdMaxLocalPrefill", 1024, w, 0),
-        pd_decision=get_enum(d, "pdDecision", "threshold", w, ("threshold", "cost")),
+        pd_decision=get_enum(d, "pdDecision", "cost", w, ("threshold", "cost")),
         pd_itl_weight=_itl_weight(get_num(d, "pdItlWeight", 1.0, w)),
-        pd_stall_budget=_stall_budget(get_num(d, "pdStallBudget", 0.0, w)),
+        pd_stall_budget=_stall_budget(get_num(d, "pdStallBudget", 0.005, w)),
         api_keys_secret=get(keys, "name", str, None, "router.apiKeysSecret"),
         api_keys_key=get(keys, "key", str, "api-keys", "router.apiKeysSecret"),
         admin_api_keys_secret=get(admin, "name", str, None, "router.adminApiKeysSecret"),

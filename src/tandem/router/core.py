@@ -78,11 +78,11 @@ class RouterSettings:
     # how the P/D decision is made (`pd`): "threshold" or "cost" (`pd_cost`: measured rates
     # and backlogs; the threshold rule while a prefill worker is unmeasured); and the weight
     # of a local prefill's stall of the decode worker's running streams in "cost"
-    pd_decision: str = "threshold"
+    pd_decision: str = "cost"
     pd_itl_weight: float = 1.0
     # ... and the share of a decode worker's steps its local prefills may stall while it has
     # running streams (`pd_cost` stall budget; 0: no budget)
-    pd_stall_budget: float = 0.0
+    pd_stall_budget: float = 0.005
     seed: int | None = None
     # flow control (`flowcontrol`): a worker is saturated at >= this many waiting requests
     # or this KV-cache use; `served_models` (model -> start timeout, s) may have no worker

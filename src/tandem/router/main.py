@@ -170,11 +170,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "when pulling it is faster than computing it (default on; acts only "
                         "with --worker-auth-key-file: the peer header is signed)")
     p.add_argument("--pd-decision", choices=("cost", "threshold"), default=None,
-                   help="threshold (default): disaggregate whenever --pd-threshold tokens are "
-                        "missing; cost: when the prefill worker's backlog, prefill and page "
-                        "transfer beat prefilling on the decode worker plus the stall that "
-                        "costs its running streams (measured rates; the threshold rule until "
-                        "a prefill worker has measured its rate)")
+                   help="cost (default): disaggregate when the prefill worker's backlog, "
+                        "prefill and page transfer beat prefilling on the decode worker plus "
+                        "the stall that costs its running streams (measured rates; the "
+                        "threshold rule until a prefill worker has measured its rate); "
+                        "threshold: whenever --pd-threshold tokens are missing")
     p.add_argument("--pd-itl-weight", type=float, default=None, metavar="W",
                    help="with --pd-decision cost: seconds of TTFT a local prefill may save "
                         "per second it stalls each running stream on the decode worker "
@@ -184,7 +184,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "local prefills may stall while it has running streams, as a share "
                         "in [0, 1) over the last 30 s; past it, prompts go to a prefill "
                         "worker (protects the inter-token latency percentiles above 1 - "
-                        "SHARE; default 0: no budget)")
+                        "SHARE; default 0.005; 0: no budget)")
     p.add_argument("--redis", default=None,
                    help="redis://host:port/db shared by router replicas for rate limits "
                         "(env:VAR: the URL from environment variable VAR)")
@@ -541,11 +541,11 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         pd_threshold=_count(args, cfg, "pd_threshold", 16, "a token count"),
         pd_max_prefill_queue=_count(args, cfg, "pd_max_prefill_queue", 0, "a request count"),
         pd_max_local_prefill=_count(args, cfg, "pd_max_local_prefill", 1024, "a token count"),
-        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "threshold"),
+        pd_decision=getattr(args, "pd_decision", None) or cfg.get("pd_decision", "cost"),
         pd_itl_weight=_weight(getattr(args, "pd_itl_weight", None),
                               cfg.get("pd_itl_weight", 1.0)),
         pd_stall_budget=_share(getattr(args, "pd_stall_budget", None),
-                               cfg.get("pd_stall_budget", 0.0)),
+                               cfg.get("pd_stall_budget", 0.005)),
         peer_pull=(args.peer_pull if args.peer_pull is not None
                    else cfg.get("peer_pull", True)))
     from tandem.router.flowcontrol.settings import FlowSettings
