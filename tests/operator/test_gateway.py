@@ -432,7 +432,8 @@ REFUSED = [
     (with_router(AGG, {"attachTo": "alpha", "strategy": {"maxSurge": 2}}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "flowControl": {"enabled": True}}),
      "router.attachTo"),
-    (with_router(AGG, {"attachTo": "alpha", "pdDecision": "cost"}), "router.attachTo"),
+    (with_router(AGG, {"attachTo": "alpha", "pdDecision": "threshold"}), "router.attachTo"),
+    (with_router(AGG, {"attachTo": "alpha", "pdStallBudget": 0.01}), "router.attachTo"),
     (with_router(AGG, {"attachTo": "alpha", "pdItlWeight": 2}), "router.attachTo"),
 ]
 
@@ -454,7 +455,7 @@ def test_attached_error_names_the_fields():
     # defaults spelled out are not settings
     assert cel(with_router(AGG, {"attachTo": "alpha", "replicas": 1})) == []
     parse_spec(with_router(AGG, {"attachTo": "alpha", "replicas": 1}))
-    same = {"attachTo": "alpha", "pdDecision": "threshold", "pdItlWeight": 1}
+    same = {"attachTo": "alpha", "pdDecision": "cost", "pdItlWeight": 1, "pdStallBudget": 0.005}
     assert cel(with_router(AGG, same)) == []
     parse_spec(with_router(AGG, same))
 
