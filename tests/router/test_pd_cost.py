@@ -251,6 +251,17 @@ def test_the_cost_reasons_reach_the_metric(cluster):  # noqa: F811 - the fixture
     assert post(router, f"c {LONG}").status_code == 200
     assert {h for _, h in seen} <= {targets["p1"], targets["p2"]} and seen[-1][1] is not None
     assert counter(router.url, "tandem_router_disaggregated_requests_total") == 1
+    # the backlog again, but the decode worker's stall budget is spent: sent away, counted
+    core.settings.pd_stall_budget = 1e-6
+    for w in core.workers.values():
+        w.load = (WorkerLoad(prefill_s_per_token=R, pending_prefill_tokens=50_000)
+                  if w.role == "prefill" else
+                  WorkerLoad(prefill_s_per_token=R, decode_step_s=STEP, num_running=2))
+    seen.clear()
+    assert post(router, f"d {LONG}").status_code == 200
+    assert seen[-1][1] is not None
+    assert counter(router.url, "tandem_router_disaggregated_requests_total") == 2
+    assert counter(router.url, "tandem_router_pd_stall_budget_overrules_total") == 1
 
 
 BACKLOGGED = {"p": {"prefill_s_per_token": R, "pending_prefill_tokens": 1536, "num_running": 1},

@@ -57,6 +57,10 @@ class RouterMetrics:
                                   "decode_not_capable, unsigned, no_prefill_worker, "
                                   "prefill_busy, prefill_backlog, local_faster)", ["reason"],
                                   registry=r)
+        self.pd_overruled = Counter("tandem_router_pd_stall_budget_overrules_total",
+                                    "Requests disaggregated although the cost decision found "
+                                    "a local prefill cheaper, because the decode worker's "
+                                    "stall budget was spent", registry=r)
         self.peer_pulls = Counter("tandem_router_peer_pulls_total",
                                   "Requests answered by a worker told to pull the prompt's "
                                   "prefix from a KV peer, by the slowest medium the peer "

@@ -337,6 +337,8 @@ class Routing:
         if a.final and a.route.prefill is not None:
             metrics.child(metrics.disaggregated,
                           a.route.worker.kv_transfer_backend or "unknown").inc()
+            if a.route.estimate is not None and a.route.estimate.over_budget:
+                metrics.pd_overruled.inc()
         elif a.final:
             metrics.child(metrics.aggregated, a.route.reason).inc()
         if a.final and a.route.peer is not None:
