@@ -1,6 +1,7 @@
 """The `shm` backend's copies: `copy_digest` writes exactly the pieces and returns the XXH3-64
 of those bytes whatever the chunk size (tails included), and the host path of
-`scatter_layer` writes exactly what torch's `index_copy_` writes, in every cache dtype."""
+`scatter_layer` writes exactly what torch's `index_copy_` writes, in every cache dtype;
+`host_pages_into` + `gather_digest` write exactly `gather_layer`'s bytes and their XXH3-64."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 import torch
 import xxhash
 
-from tandem.engine.kv_cache.pages import scatter_layer
-from tandem.kvtransfer.fastcopy import CHUNK, copy_digest
+from tandem.engine.kv_cache.pages import gather_layer, host_pages_into, scatter_layer
+from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 
 
 def test_copy_digest_equals_a_copy_then_its_xxh3():
@@ -64,3 +65,54 @@ def test_host_scatter_writes_what_index_copy_writes(dtype):
     for bad in ([12], [-1]):
         with pytest.raises((IndexError, RuntimeError)):
             scatter_layer(caches, 0, bad, torch.zeros((2, 1, *shape[1:]), dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_gather_into_writes_gather_layers_bytes(dtype):
+    """Seeded random block ids (out of order, repeated), chunk sizes from one block to more
+    than a layer: `gather_digest` over `host_pages_into` writes `gather_layer`'s bytes
+    exactly, nothing past them, and returns their XXH3-64."""
+    g = torch.Generator().manual_seed(2)
+    rng = random.Random(2)
+    shape = (20, 2, 4, 8)
+    caches = [tuple(torch.randn(*shape, generator=g).mul(50).to(dtype) for _ in range(2))
+              for _ in range(3)]
+    block = 2 * 4 * 8 * caches[0][0].element_size()
+    for trial in range(12):
+        ids = [rng.randrange(20) for _ in range(rng.randint(1, 12))]
+        into = host_pages_into(caches, ids)
+        assert into is not None
+        for layer in range(3):
+            want = gather_layer(caches, layer, ids)
+            buf = torch.full((2 * len(ids) * block + 64,), 0xA5, dtype=torch.uint8)
+            out = buf[:2 * len(ids) * block].view(dtype).view(want.shape)
+            chunk = rng.choice([1, block, 3 * block + 5, 1 << 20])
+            got = gather_digest(out, lambda kv, first, o, n=layer, f=into: f(n, kv, first, o),
+                                chunk)
+            raw = want.view(torch.uint8).reshape(-1).numpy().tobytes()
+            assert buf[:len(raw)].numpy().tobytes() == raw, (trial, layer)
+            assert set(buf[len(raw):].tolist()) == {0xA5}
+            assert got == xxhash.xxh3_64_intdigest(raw)
+
+
+def test_gather_into_refuses_what_does_not_fit():
+    """No writer for ids outside the cache or a cache that is not contiguous host memory;
+    a buffer of another shape, dtype or range is refused with nothing written."""
+    caches = [(torch.randn(6, 2, 4), torch.randn(6, 2, 4))]
+    assert host_pages_into(caches, [0, 6]) is None
+    assert host_pages_into(caches, [-1]) is None
+    assert host_pages_into(caches, []) is None
+    assert host_pages_into([(caches[0][0].transpose(1, 2), caches[0][1])], [0]) is None
+    into = host_pages_into(caches, [5, 1, 3])
+    assert into is not None
+    for bad in (torch.zeros(4, 2, 4), torch.zeros(2, 4, 2), torch.zeros(2, 2, 4).double()):
+        with pytest.raises(ValueError, match="do not fit"):
+            into(0, 0, 0, bad)
+        assert not bad.any()
+    with pytest.raises(ValueError, match="pages 2..4 of 3"):
+        into(0, 1, 2, torch.zeros(2, 2, 4))
+    with pytest.raises(ValueError, match="kv 2"):
+        into(0, 2, 0, torch.zeros(1, 2, 4))
+    out = torch.zeros(2, 2, 4)
+    into(0, 1, 1, out)
+    assert torch.equal(out, caches[0][1][[1, 3]])

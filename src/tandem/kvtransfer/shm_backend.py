@@ -10,7 +10,9 @@ on one node).
 
 Per layer L the sender's writer thread waits until the receiver is done with slot L % 2's
 previous layer (the control page's `consumed` counter), copies the layer's pages into that
-slot (from the cache's page views or its gathered copy) and hashes them, and the stream sends
+slot and hashes them (from a host cache by `numpy.take` calls of about `CHUNK` bytes, each
+hashed while still in cache, the GIL released: `SendJob.gather_into`; else from the cache's
+page views or its gathered copy), and the stream sends
 the layer's `PageLayerEnd` (XXH3-64) on the Prefill stream while the thread goes on with the
 next layer; the trailer follows the last layer, as with `grpc`. The
 receiver, on each `PageLayerEnd`, checks the order and the slot's digest before the sink
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, register_backend
-from tandem.kvtransfer.fastcopy import CHUNK, copy_digest
+from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 from tandem.kvtransfer.grpc_backend import GrpcBackend
 from tandem.kvtransfer.pages import (
     KVTransferError,
@@ -394,12 +396,18 @@ class _Writer:
 
     def _fill(self, layer: int) -> int:
         job = self.job
+        slot = self.seg.slot(layer % self.seg.slots, self.size)
+        if job.gather_into is not None:  # straight from a host cache, the GIL released
+            out = torch.frombuffer(slot, dtype=torch.uint8).view(job.layout.dtype).view(
+                job.layout.layer_shape(len(job.block_ids)))
+            return gather_digest(out, lambda kv, first, o: job.gather_into(layer, kv, first, o),
+                                 CHUNK if self.size > FUSE_ABOVE else self.size)
         pieces = job.views(layer) if job.views is not None else None
         pages = None
         if pieces is None:
             with job.device_context():
                 pages = job.gather(layer)
-        return _copy_in(self.seg.slot(layer % self.seg.slots, self.size), pieces, pages)
+        return _copy_in(slot, pieces, pages)
 
 
 class _Fallback(TransferBackend):
