@@ -1,17 +1,25 @@
 """The `shm` backend's copies: `copy_digest` writes exactly the pieces and returns the XXH3-64
 of those bytes whatever the chunk size (tails included), and the host path of
 `scatter_layer` writes exactly what torch's `index_copy_` writes, in every cache dtype;
-`host_pages_into` + `gather_digest` write exactly `gather_layer`'s bytes and their XXH3-64."""
+`host_pages_into` + `gather_digest` write exactly `gather_layer`'s bytes and their XXH3-64;
+the `consumed` futex wakes a waiter in another process."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 import torch
 import xxhash
 
 from tandem.engine.kv_cache.pages import gather_layer, host_pages_into, scatter_layer
+from tandem.kvtransfer import futex
 from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 
 
@@ -116,3 +124,49 @@ def test_gather_into_refuses_what_does_not_fit():
     out = torch.zeros(2, 2, 4)
     into(0, 1, 1, out)
     assert torch.equal(out, caches[0][1][[1, 3]])
+
+
+@pytest.mark.skipif(futex.address(mmap.mmap(-1, 4096), 8) is None, reason="no futex here")
+def test_futex_wakes_a_waiter_in_another_process():
+    """A shared mapping's word: `wait` returns at once when the word already differs, sleeps
+    out its timeout when nobody wakes it, and returns as soon as another process changes
+    the word and wakes it (well before the timeout); bad offsets give no address."""
+    m = mmap.mmap(-1, 4096)  # anonymous shared: inherited by the child
+    assert futex.address(m, 6) is None and futex.address(m, 4094) is None
+    addr = futex.address(m, 8)
+    m.close()  # no export kept: the map closes
+    fd, path = tempfile.mkstemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.ftruncate(fd, 4096)
+        m = mmap.mmap(fd, 4096)
+        addr = futex.address(m, 8)
+        t0 = time.monotonic()
+        futex.wait(addr, 1, 2.0)  # the word is 0: no sleep
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        futex.wait(addr, 0, 0.05)
+        assert time.monotonic() - t0 >= 0.04
+        child = subprocess.Popen([sys.executable, "-c", WAKER, path])
+        try:
+            t0 = time.monotonic()
+            while m[8] == 0 and time.monotonic() - t0 < 20:
+                futex.wait(addr, 0, 30.0)  # the child's wake ends it early
+            assert m[8] == 7 and time.monotonic() - t0 < 20
+        finally:
+            child.wait(10)
+        assert child.returncode == 0
+        m.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+WAKER = """
+import mmap, sys, time
+from tandem.kvtransfer import futex
+with open(sys.argv[1], "r+b") as f:
+    m = mmap.mmap(f.fileno(), 4096)
+time.sleep(0.3)
+m[8] = 7
+futex.wake(futex.address(m, 8))
+"""
