@@ -482,7 +482,7 @@ def test_pages_written_straight_into_the_slot_cross_exactly_in_chunks(monkeypatc
             with pytest.raises(OSError, match="the cache read failed"):
                 await transfer(receiver, sender, src, ids, count, in_place=False,
                                into=failing)
-        assert seen == [0, 1]
+        assert seen in ([], [0], [0, 1])  # the later calls cancelled: never layer 2
         await no_writer_left()
         await receiver.close()
         await sender.close()
