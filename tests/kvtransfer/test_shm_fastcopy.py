@@ -51,20 +51,21 @@ def test_copy_digest_refuses_pieces_that_do_not_fit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
 def test_host_scatter_writes_what_index_copy_writes(dtype):
-    """Random block ids (any order), every cache dtype: the same cache bytes as torch's
-    `index_copy_`; ids outside the cache still raise, as with torch."""
+    """Random block ids (any order), with or without a prebuilt index, every cache dtype:
+    the same cache bytes as torch's `index_copy_`; ids outside the cache still raise, as
+    with torch."""
     g = torch.Generator().manual_seed(1)
     rng = random.Random(1)
     shape = (12, 2, 4, 8) if dtype != torch.uint8 else (12, 2, 40)
-    for _ in range(5):
+    for trial in range(8):
         n = rng.randint(1, 12)
         ids = rng.sample(range(12), n)
         pages = torch.randint(0, 255, (2, n, *shape[1:]), generator=g,
                               dtype=torch.uint8).to(dtype)
         caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
         want = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))]
-        scatter_layer(caches, 0, ids, pages)
         idx = torch.tensor(ids)
+        scatter_layer(caches, 0, ids, pages, idx if trial % 2 else None)
         want[0][0].index_copy_(0, idx, pages[0])
         want[0][1].index_copy_(0, idx, pages[1])
         for got, exp in zip(caches[0], want[0], strict=True):

@@ -70,7 +70,7 @@ def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: to
                   index: torch.Tensor | None = None) -> None:
     """Write `[2, n, kvh, *page]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
     k, v = kv_caches[layer]
-    if _host_scatter(k, v, block_ids, pages):
+    if _host_scatter(k, v, block_ids, pages, index):
         return
     idx = block_index(block_ids, k.device) if index is None else index
     k.index_copy_(0, idx, pages[0].to(k.device))
@@ -78,7 +78,7 @@ def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: to
 
 
 def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
-                  pages: torch.Tensor) -> bool:
+                  pages: torch.Tensor, index: torch.Tensor | None = None) -> bool:
     """`scatter_layer` for a host-memory cache and pages: one copy per block by numpy's
     indexed assignment (one thread, the GIL released). torch's `index_copy_` runs an
     OpenMP team that stalls whenever another thread or process holds a core (a P/D import
@@ -90,8 +90,13 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
             or tuple(pages.shape) != (2, n, *k.shape[1:]) or v.shape != k.shape
             or n == 0 or min(block_ids) < 0 or max(block_ids) >= k.shape[0]):
         return False
-    ids = np.asarray(block_ids, dtype=np.int64)
-    src = pages.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(2, n, -1)
+    ids = (index.numpy() if index is not None and index.device.type == "cpu"
+           and index.dtype == torch.int64 and len(index) == n else
+           np.asarray(block_ids, dtype=np.int64))
+    page = np.dtype((np.void, k[0].numel() * k.element_size()))  # a block: one element
+    src = pages.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(2 * n, -1)
+    src = src.view(page)[:, 0]
     for i, t in enumerate((k, v)):
-        t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1)[ids] = src[i]
+        t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1).view(page)[ids, 0] = (
+            src[i * n:(i + 1) * n])
     return True
