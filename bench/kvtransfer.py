@@ -53,6 +53,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 LAYERS, KV_HEADS, BLOCK, HEAD_DIM = 30, 3, 16, 64  # SmolLM2-135M
 MODEL = "bench-model"
+GATHER_INTO = os.environ.get("BENCH_GATHER_INTO", "1") != "0"  # A/B switch, dev only
 TARGETS = {"grpc_large_gbps": 1.0, "ttft_overhead_share": 0.20, "shm_share_of_memcpy": 0.5,
            "grpc_cross_node_gbps": 2.0}
 
@@ -69,7 +70,7 @@ def serve_pages(port: int, max_blocks: int) -> None:
 
     import tandem.kvtransfer  # noqa: F401 - registers the backends
     from tandem.engine.cpu_tuning import tune_malloc
-    from tandem.engine.kv_cache.pages import gather_layer
+    from tandem.engine.kv_cache.pages import gather_layer, host_pages_into
     from tandem.kvtransfer.base import SendJob
     from tandem.kvtransfer.pages import SEND_CHUNK, PageLayout, header_for, layer_page_views
     from tandem.kvtransfer.service import KVTransferService, add_kv_transfer_service
@@ -97,7 +98,8 @@ def serve_pages(port: int, max_blocks: int) -> None:
                 backend.chunk = chunk or SEND_CHUNK
             loop = asyncio.get_running_loop()
             job = SendJob(request, layout, ids, lambda layer: gather_layer(caches, layer, ids),
-                          loop.time() + 600, lambda layer: layer_page_views(caches, layer, ids))
+                          loop.time() + 600, lambda layer: layer_page_views(caches, layer, ids),
+                          gather_into=host_pages_into(caches, ids) if GATHER_INTO else None)
             async for chunk in backend.send(job):
                 yield chunk
 

@@ -25,7 +25,7 @@ import xxhash
 from tandem import SamplingParams
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
-from tandem.engine.kv_cache.pages import gather_layer, scatter_layer
+from tandem.engine.kv_cache.pages import gather_layer, host_pages_into, scatter_layer
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer import shm_segments
 from tandem.kvtransfer.base import SendJob
@@ -86,10 +86,10 @@ def data_segments() -> set[str]:
 
 
 async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[int],
-                   sink, *, in_place: bool = True, damage=None) -> str:
+                   sink, *, in_place: bool = True, damage=None, into=None) -> str:
     """One transfer of `src_ids` through `prepare` -> sender `transport`/`send` -> receiver
     `for_transport`/`receive` -> `release`; the transport used. `damage(segment)` runs on
-    the sender's side after each layer is written."""
+    the sender's side after each layer is written; `into`: the job's `gather_into`."""
     layout = receiver.layout
     n = len(src_ids)
     req = worker_pb2.PrefillRequest(request_id="t", num_blocks=n, backend="shm")
@@ -101,7 +101,7 @@ async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[
         header_transport = transport if transport != req.backend else ""
         job = SendJob(req, layout, src_ids, lambda layer: gather_layer(src, layer, src_ids),
                       1e18, (lambda layer: layer_page_views(src, layer, src_ids))
-                      if in_place else None)
+                      if in_place else None, gather_into=into)
 
         async def stream():
             async for msg in sender.backend(transport).send(job):
@@ -133,9 +133,10 @@ def backends(seed: int) -> tuple[ShmBackend, Sender, list]:
 
 
 def test_pages_arrive_exactly_whatever_the_sink_speed():
-    """Seeded random block sets, read in place or gathered, with a sink that is fast or slow
-    (a slow one makes the sender wait for its slot): every page lands as it was sent, and
-    the receiver's segment is two slots of one layer each."""
+    """Seeded random block sets, read in place, gathered or written straight into the slot
+    (`gather_into`), with a sink that is fast or slow (a slow one makes the sender wait for
+    its slot): every page lands as it was sent, and the receiver's segment is two slots of
+    one layer each."""
     for seed in range(6):
         rng = random.Random(seed)
         receiver, sender, src = backends(seed)
@@ -162,7 +163,8 @@ def test_pages_arrive_exactly_whatever_the_sink_speed():
 
             receiver._instance.create = create
             used = await transfer(receiver, sender, src, src_ids, sink,
-                                  in_place=seed % 3 != 0)
+                                  in_place=seed % 3 == 1,
+                                  into=host_pages_into(src, src_ids) if seed % 3 == 2 else None)
             layer_bytes = n * receiver.layout.block_layer_bytes
             assert sizes_seen == [CONTROL_BYTES + 2 * (-(-layer_bytes // 4096) * 4096)]
             kept = data_segments() - before
@@ -434,6 +436,57 @@ def test_a_stream_that_fails_midway_leaves_no_segment():
                 await transfer(receiver, sender, src, [0, 1, 2], failing)
         assert data_segments() == before
         await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_pages_written_straight_into_the_slot_cross_exactly_in_chunks(monkeypatch):
+    """`gather_into` with the copy and hash in chunks smaller than a layer (several blocks,
+    one block, a chunk ending mid-layer): every page lands exactly; a `gather_into` that
+    fails at layer 2 ends the transfer with its error and leaves no segment or thread."""
+    import tandem.kvtransfer.shm_backend as shm
+
+    receiver, sender, src = backends(8)
+    ids = [9, 2, 15, 0, 7]
+    layer_bytes = len(ids) * receiver.layout.block_layer_bytes
+
+    async def main() -> None:
+        before = data_segments()
+        for chunk in (1, 3 * layer_bytes // 10, 1 << 20):
+            monkeypatch.setattr(shm, "FUSE_ABOVE", 0)  # chunked whatever the layer size
+            monkeypatch.setattr(shm, "CHUNK", chunk)
+            dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+
+            async def sink(layer, pages, dst=dst):
+                scatter_layer(dst, layer, [0, 1, 2, 3, 4], pages)
+
+            assert await transfer(receiver, sender, src, ids, sink, in_place=False,
+                                  into=host_pages_into(src, ids)) == "shm"
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    assert torch.equal(dst[layer][kv][:5], src[layer][kv][ids]), chunk
+
+        real = host_pages_into(src, ids)
+
+        def failing(layer, kv, first, out):
+            if layer == 2:
+                raise OSError("the cache read failed")
+            real(layer, kv, first, out)
+
+        seen: list[int] = []
+
+        async def count(layer, pages):
+            seen.append(layer)
+
+        async with asyncio.timeout(10):
+            with pytest.raises(OSError, match="the cache read failed"):
+                await transfer(receiver, sender, src, ids, count, in_place=False,
+                               into=failing)
+        assert seen in ([], [0], [0, 1])  # the later calls cancelled: never layer 2
+        await no_writer_left()
+        await receiver.close()
+        await sender.close()
+        assert data_segments() == before
 
     asyncio.run(main())
 

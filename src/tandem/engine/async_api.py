@@ -20,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from tandem.engine.kv_cache.pages import block_index, gather_layer, scatter_layer
+from tandem.engine.kv_cache.pages import (
+    block_index,
+    gather_layer,
+    host_pages_into,
+    scatter_layer,
+)
 from tandem.engine.kv_pages import ImportCommit, ImportPins, layer_page_views
 
 if TYPE_CHECKING:
@@ -264,6 +269,9 @@ class PageSource:
         self.block_ids = block_ids
         self._caches = kv_caches
         self._exported = exported
+        # the pages straight into a caller's buffer, for a host-memory cache (SendJob's)
+        self.gather_into = None if exported is not None else host_pages_into(kv_caches,
+                                                                              block_ids)
 
     def layer(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s `[2, n, KVH, bs, row]` pages with every KV head, on the cache's

@@ -54,6 +54,10 @@ class SendJob:
     views: Callable[[int], list[memoryview]] | None = None
     # set while the prompt still computes: wait for each layer before reading it
     layers: LayerStream | None = None
+    # (layer, kv, first, out): the K (kv 0) or V (1) pages of block_ids[first:first + m]
+    # written into `out` (`[m, kvh, *page]`, host, contiguous) straight from a host-memory
+    # cache, the GIL released (`kv_cache.pages.host_pages_into`); None elsewhere
+    gather_into: Callable[[int, int, int, torch.Tensor], None] | None = None
 
     def device_context(self) -> contextlib.AbstractContextManager:
         """Wrap a sender's device work: a stream of its own while the prompt still

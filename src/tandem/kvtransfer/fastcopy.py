@@ -9,8 +9,9 @@ copy back from memory. The digest is the same as `xxh3_64(dst[:total])` for any 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 import xxhash
 
 CHUNK = 512 << 10  # about half a core's L2 here: written, then hashed while still there
@@ -46,3 +47,21 @@ def copy_digest(dst: memoryview, pieces: Sequence[memoryview], chunk: int = CHUN
         h.update(dst[start:off])
     return h.intdigest()
 
+
+
+def gather_digest(out: torch.Tensor, gather: Callable[[int, int, torch.Tensor], None],
+                  chunk: int = CHUNK) -> int:
+    """Fill `out` (`[2, n, ...]` host pages, contiguous: K then V) by `gather(kv, first,
+    out[kv, first:first + m])` calls of about `chunk` bytes each, in byte order, and return
+    the XXH3-64 of `out`'s bytes, hashing each piece right after it is written."""
+    if not out.is_contiguous() or out.dim() < 2 or out.shape[0] != 2:
+        raise ValueError(f"not a contiguous [2, n, ...] page buffer: {tuple(out.shape)}")
+    n = out.shape[1]
+    per = max(1, chunk // max(1, out[0, :1].numel() * out.element_size()))
+    h = xxhash.xxh3_64()
+    for kv in (0, 1):
+        for first in range(0, n, per):
+            piece = out[kv, first:first + per]
+            gather(kv, first, piece)
+            h.update(piece.view(torch.uint8).numpy())
+    return h.intdigest()

@@ -123,7 +123,7 @@ async def send_cached(service: KVTransferService, request: worker_pb2.PrefillReq
         yield worker_pb2.PageChunk(header=header)
         loop = asyncio.get_running_loop()
         job = SendJob(request, layout, list(source.block_ids), source.layer,
-                      loop.time() + lease_s, source.views)
+                      loop.time() + lease_s, source.views, gather_into=source.gather_into)
         async for chunk in service.backend(transport).send(job):
             yield chunk
         sent = True

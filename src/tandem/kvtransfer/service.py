@@ -283,7 +283,7 @@ class KVTransferService(worker_pb2_grpc.KVTransferServicer):
             source = (await kv.page_source(kept, first, sent_blocks) if kept is not None
                       else await kv.saved_page_source(rid, block_ids))  # every KV head
             job = SendJob(request, layout, block_ids, source.layer, loop.time() + lease_s,
-                          source.views, stream)
+                          source.views, stream, source.gather_into)
             async for chunk in self.backend(transport).send(job):
                 if stream is not None and not isinstance(chunk, bytes) and chunk.HasField(
                         "trailer"):  # every layer sent: the run must have kept these blocks

@@ -10,7 +10,9 @@ on one node).
 
 Per layer L the sender's writer thread waits until the receiver is done with slot L % 2's
 previous layer (the control page's `consumed` counter), copies the layer's pages into that
-slot (from the cache's page views or its gathered copy) and hashes them, and the stream sends
+slot and hashes them (from a host cache by `numpy.take` calls of about `CHUNK` bytes, each
+hashed while still in cache, the GIL released: `SendJob.gather_into`; else from the cache's
+page views or its gathered copy), and the stream sends
 the layer's `PageLayerEnd` (XXH3-64) on the Prefill stream while the thread goes on with the
 next layer; the trailer follows the last layer, as with `grpc`. The
 receiver, on each `PageLayerEnd`, checks the order and the slot's digest before the sink
@@ -39,8 +41,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.kvtransfer import futex
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, register_backend
-from tandem.kvtransfer.fastcopy import CHUNK, copy_digest
+from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 from tandem.kvtransfer.grpc_backend import GrpcBackend
 from tandem.kvtransfer.pages import (
     KVTransferError,
@@ -73,7 +76,12 @@ HASH_IN_THREAD = 16 << 20  # hash larger layers off the event loop (~0.5 ms and 
 # layers up to this size are copied, then hashed: the copy is still in the last-level
 # cache; larger ones are hashed chunk by chunk as they are copied (`copy_digest`)
 FUSE_ABOVE = 8 << 20
-POLL_MIN_S, POLL_MAX_S = 2e-5, 5e-4  # sender: sleeps while its next slot is still in use
+# sender: while its next slot is still in use it sleeps on the `consumed` futex (woken as
+# the receiver bumps it) for at most WAIT_SLICE_S at a time, or, without futexes, polls
+# with sleeps that double from POLL_MIN_S to POLL_MAX_S
+WAIT_SLICE_S = 5e-3
+POLL_MIN_S, POLL_MAX_S = 2e-5, 5e-4
+CONSUMED_AT = 8  # the control page's `consumed` counter (its low 32 bits: the futex word)
 
 
 def _digest(view: memoryview) -> int:
@@ -186,13 +194,17 @@ class ShmBackend(TransferBackend):
         calls: list[asyncio.Future] = []
         done: list[bool] = []
         digests: list[int] = []
+        word = futex.address(seg.map, CONSUMED_AT)
 
         def finished(layer: int) -> None:
             done[layer] = True  # failed too: the sender goes on, the failure is raised here
             n = seg.consumed
             while n < len(done) and done[n]:
                 n += 1
-            seg.consumed = n
+            if n != seg.consumed:
+                seg.consumed = n
+                if word is not None and not seg.map.closed:
+                    futex.wake(word)  # a sender asleep on its next slot
 
         try:
             async for chunk in stream:
@@ -322,13 +334,15 @@ class ShmBackend(TransferBackend):
 class _Writer:
     """A send's writer thread: layer by layer, in order, it waits until the layer is computed
     (`job.layers`, forwarded from the event loop) and its slot is free (the receiver's
-    `consumed`, polled: a short sleep that doubles up to `POLL_MAX_S`), then copies and
+    `consumed`: asleep on its futex, woken as the receiver bumps it; polled where there is
+    no futex), then copies and
     hashes the layer into the slot and posts the digest to `digest`. Any error, or the
     lease's end while waiting for a slot (KVTransferError "expired"), is posted instead.
     `stop` ends it after at most the layer it is writing."""
 
     def __init__(self, seg: Segment, job: SendJob, loop: asyncio.AbstractEventLoop) -> None:
         self.seg, self.job, self.loop = seg, job, loop
+        self._word = futex.address(seg.map, CONSUMED_AT)
         self.size = len(job.block_ids) * job.layout.block_layer_bytes
         self.deadline = time.monotonic() + (job.deadline - loop.time())
         self._posted: asyncio.Queue[int | BaseException] = asyncio.Queue()
@@ -361,6 +375,8 @@ class _Writer:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._word is not None and not self.seg.map.closed:
+            futex.wake(self._word)  # the thread, if asleep on a slot
         if self._feeder is not None:
             self._feeder.cancel()
 
@@ -383,23 +399,33 @@ class _Writer:
             if self._stop.is_set():
                 return False
         seg, delay = self.seg, 0.0
-        while seg.consumed + seg.slots <= layer:  # its slot's last layer is in use
+        while (seen := seg.consumed) + seg.slots <= layer:  # its slot's last layer is in use
             if self._stop.is_set():
                 return False
-            if time.monotonic() > self.deadline:
+            now = time.monotonic()
+            if now > self.deadline:
                 raise KVTransferError("expired", "the lease ended before the pages were sent")
-            time.sleep(delay)
-            delay = min(POLL_MAX_S, delay * 2 or POLL_MIN_S)
+            if self._word is not None:  # until the receiver bumps `consumed` (or stop)
+                futex.wait(self._word, seen, min(WAIT_SLICE_S, self.deadline - now))
+            else:
+                time.sleep(delay)
+                delay = min(POLL_MAX_S, delay * 2 or POLL_MIN_S)
         return not self._stop.is_set()
 
     def _fill(self, layer: int) -> int:
         job = self.job
+        slot = self.seg.slot(layer % self.seg.slots, self.size)
+        if job.gather_into is not None:  # straight from a host cache, the GIL released
+            out = torch.frombuffer(slot, dtype=torch.uint8).view(job.layout.dtype).view(
+                job.layout.layer_shape(len(job.block_ids)))
+            return gather_digest(out, lambda kv, first, o: job.gather_into(layer, kv, first, o),
+                                 CHUNK if self.size > FUSE_ABOVE else self.size)
         pieces = job.views(layer) if job.views is not None else None
         pages = None
         if pieces is None:
             with job.device_context():
                 pages = job.gather(layer)
-        return _copy_in(self.seg.slot(layer % self.seg.slots, self.size), pieces, pages)
+        return _copy_in(slot, pieces, pages)
 
 
 class _Fallback(TransferBackend):

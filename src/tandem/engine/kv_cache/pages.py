@@ -8,6 +8,8 @@ many layers move the same blocks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -30,11 +32,45 @@ def gather_layer(kv_caches: Caches, layer: int, block_ids: list[int],
     return out
 
 
+def host_pages_into(kv_caches: Caches, block_ids: list[int]
+                    ) -> Callable[[int, int, int, torch.Tensor], None] | None:
+    """A writer of `block_ids`' pages of a host-memory cache into caller buffers, without
+    a staging copy: `into(layer, kv, first, out)` writes the K (`kv` 0) or V (1) pages of
+    `block_ids[first:first + len(out)]` in `layer` into `out` (`[m, kvh, *page]`, the
+    cache's dtype, contiguous, host), one `numpy.take` (one thread, the GIL released).
+    None for a device or non-contiguous cache, or ids outside it. Valid while the blocks
+    stay pinned; raises ValueError for an `out` or range that does not fit."""
+    k0 = kv_caches[0][0]
+    if (k0.device.type != "cpu" or not block_ids or min(block_ids) < 0
+            or max(block_ids) >= k0.shape[0]):
+        return None
+    if not all(t.is_contiguous() and t.shape == k0.shape and t.dtype == k0.dtype
+               and t.device.type == "cpu" for kv in kv_caches for t in kv):
+        return None
+    ids = np.asarray(block_ids, dtype=np.intp)
+    page = np.dtype((np.void, k0[0].numel() * k0.element_size()))  # one block's bytes
+
+    def into(layer: int, kv: int, first: int, out: torch.Tensor) -> None:
+        m = out.shape[0] if out.dim() else 0
+        if (out.device.type != "cpu" or out.dtype != k0.dtype or not out.is_contiguous()
+                or tuple(out.shape[1:]) != tuple(k0.shape[1:]) or kv not in (0, 1)
+                or not 0 <= first <= first + m <= len(ids)):
+            raise ValueError(f"pages {first}..{first + m} of {len(ids)} (kv {kv}) do not "
+                             f"fit a {tuple(out.shape)} {out.dtype} buffer")
+        if m == 0:
+            return
+        src = kv_caches[layer][kv].view(torch.uint8).numpy().reshape(len(k0), -1).view(page)
+        dst = out.view(torch.uint8).numpy().reshape(m, -1).view(page)
+        np.take(src[:, 0], ids[first:first + m], out=dst[:, 0], mode="clip")  # ids checked: no clip
+
+    return into
+
+
 def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor,
                   index: torch.Tensor | None = None) -> None:
     """Write `[2, n, kvh, *page]` `pages` (the cache's dtype) into `block_ids` of `layer`."""
     k, v = kv_caches[layer]
-    if _host_scatter(k, v, block_ids, pages):
+    if _host_scatter(k, v, block_ids, pages, index):
         return
     idx = block_index(block_ids, k.device) if index is None else index
     k.index_copy_(0, idx, pages[0].to(k.device))
@@ -42,7 +78,7 @@ def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: to
 
 
 def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
-                  pages: torch.Tensor) -> bool:
+                  pages: torch.Tensor, index: torch.Tensor | None = None) -> bool:
     """`scatter_layer` for a host-memory cache and pages: one copy per block by numpy's
     indexed assignment (one thread, the GIL released). torch's `index_copy_` runs an
     OpenMP team that stalls whenever another thread or process holds a core (a P/D import
@@ -54,8 +90,13 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
             or tuple(pages.shape) != (2, n, *k.shape[1:]) or v.shape != k.shape
             or n == 0 or min(block_ids) < 0 or max(block_ids) >= k.shape[0]):
         return False
-    ids = np.asarray(block_ids, dtype=np.int64)
-    src = pages.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(2, n, -1)
+    ids = (index.numpy() if index is not None and index.device.type == "cpu"
+           and index.dtype == torch.int64 and len(index) == n else
+           np.asarray(block_ids, dtype=np.int64))
+    page = np.dtype((np.void, k[0].numel() * k.element_size()))  # a block: one element
+    src = pages.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(2 * n, -1)
+    src = src.view(page)[:, 0]
     for i, t in enumerate((k, v)):
-        t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1)[ids] = src[i]
+        t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1).view(page)[ids, 0] = (
+            src[i * n:(i + 1) * n])
     return True

@@ -215,6 +215,8 @@ class PageSourceAPI(Protocol):
     """A send's pages of pinned blocks, layer by layer; valid while they stay pinned."""
 
     block_ids: list[int]
+    # (layer, kv, first, out) -> None: `kv_cache.pages.host_pages_into`'s; None: use `layer`
+    gather_into: Callable[[int, int, int, torch.Tensor], None] | None
 
     def layer(self, layer: int) -> torch.Tensor: ...
 

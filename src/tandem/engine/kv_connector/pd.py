@@ -164,6 +164,7 @@ class _GatheredSource:
     def __init__(self, worker: PDWorker, request_id: str, block_ids: list[int]) -> None:
         self.block_ids = block_ids
         self._worker, self._request_id = worker, request_id
+        self.gather_into = None
 
     def layer(self, layer: int) -> torch.Tensor:
         return self._worker.saved_layer(self._request_id, layer, self.block_ids)
