@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.kvtransfer import futex
 from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, register_backend
 from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 from tandem.kvtransfer.grpc_backend import GrpcBackend
@@ -81,7 +80,6 @@ FUSE_ABOVE = 8 << 20
 # with sleeps that double from POLL_MIN_S to POLL_MAX_S
 WAIT_SLICE_S = 5e-3
 POLL_MIN_S, POLL_MAX_S = 2e-5, 5e-4
-CONSUMED_AT = 8  # the control page's `consumed` counter (its low 32 bits: the futex word)
 
 
 def _digest(view: memoryview) -> int:
@@ -194,17 +192,13 @@ class ShmBackend(TransferBackend):
         calls: list[asyncio.Future] = []
         done: list[bool] = []
         digests: list[int] = []
-        word = futex.address(seg.map, CONSUMED_AT)
 
         def finished(layer: int) -> None:
             done[layer] = True  # failed too: the sender goes on, the failure is raised here
             n = seg.consumed
             while n < len(done) and done[n]:
                 n += 1
-            if n != seg.consumed:
-                seg.consumed = n
-                if word is not None and not seg.map.closed:
-                    futex.wake(word)  # a sender asleep on its next slot
+            seg.consumed = n  # a change wakes a sender asleep on its next slot
 
         try:
             async for chunk in stream:
@@ -342,7 +336,6 @@ class _Writer:
 
     def __init__(self, seg: Segment, job: SendJob, loop: asyncio.AbstractEventLoop) -> None:
         self.seg, self.job, self.loop = seg, job, loop
-        self._word = futex.address(seg.map, CONSUMED_AT)
         self.size = len(job.block_ids) * job.layout.block_layer_bytes
         self.deadline = time.monotonic() + (job.deadline - loop.time())
         self._posted: asyncio.Queue[int | BaseException] = asyncio.Queue()
@@ -375,8 +368,7 @@ class _Writer:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._word is not None and not self.seg.map.closed:
-            futex.wake(self._word)  # the thread, if asleep on a slot
+        self.seg.wake()  # the thread, if asleep on a slot
         if self._feeder is not None:
             self._feeder.cancel()
 
@@ -405,10 +397,8 @@ class _Writer:
             now = time.monotonic()
             if now > self.deadline:
                 raise KVTransferError("expired", "the lease ended before the pages were sent")
-            if self._word is not None:  # until the receiver bumps `consumed` (or stop)
-                futex.wait(self._word, seen, min(WAIT_SLICE_S, self.deadline - now))
-            else:
-                time.sleep(delay)
+            if not seg.wait_consumed(seen, min(WAIT_SLICE_S, self.deadline - now)):
+                time.sleep(delay)  # no futex: poll
                 delay = min(POLL_MAX_S, delay * 2 or POLL_MIN_S)
         return not self._stop.is_set()
 

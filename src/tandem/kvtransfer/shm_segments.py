@@ -28,13 +28,17 @@ import re
 import secrets
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tandem.kvtransfer import futex
 
 logger = logging.getLogger(__name__)
 SHM_DIR = os.environ.get("TANDEM_SHM_DIR", "/dev/shm")
 PREFIX = "tandem-kv-"
 SEGMENT_NAME = re.compile(r"tandem-kv-[0-9a-f]{16}-[0-9a-f]{32}")
 CONTROL_BYTES = 4096
+CONSUMED_AT = 8  # the control page's `consumed` counter (its low 32 bits: a futex word)
+_UNSET = object()
 MAGIC = 0x54414E44454D4B56  # "TANDEMKV"
 MAX_SLOTS = 4
 SWEEP_EVERY_S = 60.0
@@ -61,6 +65,10 @@ class Segment:
     slot_bytes: int
     peer: str = ""  # receiver: the prefill worker it is kept for between transfers
     idle_since: float = 0.0
+    _futex: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._futex = _UNSET
 
     def slot(self, i: int, nbytes: int) -> memoryview:
         start = CONTROL_BYTES + i * self.slot_bytes
@@ -68,12 +76,37 @@ class Segment:
 
     @property
     def consumed(self) -> int:
-        return struct.unpack_from("<Q", self.map, 8)[0]
+        return struct.unpack_from("<Q", self.map, CONSUMED_AT)[0]
 
     @consumed.setter
     def consumed(self, n: int) -> None:
+        """Receiver: the layers it is done with; a change wakes a sender asleep on it."""
         with contextlib.suppress(ValueError):  # unmapped: the transfer is over
-            struct.pack_into("<Q", self.map, 8, n)
+            if struct.unpack_from("<Q", self.map, CONSUMED_AT)[0] != n:
+                struct.pack_into("<Q", self.map, CONSUMED_AT, n)
+                self.wake()
+
+    def wait_consumed(self, seen: int, timeout_s: float) -> bool:
+        """Sender: sleep while `consumed` still reads `seen`, for at most `timeout_s`, until
+        the receiver changes it (or `wake`); False at once where there is no futex (the
+        caller polls). May return early: the caller re-checks."""
+        word = self._word()
+        if word is None:
+            return False
+        futex.wait(word, seen, timeout_s)
+        return True
+
+    def wake(self) -> None:
+        """Wake whoever sleeps in `wait_consumed` (a no-op unmapped or without futexes)."""
+        word = self._word()
+        if word is not None and not self.map.closed:
+            futex.wake(word)
+
+    def _word(self) -> int | None:
+        """The futex word (`consumed`'s low 32 bits), looked up once."""
+        if self._futex is _UNSET:
+            self._futex = None if self.map.closed else futex.address(self.map, CONSUMED_AT)
+        return self._futex  # type: ignore[return-value]
 
     def close(self) -> None:
         """Unmap (left to the garbage collector while a view of it is still alive)."""
