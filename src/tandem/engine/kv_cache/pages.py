@@ -32,6 +32,13 @@ def gather_layer(kv_caches: Caches, layer: int, block_ids: list[int],
     return out
 
 
+def _block_rows(t: torch.Tensor, rows: int) -> np.ndarray:
+    """A contiguous host tensor of `rows` blocks as a numpy array of one opaque element per
+    block (`[rows]`), viewing the same memory: numpy then copies whole blocks."""
+    flat = t.reshape(-1).view(torch.uint8).numpy().reshape(rows, -1)
+    return flat.view(np.dtype((np.void, flat.shape[1])))[:, 0]
+
+
 def host_pages_into(kv_caches: Caches, block_ids: list[int]
                     ) -> Callable[[int, int, int, torch.Tensor], None] | None:
     """A writer of `block_ids`' pages of a host-memory cache into caller buffers, without
@@ -48,7 +55,6 @@ def host_pages_into(kv_caches: Caches, block_ids: list[int]
                and t.device.type == "cpu" for kv in kv_caches for t in kv):
         return None
     ids = np.asarray(block_ids, dtype=np.intp)
-    page = np.dtype((np.void, k0[0].numel() * k0.element_size()))  # one block's bytes
 
     def into(layer: int, kv: int, first: int, out: torch.Tensor) -> None:
         m = out.shape[0] if out.dim() else 0
@@ -59,9 +65,8 @@ def host_pages_into(kv_caches: Caches, block_ids: list[int]
                              f"fit a {tuple(out.shape)} {out.dtype} buffer")
         if m == 0:
             return
-        src = kv_caches[layer][kv].view(torch.uint8).numpy().reshape(len(k0), -1).view(page)
-        dst = out.view(torch.uint8).numpy().reshape(m, -1).view(page)
-        np.take(src[:, 0], ids[first:first + m], out=dst[:, 0], mode="clip")  # ids checked: no clip
+        np.take(_block_rows(kv_caches[layer][kv], len(k0)), ids[first:first + m],
+                out=_block_rows(out, m), mode="clip")  # the ids were checked: no clip
 
     return into
 
@@ -93,10 +98,7 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
     ids = (index.numpy() if index is not None and index.device.type == "cpu"
            and index.dtype == torch.int64 and len(index) == n else
            np.asarray(block_ids, dtype=np.int64))
-    page = np.dtype((np.void, k[0].numel() * k.element_size()))  # a block: one element
-    src = pages.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(2 * n, -1)
-    src = src.view(page)[:, 0]
+    src = _block_rows(pages.contiguous(), 2 * n)
     for i, t in enumerate((k, v)):
-        t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], -1).view(page)[ids, 0] = (
-            src[i * n:(i + 1) * n])
+        _block_rows(t, t.shape[0])[ids] = src[i * n:(i + 1) * n]
     return True
