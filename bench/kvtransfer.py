@@ -9,8 +9,9 @@
    720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend:
    page views or gather, chunking, XXH3-64, protobuf); this process receives with the real
    receiver code (validation, XXH3-64, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and
-   the ratio to a plain in-memory copy of the same bytes into an already-mapped buffer
-   (`memcpy_gbps`) measured in the same run. The receiver's sink counts the bytes, or with
+   the ratios to a plain in-memory copy of the same bytes into an already-mapped buffer,
+   measured in the same run: one libc memcpy (`memcpy_1t_gbps`: one stream of bytes on one
+   core) and torch's copy on every core (`memcpy_gbps`). The receiver's sink counts the bytes, or with
    `--sink cache` writes them into a KV cache as a decode worker does (`CacheSink`; not
    for `grpc*N`). `grpc*2`: each size split over 2 concurrent transfers on 2 connections
    (aggregate GB/s: what striping one transfer could reach). The raw gRPC ceiling (pre-built
@@ -184,16 +185,32 @@ class CacheSink:
     def bind(self, n: int, count):  # noqa: ANN001, ANN201 - the bytes counter; a LayerSink
         """A sink for a transfer of `n` blocks, written into cache blocks in reverse order
         (not one contiguous run, as after a real pool's churn)."""
-        from tandem.engine.kv_cache.pages import block_index, scatter_layer
+        from tandem.engine.kv_cache.pages import block_index, scatter_layer, scatter_layer_digest
+        from tandem.kvtransfer.client import inline_write
 
         ids = list(range(self.max_blocks - 1, self.max_blocks - 1 - n, -1))
         index = block_index(ids, self.caches[0][0].device)
+        caches, executor = self.caches, self.executor
 
-        async def write(layer: int, pages) -> None:  # noqa: ANN001 - a torch.Tensor
-            await asyncio.wrap_future(self.executor.submit(
-                scatter_layer, self.caches, layer, ids, pages, index))
-            await count(layer, pages)
-        return write
+        async def run(fn, layer: int, pages, *rest):  # noqa: ANN001, ANN002, ANN202
+            """`fn(caches, layer, ids, pages, *rest)` as the import writer runs it: a small
+            layer on the event loop, else on the writer thread."""
+            if inline_write(pages):
+                return fn(caches, layer, ids, pages, *rest)
+            return await asyncio.wrap_future(executor.submit(
+                fn, caches, layer, ids, pages, *rest))
+
+        class Write:  # a `HashingSink`, as a decode worker's import writer (`_PageWriter`) is
+            async def __call__(self, layer: int, pages) -> None:  # noqa: ANN001 - a Tensor
+                await run(scatter_layer, layer, pages, index)
+                await count(layer, pages)
+
+            async def write_hashed(self, layer: int, pages) -> int | None:  # noqa: ANN001
+                got = await run(scatter_layer_digest, layer, pages)
+                if got is not None:
+                    await count(layer, pages)
+                return got
+        return Write()
 
     def check(self, n: int) -> None:
         import torch
@@ -223,6 +240,24 @@ def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def memcpy_1t_gbps(nbytes: int, reps: int = 3) -> float:
+    """One libc `memcpy` of `nbytes` into a buffer that is already mapped: one core's copy,
+    the rate one stream of bytes moves at (`memcpy_gbps` splits the copy over every core)."""
+    import ctypes
+
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * 4)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best / 1e9
 
 
 async def raw_ceiling(channels: list, mib: int, sender_pid: int, reps: int = 5) -> dict:
@@ -347,18 +382,20 @@ def throughput(backends: list[str], sizes: list[int], reps: int, sink: str = "co
                     if cache is not None:
                         cache.check(n)
                     best = min(times)
-                    base = memcpy_gbps(nbytes)
+                    base, one = memcpy_gbps(nbytes), memcpy_1t_gbps(nbytes)
                     row = {"backend": label, "blocks": n, "bytes": nbytes,
                            "sink": "cache" if cache is not None else "count",
                            "seconds_best": best, "seconds_all": times,
                            "gbps": nbytes / best / 1e9, "memcpy_gbps": base,
                            "share_of_memcpy": nbytes / best / 1e9 / base,
+                           "memcpy_1t_gbps": one, "share_of_memcpy_1t": nbytes / best / 1e9 / one,
                            "sender_cpu_s_per_gb": cpu[0], "receiver_cpu_s_per_gb": cpu[1]}
                     rows.append(row)
                     log(f"[throughput] {label:7s} {n:5d} blocks {nbytes / 2**20:9.1f} MiB: "
-                        f"{row['gbps']:.2f} GB/s ({row['share_of_memcpy']:.1%} of memcpy "
-                        f"{base:.1f} GB/s); CPU s/GB sender {cpu[0]:.3f}, receiver "
-                        f"{cpu[1]:.3f}")
+                        f"{row['gbps']:.2f} GB/s ({row['share_of_memcpy_1t']:.1%} of one "
+                        f"memcpy stream {one:.1f} GB/s, {row['share_of_memcpy']:.1%} of a copy "
+                        f"on every core {base:.1f} GB/s); CPU s/GB sender {cpu[0]:.3f}, "
+                        f"receiver {cpu[1]:.3f}")
                 await backend.close()
                 for c in extra:
                     await c.close()
@@ -573,10 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else BENCH_DIR / "results" / (
         f"kvtransfer{'-quick' if args.quick else ''}-{report['date']}.json")
     out.write_text(json.dumps(report, indent=1))
-    print(f"\n{'backend':8s} {'blocks':>6s} {'MiB':>9s} {'GB/s':>7s} {'memcpy':>7s} {'share':>7s}"
-          f" {'CPU s/GB send':>13s} {'recv':>6s}")
+    print(f"\n{'backend':8s} {'blocks':>6s} {'MiB':>9s} {'GB/s':>7s} {'memcpy1':>7s} "
+          f"{'share':>7s} {'memcpyN':>7s} {'share':>7s} {'CPU s/GB send':>13s} {'recv':>6s}")
     for r in report["throughput"]:
         print(f"{r['backend']:8s} {r['blocks']:6d} {r['bytes'] / 2**20:9.1f} {r['gbps']:7.2f} "
+              f"{r['memcpy_1t_gbps']:7.2f} {r['share_of_memcpy_1t']:7.1%} "
               f"{r['memcpy_gbps']:7.2f} {r['share_of_memcpy']:7.1%} "
               f"{r['sender_cpu_s_per_gb']:13.3f} {r['receiver_cpu_s_per_gb']:6.3f}")
     if report["grpc_ceiling"]:
@@ -601,11 +639,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if ok else 'MISSED'}")
     shm = [r for r in report["throughput"] if r["backend"] == "shm" and r["blocks"] >= 256]
     if shm:
-        best = max(shm, key=lambda r: r["share_of_memcpy"])
-        ok = best["share_of_memcpy"] >= TARGETS["shm_share_of_memcpy"]
-        print(f"shm (one node) large transfers: {best['gbps']:.2f} GB/s, "
-              f"{best['share_of_memcpy']:.0%} of memcpy (target >= 50%): "
-              f"{'met' if ok else 'MISSED'}")
+        for sink in sorted({r["sink"] for r in shm}):
+            rows = [r for r in shm if r["sink"] == sink]
+            worst = min(rows, key=lambda r: r["share_of_memcpy_1t"])
+            ok = worst["share_of_memcpy_1t"] >= TARGETS["shm_share_of_memcpy"]
+            print(f"shm (one node), {sink} sink, every large size: at least "
+                  f"{worst['share_of_memcpy_1t']:.0%} of one memcpy stream (target >= 50%): "
+                  f"{'met' if ok else 'MISSED'}; {min(r['share_of_memcpy'] for r in rows):.0%}"
+                  f"-{max(r['share_of_memcpy'] for r in rows):.0%} of a copy on every core")
     if "ttft" in report:
         t = report["ttft"]
         ok = t["overhead_share"] <= TARGETS["ttft_overhead_share"]

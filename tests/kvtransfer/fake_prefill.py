@@ -124,6 +124,7 @@ async def shm_layer_then_stall(request: worker_pb2.PrefillRequest,
     first.header.transport = "shm"
     yield first
     n = request.num_blocks
+    request.shm_layer_batches = False  # one layer_end per layer: layer 0's alone
     job = SendJob(request, LAYOUT, list(range(n)),
                   lambda layer: torch.zeros(LAYOUT.layer_shape(n)), 1e18)
     async for chunk in ShmBackend().send(job):

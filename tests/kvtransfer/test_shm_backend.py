@@ -25,14 +25,20 @@ import xxhash
 from tandem import SamplingParams
 from tandem.engine.async_engine import AsyncLLMEngine
 from tandem.engine.config import EngineConfig
-from tandem.engine.kv_cache.pages import gather_layer, host_pages_into, scatter_layer
+from tandem.engine.kv_cache.pages import (
+    HostPages,
+    gather_layer,
+    host_pages_into,
+    scatter_layer,
+    scatter_layer_digest,
+)
 from tandem.engine.llm_engine import LLMEngine
-from tandem.kvtransfer import shm_segments
+from tandem.kvtransfer import shm_backend, shm_segments
 from tandem.kvtransfer.base import SendJob
 from tandem.kvtransfer.client import RemotePrefill, RemotePrefillSettings, prefill_method
 from tandem.kvtransfer.grpc_backend import decode_chunk, serialize_chunk
 from tandem.kvtransfer.pages import KVTransferError, PageLayout, layer_page_views
-from tandem.kvtransfer.shm_backend import IDLE_PER_PEER, ShmBackend
+from tandem.kvtransfer.shm_backend import IDLE_PER_PEER, ShmBackend, slots_for
 from tandem.kvtransfer.shm_segments import (
     CONTROL_BYTES,
     PREFIX,
@@ -105,9 +111,8 @@ async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[
 
         async def stream():
             async for msg in sender.backend(transport).send(job):
-                if (damage is not None and isinstance(msg, worker_pb2.PageChunk)
-                        and msg.WhichOneof("kind") == "layer_end"):
-                    damage(req)
+                if damage is not None and isinstance(msg, worker_pb2.PageChunk) and ends(msg):
+                    damage(req, [layer for layer, _ in ends(msg)])
                 yield decode_chunk(serialize_chunk(msg))  # as off the wire
 
         await receiver.for_transport(header_transport or req.backend).receive(
@@ -115,6 +120,32 @@ async def transfer(receiver: ShmBackend, sender: ShmBackend, src, src_ids: list[
     finally:
         await receiver.release(req)
     return transport
+
+
+def ends(msg: worker_pb2.PageChunk) -> list[tuple[int, int]]:
+    """The (layer, digest) pairs a message ends: one `layer_end`, several `layer_ends`."""
+    kind = msg.WhichOneof("kind")
+    if kind == "layer_end":
+        return [(msg.layer_end.layer, msg.layer_end.xxh3_64)]
+    if kind == "layer_ends":
+        return [(e.layer, e.xxh3_64) for e in msg.layer_ends.ends]
+    return []
+
+
+class HashingCacheSink:
+    """A `HashingSink` over a cache (as a decode worker's import writer is): writes while
+    hashing (`scatter_layer_digest`), records the layers it was called for."""
+
+    def __init__(self, dst, ids: list[int]) -> None:
+        self.dst, self.ids, self.seen = dst, ids, []
+
+    async def __call__(self, layer, pages) -> None:
+        self.seen.append(layer)
+        scatter_layer(self.dst, layer, self.ids, pages)
+
+    async def write_hashed(self, layer, pages) -> int | None:
+        self.seen.append(layer)
+        return scatter_layer_digest(self.dst, layer, self.ids, pages)
 
 
 class Sender(ShmBackend):
@@ -132,23 +163,28 @@ def backends(seed: int) -> tuple[ShmBackend, Sender, list]:
     return receiver, Sender(), src
 
 
-def test_pages_arrive_exactly_whatever_the_sink_speed():
+def test_pages_arrive_exactly_whatever_the_sink_speed(monkeypatch):
     """Seeded random block sets, read in place, gathered or written straight into the slot
-    (`gather_into`), with a sink that is fast or slow (a slow one makes the sender wait for
-    its slot): every page lands as it was sent, and the receiver's segment is two slots of
-    one layer each."""
-    for seed in range(6):
+    (`gather_into`, on the event loop when every layer has a slot), with a sink that is fast
+    or slow (a slow one makes the sender wait for its slot when there are two) or that
+    writes while hashing (`HashingSink`): every page lands as it was sent, and the
+    receiver's segment holds `slots_for` slots of one layer each (two, or one per layer
+    for small layers)."""
+    for seed in range(12):
         rng = random.Random(seed)
+        monkeypatch.setattr(shm_backend, "SLOT_BUDGET", 0 if seed % 4 < 2 else 8 << 20)
         receiver, sender, src = backends(seed)
         n = rng.randint(1, 6)
         src_ids, dst_ids = rng.sample(range(BLOCKS), n), rng.sample(range(BLOCKS), n)
         dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
         slow = seed % 2 == 1
 
-        async def sink(layer, pages, dst=dst, ids=dst_ids, slow=slow):
+        async def plain(layer, pages, dst=dst, ids=dst_ids, slow=slow):
             if slow:
                 await asyncio.sleep(0.01)
             scatter_layer(dst, layer, ids, pages.clone() if slow else pages)
+
+        sink = HashingCacheSink(dst, dst_ids) if seed % 6 >= 4 else plain
 
         async def main(receiver=receiver, sender=sender, src=src, src_ids=src_ids,
                        sink=sink, seed=seed, n=n) -> str:
@@ -166,7 +202,9 @@ def test_pages_arrive_exactly_whatever_the_sink_speed():
                                   in_place=seed % 3 == 1,
                                   into=host_pages_into(src, src_ids) if seed % 3 == 2 else None)
             layer_bytes = n * receiver.layout.block_layer_bytes
-            assert sizes_seen == [CONTROL_BYTES + 2 * (-(-layer_bytes // 4096) * 4096)]
+            slots = slots_for(LAYERS, layer_bytes)
+            assert slots == (2 if seed % 4 < 2 else LAYERS)
+            assert sizes_seen == [CONTROL_BYTES + slots * (-(-layer_bytes // 4096) * 4096)]
             kept = data_segments() - before
             assert len(kept) == 1  # kept for this peer's next transfer: reused
             assert await transfer(receiver, sender, src, src_ids, sink) == "shm"
@@ -184,18 +222,21 @@ def test_pages_arrive_exactly_whatever_the_sink_speed():
                 assert not dst[layer][kv][others].any()
 
 
-def test_a_damaged_slot_is_refused_before_the_sink_sees_it():
+@pytest.mark.parametrize("budget", [0, 8 << 20])  # two slots; one per layer
+def test_a_damaged_slot_is_refused_before_the_sink_sees_it(monkeypatch, budget):
     """A byte flipped in the slot after the sender hashed it: the layer is refused
-    (`invalid`), no sink call gets it, and the segment is gone afterwards."""
+    (`invalid`), no sink call gets it, and the segment is gone afterwards. A sink that
+    writes while hashing (`HashingSink`) does get the layer, into blocks nothing reads yet:
+    the transfer fails all the same, so its caller frees them uncached."""
+    monkeypatch.setattr(shm_backend, "SLOT_BUDGET", budget)
     receiver, sender, src = backends(1)
     seen: list[int] = []
 
     async def sink(layer, pages):
         seen.append(layer)
 
-    def damage(req, at=[0]):  # noqa: B006 - flips layer 2's first byte only
-        at[0] += 1
-        if at[0] == 3:
+    def damage(req, layers):  # flips layer 2's first byte, once its digest is on its way
+        if 2 in layers:
             seg = receiver._segments[req.shm_segment]
             view = seg.slot(2 % seg.slots, 1)
             view[0] ^= 0xFF
@@ -205,9 +246,77 @@ def test_a_damaged_slot_is_refused_before_the_sink_sees_it():
         with pytest.raises(KVTransferError, match="page checksum mismatch in layer 2") as err:
             await transfer(receiver, sender, src, [3, 1, 4], sink, damage=damage)
         assert err.value.reason == "invalid"
-        # layer 1's sink call may not have started before layer 2 failed (then cancelled)
-        assert seen in ([0], [0, 1]) and data_segments() == before
+        # the calls for layers 0 and 1 may not have started before layer 2 failed (then
+        # cancelled: with their digests in one message, in the same turn of the loop)
+        assert seen in ([], [0], [0, 1]) and data_segments() == before
+        dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+        hashing = HashingCacheSink(dst, [0, 1, 2])
+        with pytest.raises(KVTransferError, match="page checksum mismatch in layer 2") as err:
+            await transfer(receiver, sender, src, [3, 1, 4], hashing, damage=damage)
+        assert err.value.reason == "invalid" and 2 in hashing.seen
+        assert data_segments() == before
         await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_layer_ends_come_batched_only_to_a_receiver_that_offers_it():
+    """A receiver that offers `shm_layer_batches` gets the ready digests several to a
+    message (here every layer at once: small layers from a host cache, one slot each); one
+    that does not (an older version) gets one `layer_end` per layer, and a `layer_ends` it
+    did not ask for, or one ending more layers than remain, is refused."""
+    receiver, sender, src = backends(3)
+    ids = [4, 11, 6]
+
+    async def main() -> None:
+        for batches in (True, False):
+            req = worker_pb2.PrefillRequest(request_id="b", num_blocks=3, backend="shm")
+            await receiver.prepare(req, "peer")
+            assert req.shm_layer_batches
+            req.shm_layer_batches = batches
+            layout = receiver.layout
+            assert sender.transport(req, 3 * layout.block_layer_bytes) == "shm"
+            job = SendJob(req, layout, ids, lambda layer: gather_layer(src, layer, ids), 1e18,
+                          gather_into=host_pages_into(src, ids))
+            msgs = [m async for m in sender.send(job)]
+            kinds = [m.WhichOneof("kind") for m in msgs]
+            assert kinds == (["layer_ends", "trailer"] if batches
+                             else ["layer_end"] * LAYERS + ["trailer"])
+            want = [xxhash.xxh3_64_intdigest(gather_layer(src, layer, ids).numpy().tobytes())
+                    for layer in range(LAYERS)]
+            assert [d for m in msgs for _, d in ends(m)] == want
+
+            async def replay(msgs=msgs):
+                for m in msgs:
+                    yield m
+
+            got: list[int] = []
+
+            async def sink(layer, pages, got=got):
+                got.append(layer)
+
+            await receiver.receive(req, layout, 3, replay(), sink)
+            assert got == list(range(LAYERS))
+            await receiver.release(req)
+
+        for batches, forged, match in ((False, LAYERS, "unexpected layer_ends"),
+                                       (True, LAYERS + 1, "layer ends in one message")):
+            req = worker_pb2.PrefillRequest(request_id="f", num_blocks=3, backend="shm")
+            await receiver.prepare(req, "peer")
+            req.shm_layer_batches = batches
+
+            async def forged_stream(n=forged):
+                yield worker_pb2.PageChunk(layer_ends=worker_pb2.PageLayerEnds(ends=[
+                    worker_pb2.PageLayerEnd(layer=i, xxh3_64=0) for i in range(n)]))
+
+            async def nothing(layer, pages):
+                raise AssertionError("no layer may reach the sink")
+
+            with pytest.raises(KVTransferError, match=match):
+                await receiver.receive(req, receiver.layout, 3, forged_stream(), nothing)
+            await receiver.release(req)
+        await receiver.close()
+        await sender.close()
 
     asyncio.run(main())
 
@@ -295,11 +404,12 @@ async def no_writer_left(timeout_s: float = 5.0) -> None:
     assert not writer_threads()
 
 
-def test_a_sender_waiting_for_a_slot_stops_at_the_leases_end_or_when_closed():
-    """A receiver that never frees a slot: the sender writes the two layers the slots
-    hold (each digest the XXH3-64 of that layer's pages), then fails with `expired` at the
-    lease's end; a stream closed while its writer waits for a slot leaves no writer
+def test_a_sender_waiting_for_a_slot_stops_at_the_leases_end_or_when_closed(monkeypatch):
+    """A receiver of two slots that never frees one: the sender writes the two layers the
+    slots hold (each digest the XXH3-64 of that layer's pages), then fails with `expired`
+    at the lease's end; a stream closed while its writer waits for a slot leaves no writer
     thread either."""
+    monkeypatch.setattr(shm_backend, "SLOT_BUDGET", 0)
     receiver, sender, src = backends(6)
     ids = [5, 0, 9]
 
@@ -316,11 +426,12 @@ def test_a_sender_waiting_for_a_slot_stops_at_the_leases_end_or_when_closed():
                            lambda layer: layer_page_views(src, layer, ids))
 
         stream = sender.send(job(0.3))
-        got = [await anext(stream), await anext(stream)]
+        got = ends(await anext(stream))
+        if len(got) < 2:  # the second layer came apart from the first
+            got += ends(await anext(stream))
         want = [xxhash.xxh3_64_intdigest(gather_layer(src, layer, ids).numpy().tobytes())
                 for layer in range(2)]
-        assert [(m.layer_end.layer, m.layer_end.xxh3_64) for m in got] == [(0, want[0]),
-                                                                          (1, want[1])]
+        assert got == [(0, want[0]), (1, want[1])]
         t0 = loop.time()
         with pytest.raises(KVTransferError, match="lease ended") as err:
             await anext(stream)
@@ -328,8 +439,8 @@ def test_a_sender_waiting_for_a_slot_stops_at_the_leases_end_or_when_closed():
         await no_writer_left()
 
         stream = sender.send(job(600))
-        await anext(stream)
-        await anext(stream)
+        if len(ends(await anext(stream))) < 2:
+            await anext(stream)
         await asyncio.sleep(0.05)  # its writer now waits for slot 0
         assert len(writer_threads()) == 1
         await stream.aclose()
@@ -416,9 +527,8 @@ def test_a_stream_that_fails_midway_leaves_no_segment():
     async def sink(layer, pages):
         pass
 
-    def die(req, at=[0]):  # noqa: B006
-        at[0] += 1
-        if at[0] == 2:
+    def die(req, layers):  # the stream breaks as layer 1's digest would go
+        if max(layers) >= 1:
             raise ConnectionResetError("the prefill worker is gone")
 
     async def failing(layer, pages):
@@ -445,7 +555,9 @@ def test_pages_written_straight_into_the_slot_cross_exactly_in_chunks(monkeypatc
     one block, a chunk ending mid-layer): every page lands exactly; a `gather_into` that
     fails at layer 2 ends the transfer with its error and leaves no segment or thread."""
     import tandem.kvtransfer.shm_backend as shm
+    from tandem.engine.kv_cache import page_copy
 
+    monkeypatch.setattr(page_copy, "available", lambda: False)  # the numpy path, in chunks
     receiver, sender, src = backends(8)
     ids = [9, 2, 15, 0, 7]
     layer_bytes = len(ids) * receiver.layout.block_layer_bytes
@@ -466,12 +578,13 @@ def test_pages_written_straight_into_the_slot_cross_exactly_in_chunks(monkeypatc
                 for kv in range(2):
                     assert torch.equal(dst[layer][kv][:5], src[layer][kv][ids]), chunk
 
-        real = host_pages_into(src, ids)
+        class Failing(HostPages):
+            def __call__(self, layer, kv, first, out):
+                if layer == 2:
+                    raise OSError("the cache read failed")
+                super().__call__(layer, kv, first, out)
 
-        def failing(layer, kv, first, out):
-            if layer == 2:
-                raise OSError("the cache read failed")
-            real(layer, kv, first, out)
+        failing = Failing(src, ids)
 
         seen: list[int] = []
 
@@ -568,12 +681,14 @@ async def greedy(engine: AsyncLLMEngine, prompt: list[int], rid: str) -> list[in
     return out.outputs[0].token_ids
 
 
-def test_disaggregated_tokens_over_shared_memory_equal_aggregated(pair):
+def test_disaggregated_tokens_over_shared_memory_equal_aggregated(pair, monkeypatch):
     """Prompts of 1..12 blocks (and a partial one) prefilled in the other process, their
-    pages through shared memory (with and without layer streaming), decoded here: the
-    aggregated engine's greedy tokens, every page imported by `shm`, none by grpc, and no
-    segment left once it closes; the same decode worker made to look like another node gets
-    them by grpc."""
+    pages through shared memory (with and without layer streaming), decoded here, written
+    while hashed on the event loop or on the writer thread: the aggregated engine's greedy
+    tokens, every page imported by `shm`, none by grpc, and no segment left once it
+    closes; the same decode worker made to look like another node gets them by grpc."""
+    from tandem.kvtransfer import client
+
     targets, decode, single = pair
     rng = random.Random(5)
 
@@ -591,6 +706,8 @@ def test_disaggregated_tokens_over_shared_memory_equal_aggregated(pair):
             for node in (shm.node, "another-node/1"):
                 shm.node = node
                 for t, target in enumerate(targets):
+                    # layers written on the event loop (small), or all on the writer thread
+                    monkeypatch.setattr(client, "INLINE_WRITE", 256 << 10 if t == 0 else 0)
                     for i, n in enumerate(LENGTHS):
                         prompt = [rng.randrange(100, 40000) for _ in range(n)]  # fresh
                         rid = f"{node[:7]}-{i}-{t}"

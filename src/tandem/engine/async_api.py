@@ -25,6 +25,7 @@ from tandem.engine.kv_cache.pages import (
     gather_layer,
     host_pages_into,
     scatter_layer,
+    scatter_layer_digest,
 )
 from tandem.engine.kv_pages import ImportCommit, ImportPins, layer_page_views
 
@@ -311,6 +312,19 @@ class PageSink:
         else:
             self._staged[layer] = pages.clone()
         self._written.add(layer)
+
+    def write_hashed(self, layer: int, pages: torch.Tensor,
+                     select: list[int] | None) -> int | None:
+        """Write pages `select` (positions in `pages`' blocks, in `block_ids` order; None:
+        all) of layer `layer` into the cache while hashing every page of `pages`, and
+        return their XXH3-64 (`scatter_layer_digest`); None, nothing written, where the
+        cache is not written in place or not in host memory, or without the native kernel."""
+        if not self._in_place:
+            return None
+        got = scatter_layer_digest(self._caches, layer, self.block_ids, pages, select)
+        if got is not None:
+            self._written.add(layer)
+        return got
 
     async def finish(self) -> None:
         """Every layer written: the pages are in the cache when this returns. Raises

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention_cpu.c", "prefill_attention_cpu.c", "elementwise_cpu.c",
-           "linear_cpu.c", "w8a8_cpu.c", "quant_linear_cpu.c", "lora_cpu.c")
+           "linear_cpu.c", "w8a8_cpu.c", "quant_linear_cpu.c", "lora_cpu.c", "kv_copy_cpu.c")
 HEADERS = ("tile_avx2.h",)  # included by the sources: part of the cache key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c99")
 ABI_VERSION = 6
@@ -53,6 +53,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_w8a8_gemm_i32": (ctypes.c_int, [_P] * 3 + [_I64] * 4),
     "tandem_w8a8_linear_f32": (ctypes.c_int, [_P] * 5 + [_I64] * 4),
     "tandem_lora_f32": (None, [_P] * 8 + [_I64] * 7),
+    "tandem_kv_copy_hash": (ctypes.c_int, [_P] * 4 + [_I64] * 2 + [_P] * 2),
 }
 
 

@@ -37,6 +37,7 @@ from tandem.kvtransfer.pages import KVTransferError, LayerSink, PageLayout
 from tandem.protocol import worker_pb2
 
 if TYPE_CHECKING:
+    from tandem.engine.kv_cache.pages import HostPages
     from tandem.kvtransfer.layer_stream import LayerStream
 
 
@@ -54,10 +55,10 @@ class SendJob:
     views: Callable[[int], list[memoryview]] | None = None
     # set while the prompt still computes: wait for each layer before reading it
     layers: LayerStream | None = None
-    # (layer, kv, first, out): the K (kv 0) or V (1) pages of block_ids[first:first + m]
-    # written into `out` (`[m, kvh, *page]`, host, contiguous) straight from a host-memory
-    # cache, the GIL released (`kv_cache.pages.host_pages_into`); None elsewhere
-    gather_into: Callable[[int, int, int, torch.Tensor], None] | None = None
+    # the pages written into caller buffers straight from a host-memory cache, the GIL
+    # released, and a whole layer with its digest (`kv_cache.pages.HostPages`); None
+    # elsewhere
+    gather_into: HostPages | None = None
 
     def device_context(self) -> contextlib.AbstractContextManager:
         """Wrap a sender's device work: a stream of its own while the prompt still

@@ -290,7 +290,7 @@ class RemotePrefill:
         """The offered pages from `it` into `writer`'s pinned blocks, through the backend
         the header names (else the request's)."""
         backend = self._backend.for_transport(header.transport or req.backend)
-        await backend.receive(req, self.layout, offer.num_blocks, it, writer.write)
+        await backend.receive(req, self.layout, offer.num_blocks, it, writer)
 
     def _ack_later(self, target: str, lease_id: str) -> None:
         """Release the sender's lease `lease_id` (none: "") in the background: after an
@@ -357,6 +357,16 @@ def _encode_request(request: worker_pb2.PrefillRequest | bytes) -> bytes:
     return request if isinstance(request, bytes) else request.SerializeToString()
 
 
+# a layer of at most this many bytes (host memory) is written on the event loop: tens of
+# microseconds, less than the hand-off to the writer thread and back
+INLINE_WRITE = 256 << 10
+
+
+def inline_write(pages: torch.Tensor) -> bool:
+    """True for pages a sink writes on the event loop (host, at most `INLINE_WRITE`)."""
+    return pages.device.type == "cpu" and pages.numel() * pages.element_size() <= INLINE_WRITE
+
+
 class _PageWriter:
     """Pins the blocks of one import and writes validated layers into them through the
     connector's page sink on `executor` (one thread: the copies are memory-bound). Tracks the
@@ -400,9 +410,27 @@ class _PageWriter:
         """The backend's sink: write one layer's `[2, n, kvh, bs, row]` pages."""
         if self._sink is None or self.released:
             return
+        if inline_write(pages):
+            self._write(layer, pages)
+            return
         cf = self.executor.submit(self._write, layer, pages)
         self._writes.append(cf)
         await asyncio.wrap_future(cf)
+
+    async def __call__(self, layer: int, pages: torch.Tensor) -> None:
+        await self.write(layer, pages)
+
+    async def write_hashed(self, layer: int, pages: torch.Tensor) -> int | None:
+        """`HashingSink`'s: write the layer's fresh blocks while hashing every page; None
+        (nothing written) where the page sink cannot hash (`PageSink.write_hashed`)."""
+        if self._sink is None or self.released:
+            return None
+        select = None if self._select is None else self._select.tolist()
+        if inline_write(pages):
+            return self._sink.write_hashed(layer, pages, select)
+        cf = self.executor.submit(self._sink.write_hashed, layer, pages, select)
+        self._writes.append(cf)
+        return await asyncio.wrap_future(cf)
 
     def _write(self, layer: int, pages: torch.Tensor) -> None:
         if self._select is not None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import xxhash
@@ -47,6 +47,21 @@ SEND_CHUNK = 1 << 20  # what senders use
 # a receiver's consumer of validated pages: (layer, [2, n, kvh, bs, row] pages) -> awaited;
 # the tensor is valid only until the awaitable completes (the backend reuses its buffer)
 LayerSink = Callable[[int, torch.Tensor], Awaitable[None]]
+
+
+@runtime_checkable
+class HashingSink(Protocol):
+    """A `LayerSink` that can also write a layer while hashing it, so the bytes cross memory
+    once (an import's `_PageWriter`). `write_hashed(layer, pages)` writes the pages and
+    returns the XXH3-64 of all of them as read (blocks it skips included), or None when it
+    cannot (nothing written: the backend checks the digest, then calls the sink). Its
+    writes go only into blocks nothing reads before the transfer succeeds (an import's
+    pinned fresh blocks): a digest that then differs fails the transfer, and the caller
+    frees those blocks uncached."""
+
+    def __call__(self, layer: int, pages: torch.Tensor) -> Awaitable[None]: ...
+
+    def write_hashed(self, layer: int, pages: torch.Tensor) -> Awaitable[int | None]: ...
 
 
 class KVTransferError(Exception):

@@ -45,6 +45,7 @@ from tandem.kvtransfer.base import BACKENDS, SendJob, TransferBackend, abandon, 
 from tandem.kvtransfer.fastcopy import CHUNK, copy_digest, gather_digest
 from tandem.kvtransfer.grpc_backend import GrpcBackend
 from tandem.kvtransfer.pages import (
+    HashingSink,
     KVTransferError,
     LayerSink,
     PageChecksum,
@@ -66,7 +67,13 @@ if TYPE_CHECKING:
     from tandem.kvtransfer.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
-SLOTS = 2
+SLOTS = 2  # layer slots at least; more while they fit SLOT_BUDGET (up to one per layer)
+# bytes of slots a receiver offers beyond two: small layers get more slots, so the sender
+# runs further ahead of the receiver and a transfer is not one round trip per two layers
+SLOT_BUDGET = 8 << 20
+# a send of at most this many bytes from a host cache, each layer with a slot of its own,
+# is copied on the event loop (`_send_inline`): a thread and its hand-offs cost more
+INLINE_SEND = 4 << 20
 IDLE_PER_PEER = 2  # receiver: segments kept per prefill worker between transfers
 IDLE_S = 30.0  # ... for at most this long
 MAPPED = 8  # sender: receivers' segments kept mapped
@@ -80,6 +87,12 @@ FUSE_ABOVE = 8 << 20
 # with sleeps that double from POLL_MIN_S to POLL_MAX_S
 WAIT_SLICE_S = 5e-3
 POLL_MIN_S, POLL_MAX_S = 2e-5, 5e-4
+
+
+def slots_for(num_layers: int, layer_bytes: int) -> int:
+    """The slots a receiver offers for layers of `layer_bytes`: `SLOTS`, or more while they
+    fit `SLOT_BUDGET`, at most one per layer."""
+    return min(num_layers, max(SLOTS, SLOT_BUDGET // max(1, layer_bytes)))
 
 
 def _digest(view: memoryview) -> int:
@@ -100,6 +113,21 @@ def _copy_in(slot: memoryview, pieces: list[memoryview] | None, pages: torch.Ten
         torch.frombuffer(slot, dtype=torch.uint8).copy_(src)
         return _digest(slot)
     return copy_digest(slot, pieces, CHUNK if len(slot) > FUSE_ABOVE else len(slot))
+
+
+async def _write_checked(sink: HashingSink, layer: int, pages: torch.Tensor, view: memoryview,
+                         want: int) -> None:
+    """`sink` writes `layer` while hashing it (one pass over the slot), then the digest is
+    checked: a mismatch fails the transfer, and the blocks written are freed uncached
+    (`HashingSink`). A sink that cannot hash gets the pages after the check, as any sink."""
+    got = await sink.write_hashed(layer, pages)
+    if got is None:
+        got = (await asyncio.to_thread(_digest, view) if len(view) > HASH_IN_THREAD
+               else _digest(view))
+        if got == want:
+            await sink(layer, pages)
+    if got != want:
+        raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
 
 
 @register_backend
@@ -140,10 +168,11 @@ class ShmBackend(TransferBackend):
         self._instance.maybe_sweep()
         blocks = request.num_blocks + (1 if request.tail_tokens else 0)
         need = blocks * self.layout.block_layer_bytes
-        seg = self._reuse(peer, need)
+        slots = slots_for(self.layout.num_layers, need)
+        seg = self._reuse(peer, need, slots)
         if seg is None:
             try:
-                seg = self._instance.create(min(SLOTS, self.layout.num_layers), need)
+                seg = self._instance.create(slots, need)
             except OSError as exc:  # shared memory full or missing: no offer
                 logger.warning("[%s] no shared-memory segment of 2 x %d bytes (%s); asking "
                                "for grpc", request.request_id[:64], need, exc)
@@ -153,10 +182,11 @@ class ShmBackend(TransferBackend):
         self._segments[seg.name] = seg
         request.shm_node, request.shm_segment = self.node, seg.name
         request.shm_slots, request.shm_slot_bytes = seg.slots, seg.slot_bytes
+        request.shm_layer_batches = True
 
-    def _reuse(self, peer: str, need: int) -> Segment | None:
-        """An idle segment kept for `peer` that fits `need` bytes per slot without holding
-        more than four times that; drops the idle ones past `IDLE_S`."""
+    def _reuse(self, peer: str, need: int, slots: int) -> Segment | None:
+        """An idle segment kept for `peer` of `slots` slots that fit `need` bytes each
+        without holding more than four times that; drops the idle ones past `IDLE_S`."""
         now = time.monotonic()
         for key in list(self._idle):
             keep = []
@@ -168,7 +198,7 @@ class ShmBackend(TransferBackend):
             self._idle[key] = keep
         pool = self._idle.get(peer, [])
         for i, seg in enumerate(pool):
-            if need <= seg.slot_bytes <= 4 * need + (1 << 16):
+            if seg.slots == slots and need <= seg.slot_bytes <= 4 * need + (1 << 16):
                 return pool.pop(i)
         return None
 
@@ -192,6 +222,7 @@ class ShmBackend(TransferBackend):
         calls: list[asyncio.Future] = []
         done: list[bool] = []
         digests: list[int] = []
+        hashing = isinstance(sink, HashingSink)
 
         def finished(layer: int) -> None:
             done[layer] = True  # failed too: the sender goes on, the failure is raised here
@@ -199,6 +230,30 @@ class ShmBackend(TransferBackend):
             while n < len(done) and done[n]:
                 n += 1
             seg.consumed = n  # a change wakes a sender asleep on its next slot
+
+        async def layer_end(end: worker_pb2.PageLayerEnd) -> None:
+            layer = len(digests)
+            if end.layer != layer or layer >= layout.num_layers:
+                raise KVTransferError("invalid", f"layer {end.layer} ended; expected "
+                                                 f"layer {layer}")
+            if seg.consumed + seg.slots <= layer:  # it wrote a slot still in use
+                raise KVTransferError("invalid", f"layer {layer} overwrote a slot "
+                                                 "still in use")
+            view = seg.slot(layer % seg.slots, size)
+            pages = torch.frombuffer(view, dtype=torch.uint8).view(layout.dtype).view(shape)
+            if hashing:  # written while hashed, checked after
+                work = _write_checked(sink, layer, pages, view, end.xxh3_64)  # type: ignore[arg-type]
+            else:
+                got = (await asyncio.to_thread(_digest, view) if size > HASH_IN_THREAD
+                       else _digest(view))
+                if end.xxh3_64 != got:
+                    raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+                work = sink(layer, pages)
+            digests.append(end.xxh3_64)
+            done.append(False)
+            call = asyncio.ensure_future(work)
+            call.add_done_callback(lambda f, n=layer: finished(n))
+            calls.append(call)
 
         try:
             async for chunk in stream:
@@ -216,28 +271,17 @@ class ShmBackend(TransferBackend):
                     await asyncio.gather(*calls)
                     self._clean.add(seg.name)
                     return
-                if kind != "layer_end":
+                if kind == "layer_end":
+                    await layer_end(chunk.layer_end)
+                elif kind == "layer_ends" and request.shm_layer_batches:
+                    if not 0 < len(chunk.layer_ends.ends) <= layout.num_layers - len(digests):
+                        raise KVTransferError("invalid", f"{len(chunk.layer_ends.ends)} layer "
+                                                         "ends in one message")
+                    for end in chunk.layer_ends.ends:
+                        await layer_end(end)
+                else:
                     raise KVTransferError("invalid", f"unexpected {kind or 'data'} message on "
                                                      "a shared-memory page stream")
-                layer = len(digests)
-                end = chunk.layer_end
-                if end.layer != layer or layer >= layout.num_layers:
-                    raise KVTransferError("invalid", f"layer {end.layer} ended; expected "
-                                                     f"layer {layer}")
-                if seg.consumed + seg.slots <= layer:  # it wrote a slot still in use
-                    raise KVTransferError("invalid", f"layer {layer} overwrote a slot "
-                                                     "still in use")
-                view = seg.slot(layer % seg.slots, size)
-                got = (await asyncio.to_thread(_digest, view) if size > HASH_IN_THREAD
-                       else _digest(view))
-                if end.xxh3_64 != got:
-                    raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
-                digests.append(got)
-                done.append(False)
-                pages = torch.frombuffer(view, dtype=torch.uint8).view(layout.dtype).view(shape)
-                call = asyncio.ensure_future(sink(layer, pages))
-                call.add_done_callback(lambda f, n=layer: finished(n))
-                calls.append(call)
         finally:
             for call in calls:
                 abandon(call)
@@ -295,15 +339,43 @@ class ShmBackend(TransferBackend):
         and goes on with the next layer while this coroutine sends the last one's digest,
         so neither the stream nor a thread hand-off per layer holds the copies up."""
         seg = self._mapped(job.request)
+        batches = job.request.shm_layer_batches
+        size = len(job.block_ids) * job.layout.block_layer_bytes
+        if (batches and job.gather_into is not None and seg.slots >= job.layout.num_layers
+                and size * job.layout.num_layers <= INLINE_SEND):
+            async for chunk in self._send_inline(seg, job, size):
+                yield chunk
+            return
         writer = _Writer(seg, job, asyncio.get_running_loop())
         digests: list[int] = []
         try:
-            for layer in range(job.layout.num_layers):
-                digests.append(await writer.digest(layer))
-                yield worker_pb2.PageChunk(layer_end=worker_pb2.PageLayerEnd(
-                    layer=layer, xxh3_64=digests[-1]))
+            while len(digests) < job.layout.num_layers:
+                first = len(digests)
+                digests.append(await writer.digest(first))
+                while batches and len(digests) < job.layout.num_layers and writer.ready():
+                    digests.append(await writer.digest(len(digests)))  # ready: no wait
+                yield _ends(digests, first)
         finally:
             writer.stop()
+        yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
+            xxh3_64=transfer_digest(digests)))
+
+    async def _send_inline(self, seg: Segment, job: SendJob, size: int
+                           ) -> AsyncIterator[worker_pb2.PageChunk]:
+        """`send` for a small transfer from a host cache whose every layer has a slot of its
+        own: each layer is copied on the event loop as soon as it is computed (microseconds
+        each: no thread, no hand-off), and the digests ready go in one message whenever the
+        next layer is still computing, and at the end."""
+        digests: list[int] = []
+        first = 0
+        for layer in range(job.layout.num_layers):
+            if job.layers is not None and job.layers.done <= layer:
+                if first < layer:
+                    yield _ends(digests, first)
+                    first = layer
+                await job.layers.wait(layer)
+            digests.append(_fill(seg, job, layer, size))
+        yield _ends(digests, first)
         yield worker_pb2.PageChunk(trailer=worker_pb2.PageTrailer(
             xxh3_64=transfer_digest(digests)))
 
@@ -359,6 +431,10 @@ class _Writer:
         except BaseException as exc:  # noqa: BLE001 - raised on the stream
             self._posted.put_nowait(exc)
 
+    def ready(self) -> bool:
+        """A digest (or an error) is posted: `digest` returns without waiting."""
+        return not self._posted.empty()
+
     async def digest(self, layer: int) -> int:
         """Layer `layer`'s digest once it is in its slot (layers come in order)."""
         got = await self._posted.get()
@@ -403,19 +479,35 @@ class _Writer:
         return not self._stop.is_set()
 
     def _fill(self, layer: int) -> int:
-        job = self.job
-        slot = self.seg.slot(layer % self.seg.slots, self.size)
-        if job.gather_into is not None:  # straight from a host cache, the GIL released
-            out = torch.frombuffer(slot, dtype=torch.uint8).view(job.layout.dtype).view(
-                job.layout.layer_shape(len(job.block_ids)))
-            return gather_digest(out, lambda kv, first, o: job.gather_into(layer, kv, first, o),
-                                 CHUNK if self.size > FUSE_ABOVE else self.size)
-        pieces = job.views(layer) if job.views is not None else None
-        pages = None
-        if pieces is None:
-            with job.device_context():
-                pages = job.gather(layer)
-        return _copy_in(slot, pieces, pages)
+        return _fill(self.seg, self.job, layer, self.size)
+
+
+def _ends(digests: list[int], first: int) -> worker_pb2.PageChunk:
+    """The message ending layers first.. (`digests[first:]`): one `layer_end`, or several
+    in one `layer_ends`."""
+    ends = [worker_pb2.PageLayerEnd(layer=first + i, xxh3_64=d)
+            for i, d in enumerate(digests[first:])]
+    return (worker_pb2.PageChunk(layer_ends=worker_pb2.PageLayerEnds(ends=ends))
+            if len(ends) > 1 else worker_pb2.PageChunk(layer_end=ends[0]))
+
+
+def _fill(seg: Segment, job: SendJob, layer: int, size: int) -> int:
+    """Write layer `layer`'s pages (`size` bytes) into its slot; their XXH3-64."""
+    slot = seg.slot(layer % seg.slots, size)
+    if job.gather_into is not None:  # straight from a host cache, the GIL released
+        out = torch.frombuffer(slot, dtype=torch.uint8).view(job.layout.dtype).view(
+            job.layout.layer_shape(len(job.block_ids)))
+        got = job.gather_into.digest_into(layer, out)  # one native call: copy and hash
+        if got is not None:
+            return got
+        return gather_digest(out, lambda kv, first, o: job.gather_into(layer, kv, first, o),
+                             CHUNK if size > FUSE_ABOVE else size)
+    pieces = job.views(layer) if job.views is not None else None
+    pages = None
+    if pieces is None:
+        with job.device_context():
+            pages = job.gather(layer)
+    return _copy_in(slot, pieces, pages)
 
 
 class _Fallback(TransferBackend):

@@ -40,7 +40,7 @@ CONTROL_BYTES = 4096
 CONSUMED_AT = 8  # the control page's `consumed` counter (its low 32 bits: a futex word)
 _UNSET = object()
 MAGIC = 0x54414E44454D4B56  # "TANDEMKV"
-MAX_SLOTS = 4
+MAX_SLOTS = 256  # a sender refuses (and sends by grpc) a segment claiming more
 SWEEP_EVERY_S = 60.0
 
 

@@ -158,7 +158,7 @@ class TorchChannel(_message.Message):
     def __init__(self, store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., group_id: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest", "cached_only", "shm_node", "shm_segment", "shm_slot_bytes", "shm_slots")
+    __slots__ = ("request_id", "model_id", "token_ids", "cache_salt", "block_size", "first_block", "num_blocks", "backend", "torch", "lease_s", "tail_tokens", "kv_cache_dtype", "lora_name", "lora_digest", "cached_only", "shm_node", "shm_segment", "shm_slot_bytes", "shm_slots", "shm_layer_batches")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +178,7 @@ class PrefillRequest(_message.Message):
     SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SHM_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_LAYER_BATCHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -197,7 +198,8 @@ class PrefillRequest(_message.Message):
     shm_segment: str
     shm_slot_bytes: int
     shm_slots: int
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., cached_only: _Optional[bool] = ..., shm_node: _Optional[str] = ..., shm_segment: _Optional[str] = ..., shm_slot_bytes: _Optional[int] = ..., shm_slots: _Optional[int] = ...) -> None: ...
+    shm_layer_batches: bool
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., block_size: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., torch: _Optional[_Union[TorchChannel, _Mapping]] = ..., lease_s: _Optional[float] = ..., tail_tokens: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_digest: _Optional[str] = ..., cached_only: _Optional[bool] = ..., shm_node: _Optional[str] = ..., shm_segment: _Optional[str] = ..., shm_slot_bytes: _Optional[int] = ..., shm_slots: _Optional[int] = ..., shm_layer_batches: _Optional[bool] = ...) -> None: ...
 
 class PageHeader(_message.Message):
     __slots__ = ("model_id", "num_layers", "num_kv_heads", "block_size", "head_dim", "dtype", "first_block", "block_hashes", "layer_bytes", "lease_id", "first_token", "tail_tokens", "kv_cache_dtype", "kv_page_format", "transport")
@@ -257,17 +259,25 @@ class PageTrailer(_message.Message):
     xxh3_64: int
     def __init__(self, xxh3_64: _Optional[int] = ...) -> None: ...
 
+class PageLayerEnds(_message.Message):
+    __slots__ = ("ends",)
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    ends: _containers.RepeatedCompositeFieldContainer[PageLayerEnd]
+    def __init__(self, ends: _Optional[_Iterable[_Union[PageLayerEnd, _Mapping]]] = ...) -> None: ...
+
 class PageChunk(_message.Message):
-    __slots__ = ("header", "data", "trailer", "layer_end")
+    __slots__ = ("header", "data", "trailer", "layer_end", "layer_ends")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ENDS_FIELD_NUMBER: _ClassVar[int]
     header: PageHeader
     data: PageData
     trailer: PageTrailer
     layer_end: PageLayerEnd
-    def __init__(self, header: _Optional[_Union[PageHeader, _Mapping]] = ..., data: _Optional[_Union[PageData, _Mapping]] = ..., trailer: _Optional[_Union[PageTrailer, _Mapping]] = ..., layer_end: _Optional[_Union[PageLayerEnd, _Mapping]] = ...) -> None: ...
+    layer_ends: PageLayerEnds
+    def __init__(self, header: _Optional[_Union[PageHeader, _Mapping]] = ..., data: _Optional[_Union[PageData, _Mapping]] = ..., trailer: _Optional[_Union[PageTrailer, _Mapping]] = ..., layer_end: _Optional[_Union[PageLayerEnd, _Mapping]] = ..., layer_ends: _Optional[_Union[PageLayerEnds, _Mapping]] = ...) -> None: ...
 
 class ReleasePagesRequest(_message.Message):
     __slots__ = ("lease_id",)

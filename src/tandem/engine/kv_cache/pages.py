@@ -8,10 +8,13 @@ many layers move the same blocks)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import threading
 
 import numpy as np
 import torch
+
+from tandem.engine.kv_cache import page_copy
 
 Caches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -39,14 +42,77 @@ def _block_rows(t: torch.Tensor, rows: int) -> np.ndarray:
     return flat.view(np.dtype((np.void, flat.shape[1])))[:, 0]
 
 
-def host_pages_into(kv_caches: Caches, block_ids: list[int]
-                    ) -> Callable[[int, int, int, torch.Tensor], None] | None:
-    """A writer of `block_ids`' pages of a host-memory cache into caller buffers, without
-    a staging copy: `into(layer, kv, first, out)` writes the K (`kv` 0) or V (1) pages of
+class HostPages:
+    """A send's pinned blocks of a host-memory cache, written into caller buffers without a
+    staging copy (`host_pages_into`). Valid while the blocks stay pinned.
+
+    `self(layer, kv, first, out)` writes the K (`kv` 0) or V (1) pages of
     `block_ids[first:first + len(out)]` in `layer` into `out` (`[m, kvh, *page]`, the
-    cache's dtype, contiguous, host), one `numpy.take` (one thread, the GIL released).
-    None for a device or non-contiguous cache, or ids outside it. Valid while the blocks
-    stay pinned; raises ValueError for an `out` or range that does not fit."""
+    cache's dtype, contiguous, host); `digest_into(layer, out)` writes the whole layer's
+    `[2, n, kvh, *page]` pages (K then V) into `out` and returns their XXH3-64, hashed as
+    they are copied (the native kernel, `page_copy`; None where it is unavailable). Both
+    run on the calling thread with the GIL released and raise ValueError for an `out` or
+    range that does not fit."""
+
+    def __init__(self, kv_caches: Caches, block_ids: list[int]) -> None:
+        self._caches = kv_caches
+        self._k0 = kv_caches[0][0]
+        self._ids = np.asarray(block_ids, dtype=np.intp)
+        self._ids64 = page_copy.block_indices(block_ids)
+        self._page = self._k0[0].numel() * self._k0.element_size()  # bytes of one block
+        self._native = page_copy.available()
+        self._digest: page_copy.Digest | None = None
+
+    def _check(self, out: torch.Tensor, lead: tuple[int, ...]) -> None:
+        k0 = self._k0
+        if (out.device.type != "cpu" or out.dtype != k0.dtype or not out.is_contiguous()
+                or tuple(out.shape) != (*lead, *k0.shape[1:])):
+            raise ValueError(f"pages {lead} x {tuple(k0.shape[1:])} {k0.dtype} do not fit a "
+                             f"{tuple(out.shape)} {out.dtype} buffer")
+
+    def __call__(self, layer: int, kv: int, first: int, out: torch.Tensor) -> None:
+        m = out.shape[0] if out.dim() else 0
+        if kv not in (0, 1) or not 0 <= first <= first + m <= len(self._ids):
+            raise ValueError(f"pages {first}..{first + m} of {len(self._ids)} (kv {kv}) "
+                             f"do not fit a {tuple(out.shape)} {out.dtype} buffer")
+        self._check(out, (m,))
+        if m == 0:
+            return
+        src = self._caches[layer][kv]
+        if self._native:
+            page_copy.copy_blocks(src.data_ptr(), self._ids64[first:first + m],
+                                  out.data_ptr(), _arange(m), self._page)
+            return
+        np.take(_block_rows(src, len(self._k0)), self._ids[first:first + m],
+                out=_block_rows(out, m), mode="clip")  # the ids were checked: no clip
+
+    def digest_into(self, layer: int, out: torch.Tensor) -> int | None:
+        """Layer `layer`'s pages into `out` (`[2, n, kvh, *page]`), and their XXH3-64;
+        None (nothing written) without the native kernel."""
+        if not self._native:
+            return None
+        n = len(self._ids)
+        self._check(out, (2, n))
+        if self._digest is None:
+            self._digest = page_copy.Digest()
+        d = self._digest
+        d.reset()
+        for kv in (0, 1):
+            page_copy.copy_blocks(self._caches[layer][kv].data_ptr(), self._ids64,
+                                  out[kv].data_ptr(), _arange(n), self._page, d)
+        return d.intdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _arange(n: int) -> np.ndarray:
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False  # shared between callers
+    return out
+
+
+def host_pages_into(kv_caches: Caches, block_ids: list[int]) -> HostPages | None:
+    """`HostPages` of `block_ids` in a host-memory cache; None for a device or
+    non-contiguous cache, or ids outside it."""
     k0 = kv_caches[0][0]
     if (k0.device.type != "cpu" or not block_ids or min(block_ids) < 0
             or max(block_ids) >= k0.shape[0]):
@@ -54,21 +120,7 @@ def host_pages_into(kv_caches: Caches, block_ids: list[int]
     if not all(t.is_contiguous() and t.shape == k0.shape and t.dtype == k0.dtype
                and t.device.type == "cpu" for kv in kv_caches for t in kv):
         return None
-    ids = np.asarray(block_ids, dtype=np.intp)
-
-    def into(layer: int, kv: int, first: int, out: torch.Tensor) -> None:
-        m = out.shape[0] if out.dim() else 0
-        if (out.device.type != "cpu" or out.dtype != k0.dtype or not out.is_contiguous()
-                or tuple(out.shape[1:]) != tuple(k0.shape[1:]) or kv not in (0, 1)
-                or not 0 <= first <= first + m <= len(ids)):
-            raise ValueError(f"pages {first}..{first + m} of {len(ids)} (kv {kv}) do not "
-                             f"fit a {tuple(out.shape)} {out.dtype} buffer")
-        if m == 0:
-            return
-        np.take(_block_rows(kv_caches[layer][kv], len(k0)), ids[first:first + m],
-                out=_block_rows(out, m), mode="clip")  # the ids were checked: no clip
-
-    return into
+    return HostPages(kv_caches, block_ids)
 
 
 def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: torch.Tensor,
@@ -82,12 +134,45 @@ def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: to
     v.index_copy_(0, idx, pages[1].to(v.device))
 
 
+_digests = threading.local()  # a page_copy.Digest per writer thread
+
+
+def scatter_layer_digest(kv_caches: Caches, layer: int, block_ids: list[int],
+                         pages: torch.Tensor, select: list[int] | None = None) -> int | None:
+    """Write blocks `select` of `[2, n, kvh, *page]` host `pages` (positions among the n;
+    None: all n) into `block_ids` of `layer` (one id per written block, in order) and
+    return the XXH3-64 of all of `pages`' bytes, K then V, each block hashed as it is read
+    (the native kernel: the bytes cross memory once). None, nothing written, for a device
+    cache or pages, another dtype or shape, ids outside the cache, or without the kernel."""
+    k, v = kv_caches[layer]
+    n = pages.shape[1] if pages.dim() > 1 else 0
+    pos = list(range(n)) if select is None else select
+    if (not page_copy.available() or k.device.type != "cpu" or pages.device.type != "cpu"
+            or pages.dtype != k.dtype or v.dtype != k.dtype or v.shape != k.shape
+            or not (k.is_contiguous() and v.is_contiguous() and pages.is_contiguous())
+            or tuple(pages.shape) != (2, n, *k.shape[1:]) or len(pos) != len(block_ids)
+            or (block_ids and (min(block_ids) < 0 or max(block_ids) >= k.shape[0]))
+            or (pos and (min(pos) < 0 or max(pos) >= n)) or len(set(pos)) != len(pos)):
+        return None
+    dst = np.full(n, -1, dtype=np.int64)  # -1: hashed, not written
+    dst[np.asarray(pos, dtype=np.int64)] = block_ids
+    digest = getattr(_digests, "digest", None)
+    if digest is None:
+        digest = _digests.digest = page_copy.Digest()
+    digest.reset()
+    page = k[0].numel() * k.element_size()
+    for i, t in enumerate((k, v)):
+        page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), dst, page, digest)
+    return digest.intdigest()
+
+
 def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
                   pages: torch.Tensor, index: torch.Tensor | None = None) -> bool:
-    """`scatter_layer` for a host-memory cache and pages: one copy per block by numpy's
-    indexed assignment (one thread, the GIL released). torch's `index_copy_` runs an
-    OpenMP team that stalls whenever another thread or process holds a core (a P/D import
-    runs beside the sender and the engine), at about half the speed then. False (nothing
+    """`scatter_layer` for a host-memory cache and pages: one copy per block by the native
+    kernel (`page_copy`), else numpy's indexed assignment (one thread, the GIL released).
+    torch's `index_copy_` runs an OpenMP team that stalls whenever another thread or process
+    holds a core (a P/D import runs beside the sender and the engine), at about half the
+    speed then. False (nothing
     written) for anything else: device tensors, another dtype or shape, a negative id."""
     n = len(block_ids)
     if (k.device.type != "cpu" or pages.device.type != "cpu" or pages.dtype != k.dtype
@@ -98,7 +183,14 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
     ids = (index.numpy() if index is not None and index.device.type == "cpu"
            and index.dtype == torch.int64 and len(index) == n else
            np.asarray(block_ids, dtype=np.int64))
-    src = _block_rows(pages.contiguous(), 2 * n)
+    pages = pages.contiguous()
+    if page_copy.available():  # one native copy per layer half, at memory speed
+        page = k[0].numel() * k.element_size()
+        ids = page_copy.block_indices(ids)
+        for i, t in enumerate((k, v)):
+            page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), ids, page)
+        return True
+    src = _block_rows(pages, 2 * n)
     for i, t in enumerate((k, v)):
         _block_rows(t, t.shape[0])[ids] = src[i * n:(i + 1) * n]
     return True

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
     from tandem.engine.async_api import EngineAPI
     from tandem.engine.kv_cache.block_pool import KVBlock
+    from tandem.engine.kv_cache.pages import HostPages
     from tandem.engine.kv_pages import ImportCommit, ImportPins, PageLayout
     from tandem.engine.llm_engine import LLMEngine
     from tandem.engine.request import Request
@@ -215,8 +216,8 @@ class PageSourceAPI(Protocol):
     """A send's pages of pinned blocks, layer by layer; valid while they stay pinned."""
 
     block_ids: list[int]
-    # (layer, kv, first, out) -> None: `kv_cache.pages.host_pages_into`'s; None: use `layer`
-    gather_into: Callable[[int, int, int, torch.Tensor], None] | None
+    # the pages straight into caller buffers (`kv_cache.pages.HostPages`); None: use `layer`
+    gather_into: HostPages | None
 
     def layer(self, layer: int) -> torch.Tensor: ...
 
@@ -229,6 +230,9 @@ class PageSinkAPI(Protocol):
     block_ids: list[int]
 
     def write(self, layer: int, pages: torch.Tensor) -> None: ...
+
+    def write_hashed(self, layer: int, pages: torch.Tensor,
+                     select: list[int] | None) -> int | None: ...
 
     async def finish(self) -> None: ...
 
