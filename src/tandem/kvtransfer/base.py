@@ -17,8 +17,10 @@ Sender side (prefill worker): `send(job)` yields the stream messages after the h
 Receiver side (decode worker): `configure(...)` once, then per transfer `prepare(request,
 peer)` fills the request's backend fields before the call, `receive(..., sink)` hands each
 layer to `sink` once its bytes are validated (never before: only checked pages reach the
-caller's cache) and returns after the trailer checks and every sink call has finished (or
-raises `KVTransferError`), and `release(request)` always ends the transfer, whether or not
+caller's cache; a `pages.HashingSink` may be handed a layer to write while hashing it, into
+blocks nothing reads before the transfer succeeds, and a mismatch fails the transfer) and
+returns after the trailer checks and every sink call has finished (or raises
+`KVTransferError`), and `release(request)` always ends the transfer, whether or not
 `receive` ran or succeeded.
 """
 
