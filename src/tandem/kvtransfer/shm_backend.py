@@ -1,25 +1,29 @@
 """`shm` backend: page bytes through a shared-memory segment between workers on one node.
 
-The receiver (decode worker) asks for `grpc` and offers a segment of two layer slots
-(`shm_segments`), created in `prepare` and named, with its node identity, in the request
-(`shm_*` fields). A sender on the same node (same identity, segment opened) answers with the
-header's `transport` "shm"; any other sender (another node, another /dev/shm, a version
-without shm) sends by grpc, so no request fails for the offer: `auto` is safe as a default
-wherever workers may or may not share a node (as NIXL/UCX pick shared memory by themselves
-on one node).
+The receiver (decode worker) asks for `grpc` and offers a segment of layer slots
+(`shm_segments`; two, or more while small layers fit `SLOT_BUDGET`: `slots_for`), created in
+`prepare` and named, with its node identity, in the request (`shm_*` fields). A sender on
+the same node (same identity, segment opened) answers with the header's `transport` "shm";
+any other sender (another node, another /dev/shm, a version without shm) sends by grpc, so
+no request fails for the offer: `auto` is safe as a default wherever workers may or may not
+share a node (as NIXL/UCX pick shared memory by themselves on one node).
 
-Per layer L the sender's writer thread waits until the receiver is done with slot L % 2's
+Per layer L the sender's writer thread waits until the receiver is done with slot L % S's
 previous layer (the control page's `consumed` counter), copies the layer's pages into that
-slot and hashes them (from a host cache by `numpy.take` calls of about `CHUNK` bytes, each
-hashed while still in cache, the GIL released: `SendJob.gather_into`; else from the cache's
-page views or its gathered copy), and the stream sends
-the layer's `PageLayerEnd` (XXH3-64) on the Prefill stream while the thread goes on with the
-next layer; the trailer follows the last layer, as with `grpc`. The
-receiver, on each `PageLayerEnd`, checks the order and the slot's digest before the sink
-sees the bytes (which it reads from the slot into the engine's pinned blocks), and bumps
-`consumed` once the sink is done. So the receiver never holds more than two layers, the
-bytes cross memory once on each side, and a layer's validation is exactly the `grpc`
-backend's. Any `PageData` on a `shm` stream is refused.
+slot and hashes them (from a host cache in one native call that hashes each block as it
+copies it, `HostPages.digest_into`, the GIL released; else in chunks, or from the cache's
+page views or its gathered copy), and the stream sends the layer's `PageLayerEnd` (XXH3-64)
+on the Prefill stream while the thread goes on with the next layer: every digest ready goes
+in one `layer_ends` message when the request allows it (`shm_layer_batches`). A small send
+from a host cache whose layers each have a slot runs on the event loop instead
+(`INLINE_SEND`: no thread, no hand-off). The trailer follows the last layer, as with `grpc`.
+The receiver, on each layer's end, checks the order and the slot's digest before the sink
+sees the bytes; a `HashingSink` (the engine's import writer) writes them into its pinned
+blocks while hashing them, one pass over the slot, and the digest is checked right after
+(a mismatch fails the transfer; those blocks are freed uncached). It bumps `consumed` once
+the sink is done. So the receiver holds at most S layers, the bytes cross memory once on
+each side, and a layer's validation is exactly the `grpc` backend's. Any `PageData` on a
+`shm` stream is refused.
 
 Lifetime: the receiver unlinks the segment as soon as the first layer arrives (the sender
 has it mapped by then) and in `release`, which always runs (success, failure, timeout,
