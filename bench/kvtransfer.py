@@ -6,20 +6,20 @@
 
 1. Throughput: a sender process serves `KVTransfer.Prefill` from preallocated KV caches with
    the bundled model's geometry (30 layers x K/V x 3 heads x 16 tokens x 64 dims, float32:
-   720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend:
-   page views or gather, chunking, XXH3-64, protobuf); this process receives with the real
+   720 KiB per block) through the real backend code (`GrpcBackend` / the torch backend: page
+   views or gather, chunking, XXH3-64, protobuf); this process receives with the real
    receiver code (validation, XXH3-64, tensors). For 1, 16, 256 and 4096 blocks: GB/s, and
    the ratios to a plain in-memory copy of the same bytes into an already-mapped buffer,
    measured in the same run: one libc memcpy (`memcpy_1t_gbps`: one stream of bytes on one
-   core) and torch's copy on every core (`memcpy_gbps`). The receiver's sink counts the bytes, or with
-   `--sink cache` writes them into a KV cache as a decode worker does (`CacheSink`; not
-   for `grpc*N`). `grpc*2`: each size split over 2 concurrent transfers on 2 connections
-   (aggregate GB/s: what striping one transfer could reach). The raw gRPC ceiling (pre-built
-   1 MiB messages, no processing) is measured on 1, 2 and 4 streams, on as many connections
-   and on one. Each row also gives the CPU seconds per GB
-   of each side over all its transfers (threads included; unlike GB/s, little skewed by a
-   busy machine; the sender's from /proc in 10 ms ticks, so use --reps/--sizes for a second
-   or more of transfer).
+   core) and torch's copy on every core (`memcpy_gbps`). The receiver's sink counts the
+   bytes, or with `--sink cache` writes them into a KV cache as a decode worker does
+   (`CacheSink`; not for `grpc*N`). `grpc*2`: each size split over 2 concurrent transfers on
+   2 connections (aggregate GB/s: what striping one transfer could reach). The raw gRPC
+   ceiling (pre-built 1 MiB messages, no processing) is measured on 1, 2 and 4 streams, on
+   as many connections and on one. Each row also gives the CPU seconds per GB of each side
+   over all its transfers (threads included; unlike GB/s, little skewed by a busy machine;
+   the sender's from /proc in 10 ms ticks, so use --reps/--sizes for a second or more of
+   transfer).
 2. TTFT: a prefill and a decode worker (P/D, one thread each) against an aggregated worker
    (one thread) on the same 1k-token prompts (fresh random ids each, so no cache helps):
    overhead = TTFT(P/D) - TTFT(aggregated), as a share of the aggregated TTFT (the prefill
