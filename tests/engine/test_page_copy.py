@@ -25,7 +25,7 @@ def test_copy_blocks_equals_numpy_and_xxhash_over_random_traces():
     """2,000 seeded traces: block i of src_idx lands on block i of dst_idx (a negative id:
     hashed, not written), every other destination block keeps its bytes, and the digest is
     xxhash's XXH3-64 of the source blocks in order, whatever the block size (tiny, odd,
-    over one 64 KiB piece)."""
+    over one 64 KiB piece), with ordinary or non-temporal stores at any alignment."""
     assert page_copy.available()  # the kernel builds here (a C compiler, xxhash's symbols)
     rng = random.Random(0)
     digest = page_copy.Digest()
@@ -46,7 +46,8 @@ def test_copy_blocks_equals_numpy_and_xxhash_over_random_traces():
         hashed = trace % 3 != 0
         digest.reset()
         page_copy.copy_blocks(src.ctypes.data, page_copy.block_indices(s_ids), dst.ctypes.data,
-                              page_copy.block_indices(d_ids), block, digest if hashed else None)
+                              page_copy.block_indices(d_ids), block, digest if hashed else None,
+                              stream=trace % 4 >= 2)  # streaming stores, aligned or not
         assert np.array_equal(dst.reshape(ndst, block), want), trace
         ref = xxhash.xxh3_64(b"".join(src.reshape(nsrc, block)[s].tobytes() for s in s_ids))
         if hashed:

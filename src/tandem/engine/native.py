@@ -53,7 +53,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_w8a8_gemm_i32": (ctypes.c_int, [_P] * 3 + [_I64] * 4),
     "tandem_w8a8_linear_f32": (ctypes.c_int, [_P] * 5 + [_I64] * 4),
     "tandem_lora_f32": (None, [_P] * 8 + [_I64] * 7),
-    "tandem_kv_copy_hash": (ctypes.c_int, [_P] * 4 + [_I64] * 2 + [_P] * 2),
+    "tandem_kv_copy_hash": (ctypes.c_int, [_P] * 4 + [_I64] * 2 + [_P] * 2 + [_I64]),
 }
 
 

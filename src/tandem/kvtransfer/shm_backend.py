@@ -78,6 +78,9 @@ SLOT_BUDGET = 8 << 20
 # a send of at most this many bytes from a host cache, each layer with a slot of its own,
 # is copied on the event loop (`_send_inline`): a thread and its hand-offs cost more
 INLINE_SEND = 4 << 20
+# a layer larger than this is written into its slot with non-temporal stores: two slots of
+# it would not stay in a last-level cache for the receiver to read them from
+STREAM_SLOTS_ABOVE = 16 << 20
 IDLE_PER_PEER = 2  # receiver: segments kept per prefill worker between transfers
 IDLE_S = 30.0  # ... for at most this long
 MAPPED = 8  # sender: receivers' segments kept mapped
@@ -501,7 +504,8 @@ def _fill(seg: Segment, job: SendJob, layer: int, size: int) -> int:
     if job.gather_into is not None:  # straight from a host cache, the GIL released
         out = torch.frombuffer(slot, dtype=torch.uint8).view(job.layout.dtype).view(
             job.layout.layer_shape(len(job.block_ids)))
-        got = job.gather_into.digest_into(layer, out)  # one native call: copy and hash
+        # one native call: copy and hash (a slot too large to stay cached: streaming stores)
+        got = job.gather_into.digest_into(layer, out, size > STREAM_SLOTS_ABOVE)
         if got is not None:
             return got
         return gather_digest(out, lambda kv, first, o: job.gather_into(layer, kv, first, o),

@@ -25,6 +25,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# writes of at least this many bytes into a KV cache use non-temporal stores: no read of
+# lines about to be overwritten whole, and the source stays cached (measured on one core:
+# +24 % from a buffer in the last-level cache, +30 % from memory)
+STREAM_CACHE_WRITES = 1 << 20
+
 
 @functools.lru_cache(maxsize=1)
 def _hash_lib() -> tuple[ctypes.CDLL, int] | None:
@@ -98,10 +103,12 @@ def block_indices(ids: list[int] | np.ndarray) -> np.ndarray:
 
 
 def copy_blocks(src: int, src_idx: np.ndarray, dst: int | None, dst_idx: np.ndarray | None,
-                block_bytes: int, digest: Digest | None = None) -> None:
+                block_bytes: int, digest: Digest | None = None, stream: bool = False) -> None:
     """Copy block `src_idx[i]` of the memory at address `src` to block `dst_idx[i]` at `dst`
     (`block_bytes` each, in order; `dst` None or a negative `dst_idx[i]`: copy nothing, hash
-    the source block), hashing every source block into `digest` when given. The caller owns
+    the source block), hashing every source block into `digest` when given. `stream`:
+    non-temporal stores, for a destination nothing reads while it is still cached (a KV
+    cache being filled; a buffer larger than the last-level cache). The caller owns
     the bounds: every index must lie inside its buffer (ids are checked where they are
     built). Raises RuntimeError without the native kernel."""
     kernel = _kernel()
@@ -116,6 +123,6 @@ def copy_blocks(src: int, src_idx: np.ndarray, dst: int | None, dst_idx: np.ndar
         raise ValueError("block indices must be contiguous int64 (block_indices)")
     rc = kernel(src, src_idx.ctypes.data, dst, None if dst_idx is None else dst_idx.ctypes.data,
                 n, block_bytes, None if digest is None else digest.state,
-                None if digest is None else digest.update_fn)
+                None if digest is None else digest.update_fn, int(stream))
     if rc != 0:
         raise RuntimeError(f"tandem_kv_copy_hash failed ({rc})")

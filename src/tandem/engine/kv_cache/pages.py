@@ -86,9 +86,10 @@ class HostPages:
         np.take(_block_rows(src, len(self._k0)), self._ids[first:first + m],
                 out=_block_rows(out, m), mode="clip")  # the ids were checked: no clip
 
-    def digest_into(self, layer: int, out: torch.Tensor) -> int | None:
+    def digest_into(self, layer: int, out: torch.Tensor, stream: bool = False) -> int | None:
         """Layer `layer`'s pages into `out` (`[2, n, kvh, *page]`), and their XXH3-64;
-        None (nothing written) without the native kernel."""
+        None (nothing written) without the native kernel. `stream`: non-temporal stores
+        (`page_copy.copy_blocks`), for an `out` larger than the last-level cache."""
         if not self._native:
             return None
         n = len(self._ids)
@@ -99,7 +100,7 @@ class HostPages:
         d.reset()
         for kv in (0, 1):
             page_copy.copy_blocks(self._caches[layer][kv].data_ptr(), self._ids64,
-                                  out[kv].data_ptr(), _arange(n), self._page, d)
+                                  out[kv].data_ptr(), _arange(n), self._page, d, stream)
         return d.intdigest()
 
 
@@ -162,7 +163,8 @@ def scatter_layer_digest(kv_caches: Caches, layer: int, block_ids: list[int],
     digest.reset()
     page = k[0].numel() * k.element_size()
     for i, t in enumerate((k, v)):
-        page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), dst, page, digest)
+        page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), dst, page, digest,
+                              stream=2 * n * page >= page_copy.STREAM_CACHE_WRITES)
     return digest.intdigest()
 
 
@@ -188,7 +190,8 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
         page = k[0].numel() * k.element_size()
         ids = page_copy.block_indices(ids)
         for i, t in enumerate((k, v)):
-            page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), ids, page)
+            page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), ids, page,
+                                  stream=2 * n * page >= page_copy.STREAM_CACHE_WRITES)
         return True
     src = _block_rows(pages, 2 * n)
     for i, t in enumerate((k, v)):
