@@ -1,13 +1,16 @@
 """Microbenchmark: one forward's worth of SmolLM2-135M linear layers, by row count.
 
     .venv/bin/python bench/linear_micro.py [--rows 1,4,16,24,48,96,192,384,1024] [--reps 5]
+                                           [--bf16] [--out PATH]
 
 Times, per row count M, all 121 linears of one forward (30 x qkv/o/gate_up/down + the LM
 head; random float32 weights, 540 MB, so they stream from DRAM like the real model's) with:
 oneDNN pre-packed weights (the fallback path), `F.linear` on plain weights (MKL), and the
-native packed-panel kernel (`tandem_linear_packed_f32`, the default). Prints ms per
-forward, the native kernel's GFLOPS, and oneDNN/native ratios; JSON goes to
-`bench/results/linear_micro-<date>.json`.
+native packed-panel kernel (`tandem_linear_packed_f32`, the default). `--bf16` adds the
+same linears in bfloat16 (where oneDNN has bfloat16 kernels): oneDNN's packed weights (what
+the engine uses on CPUs with AVX512-BF16) and `F.linear`. Prints ms per forward, the
+native kernel's GFLOPS, and oneDNN/native ratios; JSON goes to
+`bench/results/linear_micro-<date>.json` (or `--out`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16,24,48,96,192,384,1024")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bf16", action="store_true", help="also time the bfloat16 linears")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     lib = load_native()
     if lib is None or not lib.tandem_linear_simd():
@@ -60,13 +65,33 @@ def main() -> int:
             lib.tandem_linear_packed_f32(x.data_ptr(), wp.data_ptr(), None, y.data_ptr(),
                                          x.shape[0], n, k, threads)
 
+    modes = [("onednn", onednn, torch.float32), ("plain", plain, torch.float32),
+             ("native", native, torch.float32)]
+    if args.bf16:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            print("oneDNN has no bfloat16 kernels on this CPU", file=sys.stderr)
+            return 1
+        weights16 = [w.to(torch.bfloat16) for w in weights]
+        packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights16]
+
+        def onednn16(xs: dict) -> None:
+            for p, w in zip(packed16, weights16, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        def plain16(xs: dict) -> None:
+            for w in weights16:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        modes += [("bf16_onednn", onednn16, torch.bfloat16),
+                  ("bf16_plain", plain16, torch.bfloat16)]
     rows = []
     print(f"{'M':>5} {'onednn ms':>10} {'F.linear ms':>12} {'native ms':>10} {'GFLOPS':>7} "
-          f"{'onednn/native':>14}")
+          f"{'onednn/native':>14}" + (f" {'bf16 onednn':>12} {'bf16 F.linear':>14}"
+                                      if args.bf16 else ""))
     for m in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(m, k) for k in (576, 1536)}
         res = {}
-        for name, fn in (("onednn", onednn), ("plain", plain), ("native", native)):
+        for name, fn, dtype in modes:
+            xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
             fn(xs)  # warm-up
             times = []
             for _ in range(args.reps):
@@ -78,11 +103,14 @@ def main() -> int:
         rows.append({"rows": m, **{f"{k}_ms": v * 1e3 for k, v in res.items()},
                      "native_gflops": gflops})
         print(f"{m:>5} {res['onednn'] * 1e3:10.1f} {res['plain'] * 1e3:12.1f} "
-              f"{res['native'] * 1e3:10.1f} {gflops:7.1f} {res['onednn'] / res['native']:14.2f}")
-    out = Path(__file__).resolve().parent / "results" / \
+              f"{res['native'] * 1e3:10.1f} {gflops:7.1f} {res['onednn'] / res['native']:14.2f}"
+              + (f" {res['bf16_onednn'] * 1e3:12.1f} {res['bf16_plain'] * 1e3:14.1f}"
+                 if args.bf16 else ""))
+    out = args.out or Path(__file__).resolve().parent / "results" / \
         f"linear_micro-{dt.date.today().isoformat()}.json"
     out.write_text(json.dumps({"date": dt.date.today().isoformat(), "threads": threads,
-                               "flops_per_row": flops_per_row, "results": rows}, indent=1))
+                               "flops_per_row": flops_per_row, "bf16": args.bf16,
+                               "results": rows}, indent=1))
     print(f"wrote {out}")
     return 0
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/offline_throughput.py [--quick] [--engines tandem,hf,vllm]
         [--workloads mixed,shared-prefix] [--out bench/results/offline_throughput-DATE.json]
-        [--tandem-baseline PATH] [--quantization MODE[,MODE...]]
+        [--tandem-baseline PATH] [--quantization MODE[,MODE...]] [--dtypes bfloat16]
 
 Every engine gets the same seeded token-id prompts (``bench/workload.py``), greedy decoding,
 ``ignore_eos`` and exactly ``max_tokens`` new tokens per request, all submitted at once.  Wall
@@ -14,7 +14,8 @@ Tandem runs twice, with prefix caching on and off.  ``--tandem-baseline PATH`` a
 REV``), so a change is measured against its parent in the same invocation.
 ``--quantization int8`` (or a comma list) adds ``tandem-int8``: the same runner with
 ``quantization="int8"`` beside float32 Tandem (vLLM stays float32: its CPU build has no
-weight-only int8/int4 path for this model).
+weight-only int8/int4 path for this model). ``--dtypes bfloat16`` adds ``tandem-bfloat16``
+the same way (``dtype="bfloat16"``).
 
 Prints a table, throughput ratios and a greedy-agreement check (first 4 requests' token ids
 against HF's), and writes the raw results with machine details to one JSON file.
@@ -114,7 +115,7 @@ def ensure_hf_export() -> None:
 
 def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True,
                tandem_src: Path | None = None,
-               quantization: str | None = None) -> tuple[list[str], dict]:
+               engine_args: tuple[str, ...] = ()) -> tuple[list[str], dict]:
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     if engine == "tandem":
@@ -123,8 +124,8 @@ def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True,
         cmd = [project_python(), str(RUNNERS / "tandem_runner.py"), str(wl_path)]
         if not prefix_caching:
             cmd.append("--no-prefix-caching")
-        if quantization:
-            cmd += ["--engine-arg", f"quantization={quantization}"]
+        for arg in engine_args:  # KEY=VALUE: quantization=int8, dtype=bfloat16
+            cmd += ["--engine-arg", arg]
     elif engine == "hf":
         cmd = [project_python(), str(RUNNERS / "hf_runner.py"), str(wl_path)]
     elif engine == "vllm":
@@ -162,8 +163,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_engine(label: str, engine: str, wl_name: str, wl_path: Path, timeout: float,
                prefix_caching: bool = True, tandem_src: Path | None = None,
-               quantization: str | None = None) -> dict:
-    cmd, env = runner_cmd(engine, wl_path, prefix_caching, tandem_src, quantization)
+               engine_args: tuple[str, ...] = ()) -> dict:
+    cmd, env = runner_cmd(engine, wl_path, prefix_caching, tandem_src, engine_args)
     log_path = CACHE / "logs" / f"{wl_name}-{label}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"  running {label} ... (log: {log_path.relative_to(REPO)})", flush=True)
@@ -263,8 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="", metavar="MODE[,MODE...]",
                     help="also run Tandem with each of these quantizations (int8, w8a8, "
                          "int4, fp8, gguf) as tandem-MODE")
+    ap.add_argument("--dtypes", default="", metavar="DTYPE[,DTYPE...]",
+                    help="also run Tandem in each of these dtypes (bfloat16) as tandem-DTYPE "
+                         "(float32 is the plain `tandem` run)")
     args = ap.parse_args(argv)
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    variants = ([(q, (f"quantization={q}",)) for q in quants]
+                + [(d, (f"dtype={d}",)) for d in dtypes])
     baseline_src = None
     if args.tandem_baseline is not None:
         baseline_src = args.tandem_baseline.resolve() / "src"
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({machine['torch_threads']} threads), load avg {machine['loadavg_at_start']}")
     report: dict = {"benchmark": "offline_throughput", "date": now.isoformat(timespec="seconds"),
                     "quick": args.quick, "seed": args.seed, "engines": engines,
-                    "quantization": quants,
+                    "quantization": quants, "dtypes": dtypes,
                     "machine": machine, "notes": notes, "workloads": {},
                     "tandem_src": str(REPO / "src"), "tandem_revision": _revision(REPO)}
     if baseline_src is not None:
@@ -314,17 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nworkload {wl_name}: {len(requests)} requests, {prompt_tokens} prompt tokens, "
               f"{out_tokens} output tokens, params {params}", flush=True)
 
-        runs: list[tuple[str, str, bool, Path | None, str | None]] = []
+        runs: list[tuple[str, str, bool, Path | None, tuple[str, ...]]] = []
         for e in engines:
             if e == "tandem" and params.get("shared_prefix_tokens"):
-                runs += [("tandem", "tandem", True, None, None),
-                         ("tandem-no-prefix-cache", "tandem", False, None, None)]
+                runs += [("tandem", "tandem", True, None, ()),
+                         ("tandem-no-prefix-cache", "tandem", False, None, ())]
             else:
-                runs.append((e, e, True, None, None))
+                runs.append((e, e, True, None, ()))
             if e == "tandem":
-                runs += [(f"tandem-{q}", "tandem", True, None, q) for q in quants]
+                runs += [(f"tandem-{v}", "tandem", True, None, extra) for v, extra in variants]
             if e == "tandem" and baseline_src is not None:
-                runs.append(("tandem-baseline", "tandem", True, baseline_src, None))
+                runs.append(("tandem-baseline", "tandem", True, baseline_src, ()))
         results = [run_engine(label, eng, wl_name, wl_path, args.timeout, pc, src, q)
                    for label, eng, pc, src, q in runs]
         by = {r["engine"]: r for r in results if "error" not in r}
@@ -335,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
             "tandem/hf": ratio(by.get("tandem"), by.get("hf")),
             "vllm/hf": ratio(by.get("vllm"), by.get("hf")),
         }
-        for q in quants:
-            ratios[f"tandem-{q}/tandem"] = ratio(by.get(f"tandem-{q}"), by.get("tandem"))
-            ratios[f"tandem-{q}/vllm"] = ratio(by.get(f"tandem-{q}"), by.get("vllm"))
+        for v, _ in variants:
+            ratios[f"tandem-{v}/tandem"] = ratio(by.get(f"tandem-{v}"), by.get("tandem"))
+            ratios[f"tandem-{v}/vllm"] = ratio(by.get(f"tandem-{v}"), by.get("vllm"))
         if baseline_src is not None:
             ratios["tandem/tandem-baseline"] = ratio(by.get("tandem"), by.get("tandem-baseline"))
             ratios["tandem-baseline/vllm"] = ratio(by.get("tandem-baseline"), by.get("vllm"))

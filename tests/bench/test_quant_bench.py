@@ -49,8 +49,12 @@ def test_report_prints_ratios_against_float32(capsys):
     assert "fp8     353 blocks     5 seqs (5.00x)" in out
 
 
-def test_offline_throughput_quantized_tandem_run():
-    cmd, env = offline_throughput.runner_cmd("tandem", Path("w.json"), quantization="int4")
+def test_offline_throughput_quantized_and_bfloat16_tandem_runs():
+    cmd, env = offline_throughput.runner_cmd("tandem", Path("w.json"),
+                                             engine_args=("quantization=int4",))
     assert cmd[-2:] == ["--engine-arg", "quantization=int4"]
+    cmd, _ = offline_throughput.runner_cmd("tandem", Path("w.json"),
+                                           engine_args=("dtype=bfloat16",))
+    assert cmd[-2:] == ["--engine-arg", "dtype=bfloat16"]
     cmd, _ = offline_throughput.runner_cmd("tandem", Path("w.json"))
     assert "--engine-arg" not in cmd

@@ -115,7 +115,7 @@ def build_shard(config: EngineConfig, path: Path, device: torch.device, dtype: t
     if config.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
         # the float linears left (all of them unless quantized): packed once for the CPU
         def packed() -> PackedMethod:
-            return PackedMethod(device=device, native=ops.lib)
+            return PackedMethod(device=device, native=ops.lib, dtype=dtype)
 
         count = convert_linears(model, packed) + convert_all_experts(model, packed)
         logger.info("packed %d float linear layers", count)

@@ -8,8 +8,11 @@
 * Otherwise (no compiler, no AVX2), and on CPUs with AVX-512: oneDNN's blocked layout
   (`torch.nn.functional.linear` would repack the weight on every call). oneDNN's AVX-512
   kernels beat the AVX2 panels there from a few rows up (docs/cpu.md).
-  `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone,
-  so every worker on one machine computes with the same kernel (same rounding).
+  `TANDEM_LINEAR_KERNEL=native|onednn` overrides the choice. It is made from the CPU alone
+  (`cpu_isa`, which `TANDEM_CPU_ISA` caps), so every worker on one machine computes with
+  the same kernel (same rounding).
+* bfloat16: oneDNN's blocked layout where the CPU has AVX512-BF16 (or AMX), bfloat16 in and
+  out, float32 accumulation; elsewhere `F.linear`.
 * A LM head tied to the token embedding always gets the native panels where they are
   built (the embedding reads its rows from them; oneDNN's layout is opaque), else stays a
   plain linear over the embedding's weight: the vocabulary matrix is stored once.
@@ -25,14 +28,23 @@ import os
 
 import torch
 
+from tandem.engine.cpu_isa import cpu_isa
+
 PANEL = 16  # output columns per packed panel (linear_cpu.c's NR)
 ONEDNN_BATCH_HINT = 64  # rows oneDNN tunes its packed layout for
 
 
 def onednn_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN's packed linear serves `dtype` here: float32 anywhere it is built; bfloat16
+    where the CPU multiplies bfloat16 in hardware (`cpu_isa` level `avx512_bf16` or above:
+    elsewhere oneDNN would emulate it, slower than `F.linear`)."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.float32:
+        return True
+    return (dtype == torch.bfloat16 and cpu_isa().at_least("avx512_bf16")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def native_simd(native: ctypes.CDLL | None) -> bool:
@@ -52,15 +64,18 @@ def native_preferred(native: ctypes.CDLL | None) -> bool:
         return choice == "native"
     if choice:
         raise ValueError(f"TANDEM_LINEAR_KERNEL must be 'native' or 'onednn', got {choice!r}")
-    return not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return not cpu_isa().at_least("avx512")
 
 
 def packing_available(dtype: torch.dtype, device: torch.device,
                       native: ctypes.CDLL | None) -> bool:
     """Whether `pack_linears` applies: float32 on the CPU with the native kernel (AVX2) or
-    oneDNN."""
-    return device.type == "cpu" and dtype == torch.float32 and (
-        native_simd(native) or onednn_available(dtype, device))
+    oneDNN, or bfloat16 where oneDNN multiplies it in hardware."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.bfloat16:
+        return onednn_available(dtype, device)
+    return dtype == torch.float32 and (native_simd(native) or onednn_available(dtype, device))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Float linear methods: "float" (`F.linear` over a `[N, K]` weight in the model dtype) and
 "packed" (CPU float32 weights packed once after loading into `model/cpu_linear.py`'s
-native 16-column panels or oneDNN's blocked layout)."""
+native 16-column panels or oneDNN's blocked layout; bfloat16 weights into oneDNN's, where
+the CPU has AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,16 @@ class PackedMethod(FloatMethod):
     packed LM head instead of a second copy (`tied_head_method`)."""
 
     def __init__(self, *, device: torch.device, native: ctypes.CDLL | None = None,
-                 native_panels: bool | None = None) -> None:
+                 native_panels: bool | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__(device=device)
         self.native = native
-        if native_panels is None:
+        self.dtype = dtype
+        if dtype != torch.float32:  # bfloat16: oneDNN only (the panels are float32)
+            if native_panels:
+                raise ValueError("native_panels=True needs float32 weights")
+            native_panels = False
+        elif native_panels is None:
             native_panels = native_preferred(native)
         elif native_panels and not native_simd(native):
             raise ValueError("native_panels=True needs the native AVX2 linear kernel")
@@ -87,7 +94,7 @@ class PackedMethod(FloatMethod):
         0.9-1.0x at 64; the plain `F.linear` 1.3-3.5x slower than panels everywhere."""
         if self.embeds_cheaply:
             return self
-        if native_simd(self.native):
+        if native_simd(self.native) and self.dtype == torch.float32:
             return PackedMethod(device=self.device, native=self.native, native_panels=True)
         return None
 
@@ -120,13 +127,13 @@ class PackedMethod(FloatMethod):
         n, k = layer.out_features, layer.in_features
         if self.kernel is not None:  # [P, K, 16] -> [P*16, K]
             return layer.packed.transpose(1, 2).reshape(-1, k)[:n].float()
-        eye = torch.eye(k, dtype=torch.float32)  # oneDNN's layout is opaque: W.T = I @ W.T
+        eye = torch.eye(k, dtype=self.dtype)  # oneDNN's layout is opaque: W.T = I @ W.T
         return torch.ops.mkldnn._linear_pointwise(eye, layer.packed, None, "none", [],
-                                                  "").T.contiguous()
+                                                  "").T.float().contiguous()
 
     def embed(self, layer: QuantLinear, ids: torch.Tensor) -> torch.Tensor:
         if hasattr(layer, "weight"):
             return layer.weight[ids]
         if self.kernel is not None:  # row n of W is column n % 16 of panel n // 16
             return layer.packed[ids // 16, :, ids % 16]
-        return self.dequantize(layer)[ids]
+        return self.dequantize(layer)[ids].to(layer.dtype)

@@ -90,7 +90,8 @@ def load_model(path: str | Path, engine_config: Any, device: torch.device, dtype
     model.load_weights(_first_layers(source.tensors(progress=False), arch.num_layers))
     model.eval()
     if cfg.cpu_linear == "packed" and packing_available(dtype, device, ops.lib):
-        convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib))
+        convert_linears(model, lambda: PackedMethod(device=device, native=ops.lib,
+                                                    dtype=dtype))
     return model, backend
 
 
