@@ -102,17 +102,22 @@ class StubWorker:
 
 class StubKV(worker_pb2_grpc.WorkerServicer):
     """A stub worker's gRPC side on a real port (a thread-pool server): `SubscribeKVEvents`
-    sends a snapshot (device, host-only and disk-only block lists) and then whatever `send`
-    queues (`stored` / `removed` with a medium, `cleared`), numbered in order; `GetLoad`
-    answers `load` (a `worker_pb2.Load`, the measured tier and peer costs included)."""
+    sends a snapshot of what the stub holds now (device, host-only and disk-only block
+    lists: the initial ones, changed by every event since) and then whatever `send` queues
+    (`stored` / `removed` with a medium, `cleared`), numbered in order, to every subscriber
+    (each stream its own queue, so a resubscribing router misses nothing, as with a real
+    worker); `GetLoad` answers `load` (a `worker_pb2.Load`, the measured tier and peer
+    costs included)."""
 
     def __init__(self, load: worker_pb2.Load | None = None, block_size: int = 16,
                  device: list[bytes] | None = None, host: list[bytes] | None = None,
                  disk: list[bytes] | None = None) -> None:
         self.load = load or worker_pb2.Load()
         self.block_size = block_size
-        self.snapshot = (device or [], host or [], disk or [])
-        self._queue: queue.Queue[worker_pb2.KVEvent] = queue.Queue()
+        # medium -> the blocks held there, in order (dicts as ordered sets)
+        self._held = {"device": dict.fromkeys(device or []), "host": dict.fromkeys(host or []),
+                      "disk": dict.fromkeys(disk or [])}
+        self._subscribers: list[queue.Queue[worker_pb2.KVEvent]] = []
         self._seq = 0
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -128,28 +133,41 @@ class StubKV(worker_pb2_grpc.WorkerServicer):
         with self._lock:
             self._seq += 1
             ev = worker_pb2.KVEvent(seq=self._seq)
+            held = self._held[medium or "device"]
             if kind == "stored":
                 ev.stored.CopyFrom(worker_pb2.BlockStored(block_hashes=hashes, medium=medium,
                                                           block_size=self.block_size))
+                held.update(dict.fromkeys(hashes))
             elif kind == "removed":
                 ev.removed.CopyFrom(worker_pb2.BlockRemoved(block_hashes=hashes, medium=medium))
+                for h in hashes:
+                    held.pop(h, None)
             else:
                 ev.cleared.CopyFrom(worker_pb2.AllBlocksCleared())
-            self._queue.put(ev)
+                for tier in self._held.values():
+                    tier.clear()
+            for q in self._subscribers:
+                q.put(ev)
 
     def SubscribeKVEvents(self, request, context):  # noqa: N802, ANN001, ANN201
-        device, host, disk = self.snapshot
-        with self._lock:
+        mine: queue.Queue[worker_pb2.KVEvent] = queue.Queue()
+        with self._lock:  # the snapshot and the events after it, with no gap
             seq = self._seq
-        yield worker_pb2.KVEventBatch(block_size=self.block_size, snapshot=worker_pb2.Snapshot(
-            seq=seq, instance_id="stub", block_hashes=device, host_block_hashes=host,
-            disk_block_hashes=disk))
-        while context.is_active():
-            try:
-                ev = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            yield worker_pb2.KVEventBatch(events=[ev])
+            device, host, disk = (list(self._held[m]) for m in ("device", "host", "disk"))
+            self._subscribers.append(mine)
+        try:
+            yield worker_pb2.KVEventBatch(block_size=self.block_size, snapshot=worker_pb2.Snapshot(
+                seq=seq, instance_id="stub", block_hashes=device, host_block_hashes=host,
+                disk_block_hashes=disk))
+            while context.is_active():
+                try:
+                    ev = mine.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                yield worker_pb2.KVEventBatch(events=[ev])
+        finally:
+            with self._lock:
+                self._subscribers.remove(mine)
 
     def GetLoad(self, request, context):  # noqa: N802, ANN001, ANN201
         return self.load
