@@ -185,28 +185,33 @@ class CacheSink:
     def bind(self, n: int, count):  # noqa: ANN001, ANN201 - the bytes counter; a LayerSink
         """A sink for a transfer of `n` blocks, written into cache blocks in reverse order
         (not one contiguous run, as after a real pool's churn)."""
-        from tandem.engine.kv_cache.pages import block_index, scatter_layer, scatter_layer_digest
+        from tandem.engine.kv_cache.pages import (
+            block_index,
+            scatter_layer,
+            scatter_layer_digest,
+            scatter_targets,
+        )
         from tandem.kvtransfer.client import inline_write
 
         ids = list(range(self.max_blocks - 1, self.max_blocks - 1 - n, -1))
         index = block_index(ids, self.caches[0][0].device)
+        targets = scatter_targets(n, ids, None, self.max_blocks)  # once, as an import does
         caches, executor = self.caches, self.executor
 
-        async def run(fn, layer: int, pages, *rest):  # noqa: ANN001, ANN002, ANN202
-            """`fn(caches, layer, ids, pages, *rest)` as the import writer runs it: a small
-            layer on the event loop, else on the writer thread."""
+        async def run(pages, fn, *args):  # noqa: ANN001, ANN002, ANN202
+            """`fn(*args)` writing `pages` as the import writer runs it: a small layer on
+            the event loop, else on the writer thread."""
             if inline_write(pages):
-                return fn(caches, layer, ids, pages, *rest)
-            return await asyncio.wrap_future(executor.submit(
-                fn, caches, layer, ids, pages, *rest))
+                return fn(*args)
+            return await asyncio.wrap_future(executor.submit(fn, *args))
 
         class Write:  # a `HashingSink`, as a decode worker's import writer (`_PageWriter`) is
             async def __call__(self, layer: int, pages) -> None:  # noqa: ANN001 - a Tensor
-                await run(scatter_layer, layer, pages, index)
+                await run(pages, scatter_layer, caches, layer, ids, pages, index)
                 await count(layer, pages)
 
             async def write_hashed(self, layer: int, pages) -> int | None:  # noqa: ANN001
-                got = await run(scatter_layer_digest, layer, pages)
+                got = await run(pages, scatter_layer_digest, caches, layer, targets, pages)
                 if got is not None:
                     await count(layer, pages)
                 return got
@@ -226,25 +231,10 @@ class CacheSink:
                                          "the sender's")
 
 
-def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
-    """A plain copy of `nbytes` into a buffer that is already mapped (the first copy takes
-    the page faults and is not timed): what moving the bytes costs at memory speed."""
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
-def memcpy_1t_gbps(nbytes: int, reps: int = 3) -> float:
-    """One libc `memcpy` of `nbytes` into a buffer that is already mapped: one core's copy,
-    the rate one stream of bytes moves at (`memcpy_gbps` splits the copy over every core)."""
+def memcpy_gbps(nbytes: int, reps: int = 3) -> tuple[float, float]:
+    """Plain copies of `nbytes` into a buffer that is already mapped (the first copy takes
+    the page faults and is not timed): what moving the bytes costs at memory speed, as
+    (torch's `copy_` on every core, one libc `memcpy`: one core, one stream of bytes)."""
     import ctypes
 
     import torch
@@ -252,12 +242,18 @@ def memcpy_1t_gbps(nbytes: int, reps: int = 3) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * 4)
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best / 1e9
+    size = src.numel() * 4
+
+    def best(copy) -> float:  # noqa: ANN001 - a no-argument callable
+        fastest = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            copy()
+            fastest = min(fastest, time.perf_counter() - t0)
+        return size / fastest / 1e9
+
+    return (best(lambda: dst.copy_(src)),
+            best(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), size)))
 
 
 async def raw_ceiling(channels: list, mib: int, sender_pid: int, reps: int = 5) -> dict:
@@ -382,7 +378,7 @@ def throughput(backends: list[str], sizes: list[int], reps: int, sink: str = "co
                     if cache is not None:
                         cache.check(n)
                     best = min(times)
-                    base, one = memcpy_gbps(nbytes), memcpy_1t_gbps(nbytes)
+                    base, one = memcpy_gbps(nbytes)
                     row = {"backend": label, "blocks": n, "bytes": nbytes,
                            "sink": "cache" if cache is not None else "count",
                            "seconds_best": best, "seconds_all": times,

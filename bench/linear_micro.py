@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,23 @@ from tandem.engine.model.cpu_linear import pack_panels
 from tandem.engine.native import load_native
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def _onednn_and_plain(weights: list[torch.Tensor]) -> tuple[Callable[[dict], None],
+                                                               Callable[[dict], None]]:
+    """One forward's linears over `weights` (their dtype): oneDNN's pre-packed layout, and
+    `F.linear` on the plain weights; each takes {in_features: x}."""
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+
+    def onednn(xs: dict) -> None:
+        for p, w in zip(packed, weights, strict=True):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    def plain(xs: dict) -> None:
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    return onednn, plain
 
 
 def main() -> int:
@@ -44,18 +62,9 @@ def main() -> int:
         return 1
     torch.manual_seed(0)
     weights = [torch.randn(n, k) for n, k in SHAPES]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     panels = [pack_panels(w) for w in weights]
     flops_per_row = sum(2 * w.numel() for w in weights)
     threads = torch.get_num_threads()
-
-    def onednn(xs: dict) -> None:
-        for p, w in zip(packed, weights, strict=True):
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-
-    def plain(xs: dict) -> None:
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
 
     def native(xs: dict) -> None:
         for w, wp in zip(weights, panels, strict=True):
@@ -65,23 +74,14 @@ def main() -> int:
             lib.tandem_linear_packed_f32(x.data_ptr(), wp.data_ptr(), None, y.data_ptr(),
                                          x.shape[0], n, k, threads)
 
+    onednn, plain = _onednn_and_plain(weights)
     modes = [("onednn", onednn, torch.float32), ("plain", plain, torch.float32),
              ("native", native, torch.float32)]
     if args.bf16:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             print("oneDNN has no bfloat16 kernels on this CPU", file=sys.stderr)
             return 1
-        weights16 = [w.to(torch.bfloat16) for w in weights]
-        packed16 = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights16]
-
-        def onednn16(xs: dict) -> None:
-            for p, w in zip(packed16, weights16, strict=True):
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-
-        def plain16(xs: dict) -> None:
-            for w in weights16:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-
+        onednn16, plain16 = _onednn_and_plain([w.to(torch.bfloat16) for w in weights])
         modes += [("bf16_onednn", onednn16, torch.bfloat16),
                   ("bf16_plain", plain16, torch.bfloat16)]
     rows = []

@@ -18,6 +18,7 @@ from tandem.engine.kv_cache.pages import (
     host_pages_into,
     scatter_layer,
     scatter_layer_digest,
+    scatter_targets,
 )
 
 
@@ -70,6 +71,14 @@ def test_copy_blocks_refuses_bad_indices():
         page_copy.copy_blocks(buf.ctypes.data, np.array([0], dtype=np.int32), None, None, 8)
 
 
+def scatter_digest(dst, layer: int, ids: list[int], pages: torch.Tensor,
+                   select: list[int] | None = None) -> int | None:
+    """`scatter_layer_digest` with the targets an import builds once (`scatter_targets`)."""
+    n = pages.shape[1] if pages.dim() > 1 else 0
+    return scatter_layer_digest(dst, layer, scatter_targets(n, ids, select, dst[0][0].shape[0]),
+                                pages)
+
+
 def caches(seed: int, dtype: torch.dtype, blocks: int = 20, layers: int = 3):
     g = torch.Generator().manual_seed(seed)
 
@@ -120,7 +129,7 @@ def test_scatter_layer_digest_writes_the_selected_blocks_and_hashes_all(dtype):
         want = [(k.clone(), v.clone()) for k, v in dst]
         if chosen:
             scatter_layer(want, 1, ids, pages[:, chosen].contiguous())
-        got = scatter_layer_digest(dst, 1, ids, pages, select)
+        got = scatter_digest(dst, 1, ids, pages, select)
         assert got == xxhash.xxh3_64(pages.view(torch.uint8).numpy().tobytes()).intdigest()
         for (k, v), (wk, wv) in zip(dst, want, strict=True):
             assert torch.equal(k, wk) and torch.equal(v, wv), seed
@@ -128,14 +137,20 @@ def test_scatter_layer_digest_writes_the_selected_blocks_and_hashes_all(dtype):
 
 def test_scatter_layer_digest_declines_what_it_cannot_write():
     """None, and nothing written, for pages of another dtype or shape, ids outside the
-    cache, a selection that repeats or does not match the ids."""
+    cache, a selection that repeats or does not match the ids (no targets)."""
     src, dst = caches(1, torch.float32), caches(2, torch.float32)
     before = [(k.clone(), v.clone()) for k, v in dst]
     pages = gather_layer(src, 0, [1, 2, 3])
     for args in ((pages.double(), None, [0, 1, 2]), (pages[:, :2], None, [0, 1, 2]),
                  (pages, None, [0, 1, 20]), (pages, [0, 0], [4, 5]), (pages, [0, 1], [4]),
                  (pages, [0, 3], [4, 5])):
-        assert scatter_layer_digest(dst, 0, args[2], args[0], args[1]) is None
+        assert scatter_digest(dst, 0, args[2], args[0], args[1]) is None
+    # the targets themselves: -1 where a page is only hashed; None for what cannot be
+    assert scatter_targets(3, [4, 5], [0, 2], 20).tolist() == [4, -1, 5]
+    assert scatter_targets(2, [], [], 20).tolist() == [-1, -1]
+    for n, ids, select in ((2, [0, 1, 2], None), (3, [0, 1, 20], None), (3, [4, 5], [0, 0]),
+                           (3, [4], [0, 1]), (3, [4, 5], [0, 3]), (3, [-1, 2, 3], None)):
+        assert scatter_targets(n, ids, select, 20) is None
     assert all(torch.equal(k, bk) and torch.equal(v, bv)
                for (k, v), (bk, bv) in zip(dst, before, strict=True))
 
@@ -153,6 +168,6 @@ def test_without_the_kernel_the_numpy_path_writes_the_same(monkeypatch):
     out = torch.empty_like(want[0])
     pages(2, 0, 0, out)
     assert torch.equal(out, want[0])
-    assert scatter_layer_digest(dst, 2, [1, 2, 3, 4], want) is None
+    assert scatter_digest(dst, 2, [1, 2, 3, 4], want) is None
     scatter_layer(dst, 2, [1, 2, 3, 4], want)
     assert torch.equal(dst[2][1][[1, 2, 3, 4]], want[1])

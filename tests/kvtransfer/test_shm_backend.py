@@ -31,6 +31,7 @@ from tandem.engine.kv_cache.pages import (
     host_pages_into,
     scatter_layer,
     scatter_layer_digest,
+    scatter_targets,
 )
 from tandem.engine.llm_engine import LLMEngine
 from tandem.kvtransfer import shm_backend, shm_segments
@@ -145,7 +146,8 @@ class HashingCacheSink:
 
     async def write_hashed(self, layer, pages) -> int | None:
         self.seen.append(layer)
-        return scatter_layer_digest(self.dst, layer, self.ids, pages)
+        targets = scatter_targets(pages.shape[1], self.ids, None, self.dst[0][0].shape[0])
+        return scatter_layer_digest(self.dst, layer, targets, pages)
 
 
 class Sender(ShmBackend):

@@ -26,10 +26,12 @@ from tandem.engine.kv_cache.pages import (
     host_pages_into,
     scatter_layer,
     scatter_layer_digest,
+    scatter_targets,
 )
 from tandem.engine.kv_pages import ImportCommit, ImportPins, layer_page_views
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from tandem.engine.config import EngineConfig
@@ -304,6 +306,8 @@ class PageSink:
         self._index = block_index(block_ids, caches[0][0].device) if self._in_place else None
         self._staged: dict[int, torch.Tensor] = {}
         self._written: set[int] = set()
+        # `write_hashed`'s (pages, selection) -> `scatter_targets`, the same every layer
+        self._targets: tuple[tuple, np.ndarray | None] | None = None
 
     def write(self, layer: int, pages: torch.Tensor) -> None:
         """Layer `layer`'s `[2, n, KVH, bs, row]` pages (the cache's dtype, any device)."""
@@ -321,7 +325,12 @@ class PageSink:
         cache is not written in place or not in host memory, or without the native kernel."""
         if not self._in_place:
             return None
-        got = scatter_layer_digest(self._caches, layer, self.block_ids, pages, select)
+        n = pages.shape[1] if pages.dim() > 1 else 0
+        key = (n, None if select is None else tuple(select))
+        if self._targets is None or self._targets[0] != key:  # once per import
+            self._targets = key, scatter_targets(n, self.block_ids, select,
+                                                 self._caches[0][0].shape[0])
+        got = scatter_layer_digest(self._caches, layer, self._targets[1], pages)
         if got is not None:
             self._written.add(layer)
         return got

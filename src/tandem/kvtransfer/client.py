@@ -40,10 +40,10 @@ import concurrent.futures
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -357,6 +357,8 @@ def _encode_request(request: worker_pb2.PrefillRequest | bytes) -> bytes:
     return request if isinstance(request, bytes) else request.SerializeToString()
 
 
+_T = TypeVar("_T")
+
 # a layer of at most this many bytes (host memory) is written on the event loop: tens of
 # microseconds, less than the hand-off to the writer thread and back
 INLINE_WRITE = 256 << 10
@@ -383,6 +385,7 @@ class _PageWriter:
         self._ids: list[int] = []
         self._sink: PageSinkAPI | None = None  # None: nothing to write (every block was here)
         self._select: torch.Tensor | None = None
+        self._select_list: list[int] | None = None  # the same positions, for `write_hashed`
         self._writes: list[concurrent.futures.Future] = []
 
     async def pin(self, kv: KVConnector, hashes: list[BlockHash], tail: bool = True) -> None:
@@ -397,6 +400,7 @@ class _PageWriter:
         self._ids = [self.pins.blocks[i].block_id for i in fresh]
         if fresh != list(range(self.offer.num_blocks)):
             self._select = torch.tensor(fresh, dtype=torch.int64)
+            self._select_list = fresh
         if self._ids:
             self._sink = kv.page_sink(self._ids)
 
@@ -410,12 +414,7 @@ class _PageWriter:
         """The backend's sink: write one layer's `[2, n, kvh, bs, row]` pages."""
         if self._sink is None or self.released:
             return
-        if inline_write(pages):
-            self._write(layer, pages)
-            return
-        cf = self.executor.submit(self._write, layer, pages)
-        self._writes.append(cf)
-        await asyncio.wrap_future(cf)
+        await self._run(pages, self._write, layer, pages)
 
     async def __call__(self, layer: int, pages: torch.Tensor) -> None:
         await self.write(layer, pages)
@@ -425,10 +424,15 @@ class _PageWriter:
         (nothing written) where the page sink cannot hash (`PageSink.write_hashed`)."""
         if self._sink is None or self.released:
             return None
-        select = None if self._select is None else self._select.tolist()
+        return await self._run(pages, self._sink.write_hashed, layer, pages,
+                               self._select_list)
+
+    async def _run(self, pages: torch.Tensor, fn: Callable[..., _T], *args: object) -> _T:
+        """`fn(*args)` writing `pages`: on the event loop when they are small
+        (`inline_write`), else on the writer thread, tracked until it ends."""
         if inline_write(pages):
-            return self._sink.write_hashed(layer, pages, select)
-        cf = self.executor.submit(self._sink.write_hashed, layer, pages, select)
+            return fn(*args)
+        cf = self.executor.submit(fn, *args)
         self._writes.append(cf)
         return await asyncio.wrap_future(cf)
 

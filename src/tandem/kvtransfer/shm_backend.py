@@ -122,19 +122,28 @@ def _copy_in(slot: memoryview, pieces: list[memoryview] | None, pages: torch.Ten
     return copy_digest(slot, pieces, CHUNK if len(slot) > FUSE_ABOVE else len(slot))
 
 
+def _check(got: int, want: int, layer: int) -> None:
+    if got != want:
+        raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+
+
+async def _check_slot(view: memoryview, want: int, layer: int) -> None:
+    """The slot's bytes hash to `want` (hashed off the event loop when large)."""
+    _check(await asyncio.to_thread(_digest, view) if len(view) > HASH_IN_THREAD
+           else _digest(view), want, layer)
+
+
 async def _write_checked(sink: HashingSink, layer: int, pages: torch.Tensor, view: memoryview,
                          want: int) -> None:
     """`sink` writes `layer` while hashing it (one pass over the slot), then the digest is
     checked: a mismatch fails the transfer, and the blocks written are freed uncached
     (`HashingSink`). A sink that cannot hash gets the pages after the check, as any sink."""
     got = await sink.write_hashed(layer, pages)
-    if got is None:
-        got = (await asyncio.to_thread(_digest, view) if len(view) > HASH_IN_THREAD
-               else _digest(view))
-        if got == want:
-            await sink(layer, pages)
-    if got != want:
-        raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+    if got is not None:
+        _check(got, want, layer)
+        return
+    await _check_slot(view, want, layer)
+    await sink(layer, pages)
 
 
 @register_backend
@@ -181,8 +190,8 @@ class ShmBackend(TransferBackend):
             try:
                 seg = self._instance.create(slots, need)
             except OSError as exc:  # shared memory full or missing: no offer
-                logger.warning("[%s] no shared-memory segment of 2 x %d bytes (%s); asking "
-                               "for grpc", request.request_id[:64], need, exc)
+                logger.warning("[%s] no shared-memory segment of %d x %d bytes (%s); asking "
+                               "for grpc", request.request_id[:64], slots, need, exc)
                 return
             seg.peer = peer
         seg.consumed = 0
@@ -251,10 +260,7 @@ class ShmBackend(TransferBackend):
             if hashing:  # written while hashed, checked after
                 work = _write_checked(sink, layer, pages, view, end.xxh3_64)  # type: ignore[arg-type]
             else:
-                got = (await asyncio.to_thread(_digest, view) if size > HASH_IN_THREAD
-                       else _digest(view))
-                if end.xxh3_64 != got:
-                    raise KVTransferError("invalid", f"page checksum mismatch in layer {layer}")
+                await _check_slot(view, end.xxh3_64, layer)
                 work = sink(layer, pages)
             digests.append(end.xxh3_64)
             done.append(False)

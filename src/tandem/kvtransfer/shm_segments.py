@@ -65,10 +65,7 @@ class Segment:
     slot_bytes: int
     peer: str = ""  # receiver: the prefill worker it is kept for between transfers
     idle_since: float = 0.0
-    _futex: object = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._futex = _UNSET
+    _futex: object = field(default=_UNSET, init=False, repr=False)  # `_word`'s, once known
 
     def slot(self, i: int, nbytes: int) -> memoryview:
         start = CONTROL_BYTES + i * self.slot_bytes

@@ -57,11 +57,9 @@ class HostPages:
     def __init__(self, kv_caches: Caches, block_ids: list[int]) -> None:
         self._caches = kv_caches
         self._k0 = kv_caches[0][0]
-        self._ids = np.asarray(block_ids, dtype=np.intp)
-        self._ids64 = page_copy.block_indices(block_ids)
+        self._ids = page_copy.block_indices(block_ids)
         self._page = self._k0[0].numel() * self._k0.element_size()  # bytes of one block
         self._native = page_copy.available()
-        self._digest: page_copy.Digest | None = None
 
     def _check(self, out: torch.Tensor, lead: tuple[int, ...]) -> None:
         k0 = self._k0
@@ -80,7 +78,7 @@ class HostPages:
             return
         src = self._caches[layer][kv]
         if self._native:
-            page_copy.copy_blocks(src.data_ptr(), self._ids64[first:first + m],
+            page_copy.copy_blocks(src.data_ptr(), self._ids[first:first + m],
                                   out.data_ptr(), _arange(m), self._page)
             return
         np.take(_block_rows(src, len(self._k0)), self._ids[first:first + m],
@@ -94,12 +92,9 @@ class HostPages:
             return None
         n = len(self._ids)
         self._check(out, (2, n))
-        if self._digest is None:
-            self._digest = page_copy.Digest()
-        d = self._digest
-        d.reset()
+        d = _thread_digest()
         for kv in (0, 1):
-            page_copy.copy_blocks(self._caches[layer][kv].data_ptr(), self._ids64,
+            page_copy.copy_blocks(self._caches[layer][kv].data_ptr(), self._ids,
                                   out[kv].data_ptr(), _arange(n), self._page, d, stream)
         return d.intdigest()
 
@@ -135,36 +130,68 @@ def scatter_layer(kv_caches: Caches, layer: int, block_ids: list[int], pages: to
     v.index_copy_(0, idx, pages[1].to(v.device))
 
 
-_digests = threading.local()  # a page_copy.Digest per writer thread
+_digests = threading.local()  # a page_copy.Digest per thread that copies pages
 
 
-def scatter_layer_digest(kv_caches: Caches, layer: int, block_ids: list[int],
-                         pages: torch.Tensor, select: list[int] | None = None) -> int | None:
-    """Write blocks `select` of `[2, n, kvh, *page]` host `pages` (positions among the n;
-    None: all n) into `block_ids` of `layer` (one id per written block, in order) and
-    return the XXH3-64 of all of `pages`' bytes, K then V, each block hashed as it is read
-    (the native kernel: the bytes cross memory once). None, nothing written, for a device
-    cache or pages, another dtype or shape, ids outside the cache, or without the kernel."""
-    k, v = kv_caches[layer]
-    n = pages.shape[1] if pages.dim() > 1 else 0
-    pos = list(range(n)) if select is None else select
-    if (not page_copy.available() or k.device.type != "cpu" or pages.device.type != "cpu"
-            or pages.dtype != k.dtype or v.dtype != k.dtype or v.shape != k.shape
-            or not (k.is_contiguous() and v.is_contiguous() and pages.is_contiguous())
-            or tuple(pages.shape) != (2, n, *k.shape[1:]) or len(pos) != len(block_ids)
-            or (block_ids and (min(block_ids) < 0 or max(block_ids) >= k.shape[0]))
-            or (pos and (min(pos) < 0 or max(pos) >= n)) or len(set(pos)) != len(pos)):
-        return None
-    dst = np.full(n, -1, dtype=np.int64)  # -1: hashed, not written
-    dst[np.asarray(pos, dtype=np.int64)] = block_ids
+def _thread_digest() -> page_copy.Digest:
+    """This thread's XXH3-64 state, reset."""
     digest = getattr(_digests, "digest", None)
     if digest is None:
         digest = _digests.digest = page_copy.Digest()
     digest.reset()
+    return digest
+
+
+def _host_pages_fit(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor, n: int) -> bool:
+    """`pages` is `[2, n, kvh, *page]` host memory of the host-memory cache (K `k`, V `v`)'s
+    dtype and page shape, and the cache is contiguous."""
+    return (k.device.type == "cpu" and pages.device.type == "cpu" and pages.dtype == k.dtype
+            and v.dtype == k.dtype and v.shape == k.shape
+            and k.is_contiguous() and v.is_contiguous()
+            and tuple(pages.shape) == (2, n, *k.shape[1:]))
+
+
+def _native_scatter(k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+                    targets: np.ndarray, digest: page_copy.Digest | None = None) -> None:
+    """Pages i of contiguous `pages` into blocks `targets[i]` of K and V (-1: hashed only),
+    non-temporal stores from `STREAM_CACHE_WRITES` up."""
+    n = len(targets)
     page = k[0].numel() * k.element_size()
     for i, t in enumerate((k, v)):
-        page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), dst, page, digest,
-                              stream=2 * n * page >= page_copy.STREAM_CACHE_WRITES)
+        page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), targets, page,
+                              digest, stream=2 * n * page >= page_copy.STREAM_CACHE_WRITES)
+
+
+def scatter_targets(num_pages: int, block_ids: list[int], select: list[int] | None,
+                    num_cache_blocks: int) -> np.ndarray | None:
+    """The cache block each of `num_pages` pages goes to (`scatter_layer_digest`'s
+    `targets`): `block_ids[j]` for page `select[j]` (None: page j), -1 (hashed, not
+    written) for the pages not selected. None for ids outside a cache of `num_cache_blocks`
+    blocks, or a selection that repeats, leaves `[0, num_pages)` or does not match the ids
+    one for one. Build it once per import: every layer moves the same blocks."""
+    pos = list(range(num_pages)) if select is None else select
+    if (len(pos) != len(block_ids) or len(set(pos)) != len(pos)
+            or (pos and (min(pos) < 0 or max(pos) >= num_pages))
+            or (block_ids and (min(block_ids) < 0 or max(block_ids) >= num_cache_blocks))):
+        return None
+    targets = np.full(num_pages, -1, dtype=np.int64)
+    targets[np.asarray(pos, dtype=np.int64)] = block_ids
+    return targets
+
+
+def scatter_layer_digest(kv_caches: Caches, layer: int, targets: np.ndarray | None,
+                         pages: torch.Tensor) -> int | None:
+    """Write page i of `[2, n, kvh, *page]` host `pages` into block `targets[i]` of `layer`
+    (`scatter_targets`; -1: not written) and return the XXH3-64 of all of `pages`' bytes, K
+    then V, each block hashed as it is read (the native kernel: the bytes cross memory
+    once). None, nothing written, for no `targets`, a device cache or pages, another dtype
+    or shape, or without the kernel."""
+    k, v = kv_caches[layer]
+    if (targets is None or not page_copy.available() or not pages.is_contiguous()
+            or not _host_pages_fit(k, v, pages, len(targets))):
+        return None
+    digest = _thread_digest()
+    _native_scatter(k, v, pages, targets, digest)
     return digest.intdigest()
 
 
@@ -174,24 +201,18 @@ def _host_scatter(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
     kernel (`page_copy`), else numpy's indexed assignment (one thread, the GIL released).
     torch's `index_copy_` runs an OpenMP team that stalls whenever another thread or process
     holds a core (a P/D import runs beside the sender and the engine), at about half the
-    speed then. False (nothing
-    written) for anything else: device tensors, another dtype or shape, a negative id."""
+    speed then. False (nothing written) for anything else: device tensors, another dtype
+    or shape, a negative id."""
     n = len(block_ids)
-    if (k.device.type != "cpu" or pages.device.type != "cpu" or pages.dtype != k.dtype
-            or v.dtype != k.dtype or not (k.is_contiguous() and v.is_contiguous())
-            or tuple(pages.shape) != (2, n, *k.shape[1:]) or v.shape != k.shape
-            or n == 0 or min(block_ids) < 0 or max(block_ids) >= k.shape[0]):
+    if not _host_pages_fit(k, v, pages, n) or n == 0 or min(block_ids) < 0 \
+            or max(block_ids) >= k.shape[0]:
         return False
     ids = (index.numpy() if index is not None and index.device.type == "cpu"
            and index.dtype == torch.int64 and len(index) == n else
            np.asarray(block_ids, dtype=np.int64))
     pages = pages.contiguous()
     if page_copy.available():  # one native copy per layer half, at memory speed
-        page = k[0].numel() * k.element_size()
-        ids = page_copy.block_indices(ids)
-        for i, t in enumerate((k, v)):
-            page_copy.copy_blocks(pages[i].data_ptr(), _arange(n), t.data_ptr(), ids, page,
-                                  stream=2 * n * page >= page_copy.STREAM_CACHE_WRITES)
+        _native_scatter(k, v, pages, page_copy.block_indices(ids))
         return True
     src = _block_rows(pages, 2 * n)
     for i, t in enumerate((k, v)):
