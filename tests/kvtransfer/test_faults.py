@@ -392,6 +392,88 @@ def test_the_decode_cache_holds_only_its_own_computation(cluster):
     assert metric(c.decode.url, "vllm:prefix_cache_hits_total") > hits
 
 
+def layer_pages(chunks: list[worker_pb2.PageChunk]) -> list:
+    """Each layer's `[2, n, kvh, bs, hd]` pages, from a real gRPC page reply's data."""
+    import torch
+
+    from tests.kvtransfer.fake_prefill import LAYOUT
+
+    h = chunks[0].header
+    out = [bytearray(h.layer_bytes) for _ in range(h.num_layers)]
+    for c in chunks:
+        if c.WhichOneof("kind") == "data":
+            out[c.data.layer][c.data.offset:c.data.offset + len(c.data.data)] = c.data.data
+    return [torch.frombuffer(b, dtype=torch.float32).view(
+        LAYOUT.layer_shape(len(h.block_hashes))) for b in out]
+
+
+def shm_pages(chunks: list[worker_pb2.PageChunk], damaged_layer: int | None, used: list):
+    """A behaviour that takes the decode worker's shared-memory offer and sends the real
+    pages of `chunks` through its slots with the real `shm` sender; with `damaged_layer`,
+    one byte of that layer's slot is flipped after the sender hashed it (as memory
+    corrupted between the workers would be). `used` collects the segments it wrote to."""
+    from tandem.kvtransfer.base import SendJob
+    from tandem.kvtransfer.shm_backend import ShmBackend
+    from tests.kvtransfer.fake_prefill import LAYOUT
+
+    pages = layer_pages(chunks)
+
+    async def behaviour(request, context):
+        n = len(chunks[0].header.block_hashes)
+        backend = ShmBackend()
+        try:
+            assert backend.transport(request, chunks[0].header.layer_bytes) == "shm"
+            used.append(request.shm_segment)
+            first = worker_pb2.PageChunk.FromString(chunks[0].SerializeToString())
+            first.header.transport = "shm"
+            yield first
+            job = SendJob(request, LAYOUT, list(range(n)), lambda layer: pages[layer], 1e18)
+            async for msg in backend.send(job):
+                ended = ([msg.layer_end.layer] if msg.WhichOneof("kind") == "layer_end" else
+                         [e.layer for e in msg.layer_ends.ends])
+                if damaged_layer in ended:  # hashed by now, not yet read by the receiver
+                    seg = backend._mapped(request)
+                    seg.slot(damaged_layer % seg.slots, 4)[3] ^= 0xFF  # sign and exponent
+                yield msg
+        finally:
+            await backend.close()
+
+    return behaviour
+
+
+def test_a_damaged_shared_memory_slot_is_refused_and_its_blocks_never_cached(cluster):
+    """The decode worker offers shared memory to a prefill worker on its node; a stand-in
+    takes the offer and sends real pages through the slots. Sound, they are imported
+    (one fetch `ok`, every byte counted). With one byte of layer 7 flipped after the
+    sender hashed it, the decode worker, which writes each layer into its pinned blocks
+    while hashing it, finds the mismatch: the import is refused (`invalid`), the prompt is
+    recomputed (the aggregated worker's tokens), nothing is imported or left pinned, and
+    asking again gives the same tokens (no damaged block was ever cached)."""
+    c = cluster
+    fake, used = FakePrefillServer(free_port()), []  # a peer never seen answering by grpc
+    try:
+        sound = ids(900, 3 * BS + 5)
+        fake.behaviour = shm_pages(real_pages(c, sound), None, used)
+        ok, got_bytes = fetches(c.decode.url, "ok"), fetched_bytes(c.decode.url)
+        assert text(c.decode.url, sound, fake.target) == text(c.single.url, sound)
+        assert fetches(c.decode.url, "ok") == ok + 1 and len(used) == 1
+        assert fetched_bytes(c.decode.url) == got_bytes + 3 * BLOCK_BYTES
+
+        damaged = ids(901, 3 * BS + 5)
+        fake.behaviour = shm_pages(real_pages(c, damaged), 7, used)
+        want = text(c.single.url, damaged)
+        bad, got_bytes = fetches(c.decode.url, "invalid"), fetched_bytes(c.decode.url)
+        assert text(c.decode.url, damaged, fake.target) == want
+        assert fetches(c.decode.url, "invalid") == bad + 1 and len(used) == 2
+        assert fetched_bytes(c.decode.url) == got_bytes  # nothing was imported
+        wait_idle(c.decode.url, 10)  # and nothing stays pinned
+        hits = metric(c.decode.url, "vllm:prefix_cache_hits_total")
+        assert text(c.decode.url, damaged) == want  # from what it computed itself
+        assert metric(c.decode.url, "vllm:prefix_cache_hits_total") > hits
+    finally:
+        fake.stop()
+
+
 def test_the_local_prefix_stays_pinned_while_the_rest_is_fetched(cluster):
     """The decode worker plans its fetch against the prefix it already holds and pins it at
     once: evicting that prefix before the request is admitted would waste every imported

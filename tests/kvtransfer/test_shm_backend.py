@@ -137,16 +137,20 @@ class HashingCacheSink:
     """A `HashingSink` over a cache (as a decode worker's import writer is): writes while
     hashing (`scatter_layer_digest`), records the layers it was called for."""
 
-    def __init__(self, dst, ids: list[int]) -> None:
-        self.dst, self.ids, self.seen = dst, ids, []
+    def __init__(self, dst, ids: list[int], select: list[int] | None = None) -> None:
+        """`select`: the positions among the sent pages that `ids` are for (the rest: held
+        already, hashed and not written, as an import skips them); None: all."""
+        self.dst, self.ids, self.select, self.seen = dst, ids, select, []
 
     async def __call__(self, layer, pages) -> None:
         self.seen.append(layer)
-        scatter_layer(self.dst, layer, self.ids, pages)
+        chosen = pages if self.select is None else pages[:, self.select]
+        scatter_layer(self.dst, layer, self.ids, chosen)
 
     async def write_hashed(self, layer, pages) -> int | None:
         self.seen.append(layer)
-        targets = scatter_targets(pages.shape[1], self.ids, None, self.dst[0][0].shape[0])
+        targets = scatter_targets(pages.shape[1], self.ids, self.select,
+                                  self.dst[0][0].shape[0])
         return scatter_layer_digest(self.dst, layer, targets, pages)
 
 
@@ -317,6 +321,53 @@ def test_layer_ends_come_batched_only_to_a_receiver_that_offers_it():
             with pytest.raises(KVTransferError, match=match):
                 await receiver.receive(req, receiver.layout, 3, forged_stream(), nothing)
             await receiver.release(req)
+        await receiver.close()
+        await sender.close()
+
+    asyncio.run(main())
+
+
+def test_no_damaged_slot_goes_unnoticed_over_random_traces(monkeypatch):
+    """400 seeded traces: random blocks sent, a random subset of them written (the rest
+    held already: hashed, not written), two slots or one per layer, a sink that hashes as
+    it writes or one that is handed checked pages, and in half the traces one random byte
+    of one random layer's slot flipped after the sender hashed it. A damaged trace always
+    fails `invalid` (however far the writes went); a sound one lands every written page
+    exactly and leaves every other block as it was."""
+    receiver, sender, src = backends(11)
+
+    async def main() -> None:
+        rng = random.Random(11)
+        for trace in range(400):
+            monkeypatch.setattr(shm_backend, "SLOT_BUDGET", rng.choice([0, 8 << 20]))
+            n = rng.randint(1, 6)
+            src_ids = rng.sample(range(BLOCKS), n)
+            select = sorted(rng.sample(range(n), rng.randint(0, n)))
+            dst_ids = rng.sample(range(BLOCKS), len(select))
+            dst = [(torch.randn_like(k), torch.randn_like(v)) for k, v in src]
+            before = [(k.clone(), v.clone()) for k, v in dst]
+            sink = HashingCacheSink(dst, dst_ids, select)
+            sink_fn = sink if rng.random() < 0.75 else sink.__call__  # no write_hashed
+            bad = rng.randrange(LAYERS) if trace % 2 else None
+            size = n * receiver.layout.block_layer_bytes
+            at = rng.randrange(size)
+
+            def damage(req, layers, bad=bad, at=at, size=size):
+                if bad in layers:
+                    seg = receiver._segments[req.shm_segment]
+                    seg.slot(bad % seg.slots, size)[at] ^= 1 << rng.randrange(8)
+
+            if bad is not None:
+                with pytest.raises(KVTransferError, match=f"mismatch in layer {bad}") as err:
+                    await transfer(receiver, sender, src, src_ids, sink_fn, damage=damage)
+                assert err.value.reason == "invalid", trace
+                continue
+            assert await transfer(receiver, sender, src, src_ids, sink_fn) == "shm"
+            for layer in range(LAYERS):
+                for kv in range(2):
+                    want = before[layer][kv].clone()
+                    want[dst_ids] = src[layer][kv][[src_ids[i] for i in select]]
+                    assert torch.equal(dst[layer][kv], want), trace
         await receiver.close()
         await sender.close()
 
