@@ -21,6 +21,7 @@ each step's ids reach the host before the next schedule), so one run gives the h
 before and after it; the order rotates each round.
 
     .venv/bin/python bench/host_share.py [--rounds 2] [--http] [--compare-optimistic]
+        [--dtype bfloat16] [--threads 2]
 
 JSON: bench/results/host_share-<date>.json (raw per-step rows of every run).
 """
@@ -203,6 +204,7 @@ def main() -> int:
                     help="output tokens per stream in the gil_share.py runs")
     ap.add_argument("--compare-optimistic", action="store_true",
                     help="also run the overlapped loop with the optimistic path off")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16, ...)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -214,7 +216,7 @@ def main() -> int:
     from tandem.serving.worker import SERVING_MAX_BATCHED_TOKENS
 
     t_start = time.time()
-    config = EngineConfig(model=args.model, num_threads=args.threads or None,
+    config = EngineConfig(model=args.model, num_threads=args.threads or None, dtype=args.dtype,
                           max_num_batched_tokens=SERVING_MAX_BATCHED_TOKENS)
     engine = LLMEngine(config)
     rec = Recorder(engine)

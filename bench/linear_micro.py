@@ -8,8 +8,9 @@ head; random float32 weights, 540 MB, so they stream from DRAM like the real mod
 oneDNN pre-packed weights (the fallback path), `F.linear` on plain weights (MKL), and the
 native packed-panel kernel (`tandem_linear_packed_f32`, the default). `--bf16` adds the
 same linears in bfloat16 (where oneDNN has bfloat16 kernels): oneDNN's packed weights (what
-the engine uses on CPUs with AVX512-BF16) and `F.linear`. Prints ms per forward, the
-native kernel's GFLOPS, and oneDNN/native ratios; JSON goes to
+the engine uses on AMX CPUs), `F.linear`, and the native pair panels
+(`tandem_linear_bf16`, what it uses with AVX512-BF16 and no AMX; where built). Prints ms
+per forward, the native kernels' GFLOPS, and oneDNN/native ratios; JSON goes to
 `bench/results/linear_micro-<date>.json` (or `--out`).
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.model.cpu_linear import pack_panels
+from tandem.engine.model.cpu_linear import pack_bf16_panels, pack_panels
 from tandem.engine.native import load_native
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
@@ -84,10 +85,24 @@ def main() -> int:
         onednn16, plain16 = _onednn_and_plain([w.to(torch.bfloat16) for w in weights])
         modes += [("bf16_onednn", onednn16, torch.bfloat16),
                   ("bf16_plain", plain16, torch.bfloat16)]
+        if lib.tandem_linear_bf16_simd() >= 2:
+            pairs = [pack_bf16_panels(w.to(torch.bfloat16)) for w in weights]
+
+            def native16(xs: dict) -> None:
+                for w, wp in zip(weights, pairs, strict=True):
+                    n, k = w.shape
+                    x = xs[k]
+                    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+                    lib.tandem_linear_bf16(x.data_ptr(), wp.data_ptr(), None, y.data_ptr(),
+                                           x.shape[0], n, k, k, threads)
+
+            modes.append(("bf16_native", native16, torch.bfloat16))
+    has16 = any(name == "bf16_native" for name, *_ in modes)
     rows = []
     print(f"{'M':>5} {'onednn ms':>10} {'F.linear ms':>12} {'native ms':>10} {'GFLOPS':>7} "
           f"{'onednn/native':>14}" + (f" {'bf16 onednn':>12} {'bf16 F.linear':>14}"
-                                      if args.bf16 else ""))
+                                      if args.bf16 else "")
+          + (f" {'bf16 native':>12} {'GFLOPS':>7} {'onednn/native':>14}" if has16 else ""))
     for m in (int(r) for r in args.rows.split(",")):
         res = {}
         for name, fn, dtype in modes:
@@ -105,7 +120,10 @@ def main() -> int:
         print(f"{m:>5} {res['onednn'] * 1e3:10.1f} {res['plain'] * 1e3:12.1f} "
               f"{res['native'] * 1e3:10.1f} {gflops:7.1f} {res['onednn'] / res['native']:14.2f}"
               + (f" {res['bf16_onednn'] * 1e3:12.1f} {res['bf16_plain'] * 1e3:14.1f}"
-                 if args.bf16 else ""))
+                 if args.bf16 else "")
+              + (f" {res['bf16_native'] * 1e3:12.1f} "
+                 f"{flops_per_row * m / res['bf16_native'] / 1e9:7.1f} "
+                 f"{res['bf16_onednn'] / res['bf16_native']:14.2f}" if has16 else ""))
     out = args.out or Path(__file__).resolve().parent / "results" / \
         f"linear_micro-{dt.date.today().isoformat()}.json"
     out.write_text(json.dumps({"date": dt.date.today().isoformat(), "threads": threads,

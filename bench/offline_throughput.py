@@ -3,6 +3,7 @@
     .venv/bin/python bench/offline_throughput.py [--quick] [--engines tandem,hf,vllm]
         [--workloads mixed,shared-prefix] [--out bench/results/offline_throughput-DATE.json]
         [--tandem-baseline PATH] [--quantization MODE[,MODE...]] [--dtypes bfloat16]
+        [--vllm-dtypes float32,bfloat16] [--no-roofline]
 
 Every engine gets the same seeded token-id prompts (``bench/workload.py``), greedy decoding,
 ``ignore_eos`` and exactly ``max_tokens`` new tokens per request, all submitted at once.  Wall
@@ -15,7 +16,16 @@ REV``), so a change is measured against its parent in the same invocation.
 ``--quantization int8`` (or a comma list) adds ``tandem-int8``: the same runner with
 ``quantization="int8"`` beside float32 Tandem (vLLM stays float32: its CPU build has no
 weight-only int8/int4 path for this model). ``--dtypes bfloat16`` adds ``tandem-bfloat16``
-the same way (``dtype="bfloat16"``).
+the same way (``dtype="bfloat16"``), and ``--vllm-dtypes float32,bfloat16`` runs vLLM in
+each (``vllm`` is float32, ``vllm-bfloat16``); every Tandem run is compared with every vLLM
+run.
+
+Roofline (``bench/roofline.py``, unless ``--no-roofline``): before the runs, the machine's
+memory read bandwidth and float32 / bfloat16 / int8 GEMM peaks are measured; each run then
+reports its achieved fraction of the weight-bandwidth limit (steps x weight bytes / wall)
+and of its compute dtype's matrix peak (computed tokens x 2 x linear parameters / wall),
+and Tandem runs their host share (1 - forward seconds / wall: scheduling, input building,
+sampling, output processing and anything else outside the model's forward).
 
 Prints a table, throughput ratios and a greedy-agreement check (first 4 requests' token ids
 against HF's), and writes the raw results with machine details to one JSON file.
@@ -33,12 +43,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
+from roofline import fractions, measure_limits, safetensors_facts  # noqa: E402
 from workload import WORKLOADS, make_workload, save_workload, workload_params  # noqa: E402
 
 RUNNERS = BENCH_DIR / "runners"
@@ -131,6 +143,9 @@ def runner_cmd(engine: str, wl_path: Path, prefix_caching: bool = True,
     elif engine == "vllm":
         cmd = [str(vllm_python()), str(RUNNERS / "vllm_runner.py"), str(wl_path),
                "--model", str(HF_EXPORT)]
+        for arg in engine_args:  # dtype=bfloat16
+            key, _, value = arg.partition("=")
+            cmd += [f"--{key}", value]
         env.pop("PYTHONPATH", None)  # keep the project's packages out of vLLM's venv
     else:
         raise ValueError(engine)
@@ -248,6 +263,39 @@ def print_table(wl_name: str, results: list[dict]) -> None:
           "run; above a few % the numbers are skewed)")
 
 
+def _compute_dtype(engine: str, extra: tuple[str, ...]) -> str:
+    """The dtype a run's matrix multiplies run in: bfloat16 models, int8 for w8a8, else
+    float32 (weight-only quantized modes widen their weights to float32 activations)."""
+    args = dict(a.partition("=")[::2] for a in extra)
+    if args.get("dtype") == "bfloat16":
+        return "bfloat16"
+    return "int8" if engine == "tandem" and args.get("quantization") == "w8a8" else "float32"
+
+
+def roofline_table(runs: list[tuple], by: dict[str, dict], limits, facts) -> None:  # noqa: ANN001
+    """Adds `roofline` (and Tandem's `host_share`) to each result and prints them."""
+    print(f"\n{'engine':<24}{'out tok/s':>11}{'steps':>7}{'weight BW':>11}{'matrix':>9}"
+          f"{'compute':>10}{'host':>7}")
+    for label, eng, _pc, _src, extra in runs:
+        r = by.get(label)
+        if r is None or eng == "hf":
+            continue
+        compute = _compute_dtype(eng, extra)
+        weight_bytes = r.get("weight_bytes")
+        if weight_bytes is None and eng == "vllm":  # dense weights in the run's dtype
+            weight_bytes = facts.total_params * (2 if compute == "bfloat16" else 4)
+        r["roofline"] = fractions(r, limits, facts, weight_bytes, compute)
+        if r.get("forward_s") is not None:
+            r["host_share"] = round(1 - r["forward_s"] / r["wall_s"], 4)
+        f = r["roofline"]
+        print(f"{label:<24}{r['output_tokens_per_s']:>11.1f}{f['steps'] or '-':>7}"
+              f"{_pct(f['weight_bw']):>11}{_pct(f['matrix']):>9}{compute:>10}"
+              f"{_pct(r.get('host_share')):>7}")
+    print("(weight BW: steps x weight bytes / wall against the measured read bandwidth; "
+          "matrix: the linears' FLOPs / wall against the GEMM peak of the compute dtype; host: "
+          "share of the wall outside the model's forward)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -267,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="", metavar="DTYPE[,DTYPE...]",
                     help="also run Tandem in each of these dtypes (bfloat16) as tandem-DTYPE "
                          "(float32 is the plain `tandem` run)")
+    ap.add_argument("--vllm-dtypes", default="float32", metavar="DTYPE[,DTYPE...]",
+                    help="vLLM's dtypes (float32 is the plain `vllm` run, others vllm-DTYPE)")
+    ap.add_argument("--no-roofline", action="store_true",
+                    help="skip measuring the machine's bandwidth and GEMM peaks")
     args = ap.parse_args(argv)
+    vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     variants = ([(q, (f"quantization={q}",)) for q in quants]
@@ -301,9 +354,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine['cpu_model']}, {machine['cores']} cores, "
           f"{machine['mem_gib']} GiB, torch {machine['torch_version']} "
           f"({machine['torch_threads']} threads), load avg {machine['loadavg_at_start']}")
+    limits = facts = None
+    if not args.no_roofline:
+        limits = measure_limits(machine["torch_threads"])
+        if not (HF_EXPORT / "config.json").exists():
+            ensure_hf_export()
+        facts = safetensors_facts(HF_EXPORT)
+        print(f"limits: read {limits.read_gbps:.1f} GB/s, GEMM TFLOP/s {limits.gemm_tflops} "
+              f"({limits.threads} threads); model: {facts.linear_params / 1e6:.1f}M linear "
+              f"parameters of {facts.total_params / 1e6:.1f}M", flush=True)
     report: dict = {"benchmark": "offline_throughput", "date": now.isoformat(timespec="seconds"),
                     "quick": args.quick, "seed": args.seed, "engines": engines,
-                    "quantization": quants, "dtypes": dtypes,
+                    "quantization": quants, "dtypes": dtypes, "vllm_dtypes": vllm_dtypes,
+                    "limits": None if limits is None else asdict(limits),
+                    "model_facts": None if facts is None else asdict(facts),
                     "machine": machine, "notes": notes, "workloads": {},
                     "tandem_src": str(REPO / "src"), "tandem_revision": _revision(REPO)}
     if baseline_src is not None:
@@ -326,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             if e == "tandem" and params.get("shared_prefix_tokens"):
                 runs += [("tandem", "tandem", True, None, ()),
                          ("tandem-no-prefix-cache", "tandem", False, None, ())]
+            elif e == "vllm":
+                runs += [("vllm" if d == "float32" else f"vllm-{d}", "vllm", True, None,
+                          (f"dtype={d}",)) for d in vllm_dtypes]
             else:
                 runs.append((e, e, True, None, ()))
             if e == "tandem":
@@ -342,9 +409,13 @@ def main(argv: list[str] | None = None) -> int:
             "tandem/hf": ratio(by.get("tandem"), by.get("hf")),
             "vllm/hf": ratio(by.get("vllm"), by.get("hf")),
         }
+        vllm_runs = [label for label, eng, *_ in runs if eng == "vllm" and label != "vllm"]
         for v, _ in variants:
             ratios[f"tandem-{v}/tandem"] = ratio(by.get(f"tandem-{v}"), by.get("tandem"))
-            ratios[f"tandem-{v}/vllm"] = ratio(by.get(f"tandem-{v}"), by.get("vllm"))
+            for w in ("vllm", *vllm_runs):
+                ratios[f"tandem-{v}/{w}"] = ratio(by.get(f"tandem-{v}"), by.get(w))
+        for w in vllm_runs:
+            ratios[f"tandem/{w}"] = ratio(by.get("tandem"), by.get(w))
         if baseline_src is not None:
             ratios["tandem/tandem-baseline"] = ratio(by.get("tandem"), by.get("tandem-baseline"))
             ratios["tandem-baseline/vllm"] = ratio(by.get("tandem-baseline"), by.get("vllm"))
@@ -354,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         print("ratios (output tokens/s): " + ", ".join(
             f"{k} = {v:.2f}x" if v is not None else f"{k} = n/a" for k, v in ratios.items()))
 
+        if limits is not None and facts is not None:
+            limits = limits.best(measure_limits(machine["torch_threads"]))
+            report["limits"] = asdict(limits)
+            print(f"limits (best of before and after): read {limits.read_gbps:.1f} GB/s, "
+                  f"GEMM TFLOP/s {limits.gemm_tflops}")
+            roofline_table(runs, by, limits, facts)
         ref_name = "hf" if "hf" in by else ("vllm" if "vllm" in by else None)
         agree = {}
         if ref_name:

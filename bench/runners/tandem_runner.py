@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import sys
 from pathlib import Path
 
@@ -40,6 +41,19 @@ def _parse_engine_args(items: list[str]) -> dict:
         except (ValueError, SyntaxError):
             out[key] = raw
     return out
+
+
+def _timings(runner):  # noqa: ANN001, ANN202 - an engine's model runner, any revision
+    """A copy of the runner's cumulative step timings, or None (an engine without them)."""
+    t = getattr(runner, "timings", None)
+    return None if t is None else copy.copy(t)
+
+
+def _prefix_hits(engine) -> int | None:  # noqa: ANN001
+    try:
+        return engine.stats().prefix_cache_hits
+    except AttributeError:
+        return None
 
 
 def main(argv: list[str]) -> int:
@@ -80,6 +94,10 @@ def main(argv: list[str]) -> int:
     prompts = [p for p, _ in requests]
     params = [SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True)
               for _, mt in requests]
+    engine = getattr(llm, "engine", None)
+    runner = getattr(engine, "runner", None)
+    t0 = _timings(runner)
+    hits0 = _prefix_hits(engine)
     before = loadavg()
     with Timer() as gen:
         outs = llm.generate(prompts, params)
@@ -103,6 +121,17 @@ def main(argv: list[str]) -> int:
         config=config,
         workload=meta.get("name"),
     )
+    # what bench/roofline.py needs: steps, their forward seconds, weights read per step
+    t1 = _timings(runner)
+    if t0 is not None and t1 is not None:
+        result.update(steps=t1.steps - t0.steps, forward_s=round(t1.forward_s - t0.forward_s, 4),
+                      prepare_s=round(t1.prepare_s - t0.prepare_s, 4),
+                      sample_s=round(t1.sample_s - t0.sample_s, 4))
+    hits1 = _prefix_hits(engine)
+    if hits0 is not None and hits1 is not None:
+        result["prefix_cache_hits"] = hits1 - hits0
+    if hasattr(llm, "model_memory_bytes"):
+        result["weight_bytes"] = llm.model_memory_bytes()
     emit(result)
     return 0
 

@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("workload")
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--no-preload", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = ap.parse_args(argv[1:])
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     with Timer() as load:
-        llm = LLM(model=args.model, dtype="float32")
+        llm = LLM(model=args.model, dtype=args.dtype)
         # Tiny warm-up (excluded): first-call allocations; too short to fill a KV block.
         llm.generate([TokensPrompt(prompt_token_ids=[100, 200, 300, 400])],
                      SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
@@ -110,9 +111,19 @@ def main(argv: list[str]) -> int:
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in requests]
     params = [SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True)
               for _, mt in requests]
+    # count the engine's steps (bench/roofline.py): LLM.generate drives llm_engine.step()
+    steps = [0]
+    step = llm.llm_engine.step
+
+    def counted_step(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        steps[0] += 1
+        return step(*a, **kw)
+
+    llm.llm_engine.step = counted_step
     before = loadavg()
     with Timer() as gen:
         outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.step = step
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     log(f"[vllm] generated {sum(map(len, token_ids))} tokens in {gen.elapsed:.1f}s")
 
@@ -126,6 +137,8 @@ def main(argv: list[str]) -> int:
         timer=gen,
         engine_version=vllm.__version__,
         torch_version=torch.__version__,
+        steps=steps[0],
+        dtype=args.dtype,
         config={
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,

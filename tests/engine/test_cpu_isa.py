@@ -68,29 +68,36 @@ def test_this_machine_reads_its_own_flags_and_each_lower_level_can_be_forced(cap
                                                                            monkeypatch):
     own = capped(None)
     assert own.level == own.detected == isa.detect_level(own.flags)
-    native = load_native()
     monkeypatch.delenv("TANDEM_LINEAR_KERNEL", raising=False)
     for level in isa.LEVELS[:isa.LEVELS.index(own.detected) + 1]:
         got = capped(level)
         assert got.level == level and got.detected == own.detected
+        native = load_native()  # the library built for this level
+        assert native is load_native(level)
         # float32: the AVX2 panels below AVX-512 (where built), oneDNN from AVX-512 up
+        assert cpu_linear.native_simd(native) == got.at_least("avx2")
         assert cpu_linear.native_preferred(native) == (
-            cpu_linear.native_simd(native) and not got.at_least("avx512"))
-        # bfloat16: packed for oneDNN only with hardware bfloat16
+            got.at_least("avx2") and not got.at_least("avx512"))
+        # bfloat16: only with hardware bfloat16: the native pair panels, oneDNN with AMX
+        bf16 = got.at_least("avx512_bf16")
         cpu = torch.device("cpu")
-        assert cpu_linear.packing_available(torch.bfloat16, cpu, native) == (
-            got.at_least("avx512_bf16") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        assert cpu_linear.native_simd(native, torch.bfloat16) == bf16
+        assert cpu_linear.packing_available(torch.bfloat16, cpu, native) == bf16
+        assert cpu_linear.native_preferred(native, torch.bfloat16) == (
+            bf16 and not got.at_least("amx"))
     if own.detected != "amx":
         with pytest.raises(ValueError, match="TANDEM_CPU_ISA=amx"):
             capped("amx")
 
 
 def layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
-          seed: int) -> tuple[QuantLinear, torch.Tensor, torch.Tensor | None]:
+          seed: int, native_panels: bool | None = None
+          ) -> tuple[QuantLinear, torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None
-    method = PackedMethod(device=torch.device("cpu"), native=load_native(), dtype=dtype)
+    method = PackedMethod(device=torch.device("cpu"), native=load_native(), dtype=dtype,
+                          native_panels=native_panels)
     q = QuantLinear(method, in_features, out_features, bias=bias, dtype=dtype)
     method.load(q, 0, w)
     if b is not None:
@@ -99,31 +106,41 @@ def layer(out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
     return q, w, b
 
 
-def test_bfloat16_linears_pack_for_onednn_where_the_cpu_has_bfloat16_math(capped):
-    """Where the level allows it: packed bfloat16 linears of odd shapes equal `F.linear` in
-    bfloat16 to its rounding and a float64 product to bfloat16's precision, for 1..70 rows;
-    their float weights read back exactly. Below it (or on a CPU without it), bfloat16
-    is not packed and the method refuses bfloat16 panels."""
+@pytest.mark.parametrize("native_panels", [True, False], ids=["native", "onednn"])
+def test_bfloat16_linears_pack_where_the_cpu_has_bfloat16_math(capped, native_panels):
+    """Where the level allows it, in both layouts (native pair panels, oneDNN's): packed
+    bfloat16 linears of odd shapes (odd K, N past a panel, one column) equal a float64
+    product to one bfloat16 rounding of the output (float32 sums: (K + 2) u of |x| |W|),
+    and `F.linear` in bfloat16 to its rounding, for 1..70 rows (every row tail of the 8-row
+    register tile); their float weights and embedding rows read back exactly. Below it (or
+    on a CPU without it), bfloat16 is not packed and the method refuses its panels."""
     own = capped(None)
     cpu = torch.device("cpu")
-    if not (own.at_least("avx512_bf16") and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not own.at_least("avx512_bf16"):
         assert not cpu_linear.packing_available(torch.bfloat16, cpu, load_native())
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            PackedMethod(device=cpu, native=load_native(), native_panels=True,
+                         dtype=torch.bfloat16)
         return
-    with pytest.raises(ValueError, match="float32 weights"):
-        PackedMethod(device=cpu, native=load_native(), native_panels=True,
-                     dtype=torch.bfloat16)
     for seed, (n, k, bias) in enumerate([(192, 576, False), (577, 65, True),
-                                         (33, 1536, False), (1, 16, True)]):
-        q, w, b = layer(n, k, torch.bfloat16, bias, seed)
+                                         (33, 1536, False), (1, 16, True), (64, 7, False)]):
+        q, w, b = layer(n, k, torch.bfloat16, bias, seed, native_panels)
+        assert (q.method.kernel is not None) == native_panels
         assert not hasattr(q, "weight") and torch.equal(q.method.dequantize(q),
                                                           w.float())
-        for rows in (1, 3, 16, 70):
+        ids = torch.tensor([0, n - 1, n // 2, 0])
+        if native_panels:
+            assert q.method.embeds_cheaply and torch.equal(q.method.embed(q, ids), w[ids])
+        for rows in (1, 3, 7, 8, 9, 16, 70):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(
                 torch.bfloat16)
             y = q(x)
             assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
             ref = F.linear(x.double(), w.double(), None if b is None else b.double())
-            torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=1.6e-2)
+            bound = (x.double().abs() @ w.double().abs().T) * (k + 2) * 2.0 ** -24
+            if b is not None:
+                bound += b.double().abs() * 2.0 ** -24
+            assert ((y.double() - ref).abs() <= ref.abs() * 2.0 ** -8 + bound).all()
             torch.testing.assert_close(y, F.linear(x, w, b), atol=2e-2, rtol=1.6e-2)
     capped("avx512")
     assert not cpu_linear.packing_available(torch.bfloat16, cpu, load_native())

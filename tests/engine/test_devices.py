@@ -6,6 +6,8 @@ few torch functions `resolve_device` reads, and the real build is checked as it 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -121,3 +123,26 @@ def test_llm_on_cuda_fails_before_loading_anything() -> None:
 
     with pytest.raises(ConfigError, match="device 'cuda:0'"):
         LLM(device="cuda:0", model="/nonexistent/model.gguf")  # the device is checked first
+
+
+@pytest.mark.parametrize(("declared", "key"), [("bfloat16", "torch_dtype"),
+                                               ("bfloat16", "dtype"), ("float16", "dtype"),
+                                               ("float32", "torch_dtype"), (None, None)])
+def test_dtype_auto_on_the_cpu_follows_a_bfloat16_checkpoint_where_the_cpu_has_bf16(
+        tmp_path, declared, key) -> None:
+    """A checkpoint stored in bfloat16 runs in bfloat16 on a CPU with bfloat16 math
+    (AVX512-BF16 or AMX; `TANDEM_CPU_ISA` capping below that gives float32); float16,
+    float32 and undeclared checkpoints, GGUF files and missing directories run float32."""
+    from tests.engine.isa_levels import LEVELS_HERE, forced_level
+
+    cpu = torch.device("cpu")
+    config = {"model_type": "llama"} | ({key: declared} if key else {})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for level in LEVELS_HERE:
+        with forced_level(level):
+            hw = level in ("avx512_bf16", "amx")
+            want = torch.bfloat16 if declared == "bfloat16" and hw else torch.float32
+            assert resolve_dtype("auto", cpu, tmp_path) is want, level
+            assert resolve_dtype("float32", cpu, tmp_path) is torch.float32
+            assert resolve_dtype("auto", cpu, tmp_path / "missing") is torch.float32
+            assert resolve_dtype("auto", cpu, None) is torch.float32

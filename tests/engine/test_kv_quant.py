@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tandem.engine.attention.base import AttentionSpec, BatchLayout, get_backend
+from tandem.engine.cpu_isa import cpu_isa
 from tandem.engine.errors import ConfigError
 from tandem.engine.kv_cache.quant import (
     FP16_MAX,
@@ -24,6 +25,7 @@ from tandem.engine.kv_cache.quant import (
     quantize_pages,
     quantize_rows,
 )
+from tests.engine.isa_levels import LEVELS_HERE, forced_level
 from tests.engine.test_attention import _reference
 
 FORMATS = ("int8", "fp8")
@@ -156,14 +158,17 @@ def test_every_code_row_of_a_quantized_cache_starts_16_byte_aligned(backend, nam
                 assert scales.stride(1) * 2 % 16 == 0 and scales.stride(2) == 1
 
 
-def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None):
-    """One forward of `shapes` [(cached, new)] (decodes first) on a fresh quantized cache;
-    returns (out, cache, per-sequence (cached, new, table, q), (k_new, v_new, slots), meta)."""
+def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None,
+         dtype=torch.float32, level=None):
+    """One forward of `shapes` [(cached, new)] (decodes first) on a fresh quantized cache
+    (a `dtype` model; the native kernels of CPU level `level`, default the CPU's); returns
+    (out, cache, per-sequence (cached, new, table, q), (k_new, v_new, slots), meta)."""
     bs, nblocks = 16, 48
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     spec = AttentionSpec(h, kvh, d, d ** -0.5, window)
-    backend = get_backend(backend_name)(spec, bs, torch.float32, CPU, name)
+    with forced_level(level or cpu_isa().level):
+        backend = get_backend(backend_name)(spec, bs, dtype, CPU, name)
     cache = backend.allocate_kv_cache(nblocks)
     free = list(range(nblocks))
     rng.shuffle(free)
@@ -171,8 +176,8 @@ def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None):
     for cached, new in shapes:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // bs))]
-        k_all = torch.randn(total, kvh, d, generator=gen) * 3
-        v_all = torch.randn(total, kvh, d, generator=gen)
+        k_all = (torch.randn(total, kvh, d, generator=gen) * 3).to(dtype)
+        v_all = torch.randn(total, kvh, d, generator=gen).to(dtype)
         pos = torch.arange(cached)  # written by earlier steps
         blk = torch.tensor(table, dtype=torch.int64)[pos // bs]
         for c, x in zip(cache, (k_all, v_all), strict=True):
@@ -181,7 +186,7 @@ def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None):
         slots += [table[p // bs] * bs + p % bs for p in range(cached, total)]
         ks.append(k_all[cached:])
         vs.append(v_all[cached:])
-        seqs.append((cached, new, table, torch.randn(new, h, d, generator=gen)))
+        seqs.append((cached, new, table, torch.randn(new, h, d, generator=gen).to(dtype)))
     layout = BatchLayout([n for _, n in shapes], [c + n for c, n in shapes],
                          [s[2] for s in seqs], torch.tensor(slots),
                          sum(1 for _, n in shapes if n == 1), bs)
@@ -193,7 +198,9 @@ def _run(backend_name, name, shapes, h, kvh, d, window, seed, splits=None):
     return out, cache, seqs, (k_new, v_new, torch.tensor(slots)), meta
 
 
-def _check_against_reference(name, result, window, bs=16):
+def _check_against_reference(name, result, window, bs=16, rtol=1e-5, prefill_tol=None):
+    """The written bytes, and the output against float64 over the dequantized cache
+    (`prefill_tol` (atol, rtol): another bound for prefill chunks)."""
     out, cache, seqs, (k_new, v_new, slots), _ = result
     parts = [page_parts(c, bs) for c in cache]
     # the write path: the new rows hold exactly quantize_rows' bytes
@@ -208,7 +215,8 @@ def _check_against_reference(name, result, window, bs=16):
         k_deq, v_deq = (dequantize_rows(codes[tb, :, pos % bs], scales[tb, :, pos % bs], name,
                                         torch.float64) for codes, scales in parts)
         ref = _reference(q, k_deq, v_deq, torch.arange(cached, cached + new), window)
-        torch.testing.assert_close(out[start : start + new].double(), ref, atol=2e-5, rtol=1e-5)
+        atol, rt = prefill_tol if prefill_tol and new > 1 else (2e-5, rtol)
+        torch.testing.assert_close(out[start : start + new].double(), ref, atol=atol, rtol=rt)
         start += new
 
 
@@ -249,6 +257,22 @@ def test_decode_only_batches_read_the_quantized_cache(name, h, kvh, d):
         for c, ref in zip(result[1], results["torch"][1], strict=True):
             assert torch.equal(c, ref), b
         torch.testing.assert_close(result[0], results["torch"][0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS_HERE)
+@pytest.mark.parametrize("name", FORMATS)
+def test_bfloat16_models_read_the_quantized_cache_natively(name, level):
+    """A bfloat16 model over a quantized cache, native kernels at each CPU level: bfloat16
+    q in, float32 arithmetic over the codes, bfloat16 out (rounded once: half an ulp, 2^-9
+    relative), for decodes and (from AVX2) prefill chunks alike. Below AVX2 prefill chunks
+    run torch's bfloat16 SDPA, which rounds scores and probabilities on the way."""
+    shapes = [(3, 1), (17, 1), (40, 1), (0, 13), (21, 6), (16, 40)]
+    result = _run("cpu", name, shapes, 6, 2, 32, None, seed=7, dtype=torch.bfloat16,
+                  level=level)
+    assert result[0].dtype == torch.bfloat16
+    assert (result[4].native_prefills is not None) == (level != "scalar")
+    _check_against_reference(name, result, None, rtol=2 ** -8,
+                             prefill_tol=(2 ** -5, 2 ** -6) if level == "scalar" else None)
 
 
 def test_cpu_prefill_remaps_only_the_used_blocks():

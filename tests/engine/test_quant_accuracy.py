@@ -23,10 +23,14 @@ margin for other kernels' summation orders on AVX-512 / VNNI machines):
 | float32, KV fp8 | 21.6148 | +0.25 % | 95.8 % | 4, 3, 32, 10 | 513.1 |
 | float32, KV int8 | 21.5399 | -0.10 % | 98.5 % | 14, 0, 32, 10 | 513.1 |
 
-bfloat16 (weights, activations and KV cache; linears on oneDNN's packed bfloat16 weights,
-attention on torch), on a 2-core AVX-512 EPYC with AVX512-BF16 (Zen 4, 2026-12-06):
-perplexity 21.5347 against float32's 21.5607 there (-0.12 %), argmax agreement 97.7 %,
-greedy prefixes 23, 32, 32, 10, weights 256.5 MiB (exactly half).
+bfloat16 (weights, activations and KV cache; linears on the native pair panels, attention
+and element-wise ops in the native kernels, float32 arithmetic rounded once per stored
+value), on a 2-core AVX-512 EPYC with AVX512-BF16 (2026-12-06): perplexity 21.5294 against
+float32's 21.5607 there (-0.145 %; -0.12 % with torch's bfloat16 SDPA and element-wise
+chains), argmax agreement 97.8 %, greedy prefixes 23, 0, 32, 10, each parting where
+float32's runner-up is 0.000-0.056 nats below its best (near-ties: `NEAR_TIE`), weights
+256.5 MiB (exactly half). bfloat16 with w8a8 (its int8 layers widen bfloat16 activations
+to float32): 21.6503 (+0.42 %), 93.8 %, prefixes 13, 3, 2, 1, 128.7 MiB.
 
 w8a8 feeds int8 activations to o_proj and gate_up_proj only (`quant.apply.
 W8A8_ACTIVATION_LAYERS`); with every linear and the LM head it measured +4.50 % (87.8 %
@@ -85,22 +89,28 @@ MODES: dict[str, dict] = {
     "kv-fp8": {"kv_cache_dtype": "fp8"},
     "kv-int8": {"kv_cache_dtype": "int8"},
     "bfloat16": {"dtype": "bfloat16"},  # weights, activations and KV cache
+    "bfloat16-w8a8": {"dtype": "bfloat16", "quantization": "w8a8"},
 }
 # Bounds, set from the measurements in the module docstring. Greedy continuations: at least
 # `prompts` of the 4 share their first `tokens` tokens with float32's (a near-tie flips a
 # greedy choice and the continuations part for good, so this is coarse); teacher-forced
 # argmax agreement (every scored corpus position): at least this share equals float32's.
 GREEDY_BOUNDS = {"int8": (3, 2), "w8a8": (3, 1), "int4": (3, 2), "gguf": (32, 4),
-                 "kv-fp8": (3, 2), "kv-int8": (3, 2), "bfloat16": (8, 3)}
+                 "kv-fp8": (3, 2), "kv-int8": (3, 2), "bfloat16": (32, 4),
+                 "bfloat16-w8a8": (3, 1)}
+# modes whose continuations may also part from float32's at a near-tie: where the mode's
+# token is float32's runner-up, at most this many nats below its best (bfloat16 rounds
+# every activation: measured partings at gaps of 0.005-0.25 nats)
+NEAR_TIE = {"bfloat16": 0.5}
 TOP1_BOUNDS = {"int8": 0.94, "w8a8": 0.92, "int4": 0.94, "gguf": 0.999, "kv-fp8": 0.94,
-               "kv-int8": 0.94, "bfloat16": 0.95}
+               "kv-int8": 0.94, "bfloat16": 0.95, "bfloat16-w8a8": 0.92}
 PPL_BOUNDS = {"int8": 0.01, "w8a8": 0.01, "int4": 0.05, "gguf": 0.01, "kv-fp8": 0.01,
-              "kv-int8": 0.01, "bfloat16": 0.01}  # |ppl / ppl_float32 - 1| targets
+              "kv-int8": 0.01, "bfloat16": 0.01, "bfloat16-w8a8": 0.01}  # |ppl / f32 - 1|
 # float32 bytes / this mode's bytes: issue 22's >= 3x (int8) and >= 5x (int4); the upper
 # bounds catch a count that misses weights (int8 codes + fp16 scales cannot pass 4x)
 MEMORY_RATIOS = {"int8": (3.0, 4.0), "w8a8": (3.0, 4.0), "int4": (5.0, 6.4),
                  "gguf": (5.0, 6.4), "kv-fp8": (1.0, 1.0), "kv-int8": (1.0, 1.0),
-                 "bfloat16": (2.0, 2.0)}
+                 "bfloat16": (2.0, 2.0), "bfloat16-w8a8": (3.0, 4.0)}
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class Measured:
     ppl: float
     top1: tuple[int, ...]  # argmax token at every scored corpus position
     continuations: list[list[int]]
+    top2: list[list[tuple[int, int, float]]]  # per prompt and token: best, runner-up, gap
     memory_bytes: int
     kv_blocks: int
     kv_bytes_per_block: int
@@ -134,13 +145,13 @@ def _measure(mode: str, ids: list[int]) -> Measured:
 
     t0 = time.perf_counter()
     env = os.environ.get("TANDEM_W8A8_MIN_ROWS")
-    if mode == "w8a8":
+    if mode.endswith("w8a8"):
         os.environ["TANDEM_W8A8_MIN_ROWS"] = "1"
     try:
         llm = LLM(kv_cache_memory=KV_BUDGET, max_num_batched_tokens=1024,
                   **{"dtype": "float32", **MODES[mode]})
     finally:
-        if mode == "w8a8":
+        if mode.endswith("w8a8"):
             if env is None:
                 os.environ.pop("TANDEM_W8A8_MIN_ROWS", None)
             else:
@@ -149,10 +160,12 @@ def _measure(mode: str, ids: list[int]) -> Measured:
         res = score(llm, ids, WINDOW, top1=True)
         prompts = [ids[o : o + PROMPT_LEN] for o in PROMPT_OFFSETS]
         outs = llm.generate(prompts, SamplingParams(max_tokens=CONTINUATION, temperature=0.0,
-                                                     ignore_eos=True))
+                                                     ignore_eos=True, logprobs=2))
         state = llm.engine.state
         got = Measured(mode, res.perplexity, res.top1,
-                       [list(o.outputs[0].token_ids) for o in outs], llm.model_memory_bytes(),
+                       [list(o.outputs[0].token_ids) for o in outs],
+                       [[_top2(lp) for lp in o.outputs[0].logprobs] for o in outs],
+                       llm.model_memory_bytes(),
                        state.num_kv_blocks, state.kv_bytes_per_block, time.perf_counter() - t0)
     finally:
         del llm
@@ -169,6 +182,11 @@ def baseline(corpus_ids) -> Measured:
 def quantized(request, baseline, corpus_ids) -> Measured:
     """One mode at a time; only its numbers outlive `_measure`, never its engine."""
     return _measure(request.param, corpus_ids)
+
+
+def _top2(logprobs: dict[int, float]) -> tuple[int, int, float]:
+    (best, a), (second, b) = sorted(logprobs.items(), key=lambda kv: -kv[1])[:2]
+    return best, second, a - b
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -257,7 +275,17 @@ def test_greedy_agreement(quantized, baseline):
     assert all(len(c) == CONTINUATION for c in quantized.continuations)
     assert share >= TOP1_BOUNDS[quantized.mode]
     need, of = GREEDY_BOUNDS[quantized.mode]
-    assert sum(p >= need for p in prefixes) >= of, prefixes
+    tie = NEAR_TIE.get(quantized.mode)
+    ok = 0
+    for p, cont, top2 in zip(prefixes, quantized.continuations, baseline.top2, strict=True):
+        if p >= need:
+            ok += 1
+        elif tie is not None:
+            best, second, gap = top2[p]
+            print(f"  parted at token {p}: {cont[p]} for float32's {best} (runner-up "
+                  f"{second}, {gap:.3f} nats below)")
+            ok += cont[p] == second and gap <= tie
+    assert ok >= of, prefixes
 
 
 def test_weight_memory(quantized, baseline):
@@ -274,7 +302,7 @@ def test_kv_blocks_for_the_same_budget(quantized, baseline):
     element), for K and V of every layer and KV head; the same budget holds that many more."""
     layers, kv_heads, head_dim, block = 30, 3, 64, 16  # SmolLM2-135M, default block_size
     row = (head_dim + 2 if quantized.mode.startswith("kv-")
-           else head_dim * 2 if quantized.mode == "bfloat16" else head_dim * 4)
+           else head_dim * 2 if quantized.mode.startswith("bfloat16") else head_dim * 4)
     per_block = 2 * layers * kv_heads * block * row
     assert baseline.kv_bytes_per_block == 2 * layers * kv_heads * block * head_dim * 4
     assert quantized.kv_bytes_per_block == per_block

@@ -154,7 +154,8 @@ SPEC = AttentionSpec(6, 2, 16, 0.25)
 def test_auto_on_the_cpu_stays_native_even_under_the_interpreter():
     assert os.environ.get("TRITON_INTERPRET") == ("1" if not CUDA else None)  # tests/conftest
     assert resolve_backend("auto", SPEC, torch.float32, CPU).name == "cpu"
-    assert resolve_backend("auto", SPEC, torch.bfloat16, CPU).name == "torch"
+    assert resolve_backend("auto", SPEC, torch.bfloat16, CPU).name == "cpu"
+    assert resolve_backend("auto", SPEC, torch.float16, CPU).name == "torch"
     assert resolve_backend("auto", SPEC, torch.float32, CPU, native=False).name == "torch"
     if not CUDA:  # with a GPU the kernels compile for it: no interpreter for the CPU
         assert resolve_backend("triton", SPEC, torch.float32, CPU).name == "triton"

@@ -8,12 +8,15 @@ range).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from tandem.engine.config import check_device_name
+from tandem.engine.cpu_isa import cpu_isa
 from tandem.engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -75,11 +78,31 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bfloat16 on CUDA (float16 where the GPU lacks bfloat16), float32 on CPU;
-    else the named dtype ("float32", "bfloat16", "float16")."""
+def checkpoint_dtype(model: Path | None) -> str | None:
+    """The dtype a Hugging Face checkpoint directory declares in its config.json
+    (`torch_dtype`, or `dtype` in newer files), or None (GGUF files, no config, no dtype)."""
+    config = None if model is None else model / "config.json"
+    if config is None or not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    value = data.get("torch_dtype") or data.get("dtype") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def resolve_dtype(name: str, device: torch.device, model: Path | None = None) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA (float16 where the GPU lacks bfloat16); on the CPU
+    bfloat16 for a checkpoint stored in bfloat16 (`model`'s config.json) where the CPU
+    multiplies bfloat16 in hardware (`cpu_isa` level avx512_bf16 or above), else float32
+    (GGUF files such as the bundled model included); else the named dtype ("float32",
+    "bfloat16", "float16")."""
     if name == "auto":
         if device.type != "cuda":
+            if (checkpoint_dtype(model) == "bfloat16"
+                    and cpu_isa().at_least("avx512_bf16")):
+                return torch.bfloat16
             return torch.float32
         if torch.cuda.get_device_capability(device) >= (8, 0):  # Ampere and later
             return torch.bfloat16

@@ -72,7 +72,7 @@ class LLMEngine(EngineCore):
         self.config = config = with_checkpoint_quantization(resolve_config(config))
         path = Path(config.model) if config.model else bundled_model_path()
         self.device = device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, device)
+        self.dtype = resolve_dtype(config.dtype, device, path)
         start = prepare_process(config, device)
         t0 = time.perf_counter()
         # ranks 1..N-1 start (processes or Ray actors) and join rank 0, this process

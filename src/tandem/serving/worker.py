@@ -408,12 +408,14 @@ def preflight(config: EngineConfig) -> str:
     serves (a pre-quantized checkpoint's method when `--quantization` is unset; ConfigError
     for a conflict); returns them in words. The attention backend is resolved with the
     model (an unusable one fails the load)."""
+    from pathlib import Path
+
     from tandem.engine.devices import resolve_device, resolve_dtype
     from tandem.engine.quant.checkpoint import with_checkpoint_quantization
 
     config = with_checkpoint_quantization(config)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, Path(config.model) if config.model else None)
     words = f"device {device}, dtype {str(dtype).removeprefix('torch.')}"
     if config.quantization is not None:
         words += f", {config.quantization} weights"

@@ -7,12 +7,16 @@ SDPA over it: the KV bytes cross memory three times. Here C kernels built by
 `csrc/prefill_attention_cpu.c` for prefill chunks, which stacks the query heads that share
 a KV head and skips the causal upper triangle that torch's CPU flash kernel computes and
 masks for chunks under ~1k tokens. Without AVX2 the prefill stays on the torch path.
-K/V writes stay in torch. float32 only.
+K/V writes stay in torch.
+
+float32 and bfloat16 models: a bfloat16 model's q, out and KV cache stay bfloat16 in memory
+(half the bytes per context token) and the kernels widen each row exactly as they read it,
+so scores, softmax and the P V sums are float32; outputs round to bfloat16 once.
 
 With a quantized KV cache ("fp8" / "int8", `kv_cache/quant.py`: per block and KV head a
 page of codes, then their float16 scales) decodes read the uint8 pages directly
-(`tandem_paged_attention_decode_q8`: about a quarter of the bytes per context token), and
-new K/V are quantized straight into them (`tandem_kv_quantize_write`); a prefill chunk's
+(about a quarter of the bytes of float32 per context token), and new float32 K/V are
+quantized straight into them (`tandem_kv_quantize_write`); a prefill chunk's
 context blocks are dequantized into a float32 scratch of just those blocks (remapped
 tables) for the float prefill kernel, which costs one pass over the context per layer
 against the chunk's attention over it.
@@ -48,6 +52,8 @@ from tandem.engine.kv_cache.quant import dequantize_pages
 from tandem.engine.native import load_native
 
 MAX_GROUP = 64  # query heads per KV head the kernels support
+DTYPES = (torch.float32, torch.bfloat16)  # model dtypes the kernels take
+KV_BF16 = 3  # the kernels' cache format code for bfloat16 rows (0: float32, 1/2: quantized)
 PREFILL_KEY_TILE = 16  # keys per tile of the prefill kernel; block_size must be a multiple
 
 
@@ -73,7 +79,7 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 
 def native_available(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the `cpu` backend can run this model here (else use `torch`)."""
-    return (device.type == "cpu" and dtype == torch.float32
+    return (device.type == "cpu" and dtype in DTYPES
             and 1 <= spec.num_heads // spec.num_kv_heads <= MAX_GROUP
             and spec.logit_softcap is None and load_native() is not None)
 
@@ -87,16 +93,21 @@ class CpuAttentionBackend(AttentionBackend):
                  device: torch.device, kv_cache_dtype: str = "auto") -> None:
         super().__init__(spec, block_size, dtype, device, kv_cache_dtype)
         if not native_available(spec, dtype, device):
-            raise ConfigError("attention backend 'cpu' needs a CPU device, float32, a C "
-                              "compiler, at most 64 query heads per KV head, and no "
-                              "attention logit soft cap")
+            raise ConfigError("attention backend 'cpu' needs a CPU device, float32 or "
+                              "bfloat16, a C compiler, at most 64 query heads per KV head, "
+                              "and no attention logit soft cap")
         self._torch = TorchAttentionBackend(spec, block_size, dtype, device, kv_cache_dtype)
         lib = load_native()
-        self._kernel = lib.tandem_paged_attention_decode_f32
-        self._q8_kernel = lib.tandem_paged_attention_decode_q8
+        self._kernel = lib.tandem_paged_attention_decode
         self._quantize_write = lib.tandem_kv_quantize_write
+        self._io_bf16 = int(dtype == torch.bfloat16)  # q and out
+        # the cache rows as the decode kernel reads them, and as the prefill kernel does
+        # (a quantized cache's chunks go to it dequantized to float32)
+        self._kv_fmt = (self.kv_format.code if self.kv_format.quantized
+                        else KV_BF16 if self._io_bf16 else 0)
+        self._prefill_kv_fmt = 0 if self.kv_format.quantized else self._kv_fmt
         self._prefill_kernel = (  # tandem_linear_simd: the library was built with AVX2 + FMA
-            lib.tandem_paged_attention_prefill_f32
+            lib.tandem_paged_attention_prefill
             if lib.tandem_linear_simd() and spec.head_dim % 16 == 0
             and block_size % PREFILL_KEY_TILE == 0 else None)
 
@@ -188,7 +199,8 @@ class CpuAttentionBackend(AttentionBackend):
             p.tables.data_ptr(), p.q_start.data_ptr(), p.q_lens.data_ptr(),
             p.seq_lens.data_ptr(), len(p.q_lens), s.num_heads, s.num_kv_heads, s.head_dim,
             self.block_size, p.tables.shape[1], q.stride(0), out.stride(0),
-            s.sliding_window or 0, s.scale, torch.get_num_threads(),
+            s.sliding_window or 0, self._prefill_kv_fmt, self._io_bf16, s.scale,
+            torch.get_num_threads(),
         )
         _check(rc, "prefill")
 
@@ -200,21 +212,12 @@ class CpuAttentionBackend(AttentionBackend):
         qd = _rows_of_heads(q[: meta.num_decodes], s.head_dim)
         k_cache, v_cache = kv_cache
         tables, lens = meta.decode_tables, meta.decode_lens
-        if self.kv_format.quantized:
-            rc = self._q8_kernel(
-                out.data_ptr(), qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), meta.num_decodes, s.num_heads,
-                s.num_kv_heads, s.head_dim, self.block_size, tables.shape[1], qd.stride(0),
-                out.stride(0), s.sliding_window or 0, self.kv_format.code, s.scale,
-                torch.get_num_threads(),
-            )
-            _check(rc, "decode")
-            return
         rc = self._kernel(
             out.data_ptr(), qd.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), meta.num_decodes, s.num_heads,
             s.num_kv_heads, s.head_dim, self.block_size, tables.shape[1], qd.stride(0),
-            out.stride(0), s.sliding_window or 0, s.scale, torch.get_num_threads(),
+            out.stride(0), s.sliding_window or 0, self._kv_fmt, self._io_bf16, s.scale,
+            torch.get_num_threads(),
         )
         _check(rc, "decode")
 

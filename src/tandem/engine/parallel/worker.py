@@ -47,9 +47,9 @@ def run_rank(spec: RankSpec) -> None:
     config = spec.config
     device = torch.device(spec.device)
     start = prepare_process(config, device)
-    dtype = resolve_dtype(config.dtype, device)
-    groups = connect(spec.rank, spec.world, spec.host, spec.port, device, spec.timeout_s)
     path = Path(config.model) if config.model else bundled_model_path()
+    dtype = resolve_dtype(config.dtype, device, path)
+    groups = connect(spec.rank, spec.world, spec.host, spec.port, device, spec.timeout_s)
     shard = build_shard(config, path, device, dtype, groups)
     sampler = Sampler(config.seed)
     num_blocks = kv_blocks(config, shard, device, start, sampler, groups)
