@@ -56,7 +56,8 @@ class EngineConfig:
     # "auto" (cuda:0 if torch sees a GPU, else cpu) | "cpu" | "cuda" | "cuda:N"; an explicit
     # CUDA device that cannot be used is a ConfigError (engine/devices.py)
     device: str = "auto"
-    # weights, activations and KV cache; "auto": bfloat16 on CUDA, float32 on CPU
+    # weights, activations and KV cache; "auto": bfloat16 on CUDA; float32 on CPU, bfloat16
+    # there for a bfloat16 checkpoint on CPUs with bfloat16 math (devices.resolve_dtype)
     dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     # CPU: bytes (int) or a fraction of system RAM (float). CUDA: bytes (int) = exactly this

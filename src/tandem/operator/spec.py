@@ -339,7 +339,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             and model.dtype in (None, "auto")):
         raise SpecError(f"prefill runs on {out.prefill.device} and decode on "
                         f"{out.decode.device}: set model.dtype (auto is bfloat16 on CUDA, "
-                        "float32 on the CPU) so the KV pages they exchange match")
+                        "float32 or bfloat16 on the CPU) so the KV pages they exchange match")
     if out.disaggregated and out.prefill.engine.speculative is not None:
         raise SpecError("prefill.engine.speculative: prefill workers do not decode; set "
                         "decode.engine.speculative")

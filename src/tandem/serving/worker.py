@@ -71,8 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "a CUDA device that cannot be used is an error, never a CPU fallback")
     p.add_argument(flags.DTYPE, default="auto",
                    choices=flags.DTYPES,
-                   help="weights, activations and KV cache (auto: bfloat16 on CUDA, float32 "
-                        "on CPU)")
+                   help="weights, activations and KV cache (auto: bfloat16 on CUDA; on CPU "
+                        "float32, or bfloat16 for a bfloat16 checkpoint where the CPU has "
+                        "AVX512-BF16 or AMX)")
     p.add_argument(flags.ATTENTION_BACKEND, default="auto",
                    choices=flags.ATTENTION_BACKENDS,
                    help="auto: triton on CUDA, the native kernel (else torch) on CPU")
