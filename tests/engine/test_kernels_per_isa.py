@@ -49,6 +49,7 @@ from tandem.engine.quant.w8a8 import (
     w8a8_panel_linear,
 )
 from tests.engine.isa_levels import LEVELS_HERE
+from tests.engine.test_quant_kernels import _grouped  # random GGUF-style grouped rows
 
 CPU = torch.device("cpu")
 U = 2.0 ** -24  # float32 unit roundoff
@@ -310,16 +311,6 @@ def test_linear_bf16(level):
 
 
 # -- quant_linear_cpu.c -----------------------------------------------------------------------
-
-
-def _grouped(gen: torch.Generator, n: int, k: int, bits: int, g: int,
-             mins: bool) -> GroupedWeight:
-    """Random rows of any codes of the width, float16 scales / mins as stored."""
-    lo, hi = (-128, 128) if bits == 8 else (0, 16)
-    codes = torch.randint(lo, hi, (n, k), generator=gen).to(torch.int8)
-    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3).half()
-    m = (torch.randn(n, k // g, generator=gen) * 0.05).half() if mins else None
-    return GroupedWeight(codes, scales, m, bits, g)
 
 
 def _quant_panels(gw: GroupedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -358,6 +358,23 @@ static inline __attribute__((always_inline)) vf vload_row(const void *row, int64
     return bf16 ? vload_bf16((const uint16_t *)row + d) : VLOAD((const float *)row + d);
 }
 
+/* Block t0 / bs of one KV head in a cache walked block by block: its rows [*lo, *hi) that
+ * [first, len) covers, at the returned bytes (`row` bytes apart), with the same head's rows
+ * two blocks ahead prefetched. */
+static inline __attribute__((always_inline)) const char *block_rows(
+    const char *cache, const int32_t *table, int64_t t0, int64_t first, int64_t len,
+    int64_t bs, int64_t page, int64_t kvh, int64_t row, int64_t *lo, int64_t *hi)
+{
+    const int64_t head = kvh * bs * row;
+    if (t0 + 2 * bs < len) {
+        const char *next = cache + (int64_t)table[t0 / bs + 2] * page + head;
+        for (int64_t c = 0; c < bs * row; c += 64) __builtin_prefetch(next + c);
+    }
+    *lo = t0 < first ? first - t0 : 0;
+    *hi = len - t0 < bs ? len - t0 : bs;
+    return cache + (int64_t)table[t0 / bs] * page + head;
+}
+
 static inline __attribute__((always_inline)) void attend_fast(
     float *restrict oh, const float *restrict qh, const char *k_cache, const char *v_cache,
     const int32_t *restrict table, int64_t first, int64_t len, const int G, const int64_t D,
@@ -374,14 +391,10 @@ static inline __attribute__((always_inline)) void attend_fast(
         for (int64_t v = 0; v < DV; v++)
             acc[g * MAXV + v] = VMUL(VLOAD(qh + g * D + v * VL), VSET1(scale));
     }
-    /* scores: block by block; the next block's rows prefetched a block ahead */
-    for (int64_t t0 = first / bs * bs; t0 < len; t0 += bs) {
-        const char *base = k_cache + (int64_t)table[t0 / bs] * page + kvh * bs * row;
-        if (t0 + 2 * bs < len) {
-            const char *next = k_cache + (int64_t)table[t0 / bs + 2] * page + kvh * bs * row;
-            for (int64_t c = 0; c < bs * row; c += 64) __builtin_prefetch(next + c);
-        }
-        const int64_t lo = t0 < first ? first - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
+    int64_t lo, hi;
+    for (int64_t t0 = first / bs * bs; t0 < len; t0 += bs) { /* scores */
+        const char *base = block_rows(k_cache, table, t0, first, len, bs, page, kvh, row, &lo,
+                                      &hi);
         for (int64_t o = lo; o < hi; o++) {
             const char *kr = base + o * row;
             vf k[MAXV];
@@ -398,13 +411,9 @@ static inline __attribute__((always_inline)) void attend_fast(
     softmax_and_clear(scores, mx, G, n, oh, D);
     for (int g = 0; g < G; g++)
         for (int64_t v = 0; v < DV; v++) acc[g * MAXV + v] = VZERO();
-    for (int64_t t0 = first / bs * bs; t0 < len; t0 += bs) {
-        const char *base = v_cache + (int64_t)table[t0 / bs] * page + kvh * bs * row;
-        if (t0 + 2 * bs < len) {
-            const char *next = v_cache + (int64_t)table[t0 / bs + 2] * page + kvh * bs * row;
-            for (int64_t c = 0; c < bs * row; c += 64) __builtin_prefetch(next + c);
-        }
-        const int64_t lo = t0 < first ? first - t0 : 0, hi = len - t0 < bs ? len - t0 : bs;
+    for (int64_t t0 = first / bs * bs; t0 < len; t0 += bs) { /* probabilities x values */
+        const char *base = block_rows(v_cache, table, t0, first, len, bs, page, kvh, row, &lo,
+                                      &hi);
         for (int64_t o = lo; o < hi; o++) {
             const char *vr = base + o * row;
             vf x[MAXV];
