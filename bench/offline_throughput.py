@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the revision to compare against)")
     ap.add_argument("--quantization", default="", metavar="MODE[,MODE...]",
                     help="also run Tandem with each of these quantizations (int8, w8a8, "
-                         "int4, fp8, gguf) as tandem-MODE")
+                         "int4, fp8, gguf) as tandem-MODE; MODE@DTYPE (w8a8@bfloat16) runs "
+                         "it in that dtype as tandem-MODE-DTYPE")
     ap.add_argument("--dtypes", default="", metavar="DTYPE[,DTYPE...]",
                     help="also run Tandem in each of these dtypes (bfloat16) as tandem-DTYPE "
                          "(float32 is the plain `tandem` run)")
@@ -323,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
     quants = [q.strip() for q in args.quantization.split(",") if q.strip()]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    variants = ([(q, (f"quantization={q}",)) for q in quants]
+    # "w8a8@bfloat16": the quantization in that dtype (tandem-w8a8-bfloat16)
+    variants = ([(q.replace("@", "-"), (f"quantization={q.partition('@')[0]}",)
+                  + ((f"dtype={q.partition('@')[2]}",) if "@" in q else ())) for q in quants]
                 + [(d, (f"dtype={d}",)) for d in dtypes])
     baseline_src = None
     if args.tandem_baseline is not None:

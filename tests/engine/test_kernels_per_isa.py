@@ -370,6 +370,32 @@ def test_quant_linear(level, bits, n, k, g, mins):
                 assert torch.equal(y, want), (level, bits, n, k, g, rows)
 
 
+@per_level
+@pytest.mark.parametrize("n,k,g,mins", [(37, 130, 130, False), (75, 96, 32, True),
+                                        (1, 64, 16, False), (33, 65, 65, True),
+                                        (64, 576, 576, False)])
+def test_quant_linear_i8_bf16(level, n, k, g, mins):
+    """Weight-only int8 panels with bfloat16 activations (`tandem_quant_linear_i8_bf16`) at
+    each level's path: the weights are GroupedWeight.dequantize's float32 values rounded to
+    bfloat16 (the weights of a bfloat16 model of the dequantized checkpoint), multiplied in
+    float32 and rounded once: within bfloat16's unit roundoff of |y| plus (K + 2) u of the
+    magnitudes, against float64 over those weights. N off the 32-column pairs (an odd
+    count of 16-column code panels), odd K, groups and mins, every row tail of the tile."""
+    lib = _lib(level)
+    gen = torch.Generator().manual_seed(16)
+    gw = _grouped(gen, n, k, 8, g, mins)
+    codes, scales, mns = _quant_panels(gw)
+    w = gw.dequantize(torch.float32).to(torch.bfloat16).double()
+    for m in (1, 3, 8, 9, 17):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16) if mins else None
+        y = cpu_kernels.int8_panel_linear_bf16(x, codes, scales, mns, g, b, n, lib)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        ref = x.double() @ w.T + (0 if b is None else b.double())
+        bound = ref.abs() * 2.0 ** -8 + _gemm_bound(x, w.abs(), b, k + 2)
+        _within(y, ref, bound, (level, m, n, k, g, mins))
+
+
 # -- w8a8_cpu.c -------------------------------------------------------------------------------
 
 W8A8_SHAPES = ((5, 4), (17, 7), (33, 130), (16, 3), (40, 576), (47, 1001))  # (N, K)

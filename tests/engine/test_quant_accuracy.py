@@ -29,8 +29,9 @@ value), on a 2-core AVX-512 EPYC with AVX512-BF16 (2026-12-06): perplexity 21.52
 float32's 21.5607 there (-0.145 %; -0.12 % with torch's bfloat16 SDPA and element-wise
 chains), argmax agreement 97.8 %, greedy prefixes 23, 0, 32, 10, each parting where
 float32's runner-up is 0.000-0.056 nats below its best (near-ties: `NEAR_TIE`), weights
-256.5 MiB (exactly half). bfloat16 with w8a8 (its int8 layers widen bfloat16 activations
-to float32): 21.6503 (+0.42 %), 93.8 %, prefixes 13, 3, 2, 1, 128.7 MiB.
+256.5 MiB (exactly half). bfloat16 with w8a8 (the int8-GEMM layers quantize bfloat16
+activations; the weight-only int8 layers dequantize their panels to bfloat16 for VDPBF16PS):
+21.6844 (+0.57 %), 93.3 %, prefixes 19, 0, 32, 1, 128.7 MiB.
 
 w8a8 feeds int8 activations to o_proj and gate_up_proj only (`quant.apply.
 W8A8_ACTIVATION_LAYERS`); with every linear and the LM head it measured +4.50 % (87.8 %

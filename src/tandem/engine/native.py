@@ -64,6 +64,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "tandem_linear_simd": (_I64, []),
     "tandem_linear_bf16": (None, [_P] * 4 + [_I64] * 5),
     "tandem_linear_bf16_simd": (_I64, []),
+    "tandem_quant_linear_i8_bf16": (ctypes.c_int, [_P] * 6 + [_I64] * 5),
     "tandem_quant_linear_i8": (None, [_P] * 6 + [_I64] * 6),
     "tandem_quant_linear_i4": (None, [_P] * 6 + [_I64] * 6),
     "tandem_quant_linear_simd": (_I64, []),

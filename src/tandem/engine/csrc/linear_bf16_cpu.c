@@ -22,6 +22,7 @@
  *   y    [M, N] bfloat16, contiguous
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -161,4 +162,112 @@ void tandem_linear_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *b
         const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
         rows(x, lda, M, K, wp + p * kh * 2 * NR, y + n0, N, ncols, bias ? bias + n0 : NULL);
     }
+}
+
+/*
+ * Weight-only int8 linear layers of bfloat16 models: y[M, N] = x[M, K] @ W[N, K]^T
+ * (+ bias), x, y and bias bfloat16, W kept as engine/quant's int8 code panels
+ * (quant_linear_cpu.c's layout: codes [P16][K][16] int8, scales / mins [P16][K/g][16]
+ * float16; mins may be NULL; w = code * scale + min, two float32 roundings, as
+ * GroupedWeight.dequantize computes it). Each thread dequantizes two code panels at a
+ * time (32 columns) into one bfloat16 pair panel in L2 (nearest even: the weight a
+ * bfloat16 model of the dequantized checkpoint holds) and runs the pair-panel tile over
+ * all M rows, so the weights stream from memory as int8 (a quarter of float32's bytes,
+ * half of bfloat16's) and multiply at VDPBF16PS's rate. Returns 0, or -1 when scratch
+ * memory ran out.
+ */
+static inline float half_bits_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        float f = (float)m * 0x1p-24f; /* zero or subnormal */
+        memcpy(&bits, &f, sizeof bits);
+    } else if (e == 31) {
+        bits = 0x7F800000u | (m << 13);
+    } else {
+        bits = ((e + 112) << 23) | (m << 13);
+    }
+    bits |= sign;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+/* The pair panel [kh][32][2] of code panels 2 pp and 2 pp + 1 (of p16). */
+static void dequant_pair_panel(uint16_t *restrict out, const int8_t *codes,
+                               const uint16_t *scales, const uint16_t *mins, int64_t pp,
+                               int64_t p16, int64_t K, int64_t g)
+{
+    const int64_t G = K / g, kh = (K + 1) / 2;
+#if defined(__AVX512BF16__)
+    /* lane 2i <- w(k) of column i, lane 2i + 1 <- w(k + 1): cvtne2ps gives [w(k) | w(k+1)] */
+    static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                      15, 31};
+    const __m512i idx = _mm512_loadu_si512(order);
+    for (int h = 0; h < 2; h++) {
+        const int64_t p = 2 * pp + h;
+        for (int64_t q = 0; q < kh; q++) {
+            __m512 w[2];
+            for (int r = 0; r < 2; r++) {
+                const int64_t k = 2 * q + r;
+                if (p >= p16 || k >= K) {
+                    w[r] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int64_t at = (p * G + k / g) * 16;
+                const __m128i c8 = _mm_loadu_si128((const __m128i *)(codes + (p * K + k) * 16));
+                const __m256i s16 = _mm256_loadu_si256((const __m256i *)(scales + at));
+                w[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8)),
+                                     _mm512_cvtph_ps(s16));
+                if (mins) {
+                    const __m256i m16 = _mm256_loadu_si256((const __m256i *)(mins + at));
+                    w[r] = _mm512_add_ps(w[r], _mm512_cvtph_ps(m16));
+                }
+            }
+            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+            _mm512_storeu_si512(out + (q * NR + 16 * h) * 2, _mm512_permutexvar_epi16(idx, v));
+        }
+    }
+#else
+    for (int64_t q = 0; q < kh; q++)
+        for (int64_t j = 0; j < NR; j++)
+            for (int64_t r = 0; r < 2; r++) {
+                const int64_t k = 2 * q + r, p = 2 * pp + j / 16, c = j % 16;
+                float w = 0.0f;
+                if (p < p16 && k < K) {
+                    const int64_t at = (p * G + k / g) * 16 + c;
+                    w = (float)codes[(p * K + k) * 16 + c] * half_bits_to_float(scales[at]);
+                    if (mins) w = w + half_bits_to_float(mins[at]);
+                }
+                out[(q * NR + j) * 2 + r] = float_to_bf16(w);
+            }
+#endif
+}
+
+int tandem_quant_linear_i8_bf16(const uint16_t *x, const int8_t *codes, const uint16_t *scales,
+                                const uint16_t *mins, const uint16_t *bias, uint16_t *y,
+                                int64_t M, int64_t N, int64_t K, int64_t g,
+                                int64_t num_threads)
+{
+    const int64_t p16 = (N + 15) / 16, pairs = (p16 + 1) / 2, kh = (K + 1) / 2;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t *panel = malloc((size_t)(kh * 2 * NR) * sizeof(uint16_t));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pp = 0; pp < pairs; pp++) {
+            if (panel == NULL) continue;
+            const int64_t n0 = pp * NR, ncols = N - n0 < NR ? N - n0 : NR;
+            dequant_pair_panel(panel, codes, scales, mins, pp, p16, K, g);
+            rows(x, K, M, K, panel, y + n0, N, ncols, bias ? bias + n0 : NULL);
+        }
+        free(panel);
+    }
+    return failed ? -1 : 0;
 }

@@ -107,6 +107,35 @@ def int8_panel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                  n_out, mode)
 
 
+def bf16_int8_ready(native: ctypes.CDLL | None) -> bool:
+    """The library multiplies bfloat16 activations by int8 panels natively (AVX512-BF16:
+    `tandem_quant_linear_i8_bf16`); elsewhere bfloat16 models widen to float32."""
+    return native is not None and native.tandem_linear_bf16_simd() >= 2
+
+
+def int8_panel_linear_bf16(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                           mins: torch.Tensor | None, group_size: int,
+                           bias: torch.Tensor | None, n_out: int,
+                           native: ctypes.CDLL) -> torch.Tensor:
+    """x [M, K] bfloat16 @ W.T (+ bias [N]) -> [M, N] bfloat16, W in int8 panels as for
+    `int8_panel_linear`: each pair of code panels dequantized to bfloat16 once per call and
+    multiplied with VDPBF16PS (`csrc/linear_bf16_cpu.c`), float32 sums."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"x must be [M, K] bfloat16, got {tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    m, k = x.shape
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = torch.empty(m, n_out, dtype=torch.bfloat16)
+    if m and native.tandem_quant_linear_i8_bf16(
+            x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+            None if mins is None else mins.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), m, n_out, k, group_size,
+            torch.get_num_threads()):
+        raise MemoryError("int8 bfloat16 kernel: out of scratch memory")
+    return y
+
+
 def int4_panel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       mins: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
                       n_out: int, native: ctypes.CDLL, *, mode: str = "auto") -> torch.Tensor:

@@ -206,6 +206,11 @@ class GroupedIntMethod(LinearMethod):
         if self.act_order:  # the code columns' order
             x = x.index_select(-1, layer.perm)
         if self.panels:
+            if (x.dtype == torch.bfloat16 and self.bits == 8
+                    and cpu_kernels.bf16_int8_ready(self.native)):
+                return cpu_kernels.int8_panel_linear_bf16(
+                    x, layer.codes, layer.scales, layer.mins, g, bias, layer.out_features,
+                    self.native)
             fn = (cpu_kernels.int8_panel_linear if self.bits == 8
                   else cpu_kernels.int4_panel_linear)
             if x.dtype == torch.float32:

@@ -196,6 +196,11 @@ class W8A8Method(Int8Method):
                     y = y + bias
             elif x.shape[0] >= self.min_rows:
                 y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
+            elif self._weight_only and (x.dtype == torch.bfloat16
+                                        and cpu_kernels.bf16_int8_ready(self.native)):
+                return cpu_kernels.int8_panel_linear_bf16(
+                    x, layer.codes, layer.scales, None, layer.in_features, layer.bias, n,
+                    self.native)
             elif self._weight_only:
                 y = cpu_kernels.int8_panel_linear(xf, layer.codes, layer.scales, None,
                                                   layer.in_features, bias, n, self.native)
