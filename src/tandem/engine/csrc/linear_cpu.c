@@ -3,8 +3,8 @@
  * 16p..16p+15 for every k, zero-padded past N).
  *
  * One layout serves every batch size. A 6x16 register tile (12 ymm accumulators, AVX2 +
- * FMA) walks K reading one 64-byte panel line per k and broadcasting 6 activations; each
- * thread owns whole panels (OpenMP, static), so every weight byte is read once per block of
+ * FMA; 12x16 in zmm with AVX-512, tile_avx2.h) walks K reading one 64-byte panel line per
+ * k and broadcasting 6 (12) activations; each thread owns whole panels (OpenMP, static), so every weight byte is read once per block of
  * MC activation rows (MC sized so that block stays in L2), and the panel itself streams
  * from DRAM with a software prefetch a few lines ahead.
  * Measured on this 2-core AVX2 VM (bench/linear_micro.py, one forward of SmolLM2's linears):
@@ -24,7 +24,7 @@
 #endif
 
 #define NR 16                 /* panel width (output columns): TILE_NR of tile_avx2.h */
-#define MR 6                  /* activation rows per register tile: TILE_MR */
+#define MR TILE_ROWS_MR        /* activation rows per register tile (6 AVX2, 12 AVX-512) */
 #define MC_BYTES (768 * 1024) /* activation block kept in L2 across a thread's panels */
 
 int64_t tandem_linear_simd(void) {
@@ -48,7 +48,7 @@ void tandem_linear_packed_f32(const float *x, const float *wp, const float *bias
             const float *panel = wp + p * K * NR;
             const int64_t n0 = p * NR, ncols = N - n0 < NR ? N - n0 : NR;
             const float *b = bias ? bias + n0 : NULL;
-            rows_6x16(x + m0 * K, mb, K, panel, y + m0 * N + n0, N, ncols, b);
+            rows_x16(x + m0 * K, mb, K, panel, y + m0 * N + n0, N, ncols, b);
         }
     }
 #else

@@ -84,48 +84,9 @@ static inline __attribute__((always_inline)) void pv_tile(
 }
 
 #if defined(__AVX512F__)
-/* AVX-512: 12 rows x 16 columns per register tile (one zmm per row, 12 accumulators; each
- * 16-float load of a key tile or a value row feeds 12 FMAs with broadcast operands), twice
- * the columns per instruction of the AVX2 6x16 tile. Measured on a 2-core AVX-512 EPYC:
- * see the scores / pv callers. */
-#define MR512 12
-
-/* c[mr x 16] = a[mr x K] @ panel[K x 16] (a's rows K floats apart, c's ldc). */
-static inline __attribute__((always_inline)) void scores_tile_512(
-        const float *restrict a, int64_t K, const float *restrict panel, float *restrict c,
-        int64_t ldc, const int mr) {
-    __m512 acc[MR512];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        const __m512 b = _mm512_loadu_ps(panel + k * 16);
-        for (int i = 0; i < mr; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * K + k]), b, acc[i]);
-    }
-    for (int i = 0; i < mr; i++) _mm512_storeu_ps(c + i * ldc, acc[i]);
-}
-
-static void scores_512(const float *a, int64_t M, int64_t K, const float *panel, float *c,
-                       int64_t ldc) {
-    int64_t i = 0;
-    for (; i + MR512 <= M; i += MR512)
-        scores_tile_512(a + i * K, K, panel, c + i * ldc, ldc, MR512);
-    const float *ai = a + i * K;
-    float *ci = c + i * ldc;
-    switch (M - i) {
-        case 11: scores_tile_512(ai, K, panel, ci, ldc, 11); break;
-        case 10: scores_tile_512(ai, K, panel, ci, ldc, 10); break;
-        case 9: scores_tile_512(ai, K, panel, ci, ldc, 9); break;
-        case 8: scores_tile_512(ai, K, panel, ci, ldc, 8); break;
-        case 7: scores_tile_512(ai, K, panel, ci, ldc, 7); break;
-        case 6: scores_tile_512(ai, K, panel, ci, ldc, 6); break;
-        case 5: scores_tile_512(ai, K, panel, ci, ldc, 5); break;
-        case 4: scores_tile_512(ai, K, panel, ci, ldc, 4); break;
-        case 3: scores_tile_512(ai, K, panel, ci, ldc, 3); break;
-        case 2: scores_tile_512(ai, K, panel, ci, ldc, 2); break;
-        case 1: scores_tile_512(ai, K, panel, ci, ldc, 1); break;
-        default: break;
-    }
-}
+/* AVX-512: P V in 12 rows x 16 columns per register tile (one zmm per row; each value-row
+ * load feeds 12 FMAs with broadcast operands), as the scores use tile_avx2.h's 12x16. */
+#define MR512 TILE512_MR
 
 /* o[mr x D] = alpha[i] * o + p[mr x n] @ v[n x D], 16 columns of D per pass. */
 static inline __attribute__((always_inline)) void pv_tile_512(
@@ -334,13 +295,8 @@ int tandem_paged_attention_prefill(
                 if (nk > KB) nk = KB;
                 const int64_t ntiles = (nk + KT - 1) / KT, first = (lo > T0 ? lo - T0 : 0) / KT;
                 for (int64_t u = first; u < ntiles; u++)
-#if defined(__AVX512F__)
-                    scores_512(qs, M, D, kt_all + kt_off[s] + ((T0 / KT + u) * KVH + h) * D * KT,
-                               sc + u * KT, KB);
-#else
-                    rows_6x16(qs, M, D, kt_all + kt_off[s] + ((T0 / KT + u) * KVH + h) * D * KT,
-                              sc + u * KT, KB, KT, NULL);
-#endif
+                    rows_x16(qs, M, D, kt_all + kt_off[s] + ((T0 / KT + u) * KVH + h) * D * KT,
+                             sc + u * KT, KB, KT, NULL);
                 for (int64_t j = first * KT; j < nk; j++) {
                     const int64_t at = cache_row(table, T0 + j, h, bs, page, D);
                     if (kv16) {

@@ -300,8 +300,8 @@ static void ql_linear_avx2(const int BITS, const float *x, const uint8_t *codes,
     const int64_t nt = num_threads > 0 ? num_threads : 1;
     float *scratch = malloc((size_t)(nt * K * QL_NR) * sizeof(float));
     if (!scratch) return;
-    int64_t mc = (QL_MC_BYTES / (K * (int64_t)sizeof(float))) / TILE_MR * TILE_MR;
-    if (mc < TILE_MR) mc = TILE_MR;
+    int64_t mc = (QL_MC_BYTES / (K * (int64_t)sizeof(float))) / TILE_ROWS_MR * TILE_ROWS_MR;
+    if (mc < TILE_ROWS_MR) mc = TILE_ROWS_MR;
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t mb = M - m0 < mc ? M - m0 : mc;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -310,7 +310,7 @@ static void ql_linear_avx2(const int BITS, const float *x, const uint8_t *codes,
             const int64_t n0 = p * QL_NR, ncols = N - n0 < QL_NR ? N - n0 : QL_NR;
             ql_dequant_panel(BITS, codes + p * line, scales + p * G * QL_NR,
                              mins ? mins + p * G * QL_NR : NULL, K, g, w);
-            rows_6x16(x + m0 * K, mb, K, w, y + m0 * N + n0, N, ncols,
+            rows_x16(x + m0 * K, mb, K, w, y + m0 * N + n0, N, ncols,
                       bias ? bias + n0 : NULL);
         }
     }

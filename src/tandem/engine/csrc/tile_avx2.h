@@ -1,8 +1,9 @@
-/* The 6x16 float32 register tile shared by the GEMM (linear_cpu.c) and the prefill
- * attention scores (prefill_attention_cpu.c), AVX2 + FMA: 12 ymm accumulators walk K,
- * reading one 16-float line of a column panel [K x 16] and broadcasting six rows of `a`
- * per k. Include after <immintrin.h>, <stdint.h> and <string.h>, only under __AVX2__ and
- * __FMA__.
+/* The 6x16 float32 register tile shared by the GEMMs (linear_cpu.c, quant_linear_cpu.c's
+ * scratch path) and the prefill attention scores (prefill_attention_cpu.c), AVX2 + FMA: 12
+ * ymm accumulators walk K, reading one 16-float line of a column panel [K x 16] and
+ * broadcasting six rows of `a` per k; with AVX-512 the same product in a 12x16 zmm tile.
+ * Callers use `rows_x16` / `TILE_ROWS_MR`: the widest tile of the build. Include after
+ * <immintrin.h>, <stdint.h> and <string.h>, only under __AVX2__ and __FMA__.
  */
 #ifndef TANDEM_TILE_AVX2_H
 #define TANDEM_TILE_AVX2_H
@@ -97,5 +98,61 @@ static inline __attribute__((always_inline)) void rows_6x16(
         default: break;
     }
 }
+
+
+#if defined(__AVX512F__)
+/* AVX-512: the same product in a 12x16 tile, one zmm per row (12 accumulators; each panel
+ * line load feeds 12 FMAs with broadcast operands), twice the columns per instruction of
+ * the 6x16 ymm tile; the same epilogue (sum, then + bias). */
+#define TILE512_MR 12
+
+static inline __attribute__((always_inline)) void tile_12x16(
+        const float *restrict a, int64_t K, const float *restrict panel, float *restrict c,
+        int64_t ldc, const int mr, int64_t ncols, const float *restrict bias) {
+    __m512 acc[TILE512_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++) {
+        __builtin_prefetch(panel + (k + TILE_PREFETCH_LINES) * TILE_NR, 0, 3);
+        const __m512 b = _mm512_loadu_ps(panel + k * TILE_NR);
+        for (int i = 0; i < mr; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * K + k]), b, acc[i]);
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++)
+        _mm512_mask_storeu_ps(c + i * ldc, keep, _mm512_add_ps(acc[i], bv));
+}
+
+static inline __attribute__((always_inline)) void rows_12x16(
+        const float *a, int64_t M, int64_t K, const float *panel, float *c, int64_t ldc,
+        int64_t ncols, const float *bias) {
+    int64_t i = 0;
+    for (; i + TILE512_MR <= M; i += TILE512_MR)
+        tile_12x16(a + i * K, K, panel, c + i * ldc, ldc, TILE512_MR, ncols, bias);
+    const float *ai = a + i * K;
+    float *ci = c + i * ldc;
+    switch (M - i) {
+        case 11: tile_12x16(ai, K, panel, ci, ldc, 11, ncols, bias); break;
+        case 10: tile_12x16(ai, K, panel, ci, ldc, 10, ncols, bias); break;
+        case 9: tile_12x16(ai, K, panel, ci, ldc, 9, ncols, bias); break;
+        case 8: tile_12x16(ai, K, panel, ci, ldc, 8, ncols, bias); break;
+        case 7: tile_12x16(ai, K, panel, ci, ldc, 7, ncols, bias); break;
+        case 6: tile_12x16(ai, K, panel, ci, ldc, 6, ncols, bias); break;
+        case 5: tile_12x16(ai, K, panel, ci, ldc, 5, ncols, bias); break;
+        case 4: tile_12x16(ai, K, panel, ci, ldc, 4, ncols, bias); break;
+        case 3: tile_12x16(ai, K, panel, ci, ldc, 3, ncols, bias); break;
+        case 2: tile_12x16(ai, K, panel, ci, ldc, 2, ncols, bias); break;
+        case 1: tile_12x16(ai, K, panel, ci, ldc, 1, ncols, bias); break;
+        default: break;
+    }
+}
+/* the widest tile this build has, and its rows */
+#define rows_x16 rows_12x16
+#define TILE_ROWS_MR TILE512_MR
+#else
+#define rows_x16 rows_6x16
+#define TILE_ROWS_MR TILE_MR
+#endif
 
 #endif
