@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the CPU kernels. A bfloat16 is the high half of a float32, so
+/* bfloat16 <-> float32 (and float16 -> float32) for the CPU kernels. A bfloat16 is the high half of a float32, so
  * widening is exact (a 16-bit shift); narrowing rounds to nearest even, as torch's
  * `.to(torch.bfloat16)` does, and keeps NaN a (quiet) NaN. Rows convert with AVX-512 or
  * AVX2 where the library was built for them, else one element at a time. Include after
@@ -6,7 +6,7 @@
  */
 #ifndef TANDEM_BF16_H
 #define TANDEM_BF16_H
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -24,6 +24,30 @@ static inline uint16_t float_to_bf16(float f)
     memcpy(&b, &f, sizeof b);
     if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* IEEE float16 bits -> float32, exact (subnormals included; NaN stays NaN): F16C's
+ * conversion where built, else the bit manipulation. */
+static inline float half_bits_to_float(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0) {
+        const float f = (float)m * 0x1p-24f; /* zero or subnormal: m * 2^-24, exact */
+        memcpy(&bits, &f, sizeof bits);
+    } else if (e == 31) {
+        bits = 0x7F800000u | (m << 13);
+    } else {
+        bits = ((e + 112) << 23) | (m << 13);
+    }
+    bits |= sign;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
 }
 
 /* dst[0..n) = src[0..n) widened */

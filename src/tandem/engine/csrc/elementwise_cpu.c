@@ -30,31 +30,67 @@
 #pragma omp declare simd notinbranch
 extern float expf(float);
 
-void tandem_add_rms_norm_f32(float *out, float *residual, const float *x, const float *weight,
-                             int64_t T, int64_t H, float eps, int64_t num_threads)
-{
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H > 32768)
-    for (int64_t t = 0; t < T; t++) {
-        float *restrict r = residual + t * H;
-        float *restrict o = out + t * H;
-        float ss = 0.0f;
-        if (x != NULL) {
-            const float *restrict xi = x + t * H;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < H; i++) {
-                const float v = r[i] + xi[i];
-                r[i] = v;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < H; i++) ss += r[i] * r[i];
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++) o[i] = weight[i] * (r[i] * inv);
+/* add_rms_norm and rope are written once for both element types E: rows are widened by LD
+ * and each stored value narrowed by ST (identities for float32). */
+static inline float f32_same(float v) { return v; }
+
+#define ADD_RMS_NORM(NAME, E, LD, ST)                                                      \
+    void NAME(E *out, E *residual, const E *x, const E *weight, int64_t T, int64_t H,      \
+              float eps, int64_t num_threads)                                              \
+    {                                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * H > 32768)") \
+        for (int64_t t = 0; t < T; t++) {                                                  \
+            E *restrict r = residual + t * H;                                              \
+            E *restrict o = out + t * H;                                                   \
+            float ss = 0.0f;                                                               \
+            if (x != NULL) {                                                               \
+                const E *restrict xi = x + t * H;                                          \
+                _Pragma("omp simd reduction(+ : ss)")                                      \
+                for (int64_t i = 0; i < H; i++) {                                          \
+                    const E h = ST(LD(r[i]) + LD(xi[i]));                                  \
+                    const float v = LD(h);                                                 \
+                    r[i] = h;                                                              \
+                    ss += v * v;                                                           \
+                }                                                                          \
+            } else {                                                                       \
+                _Pragma("omp simd reduction(+ : ss)")                                      \
+                for (int64_t i = 0; i < H; i++) {                                          \
+                    const float v = LD(r[i]);                                              \
+                    ss += v * v;                                                           \
+                }                                                                          \
+            }                                                                              \
+            const float inv = 1.0f / sqrtf(ss / (float)H + eps);                           \
+            _Pragma("omp simd")                                                            \
+            for (int64_t i = 0; i < H; i++) o[i] = ST(LD(weight[i]) * (LD(r[i]) * inv));  \
+        }                                                                                  \
     }
-}
+
+#define ROPE(NAME, E, LD, ST)                                                              \
+    void NAME(E *x, const int64_t *positions, const float *cos_table,                     \
+              const float *sin_table, int64_t T, int64_t num_heads, int64_t D,             \
+              int64_t x_stride, int64_t num_threads)                                       \
+    {                                                                                      \
+        const int64_t half = D / 2;                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * num_heads * D > 32768)") \
+        for (int64_t t = 0; t < T; t++) {                                                  \
+            const float *restrict c = cos_table + positions[t] * D;                        \
+            const float *restrict s = sin_table + positions[t] * D;                        \
+            for (int64_t h = 0; h < num_heads; h++) {                                      \
+                E *restrict v = x + t * x_stride + h * D;                                  \
+                _Pragma("omp simd")                                                        \
+                for (int64_t i = 0; i < half; i++) {                                       \
+                    const float a = LD(v[i]), b = LD(v[i + half]);                         \
+                    v[i] = ST(a * c[i] - b * s[i]);                                        \
+                    v[i + half] = ST(b * c[i + half] + a * s[i + half]);                   \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+ADD_RMS_NORM(tandem_add_rms_norm_f32, float, f32_same, f32_same)
+ADD_RMS_NORM(tandem_add_rms_norm_bf16, uint16_t, bf16_to_float, float_to_bf16)
+ROPE(tandem_rope_f32, float, f32_same, f32_same)
+ROPE(tandem_rope_bf16, uint16_t, bf16_to_float, float_to_bf16)
 
 void tandem_silu_mul_f32(float *out, const float *gate_up, int64_t T, int64_t I,
                          int64_t num_threads)
@@ -69,63 +105,10 @@ void tandem_silu_mul_f32(float *out, const float *gate_up, int64_t T, int64_t I,
     }
 }
 
-void tandem_rope_f32(float *x, const int64_t *positions, const float *cos_table,
-                     const float *sin_table, int64_t T, int64_t num_heads, int64_t D,
-                     int64_t x_stride, int64_t num_threads)
-{
-    const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_heads * D > 32768)
-    for (int64_t t = 0; t < T; t++) {
-        const float *restrict c = cos_table + positions[t] * D;
-        const float *restrict s = sin_table + positions[t] * D;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *restrict v = x + t * x_stride + h * D;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
-        }
-    }
-}
-
 /* ---- bfloat16 -------------------------------------------------------------------------- */
 
 /* floats of a row converted at a time through a stack buffer */
 #define BF16_CHUNK 256
-
-void tandem_add_rms_norm_bf16(uint16_t *out, uint16_t *residual, const uint16_t *x,
-                              const uint16_t *weight, int64_t T, int64_t H, float eps,
-                              int64_t num_threads)
-{
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H > 32768)
-    for (int64_t t = 0; t < T; t++) {
-        uint16_t *restrict r = residual + t * H;
-        uint16_t *restrict o = out + t * H;
-        float ss = 0.0f;
-        if (x != NULL) {
-            const uint16_t *restrict xi = x + t * H;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < H; i++) {
-                const uint16_t h = float_to_bf16(bf16_to_float(r[i]) + bf16_to_float(xi[i]));
-                const float v = bf16_to_float(h);
-                r[i] = h;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < H; i++) {
-                const float v = bf16_to_float(r[i]);
-                ss += v * v;
-            }
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < H; i++)
-            o[i] = float_to_bf16(bf16_to_float(weight[i]) * (bf16_to_float(r[i]) * inv));
-    }
-}
 
 void tandem_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int64_t I,
                           int64_t num_threads)
@@ -146,27 +129,6 @@ void tandem_silu_mul_bf16(uint16_t *out, const uint16_t *gate_up, int64_t T, int
                 buf[i] = gi / (1.0f + expf(-gi)) * bf16_to_float(u[i0 + i]);
             }
             float_row_to_bf16(o + i0, buf, n);
-        }
-    }
-}
-
-void tandem_rope_bf16(uint16_t *x, const int64_t *positions, const float *cos_table,
-                      const float *sin_table, int64_t T, int64_t num_heads, int64_t D,
-                      int64_t x_stride, int64_t num_threads)
-{
-    const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * num_heads * D > 32768)
-    for (int64_t t = 0; t < T; t++) {
-        const float *restrict c = cos_table + positions[t] * D;
-        const float *restrict s = sin_table + positions[t] * D;
-        for (int64_t h = 0; h < num_heads; h++) {
-            uint16_t *restrict v = x + t * x_stride + h * D;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float a = bf16_to_float(v[i]), b = bf16_to_float(v[i + half]);
-                v[i] = float_to_bf16(a * c[i] - b * s[i]);
-                v[i + half] = float_to_bf16(b * c[i + half] + a * s[i + half]);
-            }
         }
     }
 }

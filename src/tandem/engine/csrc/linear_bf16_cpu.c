@@ -176,24 +176,6 @@ void tandem_linear_bf16(const uint16_t *x, const uint16_t *wp, const uint16_t *b
  * half of bfloat16's) and multiply at VDPBF16PS's rate. Returns 0, or -1 when scratch
  * memory ran out.
  */
-static inline float half_bits_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    uint32_t bits;
-    if (e == 0) {
-        float f = (float)m * 0x1p-24f; /* zero or subnormal */
-        memcpy(&bits, &f, sizeof bits);
-    } else if (e == 31) {
-        bits = 0x7F800000u | (m << 13);
-    } else {
-        bits = ((e + 112) << 23) | (m << 13);
-    }
-    bits |= sign;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
 /* The pair panel [kh][32][2] of code panels 2 pp and 2 pp + 1 (of p16). */
 static void dequant_pair_panel(uint16_t *restrict out, const int8_t *codes,
                                const uint16_t *scales, const uint16_t *mins, int64_t pp,

@@ -143,28 +143,10 @@ ATTEND_D(128)
 #include <immintrin.h>
 #endif
 
+/* a little-endian float16 at p -> float32 */
 static inline float half_to_float(const uint8_t *p)
 {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-    float f;
-    if (e == 0) {
-        f = (float)m * 0x1p-24f;  /* subnormal (the quantizer never writes one) */
-    } else if (e == 31) {
-        f = m ? NAN : INFINITY;
-    } else {
-        const uint32_t bits = ((e + 112) << 23) | (m << 13);
-        memcpy(&f, &bits, sizeof f);
-    }
-    uint32_t out;
-    memcpy(&out, &f, sizeof out);
-    out |= sign;
-    memcpy(&f, &out, sizeof f);
-    return f;
-#endif
+    return half_bits_to_float((uint16_t)(p[0] | (p[1] << 8)));
 }
 
 static inline float fp8_to_float(uint8_t b)

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -63,19 +65,6 @@
 
 /* 3 = AVX-512 VNNI, 2 = AVX-VNNI, 1 = AVX2, 0 = scalar. */
 int64_t tandem_w8a8_simd(void) { return W8A8_PATH; }
-
-static float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t bits;
-    if (e == 0) {
-        const float f = (float)m * 5.9604644775390625e-8f; /* m * 2^-24, exact */
-        return sign ? -f : f;
-    }
-    bits = sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (m << 13);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* Row x[K] -> codes q[K] (+ offset, mod 256), q[K..ldq) = offset; returns the scale. */
 static float quantize_row(const float *restrict x, int8_t *restrict q, int64_t K, int64_t ldq,
@@ -301,7 +290,7 @@ static int gemm(const int8_t *a, int64_t lda, const int8_t *wp, int64_t M, int64
             pack_quads(wp + p * K * NR, K, wq, W8A8_UNSIGNED ? corr : NULL);
             for (int c = 0; c < NR; c++) corr[c] *= W8A8_OFFSET;
             for (int64_t c = 0; yf && c < ncols; c++) {
-                wscale[c] = half_to_float(ws[n0 + c]);
+                wscale[c] = half_bits_to_float(ws[n0 + c]);
                 b[c] = bias ? bias[n0 + c] : 0.0f;
             }
             for (int64_t i0 = 0; i0 < M; i0 += W8A8_MR) {

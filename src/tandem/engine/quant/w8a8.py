@@ -184,10 +184,15 @@ class W8A8Method(Int8Method):
                              f"{tuple(x.shape)}")
         if x.shape[0] == 0:
             return x.new_empty((0, n), dtype=layer.dtype)
+        gemm = x.shape[0] >= self.min_rows or not self._weight_only
+        if (self.panels and not gemm and x.dtype == torch.bfloat16
+                and cpu_kernels.bf16_int8_ready(self.native)):  # bfloat16 in and out
+            return cpu_kernels.int8_panel_linear_bf16(
+                x, layer.codes, layer.scales, None, layer.in_features, layer.bias, n,
+                self.native)
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         if self.panels:
             xf = x.to(torch.float32).contiguous()
-            gemm = x.shape[0] >= self.min_rows or not self._weight_only
             if gemm and layer.input_amax is not None:  # a row-parallel rank's columns
                 xq, xs = quantize_rows(xf, layer.input_amax(_row_amax(xf)))
                 y = panel_gemm_i32(xq, layer.codes, n, self.native).float() * xs
@@ -196,11 +201,6 @@ class W8A8Method(Int8Method):
                     y = y + bias
             elif x.shape[0] >= self.min_rows:
                 y = w8a8_panel_linear(xf, layer.codes, layer.scales, bias, n, self.native)
-            elif self._weight_only and (x.dtype == torch.bfloat16
-                                        and cpu_kernels.bf16_int8_ready(self.native)):
-                return cpu_kernels.int8_panel_linear_bf16(
-                    x, layer.codes, layer.scales, None, layer.in_features, layer.bias, n,
-                    self.native)
             elif self._weight_only:
                 y = cpu_kernels.int8_panel_linear(xf, layer.codes, layer.scales, None,
                                                   layer.in_features, bias, n, self.native)
