@@ -37,6 +37,7 @@ from tandem.router.core import Router
 from tandem.router.discovery import Discovery
 from tandem.router.extproc.settings import ExtProcSettings
 from tandem.router.flowcontrol.base import FlowControl
+from tandem.router.guardrails import Guardrails
 from tandem.router.index_store import RedisIndexStore
 from tandem.router.lora_admin import install_lora_admin
 from tandem.router.metrics import RouterMetrics
@@ -109,6 +110,9 @@ class RouterServerSettings:
     # the gateway's endpoint picker (ext_proc gRPC, `extproc`) beside the HTTP front door;
     # None: not served (`--ext-proc-port`)
     ext_proc: ExtProcSettings | None = None
+    # input, output and policy layers on every request, both front doors (router.yaml
+    # `guardrails`); None: none configured
+    guardrails: Guardrails | None = None
 
 
 def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
@@ -129,6 +133,8 @@ def build_app(router: Router, settings: RouterServerSettings) -> FastPaths:
         settings.on_metrics(metrics)
     if settings.flow_control is not None:
         settings.flow_control.bind_metrics(metrics)
+    if settings.guardrails is not None:
+        settings.guardrails.bind_metrics(metrics)
     if settings.metrics_port is None:
         auth = (settings.api_keys.configured if settings.metrics_auth is None
                 else settings.metrics_auth)

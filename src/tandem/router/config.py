@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from tandem.router.flowcontrol.policies import FAIRNESS, ORDERINGS
+from tandem.router.guardrails.config import GuardrailsConfig
 from tandem.router.policy import DEFAULT_WEIGHTS, POLICIES
 from tandem.router.scorers import SCORERS
 
@@ -167,6 +168,8 @@ class RouterConfig(_Strict):
         Field(min_length=1, max_length=64)] | None = None
     objectives: dict[str, Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]] | None = None
     inference_pool: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+    # input, output and policy guardrails (`guardrails.config`)
+    guardrails: GuardrailsConfig | None = None
 
 
 def check_config(data: Any, source: str = "router.yaml") -> dict[str, Any]:
@@ -185,6 +188,13 @@ def check_config(data: Any, source: str = "router.yaml") -> dict[str, Any]:
         PriorityPolicy.from_dict(cfg.get("priority"))
     except ValueError as exc:
         raise RouterConfigError(f"{source}: priority.{exc}") from None
+    if "guardrails" in cfg:  # each pattern compiles, by a linear-time engine
+        from tandem.router.guardrails import Guardrails
+
+        try:
+            Guardrails.from_config(cfg["guardrails"])
+        except ValueError as exc:
+            raise RouterConfigError(f"{source}: guardrails: {exc}") from None
     return cfg
 
 

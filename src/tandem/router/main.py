@@ -41,7 +41,8 @@ tenant's priority range, `router/priority.py`) and `rate_limits: {default: {requ
 burst_requests, tokens_per_min}, tenants: {NAME: {...}}}`, `flow_control: {enabled,
 fairness, ordering, ttl_s, saturation: {waiting, kv}, bands: {N|default: {max_requests,
 max_bytes}}, tenant_weights: {NAME: w}, shared}` (`flowcontrol/`; `--flow-control` turns it
-on with defaults) and `served_models: [{name, start_timeout_s}]`; flags win over the file. An
+on with defaults), `served_models: [{name, start_timeout_s}]` and `guardrails: {input,
+output, policies, audit}` (`guardrails/config.py`); flags win over the file. An
 unknown key (at any level) or a value of the wrong type or range stops start-up with one
 line naming it (`config.py`; `tandem router` reports it as a usage error, exit 2).
 
@@ -607,6 +608,7 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     door = front_door(args, cfg)
     if door.metrics_auth and not args.api_keys:
         raise SystemExit("--metrics-auth needs --api-keys (the keys it checks)")
+    from tandem.router.guardrails import Guardrails
     from tandem.router.priority import PriorityPolicy
 
     priority = PriorityPolicy.from_dict(cfg.get("priority"))  # checked by check_config
@@ -641,7 +643,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
         metrics_port=door.metrics_port,
         metrics_auth=door.metrics_auth,
         openapi=door.openapi,
-        ext_proc=ext_proc_settings(args, cfg))
+        ext_proc=ext_proc_settings(args, cfg),
+        guardrails=Guardrails.from_config(cfg.get("guardrails")))  # checked by check_config
     return build_app(router, server), router, server
 
 

@@ -41,6 +41,15 @@ class RouterMetrics:
                                   "retried) or not (limit, no_worker, not_replayable, failed), "
                                   "by what broke them (connection, stalled, draining, error)",
                                   ["result", "reason"], registry=r)
+        self.guardrail_decisions = Counter(
+            "tandem_router_guardrail_decisions_total",
+            "Guardrail decisions, by guardrail, layer (input, output, policy) and verdict "
+            "(pass, refuse, redact, stop, flag, error)", ["guardrail", "layer", "verdict"],
+            registry=r)
+        self.guardrail_seconds = Histogram(
+            "tandem_router_guardrail_seconds",
+            "Time the guardrails of one layer took on one request (input: policy and input "
+            "guardrails, before routing)", ["layer"], buckets=ROUTING_BUCKETS, registry=r)
         self.rejected = Counter("tandem_router_rejected_total",
                                 "Requests answered by the router itself, by status",
                                 ["status"], registry=r)

@@ -121,6 +121,8 @@ class RouterApp:
             await settings.index_store.close()
         if settings.flow_control is not None:
             await settings.flow_control.close()
+        if settings.guardrails is not None:
+            await settings.guardrails.close()
 
     async def expire_speculative(self) -> None:
         """Free speculative index entries once their TTL is over (matching skips them)."""

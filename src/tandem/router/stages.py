@@ -27,12 +27,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from tandem.protocol.web import (
@@ -47,6 +47,8 @@ from tandem.router import responses, usage
 from tandem.router.auth import tenant_cache_salt
 from tandem.router.flowcontrol import front as flow_front
 from tandem.router.flowcontrol.base import FlowTicket
+from tandem.router.guardrails.output import OutputFilter, stop_error
+from tandem.router.guardrails.relay import relay_filtered
 from tandem.router.migration import Migration
 from tandem.router.pd import Route, plan
 from tandem.router.proxy import Attempt, forward
@@ -76,6 +78,7 @@ class Body:
     changed: bool
     usage_asked: bool = False  # the worker was asked for a stream's usage chunk (`ask_usage`)
     strip_usage: bool = False  # ... by the router only: the client does not get it
+    output: OutputFilter | None = None  # the output guardrails the answer goes through
 
 
 @dataclass
@@ -111,14 +114,17 @@ def authenticate(ra: RouterApp, authorization: str | None) -> str | None:
 
 
 async def parse_body(ra: RouterApp, kind: str, body: bytes, content_type: str | None,
-                     tenant: str | None) -> Body:
+                     tenant: str | None, rid: str = "-") -> Body:
     """The body (read and bounded by the front door) parsed (`kind`: "completions", "chat"
     or "responses"; `content_type`: its Content-Type header value): 400 for a body that is
     not a JSON object (sent as JSON), a max_tokens over the cap, no model while several are
     served, or a prompt the tokenizer refuses; a tenant's cache salt and priority are
-    applied (400 / 403 outside their rules). Transport-free: the HTTP router and the
-    gateway's endpoint picker both call it."""
+    applied (400 / 403 outside their rules); with guardrails, the tenant's policy and the
+    input guardrails (`guardrails.guard`: 400 / 403, code `guardrail` or `policy`), the
+    body then tokenized as they left it. Transport-free: the HTTP router and the gateway's
+    endpoint picker both call it."""
     settings, metrics, router = ra.settings, ra.metrics, ra.router
+    guard = settings.guardrails
     try:
         require_json_type(content_type)  # 400 for a body not sent as JSON, as at the worker
         data = json.loads(body)
@@ -133,18 +139,43 @@ async def parse_body(ra: RouterApp, kind: str, body: bytes, content_type: str | 
         changed |= settings.priority.apply(tenant, data)  # 400 outside its range
         check_bounds(ra, data)
         model = data.get("model") or default_model(ra)
-        tokenizer = router.tokenizer_for(router.base_model(model)[0])
+        base = router.base_model(model)
+        tokenizer = router.tokenizer_for(base[0])
+        if guard is not None:
+            changed |= await guard.before_tokenize(rid, tenant, kind, data, model, base,
+                                                   decoder(tokenizer))
         if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
             parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
         else:
             parsed = prompts.parse(kind, data, tokenizer)
+        if guard is not None:
+            changed |= guard.after_tokenize(rid, tenant, kind, data, model, None
+                                            if parsed.token_ids is None
+                                            else len(parsed.token_ids))
     except (ValueError, ValidationError, RecursionError) as exc:
         metrics.child(metrics.rejected, "400").inc()
         raise bad_body(exc) from exc
     except APIError as exc:  # a bad cache_salt or priority
         metrics.child(metrics.rejected, str(exc.status)).inc()
         raise
-    return Body(tenant, body, data, parsed, model, changed)
+    return Body(tenant, body, data, parsed, model, changed,
+                output=None if guard is None else guard.output_filter(tenant, kind))
+
+
+def decoder(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    """Token ids -> text, special tokens kept, for the input guardrails (None: no
+    tokenizer); ValueError for ids the tokenizer cannot decode."""
+    if tokenizer is None:
+        return None
+
+    def decode(ids: list[int]) -> str:
+        try:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+        except Exception as exc:
+            raise ValueError(f"prompt: token ids the tokenizer cannot decode ({exc})"[:300]
+                             ) from None
+
+    return decode
 
 
 def check_bounds(ra: RouterApp, data: dict) -> None:
@@ -394,6 +425,29 @@ async def settled(request: Request, work: Awaitable[Response], bill: usage.Settl
     return response
 
 
+def guarded(ra: RouterApp, rid: str, req: Body, output: OutputFilter,
+            answer: Response) -> Response:
+    """`answer` through the output guardrails (`guardrails.output`): a stream filtered as it
+    passes (a stop closes the worker's stream, aborting the request there), a whole answer
+    rewritten, or, stopped, answered 400 (code `guardrail`)."""
+    guard = ra.settings.guardrails
+    assert guard is not None
+    if isinstance(answer, StreamingResponse):
+        answer.body_iterator = relay_filtered(answer.body_iterator, output,
+                                              lambda: guard.output_done(rid, req.tenant,
+                                                                        output))
+        return answer
+    body = output.body(bytes(answer.body))
+    guard.output_done(rid, req.tenant, output)
+    if output.stopped is not None:
+        ra.metrics.child(ra.metrics.rejected, "400").inc()
+        return JSONResponse(stop_error(output.stopped), status_code=400)
+    if body is None:
+        return answer
+    headers = {k: v for k, v in answer.headers.items() if k.lower() != "content-length"}
+    return Response(body, status_code=answer.status_code, headers=headers)
+
+
 def prompt_tokens(req: Body) -> int:
     """The prompt's tokens (an estimate, 4 bytes a token, for a prompt not tokenized)."""
     token_ids = req.parsed.token_ids
@@ -429,7 +483,7 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
     tenant = authenticate(ra, request.headers.get("authorization"))
     t0 = time.perf_counter()
     req = await parse_body(ra, kind, await request.body(), request.headers.get("content-type"),
-                           tenant)
+                           tenant, rid)
     admit(ra, req)
     bill = await charge(ra, kind, req)
     ticket = None
@@ -464,6 +518,8 @@ async def handle(ra: RouterApp, kind: str, path: str, request: Request) -> Respo
             raise
     else:
         answer = await relay(request, work, req.parsed.stream, bill)
+    if req.output is not None and 200 <= answer.status_code < 300:
+        answer = guarded(ra, rid, req, req.output, answer)
     if routing.answered is not None and 200 <= answer.status_code < 300:
         answer.headers[SESSION_HEADER] = tokens.token(routing.answered)
     if kind == "responses" and req.data.get("store") is not False:

@@ -1,0 +1,272 @@
+"""Output guardrails on an answer: `OutputFilter` rewrites what the client receives, streamed
+(SSE, `feed` / `finish`) or whole (`body`).
+
+Streams are read event by event. Each text stream of the answer gets its own
+`scan.TextScanner`: a completion choice's `text`; a chat choice's `content`,
+`reasoning_content` and each tool call's `arguments`; a Responses API output item's
+`*.delta` text. A choice's `finish_reason` (a Responses `*.done` event) flushes its scanners,
+the held-back text going out in that event; whole texts in an event (`*.done`,
+`response.completed`, the answer when not streamed) are scanned as a whole. An event left
+with nothing to say (its text all held back) is dropped.
+
+A `stop` match ends the answer: a stream gets the text before the match, then an error event
+(an OpenAI error whose `code` is `guardrail`, naming the guardrail) and `data: [DONE]`, and
+`stopped` is set so that the caller closes the worker's stream, which aborts the request
+there and frees its KV; an answer not streamed becomes that error (400).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.protocol.web import error_body
+from tandem.router.guardrails.scan import Hit, OutputRule, TextScanner, scan_all
+
+# Responses API delta events whose `delta` is text (scanned per item and content index), and
+# the done event that ends each
+DELTAS = {"response.output_text.delta": "response.output_text.done",
+          "response.reasoning_text.delta": "response.reasoning_text.done",
+          "response.function_call_arguments.delta": "response.function_call_arguments.done"}
+DONE_TEXT = {"response.output_text.done": "text", "response.reasoning_text.done": "text",
+             "response.function_call_arguments.done": "arguments"}
+# keys whose string values are text the model wrote (scanned whole in any other event)
+TEXT_KEYS = frozenset({"text", "content", "reasoning_content", "arguments", "refusal",
+                       "output_text"})
+
+
+def stop_message(hit: Hit) -> str:
+    return f'the answer was stopped by guardrail "{hit.rule.name}"'
+
+
+def stop_error(hit: Hit) -> dict[str, Any]:
+    """The OpenAI error a stopped answer ends with."""
+    return error_body(400, stop_message(hit), None, "invalid_request_error", "guardrail")
+
+
+@dataclass
+class OutputFilter:
+    """One answer's output guardrails (module doc); `hits` collects every match for the
+    audit, `stopped` the stop match, if any."""
+
+    kind: str  # "completions", "chat" or "responses"
+    rules: list[OutputRule]
+    scanners: dict[tuple, TextScanner] = field(default_factory=dict)
+    hits: list[Hit] = field(default_factory=list)
+    stopped: Hit | None = None
+    tail: bytes = b""
+    done: bool = False  # the end was sent (stopped, or [DONE] passed)
+
+    # -- streams -------------------------------------------------------------------------
+    def feed(self, chunk: bytes) -> bytes:
+        """The SSE bytes to relay for `chunk` (whole events only)."""
+        if self.stopped is not None:
+            return b""
+        data = self.tail + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self.tail = data
+            return b""
+        self.tail = data[end + 2:]
+        out = []
+        for raw in data[:end].split(b"\n\n"):
+            out.append(self._event(raw))
+            if self.stopped is not None:
+                break
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The stream ended: its unterminated tail, and any text still held (a stream that
+        ended without a finish reason)."""
+        if self.stopped is not None or self.done:
+            return b""
+        out = self._event(self.tail) if self.tail.strip() else b""
+        self.tail = b""
+        return out + self._flush_all()
+
+    def _event(self, raw: bytes) -> bytes:
+        lines = raw.split(b"\n")
+        data_at = [i for i, line in enumerate(lines) if line.startswith(b"data:")]
+        if len(data_at) != 1:  # comments, keep-alives: nothing the model wrote
+            return raw + b"\n\n" if raw.strip() else b""
+        payload = lines[data_at[0]][5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return self._flush_all() + raw + b"\n\n"
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            return raw + b"\n\n"
+        if not isinstance(doc, dict) or "error" in doc:
+            return raw + b"\n\n"
+        keep = self._responses_event(doc) if self.kind == "responses" else self._chunk(doc)
+        if self.stopped is not None:
+            return (self._render(lines, data_at[0], doc) if keep else b"") + self._stop_events()
+        return self._render(lines, data_at[0], doc) if keep else b""
+
+    @staticmethod
+    def _render(lines: list[bytes], at: int, doc: dict) -> bytes:
+        lines = list(lines)
+        lines[at] = b"data: " + json.dumps(doc, separators=(",", ":")).encode()
+        return b"\n".join(lines) + b"\n\n"
+
+    def _stop_events(self) -> bytes:
+        assert self.stopped is not None
+        self.done = True
+        err = stop_error(self.stopped)
+        if self.kind == "responses":
+            detail = err["error"]
+            doc = {"type": "error", "code": "guardrail", "message": detail["message"],
+                   "param": None}
+            event = f"event: error\ndata: {json.dumps(doc)}\n\n"
+        else:
+            event = f"data: {json.dumps(err)}\n\n"
+        return (event + "data: [DONE]\n\n").encode()
+
+    def _scanner(self, key: tuple) -> TextScanner:
+        s = self.scanners.get(key)
+        if s is None:
+            s = self.scanners[key] = TextScanner(self.rules)
+        return s
+
+    def _pass(self, key: tuple, text: str, flush: bool) -> str:
+        s = self._scanner(key)
+        out = s.feed(text)
+        if flush:
+            out += s.flush()
+        self._collect(s)
+        return out
+
+    def _collect(self, s: TextScanner) -> None:
+        if s.hits:
+            self.hits += s.hits
+            s.hits = []
+        if s.stopped is not None and self.stopped is None:
+            self.stopped = s.stopped
+
+    def _chunk(self, doc: dict) -> bool:
+        """A completions / chat chunk rewritten in place; False: it has nothing left."""
+        choices = doc.get("choices")
+        if not isinstance(choices, list) or not choices:
+            return True
+        keep = False
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            i, end = c.get("index", 0), c.get("finish_reason") is not None
+            if self.kind == "completions":
+                text = c.get("text") if isinstance(c.get("text"), str) else ""
+                c["text"] = self._pass((i, "text"), text, end)
+                keep |= bool(c["text"]) or end or bool(set(c) - {"index", "text",
+                                                                 "finish_reason", "logprobs"})
+            else:
+                keep |= self._delta(c, i, end)
+            if self.stopped is not None:
+                c["finish_reason"] = c.get("finish_reason") or "content_filter"
+                return True
+        return keep or bool(doc.get("usage"))
+
+    def _delta(self, c: dict, i: int, end: bool) -> bool:
+        delta = c.get("delta")
+        if not isinstance(delta, dict):
+            delta = c["delta"] = {}
+        keep = end or bool(set(delta) - {"content", "reasoning_content", "tool_calls"})
+        for key in ("reasoning_content", "content"):
+            v = delta.get(key)
+            if isinstance(v, str) or (end and (i, key) in self.scanners):
+                out = self._pass((i, key), v if isinstance(v, str) else "", end)
+                if out or key in delta:
+                    delta[key] = out if out or key == "content" else None
+                keep |= bool(out)
+                if self.stopped is not None:
+                    return True
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            keep |= bool(set(call) - {"index", "function"}) if isinstance(call, dict) else False
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                fn["arguments"] = self._pass((i, "tool", call.get("index", 0)),
+                                             fn["arguments"], end)
+                keep |= bool(fn["arguments"]) or bool(set(fn) - {"arguments"})
+                if self.stopped is not None:
+                    return True
+        if end:  # held-back arguments of calls this chunk does not name
+            named = {call.get("index", 0) for call in calls or () if isinstance(call, dict)}
+            extra = []
+            for key in [k for k in self.scanners if k[0] == i and k[1] == "tool"
+                        and k[2] not in named]:
+                rest = self._pass(key, "", True)
+                if rest:
+                    extra.append({"index": key[2], "function": {"arguments": rest}})
+            if extra:
+                delta["tool_calls"] = [*(calls or []), *extra]
+        return keep
+
+    def _responses_event(self, doc: dict) -> bool:
+        kind = doc.get("type")
+        if kind in DELTAS and isinstance(doc.get("delta"), str):
+            key = (doc.get("item_id"), doc.get("content_index", 0), kind)
+            doc["delta"] = self._pass(key, doc["delta"], False)
+            return bool(doc["delta"]) or self.stopped is not None
+        if kind in DONE_TEXT:
+            delta_kind = next(k for k, v in DELTAS.items() if v == kind)
+            key = (doc.get("item_id"), doc.get("content_index", 0), delta_kind)
+            s = self.scanners.get(key)
+            if s is not None:  # the held-back text is in the whole text below
+                s.flush()
+                s.hits = []
+        self._walk(doc)
+        return True
+
+    def _walk(self, node: Any) -> None:
+        """Whole texts under `TEXT_KEYS`, scanned as a whole (hits: the audit's)."""
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, str) and k in TEXT_KEYS and v:
+                    out, s = scan_all(self.rules, v)
+                    node[k] = out
+                    self._collect(s)
+                elif isinstance(v, (dict, list)):
+                    self._walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                self._walk(v)
+
+    def _flush_all(self) -> bytes:
+        """Text still held by any scanner, as one last chunk (a stream that ended without a
+        finish reason for it)."""
+        pending = {k: s for k, s in self.scanners.items() if s.pending and s.stopped is None}
+        if not pending or self.kind == "responses":
+            return b""
+        choices: dict[Any, dict] = {}
+        for key, s in pending.items():
+            text = s.flush()
+            self._collect(s)
+            if not text:
+                continue
+            c = choices.setdefault(key[0], {"index": key[0]})
+            if self.kind == "completions":
+                c["text"] = text
+            elif key[1] == "tool":
+                c.setdefault("delta", {}).setdefault("tool_calls", []).append(
+                    {"index": key[2], "function": {"arguments": text}})
+            else:
+                c.setdefault("delta", {})[key[1]] = text
+        if not choices:
+            return b""
+        obj = "text_completion" if self.kind == "completions" else "chat.completion.chunk"
+        doc = {"object": obj, "choices": list(choices.values())}
+        return f"data: {json.dumps(doc)}\n\n".encode()
+
+    # -- whole answers -------------------------------------------------------------------
+    def body(self, raw: bytes) -> bytes | None:
+        """A JSON answer rewritten (None: it is not one; `stopped` set: it must not go)."""
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or "error" in doc:
+            return None
+        self._walk(doc)
+        return json.dumps(doc).encode()
