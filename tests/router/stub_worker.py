@@ -2,8 +2,9 @@
 process tests: `/ready` as a worker answers it (503 while `loading`, naming its model as a
 loading Tandem worker does), `/v1/completions` (JSON or SSE) with exact `usage`, and a slow
 stream on request: `slow_stream(chunks, delay)`'s X-Request-Id (the router passes a
-client's id through; a field the body does not declare it refuses). `StubKV`: its gRPC side
-(KV events with media, load reports)."""
+client's id through; a field the body does not declare it refuses); `finished_streams` and
+`aborted_streams` count the streams that ended and those the client cut short. `StubKV`:
+its gRPC side (KV events with media, load reports)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class StubWorker:
         self.loading = loading
         self.bodies: list[dict] = []
         self.finished_streams = 0
+        self.aborted_streams = 0  # streams cut short by the client (connection closed)
         self.served = Served(self.app(), lean=False, port=port)
 
     def stop(self) -> None:
@@ -84,15 +86,20 @@ class StubWorker:
             want_usage = (body.get("stream_options") or {}).get("include_usage")
 
             async def events():  # noqa: ANN202
-                for i in range(chunks):
-                    await asyncio.sleep(delay)
-                    yield "data: " + json.dumps({"id": "cmpl-1", "object": "text_completion",
-                                                 "choices": [{"index": 0, "text": f"t{i}",
-                                                              "finish_reason": None}]}) + "\n\n"
-                if want_usage:
-                    yield "data: " + json.dumps({"id": "cmpl-1", "choices": [],
-                                                 "usage": usage}) + "\n\n"
-                yield "data: [DONE]\n\n"
+                try:
+                    for i in range(chunks):
+                        await asyncio.sleep(delay)
+                        yield "data: " + json.dumps({
+                            "id": "cmpl-1", "object": "text_completion",
+                            "choices": [{"index": 0, "text": f"t{i}",
+                                         "finish_reason": None}]}) + "\n\n"
+                    if want_usage:
+                        yield "data: " + json.dumps({"id": "cmpl-1", "choices": [],
+                                                     "usage": usage}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                    self.aborted_streams += 1
+                    raise
                 self.finished_streams += 1
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -116,11 +116,18 @@ def immediate(status: int, body: bytes, headers: Mapping[str, str] | None = None
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: Mapping[str, str] | None = None, type_: str | None = None
-                   ) -> pb.ProcessingResponse:
-    """An OpenAI error answer (`protocol.web.error_body`) as an immediate response."""
-    body = json.dumps(error_body(status, message, param, type_)).encode()
-    return immediate(status, body, {"content-type": "application/json", **(headers or {})},
+                   headers: Mapping[str, str] | None = None, type_: str | None = None,
+                   code: str | None = None) -> pb.ProcessingResponse:
+    """An OpenAI error answer (`protocol.web.error_body`; `code` its `code`, None: the
+    status) as an immediate response."""
+    return error_doc(status, error_body(status, message, param, type_, code), headers)
+
+
+def error_doc(status: int, doc: Mapping, headers: Mapping[str, str] | None = None
+              ) -> pb.ProcessingResponse:
+    """An error body already built (`doc`, JSON) as an immediate response."""
+    return immediate(status, json.dumps(doc).encode(),
+                     {"content-type": "application/json", **(headers or {})},
                      details=f"tandem_epp_{status}")
 
 

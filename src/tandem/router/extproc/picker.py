@@ -127,7 +127,7 @@ async def decide(ra: RouterApp, settings: ExtProcSettings, kind: str,
         raise APIError(400, f"{REWRITE_HEADER} is not supported: the body's model is routed "
                             "as sent", REWRITE_HEADER)
     t0 = time.perf_counter()
-    req = await stages.parse_body(ra, kind, body, headers.get("content-type"), tenant)
+    req = await stages.parse_body(ra, kind, body, headers.get("content-type"), tenant, rid)
     stages.admit(ra, req)
     bill = await stages.charge(ra, kind, req)
     ticket = None

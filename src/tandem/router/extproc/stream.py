@@ -5,10 +5,11 @@ request header mode SEND and both bodies FULL_DUPLEX_STREAMED; answers go back i
    and a method other than POST on an OpenAI path 405 at once; a bodyless `GET /v1/models`
    is answered by the router itself (the models of every InferenceService behind it).
 2. Request body chunks: buffered up to the router's `max_body_bytes` (beyond it: 413). At
-   its end the request is decided (`picker.decide`); the answer is the request-headers
-   message naming the endpoints, then the (possibly rewritten) body streamed back. A stop is
-   an immediate response (the stage's status and OpenAI error body; 429 from flow control
-   with its `Retry-After` and `x-tandem-flow-reason`) and the stream ends.
+   its end the request is decided (`picker.decide`, the tenant's policy and the input
+   guardrails included); the answer is the request-headers message naming the endpoints,
+   then the (possibly rewritten) body streamed back. A stop is an immediate response (the
+   stage's status and OpenAI error body, its `code` kept: `guardrail` for a refusal; 429
+   from flow control with its `Retry-After` and `x-tandem-flow-reason`) and the stream ends.
 3. Response headers: the served endpoint is read back (`picker.served`), the answer's status
    feeds that worker's circuit breaker (`picker.judge`: 5xx a failure, as on the HTTP front
    door) and the headers pass on unchanged. Response body chunks pass on in order (SSE
@@ -18,6 +19,12 @@ request header mode SEND and both bodies FULL_DUPLEX_STREAMED; answers go back i
    chunk, asked for with flow control on too; cut short: `flowcontrol.front.stream_used`);
    a stored Responses API answer's id is remembered with the worker that served it
    (`responses.track`'s bookkeeping).
+4. Output guardrails (`Body.output`, a 2xx answer; `output.AnswerGuard`): body chunks pass
+   through the filter after the usage reader, an SSE stream event by event (a stop ends the
+   body with the error event and `[DONE]`, Envoy then resets the worker's request; what
+   follows is not answered); a whole answer is held with its response headers answer and
+   rewritten at its end, or replaced by an immediate 400 (stopped) or 502 (over
+   `MAX_USAGE_BYTES`). The audit runs once per answer.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from tandem.protocol.web import APIError
 from tandem.router import responses, stages, usage
 from tandem.router.extproc import encode
+from tandem.router.extproc.output import AnswerGuard
 from tandem.router.extproc.picker import (
     KINDS,
     STRIPPED,
@@ -77,6 +85,7 @@ class ExtProcStream:
         self.served_booked = False
         self.settled = False
         self.scanned = bytearray()  # a stored response's first bytes, for its id
+        self.guard: AnswerGuard | None = None  # the answer's output guardrails
 
     async def on_message(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         which = req.WhichOneof("request")
@@ -96,8 +105,7 @@ class ExtProcStream:
         if which == "response_body":
             return self._response_body(req)
         if which == "response_trailers":
-            self._settle()
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+            return self._response_trailers()
         return []
 
     # -- request -------------------------------------------------------------------------
@@ -166,7 +174,7 @@ class ExtProcStream:
         logger.info("[%s] answered %d by the endpoint picker: %s",
                     self.headers.get("x-request-id", "-")[:128], exc.status, exc.message)
         return [encode.error_response(exc.status, exc.message, exc.param, exc.headers,
-                                      exc.type)]
+                                      exc.type, exc.code)]
 
     def _count_immediate(self, status: int, outcome: str) -> None:
         metrics = self.ra.metrics
@@ -187,11 +195,26 @@ class ExtProcStream:
             if "text/event-stream" in headers.get("content-type", ""):
                 self.reader = usage.StreamUsage(pick.routing.req.strip_usage)
             worker = pick.in_flight  # the worker that serves it (None: not one of ours)
-            if worker is not None and self.status is not None and 200 <= self.status < 300:
+            ok = self.status is not None and 200 <= self.status < 300
+            if worker is not None and ok:
                 extra[SESSION_HEADER] = stages.session_tokens(self.ra).token(worker.id)
+            if ok and not req.response_headers.end_of_stream:
+                self._guard(pick, self.reader is not None)
         if req.response_headers.end_of_stream:
             self._settle()
-        return [encode.pass_headers(request=False, headers=extra)]
+        answer = encode.pass_headers(request=False, headers=extra)
+        if self.guard is not None and not self.guard.sse:  # held until the body's end
+            self.guard.headers = answer
+            return []
+        return [answer]
+
+    def _guard(self, pick: Pick, sse: bool) -> None:
+        """The output guardrails the answer goes through, if any apply (`output`)."""
+        f, guard = pick.routing.req.output, self.ra.settings.guardrails
+        if f is None or guard is None:
+            return
+        self.guard = AnswerGuard(f, sse, MAX_USAGE_BYTES,
+                                 lambda: guard.output_done(pick.rid, pick.tenant, f))
 
     def _book(self, ep: str | None) -> None:
         if self.pick is not None and not self.served_booked:
@@ -200,8 +223,12 @@ class ExtProcStream:
 
     def _response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         msg = req.response_body
+        if self.guard is not None and self.guard.ended:  # stopped: the rest goes nowhere
+            return []
         if self.pick is not None and not self.served_booked:  # headers came without it
             self._book(encode.served_endpoint(req))
+        if self.pick is not None and self.status is None and self.guard is None:
+            self._guard(self.pick, self.pick.stream)  # headers not seen: guarded all the same
         chunk, eos = msg.body, msg.end_of_stream
         if self.pick is not None and self.pick.track and self.status == 200:
             self._track(chunk)
@@ -213,11 +240,44 @@ class ExtProcStream:
             out = chunk
             if len(self.answer) < MAX_USAGE_BYTES:
                 self.answer += chunk
+        if self.guard is not None:
+            return self._guarded(out, eos)
         if eos:
             self._settle()
         if not out and not eos:
             return []
         return encode.body_responses(out, request=False, end_of_stream=eos)
+
+    def _guarded(self, out: bytes, eos: bool, trailers: bool = False
+                 ) -> list[pb.ProcessingResponse]:
+        """`out` through the output guardrails (`output`); the answer is settled once it
+        is over for the client, a stop or an immediate response included."""
+        guard = self.guard
+        assert guard is not None
+        answers = guard.end(out, trailers) if eos or trailers else guard.feed(out)
+        if eos or trailers or guard.ended:
+            self._settle()
+        if guard.immediate is not None:  # the stream ends here
+            metrics = self.ra.metrics
+            metrics.child(metrics.extproc_immediate, str(guard.immediate)).inc()
+            metrics.child(metrics.rejected, str(guard.immediate)).inc()
+            self.finished = True
+            logger.info("[%s] answer replaced by %d: output guardrails",
+                        self.pick.rid if self.pick else "-", guard.immediate)
+        return answers
+
+    def _response_trailers(self) -> list[pb.ProcessingResponse]:
+        """The answer ends with trailers: what the guardrails still hold goes first."""
+        guard, out = self.guard, []
+        if guard is not None:
+            if guard.ended:  # stopped before: nothing more is answered
+                return []
+            out = self._guarded(self.reader.finish() if self.reader is not None else b"",
+                                False, trailers=True)
+            if self.finished:
+                return out
+        self._settle()
+        return [*out, pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
 
     def _track(self, chunk: bytes) -> None:
         """Remember which worker stored this Responses API answer (its id, in the first
@@ -261,7 +321,10 @@ class ExtProcStream:
         return stream_used(self.reader, stages.prompt_tokens(req), ticket_cost(ticket))
 
     def close(self) -> None:
-        """The stream ended (or broke): whatever was not settled is, conservatively."""
+        """The stream ended (or broke): whatever was not settled is, conservatively; the
+        answer's output guardrails audited if not yet."""
+        if self.guard is not None:
+            self.guard.close()
         pick = self.pick
         if pick is None or self.settled:
             return
