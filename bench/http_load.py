@@ -7,7 +7,8 @@
 Built to cost as little client CPU per request as possible, so that on a small machine the
 client does not crowd out the servers it measures: no HTTP library, no task per request.
 Each connection is an `asyncio.Protocol` (uvloop when installed) that writes one pre-encoded
-request and parses the answer's status line and ``Content-Length``; a pool of idle
+request and parses the answer's status line and ``Content-Length`` (or its chunked framing,
+as a streamed answer through a router comes back); a pool of idle
 connections is opened before the run and grows only when every connection is busy, up to
 ``--max-connections``; past that, due requests wait in the client and their latency counts
 from when they were due.
@@ -46,6 +47,7 @@ class Conn(asyncio.Protocol):
         self.buf = bytearray()
         self.idx = -1  # the request in flight on this connection, -1 when idle
         self.need = -1  # bytes of the whole response, once its head is parsed
+        self.chunk_at = -1  # chunked: where the next chunk's size line starts (-1: not chunked)
         self.status = 0
         self.closing = False
         self.released = False  # counted out of the client's open connections
@@ -63,7 +65,7 @@ class Conn(asyncio.Protocol):
             return
         buf = self.buf
         buf += data
-        if self.need < 0:
+        if self.need < 0 and self.chunk_at < 0:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
                 return
@@ -73,22 +75,51 @@ class Conn(asyncio.Protocol):
             except ValueError:
                 self._fail("bad status line")
                 return
+            self.closing = b"\r\nconnection: close" in head
             i = head.find(b"\r\ncontent-length:")
-            if i < 0:
+            if i >= 0:
+                j = head.find(b"\r\n", i + 2)
+                self.need = end + 4 + int(head[i + 17:j if j >= 0 else len(head)])
+            elif b"\r\ntransfer-encoding: chunked" in head:
+                self.chunk_at = end + 4
+            else:
                 self._fail("no content-length")
                 return
-            j = head.find(b"\r\n", i + 2)
-            self.need = end + 4 + int(head[i + 17:j if j >= 0 else len(head)])
-            self.closing = b"\r\nconnection: close" in head
-        if len(buf) >= self.need:
+        if self.chunk_at >= 0:
+            self._chunks()
+        if self.need >= 0 and len(buf) >= self.need:
             now = perf()
             idx, status = self.idx, self.status
             del buf[:self.need]
             self.need, self.idx = -1, -1
             self.client.finish(idx, status, now, self)
 
+    def _chunks(self) -> None:
+        """Walk the chunks that have arrived; at the last one (size 0, then no trailers or
+        some), `need` is the whole response's length."""
+        buf, at = self.buf, self.chunk_at
+        while True:
+            eol = buf.find(b"\r\n", at)
+            if eol < 0:
+                break
+            try:
+                size = int(bytes(buf[at:eol]).split(b";", 1)[0], 16)
+            except ValueError:
+                self._fail("bad chunk size")
+                return
+            if size == 0:
+                end = buf.find(b"\r\n\r\n", eol)  # the empty line after any trailers
+                if end >= 0:
+                    self.chunk_at, self.need = -1, end + 4
+                return
+            if len(buf) < eol + 2 + size + 2:
+                break
+            at = eol + 2 + size + 2
+        self.chunk_at = at
+
     def _fail(self, why: str) -> None:
         idx, self.idx = self.idx, -1
+        self.need = self.chunk_at = -1
         self.client.fail(idx, why, self)
         if self.transport is not None:
             self.transport.close()

@@ -1,13 +1,17 @@
 """A stub Tandem worker for router benchmarks: answers at once, publishes a fixed KV snapshot.
 
     .venv/bin/python bench/stub_worker.py --port 9001 --grpc-port 9002 \\
-        [--hashes-file F] [--random-blocks N] [--delay-ms 0] [--http raw|asgi]
+        [--hashes-file F] [--random-blocks N] [--delay-ms 0] [--http raw|asgi] \\
+        [--stream-text TEXT] [--stream-delta-chars N]
 
 HTTP (one event loop, uvloop when installed):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: a fixed small OpenAI-shaped JSON
-  body (or two SSE events and ``data: [DONE]`` when the body asks for ``"stream": true``),
-  after ``--delay-ms`` (default 0: at once). The body is not parsed.
+  body (or, when the body asks for ``"stream": true``, SSE: the answer's text as content
+  events, a usage event and ``data: [DONE]``, all in one Content-Length response), after
+  ``--delay-ms`` (default 0: at once). The body is not parsed. ``--stream-text`` sets the
+  streamed answer (default ``x``) and ``--stream-delta-chars N`` splits it into events of N
+  characters (0: one event), the last with ``finish_reason`` "length".
 * ``GET /ready``: what a Tandem worker answers (status, role, model, grpc_port, block_size,
   max_model_len), with the bundled model's served name, so the router tokenizes with the
   bundled tokenizer; ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (empty).
@@ -56,7 +60,8 @@ def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> b
 class Answers:
     """Every response the stub sends, pre-encoded (status line, headers, body)."""
 
-    def __init__(self, model: str, grpc_port: int, max_model_len: int) -> None:
+    def __init__(self, model: str, grpc_port: int, max_model_len: int, stream_text: str = "x",
+                 stream_delta_chars: int = 0) -> None:
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         completion = {"id": "cmpl-stub", "object": "text_completion", "created": 0,
                       "model": model, "choices": [{"index": 0, "text": "x", "logprobs": None,
@@ -67,20 +72,32 @@ class Answers:
                     "role": "assistant", "content": "x"}, "finish_reason": "length"}],
                 "usage": usage}
         chat_chunk = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0,
-                      "model": model, "choices": [{"index": 0, "delta": {
-                          "role": "assistant", "content": "x"}, "finish_reason": "length"}]}
-        completion_chunk = {**completion, "usage": None}
+                      "model": model, "choices": []}
+        completion_chunk = {**completion, "usage": None, "choices": []}
+        step = stream_delta_chars or max(len(stream_text), 1)
+        pieces = [stream_text[i:i + step] for i in range(0, len(stream_text), step)] or [""]
 
-        def sse(chunk: dict) -> bytes:
-            return (b"data: " + _json(chunk) + b"\n\ndata: " + _json({**chunk, "choices": [],
-                    "usage": usage}) + b"\n\ndata: [DONE]\n\n")
+        def chat_choice(i: int, piece: str) -> dict:
+            delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
+            return {"index": 0, "delta": delta,
+                    "finish_reason": "length" if i == len(pieces) - 1 else None}
+
+        def completion_choice(i: int, piece: str) -> dict:
+            return {"index": 0, "text": piece, "logprobs": None,
+                    "finish_reason": "length" if i == len(pieces) - 1 else None}
+
+        def sse(chunk: dict, choice) -> bytes:  # noqa: ANN001 - (index, piece) -> choice
+            events = [b"data: " + _json({**chunk, "choices": [choice(i, p)]})
+                      for i, p in enumerate(pieces)]
+            events.append(b"data: " + _json({**chunk, "choices": [], "usage": usage}))
+            return b"\n\n".join(events) + b"\n\ndata: [DONE]\n\n"
 
         sse_type = b"text/event-stream"
         self.post = {
-            "/v1/completions": (_response("200 OK", _json(completion)),
-                                _response("200 OK", sse(completion_chunk), sse_type)),
-            "/v1/chat/completions": (_response("200 OK", _json(chat)),
-                                     _response("200 OK", sse(chat_chunk), sse_type)),
+            "/v1/completions": (_response("200 OK", _json(completion)), _response(
+                "200 OK", sse(completion_chunk, completion_choice), sse_type)),
+            "/v1/chat/completions": (_response("200 OK", _json(chat)), _response(
+                "200 OK", sse(chat_chunk, chat_choice), sse_type)),
         }
         self.get = {
             "/ready": _response("200 OK", _json({
@@ -290,13 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random-blocks", type=int, default=0, help="extra random block hashes")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="synthetic answer delay")
     ap.add_argument("--http", choices=("raw", "asgi"), default="raw")
+    ap.add_argument("--stream-text", default="x", help="the streamed answer's text")
+    ap.add_argument("--stream-delta-chars", type=int, default=0,
+                    help="characters per streamed content event (0: the text in one)")
     args = ap.parse_args(argv)
 
     stop = threading.Event()
     service = StubWorkerService(args.model, load_hashes(args.hashes_file, args.random_blocks),
                                 stop)
     grpc_server = start_grpc(args.host, args.grpc_port, service)
-    answers = Answers(args.model, args.grpc_port, args.max_model_len)
+    answers = Answers(args.model, args.grpc_port, args.max_model_len, args.stream_text,
+                      args.stream_delta_chars)
     try:
         if args.http == "asgi":
             serve_asgi(args.host, args.port, answers, args.delay_ms / 1e3)

@@ -163,6 +163,37 @@ SPECS: dict[str, dict[str, Any]] = {
         "kvCache": {"offload": {"hostBytes": "8Gi", "diskBytes": "20Gi"},
                     "peerPull": {"enabled": True}},
     },
+    # the router's guardrails: every type, both layers, policies per tenant, a classifier
+    # whose API key comes from a Secret
+    "guardrails": {
+        "model": {"uri": "SmolLM2-135M-Instruct"},
+        "router": {"apiKeysSecret": {"name": "tandem-keys"}, "guardrails": {
+            "input": [
+                {"name": "no-injection", "type": "regex",
+                 "pattern": "(?i)ignore (all )?previous instructions", "action": "refuse"},
+                {"name": "pii-in", "type": "pii", "kinds": ["email", "ssn"],
+                 "action": "redact"},
+                {"name": "heuristics", "type": "injection", "threshold": 2, "action": "flag"},
+                {"name": "size", "type": "limits", "maxChars": 20000, "maxMessages": 50,
+                 "maxMessageChars": 8000, "maxTools": 16, "action": "refuse"},
+                {"name": "mod", "type": "classifier",
+                 "url": "http://moderation:8080/v1/moderations", "timeoutSeconds": 0.5,
+                 "onError": "allow", "threshold": 0.8, "categories": ["violence"],
+                 "maxChars": 16384, "model": "omni-moderation-latest",
+                 "apiKeySecretRef": {"name": "moderation", "key": "token"},
+                 "action": "refuse"}],
+            "output": [
+                {"name": "no-ssn", "type": "regex", "pattern": r"\b\d{3}-\d{2}-\d{4}\b",
+                 "action": "redact", "replacement": "[redacted]", "lookBehind": 64},
+                {"name": "words", "type": "blocklist", "terms": ["secret plan", "codeword"],
+                 "caseSensitive": False, "wholeWords": True, "action": "stop"},
+                {"name": "pii-out", "type": "pii", "action": "flag"}],
+            "policies": {
+                "default": {"models": ["SmolLM2-135M-Instruct"], "maxContext": 4096,
+                            "maxTokens": 512, "guardrails": ["no-injection", "size"]},
+                "tenants": {"acme_corp.eu": {"maxTokens": 1024, "adapters": ["sql"]}}},
+            "audit": {"includeMatch": False, "logPasses": True}}},
+    },
     "hf-gguf": {
         "model": {"uri": "hf://bartowski/Meta-Llama-3.1-8B-Instruct-GGUF@main/"
                          "Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf",

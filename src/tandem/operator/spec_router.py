@@ -1,5 +1,6 @@
 """The router's spec (`RouterSpec`, `parse_router`): replicas, policy and scorer weights, P/D
-thresholds, API keys, rate limits, the shared index's Redis, clients and pod settings."""
+thresholds, API keys, rate limits, the shared index's Redis, clients, pod settings and
+guardrails (`spec_guardrails`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tandem.operator.spec_gateway import (
     parse_attach_to,
     parse_gateway,
 )
+from tandem.operator.spec_guardrails import GuardrailsSpec, parse_guardrails
 from tandem.operator.spec_security import SecretKeyRef, peers, secret_key_ref
 
 
@@ -58,6 +60,7 @@ class RouterSpec:
     gateway: GatewaySpec | None = None  # mode gateway only
     attach_to: str | None = None  # served by this other InferenceService's router / EPP
     flow_control: FlowControlSpec = field(default_factory=lambda: FlowControlSpec())
+    guardrails: GuardrailsSpec | None = None  # router.yaml `guardrails`, checked by the router
 
 
 
@@ -197,7 +200,8 @@ def parse_router(d: dict) -> RouterSpec:
         mode=(mode := get_enum(d, "mode", "router", w, MODES)),
         gateway=parse_gateway(d, mode),
         attach_to=parse_attach_to(d),
-        flow_control=parse_flow_control(get_obj(d, "flowControl", w)))
+        flow_control=parse_flow_control(get_obj(d, "flowControl", w)),
+        guardrails=parse_guardrails(d.get("guardrails"), "router.guardrails"))
     if r.flow_control.shared and not (r.redis_url_secret or r.managed_redis):
         raise SpecError("router.flowControl.shared needs router.redisUrlSecretRef or "
                         "router.managedRedis (the fleet's queue lives in Redis)")

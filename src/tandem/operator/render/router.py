@@ -121,6 +121,8 @@ def router_config(spec: InferenceServiceSpec, owner: Owner,
     if r.gateway is not None and r.gateway.objectives:  # InferenceObjective -> priority
         cfg["objectives"] = dict(r.gateway.objectives)
     cfg.update(flow_control_config(spec))
+    if r.guardrails is not None and r.guardrails.config:  # checked by the router's checker
+        cfg["guardrails"] = copy.deepcopy(r.guardrails.config)
     held = [m for m in members if m.spec.scales_to_zero]  # members' pools that may be at 0
     if held:  # ... whose requests this router holds while they start (attached: defaults)
         cfg.setdefault("flow_control", {"enabled": True})
@@ -240,6 +242,10 @@ def render_router(spec: InferenceServiceSpec, owner: Owner, image: str,
         volumes.append({"name": "grpc-tls", "secret": {
             "secretName": spec.kv_transfer.tls_secret, "defaultMode": 0o440}})
         mounts.append({"name": "grpc-tls", "mountPath": TLS_DIR, "readOnly": True})
+    keys = spec.router.guardrails.key_volume() if spec.router.guardrails else None
+    if keys is not None:  # classifiers' API keys: router.yaml's api_key_file paths
+        volumes.append(keys[0])
+        mounts.append(keys[1])
     auth_volume, auth_mount = worker_auth_mount(spec, owner)
     volumes.append(auth_volume)
     mounts.append(auth_mount)

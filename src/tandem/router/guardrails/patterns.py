@@ -16,6 +16,7 @@ unbounded), which sets how much of a stream the output layer holds back (`scan`)
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,9 @@ def pattern_width(pattern: str) -> int | None:
     except ImportError:  # pragma: no cover - Python < 3.11
         import sre_parse as _parser  # type: ignore[no-redef]
     try:
-        lo, hi = _parser.parse(pattern).getwidth()
+        with warnings.catch_warnings():  # RE2-only syntax (`[[:alpha:]]`) warns in `re`
+            warnings.simplefilter("ignore")
+            lo, hi = _parser.parse(pattern).getwidth()
     except Exception:
         return UNBOUNDED
     return None if hi >= 1 << 16 else int(hi)

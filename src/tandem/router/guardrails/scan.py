@@ -55,6 +55,9 @@ class TextScanner:
     def __init__(self, rules: list[OutputRule]) -> None:
         self.rules = rules
         self.hold = max((r.hold for r in rules), default=0)
+        # with no stop rule, held text no longer than `hold` cannot go out yet: not scanned
+        self.idle_until = 0 if any(r.action == "stop" for r in rules) else min(self.hold,
+                                                                                MAX_HELD)
         self.context = ""
         self.pending = ""
         self.stopped: Hit | None = None
@@ -64,6 +67,8 @@ class TextScanner:
         if self.stopped is not None:
             return ""
         self.pending += delta
+        if len(self.pending) <= self.idle_until:  # `_emit` would return "" and keep all
+            return ""
         return self._emit(final=False)
 
     def flush(self) -> str:
