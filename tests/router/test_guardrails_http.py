@@ -176,6 +176,11 @@ def test_a_stop_ends_the_stream_and_closes_the_workers_stream(routed) -> None:
     r = httpx.post(url + "/v1/chat/completions", json={
         "model": "stub-model", "messages": [{"role": "user", "content": "SAY: launch codes"}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "guardrail"
+    text = httpx.get(url + "/metrics").text
+    assert ('tandem_router_guardrail_decisions_total{guardrail="halt",layer="output",'
+            'verdict="stop"} 2.0') in text
+    assert float(text.split('tandem_router_guardrail_seconds_count{layer="output"} ')[1]
+                 .split()[0]) >= 2  # the output layer's time, per answer
 
 
 def test_logprobs_are_refused_while_output_guardrails_apply(routed) -> None:

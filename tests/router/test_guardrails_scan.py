@@ -106,7 +106,7 @@ def test_streamed_redaction_equals_whole_text_and_reference_on_random_traces() -
         got = []
         for piece in _chunks(rng, text):
             got.append(s.feed(piece))
-            assert len(s.pending) <= hold + len(piece), trace  # bounded look-behind
+            assert len(s.pending) < 2 * hold + len(piece), trace  # bounded look-behind
         got.append(s.flush())
         assert "".join(got) == whole, (trace, text)
 
@@ -204,14 +204,15 @@ def test_tool_call_arguments_and_reasoning_are_scanned_too() -> None:
                         for c in e["choices"])
     assert got_args == '{"ssn": "[ssn]", "pet": "[word]"}'
     assert reasoning == "[word]!"
-    assert {h.rule.name for h in f.hits} == {"ssn", "words"}
+    assert {k: (a.verdict, a.labels, a.match) for k, a in f.acted.items()} == {
+        "ssn": ("redact", set(), "123-45-6789"), "words": ("redact", set(), "zebra")}
 
 
 def test_a_stopped_stream_ends_with_one_error_event_and_done() -> None:
     guard = _guard([{"name": "halt", "type": "blocklist", "terms": ["zebra"],
                      "action": "stop"}])
     f = guard.output_filter(None, "chat")
-    text = "one two zeb" + "ra three four"
+    text = "one two zeb" + "ra three four five six seven eight"  # a batch past the stop
     stream = b"".join(_sse({"choices": [{"index": 0, "delta": {"content": text[i:i + 3]},
                                          "finish_reason": None}]})
                       for i in range(0, len(text), 3))
@@ -243,7 +244,7 @@ def test_responses_api_events_deltas_and_whole_texts() -> None:
     expect = "call [ssn] about the [word]"
     done = [e for e in out if e["type"] == "response.output_text.done"][0]
     assert done["text"] == expect
-    assert deltas in (expect, expect[:len(deltas)])  # the held tail is in the done event
+    assert deltas == expect  # the held tail goes out in a delta before the done event
     completed = [e for e in out if e["type"] == "response.completed"][0]
     assert completed["response"]["output"][0]["content"][0]["text"] == expect
 
@@ -258,3 +259,12 @@ def test_whole_answers_redact_and_stop() -> None:
     f = guard.output_filter(None, "chat")
     f.body(json.dumps({"choices": [{"message": {"content": "fine then STOP"}}]}).encode())
     assert f.stopped is not None and f.stopped.rule.name == "halt"
+
+
+def test_an_event_too_large_to_read_fails_closed() -> None:
+    f = _guard(REDACTORS).output_filter(None, "chat")
+    out = f.feed(b"data: " + b"x" * (8 << 20))  # no event end within MAX_EVENT_BYTES
+    assert f.cut and not f.tail  # nothing of it relayed, nothing kept
+    events = _events(out)
+    assert events[-1] == "[DONE]" and events[0]["error"]["code"] == "guardrail"
+    assert f.feed(b"\n\ndata: [DONE]\n\n") == b"" and f.finish() == b""

@@ -166,6 +166,9 @@ def test_limits_and_token_prompts_and_flags(caplog) -> None:
     # a token-id prompt is read through the tokenizer: ids 23, 24, 25 decode to "xyz"
     exc = refused(g, [23, 24, 25], kind="completions")
     assert exc is not None and '"no-x"' in exc.message
+    for bad in ([1, "a", 2], [[1, 2], "x"], [True, 2]):  # unreadable: refused, not skipped
+        with pytest.raises(APIError, match="token ids or lists of token ids"):
+            run_input(g, bad, kind="completions")
     with pytest.raises(APIError, match="tokenizer"):
         asyncio.run(g.before_tokenize("r", None, "completions", {"prompt": [1, 2]}, "m",
                                       ("m", None), None))
@@ -250,6 +253,13 @@ def test_classifier_verdicts_timeouts_and_failure_modes(moderation, tmp_path) ->
     exc = refused(g, "build a bomb")
     assert exc is not None and '"mod-ok"' in exc.message
     assert calls[-1][1] == {"input": ["build a bomb"]} and calls[-1][2] == "Bearer sk-mod"
+    key.write_text("sk-rotated\n")  # followed, not re-read per request (protocol.watched)
+    g.input[0]._key._checked -= 60
+    assert refused(g, "a picnic") is None and calls[-1][2] == "Bearer sk-rotated"
+    key.unlink()
+    g = guard(input=[entry("ok", api_key_file=str(key), on_error="allow")])
+    before = len(calls)
+    assert refused(g, "build a bomb") is None and len(calls) == before  # unreadable: error
     g = guard(input=[entry("ok", threshold=0.25, categories=["hate"])])
     assert refused(g, "a picnic") is not None  # hate 0.3 >= 0.25
     for mode in ("slow", "broken", "missing"):

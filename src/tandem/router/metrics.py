@@ -49,7 +49,8 @@ class RouterMetrics:
         self.guardrail_seconds = Histogram(
             "tandem_router_guardrail_seconds",
             "Time the guardrails of one layer took on one request (input: policy and input "
-            "guardrails, before routing)", ["layer"], buckets=ROUTING_BUCKETS, registry=r)
+            "guardrails, before routing; output: filtering the whole answer, streamed or "
+            "not)", ["layer"], buckets=ROUTING_BUCKETS, registry=r)
         self.rejected = Counter("tandem_router_rejected_total",
                                 "Requests answered by the router itself, by status",
                                 ["status"], registry=r)

@@ -57,7 +57,7 @@ class AnswerGuard:
         if not self.sse:
             return self._hold(data)
         out = self.filter.feed(data)
-        if self.filter.stopped is not None:
+        if self.filter.cut:
             self.ended = True
             self.close()
             return _bodies(out, True)
@@ -69,9 +69,9 @@ class AnswerGuard:
         if not self.sse:
             return self._whole(data, trailers)
         out = self.filter.feed(data)
-        if self.filter.stopped is None:
+        if not self.filter.cut:
             out += self.filter.finish()
-        self.ended = self.filter.stopped is not None
+        self.ended = self.filter.cut
         self.close()
         return _bodies(out, not trailers)
 

@@ -54,24 +54,13 @@ class Auditor:
 
     def output(self, rid: str, tenant: str | None, f: OutputFilter,
                types: dict[str, str]) -> None:
-        """An answer's output decisions: per guardrail that acted, its strongest verdict
-        (stop > redact > flag) and the kinds matched; `types`: the guardrails applied (name
-        -> type), the others counted as passes."""
-        acted: dict[str, tuple[str, set[str], str]] = {}
-        for hit in f.hits:
-            rule = hit.rule
-            verdict = "stop" if f.stopped is not None and hit is f.stopped else rule.action
-            old = acted.get(rule.name)
-            labels = (old[1] if old else set()) | ({hit.label} if hit.label else set())
-            rank = ("flag", "redact", "stop")
-            if old is not None and rank.index(old[0]) > rank.index(verdict):
-                verdict = old[0]
-            acted[rule.name] = (verdict, labels, old[2] if old else hit.text)
-        for name, (verdict, labels, text) in acted.items():
-            self.decided(rid, tenant, Finding(name, types.get(name, ""), "output", verdict,
-                                              ",".join(sorted(labels)), text))
+        """An answer's output decisions: a line per guardrail that acted (`f.acted`), a pass
+        counted for the others applied (`types`: name -> type) and the layer's time."""
+        for name, a in f.acted.items():
+            self.decided(rid, tenant, Finding(name, types.get(name, ""), "output", a.verdict,
+                                              ",".join(sorted(a.labels)), a.match))
         if self.metrics is not None:
             m = self.metrics
-            for name in types:
-                if name not in acted:
-                    m.child(m.guardrail_decisions, name, "output", "pass").inc()
+            for name in types.keys() - f.acted.keys():
+                m.child(m.guardrail_decisions, name, "output", "pass").inc()
+        self.layer("output", f.seconds)

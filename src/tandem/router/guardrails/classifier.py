@@ -3,7 +3,9 @@ shape (any service that speaks it: OpenAI's `/v1/moderations`, a Llama Guard or
 ShieldGemma behind a moderation adapter).
 
 Request: `POST url` with `{"input": [text, ...]}` (and `"model"` when configured), the
-request's texts cut to `max_chars` in all, `Authorization: Bearer` from `api_key_file`.
+request's texts cut to `max_chars` in all, `Authorization: Bearer` from `api_key_file` (read
+on first use and followed like the API keys file, `protocol.watched`: a rotated Secret is
+picked up without a restart; a key that cannot be read is a classifier error).
 Answer: `{"results": [{"flagged": bool, "category_scores": {name: score}}]}`; the request is
 flagged when any result is `flagged`, or, with `threshold`, when a score of one of
 `categories` (all, unset) reaches it.
@@ -19,15 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tandem.protocol.watched import WatchedFile, WatchedFileError
 from tandem.router.guardrails.kinds import Finding, Guardrail, InputContext
 from tandem.router.guardrails.texts import RequestTexts
 
 MAX_ANSWER_BYTES = 1 << 20
+MAX_KEY_BYTES = 4096
+
+
+def _parse_key(raw: bytes) -> str:
+    key = raw.decode().strip()
+    if not key or any(c.isspace() for c in key):
+        raise ValueError("expected one key")
+    return key
 
 
 class ClassifierError(Exception):
@@ -44,7 +54,8 @@ class Classifier(Guardrail):
         self.threshold: float | None = entry.threshold
         self.categories = set(entry.categories) if entry.categories else None
         self.max_chars: int = entry.max_chars
-        self.key_file = Path(entry.api_key_file) if entry.api_key_file else None
+        self.key_path: str | None = entry.api_key_file
+        self._key: WatchedFile[str] | None = None  # read on first use (not at config checks)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -92,8 +103,8 @@ class Classifier(Guardrail):
         if self.model:
             body["model"] = self.model
         headers = {"X-Request-Id": rid}
-        if self.key_file is not None:
-            headers["Authorization"] = f"Bearer {self.key_file.read_text().strip()}"
+        if self.key_path is not None:
+            headers["Authorization"] = f"Bearer {self.api_key()}"
         async with self.client().stream("POST", self.url, json=body, headers=headers) as r:
             if not 200 <= r.status_code < 300:
                 raise ClassifierError(f"HTTP {r.status_code}")
@@ -103,6 +114,17 @@ class Classifier(Guardrail):
                 if len(raw) > MAX_ANSWER_BYTES:
                     raise ClassifierError("answer too large")
         return self._verdict(bytes(raw))
+
+    def api_key(self) -> str:
+        """The key in `api_key_file`, as of its last check (`ClassifierError`: unreadable)."""
+        try:
+            if self._key is None:
+                assert self.key_path is not None
+                self._key = WatchedFile(self.key_path, _parse_key, what="classifier API key",
+                                        max_bytes=MAX_KEY_BYTES)
+            return self._key.value()
+        except WatchedFileError:
+            raise ClassifierError("API key file unreadable") from None
 
     def _verdict(self, raw: bytes) -> tuple[bool, list[str]]:
         try:

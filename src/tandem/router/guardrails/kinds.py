@@ -44,10 +44,6 @@ class Finding:
     detail: str = ""
     match: str | None = None
 
-    @property
-    def refuses(self) -> bool:
-        return self.verdict in ("refuse", "stop")
-
 
 @dataclass(frozen=True)
 class InputContext:

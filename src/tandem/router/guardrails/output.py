@@ -4,31 +4,36 @@
 Streams are read event by event. Each text stream of the answer gets its own
 `scan.TextScanner`: a completion choice's `text`; a chat choice's `content`,
 `reasoning_content` and each tool call's `arguments`; a Responses API output item's
-`*.delta` text. A choice's `finish_reason` (a Responses `*.done` event) flushes its scanners,
-the held-back text going out in that event; whole texts in an event (`*.done`,
-`response.completed`, the answer when not streamed) are scanned as a whole. An event left
-with nothing to say (its text all held back) is dropped.
+`*.delta` text. A choice's `finish_reason` flushes its scanners, the held-back text going
+out in that event (a Responses `*.done` event: in one more delta event just before it);
+whole texts in an event (`*.done`, `response.completed`, the answer when not streamed) are
+scanned as a whole. An event left with nothing to say (its text all held back) is dropped.
 
 A `stop` match ends the answer: a stream gets the text before the match, then an error event
 (an OpenAI error whose `code` is `guardrail`, naming the guardrail) and `data: [DONE]`, and
-`stopped` is set so that the caller closes the worker's stream, which aborts the request
-there and frees its KV; an answer not streamed becomes that error (400).
+`cut` is set so that the caller closes the worker's stream, which aborts the request there
+and frees its KV; an answer not streamed becomes that error (400). One SSE event larger than
+`MAX_EVENT_BYTES` (never one a worker sends) ends the stream the same way, failed closed.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.protocol.web import error_body
 from tandem.router.guardrails.scan import Hit, OutputRule, TextScanner, scan_all
 
+MAX_EVENT_BYTES = 8 << 20  # one SSE event of the answer, read whole to be filtered
+
 # Responses API delta events whose `delta` is text (scanned per item and content index), and
 # the done event that ends each
 DELTAS = {"response.output_text.delta": "response.output_text.done",
           "response.reasoning_text.delta": "response.reasoning_text.done",
           "response.function_call_arguments.delta": "response.function_call_arguments.done"}
+DELTA_OF = {done: delta for delta, done in DELTAS.items()}
 DONE_TEXT = {"response.output_text.done": "text", "response.reasoning_text.done": "text",
              "response.function_call_arguments.done": "arguments"}
 # keys whose string values are text the model wrote (scanned whole in any other event)
@@ -46,44 +51,80 @@ def stop_error(hit: Hit) -> dict[str, Any]:
 
 
 @dataclass
+class Acted:
+    """What one guardrail did to an answer, for its audit line: its strongest verdict (stop >
+    redact > flag), the kinds it matched, its first match."""
+
+    verdict: str
+    labels: set[str]
+    match: str
+
+
+RANK = {"flag": 0, "redact": 1, "stop": 2}
+
+
+@dataclass
 class OutputFilter:
-    """One answer's output guardrails (module doc); `hits` collects every match for the
-    audit, `stopped` the stop match, if any."""
+    """One answer's output guardrails (module doc). `acted`: per guardrail that matched,
+    what it did (`Acted`); `stopped`: the stop match, if any; `error`: the error event a
+    stream ended with (a stop, or an event over `MAX_EVENT_BYTES`: failed closed), whose
+    caller closes the worker's stream; `seconds`: the time spent filtering, in all."""
 
     kind: str  # "completions", "chat" or "responses"
     rules: list[OutputRule]
     scanners: dict[tuple, TextScanner] = field(default_factory=dict)
-    hits: list[Hit] = field(default_factory=list)
+    acted: dict[str, Acted] = field(default_factory=dict)
     stopped: Hit | None = None
+    error: dict[str, Any] | None = None
     tail: bytes = b""
-    done: bool = False  # the end was sent (stopped, or [DONE] passed)
+    done: bool = False  # the end was sent (an error, or [DONE] passed)
+    seconds: float = 0.0
+
+    @property
+    def cut(self) -> bool:
+        """The answer was ended early (a stop or an oversized event): close its stream."""
+        return self.error is not None
 
     # -- streams -------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> bytes:
         """The SSE bytes to relay for `chunk` (whole events only)."""
-        if self.stopped is not None:
+        if self.error is not None:
             return b""
-        data = self.tail + chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self.tail = data
-            return b""
-        self.tail = data[end + 2:]
-        out = []
-        for raw in data[:end].split(b"\n\n"):
-            out.append(self._event(raw))
-            if self.stopped is not None:
-                break
-        return b"".join(out)
+        t0 = time.perf_counter()
+        try:
+            data = self.tail + chunk
+            end = data.rfind(b"\n\n")
+            if end < 0:
+                self.tail = data
+                if len(data) > MAX_EVENT_BYTES:  # unread, so not relayed: fail closed
+                    self.tail = b""
+                    self.error = error_body(502, f"an event of the answer is over "
+                                            f"{MAX_EVENT_BYTES} bytes, more than the output "
+                                            "guardrails read", None, "server_error",
+                                            "guardrail")
+                    return self._stop_events()
+                return b""
+            self.tail = data[end + 2:]
+            out = []
+            for raw in data[:end].split(b"\n\n"):
+                out.append(self._event(raw))
+                if self.error is not None:
+                    break
+            return b"".join(out)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def finish(self) -> bytes:
         """The stream ended: its unterminated tail, and any text still held (a stream that
         ended without a finish reason)."""
-        if self.stopped is not None or self.done:
+        if self.error is not None or self.done:
             return b""
+        t0 = time.perf_counter()
         out = self._event(self.tail) if self.tail.strip() else b""
         self.tail = b""
-        return out + self._flush_all()
+        out += self._flush_all()
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def _event(self, raw: bytes) -> bytes:
         lines = raw.split(b"\n")
@@ -100,10 +141,13 @@ class OutputFilter:
             return raw + b"\n\n"
         if not isinstance(doc, dict) or "error" in doc:
             return raw + b"\n\n"
-        keep = self._responses_event(doc) if self.kind == "responses" else self._chunk(doc)
-        if self.stopped is not None:
-            return (self._render(lines, data_at[0], doc) if keep else b"") + self._stop_events()
-        return self._render(lines, data_at[0], doc) if keep else b""
+        before = b""
+        if self.kind == "responses":
+            keep, before = self._responses_event(doc)
+        else:
+            keep = self._chunk(doc)
+        out = before + (self._render(lines, data_at[0], doc) if keep else b"")
+        return out + self._stop_events() if self.error is not None else out
 
     @staticmethod
     def _render(lines: list[bytes], at: int, doc: dict) -> bytes:
@@ -112,9 +156,9 @@ class OutputFilter:
         return b"\n".join(lines) + b"\n\n"
 
     def _stop_events(self) -> bytes:
-        assert self.stopped is not None
+        assert self.error is not None
         self.done = True
-        err = stop_error(self.stopped)
+        err = self.error
         if self.kind == "responses":
             detail = err["error"]
             doc = {"type": "error", "code": "guardrail", "message": detail["message"],
@@ -139,11 +183,20 @@ class OutputFilter:
         return out
 
     def _collect(self, s: TextScanner) -> None:
-        if s.hits:
-            self.hits += s.hits
-            s.hits = []
+        """Fold `s`'s new hits into `acted` (bounded by the guardrails, not the answer)."""
+        for hit in s.hits:
+            verdict = "stop" if hit is s.stopped else hit.rule.action
+            a = self.acted.get(hit.rule.name)
+            if a is None:
+                a = self.acted[hit.rule.name] = Acted(verdict, set(), hit.text)
+            elif RANK[verdict] > RANK[a.verdict]:
+                a.verdict = verdict
+            if hit.label:
+                a.labels.add(hit.label)
+        s.hits.clear()
         if s.stopped is not None and self.stopped is None:
             self.stopped = s.stopped
+            self.error = stop_error(s.stopped)
 
     def _chunk(self, doc: dict) -> bool:
         """A completions / chat chunk rewritten in place; False: it has nothing left."""
@@ -203,21 +256,32 @@ class OutputFilter:
                 delta["tool_calls"] = [*(calls or []), *extra]
         return keep
 
-    def _responses_event(self, doc: dict) -> bool:
+    def _responses_event(self, doc: dict) -> tuple[bool, bytes]:
+        """A Responses API event rewritten in place: (keep it, events to send before it: a
+        delta with the text its item's scanner still held, ahead of the item's done
+        event)."""
         kind = doc.get("type")
         if kind in DELTAS and isinstance(doc.get("delta"), str):
             key = (doc.get("item_id"), doc.get("content_index", 0), kind)
             doc["delta"] = self._pass(key, doc["delta"], False)
-            return bool(doc["delta"]) or self.stopped is not None
+            return bool(doc["delta"]) or self.error is not None, b""
+        before = b""
         if kind in DONE_TEXT:
-            delta_kind = next(k for k, v in DELTAS.items() if v == kind)
+            delta_kind = DELTA_OF[kind]
             key = (doc.get("item_id"), doc.get("content_index", 0), delta_kind)
-            s = self.scanners.get(key)
-            if s is not None:  # the held-back text is in the whole text below
-                s.flush()
-                s.hits = []
-        self._walk(doc)
-        return True
+            s = self.scanners.pop(key, None)
+            rest = s.flush() if s is not None else ""
+            if s is not None:
+                self._collect(s)
+            if rest:
+                delta = {"type": delta_kind, **{k: doc[k] for k in (
+                    "sequence_number", "item_id", "output_index", "content_index")
+                    if k in doc}, "delta": rest}
+                before = (f"event: {delta_kind}\ndata: "
+                          f"{json.dumps(delta, separators=(',', ':'))}\n\n").encode()
+        if self.error is None:
+            self._walk(doc)
+        return True, before
 
     def _walk(self, node: Any) -> None:
         """Whole texts under `TEXT_KEYS`, scanned as a whole (hits: the audit's)."""
@@ -262,6 +326,13 @@ class OutputFilter:
     # -- whole answers -------------------------------------------------------------------
     def body(self, raw: bytes) -> bytes | None:
         """A JSON answer rewritten (None: it is not one; `stopped` set: it must not go)."""
+        t0 = time.perf_counter()
+        try:
+            return self._body(raw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _body(self, raw: bytes) -> bytes | None:
         try:
             doc = json.loads(raw)
         except ValueError:

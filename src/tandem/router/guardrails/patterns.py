@@ -15,6 +15,7 @@ unbounded), which sets how much of a stream the output layer holds back (`scan`)
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,11 +45,13 @@ class Span:
     label: str = ""
 
 
+@functools.lru_cache(maxsize=256)
 def compile_pattern(pattern: str, where: str, max_chars: int | None = MAX_PATTERN_CHARS
                     ) -> Any:
     """`pattern` compiled by RE2 (or checked and compiled by `re`); `PatternError` naming
     `where` (the guardrail) when it is invalid or unsafe. `max_chars` None: a pattern made
-    from bounded parts (a blocklist's terms)."""
+    from bounded parts (a blocklist's terms). Memoized: router.yaml's check and the router's
+    build compile each pattern once (compiled patterns are immutable)."""
     if not pattern or (max_chars is not None and len(pattern) > max_chars):
         raise PatternError(f"{where}: a pattern of 1 to {MAX_PATTERN_CHARS} characters")
     if _re2 is not None:

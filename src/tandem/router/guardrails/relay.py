@@ -10,22 +10,23 @@ from tandem.router.guardrails.output import OutputFilter
 
 async def relay_filtered(chunks: AsyncIterator[Any], f: OutputFilter,
                          done: Callable[[], None]) -> AsyncIterator[bytes]:
-    """`chunks` (bytes or str) as `f` lets them pass; after a stop, the worker's stream is
-    closed at once (which aborts the request on the worker and frees its KV), not read to
-    its end. `done` runs once the answer is over, however it ends (the audit)."""
+    """`chunks` (bytes or str) as `f` lets them pass; once it cuts the answer (a stop), the
+    worker's stream is closed at once (which aborts the request on the worker and frees its
+    KV), not read to its end. `done` runs once the answer is over, however it ends (the
+    audit)."""
     try:
         async for chunk in chunks:
             out = f.feed(chunk if isinstance(chunk, bytes) else str(chunk).encode())
             if out:
                 yield out
-            if f.stopped is not None:
+            if f.cut:
                 break
         else:
             tail = f.finish()
             if tail:
                 yield tail
     finally:
-        if f.stopped is not None:
+        if f.cut:
             close = getattr(chunks, "aclose", None)
             if close is not None:
                 await close()

@@ -103,8 +103,12 @@ def _prompt(data: dict, out: list[TextField], decode: Decode | None) -> None:
         raise ValueError("prompt: token ids cannot be checked by the guardrails without the "
                          "model's tokenizer; send text")
     for i, ids in enumerate(batches):
-        if isinstance(ids, list) and all(isinstance(t, int) and 0 <= t < 1 << 32 for t in ids):
-            out.append(TextField(decode(ids), message=i))
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
+                for t in ids):  # what a guardrail cannot read does not pass it
+            raise ValueError("prompt: a string, a list of strings, token ids or lists of "
+                             "token ids")
+        out.append(TextField(decode(ids), message=i))
 
 
 def _message(m: dict, i: int, out: list[TextField]) -> None:
