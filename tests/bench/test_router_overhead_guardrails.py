@@ -12,10 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import router_overhead  # noqa: E402
+import router_overhead_guardrails as guardrails_bench  # noqa: E402
 
 
 def test_micro_benchmark_redacts_every_planted_secret_and_times_each_layer():
-    got = router_overhead.guardrails_micro(requests=24, full_requests=4)
+    got = guardrails_bench.guardrails_micro(requests=24, full_requests=4)
     checks = got["checks"]
     # 8 distinct 4 KB answers, 4 secrets each: every one redacted by the regex layer, none
     # left in what the client would read (regex layer or full set)
@@ -32,16 +33,16 @@ def test_micro_benchmark_redacts_every_planted_secret_and_times_each_layer():
 
 
 def test_variants_prompts_and_answers():
-    variants = router_overhead.guardrail_variants()
+    variants = guardrails_bench.guardrail_variants()
     assert list(variants) == ["none", "input-regex", "output-regex", "regex", "full"]
     full = variants["full"]
     assert {g["type"] for g in full["input"]} == {"regex", "blocklist", "pii", "injection",
                                                  "limits"}
     assert {g["type"] for g in full["output"]} == {"regex", "pii"}
     assert len(full["input"][3]["terms"]) == 100
-    body = json.loads(router_overhead.gr_prompt_bodies(1, 4096, seed=3)[0])
+    body = json.loads(guardrails_bench.gr_prompt_bodies(1, 4096, seed=3)[0])
     assert body["stream"] is True and len(body["messages"][1]["content"]) == 4096
-    short = router_overhead.gr_answer(64, seed=0)
+    short = guardrails_bench.gr_answer(64, seed=0)
     assert "078-05-1120" in short and "4111 1111 1111 1111" in short
 
 
