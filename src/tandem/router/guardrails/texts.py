@@ -4,7 +4,9 @@ Every string the model will read is a `TextField`: a completion's prompt and suf
 prompt of token ids is decoded with the model's tokenizer, and cannot be redacted), each
 chat message's content (a string or its text parts), reasoning and tool-call arguments,
 and a Responses API request's instructions and input items (text parts, function-call
-arguments and outputs). `TextField.set` writes a redacted text back into the body.
+arguments and outputs); and what a chat template renders besides: every string of the tool
+definitions (names, descriptions, parameter schemas) and of `chat_template_kwargs`.
+`TextField.set` writes a redacted text back into the body.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def request_texts(kind: str, data: dict[str, Any], decode: Decode | None) -> Req
         for i, m in enumerate(messages):
             if isinstance(m, dict):
                 _message(m, i, out)
+        _strings(data.get("chat_template_kwargs"), out)
         tools = data.get("tools")
+        _strings(tools, out)
         return RequestTexts(out, len(messages), len(tools) if isinstance(tools, list) else 0)
     _string(data, "instructions", out)
     items = data.get("input")
@@ -79,6 +83,7 @@ def request_texts(kind: str, data: dict[str, Any], decode: Decode | None) -> Req
     else:
         items = []
     tools = data.get("tools")
+    _strings(tools, out)
     return RequestTexts(out, len(items), len(tools) if isinstance(tools, list) else 0)
 
 
@@ -86,6 +91,22 @@ def _string(holder: dict, key: str, out: list[TextField], message: int = -1) -> 
     v = holder.get(key)
     if isinstance(v, str):
         out.append(TextField(v, holder, key, message))
+
+
+def _strings(node: Any, out: list[TextField]) -> None:
+    """Every string under `node` (keys of objects excluded), in order."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if isinstance(v, str):
+                out.append(TextField(v, node, k))
+            else:
+                _strings(v, out)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            if isinstance(v, str):
+                out.append(TextField(v, node, i))
+            else:
+                _strings(v, out)
 
 
 def _prompt(data: dict, out: list[TextField], decode: Decode | None) -> None:
