@@ -283,3 +283,30 @@ def test_envoy_answers_a_stopped_whole_answer_400(gateway) -> None:
     assert resp.status_code == 400 and resp.headers["content-type"] == "application/json"
     err = resp.json()["error"]
     assert err["code"] == "guardrail" and "halt-all" in err["message"]
+
+
+def test_a_held_whole_answer_settles_the_rate_limit_from_its_usage(worker) -> None:
+    from tandem.router.ratelimit import Limits, RateLimiter
+
+    limiter = RateLimiter(Limits(tokens_per_min=60))  # 1 token/s back
+    r = EppRouter([worker.url], guardrails=Guardrails.from_config(GUARDRAILS),
+                  rate_limiter=limiter)
+    try:
+        r.wait_routable(1)
+        s = _routed(r, _body("whole"))  # charged its worst case: 7 + max_tokens 5
+        raw = json.dumps({"choices": [{"index": 0, "text": "abcde", "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                    "total_tokens": 2}}).encode()
+        assert json.loads(_body_of(_answer(s, "application/json", [raw])))["choices"][0][
+            "text"] == "a[x]e"
+        s.close()
+        # settled from the usage the guard read: 2 of the 12 charged stay charged (without
+        # it, the prompt's 7-token estimate would)
+        deadline = time.monotonic() + 0.5
+        while (level := limiter.local.level("anonymous", limiter.default,
+                                            time.monotonic())) < 60 - 2.5:
+            assert time.monotonic() < deadline, level
+            time.sleep(0.01)
+        assert level < 60 - 1
+    finally:
+        r.stop()

@@ -47,6 +47,7 @@ class AnswerGuard:
     # a whole answer's headers answer, held (None: the gateway did not send its headers)
     headers: pb.ProcessingResponse | None = None
     held: bytearray = field(default_factory=bytearray)
+    whole: bytes = b""  # a whole answer as the worker sent it, once read (for its usage)
     ended: bool = False
     immediate: int | None = None
     audited: bool = False
@@ -95,6 +96,7 @@ class AnswerGuard:
         if over:
             return over
         raw, self.held = bytes(self.held), bytearray()
+        self.whole = raw
         body = self.filter.body(raw)
         if self.filter.stopped is not None:
             return self._immediate(400, stop_error(self.filter.stopped))

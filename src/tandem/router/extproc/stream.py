@@ -238,8 +238,8 @@ class ExtProcStream:
                 out += self.reader.finish()
         else:
             out = chunk
-            if len(self.answer) < MAX_USAGE_BYTES:
-                self.answer += chunk
+            if len(self.answer) < MAX_USAGE_BYTES and (self.guard is None or self.guard.sse):
+                self.answer += chunk  # (a guarded JSON answer is held by the guard: `whole`)
         if self.guard is not None:
             return self._guarded(out, eos)
         if eos:
@@ -305,7 +305,8 @@ class ExtProcStream:
         if ok and self.reader is not None:
             total, bound = self.reader.total, self.reader.bound
         elif ok:
-            total, bound = usage.answer_usage(bytes(self.answer))
+            held = self.guard is not None and not self.guard.sse
+            total, bound = usage.answer_usage(self.guard.whole if held else bytes(self.answer))
         if pick.bill is not None:
             pick.bill.bill.settle(total, bound) if ok else pick.bill.bill.settle()
         if pick.ticket is not None:
