@@ -11,7 +11,10 @@ request and parses the answer's status line and ``Content-Length`` (or its chunk
 as a streamed answer through a router comes back); a pool of idle
 connections is opened before the run and grows only when every connection is busy, up to
 ``--max-connections``; past that, due requests wait in the client and their latency counts
-from when they were due.
+from when they were due. A connection idle for ``KEEPALIVE_EXPIRY_S`` is closed rather than
+reused (as HTTP clients' keep-alive expiry does): a server closes idle connections after its
+keep-alive timeout (the router's: 5 s), and a request written just as that close arrives
+would fail with a reset that says nothing about the server.
 
 Arrivals: exponential gaps with mean ``1/rate`` from ``random.Random(seed)`` (the same seed
 gives the same schedule), over ``warmup + duration`` seconds; requests scheduled in the
@@ -38,6 +41,7 @@ from collections import Counter, deque
 from urllib.parse import urlsplit
 
 perf = time.perf_counter
+KEEPALIVE_EXPIRY_S = 4.0  # under the router's 5 s keep-alive timeout (module doc)
 
 
 class Conn(asyncio.Protocol):
@@ -51,6 +55,7 @@ class Conn(asyncio.Protocol):
         self.status = 0
         self.closing = False
         self.released = False  # counted out of the client's open connections
+        self.idle_at = perf()  # when it last went idle
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -167,11 +172,16 @@ class Client:
         self.outstanding += 1
         self.max_in_flight = max(self.max_in_flight, self.outstanding)
         self.drained.clear()
+        now = perf()
         while self.idle:
             conn = self.idle.pop()
             if conn.transport is not None and not conn.closing:
-                conn.send(idx, payload)
-                return
+                if now - conn.idle_at <= KEEPALIVE_EXPIRY_S:
+                    conn.send(idx, payload)
+                    return
+                conn.closing = True  # expired (module doc)
+                conn.transport.close()
+                self.release(conn)
         if self.open_connections >= self.max_connections:
             self.t_send[idx] = perf()  # latency counts from when it was due
             self.queued.append((idx, payload))
@@ -201,6 +211,7 @@ class Client:
                 conn.send(nxt, payload)
                 self.t_send[nxt] = t
             else:
+                conn.idle_at = now
                 self.idle.append(conn)
         else:
             self.release(conn)

@@ -17,12 +17,19 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from tandem.protocol.signing import WorkerKey
 from tandem.router.config import check_config
 from tandem.router.guardrails import Guardrails
 from tests.engine.utils import make_tiny_model_dir
 from tests.router.test_router_app import Served, _wait_ready, router_app, stub_base
 from tests.router.test_router_integration import RouterProcess
-from tests.serving.helpers import metric, start_worker, wait_for, wait_idle
+from tests.serving.helpers import (
+    metric,
+    start_worker,
+    wait_for,
+    wait_idle,
+    worker_key_file,
+)
 
 SSN = r"\b\d{3}-\d{2}-\d{4}\b"
 CONFIG = {
@@ -237,3 +244,29 @@ def test_real_worker_refusals_and_a_stop_that_frees_kv(real) -> None:
     assert time.monotonic() - t0 < 30  # not the 900 tokens
     wait_idle(worker.url, within=2.0)  # aborted on the worker, its KV blocks free
     assert metric(worker.url, "vllm:prompt_tokens_total") > before
+
+
+def test_models_lists_only_what_a_tenants_policy_allows(routed, tmp_path) -> None:
+    _, seen, closed = routed
+    stub = Served(scripted_stub(seen, closed))
+    config = {**CONFIG, "policies": {"tenants": {"acme": {"models": ["not-served"]}}}}
+    guard = Guardrails.from_config(check_config({"guardrails": config})["guardrails"])
+    router = router_app([stub.url], keys={"k-acme": "acme", "k-beta": "beta"},
+                        worker_key=WorkerKey(worker_key_file(tmp_path)), guardrails=guard)
+    try:
+        _wait_ready(router.url, 1)
+        listed = {}
+        for key in ("k-acme", "k-beta"):
+            r = httpx.get(router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+                          timeout=10)
+            assert r.status_code == 200, r.text
+            listed[key] = [m["id"] for m in r.json()["data"]]
+        assert listed["k-acme"] == [] and len(listed["k-beta"]) == 1  # beta: no policy
+        model = listed["k-beta"][0]
+        with pytest.raises(openai.PermissionDeniedError):  # and what is not listed is refused
+            openai.OpenAI(base_url=router.url + "/v1", api_key="k-acme", max_retries=0
+                          ).chat.completions.create(model=model, messages=[
+                              {"role": "user", "content": "SAY: hi"}])
+    finally:
+        router.stop()
+        stub.stop()

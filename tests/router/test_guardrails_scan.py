@@ -27,7 +27,7 @@ def _guard(output: list[dict]) -> Guardrails:
 
 
 def _rules(guard: Guardrails) -> list:
-    return guard.applied(None)[1]
+    return guard.applied(None).rules
 
 
 REDACTORS = [
@@ -94,32 +94,45 @@ def _reference(text: str, cut: int | None = None) -> str:
     return "".join(out) + text[at:end]
 
 
-def test_streamed_redaction_equals_whole_text_and_reference_on_random_traces() -> None:
-    rules = _rules(_guard(REDACTORS))
-    rng = random.Random(1234)
+@pytest.mark.parametrize("prefiltered", [False, True])
+def test_streamed_redaction_equals_whole_text_and_reference_on_random_traces(
+        prefiltered: bool) -> None:
+    """With the prefilter, text before a character that may begin a match is emitted at
+    once, unscanned: the same text must come out."""
+    applied = _guard(REDACTORS).applied(None)
+    rules, pf = applied.rules, applied.output_prefilter if prefiltered else None
+    assert not prefiltered or (pf is not None and pf.starts is not None)
+    rng = random.Random(1234 + prefiltered)
     hold = max(r.hold for r in rules)
     for trace in range(2000):
         text = _text(rng, rng.randrange(1, 40))
-        whole, _ = scan_all(rules, text)
+        whole, _ = scan_all(rules, text, pf)
         assert whole == _reference(text), (trace, text)
-        s = TextScanner(rules)
-        got = []
+        s = TextScanner(rules, pf)
+        got, added = [], 0
         for piece in _chunks(rng, text):
+            if rng.random() < 0.3:  # held unscanned (a burst's events), scanned later
+                s.add(piece)
+                added += len(piece)
+                continue
             got.append(s.feed(piece))
-            assert len(s.pending) < 2 * hold + len(piece), trace  # bounded look-behind
+            assert len(s.pending) < 2 * hold + len(piece) + added, trace  # bounded
+            added = 0
         got.append(s.flush())
         assert "".join(got) == whole, (trace, text)
 
 
-def test_stop_emits_exactly_the_text_before_the_first_stop_match() -> None:
-    rules = _rules(_guard([*REDACTORS, {"name": "halt", "type": "regex",
-                                       "pattern": "(?i)stop here", "action": "stop"}]))
-    rng = random.Random(99)
+@pytest.mark.parametrize("prefiltered", [False, True])
+def test_stop_emits_exactly_the_text_before_the_first_stop_match(prefiltered: bool) -> None:
+    applied = _guard([*REDACTORS, {"name": "halt", "type": "regex",
+                                   "pattern": "(?i)stop here", "action": "stop"}]).applied(None)
+    rules, pf = applied.rules, applied.output_prefilter if prefiltered else None
+    rng = random.Random(99 + prefiltered)
     for trace in range(1500):
         text = _text(rng, rng.randrange(0, 20)) + rng.choice(["stop here", "STOP HERE"]) \
             + _text(rng, rng.randrange(0, 10))
         cut = re.search("(?i)stop here", text).start()
-        s = TextScanner(rules)
+        s = TextScanner(rules, pf)
         got = "".join(s.feed(p) for p in _chunks(rng, text)) + s.flush()
         assert s.stopped is not None and s.stopped.rule.name == "halt"
         assert got == _reference(text, cut), (trace, text)
@@ -131,10 +144,12 @@ def _sse(doc: dict) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
-def _split_bytes(rng: random.Random, data: bytes) -> list[bytes]:
+def _split_bytes(rng: random.Random, data: bytes, burst: bool = False) -> list[bytes]:
+    """`data` in random pieces: of 1 to 89 bytes, or with `burst` up to 2,000 (several
+    events at once, as a worker's burst or a router behind reads them)."""
     out, i = [], 0
     while i < len(data):
-        n = rng.randrange(1, 90)
+        n = rng.randrange(1, 2000 if burst else 90)
         out.append(data[i:i + n])
         i += n
     return out
@@ -150,24 +165,26 @@ def _events(raw: bytes) -> list:
     return out
 
 
-@pytest.mark.parametrize("kind", ["chat", "completions"])
-def test_sse_streams_of_two_choices_are_redacted_per_choice(kind: str) -> None:
+@pytest.mark.parametrize("kind,choices,burst", [("chat", 2, False), ("completions", 2, False),
+                                                ("chat", 2, True), ("chat", 1, True)])
+def test_sse_streams_are_redacted_per_choice(kind: str, choices: int, burst: bool) -> None:
     guard = _guard(REDACTORS)
-    rng = random.Random(7 if kind == "chat" else 8)
+    rng = random.Random(f"{kind}-{choices}-{burst}")
     for trace in range(300):
-        texts = [_text(rng, rng.randrange(1, 25)) for _ in range(2)]
+        texts = [_text(rng, rng.randrange(1, 25)) for _ in range(choices)]
         pieces = [_chunks(rng, t) for t in texts]
         stream = b""
-        order = [0] * len(pieces[0]) + [1] * len(pieces[1])
+        order = [i for i in range(choices) for _ in pieces[i]]
         rng.shuffle(order)
-        at = [0, 0]
+        at = [0] * choices
         for i in order:
             piece = pieces[i][at[i]]
             at[i] += 1
             end = at[i] == len(pieces[i])
             if kind == "chat":
-                choice = {"index": i, "delta": {"content": piece},
-                          "finish_reason": "stop" if end else None}
+                delta = {"role": "assistant", "content": piece} if at[i] == 1 else {
+                    "content": piece}
+                choice = {"index": i, "delta": delta, "finish_reason": "stop" if end else None}
             else:
                 choice = {"index": i, "text": piece, "finish_reason": "length" if end else None}
             stream += _sse({"id": "x", "choices": [choice]})
@@ -175,10 +192,10 @@ def test_sse_streams_of_two_choices_are_redacted_per_choice(kind: str) -> None:
             b"data: [DONE]\n\n"
         f = guard.output_filter(None, kind)
         assert isinstance(f, OutputFilter)
-        out = b"".join(f.feed(c) for c in _split_bytes(rng, stream)) + f.finish()
+        out = b"".join(f.feed(c) for c in _split_bytes(rng, stream, burst)) + f.finish()
         events = _events(out)
         assert events[-1] == "[DONE]" and events[-2]["usage"] == {"total_tokens": 3}
-        got = ["", ""]
+        got = [""] * choices
         for e in events[:-2]:
             for c in e["choices"]:
                 got[c["index"]] += c["delta"].get("content") or "" if kind == "chat" \
@@ -268,3 +285,15 @@ def test_an_event_too_large_to_read_fails_closed() -> None:
     events = _events(out)
     assert events[-1] == "[DONE]" and events[0]["error"]["code"] == "guardrail"
     assert f.feed(b"\n\ndata: [DONE]\n\n") == b"" and f.finish() == b""
+
+
+def test_text_that_cannot_begin_a_match_is_not_held() -> None:
+    applied = _guard(REDACTORS[:1]).applied(None)  # the SSN pattern: matches begin with a digit
+    s = TextScanner(applied.rules, applied.output_prefilter)
+    assert s.feed("The river flows ") == "The river flows "  # at once, nothing held
+    assert s.feed("past 12") == "past " and s.pending == "12"  # held from the digit on
+    assert s.feed("3-45-6789 and on") == "" and s.flush() == "123-45-6789 and on".replace(
+        "123-45-6789", "[ssn]")
+    s = TextScanner(applied.rules, applied.output_prefilter)
+    text = "pin 1234567890 then words, many more words than the hold is long"
+    assert s.feed(text) == text and s.pending == ""  # scanned (a batch), nothing to hold

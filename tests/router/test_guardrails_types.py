@@ -217,6 +217,10 @@ def test_policies_per_tenant() -> None:
         else:
             with pytest.raises(APIError, match="adapter 'poetry' is not allowed"):
                 asyncio.run(coro)
+    # what GET /v1/models lists per tenant: the same rules
+    assert g.allows("acme", "m", ("m", None)) and not g.allows("acme", "other", ("other", None))
+    assert g.allows("acme", "sql", ("m", "sql")) and not g.allows("acme", "poetry", ("m", "poetry"))
+    assert g.allows(None, "other", ("other", None)) and g.allows("zed", "x", ("y", "x"))
     data = {"max_tokens": 30}
     with pytest.raises(APIError, match="context is 50 tokens"):
         g.after_tokenize("r", "acme", "chat", data, "m", 21)

@@ -1,7 +1,8 @@
 """The router's routes and what they share: one `RouterApp` per app (`app.build_app`).
 
 Routes: `GET /health` (the process), `GET /ready` (200 while a worker is routable, else
-503), `GET /v1/models` (what the ready workers serve; 503 while they may be starting),
+503), `GET /v1/models` (what the ready workers serve, less what the caller's guardrail
+policy forbids; 503 while they may be starting),
 `GET /metrics` (Prometheus, behind a key when `metrics_auth`), `GET /openapi.json` (when
 `openapi`), and the three OpenAI POSTs (completions, chat, responses), served stage by
 stage by `stages.handle`, and `GET` / `DELETE /v1/responses/{id}` (relayed to the worker
@@ -172,7 +173,7 @@ class RouterApp:
 
     async def models(self, request: Request) -> dict:
         router = self.router
-        self.settings.api_keys.tenant(request.headers.get("authorization"))
+        tenant = self.settings.api_keys.tenant(request.headers.get("authorization"))
         ready = router.models()
         # served_models are listed even with no worker (their requests wait: scale from zero)
         served = sorted({*ready, *router.settings.served_models})
@@ -180,6 +181,9 @@ class RouterApp:
             err = self.startup.models_unavailable(router.workers.values(), time.monotonic())
             if err is not None:
                 raise err
+        guard = self.settings.guardrails
+        if guard is not None:  # only what the tenant's policy lets it ask for
+            served = [m for m in served if guard.allows(tenant, m, router.base_model(m))]
         return {"object": "list", "data": [
             {"id": m, "object": "model", "owned_by": "tandem",
              **({"max_model_len": n} if (n := router.max_model_len(m)) else {}),

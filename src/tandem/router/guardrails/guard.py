@@ -23,8 +23,16 @@ from typing import TYPE_CHECKING, Any
 from tandem.protocol.web import APIError
 from tandem.router.guardrails.audit import Auditor
 from tandem.router.guardrails.config import GuardrailsConfig, Policy
-from tandem.router.guardrails.kinds import Finding, Guardrail, InputContext, build
+from tandem.router.guardrails.kinds import (
+    Finding,
+    Guardrail,
+    InputContext,
+    MatchGuardrail,
+    build,
+)
 from tandem.router.guardrails.output import OutputFilter
+from tandem.router.guardrails.patterns import Prefilter
+from tandem.router.guardrails.scan import OutputRule
 from tandem.router.guardrails.texts import Decode, request_texts
 
 if TYPE_CHECKING:
@@ -61,6 +69,19 @@ class TenantPolicy:
                    pick(p.guardrails, base.guardrails))
 
 
+@dataclass(frozen=True)
+class Applied:
+    """The guardrails a tenant's policy applies: its input guardrails (configuration
+    order), its output rules, and a `Prefilter` for each layer's text matchers (None: none,
+    or not pattern-based): a request whose texts the input one clears passes every input
+    text matcher unread."""
+
+    inputs: list[Guardrail]
+    rules: list[OutputRule]
+    input_prefilter: Prefilter | None
+    output_prefilter: Prefilter | None
+
+
 class Guardrails:
     """The configured guardrails and policies (module doc)."""
 
@@ -74,7 +95,8 @@ class Guardrails:
         audit = config.audit
         self.audit = Auditor(include_match=bool(audit and audit.include_match),
                              log_passes=bool(audit and audit.log_passes))
-        self._applied: dict[str | None, tuple[list[Guardrail], list[Any]]] = {}
+        self._applied: dict[str | None, Applied] = {}
+        self._sets: dict[frozenset[str] | None, Applied] = {}  # by the names applied
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> Guardrails | None:
@@ -97,14 +119,21 @@ class Guardrails:
     def policy(self, tenant: str | None) -> TenantPolicy:
         return self.tenants.get(tenant, self.default) if tenant is not None else self.default
 
-    def applied(self, tenant: str | None) -> tuple[list[Guardrail], list[Any]]:
-        """(the input guardrails, the output rules) that apply to `tenant`'s requests."""
+    def applied(self, tenant: str | None) -> Applied:
+        """The guardrails that apply to `tenant`'s requests (built once per set of names, so
+        tenants that share a policy share its prefilters)."""
         got = self._applied.get(tenant)
         if got is None:
             names = self.policy(tenant).guardrails
-            ins = [g for g in self.input if names is None or g.name in names]
-            outs = [g.rule() for g in self.output if names is None or g.name in names]
-            got = (ins, outs)
+            got = self._sets.get(names)
+            if got is None:
+                ins = [g for g in self.input if names is None or g.name in names]
+                outs = [g.rule() for g in self.output if names is None or g.name in names]
+                got = Applied(ins, outs, Prefilter.of([g.matcher for g in ins
+                                                       if isinstance(g, MatchGuardrail)]),
+                              Prefilter.of([r.matcher for r in outs]))
+                if len(self._sets) < 4096:
+                    self._sets[names] = got
             if len(self._applied) < 4096:
                 self._applied[tenant] = got
         return got
@@ -119,8 +148,9 @@ class Guardrails:
         ctx = InputContext(rid, tenant, kind, model)
         policy = self.policy(tenant)
         changed = self._policy(ctx, policy, data, model, base)
-        ins, outs = self.applied(tenant)
-        if outs:
+        applied = self.applied(tenant)
+        ins = applied.inputs
+        if applied.rules:
             for key in LOGPROB_KEYS:
                 v = data.get(key)
                 if v is not None and v is not False and not (key == "top_logprobs" and v == 0):
@@ -133,8 +163,11 @@ class Guardrails:
                 texts = request_texts(kind, data, decode)
             except ValueError as exc:
                 raise APIError(400, str(exc), "prompt", code="guardrail") from None
+            pf = applied.input_prefilter  # clear: no input text matcher can match
+            clear = pf is not None and all(pf.clear(f.text) for f in texts.fields)
             for g in ins:
-                finding = await g.check(texts, ctx)
+                finding = (None if clear and isinstance(g, MatchGuardrail)
+                           else await g.check(texts, ctx))
                 if finding is None:
                     self.audit.passed(ctx, g)
                     continue
@@ -147,17 +180,20 @@ class Guardrails:
         self.audit.layer("input", time.perf_counter() - t0)
         return changed
 
+    def allows(self, tenant: str | None, model: str, base: tuple[str, str | None]) -> bool:
+        """`tenant` may ask for `model` (`base`: the (base model, adapter) it means): what
+        `GET /v1/models` lists for it."""
+        return _refusal(self.policy(tenant), model, base) is None
+
     def _policy(self, ctx: InputContext, policy: TenantPolicy, data: dict[str, Any],
                 model: str, base: tuple[str, str | None]) -> bool:
-        primary, adapter = base
-        allowed = policy.models
-        if adapter is None and allowed is not None and not {model, primary} & allowed:
+        rule = _refusal(policy, model, base)
+        if rule == "models":
             self._decide(ctx, Finding("models", "policy", "policy", "refuse", model[:256]))
             raise APIError(403, f"model {model[:256]!r} is not allowed for this tenant",
                            "model", type_="permission_error", code="policy")
-        if adapter is not None and ((policy.adapters is not None
-                                     and adapter not in policy.adapters)
-                                    or (allowed is not None and primary not in allowed)):
+        if rule == "adapters":
+            adapter = base[1] or ""
             self._decide(ctx, Finding("adapters", "policy", "policy", "refuse", adapter[:256]))
             raise APIError(403, f"adapter {adapter[:256]!r} is not allowed for this tenant",
                            "model", type_="permission_error", code="policy")
@@ -205,11 +241,24 @@ class Guardrails:
     # -- output --------------------------------------------------------------------------
     def output_filter(self, tenant: str | None, kind: str) -> OutputFilter | None:
         """A filter for one answer to `tenant` (None: no output guardrail applies)."""
-        rules = self.applied(tenant)[1]
-        return OutputFilter(kind, rules) if rules else None
+        applied = self.applied(tenant)
+        return (OutputFilter(kind, applied.rules, applied.output_prefilter) if applied.rules
+                else None)
 
     def output_done(self, rid: str, tenant: str | None, f: OutputFilter) -> None:
         """Audit an answer's output decisions (one per guardrail that acted)."""
         applied = {r.name for r in f.rules}
         self.audit.output(rid, tenant, f, {g.name: g.type for g in self.output
                                            if g.name in applied})
+
+
+def _refusal(policy: TenantPolicy, model: str, base: tuple[str, str | None]) -> str | None:
+    """The policy rule that refuses `model` ("models" or "adapters"), or None."""
+    primary, adapter = base
+    allowed = policy.models
+    if adapter is None:
+        return "models" if allowed is not None and not {model, primary} & allowed else None
+    if ((policy.adapters is not None and adapter not in policy.adapters)
+            or (allowed is not None and primary not in allowed)):
+        return "adapters"
+    return None

@@ -11,6 +11,13 @@ refused at start-up.
 `Matcher` is what every text guardrail type builds (`regex`, `blocklist`, `pii`): spans of a
 text, each with the name of what matched, and `width`, the longest span it can match (None:
 unbounded), which sets how much of a stream the output layer holds back (`scan`).
+
+Two things keep the common case cheap. A `Prefilter` runs the patterns of several matchers
+as one RE2 alternation, one pass over a text: a text it clears has no span of any of them
+(every span is a match of one of their patterns), so a request or answer that trips no
+guardrail is read once, not once per guardrail. And on ASCII text (most of it) each pattern
+runs as its UTF-8 bytes twin, where byte offsets are character offsets: the same matches,
+without the `re2` module's offset mapping for `str`.
 """
 
 from __future__ import annotations
@@ -19,8 +26,7 @@ import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 try:  # the linear-time engine; `re` with a static backtracking check where it is missing
     import re2 as _re2
@@ -36,8 +42,7 @@ class PatternError(ValueError):
     """A pattern that cannot be compiled, or that could backtrack (`re` only)."""
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):  # a tuple: made for every match, ~3x cheaper than a dataclass
     """`text[start:end]` matched `label` (a PII kind, a blocklist term, the pattern)."""
 
     start: int
@@ -117,6 +122,57 @@ def _check_backtracking(pattern: str, where: str) -> None:
     walk(parsed, False)
 
 
+class BytesSearch:
+    """A pattern over UTF-8 bytes: `search(data, pos)`, the leftmost match starting at `pos`
+    or after, as (start, end) byte offsets, or None. It calls RE2's matcher directly where
+    the `re2` module exposes it (`_regexp.Match`, checked against the public `search` once
+    per process): the public path builds a generator and a match object per call, several
+    times the cost of the match itself on short texts."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+        raw = getattr(compiled, "_regexp", None)
+        self.raw = raw if raw is not None and _direct_ok() else None
+
+    def search(self, data: bytes, pos: int = 0) -> tuple[int, int] | None:
+        if self.raw is not None:
+            span = self.raw.Match(_UNANCHORED, data, pos, len(data))[0]
+            return None if span[0] < 0 else span
+        m = self.compiled.search(data, pos)
+        return None if m is None else m.span()
+
+
+_UNANCHORED = _re2._Anchor.UNANCHORED if _re2 is not None else None
+
+
+@functools.cache
+def _direct_ok() -> bool:
+    """RE2's matcher called directly agrees with the module's public `search` (both the
+    private names exist and give the same spans on a few probes)."""
+    try:
+        rx = _re2.compile(rb"(?i)\bab+c\b|x*")
+        for data, pos in ((b"zz ABBC abc", 0), (b"zz ABBC abc", 4), (b"", 0), (b"qq", 1)):
+            m = rx.search(data, pos)
+            want = None if m is None else m.span()
+            span = tuple(rx._regexp.Match(_UNANCHORED, data, pos, len(data))[0])
+            if (None if span[0] < 0 else span) != want:
+                return False
+        return True
+    except Exception:  # a future re2 module without these names: the public path
+        return False
+
+
+def _bytes_twin(compiled: Any) -> BytesSearch | None:
+    """`compiled`'s pattern compiled again over UTF-8 bytes (same options, same matches); None
+    without RE2 or where it will not compile."""
+    if _re2 is None:
+        return None
+    try:
+        return BytesSearch(_re2.compile(compiled.pattern.encode()))
+    except Exception:  # re2.error
+        return None
+
+
 class Matcher:
     """Spans of a text (`spans`), each labelled; `width` bounds a span (None: unbounded)."""
 
@@ -127,6 +183,11 @@ class Matcher:
         for `\\b` and `^` only), leftmost first."""
         raise NotImplementedError
 
+    def patterns(self) -> list[str] | None:
+        """RE2 patterns one of which matches wherever a span is (what a `Prefilter` runs);
+        None: not known (a matcher that is not pattern-based)."""
+        return None
+
 
 class PatternMatcher(Matcher):
     """One compiled pattern; `accept` (optional) keeps only the matches it approves (a
@@ -135,8 +196,15 @@ class PatternMatcher(Matcher):
     def __init__(self, compiled: Any, width: int | None, label: str = "",
                  accept: Callable[[str], bool] | None = None) -> None:
         self.compiled, self.width, self.label, self.accept = compiled, width, label, accept
+        self.ascii = _bytes_twin(compiled)  # for ASCII text (module doc)
+
+    def patterns(self) -> list[str] | None:
+        return [self.compiled.pattern] if self.ascii is not None else None
 
     def spans(self, text: str, pos: int = 0) -> Iterator[Span]:
+        if self.ascii is not None and text.isascii():  # isascii: O(1) for str
+            yield from self._ascii_spans(text, pos)
+            return
         if self.accept is None:
             for m in self.compiled.finditer(text, pos):
                 start, end = m.span()
@@ -153,6 +221,20 @@ class PatternMatcher(Matcher):
             else:
                 pos = start + 1
 
+    def _ascii_spans(self, text: str, pos: int) -> Iterator[Span]:
+        """`spans` of an ASCII text, through its bytes (byte offsets are character offsets):
+        leftmost matches, non-overlapping; an empty match or one its checksum refuses moves
+        the search on by one character."""
+        assert self.ascii is not None
+        search, data, n = self.ascii.search, text.encode(), len(text)
+        while pos <= n and (span := search(data, pos)) is not None:
+            start, end = span
+            if end > start and (self.accept is None or self.accept(text[start:end])):
+                yield Span(start, end, self.label)
+                pos = end
+            else:
+                pos = start + 1
+
 
 class AnyOf(Matcher):
     """The union of several matchers (PII kinds): spans sorted, overlaps merged."""
@@ -162,6 +244,15 @@ class AnyOf(Matcher):
         widths = [p.width for p in parts]
         self.width = None if any(w is None for w in widths) else max(widths, default=0)
 
+    def patterns(self) -> list[str] | None:
+        out: list[str] = []
+        for p in self.parts:
+            got = p.patterns()
+            if got is None:
+                return None
+            out += got
+        return out
+
     def spans(self, text: str, pos: int = 0) -> Iterator[Span]:
         found = sorted((s for p in self.parts for s in p.spans(text, pos)),
                        key=lambda s: (s.start, -s.end))
@@ -170,3 +261,93 @@ class AnyOf(Matcher):
             if s.start >= end:
                 end = s.end
                 yield s
+
+
+# left contexts that decide RE2's empty-width assertions at a match's start (\b, \B, ^, \A):
+# the start of the text, a word character, a space, a newline
+CONTEXTS = ("", "a", " ", "\n")
+
+
+def start_range(pattern: str) -> tuple[int, int] | None:
+    """(lo, hi): the first byte of any non-empty match of `pattern`, whatever precedes it,
+    lies in [lo, hi] (UTF-8; hi >= 0x80: non-ASCII characters too); () as a range that holds
+    none: it has no non-empty match. From RE2's `PossibleMatchRange` over the pattern behind
+    each kind of left context (`CONTEXTS`); None where RE2 cannot bound it."""
+    lo, hi = 0x100, -1
+    for ctx in CONTEXTS:
+        head = ctx.encode()
+        try:  # the binding's method, beside `Match` (`BytesSearch`)
+            rx = _re2.compile(_re2_escape(ctx) + "(?:" + pattern + ")")
+            ok, low, high = rx._regexp.PossibleMatchRange(len(head) + 8)
+        except Exception:
+            return None
+        if not ok:
+            return None
+        k = len(head)
+        if high[:k] == head and len(high) == k or high < head:
+            continue  # no non-empty match after this context
+        lo = min(lo, low[k] if low[:k] == head and len(low) > k else 0)
+        hi = max(hi, high[k] if high[:k] == head and len(high) > k else 0xFF)
+    return (lo, hi) if hi >= 0 else (0x100, -1)
+
+
+def _re2_escape(text: str) -> str:
+    return "".join(f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def starts_class(ranges: list[tuple[int, int]]) -> re.Pattern[str] | None:
+    """A pattern finding the characters a match may begin with: the ASCII ones in `ranges`
+    (`start_range`'s), and every non-ASCII character; None when that is every character."""
+    ascii = [False] * 128
+    for lo, hi in ranges:
+        for b in range(max(lo, 0), min(hi, 127) + 1):
+            ascii[b] = True
+    if all(ascii):
+        return None
+    parts = [f"\\x{b:02x}" for b in range(128) if ascii[b]]
+    return re.compile("[" + "".join(parts) + "\\x80-\\U0010ffff]")
+
+
+class Prefilter:
+    """Whether any of several matchers may have a span in a text, in one pass (module doc):
+    their patterns as one RE2 alternation, each in a group of its own (its inline flags stay
+    its own). `clear(text)` True: none of them has a span there. `starts` (None: any
+    character may): finds the characters a span may begin with, from each pattern's
+    `start_range`; text before the first of them cannot hold the start of a span (`scan`
+    emits it at once)."""
+
+    def __init__(self, compiled: Any, ascii: BytesSearch,
+                 starts: re.Pattern[str] | None = None) -> None:
+        self.compiled, self.ascii, self.starts = compiled, ascii, starts
+
+    @classmethod
+    def of(cls, matchers: list[Matcher]) -> Prefilter | None:
+        """None: nothing to gain (no matcher, no RE2, a matcher that is not pattern-based, or
+        an alternation over RE2's memory bound); then every matcher runs."""
+        if _re2 is None or not matchers:
+            return None
+        parts: list[str] = []
+        for m in matchers:
+            got = m.patterns()
+            if got is None:
+                return None
+            parts += got
+        if not parts:
+            return None
+        union = "|".join(f"(?:{p})" for p in parts)
+        try:
+            compiled = _re2.compile(union)
+        except Exception:  # re2.error: too large for RE2's default memory bound
+            return None
+        ascii = _bytes_twin(compiled)
+        if ascii is None:
+            return None
+        ranges = [start_range(p) for p in parts]
+        starts = None if any(r is None for r in ranges) else starts_class(ranges)  # type: ignore[arg-type]
+        return cls(compiled, ascii, starts)
+
+    def clear(self, text: str, pos: int = 0) -> bool:
+        """No match of any pattern starts at `pos` or after (before it: context only)."""
+        if text.isascii():
+            return self.ascii.search(text.encode(), pos) is None
+        return self.compiled.search(text, pos) is None

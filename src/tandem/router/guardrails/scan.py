@@ -15,15 +15,27 @@ so each character is scanned about twice, not once per delta (a stream of 4-char
 would otherwise re-scan the whole held text on every delta). The output is the same: nothing
 is emitted unscanned, and where a batch boundary falls does not change what a scan finds.
 
+Text that cannot hold the start of a match goes at once: each pattern's possible first
+characters are known (RE2's `PossibleMatchRange`, `patterns.start_range`), so what precedes
+the first character that may begin a match is emitted unscanned, and of the held tail only
+what follows its first such character stays held. Prose under digit patterns (an SSN, a
+card number) streams without delay; the hold applies from a digit on.
+
+`add` holds text without scanning it at all (the output filter, for the events of one burst
+but its last: a chunk of many events is scanned once); the next `feed` or `flush` scans it.
+
 Memory per stream is bounded: the held text stays under twice the largest hold plus one
-delta (plus matches that chain across the boundary, cut at `MAX_HELD`).
+delta, or plus what was `add`ed since the last scan, one upstream read's text at most (plus
+matches that chain across the boundary, cut at `MAX_HELD`). A batch the rules' `Prefilter`
+clears (no rule can match it) is emitted without running the rules one by one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from tandem.router.guardrails.patterns import Matcher, Span
+from tandem.router.guardrails.patterns import Matcher, Prefilter, Span
 
 CONTEXT = 16  # characters of emitted text kept as context (for \b at the boundary)
 MAX_HELD = 1 << 16  # characters a stream may hold back at most, however matches chain
@@ -43,8 +55,7 @@ class OutputRule:
         return self.replacement.replace("{kind}", span.label)
 
 
-@dataclass(frozen=True)
-class Hit:
+class Hit(NamedTuple):
     """A rule matched (audit: the rule, the span's label, and the text if asked for)."""
 
     rule: OutputRule
@@ -55,37 +66,80 @@ class Hit:
 class TextScanner:
     """One text stream: `feed(delta)` returns what may be emitted now, `flush()` the rest at
     the stream's end; after a stop match, `stopped` is its hit and nothing more is emitted.
-    `hits` collects every match emitted (redacted or flagged) or stopped at."""
+    `hits` collects every match emitted (redacted or flagged) or stopped at. `prefilter`
+    (the rules' `patterns.Prefilter`, optional): a batch it clears is not scanned rule by
+    rule."""
 
-    def __init__(self, rules: list[OutputRule]) -> None:
+    def __init__(self, rules: list[OutputRule], prefilter: Prefilter | None = None) -> None:
         self.rules = rules
+        self.prefilter = prefilter
+        self.starts = prefilter.starts if prefilter is not None else None
         self.hold = max((r.hold for r in rules), default=0)
         self.scan_at = min(2 * self.hold, MAX_HELD)  # held characters that start a scan
         self.context = ""
         self.pending = ""
+        self.added: list[str] = []  # `add`ed text, not yet joined to `pending`
         self.stopped: Hit | None = None
         self.hits: list[Hit] = []
+
+    @property
+    def held(self) -> bool:
+        """Text is held (to be emitted by `feed` or `flush`)."""
+        return bool(self.pending or self.added)
 
     def feed(self, delta: str) -> str:
         if self.stopped is not None:
             return ""
+        if self.added:
+            self._join()
         self.pending += delta
-        if len(self.pending) < self.scan_at:  # held until a batch is in (module doc)
+        held = len(self.pending)
+        if self.starts is not None:  # what precedes the first possible start goes at once
+            m = self.starts.search(self.pending)
+            cut = held if m is None else m.start()
+            if cut and (m is None or held < self.scan_at):
+                return self._release(cut)
+        if held < self.scan_at:  # held until a batch is in (module doc)
             return ""
         return self._emit(final=False)
+
+    def _release(self, cut: int) -> str:
+        """Emit `pending[:cut]` unscanned: no span can begin in it (`starts`), and a span
+        that began before it was final when that text was emitted."""
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.context = (self.context + out)[-CONTEXT:]
+        return out
+
+    def add(self, delta: str) -> None:
+        """Held unscanned: what `feed` does below a batch, whatever the held length (the
+        caller scans it with its next `feed` or `flush`)."""
+        if self.stopped is None:
+            self.added.append(delta)  # joined once, when scanned: no copy per delta
+
+    def _join(self) -> None:
+        self.pending += "".join(self.added)
+        self.added.clear()
 
     def flush(self) -> str:
         if self.stopped is not None:
             return ""
+        if self.added:
+            self._join()
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
         text = self.context + self.pending
         base, n = len(self.context), len(text)
         found: list[tuple[Span, OutputRule, bool]] = []
-        for rule in self.rules:
-            for span in rule.matcher.spans(text, base):
-                found.append((span, rule, final or span.start < n - rule.hold))
+        if self.prefilter is None or not self.prefilter.clear(text, base):
+            for rule in self.rules:
+                for span in rule.matcher.spans(text, base):
+                    found.append((span, rule, final or span.start < n - rule.hold))
+        if not found:  # the common case: emit all but the hold (as `_take` would)
+            bound = self._bound(text, base, n, final)
+            self.context = text[max(0, bound - CONTEXT):bound]
+            self.pending = text[bound:]
+            return text[base:bound]
         found.sort(key=lambda f: (f[0].start, -f[0].end))
         stops = [f for f in found if f[1].action == "stop"]
         if stops:
@@ -98,9 +152,7 @@ class TextScanner:
                     cut = f[0].start
             return self._take(text, base, [f for f in found if f[0].end <= cut], cut,
                               clip=True)
-        bound = n if final else max(base, n - self.hold)
-        if not final and n - base > MAX_HELD:  # chained matches: emit what is final so far
-            bound = max(bound, n - MAX_HELD)
+        bound = self._bound(text, base, n, final)
         for start, end, members in _merge(found):
             if end <= bound:
                 continue
@@ -112,6 +164,21 @@ class TextScanner:
                 bound = start
                 break
         return self._take(text, base, [f for f in found if f[0].end <= bound], bound)
+
+    def _bound(self, text: str, base: int, n: int, final: bool) -> int:
+        """Where emitting may stop, before any match is considered: all of the text at the
+        end, else all but the hold (and never more than `MAX_HELD` held: chained matches
+        emit what is final so far), and of the hold what precedes its first character that
+        may begin a span (`starts`)."""
+        if final:
+            return n
+        bound = max(base, n - self.hold)
+        if n - base > MAX_HELD:
+            bound = max(bound, n - MAX_HELD)
+        if self.starts is not None:  # the held tail starts at its first possible start
+            m = self.starts.search(text, bound)
+            bound = n if m is None else m.start()
+        return bound
 
     def _take(self, text: str, base: int, spans: list[tuple[Span, OutputRule, bool]],
               bound: int, clip: bool = False) -> str:
@@ -147,9 +214,10 @@ def _merge(found: list[tuple[Span, OutputRule, bool]]
     return merged
 
 
-def scan_all(rules: list[OutputRule], text: str) -> tuple[str, TextScanner]:
+def scan_all(rules: list[OutputRule], text: str, prefilter: Prefilter | None = None
+             ) -> tuple[str, TextScanner]:
     """`text` as a whole (an answer not streamed): (what the client gets, the scanner, with
     its `hits` and `stopped`)."""
-    s = TextScanner(rules)
+    s = TextScanner(rules, prefilter)
     s.pending = text
     return s.flush(), s
