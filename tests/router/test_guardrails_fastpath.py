@@ -67,6 +67,7 @@ def test_a_template_reads_exactly_what_parsing_reads() -> None:
         if t is None:
             continue
         built += 1
+        raws = []
         for _ in range(8):
             other = (_string(rng, rng.randrange(0, 10)) if rng.random() < 0.7
                      else rng.choice([5, None, ["x"], {"a": "b"}]))
@@ -76,6 +77,7 @@ def test_a_template_reads_exactly_what_parsing_reads() -> None:
                                 role=rng.random() < 0.1)
             if rng.random() < 0.3:
                 raw2 = _mutate(rng, raw2)
+            raws.append(raw2)
             got = t.text(raw2)
             if got is None:
                 declined += 1
@@ -85,6 +87,13 @@ def test_a_template_reads_exactly_what_parsing_reads() -> None:
             expect = json.loads(json.dumps(doc))
             expect["choices"][0]["delta"]["content"] = got
             assert parsed == expect, (trace, raw, raw2)
+        # a run of events read in one loop: the longest readable prefix, texts joined
+        run = t.run(raws, 0, len(raws))
+        n = 0 if run is None else run[1]
+        assert all(t.text(r) is not None for r in raws[:n]) and (
+            n == len(raws) or t.text(raws[n]) is None), trace
+        if run is not None:
+            assert run[0] == "".join(t.text(r) or "" for r in raws[:n])
     assert built > 2000 and read > 5000 and declined > 5000, (built, read, declined)
     # two "content" keys (logprobs carry one): which string is the text is not shown by the
     # bytes alone, so no template

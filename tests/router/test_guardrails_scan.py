@@ -184,6 +184,10 @@ def test_sse_streams_are_redacted_per_choice(kind: str, choices: int, burst: boo
             if kind == "chat":
                 delta = {"role": "assistant", "content": piece} if at[i] == 1 else {
                     "content": piece}
+                if end and rng.random() < 0.5:  # the finish in an event of its own
+                    stream += _sse({"id": "x", "choices": [
+                        {"index": i, "delta": delta, "finish_reason": None}]})
+                    delta = {}
                 choice = {"index": i, "delta": delta, "finish_reason": "stop" if end else None}
             else:
                 choice = {"index": i, "text": piece, "finish_reason": "length" if end else None}
@@ -297,3 +301,21 @@ def test_text_that_cannot_begin_a_match_is_not_held() -> None:
     s = TextScanner(applied.rules, applied.output_prefilter)
     text = "pin 1234567890 then words, many more words than the hold is long"
     assert s.feed(text) == text and s.pending == ""  # scanned (a batch), nothing to hold
+
+
+@pytest.mark.parametrize("burst", [False, True])
+def test_a_stop_in_the_last_event_ends_the_stream_there(burst: bool) -> None:
+    guard = _guard([{"name": "halt", "type": "blocklist", "terms": ["zebra"],
+                     "action": "stop"}])
+    f = guard.output_filter(None, "chat")
+    events = [_sse({"id": "x", "choices": [{"index": 0, "delta": {"content": piece},
+                                            "finish_reason": reason}]})
+              for piece, reason in (("one two ze", None), ("bra three", "stop"))]
+    events.append(b"data: [DONE]\n\n")
+    out = (f.feed(b"".join(events)) if burst else b"".join(f.feed(e) for e in events)) \
+        + f.finish()
+    got = _events(out)
+    assert got[-1] == "[DONE]" and got[-2]["error"]["code"] == "guardrail"
+    assert "".join(c["delta"].get("content") or "" for e in got[:-2]
+                   for c in e["choices"]) == "one two "
+    assert got[-3]["choices"][0]["finish_reason"] == "stop" and f.cut

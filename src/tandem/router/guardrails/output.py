@@ -147,11 +147,17 @@ class OutputFilter:
             self.tail = data[end + 2:]
             out = []
             events = data[:end].split(b"\n\n")
-            last = len(events) - 1
-            for i, raw in enumerate(events):
-                out.append(self._event(raw, i < last))
+            last, i = len(events) - 1, 0
+            while i <= last:
+                t = self.template  # a run of plain events in a burst: held, dropped
+                if t is not None and i < last and (run := t.run(events, i, last)) is not None:
+                    self.scanners[t.key].add(run[0])
+                    i = run[1]
+                    continue
+                out.append(self._event(events[i], i < last))
                 if self.error is not None:
                     break
+                i += 1
             return b"".join(out)
         finally:
             self.seconds += time.perf_counter() - t0
@@ -171,10 +177,6 @@ class OutputFilter:
     def _event(self, raw: bytes, more: bool = False) -> bytes:
         """One event as the client gets it; `more`: other events of the same chunk follow."""
         if self.kind == "chat" and raw.startswith(b"data: {") and b"\n" not in raw:
-            t = self.template  # a plain event of a burst: its text held, the event dropped
-            if more and t is not None and (text := t.text(raw)) is not None:
-                self.scanners[t.key].add(text)
-                return b""
             try:  # most events: one plain text delta (`_plain`), read and written by orjson
                 doc = orjson.loads(raw[6:])
             except orjson.JSONDecodeError:
@@ -287,42 +289,52 @@ class OutputFilter:
         return keep or bool(doc.get("usage"))
 
     def _plain(self, doc: dict, more: bool, raw: bytes) -> bool | None:
-        """`_chunk` for a chat chunk whose one choice carries only content (and its role),
-        no finish reason: the general path's result, or None for any other event. With
-        `more` (events of the same chunk follow: a worker's burst, or a router behind) the
-        text joins its scanner's held text unscanned, to be scanned once with what follows
-        (the choice's next event or its end): one scan per chunk, not one per event. The
-        first plain event without a role or usage gives the stream's `template`, which
-        reads the next ones' text without parsing them (`plain`)."""
+        """`_chunk` for a chat chunk whose one choice carries only content (and its role), or
+        ends a choice that has held nothing but content: the general path's result, or None
+        for any other event. With `more` (events of the same chunk follow: a worker's
+        burst, or a router behind) the text joins its scanner's held text unscanned, to be
+        scanned once with what follows (the choice's next event or its end): one scan per
+        chunk, not one per event. The first plain event without a role or usage gives the
+        stream's `template`, which reads the next ones' text without parsing them
+        (`plain`)."""
         choices = doc.get("choices")
         if type(choices) is not list or len(choices) != 1 or "error" in doc:
             return None
         c = choices[0]
-        if type(c) is not dict or c.get("finish_reason") is not None:
+        if type(c) is not dict:
             return None
         delta = c.get("delta")
         if not isinstance(delta, dict) or not delta.keys() <= PLAIN_DELTA:
             return None
+        end = c.get("finish_reason") is not None
         text = delta.get("content")
-        if not isinstance(text, str):
+        if not isinstance(text, str) and not (end and "content" not in delta):
             return None
         key = (c.get("index", 0), "content")
+        if end and any(k[0] == key[0] and k != key for k in self.scanners):
+            return None  # its reasoning or tool calls hold text too: the general path
         s = self.scanners.get(key) or self._scanner(key)
-        if (self.template is None and self.template_tries < 2 and "role" not in delta
-                and not doc.get("usage")):
-            self.template_tries += 1
-            self.template = template_of(raw, doc, text, key)
-        if more:
+        if end:  # one scan of all it holds
+            s.add(text or "")
+            out = s.flush()
+            if out or "content" in delta:
+                delta["content"] = out
+        elif more:
+            if (self.template is None and self.template_tries < 2 and "role" not in delta
+                    and not doc.get("usage")):
+                self.template_tries += 1
+                self.template = template_of(raw, doc, text, key)
             s.add(text)
             delta["content"] = ""
             return "role" in delta or bool(doc.get("usage"))
-        out = delta["content"] = s.feed(text)
+        else:
+            out = delta["content"] = s.feed(text)
         if s.hits or s.stopped is not None:
             self._collect(s)
             if self.stopped is not None:
-                c["finish_reason"] = "content_filter"
+                c["finish_reason"] = c.get("finish_reason") or "content_filter"
                 return True
-        return bool(out) or "role" in delta or bool(doc.get("usage"))
+        return end or bool(out) or "role" in delta or bool(doc.get("usage"))
 
     def _delta(self, c: dict, i: int, end: bool) -> bool:
         delta = c.get("delta")

@@ -7,8 +7,9 @@ content without parsing the event, when its bytes are the template's with anothe
 string in between. That is exact: the prefix ends where the template's content string
 begins, outside any other token, so the same bytes around one string token parse to the
 template's document with that string as the content (JSON's grammar), and a middle that is
-not exactly one string token is refused. `template_of` cuts a template from an event
-already parsed, and checks the cut by parsing it back.
+not exactly one string token is refused. `Template.run` reads a run of such events in one
+loop. `template_of` cuts a template from an event already parsed, and checks the cut by
+parsing it back.
 """
 
 from __future__ import annotations
@@ -33,15 +34,31 @@ class Template:
     def text(self, raw: bytes) -> str | None:
         """`raw`'s content when `raw` is this template with another string for it; None
         for any other event."""
+        got = self.run([raw], 0, 1)
+        return got[0] if got is not None else None
+
+    def run(self, events: list[bytes], start: int, stop: int) -> tuple[str, int] | None:
+        """The events from `events[start]` on (before `stop`) that are this template with
+        another string: (their texts joined, the index after them); None when
+        `events[start]` is not one. Each middle is parsed alone: a middle of several tokens,
+        or of a broken one, ends the run."""
         p, s = self.prefix, self.suffix
-        if (len(raw) < len(p) + len(s) + 2 or not raw.startswith(p) or not raw.endswith(s)
-                or raw[len(p)] != 0x22):  # a string starts where the content did
-            return None
-        try:
-            text = orjson.loads(raw[len(p):len(raw) - len(s)])
-        except orjson.JSONDecodeError:  # more than one token, or a broken one
-            return None
-        return text if type(text) is str else None
+        np, ns = len(p), len(s)
+        texts, i = [], start
+        while i < stop:
+            raw = events[i]
+            if (len(raw) < np + ns + 2 or raw[np] != 0x22 or not raw.startswith(p)
+                    or not raw.endswith(s)):
+                break
+            try:
+                text = orjson.loads(raw[np:len(raw) - ns])
+            except orjson.JSONDecodeError:
+                break
+            if type(text) is not str:
+                break
+            texts.append(text)
+            i += 1
+        return ("".join(texts), i) if texts else None
 
 
 def _string_end(raw: bytes, start: int) -> int:
