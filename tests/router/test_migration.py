@@ -221,15 +221,18 @@ def test_a_stream_of_a_frozen_worker_goes_on_elsewhere_long_before_the_read_time
 def test_streams_of_a_killed_worker_go_on_elsewhere_token_for_token(fleet):
     router, first, second = fleet
     ready_in_router(router, second, 0)  # frozen: every stream starts on the first
-    greedy = {**COMPLETION, "temperature": 0, "logprobs": 2,
+    # long enough that none can end between the last one's first token and the SIGSTOP,
+    # however loaded the machine (500 tokens once did, under a busy CI worker)
+    long = {"max_tokens": 960}
+    greedy = {**COMPLETION, **long, "temperature": 0, "logprobs": 2,
               "stream_options": {"include_usage": True}}
-    seeded_chat = {**CHAT, "temperature": 0.9, "seed": 1234, "logprobs": True}
+    seeded_chat = {**CHAT, **long, "temperature": 0.9, "seed": 1234, "logprobs": True}
     seeded_chat["stop"] = late_stop(direct(first.url, "/v1/chat/completions",
                                            seeded_chat)["text"])
     seeded_chat["stream_options"] = {"include_usage": True}
-    greedy_chat = {**CHAT, "temperature": 0}
-    seeded = {**COMPLETION, "temperature": 1.0, "seed": 7, "top_k": 20}
-    two = {**COMPLETION, "temperature": 1.0, "seed": 7, "n": 2}
+    greedy_chat = {**CHAT, **long, "temperature": 0}
+    seeded = {**COMPLETION, **long, "temperature": 1.0, "seed": 7, "top_k": 20}
+    two = {**COMPLETION, **long, "temperature": 1.0, "seed": 7, "n": 2}
     plan = [("/v1/completions", greedy), ("/v1/chat/completions", greedy_chat),
             ("/v1/chat/completions", seeded_chat), ("/v1/completions", seeded),
             ("/v1/completions", two)]
