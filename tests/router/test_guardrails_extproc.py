@@ -310,3 +310,52 @@ def test_a_held_whole_answer_settles_the_rate_limit_from_its_usage(worker) -> No
         assert level < 60 - 1
     finally:
         r.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_skip(envoy_bin, worker):  # noqa: F811 - the fixture imported above
+    """Envoy whose ext_proc skips the response headers (`response_header_mode: SKIP`)."""
+    router = EppRouter([worker.url], guardrails=Guardrails.from_config(GUARDRAILS))
+    router.wait_routable(1)
+    listen = free_port()
+    config = CONFIG.replace("response_header_mode: SEND", "response_header_mode: SKIP")
+    assert config != CONFIG
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(config.format(listen=listen, epp=router.port, types=TYPES))
+        try:
+            with running_envoy(envoy_bin, path, listen) as url:
+                deadline = time.monotonic() + 10
+                while httpx.get(f"{url}/v1/models", timeout=10).status_code != 200:
+                    assert time.monotonic() < deadline, "Envoy did not find the picker"
+                    time.sleep(0.2)
+                yield url, router
+        finally:
+            router.stop()
+
+
+def test_envoy_skipping_response_headers_still_guards_answers(gateway_skip) -> None:
+    url, router = gateway_skip
+    resp = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "p"},
+                      timeout=30)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "a[x]e"
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30, headers=slow_stream(3),
+                      json={"model": MODEL, "prompt": "s", "stream": True}) as resp:
+        assert resp.status_code == 200
+        body = b"".join(resp.iter_raw())
+    assert _texts(body) == ("t0[x]t2", [])
+    # a stopped whole answer: Envoy sent the worker's headers on already (the picker never
+    # saw them), so no 400 can replace them; the body is cut off before any of the answer
+    settings = router.ra.settings
+    kept, settings.guardrails = settings.guardrails, Guardrails.from_config(STOP_ALL)
+    got = b""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "p"}) as resp:
+            assert resp.status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                for chunk in resp.iter_raw():
+                    got += chunk
+    finally:
+        settings.guardrails = kept
+    assert b"bcd" not in got and b"choices" not in got  # nothing of the answer got out
