@@ -359,3 +359,57 @@ def test_envoy_skipping_response_headers_still_guards_answers(gateway_skip) -> N
     finally:
         settings.guardrails = kept
     assert b"bcd" not in got and b"choices" not in got  # nothing of the answer got out
+
+
+def _until_trailers(s: Stream) -> list[pb.ProcessingResponse]:
+    out = []
+    while (answer := s.recv()) is not None:
+        out.append(answer)
+        if answer.WhichOneof("response") in ("response_trailers", "immediate_response"):
+            break
+    return out
+
+
+def test_an_answer_ending_with_trailers_sends_what_was_held_first(epp) -> None:
+    # an SSE answer: the text the scanner still holds goes out before the trailers' answer,
+    # and the body never claims to end (the trailers do)
+    s = _routed(epp, _body("stream", stream=True))
+    s.send(pb.ProcessingRequest(response_headers=_headers(
+        {":status": "200", "content-type": SSE})))
+    s.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=_event("ab t") + _event(
+        "1 cd e"))))
+    s.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    answers = _until_trailers(s)
+    kinds = [a.WhichOneof("response") for a in answers]
+    assert kinds[0] == "response_headers" and kinds[-1] == "response_trailers"
+    assert not any(a.response_body.response.body_mutation.streamed_response.end_of_stream
+                   for a in answers)
+    events = [e for e in _body_of(answers).split(b"\n\n") if e]
+    text = "".join(c["text"] for e in events for c in json.loads(e[6:])["choices"])
+    assert text == "ab [x] cd e"
+    s.close()
+    # a JSON answer: held whole, rewritten, then the trailers
+    s = _routed(epp, _body("whole"))
+    s.send(pb.ProcessingRequest(response_headers=_headers(
+        {":status": "200", "content-type": "application/json"})))
+    raw = json.dumps({"choices": [{"index": 0, "text": "abcde", "finish_reason": "length"}]})
+    s.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=raw.encode())))
+    s.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    answers = _until_trailers(s)
+    assert [a.WhichOneof("response") for a in answers][-1] == "response_trailers"
+    assert json.loads(_body_of(answers))["choices"][0]["text"] == "a[x]e"
+    s.close()
+    # stopped before the trailers: the body ended there, the trailers get no answer
+    s = _routed(epp, _body("stream", stream=True))
+    s.send(pb.ProcessingRequest(response_headers=_headers(
+        {":status": "200", "content-type": SSE})))
+    s.send(pb.ProcessingRequest(response_body=pb.HttpBody(body=_event("t2 t3 t4"))))
+    answers = []
+    while not (answers and answers[-1].response_body.response.body_mutation
+               .streamed_response.end_of_stream):
+        answers.append(s.recv())
+    assert _texts(_body_of(answers))[1][0]["error"]["code"] == "guardrail"
+    s.send(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    with pytest.raises(queue.Empty):
+        s.recv(timeout=0.3)
+    s.close()
