@@ -187,6 +187,57 @@ def _sync(coro):  # noqa: ANN001, ANN202 - a coroutine that never suspends: its 
     raise RuntimeError("a guardrail awaited I/O: the micro-benchmark times text layers only")
 
 
+def hold_delays(rules: list, prefilter: object, texts: list[str], delta_chars: int,
+                plain: bool = False) -> dict:
+    """How long the output layer holds text back, in tokens (one token = one
+    `delta_chars` event, fed as it comes): for each character of `texts`, the events between
+    the one that brought it and the one that let it go; and the first event that let any
+    text go (what the layer adds to the time to first token). `plain`: a scanner that holds
+    back each rule's longest match and scans every twice that (`PlainHold`), for
+    comparison."""
+    from tandem.router.guardrails.scan import TextScanner
+
+    delays: list[int] = []
+    first: list[int] = []
+    for text in texts:
+        s = plain_hold(rules) if plain else TextScanner(rules, prefilter)  # type: ignore[arg-type]
+        pieces = [text[i:i + delta_chars] for i in range(0, len(text), delta_chars)]
+        released, fed, first_out = 0, 0, None
+        for k, piece in enumerate(pieces):
+            s.feed(piece)
+            fed += len(piece)
+            now = fed - len(s.pending)  # input characters let go so far
+            if now > released and first_out is None:
+                first_out = k
+            delays += [k - c // delta_chars for c in range(released, now)]
+            released = now
+        s.flush()
+        delays += [len(pieces) - c // delta_chars for c in range(released, fed)]
+        first.append(len(pieces) if first_out is None else first_out)
+    delays.sort()
+    return {"mean_tokens": sum(delays) / len(delays), "p50_tokens": delays[len(delays) // 2],
+            "p99_tokens": delays[int(len(delays) * 0.99)], "max_tokens": delays[-1],
+            "first_release_event_mean": sum(first) / len(first)}
+
+
+def plain_hold(rules: list) -> object:
+    """A `TextScanner` that holds back its rules' longest match alone (no start characters,
+    no alphabets) and scans once twice that is held: the reference `hold_delays` compares
+    against."""
+    from tandem.router.guardrails.scan import MAX_HELD, TextScanner
+
+    class PlainHold(TextScanner):
+        def _bound(self, text: str, base: int, n: int, final: bool) -> int:
+            return n if final else max(base, n - self.hold, n - MAX_HELD)
+
+        def _rearm(self) -> None:
+            self.next_scan = self.scan_at
+
+    s = PlainHold(rules)
+    s.next_scan = s.scan_at
+    return s
+
+
 def guardrails_micro(requests: int, full_requests: int, prompt_chars: int = 4096,
                      answer_chars: int = 4096, delta_chars: int = 4, seed: int = 0) -> dict:
     """The guardrail layers timed in this process, no sockets: `Guardrails.before_tokenize`
@@ -282,6 +333,13 @@ def guardrails_micro(requests: int, full_requests: int, prompt_chars: int = 4096
     lat, full_texts = time_stream(full, full_requests)
     layers["output_full_stream"] = pct(lat)
     layers["output_full_whole"] = pct(time_whole(full, full_requests))
+    holds = {}
+    for name, guard in (("regex", regex), ("full", full)):
+        applied = guard.applied(None)
+        holds[name] = {"pending_only": hold_delays(applied.rules, applied.output_prefilter,
+                                                   answers, delta_chars),
+                       "longest_match": hold_delays(applied.rules, None, answers, delta_chars,
+                                                    plain=True)}
     planted = sum(a.count(s) for a in answers[:len(texts)] for s in GR_SECRETS)
     value = layers["input_regex"]["p50"] + layers["output_regex_stream"]["p50"]
     return {
@@ -291,6 +349,7 @@ def guardrails_micro(requests: int, full_requests: int, prompt_chars: int = 4096
         "input_regex": [g["name"] for g in GR_INPUT_REGEX],
         "output_regex": [g["name"] for g in GR_OUTPUT_REGEX],
         "blocklist_terms": len(GR_BLOCKLIST), "wall_s": perf() - t0, "layers": layers,
+        "hold": holds,
         "checks": {"planted": planted,
                    "redacted": sum(t.count("[redacted]") for t in texts),
                    "leaked": sum(t.count(s) for t in texts + full_texts + burst_texts
@@ -443,6 +502,13 @@ def print_guardrails(report: dict) -> None:
             per = f"{x['p50'] / events * 1e6:8.2f}" if events else f"{'':8}"
             print(f"{label:44} {n:>8} {x['p50'] * 1e3:8.3f} {x['p90'] * 1e3:8.3f} "
                   f"{x['p99'] * 1e3:8.3f} {per}")
+        print(f"\n{'text held back, in tokens (4-char events)':44} {'mean':>8} {'p50':>8} "
+              f"{'p99':>8} {'first out':>9}")
+        for name, both in micro["hold"].items():
+            for mode, h in both.items():
+                print(f"{f'output {name}, {mode}':44} {h['mean_tokens']:8.1f} "
+                      f"{h['p50_tokens']:8d} {h['p99_tokens']:8d} "
+                      f"{h['first_release_event_mean']:9.1f}")
         c, t = micro["checks"], micro["sum"]
         print(f"checks: {c['planted']} secrets planted in the first answers, {c['redacted']} "
               f"redacted, {c['leaked']} leaked")

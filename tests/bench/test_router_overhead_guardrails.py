@@ -27,6 +27,11 @@ def test_micro_benchmark_redacts_every_planted_secret_and_times_each_layer():
         assert 0 < stats["p50"] <= stats["p90"] <= stats["max"], name
         assert stats["max"] < 5.0, name
     assert checks["burst_same_text"]  # all events in one read: the same text out
+    for name in ("regex", "full"):  # text held back, in tokens: far less than the longest match
+        h = got["hold"][name]
+        assert h["pending_only"]["mean_tokens"] * 4 < h["longest_match"]["mean_tokens"], name
+        assert (h["pending_only"]["first_release_event_mean"]
+                < h["longest_match"]["first_release_event_mean"]), name
     t = got["sum"]
     assert math.isclose(t["value_ms"], t["input_ms"] + t["output_ms"])
     json.dumps(got)  # the raw JSON the script writes

@@ -10,7 +10,11 @@ refused at start-up.
 
 `Matcher` is what every text guardrail type builds (`regex`, `blocklist`, `pii`): spans of a
 text, each with the name of what matched, and `width`, the longest span it can match (None:
-unbounded), which sets how much of a stream the output layer holds back (`scan`).
+unbounded), which bounds how much of a stream the output layer holds back (`scan`); and
+`pending_from`, where in a stream's tail a match may still be in progress: a pattern's
+possible first characters come from RE2 (`start_range`), the characters a match may
+contain from its parse tree (`pattern_alphabet`; where Python's parser reads a pattern
+otherwise than RE2, nothing is assumed).
 
 Two things keep the common case cheap. A `Prefilter` runs the patterns of several matchers
 as one RE2 alternation, one pass over a text: a text it clears has no span of any of them
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -73,21 +78,89 @@ def compile_pattern(pattern: str, where: str, max_chars: int | None = MAX_PATTER
         raise PatternError(f"{where}: invalid pattern {pattern!r} ({exc})") from None
 
 
-def pattern_width(pattern: str) -> int | None:
-    """The most characters one match of `pattern` can span (None: unbounded, or a syntax
-    Python's parser does not read, such as RE2's POSIX classes); one more character of
-    context is held for `\\b` and `$`."""
+def _python_parse(pattern: str) -> Any:
+    """`pattern` as the stdlib's parser reads it, where RE2 reads it the same way; None for
+    what RE2 reads otherwise: syntax Python refuses or warns about (RE2's POSIX classes,
+    `\\pL`, `\\C`) and `{,n}` (a repeat in Python, literal text in RE2)."""
     try:
-        from re import _parser  # the stdlib's own parser: the widths `re` computes
+        from re import _parser  # the stdlib's own parser
     except ImportError:  # pragma: no cover - Python < 3.11
         import sre_parse as _parser  # type: ignore[no-redef]
+    if "{," in pattern:
+        return None
     try:
-        with warnings.catch_warnings():  # RE2-only syntax (`[[:alpha:]]`) warns in `re`
-            warnings.simplefilter("ignore")
-            lo, hi = _parser.parse(pattern).getwidth()
-    except Exception:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return _parser.parse(pattern)
+    except Exception:  # re.error, or a warning (RE2-only syntax such as `[[:alpha:]]`)
+        return None
+
+
+def pattern_width(pattern: str) -> int | None:
+    """The most characters one match of `pattern` can span (None: unbounded, or a syntax
+    Python's parser does not read as RE2 does, `_python_parse`); one more character of
+    context is held for `\\b` and `$`."""
+    parsed = _python_parse(pattern)
+    if parsed is None:
         return UNBOUNDED
+    hi = parsed.getwidth()[1]
     return None if hi >= 1 << 16 else int(hi)
+
+
+def pattern_alphabet(pattern: str) -> frozenset[int] | None:
+    """The ASCII characters (code points) a match of `pattern` can contain: from its parse
+    tree (`_python_parse`), case-folded under `(?i)`; None when any may (`.`, a negated
+    class, a category RE2 reads wider) or it cannot be read. Non-ASCII characters are never
+    ruled out (their case folding and classes are RE2's to decide)."""
+    from re import _constants as c
+
+    parsed = _python_parse(pattern)
+    if parsed is None:
+        return None
+    cats = {c.CATEGORY_DIGIT: "0123456789",
+            c.CATEGORY_WORD: string.ascii_letters + string.digits + "_",
+            c.CATEGORY_SPACE: " \t\n\v\f\r"}
+    out: set[int] = set()
+
+    def add(codes: set[int], fold: bool) -> None:
+        for code in codes:
+            if code < 128:
+                out.add(code)
+                if fold:
+                    out.add(ord(chr(code).swapcase()))
+
+    def walk(items: Any, fold: bool) -> bool:
+        for op, av in items:
+            if op is c.LITERAL:
+                add({av}, fold)
+            elif op is c.IN:
+                for kind, v in av:
+                    if kind is c.LITERAL:
+                        add({v}, fold)
+                    elif kind is c.RANGE:
+                        add(set(range(v[0], min(v[1], 127) + 1)), fold)
+                    elif kind is c.CATEGORY and v in cats:
+                        add({ord(x) for x in cats[v]}, fold)
+                    else:  # a negation, a negated category
+                        return False
+            elif op is c.BRANCH:
+                if not all(walk(b, fold) for b in av[1]):
+                    return False
+            elif op is c.SUBPATTERN:
+                _, on, off, body = av
+                inner = (fold or bool(on & c.SRE_FLAG_IGNORECASE)) and not (
+                    off & c.SRE_FLAG_IGNORECASE)
+                if not walk(body, inner):
+                    return False
+            elif op in (c.MAX_REPEAT, c.MIN_REPEAT):
+                if not walk(av[2], fold):
+                    return False
+            elif op is not c.AT:  # `.`, a negated literal, anything else: any character
+                return False
+        return True
+
+    fold = bool(parsed.state.flags & c.SRE_FLAG_IGNORECASE)
+    return frozenset(out) if walk(parsed, fold) else None
 
 
 def _check_backtracking(pattern: str, where: str) -> None:
@@ -188,6 +261,12 @@ class Matcher:
         None: not known (a matcher that is not pattern-based)."""
         return None
 
+    def pending_from(self, text: str, lo: int) -> int:
+        """The first position from `lo` on where a span may begin that text still to come
+        could complete (`len(text)`: none): a stream holds its text back from there. The
+        default: `lo`, anywhere may."""
+        return lo
+
 
 class PatternMatcher(Matcher):
     """One compiled pattern; `accept` (optional) keeps only the matches it approves (a
@@ -200,6 +279,36 @@ class PatternMatcher(Matcher):
 
     def patterns(self) -> list[str] | None:
         return [self.compiled.pattern] if self.ascii is not None else None
+
+    @functools.cached_property
+    def _viable(self) -> tuple[re.Pattern[str] | None, re.Pattern[str] | None]:
+        """(the characters a span may begin with, the last character a span cannot
+        contain, followed by only ones it can): `pending_from`'s two searches; None parts
+        where any character may."""
+        if self.ascii is None:
+            return None, None
+        pattern = self.compiled.pattern
+        first = start_range(pattern)
+        starts = starts_class([first]) if first is not None else None
+        alphabet = pattern_alphabet(pattern)
+        tail = None
+        if alphabet is not None:
+            cls = "".join(f"\\x{b:02x}" for b in sorted(alphabet)) + "\\x80-\\U0010ffff"
+            tail = re.compile(f"[^{cls}][{cls}]*\\Z")  # linear: the runs it tries are disjoint
+        return starts, tail
+
+    def pending_from(self, text: str, lo: int) -> int:
+        """A span still to be completed begins with a character it may begin with, and
+        holds only characters it may contain: so not before the last one it cannot."""
+        starts, tail = self._viable
+        if tail is not None:
+            m = tail.search(text, lo)
+            if m is not None:
+                lo = m.start() + 1
+        if starts is not None:
+            m = starts.search(text, lo)
+            return len(text) if m is None else m.start()
+        return lo
 
     def spans(self, text: str, pos: int = 0) -> Iterator[Span]:
         if self.ascii is not None and text.isascii():  # isascii: O(1) for str
@@ -252,6 +361,13 @@ class AnyOf(Matcher):
                 return None
             out += got
         return out
+
+    def pending_from(self, text: str, lo: int) -> int:
+        """The earliest of the parts', each from its own hold (its width + 1: a span of
+        it that began before that has ended)."""
+        n = len(text)
+        return min((p.pending_from(text, lo if p.width is None else max(lo, n - p.width - 1))
+                    for p in self.parts), default=n)
 
     def spans(self, text: str, pos: int = 0) -> Iterator[Span]:
         found = sorted((s for p in self.parts for s in p.spans(text, pos)),

@@ -1,25 +1,26 @@
 """Output guardrails over text that arrives in pieces: `TextScanner` redacts and stops one text
 stream (a choice's content, a tool call's arguments) with a bounded look-behind.
 
-Each rule holds back `hold` characters (its longest match + 1 for `\\b` / `$` context, or its
-`look_behind` when the pattern is unbounded): text is emitted only once no match of any rule
-can still start in it and end in text not yet seen. A match that began before that point is
-final (every character that decides it has arrived) and is emitted redacted; a match that
-could still grow stays held. So a stream is redacted exactly as its whole text would be,
-whatever its chunking, for every pattern no longer than its hold (`scan_all` is the whole-text
-form, used for answers that are not streamed). A `stop` rule ends the stream at the first
-character of its first match: what precedes it is emitted (redacted), nothing after.
+A rule looks back at most `hold` characters (its longest match + 1 for `\\b` / `$` context,
+or its `look_behind` when the pattern is unbounded), and within that holds back only where
+a match may still be in progress (`Matcher.pending_from`): from a character a match may
+begin with, followed only by characters a match may contain (each pattern's, from RE2 and
+its parse). Text is emitted only once no match of any rule can start in it and end in text
+not yet seen. A match that began before that point is final (every character that decides
+it has arrived) and is emitted redacted; a match that could still grow stays held. So a
+stream is redacted exactly as its whole text would be, whatever its chunking, for every
+pattern no longer than its hold (`scan_all` is the whole-text form, used for answers that
+are not streamed). A `stop` rule ends the stream at the first character of its first
+match: what precedes it is emitted (redacted), nothing after. Prose under an SSN pattern
+streams without delay (held from a digit on); under `pii`, whose e-mail pattern may span
+345 characters, only the word being written is held (and from an `@` on, the address).
 
-Scans are batched: a stream is scanned once it holds twice the largest hold (or at its end),
-so each character is scanned about twice, not once per delta (a stream of 4-character deltas
-would otherwise re-scan the whole held text on every delta). The output is the same: nothing
-is emitted unscanned, and where a batch boundary falls does not change what a scan finds.
-
-Text that cannot hold the start of a match goes at once: each pattern's possible first
-characters are known (RE2's `PossibleMatchRange`, `patterns.start_range`), so what precedes
-the first character that may begin a match is emitted unscanned, and of the held tail only
-what follows its first such character stays held. Prose under digit patterns (an SSN, a
-card number) streams without delay; the hold applies from a digit on.
+Scans are batched: a stream is scanned once `SCAN_BATCH` more characters are in than it
+held after its last scan, or it holds twice the largest hold (or at its end), so each
+character is scanned a few times at most, not once per delta. The output is the same:
+nothing is emitted unscanned, and where a batch boundary falls does not change what a scan
+finds. Between scans, text before the first character that may begin a match of any rule
+(the `Prefilter`'s `starts`) goes at once, unscanned.
 
 `add` holds text without scanning it at all (the output filter, for the events of one burst
 but its last: a chunk of many events is scanned once); the next `feed` or `flush` scans it.
@@ -38,6 +39,7 @@ from typing import NamedTuple
 from tandem.router.guardrails.patterns import Matcher, Prefilter, Span
 
 CONTEXT = 16  # characters of emitted text kept as context (for \b at the boundary)
+SCAN_BATCH = 32  # new characters that start the next scan (at most twice the hold)
 MAX_HELD = 1 << 16  # characters a stream may hold back at most, however matches chain
 
 
@@ -76,6 +78,7 @@ class TextScanner:
         self.starts = prefilter.starts if prefilter is not None else None
         self.hold = max((r.hold for r in rules), default=0)
         self.scan_at = min(2 * self.hold, MAX_HELD)  # held characters that start a scan
+        self.next_scan = min(SCAN_BATCH, self.scan_at)  # ... or this many, after a scan
         self.context = ""
         self.pending = ""
         self.added: list[str] = []  # `add`ed text, not yet joined to `pending`
@@ -97,9 +100,9 @@ class TextScanner:
         if self.starts is not None:  # what precedes the first possible start goes at once
             m = self.starts.search(self.pending)
             cut = held if m is None else m.start()
-            if cut and (m is None or held < self.scan_at):
+            if cut and (m is None or held < self.next_scan):
                 return self._release(cut)
-        if held < self.scan_at:  # held until a batch is in (module doc)
+        if held < self.next_scan:  # held until a batch is in (module doc)
             return ""
         return self._emit(final=False)
 
@@ -108,7 +111,12 @@ class TextScanner:
         that began before it was final when that text was emitted."""
         out, self.pending = self.pending[:cut], self.pending[cut:]
         self.context = (self.context + out)[-CONTEXT:]
+        self._rearm()
         return out
+
+    def _rearm(self) -> None:
+        """The next scan: once `SCAN_BATCH` more characters are in, or twice the hold."""
+        self.next_scan = min(len(self.pending) + SCAN_BATCH, self.scan_at)
 
     def add(self, delta: str) -> None:
         """Held unscanned: what `feed` does below a batch, whatever the held length (the
@@ -139,6 +147,7 @@ class TextScanner:
             bound = self._bound(text, base, n, final)
             self.context = text[max(0, bound - CONTEXT):bound]
             self.pending = text[bound:]
+            self._rearm()
             return text[base:bound]
         found.sort(key=lambda f: (f[0].start, -f[0].end))
         stops = [f for f in found if f[1].action == "stop"]
@@ -167,18 +176,16 @@ class TextScanner:
 
     def _bound(self, text: str, base: int, n: int, final: bool) -> int:
         """Where emitting may stop, before any match is considered: all of the text at the
-        end, else all but the hold (and never more than `MAX_HELD` held: chained matches
-        emit what is final so far), and of the hold what precedes its first character that
-        may begin a span (`starts`)."""
+        end; else where the first span that text still to come could complete may begin,
+        each rule looking back no further than its hold (`Matcher.pending_from`: from the
+        last character such a span cannot contain, at a character it may begin with); and
+        never more than `MAX_HELD` held (chained matches emit what is final so far)."""
         if final:
             return n
-        bound = max(base, n - self.hold)
-        if n - base > MAX_HELD:
-            bound = max(bound, n - MAX_HELD)
-        if self.starts is not None:  # the held tail starts at its first possible start
-            m = self.starts.search(text, bound)
-            bound = n if m is None else m.start()
-        return bound
+        bound = n
+        for r in self.rules:
+            bound = min(bound, r.matcher.pending_from(text, max(base, n - r.hold)))
+        return max(bound, n - MAX_HELD) if n - base > MAX_HELD else bound
 
     def _take(self, text: str, base: int, spans: list[tuple[Span, OutputRule, bool]],
               bound: int, clip: bool = False) -> str:
@@ -198,6 +205,7 @@ class TextScanner:
         out.append(text[at:bound])
         self.context = text[max(0, bound - CONTEXT):bound]
         self.pending = "" if clip else text[bound:]
+        self._rearm()
         return "".join(out)
 
 
