@@ -360,3 +360,15 @@ def test_pii_streams_equal_their_whole_text_and_hold_little(prefiltered: bool) -
     s = TextScanner(rules, pf)
     prose = "The river flows past the old mill and on to the sea, " * 3
     assert len(s.feed(prose)) > len(prose) - 40  # all but the last batch's words
+
+
+def test_a_blocklist_holds_only_a_term_in_progress() -> None:
+    applied = _guard([REDACTORS[1]]).applied(None)  # "forbidden fruit", "zebra", "opal"
+    s = TextScanner(applied.rules, applied.output_prefilter)
+    prose = "the river flows past the old mill and on to the sea and then the forbi"
+    assert s.feed(prose) == prose[:-len("forbi")] and s.pending == "forbi"
+    assert s.feed("dden  fr") == "" and s.pending == "forbidden  fr"  # a phrase in progress
+    assert s.feed("uit!") + s.flush() == "[word]!"
+    s = TextScanner(applied.rules, applied.output_prefilter)
+    text = "some words that are not any term at all, none of them, to the end"
+    assert s.feed(text) == text and s.pending == ""  # nothing could still become a term

@@ -163,10 +163,33 @@ class BlocklistGuardrail(MatchGuardrail):
                 body = (r"\b" if re.match(r"\w", term) else "") + body + (
                     r"\b" if re.search(r"\w$", term) else "")
             alts.append(body)
-        pattern = ("" if entry.case_sensitive else "(?i)") + "(?:" + "|".join(alts) + ")"
+        flags = "" if entry.case_sensitive else "(?i)"
+        pattern = flags + "(?:" + "|".join(alts) + ")"
         width = max(len(t) + len(t.split()) * MAX_PHRASE_GAP for t in entry.terms)
+        # what a term in progress at the end of a stream looks like: a prefix of one
+        pending = flags + "(?:" + "|".join(_term_prefixes(t.split()) for t in set(
+            entry.terms)) + r")\z"
         self.matcher = PatternMatcher(
-            compile_pattern(pattern, f"guardrail {self.name}", max_chars=None), width)
+            compile_pattern(pattern, f"guardrail {self.name}", max_chars=None), width,
+            pending=compile_pattern(pending, f"guardrail {self.name}", max_chars=None))
+
+
+def _word_prefixes(word: str) -> str:
+    """Every non-empty prefix of `word`, as RE2: `a(?:b(?:c)?)?` for "abc"."""
+    out = ""
+    for ch in reversed(word):
+        out = re.escape(ch) + (f"(?:{out})?" if out else "")
+    return out
+
+
+def _term_prefixes(words: list[str]) -> str:
+    """Every non-empty prefix of a term (`words` joined by up to `MAX_PHRASE_GAP` whitespace
+    characters), as RE2."""
+    gap = rf"\s{{1,{MAX_PHRASE_GAP}}}"
+    out = _word_prefixes(words[-1])
+    for word in reversed(words[:-1]):
+        out = f"(?:{re.escape(word)}(?:{gap}(?:{out})?)?|{_word_prefixes(word)})"
+    return out
 
 
 @register("pii")

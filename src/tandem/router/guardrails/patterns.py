@@ -273,9 +273,14 @@ class PatternMatcher(Matcher):
     checksum, such as a card number's Luhn digit)."""
 
     def __init__(self, compiled: Any, width: int | None, label: str = "",
-                 accept: Callable[[str], bool] | None = None) -> None:
+                 accept: Callable[[str], bool] | None = None, pending: Any = None) -> None:
+        """`pending` (optional): a compiled RE2 pattern matching, at the end of a text (`\\z`),
+        every prefix of a match, and nothing that starts where no match may: where a match
+        in progress begins, exactly (`pending_from`)."""
         self.compiled, self.width, self.label, self.accept = compiled, width, label, accept
         self.ascii = _bytes_twin(compiled)  # for ASCII text (module doc)
+        self.pending = pending
+        self.pending_ascii = _bytes_twin(pending) if pending is not None else None
 
     def patterns(self) -> list[str] | None:
         return [self.compiled.pattern] if self.ascii is not None else None
@@ -299,7 +304,14 @@ class PatternMatcher(Matcher):
 
     def pending_from(self, text: str, lo: int) -> int:
         """A span still to be completed begins with a character it may begin with, and
-        holds only characters it may contain: so not before the last one it cannot."""
+        holds only characters it may contain: so not before the last one it cannot. With
+        `pending`, exactly: the leftmost prefix of a match that ends the text."""
+        if self.pending is not None:
+            if self.pending_ascii is not None and text.isascii():
+                span = self.pending_ascii.search(text.encode(), lo)
+                return len(text) if span is None else span[0]
+            m = self.pending.search(text, lo)
+            return len(text) if m is None else m.start()
         starts, tail = self._viable
         if tail is not None:
             m = tail.search(text, lo)

@@ -12,8 +12,9 @@ stream is redacted exactly as its whole text would be, whatever its chunking, fo
 pattern no longer than its hold (`scan_all` is the whole-text form, used for answers that
 are not streamed). A `stop` rule ends the stream at the first character of its first
 match: what precedes it is emitted (redacted), nothing after. Prose under an SSN pattern
-streams without delay (held from a digit on); under `pii`, whose e-mail pattern may span
-345 characters, only the word being written is held (and from an `@` on, the address).
+streams without delay (held from a digit on); under a blocklist, only a prefix of one of
+its terms; under `pii`, whose e-mail pattern may span 345 characters, only the word being
+written (and from an `@` on, the address).
 
 Scans are batched: a stream is scanned once `SCAN_BATCH` more characters are in than it
 held after its last scan, or it holds twice the largest hold (or at its end), so each
