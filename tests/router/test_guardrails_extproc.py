@@ -5,10 +5,12 @@ Envoy (`test_extproc_envoy`'s binary and configuration) in front of a stub worke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -212,16 +214,19 @@ def test_a_whole_answer_over_the_limit_fails_closed(epp, monkeypatch) -> None:
 
 
 # -- through a real Envoy ------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def gateway(envoy_bin, worker):  # noqa: F811 - the fixture imported above
+@contextlib.contextmanager
+def _envoy_gateway(envoy: Path, worker: StubWorker, config: str
+                   ) -> Iterator[tuple[str, EppRouter]]:
+    """Envoy (its `config` template) in front of a guarded picker over `worker`: (its URL,
+    the picker), once Envoy routes."""
     router = EppRouter([worker.url], guardrails=Guardrails.from_config(GUARDRAILS))
     router.wait_routable(1)
     listen = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "envoy.yaml"
-        path.write_text(CONFIG.format(listen=listen, epp=router.port, types=TYPES))
+        path.write_text(config.format(listen=listen, epp=router.port, types=TYPES))
         try:
-            with running_envoy(envoy_bin, path, listen) as url:
+            with running_envoy(envoy, path, listen) as url:
                 deadline = time.monotonic() + 10
                 while httpx.get(f"{url}/v1/models", timeout=10).status_code != 200:
                     assert time.monotonic() < deadline, "Envoy did not find the picker"
@@ -229,6 +234,12 @@ def gateway(envoy_bin, worker):  # noqa: F811 - the fixture imported above
                 yield url, router
         finally:
             router.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(envoy_bin, worker):  # noqa: F811 - the fixture imported above
+    with _envoy_gateway(envoy_bin, worker, CONFIG) as got:
+        yield got
 
 
 def test_envoy_never_forwards_a_refused_request(gateway, worker) -> None:
@@ -315,23 +326,10 @@ def test_a_held_whole_answer_settles_the_rate_limit_from_its_usage(worker) -> No
 @pytest.fixture(scope="module")
 def gateway_skip(envoy_bin, worker):  # noqa: F811 - the fixture imported above
     """Envoy whose ext_proc skips the response headers (`response_header_mode: SKIP`)."""
-    router = EppRouter([worker.url], guardrails=Guardrails.from_config(GUARDRAILS))
-    router.wait_routable(1)
-    listen = free_port()
     config = CONFIG.replace("response_header_mode: SEND", "response_header_mode: SKIP")
     assert config != CONFIG
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "envoy.yaml"
-        path.write_text(config.format(listen=listen, epp=router.port, types=TYPES))
-        try:
-            with running_envoy(envoy_bin, path, listen) as url:
-                deadline = time.monotonic() + 10
-                while httpx.get(f"{url}/v1/models", timeout=10).status_code != 200:
-                    assert time.monotonic() < deadline, "Envoy did not find the picker"
-                    time.sleep(0.2)
-                yield url, router
-        finally:
-            router.stop()
+    with _envoy_gateway(envoy_bin, worker, config) as got:
+        yield got
 
 
 def test_envoy_skipping_response_headers_still_guards_answers(gateway_skip) -> None:

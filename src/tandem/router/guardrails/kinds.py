@@ -20,6 +20,7 @@ from tandem.router.guardrails.detectors import PII, injection_score, pii_matcher
 from tandem.router.guardrails.patterns import (
     Matcher,
     PatternMatcher,
+    TextSearch,
     compile_pattern,
     pattern_width,
 )
@@ -166,12 +167,13 @@ class BlocklistGuardrail(MatchGuardrail):
         flags = "" if entry.case_sensitive else "(?i)"
         pattern = flags + "(?:" + "|".join(alts) + ")"
         width = max(len(t) + len(t.split()) * MAX_PHRASE_GAP for t in entry.terms)
-        # what a term in progress at the end of a stream looks like: a prefix of one
-        pending = flags + "(?:" + "|".join(_term_prefixes(t.split()) for t in set(
-            entry.terms)) + r")\z"
+        pending = None
+        if layer == "output":  # a term in progress at a stream's end: a prefix of one
+            pending = TextSearch.of(flags + "(?:" + "|".join(
+                _term_prefixes(t.split()) for t in set(entry.terms)) + r")\z")
         self.matcher = PatternMatcher(
             compile_pattern(pattern, f"guardrail {self.name}", max_chars=None), width,
-            pending=compile_pattern(pending, f"guardrail {self.name}", max_chars=None))
+            pending=pending)
 
 
 def _word_prefixes(word: str) -> str:

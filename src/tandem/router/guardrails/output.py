@@ -176,16 +176,7 @@ class OutputFilter:
 
     def _event(self, raw: bytes, more: bool = False) -> bytes:
         """One event as the client gets it; `more`: other events of the same chunk follow."""
-        if self.kind == "chat" and raw.startswith(b"data: {") and b"\n" not in raw:
-            try:  # most events: one plain text delta (`_plain`), read and written by orjson
-                doc = orjson.loads(raw[6:])
-            except orjson.JSONDecodeError:
-                doc = None
-            keep = self._plain(doc, more, raw) if type(doc) is dict else None
-            if keep is not None:
-                out = b"data: " + orjson.dumps(doc) + b"\n\n" if keep else b""
-                return out + self._stop_events() if self.error is not None else out
-        if raw.startswith(b"data:") and b"\n" not in raw:  # one data line
+        if raw.startswith(b"data:") and b"\n" not in raw:  # the common case: one data line
             lines, at = [raw], 0
         else:
             lines = raw.split(b"\n")
@@ -201,12 +192,16 @@ class OutputFilter:
             doc, fast = decode(payload)
         except ValueError:
             return raw + b"\n\n"
-        if not isinstance(doc, dict) or "error" in doc or (
-                self.kind != "responses" and doc.get("choices") == []):  # usage: no text
+        if not isinstance(doc, dict) or "error" in doc:
             return raw + b"\n\n"
         before = b""
         if self.kind == "responses":
             keep, before = self._responses_event(doc)
+        elif self.kind == "chat" and len(lines) == 1 and (
+                plain := self._plain(doc, more, raw)) is not None:
+            keep = plain  # most events: one plain text delta
+        elif doc.get("choices") == []:  # the usage chunk: no text, passed as it came
+            return raw + b"\n\n"
         else:
             keep = self._chunk(doc)
         out = before + (self._render(lines, at, doc, fast) if keep else b"")
@@ -298,7 +293,7 @@ class OutputFilter:
         stream's `template`, which reads the next ones' text without parsing them
         (`plain`)."""
         choices = doc.get("choices")
-        if type(choices) is not list or len(choices) != 1 or "error" in doc:
+        if type(choices) is not list or len(choices) != 1:
             return None
         c = choices[0]
         if type(c) is not dict:

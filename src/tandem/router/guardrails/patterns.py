@@ -246,6 +246,33 @@ def _bytes_twin(compiled: Any) -> BytesSearch | None:
         return None
 
 
+class TextSearch:
+    """A compiled RE2 pattern over `str`: `first(text, pos)`, where its leftmost match from
+    `pos` on begins (None: none), through its bytes twin on ASCII text (module doc)."""
+
+    def __init__(self, compiled: Any, ascii: BytesSearch) -> None:
+        self.compiled, self.ascii = compiled, ascii
+
+    @classmethod
+    def of(cls, pattern: str) -> TextSearch | None:
+        """None without RE2, or for a pattern over RE2's memory bound."""
+        if _re2 is None:
+            return None
+        try:
+            compiled = _re2.compile(pattern)
+        except Exception:  # re2.error
+            return None
+        ascii = _bytes_twin(compiled)
+        return cls(compiled, ascii) if ascii is not None else None
+
+    def first(self, text: str, pos: int = 0) -> int | None:
+        if text.isascii():  # O(1) for str
+            span = self.ascii.search(text.encode(), pos)
+            return None if span is None else span[0]
+        m = self.compiled.search(text, pos)
+        return None if m is None else m.start()
+
+
 class Matcher:
     """Spans of a text (`spans`), each labelled; `width` bounds a span (None: unbounded)."""
 
@@ -273,14 +300,14 @@ class PatternMatcher(Matcher):
     checksum, such as a card number's Luhn digit)."""
 
     def __init__(self, compiled: Any, width: int | None, label: str = "",
-                 accept: Callable[[str], bool] | None = None, pending: Any = None) -> None:
-        """`pending` (optional): a compiled RE2 pattern matching, at the end of a text (`\\z`),
-        every prefix of a match, and nothing that starts where no match may: where a match
-        in progress begins, exactly (`pending_from`)."""
+                 accept: Callable[[str], bool] | None = None,
+                 pending: TextSearch | None = None) -> None:
+        """`pending` (optional): an RE2 pattern matching, at the end of a text (`\\z`), every
+        prefix of a match, and nothing that starts where no match may: where a match in
+        progress begins, exactly (`pending_from`)."""
         self.compiled, self.width, self.label, self.accept = compiled, width, label, accept
         self.ascii = _bytes_twin(compiled)  # for ASCII text (module doc)
         self.pending = pending
-        self.pending_ascii = _bytes_twin(pending) if pending is not None else None
 
     def patterns(self) -> list[str] | None:
         return [self.compiled.pattern] if self.ascii is not None else None
@@ -307,11 +334,8 @@ class PatternMatcher(Matcher):
         holds only characters it may contain: so not before the last one it cannot. With
         `pending`, exactly: the leftmost prefix of a match that ends the text."""
         if self.pending is not None:
-            if self.pending_ascii is not None and text.isascii():
-                span = self.pending_ascii.search(text.encode(), lo)
-                return len(text) if span is None else span[0]
-            m = self.pending.search(text, lo)
-            return len(text) if m is None else m.start()
+            at = self.pending.first(text, lo)
+            return len(text) if at is None else at
         starts, tail = self._viable
         if tail is not None:
             m = tail.search(text, lo)
@@ -396,11 +420,13 @@ class AnyOf(Matcher):
 CONTEXTS = ("", "a", " ", "\n")
 
 
+@functools.lru_cache(maxsize=1024)
 def start_range(pattern: str) -> tuple[int, int] | None:
     """(lo, hi): the first byte of any non-empty match of `pattern`, whatever precedes it,
     lies in [lo, hi] (UTF-8; hi >= 0x80: non-ASCII characters too); () as a range that holds
     none: it has no non-empty match. From RE2's `PossibleMatchRange` over the pattern behind
-    each kind of left context (`CONTEXTS`); None where RE2 cannot bound it."""
+    each kind of left context (`CONTEXTS`); None where RE2 cannot bound it. Memoized: a
+    scanner's prefilter and each of its patterns ask for the same ranges."""
     lo, hi = 0x100, -1
     for ctx in CONTEXTS:
         head = ctx.encode()
@@ -442,40 +468,31 @@ class Prefilter:
     its own). `clear(text)` True: none of them has a span there. `starts` (None: any
     character may): finds the characters a span may begin with, from each pattern's
     `start_range`; text before the first of them cannot hold the start of a span (`scan`
-    emits it at once)."""
+    emits it at once). Computed when first asked for: only the output layer does."""
 
-    def __init__(self, compiled: Any, ascii: BytesSearch,
-                 starts: re.Pattern[str] | None = None) -> None:
-        self.compiled, self.ascii, self.starts = compiled, ascii, starts
+    def __init__(self, union: TextSearch, parts: list[str]) -> None:
+        self.union, self.parts = union, parts
 
     @classmethod
     def of(cls, matchers: list[Matcher]) -> Prefilter | None:
         """None: nothing to gain (no matcher, no RE2, a matcher that is not pattern-based, or
         an alternation over RE2's memory bound); then every matcher runs."""
-        if _re2 is None or not matchers:
-            return None
-        parts: list[str] = []
-        for m in matchers:
-            got = m.patterns()
-            if got is None:
-                return None
-            parts += got
+        parts = AnyOf(matchers).patterns() if matchers else None
         if not parts:
             return None
-        union = "|".join(f"(?:{p})" for p in parts)
-        try:
-            compiled = _re2.compile(union)
-        except Exception:  # re2.error: too large for RE2's default memory bound
-            return None
-        ascii = _bytes_twin(compiled)
-        if ascii is None:
-            return None
-        ranges = [start_range(p) for p in parts]
-        starts = None if any(r is None for r in ranges) else starts_class(ranges)  # type: ignore[arg-type]
-        return cls(compiled, ascii, starts)
+        union = TextSearch.of("|".join(f"(?:{p})" for p in parts))
+        return cls(union, parts) if union is not None else None
+
+    @functools.cached_property
+    def starts(self) -> re.Pattern[str] | None:
+        ranges = []
+        for p in self.parts:
+            r = start_range(p)
+            if r is None:  # RE2 cannot bound it: any character may begin a span
+                return None
+            ranges.append(r)
+        return starts_class(ranges)
 
     def clear(self, text: str, pos: int = 0) -> bool:
         """No match of any pattern starts at `pos` or after (before it: context only)."""
-        if text.isascii():
-            return self.ascii.search(text.encode(), pos) is None
-        return self.compiled.search(text, pos) is None
+        return self.union.first(text, pos) is None

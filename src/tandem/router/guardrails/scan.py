@@ -144,12 +144,8 @@ class TextScanner:
             for rule in self.rules:
                 for span in rule.matcher.spans(text, base):
                     found.append((span, rule, final or span.start < n - rule.hold))
-        if not found:  # the common case: emit all but the hold (as `_take` would)
-            bound = self._bound(text, base, n, final)
-            self.context = text[max(0, bound - CONTEXT):bound]
-            self.pending = text[bound:]
-            self._rearm()
-            return text[base:bound]
+        if not found:  # the common case: emit all but what is held
+            return self._take(text, base, [], self._bound(text, base, n, final))
         found.sort(key=lambda f: (f[0].start, -f[0].end))
         stops = [f for f in found if f[1].action == "stop"]
         if stops:
