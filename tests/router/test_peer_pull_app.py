@@ -6,6 +6,7 @@ dtype), streams KV events with media and reports measured load costs over gRPC
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -83,10 +84,17 @@ def prompt(seed: int) -> tuple[list[int], list[bytes]]:
     return ids, prompts.block_hashes(parsed, "m", 16)
 
 
-def wait_indexed(core: Router, chain: list[bytes], want: dict[str, tuple]) -> None:
+def wait_indexed(router: Served, core: Router, chain: list[bytes],
+                 want: dict[str, tuple]) -> None:
+    """Until the router's index holds `want`, read on the router's own event loop: the index
+    is written there and is not safe to read from another thread mid-write."""
+    async def held() -> dict[str, tuple]:
+        return {w: tuple(h) for w, h in core.index.match_media(chain, 0.0).items()}
+
     deadline = time.monotonic() + 60  # events cross two sockets: slow under a loaded suite
-    while {w: tuple(h) for w, h in core.index.match_media(chain, 0.0).items()} != want:
-        assert time.monotonic() < deadline
+    while (got := asyncio.run_coroutine_threadsafe(held(), router.server.loop).result(10)) \
+            != want:
+        assert time.monotonic() < deadline, got
         time.sleep(0.02)
 
 
@@ -105,12 +113,12 @@ def test_media_events_and_measured_load_costs_order_host_over_disk(fleet):
     kvs["a"].send("removed", chain, MEDIUM_DEVICE)
     kvs["a"].send("stored", chain, MEDIUM_DISK)
     kvs["b"].send("stored", chain, MEDIUM_HOST)
-    wait_indexed(core, chain, {ids["a"]: (0, 0, BLOCKS), ids["b"]: (0, BLOCKS, 0)})
+    wait_indexed(router, core, chain, {ids["a"]: (0, 0, BLOCKS), ids["b"]: (0, BLOCKS, 0)})
     assert post(router, tokens) == "b"
     tokens, chain = prompt(2)
     kvs["b"].send("stored", chain, MEDIUM_HOST)
     kvs["c"].send("stored", chain)
-    wait_indexed(core, chain, {ids["b"]: (0, BLOCKS, 0), ids["c"]: (BLOCKS, 0, 0)})
+    wait_indexed(router, core, chain, {ids["b"]: (0, BLOCKS, 0), ids["c"]: (BLOCKS, 0, 0)})
     assert post(router, tokens) == "c"
     assert all(peer is None for _, peer, _ in seen)  # every holder was free: no pull
 
@@ -124,7 +132,7 @@ def test_a_saturated_holder_is_named_as_the_signed_kv_peer(fleet):
         time.sleep(0.02)
     tokens, chain = prompt(3)
     kvs["a"].send("stored", chain)
-    wait_indexed(core, chain, {ids["a"]: (BLOCKS, 0, 0)})
+    wait_indexed(router, core, chain, {ids["a"]: (BLOCKS, 0, 0)})
     before = counter(router.url, "tandem_router_peer_pulls_total", 'medium="device"')
     name = post(router, tokens)
     assert name in ("b", "c")  # not the saturated holder, and signed: the stub said 200

@@ -144,11 +144,12 @@ class PrefixIndex:
         `match` on the same chain (one routing decision) finds and reads its blocks once.
         Callers must not modify them."""
         chain, stamp, keys, pos, rows = self._last
-        if chain is not hashes or stamp != self._table.stamp or len(keys) != len(hashes):
+        now = self._table.stamp  # read first: a later write can only make the copy stale
+        if chain is not hashes or stamp != now or len(keys) != len(hashes):
             keys = as_keys(hashes, digests=True)
             pos, words = self._table.lookup(keys)
             rows = words.view(np.int16).reshape(-1, INLINE)
-            self._last = (hashes, self._table.stamp, keys, pos, rows)
+            self._last = (hashes, now, keys, pos, rows)
         return keys, pos, rows
 
     def _slot_of(self, worker: str) -> int:
