@@ -11,8 +11,9 @@ regex layer, both, and the full set (`guardrail_variants`), in the same interlea
 at `--rate` with ~4 KB streamed chat prompts (`--gr-prompt-chars`). Per variant: latency
 added over the router without guardrails, router CPU per request, the router's
 `tandem_router_guardrail_seconds{layer}` (input and output) and its guardrail decisions.
-`--also-src NAME=SRC` adds another checkout's router (its `src/`) with the regex layers,
-`regex@NAME`, to the same rounds: a change measured against what it replaces. The target
+`--also-src NAME=SRC` adds another checkout's routers (its `src/`) without guardrails and
+with the regex layers, `none@NAME` and `regex@NAME`, to the same rounds: a change measured
+against what it replaces (`regex@NAME` is read over `none@NAME`). The target
 (the regex layers together add under 0.2 ms p50, 4 KB prompts) is read from these rounds:
 variant `regex` over `none` (`load_target`).
 First, in this process (no sockets; alone with `--no-load`): `Guardrails.before_tokenize` on
@@ -421,8 +422,9 @@ def guardrails_part(args: argparse.Namespace, report: dict) -> None:
             pids, targets = {"stub": stub.pid}, {}
             # --also-src NAME=SRC: another checkout's router with the regex layers, beside
             runs = [(name, cfg, None) for name, cfg in variants.items()]
-            runs += [(f"regex@{n}", variants["regex"], str(Path(src).resolve()))
-                     for n, _, src in (spec.partition("=") for spec in args.also_src)]
+            for n, _, src in (spec.partition("=") for spec in args.also_src):
+                runs += [(f"{v}@{n}", variants[v], str(Path(src).resolve()))
+                         for v in ("none", "regex")]
             for name, cfg, src in runs:
                 extra = (["--config", str(write_config(Path(tmp) / f"{name}.yaml", cfg))]
                          if cfg else [])
@@ -447,14 +449,18 @@ def guardrails_part(args: argparse.Namespace, report: dict) -> None:
                 load[name]["decisions"] = {k: v - before[name].get(k, 0.0)
                                            for k, v in after.items()
                                            if v - before[name].get(k, 0.0)}
-    base = load["none"]["latency_s"]
     by_round = {(r["round"], r["mode"]): r["latency_s"] for r in load["per_round"]}
+
+    def none_of(name: str) -> str:  # `regex@NAME` against `none@NAME`, the rest `none`
+        at = name.partition("@")[2]
+        return f"none@{at}" if at else "none"
+
     load["added_over_none_s"] = {
-        name: {**{q: load[name]["latency_s"][q] - base[q] for q in ("p50", "p90", "p99",
-                                                                     "mean")},
-               "per_round": [{q: by_round[(i, name)][q] - by_round[(i, "none")][q]
+        name: {**{q: load[name]["latency_s"][q] - load[none_of(name)]["latency_s"][q]
+                  for q in ("p50", "p90", "p99", "mean")},
+               "per_round": [{q: by_round[(i, name)][q] - by_round[(i, none_of(name))][q]
                               for q in ("p50", "p90", "p99")} for i in range(args.rounds)]}
-        for name in targets if name != "none"}
+        for name in targets if not name.startswith("none")}
     report["load"] = load
     report["target"] = load_target(load["added_over_none_s"]["regex"], args.rate,
                                    args.gr_prompt_chars, len(answer))

@@ -189,8 +189,8 @@ def test_a_new_number_comes_from_cached_digits(tok):
     first, second = "Order 12345: where is it?", "Order 54321: where is it, then?"
     assert enc.encode(first) == tok.backend.encode(first, add_special_tokens=False).ids
     sent: list[str] = []
-    batch = enc._encode_batch
-    enc._encode_batch = lambda texts: sent.extend(texts) or batch(texts)
+    batch = enc.encode_batch
+    enc.encode_batch = lambda texts: sent.extend(texts) or batch(texts)
     assert enc.encode(second) == tok.backend.encode(second, add_special_tokens=False).ids
     assert sent == [" it,", " then?"]  # the only new words
 
@@ -216,3 +216,57 @@ def test_digits_are_cut_only_where_the_pre_tokenizer_isolates_them():
     forced.digit_cuts = True
     assert all(plain.encode(t) == bpe.encode(t, add_special_tokens=False).ids for t in texts)
     assert any(forced.encode(t) != bpe.encode(t, add_special_tokens=False).ids for t in texts)
+
+
+def test_encode_async_gives_encode_and_runs_only_the_tokenizer_off_the_loop(tok):
+    """Seeded random texts, short and past `OFFLOAD_CHARS` new characters, with and without
+    special tokens: `Tokenizer.encode_async` gives `encode`'s ids; the uncached texts are
+    encoded on a worker thread exactly when more than `offload_chars` of them are new, and
+    the cache lookups stay on the loop's thread."""
+    import asyncio
+    import threading
+
+    rng = random.Random(3)
+    fresh = Tokenizer.load(find_bundled_gguf())  # a cache of its own
+    chunked = fresh._chunked
+    assert chunked is not None
+    calls: list[tuple[int, int]] = []  # (thread, new characters) per encode_batch
+    plans: list[int] = []  # the thread of every plan
+    batch, plan = chunked.encode_batch, chunked.plan
+    chunked.encode_batch = lambda texts: (calls.append(
+        (threading.get_ident(), sum(map(len, texts)))) or batch(texts))
+    chunked.plan = lambda text: plans.append(threading.get_ident()) or plan(text)
+
+    async def run() -> None:
+        loop_thread = threading.get_ident()
+        for i in range(60):
+            text = _random_text(rng, rng.choice([3, 40, 400, 1500]))
+            special = bool(i % 2)
+            del calls[:]
+            got = await fresh.encode_async(text, add_special_tokens=special, offload_chars=256)
+            assert got == tok.encode(text, add_special_tokens=special), text
+            assert all(t == loop_thread for t in plans)
+            for thread, chars in calls:
+                assert (thread != loop_thread) == (chars > 256), (chars, text)
+                seen.append(thread != loop_thread)
+
+    seen: list[bool] = []  # per encode_batch: was it off the loop
+    asyncio.run(run())
+    assert True in seen and False in seen  # both paths taken
+
+
+def test_encode_async_offloads_a_tokenizer_that_is_not_chunked():
+    """A tokenizer `long_text` cannot split (not byte-level) is encoded whole: on a worker
+    thread past `offload_chars`, with the same ids as `encode`."""
+    import asyncio
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    backend = Backend(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = Tokenizer(backend)
+    assert t._chunked is None
+    text = " ".join(random.Random(1).choice("abc") for _ in range(3000))
+    assert asyncio.run(t.encode_async(text, offload_chars=100)) == t.encode(text)
+    assert asyncio.run(t.encode_async("a b", offload_chars=100)) == t.encode("a b")

@@ -42,9 +42,10 @@ import string
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from tokenizers import Encoding, models
 from tokenizers import Tokenizer as _Backend
-from tokenizers import models
 
 # uncached text up to this many characters is encoded on the calling thread, piece by piece
 SERIAL_CHARS = 512
@@ -174,6 +175,23 @@ class AddedTokenSplitter:
         return parts
 
 
+@dataclass
+class EncodePlan:
+    """`ChunkedEncoder.plan` of one text: its pieces (text or an added token's id), the ids
+    found per piece (() where still unknown), each missed piece's words (by piece index),
+    the words known already, and the distinct texts left to encode, in order."""
+
+    pieces: list[str | int]
+    found: list[Sequence[int]]
+    words_of: dict[int, list[str]]
+    known: dict[str, Sequence[int]]
+    todo: list[str]
+
+    @property
+    def todo_chars(self) -> int:
+        return sum(map(len, self.todo))
+
+
 class ChunkedEncoder:
     """`encode(text)` without special tokens: split at added tokens, stretches longer than
     `chunk_chars` cut at safe spaces, every piece looked up in a bounded LRU (keyed by its
@@ -211,6 +229,14 @@ class ChunkedEncoder:
         return out
 
     def encode(self, text: str) -> list[int]:
+        plan = self.plan(text)
+        return self.complete(plan, self.encode_batch(plan.todo) if plan.todo else [])
+
+    def plan(self, text: str) -> EncodePlan:
+        """`text` looked up in the cache: what is known, and the distinct texts still to
+        encode (`EncodePlan.todo`). `encode` is `complete(plan, encode_batch(plan.todo))`;
+        the split lets a caller run `encode_batch` (the tokenizer's own code, which drops
+        the GIL) on another thread while everything in Python stays on its own."""
         pieces = self.pieces(text)
         found: list[Sequence[int]] = []  # per piece; () for a missed one until it is known
         missed: list[int] = []
@@ -265,21 +291,24 @@ class ChunkedEncoder:
                         known[w] = ids
                         hits += 1
             self.word_hits += hits
-        if todo:  # in parallel inside `tokenizers`; without offsets where it can
-            texts = list(todo)
-            encoded = self._encode_batch(texts)
+        return EncodePlan(pieces, found, words_of, known, list(todo))
+
+    def complete(self, plan: EncodePlan, encoded: Sequence[Encoding]) -> list[int]:
+        """The ids of `plan`'s text, given `encoded`: `encode_batch(plan.todo)`."""
+        found, known = plan.found, plan.known
+        if plan.todo:
             with self._lock:
-                for w, enc in zip(texts, encoded, strict=True):
-                    known[w] = enc.ids
-                    self._remember(w, enc.ids)
-        if words_of:
+                for w, enc in zip(plan.todo, encoded, strict=True):
+                    known[w] = ids = enc.ids
+                    self._remember(w, ids)
+        if plan.words_of:
             with self._lock:
-                for i, words in words_of.items():
+                for i, words in plan.words_of.items():
                     if len(words) == 1:
                         found[i] = known[words[0]]
                         continue
                     found[i] = ids = [t for w in words for t in known[w]]
-                    self._remember(pieces[i], ids)  # type: ignore[arg-type]
+                    self._remember(plan.pieces[i], ids)  # type: ignore[arg-type]
         out: list[int] = []
         for ids in found:
             out += ids
@@ -295,7 +324,11 @@ class ChunkedEncoder:
                     for w in (split_words(part) if len(part) > 1 else (part,))]
         return split_words(piece)
 
-    def _encode_batch(self, texts: list[str]) -> list:
+    def encode_batch(self, texts: list[str]) -> list[Encoding]:
+        """Each text encoded without special tokens (`complete` reads their ids): the
+        tokenizer's own code only, with the GIL dropped while it runs (beyond
+        `SERIAL_CHARS`), so it may run on a worker thread beside an event loop and hold the
+        GIL only for a moment."""
         if sum(map(len, texts)) <= SERIAL_CHARS:  # a few new words: no thread pool round trip
             return [self.backend.encode(t, add_special_tokens=False) for t in texts]
         # encode_batch_fast (tokenizers >= 0.21) skips offset tracking: ~35 % less time on

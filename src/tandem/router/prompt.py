@@ -83,24 +83,43 @@ class ParsedPrompt:
     prompt_logits: bool = False
 
 
-def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> ParsedPrompt:
+@dataclass(frozen=True)
+class Rendered:
+    """A body validated and rendered as the worker renders it, its text not yet tokenized
+    (`parse` is `render`, then `ParsedPrompt` from `tokens`' ids)."""
+
+    model: str
+    text: str
+    ids: list[int] | None  # known without the tokenizer (a token-id prompt), else None
+    tokenize: bool  # the text still needs the tokenizer
+    add_special_tokens: bool
+    cache_salt: str
+    stream: bool
+    prompt_logits: bool
+
+    def parsed(self, ids: list[int] | None) -> ParsedPrompt:
+        return ParsedPrompt(model=self.model, token_ids=ids, text=self.text,
+                            cache_salt=self.cache_salt, stream=self.stream,
+                            prompt_logits=self.prompt_logits)
+
+
+def render(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Rendered:
     """`kind` is "completions", "chat" or "responses" (rendered as the chat completion
     that serves it, without the stored conversation of a `previous_response_id`, which the
     router does not have). Raises pydantic.ValidationError / ValueError on a malformed body,
     APIError for a Responses API body (the caller answers 400), as the worker would."""
     if kind == "responses":
         body, kind = as_chat(body), "chat"
-    prompt_logits = False
+    prompt_logits, add_special, ids = False, True, None
     if kind == "chat":
         req = ChatCompletionRequest.model_validate(body)
         messages, extra = req.template_messages(), req.template_kwargs()
         if tokenizer is not None:  # as the worker renders it (serving/routes.py `chat_prompt`)
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, **extra)
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            add_special = False
         else:
             text = json.dumps([messages, extra] if extra else messages, sort_keys=True)
-            ids = None
     else:
         req = CompletionRequest.model_validate(body)
         prompt_logits = req.echo and req.logprobs is not None
@@ -111,12 +130,30 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
             text, ids = "", prompt  # validated: a fresh list of ints >= 0 (TokenIds)
             if ids and max(ids) > MAX_TOKEN_ID:  # beyond any vocabulary: nothing to hash;
                 ids = None  # the worker refuses it (400, naming its vocabulary's bound)
+            tokenizer = None
         else:
             text = prompt or ""
-            ids = tokenizer.encode(text) if tokenizer is not None else None
-    return ParsedPrompt(model=req.model or "", token_ids=ids, text=text,
-                        cache_salt=req.cache_salt or "", stream=bool(req.stream),
-                        prompt_logits=prompt_logits)
+    return Rendered(req.model or "", text, ids, tokenizer is not None, add_special,
+                    req.cache_salt or "", bool(req.stream), prompt_logits)
+
+
+def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> ParsedPrompt:
+    """The body's prompt (`render`), tokenized as the worker tokenizes it."""
+    r = render(kind, body, tokenizer)
+    if not r.tokenize:
+        return r.parsed(r.ids)
+    return r.parsed(tokenizer.encode(r.text, add_special_tokens=r.add_special_tokens))
+
+
+async def parse_async(kind: str, body: Mapping[str, Any],
+                      tokenizer: Tokenizer | None) -> ParsedPrompt:
+    """`parse` for an event loop: a long uncached text is tokenized on a worker thread
+    (`Tokenizer.encode_async`) while the loop serves others; the rest runs on the loop."""
+    r = render(kind, body, tokenizer)
+    if not r.tokenize:
+        return r.parsed(r.ids)
+    return r.parsed(await tokenizer.encode_async(r.text,
+                                                 add_special_tokens=r.add_special_tokens))
 
 
 def block_hashes(prompt: ParsedPrompt, model: str, block_size: int,

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from tandem.router.routes import RouterApp
 
 logger = logging.getLogger("tandem.router.app")  # the routing lines keep their logger
-THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are tokenized off the event loop
+THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are parsed off the event loop, whole
 _ID_PREFIX = f"rt-{uuid.uuid4().hex[:8]}-"  # per process, so replicas' ids do not collide
 _ID_COUNTER = itertools.count(1)
 
@@ -146,8 +146,8 @@ async def parse_body(ra: RouterApp, kind: str, body: bytes, content_type: str | 
                                                    decoder(tokenizer))
         if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
             parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
-        else:
-            parsed = prompts.parse(kind, data, tokenizer)
+        else:  # rendered here; a long new text's tokenizer run on a worker thread
+            parsed = await prompts.parse_async(kind, data, tokenizer)
         if guard is not None:
             changed |= guard.after_tokenize(rid, tenant, kind, data, model, None
                                             if parsed.token_ids is None
