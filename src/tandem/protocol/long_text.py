@@ -293,13 +293,15 @@ class ChunkedEncoder:
             self.word_hits += hits
         return EncodePlan(pieces, found, words_of, known, list(todo))
 
-    def complete(self, plan: EncodePlan, encoded: Sequence[Encoding]) -> list[int]:
-        """The ids of `plan`'s text, given `encoded`: `encode_batch(plan.todo)`."""
+    def complete(self, plan: EncodePlan, encoded: Sequence[Encoding | list[int]]
+                 ) -> list[int]:
+        """The ids of `plan`'s text, given `encoded`: `encode_batch(plan.todo)` (or their
+        ids)."""
         found, known = plan.found, plan.known
         if plan.todo:
             with self._lock:
                 for w, enc in zip(plan.todo, encoded, strict=True):
-                    known[w] = ids = enc.ids
+                    known[w] = ids = enc if type(enc) is list else enc.ids
                     self._remember(w, ids)
         if plan.words_of:
             with self._lock:

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as _Backend
 
 from tandem.protocol.chat_template import ChatTemplateError, render_chat
 from tandem.protocol.long_text import ChunkedEncoder, chunkable
+from tandem.protocol.tokenize_proc import TokenizeError, TokenizeProcess
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,8 @@ class Tokenizer:
         # texts go through cached pieces when that provably changes nothing
         # (protocol.long_text); with the backend's own post-processor only without specials
         self._chunked = ChunkedEncoder(backend) if chunkable(backend) else None
+        self.source: str | None = None  # the path `load` read (a helper process loads it)
+        self.helper: TokenizeProcess | None = None  # `start_helper`
         self._own_specials = set_post_processor
         if set_post_processor:
             bos = [self.token(bos_token_id)] if self.add_bos else []
@@ -233,8 +236,11 @@ class Tokenizer:
         root = Path(path)
         ggufs = [] if (root / "tokenizer.json").is_file() else sorted(root.glob("*.gguf"))
         if root.is_dir() and len(ggufs) == 1:
-            return cls.from_gguf(ggufs[0])
-        return cls.from_dir(root) if root.is_dir() else cls.from_gguf(root)
+            tok = cls.from_gguf(ggufs[0])
+        else:
+            tok = cls.from_dir(root) if root.is_dir() else cls.from_gguf(root)
+        tok.source = str(root)
+        return tok
 
     @classmethod
     def from_gguf(cls, path: PathLike, *, use_cache: bool = True) -> Tokenizer:
@@ -327,7 +333,7 @@ class Tokenizer:
         if chunked is not None and (self._own_specials or not add_special_tokens):
             plan = chunked.plan(text)
             if plan.todo_chars > offload_chars:
-                encoded = await asyncio.to_thread(chunked.encode_batch, plan.todo)
+                encoded = await self._offload(plan.todo, False)
             else:
                 encoded = chunked.encode_batch(plan.todo) if plan.todo else []
             ids = chunked.complete(plan, encoded)
@@ -338,10 +344,31 @@ class Tokenizer:
             return ids
         if len(text) <= offload_chars:
             return self.encode(text, add_special_tokens)
-        # the batch call is the one that drops the GIL
-        encoded = await asyncio.to_thread(self.backend.encode_batch, [text],
-                                          add_special_tokens=add_special_tokens)
-        return encoded[0].ids
+        return (await self._offload([text], add_special_tokens))[0]
+
+    async def _offload(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """`backend.encode_batch(texts)`'s ids, off the calling loop: in the helper process
+        when there is one and it is ready, else on a worker thread."""
+        if self.helper is not None:
+            try:
+                return await self.helper.encode(texts, add_special_tokens)
+            except TokenizeError:
+                pass  # starting, or gone: a thread this time
+        if self._chunked is not None and not add_special_tokens:
+            encoded = await asyncio.to_thread(self._chunked.encode_batch, texts)
+        else:  # the batch call is the one that drops the GIL
+            encoded = await asyncio.to_thread(self.backend.encode_batch, texts,
+                                              add_special_tokens=add_special_tokens)
+        return [e.ids for e in encoded]
+
+    def start_helper(self) -> None:
+        """Tokenize long texts for `encode_async` in a helper process
+        (`protocol.tokenize_proc`) loaded from the same path, started on the first one:
+        no GIL shared with the caller's loop. Only for a tokenizer loaded from a path."""
+        if self.source is None:
+            raise ValueError("a helper process needs a tokenizer loaded from a path")
+        if self.helper is None:
+            self.helper = TokenizeProcess(self.source)
 
     def encode_batch(self, texts: Sequence[str],
                      add_special_tokens: bool = True) -> list[list[int]]:

@@ -140,6 +140,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="PATH for every model, or MODEL=PATH (repeatable); PATH may be a "
                         "Hugging Face repository id, ORG/NAME[@REVISION] (its tokenizer "
                         "files, through the hub cache)")
+    p.add_argument("--tokenizer-process", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="tokenize a long new prompt text in a helper process (no GIL shared "
+                        "with the event loop); with --no-tokenizer-process, on a worker "
+                        "thread")
     p.add_argument("--api-keys", default=None,
                    help="file of 'KEY TENANT' lines; re-read every "
                         f"{API_KEYS_RELOAD_S:g} s, so a removed key stops working within "
@@ -389,10 +394,13 @@ def _load_yaml(path: str | None) -> dict[str, Any]:
 class TokenizerResolver:
     """model name -> Tokenizer | None (`__call__`), each file loaded once."""
 
-    def __init__(self, specs: list[str], from_file: dict[str, str]) -> None:
+    def __init__(self, specs: list[str], from_file: dict[str, str],
+                 helper_process: bool = False) -> None:
         """A repository id among the paths is resolved here, at start-up (its tokenizer
         files through the hub cache; `protocol.hub.ModelSourceError`), never on a request's
-        path."""
+        path. `helper_process`: each tokenizer encodes long texts in a helper process
+        (`Tokenizer.start_helper`)."""
+        self.helper_process = helper_process
         from tandem.protocol.bundled import BUNDLED_NAME, find_bundled_gguf
         from tandem.protocol.hub import resolve_model
 
@@ -422,6 +430,8 @@ class TokenizerResolver:
             from tandem.protocol.tokenizer import Tokenizer
 
             tok = self._loaded[path] = Tokenizer.load(path)  # local (resolved at start-up)
+            if self.helper_process:
+                tok.start_helper()
         return tok
 
     def __call__(self, model: str) -> Tokenizer | None:
@@ -559,7 +569,8 @@ def build(args: argparse.Namespace,  # noqa: ANN201 - (FastAPI app, Router, sett
     settings.flow_saturation_waiting = flow.saturation_waiting
     settings.flow_saturation_kv = flow.saturation_kv
     settings.served_models = dict(flow.served_models)
-    tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}))
+    tokenizers = TokenizerResolver(args.tokenizer, cfg.get("tokenizers", {}),
+                                   helper_process=args.tokenizer_process)
     router = Router(settings, tokenizers)
     rl = cfg.get("rate_limits") or {}
     limiter = None
