@@ -248,11 +248,11 @@ def test_encode_async_gives_encode_and_runs_only_the_tokenizer_off_the_loop(tok)
             assert all(t == loop_thread for t in plans)
             for thread, chars in calls:
                 assert (thread != loop_thread) == (chars > 256), (chars, text)
-                seen.append(thread != loop_thread)
+                paths[thread != loop_thread] += 1
 
-    seen: list[bool] = []  # per encode_batch: was it off the loop
+    paths = {True: 0, False: 0}  # encode_batch calls off the loop's thread, and on it
     asyncio.run(run())
-    assert True in seen and False in seen  # both paths taken
+    assert paths[True] >= 5 and paths[False] >= 5, paths  # the seed takes both, often
 
 
 def test_encode_async_offloads_a_tokenizer_that_is_not_chunked():

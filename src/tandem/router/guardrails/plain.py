@@ -2,14 +2,13 @@
 
 Most of a streamed chat answer is events that differ only in their content: the same id,
 model, created time and choice, one piece of text. `Template` is such an event's bytes cut
-around its content string (`prefix`, `suffix`); `Template.text(raw)` reads another event's
-content without parsing the event, when its bytes are the template's with another JSON
-string in between. That is exact: the prefix ends where the template's content string
-begins, outside any other token, so the same bytes around one string token parse to the
-template's document with that string as the content (JSON's grammar), and a middle that is
-not exactly one string token is refused. `Template.run` reads a run of such events in one
-loop. `template_of` cuts a template from an event already parsed, and checks the cut by
-parsing it back.
+around its content string (`prefix`, `suffix`); `Template.run` reads the content of a run
+of other events in one loop without parsing them, while their bytes are the template's with
+another JSON string in between. That is exact: the prefix ends where the template's content
+string begins, outside any other token, so the same bytes around one string token parse to
+the template's document with that string as the content (JSON's grammar), and a middle that
+is not exactly one string token is refused. `template_of` cuts a template from an event
+already parsed, and checks the cut by parsing it back.
 """
 
 from __future__ import annotations
@@ -30,12 +29,6 @@ class Template:
     prefix: bytes
     suffix: bytes
     key: tuple[Any, str]
-
-    def text(self, raw: bytes) -> str | None:
-        """`raw`'s content when `raw` is this template with another string for it; None
-        for any other event."""
-        got = self.run([raw], 0, 1)
-        return got[0] if got is not None else None
 
     def run(self, events: list[bytes], start: int, stop: int) -> tuple[str, int] | None:
         """The events from `events[start]` on (before `stop`) that are this template with
