@@ -125,3 +125,42 @@ def test_a_malformed_answer_is_an_error():
     assert _ids_of(good, 1) == [[7, 9]]
     with pytest.raises(TokenizeError):
         _ids_of(good + b"\0\0\0\0", 1)  # bytes left over
+
+
+def test_a_stalled_helper_is_killed_and_the_caller_still_gets_its_ids(path, monkeypatch):
+    """A child that stops answering (SIGSTOP) holds no request past the answer timeout: the
+    call gets `encode`'s ids in-process, and the child is killed and replaced."""
+    import os
+    import signal
+    import time
+
+    monkeypatch.setattr(tokenize_proc, "ANSWER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tokenize_proc, "RESTART_AFTER_S", 0.0)
+    ref = Tokenizer.load(path)
+    rng = random.Random(6)
+
+    async def run() -> None:
+        tok = Tokenizer.load(path)
+        tok.start_helper()
+        helper = tok.helper
+        assert helper is not None
+        await ready(helper)
+        stopped = helper._proc
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            t = text(rng, 600)
+            t0 = time.monotonic()
+            assert await tok.encode_async(t, offload_chars=256) == ref.encode(t)
+            assert time.monotonic() - t0 < 5
+            await asyncio.wait_for(stopped.wait(), 10)  # killed
+            await ready(helper)
+            assert helper._proc is not stopped
+            t = text(rng, 600)
+            assert await helper.encode([t], False) == [ref.backend.encode(
+                t, add_special_tokens=False).ids]
+        finally:
+            if stopped.returncode is None:
+                stopped.kill()
+            await helper.close()
+
+    asyncio.run(run())

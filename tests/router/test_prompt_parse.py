@@ -1,5 +1,6 @@
-"""`prompt.parse_async` (the router's path: render on the loop, a long new text tokenized on a
-worker thread) gives exactly `prompt.parse`'s prompt, for every kind of body."""
+"""`prompt.parse_async` (the router's path: render on the loop, or on a thread for a long
+body; a long new text tokenized off the loop) gives exactly `prompt.parse`'s prompt, for every
+kind of body."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def bodies(rng: random.Random) -> list[tuple[str, dict]]:
     ]
 
 
+@pytest.mark.parametrize("render_off_loop", [False, True])
 @pytest.mark.parametrize("with_tokenizer", [True, False])
-def test_parse_async_gives_parse(with_tokenizer):
+def test_parse_async_gives_parse(with_tokenizer, render_off_loop):
     rng = random.Random(5)
     tok = Tokenizer.load(find_bundled_gguf()) if with_tokenizer else None
 
@@ -49,7 +51,7 @@ def test_parse_async_gives_parse(with_tokenizer):
         for _ in range(5):
             for kind, body in bodies(rng):
                 want = prompts.parse(kind, body, tok)
-                got = await prompts.parse_async(kind, body, tok)
+                got = await prompts.parse_async(kind, body, tok, render_off_loop)
                 assert got == want, (kind, body)
                 ids = body.get("prompt")
                 if isinstance(ids, list) and isinstance(ids[0], int):  # as sent, in range

@@ -12,6 +12,7 @@ bytes of texts, each `<u32 n>` and `n` bytes of UTF-8 (`flags` bit 0: add specia
 an answer is `<u32 id, u32 status, u32 size>` then, per text, `<u32 count>` and `count`
 u32 ids (`status` 1: the child could not encode; the body is its UTF-8 message). The child
 writes the id `READY` first, once its tokenizer is loaded. Requests are answered in order.
+A child that gives no answer within `ANSWER_TIMEOUT_S` (more for long texts) is killed.
 
     python -m tandem.protocol.tokenize_proc PATH
 """
@@ -32,6 +33,10 @@ COUNT = struct.Struct("<I")
 READY = 0xFFFFFFFF  # the first answer's id: the tokenizer is loaded
 MAX_FRAME = 256 << 20  # bytes of one frame either way
 RESTART_AFTER_S = 5.0  # a child that died is started again no sooner than this
+# an answer later than this (plus a second per `CHARS_PER_S` characters sent) means the child
+# is stuck: it is killed and the caller encodes in-process (the tokenizer does ~8M chars/s)
+ANSWER_TIMEOUT_S = 2.0
+CHARS_PER_S = 50_000
 
 
 class TokenizeError(Exception):
@@ -109,7 +114,15 @@ class TokenizeProcess:
                 proc.stdin.write(frame)
             except (RuntimeError, OSError) as exc:  # its pipe closed: it is going
                 raise TokenizeError(f"the tokenizer process's pipe: {exc}") from None
-            return await fut
+            limit = ANSWER_TIMEOUT_S + sum(map(len, texts)) / CHARS_PER_S
+            try:
+                return await asyncio.wait_for(fut, limit)
+            except TimeoutError:  # stuck (or stopped): its reader restarts it later
+                logger.warning("tokenizer process %d gave no answer in %.1f s: killed",
+                               proc.pid, limit)
+                if proc.returncode is None:
+                    proc.kill()
+                raise TokenizeError("the tokenizer process did not answer in time") from None
         finally:
             self._pending.pop(rid, None)
 

@@ -29,8 +29,8 @@ from tandem.protocol.tokenize_proc import TokenizeError, TokenizeProcess
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump whenever the conversion below changes its output
-# `encode_async`: uncached text beyond this is encoded on a worker thread (~0.15 ms of the
-# bundled model's tokenizer; a thread round trip costs the loop ~0.03 ms)
+# `encode_async`: uncached text beyond this is encoded off the loop (~0.15 ms of the bundled
+# model's tokenizer; a round trip to a helper process or a thread costs the loop ~0.03 ms)
 OFFLOAD_CHARS = 1024
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 PathLike = str | os.PathLike[str]
@@ -326,9 +326,9 @@ class Tokenizer:
     async def encode_async(self, text: str, add_special_tokens: bool = True,
                            offload_chars: int = OFFLOAD_CHARS) -> list[int]:
         """`encode`, for an event loop: when more than `offload_chars` characters are not
-        cached, the tokenizer's own code (which drops the GIL) runs on a worker thread and
-        the loop serves others meanwhile; the cache lookups and everything else in Python
-        stay on the loop, so the thread never holds the GIL long enough to stall it."""
+        cached, the tokenizer's own call runs off the loop (`_offload`: the helper process
+        of `start_helper`, else a worker thread) and the loop serves others meanwhile; the
+        cache lookups and the rest stay on the loop."""
         chunked = self._chunked
         if chunked is not None and (self._own_specials or not add_special_tokens):
             plan = chunked.plan(text)

@@ -9,6 +9,7 @@ tokenizer for, `text_hashes` chains fixed-size chunks of the prompt's text inste
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import OrderedDict
@@ -86,7 +87,7 @@ class ParsedPrompt:
 @dataclass(frozen=True)
 class Rendered:
     """A body validated and rendered as the worker renders it, its text not yet tokenized
-    (`parse` is `render`, then `ParsedPrompt` from `tokens`' ids)."""
+    (`parse` is `render`, then `parsed` with the tokenizer's ids)."""
 
     model: str
     text: str
@@ -145,11 +146,13 @@ def parse(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None) -> Pa
     return r.parsed(tokenizer.encode(r.text, add_special_tokens=r.add_special_tokens))
 
 
-async def parse_async(kind: str, body: Mapping[str, Any],
-                      tokenizer: Tokenizer | None) -> ParsedPrompt:
-    """`parse` for an event loop: a long uncached text is tokenized on a worker thread
-    (`Tokenizer.encode_async`) while the loop serves others; the rest runs on the loop."""
-    r = render(kind, body, tokenizer)
+async def parse_async(kind: str, body: Mapping[str, Any], tokenizer: Tokenizer | None,
+                      render_off_loop: bool = False) -> ParsedPrompt:
+    """`parse` for an event loop: a long uncached text is tokenized off the loop
+    (`Tokenizer.encode_async`: a helper process or a worker thread) while the loop serves
+    others; `render_off_loop` (a long body) validates and renders on a worker thread too."""
+    r = (await asyncio.to_thread(render, kind, body, tokenizer) if render_off_loop
+         else render(kind, body, tokenizer))
     if not r.tokenize:
         return r.parsed(r.ids)
     return r.parsed(await tokenizer.encode_async(r.text,

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from tandem.router.routes import RouterApp
 
 logger = logging.getLogger("tandem.router.app")  # the routing lines keep their logger
-THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are parsed off the event loop, whole
+THREAD_TOKENIZE_BYTES = 32 << 10  # bodies above this are rendered off the event loop
 _ID_PREFIX = f"rt-{uuid.uuid4().hex[:8]}-"  # per process, so replicas' ids do not collide
 _ID_COUNTER = itertools.count(1)
 
@@ -144,10 +144,9 @@ async def parse_body(ra: RouterApp, kind: str, body: bytes, content_type: str | 
         if guard is not None:
             changed |= await guard.before_tokenize(rid, tenant, kind, data, model, base,
                                                    decoder(tokenizer))
-        if len(body) > THREAD_TOKENIZE_BYTES:  # long prompts: keep the loop responsive
-            parsed = await asyncio.to_thread(prompts.parse, kind, data, tokenizer)
-        else:  # rendered here; a long new text's tokenizer run on a worker thread
-            parsed = await prompts.parse_async(kind, data, tokenizer)
+        # a long new text tokenized off the loop; a long body rendered off it too
+        parsed = await prompts.parse_async(kind, data, tokenizer,
+                                           render_off_loop=len(body) > THREAD_TOKENIZE_BYTES)
         if guard is not None:
             changed |= guard.after_tokenize(rid, tenant, kind, data, model, None
                                             if parsed.token_ids is None
